@@ -1,0 +1,50 @@
+"""fedlap_jax: FedLAP-DP in JAX.
+
+Federated learning by sharing differentially private loss approximations
+(Wang et al., PoPETs 2024): clients send small synthetic sets whose gradients
+match those of their (privatised) real data; the server trains on their union
+inside a trust region.
+
+The core is model-agnostic: every function takes ``apply_fn(params, x) ->
+logits`` and a parameter pytree. Importing this package does not import
+TensorFlow; :mod:`fedlap_jax.accounting` imports ``dp_accounting`` lazily.
+
+Main entry points:
+
+* :func:`local_approx` -- Algorithms 1 / 3 on one client.
+* :func:`global_update` -- Algorithm 2 on the server.
+* :func:`fedlap_round`, :func:`make_round_fn`, :func:`init_state` -- a round.
+* :func:`matching_distance` -- ``L_dis``.
+* :func:`private_gradient`, :func:`poisson_sample` -- DP primitives.
+* :mod:`fedlap_jax.accounting` -- RDP accounting and :class:`PrivacyLedger`.
+* :class:`ConvNet` -- the paper's model.
+"""
+
+from fedlap_jax import accounting, dsa
+from fedlap_jax.client import (ClientData, LocalApproxMetrics, SyntheticSet, local_approx,
+                               matching_step)
+from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
+                               paper_dp_config, paper_nondp_config)
+from fedlap_jax.dsa import augment
+from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state,
+                                  make_round_fn, stack_clients, synthetic_labels)
+from fedlap_jax.matching import matching_distance
+from fedlap_jax.models import ConvNet, count_params, init_convnet
+from fedlap_jax.privacy import (PoissonBatch, clipped_gradient_sum, per_example_gradients,
+                                poisson_sample, private_gradient, real_gradient)
+from fedlap_jax.radius import calibrate_radius, server_radius
+from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.training import cosine_learning_rate, evaluate, tree_distance
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClientConfig", "ClientData", "ConvNet", "DPConfig", "FedLAPConfig", "FedLAPState",
+    "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
+    "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
+    "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",
+    "global_update", "init_convnet", "init_state", "local_approx", "make_round_fn",
+    "matching_distance", "matching_step", "paper_dp_config", "paper_nondp_config",
+    "per_example_gradients", "poisson_sample", "private_gradient", "real_gradient",
+    "server_radius", "stack_clients", "synthetic_labels", "tree_distance",
+]

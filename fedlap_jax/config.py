@@ -1,0 +1,265 @@
+"""Configuration of FedLAP / FedLAP-DP as frozen dataclasses.
+
+The configs are hashable, so they are passed to jitted functions as static
+arguments: every loop bound below is a compile-time constant, while the
+learning rate and the round index are traced values (one compilation serves a
+whole run).
+
+Names follow the paper and the authors' implementation:
+
+==================  ==============  ===========================================
+field               paper           meaning
+==================  ==============  ===========================================
+``iterations``      ``R_i``         trajectories resampled per round
+``max_outer``       (while loop)    bound on the radius-limited while loop
+``batch_loop``      --              real batches per while-loop iteration
+``boost_loop``      ``R_b``         synthetic updates per real batch
+``inner_loop``      ``R_l``         local model epochs on the synthetic set
+``image_lr``        ``tau``         SGD learning rate of the synthetic images
+``mse_weight``      ``lambda``      weight of the MSE term of ``L_dis``
+``radius``          ``r``           trust-region radius
+==================  ==============  ===========================================
+
+Every constructor validates its fields and raises ``ValueError`` naming the
+field, the value and what is allowed. Nothing is clamped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
+SYNTHETIC_INITS = ("real", "noise")
+WEIGHTINGS = ("size", "uniform")
+
+
+def _require(cond: bool, field: str, value, allowed: str) -> None:
+  if not cond:
+    raise ValueError(f"{field}={value!r} is invalid; allowed: {allowed}")
+
+
+def _positive_int(field: str, value) -> None:
+  _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+           field, value, "an integer >= 1")
+
+
+def _nonneg_int(field: str, value) -> None:
+  _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+           field, value, "an integer >= 0")
+
+
+def _positive_float(field: str, value) -> None:
+  _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+           and math.isfinite(value) and value > 0, field, value, "a finite number > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPConfig:
+  """Record-level DP of the real-data gradients (Algorithm 3).
+
+  All fields are required: a default could silently weaken the guarantee.
+
+  Attributes:
+    noise_multiplier: ``sigma``; the noise std on the clipped sum is
+      ``sigma * l2_clip_norm``. Must be > 0 (sigma = 0 voids the guarantee).
+    l2_clip_norm: ``C``, per-example clipping bound on the full gradient.
+    delta: target ``delta`` in (0, 1) for reporting epsilon.
+    microbatch_size: optional, bounds the memory of per-example gradients.
+  """
+
+  noise_multiplier: float
+  l2_clip_norm: float
+  delta: float
+  microbatch_size: int | None = None
+
+  def __post_init__(self):
+    _require(isinstance(self.noise_multiplier, (int, float))
+             and math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0,
+             "dp.noise_multiplier", self.noise_multiplier,
+             "a number > 0 (sigma = 0 with DP on gives no privacy guarantee; "
+             "turn DP off instead)")
+    _positive_float("dp.l2_clip_norm", self.l2_clip_norm)
+    _require(isinstance(self.delta, (int, float)) and 0 < self.delta < 1,
+             "dp.delta", self.delta, "a number in the open interval (0, 1)")
+    if self.microbatch_size is not None:
+      _positive_int("dp.microbatch_size", self.microbatch_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+  """Local approximation (Algorithms 1 and 3) on one client.
+
+  Defaults are the paper's non-DP CIFAR-10 configuration.
+
+  Attributes:
+    ipc: synthetic images per class the client owns.
+    iterations: ``R_i``.
+    max_outer: bound of the radius-limited while loop (5).
+    batch_loop: real batches per while-loop iteration.
+    boost_loop: ``R_b``.
+    inner_loop: ``R_l`` (epochs of the local model on the synthetic set).
+    batch_size: expected Poisson batch size ``B`` of real data; q = B / N_k.
+    model_batch_size: batch size of model steps on synthetic data (512).
+    image_lr: ``tau``; image_momentum: momentum of the image optimiser.
+    mse_weight: ``lambda``.
+    radius: ``r``, the trust-region radius (L2 over all parameters).
+    calibrate_radius: if True (non-DP only), measure ``r_k`` on real data.
+    calibration_epochs: epochs of the radius calibration (100).
+    calibration_eval_size: if set, the real loss during calibration is
+      measured on this many records of the client (fixed per round) instead of
+      all of them, to bound its cost.
+    dsa_strategy: DSA families, e.g. ``"color_crop_cutout_flip_scale_rotate"``;
+      ``""`` for none.
+    poisson_capacity: static buffer for Poisson batches; ``None`` picks
+      ``B + 6 sqrt(B) + 4``.
+    dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
+  """
+
+  ipc: int = 50
+  iterations: int = 1
+  max_outer: int = 5
+  batch_loop: int = 40
+  boost_loop: int = 5
+  inner_loop: int = 0
+  batch_size: int = 256
+  model_batch_size: int = 512
+  image_lr: float = 100.0
+  image_momentum: float = 0.5
+  mse_weight: float = 0.1
+  radius: float = 10.0
+  calibrate_radius: bool = True
+  calibration_epochs: int = 100
+  calibration_eval_size: int | None = None
+  dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
+  poisson_capacity: int | None = None
+  dp: DPConfig | None = None
+
+  def __post_init__(self):
+    for f in ("ipc", "iterations", "max_outer", "batch_loop", "boost_loop",
+              "batch_size", "model_batch_size", "calibration_epochs"):
+      _positive_int(f, getattr(self, f))
+    _nonneg_int("inner_loop", self.inner_loop)
+    _positive_float("image_lr", self.image_lr)
+    _require(isinstance(self.image_momentum, (int, float)) and 0 <= self.image_momentum < 1,
+             "image_momentum", self.image_momentum, "a number in [0, 1)")
+    _require(isinstance(self.mse_weight, (int, float)) and math.isfinite(self.mse_weight)
+             and self.mse_weight >= 0, "mse_weight", self.mse_weight, "a finite number >= 0")
+    _positive_float("radius", self.radius)
+    if self.calibration_eval_size is not None:
+      _positive_int("calibration_eval_size", self.calibration_eval_size)
+    if self.poisson_capacity is not None:
+      _positive_int("poisson_capacity", self.poisson_capacity)
+      _require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
+               self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
+    from fedlap_jax import dsa  # local import: dsa imports nothing from here
+    dsa.parse_strategy(self.dsa_strategy)
+    if self.dp is not None:
+      _require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
+      _require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
+               "False when dp is set (a radius measured on real data is not private; "
+               "use the constant radius r)")
+
+  @property
+  def capacity(self) -> int:
+    """Static size of the Poisson batch buffer."""
+    from fedlap_jax.privacy import poisson_capacity
+    return self.poisson_capacity or poisson_capacity(self.batch_size)
+
+  @property
+  def real_accesses_per_round(self) -> int:
+    """Worst-case real batches per round, ``T = R_i * max_outer * batch_loop``."""
+    return self.iterations * self.max_outer * self.batch_loop
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+  """Global optimisation (Algorithm 2).
+
+  Attributes:
+    radius_strategy: how ``r_g`` is formed from the clients' ``r_k``: ``min``
+      (paper), ``max``, ``median``, ``mean``, ``constant`` (= ``r``, for DP) or
+      ``fixed`` (always ``max_epochs`` epochs, no radius).
+    batch_size: batch size on the union of synthetic sets (512).
+    max_epochs: epoch cap (100).
+    weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3).
+    dsa_strategy: DSA families for server steps.
+  """
+
+  radius_strategy: str = "min"
+  batch_size: int = 512
+  max_epochs: int = 100
+  weighting: str = "size"
+  dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
+
+  def __post_init__(self):
+    _require(self.radius_strategy in RADIUS_STRATEGIES, "radius_strategy",
+             self.radius_strategy, f"one of {RADIUS_STRATEGIES}")
+    _positive_int("server.batch_size", self.batch_size)
+    _positive_int("server.max_epochs", self.max_epochs)
+    _require(self.weighting in WEIGHTINGS, "weighting", self.weighting, f"one of {WEIGHTINGS}")
+    from fedlap_jax import dsa
+    dsa.parse_strategy(self.dsa_strategy)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FedLAPConfig:
+  """A whole FedLAP / FedLAP-DP run.
+
+  Attributes:
+    client: :class:`ClientConfig`.
+    server: :class:`ServerConfig`.
+    rounds: ``M``; also the length of the cosine learning-rate schedule.
+    learning_rate: ``eta_0`` of the cosine schedule (model steps on clients
+      and server).
+    synthetic_init: ``real`` (non-DP: real images, re-drawn every round) or
+      ``noise`` (N(0, 1) once, carried across rounds; required under DP).
+  """
+
+  client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+  server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+  rounds: int = 200
+  learning_rate: float = 0.1
+  synthetic_init: str = "real"
+
+  def __post_init__(self):
+    _positive_int("rounds", self.rounds)
+    _positive_float("learning_rate", self.learning_rate)
+    _require(self.synthetic_init in SYNTHETIC_INITS, "synthetic_init",
+             self.synthetic_init, f"one of {SYNTHETIC_INITS}")
+    if self.client.dp is not None:
+      _require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
+               "'noise' when DP is on (initialising from real images would publish them)")
+      _require(self.server.radius_strategy in ("constant", "fixed"), "radius_strategy",
+               self.server.radius_strategy,
+               "'constant' or 'fixed' when DP is on (other strategies use r_k measured "
+               "on real data)")
+    elif self.server.radius_strategy not in ("constant", "fixed"):
+      _require(self.client.calibrate_radius, "calibrate_radius", self.client.calibrate_radius,
+               f"True when radius_strategy={self.server.radius_strategy!r} (it needs "
+               "per-client r_k); or use radius_strategy='constant'")
+
+  @property
+  def dp(self) -> DPConfig | None:
+    return self.client.dp
+
+
+def paper_nondp_config(**overrides) -> FedLAPConfig:
+  """The published non-DP CIFAR-10 configuration (200 rounds, ipc 50)."""
+  cfg = FedLAPConfig(
+      client=ClientConfig(ipc=50, iterations=1, max_outer=5, batch_loop=40, boost_loop=5,
+                          inner_loop=0, radius=10.0, mse_weight=0.1, calibrate_radius=True),
+      server=ServerConfig(radius_strategy="min", weighting="size"),
+      rounds=200, learning_rate=0.1, synthetic_init="real")
+  return dataclasses.replace(cfg, **overrides)
+
+
+def paper_dp_config(**overrides) -> FedLAPConfig:
+  """The published DP CIFAR-10 configuration (30 rounds, ipc 10, sigma 1, C 1)."""
+  cfg = FedLAPConfig(
+      client=ClientConfig(ipc=10, iterations=4, max_outer=5, batch_loop=10, boost_loop=5,
+                          inner_loop=2, radius=1.5, mse_weight=0.0, calibrate_radius=False,
+                          dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)),
+      server=ServerConfig(radius_strategy="constant", weighting="uniform"),
+      rounds=30, learning_rate=0.002, synthetic_init="noise")
+  return dataclasses.replace(cfg, **overrides)

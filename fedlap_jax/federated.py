@@ -1,0 +1,234 @@
+"""One FedLAP / FedLAP-DP communication round over all clients.
+
+:func:`fedlap_round` runs :func:`fedlap_jax.client.local_approx` on every
+client (``jax.vmap`` over a stacked client axis, or ``lax.map`` one client
+after another to save memory), combines the client radii, and runs the server's
+:func:`fedlap_jax.server.global_update`. The round index and learning rate are
+traced, so :func:`make_round_fn` compiles once per run.
+
+Clients of different sizes are stacked by padding to the largest client and
+masking (:func:`stack_clients`); synthetic sets of clients owning fewer classes
+are padded and masked the same way (:func:`synthetic_labels`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlap_jax.client import ClientData, LocalApproxMetrics, SyntheticSet, local_approx
+from fedlap_jax.config import FedLAPConfig
+from fedlap_jax.radius import server_radius
+from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.training import cosine_learning_rate
+
+PyTree = Any
+CLIENT_BACKENDS = ("vmap", "map")
+
+
+class FedLAPState(NamedTuple):
+  """Server state between rounds.
+
+  Attributes:
+    params: global model parameters.
+    synthetic: stacked :class:`SyntheticSet` of all clients, leaves ``(K, S, ...)``
+      (carried across rounds under DP, re-drawn from real data otherwise).
+    round: int32, rounds completed so far.
+    key: PRNG key for the next round.
+  """
+
+  params: PyTree
+  synthetic: SyntheticSet
+  round: jax.Array
+  key: jax.Array
+
+
+class RoundMetrics(NamedTuple):
+  """Diagnostics of one round: per-client leaves have a leading ``(K,)`` axis."""
+
+  client: LocalApproxMetrics
+  client_radius: jax.Array
+  server: ServerMetrics
+  learning_rate: jax.Array
+
+
+def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray]) -> ClientData:
+  """Pads per-client arrays to the largest client and stacks them.
+
+  Args:
+    xs: K arrays ``(N_k, H, W, C)``; ys: K label arrays ``(N_k,)``.
+
+  Returns:
+    :class:`ClientData` with leaves ``(K, N_max, ...)`` and a validity mask.
+  """
+  if len(xs) != len(ys) or not xs:
+    raise ValueError(f"stack_clients needs the same number (>= 1) of image and label arrays,"
+                     f" got {len(xs)} and {len(ys)}")
+  for k, (x, y) in enumerate(zip(xs, ys)):
+    if len(x) == 0:
+      raise ValueError(f"client {k} has no data; allowed: every client holds >= 1 record")
+    if len(x) != len(y):
+      raise ValueError(f"client {k}: {len(x)} images but {len(y)} labels")
+  n_max = max(len(x) for x in xs)
+  def pad(a):
+    return np.concatenate([a, np.zeros((n_max - len(a), *a.shape[1:]), a.dtype)])
+  x = np.stack([pad(np.asarray(x)) for x in xs])
+  y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
+  mask = np.stack([np.arange(n_max) < len(x) for x in xs])
+  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask))
+
+
+def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.ndarray, np.ndarray]:
+  """Balanced synthetic labels: ``ipc`` per class each client owns (host side).
+
+  Args:
+    client_labels: K label arrays (only the real records, no padding).
+    ipc: images per class.
+
+  Returns:
+    ``(labels, mask)`` of shape ``(K, S)`` with ``S = ipc * max_k classes_k``;
+    each row holds the client's classes in increasing order, ``ipc`` slots each,
+    then padding.
+  """
+  if ipc < 1:
+    raise ValueError(f"ipc={ipc!r} is invalid; allowed: an integer >= 1")
+  classes = [np.unique(np.asarray(y)) for y in client_labels]
+  s = ipc * max(len(c) for c in classes)
+  labels = np.zeros((len(classes), s), np.int32)
+  mask = np.zeros((len(classes), s), bool)
+  for k, cls in enumerate(classes):
+    row = np.repeat(cls, ipc)
+    labels[k, :len(row)] = row
+    mask[k, :len(row)] = True
+  return labels, mask
+
+
+def noise_images(key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]) -> jax.Array:
+  """``N(0, 1)`` images for every valid slot, zeros for padding: ``(*mask.shape, *image_shape)``."""
+  x = jax.random.normal(key, (*mask.shape, *image_shape), jnp.float32)
+  return x * mask.reshape(*mask.shape, *([1] * len(image_shape)))
+
+
+def real_images(key: jax.Array, client: ClientData, labels: jax.Array, mask: jax.Array,
+                ipc: int) -> jax.Array:
+  """Draws ``ipc`` distinct real images per synthetic class of ONE client.
+
+  Slot ``s`` with label ``c`` gets the ``(s mod ipc)``-th record of class ``c``
+  in a random order. Non-private: refused under DP by :class:`FedLAPConfig`.
+
+  Args:
+    key: PRNG key; client: one client's :class:`ClientData` ``(N, ...)``.
+    labels, mask: ``(S,)`` synthetic labels and validity.
+    ipc: images per class.
+
+  Returns:
+    ``(S, H, W, C)`` float32 images (zeros in padding slots).
+  """
+  scores = jax.random.uniform(key, client.y.shape)
+  num_classes = int(jnp.max(labels)) + 1 if not isinstance(labels, jax.core.Tracer) else None
+  del num_classes
+
+  def pick(label, rank):
+    s = jnp.where(jnp.logical_and(client.y == label, client.mask), scores, -1.0)
+    _, idx = jax.lax.top_k(s, ipc)
+    return idx[rank]
+
+  ranks = jnp.arange(labels.shape[0]) % ipc
+  idx = jax.vmap(pick)(labels, ranks)
+  x = client.x[idx].astype(jnp.float32)
+  return x * mask.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def init_state(
+    key: jax.Array,
+    params: PyTree,
+    clients: ClientData,
+    config: FedLAPConfig,
+) -> FedLAPState:
+  """The state before round 1.
+
+  Synthetic labels are balanced over each client's classes (``config.client.ipc``
+  per class). Under ``synthetic_init="noise"`` the images are N(0, 1) once;
+  under ``"real"`` they are drawn from real data at the start of every round.
+  """
+  if config.dp is not None and config.synthetic_init != "noise":
+    raise ValueError(f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
+                     "allowed: 'noise' (real images must not be published)")
+  ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
+  labels, mask = synthetic_labels(ys, config.client.ipc)
+  k_init, k_state = jax.random.split(key)
+  images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
+  synthetic = SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask))
+  return FedLAPState(params, synthetic, jnp.int32(0), k_state)
+
+
+def client_weights(clients: ClientData, weighting: str) -> jax.Array:
+  """``(K,)`` server weights: ``N_k`` for ``size``, ones for ``uniform``."""
+  if weighting == "uniform":
+    return jnp.ones(clients.mask.shape[0], jnp.float32)
+  return jnp.sum(clients.mask, axis=1).astype(jnp.float32)
+
+
+def fedlap_round(
+    state: FedLAPState,
+    clients: ClientData,
+    *,
+    apply_fn: Callable,
+    config: FedLAPConfig,
+    client_backend: str = "vmap",
+) -> tuple[FedLAPState, RoundMetrics]:
+  """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
+
+  Args:
+    state: :class:`FedLAPState` after ``state.round`` rounds.
+    clients: stacked :class:`ClientData`, leaves ``(K, N_max, ...)``.
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    config: :class:`FedLAPConfig` (static).
+    client_backend: ``vmap`` (all clients at once) or ``map`` (one after
+      another with ``lax.map``: same results, less memory).
+
+  Returns:
+    ``(new_state, RoundMetrics)``.
+  """
+  if client_backend not in CLIENT_BACKENDS:
+    raise ValueError(f"client_backend={client_backend!r} is invalid; allowed: {CLIENT_BACKENDS}")
+  cc = config.client
+  m = state.round + 1
+  lr = cosine_learning_rate(m, config.rounds, config.learning_rate)
+  key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
+  num_clients = clients.mask.shape[0]
+  synthetic = state.synthetic
+  if config.synthetic_init == "real":
+    x = jax.vmap(real_images, in_axes=(0, 0, 0, 0, None))(
+        jax.random.split(k_init, num_clients), clients, synthetic.y, synthetic.mask, cc.ipc)
+    synthetic = synthetic._replace(x=x)
+
+  one_client = functools.partial(local_approx, apply_fn=apply_fn, params=state.params,
+                                 config=cc, learning_rate=lr)
+  def run(args):
+    k, syn, data = args
+    return one_client(k, synthetic=syn, client_data=data)
+
+  args = (jax.random.split(k_clients, num_clients), synthetic, clients)
+  if client_backend == "vmap":
+    synthetic, radii, client_metrics = jax.vmap(run)(args)
+  else:
+    synthetic, radii, client_metrics = jax.lax.map(run, args)
+
+  r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
+  params, server_metrics = global_update(
+      k_server, apply_fn, state.params, synthetic.x, synthetic.y, synthetic.mask,
+      client_weights(clients, config.server.weighting), r_g,
+      learning_rate=lr, config=config.server)
+  new_state = FedLAPState(params, synthetic, m, key)
+  return new_state, RoundMetrics(client_metrics, radii, server_metrics, lr)
+
+
+def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: str = "vmap"):
+  """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``."""
+  return jax.jit(functools.partial(fedlap_round, apply_fn=apply_fn, config=config,
+                                   client_backend=client_backend))

@@ -1,0 +1,220 @@
+"""Device-side privacy primitives: Poisson sampling, per-example clipping, noise.
+
+Everything here runs under ``jit`` and ``vmap``. Host-side accounting lives in
+:mod:`fedlap_jax.accounting`.
+
+* :func:`poisson_sample` draws a Poisson batch (each valid record independently
+  with probability ``q``) into a fixed-size index array with an ``is_padding``
+  mask, so shapes stay static under jit. Records beyond the capacity are counted
+  as ``overflow``, never silently dropped without a trace.
+* :func:`real_gradient` is the gradient of the mean loss on a batch (non-DP).
+* :func:`private_gradient` is the Gaussian mechanism of Algorithm 3: per-example
+  gradients clipped to L2 norm ``C`` over the whole parameter pytree (through
+  ``jax_privacy.clipping.clipped_grad``), summed, ``N(0, sigma^2 C^2)`` noise
+  added to the sum, divided by the *expected* batch size ``B``.
+
+References:
+  Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
+  Mironov et al., "Renyi Differential Privacy of the Sampled Gaussian
+  Mechanism", 2019.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax_privacy import clipping
+
+PyTree = Any
+ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+
+
+class PoissonBatch(NamedTuple):
+  """A Poisson-sampled batch in a fixed-size buffer.
+
+  Attributes:
+    indices: ``(capacity,)`` int32 record indices; padding slots point at 0.
+    is_padding: ``(capacity,)`` bool, True for empty slots.
+    size: scalar int32, records actually in the batch (``<= capacity``).
+    overflow: scalar int32, records drawn beyond ``capacity`` and left out.
+  """
+
+  indices: jax.Array
+  is_padding: jax.Array
+  size: jax.Array
+  overflow: jax.Array
+
+
+def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:
+  """A static buffer size for Poisson batches of expected size ``batch_size``.
+
+  A Poisson batch has mean ``B`` and variance ``B (1 - q) <= B``; ``B + 6 sqrt(B)``
+  (plus a small constant) is exceeded with probability below ``1e-8``.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size}; allowed: an integer >= 1")
+  return int(math.ceil(batch_size + num_std * math.sqrt(batch_size) + 4))
+
+
+def poisson_sample(
+    key: jax.Array,
+    valid: jax.Array,
+    rate: jax.Array | float,
+    capacity: int,
+) -> PoissonBatch:
+  """Samples each valid record independently with probability ``rate``.
+
+  Args:
+    key: PRNG key.
+    valid: ``(N,)`` bool mask of real (non-padding) records of the client.
+    rate: sampling probability ``q`` in ``[0, 1]`` (may be traced).
+    capacity: static size of the returned index buffer.
+
+  Returns:
+    A :class:`PoissonBatch` whose first ``size`` slots hold the sampled indices
+    in increasing order.
+  """
+  chosen = jnp.logical_and(jax.random.uniform(key, valid.shape) < rate, valid)
+  total = jnp.sum(chosen, dtype=jnp.int32)
+  (indices,) = jnp.nonzero(chosen, size=capacity, fill_value=0)
+  size = jnp.minimum(total, capacity)
+  is_padding = jnp.arange(capacity) >= size
+  return PoissonBatch(indices.astype(jnp.int32), is_padding, size,
+                      jnp.maximum(total - capacity, 0))
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Per-example softmax cross-entropy, ``(N, K), (N,) -> (N,)`` in nats."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def masked_mean_loss(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+  """Mean cross-entropy of ``apply_fn(params, x)`` weighted by ``weights``.
+
+  ``weights`` (``(N,)``, e.g. a 0/1 validity mask) defaults to ones; the result
+  is ``sum(w * loss) / max(sum(w), 1e-12)``.
+  """
+  losses = cross_entropy(apply_fn(params, x), y)
+  if weights is None:
+    return jnp.mean(losses)
+  weights = weights.astype(losses.dtype)
+  return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), 1e-12)
+
+
+def real_gradient(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    is_padding: jax.Array,
+) -> PyTree:
+  """Non-private gradient of the mean loss over the non-padding examples."""
+  weights = jnp.logical_not(is_padding)
+  return jax.grad(lambda p: masked_mean_loss(apply_fn, p, x, y, weights))(params)
+
+
+def per_example_gradients(
+    apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array
+) -> PyTree:
+  """Per-example gradients with ``vmap``: every leaf gains a leading ``(N,)`` axis."""
+
+  def loss_one(p, xi, yi):
+    return cross_entropy(apply_fn(p, xi[None]), yi[None])[0]
+
+  return jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params, x, y)
+
+
+def clipped_gradient_sum(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    is_padding: jax.Array,
+    *,
+    l2_clip_norm: float,
+    microbatch_size: int | None = None,
+) -> tuple[PyTree, jax.Array]:
+  """Sum over examples of per-example gradients clipped to ``l2_clip_norm``.
+
+  The clipping is over the flattened parameter pytree of each example. Padding
+  examples contribute exactly zero. Uses ``jax_privacy.clipping.clipped_grad``.
+
+  Returns:
+    ``(clipped_sum, norms)``: a pytree like ``params`` and the ``(N,)``
+    pre-clipping per-example gradient norms.
+  """
+
+  def loss(p, xb, yb):
+    return jnp.sum(cross_entropy(apply_fn(p, xb), yb))
+
+  grad_fn = clipping.clipped_grad(
+      loss,
+      l2_clip_norm=l2_clip_norm,
+      batch_argnums=(1, 2),
+      return_grad_norms=True,
+      microbatch_size=microbatch_size,
+  )
+  clipped_sum, aux = grad_fn(params, x, y, is_padding_example=is_padding)
+  return clipped_sum, aux.grad_norms
+
+
+def add_gaussian_noise(
+    key: jax.Array, tree: PyTree, stddev: jax.Array | float
+) -> PyTree:
+  """Adds i.i.d. ``N(0, stddev^2)`` to every scalar of ``tree``."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  noisy = [
+      leaf + stddev * jax.random.normal(k, leaf.shape, leaf.dtype)
+      for k, leaf in zip(keys, leaves)
+  ]
+  return jax.tree.unflatten(treedef, noisy)
+
+
+def private_gradient(
+    key: jax.Array,
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    is_padding: jax.Array,
+    *,
+    l2_clip_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: jax.Array | float,
+    microbatch_size: int | None = None,
+) -> tuple[PyTree, jax.Array]:
+  """The Gaussian mechanism on clipped per-example gradients (Algorithm 3).
+
+  ``(sum_i clip_C(g_i) + N(0, sigma^2 C^2 I)) / B`` with ``B`` the expected
+  batch size ``q N_k`` (not the realised one, which would leak the batch size).
+
+  Args:
+    key: PRNG key for the noise.
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    params: model parameters.
+    x: ``(capacity, ...)`` batch buffer; y: ``(capacity,)`` int labels.
+    is_padding: ``(capacity,)`` bool, True for empty slots.
+    l2_clip_norm: clipping bound ``C`` (> 0).
+    noise_multiplier: ``sigma`` (noise std divided by ``C``).
+    expected_batch_size: ``B``.
+    microbatch_size: optional microbatching to bound memory.
+
+  Returns:
+    ``(noisy_mean_gradient, per_example_norms)``.
+  """
+  clipped_sum, norms = clipped_gradient_sum(
+      apply_fn, params, x, y, is_padding,
+      l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size)
+  noisy = add_gaussian_noise(key, clipped_sum, noise_multiplier * l2_clip_norm)
+  return jax.tree.map(lambda g: g / expected_batch_size, noisy), norms

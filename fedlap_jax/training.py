@@ -1,0 +1,135 @@
+"""Model steps shared by the client, the radius calibration and the server.
+
+* :func:`cosine_learning_rate`: the round schedule ``eta_m``.
+* :func:`sgd_epoch`: one epoch of plain SGD over a small (synthetic) set in
+  shuffled batches, with DSA, as a ``lax.fori_loop``.
+* :func:`evaluate`: mean loss and accuracy over a large masked set in chunks.
+* :func:`tree_distance`: ``||a - b||_2`` over the flattened pytrees.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedlap_jax import dsa
+from fedlap_jax.privacy import cross_entropy
+
+PyTree = Any
+ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+
+
+def cosine_learning_rate(round_index, num_rounds: int, base_lr, min_lr: float = 1e-6):
+  """``max(eta_0 (1 + cos(pi (m - 1) / (M - 1))) / 2, 1e-6)`` for round ``m = 1..M``.
+
+  ``round_index`` is 1-based and may be traced. With ``M = 1`` the rate is ``eta_0``.
+  """
+  m = jnp.asarray(round_index, jnp.float32)
+  denom = max(num_rounds - 1, 1)
+  lr = base_lr * (1.0 + jnp.cos(jnp.pi * (m - 1.0) / denom)) / 2.0
+  return jnp.maximum(lr, min_lr)
+
+
+def tree_distance(a: PyTree, b: PyTree) -> jax.Array:
+  """Euclidean distance between two pytrees of the same structure."""
+  return optax.global_norm(jax.tree.map(jnp.subtract, a, b))
+
+
+def sgd_epoch(
+    key: jax.Array,
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    weights: jax.Array,
+    learning_rate,
+    *,
+    batch_size: int,
+    dsa_strategy: str,
+) -> tuple[PyTree, jax.Array]:
+  """One epoch of SGD over ``(x, y)`` in shuffled batches of ``batch_size``.
+
+  Args:
+    key: PRNG key (shuffle and one DSA draw per batch).
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    params: model parameters.
+    x: ``(S, H, W, C)`` images; y: ``(S,)`` int labels.
+    weights: ``(S,)`` per-example weights; 0 marks padding. A batch's loss is
+      ``sum(w * loss) / (number of examples with w > 0 in the batch)``.
+    learning_rate: step size (may be traced).
+    batch_size: static batch size; the epoch has ``ceil(S / batch_size)``
+      batches (the last one padded).
+    dsa_strategy: DSA families applied to each batch.
+
+  Returns:
+    ``(params, steps)``: updated parameters and the number of non-empty batches.
+  """
+  n = x.shape[0]
+  bs = min(batch_size, n)
+  num_batches = math.ceil(n / bs)
+  padded = num_batches * bs
+  k_perm, k_aug = jax.random.split(key)
+  perm = jax.random.permutation(k_perm, n)
+  perm = jnp.concatenate([perm, jnp.zeros((padded - n,), perm.dtype)])
+  slot_valid = jnp.arange(padded) < n
+  augment = dsa.make_augment_fn(dsa_strategy)
+
+  def body(b, carry):
+    params, steps = carry
+    idx = jax.lax.dynamic_slice_in_dim(perm, b * bs, bs)
+    w = weights[idx] * jax.lax.dynamic_slice_in_dim(slot_valid, b * bs, bs)
+    xb = augment(jax.random.fold_in(k_aug, b), x[idx])
+    count = jnp.sum(w > 0)
+
+    def loss_fn(p):
+      losses = cross_entropy(apply_fn(p, xb), y[idx])
+      return jnp.sum(w * losses) / jnp.maximum(count, 1)
+
+    grads = jax.grad(loss_fn)(params)
+    params = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
+    return params, steps + (count > 0).astype(jnp.int32)
+
+  return jax.lax.fori_loop(0, num_batches, body, (params, jnp.int32(0)))
+
+
+class Evaluation(NamedTuple):
+  """Mean loss (nats) and accuracy (fraction) over the valid examples."""
+
+  loss: jax.Array
+  accuracy: jax.Array
+
+
+def evaluate(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    chunk_size: int = 1000,
+) -> Evaluation:
+  """Loss and accuracy over ``(N, ...)`` inputs, ``chunk_size`` at a time (``lax.map``)."""
+  n = x.shape[0]
+  if mask is None:
+    mask = jnp.ones((n,), bool)
+  cs = min(chunk_size, n)
+  chunks = math.ceil(n / cs)
+  pad = chunks * cs - n
+  xp = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(chunks, cs, *x.shape[1:])
+  yp = jnp.pad(y, (0, pad)).reshape(chunks, cs)
+  mp = jnp.pad(mask, (0, pad)).reshape(chunks, cs)
+
+  def one(args):
+    xc, yc, mc = args
+    logits = apply_fn(params, xc)
+    losses = cross_entropy(logits, yc)
+    correct = jnp.argmax(logits, -1) == yc
+    return jnp.sum(losses * mc), jnp.sum(correct * mc)
+
+  loss_sum, correct_sum = jax.lax.map(one, (xp, yp, mp))
+  total = jnp.maximum(jnp.sum(mask), 1)
+  return Evaluation(jnp.sum(loss_sum) / total, jnp.sum(correct_sum) / total)
