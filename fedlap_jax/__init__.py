@@ -20,7 +20,8 @@ Main entry points:
 * :class:`ConvNet` -- the paper's model.
 """
 
-from fedlap_jax import accounting, dsa
+from fedlap_jax import accounting, algorithm, dsa
+from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.client import (ClientData, LocalApproxMetrics, SyntheticSet, local_approx,
                                matching_step)
 from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
@@ -39,7 +40,7 @@ from fedlap_jax.training import cosine_learning_rate, evaluate, tree_distance
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClientConfig", "ClientData", "ConvNet", "DPConfig", "FedLAPConfig", "FedLAPState",
+    "ClientConfig", "ClientData", "FederatedAlgorithm", "algorithm", "ConvNet", "DPConfig", "FedLAPConfig", "FedLAPState",
     "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
     "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
     "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",
