@@ -1,0 +1,724 @@
+"""Gradient-sharing baselines: FedSGD, FedAvg, FedProx, SCAFFOLD, DP-FedAvg, DP-FedProx.
+
+The baselines FedLAP is compared against (Tables 1 and 2 of the paper), on the
+same model convention (``apply_fn(params, x) -> logits``), the same stacked
+:class:`~fedlap_jax.client.ClientData`, the same Poisson sampling and privacy
+primitives (:mod:`fedlap_jax.privacy`) and the same accounting
+(:mod:`fedlap_jax.accounting`, ``T`` = local DP-SGD steps scheduled per round).
+
+One round, every client taking part (as in the reference)::
+
+  for every client k (jax.vmap over the stacked client axis):
+    y <- x                                        # the global model
+    for s in 0..T_static-1 (lax.fori_loop; steps s >= T_k are skipped):
+      Poisson batch, q = B / N_k                  # privacy.poisson_sample
+      g = grad of the mean loss at y              # DP: clip to C, N(0, sigma^2 C^2), / B
+      g += 2 mu (y - x)                           # FedProx
+      g += c - c_k                                # SCAFFOLD
+      y <- y - eta_m g
+    SCAFFOLD: c_k <- c_k - c + (x - y) / (T_k eta_m)          (option II)
+  x <- x + eta_s sum_k w_k (y_k - x)              # w_k = N_k / N (1 / K under DP)
+  SCAFFOLD: c <- c + sum_k w_k (c_k^+ - c_k)
+
+Methods (hyperparameters as in the reference implementation):
+
+* ``fedavg`` (McMahan et al., 2017): ``local_epochs`` epochs of SGD with Poisson
+  batches of expected size ``B``; client learning rate ``eta_m`` from the cosine
+  schedule over rounds (:func:`~fedlap_jax.training.cosine_learning_rate`);
+  the server adds the weighted mean client delta (server learning rate 1).
+* ``fedprox`` (Li et al., 2020): FedAvg with ``mu * ||w - w_g||^2`` added to the
+  client loss. Note: the reference adds ``mu ||.||^2``, not the ``mu / 2`` of
+  the FedProx paper; we follow the reference, so the proximal gradient is
+  ``2 mu (w - w_g)`` (``mu = 0.1``).
+* ``fedsgd``: one local step on one Poisson batch per round (``local_epochs``
+  is ignored).
+* ``scaffold`` (Karimireddy et al., 2020): control variates, option II, with all
+  clients participating; the upload is the model delta *and* the control
+  delta, ``2 x num_params`` floats. ``T_k`` in ``c_k^+`` is the number of steps
+  the client actually took. The server moves ``c`` by the same weights ``w_k``
+  as the model, so ``c`` stays the weighted mean of the ``c_k``; with uniform
+  weights (or balanced clients) this is the paper's ``c += (|S|/N) mean dc_k``.
+* ``dp_fedavg`` / ``dp_fedprox``: local DP-SGD (per-example clipping to ``C``
+  over the whole gradient, ``N(0, sigma^2 C^2)`` on the sum, divided by the
+  *expected* batch size ``B``; :func:`~fedlap_jax.privacy.private_gradient`).
+  The proximal term does not touch data and is added after privatisation.
+  The server weights clients uniformly by default (as FedLAP-DP's Algorithm 3:
+  ``N_k`` is not released).
+
+Local step counts. An epoch of client ``k`` is ``round(N_k / B)`` Poisson steps
+(at least 1; ``round`` half up), as in the reference (195 steps over 5 epochs
+for ``N_k = 10,000``, ``B = 256``). Loop bounds must be static, so every client
+runs a loop of ``T = local_epochs * round(N_max / B)`` steps and skips (masks)
+the steps beyond its own ``T_k = local_epochs * round(N_k / B)``; ``N_max`` is
+``max_client_size`` (or the padded client size when that is not given). ``T``
+is the ``dp_steps_per_round`` the accountant charges every client: an upper
+bound of every ``T_k`` (and exact for the largest client). Because ``T_k``
+depends on ``N_k``, ``uniform_steps=True`` makes every client run exactly ``T``
+steps (a data-independent count) for a strict record-level reading.
+
+Gradient normalisation. Non-DP steps use the mean loss over the *realised*
+Poisson batch (``gradient_mean="realized"``, the reference); DP steps divide the
+(noisy) clipped sum by the *expected* batch size ``B`` (the realised size would
+leak). ``gradient_mean="expected"`` gives non-DP runs the DP normalisation, so
+that DP-SGD with ``sigma = 0`` and an infinite clip is exactly that run (the
+test of the private path does this).
+
+No DSA by default (``dsa_strategy=""``): the reference trains the baselines on
+plain batches.
+
+References:
+  McMahan et al., "Communication-Efficient Learning of Deep Networks from
+  Decentralized Data", AISTATS 2017.
+  Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020.
+  Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
+  Learning", ICML 2020.
+  Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlap_jax import dsa, privacy
+from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax.client import ClientData
+from fedlap_jax.config import WEIGHTINGS, DPConfig
+from fedlap_jax.federated import CLIENT_BACKENDS, client_weights
+from fedlap_jax.models import count_params
+from fedlap_jax.training import cosine_learning_rate, tree_distance
+
+PyTree = Any
+ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+
+METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
+DP_METHODS = ("dp_fedavg", "dp_fedprox")
+PROX_METHODS = ("fedprox", "dp_fedprox")
+GRADIENT_MEANS = ("realized", "expected")
+
+__all__ = [
+    "METHODS", "BaselineConfig", "BaselineState", "BaselineRoundMetrics", "ClientMetrics",
+    "LocalTraining", "baseline_round", "client_update", "init_baseline_state",
+    "make_algorithm", "round_keys", "step_keys", "steps_per_epoch",
+]
+
+
+def _require(cond: bool, field: str, value, allowed: str) -> None:
+  if not cond:
+    raise ValueError(f"{field}={value!r} is invalid; allowed: {allowed}")
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+  return (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, bool) and math.isfinite(value))
+
+
+def steps_per_epoch(num_records, batch_size: int):
+  """Poisson steps in one local epoch: ``max(1, round(N / B))``, rounding half up.
+
+  Works on Python ints (static) and on traced arrays alike.
+  """
+  if isinstance(num_records, (jax.Array, np.ndarray)):
+    return jnp.maximum(jnp.floor(num_records / batch_size + 0.5).astype(jnp.int32), 1)
+  return max(1, math.floor(num_records / batch_size + 0.5))
+
+
+# --------------------------------------------------------------------------
+# Configuration.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalTraining:
+  """Static settings of local training on one client (hashable: a jit static).
+
+  Attributes:
+    epochs: local epochs ``E``; each is ``round(N_k / B)`` steps.
+    batch_size: expected Poisson batch size ``B``; the sampling rate is
+      ``q = B / N_k``.
+    fixed_steps: if set, every client takes exactly this many steps whatever
+      its size (FedSGD: 1; ``uniform_steps``: ``T``); ``epochs`` is then unused.
+    max_client_size: ``N_max``, records of the largest client, for the static
+      loop bound ``T = E * round(N_max / B)``; ``None`` uses the padded client
+      size of the data the round is traced with.
+    poisson_capacity: static Poisson buffer; ``None`` picks
+      :func:`~fedlap_jax.privacy.poisson_capacity` of ``B``.
+    prox_mu: ``mu`` of the FedProx term ``mu ||w - w_g||^2`` (0: none).
+    l2_clip_norm: per-example clip ``C``; ``None`` trains without clipping or
+      noise (non-DP).
+    noise_multiplier: ``sigma`` (noise std / ``C``) of the private path, >= 0.
+      0 is allowed *here* (clipped SGD without noise, for ablations and tests);
+      :func:`make_algorithm` builds the private path from a
+      :class:`~fedlap_jax.config.DPConfig` only, which requires ``sigma > 0``.
+    microbatch_size: optional bound on per-example-gradient memory (DP).
+    gradient_mean: ``"realized"`` (mean over the sampled batch) or
+      ``"expected"`` (sum / ``B``); ``None`` picks ``"expected"`` when clipping
+      and ``"realized"`` otherwise. The private path requires ``"expected"``.
+    control_variates: SCAFFOLD's correction ``c - c_k`` is added to every
+      gradient (supplied by the caller).
+    dsa_strategy: DSA families applied to each real batch; ``""`` for none.
+    track_loss: record the mean batch loss per client. On the private path it
+      costs an extra forward pass per step and is a non-private diagnostic.
+  """
+
+  epochs: int = 5
+  batch_size: int = 256
+  fixed_steps: int | None = None
+  max_client_size: int | None = None
+  poisson_capacity: int | None = None
+  prox_mu: float = 0.0
+  l2_clip_norm: float | None = None
+  noise_multiplier: float = 0.0
+  microbatch_size: int | None = None
+  gradient_mean: str | None = None
+  control_variates: bool = False
+  dsa_strategy: str = ""
+  track_loss: bool = True
+
+  def __post_init__(self):
+    _require(_is_int(self.epochs) and self.epochs >= 1, "local_epochs", self.epochs,
+             "an integer >= 1")
+    _require(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
+             self.batch_size, "an integer >= 1")
+    for f in ("fixed_steps", "max_client_size", "microbatch_size"):
+      v = getattr(self, f)
+      _require(v is None or (_is_int(v) and v >= 1), f, v, "None or an integer >= 1")
+    if self.poisson_capacity is not None:
+      _require(_is_int(self.poisson_capacity) and self.poisson_capacity >= self.batch_size,
+               "poisson_capacity", self.poisson_capacity,
+               f"None or an integer >= batch_size ({self.batch_size})")
+    _require(_is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu,
+             "a finite number >= 0")
+    _require(self.l2_clip_norm is None or (_is_real(self.l2_clip_norm)
+                                           and self.l2_clip_norm > 0),
+             "l2_clip_norm", self.l2_clip_norm, "None or a finite number > 0")
+    _require(_is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
+             "noise_multiplier", self.noise_multiplier, "a finite number >= 0")
+    _require(self.l2_clip_norm is not None or self.noise_multiplier == 0,
+             "noise_multiplier", self.noise_multiplier,
+             "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)")
+    _require(self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
+             "gradient_mean", self.gradient_mean, f"None or one of {GRADIENT_MEANS}")
+    _require(self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
+             "gradient_mean", self.gradient_mean,
+             "'expected' or None with clipping (dividing by the realised batch size "
+             "would leak it)")
+    dsa.parse_strategy(self.dsa_strategy)
+
+  @property
+  def private(self) -> bool:
+    """Whether gradients are clipped per example (and noised)."""
+    return self.l2_clip_norm is not None
+
+  @property
+  def mean_by(self) -> str:
+    """The resolved ``gradient_mean``."""
+    if self.gradient_mean is not None:
+      return self.gradient_mean
+    return "expected" if self.private else "realized"
+
+  @property
+  def capacity(self) -> int:
+    """Static size of the Poisson batch buffer."""
+    return self.poisson_capacity or privacy.poisson_capacity(self.batch_size)
+
+  def scheduled_steps(self, padded_size: int | None = None) -> int:
+    """Static loop bound ``T``: ``fixed_steps`` or ``E * round(N_max / B)``.
+
+    Args:
+      padded_size: the padded client size, used when ``max_client_size`` is None.
+    """
+    if self.fixed_steps is not None:
+      return self.fixed_steps
+    n_max = self.max_client_size or padded_size
+    if n_max is None:
+      raise ValueError("max_client_size=None is invalid here; allowed: an integer >= 1 "
+                       "(the static step count needs the largest client's size)")
+    return self.epochs * steps_per_epoch(int(n_max), self.batch_size)
+
+  def client_steps(self, num_records: jax.Array) -> jax.Array:
+    """Steps ``T_k`` client ``k`` takes (traced int32): ``E * round(N_k / B)``."""
+    if self.fixed_steps is not None:
+      return jnp.int32(self.fixed_steps)
+    return self.epochs * steps_per_epoch(num_records, self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BaselineConfig:
+  """A whole baseline run (hashable: a jit static).
+
+  Attributes:
+    method: one of :data:`METHODS`.
+    rounds: ``M``, also the length of the cosine schedule.
+    learning_rate: ``eta_0`` of the client's cosine schedule.
+    server_lr: ``eta_s``, the server's step on the weighted mean delta (1).
+    weighting: ``size`` (``w_k = N_k / N``) or ``uniform`` (``1 / K``).
+    local: :class:`LocalTraining`.
+    client_backend: ``vmap`` (all clients at once) or ``map`` (one after
+      another with ``lax.map``; same numbers, less memory).
+  """
+
+  method: str
+  rounds: int
+  learning_rate: float = 0.1
+  server_lr: float = 1.0
+  weighting: str = "size"
+  local: LocalTraining = dataclasses.field(default_factory=LocalTraining)
+  client_backend: str = "vmap"
+
+  def __post_init__(self):
+    _require(self.method in METHODS, "method", self.method, f"one of {METHODS}")
+    _require(_is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds,
+             "an integer >= 1")
+    for f in ("learning_rate", "server_lr"):
+      v = getattr(self, f)
+      _require(_is_real(v) and v > 0, f, v, "a finite number > 0")
+    _require(self.weighting in WEIGHTINGS, "weighting", self.weighting, f"one of {WEIGHTINGS}")
+    _require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
+    _require(self.client_backend in CLIENT_BACKENDS, "client_backend", self.client_backend,
+             f"one of {CLIENT_BACKENDS}")
+    loc = self.local
+    private = self.method in DP_METHODS
+    _require(loc.private == private, "local.l2_clip_norm", loc.l2_clip_norm,
+             "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})")
+    _require(self.method in PROX_METHODS or loc.prox_mu == 0, "local.prox_mu", loc.prox_mu,
+             f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')")
+    _require(loc.control_variates == (self.method == "scaffold"), "local.control_variates",
+             loc.control_variates, f"True exactly for 'scaffold' (method={self.method!r})")
+    _require(self.method != "fedsgd" or loc.fixed_steps == 1, "local.fixed_steps",
+             loc.fixed_steps, "1 for 'fedsgd' (one local batch per round)")
+
+
+# --------------------------------------------------------------------------
+# State and metrics.
+# --------------------------------------------------------------------------
+
+
+class BaselineState(NamedTuple):
+  """Server state between rounds.
+
+  Attributes:
+    params: the global model ``x``.
+    round: int32, rounds completed so far.
+    key: PRNG key for the next round.
+    control: SCAFFOLD's server control variate ``c`` (like ``params``);
+      ``None`` for the other methods.
+    client_controls: SCAFFOLD's ``c_k``, leaves ``(K, ...)``; ``None`` otherwise.
+  """
+
+  params: PyTree
+  round: jax.Array
+  key: jax.Array
+  control: PyTree = None
+  client_controls: PyTree = None
+
+
+class ClientMetrics(NamedTuple):
+  """Diagnostics of :func:`client_update` (scalars; ``(K,)`` after vmap).
+
+  Attributes:
+    loss: mean over the steps taken of the batch's mean cross-entropy (nats),
+      before the step, without the proximal term (0 if ``track_loss`` is off).
+    steps: local steps taken, ``T_k``.
+    update_norm: ``||y_k - x||``, L2 over all parameters.
+    poisson_overflow: records sampled beyond the batch buffer and left out
+      (should be 0).
+    mean_batch_size: mean realised Poisson batch size (records).
+    clip_fraction: fraction of per-example gradients clipped (0 without DP).
+  """
+
+  loss: jax.Array
+  steps: jax.Array
+  update_norm: jax.Array
+  poisson_overflow: jax.Array
+  mean_batch_size: jax.Array
+  clip_fraction: jax.Array
+
+
+class BaselineRoundMetrics(NamedTuple):
+  """Diagnostics of one round.
+
+  Attributes:
+    client: :class:`ClientMetrics` with ``(K,)`` leaves.
+    learning_rate: the client learning rate ``eta_m`` of the round.
+    server_update_norm: ``||x_new - x||``.
+    control_norm: ``||c||`` after the round (SCAFFOLD; 0 otherwise).
+  """
+
+  client: ClientMetrics
+  learning_rate: jax.Array
+  server_update_norm: jax.Array
+  control_norm: jax.Array
+
+
+# --------------------------------------------------------------------------
+# Keys (exposed so that a batch can be reproduced outside the loop).
+# --------------------------------------------------------------------------
+
+
+def round_keys(key: jax.Array, num_clients: int) -> tuple[jax.Array, jax.Array]:
+  """``(next_state_key, client_keys)`` of a round; ``client_keys`` is ``(K, ...)``."""
+  key, k_clients = jax.random.split(key)
+  return key, jax.random.split(k_clients, num_clients)
+
+
+def step_keys(client_key: jax.Array, step) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(k_sample, k_augment, k_noise)`` of local step ``step`` (0-based) of a client."""
+  k_sample, k_aug, k_noise = jax.random.split(jax.random.fold_in(client_key, step), 3)
+  return k_sample, k_aug, k_noise
+
+
+# --------------------------------------------------------------------------
+# One client.
+# --------------------------------------------------------------------------
+
+
+def client_update(
+    key: jax.Array,
+    apply_fn: ApplyFn,
+    global_params: PyTree,
+    data: ClientData,
+    *,
+    learning_rate,
+    local: LocalTraining,
+    num_steps: int,
+    correction: PyTree | None = None,
+) -> tuple[PyTree, ClientMetrics]:
+  """Local training of one client from the global model ``x``.
+
+  Pure and jit-compatible (``local`` and ``num_steps`` static); vmap it over a
+  stacked client axis of ``key``, ``data`` and ``correction``.
+
+  Step ``s`` draws its Poisson batch with ``step_keys(key, s)[0]``, rate
+  ``B / N_k`` and buffer ``local.capacity``, augments it with ``[1]`` and
+  noises it with ``[2]`` (DP).
+
+  Args:
+    key: PRNG key of this client and round.
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    global_params: ``x``.
+    data: the client's :class:`ClientData` (``(N, H, W, C)``, padded, masked).
+    learning_rate: ``eta_m`` (may be traced).
+    local: :class:`LocalTraining`.
+    num_steps: static loop bound ``T``; steps ``s >= T_k`` are skipped.
+    correction: SCAFFOLD's ``c - c_k`` (like ``params``), added to every
+      gradient; required iff ``local.control_variates``.
+
+  Returns:
+    ``(y_k, ClientMetrics)``.
+  """
+  if (correction is not None) != local.control_variates:
+    raise ValueError(f"correction given={correction is not None} is invalid with "
+                     f"local.control_variates={local.control_variates}; allowed: a "
+                     "correction exactly when control variates are on")
+  n_k = jnp.sum(data.mask)
+  rate = local.batch_size / jnp.maximum(n_k, 1).astype(jnp.float32)
+  active_steps = local.client_steps(n_k)
+  capacity = local.capacity
+  augment = dsa.make_augment_fn(local.dsa_strategy)
+  f32 = jnp.float32
+
+  def gradient(w, k_noise, xb, yb, batch):
+    weights = jnp.logical_not(batch.is_padding)
+    if local.private:
+      g, norms = privacy.private_gradient(
+          k_noise, apply_fn, w, xb, yb, batch.is_padding,
+          l2_clip_norm=local.l2_clip_norm, noise_multiplier=local.noise_multiplier,
+          expected_batch_size=local.batch_size, microbatch_size=local.microbatch_size)
+      clipped = jnp.sum(jnp.logical_and(norms > local.l2_clip_norm, weights)).astype(f32)
+      loss = (privacy.masked_mean_loss(apply_fn, w, xb, yb, weights)
+              if local.track_loss else f32(0.0))
+      return g, loss, clipped
+
+    def loss_fn(p):
+      mean = privacy.masked_mean_loss(apply_fn, p, xb, yb, weights)
+      if local.mean_by == "expected":
+        return mean * batch.size.astype(f32) / local.batch_size, mean
+      return mean, mean
+
+    g, loss = jax.grad(loss_fn, has_aux=True)(w)
+    return g, loss, f32(0.0)
+
+  def step(s, carry):
+    w, loss_sum, overflow, sampled, clipped = carry
+    k_sample, k_aug, k_noise = step_keys(key, s)
+    batch = privacy.poisson_sample(k_sample, data.mask, rate, capacity)
+    xb = augment(k_aug, data.x[batch.indices])
+    yb = data.y[batch.indices]
+    g, loss, n_clipped = gradient(w, k_noise, xb, yb, batch)
+    if local.prox_mu > 0:
+      g = jax.tree.map(lambda gi, wi, xi: gi + 2.0 * local.prox_mu * (wi - xi),
+                       g, w, global_params)
+    if correction is not None:
+      g = jax.tree.map(jnp.add, g, correction)
+    w = jax.tree.map(lambda wi, gi: wi - learning_rate * gi, w, g)
+    return (w, loss_sum + loss, overflow + batch.overflow, sampled + batch.size,
+            clipped + n_clipped)
+
+  def body(s, carry):
+    # Skipped steps (s >= T_k) draw nothing; under vmap both branches run and
+    # the result is selected, under lax.map the skip saves the work.
+    return jax.lax.cond(s < active_steps, functools.partial(step, s), lambda c: c, carry)
+
+  init = (global_params, f32(0.0), jnp.int32(0), jnp.int32(0), f32(0.0))
+  w, loss_sum, overflow, sampled, clipped = jax.lax.fori_loop(0, num_steps, body, init)
+  taken = jnp.minimum(active_steps, num_steps).astype(jnp.int32)
+  metrics = ClientMetrics(
+      loss=loss_sum / jnp.maximum(taken, 1),
+      steps=taken,
+      update_norm=tree_distance(w, global_params),
+      poisson_overflow=overflow,
+      mean_batch_size=sampled / jnp.maximum(taken, 1),
+      clip_fraction=clipped / jnp.maximum(sampled, 1),
+  )
+  return w, metrics
+
+
+# --------------------------------------------------------------------------
+# One round.
+# --------------------------------------------------------------------------
+
+
+def _weighted_sum(weights: jax.Array, stacked: PyTree) -> PyTree:
+  return jax.tree.map(lambda a: jnp.tensordot(weights, a, axes=1), stacked)
+
+
+def baseline_round(
+    state: BaselineState,
+    clients: ClientData,
+    *,
+    apply_fn: ApplyFn,
+    config: BaselineConfig,
+) -> tuple[BaselineState, BaselineRoundMetrics]:
+  """One communication round of a baseline, all clients taking part.
+
+  Args:
+    state: :class:`BaselineState` after ``state.round`` rounds.
+    clients: stacked :class:`ClientData`, leaves ``(K, N_max, ...)``.
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    config: :class:`BaselineConfig` (static).
+
+  Returns:
+    ``(new_state, BaselineRoundMetrics)``.
+  """
+  local = config.local
+  num_clients, padded = clients.mask.shape
+  num_steps = local.scheduled_steps(padded)
+  m = state.round + 1
+  lr = cosine_learning_rate(m, config.rounds, config.learning_rate)
+  key, client_keys = round_keys(state.key, num_clients)
+  x = state.params
+
+  scaffold = local.control_variates
+  if scaffold:
+    corrections = jax.tree.map(lambda c, ck: c[None] - ck, state.control,
+                               state.client_controls)
+  else:
+    corrections = None
+
+  def run(args):
+    k, data, corr = args
+    return client_update(k, apply_fn, x, data, learning_rate=lr, local=local,
+                         num_steps=num_steps, correction=corr)
+
+  args = (client_keys, clients, corrections)
+  if config.client_backend == "vmap":
+    ys, client_metrics = jax.vmap(run)(args)
+  else:
+    ys, client_metrics = jax.lax.map(run, args)
+
+  weights = client_weights(clients, config.weighting)
+  weights = weights / jnp.sum(weights)
+  deltas = jax.tree.map(lambda y, xi: y - xi[None], ys, x)
+  mean_delta = _weighted_sum(weights, deltas)
+  params = jax.tree.map(lambda xi, d: xi + config.server_lr * d, x, mean_delta)
+
+  control, client_controls = state.control, state.client_controls
+  control_norm = jnp.float32(0.0)
+  if scaffold:
+    # Option II: c_k+ = c_k - c + (x - y_k) / (T_k eta); delta c_k = c_k+ - c_k.
+    scale = 1.0 / (jnp.maximum(client_metrics.steps, 1).astype(jnp.float32) * lr)
+    delta_c = jax.tree.map(
+        lambda d, c: -c[None] - d * scale.reshape((-1,) + (1,) * (d.ndim - 1)),
+        deltas, control)
+    client_controls = jax.tree.map(jnp.add, client_controls, delta_c)
+    control = jax.tree.map(jnp.add, control, _weighted_sum(weights, delta_c))
+    control_norm = tree_distance(control, jax.tree.map(jnp.zeros_like, control))
+
+  new_state = BaselineState(params, m, key, control, client_controls)
+  metrics = BaselineRoundMetrics(client_metrics, lr, tree_distance(params, x), control_norm)
+  return new_state, metrics
+
+
+# One jit shared by every algorithm built here: runs with equal configs (and the
+# same ``apply_fn`` object) share one compilation; a run compiles once.
+_round_jit = jax.jit(baseline_round, static_argnames=("apply_fn", "config"))
+
+
+def init_baseline_state(key: jax.Array, params: PyTree, clients: ClientData,
+                        config: BaselineConfig) -> BaselineState:
+  """The state before round 1 (SCAFFOLD: all control variates zero)."""
+  if config.local.control_variates:
+    k = clients.mask.shape[0]
+    control = jax.tree.map(jnp.zeros_like, params)
+    client_controls = jax.tree.map(lambda p: jnp.zeros((k, *p.shape), p.dtype), params)
+  else:
+    control = client_controls = None
+  return BaselineState(params, jnp.int32(0), key, control, client_controls)
+
+
+# --------------------------------------------------------------------------
+# The FederatedAlgorithm adapter.
+# --------------------------------------------------------------------------
+
+
+def make_algorithm(
+    method: str,
+    apply_fn: ApplyFn,
+    *,
+    num_clients: int,
+    image_shape: tuple,
+    num_params: int,
+    rounds: int,
+    learning_rate: float,
+    local_epochs: int,
+    batch_size: int,
+    prox_mu: float,
+    dp: DPConfig | None,
+    max_client_size: int | None = None,
+    server_lr: float = 1.0,
+    weighting: str | None = None,
+    dsa_strategy: str = "",
+    poisson_capacity: int | None = None,
+    uniform_steps: bool = False,
+    client_backend: str = "vmap",
+    gradient_mean: str | None = None,
+    track_loss: bool = True,
+) -> FederatedAlgorithm:
+  """A baseline as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
+
+  ``round`` is the jitted :func:`baseline_round` with ``apply_fn`` and the
+  config bound as static arguments: one compilation per run (the round index
+  and learning rate are traced), shared by algorithms with equal settings.
+
+  Args:
+    method: one of :data:`METHODS`.
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    num_clients: ``K``; ``init`` checks the data against it.
+    image_shape: ``(H, W, C)``; ``init`` checks the data against it.
+    num_params: parameters of the model; ``init`` checks ``params`` against it.
+      The upload is ``num_params`` floats per client and round, twice that for
+      SCAFFOLD (model and control deltas).
+    rounds: ``M``.
+    learning_rate: ``eta_0`` of the client's cosine schedule (0.1).
+    local_epochs: ``E`` (5); ignored by ``fedsgd`` (one step per round).
+    batch_size: expected Poisson batch size ``B`` (256).
+    prox_mu: ``mu`` of ``mu ||w - w_g||^2``; used by ``fedprox`` and
+      ``dp_fedprox`` only (0.1), ignored by the other methods.
+    dp: a :class:`~fedlap_jax.config.DPConfig` for ``dp_*`` methods (``C =
+      0.1``, ``sigma = 1`` in the reference), ``None`` for the others.
+    max_client_size: ``N_max``, records of the largest client; fixes the static
+      step count ``T = E * round(N_max / B)``. Required by DP methods (the
+      accountant needs ``T`` up front); without it non-DP rounds use the padded
+      client size.
+    server_lr: ``eta_s`` (1).
+    weighting: server weights: ``size`` (``N_k / N``) or ``uniform``; ``None``
+      picks ``size`` without DP and ``uniform`` with DP (as FedLAP-DP: client
+      sizes are not released).
+    dsa_strategy: DSA on real batches (``""``, none, as the reference).
+    poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
+    uniform_steps: every client runs exactly ``T`` steps (data-independent
+      count) instead of ``E * round(N_k / B)``.
+    client_backend: ``vmap`` or ``map``.
+    gradient_mean: ``realized`` / ``expected`` (see the module docstring);
+      ``None``: ``realized`` without DP, ``expected`` with DP.
+    track_loss: record per-client mean local losses.
+
+  Returns:
+    The :class:`FederatedAlgorithm`; ``dp_steps_per_round`` is ``T`` for DP
+    methods (``None`` otherwise) and ``batch_size`` is ``B``.
+  """
+  _require(method in METHODS, "method", method, f"one of {METHODS}")
+  private = method in DP_METHODS
+  if private:
+    _require(isinstance(dp, DPConfig), "dp", dp, f"a DPConfig for method={method!r}")
+    _require(max_client_size is not None, "max_client_size", max_client_size,
+             f"an integer >= 1 for method={method!r} (the accountant needs the static "
+             "step count T = local_epochs * round(max_client_size / batch_size))")
+  else:
+    _require(dp is None, "dp", dp,
+             f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
+  _require(_is_int(num_clients) and num_clients >= 1, "num_clients", num_clients,
+           "an integer >= 1")
+  _require(_is_int(num_params) and num_params >= 1, "num_params", num_params,
+           "an integer >= 1")
+  image_shape = tuple(image_shape)
+  _require(len(image_shape) == 3 and all(_is_int(d) and d >= 1 for d in image_shape),
+           "image_shape", image_shape, "(H, W, C) positive integers")
+  _require(isinstance(uniform_steps, bool), "uniform_steps", uniform_steps, "a bool")
+  if weighting is None:
+    weighting = "uniform" if private else "size"
+
+  local = LocalTraining(
+      epochs=local_epochs,
+      batch_size=batch_size,
+      fixed_steps=1 if method == "fedsgd" else None,
+      max_client_size=max_client_size,
+      poisson_capacity=poisson_capacity,
+      prox_mu=prox_mu if method in PROX_METHODS else 0.0,
+      l2_clip_norm=dp.l2_clip_norm if private else None,
+      noise_multiplier=dp.noise_multiplier if private else 0.0,
+      microbatch_size=dp.microbatch_size if private else None,
+      gradient_mean=gradient_mean,
+      control_variates=method == "scaffold",
+      dsa_strategy=dsa_strategy,
+      track_loss=track_loss,
+  )
+  if uniform_steps and method != "fedsgd":
+    _require(max_client_size is not None, "max_client_size", max_client_size,
+             "an integer >= 1 with uniform_steps=True")
+    local = dataclasses.replace(local, fixed_steps=local.scheduled_steps())
+  config = BaselineConfig(method=method, rounds=rounds, learning_rate=learning_rate,
+                          server_lr=server_lr, weighting=weighting, local=local,
+                          client_backend=client_backend)
+
+  def init(key, params, clients):
+    if count_params(params) != num_params:
+      raise ValueError(f"num_params={num_params} does not match the model's "
+                       f"{count_params(params)} parameters; allowed: count_params(params)")
+    if clients.mask.shape[0] != num_clients:
+      raise ValueError(f"num_clients={num_clients} does not match the data's "
+                       f"{clients.mask.shape[0]} stacked clients")
+    if tuple(clients.x.shape[2:]) != image_shape:
+      raise ValueError(f"image_shape={image_shape} does not match the data's "
+                       f"{tuple(clients.x.shape[2:])}")
+    sizes = np.sum(np.asarray(clients.mask), axis=1)
+    if max_client_size is not None and sizes.max() > max_client_size:
+      raise ValueError(f"max_client_size={max_client_size} is smaller than the largest "
+                       f"client ({int(sizes.max())} records); allowed: >= every N_k")
+    if private and sizes.min() < batch_size:
+      raise ValueError(f"batch_size={batch_size} exceeds the smallest client "
+                       f"({int(sizes.min())} records); allowed under DP: B <= min_k N_k "
+                       "(the sampling rate q = B / N_k must be <= 1)")
+    return init_baseline_state(key, params, clients, config)
+
+  return FederatedAlgorithm(
+      name=method,
+      init=init,
+      round=functools.partial(_round_jit, apply_fn=apply_fn, config=config),
+      params_of=lambda state: state.params,
+      upload_floats_per_client=(2 if method == "scaffold" else 1) * num_params,
+      dp=dp if private else None,
+      dp_steps_per_round=local.scheduled_steps() if private else None,
+      batch_size=batch_size,
+  )
