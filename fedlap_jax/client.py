@@ -184,7 +184,8 @@ def local_approx(
       g, norms = privacy.private_gradient(
           k_noise, apply_fn, w, xb, yb, batch.is_padding,
           l2_clip_norm=c.dp.l2_clip_norm, noise_multiplier=c.dp.noise_multiplier,
-          expected_batch_size=c.batch_size, microbatch_size=c.dp.microbatch_size)
+          expected_batch_size=c.batch_size, microbatch_size=c.dp.microbatch_size,
+          method=c.dp.per_example_method)
       was_clipped = jnp.logical_and(norms > c.dp.l2_clip_norm, ~batch.is_padding)
       clipped = jnp.sum(was_clipped).astype(jnp.float32)
     return g, k_aug, batch, clipped

@@ -54,6 +54,15 @@ def _positive_float(field: str, value) -> None:
            and math.isfinite(value) and value > 0, field, value, "a finite number > 0")
 
 
+def _dsa_strategy(field: str, value) -> None:
+  from fedlap_jax import dsa  # local import: dsa imports nothing from here
+  _require(isinstance(value, str), field, value, "a string of DSA families joined by '_'")
+  try:
+    dsa.parse_strategy(value)
+  except ValueError as e:
+    raise ValueError(f"{field}={value!r} is invalid: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPConfig:
   """Record-level DP of the real-data gradients (Algorithm 3).
@@ -66,12 +75,16 @@ class DPConfig:
     l2_clip_norm: ``C``, per-example clipping bound on the full gradient.
     delta: target ``delta`` in (0, 1) for reporting epsilon.
     microbatch_size: optional, bounds the memory of per-example gradients.
+    per_example_method: how per-example gradients are computed, all exact:
+      ``"auto"`` (default), ``"layerwise"``, ``"vmap"`` or ``"jax_privacy"``
+      (see :func:`fedlap_jax.privacy.clipped_gradient_sum`).
   """
 
   noise_multiplier: float
   l2_clip_norm: float
   delta: float
   microbatch_size: int | None = None
+  per_example_method: str = "auto"
 
   def __post_init__(self):
     _require(isinstance(self.noise_multiplier, (int, float))
@@ -84,6 +97,9 @@ class DPConfig:
              "dp.delta", self.delta, "a number in the open interval (0, 1)")
     if self.microbatch_size is not None:
       _positive_int("dp.microbatch_size", self.microbatch_size)
+    methods = ("auto", "layerwise", "vmap", "jax_privacy")  # privacy.PER_EXAMPLE_METHODS
+    _require(self.per_example_method in methods, "dp.per_example_method",
+             self.per_example_method, f"one of {methods}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,8 +168,7 @@ class ClientConfig:
       _positive_int("poisson_capacity", self.poisson_capacity)
       _require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
                self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
-    from fedlap_jax import dsa  # local import: dsa imports nothing from here
-    dsa.parse_strategy(self.dsa_strategy)
+    _dsa_strategy("dsa_strategy", self.dsa_strategy)
     if self.dp is not None:
       _require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       _require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
@@ -198,8 +213,7 @@ class ServerConfig:
     _positive_int("server.batch_size", self.batch_size)
     _positive_int("server.max_epochs", self.max_epochs)
     _require(self.weighting in WEIGHTINGS, "weighting", self.weighting, f"one of {WEIGHTINGS}")
-    from fedlap_jax import dsa
-    dsa.parse_strategy(self.dsa_strategy)
+    _dsa_strategy("server.dsa_strategy", self.dsa_strategy)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

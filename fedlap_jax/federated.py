@@ -27,7 +27,7 @@ from fedlap_jax.server import ServerMetrics, global_update
 from fedlap_jax.training import cosine_learning_rate
 
 PyTree = Any
-CLIENT_BACKENDS = ("vmap", "map")
+CLIENT_BACKENDS = ("vmap", "map", "shard")
 
 
 class FedLAPState(NamedTuple):
@@ -119,6 +119,7 @@ def real_images(key: jax.Array, client: ClientData, labels: jax.Array, mask: jax
 
   Slot ``s`` with label ``c`` gets the ``(s mod ipc)``-th record of class ``c``
   in a random order. Non-private: refused under DP by :class:`FedLAPConfig`.
+  Every class of the client needs ``>= ipc`` records (:func:`init_state` checks).
 
   Args:
     key: PRNG key; client: one client's :class:`ClientData` ``(N, ...)``.
@@ -129,8 +130,6 @@ def real_images(key: jax.Array, client: ClientData, labels: jax.Array, mask: jax
     ``(S, H, W, C)`` float32 images (zeros in padding slots).
   """
   scores = jax.random.uniform(key, client.y.shape)
-  num_classes = int(jnp.max(labels)) + 1 if not isinstance(labels, jax.core.Tracer) else None
-  del num_classes
 
   def pick(label, rank):
     s = jnp.where(jnp.logical_and(client.y == label, client.mask), scores, -1.0)
@@ -154,12 +153,30 @@ def init_state(
   Synthetic labels are balanced over each client's classes (``config.client.ipc``
   per class). Under ``synthetic_init="noise"`` the images are N(0, 1) once;
   under ``"real"`` they are drawn from real data at the start of every round.
+
+  Raises:
+    ValueError: if ``batch_size`` exceeds the smallest client (q > 1), or, under
+      ``"real"``, a client has fewer than ``ipc`` records of one of its classes.
   """
   if config.dp is not None and config.synthetic_init != "noise":
     raise ValueError(f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
                      "allowed: 'noise' (real images must not be published)")
   ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
   labels, mask = synthetic_labels(ys, config.client.ipc)
+  sizes = [len(y) for y in ys]
+  if config.client.batch_size > min(sizes):
+    raise ValueError(
+        f"batch_size={config.client.batch_size} is invalid: client {int(np.argmin(sizes))} has"
+        f" only {min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson"
+        " rate q = batch_size / N_k must be <= 1)")
+  if config.synthetic_init == "real":
+    for k, y in enumerate(ys):
+      cls, counts = np.unique(y, return_counts=True)
+      if counts.min() < config.client.ipc:
+        raise ValueError(
+            f"ipc={config.client.ipc} is invalid with synthetic_init='real': client {k} has"
+            f" only {counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <="
+            " the smallest class count of every client (or synthetic_init='noise')")
   k_init, k_state = jax.random.split(key)
   images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
   synthetic = SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask))
@@ -180,6 +197,7 @@ def fedlap_round(
     apply_fn: Callable,
     config: FedLAPConfig,
     client_backend: str = "vmap",
+    mesh: Any = None,
 ) -> tuple[FedLAPState, RoundMetrics]:
   """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
 
@@ -188,8 +206,12 @@ def fedlap_round(
     clients: stacked :class:`ClientData`, leaves ``(K, N_max, ...)``.
     apply_fn: ``apply_fn(params, x) -> logits``.
     config: :class:`FedLAPConfig` (static).
-    client_backend: ``vmap`` (all clients at once) or ``map`` (one after
-      another with ``lax.map``: same results, less memory).
+    client_backend: ``vmap`` (all clients at once), ``map`` (one after
+      another with ``lax.map``: same results, less memory) or ``shard``
+      (blocks of clients on the devices of ``mesh``, vmapped within a block;
+      :mod:`fedlap_jax.sharding`).
+    mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all
+      devices (:func:`fedlap_jax.sharding.client_mesh`).
 
   Returns:
     ``(new_state, RoundMetrics)``.
@@ -216,6 +238,15 @@ def fedlap_round(
   args = (jax.random.split(k_clients, num_clients), synthetic, clients)
   if client_backend == "vmap":
     synthetic, radii, client_metrics = jax.vmap(run)(args)
+  elif client_backend == "shard":
+    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
+
+    def block(args, params, lr):
+      fn = functools.partial(local_approx, apply_fn=apply_fn, params=params, config=cc,
+                             learning_rate=lr)
+      return jax.vmap(lambda a: fn(a[0], synthetic=a[1], client_data=a[2]))(args)
+    synthetic, radii, client_metrics = sharding.map_clients(
+        block, args, replicated=(state.params, lr), mesh=mesh)
   else:
     synthetic, radii, client_metrics = jax.lax.map(run, args)
 
@@ -228,7 +259,15 @@ def fedlap_round(
   return new_state, RoundMetrics(client_metrics, radii, server_metrics, lr)
 
 
-def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: str = "vmap"):
-  """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``."""
+def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: str = "vmap",
+                  mesh: Any = None, donate_state: bool = False):
+  """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``.
+
+  ``donate_state=True`` donates the input state's buffers to the output
+  (``donate_argnums=0``): saves a copy of the parameters and synthetic sets per
+  round, but the state passed in must not be used afterwards (keep only the
+  returned one). ``mesh`` is for ``client_backend="shard"``.
+  """
   return jax.jit(functools.partial(fedlap_round, apply_fn=apply_fn, config=config,
-                                   client_backend=client_backend))
+                                   client_backend=client_backend, mesh=mesh),
+                 donate_argnums=(0,) if donate_state else ())

@@ -1,10 +1,11 @@
 """The ConvNet of the dataset-condensation literature, as used by FedLAP-DP.
 
 ``depth x [Conv 3x3 (width filters, padding 1) -> norm -> ReLU -> AvgPool 2x2]``,
-flatten, Dense to the classes. For 28x28 inputs the first convolution sees the
-image zero-padded by 3 (so the feature map is 32x32, as for CIFAR); we pad
-explicitly with ``jnp.pad`` and keep ``padding=1`` in the convolution, which is
-the same function and compiles to a much faster kernel on XLA:CPU.
+flatten, Dense to the classes. For 1-channel 28x28 inputs (MNIST, Fashion-MNIST)
+the first convolution sees the image zero-padded by 3 (so the feature map is
+32x32, as for CIFAR); we pad explicitly with ``jnp.pad`` and keep ``padding=1``
+in the convolution, which is the same function and compiles to a much faster
+kernel on XLA:CPU.
 
 The default norm is instance norm (``GroupNorm`` with one channel per group):
 it normalises each example on its own, so per-example gradients, and hence
@@ -13,18 +14,192 @@ offered.
 
 Parameter counts with the default width 128, depth 3, 10 classes:
 317,706 for 28x28x1 inputs and 320,010 for 32x32x3 inputs.
+
+Implementation (``impl``), the same function and parameters either way:
+
+* ``"flax"``: ``nn.Conv`` (XLA's convolution) and ``nn.GroupNorm``;
+* ``"im2col"``: every convolution is one matrix product on image patches
+  (:func:`conv_im2col`), forward and backward;
+* ``"hybrid"``: XLA's convolution forward, matrix products on patches backward
+  (:func:`conv_hybrid`, a ``custom_vjp``; reverse mode only, no ``jvp``);
+* ``"auto"`` (default): ``"hybrid"`` on CPU, ``"flax"`` on other backends.
+
+``"im2col"`` and ``"hybrid"`` compute instance norm in one fused pass
+(:class:`InstanceNorm`, stored under the same ``GroupNorm_i`` names). On
+XLA:CPU the convolution's weight gradient, and above all the
+gradient-of-gradient of the synthetic-image update, are several times faster
+as matrix products, while XLA's forward convolution is the fastest forward
+(evaluation); BENCHMARKS.md has the measurements.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 NORMS = ("instance", "group", "none")
+IMPLS = ("auto", "flax", "im2col", "hybrid")
+
+_NHWC = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
+
+
+def im2col_patches(
+    x: jax.Array,
+    kernel_hw: tuple[int, int],
+    *,
+    strides: tuple[int, int] = (1, 1),
+    dilation: tuple[int, int] = (1, 1),
+    padding: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0)),
+) -> jax.Array:
+  """Image patches ``(N, H_out, W_out, kh * kw * C)`` of NHWC images.
+
+  The last axis is ordered ``(kh, kw, C)``, matching an HWIO kernel reshaped
+  to ``(kh * kw * C, O)``: ``conv(x, k) == patches @ k.reshape(-1, O)``.
+  """
+  kh, kw = kernel_hw
+  xp = jnp.pad(x, ((0, 0), tuple(padding[0]), tuple(padding[1]), (0, 0)))
+  ho = (xp.shape[1] - (kh - 1) * dilation[0] - 1) // strides[0] + 1
+  wo = (xp.shape[2] - (kw - 1) * dilation[1] - 1) // strides[1] + 1
+  cols = [
+      lax.slice(xp, (0, u * dilation[0], v * dilation[1], 0),
+                (xp.shape[0], u * dilation[0] + (ho - 1) * strides[0] + 1,
+                 v * dilation[1] + (wo - 1) * strides[1] + 1, xp.shape[3]),
+                (1, strides[0], strides[1], 1))
+      for u in range(kh) for v in range(kw)
+  ]
+  return cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
+
+
+def conv_im2col(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
+  """``lax.conv_general_dilated`` for 2-D NHWC/HWIO convolutions as a patch matmul.
+
+  A drop-in ``conv_general_dilated`` for ``nn.Conv``: the same function, but
+  forward and both backward passes (and the backward of the backward, which
+  the synthetic-image update needs) become plain matrix products, which
+  XLA:CPU runs several times faster than its convolution kernels. Anything
+  else (other layouts, feature groups, input dilation, string padding) goes
+  to ``lax.conv_general_dilated`` unchanged.
+  """
+  def canon(v):
+    return (1, 1) if v is None else tuple(v)
+
+  dn = dimension_numbers
+  if (lhs.ndim != 4 or rhs.ndim != 4 or feature_group_count != 1 or kwargs
+      or canon(lhs_dilation) != (1, 1) or isinstance(padding, str)
+      or not (dn == _NHWC or dn == ("NHWC", "HWIO", "NHWC"))):
+    return lax.conv_general_dilated(
+        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count, precision=precision, **kwargs)
+  kh, kw, c, o = rhs.shape
+  patches = im2col_patches(lhs, (kh, kw), strides=canon(window_strides),
+                           dilation=canon(rhs_dilation), padding=tuple(padding))
+  n, ho, wo, k = patches.shape
+  out = jnp.dot(patches.reshape(n * ho * wo, k), rhs.reshape(kh * kw * c, o),
+                precision=precision)
+  return out.reshape(n, ho, wo, o)
+
+
+def _col2im(dpatches: jax.Array, x_shape, kernel_hw, padding) -> jax.Array:
+  """Adjoint of :func:`im2col_patches` for stride 1, dilation 1: ``(N, Ho, Wo, kh kw C) -> x``."""
+  n, h, w, c = x_shape
+  kh, kw = kernel_hw
+  (pt, pb), (pl, pr) = padding
+  ho, wo = dpatches.shape[1:3]
+  hp, wp = h + pt + pb, w + pl + pr
+  d = dpatches.reshape(n, ho, wo, kh * kw, c)
+  out = sum(jnp.pad(d[:, :, :, u * kw + v, :],
+                    ((0, 0), (u, hp - ho - u), (v, wp - wo - v), (0, 0)))
+            for u in range(kh) for v in range(kw))
+  return out[:, pt:pt + h, pl:pl + w, :]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv_hybrid(x: jax.Array, kernel: jax.Array, padding) -> jax.Array:
+  return lax.conv_general_dilated(x, kernel, (1, 1), padding,
+                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _conv_hybrid_fwd(x, kernel, padding):
+  return _conv_hybrid(x, kernel, padding), (x, kernel)
+
+
+def _conv_hybrid_bwd(padding, residuals, g):
+  x, kernel = residuals
+  kh, kw, c, o = kernel.shape
+  patches = im2col_patches(x, (kh, kw), padding=padding)
+  n, ho, wo, k = patches.shape
+  g2 = g.reshape(-1, o)
+  dkernel = (patches.reshape(-1, k).T @ g2).reshape(kernel.shape)
+  dpatches = (g2 @ kernel.reshape(k, o).T).reshape(n, ho, wo, k)
+  return _col2im(dpatches, x.shape, (kh, kw), padding), dkernel
+
+
+_conv_hybrid.defvjp(_conv_hybrid_fwd, _conv_hybrid_bwd)
+
+
+def conv_hybrid(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
+  """``lax.conv_general_dilated`` with XLA's forward and an im2col-matmul backward.
+
+  A drop-in ``conv_general_dilated`` for ``nn.Conv`` (stride 1, no dilation,
+  explicit padding, NHWC/HWIO; anything else goes to
+  :func:`conv_im2col`). The backward pass (and the backward of the backward)
+  are matrix products on patches; forward-mode differentiation (``jvp``) is
+  not defined for it.
+  """
+  def canon(v):
+    return (1, 1) if v is None else tuple(v)
+
+  dn = dimension_numbers
+  if (lhs.ndim != 4 or rhs.ndim != 4 or feature_group_count != 1 or kwargs
+      or precision is not None or canon(lhs_dilation) != (1, 1)
+      or canon(rhs_dilation) != (1, 1) or canon(window_strides) != (1, 1)
+      or isinstance(padding, str) or not (dn == _NHWC or dn == ("NHWC", "HWIO", "NHWC"))):
+    return conv_im2col(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+                       rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                       feature_group_count=feature_group_count, precision=precision, **kwargs)
+  return _conv_hybrid(lhs, rhs, tuple(tuple(int(q) for q in p) for p in padding))
+
+
+class InstanceNorm(nn.Module):
+  """Instance norm over H, W per example and channel, with a learned scale and bias.
+
+  The same function as ``nn.GroupNorm(num_groups=C)`` (fast variance
+  ``E[x^2] - E[x]^2`` clipped at 0), written as ``x * a + b`` with per-(example,
+  channel) ``a, b`` so that XLA fuses it into one pass. Parameters ``scale``
+  (ones) and ``bias`` (zeros), shaped ``(C,)`` like GroupNorm's.
+  """
+
+  epsilon: float = 1e-5
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = x.shape[-1]
+    scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+    axes = tuple(range(1, x.ndim - 1))
+    mean = jnp.mean(x, axes, keepdims=True)
+    mean2 = jnp.mean(jnp.square(x), axes, keepdims=True)
+    var = jnp.maximum(0.0, mean2 - jnp.square(mean))
+    a = lax.rsqrt(var + self.epsilon) * scale
+    return x * a + (bias - mean * a)
+
+
+def resolve_impl(impl: str) -> str:
+  """``"auto"`` -> ``"hybrid"`` on the CPU backend, ``"flax"`` elsewhere."""
+  if impl not in IMPLS:
+    raise ValueError(f"ConvNet.impl={impl!r}; allowed: {IMPLS}")
+  if impl == "auto":
+    return "hybrid" if jax.default_backend() == "cpu" else "flax"
+  return impl
 
 
 class ConvNet(nn.Module):
@@ -37,6 +212,8 @@ class ConvNet(nn.Module):
     norm: ``"instance"`` (GroupNorm, one channel per group, default),
       ``"group"`` (GroupNorm with ``num_groups`` groups) or ``"none"``.
     num_groups: groups for ``norm="group"``.
+    impl: ``"auto"`` (default), ``"flax"``, ``"im2col"`` or ``"hybrid"``; see the module
+      docstring (the function and the parameters do not depend on it).
   """
 
   num_classes: int = 10
@@ -44,6 +221,7 @@ class ConvNet(nn.Module):
   depth: int = 3
   norm: str = "instance"
   num_groups: int = 4
+  impl: str = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -52,12 +230,17 @@ class ConvNet(nn.Module):
       raise ValueError(f"ConvNet.norm={self.norm!r}; allowed: {NORMS}")
     if x.ndim != 4:
       raise ValueError(f"ConvNet expects NHWC images, got shape {x.shape}")
-    if x.shape[1] == 28 and x.shape[2] == 28:
-      # The reference ConvNet uses padding 3 on 28x28 inputs: pad 2 here, 1 in the conv.
+    if x.shape[1:] == (28, 28, 1):
+      # The reference ConvNet uses padding 3 on 1-channel 28x28 inputs: pad 2 here, 1 in the conv.
       x = jnp.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
-    for _ in range(self.depth):
-      x = nn.Conv(self.width, (3, 3), padding=1)(x)
-      if self.norm == "instance":
+    impl = resolve_impl(self.impl)
+    fast = impl != "flax"
+    conv = {"flax": None, "im2col": conv_im2col, "hybrid": conv_hybrid}[impl]
+    for i in range(self.depth):
+      x = nn.Conv(self.width, (3, 3), padding=1, conv_general_dilated=conv)(x)
+      if self.norm == "instance" and fast:
+        x = InstanceNorm(epsilon=1e-5, name=f"GroupNorm_{i}")(x)
+      elif self.norm == "instance":
         x = nn.GroupNorm(num_groups=self.width, epsilon=1e-5)(x)
       elif self.norm == "group":
         x = nn.GroupNorm(num_groups=self.num_groups, epsilon=1e-5)(x)
@@ -80,8 +263,9 @@ def init_convnet(
     width: int = 128,
     depth: int = 3,
     norm: str = "instance",
+    impl: str = "auto",
 ) -> tuple[ConvNet, Any]:
   """Builds a ConvNet and its parameters for images of ``image_shape`` (H, W, C)."""
-  model = ConvNet(num_classes=num_classes, width=width, depth=depth, norm=norm)
+  model = ConvNet(num_classes=num_classes, width=width, depth=depth, norm=norm, impl=impl)
   params = model.init(key, jnp.zeros((1, *image_shape), jnp.float32))["params"]
   return model, params

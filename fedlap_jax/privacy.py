@@ -9,9 +9,19 @@ Everything here runs under ``jit`` and ``vmap``. Host-side accounting lives in
   as ``overflow``, never silently dropped without a trace.
 * :func:`real_gradient` is the gradient of the mean loss on a batch (non-DP).
 * :func:`private_gradient` is the Gaussian mechanism of Algorithm 3: per-example
-  gradients clipped to L2 norm ``C`` over the whole parameter pytree (through
-  ``jax_privacy.clipping.clipped_grad``), summed, ``N(0, sigma^2 C^2)`` noise
-  added to the sum, divided by the *expected* batch size ``B``.
+  gradients clipped to L2 norm ``C`` over the whole parameter pytree, summed,
+  ``N(0, sigma^2 C^2)`` noise added to the sum, divided by the *expected* batch
+  size ``B``.
+
+Per-example clipping (``method`` of :func:`clipped_gradient_sum`), all exact:
+``"layerwise"`` (:mod:`fedlap_jax.per_example`: one batched backward pass and
+per-layer per-example gradients, for models built from Flax layers),
+``"vmap"`` (``vmap(grad)``, any ``apply_fn``), ``"jax_privacy"``
+(``jax_privacy.clipping.clipped_grad``, imported only when used) and
+``"auto"`` (default: :func:`fedlap_jax.per_example.preferred_method`, i.e.
+``vmap`` for models whose convolutions are matrix products, such as the
+ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for anything
+else; both measured faster than ``jax_privacy`` on CPU, see BENCHMARKS.md).
 
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -27,10 +37,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax_privacy import clipping
+
+from fedlap_jax import per_example as _per_example
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 
 
 class PoissonBatch(NamedTuple):
@@ -143,16 +155,33 @@ def clipped_gradient_sum(
     *,
     l2_clip_norm: float,
     microbatch_size: int | None = None,
+    method: str = "auto",
 ) -> tuple[PyTree, jax.Array]:
   """Sum over examples of per-example gradients clipped to ``l2_clip_norm``.
 
   The clipping is over the flattened parameter pytree of each example. Padding
-  examples contribute exactly zero. Uses ``jax_privacy.clipping.clipped_grad``.
+  examples contribute exactly zero.
+
+  Args:
+    method: how per-example gradients are computed (same result): ``auto``,
+      ``layerwise``, ``vmap`` or ``jax_privacy`` (see the module docstring).
+      ``layerwise`` raises :class:`fedlap_jax.per_example.Unsupported` for
+      models outside its scope, where ``auto`` uses ``vmap``.
 
   Returns:
     ``(clipped_sum, norms)``: a pytree like ``params`` and the ``(N,)``
     pre-clipping per-example gradient norms.
   """
+  if method not in PER_EXAMPLE_METHODS:
+    raise ValueError(f"method={method!r} is invalid; allowed: {PER_EXAMPLE_METHODS}")
+  kwargs = dict(l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size)
+  if method == "auto":
+    method = _per_example.preferred_method(apply_fn, params, x)
+  if method == "layerwise":
+    return _per_example.clipped_gradient_sum(apply_fn, params, x, y, is_padding, **kwargs)
+  if method == "vmap":
+    return _per_example.clipped_gradient_sum_vmap(apply_fn, params, x, y, is_padding, **kwargs)
+  from jax_privacy import clipping  # optional dependency, imported when asked for
 
   def loss(p, xb, yb):
     return jnp.sum(cross_entropy(apply_fn(p, xb), yb))
@@ -193,6 +222,7 @@ def private_gradient(
     noise_multiplier: float,
     expected_batch_size: jax.Array | float,
     microbatch_size: int | None = None,
+    method: str = "auto",
 ) -> tuple[PyTree, jax.Array]:
   """The Gaussian mechanism on clipped per-example gradients (Algorithm 3).
 
@@ -209,12 +239,13 @@ def private_gradient(
     noise_multiplier: ``sigma`` (noise std divided by ``C``).
     expected_batch_size: ``B``.
     microbatch_size: optional microbatching to bound memory.
+    method: per-example gradient method of :func:`clipped_gradient_sum`.
 
   Returns:
     ``(noisy_mean_gradient, per_example_norms)``.
   """
   clipped_sum, norms = clipped_gradient_sum(
       apply_fn, params, x, y, is_padding,
-      l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size)
+      l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size, method=method)
   noisy = add_gaussian_noise(key, clipped_sum, noise_multiplier * l2_clip_norm)
   return jax.tree.map(lambda g: g / expected_batch_size, noisy), norms

@@ -14,7 +14,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedlap_jax import dsa
 from fedlap_jax.privacy import cross_entropy
@@ -36,7 +35,9 @@ def cosine_learning_rate(round_index, num_rounds: int, base_lr, min_lr: float = 
 
 def tree_distance(a: PyTree, b: PyTree) -> jax.Array:
   """Euclidean distance between two pytrees of the same structure."""
-  return optax.global_norm(jax.tree.map(jnp.subtract, a, b))
+  # Written out: optax.global_norm is deprecated and its successor needs optax >= 0.2.5.
+  squares = jax.tree.leaves(jax.tree.map(lambda x, y: jnp.sum(jnp.square(x - y)), a, b))
+  return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
 def sgd_epoch(

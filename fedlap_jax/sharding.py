@@ -1,0 +1,129 @@
+"""Clients sharded over devices (and hosts) with ``jax.sharding``.
+
+The stacked client axis of a round is split over a one-dimensional device
+mesh with axis name ``"clients"``: every device runs ``local_approx`` on its
+block of clients (``jax.shard_map`` around ``jax.vmap``), the synthetic sets
+and radii come back as arrays sharded over the same axis, and the server
+update runs on the gathered union as before. Results equal the single-device
+round up to float reduction order (``tests/test_sharding.py`` checks 1 vs 4
+CPU devices).
+
+If the number of clients ``K`` is not a multiple of the number of devices
+``D``, the client axis is padded inside the round with *empty* clients (no
+records, every synthetic slot masked, keys zero); their outputs are dropped
+before the server step, so they change nothing but cost ``ceil(K / D) * D - K``
+clients' work.
+
+Use it through the round::
+
+  round_fn = make_round_fn(apply_fn, config, client_backend="shard")   # all devices
+  round_fn = make_round_fn(apply_fn, config, client_backend="shard",
+                           mesh=client_mesh(jax.devices()[:2]))
+
+On one host with several GPUs this uses every local GPU. On several hosts, call
+``jax.distributed.initialize()`` first on every host (same program on every
+host); ``jax.devices()`` then lists the devices of all hosts and
+:func:`client_mesh` spans them. Inputs must then be global arrays: build the
+client data on every host and place it with :func:`put_clients` (which uses
+``jax.make_array_from_callback``, so each host only materialises the blocks
+of its own devices); the state returned by ``init_state`` can be placed with
+:func:`replicate`. On CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+(set before JAX starts) splits the host into ``N`` devices for testing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+PyTree = Any
+AXIS = "clients"
+
+
+def client_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A 1-D mesh with axis ``"clients"`` over ``devices`` (default: all, all hosts)."""
+  devices = jax.devices() if devices is None else list(devices)
+  if not devices:
+    raise ValueError("client_mesh needs at least one device")
+  return Mesh(np.array(devices), (AXIS,))
+
+
+def padded_size(num_clients: int, num_devices: int) -> int:
+  """``ceil(K / D) * D``: the client axis length the sharded round computes."""
+  return math.ceil(num_clients / num_devices) * num_devices
+
+
+def _pad_leading(tree: PyTree, size: int) -> PyTree:
+  def pad(a):
+    extra = size - a.shape[0]
+    if extra == 0:
+      return a
+    return jnp.concatenate([a, jnp.zeros((extra, *a.shape[1:]), a.dtype)])
+  return jax.tree.map(pad, tree)
+
+
+def map_clients(fn: Callable[..., PyTree], args: PyTree, *, replicated: tuple = (),
+                mesh: Mesh | None = None) -> PyTree:
+  """``fn(block, *replicated)`` on blocks of the leading (client) axis of ``args``, one per device.
+
+  ``fn`` maps a block ``(k, ...)`` to outputs with the same leading axis (e.g.
+  ``jax.vmap(one_client)``). Zero-padded clients fill the axis up to a
+  multiple of the device count and are cut from the outputs. Pass arrays that
+  every device needs whole (the global model, the learning rate) as
+  ``replicated`` rather than closing over them.
+
+  Args:
+    fn: the per-block function.
+    args: pytree whose leaves share the leading axis ``K``.
+    replicated: extra arguments given whole to every device.
+    mesh: a 1-D mesh with axis ``"clients"`` (default :func:`client_mesh`).
+
+  Returns:
+    ``fn``'s outputs for the ``K`` real clients.
+  """
+  mesh = client_mesh() if mesh is None else mesh
+  if mesh.axis_names != (AXIS,):
+    raise ValueError(f"mesh.axis_names={mesh.axis_names!r} is invalid; allowed: ({AXIS!r},)")
+  sizes = {a.shape[0] for a in jax.tree.leaves(args)}
+  if len(sizes) != 1:
+    raise ValueError(f"map_clients: leaves disagree on the client axis: sizes {sorted(sizes)}")
+  (k,) = sizes
+  kp = padded_size(k, mesh.size)
+  spec = PartitionSpec(AXIS)
+  in_specs = (spec,) + (PartitionSpec(),) * len(replicated)
+  sharded = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)
+  out = sharded(_pad_leading(args, kp), *replicated)
+  return jax.tree.map(lambda a: a[:k], out)
+
+
+def put_clients(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
+  """Places arrays with a leading client axis sharded over ``mesh`` (any number of hosts).
+
+  The client axis must be a multiple of the device count (``jax.sharding``
+  shards evenly); otherwise the arrays are replicated and the round pads and
+  splits them itself. Each host only builds the blocks of its own devices.
+  """
+  mesh = client_mesh() if mesh is None else mesh
+
+  def put(a):
+    a = np.asarray(a)
+    spec = PartitionSpec(AXIS) if a.shape[0] % mesh.size == 0 else PartitionSpec()
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+  return jax.tree.map(put, tree)
+
+
+def replicate(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
+  """Places every array of ``tree`` fully on every device of ``mesh``."""
+  mesh = client_mesh() if mesh is None else mesh
+  sharding = NamedSharding(mesh, PartitionSpec())
+
+  def put(a):
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+  return jax.tree.map(put, tree)

@@ -1,0 +1,219 @@
+"""Tests for fedlap_jax.client: local_approx (Algorithms 1 and 3) and its pieces.
+
+A narrow ConvNet (width 8, depth 1) on one digits client (290 records of
+classes 5 and 6), no DSA (so that each config compiles in seconds). Each
+ClientConfig is a static argument, hence one compilation per config: the
+configs below are module-level and every test reuses their runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedlap_jax import client, privacy
+from fedlap_jax.client import ClientData, SyntheticSet, local_approx
+from fedlap_jax.config import ClientConfig, DPConfig
+from fedlap_jax.federated import noise_images, synthetic_labels
+from fedlap_jax.matching import matching_distance
+
+IPC = 2
+LR = 0.1
+
+# The model never moves (inner_loop = 0): the while loop always runs max_outer, and with
+# batch_size = N_k (q = 1) every real gradient is the same full-batch gradient, so the logged
+# matching losses are L_dis against one fixed target.
+FIXED = ClientConfig(ipc=IPC, iterations=2, max_outer=3, batch_loop=2, boost_loop=3,
+                     inner_loop=0, batch_size=290, image_lr=1.0, mse_weight=0.1, radius=1.0,
+                     calibrate_radius=False, dsa_strategy="")
+# A tiny radius: the first local epoch leaves the ball, the while loop stops after 1 iteration.
+TINY_RADIUS = ClientConfig(ipc=IPC, iterations=2, max_outer=4, batch_loop=2, boost_loop=1,
+                           inner_loop=1, batch_size=64, radius=1e-4, calibrate_radius=False,
+                           dsa_strategy="")
+# DP with a radius never reached: the loop is bounded by max_outer; C is so small that every
+# per-example gradient is clipped.
+DP_LARGE_RADIUS = ClientConfig(ipc=IPC, iterations=2, max_outer=3, batch_loop=2, boost_loop=1,
+                               inner_loop=1, batch_size=64, radius=1e3, mse_weight=0.0,
+                               calibrate_radius=False, dsa_strategy="",
+                               dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1e-3, delta=1e-5))
+
+local_approx_jit = jax.jit(local_approx, static_argnames=("apply_fn", "config"))
+
+
+@pytest.fixture(scope="module")
+def client_data(client_parts) -> ClientData:
+  x, y = client_parts[0]
+  assert len(y) == 290 and set(np.unique(y)) == {5, 6}
+  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
+
+
+@pytest.fixture(scope="module")
+def synthetic(client_data) -> SyntheticSet:
+  labels, mask = synthetic_labels([np.asarray(client_data.y)], IPC)
+  mask = jnp.asarray(mask[0])
+  return SyntheticSet(noise_images(jax.random.PRNGKey(5), mask, (8, 8, 1)),
+                      jnp.asarray(labels[0]), mask)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_apply_fn, tiny_params, synthetic, client_data):
+  """``run(config) -> (synthetic, r_k, metrics)``, memoised per config."""
+  cache = {}
+
+  def go(config):
+    if config not in cache:
+      cache[config] = local_approx_jit(jax.random.PRNGKey(1), tiny_apply_fn, tiny_params,
+                                       synthetic, client_data, config, learning_rate=LR)
+    return cache[config]
+
+  return go
+
+
+def check_outputs(out, synthetic, config):
+  """Shapes and dtypes of everything local_approx returns."""
+  syn, r_k, m = out
+  chex.assert_trees_all_equal_shapes_and_dtypes(syn, synthetic)
+  chex.assert_trees_all_equal(syn.y, synthetic.y)
+  chex.assert_trees_all_equal(syn.mask, synthetic.mask)
+  chex.assert_shape(r_k, ())
+  chex.assert_type(r_k, jnp.float32)
+  c = config
+  chex.assert_shape(m.matching_loss, (c.iterations, c.max_outer, c.batch_loop, c.boost_loop))
+  chex.assert_shape([m.outer_iterations, m.trajectory_distance], (c.iterations,))
+  chex.assert_shape([m.real_accesses, m.poisson_overflow, m.mean_batch_size, m.clip_fraction], ())
+  chex.assert_type([m.outer_iterations, m.real_accesses, m.poisson_overflow], jnp.int32)
+  chex.assert_type([m.matching_loss, m.mean_batch_size, m.trajectory_distance, m.clip_fraction],
+                   jnp.float32)
+  chex.assert_tree_all_finite((syn.x, r_k, m.matching_loss))
+  assert int(m.poisson_overflow) == 0
+  # The accesses counted are the batches actually drawn.
+  assert int(m.real_accesses) == int(jnp.sum(m.outer_iterations)) * c.batch_loop
+  assert np.all(np.asarray(m.outer_iterations) >= 1)
+  assert np.all(np.asarray(m.outer_iterations) <= c.max_outer)
+  # Losses are logged exactly for the iterations that ran.
+  ran = np.arange(c.max_outer)[None, :] < np.asarray(m.outer_iterations)[:, None]
+  logged = np.asarray(m.matching_loss)
+  assert np.all(logged[ran] > 0) and np.all(logged[~ran] == 0)
+
+
+@pytest.mark.parametrize("config", [FIXED, TINY_RADIUS, DP_LARGE_RADIUS],
+                         ids=["fixed", "tiny_radius", "dp"])
+def test_outputs(run, synthetic, config):
+  out = run(config)
+  check_outputs(out, synthetic, config)
+  assert not bool(jnp.allclose(out[0].x, synthetic.x))
+  chex.assert_trees_all_close(out[1], config.radius)  # no calibration: r_k = r
+
+
+def test_eager_equals_jit(tiny_apply_fn, tiny_params, synthetic, client_data, run):
+  eager = local_approx(jax.random.PRNGKey(1), tiny_apply_fn, tiny_params, synthetic, client_data,
+                       FIXED, learning_rate=LR)
+  chex.assert_trees_all_close(eager, run(FIXED), atol=1e-5, rtol=1e-5)
+
+
+def test_while_loop_runs_max_outer_without_local_steps(run):
+  _, _, m = run(FIXED)
+  chex.assert_trees_all_equal(m.outer_iterations, jnp.array([3, 3], jnp.int32))
+  assert int(m.real_accesses) == FIXED.real_accesses_per_round == 12
+  chex.assert_trees_all_equal(m.trajectory_distance, jnp.zeros(2))
+  assert float(m.mean_batch_size) == 290.0  # q = 1: the full client every time
+  assert float(m.clip_fraction) == 0.0
+
+
+def test_while_loop_stops_at_radius(run):
+  _, _, m = run(TINY_RADIUS)
+  outer = np.asarray(m.outer_iterations)
+  assert np.all(outer == 1), outer  # one local epoch already leaves a ball of radius 1e-4
+  assert np.all(np.asarray(m.trajectory_distance) >= TINY_RADIUS.radius)
+  assert int(m.real_accesses) == 2 * TINY_RADIUS.batch_loop
+  # Poisson batches of expected size 64 out of 290.
+  assert 30 < float(m.mean_batch_size) < 100
+
+
+def test_while_loop_bounded_by_max_outer_and_dp(run):
+  _, _, m = run(DP_LARGE_RADIUS)
+  chex.assert_trees_all_equal(m.outer_iterations, jnp.array([3, 3], jnp.int32))
+  dist = np.asarray(m.trajectory_distance)
+  assert np.all(dist > 0) and np.all(dist < DP_LARGE_RADIUS.radius)
+  assert int(m.real_accesses) == DP_LARGE_RADIUS.real_accesses_per_round == 12
+  assert float(m.clip_fraction) == 1.0  # C = 1e-3 clips every per-example gradient
+
+
+def test_local_approx_lowers_matching_loss(run, tiny_apply_fn, tiny_params, synthetic,
+                                           client_data):
+  syn, _, m = run(FIXED)
+  losses = np.asarray(m.matching_loss).reshape(-1)  # 36 updates against one fixed target
+  assert losses[-1] < 0.5 * losses[0], losses
+  # L_dis recomputed from scratch on the full-batch real gradient, before and after.
+  g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
+      tiny_apply_fn, tiny_params, client_data.x, client_data.y, ~client_data.mask)
+  step = jax.jit(functools.partial(client.matching_step, tiny_apply_fn, dsa_strategy="",
+                                   mse_weight=FIXED.mse_weight))
+  before, _ = step(tiny_params, synthetic, g_real, jax.random.PRNGKey(0))
+  after, _ = step(tiny_params, syn, g_real, jax.random.PRNGKey(0))
+  chex.assert_trees_all_close(before, losses[0], rtol=1e-4)
+  assert float(after) < 0.5 * float(before), (float(before), float(after))
+  assert float(after) <= losses[-1] + 1e-4
+
+
+def test_same_key_same_result(run, tiny_apply_fn, tiny_params, synthetic, client_data):
+  again = local_approx_jit(jax.random.PRNGKey(1), tiny_apply_fn, tiny_params, synthetic,
+                           client_data, TINY_RADIUS, learning_rate=LR)
+  chex.assert_trees_all_equal(again, run(TINY_RADIUS))
+  other = local_approx_jit(jax.random.PRNGKey(2), tiny_apply_fn, tiny_params, synthetic,
+                           client_data, TINY_RADIUS, learning_rate=LR)
+  assert not bool(jnp.allclose(other[0].x, run(TINY_RADIUS)[0].x))
+
+
+@pytest.mark.parametrize("dsa_strategy", ["", "flip_crop"])
+def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, dsa_strategy):
+  """L_dis and its image gradient (grad of grad), eager and jitted."""
+  g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
+      linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
+  step = functools.partial(client.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy,
+                           mse_weight=0.1)
+  eager = step(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
+  jitted = jax.jit(step)(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
+  chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5)
+  loss, grad_x = eager
+  chex.assert_shape(loss, ())
+  chex.assert_trees_all_equal_shapes_and_dtypes(grad_x, synthetic.x)
+  chex.assert_tree_all_finite(grad_x)
+  assert float(jnp.max(jnp.abs(grad_x))) > 0
+  if not dsa_strategy:
+    g_syn = client.synthetic_gradient(linear_apply_fn, linear_params, synthetic)
+    chex.assert_trees_all_close(loss, matching_distance(g_real, g_syn, mse_weight=0.1),
+                                rtol=1e-5)
+
+
+def test_padding_slots_of_the_synthetic_set_are_ignored(linear_apply_fn, linear_params,
+                                                        client_data, synthetic):
+  """Padded synthetic slots (clients owning fewer classes) get no gradient and change nothing."""
+  padded = SyntheticSet(jnp.concatenate([synthetic.x, 7.0 * jnp.ones_like(synthetic.x[:2])]),
+                        jnp.concatenate([synthetic.y, jnp.zeros(2, jnp.int32)]),
+                        jnp.concatenate([synthetic.mask, jnp.zeros(2, bool)]))
+  g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
+      linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
+  step = jax.jit(functools.partial(client.matching_step, linear_apply_fn, dsa_strategy="",
+                                   mse_weight=0.1))
+  loss, grad_x = step(linear_params, padded, g_real, jax.random.PRNGKey(0))
+  ref_loss, ref_grad = step(linear_params, synthetic, g_real, jax.random.PRNGKey(0))
+  chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5)
+  chex.assert_trees_all_close(grad_x[:4], ref_grad, atol=1e-6, rtol=1e-5)
+  chex.assert_trees_all_equal(grad_x[4:], jnp.zeros_like(grad_x[4:]))
+
+
+def test_image_optimizer_is_momentum_sgd():
+  opt = client.image_optimizer(ClientConfig(image_lr=2.0, image_momentum=0.5, dsa_strategy=""))
+  x = jnp.zeros(3)
+  g = jnp.ones(3)
+  state = opt.init(x)
+  u1, state = opt.update(g, state, x)
+  u2, _ = opt.update(g, state, x)
+  chex.assert_trees_all_close(u1, -2.0 * g)
+  chex.assert_trees_all_close(u2, -2.0 * 1.5 * g)  # trace = g + 0.5 g

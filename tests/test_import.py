@@ -1,0 +1,59 @@
+"""``import fedlap_jax`` must work where TensorFlow is not installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+BLOCK_TENSORFLOW = textwrap.dedent("""
+    import importlib.abc
+    import sys
+
+    class BlockTensorFlow(importlib.abc.MetaPathFinder):
+      # Behaves as if tensorflow (and tensorflow_datasets, ...) were not installed.
+      def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0].startswith("tensorflow"):
+          raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+
+    sys.meta_path.insert(0, BlockTensorFlow())
+    sys.modules["tensorflow"] = None
+    try:
+      import tensorflow  # noqa: F401
+    except ImportError:
+      pass
+    else:
+      raise SystemExit("the block does not work")
+    """)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-c", BLOCK_TENSORFLOW + textwrap.dedent(code)],
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_import_without_tensorflow():
+  result = run_python("""
+      import importlib, pkgutil
+      import fedlap_jax
+      names = [m.name for m in pkgutil.iter_modules(fedlap_jax.__path__, "fedlap_jax.")]
+      for name in names:
+        importlib.import_module(name)
+      assert "tensorflow" not in [m.split(".")[0] for m in sys.modules if sys.modules[m]], (
+          sorted(m for m in sys.modules if m.startswith("tensorflow")))
+      missing = [n for n in fedlap_jax.__all__ if not hasattr(fedlap_jax, n)]
+      assert not missing, missing
+      print("OK", len(names), "modules")
+      """)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("OK")
+
+
+def test_block_is_effective():
+  """The hook really makes TensorFlow unavailable (so the test above can fail)."""
+  result = run_python("""
+      import tensorflow_datasets
+      """)
+  assert result.returncode != 0
+  assert "blocked by the test" in result.stderr or "No module named" in result.stderr

@@ -1,0 +1,192 @@
+"""Tests for fedlap_jax.matching (the layer-wise gradient-matching distance L_dis)."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedlap_jax import matching
+from fedlap_jax.matching import matching_distance
+
+
+def random_grads(seed, shapes=None):
+  """A gradient-like pytree: a conv kernel, a Dense kernel and their biases (Flax layouts)."""
+  shapes = shapes or {"conv": {"kernel": (3, 3, 2, 4), "bias": (4,)},
+                      "dense": {"kernel": (6, 3), "bias": (3,)}}
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [jax.random.normal(k, s) for k, s in zip(keys, leaves)])
+
+
+# A hand-computed example: a (2, 3) Dense kernel in Flax layout (in=2, out=3), so its rows
+# for the distance are its 3 columns, plus a bias of 3 (one row).
+HAND_REAL = {"kernel": jnp.array([[1.0, 0.0, 1.0],
+                                  [0.0, 1.0, 1.0]]),
+             "bias": jnp.array([1.0, 0.0, 0.0])}
+HAND_SYN = {"kernel": jnp.array([[1.0, 1.0, -1.0],
+                                 [0.0, 0.0, -1.0]]),
+            "bias": jnp.array([0.0, 1.0, 0.0])}
+# columns: (1,0)/(1,0) cos 1; (0,1)/(1,0) cos 0; (1,1)/(-1,-1) cos -1 -> mean(0, 1, 2) = 1.
+# bias: (1,0,0)/(0,1,0) cos 0 -> 1.  Cosine part = 2.
+# squared differences: kernel 0+1+4+0+1+4 = 10, bias 1+1+0 = 2 -> 12.
+HAND_COSINE = 2.0
+HAND_SQ = 12.0
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_shapes_dtypes_jit_and_eager(use_jit):
+  g_real, g_syn = random_grads(0), random_grads(1)
+  fn = jax.jit(matching_distance) if use_jit else matching_distance
+  d = fn(g_real, g_syn, mse_weight=0.1)
+  chex.assert_shape(d, ())
+  chex.assert_type(d, jnp.float32)
+  chex.assert_trees_all_close(d, jax.jit(matching_distance)(g_real, g_syn, mse_weight=0.1),
+                              rtol=1e-6)
+  layer = (jax.jit(matching.layer_distance, static_argnums=2) if use_jit
+           else matching.layer_distance)
+  chex.assert_shape(layer(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], -1), ())
+  # Bounds: each layer distance lies in [0, 2]; there are 4 tensors.
+  assert 0.0 <= float(matching_distance(g_real, g_syn)) <= 8.0
+
+
+def test_rows_of():
+  chex.assert_shape(matching.rows_of(jnp.zeros((3, 3, 2, 4))), (4, 18))
+  chex.assert_shape(matching.rows_of(jnp.zeros((6, 3))), (3, 6))
+  chex.assert_shape(matching.rows_of(jnp.zeros((6, 3)), 0), (6, 3))
+  chex.assert_shape(matching.rows_of(jnp.zeros((6, 3)), None), (1, 18))
+  chex.assert_shape(matching.rows_of(jnp.zeros((5,))), (1, 5))
+  chex.assert_shape(matching.rows_of(jnp.zeros(())), (1, 1))
+  k = jnp.arange(6.0).reshape(2, 3)  # Flax (in, out): row j is column j
+  chex.assert_trees_all_equal(matching.rows_of(k), k.T)
+
+
+@pytest.mark.parametrize("mse_weight", [0.0, 0.1, 3.0])
+def test_zero_for_identical_gradients(mse_weight):
+  g = random_grads(0)
+  assert abs(float(matching_distance(g, g, mse_weight=mse_weight))) <= 1e-6
+
+
+def test_hand_computed_value():
+  cosine = matching_distance(HAND_REAL, HAND_SYN)
+  chex.assert_trees_all_close(cosine, HAND_COSINE, atol=1e-6)
+  full = matching_distance(HAND_REAL, HAND_SYN, mse_weight=0.1)
+  chex.assert_trees_all_close(full, HAND_COSINE + 0.1 * HAND_SQ, atol=1e-5)
+  # The wrong (PyTorch-style) orientation gives a different number: rows (1,0,1)/(1,1,-1)
+  # have cos 0, rows (0,1,1)/(0,0,-1) cos -1/sqrt(2); with the bias: 1 + 1/(2 sqrt 2) + 1.
+  torch_rows = matching_distance(HAND_REAL, HAND_SYN, row_axis=0)
+  chex.assert_trees_all_close(torch_rows, 2.0 + 1.0 / (2.0 * np.sqrt(2.0)), atol=1e-6)
+
+
+def test_mse_weight_term():
+  g_real, g_syn = random_grads(0), random_grads(1)
+  sq = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(g_real), jax.tree.leaves(g_syn)))
+  base = matching_distance(g_real, g_syn)
+  for lam in (0.1, 2.5):
+    chex.assert_trees_all_close(matching_distance(g_real, g_syn, mse_weight=lam),
+                                base + lam * sq, rtol=1e-5)
+  # A traced weight works too (one compilation for every lambda).
+  traced = jax.jit(lambda lam: matching_distance(g_real, g_syn, mse_weight=lam))
+  chex.assert_trees_all_close(traced(0.1), base + 0.1 * sq, rtol=1e-5)
+
+
+def test_cosine_part_invariant_to_positive_row_scaling():
+  g_real, g_syn = random_grads(0), random_grads(1)
+  key = jax.random.PRNGKey(2)
+
+  def scale_rows(g, k):
+    # One positive factor per output unit (last axis); 1-D tensors are one row.
+    factor = (jax.random.uniform(k, (g.shape[-1],), minval=0.1, maxval=10.0) if g.ndim >= 2
+              else jax.random.uniform(k, (), minval=0.1, maxval=10.0))
+    return g * factor
+
+  leaves, treedef = jax.tree.flatten(g_syn)
+  keys = jax.random.split(key, len(leaves))
+  scaled = jax.tree.unflatten(treedef, [scale_rows(g, k) for g, k in zip(leaves, keys)])
+  chex.assert_trees_all_close(matching_distance(g_real, scaled), matching_distance(g_real, g_syn),
+                              atol=1e-5)
+  # A negative factor on one row does change it.
+  flipped = jax.tree.map(lambda g: g, g_syn)
+  flipped["dense"]["kernel"] = g_syn["dense"]["kernel"].at[:, 0].multiply(-1.0)
+  assert abs(float(matching_distance(g_real, flipped) - matching_distance(g_real, g_syn))) > 1e-3
+
+
+def test_flax_kernel_rows_are_output_units():
+  """With real Flax Dense gradients: scaling an output unit's column by 5 leaves L_dis unchanged,
+  scaling an input row by 5 changes it."""
+  dense = nn.Dense(3)
+  x = jax.random.normal(jax.random.PRNGKey(0), (7, 4))
+  params = dense.init(jax.random.PRNGKey(1), x)["params"]
+  chex.assert_shape(params["kernel"], (4, 3))  # Flax: (in, out)
+
+  def grad(targets):
+    return jax.grad(lambda p: jnp.mean((dense.apply({"params": p}, x) - targets) ** 2))(params)
+
+  g_real = grad(jax.random.normal(jax.random.PRNGKey(2), (7, 3)))
+  g_syn = grad(jax.random.normal(jax.random.PRNGKey(3), (7, 3)))
+  base = matching_distance(g_real, g_syn)
+  out_scaled = {**g_syn, "kernel": g_syn["kernel"].at[:, 1].multiply(5.0)}
+  in_scaled = {**g_syn, "kernel": g_syn["kernel"].at[1, :].multiply(5.0)}
+  chex.assert_trees_all_close(matching_distance(g_real, out_scaled), base, atol=1e-5)
+  assert abs(float(matching_distance(g_real, in_scaled) - base)) > 1e-3
+  # Same for a Conv kernel (h, w, in, out).
+  conv_real, conv_syn = random_grads(4)["conv"], random_grads(5)["conv"]
+  base = matching_distance(conv_real, conv_syn)
+  out_scaled = {**conv_syn, "kernel": conv_syn["kernel"].at[..., 2].multiply(5.0)}
+  in_scaled = {**conv_syn, "kernel": conv_syn["kernel"].at[..., 1, :].multiply(5.0)}
+  chex.assert_trees_all_close(matching_distance(conv_real, out_scaled), base, atol=1e-5)
+  assert abs(float(matching_distance(conv_real, in_scaled) - base)) > 1e-3
+
+
+def test_row_axis_override():
+  g_real, g_syn = random_grads(0), random_grads(1)
+  # PyTorch layout (out, in, h, w) with row_axis=0 equals Flax layout with the default.
+  to_torch = {"kernel": lambda k: jnp.transpose(k, (3, 2, 0, 1)) if k.ndim == 4 else k.T,
+              "bias": lambda b: b}
+  torch_real = {m: {n: to_torch[n](v) for n, v in layer.items()} for m, layer in g_real.items()}
+  torch_syn = {m: {n: to_torch[n](v) for n, v in layer.items()} for m, layer in g_syn.items()}
+  chex.assert_trees_all_close(matching_distance(torch_real, torch_syn, row_axis=0),
+                              matching_distance(g_real, g_syn), atol=1e-6)
+  # A pytree of axes: per-tensor choice; None makes a tensor a single row.
+  axes = {"conv": {"kernel": None, "bias": 0}, "dense": {"kernel": 0, "bias": None}}
+  manual = (matching.layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None)
+            + matching.layer_distance(g_real["conv"]["bias"], g_syn["conv"]["bias"])
+            + matching.layer_distance(g_real["dense"]["kernel"], g_syn["dense"]["kernel"], 0)
+            + matching.layer_distance(g_real["dense"]["bias"], g_syn["dense"]["bias"]))
+  chex.assert_trees_all_close(matching_distance(g_real, g_syn, row_axis=axes), manual, atol=1e-6)
+  assert abs(float(manual - matching_distance(g_real, g_syn))) > 1e-3
+  # None for a whole tensor is the cosine of the flattened tensors.
+  a, b = g_real["conv"]["kernel"].ravel(), g_syn["conv"]["kernel"].ravel()
+  chex.assert_trees_all_close(
+      matching.layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None),
+      1.0 - a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b)), atol=1e-6)
+
+
+def test_mismatched_pytrees_raise():
+  g = random_grads(0)
+  with pytest.raises(ValueError, match="4 real leaves, 2 synthetic"):
+    matching_distance(g, g["conv"])
+  with pytest.raises(ValueError, match="3 row axes"):
+    matching_distance(g, g, row_axis={"a": 0, "b": 0, "c": 0})
+
+
+def test_finite_gradient_with_zero_rows():
+  g_real, g_syn = random_grads(0), random_grads(1)
+  g_syn["dense"]["kernel"] = g_syn["dense"]["kernel"].at[:, 1].set(0.0)  # a zero output unit
+  g_syn["conv"]["bias"] = jnp.zeros_like(g_syn["conv"]["bias"])  # an all-zero 1-D tensor
+  g_real["dense"]["bias"] = jnp.zeros_like(g_real["dense"]["bias"])  # zero on the real side
+  loss = functools.partial(matching_distance, g_real, mse_weight=0.1)
+  value, grad = jax.jit(jax.value_and_grad(loss))(g_syn)
+  chex.assert_tree_all_finite((value, grad))
+  chex.assert_trees_all_equal_shapes_and_dtypes(grad, g_syn)
+  # A zero real row gives cos = 0, a constant distance of 1 for that tensor.
+  chex.assert_trees_all_close(matching.layer_distance(g_real["dense"]["bias"],
+                                                      g_syn["dense"]["bias"]), 1.0, atol=1e-6)
+  grad_zero = jax.grad(lambda b: matching.layer_distance(g_real["dense"]["bias"], b))(
+      g_syn["dense"]["bias"])
+  chex.assert_trees_all_close(grad_zero, jnp.zeros(3), atol=1e-6)

@@ -1,0 +1,121 @@
+"""Tests for fedlap_jax.models (the ConvNet of the paper)."""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedlap_jax import models
+from fedlap_jax.models import ConvNet, count_params, init_convnet
+
+
+def abstract_params(model: ConvNet, image_shape):
+  """Parameter shapes without computing anything (``jax.eval_shape``)."""
+  x = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
+  return jax.eval_shape(model.init, jax.random.PRNGKey(0), x)["params"]
+
+
+def expected_count(image_shape, *, classes=10, width=128, depth=3, norm="instance"):
+  """Closed-form parameter count of the ConvNet (for 3x3 kernels, 2x2 pooling)."""
+  h, w, c = image_shape
+  if (h, w, c) == (28, 28, 1):
+    h = w = 32
+  convs = 9 * c * width + width + (depth - 1) * (9 * width * width + width)
+  norms = 0 if norm == "none" else depth * 2 * width
+  side_h, side_w = h // 2 ** depth, w // 2 ** depth
+  return convs + norms + width * side_h * side_w * classes + classes
+
+
+def first_feature_map_shape(model, image_shape):
+  """Shape of the first convolution's output, read with ``capture_intermediates``."""
+  x = jax.ShapeDtypeStruct((2, *image_shape), jnp.float32)
+  variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)
+
+  def run(v, x):
+    _, state = model.apply(v, x, capture_intermediates=lambda mdl, _: isinstance(mdl, nn.Conv))
+    return state["intermediates"]["Conv_0"]["__call__"][0]
+
+  return jax.eval_shape(run, variables, x).shape
+
+
+@pytest.mark.parametrize("image_shape, count", [((28, 28, 1), 317_706), ((32, 32, 3), 320_010)])
+def test_paper_parameter_counts(image_shape, count):
+  params = abstract_params(ConvNet(num_classes=10, width=128, depth=3), image_shape)
+  assert count_params(params) == count
+  assert expected_count(image_shape) == count
+
+
+@pytest.mark.parametrize("norm", models.NORMS)
+@pytest.mark.parametrize("width, depth, image_shape",
+                         [(16, 1, (8, 8, 1)), (32, 2, (8, 8, 1)), (16, 3, (32, 32, 3)),
+                          (32, 3, (28, 28, 1))])
+def test_narrow_variants_and_norms(norm, width, depth, image_shape):
+  model = ConvNet(num_classes=10, width=width, depth=depth, norm=norm)
+  params = abstract_params(model, image_shape)
+  assert count_params(params) == expected_count(image_shape, width=width, depth=depth, norm=norm)
+  norm_layers = [k for k in params if k.startswith("GroupNorm")]
+  assert len(norm_layers) == (0 if norm == "none" else depth)
+  for k in norm_layers:
+    chex.assert_shape([params[k]["scale"], params[k]["bias"]], (width,))
+  chex.assert_shape(params["Conv_0"]["kernel"], (3, 3, image_shape[-1], width))
+
+
+@pytest.mark.parametrize("image_shape, feature_shape", [
+    ((28, 28, 1), (2, 32, 32, 16)),  # the 1-channel 28x28 rule: padding 3 in the first conv
+    ((32, 32, 3), (2, 32, 32, 16)),
+    ((28, 28, 3), (2, 28, 28, 16)),  # the rule is for 1-channel images only
+    ((8, 8, 1), (2, 8, 8, 16)),
+])
+def test_padding_rule(image_shape, feature_shape):
+  assert first_feature_map_shape(ConvNet(width=16, depth=3), image_shape) == feature_shape
+
+
+def test_bad_norm_name():
+  model = ConvNet(norm="batch")
+  with pytest.raises(ValueError, match=r"norm='batch'.*instance"):
+    model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))
+
+
+def test_bad_input_rank():
+  model = ConvNet(width=8, depth=1)
+  with pytest.raises(ValueError, match=r"NHWC.*\(8, 8\)"):
+    model.init(jax.random.PRNGKey(0), jnp.zeros((8, 8)))
+
+
+@pytest.mark.parametrize("norm", models.NORMS)
+def test_apply_shapes_jit_and_eager(norm):
+  model, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), 10, width=8, depth=1, norm=norm)
+  assert model.norm == norm and model.width == 8
+  x = jax.random.normal(jax.random.PRNGKey(1), (5, 8, 8, 1))
+
+  def apply(p, x):
+    return model.apply({"params": p}, x)
+
+  eager = apply(params, x)
+  jitted = jax.jit(apply)(params, x)
+  chex.assert_shape([eager, jitted], (5, 10))
+  chex.assert_type([eager, jitted], jnp.float32)
+  chex.assert_tree_all_finite(eager)
+  chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5)
+
+
+def test_instance_norm_is_per_example():
+  """An example's logits do not depend on the rest of the batch (needed for record-level DP)."""
+  model, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), 10, width=8, depth=2)
+  apply = jax.jit(model.apply)
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 1))
+  other = x.at[1:].set(5.0 * jax.random.normal(jax.random.PRNGKey(2), (3, 8, 8, 1)))
+  a = apply({"params": params}, x)
+  b = apply({"params": params}, other)
+  chex.assert_trees_all_close(a[0], b[0], atol=1e-5)
+  assert not bool(jnp.allclose(a[1:], b[1:]))
+
+
+def test_count_params_concrete():
+  _, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), 10, width=16, depth=1)
+  assert count_params(params) == expected_count((8, 8, 1), width=16, depth=1)
+  assert count_params(params) == sum(np.size(p) for p in jax.tree.leaves(params))

@@ -1,0 +1,253 @@
+"""Tests for fedlap_jax.privacy: Poisson sampling, per-example clipping, Gaussian noise."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedlap_jax import privacy
+
+CLIP = 6.4  # between the smallest and the largest per-example norm of the batch below
+
+
+@pytest.fixture(scope="module")
+def batch(digits):
+  """Eight real digits with labels, and a padding mask hiding the last three."""
+  x = jnp.asarray(digits.x_train[:8])
+  y = jnp.asarray(digits.y_train[:8])
+  is_padding = jnp.arange(8) >= 5
+  return x, y, is_padding
+
+
+def global_norms(tree):
+  """``(N,)`` L2 norms of per-example gradients (leaves with a leading ``N`` axis)."""
+  return jnp.sqrt(sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1)
+                      for leaf in jax.tree.leaves(tree)))
+
+
+# ---------------------------------------------------------------- Poisson sampling
+
+
+def test_poisson_capacity_formula():
+  for b in (1, 16, 64, 256, 1000):
+    assert privacy.poisson_capacity(b) == math.ceil(b + 6 * math.sqrt(b) + 4)
+  assert privacy.poisson_capacity(256) == 356
+  assert privacy.poisson_capacity(100, num_std=3.0) == 134
+  with pytest.raises(ValueError, match=r"batch_size=0.*>= 1"):
+    privacy.poisson_capacity(0)
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_poisson_sample_shapes_and_content(use_jit):
+  valid = jnp.arange(100) < 70
+  fn = jax.jit(privacy.poisson_sample, static_argnums=3) if use_jit else privacy.poisson_sample
+  out = fn(jax.random.PRNGKey(3), valid, 0.3, 40)
+  chex.assert_shape([out.indices, out.is_padding], (40,))
+  chex.assert_shape([out.size, out.overflow], ())
+  chex.assert_type([out.indices, out.size, out.overflow], jnp.int32)
+  chex.assert_type(out.is_padding, jnp.bool_)
+  size = int(out.size)
+  assert int(jnp.sum(~out.is_padding)) == size
+  assert 0 < size <= 40 and int(out.overflow) == 0
+  chosen = np.asarray(out.indices[:size])
+  assert np.all(np.diff(chosen) > 0)  # increasing, hence distinct
+  assert np.all(chosen < 70)  # only valid records
+  assert np.all(np.asarray(out.indices[size:]) == 0)
+  assert bool(jnp.all(out.is_padding[size:]))
+  ref = privacy.poisson_sample(jax.random.PRNGKey(3), valid, 0.3, 40)
+  chex.assert_trees_all_equal(out, ref)
+
+
+def test_poisson_batch_size_mean_and_variance():
+  n_valid, q, draws = 800, 0.1, 4000
+  valid = jnp.arange(1000) < n_valid
+  sample = jax.jit(jax.vmap(lambda k: privacy.poisson_sample(k, valid, q, 160)))
+  out = sample(jax.random.split(jax.random.PRNGKey(0), draws))
+  sizes = np.asarray(out.size, np.float64)
+  mean, var = q * n_valid, q * n_valid * (1 - q)  # 80, 72
+  assert abs(sizes.mean() - mean) < 5 * math.sqrt(var / draws)
+  assert abs(sizes.var(ddof=1) / var - 1) < 0.1  # std. error of the ratio ~ 2.2%
+  assert int(jnp.sum(out.overflow)) == 0
+  assert int(jnp.max(jnp.where(out.is_padding, 0, out.indices))) < n_valid
+
+
+def test_poisson_overflow_is_counted():
+  valid = jnp.ones((200,), bool)
+  key = jax.random.PRNGKey(7)
+  full = privacy.poisson_sample(key, valid, 0.5, 200)
+  small = privacy.poisson_sample(key, valid, 0.5, 10)
+  total = int(full.size)
+  assert total > 10
+  assert int(small.size) == 10 and int(small.overflow) == total - 10
+  assert not bool(jnp.any(small.is_padding))
+  chex.assert_trees_all_equal(small.indices, full.indices[:10])  # the first 10 records drawn
+
+
+# ---------------------------------------------------------------- losses and gradients
+
+
+def test_eager_matches_jit(batch, linear_apply_fn, linear_params):
+  """Every gradient primitive, eager and jitted: same shapes, dtypes and values."""
+  x, y, is_padding = batch
+  apply_fn, params = linear_apply_fn, linear_params
+  calls = {
+      "cross_entropy": (privacy.cross_entropy, (apply_fn(params, x), y), {}),
+      "masked_mean_loss": (functools.partial(privacy.masked_mean_loss, apply_fn),
+                           (params, x, y, (~is_padding).astype(jnp.float32)), {}),
+      "real_gradient": (functools.partial(privacy.real_gradient, apply_fn),
+                        (params, x, y, is_padding), {}),
+      "per_example_gradients": (functools.partial(privacy.per_example_gradients, apply_fn),
+                                (params, x, y), {}),
+      "clipped_gradient_sum": (functools.partial(privacy.clipped_gradient_sum, apply_fn,
+                                                 l2_clip_norm=1.0), (params, x, y, is_padding), {}),
+      "private_gradient": (functools.partial(privacy.private_gradient, apply_fn=apply_fn,
+                                             l2_clip_norm=1.0, noise_multiplier=1.0,
+                                             expected_batch_size=5.0),
+                           (jax.random.PRNGKey(0),), dict(params=params, x=x, y=y,
+                                                          is_padding=is_padding)),
+      "add_gaussian_noise": (privacy.add_gaussian_noise, (jax.random.PRNGKey(0), params, 2.0), {}),
+  }
+  expected = {
+      "cross_entropy": jax.ShapeDtypeStruct((8,), jnp.float32),
+      "masked_mean_loss": jax.ShapeDtypeStruct((), jnp.float32),
+      "real_gradient": params,
+      "per_example_gradients": jax.tree.map(lambda p: jnp.zeros((8, *p.shape)), params),
+      "clipped_gradient_sum": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
+      "private_gradient": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
+      "add_gaussian_noise": params,
+  }
+  for name, (fn, args, kwargs) in calls.items():
+    eager = fn(*args, **kwargs)
+    jitted = jax.jit(fn)(*args, **kwargs)
+    chex.assert_trees_all_equal_shapes_and_dtypes(eager, expected[name], custom_message=name)
+    chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5, custom_message=name)
+    chex.assert_tree_all_finite(eager)
+
+
+def test_losses(tiny_apply_fn, tiny_params, batch):
+  x, y, is_padding = batch
+  logits = jax.jit(tiny_apply_fn)(tiny_params, x)
+  losses = privacy.cross_entropy(logits, y)
+  chex.assert_trees_all_close(losses, optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, 10)),
+                              atol=1e-5)
+  weights = (~is_padding).astype(jnp.float32)
+  mml = jax.jit(privacy.masked_mean_loss, static_argnums=0)
+  chex.assert_trees_all_close(mml(tiny_apply_fn, tiny_params, x, y, weights),
+                              jnp.mean(losses[:5]), atol=1e-5)
+  chex.assert_trees_all_close(mml(tiny_apply_fn, tiny_params, x, y), jnp.mean(losses), atol=1e-5)
+
+
+def test_real_gradient_ignores_padding(tiny_apply_fn, tiny_params, batch):
+  x, y, is_padding = batch
+  g = jax.jit(privacy.real_gradient, static_argnums=0)(tiny_apply_fn, tiny_params, x, y,
+                                                        is_padding)
+  chex.assert_trees_all_equal_shapes_and_dtypes(g, tiny_params)
+  ref = _mean_grad(tiny_apply_fn, tiny_params, x[:5], y[:5])
+  chex.assert_trees_all_close(g, ref, atol=1e-5, rtol=1e-4)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mean_grad(apply_fn, params, x, y):
+  return jax.grad(lambda p: jnp.mean(privacy.cross_entropy(apply_fn(p, x), y)))(params)
+
+
+def test_per_example_gradients_equal_one_example_batches(tiny_apply_fn, tiny_params, batch):
+  x, y, _ = batch
+  per_ex = jax.jit(privacy.per_example_gradients, static_argnums=0)(tiny_apply_fn, tiny_params,
+                                                                    x, y)
+  chex.assert_trees_all_equal_shapes_and_dtypes(
+      per_ex, jax.tree.map(lambda p: jnp.zeros((8, *p.shape), p.dtype), tiny_params))
+  for i in range(8):
+    ref = _mean_grad(tiny_apply_fn, tiny_params, x[i:i + 1], y[i:i + 1])
+    chex.assert_trees_all_close(jax.tree.map(lambda g: g[i], per_ex), ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def clipped_sum_fn(tiny_apply_fn):
+  return jax.jit(functools.partial(privacy.clipped_gradient_sum, tiny_apply_fn),
+                 static_argnames=("l2_clip_norm", "microbatch_size"))
+
+
+def test_clipped_gradient_sum(tiny_apply_fn, tiny_params, batch, clipped_sum_fn):
+  x, y, is_padding = batch
+  total, norms = clipped_sum_fn(tiny_params, x, y, is_padding, l2_clip_norm=CLIP)
+  chex.assert_trees_all_equal_shapes_and_dtypes(total, tiny_params)
+  chex.assert_shape(norms, (8,))
+  # Norms are those of vmap(grad); the sum is sum_i g_i min(1, C / |g_i|) over real examples.
+  per_ex = jax.jit(privacy.per_example_gradients, static_argnums=0)(tiny_apply_fn, tiny_params,
+                                                                    x, y)
+  ref_norms = global_norms(per_ex)
+  chex.assert_trees_all_close(norms[:5], ref_norms[:5], rtol=1e-4)
+  assert bool(jnp.any(ref_norms[:5] > CLIP)) and bool(jnp.any(ref_norms[:5] < CLIP)), (
+      "pick CLIP so that some examples are clipped and some are not", ref_norms)
+  factor = jnp.minimum(1.0, CLIP / ref_norms) * (~is_padding)
+  ref = jax.tree.map(lambda g: jnp.tensordot(factor, g, axes=1), per_ex)
+  chex.assert_trees_all_close(total, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_clipping_bound_and_padding(tiny_params, batch, clipped_sum_fn):
+  x, y, is_padding = batch
+  # One-example batches: the clipped gradient of every example has norm <= C.
+  one = jax.vmap(lambda xi, yi: clipped_sum_fn(tiny_params, xi[None], yi[None],
+                                               jnp.zeros((1,), bool), l2_clip_norm=CLIP))
+  clipped, norms = one(x, y)
+  clipped_norms = global_norms(clipped)
+  assert float(jnp.max(clipped_norms)) <= CLIP + 1e-6
+  big = norms[:, 0] > CLIP
+  chex.assert_trees_all_close(clipped_norms[big], jnp.full((int(big.sum()),), CLIP), rtol=1e-4)
+  # Padding examples contribute exactly zero, whatever their content.
+  with_pad, _ = clipped_sum_fn(tiny_params, x, y, is_padding, l2_clip_norm=CLIP)
+  garbage = x.at[5:].set(100.0)
+  with_garbage, _ = clipped_sum_fn(tiny_params, garbage, y, is_padding, l2_clip_norm=CLIP)
+  chex.assert_trees_all_close(with_pad, with_garbage, atol=1e-6)
+  all_pad, _ = clipped_sum_fn(tiny_params, x, y, jnp.ones((8,), bool), l2_clip_norm=CLIP)
+  assert all(bool(jnp.all(leaf == 0)) for leaf in jax.tree.leaves(all_pad))
+
+
+# ---------------------------------------------------------------- the Gaussian mechanism
+
+
+def test_noise_is_added():
+  tree = {"a": jnp.zeros((3, 4)), "b": jnp.ones((5,))}
+  noisy = privacy.add_gaussian_noise(jax.random.PRNGKey(0), tree, 2.0)
+  other = privacy.add_gaussian_noise(jax.random.PRNGKey(1), tree, 2.0)
+  assert not bool(jnp.allclose(noisy["a"], 0.0))
+  assert not bool(jnp.allclose(noisy["a"], other["a"]))
+  assert not bool(jnp.allclose(noisy["a"][0], noisy["a"][1]))  # independent across scalars
+
+
+@pytest.mark.parametrize("sigma, clip, expected_batch", [(1.0, 1.0, 64.0), (0.7, 0.1, 5.0)])
+def test_noise_std_and_mean(linear_apply_fn, linear_params, batch, sigma, clip, expected_batch):
+  """Over many keys: mean = clipped sum / B, std = sigma * C / B (within 2%)."""
+  x, y, is_padding = batch
+  draws = 200
+  samples = _noisy_gradients(linear_apply_fn, linear_params, x, y, is_padding,
+                             jax.random.split(jax.random.PRNGKey(1), draws), clip, sigma,
+                             expected_batch)
+  exact, _ = privacy.clipped_gradient_sum(linear_apply_fn, linear_params, x, y, is_padding,
+                                          l2_clip_norm=clip)
+  deviations = jnp.concatenate([
+      (s - e / expected_batch).reshape(-1)
+      for s, e in zip(jax.tree.leaves(samples), jax.tree.leaves(exact))])
+  target = sigma * clip / expected_batch
+  assert deviations.size >= 100_000
+  std = float(jnp.std(deviations))
+  assert abs(std / target - 1) < 0.02, (std, target)
+  assert abs(float(jnp.mean(deviations))) < 5 * target / math.sqrt(deviations.size)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _noisy_gradients(apply_fn, params, x, y, is_padding, keys, clip, sigma, expected_batch):
+  """``(draws, ...)`` private gradients of one batch; clip, sigma and B are traced."""
+  def one(k):
+    g, _ = privacy.private_gradient(k, apply_fn, params, x, y, is_padding, l2_clip_norm=clip,
+                                    noise_multiplier=sigma, expected_batch_size=expected_batch)
+    return g
+  return jax.vmap(one)(keys)

@@ -1,0 +1,268 @@
+"""Tests for fedlap_jax.radius (r_k calibration, r_g strategies) and fedlap_jax.server
+(Algorithm 2: trust-region global update)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedlap_jax import radius, server, training
+from fedlap_jax.config import ServerConfig
+
+# ---------------------------------------------------------------- server radius strategies
+
+RADII = jnp.array([3.0, 1.0, 4.0, 1.5, 9.0])
+VALID = jnp.array([True, False, True, True, False])
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("strategy, expected, expected_valid", [
+    ("min", 1.0, 1.5),
+    ("max", 9.0, 4.0),
+    ("median", 3.0, 3.0),
+    ("mean", 3.7, (3.0 + 4.0 + 1.5) / 3),
+    ("constant", 2.5, 2.5),
+    ("fixed", math.inf, math.inf),
+])
+def test_server_radius_strategies(strategy, expected, expected_valid, use_jit):
+  fn = functools.partial(radius.server_radius, strategy=strategy)
+  if use_jit:
+    fn = jax.jit(fn)
+  r = fn(RADII, radius=2.5)
+  chex.assert_shape(r, ())
+  chex.assert_type(r, jnp.float32)
+  chex.assert_trees_all_close(r, jnp.float32(expected), rtol=1e-6)
+  chex.assert_trees_all_close(fn(RADII, radius=2.5, valid=VALID), jnp.float32(expected_valid),
+                              rtol=1e-6)
+
+
+def test_server_radius_median_even_count():
+  r = radius.server_radius(jnp.array([4.0, 1.0, 3.0, 2.0]), "median", 0.0)
+  chex.assert_trees_all_close(r, 2.5)
+
+
+def test_server_radius_bad_strategy():
+  with pytest.raises(ValueError, match=r"radius_strategy='smallest'.*min"):
+    radius.server_radius(RADII, "smallest", 1.0)
+
+
+# ---------------------------------------------------------------- client radius calibration
+
+
+@pytest.fixture(scope="module")
+def calibration_data(client_parts):
+  """Client 0's real data and a synthetic set of 6 of its real images (no padding)."""
+  x, y = client_parts[0]
+  syn_idx = np.concatenate([np.flatnonzero(y == 5)[:3], np.flatnonzero(y == 6)[:3]])
+  return (jnp.asarray(x[syn_idx]), jnp.asarray(y[syn_idx]), jnp.ones(6, bool),
+          jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
+
+
+calibrate_jit = jax.jit(radius.calibrate_radius,
+                        static_argnames=("apply_fn", "epochs", "batch_size", "dsa_strategy",
+                                         "eval_size"))
+
+
+@pytest.mark.parametrize("max_radius", [100.0, 1.0])
+def test_calibrate_radius(tiny_apply_fn, tiny_params, calibration_data, max_radius):
+  """r_k is the distance at the epoch of lowest real loss, capped at max_radius.
+
+  Full-batch SGD without DSA is deterministic, so the trace is checked against
+  plain gradient steps.
+  """
+  epochs, lr = 5, 0.5
+  r_k, trace = calibrate_jit(jax.random.PRNGKey(0), tiny_apply_fn, tiny_params,
+                             *calibration_data, learning_rate=lr, max_radius=max_radius,
+                             epochs=epochs, batch_size=512, dsa_strategy="")
+  chex.assert_shape([trace.distances, trace.real_losses], (epochs,))
+  chex.assert_shape([r_k, trace.best_epoch], ())
+  chex.assert_type(r_k, jnp.float32)
+  best = int(np.argmin(np.asarray(trace.real_losses)))
+  assert int(trace.best_epoch) == best
+  chex.assert_trees_all_close(r_k, jnp.minimum(trace.distances[best], max_radius))
+  # Reproduce the trace with explicit full-batch gradient steps.
+  sx, sy, _, rx, ry, rm = calibration_data
+  step = _full_batch_step(tiny_apply_fn)
+  evaluate = jax.jit(training.evaluate, static_argnums=0)
+  w = tiny_params
+  for e in range(epochs):
+    w = step(w, sx, sy, lr)
+    chex.assert_trees_all_close(trace.distances[e], training.tree_distance(w, tiny_params),
+                                rtol=1e-4)
+    chex.assert_trees_all_close(trace.real_losses[e], evaluate(tiny_apply_fn, w, rx, ry, rm).loss,
+                                rtol=1e-4)
+  # On this 6-image set the real loss is not monotone: the lowest is not the last epoch, so
+  # r_k is not simply the final distance.
+  assert best < epochs - 1 and float(trace.distances[best]) < float(trace.distances[-1])
+  assert (float(r_k) == max_radius) == (max_radius < float(trace.distances[best]))
+
+
+@functools.lru_cache(maxsize=None)
+def _full_batch_step(apply_fn):
+  @jax.jit
+  def step(w, x, y, lr):
+    g = jax.grad(lambda p: jnp.mean(training.cross_entropy(apply_fn(p, x), y)))(w)
+    return jax.tree.map(lambda p, g: p - lr * g, w, g)
+  return step
+
+
+def test_calibrate_radius_eval_subsample(tiny_apply_fn, tiny_params, calibration_data):
+  r_k, trace = calibrate_jit(jax.random.PRNGKey(0), tiny_apply_fn, tiny_params,
+                             *calibration_data, learning_rate=0.5, max_radius=100.0, epochs=4,
+                             batch_size=512, dsa_strategy="", eval_size=50)
+  chex.assert_shape(trace.real_losses, (4,))
+  chex.assert_tree_all_finite((r_k, trace))
+  assert 0 < float(r_k) <= 100.0
+  full_r, full = calibrate_jit(jax.random.PRNGKey(0), tiny_apply_fn, tiny_params,
+                               *calibration_data, learning_rate=0.5, max_radius=100.0, epochs=4,
+                               batch_size=512, dsa_strategy="")
+  chex.assert_trees_all_close(trace.distances, full.distances, rtol=1e-5)  # same trajectory
+  assert not bool(jnp.allclose(trace.real_losses, full.real_losses))  # a different eval set
+
+
+# ---------------------------------------------------------------- server: Algorithm 2
+
+
+@pytest.fixture(scope="module")
+def union(client_parts):
+  """Two clients' synthetic sets of 8 real images each, stacked ``(2, 8, 8, 8, 1)``."""
+  xs, ys = [], []
+  for k in range(2):
+    x, y = client_parts[k]
+    idx = np.concatenate([np.flatnonzero(y == c)[:4] for c in np.unique(y)])
+    xs.append(x[idx])
+    ys.append(y[idx])
+  return jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys)), jnp.ones((2, 8), bool)
+
+
+SERVER = ServerConfig(radius_strategy="min", batch_size=4, max_epochs=20, dsa_strategy="")
+global_update_jit = jax.jit(server.global_update, static_argnames=("apply_fn", "config"))
+
+
+def server_run(apply_fn, params, union, r_g, config=SERVER, key=jax.random.PRNGKey(0)):
+  return global_update_jit(key, apply_fn, params, *union, jnp.ones(2), r_g, learning_rate=0.05,
+                           config=config)
+
+
+def test_global_update_fixed_runs_max_epochs(tiny_apply_fn, tiny_params, union):
+  params, m = server_run(tiny_apply_fn, tiny_params, union,
+                         radius.server_radius(jnp.ones(2), "fixed", 1.0))
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, tiny_params)
+  chex.assert_shape([m.epochs, m.steps, m.distance, m.radius], ())
+  assert int(m.epochs) == SERVER.max_epochs
+  assert int(m.steps) == SERVER.max_epochs * 4  # 16 examples in batches of 4
+  assert float(m.radius) == math.inf
+  chex.assert_trees_all_close(m.distance, training.tree_distance(params, tiny_params), rtol=1e-5)
+
+
+def test_global_update_stops_at_radius(tiny_apply_fn, tiny_params, union):
+  _, full = server_run(tiny_apply_fn, tiny_params, union, jnp.inf)
+  r_g = 0.5 * float(full.distance)
+  params, m = server_run(tiny_apply_fn, tiny_params, union, r_g)
+  epochs = int(m.epochs)
+  assert 1 < epochs < SERVER.max_epochs
+  assert float(m.distance) >= r_g
+  assert int(m.steps) == 4 * epochs
+  chex.assert_trees_all_close(m.distance, training.tree_distance(params, tiny_params), rtol=1e-5)
+  # The same run capped one epoch earlier is still inside the ball.
+  short = ServerConfig(radius_strategy="min", batch_size=4, max_epochs=epochs - 1,
+                       dsa_strategy="")
+  _, before = server_run(tiny_apply_fn, tiny_params, union, r_g, config=short)
+  assert int(before.epochs) == epochs - 1
+  assert float(before.distance) < r_g
+
+
+def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
+  cfg = ServerConfig(radius_strategy="min", batch_size=8, max_epochs=3, dsa_strategy="flip")
+  args = (jax.random.PRNGKey(1), linear_apply_fn, linear_params, *union, jnp.array([1.0, 3.0]), 0.5)
+  eager = server.global_update(*args, learning_rate=0.1, config=cfg)
+  jitted = global_update_jit(*args, learning_rate=0.1, config=cfg)
+  chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_equal_shapes_and_dtypes(eager[0], linear_params)
+
+
+def test_example_weights():
+  mask = jnp.array([[True, True, False, False], [True, True, True, True]])
+  w = server.example_weights(mask, jnp.array([1.0, 3.0]))
+  chex.assert_shape(w, (2, 4))
+  chex.assert_trees_all_equal(w[0, 2:], jnp.zeros(2))  # padding
+  # A full pass weighs the clients 1 : 3; the mean weight over valid examples is 1.
+  chex.assert_trees_all_close(jnp.sum(w, axis=1) / jnp.sum(w), jnp.array([0.25, 0.75]))
+  chex.assert_trees_all_close(jnp.sum(w), 6.0)
+  equal = server.example_weights(jnp.ones((3, 5), bool), jnp.ones(3))
+  chex.assert_trees_all_close(equal, jnp.ones((3, 5)))
+
+
+# ---------------------------------------------------------------- model steps (training.py)
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_cosine_learning_rate(use_jit):
+  fn = training.cosine_learning_rate
+  if use_jit:
+    fn = jax.jit(fn, static_argnums=1)
+  lrs = jnp.stack([fn(m, 11, 0.1) for m in range(1, 12)])
+  chex.assert_shape(lrs, (11,))
+  chex.assert_type(lrs, jnp.float32)
+  expected = np.maximum(0.1 * (1 + np.cos(np.pi * np.arange(11) / 10)) / 2, 1e-6)
+  chex.assert_trees_all_close(lrs, expected, rtol=1e-5, atol=1e-8)
+  assert float(lrs[-1]) == pytest.approx(1e-6) and float(lrs[5]) == pytest.approx(0.05)
+  chex.assert_trees_all_close(fn(1, 1, 0.3), 0.3)
+
+
+def test_tree_distance():
+  a = {"w": jnp.ones((2, 3)), "b": jnp.zeros(4)}
+  b = {"w": jnp.zeros((2, 3)), "b": 2 * jnp.ones(4)}
+  for fn in (training.tree_distance, jax.jit(training.tree_distance)):
+    d = fn(a, b)
+    chex.assert_shape(d, ())
+    chex.assert_trees_all_close(d, jnp.sqrt(6.0 + 16.0))
+    chex.assert_trees_all_close(fn(a, a), 0.0)
+
+
+def test_evaluate_chunks_and_mask(linear_apply_fn, linear_params, union):
+  x = union[0].reshape(-1, 8, 8, 1)
+  y = union[1].reshape(-1)
+  mask = jnp.arange(16) < 11
+  logits = linear_apply_fn(linear_params, x)
+  losses = training.cross_entropy(logits, y)
+  correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+  for fn in (training.evaluate, jax.jit(training.evaluate, static_argnums=0,
+                                        static_argnames="chunk_size")):
+    out = fn(linear_apply_fn, linear_params, x, y, mask, chunk_size=5)  # 4 chunks, last padded
+    chex.assert_shape([out.loss, out.accuracy], ())
+    chex.assert_trees_all_close(out.loss, jnp.mean(losses[:11]), rtol=1e-5)
+    chex.assert_trees_all_close(out.accuracy, jnp.mean(correct[:11]), rtol=1e-5)
+    full = fn(linear_apply_fn, linear_params, x, y)
+    chex.assert_trees_all_close(full.loss, jnp.mean(losses), rtol=1e-5)
+
+
+def test_sgd_epoch(linear_apply_fn, linear_params, union):
+  x = union[0].reshape(-1, 8, 8, 1)
+  y = union[1].reshape(-1)
+  weights = jnp.ones(16)
+  epoch = functools.partial(training.sgd_epoch, batch_size=6, dsa_strategy="")
+  eager = epoch(jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y, weights, 0.1)
+  jitted = jax.jit(epoch, static_argnums=1)(jax.random.PRNGKey(0), linear_apply_fn, linear_params,
+                                            x, y, weights, 0.1)
+  chex.assert_trees_all_close(eager, jitted, atol=1e-6)
+  params, steps = eager
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, linear_params)
+  assert int(steps) == 3  # ceil(16 / 6) batches
+  # One full batch: exactly one gradient step on the mean loss.
+  params, steps = training.sgd_epoch(jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y,
+                                     weights, 0.1, batch_size=16, dsa_strategy="")
+  g = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x), y)))(linear_params)
+  chex.assert_trees_all_close(params, jax.tree.map(lambda p, g: p - 0.1 * g, linear_params, g),
+                              atol=1e-6)
+  # Zero weights: no update and no step counted.
+  params, steps = training.sgd_epoch(jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y,
+                                     jnp.zeros(16), 0.1, batch_size=6, dsa_strategy="")
+  chex.assert_trees_all_equal(params, linear_params)
+  assert int(steps) == 0

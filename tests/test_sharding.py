@@ -1,0 +1,118 @@
+"""Clients sharded over devices give the single-device round (fedlap_jax.sharding).
+
+JAX fixes the device count at start-up, so each device count runs in its own
+subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``; the
+subprocess runs this file as a script and prints the round results as JSON.
+5 clients on 4 devices also exercises the padding with empty clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+NUM_CLIENTS = 5
+
+
+def _worker(backend: str) -> dict:
+  """Two rounds of FedLAP-DP and one of FedLAP on a tiny problem; returns numbers."""
+  import jax
+  import jax.numpy as jnp
+
+  from fedlap_jax import config as C
+  from fedlap_jax import federated, models, sharding
+
+  # norm="none": with instance norm the conv biases have structurally zero
+  # gradients whose float noise the cosine distance amplifies, so runs that
+  # differ only in reduction order drift apart; without it they agree to 1e-5.
+  model = models.ConvNet(num_classes=10, width=8, depth=1, norm="none")
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
+  apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+  rng = np.random.default_rng(0)
+  sizes = [40, 48, 40, 44, 40]
+  xs = [rng.standard_normal((n, 8, 8, 1)).astype(np.float32) for n in sizes]
+  ys = [np.resize([2 * k, 2 * k + 1], n).astype(np.int32) for k, n in enumerate(sizes)]
+  clients = federated.stack_clients(xs, ys)
+  dp = C.FedLAPConfig(
+      client=C.ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
+                            inner_loop=1, batch_size=16, radius=5.0, mse_weight=0.0,
+                            image_lr=1.0, calibrate_radius=False, dsa_strategy="color_flip",
+                            dp=C.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)),
+      server=C.ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=3,
+                            dsa_strategy=""),
+      rounds=3, learning_rate=0.05, synthetic_init="noise")
+  nondp = C.FedLAPConfig(
+      client=C.ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
+                            inner_loop=0, batch_size=16, radius=5.0, image_lr=1.0,
+                            calibration_epochs=2, dsa_strategy=""),
+      server=C.ServerConfig(radius_strategy="min", max_epochs=2, dsa_strategy=""),
+      rounds=3, learning_rate=0.05, synthetic_init="real")
+  out = {"devices": jax.device_count()}
+  for name, cfg, rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
+    state = federated.init_state(jax.random.PRNGKey(1), params, clients, cfg)
+    if backend == "shard":
+      state = sharding.replicate(state)
+    round_fn = federated.make_round_fn(apply_fn, cfg, client_backend=backend)
+    for _ in range(rounds):
+      state, metrics = round_fn(state, clients)
+    out[name] = {
+        "params": [np.asarray(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
+        "synthetic": np.asarray(state.synthetic.x).ravel().tolist(),
+        "matching_loss": np.asarray(metrics.client.matching_loss).ravel().tolist(),
+        "radius": np.asarray(metrics.client_radius).tolist(),
+        "server_epochs": int(metrics.server.epochs),
+        "accesses": np.asarray(metrics.client.real_accesses).tolist(),
+    }
+  return out
+
+
+def _run(devices: int, backend: str) -> dict:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, __file__, backend], env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_one_vs_four_devices_same_round():
+  single = _run(1, "vmap")
+  sharded = _run(4, "shard")
+  assert single["devices"] == 1 and sharded["devices"] == 4
+  for name in ("dp", "nondp"):
+    a, b = single[name], sharded[name]
+    assert a["accesses"] == b["accesses"] and len(a["radius"]) == NUM_CLIENTS
+    assert a["server_epochs"] == b["server_epochs"]
+    for field in ("synthetic", "matching_loss", "radius"):
+      np.testing.assert_allclose(b[field], a[field], rtol=1e-4, atol=1e-5, err_msg=field)
+    for pa, pb in zip(a["params"], b["params"]):
+      np.testing.assert_allclose(pb, pa, rtol=1e-4, atol=1e-5, err_msg="params")
+
+
+def test_map_clients_pads_and_refuses_bad_input():
+  import jax
+  import jax.numpy as jnp
+
+  from fedlap_jax import sharding
+
+  mesh = sharding.client_mesh()
+  x = jnp.arange(10.0).reshape(5, 2)
+  out = jax.jit(lambda x: sharding.map_clients(lambda b: 2.0 * b, x, mesh=mesh))(x)
+  np.testing.assert_array_equal(out, 2.0 * x)
+  assert sharding.padded_size(5, 4) == 8 and sharding.padded_size(8, 4) == 8
+  with pytest.raises(ValueError, match="client axis"):
+    sharding.map_clients(lambda b: b, (x, jnp.ones(4)), mesh=mesh)
+  from jax.sharding import Mesh
+  with pytest.raises(ValueError, match="axis_names"):
+    sharding.map_clients(lambda b: b, x, mesh=Mesh(np.array(jax.devices()), ("data",)))
+
+
+if __name__ == "__main__":
+  print(json.dumps(_worker(sys.argv[1])))
