@@ -1,0 +1,102 @@
+"""Defaults for every experiment: the paper's non-DP CIFAR-10 FedLAP setting.
+
+Every named config in this folder starts from :func:`get_config` and overrides
+a few fields; any field can be overridden on the command line, e.g.
+``--config.seed=1 --config.client.ipc=20``.
+
+Sections:
+
+* top level: ``method`` (``fedlap`` or a baseline: ``fedavg``, ``fedprox``,
+  ``fedsgd``, ``scaffold``, ``dp_fedavg``, ``dp_fedprox``), ``seed``, ``rounds``
+  (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule),
+  ``synthetic_init`` and run-time options (checkpoints, plots, evaluation).
+* ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``), partition.
+* ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
+* ``client`` / ``server`` / ``dp``: one-to-one with
+  :class:`fedlap_jax.config.ClientConfig`, :class:`~fedlap_jax.config.ServerConfig`
+  and :class:`~fedlap_jax.config.DPConfig` (``dp.enabled`` switches DP on);
+  :func:`experiments.validation.to_fedlap_config` builds those, so the core's
+  validation runs on the resolved config.
+* ``baseline``: local epochs and the FedProx ``mu`` of the gradient-sharing
+  baselines (FedAvg, FedProx, ...); ignored by ``fedlap``.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+DSA = "color_crop_cutout_flip_scale_rotate"
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.method = "fedlap"
+  config.seed = 0
+  config.rounds = 200
+  config.learning_rate = 0.1
+  config.synthetic_init = "real"
+  # "vmap": all clients at once; "map": one after another (less memory, same numbers).
+  config.client_backend = "vmap"
+
+  config.data = ml_collections.ConfigDict()
+  config.data.name = "cifar10"
+  config.data.source = "tfds"            # "tfds" | "sklearn" | "npz:PATH"
+  config.data.data_dir = config_dict.placeholder(str)  # tfds data_dir (None: tfds default)
+  config.data.cache_dir = ""             # "" = ~/.cache/fedlap_jax; "none" = no cache
+  config.data.partition = "paper"        # "paper" | "iid" | "dirichlet"
+  config.data.dirichlet_alpha = 0.5
+  config.data.num_clients = 5
+  config.data.train_fraction = 1.0
+
+  config.model = ml_collections.ConfigDict()
+  config.model.width = 128
+  config.model.depth = 3
+  config.model.norm = "instance"
+
+  config.client = ml_collections.ConfigDict()
+  config.client.ipc = 50
+  config.client.iterations = 1           # R_i
+  config.client.max_outer = 5
+  config.client.batch_loop = 40
+  config.client.boost_loop = 5           # R_b
+  config.client.inner_loop = 0           # R_l
+  config.client.batch_size = 256         # B (Poisson, q = B / N_k)
+  config.client.model_batch_size = 512
+  config.client.image_lr = 100.0         # tau
+  config.client.image_momentum = 0.5
+  config.client.mse_weight = 0.1         # lambda
+  config.client.radius = 10.0            # r
+  config.client.calibrate_radius = True
+  config.client.calibration_epochs = 100
+  config.client.calibration_eval_size = config_dict.placeholder(int)
+  config.client.dsa_strategy = DSA
+  config.client.poisson_capacity = config_dict.placeholder(int)
+
+  config.server = ml_collections.ConfigDict()
+  config.server.radius_strategy = "min"
+  config.server.batch_size = 512
+  config.server.max_epochs = 100
+  config.server.weighting = "size"
+  config.server.dsa_strategy = DSA
+
+  config.dp = ml_collections.ConfigDict()
+  config.dp.enabled = False
+  config.dp.noise_multiplier = 1.0       # sigma
+  config.dp.l2_clip_norm = 1.0           # C
+  config.dp.delta = 1e-5
+  config.dp.microbatch_size = config_dict.placeholder(int)
+  # How exact per-example gradients are computed: auto | layerwise | vmap | jax_privacy.
+  config.dp.per_example_method = "auto"
+
+  config.baseline = ml_collections.ConfigDict()
+  config.baseline.local_epochs = 5
+  config.baseline.prox_mu = 0.1
+
+  # Run-time options (may change when a run is resumed).
+  config.checkpoint_every = 5            # rounds; the last round is always saved
+  config.keep_checkpoints = 2
+  config.eval_chunk_size = 1000
+  # Rounds whose synthetic sets are saved and plotted (plus the last round).
+  config.snapshot_rounds = (1,)
+  config.plots = True
+  config.progress_bar = True
+  return config

@@ -1,0 +1,10 @@
+"""Baseline fedsgd on fmnist (see experiments/configs/baselines.py).
+
+  python -m experiments.run --config=fmnist_fedsgd
+"""
+
+from experiments.configs import baselines
+
+
+def get_config():
+  return baselines.get_baseline_config("fmnist", "fedsgd")

@@ -1,0 +1,10 @@
+"""Baseline scaffold on fmnist (see experiments/configs/baselines.py).
+
+  python -m experiments.run --config=fmnist_scaffold
+"""
+
+from experiments.configs import baselines
+
+
+def get_config():
+  return baselines.get_baseline_config("fmnist", "scaffold")

@@ -1,0 +1,10 @@
+"""Baseline DP-fedavg on mnist: local DP-SGD, C = 0.1, sigma = 1 (see experiments/configs/baselines.py).
+
+  python -m experiments.run --config=mnist_fedavg_dp
+"""
+
+from experiments.configs import baselines
+
+
+def get_config():
+  return baselines.get_baseline_config("mnist", "dp_fedavg")

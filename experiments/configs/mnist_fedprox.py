@@ -1,0 +1,10 @@
+"""Baseline fedprox on mnist (see experiments/configs/baselines.py).
+
+  python -m experiments.run --config=mnist_fedprox
+"""
+
+from experiments.configs import baselines
+
+
+def get_config():
+  return baselines.get_baseline_config("mnist", "fedprox")

@@ -1,0 +1,372 @@
+"""Datasets and client partitions for the experiments (host side, NumPy).
+
+Sources (``config.data.source``):
+
+* ``tfds``: ``mnist``, ``fashion_mnist``, ``cifar10`` through TensorFlow
+  Datasets, read once into NumPy and cached as ``.npz`` (under
+  ``~/.cache/fedlap_jax`` unless ``data.cache_dir`` says otherwise), so later
+  runs do not import TensorFlow at all. If the data is not prepared locally and
+  the download host cannot be reached within a few seconds, loading fails at
+  once with a message pointing to the npz option (an un-mocked ``tfds.load``
+  would otherwise retry DNS for minutes).
+* ``npz:PATH``: bring your own data, a NumPy ``.npz`` with ``x_train, y_train,
+  x_test, y_test``; images NHWC, ``uint8`` (0..255) or float (0..1 for the
+  known datasets, any scale for ``custom``), labels integers ``0..classes-1``.
+* ``sklearn``: scikit-learn's bundled ``digits`` (8x8x1, real, offline), split
+  into 1,400 train / 397 test records (stratified, fixed seed 0).
+
+Normalisation: the paper's constants for MNIST (0.1307 / 0.3081), Fashion-MNIST
+(0.2861 / 0.3530) and CIFAR-10 (per channel); ``digits`` and ``custom`` data
+are standardised per channel with the mean and std of their training split.
+
+Partitions (``config.data.partition``): ``paper`` (client ``i`` owns every
+record of classes ``order[c*i : c*(i+1)]`` with the paper's order
+``[5, 6, 1, 2, 0, 8, 9, 3, 4, 7]`` and ``c = classes / clients``), ``iid``
+(random disjoint, near-equal parts) and ``dirichlet`` (per class, client shares
+drawn from ``Dirichlet(alpha)``, the usual label-skew benchmark). Client sizes
+may differ; the training loop pads and masks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+
+DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
+TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
+SOURCES = ("tfds", "sklearn", "npz:PATH")
+PARTITIONS = ("paper", "iid", "dirichlet")
+PAPER_CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
+
+# Per-channel (mean, std) of pixel values in [0, 1], from the authors' code.
+NORMALIZATION = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion_mnist": ((0.2861,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+}
+# Where tfds downloads each dataset from (host, port): probed before a download.
+DOWNLOAD_HOSTS = {
+    "mnist": ("storage.googleapis.com", 443),
+    "fashion_mnist": ("fashion-mnist.s3-website.eu-central-1.amazonaws.com", 80),
+    "cifar10": ("www.cs.toronto.edu", 443),
+}
+DIGITS_TEST_SIZE = 397
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+class DataUnavailableError(RuntimeError):
+  """The dataset is neither prepared locally nor downloadable (offline)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """A normalised dataset in memory.
+
+  Attributes:
+    name: dataset name (one of :data:`DATASETS`).
+    x_train, x_test: ``(N, H, W, C)`` float32, normalised per channel.
+    y_train, y_test: ``(N,)`` int32 labels in ``[0, num_classes)``.
+    num_classes: number of classes.
+    mean, std: ``(C,)`` float32, the normalisation (``x = (pixel - mean) /
+      std`` with pixels in [0, 1]); use :func:`unnormalize` for display.
+  """
+
+  name: str
+  x_train: np.ndarray
+  y_train: np.ndarray
+  x_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+  mean: np.ndarray
+  std: np.ndarray
+
+  @property
+  def image_shape(self) -> tuple[int, int, int]:
+    return tuple(self.x_train.shape[1:])
+
+
+def parse_source(source: str) -> tuple[str, str | None]:
+  """``'tfds'`` -> ``('tfds', None)``; ``'npz:/a/b.npz'`` -> ``('npz', '/a/b.npz')``."""
+  if source in ("tfds", "sklearn"):
+    return source, None
+  if isinstance(source, str) and source.startswith("npz:") and len(source) > 4:
+    return "npz", os.path.expanduser(source[4:])
+  raise ValueError(f"data.source={source!r} is invalid; allowed: one of {SOURCES}")
+
+
+def unnormalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+  """Maps normalised images ``(..., C)`` back to pixel values (about [0, 1])."""
+  return np.asarray(x) * np.asarray(std) + np.asarray(mean)
+
+
+# ----------------------------------------------------------------------------
+# Raw loaders: return (x_train, y_train, x_test, y_test) with images NHWC.
+# ----------------------------------------------------------------------------
+
+
+def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
+  """True if a TCP connection to ``host:port`` opens within ~``timeout`` s.
+
+  DNS resolution can hang far longer than the socket timeout when offline, so
+  the probe runs in a daemon thread that is abandoned after ``timeout + 1`` s.
+  """
+  result = []
+
+  def probe():
+    try:
+      with socket.create_connection((host, port), timeout=timeout):
+        result.append(True)
+    except OSError:
+      result.append(False)
+
+  thread = threading.Thread(target=probe, daemon=True)
+  thread.start()
+  thread.join(timeout + 1.0)
+  return bool(result and result[0])
+
+
+def _cache_path(cache_dir: str, name: str) -> Path | None:
+  if cache_dir == "none":
+    return None
+  root = Path(os.path.expanduser(cache_dir or "~/.cache/fedlap_jax"))
+  return root / f"tfds_{name}.npz"
+
+
+def _save_npz_atomic(path: Path, **arrays) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
+  np.savez(tmp, **arrays)
+  os.replace(tmp, path)
+
+
+def _tfds_split_to_numpy(ds) -> tuple[np.ndarray, np.ndarray]:
+  """All of a finite ``(image, label)`` tf.data split as two NumPy arrays.
+
+  Batches by the split's cardinality rather than ``batch_size=-1``, which
+  aborts the process under ``tfds.testing.mock_data`` without metadata.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  n = int(ds.cardinality())
+  if n <= 0:  # unknown cardinality: concatenate batches
+    xs, ys = zip(*tfds.as_numpy(ds.batch(4096)))
+    return np.concatenate(xs), np.concatenate(ys)
+  x, y = next(iter(tfds.as_numpy(ds.batch(n))))
+  return np.asarray(x), np.asarray(y)
+
+
+def load_tfds(name: str, *, data_dir: str | None = None, cache_dir: str = "",
+              network_timeout: float = 2.0):
+  """Loads a tfds dataset into NumPy once and caches it (see module docstring).
+
+  Raises:
+    DataUnavailableError: if the data is not prepared under ``data_dir`` and
+      the download host does not answer within ``network_timeout`` seconds.
+  """
+  if name not in TFDS_DATASETS:
+    raise ValueError(f"data.name={name!r} is invalid for data.source='tfds'; "
+                     f"allowed: one of {TFDS_DATASETS}")
+  cache = _cache_path(cache_dir, name)
+  if cache is not None and cache.exists():
+    with np.load(cache) as f:
+      return tuple(f[k] for k in NPZ_KEYS)
+
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  kwargs = dict(split=["train", "test"], as_supervised=True, data_dir=data_dir or None)
+  try:
+    train, test = tfds.load(name, download=False, **kwargs)
+  except (AssertionError, FileNotFoundError, tfds.core.registered.DatasetNotFoundError):
+    host, port = DOWNLOAD_HOSTS[name]
+    if not _reachable(host, port, network_timeout):
+      raise DataUnavailableError(
+          f"data.name={name!r}: tfds has no prepared copy under data_dir="
+          f"{data_dir or '~/tensorflow_datasets'!r} and cannot download it ({host}:{port} "
+          f"is unreachable; this machine looks offline). Either prepare it on a machine "
+          f"with internet and copy the tfds data_dir here (--config.data.data_dir=DIR), or "
+          f"bring the data as an npz file with arrays x_train, y_train, x_test, y_test "
+          f"(NHWC): --config.data.source=npz:/path/to/{name}.npz") from None
+    train, test = tfds.load(name, download=True, **kwargs)
+  x_train, y_train = _tfds_split_to_numpy(train)
+  x_test, y_test = _tfds_split_to_numpy(test)
+  if cache is not None:
+    _save_npz_atomic(cache, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+  return x_train, y_train, x_test, y_test
+
+
+def load_npz(path: str):
+  """Reads ``x_train, y_train, x_test, y_test`` from an npz file and checks them."""
+  if not os.path.isfile(path):
+    raise ValueError(f"data.source='npz:{path}' is invalid: no such file; allowed: "
+                     "npz:PATH of an existing .npz with arrays x_train, y_train, x_test, y_test")
+  with np.load(path, allow_pickle=False) as f:
+    missing = [k for k in NPZ_KEYS if k not in f.files]
+    if missing:
+      raise ValueError(f"data.source='npz:{path}' is invalid: missing arrays {missing} "
+                       f"(has {sorted(f.files)}); allowed: an npz holding {list(NPZ_KEYS)}")
+    arrays = tuple(np.asarray(f[k]) for k in NPZ_KEYS)
+  x_train, y_train, x_test, y_test = arrays
+  for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+    if x.ndim != 4:
+      raise ValueError(f"npz x_{split} has shape {x.shape}; allowed: NHWC images (4-D, "
+                       "add a trailing channel axis for grey images)")
+    if not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
+      raise ValueError(f"npz x_{split} has dtype {x.dtype}; allowed: uint8 or float")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+      raise ValueError(f"npz y_{split} has shape {y.shape} and dtype {y.dtype}; allowed: "
+                       "1-D integer class labels")
+    if len(x) != len(y):
+      raise ValueError(f"npz x_{split} has {len(x)} images but y_{split} {len(y)} labels")
+  if x_train.shape[1:] != x_test.shape[1:]:
+    raise ValueError(f"npz image shapes differ: x_train {x_train.shape[1:]} vs x_test "
+                     f"{x_test.shape[1:]}; allowed: the same HWC shape")
+  return x_train, y_train, x_test, y_test
+
+
+def load_digits():
+  """scikit-learn's bundled 8x8 digits, pixels scaled to [0, 1], fixed split."""
+  from sklearn import datasets, model_selection  # pylint: disable=g-import-not-at-top
+  digits = datasets.load_digits()
+  x = (digits.images.astype(np.float32) / 16.0)[..., None]
+  y = digits.target.astype(np.int32)
+  x_train, x_test, y_train, y_test = model_selection.train_test_split(
+      x, y, test_size=DIGITS_TEST_SIZE, stratify=y, random_state=0)
+  return x_train, y_train, x_test, y_test
+
+
+# ----------------------------------------------------------------------------
+# Normalisation and the public loader.
+# ----------------------------------------------------------------------------
+
+
+def _to_unit(x: np.ndarray) -> np.ndarray:
+  if x.dtype == np.uint8:
+    return x.astype(np.float32) / 255.0
+  return x.astype(np.float32)
+
+
+def load_dataset(data_cfg) -> Dataset:
+  """Loads ``data_cfg.name`` from ``data_cfg.source`` and normalises it.
+
+  Args:
+    data_cfg: the ``config.data`` section (name, source, data_dir, cache_dir).
+
+  Returns:
+    A :class:`Dataset` (float32 images, int32 labels).
+  """
+  name = data_cfg.name
+  if name not in DATASETS:
+    raise ValueError(f"data.name={name!r} is invalid; allowed: one of {DATASETS}")
+  kind, path = parse_source(data_cfg.source)
+  if kind == "tfds":
+    raw = load_tfds(name, data_dir=data_cfg.get("data_dir"),
+                    cache_dir=data_cfg.get("cache_dir", ""))
+  elif kind == "npz":
+    raw = load_npz(path)
+  else:
+    if name != "digits":
+      raise ValueError(f"data.source='sklearn' is invalid with data.name={name!r}; allowed: "
+                       "data.name='digits' (the only sklearn dataset)")
+    raw = load_digits()
+  x_train, y_train, x_test, y_test = raw
+  x_train, x_test = _to_unit(x_train), _to_unit(x_test)
+  y_train = np.asarray(y_train).astype(np.int32)
+  y_test = np.asarray(y_test).astype(np.int32)
+
+  if name in NORMALIZATION:
+    mean, std = (np.asarray(v, np.float32) for v in NORMALIZATION[name])
+    if mean.shape[0] != x_train.shape[-1]:
+      raise ValueError(f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
+                       f"have shape {x_train.shape[1:]}; allowed: images of {name}, or "
+                       "data.name='custom' for other data")
+    num_classes = 10
+  else:
+    mean = x_train.mean(axis=(0, 1, 2)).astype(np.float32)
+    std = np.maximum(x_train.std(axis=(0, 1, 2)), 1e-6).astype(np.float32)
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+  for split, y in (("train", y_train), ("test", y_test)):
+    if y.min() < 0 or y.max() >= num_classes:
+      raise ValueError(f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
+                       f"integers in [0, {num_classes - 1}] for data.name={name!r}")
+  norm = lambda x: ((x - mean) / std).astype(np.float32)
+  return Dataset(name, norm(x_train), y_train, norm(x_test), y_test, num_classes, mean, std)
+
+
+# ----------------------------------------------------------------------------
+# Subsampling and partitions.
+# ----------------------------------------------------------------------------
+
+
+def subsample(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+  """Indices of a class-stratified ``fraction`` of the records (sorted).
+
+  Each class keeps ``round(fraction * n_c)`` records chosen at random (the
+  paper's "5 %, 10 %, 50 %, 100 % of the training set").
+  """
+  if not 0.0 < fraction <= 1.0:
+    raise ValueError(f"data.train_fraction={fraction!r} is invalid; allowed: a number in (0, 1]")
+  if fraction == 1.0:
+    return np.arange(len(y))
+  rng = np.random.default_rng([seed, 17])
+  keep = []
+  for c in np.unique(y):
+    idx = np.flatnonzero(y == c)
+    keep.append(rng.choice(idx, int(round(fraction * len(idx))), replace=False))
+  return np.sort(np.concatenate(keep))
+
+
+def partition(y: np.ndarray, *, num_clients: int, scheme: str, num_classes: int,
+              alpha: float = 0.5, seed: int = 0) -> list[np.ndarray]:
+  """Splits record indices among clients.
+
+  Args:
+    y: ``(N,)`` training labels.
+    num_clients: ``K``.
+    scheme: ``paper``, ``iid`` or ``dirichlet`` (see the module docstring).
+    num_classes: number of classes of the dataset.
+    alpha: Dirichlet concentration (``dirichlet`` only); small = more skew.
+    seed: seed of the random schemes.
+
+  Returns:
+    ``K`` sorted int64 index arrays (disjoint; possibly empty, which the
+    caller's validation reports).
+  """
+  if scheme not in PARTITIONS:
+    raise ValueError(f"data.partition={scheme!r} is invalid; allowed: one of {PARTITIONS}")
+  if not isinstance(num_clients, int) or num_clients < 1:
+    raise ValueError(f"data.num_clients={num_clients!r} is invalid; allowed: an integer >= 1")
+  rng = np.random.default_rng([seed, 29])
+  if scheme == "paper":
+    if num_classes % num_clients:
+      raise ValueError(
+          f"data.num_clients={num_clients} is invalid with data.partition='paper' and "
+          f"{num_classes} classes; allowed: a divisor of {num_classes} (each client owns "
+          f"num_classes / num_clients whole classes)")
+    order = PAPER_CLASS_ORDER if num_classes == 10 else tuple(range(num_classes))
+    per = num_classes // num_clients
+    return [np.flatnonzero(np.isin(y, order[i * per:(i + 1) * per]))
+            for i in range(num_clients)]
+  if scheme == "iid":
+    return [np.sort(part) for part in np.array_split(rng.permutation(len(y)), num_clients)]
+  if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
+    raise ValueError(f"data.dirichlet_alpha={alpha!r} is invalid; allowed: a finite number > 0")
+  parts = [[] for _ in range(num_clients)]
+  for c in range(num_classes):
+    idx = rng.permutation(np.flatnonzero(y == c))
+    shares = rng.dirichlet(np.full(num_clients, float(alpha)))
+    cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(int)
+    for k, chunk in enumerate(np.split(idx, cuts)):
+      parts[k].append(chunk)
+  return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+
+
+def client_split(dataset: Dataset, data_cfg, seed: int) -> list[np.ndarray]:
+  """Training-record indices of each client: subsample, then partition."""
+  keep = subsample(dataset.y_train, data_cfg.train_fraction, seed)
+  parts = partition(dataset.y_train[keep], num_clients=data_cfg.num_clients,
+                    scheme=data_cfg.partition, num_classes=dataset.num_classes,
+                    alpha=data_cfg.dirichlet_alpha, seed=seed)
+  return [keep[p] for p in parts]

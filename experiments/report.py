@@ -1,0 +1,266 @@
+r"""Tables and an overlay plot over finished runs, in the paper's layout.
+
+  python -m experiments.report RUN_DIR [RUN_DIR ...] --out DIR [--epsilons 2.79,10.18]
+                               [--metric final|best]
+
+Runs are grouped by setting: one **row** per dataset (with the data and model
+fields that differ between runs of that dataset, e.g. ``cifar10 [partition=iid]``),
+one **column** per method (``FedLAP``, ``FedAvg``, ...; with the fields that
+differ between runs of that method, e.g. ``FedLAP [client.ipc=20]``); runs that
+differ only in ``seed`` are pooled and shown as ``mean +- std`` (population
+std, in %) with the number of seeds.
+
+* Non-DP table: the accuracy after the last round (``--metric final``, the
+  default) or the best over rounds (``--metric best``).
+* DP tables, one per ``--epsilons`` value: the accuracy after the last round
+  whose epsilon is at most that value (``-`` if already the first round spends
+  more), as the paper's "under privacy budgets of 2.79 and 10.18".
+
+Writes ``report.md``, ``table_nondp.csv``, ``table_dp_eps<e>.csv``,
+``runs.csv`` (one line per run) and ``accuracy_vs_round.png`` (mean over seeds,
+shaded +- std; DP runs dashed) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from experiments import checkpointing
+
+METHOD_ORDER = ("FedLAP", "FedLAP-DP", "FedAvg", "FedProx", "FedSGD", "SCAFFOLD", "DP-FedAvg",
+                "DP-FedProx")
+DATASET_ORDER = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
+IGNORED = ("seed", "checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
+           "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",
+           "data.source", "method", "dp.enabled")
+ROW_PREFIXES = ("data.", "model.")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+  return out
+
+
+class Run:
+  """One run directory: its config, run info and metric records."""
+
+  def __init__(self, path):
+    self.path = Path(path)
+    cfg_path, info_path = self.path / "config.json", self.path / "run_info.json"
+    if not cfg_path.exists() or not info_path.exists():
+      raise ValueError(f"RUN_DIR={str(path)!r} is invalid: no config.json / run_info.json; "
+                       "allowed: a work dir written by experiments.run")
+    self.config = _flatten(json.loads(cfg_path.read_text()))
+    self.info = json.loads(info_path.read_text())
+    self.records = checkpointing.read_metrics(self.path / "metrics.jsonl")
+    if not self.records:
+      raise ValueError(f"RUN_DIR={str(path)!r} has no metrics records yet")
+    self.dp = bool(self.info.get("dp"))
+    self.method = self.info.get("method_label", self.config["method"])
+    self.dataset = self.config["data.name"]
+    self.seed = self.config["seed"]
+    fields = {k: v for k, v in self.config.items() if k not in IGNORED}
+    self.row_fields = {k: v for k, v in fields.items() if k.startswith(ROW_PREFIXES)}
+    self.col_fields = {k: v for k, v in fields.items() if not k.startswith(ROW_PREFIXES)}
+
+  @property
+  def complete(self) -> bool:
+    return self.records[-1]["round"] == self.config["rounds"]
+
+  def accuracy(self, metric: str = "final") -> float:
+    accs = [r["test_accuracy"] for r in self.records]
+    return accs[-1] if metric == "final" else max(accs)
+
+  def accuracy_at_epsilon(self, epsilon: float) -> float:
+    ok = [r for r in self.records if r.get("epsilon") is not None and r["epsilon"] <= epsilon]
+    return ok[-1]["test_accuracy"] if ok else float("nan")
+
+
+def _varying(dicts: list[dict]) -> set:
+  keys = set().union(*dicts) if dicts else set()
+  return {k for k in keys if len({repr(d.get(k)) for d in dicts}) > 1}
+
+
+def _label(base: str, fields: dict, varying: set) -> str:
+  extra = ", ".join(f"{k}={fields.get(k)}" for k in sorted(varying))
+  return f"{base} [{extra}]" if extra else base
+
+
+def label_runs(runs: list[Run]) -> None:
+  """Sets ``run.row`` and ``run.col`` labels: base name plus the fields that tell groups apart."""
+  by_dataset, by_method = defaultdict(list), defaultdict(list)
+  for r in runs:
+    by_dataset[r.dataset].append(r)
+    by_method[r.method].append(r)
+  for group in by_dataset.values():
+    varying = _varying([r.row_fields for r in group])
+    for r in group:
+      r.row = _label(r.dataset, r.row_fields, varying)
+  for group in by_method.values():
+    varying = _varying([r.col_fields for r in group])
+    for r in group:
+      r.col = _label(r.method, r.col_fields, varying)
+
+
+def _order(labels, order):
+  def key(label):
+    base = label.split(" [")[0]
+    return (order.index(base) if base in order else len(order), label)
+  return sorted(set(labels), key=key)
+
+
+def _cell(values: list[float]) -> tuple[str, float, float, int]:
+  vals = [v for v in values if not math.isnan(v)]
+  if not vals:
+    return "-", float("nan"), float("nan"), 0
+  mean, std = 100 * float(np.mean(vals)), 100 * float(np.std(vals))
+  text = f"{mean:.2f} ± {std:.2f}" if len(vals) > 1 else f"{mean:.2f}"
+  return text + f" (n={len(vals)})", mean, std, len(vals)
+
+
+def build_table(runs: list[Run], value_fn) -> tuple[list[str], list[str], dict]:
+  """``(rows, cols, cells)`` with ``cells[(row, col)] = (text, mean, std, n)``."""
+  groups = defaultdict(list)
+  for r in runs:
+    groups[(r.row, r.col)].append(value_fn(r))
+  rows = _order([r.row for r in runs], DATASET_ORDER)
+  cols = _order([r.col for r in runs], METHOD_ORDER)
+  cells = {key: _cell(vals) for key, vals in groups.items()}
+  return rows, cols, cells
+
+
+def _markdown(title: str, rows, cols, cells) -> str:
+  lines = [f"### {title}", "", "| dataset | " + " | ".join(cols) + " |",
+           "|---|" + "---:|" * len(cols)]
+  for row in rows:
+    lines.append(f"| {row} | " + " | ".join(cells.get((row, c), ("",))[0] for c in cols) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _write_csv(path: Path, rows, cols, cells) -> None:
+  with open(path, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["dataset"] + [f"{c} {s}" for c in cols for s in ("mean", "std", "n")])
+    for row in rows:
+      line = [row]
+      for c in cols:
+        _, mean, std, n = cells.get((row, c), ("", float("nan"), float("nan"), 0))
+        fmt = lambda v: "" if math.isnan(v) else f"{v:.4f}"
+        line += [fmt(mean), fmt(std), n]
+      w.writerow(line)
+
+
+def overlay_plot(path: Path, runs: list[Run]) -> None:
+  """Accuracy vs round, one panel per dataset row, mean over seeds +- std."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = _order([r.row for r in runs], DATASET_ORDER)
+  fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.6), squeeze=False)
+  for ax, row in zip(axes[0], rows):
+    groups = defaultdict(list)
+    for r in runs:
+      if r.row == row:
+        groups[r.col].append(r)
+    for col in _order(groups, METHOD_ORDER):
+      members = groups[col]
+      n = min(len(r.records) for r in members)
+      acc = 100 * np.array([[rec["test_accuracy"] for rec in r.records[:n]] for r in members])
+      x = np.arange(1, n + 1)
+      mean, std = acc.mean(0), acc.std(0)
+      style = "--" if members[0].dp else "-"
+      line, = ax.plot(x, mean, style, label=f"{col} (n={len(members)})")
+      ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_title(row, fontsize=10)
+    ax.set_xlabel("communication round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final") -> dict:
+  """Writes the tables and the plot for ``run_dirs`` into ``out``; returns the tables."""
+  if metric not in ("final", "best"):
+    raise ValueError(f"metric={metric!r} is invalid; allowed: 'final' or 'best'")
+  runs = [Run(d) for d in run_dirs]
+  label_runs(runs)
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  md = ["# Results", "", f"{len(runs)} runs; accuracy in % (mean ± population std over seeds, "
+        "n = seeds).", ""]
+  incomplete = [str(r.path) for r in runs if not r.complete]
+  if incomplete:
+    md += [f"Unfinished runs (their last round is used): {', '.join(incomplete)}", ""]
+  tables = {}
+  nondp = [r for r in runs if not r.dp]
+  if nondp:
+    t = build_table(nondp, lambda r: r.accuracy(metric))
+    tables["nondp"] = t
+    md.append(_markdown(f"Non-DP ({metric} accuracy)", *t))
+    _write_csv(out / "table_nondp.csv", *t)
+  dp = [r for r in runs if r.dp]
+  for eps in epsilons if dp else ():
+    t = build_table(dp, lambda r, e=eps: r.accuracy_at_epsilon(e))
+    tables[f"dp_eps{eps:g}"] = t
+    md.append(_markdown(f"DP, accuracy at epsilon <= {eps:g}", *t))
+    _write_csv(out / f"table_dp_eps{eps:g}.csv", *t)
+  with open(out / "runs.csv", "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["run_dir", "dataset", "method", "row", "column", "seed", "rounds_done",
+                "final_accuracy", "best_accuracy", "final_epsilon", "wall_seconds"])
+    for r in runs:
+      last = r.records[-1]
+      w.writerow([r.path, r.dataset, r.method, r.row, r.col, r.seed, last["round"],
+                  f"{last['test_accuracy']:.6f}", f"{r.accuracy('best'):.6f}",
+                  "" if last.get("epsilon") is None else f"{last['epsilon']:.6f}",
+                  f"{last['wall_seconds']:.1f}"])
+  overlay_plot(out / "accuracy_vs_round.png", runs)
+  md += ["![accuracy vs round](accuracy_vs_round.png)", ""]
+  (out / "report.md").write_text("\n".join(md))
+  return tables
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m experiments.report",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+  parser.add_argument("--out", required=True, help="output directory")
+  parser.add_argument("--epsilons", default="2.79,10.18",
+                      help="comma-separated epsilon budgets for the DP tables")
+  parser.add_argument("--metric", default="final", choices=("final", "best"))
+  args = parser.parse_args(argv)
+  try:
+    eps = tuple(float(e) for e in args.epsilons.split(",") if e.strip())
+    if any(not math.isfinite(e) or e <= 0 for e in eps):
+      raise ValueError
+  except ValueError:
+    print(f"error: --epsilons={args.epsilons!r} is invalid; allowed: comma-separated numbers "
+          "> 0", file=sys.stderr)
+    return 2
+  try:
+    make_report(args.run_dirs, args.out, epsilons=eps, metric=args.metric)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print((Path(args.out) / "report.md").read_text())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

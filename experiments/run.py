@@ -1,0 +1,143 @@
+r"""Runs one experiment from a named config.
+
+  python -m experiments.run --config=NAME [--config.FIELD=VALUE ...] [--workdir=DIR]
+
+``NAME`` is a file of ``experiments/configs/`` without ``.py`` (``quickstart``,
+``cifar_dp``, ...), optionally with an argument (``cifar_ablation_ipc:20``), or
+a path to any config file. A *suite* config (one with a ``suite`` section, e.g.
+``quickstart``) runs each of its configs in ``WORKDIR/<run>`` and compares them
+in ``WORKDIR/report``. Fields are overridden with ``--config.FIELD=VALUE``
+(e.g. ``--config.seed=1``, ``--config.data.source=npz:/data/cifar10.npz``). The
+work dir defaults to ``runs/<NAME>`` (``:`` replaced by ``_``); re-running the
+same command resumes from its last checkpoint.
+
+Exit status: 0 on success, 2 for an invalid config / data / resume, 1 when a
+round produced NaN or Inf, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def resolve_config_arg(value: str) -> tuple[str, str]:
+  """``'NAME[:ARG]'`` -> ``(path[:ARG], run name)``; paths are kept as they are."""
+  name, sep, arg = value.partition(":")
+  if name.endswith(".py") or os.sep in name:
+    path = name
+    label = Path(name).stem
+  else:
+    path = str(CONFIG_DIR / f"{name}.py")
+    label = name
+    if not os.path.isfile(path):
+      available = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+      raise SystemExit(f"error: --config={value!r} is invalid: no experiments/configs/{name}.py; "
+                       f"allowed: one of {available} (optionally NAME:ARG), or a path to a "
+                       "config .py file")
+  return path + sep + arg, label + (f"_{arg}" if sep and arg else "")
+
+
+def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:
+  """Replaces the value of ``--config`` by its file path; returns the run name too."""
+  out, name, i = [], None, 0
+  while i < len(argv):
+    a = argv[i]
+    if a.startswith("--config="):
+      path, name = resolve_config_arg(a[len("--config="):])
+      out.append(f"--config={path}")
+    elif a == "--config" and i + 1 < len(argv):
+      path, name = resolve_config_arg(argv[i + 1])
+      out += ["--config", path]
+      i += 1
+    else:
+      out.append(a)
+    i += 1
+  return out, name
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Entry point; ``argv`` defaults to ``sys.argv``."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+  argv = list(sys.argv if argv is None else argv)
+  argv, name = rewrite_argv(argv)
+  if name is None:
+    print(__doc__, file=sys.stderr)
+    print("error: --config=NAME is required", file=sys.stderr)
+    return 2
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                  lock_config=True, flag_values=flag_values, sys_argv=argv)
+  flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).",
+                      flag_values=flag_values)
+  try:
+    flag_values(argv)
+  except (flags.Error, ValueError, TypeError, AttributeError, KeyError) as e:
+    inner = e.args[0] if e.args and isinstance(e.args[0], KeyError) else e
+    if isinstance(inner, KeyError):  # an override of a field the config does not have
+      detail = (inner.args[0] if inner.args else str(inner)).replace("\n", "; ")
+      print(f"error: unknown config field in a --config.FIELD override: {detail} (allowed: the "
+            "fields of experiments/configs/default.py)", file=sys.stderr)
+    else:
+      print(f"error: {e}", file=sys.stderr)
+    return 2
+  config = flag_values.config
+  workdir = flag_values.workdir or os.path.join("runs", name)
+  return run_config(config, workdir, name)
+
+
+def run_config(config, workdir: str, name: str) -> int:
+  """Runs one config, or each run of a suite config (``config.suite.<run>``) in turn.
+
+  A suite's runs go to ``workdir/<run>``, and a comparison of them (see
+  :mod:`experiments.report`) to ``workdir/report``. Every config of a suite is
+  validated before the first one starts.
+  """
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import train, validation  # pylint: disable=g-import-not-at-top
+  if "suite" in config:
+    targets = [(config.suite[k], os.path.join(workdir, k), f"{name}/{k}")
+               for k in config.suite.keys()]
+  else:
+    targets = [(config, workdir, name)]
+  try:
+    for cfg, _, label in targets:
+      try:
+        validation.validate_config(cfg)
+      except validation.ConfigError as e:
+        raise validation.ConfigError(f"{label}: {e}") from None
+    results = []
+    for cfg, wd, label in targets:
+      result = train.train_and_evaluate(cfg, wd, config_name=label)
+      results.append(result)
+      last = result["records"][-1] if result["records"] else None
+      if last is not None:
+        eps = f", epsilon {last['epsilon']:.3f}" if last.get("epsilon") is not None else ""
+        print(f"done: {label} round {last['round']}: test accuracy "
+              f"{100 * last['test_accuracy']:.2f} %{eps}; outputs in {wd} "
+              f"({result['seconds']:.0f} s)")
+  except (validation.ConfigError, train.ResumeError, data_lib.DataUnavailableError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except train.NonFiniteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print(f"\ninterrupted; run the same command again to resume from the last checkpoint in "
+          f"{workdir}", file=sys.stderr)
+    return 130
+  if len(targets) > 1:
+    from experiments import report  # pylint: disable=g-import-not-at-top
+    out = os.path.join(workdir, "report")
+    report.make_report([wd for _, wd, _ in targets], out)
+    print(f"comparison: {os.path.join(out, 'report.md')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,587 @@
+"""The experiment loop: ``train_and_evaluate(config, workdir)``.
+
+Method-agnostic: builds a :class:`fedlap_jax.algorithm.FederatedAlgorithm`
+(FedLAP / FedLAP-DP, or a baseline from :mod:`fedlap_jax.baselines`) and runs
+its jitted ``round`` once per communication round (one compilation per run:
+the round index lives in the state and is traced). After every round it
+
+1. evaluates the global model on the full test split (jitted once),
+2. composes the round into the :class:`~fedlap_jax.accounting.PrivacyLedger`
+   (DP only; ``T = alg.dp_steps_per_round``, ``B = alg.batch_size``,
+   ``q = B / min_k N_k``),
+3. stops with :class:`NonFiniteError` if the parameters, a client's matching
+   loss or the test loss are NaN / Inf (nothing of that round is written, the
+   last good checkpoint stays the latest),
+4. appends a record to ``metrics.jsonl`` and logs one line,
+5. every ``checkpoint_every`` rounds (and at the last) saves an orbax
+   checkpoint holding the state and the ledger.
+
+Re-running with the same workdir resumes from the newest checkpoint: the
+ledger is restored (never reset), records beyond the restored round are dropped
+from ``metrics.jsonl`` and the rounds are re-run; the round's randomness comes
+from the checkpointed key, so a re-run round reproduces the same outputs and
+spends no extra privacy. A resume whose privacy-relevant fields (sigma, C,
+delta, B, T, q, dataset, partition, clients, seed, ...) or any other
+run-defining field differ from the checkpointed run is refused.
+
+Outputs (in ``workdir``): ``config.json``, ``run_info.json``,
+``metrics.jsonl``, ``privacy_ledger.json`` (DP), ``train.log``,
+``checkpoints/``, ``synthetic/round_XXXX.npz`` (FedLAP), the PNG plots of
+:mod:`experiments.plots` and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fedlap_jax
+from fedlap_jax import accounting
+from fedlap_jax import algorithm as algorithm_lib
+from fedlap_jax.federated import RoundMetrics, stack_clients
+from fedlap_jax.models import count_params, init_convnet
+from fedlap_jax.training import evaluate
+
+from experiments import checkpointing
+from experiments import data as data_lib
+from experiments import validation
+
+# Fields that may change between an interrupted run and its resumption.
+RUNTIME_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
+                  "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir")
+BYTES_PER_FLOAT = 4
+
+
+class _DropRdpOrderWarnings(logging.Filter):
+  """Hides dp_accounting's per-order convergence warnings (one per round and order).
+
+  An order whose RDP term does not converge is left out of the minimum over
+  orders, so the reported epsilon is still a valid upper bound.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "_compute_log_a_frac failed to converge" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_DropRdpOrderWarnings())
+
+
+class NonFiniteError(RuntimeError):
+  """A round produced NaN / Inf parameters, matching losses or test loss."""
+
+
+class ResumeError(ValueError):
+  """The workdir holds a checkpoint of a different run."""
+
+
+# ----------------------------------------------------------------------------
+# Building blocks.
+# ----------------------------------------------------------------------------
+
+
+def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
+                    num_params: int, max_client_size: int) -> algorithm_lib.FederatedAlgorithm:
+  """The :class:`FederatedAlgorithm` of ``cfg.method``.
+
+  ``fedlap`` uses :func:`fedlap_jax.algorithm.fedlap`. Baselines come from
+  ``fedlap_jax.baselines.make_algorithm`` with the signature::
+
+    make_algorithm(method: str, apply_fn, *, num_clients: int,
+                   image_shape: tuple[int, int, int], num_params: int,
+                   rounds: int, learning_rate: float, local_epochs: int,
+                   batch_size: int, prox_mu: float,
+                   dp: fedlap_jax.config.DPConfig | None,
+                   max_client_size: int) -> FederatedAlgorithm
+
+  where ``method`` is one of ``fedavg, fedprox, fedsgd, scaffold, dp_fedavg,
+  dp_fedprox``, ``batch_size`` is the expected Poisson batch size ``B``, ``dp``
+  is set for the ``dp_*`` methods and ``max_client_size`` (records of the
+  largest client) fixes the static local step count ``T``.
+  """
+  if cfg.method == "fedlap":
+    return _fedlap_algorithm(apply_fn, validation.to_fedlap_config(cfg), tuple(image_shape),
+                             max_classes_per_client, cfg.client_backend)
+  try:
+    from fedlap_jax import baselines  # pylint: disable=g-import-not-at-top
+    make_algorithm = baselines.make_algorithm
+  except (ImportError, AttributeError) as e:
+    raise validation.ConfigError(
+        f"method={cfg.method!r} needs fedlap_jax.baselines.make_algorithm, which is not "
+        f"available in this installation ({e}); allowed: 'fedlap'") from None
+  return make_algorithm(
+      cfg.method, apply_fn, num_clients=cfg.data.num_clients, image_shape=tuple(image_shape),
+      num_params=num_params, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
+      local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
+      prox_mu=cfg.baseline.prox_mu, dp=validation.to_dp_config(cfg),
+      max_client_size=max_client_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _fedlap_algorithm(apply_fn, fedlap_config, image_shape, max_classes, backend):
+  """Memoised :func:`fedlap_jax.algorithm.fedlap`: runs of the same setting in one
+  process (seeds of a sweep, a resumed run) reuse one compiled round."""
+  return algorithm_lib.fedlap(apply_fn, fedlap_config, image_shape=image_shape,
+                              max_classes_per_client=max_classes, client_backend=backend)
+
+
+@functools.lru_cache(maxsize=4)
+def _apply_fn(model):
+  """One ``apply_fn(params, x) -> logits`` per (hashable) Flax module."""
+  return lambda params, x: model.apply({"params": params}, x)
+
+
+class RunSetup(NamedTuple):
+  """Everything a run (or a later audit of its checkpoints) builds from its config.
+
+  Attributes:
+    dataset: the normalised :class:`experiments.data.Dataset`.
+    client_indices: training-record indices of each client.
+    clients: stacked :class:`~fedlap_jax.client.ClientData` ``(K, N_max, ...)``.
+    model: the Flax ConvNet; apply_fn: ``apply_fn(params, x) -> logits``.
+    num_params: parameter count of the model.
+    algorithm: the :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
+    state: the state before round 1 (also the restore template of checkpoints).
+  """
+
+  dataset: Any
+  client_indices: list
+  clients: Any
+  model: Any
+  apply_fn: Any
+  num_params: int
+  algorithm: algorithm_lib.FederatedAlgorithm
+  state: Any
+
+
+def build_run(cfg) -> RunSetup:
+  """Data, partition, model, algorithm and initial state of a validated config.
+
+  Deterministic in ``cfg.seed`` (``key(seed)`` is split into the model-init and
+  the algorithm key), so the initial state is a valid template for restoring
+  the run's checkpoints, e.g. in :mod:`experiments.audit`.
+
+  Raises:
+    validation.ConfigError: the data does not fit the config.
+  """
+  try:
+    dataset = data_lib.load_dataset(cfg.data)
+    indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
+  except ValueError as e:  # bad data or a partition the data does not allow
+    raise validation.ConfigError(str(e)) from None
+  validation.validate_data(cfg, dataset, indices)
+  ys = [dataset.y_train[i] for i in indices]
+  clients = stack_clients([dataset.x_train[i] for i in indices], ys)
+  k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
+  model, params = init_convnet(k_model, dataset.image_shape, dataset.num_classes,
+                               width=cfg.model.width, depth=cfg.model.depth, norm=cfg.model.norm)
+  apply_fn = _apply_fn(model)
+  num_params = count_params(params)
+  alg = build_algorithm(cfg, apply_fn, image_shape=dataset.image_shape,
+                        max_classes_per_client=max(len(np.unique(y)) for y in ys),
+                        num_params=num_params, max_client_size=max(len(i) for i in indices))
+  return RunSetup(dataset, list(indices), clients, model, apply_fn, num_params, alg,
+                  alg.init(k_alg, params, clients))
+
+
+def run_defining_fields(cfg) -> dict:
+  """The resolved config as a flat ``{'a.b': value}`` dict without :data:`RUNTIME_FIELDS`."""
+  flat = {}
+
+  def walk(d, prefix):
+    for k, v in d.items():
+      name = f"{prefix}{k}"
+      if isinstance(v, dict):
+        walk(v, name + ".")
+      elif name not in RUNTIME_FIELDS:
+        flat[name] = list(v) if isinstance(v, tuple) else v
+  walk(cfg.to_dict(), "")
+  return flat
+
+
+def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
+  """The fields a resumed run must share with its checkpoint for the ledger to hold."""
+  dp = alg.dp
+  smallest = int(min(client_sizes))
+  return {
+      "method": cfg.method,
+      "dp": dp is not None,
+      "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
+      "l2_clip_norm": None if dp is None else float(dp.l2_clip_norm),
+      "delta": None if dp is None else float(dp.delta),
+      "batch_size": int(alg.batch_size),
+      "steps_per_round": alg.dp_steps_per_round,
+      "min_client_size": smallest,
+      "sampling_rate": alg.batch_size / smallest,
+      "client_sizes": [int(n) for n in client_sizes],
+      "dataset": cfg.data.name,
+      "source": cfg.data.source,
+      "partition": cfg.data.partition,
+      "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
+      "num_clients": int(cfg.data.num_clients),
+      "train_fraction": float(cfg.data.train_fraction),
+      "seed": int(cfg.seed),
+  }
+
+
+def _diff(stored: dict, current: dict) -> list[str]:
+  keys = sorted(set(stored) | set(current))
+  norm = lambda v: list(v) if isinstance(v, tuple) else v
+  return [f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
+          for k in keys if norm(stored.get(k)) != norm(current.get(k))]
+
+
+def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) -> None:
+  """Refuses to resume a checkpoint of a run with different privacy or run fields."""
+  diff = _diff(meta.get("privacy", {}), privacy)
+  if diff:
+    raise ResumeError(
+        f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
+        f"({'; '.join(diff)}); the stored privacy ledger would no longer describe the run. "
+        f"Allowed: the same values as the checkpointed run, or a new --workdir")
+  diff = _diff(meta.get("config", {}), fields)
+  if diff:
+    raise ResumeError(
+        f"refusing to resume {workdir}: the config differs from the checkpointed run "
+        f"({'; '.join(diff)}); a resumed run must equal an uninterrupted one. Allowed: the "
+        f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir")
+
+
+def _keystr(path) -> str:
+  return jax.tree_util.keystr(path).replace("'", "").replace("[", ".").replace("]", "") \
+      .replace("..", ".").strip(".")
+
+
+def _finite_list(a) -> list:
+  return [None if not math.isfinite(v) else v for v in np.asarray(a, np.float64).ravel().tolist()]
+
+
+def summarize_metrics(metrics: Any, num_clients: int) -> dict:
+  """JSON-ready summary of a round's metrics pytree.
+
+  For FedLAP (:class:`~fedlap_jax.federated.RoundMetrics`): per-client radius
+  ``r_k``, mean and last matching loss over the executed while-loop
+  iterations, real accesses, clip fraction and Poisson overflow; the server's
+  radius ``r_g`` (``None`` for ``fixed``), epochs and steps. Other algorithms:
+  every leaf, per client where it has a leading ``(K,)`` axis.
+  """
+  out: dict[str, Any] = {}
+  if isinstance(metrics, RoundMetrics):
+    cm = metrics.client
+    loss = np.asarray(cm.matching_loss, np.float64)   # (K, R_i, O, B, R_b)
+    outer = np.asarray(cm.outer_iterations)            # (K, R_i)
+    ran = np.arange(loss.shape[2])[None, None, :] < outer[:, :, None]
+    ran = np.broadcast_to(ran[..., None, None], loss.shape)
+    count = np.maximum(ran.reshape(num_clients, -1).sum(1), 1)
+    out["matching_loss"] = _finite_list(np.where(ran, loss, 0).reshape(num_clients, -1).sum(1)
+                                        / count)
+    last = []
+    for k in range(num_clients):
+      i, o = loss.shape[1] - 1, int(outer[k, -1]) - 1
+      last.append(loss[k, i, o, -1, -1] if o >= 0 else float("nan"))
+    out["matching_loss_last"] = _finite_list(last)
+    out["client_radius"] = _finite_list(metrics.client_radius)
+    r_g = float(metrics.server.radius)
+    out["server_radius"] = r_g if math.isfinite(r_g) else None
+    out["server_epochs"] = int(metrics.server.epochs)
+    out["server_steps"] = int(metrics.server.steps)
+    out["server_distance"] = float(metrics.server.distance)
+    out["learning_rate"] = float(metrics.learning_rate)
+    out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
+    out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
+    out["clip_fraction"] = _finite_list(cm.clip_fraction)
+    out["poisson_overflow"] = np.asarray(cm.poisson_overflow).tolist()
+    return out
+  for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
+    a = np.asarray(leaf)
+    name = _keystr(path) or "value"
+    if a.ndim == 0:
+      out[name] = _finite_list(a)[0]
+    elif a.shape[0] == num_clients:
+      out[name] = _finite_list(a.reshape(num_clients, -1).mean(axis=1))
+    elif a.size <= 64:
+      out[name] = _finite_list(a)
+  return out
+
+
+def find_non_finite(params, metrics, test_loss: float, num_clients: int) -> list[str]:
+  """Descriptions of every non-finite quantity of a round ("" list if all finite)."""
+  problems = []
+  if isinstance(metrics, RoundMetrics):
+    loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
+    for k in np.flatnonzero(~np.isfinite(loss).all(axis=1)):
+      problems.append(f"matching loss of client {k} is {loss[k][~np.isfinite(loss[k])][0]}")
+    r = np.asarray(metrics.client_radius)
+    for k in np.flatnonzero(~np.isfinite(r)):
+      problems.append(f"radius of client {k} is {r[k]}")
+  else:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
+      a = np.asarray(leaf)
+      if not np.issubdtype(a.dtype, np.floating) or np.isfinite(a).all():
+        continue
+      if a.ndim >= 1 and a.shape[0] == num_clients:
+        bad = np.flatnonzero(~np.isfinite(a.reshape(num_clients, -1)).all(axis=1))
+        problems.append(f"metric {_keystr(path)} of client(s) {bad.tolist()} is not finite")
+      else:
+        problems.append(f"metric {_keystr(path)} is not finite")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not bool(jnp.all(jnp.isfinite(leaf))):
+      problems.append(f"global parameter {_keystr(path)} holds NaN/Inf")
+  if not math.isfinite(test_loss):
+    problems.append(f"test loss is {test_loss}")
+  return problems
+
+
+def _format_line(rec: dict, rounds: int) -> str:
+  parts = [f"round {rec['round']:>3d}/{rounds}",
+           f"acc {rec['test_accuracy']:.4f}", f"loss {rec['test_loss']:.4f}"]
+  if rec.get("epsilon") is not None:
+    parts.append(f"eps {rec['epsilon']:.3f}")
+  if "client_radius" in rec:
+    radii = [r for r in rec["client_radius"] if r is not None]
+    r_g = rec.get("server_radius")
+    parts.append(f"radius {'fixed' if r_g is None else f'{r_g:.3f}'}"
+                 + (f" (r_k {min(radii):.2f}..{max(radii):.2f})" if radii else ""))
+  if "server_steps" in rec:
+    parts.append(f"server_steps {rec['server_steps']}")
+  if "matching_loss" in rec:
+    ml = [v for v in rec["matching_loss"] if v is not None]
+    if ml:
+      parts.append(f"match {np.mean(ml):.3f}")
+  parts.append(f"{rec['round_seconds']:.1f}s")
+  return "  ".join(parts)
+
+
+def save_snapshot(workdir: Path, round_index: int, state, dataset) -> None:
+  """Writes the synthetic sets of all clients (if the state has them) to ``synthetic/``."""
+  synthetic = getattr(state, "synthetic", None)
+  if synthetic is None:
+    return
+  out = workdir / "synthetic"
+  out.mkdir(exist_ok=True)
+  path = out / f"round_{round_index:04d}.npz"
+  tmp = out / f".round_{round_index:04d}.tmp.npz"
+  np.savez(tmp, x=np.asarray(synthetic.x), y=np.asarray(synthetic.y),
+           mask=np.asarray(synthetic.mask), mean=dataset.mean, std=dataset.std,
+           round=round_index)
+  os.replace(tmp, path)
+
+
+def write_summary(workdir: Path, config_name: str, records: list[dict], info: dict) -> None:
+  """A short ``summary.md``: setting, final and best accuracy, epsilon, cost, files."""
+  lines = [f"# {config_name}: {info['method_label']} on {info['dataset']}", ""]
+  if records:
+    last = records[-1]
+    best = max(records, key=lambda r: r["test_accuracy"])
+    lines += [
+        f"- rounds run: {last['round']} / {info['rounds']}",
+        f"- final test accuracy: {100 * last['test_accuracy']:.2f} % "
+        f"(loss {last['test_loss']:.4f})",
+        f"- best test accuracy: {100 * best['test_accuracy']:.2f} % (round {best['round']})",
+    ]
+    if last.get("epsilon") is not None:
+      lines.append(f"- privacy: epsilon = {last['epsilon']:.3f} at delta = {info['delta']:g} "
+                   f"(sigma = {info['noise_multiplier']}, C = {info['l2_clip_norm']}, "
+                   f"B = {info['batch_size']}, T = {info['steps_per_round']}, "
+                   f"q = {info['sampling_rate']:.4f})")
+    lines += [
+        f"- upload: {info['upload_floats_per_client']:,} floats per client per round "
+        f"({info['upload_floats_per_client'] / info['num_params']:.2f}x the "
+        f"{info['num_params']:,} model parameters); {last['upload_mb']:.2f} MB in total",
+        f"- wall time: {last['wall_seconds']:.1f} s",
+        "",
+        "| round | accuracy | loss | epsilon | seconds |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+      eps = "-" if r.get("epsilon") is None else f"{r['epsilon']:.3f}"
+      lines.append(f"| {r['round']} | {100 * r['test_accuracy']:.2f} | {r['test_loss']:.4f} "
+                   f"| {eps} | {r['round_seconds']:.1f} |")
+  lines += ["", "Clients: " + ", ".join(
+      f"{k}: {n} records, classes {c}" for k, (n, c) in
+      enumerate(zip(info["client_sizes"], info["client_classes"]))), ""]
+  files = sorted(p.relative_to(workdir).as_posix() for p in workdir.glob("*")
+                 if p.is_file() and not p.name.startswith("."))
+  dirs = [f"{d}/" for d in ("checkpoints", "synthetic") if (workdir / d).is_dir()]
+  lines += ["Files: " + ", ".join(files + dirs), ""]
+  (workdir / "summary.md").write_text("\n".join(lines))
+
+
+def method_label(method: str, dp: bool) -> str:
+  labels = {"fedlap": "FedLAP-DP" if dp else "FedLAP", "fedavg": "FedAvg", "fedprox": "FedProx",
+            "fedsgd": "FedSGD", "scaffold": "SCAFFOLD", "dp_fedavg": "DP-FedAvg",
+            "dp_fedprox": "DP-FedProx"}
+  return labels.get(method, method)
+
+
+# ----------------------------------------------------------------------------
+# The loop.
+# ----------------------------------------------------------------------------
+
+
+def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str = "") -> dict:
+  """Runs (or resumes) one experiment in ``workdir`` and writes every output.
+
+  Args:
+    config: the resolved ``ml_collections.ConfigDict`` (see
+      ``experiments/configs/default.py``).
+    workdir: output directory (created); an existing checkpoint is resumed.
+    config_name: label for logs and ``summary.md``.
+
+  Returns:
+    ``{'records': [...], 'state': final state, 'ledger': dict | None,
+    'compilations': int | None, 'workdir': str}``; ``compilations`` is the
+    number of compiled versions of the round function (1 for a run; runs of
+    the same setting in one process share it).
+
+  Raises:
+    validation.ConfigError: invalid config or config/data mismatch.
+    ResumeError: the workdir's checkpoint belongs to another run.
+    NonFiniteError: a round produced NaN / Inf (the last good checkpoint is kept).
+    data_lib.DataUnavailableError: tfds data missing and no network.
+  """
+  cfg = config
+  validation.validate_config(cfg)
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  config_name = config_name or workdir.name
+  t_start = time.time()
+
+  setup = build_run(cfg)
+  dataset, alg, state, clients = setup.dataset, setup.algorithm, setup.state, setup.clients
+  apply_fn, num_params = setup.apply_fn, setup.num_params
+  sizes = [len(i) for i in setup.client_indices]
+  client_classes = [np.unique(dataset.y_train[i]).tolist() for i in setup.client_indices]
+  x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
+  num_clients = len(sizes)
+  privacy = privacy_fingerprint(cfg, alg, sizes)
+  fields = run_defining_fields(cfg)
+  ledger = None
+  if alg.dp is not None:
+    ledger = accounting.PrivacyLedger(
+        noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
+        min_client_size=privacy["min_client_size"], steps_per_round=alg.dp_steps_per_round,
+        delta=alg.dp.delta)
+
+  info = dict(
+      config_name=config_name, method=cfg.method,
+      method_label=method_label(cfg.method, alg.dp is not None),
+      dataset=cfg.data.name, rounds=cfg.rounds, num_params=num_params,
+      image_shape=list(dataset.image_shape), num_classes=dataset.num_classes,
+      client_sizes=sizes, client_classes=client_classes, test_size=int(len(dataset.y_test)),
+      upload_floats_per_client=int(alg.upload_floats_per_client),
+      jax_version=jax.__version__, fedlap_jax_version=fedlap_jax.__version__,
+      devices=[str(d) for d in jax.devices()],
+      **{k: v for k, v in privacy.items() if k not in ("method", "dataset", "client_sizes")})
+
+  # Resume.
+  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
+  metrics_path = workdir / "metrics.jsonl"
+  start = 0
+  latest = ckpt.latest_round()
+  if latest is not None:
+    check_resume_compatible(ckpt.read_meta(latest), privacy, fields, workdir)
+    try:
+      state, meta = ckpt.restore(state, latest)
+    except ValueError as e:
+      raise ResumeError(f"refusing to resume {workdir}: {e}") from None
+    start = int(state.round) if hasattr(state, "round") else int(latest)
+    if start != latest:
+      raise ResumeError(f"checkpoint {latest} in {ckpt.directory} holds round {start}; "
+                        "allowed: a checkpoint whose state round equals its name")
+    if ledger is not None:
+      ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
+      if ledger.rounds != start:
+        raise ResumeError(f"checkpoint {latest}: the privacy ledger records {ledger.rounds} "
+                          f"rounds but the state is after round {start}")
+  records = checkpointing.truncate_metrics(metrics_path, start)
+  if len(records) != start or [r["round"] for r in records] != list(range(1, start + 1)):
+    raise ResumeError(f"{metrics_path} holds rounds {[r['round'] for r in records]} but the "
+                      f"checkpoint is after round {start}; allowed: records 1..{start}")
+  checkpointing.write_json_atomic(workdir / "config.json", cfg.to_dict())
+  checkpointing.write_json_atomic(workdir / "run_info.json", info)
+  if ledger is not None:
+    checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict())
+
+  eval_fn = jax.jit(lambda p, x, y: evaluate(apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size))
+  log_file = open(workdir / "train.log", "a")
+
+  def log(line):
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    tqdm.write(line, file=sys.stdout)
+    log_file.write(line + "\n")
+    log_file.flush()
+
+  if start:
+    log(f"[{config_name}] resuming from round {start} (checkpoint {ckpt.directory / str(start)})"
+        + (f", epsilon so far {ledger.epsilon:.3f}" if ledger is not None else ""))
+  else:
+    log(f"[{config_name}] {info['method_label']} on {cfg.data.name}: {num_clients} clients "
+        f"(sizes {sizes}), {num_params:,} parameters, {cfg.rounds} rounds")
+  wall_before = records[-1]["wall_seconds"] if records else 0.0
+  upload_mb_per_round = num_clients * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
+  snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}
+  t_loop = time.time()
+
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  bar = tqdm(total=cfg.rounds, initial=start, desc=config_name, unit="round",
+             disable=not cfg.progress_bar, file=sys.stderr, dynamic_ncols=True)
+  last_good = start if latest is not None else None
+  try:
+    for m in range(start + 1, cfg.rounds + 1):
+      t0 = time.time()
+      state, metrics = alg.round(state, clients)
+      params = alg.params_of(state)
+      ev = eval_fn(params, x_test, y_test)
+      test_loss, test_acc = float(ev.loss), float(ev.accuracy)
+      epsilon = ledger.record_round(alg.dp_steps_per_round) if ledger is not None else None
+      if ledger is not None:
+        checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict())
+      problems = find_non_finite(params, metrics, test_loss, num_clients)
+      if problems:
+        where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
+                 if last_good is not None else "no checkpoint was written yet")
+        msg = (f"round {m}: {'; '.join(problems)}. Stopped; {where} (with its privacy ledger); "
+               f"metrics.jsonl holds rounds 1..{m - 1}. Try a smaller learning_rate or "
+               f"client.image_lr, or check the data.")
+        log(f"ERROR {msg}")
+        raise NonFiniteError(msg)
+      now = time.time()
+      rec = {"round": m, "test_accuracy": test_acc, "test_loss": test_loss, "epsilon": epsilon,
+             **summarize_metrics(metrics, num_clients),
+             "upload_mb": m * upload_mb_per_round,
+             "round_seconds": now - t0, "wall_seconds": wall_before + (now - t_loop),
+             "first_in_process": m == start + 1}
+      checkpointing.append_metrics(metrics_path, rec)
+      records.append(rec)
+      if m in snapshots:
+        save_snapshot(workdir, m, state, dataset)
+      if m % cfg.checkpoint_every == 0 or m == cfg.rounds:
+        ckpt.save(m, state, {"round": m, "ledger": ledger.to_dict() if ledger else None,
+                             "privacy": privacy, "config": fields, "metrics_records": m})
+        last_good = m
+      bar.update(1)
+      log(f"[{config_name}] " + _format_line(rec, cfg.rounds))
+  finally:
+    bar.close()
+    log_file.close()
+    ckpt.close()
+
+  if cfg.plots:
+    from experiments import plots  # pylint: disable=g-import-not-at-top
+    plots.make_all(workdir)
+  write_summary(workdir, config_name, records, info)
+  cache_size = getattr(alg.round, "_cache_size", None)
+  return {"records": records, "state": state, "workdir": str(workdir),
+          "ledger": ledger.to_dict() if ledger is not None else None,
+          "compilations": cache_size() if callable(cache_size) else None,
+          "seconds": time.time() - t_start}

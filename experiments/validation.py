@@ -1,0 +1,274 @@
+"""Checks of a resolved experiment config, before anything runs.
+
+Two stages:
+
+* :func:`validate_config` (static): names (method, dataset, source,
+  partition, norm, backend), ranges and the core's own validation, by building
+  the frozen dataclasses of :mod:`fedlap_jax.config` with
+  :func:`to_fedlap_config` / :func:`to_dp_config`.
+* :func:`validate_data` (after loading): what only the data can tell, e.g. a
+  batch larger than the smallest client, a client with no data, ``ipc`` larger
+  than a class with real-image initialisation, a class no client holds.
+
+Every error is a :class:`ConfigError` (a ``ValueError``) whose message names
+the config field (as written on the command line), the value and what is
+allowed. Nothing is clamped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Sequence
+
+import numpy as np
+
+from fedlap_jax import config as core
+from fedlap_jax.federated import synthetic_labels
+from fedlap_jax.models import NORMS
+
+from experiments import data as data_lib
+
+FEDLAP_METHODS = ("fedlap",)
+BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
+METHODS = FEDLAP_METHODS + BASELINE_METHODS
+DP_BASELINES = ("dp_fedavg", "dp_fedprox")
+CLIENT_BACKENDS = ("vmap", "map")
+
+CLIENT_FIELDS = tuple(f.name for f in dataclasses.fields(core.ClientConfig) if f.name != "dp")
+SERVER_FIELDS = tuple(f.name for f in dataclasses.fields(core.ServerConfig))
+DP_FIELDS = tuple(f.name for f in dataclasses.fields(core.DPConfig))
+
+
+class ConfigError(ValueError):
+  """An invalid experiment config; the message names field, value and allowed values."""
+
+
+def _fail(field: str, value, allowed: str):
+  raise ConfigError(f"{field}={value!r} is invalid; allowed: {allowed}")
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) \
+      and math.isfinite(float(v))
+
+
+def _core_path(field: str, section: str) -> str:
+  """Maps a field named in a core error to its path in the experiment config."""
+  if field.startswith(("dp.", "server.", "client.")):
+    return field
+  if field in ("rounds", "learning_rate", "synthetic_init"):
+    return field
+  if field in CLIENT_FIELDS and section != "server":
+    return f"client.{field}"
+  if field in SERVER_FIELDS:
+    return f"server.{field}"
+  return f"{section}.{field}" if section else field
+
+
+def _core_error(err: ValueError, section: str) -> ConfigError:
+  msg = str(err)
+  m = re.match(r"^([\w.]+)=", msg)
+  if m:
+    return ConfigError(_core_path(m.group(1), section) + msg[len(m.group(1)):])
+  where = {"client": "client.dsa_strategy", "server": "server.dsa_strategy"}.get(section, section)
+  return ConfigError(f"{where}: {msg}")
+
+
+def to_dp_config(cfg) -> core.DPConfig | None:
+  """``config.dp`` as a :class:`fedlap_jax.config.DPConfig`, or ``None`` when disabled."""
+  if not cfg.dp.enabled:
+    return None
+  try:
+    return core.DPConfig(**{f: cfg.dp[f] for f in DP_FIELDS if f in cfg.dp})
+  except ValueError as e:
+    raise _core_error(e, "dp") from None
+
+
+def to_fedlap_config(cfg) -> core.FedLAPConfig:
+  """Builds the frozen :class:`fedlap_jax.config.FedLAPConfig` of an experiment config.
+
+  ``config.client`` / ``config.server`` / ``config.dp`` map one to one onto
+  :class:`~fedlap_jax.config.ClientConfig` / ``ServerConfig`` / ``DPConfig``;
+  ``rounds``, ``learning_rate`` and ``synthetic_init`` onto ``FedLAPConfig``.
+  The core validates every field; its errors are re-raised as
+  :class:`ConfigError` naming the config path (e.g. ``client.ipc``). A core
+  field missing from the config keeps the core's default (a test checks that
+  ``default.py`` lists them all).
+  """
+  dp = to_dp_config(cfg)
+  try:
+    client = core.ClientConfig(
+        dp=dp, **{f: cfg.client[f] for f in CLIENT_FIELDS if f in cfg.client})
+  except ValueError as e:
+    raise _core_error(e, "client") from None
+  try:
+    server = core.ServerConfig(**{f: cfg.server[f] for f in SERVER_FIELDS if f in cfg.server})
+  except ValueError as e:
+    raise _core_error(e, "server") from None
+  try:
+    return core.FedLAPConfig(client=client, server=server, rounds=cfg.rounds,
+                             learning_rate=cfg.learning_rate,
+                             synthetic_init=cfg.synthetic_init)
+  except ValueError as e:
+    raise _core_error(e, "") from None
+
+
+def validate_config(cfg) -> None:
+  """Static checks of a resolved config (no data needed).
+
+  Raises:
+    ConfigError: naming the field, the value and what is allowed.
+  """
+  if cfg.method not in METHODS:
+    _fail("method", cfg.method, f"one of {METHODS}")
+  if not _is_int(cfg.seed) or cfg.seed < 0:
+    _fail("seed", cfg.seed, "an integer >= 0")
+  if not _is_int(cfg.rounds) or cfg.rounds < 1:
+    _fail("rounds", cfg.rounds, "an integer >= 1")
+  if not _is_real(cfg.learning_rate) or cfg.learning_rate <= 0:
+    _fail("learning_rate", cfg.learning_rate, "a finite number > 0")
+  if cfg.client_backend not in CLIENT_BACKENDS:
+    _fail("client_backend", cfg.client_backend, f"one of {CLIENT_BACKENDS}")
+
+  d = cfg.data
+  if d.name not in data_lib.DATASETS:
+    _fail("data.name", d.name, f"one of {data_lib.DATASETS}")
+  try:
+    kind, path = data_lib.parse_source(d.source)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if kind == "tfds" and d.name not in data_lib.TFDS_DATASETS:
+    _fail("data.source", d.source, f"'sklearn' or 'npz:PATH' for data.name={d.name!r} "
+          f"(tfds serves {data_lib.TFDS_DATASETS})")
+  if kind == "sklearn" and d.name != "digits":
+    _fail("data.source", d.source, f"'tfds' or 'npz:PATH' for data.name={d.name!r} "
+          "('sklearn' serves only 'digits')")
+  if d.name == "custom" and kind != "npz":
+    _fail("data.source", d.source, "'npz:PATH' for data.name='custom'")
+  if kind == "npz" and not os.path.isfile(path):
+    _fail("data.source", d.source, "npz:PATH of an existing .npz file with arrays "
+          "x_train, y_train, x_test, y_test")
+  if d.partition not in data_lib.PARTITIONS:
+    _fail("data.partition", d.partition, f"one of {data_lib.PARTITIONS}")
+  if not _is_real(d.dirichlet_alpha) or d.dirichlet_alpha <= 0:
+    _fail("data.dirichlet_alpha", d.dirichlet_alpha, "a finite number > 0")
+  if not _is_int(d.num_clients) or d.num_clients < 1:
+    _fail("data.num_clients", d.num_clients, "an integer >= 1")
+  if not _is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
+    _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
+
+  m = cfg.model
+  if not _is_int(m.width) or m.width < 1:
+    _fail("model.width", m.width, "an integer >= 1")
+  if not _is_int(m.depth) or m.depth < 1:
+    _fail("model.depth", m.depth, "an integer >= 1")
+  if m.norm not in NORMS:
+    _fail("model.norm", m.norm, f"one of {NORMS} (BatchNorm is not offered: it breaks "
+          "record-level DP)")
+
+  if not isinstance(cfg.dp.enabled, bool):
+    _fail("dp.enabled", cfg.dp.enabled, "True or False")
+  if cfg.method in DP_BASELINES and not cfg.dp.enabled:
+    _fail("dp.enabled", cfg.dp.enabled, f"True for method={cfg.method!r}")
+  if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINES and cfg.dp.enabled:
+    _fail("dp.enabled", cfg.dp.enabled, f"False for method={cfg.method!r} (use "
+          f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINES})")
+  b = cfg.baseline
+  if not _is_int(b.local_epochs) or b.local_epochs < 1:
+    _fail("baseline.local_epochs", b.local_epochs, "an integer >= 1")
+  if not _is_real(b.prox_mu) or b.prox_mu < 0:
+    _fail("baseline.prox_mu", b.prox_mu, "a finite number >= 0")
+
+  if not _is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
+    _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")
+  if not _is_int(cfg.keep_checkpoints) or cfg.keep_checkpoints < 1:
+    _fail("keep_checkpoints", cfg.keep_checkpoints, "an integer >= 1")
+  if not _is_int(cfg.eval_chunk_size) or cfg.eval_chunk_size < 1:
+    _fail("eval_chunk_size", cfg.eval_chunk_size, "an integer >= 1")
+  snaps = cfg.snapshot_rounds
+  if not isinstance(snaps, (tuple, list)) or not all(
+      _is_int(r) and r >= 1 for r in snaps):
+    _fail("snapshot_rounds", snaps, "a tuple of rounds >= 1 (rounds after the last are "
+          "not reached; the last round is always saved)")
+
+  if cfg.method == "fedlap":
+    to_fedlap_config(cfg)
+  else:
+    to_dp_config(cfg)
+    if not _is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
+      _fail("client.batch_size", cfg.client.batch_size, "an integer >= 1")
+
+
+def _effective_side(image_shape) -> int:
+  """Smallest spatial side the first conv block sees (ConvNet pads 28x28x1 to 32x32)."""
+  if tuple(image_shape) == (28, 28, 1):
+    return 32
+  return min(image_shape[:2])
+
+
+def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.ndarray]) -> None:
+  """Checks that need the data: client sizes and classes against the config.
+
+  Args:
+    cfg: the resolved config (already through :func:`validate_config`).
+    dataset: the loaded :class:`experiments.data.Dataset`.
+    client_indices: training-record indices of each client.
+
+  Raises:
+    ConfigError: naming the field, the value and what is allowed.
+  """
+  d = cfg.data
+  sizes = [len(i) for i in client_indices]
+  for k, n in enumerate(sizes):
+    if n == 0:
+      raise ConfigError(
+          f"client {k} has no data with data.partition={d.partition!r}, data.num_clients="
+          f"{d.num_clients}, data.train_fraction={d.train_fraction}, data.dirichlet_alpha="
+          f"{d.dirichlet_alpha}; allowed: every client holds >= 1 record (use fewer clients, "
+          f"a larger train_fraction or alpha, or another seed)")
+  h, w = dataset.image_shape[:2]
+  side = _effective_side(dataset.image_shape)
+  if side // 2 ** cfg.model.depth < 1:
+    _fail("model.depth", cfg.model.depth, f"at most {int(math.log2(side))} for "
+          f"{h}x{w} images (each block halves the side)")
+
+  smallest = int(np.argmin(sizes))
+  if cfg.client.batch_size > sizes[smallest]:
+    _fail("client.batch_size", cfg.client.batch_size,
+          f"at most {sizes[smallest]}, the size of the smallest client (client {smallest}); "
+          "the Poisson rate q = batch_size / N_k must be <= 1")
+
+  ys = [dataset.y_train[i] for i in client_indices]
+  held = set(np.concatenate(ys).tolist())
+  for c in sorted(set(dataset.y_test.tolist()) - held):
+    raise ConfigError(
+        f"class {c} appears in the test split but no client holds a training record of it, "
+        f"so no synthetic label covers it (data.partition={d.partition!r}, "
+        f"data.train_fraction={d.train_fraction}); allowed: every class held by >= 1 client")
+
+  if cfg.method != "fedlap":
+    return
+  ipc = cfg.client.ipc
+  labels, mask = synthetic_labels(ys, ipc)
+  for k, y in enumerate(ys):
+    covered = set(labels[k][mask[k]].tolist())
+    missing = set(np.unique(y).tolist()) - covered
+    if missing:  # an invariant of synthetic_labels; checked because the server relies on it
+      raise ConfigError(f"client {k}: classes {sorted(missing)} have no synthetic labels "
+                        f"with client.ipc={ipc}; allowed: every class a client holds is covered")
+  if cfg.synthetic_init == "real":
+    for k, y in enumerate(ys):
+      classes, counts = np.unique(y, return_counts=True)
+      j = int(np.argmin(counts))
+      if ipc > counts[j]:
+        _fail("client.ipc", ipc,
+              f"at most {counts[j]} with synthetic_init='real': client {k} holds only "
+              f"{counts[j]} records of class {classes[j]} (real initialisation draws ipc "
+              "distinct records per class)")

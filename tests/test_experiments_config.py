@@ -1,0 +1,270 @@
+"""Named configs, the config -> core converter, and static + data validation."""
+
+import dataclasses
+import importlib
+
+import numpy as np
+import pytest
+
+from fedlap_jax import config as core
+
+from experiments import data as data_lib
+from experiments import run, validation
+from experiments.configs import cifar_dp, cifar_nondp, default, quickstart, quickstart_nondp
+
+NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fmnist_dp", None),
+         ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"),
+         ("quickstart", "nondp"), ("quickstart_nondp", None), ("cifar_iid", None),
+         ("cifar_iid", "dp")]
+NAMED += [("cifar_ablation_radius", s) for s in ("min", "max", "median", "fixed")]
+NAMED += [("cifar_ablation_ipc", str(i)) for i in (10, 20, 50, 100, 150, 200)]
+NAMED += [("cifar_ablation_fraction", str(p)) for p in (5, 10, 50, 100)]
+
+
+def load(name, arg=None):
+  module = importlib.import_module(f"experiments.configs.{name}")
+  return module.get_config() if arg is None else module.get_config(arg)
+
+
+@pytest.mark.parametrize("name,arg", NAMED)
+def test_every_named_config_builds_and_validates(name, arg):
+  cfg = load(name, arg)
+  runs = [cfg.suite[k] for k in cfg.suite.keys()] if "suite" in cfg else [cfg]
+  for c in runs:
+    validation.validate_config(c)
+    fc = validation.to_fedlap_config(c)
+    assert (fc.dp is not None) == c.dp.enabled
+  path, label = run.resolve_config_arg(name + (f":{arg}" if arg else ""))
+  assert path.startswith(str(run.CONFIG_DIR))
+  assert label == name + (f"_{arg}" if arg else "")
+
+
+def test_published_settings_equal_the_core_paper_configs():
+  assert validation.to_fedlap_config(cifar_nondp.get_config()) == core.paper_nondp_config()
+  dp = validation.to_fedlap_config(cifar_dp.get_config())
+  assert dp == core.paper_dp_config()
+  assert dp.client.real_accesses_per_round == 200
+  for name in ("mnist_dp", "fmnist_dp"):
+    assert validation.to_fedlap_config(load(name)) == core.paper_dp_config()
+  assert load("mnist_nondp").data.name == "mnist"
+  assert load("fmnist_dp").data.name == "fashion_mnist"
+
+
+def test_ablation_values():
+  assert load("cifar_ablation_ipc", "150").client.ipc == 150
+  assert load("cifar_ablation_fraction", "5").data.train_fraction == pytest.approx(0.05)
+  fixed = validation.to_fedlap_config(load("cifar_ablation_radius", "fixed"))
+  assert fixed.server.radius_strategy == "fixed" and not fixed.client.calibrate_radius
+  assert load("cifar_iid").data.partition == "iid"
+  with pytest.raises(ValueError, match="allowed"):
+    load("cifar_ablation_radius", "average")
+  with pytest.raises(ValueError, match="percentage"):
+    load("cifar_ablation_fraction", "0")
+
+
+def test_config_sections_map_one_to_one_onto_the_core_dataclasses():
+  cfg = default.get_config()
+  for section, cls, skip in (("client", core.ClientConfig, {"dp"}),
+                             ("server", core.ServerConfig, set()), ("dp", core.DPConfig, set())):
+    names = {f.name for f in dataclasses.fields(cls)} - skip
+    assert names <= set(cfg[section].keys()), (section, names - set(cfg[section].keys()))
+
+
+def test_quickstart_matches_the_recipe():
+  suite = quickstart.get_config().suite
+  assert sorted(suite.keys()) == ["fedlap", "fedlap_dp"]
+  assert suite.fedlap_dp == quickstart.get_config("dp")
+  assert suite.fedlap == quickstart_nondp.get_config()
+  fc = validation.to_fedlap_config(quickstart.get_config("dp"))
+  assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+  assert (fc.client.ipc, fc.client.max_outer, fc.client.batch_loop, fc.client.inner_loop,
+          fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 5, 1, 64, 10, 0.05)
+  nd = validation.to_fedlap_config(quickstart.get_config("nondp"))
+  assert nd.dp is None and nd.client.calibrate_radius and nd.client.image_lr == 10.0
+
+
+def _override(cfg, field, value):
+  node = cfg
+  *parents, leaf = field.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+
+
+# (overrides on quickstart (DP) or quickstart_nondp, expected message fragments)
+BAD = [
+    ("dp", {"method": "fedlapp"}, ["method='fedlapp'", "fedavg"]),
+    ("dp", {"data.name": "svhn"}, ["data.name='svhn'", "cifar10"]),
+    ("dp", {"data.source": "hdf5:/x"}, ["data.source='hdf5:/x'", "npz:PATH"]),
+    ("dp", {"data.source": "npz:/no/such/file.npz"}, ["data.source", "existing"]),
+    ("dp", {"data.source": "tfds"}, ["data.source='tfds'", "digits"]),
+    ("dp", {"data.partition": "pathological"}, ["data.partition='pathological'", "dirichlet"]),
+    ("dp", {"data.dirichlet_alpha": 0.0}, ["data.dirichlet_alpha=0.0", "> 0"]),
+    ("dp", {"data.num_clients": 0}, ["data.num_clients=0", ">= 1"]),
+    ("dp", {"data.train_fraction": 1.5}, ["data.train_fraction=1.5", "(0, 1]"]),
+    ("dp", {"data.train_fraction": 0.0}, ["data.train_fraction=0.0"]),
+    ("dp", {"model.norm": "batch"}, ["model.norm='batch'", "instance"]),
+    ("dp", {"model.width": 0}, ["model.width=0"]),
+    ("dp", {"seed": -1}, ["seed=-1"]),
+    ("dp", {"rounds": 0}, ["rounds=0", ">= 1"]),
+    ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),
+    ("dp", {"learning_rate": -0.1}, ["learning_rate=-0.1"]),
+    ("dp", {"client.ipc": 0}, ["client.ipc=0", ">= 1"]),
+    ("dp", {"client.radius": -1.0}, ["client.radius=-1.0", "> 0"]),
+    ("dp", {"client.radius": 0.0}, ["client.radius=0.0"]),
+    ("dp", {"client.batch_size": 0}, ["client.batch_size=0"]),
+    ("dp", {"client.image_lr": 0.0}, ["client.image_lr=0.0"]),
+    ("dp", {"client.dsa_strategy": "color_blur"}, ["client.dsa_strategy", "blur"]),
+    ("dp", {"server.dsa_strategy": "blur"}, ["server.dsa_strategy", "blur"]),
+    ("dp", {"server.radius_strategy": "average"}, ["server.radius_strategy='average'", "median"]),
+    ("dp", {"server.radius_strategy": "min"}, ["server.radius_strategy='min'", "DP is on"]),
+    ("dp", {"synthetic_init": "real"}, ["synthetic_init='real'", "noise"]),
+    ("dp", {"dp.noise_multiplier": 0.0}, ["dp.noise_multiplier=0.0", "no privacy guarantee"]),
+    ("dp", {"dp.noise_multiplier": -1.0}, ["dp.noise_multiplier=-1.0"]),
+    ("dp", {"dp.l2_clip_norm": 0.0}, ["dp.l2_clip_norm=0.0"]),
+    ("dp", {"dp.delta": 0.0}, ["dp.delta=0.0", "(0, 1)"]),
+    ("dp", {"dp.delta": 1.0}, ["dp.delta=1.0"]),
+    ("dp", {"client.calibrate_radius": True}, ["client.calibrate_radius=True", "not private"]),
+    ("dp", {"method": "fedavg"}, ["dp.enabled=True", "dp_fedavg"]),
+    ("nondp", {"method": "dp_fedprox"}, ["dp.enabled=False", "True for method='dp_fedprox'"]),
+    ("dp", {"client_backend": "pmap"}, ["client_backend='pmap'", "vmap"]),
+    ("dp", {"checkpoint_every": 0}, ["checkpoint_every=0"]),
+    ("dp", {"snapshot_rounds": (0,)}, ["snapshot_rounds=(0,)"]),
+    ("dp", {"baseline.local_epochs": 0}, ["baseline.local_epochs=0"]),
+    ("nondp", {"server.radius_strategy": "median", "client.calibrate_radius": False},
+     ["client.calibrate_radius=False", "median"]),
+]
+
+
+@pytest.mark.parametrize("base,overrides,fragments", BAD, ids=[str(b[1]) for b in BAD])
+def test_invalid_config_is_rejected_with_field_value_and_allowed(base, overrides, fragments):
+  cfg = quickstart.dp_config() if base == "dp" else quickstart.nondp_config()
+  for field, value in overrides.items():
+    _override(cfg, field, value)
+  with pytest.raises(validation.ConfigError) as err:
+    validation.validate_config(cfg)
+  msg = str(err.value)
+  assert "allowed" in msg or "Allowed" in msg or "allowed families" in msg
+  for fragment in fragments:
+    assert fragment in msg, msg
+
+
+# ------------------------------------------------------------ data-dependent
+
+
+@pytest.fixture(scope="module")
+def digits():
+  cfg = quickstart.dp_config()
+  ds = data_lib.load_dataset(cfg.data)
+  return ds, data_lib.client_split(ds, cfg.data, cfg.seed)
+
+
+def _data_error(cfg, ds, idx):
+  validation.validate_config(cfg)
+  with pytest.raises(validation.ConfigError) as err:
+    validation.validate_data(cfg, ds, idx)
+  return str(err.value)
+
+
+def test_valid_data_passes(digits):
+  ds, idx = digits
+  for cfg in (quickstart.dp_config(), quickstart.nondp_config()):
+    validation.validate_data(cfg, ds, idx)
+
+
+def test_batch_size_larger_than_smallest_client(digits):
+  ds, idx = digits
+  cfg = quickstart.dp_config()
+  cfg.client.batch_size = 275
+  msg = _data_error(cfg, ds, idx)
+  assert "client.batch_size=275" in msg and "at most 274" in msg and "client 2" in msg
+
+
+def test_client_with_no_data(digits):
+  ds, idx = digits
+  msg = _data_error(quickstart.dp_config(), ds, [idx[0], np.array([], np.int64)] + idx[2:])
+  assert "client 1 has no data" in msg and "allowed" in msg
+
+
+def test_ipc_larger_than_a_class_with_real_init(digits):
+  ds, idx = digits
+  cfg = quickstart.nondp_config()
+  cfg.client.ipc = 200
+  msg = _data_error(cfg, ds, idx)
+  assert "client.ipc=200" in msg and "synthetic_init='real'" in msg and "at most" in msg
+  cfg = quickstart.dp_config()  # noise init draws no real records: allowed
+  cfg.client.ipc = 200
+  validation.validate_data(cfg, ds, idx)
+
+
+def test_class_no_client_holds(digits):
+  ds, idx = digits
+  drop = [i[ds.y_train[i] != 3] for i in idx]
+  msg = _data_error(quickstart.dp_config(), ds, drop)
+  assert "class 3" in msg and "no synthetic label covers it" in msg
+
+
+def test_model_too_deep_for_the_images(digits):
+  ds, idx = digits
+  cfg = quickstart.dp_config()
+  cfg.model.depth = 4
+  msg = _data_error(cfg, ds, idx)
+  assert "model.depth=4" in msg and "at most 3" in msg
+
+
+def test_paper_partition_needs_a_divisor_of_the_classes(digits):
+  ds, _ = digits
+  with pytest.raises(ValueError, match="data.num_clients=3 .*divisor of 10"):
+    data_lib.partition(ds.y_train, num_clients=3, scheme="paper", num_classes=10)
+
+
+# ------------------------------------------------------------------- CLI
+
+
+def test_cli_rejects_bad_override(tmp_path, capsys):
+  rc = run.main(["prog", "--config=quickstart:dp", "--config.client.ipc=0",
+                 f"--workdir={tmp_path}"])
+  assert rc == 2
+  assert "client.ipc=0 is invalid; allowed: an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arg,fragment", [("--config.client.ipcc=3", "ipcc"),
+                                          ("--config.client.ipc=abc", "abc")])
+def test_cli_rejects_unknown_field_and_bad_type(tmp_path, capsys, arg, fragment):
+  rc = run.main(["prog", "--config=quickstart:dp", arg, f"--workdir={tmp_path}"])
+  assert rc == 2
+  assert fragment in capsys.readouterr().err
+
+
+def test_cli_unknown_config_name_lists_the_available_ones():
+  with pytest.raises(SystemExit, match="no experiments/configs/cifar_pd.py.*cifar_dp"):
+    run.main(["prog", "--config=cifar_pd"])
+
+
+def test_cli_resolves_names_args_and_default_workdir():
+  argv, name = run.rewrite_argv(["prog", "--config", "cifar_ablation_ipc:20", "--x=1"])
+  assert argv[1] == "--config" and argv[2].endswith("configs/cifar_ablation_ipc.py:20")
+  assert name == "cifar_ablation_ipc_20" and argv[3] == "--x=1"
+
+
+def test_suite_validates_every_run_first_then_runs_each_and_compares(tmp_path, capsys,
+                                                                     monkeypatch):
+  from experiments import report, train  # pylint: disable=g-import-not-at-top
+  calls, reports = [], []
+
+  def fake_train(cfg, workdir, config_name=""):
+    calls.append((config_name, str(workdir), cfg.dp.enabled))
+    return {"records": [{"round": 1, "test_accuracy": 0.5, "epsilon": None}], "seconds": 0.0}
+
+  monkeypatch.setattr(train, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(report, "make_report", lambda dirs, out, **kw: reports.append((dirs, out)))
+  rc = run.main(["prog", "--config=quickstart", "--config.suite.fedlap_dp.dp.noise_multiplier=0",
+                 f"--workdir={tmp_path}"])
+  assert rc == 2 and not calls
+  assert "quickstart/fedlap_dp: dp.noise_multiplier=0.0 is invalid" in capsys.readouterr().err
+  assert run.main(["prog", "--config=quickstart", "--config.suite.fedlap.seed=3",
+                   f"--workdir={tmp_path}"]) == 0
+  assert calls == [("quickstart/fedlap", str(tmp_path / "fedlap"), False),
+                   ("quickstart/fedlap_dp", str(tmp_path / "fedlap_dp"), True)]
+  assert reports == [([str(tmp_path / "fedlap"), str(tmp_path / "fedlap_dp")],
+                      str(tmp_path / "report"))]

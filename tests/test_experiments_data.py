@@ -1,0 +1,199 @@
+"""Data loading (sklearn digits, npz, tfds under mock_data, offline detection) and partitions.
+
+Nothing here reaches the network: tfds runs under ``tfds.testing.mock_data`` and
+the offline check is exercised with the probe monkeypatched.
+"""
+
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments import data as data_lib
+from experiments import validation
+
+
+def data_cfg(**kw):
+  cfg = ml_collections.ConfigDict(dict(name="digits", source="sklearn", data_dir=None,
+                                       cache_dir="none", partition="paper", dirichlet_alpha=0.5,
+                                       num_clients=5, train_fraction=1.0))
+  cfg.update(kw)
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def digits():
+  return data_lib.load_dataset(data_cfg())
+
+
+def test_digits_split_and_standardisation(digits):
+  assert digits.x_train.shape == (1400, 8, 8, 1) and digits.x_test.shape == (397, 8, 8, 1)
+  assert digits.x_train.dtype == np.float32 and digits.y_train.dtype == np.int32
+  assert digits.num_classes == 10
+  np.testing.assert_allclose(digits.x_train.mean(), 0.0, atol=1e-5)
+  np.testing.assert_allclose(digits.x_train.std(), 1.0, atol=1e-4)
+  # Stratified: each class keeps ~78 % of its records in train (135..143) and 39..40 in test.
+  np.testing.assert_array_equal(np.bincount(digits.y_test),
+                                [39, 40, 39, 40, 40, 40, 40, 40, 39, 40])
+  assert np.bincount(digits.y_train).min() == 135
+  # Un-normalising gives pixels in [0, 1] again.
+  raw = data_lib.unnormalize(digits.x_train, digits.mean, digits.std)
+  assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5
+  again = data_lib.load_dataset(data_cfg())
+  np.testing.assert_array_equal(again.y_test, digits.y_test)
+
+
+def test_paper_partition_owns_whole_classes_in_the_paper_order(digits):
+  parts = data_lib.partition(digits.y_train, num_clients=5, scheme="paper", num_classes=10)
+  order = data_lib.PAPER_CLASS_ORDER
+  for i, p in enumerate(parts):
+    assert set(digits.y_train[p]) == {order[2 * i], order[2 * i + 1]}
+    assert len(p) == np.isin(digits.y_train, order[2 * i:2 * i + 2]).sum()
+  assert sorted(np.concatenate(parts).tolist()) == list(range(len(digits.y_train)))
+
+
+def test_iid_partition_is_disjoint_balanced_and_seeded(digits):
+  a = data_lib.partition(digits.y_train, num_clients=5, scheme="iid", num_classes=10, seed=0)
+  b = data_lib.partition(digits.y_train, num_clients=5, scheme="iid", num_classes=10, seed=1)
+  assert sorted(np.concatenate(a).tolist()) == list(range(1400))
+  assert {len(p) for p in a} == {280}
+  assert not all(np.array_equal(x, y) for x, y in zip(a, b))
+  for p in a:  # each fifth sees (almost) every class
+    assert len(set(digits.y_train[p])) == 10
+
+
+def test_dirichlet_partition_skew_grows_as_alpha_shrinks(digits):
+  def classes_per_client(alpha):
+    parts = data_lib.partition(digits.y_train, num_clients=5, scheme="dirichlet",
+                               num_classes=10, alpha=alpha, seed=0)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1400))
+    # classes holding >= 5 % of the client's records
+    return np.mean([np.sum(np.bincount(digits.y_train[p], minlength=10) >= 0.05 * len(p))
+                    for p in parts])
+  assert classes_per_client(0.1) < classes_per_client(100.0)
+  assert classes_per_client(100.0) == 10
+
+
+def test_subsample_is_stratified(digits):
+  keep = data_lib.subsample(digits.y_train, 0.1, seed=0)
+  counts = np.bincount(digits.y_train[keep])
+  expected = np.round(0.1 * np.bincount(digits.y_train)).astype(int)
+  np.testing.assert_array_equal(counts, expected)
+  cfg = data_cfg(train_fraction=0.5)
+  parts = data_lib.client_split(digits, cfg, seed=0)
+  assert sum(len(p) for p in parts) == int(np.round(0.5 * np.bincount(digits.y_train)).sum())
+
+
+def _write_npz(path, n=60, shape=(6, 6, 3), dtype=np.uint8, classes=4, **override):
+  rng = np.random.default_rng(0)
+  arrays = dict(
+      x_train=rng.integers(0, 256, (n, *shape)).astype(dtype),
+      y_train=np.arange(n) % classes,
+      x_test=rng.integers(0, 256, (n // 2, *shape)).astype(dtype),
+      y_test=np.arange(n // 2) % classes)
+  arrays.update(override)
+  np.savez(path, **arrays)
+  return arrays
+
+
+def test_npz_custom_is_standardised_per_channel(tmp_path):
+  path = tmp_path / "mine.npz"
+  raw = _write_npz(path)
+  ds = data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}"))
+  assert ds.num_classes == 4 and ds.image_shape == (6, 6, 3)
+  np.testing.assert_allclose(ds.x_train.mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
+  np.testing.assert_allclose(ds.x_train.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
+  np.testing.assert_allclose(data_lib.unnormalize(ds.x_test, ds.mean, ds.std),
+                             raw["x_test"] / 255.0, atol=1e-5)
+
+
+def test_npz_known_dataset_uses_the_paper_constants(tmp_path):
+  path = tmp_path / "c.npz"
+  raw = _write_npz(path, shape=(32, 32, 3), classes=10)
+  ds = data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}"))
+  mean, std = np.array([0.4914, 0.4822, 0.4465]), np.array([0.2023, 0.1994, 0.2010])
+  np.testing.assert_allclose(ds.x_train, (raw["x_train"] / 255.0 - mean) / std,
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("override,fragment", [
+    (dict(x_train=np.zeros((60, 6, 6), np.uint8)), "NHWC"),
+    (dict(y_train=np.zeros(59, np.int64)), "60 images but y_train 59"),
+    (dict(y_test=np.zeros(30, np.float32)), "integer"),
+    (dict(x_test=np.zeros((30, 5, 6, 3), np.uint8)), "the same HWC shape"),
+])
+def test_npz_bad_arrays_are_rejected(tmp_path, override, fragment):
+  path = tmp_path / "bad.npz"
+  _write_npz(path, **override)
+  with pytest.raises(ValueError, match=fragment):
+    data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}"))
+
+
+def test_npz_missing_array_and_wrong_channels(tmp_path):
+  path = tmp_path / "m.npz"
+  np.savez(path, x_train=np.zeros((4, 28, 28, 1), np.uint8), y_train=np.zeros(4, np.int64))
+  with pytest.raises(ValueError, match=r"missing arrays \['x_test', 'y_test'\]"):
+    data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}"))
+  path = tmp_path / "rgb.npz"
+  _write_npz(path, shape=(28, 28, 3), classes=10)
+  with pytest.raises(ValueError, match="data.name='mnist' expects 1 channel"):
+    data_lib.load_dataset(data_cfg(name="mnist", source=f"npz:{path}"))
+
+
+# ----------------------------------------------------------------- tfds
+
+
+def test_tfds_mock_load_caches_numpy(tmp_path):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  with tfds.testing.mock_data(num_examples=40):
+    ds = data_lib.load_dataset(data_cfg(name="mnist", source="tfds", cache_dir=str(tmp_path)))
+  assert ds.x_train.shape == (40, 28, 28, 1) and ds.x_test.shape == (40, 28, 28, 1)
+  assert (tmp_path / "tfds_mnist.npz").exists()
+  with np.load(tmp_path / "tfds_mnist.npz") as f:
+    np.testing.assert_allclose(ds.x_train, (f["x_train"] / 255.0 - 0.1307) / 0.3081, rtol=1e-5,
+                               atol=1e-5)
+  # Later loads come from the cache, without tfds (outside the mock).
+  again = data_lib.load_dataset(data_cfg(name="mnist", source="tfds", cache_dir=str(tmp_path)))
+  np.testing.assert_array_equal(again.x_train, ds.x_train)
+
+
+def test_tfds_offline_fails_fast_and_points_to_npz(tmp_path, monkeypatch):
+  pytest.importorskip("tensorflow_datasets")
+  probed = []
+  monkeypatch.setattr(data_lib, "_reachable",
+                      lambda host, port, timeout: probed.append((host, port)) or False)
+  t0 = time.time()
+  with pytest.raises(data_lib.DataUnavailableError) as err:
+    data_lib.load_tfds("cifar10", data_dir=str(tmp_path / "empty"), cache_dir="none")
+  assert time.time() - t0 < 30
+  assert probed == [("www.cs.toronto.edu", 443)]
+  msg = str(err.value)
+  assert "offline" in msg and "--config.data.source=npz:" in msg and "cifar10" in msg
+
+
+def test_reachable_probe_is_quick_and_false_for_a_closed_port():
+  t0 = time.time()
+  assert data_lib._reachable("127.0.0.1", 1, timeout=1.0) is False
+  assert time.time() - t0 < 3
+
+
+def test_tfds_mock_one_tiny_round(tmp_path):
+  """The tfds path end to end: load, partition, one non-DP round with a tiny model."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  cfg = quickstart.nondp_config()
+  cfg.data.name, cfg.data.source, cfg.data.cache_dir = "mnist", "tfds", str(tmp_path / "cache")
+  cfg.model.width, cfg.model.depth = 8, 1
+  c = cfg.client
+  c.ipc, c.max_outer, c.batch_loop, c.boost_loop, c.batch_size = 1, 1, 1, 1, 4
+  c.calibration_epochs, c.dsa_strategy, cfg.server.dsa_strategy = 2, "", ""
+  cfg.server.max_epochs, cfg.rounds, cfg.progress_bar, cfg.plots = 2, 1, False, False
+  validation.validate_config(cfg)
+  with tfds.testing.mock_data(num_examples=100):
+    out = train.train_and_evaluate(cfg, tmp_path / "run")
+  (rec,) = out["records"]
+  assert rec["round"] == 1 and 0.0 <= rec["test_accuracy"] <= 1.0 and rec["epsilon"] is None
+  assert len(rec["client_radius"]) == 5 and all(0 < r <= 5.0 for r in rec["client_radius"])
+  assert (tmp_path / "run" / "checkpoints" / "1").is_dir()

@@ -1,0 +1,283 @@
+"""End-to-end runs of experiments.run on a tiny FedLAP-DP setting (digits, ConvNet-8x1).
+
+One straight 4-round run (through the CLI) is compared with a run that crashes
+inside the checkpoint save of round 3 and is resumed: same metrics, same privacy
+ledger. Plus: outputs parse, resume refusals, NaN stop, report.
+"""
+
+import csv
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import checkpointing, report, run, train, validation
+from experiments.configs import quickstart
+
+TINY = {
+    "model.width": 8, "model.depth": 1, "client.ipc": 2, "client.iterations": 1,
+    "client.max_outer": 1, "client.batch_loop": 2, "client.boost_loop": 1,
+    "client.inner_loop": 0, "client.batch_size": 16, "client.dsa_strategy": "",
+    "server.dsa_strategy": "", "server.max_epochs": 2, "rounds": 4, "eval_chunk_size": 400,
+    "snapshot_rounds": (2,),
+}
+# Fields that legitimately differ between an interrupted and an uninterrupted run.
+TIMING = ("round_seconds", "wall_seconds", "first_in_process")
+
+
+def tiny_config(**overrides):
+  cfg = quickstart.dp_config()
+  for field, value in {**TINY, **overrides}.items():
+    node = cfg
+    *parents, leaf = field.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return cfg
+
+
+def argv_of(overrides):
+  """``--config.FIELD=VALUE`` flags (tuples written as ``(a,b,)``)."""
+  out = []
+  for k, v in overrides.items():
+    if isinstance(v, tuple):
+      v = "(" + "".join(f"{x}," for x in v) + ")"
+    out.append(f"--config.{k}={v}")
+  return out
+
+
+def comparable(records):
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """4 rounds in one go, through the command line."""
+  workdir = tmp_path_factory.mktemp("straight")
+  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY), f"--workdir={workdir}"]
+  assert run.main(argv) == 0
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed(tmp_path_factory):
+  """Checkpoints every round; the save of round 3 raises inside orbax; then resume."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp("resumed")
+  cfg = tiny_config(checkpoint_every=1, progress_bar=False)
+  handler = ocp.handlers.JsonCheckpointHandler
+  original = handler.async_save
+  saves = []
+
+  def crash_on_round_3(self, *args, **kwargs):  # the meta item is written after the state
+    saves.append(1)
+    if len(saves) == 3:
+      raise RuntimeError("simulated crash inside the checkpoint save")
+    return original(self, *args, **kwargs)
+
+  mp = pytest.MonkeyPatch()
+  mp.setattr(handler, "async_save", crash_on_round_3)
+  with pytest.raises(RuntimeError, match="simulated crash"):
+    train.train_and_evaluate(cfg, workdir)
+  mp.undo()
+  after_crash = {
+      "latest": checkpointing.Checkpointer(workdir / "checkpoints").latest_round(),
+      "records": checkpointing.read_metrics(workdir / "metrics.jsonl"),
+      "ledger": json.loads((workdir / "privacy_ledger.json").read_text()),
+      "listing": sorted(p.name for p in (workdir / "checkpoints").iterdir()),
+  }
+  result = train.train_and_evaluate(cfg, workdir)
+  return workdir, after_crash, result
+
+
+def test_tiny_run_writes_every_output_and_the_files_parse(straight):
+  names = {p.name for p in straight.iterdir()}
+  expected = {"config.json", "run_info.json", "metrics.jsonl", "privacy_ledger.json",
+              "train.log", "summary.md", "checkpoints", "synthetic", "accuracy_vs_round.png",
+              "accuracy_vs_upload.png", "accuracy_vs_epsilon.png", "synthetic_round_0002.png",
+              "synthetic_round_0004.png", "pixel_histograms.png"}
+  assert expected <= names, expected - names
+  cfg = json.loads((straight / "config.json").read_text())
+  assert cfg["model"]["width"] == 8 and cfg["dp"]["enabled"] is True
+  info = json.loads((straight / "run_info.json").read_text())
+  assert info["upload_floats_per_client"] == 2 * 2 * 64  # ipc x classes x 8x8x1
+  assert info["steps_per_round"] == 2 and info["batch_size"] == 16
+  records = checkpointing.read_metrics(straight / "metrics.jsonl")
+  assert [r["round"] for r in records] == [1, 2, 3, 4]
+  for r in records:
+    assert 0.0 <= r["test_accuracy"] <= 1.0 and np.isfinite(r["test_loss"])
+    assert len(r["client_radius"]) == 5 and len(r["matching_loss"]) == 5
+    assert r["server_radius"] == pytest.approx(5.0) and r["server_steps"] >= 1
+  eps = [r["epsilon"] for r in records]
+  assert all(b > a > 0 for a, b in zip(eps, eps[1:]))
+  ledger = json.loads((straight / "privacy_ledger.json").read_text())
+  assert ledger["rounds"] == 4 and ledger["epsilons"] == pytest.approx(eps)
+  assert ledger["min_client_size"] == min(info["client_sizes"]) and ledger["steps_per_round"] == 2
+  # Cumulative upload: rounds x clients x floats x 4 bytes.
+  assert records[-1]["upload_mb"] == pytest.approx(4 * 5 * 256 * 4 / 1e6)
+  for png in straight.glob("*.png"):
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with np.load(straight / "synthetic" / "round_0004.npz") as snap:
+    assert snap["x"].shape == (5, 4, 8, 8, 1) and snap["y"].shape == (5, 4)
+  summary = (straight / "summary.md").read_text()
+  assert "FedLAP-DP on digits" in summary and f"{eps[-1]:.3f}" in summary
+  log = (straight / "train.log").read_text()
+  for m in range(1, 5):
+    assert f"round   {m}/4  acc " in log and "server_steps 2" in log
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(crashed_and_resumed):
+  _, after_crash, _ = crashed_and_resumed
+  assert after_crash["latest"] == 2
+  assert "3" not in after_crash["listing"]
+  # The metrics file still parses; it holds the record of round 3 (written before the save).
+  assert [r["round"] for r in after_crash["records"]] == [1, 2, 3]
+
+
+def test_resumed_run_equals_straight_run(straight, crashed_and_resumed):
+  workdir, _, result = crashed_and_resumed
+  a = comparable(checkpointing.read_metrics(straight / "metrics.jsonl"))
+  b = comparable(checkpointing.read_metrics(workdir / "metrics.jsonl"))
+  assert [r["round"] for r in b] == [1, 2, 3, 4]
+  for ra, rb in zip(a, b):
+    assert ra.keys() == rb.keys()
+    for k in ra:
+      np.testing.assert_allclose(np.asarray(ra[k], float), np.asarray(rb[k], float),
+                                 rtol=1e-6, atol=1e-6, err_msg=f"round {ra['round']} {k}")
+  # The restored state has the same shapes and dtypes: the round was compiled once for
+  # the straight run, the crashed run and the resumed run together (one process).
+  assert result["compilations"] == 1
+
+
+def test_ledger_continues_across_resume(straight, crashed_and_resumed):
+  workdir, after_crash, result = crashed_and_resumed
+  # The crash happened after round 3's accounting: the live ledger shows 3 rounds ...
+  assert after_crash["ledger"]["rounds"] == 3
+  # ... the checkpoint of round 2 stored 2, and the resumed run continued from it.
+  stored = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
+  assert stored["ledger"]["rounds"] == 4 and stored["privacy"]["noise_multiplier"] == 1.0
+  final = json.loads((workdir / "privacy_ledger.json").read_text())
+  reference = json.loads((straight / "privacy_ledger.json").read_text())
+  assert final == reference and final["rounds"] == 4
+  assert result["ledger"] == reference
+  assert stored["ledger"] == reference
+
+
+def test_finished_run_is_not_rerun(straight):
+  cfg = tiny_config(progress_bar=False)
+  before = checkpointing.read_metrics(straight / "metrics.jsonl")
+  out = train.train_and_evaluate(cfg, straight)
+  assert comparable(out["records"]) == comparable(before)
+  assert len(out["records"]) == 4
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("dp.noise_multiplier", 2.0, "privacy-relevant"),
+    ("client.batch_size", 8, "privacy-relevant"),
+    ("seed", 1, "privacy-relevant"),
+    ("client.batch_loop", 3, "privacy-relevant"),  # T
+    ("data.partition", "iid", "privacy-relevant"),
+    ("learning_rate", 0.01, "config differs"),
+])
+def test_resume_with_different_fields_is_refused(straight, field, value, fragment):
+  cfg = tiny_config(progress_bar=False, **{field: value})
+  before = (straight / "metrics.jsonl").read_text()
+  with pytest.raises(train.ResumeError) as err:
+    train.train_and_evaluate(cfg, straight)
+  msg = str(err.value)
+  assert fragment in msg and "new --workdir" in msg
+  assert (straight / "metrics.jsonl").read_text() == before
+
+
+def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+  """Round 2 returns NaN parameters and a NaN matching loss on client 3 (npz source)."""
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  x_train, y_train, x_test, y_test = data_lib.load_digits()
+  npz = tmp_path / "digits.npz"
+  np.savez(npz, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+  build = train.build_algorithm
+
+  def poisoned_build(*args, **kwargs):
+    alg = build(*args, **kwargs)
+    calls = []
+
+    def round_fn(state, clients):
+      state, metrics = alg.round(state, clients)
+      calls.append(1)
+      if len(calls) == 2:
+        state = state._replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
+        loss = metrics.client.matching_loss.at[3].set(jnp.nan)
+        metrics = metrics._replace(client=metrics.client._replace(matching_loss=loss))
+      return state, metrics
+    return alg._replace(round=round_fn)
+
+  monkeypatch.setattr(train, "build_algorithm", poisoned_build)
+  cfg = tiny_config(checkpoint_every=1, progress_bar=False)
+  cfg.data.source = f"npz:{npz}"
+  with pytest.raises(train.NonFiniteError) as err:
+    train.train_and_evaluate(cfg, tmp_path / "run")
+  msg = str(err.value)
+  assert "round 2" in msg and "client 3" in msg and "global parameter" in msg
+  assert "last good checkpoint is round 1" in msg
+  workdir = tmp_path / "run"
+  records = checkpointing.read_metrics(workdir / "metrics.jsonl")
+  assert [r["round"] for r in records] == [1]
+  assert (workdir / "metrics.jsonl").read_text().endswith("\n")
+  ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
+  assert ckpt.all_rounds() == [1]
+  # The checkpoint's ledger covers round 1; the live ledger also counts the failed round.
+  meta = json.loads((workdir / "checkpoints" / "1" / "meta" / "metadata").read_text())
+  assert meta["ledger"]["rounds"] == 1
+  assert json.loads((workdir / "privacy_ledger.json").read_text())["rounds"] == 2
+  assert "ERROR round 2" in (workdir / "train.log").read_text()
+
+
+def test_report_on_two_runs(straight, crashed_and_resumed, tmp_path):
+  workdir, _, _ = crashed_and_resumed
+  tables = report.make_report([straight, workdir], tmp_path, epsilons=(1e3,))
+  rows, cols, cells = tables["dp_eps1000"]
+  assert rows == ["digits"] and cols == ["FedLAP-DP"]
+  text, mean, std, n = cells[("digits", "FedLAP-DP")]
+  final = checkpointing.read_metrics(straight / "metrics.jsonl")[-1]["test_accuracy"]
+  assert n == 2 and mean == pytest.approx(100 * final) and std == pytest.approx(0.0, abs=1e-4)
+  md = (tmp_path / "report.md").read_text()
+  assert "FedLAP-DP" in md and "digits" in md
+  with open(tmp_path / "table_dp_eps1000.csv") as f:
+    table = list(csv.reader(f))
+  assert table[0][:4] == ["dataset", "FedLAP-DP mean", "FedLAP-DP std", "FedLAP-DP n"]
+  assert float(table[1][1]) == pytest.approx(100 * final, abs=1e-3)
+  with open(tmp_path / "runs.csv") as f:
+    assert len(list(csv.DictReader(f))) == 2
+  assert (tmp_path / "accuracy_vs_round.png").read_bytes()[:4] == b"\x89PNG"
+  # A budget below the first round's epsilon has no entry.
+  tables = report.make_report([straight], tmp_path / "low", epsilons=(1e-3,))
+  assert tables["dp_eps0.001"][2][("digits", "FedLAP-DP")][0] == "-"
+  assert report.main([str(straight), "--out", str(tmp_path / "cli")]) == 0
+
+
+def test_baseline_runs_through_the_same_driver(tmp_path):
+  pytest.importorskip("fedlap_jax.baselines")
+  cfg = tiny_config(method="fedavg", rounds=2, progress_bar=False, plots=False,
+                    **{"dp.enabled": False, "baseline.local_epochs": 1, "client.batch_size": 64})
+  out = train.train_and_evaluate(cfg, tmp_path)
+  info = json.loads((tmp_path / "run_info.json").read_text())
+  assert info["method_label"] == "FedAvg" and info["upload_floats_per_client"] == info["num_params"]
+  rec = out["records"][-1]
+  assert rec["epsilon"] is None and not (tmp_path / "privacy_ledger.json").exists()
+  assert rec["upload_mb"] == pytest.approx(2 * 5 * info["num_params"] * 4 / 1e6)
+  per_client = [k for k, v in rec.items() if isinstance(v, list) and len(v) == 5]
+  assert per_client, rec.keys()
+
+
+def test_missing_baselines_module_is_a_clear_error(monkeypatch):
+  import sys  # pylint: disable=g-import-not-at-top
+  import fedlap_jax  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "fedlap_jax.baselines", None)
+  monkeypatch.delattr(fedlap_jax, "baselines", raising=False)
+  cfg = tiny_config(method="fedprox", **{"dp.enabled": False})
+  with pytest.raises(validation.ConfigError, match="method='fedprox' needs "
+                     "fedlap_jax.baselines.make_algorithm.*allowed: 'fedlap'"):
+    train.build_algorithm(cfg, None, image_shape=(8, 8, 1), max_classes_per_client=2,
+                          num_params=10, max_client_size=10)
