@@ -1,0 +1,57 @@
+"""Named baseline configs and the FedLAP-vs-baselines quickstart suite (matched epsilon)."""
+
+import importlib
+
+import pytest
+
+from experiments import run, validation
+from experiments.configs import baselines, quickstart_compare
+from fedlap_jax import accounting
+from fedlap_jax.baselines import steps_per_epoch
+
+NAMES = [f"{ds}_{m}" for ds in ("mnist", "fmnist", "cifar")
+         for m in ("fedsgd", "fedavg", "fedprox", "scaffold", "fedavg_dp", "fedprox_dp")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_named_baseline_config_validates_with_published_settings(name):
+  cfg = importlib.import_module(f"experiments.configs.{name}").get_config()
+  validation.validate_config(cfg)
+  dp = name.endswith("_dp")
+  assert cfg.method == ("dp_" if dp else "") + name.split("_")[1]
+  assert cfg.dp.enabled == dp
+  assert (cfg.client.batch_size, cfg.baseline.local_epochs, cfg.learning_rate) == (256, 5, 0.1)
+  assert cfg.baseline.prox_mu == 0.1
+  if dp:
+    assert (cfg.rounds, cfg.dp.l2_clip_norm, cfg.dp.noise_multiplier) == (30, 0.1, 1.0)
+  path, label = run.resolve_config_arg(name)
+  assert path.startswith(str(run.CONFIG_DIR)) and label == name
+
+
+def test_unknown_baseline_names_are_refused():
+  with pytest.raises(ValueError, match="dataset='svhn'"):
+    baselines.get_baseline_config("svhn", "fedavg")
+  with pytest.raises(ValueError, match="method='fednova'"):
+    baselines.get_baseline_config("mnist", "fednova")
+
+
+def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
+  suite = quickstart_compare.get_config().suite
+  assert set(suite.keys()) == {"fedlap", "fedavg", "fedprox", "scaffold", "fedsgd",
+                               "fedlap_dp", "dp_fedavg", "dp_fedprox"}
+  for key in suite.keys():
+    validation.validate_config(suite[key])
+  fl = suite.fedlap_dp
+  sizes = quickstart_compare._client_sizes(fl)
+  t_fedlap = fl.client.iterations * fl.client.max_outer * fl.client.batch_loop
+  eps_fedlap = accounting.epsilon_after_rounds(
+      rounds=fl.rounds, noise_multiplier=fl.dp.noise_multiplier, batch_size=fl.client.batch_size,
+      min_client_size=min(sizes), steps_per_round=t_fedlap, delta=fl.dp.delta)
+  for key in ("dp_fedavg", "dp_fedprox"):
+    c = suite[key]
+    t = c.baseline.local_epochs * steps_per_epoch(max(sizes), c.client.batch_size)
+    eps = accounting.epsilon_after_rounds(
+        rounds=c.rounds, noise_multiplier=c.dp.noise_multiplier, batch_size=c.client.batch_size,
+        min_client_size=min(sizes), steps_per_round=t, delta=c.dp.delta)
+    assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
+    assert t != t_fedlap  # the match comes from sigma, not from equal step counts
