@@ -1,0 +1,1 @@
+"""Benchmarks of fedlap_jax (timings, FLOPs, memory); see BENCHMARKS.md."""

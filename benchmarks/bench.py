@@ -1,0 +1,665 @@
+"""Times the building blocks and whole rounds of FedLAP / FedLAP-DP.
+
+Every number is the median of ``--repeats`` runs after a warm-up run, with the
+compile time reported separately; FLOPs come from XLA's cost analysis of the
+compiled step (for rounds, whose loops XLA counts once, from the measured
+operation FLOPs times the loop counts the round reports), memory from the
+compiled step's buffer sizes and the process's peak RSS.
+
+Usage, from the repository root::
+
+  python -m benchmarks.bench --reference               # the issue's table, ratios to the authors' code
+  python -m benchmarks.bench --config=mnist_dp_ref --ops=dp_gradient,round \\
+      --set client.batch_loop=4 --set server.max_epochs=10
+  python -m benchmarks.bench --per-example             # vmap / jax_privacy / layerwise clipping
+  python -m benchmarks.bench --padding                 # Conv padding=3 vs jnp.pad + padding=1
+  python -m benchmarks.bench --reference --json out.json --markdown out.md
+
+Data are random (standard normal images of the named shape, two classes per
+client), which is all a timing needs: every loop bound is static except the
+radius-limited ones, whose counts are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlap_jax import client as client_lib
+from fedlap_jax import config as config_lib
+from fedlap_jax import federated, models, privacy, server, training
+from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+
+# The authors' PyTorch code on this kind of machine (2 CPU threads), from issue 6.
+REFERENCE_SECONDS = {
+    "dp_gradient": 1.21,
+    "nondp_gradient": 0.66,
+    "synthetic_update": 0.139,
+    "dp_round": 50.8,
+    "nondp_round": 96.0,
+    "fedavg_round": 18.8,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Shape of the benchmark data: ``num_clients`` x ``records`` images."""
+
+  image_shape: tuple[int, int, int]
+  records: int
+  num_clients: int = 5
+  num_classes: int = 10
+  classes_per_client: int = 2
+
+
+PROBLEMS = {
+    "mnist": Problem((28, 28, 1), 12_000),
+    "cifar": Problem((32, 32, 3), 10_000),
+}
+
+
+def reference_dp_config() -> FedLAPConfig:
+  """The issue's FedLAP-DP round: R_i 1, max_outer 2, batch_loop 2, R_b 2, R_l 1, ipc 10."""
+  return config_lib.paper_dp_config(
+      client=ClientConfig(ipc=10, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
+                          inner_loop=1, batch_size=256, radius=1.5, mse_weight=0.0,
+                          calibrate_radius=False,
+                          dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)),
+      server=ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=100))
+
+
+def reference_nondp_config() -> FedLAPConfig:
+  """The issue's FedLAP round: R_i 1, max_outer 2, batch_loop 4, R_b 5, R_l 0, 5 epochs."""
+  return config_lib.paper_nondp_config(
+      client=ClientConfig(ipc=10, iterations=1, max_outer=2, batch_loop=4, boost_loop=5,
+                          inner_loop=0, batch_size=256, radius=10.0, mse_weight=0.1,
+                          calibrate_radius=True, calibration_epochs=5),
+      server=ServerConfig(radius_strategy="min", weighting="size", max_epochs=5))
+
+
+def paper_nondp_bounded() -> FedLAPConfig:
+  """The published non-DP configuration, calibration loss on 2,048 records per client."""
+  cfg = config_lib.paper_nondp_config()
+  return dataclasses.replace(
+      cfg, client=dataclasses.replace(cfg.client, calibration_eval_size=2048))
+
+
+CONFIGS: dict[str, tuple[Callable[[], FedLAPConfig], str]] = {
+    "mnist_dp_ref": (reference_dp_config, "mnist"),
+    "mnist_nondp_ref": (reference_nondp_config, "mnist"),
+    "cifar_dp": (config_lib.paper_dp_config, "cifar"),
+    "cifar_nondp": (paper_nondp_bounded, "cifar"),
+}
+
+OPS = ("dp_gradient", "nondp_gradient", "synthetic_update", "client_round", "server_update",
+       "round")
+
+
+def apply_overrides(cfg: FedLAPConfig, overrides: list[str]) -> FedLAPConfig:
+  """``["client.batch_loop=4", "server.max_epochs=5", "client.dp.noise_multiplier=0.8"]``."""
+  for item in overrides:
+    if "=" not in item:
+      raise ValueError(f"--set {item!r} is invalid; allowed: FIELD.PATH=VALUE")
+    path, raw = item.split("=", 1)
+    try:
+      value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      value = raw
+    cfg = _replace_path(cfg, path.split("."), value)
+  return cfg
+
+
+def _replace_path(obj, path, value):
+  if not dataclasses.is_dataclass(obj) or not any(f.name == path[0] for f in dataclasses.fields(obj)):
+    raise ValueError(f"--set: no field {path[0]!r} in {type(obj).__name__}")
+  if len(path) == 1:
+    return dataclasses.replace(obj, **{path[0]: value})
+  return dataclasses.replace(obj, **{path[0]: _replace_path(getattr(obj, path[0]), path[1:], value)})
+
+
+# ---------------------------------------------------------------------------
+# Data and model.
+# ---------------------------------------------------------------------------
+
+
+def random_clients(problem: Problem, seed: int = 0) -> client_lib.ClientData:
+  """``num_clients`` clients of standard normal images, two classes each."""
+  rng = np.random.default_rng(seed)
+  xs, ys = [], []
+  per = problem.classes_per_client
+  for k in range(problem.num_clients):
+    xs.append(rng.standard_normal((problem.records, *problem.image_shape), np.float32))
+    classes = (np.arange(per) + per * k) % problem.num_classes
+    ys.append(np.resize(classes, problem.records).astype(np.int32))
+  return federated.stack_clients(xs, ys)
+
+
+def make_model(problem: Problem, impl: str = "auto", width: int = 128, depth: int = 3):
+  model = models.ConvNet(num_classes=problem.num_classes, width=width, depth=depth, impl=impl)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0),
+                               jnp.zeros((1, *problem.image_shape)))["params"]
+
+  def apply_fn(p, x):
+    return model.apply({"params": p}, x)
+
+  return model, apply_fn, params
+
+
+# ---------------------------------------------------------------------------
+# Measurement.
+# ---------------------------------------------------------------------------
+
+
+def _cost(compiled) -> dict:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return dict(cost or {})
+
+
+def measure(name: str, fn, args: tuple, *, repeats: int = 3, warmup: bool = True) -> dict:
+  """Compiles ``jit(fn)`` on ``args``, runs it once to warm up, then ``repeats`` times.
+
+  ``warmup=False`` skips the warm-up run (for long rounds: the compile is
+  already separate).
+
+  Returns a dict with ``compile_s``, ``times_s`` (wall), ``median_s``,
+  ``cpu_median_s`` (process CPU time, all threads), ``flops`` (XLA cost
+  analysis; loop bodies counted once), ``temp_bytes`` / ``argument_bytes`` /
+  ``output_bytes`` of the compiled step, the load average around the runs,
+  and ``output`` (the last result, not serialised).
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  t0 = time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  cost = _cost(compiled)
+  mem = compiled.memory_analysis()
+  out = jax.block_until_ready(compiled(*args)) if warmup else None
+  load_before = os.getloadavg()[0]
+  times, cpus = [], []
+  for _ in range(repeats):
+    t, c = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t)
+    cpus.append(time.process_time() - c)
+  return {
+      "name": name,
+      "compile_s": compile_s,
+      "times_s": times,
+      "median_s": statistics.median(times),
+      "cpu_median_s": statistics.median(cpus),
+      "flops": float(cost.get("flops", 0.0)),
+      "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0) or 0),
+      "argument_bytes": int(getattr(mem, "argument_size_in_bytes", 0) or 0),
+      "output_bytes": int(getattr(mem, "output_size_in_bytes", 0) or 0),
+      "load_before": load_before,
+      "load_after": os.getloadavg()[0],
+      "output": out,
+  }
+
+
+def compiled_flops(fn, *args) -> float:
+  """XLA's FLOP count of ``jit(fn)(*args)`` (compiles, does not run)."""
+  return float(_cost(jax.jit(fn).lower(*args).compile()).get("flops", 0.0))
+
+
+# ---------------------------------------------------------------------------
+# The operations.
+# ---------------------------------------------------------------------------
+
+
+def _batch(clients, slots: int, real: int):
+  x = clients.x[0, :slots]
+  y = clients.y[0, :slots]
+  return x, y, jnp.arange(slots) >= real
+
+
+def op_gradient(apply_fn, params, clients, cfg: FedLAPConfig, *, dp: bool, slots: int,
+                method: str = "auto"):
+  """``(fn, args)`` of one real-data gradient on ``slots`` slots, ``B`` of them real."""
+  cc = cfg.client
+  x, y, pad = _batch(clients, slots, min(cc.batch_size, slots))
+  if dp:
+    dpc = cc.dp or DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+
+    def fn(key, p, x, y, pad):
+      return privacy.private_gradient(
+          key, apply_fn, p, x, y, pad, l2_clip_norm=dpc.l2_clip_norm,
+          noise_multiplier=dpc.noise_multiplier, expected_batch_size=cc.batch_size,
+          microbatch_size=dpc.microbatch_size, method=method)[0]
+    return fn, (jax.random.PRNGKey(1), params, x, y, pad)
+
+  def fn(p, x, y, pad):
+    return privacy.real_gradient(apply_fn, p, x, y, pad)
+  return fn, (params, x, y, pad)
+
+
+def _synthetic(clients, cfg: FedLAPConfig, problem: Problem):
+  labels, mask = federated.synthetic_labels(
+      [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)], cfg.client.ipc)
+  x = federated.noise_images(jax.random.PRNGKey(3), jnp.asarray(mask), problem.image_shape)
+  return client_lib.SyntheticSet(x, jnp.asarray(labels), jnp.asarray(mask))
+
+
+def op_synthetic_update(apply_fn, params, clients, cfg, problem):
+  """One synthetic-image update: ``L_dis`` grad w.r.t. the images (grad of grad) + SGD step."""
+  cc = cfg.client
+  syn = jax.tree.map(lambda a: a[0], _synthetic(clients, cfg, problem))
+  x, y, pad = _batch(clients, cc.capacity, cc.batch_size)
+  g_real = jax.jit(functools.partial(privacy.real_gradient, apply_fn))(params, x, y, pad)
+  opt = client_lib.image_optimizer(cc)
+
+  def fn(p, syn, g_real, key, opt_state):
+    _, grad_x = client_lib.matching_step(apply_fn, p, syn, g_real, key,
+                                         dsa_strategy=cc.dsa_strategy, mse_weight=cc.mse_weight)
+    updates, opt_state = opt.update(grad_x, opt_state, syn.x)
+    return syn.x + updates, opt_state
+  return fn, (params, syn, g_real, jax.random.PRNGKey(4), opt.init(syn.x))
+
+
+def op_client_round(apply_fn, params, clients, cfg, problem):
+  """``local_approx`` on one client (synthetic set as at round 1)."""
+  syn = _synthetic(clients, cfg, problem)
+  one = jax.tree.map(lambda a: a[0], clients)
+  syn = jax.tree.map(lambda a: a[0], syn)
+  if cfg.synthetic_init == "real":
+    syn = syn._replace(x=federated.real_images(jax.random.PRNGKey(5), one, syn.y, syn.mask,
+                                               cfg.client.ipc))
+  lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
+
+  def fn(key, p, syn, data):
+    return client_lib.local_approx(key, apply_fn, p, syn, data, cfg.client, learning_rate=lr)
+  return fn, (jax.random.PRNGKey(6), params, syn, one)
+
+
+def op_server_update(apply_fn, params, clients, cfg, problem):
+  """``global_update`` on all clients' synthetic sets, radius ``r`` (runs to ``r`` or the cap)."""
+  syn = _synthetic(clients, cfg, problem)
+  weights = federated.client_weights(clients, cfg.server.weighting)
+  lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
+  radius = federated.server_radius(jnp.full((problem.num_clients,), cfg.client.radius),
+                                   cfg.server.radius_strategy, cfg.client.radius)
+
+  def fn(key, p, sx, sy, sm, w, r):
+    return server.global_update(key, apply_fn, p, sx, sy, sm, w, r, learning_rate=lr,
+                                config=cfg.server)
+  return fn, (jax.random.PRNGKey(7), params, syn.x, syn.y, syn.mask, weights, radius)
+
+
+def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="vmap"):
+  """A whole round (all clients + server) through :func:`make_round_fn`."""
+  state = federated.init_state(jax.random.PRNGKey(8), params, clients, cfg)
+  return federated.make_round_fn(apply_fn, cfg, client_backend=client_backend), (state, clients)
+
+
+def op_fedavg_round(apply_fn, params, clients, problem):
+  """A FedAvg round with one local epoch, if :mod:`fedlap_jax.baselines` exists."""
+  from fedlap_jax import baselines  # optional: skipped if the module is absent
+  alg = baselines.make_algorithm(
+      "fedavg", apply_fn, num_clients=problem.num_clients, image_shape=problem.image_shape,
+      num_params=models.count_params(params), rounds=200, learning_rate=0.1, local_epochs=1,
+      batch_size=256, prox_mu=0.0, dp=None, max_client_size=problem.records)
+  state = alg.init(jax.random.PRNGKey(9), params, clients)
+  return alg.round, (state, clients)
+
+
+# ---------------------------------------------------------------------------
+# FLOPs of a round from its loop counts.
+# ---------------------------------------------------------------------------
+
+
+def unit_flops(apply_fn, params, clients, cfg, problem) -> dict[str, float]:
+  """XLA FLOPs of the loop bodies a round repeats (compiled, not run)."""
+  cc = cfg.client
+  units = {}
+  fn, args = op_gradient(apply_fn, params, clients, cfg, dp=cc.dp is not None,
+                         slots=cc.capacity)
+  units["real_gradient"] = compiled_flops(fn, *args)
+  fn, args = op_synthetic_update(apply_fn, params, clients, cfg, problem)
+  units["synthetic_update"] = compiled_flops(fn, *args)
+  syn = jax.tree.map(lambda a: a[0], _synthetic(clients, cfg, problem))
+  s = syn.x.shape[0]
+
+  def step(p, x, y, bs, strategy):
+    w = jnp.ones((x.shape[0],))
+    return training.sgd_epoch(jax.random.PRNGKey(0), apply_fn, p, x, y, w, 0.1,
+                              batch_size=bs, dsa_strategy=strategy)[0]
+  units["client_step"] = compiled_flops(
+      functools.partial(step, bs=cc.model_batch_size, strategy=cc.dsa_strategy),
+      params, syn.x, syn.y)
+  k = problem.num_clients
+  sb = min(cfg.server.batch_size, k * s)
+  units["server_step"] = compiled_flops(
+      functools.partial(step, bs=cfg.server.batch_size, strategy=cfg.server.dsa_strategy),
+      params, jnp.zeros((sb, *problem.image_shape)), jnp.zeros((sb,), jnp.int32))
+  units["forward_per_image"] = compiled_flops(apply_fn, params, clients.x[0, :256]) / 256
+  return units
+
+
+def round_flops(metrics, units, cfg: FedLAPConfig, problem: Problem) -> float:
+  """FLOPs of one executed round: loop counts from ``RoundMetrics`` x unit FLOPs."""
+  cc = cfg.client
+  accesses = float(np.sum(metrics.client.real_accesses))
+  outer = np.asarray(metrics.client.outer_iterations)  # (K, R_i)
+  trained = np.minimum(outer, cc.max_outer - 1).sum() * cc.inner_loop
+  s = cc.ipc * problem.classes_per_client
+  total = accesses * (units["real_gradient"] + cc.boost_loop * units["synthetic_update"])
+  total += trained * math.ceil(s / cc.model_batch_size) * units["client_step"]
+  if cc.calibrate_radius:
+    n_eval = min(cc.calibration_eval_size or problem.records, problem.records)
+    per_epoch = (math.ceil(s / cc.model_batch_size) * units["client_step"]
+                 + n_eval * units["forward_per_image"])
+    total += problem.num_clients * cc.calibration_epochs * per_epoch
+  total += float(np.sum(metrics.server.steps)) * units["server_step"]
+  return total
+
+
+# ---------------------------------------------------------------------------
+# Reports.
+# ---------------------------------------------------------------------------
+
+
+def environment() -> dict:
+  return {
+      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+      "device_kind": jax.devices()[0].device_kind,
+      "cpu_count": os.cpu_count(),
+      "processor": platform.processor() or platform.machine(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "load_average": os.getloadavg(),
+  }
+
+
+def row(result: dict, reference: float | None = None, note: str = "") -> dict:
+  flops = result.get("flops_executed", result["flops"])
+  r = {k: v for k, v in result.items() if k != "output"}
+  r["gflops"] = flops / 1e9
+  r["gflops_per_s"] = flops / result["median_s"] / 1e9 if result["median_s"] > 0 else 0.0
+  r["reference_s"] = reference
+  r["ratio"] = result["median_s"] / reference if reference else None
+  r["note"] = note
+  return r
+
+
+def markdown(rows: list[dict], title: str) -> str:
+  lines = [f"### {title}", "",
+           "| operation | ours (s) | compile (s) | GFLOP | GFLOP/s | temp MiB | reference (s) "
+           "| ratio | note |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+  for r in rows:
+    ref = f"{r['reference_s']:.3g}" if r["reference_s"] else "-"
+    ratio = f"**{r['ratio']:.2f}**" if r["ratio"] else "-"
+    lines.append(
+        f"| {r['name']} | {r['median_s']:.3f} | {r['compile_s']:.1f} | {r['gflops']:.1f} "
+        f"| {r['gflops_per_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} | {ref} | {ratio} "
+        f"| {r['note']} |")
+  return "\n".join(lines)
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Modes.
+# ---------------------------------------------------------------------------
+
+
+PARTIAL_PATH: str | None = None  # if set, every row is appended here as a JSON line
+
+
+def _save_partial(r: dict) -> None:
+  if PARTIAL_PATH:
+    with open(PARTIAL_PATH, "a") as f:
+      f.write(json.dumps(r, default=str) + "\n")
+
+
+def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
+               impl: str, references: dict | None = None,
+               client_backend: str = "vmap") -> list[dict]:
+  """Measures ``ops`` of one configuration; rows for the report."""
+  references = references or {}
+  rows = _Rows(name)
+  clients = random_clients(problem)
+  _, apply_fn, params = make_model(problem, impl)
+  cc = cfg.client
+  for op in ops:
+    _log(f"[{name}] {op} ...")
+    if op in ("dp_gradient", "nondp_gradient"):
+      dp = op == "dp_gradient"
+      for slots, label in ((cc.batch_size, f"{cc.batch_size} slots"),
+                           (cc.capacity, f"{cc.capacity}-slot Poisson buffer, "
+                                         f"{cc.batch_size} real (as in a round)")):
+        fn, args = op_gradient(apply_fn, params, clients, cfg, dp=dp, slots=slots)
+        res = measure(f"{op} [{slots}]", fn, args, repeats=repeats)
+        ref = references.get(op) if slots == cc.batch_size else None
+        rows.append(row(res, ref, label))
+      continue
+    if op == "synthetic_update":
+      fn, args = op_synthetic_update(apply_fn, params, clients, cfg, problem)
+      res = measure(op, fn, args, repeats=repeats)
+      rows.append(row(res, references.get(op), f"{cc.ipc * problem.classes_per_client} images, "
+                                               f"DSA '{cc.dsa_strategy}'"))
+    elif op == "client_round":
+      fn, args = op_client_round(apply_fn, params, clients, cfg, problem)
+      res = measure(op, fn, args, repeats=repeats)
+      m = res["output"][2]
+      rows.append(row(res, None, f"1 client: {int(m.real_accesses)} real batches"))
+    elif op == "server_update":
+      fn, args = op_server_update(apply_fn, params, clients, cfg, problem)
+      res = measure(op, fn, args, repeats=repeats)
+      m = res["output"][1]
+      rows.append(row(res, None, f"{int(m.epochs)} epochs, {int(m.steps)} steps of "
+                                 f"{problem.num_clients * cc.ipc * problem.classes_per_client} "
+                                 "images"))
+    elif op.startswith("round"):
+      backend = op.split(":")[1] if ":" in op else client_backend
+      fn, args = op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
+      res = measure(f"round [{backend}]", fn, args, repeats=repeats, warmup=False)
+      metrics = res["output"][1]
+      units = unit_flops(apply_fn, params, clients, cfg, problem)
+      res["flops_executed"] = round_flops(metrics, units, cfg, problem)
+      res["unit_flops"] = units
+      key = "dp_round" if cc.dp is not None else "nondp_round"
+      note = (f"client_backend={backend!r}: {problem.num_clients} clients, "
+              f"{int(np.sum(metrics.client.real_accesses))} real batches, "
+              f"server {int(metrics.server.epochs)} epochs; FLOPs from loop counts")
+      rows.append(row(res, references.get(key), note))
+    elif op == "fedavg_round":
+      try:
+        fn, args = op_fedavg_round(apply_fn, params, clients, problem)
+      except ImportError:
+        _log("fedlap_jax.baselines not available: FedAvg round skipped")
+        continue
+      res = measure(op, fn, args, repeats=repeats, warmup=False)
+      rows.append(row(res, references.get(op), "FedAvg, 1 local epoch, 5 clients"))
+    else:
+      raise ValueError(f"--ops: unknown operation {op!r}; allowed: {OPS + ('fedavg_round',)}")
+  return list(rows)
+
+
+class _Rows(list):
+  """A list of report rows that tags each with the config and saves it at once."""
+
+  def __init__(self, config: str):
+    super().__init__()
+    self.config = config
+
+  def append(self, r: dict) -> None:
+    r.setdefault("config", self.config)
+    super().append(r)
+    _save_partial(r)
+    _log(f"  {r['name']}: {r['median_s']:.3f} s (compile {r['compile_s']:.1f} s, "
+         f"cpu {r['cpu_median_s']:.3f} s, load {r['load_before']:.1f})")
+
+
+def reference_mode(repeats: int, impl: str, round_repeats: int = 2) -> list[dict]:
+  """The issue's table: operations and the two rounds at identical settings.
+
+  Rounds run with both client backends: ``map`` (clients one after another)
+  and ``vmap`` (all at once, the library default).
+  """
+  problem = PROBLEMS["mnist"]
+  rows = run_config("mnist_dp_ref", reference_dp_config(), problem,
+                    ("dp_gradient", "nondp_gradient", "synthetic_update", "server_update"),
+                    repeats=repeats, impl=impl, references=REFERENCE_SECONDS)
+  rows += run_config("mnist_dp_ref", reference_dp_config(), problem,
+                     ("round:map", "round:vmap"), repeats=round_repeats, impl=impl,
+                     references=REFERENCE_SECONDS)
+  # The vmap backend of this round needs ~18 GB (five clients' calibration
+  # evaluations at once): measured with --ops=round:vmap separately, if at all.
+  rows += run_config("mnist_nondp_ref", reference_nondp_config(), problem,
+                     ("round:map", "fedavg_round"), repeats=round_repeats,
+                     impl=impl, references=REFERENCE_SECONDS)
+  return rows
+
+
+def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
+  """DP gradient of ConvNet-128 by every per-example method, both ConvNet implementations."""
+  problem = PROBLEMS[problem_name]
+  cfg = reference_dp_config()
+  clients = random_clients(problem)
+  rows = _Rows("per_example")
+  methods = ["layerwise", "vmap", "jax_privacy"]
+  try:
+    import jax_privacy  # noqa: F401
+  except ImportError:
+    methods.remove("jax_privacy")
+  for impl in ("hybrid", "im2col", "flax"):
+    _, apply_fn, params = make_model(problem, impl)
+    fn, args = op_gradient(apply_fn, params, clients, cfg, dp=False, slots=256)
+    res = measure(f"non-DP gradient, impl={impl}", fn, args, repeats=repeats)
+    rows.append(row(res, REFERENCE_SECONDS["nondp_gradient"], "lower bound"))
+    for method in methods:
+      _log(f"[per-example] impl={impl} method={method}")
+      fn, args = op_gradient(apply_fn, params, clients, cfg, dp=True, slots=256, method=method)
+      res = measure(f"DP gradient, impl={impl}, {method}", fn, args, repeats=repeats)
+      rows.append(row(res, REFERENCE_SECONDS["dp_gradient"], "256 examples"))
+  return rows
+
+
+class _PaddingProbe(nn.Module):
+  """ConvNet-128 (flax impl) whose first conv pads by 3 itself or after ``jnp.pad(2)``."""
+
+  explicit_pad: bool
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(3):
+      if i == 0 and self.explicit_pad:
+        x = jnp.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
+      x = nn.Conv(128, (3, 3), padding=3 if i == 0 and not self.explicit_pad else 1)(x)
+      x = nn.GroupNorm(num_groups=128, epsilon=1e-5)(x)
+      x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+    return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+
+def padding_mode(repeats: int) -> list[dict]:
+  """Finding (1) of the issue: Conv(padding=3) vs jnp.pad + Conv(padding=1), same function."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (256, 28, 28, 1))
+  y = jnp.arange(256) % 10
+  rows = _Rows("padding")
+  outs = []
+  for explicit in (False, True):
+    model = _PaddingProbe(explicit)
+    params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+
+    def fn(p, x, y, model=model):
+      return jax.grad(lambda p: jnp.mean(privacy.cross_entropy(model.apply({"params": p}, x),
+                                                               y)))(p)
+    res = measure("mean gradient, 256 images, first conv "
+                  + ("jnp.pad(2) + padding=1" if explicit else "padding=3"), fn, (params, x, y),
+                  repeats=repeats)
+    outs.append(res["output"])
+    rows.append(row(res, None, "impl=flax (XLA conv)"))
+  diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(outs[0]),
+                                                           jax.tree.leaves(outs[1])))
+  rows[-1]["note"] += f"; max |difference| of the gradients {diff:.1e}"
+  return rows
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", default="mnist_dp_ref", choices=sorted(CONFIGS))
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="override a config field, e.g. client.batch_loop=4")
+  parser.add_argument("--ops", default=",".join(OPS),
+                      help=f"comma-separated subset of {OPS + ('fedavg_round',)}; "
+                           "round:map / round:vmap pick the client backend")
+  parser.add_argument("--reference", action="store_true",
+                      help="the issue's table: ratios to the authors' code")
+  parser.add_argument("--per-example", action="store_true",
+                      help="DP gradient by every per-example method")
+  parser.add_argument("--padding", action="store_true", help="Conv padding=3 vs pad + 1")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
+  parser.add_argument("--clients", type=int, default=None)
+  parser.add_argument("--records", type=int, default=None, help="records per client")
+  parser.add_argument("--client-backend", default="vmap", choices=federated.CLIENT_BACKENDS)
+  parser.add_argument("--json", default=None, help="write the results here")
+  parser.add_argument("--markdown", default=None, help="write the Markdown table here")
+  args = parser.parse_args(argv)
+  global PARTIAL_PATH
+  if args.json:
+    PARTIAL_PATH = args.json + ".partial.jsonl"
+
+  env = environment()
+  _log(f"environment: {env}")
+  if args.reference:
+    rows, title = reference_mode(args.repeats, args.impl), "Reference settings (issue 6)"
+  elif args.per_example:
+    rows, title = per_example_mode(args.repeats), "Per-example DP gradient, ConvNet-128, MNIST"
+  elif args.padding:
+    rows, title = padding_mode(args.repeats), "First-conv padding (finding 1)"
+  else:
+    make, problem_name = CONFIGS[args.config]
+    cfg = apply_overrides(make(), args.set)
+    problem = PROBLEMS[problem_name]
+    if args.clients or args.records:
+      problem = dataclasses.replace(problem, num_clients=args.clients or problem.num_clients,
+                                    records=args.records or problem.records)
+    ops = [o for o in args.ops.split(",") if o]
+    rows = run_config(args.config, cfg, problem, ops, repeats=args.repeats, impl=args.impl,
+                      client_backend=args.client_backend,
+                      references=REFERENCE_SECONDS if args.config.endswith("_ref") else None)
+    title = f"{args.config} {' '.join(args.set)}".strip()
+  env["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  env["load_average_end"] = os.getloadavg()
+  table = markdown(rows, title)
+  print(table)
+  print(f"\n{env['date']}, jax {env['jax']} on {env['backend']} ({env['device_kind']}, "
+        f"{env['cpu_count']} CPUs), peak RSS {env['peak_rss_mib']:.0f} MiB, "
+        f"load average {env['load_average'][0]:.2f} -> {env['load_average_end'][0]:.2f}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"environment": env, "title": title, "rows": rows}, f, indent=1, default=str)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(table + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,168 @@
+"""One prepared script for a single accelerator: paper-shaped CIFAR-10 rounds on random data.
+
+Runs, in this order and within ``--budget-s`` (default 420 s, so the whole
+script stays under 8 minutes including start-up):
+
+1. a paper ``cifar_dp`` round: 5 clients x 10,000 images 32x32x3, ConvNet-128,
+   R_i 4, max_outer 5, batch_loop 10, R_b 5, R_l 2, ipc 10, B 256, sigma 1,
+   C 1, r 1.5 constant, server up to 100 epochs (T = 200 real batches per
+   client);
+2. a paper ``cifar_nondp`` round: R_i 1, max_outer 5, batch_loop 40, R_b 5,
+   R_l 0, ipc 50, radius calibration 100 epochs with the real loss on 2,048
+   records per client, server up to 100 epochs, r 10;
+3. the DP gradient (256 examples) by every per-example method and ConvNet
+   implementation, to pick the defaults for this backend.
+
+Rounds run with ``client_backend="vmap"`` first, then ``"map"`` (one client
+after another) if the budget allows. For each it prints compile time, seconds
+per round (median of ``--repeats`` runs after compiling) and achieved FLOP/s (XLA's FLOPs of each
+repeated step times the loop counts the round reports), as a Markdown table,
+and writes JSON to ``$OUT/gpu_round.json`` (or ``--json``).
+
+Needs only JAX (with CUDA), flax, optax, chex and numpy: no network, no
+tensorflow(-datasets), no dp_accounting; jax_privacy is optional. From the
+repository root::
+
+  PYTHONPATH=. python benchmarks/gpu_round.py            # on the GPU machine
+  PYTHONPATH=. python benchmarks/gpu_round.py --small    # smoke test on a CPU (< 2 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import bench  # noqa: E402
+from fedlap_jax import config as config_lib  # noqa: E402
+from fedlap_jax.config import ClientConfig, ServerConfig  # noqa: E402
+
+
+def configs(small: bool) -> dict:
+  """``name -> (FedLAPConfig, Problem, width)``; ``small`` shrinks everything for a CPU."""
+  dp = config_lib.paper_dp_config()
+  nondp = bench.paper_nondp_bounded()
+  problem = bench.PROBLEMS["cifar"]
+  width = 128
+  if small:
+    problem = dataclasses.replace(problem, records=400)
+    width = 16
+    dp = dataclasses.replace(
+        dp, client=dataclasses.replace(dp.client, iterations=1, max_outer=2, batch_loop=2,
+                                       boost_loop=2, inner_loop=1),
+        server=dataclasses.replace(dp.server, max_epochs=3))
+    nondp = dataclasses.replace(
+        nondp, client=dataclasses.replace(nondp.client, ipc=10, max_outer=2, batch_loop=2,
+                                          boost_loop=2, calibration_epochs=2,
+                                          calibration_eval_size=256),
+        server=dataclasses.replace(nondp.server, max_epochs=3))
+  return {"cifar_dp": (dp, problem, width), "cifar_nondp": (nondp, problem, width)}
+
+
+def device_peak_bytes() -> int | None:
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # some backends have no memory statistics
+    return None
+  return stats.get("peak_bytes_in_use")
+
+
+def round_row(name, cfg, problem, width, repeats, impl, backend):
+  clients = bench.random_clients(problem)
+  _, apply_fn, params = bench.make_model(problem, impl, width=width)
+  fn, args = bench.op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
+  res = bench.measure(f"{name} [{backend}]", fn, args, repeats=repeats, warmup=False)
+  metrics = res["output"][1]
+  units = bench.unit_flops(apply_fn, params, clients, cfg, problem)
+  res["flops_executed"] = bench.round_flops(metrics, units, cfg, problem)
+  note = (f"client_backend={backend!r}: {problem.num_clients} clients x {problem.records}, "
+          f"width {width}, "
+          f"{int(np.sum(metrics.client.real_accesses))} real batches, "
+          f"server {int(metrics.server.epochs)} epochs")
+  return bench.row(res, None, note)
+
+
+def per_example_rows(problem, width, repeats, impls, deadline):
+  cfg = config_lib.paper_dp_config()
+  clients = bench.random_clients(dataclasses.replace(problem, num_clients=1))
+  methods = ["layerwise", "vmap"]
+  try:
+    import jax_privacy  # noqa: F401
+    methods.append("jax_privacy")
+  except ImportError:
+    pass
+  rows = []
+  for impl in impls:
+    _, apply_fn, params = bench.make_model(problem, impl, width=width)
+    for method in [None] + methods:
+      if time.monotonic() > deadline:
+        bench._log("budget reached: remaining per-example measurements skipped")
+        return rows
+      fn, args = bench.op_gradient(apply_fn, params, clients, cfg, dp=method is not None,
+                                   slots=256, method=method or "auto")
+      label = f"DP gradient [{method}]" if method else "non-DP gradient"
+      res = bench.measure(f"{label}, impl={impl}", fn, args, repeats=repeats)
+      rows.append(bench.row(res, None, "256 examples"))
+  return rows
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke test")
+  parser.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --small)")
+  parser.add_argument("--budget-s", type=float, default=420.0,
+                      help="skip what would start after this many seconds")
+  parser.add_argument("--impl", default="auto", help="ConvNet.impl of the rounds")
+  parser.add_argument("--only", default="cifar_dp,cifar_nondp,per_example")
+  parser.add_argument("--client-backends", default="vmap,map",
+                      help="round backends, measured in this order (each config first with "
+                           "the first backend)")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  if args.repeats is None:
+    args.repeats = 1 if args.small else 2
+  start = time.monotonic()
+  deadline = start + args.budget_s
+  env = bench.environment()
+  bench._log(f"environment: {env}")
+  rows = []
+  parts = args.only.split(",")
+  for backend in args.client_backends.split(","):
+    for name, (cfg, problem, width) in configs(args.small).items():
+      if name not in parts:
+        continue
+      if time.monotonic() > deadline:
+        bench._log(f"budget reached: {name} [{backend}] skipped")
+        continue
+      bench._log(f"{name} [{backend}] ...")
+      rows.append(round_row(name, cfg, problem, width, args.repeats, args.impl, backend))
+      bench._log(f"{name} [{backend}]: {rows[-1]['median_s']:.2f} s/round, "
+                 f"compile {rows[-1]['compile_s']:.1f} s")
+  if "per_example" in parts:
+    problem, width = configs(args.small)["cifar_dp"][1:]
+    impls = ["flax", "hybrid"] if jax.default_backend() != "cpu" else ["hybrid"]
+    rows += per_example_rows(problem, width, args.repeats, impls, deadline)
+  env["device_peak_bytes"] = device_peak_bytes()
+  env["total_s"] = time.monotonic() - start
+  title = f"gpu_round.py{' --small' if args.small else ''} on {env['device_kind']}"
+  print(bench.markdown(rows, title))
+  print(f"\ntotal {env['total_s']:.0f} s, jax {env['jax']} on {env['backend']} "
+        f"({env['devices']}), device peak {env['device_peak_bytes']}")
+  path = args.json or os.path.join(os.environ.get("OUT", "."), "gpu_round.json")
+  with open(path, "w") as f:
+    json.dump({"environment": env, "title": title, "rows": rows}, f, indent=1, default=str)
+  bench._log(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
