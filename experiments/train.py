@@ -33,7 +33,6 @@ Outputs (in ``workdir``): ``config.json``, ``run_info.json``,
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 import sys
@@ -62,18 +61,7 @@ RUNTIME_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_chunk_size", "sn
 BYTES_PER_FLOAT = 4
 
 
-class _DropRdpOrderWarnings(logging.Filter):
-  """Hides dp_accounting's per-order convergence warnings (one per round and order).
-
-  An order whose RDP term does not converge is left out of the minimum over
-  orders, so the reported epsilon is still a valid upper bound.
-  """
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return "_compute_log_a_frac failed to converge" not in record.getMessage()
-
-
-logging.getLogger("absl").addFilter(_DropRdpOrderWarnings())
+# dp_accounting's per-order convergence warnings are filtered by fedlap_jax.accounting.
 
 
 class NonFiniteError(RuntimeError):
