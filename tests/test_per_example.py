@@ -79,9 +79,17 @@ def test_layerwise_equals_vmap_grad(kind):
     total, norms = fn(params, x, y, is_padding, l2_clip_norm=clip)
     _assert_close(total, ref)
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
-  # Microbatches (12 = 5 + 5 + 2 padded) give the same sum and norms.
-  total_mb, norms_mb = fn(params, x, y, is_padding, l2_clip_norm=0.1, microbatch_size=5)
+  # Microbatches (12 = 3 + 3 + 3 + 3) give the same sum and norms; with the real
+  # examples first, the all-padding last chunk is skipped (norms reported 0).
+  total_mb, norms_mb = fn(params, x, y, is_padding, l2_clip_norm=0.1, microbatch_size=3)
   ref, ref_norms = _reference(apply_fn, params, x, y, is_padding, 0.1)
+  _assert_close(total_mb, ref)
+  np.testing.assert_allclose(norms_mb[:9], ref_norms[:9], rtol=RTOL)
+  np.testing.assert_array_equal(norms_mb[9:], 0.0)
+  # Padding in the middle and an uneven split (12 = 5 + 5 + 2 padded).
+  middle = jnp.arange(12) % 3 == 1
+  total_mb, norms_mb = fn(params, x, y, middle, l2_clip_norm=0.1, microbatch_size=5)
+  ref, ref_norms = _reference(apply_fn, params, x, y, middle, 0.1)
   _assert_close(total_mb, ref)
   np.testing.assert_allclose(norms_mb, ref_norms, rtol=RTOL)
 

@@ -42,7 +42,8 @@ def _worker(backend: str) -> dict:
       client=C.ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
                             inner_loop=1, batch_size=16, radius=5.0, mse_weight=0.0,
                             image_lr=1.0, calibrate_radius=False, dsa_strategy="color_flip",
-                            dp=C.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)),
+                            dp=C.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5,
+                                          microbatch_size=8)),
       server=C.ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=3,
                             dsa_strategy=""),
       rounds=3, learning_rate=0.05, synthetic_init="noise")
