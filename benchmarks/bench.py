@@ -44,7 +44,7 @@ import numpy as np
 
 from fedlap_jax import client as client_lib
 from fedlap_jax import config as config_lib
-from fedlap_jax import federated, models, privacy, server, training
+from fedlap_jax import federated, models, per_example, privacy, server, training
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
 # The authors' PyTorch code on this kind of machine (2 CPU threads), from issue 6.
@@ -233,18 +233,23 @@ def _batch(clients, slots: int, real: int):
 
 
 def op_gradient(apply_fn, params, clients, cfg: FedLAPConfig, *, dp: bool, slots: int,
-                method: str = "auto"):
-  """``(fn, args)`` of one real-data gradient on ``slots`` slots, ``B`` of them real."""
+                method: str = "auto", microbatch_size: int | None = None):
+  """``(fn, args)`` of one real-data gradient on ``slots`` slots, ``B`` of them real.
+
+  ``microbatch_size`` defaults to the config's (``None``: ``method="auto"``
+  picks one on CPU).
+  """
   cc = cfg.client
   x, y, pad = _batch(clients, slots, min(cc.batch_size, slots))
   if dp:
     dpc = cc.dp or DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+    mb = microbatch_size or dpc.microbatch_size
 
     def fn(key, p, x, y, pad):
       return privacy.private_gradient(
           key, apply_fn, p, x, y, pad, l2_clip_norm=dpc.l2_clip_norm,
           noise_multiplier=dpc.noise_multiplier, expected_batch_size=cc.batch_size,
-          microbatch_size=dpc.microbatch_size, method=method)[0]
+          microbatch_size=mb, method=method)[0]
     return fn, (jax.random.PRNGKey(1), params, x, y, pad)
 
   def fn(p, x, y, pad):
@@ -326,13 +331,35 @@ def op_fedavg_round(apply_fn, params, clients, problem):
 # ---------------------------------------------------------------------------
 
 
+def dp_gradient_flops(apply_fn, params, clients, cfg, slots: int, method: str = "auto",
+                      microbatch_size: int | None = None) -> float:
+  """FLOPs of the DP gradient work actually done on a ``slots`` buffer with ``B`` real examples.
+
+  XLA counts a microbatch loop once, so this is the one-pass FLOP count times
+  the fraction of slots processed (microbatches up to the last real example).
+  """
+  cc = cfg.client
+  fn, args = op_gradient(apply_fn, params, clients, cfg, dp=True, slots=slots, method=method,
+                         microbatch_size=slots)
+  one_pass = compiled_flops(fn, *args)
+  mb = microbatch_size or (cc.dp.microbatch_size if cc.dp else None)
+  if mb is None and method == "auto":
+    mb = per_example.auto_microbatch_size(slots)
+  if mb is None or mb >= slots:
+    return one_pass
+  processed = min(math.ceil(min(cc.batch_size, slots) / mb) * mb, slots)
+  return one_pass * processed / slots
+
+
 def unit_flops(apply_fn, params, clients, cfg, problem) -> dict[str, float]:
   """XLA FLOPs of the loop bodies a round repeats (compiled, not run)."""
   cc = cfg.client
   units = {}
-  fn, args = op_gradient(apply_fn, params, clients, cfg, dp=cc.dp is not None,
-                         slots=cc.capacity)
-  units["real_gradient"] = compiled_flops(fn, *args)
+  if cc.dp is not None:
+    units["real_gradient"] = dp_gradient_flops(apply_fn, params, clients, cfg, cc.capacity)
+  else:
+    fn, args = op_gradient(apply_fn, params, clients, cfg, dp=False, slots=cc.capacity)
+    units["real_gradient"] = compiled_flops(fn, *args)
   fn, args = op_synthetic_update(apply_fn, params, clients, cfg, problem)
   units["synthetic_update"] = compiled_flops(fn, *args)
   syn = jax.tree.map(lambda a: a[0], _synthetic(clients, cfg, problem))
@@ -454,6 +481,8 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
                                          f"{cc.batch_size} real (as in a round)")):
         fn, args = op_gradient(apply_fn, params, clients, cfg, dp=dp, slots=slots)
         res = measure(f"{op} [{slots}]", fn, args, repeats=repeats)
+        if dp:
+          res["flops_executed"] = dp_gradient_flops(apply_fn, params, clients, cfg, slots)
         ref = references.get(op) if slots == cc.batch_size else None
         rows.append(row(res, ref, label))
       continue
@@ -466,11 +495,13 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       fn, args = op_client_round(apply_fn, params, clients, cfg, problem)
       res = measure(op, fn, args, repeats=repeats)
       m = res["output"][2]
-      rows.append(row(res, None, f"1 client: {int(m.real_accesses)} real batches"))
+      rows.append(row(res, None, f"1 client: {int(m.real_accesses)} real batches "
+                                 "(GFLOP: XLA static count, loop bodies once)"))
     elif op == "server_update":
       fn, args = op_server_update(apply_fn, params, clients, cfg, problem)
       res = measure(op, fn, args, repeats=repeats)
       m = res["output"][1]
+      res["flops_executed"] = res["flops"] * max(int(m.steps), 1)  # XLA counts one step
       rows.append(row(res, None, f"{int(m.epochs)} epochs, {int(m.steps)} steps of "
                                  f"{problem.num_clients * cc.ipc * problem.classes_per_client} "
                                  "images"))
@@ -515,11 +546,14 @@ class _Rows(list):
          f"cpu {r['cpu_median_s']:.3f} s, load {r['load_before']:.1f})")
 
 
-def reference_mode(repeats: int, impl: str, round_repeats: int = 2) -> list[dict]:
+def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
+                   long_repeats: int = 1) -> list[dict]:
   """The issue's table: operations and the two rounds at identical settings.
 
-  Rounds run with both client backends: ``map`` (clients one after another)
-  and ``vmap`` (all at once, the library default).
+  The DP round runs with both client backends, ``map`` (clients one after
+  another) and ``vmap`` (all at once, the library default), ``round_repeats``
+  times each; the non-DP and FedAvg rounds (minutes each) ``long_repeats``
+  times, with ``map``.
   """
   problem = PROBLEMS["mnist"]
   rows = run_config("mnist_dp_ref", reference_dp_config(), problem,
@@ -531,7 +565,7 @@ def reference_mode(repeats: int, impl: str, round_repeats: int = 2) -> list[dict
   # The vmap backend of this round needs ~18 GB (five clients' calibration
   # evaluations at once): measured with --ops=round:vmap separately, if at all.
   rows += run_config("mnist_nondp_ref", reference_nondp_config(), problem,
-                     ("round:map", "fedavg_round"), repeats=round_repeats,
+                     ("round:map", "fedavg_round"), repeats=long_repeats,
                      impl=impl, references=REFERENCE_SECONDS)
   return rows
 
@@ -547,16 +581,23 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
     import jax_privacy  # noqa: F401
   except ImportError:
     methods.remove("jax_privacy")
+  variants = [(m, None) for m in methods] + [("layerwise", 64), ("vmap", 64), ("auto", None)]
   for impl in ("hybrid", "im2col", "flax"):
     _, apply_fn, params = make_model(problem, impl)
     fn, args = op_gradient(apply_fn, params, clients, cfg, dp=False, slots=256)
     res = measure(f"non-DP gradient, impl={impl}", fn, args, repeats=repeats)
-    rows.append(row(res, REFERENCE_SECONDS["nondp_gradient"], "lower bound"))
-    for method in methods:
-      _log(f"[per-example] impl={impl} method={method}")
-      fn, args = op_gradient(apply_fn, params, clients, cfg, dp=True, slots=256, method=method)
-      res = measure(f"DP gradient, impl={impl}, {method}", fn, args, repeats=repeats)
-      rows.append(row(res, REFERENCE_SECONDS["dp_gradient"], "256 examples"))
+    rows.append(row(res, REFERENCE_SECONDS["nondp_gradient"], "no clipping: the floor"))
+    for method, mb in variants:
+      _log(f"[per-example] impl={impl} method={method} microbatch={mb}")
+      fn, args = op_gradient(apply_fn, params, clients, cfg, dp=True, slots=256, method=method,
+                             microbatch_size=mb)
+      label = f"DP gradient, impl={impl}, {method}" + (f", microbatch {mb}" if mb else "")
+      res = measure(label, fn, args, repeats=repeats)
+      res["flops_executed"] = dp_gradient_flops(apply_fn, params, clients, cfg, 256, method, mb)
+      note = "256 examples" + (" (auto: " + per_example.preferred_method(
+          apply_fn, params, args[2]) + f", microbatch {per_example.auto_microbatch_size(256)})"
+                               if method == "auto" else "")
+      rows.append(row(res, REFERENCE_SECONDS["dp_gradient"], note))
   return rows
 
 
@@ -614,6 +655,10 @@ def main(argv=None) -> int:
                       help="DP gradient by every per-example method")
   parser.add_argument("--padding", action="store_true", help="Conv padding=3 vs pad + 1")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--round-repeats", type=int, default=2,
+                      help="--reference: runs of each DP round")
+  parser.add_argument("--long-repeats", type=int, default=1,
+                      help="--reference: runs of the non-DP and FedAvg rounds")
   parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
@@ -628,7 +673,8 @@ def main(argv=None) -> int:
   env = environment()
   _log(f"environment: {env}")
   if args.reference:
-    rows, title = reference_mode(args.repeats, args.impl), "Reference settings (issue 6)"
+    rows = reference_mode(args.repeats, args.impl, args.round_repeats, args.long_repeats)
+    title = "Reference settings (issue 6)"
   elif args.per_example:
     rows, title = per_example_mode(args.repeats), "Per-example DP gradient, ConvNet-128, MNIST"
   elif args.padding:

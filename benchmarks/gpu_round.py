@@ -1,7 +1,8 @@
 """One prepared script for a single accelerator: paper-shaped CIFAR-10 rounds on random data.
 
 Runs, in this order and within ``--budget-s`` (default 420 s, so the whole
-script stays under 8 minutes including start-up):
+script stays under 8 minutes including start-up; a part is not started if the
+previous one's duration would take it past the budget):
 
 1. a paper ``cifar_dp`` round: 5 clients x 10,000 images 32x32x3, ConvNet-128,
    R_i 4, max_outer 5, batch_loop 10, R_b 5, R_l 2, ipc 10, B 256, sigma 1,
@@ -136,17 +137,20 @@ def main(argv=None) -> int:
   bench._log(f"environment: {env}")
   rows = []
   parts = args.only.split(",")
+  last = 0.0  # duration of the last round part: do not start one that would overrun
   for backend in args.client_backends.split(","):
     for name, (cfg, problem, width) in configs(args.small).items():
       if name not in parts:
         continue
-      if time.monotonic() > deadline:
-        bench._log(f"budget reached: {name} [{backend}] skipped")
+      if time.monotonic() + last > deadline:
+        bench._log(f"budget: {name} [{backend}] skipped (would end after --budget-s)")
         continue
       bench._log(f"{name} [{backend}] ...")
+      t0 = time.monotonic()
       rows.append(round_row(name, cfg, problem, width, args.repeats, args.impl, backend))
+      last = time.monotonic() - t0
       bench._log(f"{name} [{backend}]: {rows[-1]['median_s']:.2f} s/round, "
-                 f"compile {rows[-1]['compile_s']:.1f} s")
+                 f"compile {rows[-1]['compile_s']:.1f} s, part took {last:.0f} s")
   if "per_example" in parts:
     problem, width = configs(args.small)["cifar_dp"][1:]
     impls = ["flax", "hybrid"] if jax.default_backend() != "cpu" else ["hybrid"]
