@@ -96,9 +96,10 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
   is set for the ``dp_*`` methods and ``max_client_size`` (records of the
   largest client) fixes the static local step count ``T``.
   """
+  backend = resolve_client_backend(cfg.client_backend)
   if cfg.method == "fedlap":
     return _fedlap_algorithm(apply_fn, validation.to_fedlap_config(cfg), tuple(image_shape),
-                             max_classes_per_client, cfg.client_backend)
+                             max_classes_per_client, backend)
   try:
     from fedlap_jax import baselines  # pylint: disable=g-import-not-at-top
     make_algorithm = baselines.make_algorithm
@@ -111,7 +112,23 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
       num_params=num_params, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
       local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
       prox_mu=cfg.baseline.prox_mu, dp=validation.to_dp_config(cfg),
-      max_client_size=max_client_size)
+      max_client_size=max_client_size, client_backend=backend)
+
+
+def resolve_client_backend(name: str, platform: str | None = None) -> str:
+  """The config's ``client_backend`` with ``"auto"`` resolved for ``platform``.
+
+  ``"auto"`` is ``"map"`` (clients one after another) on CPU and ``"vmap"`` on
+  accelerators; ``platform`` defaults to ``jax.default_backend()``. On this
+  project's 2-core CPU ``map`` ran the FedLAP-DP reference round 1.75x faster
+  than ``vmap`` and needs a fifth of the memory (BENCHMARKS.md): under ``vmap``
+  every client's DSA draw computes all six augmentation families and the
+  calibration evaluates all clients at once (> 19 GiB for ``cifar_nondp``).
+  """
+  if name != "auto":
+    return name
+  platform = platform or jax.default_backend()
+  return "map" if platform == "cpu" else "vmap"
 
 
 @functools.lru_cache(maxsize=4)
@@ -469,6 +486,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       upload_floats_per_client=int(alg.upload_floats_per_client),
       jax_version=jax.__version__, fedlap_jax_version=fedlap_jax.__version__,
       devices=[str(d) for d in jax.devices()],
+      client_backend=resolve_client_backend(cfg.client_backend),
       **{k: v for k, v in privacy.items() if k not in ("method", "dataset", "client_sizes")})
 
   # Resume.
@@ -514,7 +532,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         + (f", epsilon so far {ledger.epsilon:.3f}" if ledger is not None else ""))
   else:
     log(f"[{config_name}] {info['method_label']} on {cfg.data.name}: {num_clients} clients "
-        f"(sizes {sizes}), {num_params:,} parameters, {cfg.rounds} rounds")
+        f"(sizes {sizes}), {num_params:,} parameters, {cfg.rounds} rounds, "
+        f"clients run by {info['client_backend']!r} on {jax.default_backend()}")
   wall_before = records[-1]["wall_seconds"] if records else 0.0
   upload_mb_per_round = num_clients * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
   snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}

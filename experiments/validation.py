@@ -35,7 +35,7 @@ FEDLAP_METHODS = ("fedlap",)
 BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
 METHODS = FEDLAP_METHODS + BASELINE_METHODS
 DP_BASELINES = ("dp_fedavg", "dp_fedprox")
-CLIENT_BACKENDS = ("vmap", "map")
+CLIENT_BACKENDS = ("auto", "vmap", "map")
 
 CLIENT_FIELDS = tuple(f.name for f in dataclasses.fields(core.ClientConfig) if f.name != "dp")
 SERVER_FIELDS = tuple(f.name for f in dataclasses.fields(core.ServerConfig))

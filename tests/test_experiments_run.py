@@ -104,6 +104,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   info = json.loads((straight / "run_info.json").read_text())
   assert info["upload_floats_per_client"] == 2 * 2 * 64  # ipc x classes x 8x8x1
   assert info["steps_per_round"] == 2 and info["batch_size"] == 16
+  assert info["client_backend"] == "map"  # "auto" on the CPU backend
   records = checkpointing.read_metrics(straight / "metrics.jsonl")
   assert [r["round"] for r in records] == [1, 2, 3, 4]
   for r in records:
