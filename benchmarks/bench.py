@@ -315,13 +315,14 @@ def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="vmap"):
   return federated.make_round_fn(apply_fn, cfg, client_backend=client_backend), (state, clients)
 
 
-def op_fedavg_round(apply_fn, params, clients, problem):
+def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "map"):
   """A FedAvg round with one local epoch, if :mod:`fedlap_jax.baselines` exists."""
   from fedlap_jax import baselines  # optional: skipped if the module is absent
   alg = baselines.make_algorithm(
       "fedavg", apply_fn, num_clients=problem.num_clients, image_shape=problem.image_shape,
       num_params=models.count_params(params), rounds=200, learning_rate=0.1, local_epochs=1,
-      batch_size=256, prox_mu=0.0, dp=None, max_client_size=problem.records)
+      batch_size=256, prox_mu=0.0, dp=None, max_client_size=problem.records,
+      client_backend=client_backend)
   state = alg.init(jax.random.PRNGKey(9), params, clients)
   return alg.round, (state, clients)
 
@@ -344,7 +345,7 @@ def dp_gradient_flops(apply_fn, params, clients, cfg, slots: int, method: str = 
   one_pass = compiled_flops(fn, *args)
   mb = microbatch_size or (cc.dp.microbatch_size if cc.dp else None)
   if mb is None and method == "auto":
-    mb = per_example.auto_microbatch_size(slots)
+    mb = per_example.auto_plan(apply_fn, params, args[2])[1]
   if mb is None or mb >= slots:
     return one_pass
   processed = min(math.ceil(min(cc.batch_size, slots) / mb) * mb, slots)
@@ -518,14 +519,21 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
               f"{int(np.sum(metrics.client.real_accesses))} real batches, "
               f"server {int(metrics.server.epochs)} epochs; FLOPs from loop counts")
       rows.append(row(res, references.get(key), note))
-    elif op == "fedavg_round":
+    elif op.split(":")[0] == "fedavg_round":
+      backend = op.split(":")[1] if ":" in op else client_backend
       try:
-        fn, args = op_fedavg_round(apply_fn, params, clients, problem)
+        fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
       except ImportError:
         _log("fedlap_jax.baselines not available: FedAvg round skipped")
         continue
-      res = measure(op, fn, args, repeats=repeats, warmup=False)
-      rows.append(row(res, references.get(op), "FedAvg, 1 local epoch, 5 clients"))
+      res = measure(f"fedavg_round [{backend}]", fn, args, repeats=repeats, warmup=False)
+      steps = int(np.sum(res["output"][1].client.steps)) if hasattr(res["output"][1], "client") \
+          else None
+      if steps:  # XLA counts the local step (one loop body) once
+        res["flops_executed"] = res["flops"] * steps
+      rows.append(row(res, references.get("fedavg_round"),
+                      f"client_backend={backend!r}: FedAvg, 1 local epoch, 5 clients"
+                      + (f", {steps} local steps of B=256" if steps else "")))
     else:
       raise ValueError(f"--ops: unknown operation {op!r}; allowed: {OPS + ('fedavg_round',)}")
   return list(rows)
@@ -565,7 +573,7 @@ def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
   # The vmap backend of this round needs ~18 GB (five clients' calibration
   # evaluations at once): measured with --ops=round:vmap separately, if at all.
   rows += run_config("mnist_nondp_ref", reference_nondp_config(), problem,
-                     ("round:map", "fedavg_round"), repeats=long_repeats,
+                     ("round:map", "fedavg_round:map"), repeats=long_repeats,
                      impl=impl, references=REFERENCE_SECONDS)
   return rows
 
@@ -594,8 +602,8 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
       label = f"DP gradient, impl={impl}, {method}" + (f", microbatch {mb}" if mb else "")
       res = measure(label, fn, args, repeats=repeats)
       res["flops_executed"] = dp_gradient_flops(apply_fn, params, clients, cfg, 256, method, mb)
-      note = "256 examples" + (" (auto: " + per_example.preferred_method(
-          apply_fn, params, args[2]) + f", microbatch {per_example.auto_microbatch_size(256)})"
+      plan = per_example.auto_plan(apply_fn, params, args[2])
+      note = "256 examples" + (f" (auto: {plan[0]}, microbatch {plan[1]})"
                                if method == "auto" else "")
       rows.append(row(res, REFERENCE_SECONDS["dp_gradient"], note))
   return rows

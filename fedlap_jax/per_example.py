@@ -281,44 +281,43 @@ def supports(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> bool:
   return True
 
 
-# Microbatch size that method="auto" uses on CPU when the caller gives none.
+# Microbatch size that method="auto" uses on CPU for matmul-convolution models.
 CPU_MICROBATCH = 64
 
 
-def auto_microbatch_size(num_examples: int) -> int | None:
-  """Microbatch for ``method="auto"``: 64 on the CPU backend, none elsewhere.
+def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int | None]:
+  """``(method, microbatch_size)`` that ``method="auto"`` uses (decided at trace time).
 
-  On CPU, 64 examples at a time ran the ConvNet-128 DP gradient of a 356-slot
-  Poisson buffer with 256 real examples 1.8x faster than one pass (the
-  all-padding tail is skipped and per-example gradients stay in cache), and a
-  full batch of 256 about 15% faster (BENCHMARKS.md). Accelerators are
-  unmeasured and keep one pass.
-  """
-  if jax.default_backend() == "cpu" and num_examples > CPU_MICROBATCH:
-    return CPU_MICROBATCH
-  return None
+  * Every convolution a matrix product (:func:`fedlap_jax.models.conv_im2col` /
+    :func:`~fedlap_jax.models.conv_hybrid`, the ConvNet's CPU implementations):
+    ``vmap``, since ``vmap(grad)`` is then a batched matmul too (about 10%
+    faster than the layer-wise path on CPU); on the CPU backend in microbatches
+    of 64, which skip the all-padding tail of a Poisson buffer and keep the
+    per-example gradients in cache (ConvNet-128, 256 MNIST images: 0.48 ->
+    0.40 s; 356-slot buffer with 256 real: 0.77 -> 0.41 s).
+  * Other models the layer-wise path supports: ``layerwise`` in one pass. With
+    XLA's convolution, ``vmap(grad)`` turns every weight gradient into a
+    grouped convolution (2.2x slower on CPU), and microbatches slowed the
+    layer-wise path (0.55 -> 0.95 s) and ``vmap`` (1.2 -> 16 s) there.
+  * Anything else: ``vmap`` in one pass.
 
-
-def preferred_method(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> str:
-  """``"layerwise"`` or ``"vmap"``: the faster exact method for this model (trace time).
-
-  ``vmap`` when the layer-wise path does not apply, or when every convolution
-  is already a matrix product (:func:`fedlap_jax.models.conv_im2col` /
-  :func:`~fedlap_jax.models.conv_hybrid`, the ConvNet's CPU implementations):
-  ``vmap(grad)`` is then a batched matmul too, measured about 10% faster than
-  the layer-wise path on CPU (BENCHMARKS.md). ``layerwise`` otherwise: with
-  XLA's convolution, ``vmap(grad)`` turns every weight gradient into a
-  grouped convolution, measured 1.8x slower on CPU.
+  Accelerators are unmeasured and get one pass. Numbers: BENCHMARKS.md.
   """
   try:
     calls = discover(apply_fn, params, x)
   except Unsupported:
-    return "vmap"
+    return "vmap", None
   matmul_convs = (models.conv_im2col, models.conv_hybrid)
   convs = [c for c in calls if c.rule == "conv"]
   if convs and all(c.module.conv_general_dilated in matmul_convs for c in convs):
-    return "vmap"
-  return "layerwise"
+    cpu = jax.default_backend() == "cpu" and x.shape[0] > CPU_MICROBATCH
+    return "vmap", (CPU_MICROBATCH if cpu else None)
+  return "layerwise", None
+
+
+def preferred_method(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> str:
+  """``"layerwise"`` or ``"vmap"``: the method of :func:`auto_plan`."""
+  return auto_plan(apply_fn, params, x)[0]
 
 
 # ---------------------------------------------------------------------------

@@ -21,9 +21,10 @@ per-layer per-example gradients, for models built from Flax layers),
 ``"auto"`` (default: :func:`fedlap_jax.per_example.preferred_method`, i.e.
 ``vmap`` for models whose convolutions are matrix products, such as the
 ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for anything
-else; both measured faster than ``jax_privacy`` on CPU; on CPU ``auto`` also
-processes microbatches of 64 when none is given, which skips the all-padding
-tail of a Poisson buffer and keeps per-example gradients in cache; see
+else; both measured faster than ``jax_privacy`` on CPU; for matmul-convolution
+models on CPU ``auto`` also processes microbatches of 64 when none is given,
+which skips the all-padding tail of a Poisson buffer and keeps per-example
+gradients in cache; see :func:`fedlap_jax.per_example.auto_plan` and
 BENCHMARKS.md). Every method gives the same result up to float rounding.
 
 References:
@@ -178,9 +179,9 @@ def clipped_gradient_sum(
   if method not in PER_EXAMPLE_METHODS:
     raise ValueError(f"method={method!r} is invalid; allowed: {PER_EXAMPLE_METHODS}")
   if method == "auto":
-    method = _per_example.preferred_method(apply_fn, params, x)
+    method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:
-      microbatch_size = _per_example.auto_microbatch_size(x.shape[0])
+      microbatch_size = auto_microbatch
   kwargs = dict(l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size)
   if method == "layerwise":
     return _per_example.clipped_gradient_sum(apply_fn, params, x, y, is_padding, **kwargs)

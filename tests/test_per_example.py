@@ -145,6 +145,24 @@ def test_auto_prefers_layerwise_only_where_it_pays():
   assert per_example.preferred_method(plain, jnp.ones((432, 10)), x) == "vmap"
 
 
+def test_auto_microbatches_only_matmul_conv_models_on_cpu():
+  # Microbatches paid off only for matmul convolutions on CPU; they slowed the
+  # layer-wise path and vmap with XLA's convolution, so those keep one pass.
+  big = jnp.zeros((65, *_batch()[0].shape[1:]))
+  small = big[:64]
+  on_cpu = jax.default_backend() == "cpu"
+  for kind in ("im2col", "hybrid"):
+    apply_fn, params = _model(kind)
+    assert per_example.auto_plan(apply_fn, params, big) == (
+        "vmap", per_example.CPU_MICROBATCH if on_cpu else None), kind
+    assert per_example.auto_plan(apply_fn, params, small) == ("vmap", None), kind
+  for kind in ("flax", "mlp"):
+    apply_fn, params = _model(kind)
+    assert per_example.auto_plan(apply_fn, params, big) == ("layerwise", None), kind
+  plain = lambda p, x: x.reshape(len(x), -1) @ p  # noqa: E731
+  assert per_example.auto_plan(plain, jnp.ones((432, 10)), big) == ("vmap", None)
+
+
 @pytest.mark.parametrize("method", ["auto", "layerwise", "vmap", "jax_privacy"])
 def test_privacy_methods_agree(method):
   apply_fn, params = _model("hybrid")
