@@ -190,8 +190,9 @@ def validate_config(cfg) -> None:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")
   if not _is_int(cfg.keep_checkpoints) or cfg.keep_checkpoints < 1:
     _fail("keep_checkpoints", cfg.keep_checkpoints, "an integer >= 1")
-  if not _is_int(cfg.eval_chunk_size) or cfg.eval_chunk_size < 1:
-    _fail("eval_chunk_size", cfg.eval_chunk_size, "an integer >= 1")
+  if cfg.eval_chunk_size is not None and (not _is_int(cfg.eval_chunk_size)
+                                          or cfg.eval_chunk_size < 1):
+    _fail("eval_chunk_size", cfg.eval_chunk_size, "an integer >= 1, or None (backend default)")
   snaps = cfg.snapshot_rounds
   if not isinstance(snaps, (tuple, list)) or not all(
       _is_int(r) and r >= 1 for r in snaps):

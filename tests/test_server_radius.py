@@ -266,3 +266,19 @@ def test_sgd_epoch(linear_apply_fn, linear_params, union):
                                      jnp.zeros(16), 0.1, batch_size=6, dsa_strategy="")
   chex.assert_trees_all_equal(params, linear_params)
   assert int(steps) == 0
+
+
+def test_evaluate_is_independent_of_the_chunk_size(tiny_apply_fn, tiny_params, calibration_data):
+  # The backend default (128 on CPU), a ragged split and one chunk agree; the
+  # mask excludes records exactly.
+  x, y = calibration_data[3:5]
+  mask = jnp.arange(x.shape[0]) % 3 != 0
+  ref = training.evaluate(tiny_apply_fn, tiny_params, x, y, mask, chunk_size=x.shape[0])
+  assert training.default_eval_chunk_size() == (128 if jax.default_backend() == "cpu" else 1000)
+  for cs in (None, 7):
+    out = training.evaluate(tiny_apply_fn, tiny_params, x, y, mask, chunk_size=cs)
+    np.testing.assert_allclose(out.loss, ref.loss, rtol=1e-5)
+    np.testing.assert_allclose(out.accuracy, ref.accuracy, rtol=1e-6)
+  kept = np.asarray(mask)
+  sub = training.evaluate(tiny_apply_fn, tiny_params, x[kept], y[kept])
+  np.testing.assert_allclose(sub.loss, ref.loss, rtol=1e-5)
