@@ -511,7 +511,8 @@ def clipped_gradient_sum(
     l2_clip_norm: ``C`` > 0, the bound on each example's gradient norm over
       the whole pytree.
     microbatch_size: if set, process ``microbatch_size`` examples at a time
-      (``lax.scan``) to bound memory; ``N`` is padded up to a multiple.
+      to bound memory, up to the last chunk holding a real example
+      (:func:`_microbatched`); ``N`` is padded up to a multiple.
     loss_fn: per-example loss ``(logits, y) -> (N,)``; default softmax cross
       entropy with integer labels.
 
@@ -522,9 +523,7 @@ def clipped_gradient_sum(
   Raises:
     Unsupported: if the model is outside the scope of the layer-wise path.
   """
-  if loss_fn is None:
-    from fedlap_jax.privacy import cross_entropy
-    loss_fn = cross_entropy
+  loss_fn = _default_loss(loss_fn)
   def chunk(x, y, is_padding):
     return _clipped_sum_chunk(apply_fn, loss_fn, params, x, y, is_padding, l2_clip_norm)
   return _microbatched(chunk, params, x, y, is_padding, microbatch_size)
@@ -568,6 +567,29 @@ def _microbatched(chunk_fn, params, x, y, is_padding, microbatch_size):
   return total, norms.reshape(-1)[:n]
 
 
+def _default_loss(loss_fn: LossFn | None) -> LossFn:
+  """``loss_fn``, or softmax cross entropy with integer labels when ``None``."""
+  if loss_fn is None:
+    from fedlap_jax.privacy import cross_entropy  # privacy imports this module
+    return cross_entropy
+  return loss_fn
+
+
+def per_example_gradients(apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array,
+                          loss_fn: LossFn | None = None) -> PyTree:
+  """``vmap(grad)``: every leaf of ``params`` gains a leading ``(N,)`` axis.
+
+  ``loss_fn`` is the per-example loss ``(logits, y) -> (N,)`` (default softmax
+  cross entropy with integer labels).
+  """
+  loss_fn = _default_loss(loss_fn)
+
+  def loss_one(p, xi, yi):
+    return loss_fn(apply_fn(p, xi[None]), yi[None])[0]
+
+  return jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params, x, y)
+
+
 def clipped_gradient_sum_vmap(
     apply_fn: ApplyFn,
     params: PyTree,
@@ -583,15 +605,8 @@ def clipped_gradient_sum_vmap(
 
   Same arguments and results as :func:`clipped_gradient_sum`.
   """
-  if loss_fn is None:
-    from fedlap_jax.privacy import cross_entropy
-    loss_fn = cross_entropy
-
-  def loss_one(p, xi, yi):
-    return loss_fn(apply_fn(p, xi[None]), yi[None])[0]
-
   def chunk(x, y, is_padding):
-    grads = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params, x, y)
+    grads = per_example_gradients(apply_fn, params, x, y, loss_fn)
     norms = jnp.sqrt(sum(_sqnorm(g) for g in jax.tree.leaves(grads)))
     scale, ok = _clip_factors(norms, is_padding, l2_clip_norm)
     return jax.tree.map(lambda g: _weighted_sum(scale, ok, g).astype(g.dtype), grads), norms

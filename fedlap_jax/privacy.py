@@ -143,11 +143,7 @@ def per_example_gradients(
     apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array
 ) -> PyTree:
   """Per-example gradients with ``vmap``: every leaf gains a leading ``(N,)`` axis."""
-
-  def loss_one(p, xi, yi):
-    return cross_entropy(apply_fn(p, xi[None]), yi[None])[0]
-
-  return jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))(params, x, y)
+  return _per_example.per_example_gradients(apply_fn, params, x, y, cross_entropy)
 
 
 def clipped_gradient_sum(
