@@ -47,7 +47,7 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
-from fedlap_jax.federated import RoundMetrics, stack_clients
+from fedlap_jax.federated import RoundMetrics, resolve_client_backend, stack_clients
 from fedlap_jax.models import count_params, init_convnet
 from fedlap_jax.training import evaluate
 
@@ -113,22 +113,6 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
       local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
       prox_mu=cfg.baseline.prox_mu, dp=validation.to_dp_config(cfg),
       max_client_size=max_client_size, client_backend=backend)
-
-
-def resolve_client_backend(name: str, platform: str | None = None) -> str:
-  """The config's ``client_backend`` with ``"auto"`` resolved for ``platform``.
-
-  ``"auto"`` is ``"map"`` (clients one after another) on CPU and ``"vmap"`` on
-  accelerators; ``platform`` defaults to ``jax.default_backend()``. On this
-  project's 2-core CPU ``map`` ran the FedLAP-DP reference round 1.75x faster
-  than ``vmap`` and needs a fifth of the memory (BENCHMARKS.md): under ``vmap``
-  every client's DSA draw computes all six augmentation families and the
-  calibration evaluates all clients at once (> 19 GiB for ``cifar_nondp``).
-  """
-  if name != "auto":
-    return name
-  platform = platform or jax.default_backend()
-  return "map" if platform == "cpu" else "vmap"
 
 
 @functools.lru_cache(maxsize=4)

@@ -90,7 +90,7 @@ from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.client import ClientData
 from fedlap_jax.config import WEIGHTINGS, DPConfig
-from fedlap_jax.federated import CLIENT_BACKENDS, client_weights
+from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, resolve_client_backend
 from fedlap_jax.models import count_params
 from fedlap_jax.training import cosine_learning_rate, tree_distance
 
@@ -264,8 +264,9 @@ class BaselineConfig:
     server_lr: ``eta_s``, the server's step on the weighted mean delta (1).
     weighting: ``size`` (``w_k = N_k / N``) or ``uniform`` (``1 / K``).
     local: :class:`LocalTraining`.
-    client_backend: ``vmap`` (all clients at once) or ``map`` (one after
-      another with ``lax.map``; same numbers, less memory).
+    client_backend: ``vmap`` (all clients at once), ``map`` (one after
+      another with ``lax.map``; same numbers, less memory) or ``auto``
+      (:func:`fedlap_jax.federated.resolve_client_backend`).
   """
 
   method: str
@@ -532,7 +533,7 @@ def baseline_round(
                          num_steps=num_steps, correction=corr)
 
   args = (client_keys, clients, corrections)
-  if config.client_backend == "vmap":
+  if resolve_client_backend(config.client_backend) == "vmap":
     ys, client_metrics = jax.vmap(run)(args)
   else:
     ys, client_metrics = jax.lax.map(run, args)
@@ -639,7 +640,7 @@ def make_algorithm(
     poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
     uniform_steps: every client runs exactly ``T`` steps (data-independent
       count) instead of ``E * round(N_k / B)``.
-    client_backend: ``vmap`` or ``map``.
+    client_backend: ``vmap``, ``map`` or ``auto`` (``map`` on CPU).
     gradient_mean: ``realized`` / ``expected`` (see the module docstring);
       ``None``: ``realized`` without DP, ``expected`` with DP.
     track_loss: record per-client mean local losses.
