@@ -309,7 +309,7 @@ def op_server_update(apply_fn, params, clients, cfg, problem):
   return fn, (jax.random.PRNGKey(7), params, syn.x, syn.y, syn.mask, weights, radius)
 
 
-def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="vmap"):
+def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):
   """A whole round (all clients + server) through :func:`make_round_fn`."""
   state = federated.init_state(jax.random.PRNGKey(8), params, clients, cfg)
   return federated.make_round_fn(apply_fn, cfg, client_backend=client_backend), (state, clients)
@@ -466,7 +466,7 @@ def _save_partial(r: dict) -> None:
 
 def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
                impl: str, references: dict | None = None,
-               client_backend: str = "vmap") -> list[dict]:
+               client_backend: str = "auto") -> list[dict]:
   """Measures ``ops`` of one configuration; rows for the report."""
   references = references or {}
   rows = _Rows(name)
@@ -507,7 +507,8 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
                                  f"{problem.num_clients * cc.ipc * problem.classes_per_client} "
                                  "images"))
     elif op.startswith("round"):
-      backend = op.split(":")[1] if ":" in op else client_backend
+      backend = federated.resolve_client_backend(
+          op.split(":")[1] if ":" in op else client_backend)
       fn, args = op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
       res = measure(f"round [{backend}]", fn, args, repeats=repeats, warmup=False)
       metrics = res["output"][1]
@@ -520,7 +521,8 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
               f"server {int(metrics.server.epochs)} epochs; FLOPs from loop counts")
       rows.append(row(res, references.get(key), note))
     elif op.split(":")[0] == "fedavg_round":
-      backend = op.split(":")[1] if ":" in op else client_backend
+      backend = federated.resolve_client_backend(
+          op.split(":")[1] if ":" in op else client_backend)
       try:
         fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
       except ImportError:
@@ -559,7 +561,7 @@ def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
   """The issue's table: operations and the two rounds at identical settings.
 
   The DP round runs with both client backends, ``map`` (clients one after
-  another) and ``vmap`` (all at once, the library default), ``round_repeats``
+  another) and ``vmap`` (all at once), ``round_repeats``
   times each; the non-DP and FedAvg rounds (minutes each) ``long_repeats``
   times, with ``map``.
   """
@@ -670,7 +672,7 @@ def main(argv=None) -> int:
   parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
-  parser.add_argument("--client-backend", default="vmap", choices=federated.CLIENT_BACKENDS)
+  parser.add_argument("--client-backend", default="auto", choices=federated.CLIENT_BACKENDS)
   parser.add_argument("--json", default=None, help="write the results here")
   parser.add_argument("--markdown", default=None, help="write the Markdown table here")
   args = parser.parse_args(argv)

@@ -43,7 +43,7 @@ class FederatedAlgorithm(NamedTuple):
 
 
 def fedlap(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[int, ...],
-           max_classes_per_client: int, client_backend: str = "vmap") -> FederatedAlgorithm:
+           max_classes_per_client: int, client_backend: str = "auto") -> FederatedAlgorithm:
   """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
 
   ``upload_floats_per_client = ipc * max_classes_per_client * prod(image_shape)``

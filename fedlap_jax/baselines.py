@@ -275,7 +275,7 @@ class BaselineConfig:
   server_lr: float = 1.0
   weighting: str = "size"
   local: LocalTraining = dataclasses.field(default_factory=LocalTraining)
-  client_backend: str = "vmap"
+  client_backend: str = "auto"
 
   def __post_init__(self):
     _require(self.method in METHODS, "method", self.method, f"one of {METHODS}")
@@ -602,7 +602,7 @@ def make_algorithm(
     dsa_strategy: str = "",
     poisson_capacity: int | None = None,
     uniform_steps: bool = False,
-    client_backend: str = "vmap",
+    client_backend: str = "auto",
     gradient_mean: str | None = None,
     track_loss: bool = True,
 ) -> FederatedAlgorithm:

@@ -30,20 +30,22 @@ PyTree = Any
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 
 
-def resolve_client_backend(name: str, platform: str | None = None) -> str:
-  """``client_backend`` with ``"auto"`` resolved for ``platform``.
+def resolve_client_backend(name: str) -> str:
+  """``client_backend`` with ``"auto"`` resolved: ``"map"`` (clients one after another).
 
-  ``"auto"`` is ``"map"`` (clients one after another) on CPU and ``"vmap"`` on
-  accelerators; ``platform`` defaults to ``jax.default_backend()``. On a 2-core
-  CPU ``map`` ran the FedLAP-DP reference round 1.4x faster than ``vmap``
-  (24.2 vs 33.9 s) and needs a fraction of the memory (BENCHMARKS.md): under
-  ``vmap`` every client's DSA draw computes all six augmentation families and
-  the calibration evaluates all clients at once (> 19 GiB for ``cifar_nondp``).
+  Measured on both backends we have (BENCHMARKS.md): on a 2-core CPU ``map``
+  ran the FedLAP-DP reference round 1.4x faster than ``vmap`` (24.2 vs
+  33.9 s); on one H100 the paper ``cifar_nondp`` round took 12.4 s with
+  ``map`` and 28.1 s with ``vmap``, ``cifar_dp`` 7.3 vs 7.7 s, with a quarter
+  of the device memory. The cost of ``vmap`` is in the algorithm, not the
+  chip: every client draws its own DSA family, so the batched ``lax.switch``
+  computes all six augmentation families for every batch, and the ``lax.cond``
+  around the local update runs both branches. On a host with several devices
+  ask for ``"shard"`` explicitly (:mod:`fedlap_jax.sharding`).
   """
-  if name != "auto":
-    return name
-  platform = platform or jax.default_backend()
-  return "map" if platform == "cpu" else "vmap"
+  if name == "auto":
+    return "map"
+  return name
 
 
 class FedLAPState(NamedTuple):
@@ -212,7 +214,7 @@ def fedlap_round(
     *,
     apply_fn: Callable,
     config: FedLAPConfig,
-    client_backend: str = "vmap",
+    client_backend: str = "auto",
     mesh: Any = None,
 ) -> tuple[FedLAPState, RoundMetrics]:
   """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
@@ -272,7 +274,7 @@ def fedlap_round(
   return new_state, RoundMetrics(client_metrics, radii, server_metrics, lr)
 
 
-def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: str = "vmap",
+def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: str = "auto",
                   mesh: Any = None, donate_state: bool = False):
   """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``.
 
