@@ -23,7 +23,7 @@ Main entry points:
 from fedlap_jax import accounting, algorithm, dsa
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.client import (ClientData, LocalApproxMetrics, SyntheticSet, local_approx,
-                               matching_step)
+                               matching_step, pixel_normalisation)
 from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
                                paper_dp_config, paper_nondp_config)
 from fedlap_jax.dsa import augment
@@ -46,6 +46,7 @@ __all__ = [
     "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",
     "global_update", "init_convnet", "init_state", "local_approx", "make_round_fn",
     "matching_distance", "matching_step", "paper_dp_config", "paper_nondp_config",
-    "per_example_gradients", "poisson_sample", "private_gradient", "real_gradient",
+    "per_example_gradients", "pixel_normalisation", "poisson_sample", "private_gradient",
+    "real_gradient",
     "server_radius", "stack_clients", "synthetic_labels", "tree_distance",
 ]

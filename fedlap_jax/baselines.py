@@ -454,7 +454,7 @@ def client_update(
     w, loss_sum, overflow, sampled, clipped = carry
     k_sample, k_aug, k_noise = step_keys(key, s)
     batch = privacy.poisson_sample(k_sample, data.mask, rate, capacity)
-    xb = augment(k_aug, data.x[batch.indices])
+    xb = augment(k_aug, data.images(batch.indices))
     yb = data.y[batch.indices]
     g, loss, n_clipped = gradient(w, k_noise, xb, yb, batch)
     if local.prox_mu > 0:

@@ -56,6 +56,7 @@ def calibrate_radius(
     batch_size: int = 512,
     dsa_strategy: str = "",
     eval_size: int | None = None,
+    real_preprocess: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, CalibrationTrace]:
   """Measures the client radius ``r_k`` (non-DP only: it reads real data freely).
 
@@ -72,6 +73,9 @@ def calibrate_radius(
     dsa_strategy: DSA during the synthetic-set epochs.
     eval_size: if set, evaluate the real loss on this many records (drawn once,
       without replacement among valid records) instead of all ``N``.
+    real_preprocess: maps a chunk of ``real_x`` to model inputs before each
+      evaluation (e.g. :meth:`fedlap_jax.client.ClientData.normalise` for
+      pixels stored as uint8); identity if None.
 
   Returns:
     ``(r_k, trace)``.
@@ -82,11 +86,13 @@ def calibrate_radius(
     idx = jax.random.choice(k_sub, real_x.shape[0], (eval_size,), replace=False, p=p)
     real_x, real_y, real_mask = real_x[idx], real_y[idx], real_mask[idx]
   weights = synthetic_mask.astype(jnp.float32)
+  eval_fn = (apply_fn if real_preprocess is None
+             else lambda p, x: apply_fn(p, real_preprocess(x)))
 
   def epoch(w, k):
     w, _ = sgd_epoch(k, apply_fn, w, synthetic_x, synthetic_y, weights, learning_rate,
                      batch_size=batch_size, dsa_strategy=dsa_strategy)
-    loss = evaluate(apply_fn, w, real_x, real_y, real_mask).loss
+    loss = evaluate(eval_fn, w, real_x, real_y, real_mask).loss
     return w, (tree_distance(w, params), loss)
 
   _, (dists, losses) = jax.lax.scan(epoch, params, jax.random.split(k_train, epochs))
