@@ -320,7 +320,8 @@ def rebuild_run(cfg) -> RebuiltRun:
   indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
   xs = [dataset.x_train[i] for i in indices]
   ys = [dataset.y_train[i] for i in indices]
-  clients = stack_clients(xs, ys)
+  clients = stack_clients(xs, ys, pixel_scale=dataset.pixel_scale,
+                          pixel_offset=dataset.pixel_offset)
   k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
   model, params = init_convnet(k_model, dataset.image_shape, dataset.num_classes,
                                width=cfg.model.width, depth=cfg.model.depth, norm=cfg.model.norm)
@@ -389,8 +390,8 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
   return LoadedRun(
       apply_fn=built.apply_fn,
       params=alg.params_of(state),
-      members=(dataset.x_train[members_idx], dataset.y_train[members_idx]),
-      nonmembers=(dataset.x_test, dataset.y_test),
+      members=(dataset.normalise(dataset.x_train[members_idx]), dataset.y_train[members_idx]),
+      nonmembers=(dataset.normalise(dataset.x_test), dataset.y_test),
       config=cfg.to_dict(),
       accountant_epsilon=epsilon,
       delta=delta,

@@ -18,6 +18,8 @@ Sources (``config.data.source``):
 Normalisation: the paper's constants for MNIST (0.1307 / 0.3081), Fashion-MNIST
 (0.2861 / 0.3530) and CIFAR-10 (per channel); ``digits`` and ``custom`` data
 are standardised per channel with the mean and std of their training split.
+Images are kept as stored (uint8 pixels stay uint8, also on the device) and
+normalised batch by batch as they are read (:class:`Dataset`).
 
 Partitions (``config.data.partition``): ``paper`` (client ``i`` owns every
 record of classes ``order[c*i : c*(i+1)]`` with the paper's order
@@ -36,6 +38,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
+
+from fedlap_jax.client import pixel_normalisation
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
@@ -65,15 +69,24 @@ class DataUnavailableError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """A normalised dataset in memory.
+  """A dataset in memory, images as stored, with their normalisation.
+
+  Images stay in their stored form (``uint8`` pixels for the tfds datasets and
+  uint8 npz files: a quarter of float32's memory, on the host and on the
+  device); the model sees ``x * pixel_scale + pixel_offset`` per channel,
+  applied to each batch as it is read (:meth:`normalise` on the host,
+  :meth:`fedlap_jax.client.ClientData.images` on the device).
 
   Attributes:
     name: dataset name (one of :data:`DATASETS`).
-    x_train, x_test: ``(N, H, W, C)`` float32, normalised per channel.
+    x_train, x_test: ``(N, H, W, C)`` stored images: ``uint8`` 0..255, or
+      float32 (0..1 for the known datasets, any scale for ``custom``).
     y_train, y_test: ``(N,)`` int32 labels in ``[0, num_classes)``.
     num_classes: number of classes.
-    mean, std: ``(C,)`` float32, the normalisation (``x = (pixel - mean) /
-      std`` with pixels in [0, 1]); use :func:`unnormalize` for display.
+    mean, std: ``(C,)`` float32, the normalisation of pixels in [0, 1]
+      (``(pixel - mean) / std``); use :func:`unnormalize` for display.
+    pixel_scale, pixel_offset: ``(C,)`` float32, the same normalisation applied
+      to stored images (:func:`fedlap_jax.client.pixel_normalisation`).
   """
 
   name: str
@@ -84,6 +97,12 @@ class Dataset:
   num_classes: int
   mean: np.ndarray
   std: np.ndarray
+  pixel_scale: np.ndarray
+  pixel_offset: np.ndarray
+
+  def normalise(self, x: np.ndarray) -> np.ndarray:
+    """Stored images ``(..., C)`` -> float32 model inputs (host side)."""
+    return np.asarray(x, np.float32) * self.pixel_scale + self.pixel_offset
 
   @property
   def image_shape(self) -> tuple[int, int, int]:
@@ -242,10 +261,9 @@ def load_digits():
 # ----------------------------------------------------------------------------
 
 
-def _to_unit(x: np.ndarray) -> np.ndarray:
-  if x.dtype == np.uint8:
-    return x.astype(np.float32) / 255.0
-  return x.astype(np.float32)
+def _stored(x: np.ndarray) -> np.ndarray:
+  """Images as kept in memory: uint8 unchanged, any float as float32."""
+  return x if x.dtype == np.uint8 else x.astype(np.float32)
 
 
 def load_dataset(data_cfg) -> Dataset:
@@ -255,7 +273,7 @@ def load_dataset(data_cfg) -> Dataset:
     data_cfg: the ``config.data`` section (name, source, data_dir, cache_dir).
 
   Returns:
-    A :class:`Dataset` (float32 images, int32 labels).
+    A :class:`Dataset` (images as stored with their normalisation, int32 labels).
   """
   name = data_cfg.name
   if name not in DATASETS:
@@ -272,7 +290,11 @@ def load_dataset(data_cfg) -> Dataset:
                        "data.name='digits' (the only sklearn dataset)")
     raw = load_digits()
   x_train, y_train, x_test, y_test = raw
-  x_train, x_test = _to_unit(x_train), _to_unit(x_test)
+  if (x_train.dtype == np.uint8) != (x_test.dtype == np.uint8):
+    raise ValueError(f"x_train has dtype {x_train.dtype} but x_test {x_test.dtype}; allowed: "
+                     "both uint8 or both float")
+  x_train, x_test = _stored(x_train), _stored(x_test)
+  pixel_max = 255.0 if x_train.dtype == np.uint8 else 1.0
   y_train = np.asarray(y_train).astype(np.int32)
   y_test = np.asarray(y_test).astype(np.int32)
 
@@ -284,15 +306,16 @@ def load_dataset(data_cfg) -> Dataset:
                        "data.name='custom' for other data")
     num_classes = 10
   else:
-    mean = x_train.mean(axis=(0, 1, 2)).astype(np.float32)
-    std = np.maximum(x_train.std(axis=(0, 1, 2)), 1e-6).astype(np.float32)
+    mean = (x_train.mean(axis=(0, 1, 2), dtype=np.float64) / pixel_max).astype(np.float32)
+    std = np.maximum(x_train.std(axis=(0, 1, 2), dtype=np.float64) / pixel_max,
+                     1e-6).astype(np.float32)
     num_classes = int(max(y_train.max(), y_test.max())) + 1
   for split, y in (("train", y_train), ("test", y_test)):
     if y.min() < 0 or y.max() >= num_classes:
       raise ValueError(f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
                        f"integers in [0, {num_classes - 1}] for data.name={name!r}")
-  norm = lambda x: ((x - mean) / std).astype(np.float32)
-  return Dataset(name, norm(x_train), y_train, norm(x_test), y_test, num_classes, mean, std)
+  scale, offset = pixel_normalisation(mean, std, pixel_max)
+  return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, scale, offset)
 
 
 # ----------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class RunSetup(NamedTuple):
   """Everything a run (or a later audit of its checkpoints) builds from its config.
 
   Attributes:
-    dataset: the normalised :class:`experiments.data.Dataset`.
+    dataset: the :class:`experiments.data.Dataset` (images as stored, with their normalisation).
     client_indices: training-record indices of each client.
     clients: stacked :class:`~fedlap_jax.client.ClientData` ``(K, N_max, ...)``.
     model: the Flax ConvNet; apply_fn: ``apply_fn(params, x) -> logits``.
@@ -169,7 +169,8 @@ def build_run(cfg) -> RunSetup:
     raise validation.ConfigError(str(e)) from None
   validation.validate_data(cfg, dataset, indices)
   ys = [dataset.y_train[i] for i in indices]
-  clients = stack_clients([dataset.x_train[i] for i in indices], ys)
+  clients = stack_clients([dataset.x_train[i] for i in indices], ys,
+                          pixel_scale=dataset.pixel_scale, pixel_offset=dataset.pixel_offset)
   k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
   model, params = init_convnet(k_model, dataset.image_shape, dataset.num_classes,
                                width=cfg.model.width, depth=cfg.model.depth, norm=cfg.model.norm)
@@ -502,7 +503,12 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   if ledger is not None:
     checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict())
 
-  eval_fn = jax.jit(lambda p, x, y: evaluate(apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size))
+  # The test set stays on the device as stored (uint8 for image datasets) and is
+  # normalised chunk by chunk inside the evaluation.
+  scale, offset = jnp.asarray(dataset.pixel_scale), jnp.asarray(dataset.pixel_offset)
+  eval_apply = lambda p, x: apply_fn(p, x.astype(jnp.float32) * scale + offset)
+  eval_fn = jax.jit(lambda p, x, y: evaluate(eval_apply, p, x, y,
+                                             chunk_size=cfg.eval_chunk_size))
   log_file = open(workdir / "train.log", "a")
 
   def log(line):

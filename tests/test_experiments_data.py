@@ -31,14 +31,16 @@ def test_digits_split_and_standardisation(digits):
   assert digits.x_train.shape == (1400, 8, 8, 1) and digits.x_test.shape == (397, 8, 8, 1)
   assert digits.x_train.dtype == np.float32 and digits.y_train.dtype == np.int32
   assert digits.num_classes == 10
-  np.testing.assert_allclose(digits.x_train.mean(), 0.0, atol=1e-5)
-  np.testing.assert_allclose(digits.x_train.std(), 1.0, atol=1e-4)
+  assert digits.x_train.min() == 0.0 and digits.x_train.max() == 1.0  # stored: pixels / 16
+  x = digits.normalise(digits.x_train)
+  np.testing.assert_allclose(x.mean(), 0.0, atol=1e-5)
+  np.testing.assert_allclose(x.std(), 1.0, atol=1e-4)
   # Stratified: each class keeps ~78 % of its records in train (135..143) and 39..40 in test.
   np.testing.assert_array_equal(np.bincount(digits.y_test),
                                 [39, 40, 39, 40, 40, 40, 40, 40, 39, 40])
   assert np.bincount(digits.y_train).min() == 135
   # Un-normalising gives pixels in [0, 1] again.
-  raw = data_lib.unnormalize(digits.x_train, digits.mean, digits.std)
+  raw = data_lib.unnormalize(x, digits.mean, digits.std)
   assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5
   again = data_lib.load_dataset(data_cfg())
   np.testing.assert_array_equal(again.y_test, digits.y_test)
@@ -102,10 +104,30 @@ def test_npz_custom_is_standardised_per_channel(tmp_path):
   raw = _write_npz(path)
   ds = data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}"))
   assert ds.num_classes == 4 and ds.image_shape == (6, 6, 3)
-  np.testing.assert_allclose(ds.x_train.mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
-  np.testing.assert_allclose(ds.x_train.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
-  np.testing.assert_allclose(data_lib.unnormalize(ds.x_test, ds.mean, ds.std),
+  # Pixels stay uint8 (a quarter of float32's memory); the model sees them normalised.
+  assert ds.x_train.dtype == np.uint8 and ds.x_test.dtype == np.uint8
+  np.testing.assert_array_equal(ds.x_train, raw["x_train"])
+  x = ds.normalise(ds.x_train)
+  assert x.dtype == np.float32
+  np.testing.assert_allclose(x.mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
+  np.testing.assert_allclose(x.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
+  np.testing.assert_allclose(data_lib.unnormalize(ds.normalise(ds.x_test), ds.mean, ds.std),
                              raw["x_test"] / 255.0, atol=1e-5)
+  # Float images in any scale are standardised in their own units.
+  path_f = tmp_path / "float.npz"
+  raw_f = _write_npz(path_f, dtype=np.float32)
+  ds_f = data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path_f}"))
+  assert ds_f.x_train.dtype == np.float32
+  np.testing.assert_allclose(ds_f.normalise(ds_f.x_train).mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
+  np.testing.assert_allclose(ds_f.normalise(raw_f["x_test"]),
+                             ds.normalise(raw["x_test"]), atol=1e-4)
+
+
+def test_npz_mixed_dtypes_are_refused(tmp_path):
+  path = tmp_path / "mixed.npz"
+  _write_npz(path, x_test=np.zeros((30, 6, 6, 3), np.float32))
+  with pytest.raises(ValueError, match=r"x_train has dtype uint8 but x_test float32"):
+    data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}"))
 
 
 def test_npz_known_dataset_uses_the_paper_constants(tmp_path):
@@ -113,7 +135,7 @@ def test_npz_known_dataset_uses_the_paper_constants(tmp_path):
   raw = _write_npz(path, shape=(32, 32, 3), classes=10)
   ds = data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}"))
   mean, std = np.array([0.4914, 0.4822, 0.4465]), np.array([0.2023, 0.1994, 0.2010])
-  np.testing.assert_allclose(ds.x_train, (raw["x_train"] / 255.0 - mean) / std,
+  np.testing.assert_allclose(ds.normalise(ds.x_train), (raw["x_train"] / 255.0 - mean) / std,
                              rtol=1e-5, atol=1e-5)
 
 
@@ -149,10 +171,11 @@ def test_tfds_mock_load_caches_numpy(tmp_path):
   with tfds.testing.mock_data(num_examples=40):
     ds = data_lib.load_dataset(data_cfg(name="mnist", source="tfds", cache_dir=str(tmp_path)))
   assert ds.x_train.shape == (40, 28, 28, 1) and ds.x_test.shape == (40, 28, 28, 1)
+  assert ds.x_train.dtype == np.uint8  # kept as stored; normalised as batches are read
   assert (tmp_path / "tfds_mnist.npz").exists()
   with np.load(tmp_path / "tfds_mnist.npz") as f:
-    np.testing.assert_allclose(ds.x_train, (f["x_train"] / 255.0 - 0.1307) / 0.3081, rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(ds.normalise(ds.x_train), (f["x_train"] / 255.0 - 0.1307) / 0.3081,
+                               rtol=1e-5, atol=1e-5)
   # Later loads come from the cache, without tfds (outside the mock).
   again = data_lib.load_dataset(data_cfg(name="mnist", source="tfds", cache_dir=str(tmp_path)))
   np.testing.assert_array_equal(again.x_train, ds.x_train)

@@ -8,6 +8,7 @@ ledger. Plus: outputs parse, resume refusals, NaN stop, report.
 import csv
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -282,3 +283,31 @@ def test_missing_baselines_module_is_a_clear_error(monkeypatch):
                      "fedlap_jax.baselines.make_algorithm.*allowed: 'fedlap'"):
     train.build_algorithm(cfg, None, image_shape=(8, 8, 1), max_classes_per_client=2,
                           num_params=10, max_client_size=10)
+
+
+def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_path):
+  """An npz of uint8 pixels: clients and test set stay uint8; metrics use normalised inputs."""
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.training import evaluate  # pylint: disable=g-import-not-at-top
+  x_train, y_train, x_test, y_test = data_lib.load_digits()
+  npz = tmp_path / "pixels.npz"
+  to_pixels = lambda x: np.round(x * 255).astype(np.uint8)
+  np.savez(npz, x_train=to_pixels(x_train), y_train=y_train, x_test=to_pixels(x_test),
+           y_test=y_test)
+  cfg = tiny_config(rounds=1, progress_bar=False)
+  cfg.data.name, cfg.data.source = "custom", f"npz:{npz}"
+  setup = train.build_run(cfg)
+  assert setup.dataset.x_train.dtype == np.uint8
+  chex.assert_type(setup.clients.x, jnp.uint8)
+  chex.assert_shape([setup.clients.pixel_scale, setup.clients.pixel_offset], (5, 1))
+  first = setup.client_indices[0]
+  np.testing.assert_allclose(
+      np.asarray(jax.tree.map(lambda a: a[0], setup.clients).images(jnp.arange(len(first)))),
+      setup.dataset.normalise(setup.dataset.x_train[first]), rtol=1e-5, atol=1e-5)
+  out = train.train_and_evaluate(cfg, tmp_path / "run")
+  record = out["records"][-1]
+  params = setup.algorithm.params_of(out["state"])
+  x_test = jnp.asarray(setup.dataset.normalise(setup.dataset.x_test))
+  want = evaluate(setup.apply_fn, params, x_test, jnp.asarray(setup.dataset.y_test))
+  assert record["test_loss"] == pytest.approx(float(want.loss), rel=1e-5)
+  assert record["test_accuracy"] == pytest.approx(float(want.accuracy))
