@@ -139,15 +139,35 @@ def _replace_path(obj, path, value):
 # ---------------------------------------------------------------------------
 
 
-def random_clients(problem: Problem, seed: int = 0) -> client_lib.ClientData:
-  """``num_clients`` clients of standard normal images, two classes each."""
+DATA_KINDS = ("float32", "uint8")
+
+
+def random_clients(problem: Problem, seed: int = 0,
+                   data: str = "float32") -> client_lib.ClientData:
+  """``num_clients`` clients of random images, two classes each.
+
+  ``data="float32"``: standard normal model inputs. ``"uint8"``: uniform
+  pixels kept as uint8 on the device with the normalisation fused into every
+  read (``mean`` 0.5, ``std`` 0.29 per channel: inputs in about [-1.7, 1.7]),
+  as ``experiments.run`` keeps image datasets.
+  """
+  if data not in DATA_KINDS:
+    raise ValueError(f"data={data!r} is invalid; allowed: one of {DATA_KINDS}")
   rng = np.random.default_rng(seed)
   xs, ys = [], []
   per = problem.classes_per_client
+  shape = (problem.records, *problem.image_shape)
   for k in range(problem.num_clients):
-    xs.append(rng.standard_normal((problem.records, *problem.image_shape), np.float32))
+    if data == "uint8":
+      xs.append(rng.integers(0, 256, shape, dtype=np.uint8))
+    else:
+      xs.append(rng.standard_normal(shape, np.float32))
     classes = (np.arange(per) + per * k) % problem.num_classes
     ys.append(np.resize(classes, problem.records).astype(np.int32))
+  if data == "uint8":
+    channels = problem.image_shape[-1]
+    scale, offset = client_lib.pixel_normalisation([0.5] * channels, [0.29] * channels)
+    return federated.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
   return federated.stack_clients(xs, ys)
 
 
@@ -466,11 +486,14 @@ def _save_partial(r: dict) -> None:
 
 def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
                impl: str, references: dict | None = None,
-               client_backend: str = "auto") -> list[dict]:
-  """Measures ``ops`` of one configuration; rows for the report."""
+               client_backend: str = "auto", data: str = "float32") -> list[dict]:
+  """Measures ``ops`` of one configuration; rows for the report.
+
+  ``data``: how the clients' images are stored (:func:`random_clients`).
+  """
   references = references or {}
   rows = _Rows(name)
-  clients = random_clients(problem)
+  clients = random_clients(problem, data=data)
   _, apply_fn, params = make_model(problem, impl)
   cc = cfg.client
   for op in ops:
@@ -673,6 +696,9 @@ def main(argv=None) -> int:
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
   parser.add_argument("--client-backend", default="auto", choices=federated.CLIENT_BACKENDS)
+  parser.add_argument("--data", default="float32", choices=DATA_KINDS,
+                      help="named configs: client images as float32 inputs or uint8 pixels "
+                           "normalised as they are read")
   parser.add_argument("--json", default=None, help="write the results here")
   parser.add_argument("--markdown", default=None, help="write the Markdown table here")
   args = parser.parse_args(argv)
@@ -698,9 +724,9 @@ def main(argv=None) -> int:
                                     records=args.records or problem.records)
     ops = [o for o in args.ops.split(",") if o]
     rows = run_config(args.config, cfg, problem, ops, repeats=args.repeats, impl=args.impl,
-                      client_backend=args.client_backend,
+                      client_backend=args.client_backend, data=args.data,
                       references=REFERENCE_SECONDS if args.config.endswith("_ref") else None)
-    title = f"{args.config} {' '.join(args.set)}".strip()
+    title = f"{args.config} {' '.join(args.set)} data={args.data}".strip()
   env["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   env["load_average_end"] = os.getloadavg()
   table = markdown(rows, title)
