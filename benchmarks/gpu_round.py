@@ -14,8 +14,8 @@ previous one's duration would take it past the budget):
 3. the DP gradient (256 examples) by every per-example method and ConvNet
    implementation, to pick the defaults for this backend.
 
-Rounds run with ``client_backend="vmap"`` first, then ``"map"`` (one client
-after another) if the budget allows. For each it prints compile time, seconds
+Rounds run with ``client_backend="map"`` (one client after another, the
+default on one device) first, then ``"vmap"`` if the budget allows. For each it prints compile time, seconds
 per round (median of ``--repeats`` runs after compiling) and achieved FLOP/s (XLA's FLOPs of each
 repeated step times the loop counts the round reports), as a Markdown table,
 and writes JSON to ``$OUT/gpu_round.json`` (or ``--json``).
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                       help="skip what would start after this many seconds")
   parser.add_argument("--impl", default="auto", help="ConvNet.impl of the rounds")
   parser.add_argument("--only", default="cifar_dp,cifar_nondp,per_example")
-  parser.add_argument("--client-backends", default="vmap,map",
+  parser.add_argument("--client-backends", default="map,vmap",
                       help="round backends, measured in this order (each config first with "
                            "the first backend)")
   parser.add_argument("--json", default=None)

@@ -265,8 +265,10 @@ class BaselineConfig:
     weighting: ``size`` (``w_k = N_k / N``) or ``uniform`` (``1 / K``).
     local: :class:`LocalTraining`.
     client_backend: ``vmap`` (all clients at once), ``map`` (one after
-      another with ``lax.map``; same numbers, less memory) or ``auto``
-      (:func:`fedlap_jax.federated.resolve_client_backend`).
+      another with ``lax.map``; same numbers, less memory), ``shard`` (blocks
+      of clients on all devices, one after another within a block;
+      :mod:`fedlap_jax.sharding`) or ``auto`` (the default: ``shard`` on
+      several devices, else ``map``; :func:`fedlap_jax.federated.resolve_client_backend`).
   """
 
   method: str
@@ -527,16 +529,21 @@ def baseline_round(
   else:
     corrections = None
 
-  def run(args):
+  def run(args, x, lr):
     k, data, corr = args
     return client_update(k, apply_fn, x, data, learning_rate=lr, local=local,
                          num_steps=num_steps, correction=corr)
 
   args = (client_keys, clients, corrections)
-  if resolve_client_backend(config.client_backend) == "vmap":
-    ys, client_metrics = jax.vmap(run)(args)
+  backend = resolve_client_backend(config.client_backend)
+  if backend == "vmap":
+    ys, client_metrics = jax.vmap(run, in_axes=(0, None, None))(args, x, lr)
+  elif backend == "shard":
+    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
+    block = lambda a, x, lr: jax.lax.map(lambda one: run(one, x, lr), a)  # noqa: E731
+    ys, client_metrics = sharding.map_clients(block, args, replicated=(x, lr))
   else:
-    ys, client_metrics = jax.lax.map(run, args)
+    ys, client_metrics = jax.lax.map(lambda one: run(one, x, lr), args)
 
   weights = client_weights(clients, config.weighting)
   weights = weights / jnp.sum(weights)
@@ -640,7 +647,7 @@ def make_algorithm(
     poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
     uniform_steps: every client runs exactly ``T`` steps (data-independent
       count) instead of ``E * round(N_k / B)``.
-    client_backend: ``vmap``, ``map`` or ``auto`` (``map`` on CPU).
+    client_backend: ``vmap``, ``map``, ``shard`` or ``auto`` (see :class:`BaselineConfig`).
     gradient_mean: ``realized`` / ``expected`` (see the module docstring);
       ``None``: ``realized`` without DP, ``expected`` with DP.
     track_loss: record per-client mean local losses.

@@ -31,20 +31,22 @@ CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 
 
 def resolve_client_backend(name: str) -> str:
-  """``client_backend`` with ``"auto"`` resolved: ``"map"`` (clients one after another).
+  """``client_backend`` with ``"auto"`` resolved.
 
-  Measured on both backends we have (BENCHMARKS.md): on a 2-core CPU ``map``
-  ran the FedLAP-DP reference round 1.4x faster than ``vmap`` (24.2 vs
-  33.9 s); on one H100 the paper ``cifar_nondp`` round took 12.4 s with
-  ``map`` and 28.1 s with ``vmap``, ``cifar_dp`` 7.3 vs 7.7 s, with a quarter
-  of the device memory. The cost of ``vmap`` is in the algorithm, not the
-  chip: every client draws its own DSA family, so the batched ``lax.switch``
-  computes all six augmentation families for every batch, and the ``lax.cond``
-  around the local update runs both branches. On a host with several devices
-  ask for ``"shard"`` explicitly (:mod:`fedlap_jax.sharding`).
+  ``"auto"`` is ``"shard"`` when JAX sees several devices (each device runs
+  its block of clients one after another) and ``"map"`` (clients one after
+  another) on a single device. Measured on both backends we have
+  (BENCHMARKS.md): on a 2-core CPU ``map`` ran the FedLAP-DP reference round
+  1.4x faster than ``vmap`` (24.2 vs 33.9 s); on one H100 the paper
+  ``cifar_nondp`` round took 12.4 s with ``map`` and 28.1 s with ``vmap``,
+  ``cifar_dp`` 7.3 vs 7.7 s, with a quarter of the device memory. The cost of
+  ``vmap`` is in the algorithm, not the chip: every client draws its own DSA
+  family, so the batched ``lax.switch`` computes all six augmentation families
+  for every batch, and the ``lax.cond`` around the local update runs both
+  branches.
   """
   if name == "auto":
-    return "map"
+    return "shard" if jax.device_count() > 1 else "map"
   return name
 
 
@@ -259,8 +261,9 @@ def fedlap_round(
     config: :class:`FedLAPConfig` (static).
     client_backend: ``vmap`` (all clients at once), ``map`` (one after
       another with ``lax.map``: same results, less memory), ``shard``
-      (blocks of clients on the devices of ``mesh``, vmapped within a block;
-      :mod:`fedlap_jax.sharding`) or ``auto`` (:func:`resolve_client_backend`).
+      (blocks of clients on the devices of ``mesh``, one after another within
+      a block; :mod:`fedlap_jax.sharding`) or ``auto`` (the default:
+      ``shard`` on several devices, else ``map``; :func:`resolve_client_backend`).
     mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all
       devices (:func:`fedlap_jax.sharding.client_mesh`).
 
@@ -292,7 +295,9 @@ def fedlap_round(
         args, state.params, lr)
   elif client_backend == "shard":
     from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
-    block = jax.vmap(run, in_axes=(0, None, None))
+    # Each device runs its block of clients one after another (faster than
+    # vmapping them, see resolve_client_backend).
+    block = lambda a, params, lr: jax.lax.map(lambda one: run(one, params, lr), a)  # noqa: E731
     synthetic, radii, client_metrics = sharding.map_clients(
         block, args, replicated=(state.params, lr), mesh=mesh)
   else:

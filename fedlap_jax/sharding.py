@@ -2,7 +2,8 @@
 
 The stacked client axis of a round is split over a one-dimensional device
 mesh with axis name ``"clients"``: every device runs ``local_approx`` on its
-block of clients (``jax.shard_map`` around ``jax.vmap``), the synthetic sets
+block of clients, one after another (``jax.shard_map`` around ``lax.map``;
+``client_backend="auto"`` does this whenever JAX sees several devices), the synthetic sets
 and radii come back as arrays sharded over the same axis, and the server
 update runs on the gathered union as before. Results equal the single-device
 round up to float reduction order (``tests/test_sharding.py`` checks 1 vs 4
@@ -72,7 +73,7 @@ def map_clients(fn: Callable[..., PyTree], args: PyTree, *, replicated: tuple = 
   """``fn(block, *replicated)`` on blocks of the leading (client) axis of ``args``, one per device.
 
   ``fn`` maps a block ``(k, ...)`` to outputs with the same leading axis (e.g.
-  ``jax.vmap(one_client)``). Zero-padded clients fill the axis up to a
+  ``lambda b: jax.lax.map(one_client, b)``). Zero-padded clients fill the axis up to a
   multiple of the device count and are cut from the outputs. Pass arrays that
   every device needs whole (the global model, the learning rate) as
   ``replicated`` rather than closing over them.

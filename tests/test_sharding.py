@@ -20,12 +20,16 @@ NUM_CLIENTS = 5
 
 
 def _worker(backend: str) -> dict:
-  """Two rounds of FedLAP-DP and one of FedLAP on a tiny problem; returns numbers."""
+  """Two rounds of FedLAP-DP, one of FedLAP and one of FedAvg on a tiny problem; returns numbers.
+
+  The clients hold uint8 pixels with a normalisation, so the per-client pixel
+  scale and offset are sharded with the data.
+  """
   import jax
   import jax.numpy as jnp
 
+  from fedlap_jax import baselines, client, federated, models, sharding
   from fedlap_jax import config as C
-  from fedlap_jax import federated, models, sharding
 
   # norm="none": with instance norm the conv biases have structurally zero
   # gradients whose float noise the cosine distance amplifies, so runs that
@@ -35,9 +39,10 @@ def _worker(backend: str) -> dict:
   apply_fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
   rng = np.random.default_rng(0)
   sizes = [40, 48, 40, 44, 40]
-  xs = [rng.standard_normal((n, 8, 8, 1)).astype(np.float32) for n in sizes]
+  xs = [rng.integers(0, 256, (n, 8, 8, 1), dtype=np.uint8) for n in sizes]
   ys = [np.resize([2 * k, 2 * k + 1], n).astype(np.int32) for k, n in enumerate(sizes)]
-  clients = federated.stack_clients(xs, ys)
+  scale, offset = client.pixel_normalisation([0.5], [0.29])
+  clients = federated.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
   dp = C.FedLAPConfig(
       client=C.ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
                             inner_loop=1, batch_size=16, radius=5.0, mse_weight=0.0,
@@ -53,7 +58,7 @@ def _worker(backend: str) -> dict:
                             calibration_epochs=2, dsa_strategy=""),
       server=C.ServerConfig(radius_strategy="min", max_epochs=2, dsa_strategy=""),
       rounds=3, learning_rate=0.05, synthetic_init="real")
-  out = {"devices": jax.device_count()}
+  out = {"devices": jax.device_count(), "backend": federated.resolve_client_backend(backend)}
   for name, cfg, rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
     state = federated.init_state(jax.random.PRNGKey(1), params, clients, cfg)
     if backend == "shard":
@@ -69,6 +74,16 @@ def _worker(backend: str) -> dict:
         "server_epochs": int(metrics.server.epochs),
         "accesses": np.asarray(metrics.client.real_accesses).tolist(),
     }
+  fedavg = baselines.make_algorithm(
+      "fedavg", apply_fn, num_clients=NUM_CLIENTS, image_shape=(8, 8, 1),
+      num_params=models.count_params(params), rounds=3, learning_rate=0.05, local_epochs=1,
+      batch_size=16, prox_mu=0.0, dp=None, max_client_size=max(sizes), client_backend=backend)
+  state = fedavg.init(jax.random.PRNGKey(2), params, clients)
+  state, metrics = fedavg.round(state, clients)
+  out["fedavg"] = {
+      "params": [np.asarray(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
+      "steps": np.asarray(metrics.client.steps).tolist(),
+  }
   return out
 
 
@@ -84,9 +99,10 @@ def _run(devices: int, backend: str) -> dict:
 
 @pytest.mark.slow
 def test_one_vs_four_devices_same_round():
-  single = _run(1, "vmap")
-  sharded = _run(4, "shard")
+  single = _run(1, "auto")
+  sharded = _run(4, "auto")
   assert single["devices"] == 1 and sharded["devices"] == 4
+  assert single["backend"] == "map" and sharded["backend"] == "shard"  # what "auto" picks
   for name in ("dp", "nondp"):
     a, b = single[name], sharded[name]
     assert a["accesses"] == b["accesses"] and len(a["radius"]) == NUM_CLIENTS
@@ -95,6 +111,10 @@ def test_one_vs_four_devices_same_round():
       np.testing.assert_allclose(b[field], a[field], rtol=1e-4, atol=1e-5, err_msg=field)
     for pa, pb in zip(a["params"], b["params"]):
       np.testing.assert_allclose(pb, pa, rtol=1e-4, atol=1e-5, err_msg="params")
+  a, b = single["fedavg"], sharded["fedavg"]
+  assert a["steps"] == b["steps"] and min(a["steps"]) > 0
+  for pa, pb in zip(a["params"], b["params"]):
+    np.testing.assert_allclose(pb, pa, rtol=1e-4, atol=1e-5, err_msg="fedavg params")
 
 
 def test_map_clients_pads_and_refuses_bad_input():

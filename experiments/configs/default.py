@@ -35,8 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.learning_rate = 0.1
   config.synthetic_init = "real"
   # "vmap": all clients at once; "map": one after another (less memory, same numbers);
-  # "auto" (the library's default) = "map": faster on CPU (1.75x) and on an H100
-  # (cifar_nondp 12.4 vs 28.1 s per round) with bounded memory (BENCHMARKS.md).
+  # "auto" (the library's default) = "map" on one device: faster on CPU (1.75x) and on an
+  # H100 (cifar_nondp 12.4 vs 28.1 s per round) with bounded memory (BENCHMARKS.md);
+  # "shard" when JAX sees several devices.
   config.client_backend = "auto"
 
   config.data = ml_collections.ConfigDict()
