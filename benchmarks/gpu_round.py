@@ -18,7 +18,10 @@ Rounds run with ``client_backend="map"`` (one client after another, the
 default on one device) first, then ``"vmap"`` if the budget allows. For each it prints compile time, seconds
 per round (median of ``--repeats`` runs after compiling) and achieved FLOP/s (XLA's FLOPs of each
 repeated step times the loop counts the round reports), as a Markdown table,
-and writes JSON to ``$OUT/gpu_round.json`` (or ``--json``).
+and writes JSON to ``$OUT/gpu_round.json`` (or ``--json``). On a GPU, XLA's
+counts leave out what it hands to cuDNN (the convolutions of ``impl="flax"``),
+so those FLOP/s are far too low there; ``benchmarks/paper_flops.py`` counts
+the same rounds on the CPU.
 
 Needs only JAX (with CUDA), flax, optax, chex and numpy: no network, no
 tensorflow(-datasets), no dp_accounting; jax_privacy is optional. From the
