@@ -1,0 +1,54 @@
+"""The benchmark helpers whose numbers BENCHMARKS.md reports: data and FLOP bookkeeping."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import bench
+from fedlap_jax import config as config_lib
+
+TINY = bench.Problem((4, 4, 3), records=50, num_clients=3)
+
+
+def test_random_clients_uint8_are_pixels_read_as_normalised_inputs():
+  pixels = bench.random_clients(TINY, data="uint8")
+  floats = bench.random_clients(TINY)
+  chex.assert_type(pixels.x, jnp.uint8)
+  chex.assert_type(floats.x, jnp.float32)
+  chex.assert_shape([pixels.x, floats.x], (3, 50, 4, 4, 3))
+  assert pixels.x.nbytes * 4 == floats.x.nbytes
+  chex.assert_trees_all_equal(pixels.y, floats.y)
+  x = np.asarray(pixels._replace(x=pixels.x[0], pixel_scale=pixels.pixel_scale[0],
+                                 pixel_offset=pixels.pixel_offset[0]).images(jnp.arange(50)))
+  # Uniform pixels, normalised with mean 0.5 and std 0.29: ~zero mean, unit spread.
+  assert abs(x.mean()) < 0.1 and 0.9 < x.std() < 1.1
+  assert x.min() >= -0.5 / 0.29 - 1e-5 and x.max() <= 0.5 / 0.29 + 1e-5
+  with pytest.raises(ValueError, match=r"data='int8' is invalid"):
+    bench.random_clients(TINY, data="int8")
+
+
+def test_round_flops_is_loop_counts_times_step_flops():
+  cfg = config_lib.paper_nondp_config()
+  cc = dataclasses.replace(cfg.client, ipc=3, calibration_eval_size=20, model_batch_size=4,
+                           inner_loop=2)
+  cfg = dataclasses.replace(cfg, client=cc)
+  units = {"real_gradient": 7.0, "synthetic_update": 11.0, "client_step": 13.0,
+           "server_step": 17.0, "forward_per_image": 2.0}
+  metrics = types.SimpleNamespace(
+      client=types.SimpleNamespace(real_accesses=np.array([4, 6, 5]),
+                                   outer_iterations=np.array([[2], [5], [3]])),
+      server=types.SimpleNamespace(steps=np.array(9)))
+  s = cc.ipc * TINY.classes_per_client                     # 6 synthetic images per client
+  steps_per_epoch = -(-s // cc.model_batch_size)            # 2
+  trained = (2 + 4 + 3) * cc.inner_loop                     # last outer iteration trains not
+  expected = (15 * (7.0 + cc.boost_loop * 11.0)
+              + trained * steps_per_epoch * 13.0
+              + 3 * cc.calibration_epochs * (steps_per_epoch * 13.0 + 20 * 2.0)
+              + 9 * 17.0)
+  assert bench.round_flops(metrics, units, cfg, TINY) == pytest.approx(expected)
