@@ -247,17 +247,19 @@ def compiled_flops(fn, *args) -> float:
 
 
 def _batch(clients, slots: int, real: int):
-  x = clients.x[0, :slots]
-  y = clients.y[0, :slots]
-  return x, y, jnp.arange(slots) >= real
+  """Client 0's first ``slots`` records as model inputs, the first ``real`` marked real."""
+  first = jax.tree.map(lambda a: a[0], clients)
+  idx = jnp.arange(slots)
+  return first.images(idx), first.y[idx], idx >= real
 
 
 def op_gradient(apply_fn, params, clients, cfg: FedLAPConfig, *, dp: bool, slots: int,
                 method: str = "auto", microbatch_size: int | None = None):
   """``(fn, args)`` of one real-data gradient on ``slots`` slots, ``B`` of them real.
 
-  ``microbatch_size`` defaults to the config's (``None``: ``method="auto"``
-  picks one on CPU).
+  ``microbatch_size`` defaults to the config's for the DP gradient (``None``:
+  ``method="auto"`` picks one on CPU) and to ``"auto"`` for the non-DP one, as
+  in a round.
   """
   cc = cfg.client
   x, y, pad = _batch(clients, slots, min(cc.batch_size, slots))
@@ -272,8 +274,10 @@ def op_gradient(apply_fn, params, clients, cfg: FedLAPConfig, *, dp: bool, slots
           microbatch_size=mb, method=method)[0]
     return fn, (jax.random.PRNGKey(1), params, x, y, pad)
 
+  mb = "auto" if microbatch_size is None else microbatch_size
+
   def fn(p, x, y, pad):
-    return privacy.real_gradient(apply_fn, p, x, y, pad)
+    return privacy.real_gradient(apply_fn, p, x, y, pad, microbatch_size=mb)
   return fn, (params, x, y, pad)
 
 
@@ -352,20 +356,20 @@ def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "m
 # ---------------------------------------------------------------------------
 
 
-def dp_gradient_flops(apply_fn, params, clients, cfg, slots: int, method: str = "auto",
-                      microbatch_size: int | None = None) -> float:
-  """FLOPs of the DP gradient work actually done on a ``slots`` buffer with ``B`` real examples.
+def gradient_flops(apply_fn, params, clients, cfg, slots: int, *, dp: bool,
+                   method: str = "auto", microbatch_size: int | None = None) -> float:
+  """FLOPs of the real-gradient work actually done on a ``slots`` buffer with ``B`` real examples.
 
   XLA counts a microbatch loop once, so this is the one-pass FLOP count times
   the fraction of slots processed (microbatches up to the last real example).
   """
   cc = cfg.client
-  fn, args = op_gradient(apply_fn, params, clients, cfg, dp=True, slots=slots, method=method,
+  fn, args = op_gradient(apply_fn, params, clients, cfg, dp=dp, slots=slots, method=method,
                          microbatch_size=slots)
   one_pass = compiled_flops(fn, *args)
-  mb = microbatch_size or (cc.dp.microbatch_size if cc.dp else None)
+  mb = microbatch_size or (cc.dp.microbatch_size if dp and cc.dp else None)
   if mb is None and method == "auto":
-    mb = per_example.auto_plan(apply_fn, params, args[2])[1]
+    mb = per_example.auto_plan(apply_fn, params, args[-3])[1]
   if mb is None or mb >= slots:
     return one_pass
   processed = min(math.ceil(min(cc.batch_size, slots) / mb) * mb, slots)
@@ -376,11 +380,8 @@ def unit_flops(apply_fn, params, clients, cfg, problem) -> dict[str, float]:
   """XLA FLOPs of the loop bodies a round repeats (compiled, not run)."""
   cc = cfg.client
   units = {}
-  if cc.dp is not None:
-    units["real_gradient"] = dp_gradient_flops(apply_fn, params, clients, cfg, cc.capacity)
-  else:
-    fn, args = op_gradient(apply_fn, params, clients, cfg, dp=False, slots=cc.capacity)
-    units["real_gradient"] = compiled_flops(fn, *args)
+  units["real_gradient"] = gradient_flops(apply_fn, params, clients, cfg, cc.capacity,
+                                          dp=cc.dp is not None)
   fn, args = op_synthetic_update(apply_fn, params, clients, cfg, problem)
   units["synthetic_update"] = compiled_flops(fn, *args)
   syn = jax.tree.map(lambda a: a[0], _synthetic(clients, cfg, problem))
@@ -505,8 +506,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
                                          f"{cc.batch_size} real (as in a round)")):
         fn, args = op_gradient(apply_fn, params, clients, cfg, dp=dp, slots=slots)
         res = measure(f"{op} [{slots}]", fn, args, repeats=repeats)
-        if dp:
-          res["flops_executed"] = dp_gradient_flops(apply_fn, params, clients, cfg, slots)
+        res["flops_executed"] = gradient_flops(apply_fn, params, clients, cfg, slots, dp=dp)
         ref = references.get(op) if slots == cc.batch_size else None
         rows.append(row(res, ref, label))
       continue
@@ -619,6 +619,7 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
     _, apply_fn, params = make_model(problem, impl)
     fn, args = op_gradient(apply_fn, params, clients, cfg, dp=False, slots=256)
     res = measure(f"non-DP gradient, impl={impl}", fn, args, repeats=repeats)
+    res["flops_executed"] = gradient_flops(apply_fn, params, clients, cfg, 256, dp=False)
     rows.append(row(res, REFERENCE_SECONDS["nondp_gradient"], "no clipping: the floor"))
     for method, mb in variants:
       _log(f"[per-example] impl={impl} method={method} microbatch={mb}")
@@ -626,7 +627,8 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
                              microbatch_size=mb)
       label = f"DP gradient, impl={impl}, {method}" + (f", microbatch {mb}" if mb else "")
       res = measure(label, fn, args, repeats=repeats)
-      res["flops_executed"] = dp_gradient_flops(apply_fn, params, clients, cfg, 256, method, mb)
+      res["flops_executed"] = gradient_flops(apply_fn, params, clients, cfg, 256, dp=True,
+                                             method=method, microbatch_size=mb)
       plan = per_example.auto_plan(apply_fn, params, args[2])
       note = "256 examples" + (f" (auto: {plan[0]}, microbatch {plan[1]})"
                                if method == "auto" else "")

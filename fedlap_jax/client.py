@@ -231,7 +231,7 @@ def local_approx(
     xb = augment(k_aug, client_data.images(batch.indices))
     yb = client_data.y[batch.indices]
     if c.dp is None:
-      g = privacy.real_gradient(apply_fn, w, xb, yb, batch.is_padding)
+      g = privacy.real_gradient(apply_fn, w, xb, yb, batch.is_padding, microbatch_size="auto")
       clipped = jnp.float32(0.0)
     else:
       g, norms = privacy.private_gradient(

@@ -153,6 +153,38 @@ def test_real_gradient_ignores_padding(tiny_apply_fn, tiny_params, batch):
   chex.assert_trees_all_close(g, ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("microbatch", [3, 4, "auto"])
+def test_real_gradient_in_chunks_equals_one_pass(microbatch, tiny_apply_fn, tiny_params,
+                                                 digits):
+  """Chunks (up to the last one holding a real example) give the one-pass gradient."""
+  x, y = jnp.asarray(digits.x_train[:70]), jnp.asarray(digits.y_train[:70])
+  # Padding in the middle, real examples up to slot 60, an all-padding tail.
+  is_padding = (jnp.arange(70) >= 61) | ((jnp.arange(70) % 7) == 3)
+  fn = jax.jit(privacy.real_gradient, static_argnums=0, static_argnames="microbatch_size")
+  one_pass = fn(tiny_apply_fn, tiny_params, x, y, is_padding)
+  chunked = fn(tiny_apply_fn, tiny_params, x, y, is_padding, microbatch_size=microbatch)
+  chex.assert_trees_all_close(chunked, one_pass, atol=1e-6, rtol=1e-5)
+  ref = _mean_grad(tiny_apply_fn, tiny_params, x[~is_padding], y[~is_padding])
+  chex.assert_trees_all_close(chunked, ref, atol=1e-5, rtol=1e-4)
+  # All padding: a zero gradient, not NaN.
+  zero = fn(tiny_apply_fn, tiny_params, x, y, jnp.ones(70, bool), microbatch_size=microbatch)
+  chex.assert_trees_all_equal(zero, jax.tree.map(jnp.zeros_like, tiny_params))
+
+
+def test_real_gradient_auto_chunks_only_matmul_convolutions_on_cpu(digits):
+  """``"auto"``: chunks of 64 for the CPU ConvNet (matmul convolutions), one pass for nn.Conv."""
+  from fedlap_jax import models, per_example  # pylint: disable=g-import-not-at-top
+  x = jnp.asarray(digits.x_train[:70])
+  plans = {}
+  for impl in ("hybrid", "flax"):
+    model = models.ConvNet(num_classes=10, width=8, depth=1, impl=impl)
+    params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+    plans[impl] = per_example.auto_plan(lambda p, z: model.apply({"params": p}, z), params, x)
+  assert plans["flax"][1] is None
+  if jax.default_backend() == "cpu":
+    assert plans["hybrid"] == ("vmap", per_example.CPU_MICROBATCH)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _mean_grad(apply_fn, params, x, y):
   return jax.grad(lambda p: jnp.mean(privacy.cross_entropy(apply_fn(p, x), y)))(params)
