@@ -554,8 +554,9 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       res = measure(f"fedavg_round [{backend}]", fn, args, repeats=repeats, warmup=False)
       steps = int(np.sum(res["output"][1].client.steps)) if hasattr(res["output"][1], "client") \
           else None
-      if steps:  # XLA counts the local step (one loop body) once
-        res["flops_executed"] = res["flops"] * steps
+      if steps:  # XLA counts the local step (and its gradient's chunk loop) once
+        res["flops_executed"] = steps * gradient_flops(apply_fn, params, clients, cfg,
+                                                       cc.capacity, dp=False)
       rows.append(row(res, references.get("fedavg_round"),
                       f"client_backend={backend!r}: FedAvg, 1 local epoch, 5 clients"
                       + (f", {steps} local steps of B=256" if steps else "")))

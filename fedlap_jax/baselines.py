@@ -443,13 +443,11 @@ def client_update(
               if local.track_loss else f32(0.0))
       return g, loss, clipped
 
-    def loss_fn(p):
-      mean = privacy.masked_mean_loss(apply_fn, p, xb, yb, weights)
-      if local.mean_by == "expected":
-        return mean * batch.size.astype(f32) / local.batch_size, mean
-      return mean, mean
-
-    g, loss = jax.grad(loss_fn, has_aux=True)(w)
+    # Chunked on CPU for matmul-convolution models, as in local_approx.
+    g, loss = privacy.real_gradient_and_loss(apply_fn, w, xb, yb, batch.is_padding,
+                                             microbatch_size="auto")
+    if local.mean_by == "expected":
+      g = jax.tree.map(lambda gi: gi * batch.size.astype(f32) / local.batch_size, g)
     return g, loss, f32(0.0)
 
   def step(s, carry):

@@ -157,20 +157,37 @@ def real_gradient(
   Returns:
     The gradient, a pytree like ``params``.
   """
+  return real_gradient_and_loss(apply_fn, params, x, y, is_padding,
+                                microbatch_size=microbatch_size)[0]
+
+
+def real_gradient_and_loss(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    is_padding: jax.Array,
+    *,
+    microbatch_size: int | str | None = None,
+) -> tuple[PyTree, jax.Array]:
+  """:func:`real_gradient` and the mean loss (nats) over the non-padding examples."""
   weights = jnp.logical_not(is_padding)
   if microbatch_size == "auto":
     microbatch_size = _per_example.auto_plan(apply_fn, params, x)[1]
   if microbatch_size is None or microbatch_size >= x.shape[0]:
-    return jax.grad(lambda p: masked_mean_loss(apply_fn, p, x, y, weights))(params)
+    loss, g = jax.value_and_grad(lambda p: masked_mean_loss(apply_fn, p, x, y, weights))(params)
+    return g, loss
 
   def chunk(xc, yc, pc):
     def summed(p):
-      return jnp.sum(cross_entropy(apply_fn(p, xc), yc) * jnp.logical_not(pc))
-    return jax.grad(summed)(params), jnp.zeros(pc.shape, jnp.float32)
+      losses = cross_entropy(apply_fn(p, xc), yc) * jnp.logical_not(pc)
+      return jnp.sum(losses), losses
+    g, losses = jax.grad(summed, has_aux=True)(params)
+    return g, losses.astype(jnp.float32)
 
-  total, _ = _per_example._microbatched(chunk, params, x, y, is_padding, microbatch_size)
+  total, losses = _per_example._microbatched(chunk, params, x, y, is_padding, microbatch_size)
   count = jnp.maximum(jnp.sum(weights), 1).astype(jnp.float32)
-  return jax.tree.map(lambda g: g / count, total)
+  return jax.tree.map(lambda g: g / count, total), jnp.sum(losses) / count
 
 
 def per_example_gradients(

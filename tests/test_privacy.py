@@ -164,6 +164,12 @@ def test_real_gradient_in_chunks_equals_one_pass(microbatch, tiny_apply_fn, tiny
   one_pass = fn(tiny_apply_fn, tiny_params, x, y, is_padding)
   chunked = fn(tiny_apply_fn, tiny_params, x, y, is_padding, microbatch_size=microbatch)
   chex.assert_trees_all_close(chunked, one_pass, atol=1e-6, rtol=1e-5)
+  g, loss = jax.jit(privacy.real_gradient_and_loss, static_argnums=0,
+                    static_argnames="microbatch_size")(
+                        tiny_apply_fn, tiny_params, x, y, is_padding, microbatch_size=microbatch)
+  chex.assert_trees_all_close(g, one_pass, atol=1e-6, rtol=1e-5)
+  chex.assert_trees_all_close(loss, privacy.masked_mean_loss(
+      tiny_apply_fn, tiny_params, x, y, (~is_padding).astype(jnp.float32)), atol=1e-6)
   ref = _mean_grad(tiny_apply_fn, tiny_params, x[~is_padding], y[~is_padding])
   chex.assert_trees_all_close(chunked, ref, atol=1e-5, rtol=1e-4)
   # All padding: a zero gradient, not NaN.
