@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
@@ -194,11 +195,14 @@ def _cost(compiled) -> dict:
   return dict(cost or {})
 
 
-def measure(name: str, fn, args: tuple, *, repeats: int = 3, warmup: bool = True) -> dict:
+def measure(name: str, fn, args: tuple, *, repeats: int = 3, warmup: bool = True,
+            profile_dir: str | None = None) -> dict:
   """Compiles ``jit(fn)`` on ``args``, runs it once to warm up, then ``repeats`` times.
 
   ``warmup=False`` skips the warm-up run (for long rounds: the compile is
-  already separate).
+  already separate). ``profile_dir``: after the timed runs, one more run under
+  ``jax.profiler.trace`` into ``profile_dir/<name>`` (an XSpace ``.xplane.pb``
+  for TensorBoard / XProf); not part of the timings.
 
   Returns a dict with ``compile_s``, ``times_s`` (wall), ``median_s``,
   ``cpu_median_s`` (process CPU time, all threads), ``flops`` (XLA cost
@@ -220,6 +224,10 @@ def measure(name: str, fn, args: tuple, *, repeats: int = 3, warmup: bool = True
     out = jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t)
     cpus.append(time.process_time() - c)
+  if profile_dir:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+    with jax.profiler.trace(os.path.join(profile_dir, slug)):
+      out = jax.block_until_ready(compiled(*args))
   return {
       "name": name,
       "compile_s": compile_s,
@@ -487,11 +495,14 @@ def _save_partial(r: dict) -> None:
 
 def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
                impl: str, references: dict | None = None,
-               client_backend: str = "auto", data: str = "float32") -> list[dict]:
+               client_backend: str = "auto", data: str = "float32",
+               profile_dir: str | None = None) -> list[dict]:
   """Measures ``ops`` of one configuration; rows for the report.
 
   ``data``: how the clients' images are stored (:func:`random_clients`).
+  ``profile_dir``: also trace one run of each op there (:func:`measure`).
   """
+  timed = functools.partial(measure, profile_dir=profile_dir)
   references = references or {}
   rows = _Rows(name)
   clients = random_clients(problem, data=data)
@@ -505,25 +516,25 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
                            (cc.capacity, f"{cc.capacity}-slot Poisson buffer, "
                                          f"{cc.batch_size} real (as in a round)")):
         fn, args = op_gradient(apply_fn, params, clients, cfg, dp=dp, slots=slots)
-        res = measure(f"{op} [{slots}]", fn, args, repeats=repeats)
+        res = timed(f"{op} [{slots}]", fn, args, repeats=repeats)
         res["flops_executed"] = gradient_flops(apply_fn, params, clients, cfg, slots, dp=dp)
         ref = references.get(op) if slots == cc.batch_size else None
         rows.append(row(res, ref, label))
       continue
     if op == "synthetic_update":
       fn, args = op_synthetic_update(apply_fn, params, clients, cfg, problem)
-      res = measure(op, fn, args, repeats=repeats)
+      res = timed(op, fn, args, repeats=repeats)
       rows.append(row(res, references.get(op), f"{cc.ipc * problem.classes_per_client} images, "
                                                f"DSA '{cc.dsa_strategy}'"))
     elif op == "client_round":
       fn, args = op_client_round(apply_fn, params, clients, cfg, problem)
-      res = measure(op, fn, args, repeats=repeats)
+      res = timed(op, fn, args, repeats=repeats)
       m = res["output"][2]
       rows.append(row(res, None, f"1 client: {int(m.real_accesses)} real batches "
                                  "(GFLOP: XLA static count, loop bodies once)"))
     elif op == "server_update":
       fn, args = op_server_update(apply_fn, params, clients, cfg, problem)
-      res = measure(op, fn, args, repeats=repeats)
+      res = timed(op, fn, args, repeats=repeats)
       m = res["output"][1]
       res["flops_executed"] = res["flops"] * max(int(m.steps), 1)  # XLA counts one step
       rows.append(row(res, None, f"{int(m.epochs)} epochs, {int(m.steps)} steps of "
@@ -533,7 +544,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       backend = federated.resolve_client_backend(
           op.split(":")[1] if ":" in op else client_backend)
       fn, args = op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
-      res = measure(f"round [{backend}]", fn, args, repeats=repeats, warmup=False)
+      res = timed(f"round [{backend}]", fn, args, repeats=repeats, warmup=False)
       metrics = res["output"][1]
       units = unit_flops(apply_fn, params, clients, cfg, problem)
       res["flops_executed"] = round_flops(metrics, units, cfg, problem)
@@ -551,7 +562,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       except ImportError:
         _log("fedlap_jax.baselines not available: FedAvg round skipped")
         continue
-      res = measure(f"fedavg_round [{backend}]", fn, args, repeats=repeats, warmup=False)
+      res = timed(f"fedavg_round [{backend}]", fn, args, repeats=repeats, warmup=False)
       steps = int(np.sum(res["output"][1].client.steps)) if hasattr(res["output"][1], "client") \
           else None
       if steps:  # XLA counts the local step (and its gradient's chunk loop) once
@@ -699,6 +710,9 @@ def main(argv=None) -> int:
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
   parser.add_argument("--client-backend", default="auto", choices=federated.CLIENT_BACKENDS)
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="named configs: trace one extra run of each op into DIR/<op> "
+                           "(jax.profiler; view with XProf or TensorBoard)")
   parser.add_argument("--data", default="float32", choices=DATA_KINDS,
                       help="named configs: client images as float32 inputs or uint8 pixels "
                            "normalised as they are read")
@@ -728,6 +742,7 @@ def main(argv=None) -> int:
     ops = [o for o in args.ops.split(",") if o]
     rows = run_config(args.config, cfg, problem, ops, repeats=args.repeats, impl=args.impl,
                       client_backend=args.client_backend, data=args.data,
+                      profile_dir=args.profile,
                       references=REFERENCE_SECONDS if args.config.endswith("_ref") else None)
     title = f"{args.config} {' '.join(args.set)} data={args.data}".strip()
   env["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

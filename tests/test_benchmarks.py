@@ -52,3 +52,38 @@ def test_round_flops_is_loop_counts_times_step_flops():
               + 3 * cc.calibration_epochs * (steps_per_epoch * 13.0 + 20 * 2.0)
               + 9 * 17.0)
   assert bench.round_flops(metrics, units, cfg, TINY) == pytest.approx(expected)
+
+
+def test_trace_summary_busy_time_and_totals(tmp_path):
+  """Overlapping kernels count once towards busy time; totals and counts per event name."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  from benchmarks import trace_summary  # pylint: disable=g-import-not-at-top
+  events = [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+      {"ph": "X", "pid": 1, "name": "conv", "ts": 0, "dur": 10},
+      {"ph": "X", "pid": 1, "name": "conv", "ts": 5, "dur": 10},    # overlaps the first
+      {"ph": "X", "pid": 1, "name": "add", "ts": 30, "dur": 5},
+      {"ph": "X", "pid": 2, "name": "launch", "ts": 0, "dur": 100},
+  ]
+  path = tmp_path / "op" / "host.trace.json.gz"
+  path.parent.mkdir()
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  gpu, cpu = trace_summary.summarise(trace_summary.load(path))
+  assert gpu.name == "/device:GPU:0" and cpu.name == "/host:CPU"
+  assert gpu.span_us == 100 and gpu.busy_us == 20       # [0, 15] + [30, 35]
+  assert gpu.events == [("conv", 20, 2), ("add", 5, 1)]
+  assert cpu.busy_us == 100
+  assert trace_summary.main([str(tmp_path)]) == 0
+  assert trace_summary.main([str(tmp_path / "missing")]) == 2
+
+
+def test_measure_writes_a_profile_when_asked(tmp_path):
+  res = bench.measure("double it", lambda x: 2.0 * x, (jnp.ones(3),), repeats=1,
+                      profile_dir=str(tmp_path))
+  assert res["times_s"] and float(res["output"][0]) == 2.0
+  traces = list((tmp_path / "double_it").rglob("*.trace.json.gz"))
+  assert len(traces) == 1
