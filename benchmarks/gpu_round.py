@@ -115,6 +115,9 @@ def per_example_rows(problem, width, repeats, impls, deadline):
                                    slots=256, method=method or "auto")
       label = f"DP gradient [{method}]" if method else "non-DP gradient"
       res = bench.measure(f"{label}, impl={impl}", fn, args, repeats=repeats)
+      # XLA counts a chunk loop once: FLOPs of the slots actually processed.
+      res["flops_executed"] = bench.gradient_flops(
+          apply_fn, params, clients, cfg, 256, dp=method is not None, method=method or "auto")
       rows.append(bench.row(res, None, "256 examples"))
   return rows
 
