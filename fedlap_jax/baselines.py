@@ -90,7 +90,7 @@ from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.client import ClientData
 from fedlap_jax.config import WEIGHTINGS, DPConfig
-from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, resolve_client_backend
+from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import cosine_learning_rate, tree_distance
 
@@ -532,16 +532,8 @@ def baseline_round(
     return client_update(k, apply_fn, x, data, learning_rate=lr, local=local,
                          num_steps=num_steps, correction=corr)
 
-  args = (client_keys, clients, corrections)
-  backend = resolve_client_backend(config.client_backend)
-  if backend == "vmap":
-    ys, client_metrics = jax.vmap(run, in_axes=(0, None, None))(args, x, lr)
-  elif backend == "shard":
-    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
-    block = lambda a, x, lr: jax.lax.map(lambda one: run(one, x, lr), a)  # noqa: E731
-    ys, client_metrics = sharding.map_clients(block, args, replicated=(x, lr))
-  else:
-    ys, client_metrics = jax.lax.map(lambda one: run(one, x, lr), args)
+  ys, client_metrics = run_clients(run, (client_keys, clients, corrections),
+                                   replicated=(x, lr), client_backend=config.client_backend)
 
   weights = client_weights(clients, config.weighting)
   weights = weights / jnp.sum(weights)

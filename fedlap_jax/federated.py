@@ -50,6 +50,32 @@ def resolve_client_backend(name: str) -> str:
   return name
 
 
+def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
+                client_backend: str = "auto", mesh: Any = None) -> PyTree:
+  """``run(one_client_args, *replicated)`` for every client, stacked on a leading ``(K,)`` axis.
+
+  ``args`` holds the per-client inputs (leading axis ``K``); ``replicated``
+  what every client gets whole (the global model, the learning rate). The
+  backend (:data:`CLIENT_BACKENDS`, ``auto`` resolved by
+  :func:`resolve_client_backend`): ``vmap`` all at once, ``map`` one after
+  another (``lax.map``), ``shard`` one after another within blocks placed on
+  the devices of ``mesh`` (:func:`fedlap_jax.sharding.map_clients`).
+  """
+  if client_backend not in CLIENT_BACKENDS:
+    raise ValueError(f"client_backend={client_backend!r} is invalid; allowed: {CLIENT_BACKENDS}")
+  client_backend = resolve_client_backend(client_backend)
+  if client_backend == "vmap":
+    return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated))(args, *replicated)
+
+  def one_by_one(block, *rep):
+    return jax.lax.map(lambda one: run(one, *rep), block)
+
+  if client_backend == "shard":
+    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
+    return sharding.map_clients(one_by_one, args, replicated=replicated, mesh=mesh)
+  return one_by_one(args, *replicated)
+
+
 class FedLAPState(NamedTuple):
   """Server state between rounds.
 
@@ -270,9 +296,6 @@ def fedlap_round(
   Returns:
     ``(new_state, RoundMetrics)``.
   """
-  if client_backend not in CLIENT_BACKENDS:
-    raise ValueError(f"client_backend={client_backend!r} is invalid; allowed: {CLIENT_BACKENDS}")
-  client_backend = resolve_client_backend(client_backend)
   cc = config.client
   m = state.round + 1
   lr = cosine_learning_rate(m, config.rounds, config.learning_rate)
@@ -290,18 +313,8 @@ def fedlap_round(
                         synthetic=syn, client_data=data)
 
   args = (jax.random.split(k_clients, num_clients), synthetic, clients)
-  if client_backend == "vmap":
-    synthetic, radii, client_metrics = jax.vmap(run, in_axes=(0, None, None))(
-        args, state.params, lr)
-  elif client_backend == "shard":
-    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
-    # Each device runs its block of clients one after another (faster than
-    # vmapping them, see resolve_client_backend).
-    block = lambda a, params, lr: jax.lax.map(lambda one: run(one, params, lr), a)  # noqa: E731
-    synthetic, radii, client_metrics = sharding.map_clients(
-        block, args, replicated=(state.params, lr), mesh=mesh)
-  else:
-    synthetic, radii, client_metrics = jax.lax.map(lambda a: run(a, state.params, lr), args)
+  synthetic, radii, client_metrics = run_clients(
+      run, args, replicated=(state.params, lr), client_backend=client_backend, mesh=mesh)
 
   r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
   params, server_metrics = global_update(
