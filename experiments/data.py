@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedlap_jax.client import pixel_normalisation
+from fedlap_jax.client import normalise_pixels, pixel_normalisation
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
@@ -102,7 +102,7 @@ class Dataset:
 
   def normalise(self, x: np.ndarray) -> np.ndarray:
     """Stored images ``(..., C)`` -> float32 model inputs (host side)."""
-    return np.asarray(x, np.float32) * self.pixel_scale + self.pixel_offset
+    return normalise_pixels(np.asarray(x), self.pixel_scale, self.pixel_offset)
 
   @property
   def image_shape(self) -> tuple[int, int, int]:

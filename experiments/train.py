@@ -47,6 +47,7 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
+from fedlap_jax.client import normalise_pixels
 from fedlap_jax.federated import RoundMetrics, resolve_client_backend, stack_clients
 from fedlap_jax.models import count_params, init_convnet
 from fedlap_jax.training import evaluate
@@ -506,7 +507,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   # The test set stays on the device as stored (uint8 for image datasets) and is
   # normalised chunk by chunk inside the evaluation.
   scale, offset = jnp.asarray(dataset.pixel_scale), jnp.asarray(dataset.pixel_offset)
-  eval_apply = lambda p, x: apply_fn(p, x.astype(jnp.float32) * scale + offset)
+  eval_apply = lambda p, x: apply_fn(p, normalise_pixels(x, scale, offset))
   eval_fn = jax.jit(lambda p, x, y: evaluate(eval_apply, p, x, y,
                                              chunk_size=cfg.eval_chunk_size))
   log_file = open(workdir / "train.log", "a")

@@ -74,7 +74,7 @@ class ClientData(NamedTuple):
     """Stored pixels ``(..., C)`` of this client -> float32 model inputs."""
     if self.pixel_scale is None:
       return x
-    return x.astype(jnp.float32) * self.pixel_scale + self.pixel_offset
+    return normalise_pixels(x, self.pixel_scale, self.pixel_offset)
 
   def images(self, indices: jax.Array) -> jax.Array:
     """Model inputs of the records ``indices`` ``(B,)``: ``(B, H, W, C)`` float32.
@@ -83,6 +83,14 @@ class ClientData(NamedTuple):
     only the batch is ever materialised as float32.
     """
     return self.normalise(self.x[indices])
+
+
+def normalise_pixels(x, pixel_scale, pixel_offset):
+  """Stored pixels ``(..., C)`` -> float32 model inputs ``x * pixel_scale + pixel_offset``.
+
+  Works on NumPy (host) and JAX (device, fused into the read) arrays alike.
+  """
+  return x.astype(np.float32) * pixel_scale + pixel_offset
 
 
 def pixel_normalisation(mean, std, pixel_max: float = 255.0) -> tuple[np.ndarray, np.ndarray]:
