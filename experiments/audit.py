@@ -307,30 +307,13 @@ class RebuiltRun(NamedTuple):
 def rebuild_run(cfg) -> RebuiltRun:
   """Data, partition, model, algorithm and initial state of ``cfg``, as the trainer builds them.
 
-  Mirrors the set-up of :func:`experiments.train.train_and_evaluate` (same
-  seed use), so the initial state is a valid restore template for the run's
-  checkpoints.
+  :func:`experiments.train.build_run` itself (same seed use), so the initial
+  state is a valid restore template for the run's checkpoints.
   """
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import train  # pylint: disable=g-import-not-at-top
-  from fedlap_jax.federated import stack_clients  # pylint: disable=g-import-not-at-top
-  from fedlap_jax.models import count_params, init_convnet  # pylint: disable=g-import-not-at-top
-
-  dataset = data_lib.load_dataset(cfg.data)
-  indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
-  xs = [dataset.x_train[i] for i in indices]
-  ys = [dataset.y_train[i] for i in indices]
-  clients = stack_clients(xs, ys, pixel_scale=dataset.pixel_scale,
-                          pixel_offset=dataset.pixel_offset)
-  k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
-  model, params = init_convnet(k_model, dataset.image_shape, dataset.num_classes,
-                               width=cfg.model.width, depth=cfg.model.depth, norm=cfg.model.norm)
-  apply_fn = lambda p, x: model.apply({"params": p}, x)
-  alg = train.build_algorithm(cfg, apply_fn, image_shape=dataset.image_shape,
-                              max_classes_per_client=max(len(np.unique(y)) for y in ys),
-                              num_params=count_params(params),
-                              max_client_size=max(len(i) for i in indices))
-  return RebuiltRun(apply_fn, alg, alg.init(k_alg, params, clients), dataset, indices)
+  setup = train.build_run(cfg)
+  return RebuiltRun(setup.apply_fn, setup.algorithm, setup.state, setup.dataset,
+                    setup.client_indices)
 
 
 def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> LoadedRun:
