@@ -493,6 +493,11 @@ def _save_partial(r: dict) -> None:
       f.write(json.dumps(r, default=str) + "\n")
 
 
+def _op_backend(op: str, default: str) -> str:
+  """The client backend of ``round:map`` / ``fedavg_round:vmap`` style ops, ``auto`` resolved."""
+  return federated.resolve_client_backend(op.split(":")[1] if ":" in op else default)
+
+
 def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
                impl: str, references: dict | None = None,
                client_backend: str = "auto", data: str = "float32",
@@ -541,8 +546,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
                                  f"{problem.num_clients * cc.ipc * problem.classes_per_client} "
                                  "images"))
     elif op.startswith("round"):
-      backend = federated.resolve_client_backend(
-          op.split(":")[1] if ":" in op else client_backend)
+      backend = _op_backend(op, client_backend)
       fn, args = op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
       res = timed(f"round [{backend}]", fn, args, repeats=repeats, warmup=False)
       metrics = res["output"][1]
@@ -555,8 +559,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
               f"server {int(metrics.server.epochs)} epochs; FLOPs from loop counts")
       rows.append(row(res, references.get(key), note))
     elif op.split(":")[0] == "fedavg_round":
-      backend = federated.resolve_client_backend(
-          op.split(":")[1] if ":" in op else client_backend)
+      backend = _op_backend(op, client_backend)
       try:
         fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
       except ImportError:
