@@ -105,14 +105,15 @@ class Evaluation(NamedTuple):
 
 
 def default_eval_chunk_size() -> int:
-  """Examples per evaluation chunk: 128 on the CPU backend, 1000 elsewhere.
+  """Examples per evaluation chunk: 16 on the CPU backend, 1000 elsewhere.
 
-  On the 2-core CPU of BENCHMARKS.md, ConvNet-128 evaluated 10,000 CIFAR-shaped
-  images in 4.05 s with chunks of 128 and 4.82 s with chunks of 1000 (12,000
-  MNIST-shaped: 4.74 s with 100 vs 5.40 s with 1000): activations of a small
-  chunk stay in cache. Accelerators want large chunks.
+  On the 2-core CPU of BENCHMARKS.md, ConvNet-128 evaluated 12,000 MNIST-shaped
+  uint8 images in 3.25 s with chunks of 16, 3.66 s with 32, 4.72 s with 128
+  and 5.40 s with 1000 (10,000 CIFAR-shaped: 2.79, 3.11, 4.11 s; chunks of 8
+  and 12 equal 16): a small chunk's activations stay in cache. Accelerators
+  want large chunks.
   """
-  return 128 if jax.default_backend() == "cpu" else 1000
+  return 16 if jax.default_backend() == "cpu" else 1000
 
 
 def evaluate(
@@ -126,7 +127,7 @@ def evaluate(
 ) -> Evaluation:
   """Loss and accuracy over ``(N, ...)`` inputs, ``chunk_size`` at a time (``lax.map``).
 
-  ``chunk_size`` defaults to :func:`default_eval_chunk_size` (128 on CPU, 1000
+  ``chunk_size`` defaults to :func:`default_eval_chunk_size` (16 on CPU, 1000
   elsewhere). ``mask`` ``(N,)`` marks the records that count (all by default).
   """
   n = x.shape[0]

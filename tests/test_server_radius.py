@@ -269,12 +269,12 @@ def test_sgd_epoch(linear_apply_fn, linear_params, union):
 
 
 def test_evaluate_is_independent_of_the_chunk_size(tiny_apply_fn, tiny_params, calibration_data):
-  # The backend default (128 on CPU), a ragged split and one chunk agree; the
+  # The backend default (16 on CPU), a ragged split and one chunk agree; the
   # mask excludes records exactly.
   x, y = calibration_data[3:5]
   mask = jnp.arange(x.shape[0]) % 3 != 0
   ref = training.evaluate(tiny_apply_fn, tiny_params, x, y, mask, chunk_size=x.shape[0])
-  assert training.default_eval_chunk_size() == (128 if jax.default_backend() == "cpu" else 1000)
+  assert training.default_eval_chunk_size() == (16 if jax.default_backend() == "cpu" else 1000)
   for cs in (None, 7):
     out = training.evaluate(tiny_apply_fn, tiny_params, x, y, mask, chunk_size=cs)
     np.testing.assert_allclose(out.loss, ref.loss, rtol=1e-5)

@@ -97,7 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Run-time options (may change when a run is resumed).
   config.checkpoint_every = 5            # rounds; the last round is always saved
   config.keep_checkpoints = 2
-  # Test-set images per evaluation step; None: 128 on CPU, 1000 on accelerators.
+  # Test-set images per evaluation step; None: 16 on CPU, 1000 on accelerators.
   config.eval_chunk_size = config_dict.placeholder(int)
   # Rounds whose synthetic sets are saved and plotted (plus the last round).
   config.snapshot_rounds = (1,)
