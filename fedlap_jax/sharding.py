@@ -28,8 +28,13 @@ host); ``jax.devices()`` then lists the devices of all hosts and
 client data on every host and place it with :func:`put_clients` (which uses
 ``jax.make_array_from_callback``, so each host only materialises the blocks
 of its own devices); the state returned by ``init_state`` can be placed with
-:func:`replicate`. On CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
-(set before JAX starts) splits the host into ``N`` devices for testing.
+:func:`replicate`. Read outputs sharded over hosts with
+``jax.experimental.multihost_utils.process_allgather``. CPU hosts need
+``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` before
+``initialize``. ``tests/test_sharding.py`` runs this as two processes on one
+host and gets the single-device round. On CPU,
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before JAX starts)
+splits the host into ``N`` devices for testing.
 """
 
 from __future__ import annotations

@@ -3,13 +3,16 @@
 JAX fixes the device count at start-up, so each device count runs in its own
 subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``; the
 subprocess runs this file as a script and prints the round results as JSON.
-5 clients on 4 devices also exercises the padding with empty clients.
+5 clients on 4 devices also exercises the padding with empty clients. The
+multi-host path runs as two processes on this host joined by
+``jax.distributed.initialize`` (collectives over gloo), two devices each.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -19,17 +22,32 @@ import pytest
 NUM_CLIENTS = 5
 
 
-def _worker(backend: str) -> dict:
+def _worker(backend: str, process_id: int | None = None, num_processes: int | None = None,
+            coordinator: str | None = None) -> dict:
   """Two rounds of FedLAP-DP, one of FedLAP and one of FedAvg on a tiny problem; returns numbers.
 
   The clients hold uint8 pixels with a normalisation, so the per-client pixel
-  scale and offset are sharded with the data.
+  scale and offset are sharded with the data. With ``num_processes`` the
+  worker is one of several processes (hosts) joined by
+  ``jax.distributed.initialize`` over ``coordinator``; inputs are then placed as
+  global arrays and outputs gathered from all processes.
   """
   import jax
+
+  if num_processes:
+    # Cross-process collectives on the CPU backend go through gloo.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
   import jax.numpy as jnp
+  from jax.experimental import multihost_utils
 
   from fedlap_jax import baselines, client, federated, models, sharding
   from fedlap_jax import config as C
+
+  multi = jax.process_count() > 1
+
+  def host(a):
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True) if multi else a)
 
   # norm="none": with instance norm the conv biases have structurally zero
   # gradients whose float noise the cosine distance amplifies, so runs that
@@ -43,6 +61,8 @@ def _worker(backend: str) -> dict:
   ys = [np.resize([2 * k, 2 * k + 1], n).astype(np.int32) for k, n in enumerate(sizes)]
   scale, offset = client.pixel_normalisation([0.5], [0.29])
   clients = federated.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
+  if multi:
+    clients = sharding.put_clients(clients)
   dp = C.FedLAPConfig(
       client=C.ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
                             inner_loop=1, batch_size=16, radius=5.0, mse_weight=0.0,
@@ -58,51 +78,89 @@ def _worker(backend: str) -> dict:
                             calibration_epochs=2, dsa_strategy=""),
       server=C.ServerConfig(radius_strategy="min", max_epochs=2, dsa_strategy=""),
       rounds=3, learning_rate=0.05, synthetic_init="real")
-  out = {"devices": jax.device_count(), "backend": federated.resolve_client_backend(backend)}
+  out = {"devices": jax.device_count(), "processes": jax.process_count(),
+         "backend": federated.resolve_client_backend(backend)}
   for name, cfg, rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
     state = federated.init_state(jax.random.PRNGKey(1), params, clients, cfg)
-    if backend == "shard":
+    if backend == "shard" or multi:
       state = sharding.replicate(state)
     round_fn = federated.make_round_fn(apply_fn, cfg, client_backend=backend)
     for _ in range(rounds):
       state, metrics = round_fn(state, clients)
     out[name] = {
-        "params": [np.asarray(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
-        "synthetic": np.asarray(state.synthetic.x).ravel().tolist(),
-        "matching_loss": np.asarray(metrics.client.matching_loss).ravel().tolist(),
-        "radius": np.asarray(metrics.client_radius).tolist(),
-        "server_epochs": int(metrics.server.epochs),
-        "accesses": np.asarray(metrics.client.real_accesses).tolist(),
+        "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
+        "synthetic": host(state.synthetic.x).ravel().tolist(),
+        "matching_loss": host(metrics.client.matching_loss).ravel().tolist(),
+        "radius": host(metrics.client_radius).tolist(),
+        "server_epochs": int(host(metrics.server.epochs)),
+        "accesses": host(metrics.client.real_accesses).tolist(),
     }
   fedavg = baselines.make_algorithm(
       "fedavg", apply_fn, num_clients=NUM_CLIENTS, image_shape=(8, 8, 1),
       num_params=models.count_params(params), rounds=3, learning_rate=0.05, local_epochs=1,
       batch_size=16, prox_mu=0.0, dp=None, max_client_size=max(sizes), client_backend=backend)
   state = fedavg.init(jax.random.PRNGKey(2), params, clients)
+  if multi:
+    state = sharding.replicate(state)
   state, metrics = fedavg.round(state, clients)
   out["fedavg"] = {
-      "params": [np.asarray(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
-      "steps": np.asarray(metrics.client.steps).tolist(),
+      "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
+      "steps": host(metrics.client.steps).tolist(),
   }
   return out
 
 
-def _run(devices: int, backend: str) -> dict:
+def _env(devices: int) -> dict:
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, __file__, backend], env=env, capture_output=True,
-                        text=True, timeout=600)
+  return env
+
+
+def _run(devices: int, backend: str) -> dict:
+  proc = subprocess.run([sys.executable, __file__, backend], env=_env(devices),
+                        capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
-def test_one_vs_four_devices_same_round():
-  single = _run(1, "auto")
-  sharded = _run(4, "auto")
-  assert single["devices"] == 1 and sharded["devices"] == 4
-  assert single["backend"] == "map" and sharded["backend"] == "shard"  # what "auto" picks
+def _run_processes(num_processes: int, devices_per_process: int, tmp_path) -> list[dict]:
+  """The worker as ``num_processes`` JAX processes on this host (a stand-in for hosts).
+
+  Output goes to files, not pipes: a process blocked on a full pipe would stall
+  the others at the distributed shutdown barrier.
+  """
+  with socket.socket() as s:  # a free port for the coordinator
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  procs, logs = [], []
+  for i in range(num_processes):
+    out, err = tmp_path / f"process{i}.out", tmp_path / f"process{i}.err"
+    with open(out, "w") as fo, open(err, "w") as fe:
+      procs.append(subprocess.Popen(
+          [sys.executable, __file__, "auto", str(i), str(num_processes), f"localhost:{port}"],
+          env=_env(devices_per_process), stdout=fo, stderr=fe, text=True))
+    logs.append((out, err))
+  try:
+    codes = [proc.wait(timeout=600) for proc in procs]
+  finally:
+    for proc in procs:
+      proc.kill()
+  results = []
+  for code, (out, err) in zip(codes, logs):
+    assert code == 0, err.read_text()[-3000:]
+    results.append(json.loads(out.read_text().strip().splitlines()[-1]))
+  return results
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  out = _run(1, "auto")
+  assert out["devices"] == 1 and out["processes"] == 1 and out["backend"] == "map"
+  return out
+
+
+def _assert_same_round(single: dict, sharded: dict):
   for name in ("dp", "nondp"):
     a, b = single[name], sharded[name]
     assert a["accesses"] == b["accesses"] and len(a["radius"]) == NUM_CLIENTS
@@ -115,6 +173,23 @@ def test_one_vs_four_devices_same_round():
   assert a["steps"] == b["steps"] and min(a["steps"]) > 0
   for pa, pb in zip(a["params"], b["params"]):
     np.testing.assert_allclose(pb, pa, rtol=1e-4, atol=1e-5, err_msg="fedavg params")
+
+
+@pytest.mark.slow
+def test_one_vs_four_devices_same_round(single_device):
+  sharded = _run(4, "auto")
+  assert sharded["devices"] == 4 and sharded["backend"] == "shard"  # what "auto" picks
+  _assert_same_round(single_device, sharded)
+
+
+@pytest.mark.slow
+def test_two_processes_same_round(single_device, tmp_path):
+  """Two JAX processes (jax.distributed, gloo) with two CPU devices each: the multi-host path."""
+  first, second = _run_processes(2, 2, tmp_path)
+  for out in (first, second):
+    assert out["processes"] == 2 and out["devices"] == 4 and out["backend"] == "shard"
+    _assert_same_round(single_device, out)
+  assert first == second  # every process ends with the same gathered results
 
 
 def test_map_clients_pads_and_refuses_bad_input():
@@ -136,4 +211,7 @@ def test_map_clients_pads_and_refuses_bad_input():
 
 
 if __name__ == "__main__":
-  print(json.dumps(_worker(sys.argv[1])))
+  if len(sys.argv) > 2:  # backend, process id, number of processes, coordinator address
+    print(json.dumps(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+  else:
+    print(json.dumps(_worker(sys.argv[1])))
