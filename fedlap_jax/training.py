@@ -125,18 +125,23 @@ def evaluate(
     *,
     chunk_size: int | None = None,
 ) -> Evaluation:
-  """Loss and accuracy over ``(N, ...)`` inputs, ``chunk_size`` at a time (``lax.map``).
+  """Loss and accuracy over ``(N, ...)`` inputs, at most ``chunk_size`` at a time (``lax.map``).
 
   ``chunk_size`` defaults to :func:`default_eval_chunk_size` (16 on CPU, 1000
-  elsewhere). ``mask`` ``(N,)`` marks the records that count (all by default).
+  elsewhere). The ``ceil(N / chunk_size)`` chunks are made as equal as possible,
+  so at most ``chunks - 1`` padding rows are computed (2,048 records in chunks
+  of at most 1000: 3 chunks of 683, not 3 of 1000). ``mask`` ``(N,)`` marks the
+  records that count (all by default).
   """
   n = x.shape[0]
   if mask is None:
     mask = jnp.ones((n,), bool)
   if chunk_size is None:
     chunk_size = default_eval_chunk_size()
-  cs = min(chunk_size, n)
-  chunks = math.ceil(n / cs)
+  if chunk_size < 1:
+    raise ValueError(f"evaluate: chunk_size={chunk_size!r} is invalid; allowed: an integer >= 1")
+  chunks = math.ceil(n / chunk_size)
+  cs = math.ceil(n / chunks)
   pad = chunks * cs - n
   xp = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(chunks, cs, *x.shape[1:])
   yp = jnp.pad(y, (0, pad)).reshape(chunks, cs)

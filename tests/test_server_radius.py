@@ -235,12 +235,31 @@ def test_evaluate_chunks_and_mask(linear_apply_fn, linear_params, union):
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
   for fn in (training.evaluate, jax.jit(training.evaluate, static_argnums=0,
                                         static_argnames="chunk_size")):
-    out = fn(linear_apply_fn, linear_params, x, y, mask, chunk_size=5)  # 4 chunks, last padded
+    out = fn(linear_apply_fn, linear_params, x, y, mask, chunk_size=7)  # 3 chunks of 6, 2 pad rows
     chex.assert_shape([out.loss, out.accuracy], ())
     chex.assert_trees_all_close(out.loss, jnp.mean(losses[:11]), rtol=1e-5)
     chex.assert_trees_all_close(out.accuracy, jnp.mean(correct[:11]), rtol=1e-5)
     full = fn(linear_apply_fn, linear_params, x, y)
     chex.assert_trees_all_close(full.loss, jnp.mean(losses), rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, chunk_size, traced", [(2048, 1000, 683), (12000, 16, 16),
+                                                   (16, 5, 4), (3, 1000, 3)])
+def test_evaluate_makes_chunks_equal(n, chunk_size, traced):
+  """ceil(N / chunk_size) chunks of near-equal size: 2,048 in chunks <= 1000 is 3 x 683, not 3 x 1000."""
+  seen = []
+
+  def apply_fn(p, x):
+    seen.append(x.shape[0])  # the chunk shape, recorded while tracing
+    return jnp.zeros((x.shape[0], 3)) + p
+
+  x = jnp.zeros((n, 1))
+  out = training.evaluate(apply_fn, jnp.zeros(3), x, jnp.zeros((n,), jnp.int32),
+                          chunk_size=chunk_size)
+  assert seen == [traced]
+  chex.assert_trees_all_close(out.loss, jnp.log(3.0), rtol=1e-6)
+  with pytest.raises(ValueError, match="chunk_size=0"):
+    training.evaluate(apply_fn, jnp.zeros(3), x, jnp.zeros((n,), jnp.int32), chunk_size=0)
 
 
 def test_sgd_epoch(linear_apply_fn, linear_params, union):
