@@ -7,6 +7,10 @@ the ConvNet's ``hybrid`` implementation makes every convolution an XLA dot,
 and combines the per-step counts with the loop counts of a full round (every
 trajectory runs ``max_outer`` iterations, as in the H100 runs: 200 real
 batches per client; server 100 steps for ``cifar_dp``, 4 for ``cifar_nondp``).
+The count is useful work: a real gradient counts the microbatches of the CPU
+plan that hold the ``B = 256`` real examples, and an evaluation counts the real
+records. Accelerators run one pass over all ``capacity`` slots of the Poisson
+buffer (356), so they execute more on that step.
 Only compiles, runs nothing; ~1 minute. From the repository root::
 
   PYTHONPATH=. python benchmarks/paper_flops.py
