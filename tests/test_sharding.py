@@ -37,7 +37,8 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   if num_processes:
     # Cross-process collectives on the CPU backend go through gloo.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=120)
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
 
@@ -133,6 +134,11 @@ def _run_processes(num_processes: int, devices_per_process: int, tmp_path) -> li
   with socket.socket() as s:  # a free port for the coordinator
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
+    s.listen()
+    try:  # loopback is down in a bare network namespace (`unshare -n` without `ip link set lo up`)
+      socket.create_connection(("localhost", port), timeout=5).close()
+    except OSError as e:
+      pytest.skip(f"no loopback network for the coordinator: {e}")
   procs, logs = [], []
   for i in range(num_processes):
     out, err = tmp_path / f"process{i}.out", tmp_path / f"process{i}.err"
