@@ -110,8 +110,9 @@ def default_eval_chunk_size() -> int:
   On the 2-core CPU of BENCHMARKS.md, ConvNet-128 evaluated 12,000 MNIST-shaped
   uint8 images in 3.25 s with chunks of 16, 3.66 s with 32, 4.72 s with 128
   and 5.40 s with 1000 (10,000 CIFAR-shaped: 2.79, 3.11, 4.11 s; chunks of 8
-  and 12 equal 16): a small chunk's activations stay in cache. Accelerators
-  want large chunks.
+  and 12 equal 16): a small chunk's activations stay in cache. How much cache
+  other tenants of the machine leave varies; at another time chunks of 16 took
+  4.12 s and chunks of 128 still 4.76 s. Accelerators want large chunks.
   """
   return 16 if jax.default_backend() == "cpu" else 1000
 
@@ -140,6 +141,8 @@ def evaluate(
     chunk_size = default_eval_chunk_size()
   if chunk_size < 1:
     raise ValueError(f"evaluate: chunk_size={chunk_size!r} is invalid; allowed: an integer >= 1")
+  if n == 0:
+    raise ValueError("evaluate: x has 0 records; allowed: at least 1")
   chunks = math.ceil(n / chunk_size)
   cs = math.ceil(n / chunks)
   pad = chunks * cs - n

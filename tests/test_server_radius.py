@@ -260,6 +260,8 @@ def test_evaluate_makes_chunks_equal(n, chunk_size, traced):
   chex.assert_trees_all_close(out.loss, jnp.log(3.0), rtol=1e-6)
   with pytest.raises(ValueError, match="chunk_size=0"):
     training.evaluate(apply_fn, jnp.zeros(3), x, jnp.zeros((n,), jnp.int32), chunk_size=0)
+  with pytest.raises(ValueError, match="0 records"):
+    training.evaluate(apply_fn, jnp.zeros(3), x[:0], jnp.zeros((0,), jnp.int32))
 
 
 def test_sgd_epoch(linear_apply_fn, linear_params, union):
