@@ -87,3 +87,28 @@ def test_measure_writes_a_profile_when_asked(tmp_path):
   assert res["times_s"] and float(res["output"][0]) == 2.0
   traces = list((tmp_path / "double_it").rglob("*.trace.json.gz"))
   assert len(traces) == 1
+
+
+def test_device_check_script_is_valid_and_uses_existing_flags():
+  """benchmarks/device_check.sh parses, and every --flag it passes exists in the script it calls."""
+  import pathlib
+  import re
+  import subprocess
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  script = root / "benchmarks" / "device_check.sh"
+  subprocess.run(["bash", "-n", str(script)], check=True)
+  # Join continuation lines, then check each command's flags against its target's source.
+  text = script.read_text().replace("\\\n", " ")
+  targets = {"benchmarks/gpu_round.py": root / "benchmarks" / "gpu_round.py",
+             "-m benchmarks.bench": root / "benchmarks" / "bench.py",
+             "-m benchmarks.trace_summary": root / "benchmarks" / "trace_summary.py"}
+  checked = 0
+  for line in text.splitlines():
+    for call, source in targets.items():
+      if call in line and not line.lstrip().startswith("#"):
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", line.split(call, 1)[1]))
+        for flag in flags:
+          assert f'"{flag}"' in source.read_text(), f"{call} has no option {flag}"
+          checked += 1
+  assert checked >= 8
