@@ -32,6 +32,7 @@ may differ; the training loop pads and masks them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import threading
@@ -85,8 +86,10 @@ class Dataset:
     num_classes: number of classes.
     mean, std: ``(C,)`` float32, the normalisation of pixels in [0, 1]
       (``(pixel - mean) / std``); use :func:`unnormalize` for display.
-    pixel_scale, pixel_offset: ``(C,)`` float32, the same normalisation applied
-      to stored images (:func:`fedlap_jax.client.pixel_normalisation`).
+
+  Derived: ``pixel_max`` (255 for uint8 images, else 1) and ``pixel_scale``,
+  ``pixel_offset``, ``(C,)`` float32, the same normalisation applied to stored
+  images (:func:`fedlap_jax.client.pixel_normalisation`).
   """
 
   name: str
@@ -97,8 +100,23 @@ class Dataset:
   num_classes: int
   mean: np.ndarray
   std: np.ndarray
-  pixel_scale: np.ndarray
-  pixel_offset: np.ndarray
+
+  @property
+  def pixel_max(self) -> float:
+    """The stored value of a white pixel: 255 for uint8 images, 1 for float ones."""
+    return _pixel_max(self.x_train)
+
+  @functools.cached_property
+  def _pixel_normalisation(self) -> tuple[np.ndarray, np.ndarray]:
+    return pixel_normalisation(self.mean, self.std, self.pixel_max)
+
+  @property
+  def pixel_scale(self) -> np.ndarray:
+    return self._pixel_normalisation[0]
+
+  @property
+  def pixel_offset(self) -> np.ndarray:
+    return self._pixel_normalisation[1]
 
   def normalise(self, x: np.ndarray) -> np.ndarray:
     """Stored images ``(..., C)`` -> float32 model inputs (host side)."""
@@ -261,6 +279,11 @@ def load_digits():
 # ----------------------------------------------------------------------------
 
 
+def _pixel_max(x: np.ndarray) -> float:
+  """The stored value of a white pixel: 255 for uint8 images, 1 for float ones in [0, 1]."""
+  return 255.0 if x.dtype == np.uint8 else 1.0
+
+
 def _stored(x: np.ndarray) -> np.ndarray:
   """Images as kept in memory: uint8 unchanged, any float as float32."""
   return x if x.dtype == np.uint8 else x.astype(np.float32)
@@ -294,7 +317,6 @@ def load_dataset(data_cfg) -> Dataset:
     raise ValueError(f"x_train has dtype {x_train.dtype} but x_test {x_test.dtype}; allowed: "
                      "both uint8 or both float")
   x_train, x_test = _stored(x_train), _stored(x_test)
-  pixel_max = 255.0 if x_train.dtype == np.uint8 else 1.0
   y_train = np.asarray(y_train).astype(np.int32)
   y_test = np.asarray(y_test).astype(np.int32)
 
@@ -306,6 +328,7 @@ def load_dataset(data_cfg) -> Dataset:
                        "data.name='custom' for other data")
     num_classes = 10
   else:
+    pixel_max = _pixel_max(x_train)
     mean = (x_train.mean(axis=(0, 1, 2), dtype=np.float64) / pixel_max).astype(np.float32)
     std = np.maximum(x_train.std(axis=(0, 1, 2), dtype=np.float64) / pixel_max,
                      1e-6).astype(np.float32)
@@ -314,8 +337,7 @@ def load_dataset(data_cfg) -> Dataset:
     if y.min() < 0 or y.max() >= num_classes:
       raise ValueError(f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
                        f"integers in [0, {num_classes - 1}] for data.name={name!r}")
-  scale, offset = pixel_normalisation(mean, std, pixel_max)
-  return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, scale, offset)
+  return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std)
 
 
 # ----------------------------------------------------------------------------
