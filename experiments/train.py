@@ -506,10 +506,10 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
 
   # The test set stays on the device as stored (uint8 for image datasets) and is
   # normalised chunk by chunk inside the evaluation.
-  scale, offset = jnp.asarray(dataset.pixel_scale), jnp.asarray(dataset.pixel_offset)
-  eval_apply = lambda p, x: apply_fn(p, normalise_pixels(x, scale, offset))
-  eval_fn = jax.jit(lambda p, x, y: evaluate(eval_apply, p, x, y,
-                                             chunk_size=cfg.eval_chunk_size))
+  to_inputs = functools.partial(normalise_pixels, pixel_scale=jnp.asarray(dataset.pixel_scale),
+                                pixel_offset=jnp.asarray(dataset.pixel_offset))
+  eval_fn = jax.jit(lambda p, x, y: evaluate(apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size,
+                                             preprocess=to_inputs))
   log_file = open(workdir / "train.log", "a")
 
   def log(line):

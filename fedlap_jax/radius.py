@@ -86,13 +86,11 @@ def calibrate_radius(
     idx = jax.random.choice(k_sub, real_x.shape[0], (eval_size,), replace=False, p=p)
     real_x, real_y, real_mask = real_x[idx], real_y[idx], real_mask[idx]
   weights = synthetic_mask.astype(jnp.float32)
-  eval_fn = (apply_fn if real_preprocess is None
-             else lambda p, x: apply_fn(p, real_preprocess(x)))
 
   def epoch(w, k):
     w, _ = sgd_epoch(k, apply_fn, w, synthetic_x, synthetic_y, weights, learning_rate,
                      batch_size=batch_size, dsa_strategy=dsa_strategy)
-    loss = evaluate(eval_fn, w, real_x, real_y, real_mask).loss
+    loss = evaluate(apply_fn, w, real_x, real_y, real_mask, preprocess=real_preprocess).loss
     return w, (tree_distance(w, params), loss)
 
   _, (dists, losses) = jax.lax.scan(epoch, params, jax.random.split(k_train, epochs))

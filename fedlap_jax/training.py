@@ -125,6 +125,7 @@ def evaluate(
     mask: jax.Array | None = None,
     *,
     chunk_size: int | None = None,
+    preprocess: Callable[[jax.Array], jax.Array] | None = None,
 ) -> Evaluation:
   """Loss and accuracy over ``(N, ...)`` inputs, at most ``chunk_size`` at a time (``lax.map``).
 
@@ -132,7 +133,10 @@ def evaluate(
   elsewhere). The ``ceil(N / chunk_size)`` chunks are made as equal as possible,
   so at most ``chunks - 1`` padding rows are computed (2,048 records in chunks
   of at most 1000: 3 chunks of 683, not 3 of 1000). ``mask`` ``(N,)`` marks the
-  records that count (all by default).
+  records that count (all by default). ``preprocess`` maps each chunk of ``x``
+  to model inputs (e.g. :meth:`fedlap_jax.client.ClientData.normalise` for
+  stored uint8 pixels), so only a chunk is ever materialised as float32;
+  identity if None.
   """
   n = x.shape[0]
   if mask is None:
@@ -152,7 +156,7 @@ def evaluate(
 
   def one(args):
     xc, yc, mc = args
-    logits = apply_fn(params, xc)
+    logits = apply_fn(params, xc if preprocess is None else preprocess(xc))
     losses = cross_entropy(logits, yc)
     correct = jnp.argmax(logits, -1) == yc
     return jnp.sum(losses * mc), jnp.sum(correct * mc)
