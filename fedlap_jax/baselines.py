@@ -90,7 +90,7 @@ from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.client import ClientData
 from fedlap_jax.config import WEIGHTINGS, DPConfig
-from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, run_clients
+from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, place_inputs, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import cosine_learning_rate, tree_distance
 
@@ -713,7 +713,8 @@ def make_algorithm(
   return FederatedAlgorithm(
       name=method,
       init=init,
-      round=functools.partial(_round_jit, apply_fn=apply_fn, config=config),
+      round=place_inputs(functools.partial(_round_jit, apply_fn=apply_fn, config=config),
+                         client_backend),
       params_of=lambda state: state.params,
       upload_floats_per_client=(2 if method == "scaffold" else 1) * num_params,
       dp=dp if private else None,

@@ -50,6 +50,20 @@ def resolve_client_backend(name: str) -> str:
   return name
 
 
+def place_inputs(round_fn: Callable, client_backend: str = "auto", mesh: Any = None) -> Callable:
+  """``round_fn`` itself, or for the ``shard`` backend one that places its inputs first.
+
+  A sharded round wants the state replicated over the mesh and the client data
+  sharded over its client axis (:class:`fedlap_jax.sharding.PlacedRound`);
+  placed once, by the caller or by round 1, both stay where they are, so a run
+  compiles one program and moves its data to the devices once.
+  """
+  if resolve_client_backend(client_backend) != "shard":
+    return round_fn
+  from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
+  return sharding.PlacedRound(round_fn, sharding.client_mesh() if mesh is None else mesh)
+
+
 def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
                 client_backend: str = "auto", mesh: Any = None) -> PyTree:
   """``run(one_client_args, *replicated)`` for every client, stacked on a leading ``(K,)`` axis.
@@ -332,8 +346,10 @@ def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: s
   ``donate_state=True`` donates the input state's buffers to the output
   (``donate_argnums=0``): saves a copy of the parameters and synthetic sets per
   round, but the state passed in must not be used afterwards (keep only the
-  returned one). ``mesh`` is for ``client_backend="shard"``.
+  returned one). ``mesh`` is for ``client_backend="shard"``; the round then
+  places its inputs on the mesh itself (:func:`place_inputs`).
   """
-  return jax.jit(functools.partial(fedlap_round, apply_fn=apply_fn, config=config,
-                                   client_backend=client_backend, mesh=mesh),
-                 donate_argnums=(0,) if donate_state else ())
+  round_fn = jax.jit(functools.partial(fedlap_round, apply_fn=apply_fn, config=config,
+                                       client_backend=client_backend, mesh=mesh),
+                     donate_argnums=(0,) if donate_state else ())
+  return place_inputs(round_fn, client_backend, mesh)

@@ -20,6 +20,14 @@ Use it through the round::
   round_fn = make_round_fn(apply_fn, config, client_backend="shard")   # all devices
   round_fn = make_round_fn(apply_fn, config, client_backend="shard",
                            mesh=client_mesh(jax.devices()[:2]))
+  clients = put_clients(clients)       # once: each device keeps its block
+
+A sharded round places its own inputs (:class:`PlacedRound`): the state is
+replicated over the mesh and the client data sharded over its client axis,
+each only where it is not already, so the state of round 1 (on one device) and
+the replicated state later rounds return run the same compiled program. Client
+data left on one device would be copied to the others every round; place it
+once with :func:`put_clients`.
 
 On one host with several GPUs this uses every local GPU. On several hosts, call
 ``jax.distributed.initialize()`` first on every host (same program on every
@@ -107,29 +115,72 @@ def map_clients(fn: Callable[..., PyTree], args: PyTree, *, replicated: tuple = 
   return jax.tree.map(lambda a: a[:k], out)
 
 
+def client_sharding(num_clients: int, mesh: Mesh | None = None) -> NamedSharding:
+  """How :func:`put_clients` places arrays with ``num_clients`` on the leading axis.
+
+  Sharded over ``"clients"`` when ``num_clients`` is a multiple of the device
+  count (``jax.sharding`` shards evenly), else replicated (the round then pads
+  and splits the client axis itself).
+  """
+  mesh = client_mesh() if mesh is None else mesh
+  spec = PartitionSpec(AXIS) if num_clients % mesh.size == 0 else PartitionSpec()
+  return NamedSharding(mesh, spec)
+
+
+def _place(a: Any, target: NamedSharding) -> jax.Array:
+  """``a`` on ``target``; ``a`` itself if it is there already (no copy)."""
+  if isinstance(a, jax.Array):
+    if a.sharding.is_equivalent_to(target, a.ndim):
+      return a
+    if jax.process_count() == 1 or not a.is_fully_addressable:
+      return jax.device_put(a, target)  # device to device, or a global array resharded
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(_place(jax.random.key_data(a), target),
+                                      impl=jax.random.key_impl(a))
+  # A host value (or a process-local array on several hosts), taken to be the
+  # same on every process: each process builds the blocks of its own devices.
+  a = np.asarray(a)
+  return jax.make_array_from_callback(a.shape, target, lambda idx: a[idx])
+
+
 def put_clients(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
   """Places arrays with a leading client axis sharded over ``mesh`` (any number of hosts).
 
   The client axis must be a multiple of the device count (``jax.sharding``
   shards evenly); otherwise the arrays are replicated and the round pads and
-  splits them itself. Each host only builds the blocks of its own devices.
+  splits them itself (:func:`client_sharding`). Each host only builds the
+  blocks of its own devices; arrays already placed so are returned as they are.
   """
   mesh = client_mesh() if mesh is None else mesh
-
-  def put(a):
-    a = np.asarray(a)
-    spec = PartitionSpec(AXIS) if a.shape[0] % mesh.size == 0 else PartitionSpec()
-    sharding = NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-  return jax.tree.map(put, tree)
+  return jax.tree.map(lambda a: _place(a, client_sharding(np.shape(a)[0], mesh)), tree)
 
 
 def replicate(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
-  """Places every array of ``tree`` fully on every device of ``mesh``."""
+  """Places every array of ``tree`` fully on every device of ``mesh`` (no copy where it is)."""
   mesh = client_mesh() if mesh is None else mesh
   sharding = NamedSharding(mesh, PartitionSpec())
+  return jax.tree.map(lambda a: _place(a, sharding), tree)
 
-  def put(a):
-    a = np.asarray(a)
-    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-  return jax.tree.map(put, tree)
+
+class PlacedRound:
+  """A jitted ``round(state, clients)`` that first places its inputs on ``mesh``.
+
+  The state is replicated (:func:`replicate`) and the client data sharded over
+  the client axis (:func:`put_clients`), each only where it is not placed so
+  already. The state a sharded round returns is replicated, so from round 2
+  on it passes through; without this, the state of round 1 (on one device) and
+  the one round 1 returns (on the mesh) would compile two programs. Place the
+  client data once with :func:`put_clients` and pass the placed arrays every
+  round: data left on one device is copied to the others on every call.
+  Attribute access (``lower``, ``_cache_size``, ...) goes to the jitted function.
+  """
+
+  def __init__(self, fn: Callable, mesh: Mesh):
+    self.fn = fn
+    self.mesh = mesh
+
+  def __call__(self, state: PyTree, clients: PyTree):
+    return self.fn(replicate(state, self.mesh), put_clients(clients, self.mesh))
+
+  def __getattr__(self, name: str):
+    return getattr(self.fn, name)

@@ -12,10 +12,10 @@ import chex
 import jax
 import pytest
 
+from experiments.train import CompileCounter
 from fedlap_jax import federated
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # The DP config microbatches its 44-slot Poisson buffers by 8, so the round also
 # runs the data-dependent microbatch loop (vmapped over the clients).
@@ -34,25 +34,6 @@ CONFIGS = {
         server=ServerConfig(radius_strategy="min", max_epochs=2),
         rounds=5, learning_rate=0.05, synthetic_init="real"),
 }
-
-
-class CompileCounter:
-  """Counts XLA compilations (``with CompileCounter() as c: ...; c.count``)."""
-
-  def __init__(self):
-    self.count = 0
-
-  def _listener(self, event, duration_secs, **kwargs):
-    del duration_secs, kwargs
-    if event == COMPILE_EVENT:
-      self.count += 1
-
-  def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self._listener)
-    return self
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
 @pytest.mark.parametrize("name, donate", [("dp", True), ("nondp", False)])

@@ -42,6 +42,7 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
 
+  from experiments.train import CompileCounter
   from fedlap_jax import baselines, client, federated, models, sharding
   from fedlap_jax import config as C
 
@@ -86,8 +87,14 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
     if backend == "shard" or multi:
       state = sharding.replicate(state)
     round_fn = federated.make_round_fn(apply_fn, cfg, client_backend=backend)
-    for _ in range(rounds):
-      state, metrics = round_fn(state, clients)
+    for r in range(rounds):
+      with CompileCounter() as compiles:
+        state, metrics = round_fn(state, clients)
+        jax.block_until_ready(state)
+      if r:
+        # The state round 1 returns (replicated over the mesh when sharded) must
+        # not compile a second program (single-process runs leave it unplaced).
+        out["compiles_after_round_1"] = compiles.count
     out[name] = {
         "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
         "synthetic": host(state.synthetic.x).ravel().tolist(),
@@ -109,6 +116,29 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
       "steps": host(metrics.client.steps).tolist(),
   }
   return out
+
+
+def _experiments_worker(workdir: str) -> dict:
+  """``experiments.train`` on 4 devices: 3 rounds, then round 3 again from checkpoint 2."""
+  import shutil
+
+  import jax
+
+  from experiments import train
+  from test_experiments_run import tiny_config  # this file runs as a script from tests/
+
+  cfg = tiny_config(rounds=3, checkpoint_every=1, progress_bar=False, plots=False)
+  first = train.train_and_evaluate(cfg, workdir)
+  shutil.rmtree(f"{workdir}/checkpoints/3")  # as if the run had stopped after round 2
+  resumed = train.train_and_evaluate(cfg, workdir)
+  assert [r["test_accuracy"] for r in resumed["records"]] == [
+      r["test_accuracy"] for r in first["records"]]
+  setup = train.build_run(cfg)
+  return {"devices": jax.device_count(),
+          "compilations": [first["compilations"], resumed["compilations"]],
+          "client_devices": len(setup.clients.x.sharding.device_set),
+          "accuracy": [r["test_accuracy"] for r in resumed["records"]],
+          "backend": json.load(open(f"{workdir}/run_info.json"))["client_backend"]}
 
 
 def _env(devices: int) -> dict:
@@ -167,6 +197,7 @@ def single_device():
 
 
 def _assert_same_round(single: dict, sharded: dict):
+  assert single["compiles_after_round_1"] == sharded["compiles_after_round_1"] == 0
   for name in ("dp", "nondp"):
     a, b = single[name], sharded[name]
     assert a["accesses"] == b["accesses"] and len(a["radius"]) == NUM_CLIENTS
@@ -198,6 +229,47 @@ def test_two_processes_same_round(single_device, tmp_path):
   assert first == second  # every process ends with the same gathered results
 
 
+@pytest.mark.slow
+def test_experiments_run_on_four_devices_compiles_once(tmp_path):
+  """The experiment driver shards by itself: client data placed once, one program per run."""
+  proc = subprocess.run([sys.executable, __file__, "experiments", str(tmp_path)], env=_env(4),
+                        capture_output=True, text=True, timeout=600,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["devices"] == 4 and out["backend"] == "shard"
+  assert out["client_devices"] == 4  # 5 clients on 4 devices: replicated, the round pads
+  # One program; the resumed run reuses it (same process, memoised algorithm).
+  assert out["compilations"] == [1, 0]
+  assert len(out["accuracy"]) == 3 and all(a > 0.1 for a in out["accuracy"])
+
+
+def test_placement_is_a_no_op_for_placed_arrays():
+  import jax
+  import jax.numpy as jnp
+
+  from fedlap_jax import federated, sharding
+
+  mesh = sharding.client_mesh()
+  tree = {"x": jnp.arange(8.0).reshape(4, 2), "key": jax.random.key(3)}
+  placed = sharding.replicate(tree, mesh)
+  again = sharding.replicate(placed, mesh)
+  assert again["x"] is placed["x"] and again["key"] is placed["key"]
+  assert jax.dtypes.issubdtype(placed["key"].dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(placed["key"]),
+                                jax.random.key_data(tree["key"]))
+  clients = sharding.put_clients({"x": np.ones((4, 3), np.uint8)}, mesh)
+  assert sharding.put_clients(clients, mesh)["x"] is clients["x"]
+  assert clients["x"].dtype == np.uint8
+  # map and vmap rounds are the jitted function itself; shard ones place their inputs.
+  fn = jax.jit(lambda s, c: (s, c))
+  assert federated.place_inputs(fn, "map") is fn
+  wrapped = federated.place_inputs(fn, "shard", mesh)
+  assert isinstance(wrapped, sharding.PlacedRound) and wrapped._cache_size() == 0
+  state, _ = wrapped(tree, clients)
+  assert state["x"].sharding.is_equivalent_to(placed["x"].sharding, 2)
+
+
 def test_map_clients_pads_and_refuses_bad_input():
   import jax
   import jax.numpy as jnp
@@ -217,7 +289,9 @@ def test_map_clients_pads_and_refuses_bad_input():
 
 
 if __name__ == "__main__":
-  if len(sys.argv) > 2:  # backend, process id, number of processes, coordinator address
+  if sys.argv[1] == "experiments":
+    print(json.dumps(_experiments_worker(sys.argv[2])))
+  elif len(sys.argv) > 2:  # backend, process id, number of processes, coordinator address
     print(json.dumps(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
   else:
     print(json.dumps(_worker(sys.argv[1])))
