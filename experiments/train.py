@@ -198,7 +198,8 @@ def build_run(cfg) -> RunSetup:
     clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
   k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
   model, params = init_convnet(k_model, dataset.image_shape, dataset.num_classes,
-                               width=cfg.model.width, depth=cfg.model.depth, norm=cfg.model.norm)
+                               width=cfg.model.width, depth=cfg.model.depth, norm=cfg.model.norm,
+                               conv_bias=cfg.model.conv_bias)
   apply_fn = _apply_fn(model)
   num_params = count_params(params)
   alg = build_algorithm(cfg, apply_fn, image_shape=dataset.image_shape,

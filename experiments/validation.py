@@ -172,6 +172,8 @@ def validate_config(cfg) -> None:
   if m.norm not in NORMS:
     _fail("model.norm", m.norm, f"one of {NORMS} (BatchNorm is not offered: it breaks "
           "record-level DP)")
+  if not isinstance(m.conv_bias, bool):
+    _fail("model.conv_bias", m.conv_bias, "True or False")
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")

@@ -214,6 +214,15 @@ class ConvNet(nn.Module):
     num_groups: groups for ``norm="group"``.
     impl: ``"auto"`` (default), ``"flax"``, ``"im2col"`` or ``"hybrid"``; see the module
       docstring (the function and the parameters do not depend on it).
+    conv_bias: give the convolutions a bias (default, as the authors' model).
+      Before instance norm the bias does nothing (the norm subtracts each
+      channel's mean), so ``False`` is the same function with ``width * depth``
+      fewer parameters. Its gradient is then exactly zero instead of float
+      noise: under DP that noise, divided by the tiny norm of the synthetic
+      bias gradient in the cosine distance, makes a 14% error in the float32
+      synthetic-image gradient (against float64; 6e-7 without the bias;
+      ``python -m benchmarks.matching_precision``). FedLAP-DP quickstart
+      accuracy was the same either way (81.3% and 80.9%, means of 3 seeds).
   """
 
   num_classes: int = 10
@@ -222,6 +231,7 @@ class ConvNet(nn.Module):
   norm: str = "instance"
   num_groups: int = 4
   impl: str = "auto"
+  conv_bias: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -237,7 +247,8 @@ class ConvNet(nn.Module):
     fast = impl != "flax"
     conv = {"flax": None, "im2col": conv_im2col, "hybrid": conv_hybrid}[impl]
     for i in range(self.depth):
-      x = nn.Conv(self.width, (3, 3), padding=1, conv_general_dilated=conv)(x)
+      x = nn.Conv(self.width, (3, 3), padding=1, use_bias=self.conv_bias,
+                  conv_general_dilated=conv)(x)
       if self.norm == "instance" and fast:
         x = InstanceNorm(epsilon=1e-5, name=f"GroupNorm_{i}")(x)
       elif self.norm == "instance":
@@ -264,8 +275,10 @@ def init_convnet(
     depth: int = 3,
     norm: str = "instance",
     impl: str = "auto",
+    conv_bias: bool = True,
 ) -> tuple[ConvNet, Any]:
   """Builds a ConvNet and its parameters for images of ``image_shape`` (H, W, C)."""
-  model = ConvNet(num_classes=num_classes, width=width, depth=depth, norm=norm, impl=impl)
+  model = ConvNet(num_classes=num_classes, width=width, depth=depth, norm=norm, impl=impl,
+                  conv_bias=conv_bias)
   params = model.init(key, jnp.zeros((1, *image_shape), jnp.float32))["params"]
   return model, params

@@ -113,6 +113,7 @@ BAD = [
     ("dp", {"data.train_fraction": 0.0}, ["data.train_fraction=0.0"]),
     ("dp", {"model.norm": "batch"}, ["model.norm='batch'", "instance"]),
     ("dp", {"model.width": 0}, ["model.width=0"]),
+    ("dp", {"model.conv_bias": None}, ["model.conv_bias=None", "True or False"]),
     ("dp", {"seed": -1}, ["seed=-1"]),
     ("dp", {"rounds": 0}, ["rounds=0", ">= 1"]),
     ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),

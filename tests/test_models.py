@@ -119,3 +119,50 @@ def test_count_params_concrete():
   _, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), 10, width=16, depth=1)
   assert count_params(params) == expected_count((8, 8, 1), width=16, depth=1)
   assert count_params(params) == sum(np.size(p) for p in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("impl", ["flax", "hybrid"])
+def test_conv_bias_before_instance_norm_does_nothing(impl):
+  """conv_bias=False is the same function with width * depth fewer parameters."""
+  kw = dict(num_classes=10, width=8, depth=2, impl=impl)
+  with_bias, without = ConvNet(**kw), ConvNet(**kw, conv_bias=False)
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 8, 8, 1))
+  params = with_bias.init(jax.random.PRNGKey(0), x)["params"]
+  params = jax.tree_util.tree_map_with_path(  # make the biases matter if they could
+      lambda path, p: p + 0.5 if "Conv" in jax.tree_util.keystr(path) and p.ndim == 1 else p,
+      params)
+  stripped = {k: ({"kernel": v["kernel"]} if k.startswith("Conv") else v)
+              for k, v in params.items()}
+  assert count_params(params) - count_params(stripped) == 8 * 2
+  chex.assert_trees_all_close(without.apply({"params": stripped}, x),
+                              with_bias.apply({"params": params}, x), atol=1e-5)
+  # With group norm (4 channels per group) a per-channel bias is not removed.
+  grouped = ConvNet(**kw, norm="group", num_groups=2)
+  gp = grouped.init(jax.random.PRNGKey(0), x)["params"]
+  moved = {k: ({**v, "bias": jnp.arange(8.0)} if k.startswith("Conv") else v)
+           for k, v in gp.items()}
+  assert not bool(jnp.allclose(grouped.apply({"params": gp}, x),
+                               grouped.apply({"params": moved}, x), atol=1e-3))
+
+
+def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
+  """The float noise of a structurally zero bias gradient does not reach the images."""
+  from benchmarks.matching_precision import image_gradient
+  from fedlap_jax import privacy
+
+  x = jax.random.normal(jax.random.PRNGKey(3), (16, 8, 8, 1))
+  y = jnp.arange(16) % 10
+  x_syn = jax.random.normal(jax.random.PRNGKey(2), (10, 8, 8, 1))
+  errors = {}
+  for conv_bias in (True, False):
+    model, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), width=16, depth=2,
+                                 conv_bias=conv_bias)
+    apply_fn = lambda p, v, m=model: m.apply({"params": p}, v)  # noqa: E731
+    g_dp, _ = jax.jit(lambda p, f=apply_fn: privacy.private_gradient(
+        jax.random.PRNGKey(1), f, p, x, y, jnp.zeros(16, bool), l2_clip_norm=1.0,
+        noise_multiplier=1.0, expected_batch_size=16.0))(params)
+    with jax.enable_x64(True):
+      exact = image_gradient(apply_fn, params, g_dp, x_syn, jnp.arange(10), jnp.float64)
+      single = image_gradient(apply_fn, params, g_dp, x_syn, jnp.arange(10), jnp.float32)
+    errors[conv_bias] = np.linalg.norm(single - exact) / np.linalg.norm(exact)
+  assert errors[False] < 1e-4 < errors[True], errors

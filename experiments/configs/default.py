@@ -54,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.width = 128
   config.model.depth = 3
   config.model.norm = "instance"
+  config.model.conv_bias = True          # as the authors; False drops what instance norm cancels
 
   config.client = ml_collections.ConfigDict()
   config.client.ipc = 50
