@@ -30,24 +30,27 @@ data left on one device would be copied to the others every round; place it
 once with :func:`put_clients`.
 
 On one host with several GPUs this uses every local GPU. On several hosts, call
-``jax.distributed.initialize()`` first on every host (same program on every
-host); ``jax.devices()`` then lists the devices of all hosts and
+:func:`initialize_hosts` (``jax.distributed.initialize`` with CPU hosts set up
+and checked) first on every host (same program on every host);
+``jax.devices()`` then lists the devices of all hosts and
 :func:`client_mesh` spans them. Inputs must then be global arrays: build the
 client data on every host and place it with :func:`put_clients` (which uses
 ``jax.make_array_from_callback``, so each host only materialises the blocks
 of its own devices); the state returned by ``init_state`` can be placed with
 :func:`replicate`. Read outputs sharded over hosts with
-``jax.experimental.multihost_utils.process_allgather``. CPU hosts need
-``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` before
-``initialize``. ``tests/test_sharding.py`` runs this as two processes on one
-host and gets the single-device round. On CPU,
+``jax.experimental.multihost_utils.process_allgather``.
+``tests/test_sharding.py`` runs this as two processes, on one host and on two
+network hosts (namespaces joined by a virtual Ethernet link), and gets the
+single-device round. On CPU,
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before JAX starts)
 splits the host into ``N`` devices for testing.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 from typing import Any, Callable, Sequence
 
 import jax
@@ -65,6 +68,65 @@ def client_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
   if not devices:
     raise ValueError("client_mesh needs at least one device")
   return Mesh(np.array(devices), (AXIS,))
+
+
+def _is_loopback(host: str) -> bool:
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return host == "localhost"
+
+
+def initialize_hosts(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, *, cpu: bool | None = None,
+                     **kwargs) -> None:
+  """``jax.distributed.initialize`` for rounds sharded over hosts; call it first on every host.
+
+  On CPU hosts JAX's cross-process collectives go through gloo (set here). Gloo
+  tells the other processes to connect to the address this host's *name*
+  resolves to; where that is loopback (``127.0.1.1 myhost`` is a common
+  default in ``/etc/hosts``) every connection from another host is refused,
+  and the first sharded round fails only after gloo's timeout. So on CPU, with
+  a coordinator on another address, a loopback host name is refused here with
+  the fix in the message. Hosts joined over a network are checked this way in
+  ``tests/test_sharding.py`` (two network namespaces linked by a virtual
+  Ethernet pair).
+
+  Args:
+    coordinator_address, num_processes, process_id: as for
+      ``jax.distributed.initialize`` (None: detected from the cluster, e.g. SLURM).
+    cpu: whether the processes compute on CPU; default: ``jax_platforms`` is
+      ``"cpu"`` (e.g. ``JAX_PLATFORMS=cpu``).
+    **kwargs: passed on (e.g. ``initialization_timeout``, ``local_device_ids``).
+
+  Raises:
+    ValueError: on CPU, the host name resolves to loopback (or not at all)
+      while the coordinator is on another host.
+  """
+  if cpu is None:
+    cpu = (jax.config.jax_platforms or "").strip().lower() == "cpu"
+  if cpu:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  multi_host = (coordinator_address is not None and (num_processes or 0) > 1
+                and not _is_loopback(coordinator_address.rsplit(":", 1)[0].strip("[]")))
+  if cpu and multi_host:
+    name = socket.gethostname()
+    try:
+      address = socket.gethostbyname(name)
+    except OSError as e:
+      raise ValueError(f"host name {name!r} does not resolve ({e}); gloo, which carries "
+                       "cross-process collectives on CPU, announces this host by it. Allowed: "
+                       "a name that resolves to this host's address on the network of the "
+                       f"coordinator {coordinator_address!r} (/etc/hosts or DNS)") from None
+    if _is_loopback(address):
+      raise ValueError(f"host name {name!r} resolves to {address}, a loopback address: gloo, "
+                       "which carries cross-process collectives on CPU, would tell the other "
+                       "hosts to connect there and every connection would be refused. Allowed: "
+                       "a name that resolves to this host's address on the network of the "
+                       f"coordinator {coordinator_address!r} (an /etc/hosts or DNS entry), or "
+                       "every process on this host with the coordinator on localhost")
+  jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                             process_id=process_id, **kwargs)
 
 
 def padded_size(num_clients: int, num_devices: int) -> int:

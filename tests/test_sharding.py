@@ -34,16 +34,15 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   """
   import jax
 
-  if num_processes:
-    # Cross-process collectives on the CPU backend go through gloo.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=120)
+  from fedlap_jax import sharding
+
+  if num_processes:  # before any computation: gloo on CPU, the host name checked
+    sharding.initialize_hosts(coordinator, num_processes, process_id, initialization_timeout=120)
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
 
   from experiments.train import CompileCounter
-  from fedlap_jax import baselines, client, federated, models, sharding
+  from fedlap_jax import baselines, client, federated, models
   from fedlap_jax import config as C
 
   multi = jax.process_count() > 1
@@ -157,26 +156,36 @@ def _run(devices: int, backend: str) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _run_processes(num_processes: int, devices_per_process: int, tmp_path) -> list[dict]:
-  """The worker as ``num_processes`` JAX processes on this host (a stand-in for hosts).
+def _run_processes(num_processes: int, devices_per_process: int, tmp_path,
+                   hosts: list[list[str]] | None = None) -> list[dict]:
+  """The worker as ``num_processes`` JAX processes.
 
-  Output goes to files, not pipes: a process blocked on a full pipe would stall
-  the others at the distributed shutdown barrier.
+  Without ``hosts`` all run on this host with the coordinator on localhost.
+  With ``hosts`` (from the ``network_hosts`` fixture) process ``i`` runs under
+  the command prefix ``hosts[i]`` (its own network namespace, address and host
+  name) and the coordinator is on host 0's address. Output goes to files, not
+  pipes: a process blocked on a full pipe would stall the others at the
+  distributed shutdown barrier.
   """
-  with socket.socket() as s:  # a free port for the coordinator
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-    s.listen()
-    try:  # loopback is down in a bare network namespace (`unshare -n` without `ip link set lo up`)
-      socket.create_connection(("localhost", port), timeout=5).close()
-    except OSError as e:
-      pytest.skip(f"no loopback network for the coordinator: {e}")
+  if hosts:
+    coordinator = f"{NETWORK_ADDRESSES[0]}:{NETWORK_PORT}"
+  else:
+    with socket.socket() as s:  # a free port for the coordinator
+      s.bind(("localhost", 0))
+      port = s.getsockname()[1]
+      s.listen()
+      try:  # loopback is down in a bare network namespace (`unshare -n` without `ip link set lo up`)
+        socket.create_connection(("localhost", port), timeout=5).close()
+      except OSError as e:
+        pytest.skip(f"no loopback network for the coordinator: {e}")
+    coordinator = f"localhost:{port}"
   procs, logs = [], []
   for i in range(num_processes):
     out, err = tmp_path / f"process{i}.out", tmp_path / f"process{i}.err"
+    prefix = hosts[i] if hosts else []
     with open(out, "w") as fo, open(err, "w") as fe:
       procs.append(subprocess.Popen(
-          [sys.executable, __file__, "auto", str(i), str(num_processes), f"localhost:{port}"],
+          [*prefix, sys.executable, __file__, "auto", str(i), str(num_processes), coordinator],
           env=_env(devices_per_process), stdout=fo, stderr=fe, text=True))
     logs.append((out, err))
   try:
@@ -189,6 +198,48 @@ def _run_processes(num_processes: int, devices_per_process: int, tmp_path) -> li
     assert code == 0, err.read_text()[-3000:]
     results.append(json.loads(out.read_text().strip().splitlines()[-1]))
   return results
+
+
+NETWORK_ADDRESSES = ("10.231.0.1", "10.231.0.2")
+NETWORK_PORT = 23456
+
+
+@pytest.fixture
+def network_hosts(tmp_path):
+  """Two "hosts": network namespaces joined by a virtual Ethernet pair.
+
+  Each has its own address (:data:`NETWORK_ADDRESSES`) and its own host name,
+  resolved by a private ``/etc/hosts`` (bind-mounted in a private mount
+  namespace, so the machine's is untouched), as on a cluster. Yields one
+  command prefix per host. Needs root and iproute2; skips otherwise.
+  """
+  import shutil
+
+  if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("unshare")):
+    pytest.skip("two network hosts need root, ip (iproute2) and unshare")
+  tag = f"fj{os.getpid() % 100000}"
+  names = [f"{tag}h{i}" for i in range(2)]
+  setup = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
+           ["ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", f"{tag}v1"]]
+  for i, (name, address) in enumerate(zip(names, NETWORK_ADDRESSES)):
+    setup += [["ip", "link", "set", f"{tag}v{i}", "netns", name],
+              ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", f"{tag}v{i}"],
+              ["ip", "-n", name, "link", "set", f"{tag}v{i}", "up"],
+              ["ip", "-n", name, "link", "set", "lo", "up"]]
+  hosts_file = tmp_path / "hosts"
+  hosts_file.write_text("127.0.0.1 localhost\n" + "".join(
+      f"{address} {name}\n" for name, address in zip(names, NETWORK_ADDRESSES)))
+  try:
+    for cmd in setup:
+      proc = subprocess.run(cmd, capture_output=True, text=True)
+      if proc.returncode:
+        pytest.skip(f"cannot build two network hosts: {' '.join(cmd)}: {proc.stderr.strip()}")
+    yield [["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "sh", "-c",
+            f'mount --bind {hosts_file} /etc/hosts && hostname {name} && exec "$@"', "sh"]
+           for name in names]
+  finally:
+    for name in names:  # deleting a namespace deletes its end of the pair, and the pair
+      subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +280,46 @@ def test_two_processes_same_round(single_device, tmp_path):
     assert out["processes"] == 2 and out["devices"] == 4 and out["backend"] == "shard"
     _assert_same_round(single_device, out)
   assert first == second  # every process ends with the same gathered results
+
+
+@pytest.mark.slow
+def test_two_network_hosts_same_round(single_device, network_hosts, tmp_path):
+  """The same, with each process on its own network host (namespace, address, host name)."""
+  first, second = _run_processes(2, 2, tmp_path, hosts=network_hosts)
+  for out in (first, second):
+    assert out["processes"] == 2 and out["devices"] == 4 and out["backend"] == "shard"
+    _assert_same_round(single_device, out)
+  assert first == second
+
+
+def test_initialize_hosts_refuses_a_loopback_host_name_on_cpu(monkeypatch):
+  import jax
+
+  from fedlap_jax import sharding
+
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+  monkeypatch.setattr(jax.config, "update", lambda *a: None)  # keep this process's settings
+  monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+  monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+  with pytest.raises(ValueError, match=r"'node7' resolves to 127\.0\.1\.1.*'10\.0\.0\.1:1234'"):
+    sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=True)
+  assert not calls
+  # Allowed: all processes on one host, or accelerators (NCCL does not use gloo).
+  sharding.initialize_hosts("localhost:1234", 2, 1, cpu=True)
+  sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=False, initialization_timeout=5)
+  assert calls == [(("localhost:1234",), {"num_processes": 2, "process_id": 1}),
+                   (("10.0.0.1:1234",), {"num_processes": 2, "process_id": 1,
+                                          "initialization_timeout": 5})]
+  monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.7")
+  sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=True)
+  assert len(calls) == 3
+
+  def unresolvable(name):
+    raise socket.gaierror("Name or service not known")
+  monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+  with pytest.raises(ValueError, match="does not resolve"):
+    sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=True)
 
 
 @pytest.mark.slow
