@@ -245,4 +245,6 @@ class PlacedRound:
     return self.fn(replicate(state, self.mesh), put_clients(clients, self.mesh))
 
   def __getattr__(self, name: str):
+    if name in ("fn", "mesh"):  # not set yet (e.g. during copy): no recursion
+      raise AttributeError(name)
     return getattr(self.fn, name)
