@@ -54,9 +54,10 @@ def place_inputs(round_fn: Callable, client_backend: str = "auto", mesh: Any = N
   """``round_fn`` itself, or for the ``shard`` backend one that places its inputs first.
 
   A sharded round wants the state replicated over the mesh and the client data
-  sharded over its client axis (:class:`fedlap_jax.sharding.PlacedRound`);
-  placed once, by the caller or by round 1, both stay where they are, so a run
-  compiles one program and moves its data to the devices once.
+  sharded over its client axis (:class:`fedlap_jax.sharding.PlacedRound`). The
+  state stays placed from round 1 on, so a run compiles one program; the client
+  data moves to the devices once if the caller places it with
+  :func:`fedlap_jax.sharding.put_clients` (else on every call).
   """
   if resolve_client_backend(client_backend) != "shard":
     return round_fn
