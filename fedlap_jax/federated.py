@@ -55,9 +55,8 @@ def place_inputs(round_fn: Callable, client_backend: str = "auto", mesh: Any = N
 
   A sharded round wants the state replicated over the mesh and the client data
   sharded over its client axis (:class:`fedlap_jax.sharding.PlacedRound`). The
-  state stays placed from round 1 on, so a run compiles one program; the client
-  data moves to the devices once if the caller places it with
-  :func:`fedlap_jax.sharding.put_clients` (else on every call).
+  state stays placed from round 1 on, so a run compiles one program, and the
+  client data moves to the devices once.
   """
   if resolve_client_backend(client_backend) != "shard":
     return round_fn

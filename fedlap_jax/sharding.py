@@ -25,9 +25,10 @@ Use it through the round::
 A sharded round places its own inputs (:class:`PlacedRound`): the state is
 replicated over the mesh and the client data sharded over its client axis,
 each only where it is not already, so the state of round 1 (on one device) and
-the replicated state later rounds return run the same compiled program. Client
-data left on one device would be copied to the others every round; place it
-once with :func:`put_clients`.
+the replicated state later rounds return run the same compiled program, and
+client data passed unplaced is placed once (and kept while the same object is
+passed again). Placing it yourself with :func:`put_clients` avoids holding a
+second copy.
 
 On one host with several GPUs this uses every local GPU. On several hosts, call
 :func:`initialize_hosts` (``jax.distributed.initialize`` with CPU hosts set up
@@ -231,20 +232,25 @@ class PlacedRound:
   the client axis (:func:`put_clients`), each only where it is not placed so
   already. The state a sharded round returns is replicated, so from round 2
   on it passes through; without this, the state of round 1 (on one device) and
-  the one round 1 returns (on the mesh) would compile two programs. Place the
-  client data once with :func:`put_clients` and pass the placed arrays every
-  round: data left on one device is copied to the others on every call.
-  Attribute access (``lower``, ``_cache_size``, ...) goes to the jitted function.
+  the one round 1 returns (on the mesh) would compile two programs. Client data
+  that is not placed yet is placed on the first call and the placed copy is
+  kept for as long as the same object comes back (a run passes the same client
+  data every round), so it moves to the devices once; placing it yourself with
+  :func:`put_clients` avoids holding both copies. Attribute access (``lower``,
+  ``_cache_size``, ...) goes to the jitted function.
   """
 
   def __init__(self, fn: Callable, mesh: Mesh):
     self.fn = fn
     self.mesh = mesh
+    self._clients = (None, None)  # (the object passed, its placed copy)
 
   def __call__(self, state: PyTree, clients: PyTree):
-    return self.fn(replicate(state, self.mesh), put_clients(clients, self.mesh))
+    if clients is not self._clients[0]:
+      self._clients = (clients, put_clients(clients, self.mesh))
+    return self.fn(replicate(state, self.mesh), self._clients[1])
 
   def __getattr__(self, name: str):
-    if name in ("fn", "mesh"):  # not set yet (e.g. during copy): no recursion
+    if name in ("fn", "mesh", "_clients"):  # not set yet (e.g. during copy): no recursion
       raise AttributeError(name)
     return getattr(self.fn, name)

@@ -361,6 +361,14 @@ def test_placement_is_a_no_op_for_placed_arrays():
   assert isinstance(wrapped, sharding.PlacedRound) and wrapped._cache_size() == 0
   state, _ = wrapped(tree, clients)
   assert state["x"].sharding.is_equivalent_to(placed["x"].sharding, 2)
+  # Unplaced client data is placed once per object, not on every call.
+  raw = {"x": np.ones((4, 3), np.float32)}
+  wrapped(state, raw)
+  first = wrapped._clients[1]["x"]
+  wrapped(state, raw)
+  assert wrapped._clients[1]["x"] is first
+  _, other = wrapped(state, {"x": np.zeros((4, 3), np.float32)})
+  assert wrapped._clients[1]["x"] is not first and float(other["x"].sum()) == 0.0
 
 
 def test_map_clients_pads_and_refuses_bad_input():
