@@ -71,6 +71,30 @@ def client_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
   return Mesh(np.array(devices), (AXIS,))
 
 
+def _cpu_only() -> bool:
+  """Whether JAX will compute on the CPU, decided without starting a backend.
+
+  ``jax_platforms`` if set (``JAX_PLATFORMS=cpu``); otherwise True when no
+  accelerator plugin is installed (GPU plugins live in the ``jax_plugins``
+  namespace or its entry points, TPUs need ``libtpu``).
+  """
+  platforms = (jax.config.jax_platforms or "").strip().lower()
+  if platforms:
+    return platforms == "cpu"
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pkgutil  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("libtpu") is not None:
+    return False
+  if importlib.metadata.entry_points(group="jax_plugins"):
+    return False
+  try:
+    import jax_plugins  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return True
+  return not any(True for _ in pkgutil.iter_modules(jax_plugins.__path__))
+
+
 def _is_loopback(host: str) -> bool:
   try:
     return ipaddress.ip_address(host).is_loopback
@@ -97,7 +121,8 @@ def initialize_hosts(coordinator_address: str | None = None, num_processes: int 
     coordinator_address, num_processes, process_id: as for
       ``jax.distributed.initialize`` (None: detected from the cluster, e.g. SLURM).
     cpu: whether the processes compute on CPU; default: ``jax_platforms`` is
-      ``"cpu"`` (e.g. ``JAX_PLATFORMS=cpu``).
+      ``"cpu"`` (``JAX_PLATFORMS=cpu``), or it is unset and no accelerator
+      plugin is installed.
     **kwargs: passed on (e.g. ``initialization_timeout``, ``local_device_ids``).
 
   Raises:
@@ -105,7 +130,7 @@ def initialize_hosts(coordinator_address: str | None = None, num_processes: int 
       while the coordinator is on another host.
   """
   if cpu is None:
-    cpu = (jax.config.jax_platforms or "").strip().lower() == "cpu"
+    cpu = _cpu_only()
   if cpu:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   multi_host = (coordinator_address is not None and (num_processes or 0) > 1

@@ -304,6 +304,9 @@ def test_initialize_hosts_refuses_a_loopback_host_name_on_cpu(monkeypatch):
   monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
   with pytest.raises(ValueError, match=r"'node7' resolves to 127\.0\.1\.1.*'10\.0\.0\.1:1234'"):
     sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=True)
+  monkeypatch.setattr(sharding, "_cpu_only", lambda: True)  # the default: detected
+  with pytest.raises(ValueError, match="loopback"):
+    sharding.initialize_hosts("10.0.0.1:1234", 2, 1)
   assert not calls
   # Allowed: all processes on one host, or accelerators (NCCL does not use gloo).
   sharding.initialize_hosts("localhost:1234", 2, 1, cpu=True)
