@@ -237,8 +237,9 @@ def network_hosts(tmp_path):
     yield [["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "sh", "-c",
             f'mount --bind {hosts_file} /etc/hosts && hostname {name} && exec "$@"', "sh"]
            for name in names]
-  finally:
-    for name in names:  # deleting a namespace deletes its end of the pair, and the pair
+  finally:  # deleting a namespace deletes the pair end in it, and with it the pair
+    subprocess.run(["ip", "link", "del", f"{tag}v0"], capture_output=True)  # if never moved
+    for name in names:
       subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
