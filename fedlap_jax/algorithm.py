@@ -18,7 +18,6 @@ accounting and communication cost. ``round`` is jitted once per run.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -26,7 +25,7 @@ import numpy as np
 
 from fedlap_jax.client import ClientData
 from fedlap_jax.config import DPConfig, FedLAPConfig
-from fedlap_jax.federated import fedlap_round, init_state, place_inputs
+from fedlap_jax.federated import init_state, make_round_fn
 
 
 class FederatedAlgorithm(NamedTuple):
@@ -51,9 +50,7 @@ def fedlap(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[int, 
   """
   cc = config.client
   upload = int(cc.ipc * max_classes_per_client * np.prod(image_shape))
-  round_fn = place_inputs(jax.jit(functools.partial(fedlap_round, apply_fn=apply_fn,
-                                                     config=config, client_backend=client_backend)),
-                          client_backend)
+  round_fn = make_round_fn(apply_fn, config, client_backend=client_backend)
   return FederatedAlgorithm(
       name="fedlap_dp" if cc.dp is not None else "fedlap",
       init=lambda key, params, clients: init_state(key, params, clients, config),
