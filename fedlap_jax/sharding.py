@@ -138,19 +138,18 @@ def initialize_hosts(coordinator_address: str | None = None, num_processes: int 
   if cpu and multi_host:
     name = socket.gethostname()
     try:
-      address = socket.gethostbyname(name)
+      address, problem = socket.gethostbyname(name), None
     except OSError as e:
-      raise ValueError(f"host name {name!r} does not resolve ({e}); gloo, which carries "
-                       "cross-process collectives on CPU, announces this host by it. Allowed: "
-                       "a name that resolves to this host's address on the network of the "
-                       f"coordinator {coordinator_address!r} (/etc/hosts or DNS)") from None
-    if _is_loopback(address):
-      raise ValueError(f"host name {name!r} resolves to {address}, a loopback address: gloo, "
-                       "which carries cross-process collectives on CPU, would tell the other "
-                       "hosts to connect there and every connection would be refused. Allowed: "
-                       "a name that resolves to this host's address on the network of the "
-                       f"coordinator {coordinator_address!r} (an /etc/hosts or DNS entry), or "
-                       "every process on this host with the coordinator on localhost")
+      address, problem = None, f"does not resolve ({e})"
+    if address is not None and _is_loopback(address):
+      problem = (f"resolves to {address}, a loopback address, so the other hosts' connections "
+                 "would be refused")
+    if problem:
+      raise ValueError(f"host name {name!r} {problem}: gloo, which carries cross-process "
+                       "collectives on CPU, announces this host by its name. Allowed: a name "
+                       "that resolves to this host's address on the network of the coordinator "
+                       f"{coordinator_address!r} (an /etc/hosts or DNS entry), or every process "
+                       "on this host with the coordinator on localhost")
   jax.distributed.initialize(coordinator_address, num_processes=num_processes,
                              process_id=process_id, **kwargs)
 
