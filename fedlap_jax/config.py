@@ -128,7 +128,9 @@ class ClientConfig:
     dsa_strategy: DSA families, e.g. ``"color_crop_cutout_flip_scale_rotate"``;
       ``""`` for none.
     poisson_capacity: static buffer for Poisson batches; ``None`` picks
-      ``B + 6 sqrt(B) + 4``.
+      ``B + 6 sqrt(B) + 4``; at least ``B + 3 sqrt(B)`` (a draw beyond the
+      buffer is processed in extra chunks, never dropped; a smaller buffer
+      would need them often).
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
   """
 
@@ -164,10 +166,8 @@ class ClientConfig:
     _positive_float("radius", self.radius)
     if self.calibration_eval_size is not None:
       _positive_int("calibration_eval_size", self.calibration_eval_size)
-    if self.poisson_capacity is not None:
-      _positive_int("poisson_capacity", self.poisson_capacity)
-      _require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
-               self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
+    from fedlap_jax.privacy import check_poisson_capacity  # privacy imports no config
+    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     _dsa_strategy("dsa_strategy", self.dsa_strategy)
     if self.dp is not None:
       _require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
@@ -197,14 +197,16 @@ class ServerConfig:
       ``fixed`` (always ``max_epochs`` epochs, no radius).
     batch_size: batch size on the union of synthetic sets (512).
     max_epochs: epoch cap (100).
-    weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3).
+    weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3);
+      ``None`` (default): ``uniform`` with DP, ``size`` without (resolved by
+      :class:`FedLAPConfig`). ``size`` is refused with DP.
     dsa_strategy: DSA families for server steps.
   """
 
   radius_strategy: str = "min"
   batch_size: int = 512
   max_epochs: int = 100
-  weighting: str = "size"
+  weighting: str | None = None
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
 
   def __post_init__(self):
@@ -212,7 +214,8 @@ class ServerConfig:
              self.radius_strategy, f"one of {RADIUS_STRATEGIES}")
     _positive_int("server.batch_size", self.batch_size)
     _positive_int("server.max_epochs", self.max_epochs)
-    _require(self.weighting in WEIGHTINGS, "weighting", self.weighting, f"one of {WEIGHTINGS}")
+    _require(self.weighting is None or self.weighting in WEIGHTINGS, "weighting",
+             self.weighting, f"None or one of {WEIGHTINGS}")
     _dsa_strategy("server.dsa_strategy", self.dsa_strategy)
 
 
@@ -248,10 +251,17 @@ class FedLAPConfig:
                self.server.radius_strategy,
                "'constant' or 'fixed' when DP is on (other strategies use r_k measured "
                "on real data)")
+      _require(self.server.weighting != "size", "server.weighting", self.server.weighting,
+               "'uniform' or None when DP is on (Algorithm 3 averages the client updates with "
+               "1/K, the setting the privacy analysis covers)")
     elif self.server.radius_strategy not in ("constant", "fixed"):
       _require(self.client.calibrate_radius, "calibrate_radius", self.client.calibrate_radius,
                f"True when radius_strategy={self.server.radius_strategy!r} (it needs "
                "per-client r_k); or use radius_strategy='constant'")
+
+    if self.server.weighting is None:  # resolve the default: 1/K under DP (Algorithm 3)
+      object.__setattr__(self, "server", dataclasses.replace(
+          self.server, weighting="uniform" if self.client.dp is not None else "size"))
 
   @property
   def dp(self) -> DPConfig | None:
