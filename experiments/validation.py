@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from fedlap_jax import config as core
+from fedlap_jax import privacy
 from fedlap_jax.federated import synthetic_labels
 from fedlap_jax.models import NORMS
 
@@ -163,6 +164,7 @@ def validate_config(cfg) -> None:
     _fail("data.num_clients", d.num_clients, "an integer >= 1")
   if not _is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
+  _validate_normalisation(cfg)
 
   m = cfg.model
   if not _is_int(m.width) or m.width < 1:
@@ -177,6 +179,8 @@ def validate_config(cfg) -> None:
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
+  if not isinstance(cfg.get("debug_nonprivate_stats", False), bool):
+    _fail("debug_nonprivate_stats", cfg.debug_nonprivate_stats, "True or False")
   if cfg.method in DP_BASELINES and not cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"True for method={cfg.method!r}")
   if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINES and cfg.dp.enabled:
@@ -207,6 +211,51 @@ def validate_config(cfg) -> None:
     to_dp_config(cfg)
     if not _is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
       _fail("client.batch_size", cfg.client.batch_size, "an integer >= 1")
+    try:
+      privacy.check_poisson_capacity(cfg.client.poisson_capacity, cfg.client.batch_size,
+                                     "client.poisson_capacity")
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    weighting = cfg.server.weighting
+    if weighting is not None and weighting not in core.WEIGHTINGS:
+      _fail("server.weighting", weighting, f"None or one of {core.WEIGHTINGS}")
+    if cfg.method in DP_BASELINES and weighting == "size":
+      _fail("server.weighting", weighting,
+            f"'uniform' or None for method={cfg.method!r} (Algorithm 3 averages the client "
+            "updates with 1/K, the setting the privacy analysis covers)")
+
+
+def _validate_normalisation(cfg) -> None:
+  """``data.normalisation`` / ``data.mean`` / ``data.std``; under DP only sources that
+  read no training record (``published``, ``given``, ``test_split``)."""
+  d = cfg.data
+  choice = d.get("normalisation", "auto")
+  if choice not in data_lib.NORMALISATIONS:
+    _fail("data.normalisation", choice, f"one of {data_lib.NORMALISATIONS}")
+  mean, std = d.get("mean"), d.get("std")
+  if choice == "given":
+    for field, v, low in (("data.mean", mean, -math.inf), ("data.std", std, 0.0)):
+      if (not isinstance(v, (tuple, list)) or not v
+          or not all(_is_real(a) and a > low for a in v)):
+        _fail(field, v, "a tuple of finite numbers, one per channel (pixels in [0, 1])"
+              + (", each > 0" if low == 0.0 else "") + " with data.normalisation='given'")
+    if len(mean) != len(std):
+      _fail("data.std", std, f"as many numbers as data.mean={mean!r}")
+  elif mean is not None or std is not None:
+    _fail("data.mean" if mean is not None else "data.std", mean if mean is not None else std,
+          f"None with data.normalisation={choice!r} (set data.normalisation='given' to use "
+          "your own mean and std)")
+  if choice == "published" and d.name not in data_lib.NORMALIZATION:
+    _fail("data.normalisation", choice, f"'given', 'test_split' or 'train_split' for "
+          f"data.name={d.name!r} (published constants exist for {tuple(data_lib.NORMALIZATION)})")
+  resolved = data_lib.resolve_normalisation(d.name, choice)
+  if cfg.dp.enabled and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
+    _fail("data.normalisation", choice,
+          f"one of {data_lib.DP_SAFE_NORMALISATIONS} with DP (for data.name={d.name!r} "
+          f"{choice!r} standardises with the mean and std of the private training split: one "
+          "record changes them, they reach every synthetic image, and the accountant does not "
+          "cover them); e.g. 'test_split' (statistics of the public test split) or 'given' "
+          "(data.mean, data.std)")
 
 
 def _effective_side(image_shape) -> int:
