@@ -809,9 +809,7 @@ def restore_newest_valid(ckpt: checkpointing.Checkpointer, template, *, privacy:
         ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
         if ledger.rounds != r:
           raise ValueError(f"its privacy ledger records {ledger.rounds} rounds")
-        expected = {k: v for k, v in fresh_ledger.to_dict().items()
-                    if k not in ("rounds", "steps", "epsilons")}
-        stored = {k: ledger.to_dict().get(k) for k in expected}
+        expected, stored = fresh_ledger.privacy_fields(), ledger.privacy_fields()
         if stored != expected:
           raise ValueError(f"its privacy ledger has parameters {stored}, this run {expected}")
     except Exception as e:  # pylint: disable=broad-except

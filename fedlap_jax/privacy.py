@@ -167,21 +167,23 @@ def sum_over_chunks(chunk_sum: Callable[[jax.Array, jax.Array], PyTree],
   ``chunk_sum`` must return sums over the chunk's examples (padding slots
   contributing zero), e.g. a clipped gradient sum, a loss sum or a count; the
   total is then the sum over the whole Poisson batch, exactly as one pass over
-  a buffer large enough for it (up to float summation order). The first chunk
-  always runs (an empty draw gives zero sums); further chunks run in a
-  ``lax.while_loop`` only when the draw overflowed the buffer
-  (``batch.extra_chunks`` of them, at most ``ceil(N / capacity) - 1``), so the
-  common case costs one extra loop test. Not reverse-differentiable (the loop
-  length depends on the draw).
+  a buffer large enough for it (up to float summation order). The chunks run
+  in one ``lax.while_loop``: the first always (an empty draw gives zero sums),
+  further ones only when the draw overflowed the buffer
+  (``batch.extra_chunks`` of them, at most ``ceil(N / capacity) - 1``). One
+  copy of ``chunk_sum`` in the program: measured on the quickstart's FedLAP-DP
+  client, the same XLA compile time as a single unlooped pass. Not
+  reverse-differentiable (the loop length depends on the draw).
   """
-  total = chunk_sum(batch.indices, batch.is_padding)
+  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                       jax.eval_shape(chunk_sum, batch.indices, batch.is_padding))
 
   def body(carry):
     j, acc = carry
     return j + 1, jax.tree.map(jnp.add, acc, chunk_sum(*poisson_chunk(batch, j)))
 
   _, total = jax.lax.while_loop(lambda c: c[0] <= batch.extra_chunks, body,
-                                (jnp.int32(1), total))
+                                (jnp.int32(0), zeros))
   return total
 
 
