@@ -7,9 +7,9 @@ Everything here runs under ``jit`` and ``vmap``. Host-side accounting lives in
   with probability ``q``) and lays it out in chunks of a fixed ``capacity``
   (index arrays with an ``is_padding`` mask, so shapes stay static under jit).
   No sampled record is ever dropped: :func:`sum_over_chunks` adds up a
-  per-chunk sum (clipped gradients, losses, counts) over the first chunk and,
-  only when the draw exceeds the buffer, over extra chunks in a
-  ``lax.while_loop`` (at most ``ceil(N / capacity) - 1`` of them). Sums over
+  per-chunk sum (clipped gradients, losses, counts) over the chunks of the
+  draw in a ``lax.while_loop``: one chunk, plus extra ones only when the draw
+  exceeds the buffer (at most ``ceil(N / capacity) - 1`` of them). Sums over
   examples are additive, so the result equals one pass over a buffer holding
   the whole batch: sampling is exact and the accountant needs no extra delta.
 * :func:`real_gradient` is the gradient of the mean loss on a batch (non-DP).
