@@ -31,7 +31,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +39,8 @@ import numpy as np
 
 from fedlap_jax import auditing
 from fedlap_jax.training import evaluate
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 
 ATTACKS = {
     # name: (feature description, file stem)

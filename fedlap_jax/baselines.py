@@ -80,7 +80,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,9 +93,8 @@ from fedlap_jax.config import WEIGHTINGS, DPConfig
 from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, place_inputs, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import cosine_learning_rate, tree_distance
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 
 METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
 DP_METHODS = ("dp_fedavg", "dp_fedprox")

@@ -27,7 +27,7 @@ Differentially Private Loss Approximations", PoPETs 2024.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +39,7 @@ from fedlap_jax.config import ClientConfig
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.radius import calibrate_radius
 from fedlap_jax.training import sgd_epoch, tree_distance
-
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+from fedlap_jax.types import ApplyFn, PyTree
 
 
 class ClientData(NamedTuple):

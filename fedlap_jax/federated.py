@@ -25,8 +25,8 @@ from fedlap_jax.config import FedLAPConfig
 from fedlap_jax.radius import server_radius
 from fedlap_jax.server import ServerMetrics, global_update
 from fedlap_jax.training import cosine_learning_rate
+from fedlap_jax.types import PyTree
 
-PyTree = Any
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 
 

@@ -67,9 +67,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedlap_jax import models
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 RULES = ("dense", "conv", "generic")

@@ -36,16 +36,15 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from fedlap_jax import per_example as _per_example
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 
 

@@ -14,15 +14,14 @@ the server runs its epoch cap).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedlap_jax.config import RADIUS_STRATEGIES
 from fedlap_jax.training import evaluate, sgd_epoch, tree_distance
-
-PyTree = Any
+from fedlap_jax.types import PyTree
 
 
 class CalibrationTrace(NamedTuple):

@@ -9,15 +9,14 @@ cap). The optimiser is plain SGD re-created every round.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedlap_jax.config import ServerConfig
 from fedlap_jax.training import sgd_epoch, tree_distance
-
-PyTree = Any
+from fedlap_jax.types import PyTree
 
 
 class ServerMetrics(NamedTuple):

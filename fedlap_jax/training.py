@@ -10,16 +10,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedlap_jax import dsa
 from fedlap_jax.privacy import cross_entropy
-
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+from fedlap_jax.types import ApplyFn, PyTree
 
 
 def cosine_learning_rate(round_index, num_rounds: int, base_lr, min_lr: float = 1e-6):
