@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax.privacy import cross_entropy, per_example_gradients
+from fedlap_jax.losses import cross_entropy
+from fedlap_jax.privacy import per_example_gradients
 from fedlap_jax.types import ApplyFn, PyTree
 
 

@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedlap_jax import models
+from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -570,7 +571,6 @@ def _microbatched(chunk_fn, params, x, y, is_padding, microbatch_size):
 def _default_loss(loss_fn: LossFn | None) -> LossFn:
   """``loss_fn``, or softmax cross entropy with integer labels when ``None``."""
   if loss_fn is None:
-    from fedlap_jax.privacy import cross_entropy  # privacy imports this module
     return cross_entropy
   return loss_fn
 

@@ -40,9 +40,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedlap_jax import per_example as _per_example
+from fedlap_jax.losses import cross_entropy, masked_mean_loss
 from fedlap_jax.types import ApplyFn, PyTree
 
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
@@ -100,30 +100,6 @@ def poisson_sample(
   is_padding = jnp.arange(capacity) >= size
   return PoissonBatch(indices.astype(jnp.int32), is_padding, size,
                       jnp.maximum(total - capacity, 0))
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Per-example softmax cross-entropy, ``(N, K), (N,) -> (N,)`` in nats."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-
-def masked_mean_loss(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    weights: jax.Array | None = None,
-) -> jax.Array:
-  """Mean cross-entropy of ``apply_fn(params, x)`` weighted by ``weights``.
-
-  ``weights`` (``(N,)``, e.g. a 0/1 validity mask) defaults to ones; the result
-  is ``sum(w * loss) / max(sum(w), 1e-12)``.
-  """
-  losses = cross_entropy(apply_fn(params, x), y)
-  if weights is None:
-    return jnp.mean(losses)
-  weights = weights.astype(losses.dtype)
-  return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), 1e-12)
 
 
 def real_gradient(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fedlap_jax import dsa
-from fedlap_jax.privacy import cross_entropy
+from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
 
 
