@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -513,7 +513,7 @@ def clipped_gradient_sum(
       the whole pytree.
     microbatch_size: if set, process ``microbatch_size`` examples at a time
       to bound memory, up to the last chunk holding a real example
-      (:func:`_microbatched`); ``N`` is padded up to a multiple.
+      (:func:`microbatched`); ``N`` is padded up to a multiple.
     loss_fn: per-example loss ``(logits, y) -> (N,)``; default softmax cross
       entropy with integer labels.
 
@@ -527,18 +527,43 @@ def clipped_gradient_sum(
   loss_fn = _default_loss(loss_fn)
   def chunk(x, y, is_padding):
     return _clipped_sum_chunk(apply_fn, loss_fn, params, x, y, is_padding, l2_clip_norm)
-  return _microbatched(chunk, params, x, y, is_padding, microbatch_size)
+  return microbatched(chunk, params, x, y, is_padding, microbatch_size)
 
 
-def _microbatched(chunk_fn, params, x, y, is_padding, microbatch_size):
-  """Runs ``chunk_fn(x, y, is_padding) -> (sum, norms)`` on microbatches and adds up.
+def microbatched(
+    chunk_fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[PyTree, jax.Array]],
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    is_padding: jax.Array,
+    microbatch_size: int | None,
+) -> tuple[PyTree, jax.Array]:
+  """Runs ``chunk_fn`` on microbatches of a batch and adds up the results.
 
   ``N`` is padded with padding examples up to a multiple of ``microbatch_size``;
   the chunks run one after another, and only up to the last chunk that holds a
   real example (a ``while_loop``): a Poisson buffer keeps its real examples
   first (:func:`fedlap_jax.privacy.poisson_sample`), so its all-padding tail
-  costs nothing. Norms of the chunks skipped are reported as 0. Not
-  reverse-differentiable (the loop length is data-dependent).
+  costs nothing.
+
+  Args:
+    chunk_fn: ``chunk_fn(x, y, is_padding) -> (total, per_example)`` on one
+      chunk of ``m = microbatch_size`` examples: ``total`` a pytree shaped like
+      ``params`` (summed over the chunks), ``per_example`` an ``(m,)`` array
+      (e.g. gradient norms, as float32).
+    params: the parameter pytree; gives the structure and dtypes of ``total``.
+    x: ``(N, ...)`` inputs; y: ``(N,)`` labels; is_padding: ``(N,)`` bool.
+    microbatch_size: examples per chunk; ``None`` or ``>= N`` calls
+      ``chunk_fn`` once on the whole batch.
+
+  Returns:
+    ``(total, per_example)``: the sum of the chunks' totals and the ``(N,)``
+    per-example values, 0 for the examples of chunks skipped.
+
+  Raises:
+    ValueError: ``microbatch_size`` is not an integer >= 1.
+
+  Not reverse-differentiable when chunked (the loop length is data-dependent).
   """
   n = x.shape[0]
   if microbatch_size is None or microbatch_size >= n:
@@ -611,4 +636,4 @@ def clipped_gradient_sum_vmap(
     scale, ok = _clip_factors(norms, is_padding, l2_clip_norm)
     return jax.tree.map(lambda g: _weighted_sum(scale, ok, g).astype(g.dtype), grads), norms
 
-  return _microbatched(chunk, params, x, y, is_padding, microbatch_size)
+  return microbatched(chunk, params, x, y, is_padding, microbatch_size)

@@ -160,7 +160,7 @@ def real_gradient_and_loss(
     g, losses = jax.grad(summed, has_aux=True)(params)
     return g, losses.astype(jnp.float32)
 
-  total, losses = _per_example._microbatched(chunk, params, x, y, is_padding, microbatch_size)
+  total, losses = _per_example.microbatched(chunk, params, x, y, is_padding, microbatch_size)
   count = jnp.maximum(jnp.sum(weights), 1).astype(jnp.float32)
   return jax.tree.map(lambda g: g / count, total), jnp.sum(losses) / count
 
