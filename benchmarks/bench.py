@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax import client as client_lib
+from fedlap_jax import client_data
 from fedlap_jax import config as config_lib
 from fedlap_jax import federated, models, per_example, privacy, server, training
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
@@ -144,7 +145,7 @@ DATA_KINDS = ("float32", "uint8")
 
 
 def random_clients(problem: Problem, seed: int = 0,
-                   data: str = "float32") -> client_lib.ClientData:
+                   data: str = "float32") -> client_data.ClientData:
   """``num_clients`` clients of random images, two classes each.
 
   ``data="float32"``: standard normal model inputs. ``"uint8"``: uniform
@@ -167,9 +168,9 @@ def random_clients(problem: Problem, seed: int = 0,
     ys.append(np.resize(classes, problem.records).astype(np.int32))
   if data == "uint8":
     channels = problem.image_shape[-1]
-    scale, offset = client_lib.pixel_normalisation([0.5] * channels, [0.29] * channels)
-    return federated.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
-  return federated.stack_clients(xs, ys)
+    scale, offset = client_data.pixel_normalisation([0.5] * channels, [0.29] * channels)
+    return client_data.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
+  return client_data.stack_clients(xs, ys)
 
 
 def make_model(problem: Problem, impl: str = "auto", width: int = 128, depth: int = 3):
@@ -293,7 +294,7 @@ def _synthetic(clients, cfg: FedLAPConfig, problem: Problem):
   labels, mask = federated.synthetic_labels(
       [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)], cfg.client.ipc)
   x = federated.noise_images(jax.random.PRNGKey(3), jnp.asarray(mask), problem.image_shape)
-  return client_lib.SyntheticSet(x, jnp.asarray(labels), jnp.asarray(mask))
+  return client_data.SyntheticSet(x, jnp.asarray(labels), jnp.asarray(mask))
 
 
 def op_synthetic_update(apply_fn, params, clients, cfg, problem):

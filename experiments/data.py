@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedlap_jax.client import normalise_pixels, pixel_normalisation
+from fedlap_jax.client_data import normalise_pixels, pixel_normalisation
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")

@@ -48,8 +48,8 @@ import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
 from fedlap_jax import sharding
-from fedlap_jax.client import normalise_pixels
-from fedlap_jax.federated import RoundMetrics, resolve_client_backend, stack_clients
+from fedlap_jax.client_data import normalise_pixels, stack_clients
+from fedlap_jax.federated import RoundMetrics, resolve_client_backend
 from fedlap_jax.models import count_params, init_convnet
 from fedlap_jax.training import evaluate
 

@@ -22,13 +22,13 @@ Main entry points:
 
 from fedlap_jax import accounting, algorithm, dsa
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.client import (ClientData, LocalApproxMetrics, SyntheticSet, local_approx,
-                               matching_step, pixel_normalisation)
+from fedlap_jax.client import LocalApproxMetrics, local_approx, matching_step
+from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
 from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
                                paper_dp_config, paper_nondp_config)
 from fedlap_jax.dsa import augment
 from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state,
-                                  make_round_fn, stack_clients, synthetic_labels)
+                                  make_round_fn, synthetic_labels)
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 from fedlap_jax.privacy import (PoissonBatch, clipped_gradient_sum, per_example_gradients,

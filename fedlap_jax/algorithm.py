@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from fedlap_jax.client import ClientData
+from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig, FedLAPConfig
 from fedlap_jax.federated import init_state, make_round_fn
 

@@ -88,7 +88,7 @@ import numpy as np
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.client import ClientData
+from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import WEIGHTINGS, DPConfig
 from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, place_inputs, run_clients
 from fedlap_jax.models import count_params

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax.client import ClientData, LocalApproxMetrics, SyntheticSet, local_approx
+from fedlap_jax.client import LocalApproxMetrics, local_approx
+from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import FedLAPConfig
 from fedlap_jax.radius import server_radius
 from fedlap_jax.server import ServerMetrics, global_update
@@ -114,65 +115,6 @@ class RoundMetrics(NamedTuple):
   client_radius: jax.Array
   server: ServerMetrics
   learning_rate: jax.Array
-
-
-def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
-                  pixel_scale=None, pixel_offset=None) -> ClientData:
-  """Pads per-client arrays to the largest client and stacks them.
-
-  Images keep their dtype: pass uint8 pixels with ``pixel_scale`` and
-  ``pixel_offset`` (e.g. from :func:`fedlap_jax.client.pixel_normalisation`)
-  to keep the data on the device at a quarter of float32's size, normalised
-  as each batch is read (:meth:`ClientData.images`).
-
-  Args:
-    xs: K arrays ``(N_k, H, W, C)``; ys: K label arrays ``(N_k,)``.
-    pixel_scale, pixel_offset: ``(C,)`` per-channel normalisation shared by
-      all clients, or both None if ``xs`` already hold float model inputs.
-
-  Returns:
-    :class:`ClientData` with leaves ``(K, N_max, ...)``, a validity mask and,
-    if given, ``(K, C)`` pixel scale and offset.
-
-  Raises:
-    ValueError: on mismatched counts, empty clients, mixed dtypes or shapes,
-      integer images without a normalisation, or a normalisation whose length
-      is not the channel count.
-  """
-  if len(xs) != len(ys) or not xs:
-    raise ValueError(f"stack_clients needs the same number (>= 1) of image and label arrays,"
-                     f" got {len(xs)} and {len(ys)}")
-  for k, (x, y) in enumerate(zip(xs, ys)):
-    if len(x) == 0:
-      raise ValueError(f"client {k} has no data; allowed: every client holds >= 1 record")
-    if len(x) != len(y):
-      raise ValueError(f"client {k}: {len(x)} images but {len(y)} labels")
-  xs = [np.asarray(x) for x in xs]
-  if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
-    raise ValueError("clients' images differ in dtype or shape: "
-                     f"{sorted({(str(x.dtype), x.shape[1:]) for x in xs})}; allowed: one")
-  if (pixel_scale is None) != (pixel_offset is None):
-    raise ValueError("pixel_scale and pixel_offset must be given together (or neither)")
-  if pixel_scale is None and not np.issubdtype(xs[0].dtype, np.floating):
-    raise ValueError(f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
-                     "(fedlap_jax.client.pixel_normalisation); allowed without them: float "
-                     "model inputs")
-  norm = {}
-  if pixel_scale is not None:
-    channels = xs[0].shape[-1]
-    for name, v in (("pixel_scale", pixel_scale), ("pixel_offset", pixel_offset)):
-      v = np.asarray(v, np.float32)
-      if v.shape != (channels,):
-        raise ValueError(f"{name} has shape {v.shape}; allowed: ({channels},), one value per "
-                         "image channel")
-      norm[name] = jnp.asarray(np.broadcast_to(v, (len(xs), channels)))
-  n_max = max(len(x) for x in xs)
-  def pad(a):
-    return np.concatenate([a, np.zeros((n_max - len(a), *a.shape[1:]), a.dtype)])
-  x = np.stack([pad(x) for x in xs])
-  y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
-  mask = np.stack([np.arange(n_max) < len(x) for x in xs])
-  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask), **norm)
 
 
 def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.ndarray, np.ndarray]:

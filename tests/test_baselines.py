@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from fedlap_jax import accounting, baselines, privacy
-from fedlap_jax.client import ClientData
+from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig
 from fedlap_jax.models import count_params
 from fedlap_jax.training import evaluate, tree_distance

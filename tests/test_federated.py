@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from fedlap_jax import federated
-from fedlap_jax.client import ClientData
+from fedlap_jax.client_data import ClientData, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import (init_state, make_round_fn, real_images, stack_clients,
-                                  synthetic_labels)
+from fedlap_jax.federated import init_state, make_round_fn, real_images, synthetic_labels
 from fedlap_jax.models import ConvNet
 from fedlap_jax.training import evaluate
 

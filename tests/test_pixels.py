@@ -17,9 +17,9 @@ import pytest
 from sklearn import datasets
 
 from fedlap_jax import baselines
-from fedlap_jax.client import ClientData, pixel_normalisation
+from fedlap_jax.client_data import ClientData, pixel_normalisation, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state, make_round_fn, stack_clients
+from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import count_params
 from fedlap_jax.radius import calibrate_radius
 

@@ -42,7 +42,7 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   from jax.experimental import multihost_utils
 
   from experiments.train import CompileCounter
-  from fedlap_jax import baselines, client, federated, models
+  from fedlap_jax import baselines, client_data, federated, models
   from fedlap_jax import config as C
 
   multi = jax.process_count() > 1
@@ -62,8 +62,8 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   sizes = [40, 48, 40, 44, 40]
   xs = [rng.integers(0, 256, (n, 8, 8, 1), dtype=np.uint8) for n in sizes]
   ys = [np.resize([2 * k, 2 * k + 1], n).astype(np.int32) for k, n in enumerate(sizes)]
-  scale, offset = client.pixel_normalisation([0.5], [0.29])
-  clients = federated.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
+  scale, offset = client_data.pixel_normalisation([0.5], [0.29])
+  clients = client_data.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
   if multi:
     clients = sharding.put_clients(clients)
   dp = C.FedLAPConfig(
