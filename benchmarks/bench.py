@@ -46,7 +46,7 @@ import numpy as np
 from fedlap_jax import client as client_lib
 from fedlap_jax import client_data
 from fedlap_jax import config as config_lib
-from fedlap_jax import federated, models, per_example, privacy, server, training
+from fedlap_jax import dispatch, federated, models, per_example, privacy, server, training
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
 # The authors' PyTorch code on this kind of machine (2 CPU threads), from issue 6.
@@ -331,7 +331,7 @@ def op_client_round(apply_fn, params, clients, cfg, problem):
 def op_server_update(apply_fn, params, clients, cfg, problem):
   """``global_update`` on all clients' synthetic sets, radius ``r`` (runs to ``r`` or the cap)."""
   syn = _synthetic(clients, cfg, problem)
-  weights = federated.client_weights(clients, cfg.server.weighting)
+  weights = dispatch.client_weights(clients, cfg.server.weighting)
   lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
   radius = federated.server_radius(jnp.full((problem.num_clients,), cfg.client.radius),
                                    cfg.server.radius_strategy, cfg.client.radius)
@@ -496,7 +496,7 @@ def _save_partial(r: dict) -> None:
 
 def _op_backend(op: str, default: str) -> str:
   """The client backend of ``round:map`` / ``fedavg_round:vmap`` style ops, ``auto`` resolved."""
-  return federated.resolve_client_backend(op.split(":")[1] if ":" in op else default)
+  return dispatch.resolve_client_backend(op.split(":")[1] if ":" in op else default)
 
 
 def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
@@ -713,7 +713,7 @@ def main(argv=None) -> int:
   parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
-  parser.add_argument("--client-backend", default="auto", choices=federated.CLIENT_BACKENDS)
+  parser.add_argument("--client-backend", default="auto", choices=config_lib.CLIENT_BACKENDS)
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="named configs: trace one extra run of each op into DIR/<op> "
                            "(jax.profiler; view with XProf or TensorBoard)")

@@ -49,7 +49,8 @@ from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
 from fedlap_jax import sharding
 from fedlap_jax.client_data import normalise_pixels, stack_clients
-from fedlap_jax.federated import RoundMetrics, resolve_client_backend
+from fedlap_jax.dispatch import resolve_client_backend
+from fedlap_jax.federated import RoundMetrics
 from fedlap_jax.models import count_params, init_convnet
 from fedlap_jax.training import evaluate
 

@@ -89,8 +89,8 @@ import numpy as np
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import WEIGHTINGS, DPConfig
-from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, place_inputs, run_clients
+from fedlap_jax.config import CLIENT_BACKENDS, WEIGHTINGS, DPConfig
+from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import cosine_learning_rate, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")

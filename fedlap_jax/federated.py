@@ -23,73 +23,11 @@ import numpy as np
 from fedlap_jax.client import LocalApproxMetrics, local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import FedLAPConfig
+from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.radius import server_radius
 from fedlap_jax.server import ServerMetrics, global_update
 from fedlap_jax.training import cosine_learning_rate
 from fedlap_jax.types import PyTree
-
-CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
-
-
-def resolve_client_backend(name: str) -> str:
-  """``client_backend`` with ``"auto"`` resolved.
-
-  ``"auto"`` is ``"shard"`` when JAX sees several devices (each device runs
-  its block of clients one after another) and ``"map"`` (clients one after
-  another) on a single device. Measured on both backends we have
-  (BENCHMARKS.md): on a 2-core CPU ``map`` ran the FedLAP-DP reference round
-  1.4x faster than ``vmap`` (24.2 vs 33.9 s); on one H100 the paper
-  ``cifar_nondp`` round took 12.4 s with ``map`` and 28.1 s with ``vmap``,
-  ``cifar_dp`` 7.3 vs 7.7 s, with a quarter of the device memory. The cost of
-  ``vmap`` is in the algorithm, not the chip: every client draws its own DSA
-  family, so the batched ``lax.switch`` computes all six augmentation families
-  for every batch, and the ``lax.cond`` around the local update runs both
-  branches.
-  """
-  if name == "auto":
-    return "shard" if jax.device_count() > 1 else "map"
-  return name
-
-
-def place_inputs(round_fn: Callable, client_backend: str = "auto", mesh: Any = None) -> Callable:
-  """``round_fn`` itself, or for the ``shard`` backend one that places its inputs first.
-
-  A sharded round wants the state replicated over the mesh and the client data
-  sharded over its client axis (:class:`fedlap_jax.sharding.PlacedRound`). The
-  state stays placed from round 1 on, so a run compiles one program, and the
-  client data moves to the devices once.
-  """
-  if resolve_client_backend(client_backend) != "shard":
-    return round_fn
-  from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
-  return sharding.PlacedRound(round_fn, sharding.client_mesh() if mesh is None else mesh)
-
-
-def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
-                client_backend: str = "auto", mesh: Any = None) -> PyTree:
-  """``run(one_client_args, *replicated)`` for every client, stacked on a leading ``(K,)`` axis.
-
-  ``args`` holds the per-client inputs (leading axis ``K``); ``replicated``
-  what every client gets whole (the global model, the learning rate). The
-  backend (:data:`CLIENT_BACKENDS`, ``auto`` resolved by
-  :func:`resolve_client_backend`): ``vmap`` all at once, ``map`` one after
-  another (``lax.map``), ``shard`` one after another within blocks placed on
-  the devices of ``mesh`` (:func:`fedlap_jax.sharding.map_clients`).
-  """
-  if client_backend not in CLIENT_BACKENDS:
-    raise ValueError(f"client_backend={client_backend!r} is invalid; allowed: {CLIENT_BACKENDS}")
-  client_backend = resolve_client_backend(client_backend)
-  if client_backend == "vmap":
-    return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated))(args, *replicated)
-
-  def one_by_one(block, *rep):
-    return jax.lax.map(lambda one: run(one, *rep), block)
-
-  if client_backend == "shard":
-    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
-    return sharding.map_clients(one_by_one, args, replicated=replicated, mesh=mesh)
-  return one_by_one(args, *replicated)
-
 
 class FedLAPState(NamedTuple):
   """Server state between rounds.
@@ -216,13 +154,6 @@ def init_state(
   images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
   synthetic = SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask))
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
-
-
-def client_weights(clients: ClientData, weighting: str) -> jax.Array:
-  """``(K,)`` server weights: ``N_k`` for ``size``, ones for ``uniform``."""
-  if weighting == "uniform":
-    return jnp.ones(clients.mask.shape[0], jnp.float32)
-  return jnp.sum(clients.mask, axis=1).astype(jnp.float32)
 
 
 def fedlap_round(
