@@ -47,6 +47,7 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
+from fedlap_jax import federated
 from fedlap_jax import sharding
 from fedlap_jax.client_data import normalise_pixels, stack_clients
 from fedlap_jax.dispatch import resolve_client_backend
@@ -143,8 +144,8 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
 def _fedlap_algorithm(apply_fn, fedlap_config, image_shape, max_classes, backend):
   """Memoised :func:`fedlap_jax.algorithm.fedlap`: runs of the same setting in one
   process (seeds of a sweep, a resumed run) reuse one compiled round."""
-  return algorithm_lib.fedlap(apply_fn, fedlap_config, image_shape=image_shape,
-                              max_classes_per_client=max_classes, client_backend=backend)
+  return federated.algorithm(apply_fn, fedlap_config, image_shape=image_shape,
+                             max_classes_per_client=max_classes, client_backend=backend)
 
 
 @functools.lru_cache(maxsize=4)

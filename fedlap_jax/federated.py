@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.client import LocalApproxMetrics, local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import FedLAPConfig
@@ -226,3 +227,25 @@ def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: s
                                        client_backend=client_backend, mesh=mesh),
                      donate_argnums=(0,) if donate_state else ())
   return place_inputs(round_fn, client_backend, mesh)
+
+
+def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[int, ...],
+              max_classes_per_client: int, client_backend: str = "auto") -> FederatedAlgorithm:
+  """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
+
+  ``upload_floats_per_client = ipc * max_classes_per_client * prod(image_shape)``
+  (the synthetic images; labels are fixed and sent once).
+  """
+  cc = config.client
+  upload = int(cc.ipc * max_classes_per_client * np.prod(image_shape))
+  round_fn = make_round_fn(apply_fn, config, client_backend=client_backend)
+  return FederatedAlgorithm(
+      name="fedlap_dp" if cc.dp is not None else "fedlap",
+      init=lambda key, params, clients: init_state(key, params, clients, config),
+      round=round_fn,
+      params_of=lambda state: state.params,
+      upload_floats_per_client=upload,
+      dp=cc.dp,
+      dp_steps_per_round=cc.real_accesses_per_round if cc.dp is not None else None,
+      batch_size=cc.batch_size,
+  )
