@@ -29,7 +29,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fedlap_jax import dsa
+
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
+PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")
@@ -56,12 +59,22 @@ def _positive_float(field: str, value) -> None:
 
 
 def _dsa_strategy(field: str, value) -> None:
-  from fedlap_jax import dsa  # local import: dsa imports nothing from here
   _require(isinstance(value, str), field, value, "a string of DSA families joined by '_'")
   try:
     dsa.parse_strategy(value)
   except ValueError as e:
     raise ValueError(f"{field}={value!r} is invalid: {e}") from None
+
+
+def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:
+  """A static buffer size for Poisson batches of expected size ``batch_size``.
+
+  A Poisson batch has mean ``B`` and variance ``B (1 - q) <= B``; ``B + 6 sqrt(B)``
+  (plus a small constant) is exceeded with probability below ``1e-8``.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size}; allowed: an integer >= 1")
+  return int(math.ceil(batch_size + num_std * math.sqrt(batch_size) + 4))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,9 +111,8 @@ class DPConfig:
              "dp.delta", self.delta, "a number in the open interval (0, 1)")
     if self.microbatch_size is not None:
       _positive_int("dp.microbatch_size", self.microbatch_size)
-    methods = ("auto", "layerwise", "vmap", "jax_privacy")  # privacy.PER_EXAMPLE_METHODS
-    _require(self.per_example_method in methods, "dp.per_example_method",
-             self.per_example_method, f"one of {methods}")
+    _require(self.per_example_method in PER_EXAMPLE_METHODS, "dp.per_example_method",
+             self.per_example_method, f"one of {PER_EXAMPLE_METHODS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,7 +191,6 @@ class ClientConfig:
   @property
   def capacity(self) -> int:
     """Static size of the Poisson batch buffer."""
-    from fedlap_jax.privacy import poisson_capacity
     return self.poisson_capacity or poisson_capacity(self.batch_size)
 
   @property

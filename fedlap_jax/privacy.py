@@ -35,17 +35,17 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedlap_jax import per_example as _per_example
+from fedlap_jax.config import PER_EXAMPLE_METHODS
+from fedlap_jax.config import poisson_capacity  # noqa: F401 (the buffer of poisson_sample)
 from fedlap_jax.losses import cross_entropy, masked_mean_loss
 from fedlap_jax.types import ApplyFn, PyTree
 
-PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 
 
 class PoissonBatch(NamedTuple):
@@ -62,17 +62,6 @@ class PoissonBatch(NamedTuple):
   is_padding: jax.Array
   size: jax.Array
   overflow: jax.Array
-
-
-def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:
-  """A static buffer size for Poisson batches of expected size ``batch_size``.
-
-  A Poisson batch has mean ``B`` and variance ``B (1 - q) <= B``; ``B + 6 sqrt(B)``
-  (plus a small constant) is exceeded with probability below ``1e-8``.
-  """
-  if batch_size < 1:
-    raise ValueError(f"batch_size={batch_size}; allowed: an integer >= 1")
-  return int(math.ceil(batch_size + num_std * math.sqrt(batch_size) + 4))
 
 
 def poisson_sample(
