@@ -110,7 +110,8 @@ def run_config(config, workdir: str, name: str) -> int:
       try:
         validation.validate_config(cfg)
       except validation.ConfigError as e:
-        raise validation.ConfigError(f"{label}: {e}") from None
+        raise validation.ConfigError(e.field, e.value, e.allowed,
+                                     message=f"{label}: {e}") from None
     results = []
     for cfg, wd, label in targets:
       result = train.train_and_evaluate(cfg, wd, config_name=label)

@@ -191,7 +191,8 @@ def build_run(cfg) -> RunSetup:
     dataset = data_lib.load_dataset(cfg.data)
     indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
   except ValueError as e:  # bad data or a partition the data does not allow
-    raise validation.ConfigError(str(e)) from None
+    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+                                 message=str(e)) from None
   validation.validate_data(cfg, dataset, indices)
   ys = [dataset.y_train[i] for i in indices]
   clients = stack_clients([dataset.x_train[i] for i in indices], ys,

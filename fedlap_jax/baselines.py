@@ -88,6 +88,7 @@ import numpy as np
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of, require
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import CLIENT_BACKENDS, WEIGHTINGS, DPConfig
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
@@ -106,20 +107,6 @@ __all__ = [
     "LocalTraining", "baseline_round", "client_update", "init_baseline_state",
     "make_algorithm", "round_keys", "step_keys", "steps_per_epoch",
 ]
-
-
-def _require(cond: bool, field: str, value, allowed: str) -> None:
-  if not cond:
-    raise ValueError(f"{field}={value!r} is invalid; allowed: {allowed}")
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-  return (isinstance(value, (int, float, np.integer, np.floating))
-          and not isinstance(value, bool) and math.isfinite(value))
 
 
 def steps_per_epoch(num_records, batch_size: int):
@@ -185,34 +172,34 @@ class LocalTraining:
   track_loss: bool = True
 
   def __post_init__(self):
-    _require(_is_int(self.epochs) and self.epochs >= 1, "local_epochs", self.epochs,
-             "an integer >= 1")
-    _require(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
-             self.batch_size, "an integer >= 1")
+    require(is_int(self.epochs) and self.epochs >= 1, "local_epochs", self.epochs,
+            "an integer >= 1")
+    require(is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
+            self.batch_size, "an integer >= 1")
     for f in ("fixed_steps", "max_client_size", "microbatch_size"):
       v = getattr(self, f)
-      _require(v is None or (_is_int(v) and v >= 1), f, v, "None or an integer >= 1")
+      require(v is None or (is_int(v) and v >= 1), f, v, "None or an integer >= 1")
     if self.poisson_capacity is not None:
-      _require(_is_int(self.poisson_capacity) and self.poisson_capacity >= self.batch_size,
-               "poisson_capacity", self.poisson_capacity,
-               f"None or an integer >= batch_size ({self.batch_size})")
-    _require(_is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu,
-             "a finite number >= 0")
-    _require(self.l2_clip_norm is None or (_is_real(self.l2_clip_norm)
-                                           and self.l2_clip_norm > 0),
-             "l2_clip_norm", self.l2_clip_norm, "None or a finite number > 0")
-    _require(_is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
-             "noise_multiplier", self.noise_multiplier, "a finite number >= 0")
-    _require(self.l2_clip_norm is not None or self.noise_multiplier == 0,
-             "noise_multiplier", self.noise_multiplier,
-             "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)")
-    _require(self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
-             "gradient_mean", self.gradient_mean, f"None or one of {GRADIENT_MEANS}")
-    _require(self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
-             "gradient_mean", self.gradient_mean,
-             "'expected' or None with clipping (dividing by the realised batch size "
-             "would leak it)")
-    dsa.parse_strategy(self.dsa_strategy)
+      require(is_int(self.poisson_capacity) and self.poisson_capacity >= self.batch_size,
+              "poisson_capacity", self.poisson_capacity,
+              f"None or an integer >= batch_size ({self.batch_size})")
+    require(is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu,
+            "a finite number >= 0")
+    require(self.l2_clip_norm is None or (is_real(self.l2_clip_norm)
+                                          and self.l2_clip_norm > 0),
+            "l2_clip_norm", self.l2_clip_norm, "None or a finite number > 0")
+    require(is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
+            "noise_multiplier", self.noise_multiplier, "a finite number >= 0")
+    require(self.l2_clip_norm is not None or self.noise_multiplier == 0,
+            "noise_multiplier", self.noise_multiplier,
+            "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)")
+    require(self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
+            "gradient_mean", self.gradient_mean, f"None or one of {GRADIENT_MEANS}")
+    require(self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
+            "gradient_mean", self.gradient_mean,
+            "'expected' or None with clipping (dividing by the realised batch size "
+            "would leak it)")
+    dsa_strategy("dsa_strategy", self.dsa_strategy)
 
   @property
   def private(self) -> bool:
@@ -241,8 +228,8 @@ class LocalTraining:
       return self.fixed_steps
     n_max = self.max_client_size or padded_size
     if n_max is None:
-      raise ValueError("max_client_size=None is invalid here; allowed: an integer >= 1 "
-                       "(the static step count needs the largest client's size)")
+      raise ConfigError("max_client_size", None, "an integer >= 1 (the static step count "
+                        "needs the largest client's size)")
     return self.epochs * steps_per_epoch(int(n_max), self.batch_size)
 
   def client_steps(self, num_records: jax.Array) -> jax.Array:
@@ -279,26 +266,25 @@ class BaselineConfig:
   client_backend: str = "auto"
 
   def __post_init__(self):
-    _require(self.method in METHODS, "method", self.method, f"one of {METHODS}")
-    _require(_is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds,
-             "an integer >= 1")
+    one_of("method", self.method, METHODS)
+    require(is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds,
+            "an integer >= 1")
     for f in ("learning_rate", "server_lr"):
       v = getattr(self, f)
-      _require(_is_real(v) and v > 0, f, v, "a finite number > 0")
-    _require(self.weighting in WEIGHTINGS, "weighting", self.weighting, f"one of {WEIGHTINGS}")
-    _require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
-    _require(self.client_backend in CLIENT_BACKENDS, "client_backend", self.client_backend,
-             f"one of {CLIENT_BACKENDS}")
+      require(is_real(v) and v > 0, f, v, "a finite number > 0")
+    one_of("weighting", self.weighting, WEIGHTINGS)
+    require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
+    one_of("client_backend", self.client_backend, CLIENT_BACKENDS)
     loc = self.local
     private = self.method in DP_METHODS
-    _require(loc.private == private, "local.l2_clip_norm", loc.l2_clip_norm,
-             "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})")
-    _require(self.method in PROX_METHODS or loc.prox_mu == 0, "local.prox_mu", loc.prox_mu,
-             f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')")
-    _require(loc.control_variates == (self.method == "scaffold"), "local.control_variates",
-             loc.control_variates, f"True exactly for 'scaffold' (method={self.method!r})")
-    _require(self.method != "fedsgd" or loc.fixed_steps == 1, "local.fixed_steps",
-             loc.fixed_steps, "1 for 'fedsgd' (one local batch per round)")
+    require(loc.private == private, "local.l2_clip_norm", loc.l2_clip_norm,
+            "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})")
+    require(self.method in PROX_METHODS or loc.prox_mu == 0, "local.prox_mu", loc.prox_mu,
+            f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')")
+    require(loc.control_variates == (self.method == "scaffold"), "local.control_variates",
+            loc.control_variates, f"True exactly for 'scaffold' (method={self.method!r})")
+    require(self.method != "fedsgd" or loc.fixed_steps == 1, "local.fixed_steps",
+            loc.fixed_steps, "1 for 'fedsgd' (one local batch per round)")
 
 
 # --------------------------------------------------------------------------
@@ -645,24 +631,24 @@ def make_algorithm(
     The :class:`FederatedAlgorithm`; ``dp_steps_per_round`` is ``T`` for DP
     methods (``None`` otherwise) and ``batch_size`` is ``B``.
   """
-  _require(method in METHODS, "method", method, f"one of {METHODS}")
+  require(method in METHODS, "method", method, f"one of {METHODS}")
   private = method in DP_METHODS
   if private:
-    _require(isinstance(dp, DPConfig), "dp", dp, f"a DPConfig for method={method!r}")
-    _require(max_client_size is not None, "max_client_size", max_client_size,
-             f"an integer >= 1 for method={method!r} (the accountant needs the static "
-             "step count T = local_epochs * round(max_client_size / batch_size))")
+    require(isinstance(dp, DPConfig), "dp", dp, f"a DPConfig for method={method!r}")
+    require(max_client_size is not None, "max_client_size", max_client_size,
+            f"an integer >= 1 for method={method!r} (the accountant needs the static "
+            "step count T = local_epochs * round(max_client_size / batch_size))")
   else:
-    _require(dp is None, "dp", dp,
-             f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
-  _require(_is_int(num_clients) and num_clients >= 1, "num_clients", num_clients,
-           "an integer >= 1")
-  _require(_is_int(num_params) and num_params >= 1, "num_params", num_params,
-           "an integer >= 1")
+    require(dp is None, "dp", dp,
+            f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
+  require(is_int(num_clients) and num_clients >= 1, "num_clients", num_clients,
+          "an integer >= 1")
+  require(is_int(num_params) and num_params >= 1, "num_params", num_params,
+          "an integer >= 1")
   image_shape = tuple(image_shape)
-  _require(len(image_shape) == 3 and all(_is_int(d) and d >= 1 for d in image_shape),
-           "image_shape", image_shape, "(H, W, C) positive integers")
-  _require(isinstance(uniform_steps, bool), "uniform_steps", uniform_steps, "a bool")
+  require(len(image_shape) == 3 and all(is_int(d) and d >= 1 for d in image_shape),
+          "image_shape", image_shape, "(H, W, C) positive integers")
+  require(isinstance(uniform_steps, bool), "uniform_steps", uniform_steps, "a bool")
   if weighting is None:
     weighting = "uniform" if private else "size"
 
@@ -682,8 +668,8 @@ def make_algorithm(
       track_loss=track_loss,
   )
   if uniform_steps and method != "fedsgd":
-    _require(max_client_size is not None, "max_client_size", max_client_size,
-             "an integer >= 1 with uniform_steps=True")
+    require(max_client_size is not None, "max_client_size", max_client_size,
+            "an integer >= 1 with uniform_steps=True")
     local = dataclasses.replace(local, fixed_steps=local.scheduled_steps())
   config = BaselineConfig(method=method, rounds=rounds, learning_rate=learning_rate,
                           server_lr=server_lr, weighting=weighting, local=local,

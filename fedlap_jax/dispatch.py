@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import CLIENT_BACKENDS
 from fedlap_jax.types import PyTree
@@ -75,7 +76,7 @@ def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
   the devices of ``mesh`` (:func:`fedlap_jax.sharding.map_clients`).
   """
   if client_backend not in CLIENT_BACKENDS:
-    raise ValueError(f"client_backend={client_backend!r} is invalid; allowed: {CLIENT_BACKENDS}")
+    raise ConfigError("client_backend", client_backend, f"{CLIENT_BACKENDS}")
   client_backend = resolve_client_backend(client_backend)
   if client_backend == "vmap":
     return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated))(args, *replicated)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import LocalApproxMetrics, local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import FedLAPConfig
@@ -69,7 +70,7 @@ def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.
     then padding.
   """
   if ipc < 1:
-    raise ValueError(f"ipc={ipc!r} is invalid; allowed: an integer >= 1")
+    raise ConfigError("ipc", ipc, "an integer >= 1")
   classes = [np.unique(np.asarray(y)) for y in client_labels]
   s = ipc * max(len(c) for c in classes)
   labels = np.zeros((len(classes), s), np.int32)
@@ -129,17 +130,20 @@ def init_state(
   under ``"real"`` they are drawn from real data at the start of every round.
 
   Raises:
-    ValueError: if ``batch_size`` exceeds the smallest client (q > 1), or, under
+    ConfigError: if ``batch_size`` exceeds the smallest client (q > 1), or, under
       ``"real"``, a client has fewer than ``ipc`` records of one of its classes.
   """
   if config.dp is not None and config.synthetic_init != "noise":
-    raise ValueError(f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
-                     "allowed: 'noise' (real images must not be published)")
+    raise ConfigError("synthetic_init", config.synthetic_init,
+                      "'noise' (real images must not be published)",
+                      message=f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
+                      "allowed: 'noise' (real images must not be published)")
   ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
   labels, mask = synthetic_labels(ys, config.client.ipc)
   sizes = [len(y) for y in ys]
   if config.client.batch_size > min(sizes):
-    raise ValueError(
+    raise ConfigError(
+        "batch_size", config.client.batch_size, "batch_size <= the smallest client", message=
         f"batch_size={config.client.batch_size} is invalid: client {int(np.argmin(sizes))} has"
         f" only {min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson"
         " rate q = batch_size / N_k must be <= 1)")
@@ -147,10 +151,11 @@ def init_state(
     for k, y in enumerate(ys):
       cls, counts = np.unique(y, return_counts=True)
       if counts.min() < config.client.ipc:
-        raise ValueError(
-            f"ipc={config.client.ipc} is invalid with synthetic_init='real': client {k} has"
-            f" only {counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <="
-            " the smallest class count of every client (or synthetic_init='noise')")
+        raise ConfigError(
+            "ipc", config.client.ipc, "ipc <= the smallest class count of every client",
+            message=f"ipc={config.client.ipc} is invalid with synthetic_init='real': client {k}"
+            f" has only {counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc"
+            " <= the smallest class count of every client (or synthetic_init='noise')")
   k_init, k_state = jax.random.split(key)
   images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
   synthetic = SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask))

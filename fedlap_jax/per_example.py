@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedlap_jax import models
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -561,7 +562,7 @@ def microbatched(
     per-example values, 0 for the examples of chunks skipped.
 
   Raises:
-    ValueError: ``microbatch_size`` is not an integer >= 1.
+    ConfigError: ``microbatch_size`` is not an integer >= 1.
 
   Not reverse-differentiable when chunked (the loop length is data-dependent).
   """
@@ -569,7 +570,7 @@ def microbatched(
   if microbatch_size is None or microbatch_size >= n:
     return chunk_fn(x, y, is_padding)
   if not isinstance(microbatch_size, int) or microbatch_size < 1:
-    raise ValueError(f"microbatch_size={microbatch_size!r} is invalid; allowed: an integer >= 1")
+    raise ConfigError("microbatch_size", microbatch_size, "an integer >= 1")
   chunks = math.ceil(n / microbatch_size)
   pad = chunks * microbatch_size - n
 

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from fedlap_jax import per_example as _per_example
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import PER_EXAMPLE_METHODS
 from fedlap_jax.config import poisson_capacity  # noqa: F401 (the buffer of poisson_sample)
 from fedlap_jax.losses import cross_entropy, masked_mean_loss
@@ -188,7 +189,7 @@ def clipped_gradient_sum(
     pre-clipping per-example gradient norms.
   """
   if method not in PER_EXAMPLE_METHODS:
-    raise ValueError(f"method={method!r} is invalid; allowed: {PER_EXAMPLE_METHODS}")
+    raise ConfigError("method", method, f"{PER_EXAMPLE_METHODS}")
   if method == "auto":
     method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:

@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import RADIUS_STRATEGIES
 from fedlap_jax.training import evaluate, sgd_epoch, tree_distance
 from fedlap_jax.types import PyTree
@@ -110,7 +111,7 @@ def server_radius(radii: jax.Array, strategy: str, radius, valid: jax.Array | No
     Scalar ``r_g``; ``+inf`` for ``fixed`` (the server runs its epoch cap).
   """
   if strategy not in RADIUS_STRATEGIES:
-    raise ValueError(f"radius_strategy={strategy!r} is invalid; allowed: one of {RADIUS_STRATEGIES}")
+    raise ConfigError("radius_strategy", strategy, f"one of {RADIUS_STRATEGIES}")
   radii = jnp.asarray(radii, jnp.float32)
   if valid is None:
     valid = jnp.ones(radii.shape, bool)
