@@ -336,10 +336,10 @@ def op_server_update(apply_fn, params, clients, cfg, problem):
   radius = federated.server_radius(jnp.full((problem.num_clients,), cfg.client.radius),
                                    cfg.server.radius_strategy, cfg.client.radius)
 
-  def fn(key, p, sx, sy, sm, w, r):
-    return server.global_update(key, apply_fn, p, sx, sy, sm, w, r, learning_rate=lr,
+  def fn(key, p, syn, w, r):
+    return server.global_update(key, apply_fn, p, syn, w, r, learning_rate=lr,
                                 config=cfg.server)
-  return fn, (jax.random.PRNGKey(7), params, syn.x, syn.y, syn.mask, weights, radius)
+  return fn, (jax.random.PRNGKey(7), params, syn, weights, radius)
 
 
 def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):

@@ -221,11 +221,10 @@ def local_approx(
 
   if c.calibrate_radius:
     r_k, _ = calibrate_radius(
-        k_cal, apply_fn, params, synthetic.x, synthetic.y, synthetic.mask,
-        client_data.x, client_data.y, client_data.mask,
+        k_cal, apply_fn, params, synthetic, client_data,
         learning_rate=learning_rate, max_radius=c.radius, epochs=c.calibration_epochs,
         batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy,
-        eval_size=c.calibration_eval_size, real_preprocess=client_data.normalise)
+        eval_size=c.calibration_eval_size)
   else:
     r_k = jnp.asarray(c.radius, jnp.float32)
 

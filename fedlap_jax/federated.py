@@ -211,7 +211,7 @@ def fedlap_round(
 
   r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
   params, server_metrics = global_update(
-      k_server, apply_fn, state.params, synthetic.x, synthetic.y, synthetic.mask,
+      k_server, apply_fn, state.params, synthetic,
       client_weights(clients, config.server.weighting), r_g,
       learning_rate=lr, config=config.server)
   new_state = FedLAPState(params, synthetic, m, key)

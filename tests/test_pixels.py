@@ -17,7 +17,7 @@ import pytest
 from sklearn import datasets
 
 from fedlap_jax import baselines
-from fedlap_jax.client_data import ClientData, pixel_normalisation, stack_clients
+from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import count_params
@@ -123,16 +123,16 @@ def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients
   syn_x = jax.random.normal(jax.random.PRNGKey(0), (20, 8, 8, 1))
   syn_y = jnp.arange(20) % 10
   syn_mask = jnp.ones(20, bool)
+  syn = SyntheticSet(syn_x, syn_y, syn_mask)
   one = jax.tree.map(lambda a: a[1], pixels)
   ref = jax.tree.map(lambda a: a[1], floats)
   for eval_size in (None, 64):
-    got = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn_x, syn_y,
-                           syn_mask, one.x, one.y, one.mask, learning_rate=0.1,
-                           max_radius=10.0, epochs=4, batch_size=8, eval_size=eval_size,
-                           real_preprocess=one.normalise)
-    want = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn_x, syn_y,
-                            syn_mask, ref.x, ref.y, ref.mask, learning_rate=0.1,
-                            max_radius=10.0, epochs=4, batch_size=8, eval_size=eval_size)
+    got = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn, one,
+                           learning_rate=0.1, max_radius=10.0, epochs=4, batch_size=8,
+                           eval_size=eval_size)
+    want = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn, ref,
+                            learning_rate=0.1, max_radius=10.0, epochs=4, batch_size=8,
+                            eval_size=eval_size)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
