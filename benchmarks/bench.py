@@ -46,7 +46,8 @@ import numpy as np
 from fedlap_jax import client as client_lib
 from fedlap_jax import client_data
 from fedlap_jax import config as config_lib
-from fedlap_jax import dispatch, federated, models, per_example, privacy, server, training
+from fedlap_jax import (baselines, dispatch, federated, models, per_example, privacy, server,
+                        training)
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
 # The authors' PyTorch code on this kind of machine (2 CPU threads), from issue 6.
@@ -349,13 +350,13 @@ def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):
 
 
 def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "map"):
-  """A FedAvg round with one local epoch, if :mod:`fedlap_jax.baselines` exists."""
-  from fedlap_jax import baselines  # optional: skipped if the module is absent
-  alg = baselines.make_algorithm(
-      "fedavg", apply_fn, num_clients=problem.num_clients, image_shape=problem.image_shape,
-      num_params=models.count_params(params), rounds=200, learning_rate=0.1, local_epochs=1,
-      batch_size=256, prox_mu=0.0, dp=None, max_client_size=problem.records,
-      client_backend=client_backend)
+  """A FedAvg round with one local epoch (:func:`fedlap_jax.baselines.algorithm`)."""
+  config = baselines.baseline_config(
+      "fedavg", rounds=200, learning_rate=0.1, local_epochs=1, batch_size=256, prox_mu=0.0,
+      dp=None, max_client_size=problem.records)
+  alg = baselines.algorithm(apply_fn, config, image_shape=problem.image_shape,
+                            num_clients=problem.num_clients,
+                            num_params=models.count_params(params), client_backend=client_backend)
   state = alg.init(jax.random.PRNGKey(9), params, clients)
   return alg.round, (state, clients)
 
@@ -561,11 +562,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       rows.append(row(res, references.get(key), note))
     elif op.split(":")[0] == "fedavg_round":
       backend = _op_backend(op, client_backend)
-      try:
-        fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
-      except ImportError:
-        _log("fedlap_jax.baselines not available: FedAvg round skipped")
-        continue
+      fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
       res = timed(f"fedavg_round [{backend}]", fn, args, repeats=repeats, warmup=False)
       steps = int(np.sum(res["output"][1].client.steps)) if hasattr(res["output"][1], "client") \
           else None

@@ -47,7 +47,7 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
-from fedlap_jax import federated
+from fedlap_jax import baselines, federated
 from fedlap_jax import sharding
 from fedlap_jax.client_data import normalise_pixels, stack_clients
 from fedlap_jax.dispatch import resolve_client_backend
@@ -106,46 +106,23 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
                     num_params: int, max_client_size: int) -> algorithm_lib.FederatedAlgorithm:
   """The :class:`FederatedAlgorithm` of ``cfg.method``.
 
-  ``fedlap`` uses :func:`fedlap_jax.algorithm.fedlap`. Baselines come from
-  ``fedlap_jax.baselines.make_algorithm`` with the signature::
-
-    make_algorithm(method: str, apply_fn, *, num_clients: int,
-                   image_shape: tuple[int, int, int], num_params: int,
-                   rounds: int, learning_rate: float, local_epochs: int,
-                   batch_size: int, prox_mu: float,
-                   dp: fedlap_jax.config.DPConfig | None,
-                   max_client_size: int) -> FederatedAlgorithm
-
-  where ``method`` is one of ``fedavg, fedprox, fedsgd, scaffold, dp_fedavg,
-  dp_fedprox``, ``batch_size`` is the expected Poisson batch size ``B``, ``dp``
-  is set for the ``dp_*`` methods and ``max_client_size`` (records of the
-  largest client) fixes the static local step count ``T``.
+  ``fedlap``: :func:`fedlap_jax.federated.algorithm` of
+  :func:`validation.to_fedlap_config`; the baselines:
+  :func:`fedlap_jax.baselines.algorithm` of :func:`validation.to_baseline_config`
+  (``max_client_size``, records of the largest client, fixes the static local
+  step count ``T``). Both share compiled rounds between algorithms of equal
+  settings, so the seeds of a sweep or a resumed run compile nothing new.
   """
   backend = resolve_client_backend(cfg.client_backend)
   if cfg.method == "fedlap":
-    return _fedlap_algorithm(apply_fn, validation.to_fedlap_config(cfg), tuple(image_shape),
-                             max_classes_per_client, backend)
-  try:
-    from fedlap_jax import baselines  # pylint: disable=g-import-not-at-top
-    make_algorithm = baselines.make_algorithm
-  except (ImportError, AttributeError) as e:
-    raise validation.ConfigError(
-        f"method={cfg.method!r} needs fedlap_jax.baselines.make_algorithm, which is not "
-        f"available in this installation ({e}); allowed: 'fedlap'") from None
-  return make_algorithm(
-      cfg.method, apply_fn, num_clients=cfg.data.num_clients, image_shape=tuple(image_shape),
-      num_params=num_params, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
-      local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
-      prox_mu=cfg.baseline.prox_mu, dp=validation.to_dp_config(cfg),
-      max_client_size=max_client_size, client_backend=backend)
-
-
-@functools.lru_cache(maxsize=4)
-def _fedlap_algorithm(apply_fn, fedlap_config, image_shape, max_classes, backend):
-  """Memoised :func:`fedlap_jax.algorithm.fedlap`: runs of the same setting in one
-  process (seeds of a sweep, a resumed run) reuse one compiled round."""
-  return federated.algorithm(apply_fn, fedlap_config, image_shape=image_shape,
-                             max_classes_per_client=max_classes, client_backend=backend)
+    return federated.algorithm(apply_fn, validation.to_fedlap_config(cfg),
+                               image_shape=tuple(image_shape),
+                               max_classes_per_client=max_classes_per_client,
+                               client_backend=backend)
+  return baselines.algorithm(
+      apply_fn, validation.to_baseline_config(cfg, max_client_size=max_client_size),
+      image_shape=tuple(image_shape), num_clients=cfg.data.num_clients, num_params=num_params,
+      client_backend=backend)
 
 
 @functools.lru_cache(maxsize=4)

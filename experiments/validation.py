@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fedlap_jax import baselines
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int, is_real
 from fedlap_jax.federated import synthetic_labels
@@ -60,12 +61,15 @@ def _core_path(field: str, section: str) -> str:
   return f"{section}.{field}" if section else field
 
 
-def _core_error(err: ConfigError, section: str) -> ConfigError:
-  """``err`` of the core, renamed to the field's path in the experiment config."""
-  path = _core_path(err.field, section)
+def _renamed(err: ConfigError, path: str) -> ConfigError:
+  """``err`` of the core with its field renamed to ``path``, the config path."""
   msg = str(err)
   msg = path + msg[len(err.field):] if msg.startswith(f"{err.field}=") else f"{path}: {msg}"
   return ConfigError(path, err.value, err.allowed, message=msg)
+
+
+def _core_error(err: ConfigError, section: str) -> ConfigError:
+  return _renamed(err, _core_path(err.field, section))
 
 
 def to_dp_config(cfg) -> core.DPConfig | None:
@@ -105,6 +109,31 @@ def to_fedlap_config(cfg) -> core.FedLAPConfig:
                              synthetic_init=cfg.synthetic_init)
   except ConfigError as e:
     raise _core_error(e, "") from None
+
+
+# Fields of fedlap_jax.baselines.baseline_config / BaselineConfig -> experiment config paths.
+BASELINE_PATHS = {"local_epochs": "baseline.local_epochs", "prox_mu": "baseline.prox_mu",
+                  "local.prox_mu": "baseline.prox_mu", "batch_size": "client.batch_size",
+                  "local.batch_size": "client.batch_size", "dp": "dp.enabled"}
+
+
+def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.BaselineConfig:
+  """The frozen :class:`fedlap_jax.baselines.BaselineConfig` of a baseline experiment config.
+
+  ``method``, ``rounds``, ``learning_rate``, ``client.batch_size``,
+  ``baseline.local_epochs``, ``baseline.prox_mu`` and ``dp`` go to
+  :func:`fedlap_jax.baselines.baseline_config`; ``max_client_size`` (records of
+  the largest client) fixes the static step count and is required under DP.
+  The core's errors are re-raised naming the config path.
+  """
+  dp = to_dp_config(cfg)
+  try:
+    return baselines.baseline_config(
+        cfg.method, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
+        local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
+        prox_mu=cfg.baseline.prox_mu, dp=dp, max_client_size=max_client_size)
+  except ConfigError as e:
+    raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
 
 
 def validate_config(cfg) -> None:

@@ -33,11 +33,24 @@ import math
 from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, one_of,
                                positive_float, positive_int, require)
 
+BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
+DP_BASELINE_METHODS = ("dp_fedavg", "dp_fedprox")
+METHODS = ("fedlap",) + BASELINE_METHODS
+# Display names, keyed by FederatedAlgorithm.name (FedLAP with DP is "fedlap_dp").
+METHOD_LABELS = {"fedlap": "FedLAP", "fedlap_dp": "FedLAP-DP", "fedavg": "FedAvg",
+                 "fedprox": "FedProx", "fedsgd": "FedSGD", "scaffold": "SCAFFOLD",
+                 "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx"}
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")
+
+
+def method_label(method: str, dp: bool) -> str:
+  """Display name of ``method`` (one of :data:`METHODS`), e.g. ``"FedLAP-DP"``."""
+  name = "fedlap_dp" if method == "fedlap" and dp else method
+  return METHOD_LABELS.get(name, method)
 
 
 def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:

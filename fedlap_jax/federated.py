@@ -234,20 +234,34 @@ def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: s
   return place_inputs(round_fn, client_backend, mesh)
 
 
+# One jit shared by every FedLAP algorithm built here: runs with equal configs (and
+# the same ``apply_fn`` object) share one compilation; a run compiles once.
+_round_jit = jax.jit(fedlap_round,
+                     static_argnames=("apply_fn", "config", "client_backend", "mesh"))
+
+
 def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[int, ...],
-              max_classes_per_client: int, client_backend: str = "auto") -> FederatedAlgorithm:
+              max_classes_per_client: int, client_backend: str = "auto",
+              mesh: Any = None) -> FederatedAlgorithm:
   """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
+
+  ``round`` is the module's one jit of :func:`fedlap_round` with ``apply_fn``,
+  ``config`` and the backend as static arguments: the round index and learning
+  rate are traced, so a run compiles once, and algorithms with equal settings
+  (e.g. the seeds of a sweep, a resumed run) share the compilation. The
+  counterpart of :func:`fedlap_jax.baselines.algorithm`.
 
   ``upload_floats_per_client = ipc * max_classes_per_client * prod(image_shape)``
   (the synthetic images; labels are fixed and sent once).
   """
   cc = config.client
   upload = int(cc.ipc * max_classes_per_client * np.prod(image_shape))
-  round_fn = make_round_fn(apply_fn, config, client_backend=client_backend)
+  round_fn = functools.partial(_round_jit, apply_fn=apply_fn, config=config,
+                               client_backend=client_backend, mesh=mesh)
   return FederatedAlgorithm(
       name="fedlap_dp" if cc.dp is not None else "fedlap",
       init=lambda key, params, clients: init_state(key, params, clients, config),
-      round=round_fn,
+      round=place_inputs(round_fn, client_backend, mesh),
       params_of=lambda state: state.params,
       upload_floats_per_client=upload,
       dp=cc.dp,

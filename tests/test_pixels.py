@@ -167,11 +167,11 @@ def test_fedlap_round_on_pixels_equals_the_round_on_floats(config, pixel_and_flo
 def test_fedavg_round_on_pixels_equals_the_round_on_floats(pixel_and_float_clients,
                                                            tiny_apply_fn, tiny_params):
   pixels, floats = pixel_and_float_clients
-  alg = baselines.make_algorithm(
-      "fedavg", tiny_apply_fn, num_clients=5, image_shape=(8, 8, 1),
-      num_params=count_params(tiny_params), rounds=2, learning_rate=0.1, local_epochs=1,
-      batch_size=32, prox_mu=0.0, dp=None,
-      max_client_size=int(jnp.max(jnp.sum(pixels.mask, axis=1))))
+  config = baselines.baseline_config(
+      "fedavg", rounds=2, learning_rate=0.1, local_epochs=1, batch_size=32, prox_mu=0.0,
+      dp=None, max_client_size=int(jnp.max(jnp.sum(pixels.mask, axis=1))))
+  alg = baselines.algorithm(tiny_apply_fn, config, num_clients=5, image_shape=(8, 8, 1),
+                            num_params=count_params(tiny_params))
   outs = [alg.round(alg.init(jax.random.PRNGKey(3), tiny_params, c), c)
           for c in (pixels, floats)]
   chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)

@@ -104,10 +104,12 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
         "server_epochs": int(host(metrics.server.epochs)),
         "accesses": host(metrics.client.real_accesses).tolist(),
     }
-  fedavg = baselines.make_algorithm(
-      "fedavg", apply_fn, num_clients=NUM_CLIENTS, image_shape=(8, 8, 1),
-      num_params=models.count_params(params), rounds=3, learning_rate=0.05, local_epochs=1,
-      batch_size=16, prox_mu=0.0, dp=None, max_client_size=max(sizes), client_backend=backend)
+  fedavg = baselines.algorithm(
+      apply_fn, baselines.baseline_config(
+          "fedavg", rounds=3, learning_rate=0.05, local_epochs=1, batch_size=16, prox_mu=0.0,
+          dp=None, max_client_size=max(sizes)),
+      num_clients=NUM_CLIENTS, image_shape=(8, 8, 1), num_params=models.count_params(params),
+      client_backend=backend)
   state = fedavg.init(jax.random.PRNGKey(2), params, clients)
   if multi:
     state = sharding.replicate(state)
