@@ -48,6 +48,7 @@ import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
 from fedlap_jax import baselines, federated
+from fedlap_jax import config as core_config
 from fedlap_jax import sharding
 from fedlap_jax.client_data import normalise_pixels, stack_clients
 from fedlap_jax.dispatch import resolve_client_backend
@@ -412,13 +413,6 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
   (workdir / "summary.md").write_text("\n".join(lines))
 
 
-def method_label(method: str, dp: bool) -> str:
-  labels = {"fedlap": "FedLAP-DP" if dp else "FedLAP", "fedavg": "FedAvg", "fedprox": "FedProx",
-            "fedsgd": "FedSGD", "scaffold": "SCAFFOLD", "dp_fedavg": "DP-FedAvg",
-            "dp_fedprox": "DP-FedProx"}
-  return labels.get(method, method)
-
-
 # ----------------------------------------------------------------------------
 # The loop.
 # ----------------------------------------------------------------------------
@@ -470,7 +464,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
 
   info = dict(
       config_name=config_name, method=cfg.method,
-      method_label=method_label(cfg.method, alg.dp is not None),
+      method_label=core_config.method_label(cfg.method, alg.dp is not None),
       dataset=cfg.data.name, rounds=cfg.rounds, num_params=num_params,
       image_shape=list(dataset.image_shape), num_classes=dataset.num_classes,
       client_sizes=sizes, client_classes=client_classes, test_size=int(len(dataset.y_test)),

@@ -28,16 +28,11 @@ import numpy as np
 from fedlap_jax import baselines
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int, is_real
+from fedlap_jax.config import BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS, METHODS
 from fedlap_jax.federated import synthetic_labels
 from fedlap_jax.models import NORMS
 
 from experiments import data as data_lib
-
-FEDLAP_METHODS = ("fedlap",)
-BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
-METHODS = FEDLAP_METHODS + BASELINE_METHODS
-DP_BASELINES = ("dp_fedavg", "dp_fedprox")
-CLIENT_BACKENDS = ("auto", "vmap", "map")
 
 CLIENT_FIELDS = tuple(f.name for f in dataclasses.fields(core.ClientConfig) if f.name != "dp")
 SERVER_FIELDS = tuple(f.name for f in dataclasses.fields(core.ServerConfig))
@@ -194,11 +189,11 @@ def validate_config(cfg) -> None:
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
-  if cfg.method in DP_BASELINES and not cfg.dp.enabled:
+  if cfg.method in DP_BASELINE_METHODS and not cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"True for method={cfg.method!r}")
-  if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINES and cfg.dp.enabled:
+  if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINE_METHODS and cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"False for method={cfg.method!r} (use "
-          f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINES})")
+          f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINE_METHODS})")
   b = cfg.baseline
   if not is_int(b.local_epochs) or b.local_epochs < 1:
     _fail("baseline.local_epochs", b.local_epochs, "an integer >= 1")
