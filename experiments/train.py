@@ -138,7 +138,7 @@ class RunSetup(NamedTuple):
   Attributes:
     dataset: the :class:`experiments.data.Dataset` (images as stored, with their normalisation).
     client_indices: training-record indices of each client.
-    clients: stacked :class:`~fedlap_jax.client.ClientData` ``(K, N_max, ...)``.
+    clients: stacked :class:`~fedlap_jax.client_data.ClientData` ``(K, N_max, ...)``.
     model: the Flax ConvNet; apply_fn: ``apply_fn(params, x) -> logits``.
     num_params: parameter count of the model.
     algorithm: the :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.

@@ -3,6 +3,9 @@
 In the style of FedJAX's ``FederatedAlgorithm(init, apply)``: an algorithm is a
 pair of functions plus a few static facts the experiment driver needs for
 accounting and communication cost. ``round`` is jitted once per run.
+Implemented by :func:`fedlap_jax.federated.algorithm` (FedLAP / FedLAP-DP) and
+:func:`fedlap_jax.baselines.algorithm` (FedAvg, FedProx, FedSGD, SCAFFOLD and
+their DP variants).
 
 * ``init(key, params, clients) -> state``
 * ``round(state, clients) -> (state, metrics)`` where ``metrics`` is a pytree

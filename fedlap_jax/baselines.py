@@ -2,7 +2,7 @@
 
 The baselines FedLAP is compared against (Tables 1 and 2 of the paper), on the
 same model convention (``apply_fn(params, x) -> logits``), the same stacked
-:class:`~fedlap_jax.client.ClientData`, the same Poisson sampling and privacy
+:class:`~fedlap_jax.client_data.ClientData`, the same Poisson sampling and privacy
 primitives (:mod:`fedlap_jax.privacy`) and the same accounting
 (:mod:`fedlap_jax.accounting`, ``T`` = local DP-SGD steps scheduled per round).
 

@@ -113,7 +113,7 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
   """Pads per-client arrays to the largest client and stacks them.
 
   Images keep their dtype: pass uint8 pixels with ``pixel_scale`` and
-  ``pixel_offset`` (e.g. from :func:`fedlap_jax.client.pixel_normalisation`)
+  ``pixel_offset`` (e.g. from :func:`fedlap_jax.client_data.pixel_normalisation`)
   to keep the data on the device at a quarter of float32's size, normalised
   as each batch is read (:meth:`ClientData.images`).
 
@@ -147,7 +147,7 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
     raise ValueError("pixel_scale and pixel_offset must be given together (or neither)")
   if pixel_scale is None and not np.issubdtype(xs[0].dtype, np.floating):
     raise ValueError(f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
-                     "(fedlap_jax.client.pixel_normalisation); allowed without them: float "
+                     "(fedlap_jax.client_data.pixel_normalisation); allowed without them: float "
                      "model inputs")
   norm = {}
   if pixel_scale is not None:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from fedlap_jax import sharding
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import CLIENT_BACKENDS
@@ -31,19 +32,15 @@ from fedlap_jax.types import PyTree
 
 
 def resolve_client_backend(name: str) -> str:
-  """``client_backend`` with ``"auto"`` resolved.
+  """``client_backend`` with ``"auto"`` resolved; other names are returned as they are.
 
   ``"auto"`` is ``"shard"`` when JAX sees several devices (each device runs
   its block of clients one after another) and ``"map"`` (clients one after
-  another) on a single device. Measured on both backends we have
-  (BENCHMARKS.md): on a 2-core CPU ``map`` ran the FedLAP-DP reference round
-  1.4x faster than ``vmap`` (24.2 vs 33.9 s); on one H100 the paper
-  ``cifar_nondp`` round took 12.4 s with ``map`` and 28.1 s with ``vmap``,
-  ``cifar_dp`` 7.3 vs 7.7 s, with a quarter of the device memory. The cost of
-  ``vmap`` is in the algorithm, not the chip: every client draws its own DSA
-  family, so the batched ``lax.switch`` computes all six augmentation families
-  for every batch, and the ``lax.cond`` around the local update runs both
-  branches.
+  another) on a single device, never ``"vmap"``: every client draws its own
+  DSA family, so under ``vmap`` the batched ``lax.switch`` computes all six
+  augmentation families for every batch and the ``lax.cond`` around a local
+  update runs both branches, while ``map`` holds one client's temporaries at a
+  time. BENCHMARKS.md has the rounds measured both ways on CPU and GPU.
   """
   if name == "auto":
     return "shard" if jax.device_count() > 1 else "map"
@@ -60,7 +57,6 @@ def place_inputs(round_fn: Callable, client_backend: str = "auto", mesh: Any = N
   """
   if resolve_client_backend(client_backend) != "shard":
     return round_fn
-  from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
   return sharding.PlacedRound(round_fn, sharding.client_mesh() if mesh is None else mesh)
 
 
@@ -85,7 +81,6 @@ def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
     return jax.lax.map(lambda one: run(one, *rep), block)
 
   if client_backend == "shard":
-    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
     return sharding.map_clients(one_by_one, args, replicated=replicated, mesh=mesh)
   return one_by_one(args, *replicated)
 

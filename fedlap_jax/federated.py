@@ -1,14 +1,17 @@
 """One FedLAP / FedLAP-DP communication round over all clients.
 
 :func:`fedlap_round` runs :func:`fedlap_jax.client.local_approx` on every
-client (``jax.vmap`` over a stacked client axis, or ``lax.map`` one client
-after another to save memory), combines the client radii, and runs the server's
-:func:`fedlap_jax.server.global_update`. The round index and learning rate are
-traced, so :func:`make_round_fn` compiles once per run.
+client (through :func:`fedlap_jax.dispatch.run_clients`: one client after
+another, all at once with ``vmap``, or sharded over devices), combines the
+client radii, and runs the server's :func:`fedlap_jax.server.global_update`.
+The round index and learning rate are traced, so :func:`make_round_fn`
+compiles once per run; :func:`algorithm` wraps the round as a
+:class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
 
-Clients of different sizes are stacked by padding to the largest client and
-masking (:func:`stack_clients`); synthetic sets of clients owning fewer classes
-are padded and masked the same way (:func:`synthetic_labels`).
+Clients of different sizes come stacked, padded to the largest client and
+masked (:func:`fedlap_jax.client_data.stack_clients`); synthetic sets of
+clients owning fewer classes are padded and masked the same way
+(:func:`synthetic_labels`).
 """
 
 from __future__ import annotations

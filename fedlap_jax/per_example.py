@@ -41,8 +41,9 @@ path applies when, traced on the given shapes,
 * no layer mixes examples (no BatchNorm), the same assumption per-example DP
   makes anyway.
 
-Otherwise :func:`supports` is False and :func:`fedlap_jax.privacy.clipped_gradient_sum`
-with ``method="auto"`` falls back to the generic path. Non-finite per-example
+Otherwise :func:`discover` raises :class:`Unsupported` and
+:func:`fedlap_jax.privacy.clipped_gradient_sum` with ``method="auto"`` falls
+back to the generic path (:func:`auto_plan`). Non-finite per-example
 gradients: the example is dropped (clip factor 0); ``jax_privacy`` instead
 zeroes the non-finite entries. Both keep the sensitivity bound ``C``.
 
@@ -273,15 +274,6 @@ def discover(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[LayerCall
   return calls
 
 
-def supports(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> bool:
-  """Whether :func:`clipped_gradient_sum` can run on this model (trace-time check)."""
-  try:
-    discover(apply_fn, params, x)
-  except Unsupported:
-    return False
-  return True
-
-
 # Microbatch size that method="auto" uses on CPU for matmul-convolution models.
 CPU_MICROBATCH = 64
 
@@ -291,19 +283,16 @@ def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int
 
   * Every convolution a matrix product (:func:`fedlap_jax.models.conv_im2col` /
     :func:`~fedlap_jax.models.conv_hybrid`, the ConvNet's CPU implementations):
-    ``vmap``, since ``vmap(grad)`` is then a batched matmul too (about 10%
-    faster than the layer-wise path on CPU); on the CPU backend in microbatches
-    of 64, which skip the all-padding tail of a Poisson buffer and keep the
-    per-example gradients in cache (ConvNet-128, 256 MNIST images: 0.48 ->
-    0.40 s; 356-slot buffer with 256 real: 0.77 -> 0.41 s).
-  * Other models the layer-wise path supports: ``layerwise`` in one pass. With
+    ``vmap``, since ``vmap(grad)`` is then a batched matmul too; on the CPU
+    backend, for batches larger than :data:`CPU_MICROBATCH`, in microbatches of
+    that size, which skip the all-padding tail of a Poisson buffer and keep the
+    per-example gradients in cache.
+  * Other models the layer-wise path supports: ``layerwise`` in one pass (with
     XLA's convolution, ``vmap(grad)`` turns every weight gradient into a
-    grouped convolution (2.2x slower on CPU), and microbatches slowed the
-    layer-wise path (0.55 -> 0.95 s) and ``vmap`` (1.2 -> 16 s) there.
+    grouped convolution, and microbatches slow both paths down).
   * Anything else: ``vmap`` in one pass.
 
-  Accelerators get one pass (on one H100, 256 CIFAR images: layer-wise with
-  cuDNN's convolution 2.1 ms, ``vmap(grad)`` 6.5 ms). Numbers: BENCHMARKS.md.
+  Accelerators get one pass. The choice rests on the timings in BENCHMARKS.md.
   """
   try:
     calls = discover(apply_fn, params, x)
@@ -315,11 +304,6 @@ def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int
     cpu = jax.default_backend() == "cpu" and x.shape[0] > CPU_MICROBATCH
     return "vmap", (CPU_MICROBATCH if cpu else None)
   return "layerwise", None
-
-
-def preferred_method(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> str:
-  """``"layerwise"`` or ``"vmap"``: the method of :func:`auto_plan`."""
-  return auto_plan(apply_fn, params, x)[0]
 
 
 # ---------------------------------------------------------------------------

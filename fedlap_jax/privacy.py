@@ -18,14 +18,14 @@ Per-example clipping (``method`` of :func:`clipped_gradient_sum`), all exact:
 per-layer per-example gradients, for models built from Flax layers),
 ``"vmap"`` (``vmap(grad)``, any ``apply_fn``), ``"jax_privacy"``
 (``jax_privacy.clipping.clipped_grad``, imported only when used) and
-``"auto"`` (default: :func:`fedlap_jax.per_example.preferred_method`, i.e.
-``vmap`` for models whose convolutions are matrix products, such as the
-ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for anything
-else; both measured faster than ``jax_privacy`` on CPU; for matmul-convolution
-models on CPU ``auto`` also processes microbatches of 64 when none is given,
-which skips the all-padding tail of a Poisson buffer and keeps per-example
-gradients in cache; see :func:`fedlap_jax.per_example.auto_plan` and
-BENCHMARKS.md). Every method gives the same result up to float rounding.
+``"auto"`` (default: :func:`fedlap_jax.per_example.auto_plan`, decided at
+trace time: ``vmap`` for models whose convolutions are matrix products, such
+as the ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for
+anything else; for matmul-convolution models on the CPU backend also
+microbatches of 64 when none is given, which skip the all-padding tail of a
+Poisson buffer). Every method gives the same result up to float rounding;
+BENCHMARKS.md compares their speed. The loss is
+:func:`fedlap_jax.losses.cross_entropy` (also importable from here).
 
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -114,10 +114,9 @@ def real_gradient(
       result up to float summation order, for models whose outputs depend on
       their own example only. ``"auto"``: the microbatch
       :func:`fedlap_jax.per_example.auto_plan` picks for the DP gradient
-      (chunks of 64 for matrix-product convolutions on CPU: 0.64 -> 0.37 s for
-      a 356-slot ConvNet-128 buffer; one pass for anything else, e.g. XLA's
-      convolution, where chunks are 30x slower on CPU). With chunks the
-      result is not reverse-differentiable (data-dependent loop length).
+      (chunks of 64 for matrix-product convolutions on the CPU backend, one
+      pass otherwise; BENCHMARKS.md has the timings). With chunks the result
+      is not reverse-differentiable (data-dependent loop length).
 
   Returns:
     The gradient, a pytree like ``params``.
