@@ -18,10 +18,12 @@ Main entry points:
 * :func:`private_gradient`, :func:`poisson_sample` -- DP primitives.
 * :mod:`fedlap_jax.accounting` -- RDP accounting and :class:`PrivacyLedger`.
 * :class:`ConvNet` -- the paper's model.
+* :class:`ConfigError` -- every refused setting, with ``field``, ``value``, ``allowed``.
 """
 
 from fedlap_jax import accounting, algorithm, dsa
 from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import LocalApproxMetrics, local_approx, matching_step
 from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
 from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
@@ -40,7 +42,7 @@ from fedlap_jax.training import cosine_learning_rate, evaluate, tree_distance
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClientConfig", "ClientData", "FederatedAlgorithm", "algorithm", "ConvNet", "DPConfig", "FedLAPConfig", "FedLAPState",
+    "ClientConfig", "ClientData", "ConfigError", "FederatedAlgorithm", "algorithm", "ConvNet", "DPConfig", "FedLAPConfig", "FedLAPState",
     "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
     "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
     "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",
