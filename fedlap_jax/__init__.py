@@ -42,7 +42,8 @@ from fedlap_jax.training import cosine_learning_rate, evaluate, tree_distance
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClientConfig", "ClientData", "ConfigError", "FederatedAlgorithm", "algorithm", "ConvNet", "DPConfig", "FedLAPConfig", "FedLAPState",
+    "ClientConfig", "ClientData", "ConfigError", "FederatedAlgorithm", "algorithm", "ConvNet",
+    "DPConfig", "FedLAPConfig", "FedLAPState",
     "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
     "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
     "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",
