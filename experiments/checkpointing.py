@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import faults
-
-PyTree = Any
+from fedlap_jax.types import PyTree
 
 
 def write_json_atomic(path: str | os.PathLike, obj, *, fault_round: int | None = None) -> None:
