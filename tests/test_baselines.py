@@ -293,7 +293,8 @@ def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(tiny_app
 
 
 def test_dp_refuses_size_weighting():
-  local = baselines.LocalTraining(epochs=1, batch_size=B, l2_clip_norm=0.1, noise_multiplier=1.0)
+  local = baselines.LocalTraining(epochs=1, batch_size=B, l2_clip_norm=0.1, noise_multiplier=1.0,
+                                  max_client_size=300)
   with pytest.raises(ValueError, match=r"server.weighting='size' is invalid; allowed: 'uniform' "
                      r"for method='dp_fedavg' \(Algorithm 3"):
     baselines.BaselineConfig(method="dp_fedavg", rounds=2, weighting="size", local=local)
