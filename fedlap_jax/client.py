@@ -27,6 +27,7 @@ Differentially Private Loss Approximations", PoPETs 2024.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -93,8 +94,12 @@ def matching_step(
     *,
     dsa_strategy: str,
     mse_weight,
+    family_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``L_dis`` and its gradient with respect to the synthetic images (grad of grad).
+
+  ``aug_key`` (and ``family_key``, if given: :func:`fedlap_jax.dsa.augment`)
+  must be those of the real batch, so both batches get the same transform.
 
   Returns:
     ``(loss, grad_x)`` with ``grad_x`` shaped like ``synthetic.x``.
@@ -102,7 +107,8 @@ def matching_step(
   augment = dsa.make_augment_fn(dsa_strategy)
 
   def loss_fn(x):
-    g_syn = synthetic_gradient(apply_fn, params, synthetic, augment(aug_key, x))
+    g_syn = synthetic_gradient(apply_fn, params, synthetic,
+                               augment(aug_key, x, family_key=family_key))
     return matching_distance(g_real, g_syn, mse_weight=mse_weight)
 
   return jax.value_and_grad(loss_fn)(synthetic.x)
@@ -111,6 +117,23 @@ def matching_step(
 def image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
   """SGD with momentum on the synthetic images (``tau``, momentum 0.5)."""
   return optax.sgd(config.image_lr, momentum=config.image_momentum or None)
+
+
+# A client's keys travel as a pair ``(client key, family key or None)``: the same
+# fold_in / split path derives both, so each step's DSA family key is the same for
+# every client (the family key is not mapped over clients) and its own key is not.
+
+
+def _fold(keys: tuple, data) -> tuple:
+  """``fold_in`` on the client key and, alongside, on the shared family key."""
+  k, f = keys
+  return jax.random.fold_in(k, data), None if f is None else jax.random.fold_in(f, data)
+
+
+def _split(keys: tuple, num: int) -> tuple[jax.Array, jax.Array | None]:
+  """``split`` of both keys: ``(client_keys (num, ...), family_keys or None)``."""
+  k, f = keys
+  return jax.random.split(k, num), None if f is None else jax.random.split(f, num)
 
 
 def local_approx(
@@ -122,11 +145,15 @@ def local_approx(
     config: ClientConfig,
     *,
     learning_rate,
+    family_key: jax.Array | None = None,
+    client_axis: str | None = None,
 ) -> tuple[SyntheticSet, jax.Array, LocalApproxMetrics]:
   """Local approximation on one client: Algorithm 1 (``config.dp is None``) or 3.
 
   Pure and jit-compatible (``config`` static). Vmap it over a stacked client
-  axis of ``key``, ``synthetic`` and ``client_data`` to run many clients.
+  axis of ``key``, ``synthetic`` and ``client_data`` to run many clients side
+  by side, with ``axis_name=client_axis`` and ``family_key`` not mapped
+  (:func:`fedlap_jax.dispatch.run_clients` does this for ``vmap``).
 
   Args:
     key: PRNG key of this client and round.
@@ -136,6 +163,22 @@ def local_approx(
     client_data: the client's real data, padded with a mask.
     config: a :class:`ClientConfig` (loop sizes, ``tau``, ``r``, DP, ...).
     learning_rate: model step size ``eta_m`` for local steps (may be traced).
+    family_key: with ``config.dsa_family_draw == "shared"``, the key that
+      draws the DSA families, the same for every client of the round (derived
+      along the same path as the client's keys, so each step's family is
+      common to the clients and each family has probability
+      ``1 / len(families)``); default: derived from ``key`` (one client alone).
+      Ignored with ``"per_client"``.
+    client_axis: ``None``: the radius-bounded while loop stops when this
+      client leaves the radius and the last iteration's model update is
+      skipped by a ``lax.cond`` (one client at a time). A ``vmap`` axis name:
+      the clients mapped over that axis run side by side; the loop counter is
+      shared, the loop runs while any of them is inside its radius (``psum``
+      over the axis), and a client's termination is a mask (its synthetic
+      set, optimiser state, model and statistics are kept by ``jnp.where``
+      once it has stopped). The counter being shared, the condition of the
+      model update stays a real branch under ``vmap``, not a select of both.
+      Same numbers as ``None`` for every client, up to float rounding.
 
   Returns:
     ``(synthetic, r_k, metrics)``: the optimised synthetic set (labels and mask
@@ -150,14 +193,19 @@ def local_approx(
   augment = dsa.make_augment_fn(c.dsa_strategy)
   opt = image_optimizer(c)
   syn_weights = synthetic.mask.astype(jnp.float32)
+  if c.dsa_family_draw == "per_client":
+    family_key = None
+  elif family_key is None:
+    family_key = jax.random.fold_in(key, 0x5DA)
 
-  def real_batch_gradient(k, w):
-    k_sample, k_aug, k_noise = jax.random.split(k, 3)
+  def real_batch_gradient(keys, w):
+    k_sample, k_aug, k_noise = jax.random.split(keys[0], 3)
+    f_aug = None if keys[1] is None else jax.random.split(keys[1], 3)[1]
     batch = privacy.poisson_sample(k_sample, client_data.mask, rate, capacity)
 
     def chunk_sums(indices, is_padding):
       # One DSA draw per batch (every chunk gets the same transform).
-      xb = augment(k_aug, client_data.images(indices))
+      xb = augment(k_aug, client_data.images(indices), family_key=f_aug)
       yb = client_data.y[indices]
       if c.dp is None:
         return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,
@@ -177,27 +225,43 @@ def local_approx(
       g = privacy.privatise(k_noise, total, l2_clip_norm=c.dp.l2_clip_norm,
                             noise_multiplier=c.dp.noise_multiplier,
                             expected_batch_size=c.batch_size)
-    return g, k_aug, batch, clipped
+    return g, (k_aug, f_aug), batch, clipped
 
-  def batch_step(b, carry):
-    w, key_o, x_syn, opt_state, losses, stats = carry
-    g_real, k_aug, batch, clipped = real_batch_gradient(jax.random.fold_in(key_o, b), w)
+  def real_batches(keys_o, w, x_syn, opt_state, stats):
+    """The ``batch_loop`` real batches of one while-loop iteration, each ``R_b`` updates."""
+    def batch_step(b, carry):
+      x_syn, opt_state, losses, stats = carry
+      g_real, aug_keys, batch, clipped = real_batch_gradient(_fold(keys_o, b), w)
 
-    def boost(j, inner):
-      x_syn, opt_state, losses = inner
-      loss, grad_x = matching_step(apply_fn, w, synthetic._replace(x=x_syn), g_real, k_aug,
-                                   dsa_strategy=c.dsa_strategy, mse_weight=c.mse_weight)
-      updates, opt_state = opt.update(grad_x, opt_state, x_syn)
-      return optax.apply_updates(x_syn, updates), opt_state, losses.at[b, j].set(loss)
+      def boost(j, inner):
+        x_syn, opt_state, losses = inner
+        loss, grad_x = matching_step(apply_fn, w, synthetic._replace(x=x_syn), g_real,
+                                     aug_keys[0], dsa_strategy=c.dsa_strategy,
+                                     mse_weight=c.mse_weight, family_key=aug_keys[1])
+        updates, opt_state = opt.update(grad_x, opt_state, x_syn)
+        return optax.apply_updates(x_syn, updates), opt_state, losses.at[b, j].set(loss)
 
-    x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
-                                                 (x_syn, opt_state, losses))
-    accesses, extra, sampled, n_clipped = stats
-    stats = (accesses + 1, extra + batch.extra_chunks, sampled + batch.size,
-             n_clipped + clipped)
-    return w, key_o, x_syn, opt_state, losses, stats
+      x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
+                                                   (x_syn, opt_state, losses))
+      accesses, extra, sampled, n_clipped = stats
+      stats = (accesses + 1, extra + batch.extra_chunks, sampled + batch.size,
+               n_clipped + clipped)
+      return x_syn, opt_state, losses, stats
 
-  def trajectory(carry, key_i):
+    losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
+    return jax.lax.fori_loop(0, c.batch_loop, batch_step, (x_syn, opt_state, losses, stats))
+
+  def local_update(keys_o, x_syn, w):
+    """``R_l`` epochs of SGD of the model on the synthetic set."""
+    def epoch(e, w):
+      k, f = _fold(_fold(keys_o, c.batch_loop), e)
+      return sgd_epoch(k, apply_fn, w, x_syn, synthetic.y, syn_weights, learning_rate,
+                       batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy,
+                       family_key=f)[0]
+    return jax.lax.fori_loop(0, c.inner_loop, epoch, w)
+
+  def trajectory_one(carry, keys_i):
+    """One trajectory of one client: the while loop stops when it leaves the radius."""
     x_syn, opt_state, stats = carry
     loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
 
@@ -207,21 +271,13 @@ def local_approx(
 
     def body(s):
       o, w, dist, x_syn, opt_state, loss_log, stats = s
-      key_o = jax.random.fold_in(key_i, o)
-      losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
-      w, _, x_syn, opt_state, losses, stats = jax.lax.fori_loop(
-          0, c.batch_loop, batch_step, (w, key_o, x_syn, opt_state, losses, stats))
+      keys_o = _fold(keys_i, o)
+      x_syn, opt_state, losses, stats = real_batches(keys_o, w, x_syn, opt_state, stats)
       loss_log = loss_log.at[o].set(losses)
-
       if c.inner_loop > 0:
-        def train(w):
-          def epoch(e, w):
-            k = jax.random.fold_in(jax.random.fold_in(key_o, c.batch_loop), e)
-            return sgd_epoch(k, apply_fn, w, x_syn, synthetic.y, syn_weights, learning_rate,
-                             batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy)[0]
-          return jax.lax.fori_loop(0, c.inner_loop, epoch, w)
         # The last permitted iteration ends without a model update.
-        w = jax.lax.cond(o < c.max_outer - 1, train, lambda w: w, w)
+        w = jax.lax.cond(o < c.max_outer - 1, functools.partial(local_update, keys_o, x_syn),
+                         lambda w: w, w)
         dist = tree_distance(w, params)
       return o + 1, w, dist, x_syn, opt_state, loss_log, stats
 
@@ -229,11 +285,50 @@ def local_approx(
     o, _, dist, x_syn, opt_state, loss_log, stats = jax.lax.while_loop(cond, body, init)
     return (x_syn, opt_state, stats), (loss_log, o, dist)
 
+  def trajectory_masked(carry, keys_i):
+    """One trajectory, clients side by side: shared counter, per-client termination as a mask."""
+    x_syn, opt_state, stats = carry
+    loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
+
+    def any_client(flag):
+      return jax.lax.psum(flag.astype(jnp.int32), client_axis) > 0
+
+    def cond(s):
+      return jnp.logical_and(s[0] < c.max_outer, s[-1])
+
+    def body(s):
+      o, runs, active, w, dist, x_syn, opt_state, loss_log, stats, _ = s
+      keys_o = _fold(keys_i, o)
+
+      def keep(new, old):  # a client that has stopped keeps what it had
+        return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
+
+      new = real_batches(keys_o, w, x_syn, opt_state, stats)
+      x_syn, opt_state, stats = keep((new[0], new[1], new[3]), (x_syn, opt_state, stats))
+      loss_log = loss_log.at[o].set(jnp.where(active, new[2], 0.0))
+      if c.inner_loop > 0:
+        # `o` is shared by the clients: a real branch under vmap, not a select.
+        w = keep(jax.lax.cond(o < c.max_outer - 1,
+                              functools.partial(local_update, keys_o, x_syn),
+                              lambda w: w, w), w)
+        dist = jnp.where(active, tree_distance(w, params), dist)
+      runs = runs + active.astype(jnp.int32)
+      active = jnp.logical_and(active, dist < c.radius)
+      return o + 1, runs, active, w, dist, x_syn, opt_state, loss_log, stats, any_client(active)
+
+    init = (jnp.int32(0), jnp.int32(0), jnp.bool_(True), params, jnp.float32(0.0), x_syn,
+            opt_state, loss_log, stats, jnp.bool_(True))
+    _, runs, _, _, dist, x_syn, opt_state, loss_log, stats, _ = jax.lax.while_loop(
+        cond, body, init)
+    return (x_syn, opt_state, stats), (loss_log, runs, dist)
+
   stats0 = (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.float32(0.0))
   k_traj, k_cal = jax.random.split(key)
+  f_traj, f_cal = (None, None) if family_key is None else jax.random.split(family_key)
+  trajectory = trajectory_one if client_axis is None else trajectory_masked
   (x_syn, _, stats), (loss_log, outer, dists) = jax.lax.scan(
       trajectory, (synthetic.x, opt.init(synthetic.x), stats0),
-      jax.random.split(k_traj, c.iterations))
+      _split((k_traj, f_traj), c.iterations))
   accesses, extra_chunks, sampled, n_clipped = stats
   synthetic = synthetic._replace(x=x_syn)
 
@@ -242,7 +337,7 @@ def local_approx(
         k_cal, apply_fn, params, synthetic, client_data,
         learning_rate=learning_rate, max_radius=c.radius, epochs=c.calibration_epochs,
         batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy,
-        eval_size=c.calibration_eval_size)
+        eval_size=c.calibration_eval_size, family_key=f_cal)
   else:
     r_k = jnp.asarray(c.radius, jnp.float32)
 

@@ -41,6 +41,7 @@ METHOD_LABELS = {"fedlap": "FedLAP", "fedlap_dp": "FedLAP-DP", "fedavg": "FedAvg
                  "fedprox": "FedProx", "fedsgd": "FedSGD", "scaffold": "SCAFFOLD",
                  "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx"}
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
+DSA_FAMILY_DRAWS = ("shared", "per_client")
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
@@ -149,6 +150,14 @@ class ClientConfig:
       all of them, to bound its cost.
     dsa_strategy: DSA families, e.g. ``"color_crop_cutout_flip_scale_rotate"``;
       ``""`` for none.
+    dsa_family_draw: who draws the DSA family of each augmented batch:
+      ``"shared"`` (default): one draw per step common to the clients of a
+      round, each client still drawing its own parameters of that family
+      (clients run side by side then compute one family, not all six);
+      ``"per_client"``: every client draws its own family (the random stream
+      of earlier versions). Each client sees every family with the same
+      probability either way; ``benchmarks/family_draw_accuracy.py`` compares
+      the accuracy of the two.
     poisson_capacity: static buffer for Poisson batches; ``None`` picks
       ``B + 6 sqrt(B) + 4``; at least ``B + 3 sqrt(B)`` (a draw beyond the
       buffer is processed in extra chunks, never dropped; a smaller buffer
@@ -172,6 +181,7 @@ class ClientConfig:
   calibration_epochs: int = 100
   calibration_eval_size: int | None = None
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
+  dsa_family_draw: str = "shared"
   poisson_capacity: int | None = None
   dp: DPConfig | None = None
 
@@ -190,6 +200,7 @@ class ClientConfig:
       positive_int("calibration_eval_size", self.calibration_eval_size)
     check_poisson_capacity(self.poisson_capacity, self.batch_size)
     dsa_strategy("dsa_strategy", self.dsa_strategy)
+    one_of("dsa_family_draw", self.dsa_family_draw, DSA_FAMILY_DRAWS)
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,

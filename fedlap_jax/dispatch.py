@@ -5,7 +5,9 @@ client computes (a pure function of that client's inputs and of what every
 client shares) and :func:`run_clients` decides *how* the K clients run, with
 the results stacked on a leading ``(K,)`` axis whatever the backend:
 
-* ``vmap``: all clients at once (``jax.vmap``);
+* ``vmap``: all clients at once, side by side (``jax.vmap`` with the axis
+  name :data:`VMAP_AXIS`, so a client function can run its loops side by side,
+  e.g. :func:`fedlap_jax.client.local_approx` with ``client_axis``);
 * ``map``: one after another (``lax.map``), same numbers, a K-th of the memory;
 * ``shard``: blocks of clients on the devices of a mesh, one after another
   within a block (:mod:`fedlap_jax.sharding`);
@@ -29,6 +31,10 @@ from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import CLIENT_BACKENDS
 from fedlap_jax.types import PyTree
+
+# The axis name of the ``vmap`` backend's client axis (for collectives such as
+# "is any client still running?" inside the client function).
+VMAP_AXIS = "side_by_side_clients"
 
 
 def resolve_client_backend(name: str) -> str:
@@ -75,7 +81,8 @@ def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
     raise ConfigError("client_backend", client_backend, f"{CLIENT_BACKENDS}")
   client_backend = resolve_client_backend(client_backend)
   if client_backend == "vmap":
-    return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated))(args, *replicated)
+    return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated),
+                    axis_name=VMAP_AXIS)(args, *replicated)
 
   def one_by_one(block, *rep):
     return jax.lax.map(lambda one: run(one, *rep), block)

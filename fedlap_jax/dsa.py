@@ -377,7 +377,12 @@ def _branches(families: tuple[str, ...]) -> tuple[AugmentFn, ...]:
     return tuple(functools.partial(apply_family, family=f) for f in families)
 
 
-def augment(key: jax.Array, x: jax.Array, strategy: str = DEFAULT_STRATEGY) -> jax.Array:
+def augment(
+    key: jax.Array,
+    x: jax.Array,
+    strategy: str = DEFAULT_STRATEGY,
+    family_key: jax.Array | None = None,
+) -> jax.Array:
     """Applies one randomly chosen DSA family to a batch of images.
 
     The family is drawn uniformly among those enabled by ``strategy`` and its
@@ -388,12 +393,21 @@ def augment(key: jax.Array, x: jax.Array, strategy: str = DEFAULT_STRATEGY) -> j
     single enabled family no choice is drawn: ``augment(key, x, "flip")``
     equals ``apply_family(key, x, "flip")``.
 
+    ``family_key`` (optional) draws the family instead of ``key``; the
+    family's parameters still come from ``key``. Clients run side by side
+    under ``vmap`` pass one ``family_key`` shared by all of them (not mapped)
+    and their own ``key``: the family index is then not batched and
+    ``lax.switch`` computes one family, not all of them. Each client still
+    gets every family with probability ``1 / len(families)`` and its own
+    parameters; only the choice of family is common to the clients.
+
     Args:
       key: PRNG key (raw ``uint32[2]`` or typed key).
       x: ``(N, H, W, C)`` floating-point images (NHWC, already normalised).
       strategy: static DSA strategy string, e.g.
         ``"color_crop_cutout_flip_scale_rotate"``; ``""`` or ``"none"`` gives
         the identity.
+      family_key: PRNG key that draws the family (default: drawn from ``key``).
 
     Returns:
       ``(N, H, W, C)`` augmented images of ``x.dtype``.
@@ -405,12 +419,14 @@ def augment(key: jax.Array, x: jax.Array, strategy: str = DEFAULT_STRATEGY) -> j
     if len(families) == 1:
         return apply_family(key, x, families[0])
     choice_key, param_key = jax.random.split(key)
+    if family_key is not None:
+        choice_key = family_key
     index = jax.random.randint(choice_key, (), 0, len(families))
     return lax.switch(index, _branches(families), param_key, x)
 
 
 def make_augment_fn(strategy: str = DEFAULT_STRATEGY) -> AugmentFn:
-    """Returns ``fn(key, x) -> x'`` applying :func:`augment` with a fixed strategy.
+    """Returns ``fn(key, x, family_key=None) -> x'`` applying :func:`augment` with a fixed strategy.
 
     The strategy is parsed (and validated) once, here.  For an empty strategy
     (``""`` or ``"none"``) the returned function is the identity and ignores
@@ -424,5 +440,5 @@ def make_augment_fn(strategy: str = DEFAULT_STRATEGY) -> AugmentFn:
       ``(N, H, W, C)`` images of the same dtype.
     """
     if not parse_strategy(strategy):
-        return lambda key, x: x
+        return lambda key, x, family_key=None: x
     return functools.partial(augment, strategy=strategy)

@@ -28,7 +28,8 @@ from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import LocalApproxMetrics, local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import FedLAPConfig
-from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
+from fedlap_jax.dispatch import (VMAP_AXIS, client_weights, place_inputs,
+                                 resolve_client_backend, run_clients)
 from fedlap_jax.radius import server_radius
 from fedlap_jax.server import ServerMetrics, global_update
 from fedlap_jax.training import cosine_learning_rate
@@ -203,14 +204,21 @@ def fedlap_round(
         jax.random.split(k_init, num_clients), clients, synthetic.y, synthetic.mask, cc.ipc)
     synthetic = synthetic._replace(x=x)
 
-  def run(args, params, lr):
+  # Side by side (vmap), the clients' loops run with a shared counter and masks.
+  client_axis = VMAP_AXIS if resolve_client_backend(client_backend) == "vmap" else None
+
+  def run(args, params, lr, family_key):
     k, syn, data = args
     return local_approx(k, apply_fn=apply_fn, params=params, config=cc, learning_rate=lr,
-                        synthetic=syn, client_data=data)
+                        synthetic=syn, client_data=data, family_key=family_key,
+                        client_axis=client_axis)
 
+  # One DSA family key for all clients (config.client.dsa_family_draw="shared").
+  family_key = jax.random.fold_in(k_clients, 0x5DA)
   args = (jax.random.split(k_clients, num_clients), synthetic, clients)
   synthetic, radii, client_metrics = run_clients(
-      run, args, replicated=(state.params, lr), client_backend=client_backend, mesh=mesh)
+      run, args, replicated=(state.params, lr, family_key), client_backend=client_backend,
+      mesh=mesh)
 
   r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
   params, server_metrics = global_update(

@@ -53,6 +53,7 @@ def calibrate_radius(
     batch_size: int = 512,
     dsa_strategy: str = "",
     eval_size: int | None = None,
+    family_key: jax.Array | None = None,
 ) -> tuple[jax.Array, CalibrationTrace]:
   """Measures the client radius ``r_k`` (non-DP only: it reads real data freely).
 
@@ -71,6 +72,8 @@ def calibrate_radius(
     dsa_strategy: DSA during the synthetic-set epochs.
     eval_size: if set, evaluate the real loss on this many records (drawn once,
       without replacement among valid records) instead of all ``N``.
+    family_key: optional key that draws the DSA families of the epochs
+      (shared by clients run side by side; :func:`fedlap_jax.training.sgd_epoch`).
 
   Returns:
     ``(r_k, trace)``.
@@ -82,13 +85,17 @@ def calibrate_radius(
     real = real._replace(x=real.x[idx], y=real.y[idx], mask=real.mask[idx])
   weights = synthetic.mask.astype(jnp.float32)
 
-  def epoch(w, k):
+  def epoch(w, keys):
+    k, fk = keys
     w, _ = sgd_epoch(k, apply_fn, w, synthetic.x, synthetic.y, weights, learning_rate,
-                     batch_size=batch_size, dsa_strategy=dsa_strategy)
+                     batch_size=batch_size, dsa_strategy=dsa_strategy, family_key=fk)
     loss = evaluate(apply_fn, w, real.x, real.y, real.mask, preprocess=real.normalise).loss
     return w, (tree_distance(w, params), loss)
 
-  _, (dists, losses) = jax.lax.scan(epoch, params, jax.random.split(k_train, epochs))
+  family_keys = (None if family_key is None
+                 else jax.random.split(jax.random.split(family_key)[1], epochs))
+  _, (dists, losses) = jax.lax.scan(
+      epoch, params, (jax.random.split(k_train, epochs), family_keys))
   best = jnp.argmin(losses)
   return jnp.minimum(dists[best], max_radius), CalibrationTrace(dists, losses, best)
 

@@ -49,6 +49,7 @@ def sgd_epoch(
     *,
     batch_size: int,
     dsa_strategy: str,
+    family_key: jax.Array | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """One epoch of SGD over ``(x, y)`` in shuffled batches of ``batch_size``.
 
@@ -63,6 +64,9 @@ def sgd_epoch(
     batch_size: static batch size; the epoch has ``ceil(S / batch_size)``
       batches (the last one padded).
     dsa_strategy: DSA families applied to each batch.
+    family_key: optional key that draws each batch's DSA family (shared by
+      clients run side by side; :func:`fedlap_jax.dsa.augment`), derived
+      per batch as ``key`` is.
 
   Returns:
     ``(params, steps)``: updated parameters and the number of non-empty batches.
@@ -76,12 +80,14 @@ def sgd_epoch(
   perm = jnp.concatenate([perm, jnp.zeros((padded - n,), perm.dtype)])
   slot_valid = jnp.arange(padded) < n
   augment = dsa.make_augment_fn(dsa_strategy)
+  f_aug = None if family_key is None else jax.random.split(family_key)[1]
 
   def body(b, carry):
     params, steps = carry
     idx = jax.lax.dynamic_slice_in_dim(perm, b * bs, bs)
     w = weights[idx] * jax.lax.dynamic_slice_in_dim(slot_valid, b * bs, bs)
-    xb = augment(jax.random.fold_in(k_aug, b), x[idx])
+    xb = augment(jax.random.fold_in(k_aug, b), x[idx],
+                 family_key=None if f_aug is None else jax.random.fold_in(f_aug, b))
     count = jnp.sum(w > 0)
 
     def loss_fn(p):

@@ -276,6 +276,15 @@ def test_one_vs_four_devices_same_round(single_device):
 
 
 @pytest.mark.slow
+def test_side_by_side_clients_same_round(single_device):
+  """The vmap backend (clients side by side, masked loops, shared DSA families; the worker's
+  DSA draws a family among two) gives the numbers of one client after another, one program."""
+  side = _run(1, "vmap")
+  assert side["devices"] == 1 and side["backend"] == "vmap"
+  _assert_same_round(single_device, side)
+
+
+@pytest.mark.slow
 def test_two_processes_same_round(single_device, tmp_path):
   """Two JAX processes (jax.distributed, gloo) with two CPU devices each: the multi-host path."""
   first, second = _run_processes(2, 2, tmp_path)

@@ -79,6 +79,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.client.calibration_epochs = 100
   config.client.calibration_eval_size = config_dict.placeholder(int)
   config.client.dsa_strategy = DSA
+  # "shared": one DSA family per step for all clients (each its own parameters), so clients
+  # run side by side compute one family; "per_client": each client draws its own (earlier
+  # versions' random stream). Same accuracy (benchmarks/family_draw_accuracy.py).
+  config.client.dsa_family_draw = "shared"
   config.client.poisson_capacity = config_dict.placeholder(int)
 
   config.server = ml_collections.ConfigDict()
