@@ -14,10 +14,17 @@ previous one's duration would take it past the budget):
 3. the DP gradient (256 examples) by every per-example method and ConvNet
    implementation, to pick the defaults for this backend.
 
-Rounds run with ``client_backend="map"`` (one client after another, the
-default on one device) first, then ``"vmap"`` if the budget allows. For each it prints compile time, seconds
+Rounds run in the ``--variants`` given (default ``new,old``): ``new`` is the
+side-by-side path (``client_backend="vmap"``: the five clients' steps batched,
+one DSA family per step shared by the clients, masked loop termination;
+``ClientConfig.dsa_family_draw="shared"``), ``old`` the program measured
+before it (``"map"``, one client after another, each client its own DSA
+family: ``"per_client"``); any ``BACKEND`` or ``BACKEND:DRAW`` also works
+(e.g. ``map:shared``). For each it prints compile time, seconds
 per round (median of ``--repeats`` runs after compiling) and achieved FLOP/s (XLA's FLOPs of each
 repeated step times the loop counts the round reports), as a Markdown table,
+then each round against the goals of issue 17 (``cifar_dp`` <= 3 s,
+``cifar_nondp`` <= 8 s, compile <= 30 s; :data:`GOALS`) and new against old,
 and writes JSON to ``$OUT/gpu_round.json`` (or ``--json``). On a GPU, XLA's
 counts leave out what it hands to cuDNN (the convolutions of ``impl="flax"``),
 so those FLOP/s are far too low there; ``benchmarks/paper_flops.py`` counts
@@ -51,6 +58,55 @@ from fedlap_jax import config as config_lib  # noqa: E402
 from fedlap_jax.config import ClientConfig, ServerConfig  # noqa: E402
 
 
+# Goals of issue 17 on one H100: seconds per round and compile seconds.
+GOALS = {"cifar_dp": 3.0, "cifar_nondp": 8.0}
+COMPILE_GOAL_S = 30.0
+VARIANTS = {"new": ("vmap", "shared"), "old": ("map", "per_client")}
+
+
+def parse_variant(item: str) -> tuple[str, str | None]:
+  """``new`` / ``old`` / ``BACKEND`` / ``BACKEND:DRAW`` -> ``(backend, draw or None)``."""
+  if item in VARIANTS:
+    return VARIANTS[item]
+  backend, _, draw = item.partition(":")
+  if backend not in config_lib.CLIENT_BACKENDS or (
+      draw and draw not in config_lib.DSA_FAMILY_DRAWS):
+    raise SystemExit(f"--variants item {item!r} is invalid; allowed: new, old, BACKEND or "
+                     f"BACKEND:DRAW with BACKEND in {config_lib.CLIENT_BACKENDS} and DRAW in "
+                     f"{config_lib.DSA_FAMILY_DRAWS}")
+  return backend, draw or None
+
+
+def with_draw(cfg, draw: str | None):
+  """``cfg`` with ``client.dsa_family_draw = draw`` (unchanged for None)."""
+  if draw is None:
+    return cfg
+  return dataclasses.replace(cfg, client=dataclasses.replace(cfg.client, dsa_family_draw=draw))
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+  """Each round against :data:`GOALS` / :data:`COMPILE_GOAL_S`, and new against old."""
+  lines = []
+  by = {}
+  for r in rows:
+    name, variant = r.get("config"), r.get("variant")
+    if name not in GOALS:
+      continue
+    by[(name, variant)] = r
+    goal = GOALS[name]
+    lines.append(
+        f"{name} [{variant}]: {r['median_s']:.2f} s/round (goal <= {goal:g} s: "
+        f"{'met' if r['median_s'] <= goal else 'NOT met'}), compile {r['compile_s']:.1f} s "
+        f"(goal <= {COMPILE_GOAL_S:g} s: {'met' if r['compile_s'] <= COMPILE_GOAL_S else 'NOT met'})")
+  for name in GOALS:
+    new, old = by.get((name, "new")), by.get((name, "old"))
+    if new and old:
+      lines.append(f"{name}: new / old = {new['median_s']:.2f} / {old['median_s']:.2f} s = "
+                   f"{new['median_s'] / old['median_s']:.2f} (compile {new['compile_s']:.1f} "
+                   f"vs {old['compile_s']:.1f} s)")
+  return lines
+
+
 def configs(small: bool) -> dict:
   """``name -> (FedLAPConfig, Problem, width)``; ``small`` shrinks everything for a CPU."""
   dp = config_lib.paper_dp_config()
@@ -80,19 +136,25 @@ def device_peak_bytes() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
-def round_row(name, cfg, problem, width, repeats, impl, backend):
+def round_row(name, cfg, problem, width, repeats, impl, variant):
+  backend, draw = parse_variant(variant)
+  cfg = with_draw(cfg, draw)
   clients = bench.random_clients(problem)
   _, apply_fn, params = bench.make_model(problem, impl, width=width)
   fn, args = bench.op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
-  res = bench.measure(f"{name} [{backend}]", fn, args, repeats=repeats, warmup=False)
+  res = bench.measure(f"{name} [{variant}, impl={impl}]", fn, args, repeats=repeats,
+                      warmup=False)
   metrics = res["output"][1]
   units = bench.unit_flops(apply_fn, params, clients, cfg, problem)
   res["flops_executed"] = bench.round_flops(metrics, units, cfg, problem)
-  note = (f"client_backend={backend!r}: {problem.num_clients} clients x {problem.records}, "
+  note = (f"client_backend={backend!r}, dsa_family_draw={cfg.client.dsa_family_draw!r}: "
+          f"{problem.num_clients} clients x {problem.records}, "
           f"width {width}, "
           f"{int(np.sum(metrics.client.real_accesses))} real batches, "
           f"server {int(metrics.server.epochs)} epochs")
-  return bench.row(res, None, note)
+  out = bench.row(res, None, note)
+  out.update(config=name, variant=variant, impl=impl)
+  return out
 
 
 def per_example_rows(problem, width, repeats, impls, deadline):
@@ -130,9 +192,10 @@ def main(argv=None) -> int:
                       help="skip what would start after this many seconds")
   parser.add_argument("--impl", default="auto", help="ConvNet.impl of the rounds")
   parser.add_argument("--only", default="cifar_dp,cifar_nondp,per_example")
-  parser.add_argument("--client-backends", default="map,vmap",
-                      help="round backends, measured in this order (each config first with "
-                           "the first backend)")
+  parser.add_argument("--variants", default="new,old",
+                      help="round variants, measured in this order (every config with the "
+                           "first, then the next): new (vmap, shared DSA family), old (map, "
+                           "per-client family), BACKEND or BACKEND:DRAW")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   if args.repeats is None:
@@ -144,18 +207,21 @@ def main(argv=None) -> int:
   rows = []
   parts = args.only.split(",")
   last = 0.0  # duration of the last round part: do not start one that would overrun
-  for backend in args.client_backends.split(","):
+  variants = args.variants.split(",")
+  for variant in variants:
+    parse_variant(variant)  # refuse a bad item before anything runs
+  for variant in variants:
     for name, (cfg, problem, width) in configs(args.small).items():
       if name not in parts:
         continue
       if time.monotonic() + last > deadline:
-        bench._log(f"budget: {name} [{backend}] skipped (would end after --budget-s)")
+        bench._log(f"budget: {name} [{variant}] skipped (would end after --budget-s)")
         continue
-      bench._log(f"{name} [{backend}] ...")
+      bench._log(f"{name} [{variant}] ...")
       t0 = time.monotonic()
-      rows.append(round_row(name, cfg, problem, width, args.repeats, args.impl, backend))
+      rows.append(round_row(name, cfg, problem, width, args.repeats, args.impl, variant))
       last = time.monotonic() - t0
-      bench._log(f"{name} [{backend}]: {rows[-1]['median_s']:.2f} s/round, "
+      bench._log(f"{name} [{variant}]: {rows[-1]['median_s']:.2f} s/round, "
                  f"compile {rows[-1]['compile_s']:.1f} s, part took {last:.0f} s")
   if "per_example" in parts:
     problem, width = configs(args.small)["cifar_dp"][1:]
@@ -165,6 +231,10 @@ def main(argv=None) -> int:
   env["total_s"] = time.monotonic() - start
   title = f"gpu_round.py{' --small' if args.small else ''} on {env['device_kind']}"
   print(bench.markdown(rows, title))
+  if args.small:
+    print("(--small: shrunk rounds on this machine; the goals are for the full rounds on an H100)")
+  for line in goal_lines(rows):
+    print(line)
   print(f"\ntotal {env['total_s']:.0f} s, jax {env['jax']} on {env['backend']} "
         f"({env['devices']}), device peak {env['device_peak_bytes']}")
   path = args.json or os.path.join(os.environ.get("OUT", "."), "gpu_round.json")

@@ -142,7 +142,7 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
   step count ``T``). Both share compiled rounds between algorithms of equal
   settings, so the seeds of a sweep or a resumed run compile nothing new.
   """
-  backend = resolve_client_backend(cfg.client_backend)
+  backend = resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap")
   if cfg.method == "fedlap":
     return federated.algorithm(apply_fn, validation.to_fedlap_config(cfg),
                                image_shape=tuple(image_shape),
@@ -563,7 +563,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       upload_floats_per_client=int(alg.upload_floats_per_client),
       jax_version=jax.__version__, fedlap_jax_version=fedlap_jax.__version__,
       devices=[str(d) for d in jax.devices()],
-      client_backend=resolve_client_backend(cfg.client_backend),
+      client_backend=resolve_client_backend(cfg.client_backend,
+                                            side_by_side=cfg.method == "fedlap"),
       # Without the seed: it determines every noise draw (it stays in config.json).
       **{k: v for k, v in privacy.items()
          if k not in ("method", "dataset", "client_sizes", "seed")})

@@ -11,8 +11,8 @@ the results stacked on a leading ``(K,)`` axis whatever the backend:
 * ``map``: one after another (``lax.map``), same numbers, a K-th of the memory;
 * ``shard``: blocks of clients on the devices of a mesh, one after another
   within a block (:mod:`fedlap_jax.sharding`);
-* ``auto``: ``shard`` on several devices, else ``map``
-  (:func:`resolve_client_backend`).
+* ``auto``: ``shard`` on several devices, else ``map``, or for FedLAP on an
+  accelerator ``vmap`` (:func:`resolve_client_backend`).
 
 FedLAP (:mod:`fedlap_jax.federated`) and the gradient-sharing baselines
 (:mod:`fedlap_jax.baselines`) both dispatch their clients through here, and
@@ -37,19 +37,23 @@ from fedlap_jax.types import PyTree
 VMAP_AXIS = "side_by_side_clients"
 
 
-def resolve_client_backend(name: str) -> str:
+def resolve_client_backend(name: str, *, side_by_side: bool = False) -> str:
   """``client_backend`` with ``"auto"`` resolved; other names are returned as they are.
 
   ``"auto"`` is ``"shard"`` when JAX sees several devices (each device runs
-  its block of clients one after another) and ``"map"`` (clients one after
-  another) on a single device, never ``"vmap"``: every client draws its own
-  DSA family, so under ``vmap`` the batched ``lax.switch`` computes all six
-  augmentation families for every batch and the ``lax.cond`` around a local
-  update runs both branches, while ``map`` holds one client's temporaries at a
-  time. BENCHMARKS.md has the rounds measured both ways on CPU and GPU.
+  its block of clients one after another); on one device it is ``"map"``
+  (clients one after another), except that with ``side_by_side=True`` (FedLAP,
+  whose client function runs side by side without the ``vmap`` penalties:
+  :func:`fedlap_jax.client.local_approx` with ``client_axis``) on an
+  accelerator it is ``"vmap"``, which gives each kernel the work of all the
+  clients. On the CPU ``map`` stays faster (BENCHMARKS.md has the rounds
+  measured both ways); the baselines keep ``map`` everywhere (their ``vmap``
+  was never measured on an accelerator).
   """
   if name == "auto":
-    return "shard" if jax.device_count() > 1 else "map"
+    if jax.device_count() > 1:
+      return "shard"
+    return "vmap" if side_by_side and jax.default_backend() != "cpu" else "map"
   return name
 
 

@@ -182,11 +182,14 @@ def fedlap_round(
     clients: stacked :class:`ClientData`, leaves ``(K, N_max, ...)``.
     apply_fn: ``apply_fn(params, x) -> logits``.
     config: :class:`FedLAPConfig` (static).
-    client_backend: ``vmap`` (all clients at once), ``map`` (one after
-      another with ``lax.map``: same results, less memory), ``shard``
-      (blocks of clients on the devices of ``mesh``, one after another within
-      a block; :mod:`fedlap_jax.sharding`) or ``auto`` (the default:
-      ``shard`` on several devices, else ``map``; :func:`resolve_client_backend`).
+    client_backend: ``vmap`` (all clients side by side: each step batched
+      over the clients, one DSA family per step shared by them with
+      ``dsa_family_draw="shared"``, loop termination as masks; same results
+      as ``map``), ``map`` (one after another with ``lax.map``: a K-th of
+      the memory), ``shard`` (blocks of clients on the devices of ``mesh``,
+      one after another within a block; :mod:`fedlap_jax.sharding`) or
+      ``auto`` (the default: ``shard`` on several devices, ``vmap`` on one
+      accelerator, ``map`` on the CPU; :func:`resolve_client_backend`).
     mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all
       devices (:func:`fedlap_jax.sharding.client_mesh`).
 
@@ -205,7 +208,8 @@ def fedlap_round(
     synthetic = synthetic._replace(x=x)
 
   # Side by side (vmap), the clients' loops run with a shared counter and masks.
-  client_axis = VMAP_AXIS if resolve_client_backend(client_backend) == "vmap" else None
+  client_backend = resolve_client_backend(client_backend, side_by_side=True)
+  client_axis = VMAP_AXIS if client_backend == "vmap" else None
 
   def run(args, params, lr, family_key):
     k, syn, data = args

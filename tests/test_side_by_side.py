@@ -184,3 +184,29 @@ def test_dsa_family_draw_is_validated():
   with pytest.raises(ConfigError, match=r"dsa_family_draw='each'.*'shared', 'per_client'"):
     ClientConfig(dsa_family_draw="each")
   assert ClientConfig().dsa_family_draw == "shared"
+
+
+def test_auto_backend_runs_fedlap_side_by_side_on_an_accelerator(monkeypatch):
+  assert dispatch.resolve_client_backend("auto", side_by_side=True) == "map"  # this CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert dispatch.resolve_client_backend("auto", side_by_side=True) == "vmap"
+  assert dispatch.resolve_client_backend("auto") == "map"  # the baselines
+  assert dispatch.resolve_client_backend("map", side_by_side=True) == "map"
+  monkeypatch.setattr(jax, "device_count", lambda: 4)
+  assert dispatch.resolve_client_backend("auto", side_by_side=True) == "shard"
+
+
+def test_gpu_script_variants_and_goals():
+  from benchmarks import gpu_round
+
+  assert gpu_round.parse_variant("new") == ("vmap", "shared")
+  assert gpu_round.parse_variant("old") == ("map", "per_client")
+  assert gpu_round.parse_variant("map:shared") == ("map", "shared")
+  with pytest.raises(SystemExit, match="'pmap'"):
+    gpu_round.parse_variant("pmap")
+  rows = [{"config": "cifar_dp", "variant": "new", "median_s": 2.5, "compile_s": 40.0},
+          {"config": "cifar_dp", "variant": "old", "median_s": 7.5, "compile_s": 44.0}]
+  lines = gpu_round.goal_lines(rows)
+  assert lines[0] == ("cifar_dp [new]: 2.50 s/round (goal <= 3 s: met), compile 40.0 s "
+                      "(goal <= 30 s: NOT met)")
+  assert lines[-1].startswith("cifar_dp: new / old = 2.50 / 7.50 s = 0.33")

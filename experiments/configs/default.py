@@ -34,10 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.rounds = 200
   config.learning_rate = 0.1
   config.synthetic_init = "real"
-  # "vmap": all clients at once; "map": one after another (less memory, same numbers);
-  # "auto" (the library's default) = "map" on one device: faster on CPU (1.75x) and on an
-  # H100 (cifar_nondp 12.4 vs 28.1 s per round) with bounded memory (BENCHMARKS.md);
-  # "shard" when JAX sees several devices.
+  # "vmap": all clients side by side (FedLAP: batched steps, shared DSA family, masked loops);
+  # "map": one after another (a K-th of the memory, same numbers); "shard": blocks of clients
+  # on several devices. "auto" (the library's default): "shard" on several devices, else
+  # "map" on the CPU (faster there, BENCHMARKS.md) and, for FedLAP on an accelerator, "vmap".
   config.client_backend = "auto"
 
   config.data = ml_collections.ConfigDict()
