@@ -94,10 +94,11 @@ def goal_lines(rows: list[dict]) -> list[str]:
       continue
     by[(name, variant)] = r
     goal = GOALS[name]
+    round_ok = "met" if r["median_s"] <= goal else "NOT met"
+    compile_ok = "met" if r["compile_s"] <= COMPILE_GOAL_S else "NOT met"
     lines.append(
-        f"{name} [{variant}]: {r['median_s']:.2f} s/round (goal <= {goal:g} s: "
-        f"{'met' if r['median_s'] <= goal else 'NOT met'}), compile {r['compile_s']:.1f} s "
-        f"(goal <= {COMPILE_GOAL_S:g} s: {'met' if r['compile_s'] <= COMPILE_GOAL_S else 'NOT met'})")
+        f"{name} [{variant}]: {r['median_s']:.2f} s/round (goal <= {goal:g} s: {round_ok}), "
+        f"compile {r['compile_s']:.1f} s (goal <= {COMPILE_GOAL_S:g} s: {compile_ok})")
   for name in GOALS:
     new, old = by.get((name, "new")), by.get((name, "old"))
     if new and old:
@@ -196,6 +197,9 @@ def main(argv=None) -> int:
                       help="round variants, measured in this order (every config with the "
                            "first, then the next): new (vmap, shared DSA family), old (map, "
                            "per-client family), BACKEND or BACKEND:DRAW")
+  parser.add_argument("--client-backends", default=None,
+                      help="earlier spelling: backends only (each with the config's draw); "
+                           "overrides --variants")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   if args.repeats is None:
@@ -207,7 +211,7 @@ def main(argv=None) -> int:
   rows = []
   parts = args.only.split(",")
   last = 0.0  # duration of the last round part: do not start one that would overrun
-  variants = args.variants.split(",")
+  variants = (args.client_backends or args.variants).split(",")
   for variant in variants:
     parse_variant(variant)  # refuse a bad item before anything runs
   for variant in variants:

@@ -21,6 +21,14 @@ structure (names as in the authors' implementation)::
       if o == max_outer: break
       R_l epochs of SGD of w on S (batch 512, DSA)
 
+Clients side by side (``vmap`` over clients, ``client_axis`` set): the while
+loop's counter is shared by the clients and runs while any of them is inside
+its radius; a client that has left it keeps its state through ``jnp.where``
+masks, so the model update's ``lax.cond`` (on the shared counter) stays a real
+branch. With ``dsa_family_draw="shared"`` the DSA family of every step is drawn
+from a key common to the clients, so the family ``lax.switch`` computes one
+family, not all six. Each client's numbers equal those of the client run alone.
+
 Reference: Wang et al., "FedLAP-DP: Federated Learning by Sharing
 Differentially Private Loss Approximations", PoPETs 2024.
 """
