@@ -18,6 +18,8 @@ structure (names as in the authors' implementation)::
         Poisson batch, one DSA draw shared by real and synthetic batch
         g_real = grad on the batch          # DP: clip, noise, / B
         repeat R_b: S <- S - tau * momentum-SGD grad_S L_dis(g_real, grad_w L(w, S))
+      (average_targets: g = mean of the batch_loop g_real, all at this w;
+       repeat R_b: S <- ... L_dis(g, grad_w L(w, S)))
       if o == max_outer: break
       R_l epochs of SGD of w on S (batch 512, DSA)
 
@@ -48,7 +50,8 @@ class LocalApproxMetrics(NamedTuple):
   Attributes:
     matching_loss: ``(R_i, max_outer, batch_loop, R_b)`` ``L_dis`` before each
       synthetic update; entries of while-loop iterations that did not run are 0
-      (see ``outer_iterations``).
+      (see ``outer_iterations``). With ``average_targets`` only ``[:, :, 0]``
+      is written (one target per while-loop iteration); the rest are 0.
     outer_iterations: ``(R_i,)`` while-loop iterations run per trajectory.
     real_accesses: scalar, real batches actually drawn (``<= T``).
     poisson_extra_chunks: scalar, extra buffer-sized chunks processed because a
@@ -197,6 +200,41 @@ def local_approx(
              n_clipped + clipped)
     return w, key_o, x_syn, opt_state, losses, stats
 
+  def averaged_step(w, key_o, x_syn, opt_state, losses, stats):
+    """``average_targets``: mean of the ``batch_loop`` noisy gradients at ``w``, then R_b updates.
+
+    Every gradient is taken at the same ``w`` (the model moves only after the
+    batch loop), so their mean is an unbiased estimate of the same clipped
+    gradient with ``1 / batch_loop`` of the noise variance. It is a function of
+    released noisy gradients only (post-processing): the accountant's ``T``
+    still counts each of the ``batch_loop`` accesses. The synthetic batch gets
+    its own DSA draw per update (the real batches each had theirs).
+    """
+    def accumulate(b, acc):
+      g_sum, stats = acc
+      g, _, batch, clipped = real_batch_gradient(jax.random.fold_in(key_o, b), w)
+      accesses, extra, sampled, n_clipped = stats
+      stats = (accesses + 1, extra + batch.extra_chunks, sampled + batch.size,
+               n_clipped + clipped)
+      return jax.tree.map(jnp.add, g_sum, g), stats
+
+    zeros = jax.tree.map(jnp.zeros_like, w)
+    g_sum, stats = jax.lax.fori_loop(0, c.batch_loop, accumulate, (zeros, stats))
+    g_mean = jax.tree.map(lambda g: g / c.batch_loop, g_sum)
+    k_match = jax.random.fold_in(key_o, c.batch_loop + 1)
+
+    def boost(j, inner):
+      x_syn, opt_state, losses = inner
+      loss, grad_x = matching_step(apply_fn, w, synthetic._replace(x=x_syn), g_mean,
+                                   jax.random.fold_in(k_match, j),
+                                   dsa_strategy=c.dsa_strategy, mse_weight=c.mse_weight)
+      updates, opt_state = opt.update(grad_x, opt_state, x_syn)
+      return optax.apply_updates(x_syn, updates), opt_state, losses.at[0, j].set(loss)
+
+    x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
+                                                 (x_syn, opt_state, losses))
+    return w, key_o, x_syn, opt_state, losses, stats
+
   def trajectory(carry, key_i):
     x_syn, opt_state, stats = carry
     loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
@@ -209,8 +247,12 @@ def local_approx(
       o, w, dist, x_syn, opt_state, loss_log, stats = s
       key_o = jax.random.fold_in(key_i, o)
       losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
-      w, _, x_syn, opt_state, losses, stats = jax.lax.fori_loop(
-          0, c.batch_loop, batch_step, (w, key_o, x_syn, opt_state, losses, stats))
+      if c.average_targets:
+        w, _, x_syn, opt_state, losses, stats = averaged_step(
+            w, key_o, x_syn, opt_state, losses, stats)
+      else:
+        w, _, x_syn, opt_state, losses, stats = jax.lax.fori_loop(
+            0, c.batch_loop, batch_step, (w, key_o, x_syn, opt_state, losses, stats))
       loss_log = loss_log.at[o].set(losses)
 
       if c.inner_loop > 0:

@@ -240,3 +240,36 @@ def test_image_optimizer_is_momentum_sgd():
   u2, _ = opt.update(g, state, x)
   chex.assert_trees_all_close(u1, -2.0 * g)
   chex.assert_trees_all_close(u2, -2.0 * 1.5 * g)  # trace = g + 0.5 g
+
+
+def test_average_targets_equals_one_target_when_the_batches_agree(run):
+  # FIXED draws every record (q = 1) and has no DSA, so the batch_loop = 2 gradients of a
+  # while-loop iteration are equal: their mean is that gradient, and averaging must give
+  # exactly the run with one batch per iteration (same boost_loop updates against it). The
+  # MSE term makes the target's scale matter (a sum instead of a mean would differ).
+  avg = dataclasses.replace(FIXED, average_targets=True)
+  one = dataclasses.replace(FIXED, batch_loop=1)
+  s_avg, _, m_avg = run(avg)
+  s_one, _, m_one = run(one)
+  chex.assert_trees_all_close(s_avg.x, s_one.x, atol=1e-5, rtol=1e-5)
+  loss_avg = np.asarray(m_avg.matching_loss)
+  np.testing.assert_allclose(loss_avg[:, :, 0], np.asarray(m_one.matching_loss)[:, :, 0],
+                             rtol=1e-5)
+  assert np.all(loss_avg[:, :, 1:] == 0)
+  # Every real batch is still counted: T = R_i * max_outer * batch_loop.
+  assert int(m_avg.real_accesses) == avg.real_accesses_per_round == 2 * int(m_one.real_accesses)
+
+
+def test_average_targets_under_dp_counts_every_access(run, synthetic):
+  cfg = dataclasses.replace(DP_LARGE_RADIUS, average_targets=True, boost_loop=2)
+  syn, _, m = run(cfg)
+  chex.assert_tree_all_finite(syn.x)
+  assert not bool(jnp.allclose(syn.x, synthetic.x))
+  assert int(m.real_accesses) == cfg.real_accesses_per_round
+  loss = np.asarray(m.matching_loss)
+  assert np.all(loss[:, :, 0] > 0) and np.all(loss[:, :, 1:] == 0)
+
+
+def test_average_targets_must_be_a_bool():
+  with pytest.raises(ValueError, match="average_targets=1 is invalid"):
+    ClientConfig(average_targets=1)

@@ -80,6 +80,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.client.calibration_eval_size = config_dict.placeholder(int)
   config.client.dsa_strategy = DSA
   config.client.poisson_capacity = config_dict.placeholder(int)
+  # Average the batch_loop noisy gradients of one while-loop iteration (same model) and match
+  # the images against the mean (post-processing: no privacy cost).
+  config.client.average_targets = False
 
   config.server = ml_collections.ConfigDict()
   config.server.radius_strategy = "min"
