@@ -230,6 +230,10 @@ class ServerConfig:
       ``None`` (default): ``uniform`` with DP, ``size`` without (resolved by
       :class:`FedLAPConfig`). ``size`` is refused with DP.
     dsa_strategy: DSA families for server steps.
+    learning_rate: base of the server's own cosine schedule over rounds;
+      ``None`` (the paper) uses the run's ``eta_m`` (the clients' model
+      rate). The server only trains on the synthetic sets it received, so
+      under DP its step size is post-processing and costs no privacy.
   """
 
   radius_strategy: str = "min"
@@ -237,6 +241,7 @@ class ServerConfig:
   max_epochs: int = 100
   weighting: str | None = None
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
+  learning_rate: float | None = None
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -245,6 +250,8 @@ class ServerConfig:
     require(self.weighting is None or self.weighting in WEIGHTINGS, "weighting", self.weighting,
             f"None or one of {WEIGHTINGS}")
     dsa_strategy("server.dsa_strategy", self.dsa_strategy)
+    if self.learning_rate is not None:
+      positive_float("server.learning_rate", self.learning_rate)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

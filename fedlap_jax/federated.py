@@ -165,6 +165,17 @@ def init_state(
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
 
 
+def server_learning_rate(round_index, config: FedLAPConfig):
+  """The server's step size in round ``m`` (1-based, may be traced).
+
+  The cosine schedule of ``config.server.learning_rate`` when set, else the
+  run's ``eta_m`` (the paper: clients and server share one schedule).
+  """
+  base = config.server.learning_rate
+  return cosine_learning_rate(round_index, config.rounds,
+                              config.learning_rate if base is None else base)
+
+
 def fedlap_round(
     state: FedLAPState,
     clients: ClientData,
@@ -216,7 +227,7 @@ def fedlap_round(
   params, server_metrics = global_update(
       k_server, apply_fn, state.params, synthetic,
       client_weights(clients, config.server.weighting), r_g,
-      learning_rate=lr, config=config.server)
+      learning_rate=server_learning_rate(m, config), config=config.server)
   new_state = FedLAPState(params, synthetic, m, key)
   return new_state, RoundMetrics(client_metrics, radii, server_metrics, lr)
 

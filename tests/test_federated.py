@@ -298,3 +298,17 @@ def test_bad_client_backend(params, clients):
   with pytest.raises(ValueError, match="client_backend='pmap'.*vmap"):
     federated.fedlap_round(state, clients, apply_fn=lambda p, x: x, config=cfg,
                            client_backend="pmap")
+
+
+def test_server_learning_rate_has_its_own_schedule():
+  paper = DP_CONFIG
+  own = dataclasses.replace(DP_CONFIG, server=dataclasses.replace(DP_CONFIG.server,
+                                                                  learning_rate=0.5))
+  for m in (1, 4, 10):
+    cos = (1 + np.cos(np.pi * (m - 1) / 9)) / 2
+    np.testing.assert_allclose(float(federated.server_learning_rate(m, paper)),
+                               max(0.05 * cos, 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(float(federated.server_learning_rate(m, own)),
+                               max(0.5 * cos, 1e-6), rtol=1e-6)
+  with pytest.raises(ValueError, match="server.learning_rate=0.0 is invalid"):
+    ServerConfig(learning_rate=0.0)

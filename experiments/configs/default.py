@@ -90,6 +90,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.server.max_epochs = 100
   config.server.weighting = config_dict.placeholder(str)  # None: "uniform" with DP, else "size"
   config.server.dsa_strategy = DSA
+  # Base of the server's own cosine schedule; None: the run's learning_rate (the paper).
+  config.server.learning_rate = config_dict.placeholder(float)
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
