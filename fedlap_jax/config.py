@@ -45,6 +45,7 @@ PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")
+LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.LR_SCHEDULES
 
 
 def method_label(method: str, dp: bool) -> str:
@@ -266,6 +267,9 @@ class FedLAPConfig:
       and server).
     synthetic_init: ``real`` (non-DP: real images, re-drawn every round) or
       ``noise`` (N(0, 1) once, carried across rounds; required under DP).
+    lr_schedule: ``cosine`` (the reference; the last round's rate is ~0) or
+      ``cosine_open`` (no zero-rate round; see
+      :func:`fedlap_jax.training.cosine_learning_rate`).
   """
 
   client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
@@ -273,11 +277,13 @@ class FedLAPConfig:
   rounds: int = 200
   learning_rate: float = 0.1
   synthetic_init: str = "real"
+  lr_schedule: str = "cosine"
 
   def __post_init__(self):
     positive_int("rounds", self.rounds)
     positive_float("learning_rate", self.learning_rate)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
+    one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
     if self.client.dp is not None:
       require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
               "'noise' when DP is on (initialising from real images would publish them)")

@@ -173,7 +173,8 @@ def server_learning_rate(round_index, config: FedLAPConfig):
   """
   base = config.server.learning_rate
   return cosine_learning_rate(round_index, config.rounds,
-                              config.learning_rate if base is None else base)
+                              config.learning_rate if base is None else base,
+                              schedule=config.lr_schedule)
 
 
 def fedlap_round(
@@ -205,7 +206,7 @@ def fedlap_round(
   """
   cc = config.client
   m = state.round + 1
-  lr = cosine_learning_rate(m, config.rounds, config.learning_rate)
+  lr = cosine_learning_rate(m, config.rounds, config.learning_rate, schedule=config.lr_schedule)
   key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
   num_clients = clients.mask.shape[0]
   synthetic = state.synthetic

@@ -120,6 +120,7 @@ BAD = [
     ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),
     ("dp", {"learning_rate": -0.1}, ["learning_rate=-0.1"]),
     ("dp", {"client.ipc": 0}, ["client.ipc=0", ">= 1"]),
+    ("dp", {"lr_schedule": "step"}, ["lr_schedule='step'", "cosine_open"]),
     ("dp", {"client.radius": -1.0}, ["client.radius=-1.0", "> 0"]),
     ("dp", {"client.radius": 0.0}, ["client.radius=0.0"]),
     ("dp", {"client.batch_size": 0}, ["client.batch_size=0"]),

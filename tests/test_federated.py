@@ -312,3 +312,11 @@ def test_server_learning_rate_has_its_own_schedule():
                                max(0.5 * cos, 1e-6), rtol=1e-6)
   with pytest.raises(ValueError, match="server.learning_rate=0.0 is invalid"):
     ServerConfig(learning_rate=0.0)
+
+
+def test_lr_schedule_reaches_the_server_and_is_validated():
+  open_cfg = dataclasses.replace(DP_CONFIG, rounds=3, lr_schedule="cosine_open")
+  np.testing.assert_allclose(float(federated.server_learning_rate(3, open_cfg)), 0.05 * 0.25,
+                             rtol=1e-5)
+  with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
+    dataclasses.replace(DP_CONFIG, lr_schedule="step")

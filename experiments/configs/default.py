@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.rounds = 200
   config.learning_rate = 0.1
   config.synthetic_init = "real"
+  # "cosine" (reference: the last round's rate is ~0) or "cosine_open" (cos(pi (m-1) / M): no
+  # zero-rate round, which under DP would spend privacy without moving the model).
+  config.lr_schedule = "cosine"
   # "vmap": all clients at once; "map": one after another (less memory, same numbers);
   # "auto" (the library's default) = "map" on one device: faster on CPU (1.75x) and on an
   # H100 (cifar_nondp 12.4 vs 28.1 s per round) with bounded memory (BENCHMARKS.md);
