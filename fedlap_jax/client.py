@@ -22,6 +22,8 @@ structure (names as in the authors' implementation)::
        repeat R_b: S <- ... L_dis(g, grad_w L(w, S)))
       if o == max_outer: break
       R_l epochs of SGD of w on S (batch 512, DSA)
+      (model_steps='noisy_real': w <- w - eta_m g instead, also after the last
+       iteration; the client's model delta w - w_g is returned as well)
 
 Reference: Wang et al., "FedLAP-DP: Federated Learning by Sharing
 Differentially Private Loss Approximations", PoPETs 2024.
@@ -60,6 +62,10 @@ class LocalApproxMetrics(NamedTuple):
     trajectory_distance: ``(R_i,)`` ``||w - w_g||`` at the end of each trajectory.
     clip_fraction: scalar, fraction of per-example gradients that were clipped
       (DP only; 0 otherwise).
+    model_delta: with ``model_steps='noisy_real'``, the mean over the ``R_i``
+      trajectories of ``w_end - w_g`` (a pytree like the model; the upload
+      :func:`fedlap_jax.federated.fedlap_round` uses for ``server.start``);
+      ``None`` otherwise.
 
   Under DP, ``matching_loss``, ``outer_iterations``, ``real_accesses`` and
   ``trajectory_distance`` are computed from the noised gradients and the
@@ -77,6 +83,7 @@ class LocalApproxMetrics(NamedTuple):
   mean_batch_size: jax.Array
   trajectory_distance: jax.Array
   clip_fraction: jax.Array
+  model_delta: PyTree | None = None
 
 
 def synthetic_gradient(apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet,
@@ -233,6 +240,8 @@ def local_approx(
 
     x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
                                                  (x_syn, opt_state, losses))
+    if c.model_steps == "noisy_real":  # a DP-SGD step along the same released mean
+      w = jax.tree.map(lambda p, g: p - learning_rate * g, w, g_mean)
     return w, key_o, x_syn, opt_state, losses, stats
 
   def trajectory(carry, key_i):
@@ -255,7 +264,9 @@ def local_approx(
             0, c.batch_loop, batch_step, (w, key_o, x_syn, opt_state, losses, stats))
       loss_log = loss_log.at[o].set(losses)
 
-      if c.inner_loop > 0:
+      if c.model_steps == "noisy_real":
+        dist = tree_distance(w, params)
+      elif c.inner_loop > 0:
         def train(w):
           def epoch(e, w):
             k = jax.random.fold_in(jax.random.fold_in(key_o, c.batch_loop), e)
@@ -268,12 +279,13 @@ def local_approx(
       return o + 1, w, dist, x_syn, opt_state, loss_log, stats
 
     init = (jnp.int32(0), params, jnp.float32(0.0), x_syn, opt_state, loss_log, stats)
-    o, _, dist, x_syn, opt_state, loss_log, stats = jax.lax.while_loop(cond, body, init)
-    return (x_syn, opt_state, stats), (loss_log, o, dist)
+    o, w, dist, x_syn, opt_state, loss_log, stats = jax.lax.while_loop(cond, body, init)
+    delta = (jax.tree.map(jnp.subtract, w, params) if c.model_steps == "noisy_real" else None)
+    return (x_syn, opt_state, stats), (loss_log, o, dist, delta)
 
   stats0 = (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.float32(0.0))
   k_traj, k_cal = jax.random.split(key)
-  (x_syn, _, stats), (loss_log, outer, dists) = jax.lax.scan(
+  (x_syn, _, stats), (loss_log, outer, dists, deltas) = jax.lax.scan(
       trajectory, (synthetic.x, opt.init(synthetic.x), stats0),
       jax.random.split(k_traj, c.iterations))
   accesses, extra_chunks, sampled, n_clipped = stats
@@ -296,5 +308,7 @@ def local_approx(
       mean_batch_size=sampled / jnp.maximum(accesses, 1),
       trajectory_distance=dists,
       clip_fraction=n_clipped / jnp.maximum(sampled, 1),
+      model_delta=(None if deltas is None
+                   else jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)),
   )
   return synthetic, r_k, metrics

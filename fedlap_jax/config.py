@@ -46,6 +46,8 @@ RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")
 LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.LR_SCHEDULES
+MODEL_STEPS = ("synthetic", "noisy_real")
+SERVER_STARTS = ("global", "fedavg_delta")
 
 
 def method_label(method: str, dp: bool) -> str:
@@ -160,6 +162,15 @@ class ClientConfig:
       ``boost_loop`` times against each gradient. Under DP the mean has
       ``1 / batch_loop`` of the noise variance and costs no privacy
       (post-processing; ``T`` is unchanged).
+    model_steps: how the client's model moves between while-loop iterations:
+      ``synthetic`` (the paper: ``R_l`` epochs of SGD on the synthetic set)
+      or ``noisy_real`` (a departure from the paper: one step
+      ``w <- w - eta_m g`` along the iteration's mean noisy real gradient
+      ``g``, also after the last iteration; ``inner_loop`` is not used).
+      Needs ``average_targets``. Under DP the trajectory is a function of
+      released noisy gradients (post-processing; the next batch is an
+      adaptive query, as in DP-SGD): ``(q, sigma, T)`` still bound it. The
+      client then also has a model delta to send (``server.start``).
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
   """
 
@@ -181,6 +192,7 @@ class ClientConfig:
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
   poisson_capacity: int | None = None
   average_targets: bool = False
+  model_steps: str = "synthetic"
   dp: DPConfig | None = None
 
   def __post_init__(self):
@@ -200,6 +212,10 @@ class ClientConfig:
     dsa_strategy("dsa_strategy", self.dsa_strategy)
     require(isinstance(self.average_targets, bool), "average_targets",
             self.average_targets, "True or False")
+    one_of("model_steps", self.model_steps, MODEL_STEPS)
+    require(self.model_steps == "synthetic" or self.average_targets, "model_steps",
+            self.model_steps, "'synthetic' unless average_targets=True ('noisy_real' steps "
+            "along the mean noisy gradient of each while-loop iteration)")
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
@@ -235,6 +251,12 @@ class ServerConfig:
       ``None`` (the paper) uses the run's ``eta_m`` (the clients' model
       rate). The server only trains on the synthetic sets it received, so
       under DP its step size is post-processing and costs no privacy.
+    start: where the server's descent starts: ``global`` (the paper: the
+      global model ``w_g``) or ``fedavg_delta`` (a departure from the paper:
+      ``w_g`` plus the weighted mean of the clients' model deltas, then the
+      trust-region descent on the synthetic sets from there). Needs
+      ``client.model_steps='noisy_real'``; each client then uploads its
+      model delta (the model's size) besides its synthetic set.
   """
 
   radius_strategy: str = "min"
@@ -243,6 +265,7 @@ class ServerConfig:
   weighting: str | None = None
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
   learning_rate: float | None = None
+  start: str = "global"
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -253,6 +276,7 @@ class ServerConfig:
     dsa_strategy("server.dsa_strategy", self.dsa_strategy)
     if self.learning_rate is not None:
       positive_float("server.learning_rate", self.learning_rate)
+    one_of("server.start", self.start, SERVER_STARTS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -284,6 +308,10 @@ class FedLAPConfig:
     positive_float("learning_rate", self.learning_rate)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+    require(self.server.start == "global" or self.client.model_steps == "noisy_real",
+            "server.start", self.server.start,
+            "'global' unless client.model_steps='noisy_real' (only then do the clients have "
+            "a model delta to send)")
     if self.client.dp is not None:
       require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
               "'noise' when DP is on (initialising from real images would publish them)")

@@ -225,9 +225,17 @@ def fedlap_round(
       run, args, replicated=(state.params, lr), client_backend=client_backend, mesh=mesh)
 
   r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
+  weights = client_weights(clients, config.server.weighting)
+  start = state.params
+  if config.server.start == "fedavg_delta":
+    # The clients' model deltas (noisy_real trajectories), averaged with the server's
+    # weights; the trust region is then centred on the FedAvg model.
+    wn = weights / jnp.sum(weights)
+    start = jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), state.params,
+                         client_metrics.model_delta)
+  client_metrics = client_metrics._replace(model_delta=None)  # used; not a metric to log
   params, server_metrics = global_update(
-      k_server, apply_fn, state.params, synthetic,
-      client_weights(clients, config.server.weighting), r_g,
+      k_server, apply_fn, start, synthetic, weights, r_g,
       learning_rate=server_learning_rate(m, config), config=config.server)
   new_state = FedLAPState(params, synthetic, m, key)
   return new_state, RoundMetrics(client_metrics, radii, server_metrics, lr)

@@ -22,7 +22,9 @@ from fedlap_jax.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
 from fedlap_jax.federated import noise_images, synthetic_labels
+from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
+from fedlap_jax.training import tree_distance
 
 IPC = 2
 LR = 0.1
@@ -273,3 +275,30 @@ def test_average_targets_under_dp_counts_every_access(run, synthetic):
 def test_average_targets_must_be_a_bool():
   with pytest.raises(ValueError, match="average_targets=1 is invalid"):
     ClientConfig(average_targets=1)
+
+
+def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_params,
+                                                     client_data):
+  # q = 1, no DSA, no DP, batch_loop = 1: each while-loop iteration's target is the
+  # full-batch gradient, and model_steps='noisy_real' steps w <- w - LR g along it, also after
+  # the last iteration: model_delta = 3 steps of full-batch gradient descent (both trajectories
+  # are equal, so their mean is that). The paper's steps (synthetic, R_l = 0) leave w alone.
+  cfg = dataclasses.replace(FIXED, batch_loop=1, average_targets=True, model_steps="noisy_real")
+  _, _, m = run(cfg)
+  x = client_data.images(jnp.arange(client_data.y.shape[0]))
+  loss = lambda p: jnp.mean(cross_entropy(tiny_apply_fn(p, x), client_data.y))
+  w = tiny_params
+  for _ in range(cfg.max_outer):
+    w = jax.tree.map(lambda p, g: p - LR * g, w, jax.grad(loss)(w))
+  expected = jax.tree.map(jnp.subtract, w, tiny_params)
+  chex.assert_trees_all_close(m.model_delta, expected, atol=1e-5, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(m.trajectory_distance),
+                             float(tree_distance(w, tiny_params)), rtol=1e-4)
+  assert run(dataclasses.replace(cfg, model_steps="synthetic"))[2].model_delta is None
+
+
+def test_noisy_real_needs_average_targets():
+  with pytest.raises(ValueError, match="model_steps='noisy_real' is invalid.*average_targets"):
+    ClientConfig(model_steps="noisy_real")
+  with pytest.raises(ValueError, match="model_steps='real' is invalid"):
+    ClientConfig(model_steps="real", average_targets=True)

@@ -86,6 +86,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Average the batch_loop noisy gradients of one while-loop iteration (same model) and match
   # the images against the mean (post-processing: no privacy cost).
   config.client.average_targets = False
+  # "synthetic" (paper: R_l epochs on the synthetic set between iterations) or "noisy_real"
+  # (departure: step along the iteration's mean noisy gradient; needs average_targets).
+  config.client.model_steps = "synthetic"
 
   config.server = ml_collections.ConfigDict()
   config.server.radius_strategy = "min"
@@ -95,6 +98,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.server.dsa_strategy = DSA
   # Base of the server's own cosine schedule; None: the run's learning_rate (the paper).
   config.server.learning_rate = config_dict.placeholder(float)
+  # "global" (paper) or "fedavg_delta" (departure: start from w_g + mean client model delta;
+  # needs client.model_steps="noisy_real"; each client uploads a model delta too).
+  config.server.start = "global"
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
