@@ -160,13 +160,13 @@ BAD = [
     ("dp", {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.0,)},
      ["data.std=(0.0,)", "> 0"]),
     ("dp", {"data.mean": (0.3,)}, ["data.mean=(0.3,)", "data.normalisation='given'"]),
-    ("dp", {"client.poisson_capacity": 64},
+    ("dp", {"client.batch_size": 64, "client.poisson_capacity": 64},
      ["client.poisson_capacity=64 is invalid", ">= 88", "overflows often"]),
     ("dp", {"server.weighting": "size"},
      ["server.weighting='size' is invalid", "'uniform' or None when DP is on", "1/K"]),
     ("dp", {"method": "dp_fedavg", "server.weighting": "size"},
      ["server.weighting='size' is invalid", "'uniform' or None for method='dp_fedavg'"]),
-    ("dp", {"method": "dp_fedprox", "client.poisson_capacity": 70},
+    ("dp", {"method": "dp_fedprox", "client.batch_size": 64, "client.poisson_capacity": 70},
      ["client.poisson_capacity=70 is invalid", ">= 88"]),
 ]
 
