@@ -47,7 +47,7 @@ def _core_path(field: str, section: str) -> str:
   """Maps a field named in a core error to its path in the experiment config."""
   if field.startswith(("dp.", "server.", "client.")):
     return field
-  if field in ("rounds", "learning_rate", "synthetic_init"):
+  if field in ("rounds", "learning_rate", "synthetic_init", "lr_schedule"):
     return field
   if field in CLIENT_FIELDS and section != "server":
     return f"client.{field}"
@@ -101,7 +101,8 @@ def to_fedlap_config(cfg) -> core.FedLAPConfig:
   try:
     return core.FedLAPConfig(client=client, server=server, rounds=cfg.rounds,
                              learning_rate=cfg.learning_rate,
-                             synthetic_init=cfg.synthetic_init)
+                             synthetic_init=cfg.synthetic_init,
+                             lr_schedule=cfg.get("lr_schedule", "cosine"))
   except ConfigError as e:
     raise _core_error(e, "") from None
 
@@ -118,7 +119,7 @@ def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.
 
   ``method``, ``rounds``, ``learning_rate``, ``client.batch_size``,
   ``client.poisson_capacity``, ``server.weighting``, ``baseline.local_epochs``,
-  ``baseline.prox_mu`` and ``dp`` go to
+  ``baseline.prox_mu``, ``lr_schedule`` and ``dp`` go to
   :func:`fedlap_jax.baselines.baseline_config`; ``max_client_size`` (records of
   the largest client) fixes the static step count and is required under DP.
   Under DP the per-client training loss (a non-private diagnostic that costs a
@@ -132,6 +133,7 @@ def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.
         local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
         prox_mu=cfg.baseline.prox_mu, dp=dp, max_client_size=max_client_size,
         weighting=cfg.server.weighting, poisson_capacity=cfg.client.poisson_capacity,
+        lr_schedule=cfg.get("lr_schedule", "cosine"),
         track_loss=dp is None or bool(cfg.get("debug_nonprivate_stats", False)))
   except ConfigError as e:
     raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
@@ -153,6 +155,8 @@ def validate_config(cfg) -> None:
     _fail("learning_rate", cfg.learning_rate, "a finite number > 0")
   if cfg.client_backend not in CLIENT_BACKENDS:
     _fail("client_backend", cfg.client_backend, f"one of {CLIENT_BACKENDS}")
+  if cfg.get("lr_schedule", "cosine") not in core.LR_SCHEDULES:
+    _fail("lr_schedule", cfg.lr_schedule, f"one of {core.LR_SCHEDULES}")
 
   d = cfg.data
   if d.name not in data_lib.DATASETS:

@@ -94,7 +94,7 @@ from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_ME
                                WEIGHTINGS, DPConfig, check_poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.models import count_params
-from fedlap_jax.training import cosine_learning_rate, tree_distance
+from fedlap_jax.training import LR_SCHEDULES, cosine_learning_rate, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
 
@@ -258,6 +258,8 @@ class BaselineConfig:
       reports; :func:`algorithm` requires it); ``None`` for the others, and for
       a private path outside ``DPConfig``'s range (e.g. ``sigma = 0`` in tests),
       which then runs only through :func:`baseline_round`.
+    lr_schedule: ``cosine`` (reference) or ``cosine_open`` (no zero-rate last
+      round; :func:`~fedlap_jax.training.cosine_learning_rate`).
   """
 
   method: str
@@ -267,6 +269,7 @@ class BaselineConfig:
   weighting: str | None = None
   local: LocalTraining = dataclasses.field(default_factory=LocalTraining)
   dp: DPConfig | None = None
+  lr_schedule: str = "cosine"
 
   def __post_init__(self):
     one_of("method", self.method, METHODS)
@@ -279,6 +282,7 @@ class BaselineConfig:
       object.__setattr__(self, "weighting", "uniform" if self.method in DP_METHODS else "size")
     one_of("weighting", self.weighting, WEIGHTINGS)
     require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
+    one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
     loc = self.local
     private = self.method in DP_METHODS
     require(not private or self.weighting == "uniform", "server.weighting", self.weighting,
@@ -542,7 +546,7 @@ def baseline_round(
   num_clients, padded = clients.mask.shape
   num_steps = local.scheduled_steps(padded)
   m = state.round + 1
-  lr = cosine_learning_rate(m, config.rounds, config.learning_rate)
+  lr = cosine_learning_rate(m, config.rounds, config.learning_rate, schedule=config.lr_schedule)
   key, client_keys = round_keys(state.key, num_clients)
   x = state.params
 
@@ -624,6 +628,7 @@ def baseline_config(
     uniform_steps: bool = False,
     gradient_mean: str | None = None,
     track_loss: bool = True,
+    lr_schedule: str = "cosine",
 ) -> BaselineConfig:
   """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
@@ -656,6 +661,7 @@ def baseline_config(
     gradient_mean: ``realized`` / ``expected`` (see the module docstring);
       ``None``: ``realized`` without DP, ``expected`` with DP.
     track_loss: record per-client mean local losses.
+    lr_schedule: ``cosine`` or ``cosine_open`` (see :class:`BaselineConfig`).
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
@@ -690,7 +696,8 @@ def baseline_config(
             "an integer >= 1 with uniform_steps=True")
     local = dataclasses.replace(local, fixed_steps=local.scheduled_steps())
   return BaselineConfig(method=method, rounds=rounds, learning_rate=learning_rate,
-                        server_lr=server_lr, weighting=weighting, local=local, dp=dp)
+                        server_lr=server_lr, weighting=weighting, local=local, dp=dp,
+                        lr_schedule=lr_schedule)
 
 
 def algorithm(

@@ -18,8 +18,12 @@ structure (names as in the authors' implementation)::
         Poisson batch, one DSA draw shared by real and synthetic batch
         g_real = grad on the batch          # DP: clip, noise, / B
         repeat R_b: S <- S - tau * momentum-SGD grad_S L_dis(g_real, grad_w L(w, S))
+      (average_targets: g = mean of the batch_loop g_real, all at this w;
+       repeat R_b: S <- ... L_dis(g, grad_w L(w, S)))
       if o == max_outer: break
       R_l epochs of SGD of w on S (batch 512, DSA)
+      (model_steps='noisy_real': w <- w - eta_m g instead, also after the last
+       iteration; the client's model delta w - w_g is returned as well)
 
 Clients side by side (``vmap`` over clients, ``client_axis`` set): the while
 loop's counter is shared by the clients and runs while any of them is inside
@@ -57,7 +61,8 @@ class LocalApproxMetrics(NamedTuple):
   Attributes:
     matching_loss: ``(R_i, max_outer, batch_loop, R_b)`` ``L_dis`` before each
       synthetic update; entries of while-loop iterations that did not run are 0
-      (see ``outer_iterations``).
+      (see ``outer_iterations``). With ``average_targets`` only ``[:, :, 0]``
+      is written (one target per while-loop iteration); the rest are 0.
     outer_iterations: ``(R_i,)`` while-loop iterations run per trajectory.
     real_accesses: scalar, real batches actually drawn (``<= T``).
     poisson_extra_chunks: scalar, extra buffer-sized chunks processed because a
@@ -66,6 +71,10 @@ class LocalApproxMetrics(NamedTuple):
     trajectory_distance: ``(R_i,)`` ``||w - w_g||`` at the end of each trajectory.
     clip_fraction: scalar, fraction of per-example gradients that were clipped
       (DP only; 0 otherwise).
+    model_delta: with ``model_steps='noisy_real'``, the mean over the ``R_i``
+      trajectories of ``w_end - w_g`` (a pytree like the model; the upload
+      :func:`fedlap_jax.federated.fedlap_round` uses for ``server.start``);
+      ``None`` otherwise.
 
   Under DP, ``matching_loss``, ``outer_iterations``, ``real_accesses`` and
   ``trajectory_distance`` are computed from the noised gradients and the
@@ -83,6 +92,7 @@ class LocalApproxMetrics(NamedTuple):
   mean_batch_size: jax.Array
   trajectory_distance: jax.Array
   clip_fraction: jax.Array
+  model_delta: PyTree | None = None
 
 
 def synthetic_gradient(apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet,
@@ -259,6 +269,71 @@ def local_approx(
     losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
     return jax.lax.fori_loop(0, c.batch_loop, batch_step, (x_syn, opt_state, losses, stats))
 
+  def averaged_batches(keys_o, w, x_syn, opt_state, stats):
+    """``average_targets``: mean of the ``batch_loop`` noisy gradients at ``w``, then R_b updates.
+
+    Every gradient is taken at the same ``w`` (the model moves only after the
+    batch loop), so their mean is an unbiased estimate of the same clipped
+    gradient with ``1 / batch_loop`` of the noise variance. It is a function of
+    released noisy gradients only (post-processing): the accountant's ``T``
+    still counts each of the ``batch_loop`` accesses. The synthetic batch gets
+    its own DSA draw per update (the real batches each had theirs).
+
+    Returns ``(x_syn, opt_state, losses, stats, g_mean)``; ``losses`` holds the
+    ``R_b`` matching losses in its row 0.
+    """
+    def accumulate(b, acc):
+      g_sum, stats = acc
+      g, _, batch, clipped = real_batch_gradient(_fold(keys_o, b), w)
+      accesses, extra, sampled, n_clipped = stats
+      stats = (accesses + 1, extra + batch.extra_chunks, sampled + batch.size,
+               n_clipped + clipped)
+      return jax.tree.map(jnp.add, g_sum, g), stats
+
+    zeros = jax.tree.map(jnp.zeros_like, w)
+    g_sum, stats = jax.lax.fori_loop(0, c.batch_loop, accumulate, (zeros, stats))
+    g_mean = jax.tree.map(lambda g: g / c.batch_loop, g_sum)
+    keys_match = _fold(keys_o, c.batch_loop + 1)
+
+    def boost(j, inner):
+      x_syn, opt_state, losses = inner
+      k, f = _fold(keys_match, j)
+      loss, grad_x = matching_step(apply_fn, w, synthetic._replace(x=x_syn), g_mean, k,
+                                   dsa_strategy=c.dsa_strategy, mse_weight=c.mse_weight,
+                                   family_key=f)
+      updates, opt_state = opt.update(grad_x, opt_state, x_syn)
+      return optax.apply_updates(x_syn, updates), opt_state, losses.at[0, j].set(loss)
+
+    losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
+    x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
+                                                 (x_syn, opt_state, losses))
+    return x_syn, opt_state, losses, stats, g_mean
+
+  def iteration(keys_o, o, w, x_syn, opt_state, stats):
+    """One while-loop iteration: the real batches, then the model's step(s).
+
+    Returns ``(w, moved, x_syn, opt_state, losses, stats)``; ``moved`` (a
+    Python bool) says whether ``w`` may have changed.
+    """
+    if c.average_targets:
+      x_syn, opt_state, losses, stats, g_mean = averaged_batches(keys_o, w, x_syn, opt_state,
+                                                                 stats)
+    else:
+      x_syn, opt_state, losses, stats = real_batches(keys_o, w, x_syn, opt_state, stats)
+    if c.model_steps == "noisy_real":  # a DP-SGD step along the same released mean
+      w = jax.tree.map(lambda p, g: p - learning_rate * g, w, g_mean)
+      return w, True, x_syn, opt_state, losses, stats
+    if c.inner_loop > 0:
+      # The last permitted iteration ends without a model update (`o` is shared
+      # by clients side by side: a real branch under vmap, not a select).
+      w = jax.lax.cond(o < c.max_outer - 1, functools.partial(local_update, keys_o, x_syn),
+                       lambda w: w, w)
+      return w, True, x_syn, opt_state, losses, stats
+    return w, False, x_syn, opt_state, losses, stats
+
+  def model_delta(w):
+    return jax.tree.map(jnp.subtract, w, params) if c.model_steps == "noisy_real" else None
+
   def local_update(keys_o, x_syn, w):
     """``R_l`` epochs of SGD of the model on the synthetic set."""
     def epoch(e, w):
@@ -279,19 +354,16 @@ def local_approx(
 
     def body(s):
       o, w, dist, x_syn, opt_state, loss_log, stats = s
-      keys_o = _fold(keys_i, o)
-      x_syn, opt_state, losses, stats = real_batches(keys_o, w, x_syn, opt_state, stats)
+      w, moved, x_syn, opt_state, losses, stats = iteration(_fold(keys_i, o), o, w, x_syn,
+                                                            opt_state, stats)
       loss_log = loss_log.at[o].set(losses)
-      if c.inner_loop > 0:
-        # The last permitted iteration ends without a model update.
-        w = jax.lax.cond(o < c.max_outer - 1, functools.partial(local_update, keys_o, x_syn),
-                         lambda w: w, w)
+      if moved:
         dist = tree_distance(w, params)
       return o + 1, w, dist, x_syn, opt_state, loss_log, stats
 
     init = (jnp.int32(0), params, jnp.float32(0.0), x_syn, opt_state, loss_log, stats)
-    o, _, dist, x_syn, opt_state, loss_log, stats = jax.lax.while_loop(cond, body, init)
-    return (x_syn, opt_state, stats), (loss_log, o, dist)
+    o, w, dist, x_syn, opt_state, loss_log, stats = jax.lax.while_loop(cond, body, init)
+    return (x_syn, opt_state, stats), (loss_log, o, dist, model_delta(w))
 
   def trajectory_masked(carry, keys_i):
     """One trajectory, clients side by side: shared counter, per-client termination as a mask."""
@@ -311,14 +383,12 @@ def local_approx(
       def keep(new, old):  # a client that has stopped keeps what it had
         return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
 
-      new = real_batches(keys_o, w, x_syn, opt_state, stats)
-      x_syn, opt_state, stats = keep((new[0], new[1], new[3]), (x_syn, opt_state, stats))
-      loss_log = loss_log.at[o].set(jnp.where(active, new[2], 0.0))
-      if c.inner_loop > 0:
-        # `o` is shared by the clients: a real branch under vmap, not a select.
-        w = keep(jax.lax.cond(o < c.max_outer - 1,
-                              functools.partial(local_update, keys_o, x_syn),
-                              lambda w: w, w), w)
+      new_w, moved, new_x, new_opt, losses, new_stats = iteration(keys_o, o, w, x_syn,
+                                                                  opt_state, stats)
+      w, x_syn, opt_state, stats = keep((new_w, new_x, new_opt, new_stats),
+                                        (w, x_syn, opt_state, stats))
+      loss_log = loss_log.at[o].set(jnp.where(active, losses, 0.0))
+      if moved:
         dist = jnp.where(active, tree_distance(w, params), dist)
       runs = runs + active.astype(jnp.int32)
       active = jnp.logical_and(active, dist < c.radius)
@@ -326,15 +396,15 @@ def local_approx(
 
     init = (jnp.int32(0), jnp.int32(0), jnp.bool_(True), params, jnp.float32(0.0), x_syn,
             opt_state, loss_log, stats, jnp.bool_(True))
-    _, runs, _, _, dist, x_syn, opt_state, loss_log, stats, _ = jax.lax.while_loop(
+    _, runs, _, w, dist, x_syn, opt_state, loss_log, stats, _ = jax.lax.while_loop(
         cond, body, init)
-    return (x_syn, opt_state, stats), (loss_log, runs, dist)
+    return (x_syn, opt_state, stats), (loss_log, runs, dist, model_delta(w))
 
   stats0 = (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.float32(0.0))
   k_traj, k_cal = jax.random.split(key)
   f_traj, f_cal = (None, None) if family_key is None else jax.random.split(family_key)
   trajectory = trajectory_one if client_axis is None else trajectory_masked
-  (x_syn, _, stats), (loss_log, outer, dists) = jax.lax.scan(
+  (x_syn, _, stats), (loss_log, outer, dists, deltas) = jax.lax.scan(
       trajectory, (synthetic.x, opt.init(synthetic.x), stats0),
       _split((k_traj, f_traj), c.iterations))
   accesses, extra_chunks, sampled, n_clipped = stats
@@ -357,5 +427,7 @@ def local_approx(
       mean_batch_size=sampled / jnp.maximum(accesses, 1),
       trajectory_distance=dists,
       clip_fraction=n_clipped / jnp.maximum(sampled, 1),
+      model_delta=(None if deltas is None
+                   else jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)),
   )
   return synthetic, r_k, metrics

@@ -7,10 +7,8 @@ whole run).
 
 Names follow the paper and the authors' implementation:
 
-==================  ==============  ===========================================
-field               paper           meaning
-==================  ==============  ===========================================
-``iterations``      ``R_i``         trajectories resampled per round
+==================  ==============  ====================================field               paper           meaning
+==================  ==============  ====================================``iterations``      ``R_i``         trajectories resampled per round
 ``max_outer``       (while loop)    bound on the radius-limited while loop
 ``batch_loop``      --              real batches per while-loop iteration
 ``boost_loop``      ``R_b``         synthetic updates per real batch
@@ -18,8 +16,7 @@ field               paper           meaning
 ``image_lr``        ``tau``         SGD learning rate of the synthetic images
 ``mse_weight``      ``lambda``      weight of the MSE term of ``L_dis``
 ``radius``          ``r``           trust-region radius
-==================  ==============  ===========================================
-
+==================  ==============  ====================================
 Every constructor validates its fields and raises
 :class:`~fedlap_jax.checks.ConfigError` (a ``ValueError``) naming the field,
 the value and what is allowed. Nothing is clamped silently.
@@ -46,6 +43,9 @@ PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")
+LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.LR_SCHEDULES
+MODEL_STEPS = ("synthetic", "noisy_real")
+SERVER_STARTS = ("global", "fedavg_delta")
 
 
 def method_label(method: str, dp: bool) -> str:
@@ -162,6 +162,21 @@ class ClientConfig:
       ``B + 6 sqrt(B) + 4``; at least ``B + 3 sqrt(B)`` (a draw beyond the
       buffer is processed in extra chunks, never dropped; a smaller buffer
       would need them often).
+    average_targets: if True, each while-loop iteration averages its
+      ``batch_loop`` real gradients (all taken at the same model) and updates
+      the images ``boost_loop`` times against that mean, instead of
+      ``boost_loop`` times against each gradient. Under DP the mean has
+      ``1 / batch_loop`` of the noise variance and costs no privacy
+      (post-processing; ``T`` is unchanged).
+    model_steps: how the client's model moves between while-loop iterations:
+      ``synthetic`` (the paper: ``R_l`` epochs of SGD on the synthetic set)
+      or ``noisy_real`` (a departure from the paper: one step
+      ``w <- w - eta_m g`` along the iteration's mean noisy real gradient
+      ``g``, also after the last iteration; ``inner_loop`` is not used).
+      Needs ``average_targets``. Under DP the trajectory is a function of
+      released noisy gradients (post-processing; the next batch is an
+      adaptive query, as in DP-SGD): ``(q, sigma, T)`` still bound it. The
+      client then also has a model delta to send (``server.start``).
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
   """
 
@@ -183,6 +198,8 @@ class ClientConfig:
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
   dsa_family_draw: str = "shared"
   poisson_capacity: int | None = None
+  average_targets: bool = False
+  model_steps: str = "synthetic"
   dp: DPConfig | None = None
 
   def __post_init__(self):
@@ -201,6 +218,12 @@ class ClientConfig:
     check_poisson_capacity(self.poisson_capacity, self.batch_size)
     dsa_strategy("dsa_strategy", self.dsa_strategy)
     one_of("dsa_family_draw", self.dsa_family_draw, DSA_FAMILY_DRAWS)
+    require(isinstance(self.average_targets, bool), "average_targets",
+            self.average_targets, "True or False")
+    one_of("model_steps", self.model_steps, MODEL_STEPS)
+    require(self.model_steps == "synthetic" or self.average_targets, "model_steps",
+            self.model_steps, "'synthetic' unless average_targets=True ('noisy_real' steps "
+            "along the mean noisy gradient of each while-loop iteration)")
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
@@ -232,6 +255,16 @@ class ServerConfig:
       ``None`` (default): ``uniform`` with DP, ``size`` without (resolved by
       :class:`FedLAPConfig`). ``size`` is refused with DP.
     dsa_strategy: DSA families for server steps.
+    learning_rate: base of the server's own cosine schedule over rounds;
+      ``None`` (the paper) uses the run's ``eta_m`` (the clients' model
+      rate). The server only trains on the synthetic sets it received, so
+      under DP its step size is post-processing and costs no privacy.
+    start: where the server's descent starts: ``global`` (the paper: the
+      global model ``w_g``) or ``fedavg_delta`` (a departure from the paper:
+      ``w_g`` plus the weighted mean of the clients' model deltas, then the
+      trust-region descent on the synthetic sets from there). Needs
+      ``client.model_steps='noisy_real'``; each client then uploads its
+      model delta (the model's size) besides its synthetic set.
   """
 
   radius_strategy: str = "min"
@@ -239,6 +272,8 @@ class ServerConfig:
   max_epochs: int = 100
   weighting: str | None = None
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
+  learning_rate: float | None = None
+  start: str = "global"
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -247,6 +282,9 @@ class ServerConfig:
     require(self.weighting is None or self.weighting in WEIGHTINGS, "weighting", self.weighting,
             f"None or one of {WEIGHTINGS}")
     dsa_strategy("server.dsa_strategy", self.dsa_strategy)
+    if self.learning_rate is not None:
+      positive_float("server.learning_rate", self.learning_rate)
+    one_of("server.start", self.start, SERVER_STARTS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,6 +299,9 @@ class FedLAPConfig:
       and server).
     synthetic_init: ``real`` (non-DP: real images, re-drawn every round) or
       ``noise`` (N(0, 1) once, carried across rounds; required under DP).
+    lr_schedule: ``cosine`` (the reference; the last round's rate is ~0) or
+      ``cosine_open`` (no zero-rate round; see
+      :func:`fedlap_jax.training.cosine_learning_rate`).
   """
 
   client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
@@ -268,11 +309,17 @@ class FedLAPConfig:
   rounds: int = 200
   learning_rate: float = 0.1
   synthetic_init: str = "real"
+  lr_schedule: str = "cosine"
 
   def __post_init__(self):
     positive_int("rounds", self.rounds)
     positive_float("learning_rate", self.learning_rate)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
+    one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+    require(self.server.start == "global" or self.client.model_steps == "noisy_real",
+            "server.start", self.server.start,
+            "'global' unless client.model_steps='noisy_real' (only then do the clients have "
+            "a model delta to send)")
     if self.client.dp is not None:
       require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
               "'noise' when DP is on (initialising from real images would publish them)")

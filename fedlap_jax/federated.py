@@ -166,6 +166,18 @@ def init_state(
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
 
 
+def server_learning_rate(round_index, config: FedLAPConfig):
+  """The server's step size in round ``m`` (1-based, may be traced).
+
+  The cosine schedule of ``config.server.learning_rate`` when set, else the
+  run's ``eta_m`` (the paper: clients and server share one schedule).
+  """
+  base = config.server.learning_rate
+  return cosine_learning_rate(round_index, config.rounds,
+                              config.learning_rate if base is None else base,
+                              schedule=config.lr_schedule)
+
+
 def fedlap_round(
     state: FedLAPState,
     clients: ClientData,
@@ -198,7 +210,7 @@ def fedlap_round(
   """
   cc = config.client
   m = state.round + 1
-  lr = cosine_learning_rate(m, config.rounds, config.learning_rate)
+  lr = cosine_learning_rate(m, config.rounds, config.learning_rate, schedule=config.lr_schedule)
   key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
   num_clients = clients.mask.shape[0]
   synthetic = state.synthetic
@@ -225,10 +237,18 @@ def fedlap_round(
       mesh=mesh)
 
   r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
+  weights = client_weights(clients, config.server.weighting)
+  start = state.params
+  if config.server.start == "fedavg_delta":
+    # The clients' model deltas (noisy_real trajectories), averaged with the server's
+    # weights; the trust region is then centred on the FedAvg model.
+    wn = weights / jnp.sum(weights)
+    start = jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), state.params,
+                         client_metrics.model_delta)
+  client_metrics = client_metrics._replace(model_delta=None)  # used; not a metric to log
   params, server_metrics = global_update(
-      k_server, apply_fn, state.params, synthetic,
-      client_weights(clients, config.server.weighting), r_g,
-      learning_rate=lr, config=config.server)
+      k_server, apply_fn, start, synthetic, weights, r_g,
+      learning_rate=server_learning_rate(m, config), config=config.server)
   new_state = FedLAPState(params, synthetic, m, key)
   return new_state, RoundMetrics(client_metrics, radii, server_metrics, lr)
 

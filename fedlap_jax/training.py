@@ -16,17 +16,30 @@ import jax
 import jax.numpy as jnp
 
 from fedlap_jax import dsa
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
 
 
-def cosine_learning_rate(round_index, num_rounds: int, base_lr, min_lr: float = 1e-6):
-  """``max(eta_0 (1 + cos(pi (m - 1) / (M - 1))) / 2, 1e-6)`` for round ``m = 1..M``.
+LR_SCHEDULES = ("cosine", "cosine_open")
+
+
+def cosine_learning_rate(round_index, num_rounds: int, base_lr, min_lr: float = 1e-6, *,
+                         schedule: str = "cosine"):
+  """``max(eta_0 (1 + cos(pi (m - 1) / D)) / 2, 1e-6)`` for round ``m = 1..M``.
+
+  ``schedule="cosine"`` (the reference): ``D = M - 1``, so the last round runs
+  at ``1e-6``, i.e. does not move the model. Under DP that round still spends
+  its share of epsilon; with few rounds (``M = 3``: a third of the budget) that
+  matters. ``"cosine_open"``: ``D = M``, the cosine of ``M + 1`` rounds stopped
+  after ``M`` (the last rate is ``eta_0 (1 + cos(pi (M - 1) / M)) / 2 > 0``).
 
   ``round_index`` is 1-based and may be traced. With ``M = 1`` the rate is ``eta_0``.
   """
+  if schedule not in LR_SCHEDULES:
+    raise ConfigError("lr_schedule", schedule, f"one of {LR_SCHEDULES}")
   m = jnp.asarray(round_index, jnp.float32)
-  denom = max(num_rounds - 1, 1)
+  denom = max(num_rounds - 1, 1) if schedule == "cosine" else max(num_rounds, 1)
   lr = base_lr * (1.0 + jnp.cos(jnp.pi * (m - 1.0) / denom)) / 2.0
   return jnp.maximum(lr, min_lr)
 

@@ -407,3 +407,16 @@ def test_fedavg_learns_digits(apply_fn, params, clients, digits):
   assert after > 0.5  # chance is 0.1; 2 rounds reach about 0.62
   # Each client fits its own two classes.
   assert np.all(np.asarray(metrics.client.loss) < 1.0)
+
+
+def test_cosine_open_schedule_keeps_the_last_round_moving(tiny_apply_fn, tiny_params, clients):
+  # With the reference cosine the second of two rounds runs at 1e-6 (test above); the open
+  # cosine runs it at eta_0 (1 + cos(pi / 2)) / 2 = eta_0 / 2, and the model moves.
+  alg = _algorithm("fedsgd", tiny_apply_fn, tiny_params, clients, lr_schedule="cosine_open")
+  state = alg.init(jax.random.PRNGKey(0), tiny_params, clients)
+  for _ in range(2):
+    state, metrics = alg.round(state, clients)
+  np.testing.assert_allclose(metrics.learning_rate, LR / 2, rtol=1e-5)
+  assert float(metrics.server_update_norm) > 1e-3
+  with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
+    _algorithm("fedsgd", tiny_apply_fn, tiny_params, clients, lr_schedule="step")

@@ -22,7 +22,9 @@ from fedlap_jax.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
 from fedlap_jax.federated import noise_images, synthetic_labels
+from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
+from fedlap_jax.training import tree_distance
 
 IPC = 2
 LR = 0.1
@@ -240,3 +242,63 @@ def test_image_optimizer_is_momentum_sgd():
   u2, _ = opt.update(g, state, x)
   chex.assert_trees_all_close(u1, -2.0 * g)
   chex.assert_trees_all_close(u2, -2.0 * 1.5 * g)  # trace = g + 0.5 g
+
+
+def test_average_targets_equals_one_target_when_the_batches_agree(run):
+  # FIXED draws every record (q = 1) and has no DSA, so the batch_loop = 2 gradients of a
+  # while-loop iteration are equal: their mean is that gradient, and averaging must give
+  # exactly the run with one batch per iteration (same boost_loop updates against it). The
+  # MSE term makes the target's scale matter (a sum instead of a mean would differ).
+  avg = dataclasses.replace(FIXED, average_targets=True)
+  one = dataclasses.replace(FIXED, batch_loop=1)
+  s_avg, _, m_avg = run(avg)
+  s_one, _, m_one = run(one)
+  chex.assert_trees_all_close(s_avg.x, s_one.x, atol=1e-5, rtol=1e-5)
+  loss_avg = np.asarray(m_avg.matching_loss)
+  np.testing.assert_allclose(loss_avg[:, :, 0], np.asarray(m_one.matching_loss)[:, :, 0],
+                             rtol=1e-5)
+  assert np.all(loss_avg[:, :, 1:] == 0)
+  # Every real batch is still counted: T = R_i * max_outer * batch_loop.
+  assert int(m_avg.real_accesses) == avg.real_accesses_per_round == 2 * int(m_one.real_accesses)
+
+
+def test_average_targets_under_dp_counts_every_access(run, synthetic):
+  cfg = dataclasses.replace(DP_LARGE_RADIUS, average_targets=True, boost_loop=2)
+  syn, _, m = run(cfg)
+  chex.assert_tree_all_finite(syn.x)
+  assert not bool(jnp.allclose(syn.x, synthetic.x))
+  assert int(m.real_accesses) == cfg.real_accesses_per_round
+  loss = np.asarray(m.matching_loss)
+  assert np.all(loss[:, :, 0] > 0) and np.all(loss[:, :, 1:] == 0)
+
+
+def test_average_targets_must_be_a_bool():
+  with pytest.raises(ValueError, match="average_targets=1 is invalid"):
+    ClientConfig(average_targets=1)
+
+
+def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_params,
+                                                     client_data):
+  # q = 1, no DSA, no DP, batch_loop = 1: each while-loop iteration's target is the
+  # full-batch gradient, and model_steps='noisy_real' steps w <- w - LR g along it, also after
+  # the last iteration: model_delta = 3 steps of full-batch gradient descent (both trajectories
+  # are equal, so their mean is that). The paper's steps (synthetic, R_l = 0) leave w alone.
+  cfg = dataclasses.replace(FIXED, batch_loop=1, average_targets=True, model_steps="noisy_real")
+  _, _, m = run(cfg)
+  x = client_data.images(jnp.arange(client_data.y.shape[0]))
+  loss = lambda p: jnp.mean(cross_entropy(tiny_apply_fn(p, x), client_data.y))
+  w = tiny_params
+  for _ in range(cfg.max_outer):
+    w = jax.tree.map(lambda p, g: p - LR * g, w, jax.grad(loss)(w))
+  expected = jax.tree.map(jnp.subtract, w, tiny_params)
+  chex.assert_trees_all_close(m.model_delta, expected, atol=1e-5, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(m.trajectory_distance),
+                             float(tree_distance(w, tiny_params)), rtol=1e-4)
+  assert run(dataclasses.replace(cfg, model_steps="synthetic"))[2].model_delta is None
+
+
+def test_noisy_real_needs_average_targets():
+  with pytest.raises(ValueError, match="model_steps='noisy_real' is invalid.*average_targets"):
+    ClientConfig(model_steps="noisy_real")
+  with pytest.raises(ValueError, match="model_steps='real' is invalid"):
+    ClientConfig(model_steps="real", average_targets=True)

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+from fedlap_jax import accounting
 from fedlap_jax import config as core
 
 from experiments import data as data_lib
@@ -16,7 +17,8 @@ from experiments.configs import cifar_dp, cifar_nondp, default, quickstart, quic
 NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fmnist_dp", None),
          ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"),
          ("quickstart", "nondp"), ("quickstart_nondp", None), ("cifar_iid", None),
-         ("cifar_iid", "dp")]
+         ("cifar_iid", "dp"), ("mnist_dp_tuned", None), ("fmnist_dp_tuned", None),
+         ("cifar_dp_tuned", None), ("digits_dp_tuned", None)]
 NAMED += [("cifar_ablation_radius", s) for s in ("min", "max", "median", "fixed")]
 NAMED += [("cifar_ablation_ipc", str(i)) for i in (10, 20, 50, 100, 150, 200)]
 NAMED += [("cifar_ablation_fraction", str(p)) for p in (5, 10, 50, 100)]
@@ -85,9 +87,12 @@ def test_quickstart_matches_the_recipe():
   assert suite.fedlap_dp == quickstart.get_config("dp")
   assert suite.fedlap == quickstart_nondp.get_config()
   fc = validation.to_fedlap_config(quickstart.get_config("dp"))
-  assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+  # The quickstart's FedLAP-DP is the tuned recipe (issue 18) = digits_dp_tuned.
+  assert quickstart.get_config("dp") == load("digits_dp_tuned")
+  assert fc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
   assert (fc.client.ipc, fc.client.max_outer, fc.client.batch_loop, fc.client.inner_loop,
-          fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 5, 1, 64, 10, 0.05)
+          fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 10, 5, 46, 3, 0.2)
+  assert fc.client.average_targets and fc.lr_schedule == "cosine_open"
   nd = validation.to_fedlap_config(quickstart.get_config("nondp"))
   assert nd.dp is None and nd.client.calibrate_radius and nd.client.image_lr == 10.0
 
@@ -120,6 +125,7 @@ BAD = [
     ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),
     ("dp", {"learning_rate": -0.1}, ["learning_rate=-0.1"]),
     ("dp", {"client.ipc": 0}, ["client.ipc=0", ">= 1"]),
+    ("dp", {"lr_schedule": "step"}, ["lr_schedule='step'", "cosine_open"]),
     ("dp", {"client.radius": -1.0}, ["client.radius=-1.0", "> 0"]),
     ("dp", {"client.radius": 0.0}, ["client.radius=0.0"]),
     ("dp", {"client.batch_size": 0}, ["client.batch_size=0"]),
@@ -154,13 +160,13 @@ BAD = [
     ("dp", {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.0,)},
      ["data.std=(0.0,)", "> 0"]),
     ("dp", {"data.mean": (0.3,)}, ["data.mean=(0.3,)", "data.normalisation='given'"]),
-    ("dp", {"client.poisson_capacity": 64},
+    ("dp", {"client.batch_size": 64, "client.poisson_capacity": 64},
      ["client.poisson_capacity=64 is invalid", ">= 88", "overflows often"]),
     ("dp", {"server.weighting": "size"},
      ["server.weighting='size' is invalid", "'uniform' or None when DP is on", "1/K"]),
     ("dp", {"method": "dp_fedavg", "server.weighting": "size"},
      ["server.weighting='size' is invalid", "'uniform' or None for method='dp_fedavg'"]),
-    ("dp", {"method": "dp_fedprox", "client.poisson_capacity": 70},
+    ("dp", {"method": "dp_fedprox", "client.batch_size": 64, "client.poisson_capacity": 70},
      ["client.poisson_capacity=70 is invalid", ">= 88"]),
 ]
 
@@ -313,3 +319,38 @@ def test_suite_validates_every_run_first_then_runs_each_and_compares(tmp_path, c
                    ("quickstart/fedlap_dp", str(tmp_path / "fedlap_dp"), True)]
   assert reports == [([str(tmp_path / "fedlap"), str(tmp_path / "fedlap_dp")],
                       str(tmp_path / "report"))]
+
+
+# (config, nominal smallest client of the paper partition): q = B / N_k ~ 0.17.
+TUNED = [("mnist_dp_tuned", 11339), ("fmnist_dp_tuned", 12000), ("cifar_dp_tuned", 10000),
+         ("digits_dp_tuned", 274)]
+
+
+@pytest.mark.parametrize("name,min_size", TUNED)
+def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
+  cfg = load(name)
+  validation.validate_config(cfg)
+  fc = validation.to_fedlap_config(cfg)
+  c = fc.client
+  assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.inner_loop, c.radius,
+          c.average_targets, c.model_steps) == (1, 2, 10, 50, 5, 10.0, True, "synthetic")
+  assert (fc.rounds, fc.learning_rate, fc.lr_schedule, fc.server.max_epochs,
+          fc.server.start) == (3, 0.2, "cosine_open", 30, "global")
+  assert c.batch_size / min_size == pytest.approx(0.169, abs=0.002)
+  eps = accounting.epsilon_after_rounds(
+      rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=c.batch_size,
+      min_client_size=min_size, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
+  assert 2.75 <= eps <= 2.80  # sigma 2.38 is the q ~ 0.17 calibration, rounded up
+
+
+def test_paper_dp_configs_are_unchanged_by_the_recipe():
+  # mnist_dp / cifar_dp keep the published loops: eps 2.79 after round 1, 10.18 after 15.
+  for name in ("mnist_dp", "cifar_dp"):
+    fc = validation.to_fedlap_config(load(name))
+    assert not fc.client.average_targets and fc.client.model_steps == "synthetic"
+    assert fc.lr_schedule == "cosine" and fc.server.learning_rate is None
+    assert fc.server.start == "global" and fc.client.real_accesses_per_round == 200
+    eps = [accounting.epsilon_after_rounds(
+        rounds=m, noise_multiplier=fc.dp.noise_multiplier, batch_size=fc.client.batch_size,
+        min_client_size=10000, steps_per_round=200, delta=fc.dp.delta) for m in (1, 15)]
+    np.testing.assert_allclose(eps, [2.79, 10.18], atol=0.02)

@@ -23,6 +23,8 @@ TINY = {
     "client.inner_loop": 0, "client.batch_size": 16, "client.dsa_strategy": "",
     "server.dsa_strategy": "", "server.max_epochs": 2, "rounds": 4, "eval_chunk_size": 400,
     "snapshot_rounds": (2,),
+    # Fixed here (the quickstart's recipe may change): the ledger numbers below assume it.
+    "dp.noise_multiplier": 1.0,
 }
 # Fields that legitimately differ between an interrupted and an uninterrupted run.
 TIMING = ("round_seconds", "wall_seconds", "first_in_process")
@@ -111,7 +113,8 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   for r in records:
     assert 0.0 <= r["test_accuracy"] <= 1.0 and np.isfinite(r["test_loss"])
     assert len(r["client_radius"]) == 5 and len(r["matching_loss"]) == 5
-    assert r["server_radius"] == pytest.approx(5.0) and r["server_steps"] >= 1
+    assert (r["server_radius"] == pytest.approx(quickstart.dp_config().client.radius)
+            and r["server_steps"] >= 1)
   eps = [r["epsilon"] for r in records]
   assert all(b > a > 0 for a, b in zip(eps, eps[1:]))
   ledger = json.loads((straight / "privacy_ledger.json").read_text())

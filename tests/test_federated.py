@@ -298,3 +298,67 @@ def test_bad_client_backend(params, clients):
   with pytest.raises(ValueError, match="client_backend='pmap'.*vmap"):
     federated.fedlap_round(state, clients, apply_fn=lambda p, x: x, config=cfg,
                            client_backend="pmap")
+
+
+def test_server_learning_rate_has_its_own_schedule():
+  paper = DP_CONFIG
+  own = dataclasses.replace(DP_CONFIG, server=dataclasses.replace(DP_CONFIG.server,
+                                                                  learning_rate=0.5))
+  for m in (1, 4, 10):
+    cos = (1 + np.cos(np.pi * (m - 1) / 9)) / 2
+    np.testing.assert_allclose(float(federated.server_learning_rate(m, paper)),
+                               max(0.05 * cos, 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(float(federated.server_learning_rate(m, own)),
+                               max(0.5 * cos, 1e-6), rtol=1e-6)
+  with pytest.raises(ValueError, match="server.learning_rate=0.0 is invalid"):
+    ServerConfig(learning_rate=0.0)
+
+
+def test_lr_schedule_reaches_the_server_and_is_validated():
+  open_cfg = dataclasses.replace(DP_CONFIG, rounds=3, lr_schedule="cosine_open")
+  np.testing.assert_allclose(float(federated.server_learning_rate(3, open_cfg)), 0.05 * 0.25,
+                             rtol=1e-5)
+  with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
+    dataclasses.replace(DP_CONFIG, lr_schedule="step")
+
+
+def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(tiny_apply_fn, tiny_params,
+                                                                   clients):
+  # A server step of ~0 leaves the model where the descent starts: with start='global' the
+  # global model, with 'fedavg_delta' the global model plus the mean (uniform weights under
+  # DP) of the deltas local_approx returns for each client with the round's keys.
+  client = dp_client(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=1,
+                     batch_size=32, radius=10.0, dsa_strategy="", average_targets=True,
+                     model_steps="noisy_real")
+  server = ServerConfig(radius_strategy="constant", max_epochs=1, dsa_strategy="",
+                        learning_rate=1e-9, start="fedavg_delta")
+  cfg = FedLAPConfig(client=client, server=server, rounds=2, learning_rate=0.5,
+                     synthetic_init="noise")
+  state = init_state(jax.random.PRNGKey(2), tiny_params, clients, cfg)
+  new, _ = federated.fedlap_round(state, clients, apply_fn=tiny_apply_fn, config=cfg,
+                                  client_backend="map")
+  _, _, k_clients, _ = jax.random.split(state.key, 4)
+  keys = jax.random.split(k_clients, 5)
+  deltas = []
+  for k in range(5):
+    pick = lambda t: jax.tree.map(lambda a: a[k], t)
+    _, _, m = jax.jit(federated.local_approx, static_argnames=("apply_fn", "config"))(
+        keys[k], tiny_apply_fn, tiny_params, pick(state.synthetic), pick(clients), client,
+        learning_rate=0.5)
+    deltas.append(m.model_delta)
+  mean = jax.tree.map(lambda *d: sum(d) / 5, *deltas)
+  assert float(jnp.sqrt(sum(jnp.sum(d ** 2) for d in jax.tree.leaves(mean)))) > 1e-2
+  chex.assert_trees_all_close(new.params, jax.tree.map(jnp.add, tiny_params, mean),
+                              atol=1e-5, rtol=1e-4)
+  glob = dataclasses.replace(cfg, server=dataclasses.replace(server, start="global"))
+  same, _ = federated.fedlap_round(state, clients, apply_fn=tiny_apply_fn, config=glob,
+                                   client_backend="map")
+  chex.assert_trees_all_close(same.params, tiny_params, atol=1e-6)
+
+
+def test_fedavg_delta_needs_noisy_real_model_steps():
+  with pytest.raises(ValueError, match="server.start='fedavg_delta' is invalid.*noisy_real"):
+    FedLAPConfig(client=dp_client(), synthetic_init="noise",
+                 server=ServerConfig(radius_strategy="constant", start="fedavg_delta"))
+  with pytest.raises(ValueError, match="server.start='median' is invalid"):
+    ServerConfig(start="median")

@@ -304,3 +304,14 @@ def test_evaluate_is_independent_of_the_chunk_size(tiny_apply_fn, tiny_params, c
   kept = np.asarray(mask)
   sub = training.evaluate(tiny_apply_fn, tiny_params, x[kept], y[kept])
   np.testing.assert_allclose(sub.loss, ref.loss, rtol=1e-5)
+
+
+def test_cosine_open_schedule_has_no_zero_rate_round():
+  fn = training.cosine_learning_rate
+  lrs = [float(fn(m, 3, 0.2, schedule="cosine_open")) for m in (1, 2, 3)]
+  np.testing.assert_allclose(lrs, [0.2, 0.15, 0.05], rtol=1e-5)
+  # The reference schedule spends its last round at 1e-6.
+  assert float(fn(3, 3, 0.2)) == pytest.approx(1e-6)
+  chex.assert_trees_all_close(fn(1, 1, 0.3, schedule="cosine_open"), 0.3)
+  with pytest.raises(ValueError, match="lr_schedule='linear' is invalid"):
+    fn(1, 3, 0.1, schedule="linear")

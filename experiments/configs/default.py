@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.rounds = 200
   config.learning_rate = 0.1
   config.synthetic_init = "real"
+  # "cosine" (reference: the last round's rate is ~0) or "cosine_open" (cos(pi (m-1) / M): no
+  # zero-rate round, which under DP would spend privacy without moving the model).
+  config.lr_schedule = "cosine"
   # "vmap": all clients side by side (FedLAP: batched steps, shared DSA family, masked loops);
   # "map": one after another (a K-th of the memory, same numbers); "shard": blocks of clients
   # on several devices. "auto" (the library's default): "shard" on several devices, else
@@ -84,6 +87,12 @@ def get_config() -> ml_collections.ConfigDict:
   # versions' random stream). Same accuracy (benchmarks/family_draw_accuracy.py).
   config.client.dsa_family_draw = "shared"
   config.client.poisson_capacity = config_dict.placeholder(int)
+  # Average the batch_loop noisy gradients of one while-loop iteration (same model) and match
+  # the images against the mean (post-processing: no privacy cost).
+  config.client.average_targets = False
+  # "synthetic" (paper: R_l epochs on the synthetic set between iterations) or "noisy_real"
+  # (departure: step along the iteration's mean noisy gradient; needs average_targets).
+  config.client.model_steps = "synthetic"
 
   config.server = ml_collections.ConfigDict()
   config.server.radius_strategy = "min"
@@ -91,6 +100,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.server.max_epochs = 100
   config.server.weighting = config_dict.placeholder(str)  # None: "uniform" with DP, else "size"
   config.server.dsa_strategy = DSA
+  # Base of the server's own cosine schedule; None: the run's learning_rate (the paper).
+  config.server.learning_rate = config_dict.placeholder(float)
+  # "global" (paper) or "fedavg_delta" (departure: start from w_g + mean client model delta;
+  # needs client.model_steps="noisy_real"; each client uploads a model delta too).
+  config.server.start = "global"
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
