@@ -45,7 +45,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   info = {"config": run.config_name, "overrides": run.overrides, "label": run.label,
           "method": cfg.method, "dp": run.dp, "rounds": int(cfg.rounds),
           "num_clients": run.num_clients, "min_clients": run.min_clients,
-          "round_timeout": run.round_timeout, "model_bytes": model_bytes,
+          "round_timeout": run.round_timeout, "join_timeout": run.join_timeout,
+          "model_bytes": model_bytes,
           "unsafe_dp_keys_from_server": run.unsafe_dp_keys_from_server,
           "config_values": cfg.to_dict()}
   run_log = strategy_lib.RunLog(run.run_dir, info)
@@ -53,12 +54,13 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     strategy = strategy_lib.FedLAP(
         cfg=cfg, fedlap_config=fc, apply_fn=apply_fn, evaluate=evaluate,
         min_clients=run.min_clients, round_timeout=run.round_timeout,
-        unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
+        join_timeout=run.join_timeout, unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
         model_bytes=model_bytes)
   else:
     strategy = strategy_lib.FedAvgBaseline(cfg=cfg, evaluate=evaluate,
                                            min_clients=run.min_clients,
-                                           round_timeout=run.round_timeout, run_log=run_log,
+                                           round_timeout=run.round_timeout,
+                                           join_timeout=run.join_timeout, run_log=run_log,
                                            model_bytes=model_bytes)
   result = strategy.start(grid=grid, initial_arrays=records.params_to_record(params),
                           num_rounds=int(cfg.rounds), timeout=run.round_timeout)

@@ -20,6 +20,10 @@ key                             meaning
 ``min-clients``                 fewest clients a round may aggregate (0: all
                                 ``data.num_clients``); fewer stops the run
 ``round-timeout``               seconds the server waits for a round's replies
+``join-timeout``                seconds a round waits for all ``K`` clients to be
+                                connected before it starts with those there
+                                (at least ``min-clients``; up to
+                                ``round-timeout`` for those)
 ``max-epsilon``                 the server's cap on each client's epsilon; a
                                 client takes the smaller of this and its own
 ``state-root``                  where clients without a ``state-dir`` keep
@@ -65,6 +69,7 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     "run-dir": "",
     "min-clients": 0,
     "round-timeout": 900.0,
+    "join-timeout": 30.0,
     "max-epsilon": math.inf,
     "state-root": "",
     "unsafe-dp-keys-from-server": False,
@@ -180,7 +185,7 @@ def load_config(name: str, overrides: str = ""):
   try:
     module = _config_module(path)
     cfg = module.get_config(arg) if arg else module.get_config()
-  except ValueError as e:
+  except (TypeError, ValueError) as e:
     raise SettingsError(f"config={name!r} is invalid: {e}") from None
   if "suite" in cfg:
     _fail("config", name, f"one run, not a suite: one of "
@@ -212,6 +217,7 @@ class RunSettings:
   run_dir: Path
   min_clients: int
   round_timeout: float
+  join_timeout: float
   max_epsilon: float
   state_root: Path
   unsafe_dp_keys_from_server: bool
@@ -246,6 +252,9 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   timeout = rc["round-timeout"]
   if not _is_real(timeout) or not 0 < timeout < math.inf:
     _fail("round-timeout", timeout, "a finite number of seconds > 0")
+  join = rc["join-timeout"]
+  if not _is_real(join) or not 0 <= join < math.inf:
+    _fail("join-timeout", join, "a finite number of seconds >= 0")
   max_eps = rc["max-epsilon"]
   if not _is_real(max_eps) or max_eps <= 0:
     _fail("max-epsilon", max_eps, "a number > 0 (inf: no cap from the server)")
@@ -258,7 +267,8 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
   state_root = Path(rc["state-root"] or "~/.fedlap_flower").expanduser()
   return RunSettings(rc["config"], rc["overrides"], label, cfg, run_dir,
-                     min_clients or k, float(timeout), float(max_eps), state_root, unsafe)
+                     min_clients or k, float(timeout), float(join), float(max_eps), state_root,
+                     unsafe)
 
 
 @dataclasses.dataclass(frozen=True)

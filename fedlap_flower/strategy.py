@@ -2,8 +2,9 @@
 
 :class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``):
 
-* ``configure_train`` waits (at most ``round-timeout``) until ``min-clients``
-  nodes are connected and sends every connected node the global parameters,
+* ``configure_train`` waits up to ``join-timeout`` for all ``K`` clients to be
+  connected (and up to ``round-timeout`` for ``min-clients``), then sends every
+  connected node the global parameters,
   the round's learning rate ``eta_m`` and, without DP, the round's keys as
   ``experiments.run`` derives them (``(next, k_init, k_clients, k_server) =
   split(state key, 4)``); under DP each client draws its keys from its own
@@ -83,12 +84,21 @@ class RunLog:
                 if k.startswith("clients_") and k != "clients_ok" and v))
 
 
-def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
-  """Connected node ids once at least ``minimum`` are connected (or whatever is there after ``timeout`` s)."""
-  deadline = time.time() + timeout
+def wait_for_nodes(grid: Grid, expected: int, minimum: int, join_timeout: float,
+                   timeout: float) -> list[int]:
+  """The connected node ids a round starts with.
+
+  Waits until all ``expected`` clients are connected, at most ``join_timeout``
+  seconds; then, if fewer than ``minimum`` are there, until ``minimum`` are, at
+  most ``timeout`` seconds in all (the round then starts with whatever is there
+  and stops for too few replies).
+  """
+  t0 = time.time()
   while True:
     nodes = sorted(grid.get_node_ids())
-    if len(nodes) >= minimum or time.time() >= deadline:
+    waited = time.time() - t0
+    if len(nodes) >= expected or (waited >= join_timeout and len(nodes) >= minimum) \
+        or waited >= timeout:
       return nodes
     time.sleep(1.0)
 
@@ -104,8 +114,8 @@ class FedLAP(Strategy):
   """FedLAP / FedLAP-DP over Flower messages (see the module docstring)."""
 
   def __init__(self, *, cfg, fedlap_config, apply_fn, evaluate, min_clients: int,
-               round_timeout: float, unsafe_dp_keys_from_server: bool, run_log: RunLog,
-               model_bytes: int):
+               round_timeout: float, join_timeout: float, unsafe_dp_keys_from_server: bool,
+               run_log: RunLog, model_bytes: int):
     self.cfg = cfg
     self.fc = fedlap_config
     self.apply_fn = apply_fn
@@ -113,6 +123,7 @@ class FedLAP(Strategy):
     self.num_clients = int(cfg.data.num_clients)
     self.min_clients = min_clients
     self.round_timeout = round_timeout
+    self.join_timeout = join_timeout
     self.dp = fedlap_config.client.dp is not None
     self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
     self.run_log = run_log
@@ -133,7 +144,8 @@ class FedLAP(Strategy):
 
   def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                       grid: Grid) -> Iterable[Message]:
-    nodes = wait_for_nodes(grid, self.min_clients, self.round_timeout)
+    nodes = wait_for_nodes(grid, self.num_clients, self.min_clients, self.join_timeout,
+                           self.round_timeout)
     self._chain, k_init, k_clients, k_server = task.round_keys(self._chain)
     lr = task.learning_rate(self.cfg, server_round)
     self._params = records.record_to_params(arrays)
@@ -146,15 +158,20 @@ class FedLAP(Strategy):
       conf["key-init"] = task.key_to_words(k_init)
       conf["key-clients"] = task.key_to_words(k_clients)
     content = RecordDict({"arrays": arrays, "config": conf})
-    return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n)
-            for n in nodes]
+    self._round["messages"] = [Message(content=content, message_type=MessageType.TRAIN,
+                                       dst_node_id=n) for n in nodes]
+    return self._round["messages"]
 
   def _parse(self, server_round: int, replies: list[Message]) -> tuple[list, list[dict]]:
     """``(usable [(partition, synthetic, radius, num_examples, epsilon)], reports)``."""
     usable, reports, seen = [], [], set()
     replied = set()
+    # The Grid gives the sent messages their ids; an error the SuperLink returns for an
+    # unavailable node comes from the SuperLink and names the message it answers.
+    destination = {m.metadata.message_id: m.metadata.dst_node_id
+                   for m in self._round.get("messages", []) if m.metadata.message_id}
     for msg in replies:
-      node = int(msg.metadata.src_node_id)
+      node = int(destination.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id))
       replied.add(node)
       report = {"round": server_round, "node_id": node,
                 "partition_id": self._partition_of.get(node)}
@@ -263,13 +280,14 @@ class FedAvgBaseline(FedAvg):
   """Flower's FedAvg with the cosine learning rate and round keys in every round's config."""
 
   def __init__(self, *, cfg, evaluate, min_clients: int, round_timeout: float,
-               run_log: RunLog, model_bytes: int):
+               join_timeout: float, run_log: RunLog, model_bytes: int):
     super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
                      min_available_nodes=min_clients)
     self.cfg = cfg
     self.evaluate = evaluate
     self.min_clients = min_clients
     self.round_timeout = round_timeout
+    self.join_timeout = join_timeout
     self.run_log = run_log
     self.model_bytes = model_bytes
     self._chain = task.initial_chain_key(cfg.seed)
@@ -277,7 +295,8 @@ class FedAvgBaseline(FedAvg):
     self._nodes: list[int] = []
 
   def configure_train(self, server_round, arrays, config, grid):
-    self._nodes = wait_for_nodes(grid, self.min_clients, self.round_timeout)
+    self._nodes = wait_for_nodes(grid, int(self.cfg.data.num_clients), self.min_clients,
+                                 self.join_timeout, self.round_timeout)
     self._chain, _, k_clients, _ = task.round_keys(self._chain)
     config = ConfigRecord(dict(config))
     config["learning-rate"] = task.learning_rate(self.cfg, server_round)
