@@ -22,6 +22,7 @@ with the parameters and ``num-examples``, as Flower's FedAvg expects.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -83,6 +84,10 @@ def train(msg: Message, context: Context) -> Message:
 
 def _train_fedavg(msg, conf, run, node, setup) -> Message:
   cfg = run.cfg
+  if node.requires_dp:
+    raise settings.SettingsError(
+        "this client has its own max-epsilon and takes part in DP runs only; method='fedavg' "
+        "is not private. Allowed: a DP FedLAP config")
   key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
                         node.partition_id)
   params = records.record_to_params(msg.content["arrays"])
@@ -111,6 +116,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason,
                                               "keys": keys})
 
+  if node.requires_dp and not dp:
+    return refuse("this client has its own max-epsilon and takes part in DP runs only; the "
+                  "run config turns DP off (dp.enabled=False). Allowed: a DP config")
   if dp and keys == "server" and not settings.unsafe_consent():
     return refuse(f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
                   f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
@@ -119,7 +127,6 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     return refuse("no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
                   "or the run config; allowed: a finite epsilon this client will not exceed")
 
-  import contextlib  # pylint: disable=g-import-not-at-top
   with (state.locked() if state is not None else contextlib.nullcontext()):
     if dp:
       privacy = dict(noise_multiplier=fc.client.dp.noise_multiplier,

@@ -71,7 +71,7 @@ class Federation:
 
   def __init__(self, workdir: str | os.PathLike, *, simulation: bool = False,
                env: Mapping[str, str] | None = None, bin_dir: str | None = None):
-    self.workdir = Path(workdir)
+    self.workdir = Path(workdir).resolve()  # FLWR_HOME must not depend on the cwd
     self.workdir.mkdir(parents=True, exist_ok=True)
     self.simulation = simulation
     self.bin = Path(bin_dir or os.path.dirname(sys.executable))

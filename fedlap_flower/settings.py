@@ -45,7 +45,9 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
 * ``state-dir``: where its privacy ledger, secret key and synthetic set live
   (default ``<state-root>/<label>/client-<k>``);
 * ``max-epsilon``: the epsilon it will never exceed (the smaller of this and
-  the run config's ``max-epsilon`` holds).
+  the run config's ``max-epsilon`` holds). A client given its own
+  ``max-epsilon`` takes part in DP runs only: it refuses a run whose config
+  turns DP off.
 
 Every bad value raises :class:`SettingsError` (or the experiments'
 ``ConfigError``) naming the key, the value and what is allowed.
@@ -188,9 +190,9 @@ def load_config(name: str, overrides: str = ""):
   except (TypeError, ValueError) as e:
     raise SettingsError(f"config={name!r} is invalid: {e}") from None
   if "suite" in cfg:
-    _fail("config", name, f"one run, not a suite: one of "
-          f"{[f'{name}:{k}' for k in cfg.suite.keys()] if ':' not in name else 'a run config'}"
-          " (e.g. quickstart:dp)")
+    _fail("config", name, f"one run, not a suite config (this one holds the runs "
+          f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp' or "
+          "'quickstart:nondp'")
   cfg.lock()
   apply_overrides(cfg, overrides)
   validation.validate_config(cfg)
@@ -280,6 +282,7 @@ class NodeSettings:
   data_path: Path | None
   state_dir: Path
   max_epsilon: float
+  requires_dp: bool = False
 
 
 def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSettings:
@@ -313,7 +316,8 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
   max_eps = nc.get("max-epsilon", math.inf)
   if not _is_real(max_eps) or max_eps <= 0:
     _fail("max-epsilon", max_eps, "a number > 0")
-  return NodeSettings(pid, num, data_path, state_dir, min(float(max_eps), run.max_epsilon))
+  return NodeSettings(pid, num, data_path, state_dir, min(float(max_eps), run.max_epsilon),
+                      requires_dp="max-epsilon" in nc)
 
 
 def unsafe_consent() -> bool:

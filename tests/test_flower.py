@@ -288,3 +288,34 @@ def test_missing_and_failing_clients_are_logged_and_the_rest_aggregate(tmp_path)
   err = [r for r in reports if r["status"] == "error"][0]
   assert "data-path='/nope' is invalid" in err["reason"]
   assert np.isfinite(records[-1]["test_accuracy"])
+
+
+@pytest.mark.slow
+def test_fedavg_baseline_runs_through_flowers_fedavg(tmp_path):
+  """method=fedavg: Flower's own FedAvg strategy, the clients' local SGD, the same log."""
+  rc = _run_config(tmp_path, "quickstart:nondp",
+                   overrides="method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128")
+  records, grid = run_inprocess(rc)
+  weights = np.array([r.content["metrics"]["num-examples"] for r in grid.replies], np.float64)
+  assert sorted(r.content["metrics"]["partition-id"] for r in grid.replies) == [0, 1, 2, 3, 4]
+  with np.load(tmp_path / "run" / "final_params.npz") as f:
+    final = dict(f)
+  for name, value in final.items():
+    arrays = [r.content["arrays"][name.replace(".", "/")].numpy() for r in grid.replies]
+    mean = sum(w * a for w, a in zip(weights / weights.sum(), arrays))
+    np.testing.assert_allclose(value, mean, rtol=1e-5, atol=1e-7)
+    assert not np.array_equal(arrays[0], arrays[1])  # the clients trained on their own data
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
+  assert records[0]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
+  """The server cannot switch DP off for a client that set its own budget."""
+  rc = _run_config(tmp_path, "quickstart:nondp", **{"min-clients": 1})
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc, node_configs(**{"max-epsilon": 8.0}))
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  assert {r["status"] for r in reports} == {"refused"}
+  assert all("takes part in DP runs only" in r["reason"] for r in reports)
