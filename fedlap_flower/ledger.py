@@ -28,6 +28,7 @@ never under-counted. One process works in a state directory at a time
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import json
 import os
@@ -45,6 +46,11 @@ SECRET_FILE = "secret_key"
 # Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round).
 FIXED_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size", "delta",
                         "participation")
+
+
+# The ledger this process last wrote per file, with the file's text: a process that serves
+# several rounds (a simulation worker) restores it without recomputing every round's RDP.
+_WRITTEN: dict[Path, tuple[str, accounting.PrivacyLedger]] = {}
 
 
 class LedgerError(ValueError):
@@ -112,36 +118,50 @@ class ClientState:
 
   # -- the ledger ------------------------------------------------------------------
 
-  def _read(self) -> dict | None:
+  def _text(self) -> str | None:
     path = self.directory / LEDGER_FILE
-    if not path.exists():
+    return path.read_text() if path.exists() else None
+
+  def _read(self) -> dict | None:
+    text = self._text()
+    if text is None:
       return None
     try:
-      return json.loads(path.read_text())
+      return json.loads(text)
     except json.JSONDecodeError as e:
-      raise LedgerError(f"{path} is not valid JSON ({e}); refusing to guess the privacy "
+      raise LedgerError(f"{self.directory / LEDGER_FILE} is not valid JSON ({e}); refusing to guess the privacy "
                         "spent. Restore it from a backup; allowed: the file this client "
                         "wrote") from None
 
   def ledger(self, fingerprint: dict, **privacy) -> accounting.PrivacyLedger:
     """The stored ledger of these records, or a new one (``privacy``: PrivacyLedger's fields).
 
+    Restoring recomputes every recorded round's epsilon
+    (:meth:`PrivacyLedger.from_dict`), a cost that grows with the rounds
+    recorded (about 0.2-1 s per round on the project's CPU); a process that
+    wrote the file itself reuses its ledger.
+
     Raises:
       LedgerError: the stored ledger describes other records (``fingerprint``)
         or another setting of ``FIXED_PRIVACY_FIELDS``, or was tampered with.
     """
+    where = self.directory / LEDGER_FILE
+    text = self._text()
     stored = self._read()
     if stored is None:
       return accounting.PrivacyLedger(**privacy)
-    where = self.directory / LEDGER_FILE
     if stored.get("fingerprint") != fingerprint:
       raise LedgerError(
           f"{where} accounts for other records ({stored.get('fingerprint')}) than this "
           f"client's ({fingerprint}); allowed: the state-dir of these records")
-    try:
-      ledger = accounting.PrivacyLedger.from_dict(stored["ledger"])
-    except (KeyError, ValueError, TypeError) as e:
-      raise LedgerError(f"{where}: {e}") from None
+    cached = _WRITTEN.get(where)
+    if cached is not None and cached[0] == text:
+      ledger = copy.deepcopy(cached[1])
+    else:
+      try:
+        ledger = accounting.PrivacyLedger.from_dict(stored["ledger"])
+      except (KeyError, ValueError, TypeError) as e:
+        raise LedgerError(f"{where}: {e}") from None
     new = accounting.PrivacyLedger(**privacy)
     diff = [f"{k}: stored {getattr(ledger, k)!r} vs now {getattr(new, k)!r}"
             for k in FIXED_PRIVACY_FIELDS if getattr(ledger, k) != getattr(new, k)]
@@ -158,7 +178,7 @@ class ClientState:
 
   def epsilon_after(self, ledger: accounting.PrivacyLedger, steps: int) -> float:
     """The epsilon ``ledger`` would show after one more round of ``steps`` (nothing is stored)."""
-    return accounting.PrivacyLedger.from_dict(ledger.to_dict()).record_round(steps)
+    return copy.deepcopy(ledger).record_round(steps)  # the copy keeps the composed RDP
 
   def spend(self, ledger: accounting.PrivacyLedger, fingerprint: dict, steps: int,
             max_epsilon: float, entry: dict[str, Any]) -> float:
@@ -174,9 +194,10 @@ class ClientState:
     eps = ledger.record_round(steps)
     history = self.history()
     history.append({**entry, "steps": int(steps), "epsilon": eps, "time": time.time()})
-    write_json_atomic(self.directory / LEDGER_FILE,
-                      {"fingerprint": fingerprint, "ledger": ledger.to_dict(),
-                       "history": history})
+    path = self.directory / LEDGER_FILE
+    write_json_atomic(path, {"fingerprint": fingerprint, "ledger": ledger.to_dict(),
+                             "history": history})
+    _WRITTEN[path] = (path.read_text(), copy.deepcopy(ledger))
     return eps
 
   # -- the carried synthetic set ---------------------------------------------------

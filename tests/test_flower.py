@@ -104,7 +104,8 @@ def test_app_pyproject_lists_every_run_config_key():
 # The client's state directory.
 # ----------------------------------------------------------------------------
 
-PRIVACY = dict(noise_multiplier=1.0, batch_size=64, min_client_size=274, steps_per_round=10,
+# T = 1: one RDP computation per round keeps these tests fast.
+PRIVACY = dict(noise_multiplier=1.0, batch_size=64, min_client_size=274, steps_per_round=1,
                delta=1e-5)
 FINGERPRINT = {"data": "partition", "index": 0, "num_records": 274}
 
@@ -112,8 +113,8 @@ FINGERPRINT = {"data": "partition", "index": 0, "num_records": 274}
 def test_ledger_is_spent_before_use_persisted_and_restored(tmp_path):
   state = ledger_lib.ClientState(tmp_path / "c0")
   led = state.ledger(FINGERPRINT, **PRIVACY)
-  eps1 = state.spend(led, FINGERPRINT, 10, 100.0, {"server_round": 1})
-  eps2 = state.spend(led, FINGERPRINT, 10, 100.0, {"server_round": 2})
+  eps1 = state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 1})
+  eps2 = state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 2})
   ref = accounting.PrivacyLedger(**PRIVACY)
   assert (eps1, eps2) == (ref.record_round(), ref.record_round())
   # A new process (a restarted SuperNode) finds the same ledger on disk.
@@ -122,8 +123,8 @@ def test_ledger_is_spent_before_use_persisted_and_restored(tmp_path):
   assert [h["server_round"] for h in state.history()] == [1, 2]
   # Refused: the epsilon *after* the round would pass the cap; nothing is recorded.
   before = (tmp_path / "c0" / ledger_lib.LEDGER_FILE).read_text()
-  with pytest.raises(ledger_lib.BudgetExceeded, match="above the client's max-epsilon=3.5"):
-    state.spend(again, FINGERPRINT, 10, 3.5, {"server_round": 3})
+  with pytest.raises(ledger_lib.BudgetExceeded, match="above the client's max-epsilon=4"):
+    state.spend(again, FINGERPRINT, 1, 4.0, {"server_round": 3})  # 3.74 -> 4.25
   assert (tmp_path / "c0" / ledger_lib.LEDGER_FILE).read_text() == before
   assert again.rounds == 2
 
@@ -131,13 +132,13 @@ def test_ledger_is_spent_before_use_persisted_and_restored(tmp_path):
 def test_ledger_refuses_other_records_other_settings_and_tampering(tmp_path):
   state = ledger_lib.ClientState(tmp_path)
   led = state.ledger(FINGERPRINT, **PRIVACY)
-  state.spend(led, FINGERPRINT, 10, 100.0, {})
+  state.spend(led, FINGERPRINT, 1, 100.0, {})
   with pytest.raises(ledger_lib.LedgerError, match="accounts for other records"):
     state.ledger({**FINGERPRINT, "index": 1}, **PRIVACY)
   with pytest.raises(ledger_lib.LedgerError, match="noise_multiplier: stored 1.0 vs now 2.0"):
     state.ledger(FINGERPRINT, **{**PRIVACY, "noise_multiplier": 2.0})
   # Another T per round composes (the ledger stores T per round).
-  assert state.ledger(FINGERPRINT, **{**PRIVACY, "steps_per_round": 5}).rounds == 1
+  assert state.ledger(FINGERPRINT, **{**PRIVACY, "steps_per_round": 2}).rounds == 1
   path = tmp_path / ledger_lib.LEDGER_FILE
   stored = json.loads(path.read_text())
   stored["ledger"]["epsilons"][0] /= 2
@@ -319,3 +320,26 @@ def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   assert {r["status"] for r in reports} == {"refused"}
   assert all("takes part in DP runs only" in r["reason"] for r in reports)
+
+
+def test_readme_flower_commands_use_flags_the_installed_flower_has():
+  """Every --flag of the README's Flower commands exists in Flower 1.42's CLIs."""
+  import pathlib
+  import re
+  import subprocess
+  import sys
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  section = readme.split("## Running across machines with Flower", 1)[1].split("\n## ", 1)[0]
+  commands = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+              for line in block.splitlines()
+              if line.startswith(("flower-superlink", "flower-supernode", "flwr run"))]
+  assert {c.split(" --")[0].split(" ")[0] for c in commands} >= {"flower-superlink",
+                                                                 "flower-supernode"}
+  bin_dir = pathlib.Path(sys.executable).parent
+  for command in commands:
+    program = ["flwr", "run"] if command.startswith("flwr run") else [command.split()[0]]
+    help_text = subprocess.run([str(bin_dir / program[0]), *program[1:], "--help"],
+                               capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "COLUMNS": "200"}).stdout
+    for flag in re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", command):
+      assert flag in help_text, (program, flag)
