@@ -33,7 +33,6 @@ from flwr.clientapp import ClientApp
 from fedlap_flower import client_work, records, settings, task
 from fedlap_flower.ledger import BudgetExceeded, ClientState
 
-task.enable_compilation_cache()
 app = ClientApp()
 
 
@@ -55,7 +54,9 @@ class _Setup:
                                           self.partition.num_classes)
 
 
-@functools.lru_cache(maxsize=4)
+# A simulation worker serves many clients: keep every partition it met (all K of a run
+# together hold the training set once, as experiments.run does).
+@functools.lru_cache(maxsize=128)
 def _setup(run_items: tuple, pid: int, num: int, data_path) -> _Setup:
   run = _run(run_items)
   node = settings.NodeSettings(pid, num, data_path, None, math.inf)
@@ -72,6 +73,7 @@ def _reply(msg: Message, metrics: dict, status: dict, synthetic=None) -> Message
 @app.train()
 def train(msg: Message, context: Context) -> Message:
   """One round of this client (see the module docstring)."""
+  task.enable_compilation_cache()
   run_items = tuple(sorted(settings.with_defaults(context.run_config).items()))
   run = _run(run_items)
   node = settings.node_settings(context.node_config, run)

@@ -42,7 +42,10 @@ def enable_compilation_cache() -> None:
 
   A SuperNode starts a new ClientApp process for every message, so without the
   cache every client would compile ``local_approx`` again in every round.
+  ``FEDLAP_FLOWER_JAX_CACHE=off`` leaves JAX's setting alone (the in-process tests).
   """
+  if os.environ.get("FEDLAP_FLOWER_JAX_CACHE") == "off":
+    return
   if not jax.config.jax_compilation_cache_dir:
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser(
         "~/.cache/fedlap_flower/jax")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -96,13 +97,25 @@ def node_configs(num: int = NUM_CLIENTS, **extra) -> dict[int, dict]:
 
 
 def run_inprocess(run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None):
-  """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``."""
+  """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``.
+
+  JAX's persistent compilation cache stays off (the ClientApp would turn it on
+  for the whole test process).
+  """
   from fedlap_flower import client_app, server_app, settings
   grid = InProcessGrid(client_app.app, run_config, nodes or node_configs())
   if grid_hook is not None:
     grid_hook(grid)
-  with task_identity():
-    records = server_app.serve(grid, settings.run_settings(run_config))
+  old = os.environ.get("FEDLAP_FLOWER_JAX_CACHE")
+  os.environ["FEDLAP_FLOWER_JAX_CACHE"] = "off"
+  try:
+    with task_identity():
+      records = server_app.serve(grid, settings.run_settings(run_config))
+  finally:
+    if old is None:
+      del os.environ["FEDLAP_FLOWER_JAX_CACHE"]
+    else:
+      os.environ["FEDLAP_FLOWER_JAX_CACHE"] = old
   return records, grid
 
 

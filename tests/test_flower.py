@@ -343,3 +343,39 @@ def test_readme_flower_commands_use_flags_the_installed_flower_has():
                                env={**os.environ, "COLUMNS": "200"}).stdout
     for flag in re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", command):
       assert flag in help_text, (program, flag)
+
+
+@pytest.mark.slow
+def test_clients_with_their_own_data_files(tmp_path):
+  """data-path: each client holds only its own records (here digits as 8x8 uint8 'mnist')."""
+  from experiments import data as data_lib
+  digits = data_lib.load_digits()
+  x_train, y_train, x_test, y_test = ((a * 255).round().astype(np.uint8) if a.ndim == 4 else a
+                                      for a in digits)
+  np.savez(tmp_path / "server.npz", x_train=x_train, y_train=y_train, x_test=x_test,
+           y_test=y_test)
+  parts = data_lib.partition(y_train, num_clients=5, scheme="paper", num_classes=10)
+  nodes = {}
+  for k, idx in enumerate(parts):
+    # 283 records each (the smaller clients repeat some): the shapes of the padded
+    # partitions, so the compiled round of the other DP tests serves these clients too.
+    idx = np.resize(idx, 283)
+    np.savez(tmp_path / f"site{k}.npz", x_train=x_train[idx], y_train=y_train[idx])
+    nodes[101 + k] = {"partition-id": k, "num-partitions": 5, "max-epsilon": 50.0,
+                      "data-path": str(tmp_path / f"site{k}.npz")}
+  overrides = (TINY.replace("rounds=2", "rounds=1")
+               + f" data.name=mnist data.source=npz:{tmp_path / 'server.npz'}")
+  rc = _run_config(tmp_path, "quickstart:dp", overrides=overrides)
+  records, _ = run_inprocess(rc, nodes)
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[0]["test_accuracy"] > 0
+  stored = json.loads((tmp_path / "state" / "quickstart_dp" / "client-3" /
+                       ledger_lib.LEDGER_FILE).read_text())
+  assert stored["fingerprint"]["data"] == "own" and stored["fingerprint"]["num_records"] == 283
+  assert len(stored["fingerprint"]["sha256"]) == 64
+  # Data standardised by its own statistics would be normalised differently per client.
+  bad = _run_config(tmp_path / "bad", "quickstart:dp", **{"min-clients": 1})
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(bad, nodes)
+  reasons = [r["reason"] for r in
+             json.loads((tmp_path / "bad" / "run" / "client_reports.json").read_text())]
+  assert all("data-path needs a dataset with a fixed normalisation" in r for r in reasons)
