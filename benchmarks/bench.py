@@ -44,8 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax import client as client_lib
+from fedlap_jax import client_data
 from fedlap_jax import config as config_lib
-from fedlap_jax import federated, models, per_example, privacy, server, training
+from fedlap_jax import (baselines, dispatch, federated, models, per_example, privacy, server,
+                        training)
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
 # The authors' PyTorch code on this kind of machine (2 CPU threads), from issue 6.
@@ -144,7 +146,7 @@ DATA_KINDS = ("float32", "uint8")
 
 
 def random_clients(problem: Problem, seed: int = 0,
-                   data: str = "float32") -> client_lib.ClientData:
+                   data: str = "float32") -> client_data.ClientData:
   """``num_clients`` clients of random images, two classes each.
 
   ``data="float32"``: standard normal model inputs. ``"uint8"``: uniform
@@ -167,9 +169,9 @@ def random_clients(problem: Problem, seed: int = 0,
     ys.append(np.resize(classes, problem.records).astype(np.int32))
   if data == "uint8":
     channels = problem.image_shape[-1]
-    scale, offset = client_lib.pixel_normalisation([0.5] * channels, [0.29] * channels)
-    return federated.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
-  return federated.stack_clients(xs, ys)
+    scale, offset = client_data.pixel_normalisation([0.5] * channels, [0.29] * channels)
+    return client_data.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
+  return client_data.stack_clients(xs, ys)
 
 
 def make_model(problem: Problem, impl: str = "auto", width: int = 128, depth: int = 3):
@@ -293,7 +295,7 @@ def _synthetic(clients, cfg: FedLAPConfig, problem: Problem):
   labels, mask = federated.synthetic_labels(
       [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)], cfg.client.ipc)
   x = federated.noise_images(jax.random.PRNGKey(3), jnp.asarray(mask), problem.image_shape)
-  return client_lib.SyntheticSet(x, jnp.asarray(labels), jnp.asarray(mask))
+  return client_data.SyntheticSet(x, jnp.asarray(labels), jnp.asarray(mask))
 
 
 def op_synthetic_update(apply_fn, params, clients, cfg, problem):
@@ -330,15 +332,15 @@ def op_client_round(apply_fn, params, clients, cfg, problem):
 def op_server_update(apply_fn, params, clients, cfg, problem):
   """``global_update`` on all clients' synthetic sets, radius ``r`` (runs to ``r`` or the cap)."""
   syn = _synthetic(clients, cfg, problem)
-  weights = federated.client_weights(clients, cfg.server.weighting)
+  weights = dispatch.client_weights(clients, cfg.server.weighting)
   lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
   radius = federated.server_radius(jnp.full((problem.num_clients,), cfg.client.radius),
                                    cfg.server.radius_strategy, cfg.client.radius)
 
-  def fn(key, p, sx, sy, sm, w, r):
-    return server.global_update(key, apply_fn, p, sx, sy, sm, w, r, learning_rate=lr,
+  def fn(key, p, syn, w, r):
+    return server.global_update(key, apply_fn, p, syn, w, r, learning_rate=lr,
                                 config=cfg.server)
-  return fn, (jax.random.PRNGKey(7), params, syn.x, syn.y, syn.mask, weights, radius)
+  return fn, (jax.random.PRNGKey(7), params, syn, weights, radius)
 
 
 def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):
@@ -348,13 +350,13 @@ def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):
 
 
 def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "map"):
-  """A FedAvg round with one local epoch, if :mod:`fedlap_jax.baselines` exists."""
-  from fedlap_jax import baselines  # optional: skipped if the module is absent
-  alg = baselines.make_algorithm(
-      "fedavg", apply_fn, num_clients=problem.num_clients, image_shape=problem.image_shape,
-      num_params=models.count_params(params), rounds=200, learning_rate=0.1, local_epochs=1,
-      batch_size=256, prox_mu=0.0, dp=None, max_client_size=problem.records,
-      client_backend=client_backend)
+  """A FedAvg round with one local epoch (:func:`fedlap_jax.baselines.algorithm`)."""
+  config = baselines.baseline_config(
+      "fedavg", rounds=200, learning_rate=0.1, local_epochs=1, batch_size=256, prox_mu=0.0,
+      dp=None, max_client_size=problem.records)
+  alg = baselines.algorithm(apply_fn, config, image_shape=problem.image_shape,
+                            num_clients=problem.num_clients,
+                            num_params=models.count_params(params), client_backend=client_backend)
   state = alg.init(jax.random.PRNGKey(9), params, clients)
   return alg.round, (state, clients)
 
@@ -495,7 +497,7 @@ def _save_partial(r: dict) -> None:
 
 def _op_backend(op: str, default: str) -> str:
   """The client backend of ``round:map`` / ``fedavg_round:vmap`` style ops, ``auto`` resolved."""
-  return federated.resolve_client_backend(op.split(":")[1] if ":" in op else default)
+  return dispatch.resolve_client_backend(op.split(":")[1] if ":" in op else default)
 
 
 def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
@@ -560,11 +562,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       rows.append(row(res, references.get(key), note))
     elif op.split(":")[0] == "fedavg_round":
       backend = _op_backend(op, client_backend)
-      try:
-        fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
-      except ImportError:
-        _log("fedlap_jax.baselines not available: FedAvg round skipped")
-        continue
+      fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
       res = timed(f"fedavg_round [{backend}]", fn, args, repeats=repeats, warmup=False)
       steps = int(np.sum(res["output"][1].client.steps)) if hasattr(res["output"][1], "client") \
           else None
@@ -712,7 +710,7 @@ def main(argv=None) -> int:
   parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
-  parser.add_argument("--client-backend", default="auto", choices=federated.CLIENT_BACKENDS)
+  parser.add_argument("--client-backend", default="auto", choices=config_lib.CLIENT_BACKENDS)
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="named configs: trace one extra run of each op into DIR/<op> "
                            "(jax.profiler; view with XProf or TensorBoard)")

@@ -31,17 +31,17 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax import auditing
+from fedlap_jax.config import method_label
 from fedlap_jax.training import evaluate
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 
 ATTACKS = {
     # name: (feature description, file stem)
@@ -337,7 +337,6 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
   """
   import ml_collections  # pylint: disable=g-import-not-at-top
   from experiments import checkpointing  # pylint: disable=g-import-not-at-top
-  from experiments import train  # pylint: disable=g-import-not-at-top
   from fedlap_jax.accounting import PrivacyLedger  # pylint: disable=g-import-not-at-top
 
   run_dir = Path(run_dir)
@@ -380,7 +379,7 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
       delta=delta,
       round_index=int(meta.get("round", round_index)),
       rounds=int(cfg.rounds),
-      label=train.method_label(cfg.method, alg.dp is not None),
+      label=method_label(cfg.method, alg.dp is not None),
   )
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PyTree = Any
+from fedlap_jax.types import PyTree
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedlap_jax.client import normalise_pixels, pixel_normalisation
+from fedlap_jax.client_data import normalise_pixels, pixel_normalisation
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
@@ -76,7 +76,7 @@ class Dataset:
   uint8 npz files: a quarter of float32's memory, on the host and on the
   device); the model sees ``x * pixel_scale + pixel_offset`` per channel,
   applied to each batch as it is read (:meth:`normalise` on the host,
-  :meth:`fedlap_jax.client.ClientData.images` on the device).
+  :meth:`fedlap_jax.client_data.ClientData.images` on the device).
 
   Attributes:
     name: dataset name (one of :data:`DATASETS`).
@@ -85,11 +85,11 @@ class Dataset:
     y_train, y_test: ``(N,)`` int32 labels in ``[0, num_classes)``.
     num_classes: number of classes.
     mean, std: ``(C,)`` float32, the normalisation of pixels in [0, 1]
-      (``(pixel - mean) / std``); use :func:`unnormalize` for display.
+      (``(pixel - mean) / std``; ``x * std + mean`` undoes it).
 
   Derived: ``pixel_max`` (255 for uint8 images, else 1) and ``pixel_scale``,
   ``pixel_offset``, ``(C,)`` float32, the same normalisation applied to stored
-  images (:func:`fedlap_jax.client.pixel_normalisation`).
+  images (:func:`fedlap_jax.client_data.pixel_normalisation`).
   """
 
   name: str
@@ -134,11 +134,6 @@ def parse_source(source: str) -> tuple[str, str | None]:
   if isinstance(source, str) and source.startswith("npz:") and len(source) > 4:
     return "npz", os.path.expanduser(source[4:])
   raise ValueError(f"data.source={source!r} is invalid; allowed: one of {SOURCES}")
-
-
-def unnormalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-  """Maps normalised images ``(..., C)`` back to pixel values (about [0, 1])."""
-  return np.asarray(x) * np.asarray(std) + np.asarray(mean)
 
 
 # ----------------------------------------------------------------------------

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fedlap_jax.config import METHOD_LABELS
+
 from experiments import checkpointing
 
-METHOD_ORDER = ("FedLAP", "FedLAP-DP", "FedAvg", "FedProx", "FedSGD", "SCAFFOLD", "DP-FedAvg",
-                "DP-FedProx")
+METHOD_ORDER = tuple(METHOD_LABELS.values())
 DATASET_ORDER = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 IGNORED = ("seed", "checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
            "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",

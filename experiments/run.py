@@ -91,6 +91,80 @@ def main(argv: list[str] | None = None) -> int:
   return run_config(config, workdir, name)
 
 
+def client_sizes(cfg) -> list[int]:
+  """Records per client of ``cfg``'s data and partition (loads the data).
+
+  Raises:
+    ConfigError: the data does not load or does not split as configured.
+  """
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  try:
+    dataset = data_lib.load_dataset(cfg.data)
+    return [len(i) for i in data_lib.client_split(dataset, cfg.data, cfg.seed)]
+  except ValueError as e:
+    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+                                 message=str(e)) from None
+
+
+def _dp_steps_per_round(cfg, sizes: list[int]) -> int:
+  """``T``, the real-data accesses per round the accountant charges ``cfg`` with."""
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  if cfg.method == "fedlap":
+    return validation.to_fedlap_config(cfg).client.real_accesses_per_round
+  local = validation.to_baseline_config(cfg, max_client_size=max(sizes)).local
+  return local.scheduled_steps()
+
+
+def match_epsilons(config):
+  """Sets the noise of every suite run with ``dp.match_epsilon_of`` (in place; returns ``config``).
+
+  A run ``r`` with ``dp.match_epsilon_of = "other"`` gets the noise multiplier
+  (:func:`fedlap_jax.accounting.calibrate_noise_multiplier`, tolerance 1e-4)
+  that makes its epsilon after its last round equal ``other``'s, each from its
+  own client sizes, steps per round and batch size. This needs the data, so it
+  runs when the suite starts, not in the config file.
+
+  Raises:
+    ConfigError: ``match_epsilon_of`` outside a suite, naming no other DP run
+      of it, naming a run that matches another itself, or set on a run
+      without DP.
+  """
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+  if "suite" not in config:
+    other = config.dp.get("match_epsilon_of", "")
+    if other:
+      raise validation.ConfigError("dp.match_epsilon_of", other,
+                                   "'' outside a suite (it names another run of the suite)")
+    return config
+  suite = config.suite
+  for name in suite.keys():
+    cfg = suite[name]
+    other = cfg.dp.get("match_epsilon_of", "")
+    if not other:
+      continue
+    field = f"suite.{name}.dp.match_epsilon_of"
+    candidates = [k for k in suite.keys() if k != name and suite[k].dp.enabled
+                  and not suite[k].dp.get("match_epsilon_of", "")]
+    if other not in candidates:
+      raise validation.ConfigError(field, other, f"one of {candidates}, the suite's other DP "
+                                   "runs that match no other run themselves")
+    if not cfg.dp.enabled:
+      raise validation.ConfigError(f"suite.{name}.dp.enabled", cfg.dp.enabled,
+                                   f"True with {field}={other!r}")
+    ref = suite[other]
+    ref_sizes, sizes = client_sizes(ref), client_sizes(cfg)
+    target = accounting.epsilon_after_rounds(
+        rounds=ref.rounds, noise_multiplier=ref.dp.noise_multiplier,
+        batch_size=ref.client.batch_size, min_client_size=min(ref_sizes),
+        steps_per_round=_dp_steps_per_round(ref, ref_sizes), delta=ref.dp.delta)
+    cfg.dp.noise_multiplier = accounting.calibrate_noise_multiplier(
+        target, delta=cfg.dp.delta, rounds=cfg.rounds, batch_size=cfg.client.batch_size,
+        min_client_size=min(sizes), steps_per_round=_dp_steps_per_round(cfg, sizes), tol=1e-4)
+  return config
+
+
 def run_config(config, workdir: str, name: str) -> int:
   """Runs one config, or each run of a suite config (``config.suite.<run>``) in turn.
 
@@ -106,11 +180,13 @@ def run_config(config, workdir: str, name: str) -> int:
   else:
     targets = [(config, workdir, name)]
   try:
+    match_epsilons(config)
     for cfg, _, label in targets:
       try:
         validation.validate_config(cfg)
       except validation.ConfigError as e:
-        raise validation.ConfigError(f"{label}: {e}") from None
+        raise validation.ConfigError(e.field, e.value, e.allowed,
+                                     message=f"{label}: {e}") from None
     results = []
     for cfg, wd, label in targets:
       result = train.train_and_evaluate(cfg, wd, config_name=label)

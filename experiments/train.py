@@ -47,9 +47,12 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
+from fedlap_jax import baselines, federated
+from fedlap_jax import config as core_config
 from fedlap_jax import sharding
-from fedlap_jax.client import normalise_pixels
-from fedlap_jax.federated import RoundMetrics, resolve_client_backend, stack_clients
+from fedlap_jax.client_data import normalise_pixels, stack_clients
+from fedlap_jax.dispatch import resolve_client_backend
+from fedlap_jax.federated import RoundMetrics
 from fedlap_jax.models import count_params, init_convnet
 from fedlap_jax.training import evaluate
 
@@ -104,46 +107,23 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
                     num_params: int, max_client_size: int) -> algorithm_lib.FederatedAlgorithm:
   """The :class:`FederatedAlgorithm` of ``cfg.method``.
 
-  ``fedlap`` uses :func:`fedlap_jax.algorithm.fedlap`. Baselines come from
-  ``fedlap_jax.baselines.make_algorithm`` with the signature::
-
-    make_algorithm(method: str, apply_fn, *, num_clients: int,
-                   image_shape: tuple[int, int, int], num_params: int,
-                   rounds: int, learning_rate: float, local_epochs: int,
-                   batch_size: int, prox_mu: float,
-                   dp: fedlap_jax.config.DPConfig | None,
-                   max_client_size: int) -> FederatedAlgorithm
-
-  where ``method`` is one of ``fedavg, fedprox, fedsgd, scaffold, dp_fedavg,
-  dp_fedprox``, ``batch_size`` is the expected Poisson batch size ``B``, ``dp``
-  is set for the ``dp_*`` methods and ``max_client_size`` (records of the
-  largest client) fixes the static local step count ``T``.
+  ``fedlap``: :func:`fedlap_jax.federated.algorithm` of
+  :func:`validation.to_fedlap_config`; the baselines:
+  :func:`fedlap_jax.baselines.algorithm` of :func:`validation.to_baseline_config`
+  (``max_client_size``, records of the largest client, fixes the static local
+  step count ``T``). Both share compiled rounds between algorithms of equal
+  settings, so the seeds of a sweep or a resumed run compile nothing new.
   """
   backend = resolve_client_backend(cfg.client_backend)
   if cfg.method == "fedlap":
-    return _fedlap_algorithm(apply_fn, validation.to_fedlap_config(cfg), tuple(image_shape),
-                             max_classes_per_client, backend)
-  try:
-    from fedlap_jax import baselines  # pylint: disable=g-import-not-at-top
-    make_algorithm = baselines.make_algorithm
-  except (ImportError, AttributeError) as e:
-    raise validation.ConfigError(
-        f"method={cfg.method!r} needs fedlap_jax.baselines.make_algorithm, which is not "
-        f"available in this installation ({e}); allowed: 'fedlap'") from None
-  return make_algorithm(
-      cfg.method, apply_fn, num_clients=cfg.data.num_clients, image_shape=tuple(image_shape),
-      num_params=num_params, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
-      local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
-      prox_mu=cfg.baseline.prox_mu, dp=validation.to_dp_config(cfg),
-      max_client_size=max_client_size, client_backend=backend)
-
-
-@functools.lru_cache(maxsize=4)
-def _fedlap_algorithm(apply_fn, fedlap_config, image_shape, max_classes, backend):
-  """Memoised :func:`fedlap_jax.algorithm.fedlap`: runs of the same setting in one
-  process (seeds of a sweep, a resumed run) reuse one compiled round."""
-  return algorithm_lib.fedlap(apply_fn, fedlap_config, image_shape=image_shape,
-                              max_classes_per_client=max_classes, client_backend=backend)
+    return federated.algorithm(apply_fn, validation.to_fedlap_config(cfg),
+                               image_shape=tuple(image_shape),
+                               max_classes_per_client=max_classes_per_client,
+                               client_backend=backend)
+  return baselines.algorithm(
+      apply_fn, validation.to_baseline_config(cfg, max_client_size=max_client_size),
+      image_shape=tuple(image_shape), num_clients=cfg.data.num_clients, num_params=num_params,
+      client_backend=backend)
 
 
 @functools.lru_cache(maxsize=4)
@@ -158,7 +138,7 @@ class RunSetup(NamedTuple):
   Attributes:
     dataset: the :class:`experiments.data.Dataset` (images as stored, with their normalisation).
     client_indices: training-record indices of each client.
-    clients: stacked :class:`~fedlap_jax.client.ClientData` ``(K, N_max, ...)``.
+    clients: stacked :class:`~fedlap_jax.client_data.ClientData` ``(K, N_max, ...)``.
     model: the Flax ConvNet; apply_fn: ``apply_fn(params, x) -> logits``.
     num_params: parameter count of the model.
     algorithm: the :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
@@ -189,7 +169,8 @@ def build_run(cfg) -> RunSetup:
     dataset = data_lib.load_dataset(cfg.data)
     indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
   except ValueError as e:  # bad data or a partition the data does not allow
-    raise validation.ConfigError(str(e)) from None
+    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+                                 message=str(e)) from None
   validation.validate_data(cfg, dataset, indices)
   ys = [dataset.y_train[i] for i in indices]
   clients = stack_clients([dataset.x_train[i] for i in indices], ys,
@@ -432,13 +413,6 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
   (workdir / "summary.md").write_text("\n".join(lines))
 
 
-def method_label(method: str, dp: bool) -> str:
-  labels = {"fedlap": "FedLAP-DP" if dp else "FedLAP", "fedavg": "FedAvg", "fedprox": "FedProx",
-            "fedsgd": "FedSGD", "scaffold": "SCAFFOLD", "dp_fedavg": "DP-FedAvg",
-            "dp_fedprox": "DP-FedProx"}
-  return labels.get(method, method)
-
-
 # ----------------------------------------------------------------------------
 # The loop.
 # ----------------------------------------------------------------------------
@@ -490,7 +464,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
 
   info = dict(
       config_name=config_name, method=cfg.method,
-      method_label=method_label(cfg.method, alg.dp is not None),
+      method_label=core_config.method_label(cfg.method, alg.dp is not None),
       dataset=cfg.data.name, rounds=cfg.rounds, num_params=num_params,
       image_shape=list(dataset.image_shape), num_classes=dataset.num_classes,
       client_sizes=sizes, client_classes=client_classes, test_size=int(len(dataset.y_test)),

@@ -10,9 +10,10 @@ Two stages:
   batch larger than the smallest client, a client with no data, ``ipc`` larger
   than a class with real-image initialisation, a class no client holds.
 
-Every error is a :class:`ConfigError` (a ``ValueError``) whose message names
-the config field (as written on the command line), the value and what is
-allowed. Nothing is clamped silently.
+Every error is a :class:`fedlap_jax.checks.ConfigError` (a ``ValueError``)
+whose ``field`` is the config field as written on the command line (the core's
+errors are renamed to it, e.g. ``ipc`` -> ``client.ipc``) and whose message
+names the field, the value and what is allowed. Nothing is clamped silently.
 """
 
 from __future__ import annotations
@@ -20,43 +21,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from typing import Sequence
 
 import numpy as np
 
+from fedlap_jax import baselines
 from fedlap_jax import config as core
+from fedlap_jax.checks import ConfigError, is_int, is_real
+from fedlap_jax.config import BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS, METHODS
 from fedlap_jax.federated import synthetic_labels
 from fedlap_jax.models import NORMS
 
 from experiments import data as data_lib
-
-FEDLAP_METHODS = ("fedlap",)
-BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
-METHODS = FEDLAP_METHODS + BASELINE_METHODS
-DP_BASELINES = ("dp_fedavg", "dp_fedprox")
-CLIENT_BACKENDS = ("auto", "vmap", "map")
 
 CLIENT_FIELDS = tuple(f.name for f in dataclasses.fields(core.ClientConfig) if f.name != "dp")
 SERVER_FIELDS = tuple(f.name for f in dataclasses.fields(core.ServerConfig))
 DP_FIELDS = tuple(f.name for f in dataclasses.fields(core.DPConfig))
 
 
-class ConfigError(ValueError):
-  """An invalid experiment config; the message names field, value and allowed values."""
-
-
 def _fail(field: str, value, allowed: str):
-  raise ConfigError(f"{field}={value!r} is invalid; allowed: {allowed}")
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) \
-      and math.isfinite(float(v))
+  raise ConfigError(field, value, allowed)
 
 
 def _core_path(field: str, section: str) -> str:
@@ -72,13 +56,15 @@ def _core_path(field: str, section: str) -> str:
   return f"{section}.{field}" if section else field
 
 
-def _core_error(err: ValueError, section: str) -> ConfigError:
+def _renamed(err: ConfigError, path: str) -> ConfigError:
+  """``err`` of the core with its field renamed to ``path``, the config path."""
   msg = str(err)
-  m = re.match(r"^([\w.]+)=", msg)
-  if m:
-    return ConfigError(_core_path(m.group(1), section) + msg[len(m.group(1)):])
-  where = {"client": "client.dsa_strategy", "server": "server.dsa_strategy"}.get(section, section)
-  return ConfigError(f"{where}: {msg}")
+  msg = path + msg[len(err.field):] if msg.startswith(f"{err.field}=") else f"{path}: {msg}"
+  return ConfigError(path, err.value, err.allowed, message=msg)
+
+
+def _core_error(err: ConfigError, section: str) -> ConfigError:
+  return _renamed(err, _core_path(err.field, section))
 
 
 def to_dp_config(cfg) -> core.DPConfig | None:
@@ -87,7 +73,7 @@ def to_dp_config(cfg) -> core.DPConfig | None:
     return None
   try:
     return core.DPConfig(**{f: cfg.dp[f] for f in DP_FIELDS if f in cfg.dp})
-  except ValueError as e:
+  except ConfigError as e:
     raise _core_error(e, "dp") from None
 
 
@@ -106,18 +92,43 @@ def to_fedlap_config(cfg) -> core.FedLAPConfig:
   try:
     client = core.ClientConfig(
         dp=dp, **{f: cfg.client[f] for f in CLIENT_FIELDS if f in cfg.client})
-  except ValueError as e:
+  except ConfigError as e:
     raise _core_error(e, "client") from None
   try:
     server = core.ServerConfig(**{f: cfg.server[f] for f in SERVER_FIELDS if f in cfg.server})
-  except ValueError as e:
+  except ConfigError as e:
     raise _core_error(e, "server") from None
   try:
     return core.FedLAPConfig(client=client, server=server, rounds=cfg.rounds,
                              learning_rate=cfg.learning_rate,
                              synthetic_init=cfg.synthetic_init)
-  except ValueError as e:
+  except ConfigError as e:
     raise _core_error(e, "") from None
+
+
+# Fields of fedlap_jax.baselines.baseline_config / BaselineConfig -> experiment config paths.
+BASELINE_PATHS = {"local_epochs": "baseline.local_epochs", "prox_mu": "baseline.prox_mu",
+                  "local.prox_mu": "baseline.prox_mu", "batch_size": "client.batch_size",
+                  "local.batch_size": "client.batch_size", "dp": "dp.enabled"}
+
+
+def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.BaselineConfig:
+  """The frozen :class:`fedlap_jax.baselines.BaselineConfig` of a baseline experiment config.
+
+  ``method``, ``rounds``, ``learning_rate``, ``client.batch_size``,
+  ``baseline.local_epochs``, ``baseline.prox_mu`` and ``dp`` go to
+  :func:`fedlap_jax.baselines.baseline_config`; ``max_client_size`` (records of
+  the largest client) fixes the static step count and is required under DP.
+  The core's errors are re-raised naming the config path.
+  """
+  dp = to_dp_config(cfg)
+  try:
+    return baselines.baseline_config(
+        cfg.method, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
+        local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
+        prox_mu=cfg.baseline.prox_mu, dp=dp, max_client_size=max_client_size)
+  except ConfigError as e:
+    raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
 
 
 def validate_config(cfg) -> None:
@@ -128,11 +139,11 @@ def validate_config(cfg) -> None:
   """
   if cfg.method not in METHODS:
     _fail("method", cfg.method, f"one of {METHODS}")
-  if not _is_int(cfg.seed) or cfg.seed < 0:
+  if not is_int(cfg.seed) or cfg.seed < 0:
     _fail("seed", cfg.seed, "an integer >= 0")
-  if not _is_int(cfg.rounds) or cfg.rounds < 1:
+  if not is_int(cfg.rounds) or cfg.rounds < 1:
     _fail("rounds", cfg.rounds, "an integer >= 1")
-  if not _is_real(cfg.learning_rate) or cfg.learning_rate <= 0:
+  if not is_real(cfg.learning_rate) or cfg.learning_rate <= 0:
     _fail("learning_rate", cfg.learning_rate, "a finite number > 0")
   if cfg.client_backend not in CLIENT_BACKENDS:
     _fail("client_backend", cfg.client_backend, f"one of {CLIENT_BACKENDS}")
@@ -143,7 +154,8 @@ def validate_config(cfg) -> None:
   try:
     kind, path = data_lib.parse_source(d.source)
   except ValueError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError("data.source", d.source, f"one of {data_lib.SOURCES}",
+                      message=str(e)) from None
   if kind == "tfds" and d.name not in data_lib.TFDS_DATASETS:
     _fail("data.source", d.source, f"'sklearn' or 'npz:PATH' for data.name={d.name!r} "
           f"(tfds serves {data_lib.TFDS_DATASETS})")
@@ -157,17 +169,17 @@ def validate_config(cfg) -> None:
           "x_train, y_train, x_test, y_test")
   if d.partition not in data_lib.PARTITIONS:
     _fail("data.partition", d.partition, f"one of {data_lib.PARTITIONS}")
-  if not _is_real(d.dirichlet_alpha) or d.dirichlet_alpha <= 0:
+  if not is_real(d.dirichlet_alpha) or d.dirichlet_alpha <= 0:
     _fail("data.dirichlet_alpha", d.dirichlet_alpha, "a finite number > 0")
-  if not _is_int(d.num_clients) or d.num_clients < 1:
+  if not is_int(d.num_clients) or d.num_clients < 1:
     _fail("data.num_clients", d.num_clients, "an integer >= 1")
-  if not _is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
+  if not is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
 
   m = cfg.model
-  if not _is_int(m.width) or m.width < 1:
+  if not is_int(m.width) or m.width < 1:
     _fail("model.width", m.width, "an integer >= 1")
-  if not _is_int(m.depth) or m.depth < 1:
+  if not is_int(m.depth) or m.depth < 1:
     _fail("model.depth", m.depth, "an integer >= 1")
   if m.norm not in NORMS:
     _fail("model.norm", m.norm, f"one of {NORMS} (BatchNorm is not offered: it breaks "
@@ -177,27 +189,27 @@ def validate_config(cfg) -> None:
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
-  if cfg.method in DP_BASELINES and not cfg.dp.enabled:
+  if cfg.method in DP_BASELINE_METHODS and not cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"True for method={cfg.method!r}")
-  if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINES and cfg.dp.enabled:
+  if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINE_METHODS and cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"False for method={cfg.method!r} (use "
-          f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINES})")
+          f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINE_METHODS})")
   b = cfg.baseline
-  if not _is_int(b.local_epochs) or b.local_epochs < 1:
+  if not is_int(b.local_epochs) or b.local_epochs < 1:
     _fail("baseline.local_epochs", b.local_epochs, "an integer >= 1")
-  if not _is_real(b.prox_mu) or b.prox_mu < 0:
+  if not is_real(b.prox_mu) or b.prox_mu < 0:
     _fail("baseline.prox_mu", b.prox_mu, "a finite number >= 0")
 
-  if not _is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
+  if not is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")
-  if not _is_int(cfg.keep_checkpoints) or cfg.keep_checkpoints < 1:
+  if not is_int(cfg.keep_checkpoints) or cfg.keep_checkpoints < 1:
     _fail("keep_checkpoints", cfg.keep_checkpoints, "an integer >= 1")
-  if cfg.eval_chunk_size is not None and (not _is_int(cfg.eval_chunk_size)
+  if cfg.eval_chunk_size is not None and (not is_int(cfg.eval_chunk_size)
                                           or cfg.eval_chunk_size < 1):
     _fail("eval_chunk_size", cfg.eval_chunk_size, "an integer >= 1, or None (backend default)")
   snaps = cfg.snapshot_rounds
   if not isinstance(snaps, (tuple, list)) or not all(
-      _is_int(r) and r >= 1 for r in snaps):
+      is_int(r) and r >= 1 for r in snaps):
     _fail("snapshot_rounds", snaps, "a tuple of rounds >= 1 (rounds after the last are "
           "not reached; the last round is always saved)")
 
@@ -205,7 +217,7 @@ def validate_config(cfg) -> None:
     to_fedlap_config(cfg)
   else:
     to_dp_config(cfg)
-    if not _is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
+    if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
       _fail("client.batch_size", cfg.client.batch_size, "an integer >= 1")
 
 
@@ -232,6 +244,7 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
   for k, n in enumerate(sizes):
     if n == 0:
       raise ConfigError(
+          "data.partition", d.partition, "every client holds >= 1 record", message=
           f"client {k} has no data with data.partition={d.partition!r}, data.num_clients="
           f"{d.num_clients}, data.train_fraction={d.train_fraction}, data.dirichlet_alpha="
           f"{d.dirichlet_alpha}; allowed: every client holds >= 1 record (use fewer clients, "
@@ -252,6 +265,7 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
   held = set(np.concatenate(ys).tolist())
   for c in sorted(set(dataset.y_test.tolist()) - held):
     raise ConfigError(
+        "data.partition", d.partition, "every class held by >= 1 client", message=
         f"class {c} appears in the test split but no client holds a training record of it, "
         f"so no synthetic label covers it (data.partition={d.partition!r}, "
         f"data.train_fraction={d.train_fraction}); allowed: every class held by >= 1 client")
@@ -264,7 +278,8 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
     covered = set(labels[k][mask[k]].tolist())
     missing = set(np.unique(y).tolist()) - covered
     if missing:  # an invariant of synthetic_labels; checked because the server relies on it
-      raise ConfigError(f"client {k}: classes {sorted(missing)} have no synthetic labels "
+      raise ConfigError("client.ipc", ipc, "every class a client holds is covered", message=
+                        f"client {k}: classes {sorted(missing)} have no synthetic labels "
                         f"with client.ipc={ipc}; allowed: every class a client holds is covered")
   if cfg.synthetic_init == "real":
     for k, y in enumerate(ys):

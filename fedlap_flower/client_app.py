@@ -88,8 +88,9 @@ def _train_fedavg(msg, conf, run, node, setup) -> Message:
   cfg = run.cfg
   if node.requires_dp:
     raise settings.SettingsError(
-        "this client has its own max-epsilon and takes part in DP runs only; method='fedavg' "
-        "is not private. Allowed: a DP FedLAP config")
+        "method", "fedavg", "a DP FedLAP config",
+        message="this client has its own max-epsilon and takes part in DP runs only; "
+        "method='fedavg' is not private. Allowed: a DP FedLAP config")
   key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
                         node.partition_id)
   params = records.record_to_params(msg.content["arrays"])

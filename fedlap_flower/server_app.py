@@ -39,8 +39,9 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   fc = validation.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
   if fc is not None and fc.client.dp is not None and fc.server.weighting != "uniform":
     raise settings.SettingsError(
-        f"server.weighting={fc.server.weighting!r} is invalid with DP in the Flower app: it "
-        "needs every client's record count N_k, which a DP client does not release; "
+        "server.weighting", fc.server.weighting, "'uniform' (Algorithm 3)",
+        message=f"server.weighting={fc.server.weighting!r} is invalid with DP in the Flower "
+        "app: it needs every client's record count N_k, which a DP client does not release; "
         "allowed: 'uniform' (Algorithm 3)")
   info = {"config": run.config_name, "overrides": run.overrides, "label": run.label,
           "method": cfg.method, "dp": run.dp, "rounds": int(cfg.rounds),

@@ -43,9 +43,8 @@ def _server_fn(apply_fn, fedlap_config):
   def run(key, params, synthetic, client_weights, radii, learning_rate):
     r_g = fl.server_radius(radii, fedlap_config.server.radius_strategy,
                            fedlap_config.client.radius)
-    return fl.global_update(key, apply_fn, params, synthetic.x, synthetic.y, synthetic.mask,
-                            client_weights, r_g, learning_rate=learning_rate,
-                            config=fedlap_config.server)
+    return fl.global_update(key, apply_fn, params, synthetic, client_weights, r_g,
+                            learning_rate=learning_rate, config=fedlap_config.server)
   return jax.jit(run)
 
 

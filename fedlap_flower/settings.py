@@ -49,8 +49,10 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
   ``max-epsilon`` takes part in DP runs only: it refuses a run whose config
   turns DP off.
 
-Every bad value raises :class:`SettingsError` (or the experiments'
-``ConfigError``) naming the key, the value and what is allowed.
+Every bad value raises :class:`SettingsError` (a :class:`fedlap_jax.ConfigError`
+whose ``field`` is the run-config or node-config key), or the experiments'
+``ConfigError`` for the config itself, naming the key, the value and what is
+allowed.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ import os
 import shlex
 from pathlib import Path
 from typing import Any, Mapping
+
+from fedlap_jax.checks import ConfigError
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     "config": "quickstart:dp",
@@ -82,12 +86,12 @@ UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
 METHODS = ("fedlap", "fedavg")
 
 
-class SettingsError(ValueError):
-  """A bad run-config or node-config value; the message names key, value and what is allowed."""
+class SettingsError(ConfigError):
+  """A bad run-config or node-config value (``field`` is the key)."""
 
 
 def _fail(key: str, value, allowed: str):
-  raise SettingsError(f"{key}={value!r} is invalid; allowed: {allowed}")
+  raise SettingsError(key, value, allowed)
 
 
 def _is_int(v) -> bool:
@@ -127,8 +131,10 @@ def apply_overrides(cfg, overrides: str) -> None:
   try:
     tokens = shlex.split(overrides)
   except ValueError as e:
-    raise SettingsError(f"overrides={overrides!r} is invalid ({e}); allowed: FIELD=VALUE "
-                        "pairs separated by spaces, quoted with shell rules") from None
+    raise SettingsError("overrides", overrides, "FIELD=VALUE pairs separated by spaces, "
+                        "quoted with shell rules",
+                        message=f"overrides={overrides!r} is invalid ({e}); allowed: "
+                        "FIELD=VALUE pairs separated by spaces, quoted with shell rules") from None
   for token in tokens:
     field, sep, text = token.partition("=")
     if not sep or not field:
@@ -137,19 +143,22 @@ def apply_overrides(cfg, overrides: str) -> None:
     node = cfg
     for i, part in enumerate(parents):
       if part not in node or not hasattr(node[part], "keys"):
-        raise SettingsError(f"overrides: {field!r} is not a field of the config (no section "
-                            f"{'.'.join(parents[:i + 1])!r}); allowed: the fields of "
+        raise SettingsError("overrides", field, "the fields of experiments/configs/default.py",
+                            message=f"overrides: {field!r} is not a field of the config (no "
+                            f"section {'.'.join(parents[:i + 1])!r}); allowed: the fields of "
                             "experiments/configs/default.py")
       node = node[part]
     if name not in node or hasattr(node[name], "keys"):
-      raise SettingsError(f"overrides: {field!r} is not a field of the config; allowed: the "
-                          "fields of experiments/configs/default.py")
+      raise SettingsError("overrides", field, "the fields of experiments/configs/default.py",
+                          message=f"overrides: {field!r} is not a field of the config; "
+                          "allowed: the fields of experiments/configs/default.py")
     value = _parse_value(text)
     try:
       node[name] = value
     except (TypeError, ValueError) as e:
-      raise SettingsError(f"overrides: {field}={value!r} is invalid ({e}); allowed: a value of "
-                          "the field's type") from None
+      raise SettingsError(field, value, "a value of the field's type",
+                          message=f"overrides: {field}={value!r} is invalid ({e}); allowed: a "
+                          "value of the field's type") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -180,7 +189,9 @@ def load_config(name: str, overrides: str = ""):
   try:
     target, label = run_lib.resolve_config_arg(name)
   except SystemExit as e:
-    raise SettingsError(str(e).removeprefix("error: ").replace("--config=", "config=")) from None
+    raise SettingsError("config", name, "NAME[:ARG] of experiments/configs/, or a path",
+                        message=str(e).removeprefix("error: ").replace("--config=", "config=")
+                        ) from None
   path, _, arg = target.partition(":")
   if not os.path.isfile(path):
     _fail("config", name, "NAME[:ARG] of experiments/configs/, or the path of a config .py file")
@@ -188,7 +199,8 @@ def load_config(name: str, overrides: str = ""):
     module = _config_module(path)
     cfg = module.get_config(arg) if arg else module.get_config()
   except (TypeError, ValueError) as e:
-    raise SettingsError(f"config={name!r} is invalid: {e}") from None
+    raise SettingsError("config", name, "an argument the config file takes",
+                        message=f"config={name!r} is invalid: {e}") from None
   if "suite" in cfg:
     _fail("config", name, f"one run, not a suite config (this one holds the runs "
           f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp' or "
@@ -238,7 +250,8 @@ def with_defaults(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
   run_config = dict(run_config or {})
   unknown = sorted(set(run_config) - set(RUN_CONFIG_DEFAULTS))
   if unknown:
-    raise SettingsError(f"run config keys {unknown} are unknown; allowed: "
+    raise SettingsError("run config", unknown, str(sorted(RUN_CONFIG_DEFAULTS)),
+                        message=f"run config keys {unknown} are unknown; allowed: "
                         f"{sorted(RUN_CONFIG_DEFAULTS)}")
   return {**RUN_CONFIG_DEFAULTS, **run_config}
 
@@ -290,12 +303,15 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
   nc = dict(node_config or {})
   unknown = sorted(set(nc) - set(NODE_CONFIG_KEYS))
   if unknown:
-    raise SettingsError(f"node config keys {unknown} are unknown; allowed: "
+    raise SettingsError("node config", unknown, str(list(NODE_CONFIG_KEYS)),
+                        message=f"node config keys {unknown} are unknown; allowed: "
                         f"{list(NODE_CONFIG_KEYS)}")
   k = run.num_clients
   for key in ("partition-id", "num-partitions"):
     if key not in nc:
-      raise SettingsError(f"node config {key} is missing; allowed: flower-supernode "
+      raise SettingsError(key, None, f"flower-supernode --node-config 'partition-id=K "
+                          f"num-partitions={k}'",
+                          message=f"node config {key} is missing; allowed: flower-supernode "
                           f"--node-config 'partition-id=K num-partitions={k}'")
   num = nc["num-partitions"]
   if not _is_int(num) or num != k:

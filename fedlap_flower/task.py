@@ -182,7 +182,8 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
       dataset = data_lib.load_dataset(cfg.data)
       indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
     except ValueError as e:
-      raise validation.ConfigError(str(e)) from None
+      raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+                                   message=str(e)) from None
     validation.validate_data(cfg, dataset, indices)
     ys = [dataset.y_train[i] for i in indices]
     labels, mask = fl.synthetic_labels(ys, ipc)
@@ -202,8 +203,10 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
   labels, mask = fl.synthetic_labels([y], ipc)
   if cfg.client.batch_size > len(y):
     raise validation.ConfigError(
-        f"client.batch_size={cfg.client.batch_size} is invalid for data-path {data_path}: it "
-        f"holds {len(y)} records; allowed: at most the client's records (q = B / N_k <= 1)")
+        "client.batch_size", cfg.client.batch_size, f"at most {len(y)}",
+        message=f"client.batch_size={cfg.client.batch_size} is invalid for data-path "
+        f"{data_path}: it holds {len(y)} records; allowed: at most the client's records "
+        "(q = B / N_k <= 1)")
   with open(data_path, "rb") as f:
     digest = hashlib.sha256(f.read()).hexdigest()
   images = fl.noise_images(jax.random.fold_in(initial_images_key(cfg.seed), index),
@@ -267,7 +270,8 @@ def load_test_split(cfg) -> TestSplit:
   try:
     dataset = data_lib.load_dataset(cfg.data)
   except ValueError as e:
-    raise validation.ConfigError(str(e)) from None
+    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+                                 message=str(e)) from None
   return TestSplit(jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test),
                    np.asarray(dataset.pixel_scale), np.asarray(dataset.pixel_offset),
                    tuple(dataset.image_shape), int(dataset.num_classes))

@@ -18,18 +18,19 @@ Main entry points:
 * :func:`private_gradient`, :func:`poisson_sample` -- DP primitives.
 * :mod:`fedlap_jax.accounting` -- RDP accounting and :class:`PrivacyLedger`.
 * :class:`ConvNet` -- the paper's model.
+* :class:`ConfigError` -- every refused setting, with ``field``, ``value``, ``allowed``.
 """
 
 from fedlap_jax import accounting, algorithm, dsa
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.client import (ClientData, LocalApproxMetrics, SyntheticSet, local_approx,
-                               matching_step, pixel_normalisation)
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.client import LocalApproxMetrics, local_approx, matching_step
+from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
 from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
                                paper_dp_config, paper_nondp_config)
 from fedlap_jax.dsa import augment
 from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state,
-                                  make_round_fn, noise_images, real_images, stack_clients,
-                                  synthetic_labels)
+                                  make_round_fn, noise_images, real_images, synthetic_labels)
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 from fedlap_jax.privacy import (PoissonBatch, clipped_gradient_sum, per_example_gradients,
@@ -41,7 +42,8 @@ from fedlap_jax.training import cosine_learning_rate, evaluate, tree_distance
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClientConfig", "ClientData", "FederatedAlgorithm", "algorithm", "ConvNet", "DPConfig", "FedLAPConfig", "FedLAPState",
+    "ClientConfig", "ClientData", "ConfigError", "FederatedAlgorithm", "algorithm", "ConvNet",
+    "DPConfig", "FedLAPConfig", "FedLAPState",
     "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
     "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
     "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",

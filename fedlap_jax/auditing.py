@@ -44,16 +44,16 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax.privacy import cross_entropy, per_example_gradients
+from fedlap_jax.losses import cross_entropy
+from fedlap_jax.privacy import per_example_gradients
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 
 DEFAULT_FPRS = (0.001, 0.01)
 

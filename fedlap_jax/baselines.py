@@ -2,7 +2,7 @@
 
 The baselines FedLAP is compared against (Tables 1 and 2 of the paper), on the
 same model convention (``apply_fn(params, x) -> logits``), the same stacked
-:class:`~fedlap_jax.client.ClientData`, the same Poisson sampling and privacy
+:class:`~fedlap_jax.client_data.ClientData`, the same Poisson sampling and privacy
 primitives (:mod:`fedlap_jax.privacy`) and the same accounting
 (:mod:`fedlap_jax.accounting`, ``T`` = local DP-SGD steps scheduled per round).
 
@@ -80,7 +80,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,39 +88,26 @@ import numpy as np
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.client import ClientData
-from fedlap_jax.config import WEIGHTINGS, DPConfig
-from fedlap_jax.federated import CLIENT_BACKENDS, client_weights, place_inputs, run_clients
+from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of, require
+from fedlap_jax.client_data import ClientData
+from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
+                               WEIGHTINGS, DPConfig)
+from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import cosine_learning_rate, tree_distance
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 
-METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
-DP_METHODS = ("dp_fedavg", "dp_fedprox")
+METHODS = BASELINE_METHODS
+DP_METHODS = DP_BASELINE_METHODS
 PROX_METHODS = ("fedprox", "dp_fedprox")
 GRADIENT_MEANS = ("realized", "expected")
 
 __all__ = [
     "METHODS", "BaselineConfig", "BaselineState", "BaselineRoundMetrics", "ClientMetrics",
-    "LocalTraining", "baseline_round", "client_update", "init_baseline_state",
-    "make_algorithm", "round_keys", "step_keys", "steps_per_epoch",
+    "LocalTraining", "algorithm", "baseline_config", "baseline_round", "client_update",
+    "init_baseline_state", "round_keys", "step_keys", "steps_per_epoch",
 ]
-
-
-def _require(cond: bool, field: str, value, allowed: str) -> None:
-  if not cond:
-    raise ValueError(f"{field}={value!r} is invalid; allowed: {allowed}")
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-  return (isinstance(value, (int, float, np.integer, np.floating))
-          and not isinstance(value, bool) and math.isfinite(value))
 
 
 def steps_per_epoch(num_records, batch_size: int):
@@ -158,7 +145,7 @@ class LocalTraining:
       noise (non-DP).
     noise_multiplier: ``sigma`` (noise std / ``C``) of the private path, >= 0.
       0 is allowed *here* (clipped SGD without noise, for ablations and tests);
-      :func:`make_algorithm` builds the private path from a
+      :func:`baseline_config` builds the private path from a
       :class:`~fedlap_jax.config.DPConfig` only, which requires ``sigma > 0``.
     microbatch_size: optional bound on per-example-gradient memory (DP).
     gradient_mean: ``"realized"`` (mean over the sampled batch) or
@@ -186,34 +173,34 @@ class LocalTraining:
   track_loss: bool = True
 
   def __post_init__(self):
-    _require(_is_int(self.epochs) and self.epochs >= 1, "local_epochs", self.epochs,
-             "an integer >= 1")
-    _require(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
-             self.batch_size, "an integer >= 1")
+    require(is_int(self.epochs) and self.epochs >= 1, "local_epochs", self.epochs,
+            "an integer >= 1")
+    require(is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
+            self.batch_size, "an integer >= 1")
     for f in ("fixed_steps", "max_client_size", "microbatch_size"):
       v = getattr(self, f)
-      _require(v is None or (_is_int(v) and v >= 1), f, v, "None or an integer >= 1")
+      require(v is None or (is_int(v) and v >= 1), f, v, "None or an integer >= 1")
     if self.poisson_capacity is not None:
-      _require(_is_int(self.poisson_capacity) and self.poisson_capacity >= self.batch_size,
-               "poisson_capacity", self.poisson_capacity,
-               f"None or an integer >= batch_size ({self.batch_size})")
-    _require(_is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu,
-             "a finite number >= 0")
-    _require(self.l2_clip_norm is None or (_is_real(self.l2_clip_norm)
-                                           and self.l2_clip_norm > 0),
-             "l2_clip_norm", self.l2_clip_norm, "None or a finite number > 0")
-    _require(_is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
-             "noise_multiplier", self.noise_multiplier, "a finite number >= 0")
-    _require(self.l2_clip_norm is not None or self.noise_multiplier == 0,
-             "noise_multiplier", self.noise_multiplier,
-             "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)")
-    _require(self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
-             "gradient_mean", self.gradient_mean, f"None or one of {GRADIENT_MEANS}")
-    _require(self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
-             "gradient_mean", self.gradient_mean,
-             "'expected' or None with clipping (dividing by the realised batch size "
-             "would leak it)")
-    dsa.parse_strategy(self.dsa_strategy)
+      require(is_int(self.poisson_capacity) and self.poisson_capacity >= self.batch_size,
+              "poisson_capacity", self.poisson_capacity,
+              f"None or an integer >= batch_size ({self.batch_size})")
+    require(is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu,
+            "a finite number >= 0")
+    require(self.l2_clip_norm is None or (is_real(self.l2_clip_norm)
+                                          and self.l2_clip_norm > 0),
+            "l2_clip_norm", self.l2_clip_norm, "None or a finite number > 0")
+    require(is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
+            "noise_multiplier", self.noise_multiplier, "a finite number >= 0")
+    require(self.l2_clip_norm is not None or self.noise_multiplier == 0,
+            "noise_multiplier", self.noise_multiplier,
+            "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)")
+    require(self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
+            "gradient_mean", self.gradient_mean, f"None or one of {GRADIENT_MEANS}")
+    require(self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
+            "gradient_mean", self.gradient_mean,
+            "'expected' or None with clipping (dividing by the realised batch size "
+            "would leak it)")
+    dsa_strategy("dsa_strategy", self.dsa_strategy)
 
   @property
   def private(self) -> bool:
@@ -242,8 +229,8 @@ class LocalTraining:
       return self.fixed_steps
     n_max = self.max_client_size or padded_size
     if n_max is None:
-      raise ValueError("max_client_size=None is invalid here; allowed: an integer >= 1 "
-                       "(the static step count needs the largest client's size)")
+      raise ConfigError("max_client_size", None, "an integer >= 1 (the static step count "
+                        "needs the largest client's size)")
     return self.epochs * steps_per_epoch(int(n_max), self.batch_size)
 
   def client_steps(self, num_records: jax.Array) -> jax.Array:
@@ -264,11 +251,11 @@ class BaselineConfig:
     server_lr: ``eta_s``, the server's step on the weighted mean delta (1).
     weighting: ``size`` (``w_k = N_k / N``) or ``uniform`` (``1 / K``).
     local: :class:`LocalTraining`.
-    client_backend: ``vmap`` (all clients at once), ``map`` (one after
-      another with ``lax.map``; same numbers, less memory), ``shard`` (blocks
-      of clients on all devices, one after another within a block;
-      :mod:`fedlap_jax.sharding`) or ``auto`` (the default: ``shard`` on
-      several devices, else ``map``; :func:`fedlap_jax.federated.resolve_client_backend`).
+    dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise and
+      microbatch ``local`` uses, for DP methods (the guarantee the accountant
+      reports; :func:`algorithm` requires it); ``None`` for the others, and for
+      a private path outside ``DPConfig``'s range (e.g. ``sigma = 0`` in tests),
+      which then runs only through :func:`baseline_round`.
   """
 
   method: str
@@ -277,29 +264,39 @@ class BaselineConfig:
   server_lr: float = 1.0
   weighting: str = "size"
   local: LocalTraining = dataclasses.field(default_factory=LocalTraining)
-  client_backend: str = "auto"
+  dp: DPConfig | None = None
 
   def __post_init__(self):
-    _require(self.method in METHODS, "method", self.method, f"one of {METHODS}")
-    _require(_is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds,
-             "an integer >= 1")
+    one_of("method", self.method, METHODS)
+    require(is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds,
+            "an integer >= 1")
     for f in ("learning_rate", "server_lr"):
       v = getattr(self, f)
-      _require(_is_real(v) and v > 0, f, v, "a finite number > 0")
-    _require(self.weighting in WEIGHTINGS, "weighting", self.weighting, f"one of {WEIGHTINGS}")
-    _require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
-    _require(self.client_backend in CLIENT_BACKENDS, "client_backend", self.client_backend,
-             f"one of {CLIENT_BACKENDS}")
+      require(is_real(v) and v > 0, f, v, "a finite number > 0")
+    one_of("weighting", self.weighting, WEIGHTINGS)
+    require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
     loc = self.local
     private = self.method in DP_METHODS
-    _require(loc.private == private, "local.l2_clip_norm", loc.l2_clip_norm,
-             "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})")
-    _require(self.method in PROX_METHODS or loc.prox_mu == 0, "local.prox_mu", loc.prox_mu,
-             f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')")
-    _require(loc.control_variates == (self.method == "scaffold"), "local.control_variates",
-             loc.control_variates, f"True exactly for 'scaffold' (method={self.method!r})")
-    _require(self.method != "fedsgd" or loc.fixed_steps == 1, "local.fixed_steps",
-             loc.fixed_steps, "1 for 'fedsgd' (one local batch per round)")
+    require(loc.private == private, "local.l2_clip_norm", loc.l2_clip_norm,
+            "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})")
+    require(self.method in PROX_METHODS or loc.prox_mu == 0, "local.prox_mu", loc.prox_mu,
+            f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')")
+    require(loc.control_variates == (self.method == "scaffold"), "local.control_variates",
+            loc.control_variates, f"True exactly for 'scaffold' (method={self.method!r})")
+    require(self.method != "fedsgd" or loc.fixed_steps == 1, "local.fixed_steps",
+            loc.fixed_steps, "1 for 'fedsgd' (one local batch per round)")
+    if private:
+      require(loc.fixed_steps is not None or loc.max_client_size is not None,
+              "max_client_size", loc.max_client_size,
+              f"an integer >= 1 for method={self.method!r} (the accountant needs the static "
+              "step count T = local_epochs * round(max_client_size / batch_size))")
+    if self.dp is not None:
+      require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
+      require(private, "dp", self.dp,
+              f"None for method={self.method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
+      for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size"):
+        require(getattr(loc, f) == getattr(self.dp, f), f"local.{f}", getattr(loc, f),
+                f"dp.{f} ({getattr(self.dp, f)!r}), the value the accountant reports")
 
 
 # --------------------------------------------------------------------------
@@ -500,6 +497,8 @@ def baseline_round(
     *,
     apply_fn: ApplyFn,
     config: BaselineConfig,
+    client_backend: str = "auto",
+    mesh: Any = None,
 ) -> tuple[BaselineState, BaselineRoundMetrics]:
   """One communication round of a baseline, all clients taking part.
 
@@ -508,6 +507,12 @@ def baseline_round(
     clients: stacked :class:`ClientData`, leaves ``(K, N_max, ...)``.
     apply_fn: ``apply_fn(params, x) -> logits``.
     config: :class:`BaselineConfig` (static).
+    client_backend: ``vmap`` (all clients at once), ``map`` (one after
+      another with ``lax.map``; same numbers, less memory), ``shard`` (blocks
+      of clients on the devices of ``mesh``, one after another within a
+      block) or ``auto`` (the default: ``shard`` on several devices, else
+      ``map``); :func:`fedlap_jax.dispatch.run_clients`.
+    mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all devices.
 
   Returns:
     ``(new_state, BaselineRoundMetrics)``.
@@ -533,7 +538,7 @@ def baseline_round(
                          num_steps=num_steps, correction=corr)
 
   ys, client_metrics = run_clients(run, (client_keys, clients, corrections),
-                                   replicated=(x, lr), client_backend=config.client_backend)
+                                   replicated=(x, lr), client_backend=client_backend, mesh=mesh)
 
   weights = client_weights(clients, config.weighting)
   weights = weights / jnp.sum(weights)
@@ -560,7 +565,8 @@ def baseline_round(
 
 # One jit shared by every algorithm built here: runs with equal configs (and the
 # same ``apply_fn`` object) share one compilation; a run compiles once.
-_round_jit = jax.jit(baseline_round, static_argnames=("apply_fn", "config"))
+_round_jit = jax.jit(baseline_round,
+                     static_argnames=("apply_fn", "config", "client_backend", "mesh"))
 
 
 def init_baseline_state(key: jax.Array, params: PyTree, clients: ClientData,
@@ -576,17 +582,13 @@ def init_baseline_state(key: jax.Array, params: PyTree, clients: ClientData,
 
 
 # --------------------------------------------------------------------------
-# The FederatedAlgorithm adapter.
+# The config of a method, and the FederatedAlgorithm.
 # --------------------------------------------------------------------------
 
 
-def make_algorithm(
+def baseline_config(
     method: str,
-    apply_fn: ApplyFn,
     *,
-    num_clients: int,
-    image_shape: tuple,
-    num_params: int,
     rounds: int,
     learning_rate: float,
     local_epochs: int,
@@ -599,24 +601,17 @@ def make_algorithm(
     dsa_strategy: str = "",
     poisson_capacity: int | None = None,
     uniform_steps: bool = False,
-    client_backend: str = "auto",
     gradient_mean: str | None = None,
     track_loss: bool = True,
-) -> FederatedAlgorithm:
-  """A baseline as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
+) -> BaselineConfig:
+  """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
-  ``round`` is the jitted :func:`baseline_round` with ``apply_fn`` and the
-  config bound as static arguments: one compilation per run (the round index
-  and learning rate are traced), shared by algorithms with equal settings.
+  Fills in what the method implies: FedSGD one step per round, FedProx's
+  ``mu`` only for the prox methods, SCAFFOLD's control variates, the private
+  path's clip and noise from ``dp``.
 
   Args:
     method: one of :data:`METHODS`.
-    apply_fn: ``apply_fn(params, x) -> logits``.
-    num_clients: ``K``; ``init`` checks the data against it.
-    image_shape: ``(H, W, C)``; ``init`` checks the data against it.
-    num_params: parameters of the model; ``init`` checks ``params`` against it.
-      The upload is ``num_params`` floats per client and round, twice that for
-      SCAFFOLD (model and control deltas).
     rounds: ``M``.
     learning_rate: ``eta_0`` of the client's cosine schedule (0.1).
     local_epochs: ``E`` (5); ignored by ``fedsgd`` (one step per round).
@@ -637,36 +632,23 @@ def make_algorithm(
     poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
     uniform_steps: every client runs exactly ``T`` steps (data-independent
       count) instead of ``E * round(N_k / B)``.
-    client_backend: ``vmap``, ``map``, ``shard`` or ``auto`` (see :class:`BaselineConfig`).
     gradient_mean: ``realized`` / ``expected`` (see the module docstring);
       ``None``: ``realized`` without DP, ``expected`` with DP.
     track_loss: record per-client mean local losses.
 
-  Returns:
-    The :class:`FederatedAlgorithm`; ``dp_steps_per_round`` is ``T`` for DP
-    methods (``None`` otherwise) and ``batch_size`` is ``B``.
+  Raises:
+    ConfigError: naming the field, the value and what is allowed.
   """
-  _require(method in METHODS, "method", method, f"one of {METHODS}")
+  one_of("method", method, METHODS)
   private = method in DP_METHODS
   if private:
-    _require(isinstance(dp, DPConfig), "dp", dp, f"a DPConfig for method={method!r}")
-    _require(max_client_size is not None, "max_client_size", max_client_size,
-             f"an integer >= 1 for method={method!r} (the accountant needs the static "
-             "step count T = local_epochs * round(max_client_size / batch_size))")
+    require(isinstance(dp, DPConfig), "dp", dp, f"a DPConfig for method={method!r}")
   else:
-    _require(dp is None, "dp", dp,
-             f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
-  _require(_is_int(num_clients) and num_clients >= 1, "num_clients", num_clients,
-           "an integer >= 1")
-  _require(_is_int(num_params) and num_params >= 1, "num_params", num_params,
-           "an integer >= 1")
-  image_shape = tuple(image_shape)
-  _require(len(image_shape) == 3 and all(_is_int(d) and d >= 1 for d in image_shape),
-           "image_shape", image_shape, "(H, W, C) positive integers")
-  _require(isinstance(uniform_steps, bool), "uniform_steps", uniform_steps, "a bool")
+    require(dp is None, "dp", dp,
+            f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
+  require(isinstance(uniform_steps, bool), "uniform_steps", uniform_steps, "a bool")
   if weighting is None:
     weighting = "uniform" if private else "size"
-
   local = LocalTraining(
       epochs=local_epochs,
       batch_size=batch_size,
@@ -683,12 +665,65 @@ def make_algorithm(
       track_loss=track_loss,
   )
   if uniform_steps and method != "fedsgd":
-    _require(max_client_size is not None, "max_client_size", max_client_size,
-             "an integer >= 1 with uniform_steps=True")
+    require(max_client_size is not None, "max_client_size", max_client_size,
+            "an integer >= 1 with uniform_steps=True")
     local = dataclasses.replace(local, fixed_steps=local.scheduled_steps())
-  config = BaselineConfig(method=method, rounds=rounds, learning_rate=learning_rate,
-                          server_lr=server_lr, weighting=weighting, local=local,
-                          client_backend=client_backend)
+  return BaselineConfig(method=method, rounds=rounds, learning_rate=learning_rate,
+                        server_lr=server_lr, weighting=weighting, local=local, dp=dp)
+
+
+def algorithm(
+    apply_fn: ApplyFn,
+    config: BaselineConfig,
+    *,
+    image_shape: tuple[int, ...],
+    num_clients: int,
+    num_params: int,
+    client_backend: str = "auto",
+    mesh: Any = None,
+) -> FederatedAlgorithm:
+  """A baseline as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
+
+  The counterpart of :func:`fedlap_jax.federated.algorithm`. ``round`` is the
+  module's one jit of :func:`baseline_round` with ``apply_fn``, ``config`` and
+  the backend as static arguments: the round index and learning rate are
+  traced, so a run compiles once, and algorithms with equal settings share
+  the compilation.
+
+  Args:
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    config: the :class:`BaselineConfig` (e.g. from :func:`baseline_config`);
+      a DP method needs ``config.dp``, the guarantee the accountant reports.
+    image_shape: ``(H, W, C)``; ``init`` checks the data against it.
+    num_clients: ``K``; ``init`` checks the data against it.
+    num_params: parameters of the model; ``init`` checks ``params`` against it.
+      The upload is ``num_params`` floats per client and round, twice that for
+      SCAFFOLD (model and control deltas).
+    client_backend: ``vmap``, ``map``, ``shard`` or ``auto``
+      (:func:`fedlap_jax.dispatch.run_clients`).
+    mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all devices.
+
+  Returns:
+    The :class:`FederatedAlgorithm`; ``dp_steps_per_round`` is ``T`` for DP
+    methods (``None`` otherwise) and ``batch_size`` is ``B``.
+
+  Raises:
+    ConfigError: naming the field, the value and what is allowed.
+  """
+  require(isinstance(config, BaselineConfig), "config", config, "a BaselineConfig")
+  method, local = config.method, config.local
+  private = method in DP_METHODS
+  require(not private or config.dp is not None, "dp", config.dp,
+          f"a DPConfig for method={method!r} (the guarantee the accountant reports)")
+  require(is_int(num_clients) and num_clients >= 1, "num_clients", num_clients,
+          "an integer >= 1")
+  require(is_int(num_params) and num_params >= 1, "num_params", num_params,
+          "an integer >= 1")
+  image_shape = tuple(image_shape)
+  require(len(image_shape) == 3 and all(is_int(d) and d >= 1 for d in image_shape),
+          "image_shape", image_shape, "(H, W, C) positive integers")
+  one_of("client_backend", client_backend, CLIENT_BACKENDS)
+  max_client_size, batch_size = local.max_client_size, local.batch_size
 
   def init(key, params, clients):
     if count_params(params) != num_params:
@@ -710,14 +745,15 @@ def make_algorithm(
                        "(the sampling rate q = B / N_k must be <= 1)")
     return init_baseline_state(key, params, clients, config)
 
+  round_fn = functools.partial(_round_jit, apply_fn=apply_fn, config=config,
+                               client_backend=client_backend, mesh=mesh)
   return FederatedAlgorithm(
       name=method,
       init=init,
-      round=place_inputs(functools.partial(_round_jit, apply_fn=apply_fn, config=config),
-                         client_backend),
+      round=place_inputs(round_fn, client_backend, mesh),
       params_of=lambda state: state.params,
       upload_floats_per_client=(2 if method == "scaffold" else 1) * num_params,
-      dp=dp if private else None,
+      dp=config.dp if private else None,
       dp_steps_per_round=local.scheduled_steps() if private else None,
       batch_size=batch_size,
   )

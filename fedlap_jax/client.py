@@ -27,109 +27,19 @@ Differentially Private Loss Approximations", PoPETs 2024.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fedlap_jax import dsa, privacy
+from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.radius import calibrate_radius
 from fedlap_jax.training import sgd_epoch, tree_distance
-
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
-
-
-class ClientData(NamedTuple):
-  """One client's real data, padded to a fixed size.
-
-  Images can stay on the device as stored pixels (e.g. ``uint8``, a quarter of
-  float32's memory) with the normalisation fused into every read: model inputs
-  are ``x * pixel_scale + pixel_offset`` per channel, computed on the gathered
-  batch only (:meth:`images`). Without ``pixel_scale`` / ``pixel_offset``,
-  ``x`` holds the model inputs themselves.
-
-  Attributes:
-    x: ``(N, H, W, C)`` images: float model inputs, or stored pixels of any
-      dtype read through ``pixel_scale`` and ``pixel_offset``.
-    y: ``(N,)`` int32 labels.
-    mask: ``(N,)`` bool, True for real records, False for padding.
-    pixel_scale, pixel_offset: ``(C,)`` float32 or both None. For uint8 pixels
-      and a per-channel ``mean`` / ``std`` of pixels in [0, 1]:
-      ``scale = 1 / (255 std)``, ``offset = -mean / std``
-      (:func:`pixel_normalisation`).
-  """
-
-  x: jax.Array
-  y: jax.Array
-  mask: jax.Array
-  pixel_scale: jax.Array | None = None
-  pixel_offset: jax.Array | None = None
-
-  def normalise(self, x: jax.Array) -> jax.Array:
-    """Stored pixels ``(..., C)`` of this client -> float32 model inputs."""
-    if self.pixel_scale is None:
-      return x
-    return normalise_pixels(x, self.pixel_scale, self.pixel_offset)
-
-  def images(self, indices: jax.Array) -> jax.Array:
-    """Model inputs of the records ``indices`` ``(B,)``: ``(B, H, W, C)`` float32.
-
-    The gather, the conversion and the normalisation fuse into one XLA op, so
-    only the batch is ever materialised as float32.
-    """
-    return self.normalise(self.x[indices])
-
-
-def normalise_pixels(x, pixel_scale, pixel_offset):
-  """Stored pixels ``(..., C)`` -> float32 model inputs ``x * pixel_scale + pixel_offset``.
-
-  Works on NumPy (host) and JAX (device, fused into the read) arrays alike.
-  """
-  return x.astype(np.float32) * pixel_scale + pixel_offset
-
-
-def pixel_normalisation(mean, std, pixel_max: float = 255.0) -> tuple[np.ndarray, np.ndarray]:
-  """``(pixel_scale, pixel_offset)`` for ``(pixel / pixel_max - mean) / std``.
-
-  Args:
-    mean, std: ``(C,)`` per-channel statistics of pixels scaled to [0, 1].
-    pixel_max: the stored value of a white pixel (255 for uint8, 1 for floats
-      already in [0, 1]).
-
-  Returns:
-    Two ``(C,)`` float32 NumPy arrays, computed in float64 and rounded once.
-  """
-  mean = np.asarray(mean, np.float64)
-  std = np.asarray(std, np.float64)
-  if mean.shape != std.shape or mean.ndim != 1:
-    raise ValueError(f"mean and std must both be (C,) vectors; got shapes {mean.shape} and "
-                     f"{std.shape}")
-  if np.any(std <= 0) or not np.all(np.isfinite(std)):
-    raise ValueError(f"std={std.tolist()} is invalid; allowed: finite values > 0")
-  if not (np.isfinite(pixel_max) and pixel_max > 0):
-    raise ValueError(f"pixel_max={pixel_max!r} is invalid; allowed: a finite value > 0")
-  scale = 1.0 / (pixel_max * std)
-  offset = -mean / std
-  return scale.astype(np.float32), offset.astype(np.float32)
-
-
-class SyntheticSet(NamedTuple):
-  """A client's synthetic set ``S_k``.
-
-  Attributes:
-    x: ``(S, H, W, C)`` float32 images (in normalised pixel space).
-    y: ``(S,)`` int32 labels, fixed for the run.
-    mask: ``(S,)`` bool, False for padding slots (clients owning fewer classes).
-  """
-
-  x: jax.Array
-  y: jax.Array
-  mask: jax.Array
+from fedlap_jax.types import ApplyFn, PyTree
 
 
 class LocalApproxMetrics(NamedTuple):
@@ -311,11 +221,10 @@ def local_approx(
 
   if c.calibrate_radius:
     r_k, _ = calibrate_radius(
-        k_cal, apply_fn, params, synthetic.x, synthetic.y, synthetic.mask,
-        client_data.x, client_data.y, client_data.mask,
+        k_cal, apply_fn, params, synthetic, client_data,
         learning_rate=learning_rate, max_radius=c.radius, epochs=c.calibration_epochs,
         batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy,
-        eval_size=c.calibration_eval_size, real_preprocess=client_data.normalise)
+        eval_size=c.calibration_eval_size)
   else:
     r_k = jnp.asarray(c.radius, jnp.float32)
 

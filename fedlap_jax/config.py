@@ -20,8 +20,9 @@ field               paper           meaning
 ``radius``          ``r``           trust-region radius
 ==================  ==============  ===========================================
 
-Every constructor validates its fields and raises ``ValueError`` naming the
-field, the value and what is allowed. Nothing is clamped silently.
+Every constructor validates its fields and raises
+:class:`~fedlap_jax.checks.ConfigError` (a ``ValueError``) naming the field,
+the value and what is allowed. Nothing is clamped silently.
 """
 
 from __future__ import annotations
@@ -29,38 +30,38 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, one_of,
+                               positive_float, positive_int, require)
+
+BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
+DP_BASELINE_METHODS = ("dp_fedavg", "dp_fedprox")
+METHODS = ("fedlap",) + BASELINE_METHODS
+# Display names, keyed by FederatedAlgorithm.name (FedLAP with DP is "fedlap_dp").
+METHOD_LABELS = {"fedlap": "FedLAP", "fedlap_dp": "FedLAP-DP", "fedavg": "FedAvg",
+                 "fedprox": "FedProx", "fedsgd": "FedSGD", "scaffold": "SCAFFOLD",
+                 "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx"}
+CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
+PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")
 
 
-def _require(cond: bool, field: str, value, allowed: str) -> None:
-  if not cond:
-    raise ValueError(f"{field}={value!r} is invalid; allowed: {allowed}")
+def method_label(method: str, dp: bool) -> str:
+  """Display name of ``method`` (one of :data:`METHODS`), e.g. ``"FedLAP-DP"``."""
+  name = "fedlap_dp" if method == "fedlap" and dp else method
+  return METHOD_LABELS.get(name, method)
 
 
-def _positive_int(field: str, value) -> None:
-  _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-           field, value, "an integer >= 1")
+def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:
+  """A static buffer size for Poisson batches of expected size ``batch_size``.
 
-
-def _nonneg_int(field: str, value) -> None:
-  _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-           field, value, "an integer >= 0")
-
-
-def _positive_float(field: str, value) -> None:
-  _require(isinstance(value, (int, float)) and not isinstance(value, bool)
-           and math.isfinite(value) and value > 0, field, value, "a finite number > 0")
-
-
-def _dsa_strategy(field: str, value) -> None:
-  from fedlap_jax import dsa  # local import: dsa imports nothing from here
-  _require(isinstance(value, str), field, value, "a string of DSA families joined by '_'")
-  try:
-    dsa.parse_strategy(value)
-  except ValueError as e:
-    raise ValueError(f"{field}={value!r} is invalid: {e}") from None
+  A Poisson batch has mean ``B`` and variance ``B (1 - q) <= B``; ``B + 6 sqrt(B)``
+  (plus a small constant) is exceeded with probability below ``1e-8``.
+  """
+  if batch_size < 1:
+    raise ConfigError("batch_size", batch_size, "an integer >= 1")
+  return int(math.ceil(batch_size + num_std * math.sqrt(batch_size) + 4))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,19 +88,16 @@ class DPConfig:
   per_example_method: str = "auto"
 
   def __post_init__(self):
-    _require(isinstance(self.noise_multiplier, (int, float))
-             and math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0,
-             "dp.noise_multiplier", self.noise_multiplier,
-             "a number > 0 (sigma = 0 with DP on gives no privacy guarantee; "
-             "turn DP off instead)")
-    _positive_float("dp.l2_clip_norm", self.l2_clip_norm)
-    _require(isinstance(self.delta, (int, float)) and 0 < self.delta < 1,
-             "dp.delta", self.delta, "a number in the open interval (0, 1)")
+    require(is_real(self.noise_multiplier) and self.noise_multiplier > 0,
+            "dp.noise_multiplier", self.noise_multiplier,
+            "a number > 0 (sigma = 0 with DP on gives no privacy guarantee; "
+            "turn DP off instead)")
+    positive_float("dp.l2_clip_norm", self.l2_clip_norm)
+    require(is_real(self.delta) and 0 < self.delta < 1,
+            "dp.delta", self.delta, "a number in the open interval (0, 1)")
     if self.microbatch_size is not None:
-      _positive_int("dp.microbatch_size", self.microbatch_size)
-    methods = ("auto", "layerwise", "vmap", "jax_privacy")  # privacy.PER_EXAMPLE_METHODS
-    _require(self.per_example_method in methods, "dp.per_example_method",
-             self.per_example_method, f"one of {methods}")
+      positive_int("dp.microbatch_size", self.microbatch_size)
+    one_of("dp.per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,31 +152,30 @@ class ClientConfig:
   def __post_init__(self):
     for f in ("ipc", "iterations", "max_outer", "batch_loop", "boost_loop",
               "batch_size", "model_batch_size", "calibration_epochs"):
-      _positive_int(f, getattr(self, f))
-    _nonneg_int("inner_loop", self.inner_loop)
-    _positive_float("image_lr", self.image_lr)
-    _require(isinstance(self.image_momentum, (int, float)) and 0 <= self.image_momentum < 1,
-             "image_momentum", self.image_momentum, "a number in [0, 1)")
-    _require(isinstance(self.mse_weight, (int, float)) and math.isfinite(self.mse_weight)
-             and self.mse_weight >= 0, "mse_weight", self.mse_weight, "a finite number >= 0")
-    _positive_float("radius", self.radius)
+      positive_int(f, getattr(self, f))
+    nonneg_int("inner_loop", self.inner_loop)
+    positive_float("image_lr", self.image_lr)
+    require(is_real(self.image_momentum) and 0 <= self.image_momentum < 1,
+            "image_momentum", self.image_momentum, "a number in [0, 1)")
+    require(is_real(self.mse_weight) and self.mse_weight >= 0, "mse_weight", self.mse_weight,
+            "a finite number >= 0")
+    positive_float("radius", self.radius)
     if self.calibration_eval_size is not None:
-      _positive_int("calibration_eval_size", self.calibration_eval_size)
+      positive_int("calibration_eval_size", self.calibration_eval_size)
     if self.poisson_capacity is not None:
-      _positive_int("poisson_capacity", self.poisson_capacity)
-      _require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
-               self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
-    _dsa_strategy("dsa_strategy", self.dsa_strategy)
+      positive_int("poisson_capacity", self.poisson_capacity)
+      require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
+              self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
+    dsa_strategy("dsa_strategy", self.dsa_strategy)
     if self.dp is not None:
-      _require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
-      _require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
-               "False when dp is set (a radius measured on real data is not private; "
-               "use the constant radius r)")
+      require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
+      require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
+              "False when dp is set (a radius measured on real data is not private; "
+              "use the constant radius r)")
 
   @property
   def capacity(self) -> int:
     """Static size of the Poisson batch buffer."""
-    from fedlap_jax.privacy import poisson_capacity
     return self.poisson_capacity or poisson_capacity(self.batch_size)
 
   @property
@@ -208,12 +205,11 @@ class ServerConfig:
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
 
   def __post_init__(self):
-    _require(self.radius_strategy in RADIUS_STRATEGIES, "radius_strategy",
-             self.radius_strategy, f"one of {RADIUS_STRATEGIES}")
-    _positive_int("server.batch_size", self.batch_size)
-    _positive_int("server.max_epochs", self.max_epochs)
-    _require(self.weighting in WEIGHTINGS, "weighting", self.weighting, f"one of {WEIGHTINGS}")
-    _dsa_strategy("server.dsa_strategy", self.dsa_strategy)
+    one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
+    positive_int("server.batch_size", self.batch_size)
+    positive_int("server.max_epochs", self.max_epochs)
+    one_of("weighting", self.weighting, WEIGHTINGS)
+    dsa_strategy("server.dsa_strategy", self.dsa_strategy)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,21 +233,20 @@ class FedLAPConfig:
   synthetic_init: str = "real"
 
   def __post_init__(self):
-    _positive_int("rounds", self.rounds)
-    _positive_float("learning_rate", self.learning_rate)
-    _require(self.synthetic_init in SYNTHETIC_INITS, "synthetic_init",
-             self.synthetic_init, f"one of {SYNTHETIC_INITS}")
+    positive_int("rounds", self.rounds)
+    positive_float("learning_rate", self.learning_rate)
+    one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
     if self.client.dp is not None:
-      _require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
-               "'noise' when DP is on (initialising from real images would publish them)")
-      _require(self.server.radius_strategy in ("constant", "fixed"), "radius_strategy",
-               self.server.radius_strategy,
-               "'constant' or 'fixed' when DP is on (other strategies use r_k measured "
-               "on real data)")
+      require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
+              "'noise' when DP is on (initialising from real images would publish them)")
+      require(self.server.radius_strategy in ("constant", "fixed"), "radius_strategy",
+              self.server.radius_strategy,
+              "'constant' or 'fixed' when DP is on (other strategies use r_k measured "
+              "on real data)")
     elif self.server.radius_strategy not in ("constant", "fixed"):
-      _require(self.client.calibrate_radius, "calibrate_radius", self.client.calibrate_radius,
-               f"True when radius_strategy={self.server.radius_strategy!r} (it needs "
-               "per-client r_k); or use radius_strategy='constant'")
+      require(self.client.calibrate_radius, "calibrate_radius", self.client.calibrate_radius,
+              f"True when radius_strategy={self.server.radius_strategy!r} (it needs "
+              "per-client r_k); or use radius_strategy='constant'")
 
   @property
   def dp(self) -> DPConfig | None:

@@ -1,14 +1,17 @@
 """One FedLAP / FedLAP-DP communication round over all clients.
 
 :func:`fedlap_round` runs :func:`fedlap_jax.client.local_approx` on every
-client (``jax.vmap`` over a stacked client axis, or ``lax.map`` one client
-after another to save memory), combines the client radii, and runs the server's
-:func:`fedlap_jax.server.global_update`. The round index and learning rate are
-traced, so :func:`make_round_fn` compiles once per run.
+client (through :func:`fedlap_jax.dispatch.run_clients`: one client after
+another, all at once with ``vmap``, or sharded over devices), combines the
+client radii, and runs the server's :func:`fedlap_jax.server.global_update`.
+The round index and learning rate are traced, so :func:`make_round_fn`
+compiles once per run; :func:`algorithm` wraps the round as a
+:class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
 
-Clients of different sizes are stacked by padding to the largest client and
-masking (:func:`stack_clients`); synthetic sets of clients owning fewer classes
-are padded and masked the same way (:func:`synthetic_labels`).
+Clients of different sizes come stacked, padded to the largest client and
+masked (:func:`fedlap_jax.client_data.stack_clients`); synthetic sets of
+clients owning fewer classes are padded and masked the same way
+(:func:`synthetic_labels`).
 """
 
 from __future__ import annotations
@@ -20,75 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax.client import ClientData, LocalApproxMetrics, SyntheticSet, local_approx
+from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.client import LocalApproxMetrics, local_approx
+from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import FedLAPConfig
+from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.radius import server_radius
 from fedlap_jax.server import ServerMetrics, global_update
 from fedlap_jax.training import cosine_learning_rate
-
-PyTree = Any
-CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
-
-
-def resolve_client_backend(name: str) -> str:
-  """``client_backend`` with ``"auto"`` resolved.
-
-  ``"auto"`` is ``"shard"`` when JAX sees several devices (each device runs
-  its block of clients one after another) and ``"map"`` (clients one after
-  another) on a single device. Measured on both backends we have
-  (BENCHMARKS.md): on a 2-core CPU ``map`` ran the FedLAP-DP reference round
-  1.4x faster than ``vmap`` (24.2 vs 33.9 s); on one H100 the paper
-  ``cifar_nondp`` round took 12.4 s with ``map`` and 28.1 s with ``vmap``,
-  ``cifar_dp`` 7.3 vs 7.7 s, with a quarter of the device memory. The cost of
-  ``vmap`` is in the algorithm, not the chip: every client draws its own DSA
-  family, so the batched ``lax.switch`` computes all six augmentation families
-  for every batch, and the ``lax.cond`` around the local update runs both
-  branches.
-  """
-  if name == "auto":
-    return "shard" if jax.device_count() > 1 else "map"
-  return name
-
-
-def place_inputs(round_fn: Callable, client_backend: str = "auto", mesh: Any = None) -> Callable:
-  """``round_fn`` itself, or for the ``shard`` backend one that places its inputs first.
-
-  A sharded round wants the state replicated over the mesh and the client data
-  sharded over its client axis (:class:`fedlap_jax.sharding.PlacedRound`). The
-  state stays placed from round 1 on, so a run compiles one program, and the
-  client data moves to the devices once.
-  """
-  if resolve_client_backend(client_backend) != "shard":
-    return round_fn
-  from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
-  return sharding.PlacedRound(round_fn, sharding.client_mesh() if mesh is None else mesh)
-
-
-def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
-                client_backend: str = "auto", mesh: Any = None) -> PyTree:
-  """``run(one_client_args, *replicated)`` for every client, stacked on a leading ``(K,)`` axis.
-
-  ``args`` holds the per-client inputs (leading axis ``K``); ``replicated``
-  what every client gets whole (the global model, the learning rate). The
-  backend (:data:`CLIENT_BACKENDS`, ``auto`` resolved by
-  :func:`resolve_client_backend`): ``vmap`` all at once, ``map`` one after
-  another (``lax.map``), ``shard`` one after another within blocks placed on
-  the devices of ``mesh`` (:func:`fedlap_jax.sharding.map_clients`).
-  """
-  if client_backend not in CLIENT_BACKENDS:
-    raise ValueError(f"client_backend={client_backend!r} is invalid; allowed: {CLIENT_BACKENDS}")
-  client_backend = resolve_client_backend(client_backend)
-  if client_backend == "vmap":
-    return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated))(args, *replicated)
-
-  def one_by_one(block, *rep):
-    return jax.lax.map(lambda one: run(one, *rep), block)
-
-  if client_backend == "shard":
-    from fedlap_jax import sharding  # pylint: disable=g-import-not-at-top
-    return sharding.map_clients(one_by_one, args, replicated=replicated, mesh=mesh)
-  return one_by_one(args, *replicated)
-
+from fedlap_jax.types import PyTree
 
 class FedLAPState(NamedTuple):
   """Server state between rounds.
@@ -116,65 +60,6 @@ class RoundMetrics(NamedTuple):
   learning_rate: jax.Array
 
 
-def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
-                  pixel_scale=None, pixel_offset=None) -> ClientData:
-  """Pads per-client arrays to the largest client and stacks them.
-
-  Images keep their dtype: pass uint8 pixels with ``pixel_scale`` and
-  ``pixel_offset`` (e.g. from :func:`fedlap_jax.client.pixel_normalisation`)
-  to keep the data on the device at a quarter of float32's size, normalised
-  as each batch is read (:meth:`ClientData.images`).
-
-  Args:
-    xs: K arrays ``(N_k, H, W, C)``; ys: K label arrays ``(N_k,)``.
-    pixel_scale, pixel_offset: ``(C,)`` per-channel normalisation shared by
-      all clients, or both None if ``xs`` already hold float model inputs.
-
-  Returns:
-    :class:`ClientData` with leaves ``(K, N_max, ...)``, a validity mask and,
-    if given, ``(K, C)`` pixel scale and offset.
-
-  Raises:
-    ValueError: on mismatched counts, empty clients, mixed dtypes or shapes,
-      integer images without a normalisation, or a normalisation whose length
-      is not the channel count.
-  """
-  if len(xs) != len(ys) or not xs:
-    raise ValueError(f"stack_clients needs the same number (>= 1) of image and label arrays,"
-                     f" got {len(xs)} and {len(ys)}")
-  for k, (x, y) in enumerate(zip(xs, ys)):
-    if len(x) == 0:
-      raise ValueError(f"client {k} has no data; allowed: every client holds >= 1 record")
-    if len(x) != len(y):
-      raise ValueError(f"client {k}: {len(x)} images but {len(y)} labels")
-  xs = [np.asarray(x) for x in xs]
-  if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
-    raise ValueError("clients' images differ in dtype or shape: "
-                     f"{sorted({(str(x.dtype), x.shape[1:]) for x in xs})}; allowed: one")
-  if (pixel_scale is None) != (pixel_offset is None):
-    raise ValueError("pixel_scale and pixel_offset must be given together (or neither)")
-  if pixel_scale is None and not np.issubdtype(xs[0].dtype, np.floating):
-    raise ValueError(f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
-                     "(fedlap_jax.client.pixel_normalisation); allowed without them: float "
-                     "model inputs")
-  norm = {}
-  if pixel_scale is not None:
-    channels = xs[0].shape[-1]
-    for name, v in (("pixel_scale", pixel_scale), ("pixel_offset", pixel_offset)):
-      v = np.asarray(v, np.float32)
-      if v.shape != (channels,):
-        raise ValueError(f"{name} has shape {v.shape}; allowed: ({channels},), one value per "
-                         "image channel")
-      norm[name] = jnp.asarray(np.broadcast_to(v, (len(xs), channels)))
-  n_max = max(len(x) for x in xs)
-  def pad(a):
-    return np.concatenate([a, np.zeros((n_max - len(a), *a.shape[1:]), a.dtype)])
-  x = np.stack([pad(x) for x in xs])
-  y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
-  mask = np.stack([np.arange(n_max) < len(x) for x in xs])
-  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask), **norm)
-
-
 def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.ndarray, np.ndarray]:
   """Balanced synthetic labels: ``ipc`` per class each client owns (host side).
 
@@ -188,7 +73,7 @@ def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.
     then padding.
   """
   if ipc < 1:
-    raise ValueError(f"ipc={ipc!r} is invalid; allowed: an integer >= 1")
+    raise ConfigError("ipc", ipc, "an integer >= 1")
   classes = [np.unique(np.asarray(y)) for y in client_labels]
   s = ipc * max(len(c) for c in classes)
   labels = np.zeros((len(classes), s), np.int32)
@@ -248,17 +133,20 @@ def init_state(
   under ``"real"`` they are drawn from real data at the start of every round.
 
   Raises:
-    ValueError: if ``batch_size`` exceeds the smallest client (q > 1), or, under
+    ConfigError: if ``batch_size`` exceeds the smallest client (q > 1), or, under
       ``"real"``, a client has fewer than ``ipc`` records of one of its classes.
   """
   if config.dp is not None and config.synthetic_init != "noise":
-    raise ValueError(f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
-                     "allowed: 'noise' (real images must not be published)")
+    raise ConfigError("synthetic_init", config.synthetic_init,
+                      "'noise' (real images must not be published)",
+                      message=f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
+                      "allowed: 'noise' (real images must not be published)")
   ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
   labels, mask = synthetic_labels(ys, config.client.ipc)
   sizes = [len(y) for y in ys]
   if config.client.batch_size > min(sizes):
-    raise ValueError(
+    raise ConfigError(
+        "batch_size", config.client.batch_size, "batch_size <= the smallest client", message=
         f"batch_size={config.client.batch_size} is invalid: client {int(np.argmin(sizes))} has"
         f" only {min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson"
         " rate q = batch_size / N_k must be <= 1)")
@@ -266,21 +154,15 @@ def init_state(
     for k, y in enumerate(ys):
       cls, counts = np.unique(y, return_counts=True)
       if counts.min() < config.client.ipc:
-        raise ValueError(
-            f"ipc={config.client.ipc} is invalid with synthetic_init='real': client {k} has"
-            f" only {counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <="
-            " the smallest class count of every client (or synthetic_init='noise')")
+        raise ConfigError(
+            "ipc", config.client.ipc, "ipc <= the smallest class count of every client",
+            message=f"ipc={config.client.ipc} is invalid with synthetic_init='real': client {k}"
+            f" has only {counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc"
+            " <= the smallest class count of every client (or synthetic_init='noise')")
   k_init, k_state = jax.random.split(key)
   images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
   synthetic = SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask))
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
-
-
-def client_weights(clients: ClientData, weighting: str) -> jax.Array:
-  """``(K,)`` server weights: ``N_k`` for ``size``, ones for ``uniform``."""
-  if weighting == "uniform":
-    return jnp.ones(clients.mask.shape[0], jnp.float32)
-  return jnp.sum(clients.mask, axis=1).astype(jnp.float32)
 
 
 def fedlap_round(
@@ -332,7 +214,7 @@ def fedlap_round(
 
   r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
   params, server_metrics = global_update(
-      k_server, apply_fn, state.params, synthetic.x, synthetic.y, synthetic.mask,
+      k_server, apply_fn, state.params, synthetic,
       client_weights(clients, config.server.weighting), r_g,
       learning_rate=lr, config=config.server)
   new_state = FedLAPState(params, synthetic, m, key)
@@ -353,3 +235,39 @@ def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: s
                                        client_backend=client_backend, mesh=mesh),
                      donate_argnums=(0,) if donate_state else ())
   return place_inputs(round_fn, client_backend, mesh)
+
+
+# One jit shared by every FedLAP algorithm built here: runs with equal configs (and
+# the same ``apply_fn`` object) share one compilation; a run compiles once.
+_round_jit = jax.jit(fedlap_round,
+                     static_argnames=("apply_fn", "config", "client_backend", "mesh"))
+
+
+def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[int, ...],
+              max_classes_per_client: int, client_backend: str = "auto",
+              mesh: Any = None) -> FederatedAlgorithm:
+  """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
+
+  ``round`` is the module's one jit of :func:`fedlap_round` with ``apply_fn``,
+  ``config`` and the backend as static arguments: the round index and learning
+  rate are traced, so a run compiles once, and algorithms with equal settings
+  (e.g. the seeds of a sweep, a resumed run) share the compilation. The
+  counterpart of :func:`fedlap_jax.baselines.algorithm`.
+
+  ``upload_floats_per_client = ipc * max_classes_per_client * prod(image_shape)``
+  (the synthetic images; labels are fixed and sent once).
+  """
+  cc = config.client
+  upload = int(cc.ipc * max_classes_per_client * np.prod(image_shape))
+  round_fn = functools.partial(_round_jit, apply_fn=apply_fn, config=config,
+                               client_backend=client_backend, mesh=mesh)
+  return FederatedAlgorithm(
+      name="fedlap_dp" if cc.dp is not None else "fedlap",
+      init=lambda key, params, clients: init_state(key, params, clients, config),
+      round=place_inputs(round_fn, client_backend, mesh),
+      params_of=lambda state: state.params,
+      upload_floats_per_client=upload,
+      dp=cc.dp,
+      dp_steps_per_round=cc.real_accesses_per_round if cc.dp is not None else None,
+      batch_size=cc.batch_size,
+  )

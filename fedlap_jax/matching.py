@@ -18,13 +18,11 @@ ICLR 2021 (the layer-wise distance); FedLAP-DP adds the MSE term.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
 
-PyTree = Any
+from fedlap_jax.types import PyTree
 
 EPS = 1e-8
 

@@ -41,8 +41,9 @@ path applies when, traced on the given shapes,
 * no layer mixes examples (no BatchNorm), the same assumption per-example DP
   makes anyway.
 
-Otherwise :func:`supports` is False and :func:`fedlap_jax.privacy.clipped_gradient_sum`
-with ``method="auto"`` falls back to the generic path. Non-finite per-example
+Otherwise :func:`discover` raises :class:`Unsupported` and
+:func:`fedlap_jax.privacy.clipped_gradient_sum` with ``method="auto"`` falls
+back to the generic path (:func:`auto_plan`). Non-finite per-example
 gradients: the example is dropped (clip factor 0); ``jax_privacy`` instead
 zeroes the non-finite entries. Both keep the sensitivity bound ``C``.
 
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -67,9 +68,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedlap_jax import models
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.losses import cross_entropy
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 RULES = ("dense", "conv", "generic")
@@ -272,15 +274,6 @@ def discover(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[LayerCall
   return calls
 
 
-def supports(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> bool:
-  """Whether :func:`clipped_gradient_sum` can run on this model (trace-time check)."""
-  try:
-    discover(apply_fn, params, x)
-  except Unsupported:
-    return False
-  return True
-
-
 # Microbatch size that method="auto" uses on CPU for matmul-convolution models.
 CPU_MICROBATCH = 64
 
@@ -290,19 +283,16 @@ def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int
 
   * Every convolution a matrix product (:func:`fedlap_jax.models.conv_im2col` /
     :func:`~fedlap_jax.models.conv_hybrid`, the ConvNet's CPU implementations):
-    ``vmap``, since ``vmap(grad)`` is then a batched matmul too (about 10%
-    faster than the layer-wise path on CPU); on the CPU backend in microbatches
-    of 64, which skip the all-padding tail of a Poisson buffer and keep the
-    per-example gradients in cache (ConvNet-128, 256 MNIST images: 0.48 ->
-    0.40 s; 356-slot buffer with 256 real: 0.77 -> 0.41 s).
-  * Other models the layer-wise path supports: ``layerwise`` in one pass. With
+    ``vmap``, since ``vmap(grad)`` is then a batched matmul too; on the CPU
+    backend, for batches larger than :data:`CPU_MICROBATCH`, in microbatches of
+    that size, which skip the all-padding tail of a Poisson buffer and keep the
+    per-example gradients in cache.
+  * Other models the layer-wise path supports: ``layerwise`` in one pass (with
     XLA's convolution, ``vmap(grad)`` turns every weight gradient into a
-    grouped convolution (2.2x slower on CPU), and microbatches slowed the
-    layer-wise path (0.55 -> 0.95 s) and ``vmap`` (1.2 -> 16 s) there.
+    grouped convolution, and microbatches slow both paths down).
   * Anything else: ``vmap`` in one pass.
 
-  Accelerators get one pass (on one H100, 256 CIFAR images: layer-wise with
-  cuDNN's convolution 2.1 ms, ``vmap(grad)`` 6.5 ms). Numbers: BENCHMARKS.md.
+  Accelerators get one pass. The choice rests on the timings in BENCHMARKS.md.
   """
   try:
     calls = discover(apply_fn, params, x)
@@ -314,11 +304,6 @@ def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int
     cpu = jax.default_backend() == "cpu" and x.shape[0] > CPU_MICROBATCH
     return "vmap", (CPU_MICROBATCH if cpu else None)
   return "layerwise", None
-
-
-def preferred_method(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> str:
-  """``"layerwise"`` or ``"vmap"``: the method of :func:`auto_plan`."""
-  return auto_plan(apply_fn, params, x)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -513,7 +498,7 @@ def clipped_gradient_sum(
       the whole pytree.
     microbatch_size: if set, process ``microbatch_size`` examples at a time
       to bound memory, up to the last chunk holding a real example
-      (:func:`_microbatched`); ``N`` is padded up to a multiple.
+      (:func:`microbatched`); ``N`` is padded up to a multiple.
     loss_fn: per-example loss ``(logits, y) -> (N,)``; default softmax cross
       entropy with integer labels.
 
@@ -527,24 +512,49 @@ def clipped_gradient_sum(
   loss_fn = _default_loss(loss_fn)
   def chunk(x, y, is_padding):
     return _clipped_sum_chunk(apply_fn, loss_fn, params, x, y, is_padding, l2_clip_norm)
-  return _microbatched(chunk, params, x, y, is_padding, microbatch_size)
+  return microbatched(chunk, params, x, y, is_padding, microbatch_size)
 
 
-def _microbatched(chunk_fn, params, x, y, is_padding, microbatch_size):
-  """Runs ``chunk_fn(x, y, is_padding) -> (sum, norms)`` on microbatches and adds up.
+def microbatched(
+    chunk_fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[PyTree, jax.Array]],
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    is_padding: jax.Array,
+    microbatch_size: int | None,
+) -> tuple[PyTree, jax.Array]:
+  """Runs ``chunk_fn`` on microbatches of a batch and adds up the results.
 
   ``N`` is padded with padding examples up to a multiple of ``microbatch_size``;
   the chunks run one after another, and only up to the last chunk that holds a
   real example (a ``while_loop``): a Poisson buffer keeps its real examples
   first (:func:`fedlap_jax.privacy.poisson_sample`), so its all-padding tail
-  costs nothing. Norms of the chunks skipped are reported as 0. Not
-  reverse-differentiable (the loop length is data-dependent).
+  costs nothing.
+
+  Args:
+    chunk_fn: ``chunk_fn(x, y, is_padding) -> (total, per_example)`` on one
+      chunk of ``m = microbatch_size`` examples: ``total`` a pytree shaped like
+      ``params`` (summed over the chunks), ``per_example`` an ``(m,)`` array
+      (e.g. gradient norms, as float32).
+    params: the parameter pytree; gives the structure and dtypes of ``total``.
+    x: ``(N, ...)`` inputs; y: ``(N,)`` labels; is_padding: ``(N,)`` bool.
+    microbatch_size: examples per chunk; ``None`` or ``>= N`` calls
+      ``chunk_fn`` once on the whole batch.
+
+  Returns:
+    ``(total, per_example)``: the sum of the chunks' totals and the ``(N,)``
+    per-example values, 0 for the examples of chunks skipped.
+
+  Raises:
+    ConfigError: ``microbatch_size`` is not an integer >= 1.
+
+  Not reverse-differentiable when chunked (the loop length is data-dependent).
   """
   n = x.shape[0]
   if microbatch_size is None or microbatch_size >= n:
     return chunk_fn(x, y, is_padding)
   if not isinstance(microbatch_size, int) or microbatch_size < 1:
-    raise ValueError(f"microbatch_size={microbatch_size!r} is invalid; allowed: an integer >= 1")
+    raise ConfigError("microbatch_size", microbatch_size, "an integer >= 1")
   chunks = math.ceil(n / microbatch_size)
   pad = chunks * microbatch_size - n
 
@@ -571,7 +581,6 @@ def _microbatched(chunk_fn, params, x, y, is_padding, microbatch_size):
 def _default_loss(loss_fn: LossFn | None) -> LossFn:
   """``loss_fn``, or softmax cross entropy with integer labels when ``None``."""
   if loss_fn is None:
-    from fedlap_jax.privacy import cross_entropy  # privacy imports this module
     return cross_entropy
   return loss_fn
 
@@ -612,4 +621,4 @@ def clipped_gradient_sum_vmap(
     scale, ok = _clip_factors(norms, is_padding, l2_clip_norm)
     return jax.tree.map(lambda g: _weighted_sum(scale, ok, g).astype(g.dtype), grads), norms
 
-  return _microbatched(chunk, params, x, y, is_padding, microbatch_size)
+  return microbatched(chunk, params, x, y, is_padding, microbatch_size)

@@ -18,14 +18,14 @@ Per-example clipping (``method`` of :func:`clipped_gradient_sum`), all exact:
 per-layer per-example gradients, for models built from Flax layers),
 ``"vmap"`` (``vmap(grad)``, any ``apply_fn``), ``"jax_privacy"``
 (``jax_privacy.clipping.clipped_grad``, imported only when used) and
-``"auto"`` (default: :func:`fedlap_jax.per_example.preferred_method`, i.e.
-``vmap`` for models whose convolutions are matrix products, such as the
-ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for anything
-else; both measured faster than ``jax_privacy`` on CPU; for matmul-convolution
-models on CPU ``auto`` also processes microbatches of 64 when none is given,
-which skips the all-padding tail of a Poisson buffer and keeps per-example
-gradients in cache; see :func:`fedlap_jax.per_example.auto_plan` and
-BENCHMARKS.md). Every method gives the same result up to float rounding.
+``"auto"`` (default: :func:`fedlap_jax.per_example.auto_plan`, decided at
+trace time: ``vmap`` for models whose convolutions are matrix products, such
+as the ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for
+anything else; for matmul-convolution models on the CPU backend also
+microbatches of 64 when none is given, which skip the all-padding tail of a
+Poisson buffer). Every method gives the same result up to float rounding;
+BENCHMARKS.md compares their speed. The loss is
+:func:`fedlap_jax.losses.cross_entropy` (also importable from here).
 
 References:
   Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -35,18 +35,18 @@ References:
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedlap_jax import per_example as _per_example
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.config import PER_EXAMPLE_METHODS
+from fedlap_jax.config import poisson_capacity  # noqa: F401 (the buffer of poisson_sample)
+from fedlap_jax.losses import cross_entropy, masked_mean_loss
+from fedlap_jax.types import ApplyFn, PyTree
 
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
-PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 
 
 class PoissonBatch(NamedTuple):
@@ -63,17 +63,6 @@ class PoissonBatch(NamedTuple):
   is_padding: jax.Array
   size: jax.Array
   overflow: jax.Array
-
-
-def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:
-  """A static buffer size for Poisson batches of expected size ``batch_size``.
-
-  A Poisson batch has mean ``B`` and variance ``B (1 - q) <= B``; ``B + 6 sqrt(B)``
-  (plus a small constant) is exceeded with probability below ``1e-8``.
-  """
-  if batch_size < 1:
-    raise ValueError(f"batch_size={batch_size}; allowed: an integer >= 1")
-  return int(math.ceil(batch_size + num_std * math.sqrt(batch_size) + 4))
 
 
 def poisson_sample(
@@ -103,30 +92,6 @@ def poisson_sample(
                       jnp.maximum(total - capacity, 0))
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Per-example softmax cross-entropy, ``(N, K), (N,) -> (N,)`` in nats."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-
-def masked_mean_loss(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    weights: jax.Array | None = None,
-) -> jax.Array:
-  """Mean cross-entropy of ``apply_fn(params, x)`` weighted by ``weights``.
-
-  ``weights`` (``(N,)``, e.g. a 0/1 validity mask) defaults to ones; the result
-  is ``sum(w * loss) / max(sum(w), 1e-12)``.
-  """
-  losses = cross_entropy(apply_fn(params, x), y)
-  if weights is None:
-    return jnp.mean(losses)
-  weights = weights.astype(losses.dtype)
-  return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), 1e-12)
-
-
 def real_gradient(
     apply_fn: ApplyFn,
     params: PyTree,
@@ -149,10 +114,9 @@ def real_gradient(
       result up to float summation order, for models whose outputs depend on
       their own example only. ``"auto"``: the microbatch
       :func:`fedlap_jax.per_example.auto_plan` picks for the DP gradient
-      (chunks of 64 for matrix-product convolutions on CPU: 0.64 -> 0.37 s for
-      a 356-slot ConvNet-128 buffer; one pass for anything else, e.g. XLA's
-      convolution, where chunks are 30x slower on CPU). With chunks the
-      result is not reverse-differentiable (data-dependent loop length).
+      (chunks of 64 for matrix-product convolutions on the CPU backend, one
+      pass otherwise; BENCHMARKS.md has the timings). With chunks the result
+      is not reverse-differentiable (data-dependent loop length).
 
   Returns:
     The gradient, a pytree like ``params``.
@@ -185,7 +149,7 @@ def real_gradient_and_loss(
     g, losses = jax.grad(summed, has_aux=True)(params)
     return g, losses.astype(jnp.float32)
 
-  total, losses = _per_example._microbatched(chunk, params, x, y, is_padding, microbatch_size)
+  total, losses = _per_example.microbatched(chunk, params, x, y, is_padding, microbatch_size)
   count = jnp.maximum(jnp.sum(weights), 1).astype(jnp.float32)
   return jax.tree.map(lambda g: g / count, total), jnp.sum(losses) / count
 
@@ -224,7 +188,7 @@ def clipped_gradient_sum(
     pre-clipping per-example gradient norms.
   """
   if method not in PER_EXAMPLE_METHODS:
-    raise ValueError(f"method={method!r} is invalid; allowed: {PER_EXAMPLE_METHODS}")
+    raise ConfigError("method", method, f"{PER_EXAMPLE_METHODS}")
   if method == "auto":
     method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:

@@ -14,15 +14,16 @@ the server runs its epoch cap).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import RADIUS_STRATEGIES
 from fedlap_jax.training import evaluate, sgd_epoch, tree_distance
-
-PyTree = Any
+from fedlap_jax.types import PyTree
 
 
 class CalibrationTrace(NamedTuple):
@@ -43,12 +44,8 @@ def calibrate_radius(
     key: jax.Array,
     apply_fn: Callable,
     params: PyTree,
-    synthetic_x: jax.Array,
-    synthetic_y: jax.Array,
-    synthetic_mask: jax.Array,
-    real_x: jax.Array,
-    real_y: jax.Array,
-    real_mask: jax.Array,
+    synthetic: SyntheticSet,
+    real: ClientData,
     *,
     learning_rate,
     max_radius,
@@ -56,7 +53,6 @@ def calibrate_radius(
     batch_size: int = 512,
     dsa_strategy: str = "",
     eval_size: int | None = None,
-    real_preprocess: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, CalibrationTrace]:
   """Measures the client radius ``r_k`` (non-DP only: it reads real data freely).
 
@@ -64,8 +60,10 @@ def calibrate_radius(
     key: PRNG key.
     apply_fn: ``apply_fn(params, x) -> logits``.
     params: the global model ``w_g`` of this round.
-    synthetic_x, synthetic_y, synthetic_mask: ``(S, ...)``, ``(S,)``, ``(S,)``.
-    real_x, real_y, real_mask: the client's data ``(N, ...)``, ``(N,)``, ``(N,)``.
+    synthetic: the client's :class:`SyntheticSet` (``(S, ...)`` leaves).
+    real: the client's :class:`ClientData` (``(N, ...)`` leaves), read through
+      :meth:`ClientData.normalise` (stored pixels become model inputs chunk by
+      chunk).
     learning_rate: model step size ``eta_m``.
     max_radius: the cap ``r``.
     epochs: static number of epochs (100 in the reference).
@@ -73,24 +71,21 @@ def calibrate_radius(
     dsa_strategy: DSA during the synthetic-set epochs.
     eval_size: if set, evaluate the real loss on this many records (drawn once,
       without replacement among valid records) instead of all ``N``.
-    real_preprocess: maps a chunk of ``real_x`` to model inputs before each
-      evaluation (e.g. :meth:`fedlap_jax.client.ClientData.normalise` for
-      pixels stored as uint8); identity if None.
 
   Returns:
     ``(r_k, trace)``.
   """
   k_sub, k_train = jax.random.split(key)
-  if eval_size is not None and eval_size < real_x.shape[0]:
-    p = real_mask / jnp.maximum(jnp.sum(real_mask), 1)
-    idx = jax.random.choice(k_sub, real_x.shape[0], (eval_size,), replace=False, p=p)
-    real_x, real_y, real_mask = real_x[idx], real_y[idx], real_mask[idx]
-  weights = synthetic_mask.astype(jnp.float32)
+  if eval_size is not None and eval_size < real.x.shape[0]:
+    p = real.mask / jnp.maximum(jnp.sum(real.mask), 1)
+    idx = jax.random.choice(k_sub, real.x.shape[0], (eval_size,), replace=False, p=p)
+    real = real._replace(x=real.x[idx], y=real.y[idx], mask=real.mask[idx])
+  weights = synthetic.mask.astype(jnp.float32)
 
   def epoch(w, k):
-    w, _ = sgd_epoch(k, apply_fn, w, synthetic_x, synthetic_y, weights, learning_rate,
+    w, _ = sgd_epoch(k, apply_fn, w, synthetic.x, synthetic.y, weights, learning_rate,
                      batch_size=batch_size, dsa_strategy=dsa_strategy)
-    loss = evaluate(apply_fn, w, real_x, real_y, real_mask, preprocess=real_preprocess).loss
+    loss = evaluate(apply_fn, w, real.x, real.y, real.mask, preprocess=real.normalise).loss
     return w, (tree_distance(w, params), loss)
 
   _, (dists, losses) = jax.lax.scan(epoch, params, jax.random.split(k_train, epochs))
@@ -111,7 +106,7 @@ def server_radius(radii: jax.Array, strategy: str, radius, valid: jax.Array | No
     Scalar ``r_g``; ``+inf`` for ``fixed`` (the server runs its epoch cap).
   """
   if strategy not in RADIUS_STRATEGIES:
-    raise ValueError(f"radius_strategy={strategy!r} is invalid; allowed: one of {RADIUS_STRATEGIES}")
+    raise ConfigError("radius_strategy", strategy, f"one of {RADIUS_STRATEGIES}")
   radii = jnp.asarray(radii, jnp.float32)
   if valid is None:
     valid = jnp.ones(radii.shape, bool)

@@ -9,15 +9,15 @@ cap). The optimiser is plain SGD re-created every round.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import ServerConfig
 from fedlap_jax.training import sgd_epoch, tree_distance
-
-PyTree = Any
+from fedlap_jax.types import PyTree
 
 
 class ServerMetrics(NamedTuple):
@@ -59,9 +59,7 @@ def global_update(
     key: jax.Array,
     apply_fn: Callable,
     params: PyTree,
-    synthetic_x: jax.Array,
-    synthetic_y: jax.Array,
-    synthetic_mask: jax.Array,
+    synthetic: SyntheticSet,
     client_weights: jax.Array,
     radius,
     *,
@@ -74,8 +72,8 @@ def global_update(
     key: PRNG key (shuffling and DSA).
     apply_fn: ``apply_fn(params, x) -> logits``.
     params: the global model at the start of the round.
-    synthetic_x: ``(K, S, H, W, C)`` stacked synthetic images.
-    synthetic_y: ``(K, S)`` labels; synthetic_mask: ``(K, S)`` bool.
+    synthetic: the clients' :class:`SyntheticSet` s stacked: images
+      ``(K, S, H, W, C)``, labels ``(K, S)``, mask ``(K, S)`` bool.
     client_weights: ``(K,)`` weights (``N_k`` or ones); normalised inside.
     radius: ``r_g`` (``inf`` runs ``config.max_epochs`` epochs).
     learning_rate: ``eta_m`` (may be traced).
@@ -84,9 +82,9 @@ def global_update(
   Returns:
     ``(params, ServerMetrics)``.
   """
-  weights = example_weights(synthetic_mask, client_weights).reshape(-1)
-  x = synthetic_x.reshape(-1, *synthetic_x.shape[2:])
-  y = synthetic_y.reshape(-1)
+  weights = example_weights(synthetic.mask, client_weights).reshape(-1)
+  x = synthetic.x.reshape(-1, *synthetic.x.shape[2:])
+  y = synthetic.y.reshape(-1)
   radius = jnp.asarray(radius, jnp.float32)
 
   def cond(s):

@@ -59,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-PyTree = Any
+from fedlap_jax.types import PyTree
+
 AXIS = "clients"
 
 

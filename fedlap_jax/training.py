@@ -10,16 +10,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedlap_jax import dsa
-from fedlap_jax.privacy import cross_entropy
-
-PyTree = Any
-ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+from fedlap_jax.losses import cross_entropy
+from fedlap_jax.types import ApplyFn, PyTree
 
 
 def cosine_learning_rate(round_index, num_rounds: int, base_lr, min_lr: float = 1e-6):
@@ -107,12 +105,8 @@ class Evaluation(NamedTuple):
 def default_eval_chunk_size() -> int:
   """Examples per evaluation chunk: 16 on the CPU backend, 1000 elsewhere.
 
-  On the 2-core CPU of BENCHMARKS.md, ConvNet-128 evaluated 12,000 MNIST-shaped
-  uint8 images in 3.25 s with chunks of 16, 3.66 s with 32, 4.72 s with 128
-  and 5.40 s with 1000 (10,000 CIFAR-shaped: 2.79, 3.11, 4.11 s; chunks of 8
-  and 12 equal 16): a small chunk's activations stay in cache. How much cache
-  other tenants of the machine leave varies; at another time chunks of 16 took
-  4.12 s and chunks of 128 still 4.76 s. Accelerators want large chunks.
+  On CPU a small chunk's activations stay in cache; accelerators want large
+  chunks. The chunk sizes were chosen from the timings in BENCHMARKS.md.
   """
   return 16 if jax.default_backend() == "cpu" else 1000
 
@@ -134,7 +128,7 @@ def evaluate(
   so at most ``chunks - 1`` padding rows are computed (2,048 records in chunks
   of at most 1000: 3 chunks of 683, not 3 of 1000). ``mask`` ``(N,)`` marks the
   records that count (all by default). ``preprocess`` maps each chunk of ``x``
-  to model inputs (e.g. :meth:`fedlap_jax.client.ClientData.normalise` for
+  to model inputs (e.g. :meth:`fedlap_jax.client_data.ClientData.normalise` for
   stored uint8 pixels), so only a chunk is ever materialised as float32;
   identity if None.
   """

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax.federated import stack_clients
+from fedlap_jax.client_data import stack_clients
 from fedlap_jax.models import ConvNet
 
 CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)

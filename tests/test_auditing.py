@@ -21,8 +21,8 @@ import scipy.stats
 
 from fedlap_jax import auditing
 from fedlap_jax.accounting import epsilon_after_rounds
-from fedlap_jax.privacy import (cross_entropy, masked_mean_loss, poisson_capacity,
-                                poisson_sample, private_gradient)
+from fedlap_jax.losses import cross_entropy, masked_mean_loss
+from fedlap_jax.privacy import poisson_capacity, poisson_sample, private_gradient
 
 NUM_MEMBERS = 64
 STEPS = 100

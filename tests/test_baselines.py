@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from fedlap_jax import accounting, baselines, privacy
-from fedlap_jax.client import ClientData
+from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig
 from fedlap_jax.models import count_params
 from fedlap_jax.training import evaluate, tree_distance
@@ -33,12 +33,14 @@ def _sizes(clients) -> np.ndarray:
 
 
 def _algorithm(method, apply_fn, params, clients, **overrides):
-  kw = dict(num_clients=clients.mask.shape[0], image_shape=IMAGE_SHAPE,
-            num_params=count_params(params), rounds=2, learning_rate=LR, local_epochs=1,
-            batch_size=B, prox_mu=0.1, dp=DP if method.startswith("dp_") else None,
+  shape = dict(num_clients=clients.mask.shape[0], image_shape=IMAGE_SHAPE,
+               num_params=count_params(params), client_backend="auto")
+  kw = dict(rounds=2, learning_rate=LR, local_epochs=1, batch_size=B, prox_mu=0.1,
+            dp=DP if method.startswith("dp_") else None,
             max_client_size=int(_sizes(clients).max()))
-  kw.update(overrides)
-  return baselines.make_algorithm(method, apply_fn, **kw)
+  for k, v in overrides.items():
+    (shape if k in shape else kw)[k] = v
+  return baselines.algorithm(apply_fn, baselines.baseline_config(method, **kw), **shape)
 
 
 def _round_fn(apply_fn, config):
@@ -325,7 +327,7 @@ def test_executed_steps_are_the_scheduled_ones(tiny_apply_fn, tiny_params, clien
     ("fedavg", {"dsa_strategy": "blur"}, "blur"),
     ("dp_fedavg", {"gradient_mean": "realized"}, "gradient_mean"),
 ])
-def test_make_algorithm_rejects_bad_arguments(method, overrides, field, tiny_apply_fn,
+def test_baseline_config_rejects_bad_arguments(method, overrides, field, tiny_apply_fn,
                                               tiny_params, clients):
   with pytest.raises(ValueError, match=field):
     _algorithm(method, tiny_apply_fn, tiny_params, clients, **overrides)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from fedlap_jax import client, privacy
-from fedlap_jax.client import ClientData, SyntheticSet, local_approx
+from fedlap_jax.client import local_approx
+from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
 from fedlap_jax.federated import noise_images, synthetic_labels
 from fedlap_jax.matching import matching_distance

@@ -36,13 +36,13 @@ def test_unknown_baseline_names_are_refused():
 
 
 def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
-  suite = quickstart_compare.get_config().suite
+  suite = run.match_epsilons(quickstart_compare.get_config()).suite
   assert set(suite.keys()) == {"fedlap", "fedavg", "fedprox", "scaffold", "fedsgd",
                                "fedlap_dp", "dp_fedavg", "dp_fedprox"}
   for key in suite.keys():
     validation.validate_config(suite[key])
   fl = suite.fedlap_dp
-  sizes = quickstart_compare._client_sizes(fl)
+  sizes = run.client_sizes(fl)
   t_fedlap = fl.client.iterations * fl.client.max_outer * fl.client.batch_loop
   eps_fedlap = accounting.epsilon_after_rounds(
       rounds=fl.rounds, noise_multiplier=fl.dp.noise_multiplier, batch_size=fl.client.batch_size,
@@ -55,3 +55,30 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
         min_client_size=min(sizes), steps_per_round=t, delta=c.dp.delta)
     assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
     assert t != t_fedlap  # the match comes from sigma, not from equal step counts
+
+
+def test_quickstart_compare_config_reads_no_data(monkeypatch):
+  """The config file only describes the suite; the data is read when the suite runs."""
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+
+  def no_io(*args, **kwargs):
+    raise AssertionError("get_config() loaded a dataset")
+
+  monkeypatch.setattr(data_lib, "load_dataset", no_io)
+  suite = quickstart_compare.get_config().suite
+  assert suite.dp_fedavg.dp.match_epsilon_of == "fedlap_dp"
+  with pytest.raises(AssertionError, match="loaded a dataset"):
+    run.match_epsilons(quickstart_compare.get_config())
+
+
+@pytest.mark.parametrize("run_name, other, field", [
+    ("dp_fedavg", "nosuch", "suite.dp_fedavg.dp.match_epsilon_of"),
+    ("dp_fedavg", "fedavg", "suite.dp_fedavg.dp.match_epsilon_of"),   # no DP there
+    ("fedavg", "fedlap_dp", "suite.fedavg.dp.enabled"),                # no DP here
+])
+def test_match_epsilon_of_names_another_dp_run(run_name, other, field):
+  config = quickstart_compare.get_config()
+  config.suite[run_name].dp.match_epsilon_of = other
+  with pytest.raises(validation.ConfigError) as err:
+    run.match_epsilons(config)
+  assert err.value.field == field and repr(other) in str(err.value)

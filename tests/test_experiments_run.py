@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import checkpointing, report, run, train, validation
+from experiments import checkpointing, report, run, train
 from experiments.configs import quickstart
 
 TINY = {
@@ -271,18 +271,6 @@ def test_baseline_runs_through_the_same_driver(tmp_path):
   assert rec["upload_mb"] == pytest.approx(2 * 5 * info["num_params"] * 4 / 1e6)
   per_client = [k for k, v in rec.items() if isinstance(v, list) and len(v) == 5]
   assert per_client, rec.keys()
-
-
-def test_missing_baselines_module_is_a_clear_error(monkeypatch):
-  import sys  # pylint: disable=g-import-not-at-top
-  import fedlap_jax  # pylint: disable=g-import-not-at-top
-  monkeypatch.setitem(sys.modules, "fedlap_jax.baselines", None)
-  monkeypatch.delattr(fedlap_jax, "baselines", raising=False)
-  cfg = tiny_config(method="fedprox", **{"dp.enabled": False})
-  with pytest.raises(validation.ConfigError, match="method='fedprox' needs "
-                     "fedlap_jax.baselines.make_algorithm.*allowed: 'fedlap'"):
-    train.build_algorithm(cfg, None, image_shape=(8, 8, 1), max_classes_per_client=2,
-                          num_params=10, max_client_size=10)
 
 
 def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_path):

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import federated
-from fedlap_jax.client import ClientData
+from fedlap_jax import dispatch, federated
+from fedlap_jax.client_data import ClientData, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import (init_state, make_round_fn, real_images, stack_clients,
-                                  synthetic_labels)
+from fedlap_jax.federated import init_state, make_round_fn, real_images, synthetic_labels
 from fedlap_jax.models import ConvNet
 from fedlap_jax.training import evaluate
 
@@ -277,8 +276,8 @@ def test_fedlap_dp_learns(e2e_model, clients, digits):
 
 
 def test_client_weights(clients):
-  chex.assert_trees_all_equal(federated.client_weights(clients, "uniform"), jnp.ones(5))
-  sizes = federated.client_weights(clients, "size")
+  chex.assert_trees_all_equal(dispatch.client_weights(clients, "uniform"), jnp.ones(5))
+  sizes = dispatch.client_weights(clients, "size")
   chex.assert_type(sizes, jnp.float32)
   np.testing.assert_array_equal(np.asarray(sizes), np.asarray(clients.mask).sum(axis=1))
   assert len(set(np.asarray(sizes).tolist())) > 1  # the digits clients differ in size

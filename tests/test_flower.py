@@ -379,3 +379,14 @@ def test_clients_with_their_own_data_files(tmp_path):
   reasons = [r["reason"] for r in
              json.loads((tmp_path / "bad" / "run" / "client_reports.json").read_text())]
   assert all("data-path needs a dataset with a fixed normalisation" in r for r in reasons)
+
+
+def test_settings_errors_are_config_errors_naming_the_key():
+  import fedlap_jax
+  run = settings.run_settings({"config": "quickstart:dp"})
+  with pytest.raises(fedlap_jax.ConfigError) as err:
+    settings.node_settings({"partition-id": 9, "num-partitions": 5}, run)
+  assert (err.value.field, err.value.value) == ("partition-id", 9)
+  with pytest.raises(fedlap_jax.ConfigError) as err:
+    settings.run_settings({"config": "quickstart:dp", "overrides": "client.ipc=x"})
+  assert err.value.field == "client.ipc"

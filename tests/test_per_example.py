@@ -126,7 +126,7 @@ def test_unsupported_models_fall_back_to_vmap():
   plain = lambda p, x: x.reshape(len(x), -1) @ p  # noqa: E731
   w = 0.01 * jnp.ones((432, 10))
   for fn, p in ((uses_outside, params), (transformed, params), (plain, w)):
-    assert not per_example.supports(fn, p, x)
+    assert per_example.auto_plan(fn, p, x) == ("vmap", None)
     with pytest.raises(per_example.Unsupported):
       per_example.clipped_gradient_sum(fn, p, x, y, is_padding, l2_clip_norm=1.0)
     total, norms = privacy.clipped_gradient_sum(fn, p, x, y, is_padding, l2_clip_norm=1.0)
@@ -140,9 +140,9 @@ def test_auto_prefers_layerwise_only_where_it_pays():
   expected = {"flax": "layerwise", "mlp": "layerwise", "im2col": "vmap", "hybrid": "vmap"}
   for kind, method in expected.items():
     apply_fn, params = _model(kind)
-    assert per_example.preferred_method(apply_fn, params, x) == method, kind
+    assert per_example.auto_plan(apply_fn, params, x)[0] == method, kind
   plain = lambda p, x: x.reshape(len(x), -1) @ p  # noqa: E731
-  assert per_example.preferred_method(plain, jnp.ones((432, 10)), x) == "vmap"
+  assert per_example.auto_plan(plain, jnp.ones((432, 10)), x)[0] == "vmap"
 
 
 def test_auto_microbatches_only_matmul_conv_models_on_cpu():

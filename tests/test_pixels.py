@@ -17,9 +17,9 @@ import pytest
 from sklearn import datasets
 
 from fedlap_jax import baselines
-from fedlap_jax.client import ClientData, pixel_normalisation
+from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state, make_round_fn, stack_clients
+from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import count_params
 from fedlap_jax.radius import calibrate_radius
 
@@ -123,16 +123,16 @@ def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients
   syn_x = jax.random.normal(jax.random.PRNGKey(0), (20, 8, 8, 1))
   syn_y = jnp.arange(20) % 10
   syn_mask = jnp.ones(20, bool)
+  syn = SyntheticSet(syn_x, syn_y, syn_mask)
   one = jax.tree.map(lambda a: a[1], pixels)
   ref = jax.tree.map(lambda a: a[1], floats)
   for eval_size in (None, 64):
-    got = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn_x, syn_y,
-                           syn_mask, one.x, one.y, one.mask, learning_rate=0.1,
-                           max_radius=10.0, epochs=4, batch_size=8, eval_size=eval_size,
-                           real_preprocess=one.normalise)
-    want = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn_x, syn_y,
-                            syn_mask, ref.x, ref.y, ref.mask, learning_rate=0.1,
-                            max_radius=10.0, epochs=4, batch_size=8, eval_size=eval_size)
+    got = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn, one,
+                           learning_rate=0.1, max_radius=10.0, epochs=4, batch_size=8,
+                           eval_size=eval_size)
+    want = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn, ref,
+                            learning_rate=0.1, max_radius=10.0, epochs=4, batch_size=8,
+                            eval_size=eval_size)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -167,11 +167,11 @@ def test_fedlap_round_on_pixels_equals_the_round_on_floats(config, pixel_and_flo
 def test_fedavg_round_on_pixels_equals_the_round_on_floats(pixel_and_float_clients,
                                                            tiny_apply_fn, tiny_params):
   pixels, floats = pixel_and_float_clients
-  alg = baselines.make_algorithm(
-      "fedavg", tiny_apply_fn, num_clients=5, image_shape=(8, 8, 1),
-      num_params=count_params(tiny_params), rounds=2, learning_rate=0.1, local_epochs=1,
-      batch_size=32, prox_mu=0.0, dp=None,
-      max_client_size=int(jnp.max(jnp.sum(pixels.mask, axis=1))))
+  config = baselines.baseline_config(
+      "fedavg", rounds=2, learning_rate=0.1, local_epochs=1, batch_size=32, prox_mu=0.0,
+      dp=None, max_client_size=int(jnp.max(jnp.sum(pixels.mask, axis=1))))
+  alg = baselines.algorithm(tiny_apply_fn, config, num_clients=5, image_shape=(8, 8, 1),
+                            num_params=count_params(tiny_params))
   outs = [alg.round(alg.init(jax.random.PRNGKey(3), tiny_params, c), c)
           for c in (pixels, floats)]
   chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)

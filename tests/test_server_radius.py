@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fedlap_jax import radius, server, training
+from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ServerConfig
 
 # ---------------------------------------------------------------- server radius strategies
@@ -60,8 +61,8 @@ def calibration_data(client_parts):
   """Client 0's real data and a synthetic set of 6 of its real images (no padding)."""
   x, y = client_parts[0]
   syn_idx = np.concatenate([np.flatnonzero(y == 5)[:3], np.flatnonzero(y == 6)[:3]])
-  return (jnp.asarray(x[syn_idx]), jnp.asarray(y[syn_idx]), jnp.ones(6, bool),
-          jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
+  return (SyntheticSet(jnp.asarray(x[syn_idx]), jnp.asarray(y[syn_idx]), jnp.ones(6, bool)),
+          ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool)))
 
 
 calibrate_jit = jax.jit(radius.calibrate_radius,
@@ -87,7 +88,7 @@ def test_calibrate_radius(tiny_apply_fn, tiny_params, calibration_data, max_radi
   assert int(trace.best_epoch) == best
   chex.assert_trees_all_close(r_k, jnp.minimum(trace.distances[best], max_radius))
   # Reproduce the trace with explicit full-batch gradient steps.
-  sx, sy, _, rx, ry, rm = calibration_data
+  (sx, sy, _), (rx, ry, rm, _, _) = calibration_data
   step = _full_batch_step(tiny_apply_fn)
   evaluate = jax.jit(training.evaluate, static_argnums=0)
   w = tiny_params
@@ -138,7 +139,7 @@ def union(client_parts):
     idx = np.concatenate([np.flatnonzero(y == c)[:4] for c in np.unique(y)])
     xs.append(x[idx])
     ys.append(y[idx])
-  return jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys)), jnp.ones((2, 8), bool)
+  return SyntheticSet(jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys)), jnp.ones((2, 8), bool))
 
 
 SERVER = ServerConfig(radius_strategy="min", batch_size=4, max_epochs=20, dsa_strategy="")
@@ -146,7 +147,7 @@ global_update_jit = jax.jit(server.global_update, static_argnames=("apply_fn", "
 
 
 def server_run(apply_fn, params, union, r_g, config=SERVER, key=jax.random.PRNGKey(0)):
-  return global_update_jit(key, apply_fn, params, *union, jnp.ones(2), r_g, learning_rate=0.05,
+  return global_update_jit(key, apply_fn, params, union, jnp.ones(2), r_g, learning_rate=0.05,
                            config=config)
 
 
@@ -180,7 +181,7 @@ def test_global_update_stops_at_radius(tiny_apply_fn, tiny_params, union):
 
 def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
   cfg = ServerConfig(radius_strategy="min", batch_size=8, max_epochs=3, dsa_strategy="flip")
-  args = (jax.random.PRNGKey(1), linear_apply_fn, linear_params, *union, jnp.array([1.0, 3.0]), 0.5)
+  args = (jax.random.PRNGKey(1), linear_apply_fn, linear_params, union, jnp.array([1.0, 3.0]), 0.5)
   eager = server.global_update(*args, learning_rate=0.1, config=cfg)
   jitted = global_update_jit(*args, learning_rate=0.1, config=cfg)
   chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5)
@@ -292,7 +293,7 @@ def test_sgd_epoch(linear_apply_fn, linear_params, union):
 def test_evaluate_is_independent_of_the_chunk_size(tiny_apply_fn, tiny_params, calibration_data):
   # The backend default (16 on CPU), a ragged split and one chunk agree; the
   # mask excludes records exactly.
-  x, y = calibration_data[3:5]
+  x, y = calibration_data[1][:2]
   mask = jnp.arange(x.shape[0]) % 3 != 0
   ref = training.evaluate(tiny_apply_fn, tiny_params, x, y, mask, chunk_size=x.shape[0])
   assert training.default_eval_chunk_size() == (16 if jax.default_backend() == "cpu" else 1000)

@@ -42,7 +42,7 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   from jax.experimental import multihost_utils
 
   from experiments.train import CompileCounter
-  from fedlap_jax import baselines, client, federated, models
+  from fedlap_jax import baselines, client_data, dispatch, federated, models
   from fedlap_jax import config as C
 
   multi = jax.process_count() > 1
@@ -62,8 +62,8 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   sizes = [40, 48, 40, 44, 40]
   xs = [rng.integers(0, 256, (n, 8, 8, 1), dtype=np.uint8) for n in sizes]
   ys = [np.resize([2 * k, 2 * k + 1], n).astype(np.int32) for k, n in enumerate(sizes)]
-  scale, offset = client.pixel_normalisation([0.5], [0.29])
-  clients = federated.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
+  scale, offset = client_data.pixel_normalisation([0.5], [0.29])
+  clients = client_data.stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
   if multi:
     clients = sharding.put_clients(clients)
   dp = C.FedLAPConfig(
@@ -82,7 +82,7 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
       server=C.ServerConfig(radius_strategy="min", max_epochs=2, dsa_strategy=""),
       rounds=3, learning_rate=0.05, synthetic_init="real")
   out = {"devices": jax.device_count(), "processes": jax.process_count(),
-         "backend": federated.resolve_client_backend(backend)}
+         "backend": dispatch.resolve_client_backend(backend)}
   for name, cfg, rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
     state = federated.init_state(jax.random.PRNGKey(1), params, clients, cfg)
     if backend == "shard" or multi:
@@ -104,10 +104,12 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
         "server_epochs": int(host(metrics.server.epochs)),
         "accesses": host(metrics.client.real_accesses).tolist(),
     }
-  fedavg = baselines.make_algorithm(
-      "fedavg", apply_fn, num_clients=NUM_CLIENTS, image_shape=(8, 8, 1),
-      num_params=models.count_params(params), rounds=3, learning_rate=0.05, local_epochs=1,
-      batch_size=16, prox_mu=0.0, dp=None, max_client_size=max(sizes), client_backend=backend)
+  fedavg = baselines.algorithm(
+      apply_fn, baselines.baseline_config(
+          "fedavg", rounds=3, learning_rate=0.05, local_epochs=1, batch_size=16, prox_mu=0.0,
+          dp=None, max_client_size=max(sizes)),
+      num_clients=NUM_CLIENTS, image_shape=(8, 8, 1), num_params=models.count_params(params),
+      client_backend=backend)
   state = fedavg.init(jax.random.PRNGKey(2), params, clients)
   if multi:
     state = sharding.replicate(state)
@@ -345,7 +347,7 @@ def test_placement_is_a_no_op_for_placed_arrays():
   import jax
   import jax.numpy as jnp
 
-  from fedlap_jax import federated, sharding
+  from fedlap_jax import dispatch, sharding
 
   mesh = sharding.client_mesh()
   tree = {"x": jnp.arange(8.0).reshape(4, 2), "key": jax.random.key(3)}
@@ -360,8 +362,8 @@ def test_placement_is_a_no_op_for_placed_arrays():
   assert clients["x"].dtype == np.uint8
   # map and vmap rounds are the jitted function itself; shard ones place their inputs.
   fn = jax.jit(lambda s, c: (s, c))
-  assert federated.place_inputs(fn, "map") is fn
-  wrapped = federated.place_inputs(fn, "shard", mesh)
+  assert dispatch.place_inputs(fn, "map") is fn
+  wrapped = dispatch.place_inputs(fn, "shard", mesh)
   assert isinstance(wrapped, sharding.PlacedRound) and wrapped._cache_size() == 0
   state, _ = wrapped(tree, clients)
   assert state["x"].sharding.is_equivalent_to(placed["x"].sharding, 2)

@@ -15,18 +15,19 @@ DP-FedAvg / DP-FedProx: per-example clip C = 0.1, sigma = 1, delta = 1e-5, 30
 rounds, accounted with the same theorem as FedLAP-DP (T = local steps per round).
 """
 
+from fedlap_jax.config import BASELINE_METHODS
+
 from experiments.configs import default
 
 DATASETS = {"mnist": "mnist", "fmnist": "fashion_mnist", "cifar": "cifar10"}
-METHODS = ("fedsgd", "fedavg", "fedprox", "scaffold", "dp_fedavg", "dp_fedprox")
 
 
 def get_baseline_config(dataset: str, method: str):
   """The config of ``method`` on ``dataset`` (a key of :data:`DATASETS`)."""
   if dataset not in DATASETS:
     raise ValueError(f"dataset={dataset!r} is invalid; allowed: one of {tuple(DATASETS)}")
-  if method not in METHODS:
-    raise ValueError(f"method={method!r} is invalid; allowed: one of {METHODS}")
+  if method not in BASELINE_METHODS:
+    raise ValueError(f"method={method!r} is invalid; allowed: one of {BASELINE_METHODS}")
   config = default.get_config()
   config.method = method
   config.data.name = DATASETS[dataset]

@@ -90,6 +90,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.dp.microbatch_size = config_dict.placeholder(int)
   # How exact per-example gradients are computed: auto | layerwise | vmap | jax_privacy.
   config.dp.per_example_method = "auto"
+  # In a suite: the name of another DP run of the suite. experiments.run then sets this
+  # run's noise_multiplier, when it starts (from the data's client sizes), so that its
+  # epsilon after the last round equals that run's. "" uses noise_multiplier as given.
+  config.dp.match_epsilon_of = ""
 
   config.baseline = ml_collections.ConfigDict()
   config.baseline.local_epochs = 5

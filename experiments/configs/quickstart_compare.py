@@ -11,26 +11,21 @@ A suite of eight runs on the same data, model (ConvNet 32 x 2) and evaluation:
 * DP at matched epsilon: FedLAP-DP (the quickstart's: sigma 1, T = 10 per
   round, 10 rounds), DP-FedAvg and DP-FedProx (C = 0.1, 2 local epochs, lr 1.0).
   Their noise multiplier is calibrated with the same accountant so that epsilon
-  after the last round equals FedLAP-DP's (the client sizes come from the
-  partition itself, so the match holds for any seed).
+  after the last round equals FedLAP-DP's (``dp.match_epsilon_of``); the client
+  sizes come from the partition itself, so :mod:`experiments.run` does this
+  when the suite starts, and the match holds for any seed.
 """
 
 import ml_collections
 
-from experiments.configs import default, quickstart
-from fedlap_jax import accounting
-from fedlap_jax.baselines import steps_per_epoch
+from fedlap_jax.config import BASELINE_METHODS, DP_BASELINE_METHODS
 
-NONDP_BASELINES = ("fedavg", "fedprox", "scaffold", "fedsgd")
-DP_BASELINES = ("dp_fedavg", "dp_fedprox")
+from experiments.configs import quickstart
+
+NONDP_BASELINES = tuple(m for m in BASELINE_METHODS if m not in DP_BASELINE_METHODS)
+DP_BASELINES = DP_BASELINE_METHODS
 DP_LOCAL_EPOCHS = 2
 DP_BASELINE_LR = 1.0
-
-
-def _client_sizes(cfg) -> list[int]:
-  from experiments import data  # pylint: disable=g-import-not-at-top
-  dataset = data.load_dataset(cfg.data)
-  return [len(idx) for idx in data.client_split(dataset, cfg.data, cfg.seed)]
 
 
 def _baseline(method: str, base) -> ml_collections.ConfigDict:
@@ -43,15 +38,15 @@ def _baseline(method: str, base) -> ml_collections.ConfigDict:
   return config
 
 
-def matched_dp_baseline(method: str, fedlap_dp) -> ml_collections.ConfigDict:
-  """A DP baseline whose epsilon after the last round equals ``fedlap_dp``'s."""
-  sizes = _client_sizes(fedlap_dp)
+def matched_dp_baseline(method: str, fedlap_dp,
+                        name: str = "fedlap_dp") -> ml_collections.ConfigDict:
+  """A DP baseline whose epsilon after the last round equals that of the suite's run ``name``.
+
+  ``fedlap_dp`` is that run's config. The noise multiplier is left to
+  :func:`experiments.run.match_epsilons` (``dp.match_epsilon_of``), which needs
+  the client sizes of the data.
+  """
   b = fedlap_dp.client.batch_size
-  fedlap_steps = fedlap_dp.client.iterations * fedlap_dp.client.max_outer * fedlap_dp.client.batch_loop
-  target = accounting.epsilon_after_rounds(
-      rounds=fedlap_dp.rounds, noise_multiplier=fedlap_dp.dp.noise_multiplier, batch_size=b,
-      min_client_size=min(sizes), steps_per_round=fedlap_steps, delta=fedlap_dp.dp.delta)
-  steps = DP_LOCAL_EPOCHS * steps_per_epoch(max(sizes), b)
   config = quickstart.nondp_config()
   config.method = method
   config.learning_rate = DP_BASELINE_LR
@@ -61,9 +56,7 @@ def matched_dp_baseline(method: str, fedlap_dp) -> ml_collections.ConfigDict:
   config.dp.enabled = True
   config.dp.l2_clip_norm = 0.1
   config.dp.delta = fedlap_dp.dp.delta
-  config.dp.noise_multiplier = accounting.calibrate_noise_multiplier(
-      target, delta=fedlap_dp.dp.delta, rounds=fedlap_dp.rounds, batch_size=b,
-      min_client_size=min(sizes), steps_per_round=steps, tol=1e-4)
+  config.dp.match_epsilon_of = name
   return config
 
 

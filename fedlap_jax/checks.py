@@ -1,0 +1,87 @@
+"""The check vocabulary of every configuration: :class:`ConfigError` and small predicates.
+
+A bad value is refused with a :class:`ConfigError` (a ``ValueError``) that
+carries the field's name, the value and what is allowed, as attributes and in
+its message ``"{field}={value!r} is invalid; allowed: {allowed}"``. Callers
+that know the field under another name (the experiment driver's
+``client.ipc`` for the core's ``ipc``) read :attr:`ConfigError.field` instead
+of parsing the message. Nothing is clamped silently.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from fedlap_jax import dsa
+
+
+class ConfigError(ValueError):
+  """A configuration value outside what is allowed.
+
+  Attributes:
+    field: the field's name as the raiser knows it (dotted for nested
+      configs, e.g. ``"dp.l2_clip_norm"``).
+    value: the value refused.
+    allowed: what would be accepted, in words.
+  """
+
+  def __init__(self, field: str, value: Any, allowed: str, *, message: str | None = None):
+    """``message`` replaces the standard text where a check needs to say more."""
+    if message is None:
+      message = f"{field}={value!r} is invalid; allowed: {allowed}"
+    super().__init__(message)
+    self.field = field
+    self.value = value
+    self.allowed = allowed
+
+  def __reduce__(self):
+    return _rebuild, (type(self), self.field, self.value, self.allowed, str(self))
+
+
+def _rebuild(cls, field, value, allowed, message):
+  return cls(field, value, allowed, message=message)
+
+
+def require(cond: bool, field: str, value: Any, allowed: str) -> None:
+  """Raises :class:`ConfigError` ``(field, value, allowed)`` unless ``cond``."""
+  if not cond:
+    raise ConfigError(field, value, allowed)
+
+
+def is_int(value: Any) -> bool:
+  """A Python or NumPy integer, not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+  """A finite Python or NumPy real number, not a bool."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def positive_int(field: str, value: Any) -> None:
+  require(is_int(value) and value >= 1, field, value, "an integer >= 1")
+
+
+def nonneg_int(field: str, value: Any) -> None:
+  require(is_int(value) and value >= 0, field, value, "an integer >= 0")
+
+
+def positive_float(field: str, value: Any) -> None:
+  require(is_real(value) and value > 0, field, value, "a finite number > 0")
+
+
+def one_of(field: str, value: Any, options: tuple) -> None:
+  require(value in options, field, value, f"one of {options}")
+
+
+def dsa_strategy(field: str, value: Any) -> None:
+  """A DSA strategy string that :func:`fedlap_jax.dsa.parse_strategy` accepts."""
+  allowed = "a string of DSA families joined by '_'"
+  require(isinstance(value, str), field, value, allowed)
+  try:
+    dsa.parse_strategy(value)
+  except ValueError as e:
+    raise ConfigError(field, value, allowed, message=f"{field}={value!r} is invalid: {e}") from None

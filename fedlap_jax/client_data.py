@@ -1,0 +1,167 @@
+"""Client data as the library holds it: real records, synthetic sets, pixel normalisation.
+
+The data types every federated algorithm shares, below all of them:
+
+* :class:`ClientData`: one client's real records padded to a fixed size with
+  a validity mask, optionally as stored pixels (e.g. ``uint8``) normalised on
+  every read; :func:`stack_clients` pads and stacks K clients on a leading
+  ``(K,)`` axis.
+* :class:`SyntheticSet`: a client's synthetic set ``S_k`` (FedLAP).
+* :func:`pixel_normalisation` / :func:`normalise_pixels`: the per-channel
+  affine map from stored pixels to model inputs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class ClientData(NamedTuple):
+  """One client's real data, padded to a fixed size.
+
+  Images can stay on the device as stored pixels (e.g. ``uint8``, a quarter of
+  float32's memory) with the normalisation fused into every read: model inputs
+  are ``x * pixel_scale + pixel_offset`` per channel, computed on the gathered
+  batch only (:meth:`images`). Without ``pixel_scale`` / ``pixel_offset``,
+  ``x`` holds the model inputs themselves.
+
+  Attributes:
+    x: ``(N, H, W, C)`` images: float model inputs, or stored pixels of any
+      dtype read through ``pixel_scale`` and ``pixel_offset``.
+    y: ``(N,)`` int32 labels.
+    mask: ``(N,)`` bool, True for real records, False for padding.
+    pixel_scale, pixel_offset: ``(C,)`` float32 or both None. For uint8 pixels
+      and a per-channel ``mean`` / ``std`` of pixels in [0, 1]:
+      ``scale = 1 / (255 std)``, ``offset = -mean / std``
+      (:func:`pixel_normalisation`).
+  """
+
+  x: jax.Array
+  y: jax.Array
+  mask: jax.Array
+  pixel_scale: jax.Array | None = None
+  pixel_offset: jax.Array | None = None
+
+  def normalise(self, x: jax.Array) -> jax.Array:
+    """Stored pixels ``(..., C)`` of this client -> float32 model inputs."""
+    if self.pixel_scale is None:
+      return x
+    return normalise_pixels(x, self.pixel_scale, self.pixel_offset)
+
+  def images(self, indices: jax.Array) -> jax.Array:
+    """Model inputs of the records ``indices`` ``(B,)``: ``(B, H, W, C)`` float32.
+
+    The gather, the conversion and the normalisation fuse into one XLA op, so
+    only the batch is ever materialised as float32.
+    """
+    return self.normalise(self.x[indices])
+
+
+def normalise_pixels(x, pixel_scale, pixel_offset):
+  """Stored pixels ``(..., C)`` -> float32 model inputs ``x * pixel_scale + pixel_offset``.
+
+  Works on NumPy (host) and JAX (device, fused into the read) arrays alike.
+  """
+  return x.astype(np.float32) * pixel_scale + pixel_offset
+
+
+def pixel_normalisation(mean, std, pixel_max: float = 255.0) -> tuple[np.ndarray, np.ndarray]:
+  """``(pixel_scale, pixel_offset)`` for ``(pixel / pixel_max - mean) / std``.
+
+  Args:
+    mean, std: ``(C,)`` per-channel statistics of pixels scaled to [0, 1].
+    pixel_max: the stored value of a white pixel (255 for uint8, 1 for floats
+      already in [0, 1]).
+
+  Returns:
+    Two ``(C,)`` float32 NumPy arrays, computed in float64 and rounded once.
+  """
+  mean = np.asarray(mean, np.float64)
+  std = np.asarray(std, np.float64)
+  if mean.shape != std.shape or mean.ndim != 1:
+    raise ValueError(f"mean and std must both be (C,) vectors; got shapes {mean.shape} and "
+                     f"{std.shape}")
+  if np.any(std <= 0) or not np.all(np.isfinite(std)):
+    raise ValueError(f"std={std.tolist()} is invalid; allowed: finite values > 0")
+  if not (np.isfinite(pixel_max) and pixel_max > 0):
+    raise ValueError(f"pixel_max={pixel_max!r} is invalid; allowed: a finite value > 0")
+  scale = 1.0 / (pixel_max * std)
+  offset = -mean / std
+  return scale.astype(np.float32), offset.astype(np.float32)
+
+
+class SyntheticSet(NamedTuple):
+  """A client's synthetic set ``S_k``.
+
+  Attributes:
+    x: ``(S, H, W, C)`` float32 images (in normalised pixel space).
+    y: ``(S,)`` int32 labels, fixed for the run.
+    mask: ``(S,)`` bool, False for padding slots (clients owning fewer classes).
+  """
+
+  x: jax.Array
+  y: jax.Array
+  mask: jax.Array
+
+
+def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
+                  pixel_scale=None, pixel_offset=None) -> ClientData:
+  """Pads per-client arrays to the largest client and stacks them.
+
+  Images keep their dtype: pass uint8 pixels with ``pixel_scale`` and
+  ``pixel_offset`` (e.g. from :func:`fedlap_jax.client_data.pixel_normalisation`)
+  to keep the data on the device at a quarter of float32's size, normalised
+  as each batch is read (:meth:`ClientData.images`).
+
+  Args:
+    xs: K arrays ``(N_k, H, W, C)``; ys: K label arrays ``(N_k,)``.
+    pixel_scale, pixel_offset: ``(C,)`` per-channel normalisation shared by
+      all clients, or both None if ``xs`` already hold float model inputs.
+
+  Returns:
+    :class:`ClientData` with leaves ``(K, N_max, ...)``, a validity mask and,
+    if given, ``(K, C)`` pixel scale and offset.
+
+  Raises:
+    ValueError: on mismatched counts, empty clients, mixed dtypes or shapes,
+      integer images without a normalisation, or a normalisation whose length
+      is not the channel count.
+  """
+  if len(xs) != len(ys) or not xs:
+    raise ValueError(f"stack_clients needs the same number (>= 1) of image and label arrays,"
+                     f" got {len(xs)} and {len(ys)}")
+  for k, (x, y) in enumerate(zip(xs, ys)):
+    if len(x) == 0:
+      raise ValueError(f"client {k} has no data; allowed: every client holds >= 1 record")
+    if len(x) != len(y):
+      raise ValueError(f"client {k}: {len(x)} images but {len(y)} labels")
+  xs = [np.asarray(x) for x in xs]
+  if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
+    raise ValueError("clients' images differ in dtype or shape: "
+                     f"{sorted({(str(x.dtype), x.shape[1:]) for x in xs})}; allowed: one")
+  if (pixel_scale is None) != (pixel_offset is None):
+    raise ValueError("pixel_scale and pixel_offset must be given together (or neither)")
+  if pixel_scale is None and not np.issubdtype(xs[0].dtype, np.floating):
+    raise ValueError(f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
+                     "(fedlap_jax.client_data.pixel_normalisation); allowed without them: float "
+                     "model inputs")
+  norm = {}
+  if pixel_scale is not None:
+    channels = xs[0].shape[-1]
+    for name, v in (("pixel_scale", pixel_scale), ("pixel_offset", pixel_offset)):
+      v = np.asarray(v, np.float32)
+      if v.shape != (channels,):
+        raise ValueError(f"{name} has shape {v.shape}; allowed: ({channels},), one value per "
+                         "image channel")
+      norm[name] = jnp.asarray(np.broadcast_to(v, (len(xs), channels)))
+  n_max = max(len(x) for x in xs)
+  def pad(a):
+    return np.concatenate([a, np.zeros((n_max - len(a), *a.shape[1:]), a.dtype)])
+  x = np.stack([pad(x) for x in xs])
+  y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
+  mask = np.stack([np.arange(n_max) < len(x) for x in xs])
+  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask), **norm)
