@@ -188,10 +188,9 @@ def load_config(name: str, overrides: str = ""):
     _fail("config", name, "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp'), or a path")
   try:
     target, label = run_lib.resolve_config_arg(name)
-  except SystemExit as e:
+  except run_lib.ConfigArgError as e:
     raise SettingsError("config", name, "NAME[:ARG] of experiments/configs/, or a path",
-                        message=str(e).removeprefix("error: ").replace("--config=", "config=")
-                        ) from None
+                        message=str(e).replace("--config=", "config=")) from None
   path, _, arg = target.partition(":")
   if not os.path.isfile(path):
     _fail("config", name, "NAME[:ARG] of experiments/configs/, or the path of a config .py file")

@@ -390,3 +390,8 @@ def test_settings_errors_are_config_errors_naming_the_key():
   with pytest.raises(fedlap_jax.ConfigError) as err:
     settings.run_settings({"config": "quickstart:dp", "overrides": "client.ipc=x"})
   assert err.value.field == "client.ipc"
+  # An unknown config name is the run config's 'config' key, not experiments.run's --config.
+  with pytest.raises(fedlap_jax.ConfigError) as err:
+    settings.run_settings({"config": "nosuch"})
+  assert (err.value.field, err.value.value) == ("config", "nosuch")
+  assert "config='nosuch' is invalid: no experiments/configs/nosuch.py" in str(err.value)
