@@ -218,20 +218,37 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
                    fingerprint)
 
 
+# Normalisations a client holding only its own records can apply exactly as the
+# server applies them to the test split: fixed numbers, no statistics of any split.
+OWN_DATA_NORMALISATIONS = ("published", "given")
+
+
 def load_own_data(cfg, path: Path):
   """``(x, y, pixel_scale, pixel_offset, num_classes)`` of a client's own npz (``x_train``, ``y_train``).
 
-  The normalisation is the dataset's fixed one (``data.name`` of mnist,
-  fashion_mnist, cifar10), the same on every client and on the server; data
-  standardised by its own statistics (``digits``, ``custom``) would be
-  normalised differently on every client and is refused.
+  The normalisation is ``data.normalisation`` resolved as ``experiments.data``
+  resolves it, and must be a fixed one (:data:`OWN_DATA_NORMALISATIONS`: the
+  published constants of mnist / fashion_mnist / cifar10, or ``data.mean`` /
+  ``data.std`` given in the config), the same on every client and on the
+  server: ``test_split`` (the client does not hold the server's test split)
+  and ``train_split`` (each client would standardise with its own statistics)
+  are refused.
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   name = cfg.data.name
   if name not in data_lib.NORMALIZATION:
-    raise ValueError(f"data-path needs a dataset with a fixed normalisation; data.name={name!r} "
-                     f"is standardised by its training split; allowed: one of "
+    raise ValueError(f"data-path needs a dataset of 10 classes with a fixed normalisation; "
+                     f"data.name={name!r} is invalid; allowed: one of "
                      f"{sorted(data_lib.NORMALIZATION)}")
+  choice = cfg.data.get("normalisation", "auto")
+  source = data_lib.resolve_normalisation(name, choice)
+  if source not in OWN_DATA_NORMALISATIONS:
+    reads = ("the server's test split" if source == "test_split"
+             else "each client's own records, so every client would differ")
+    raise ValueError(f"data-path needs a fixed normalisation; data.normalisation={choice!r} "
+                     f"is invalid for a client holding only its own records ({source!r} reads "
+                     f"{reads}); allowed: one of {OWN_DATA_NORMALISATIONS} (or 'auto', "
+                     f"'published' for data.name={name!r})")
   with np.load(path, allow_pickle=False) as f:
     missing = [k for k in ("x_train", "y_train") if k not in f.files]
     if missing:
@@ -247,7 +264,7 @@ def load_own_data(cfg, path: Path):
   if y.min() < 0 or y.max() >= 10:
     raise ValueError(f"data-path {path}: labels in [{y.min()}, {y.max()}]; allowed: 0..9")
   x = x if x.dtype == np.uint8 else x.astype(np.float32)
-  mean, std = (np.asarray(v, np.float32) for v in data_lib.NORMALIZATION[name])
+  _, mean, std = data_lib.normalisation_stats(cfg.data, x, x)  # fixed numbers: reads no pixel
   scale, offset = fl.pixel_normalisation(mean, std, 255.0 if x.dtype == np.uint8 else 1.0)
   return x, y, scale, offset, 10
 

@@ -363,8 +363,8 @@ def test_clients_with_their_own_data_files(tmp_path):
     np.savez(tmp_path / f"site{k}.npz", x_train=x_train[idx], y_train=y_train[idx])
     nodes[101 + k] = {"partition-id": k, "num-partitions": 5, "max-epsilon": 50.0,
                       "data-path": str(tmp_path / f"site{k}.npz")}
-  overrides = (TINY.replace("rounds=2", "rounds=1")
-               + f" data.name=mnist data.source=npz:{tmp_path / 'server.npz'}")
+  overrides = (TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
+               f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}")
   rc = _run_config(tmp_path, "quickstart:dp", overrides=overrides)
   records, _ = run_inprocess(rc, nodes)
   assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[0]["test_accuracy"] > 0
@@ -372,13 +372,17 @@ def test_clients_with_their_own_data_files(tmp_path):
                        ledger_lib.LEDGER_FILE).read_text())
   assert stored["fingerprint"]["data"] == "own" and stored["fingerprint"]["num_records"] == 283
   assert len(stored["fingerprint"]["sha256"]) == 64
-  # Data standardised by its own statistics would be normalised differently per client.
-  bad = _run_config(tmp_path / "bad", "quickstart:dp", **{"min-clients": 1})
+  # Statistics of a split (here quickstart:dp's test_split) are not the client's to compute:
+  # it would normalise differently from the server's test split.
+  bad = _run_config(tmp_path / "bad", "quickstart:dp", overrides=overrides.replace(
+      "normalisation=published", "normalisation=test_split"), **{"min-clients": 1})
   with pytest.raises(strategy.TooFewClients):
     run_inprocess(bad, nodes)
   reasons = [r["reason"] for r in
              json.loads((tmp_path / "bad" / "run" / "client_reports.json").read_text())]
-  assert all("data-path needs a dataset with a fixed normalisation" in r for r in reasons)
+  assert len(reasons) == 5 and all(
+      "data-path needs a fixed normalisation; data.normalisation='test_split' is invalid" in r
+      for r in reasons), reasons
 
 
 def test_settings_errors_are_config_errors_naming_the_key():
