@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
+from fedlap_jax.federated import real_images
 
 
 class FedLAPReply(NamedTuple):
@@ -51,7 +52,7 @@ def _local_approx_fn(apply_fn, client_config):
 
 @functools.lru_cache(maxsize=8)
 def _real_images_fn(ipc: int):
-  return jax.jit(lambda key, data, y, mask: fl.real_images(key, data, y, mask, ipc))
+  return jax.jit(lambda key, data, y, mask: real_images(key, data, y, mask, ipc))
 
 
 def start_synthetic(partition, fedlap_config, carried=None, init_key=None):

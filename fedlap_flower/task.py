@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
+from fedlap_jax.federated import noise_images
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
 
@@ -163,7 +164,7 @@ def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
 
 def _initial_images(seed: int, mask: np.ndarray, image_shape, index: int) -> np.ndarray:
   """Client ``index``'s rows of ``init_state``'s images (``mask``: ``(K, S)``)."""
-  images = fl.noise_images(initial_images_key(seed), jnp.asarray(mask), tuple(image_shape))
+  images = noise_images(initial_images_key(seed), jnp.asarray(mask), tuple(image_shape))
   return np.asarray(images[index])
 
 
@@ -209,7 +210,7 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
         "(q = B / N_k <= 1)")
   with open(data_path, "rb") as f:
     digest = hashlib.sha256(f.read()).hexdigest()
-  images = fl.noise_images(jax.random.fold_in(initial_images_key(cfg.seed), index),
+  images = noise_images(jax.random.fold_in(initial_images_key(cfg.seed), index),
                            jnp.asarray(mask), tuple(x.shape[1:]))
   fingerprint = {"data": "own", "path": str(data_path), "sha256": digest,
                  "num_records": int(len(y))}

@@ -30,7 +30,7 @@ from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfi
                                paper_dp_config, paper_nondp_config)
 from fedlap_jax.dsa import augment
 from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state,
-                                  make_round_fn, noise_images, real_images, synthetic_labels)
+                                  make_round_fn, synthetic_labels)
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 from fedlap_jax.privacy import (PoissonBatch, clipped_gradient_sum, per_example_gradients,
@@ -48,9 +48,8 @@ __all__ = [
     "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
     "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",
     "global_update", "init_convnet", "init_state", "local_approx", "make_round_fn",
-    "matching_distance", "matching_step", "noise_images", "paper_dp_config",
-    "paper_nondp_config",
+    "matching_distance", "matching_step", "paper_dp_config", "paper_nondp_config",
     "per_example_gradients", "pixel_normalisation", "poisson_sample", "private_gradient",
-    "real_gradient", "real_images",
+    "real_gradient",
     "server_radius", "stack_clients", "synthetic_labels", "tree_distance",
 ]

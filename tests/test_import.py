@@ -100,3 +100,20 @@ def test_flwr_block_is_effective():
       """, block=BLOCK_FLWR)
   assert result.returncode != 0
   assert "blocked by the test" in result.stderr
+
+
+def test_import_loads_neither_flwr_nor_tensorflow_where_both_are_installed():
+  """Not even an optional (try/except) import: with both installed, none is loaded."""
+  result = run_python("""
+      import importlib, pkgutil
+      import fedlap_jax
+      for m in pkgutil.iter_modules(fedlap_jax.__path__, "fedlap_jax."):
+        importlib.import_module(m.name)
+      loaded = sorted({m.split(".")[0] for m in sys.modules}
+                      & {"flwr", "ray", "tensorflow", "tensorflow_datasets"})
+      assert not loaded, loaded
+      importlib.import_module("flwr")  # installed here (the flower extra): the test can fail
+      print("OK")
+      """, block="import sys\n")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("OK")
