@@ -122,9 +122,10 @@ def report(results: dict, out: Path) -> str:
         lines.append(f"| {i + 1} | " + " | ".join(
             _fmt(by_engine[e]["records"][i]["test_accuracy"]) for e in engines) + " |")
       ref = by_engine.get("experiments")
-      lines += ["", "| engine | wall s | final acc | final epsilon | epsilon per client | "
-                "upload B/round | model B | upload / model | identical to experiments.run |",
-                "|---|---:|---:|---:|---|---:|---:|---:|---|"]
+      lines += ["", "| engine | wall s | load avg (before, after) | final acc | final epsilon | "
+                "epsilon per client | upload B/round | model B | upload / model | "
+                "identical to experiments.run |",
+                "|---|---:|---|---:|---:|---|---:|---:|---:|---|"]
       for e in engines:
         r = by_engine[e]
         last = r["records"][-1]
@@ -135,7 +136,8 @@ def report(results: dict, out: Path) -> str:
                      for a, b in zip(r["records"], ref["records"]))
         per_client = last.get("epsilon_per_client")
         lines.append(
-            f"| {e} | {r['wall_seconds']:.0f} | {last['test_accuracy']:.4f} | "
+            f"| {e} | {r['wall_seconds']:.0f} | {_fmt(r.get('load_average'))} | "
+            f"{last['test_accuracy']:.4f} | "
             f"{_fmt(last.get('epsilon'), 3)} | "
             f"{', '.join(f'{k}: {v:.3f}' for k, v in per_client.items()) if per_client else '-'}"
             f" | {last['upload_bytes']} | {r['model_bytes']} | "
@@ -185,6 +187,7 @@ def main(argv=None) -> int:
           continue
         wd = args.out / label / f"s{seed}" / engine
         print(f"== {label} seed {seed}: {engine} -> {wd}", flush=True)
+        load_before = os.getloadavg()[0]
         if engine == "experiments":
           res = run_experiments(config, overrides, wd)
         else:
@@ -192,8 +195,10 @@ def main(argv=None) -> int:
                            num_clients=int(cfg.data.num_clients), dp=bool(cfg.dp.enabled),
                            max_epsilon=args.max_epsilon,
                            jax_cache=jax_cache, timeout=args.round_timeout)
+        # The machine may be shared: the 1-minute load average before and after the run.
+        res["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         print(f"   final accuracy {res['records'][-1]['test_accuracy']:.4f}, "
-              f"{res['wall_seconds']:.0f} s", flush=True)
+              f"{res['wall_seconds']:.0f} s, load average {res['load_average']}", flush=True)
         results.setdefault(label, {}).setdefault(seed, {})[engine] = res
         report(results, args.out)
   print(report(results, args.out))
