@@ -14,7 +14,8 @@ A FedLAP train message runs, on this client only:
    received global parameters;
 4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon. Under DP
    nothing else leaves the client: no clip fractions, batch sizes, matching
-   losses, record counts.
+   losses, record counts (``debug_nonprivate_stats``, experiments.run's switch
+   for writing raw statistics locally, changes nothing here).
 
 A FedAvg train message (config ``method = fedavg``) runs local SGD and replies
 with the parameters and ``num-examples``, as Flower's FedAvg expects.

@@ -37,12 +37,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   model_bytes = int(sum(np.asarray(v).nbytes for v in records.params_to_record(params)
                         .to_numpy_ndarrays()))
   fc = validation.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
-  if fc is not None and fc.client.dp is not None and fc.server.weighting != "uniform":
-    raise settings.SettingsError(
-        "server.weighting", fc.server.weighting, "'uniform' (Algorithm 3)",
-        message=f"server.weighting={fc.server.weighting!r} is invalid with DP in the Flower "
-        "app: it needs every client's record count N_k, which a DP client does not release; "
-        "allowed: 'uniform' (Algorithm 3)")
+  # Under DP, FedLAPConfig allows only server.weighting='uniform' (Algorithm 3), so the
+  # server never needs a DP client's record count N_k.
   info = {"config": run.config_name, "overrides": run.overrides, "label": run.label,
           "method": cfg.method, "dp": run.dp, "rounds": int(cfg.rounds),
           "num_clients": run.num_clients, "min_clients": run.min_clients,
@@ -55,7 +51,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     strategy = strategy_lib.FedLAP(
         cfg=cfg, fedlap_config=fc, apply_fn=apply_fn, evaluate=evaluate,
         min_clients=run.min_clients, round_timeout=run.round_timeout,
-        join_timeout=run.join_timeout, unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
+        join_timeout=run.join_timeout,
+        unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
         model_bytes=model_bytes)
   else:
     strategy = strategy_lib.FedAvgBaseline(cfg=cfg, evaluate=evaluate,

@@ -205,6 +205,8 @@ def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monke
 def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path, monkeypatch):
   monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
   rc = _run_config(tmp_path, "quickstart:dp", **{"max-epsilon": 50.0})
+  # experiments.run's debugging switch for raw statistics never reaches the wire.
+  rc["overrides"] += " debug_nonprivate_stats=True"
   records, grid = run_inprocess(rc)
   # Secret keys: a second federation with fresh state directories (new secrets) differs.
   records2, _ = run_inprocess({**rc, "state-root": str(tmp_path / "state2"),
@@ -399,3 +401,13 @@ def test_settings_errors_are_config_errors_naming_the_key():
     settings.run_settings({"config": "nosuch"})
   assert (err.value.field, err.value.value) == ("config", "nosuch")
   assert "config='nosuch' is invalid: no experiments/configs/nosuch.py" in str(err.value)
+
+
+def test_dp_runs_never_weight_by_the_clients_record_counts():
+  """A DP client does not release N_k: the settings refuse size weighting under DP."""
+  from experiments import validation
+  run = settings.run_settings({"config": "quickstart:dp", "overrides": "server.weighting=None"})
+  assert validation.to_fedlap_config(run.cfg).server.weighting == "uniform"
+  with pytest.raises(validation.ConfigError) as err:
+    settings.run_settings({"config": "quickstart:dp", "overrides": "server.weighting=size"})
+  assert err.value.field == "server.weighting"
