@@ -1,4 +1,4 @@
-"""``import fedlap_jax`` must work where TensorFlow is not installed."""
+"""``import fedlap_jax`` must work where TensorFlow or Flower (flwr) is not installed."""
 
 from __future__ import annotations
 
@@ -28,8 +28,27 @@ BLOCK_TENSORFLOW = textwrap.dedent("""
     """)
 
 
-def run_python(code: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-c", BLOCK_TENSORFLOW + textwrap.dedent(code)],
+BLOCK_FLWR = textwrap.dedent("""
+    import importlib.abc
+    import sys
+
+    class BlockFlwr(importlib.abc.MetaPathFinder):
+      # Behaves as if flwr (Flower) were not installed.
+      def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("flwr", "ray"):
+          raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+
+    sys.meta_path.insert(0, BlockFlwr())
+    """)
+
+# fedlap_flower's modules that must not need flwr (the rest are the Flower app itself).
+FLWR_FREE = ("fedlap_flower", "fedlap_flower.settings", "fedlap_flower.task",
+             "fedlap_flower.client_work", "fedlap_flower.server_work", "fedlap_flower.ledger")
+
+
+def run_python(code: str, block: str = BLOCK_TENSORFLOW) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-c", block + textwrap.dedent(code)],
                         capture_output=True, text=True, timeout=120)
 
 
@@ -57,3 +76,44 @@ def test_block_is_effective():
       """)
   assert result.returncode != 0
   assert "blocked by the test" in result.stderr or "No module named" in result.stderr
+
+
+def test_import_without_flwr():
+  """The library never imports Flower; neither do fedlap_flower's computation modules."""
+  result = run_python(f"""
+      import importlib, pkgutil
+      import fedlap_jax
+      names = [m.name for m in pkgutil.iter_modules(fedlap_jax.__path__, "fedlap_jax.")]
+      for name in names + list({FLWR_FREE!r}):
+        importlib.import_module(name)
+      loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("flwr", "ray"))
+      assert not loaded, loaded
+      print("OK", len(names), "modules")
+      """, block=BLOCK_FLWR)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("OK")
+
+
+def test_flwr_block_is_effective():
+  result = run_python("""
+      import fedlap_flower.client_app
+      """, block=BLOCK_FLWR)
+  assert result.returncode != 0
+  assert "blocked by the test" in result.stderr
+
+
+def test_import_loads_neither_flwr_nor_tensorflow_where_both_are_installed():
+  """Not even an optional (try/except) import: with both installed, none is loaded."""
+  result = run_python("""
+      import importlib, pkgutil
+      import fedlap_jax
+      for m in pkgutil.iter_modules(fedlap_jax.__path__, "fedlap_jax."):
+        importlib.import_module(m.name)
+      loaded = sorted({m.split(".")[0] for m in sys.modules}
+                      & {"flwr", "ray", "tensorflow", "tensorflow_datasets"})
+      assert not loaded, loaded
+      importlib.import_module("flwr")  # installed here (the flower extra): the test can fail
+      print("OK")
+      """, block="import sys\n")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("OK")

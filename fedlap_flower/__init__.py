@@ -1,0 +1,33 @@
+"""FedLAP and FedLAP-DP as a Flower app: one client per process or machine.
+
+The library :mod:`fedlap_jax` never imports ``flwr``; this package is the
+bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
+
+* :mod:`fedlap_flower.settings` -- the app's run config and node config
+  (``config = "quickstart:dp"``, ``overrides``, ``partition-id``, ...) mapped
+  onto the experiments' named ml_collections configs.
+* :mod:`fedlap_flower.task` -- model, keys, one client's data partition, the
+  server's test split: everything built from a config, exactly as
+  ``experiments.run`` builds it.
+* :mod:`fedlap_flower.client_work` -- one client's round
+  (:func:`fedlap_jax.local_approx`, or local SGD for the FedAvg baseline).
+* :mod:`fedlap_flower.server_work` -- the server's round
+  (:func:`fedlap_jax.server_radius` and :func:`fedlap_jax.global_update` on the
+  union of the received synthetic sets) and the test evaluation.
+* :mod:`fedlap_flower.ledger` -- a client's own privacy ledger, secret key and
+  carried synthetic set, persisted atomically in its state directory.
+
+Modules built on ``flwr`` (``pip install -e ".[experiments,flower]"``):
+
+* :mod:`fedlap_flower.records` -- parameters, synthetic sets and keys as
+  Flower records.
+* :mod:`fedlap_flower.strategy` -- :class:`~fedlap_flower.strategy.FedLAP`, a
+  ``flwr.serverapp.strategy.Strategy``.
+* :mod:`fedlap_flower.client_app`, :mod:`fedlap_flower.server_app` -- the
+  ``ClientApp`` and ``ServerApp`` (the Flower app project is
+  ``fedlap_flower/app/``: ``flwr run fedlap_flower/app ...``).
+* :mod:`fedlap_flower.federation` -- starts a local SuperLink, SuperNodes and
+  ``flwr run`` as processes (the tests and ``benchmarks/flower_runs.py``).
+"""
+
+__all__ = ["settings", "task", "client_work", "server_work", "ledger"]

@@ -1,0 +1,169 @@
+"""The ``ClientApp``: one client's partition, its privacy ledger and its round.
+
+A FedLAP train message runs, on this client only:
+
+1. settings (:mod:`fedlap_flower.settings`) and the client's data
+   (:func:`fedlap_flower.task.load_partition`; cached per process);
+2. under DP, in the client's state directory (:mod:`fedlap_flower.ledger`):
+   refuse the round if the epsilon after it would exceed the client's
+   ``max-epsilon`` (reply ``status = refused`` with the epsilons), else record
+   it first; the round's key is ``fold_in(secret, rounds spent)`` -- the
+   server never learns it (unless the test-only unsafe mode is on *and* this
+   client's environment consents);
+3. :func:`fedlap_flower.client_work.fedlap_round` (``local_approx``) on the
+   received global parameters;
+4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon. Under DP
+   nothing else leaves the client: no clip fractions, batch sizes, matching
+   losses, record counts (``debug_nonprivate_stats``, experiments.run's switch
+   for writing raw statistics locally, changes nothing here).
+
+A FedAvg train message (config ``method = fedavg``) runs local SGD and replies
+with the parameters and ``num-examples``, as Flower's FedAvg expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import jax
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedlap_flower import client_work, records, settings, task
+from fedlap_flower.ledger import BudgetExceeded, ClientState
+
+app = ClientApp()
+
+
+@functools.lru_cache(maxsize=4)
+def _run(items: tuple) -> settings.RunSettings:
+  return settings.run_settings(dict(items))
+
+
+class _Setup:
+  """What a client process builds once per (run config, partition)."""
+
+  def __init__(self, run: settings.RunSettings, node: settings.NodeSettings):
+    from experiments import validation  # pylint: disable=g-import-not-at-top
+    self.cfg = run.cfg
+    self.fc = validation.to_fedlap_config(run.cfg) if run.cfg.method == "fedlap" else None
+    self.partition = task.load_partition(run.cfg, node.partition_id, node.num_partitions,
+                                         node.data_path)
+    _, self.apply_fn, _ = task.init_model(run.cfg, self.partition.image_shape,
+                                          self.partition.num_classes)
+
+
+# A simulation worker serves many clients: keep every partition it met (all K of a run
+# together hold the training set once, as experiments.run does).
+@functools.lru_cache(maxsize=128)
+def _setup(run_items: tuple, pid: int, num: int, data_path) -> _Setup:
+  run = _run(run_items)
+  node = settings.NodeSettings(pid, num, data_path, None, math.inf)
+  return _Setup(run, node)
+
+
+def _reply(msg: Message, metrics: dict, status: dict, synthetic=None) -> Message:
+  content = RecordDict({"metrics": MetricRecord(metrics), "status": ConfigRecord(status)})
+  if synthetic is not None:
+    content["synthetic"] = records.synthetic_to_record(synthetic)
+  return Message(content=content, reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+  """One round of this client (see the module docstring)."""
+  task.enable_compilation_cache()
+  run_items = tuple(sorted(settings.with_defaults(context.run_config).items()))
+  run = _run(run_items)
+  node = settings.node_settings(context.node_config, run)
+  setup = _setup(run_items, node.partition_id, node.num_partitions, node.data_path)
+  conf = msg.content["config"]
+  if run.cfg.method == "fedavg":
+    return _train_fedavg(msg, conf, run, node, setup)
+  return _train_fedlap(msg, context, conf, run, node, setup)
+
+
+def _train_fedavg(msg, conf, run, node, setup) -> Message:
+  cfg = run.cfg
+  if node.requires_dp:
+    raise settings.SettingsError(
+        "method", "fedavg", "a DP FedLAP config",
+        message="this client has its own max-epsilon and takes part in DP runs only; "
+        "method='fedavg' is not private. Allowed: a DP FedLAP config")
+  key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
+                        node.partition_id)
+  params = records.record_to_params(msg.content["arrays"])
+  new = client_work.fedavg_round(key, setup.apply_fn, params, setup.partition,
+                                 epochs=cfg.baseline.local_epochs,
+                                 batch_size=cfg.client.batch_size,
+                                 learning_rate=float(conf["learning-rate"]))
+  return Message(content=RecordDict({
+      "arrays": records.params_to_record(new),
+      "metrics": MetricRecord({"num-examples": setup.partition.num_records,
+                               "partition-id": node.partition_id})}), reply_to=msg)
+
+
+def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
+  fc, part = setup.fc, setup.partition
+  server_round = int(conf["server-round"])
+  lr = float(conf["learning-rate"])
+  keys = conf["keys"]
+  dp = fc.client.dp is not None
+  metrics = {"partition-id": node.partition_id}
+  steps = fc.client.real_accesses_per_round
+  carry = fc.synthetic_init == "noise"
+  state = ClientState(node.state_dir) if (dp or carry) else None
+
+  def refuse(reason, **extra):
+    return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason,
+                                              "keys": keys})
+
+  if node.requires_dp and not dp:
+    return refuse("this client has its own max-epsilon and takes part in DP runs only; the "
+                  "run config turns DP off (dp.enabled=False). Allowed: a DP config")
+  if dp and keys == "server" and not settings.unsafe_consent():
+    return refuse(f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
+                  f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
+                  "drawn from the client's own secret")
+  if dp and not math.isfinite(node.max_epsilon):
+    return refuse("no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
+                  "or the run config; allowed: a finite epsilon this client will not exceed")
+
+  with (state.locked() if state is not None else contextlib.nullcontext()):
+    if dp:
+      privacy = dict(noise_multiplier=fc.client.dp.noise_multiplier,
+                     batch_size=fc.client.batch_size, min_client_size=part.num_records,
+                     steps_per_round=steps, delta=fc.client.dp.delta)
+      ledger = state.ledger(part.fingerprint, **privacy)
+      try:
+        eps = state.spend(ledger, part.fingerprint, steps, node.max_epsilon,
+                          {"run_id": int(context.run_id), "server_round": server_round,
+                           "keys": keys})
+      except BudgetExceeded as e:
+        return refuse(str(e), epsilon=e.epsilon, **{"epsilon-after": e.epsilon_after,
+                                                    "max-epsilon": e.max_epsilon})
+      metrics.update({"epsilon": eps, "max-epsilon": node.max_epsilon, "dp-steps": steps})
+      if keys == "server":
+        key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
+                              node.partition_id)
+      else:  # the client's secret, never reused: the spend count only grows
+        key = jax.random.fold_in(state.secret_key(), ledger.rounds - 1)
+    else:
+      key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
+                            node.partition_id)
+      metrics.update({"dp-steps": 0, "num-examples": part.num_records})
+    init_key = None
+    if fc.synthetic_init == "real":
+      init_key = task.client_key(task.words_to_key(conf["key-init"]), run.num_clients,
+                                 node.partition_id)
+    carried = state.load_synthetic(context.run_id) if carry else None
+    start = client_work.start_synthetic(part, fc, carried, init_key)
+    params = records.record_to_params(msg.content["arrays"])
+    out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr)
+    if carry:
+      state.save_synthetic(context.run_id, server_round, out.synthetic.x)
+  metrics["radius"] = out.radius
+  metrics.update(out.diagnostics)
+  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic)

@@ -1,0 +1,69 @@
+"""The ``ServerApp``: FedLAP / FedLAP-DP (or the FedAvg baseline) for ``cfg.rounds`` rounds.
+
+It builds the model and its initial parameters exactly as ``experiments.run``
+does (``key(seed)``), loads the config's test split, and runs the strategy
+(:mod:`fedlap_flower.strategy`) with ``strategy.start``. Outputs go to the run
+config's ``run-dir`` (default ``runs/flower/<label>``, relative to the
+directory the SuperLink was started in): ``metrics.jsonl``,
+``client_reports.json``, ``run_info.json``, ``final_params.npz``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedlap_flower import records, server_work, settings, strategy as strategy_lib, task
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+  serve(grid, settings.run_settings(context.run_config))
+
+
+def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
+  """Runs the whole training; returns the per-round records (also in ``metrics.jsonl``)."""
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  cfg = run.cfg
+  t0 = time.time()
+  test = task.load_test_split(cfg)
+  _, apply_fn, params = task.init_model(cfg, test.image_shape, test.num_classes)
+  evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
+  model_bytes = int(sum(np.asarray(v).nbytes for v in records.params_to_record(params)
+                        .to_numpy_ndarrays()))
+  fc = validation.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
+  # Under DP, FedLAPConfig allows only server.weighting='uniform' (Algorithm 3), so the
+  # server never needs a DP client's record count N_k.
+  info = {"config": run.config_name, "overrides": run.overrides, "label": run.label,
+          "method": cfg.method, "dp": run.dp, "rounds": int(cfg.rounds),
+          "num_clients": run.num_clients, "min_clients": run.min_clients,
+          "round_timeout": run.round_timeout, "join_timeout": run.join_timeout,
+          "model_bytes": model_bytes,
+          "unsafe_dp_keys_from_server": run.unsafe_dp_keys_from_server,
+          "config_values": cfg.to_dict()}
+  run_log = strategy_lib.RunLog(run.run_dir, info)
+  if fc is not None:
+    strategy = strategy_lib.FedLAP(
+        cfg=cfg, fedlap_config=fc, apply_fn=apply_fn, evaluate=evaluate,
+        min_clients=run.min_clients, round_timeout=run.round_timeout,
+        join_timeout=run.join_timeout,
+        unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
+        model_bytes=model_bytes)
+  else:
+    strategy = strategy_lib.FedAvgBaseline(cfg=cfg, evaluate=evaluate,
+                                           min_clients=run.min_clients,
+                                           round_timeout=run.round_timeout,
+                                           join_timeout=run.join_timeout, run_log=run_log,
+                                           model_bytes=model_bytes)
+  result = strategy.start(grid=grid, initial_arrays=records.params_to_record(params),
+                          num_rounds=int(cfg.rounds), timeout=run.round_timeout)
+  final = result.arrays if result.arrays is not None else records.params_to_record(params)
+  np.savez(run.run_dir / "final_params.npz",
+           **{k.replace("/", "."): v.numpy() for k, v in final.items()})
+  (run.run_dir / "done").write_text(f"{time.time() - t0:.1f} s\n")
+  return run_log.records

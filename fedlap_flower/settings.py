@@ -1,0 +1,340 @@
+"""The Flower app's settings: run config and node config onto the experiments' configs.
+
+One named config describes both ways of running: ``experiments.run
+--config=quickstart:dp`` and the Flower app with ``config = "quickstart:dp"``
+build the same ml_collections config (``experiments/configs/``), so the same
+data, partition, model, loop sizes, privacy parameters and seed.
+
+Run config (``[tool.flwr.app.config]`` of ``fedlap_flower/app/pyproject.toml``,
+overridden with ``flwr run ... --run-config 'KEY=VALUE ...'``; the ServerApp and
+every ClientApp see the same values):
+
+==============================  =============================================
+key                             meaning
+==============================  =============================================
+``config``                      ``NAME[:ARG]`` of ``experiments/configs/`` (one
+                                run, not a suite), or a path to a config file
+``overrides``                   ``"FIELD=VALUE ..."``, as ``--config.FIELD=VALUE``
+                                of ``experiments.run`` (``"seed=1 rounds=3"``)
+``run-dir``                     the server's outputs; ``""``: ``runs/flower/<label>``
+``min-clients``                 fewest clients a round may aggregate (0: all
+                                ``data.num_clients``); fewer stops the run
+``round-timeout``               seconds the server waits for a round's replies
+``join-timeout``                seconds a round waits for all ``K`` clients to be
+                                connected before it starts with those there
+                                (at least ``min-clients``; up to
+                                ``round-timeout`` for those)
+``max-epsilon``                 the server's cap on each client's epsilon; a
+                                client takes the smaller of this and its own
+``state-root``                  where clients without a ``state-dir`` keep
+                                their state (``""``: ``~/.fedlap_flower``)
+``unsafe-dp-keys-from-server``  TEST ONLY: DP clients use the server's round
+                                keys (the server could remove the noise);
+                                also needs the client's consent, the
+                                environment variable :data:`UNSAFE_ENV` = 1
+==============================  =============================================
+
+Node config (``flower-supernode --node-config 'KEY=VALUE ...'``; the
+simulation engine sets ``partition-id`` and ``num-partitions`` itself):
+
+* ``partition-id`` (required): the client's index ``k`` in ``0..K-1``;
+* ``num-partitions`` (required): ``K``, must equal ``data.num_clients``;
+* ``data-path``: an ``.npz`` with this client's own records (``x_train``,
+  ``y_train``); without it the client takes partition ``k`` of the config's
+  data, as ``experiments.run`` does;
+* ``state-dir``: where its privacy ledger, secret key and synthetic set live
+  (default ``<state-root>/<label>/client-<k>``);
+* ``max-epsilon``: the epsilon it will never exceed (the smaller of this and
+  the run config's ``max-epsilon`` holds). A client given its own
+  ``max-epsilon`` takes part in DP runs only: it refuses a run whose config
+  turns DP off.
+
+Every bad value raises :class:`SettingsError` (a :class:`fedlap_jax.ConfigError`
+whose ``field`` is the run-config or node-config key), or the experiments'
+``ConfigError`` for the config itself, naming the key, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Mapping
+
+from fedlap_jax.checks import ConfigError
+
+RUN_CONFIG_DEFAULTS: dict[str, Any] = {
+    "config": "quickstart:dp",
+    "overrides": "",
+    "run-dir": "",
+    "min-clients": 0,
+    "round-timeout": 900.0,
+    "join-timeout": 30.0,
+    "max-epsilon": math.inf,
+    "state-root": "",
+    "unsafe-dp-keys-from-server": False,
+}
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-path", "state-dir", "max-epsilon")
+# A DP client uses round keys sent by the server only if its own environment says so.
+UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
+METHODS = ("fedlap", "fedavg")
+
+
+class SettingsError(ConfigError):
+  """A bad run-config or node-config value (``field`` is the key)."""
+
+
+def _fail(key: str, value, allowed: str):
+  raise SettingsError(key, value, allowed)
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+# ----------------------------------------------------------------------------
+# Named configs and overrides.
+# ----------------------------------------------------------------------------
+
+
+def _parse_value(text: str):
+  lowered = text.lower()
+  if lowered in ("true", "false"):
+    return lowered == "true"
+  if lowered == "none":
+    return None
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def apply_overrides(cfg, overrides: str) -> None:
+  """Applies ``"FIELD=VALUE ..."`` (``--config.FIELD=VALUE`` of ``experiments.run``) in place.
+
+  Values are Python literals (``3``, ``0.5``, ``(1, 5)``, ``True``/``true``,
+  ``None``) or bare strings (``data.source=npz:/data/c.npz``); quote with
+  shell rules where a value holds spaces.
+  """
+  if not isinstance(overrides, str):
+    _fail("overrides", overrides, "a string of FIELD=VALUE pairs separated by spaces")
+  try:
+    tokens = shlex.split(overrides)
+  except ValueError as e:
+    raise SettingsError("overrides", overrides, "FIELD=VALUE pairs separated by spaces, "
+                        "quoted with shell rules",
+                        message=f"overrides={overrides!r} is invalid ({e}); allowed: "
+                        "FIELD=VALUE pairs separated by spaces, quoted with shell rules") from None
+  for token in tokens:
+    field, sep, text = token.partition("=")
+    if not sep or not field:
+      _fail("overrides", token, "FIELD=VALUE, e.g. seed=1 or client.batch_loop=2")
+    *parents, name = field.split(".")
+    node = cfg
+    for i, part in enumerate(parents):
+      if part not in node or not hasattr(node[part], "keys"):
+        raise SettingsError("overrides", field, "the fields of experiments/configs/default.py",
+                            message=f"overrides: {field!r} is not a field of the config (no "
+                            f"section {'.'.join(parents[:i + 1])!r}); allowed: the fields of "
+                            "experiments/configs/default.py")
+      node = node[part]
+    if name not in node or hasattr(node[name], "keys"):
+      raise SettingsError("overrides", field, "the fields of experiments/configs/default.py",
+                          message=f"overrides: {field!r} is not a field of the config; "
+                          "allowed: the fields of experiments/configs/default.py")
+    value = _parse_value(text)
+    try:
+      node[name] = value
+    except (TypeError, ValueError) as e:
+      raise SettingsError(field, value, "a value of the field's type",
+                          message=f"overrides: {field}={value!r} is invalid ({e}); allowed: a "
+                          "value of the field's type") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _config_module(path: str):
+  name = "_fedlap_flower_config_" + "".join(c if c.isalnum() else "_" for c in path)
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def load_config(name: str, overrides: str = ""):
+  """The resolved, validated ml_collections config of ``NAME[:ARG]`` plus ``overrides``.
+
+  Returns:
+    ``(cfg, label)``; ``label`` names the run as ``experiments.run`` does
+    (``quickstart:dp`` -> ``quickstart_dp``).
+
+  Raises:
+    SettingsError: unknown config name, a suite config, a bad override, or a
+      method the Flower app does not offer.
+    experiments.validation.ConfigError: the config itself is invalid.
+  """
+  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  if not isinstance(name, str) or not name:
+    _fail("config", name, "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp'), or a path")
+  try:
+    target, label = run_lib.resolve_config_arg(name)
+  except run_lib.ConfigArgError as e:
+    raise SettingsError("config", name, "NAME[:ARG] of experiments/configs/, or a path",
+                        message=str(e).replace("--config=", "config=")) from None
+  path, _, arg = target.partition(":")
+  if not os.path.isfile(path):
+    _fail("config", name, "NAME[:ARG] of experiments/configs/, or the path of a config .py file")
+  try:
+    module = _config_module(path)
+    cfg = module.get_config(arg) if arg else module.get_config()
+  except (TypeError, ValueError) as e:
+    raise SettingsError("config", name, "an argument the config file takes",
+                        message=f"config={name!r} is invalid: {e}") from None
+  if "suite" in cfg:
+    _fail("config", name, f"one run, not a suite config (this one holds the runs "
+          f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp' or "
+          "'quickstart:nondp'")
+  cfg.lock()
+  apply_overrides(cfg, overrides)
+  validation.validate_config(cfg)
+  if cfg.method not in METHODS:
+    _fail("config", f"{name} (method={cfg.method!r})",
+          f"a config whose method is one of {METHODS}; the other baselines run with "
+          "experiments.run")
+  return cfg, label
+
+
+# ----------------------------------------------------------------------------
+# Run settings (server and clients) and node settings (one client).
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """The run config, checked; ``cfg`` is the resolved experiments config."""
+
+  config_name: str
+  overrides: str
+  label: str
+  cfg: Any
+  run_dir: Path
+  min_clients: int
+  round_timeout: float
+  join_timeout: float
+  max_epsilon: float
+  state_root: Path
+  unsafe_dp_keys_from_server: bool
+
+  @property
+  def num_clients(self) -> int:
+    return int(self.cfg.data.num_clients)
+
+  @property
+  def dp(self) -> bool:
+    return bool(self.cfg.dp.enabled)
+
+
+def with_defaults(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
+  """``run_config`` over :data:`RUN_CONFIG_DEFAULTS`; unknown keys are refused."""
+  run_config = dict(run_config or {})
+  unknown = sorted(set(run_config) - set(RUN_CONFIG_DEFAULTS))
+  if unknown:
+    raise SettingsError("run config", unknown, str(sorted(RUN_CONFIG_DEFAULTS)),
+                        message=f"run config keys {unknown} are unknown; allowed: "
+                        f"{sorted(RUN_CONFIG_DEFAULTS)}")
+  return {**RUN_CONFIG_DEFAULTS, **run_config}
+
+
+def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
+  """Checks the run config and resolves its experiments config."""
+  rc = with_defaults(run_config)
+  cfg, label = load_config(rc["config"], rc["overrides"])
+  k = int(cfg.data.num_clients)
+  min_clients = rc["min-clients"]
+  if not _is_int(min_clients) or not 0 <= min_clients <= k:
+    _fail("min-clients", min_clients, f"an integer in [0, {k}] (0: all data.num_clients={k})")
+  timeout = rc["round-timeout"]
+  if not _is_real(timeout) or not 0 < timeout < math.inf:
+    _fail("round-timeout", timeout, "a finite number of seconds > 0")
+  join = rc["join-timeout"]
+  if not _is_real(join) or not 0 <= join < math.inf:
+    _fail("join-timeout", join, "a finite number of seconds >= 0")
+  max_eps = rc["max-epsilon"]
+  if not _is_real(max_eps) or max_eps <= 0:
+    _fail("max-epsilon", max_eps, "a number > 0 (inf: no cap from the server)")
+  unsafe = rc["unsafe-dp-keys-from-server"]
+  if not isinstance(unsafe, bool):
+    _fail("unsafe-dp-keys-from-server", unsafe, "true or false")
+  for key in ("run-dir", "state-root"):
+    if not isinstance(rc[key], str):
+      _fail(key, rc[key], "a path (a string; '' for the default)")
+  run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
+  state_root = Path(rc["state-root"] or "~/.fedlap_flower").expanduser()
+  return RunSettings(rc["config"], rc["overrides"], label, cfg, run_dir,
+                     min_clients or k, float(timeout), float(join), float(max_eps), state_root,
+                     unsafe)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSettings:
+  """One client's node config, checked against the run."""
+
+  partition_id: int
+  num_partitions: int
+  data_path: Path | None
+  state_dir: Path
+  max_epsilon: float
+  requires_dp: bool = False
+
+
+def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSettings:
+  """Checks a client's node config (see the module docstring)."""
+  nc = dict(node_config or {})
+  unknown = sorted(set(nc) - set(NODE_CONFIG_KEYS))
+  if unknown:
+    raise SettingsError("node config", unknown, str(list(NODE_CONFIG_KEYS)),
+                        message=f"node config keys {unknown} are unknown; allowed: "
+                        f"{list(NODE_CONFIG_KEYS)}")
+  k = run.num_clients
+  for key in ("partition-id", "num-partitions"):
+    if key not in nc:
+      raise SettingsError(key, None, f"flower-supernode --node-config 'partition-id=K "
+                          f"num-partitions={k}'",
+                          message=f"node config {key} is missing; allowed: flower-supernode "
+                          f"--node-config 'partition-id=K num-partitions={k}'")
+  num = nc["num-partitions"]
+  if not _is_int(num) or num != k:
+    _fail("num-partitions", num, f"{k}, the data.num_clients of config {run.config_name!r}")
+  pid = nc["partition-id"]
+  if not _is_int(pid) or not 0 <= pid < k:
+    _fail("partition-id", pid, f"an integer in [0, {k - 1}]")
+  data_path = nc.get("data-path")
+  if data_path is not None:
+    if not isinstance(data_path, str) or not os.path.isfile(os.path.expanduser(data_path)):
+      _fail("data-path", data_path, "the path of an existing .npz file with x_train, y_train")
+    data_path = Path(data_path).expanduser()
+  state_dir = nc.get("state-dir")
+  if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
+    _fail("state-dir", state_dir, "a directory path")
+  state_dir = (Path(state_dir).expanduser() if state_dir
+               else run.state_root / run.label / f"client-{pid}")
+  max_eps = nc.get("max-epsilon", math.inf)
+  if not _is_real(max_eps) or max_eps <= 0:
+    _fail("max-epsilon", max_eps, "a number > 0")
+  return NodeSettings(pid, num, data_path, state_dir, min(float(max_eps), run.max_epsilon),
+                      requires_dp="max-epsilon" in nc)
+
+
+def unsafe_consent() -> bool:
+  """True if this client's environment allows server-chosen DP keys (tests only)."""
+  return os.environ.get(UNSAFE_ENV, "") == "1"

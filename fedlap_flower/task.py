@@ -1,0 +1,295 @@
+"""What the Flower app builds from a config: model, keys, one client's data, the test split.
+
+Everything here reproduces ``experiments.train.build_run`` piece by piece, so a
+Flower client computes what client ``k`` of ``experiments.run`` computes:
+
+* the model: ``k_model, k_alg = split(key(seed))``, a ConvNet initialised with
+  ``k_model`` (:func:`init_model`);
+* the server's key chain: ``init_state`` splits ``k_alg`` into the initial
+  synthetic images' key and the state key; every round splits the state key
+  into ``(next, k_init, k_clients, k_server)`` (:func:`round_keys`), and client
+  ``k`` uses ``split(k_clients, K)[k]`` (:func:`client_key`);
+* one client's data (:func:`load_partition`): partition ``k`` of the config's
+  data, padded to the largest partition as ``stack_clients`` pads it, with the
+  synthetic labels of ``synthetic_labels`` over all partitions (``S = ipc *``
+  the most classes any client owns) and the initial images of ``init_state``.
+  With a ``data-path`` the client holds its own records instead (no padding,
+  ``S = ipc *`` its own classes).
+
+No ``flwr`` here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fedlap_jax as fl
+from fedlap_jax.federated import noise_images
+
+KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
+
+
+def enable_compilation_cache() -> None:
+  """Keeps compiled XLA programs on disk (``$JAX_COMPILATION_CACHE_DIR``, default
+  ``~/.cache/fedlap_flower/jax``).
+
+  A SuperNode starts a new ClientApp process for every message, so without the
+  cache every client would compile ``local_approx`` again in every round.
+  ``FEDLAP_FLOWER_JAX_CACHE=off`` leaves JAX's setting alone (the in-process tests).
+  """
+  if os.environ.get("FEDLAP_FLOWER_JAX_CACHE") == "off":
+    return
+  if not jax.config.jax_compilation_cache_dir:
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser(
+        "~/.cache/fedlap_flower/jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+
+
+# ----------------------------------------------------------------------------
+# Model and keys.
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def apply_fn_of(model):
+  """One ``apply_fn(params, x) -> logits`` per (hashable) Flax module, so jits are shared."""
+  return lambda params, x: model.apply({"params": params}, x)
+
+
+def init_model(cfg, image_shape, num_classes: int):
+  """``(model, apply_fn, params)`` of ``cfg.model``, initialised as ``experiments.run`` does."""
+  k_model, _ = jax.random.split(jax.random.key(cfg.seed))
+  model, params = fl.init_convnet(k_model, tuple(image_shape), num_classes,
+                                  width=cfg.model.width, depth=cfg.model.depth,
+                                  norm=cfg.model.norm, conv_bias=cfg.model.conv_bias)
+  return model, apply_fn_of(model), params
+
+
+def _alg_key(seed: int) -> jax.Array:
+  return jax.random.split(jax.random.key(seed))[1]
+
+
+def initial_images_key(seed: int) -> jax.Array:
+  """The key ``init_state`` draws the N(0, 1) synthetic images of all clients with."""
+  return jax.random.split(_alg_key(seed))[0]
+
+
+def initial_chain_key(seed: int) -> jax.Array:
+  """The state key before round 1 (``FedLAPState.key`` of ``init_state``)."""
+  return jax.random.split(_alg_key(seed))[1]
+
+
+def round_keys(chain_key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """``(next_chain_key, k_init, k_clients, k_server)`` of one round, as ``fedlap_round`` splits."""
+  key, k_init, k_clients, k_server = jax.random.split(chain_key, 4)
+  return key, k_init, k_clients, k_server
+
+
+def client_key(round_key: jax.Array, num_clients: int, index: int) -> jax.Array:
+  """Client ``index``'s share of a round key: ``split(round_key, K)[index]``."""
+  return jax.random.split(round_key, num_clients)[index]
+
+
+def key_to_words(key: jax.Array) -> list[int]:
+  """A PRNG key as a list of uint32 words (to send it in a message)."""
+  return [int(w) for w in np.asarray(jax.random.key_data(key)).ravel()]
+
+
+def words_to_key(words) -> jax.Array:
+  """Inverse of :func:`key_to_words`."""
+  data = np.asarray(list(words), np.uint32)
+  if data.shape != (KEY_IMPL_WORDS,):
+    raise ValueError(f"a round key must be {KEY_IMPL_WORDS} uint32 words; got {list(words)!r}")
+  return jax.random.wrap_key_data(data)
+
+
+@functools.lru_cache(maxsize=4)
+def _learning_rate_fn(rounds: int, base_lr: float):
+  return jax.jit(lambda m: fl.cosine_learning_rate(m, rounds, base_lr))
+
+
+def learning_rate(cfg, server_round: int) -> float:
+  """``eta_m`` of round ``m``, computed as the jitted round computes it (float32)."""
+  lr = _learning_rate_fn(int(cfg.rounds), float(cfg.learning_rate))(jnp.int32(server_round))
+  return float(np.float32(lr))
+
+
+# ----------------------------------------------------------------------------
+# Data.
+# ----------------------------------------------------------------------------
+
+
+class Partition(NamedTuple):
+  """One client's data and its synthetic-set layout.
+
+  Attributes:
+    index: the client's ``k``; num_clients: ``K``.
+    data: :class:`fedlap_jax.ClientData` ``(N, ...)`` on the device (``N``:
+      the largest partition in named-partition mode, else ``N_k``).
+    num_records: ``N_k``, the client's real records.
+    synthetic_y, synthetic_mask: ``(S,)`` labels and validity of its synthetic set.
+    initial_images: ``(S, H, W, C)`` the N(0, 1) images of ``init_state`` (zero padding).
+    image_shape, num_classes: of the dataset.
+    fingerprint: what identifies these records (for the privacy ledger).
+  """
+
+  index: int
+  num_clients: int
+  data: Any
+  num_records: int
+  synthetic_y: np.ndarray
+  synthetic_mask: np.ndarray
+  initial_images: np.ndarray
+  image_shape: tuple
+  num_classes: int
+  fingerprint: dict
+
+
+def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
+  n = len(x)
+  xp = np.concatenate([x, np.zeros((pad_to - n, *x.shape[1:]), x.dtype)])
+  yp = np.concatenate([np.asarray(y, np.int32), np.zeros(pad_to - n, np.int32)])
+  return fl.ClientData(jnp.asarray(xp), jnp.asarray(yp), jnp.asarray(np.arange(pad_to) < n),
+                       pixel_scale=jnp.asarray(scale, jnp.float32),
+                       pixel_offset=jnp.asarray(offset, jnp.float32))
+
+
+def _initial_images(seed: int, mask: np.ndarray, image_shape, index: int) -> np.ndarray:
+  """Client ``index``'s rows of ``init_state``'s images (``mask``: ``(K, S)``)."""
+  images = noise_images(initial_images_key(seed), jnp.asarray(mask), tuple(image_shape))
+  return np.asarray(images[index])
+
+
+def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = None) -> Partition:
+  """Client ``index``'s data: partition ``index`` of ``cfg.data``, or its own ``data_path`` npz.
+
+  Raises:
+    experiments.validation.ConfigError: the data does not fit the config.
+    ValueError: a bad own-data file.
+  """
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  ipc = int(cfg.client.ipc)
+  if data_path is None:
+    try:
+      dataset = data_lib.load_dataset(cfg.data)
+      indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
+    except ValueError as e:
+      raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+                                   message=str(e)) from None
+    validation.validate_data(cfg, dataset, indices)
+    ys = [dataset.y_train[i] for i in indices]
+    labels, mask = fl.synthetic_labels(ys, ipc)
+    own = indices[index]
+    data = _client_data(dataset.x_train[own], dataset.y_train[own], max(len(i) for i in indices),
+                        dataset.pixel_scale, dataset.pixel_offset)
+    fingerprint = {
+        "data": "partition", "dataset": cfg.data.name, "source": cfg.data.source,
+        "partition": cfg.data.partition, "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
+        "num_clients": int(num_clients), "train_fraction": float(cfg.data.train_fraction),
+        "seed": int(cfg.seed), "index": int(index), "num_records": int(len(own)),
+    }
+    return Partition(index, num_clients, data, int(len(own)), labels[index], mask[index],
+                     _initial_images(cfg.seed, mask, dataset.image_shape, index),
+                     tuple(dataset.image_shape), int(dataset.num_classes), fingerprint)
+  x, y, scale, offset, num_classes = load_own_data(cfg, data_path)
+  labels, mask = fl.synthetic_labels([y], ipc)
+  if cfg.client.batch_size > len(y):
+    raise validation.ConfigError(
+        "client.batch_size", cfg.client.batch_size, f"at most {len(y)}",
+        message=f"client.batch_size={cfg.client.batch_size} is invalid for data-path "
+        f"{data_path}: it holds {len(y)} records; allowed: at most the client's records "
+        "(q = B / N_k <= 1)")
+  with open(data_path, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+  images = noise_images(jax.random.fold_in(initial_images_key(cfg.seed), index),
+                           jnp.asarray(mask), tuple(x.shape[1:]))
+  fingerprint = {"data": "own", "path": str(data_path), "sha256": digest,
+                 "num_records": int(len(y))}
+  return Partition(index, num_clients, _client_data(x, y, len(y), scale, offset), int(len(y)),
+                   labels[0], mask[0], np.asarray(images[0]), tuple(x.shape[1:]), num_classes,
+                   fingerprint)
+
+
+# Normalisations a client holding only its own records can apply exactly as the
+# server applies them to the test split: fixed numbers, no statistics of any split.
+OWN_DATA_NORMALISATIONS = ("published", "given")
+
+
+def load_own_data(cfg, path: Path):
+  """``(x, y, pixel_scale, pixel_offset, num_classes)`` of a client's own npz (``x_train``, ``y_train``).
+
+  The normalisation is ``data.normalisation`` resolved as ``experiments.data``
+  resolves it, and must be a fixed one (:data:`OWN_DATA_NORMALISATIONS`: the
+  published constants of mnist / fashion_mnist / cifar10, or ``data.mean`` /
+  ``data.std`` given in the config), the same on every client and on the
+  server: ``test_split`` (the client does not hold the server's test split)
+  and ``train_split`` (each client would standardise with its own statistics)
+  are refused.
+  """
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  name = cfg.data.name
+  if name not in data_lib.NORMALIZATION:
+    raise ValueError(f"data-path needs a dataset of 10 classes with a fixed normalisation; "
+                     f"data.name={name!r} is invalid; allowed: one of "
+                     f"{sorted(data_lib.NORMALIZATION)}")
+  choice = cfg.data.get("normalisation", "auto")
+  source = data_lib.resolve_normalisation(name, choice)
+  if source not in OWN_DATA_NORMALISATIONS:
+    reads = ("the server's test split" if source == "test_split"
+             else "each client's own records, so every client would differ")
+    raise ValueError(f"data-path needs a fixed normalisation; data.normalisation={choice!r} "
+                     f"is invalid for a client holding only its own records ({source!r} reads "
+                     f"{reads}); allowed: one of {OWN_DATA_NORMALISATIONS} (or 'auto', "
+                     f"'published' for data.name={name!r})")
+  with np.load(path, allow_pickle=False) as f:
+    missing = [k for k in ("x_train", "y_train") if k not in f.files]
+    if missing:
+      raise ValueError(f"data-path {path} lacks arrays {missing} (has {sorted(f.files)}); "
+                       "allowed: an npz with x_train (N, H, W, C) and y_train (N,)")
+    x, y = np.asarray(f["x_train"]), np.asarray(f["y_train"])
+  if x.ndim != 4 or len(x) != len(y) or len(x) == 0:
+    raise ValueError(f"data-path {path}: x_train {x.shape} / y_train {y.shape}; allowed: "
+                     "N >= 1 NHWC images and N labels")
+  if not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
+    raise ValueError(f"data-path {path}: x_train has dtype {x.dtype}; allowed: uint8 or float")
+  y = y.astype(np.int32)
+  if y.min() < 0 or y.max() >= 10:
+    raise ValueError(f"data-path {path}: labels in [{y.min()}, {y.max()}]; allowed: 0..9")
+  x = x if x.dtype == np.uint8 else x.astype(np.float32)
+  _, mean, std = data_lib.normalisation_stats(cfg.data, x, x)  # fixed numbers: reads no pixel
+  scale, offset = fl.pixel_normalisation(mean, std, 255.0 if x.dtype == np.uint8 else 1.0)
+  return x, y, scale, offset, 10
+
+
+class TestSplit(NamedTuple):
+  """The server's test data, stored as the dataset stores it, with its normalisation."""
+
+  x: jax.Array
+  y: jax.Array
+  pixel_scale: np.ndarray
+  pixel_offset: np.ndarray
+  image_shape: tuple
+  num_classes: int
+
+
+def load_test_split(cfg) -> TestSplit:
+  """The test split of ``cfg.data`` (what ``experiments.run`` evaluates on)."""
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  try:
+    dataset = data_lib.load_dataset(cfg.data)
+  except ValueError as e:
+    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+                                 message=str(e)) from None
+  return TestSplit(jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test),
+                   np.asarray(dataset.pixel_scale), np.asarray(dataset.pixel_offset),
+                   tuple(dataset.image_shape), int(dataset.num_classes))

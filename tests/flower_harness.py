@@ -1,0 +1,134 @@
+"""Helpers for the Flower tests: an in-process Grid, tiny configs, the reference run.
+
+:class:`InProcessGrid` delivers the ServerApp's messages to the real
+``ClientApp`` object in this process (one ``Context`` per node, as a SuperNode
+keeps it), so the app's whole protocol runs in seconds without SuperLink,
+SuperNodes or Ray; the engines themselves are tested with real processes in
+``test_flower_engines.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.serverapp import Grid
+
+# Tiny loops: the tests check the protocol, not the learning.
+TINY = ("rounds=2 client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
+        "client.calibration_epochs=2 client.dsa_strategy='' server.dsa_strategy='' "
+        "server.max_epochs=2 eval_chunk_size=128")
+NUM_CLIENTS = 5
+
+
+class InProcessGrid(Grid):
+  """A Grid whose nodes are ``ClientApp`` calls in this process (see the module docstring).
+
+  ``offline`` holds node ids that neither appear in ``get_node_ids`` nor answer;
+  ``silent`` holds nodes that are listed but never answer (a crashed node).
+  """
+
+  def __init__(self, client_app, run_config: dict, node_configs: dict[int, dict],
+               run_id: int = 7):
+    self.client_app = client_app
+    self.contexts = {n: Context(run_id=run_id, node_id=n, node_config=dict(c),
+                                state=RecordDict(), run_config=dict(run_config))
+                     for n, c in node_configs.items()}
+    self.offline: set[int] = set()
+    self.silent: set[int] = set()
+    self.sent: list[Message] = []
+    self.replies: list[Message] = []
+    self._run = None
+
+  def set_run(self, run) -> None:
+    self._run = run
+
+  @property
+  def run(self):
+    return self._run
+
+  def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+    return Message(content=content, dst_node_id=dst_node_id, message_type=message_type,
+                   group_id=group_id, ttl=ttl)
+
+  def get_node_ids(self):
+    return [n for n in self.contexts if n not in self.offline]
+
+  def push_messages(self, messages):
+    raise NotImplementedError("the strategies use send_and_receive")
+
+  def pull_messages(self, message_ids):
+    raise NotImplementedError("the strategies use send_and_receive")
+
+  def send_and_receive(self, messages, *, timeout=None):
+    replies = []
+    for msg in messages:
+      self.sent.append(msg)
+      node = msg.metadata.dst_node_id
+      if node in self.offline or node in self.silent:
+        continue
+      try:
+        reply = self.client_app(msg, self.contexts[node])
+      except Exception as e:  # pylint: disable=broad-except  (as a SuperNode reports it)
+        reply = Message(Error(code=2, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
+      replies.append(reply)
+    self.replies.extend(replies)
+    return replies
+
+
+@contextlib.contextmanager
+def task_identity():
+  """The process identity Flower's Message constructor expects (as the ServerApp process has)."""
+  from flwr.supercore.task_identity import TaskIdentity
+  old = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+  TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 7, 1
+  try:
+    yield
+  finally:
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = old
+
+
+def node_configs(num: int = NUM_CLIENTS, **extra) -> dict[int, dict]:
+  """Node ids 101.. -> ``partition-id`` / ``num-partitions`` (+ ``extra`` for every node)."""
+  return {101 + k: {"partition-id": k, "num-partitions": num, **extra} for k in range(num)}
+
+
+def run_inprocess(run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None):
+  """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``.
+
+  JAX's persistent compilation cache stays off (the ClientApp would turn it on
+  for the whole test process).
+  """
+  from fedlap_flower import client_app, server_app, settings
+  grid = InProcessGrid(client_app.app, run_config, nodes or node_configs())
+  if grid_hook is not None:
+    grid_hook(grid)
+  old = os.environ.get("FEDLAP_FLOWER_JAX_CACHE")
+  os.environ["FEDLAP_FLOWER_JAX_CACHE"] = "off"
+  try:
+    with task_identity():
+      records = server_app.serve(grid, settings.run_settings(run_config))
+  finally:
+    if old is None:
+      del os.environ["FEDLAP_FLOWER_JAX_CACHE"]
+    else:
+      os.environ["FEDLAP_FLOWER_JAX_CACHE"] = old
+  return records, grid
+
+
+def reference_run(config: str, overrides: str, workdir: Path) -> list[dict]:
+  """``experiments.run``'s records for the same config (no plots, no progress bar)."""
+  from experiments import train
+  from fedlap_flower import settings
+  cfg, label = settings.load_config(config, overrides)
+  cfg.unlock()
+  cfg.plots = False
+  cfg.progress_bar = False
+  return train.train_and_evaluate(cfg, workdir, config_name=label)["records"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+  return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,413 @@
+"""The Flower app's protocol, in process: settings, ledgers, same numbers as experiments.run.
+
+The ServerApp runs against the real ClientApp through
+:class:`flower_harness.InProcessGrid` (no SuperLink, no Ray); the two engines
+with real processes are in ``test_flower_engines.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from flower_harness import TINY, node_configs, read_jsonl, reference_run, run_inprocess
+from fedlap_flower import ledger as ledger_lib
+from fedlap_flower import settings, strategy
+from fedlap_jax import accounting
+
+DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps", "radius"}
+
+
+def _run_config(tmp_path, config, overrides=TINY, **extra):
+  return {"config": config, "overrides": overrides, "run-dir": str(tmp_path / "run"),
+          "state-root": str(tmp_path / "state"), **extra}
+
+
+# ----------------------------------------------------------------------------
+# Settings.
+# ----------------------------------------------------------------------------
+
+
+def test_settings_map_onto_the_named_configs(tmp_path):
+  run = settings.run_settings({"config": "quickstart:dp",
+                               "overrides": "seed=3 client.batch_loop=2 data.source=sklearn "
+                                            "snapshot_rounds=(1,2) plots=false"})
+  assert run.label == "quickstart_dp" and run.dp and run.num_clients == 5
+  assert run.cfg.seed == 3 and run.cfg.client.batch_loop == 2
+  assert tuple(run.cfg.snapshot_rounds) == (1, 2) and run.cfg.plots is False
+  assert run.min_clients == 5 and run.max_epsilon == math.inf
+  node = settings.node_settings({"partition-id": 2, "num-partitions": 5, "max-epsilon": 4.0},
+                                settings.run_settings({"config": "quickstart:dp",
+                                                       "max-epsilon": 3.0,
+                                                       "state-root": str(tmp_path)}))
+  # The client keeps the smaller cap: a server can lower it, never raise it.
+  assert node.max_epsilon == 3.0
+  assert node.state_dir == tmp_path / "quickstart_dp" / "client-2"
+
+
+@pytest.mark.parametrize("run_config, match", [
+    ({"config": "quickstart"}, "config='quickstart' is invalid; allowed: one run"),
+    ({"config": "nosuch"}, "no experiments/configs/nosuch.py"),
+    ({"config": "quickstart:dp", "overrides": "client.nosuch=1"}, "'client.nosuch' is not a"),
+    ({"config": "quickstart:dp", "overrides": "seed"}, "allowed: FIELD=VALUE"),
+    ({"config": "quickstart:dp", "overrides": "rounds=abc"}, "rounds='abc' is invalid"),
+    ({"config": "quickstart:dp", "min-clients": 6}, r"min-clients=6 is invalid; allowed: an "
+                                                    r"integer in \[0, 5\]"),
+    ({"config": "quickstart:dp", "round-timeout": 0.0}, "round-timeout=0.0 is invalid"),
+    ({"config": "quickstart:dp", "max-epsilon": -1.0}, "max-epsilon=-1.0 is invalid"),
+    ({"config": "quickstart:dp", "colour": "red"}, r"run config keys \['colour'\] are unknown"),
+    ({"config": "quickstart:dp:x"}, "config='quickstart:dp:x' is invalid"),
+    ({"config": "mnist_scaffold"}, "method='scaffold'"),
+])
+def test_bad_run_config_is_refused_by_name(run_config, match):
+  with pytest.raises(ValueError, match=match):
+    settings.run_settings(run_config)
+
+
+def test_bad_config_values_fail_the_experiments_validation():
+  from experiments import validation
+  with pytest.raises(validation.ConfigError, match="client.ipc=0 is invalid"):
+    settings.run_settings({"config": "quickstart:dp", "overrides": "client.ipc=0"})
+
+
+@pytest.mark.parametrize("node_config, match", [
+    ({"num-partitions": 5}, "partition-id is missing"),
+    ({"partition-id": 5, "num-partitions": 5}, r"partition-id=5 is invalid; allowed: an "
+                                               r"integer in \[0, 4\]"),
+    ({"partition-id": 0, "num-partitions": 4}, "num-partitions=4 is invalid; allowed: 5"),
+    ({"partition-id": 0, "num-partitions": 5, "data-path": "/no/such.npz"}, "data-path="),
+    ({"partition-id": 0, "num-partitions": 5, "max-epsilon": 0}, "max-epsilon=0 is invalid"),
+    ({"partition-id": 0, "num-partitions": 5, "gpu": 1}, r"keys \['gpu'\] are unknown"),
+])
+def test_bad_node_config_is_refused_by_name(node_config, match):
+  run = settings.run_settings({"config": "quickstart:dp"})
+  with pytest.raises(settings.SettingsError, match=match):
+    settings.node_settings(node_config, run)
+
+
+def test_app_pyproject_lists_every_run_config_key():
+  tomllib = pytest.importorskip("tomllib")
+  from fedlap_flower.federation import APP_DIR
+  with open(APP_DIR / "pyproject.toml", "rb") as f:
+    app = tomllib.load(f)["tool"]["flwr"]["app"]
+  assert app["config"] == settings.RUN_CONFIG_DEFAULTS
+  assert app["components"] == {"serverapp": "fedlap_flower.server_app:app",
+                               "clientapp": "fedlap_flower.client_app:app"}
+
+
+# ----------------------------------------------------------------------------
+# The client's state directory.
+# ----------------------------------------------------------------------------
+
+# T = 1: one RDP computation per round keeps these tests fast.
+PRIVACY = dict(noise_multiplier=1.0, batch_size=64, min_client_size=274, steps_per_round=1,
+               delta=1e-5)
+FINGERPRINT = {"data": "partition", "index": 0, "num_records": 274}
+
+
+def test_ledger_is_spent_before_use_persisted_and_restored(tmp_path):
+  state = ledger_lib.ClientState(tmp_path / "c0")
+  led = state.ledger(FINGERPRINT, **PRIVACY)
+  eps1 = state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 1})
+  eps2 = state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 2})
+  ref = accounting.PrivacyLedger(**PRIVACY)
+  assert (eps1, eps2) == (ref.record_round(), ref.record_round())
+  # A new process (a restarted SuperNode) finds the same ledger on disk.
+  again = ledger_lib.ClientState(tmp_path / "c0").ledger(FINGERPRINT, **PRIVACY)
+  assert again.rounds == 2 and again.epsilon == eps2
+  assert [h["server_round"] for h in state.history()] == [1, 2]
+  # Refused: the epsilon *after* the round would pass the cap; nothing is recorded.
+  before = (tmp_path / "c0" / ledger_lib.LEDGER_FILE).read_text()
+  with pytest.raises(ledger_lib.BudgetExceeded, match="above the client's max-epsilon=4"):
+    state.spend(again, FINGERPRINT, 1, 4.0, {"server_round": 3})  # 3.74 -> 4.25
+  assert (tmp_path / "c0" / ledger_lib.LEDGER_FILE).read_text() == before
+  assert again.rounds == 2
+
+
+def test_ledger_refuses_other_records_other_settings_and_tampering(tmp_path):
+  state = ledger_lib.ClientState(tmp_path)
+  led = state.ledger(FINGERPRINT, **PRIVACY)
+  state.spend(led, FINGERPRINT, 1, 100.0, {})
+  with pytest.raises(ledger_lib.LedgerError, match="accounts for other records"):
+    state.ledger({**FINGERPRINT, "index": 1}, **PRIVACY)
+  with pytest.raises(ledger_lib.LedgerError, match="noise_multiplier: stored 1.0 vs now 2.0"):
+    state.ledger(FINGERPRINT, **{**PRIVACY, "noise_multiplier": 2.0})
+  # Another T per round composes (the ledger stores T per round).
+  assert state.ledger(FINGERPRINT, **{**PRIVACY, "steps_per_round": 2}).rounds == 1
+  path = tmp_path / ledger_lib.LEDGER_FILE
+  stored = json.loads(path.read_text())
+  stored["ledger"]["epsilons"][0] /= 2
+  path.write_text(json.dumps(stored))
+  with pytest.raises(ledger_lib.LedgerError, match="tampered"):
+    state.ledger(FINGERPRINT, **PRIVACY)
+  path.write_text("{not json")
+  with pytest.raises(ledger_lib.LedgerError, match="not valid JSON"):
+    state.ledger(FINGERPRINT, **PRIVACY)
+
+
+def test_secret_key_is_created_once_private_and_different_per_client(tmp_path):
+  a = ledger_lib.ClientState(tmp_path / "a")
+  k1, k2 = a.secret_key(), ledger_lib.ClientState(tmp_path / "a").secret_key()
+  kb = ledger_lib.ClientState(tmp_path / "b").secret_key()
+  import jax
+  assert (jax.random.key_data(k1) == jax.random.key_data(k2)).all()
+  assert not (jax.random.key_data(k1) == jax.random.key_data(kb)).all()
+  assert stat.S_IMODE(os.stat(tmp_path / "a" / ledger_lib.SECRET_FILE).st_mode) == 0o600
+
+
+# ----------------------------------------------------------------------------
+# The protocol end to end, in process.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
+  """Without DP the server sends fedlap_round's keys: every number is the same."""
+  rc = _run_config(tmp_path, "quickstart:nondp")
+  records, grid = run_inprocess(rc)
+  ref = reference_run("quickstart:nondp", TINY, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2]
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["server_radius"] == want["server_radius"]
+    assert [got["client_radius"][str(k)] for k in range(5)] == want["client_radius"]
+    assert got["server_steps"] == want["server_steps"]
+    assert got["epsilon"] is None and got["clients_ok"] == [0, 1, 2, 3, 4]
+  # Bytes: 5 synthetic sets of 20 8x8x1 float32 images + labels + masks per round.
+  assert records[0]["upload_bytes"] == 5 * (20 * 64 * 4 + 20 * 4 + 20)
+  assert records[0]["model_bytes"] > 5 * records[0]["upload_bytes"] / 5
+  reply = grid.replies[0]
+  assert reply.content["metrics"]["num-examples"] > 0  # non-DP clients report N_k
+
+
+@pytest.mark.slow
+def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
+  """Test-only mode: DP clients draw from the server's keys -> bit-equal to experiments.run."""
+  monkeypatch.setenv(settings.UNSAFE_ENV, "1")
+  rc = _run_config(tmp_path, "quickstart:dp", **{"unsafe-dp-keys-from-server": True,
+                                                 "max-epsilon": 50.0})
+  records, _ = run_inprocess(rc)
+  ref = reference_run("quickstart:dp", TINY, tmp_path / "ref")
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    # experiments.run accounts with min_k N_k: the largest client epsilon.
+    assert got["epsilon"] == want["epsilon"]
+
+
+@pytest.mark.slow
+def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path, monkeypatch):
+  monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
+  rc = _run_config(tmp_path, "quickstart:dp", **{"max-epsilon": 50.0})
+  # experiments.run's debugging switch for raw statistics never reaches the wire.
+  rc["overrides"] += " debug_nonprivate_stats=True"
+  records, grid = run_inprocess(rc)
+  # Secret keys: a second federation with fresh state directories (new secrets) differs.
+  records2, _ = run_inprocess({**rc, "state-root": str(tmp_path / "state2"),
+                               "run-dir": str(tmp_path / "run2")})
+  assert all(r["clients_ok"] == [0, 1, 2, 3, 4] for r in records + records2)
+  assert records[-1]["test_loss"] != records2[-1]["test_loss"]
+  # No key reaches a DP client; replies carry only the allowed metrics.
+  assert all("key-clients" not in m.content["config"] for m in grid.sent)
+  for reply in grid.replies:
+    assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS, reply.content["metrics"]
+    assert reply.content["status"]["keys"] == "client"
+  # Each client's ledger: its own N_k, both rounds, the epsilons it reported.
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  for k in range(5):
+    state = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp" / f"client-{k}")
+    hist = state.history()
+    assert [h["server_round"] for h in hist] == [1, 2]
+    mine = [r["metrics"]["epsilon"] for r in reports if r["partition_id"] == k]
+    assert mine == [h["epsilon"] for h in hist]
+  # Each client accounts with its own N_k; the largest epsilon (the smallest client's)
+  # is experiments.run's, which accounts every client with q = B / min_k N_k.
+  from experiments import data as data_lib
+  cfg, _ = settings.load_config("quickstart:dp", TINY)
+  sizes = [len(i) for i in data_lib.client_split(data_lib.load_dataset(cfg.data), cfg.data,
+                                                 cfg.seed)]
+  steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
+  for k, n in enumerate(sizes):
+    own = accounting.PrivacyLedger(noise_multiplier=1.0, batch_size=64, min_client_size=n,
+                                   steps_per_round=steps, delta=1e-5)
+    assert records[0]["epsilon_per_client"][str(k)] == own.record_round()
+  assert records[0]["epsilon"] == max(records[0]["epsilon_per_client"].values())
+
+
+@pytest.mark.slow
+def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
+  rc = _run_config(tmp_path, "quickstart:dp")
+  rc["overrides"] = TINY.replace("rounds=2", "rounds=3")
+  # Round 1 costs 2.96..3.00 (T = 1 step); round 2 would reach 3.66..3.74: a cap of 3.5
+  # lets round 1 through and refuses round 2 on every client.
+  nodes = node_configs(**{"max-epsilon": 3.5})
+  with pytest.raises(strategy.TooFewClients, match="0 usable client replies, fewer than "
+                                                   "min-clients=5"):
+    run_inprocess(rc, nodes)
+  recs = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+  assert [r["round"] for r in recs] == [1, 2] and "stopped" in recs[1]
+  assert recs[1]["clients_refused"] == [0, 1, 2, 3, 4]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  refused = [r for r in reports if r["round"] == 2]
+  assert all(r["status"] == "refused" and "above the client's max-epsilon=3.5" in r["reason"]
+             for r in refused)
+  assert all(r["metrics"]["epsilon-after"] > 3.5 >= r["metrics"]["epsilon"] for r in refused)
+  for k in range(5):  # the refused round was never recorded
+    hist = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp" / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == [1]
+
+
+@pytest.mark.slow
+def test_unsafe_server_keys_need_the_clients_consent(tmp_path, monkeypatch):
+  monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
+  rc = _run_config(tmp_path, "quickstart:dp", **{"unsafe-dp-keys-from-server": True,
+                                                 "max-epsilon": 50.0, "min-clients": 1})
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc)
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  assert {r["status"] for r in reports} == {"refused"}
+  assert all(settings.UNSAFE_ENV in r["reason"] for r in reports)
+  assert not (tmp_path / "state").exists() or not any((tmp_path / "state").rglob("*.json"))
+
+
+@pytest.mark.slow
+def test_missing_and_failing_clients_are_logged_and_the_rest_aggregate(tmp_path):
+  rc = _run_config(tmp_path, "quickstart:nondp", **{"min-clients": 3})
+
+  def hook(grid):
+    grid.silent.add(105)                                    # partition 4: crashed
+    grid.contexts[104].node_config["data-path"] = "/nope"   # partition 3: raises
+  records, _ = run_inprocess(rc, grid_hook=hook)
+  assert all(r["clients_ok"] == [0, 1, 2] for r in records)
+  assert records[0]["clients_missing"] == ["node 105"]
+  assert records[0]["clients_error"] == ["node 104"]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  err = [r for r in reports if r["status"] == "error"][0]
+  assert "data-path='/nope' is invalid" in err["reason"]
+  assert np.isfinite(records[-1]["test_accuracy"])
+
+
+@pytest.mark.slow
+def test_fedavg_baseline_runs_through_flowers_fedavg(tmp_path):
+  """method=fedavg: Flower's own FedAvg strategy, the clients' local SGD, the same log."""
+  rc = _run_config(tmp_path, "quickstart:nondp",
+                   overrides="method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128")
+  records, grid = run_inprocess(rc)
+  weights = np.array([r.content["metrics"]["num-examples"] for r in grid.replies], np.float64)
+  assert sorted(r.content["metrics"]["partition-id"] for r in grid.replies) == [0, 1, 2, 3, 4]
+  with np.load(tmp_path / "run" / "final_params.npz") as f:
+    final = dict(f)
+  for name, value in final.items():
+    arrays = [r.content["arrays"][name.replace(".", "/")].numpy() for r in grid.replies]
+    mean = sum(w * a for w, a in zip(weights / weights.sum(), arrays))
+    np.testing.assert_allclose(value, mean, rtol=1e-5, atol=1e-7)
+    assert not np.array_equal(arrays[0], arrays[1])  # the clients trained on their own data
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
+  assert records[0]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
+  """The server cannot switch DP off for a client that set its own budget."""
+  rc = _run_config(tmp_path, "quickstart:nondp", **{"min-clients": 1})
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc, node_configs(**{"max-epsilon": 8.0}))
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  assert {r["status"] for r in reports} == {"refused"}
+  assert all("takes part in DP runs only" in r["reason"] for r in reports)
+
+
+def test_readme_flower_commands_use_flags_the_installed_flower_has():
+  """Every --flag of the README's Flower commands exists in Flower 1.42's CLIs."""
+  import pathlib
+  import re
+  import subprocess
+  import sys
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  section = readme.split("## Running across machines with Flower", 1)[1].split("\n## ", 1)[0]
+  commands = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+              for line in block.splitlines()
+              if line.startswith(("flower-superlink", "flower-supernode", "flwr run"))]
+  assert {c.split(" --")[0].split(" ")[0] for c in commands} >= {"flower-superlink",
+                                                                 "flower-supernode"}
+  bin_dir = pathlib.Path(sys.executable).parent
+  for command in commands:
+    program = ["flwr", "run"] if command.startswith("flwr run") else [command.split()[0]]
+    help_text = subprocess.run([str(bin_dir / program[0]), *program[1:], "--help"],
+                               capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "COLUMNS": "200"}).stdout
+    for flag in re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", command):
+      assert flag in help_text, (program, flag)
+
+
+@pytest.mark.slow
+def test_clients_with_their_own_data_files(tmp_path):
+  """data-path: each client holds only its own records (here digits as 8x8 uint8 'mnist')."""
+  from experiments import data as data_lib
+  digits = data_lib.load_digits()
+  x_train, y_train, x_test, y_test = ((a * 255).round().astype(np.uint8) if a.ndim == 4 else a
+                                      for a in digits)
+  np.savez(tmp_path / "server.npz", x_train=x_train, y_train=y_train, x_test=x_test,
+           y_test=y_test)
+  parts = data_lib.partition(y_train, num_clients=5, scheme="paper", num_classes=10)
+  nodes = {}
+  for k, idx in enumerate(parts):
+    # 283 records each (the smaller clients repeat some): the shapes of the padded
+    # partitions, so the compiled round of the other DP tests serves these clients too.
+    idx = np.resize(idx, 283)
+    np.savez(tmp_path / f"site{k}.npz", x_train=x_train[idx], y_train=y_train[idx])
+    nodes[101 + k] = {"partition-id": k, "num-partitions": 5, "max-epsilon": 50.0,
+                      "data-path": str(tmp_path / f"site{k}.npz")}
+  overrides = (TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
+               f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}")
+  rc = _run_config(tmp_path, "quickstart:dp", overrides=overrides)
+  records, _ = run_inprocess(rc, nodes)
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[0]["test_accuracy"] > 0
+  stored = json.loads((tmp_path / "state" / "quickstart_dp" / "client-3" /
+                       ledger_lib.LEDGER_FILE).read_text())
+  assert stored["fingerprint"]["data"] == "own" and stored["fingerprint"]["num_records"] == 283
+  assert len(stored["fingerprint"]["sha256"]) == 64
+  # Statistics of a split (here quickstart:dp's test_split) are not the client's to compute:
+  # it would normalise differently from the server's test split.
+  bad = _run_config(tmp_path / "bad", "quickstart:dp", overrides=overrides.replace(
+      "normalisation=published", "normalisation=test_split"), **{"min-clients": 1})
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(bad, nodes)
+  reasons = [r["reason"] for r in
+             json.loads((tmp_path / "bad" / "run" / "client_reports.json").read_text())]
+  assert len(reasons) == 5 and all(
+      "data-path needs a fixed normalisation; data.normalisation='test_split' is invalid" in r
+      for r in reasons), reasons
+
+
+def test_settings_errors_are_config_errors_naming_the_key():
+  import fedlap_jax
+  run = settings.run_settings({"config": "quickstart:dp"})
+  with pytest.raises(fedlap_jax.ConfigError) as err:
+    settings.node_settings({"partition-id": 9, "num-partitions": 5}, run)
+  assert (err.value.field, err.value.value) == ("partition-id", 9)
+  with pytest.raises(fedlap_jax.ConfigError) as err:
+    settings.run_settings({"config": "quickstart:dp", "overrides": "client.ipc=x"})
+  assert err.value.field == "client.ipc"
+  # An unknown config name is the run config's 'config' key, not experiments.run's --config.
+  with pytest.raises(fedlap_jax.ConfigError) as err:
+    settings.run_settings({"config": "nosuch"})
+  assert (err.value.field, err.value.value) == ("config", "nosuch")
+  assert "config='nosuch' is invalid: no experiments/configs/nosuch.py" in str(err.value)
+
+
+def test_dp_runs_never_weight_by_the_clients_record_counts():
+  """A DP client does not release N_k: the settings refuse size weighting under DP."""
+  from experiments import validation
+  run = settings.run_settings({"config": "quickstart:dp", "overrides": "server.weighting=None"})
+  assert validation.to_fedlap_config(run.cfg).server.weighting == "uniform"
+  with pytest.raises(validation.ConfigError) as err:
+    settings.run_settings({"config": "quickstart:dp", "overrides": "server.weighting=size"})
+  assert err.value.field == "server.weighting"

@@ -1,0 +1,123 @@
+"""Flower's two engines with real processes: simulation (Ray) and deployment (SuperLink + SuperNodes).
+
+Each test starts its own processes on free localhost ports through
+:class:`fedlap_flower.federation.Federation`, whose exit always stops them
+(SIGTERM, then SIGKILL of each process group), and bounds every wait.
+Insecure HTTP on loopback only (CI runs the suite under ``unshare -n`` with
+``lo`` up).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from flower_harness import TINY, read_jsonl, reference_run
+from fedlap_flower import ledger as ledger_lib
+from fedlap_flower.federation import Federation
+from fedlap_flower import settings
+from fedlap_jax import accounting
+
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
+
+
+def _loopback_up() -> bool:
+  try:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      s.listen(1)
+      with socket.create_connection(s.getsockname(), timeout=2):
+        return True
+  except OSError:
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _need_loopback():
+  if not _loopback_up():
+    pytest.skip("loopback networking is down: SuperLink and SuperNodes cannot talk")
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+  """One persistent compilation cache for the ClientApp processes of this module."""
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def test_simulation_engine_equals_experiments_run(tmp_path, jax_cache):
+  """``flwr run`` on the simulation engine, 5 virtual clients: experiments.run's numbers."""
+  run_dir = tmp_path / "run"
+  with Federation(tmp_path / "fed", simulation=True,
+                  env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
+    run_id = fed.run({"config": "quickstart:nondp", "overrides": TINY,
+                      "run-dir": str(run_dir), "round-timeout": 300.0}, num_supernodes=5)
+    status = fed.wait(run_id, timeout=420)
+    assert status == "finished:completed", fed.logs(run_id)[-4000:]
+  got = read_jsonl(run_dir / "metrics.jsonl")
+  want = reference_run("quickstart:nondp", TINY, tmp_path / "ref")
+  assert [r["round"] for r in got] == [1, 2]
+  for g, w in zip(got, want):
+    assert g["clients_ok"] == [0, 1, 2, 3, 4]
+    assert (g["test_accuracy"], g["test_loss"]) == (w["test_accuracy"], w["test_loss"])
+    assert g["server_radius"] == w["server_radius"]
+
+
+def _wait_for(predicate, timeout: float, what: str, fed: Federation):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    time.sleep(0.5)
+  raise TimeoutError(f"{what} did not happen within {timeout} s; superlink log: "
+                     f"{fed.log_tail('superlink.log')}")
+
+
+def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
+  """SuperLink + 5 SuperNode processes, FedLAP-DP with client-secret keys, 3 rounds.
+
+  SuperNode 4 is killed (SIGKILL) during round 2, after its ledger recorded the
+  round: the server finishes round 2 with the other four (min-clients=4) and
+  logs the loss; the restarted SuperNode finds its ledger on disk, and round 3
+  charges it on top: rounds 1, 2 (spent, never delivered) and 3.
+  """
+  run_dir = tmp_path / "run"
+  states = {k: tmp_path / f"client-{k}" for k in range(5)}
+  overrides = TINY.replace("rounds=2", "rounds=3")
+  with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
+    for k in range(5):
+      fed.start_supernode(k, {"partition-id": k, "num-partitions": 5,
+                              "state-dir": str(states[k]), "max-epsilon": 10.0})
+    run_id = fed.run({"config": "quickstart:dp", "overrides": overrides,
+                      "run-dir": str(run_dir), "min-clients": 4, "round-timeout": 300.0})
+    ledger4 = ledger_lib.ClientState(states[4])
+    _wait_for(lambda: [h["server_round"] for h in ledger4.history()] == [1, 2], 420,
+              "client 4 spending round 2", fed)
+    fed.kill_supernode(4)
+    fed.start_supernode(4)  # same node config: the same state directory
+    status = fed.wait(run_id, timeout=420)
+    assert status == "finished:completed", fed.logs(run_id)[-4000:]
+
+  recs = read_jsonl(run_dir / "metrics.jsonl")
+  assert [r["clients_ok"] for r in recs] == [[0, 1, 2, 3, 4], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+  lost = [r for r in json.loads((run_dir / "client_reports.json").read_text())
+          if r["round"] == 2 and r["status"] != "ok"]
+  assert len(lost) == 1 and lost[0]["status"] in ("missing", "error"), lost
+  # Every ledger restores (recomputing its epsilons); client 4's holds 3 rounds.
+  cfg, _ = settings.load_config("quickstart:dp", overrides)
+  steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
+  for k in range(5):
+    state = ledger_lib.ClientState(states[k])
+    hist = state.history()
+    assert [h["server_round"] for h in hist] == [1, 2, 3], (k, hist)
+    assert all(h["keys"] == "client" for h in hist)
+    stored = json.loads((states[k] / ledger_lib.LEDGER_FILE).read_text())
+    led = accounting.PrivacyLedger.from_dict(stored["ledger"])
+    fresh = accounting.PrivacyLedger(**{**led.privacy_fields(), "steps_per_round": steps})
+    assert led.epsilons == [fresh.record_round() for _ in range(3)]
+  # Round 3: client 4 reports the epsilon of its third round.
+  assert recs[2]["epsilon_per_client"]["4"] == ledger_lib.ClientState(states[4]).history()[2][
+      "epsilon"]
+  assert "4" not in recs[1]["epsilon_per_client"]
