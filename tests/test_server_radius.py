@@ -304,3 +304,27 @@ def test_evaluate_is_independent_of_the_chunk_size(tiny_apply_fn, tiny_params, c
   kept = np.asarray(mask)
   sub = training.evaluate(tiny_apply_fn, tiny_params, x[kept], y[kept])
   np.testing.assert_allclose(sub.loss, ref.loss, rtol=1e-5)
+
+
+def test_server_momentum_and_weight_decay_are_pytorch_sgd(linear_apply_fn, linear_params, union):
+  """Two full-batch epochs of ``global_update`` with momentum m and decay wd, by hand (PyTorch SGD)."""
+  lr, m, wd = 0.1, 0.9, 5e-3
+  cfg = ServerConfig(radius_strategy="fixed", batch_size=16, max_epochs=2, dsa_strategy="",
+                     weighting="uniform", momentum=m, weight_decay=wd)
+  params, metrics = server.global_update(jax.random.PRNGKey(0), linear_apply_fn, linear_params,
+                                         union, jnp.ones(2), jnp.inf, learning_rate=lr, config=cfg)
+  x, y = union.x.reshape(-1, 8, 8, 1), union.y.reshape(-1)
+  grad = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x), y)))
+  w, buf = linear_params, None
+  for _ in range(2):
+    d = jax.tree.map(lambda g, p: g + wd * p, grad(w), w)
+    buf = d if buf is None else jax.tree.map(lambda b, di: m * b + di, buf, d)
+    w = jax.tree.map(lambda p, b: p - lr * b, w, buf)
+  chex.assert_trees_all_close(params, w, atol=1e-6)
+  assert int(metrics.epochs) == 2 and int(metrics.steps) == 2
+  # Plain SGD (the FedLAP server) is the default: momentum and decay 0.
+  assert (ServerConfig().momentum, ServerConfig().weight_decay) == (0.0, 0.0)
+  with pytest.raises(ValueError, match="server.momentum=1.0 is invalid"):
+    ServerConfig(momentum=1.0)
+  with pytest.raises(ValueError, match="server.weight_decay=-1.0 is invalid"):
+    ServerConfig(weight_decay=-1.0)
