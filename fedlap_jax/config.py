@@ -35,11 +35,18 @@ from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, o
 
 BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
 DP_BASELINE_METHODS = ("dp_fedavg", "dp_fedprox")
-METHODS = ("fedlap",) + BASELINE_METHODS
+# Synthetic-data comparison systems: FedDM (fedlap_jax.feddm) and the one-shot
+# condensation methods DSC and PSG (fedlap_jax.condensation).
+ONE_SHOT_METHODS = ("dsc", "dsc_centralized", "psg")
+DP_ONE_SHOT_METHODS = ("psg",)
+SYNTHETIC_METHODS = ("feddm",) + ONE_SHOT_METHODS
+METHODS = ("fedlap",) + BASELINE_METHODS + SYNTHETIC_METHODS
 # Display names, keyed by FederatedAlgorithm.name (FedLAP with DP is "fedlap_dp").
 METHOD_LABELS = {"fedlap": "FedLAP", "fedlap_dp": "FedLAP-DP", "fedavg": "FedAvg",
                  "fedprox": "FedProx", "fedsgd": "FedSGD", "scaffold": "SCAFFOLD",
-                 "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx"}
+                 "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx", "feddm": "FedDM",
+                 "dsc": "DSC federated", "dsc_centralized": "DSC centralized",
+                 "psg": "PSG"}
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
@@ -196,6 +203,9 @@ class ServerConfig:
     max_epochs: epoch cap (100).
     weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3).
     dsa_strategy: DSA families for server steps.
+    momentum: SGD momentum of the server's optimiser (0: plain SGD, FedLAP).
+    weight_decay: L2 weight decay added to the gradient (0 for FedLAP; FedDM,
+      DSC and PSG train their server model with momentum 0.9, decay 5e-4).
   """
 
   radius_strategy: str = "min"
@@ -203,6 +213,8 @@ class ServerConfig:
   max_epochs: int = 100
   weighting: str = "size"
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
+  momentum: float = 0.0
+  weight_decay: float = 0.0
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -210,6 +222,10 @@ class ServerConfig:
     positive_int("server.max_epochs", self.max_epochs)
     one_of("weighting", self.weighting, WEIGHTINGS)
     dsa_strategy("server.dsa_strategy", self.dsa_strategy)
+    require(is_real(self.momentum) and 0 <= self.momentum < 1, "server.momentum",
+            self.momentum, "a number in [0, 1)")
+    require(is_real(self.weight_decay) and self.weight_decay >= 0, "server.weight_decay",
+            self.weight_decay, "a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
