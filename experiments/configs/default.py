@@ -6,10 +6,12 @@ a few fields; any field can be overridden on the command line, e.g.
 
 Sections:
 
-* top level: ``method`` (``fedlap`` or a baseline: ``fedavg``, ``fedprox``,
-  ``fedsgd``, ``scaffold``, ``dp_fedavg``, ``dp_fedprox``), ``seed``, ``rounds``
-  (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule),
-  ``synthetic_init`` and run-time options (checkpoints, plots, evaluation).
+* top level: ``method`` (``fedlap``, a baseline: ``fedavg``, ``fedprox``,
+  ``fedsgd``, ``scaffold``, ``dp_fedavg``, ``dp_fedprox``, or a synthetic-data
+  system: ``feddm``, ``dsc``, ``dsc_centralized``, ``psg``), ``seed``,
+  ``rounds`` (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule; the
+  server's constant rate for FedDM / DSC / PSG), ``synthetic_init`` and run-time
+  options (checkpoints, plots, evaluation).
 * ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``), partition.
 * ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
 * ``client`` / ``server`` / ``dp``: one-to-one with
