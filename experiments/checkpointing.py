@@ -32,11 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import faults
 from fedlap_jax.types import PyTree
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-  """Writes ``obj`` as JSON to ``path`` via a temporary file and ``os.replace``."""
+def write_json_atomic(path: str | os.PathLike, obj, *, fault_round: int | None = None) -> None:
+  """Writes ``obj`` as JSON to ``path`` via a temporary file and ``os.replace``.
+
+  ``fault_round``: the round this write belongs to, for the ``ledger`` point of
+  :mod:`experiments.faults` (fired between the temporary file and the replace).
+  """
   path = Path(path)
   tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
   with open(tmp, "w") as f:
@@ -44,7 +49,28 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
     f.write("\n")
     f.flush()
     os.fsync(f.fileno())
+  if fault_round is not None:
+    faults.point("ledger", fault_round)
   os.replace(tmp, path)
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+  """Creates ``directory`` if needed and writes, syncs and removes a probe file in it.
+
+  Raises:
+    NotADirectoryError: ``directory`` (or a parent) is an existing file.
+    OSError: it cannot be created or written (read-only, immutable, no space).
+  """
+  directory = Path(directory)
+  if directory.exists() and not directory.is_dir():
+    raise NotADirectoryError(f"{directory} is an existing file, not a directory")
+  directory.mkdir(parents=True, exist_ok=True)
+  probe = directory / f".write_probe{os.getpid()}"
+  with open(probe, "w") as f:
+    f.write("probe\n")
+    f.flush()
+    os.fsync(f.fileno())
+  probe.unlink()
 
 
 def _json_default(o):
@@ -187,13 +213,33 @@ class Checkpointer:
     return list(self._manager.all_steps())
 
   def save(self, round_index: int, state: PyTree, meta: dict) -> None:
-    """Saves ``state`` and the JSON ``meta`` as checkpoint ``round_index`` (atomic)."""
+    """Saves ``state`` and the JSON ``meta`` as checkpoint ``round_index`` (atomic).
+
+    The ``meta`` item is written after the ``state`` item; the ``checkpoint``
+    point of :mod:`experiments.faults` fires in between.
+    """
     ocp = self._ocp
     meta = json.loads(json.dumps(meta, default=_json_default))
-    self._manager.save(int(round_index), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(flatten_state(state)),
-        meta=ocp.args.JsonSave(meta)), force=True)
-    self._manager.wait_until_finished()
+    with faults.inside("checkpoint", round_index, ocp.handlers.JsonCheckpointHandler,
+                       "async_save"):
+      self._manager.save(int(round_index), args=ocp.args.Composite(
+          state=ocp.args.StandardSave(flatten_state(state)),
+          meta=ocp.args.JsonSave(meta)), force=True)
+      self._manager.wait_until_finished()
+
+  def set_aside(self, round_index: int, destination: str | os.PathLike) -> Path:
+    """Moves checkpoint ``round_index`` (e.g. a damaged one) to ``destination/<round>``
+    (``.1``, ``.2``, ... appended if taken); returns the new path. Nothing is deleted."""
+    destination = Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    target = destination / str(int(round_index))
+    n = 0
+    while target.exists():
+      n += 1
+      target = destination / f"{int(round_index)}.{n}"
+    os.replace(self.directory / str(int(round_index)), target)
+    self._manager.reload()
+    return target
 
   def read_meta(self, round_index: int) -> dict:
     """The JSON ``meta`` item of checkpoint ``round_index`` alone (no arrays read)."""

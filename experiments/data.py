@@ -15,11 +15,21 @@ Sources (``config.data.source``):
 * ``sklearn``: scikit-learn's bundled ``digits`` (8x8x1, real, offline), split
   into 1,400 train / 397 test records (stratified, fixed seed 0).
 
-Normalisation: the paper's constants for MNIST (0.1307 / 0.3081), Fashion-MNIST
-(0.2861 / 0.3530) and CIFAR-10 (per channel); ``digits`` and ``custom`` data
-are standardised per channel with the mean and std of their training split.
-Images are kept as stored (uint8 pixels stay uint8, also on the device) and
-normalised batch by batch as they are read (:class:`Dataset`).
+Normalisation (``config.data.normalisation``), per channel, of pixels in [0, 1]:
+
+* ``published``: the paper's constants for MNIST (0.1307 / 0.3081),
+  Fashion-MNIST (0.2861 / 0.3530) and CIFAR-10 (per channel);
+* ``given``: ``data.mean`` and ``data.std`` as the user supplies them;
+* ``test_split``: the mean and std of the (public) test split;
+* ``train_split``: the mean and std of the training split, i.e. of the
+  clients' private records. Not allowed with DP: one record changes them, and
+  they reach every released synthetic image, outside the accountant.
+* ``auto`` (default): ``published`` where the dataset has constants, else
+  ``train_split`` (so DP runs on ``digits`` / ``custom`` must choose).
+
+Every loader rejects non-finite pixels and empty arrays. Images are kept as
+stored (uint8 pixels stay uint8, also on the device) and normalised batch by
+batch as they are read (:class:`Dataset`).
 
 Partitions (``config.data.partition``): ``paper`` (client ``i`` owns every
 record of classes ``order[c*i : c*(i+1)]`` with the paper's order
@@ -36,6 +46,7 @@ import functools
 import os
 import socket
 import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +71,9 @@ DOWNLOAD_HOSTS = {
     "fashion_mnist": ("fashion-mnist.s3-website.eu-central-1.amazonaws.com", 80),
     "cifar10": ("www.cs.toronto.edu", 443),
 }
+NORMALISATIONS = ("auto", "published", "given", "test_split", "train_split")
+# Sources of mean/std that do not read the clients' records (allowed under DP).
+DP_SAFE_NORMALISATIONS = ("published", "given", "test_split")
 DIGITS_TEST_SIZE = 397
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
@@ -86,6 +100,8 @@ class Dataset:
     num_classes: number of classes.
     mean, std: ``(C,)`` float32, the normalisation of pixels in [0, 1]
       (``(pixel - mean) / std``; ``x * std + mean`` undoes it).
+    normalisation: where ``mean`` / ``std`` come from: ``published``,
+      ``given``, ``test_split`` or ``train_split`` (see the module docstring).
 
   Derived: ``pixel_max`` (255 for uint8 images, else 1) and ``pixel_scale``,
   ``pixel_offset``, ``(C,)`` float32, the same normalisation applied to stored
@@ -100,6 +116,7 @@ class Dataset:
   num_classes: int
   mean: np.ndarray
   std: np.ndarray
+  normalisation: str = "published"
 
   @property
   def pixel_max(self) -> float:
@@ -204,8 +221,7 @@ def load_tfds(name: str, *, data_dir: str | None = None, cache_dir: str = "",
                      f"allowed: one of {TFDS_DATASETS}")
   cache = _cache_path(cache_dir, name)
   if cache is not None and cache.exists():
-    with np.load(cache) as f:
-      return tuple(f[k] for k in NPZ_KEYS)
+    return _read_npz(cache, f"the cached copy of {name} ({cache}; delete it to download again)")
 
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   kwargs = dict(split=["train", "test"], as_supervised=True, data_dir=data_dir or None)
@@ -229,17 +245,31 @@ def load_tfds(name: str, *, data_dir: str | None = None, cache_dir: str = "",
   return x_train, y_train, x_test, y_test
 
 
+def _read_npz(path, what: str):
+  """``(x_train, y_train, x_test, y_test)`` of an npz file; one-line errors naming ``what``."""
+  try:
+    f = np.load(path, allow_pickle=False)
+    if not isinstance(f, np.lib.npyio.NpzFile):
+      raise ValueError("it holds a single .npy array")
+    with f:
+      missing = [k for k in NPZ_KEYS if k not in f.files]
+      if missing:
+        raise ValueError(f"missing arrays {missing} (has {sorted(f.files)})")
+      return tuple(np.asarray(f[k]) for k in NPZ_KEYS)
+  except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "pickle" in detail:  # numpy's advice to allow pickles does not apply here
+      detail = "not a NumPy .npz archive, or it holds object arrays"
+    raise ValueError(f"{what} is invalid: {detail}; allowed: an .npz written by numpy.savez "
+                     f"holding the numeric arrays {list(NPZ_KEYS)}") from None
+
+
 def load_npz(path: str):
   """Reads ``x_train, y_train, x_test, y_test`` from an npz file and checks them."""
   if not os.path.isfile(path):
     raise ValueError(f"data.source='npz:{path}' is invalid: no such file; allowed: "
                      "npz:PATH of an existing .npz with arrays x_train, y_train, x_test, y_test")
-  with np.load(path, allow_pickle=False) as f:
-    missing = [k for k in NPZ_KEYS if k not in f.files]
-    if missing:
-      raise ValueError(f"data.source='npz:{path}' is invalid: missing arrays {missing} "
-                       f"(has {sorted(f.files)}); allowed: an npz holding {list(NPZ_KEYS)}")
-    arrays = tuple(np.asarray(f[k]) for k in NPZ_KEYS)
+  arrays = _read_npz(path, f"data.source='npz:{path}'")
   x_train, y_train, x_test, y_test = arrays
   for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
     if x.ndim != 4:
@@ -284,14 +314,88 @@ def _stored(x: np.ndarray) -> np.ndarray:
   return x if x.dtype == np.uint8 else x.astype(np.float32)
 
 
+def resolve_normalisation(name: str, choice: str) -> str:
+  """``data.normalisation`` with ``auto`` resolved: ``published`` where ``name`` has
+  constants (:data:`NORMALIZATION`), else ``train_split``."""
+  if choice not in NORMALISATIONS:
+    raise ValueError(f"data.normalisation={choice!r} is invalid; allowed: one of "
+                     f"{NORMALISATIONS}")
+  if choice == "auto":
+    return "published" if name in NORMALIZATION else "train_split"
+  return choice
+
+
+def check_finite_and_nonempty(x_train, y_train, x_test, y_test) -> None:
+  """Refuses empty splits and NaN / Inf pixels, naming the array and the count.
+
+  Under DP a non-finite record would get clip factor 0 and vanish silently; a
+  non-finite test image would turn the test metrics into noise.
+  """
+  for name, a in (("x_train", x_train), ("y_train", y_train), ("x_test", x_test),
+                  ("y_test", y_test)):
+    if a.shape[0] == 0:
+      raise ValueError(f"{name} has 0 records (shape {a.shape}); allowed: at least 1 record "
+                       "in each of x_train, y_train, x_test, y_test")
+  for name, x in (("x_train", x_train), ("x_test", x_test)):
+    if np.issubdtype(x.dtype, np.floating):
+      bad = ~np.isfinite(x)
+      if bad.any():
+        records = int(bad.reshape(len(x), -1).any(axis=1).sum())
+        raise ValueError(f"{name} holds {int(bad.sum())} non-finite values (NaN or Inf) in "
+                         f"{records} of its {len(x)} records; allowed: finite pixel values")
+
+
+def _channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per-channel mean and std (std >= 1e-6) of stored images, as pixels in [0, 1]."""
+  pixel_max = _pixel_max(x)
+  mean = (x.mean(axis=(0, 1, 2), dtype=np.float64) / pixel_max).astype(np.float32)
+  std = np.maximum(x.std(axis=(0, 1, 2), dtype=np.float64) / pixel_max, 1e-6).astype(np.float32)
+  return mean, std
+
+
+def normalisation_stats(data_cfg, x_train: np.ndarray, x_test: np.ndarray):
+  """``(source, mean, std)`` of ``data_cfg.normalisation`` (see the module docstring).
+
+  Returns:
+    The resolved source name and two ``(C,)`` float32 arrays for pixels in [0, 1].
+  """
+  name, channels = data_cfg.name, x_train.shape[-1]
+  source = resolve_normalisation(name, data_cfg.get("normalisation", "auto"))
+  if source == "published":
+    if name not in NORMALIZATION:
+      raise ValueError(f"data.normalisation='published' is invalid for data.name={name!r}; "
+                       f"allowed: 'given', 'test_split' or 'train_split' (published constants "
+                       f"exist for {tuple(NORMALIZATION)})")
+    mean, std = (np.asarray(v, np.float32) for v in NORMALIZATION[name])
+    if mean.shape[0] != channels:
+      raise ValueError(f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
+                       f"have shape {x_train.shape[1:]}; allowed: images of {name}, or "
+                       "data.name='custom' for other data")
+  elif source == "given":
+    mean, std = (np.asarray(data_cfg.get(f), np.float32) for f in ("mean", "std"))
+    for field, v in (("data.mean", mean), ("data.std", std)):
+      if v.shape != (channels,):
+        raise ValueError(f"{field}={data_cfg.get(field[5:])!r} is invalid; allowed: {channels} "
+                         f"number(s), one per channel of the {x_train.shape[1:]} images")
+  elif source == "test_split":
+    mean, std = _channel_stats(x_test)
+  else:
+    mean, std = _channel_stats(x_train)
+  return source, mean, std
+
+
 def load_dataset(data_cfg) -> Dataset:
   """Loads ``data_cfg.name`` from ``data_cfg.source`` and normalises it.
 
   Args:
-    data_cfg: the ``config.data`` section (name, source, data_dir, cache_dir).
+    data_cfg: the ``config.data`` section (name, source, data_dir, cache_dir,
+      normalisation, mean, std).
 
   Returns:
     A :class:`Dataset` (images as stored with their normalisation, int32 labels).
+
+  Raises:
+    ValueError: naming the field or array, the value and what is allowed.
   """
   name = data_cfg.name
   if name not in DATASETS:
@@ -307,6 +411,7 @@ def load_dataset(data_cfg) -> Dataset:
       raise ValueError(f"data.source='sklearn' is invalid with data.name={name!r}; allowed: "
                        "data.name='digits' (the only sklearn dataset)")
     raw = load_digits()
+  check_finite_and_nonempty(*raw)
   x_train, y_train, x_test, y_test = raw
   if (x_train.dtype == np.uint8) != (x_test.dtype == np.uint8):
     raise ValueError(f"x_train has dtype {x_train.dtype} but x_test {x_test.dtype}; allowed: "
@@ -315,24 +420,13 @@ def load_dataset(data_cfg) -> Dataset:
   y_train = np.asarray(y_train).astype(np.int32)
   y_test = np.asarray(y_test).astype(np.int32)
 
-  if name in NORMALIZATION:
-    mean, std = (np.asarray(v, np.float32) for v in NORMALIZATION[name])
-    if mean.shape[0] != x_train.shape[-1]:
-      raise ValueError(f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
-                       f"have shape {x_train.shape[1:]}; allowed: images of {name}, or "
-                       "data.name='custom' for other data")
-    num_classes = 10
-  else:
-    pixel_max = _pixel_max(x_train)
-    mean = (x_train.mean(axis=(0, 1, 2), dtype=np.float64) / pixel_max).astype(np.float32)
-    std = np.maximum(x_train.std(axis=(0, 1, 2), dtype=np.float64) / pixel_max,
-                     1e-6).astype(np.float32)
-    num_classes = int(max(y_train.max(), y_test.max())) + 1
+  source, mean, std = normalisation_stats(data_cfg, x_train, x_test)
+  num_classes = 10 if name in NORMALIZATION else int(max(y_train.max(), y_test.max())) + 1
   for split, y in (("train", y_train), ("test", y_test)):
     if y.min() < 0 or y.max() >= num_classes:
       raise ValueError(f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
                        f"integers in [0, {num_classes - 1}] for data.name={name!r}")
-  return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std)
+  return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
 
 
 # ----------------------------------------------------------------------------

@@ -11,8 +11,11 @@ in ``WORKDIR/report``. Fields are overridden with ``--config.FIELD=VALUE``
 work dir defaults to ``runs/<NAME>`` (``:`` replaced by ``_``); re-running the
 same command resumes from its last checkpoint.
 
-Exit status: 0 on success, 2 for an invalid config / data / resume, 1 when a
-round produced NaN or Inf, 130 when interrupted.
+Exit status: 0 on success; 2 for bad input or damaged state (an invalid
+config, data or work dir, a resume that is refused; a one-line message); 1
+when a round produced NaN or Inf; 130 when interrupted (Ctrl-C); 143 after
+SIGTERM (the round in progress finishes and is checkpointed first). Re-running
+the same command resumes after 1, 130 and 143.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import sys
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigArgError(ValueError):
+  """``--config`` names no config file."""
 
 
 def resolve_config_arg(value: str) -> tuple[str, str]:
@@ -35,9 +42,9 @@ def resolve_config_arg(value: str) -> tuple[str, str]:
     label = name
     if not os.path.isfile(path):
       available = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
-      raise SystemExit(f"error: --config={value!r} is invalid: no experiments/configs/{name}.py; "
-                       f"allowed: one of {available} (optionally NAME:ARG), or a path to a "
-                       "config .py file")
+      raise ConfigArgError(f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
+                           f"allowed: one of {available} (optionally NAME:ARG), or a path to "
+                           "a config .py file")
   return path + sep + arg, label + (f"_{arg}" if sep and arg else "")
 
 
@@ -65,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
   argv = list(sys.argv if argv is None else argv)
-  argv, name = rewrite_argv(argv)
+  try:
+    argv, name = rewrite_argv(argv)
+  except ConfigArgError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   if name is None:
     print(__doc__, file=sys.stderr)
     print("error: --config=NAME is required", file=sys.stderr)
@@ -199,12 +210,20 @@ def run_config(config, workdir: str, name: str) -> int:
         print(f"done: {label} round {last['round']}: test accuracy "
               f"{100 * last['test_accuracy']:.2f} %{eps}; outputs in {wd} "
               f"({result['seconds']:.0f} s)")
-  except (validation.ConfigError, train.ResumeError, data_lib.DataUnavailableError) as e:
+  except (validation.ConfigError, train.ResumeError, train.WorkdirError,
+          data_lib.DataUnavailableError) as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:  # the work dir became unwritable, or the disk is full
+    print(f"error: cannot write the run's files: {e}; the last complete checkpoint in "
+          f"{workdir} is kept; fix the work dir and run the same command again", file=sys.stderr)
     return 2
   except train.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except train.Terminated as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    return 143
   except KeyboardInterrupt:
     print(f"\ninterrupted; run the same command again to resume from the last checkpoint in "
           f"{workdir}", file=sys.stderr)

@@ -22,7 +22,20 @@ from ``metrics.jsonl`` and the rounds are re-run; the round's randomness comes
 from the checkpointed key, so a re-run round reproduces the same outputs and
 spends no extra privacy. A resume whose privacy-relevant fields (sigma, C,
 delta, B, T, q, dataset, partition, clients, seed, ...) or any other
-run-defining field differ from the checkpointed run is refused.
+run-defining field differ from the checkpointed run is refused. A damaged
+checkpoint (unreadable state or metadata, an inconsistent or edited ledger) is
+moved to ``damaged_checkpoints/`` and the run falls back to the newest valid
+one, with its ledger; if none is valid the resume is refused and nothing is
+touched. SIGTERM lets the round in progress finish, saves a checkpoint and
+stops with :class:`Terminated`.
+
+What a DP run writes (the README's "Privacy guarantees and their
+assumptions"): DP outputs (synthetic sets, the model), post-processing of them
+(matching losses, trajectory lengths, server steps, test metrics), public
+facts (config, client sizes and classes, normalisation constants) and the
+ledger. Raw statistics of the clients' records (:attr:`LocalApproxMetrics.NONPRIVATE`,
+:attr:`ClientMetrics.NONPRIVATE`) are written only with
+``debug_nonprivate_stats=True``, under ``"nonprivate"`` in ``metrics.jsonl``.
 
 Outputs (in ``workdir``): ``config.json``, ``run_info.json``,
 ``metrics.jsonl``, ``privacy_ledger.json`` (DP), ``train.log``,
@@ -35,7 +48,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,12 +73,17 @@ from fedlap_jax.training import evaluate
 
 from experiments import checkpointing
 from experiments import data as data_lib
+from experiments import faults
 from experiments import validation
 
 # Fields that may change between an interrupted run and its resumption.
 RUNTIME_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
-                  "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir")
+                  "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",
+                  "debug_nonprivate_stats")
 BYTES_PER_FLOAT = 4
+# The section of a metrics record that holds raw statistics of the clients' records.
+NONPRIVATE_SECTION = "nonprivate"
+DAMAGED_DIR = "damaged_checkpoints"
 
 
 # dp_accounting's per-order convergence warnings are filtered by fedlap_jax.accounting.
@@ -95,7 +115,15 @@ class NonFiniteError(RuntimeError):
 
 
 class ResumeError(ValueError):
-  """The workdir holds a checkpoint of a different run."""
+  """The workdir holds a checkpoint of a different run, or no usable one."""
+
+
+class WorkdirError(ValueError):
+  """The work dir is a file, or cannot be created or written."""
+
+
+class Terminated(RuntimeError):
+  """SIGTERM: the round in progress finished and a checkpoint was saved."""
 
 
 # ----------------------------------------------------------------------------
@@ -290,15 +318,48 @@ def _finite_list(a) -> list:
   return [None if not math.isfinite(v) else v for v in np.asarray(a, np.float64).ravel().tolist()]
 
 
-def summarize_metrics(metrics: Any, num_clients: int) -> dict:
-  """JSON-ready summary of a round's metrics pytree.
+def _nonprivate_names(metrics: Any, prefix: str = "") -> set[str]:
+  """Dotted names of the metrics that NamedTuples declare ``NONPRIVATE``."""
+  names = set()
+  if isinstance(metrics, tuple) and hasattr(metrics, "_fields"):
+    declared = getattr(type(metrics), "NONPRIVATE", ())
+    for f in metrics._fields:
+      if f in declared:
+        names.add(prefix + f)
+      else:
+        names |= _nonprivate_names(getattr(metrics, f), f"{prefix}{f}.")
+  return names
+
+
+def summarize_metrics(metrics: Any, num_clients: int, *,
+                      private: bool = False) -> tuple[dict, dict]:
+  """JSON-ready summary of a round's metrics pytree, split by what may be released.
 
   For FedLAP (:class:`~fedlap_jax.federated.RoundMetrics`): per-client radius
   ``r_k``, mean and last matching loss over the executed while-loop
-  iterations, real accesses, clip fraction and Poisson overflow; the server's
-  radius ``r_g`` (``None`` for ``fixed``), epochs and steps. Other algorithms:
-  every leaf, per client where it has a leading ``(K,)`` axis.
+  iterations, real accesses, clip fraction, mean batch size and extra Poisson
+  chunks; the server's radius ``r_g`` (``None`` for ``fixed``), epochs and
+  steps. Other algorithms: every leaf, per client where it has a leading
+  ``(K,)`` axis.
+
+  Args:
+    private: a DP run: the metrics the library declares ``NONPRIVATE`` (raw
+      statistics of the clients' records) go to the second dict.
+
+  Returns:
+    ``(released, nonprivate)``; ``nonprivate`` is empty unless ``private``.
   """
+  out = _summarize(metrics, num_clients)
+  if not private:
+    return out, {}
+  # FedLAP's summary names its client metrics without the "client." prefix.
+  names = (set(type(metrics.client).NONPRIVATE) if isinstance(metrics, RoundMetrics)
+           else _nonprivate_names(metrics))
+  return ({k: v for k, v in out.items() if k not in names},
+          {k: v for k, v in out.items() if k in names})
+
+
+def _summarize(metrics: Any, num_clients: int) -> dict:
   out: dict[str, Any] = {}
   if isinstance(metrics, RoundMetrics):
     cm = metrics.client
@@ -324,7 +385,8 @@ def summarize_metrics(metrics: Any, num_clients: int) -> dict:
     out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
     out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
     out["clip_fraction"] = _finite_list(cm.clip_fraction)
-    out["poisson_overflow"] = np.asarray(cm.poisson_overflow).tolist()
+    out["mean_batch_size"] = _finite_list(cm.mean_batch_size)
+    out["poisson_extra_chunks"] = np.asarray(cm.poisson_extra_chunks).tolist()
     return out
   for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
     a = np.asarray(leaf)
@@ -404,6 +466,19 @@ def save_snapshot(workdir: Path, round_index: int, state, dataset) -> None:
 def write_summary(workdir: Path, config_name: str, records: list[dict], info: dict) -> None:
   """A short ``summary.md``: setting, final and best accuracy, epsilon, cost, files."""
   lines = [f"# {config_name}: {info['method_label']} on {info['dataset']}", ""]
+  notes = []
+  norm = info.get("normalisation")
+  if norm:
+    notes.append(f"- normalisation: {norm['source']} (mean {norm['mean']}, std {norm['std']})")
+  if info.get("delta") is not None:
+    notes.append("- releasable under the privacy guarantee: synthetic/, metrics.jsonl, "
+                 "privacy_ledger.json, run_info.json, summary.md, train.log and the plots; "
+                 "the seed in config.json and checkpoints/ (the PRNG key) determine every noise "
+                 "draw and must stay secret (README, \"Privacy guarantees and their assumptions\")")
+  if any(NONPRIVATE_SECTION in r for r in records):
+    notes.append(f"- WARNING: metrics.jsonl holds non-private statistics of the clients' records "
+                 f"(section \"{NONPRIVATE_SECTION}\", debug_nonprivate_stats=True), outside the "
+                 "privacy guarantee: do not release it")
   if records:
     last = records[-1]
     best = max(records, key=lambda r: r["test_accuracy"])
@@ -418,7 +493,7 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
                    f"(sigma = {info['noise_multiplier']}, C = {info['l2_clip_norm']}, "
                    f"B = {info['batch_size']}, T = {info['steps_per_round']}, "
                    f"q = {info['sampling_rate']:.4f})")
-    lines += [
+    lines += notes + [
         f"- upload: {info['upload_floats_per_client']:,} floats per client per round "
         f"({info['upload_floats_per_client'] / info['num_params']:.2f}x the "
         f"{info['num_params']:,} model parameters); {last['upload_mb']:.2f} MB in total",
@@ -431,6 +506,8 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
       eps = "-" if r.get("epsilon") is None else f"{r['epsilon']:.3f}"
       lines.append(f"| {r['round']} | {100 * r['test_accuracy']:.2f} | {r['test_loss']:.4f} "
                    f"| {eps} | {r['round_seconds']:.1f} |")
+  else:
+    lines += notes
   lines += ["", "Clients: " + ", ".join(
       f"{k}: {n} records, classes {c}" for k, (n, c) in
       enumerate(zip(info["client_sizes"], info["client_classes"]))), ""]
@@ -463,14 +540,24 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
 
   Raises:
     validation.ConfigError: invalid config or config/data mismatch.
-    ResumeError: the workdir's checkpoint belongs to another run.
+    WorkdirError: ``workdir`` is a file or cannot be written.
+    ResumeError: the workdir's checkpoint belongs to another run, or every
+      checkpoint in it is damaged (nothing is changed then).
     NonFiniteError: a round produced NaN / Inf (the last good checkpoint is kept).
+    Terminated: SIGTERM arrived; the round in progress finished and was checkpointed.
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
   cfg = config
   validation.validate_config(cfg)
   workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  try:
+    checkpointing.check_writable(workdir)
+    if (workdir / "checkpoints").is_dir():
+      checkpointing.check_writable(workdir / "checkpoints")
+  except OSError as e:
+    raise WorkdirError(f"--workdir={str(workdir)!r} is invalid: {e}; allowed: a directory this "
+                       "process can create and write (new, or the work dir of this run to "
+                       "resume it)") from None
   config_name = config_name or workdir.name
   t_start = time.time()
 
@@ -483,49 +570,50 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   num_clients = len(sizes)
   privacy = privacy_fingerprint(cfg, alg, sizes)
   fields = run_defining_fields(cfg)
-  ledger = None
-  if alg.dp is not None:
-    ledger = accounting.PrivacyLedger(
+  private = alg.dp is not None
+  nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
+  fresh_ledger = None
+  if private:
+    fresh_ledger = accounting.PrivacyLedger(
         noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
         min_client_size=privacy["min_client_size"], steps_per_round=alg.dp_steps_per_round,
         delta=alg.dp.delta)
 
   info = dict(
       config_name=config_name, method=cfg.method,
-      method_label=core_config.method_label(cfg.method, alg.dp is not None),
+      method_label=core_config.method_label(cfg.method, private),
       dataset=cfg.data.name, rounds=cfg.rounds, num_params=num_params,
       image_shape=list(dataset.image_shape), num_classes=dataset.num_classes,
       client_sizes=sizes, client_classes=client_classes, test_size=int(len(dataset.y_test)),
+      normalisation={"source": dataset.normalisation, "mean": dataset.mean.tolist(),
+                     "std": dataset.std.tolist()},
+      nonprivate_stats=nonprivate_stats,
       upload_floats_per_client=int(alg.upload_floats_per_client),
       jax_version=jax.__version__, fedlap_jax_version=fedlap_jax.__version__,
       devices=[str(d) for d in jax.devices()],
       client_backend=resolve_client_backend(cfg.client_backend),
-      **{k: v for k, v in privacy.items() if k not in ("method", "dataset", "client_sizes")})
+      # Without the seed: it determines every noise draw (it stays in config.json).
+      **{k: v for k, v in privacy.items()
+         if k not in ("method", "dataset", "client_sizes", "seed")})
 
-  # Resume.
+  # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
   metrics_path = workdir / "metrics.jsonl"
-  start = 0
-  latest = ckpt.latest_round()
-  if latest is not None:
-    check_resume_compatible(ckpt.read_meta(latest), privacy, fields, workdir)
-    try:
-      state, meta = ckpt.restore(state, latest)
-    except ValueError as e:
-      raise ResumeError(f"refusing to resume {workdir}: {e}") from None
-    start = int(state.round) if hasattr(state, "round") else int(latest)
-    if start != latest:
-      raise ResumeError(f"checkpoint {latest} in {ckpt.directory} holds round {start}; "
-                        "allowed: a checkpoint whose state round equals its name")
-    if ledger is not None:
-      ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
-      if ledger.rounds != start:
-        raise ResumeError(f"checkpoint {latest}: the privacy ledger records {ledger.rounds} "
-                          f"rounds but the state is after round {start}")
-  records = checkpointing.truncate_metrics(metrics_path, start)
-  if len(records) != start or [r["round"] for r in records] != list(range(1, start + 1)):
-    raise ResumeError(f"{metrics_path} holds rounds {[r['round'] for r in records]} but the "
-                      f"checkpoint is after round {start}; allowed: records 1..{start}")
+  try:
+    start, state, ledger, damaged = restore_newest_valid(
+        ckpt, state, privacy=privacy, fields=fields, fresh_ledger=fresh_ledger, workdir=workdir)
+    records = checkpointing.read_metrics(metrics_path)
+    kept = [r for r in records if isinstance(r, dict) and r.get("round", 0) <= start]
+    if [r.get("round") for r in kept] != list(range(1, start + 1)):
+      raise ResumeError(
+          f"{metrics_path} holds rounds {[r.get('round') for r in kept]} up to round {start}, "
+          f"but the checkpoint is after round {start}; allowed: complete records 1..{start} "
+          "(restore the file, or use a new --workdir); nothing was changed")
+    moved = [(r, why, ckpt.set_aside(r, workdir / DAMAGED_DIR)) for r, why in damaged]
+    records = checkpointing.truncate_metrics(metrics_path, start)
+  except BaseException:
+    ckpt.close()
+    raise
   checkpointing.write_json_atomic(workdir / "config.json", cfg.to_dict())
   checkpointing.write_json_atomic(workdir / "run_info.json", info)
   if ledger is not None:
@@ -545,13 +633,21 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     log_file.write(line + "\n")
     log_file.flush()
 
+  for r, why, target in moved:
+    log(f"[{config_name}] WARNING checkpoint {r} is damaged ({why}); moved to {target}")
   if start:
     log(f"[{config_name}] resuming from round {start} (checkpoint {ckpt.directory / str(start)})"
         + (f", epsilon so far {ledger.epsilon:.3f}" if ledger is not None else ""))
+  elif moved:
+    log(f"[{config_name}] no valid checkpoint left: starting from round 0")
   else:
     log(f"[{config_name}] {info['method_label']} on {cfg.data.name}: {num_clients} clients "
         f"(sizes {sizes}), {num_params:,} parameters, {cfg.rounds} rounds, "
         f"clients run by {info['client_backend']!r} on {jax.default_backend()}")
+  if nonprivate_stats:
+    log(f"[{config_name}] WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
+        f"statistics of the clients' records under \"{NONPRIVATE_SECTION}\", outside the "
+        "privacy guarantee; do not release this work dir")
   wall_before = records[-1]["wall_seconds"] if records else 0.0
   upload_mb_per_round = num_clients * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
   snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}
@@ -560,44 +656,60 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   bar = tqdm(total=cfg.rounds, initial=start, desc=config_name, unit="round",
              disable=not cfg.progress_bar, file=sys.stderr, dynamic_ncols=True)
-  last_good = start if latest is not None else None
+  last_good = start if start else None
   round_compiles = CompileCounter()
+  stop = _TermSignal()
+
+  def save_checkpoint(m):
+    ckpt.save(m, state, {"round": m, "ledger": ledger.to_dict() if ledger else None,
+                         "privacy": privacy, "config": fields, "metrics_records": m})
+
   try:
-    for m in range(start + 1, cfg.rounds + 1):
-      t0 = time.time()
-      with round_compiles:
-        state, metrics = alg.round(state, clients)
-      params = alg.params_of(state)
-      ev = eval_fn(params, x_test, y_test)
-      test_loss, test_acc = float(ev.loss), float(ev.accuracy)
-      epsilon = ledger.record_round(alg.dp_steps_per_round) if ledger is not None else None
-      if ledger is not None:
-        checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict())
-      problems = find_non_finite(params, metrics, test_loss, num_clients)
-      if problems:
-        where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
-                 if last_good is not None else "no checkpoint was written yet")
-        msg = (f"round {m}: {'; '.join(problems)}. Stopped; {where} (with its privacy ledger); "
-               f"metrics.jsonl holds rounds 1..{m - 1}. Try a smaller learning_rate or "
-               f"client.image_lr, or check the data.")
-        log(f"ERROR {msg}")
-        raise NonFiniteError(msg)
-      now = time.time()
-      rec = {"round": m, "test_accuracy": test_acc, "test_loss": test_loss, "epsilon": epsilon,
-             **summarize_metrics(metrics, num_clients),
-             "upload_mb": m * upload_mb_per_round,
-             "round_seconds": now - t0, "wall_seconds": wall_before + (now - t_loop),
-             "first_in_process": m == start + 1}
-      checkpointing.append_metrics(metrics_path, rec)
-      records.append(rec)
-      if m in snapshots:
-        save_snapshot(workdir, m, state, dataset)
-      if m % cfg.checkpoint_every == 0 or m == cfg.rounds:
-        ckpt.save(m, state, {"round": m, "ledger": ledger.to_dict() if ledger else None,
-                             "privacy": privacy, "config": fields, "metrics_records": m})
-        last_good = m
-      bar.update(1)
-      log(f"[{config_name}] " + _format_line(rec, cfg.rounds))
+    with stop:
+      for m in range(start + 1, cfg.rounds + 1):
+        t0 = time.time()
+        with round_compiles:
+          state, metrics = alg.round(state, clients)
+        params = alg.params_of(state)
+        ev = eval_fn(params, x_test, y_test)
+        test_loss, test_acc = float(ev.loss), float(ev.accuracy)
+        faults.point("round", m)
+        epsilon = ledger.record_round(alg.dp_steps_per_round) if ledger is not None else None
+        if ledger is not None:
+          checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
+                                          fault_round=m)
+        problems = find_non_finite(params, metrics, test_loss, num_clients)
+        if problems:
+          where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
+                   if last_good is not None else "no checkpoint was written yet")
+          msg = (f"round {m}: {'; '.join(problems)}. Stopped; {where} (with its privacy "
+                 f"ledger); metrics.jsonl holds rounds 1..{m - 1}. Try a smaller learning_rate "
+                 f"or client.image_lr, or check the data.")
+          log(f"ERROR {msg}")
+          raise NonFiniteError(msg)
+        now = time.time()
+        released, nonprivate = summarize_metrics(metrics, num_clients, private=private)
+        rec = {"round": m, "test_accuracy": test_acc, "test_loss": test_loss,
+               "epsilon": epsilon, **released,
+               "upload_mb": m * upload_mb_per_round,
+               "round_seconds": now - t0, "wall_seconds": wall_before + (now - t_loop),
+               "first_in_process": m == start + 1}
+        if nonprivate_stats:
+          rec[NONPRIVATE_SECTION] = nonprivate
+        checkpointing.append_metrics(metrics_path, rec)
+        records.append(rec)
+        if m in snapshots:
+          save_snapshot(workdir, m, state, dataset)
+        if m % cfg.checkpoint_every == 0 or m == cfg.rounds or stop.received:
+          save_checkpoint(m)
+          last_good = m
+        bar.update(1)
+        log(f"[{config_name}] " + _format_line(rec, cfg.rounds))
+        if stop.received and m < cfg.rounds:
+          msg = (f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
+                 f"{ckpt.directory}; run the same command again to resume")
+          log(f"[{config_name}] {msg}")
+          raise Terminated(msg)
   finally:
     bar.close()
     log_file.close()
@@ -611,3 +723,98 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           "ledger": ledger.to_dict() if ledger is not None else None,
           "compilations": round_compiles.count,
           "seconds": time.time() - t_start}
+
+
+class _TermSignal:
+  """``with stop:`` turns SIGTERM into ``stop.received`` (a flag the loop checks after
+  each round) instead of killing the process; a second SIGTERM kills it as usual.
+
+  Installed only in the main thread (Python delivers signals there); elsewhere a no-op.
+  """
+
+  def __init__(self):
+    self.received = None
+    self._previous = None
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+    signal.signal(signum, signal.SIG_DFL)
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _one_line(e: BaseException) -> str:
+  text = " ".join(str(e).split()) or type(e).__name__
+  return f"{type(e).__name__}: {text[:300]}"
+
+
+def restore_newest_valid(ckpt: checkpointing.Checkpointer, template, *, privacy: dict,
+                         fields: dict, fresh_ledger, workdir):
+  """The newest checkpoint that restores completely, with its ledger.
+
+  Checkpoints are tried newest first. One whose metadata or state cannot be
+  read, whose state round differs from its name, or whose privacy ledger is
+  inconsistent (:class:`~fedlap_jax.accounting.PrivacyLedger` recomputes every
+  epsilon) or belongs to other privacy parameters is *damaged*: the next older
+  one is tried. One that belongs to another run (:func:`check_resume_compatible`)
+  is refused.
+
+  Args:
+    ckpt: the run's :class:`~experiments.checkpointing.Checkpointer`.
+    template: the state before round 1 (structure, dtypes, key types).
+    privacy, fields: this run's :func:`privacy_fingerprint` and :func:`run_defining_fields`.
+    fresh_ledger: the run's empty :class:`~fedlap_jax.accounting.PrivacyLedger`
+      (``None`` without DP).
+    workdir: for messages.
+
+  Returns:
+    ``(round, state, ledger, damaged)``: ``(0, template, fresh_ledger, [])``
+    when there is no checkpoint; ``damaged`` lists ``(round, reason)`` of the
+    newer checkpoints that were skipped (the caller sets them aside).
+
+  Raises:
+    ResumeError: a checkpoint of another run, or checkpoints that are all damaged.
+  """
+  damaged = []
+  for r in sorted(ckpt.all_rounds(), reverse=True):
+    try:
+      meta = ckpt.read_meta(r)
+      missing = {"round", "ledger", "privacy", "config"} - set(meta)
+      if missing:
+        raise ValueError(f"its metadata lacks {sorted(missing)}")
+    except Exception as e:  # pylint: disable=broad-except
+      damaged.append((r, f"metadata unreadable: {_one_line(e)}"))
+      continue
+    check_resume_compatible(meta, privacy, fields, workdir)
+    try:
+      state, meta = ckpt.restore(template, r)
+      held = int(state.round) if hasattr(state, "round") else r
+      if held != r:
+        raise ValueError(f"its state holds round {held}")
+      ledger = None
+      if fresh_ledger is not None:
+        ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
+        if ledger.rounds != r:
+          raise ValueError(f"its privacy ledger records {ledger.rounds} rounds")
+        expected, stored = fresh_ledger.privacy_fields(), ledger.privacy_fields()
+        if stored != expected:
+          raise ValueError(f"its privacy ledger has parameters {stored}, this run {expected}")
+    except Exception as e:  # pylint: disable=broad-except
+      damaged.append((r, _one_line(e)))
+      continue
+    return r, state, ledger, damaged
+  if damaged:
+    raise ResumeError(
+        f"refusing to resume {workdir}: every checkpoint is damaged ("
+        + "; ".join(f"checkpoint {r}: {why}" for r, why in damaged)
+        + "), so the privacy ledger of the rounds run so far cannot be restored; nothing was "
+        "changed. Allowed: restore the checkpoints, or start over with a new --workdir")
+  return 0, template, fresh_ledger, []

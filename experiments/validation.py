@@ -111,24 +111,30 @@ def to_fedlap_config(cfg) -> core.FedLAPConfig:
 # Fields of fedlap_jax.baselines.baseline_config / BaselineConfig -> experiment config paths.
 BASELINE_PATHS = {"local_epochs": "baseline.local_epochs", "prox_mu": "baseline.prox_mu",
                   "local.prox_mu": "baseline.prox_mu", "batch_size": "client.batch_size",
-                  "local.batch_size": "client.batch_size", "dp": "dp.enabled"}
+                  "local.batch_size": "client.batch_size", "dp": "dp.enabled",
+                  "poisson_capacity": "client.poisson_capacity", "weighting": "server.weighting"}
 
 
 def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.BaselineConfig:
   """The frozen :class:`fedlap_jax.baselines.BaselineConfig` of a baseline experiment config.
 
   ``method``, ``rounds``, ``learning_rate``, ``client.batch_size``,
-  ``baseline.local_epochs``, ``baseline.prox_mu`` and ``dp`` go to
+  ``client.poisson_capacity``, ``server.weighting``, ``baseline.local_epochs``,
+  ``baseline.prox_mu`` and ``dp`` go to
   :func:`fedlap_jax.baselines.baseline_config`; ``max_client_size`` (records of
   the largest client) fixes the static step count and is required under DP.
-  The core's errors are re-raised naming the config path.
+  Under DP the per-client training loss (a non-private diagnostic that costs a
+  forward pass) is tracked only with ``debug_nonprivate_stats``. The core's
+  errors are re-raised naming the config path.
   """
   dp = to_dp_config(cfg)
   try:
     return baselines.baseline_config(
         cfg.method, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
         local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
-        prox_mu=cfg.baseline.prox_mu, dp=dp, max_client_size=max_client_size)
+        prox_mu=cfg.baseline.prox_mu, dp=dp, max_client_size=max_client_size,
+        weighting=cfg.server.weighting, poisson_capacity=cfg.client.poisson_capacity,
+        track_loss=dp is None or bool(cfg.get("debug_nonprivate_stats", False)))
   except ConfigError as e:
     raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
 
@@ -256,6 +262,7 @@ def validate_config(cfg) -> None:
     _fail("data.num_clients", d.num_clients, "an integer >= 1")
   if not is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
+  _validate_normalisation(cfg)
 
   m = cfg.model
   if not is_int(m.width) or m.width < 1:
@@ -270,6 +277,8 @@ def validate_config(cfg) -> None:
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
+  if not isinstance(cfg.get("debug_nonprivate_stats", False), bool):
+    _fail("debug_nonprivate_stats", cfg.debug_nonprivate_stats, "True or False")
   if cfg.method in DP_BASELINE_METHODS and not cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"True for method={cfg.method!r}")
   if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINE_METHODS and cfg.dp.enabled:
@@ -314,6 +323,48 @@ def validate_config(cfg) -> None:
     to_dp_config(cfg)
     if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
       _fail("client.batch_size", cfg.client.batch_size, "an integer >= 1")
+    core.check_poisson_capacity(cfg.client.poisson_capacity, cfg.client.batch_size,
+                                "client.poisson_capacity")
+    weighting = cfg.server.weighting
+    if weighting is not None and weighting not in core.WEIGHTINGS:
+      _fail("server.weighting", weighting, f"None or one of {core.WEIGHTINGS}")
+    if cfg.method in DP_BASELINE_METHODS and weighting == "size":
+      _fail("server.weighting", weighting,
+            f"'uniform' or None for method={cfg.method!r} (Algorithm 3 averages the client "
+            "updates with 1/K, the setting the privacy analysis covers)")
+
+
+def _validate_normalisation(cfg) -> None:
+  """``data.normalisation`` / ``data.mean`` / ``data.std``; under DP only sources that
+  read no training record (``published``, ``given``, ``test_split``)."""
+  d = cfg.data
+  choice = d.get("normalisation", "auto")
+  if choice not in data_lib.NORMALISATIONS:
+    _fail("data.normalisation", choice, f"one of {data_lib.NORMALISATIONS}")
+  mean, std = d.get("mean"), d.get("std")
+  if choice == "given":
+    for field, v, low in (("data.mean", mean, -math.inf), ("data.std", std, 0.0)):
+      if (not isinstance(v, (tuple, list)) or not v
+          or not all(is_real(a) and a > low for a in v)):
+        _fail(field, v, "a tuple of finite numbers, one per channel (pixels in [0, 1])"
+              + (", each > 0" if low == 0.0 else "") + " with data.normalisation='given'")
+    if len(mean) != len(std):
+      _fail("data.std", std, f"as many numbers as data.mean={mean!r}")
+  elif mean is not None or std is not None:
+    _fail("data.mean" if mean is not None else "data.std", mean if mean is not None else std,
+          f"None with data.normalisation={choice!r} (set data.normalisation='given' to use "
+          "your own mean and std)")
+  if choice == "published" and d.name not in data_lib.NORMALIZATION:
+    _fail("data.normalisation", choice, f"'given', 'test_split' or 'train_split' for "
+          f"data.name={d.name!r} (published constants exist for {tuple(data_lib.NORMALIZATION)})")
+  resolved = data_lib.resolve_normalisation(d.name, choice)
+  if cfg.dp.enabled and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
+    _fail("data.normalisation", choice,
+          f"one of {data_lib.DP_SAFE_NORMALISATIONS} with DP (for data.name={d.name!r} "
+          f"{choice!r} standardises with the mean and std of the private training split: one "
+          "record changes them, they reach every synthetic image, and the accountant does not "
+          "cover them); e.g. 'test_split' (statistics of the public test split) or 'given' "
+          "(data.mean, data.std)")
 
 
 def _effective_side(image_shape) -> int:

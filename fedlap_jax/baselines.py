@@ -91,7 +91,7 @@ from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of, require
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
-                               WEIGHTINGS, DPConfig)
+                               WEIGHTINGS, DPConfig, check_poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import cosine_learning_rate, tree_distance
@@ -139,7 +139,9 @@ class LocalTraining:
       loop bound ``T = E * round(N_max / B)``; ``None`` uses the padded client
       size of the data the round is traced with.
     poisson_capacity: static Poisson buffer; ``None`` picks
-      :func:`~fedlap_jax.privacy.poisson_capacity` of ``B``.
+      :func:`~fedlap_jax.privacy.poisson_capacity` of ``B``; at least
+      ``B + 3 sqrt(B)``. A draw beyond it is processed in extra chunks
+      (:func:`~fedlap_jax.privacy.sum_over_chunks`), never dropped.
     prox_mu: ``mu`` of the FedProx term ``mu ||w - w_g||^2`` (0: none).
     l2_clip_norm: per-example clip ``C``; ``None`` trains without clipping or
       noise (non-DP).
@@ -155,7 +157,8 @@ class LocalTraining:
       gradient (supplied by the caller).
     dsa_strategy: DSA families applied to each real batch; ``""`` for none.
     track_loss: record the mean batch loss per client. On the private path it
-      costs an extra forward pass per step and is a non-private diagnostic.
+      costs an extra forward pass per step and is a non-private diagnostic
+      (:attr:`ClientMetrics.NONPRIVATE`).
   """
 
   epochs: int = 5
@@ -180,10 +183,7 @@ class LocalTraining:
     for f in ("fixed_steps", "max_client_size", "microbatch_size"):
       v = getattr(self, f)
       require(v is None or (is_int(v) and v >= 1), f, v, "None or an integer >= 1")
-    if self.poisson_capacity is not None:
-      require(is_int(self.poisson_capacity) and self.poisson_capacity >= self.batch_size,
-              "poisson_capacity", self.poisson_capacity,
-              f"None or an integer >= batch_size ({self.batch_size})")
+    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     require(is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu,
             "a finite number >= 0")
     require(self.l2_clip_norm is None or (is_real(self.l2_clip_norm)
@@ -249,7 +249,9 @@ class BaselineConfig:
     rounds: ``M``, also the length of the cosine schedule.
     learning_rate: ``eta_0`` of the client's cosine schedule.
     server_lr: ``eta_s``, the server's step on the weighted mean delta (1).
-    weighting: ``size`` (``w_k = N_k / N``) or ``uniform`` (``1 / K``).
+    weighting: ``size`` (``w_k = N_k / N``) or ``uniform`` (``1 / K``); DP
+      methods require ``uniform`` (Algorithm 3). ``None`` (default): ``uniform``
+      for DP methods, ``size`` otherwise.
     local: :class:`LocalTraining`.
     dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise and
       microbatch ``local`` uses, for DP methods (the guarantee the accountant
@@ -262,7 +264,7 @@ class BaselineConfig:
   rounds: int
   learning_rate: float = 0.1
   server_lr: float = 1.0
-  weighting: str = "size"
+  weighting: str | None = None
   local: LocalTraining = dataclasses.field(default_factory=LocalTraining)
   dp: DPConfig | None = None
 
@@ -273,10 +275,15 @@ class BaselineConfig:
     for f in ("learning_rate", "server_lr"):
       v = getattr(self, f)
       require(is_real(v) and v > 0, f, v, "a finite number > 0")
+    if self.weighting is None:
+      object.__setattr__(self, "weighting", "uniform" if self.method in DP_METHODS else "size")
     one_of("weighting", self.weighting, WEIGHTINGS)
     require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
     loc = self.local
     private = self.method in DP_METHODS
+    require(not private or self.weighting == "uniform", "server.weighting", self.weighting,
+            f"'uniform' for method={self.method!r} (Algorithm 3 averages the client "
+            "updates with 1/K, the setting the privacy analysis covers)")
     require(loc.private == private, "local.l2_clip_norm", loc.l2_clip_norm,
             "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})")
     require(self.method in PROX_METHODS or loc.prox_mu == 0, "local.prox_mu", loc.prox_mu,
@@ -331,16 +338,23 @@ class ClientMetrics(NamedTuple):
       before the step, without the proximal term (0 if ``track_loss`` is off).
     steps: local steps taken, ``T_k``.
     update_norm: ``||y_k - x||``, L2 over all parameters.
-    poisson_overflow: records sampled beyond the batch buffer and left out
-      (should be 0).
+    poisson_extra_chunks: extra buffer-sized chunks processed because a
+      Poisson draw exceeded the buffer (usually 0; no record is dropped).
     mean_batch_size: mean realised Poisson batch size (records).
     clip_fraction: fraction of per-example gradients clipped (0 without DP).
+
+  On the private path ``update_norm`` is post-processing of the noised steps
+  and ``steps`` depends only on the client size (public, as ``q = B / N_k``);
+  the fields of :attr:`NONPRIVATE` are raw statistics of the real records,
+  outside the DP mechanism: diagnostics, not to be released.
   """
+
+  NONPRIVATE = ("loss", "poisson_extra_chunks", "mean_batch_size", "clip_fraction")
 
   loss: jax.Array
   steps: jax.Array
   update_norm: jax.Array
-  poisson_overflow: jax.Array
+  poisson_extra_chunks: jax.Array
   mean_batch_size: jax.Array
   clip_fraction: jax.Array
 
@@ -428,40 +442,47 @@ def client_update(
   augment = dsa.make_augment_fn(local.dsa_strategy)
   f32 = jnp.float32
 
-  def gradient(w, k_noise, xb, yb, batch):
-    weights = jnp.logical_not(batch.is_padding)
-    if local.private:
-      g, norms = privacy.private_gradient(
-          k_noise, apply_fn, w, xb, yb, batch.is_padding,
-          l2_clip_norm=local.l2_clip_norm, noise_multiplier=local.noise_multiplier,
-          expected_batch_size=local.batch_size, microbatch_size=local.microbatch_size)
-      clipped = jnp.sum(jnp.logical_and(norms > local.l2_clip_norm, weights)).astype(f32)
-      loss = (privacy.masked_mean_loss(apply_fn, w, xb, yb, weights)
-              if local.track_loss else f32(0.0))
-      return g, loss, clipped
-
-    # Chunked on CPU for matmul-convolution models, as in local_approx.
-    g, loss = privacy.real_gradient_and_loss(apply_fn, w, xb, yb, batch.is_padding,
-                                             microbatch_size="auto")
-    if local.mean_by == "expected":
-      g = jax.tree.map(lambda gi: gi * batch.size.astype(f32) / local.batch_size, g)
-    return g, loss, f32(0.0)
-
   def step(s, carry):
-    w, loss_sum, overflow, sampled, clipped = carry
+    w, loss_sum, extra, sampled, clipped = carry
     k_sample, k_aug, k_noise = step_keys(key, s)
     batch = privacy.poisson_sample(k_sample, data.mask, rate, capacity)
-    xb = augment(k_aug, data.images(batch.indices))
-    yb = data.y[batch.indices]
-    g, loss, n_clipped = gradient(w, k_noise, xb, yb, batch)
+
+    def chunk_sums(indices, is_padding):
+      xb = augment(k_aug, data.images(indices))  # one DSA draw for the whole batch
+      yb = data.y[indices]
+      if not local.private:
+        # Chunked on CPU for matmul-convolution models, as in local_approx.
+        g, loss = privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,
+                                            microbatch_size="auto")
+        return g, loss, f32(0.0)
+      g, norms = privacy.clipped_gradient_sum(
+          apply_fn, w, xb, yb, is_padding, l2_clip_norm=local.l2_clip_norm,
+          microbatch_size=local.microbatch_size)
+      n_clipped = jnp.sum(jnp.logical_and(norms > local.l2_clip_norm, ~is_padding))
+      loss = f32(0.0)
+      if local.track_loss:
+        weights = jnp.logical_not(is_padding).astype(f32)
+        loss = jnp.sum(weights * privacy.cross_entropy(apply_fn(w, xb), yb))
+      return g, loss, n_clipped.astype(f32)
+
+    # Every sampled record counts, also when the draw overflows the buffer.
+    g, batch_loss, n_clipped = privacy.sum_over_chunks(chunk_sums, batch)
+    realised = jnp.maximum(batch.size, 1).astype(f32)
+    if local.private:
+      g = privacy.privatise(k_noise, g, l2_clip_norm=local.l2_clip_norm,
+                            noise_multiplier=local.noise_multiplier,
+                            expected_batch_size=local.batch_size)
+    else:
+      denominator = realised if local.mean_by == "realized" else f32(local.batch_size)
+      g = jax.tree.map(lambda gi: gi / denominator, g)
     if local.prox_mu > 0:
       g = jax.tree.map(lambda gi, wi, xi: gi + 2.0 * local.prox_mu * (wi - xi),
                        g, w, global_params)
     if correction is not None:
       g = jax.tree.map(jnp.add, g, correction)
     w = jax.tree.map(lambda wi, gi: wi - learning_rate * gi, w, g)
-    return (w, loss_sum + loss, overflow + batch.overflow, sampled + batch.size,
-            clipped + n_clipped)
+    return (w, loss_sum + batch_loss / realised, extra + batch.extra_chunks,
+            sampled + batch.size, clipped + n_clipped)
 
   def body(s, carry):
     # Skipped steps (s >= T_k) draw nothing; under vmap both branches run and
@@ -469,13 +490,13 @@ def client_update(
     return jax.lax.cond(s < active_steps, functools.partial(step, s), lambda c: c, carry)
 
   init = (global_params, f32(0.0), jnp.int32(0), jnp.int32(0), f32(0.0))
-  w, loss_sum, overflow, sampled, clipped = jax.lax.fori_loop(0, num_steps, body, init)
+  w, loss_sum, extra, sampled, clipped = jax.lax.fori_loop(0, num_steps, body, init)
   taken = jnp.minimum(active_steps, num_steps).astype(jnp.int32)
   metrics = ClientMetrics(
       loss=loss_sum / jnp.maximum(taken, 1),
       steps=taken,
       update_norm=tree_distance(w, global_params),
-      poisson_overflow=overflow,
+      poisson_extra_chunks=extra,
       mean_batch_size=sampled / jnp.maximum(taken, 1),
       clip_fraction=clipped / jnp.maximum(sampled, 1),
   )

@@ -51,18 +51,26 @@ class LocalApproxMetrics(NamedTuple):
       (see ``outer_iterations``).
     outer_iterations: ``(R_i,)`` while-loop iterations run per trajectory.
     real_accesses: scalar, real batches actually drawn (``<= T``).
-    poisson_overflow: scalar, records sampled beyond the batch buffer (should
-      be 0; they were not used).
+    poisson_extra_chunks: scalar, extra buffer-sized chunks processed because a
+      Poisson draw exceeded the buffer (usually 0; no record is ever dropped).
     mean_batch_size: scalar, mean realised Poisson batch size.
     trajectory_distance: ``(R_i,)`` ``||w - w_g||`` at the end of each trajectory.
     clip_fraction: scalar, fraction of per-example gradients that were clipped
       (DP only; 0 otherwise).
+
+  Under DP, ``matching_loss``, ``outer_iterations``, ``real_accesses`` and
+  ``trajectory_distance`` are computed from the noised gradients and the
+  synthetic set only (post-processing); the fields named in
+  :attr:`NONPRIVATE` are raw statistics of the real records, outside the DP
+  mechanism: diagnostics, not to be released.
   """
+
+  NONPRIVATE = ("poisson_extra_chunks", "mean_batch_size", "clip_fraction")
 
   matching_loss: jax.Array
   outer_iterations: jax.Array
   real_accesses: jax.Array
-  poisson_overflow: jax.Array
+  poisson_extra_chunks: jax.Array
   mean_batch_size: jax.Array
   trajectory_distance: jax.Array
   clip_fraction: jax.Array
@@ -187,19 +195,29 @@ def local_approx(
   def real_batch_gradient(k, w):
     k_sample, k_aug, k_noise = jax.random.split(k, 3)
     batch = privacy.poisson_sample(k_sample, client_data.mask, rate, capacity)
-    xb = augment(k_aug, client_data.images(batch.indices))
-    yb = client_data.y[batch.indices]
+
+    def chunk_sums(indices, is_padding):
+      # One DSA draw per batch (every chunk gets the same transform).
+      xb = augment(k_aug, client_data.images(indices))
+      yb = client_data.y[indices]
+      if c.dp is None:
+        return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,
+                                         microbatch_size="auto")[0], jnp.float32(0.0)
+      clipped_sum, norms = privacy.clipped_gradient_sum(
+          apply_fn, w, xb, yb, is_padding, l2_clip_norm=c.dp.l2_clip_norm,
+          microbatch_size=c.dp.microbatch_size, method=c.dp.per_example_method)
+      was_clipped = jnp.logical_and(norms > c.dp.l2_clip_norm, ~is_padding)
+      return clipped_sum, jnp.sum(was_clipped).astype(jnp.float32)
+
+    # Every sampled record counts, also when the draw overflows the buffer.
+    total, clipped = privacy.sum_over_chunks(chunk_sums, batch)
     if c.dp is None:
-      g = privacy.real_gradient(apply_fn, w, xb, yb, batch.is_padding, microbatch_size="auto")
-      clipped = jnp.float32(0.0)
+      count = jnp.maximum(batch.size, 1).astype(jnp.float32)
+      g = jax.tree.map(lambda t: t / count, total)
     else:
-      g, norms = privacy.private_gradient(
-          k_noise, apply_fn, w, xb, yb, batch.is_padding,
-          l2_clip_norm=c.dp.l2_clip_norm, noise_multiplier=c.dp.noise_multiplier,
-          expected_batch_size=c.batch_size, microbatch_size=c.dp.microbatch_size,
-          method=c.dp.per_example_method)
-      was_clipped = jnp.logical_and(norms > c.dp.l2_clip_norm, ~batch.is_padding)
-      clipped = jnp.sum(was_clipped).astype(jnp.float32)
+      g = privacy.privatise(k_noise, total, l2_clip_norm=c.dp.l2_clip_norm,
+                            noise_multiplier=c.dp.noise_multiplier,
+                            expected_batch_size=c.batch_size)
     return g, k_aug, batch, clipped
 
   def batch_step(b, carry):
@@ -215,8 +233,8 @@ def local_approx(
 
     x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
                                                  (x_syn, opt_state, losses))
-    accesses, overflow, sampled, n_clipped = stats
-    stats = (accesses + 1, overflow + batch.overflow, sampled + batch.size,
+    accesses, extra, sampled, n_clipped = stats
+    stats = (accesses + 1, extra + batch.extra_chunks, sampled + batch.size,
              n_clipped + clipped)
     return w, key_o, x_syn, opt_state, losses, stats
 
@@ -257,7 +275,7 @@ def local_approx(
   (x_syn, _, stats), (loss_log, outer, dists) = jax.lax.scan(
       trajectory, (synthetic.x, opt.init(synthetic.x), stats0),
       jax.random.split(k_traj, c.iterations))
-  accesses, overflow, sampled, n_clipped = stats
+  accesses, extra_chunks, sampled, n_clipped = stats
   synthetic = synthetic._replace(x=x_syn)
 
   if c.calibrate_radius:
@@ -273,7 +291,7 @@ def local_approx(
       matching_loss=loss_log,
       outer_iterations=outer,
       real_accesses=accesses,
-      poisson_overflow=overflow,
+      poisson_extra_chunks=extra_chunks,
       mean_batch_size=sampled / jnp.maximum(accesses, 1),
       trajectory_distance=dists,
       clip_fraction=n_clipped / jnp.maximum(sampled, 1),

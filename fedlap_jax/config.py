@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, one_of,
+from fedlap_jax.checks import (ConfigError, dsa_strategy, is_int, is_real, nonneg_int, one_of,
                                positive_float, positive_int, require)
 
 BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
@@ -69,6 +69,30 @@ def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:
   if batch_size < 1:
     raise ConfigError("batch_size", batch_size, "an integer >= 1")
   return int(math.ceil(batch_size + num_std * math.sqrt(batch_size) + 4))
+
+
+def min_poisson_capacity(batch_size: int) -> int:
+  """The smallest buffer a config may ask for: ``ceil(B + 3 sqrt(B))``.
+
+  Below it, a draw overflows the buffer often (at ``capacity = B`` in about
+  half of the steps), and every overflow costs another pass over a chunk of
+  ``capacity`` slots (:func:`fedlap_jax.privacy.sum_over_chunks`). Sampling
+  stays exact either way; this bound is about speed.
+  """
+  return int(math.ceil(batch_size + 3.0 * math.sqrt(batch_size)))
+
+
+def check_poisson_capacity(capacity, batch_size: int, field: str = "poisson_capacity") -> None:
+  """Refuses a buffer below :func:`min_poisson_capacity` (``None``, the default, passes)."""
+  if capacity is None:
+    return
+  low = min_poisson_capacity(batch_size)
+  require(is_int(capacity) and capacity >= low, field, capacity,
+          f"None (the default, {poisson_capacity(batch_size)} slots for batch_size="
+          f"{batch_size}) or an integer >= {low} = batch_size + 3 sqrt(batch_size): a smaller "
+          f"buffer overflows often (about half of the steps at {field} = batch_size) and every "
+          "overflow costs an extra pass over a chunk of that size (no record is dropped, but "
+          "the run gets slow)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,7 +157,9 @@ class ClientConfig:
     dsa_strategy: DSA families, e.g. ``"color_crop_cutout_flip_scale_rotate"``;
       ``""`` for none.
     poisson_capacity: static buffer for Poisson batches; ``None`` picks
-      ``B + 6 sqrt(B) + 4``.
+      ``B + 6 sqrt(B) + 4``; at least ``B + 3 sqrt(B)`` (a draw beyond the
+      buffer is processed in extra chunks, never dropped; a smaller buffer
+      would need them often).
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
   """
 
@@ -169,10 +195,7 @@ class ClientConfig:
     positive_float("radius", self.radius)
     if self.calibration_eval_size is not None:
       positive_int("calibration_eval_size", self.calibration_eval_size)
-    if self.poisson_capacity is not None:
-      positive_int("poisson_capacity", self.poisson_capacity)
-      require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
-              self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
+    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     dsa_strategy("dsa_strategy", self.dsa_strategy)
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
@@ -201,7 +224,9 @@ class ServerConfig:
       ``fixed`` (always ``max_epochs`` epochs, no radius).
     batch_size: batch size on the union of synthetic sets (512).
     max_epochs: epoch cap (100).
-    weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3).
+    weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3);
+      ``None`` (default): ``uniform`` with DP, ``size`` without (resolved by
+      :class:`FedLAPConfig`). ``size`` is refused with DP.
     dsa_strategy: DSA families for server steps.
     momentum: SGD momentum of the server's optimiser (0: plain SGD, FedLAP).
     weight_decay: L2 weight decay added to the gradient (0 for FedLAP; FedDM,
@@ -211,7 +236,7 @@ class ServerConfig:
   radius_strategy: str = "min"
   batch_size: int = 512
   max_epochs: int = 100
-  weighting: str = "size"
+  weighting: str | None = None
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
   momentum: float = 0.0
   weight_decay: float = 0.0
@@ -220,7 +245,8 @@ class ServerConfig:
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
     positive_int("server.batch_size", self.batch_size)
     positive_int("server.max_epochs", self.max_epochs)
-    one_of("weighting", self.weighting, WEIGHTINGS)
+    require(self.weighting is None or self.weighting in WEIGHTINGS, "weighting", self.weighting,
+            f"None or one of {WEIGHTINGS}")
     dsa_strategy("server.dsa_strategy", self.dsa_strategy)
     require(is_real(self.momentum) and 0 <= self.momentum < 1, "server.momentum",
             self.momentum, "a number in [0, 1)")
@@ -259,10 +285,17 @@ class FedLAPConfig:
               self.server.radius_strategy,
               "'constant' or 'fixed' when DP is on (other strategies use r_k measured "
               "on real data)")
+      require(self.server.weighting != "size", "server.weighting", self.server.weighting,
+              "'uniform' or None when DP is on (Algorithm 3 averages the client updates with "
+              "1/K, the setting the privacy analysis covers)")
     elif self.server.radius_strategy not in ("constant", "fixed"):
       require(self.client.calibrate_radius, "calibrate_radius", self.client.calibrate_radius,
               f"True when radius_strategy={self.server.radius_strategy!r} (it needs "
               "per-client r_k); or use radius_strategy='constant'")
+
+    if self.server.weighting is None:  # resolve the default: 1/K under DP (Algorithm 3)
+      object.__setattr__(self, "server", dataclasses.replace(
+          self.server, weighting="uniform" if self.client.dp is not None else "size"))
 
   @property
   def dp(self) -> DPConfig | None:

@@ -7,6 +7,7 @@ width-32 ConvNet for a few FedAvg rounds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -97,13 +98,13 @@ def test_interface_upload_and_metric_shapes(method, tiny_apply_fn, tiny_params, 
   assert baselines._round_jit._cache_size() - compiled <= 1
 
   c = metrics.client
-  chex.assert_shape([c.loss, c.steps, c.update_norm, c.poisson_overflow,
+  chex.assert_shape([c.loss, c.steps, c.update_norm, c.poisson_extra_chunks,
                      c.mean_batch_size, c.clip_fraction], (k,))
   chex.assert_shape([metrics.learning_rate, metrics.server_update_norm,
                      metrics.control_norm], ())
   chex.assert_tree_all_finite((state.params, metrics))
   np.testing.assert_array_equal(c.steps, expected_steps)
-  np.testing.assert_array_equal(c.poisson_overflow, 0)
+  np.testing.assert_array_equal(c.poisson_extra_chunks, 0)
   assert np.all(np.asarray(c.update_norm) > 0)
   assert np.all((np.asarray(c.loss) > 0) & (np.asarray(c.loss) < 5))
   # Round 2 of 2 on the cosine schedule is the 1e-6 floor.
@@ -231,13 +232,13 @@ def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tin
   n_max = int(_sizes(clients).max())
   common = dict(epochs=1, batch_size=B, max_client_size=n_max)
   dp_nonoise = baselines.BaselineConfig(
-      method="dp_fedavg", rounds=2, weighting="size",
+      method="dp_fedavg", rounds=2, weighting="uniform",
       local=baselines.LocalTraining(l2_clip_norm=1e6, noise_multiplier=0.0, **common))
   by_expected = baselines.BaselineConfig(
-      method="fedavg", rounds=2, weighting="size",
+      method="fedavg", rounds=2, weighting="uniform",
       local=baselines.LocalTraining(gradient_mean="expected", **common))
   by_realized = baselines.BaselineConfig(
-      method="fedavg", rounds=2, weighting="size", local=baselines.LocalTraining(**common))
+      method="fedavg", rounds=2, weighting="uniform", local=baselines.LocalTraining(**common))
   state = baselines.init_baseline_state(jax.random.PRNGKey(4), tiny_params, clients,
                                         by_expected)
   out = {name: _round_fn(tiny_apply_fn, cfg)(state, clients)
@@ -268,6 +269,37 @@ def test_dp_noise_has_the_gaussian_mechanism_scale(tiny_apply_fn, tiny_params, c
   scale = LR * DP.noise_multiplier * DP.l2_clip_norm / B * np.sqrt(count_params(tiny_params))
   noise = float(tree_distance(sa.params, sb.params))
   assert 0.5 < noise / scale < 2.0
+
+
+def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(tiny_apply_fn,
+                                                                        tiny_params, clients):
+  """A 24-slot buffer (B = 64; the config check bypassed) equals the default 116-slot one."""
+  n_max = int(_sizes(clients).max())
+  local = baselines.LocalTraining(epochs=1, batch_size=B, max_client_size=n_max,
+                                  l2_clip_norm=0.1, noise_multiplier=1.0)
+  small = dataclasses.replace(local)
+  object.__setattr__(small, "poisson_capacity", 24)  # below min_poisson_capacity(64) = 88
+  data = jax.tree.map(lambda a: a[0], clients)
+  update = jax.jit(baselines.client_update,
+                   static_argnames=("apply_fn", "local", "num_steps"))
+  (w_small, m_small), (w_ref, m_ref) = (
+      update(jax.random.PRNGKey(3), tiny_apply_fn, tiny_params, data, learning_rate=LR,
+             local=cfg, num_steps=local.scheduled_steps()) for cfg in (small, local))
+  assert int(m_small.poisson_extra_chunks) >= 2 * int(m_small.steps)
+  assert int(m_ref.poisson_extra_chunks) == 0
+  chex.assert_trees_all_close(m_small.mean_batch_size, m_ref.mean_batch_size)
+  chex.assert_trees_all_close(m_small.loss, m_ref.loss, rtol=1e-5)
+  chex.assert_trees_all_close(w_small, w_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_dp_refuses_size_weighting():
+  local = baselines.LocalTraining(epochs=1, batch_size=B, l2_clip_norm=0.1, noise_multiplier=1.0,
+                                  max_client_size=300)
+  with pytest.raises(ValueError, match=r"server.weighting='size' is invalid; allowed: 'uniform' "
+                     r"for method='dp_fedavg' \(Algorithm 3"):
+    baselines.BaselineConfig(method="dp_fedavg", rounds=2, weighting="size", local=local)
+  assert baselines.BaselineConfig(method="dp_fedavg", rounds=2, weighting="uniform",
+                                  local=local).weighting == "uniform"
 
 
 # --------------------------------------------------------------------------

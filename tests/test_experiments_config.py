@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -142,6 +143,25 @@ BAD = [
     ("dp", {"baseline.local_epochs": 0}, ["baseline.local_epochs=0"]),
     ("nondp", {"server.radius_strategy": "median", "client.calibrate_radius": False},
      ["client.calibrate_radius=False", "median"]),
+    # Issue 13: DP-safe normalisation, exact Poisson buffers, 1/K weighting under DP.
+    ("dp", {"data.normalisation": "auto"},
+     ["data.normalisation='auto' is invalid", "('published', 'given', 'test_split') with DP",
+      "private training split"]),
+    ("dp", {"data.normalisation": "train_split"}, ["data.normalisation='train_split'", "with DP"]),
+    ("dp", {"data.normalisation": "published"}, ["data.normalisation='published'", "digits"]),
+    ("dp", {"data.normalisation": "minmax"}, ["data.normalisation='minmax'", "test_split"]),
+    ("dp", {"data.normalisation": "given"}, ["data.mean=None", "one per channel"]),
+    ("dp", {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.0,)},
+     ["data.std=(0.0,)", "> 0"]),
+    ("dp", {"data.mean": (0.3,)}, ["data.mean=(0.3,)", "data.normalisation='given'"]),
+    ("dp", {"client.poisson_capacity": 64},
+     ["client.poisson_capacity=64 is invalid", ">= 88", "overflows often"]),
+    ("dp", {"server.weighting": "size"},
+     ["server.weighting='size' is invalid", "'uniform' or None when DP is on", "1/K"]),
+    ("dp", {"method": "dp_fedavg", "server.weighting": "size"},
+     ["server.weighting='size' is invalid", "'uniform' or None for method='dp_fedavg'"]),
+    ("dp", {"method": "dp_fedprox", "client.poisson_capacity": 70},
+     ["client.poisson_capacity=70 is invalid", ">= 88"]),
 ]
 
 
@@ -245,9 +265,25 @@ def test_cli_rejects_unknown_field_and_bad_type(tmp_path, capsys, arg, fragment)
   assert fragment in capsys.readouterr().err
 
 
-def test_cli_unknown_config_name_lists_the_available_ones():
-  with pytest.raises(SystemExit, match="no experiments/configs/cifar_pd.py.*cifar_dp"):
-    run.main(["prog", "--config=cifar_pd"])
+def test_cli_unknown_config_name_lists_the_available_ones(capsys):
+  assert run.main(["prog", "--config=cifar_pd"]) == 2  # was 1 (a SystemExit with a message)
+  err = capsys.readouterr().err
+  assert re.fullmatch(r"error: --config='cifar_pd' is invalid: no experiments/configs/cifar_pd.py;"
+                      r" allowed: one of \[.*'cifar_dp'.*\] \(optionally NAME:ARG\), or a path to a config \.py "
+                      r"file\n", err, re.S), err
+
+
+def test_dp_normalisation_choices_that_read_no_training_record_pass():
+  for overrides in ({"data.normalisation": "test_split"},
+                    {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.4,)},
+                    {"data.name": "mnist", "data.source": "tfds", "data.normalisation": "auto"}):
+    cfg = quickstart.dp_config()
+    for field, value in overrides.items():
+      _override(cfg, field, value)
+    validation.validate_config(cfg)
+  nondp = quickstart.nondp_config()
+  assert nondp.data.normalisation == "auto"  # train_split for digits: allowed without DP
+  validation.validate_config(nondp)
 
 
 def test_cli_resolves_names_args_and_default_workdir():

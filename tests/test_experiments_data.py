@@ -220,3 +220,79 @@ def test_tfds_mock_one_tiny_round(tmp_path):
   assert rec["round"] == 1 and 0.0 <= rec["test_accuracy"] <= 1.0 and rec["epsilon"] is None
   assert len(rec["client_radius"]) == 5 and all(0 < r <= 5.0 for r in rec["client_radius"])
   assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+
+
+# ----------------------------------------------------------------- issue 13: what reaches a DP run
+
+
+def test_normalisation_sources(tmp_path, digits):
+  """``published`` / ``given`` / ``test_split`` read no training record; ``train_split`` does."""
+  x_tr, x_te = digits.x_train, digits.x_test
+  test = data_lib.load_dataset(data_cfg(normalisation="test_split"))
+  np.testing.assert_allclose(test.mean, [x_te.mean()], rtol=1e-5)
+  np.testing.assert_allclose(test.std, [x_te.std()], rtol=1e-5)
+  assert test.normalisation == "test_split"
+  assert digits.normalisation == "train_split"  # auto, digits, as before
+  np.testing.assert_allclose(digits.mean, [x_tr.mean()], rtol=1e-5)
+  given = data_lib.load_dataset(data_cfg(normalisation="given", mean=(0.25,), std=(0.5,)))
+  assert given.normalisation == "given"
+  np.testing.assert_allclose(given.normalise(np.full((1, 1, 1, 1), 0.75, np.float32)), 1.0)
+  # The training split's records do not move a DP-safe normalisation.
+  path = tmp_path / "d.npz"
+  np.savez(path, x_train=x_tr[:-1], y_train=digits.y_train[:-1], x_test=x_te,
+           y_test=digits.y_test)
+  fewer = data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}",
+                                         normalisation="test_split"))
+  np.testing.assert_array_equal(fewer.mean, test.mean)
+  np.testing.assert_array_equal(fewer.std, test.std)
+  assert data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}")).mean != digits.mean
+  path = tmp_path / "c.npz"
+  _write_npz(path, shape=(32, 32, 3), classes=10)
+  assert data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}")).normalisation \
+      == "published"
+  with pytest.raises(ValueError, match=r"data.mean=\(0.25,\) is invalid; allowed: 3 number"):
+    data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}", normalisation="given",
+                                   mean=(0.25,), std=(0.5,)))
+
+
+@pytest.mark.parametrize("array,value,records", [("x_train", np.nan, 2), ("x_test", np.inf, 1),
+                                                 ("x_test", -np.inf, 3)])
+@pytest.mark.parametrize("name", ["custom", "digits"])
+def test_non_finite_pixels_are_rejected_naming_the_array_and_count(tmp_path, digits, name,
+                                                                   array, value, records):
+  arrays = dict(x_train=digits.x_train.copy(), y_train=digits.y_train,
+                x_test=digits.x_test.copy(), y_test=digits.y_test)
+  arrays[array][:records, 1, 2, 0] = value
+  arrays[array][0, 3, 3, 0] = value
+  path = tmp_path / "bad.npz"
+  np.savez(path, **arrays)
+  with pytest.raises(ValueError, match=rf"^{array} holds {records + 1} non-finite values \(NaN "
+                     rf"or Inf\) in {records} of its {len(arrays[array])} records; allowed: "
+                     "finite pixel values$"):
+    data_lib.load_dataset(data_cfg(name=name, source=f"npz:{path}"))
+
+
+@pytest.mark.parametrize("empty", ["x_train", "x_test"])
+def test_empty_arrays_are_rejected(tmp_path, empty):
+  arrays = _write_npz(tmp_path / "ok.npz")
+  split = empty[2:]
+  arrays[f"x_{split}"], arrays[f"y_{split}"] = arrays[f"x_{split}"][:0], arrays[f"y_{split}"][:0]
+  np.savez(tmp_path / "e.npz", **arrays)
+  with pytest.raises(ValueError, match=rf"^x_{split} has 0 records \(shape \(0, 6, 6, 3\)\); "
+                     "allowed: at least 1 record"):
+    data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{tmp_path / 'e.npz'}"))
+
+
+@pytest.mark.parametrize("content", [b"hello, not an npz\n", b"PK\x03\x04broken zip", b""])
+def test_a_file_that_is_no_npz_is_one_clear_error(tmp_path, content):
+  path = tmp_path / "text.npz"
+  path.write_bytes(content)
+  with pytest.raises(ValueError) as err:
+    data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}"))
+  msg = str(err.value)
+  assert msg.startswith(f"data.source='npz:{path}' is invalid: ") and "\n" not in msg
+  assert "allowed: an .npz written by numpy.savez" in msg and "allow_pickle" not in msg
+  np.save(tmp_path / "one.npy", np.zeros(3))
+  (tmp_path / "one.npy").rename(tmp_path / "one.npz")
+  with pytest.raises(ValueError, match="is invalid: it holds a single .npy array"):
+    data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{tmp_path / 'one.npz'}"))

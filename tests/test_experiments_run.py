@@ -125,9 +125,98 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
     assert snap["x"].shape == (5, 4, 8, 8, 1) and snap["y"].shape == (5, 4)
   summary = (straight / "summary.md").read_text()
   assert "FedLAP-DP on digits" in summary and f"{eps[-1]:.3f}" in summary
+  assert "- normalisation: test_split" in summary and "must stay secret" in summary
+  assert "non-private" not in summary
   log = (straight / "train.log").read_text()
   for m in range(1, 5):
     assert f"round   {m}/4  acc " in log and "server_steps 2" in log
+
+
+# Issue 13: every value a DP run writes is a DP output, post-processing of DP outputs, or
+# public by the README's privacy section ("Privacy guarantees and their assumptions").
+RELEASED_RECORD_KEYS = {
+    "round", "test_accuracy", "test_loss", "epsilon",              # test split (public), ledger
+    "matching_loss", "matching_loss_last", "outer_iterations",     # post-processing of the
+    "real_accesses", "server_distance", "server_epochs",           # noised gradients and the
+    "server_steps",                                                # synthetic sets
+    "client_radius", "server_radius", "learning_rate", "upload_mb",  # config constants
+    "round_seconds", "wall_seconds", "first_in_process",           # timing (README: not covered)
+}
+PUBLIC_INFO_KEYS = {
+    "config_name", "method", "method_label", "dataset", "rounds", "num_params", "image_shape",
+    "num_classes", "client_sizes", "client_classes", "test_size", "normalisation",
+    "nonprivate_stats", "upload_floats_per_client", "jax_version", "fedlap_jax_version",
+    "devices", "client_backend", "dp", "noise_multiplier", "l2_clip_norm", "delta",
+    "batch_size", "steps_per_round", "min_client_size", "sampling_rate", "source", "partition",
+    "dirichlet_alpha", "num_clients", "train_fraction",
+}
+WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions")
+    "metrics.jsonl": "released", "privacy_ledger.json": "released", "run_info.json": "released",
+    "summary.md": "released", "train.log": "released", "synthetic": "released",
+    "config.json": "public but its seed", "checkpoints": "secret (PRNG key)",
+}
+
+
+def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
+  """An attacker's look at a DP run's work dir (tiny FedLAP-DP on digits, default flags)."""
+  listing = {p.name for p in straight.iterdir()}
+  assert {n for n in listing if not n.endswith(".png")} <= set(WORKDIR_FILES), listing
+  for r in checkpointing.read_metrics(straight / "metrics.jsonl"):
+    assert set(r) <= RELEASED_RECORD_KEYS, set(r) - RELEASED_RECORD_KEYS
+  info = json.loads((straight / "run_info.json").read_text())
+  assert set(info) <= PUBLIC_INFO_KEYS, set(info) - PUBLIC_INFO_KEYS
+  assert "seed" not in info
+  # Normalisation: the public test split's statistics, nothing of the training records.
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  _, _, x_test, _ = data_lib.load_digits()
+  assert info["normalisation"]["source"] == "test_split"
+  np.testing.assert_allclose(info["normalisation"]["mean"], [x_test.mean()], rtol=1e-5)
+  np.testing.assert_allclose(info["normalisation"]["std"], [x_test.std()], rtol=1e-5)
+  for snap in sorted((straight / "synthetic").glob("round_*.npz")):
+    with np.load(snap) as z:
+      assert set(z.files) == {"x", "y", "mask", "mean", "std", "round"}
+      np.testing.assert_array_equal(z["mean"], np.float32(info["normalisation"]["mean"]))
+      np.testing.assert_array_equal(z["std"], np.float32(info["normalisation"]["std"]))
+      # Labels and mask: the classes each client holds (public), ipc per class.
+      assert [sorted(set(y[m].tolist())) for y, m in zip(z["y"], z["mask"])] \
+          == info["client_classes"]
+
+
+def test_debug_nonprivate_stats_writes_them_in_a_named_section(straight, tmp_path):
+  cfg = tiny_config(rounds=1, progress_bar=False, plots=False, debug_nonprivate_stats=True)
+  out = train.train_and_evaluate(cfg, tmp_path)
+  rec = out["records"][0]
+  assert set(rec) - {train.NONPRIVATE_SECTION} <= RELEASED_RECORD_KEYS
+  stats = rec[train.NONPRIVATE_SECTION]
+  assert set(stats) == {"clip_fraction", "mean_batch_size", "poisson_extra_chunks"}
+  assert all(0 <= c <= 1 for c in stats["clip_fraction"]) and len(stats["clip_fraction"]) == 5
+  assert all(8 < b < 28 for b in stats["mean_batch_size"])  # B = 16
+  assert json.loads((tmp_path / "run_info.json").read_text())["nonprivate_stats"] is True
+  assert "WARNING debug_nonprivate_stats=True" in (tmp_path / "train.log").read_text()
+  assert "WARNING: metrics.jsonl holds non-private statistics" in \
+      (tmp_path / "summary.md").read_text()
+  # The DP outputs are those of the run without the flag.
+  straight_rec = checkpointing.read_metrics(straight / "metrics.jsonl")[0]
+  for k in ("test_accuracy", "epsilon", "matching_loss"):
+    assert rec[k] == straight_rec[k]
+
+
+def test_dp_baseline_metrics_keep_raw_statistics_out_of_the_record():
+  from fedlap_jax import baselines  # pylint: disable=g-import-not-at-top
+  k = 3
+  client = baselines.ClientMetrics(
+      loss=jnp.full(k, 2.0), steps=jnp.full(k, 4, jnp.int32), update_norm=jnp.full(k, 0.5),
+      poisson_extra_chunks=jnp.zeros(k, jnp.int32), mean_batch_size=jnp.full(k, 63.0),
+      clip_fraction=jnp.full(k, 0.9))
+  metrics = baselines.BaselineRoundMetrics(client, jnp.float32(0.1), jnp.float32(0.2),
+                                           jnp.float32(0.0))
+  released, nonprivate = train.summarize_metrics(metrics, k, private=True)
+  assert set(released) == {"client.steps", "client.update_norm", "learning_rate",
+                           "server_update_norm", "control_norm"}
+  assert set(nonprivate) == {"client.loss", "client.poisson_extra_chunks",
+                             "client.mean_batch_size", "client.clip_fraction"}
+  everything, none = train.summarize_metrics(metrics, k, private=False)
+  assert set(everything) == set(released) | set(nonprivate) and none == {}
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint(crashed_and_resumed):
@@ -301,3 +390,139 @@ def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_pa
   want = evaluate(setup.apply_fn, params, x_test, jnp.asarray(setup.dataset.y_test))
   assert record["test_loss"] == pytest.approx(float(want.loss), rel=1e-5)
   assert record["test_accuracy"] == pytest.approx(float(want.accuracy))
+
+
+# ------------------------------------------------------------ issue 13: damaged state
+
+
+def _damage_state(ckpt_dir):
+  for f in (ckpt_dir / "state").iterdir():
+    if f.is_file():
+      f.unlink()
+
+
+def _edit_ledger(ckpt_dir):
+  path = ckpt_dir / "meta" / "metadata"
+  meta = json.loads(path.read_text())
+  meta["ledger"]["epsilons"][-1] = 0.5  # a smaller epsilon than spent
+  path.write_text(json.dumps(meta))
+
+
+def _garbage_meta(ckpt_dir):
+  (ckpt_dir / "meta" / "metadata").write_text("garbage{")
+
+
+def _sigma_edited(ckpt_dir):  # consistent by itself, but not this run's sigma
+  from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+  path = ckpt_dir / "meta" / "metadata"
+  meta = json.loads(path.read_text())
+  ledger = dict(meta["ledger"], noise_multiplier=5.0, epsilons=[])
+  meta["ledger"] = accounting.PrivacyLedger(**ledger).to_dict()  # epsilons recomputed
+  path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", [_damage_state, _edit_ledger, _garbage_meta, _sigma_edited],
+                         ids=["deleted_state", "edited_ledger", "garbage_meta", "other_sigma"])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
+    straight, crashed_and_resumed, tmp_path, damage, capsys):
+  import shutil  # pylint: disable=g-import-not-at-top
+  source, _, _ = crashed_and_resumed  # checkpoints 3 and 4 of a finished 4-round run
+  workdir = tmp_path / "run"
+  shutil.copytree(source, workdir)
+  damage(workdir / "checkpoints" / "4")
+  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY), "--config.checkpoint_every=1",
+          "--config.progress_bar=False", "--config.plots=False", f"--workdir={workdir}"]
+  assert run.main(argv) == 0
+  log = (workdir / "train.log").read_text()
+  assert "WARNING checkpoint 4 is damaged (" in log
+  assert "resuming from round 3" in log and "epsilon so far 2.168" in log
+  # Set aside, not deleted; round 4 re-run from checkpoint 3 with its ledger.
+  assert (workdir / "damaged_checkpoints" / "4" / "meta").is_dir()
+  assert checkpointing.Checkpointer(workdir / "checkpoints").all_rounds() == [3, 4]
+  assert comparable(checkpointing.read_metrics(workdir / "metrics.jsonl")) == \
+      comparable(checkpointing.read_metrics(straight / "metrics.jsonl"))
+  assert json.loads((workdir / "privacy_ledger.json").read_text()) == \
+      json.loads((straight / "privacy_ledger.json").read_text())
+
+
+def test_stray_checkpoint_directory_is_set_aside(crashed_and_resumed, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  source, _, _ = crashed_and_resumed
+  workdir = tmp_path / "run"
+  shutil.copytree(source, workdir)
+  (workdir / "checkpoints" / "9").mkdir()
+  out = train.train_and_evaluate(tiny_config(checkpoint_every=1, progress_bar=False,
+                                             plots=False), workdir)
+  assert [r["round"] for r in out["records"]] == [1, 2, 3, 4] and out["compilations"] == 0
+  assert (workdir / "damaged_checkpoints" / "9").is_dir()
+  assert "WARNING checkpoint 9 is damaged" in (workdir / "train.log").read_text()
+
+
+def _snapshot(workdir):
+  return {p.relative_to(workdir).as_posix(): p.read_bytes()
+          for p in sorted(workdir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["all_checkpoints_damaged", "metrics_garbled"])
+def test_unusable_state_is_one_line_exit_2_and_nothing_changes(crashed_and_resumed, tmp_path,
+                                                               case, capsys):
+  import shutil  # pylint: disable=g-import-not-at-top
+  source, _, _ = crashed_and_resumed
+  workdir = tmp_path / "run"
+  shutil.copytree(source, workdir)
+  if case == "all_checkpoints_damaged":
+    _garbage_meta(workdir / "checkpoints" / "4")
+    _edit_ledger(workdir / "checkpoints" / "3")
+    fragment = ("every checkpoint is damaged (checkpoint 4: metadata unreadable: JSONDecodeError"
+                ": Expecting value: line 1 column 1 (char 0); checkpoint 3: ValueError: "
+                "epsilons[2]=0.5 does not match")
+  else:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[1] = "{garbled\n"
+    (workdir / "metrics.jsonl").write_text("".join(lines))
+    fragment = "metrics.jsonl holds rounds [1] up to round 4"
+  before = _snapshot(workdir)
+  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY), "--config.checkpoint_every=1",
+          f"--workdir={workdir}"]
+  assert run.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+  assert "nothing was changed" in err
+  assert _snapshot(workdir) == before
+
+
+def test_workdir_that_is_a_file_or_unwritable_exits_2(tmp_path, capsys):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  a_file = tmp_path / "a_file"
+  a_file.write_text("x")
+  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY)]
+  assert run.main(argv + [f"--workdir={a_file}"]) == 2
+  err = capsys.readouterr().err
+  assert err == (f"error: --workdir='{a_file}' is invalid: {a_file} is an existing file, not a "
+                 "directory; allowed: a directory this process can create and write (new, or "
+                 "the work dir of this run to resume it)\n")
+  assert run.main(argv + [f"--workdir={a_file}/run"]) == 2
+  assert "is invalid: " in capsys.readouterr().err
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode != 0:
+    locked.chmod(0o555)  # without CAP_LINUX_IMMUTABLE: read-only (refused unless root)
+  try:
+    probe = locked / "probe"
+    try:
+      probe.write_text("x")
+      probe.unlink()
+      pytest.skip("cannot make a directory unwritable here (root without chattr)")
+    except OSError:
+      pass
+    assert run.main(argv + [f"--workdir={locked}/run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --workdir='{locked}/run' is invalid: [Errno ")
+    assert err.count("\n") == 1
+    assert run.main(argv + [f"--workdir={locked}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --workdir='{locked}' is invalid: [Errno ")
+    assert err.count("\n") == 1
+  finally:
+    subprocess.run(["chattr", "-i", str(locked)], capture_output=True)
+    locked.chmod(0o755)

@@ -36,6 +36,11 @@ def dp_client(**kw):
     (lambda: ClientConfig(inner_loop=-1), r"inner_loop=-1"),
     (lambda: ClientConfig(mse_weight=-0.1), r"mse_weight=-0\.1"),
     (lambda: ClientConfig(poisson_capacity=10, batch_size=64), r"poisson_capacity=10"),
+    (lambda: ClientConfig(poisson_capacity=64, batch_size=64),
+     r"poisson_capacity=64 is invalid.*>= 88.*overflows often"),
+    (lambda: FedLAPConfig(client=dp_client(), synthetic_init="noise",
+                          server=ServerConfig(radius_strategy="constant", weighting="size")),
+     r"server.weighting='size' is invalid; allowed: 'uniform' or None when DP is on"),
     (lambda: DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
      r"noise_multiplier=0\.0"),
     (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=0.0), r"delta=0\.0"),
@@ -62,8 +67,11 @@ def test_config_validation(build, pattern):
 
 
 def test_valid_configs():
-  FedLAPConfig(client=dp_client(), server=ServerConfig(radius_strategy="constant"),
-               synthetic_init="noise")
+  dp = FedLAPConfig(client=dp_client(), server=ServerConfig(radius_strategy="constant"),
+                    synthetic_init="noise")
+  assert dp.server.weighting == "uniform"  # the default under DP: 1/K (Algorithm 3)
+  assert FedLAPConfig().server.weighting == "size"  # without DP: N_k / N (Eq. 9)
+  assert ClientConfig(batch_size=64, poisson_capacity=88).capacity == 88
   FedLAPConfig(client=ClientConfig(calibrate_radius=False),
                server=ServerConfig(radius_strategy="fixed"))
   assert ClientConfig(batch_size=256).capacity == 356
@@ -230,7 +238,7 @@ def check_round_metrics(metrics, config, num_clients=5):
   np.testing.assert_array_equal(
       np.asarray(metrics.client.real_accesses),
       np.asarray(metrics.client.outer_iterations).sum(axis=1) * cc.batch_loop)
-  assert int(jnp.sum(metrics.client.poisson_overflow)) == 0
+  assert int(jnp.sum(metrics.client.poisson_extra_chunks)) == 0
   assert 1 <= int(metrics.server.epochs) <= config.server.max_epochs
 
 

@@ -50,15 +50,17 @@ def test_poisson_sample_shapes_and_content(use_jit):
   fn = jax.jit(privacy.poisson_sample, static_argnums=3) if use_jit else privacy.poisson_sample
   out = fn(jax.random.PRNGKey(3), valid, 0.3, 40)
   chex.assert_shape([out.indices, out.is_padding], (40,))
-  chex.assert_shape([out.size, out.overflow], ())
-  chex.assert_type([out.indices, out.size, out.overflow], jnp.int32)
-  chex.assert_type(out.is_padding, jnp.bool_)
+  chex.assert_shape([out.size, out.extra_chunks], ())
+  chex.assert_shape(out.chosen, (100,))
+  chex.assert_type([out.indices, out.size, out.extra_chunks], jnp.int32)
+  chex.assert_type([out.is_padding, out.chosen], jnp.bool_)
   size = int(out.size)
-  assert int(jnp.sum(~out.is_padding)) == size
-  assert 0 < size <= 40 and int(out.overflow) == 0
+  assert int(jnp.sum(~out.is_padding)) == size == int(jnp.sum(out.chosen))
+  assert 0 < size <= 40 and int(out.extra_chunks) == 0
   chosen = np.asarray(out.indices[:size])
   assert np.all(np.diff(chosen) > 0)  # increasing, hence distinct
   assert np.all(chosen < 70)  # only valid records
+  np.testing.assert_array_equal(chosen, np.flatnonzero(np.asarray(out.chosen)))
   assert np.all(np.asarray(out.indices[size:]) == 0)
   assert bool(jnp.all(out.is_padding[size:]))
   ref = privacy.poisson_sample(jax.random.PRNGKey(3), valid, 0.3, 40)
@@ -74,20 +76,85 @@ def test_poisson_batch_size_mean_and_variance():
   mean, var = q * n_valid, q * n_valid * (1 - q)  # 80, 72
   assert abs(sizes.mean() - mean) < 5 * math.sqrt(var / draws)
   assert abs(sizes.var(ddof=1) / var - 1) < 0.1  # std. error of the ratio ~ 2.2%
-  assert int(jnp.sum(out.overflow)) == 0
+  assert int(jnp.sum(out.extra_chunks)) == 0
   assert int(jnp.max(jnp.where(out.is_padding, 0, out.indices))) < n_valid
 
 
-def test_poisson_overflow_is_counted():
+def test_an_overflowing_draw_is_read_whole_in_chunks():
   valid = jnp.ones((200,), bool)
   key = jax.random.PRNGKey(7)
   full = privacy.poisson_sample(key, valid, 0.5, 200)
-  small = privacy.poisson_sample(key, valid, 0.5, 10)
+  small = privacy.poisson_sample(key, valid, 0.5, 30)
   total = int(full.size)
-  assert total > 10
-  assert int(small.size) == 10 and int(small.overflow) == total - 10
+  assert total > 90
+  assert int(small.size) == total and int(small.extra_chunks) == math.ceil(total / 30) - 1
   assert not bool(jnp.any(small.is_padding))
-  chex.assert_trees_all_equal(small.indices, full.indices[:10])  # the first 10 records drawn
+  chex.assert_trees_all_equal(small.indices, full.indices[:30])  # the first 30 records drawn
+  chunks = [privacy.poisson_chunk(small, j) for j in range(int(small.extra_chunks) + 2)]
+  read = np.concatenate([np.asarray(i)[~np.asarray(p)] for i, p in chunks])
+  np.testing.assert_array_equal(read, np.asarray(full.indices[:total]))  # all, in order, once
+  assert bool(jnp.all(chunks[-1][1]))  # the chunk after the last is empty
+
+
+def test_sum_over_chunks_counts_every_record_with_probability_q():
+  """Exact Poisson sampling even when the buffer is as small as B (bypassing the config check).
+
+  N = 1000, B = capacity = 64 (q = 0.064): a draw exceeds the buffer in ~46 % of the steps.
+  The old buffer kept the lowest indices, so the last 100 records were included with
+  p = 0.041 instead of 0.064; every record must be counted with probability q.
+  """
+  n, b, draws = 1000, 64, 2000
+  q = b / n
+  valid = jnp.ones((n,), bool)
+
+  def inclusion(key):
+    batch = privacy.poisson_sample(key, valid, q, b)
+    def chunk_sum(indices, is_padding):
+      return jnp.zeros((n,), jnp.float32).at[indices].add(jnp.logical_not(is_padding))
+    return privacy.sum_over_chunks(chunk_sum, batch), batch.extra_chunks, batch.chosen
+
+  counts, extra, chosen = jax.jit(jax.vmap(inclusion))(jax.random.split(jax.random.PRNGKey(0),
+                                                                       draws))
+  counts, extra = np.asarray(counts), np.asarray(extra)
+  np.testing.assert_array_equal(counts, np.asarray(chosen, np.float32))  # each exactly once
+  assert 0.35 < np.mean(extra > 0) < 0.6  # overflow is frequent: the loop really ran
+  stderr = math.sqrt(q * (1 - q) / (100 * draws))  # 0.00055
+  for block in (slice(0, 100), slice(450, 550), slice(900, 1000)):
+    assert abs(counts[:, block].mean() - q) < 5 * stderr, (block, counts[:, block].mean())
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["real_gradient_sum", "clipped_sum"])
+def test_chunked_gradient_sums_equal_one_pass(dp, linear_apply_fn, linear_params, client_parts):
+  """The sums over 4 chunks of 40 slots equal one pass over a buffer holding the whole draw."""
+  apply_fn, params = linear_apply_fn, linear_params
+  x, y = client_parts[0]
+  x, y = jnp.asarray(x), jnp.asarray(y)
+  valid = jnp.ones(len(y), bool)
+
+  def gradient_sum(capacity):
+    batch = privacy.poisson_sample(jax.random.PRNGKey(2), valid, 0.5, capacity)
+    def chunk_sum(indices, is_padding):
+      if dp:
+        return privacy.clipped_gradient_sum(apply_fn, params, x[indices], y[indices],
+                                            is_padding, l2_clip_norm=0.5)[0]
+      return privacy.real_gradient_sum(apply_fn, params, x[indices], y[indices], is_padding)
+    return privacy.sum_over_chunks(chunk_sum, batch), batch
+
+  (chunked, small), (whole, big) = (jax.jit(gradient_sum, static_argnums=0)(c)
+                                    for c in (40, len(y)))
+  assert int(big.extra_chunks) == 0 and int(small.extra_chunks) >= 3
+  assert int(small.size) == int(big.size) > 120
+  chex.assert_trees_all_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_that_overflows_often_is_refused():
+  assert privacy.min_poisson_capacity(64) == 88  # 64 + 3 * 8
+  privacy.check_poisson_capacity(None, 64)
+  privacy.check_poisson_capacity(88, 64)
+  for bad in (64, 87):
+    with pytest.raises(ValueError, match=rf"poisson_capacity={bad} is invalid; allowed: None "
+                       r"\(the default, 116 slots.*>= 88.*overflows often.*slow"):
+      privacy.check_poisson_capacity(bad, 64)
 
 
 # ---------------------------------------------------------------- losses and gradients

@@ -58,6 +58,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.dirichlet_alpha = 0.5
   config.data.num_clients = 5
   config.data.train_fraction = 1.0
+  # Where mean/std come from: "auto" (published constants of mnist / fashion_mnist / cifar10,
+  # else the training split) | "published" | "given" (data.mean, data.std per channel, of
+  # pixels in [0, 1]) | "test_split" | "train_split". DP runs may not use the training split.
+  config.data.normalisation = "auto"
+  config.data.mean = config_dict.placeholder(tuple)
+  config.data.std = config_dict.placeholder(tuple)
 
   config.model = ml_collections.ConfigDict()
   config.model.width = 128
@@ -88,7 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.server.radius_strategy = "min"
   config.server.batch_size = 512
   config.server.max_epochs = 100
-  config.server.weighting = "size"
+  config.server.weighting = config_dict.placeholder(str)  # None: "uniform" with DP, else "size"
   config.server.dsa_strategy = DSA
   config.server.momentum = 0.0           # FedLAP: plain SGD; FedDM / DSC / PSG: 0.9
   config.server.weight_decay = 0.0       # FedDM / DSC / PSG: 5e-4
@@ -145,4 +151,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.snapshot_rounds = (1,)
   config.plots = True
   config.progress_bar = True
+  # DP runs write only DP outputs and test-set metrics; True adds raw statistics of the
+  # clients' records (clip fractions, realised batch sizes, training losses) to
+  # metrics.jsonl under "nonprivate", outside the privacy guarantee (for debugging).
+  config.debug_nonprivate_stats = False
   return config

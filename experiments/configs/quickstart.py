@@ -10,7 +10,8 @@ records per client), a ConvNet with 32 filters and 2 blocks on 8x8x1 images,
 
 * FedLAP-DP (``fedlap_dp``): sigma=1, C=1, delta=1e-5, B=64 Poisson
   (q = 64 / 274), T=10 noisy accesses per round; synthetic images from N(0, 1)
-  once; constant radius r=5; eta_0=0.05, tau=100.
+  once; constant radius r=5; eta_0=0.05, tau=100; pixels standardised with the
+  statistics of the public test split (``data.normalisation='test_split'``).
 * FedLAP (``fedlap``): synthetic images re-drawn from real images every round,
   r=5 calibrated per client (30 epochs), server strategy ``min``; eta_0=0.1,
   tau=10, lambda=0.1.
@@ -56,6 +57,8 @@ def dp_config():
   c.inner_loop = 1
   c.mse_weight = 0.0
   c.calibrate_radius = False
+  # Digits has no published constants; the training split's statistics would leak.
+  config.data.normalisation = "test_split"
   config.server.radius_strategy = "constant"
   config.server.weighting = "uniform"
   config.server.max_epochs = 50

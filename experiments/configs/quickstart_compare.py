@@ -62,6 +62,7 @@ def matched_dp_baseline(method: str, fedlap_dp,
   config.client.batch_size = b
   config.baseline.local_epochs = DP_LOCAL_EPOCHS
   config.baseline.prox_mu = 0.1
+  config.data.normalisation = fedlap_dp.data.normalisation  # DP-safe, as FedLAP-DP
   config.dp.enabled = True
   config.dp.l2_clip_norm = 0.1
   config.dp.delta = fedlap_dp.dp.delta
