@@ -15,7 +15,9 @@ the union of the clients' synthetic sets. :func:`condense` is the client side
              images of class c; L = sum_c L_dis(g_real_c, g_syn_c)
         PSG: one Poisson batch of the whole client (q = B / N_k), the whole
              synthetic set; g_real clipped per example to C, N(0, sigma^2 C^2),
-             divided by B (privacy.private_gradient)
+             divided by B (privacy.clipped_gradient_sum over every chunk of
+             the draw, privacy.sum_over_chunks, then privacy.privatise: exact
+             Poisson sampling, no record dropped)
         S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.client.matching_step)
       if o == outer_loop: break
       inner_loop epochs of SGD (net_lr, batch model_batch_size) of w on S
@@ -90,7 +92,8 @@ from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, o
 from fedlap_jax.client import class_batch, class_blocks, matching_step
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS,
-                               SYNTHETIC_INITS, DPConfig, ServerConfig, poisson_capacity)
+                               SYNTHETIC_INITS, DPConfig, ServerConfig, check_poisson_capacity,
+                               poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.federated import noise_images, real_images, synthetic_labels
 from fedlap_jax.server import ServerMetrics, global_update
@@ -144,7 +147,9 @@ class CondensationConfig:
     dsa_strategy: DSA families (``""``: none, the DC / PSG default).
     synthetic_init: ``noise`` (N(0, 1), the default of both codes) or ``real``
       (real images of the class; refused with ``dp``).
-    poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
+    poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``; at
+      least ``B + 3 sqrt(B)``); a draw beyond it is processed in extra chunks
+      (:func:`fedlap_jax.privacy.sum_over_chunks`), never truncated.
     dp: a :class:`~fedlap_jax.config.DPConfig` for PSG, ``None`` for DSC.
   """
 
@@ -176,10 +181,7 @@ class CondensationConfig:
     positive_float("net_lr", self.net_lr)
     dsa_strategy("dsa_strategy", self.dsa_strategy)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
-    if self.poisson_capacity is not None:
-      positive_int("poisson_capacity", self.poisson_capacity)
-      require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
-              self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
+    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       require(not self.classwise, "classwise", self.classwise,
@@ -271,14 +273,23 @@ class CondensationMetrics(NamedTuple):
     matching_loss: ``(iterations,)`` mean ``L_dis`` over the image updates of
       each fresh network (under DP: computed from the noised gradients).
     real_accesses: real batches drawn (``T``; per class when class-wise).
-    poisson_overflow: records sampled beyond the batch buffer (should be 0).
+    poisson_extra_chunks: extra buffer-sized chunks processed because a
+      Poisson draw exceeded the buffer (usually 0; no record is ever dropped).
     mean_batch_size: mean realised records per access (all classes together).
     clip_fraction: fraction of per-example gradients clipped (DP; else 0).
+
+  Under DP, ``matching_loss`` is computed from the noised gradients and the
+  synthetic set only and ``real_accesses`` is the fixed ``T`` (both
+  releasable); the fields named in :attr:`NONPRIVATE` are raw statistics of
+  the real records, outside the DP mechanism: diagnostics, not to be released
+  (the experiment driver writes them only with ``debug_nonprivate_stats``).
   """
+
+  NONPRIVATE = ("poisson_extra_chunks", "mean_batch_size", "clip_fraction")
 
   matching_loss: jax.Array
   real_accesses: jax.Array
-  poisson_overflow: jax.Array
+  poisson_extra_chunks: jax.Array
   mean_batch_size: jax.Array
   clip_fraction: jax.Array
 
@@ -324,21 +335,30 @@ def condense(
     k_sample, k_aug, k_noise = jax.random.split(k, 3)
     rate = c.batch_size / jnp.maximum(jnp.sum(client_data.mask), 1).astype(f32)
     batch = privacy.poisson_sample(k_sample, client_data.mask, rate, capacity)
-    xb = augment(k_aug, client_data.images(batch.indices))
-    yb = client_data.y[batch.indices]
+
+    def chunk_sums(indices, is_padding):
+      # One DSA draw per batch (every chunk gets the same transform).
+      xb = augment(k_aug, client_data.images(indices))
+      yb = client_data.y[indices]
+      if c.dp is None:
+        return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,
+                                         microbatch_size="auto")[0], f32(0.0)
+      clipped_sum, norms = privacy.clipped_gradient_sum(
+          apply_fn, w, xb, yb, is_padding, l2_clip_norm=c.dp.l2_clip_norm,
+          microbatch_size=c.dp.microbatch_size, method=c.dp.per_example_method)
+      return clipped_sum, jnp.sum(jnp.logical_and(norms > c.dp.l2_clip_norm,
+                                                  ~is_padding)).astype(f32)
+
+    # Exact Poisson sampling: every sampled record counts, also beyond the buffer.
+    total, clipped = privacy.sum_over_chunks(chunk_sums, batch)
     if c.dp is None:
-      g = privacy.real_gradient(apply_fn, w, xb, yb, batch.is_padding, microbatch_size="auto")
-      clipped = f32(0.0)
+      g = jax.tree.map(lambda t: t / jnp.maximum(batch.size, 1).astype(f32), total)
     else:
-      g, norms = privacy.private_gradient(
-          k_noise, apply_fn, w, xb, yb, batch.is_padding,
-          l2_clip_norm=c.dp.l2_clip_norm, noise_multiplier=c.dp.noise_multiplier,
-          expected_batch_size=c.batch_size, microbatch_size=c.dp.microbatch_size,
-          method=c.dp.per_example_method)
-      clipped = jnp.sum(jnp.logical_and(norms > c.dp.l2_clip_norm,
-                                        ~batch.is_padding)).astype(f32)
+      g = privacy.privatise(k_noise, total, l2_clip_norm=c.dp.l2_clip_norm,
+                            noise_multiplier=c.dp.noise_multiplier,
+                            expected_batch_size=c.batch_size)
     loss, grad_x = match(w, synthetic._replace(x=x_syn), g, k_aug)
-    return loss, grad_x, (batch.overflow, batch.size, clipped)
+    return loss, grad_x, (batch.extra_chunks, batch.size, clipped)
 
   def per_class(k, w, x_syn):
     """DSC: per class block, a real batch of the class and the block's images."""
@@ -347,17 +367,22 @@ def condense(
     def one(kc, x_block, label, ok):
       k_sample, k_aug = jax.random.split(kc)
       batch = class_batch(k_sample, client_data, label, ok, c.batch_size, capacity)
-      xb = augment(k_aug, client_data.images(batch.indices))
-      g = privacy.real_gradient(apply_fn, w, xb, client_data.y[batch.indices],
-                                batch.is_padding, microbatch_size="auto")
+
+      def chunk_sum(indices, is_padding):
+        xb = augment(k_aug, client_data.images(indices))
+        return privacy.real_gradient_sum(apply_fn, w, xb, client_data.y[indices], is_padding,
+                                         microbatch_size="auto")[0]
+
+      total = privacy.sum_over_chunks(chunk_sum, batch)
+      g = jax.tree.map(lambda t: t / jnp.maximum(batch.size, 1).astype(f32), total)
       block = SyntheticSet(x_block, jnp.full((c.ipc,), label), jnp.full((c.ipc,), ok))
       loss, grad_x = match(w, block, g, k_aug)
-      return loss * ok, grad_x * ok, batch.overflow, batch.size
+      return loss * ok, grad_x * ok, batch.extra_chunks, batch.size
 
-    losses, grads, overflow, sizes = jax.vmap(one)(
+    losses, grads, extra, sizes = jax.vmap(one)(
         jax.random.split(k, labels.shape[0]), xs, labels, valid)
     return (jnp.sum(losses), grads.reshape(x_syn.shape),
-            (jnp.sum(overflow), jnp.sum(sizes), f32(0.0)))
+            (jnp.sum(extra), jnp.sum(sizes), f32(0.0)))
 
   update = per_class if c.classwise else whole_set
 
@@ -371,10 +396,10 @@ def condense(
 
       def batch_step(b, carry):
         x_syn, opt_state, loss_sum, stats = carry
-        loss, grad_x, (overflow, size, clipped) = update(jax.random.fold_in(k_o, b), w, x_syn)
+        loss, grad_x, (extra, size, clipped) = update(jax.random.fold_in(k_o, b), w, x_syn)
         updates, opt_state = opt.update(grad_x, opt_state, x_syn)
-        accesses, n_over, sampled, n_clipped = stats
-        stats = (accesses + 1, n_over + overflow, sampled + size, n_clipped + clipped)
+        accesses, n_extra, sampled, n_clipped = stats
+        stats = (accesses + 1, n_extra + extra, sampled + size, n_clipped + clipped)
         return optax.apply_updates(x_syn, updates), opt_state, loss_sum + loss, stats
 
       x_syn, opt_state, loss_sum, stats = jax.lax.fori_loop(
@@ -399,11 +424,11 @@ def condense(
   (x_syn, _, stats), losses = jax.lax.scan(
       iteration, (synthetic.x, opt.init(synthetic.x), stats0),
       jax.random.split(key, c.iterations))
-  accesses, overflow, sampled, n_clipped = stats
+  accesses, extra_chunks, sampled, n_clipped = stats
   metrics = CondensationMetrics(
       matching_loss=losses,
       real_accesses=accesses,
-      poisson_overflow=overflow,
+      poisson_extra_chunks=extra_chunks,
       mean_batch_size=sampled / jnp.maximum(accesses, 1),
       clip_fraction=n_clipped / jnp.maximum(sampled, 1),
   )

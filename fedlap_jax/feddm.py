@@ -62,13 +62,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlap_jax import dsa
+from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, one_of, positive_float,
                                positive_int, require)
 from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import CLIENT_BACKENDS, SYNTHETIC_INITS, ServerConfig, poisson_capacity
+from fedlap_jax.config import (CLIENT_BACKENDS, SYNTHETIC_INITS, ServerConfig,
+                               check_poisson_capacity, poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.federated import noise_images, real_images, synthetic_labels
 from fedlap_jax.matching import mean_embedding_distance
@@ -98,7 +99,8 @@ class FedDMConfig:
       (``""``: none, as the reimplementation).
     synthetic_init: ``real`` (real images of the class, every round) or
       ``noise`` (N(0, 1), every round).
-    poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
+    poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``; at
+      least ``B + 3 sqrt(B)``); a draw beyond it is processed in extra chunks.
     server: :class:`~fedlap_jax.config.ServerConfig` of the server's training
       (``radius_strategy='fixed'``: ``max_epochs`` epochs).
     learning_rate: the server's learning rate, the same every round.
@@ -125,10 +127,7 @@ class FedDMConfig:
             "image_momentum", self.image_momentum, "a number in [0, 1)")
     dsa_strategy("dsa_strategy", self.dsa_strategy)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
-    if self.poisson_capacity is not None:
-      positive_int("poisson_capacity", self.poisson_capacity)
-      require(self.poisson_capacity >= self.batch_size, "poisson_capacity",
-              self.poisson_capacity, f"an integer >= batch_size ({self.batch_size})")
+    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     require(isinstance(self.server, ServerConfig), "server", self.server, "a ServerConfig")
     require(self.server.radius_strategy == "fixed", "radius_strategy",
             self.server.radius_strategy,
@@ -145,12 +144,13 @@ class FedDMClientMetrics(NamedTuple):
 
   Attributes:
     matching_loss: ``(iterations,)`` the distribution-matching loss before each update.
-    poisson_overflow: records sampled beyond the batch buffer (should be 0).
+    poisson_extra_chunks: extra buffer-sized chunks processed because a
+      Poisson draw exceeded the buffer (usually 0; no record is ever dropped).
     mean_batch_size: mean real records per iteration (all classes together).
   """
 
   matching_loss: jax.Array
-  poisson_overflow: jax.Array
+  poisson_extra_chunks: jax.Array
   mean_batch_size: jax.Array
 
 
@@ -198,18 +198,27 @@ def distribution_match(
   syn_weights = jnp.ones((c.ipc,), jnp.float32)
 
   def step(carry, k):
-    x_syn, opt_state, overflow, sampled = carry
+    x_syn, opt_state, extra_chunks, sampled = carry
     k_model, k_classes = jax.random.split(k)
     w = perturb(k_model, params, c.rho)
 
     def real_side(kc, label, ok):
+      """The mean embedding of a Poisson batch of the class, over every chunk of the draw."""
       k_sample, k_aug = jax.random.split(kc)
       batch = class_batch(k_sample, client_data, label, ok, c.batch_size, capacity)
-      emb = embed_fn(w, augment(k_aug, client_data.images(batch.indices)))
-      return emb, ~batch.is_padding, k_aug, batch.overflow, batch.size
+
+      def chunk_sum(indices, is_padding):
+        emb = embed_fn(w, augment(k_aug, client_data.images(indices)))
+        keep = (~is_padding).astype(jnp.float32)
+        return jax.tree.map(
+            lambda e: jnp.sum(keep.reshape(-1, *([1] * (e.ndim - 1))) * e, axis=0), emb)
+
+      total = privacy.sum_over_chunks(chunk_sum, batch)
+      mean = jax.tree.map(lambda t: (t / jnp.maximum(batch.size, 1))[None], total)
+      return mean, (batch.size > 0)[None], k_aug, batch.extra_chunks, batch.size
 
     class_keys = jax.random.split(k_classes, num_blocks)
-    real_emb, real_w, aug_keys, n_over, sizes = jax.vmap(real_side)(class_keys, labels, valid)
+    real_emb, real_w, aug_keys, n_extra, sizes = jax.vmap(real_side)(class_keys, labels, valid)
 
     def loss_fn(x):
       xs = x.reshape(num_blocks, c.ipc, *x.shape[1:])
@@ -222,14 +231,14 @@ def distribution_match(
 
     loss, grad_x = jax.value_and_grad(loss_fn)(x_syn)
     updates, opt_state = opt.update(grad_x, opt_state, x_syn)
-    carry = (optax.apply_updates(x_syn, updates), opt_state, overflow + jnp.sum(n_over),
+    carry = (optax.apply_updates(x_syn, updates), opt_state, extra_chunks + jnp.sum(n_extra),
              sampled + jnp.sum(sizes))
     return carry, loss
 
   init = (synthetic.x, opt.init(synthetic.x), jnp.int32(0), jnp.int32(0))
-  (x_syn, _, overflow, sampled), losses = jax.lax.scan(
+  (x_syn, _, extra_chunks, sampled), losses = jax.lax.scan(
       step, init, jax.random.split(key, c.iterations))
-  metrics = FedDMClientMetrics(losses, overflow, sampled / c.iterations)
+  metrics = FedDMClientMetrics(losses, extra_chunks, sampled / c.iterations)
   return synthetic._replace(x=x_syn), metrics
 
 

@@ -166,26 +166,43 @@ def test_psg_private_path_clips_and_noises(psg_runs):
 
 def test_psg_uses_the_private_gradient_with_its_settings(tiny_apply_fn, tiny_init, clients,
                                                          monkeypatch):
-  """The real gradient of the DP path is privacy.private_gradient with C, sigma and B."""
+  """The DP path's real gradient: clipped sums over every chunk of the Poisson draw
+  (privacy.sum_over_chunks, exact sampling), noised by privacy.privatise with C, sigma and B."""
   calls = []
-  original = privacy.private_gradient
 
-  def spy(*args, **kwargs):
-    calls.append({k: kwargs[k] for k in ("l2_clip_norm", "noise_multiplier",
-                                         "expected_batch_size")})
-    return original(*args, **kwargs)
+  def spy(name):
+    original = getattr(privacy, name)
 
-  monkeypatch.setattr(privacy, "private_gradient", spy)
+    def wrapped(*args, **kwargs):
+      call = (name, {k: kwargs[k] for k in ("l2_clip_norm", "noise_multiplier",
+                                            "expected_batch_size") if k in kwargs})
+      if call not in calls:   # sum_over_chunks traces its chunk sum twice
+        calls.append(call)
+      return original(*args, **kwargs)
+    monkeypatch.setattr(privacy, name, wrapped)
+
+  for name in ("privatise", "sum_over_chunks", "clipped_gradient_sum", "private_gradient"):
+    spy(name)
   client = _client(clients)
   config = dataclasses.replace(TINY, outer_loop=1, batch_loop=1, dp=DP)
   jax.eval_shape(lambda k: condensation.condense(k, tiny_apply_fn, tiny_init, _synthetic(client),
                                                  client, config), jax.random.PRNGKey(0))
-  assert calls == [{"l2_clip_norm": 0.1, "noise_multiplier": 1.0, "expected_batch_size": B}]
+  assert calls == [("sum_over_chunks", {}), ("clipped_gradient_sum", {"l2_clip_norm": 0.1}),
+                   ("privatise", {"l2_clip_norm": 0.1, "noise_multiplier": 1.0,
+                                  "expected_batch_size": B})]
   calls.clear()
   jax.eval_shape(lambda k: condensation.condense(k, tiny_apply_fn, tiny_init, _synthetic(client),
                                                  client, dataclasses.replace(config, dp=None)),
                  jax.random.PRNGKey(0))
-  assert calls == []
+  assert calls == [("sum_over_chunks", {})]
+
+
+def test_psg_metrics_declare_the_raw_statistics_nonprivate():
+  """The driver leaves these out of a DP run's metrics (debug_nonprivate_stats)."""
+  assert set(condensation.CondensationMetrics.NONPRIVATE) == {
+      "poisson_extra_chunks", "mean_batch_size", "clip_fraction"}
+  assert set(condensation.CondensationMetrics.NONPRIVATE) < set(
+      condensation.CondensationMetrics._fields)
 
 
 # ------------------------------------------------------------------ the server's training
@@ -232,5 +249,5 @@ def test_distribution_matching_lowers_its_loss(tiny_model, tiny_params, clients)
   loss = np.asarray(metrics.matching_loss)
   chex.assert_shape(loss, (30,))
   assert loss[-5:].mean() < 0.5 * loss[:5].mean()
-  assert float(metrics.mean_batch_size) > 0 and int(metrics.poisson_overflow) == 0
+  assert float(metrics.mean_batch_size) > 0 and int(metrics.poisson_extra_chunks) == 0
   np.testing.assert_array_equal(out.y, syn.y)
