@@ -213,3 +213,20 @@ def test_ipc_larger_than_a_class_is_refused_with_real_initialisation():
     train.build_run(cfg)
   assert err.value.field == "client.ipc" and "synthetic_init='real'" in str(err.value)
   np.testing.assert_equal(err.value.value, 500)
+
+
+@pytest.mark.parametrize("config, arg, message", [
+    ("mnist_psg", "--config.dp.enabled=False",
+     "dp.enabled=False is invalid; allowed: True for method='psg'"),
+    ("mnist_feddm", "--config.feddm.rho=-1.0", "feddm.rho=-1.0 is invalid; allowed: "),
+    ("cifar_dsc", "--config.rounds=3", "rounds=3 is invalid; allowed: 1 for method="),
+    ("cifar_psg", "--config.condense.iterations=0",
+     "condense.iterations=0 is invalid; allowed: an integer >= 1"),
+    ("fmnist_psg", "--config.client.poisson_capacity=256",
+     "client.poisson_capacity=256 is invalid; allowed: None (the default"),
+])
+def test_cli_refuses_bad_settings_in_one_line_with_exit_2(config, arg, message, tmp_path, capsys):
+  assert run.main(["prog", f"--config={config}", arg, f"--workdir={tmp_path / 'run'}"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: {config}: {message}") and err.count("\n") == 1, err
+  assert not (tmp_path / "run").exists()
