@@ -230,3 +230,23 @@ def test_cli_refuses_bad_settings_in_one_line_with_exit_2(config, arg, message, 
   err = capsys.readouterr().err
   assert err.startswith(f"error: {config}: {message}") and err.count("\n") == 1, err
   assert not (tmp_path / "run").exists()
+
+
+def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
+  """PSG's clip fraction, realised batch sizes and extra chunks are raw statistics of the
+  records: a DP run releases the rest and keeps these for debug_nonprivate_stats."""
+  from fedlap_jax import condensation  # pylint: disable=g-import-not-at-top
+  k = 3
+  client = condensation.CondensationMetrics(
+      matching_loss=np.ones((k, 4), np.float32), real_accesses=np.full(k, 200, np.int32),
+      poisson_extra_chunks=np.zeros(k, np.int32), mean_batch_size=np.full(k, 63.0),
+      clip_fraction=np.full(k, 0.9))
+  metrics = condensation.OneShotMetrics(client, np.int32(300), np.int32(600), np.float32(1.5),
+                                        np.float32(0.01))
+  released, nonprivate = train.summarize_metrics(metrics, k, private=True)
+  assert set(released) == {"client.matching_loss", "client.real_accesses", "server_epochs",
+                           "server_steps", "server_distance", "learning_rate"}
+  assert set(nonprivate) == {"client.poisson_extra_chunks", "client.mean_batch_size",
+                             "client.clip_fraction"}
+  everything, none = train.summarize_metrics(metrics, k, private=False)
+  assert set(everything) == set(released) | set(nonprivate) and none == {}
