@@ -5,20 +5,27 @@ r"""Tables and an overlay plot over finished runs, in the paper's layout.
 
 Runs are grouped by setting: one **row** per dataset (with the data and model
 fields that differ between runs of that dataset, e.g. ``cifar10 [partition=iid]``),
-one **column** per method (``FedLAP``, ``FedAvg``, ...; with the fields that
-differ between runs of that method, e.g. ``FedLAP [client.ipc=20]``); runs that
-differ only in ``seed`` are pooled and shown as ``mean +- std`` (population
-std, in %) with the number of seeds.
+one **column** per method with its upload per client and round relative to the
+model size, as the paper's ``FedAvg (1x)`` (``FedLAP (0.96x)``, ``FedAvg (1x)``,
+``SCAFFOLD (2x)``, ...; a one-shot method uploads once; ``DSC (centralized)``
+counts the raw data pooled), and the fields that differ between runs of that
+method (e.g. ``FedLAP (0.96x) [client.ipc=20]``); runs that differ only in
+``seed`` are pooled and shown as ``mean +- std`` (population std, in %) with
+the number of seeds.
 
 * Non-DP table: the accuracy after the last round (``--metric final``, the
   default) or the best over rounds (``--metric best``).
 * DP tables, one per ``--epsilons`` value: the accuracy after the last round
   whose epsilon is at most that value (``-`` if already the first round spends
   more), as the paper's "under privacy budgets of 2.79 and 10.18".
+* DP at the epsilon spent: the accuracy after the last round and that
+  round's epsilon (the paper's PSG column at epsilon 32; one-shot methods
+  have one round).
 
 Writes ``report.md``, ``table_nondp.csv``, ``table_dp_eps<e>.csv``,
-``runs.csv`` (one line per run) and ``accuracy_vs_round.png`` (mean over seeds,
-shaded +- std; DP runs dashed) to ``--out``.
+``table_dp_final.csv``, ``runs.csv`` (one line per run, with its upload and
+seconds per round) and ``accuracy_vs_round.png`` (mean over seeds, shaded +-
+std; DP runs dashed) to ``--out``.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class Run:
       raise ValueError(f"RUN_DIR={str(path)!r} has no metrics records yet")
     self.dp = bool(self.info.get("dp"))
     self.method = self.info.get("method_label", self.config["method"])
+    self.upload_ratio = (self.info["upload_floats_per_client"] / self.info["num_params"]
+                         if self.info.get("num_params") else float("nan"))
     self.dataset = self.config["data.name"]
     self.seed = self.config["seed"]
     fields = {k: v for k, v in self.config.items() if k not in IGNORED}
@@ -84,6 +93,17 @@ class Run:
   def accuracy(self, metric: str = "final") -> float:
     accs = [r["test_accuracy"] for r in self.records]
     return accs[-1] if metric == "final" else max(accs)
+
+  @property
+  def final_epsilon(self) -> float:
+    eps = self.records[-1].get("epsilon")
+    return float("nan") if eps is None else float(eps)
+
+  @property
+  def round_seconds(self) -> tuple[float, float]:
+    """``(first round, mean of the later rounds or nan)``; the first includes compilation."""
+    secs = [r["round_seconds"] for r in self.records]
+    return secs[0], (float(np.mean(secs[1:])) if len(secs) > 1 else float("nan"))
 
   def accuracy_at_epsilon(self, epsilon: float) -> float:
     ok = [r for r in self.records if r.get("epsilon") is not None and r["epsilon"] <= epsilon]
@@ -113,34 +133,50 @@ def label_runs(runs: list[Run]) -> None:
   for group in by_method.values():
     varying = _varying([r.col_fields for r in group])
     for r in group:
-      r.col = _label(r.method, r.col_fields, varying)
+      r.col = _label(f"{r.method} ({cost_label(r.upload_ratio)})", r.col_fields, varying)
 
 
-def _order(labels, order):
+def cost_label(ratio: float) -> str:
+  """Upload per client and round relative to the model size, as the paper: ``0.96x``, ``2x``."""
+  return "?x" if math.isnan(ratio) else f"{ratio:.3g}x"
+
+
+def _order(labels, order, base=lambda label: label.split(" [")[0]):
   def key(label):
-    base = label.split(" [")[0]
-    return (order.index(base) if base in order else len(order), label)
+    b = base(label)
+    return (order.index(b) if b in order else len(order), label)
   return sorted(set(labels), key=key)
 
 
-def _cell(values: list[float]) -> tuple[str, float, float, int]:
+def _cell(values: list[float], note: str = "") -> tuple[str, float, float, int]:
   vals = [v for v in values if not math.isnan(v)]
   if not vals:
     return "-", float("nan"), float("nan"), 0
   mean, std = 100 * float(np.mean(vals)), 100 * float(np.std(vals))
   text = f"{mean:.2f} ± {std:.2f}" if len(vals) > 1 else f"{mean:.2f}"
-  return text + f" (n={len(vals)})", mean, std, len(vals)
+  return text + f" (n={len(vals)}{note})", mean, std, len(vals)
 
 
-def build_table(runs: list[Run], value_fn) -> tuple[list[str], list[str], dict]:
-  """``(rows, cols, cells)`` with ``cells[(row, col)] = (text, mean, std, n)``."""
-  groups = defaultdict(list)
+def build_table(runs: list[Run], value_fn, note_fn=None) -> tuple[list[str], list[str], dict]:
+  """``(rows, cols, cells)`` with ``cells[(row, col)] = (text, mean, std, n)``.
+
+  ``note_fn(runs of a cell)`` may add text inside the cell's parentheses.
+  """
+  groups, members = defaultdict(list), defaultdict(list)
   for r in runs:
     groups[(r.row, r.col)].append(value_fn(r))
+    members[(r.row, r.col)].append(r)
   rows = _order([r.row for r in runs], DATASET_ORDER)
-  cols = _order([r.col for r in runs], METHOD_ORDER)
-  cells = {key: _cell(vals) for key, vals in groups.items()}
+  method_of = {r.col: r.method for r in runs}
+  cols = _order([r.col for r in runs], METHOD_ORDER, base=method_of.get)
+  cells = {key: _cell(vals, note_fn(members[key]) if note_fn else "")
+           for key, vals in groups.items()}
   return rows, cols, cells
+
+
+def _epsilon_note(runs: list[Run]) -> str:
+  eps = [r.final_epsilon for r in runs if not math.isnan(r.final_epsilon)]
+  return f", ε={np.mean(eps):.3g}" if eps else ""
 
 
 def _markdown(title: str, rows, cols, cells) -> str:
@@ -176,7 +212,8 @@ def overlay_plot(path: Path, runs: list[Run]) -> None:
     for r in runs:
       if r.row == row:
         groups[r.col].append(r)
-    for col in _order(groups, METHOD_ORDER):
+    method_of = {r.col: r.method for r in runs}
+    for col in _order(groups, METHOD_ORDER, base=method_of.get):
       members = groups[col]
       n = min(len(r.records) for r in members)
       acc = 100 * np.array([[rec["test_accuracy"] for rec in r.records[:n]] for r in members])
@@ -221,16 +258,26 @@ def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final")
     tables[f"dp_eps{eps:g}"] = t
     md.append(_markdown(f"DP, accuracy at epsilon <= {eps:g}", *t))
     _write_csv(out / f"table_dp_eps{eps:g}.csv", *t)
+  if dp:
+    t = build_table(dp, lambda r: r.accuracy("final"), _epsilon_note)
+    tables["dp_final"] = t
+    md.append(_markdown("DP, final accuracy at the epsilon spent (ε after the last round)", *t))
+    _write_csv(out / "table_dp_final.csv", *t)
   with open(out / "runs.csv", "w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["run_dir", "dataset", "method", "row", "column", "seed", "rounds_done",
-                "final_accuracy", "best_accuracy", "final_epsilon", "wall_seconds"])
+                "final_accuracy", "best_accuracy", "final_epsilon", "wall_seconds",
+                "upload_floats_per_client", "upload_vs_model", "first_round_seconds",
+                "later_round_seconds"])
     for r in runs:
       last = r.records[-1]
+      first, later = r.round_seconds
       w.writerow([r.path, r.dataset, r.method, r.row, r.col, r.seed, last["round"],
                   f"{last['test_accuracy']:.6f}", f"{r.accuracy('best'):.6f}",
                   "" if last.get("epsilon") is None else f"{last['epsilon']:.6f}",
-                  f"{last['wall_seconds']:.1f}"])
+                  f"{last['wall_seconds']:.1f}", r.info.get("upload_floats_per_client", ""),
+                  f"{r.upload_ratio:.4f}", f"{first:.2f}",
+                  "" if math.isnan(later) else f"{later:.2f}"])
   overlay_plot(out / "accuracy_vs_round.png", runs)
   md += ["![accuracy vs round](accuracy_vs_round.png)", ""]
   (out / "report.md").write_text("\n".join(md))

@@ -123,6 +123,8 @@ def _dp_steps_per_round(cfg, sizes: list[int]) -> int:
   from experiments import validation  # pylint: disable=g-import-not-at-top
   if cfg.method == "fedlap":
     return validation.to_fedlap_config(cfg).client.real_accesses_per_round
+  if cfg.method == "psg":
+    return validation.to_oneshot_config(cfg).condensation.real_accesses_per_round
   local = validation.to_baseline_config(cfg, max_client_size=max(sizes)).local
   return local.scheduled_steps()
 

@@ -62,13 +62,13 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
-from fedlap_jax import baselines, federated
+from fedlap_jax import baselines, condensation, feddm, federated
 from fedlap_jax import config as core_config
 from fedlap_jax import sharding
 from fedlap_jax.client_data import normalise_pixels, stack_clients
 from fedlap_jax.dispatch import resolve_client_backend
 from fedlap_jax.federated import RoundMetrics
-from fedlap_jax.models import count_params, init_convnet
+from fedlap_jax.models import count_params, embed_fn, init_convnet, init_fn
 from fedlap_jax.training import evaluate
 
 from experiments import checkpointing
@@ -132,15 +132,20 @@ class Terminated(RuntimeError):
 
 
 def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
-                    num_params: int, max_client_size: int) -> algorithm_lib.FederatedAlgorithm:
+                    num_params: int, max_client_size: int, model=None
+                    ) -> algorithm_lib.FederatedAlgorithm:
   """The :class:`FederatedAlgorithm` of ``cfg.method``.
 
   ``fedlap``: :func:`fedlap_jax.federated.algorithm` of
   :func:`validation.to_fedlap_config`; the baselines:
   :func:`fedlap_jax.baselines.algorithm` of :func:`validation.to_baseline_config`
   (``max_client_size``, records of the largest client, fixes the static local
-  step count ``T``). Both share compiled rounds between algorithms of equal
-  settings, so the seeds of a sweep or a resumed run compile nothing new.
+  step count ``T``); ``feddm``: :func:`fedlap_jax.feddm.algorithm` (needs the
+  Flax ``model`` for its embedding, :func:`fedlap_jax.models.embed_fn`);
+  ``dsc``, ``dsc_centralized``, ``psg``: :func:`fedlap_jax.condensation.algorithm`
+  (needs ``model`` for fresh networks, :func:`fedlap_jax.models.init_fn`). All
+  share compiled rounds between algorithms of equal settings, so the seeds of a
+  sweep or a resumed run compile nothing new.
   """
   backend = resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap")
   if cfg.method == "fedlap":
@@ -148,6 +153,16 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
                                image_shape=tuple(image_shape),
                                max_classes_per_client=max_classes_per_client,
                                client_backend=backend)
+  if cfg.method == "feddm":
+    return feddm.algorithm(apply_fn, _embed_fn(model), validation.to_feddm_config(cfg),
+                           image_shape=tuple(image_shape),
+                           max_classes_per_client=max_classes_per_client,
+                           client_backend=backend)
+  if cfg.method in core_config.ONE_SHOT_METHODS:
+    return condensation.algorithm(
+        apply_fn, _init_fn(model, tuple(image_shape)), validation.to_oneshot_config(cfg),
+        image_shape=tuple(image_shape), max_classes_per_client=max_classes_per_client,
+        max_client_size=max_client_size, client_backend=backend)
   return baselines.algorithm(
       apply_fn, validation.to_baseline_config(cfg, max_client_size=max_client_size),
       image_shape=tuple(image_shape), num_clients=cfg.data.num_clients, num_params=num_params,
@@ -158,6 +173,18 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
 def _apply_fn(model):
   """One ``apply_fn(params, x) -> logits`` per (hashable) Flax module."""
   return lambda params, x: model.apply({"params": params}, x)
+
+
+@functools.lru_cache(maxsize=4)
+def _embed_fn(model):
+  """One ``embed(params, x) -> (features, logits)`` per Flax module (FedDM)."""
+  return embed_fn(model)
+
+
+@functools.lru_cache(maxsize=4)
+def _init_fn(model, image_shape):
+  """One ``init(key) -> params`` per Flax module and image shape (DSC, PSG)."""
+  return init_fn(model, image_shape)
 
 
 class RunSetup(NamedTuple):
@@ -213,7 +240,8 @@ def build_run(cfg) -> RunSetup:
   num_params = count_params(params)
   alg = build_algorithm(cfg, apply_fn, image_shape=dataset.image_shape,
                         max_classes_per_client=max(len(np.unique(y)) for y in ys),
-                        num_params=num_params, max_client_size=max(len(i) for i in indices))
+                        num_params=num_params, max_client_size=max(len(i) for i in indices),
+                        model=model)
   return RunSetup(dataset, list(indices), clients, model, apply_fn, num_params, alg,
                   alg.init(k_alg, params, clients))
 

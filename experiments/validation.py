@@ -5,7 +5,8 @@ Two stages:
 * :func:`validate_config` (static): names (method, dataset, source,
   partition, norm, backend), ranges and the core's own validation, by building
   the frozen dataclasses of :mod:`fedlap_jax.config` with
-  :func:`to_fedlap_config` / :func:`to_dp_config`.
+  :func:`to_fedlap_config` / :func:`to_dp_config` (and the methods' own:
+  :func:`to_baseline_config`, :func:`to_feddm_config`, :func:`to_oneshot_config`).
 * :func:`validate_data` (after loading): what only the data can tell, e.g. a
   batch larger than the smallest client, a client with no data, ``ipc`` larger
   than a class with real-image initialisation, a class no client holds.
@@ -25,10 +26,11 @@ from typing import Sequence
 
 import numpy as np
 
-from fedlap_jax import baselines
+from fedlap_jax import baselines, condensation, feddm
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int, is_real
-from fedlap_jax.config import BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS, METHODS
+from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
+                               DP_ONE_SHOT_METHODS, METHODS, ONE_SHOT_METHODS)
 from fedlap_jax.federated import synthetic_labels
 from fedlap_jax.models import NORMS
 
@@ -139,6 +141,85 @@ def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.
     raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
 
 
+def _server_config(cfg) -> core.ServerConfig:
+  try:
+    return core.ServerConfig(**{f: cfg.server[f] for f in SERVER_FIELDS if f in cfg.server})
+  except ConfigError as e:
+    raise _core_error(e, "server") from None
+
+
+# Fields of FedDMConfig / CondensationConfig / OneShotConfig that are not in their own
+# config section -> experiment config paths.
+SYNTHETIC_PATHS = {"ipc": "client.ipc", "batch_size": "client.batch_size",
+                   "poisson_capacity": "client.poisson_capacity",
+                   "synthetic_init": "synthetic_init", "learning_rate": "learning_rate",
+                   "radius_strategy": "server.radius_strategy",
+                   "weighting": "server.weighting", "dp": "dp.enabled", "classwise": "method",
+                   "method": "method"}
+
+
+def _synthetic_error(err: ConfigError, section: str) -> ConfigError:
+  if err.field.startswith(("dp.", "server.")):
+    return err
+  return _renamed(err, SYNTHETIC_PATHS.get(err.field, f"{section}.{err.field}"))
+
+
+def to_feddm_config(cfg) -> feddm.FedDMConfig:
+  """The frozen :class:`fedlap_jax.feddm.FedDMConfig` of an experiment config.
+
+  ``feddm.*`` with ``client.ipc``, ``client.batch_size`` (real records per
+  class), ``client.poisson_capacity``, ``synthetic_init``, the ``server``
+  section and ``learning_rate`` (the server's). Errors name the config path.
+  """
+  server = _server_config(cfg)
+  f = cfg.feddm
+  try:
+    return feddm.FedDMConfig(
+        ipc=cfg.client.ipc, iterations=f.iterations, rho=f.rho, batch_size=cfg.client.batch_size,
+        image_lr=f.image_lr, image_momentum=f.image_momentum, dsa_strategy=f.dsa_strategy,
+        synthetic_init=cfg.synthetic_init, poisson_capacity=cfg.client.poisson_capacity,
+        server=server, learning_rate=cfg.learning_rate)
+  except ConfigError as e:
+    raise _synthetic_error(e, "feddm") from None
+
+
+def to_oneshot_config(cfg) -> condensation.OneShotConfig:
+  """The frozen :class:`fedlap_jax.condensation.OneShotConfig` of a DSC / PSG config.
+
+  ``condense.*`` with ``client.ipc``, ``client.batch_size``,
+  ``client.poisson_capacity``, ``synthetic_init``, ``dp`` (PSG), the
+  ``server`` section and ``learning_rate`` (the server's). ``condense.outer_loop``
+  / ``inner_loop`` left at None take the published loops for the ipc
+  (:func:`fedlap_jax.condensation.dc_loops`); the method fixes class-wise
+  (DSC) or class-agnostic (PSG) matching. Errors name the config path.
+  """
+  dp = to_dp_config(cfg)
+  server = _server_config(cfg)
+  c = cfg.condense
+  try:
+    outer, inner = c.outer_loop, c.inner_loop
+    if outer is None or inner is None:
+      published = condensation.dc_loops(cfg.client.ipc)
+      outer = published[0] if outer is None else outer
+      inner = published[1] if inner is None else inner
+    cond = condensation.CondensationConfig(
+        ipc=cfg.client.ipc, iterations=c.iterations, outer_loop=outer, inner_loop=inner,
+        batch_loop=c.batch_loop, classwise=cfg.method not in DP_ONE_SHOT_METHODS,
+        batch_size=cfg.client.batch_size, model_batch_size=c.model_batch_size,
+        image_lr=c.image_lr, image_momentum=c.image_momentum, net_lr=c.net_lr,
+        dsa_strategy=c.dsa_strategy, synthetic_init=cfg.synthetic_init,
+        poisson_capacity=cfg.client.poisson_capacity, dp=dp)
+    return condensation.OneShotConfig(method=cfg.method, condensation=cond, server=server,
+                                      learning_rate=cfg.learning_rate, lr_decay=c.lr_decay)
+  except ConfigError as e:
+    if e.field == "ipc" and (c.outer_loop is None or c.inner_loop is None):
+      raise ConfigError("client.ipc", e.value, e.allowed, message=
+                        f"client.ipc={e.value!r} has no published condensation loops; "
+                        f"allowed: {e.allowed} (condense.outer_loop, condense.inner_loop)"
+                        ) from None
+    raise _synthetic_error(e, "condense") from None
+
+
 def validate_config(cfg) -> None:
   """Static checks of a resolved config (no data needed).
 
@@ -207,6 +288,16 @@ def validate_config(cfg) -> None:
   if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINE_METHODS and cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"False for method={cfg.method!r} (use "
           f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINE_METHODS})")
+  if cfg.method == "feddm" and cfg.dp.enabled:
+    _fail("dp.enabled", cfg.dp.enabled, "False for method='feddm' (FedDM's DP variant "
+          "protects class-wise statistics, a privacy notion not comparable with record-level "
+          "DP; it is not implemented)")
+  if cfg.method in ONE_SHOT_METHODS and cfg.dp.enabled != (cfg.method in DP_ONE_SHOT_METHODS):
+    _fail("dp.enabled", cfg.dp.enabled, f"{not cfg.dp.enabled} for method={cfg.method!r} "
+          f"(PSG is the DP one-shot method: {DP_ONE_SHOT_METHODS})")
+  if cfg.method in ONE_SHOT_METHODS and cfg.rounds != 1:
+    _fail("rounds", cfg.rounds, f"1 for method={cfg.method!r} (one-shot: the condensation "
+          "and the server's training are round 1)")
   b = cfg.baseline
   if not is_int(b.local_epochs) or b.local_epochs < 1:
     _fail("baseline.local_epochs", b.local_epochs, "an integer >= 1")
@@ -228,6 +319,10 @@ def validate_config(cfg) -> None:
 
   if cfg.method == "fedlap":
     to_fedlap_config(cfg)
+  elif cfg.method == "feddm":
+    to_feddm_config(cfg)
+  elif cfg.method in ONE_SHOT_METHODS:
+    to_oneshot_config(cfg)
   else:
     to_dp_config(cfg)
     if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
@@ -325,9 +420,11 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
         f"so no synthetic label covers it (data.partition={d.partition!r}, "
         f"data.train_fraction={d.train_fraction}); allowed: every class held by >= 1 client")
 
-  if cfg.method != "fedlap":
+  if cfg.method not in ("fedlap", "feddm") + ONE_SHOT_METHODS:
     return
   ipc = cfg.client.ipc
+  if cfg.method == "dsc_centralized":  # one pool of every client's records
+    ys = [np.concatenate(ys)]
   labels, mask = synthetic_labels(ys, ipc)
   for k, y in enumerate(ys):
     covered = set(labels[k][mask[k]].tolist())
@@ -342,6 +439,7 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
       j = int(np.argmin(counts))
       if ipc > counts[j]:
         _fail("client.ipc", ipc,
-              f"at most {counts[j]} with synthetic_init='real': client {k} holds only "
+              f"at most {counts[j]} with synthetic_init='real': "
+              f"{'the pool' if cfg.method == 'dsc_centralized' else f'client {k}'} holds only "
               f"{counts[j]} records of class {classes[j]} (real initialisation draws ipc "
               "distinct records per class)")

@@ -18,10 +18,13 @@ Main entry points:
 * :func:`private_gradient`, :func:`poisson_sample` -- DP primitives.
 * :mod:`fedlap_jax.accounting` -- RDP accounting and :class:`PrivacyLedger`.
 * :class:`ConvNet` -- the paper's model.
+* :mod:`fedlap_jax.baselines` -- the gradient-sharing baselines (FedAvg, ...);
+  :mod:`fedlap_jax.feddm` -- FedDM; :mod:`fedlap_jax.condensation` -- DSC and
+  PSG (one-shot): the paper's comparison systems on the same primitives.
 * :class:`ConfigError` -- every refused setting, with ``field``, ``value``, ``allowed``.
 """
 
-from fedlap_jax import accounting, algorithm, dsa
+from fedlap_jax import accounting, algorithm, condensation, dsa, feddm
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import LocalApproxMetrics, local_approx, matching_step
@@ -43,7 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClientConfig", "ClientData", "ConfigError", "FederatedAlgorithm", "algorithm", "ConvNet",
-    "DPConfig", "FedLAPConfig", "FedLAPState",
+    "DPConfig", "FedLAPConfig", "FedLAPState", "condensation", "feddm",
     "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
     "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
     "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",

@@ -113,11 +113,16 @@ def matching_step(
     dsa_strategy: str,
     mse_weight,
     family_key: jax.Array | None = None,
+    row_reduction: str = "mean",
+    include_vectors: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """``L_dis`` and its gradient with respect to the synthetic images (grad of grad).
 
   ``aug_key`` (and ``family_key``, if given: :func:`fedlap_jax.dsa.augment`)
   must be those of the real batch, so both batches get the same transform.
+  ``row_reduction`` and ``include_vectors`` select the distance's variant
+  (:func:`fedlap_jax.matching.matching_distance`; FedLAP's by default, DSC /
+  PSG pass ``"sum"`` and ``False``).
 
   Returns:
     ``(loss, grad_x)`` with ``grad_x`` shaped like ``synthetic.x``.
@@ -127,9 +132,44 @@ def matching_step(
   def loss_fn(x):
     g_syn = synthetic_gradient(apply_fn, params, synthetic,
                                augment(aug_key, x, family_key=family_key))
-    return matching_distance(g_real, g_syn, mse_weight=mse_weight)
+    return matching_distance(g_real, g_syn, mse_weight=mse_weight, row_reduction=row_reduction,
+                             include_vectors=include_vectors)
 
   return jax.value_and_grad(loss_fn)(synthetic.x)
+
+
+def class_blocks(synthetic: SyntheticSet, ipc: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A synthetic set laid out by :func:`fedlap_jax.federated.synthetic_labels`, per class.
+
+  Slots come in blocks of ``ipc`` with one label each (then padding blocks), so
+  ``S = C * ipc``. Returns ``(x, labels, valid)``: images ``(C, ipc, H, W, C_img)``,
+  each block's label ``(C,)`` and whether the block holds a class ``(C,)``.
+  The class-wise methods (DSC's gradient matching, FedDM's distribution
+  matching) match each block against real records of its class.
+  """
+  s = synthetic.x.shape[0]
+  if s % ipc:
+    raise ValueError(f"synthetic set of {s} slots is not in blocks of ipc={ipc}; allowed: "
+                     "the layout of fedlap_jax.federated.synthetic_labels")
+  blocks = s // ipc
+  return (synthetic.x.reshape(blocks, ipc, *synthetic.x.shape[1:]),
+          synthetic.y.reshape(blocks, ipc)[:, 0], synthetic.mask.reshape(blocks, ipc)[:, 0])
+
+
+def class_batch(key: jax.Array, client_data: ClientData, label: jax.Array, valid: jax.Array,
+                batch_size: int, capacity: int) -> privacy.PoissonBatch:
+  """A Poisson batch of the client's records of class ``label`` (non-private).
+
+  Each record of the class is drawn with probability ``min(1, B / N_c)`` (``N_c``
+  its records of the class): ``B`` expected, the whole class when it holds
+  fewer than ``B`` records (as the condensation code's ``get_images(c, B)``).
+  The rate depends on ``N_c``, so this sampling is for the non-DP class-wise
+  methods only. ``valid=False`` gives an empty batch.
+  """
+  members = jnp.logical_and(jnp.logical_and(client_data.mask, client_data.y == label), valid)
+  n_c = jnp.sum(members)
+  rate = jnp.minimum(1.0, batch_size / jnp.maximum(n_c, 1).astype(jnp.float32))
+  return privacy.poisson_sample(key, members, rate, capacity)
 
 
 def image_optimizer(config: ClientConfig) -> optax.GradientTransformation:

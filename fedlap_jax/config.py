@@ -32,11 +32,18 @@ from fedlap_jax.checks import (ConfigError, dsa_strategy, is_int, is_real, nonne
 
 BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
 DP_BASELINE_METHODS = ("dp_fedavg", "dp_fedprox")
-METHODS = ("fedlap",) + BASELINE_METHODS
+# Synthetic-data comparison systems: FedDM (fedlap_jax.feddm) and the one-shot
+# condensation methods DSC and PSG (fedlap_jax.condensation).
+ONE_SHOT_METHODS = ("dsc", "dsc_centralized", "psg")
+DP_ONE_SHOT_METHODS = ("psg",)
+SYNTHETIC_METHODS = ("feddm",) + ONE_SHOT_METHODS
+METHODS = ("fedlap",) + BASELINE_METHODS + SYNTHETIC_METHODS
 # Display names, keyed by FederatedAlgorithm.name (FedLAP with DP is "fedlap_dp").
 METHOD_LABELS = {"fedlap": "FedLAP", "fedlap_dp": "FedLAP-DP", "fedavg": "FedAvg",
                  "fedprox": "FedProx", "fedsgd": "FedSGD", "scaffold": "SCAFFOLD",
-                 "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx"}
+                 "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx", "feddm": "FedDM",
+                 "dsc": "DSC federated", "dsc_centralized": "DSC centralized",
+                 "psg": "PSG"}
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 DSA_FAMILY_DRAWS = ("shared", "per_client")
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
@@ -265,6 +272,10 @@ class ServerConfig:
       trust-region descent on the synthetic sets from there). Needs
       ``client.model_steps='noisy_real'``; each client then uploads its
       model delta (the model's size) besides its synthetic set.
+
+    momentum: SGD momentum of the server's optimiser (0: plain SGD, FedLAP).
+    weight_decay: L2 weight decay added to the gradient (0 for FedLAP; FedDM,
+      DSC and PSG train their server model with momentum 0.9, decay 5e-4).
   """
 
   radius_strategy: str = "min"
@@ -274,6 +285,9 @@ class ServerConfig:
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
   learning_rate: float | None = None
   start: str = "global"
+
+  momentum: float = 0.0
+  weight_decay: float = 0.0
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -285,6 +299,11 @@ class ServerConfig:
     if self.learning_rate is not None:
       positive_float("server.learning_rate", self.learning_rate)
     one_of("server.start", self.start, SERVER_STARTS)
+
+    require(is_real(self.momentum) and 0 <= self.momentum < 1, "server.momentum",
+            self.momentum, "a number in [0, 1)")
+    require(is_real(self.weight_decay) and self.weight_decay >= 0, "server.weight_decay",
+            self.weight_decay, "a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

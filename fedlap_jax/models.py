@@ -234,8 +234,13 @@ class ConvNet(nn.Module):
   conv_bias: bool = True
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Maps images ``(N, H, W, C)`` (float, normalised) to logits ``(N, classes)``."""
+  def __call__(self, x: jax.Array, return_features: bool = False):
+    """Maps images ``(N, H, W, C)`` (float, normalised) to logits ``(N, classes)``.
+
+    With ``return_features=True`` returns ``(features, logits)``, ``features``
+    the flattened output of the last conv block ``(N, D)`` (the embedding of
+    distribution matching; :func:`embed_fn`).
+    """
     if self.norm not in NORMS:
       raise ValueError(f"ConvNet.norm={self.norm!r}; allowed: {NORMS}")
     if x.ndim != 4:
@@ -258,7 +263,28 @@ class ConvNet(nn.Module):
       x = nn.relu(x)
       x = nn.avg_pool(x, (2, 2), strides=(2, 2))
     x = x.reshape((x.shape[0], -1))
-    return nn.Dense(self.num_classes)(x)
+    logits = nn.Dense(self.num_classes)(x)
+    return (x, logits) if return_features else logits
+
+
+def embed_fn(model: nn.Module):
+  """``embed(params, x) -> (features, logits)`` of a :class:`ConvNet`, both ``(N, ...)``.
+
+  The embedding FedDM matches (:mod:`fedlap_jax.feddm`): the penultimate
+  features and the logits, from one forward pass. Any model can supply its own
+  function with per-example outputs of this form.
+  """
+  return lambda params, x: model.apply({"params": params}, x, return_features=True)
+
+
+def init_fn(model: nn.Module, image_shape: tuple[int, ...]):
+  """``init(key) -> params`` of a fresh ``model`` for images ``image_shape`` (jit-compatible).
+
+  The freshly initialised networks DSC and PSG condense against
+  (:mod:`fedlap_jax.condensation`).
+  """
+  dummy = jnp.zeros((1, *image_shape), jnp.float32)
+  return lambda key: model.init(key, dummy)["params"]
 
 
 def count_params(params: Any) -> int:

@@ -4,7 +4,10 @@ The server trains the global model by SGD on the union of the clients'
 synthetic sets (client ``k`` weighted by ``N_k / N``, or ``1 / K`` under DP),
 in shuffled batches of 512 with DSA, epoch after epoch, and stops after the
 first epoch that leaves the ball ``||w - w_start|| < r_g`` (or at the epoch
-cap). The optimiser is plain SGD re-created every round.
+cap). The optimiser is SGD re-created every round: plain for FedLAP, with
+``momentum`` and ``weight_decay`` for the synthetic-data comparison systems
+(FedDM's server; DSC's and PSG's training of a fresh model on the synthetic
+sets), which also run here, with ``r_g = inf``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import ServerConfig
-from fedlap_jax.training import sgd_epoch, tree_distance
+from fedlap_jax.training import model_optimizer, train_epoch, tree_distance
 from fedlap_jax.types import PyTree
 
 
@@ -77,7 +80,8 @@ def global_update(
     client_weights: ``(K,)`` weights (``N_k`` or ones); normalised inside.
     radius: ``r_g`` (``inf`` runs ``config.max_epochs`` epochs).
     learning_rate: ``eta_m`` (may be traced).
-    config: :class:`ServerConfig` (static).
+    config: :class:`ServerConfig` (static): batch size, epoch cap, DSA, and
+      the optimiser's momentum and weight decay (:func:`model_optimizer`).
 
   Returns:
     ``(params, ServerMetrics)``.
@@ -86,18 +90,21 @@ def global_update(
   x = synthetic.x.reshape(-1, *synthetic.x.shape[2:])
   y = synthetic.y.reshape(-1)
   radius = jnp.asarray(radius, jnp.float32)
+  optimizer = model_optimizer(learning_rate, momentum=config.momentum,
+                              weight_decay=config.weight_decay)
 
   def cond(s):
-    epoch, _, dist, _ = s
+    epoch, _, _, dist, _ = s
     return jnp.logical_and(epoch < config.max_epochs, dist < radius)
 
   def body(s):
-    epoch, w, _, steps = s
-    w, n = sgd_epoch(jax.random.fold_in(key, epoch), apply_fn, w, x, y, weights,
-                     learning_rate, batch_size=config.batch_size,
-                     dsa_strategy=config.dsa_strategy)
-    return epoch + 1, w, tree_distance(w, params), steps + n
+    epoch, w, opt_state, _, steps = s
+    w, opt_state, n = train_epoch(jax.random.fold_in(key, epoch), apply_fn, w, opt_state, x, y,
+                                  weights, optimizer=optimizer, batch_size=config.batch_size,
+                                  dsa_strategy=config.dsa_strategy)
+    return epoch + 1, w, opt_state, tree_distance(w, params), steps + n
 
-  epochs, w, dist, steps = jax.lax.while_loop(
-      cond, body, (jnp.int32(0), params, jnp.float32(0.0), jnp.int32(0)))
+  epochs, w, _, dist, steps = jax.lax.while_loop(
+      cond, body,
+      (jnp.int32(0), params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0)))
   return w, ServerMetrics(epochs, steps, dist, radius)

@@ -1,8 +1,10 @@
 """Model steps shared by the client, the radius calibration and the server.
 
 * :func:`cosine_learning_rate`: the round schedule ``eta_m``.
-* :func:`sgd_epoch`: one epoch of plain SGD over a small (synthetic) set in
-  shuffled batches, with DSA, as a ``lax.fori_loop``.
+* :func:`train_epoch`: one epoch over a small (synthetic) set in shuffled
+  batches, with DSA, as a ``lax.fori_loop``, with any optax optimiser
+  (:func:`model_optimizer`: SGD, optionally with momentum and weight decay);
+  :func:`sgd_epoch` is the same with plain SGD.
 * :func:`evaluate`: mean loss and accuracy over a large masked set in chunks.
 * :func:`tree_distance`: ``||a - b||_2`` over the flattened pytrees.
 """
@@ -14,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedlap_jax import dsa
 from fedlap_jax.checks import ConfigError
@@ -51,29 +54,44 @@ def tree_distance(a: PyTree, b: PyTree) -> jax.Array:
   return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
-def sgd_epoch(
+def model_optimizer(learning_rate, *, momentum: float = 0.0,
+                    weight_decay: float = 0.0) -> optax.GradientTransformation:
+  """SGD on model parameters, as PyTorch's ``SGD(lr, momentum, weight_decay)``.
+
+  ``g <- g + weight_decay * w``; ``t <- g + momentum * t``; ``w <- w - lr * t``
+  (no dampening). With both 0 this is plain SGD, ``w <- w - lr * g``.
+  ``learning_rate`` may be traced.
+  """
+  sgd = optax.sgd(learning_rate, momentum=momentum or None)
+  if weight_decay:
+    return optax.chain(optax.add_decayed_weights(weight_decay), sgd)
+  return sgd
+
+
+def train_epoch(
     key: jax.Array,
     apply_fn: ApplyFn,
     params: PyTree,
+    opt_state: optax.OptState,
     x: jax.Array,
     y: jax.Array,
     weights: jax.Array,
-    learning_rate,
     *,
+    optimizer: optax.GradientTransformation,
     batch_size: int,
     dsa_strategy: str,
     family_key: jax.Array | None = None,
-) -> tuple[PyTree, jax.Array]:
-  """One epoch of SGD over ``(x, y)`` in shuffled batches of ``batch_size``.
+) -> tuple[PyTree, optax.OptState, jax.Array]:
+  """One epoch over ``(x, y)`` in shuffled batches of ``batch_size``.
 
   Args:
     key: PRNG key (shuffle and one DSA draw per batch).
     apply_fn: ``apply_fn(params, x) -> logits``.
-    params: model parameters.
+    params: model parameters; opt_state: ``optimizer``'s state for them.
     x: ``(S, H, W, C)`` images; y: ``(S,)`` int labels.
     weights: ``(S,)`` per-example weights; 0 marks padding. A batch's loss is
       ``sum(w * loss) / (number of examples with w > 0 in the batch)``.
-    learning_rate: step size (may be traced).
+    optimizer: an optax transformation (e.g. :func:`model_optimizer`).
     batch_size: static batch size; the epoch has ``ceil(S / batch_size)``
       batches (the last one padded).
     dsa_strategy: DSA families applied to each batch.
@@ -82,7 +100,8 @@ def sgd_epoch(
       per batch as ``key`` is.
 
   Returns:
-    ``(params, steps)``: updated parameters and the number of non-empty batches.
+    ``(params, opt_state, steps)``: updated parameters and optimiser state,
+    and the number of non-empty batches.
   """
   n = x.shape[0]
   bs = min(batch_size, n)
@@ -96,7 +115,7 @@ def sgd_epoch(
   f_aug = None if family_key is None else jax.random.split(family_key)[1]
 
   def body(b, carry):
-    params, steps = carry
+    params, opt_state, steps = carry
     idx = jax.lax.dynamic_slice_in_dim(perm, b * bs, bs)
     w = weights[idx] * jax.lax.dynamic_slice_in_dim(slot_valid, b * bs, bs)
     xb = augment(jax.random.fold_in(k_aug, b), x[idx],
@@ -108,10 +127,36 @@ def sgd_epoch(
       return jnp.sum(w * losses) / jnp.maximum(count, 1)
 
     grads = jax.grad(loss_fn)(params)
-    params = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
-    return params, steps + (count > 0).astype(jnp.int32)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, steps + (count > 0).astype(jnp.int32)
 
-  return jax.lax.fori_loop(0, num_batches, body, (params, jnp.int32(0)))
+  return jax.lax.fori_loop(0, num_batches, body, (params, opt_state, jnp.int32(0)))
+
+
+def sgd_epoch(
+    key: jax.Array,
+    apply_fn: ApplyFn,
+    params: PyTree,
+    x: jax.Array,
+    y: jax.Array,
+    weights: jax.Array,
+    learning_rate,
+    *,
+    batch_size: int,
+    dsa_strategy: str,
+    family_key: jax.Array | None = None,
+) -> tuple[PyTree, jax.Array]:
+  """:func:`train_epoch` with plain SGD at ``learning_rate`` (may be traced).
+
+  Returns:
+    ``(params, steps)``: updated parameters and the number of non-empty batches.
+  """
+  optimizer = model_optimizer(learning_rate)
+  params, _, steps = train_epoch(key, apply_fn, params, optimizer.init(params), x, y, weights,
+                                 optimizer=optimizer, batch_size=batch_size,
+                                 dsa_strategy=dsa_strategy, family_key=family_key)
+  return params, steps
 
 
 class Evaluation(NamedTuple):

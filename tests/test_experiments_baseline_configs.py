@@ -38,7 +38,8 @@ def test_unknown_baseline_names_are_refused():
 def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
   suite = run.match_epsilons(quickstart_compare.get_config()).suite
   assert set(suite.keys()) == {"fedlap", "fedavg", "fedprox", "scaffold", "fedsgd",
-                               "fedlap_dp", "dp_fedavg", "dp_fedprox"}
+                               "fedlap_dp", "dp_fedavg", "dp_fedprox",
+                               "feddm", "dsc", "dsc_centralized", "psg"}
   for key in suite.keys():
     validation.validate_config(suite[key])
   fl = suite.fedlap_dp
@@ -55,6 +56,14 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
         min_client_size=min(sizes), steps_per_round=t, delta=c.dp.delta)
     assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
     assert t != t_fedlap  # the match comes from sigma, not from equal step counts
+  # PSG, one round of T = iterations * outer_loop * batch_loop noisy accesses, at the same epsilon.
+  c = suite.psg
+  t = c.condense.iterations * c.condense.outer_loop * c.condense.batch_loop
+  eps = accounting.epsilon_after_rounds(
+      rounds=1, noise_multiplier=c.dp.noise_multiplier, batch_size=c.client.batch_size,
+      min_client_size=min(sizes), steps_per_round=t, delta=c.dp.delta)
+  assert c.rounds == 1 and t == 500
+  assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
 
 
 def test_quickstart_compare_config_reads_no_data(monkeypatch):

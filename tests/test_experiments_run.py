@@ -332,22 +332,24 @@ def test_report_on_two_runs(straight, crashed_and_resumed, tmp_path):
   workdir, _, _ = crashed_and_resumed
   tables = report.make_report([straight, workdir], tmp_path, epsilons=(1e3,))
   rows, cols, cells = tables["dp_eps1000"]
-  assert rows == ["digits"] and cols == ["FedLAP-DP"]
-  text, mean, std, n = cells[("digits", "FedLAP-DP")]
+  info = json.loads((straight / "run_info.json").read_text())
+  col = f"FedLAP-DP ({report.cost_label(info['upload_floats_per_client'] / info['num_params'])})"
+  assert rows == ["digits"] and cols == [col] and col.endswith("x)")
+  text, mean, std, n = cells[("digits", col)]
   final = checkpointing.read_metrics(straight / "metrics.jsonl")[-1]["test_accuracy"]
   assert n == 2 and mean == pytest.approx(100 * final) and std == pytest.approx(0.0, abs=1e-4)
   md = (tmp_path / "report.md").read_text()
   assert "FedLAP-DP" in md and "digits" in md
   with open(tmp_path / "table_dp_eps1000.csv") as f:
     table = list(csv.reader(f))
-  assert table[0][:4] == ["dataset", "FedLAP-DP mean", "FedLAP-DP std", "FedLAP-DP n"]
+  assert table[0][:4] == ["dataset", f"{col} mean", f"{col} std", f"{col} n"]
   assert float(table[1][1]) == pytest.approx(100 * final, abs=1e-3)
   with open(tmp_path / "runs.csv") as f:
     assert len(list(csv.DictReader(f))) == 2
   assert (tmp_path / "accuracy_vs_round.png").read_bytes()[:4] == b"\x89PNG"
   # A budget below the first round's epsilon has no entry.
   tables = report.make_report([straight], tmp_path / "low", epsilons=(1e-3,))
-  assert tables["dp_eps0.001"][2][("digits", "FedLAP-DP")][0] == "-"
+  assert tables["dp_eps0.001"][2][("digits", col)][0] == "-"
   assert report.main([str(straight), "--out", str(tmp_path / "cli")]) == 0
 
 

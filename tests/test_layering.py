@@ -96,8 +96,21 @@ def test_baseline_errors_name_the_config_path():
 
 
 def test_method_lists_and_labels_come_from_the_library():
-  assert validation.METHODS == core.METHODS == ("fedlap",) + baselines.METHODS
+  assert validation.METHODS == core.METHODS == (
+      ("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg"))
   assert validation.CLIENT_BACKENDS == core.CLIENT_BACKENDS
   assert core.method_label("fedlap", True) == "FedLAP-DP"
   assert [core.method_label(m, m.startswith("dp_")) for m in baselines.METHODS] == [
       "FedAvg", "FedProx", "FedSGD", "SCAFFOLD", "DP-FedAvg", "DP-FedProx"]
+  assert [core.method_label(m, m == "psg") for m in core.SYNTHETIC_METHODS] == [
+      "FedDM", "DSC federated", "DSC centralized", "PSG"]
+
+
+def test_synthetic_systems_are_built_from_the_shared_primitives():
+  """FedDM, DSC and PSG reuse the server's training, the matching step, the privacy primitives
+  and the client dispatch; they sit beside the baselines, not below FedLAP's round."""
+  graph = import_graph.graph()
+  for module in ("feddm", "condensation"):
+    assert {"server", "client", "dispatch", "algorithm", "matching" if module == "feddm"
+            else "privacy"} <= graph[module], (module, graph[module])
+  assert not {"feddm", "condensation"} & (graph["federated"] | graph["baselines"])

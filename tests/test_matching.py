@@ -190,3 +190,32 @@ def test_finite_gradient_with_zero_rows():
   grad_zero = jax.grad(lambda b: matching.layer_distance(g_real["dense"]["bias"], b))(
       g_syn["dense"]["bias"])
   chex.assert_trees_all_close(grad_zero, jnp.zeros(3), atol=1e-6)
+
+
+def test_condensation_code_variant_sums_rows_and_skips_vectors():
+  """DSC / PSG: ``1 - cos`` summed over rows, 1-D tensors scored 0 (the condensation code)."""
+  # kernel rows cos 1, 0, -1 -> sum 0 + 1 + 2 = 3 (mean 1); bias one row -> 1.
+  summed = matching_distance(HAND_REAL, HAND_SYN, row_reduction="sum")
+  chex.assert_trees_all_close(summed, 4.0, atol=1e-6)
+  no_vectors = matching_distance(HAND_REAL, HAND_SYN, row_reduction="sum", include_vectors=False)
+  chex.assert_trees_all_close(no_vectors, 3.0, atol=1e-6)
+  chex.assert_trees_all_close(matching_distance(HAND_REAL, HAND_SYN, include_vectors=False), 1.0,
+                              atol=1e-6)
+  # The MSE term still covers the bias.
+  chex.assert_trees_all_close(
+      matching_distance(HAND_REAL, HAND_SYN, mse_weight=1.0, include_vectors=False),
+      1.0 + HAND_SQ, atol=1e-5)
+  with pytest.raises(ValueError, match="row_reduction='max' is invalid"):
+    matching_distance(HAND_REAL, HAND_SYN, row_reduction="max")
+
+
+def test_mean_embedding_distance_by_hand():
+  real = ({"f": jnp.array([[1.0, 0.0], [3.0, 0.0], [100.0, 100.0]])}, jnp.array([[1.0], [1.0], [9.0]]))
+  syn = ({"f": jnp.array([[0.0, 1.0], [0.0, 1.0]])}, jnp.array([[0.0], [4.0]]))
+  real_w, syn_w = jnp.array([1.0, 1.0, 0.0]), jnp.array([1.0, 1.0])  # the third real row is padding
+  # means: f (2, 0) vs (0, 1) -> 4 + 1; second leaf 1 vs 2 -> 1.
+  d = matching.mean_embedding_distance(real, syn, real_w, syn_w)
+  chex.assert_trees_all_close(d, 6.0, atol=1e-6)
+  g = jax.grad(lambda s: matching.mean_embedding_distance(real, s, real_w, syn_w))(syn)
+  # d/ds_i of (mean - m)^2 = 2 (mean_s - mean_r) / 2 per example.
+  chex.assert_trees_all_close(g[0]["f"], jnp.array([[-2.0, 1.0], [-2.0, 1.0]]), atol=1e-6)

@@ -166,3 +166,19 @@ def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
       single = image_gradient(apply_fn, params, g_dp, x_syn, jnp.arange(10), jnp.float32)
     errors[conv_bias] = np.linalg.norm(single - exact) / np.linalg.norm(exact)
   assert errors[False] < 1e-4 < errors[True], errors
+
+
+def test_embedding_returns_features_and_the_same_logits():
+  from fedlap_jax.models import embed_fn, init_fn
+  model = ConvNet(num_classes=10, width=8, depth=2)
+  params = init_fn(model, (8, 8, 1))(jax.random.PRNGKey(0))
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 8, 8, 1))
+  features, logits = embed_fn(model)(params, x)
+  chex.assert_shape(features, (3, 8 * 2 * 2))
+  chex.assert_trees_all_close(logits, model.apply({"params": params}, x), atol=1e-6)
+  # The logits are the Dense layer of the features.
+  dense = params["Dense_0"]
+  chex.assert_trees_all_close(logits, features @ dense["kernel"] + dense["bias"], atol=1e-5)
+  # init_fn gives fresh networks: another key, other parameters.
+  other = init_fn(model, (8, 8, 1))(jax.random.PRNGKey(2))
+  assert not np.allclose(other["Dense_0"]["kernel"], dense["kernel"])

@@ -315,3 +315,64 @@ def test_cosine_open_schedule_has_no_zero_rate_round():
   chex.assert_trees_all_close(fn(1, 1, 0.3, schedule="cosine_open"), 0.3)
   with pytest.raises(ValueError, match="lr_schedule='linear' is invalid"):
     fn(1, 3, 0.1, schedule="linear")
+
+def test_server_momentum_and_weight_decay_are_pytorch_sgd(linear_apply_fn, linear_params, union):
+  """Two full-batch epochs of ``global_update`` with momentum m and decay wd, by hand (PyTorch SGD)."""
+  lr, m, wd = 0.1, 0.9, 5e-3
+  cfg = ServerConfig(radius_strategy="fixed", batch_size=16, max_epochs=2, dsa_strategy="",
+                     weighting="uniform", momentum=m, weight_decay=wd)
+  params, metrics = server.global_update(jax.random.PRNGKey(0), linear_apply_fn, linear_params,
+                                         union, jnp.ones(2), jnp.inf, learning_rate=lr, config=cfg)
+  x, y = union.x.reshape(-1, 8, 8, 1), union.y.reshape(-1)
+  grad = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x), y)))
+  w, buf = linear_params, None
+  for _ in range(2):
+    d = jax.tree.map(lambda g, p: g + wd * p, grad(w), w)
+    buf = d if buf is None else jax.tree.map(lambda b, di: m * b + di, buf, d)
+    w = jax.tree.map(lambda p, b: p - lr * b, w, buf)
+  chex.assert_trees_all_close(params, w, atol=1e-6)
+  assert int(metrics.epochs) == 2 and int(metrics.steps) == 2
+  # Plain SGD (the FedLAP server) is the default: momentum and decay 0.
+  assert (ServerConfig().momentum, ServerConfig().weight_decay) == (0.0, 0.0)
+  with pytest.raises(ValueError, match="server.momentum=1.0 is invalid"):
+    ServerConfig(momentum=1.0)
+  with pytest.raises(ValueError, match="server.weight_decay=-1.0 is invalid"):
+    ServerConfig(weight_decay=-1.0)
+
+
+def test_default_server_is_plain_sgd_as_before(linear_apply_fn, linear_params, union):
+  """FedLAP's server is unchanged by the optimiser option: with the default momentum and decay
+  (0, 0), two full-batch epochs of ``global_update`` are two plain SGD steps ``w - lr g``."""
+  cfg = ServerConfig(radius_strategy="fixed", batch_size=16, max_epochs=2, dsa_strategy="",
+                     weighting="uniform")
+  params, _ = server.global_update(jax.random.PRNGKey(0), linear_apply_fn, linear_params, union,
+                                   jnp.ones(2), jnp.inf, learning_rate=0.1, config=cfg)
+  x, y = union.x.reshape(-1, 8, 8, 1), union.y.reshape(-1)
+  grad = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x), y)))
+  w = linear_params
+  for _ in range(2):
+    w = jax.tree.map(lambda p, g: p - 0.1 * g, w, grad(w))
+  chex.assert_trees_all_close(params, w, atol=1e-6)
+
+
+def test_train_epoch_takes_any_optax_optimiser(linear_apply_fn, linear_params, union):
+  """``train_epoch`` applies the given optimiser and returns its state: Adam, one full batch."""
+  import optax  # pylint: disable=g-import-not-at-top
+  x, y = union.x.reshape(-1, 8, 8, 1), union.y.reshape(-1)
+  weights = jnp.ones(16).at[3].set(0.0)        # one padding example
+  opt = optax.adam(0.01)
+  params, state, steps = jax.jit(functools.partial(
+      training.train_epoch, apply_fn=linear_apply_fn, optimizer=opt, batch_size=16,
+      dsa_strategy=""))(jax.random.PRNGKey(0), params=linear_params,
+                        opt_state=opt.init(linear_params), x=x, y=y, weights=weights)
+  keep = np.asarray(weights) > 0
+  g = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x[keep]), y[keep])))(
+      linear_params)
+  updates, want_state = opt.update(g, opt.init(linear_params), linear_params)
+  chex.assert_trees_all_close(params, optax.apply_updates(linear_params, updates), atol=1e-6)
+  chex.assert_trees_all_close(state, want_state, atol=1e-6)
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, linear_params)
+  assert int(steps) == 1
+  # Adam's first step moves every parameter by about lr (its sign-like update).
+  moved = jax.tree.map(lambda a, b: jnp.abs(a - b), params, linear_params)
+  assert 0.005 < float(jnp.max(jax.tree.leaves(moved)[0])) <= 0.0101

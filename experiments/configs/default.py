@@ -6,10 +6,12 @@ a few fields; any field can be overridden on the command line, e.g.
 
 Sections:
 
-* top level: ``method`` (``fedlap`` or a baseline: ``fedavg``, ``fedprox``,
-  ``fedsgd``, ``scaffold``, ``dp_fedavg``, ``dp_fedprox``), ``seed``, ``rounds``
-  (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule),
-  ``synthetic_init`` and run-time options (checkpoints, plots, evaluation).
+* top level: ``method`` (``fedlap``, a baseline: ``fedavg``, ``fedprox``,
+  ``fedsgd``, ``scaffold``, ``dp_fedavg``, ``dp_fedprox``, or a synthetic-data
+  system: ``feddm``, ``dsc``, ``dsc_centralized``, ``psg``), ``seed``,
+  ``rounds`` (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule; the
+  server's constant rate for FedDM / DSC / PSG), ``synthetic_init`` and run-time
+  options (checkpoints, plots, evaluation).
 * ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``), partition.
 * ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
 * ``client`` / ``server`` / ``dp``: one-to-one with
@@ -19,6 +21,13 @@ Sections:
   validation runs on the resolved config.
 * ``baseline``: local epochs and the FedProx ``mu`` of the gradient-sharing
   baselines (FedAvg, FedProx, ...); ignored by ``fedlap``.
+* ``feddm``: FedDM's client loop (:class:`fedlap_jax.feddm.FedDMConfig`);
+  ``condense``: DSC's / PSG's one-shot condensation
+  (:class:`fedlap_jax.condensation.CondensationConfig`). Both also read
+  ``client.ipc``, ``client.batch_size`` (real records per batch),
+  ``synthetic_init``, the ``server`` section (their server's training) and
+  ``learning_rate`` (the server's); PSG reads ``dp``. Builders of their named
+  configs: ``experiments/configs/synthetic.py``.
 """
 
 import ml_collections
@@ -29,7 +38,7 @@ DSA = "color_crop_cutout_flip_scale_rotate"
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.method = "fedlap"
+  config.method = "fedlap"   # or a baseline, or feddm / dsc / dsc_centralized / psg
   config.seed = 0
   config.rounds = 200
   config.learning_rate = 0.1
@@ -106,6 +115,9 @@ def get_config() -> ml_collections.ConfigDict:
   # needs client.model_steps="noisy_real"; each client uploads a model delta too).
   config.server.start = "global"
 
+  config.server.momentum = 0.0           # FedLAP: plain SGD; FedDM / DSC / PSG: 0.9
+  config.server.weight_decay = 0.0       # FedDM / DSC / PSG: 5e-4
+
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
   config.dp.noise_multiplier = 1.0       # sigma
@@ -122,6 +134,32 @@ def get_config() -> ml_collections.ConfigDict:
   config.baseline = ml_collections.ConfigDict()
   config.baseline.local_epochs = 5
   config.baseline.prox_mu = 0.1
+
+  # FedDM (method "feddm"): image updates per round, each on the global model moved by
+  # rho in a random direction; image SGD lr and momentum; DSA (none in FedDM).
+  config.feddm = ml_collections.ConfigDict()
+  config.feddm.iterations = 1000
+  config.feddm.rho = 5.0
+  config.feddm.image_lr = 1.0
+  config.feddm.image_momentum = 0.5
+  config.feddm.dsa_strategy = ""
+
+  # DSC / PSG (methods "dsc", "dsc_centralized", "psg"): one-shot condensation against
+  # `iterations` freshly initialised networks; outer_loop / inner_loop None = the
+  # published loops for client.ipc (fedlap_jax.condensation.dc_loops); batch_loop real
+  # batches per outer step (DSC 1, PSG 10); the server's learning rate is multiplied by
+  # lr_decay for the second half of server.max_epochs.
+  config.condense = ml_collections.ConfigDict()
+  config.condense.iterations = 1000
+  config.condense.outer_loop = config_dict.placeholder(int)
+  config.condense.inner_loop = config_dict.placeholder(int)
+  config.condense.batch_loop = 1
+  config.condense.model_batch_size = 256
+  config.condense.image_lr = 0.1
+  config.condense.image_momentum = 0.5
+  config.condense.net_lr = 0.01
+  config.condense.dsa_strategy = ""
+  config.condense.lr_decay = 0.1
 
   # Run-time options (may change when a run is resumed).
   config.checkpoint_every = 5            # rounds; the last round is always saved

@@ -1,9 +1,10 @@
-"""FedLAP vs the gradient-sharing baselines on the quickstart data (digits, 5 clients x 2 classes).
+"""FedLAP vs every comparison system of the paper on the quickstart data (digits, 5 clients x 2 classes).
 
   python -m experiments.run --config=quickstart_compare --workdir=runs/compare
   python -m experiments.report runs/compare/* --out runs/compare_report
 
-A suite of eight runs on the same data, model (ConvNet 32 x 2) and evaluation:
+A suite of twelve runs on the same data (normalised with the statistics of the
+public test split, as FedLAP-DP needs), model (ConvNet 32 x 2) and evaluation:
 
 * non-DP, 10 rounds each: FedLAP (the quickstart's), FedAvg, FedProx (mu 0.1),
   SCAFFOLD, FedSGD; baselines with 5 local epochs of Poisson batches (B = 64),
@@ -14,10 +15,19 @@ A suite of eight runs on the same data, model (ConvNet 32 x 2) and evaluation:
   after the last round equals FedLAP-DP's (``dp.match_epsilon_of``); the client
   sizes come from the partition itself, so :mod:`experiments.run` does this
   when the suite starts, and the match holds for any seed.
+* the synthetic-data systems, shrunk to seconds each (the published loops are
+  in ``experiments/configs/synthetic.py``): FedDM (10 rounds, ipc 10, 50
+  image iterations per round at ``rho = 2``, about FedDM's ``rho = 5`` relative
+  to the smaller model's parameter norm, 12 vs 28; server 100 epochs); DSC
+  one-shot federated and centralized (ipc 10, 10 fresh networks of the
+  published ipc-10 loops, server 300 epochs); PSG (ipc 10, 5 fresh networks,
+  ``T = 500`` noisy accesses per client, C = 0.1, its epsilon matched to
+  FedLAP-DP's, server 300 epochs).
 """
 
 import ml_collections
 
+from fedlap_jax.condensation import DC_LOOPS
 from fedlap_jax.config import BASELINE_METHODS, DP_BASELINE_METHODS
 
 from experiments.configs import quickstart
@@ -61,6 +71,63 @@ def matched_dp_baseline(method: str, fedlap_dp,
   return config
 
 
+def feddm_config() -> ml_collections.ConfigDict:
+  """FedDM on the quickstart data: 10 rounds of 50 distribution-matching iterations."""
+  config = quickstart.nondp_config()
+  config.method = "feddm"
+  config.synthetic_init = "real"
+  f = config.feddm
+  f.iterations = 50
+  f.rho = 2.0
+  f.image_lr = 1.0
+  f.dsa_strategy = ""
+  _synthetic_server(config, epochs=100)
+  return config
+
+
+def _synthetic_server(config, *, epochs: int):
+  s = config.server
+  s.radius_strategy = "fixed"
+  s.batch_size = 256
+  s.max_epochs = epochs
+  s.weighting = "uniform"
+  s.dsa_strategy = ""
+  s.momentum = 0.9
+  s.weight_decay = 5e-4
+  config.learning_rate = 0.01
+
+
+def oneshot_config(method: str, *, iterations: int, batch_loop: int) -> ml_collections.ConfigDict:
+  """DSC (``dsc``, ``dsc_centralized``) or PSG (``psg``, without its DP fields) on the quickstart data."""
+  config = quickstart.nondp_config()
+  config.method = method
+  config.rounds = 1
+  config.synthetic_init = "noise"
+  config.checkpoint_every = 1
+  config.snapshot_rounds = (1,)
+  c = config.condense
+  c.iterations = iterations
+  c.outer_loop, c.inner_loop = DC_LOOPS[config.client.ipc]
+  c.batch_loop = batch_loop
+  c.model_batch_size = 256
+  c.image_lr = 0.1
+  c.net_lr = 0.01
+  c.dsa_strategy = ""
+  _synthetic_server(config, epochs=300)
+  return config
+
+
+def psg_config(fedlap_dp, name: str = "fedlap_dp") -> ml_collections.ConfigDict:
+  """PSG with its epsilon matched to the suite's run ``name`` (``fedlap_dp`` its config)."""
+  config = oneshot_config("psg", iterations=5, batch_loop=10)
+  config.data.normalisation = fedlap_dp.data.normalisation  # DP-safe, as FedLAP-DP
+  config.dp.enabled = True
+  config.dp.l2_clip_norm = 0.1
+  config.dp.delta = fedlap_dp.dp.delta
+  config.dp.match_epsilon_of = name
+  return config
+
+
 def get_config():
   config = ml_collections.ConfigDict()
   config.suite = ml_collections.ConfigDict()
@@ -72,4 +139,12 @@ def get_config():
   config.suite.fedlap_dp = dp
   for method in DP_BASELINES:
     config.suite[method] = matched_dp_baseline(method, dp)
+  config.suite.feddm = feddm_config()
+  config.suite.dsc = oneshot_config("dsc", iterations=10, batch_loop=1)
+  config.suite.dsc_centralized = oneshot_config("dsc_centralized", iterations=10, batch_loop=1)
+  config.suite.psg = psg_config(dp)
+  # One normalisation for every run, the DP-safe one of FedLAP-DP (statistics of the public test
+  # split): the same preprocessing in every column, and one "digits" row in the report.
+  for run in config.suite.values():
+    run.data.normalisation = dp.data.normalisation
   return config
