@@ -34,6 +34,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.rounds = 200
   config.learning_rate = 0.1
   config.synthetic_init = "real"
+  # Display name in reports (experiments.report), e.g. "FedLAP-DP (tuned)"; "" = the method's.
+  config.label = ""
   # "vmap": all clients at once; "map": one after another (less memory, same numbers);
   # "auto" (the library's default) = "map" on one device: faster on CPU (1.75x) and on an
   # H100 (cifar_nondp 12.4 vs 28.1 s per round) with bounded memory (BENCHMARKS.md);
@@ -100,6 +102,11 @@ def get_config() -> ml_collections.ConfigDict:
   # run's noise_multiplier, when it starts (from the data's client sizes), so that its
   # epsilon after the last round equals that run's. "" uses noise_multiplier as given.
   config.dp.match_epsilon_of = ""
+  # Epsilon (nats, at dp.delta) after the last round: experiments.run sets noise_multiplier,
+  # when the run starts, to the smallest sigma whose epsilon is at most this, with the
+  # accountant the ledger uses (B / min_k N_k, the method's noisy steps per round, rounds).
+  # None uses noise_multiplier as given. Refused with exit 2 if it needs sigma > 100.
+  config.dp.target_epsilon = config_dict.placeholder(float)
 
   config.baseline = ml_collections.ConfigDict()
   config.baseline.local_epochs = 5
