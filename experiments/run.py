@@ -21,6 +21,7 @@ the same command resumes after 1, 130 and 143.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -46,7 +47,8 @@ def resolve_config_arg(value: str) -> tuple[str, str]:
       raise ConfigArgError(f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
                            f"allowed: one of {available} (optionally NAME:ARG), or a path to "
                            "a config .py file")
-  return path + sep + arg, label + (f"_{arg}" if sep and arg else "")
+  safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", arg)  # npz:/a/b.npz must not nest the work dir
+  return path + sep + arg, label + (f"_{safe}" if sep and arg else "")
 
 
 def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:
@@ -216,6 +218,13 @@ def calibrate_noise(config) -> list[str]:
   """
   from experiments import validation  # pylint: disable=g-import-not-at-top
   lines = []
+  sizes_of = {}  # the runs of a suite mostly share data, partition and seed: load them once
+
+  def budget_of(cfg):
+    key = (repr(sorted(cfg.data.to_dict().items())), cfg.seed)
+    if key not in sizes_of:
+      sizes_of[key] = client_sizes(cfg)
+    return dp_budget(cfg, sizes_of[key])
 
   def log(label, field, target, cfg, budget):
     eps = budget.epsilon(cfg.dp.noise_multiplier)
@@ -241,15 +250,15 @@ def calibrate_noise(config) -> list[str]:
     field = f"{prefix}dp.target_epsilon"
     if not cfg.dp.enabled:
       raise validation.ConfigError(field, target, "None when dp.enabled is False")
-    budgets[prefix] = budget = dp_budget(cfg)
+    budgets[prefix] = budget = budget_of(cfg)
     cfg.dp.noise_multiplier = budget.calibrate(target, field=field)
     log(prefix, "dp.target_epsilon", target, cfg, budget)
   if "suite" in config:
-    match_epsilons(config, budgets, log)
+    match_epsilons(config, budgets, log, budget_of)
   return lines
 
 
-def match_epsilons(config, budgets=None, log=None):
+def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
   """Sets the noise of every suite run with ``dp.match_epsilon_of`` (in place; returns ``config``).
 
   A run ``r`` with ``dp.match_epsilon_of = "other"`` gets the noise multiplier
@@ -289,9 +298,9 @@ def match_epsilons(config, budgets=None, log=None):
       raise validation.ConfigError(f"suite.{name}.dp.target_epsilon", cfg.dp.target_epsilon,
                                    f"None with {field}={other!r} (set one of the two)")
     ref = suite[other]
-    ref_budget = budgets.get(f"suite.{other}.") or dp_budget(ref)
+    ref_budget = budgets.get(f"suite.{other}.") or budget_of(ref)
     target = ref_budget.epsilon(ref.dp.noise_multiplier)
-    budget = dp_budget(cfg)
+    budget = budget_of(cfg)
     cfg.dp.noise_multiplier = budget.calibrate(target, field=field)
     if log is not None:
       log(f"suite.{name}.", f"dp.match_epsilon_of={other!r}: epsilon", target, cfg, budget)
@@ -352,7 +361,8 @@ def run_config(config, workdir: str, name: str) -> int:
   if len(targets) > 1:
     from experiments import report  # pylint: disable=g-import-not-at-top
     out = os.path.join(workdir, "report")
-    report.make_report([wd for _, wd, _ in targets], out)
+    options = config.report.to_dict() if "report" in config else {}
+    report.make_report([wd for _, wd, _ in targets], out, **options)
     print(f"comparison: {os.path.join(out, 'report.md')}")
   return 0
 
