@@ -185,23 +185,27 @@ def best_of_grid_table(runs: list[Run], epsilon: float) -> tuple[list[str], list
     varying = _varying(fields)
     points = defaultdict(list)
     for r, f in zip(members, fields):
-      points[", ".join(f"{k}={f.get(k)}" for k in sorted(varying))].append(
-          r.accuracy_at_epsilon(epsilon))
-    grid[key] = {p: _cell(v) for p, v in sorted(points.items())}
-    scored = [(c[1], p) for p, c in grid[key].items() if not math.isnan(c[1])]
+      points[tuple(f.get(k) for k in sorted(varying))].append(r.accuracy_at_epsilon(epsilon))
+    order = sorted(points, key=lambda vals: tuple((type(v).__name__, v) for v in vals))
+    names = [", ".join(f"{k}={v}" for k, v in zip(sorted(varying), vals)) for vals in order]
+    grid[key] = {name: _cell(points[vals]) for name, vals in zip(names, order)}
+    scored = [(c[1], -i, p) for i, (p, c) in enumerate(grid[key].items())
+              if not math.isnan(c[1])]
     if not scored:
       cells[key] = ("-", float("nan"), float("nan"), 0)
       continue
-    best = max(scored)[1]
+    _, i, best = max(scored)
+    edge = len(names) >= 3 and -i in (0, len(names) - 1)  # a wider grid might do better
     text, mean, std, n = grid[key][best]
-    cells[key] = (text + (f" [{best}]" if best else ""), mean, std, n)
+    cells[key] = (text + (f" [{best}{', grid edge' if edge else ''}]" if best else ""),
+                  mean, std, n)
   rows = _order([r.row for r in chosen], DATASET_ORDER)
   cols = _order([r.method for r in chosen], METHOD_ORDER)
   return rows, cols, cells, grid
 
 
 def _grid_markdown(epsilons, grids: dict) -> str:
-  keys = sorted({(k, p) for g in grids.values() for k, pts in g.items() for p in pts})
+  keys = list(dict.fromkeys((k, p) for g in grids.values() for k in sorted(g) for p in g[k]))
   lines = ["### Every grid point", "",
            "| dataset | method | grid point | " + " | ".join(f"epsilon {e:g}" for e in epsilons)
            + " |", "|---|---|---|" + "---:|" * len(epsilons)]

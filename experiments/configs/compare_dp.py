@@ -8,7 +8,8 @@ dataset's recipes on the arrays of ``PATH``) or ``npz:PATH`` (``data.name =
 custom``, the MNIST recipes). Options, ``+`` between values:
 
 * ``eps=2.79+10.18``: the epsilon checkpoints (nats at each run's ``dp.delta``);
-* ``lrs=0.1+0.3+1+3``: the baselines' learning-rate grid;
+* ``lrs=0.1+0.3+1+3+10``: the baselines' learning-rate grid (half decades from the
+  paper's 0.1: with C = 0.1 a clipped step is small);
 * ``variants=paper``: FedLAP-DP recipes, names of :data:`FEDLAP_VARIANTS`;
 * ``seeds=0``: seeds (each run once per seed; the report pools them);
 * ``rounds=N``: every run's number of rounds (default: each recipe's own).
@@ -48,7 +49,7 @@ from fedlap_jax.config import DP_BASELINE_METHODS
 from experiments.configs import baselines, quickstart, quickstart_compare
 
 EPSILONS = (2.79, 10.18)
-LR_GRID = (0.1, 0.3, 1.0, 3.0)
+LR_GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
 BASELINES = DP_BASELINE_METHODS
 # The FedLAP-DP recipes the suite runs: name -> (report label, {dataset: config}), a config
 # being "NAME[:ARG]" of experiments/configs. Adding a recipe is one entry.
