@@ -145,6 +145,9 @@ def test_compare_dp_options_and_one_line_variants(monkeypatch, tmp_path):
   assert all(suite[k].data.source == f"npz:{npz}" and suite[k].data.name == "mnist"
              for k in suite.keys())
   assert suite["dp_fedavg_lr0p5__eps1__s0"].model.width == 128  # the FedLAP-DP model
+  only = compare_dp.get_config("digits,variants=none,lrs=10,eps=3").suite
+  assert set(only.keys()) == {"dp_fedavg_lr10__eps3", "dp_fedprox_lr10__eps3"}
+  assert only.dp_fedavg_lr10__eps3.model.width == 32
   with pytest.raises(ValueError, match="compare_dp:digits,eps=0 is invalid"):
     compare_dp.get_config("digits,eps=0")
   _, label = run.resolve_config_arg(f"compare_dp:npz:{npz}")

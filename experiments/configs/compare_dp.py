@@ -10,7 +10,8 @@ custom``, the MNIST recipes). Options, ``+`` between values:
 * ``eps=2.79+10.18``: the epsilon checkpoints (nats at each run's ``dp.delta``);
 * ``lrs=0.1+0.3+1+3+10``: the baselines' learning-rate grid (half decades from the
   paper's 0.1: with C = 0.1 a clipped step is small);
-* ``variants=paper``: FedLAP-DP recipes, names of :data:`FEDLAP_VARIANTS`;
+* ``variants=paper``: FedLAP-DP recipes, names of :data:`FEDLAP_VARIANTS` (``none``:
+  the baselines alone, on the data and model of the ``paper`` recipe);
 * ``seeds=0``: seeds (each run once per seed; the report pools them);
 * ``rounds=N``: every run's number of rounds (default: each recipe's own).
 
@@ -104,9 +105,12 @@ def parse_arg(arg: str) -> dict:
                                                                      and len(nums) > 1):
           raise ValueError
         out[key] = nums if key == "seeds" else nums[0]
+      elif value == "none":  # baselines only (e.g. to widen their grid in another work dir)
+        out["variants"] = ()
       else:
         if any(v not in FEDLAP_VARIANTS for v in values):
-          _fail(arg, f"variants={value!r}; allowed: names of {tuple(FEDLAP_VARIANTS)}")
+          _fail(arg, f"variants={value!r}; allowed: 'none' or names of "
+                f"{tuple(FEDLAP_VARIANTS)}")
         out["variants"] = tuple(values)
     except ValueError as e:
       if str(e).startswith("compare_dp:"):
