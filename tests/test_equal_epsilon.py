@@ -117,7 +117,9 @@ def test_target_and_match_are_exclusive():
 
 def test_compare_dp_expands_into_every_method_grid_point_and_epsilon():
   suite = compare_dp.get_config("digits").suite
-  expected = {f"fedlap_dp_paper__eps{e}" for e in ("2p79", "10p18")} | {
+  variants = compare_dp.default_variants()
+  assert variants[0] == "paper"
+  expected = {f"fedlap_dp_{v}__eps{e}" for v in variants for e in ("2p79", "10p18")} | {
       f"{m}_lr{lr}__eps{e}" for m in ("dp_fedavg", "dp_fedprox")
       for lr in ("0p1", "0p3", "1", "3", "10") for e in ("2p79", "10p18")}
   assert set(suite.keys()) == expected
@@ -126,10 +128,22 @@ def test_compare_dp_expands_into_every_method_grid_point_and_epsilon():
     validation.validate_config(cfg)
     assert cfg.dp.enabled and cfg.dp.target_epsilon == (2.79 if key.endswith("2p79") else 10.18)
     assert cfg.dp.match_epsilon_of == "" and cfg.data.normalisation == "test_split"
-    assert (cfg.data.name, cfg.model.width, cfg.client.batch_size) == ("digits", 32, 64)
-  assert suite.fedlap_dp_paper__eps2p79.label == "FedLAP-DP (paper)"
+    assert (cfg.data.name, cfg.model.width, cfg.model.depth) == ("digits", 32, 2)
+  paper = suite.fedlap_dp_paper__eps2p79
+  assert paper.label == "FedLAP-DP (paper)" and paper.client.batch_size == 64
+  assert validation.to_fedlap_config(paper).client.real_accesses_per_round == 10
+  assert suite.dp_fedavg_lr1__eps2p79.client.batch_size == 64
   assert suite.dp_fedprox_lr0p3__eps2p79.learning_rate == 0.3
   assert suite.dp_fedprox_lr0p3__eps2p79.method == "dp_fedprox"
+
+
+def test_a_variant_without_configs_is_left_out_until_they_exist(monkeypatch):
+  monkeypatch.setitem(compare_dp.FEDLAP_VARIANTS, "ghost",
+                      ("FedLAP-DP (ghost)", {"digits": "no_such_config"}))
+  assert "ghost" not in compare_dp.default_variants()
+  assert not any(k.startswith("fedlap_dp_ghost") for k in compare_dp.get_config("digits").suite)
+  with pytest.raises(ValueError, match="variants='ghost'"):
+    compare_dp.get_config("digits,variants=ghost")
 
 
 def test_compare_dp_options_and_one_line_variants(monkeypatch, tmp_path):
