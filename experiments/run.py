@@ -9,7 +9,9 @@ a path to any config file. A *suite* config (one with a ``suite`` section, e.g.
 in ``WORKDIR/report``. Fields are overridden with ``--config.FIELD=VALUE``
 (e.g. ``--config.seed=1``, ``--config.data.source=npz:/data/cifar10.npz``). The
 work dir defaults to ``runs/<NAME>`` (``:`` replaced by ``_``); re-running the
-same command resumes from its last checkpoint.
+same command resumes from its last checkpoint. ``--config.dp.target_epsilon=E`` sets a DP
+run's noise multiplier, when it starts, so that its epsilon after its last round is ``E``
+(:func:`calibrate_noise`; ``compare_dp:DATASET`` runs every DP method so).
 
 Exit status: 0 on success; 2 for bad input or damaged state (an invalid
 config, data or work dir, a resume that is refused; a one-line message); 1
@@ -133,7 +135,7 @@ def _dp_steps_per_round(cfg, sizes: list[int]) -> int:
 # The largest noise multiplier dp.target_epsilon may calibrate to: beyond it the released
 # statistics are noise (sigma * C / B per coordinate) and the target is refused as unreachable.
 MAX_TARGET_NOISE_MULTIPLIER = 100.0
-# Relative width of the bisection bracket on sigma (epsilon then lands within ~1e-4 of target).
+# Relative accuracy of the calibrated sigma (epsilon then lands within ~1e-4 of the target).
 CALIBRATION_TOL = 1e-4
 
 
