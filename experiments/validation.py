@@ -153,8 +153,6 @@ def validate_config(cfg) -> None:
     _fail("learning_rate", cfg.learning_rate, "a finite number > 0")
   if cfg.client_backend not in CLIENT_BACKENDS:
     _fail("client_backend", cfg.client_backend, f"one of {CLIENT_BACKENDS}")
-  if not isinstance(cfg.get("label", ""), str):
-    _fail("label", cfg.label, "a string (display name in reports; '' = the method's name)")
 
   d = cfg.data
   if d.name not in data_lib.DATASETS:
@@ -198,6 +196,8 @@ def validate_config(cfg) -> None:
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
+  if not isinstance(cfg.get("label", ""), str):
+    _fail("label", cfg.label, "a string (display name in reports; '' = the method's name)")
   target = cfg.dp.get("target_epsilon")
   if target is not None:
     if not is_real(target) or target <= 0:

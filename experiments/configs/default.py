@@ -34,8 +34,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.rounds = 200
   config.learning_rate = 0.1
   config.synthetic_init = "real"
-  # Display name in reports (experiments.report), e.g. "FedLAP-DP (tuned)"; "" = the method's.
-  config.label = ""
   # "vmap": all clients at once; "map": one after another (less memory, same numbers);
   # "auto" (the library's default) = "map" on one device: faster on CPU (1.75x) and on an
   # H100 (cifar_nondp 12.4 vs 28.1 s per round) with bounded memory (BENCHMARKS.md);
@@ -125,4 +123,6 @@ def get_config() -> ml_collections.ConfigDict:
   # clients' records (clip fractions, realised batch sizes, training losses) to
   # metrics.jsonl under "nonprivate", outside the privacy guarantee (for debugging).
   config.debug_nonprivate_stats = False
+  # Display name in reports (experiments.report), e.g. "FedLAP-DP (tuned)"; "" = the method's.
+  config.label = ""
   return config
