@@ -82,11 +82,12 @@ class Run:
     if not self.records:
       raise ValueError(f"RUN_DIR={str(path)!r} has no metrics records yet")
     self.dp = bool(self.info.get("dp"))
-    self.method = self.config.get("label") or self.info.get("method_label",
-                                                             self.config["method"])
-    self.target_epsilon = self.config.get("dp.target_epsilon")
+    self.method = self.info.get("method_label", self.config["method"])
     self.dataset = self.config["data.name"]
     self.seed = self.config["seed"]
+    if self.config.get("label"):  # a config's display name replaces the method's
+      self.method = self.config["label"]
+    self.target_epsilon = self.config.get("dp.target_epsilon")
     fields = {k: v for k, v in self.config.items() if k not in IGNORED}
     self.row_fields = {k: v for k, v in fields.items() if k.startswith(ROW_PREFIXES)}
     self.col_fields = {k: v for k, v in fields.items() if not k.startswith(ROW_PREFIXES)}
@@ -133,10 +134,7 @@ def label_runs(runs: list[Run]) -> None:
 def _order(labels, order):
   def key(label):
     base = label.split(" [")[0]
-    index = next((i for i, o in enumerate(order) if base == o), None)
-    if index is None:  # a config label such as "FedLAP-DP (tuned)" sorts with its method
-      index = next((i for i, o in enumerate(order) if base.startswith(o + " ")), len(order))
-    return (index, label)
+    return (order.index(base) if base in order else len(order), label)
   return sorted(set(labels), key=key)
 
 
@@ -200,8 +198,15 @@ def best_of_grid_table(runs: list[Run], epsilon: float) -> tuple[list[str], list
     cells[key] = (text + (f" [{best}{', grid edge' if edge else ''}]" if best else ""),
                   mean, std, n)
   rows = _order([r.row for r in chosen], DATASET_ORDER)
-  cols = _order([r.method for r in chosen], METHOD_ORDER)
+  cols = sorted({r.method for r in chosen}, key=lambda m: (_method_rank(m), m))
   return rows, cols, cells, grid
+
+
+def _method_rank(label: str) -> int:
+  """Position in :data:`METHOD_ORDER`; a config label ("FedLAP-DP (tuned)") sorts with its method."""
+  exact = [i for i, o in enumerate(METHOD_ORDER) if label == o]
+  prefix = [i for i, o in enumerate(METHOD_ORDER) if label.startswith(o + " ")]
+  return (exact or prefix or [len(METHOD_ORDER)])[0]
 
 
 def _grid_markdown(epsilons, grids: dict) -> str:
