@@ -15,20 +15,20 @@ std, in %) with the number of seeds.
 * DP tables, one per ``--epsilons`` value: the accuracy after the last round
   whose epsilon is at most that value (``-`` if already the first round spends
   more), as the paper's "under privacy budgets of 2.79 and 10.18".
-* ``--best-of-grid`` (the ``compare_dp`` suite's report): the DP tables
-  instead show, per column, the best grid point (the best mean over seeds of
-  the runs that differ only in other fields, e.g. ``learning_rate``), and a
-  grid table shows every point. A run with ``dp.target_epsilon`` (calibrated
-  to spend exactly that) counts only in the table of that epsilon, with its
-  accuracy after its last round. Best-of-grid reads the test accuracy of every
-  grid point: the choice itself is not covered by the runs' epsilon.
-
-A config's ``label`` (e.g. ``FedLAP-DP (paper)``), when set, names its column
-instead of the method.
 
 Writes ``report.md``, ``table_nondp.csv``, ``table_dp_eps<e>.csv``,
 ``runs.csv`` (one line per run) and ``accuracy_vs_round.png`` (mean over seeds,
 shaded +- std; DP runs dashed) to ``--out``.
+
+``--best-of-grid`` (the ``compare_dp`` suite's report): the DP tables instead
+show, per column, the best grid point (the best mean over seeds of the runs
+that differ only in other fields, e.g. ``learning_rate``), and a grid table
+(and ``grid_dp.csv``) shows every point. A run with ``dp.target_epsilon``
+(calibrated to spend exactly that) counts only in the table of that epsilon,
+with its accuracy after its last round. Best-of-grid reads the test accuracy
+of every grid point: the choice itself is not covered by the runs' epsilon.
+A config's ``label`` (e.g. ``FedLAP-DP (paper)``), when set, names its column
+instead of the method.
 """
 
 from __future__ import annotations
@@ -158,6 +158,58 @@ def build_table(runs: list[Run], value_fn) -> tuple[list[str], list[str], dict]:
   return rows, cols, cells
 
 
+def _markdown(title: str, rows, cols, cells) -> str:
+  lines = [f"### {title}", "", "| dataset | " + " | ".join(cols) + " |",
+           "|---|" + "---:|" * len(cols)]
+  for row in rows:
+    lines.append(f"| {row} | " + " | ".join(cells.get((row, c), ("",))[0] for c in cols) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _write_csv(path: Path, rows, cols, cells) -> None:
+  with open(path, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["dataset"] + [f"{c} {s}" for c in cols for s in ("mean", "std", "n")])
+    for row in rows:
+      line = [row]
+      for c in cols:
+        _, mean, std, n = cells.get((row, c), ("", float("nan"), float("nan"), 0))
+        fmt = lambda v: "" if math.isnan(v) else f"{v:.4f}"
+        line += [fmt(mean), fmt(std), n]
+      w.writerow(line)
+
+
+def overlay_plot(path: Path, runs: list[Run]) -> None:
+  """Accuracy vs round, one panel per dataset row, mean over seeds +- std."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = _order([r.row for r in runs], DATASET_ORDER)
+  fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.6), squeeze=False)
+  for ax, row in zip(axes[0], rows):
+    groups = defaultdict(list)
+    for r in runs:
+      if r.row == row:
+        groups[r.col].append(r)
+    for col in _order(groups, METHOD_ORDER):
+      members = groups[col]
+      n = min(len(r.records) for r in members)
+      acc = 100 * np.array([[rec["test_accuracy"] for rec in r.records[:n]] for r in members])
+      x = np.arange(1, n + 1)
+      mean, std = acc.mean(0), acc.std(0)
+      style = "--" if members[0].dp else "-"
+      line, = ax.plot(x, mean, style, label=f"{col} (n={len(members)})")
+      ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_title(row, fontsize=10)
+    ax.set_xlabel("communication round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def best_of_grid_table(runs: list[Run], epsilon: float) -> tuple[list[str], list[str], dict, dict]:
   """Table-2 cells at ``epsilon``: per (dataset row, method) the best grid point.
 
@@ -218,58 +270,6 @@ def _grid_markdown(epsilons, grids: dict) -> str:
     vals = [grids[e].get((row, col), {}).get(point, ("",))[0] for e in epsilons]
     lines.append(f"| {row} | {col} | {point or '-'} | " + " | ".join(vals) + " |")
   return "\n".join(lines) + "\n"
-
-
-def _markdown(title: str, rows, cols, cells) -> str:
-  lines = [f"### {title}", "", "| dataset | " + " | ".join(cols) + " |",
-           "|---|" + "---:|" * len(cols)]
-  for row in rows:
-    lines.append(f"| {row} | " + " | ".join(cells.get((row, c), ("",))[0] for c in cols) + " |")
-  return "\n".join(lines) + "\n"
-
-
-def _write_csv(path: Path, rows, cols, cells) -> None:
-  with open(path, "w", newline="") as f:
-    w = csv.writer(f)
-    w.writerow(["dataset"] + [f"{c} {s}" for c in cols for s in ("mean", "std", "n")])
-    for row in rows:
-      line = [row]
-      for c in cols:
-        _, mean, std, n = cells.get((row, c), ("", float("nan"), float("nan"), 0))
-        fmt = lambda v: "" if math.isnan(v) else f"{v:.4f}"
-        line += [fmt(mean), fmt(std), n]
-      w.writerow(line)
-
-
-def overlay_plot(path: Path, runs: list[Run]) -> None:
-  """Accuracy vs round, one panel per dataset row, mean over seeds +- std."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  rows = _order([r.row for r in runs], DATASET_ORDER)
-  fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.6), squeeze=False)
-  for ax, row in zip(axes[0], rows):
-    groups = defaultdict(list)
-    for r in runs:
-      if r.row == row:
-        groups[r.col].append(r)
-    for col in _order(groups, METHOD_ORDER):
-      members = groups[col]
-      n = min(len(r.records) for r in members)
-      acc = 100 * np.array([[rec["test_accuracy"] for rec in r.records[:n]] for r in members])
-      x = np.arange(1, n + 1)
-      mean, std = acc.mean(0), acc.std(0)
-      style = "--" if members[0].dp else "-"
-      line, = ax.plot(x, mean, style, label=f"{col} (n={len(members)})")
-      ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-    ax.set_title(row, fontsize=10)
-    ax.set_xlabel("communication round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
