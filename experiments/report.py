@@ -3,6 +3,16 @@ r"""Tables and an overlay plot over finished runs, in the paper's layout.
   python -m experiments.report RUN_DIR [RUN_DIR ...] --out DIR [--epsilons 2.79,10.18]
                                [--metric final|best] [--best-of-grid]
 
+``--best-of-grid`` (the ``compare_dp`` suite's report): the DP tables instead
+show, per column, the best grid point (the best mean over seeds of the runs
+that differ only in other fields, e.g. ``learning_rate``), and a grid table
+(and ``grid_dp.csv``) shows every point. A run with ``dp.target_epsilon``
+(calibrated to spend exactly that) counts only in the table of that epsilon,
+with its accuracy after its last round. Best-of-grid reads the test accuracy
+of every grid point: the choice itself is not covered by the runs' epsilon.
+A config's ``label`` (e.g. ``FedLAP-DP (paper)``), when set, names its column
+instead of the method.
+
 Runs are grouped by setting: one **row** per dataset (with the data and model
 fields that differ between runs of that dataset, e.g. ``cifar10 [partition=iid]``),
 one **column** per method (``FedLAP``, ``FedAvg``, ...; with the fields that
@@ -19,16 +29,6 @@ std, in %) with the number of seeds.
 Writes ``report.md``, ``table_nondp.csv``, ``table_dp_eps<e>.csv``,
 ``runs.csv`` (one line per run) and ``accuracy_vs_round.png`` (mean over seeds,
 shaded +- std; DP runs dashed) to ``--out``.
-
-``--best-of-grid`` (the ``compare_dp`` suite's report): the DP tables instead
-show, per column, the best grid point (the best mean over seeds of the runs
-that differ only in other fields, e.g. ``learning_rate``), and a grid table
-(and ``grid_dp.csv``) shows every point. A run with ``dp.target_epsilon``
-(calibrated to spend exactly that) counts only in the table of that epsilon,
-with its accuracy after its last round. Best-of-grid reads the test accuracy
-of every grid point: the choice itself is not covered by the runs' epsilon.
-A config's ``label`` (e.g. ``FedLAP-DP (paper)``), when set, names its column
-instead of the method.
 """
 
 from __future__ import annotations
