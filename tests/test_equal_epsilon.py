@@ -182,7 +182,8 @@ def _fake_run(path, *, method, label="", lr, seed, target, accs, dp_method_label
   with open(path / "metrics.jsonl", "w") as f:
     for i, a in enumerate(accs):
       f.write(json.dumps({"round": i + 1, "test_accuracy": a, "wall_seconds": 1.0,
-                          "epsilon": target * (i + 1) / len(accs)}) + "\n")
+                          "round_seconds": 1.0, "epsilon": target * (i + 1) / len(accs)})
+              + "\n")
   return path
 
 
