@@ -1,7 +1,17 @@
 r"""Tables and an overlay plot over finished runs, in the paper's layout.
 
   python -m experiments.report RUN_DIR [RUN_DIR ...] --out DIR [--epsilons 2.79,10.18]
-                               [--metric final|best]
+                               [--metric final|best] [--best-of-grid]
+
+``--best-of-grid`` (the ``compare_dp`` suite's report): the DP tables instead
+show, per column, the best grid point (the best mean over seeds of the runs
+that differ only in other fields, e.g. ``learning_rate``), and a grid table
+(and ``grid_dp.csv``) shows every point. A run with ``dp.target_epsilon``
+(calibrated to spend exactly that) counts only in the table of that epsilon,
+with its accuracy after its last round. Best-of-grid reads the test accuracy
+of every grid point: the choice itself is not covered by the runs' epsilon.
+A config's ``label`` (e.g. ``FedLAP-DP (paper)``), when set, names its column
+instead of the method.
 
 Runs are grouped by setting: one **row** per dataset (with the data and model
 fields that differ between runs of that dataset, e.g. ``cifar10 [partition=iid]``),
@@ -48,7 +58,9 @@ METHOD_ORDER = tuple(METHOD_LABELS.values())
 DATASET_ORDER = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 IGNORED = ("seed", "checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
            "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",
-           "data.source", "method", "dp.enabled")
+           "data.source", "method", "dp.enabled", "label")
+# Fields that differ between the points of one grid without being a grid dimension.
+GRID_IGNORED = ("dp.noise_multiplier", "dp.target_epsilon")
 ROW_PREFIXES = ("data.", "model.")
 
 
@@ -82,6 +94,9 @@ class Run:
                          if self.info.get("num_params") else float("nan"))
     self.dataset = self.config["data.name"]
     self.seed = self.config["seed"]
+    if self.config.get("label"):  # a config's display name replaces the method's
+      self.method = self.config["label"]
+    self.target_epsilon = self.config.get("dp.target_epsilon")
     fields = {k: v for k, v in self.config.items() if k not in IGNORED}
     self.row_fields = {k: v for k, v in fields.items() if k.startswith(ROW_PREFIXES)}
     self.col_fields = {k: v for k, v in fields.items() if not k.startswith(ROW_PREFIXES)}
@@ -232,8 +247,76 @@ def overlay_plot(path: Path, runs: list[Run]) -> None:
   plt.close(fig)
 
 
-def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final") -> dict:
-  """Writes the tables and the plot for ``run_dirs`` into ``out``; returns the tables."""
+def best_of_grid_table(runs: list[Run], epsilon: float) -> tuple[list[str], list[str], dict, dict]:
+  """Table-2 cells at ``epsilon``: per (dataset row, method) the best grid point.
+
+  The runs of one cell that differ in fields other than the seed, the noise
+  multiplier and the target epsilon are the grid (``learning_rate=0.3``, ...);
+  each point's accuracies at ``epsilon`` are pooled over seeds and the point
+  with the best mean is the cell. Runs with a ``dp.target_epsilon`` other than
+  ``epsilon`` are left out (they spend another budget).
+
+  Returns:
+    ``(rows, cols, cells, grid)``: ``cells[(row, col)] = (text, mean, std, n)``
+    of the best point (the text names it), ``grid[(row, col)] = {point: cell}``.
+  """
+  chosen = [r for r in runs if r.target_epsilon is None
+            or math.isclose(float(r.target_epsilon), epsilon, rel_tol=1e-9)]
+  groups = defaultdict(list)
+  for r in chosen:
+    groups[(r.row, r.method)].append(r)
+  cells, grid = {}, {}
+  for key, members in groups.items():
+    fields = [{k: v for k, v in r.col_fields.items() if k not in GRID_IGNORED}
+              for r in members]
+    varying = _varying(fields)
+    points = defaultdict(list)
+    for r, f in zip(members, fields):
+      points[tuple(f.get(k) for k in sorted(varying))].append(r.accuracy_at_epsilon(epsilon))
+    order = sorted(points, key=lambda vals: tuple((type(v).__name__, v) for v in vals))
+    names = [", ".join(f"{k}={v}" for k, v in zip(sorted(varying), vals)) for vals in order]
+    grid[key] = {name: _cell(points[vals]) for name, vals in zip(names, order)}
+    scored = [(c[1], -i, p) for i, (p, c) in enumerate(grid[key].items())
+              if not math.isnan(c[1])]
+    if not scored:
+      cells[key] = ("-", float("nan"), float("nan"), 0)
+      continue
+    _, i, best = max(scored)
+    edge = len(names) >= 3 and -i in (0, len(names) - 1)  # a wider grid might do better
+    text, mean, std, n = grid[key][best]
+    cells[key] = (text + (f" [{best}{', grid edge' if edge else ''}]" if best else ""),
+                  mean, std, n)
+  rows = _order([r.row for r in chosen], DATASET_ORDER)
+  cols = sorted({r.method for r in chosen}, key=lambda m: (_method_rank(m), m))
+  return rows, cols, cells, grid
+
+
+def _method_rank(label: str) -> int:
+  """Position in :data:`METHOD_ORDER`; a config label ("FedLAP-DP (tuned)") sorts with its method."""
+  exact = [i for i, o in enumerate(METHOD_ORDER) if label == o]
+  prefix = [i for i, o in enumerate(METHOD_ORDER) if label.startswith(o + " ")]
+  return (exact or prefix or [len(METHOD_ORDER)])[0]
+
+
+def _grid_markdown(epsilons, grids: dict) -> str:
+  keys = list(dict.fromkeys((k, p) for g in grids.values() for k in sorted(g) for p in g[k]))
+  lines = ["### Every grid point", "",
+           "| dataset | method | grid point | " + " | ".join(f"epsilon {e:g}" for e in epsilons)
+           + " |", "|---|---|---|" + "---:|" * len(epsilons)]
+  for (row, col), point in keys:
+    vals = [grids[e].get((row, col), {}).get(point, ("",))[0] for e in epsilons]
+    lines.append(f"| {row} | {col} | {point or '-'} | " + " | ".join(vals) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
+                best_of_grid: bool = False) -> dict:
+  """Writes the tables and the plot for ``run_dirs`` into ``out``; returns the tables.
+
+  ``best_of_grid``: the DP tables show each column's best grid point (see
+  :func:`best_of_grid_table`) and a table of every point (``grid_dp.csv`` too); the
+  columns are then the methods (or config labels) alone.
+  """
   if metric not in ("final", "best"):
     raise ValueError(f"metric={metric!r} is invalid; allowed: 'final' or 'best'")
   runs = [Run(d) for d in run_dirs]
@@ -253,7 +336,28 @@ def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final")
     md.append(_markdown(f"Non-DP ({metric} accuracy)", *t))
     _write_csv(out / "table_nondp.csv", *t)
   dp = [r for r in runs if r.dp]
-  for eps in epsilons if dp else ():
+  if best_of_grid and dp:
+    grids = {}
+    md += ["DP: accuracy after the last round of each run calibrated to the epsilon "
+           "(`dp.target_epsilon`), or of the last round within it; each column is its best "
+           "grid point (best mean over seeds; [the point]). Choosing the best point looks at "
+           "the test accuracy of every point: that choice is not covered by the epsilon.", ""]
+    for eps in epsilons:
+      rows, cols, cells, grids[eps] = best_of_grid_table(dp, eps)
+      tables[f"dp_eps{eps:g}"] = (rows, cols, cells)
+      md.append(_markdown(f"DP, accuracy at epsilon {eps:g} (best of grid)", rows, cols, cells))
+      _write_csv(out / f"table_dp_eps{eps:g}.csv", rows, cols, cells)
+    tables["grid"] = grids
+    md.append(_grid_markdown(epsilons, grids))
+    with open(out / "grid_dp.csv", "w", newline="") as f:
+      w = csv.writer(f)
+      w.writerow(["epsilon", "dataset", "method", "grid_point", "mean", "std", "n"])
+      for eps, g in grids.items():
+        for (row, col), pts in sorted(g.items()):
+          for point, (_, mean, std, n) in pts.items():
+            w.writerow([f"{eps:g}", row, col, point, "" if math.isnan(mean) else f"{mean:.4f}",
+                        "" if math.isnan(std) else f"{std:.4f}", n])
+  for eps in epsilons if dp and not best_of_grid else ():
     t = build_table(dp, lambda r, e=eps: r.accuracy_at_epsilon(e))
     tables[f"dp_eps{eps:g}"] = t
     md.append(_markdown(f"DP, accuracy at epsilon <= {eps:g}", *t))
@@ -292,6 +396,8 @@ def main(argv=None) -> int:
   parser.add_argument("--epsilons", default="2.79,10.18",
                       help="comma-separated epsilon budgets for the DP tables")
   parser.add_argument("--metric", default="final", choices=("final", "best"))
+  parser.add_argument("--best-of-grid", action="store_true",
+                      help="DP tables: each method's best grid point (e.g. learning rate)")
   args = parser.parse_args(argv)
   try:
     eps = tuple(float(e) for e in args.epsilons.split(",") if e.strip())
@@ -302,7 +408,8 @@ def main(argv=None) -> int:
           "> 0", file=sys.stderr)
     return 2
   try:
-    make_report(args.run_dirs, args.out, epsilons=eps, metric=args.metric)
+    make_report(args.run_dirs, args.out, epsilons=eps, metric=args.metric,
+                best_of_grid=args.best_of_grid)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -9,7 +9,9 @@ a path to any config file. A *suite* config (one with a ``suite`` section, e.g.
 in ``WORKDIR/report``. Fields are overridden with ``--config.FIELD=VALUE``
 (e.g. ``--config.seed=1``, ``--config.data.source=npz:/data/cifar10.npz``). The
 work dir defaults to ``runs/<NAME>`` (``:`` replaced by ``_``); re-running the
-same command resumes from its last checkpoint.
+same command resumes from its last checkpoint. ``--config.dp.target_epsilon=E`` sets a DP
+run's noise multiplier, when it starts, so that its epsilon after its last round is ``E``
+(:func:`calibrate_noise`; ``compare_dp:DATASET`` runs every DP method so).
 
 Exit status: 0 on success; 2 for bad input or damaged state (an invalid
 config, data or work dir, a resume that is refused; a one-line message); 1
@@ -21,8 +23,10 @@ the same command resumes after 1, 130 and 143.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -45,7 +49,8 @@ def resolve_config_arg(value: str) -> tuple[str, str]:
       raise ConfigArgError(f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
                            f"allowed: one of {available} (optionally NAME:ARG), or a path to "
                            "a config .py file")
-  return path + sep + arg, label + (f"_{arg}" if sep and arg else "")
+  safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", arg)  # npz:/a/b.npz must not nest the work dir
+  return path + sep + arg, label + (f"_{safe}" if sep and arg else "")
 
 
 def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:
@@ -129,14 +134,141 @@ def _dp_steps_per_round(cfg, sizes: list[int]) -> int:
   return local.scheduled_steps()
 
 
-def match_epsilons(config):
+# The largest noise multiplier dp.target_epsilon may calibrate to: beyond it the released
+# statistics are noise (sigma * C / B per coordinate) and the target is refused as unreachable.
+MAX_TARGET_NOISE_MULTIPLIER = 100.0
+# Relative accuracy of the calibrated sigma (epsilon then lands within ~1e-4 of the target).
+CALIBRATION_TOL = 1e-4
+
+
+class DpBudget(NamedTuple):
+  """What the ledger charges a DP config with: per round, ``steps_per_round`` noisy steps at rate
+  ``batch_size / min_client_size``, for ``rounds`` rounds, at ``delta``.
+
+  ``steps_per_round`` is the method's own count (:func:`_dp_steps_per_round`: FedLAP-DP's real
+  accesses per round, a DP baseline's scheduled local steps), the one the run's
+  :class:`~fedlap_jax.accounting.PrivacyLedger` composes.
+  """
+
+  batch_size: int
+  min_client_size: int
+  steps_per_round: int
+  rounds: int
+  delta: float
+
+  @property
+  def sampling_rate(self) -> float:
+    return self.batch_size / self.min_client_size
+
+  def epsilon(self, noise_multiplier: float) -> float:
+    """Epsilon (nats) after the last round with this ``noise_multiplier``."""
+    from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+    return accounting.epsilon_after_rounds(
+        rounds=self.rounds, noise_multiplier=noise_multiplier, batch_size=self.batch_size,
+        min_client_size=self.min_client_size, steps_per_round=self.steps_per_round,
+        delta=self.delta)
+
+  def calibrate(self, target_epsilon: float, *, field: str) -> float:
+    """The smallest sigma (to ``CALIBRATION_TOL``) whose epsilon is <= ``target_epsilon``.
+
+    Raises:
+      ConfigError: naming ``field`` when the target is not a positive number or needs
+        ``sigma > MAX_TARGET_NOISE_MULTIPLIER``.
+    """
+    from experiments import validation  # pylint: disable=g-import-not-at-top
+    from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+    allowed = (f"a finite number > 0 that some noise_multiplier <= "
+               f"{MAX_TARGET_NOISE_MULTIPLIER:g} meets (here q = {self.batch_size}/"
+               f"{self.min_client_size}, T = {self.steps_per_round} per round, {self.rounds} "
+               f"rounds, delta = {self.delta:g})")
+    try:
+      return accounting.calibrate_noise_multiplier(
+          target_epsilon, delta=self.delta, rounds=self.rounds, batch_size=self.batch_size,
+          min_client_size=self.min_client_size, steps_per_round=self.steps_per_round,
+          tol=CALIBRATION_TOL, max_noise_multiplier=MAX_TARGET_NOISE_MULTIPLIER)
+    except ValueError:
+      if isinstance(target_epsilon, (int, float)) and target_epsilon > 0:
+        floor = self.epsilon(MAX_TARGET_NOISE_MULTIPLIER)
+        allowed = (f"a target >= {floor:.4g}, the epsilon of noise_multiplier="
+                   f"{MAX_TARGET_NOISE_MULTIPLIER:g}" + allowed[allowed.index(" (here"):])
+      raise validation.ConfigError(field, target_epsilon, allowed,
+                                   message=f"{field}={target_epsilon!r} is unreachable; "
+                                   f"allowed: {allowed}") from None
+
+
+def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
+  """The :class:`DpBudget` of a DP config (``sizes``: records per client; loaded if None)."""
+  sizes = client_sizes(cfg) if sizes is None else sizes
+  return DpBudget(int(cfg.client.batch_size), int(min(sizes)), _dp_steps_per_round(cfg, sizes),
+                  int(cfg.rounds), float(cfg.dp.delta))
+
+
+def calibrate_noise(config) -> list[str]:
+  """Sets ``dp.noise_multiplier`` of every (suite) run with ``dp.target_epsilon`` or
+  ``dp.match_epsilon_of`` (in place); returns one log line per calibrated run.
+
+  * ``dp.target_epsilon = E``: the smallest sigma whose epsilon after the run's last round is
+    at most ``E`` (:meth:`DpBudget.calibrate`, with the run's own client sizes, batch size,
+    steps per round and rounds, for every DP method).
+  * ``dp.match_epsilon_of = "other"`` (suites only): ``E`` is the epsilon of the suite's run
+    ``other`` after its last round (after ``other``'s own calibration, if it has a target).
+
+  This needs the data's client sizes, so it runs when the run or suite starts, not in the config
+  file. The calibrated sigma lands in the run's ``config.json``, ``run_info.json`` and ledger.
+
+  Raises:
+    ConfigError: an unreachable target; ``match_epsilon_of`` outside a suite, naming no other DP
+      run of it, naming a run that matches another itself, or set on a run without DP.
+  """
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  lines = []
+  sizes_of = {}  # the runs of a suite mostly share data, partition and seed: load them once
+
+  def budget_of(cfg):
+    key = (repr(sorted(cfg.data.to_dict().items())), cfg.seed)
+    if key not in sizes_of:
+      sizes_of[key] = client_sizes(cfg)
+    return dp_budget(cfg, sizes_of[key])
+
+  def log(label, field, target, cfg, budget):
+    eps = budget.epsilon(cfg.dp.noise_multiplier)
+    lines.append(f"calibrated: {label}{field}={target:.6g} -> dp.noise_multiplier="
+                 f"{cfg.dp.noise_multiplier:.6g} (q = {budget.batch_size}/"
+                 f"{budget.min_client_size} = {budget.sampling_rate:.4g}, T = "
+                 f"{budget.steps_per_round} per round, {budget.rounds} rounds, delta = "
+                 f"{budget.delta:g}: epsilon {eps:.4f})")
+
+  if "suite" not in config:
+    other = config.dp.get("match_epsilon_of", "")
+    if other:
+      raise validation.ConfigError("dp.match_epsilon_of", other,
+                                   "'' outside a suite (it names another run of the suite)")
+    runs = [("", config)]
+  else:
+    runs = [(f"suite.{k}.", config.suite[k]) for k in config.suite.keys()]
+  budgets = {}
+  for prefix, cfg in runs:
+    target = cfg.dp.get("target_epsilon")
+    if target is None:
+      continue
+    field = f"{prefix}dp.target_epsilon"
+    if not cfg.dp.enabled:
+      raise validation.ConfigError(field, target, "None when dp.enabled is False")
+    budgets[prefix] = budget = budget_of(cfg)
+    cfg.dp.noise_multiplier = budget.calibrate(target, field=field)
+    log(prefix, "dp.target_epsilon", target, cfg, budget)
+  if "suite" in config:
+    match_epsilons(config, budgets, log, budget_of)
+  return lines
+
+
+def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
   """Sets the noise of every suite run with ``dp.match_epsilon_of`` (in place; returns ``config``).
 
   A run ``r`` with ``dp.match_epsilon_of = "other"`` gets the noise multiplier
-  (:func:`fedlap_jax.accounting.calibrate_noise_multiplier`, tolerance 1e-4)
-  that makes its epsilon after its last round equal ``other``'s, each from its
-  own client sizes, steps per round and batch size. This needs the data, so it
-  runs when the suite starts, not in the config file.
+  (:meth:`DpBudget.calibrate`, tolerance ``CALIBRATION_TOL``) that makes its epsilon after its
+  last round equal ``other``'s, each from its own client sizes, steps per round and batch size.
+  Used by :func:`calibrate_noise` (after the ``dp.target_epsilon`` runs are calibrated).
 
   Raises:
     ConfigError: ``match_epsilon_of`` outside a suite, naming no other DP run
@@ -144,7 +276,7 @@ def match_epsilons(config):
       without DP.
   """
   from experiments import validation  # pylint: disable=g-import-not-at-top
-  from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+  budgets = {} if budgets is None else budgets
   if "suite" not in config:
     other = config.dp.get("match_epsilon_of", "")
     if other:
@@ -166,15 +298,16 @@ def match_epsilons(config):
     if not cfg.dp.enabled:
       raise validation.ConfigError(f"suite.{name}.dp.enabled", cfg.dp.enabled,
                                    f"True with {field}={other!r}")
+    if cfg.dp.get("target_epsilon") is not None:
+      raise validation.ConfigError(f"suite.{name}.dp.target_epsilon", cfg.dp.target_epsilon,
+                                   f"None with {field}={other!r} (set one of the two)")
     ref = suite[other]
-    ref_sizes, sizes = client_sizes(ref), client_sizes(cfg)
-    target = accounting.epsilon_after_rounds(
-        rounds=ref.rounds, noise_multiplier=ref.dp.noise_multiplier,
-        batch_size=ref.client.batch_size, min_client_size=min(ref_sizes),
-        steps_per_round=_dp_steps_per_round(ref, ref_sizes), delta=ref.dp.delta)
-    cfg.dp.noise_multiplier = accounting.calibrate_noise_multiplier(
-        target, delta=cfg.dp.delta, rounds=cfg.rounds, batch_size=cfg.client.batch_size,
-        min_client_size=min(sizes), steps_per_round=_dp_steps_per_round(cfg, sizes), tol=1e-4)
+    ref_budget = budgets.get(f"suite.{other}.") or budget_of(ref)
+    target = ref_budget.epsilon(ref.dp.noise_multiplier)
+    budget = budget_of(cfg)
+    cfg.dp.noise_multiplier = budget.calibrate(target, field=field)
+    if log is not None:
+      log(f"suite.{name}.", f"dp.match_epsilon_of={other!r}: epsilon", target, cfg, budget)
   return config
 
 
@@ -193,13 +326,14 @@ def run_config(config, workdir: str, name: str) -> int:
   else:
     targets = [(config, workdir, name)]
   try:
-    match_epsilons(config)
     for cfg, _, label in targets:
       try:
         validation.validate_config(cfg)
       except validation.ConfigError as e:
         raise validation.ConfigError(e.field, e.value, e.allowed,
                                      message=f"{label}: {e}") from None
+    for line in calibrate_noise(config):
+      print(line)
     results = []
     for cfg, wd, label in targets:
       result = train.train_and_evaluate(cfg, wd, config_name=label)
@@ -231,7 +365,8 @@ def run_config(config, workdir: str, name: str) -> int:
   if len(targets) > 1:
     from experiments import report  # pylint: disable=g-import-not-at-top
     out = os.path.join(workdir, "report")
-    report.make_report([wd for _, wd, _ in targets], out)
+    options = config.report.to_dict() if "report" in config else {}
+    report.make_report([wd for _, wd, _ in targets], out, **options)
     print(f"comparison: {os.path.join(out, 'report.md')}")
   return 0
 

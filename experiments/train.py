@@ -578,6 +578,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
         min_client_size=privacy["min_client_size"], steps_per_round=alg.dp_steps_per_round,
         delta=alg.dp.delta)
+    if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run: check it
+      validation.check_target_epsilon(cfg, accounting.epsilon_after_rounds(
+          rounds=cfg.rounds, **fresh_ledger.privacy_fields()))
 
   info = dict(
       config_name=config_name, method=cfg.method,

@@ -281,6 +281,19 @@ def validate_config(cfg) -> None:
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
+  if not isinstance(cfg.get("label", ""), str):
+    _fail("label", cfg.label, "a string (display name in reports; '' = the method's name)")
+  target = cfg.dp.get("target_epsilon")
+  if target is not None:
+    if not is_real(target) or target <= 0:
+      _fail("dp.target_epsilon", target, "None (use dp.noise_multiplier as given) or a finite "
+            "number > 0 (epsilon in nats after the run's last round)")
+    if not cfg.dp.enabled:
+      _fail("dp.target_epsilon", target, "None when dp.enabled is False (only a DP run has an "
+            "epsilon to calibrate)")
+    if cfg.dp.get("match_epsilon_of", ""):
+      _fail("dp.target_epsilon", target, f"None with dp.match_epsilon_of="
+            f"{cfg.dp.match_epsilon_of!r} (set one of the two)")
   if not isinstance(cfg.get("debug_nonprivate_stats", False), bool):
     _fail("debug_nonprivate_stats", cfg.debug_nonprivate_stats, "True or False")
   if cfg.method in DP_BASELINE_METHODS and not cfg.dp.enabled:
@@ -443,3 +456,23 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
               f"{'the pool' if cfg.method == 'dsc_centralized' else f'client {k}'} holds only "
               f"{counts[j]} records of class {classes[j]} (real initialisation draws ipc "
               "distinct records per class)")
+
+
+def check_target_epsilon(cfg, planned_epsilon: float) -> None:
+  """Refuses a run whose ``dp.noise_multiplier`` was not calibrated to its ``dp.target_epsilon``.
+
+  ``planned_epsilon`` is the epsilon the run's ledger reaches after its last round.
+  :func:`experiments.run.calibrate_noise` sets the sigma; this catches a config that skipped
+  it (or a steps-per-round count that differs from the ledger's): the planned epsilon must be at
+  most the target and within 1 % of it (unless sigma sits at the calibration's floor, 1e-3).
+  """
+  target = cfg.dp.target_epsilon
+  sigma = cfg.dp.noise_multiplier
+  if planned_epsilon <= target * (1 + 1e-9) and (planned_epsilon >= 0.99 * target
+                                                  or sigma <= 1e-3 * (1 + 1e-9)):
+    return
+  raise ConfigError("dp.target_epsilon", target, "the epsilon of dp.noise_multiplier",
+                    message=f"dp.target_epsilon={target!r} does not match dp.noise_multiplier="
+                    f"{sigma!r} (epsilon {planned_epsilon:.4f} after {cfg.rounds} rounds); "
+                    "allowed: a config whose noise_multiplier experiments.run calibrated "
+                    "(python -m experiments.run, or experiments.run.calibrate_noise(config))")

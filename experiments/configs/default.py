@@ -130,6 +130,11 @@ def get_config() -> ml_collections.ConfigDict:
   # run's noise_multiplier, when it starts (from the data's client sizes), so that its
   # epsilon after the last round equals that run's. "" uses noise_multiplier as given.
   config.dp.match_epsilon_of = ""
+  # Epsilon (nats, at dp.delta) after the last round: experiments.run sets noise_multiplier,
+  # when the run starts, to the smallest sigma whose epsilon is at most this, with the
+  # accountant the ledger uses (B / min_k N_k, the method's noisy steps per round, rounds).
+  # None uses noise_multiplier as given. Refused with exit 2 if it needs sigma > 100.
+  config.dp.target_epsilon = config_dict.placeholder(float)
 
   config.baseline = ml_collections.ConfigDict()
   config.baseline.local_epochs = 5
@@ -174,4 +179,6 @@ def get_config() -> ml_collections.ConfigDict:
   # clients' records (clip fractions, realised batch sizes, training losses) to
   # metrics.jsonl under "nonprivate", outside the privacy guarantee (for debugging).
   config.debug_nonprivate_stats = False
+  # Display name in reports (experiments.report), e.g. "FedLAP-DP (tuned)"; "" = the method's.
+  config.label = ""
   return config
