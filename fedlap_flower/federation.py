@@ -79,6 +79,9 @@ class Federation:
     self.env = {**os.environ, **(env or {}), "FLWR_HOME": str(self.workdir / "flwr_home"),
                 "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0",
                 "PYTHONUNBUFFERED": "1"}
+    # The SuperLink starts flower-superexec by name: find it next to flower-superlink
+    # even when the virtual environment was not activated.
+    self.env["PATH"] = os.pathsep.join([str(self.bin), self.env.get("PATH", "")])
     self.superlink: subprocess.Popen | None = None
     self.supernodes: dict[int, subprocess.Popen] = {}
     self.node_configs: dict[int, dict] = {}

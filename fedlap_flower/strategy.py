@@ -150,6 +150,7 @@ class FedLAP(Strategy):
     lr = task.learning_rate(self.cfg, server_round)
     self._params = records.record_to_params(arrays)
     self._round = {"server_round": server_round, "k_server": k_server, "lr": lr,
+                   "server_lr": task.server_learning_rate(self.cfg, server_round),
                    "nodes": nodes, "t0": time.time()}
     conf = ConfigRecord({"server-round": server_round, "learning-rate": lr,
                          "num-clients": self.num_clients,
@@ -249,7 +250,7 @@ class FedLAP(Strategy):
     weights = server_work.client_weights(self.fc.server.weighting, sizes)
     params, sm = server_work.server_update(self._round["k_server"], self.apply_fn, self._params,
                                            stacked, weights, np.asarray(radii),
-                                           self._round["lr"], self.fc)
+                                           self._round["server_lr"], self.fc)
     loss, acc = self.evaluate(params)
     r_g = float(sm.radius)
     upload = sum(r.get("upload_bytes", 0) for r in reports)

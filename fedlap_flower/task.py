@@ -111,14 +111,24 @@ def words_to_key(words) -> jax.Array:
   return jax.random.wrap_key_data(data)
 
 
-@functools.lru_cache(maxsize=4)
-def _learning_rate_fn(rounds: int, base_lr: float):
-  return jax.jit(lambda m: fl.cosine_learning_rate(m, rounds, base_lr))
+@functools.lru_cache(maxsize=8)
+def _learning_rate_fn(rounds: int, base_lr: float, schedule: str):
+  return jax.jit(lambda m: fl.cosine_learning_rate(m, rounds, base_lr, schedule=schedule))
 
 
 def learning_rate(cfg, server_round: int) -> float:
-  """``eta_m`` of round ``m``, computed as the jitted round computes it (float32)."""
-  lr = _learning_rate_fn(int(cfg.rounds), float(cfg.learning_rate))(jnp.int32(server_round))
+  """``eta_m`` of round ``m`` (the clients' rate), as the jitted round computes it (float32)."""
+  lr = _learning_rate_fn(int(cfg.rounds), float(cfg.learning_rate),
+                         str(cfg.lr_schedule))(jnp.int32(server_round))
+  return float(np.float32(lr))
+
+
+def server_learning_rate(cfg, server_round: int) -> float:
+  """The server's step size in round ``m`` (:func:`fedlap_jax.federated.server_learning_rate`):
+  the cosine of ``server.learning_rate`` when set, else the clients' ``eta_m``."""
+  base = cfg.server.learning_rate
+  lr = _learning_rate_fn(int(cfg.rounds), float(cfg.learning_rate if base is None else base),
+                         str(cfg.lr_schedule))(jnp.int32(server_round))
   return float(np.float32(lr))
 
 

@@ -14,7 +14,8 @@ SIZES = [274, 283, 276, 278, 280]
 
 
 def _budgets():
-  fedlap = quickstart.dp_config()
+  # The paper-recipe FedLAP-DP on digits (pinned: the quickstart's DP recipe may change).
+  fedlap = compare_dp.digits_paper()
   fedavg = quickstart_compare.matched_dp_baseline("dp_fedavg", fedlap)
   return {"fedlap_dp": run.dp_budget(fedlap, SIZES), "dp_fedavg": run.dp_budget(fedavg, SIZES)}
 
@@ -87,7 +88,10 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   sigma = cfg.dp.noise_multiplier
   assert cfg.dp.target_epsilon == 5.0 and sigma != 1.0
   assert line.startswith(f"calibrated: dp.target_epsilon=5 -> dp.noise_multiplier={sigma:.6g} ")
-  assert "q = 64/274" in line and "T = 10 per round, 10 rounds" in line
+  c = quickstart.dp_config()  # the quickstart's FedLAP-DP: q = B / 274, T = R_i x max_outer x batch_loop
+  steps = c.client.iterations * c.client.max_outer * c.client.batch_loop
+  assert f"q = {c.client.batch_size}/274" in line
+  assert f"T = {steps} per round, {c.rounds} rounds" in line
   eps = run.dp_budget(cfg, SIZES).epsilon(sigma)
   assert 5.0 * (1 - 1e-3) <= eps <= 5.0 and f"epsilon {eps:.4f})" in line
 

@@ -234,7 +234,8 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
                                                  cfg.seed)]
   steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
   for k, n in enumerate(sizes):
-    own = accounting.PrivacyLedger(noise_multiplier=1.0, batch_size=64, min_client_size=n,
+    own = accounting.PrivacyLedger(noise_multiplier=cfg.dp.noise_multiplier,
+                                   batch_size=cfg.client.batch_size, min_client_size=n,
                                    steps_per_round=steps, delta=1e-5)
     assert records[0]["epsilon_per_client"][str(k)] == own.record_round()
   assert records[0]["epsilon"] == max(records[0]["epsilon_per_client"].values())
@@ -243,7 +244,8 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
 @pytest.mark.slow
 def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
   rc = _run_config(tmp_path, "quickstart:dp")
-  rc["overrides"] = TINY.replace("rounds=2", "rounds=3")
+  # sigma 1 and B 64 pinned: the epsilons below do not move with the quickstart's DP recipe.
+  rc["overrides"] = TINY.replace("rounds=2", "rounds=3") + " dp.noise_multiplier=1.0 client.batch_size=64"
   # Round 1 costs 2.96..3.00 (T = 1 step); round 2 would reach 3.66..3.74: a cap of 3.5
   # lets round 1 through and refuses round 2 on every client.
   nodes = node_configs(**{"max-epsilon": 3.5})
