@@ -87,12 +87,15 @@ def test_quickstart_matches_the_recipe():
   assert suite.fedlap_dp == quickstart.get_config("dp")
   assert suite.fedlap == quickstart_nondp.get_config()
   fc = validation.to_fedlap_config(quickstart.get_config("dp"))
-  # The quickstart's FedLAP-DP is the tuned recipe (issue 18) = digits_dp_tuned.
-  assert quickstart.get_config("dp") == load("digits_dp_tuned")
-  assert fc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
+  assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
   assert (fc.client.ipc, fc.client.max_outer, fc.client.batch_loop, fc.client.inner_loop,
-          fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 10, 5, 46, 3, 0.2)
-  assert fc.client.average_targets and fc.lr_schedule == "cosine_open"
+          fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 5, 1, 64, 10, 0.05)
+  # digits_dp_tuned is the quickstart's FedLAP-DP with the tuned recipe (issue 18).
+  tc = validation.to_fedlap_config(load("digits_dp_tuned"))
+  assert tc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
+  assert (tc.client.ipc, tc.client.max_outer, tc.client.batch_loop, tc.client.inner_loop,
+          tc.client.batch_size, tc.rounds, tc.learning_rate) == (10, 2, 10, 5, 46, 3, 0.2)
+  assert tc.client.average_targets and tc.lr_schedule == "cosine_open"
   nd = validation.to_fedlap_config(quickstart.get_config("nondp"))
   assert nd.dp is None and nd.client.calibrate_radius and nd.client.image_lr == 10.0
 
