@@ -135,6 +135,7 @@ BAD = [
     ("dp", {"client.image_lr": 0.0}, ["client.image_lr=0.0"]),
     ("dp", {"client.dsa_strategy": "color_blur"}, ["client.dsa_strategy", "blur"]),
     ("dp", {"server.dsa_strategy": "blur"}, ["server.dsa_strategy", "blur"]),
+    ("dp", {"client.real_dsa_strategy": "spin"}, ["client.real_dsa_strategy='spin'", "spin"]),
     ("dp", {"server.radius_strategy": "average"}, ["server.radius_strategy='average'", "median"]),
     ("dp", {"server.radius_strategy": "min"}, ["server.radius_strategy='min'", "DP is on"]),
     ("dp", {"synthetic_init": "real"}, ["synthetic_init='real'", "noise"]),
