@@ -191,7 +191,11 @@ class ClientConfig:
       Needs ``average_targets``. Under DP the trajectory is a function of
       released noisy gradients (post-processing; the next batch is an
       adaptive query, as in DP-SGD): ``(q, sigma, T)`` still bound it. The
-      client then also has a model delta to send (``server.start``).
+      client then also has a model delta to send (``server.start``). With
+      ``batch_loop=1``, ``real_dsa_strategy=''`` and a ``radius`` the
+      trajectory does not reach, the path is DP-FedAvg's local DP-SGD (the
+      paper's DSA on real batches cost ~9 points on the digits, the radius
+      ~3: README, issue 18).
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
   """
 
