@@ -358,7 +358,7 @@ def test_digits_hybrid_config_carries_the_recipe_at_epsilon_2_79():
       True, "noisy_real", "", quickstart.dp_config().client.dsa_strategy)
   assert (s.start, s.radius_strategy, s.learning_rate, s.max_epochs) == (
       "fedavg_delta", "constant", 0.03, 5)
-  assert (fc.rounds, fc.learning_rate, fc.lr_schedule) == (3, 0.3, "cosine_open")
+  assert (fc.rounds, fc.learning_rate, fc.lr_schedule) == (5, 0.3, "cosine_open")
   eps = accounting.epsilon_after_rounds(
       rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=c.batch_size,
       min_client_size=274, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
