@@ -12,7 +12,10 @@ later rounds' ``round_seconds`` (round + test evaluation + the clients'
 ledgers), peak RSS (``ru_maxrss``), the clients' data on the host and the
 block a round moves to the device, and the 1-minute load average before and
 after (the machine is shared with other jobs: compare rows of one table, the
-relative scaling is what matters).
+relative scaling is what matters). The accounting column is the mean time per round
+spent composing ledgers (:class:`fedlap_jax.accounting.ClientLedgers` with 5 per round:
+one RDP composition per distinct participant ledger; every client: the one ledger of
+``q = B / min_k N_k``).
 
 A small workload per client keeps the 500-client rounds in CPU reach: a
 ConvNet of width 16 and depth 2, FedLAP-DP with one outer iteration of 4 noisy
@@ -93,7 +96,21 @@ def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
 
   from experiments import train  # pylint: disable=g-import-not-at-top
 
+  from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+
   cfg = bench_config(method, num_clients, per_round, rounds=rounds, small=small)
+  # Time the accounting apart (every ledger's round composition goes through here).
+  spent = []
+  compose = accounting.PrivacyLedger.record_round
+
+  def timed(self, *a, **kw):
+    t = time.perf_counter()
+    try:
+      return compose(self, *a, **kw)
+    finally:
+      spent.append(time.perf_counter() - t)
+
+  accounting.PrivacyLedger.record_round = timed
   load_before = os.getloadavg()[0]
   with tempfile.TemporaryDirectory() as workdir:
     t0 = time.perf_counter()
@@ -102,6 +119,7 @@ def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
     info = json.loads((Path(workdir) / "run_info.json").read_text())
   records = out["records"]
   sizes = info["client_sizes"]
+  accounting_s = sum(spent) / len(records)
   n_max = max(sizes)
   record_bytes = int(np.prod(info["image_shape"]))  # uint8 pixels
   m = num_clients if per_round is None else per_round
@@ -110,6 +128,8 @@ def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
       "first_round_s": round(records[0]["round_seconds"], 2),
       "round_s": round(statistics.median(r["round_seconds"] for r in records[1:]), 3),
       "rounds_s": [round(r["round_seconds"], 3) for r in records],
+      "accounting_s": round(accounting_s, 3),
+      "ledger_compositions": len(spent),
       "total_s": round(total, 1),
       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
       "host_data_mb": round(num_clients * n_max * record_bytes / 1e6, 2),
@@ -136,11 +156,13 @@ def run_child(method: str, num_clients: int, per_round: int | None, rounds: int,
 
 def table(rows: list[dict]) -> str:
   out = ["| method | clients K | per round | N_k min..max | round 1 with compile (s) | "
-         "s / round | peak RSS (MB) | host data (MB) | device block (MB) | load before, after |",
-         "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+         "s / round | of which accounting | peak RSS (MB) | host data (MB) | device block (MB) | "
+         "load before, after |",
+         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
   for r in rows:
     out.append(f"| {r['method']} | {r['clients']} | {r['per_round']} | {r['n_min']}..{r['n_max']}"
-               f" | {r['first_round_s']} | {r['round_s']} | {r['peak_rss_mb']} | "
+               f" | {r['first_round_s']} | {r['round_s']} | {r['accounting_s']} | "
+               f"{r['peak_rss_mb']} | "
                f"{r['host_data_mb']} | {r['block_mb']} | {r['load'][0]}, {r['load'][1]} |")
   return "\n".join(out)
 

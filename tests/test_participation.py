@@ -238,3 +238,23 @@ def test_clients_per_round_k_equals_no_sampling(sampled_runs, tmp_path):
     assert b["epsilon_clients"]["max"] == a["epsilon"]
   assert "clients" not in plain["records"][0]
   assert set(plain["ledger"]) >= {"epsilons", "min_client_size"}  # today's single ledger
+
+
+# ---------------------------------------------------------------- the benchmark's settings
+
+
+def test_many_clients_benchmark_configs_are_valid_and_sample():
+  from benchmarks import many_clients  # pylint: disable=g-import-not-at-top
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  for method in many_clients.METHODS:
+    for k, m in ((500, 5), (500, None), (5, None)):
+      cfg = many_clients.bench_config(method, k, m, rounds=3, small=False)
+      validation.validate_config(cfg)
+      assert cfg.data.partition == "dirichlet" and cfg.data.dirichlet_alpha == 0.5
+      assert cfg.data.clients_per_round == m and cfg.client.batch_size == many_clients.BATCH
+  row = dict(method="fedlap_dp", clients=500, per_round=5, n_min=3, n_max=48,
+             first_round_s=1.0, round_s=0.5, accounting_s=0.1, peak_rss_mb=900.0,
+             host_data_mb=18.8, block_mb=0.19, load=[3.0, 3.1])
+  lines = many_clients.table([row]).splitlines()
+  assert len(lines) == 3 and lines[2].startswith("| fedlap_dp | 500 | 5 | 3..48 | 1.0 | 0.5 | 0.1")
+  assert lines[0].count("|") == lines[2].count("|")
