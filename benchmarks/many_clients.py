@@ -28,6 +28,7 @@ the clients get smaller. The privacy figures of these runs are not meaningful
 
   python -m benchmarks.many_clients                  # the table, JSON lines and the PNG
   python -m benchmarks.many_clients --small          # a quick check: digits, K 5 and 20, 2 rounds
+  python -m benchmarks.many_clients --from-log LOG   # table and plot again from a run's output
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def plot(rows: list[dict], path: Path) -> None:
   for method in METHODS:
     for all_clients, style in ((False, "-o"), (True, "--s")):
       # K = 5 is on both lines (5 per round is every client there).
-      pts = sorted((r["clients"], r["round_s"]) for r in rows if r["method"] == method
+      pts = sorted((r["clients"], r["round_s"] - r["accounting_s"]) for r in rows
+                   if r["method"] == method
                    and (r["per_round"] == r["clients"] if all_clients
                         else r["per_round"] == PER_ROUND))
       if pts:
@@ -184,7 +186,7 @@ def plot(rows: list[dict], path: Path) -> None:
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("clients K (same 8,000 records, Dirichlet alpha 0.5)")
-  ax.set_ylabel("seconds per round (CPU)")
+  ax.set_ylabel("s / round, accounting excluded")
   ax.set_title("Round time vs clients (shared 2-core CPU)", fontsize=10)
   ax.legend(fontsize=7)
   ax.grid(True, which="both", alpha=0.3)
@@ -203,11 +205,20 @@ def main(argv=None) -> int:
   parser.add_argument("--clients", default=None, help="comma-separated K (default 5,20,100,500)")
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--png", default=str(PNG))
+  parser.add_argument("--from-log", default=None,
+                      help="print the table and draw the plot from the JSON lines of an earlier run")
   parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   rounds = args.rounds or (2 if args.small else 3)
   if rounds < 2:
     raise SystemExit(f"--rounds={rounds} is invalid; allowed: >= 2 (round 1 compiles)")
+  if args.from_log:
+    rows = [json.loads(l) for l in Path(args.from_log).read_text().splitlines()
+            if l.startswith("{")]
+    print(table(rows))
+    plot(rows, Path(args.png))
+    print(f"plot: {args.png} ({Path(args.png).stat().st_size / 1e3:.0f} KB)")
+    return 0
   if args.one:
     method, k, m = args.one.split(",")
     print(json.dumps(measure(method, int(k), int(m) or None, rounds, args.small)), flush=True)

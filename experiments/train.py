@@ -417,16 +417,24 @@ def _summarize(metrics: Any, num_clients: int) -> dict:
   return out
 
 
-def find_non_finite(params, metrics, test_loss: float, num_clients: int) -> list[str]:
-  """Descriptions of every non-finite quantity of a round ("" list if all finite)."""
+def find_non_finite(params, metrics, test_loss: float, num_clients: int,
+                    client_ids=None) -> list[str]:
+  """Descriptions of every non-finite quantity of a round ("" list if all finite).
+
+  ``num_clients``: the clients of the round (the leading axis of per-client
+  metrics); ``client_ids``: their indices among all clients (sampled rounds),
+  default ``0..num_clients - 1``.
+  """
+  ids = list(range(num_clients)) if client_ids is None else [int(i) for i in client_ids]
   problems = []
   if isinstance(metrics, RoundMetrics):
     loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
     for k in np.flatnonzero(~np.isfinite(loss).all(axis=1)):
-      problems.append(f"matching loss of client {k} is {loss[k][~np.isfinite(loss[k])][0]}")
+      problems.append(f"matching loss of client {ids[k]} is "
+                      f"{loss[k][~np.isfinite(loss[k])][0]}")
     r = np.asarray(metrics.client_radius)
     for k in np.flatnonzero(~np.isfinite(r)):
-      problems.append(f"radius of client {k} is {r[k]}")
+      problems.append(f"radius of client {ids[k]} is {r[k]}")
   else:
     for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
       a = np.asarray(leaf)
@@ -434,7 +442,8 @@ def find_non_finite(params, metrics, test_loss: float, num_clients: int) -> list
         continue
       if a.ndim >= 1 and a.shape[0] == num_clients:
         bad = np.flatnonzero(~np.isfinite(a.reshape(num_clients, -1)).all(axis=1))
-        problems.append(f"metric {_keystr(path)} of client(s) {bad.tolist()} is not finite")
+        problems.append(f"metric {_keystr(path)} of client(s) {[ids[k] for k in bad]} is not "
+                        "finite")
       else:
         problems.append(f"metric {_keystr(path)} is not finite")
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -719,7 +728,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         if ledger is not None:
           checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
                                           fault_round=m)
-        problems = find_non_finite(params, metrics, test_loss, len(idx))
+        problems = find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
           where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
                    if last_good is not None else "no checkpoint was written yet")
