@@ -3,12 +3,21 @@
 Method-agnostic: builds a :class:`fedlap_jax.algorithm.FederatedAlgorithm`
 (FedLAP / FedLAP-DP, or a baseline from :mod:`fedlap_jax.baselines`) and runs
 its jitted ``round`` once per communication round (one compilation per run:
-the round index lives in the state and is traced). After every round it
+the round index lives in the state and is traced). With
+``data.clients_per_round = m < K`` the clients' data stay on the host and each
+round runs :func:`fedlap_jax.participation.sampled_round` on the block of the
+``m`` clients :func:`~fedlap_jax.participation.sample_clients` draws from
+``(seed, round)``. After every round it
 
 1. evaluates the global model on the full test split (jitted once),
 2. composes the round into the :class:`~fedlap_jax.accounting.PrivacyLedger`
    (DP only; ``T = alg.dp_steps_per_round``, ``B = alg.batch_size``,
-   ``q = B / min_k N_k``),
+   ``q = B / min_k N_k``); with ``data.clients_per_round`` set, into each
+   participating client's ledger instead
+   (:class:`~fedlap_jax.accounting.ClientLedgers`, ``q_k = B / N_k``, only
+   the rounds a client took part in), and the record's ``epsilon`` is the
+   maximum over clients (``epsilon_clients``: min / median / max; ``clients``:
+   the round's participants, the order of its per-client metrics),
 3. stops with :class:`NonFiniteError` if the parameters, a client's matching
    loss or the test loss are NaN / Inf (nothing of that round is written, the
    last good checkpoint stays the latest),
