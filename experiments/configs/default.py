@@ -95,6 +95,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.client.calibration_epochs = 100
   config.client.calibration_eval_size = config_dict.placeholder(int)
   config.client.dsa_strategy = DSA
+  # DSA of the real batches (the matching targets' data); None: dsa_strategy (paper), "": none.
+  config.client.real_dsa_strategy = config_dict.placeholder(str)
   # "shared": one DSA family per step for all clients (each its own parameters), so clients
   # run side by side compute one family; "per_client": each client draws its own (earlier
   # versions' random stream). Same accuracy (benchmarks/family_draw_accuracy.py).
