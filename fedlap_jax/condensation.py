@@ -92,7 +92,7 @@ from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, o
 from fedlap_jax.client import class_batch, class_blocks, matching_step
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS,
-                               SYNTHETIC_INITS, DPConfig, ServerConfig, check_poisson_capacity,
+                               SYNTHETIC_INITS, DPConfig, ServerConfig, check_synthetic_learner,
                                poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.federated import initial_synthetic, real_images
@@ -175,15 +175,10 @@ class CondensationConfig:
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
     require(isinstance(self.classwise, bool), "classwise", self.classwise, "True or False")
-    positive_float("image_lr", self.image_lr)
-    require(is_real(self.image_momentum) and 0 <= self.image_momentum < 1,
-            "image_momentum", self.image_momentum, "a number in [0, 1)")
     positive_float("net_lr", self.net_lr)
-    dsa_strategy("dsa_strategy", self.dsa_strategy)
+    check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
-    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     if self.dp is not None:
-      require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       require(not self.classwise, "classwise", self.classwise,
               "False with dp (class-wise batches are drawn at a per-class rate B / N_c the "
               "accountant does not cover; PSG matches class-agnostic Poisson batches)")

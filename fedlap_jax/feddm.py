@@ -69,7 +69,7 @@ from fedlap_jax.checks import (dsa_strategy, is_real, one_of, positive_float,
 from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, SYNTHETIC_INITS, ServerConfig,
-                               check_poisson_capacity, poisson_capacity)
+                               check_synthetic_learner, poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
 from fedlap_jax.federated import initial_synthetic, noise_images, real_images
 from fedlap_jax.matching import mean_embedding_distance
@@ -122,12 +122,8 @@ class FedDMConfig:
     for f in ("ipc", "iterations", "batch_size"):
       positive_int(f, getattr(self, f))
     require(is_real(self.rho) and self.rho >= 0, "rho", self.rho, "a finite number >= 0")
-    positive_float("image_lr", self.image_lr)
-    require(is_real(self.image_momentum) and 0 <= self.image_momentum < 1,
-            "image_momentum", self.image_momentum, "a number in [0, 1)")
-    dsa_strategy("dsa_strategy", self.dsa_strategy)
+    check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
-    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     require(isinstance(self.server, ServerConfig), "server", self.server, "a ServerConfig")
     require(self.server.radius_strategy == "fixed", "radius_strategy",
             self.server.radius_strategy,
