@@ -17,6 +17,9 @@ import pytest
 from experiments import checkpointing, report, run, train
 from experiments.configs import quickstart
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("experiments_run")
+
 TINY = {
     "model.width": 8, "model.depth": 1, "client.ipc": 2, "client.iterations": 1,
     "client.max_outer": 1, "client.batch_loop": 2, "client.boost_loop": 1,

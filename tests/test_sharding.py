@@ -19,6 +19,9 @@ import sys
 import numpy as np
 import pytest
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("sharding")
+
 NUM_CLIENTS = 5
 
 
