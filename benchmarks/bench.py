@@ -9,6 +9,9 @@ compiled step's buffer sizes and the process's peak RSS.
 Usage, from the repository root::
 
   python -m benchmarks.bench --reference               # the issue's table, ratios to the authors' code
+  python -m benchmarks.bench --reference --small       # a quick check of that mode (~2 min)
+  python -m benchmarks.bench --config=mnist_nondp_ref --ops=fedavg_round:map \
+      --client-sizes 1513,1700,1571,1570,1646          # any op on clients of these sizes
   python -m benchmarks.bench --config=mnist_dp_ref --ops=dp_gradient,round \\
       --set client.batch_loop=4 --set server.max_epochs=10
   python -m benchmarks.bench --per-example             # vmap / jax_privacy / layerwise clipping
@@ -17,7 +20,9 @@ Usage, from the repository root::
 
 Data are random (standard normal images of the named shape, two classes per
 client), which is all a timing needs: every loop bound is static except the
-radius-limited ones, whose counts are printed.
+radius-limited ones, whose counts are printed. ``--reference`` runs on the
+authors' workload: five clients of 1,513-1,700 records (8,000 in all,
+:data:`AUTHORS_CLIENT_SIZES`), padded to the largest and masked as in a real run.
 """
 
 from __future__ import annotations
@@ -63,19 +68,71 @@ REFERENCE_SECONDS = {
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """Shape of the benchmark data: ``num_clients`` x ``records`` images."""
+  """Shape of the benchmark data: ``num_clients`` clients of ``records`` images each.
+
+  ``client_sizes``: optional per-client record counts ``(N_1, ..., N_K)``
+  (then ``records`` is ``N_max = max(client_sizes)`` and every client is padded
+  to it with a validity mask, as in a real run); :func:`with_client_sizes`
+  builds such a problem.
+  """
 
   image_shape: tuple[int, int, int]
   records: int
   num_clients: int = 5
   num_classes: int = 10
   classes_per_client: int = 2
+  client_sizes: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    if self.client_sizes is None:
+      return
+    sizes = self.client_sizes
+    if len(sizes) != self.num_clients or any(not isinstance(n, int) or n < 1 for n in sizes):
+      raise ValueError(f"client_sizes={sizes!r} is invalid; allowed: {self.num_clients} "
+                       "integers >= 1 (one per client)")
+    if self.records != max(sizes):
+      raise ValueError(f"records={self.records} is invalid with client_sizes={sizes!r}; "
+                       f"allowed: their maximum {max(sizes)} (the padded size N_max)")
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    """``(K,)`` records of each client (``records`` each unless ``client_sizes``)."""
+    return self.client_sizes or (self.records,) * self.num_clients
+
+
+def with_client_sizes(problem: Problem, sizes) -> Problem:
+  """``problem`` with ``len(sizes)`` clients of ``sizes[k]`` records, padded to the largest."""
+  sizes = tuple(sizes)
+  if not sizes:
+    raise ValueError("client_sizes=() is invalid; allowed: at least one size")
+  return dataclasses.replace(problem, num_clients=len(sizes), records=max(sizes),
+                             client_sizes=sizes)
+
+
+def parse_client_sizes(text: str) -> tuple[int, ...]:
+  """``"1513,1700"`` -> ``(1513, 1700)``; a clear error for anything else."""
+  try:
+    sizes = tuple(int(t) for t in text.split(","))
+  except ValueError:
+    sizes = ()
+  if not sizes or min(sizes) < 1:
+    raise ValueError(f"--client-sizes {text!r} is invalid; allowed: comma-separated integers "
+                     ">= 1, one per client, e.g. 1513,1700,1571,1570,1646")
+  return sizes
 
 
 PROBLEMS = {
     "mnist": Problem((28, 28, 1), 12_000),
     "cifar": Problem((32, 32, 3), 10_000),
 }
+
+# The workload the authors' reference figures were timed on: MNIST-shaped data,
+# 8,000 training records in all, the paper's two-classes-per-client partition.
+# These are the five client sizes that the project's own partition gives on the
+# 8,000 training records of /work/data/mnist10k.npz:
+#   experiments.data.partition(y_train, num_clients=5, scheme="paper", num_classes=10)
+# (classes {5,6}, {1,2}, {0,8}, {9,3}, {4,7}); sum 8,000, N_max 1,700.
+AUTHORS_CLIENT_SIZES = (1513, 1700, 1571, 1570, 1646)
 
 
 def reference_dp_config() -> FedLAPConfig:
@@ -149,6 +206,9 @@ def random_clients(problem: Problem, seed: int = 0,
                    data: str = "float32") -> client_data.ClientData:
   """``num_clients`` clients of random images, two classes each.
 
+  Client ``k`` holds ``problem.sizes[k]`` records, padded to the largest with
+  a validity mask (:func:`fedlap_jax.client_data.stack_clients`).
+
   ``data="float32"``: standard normal model inputs. ``"uint8"``: uniform
   pixels kept as uint8 on the device with the normalisation fused into every
   read (``mean`` 0.5, ``std`` 0.29 per channel: inputs in about [-1.7, 1.7]),
@@ -159,14 +219,14 @@ def random_clients(problem: Problem, seed: int = 0,
   rng = np.random.default_rng(seed)
   xs, ys = [], []
   per = problem.classes_per_client
-  shape = (problem.records, *problem.image_shape)
-  for k in range(problem.num_clients):
+  for k, n_k in enumerate(problem.sizes):
+    shape = (n_k, *problem.image_shape)
     if data == "uint8":
       xs.append(rng.integers(0, 256, shape, dtype=np.uint8))
     else:
       xs.append(rng.standard_normal(shape, np.float32))
     classes = (np.arange(per) + per * k) % problem.num_classes
-    ys.append(np.resize(classes, problem.records).astype(np.int32))
+    ys.append(np.resize(classes, n_k).astype(np.int32))
   if data == "uint8":
     channels = problem.image_shape[-1]
     scale, offset = client_data.pixel_normalisation([0.5] * channels, [0.29] * channels)
@@ -353,7 +413,7 @@ def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "m
   """A FedAvg round with one local epoch (:func:`fedlap_jax.baselines.algorithm`)."""
   config = baselines.baseline_config(
       "fedavg", rounds=200, learning_rate=0.1, local_epochs=1, batch_size=256, prox_mu=0.0,
-      dp=None, max_client_size=problem.records)
+      dp=None, max_client_size=max(problem.sizes))
   alg = baselines.algorithm(apply_fn, config, image_shape=problem.image_shape,
                             num_clients=problem.num_clients,
                             num_params=models.count_params(params), client_backend=client_backend)
@@ -423,6 +483,7 @@ def round_flops(metrics, units, cfg: FedLAPConfig, problem: Problem) -> float:
   total = accesses * (units["real_gradient"] + cc.boost_loop * units["synthetic_update"])
   total += trained * math.ceil(s / cc.model_batch_size) * units["client_step"]
   if cc.calibrate_radius:
+    # Every client evaluates its padded buffer of N_max slots (or eval_size of them).
     n_eval = min(cc.calibration_eval_size or problem.records, problem.records)
     per_epoch = (math.ceil(s / cc.model_batch_size) * units["client_step"]
                  + n_eval * units["forward_per_image"])
@@ -556,7 +617,7 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       res["flops_executed"] = round_flops(metrics, units, cfg, problem)
       res["unit_flops"] = units
       key = "dp_round" if cc.dp is not None else "nondp_round"
-      note = (f"client_backend={backend!r}: {problem.num_clients} clients, "
+      note = (f"client_backend={backend!r}: {_clients_note(problem)}, "
               f"{int(np.sum(metrics.client.real_accesses))} real batches, "
               f"server {int(metrics.server.epochs)} epochs; FLOPs from loop counts")
       rows.append(row(res, references.get(key), note))
@@ -570,11 +631,20 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
         res["flops_executed"] = steps * gradient_flops(apply_fn, params, clients, cfg,
                                                        cc.capacity, dp=False)
       rows.append(row(res, references.get("fedavg_round"),
-                      f"client_backend={backend!r}: FedAvg, 1 local epoch, 5 clients"
+                      f"client_backend={backend!r}: FedAvg, 1 local epoch, "
+                      f"{_clients_note(problem)}"
                       + (f", {steps} local steps of B=256" if steps else "")))
     else:
       raise ValueError(f"--ops: unknown operation {op!r}; allowed: {OPS + ('fedavg_round',)}")
   return list(rows)
+
+
+def _clients_note(problem: Problem) -> str:
+  """``"5 clients x 12000"`` or ``"5 clients of 1513/1700/... records"``."""
+  if problem.client_sizes is None:
+    return f"{problem.num_clients} clients x {problem.records}"
+  return (f"{problem.num_clients} clients of {'/'.join(map(str, problem.sizes))} records "
+          f"(padded to {problem.records})")
 
 
 class _Rows(list):
@@ -592,28 +662,56 @@ class _Rows(list):
          f"cpu {r['cpu_median_s']:.3f} s, load {r['load_before']:.1f})")
 
 
-def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
-                   long_repeats: int = 1) -> list[dict]:
-  """The issue's table: operations and the two rounds at identical settings.
+def small_reference(cfg: FedLAPConfig) -> FedLAPConfig:
+  """``cfg`` cut down for ``--reference --small``: server <= 2 epochs, 1 calibration epoch."""
+  return dataclasses.replace(
+      cfg, client=dataclasses.replace(cfg.client, calibration_epochs=1),
+      server=dataclasses.replace(cfg.server, max_epochs=min(cfg.server.max_epochs, 2)))
 
-  The DP round runs with both client backends, ``map`` (clients one after
-  another) and ``vmap`` (all at once), ``round_repeats``
-  times each; the non-DP and FedAvg rounds (minutes each) ``long_repeats``
-  times, with ``map``.
+
+def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
+                   long_repeats: int = 1, *, client_sizes=AUTHORS_CLIENT_SIZES,
+                   small: bool = False, dp_round_backends=("map", "vmap")) -> list[dict]:
+  """The issue's table: operations and the three rounds on the authors' workload.
+
+  ``client_sizes``: records of each client (default: the authors' 8,000 MNIST
+  records in the paper's partition, :data:`AUTHORS_CLIENT_SIZES`), random
+  MNIST-shaped data padded to the largest client and masked, as in a real run;
+  ``None``: 5 clients x 12,000 (the figures before issue 17). The DP round runs
+  with each of ``dp_round_backends`` (``map``: clients one after another,
+  ``vmap``: all at once), ``round_repeats`` times each; the non-DP and FedAvg
+  rounds ``long_repeats`` times, with ``map``. ``small``: a quick check of the
+  whole mode (client sizes / 4, :func:`small_reference` configs, no reference
+  ratios), not a measurement.
   """
   problem = PROBLEMS["mnist"]
-  rows = run_config("mnist_dp_ref", reference_dp_config(), problem,
+  if client_sizes is not None:
+    if small:
+      client_sizes = [max(1, -(-n // 4)) for n in client_sizes]
+    problem = with_client_sizes(problem, client_sizes)
+  dp_cfg, nondp_cfg = reference_dp_config(), reference_nondp_config()
+  refs = REFERENCE_SECONDS
+  if small:
+    dp_cfg, nondp_cfg, refs = small_reference(dp_cfg), small_reference(nondp_cfg), {}
+  rows = run_config("mnist_dp_ref", dp_cfg, problem,
                     ("dp_gradient", "nondp_gradient", "synthetic_update", "server_update"),
-                    repeats=repeats, impl=impl, references=REFERENCE_SECONDS)
-  rows += run_config("mnist_dp_ref", reference_dp_config(), problem,
-                     ("round:map", "round:vmap"), repeats=round_repeats, impl=impl,
-                     references=REFERENCE_SECONDS)
-  # The vmap backend of this round needs ~18 GB (five clients' calibration
-  # evaluations at once): measured with --ops=round:vmap separately, if at all.
-  rows += run_config("mnist_nondp_ref", reference_nondp_config(), problem,
+                    repeats=repeats, impl=impl, references=refs)
+  rows += run_config("mnist_dp_ref", dp_cfg, problem,
+                     tuple(f"round:{b}" for b in dp_round_backends), repeats=round_repeats,
+                     impl=impl, references=refs)
+  # The vmap backend of the non-DP round needs ~18 GB at 12,000 records per
+  # client (five clients' calibration evaluations at once): --ops=round:vmap.
+  rows += run_config("mnist_nondp_ref", nondp_cfg, problem,
                      ("round:map", "fedavg_round:map"), repeats=long_repeats,
-                     impl=impl, references=REFERENCE_SECONDS)
+                     impl=impl, references=refs)
   return rows
+
+
+def ratio_lines(rows: list[dict]) -> list[str]:
+  """One line per row with a reference: ``operation: reference R s, ours O s, ratio X``."""
+  return [f"{r['config']} {r['name']}: reference {r['reference_s']:.3g} s, ours "
+          f"{r['median_s']:.3g} s, ratio {r['ratio']:.2f}"
+          for r in rows if r.get("reference_s")]
 
 
 def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
@@ -710,6 +808,15 @@ def main(argv=None) -> int:
   parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
+  parser.add_argument("--client-sizes", default=None, metavar="N1,N2,...",
+                      help="records of each client (padded to the largest and masked); "
+                           "--reference defaults to the authors' workload "
+                           f"{','.join(map(str, AUTHORS_CLIENT_SIZES))}; 'uniform' there: "
+                           "5 x 12000 (the figures before issue 17)")
+  parser.add_argument("--small", action="store_true",
+                      help="--reference: a quick check of the whole mode (sizes / 4, server 2 "
+                           "epochs, 1 calibration epoch, DP round with map only, no ratios), "
+                           "not a measurement")
   parser.add_argument("--client-backend", default="auto", choices=config_lib.CLIENT_BACKENDS)
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="named configs: trace one extra run of each op into DIR/<op> "
@@ -724,11 +831,30 @@ def main(argv=None) -> int:
   if args.json:
     PARTIAL_PATH = args.json + ".partial.jsonl"
 
+  try:
+    sizes = (None if args.client_sizes in (None, "uniform")
+             else parse_client_sizes(args.client_sizes))
+  except ValueError as e:
+    parser.error(str(e))  # exit status 2
+  if args.client_sizes == "uniform" and not args.reference:
+    parser.error("--client-sizes 'uniform' is for --reference only; allowed elsewhere: "
+                 "N1,N2,... (or --clients / --records)")
+  if sizes and (args.clients or args.records):
+    parser.error("--client-sizes and --clients/--records are exclusive; allowed: one of them")
+  if args.small and not args.reference:
+    parser.error("--small is for --reference only")
+
   env = environment()
   _log(f"environment: {env}")
   if args.reference:
-    rows = reference_mode(args.repeats, args.impl, args.round_repeats, args.long_repeats)
-    title = "Reference settings (issue 6)"
+    if args.client_sizes is None:
+      sizes = AUTHORS_CLIENT_SIZES
+    rows = reference_mode(args.repeats, args.impl, args.round_repeats, args.long_repeats,
+                          client_sizes=sizes, small=args.small,
+                          dp_round_backends=("map",) if args.small else ("map", "vmap"))
+    title = ("Reference settings (issue 6), "
+             + (f"client sizes {','.join(map(str, sizes))}" if sizes else "5 x 12000 records")
+             + (", --small (a check, not a measurement)" if args.small else ""))
   elif args.per_example:
     rows, title = per_example_mode(args.repeats), "Per-example DP gradient, ConvNet-128, MNIST"
   elif args.padding:
@@ -737,7 +863,9 @@ def main(argv=None) -> int:
     make, problem_name = CONFIGS[args.config]
     cfg = apply_overrides(make(), args.set)
     problem = PROBLEMS[problem_name]
-    if args.clients or args.records:
+    if sizes:
+      problem = with_client_sizes(problem, sizes)
+    elif args.clients or args.records:
       problem = dataclasses.replace(problem, num_clients=args.clients or problem.num_clients,
                                     records=args.records or problem.records)
     ops = [o for o in args.ops.split(",") if o]
@@ -750,6 +878,9 @@ def main(argv=None) -> int:
   env["load_average_end"] = os.getloadavg()
   table = markdown(rows, title)
   print(table)
+  lines = ratio_lines(rows)
+  if lines:
+    print("\n" + "\n".join(lines))
   print(f"\n{env['date']}, jax {env['jax']} on {env['backend']} ({env['device_kind']}, "
         f"{env['cpu_count']} CPUs), peak RSS {env['peak_rss_mib']:.0f} MiB, "
         f"load average {env['load_average'][0]:.2f} -> {env['load_average_end'][0]:.2f}")

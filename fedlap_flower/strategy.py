@@ -150,7 +150,7 @@ class FedLAP(Strategy):
     lr = task.learning_rate(self.cfg, server_round)
     self._params = records.record_to_params(arrays)
     self._round = {"server_round": server_round, "k_server": k_server, "lr": lr,
-                   "server_lr": task.server_learning_rate(self.cfg, server_round),
+                   "server_lr": task.server_learning_rate(self.fc, server_round),
                    "nodes": nodes, "t0": time.time()}
     conf = ConfigRecord({"server-round": server_round, "learning-rate": lr,
                          "num-clients": self.num_clients,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
+from fedlap_jax import federated
 from fedlap_jax.federated import noise_images
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
@@ -123,13 +124,15 @@ def learning_rate(cfg, server_round: int) -> float:
   return float(np.float32(lr))
 
 
-def server_learning_rate(cfg, server_round: int) -> float:
-  """The server's step size in round ``m`` (:func:`fedlap_jax.federated.server_learning_rate`):
-  the cosine of ``server.learning_rate`` when set, else the clients' ``eta_m``."""
-  base = cfg.server.learning_rate
-  lr = _learning_rate_fn(int(cfg.rounds), float(cfg.learning_rate if base is None else base),
-                         str(cfg.lr_schedule))(jnp.int32(server_round))
-  return float(np.float32(lr))
+@functools.lru_cache(maxsize=8)
+def _server_learning_rate_fn(fedlap_config):
+  return jax.jit(lambda m: federated.server_learning_rate(m, fedlap_config))
+
+
+def server_learning_rate(fedlap_config, server_round: int) -> float:
+  """The server's step size in round ``m`` of a :class:`fedlap_jax.FedLAPConfig`, as the
+  jitted round computes it (:func:`fedlap_jax.federated.server_learning_rate`, float32)."""
+  return float(np.float32(_server_learning_rate_fn(fedlap_config)(jnp.int32(server_round))))
 
 
 # ----------------------------------------------------------------------------

@@ -287,6 +287,11 @@ def local_approx(
                             expected_batch_size=c.batch_size)
     return g, (k_aug, f_aug), batch, clipped
 
+  def count_access(stats, batch, clipped):
+    """``stats`` ``(accesses, extra chunks, sampled, clipped)`` after one real batch."""
+    accesses, extra, sampled, n_clipped = stats
+    return (accesses + 1, extra + batch.extra_chunks, sampled + batch.size, n_clipped + clipped)
+
   def real_batches(keys_o, w, x_syn, opt_state, stats):
     """The ``batch_loop`` real batches of one while-loop iteration, each ``R_b`` updates."""
     def batch_step(b, carry):
@@ -303,10 +308,7 @@ def local_approx(
 
       x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
                                                    (x_syn, opt_state, losses))
-      accesses, extra, sampled, n_clipped = stats
-      stats = (accesses + 1, extra + batch.extra_chunks, sampled + batch.size,
-               n_clipped + clipped)
-      return x_syn, opt_state, losses, stats
+      return x_syn, opt_state, losses, count_access(stats, batch, clipped)
 
     losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
     return jax.lax.fori_loop(0, c.batch_loop, batch_step, (x_syn, opt_state, losses, stats))
@@ -327,10 +329,7 @@ def local_approx(
     def accumulate(b, acc):
       g_sum, stats = acc
       g, _, batch, clipped = real_batch_gradient(_fold(keys_o, b), w)
-      accesses, extra, sampled, n_clipped = stats
-      stats = (accesses + 1, extra + batch.extra_chunks, sampled + batch.size,
-               n_clipped + clipped)
-      return jax.tree.map(jnp.add, g_sum, g), stats
+      return jax.tree.map(jnp.add, g_sum, g), count_access(stats, batch, clipped)
 
     zeros = jax.tree.map(jnp.zeros_like, w)
     g_sum, stats = jax.lax.fori_loop(0, c.batch_loop, accumulate, (zeros, stats))

@@ -92,10 +92,10 @@ from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, o
 from fedlap_jax.client import class_batch, class_blocks, matching_step
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS,
-                               SYNTHETIC_INITS, DPConfig, ServerConfig, check_poisson_capacity,
+                               SYNTHETIC_INITS, DPConfig, ServerConfig, check_synthetic_learner,
                                poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
-from fedlap_jax.federated import noise_images, real_images, synthetic_labels
+from fedlap_jax.federated import initial_synthetic, real_images
 from fedlap_jax.server import ServerMetrics, global_update
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
@@ -175,15 +175,10 @@ class CondensationConfig:
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
     require(isinstance(self.classwise, bool), "classwise", self.classwise, "True or False")
-    positive_float("image_lr", self.image_lr)
-    require(is_real(self.image_momentum) and 0 <= self.image_momentum < 1,
-            "image_momentum", self.image_momentum, "a number in [0, 1)")
     positive_float("net_lr", self.net_lr)
-    dsa_strategy("dsa_strategy", self.dsa_strategy)
+    check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
-    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     if self.dp is not None:
-      require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       require(not self.classwise, "classwise", self.classwise,
               "False with dp (class-wise batches are drawn at a per-class rate B / N_c the "
               "accountant does not cover; PSG matches class-agnostic Poisson batches)")
@@ -493,27 +488,14 @@ def init_oneshot_state(key: jax.Array, params: PyTree, clients: ClientData,
   """
   c = config.condensation
   data = pool_clients(clients) if config.centralized else clients
-  ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(data.y, data.mask)]
-  sizes = [len(y) for y in ys]
+  sizes = [int(np.sum(m)) for m in np.asarray(data.mask)]
   if c.dp is not None and c.batch_size > min(sizes):
     raise ConfigError(
         "batch_size", c.batch_size, "batch_size <= the smallest client", message=
         f"batch_size={c.batch_size} is invalid: client {int(np.argmin(sizes))} has only "
         f"{min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson rate "
         "q = batch_size / N_k must be <= 1)")
-  if c.synthetic_init == "real":
-    for k, y in enumerate(ys):
-      cls, counts = np.unique(y, return_counts=True)
-      if counts.min() < c.ipc:
-        raise ConfigError(
-            "ipc", c.ipc, "ipc <= the smallest class count of every client", message=
-            f"ipc={c.ipc} is invalid with synthetic_init='real': client {k} has only "
-            f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
-            "smallest class count of every client (or synthetic_init='noise')")
-  labels, mask = synthetic_labels(ys, c.ipc)
-  k_init, k_state = jax.random.split(key)
-  images = noise_images(k_init, jnp.asarray(mask), data.x.shape[2:])
-  synthetic = SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask))
+  synthetic, k_state = initial_synthetic(key, data, c.ipc, c.synthetic_init)
   return OneShotState(params, synthetic, jnp.int32(0), k_state)
 
 

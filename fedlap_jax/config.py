@@ -132,6 +132,21 @@ class DPConfig:
     one_of("dp.per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
 
 
+def check_synthetic_learner(cfg) -> None:
+  """The checks every synthetic-set learner shares (:class:`ClientConfig`,
+  ``CondensationConfig``, ``FedDMConfig``): ``image_lr`` > 0, ``image_momentum``
+  in [0, 1), ``poisson_capacity`` for ``batch_size``, ``dsa_strategy``, and
+  ``dp`` (where the config has one) a :class:`DPConfig` or None.
+  """
+  positive_float("image_lr", cfg.image_lr)
+  require(is_real(cfg.image_momentum) and 0 <= cfg.image_momentum < 1,
+          "image_momentum", cfg.image_momentum, "a number in [0, 1)")
+  check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
+  dsa_strategy("dsa_strategy", cfg.dsa_strategy)
+  dp = getattr(cfg, "dp", None)
+  require(dp is None or isinstance(dp, DPConfig), "dp", dp, "a DPConfig or None")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientConfig:
   """Local approximation (Algorithms 1 and 3) on one client.
@@ -227,16 +242,12 @@ class ClientConfig:
               "batch_size", "model_batch_size", "calibration_epochs"):
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
-    positive_float("image_lr", self.image_lr)
-    require(is_real(self.image_momentum) and 0 <= self.image_momentum < 1,
-            "image_momentum", self.image_momentum, "a number in [0, 1)")
     require(is_real(self.mse_weight) and self.mse_weight >= 0, "mse_weight", self.mse_weight,
             "a finite number >= 0")
     positive_float("radius", self.radius)
     if self.calibration_eval_size is not None:
       positive_int("calibration_eval_size", self.calibration_eval_size)
-    check_poisson_capacity(self.poisson_capacity, self.batch_size)
-    dsa_strategy("dsa_strategy", self.dsa_strategy)
+    check_synthetic_learner(self)
     if self.real_dsa_strategy is not None:
       dsa_strategy("real_dsa_strategy", self.real_dsa_strategy)
     one_of("dsa_family_draw", self.dsa_family_draw, DSA_FAMILY_DRAWS)
@@ -247,7 +258,6 @@ class ClientConfig:
             self.model_steps, "'synthetic' unless average_targets=True ('noisy_real' steps "
             "along the mean noisy gradient of each while-loop iteration)")
     if self.dp is not None:
-      require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
       require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
               "False when dp is set (a radius measured on real data is not private; "
               "use the constant radius r)")

@@ -64,14 +64,14 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, one_of, positive_float,
+from fedlap_jax.checks import (dsa_strategy, is_real, one_of, positive_float,
                                positive_int, require)
 from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, SYNTHETIC_INITS, ServerConfig,
-                               check_poisson_capacity, poisson_capacity)
+                               check_synthetic_learner, poisson_capacity)
 from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
-from fedlap_jax.federated import noise_images, real_images, synthetic_labels
+from fedlap_jax.federated import initial_synthetic, noise_images, real_images
 from fedlap_jax.matching import mean_embedding_distance
 from fedlap_jax.server import global_update
 from fedlap_jax.types import ApplyFn, PyTree
@@ -122,12 +122,8 @@ class FedDMConfig:
     for f in ("ipc", "iterations", "batch_size"):
       positive_int(f, getattr(self, f))
     require(is_real(self.rho) and self.rho >= 0, "rho", self.rho, "a finite number >= 0")
-    positive_float("image_lr", self.image_lr)
-    require(is_real(self.image_momentum) and 0 <= self.image_momentum < 1,
-            "image_momentum", self.image_momentum, "a number in [0, 1)")
-    dsa_strategy("dsa_strategy", self.dsa_strategy)
+    check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
-    check_poisson_capacity(self.poisson_capacity, self.batch_size)
     require(isinstance(self.server, ServerConfig), "server", self.server, "a ServerConfig")
     require(self.server.radius_strategy == "fixed", "radius_strategy",
             self.server.radius_strategy,
@@ -271,21 +267,8 @@ def init_feddm_state(key: jax.Array, params: PyTree, clients: ClientData,
     ConfigError: with ``synthetic_init='real'``, a client has fewer than
       ``ipc`` records of one of its classes.
   """
-  ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
-  if config.synthetic_init == "real":
-    for k, y in enumerate(ys):
-      cls, counts = np.unique(y, return_counts=True)
-      if counts.min() < config.ipc:
-        raise ConfigError(
-            "ipc", config.ipc, "ipc <= the smallest class count of every client", message=
-            f"ipc={config.ipc} is invalid with synthetic_init='real': client {k} has only "
-            f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
-            "smallest class count of every client (or synthetic_init='noise')")
-  labels, mask = synthetic_labels(ys, config.ipc)
-  k_init, k_state = jax.random.split(key)
-  images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
-  return FedDMState(params, SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask)),
-                    jnp.int32(0), k_state)
+  synthetic, k_state = initial_synthetic(key, clients, config.ipc, config.synthetic_init)
+  return FedDMState(params, synthetic, jnp.int32(0), k_state)
 
 
 def feddm_round(

@@ -86,6 +86,44 @@ def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.
   return labels, mask
 
 
+def initial_synthetic(key: jax.Array, clients: ClientData, ipc: int,
+                      synthetic_init: str) -> tuple[SyntheticSet, jax.Array]:
+  """Round-1 synthetic sets: balanced labels and ``N(0, 1)`` images (host side).
+
+  Labels are :func:`synthetic_labels` of each client's real records, images
+  :func:`noise_images` (under ``synthetic_init="real"`` the caller draws real
+  images later; this checks that it can).
+
+  Args:
+    key: PRNG key, split into the images' key and the one returned.
+    clients: :class:`ClientData` with ``(K, N, ...)`` leaves.
+    ipc: images per class.
+    synthetic_init: ``"noise"`` or ``"real"``.
+
+  Returns:
+    ``(synthetic, key)``: ``(K, S, ...)`` :class:`SyntheticSet` and the
+    remaining key for the state.
+
+  Raises:
+    ConfigError: under ``"real"``, a client has fewer than ``ipc`` records of
+      one of its classes; ``ipc < 1``.
+  """
+  ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
+  if synthetic_init == "real":
+    for k, y in enumerate(ys):
+      cls, counts = np.unique(y, return_counts=True)
+      if counts.min() < ipc:
+        raise ConfigError(
+            "ipc", ipc, "ipc <= the smallest class count of every client", message=
+            f"ipc={ipc} is invalid with synthetic_init='real': client {k} has only "
+            f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
+            "smallest class count of every client (or synthetic_init='noise')")
+  labels, mask = synthetic_labels(ys, ipc)
+  k_init, k_state = jax.random.split(key)
+  images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
+  return SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask)), k_state
+
+
 def noise_images(key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]) -> jax.Array:
   """``N(0, 1)`` images for every valid slot, zeros for padding: ``(*mask.shape, *image_shape)``."""
   x = jax.random.normal(key, (*mask.shape, *image_shape), jnp.float32)
@@ -142,27 +180,16 @@ def init_state(
                       "'noise' (real images must not be published)",
                       message=f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
                       "allowed: 'noise' (real images must not be published)")
-  ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
-  labels, mask = synthetic_labels(ys, config.client.ipc)
-  sizes = [len(y) for y in ys]
+  if config.client.ipc < 1:
+    raise ConfigError("ipc", config.client.ipc, "an integer >= 1")
+  sizes = [int(np.sum(m)) for m in np.asarray(clients.mask)]
   if config.client.batch_size > min(sizes):
     raise ConfigError(
         "batch_size", config.client.batch_size, "batch_size <= the smallest client", message=
         f"batch_size={config.client.batch_size} is invalid: client {int(np.argmin(sizes))} has"
         f" only {min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson"
         " rate q = batch_size / N_k must be <= 1)")
-  if config.synthetic_init == "real":
-    for k, y in enumerate(ys):
-      cls, counts = np.unique(y, return_counts=True)
-      if counts.min() < config.client.ipc:
-        raise ConfigError(
-            "ipc", config.client.ipc, "ipc <= the smallest class count of every client",
-            message=f"ipc={config.client.ipc} is invalid with synthetic_init='real': client {k}"
-            f" has only {counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc"
-            " <= the smallest class count of every client (or synthetic_init='noise')")
-  k_init, k_state = jax.random.split(key)
-  images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
-  synthetic = SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask))
+  synthetic, k_state = initial_synthetic(key, clients, config.client.ipc, config.synthetic_init)
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
 
 

@@ -24,6 +24,9 @@ from fedlap_jax.accounting import epsilon_after_rounds
 from fedlap_jax.losses import cross_entropy, masked_mean_loss
 from fedlap_jax.privacy import poisson_capacity, poisson_sample, private_gradient
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("auditing")
+
 NUM_MEMBERS = 64
 STEPS = 100
 DP_BATCH = 8           # expected Poisson batch: q = 8 / 64

@@ -6,6 +6,7 @@ import dataclasses
 import types
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,6 +32,51 @@ def test_random_clients_uint8_are_pixels_read_as_normalised_inputs():
   assert x.min() >= -0.5 / 0.29 - 1e-5 and x.max() <= 0.5 / 0.29 + 1e-5
   with pytest.raises(ValueError, match=r"data='int8' is invalid"):
     bench.random_clients(TINY, data="int8")
+
+
+def test_client_sizes_pad_to_the_largest_and_mask_the_rest():
+  problem = bench.with_client_sizes(TINY, (7, 12, 9))
+  assert (problem.num_clients, problem.records, problem.sizes) == (3, 12, (7, 12, 9))
+  clients = bench.random_clients(problem)
+  chex.assert_shape(clients.x, (3, 12, 4, 4, 3))
+  np.testing.assert_array_equal(np.sum(np.asarray(clients.mask), axis=1), [7, 12, 9])
+  assert not np.asarray(clients.mask)[0, 7:].any()
+  # Two classes per client on its real records.
+  assert set(np.asarray(clients.y)[1][np.asarray(clients.mask)[1]]) == {2, 3}
+  # The authors' workload: 8,000 records in all, as the paper partition of mnist10k gives.
+  assert sum(bench.AUTHORS_CLIENT_SIZES) == 8000 and len(bench.AUTHORS_CLIENT_SIZES) == 5
+  with pytest.raises(ValueError, match=r"client_sizes=\(7, 12\) is invalid.*3 integers"):
+    bench.Problem((4, 4, 3), records=12, num_clients=3, client_sizes=(7, 12))
+  with pytest.raises(ValueError, match=r"records=50 is invalid.*maximum 12"):
+    dataclasses.replace(problem, records=50)
+  assert bench.parse_client_sizes("1513,1700") == (1513, 1700)
+  for bad in ("", "12,x", "0,5"):
+    with pytest.raises(ValueError, match=r"--client-sizes .* is invalid"):
+      bench.parse_client_sizes(bad)
+
+
+def test_fedavg_round_on_uneven_clients_runs_each_clients_own_epoch():
+  """round(N_k / 256) Poisson steps per client, not round(N_max / 256) each (issue 17 goal 2)."""
+  problem = bench.with_client_sizes(bench.Problem((8, 8, 1), 1), (300, 900, 640))
+  clients = bench.random_clients(problem)
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  model = nn.Dense(problem.num_classes)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 64)))["params"]
+
+  def apply_fn(p, x):
+    return model.apply({"params": p}, x.reshape((x.shape[0], -1)))
+  fn, args = bench.op_fedavg_round(apply_fn, params, clients, problem)
+  _, metrics = jax.jit(fn)(*args)
+  np.testing.assert_array_equal(np.asarray(metrics.client.steps), [1, 4, 3])
+
+
+def test_main_rejects_bad_client_sizes_with_status_2(capsys):
+  for argv in (["--client-sizes", "1,x"], ["--client-sizes", "5,6", "--records", "9"],
+               ["--small"], ["--client-sizes", "uniform"]):
+    with pytest.raises(SystemExit) as e:
+      bench.main(argv)
+    assert e.value.code == 2
+  assert "--client-sizes '1,x' is invalid" in capsys.readouterr().err
 
 
 def test_round_flops_is_loop_counts_times_step_flops():

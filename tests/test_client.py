@@ -26,6 +26,9 @@ from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.training import tree_distance
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("client")
+
 IPC = 2
 LR = 0.1
 

@@ -26,6 +26,9 @@ from fedlap_jax.models import init_fn
 from fedlap_jax.server import global_update
 from fedlap_jax.training import tree_distance
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("condensation")
+
 IMAGE_SHAPE = (8, 8, 1)
 IPC = 2
 B = 16

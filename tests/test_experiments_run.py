@@ -17,6 +17,9 @@ import pytest
 from experiments import checkpointing, report, run, train
 from experiments.configs import quickstart
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("experiments_run")
+
 TINY = {
     "model.width": 8, "model.depth": 1, "client.ipc": 2, "client.iterations": 1,
     "client.max_outer": 1, "client.batch_loop": 2, "client.boost_loop": 1,
@@ -183,6 +186,40 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
       # Labels and mask: the classes each client holds (public), ipc per class.
       assert [sorted(set(y[m].tolist())) for y, m in zip(z["y"], z["mask"])] \
           == info["client_classes"]
+
+
+def test_noisy_real_run_keeps_the_model_delta_inside_the_round(tmp_path, monkeypatch):
+  """client.model_steps='noisy_real' + server.start='fedavg_delta': the clients' model deltas
+  are used by the server step and dropped there; nothing of them reaches the work dir."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  seen = []
+  summarize = train.summarize_metrics
+
+  def spy(metrics, *args, **kwargs):
+    seen.append(metrics)
+    return summarize(metrics, *args, **kwargs)
+  monkeypatch.setattr(train, "summarize_metrics", spy)
+  cfg = tiny_config(rounds=1, checkpoint_every=1, progress_bar=False, plots=False,
+                    **{"client.average_targets": True, "client.model_steps": "noisy_real",
+                       "server.start": "fedavg_delta"})
+  out = train.train_and_evaluate(cfg, tmp_path)
+  assert len(out["records"]) == 1 and len(seen) == 1
+  assert seen[0].client.model_delta is None  # what the round hands the driver
+  listing = {p.name for p in tmp_path.iterdir()}
+  assert {n for n in listing if not n.endswith(".png")} <= set(WORKDIR_FILES), listing
+  for r in checkpointing.read_metrics(tmp_path / "metrics.jsonl"):
+    assert set(r) <= RELEASED_RECORD_KEYS, set(r) - RELEASED_RECORD_KEYS
+  for f in tmp_path.rglob("*"):
+    if f.is_file() and f.suffix in (".json", ".jsonl", ".md", ".log", ""):
+      assert "model_delta" not in f.read_text(errors="replace"), f
+  # The checkpoint holds the state (parameters, synthetic sets, round, key), no deltas.
+  manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+  state = manager.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+  manager.close()
+  fields = {name.split("_")[1] for name in state}  # "0003_params_Conv_0_kernel" -> params
+  assert fields == {"params", "synthetic", "round", "key"}, sorted(state)
+  num_params = json.loads((tmp_path / "run_info.json").read_text())["num_params"]
+  assert sum(np.size(a) for n, a in state.items() if n.split("_")[1] == "params") == num_params
 
 
 def test_debug_nonprivate_stats_writes_them_in_a_named_section(straight, tmp_path):

@@ -15,6 +15,9 @@ from experiments import report, run, train, validation
 from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("experiments_synthetic")
+
 CHANCE = 0.1
 
 

@@ -18,6 +18,9 @@ from fedlap_jax.federated import init_state, make_round_fn, real_images, synthet
 from fedlap_jax.models import ConvNet
 from fedlap_jax.training import evaluate
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("federated")
+
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 
 # ---------------------------------------------------------------- config validation

@@ -25,6 +25,9 @@ from fedlap_jax.radius import calibrate_radius
 
 from conftest import linear_apply, partition
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("pixels")
+
 PIXEL_MAX = 16.0  # digits' pixels are integers 0..16
 
 

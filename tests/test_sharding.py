@@ -19,6 +19,9 @@ import sys
 import numpy as np
 import pytest
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("sharding")
+
 NUM_CLIENTS = 5
 
 
@@ -83,19 +86,26 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
       rounds=3, learning_rate=0.05, synthetic_init="real")
   out = {"devices": jax.device_count(), "processes": jax.process_count(),
          "backend": dispatch.resolve_client_backend(backend)}
+  # Programs read from a persistent compilation cache (the multi-process tests share
+  # one) count as compilations too.
+  cache_hits = []
+  jax.monitoring.register_event_listener(
+      lambda event, **_: cache_hits.append(event)
+      if event == "/jax/compilation_cache/cache_hits" else None)
   for name, cfg, rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
     state = federated.init_state(jax.random.PRNGKey(1), params, clients, cfg)
     if backend == "shard" or multi:
       state = sharding.replicate(state)
     round_fn = federated.make_round_fn(apply_fn, cfg, client_backend=backend)
     for r in range(rounds):
+      hits_before = len(cache_hits)
       with CompileCounter() as compiles:
         state, metrics = round_fn(state, clients)
         jax.block_until_ready(state)
       if r:
         # The state round 1 returns (replicated over the mesh when sharded) must
         # not compile a second program (single-process runs leave it unplaced).
-        out["compiles_after_round_1"] = compiles.count
+        out["compiles_after_round_1"] = compiles.count + len(cache_hits) - hits_before
     out[name] = {
         "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
         "synthetic": host(state.synthetic.x).ravel().tolist(),
@@ -144,10 +154,14 @@ def _experiments_worker(workdir: str) -> dict:
           "backend": json.load(open(f"{workdir}/run_info.json"))["client_backend"]}
 
 
-def _env(devices: int) -> dict:
+def _env(devices: int, cache=None) -> dict:
+  """``devices`` CPU devices; with ``cache``, a persistent compilation cache there."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
+  if cache is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return env
 
 
@@ -159,7 +173,7 @@ def _run(devices: int, backend: str) -> dict:
 
 
 def _run_processes(num_processes: int, devices_per_process: int, tmp_path,
-                   hosts: list[list[str]] | None = None) -> list[dict]:
+                   hosts: list[list[str]] | None = None, cache=None) -> list[dict]:
   """The worker as ``num_processes`` JAX processes.
 
   Without ``hosts`` all run on this host with the coordinator on localhost.
@@ -188,7 +202,7 @@ def _run_processes(num_processes: int, devices_per_process: int, tmp_path,
     with open(out, "w") as fo, open(err, "w") as fe:
       procs.append(subprocess.Popen(
           [*prefix, sys.executable, __file__, "auto", str(i), str(num_processes), coordinator],
-          env=_env(devices_per_process), stdout=fo, stderr=fe, text=True))
+          env=_env(devices_per_process, cache), stdout=fo, stderr=fe, text=True))
     logs.append((out, err))
   try:
     codes = [proc.wait(timeout=600) for proc in procs]
@@ -246,6 +260,12 @@ def network_hosts(tmp_path):
 
 
 @pytest.fixture(scope="module")
+def multi_process_cache(tmp_path_factory):
+  """A compilation cache the multi-process tests share (the same programs on 2 x 2 devices)."""
+  return tmp_path_factory.mktemp("xla_cache")
+
+
+@pytest.fixture(scope="module")
 def single_device():
   out = _run(1, "auto")
   assert out["devices"] == 1 and out["processes"] == 1 and out["backend"] == "map"
@@ -285,9 +305,9 @@ def test_side_by_side_clients_same_round(single_device):
 
 
 @pytest.mark.slow
-def test_two_processes_same_round(single_device, tmp_path):
+def test_two_processes_same_round(single_device, tmp_path, multi_process_cache):
   """Two JAX processes (jax.distributed, gloo) with two CPU devices each: the multi-host path."""
-  first, second = _run_processes(2, 2, tmp_path)
+  first, second = _run_processes(2, 2, tmp_path, cache=multi_process_cache)
   for out in (first, second):
     assert out["processes"] == 2 and out["devices"] == 4 and out["backend"] == "shard"
     _assert_same_round(single_device, out)
@@ -295,9 +315,10 @@ def test_two_processes_same_round(single_device, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_network_hosts_same_round(single_device, network_hosts, tmp_path):
+def test_two_network_hosts_same_round(single_device, network_hosts, tmp_path,
+                                      multi_process_cache):
   """The same, with each process on its own network host (namespace, address, host name)."""
-  first, second = _run_processes(2, 2, tmp_path, hosts=network_hosts)
+  first, second = _run_processes(2, 2, tmp_path, hosts=network_hosts, cache=multi_process_cache)
   for out in (first, second):
     assert out["processes"] == 2 and out["devices"] == 4 and out["backend"] == "shard"
     _assert_same_round(single_device, out)

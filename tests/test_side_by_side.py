@@ -27,6 +27,9 @@ from fedlap_jax.config import ClientConfig, DPConfig
 from fedlap_jax.federated import noise_images, synthetic_labels
 from fedlap_jax.models import ConvNet
 
+# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
+pytestmark = pytest.mark.xdist_group("side_by_side")
+
 K = 3
 # DP, every DSA family, a local update per iteration and a radius that some clients'
 # trajectories leave after one iteration and others after two or never (checked below).

@@ -30,7 +30,7 @@ import ml_collections
 from fedlap_jax.condensation import DC_LOOPS
 from fedlap_jax.config import BASELINE_METHODS, DP_BASELINE_METHODS
 
-from experiments.configs import quickstart
+from experiments.configs import quickstart, synthetic
 
 NONDP_BASELINES = tuple(m for m in BASELINE_METHODS if m not in DP_BASELINE_METHODS)
 DP_BASELINES = DP_BASELINE_METHODS
@@ -63,6 +63,12 @@ def matched_dp_baseline(method: str, fedlap_dp,
   config.client.batch_size = b
   config.baseline.local_epochs = DP_LOCAL_EPOCHS
   config.baseline.prox_mu = 0.1
+  return _matched_dp(config, fedlap_dp, name)
+
+
+def _matched_dp(config, fedlap_dp, name: str) -> ml_collections.ConfigDict:
+  """``config`` made private like the suite's run ``name`` (``fedlap_dp``): its DP-safe
+  normalisation and delta, clip 0.1, the noise matched to its epsilon."""
   config.data.normalisation = fedlap_dp.data.normalisation  # DP-safe, as FedLAP-DP
   config.dp.enabled = True
   config.dp.l2_clip_norm = 0.1
@@ -81,20 +87,8 @@ def feddm_config() -> ml_collections.ConfigDict:
   f.rho = 2.0
   f.image_lr = 1.0
   f.dsa_strategy = ""
-  _synthetic_server(config, epochs=100)
+  synthetic.server(config, epochs=100)
   return config
-
-
-def _synthetic_server(config, *, epochs: int):
-  s = config.server
-  s.radius_strategy = "fixed"
-  s.batch_size = 256
-  s.max_epochs = epochs
-  s.weighting = "uniform"
-  s.dsa_strategy = ""
-  s.momentum = 0.9
-  s.weight_decay = 5e-4
-  config.learning_rate = 0.01
 
 
 def oneshot_config(method: str, *, iterations: int, batch_loop: int) -> ml_collections.ConfigDict:
@@ -113,19 +107,14 @@ def oneshot_config(method: str, *, iterations: int, batch_loop: int) -> ml_colle
   c.image_lr = 0.1
   c.net_lr = 0.01
   c.dsa_strategy = ""
-  _synthetic_server(config, epochs=300)
+  synthetic.server(config, epochs=300)
   return config
 
 
 def psg_config(fedlap_dp, name: str = "fedlap_dp") -> ml_collections.ConfigDict:
   """PSG with its epsilon matched to the suite's run ``name`` (``fedlap_dp`` its config)."""
   config = oneshot_config("psg", iterations=5, batch_loop=10)
-  config.data.normalisation = fedlap_dp.data.normalisation  # DP-safe, as FedLAP-DP
-  config.dp.enabled = True
-  config.dp.l2_clip_norm = 0.1
-  config.dp.delta = fedlap_dp.dp.delta
-  config.dp.match_epsilon_of = name
-  return config
+  return _matched_dp(config, fedlap_dp, name)
 
 
 def get_config():

@@ -59,8 +59,12 @@ def _dataset(dataset: str) -> str:
   return DATASETS[dataset]
 
 
-def _server(config, *, epochs: int, dsa_strategy: str = ""):
-  """The server's training of the synthetic-data systems: SGD momentum 0.9, decay 5e-4."""
+def server(config, *, epochs: int, dsa_strategy: str = ""):
+  """The server's training of the synthetic-data systems: SGD momentum 0.9, decay 5e-4.
+
+  ``epochs`` epochs of batches of 256 at lr 0.01, clients weighted alike, no
+  radius (also the quickstart comparison's FedDM / DSC / PSG).
+  """
   s = config.server
   s.radius_strategy = "fixed"
   s.batch_size = 256
@@ -87,7 +91,7 @@ def get_feddm_config(dataset: str):
   f.image_lr = 1.0
   f.image_momentum = 0.5
   f.dsa_strategy = ""
-  _server(config, epochs=500)
+  server(config, epochs=500)
   return config
 
 
@@ -121,9 +125,9 @@ def get_dsc_config(dataset: str, variant: str = ""):
   config.data.name = _dataset(dataset)
   _condensation(config, int(match.group(2) or 50), batch_loop=1)
   if dataset == "mnist":   # the DC code's augmentation for MNIST, and 1000 epochs with it
-    _server(config, epochs=1000, dsa_strategy="crop_scale_rotate")
+    server(config, epochs=1000, dsa_strategy="crop_scale_rotate")
   else:
-    _server(config, epochs=300)
+    server(config, epochs=300)
   return config
 
 
@@ -138,7 +142,7 @@ def get_psg_config(dataset: str):
   config.dp.l2_clip_norm = 0.1
   config.dp.delta = 1e-5
   if dataset in ("mnist", "fmnist"):   # PSG's augmentation for ('MNIST' in name) datasets
-    _server(config, epochs=1000, dsa_strategy="crop_scale_rotate")
+    server(config, epochs=1000, dsa_strategy="crop_scale_rotate")
   else:
-    _server(config, epochs=300)
+    server(config, epochs=300)
   return config
