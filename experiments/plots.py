@@ -45,13 +45,18 @@ def _line_plot(path, xs, ys, xlabel, title):
   plt.close(fig)
 
 
+# Many-client runs (data.clients_per_round) plot the first clients only.
+MAX_CLIENT_PANELS = 10
+
+
 def synthetic_grid(path, snapshot: dict, title: str, max_per_class: int = 8) -> None:
-  """One panel per client; rows are classes, up to ``max_per_class`` images each."""
+  """One panel per client (the first :data:`MAX_CLIENT_PANELS`); rows are classes, up to
+  ``max_per_class`` images each."""
   plt = _plt()
   x = snapshot["x"] * snapshot["std"] + snapshot["mean"]   # (K, S, H, W, C)
   x = np.clip(x, 0.0, 1.0)
   y, mask = snapshot["y"], snapshot["mask"]
-  num_clients = x.shape[0]
+  num_clients = min(x.shape[0], MAX_CLIENT_PANELS)
   fig, axes = plt.subplots(1, num_clients, figsize=(2.2 * num_clients, 2.6), squeeze=False)
   for k in range(num_clients):
     ax = axes[0, k]
@@ -76,9 +81,10 @@ def synthetic_grid(path, snapshot: dict, title: str, max_per_class: int = 8) -> 
 
 
 def pixel_histograms(path, snapshots: list[dict], title: str) -> None:
-  """Per-client histograms of un-normalised synthetic pixel values, one line per round."""
+  """Per-client histograms of un-normalised synthetic pixel values, one line per round
+  (the first :data:`MAX_CLIENT_PANELS` clients)."""
   plt = _plt()
-  num_clients = snapshots[0]["x"].shape[0]
+  num_clients = min(snapshots[0]["x"].shape[0], MAX_CLIENT_PANELS)
   fig, axes = plt.subplots(1, num_clients, figsize=(2.6 * num_clients, 2.6), squeeze=False,
                            sharey=True)
   for snap in snapshots:

@@ -3,12 +3,21 @@
 Method-agnostic: builds a :class:`fedlap_jax.algorithm.FederatedAlgorithm`
 (FedLAP / FedLAP-DP, or a baseline from :mod:`fedlap_jax.baselines`) and runs
 its jitted ``round`` once per communication round (one compilation per run:
-the round index lives in the state and is traced). After every round it
+the round index lives in the state and is traced). With
+``data.clients_per_round = m < K`` the clients' data stay on the host and each
+round runs :func:`fedlap_jax.participation.sampled_round` on the block of the
+``m`` clients :func:`~fedlap_jax.participation.sample_clients` draws from
+``(seed, round)``. After every round it
 
 1. evaluates the global model on the full test split (jitted once),
 2. composes the round into the :class:`~fedlap_jax.accounting.PrivacyLedger`
    (DP only; ``T = alg.dp_steps_per_round``, ``B = alg.batch_size``,
-   ``q = B / min_k N_k``),
+   ``q = B / min_k N_k``); with ``data.clients_per_round`` set, into each
+   participating client's ledger instead
+   (:class:`~fedlap_jax.accounting.ClientLedgers`, ``q_k = B / N_k``, only
+   the rounds a client took part in), and the record's ``epsilon`` is the
+   maximum over clients (``epsilon_clients``: min / median / max; ``clients``:
+   the round's participants, the order of its per-client metrics),
 3. stops with :class:`NonFiniteError` if the parameters, a client's matching
    loss or the test loss are NaN / Inf (nothing of that round is written, the
    last good checkpoint stays the latest),
@@ -62,7 +71,7 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 from fedlap_jax import algorithm as algorithm_lib
-from fedlap_jax import baselines, condensation, feddm, federated
+from fedlap_jax import baselines, condensation, feddm, federated, participation
 from fedlap_jax import config as core_config
 from fedlap_jax import sharding
 from fedlap_jax.client_data import normalise_pixels, stack_clients
@@ -166,7 +175,7 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
   return baselines.algorithm(
       apply_fn, validation.to_baseline_config(cfg, max_client_size=max_client_size),
       image_shape=tuple(image_shape), num_clients=cfg.data.num_clients, num_params=num_params,
-      client_backend=backend)
+      client_backend=backend, clients_per_round=cfg.data.get("clients_per_round"))
 
 
 @functools.lru_cache(maxsize=4)
@@ -193,7 +202,8 @@ class RunSetup(NamedTuple):
   Attributes:
     dataset: the :class:`experiments.data.Dataset` (images as stored, with their normalisation).
     client_indices: training-record indices of each client.
-    clients: stacked :class:`~fedlap_jax.client_data.ClientData` ``(K, N_max, ...)``.
+    clients: stacked :class:`~fedlap_jax.client_data.ClientData` ``(K, N_max, ...)``;
+      host NumPy arrays when clients are sampled (:func:`samples_clients`), else on the device.
     model: the Flax ConvNet; apply_fn: ``apply_fn(params, x) -> logits``.
     num_params: parameter count of the model.
     algorithm: the :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
@@ -229,8 +239,9 @@ def build_run(cfg) -> RunSetup:
   validation.validate_data(cfg, dataset, indices)
   ys = [dataset.y_train[i] for i in indices]
   clients = stack_clients([dataset.x_train[i] for i in indices], ys,
-                          pixel_scale=dataset.pixel_scale, pixel_offset=dataset.pixel_offset)
-  if resolve_client_backend(cfg.client_backend) == "shard":
+                          pixel_scale=dataset.pixel_scale, pixel_offset=dataset.pixel_offset,
+                          on_host=samples_clients(cfg))
+  if resolve_client_backend(cfg.client_backend) == "shard" and not samples_clients(cfg):
     clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
   k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
   model, params = init_convnet(k_model, dataset.image_shape, dataset.num_classes,
@@ -244,6 +255,17 @@ def build_run(cfg) -> RunSetup:
                         model=model)
   return RunSetup(dataset, list(indices), clients, model, apply_fn, num_params, alg,
                   alg.init(k_alg, params, clients))
+
+
+def samples_clients(cfg) -> bool:
+  """True when a round runs fewer than all clients (``data.clients_per_round < K``).
+
+  Such a run keeps the clients' data on the host and moves each round's sampled
+  block to the device (:mod:`fedlap_jax.participation`); ``None`` or ``K``
+  keep every client on the device and run today's round.
+  """
+  m = cfg.data.get("clients_per_round")
+  return m is not None and m < cfg.data.num_clients
 
 
 def run_defining_fields(cfg) -> dict:
@@ -265,7 +287,11 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
   """The fields a resumed run must share with its checkpoint for the ledger to hold."""
   dp = alg.dp
   smallest = int(min(client_sizes))
+  per_round = cfg.data.get("clients_per_round")
+  # Only when set, so checkpoints of runs without sampling keep their fingerprint.
+  sampling = {} if per_round is None else {"clients_per_round": int(per_round)}
   return {
+      **sampling,
       "method": cfg.method,
       "dp": dp is not None,
       "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
@@ -400,16 +426,24 @@ def _summarize(metrics: Any, num_clients: int) -> dict:
   return out
 
 
-def find_non_finite(params, metrics, test_loss: float, num_clients: int) -> list[str]:
-  """Descriptions of every non-finite quantity of a round ("" list if all finite)."""
+def find_non_finite(params, metrics, test_loss: float, num_clients: int,
+                    client_ids=None) -> list[str]:
+  """Descriptions of every non-finite quantity of a round ("" list if all finite).
+
+  ``num_clients``: the clients of the round (the leading axis of per-client
+  metrics); ``client_ids``: their indices among all clients (sampled rounds),
+  default ``0..num_clients - 1``.
+  """
+  ids = list(range(num_clients)) if client_ids is None else [int(i) for i in client_ids]
   problems = []
   if isinstance(metrics, RoundMetrics):
     loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
     for k in np.flatnonzero(~np.isfinite(loss).all(axis=1)):
-      problems.append(f"matching loss of client {k} is {loss[k][~np.isfinite(loss[k])][0]}")
+      problems.append(f"matching loss of client {ids[k]} is "
+                      f"{loss[k][~np.isfinite(loss[k])][0]}")
     r = np.asarray(metrics.client_radius)
     for k in np.flatnonzero(~np.isfinite(r)):
-      problems.append(f"radius of client {k} is {r[k]}")
+      problems.append(f"radius of client {ids[k]} is {r[k]}")
   else:
     for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
       a = np.asarray(leaf)
@@ -417,7 +451,8 @@ def find_non_finite(params, metrics, test_loss: float, num_clients: int) -> list
         continue
       if a.ndim >= 1 and a.shape[0] == num_clients:
         bad = np.flatnonzero(~np.isfinite(a.reshape(num_clients, -1)).all(axis=1))
-        problems.append(f"metric {_keystr(path)} of client(s) {bad.tolist()} is not finite")
+        problems.append(f"metric {_keystr(path)} of client(s) {[ids[k] for k in bad]} is not "
+                        "finite")
       else:
         problems.append(f"metric {_keystr(path)} is not finite")
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -572,15 +607,24 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   fields = run_defining_fields(cfg)
   private = alg.dp is not None
   nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
+  per_round = cfg.data.get("clients_per_round")
+  sampled = samples_clients(cfg)
   fresh_ledger = None
-  if private:
+  if private and per_round is not None:  # one ledger per client, charged when it takes part
+    fresh_ledger = accounting.ClientLedgers.create(
+        client_sizes=sizes, noise_multiplier=alg.dp.noise_multiplier,
+        batch_size=alg.batch_size, steps_per_round=alg.dp_steps_per_round, delta=alg.dp.delta)
+  elif private:  # every client every round: the smallest client's ledger is the maximum
     fresh_ledger = accounting.PrivacyLedger(
         noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
         min_client_size=privacy["min_client_size"], steps_per_round=alg.dp_steps_per_round,
         delta=alg.dp.delta)
-    if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run: check it
-      validation.check_target_epsilon(cfg, accounting.epsilon_after_rounds(
-          rounds=cfg.rounds, **fresh_ledger.privacy_fields()))
+  if private and cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
+    # The smallest client taking part in every round: the bound of every client's ledger.
+    validation.check_target_epsilon(cfg, accounting.epsilon_after_rounds(
+        rounds=cfg.rounds, noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
+        min_client_size=privacy["min_client_size"], steps_per_round=alg.dp_steps_per_round,
+        delta=alg.dp.delta))
 
   info = dict(
       config_name=config_name, method=cfg.method,
@@ -646,14 +690,17 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     log(f"[{config_name}] no valid checkpoint left: starting from round 0")
   else:
     log(f"[{config_name}] {info['method_label']} on {cfg.data.name}: {num_clients} clients "
-        f"(sizes {sizes}), {num_params:,} parameters, {cfg.rounds} rounds, "
+        f"(sizes {sizes}" + ("" if per_round is None else f"; {per_round} per round")
+        + ("; data on the host" if sampled else "")
+        + f"), {num_params:,} parameters, {cfg.rounds} rounds, "
         f"clients run by {info['client_backend']!r} on {jax.default_backend()}")
   if nonprivate_stats:
     log(f"[{config_name}] WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
         f"statistics of the clients' records under \"{NONPRIVATE_SECTION}\", outside the "
         "privacy guarantee; do not release this work dir")
   wall_before = records[-1]["wall_seconds"] if records else 0.0
-  upload_mb_per_round = num_clients * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
+  taking_part = num_clients if per_round is None else per_round
+  upload_mb_per_round = taking_part * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
   snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}
   t_loop = time.time()
 
@@ -672,17 +719,25 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     with stop:
       for m in range(start + 1, cfg.rounds + 1):
         t0 = time.time()
+        idx = participation.sample_clients(cfg.seed, m, num_clients, per_round)
         with round_compiles:
-          state, metrics = alg.round(state, clients)
+          if sampled:  # only the sampled clients' block goes to the device
+            state, metrics = participation.sampled_round(
+                alg, state, participation.device_block(clients, idx), idx)
+          else:
+            state, metrics = alg.round(state, clients)
         params = alg.params_of(state)
         ev = eval_fn(params, x_test, y_test)
         test_loss, test_acc = float(ev.loss), float(ev.accuracy)
         faults.point("round", m)
-        epsilon = ledger.record_round(alg.dp_steps_per_round) if ledger is not None else None
+        if isinstance(ledger, accounting.ClientLedgers):
+          epsilon = ledger.record_round(idx.tolist(), alg.dp_steps_per_round)
+        else:
+          epsilon = ledger.record_round(alg.dp_steps_per_round) if ledger is not None else None
         if ledger is not None:
           checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
                                           fault_round=m)
-        problems = find_non_finite(params, metrics, test_loss, num_clients)
+        problems = find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
           where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
                    if last_good is not None else "no checkpoint was written yet")
@@ -692,7 +747,11 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           log(f"ERROR {msg}")
           raise NonFiniteError(msg)
         now = time.time()
-        released, nonprivate = summarize_metrics(metrics, num_clients, private=private)
+        released, nonprivate = summarize_metrics(metrics, len(idx), private=private)
+        if per_round is not None:  # per-client metrics below are of these clients, in order
+          released = {"clients": idx.tolist(), **released}
+          if isinstance(ledger, accounting.ClientLedgers):
+            released["epsilon_clients"] = ledger.summary()
         rec = {"round": m, "test_accuracy": test_acc, "test_loss": test_loss,
                "epsilon": epsilon, **released,
                "upload_mb": m * upload_mb_per_round,
@@ -805,7 +864,7 @@ def restore_newest_valid(ckpt: checkpointing.Checkpointer, template, *, privacy:
         raise ValueError(f"its state holds round {held}")
       ledger = None
       if fresh_ledger is not None:
-        ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
+        ledger = type(fresh_ledger).from_dict(meta["ledger"])
         if ledger.rounds != r:
           raise ValueError(f"its privacy ledger records {ledger.rounds} rounds")
         expected, stored = fresh_ledger.privacy_fields(), ledger.privacy_fields()

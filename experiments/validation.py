@@ -28,6 +28,7 @@ import numpy as np
 
 from fedlap_jax import baselines, condensation, feddm
 from fedlap_jax import config as core
+from fedlap_jax import participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
 from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
                                DP_ONE_SHOT_METHODS, METHODS, ONE_SHOT_METHODS)
@@ -264,6 +265,7 @@ def validate_config(cfg) -> None:
     _fail("data.dirichlet_alpha", d.dirichlet_alpha, "a finite number > 0")
   if not is_int(d.num_clients) or d.num_clients < 1:
     _fail("data.num_clients", d.num_clients, "an integer >= 1")
+  participation.check_clients_per_round(d.get("clients_per_round"), d.num_clients)
   if not is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
   _validate_normalisation(cfg)

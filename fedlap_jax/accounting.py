@@ -33,6 +33,7 @@ This module is pure Python on the host: it needs neither JAX nor NumPy, and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -50,6 +51,7 @@ __all__ = [
     "epsilon_after_rounds",
     "calibrate_noise_multiplier",
     "PrivacyLedger",
+    "ClientLedgers",
 ]
 
 # Relative / absolute tolerance used when a stored ledger's epsilons are
@@ -564,3 +566,160 @@ class PrivacyLedger:
           f"{len(d['steps'])} and len(epsilons)={len(d['epsilons'])}")
     return cls(**{k: (list(d[k]) if k in ("steps", "epsilons") else d[k])
                   for k in _DICT_FIELDS})
+
+
+# --------------------------------------------------------------------------
+# One ledger per client (client sampling).
+# --------------------------------------------------------------------------
+
+
+def _ledger_key(ledger: PrivacyLedger) -> tuple:
+  return tuple(getattr(ledger, f) for f in _PRIVACY_FIELDS) + (tuple(ledger.steps),)
+
+
+@dataclasses.dataclass
+class ClientLedgers:
+  """Record-level accounting per client when clients are sampled per round.
+
+  Client ``k`` keeps its own :class:`PrivacyLedger` with
+  ``min_client_size = N_k`` (its own Poisson rate ``q_k = B / N_k``, as the
+  Flower app's per-client ledgers, :mod:`fedlap_flower.ledger`), charged only
+  for the rounds it took part in: a client never sampled has spent nothing
+  (epsilon 0). The guarantee a run reports is the maximum over clients
+  (:attr:`epsilon`); with every client in every round that is the client with
+  the smallest ``N_k``, i.e. exactly the single :class:`PrivacyLedger` with
+  ``q = B / min_k N_k``. Participation is not amplified (``participation``
+  stays 1: which clients take part is public, a deterministic function of the
+  seed and the round).
+
+  Clients with equal ledgers (same ``N_k`` and the same rounds' step counts)
+  share one composition: a round costs one RDP composition per distinct
+  ledger among its participants, not per client.
+
+  Attributes:
+    ledgers: ``K`` ledgers, one per client.
+    participants: the clients of every recorded round (``rounds`` lists).
+  """
+
+  ledgers: list[PrivacyLedger]
+  participants: list[list[int]] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    if not self.ledgers or not all(isinstance(l, PrivacyLedger) for l in self.ledgers):
+      raise ValueError(f"ledgers={self.ledgers!r} is invalid: must be a non-empty list of "
+                       "PrivacyLedger (one per client)")
+    k = len(self.ledgers)
+    counts = [0] * k
+    clean = []
+    for r, ids in enumerate(self.participants):
+      ids = [_check_int(f"participants[{r}][]", i, minimum=0) for i in ids]
+      if any(i >= k for i in ids) or len(set(ids)) != len(ids) or not ids:
+        raise ValueError(f"participants[{r}]={ids!r} is invalid: must be distinct client "
+                         f"indices in 0..{k - 1}, at least one")
+      for i in ids:
+        counts[i] += 1
+      clean.append(sorted(ids))
+    self.participants = clean
+    for i, (ledger, n) in enumerate(zip(self.ledgers, counts)):
+      if ledger.rounds != n:
+        raise ValueError(f"client {i}'s ledger records {ledger.rounds} rounds but it took "
+                         f"part in {n}; the ledgers are inconsistent or tampered")
+
+  @classmethod
+  def create(cls, *, client_sizes: Sequence[int], noise_multiplier: float, batch_size: int,
+             steps_per_round: int, delta: float) -> "ClientLedgers":
+    """Empty ledgers for clients of ``client_sizes`` records (``N_k``)."""
+    shared: dict[int, PrivacyLedger] = {}
+    ledgers = []
+    for n in client_sizes:
+      if n not in shared:
+        shared[n] = PrivacyLedger(noise_multiplier=noise_multiplier, batch_size=batch_size,
+                                  min_client_size=n, steps_per_round=steps_per_round,
+                                  delta=delta)
+      ledgers.append(shared[n])  # shared until recorded: record_round never mutates in place
+    return cls(ledgers)
+
+  @property
+  def rounds(self) -> int:
+    """Server rounds recorded."""
+    return len(self.participants)
+
+  def epsilons(self) -> list[float]:
+    """``epsilon`` (nats) of each client so far (0.0 for a client never sampled)."""
+    return [l.epsilon for l in self.ledgers]
+
+  @property
+  def epsilon(self) -> float:
+    """The run's guarantee: the maximum ``epsilon`` over clients."""
+    return max(self.epsilons())
+
+  def record_round(self, participants: Iterable[int], steps: int | None = None) -> float:
+    """Charges one round of ``steps`` noisy steps to each participant; returns :attr:`epsilon`.
+
+    Args:
+      participants: the indices of the clients that took part (distinct).
+      steps: ``T`` of this round; defaults to each ledger's ``steps_per_round``.
+    """
+    ids = sorted(int(i) for i in participants)
+    k = len(self.ledgers)
+    if not ids or len(set(ids)) != len(ids) or not 0 <= ids[0] <= ids[-1] < k:
+      raise ValueError(f"participants={ids!r} is invalid: must be distinct client indices in "
+                       f"0..{k - 1}, at least one")
+    done: dict[tuple, PrivacyLedger] = {}
+    new = list(self.ledgers)
+    for i in ids:
+      key = _ledger_key(self.ledgers[i])
+      if key not in done:
+        ledger = _copy_ledger(self.ledgers[i])
+        ledger.record_round(steps)
+        done[key] = ledger
+      new[i] = done[key]
+    self.ledgers = new
+    self.participants.append(ids)
+    return self.epsilon
+
+  def summary(self) -> dict:
+    """``{"min", "median", "max"}`` of the clients' epsilons (nats)."""
+    eps = sorted(self.epsilons())
+    n = len(eps)
+    median = eps[n // 2] if n % 2 else 0.5 * (eps[n // 2 - 1] + eps[n // 2])
+    return {"min": eps[0], "median": median, "max": eps[-1]}
+
+  def privacy_fields(self) -> list[dict]:
+    """Each client's :meth:`PrivacyLedger.privacy_fields` (what must not change on resume)."""
+    return [l.privacy_fields() for l in self.ledgers]
+
+  def to_dict(self) -> dict:
+    """JSON-ready: ``{"clients": [PrivacyLedger.to_dict(), ...], "participants": [...]}``."""
+    return {"clients": [l.to_dict() for l in self.ledgers],
+            "participants": [list(p) for p in self.participants]}
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ClientLedgers":
+    """Restores the ledgers, recomputing every epsilon (equal ledgers once).
+
+    Raises:
+      ValueError: a malformed dict, a client ledger that fails
+        :meth:`PrivacyLedger.from_dict`, or round counts that do not match
+        ``participants``.
+    """
+    if not isinstance(d, dict) or set(d) != {"clients", "participants"}:
+      keys = sorted(d) if isinstance(d, dict) else d
+      raise ValueError(f"client ledgers dict is invalid ({keys!r}); allowed: a dict with the "
+                       "keys 'clients' and 'participants' of to_dict()")
+    if not isinstance(d["clients"], list) or not isinstance(d["participants"], list):
+      raise ValueError("client ledgers dict is invalid: 'clients' and 'participants' must be "
+                       "lists")
+    memo: dict[str, PrivacyLedger] = {}
+    ledgers = []
+    for c in d["clients"]:
+      text = repr(sorted(c.items())) if isinstance(c, dict) else repr(c)
+      if text not in memo:
+        memo[text] = PrivacyLedger.from_dict(c)
+      ledgers.append(memo[text])
+    return cls(ledgers, [list(p) for p in d["participants"]])
+
+
+def _copy_ledger(ledger: PrivacyLedger) -> PrivacyLedger:
+  """A copy that keeps the composed RDP (so recording one more round is incremental)."""
+  return copy.deepcopy(ledger)

@@ -17,6 +17,10 @@ their DP variants).
   accesses to a client's real data per round (for the accountant); ``None``
   without DP.
 * ``batch_size``: expected Poisson batch size ``B`` of real data.
+* ``client_state_fields``: names of the state fields whose leaves carry a
+  leading ``(K,)`` client axis across rounds (FedLAP's synthetic sets,
+  SCAFFOLD's control variates); a round over sampled clients gathers and
+  scatters them (:func:`fedlap_jax.participation.sampled_round`).
 """
 
 from __future__ import annotations
@@ -40,3 +44,4 @@ class FederatedAlgorithm(NamedTuple):
   dp: DPConfig | None
   dp_steps_per_round: int | None
   batch_size: int
+  client_state_fields: tuple[str, ...] = ()

@@ -32,9 +32,10 @@ Methods (hyperparameters as in the reference implementation):
   ``2 mu (w - w_g)`` (``mu = 0.1``).
 * ``fedsgd``: one local step on one Poisson batch per round (``local_epochs``
   is ignored).
-* ``scaffold`` (Karimireddy et al., 2020): control variates, option II, with all
-  clients participating; the upload is the model delta *and* the control
-  delta, ``2 x num_params`` floats. ``T_k`` in ``c_k^+`` is the number of steps
+* ``scaffold`` (Karimireddy et al., 2020): control variates, option II; with
+  client sampling (``clients_per_round = m``) only the sampled clients update
+  their ``c_k`` and the server's step is scaled by ``m / K``; the upload is
+  the model delta *and* the control delta, ``2 x num_params`` floats. ``T_k`` in ``c_k^+`` is the number of steps
   the client actually took. The server moves ``c`` by the same weights ``w_k``
   as the model, so ``c`` stays the weighted mean of the ``c_k``; with uniform
   weights (or balanced clients) this is the paper's ``c += (|S|/N) mean dc_k``.
@@ -524,8 +525,9 @@ def baseline_round(
     config: BaselineConfig,
     client_backend: str = "auto",
     mesh: Any = None,
+    control_scale: float = 1.0,
 ) -> tuple[BaselineState, BaselineRoundMetrics]:
-  """One communication round of a baseline, all clients taking part.
+  """One communication round of a baseline over the clients it is given.
 
   Args:
     state: :class:`BaselineState` after ``state.round`` rounds.
@@ -538,6 +540,13 @@ def baseline_round(
       block) or ``auto`` (the default: ``shard`` on several devices, else
       ``map``); :func:`fedlap_jax.dispatch.run_clients`.
     mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all devices.
+    control_scale: SCAFFOLD's server variate update is
+      ``c += control_scale * sum_k w_k delta_c_k`` over the clients given
+      (``w`` the normalised server weights). ``1`` when all ``K`` clients take
+      part; ``m / K`` when the round runs ``m`` sampled clients
+      (:func:`fedlap_jax.participation.sampled_round`), as in Karimireddy et
+      al. (2020), eq. (5): ``c += (|S| / N) mean_{i in S} delta_c_i``, which
+      with uniform weights is exactly that. Static.
 
   Returns:
     ``(new_state, BaselineRoundMetrics)``.
@@ -580,7 +589,10 @@ def baseline_round(
         lambda d, c: -c[None] - d * scale.reshape((-1,) + (1,) * (d.ndim - 1)),
         deltas, control)
     client_controls = jax.tree.map(jnp.add, client_controls, delta_c)
-    control = jax.tree.map(jnp.add, control, _weighted_sum(weights, delta_c))
+    step = _weighted_sum(weights, delta_c)
+    if control_scale != 1.0:  # sampled clients (static: the all-clients program is unchanged)
+      step = jax.tree.map(lambda d: control_scale * d, step)
+    control = jax.tree.map(jnp.add, control, step)
     control_norm = tree_distance(control, jax.tree.map(jnp.zeros_like, control))
 
   new_state = BaselineState(params, m, key, control, client_controls)
@@ -591,7 +603,8 @@ def baseline_round(
 # One jit shared by every algorithm built here: runs with equal configs (and the
 # same ``apply_fn`` object) share one compilation; a run compiles once.
 _round_jit = jax.jit(baseline_round,
-                     static_argnames=("apply_fn", "config", "client_backend", "mesh"))
+                     static_argnames=("apply_fn", "config", "client_backend", "mesh",
+                                      "control_scale"))
 
 
 def init_baseline_state(key: jax.Array, params: PyTree, clients: ClientData,
@@ -709,6 +722,7 @@ def algorithm(
     num_params: int,
     client_backend: str = "auto",
     mesh: Any = None,
+    clients_per_round: int | None = None,
 ) -> FederatedAlgorithm:
   """A baseline as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
 
@@ -730,6 +744,11 @@ def algorithm(
     client_backend: ``vmap``, ``map``, ``shard`` or ``auto``
       (:func:`fedlap_jax.dispatch.run_clients`).
     mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all devices.
+    clients_per_round: ``m`` clients per round (``None``: all ``K``). Only
+      SCAFFOLD's server variate depends on it (``control_scale = m / K``,
+      :func:`baseline_round`); the round is run on the sampled clients by
+      :func:`fedlap_jax.participation.sampled_round`, which also carries the
+      unsampled clients' control variates unchanged.
 
   Returns:
     The :class:`FederatedAlgorithm`; ``dp_steps_per_round`` is ``T`` for DP
@@ -751,6 +770,10 @@ def algorithm(
   require(len(image_shape) == 3 and all(is_int(d) and d >= 1 for d in image_shape),
           "image_shape", image_shape, "(H, W, C) positive integers")
   one_of("client_backend", client_backend, CLIENT_BACKENDS)
+  require(clients_per_round is None or (is_int(clients_per_round)
+                                        and 1 <= clients_per_round <= num_clients),
+          "clients_per_round", clients_per_round, f"None or an integer in 1..{num_clients}")
+  control_scale = 1.0 if clients_per_round is None else clients_per_round / num_clients
   max_client_size, batch_size = local.max_client_size, local.batch_size
 
   def init(key, params, clients):
@@ -774,7 +797,8 @@ def algorithm(
     return init_baseline_state(key, params, clients, config)
 
   round_fn = functools.partial(_round_jit, apply_fn=apply_fn, config=config,
-                               client_backend=client_backend, mesh=mesh)
+                               client_backend=client_backend, mesh=mesh,
+                               control_scale=control_scale)
   return FederatedAlgorithm(
       name=method,
       init=init,
@@ -784,4 +808,5 @@ def algorithm(
       dp=config.dp if private else None,
       dp_steps_per_round=local.scheduled_steps() if private else None,
       batch_size=batch_size,
+      client_state_fields=("client_controls",) if method == "scaffold" else (),
   )

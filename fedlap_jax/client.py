@@ -16,6 +16,7 @@ structure (names as in the authors' implementation)::
       if ||w - w_g|| >= r: break
       for b in 1..batch_loop:               # lax.fori_loop
         Poisson batch, one DSA draw shared by real and synthetic batch
+        (real_dsa_strategy: the real batch's own families, e.g. none)
         g_real = grad on the batch          # DP: clip, noise, / B
         repeat R_b: S <- S - tau * momentum-SGD grad_S L_dis(g_real, grad_w L(w, S))
       (average_targets: g = mean of the batch_loop g_real, all at this w;
@@ -248,7 +249,8 @@ def local_approx(
   capacity = c.capacity
   num_records = jnp.sum(client_data.mask)
   rate = c.batch_size / jnp.maximum(num_records, 1).astype(jnp.float32)
-  augment = dsa.make_augment_fn(c.dsa_strategy)
+  augment_real = dsa.make_augment_fn(
+      c.dsa_strategy if c.real_dsa_strategy is None else c.real_dsa_strategy)
   opt = image_optimizer(c)
   syn_weights = synthetic.mask.astype(jnp.float32)
   if c.dsa_family_draw == "per_client":
@@ -263,7 +265,7 @@ def local_approx(
 
     def chunk_sums(indices, is_padding):
       # One DSA draw per batch (every chunk gets the same transform).
-      xb = augment(k_aug, client_data.images(indices), family_key=f_aug)
+      xb = augment_real(k_aug, client_data.images(indices), family_key=f_aug)
       yb = client_data.y[indices]
       if c.dp is None:
         return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,

@@ -109,7 +109,7 @@ class SyntheticSet(NamedTuple):
 
 
 def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
-                  pixel_scale=None, pixel_offset=None) -> ClientData:
+                  pixel_scale=None, pixel_offset=None, on_host: bool = False) -> ClientData:
   """Pads per-client arrays to the largest client and stacks them.
 
   Images keep their dtype: pass uint8 pixels with ``pixel_scale`` and
@@ -121,6 +121,9 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
     xs: K arrays ``(N_k, H, W, C)``; ys: K label arrays ``(N_k,)``.
     pixel_scale, pixel_offset: ``(C,)`` per-channel normalisation shared by
       all clients, or both None if ``xs`` already hold float model inputs.
+    on_host: leaves are host NumPy arrays instead of device arrays (client
+      sampling moves only each round's block to the device,
+      :func:`fedlap_jax.participation.device_block`).
 
   Returns:
     :class:`ClientData` with leaves ``(K, N_max, ...)``, a validity mask and,
@@ -157,11 +160,12 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
       if v.shape != (channels,):
         raise ValueError(f"{name} has shape {v.shape}; allowed: ({channels},), one value per "
                          "image channel")
-      norm[name] = jnp.asarray(np.broadcast_to(v, (len(xs), channels)))
+      norm[name] = np.broadcast_to(v, (len(xs), channels))
   n_max = max(len(x) for x in xs)
   def pad(a):
     return np.concatenate([a, np.zeros((n_max - len(a), *a.shape[1:]), a.dtype)])
   x = np.stack([pad(x) for x in xs])
   y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
   mask = np.stack([np.arange(n_max) < len(x) for x in xs])
-  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask), **norm)
+  put = np.ascontiguousarray if on_host else jnp.asarray
+  return ClientData(put(x), put(y), put(mask), **{k: put(v) for k, v in norm.items()})

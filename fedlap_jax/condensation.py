@@ -627,4 +627,6 @@ def algorithm(apply_fn: ApplyFn, init_fn: InitFn, config: OneShotConfig, *,
       dp=c.dp,
       dp_steps_per_round=c.real_accesses_per_round if c.dp is not None else None,
       batch_size=c.batch_size,
+      # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
+      client_state_fields=() if config.centralized else ("synthetic",),
   )

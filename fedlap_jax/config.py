@@ -157,6 +157,14 @@ class ClientConfig:
       all of them, to bound its cost.
     dsa_strategy: DSA families, e.g. ``"color_crop_cutout_flip_scale_rotate"``;
       ``""`` for none.
+    real_dsa_strategy: DSA families applied to the real batches whose
+      (noisy) gradients are the matching targets; ``None`` (the paper): the
+      same as ``dsa_strategy``, one draw shared by the real and the synthetic
+      batch. ``""`` takes the real gradients on the records as they are (as
+      DP-FedAvg does) while the synthetic batches keep ``dsa_strategy``; with
+      ``model_steps='noisy_real'`` the client's model then steps along the
+      gradient of the real data, not of augmented data. Privacy is unchanged:
+      each record is still clipped and noised once per access.
     dsa_family_draw: who draws the DSA family of each augmented batch:
       ``"shared"`` (default): one draw per step common to the clients of a
       round, each client still drawing its own parameters of that family
@@ -183,7 +191,11 @@ class ClientConfig:
       Needs ``average_targets``. Under DP the trajectory is a function of
       released noisy gradients (post-processing; the next batch is an
       adaptive query, as in DP-SGD): ``(q, sigma, T)`` still bound it. The
-      client then also has a model delta to send (``server.start``).
+      client then also has a model delta to send (``server.start``). With
+      ``batch_loop=1``, ``real_dsa_strategy=''`` and a ``radius`` the
+      trajectory does not reach, the path is DP-FedAvg's local DP-SGD (the
+      paper's DSA on real batches cost ~9 points on the digits, the radius
+      ~3: README, issue 18).
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
   """
 
@@ -203,6 +215,7 @@ class ClientConfig:
   calibration_epochs: int = 100
   calibration_eval_size: int | None = None
   dsa_strategy: str = "color_crop_cutout_flip_scale_rotate"
+  real_dsa_strategy: str | None = None
   dsa_family_draw: str = "shared"
   poisson_capacity: int | None = None
   average_targets: bool = False
@@ -224,6 +237,8 @@ class ClientConfig:
       positive_int("calibration_eval_size", self.calibration_eval_size)
     check_poisson_capacity(self.poisson_capacity, self.batch_size)
     dsa_strategy("dsa_strategy", self.dsa_strategy)
+    if self.real_dsa_strategy is not None:
+      dsa_strategy("real_dsa_strategy", self.real_dsa_strategy)
     one_of("dsa_family_draw", self.dsa_family_draw, DSA_FAMILY_DRAWS)
     require(isinstance(self.average_targets, bool), "average_targets",
             self.average_targets, "True or False")

@@ -359,4 +359,5 @@ def algorithm(apply_fn: ApplyFn, embed_fn: EmbedFn, config: FedDMConfig, *,
       dp=None,
       dp_steps_per_round=None,
       batch_size=config.batch_size,
+      client_state_fields=("synthetic",),
   )

@@ -302,4 +302,5 @@ def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[in
       dp=cc.dp,
       dp_steps_per_round=cc.real_accesses_per_round if cc.dp is not None else None,
       batch_size=cc.batch_size,
+      client_state_fields=("synthetic",),
   )

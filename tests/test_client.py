@@ -297,6 +297,29 @@ def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_pa
   assert run(dataclasses.replace(cfg, model_steps="synthetic"))[2].model_delta is None
 
 
+def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(run, tiny_apply_fn,
+                                                                         tiny_params,
+                                                                         client_data):
+  # The synthetic side augments (flip), the real batches do not (real_dsa_strategy=""): the
+  # noisy_real trajectory is then full-batch gradient descent on the records as they are, as in
+  # the test above. With the paper's default (real batches augmented like the synthetic ones,
+  # real_dsa_strategy=None) the flipped batches give other gradients and this fails.
+  cfg = dataclasses.replace(FIXED, batch_loop=1, boost_loop=1, average_targets=True,
+                            model_steps="noisy_real", dsa_strategy="flip", real_dsa_strategy="")
+  x = client_data.images(jnp.arange(client_data.y.shape[0]))
+  loss = lambda p: jnp.mean(cross_entropy(tiny_apply_fn(p, x), client_data.y))
+  w = tiny_params
+  for _ in range(cfg.max_outer):
+    w = jax.tree.map(lambda p, g: p - LR * g, w, jax.grad(loss)(w))
+  expected = jax.tree.map(jnp.subtract, w, tiny_params)
+  chex.assert_trees_all_close(run(cfg)[2].model_delta, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_real_dsa_strategy_is_validated():
+  with pytest.raises(ValueError, match="real_dsa_strategy='spin' is invalid"):
+    ClientConfig(real_dsa_strategy="spin")
+
+
 def test_noisy_real_needs_average_targets():
   with pytest.raises(ValueError, match="model_steps='noisy_real' is invalid.*average_targets"):
     ClientConfig(model_steps="noisy_real")

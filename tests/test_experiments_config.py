@@ -18,7 +18,7 @@ NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fm
          ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"),
          ("quickstart", "nondp"), ("quickstart_nondp", None), ("cifar_iid", None),
          ("cifar_iid", "dp"), ("mnist_dp_tuned", None), ("fmnist_dp_tuned", None),
-         ("cifar_dp_tuned", None), ("digits_dp_tuned", None)]
+         ("cifar_dp_tuned", None), ("digits_dp_tuned", None), ("digits_dp_hybrid", None)]
 NAMED += [("cifar_ablation_radius", s) for s in ("min", "max", "median", "fixed")]
 NAMED += [("cifar_ablation_ipc", str(i)) for i in (10, 20, 50, 100, 150, 200)]
 NAMED += [("cifar_ablation_fraction", str(p)) for p in (5, 10, 50, 100)]
@@ -135,6 +135,7 @@ BAD = [
     ("dp", {"client.image_lr": 0.0}, ["client.image_lr=0.0"]),
     ("dp", {"client.dsa_strategy": "color_blur"}, ["client.dsa_strategy", "blur"]),
     ("dp", {"server.dsa_strategy": "blur"}, ["server.dsa_strategy", "blur"]),
+    ("dp", {"client.real_dsa_strategy": "spin"}, ["client.real_dsa_strategy='spin'", "spin"]),
     ("dp", {"server.radius_strategy": "average"}, ["server.radius_strategy='average'", "median"]),
     ("dp", {"server.radius_strategy": "min"}, ["server.radius_strategy='min'", "DP is on"]),
     ("dp", {"synthetic_init": "real"}, ["synthetic_init='real'", "noise"]),
@@ -344,6 +345,24 @@ def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
       rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=c.batch_size,
       min_client_size=min_size, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
   assert 2.75 <= eps <= 2.80  # sigma 2.38 is the q ~ 0.17 calibration, rounded up
+
+
+def test_digits_hybrid_config_carries_the_recipe_at_epsilon_2_79():
+  # Issue 18's hybrid: DP-SGD client path on un-augmented real batches, FedAvg start, then
+  # 5 epochs of refinement on the synthetic sets at the server's own rate.
+  fc = validation.to_fedlap_config(load("digits_dp_hybrid"))
+  c, s = fc.client, fc.server
+  assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.batch_size, c.radius) == (
+      1, 20, 1, 20, 46, 1e4)
+  assert (c.average_targets, c.model_steps, c.real_dsa_strategy, c.dsa_strategy) == (
+      True, "noisy_real", "", quickstart.dp_config().client.dsa_strategy)
+  assert (s.start, s.radius_strategy, s.learning_rate, s.max_epochs) == (
+      "fedavg_delta", "constant", 0.03, 5)
+  assert (fc.rounds, fc.learning_rate, fc.lr_schedule) == (5, 0.3, "cosine_open")
+  eps = accounting.epsilon_after_rounds(
+      rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=c.batch_size,
+      min_client_size=274, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
+  assert c.real_accesses_per_round == 20 and 2.75 <= eps <= 2.80
 
 
 def test_paper_dp_configs_are_unchanged_by_the_recipe():

@@ -60,6 +60,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.partition = "paper"        # "paper" | "iid" | "dirichlet"
   config.data.dirichlet_alpha = 0.5
   config.data.num_clients = 5
+  # Clients per round m, uniform without replacement, seeded by (seed, round); None = all K
+  # (every round, every client). Each client's privacy ledger charges only the rounds it took
+  # part in (q_k = B / N_k); metrics.jsonl's epsilon is the maximum over clients.
+  config.data.clients_per_round = config_dict.placeholder(int)
   config.data.train_fraction = 1.0
   # Where mean/std come from: "auto" (published constants of mnist / fashion_mnist / cifar10,
   # else the training split) | "published" | "given" (data.mean, data.std per channel, of
@@ -91,6 +95,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.client.calibration_epochs = 100
   config.client.calibration_eval_size = config_dict.placeholder(int)
   config.client.dsa_strategy = DSA
+  # DSA of the real batches (the matching targets' data); None: dsa_strategy (paper), "": none.
+  config.client.real_dsa_strategy = config_dict.placeholder(str)
   # "shared": one DSA family per step for all clients (each its own parameters), so clients
   # run side by side compute one family; "per_client": each client draws its own (earlier
   # versions' random stream). Same accuracy (benchmarks/family_draw_accuracy.py).

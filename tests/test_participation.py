@@ -1,0 +1,260 @@
+"""Client sampling per round (data.clients_per_round) and per-client privacy ledgers.
+
+Unit level: the draw (uniform, deterministic per (seed, round)), the ledgers
+(a client never sampled spends nothing; all clients every round equals the
+single ledger with q = B / min_k N_k exactly), SCAFFOLD's m / K server variate.
+End to end (tiny FedLAP-DP on digits, 2 of 5 clients per round): unsampled
+clients' synthetic sets stay as they are, the ledger file holds every client,
+a run stopped after round 2 resumes identically, clients_per_round = K equals
+the run without sampling.
+"""
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedlap_jax import accounting, baselines, participation
+from fedlap_jax.checks import ConfigError
+
+pytest.importorskip("dp_accounting")
+
+# The paper's setting (tests/test_accounting.py): eps 2.79 after 1 round, 10.18 after 15.
+PAPER = dict(noise_multiplier=1.0, batch_size=256, steps_per_round=200, delta=1e-5)
+
+
+# ---------------------------------------------------------------- the draw
+
+
+def test_sample_is_uniform_without_replacement_and_a_function_of_seed_and_round():
+  draws = [participation.sample_clients(0, r, 20, 5) for r in range(1, 401)]
+  for d in draws:
+    assert d.dtype == np.int32 and len(d) == 5 and len(set(d.tolist())) == 5
+    assert np.all(np.diff(d) > 0) and d.min() >= 0 and d.max() < 20
+  again = [participation.sample_clients(0, r, 20, 5) for r in range(1, 401)]
+  assert all(np.array_equal(a, b) for a, b in zip(draws, again))
+  assert not np.array_equal(draws[0], draws[1])
+  assert not np.array_equal(draws[0], participation.sample_clients(1, 1, 20, 5))
+  # Uniform: each client in 400 * 5 / 20 = 100 draws; binomial sd ~ 8.7.
+  counts = np.bincount(np.concatenate(draws), minlength=20)
+  assert counts.sum() == 2000 and np.all(np.abs(counts - 100) < 40), counts
+
+
+def test_all_clients_is_every_client_in_order():
+  for m in (None, 7):
+    np.testing.assert_array_equal(participation.sample_clients(3, 9, 7, m), np.arange(7))
+
+
+@pytest.mark.parametrize("value", [0, 6, -1, 2.5, True, "3"])
+def test_bad_clients_per_round_names_field_value_and_range(value):
+  with pytest.raises(ConfigError) as e:
+    participation.check_clients_per_round(value, 5)
+  msg = str(e.value)
+  assert "data.clients_per_round" in msg and repr(value) in msg and "1..5" in msg
+
+
+def test_config_validation_refuses_more_clients_than_k():
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  cfg = quickstart.dp_config()
+  cfg.data.clients_per_round = 6
+  with pytest.raises(ConfigError, match="data.clients_per_round"):
+    validation.validate_config(cfg)
+
+
+# ---------------------------------------------------------------- the ledgers
+
+
+def test_client_never_sampled_spends_nothing_and_each_pays_its_own_rate():
+  ledgers = accounting.ClientLedgers.create(client_sizes=[10_000, 20_000, 10_000],
+                                            **PAPER)
+  ledgers.record_round([0, 1])
+  ledgers.record_round([1])
+  eps = ledgers.epsilons()
+  assert eps[2] == 0.0 and ledgers.ledgers[2].rounds == 0
+  assert eps[0] == pytest.approx(2.79, abs=0.01)  # one round at q = 256 / 10,000
+  assert 0 < eps[1] < accounting.epsilon_after_rounds(rounds=2, min_client_size=10_000,
+                                                      **PAPER)  # q = 256 / 20,000
+  assert eps[1] == pytest.approx(accounting.epsilon_after_rounds(
+      rounds=2, min_client_size=20_000, **PAPER), rel=1e-9)
+  assert ledgers.epsilon == max(eps)
+  assert ledgers.summary() == {"min": 0.0, "median": sorted(eps)[1], "max": max(eps)}
+
+
+def test_all_clients_every_round_equals_the_single_ledger_exactly():
+  sizes = [12_000, 10_000, 12_000]
+  ledgers = accounting.ClientLedgers.create(client_sizes=sizes, **PAPER)
+  single = accounting.PrivacyLedger(min_client_size=min(sizes), **PAPER)
+  for _ in range(15):
+    assert ledgers.record_round(range(3)) == single.record_round()
+  assert ledgers.epsilon == single.epsilon == pytest.approx(10.18, abs=0.01)
+  assert single.epsilons[0] == pytest.approx(2.79, abs=0.01)
+
+
+def test_ledgers_round_trip_and_refuse_tampering():
+  ledgers = accounting.ClientLedgers.create(client_sizes=[10_000, 12_000, 10_000], **PAPER)
+  ledgers.record_round([0, 2])
+  ledgers.record_round([1, 2])
+  d = json.loads(json.dumps(ledgers.to_dict()))
+  back = accounting.ClientLedgers.from_dict(d)
+  assert back.epsilons() == ledgers.epsilons() and back.participants == [[0, 2], [1, 2]]
+  back.record_round([0])
+  ledgers.record_round([0])
+  assert back.epsilons() == ledgers.epsilons()
+  edited = json.loads(json.dumps(d))
+  edited["clients"][1]["epsilons"][0] *= 0.5
+  with pytest.raises(ValueError, match="does not match the recomputed"):
+    accounting.ClientLedgers.from_dict(edited)
+  dropped = json.loads(json.dumps(d))
+  dropped["participants"][0] = [0]  # client 2's ledger holds 2 rounds, the history 1
+  with pytest.raises(ValueError, match="client 2's ledger records 2 rounds"):
+    accounting.ClientLedgers.from_dict(dropped)
+  with pytest.raises(ValueError, match="distinct client indices"):
+    ledgers.record_round([0, 0])
+  with pytest.raises(ValueError, match="distinct client indices"):
+    ledgers.record_round([3])
+
+
+# ---------------------------------------------------------------- SCAFFOLD
+
+
+@pytest.mark.slow
+def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
+    tiny_apply_fn, tiny_params, clients):
+  sizes = np.asarray(clients.mask).sum(1)
+  cfg = baselines.baseline_config("scaffold", rounds=2, learning_rate=0.1, local_epochs=1,
+                                  batch_size=64, prox_mu=0.0, dp=None,
+                                  max_client_size=int(sizes.max()), weighting="uniform")
+  shape = dict(image_shape=(8, 8, 1), num_params=sum(p.size for p in
+                                                    jax.tree.leaves(tiny_params)))
+  sampled = baselines.algorithm(tiny_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
+  assert sampled.client_state_fields == ("client_controls",)
+  idx = np.array([1, 3], np.int32)
+  host = participation.host_clients(clients)
+  block = participation.device_block(host, idx)
+  key = jax.random.PRNGKey(4)
+  state = sampled.init(key, tiny_params, host)
+  new, metrics = participation.sampled_round(sampled, state, block, idx)
+  assert np.asarray(metrics.client.steps).shape == (2,)
+  # The same two clients as a federation of two (scale 1): same model, variates, and c / (2/5).
+  pair = baselines.algorithm(tiny_apply_fn, cfg, num_clients=2, **shape)
+  ref, _ = pair.round(pair.init(key, tiny_params, block), block)
+  chex.assert_trees_all_close(new.params, ref.params, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(jax.tree.map(lambda c: c[idx], new.client_controls),
+                              ref.client_controls, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(new.control, jax.tree.map(lambda c: 0.4 * c, ref.control),
+                              rtol=1e-6, atol=1e-8)
+  for k in (0, 2, 4):
+    assert all(float(jnp.abs(c[k]).max()) == 0.0 for c in jax.tree.leaves(new.client_controls))
+  assert any(float(jnp.abs(c[1]).max()) > 0 for c in jax.tree.leaves(new.client_controls))
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def sampled_runs(tmp_path_factory):
+  """Tiny FedLAP-DP, 2 of 5 clients per round, 4 rounds: straight, and stopped after round 2."""
+  from test_experiments_run import tiny_config  # pylint: disable=g-import-not-at-top
+  from experiments import faults, train  # pylint: disable=g-import-not-at-top
+  overrides = dict(progress_bar=False, plots=False, checkpoint_every=1,
+                   snapshot_rounds=(), **{"data.clients_per_round": 2})
+  straight_dir = tmp_path_factory.mktemp("sampled_straight")
+  straight = train.train_and_evaluate(tiny_config(**overrides), straight_dir)
+  resumed_dir = tmp_path_factory.mktemp("sampled_resumed")
+  mp = pytest.MonkeyPatch()
+  original = faults.point
+
+  def stop_in_round_3(name, m):
+    if name == "round" and m == 3:
+      raise RuntimeError("stopped in round 3")
+    return original(name, m)
+
+  mp.setattr(faults, "point", stop_in_round_3)
+  with pytest.raises(RuntimeError, match="stopped in round 3"):
+    train.train_and_evaluate(tiny_config(**overrides), resumed_dir)
+  mp.undo()
+  resumed = train.train_and_evaluate(tiny_config(**overrides), resumed_dir)
+  return tiny_config, train, overrides, (straight_dir, straight), (resumed_dir, resumed)
+
+
+@pytest.mark.slow
+def test_sampled_run_charges_only_participants_and_keeps_unsampled_sets(sampled_runs):
+  tiny_config, train, overrides, (workdir, out), _ = sampled_runs
+  records = out["records"]
+  drawn = [r["clients"] for r in records]
+  assert drawn == [participation.sample_clients(0, m, 5, 2).tolist() for m in (1, 2, 3, 4)]
+  stored = json.loads((workdir / "privacy_ledger.json").read_text())
+  ledgers = accounting.ClientLedgers.from_dict(stored)
+  assert ledgers.participants == drawn
+  eps = ledgers.epsilons()
+  taken = {k for d in drawn for k in d}
+  for k in range(5):
+    rounds = sum(k in d for d in drawn)
+    assert ledgers.ledgers[k].rounds == rounds
+    assert (eps[k] == 0.0) == (rounds == 0)
+  assert records[-1]["epsilon"] == max(eps)
+  assert records[-1]["epsilon_clients"]["max"] == max(eps)
+  assert records[-1]["epsilon_clients"]["min"] == min(eps)
+  per_client = [k for k, v in records[-1].items()
+                if isinstance(v, list) and len(v) == 2 and k != "clients"]
+  assert per_client  # per-client metrics are of the 2 sampled clients
+  # FedLAP-DP carries synthetic sets: those of clients never sampled are the initial noise.
+  setup = train.build_run(tiny_config(**overrides))
+  before, after = np.asarray(setup.state.synthetic.x), np.asarray(out["state"].synthetic.x)
+  for k in range(5):
+    if k in taken:
+      assert not np.array_equal(before[k], after[k])
+    else:
+      np.testing.assert_array_equal(before[k], after[k])
+  assert isinstance(setup.clients.x, np.ndarray)  # data on the host when m < K
+
+
+@pytest.mark.slow
+def test_sampled_run_resumes_identically(sampled_runs):
+  *_, (straight_dir, straight), (resumed_dir, resumed) = sampled_runs
+  timing = ("round_seconds", "wall_seconds", "first_in_process")
+  strip = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in rs]
+  assert strip(resumed["records"]) == strip(straight["records"])
+  assert resumed["ledger"] == straight["ledger"]
+  assert (json.loads((resumed_dir / "privacy_ledger.json").read_text())
+          == json.loads((straight_dir / "privacy_ledger.json").read_text()))
+
+
+@pytest.mark.slow
+def test_clients_per_round_k_equals_no_sampling(sampled_runs, tmp_path):
+  tiny_config, train, _, _, _ = sampled_runs
+  base = dict(progress_bar=False, plots=False, snapshot_rounds=())  # 4 rounds, as tiny runs
+  plain = train.train_and_evaluate(tiny_config(**base), tmp_path / "plain")
+  full = train.train_and_evaluate(tiny_config(**base, **{"data.clients_per_round": 5}),
+                                  tmp_path / "full")
+  chex.assert_trees_all_equal(plain["state"].params, full["state"].params)
+  for a, b in zip(plain["records"], full["records"]):
+    assert a["test_accuracy"] == b["test_accuracy"] and a["epsilon"] == b["epsilon"]
+    assert b["clients"] == [0, 1, 2, 3, 4]
+    assert b["epsilon_clients"]["max"] == a["epsilon"]
+  assert "clients" not in plain["records"][0]
+  assert set(plain["ledger"]) >= {"epsilons", "min_client_size"}  # today's single ledger
+
+
+# ---------------------------------------------------------------- the benchmark's settings
+
+
+def test_many_clients_benchmark_configs_are_valid_and_sample():
+  from benchmarks import many_clients  # pylint: disable=g-import-not-at-top
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  for method in many_clients.METHODS:
+    for k, m in ((500, 5), (500, None), (5, None)):
+      cfg = many_clients.bench_config(method, k, m, rounds=3, small=False)
+      validation.validate_config(cfg)
+      assert cfg.data.partition == "dirichlet" and cfg.data.dirichlet_alpha == 0.5
+      assert cfg.data.clients_per_round == m and cfg.client.batch_size == many_clients.BATCH
+  row = dict(method="fedlap_dp", clients=500, per_round=5, n_min=3, n_max=48,
+             first_round_s=1.0, round_s=0.5, accounting_s=0.1, peak_rss_mb=900.0,
+             host_data_mb=18.8, block_mb=0.19, load=[3.0, 3.1])
+  lines = many_clients.table([row]).splitlines()
+  assert len(lines) == 3 and lines[2].startswith("| fedlap_dp | 500 | 5 | 3..48 | 1.0 | 0.5 | 0.1")
+  assert lines[0].count("|") == lines[2].count("|")
