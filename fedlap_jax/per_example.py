@@ -275,7 +275,7 @@ def discover(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[LayerCall
 
 
 # Microbatch size that method="auto" uses on CPU for matmul-convolution models.
-CPU_MICROBATCH = 64
+CPU_MICROBATCH = 16
 
 
 def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int | None]:

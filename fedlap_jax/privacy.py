@@ -27,7 +27,7 @@ per-layer per-example gradients, for models built from Flax layers),
 trace time: ``vmap`` for models whose convolutions are matrix products, such
 as the ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for
 anything else; for matmul-convolution models on the CPU backend also
-microbatches of 64 when none is given, which skip the all-padding tail of a
+microbatches of 16 (`per_example.CPU_MICROBATCH`) when none is given, which skip the all-padding tail of a
 Poisson buffer). Every method gives the same result up to float rounding;
 BENCHMARKS.md compares their speed. The loss is
 :func:`fedlap_jax.losses.cross_entropy` (also importable from here).
@@ -171,7 +171,7 @@ def real_gradient(
       result up to float summation order, for models whose outputs depend on
       their own example only. ``"auto"``: the microbatch
       :func:`fedlap_jax.per_example.auto_plan` picks for the DP gradient
-      (chunks of 64 for matrix-product convolutions on the CPU backend, one
+      (chunks of 16 for matrix-product convolutions on the CPU backend, one
       pass otherwise; BENCHMARKS.md has the timings). With chunks the result
       is not reverse-differentiable (data-dependent loop length).
 

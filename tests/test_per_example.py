@@ -148,8 +148,9 @@ def test_auto_prefers_layerwise_only_where_it_pays():
 def test_auto_microbatches_only_matmul_conv_models_on_cpu():
   # Microbatches paid off only for matmul convolutions on CPU; they slowed the
   # layer-wise path and vmap with XLA's convolution, so those keep one pass.
-  big = jnp.zeros((65, *_batch()[0].shape[1:]))
-  small = big[:64]
+  m = per_example.CPU_MICROBATCH
+  big = jnp.zeros((m + 1, *_batch()[0].shape[1:]))
+  small = big[:m]
   on_cpu = jax.default_backend() == "cpu"
   for kind in ("im2col", "hybrid"):
     apply_fn, params = _model(kind)
