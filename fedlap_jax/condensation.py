@@ -87,7 +87,7 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.checks import (ConfigError, dsa_strategy, is_real, nonneg_int, one_of,
+from fedlap_jax.checks import (ConfigError, is_real, nonneg_int, one_of,
                                positive_float, positive_int, require)
 from fedlap_jax.client import class_batch, class_blocks, matching_step
 from fedlap_jax.client_data import ClientData, SyntheticSet

@@ -64,7 +64,7 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.checks import (dsa_strategy, is_real, one_of, positive_float,
+from fedlap_jax.checks import (is_real, one_of, positive_float,
                                positive_int, require)
 from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import ClientData, SyntheticSet
