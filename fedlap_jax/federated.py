@@ -180,8 +180,6 @@ def init_state(
                       "'noise' (real images must not be published)",
                       message=f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
                       "allowed: 'noise' (real images must not be published)")
-  if config.client.ipc < 1:
-    raise ConfigError("ipc", config.client.ipc, "an integer >= 1")
   sizes = [int(np.sum(m)) for m in np.asarray(clients.mask)]
   if config.client.batch_size > min(sizes):
     raise ConfigError(
