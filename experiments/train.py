@@ -610,21 +610,18 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   per_round = cfg.data.get("clients_per_round")
   sampled = samples_clients(cfg)
   fresh_ledger = None
-  if private and per_round is not None:  # one ledger per client, charged when it takes part
-    fresh_ledger = accounting.ClientLedgers.create(
-        client_sizes=sizes, noise_multiplier=alg.dp.noise_multiplier,
-        batch_size=alg.batch_size, steps_per_round=alg.dp_steps_per_round, delta=alg.dp.delta)
-  elif private:  # every client every round: the smallest client's ledger is the maximum
-    fresh_ledger = accounting.PrivacyLedger(
-        noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
-        min_client_size=privacy["min_client_size"], steps_per_round=alg.dp_steps_per_round,
-        delta=alg.dp.delta)
-  if private and cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
-    # The smallest client taking part in every round: the bound of every client's ledger.
-    validation.check_target_epsilon(cfg, accounting.epsilon_after_rounds(
-        rounds=cfg.rounds, noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
-        min_client_size=privacy["min_client_size"], steps_per_round=alg.dp_steps_per_round,
-        delta=alg.dp.delta))
+  if private:
+    mechanism = dict(noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
+                     steps_per_round=alg.dp_steps_per_round, delta=alg.dp.delta)
+    smallest = privacy["min_client_size"]
+    if per_round is not None:  # one ledger per client, charged when it takes part
+      fresh_ledger = accounting.ClientLedgers.create(client_sizes=sizes, **mechanism)
+    else:  # every client every round: the smallest client's ledger is the maximum
+      fresh_ledger = accounting.PrivacyLedger(min_client_size=smallest, **mechanism)
+    if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
+      # The smallest client taking part in every round bounds every client's ledger.
+      validation.check_target_epsilon(cfg, accounting.epsilon_after_rounds(
+          rounds=cfg.rounds, min_client_size=smallest, **mechanism))
 
   info = dict(
       config_name=config_name, method=cfg.method,
