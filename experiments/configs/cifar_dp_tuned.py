@@ -34,23 +34,19 @@ NOISE_MULTIPLIER = 2.38
 SAMPLING_RATE = 0.169   # B / min N_k the recipe was tuned at
 
 
+# The recipe as overrides of a DP config (flattened field names).
+RECIPE = {
+    "rounds": ROUNDS, "learning_rate": 0.2, "lr_schedule": "cosine_open",
+    "client.iterations": 1, "client.max_outer": 2, "client.batch_loop": 10,
+    "client.average_targets": True, "client.boost_loop": 50, "client.inner_loop": 5,
+    "client.radius": 10.0, "server.max_epochs": 30,
+    "dp.noise_multiplier": NOISE_MULTIPLIER, "snapshot_rounds": (1, ROUNDS),
+}
+
+
 def apply_tuned_dp(config, batch_size: int):
   """Turns a DP config (``cifar_dp.apply_dp``) into the tuned recipe with Poisson batch ``batch_size``."""
-  config.rounds = ROUNDS
-  config.learning_rate = 0.2
-  config.lr_schedule = "cosine_open"
-  c = config.client
-  c.batch_size = batch_size
-  c.iterations = 1
-  c.max_outer = 2
-  c.batch_loop = 10
-  c.average_targets = True
-  c.boost_loop = 50
-  c.inner_loop = 5
-  c.radius = 10.0
-  config.server.max_epochs = 30
-  config.dp.noise_multiplier = NOISE_MULTIPLIER
-  config.snapshot_rounds = (1, ROUNDS)
+  config.update_from_flattened_dict({**RECIPE, "client.batch_size": batch_size})
   return config
 
 

@@ -37,27 +37,21 @@ ROUNDS = 5
 NOISE_MULTIPLIER = 2.92   # epsilon 2.78 after ROUNDS rounds at q = 46 / 274, T = 20
 
 
+# The recipe as overrides of a FedLAP-DP config (flattened field names).
+RECIPE = {
+    "rounds": ROUNDS, "learning_rate": 0.3, "lr_schedule": "cosine_open",
+    "client.iterations": 1, "client.max_outer": 20, "client.batch_loop": 1,
+    "client.boost_loop": 20, "client.average_targets": True, "client.model_steps": "noisy_real",
+    "client.real_dsa_strategy": "", "client.radius": 1e4,
+    "server.start": "fedavg_delta", "server.radius_strategy": "constant",
+    "server.learning_rate": 0.03, "server.max_epochs": 5,
+    "dp.noise_multiplier": NOISE_MULTIPLIER, "snapshot_rounds": (1, ROUNDS),
+}
+
+
 def apply_hybrid_dp(config, batch_size: int):
   """Turns a FedLAP-DP config into the hybrid recipe with Poisson batch ``batch_size`` (q ~ 0.17)."""
-  config.rounds = ROUNDS
-  config.learning_rate = 0.3
-  config.lr_schedule = "cosine_open"
-  c = config.client
-  c.batch_size = batch_size
-  c.iterations = 1
-  c.max_outer = 20
-  c.batch_loop = 1
-  c.boost_loop = 20
-  c.average_targets = True
-  c.model_steps = "noisy_real"
-  c.real_dsa_strategy = ""
-  c.radius = 1e4
-  config.server.start = "fedavg_delta"
-  config.server.radius_strategy = "constant"
-  config.server.learning_rate = 0.03
-  config.server.max_epochs = 5
-  config.dp.noise_multiplier = NOISE_MULTIPLIER
-  config.snapshot_rounds = (1, ROUNDS)
+  config.update_from_flattened_dict({**RECIPE, "client.batch_size": batch_size})
   return config
 
 
