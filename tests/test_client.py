@@ -280,6 +280,16 @@ def test_average_targets_must_be_a_bool():
     ClientConfig(average_targets=1)
 
 
+def _gradient_descent(apply_fn, params, client_data, steps):
+  """``params`` after ``steps`` full-batch gradient steps of rate LR on every record, as they are."""
+  x = client_data.images(jnp.arange(client_data.y.shape[0]))
+  loss = lambda p: jnp.mean(cross_entropy(apply_fn(p, x), client_data.y))
+  w = params
+  for _ in range(steps):
+    w = jax.tree.map(lambda p, g: p - LR * g, w, jax.grad(loss)(w))
+  return w
+
+
 def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_params,
                                                      client_data):
   # q = 1, no DSA, no DP, batch_loop = 1: each while-loop iteration's target is the
@@ -288,11 +298,7 @@ def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_pa
   # are equal, so their mean is that). The paper's steps (synthetic, R_l = 0) leave w alone.
   cfg = dataclasses.replace(FIXED, batch_loop=1, average_targets=True, model_steps="noisy_real")
   _, _, m = run(cfg)
-  x = client_data.images(jnp.arange(client_data.y.shape[0]))
-  loss = lambda p: jnp.mean(cross_entropy(tiny_apply_fn(p, x), client_data.y))
-  w = tiny_params
-  for _ in range(cfg.max_outer):
-    w = jax.tree.map(lambda p, g: p - LR * g, w, jax.grad(loss)(w))
+  w = _gradient_descent(tiny_apply_fn, tiny_params, client_data, cfg.max_outer)
   expected = jax.tree.map(jnp.subtract, w, tiny_params)
   chex.assert_trees_all_close(m.model_delta, expected, atol=1e-5, rtol=1e-4)
   np.testing.assert_allclose(np.asarray(m.trajectory_distance),
@@ -309,11 +315,7 @@ def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(run, tin
   # real_dsa_strategy=None) the flipped batches give other gradients and this fails.
   cfg = dataclasses.replace(FIXED, batch_loop=1, boost_loop=1, average_targets=True,
                             model_steps="noisy_real", dsa_strategy="flip", real_dsa_strategy="")
-  x = client_data.images(jnp.arange(client_data.y.shape[0]))
-  loss = lambda p: jnp.mean(cross_entropy(tiny_apply_fn(p, x), client_data.y))
-  w = tiny_params
-  for _ in range(cfg.max_outer):
-    w = jax.tree.map(lambda p, g: p - LR * g, w, jax.grad(loss)(w))
+  w = _gradient_descent(tiny_apply_fn, tiny_params, client_data, cfg.max_outer)
   expected = jax.tree.map(jnp.subtract, w, tiny_params)
   chex.assert_trees_all_close(run(cfg)[2].model_delta, expected, atol=1e-5, rtol=1e-4)
 
