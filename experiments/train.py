@@ -7,7 +7,8 @@ the round index lives in the state and is traced). With
 ``data.clients_per_round = m < K`` the clients' data stay on the host and each
 round runs :func:`fedlap_jax.participation.sampled_round` on the block of the
 ``m`` clients :func:`~fedlap_jax.participation.sample_clients` draws from
-``(seed, round)``. After every round it
+the public ``(data.participation_seed, round)`` (never the secret ``seed``: the
+participants are released). After every round it
 
 1. evaluates the global model on the full test split (jitted once),
 2. composes the round into the :class:`~fedlap_jax.accounting.PrivacyLedger`
@@ -289,7 +290,9 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
   smallest = int(min(client_sizes))
   per_round = cfg.data.get("clients_per_round")
   # Only when set, so checkpoints of runs without sampling keep their fingerprint.
-  sampling = {} if per_round is None else {"clients_per_round": int(per_round)}
+  sampling = {} if per_round is None else {
+      "clients_per_round": int(per_round),
+      "participation_seed": int(cfg.data.get("participation_seed", 0))}
   return {
       **sampling,
       "method": cfg.method,
@@ -608,6 +611,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   private = alg.dp is not None
   nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
   per_round = cfg.data.get("clients_per_round")
+  participation_seed = cfg.data.get("participation_seed", 0)  # public; never cfg.seed
   sampled = samples_clients(cfg)
   fresh_ledger = None
   if private:
@@ -716,7 +720,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     with stop:
       for m in range(start + 1, cfg.rounds + 1):
         t0 = time.time()
-        idx = participation.sample_clients(cfg.seed, m, num_clients, per_round)
+        idx = participation.sample_clients(participation_seed, m, num_clients, per_round)
         with round_compiles:
           if sampled:  # only the sampled clients' block goes to the device
             state, metrics = participation.sampled_round(

@@ -266,6 +266,9 @@ def validate_config(cfg) -> None:
   if not is_int(d.num_clients) or d.num_clients < 1:
     _fail("data.num_clients", d.num_clients, "an integer >= 1")
   participation.check_clients_per_round(d.get("clients_per_round"), d.num_clients)
+  participation_seed = d.get("participation_seed", 0)
+  if not is_int(participation_seed) or participation_seed < 0:
+    _fail("data.participation_seed", participation_seed, "an integer >= 0 (public)")
   if not is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
   _validate_normalisation(cfg)

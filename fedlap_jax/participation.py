@@ -6,8 +6,11 @@ Real federations do not run every client in every round. With
 * :func:`sample_clients` draws the round's ``m`` clients uniformly without
   replacement from ``K``; the draw depends only on ``(seed, round)``
   (``numpy.random.default_rng([seed, round, SAMPLING_STREAM])``), so a run
-  killed and resumed draws the same clients, and the draw is independent of the
-  algorithm's own PRNG key;
+  killed and resumed draws the same clients. Who takes part is released
+  (``metrics.jsonl``, the ledgers), so ``seed`` here must be public and
+  independent of the secret seed behind the noise (the driver passes
+  ``data.participation_seed``): participants drawn from the secret seed would let
+  anyone check seed guesses offline and then recompute the noise;
 * :func:`host_clients` keeps all clients' records on the host (NumPy) and
   :func:`device_block` moves only the sampled ``(m, N_max, ...)`` block to the
   device each round: a round's cost and device memory grow with ``m``, not
@@ -73,7 +76,8 @@ def sample_clients(seed: int, round_index: int, num_clients: int,
   Uniform without replacement; a pure function of ``(seed, round_index)``.
 
   Args:
-    seed: the run's seed (``config.seed``), >= 0.
+    seed: a public seed, >= 0 (``data.participation_seed``; never the secret
+      seed of the noise: the draw is released).
     round_index: the round, >= 1.
     num_clients: ``K``.
     clients_per_round: ``m`` in ``1..K``, or ``None`` for all.

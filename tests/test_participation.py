@@ -65,6 +65,15 @@ def test_config_validation_refuses_more_clients_than_k():
     validation.validate_config(cfg)
 
 
+def test_config_validation_refuses_a_negative_participation_seed():
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  cfg = quickstart.dp_config()
+  cfg.data.participation_seed = -1  # (ml_collections refuses other types itself)
+  with pytest.raises(ConfigError, match=r"data.participation_seed=.* allowed: an integer >= 0"):
+    validation.validate_config(cfg)
+
+
 # ---------------------------------------------------------------- the ledgers
 
 
@@ -258,3 +267,22 @@ def test_many_clients_benchmark_configs_are_valid_and_sample():
   lines = many_clients.table([row]).splitlines()
   assert len(lines) == 3 and lines[2].startswith("| fedlap_dp | 500 | 5 | 3..48 | 1.0 | 0.5 | 0.1")
   assert lines[0].count("|") == lines[2].count("|")
+
+
+# ---------------------------------------------------------------- privacy audit
+
+
+@pytest.mark.slow
+def test_released_participants_do_not_depend_on_the_secret_seed(sampled_runs, tmp_path):
+  """`clients` (metrics.jsonl, privacy_ledger.json) is released; the run's `seed` is secret
+  (it drives every noise draw). Participants drawn from the seed would let anyone test seed
+  guesses offline and then recompute the noise: they come from the public
+  data.participation_seed only."""
+  tiny_config, train, overrides, (_, out), _ = sampled_runs
+  other = train.train_and_evaluate(
+      tiny_config(**{**overrides, "rounds": 2, "seed": 7}), tmp_path / "seed7")
+  assert [r["clients"] for r in other["records"]] == [r["clients"] for r in out["records"][:2]]
+  moved = train.train_and_evaluate(
+      tiny_config(**{**overrides, "rounds": 2, "data.participation_seed": 1}), tmp_path / "p1")
+  assert ([r["clients"] for r in moved["records"]]
+          == [participation.sample_clients(1, m, 5, 2).tolist() for m in (1, 2)])

@@ -60,10 +60,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.partition = "paper"        # "paper" | "iid" | "dirichlet"
   config.data.dirichlet_alpha = 0.5
   config.data.num_clients = 5
-  # Clients per round m, uniform without replacement, seeded by (seed, round); None = all K
-  # (every round, every client). Each client's privacy ledger charges only the rounds it took
-  # part in (q_k = B / N_k); metrics.jsonl's epsilon is the maximum over clients.
+  # Clients per round m, uniform without replacement, drawn from (participation_seed, round);
+  # None = all K (every round, every client). Each client's privacy ledger charges only the
+  # rounds it took part in (q_k = B / N_k); metrics.jsonl's epsilon is the maximum over clients.
   config.data.clients_per_round = config_dict.placeholder(int)
+  # Public seed of the draw (who takes part is released): never the secret `seed`.
+  config.data.participation_seed = 0
   config.data.train_fraction = 1.0
   # Where mean/std come from: "auto" (published constants of mnist / fashion_mnist / cifar10,
   # else the training split) | "published" | "given" (data.mean, data.std per channel, of
