@@ -19,6 +19,7 @@ import pytest
 
 from fedlap_jax import accounting, baselines, participation
 from fedlap_jax.checks import ConfigError
+from fedlap_jax.client_data import stack_clients
 
 pytest.importorskip("dp_accounting")
 
@@ -286,3 +287,67 @@ def test_released_participants_do_not_depend_on_the_secret_seed(sampled_runs, tm
       tiny_config(**{**overrides, "rounds": 2, "data.participation_seed": 1}), tmp_path / "p1")
   assert ([r["clients"] for r in moved["records"]]
           == [participation.sample_clients(1, m, 5, 2).tolist() for m in (1, 2)])
+
+
+@pytest.mark.slow
+def test_sampled_dp_workdir_holds_only_dp_outputs_and_public_values(sampled_runs):
+  """An attacker's look at a sampled DP run's work dir: besides what a run without sampling
+  releases, only the participants (public draw) and values of the public sizes and
+  participation (the per-client ledgers and their epsilons)."""
+  from test_experiments_run import (PUBLIC_INFO_KEYS, RELEASED_RECORD_KEYS,  # pylint: disable=g-import-not-at-top
+                                    WORKDIR_FILES)
+  _, _, _, (workdir, out), _ = sampled_runs
+  listing = {p.name for p in workdir.iterdir()}
+  assert {n for n in listing if not n.endswith(".png")} <= set(WORKDIR_FILES), listing
+  records = out["records"]
+  for r in records:
+    assert set(r) <= RELEASED_RECORD_KEYS | {"clients", "epsilon_clients"}, set(r)
+    assert set(r["epsilon_clients"]) == {"min", "median", "max"}
+  info = json.loads((workdir / "run_info.json").read_text())
+  sampling_config = {"clients_per_round", "participation_seed"}  # config: public
+  assert set(info) <= PUBLIC_INFO_KEYS | sampling_config and "seed" not in info
+  assert info["participation_seed"] == 0
+  stored = json.loads((workdir / "privacy_ledger.json").read_text())
+  assert set(stored) == {"clients", "participants"}
+  assert stored["participants"] == [r["clients"] for r in records]
+  for k, ledger in enumerate(stored["clients"]):
+    assert set(ledger) == {"noise_multiplier", "batch_size", "min_client_size",
+                           "steps_per_round", "delta", "participation", "rounds", "steps",
+                           "epsilons"}
+    assert ledger["min_client_size"] == info["client_sizes"][k]  # N_k: public
+
+
+@pytest.mark.slow
+def test_every_noisy_access_of_a_sampled_client_reaches_its_ledger(sampled_runs):
+  """Each round charges every participant T = steps_per_round noisy accesses (the worst case),
+  and no client accessed its records more often than that; non-participants run nothing."""
+  _, _, _, (workdir, out), _ = sampled_runs
+  ledgers = accounting.ClientLedgers.from_dict(
+      json.loads((workdir / "privacy_ledger.json").read_text()))
+  t = ledgers.ledgers[0].steps_per_round
+  charged = [0] * 5
+  for r in out["records"]:
+    assert len(r["real_accesses"]) == len(r["clients"]) == 2
+    for k, accesses in zip(r["clients"], r["real_accesses"]):
+      assert 1 <= accesses <= t  # the while loop may stop early, never run over
+      charged[k] += 1
+  for k in range(5):
+    assert ledgers.ledgers[k].steps == [t] * charged[k]
+
+
+def test_the_sampled_block_holds_every_record_of_the_sampled_clients():
+  """No record of a sampled client is dropped on the way to the device: the block's mask
+  covers each client's N_k records and its data are the host rows, in the draw's order."""
+  rng = np.random.default_rng(0)
+  sizes = [3, 9, 5, 7, 4]
+  xs = [rng.normal(size=(n, 4, 4, 1)).astype(np.float32) for n in sizes]
+  ys = [rng.integers(0, 10, n) for n in sizes]
+  host = stack_clients(xs, ys, on_host=True)
+  idx = participation.sample_clients(3, 2, 5, 3)
+  block = participation.device_block(host, idx)
+  chex.assert_shape(block.x, (3, 9, 4, 4, 1))
+  for j, k in enumerate(idx):
+    mask = np.asarray(block.mask[j])
+    assert mask.sum() == sizes[k] and mask[:sizes[k]].all()
+    np.testing.assert_array_equal(np.asarray(block.x[j])[mask], xs[k])
+    np.testing.assert_array_equal(np.asarray(block.y[j])[mask], ys[k])
