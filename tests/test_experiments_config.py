@@ -18,7 +18,8 @@ NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fm
          ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"),
          ("quickstart", "nondp"), ("quickstart_nondp", None), ("cifar_iid", None),
          ("cifar_iid", "dp"), ("mnist_dp_tuned", None), ("fmnist_dp_tuned", None),
-         ("cifar_dp_tuned", None), ("digits_dp_tuned", None), ("digits_dp_hybrid", None)]
+         ("cifar_dp_tuned", None), ("digits_dp_tuned", None), ("digits_dp_hybrid", None),
+         ("mnist_dp_hybrid", None), ("fmnist_dp_hybrid", None)]
 NAMED += [("cifar_ablation_radius", s) for s in ("min", "max", "median", "fixed")]
 NAMED += [("cifar_ablation_ipc", str(i)) for i in (10, 20, 50, 100, 150, 200)]
 NAMED += [("cifar_ablation_fraction", str(p)) for p in (5, 10, 50, 100)]
@@ -363,6 +364,33 @@ def test_digits_hybrid_config_carries_the_recipe_at_epsilon_2_79():
       rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=c.batch_size,
       min_client_size=274, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
   assert c.real_accesses_per_round == 20 and 2.75 <= eps <= 2.80
+
+
+# (config, nominal smallest client, (C, eta_0), the 10k-subset's (B, smallest client)).
+HYBRID = [("mnist_dp_hybrid", 11339, (0.1, 2.0), (256, 1513)),
+          ("fmnist_dp_hybrid", 12000, (1.0, 0.3), (263, 1555))]
+
+
+@pytest.mark.parametrize("name,min_size,clip_lr,subset", HYBRID)
+def test_mnist_hybrid_configs_split_the_budget_over_10_rounds_at_epsilon_2_79(
+    name, min_size, clip_lr, subset):
+  # The digits' hybrid with the split that won on mnist10k / fmnist10k: T 35, 10 rounds, q 0.169.
+  cfg = load(name)
+  validation.validate_config(cfg)
+  fc = validation.to_fedlap_config(cfg)
+  c, s = fc.client, fc.server
+  assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.radius) == (1, 35, 1, 20, 1e4)
+  assert (c.average_targets, c.model_steps, c.real_dsa_strategy) == (True, "noisy_real", "")
+  assert (s.start, s.radius_strategy, s.learning_rate, s.max_epochs) == (
+      "fedavg_delta", "constant", 0.03, 5)
+  assert (fc.rounds, fc.lr_schedule) == (10, "cosine_open")
+  assert (fc.dp.l2_clip_norm, fc.learning_rate) == clip_lr
+  assert c.batch_size / min_size == pytest.approx(0.169, abs=0.001)
+  for batch, smallest in ((c.batch_size, min_size), subset):  # the README's B for the subset
+    eps = accounting.epsilon_after_rounds(
+        rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=batch,
+        min_client_size=smallest, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
+    assert c.real_accesses_per_round == 35 and 2.75 <= eps <= 2.79, (batch, eps)
 
 
 def test_paper_dp_configs_are_unchanged_by_the_recipe():

@@ -49,9 +49,13 @@ RECIPE = {
 }
 
 
-def apply_hybrid_dp(config, batch_size: int):
-  """Turns a FedLAP-DP config into the hybrid recipe with Poisson batch ``batch_size`` (q ~ 0.17)."""
-  config.update_from_flattened_dict({**RECIPE, "client.batch_size": batch_size})
+def apply_hybrid_dp(config, batch_size: int, **overrides):
+  """Turns a FedLAP-DP config into the hybrid recipe with Poisson batch ``batch_size`` (q ~ 0.17).
+
+  ``overrides``: flattened field names (``"client.max_outer"``, ``"dp.l2_clip_norm"``, ...)
+  that replace the digits' values of ``RECIPE`` (``mnist_dp_hybrid``, ``fmnist_dp_hybrid``).
+  """
+  config.update_from_flattened_dict({**RECIPE, "client.batch_size": batch_size, **overrides})
   return config
 
 
