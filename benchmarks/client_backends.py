@@ -9,7 +9,7 @@ process CPU seconds per round (median), and the 1-minute load average before
 and after (this 2-core machine is shared; CPU seconds are the steadier figure
 under load)::
 
-  python -m benchmarks.client_backends --config=quickstart:dp
+  python -m benchmarks.client_backends --config=quickstart:dp_loops
   python -m benchmarks.client_backends --config=quickstart:nondp --variants map,vmap
 """
 
@@ -60,7 +60,7 @@ def measure(config: str, variant: str, rounds: int) -> dict:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="quickstart:dp")
+  parser.add_argument("--config", default="quickstart:dp_loops")
   parser.add_argument("--variants", default="map,vmap")
   parser.add_argument("--rounds", type=int, default=5)
   args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 r"""FedLAP(-DP) under experiments.run, Flower's simulation engine and its deployment engine.
 
   python -m benchmarks.flower_runs --out runs/flower_report \
-      [--configs quickstart:dp quickstart:nondp] [--overrides "rounds=3"] \
+      [--configs quickstart:dp_loops quickstart:nondp] [--overrides "rounds=3"] \
       [--engines experiments simulation deployment deployment-server-keys] \
       [--seeds 0 1 2] [--max-epsilon 50]
 
@@ -163,7 +163,7 @@ def report(results: dict, out: Path) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", type=Path, required=True)
-  p.add_argument("--configs", nargs="+", default=["quickstart:dp", "quickstart:nondp"])
+  p.add_argument("--configs", nargs="+", default=["quickstart:dp_loops", "quickstart:nondp"])
   p.add_argument("--overrides", default="")
   p.add_argument("--engines", nargs="+", default=list(ENGINES[:3]), choices=ENGINES)
   p.add_argument("--seeds", nargs="+", type=int, default=[0])

@@ -11,7 +11,7 @@ Two measurements on scikit-learn's digits (offline), printed as text:
    zero in exact arithmetic and float noise in float32; the cosine distance
    divides by its tiny norm, and under DP the noised real gradient does not
    cancel it.
-2. **Sensitivity.** One FedLAP-DP round of the ``quickstart:dp`` setting from
+2. **Sensitivity.** One FedLAP-DP round of the ``quickstart:dp_loops`` setting from
    the same state with the parameters scaled by ``1 + eps``: how far the
    synthetic images move. This is why runs on different device or thread
    counts agree per round to float precision but not after several rounds.

@@ -4,7 +4,7 @@ The library :mod:`fedlap_jax` never imports ``flwr``; this package is the
 bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
 
 * :mod:`fedlap_flower.settings` -- the app's run config and node config
-  (``config = "quickstart:dp"``, ``overrides``, ``partition-id``, ...) mapped
+  (``config = "quickstart:dp_loops"``, ``overrides``, ``partition-id``, ...) mapped
   onto the experiments' named ml_collections configs.
 * :mod:`fedlap_flower.task` -- model, keys, one client's data partition, the
   server's test split: everything built from a config, exactly as

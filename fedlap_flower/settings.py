@@ -1,7 +1,7 @@
 """The Flower app's settings: run config and node config onto the experiments' configs.
 
 One named config describes both ways of running: ``experiments.run
---config=quickstart:dp`` and the Flower app with ``config = "quickstart:dp"``
+--config=quickstart:dp_loops`` and the Flower app with ``config = "quickstart:dp_loops"``
 build the same ml_collections config (``experiments/configs/``), so the same
 data, partition, model, loop sizes, privacy parameters and seed.
 
@@ -70,7 +70,7 @@ from typing import Any, Mapping
 from fedlap_jax.checks import ConfigError
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {
-    "config": "quickstart:dp",
+    "config": "quickstart:dp_loops",
     "overrides": "",
     "run-dir": "",
     "min-clients": 0,
@@ -175,7 +175,7 @@ def load_config(name: str, overrides: str = ""):
 
   Returns:
     ``(cfg, label)``; ``label`` names the run as ``experiments.run`` does
-    (``quickstart:dp`` -> ``quickstart_dp``).
+    (``quickstart:dp_loops`` -> ``quickstart_dp_loops``).
 
   Raises:
     SettingsError: unknown config name, a suite config, a bad override, or a
@@ -185,7 +185,8 @@ def load_config(name: str, overrides: str = ""):
   from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
   from experiments import validation  # pylint: disable=g-import-not-at-top
   if not isinstance(name, str) or not name:
-    _fail("config", name, "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp'), or a path")
+    _fail("config", name,
+          "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops'), or a path")
   try:
     target, label = run_lib.resolve_config_arg(name)
   except run_lib.ConfigArgError as e:
@@ -202,7 +203,7 @@ def load_config(name: str, overrides: str = ""):
                         message=f"config={name!r} is invalid: {e}") from None
   if "suite" in cfg:
     _fail("config", name, f"one run, not a suite config (this one holds the runs "
-          f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp' or "
+          f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp_loops' or "
           "'quickstart:nondp'")
   cfg.lock()
   apply_overrides(cfg, overrides)

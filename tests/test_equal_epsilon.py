@@ -80,7 +80,7 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
     return {"records": [], "seconds": 0.0}
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
-  argv = ["prog", "--config=quickstart:dp", "--config.dp.target_epsilon=5.0",
+  argv = ["prog", "--config=quickstart:dp_loops", "--config.dp.target_epsilon=5.0",
           f"--workdir={tmp_path}"]
   assert run.main(argv) == 0
   line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("calibrated:"))
@@ -88,7 +88,7 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   sigma = cfg.dp.noise_multiplier
   assert cfg.dp.target_epsilon == 5.0 and sigma != 1.0
   assert line.startswith(f"calibrated: dp.target_epsilon=5 -> dp.noise_multiplier={sigma:.6g} ")
-  c = quickstart.dp_config()  # the quickstart's FedLAP-DP: q = B / 274, T = R_i x max_outer x batch_loop
+  c = quickstart.dp_config()  # quickstart:dp_loops: q = B / 274, T = R_i x max_outer x batch_loop
   steps = c.client.iterations * c.client.max_outer * c.client.batch_loop
   assert f"q = {c.client.batch_size}/274" in line
   assert f"T = {steps} per round, {c.rounds} rounds" in line

@@ -15,7 +15,7 @@ from experiments import run, validation
 from experiments.configs import cifar_dp, cifar_nondp, default, quickstart, quickstart_nondp
 
 NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fmnist_dp", None),
-         ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"),
+         ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"), ("quickstart", "dp_loops"),
          ("quickstart", "nondp"), ("quickstart_nondp", None), ("cifar_iid", None),
          ("cifar_iid", "dp"), ("mnist_dp_tuned", None), ("fmnist_dp_tuned", None),
          ("cifar_dp_tuned", None), ("digits_dp_tuned", None), ("digits_dp_hybrid", None),
@@ -85,9 +85,12 @@ def test_config_sections_map_one_to_one_onto_the_core_dataclasses():
 def test_quickstart_matches_the_recipe():
   suite = quickstart.get_config().suite
   assert sorted(suite.keys()) == ["fedlap", "fedlap_dp"]
-  assert suite.fedlap_dp == quickstart.get_config("dp")
+  # The DP default is issue 18's hybrid (digits_dp_hybrid); the older loops stay as dp_loops.
+  assert suite.fedlap_dp == quickstart.get_config("dp") == load("digits_dp_hybrid")
+  assert validation.to_fedlap_config(suite.fedlap_dp).client.model_steps == "noisy_real"
   assert suite.fedlap == quickstart_nondp.get_config()
-  fc = validation.to_fedlap_config(quickstart.get_config("dp"))
+  assert quickstart.get_config("dp_loops") == quickstart.dp_config()
+  fc = validation.to_fedlap_config(quickstart.get_config("dp_loops"))
   assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
   assert (fc.client.ipc, fc.client.max_outer, fc.client.batch_loop, fc.client.inner_loop,
           fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 5, 1, 64, 10, 0.05)

@@ -62,7 +62,7 @@ def comparable(records):
 def straight(tmp_path_factory):
   """4 rounds in one go, through the command line."""
   workdir = tmp_path_factory.mktemp("straight")
-  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY), f"--workdir={workdir}"]
+  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), f"--workdir={workdir}"]
   assert run.main(argv) == 0
   return workdir
 
@@ -470,7 +470,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
   workdir = tmp_path / "run"
   shutil.copytree(source, workdir)
   damage(workdir / "checkpoints" / "4")
-  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY), "--config.checkpoint_every=1",
+  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), "--config.checkpoint_every=1",
           "--config.progress_bar=False", "--config.plots=False", f"--workdir={workdir}"]
   assert run.main(argv) == 0
   log = (workdir / "train.log").read_text()
@@ -522,7 +522,7 @@ def test_unusable_state_is_one_line_exit_2_and_nothing_changes(crashed_and_resum
     (workdir / "metrics.jsonl").write_text("".join(lines))
     fragment = "metrics.jsonl holds rounds [1] up to round 4"
   before = _snapshot(workdir)
-  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY), "--config.checkpoint_every=1",
+  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), "--config.checkpoint_every=1",
           f"--workdir={workdir}"]
   assert run.main(argv) == 2
   err = capsys.readouterr().err
@@ -535,7 +535,7 @@ def test_workdir_that_is_a_file_or_unwritable_exits_2(tmp_path, capsys):
   import subprocess  # pylint: disable=g-import-not-at-top
   a_file = tmp_path / "a_file"
   a_file.write_text("x")
-  argv = ["prog", "--config=quickstart:dp", *argv_of(TINY)]
+  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY)]
   assert run.main(argv + [f"--workdir={a_file}"]) == 2
   err = capsys.readouterr().err
   assert err == (f"error: --workdir='{a_file}' is invalid: {a_file} is an existing file, not a "

@@ -34,35 +34,37 @@ def _run_config(tmp_path, config, overrides=TINY, **extra):
 
 
 def test_settings_map_onto_the_named_configs(tmp_path):
-  run = settings.run_settings({"config": "quickstart:dp",
+  run = settings.run_settings({"config": "quickstart:dp_loops",
                                "overrides": "seed=3 client.batch_loop=2 data.source=sklearn "
                                             "snapshot_rounds=(1,2) plots=false"})
-  assert run.label == "quickstart_dp" and run.dp and run.num_clients == 5
+  assert run.label == "quickstart_dp_loops" and run.dp and run.num_clients == 5
   assert run.cfg.seed == 3 and run.cfg.client.batch_loop == 2
   assert tuple(run.cfg.snapshot_rounds) == (1, 2) and run.cfg.plots is False
   assert run.min_clients == 5 and run.max_epsilon == math.inf
   node = settings.node_settings({"partition-id": 2, "num-partitions": 5, "max-epsilon": 4.0},
-                                settings.run_settings({"config": "quickstart:dp",
+                                settings.run_settings({"config": "quickstart:dp_loops",
                                                        "max-epsilon": 3.0,
                                                        "state-root": str(tmp_path)}))
   # The client keeps the smaller cap: a server can lower it, never raise it.
   assert node.max_epsilon == 3.0
-  assert node.state_dir == tmp_path / "quickstart_dp" / "client-2"
+  assert node.state_dir == tmp_path / "quickstart_dp_loops" / "client-2"
 
 
 @pytest.mark.parametrize("run_config, match", [
     ({"config": "quickstart"}, "config='quickstart' is invalid; allowed: one run"),
     ({"config": "nosuch"}, "no experiments/configs/nosuch.py"),
-    ({"config": "quickstart:dp", "overrides": "client.nosuch=1"}, "'client.nosuch' is not a"),
-    ({"config": "quickstart:dp", "overrides": "seed"}, "allowed: FIELD=VALUE"),
-    ({"config": "quickstart:dp", "overrides": "rounds=abc"}, "rounds='abc' is invalid"),
-    ({"config": "quickstart:dp", "min-clients": 6}, r"min-clients=6 is invalid; allowed: an "
+    ({"config": "quickstart:dp_loops", "overrides": "client.nosuch=1"}, "'client.nosuch' is not a"),
+    ({"config": "quickstart:dp_loops", "overrides": "seed"}, "allowed: FIELD=VALUE"),
+    ({"config": "quickstart:dp_loops", "overrides": "rounds=abc"}, "rounds='abc' is invalid"),
+    ({"config": "quickstart:dp_loops", "min-clients": 6}, r"min-clients=6 is invalid; allowed: an "
                                                     r"integer in \[0, 5\]"),
-    ({"config": "quickstart:dp", "round-timeout": 0.0}, "round-timeout=0.0 is invalid"),
-    ({"config": "quickstart:dp", "max-epsilon": -1.0}, "max-epsilon=-1.0 is invalid"),
-    ({"config": "quickstart:dp", "colour": "red"}, r"run config keys \['colour'\] are unknown"),
+    ({"config": "quickstart:dp_loops", "round-timeout": 0.0}, "round-timeout=0.0 is invalid"),
+    ({"config": "quickstart:dp_loops", "max-epsilon": -1.0}, "max-epsilon=-1.0 is invalid"),
+    ({"config": "quickstart:dp_loops", "colour": "red"}, r"run config keys \['colour'\] are unknown"),
     ({"config": "quickstart:dp:x"}, "config='quickstart:dp:x' is invalid"),
     ({"config": "mnist_scaffold"}, "method='scaffold'"),
+    # The quickstart's DP default is the hybrid, whose clients also upload a model delta.
+    ({"config": "quickstart:dp"}, "server.start='fedavg_delta' is invalid; allowed: 'global'"),
 ])
 def test_bad_run_config_is_refused_by_name(run_config, match):
   with pytest.raises(ValueError, match=match):
@@ -72,7 +74,7 @@ def test_bad_run_config_is_refused_by_name(run_config, match):
 def test_bad_config_values_fail_the_experiments_validation():
   from experiments import validation
   with pytest.raises(validation.ConfigError, match="client.ipc=0 is invalid"):
-    settings.run_settings({"config": "quickstart:dp", "overrides": "client.ipc=0"})
+    settings.run_settings({"config": "quickstart:dp_loops", "overrides": "client.ipc=0"})
 
 
 @pytest.mark.parametrize("node_config, match", [
@@ -85,7 +87,7 @@ def test_bad_config_values_fail_the_experiments_validation():
     ({"partition-id": 0, "num-partitions": 5, "gpu": 1}, r"keys \['gpu'\] are unknown"),
 ])
 def test_bad_node_config_is_refused_by_name(node_config, match):
-  run = settings.run_settings({"config": "quickstart:dp"})
+  run = settings.run_settings({"config": "quickstart:dp_loops"})
   with pytest.raises(settings.SettingsError, match=match):
     settings.node_settings(node_config, run)
 
@@ -190,10 +192,10 @@ def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
 def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
   """Test-only mode: DP clients draw from the server's keys -> bit-equal to experiments.run."""
   monkeypatch.setenv(settings.UNSAFE_ENV, "1")
-  rc = _run_config(tmp_path, "quickstart:dp", **{"unsafe-dp-keys-from-server": True,
+  rc = _run_config(tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True,
                                                  "max-epsilon": 50.0})
   records, _ = run_inprocess(rc)
-  ref = reference_run("quickstart:dp", TINY, tmp_path / "ref")
+  ref = reference_run("quickstart:dp_loops", TINY, tmp_path / "ref")
   for got, want in zip(records, ref):
     assert got["test_accuracy"] == want["test_accuracy"]
     assert got["test_loss"] == want["test_loss"]
@@ -204,7 +206,7 @@ def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monke
 @pytest.mark.slow
 def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path, monkeypatch):
   monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
-  rc = _run_config(tmp_path, "quickstart:dp", **{"max-epsilon": 50.0})
+  rc = _run_config(tmp_path, "quickstart:dp_loops", **{"max-epsilon": 50.0})
   # experiments.run's debugging switch for raw statistics never reaches the wire.
   rc["overrides"] += " debug_nonprivate_stats=True"
   records, grid = run_inprocess(rc)
@@ -221,7 +223,7 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   # Each client's ledger: its own N_k, both rounds, the epsilons it reported.
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   for k in range(5):
-    state = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp" / f"client-{k}")
+    state = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp_loops" / f"client-{k}")
     hist = state.history()
     assert [h["server_round"] for h in hist] == [1, 2]
     mine = [r["metrics"]["epsilon"] for r in reports if r["partition_id"] == k]
@@ -229,7 +231,7 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   # Each client accounts with its own N_k; the largest epsilon (the smallest client's)
   # is experiments.run's, which accounts every client with q = B / min_k N_k.
   from experiments import data as data_lib
-  cfg, _ = settings.load_config("quickstart:dp", TINY)
+  cfg, _ = settings.load_config("quickstart:dp_loops", TINY)
   sizes = [len(i) for i in data_lib.client_split(data_lib.load_dataset(cfg.data), cfg.data,
                                                  cfg.seed)]
   steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
@@ -243,7 +245,7 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
 
 @pytest.mark.slow
 def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
-  rc = _run_config(tmp_path, "quickstart:dp")
+  rc = _run_config(tmp_path, "quickstart:dp_loops")
   # sigma 1 and B 64 pinned: the epsilons below do not move with the quickstart's DP recipe.
   rc["overrides"] = TINY.replace("rounds=2", "rounds=3") + " dp.noise_multiplier=1.0 client.batch_size=64"
   # Round 1 costs 2.96..3.00 (T = 1 step); round 2 would reach 3.66..3.74: a cap of 3.5
@@ -261,14 +263,14 @@ def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
              for r in refused)
   assert all(r["metrics"]["epsilon-after"] > 3.5 >= r["metrics"]["epsilon"] for r in refused)
   for k in range(5):  # the refused round was never recorded
-    hist = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp" / f"client-{k}").history()
+    hist = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp_loops" / f"client-{k}").history()
     assert [h["server_round"] for h in hist] == [1]
 
 
 @pytest.mark.slow
 def test_unsafe_server_keys_need_the_clients_consent(tmp_path, monkeypatch):
   monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
-  rc = _run_config(tmp_path, "quickstart:dp", **{"unsafe-dp-keys-from-server": True,
+  rc = _run_config(tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True,
                                                  "max-epsilon": 50.0, "min-clients": 1})
   with pytest.raises(strategy.TooFewClients):
     run_inprocess(rc)
@@ -369,16 +371,16 @@ def test_clients_with_their_own_data_files(tmp_path):
                       "data-path": str(tmp_path / f"site{k}.npz")}
   overrides = (TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
                f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}")
-  rc = _run_config(tmp_path, "quickstart:dp", overrides=overrides)
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides)
   records, _ = run_inprocess(rc, nodes)
   assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[0]["test_accuracy"] > 0
-  stored = json.loads((tmp_path / "state" / "quickstart_dp" / "client-3" /
+  stored = json.loads((tmp_path / "state" / "quickstart_dp_loops" / "client-3" /
                        ledger_lib.LEDGER_FILE).read_text())
   assert stored["fingerprint"]["data"] == "own" and stored["fingerprint"]["num_records"] == 283
   assert len(stored["fingerprint"]["sha256"]) == 64
   # Statistics of a split (here quickstart:dp's test_split) are not the client's to compute:
   # it would normalise differently from the server's test split.
-  bad = _run_config(tmp_path / "bad", "quickstart:dp", overrides=overrides.replace(
+  bad = _run_config(tmp_path / "bad", "quickstart:dp_loops", overrides=overrides.replace(
       "normalisation=published", "normalisation=test_split"), **{"min-clients": 1})
   with pytest.raises(strategy.TooFewClients):
     run_inprocess(bad, nodes)
@@ -391,12 +393,12 @@ def test_clients_with_their_own_data_files(tmp_path):
 
 def test_settings_errors_are_config_errors_naming_the_key():
   import fedlap_jax
-  run = settings.run_settings({"config": "quickstart:dp"})
+  run = settings.run_settings({"config": "quickstart:dp_loops"})
   with pytest.raises(fedlap_jax.ConfigError) as err:
     settings.node_settings({"partition-id": 9, "num-partitions": 5}, run)
   assert (err.value.field, err.value.value) == ("partition-id", 9)
   with pytest.raises(fedlap_jax.ConfigError) as err:
-    settings.run_settings({"config": "quickstart:dp", "overrides": "client.ipc=x"})
+    settings.run_settings({"config": "quickstart:dp_loops", "overrides": "client.ipc=x"})
   assert err.value.field == "client.ipc"
   # An unknown config name is the run config's 'config' key, not experiments.run's --config.
   with pytest.raises(fedlap_jax.ConfigError) as err:
@@ -408,8 +410,8 @@ def test_settings_errors_are_config_errors_naming_the_key():
 def test_dp_runs_never_weight_by_the_clients_record_counts():
   """A DP client does not release N_k: the settings refuse size weighting under DP."""
   from experiments import validation
-  run = settings.run_settings({"config": "quickstart:dp", "overrides": "server.weighting=None"})
+  run = settings.run_settings({"config": "quickstart:dp_loops", "overrides": "server.weighting=None"})
   assert validation.to_fedlap_config(run.cfg).server.weighting == "uniform"
   with pytest.raises(validation.ConfigError) as err:
-    settings.run_settings({"config": "quickstart:dp", "overrides": "server.weighting=size"})
+    settings.run_settings({"config": "quickstart:dp_loops", "overrides": "server.weighting=size"})
   assert err.value.field == "server.weighting"

@@ -90,7 +90,7 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
     for k in range(5):
       fed.start_supernode(k, {"partition-id": k, "num-partitions": 5,
                               "state-dir": str(states[k]), "max-epsilon": 10.0})
-    run_id = fed.run({"config": "quickstart:dp", "overrides": overrides,
+    run_id = fed.run({"config": "quickstart:dp_loops", "overrides": overrides,
                       "run-dir": str(run_dir), "min-clients": 4, "round-timeout": 300.0})
     ledger4 = ledger_lib.ClientState(states[4])
     _wait_for(lambda: [h["server_round"] for h in ledger4.history()] == [1, 2], 420,
@@ -106,7 +106,7 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
           if r["round"] == 2 and r["status"] != "ok"]
   assert len(lost) == 1 and lost[0]["status"] in ("missing", "error"), lost
   # Every ledger restores (recomputing its epsilons); client 4's holds 3 rounds.
-  cfg, _ = settings.load_config("quickstart:dp", overrides)
+  cfg, _ = settings.load_config("quickstart:dp_loops", overrides)
   steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
   for k in range(5):
     state = ledger_lib.ClientState(states[k])

@@ -50,7 +50,7 @@ def launch(workdir: Path, cache: Path, fault: str | None = None) -> subprocess.C
   env.pop("FEDLAP_JAX_FAULT", None)
   if fault:
     env["FEDLAP_JAX_FAULT"] = fault
-  argv = [sys.executable, "-m", "experiments.run", "--config=quickstart:dp",
+  argv = [sys.executable, "-m", "experiments.run", "--config=quickstart:dp_loops",
           *(f"--config.{k}={v}" for k, v in FLAGS.items()), f"--workdir={workdir}"]
   return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

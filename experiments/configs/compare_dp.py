@@ -61,11 +61,12 @@ BASELINES = DP_BASELINE_METHODS
 def digits_paper():
   """FedLAP-DP on digits with the paper's recipe scaled down to 274-record clients.
 
-  The quickstart's FedLAP-DP (the ``paper`` column's config on digits; if the quickstart's
-  recipe ever changes, pin these settings here): ConvNet 32 x 2, ipc 10, R_i 1, max_outer 2, batch_loop 5
-  (T = 10), R_b 5, R_l 1, B 64, constant radius 5, eta_0 0.05, uniform weights, 10 rounds.
+  The quickstart's older FedLAP-DP loops, ``quickstart:dp_loops`` (the ``paper`` column's
+  config on digits; ``quickstart:dp`` is now the hybrid): ConvNet 32 x 2, ipc 10, R_i 1,
+  max_outer 2, batch_loop 5 (T = 10), R_b 5, R_l 1, B 64, constant radius 5, eta_0 0.05,
+  uniform weights, 10 rounds.
   """
-  return quickstart.dp_config()  # equal today; a copy would duplicate its 17 settings
+  return quickstart.dp_config()  # a copy would duplicate its 17 settings
 
 
 # The FedLAP-DP recipes the suite runs: name -> (report label, {dataset: config}), a config
