@@ -12,10 +12,18 @@ A FedLAP train message runs, on this client only:
    client's environment consents);
 3. :func:`fedlap_flower.client_work.fedlap_round` (``local_approx``) on the
    received global parameters;
-4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon. Under DP
-   nothing else leaves the client: no clip fractions, batch sizes, matching
-   losses, record counts (``debug_nonprivate_stats``, experiments.run's switch
-   for writing raw statistics locally, changes nothing here).
+4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon, and, when
+   the config's ``server.start`` is ``'fedavg_delta'`` (the hybrid recipe,
+   ``client.model_steps='noisy_real'``), the client's model delta
+   ``w_end - w_g`` (record ``"delta"``, one array per parameter leaf). Under
+   DP the delta is post-processing: the client's model steps only along the
+   round's released noisy gradients, starting from the public ``w_g``, so it
+   is a function of released values and public state, and the ledger charges
+   the same ``T`` noisy accesses per round as without it. Under DP nothing
+   else leaves the client: no clip fractions, batch sizes, matching losses,
+   record counts (``debug_nonprivate_stats``, experiments.run's switch for
+   writing raw statistics locally, changes nothing here). With
+   ``server.start='global'`` the reply holds no delta.
 
 A FedAvg train message (config ``method = fedavg``) runs local SGD and replies
 with the parameters and ``num-examples``, as Flower's FedAvg expects.
@@ -64,10 +72,12 @@ def _setup(run_items: tuple, pid: int, num: int, data_path) -> _Setup:
   return _Setup(run, node)
 
 
-def _reply(msg: Message, metrics: dict, status: dict, synthetic=None) -> Message:
+def _reply(msg: Message, metrics: dict, status: dict, synthetic=None, delta=None) -> Message:
   content = RecordDict({"metrics": MetricRecord(metrics), "status": ConfigRecord(status)})
   if synthetic is not None:
     content["synthetic"] = records.synthetic_to_record(synthetic)
+  if delta is not None:
+    content["delta"] = records.params_to_record(delta)
   return Message(content=content, reply_to=msg)
 
 
@@ -166,4 +176,6 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
       state.save_synthetic(context.run_id, server_round, out.synthetic.x)
   metrics["radius"] = out.radius
   metrics.update(out.diagnostics)
-  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic)
+  # server.start='fedavg_delta': the server starts from w_g + the weighted mean delta.
+  delta = out.model_delta if fc.server.start == "fedavg_delta" else None
+  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic, delta)

@@ -2,7 +2,9 @@
 
 * :func:`fedlap_round` -- FedLAP / FedLAP-DP: optionally re-draw the synthetic
   images from real ones (``synthetic_init='real'``, non-DP), then
-  :func:`fedlap_jax.local_approx` from the received global model.
+  :func:`fedlap_jax.local_approx` from the received global model; with
+  ``client.model_steps='noisy_real'`` also the client's model delta (what a
+  ``server.start='fedavg_delta'`` server starts from).
 * :func:`fedavg_round` -- the FedAvg baseline's local training: ``epochs``
   epochs of plain SGD in shuffled batches of ``batch_size`` (the mean
   cross-entropy of a batch's real records), at the round's learning rate.
@@ -35,11 +37,18 @@ class FedLAPReply(NamedTuple):
     radius: ``r_k`` (the constant ``r`` under DP or without calibration).
     diagnostics: non-DP only (``{}`` under DP): matching loss over the executed
       iterations, real batches drawn, mean while-loop iterations.
+    model_delta: with ``client.model_steps='noisy_real'``, ``w_end - w_g``
+      averaged over the ``R_i`` trajectories (a NumPy pytree shaped like the
+      parameters, float32); ``None`` otherwise. Under DP it is post-processing:
+      the client's model steps only along the released noisy gradients from the
+      public ``w_g`` (:attr:`fedlap_jax.LocalApproxMetrics.model_delta`), so
+      sending it spends nothing beyond the round's ``T`` noisy accesses.
   """
 
   synthetic: Any
   radius: float
   diagnostics: dict
+  model_delta: Any = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -100,7 +109,8 @@ def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
         "real-accesses": int(metrics.real_accesses),
         "outer-iterations": float(outer.mean()),
     }
-  return FedLAPReply(synthetic, float(radius), diagnostics)
+  delta = None if metrics.model_delta is None else jax.tree.map(np.asarray, metrics.model_delta)
+  return FedLAPReply(synthetic, float(radius), diagnostics, delta)
 
 
 @functools.lru_cache(maxsize=8)

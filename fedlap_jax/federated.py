@@ -203,6 +203,19 @@ def server_learning_rate(round_index, config: FedLAPConfig):
                               schedule=config.lr_schedule)
 
 
+def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:
+  """The server's start for ``server.start='fedavg_delta'``: ``w_g + sum_k w_k delta_k / sum_k w_k``.
+
+  Args:
+    params: the global model ``w_g`` of the round.
+    model_deltas: the clients' model deltas (``LocalApproxMetrics.model_delta``
+      of ``model_steps='noisy_real'``), leaves ``(K, *leaf_shape)``.
+    weights: ``(K,)`` the server's client weights (:func:`fedlap_jax.dispatch.client_weights`).
+  """
+  wn = weights / jnp.sum(weights)
+  return jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), params, model_deltas)
+
+
 def fedlap_round(
     state: FedLAPState,
     clients: ClientData,
@@ -265,11 +278,8 @@ def fedlap_round(
   weights = client_weights(clients, config.server.weighting)
   start = state.params
   if config.server.start == "fedavg_delta":
-    # The clients' model deltas (noisy_real trajectories), averaged with the server's
-    # weights; the trust region is then centred on the FedAvg model.
-    wn = weights / jnp.sum(weights)
-    start = jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), state.params,
-                         client_metrics.model_delta)
+    # The trust region is centred on the FedAvg model of the clients' deltas.
+    start = fedavg_delta_start(state.params, client_metrics.model_delta, weights)
   client_metrics = client_metrics._replace(model_delta=None)  # used; not a metric to log
   params, server_metrics = global_update(
       k_server, apply_fn, start, synthetic, weights, r_g,
