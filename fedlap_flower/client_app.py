@@ -41,6 +41,7 @@ from flwr.clientapp import ClientApp
 
 from fedlap_flower import client_work, records, settings, task
 from fedlap_flower.ledger import BudgetExceeded, ClientState
+from fedlap_jax import federated
 
 app = ClientApp()
 
@@ -142,6 +143,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
                   "or the run config; allowed: a finite epsilon this client will not exceed")
 
   with (state.locked() if state is not None else contextlib.nullcontext()):
+    family_key = None  # under DP with the client's secret: derived from its own key
+    if keys == "server":
+      family_key = federated.shared_family_key(task.words_to_key(conf["key-clients"]))
     if dp:
       privacy = dict(noise_multiplier=fc.client.dp.noise_multiplier,
                      batch_size=fc.client.batch_size, min_client_size=part.num_records,
@@ -171,7 +175,8 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     carried = state.load_synthetic(context.run_id) if carry else None
     start = client_work.start_synthetic(part, fc, carried, init_key)
     params = records.record_to_params(msg.content["arrays"])
-    out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr)
+    out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr,
+                                   family_key)
     if carry:
       state.save_synthetic(context.run_id, server_round, out.synthetic.x)
   metrics["radius"] = out.radius

@@ -53,9 +53,9 @@ class FedLAPReply(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _local_approx_fn(apply_fn, client_config):
-  def run(key, params, synthetic, data, learning_rate):
+  def run(key, params, synthetic, data, learning_rate, family_key):
     return fl.local_approx(key, apply_fn, params, synthetic, data, client_config,
-                           learning_rate=learning_rate)
+                           learning_rate=learning_rate, family_key=family_key)
   return jax.jit(run)
 
 
@@ -82,7 +82,7 @@ def start_synthetic(partition, fedlap_config, carried=None, init_key=None):
 
 
 def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
-                 learning_rate: float) -> FedLAPReply:
+                 learning_rate: float, family_key=None) -> FedLAPReply:
   """Runs :func:`fedlap_jax.local_approx` for one client.
 
   Args:
@@ -93,10 +93,14 @@ def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
     partition: the client's :class:`fedlap_flower.task.Partition`.
     fedlap_config: :class:`fedlap_jax.FedLAPConfig`.
     learning_rate: ``eta_m`` of the round (float32 value).
+    family_key: with the server's keys, the round's shared DSA family key
+      (:func:`fedlap_jax.federated.shared_family_key` of ``k_clients``, as
+      ``experiments.run`` draws it); ``None``: derived from ``key`` (the
+      client's secret under DP).
   """
   run = _local_approx_fn(apply_fn, fedlap_config.client)
   out, radius, metrics = run(key, params, synthetic, partition.data,
-                             jnp.float32(learning_rate))
+                             jnp.float32(learning_rate), family_key)
   synthetic = jax.tree.map(np.asarray, out)
   diagnostics = {}
   if fedlap_config.client.dp is None:  # under DP nothing but the synthetic set leaves

@@ -203,6 +203,12 @@ def server_learning_rate(round_index, config: FedLAPConfig):
                               schedule=config.lr_schedule)
 
 
+def shared_family_key(k_clients: jax.Array) -> jax.Array:
+  """The round's one DSA family key for all clients (``client.dsa_family_draw='shared'``),
+  derived from the round's client key ``k_clients``."""
+  return jax.random.fold_in(k_clients, 0x5DA)
+
+
 def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:
   """The server's start for ``server.start='fedavg_delta'``: ``w_g + sum_k w_k delta_k / sum_k w_k``.
 
@@ -267,8 +273,7 @@ def fedlap_round(
                         synthetic=syn, client_data=data, family_key=family_key,
                         client_axis=client_axis)
 
-  # One DSA family key for all clients (config.client.dsa_family_draw="shared").
-  family_key = jax.random.fold_in(k_clients, 0x5DA)
+  family_key = shared_family_key(k_clients)
   args = (jax.random.split(k_clients, num_clients), synthetic, clients)
   synthetic, radii, client_metrics = run_clients(
       run, args, replicated=(state.params, lr, family_key), client_backend=client_backend,

@@ -209,10 +209,10 @@ def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monke
 
 
 # The hybrid (quickstart:dp) at toy size: a 1-block ConvNet of width 8, T = 2 noisy accesses
-# a round, 2 rounds, 1 server epoch.
+# a round, 2 rounds, 1 server epoch; DSA as the recipe has it (matching and server on, real
+# batches off), so the clients must draw the round's shared DSA family as experiments.run does.
 HYBRID_TINY = ("rounds=2 model.width=8 model.depth=1 client.max_outer=2 client.boost_loop=2 "
-               "server.max_epochs=1 eval_chunk_size=128 client.dsa_strategy='' "
-               "server.dsa_strategy=''")
+               "server.max_epochs=1 eval_chunk_size=128")
 
 
 @pytest.mark.slow
@@ -243,6 +243,25 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
   model_bytes = records[0]["model_bytes"]
   assert records[0]["upload_delta_bytes"] == 5 * model_bytes
   assert records[0]["upload_bytes"] == 5 * (model_bytes + 20 * 64 * 4 + 20 * 4 + 20)
+
+
+def test_a_model_delta_must_match_the_global_model():
+  """The server refuses a delta with other parameter paths, shapes, or NaN / Inf."""
+  from fedlap_flower import records
+  params = {"conv": {"kernel": np.zeros((3, 3, 1, 2), np.float32)},
+            "dense": {"bias": np.zeros(4, np.float32)}}
+  good = {"conv": {"kernel": np.ones((3, 3, 1, 2), np.float32)},
+          "dense": {"bias": np.full(4, 0.5, np.float32)}}
+  back = records.record_to_delta(records.params_to_record(good), params)
+  np.testing.assert_array_equal(back["dense"]["bias"], good["dense"]["bias"])
+  with pytest.raises(ValueError, match=r"missing \['dense/bias'\]"):
+    records.record_to_delta(records.params_to_record({"conv": good["conv"]}), params)
+  with pytest.raises(ValueError, match=r"'dense/bias' has shape \(5,\); allowed: \(4,\)"):
+    records.record_to_delta(records.params_to_record(
+        {**good, "dense": {"bias": np.zeros(5, np.float32)}}), params)
+  with pytest.raises(ValueError, match="'conv/kernel' holds NaN or Inf"):
+    records.record_to_delta(records.params_to_record(
+        {**good, "conv": {"kernel": np.full((3, 3, 1, 2), np.nan, np.float32)}}), params)
 
 
 @pytest.mark.slow
