@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax.federated import real_images
+from fedlap_jax.federated import real_images, shared_family_key
 
 
 class FedLAPReply(NamedTuple):
@@ -96,8 +96,12 @@ def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
     family_key: with the server's keys, the round's shared DSA family key
       (:func:`fedlap_jax.federated.shared_family_key` of ``k_clients``, as
       ``experiments.run`` draws it); ``None``: derived from ``key`` (the
-      client's secret under DP).
+      client's secret under DP) as :func:`fedlap_jax.local_approx` derives it
+      for one client alone, passed explicitly so that one compiled function
+      serves both cases.
   """
+  if family_key is None:
+    family_key = shared_family_key(key)
   run = _local_approx_fn(apply_fn, fedlap_config.client)
   out, radius, metrics = run(key, params, synthetic, partition.data,
                              jnp.float32(learning_rate), family_key)
