@@ -4,7 +4,7 @@ The library :mod:`fedlap_jax` never imports ``flwr``; this package is the
 bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
 
 * :mod:`fedlap_flower.settings` -- the app's run config and node config
-  (``config = "quickstart:dp_loops"``, ``overrides``, ``partition-id``, ...) mapped
+  (``config = "quickstart:dp"``, ``overrides``, ``partition-id``, ...) mapped
   onto the experiments' named ml_collections configs.
 * :mod:`fedlap_flower.task` -- model, keys, one client's data partition, the
   server's test split: everything built from a config, exactly as
@@ -13,7 +13,13 @@ bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
   (:func:`fedlap_jax.local_approx`, or local SGD for the FedAvg baseline).
 * :mod:`fedlap_flower.server_work` -- the server's round
   (:func:`fedlap_jax.server_radius` and :func:`fedlap_jax.global_update` on the
-  union of the received synthetic sets) and the test evaluation.
+  union of the received synthetic sets, starting from ``w_g``, or with
+  ``server.start='fedavg_delta'`` from ``w_g`` plus the clients' averaged
+  model deltas) and the test evaluation.
+
+A FedLAP client sends its synthetic set and radius (and its DP metrics); with
+``server.start='fedavg_delta'`` (the hybrid DP recipe, ``quickstart:dp``) also
+its model delta, one array per parameter leaf (:mod:`fedlap_flower.records`).
 * :mod:`fedlap_flower.ledger` -- a client's own privacy ledger, secret key and
   carried synthetic set, persisted atomically in its state directory.
 

@@ -12,10 +12,18 @@ A FedLAP train message runs, on this client only:
    client's environment consents);
 3. :func:`fedlap_flower.client_work.fedlap_round` (``local_approx``) on the
    received global parameters;
-4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon. Under DP
-   nothing else leaves the client: no clip fractions, batch sizes, matching
-   losses, record counts (``debug_nonprivate_stats``, experiments.run's switch
-   for writing raw statistics locally, changes nothing here).
+4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon, and, when
+   the config's ``server.start`` is ``'fedavg_delta'`` (the hybrid recipe,
+   ``client.model_steps='noisy_real'``), the client's model delta
+   ``w_end - w_g`` (record ``"delta"``, one array per parameter leaf). Under
+   DP the delta is post-processing: the client's model steps only along the
+   round's released noisy gradients, starting from the public ``w_g``, so it
+   is a function of released values and public state, and the ledger charges
+   the same ``T`` noisy accesses per round as without it. Under DP nothing
+   else leaves the client: no clip fractions, batch sizes, matching losses,
+   record counts (``debug_nonprivate_stats``, experiments.run's switch for
+   writing raw statistics locally, changes nothing here). With
+   ``server.start='global'`` the reply holds no delta.
 
 A FedAvg train message (config ``method = fedavg``) runs local SGD and replies
 with the parameters and ``num-examples``, as Flower's FedAvg expects.
@@ -33,6 +41,7 @@ from flwr.clientapp import ClientApp
 
 from fedlap_flower import client_work, records, settings, task
 from fedlap_flower.ledger import BudgetExceeded, ClientState
+from fedlap_jax import federated
 
 app = ClientApp()
 
@@ -64,10 +73,12 @@ def _setup(run_items: tuple, pid: int, num: int, data_path) -> _Setup:
   return _Setup(run, node)
 
 
-def _reply(msg: Message, metrics: dict, status: dict, synthetic=None) -> Message:
+def _reply(msg: Message, metrics: dict, status: dict, synthetic=None, delta=None) -> Message:
   content = RecordDict({"metrics": MetricRecord(metrics), "status": ConfigRecord(status)})
   if synthetic is not None:
     content["synthetic"] = records.synthetic_to_record(synthetic)
+  if delta is not None:
+    content["delta"] = records.params_to_record(delta)
   return Message(content=content, reply_to=msg)
 
 
@@ -132,6 +143,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
                   "or the run config; allowed: a finite epsilon this client will not exceed")
 
   with (state.locked() if state is not None else contextlib.nullcontext()):
+    family_key = None  # under DP with the client's secret: derived from its own key
+    if keys == "server":
+      family_key = federated.shared_family_key(task.words_to_key(conf["key-clients"]))
     if dp:
       privacy = dict(noise_multiplier=fc.client.dp.noise_multiplier,
                      batch_size=fc.client.batch_size, min_client_size=part.num_records,
@@ -161,9 +175,12 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     carried = state.load_synthetic(context.run_id) if carry else None
     start = client_work.start_synthetic(part, fc, carried, init_key)
     params = records.record_to_params(msg.content["arrays"])
-    out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr)
+    out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr,
+                                   family_key)
     if carry:
       state.save_synthetic(context.run_id, server_round, out.synthetic.x)
   metrics["radius"] = out.radius
   metrics.update(out.diagnostics)
-  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic)
+  # server.start='fedavg_delta': the server starts from w_g + the weighted mean delta.
+  delta = out.model_delta if fc.server.start == "fedavg_delta" else None
+  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic, delta)

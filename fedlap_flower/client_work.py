@@ -2,7 +2,9 @@
 
 * :func:`fedlap_round` -- FedLAP / FedLAP-DP: optionally re-draw the synthetic
   images from real ones (``synthetic_init='real'``, non-DP), then
-  :func:`fedlap_jax.local_approx` from the received global model.
+  :func:`fedlap_jax.local_approx` from the received global model; with
+  ``client.model_steps='noisy_real'`` also the client's model delta (what a
+  ``server.start='fedavg_delta'`` server starts from).
 * :func:`fedavg_round` -- the FedAvg baseline's local training: ``epochs``
   epochs of plain SGD in shuffled batches of ``batch_size`` (the mean
   cross-entropy of a batch's real records), at the round's learning rate.
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax.federated import real_images
+from fedlap_jax.federated import real_images, shared_family_key
 
 
 class FedLAPReply(NamedTuple):
@@ -35,18 +37,25 @@ class FedLAPReply(NamedTuple):
     radius: ``r_k`` (the constant ``r`` under DP or without calibration).
     diagnostics: non-DP only (``{}`` under DP): matching loss over the executed
       iterations, real batches drawn, mean while-loop iterations.
+    model_delta: with ``client.model_steps='noisy_real'``, ``w_end - w_g``
+      averaged over the ``R_i`` trajectories (a NumPy pytree shaped like the
+      parameters, float32); ``None`` otherwise. Under DP it is post-processing:
+      the client's model steps only along the released noisy gradients from the
+      public ``w_g`` (:attr:`fedlap_jax.LocalApproxMetrics.model_delta`), so
+      sending it spends nothing beyond the round's ``T`` noisy accesses.
   """
 
   synthetic: Any
   radius: float
   diagnostics: dict
+  model_delta: Any = None
 
 
 @functools.lru_cache(maxsize=8)
 def _local_approx_fn(apply_fn, client_config):
-  def run(key, params, synthetic, data, learning_rate):
+  def run(key, params, synthetic, data, learning_rate, family_key):
     return fl.local_approx(key, apply_fn, params, synthetic, data, client_config,
-                           learning_rate=learning_rate)
+                           learning_rate=learning_rate, family_key=family_key)
   return jax.jit(run)
 
 
@@ -73,7 +82,7 @@ def start_synthetic(partition, fedlap_config, carried=None, init_key=None):
 
 
 def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
-                 learning_rate: float) -> FedLAPReply:
+                 learning_rate: float, family_key=None) -> FedLAPReply:
   """Runs :func:`fedlap_jax.local_approx` for one client.
 
   Args:
@@ -84,10 +93,18 @@ def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
     partition: the client's :class:`fedlap_flower.task.Partition`.
     fedlap_config: :class:`fedlap_jax.FedLAPConfig`.
     learning_rate: ``eta_m`` of the round (float32 value).
+    family_key: with the server's keys, the round's shared DSA family key
+      (:func:`fedlap_jax.federated.shared_family_key` of ``k_clients``, as
+      ``experiments.run`` draws it); ``None``: derived from ``key`` (the
+      client's secret under DP) as :func:`fedlap_jax.local_approx` derives it
+      for one client alone, passed explicitly so that one compiled function
+      serves both cases.
   """
+  if family_key is None:
+    family_key = shared_family_key(key)
   run = _local_approx_fn(apply_fn, fedlap_config.client)
   out, radius, metrics = run(key, params, synthetic, partition.data,
-                             jnp.float32(learning_rate))
+                             jnp.float32(learning_rate), family_key)
   synthetic = jax.tree.map(np.asarray, out)
   diagnostics = {}
   if fedlap_config.client.dp is None:  # under DP nothing but the synthetic set leaves
@@ -100,7 +117,8 @@ def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
         "real-accesses": int(metrics.real_accesses),
         "outer-iterations": float(outer.mean()),
     }
-  return FedLAPReply(synthetic, float(radius), diagnostics)
+  delta = None if metrics.model_delta is None else jax.tree.map(np.asarray, metrics.model_delta)
+  return FedLAPReply(synthetic, float(radius), diagnostics, delta)
 
 
 @functools.lru_cache(maxsize=8)

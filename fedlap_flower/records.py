@@ -12,10 +12,15 @@ Train message (server -> client), ``RecordDict``:
 Train reply (client -> server):
 
 * FedLAP: ``"synthetic"`` (``x`` ``(S, H, W, C)`` float32, ``y`` ``(S,)``
-  int32, ``mask`` ``(S,)`` bool); ``"metrics"`` (``partition-id``, ``radius``,
-  ``dp-steps``, and under DP ``epsilon`` / ``max-epsilon``; without DP also
-  ``num-examples`` and diagnostics); ``"status"`` (``status`` = ``ok`` |
-  ``refused``, ``reason``, ``keys``). A refused round carries no arrays.
+  int32, ``mask`` ``(S,)`` bool); with ``server.start='fedavg_delta'`` (the
+  hybrid recipe, ``client.model_steps='noisy_real'``) also ``"delta"``: the
+  client's model delta ``w_end - w_g``, one float32 array per parameter leaf,
+  keyed like ``"arrays"`` (:func:`params_to_record`; checked by
+  :func:`record_to_delta`); with ``server.start='global'`` no ``"delta"``.
+  ``"metrics"`` (``partition-id``, ``radius``, ``dp-steps``, and under DP
+  ``epsilon`` / ``max-epsilon``; without DP also ``num-examples`` and
+  diagnostics); ``"status"`` (``status`` = ``ok`` | ``refused``, ``reason``,
+  ``keys``). A refused round carries no arrays.
 * FedAvg: ``"arrays"`` (the client's parameters) and ``"metrics"``
   (``num-examples``, ``partition-id``), as Flower's FedAvg expects.
 """
@@ -41,6 +46,32 @@ def record_to_params(record: ArrayRecord):
   """Inverse of :func:`params_to_record` (arrays on the default device, dtypes kept)."""
   return traverse_util.unflatten_dict({k: jnp.asarray(v.numpy()) for k, v in record.items()},
                                       sep="/")
+
+
+def record_to_delta(record: ArrayRecord, params):
+  """A received model delta as a pytree like ``params`` (NumPy, the parameters' dtypes), checked.
+
+  Args:
+    record: the reply's ``"delta"`` (:func:`params_to_record` of the delta).
+    params: the round's global parameters (what the delta must match).
+
+  Raises:
+    ValueError: other parameter paths, a leaf of another shape, or NaN / Inf.
+  """
+  want = traverse_util.flatten_dict(jax.device_get(params), sep="/")
+  if set(record.keys()) != set(want):
+    missing, extra = sorted(set(want) - set(record.keys())), sorted(set(record.keys()) - set(want))
+    raise ValueError(f"model delta has other parameters (missing {missing}, unknown {extra}); "
+                     "allowed: exactly the global model's parameter paths")
+  flat = {}
+  for k, ref in want.items():
+    d = record[k].numpy()
+    if d.shape != np.shape(ref):
+      raise ValueError(f"model delta {k!r} has shape {d.shape}; allowed: {np.shape(ref)}")
+    if not np.isfinite(d).all():
+      raise ValueError(f"model delta {k!r} holds NaN or Inf")
+    flat[k] = d.astype(np.asarray(ref).dtype)
+  return traverse_util.unflatten_dict(flat, sep="/")
 
 
 def synthetic_to_record(synthetic) -> ArrayRecord:

@@ -4,6 +4,9 @@
 :func:`fedlap_jax.server_radius` and :func:`fedlap_jax.global_update`: the
 union of the received synthetic sets, stacked in client order ``(K', S, ...)``
 (``K'``: the clients that replied), trained on inside the radius ``r_g``.
+With ``server.start='fedavg_delta'`` the descent starts from ``w_g`` plus the
+clients' model deltas averaged with the server's weights
+(:func:`fedlap_jax.federated.fedavg_delta_start`, as ``experiments.run``).
 :func:`make_evaluate` evaluates on the test split as ``experiments.run`` does.
 """
 
@@ -17,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
+from fedlap_jax.federated import fedavg_delta_start
 
 
 def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:
@@ -38,12 +42,22 @@ def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:
                          jnp.asarray(np.stack([pad(t.mask, False) for t in sets])))
 
 
+def stack_deltas(deltas: Sequence):
+  """Stacks per-client model deltas (pytrees like the parameters) into leaves ``(K', ...)``."""
+  if not deltas:
+    raise ValueError("stack_deltas needs at least one model delta")
+  return jax.tree.map(lambda *d: jnp.asarray(np.stack(d)), *deltas)
+
+
 @functools.lru_cache(maxsize=8)
 def _server_fn(apply_fn, fedlap_config):
-  def run(key, params, synthetic, client_weights, radii, learning_rate):
+  def run(key, params, synthetic, client_weights, radii, learning_rate, deltas):
     r_g = fl.server_radius(radii, fedlap_config.server.radius_strategy,
                            fedlap_config.client.radius)
-    return fl.global_update(key, apply_fn, params, synthetic, client_weights, r_g,
+    start = params
+    if fedlap_config.server.start == "fedavg_delta":
+      start = fedavg_delta_start(params, deltas, client_weights)
+    return fl.global_update(key, apply_fn, start, synthetic, client_weights, r_g,
                             learning_rate=learning_rate, config=fedlap_config.server)
   return jax.jit(run)
 
@@ -58,7 +72,7 @@ def client_weights(weighting: str, num_records: Sequence[int | None]) -> np.ndar
 
 
 def server_update(key, apply_fn, params, synthetic: fl.SyntheticSet, weights, radii,
-                  learning_rate: float, fedlap_config):
+                  learning_rate: float, fedlap_config, deltas=None):
   """Algorithm 2 on the union of the received synthetic sets.
 
   Args:
@@ -69,13 +83,25 @@ def server_update(key, apply_fn, params, synthetic: fl.SyntheticSet, weights, ra
     radii: ``(K',)`` the clients' ``r_k``.
     learning_rate: ``eta_m`` (float32 value).
     fedlap_config: :class:`fedlap_jax.FedLAPConfig`.
+    deltas: with ``server.start='fedavg_delta'`` (required then) the clients'
+      model deltas, stacked in the order of ``synthetic`` (:func:`stack_deltas`,
+      leaves ``(K', ...)``); the descent starts from ``params + sum_k w_k
+      delta_k / sum_k w_k``. Ignored (may be ``None``) with ``'global'``.
 
   Returns:
     ``(params, fedlap_jax.ServerMetrics)``.
+
+  Raises:
+    ValueError: ``server.start='fedavg_delta'`` without ``deltas``.
   """
+  if fedlap_config.server.start == "fedavg_delta":
+    if deltas is None:
+      raise ValueError("server.start='fedavg_delta' needs the clients' model deltas")
+  else:
+    deltas = None
   run = _server_fn(apply_fn, fedlap_config)
   return run(key, params, synthetic, jnp.asarray(weights, jnp.float32),
-             jnp.asarray(radii, jnp.float32), jnp.float32(learning_rate))
+             jnp.asarray(radii, jnp.float32), jnp.float32(learning_rate), deltas)
 
 
 def make_evaluate(apply_fn, test, chunk_size: int | None):

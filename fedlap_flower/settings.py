@@ -1,7 +1,7 @@
 """The Flower app's settings: run config and node config onto the experiments' configs.
 
 One named config describes both ways of running: ``experiments.run
---config=quickstart:dp_loops`` and the Flower app with ``config = "quickstart:dp_loops"``
+--config=quickstart:dp`` and the Flower app with ``config = "quickstart:dp"``
 build the same ml_collections config (``experiments/configs/``), so the same
 data, partition, model, loop sizes, privacy parameters and seed.
 
@@ -70,7 +70,7 @@ from typing import Any, Mapping
 from fedlap_jax.checks import ConfigError
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {
-    "config": "quickstart:dp_loops",
+    "config": "quickstart:dp",
     "overrides": "",
     "run-dir": "",
     "min-clients": 0,
@@ -212,12 +212,6 @@ def load_config(name: str, overrides: str = ""):
     _fail("config", f"{name} (method={cfg.method!r})",
           f"a config whose method is one of {METHODS}; the other baselines run with "
           "experiments.run")
-  if cfg.method == "fedlap" and cfg.server.start != "global":
-    # The hybrid start needs each client's model delta on the wire; the app sends
-    # synthetic sets only.
-    _fail("server.start", cfg.server.start,
-          "'global' in the Flower app (the clients send no model deltas); run "
-          "server.start='fedavg_delta' with experiments.run")
   return cfg, label
 
 

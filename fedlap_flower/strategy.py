@@ -17,7 +17,11 @@
   sets in partition order, runs :func:`fedlap_flower.server_work.server_update`
   (radius ``r_g`` from the clients' ``r_k`` by the config's strategy, then
   :func:`fedlap_jax.global_update`), evaluates on the test split and logs the
-  round (:class:`RunLog`).
+  round (:class:`RunLog`). With ``server.start='fedavg_delta'`` (the hybrid
+  recipe) every ``ok`` reply must also carry the client's model delta (a reply
+  without one, or with one that does not match the model, is ``invalid``);
+  the descent starts from ``w_g`` plus the usable clients' deltas averaged
+  with the server's weights, as ``experiments.run`` does.
 
 :class:`FedAvgBaseline` is Flower's ``FedAvg`` (weighted mean of the clients'
 models by ``num-examples``) with the cosine learning rate and the round keys
@@ -52,7 +56,9 @@ class RunLog:
 
   * ``metrics.jsonl``: one record per round (test accuracy and loss, the
     largest epsilon any client reported, per-client epsilon / radius / status,
-    server radius and steps, bytes uploaded, seconds);
+    server radius and steps, bytes uploaded (synthetic sets, plus the model
+    deltas with ``server.start='fedavg_delta'``, also counted alone in
+    ``upload_delta_bytes``), seconds);
   * ``client_reports.json``: everything each client reported, every round
     (rewritten atomically after each round);
   * ``run_info.json``: the settings of the run.
@@ -126,6 +132,7 @@ class FedLAP(Strategy):
     self.join_timeout = join_timeout
     self.dp = fedlap_config.client.dp is not None
     self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
+    self.with_deltas = fedlap_config.server.start == "fedavg_delta"
     self.run_log = run_log
     self.model_bytes = model_bytes
     self._chain = task.initial_chain_key(cfg.seed)
@@ -164,7 +171,11 @@ class FedLAP(Strategy):
     return self._round["messages"]
 
   def _parse(self, server_round: int, replies: list[Message]) -> tuple[list, list[dict]]:
-    """``(usable [(partition, synthetic, radius, num_examples, epsilon)], reports)``."""
+    """``(usable [(partition, synthetic, radius, num_examples, epsilon, delta)], reports)``.
+
+    ``delta`` is the client's model delta with ``server.start='fedavg_delta'``,
+    else ``None``.
+    """
     usable, reports, seen = [], [], set()
     replied = set()
     # The Grid gives the sent messages their ids; an error the SuperLink returns for an
@@ -200,14 +211,24 @@ class FedLAP(Strategy):
           radius = float(metrics["radius"])
           if not math.isfinite(radius) or radius <= 0:
             raise ValueError(f"radius={radius!r}")
+          delta = None
+          if self.with_deltas:
+            if "delta" not in content.array_records:
+              raise ValueError("no model delta; server.start='fedavg_delta' needs one from "
+                               "every client")
+            delta = records.record_to_delta(content.array_records["delta"], self._params)
         except (KeyError, ValueError) as e:
           report.update(status="invalid", reason=str(e))
         else:
           seen.add(pid)
-          report["upload_bytes"] = records.raw_bytes(content.array_records["synthetic"])
-          report["upload_wire_bytes"] = records.wire_bytes(content.array_records["synthetic"])
+          sent = [content.array_records["synthetic"]]
+          if self.with_deltas:
+            sent.append(content.array_records["delta"])
+            report["upload_delta_bytes"] = records.raw_bytes(content.array_records["delta"])
+          report["upload_bytes"] = sum(records.raw_bytes(r) for r in sent)
+          report["upload_wire_bytes"] = sum(records.wire_bytes(r) for r in sent)
           usable.append((pid, synthetic, radius, metrics.get("num-examples"),
-                         metrics.get("epsilon")))
+                         metrics.get("epsilon"), delta))
       reports.append(report)
     for node in self._round.get("nodes", []):
       if node not in replied:
@@ -245,12 +266,13 @@ class FedLAP(Strategy):
                               "stopped": msg,
                               "round_seconds": time.time() - self._round["t0"]})
       raise TooFewClients(msg)
-    pids, sets, radii, sizes, _ = zip(*usable)
+    pids, sets, radii, sizes, _, deltas = zip(*usable)
     stacked = server_work.stack_synthetic(sets)
     weights = server_work.client_weights(self.fc.server.weighting, sizes)
-    params, sm = server_work.server_update(self._round["k_server"], self.apply_fn, self._params,
-                                           stacked, weights, np.asarray(radii),
-                                           self._round["server_lr"], self.fc)
+    params, sm = server_work.server_update(
+        self._round["k_server"], self.apply_fn, self._params, stacked, weights,
+        np.asarray(radii), self._round["server_lr"], self.fc,
+        deltas=server_work.stack_deltas(deltas) if self.with_deltas else None)
     loss, acc = self.evaluate(params)
     r_g = float(sm.radius)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
@@ -261,6 +283,8 @@ class FedLAP(Strategy):
         "server_epochs": int(sm.epochs), "server_steps": int(sm.steps),
         "upload_bytes": upload,
         "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
+        **({"upload_delta_bytes": sum(r.get("upload_delta_bytes", 0) for r in reports)}
+           if self.with_deltas else {}),
         "round_seconds": time.time() - self._round["t0"]})
     metrics = MetricRecord({"test-accuracy": acc, "test-loss": loss,
                             "clients-ok": len(usable), "upload-bytes": upload})

@@ -203,6 +203,25 @@ def server_learning_rate(round_index, config: FedLAPConfig):
                               schedule=config.lr_schedule)
 
 
+def shared_family_key(k_clients: jax.Array) -> jax.Array:
+  """The round's one DSA family key for all clients (``client.dsa_family_draw='shared'``),
+  derived from the round's client key ``k_clients``."""
+  return jax.random.fold_in(k_clients, 0x5DA)
+
+
+def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:
+  """The server's start for ``server.start='fedavg_delta'``: ``w_g + sum_k w_k delta_k / sum_k w_k``.
+
+  Args:
+    params: the global model ``w_g`` of the round.
+    model_deltas: the clients' model deltas (``LocalApproxMetrics.model_delta``
+      of ``model_steps='noisy_real'``), leaves ``(K, *leaf_shape)``.
+    weights: ``(K,)`` the server's client weights (:func:`fedlap_jax.dispatch.client_weights`).
+  """
+  wn = weights / jnp.sum(weights)
+  return jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), params, model_deltas)
+
+
 def fedlap_round(
     state: FedLAPState,
     clients: ClientData,
@@ -254,8 +273,7 @@ def fedlap_round(
                         synthetic=syn, client_data=data, family_key=family_key,
                         client_axis=client_axis)
 
-  # One DSA family key for all clients (config.client.dsa_family_draw="shared").
-  family_key = jax.random.fold_in(k_clients, 0x5DA)
+  family_key = shared_family_key(k_clients)
   args = (jax.random.split(k_clients, num_clients), synthetic, clients)
   synthetic, radii, client_metrics = run_clients(
       run, args, replicated=(state.params, lr, family_key), client_backend=client_backend,
@@ -265,11 +283,8 @@ def fedlap_round(
   weights = client_weights(clients, config.server.weighting)
   start = state.params
   if config.server.start == "fedavg_delta":
-    # The clients' model deltas (noisy_real trajectories), averaged with the server's
-    # weights; the trust region is then centred on the FedAvg model.
-    wn = weights / jnp.sum(weights)
-    start = jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), state.params,
-                         client_metrics.model_delta)
+    # The trust region is centred on the FedAvg model of the clients' deltas.
+    start = fedavg_delta_start(state.params, client_metrics.model_delta, weights)
   client_metrics = client_metrics._replace(model_delta=None)  # used; not a metric to log
   params, server_metrics = global_update(
       k_server, apply_fn, start, synthetic, weights, r_g,

@@ -63,12 +63,17 @@ def test_settings_map_onto_the_named_configs(tmp_path):
     ({"config": "quickstart:dp_loops", "colour": "red"}, r"run config keys \['colour'\] are unknown"),
     ({"config": "quickstart:dp:x"}, "config='quickstart:dp:x' is invalid"),
     ({"config": "mnist_scaffold"}, "method='scaffold'"),
-    # The quickstart's DP default is the hybrid, whose clients also upload a model delta.
-    ({"config": "quickstart:dp"}, "server.start='fedavg_delta' is invalid; allowed: 'global'"),
 ])
 def test_bad_run_config_is_refused_by_name(run_config, match):
   with pytest.raises(ValueError, match=match):
     settings.run_settings(run_config)
+
+
+def test_the_hybrid_dp_recipe_is_a_flower_run_config():
+  """quickstart:dp (issue 18's hybrid: the clients also send model deltas) loads as it is."""
+  run = settings.run_settings({"config": "quickstart:dp"})
+  assert run.label == "quickstart_dp" and run.dp
+  assert run.cfg.server.start == "fedavg_delta" and run.cfg.client.model_steps == "noisy_real"
 
 
 def test_bad_config_values_fail_the_experiments_validation():
@@ -203,6 +208,62 @@ def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monke
     assert got["epsilon"] == want["epsilon"]
 
 
+# The hybrid (quickstart:dp) at toy size: a 1-block ConvNet of width 8, T = 2 noisy accesses
+# a round, 2 rounds, 1 server epoch; DSA as the recipe has it (matching and server on, real
+# batches off), so the clients must draw the round's shared DSA family as experiments.run does.
+HYBRID_TINY = ("rounds=2 model.width=8 model.depth=1 client.max_outer=2 client.boost_loop=2 "
+               "server.max_epochs=1 eval_chunk_size=128")
+
+
+@pytest.mark.slow
+def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
+  """server.start='fedavg_delta': each client sends its model delta with its synthetic set;
+  the server starts from w_g + the mean delta, as experiments.run does (bit for bit)."""
+  monkeypatch.setenv(settings.UNSAFE_ENV, "1")
+  rc = _run_config(tmp_path, "quickstart:dp", overrides=HYBRID_TINY,
+                   **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0})
+  records, grid = run_inprocess(rc)
+  ref = reference_run("quickstart:dp", HYBRID_TINY, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2]
+  for got, want in zip(records, ref):
+    assert got["clients_ok"] == [0, 1, 2, 3, 4]
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["epsilon"] == want["epsilon"]
+  # Every reply carries one delta array per parameter leaf, shaped like the model,
+  # and nothing else beyond the synthetic set and the DP metrics.
+  with np.load(tmp_path / "run" / "final_params.npz") as f:
+    shapes = {k.replace(".", "/"): v.shape for k, v in f.items()}
+  for reply in grid.replies:
+    assert set(reply.content.keys()) == {"metrics", "status", "synthetic", "delta"}
+    delta = reply.content["delta"]
+    assert {k: tuple(a.shape) for k, a in delta.items()} == shapes
+    assert any(np.abs(a.numpy()).max() > 0 for a in delta.values())
+    assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS
+  model_bytes = records[0]["model_bytes"]
+  assert records[0]["upload_delta_bytes"] == 5 * model_bytes
+  assert records[0]["upload_bytes"] == 5 * (model_bytes + 20 * 64 * 4 + 20 * 4 + 20)
+
+
+def test_a_model_delta_must_match_the_global_model():
+  """The server refuses a delta with other parameter paths, shapes, or NaN / Inf."""
+  from fedlap_flower import records
+  params = {"conv": {"kernel": np.zeros((3, 3, 1, 2), np.float32)},
+            "dense": {"bias": np.zeros(4, np.float32)}}
+  good = {"conv": {"kernel": np.ones((3, 3, 1, 2), np.float32)},
+          "dense": {"bias": np.full(4, 0.5, np.float32)}}
+  back = records.record_to_delta(records.params_to_record(good), params)
+  np.testing.assert_array_equal(back["dense"]["bias"], good["dense"]["bias"])
+  with pytest.raises(ValueError, match=r"missing \['dense/bias'\]"):
+    records.record_to_delta(records.params_to_record({"conv": good["conv"]}), params)
+  with pytest.raises(ValueError, match=r"'dense/bias' has shape \(5,\); allowed: \(4,\)"):
+    records.record_to_delta(records.params_to_record(
+        {**good, "dense": {"bias": np.zeros(5, np.float32)}}), params)
+  with pytest.raises(ValueError, match="'conv/kernel' holds NaN or Inf"):
+    records.record_to_delta(records.params_to_record(
+        {**good, "conv": {"kernel": np.full((3, 3, 1, 2), np.nan, np.float32)}}), params)
+
+
 @pytest.mark.slow
 def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path, monkeypatch):
   monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
@@ -220,6 +281,9 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   for reply in grid.replies:
     assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS, reply.content["metrics"]
     assert reply.content["status"]["keys"] == "client"
+    # server.start='global': the synthetic set only, no model delta.
+    assert set(reply.content.keys()) == {"metrics", "status", "synthetic"}
+  assert all("upload_delta_bytes" not in r for r in records)
   # Each client's ledger: its own N_k, both rounds, the epsilons it reported.
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   for k in range(5):
