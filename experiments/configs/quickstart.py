@@ -16,7 +16,7 @@ about a minute for both on 2 idle CPU cores.
   DP method measured on these clients (README, "A tuned DP recipe (issue 18)":
   72.3 +- 4.7 % against DP-FedAvg's best 67.3 +- 5.1 % and these older loops'
   41.0 +- 7.7 %). It uploads one model delta per client and round besides the
-  synthetic set, so the Flower app (synthetic sets only) runs ``dp_loops``.
+  synthetic set (the Flower app sends both).
 * FedLAP-DP with the older loops (``quickstart:dp_loops``, :func:`dp_config`, the base
   of the digits' named configs and of many tests): sigma=1, C=1, delta=1e-5, B=64
   Poisson (q = 64 / 274), T=10 noisy accesses per round, 10 rounds (epsilon 18.9);
