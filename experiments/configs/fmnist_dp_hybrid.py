@@ -8,9 +8,9 @@ won the seed-0 grid on ``fmnist10k``:
 * B = 2028 = 0.169 x the smallest client (12,000 records); on a 10,000-image subset with
   1,555-record clients use B = 263 (the same q, sigma and epsilon).
 
-On fmnist10k (ConvNet 32x3, seeds 0-2, H100) it reached 69.6 +- 3.2 % at epsilon 2.79,
-level with DP-FedAvg given the same q, T and rounds (70.1 +- 1.2 %); README, "A tuned DP
-recipe (issue 18)".
+On fmnist10k (ConvNet 32x3, seeds 0-2) it reached 69.5 +- 3.2 % at epsilon 2.79 (H100) and
+69.7 +- 1.3 % at 10.18 (CPU), level with DP-FedAvg given the same q and rounds (70.1 +- 1.2
+and 69.2 +- 2.3 %); README, "A tuned DP recipe (issue 18)".
 
   python -m experiments.run --config=fmnist_dp_hybrid [--config.seed=1]
 """
