@@ -134,3 +134,38 @@ def linear_params():
   d = int(np.prod(IMAGE_SHAPE))
   return {"kernel": 0.1 * jax.random.normal(k1, (d, 10)),
           "bias": 0.1 * jax.random.normal(k2, (10,))}
+
+
+# Scheduling under ``python -m pytest -n 2``. Each test file goes to one worker whole
+# (xdist's ``--dist loadfile``), so module fixtures are built once: xdist's default ("load")
+# splits files at chunk boundaries and ran test_sharding.py's 25-second single-device
+# reference on both workers. (``--dist loadgroup`` with the files' ``xdist_group`` marks does
+# not group under pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer
+# reads, so each test becomes its own unit and module fixtures are rebuilt: the likely cause
+# of the 816 s of 2026-11-27.) Files are handed out in the order below
+# (``--no-loadscope-reorder`` keeps it), the costliest first (summed test times from
+# ``--durations=0``, 2026-11-27), so that the run ends on cheap files instead of one worker
+# finishing the 200-second sharding file alone. Files not listed follow in their usual order.
+# The order changes no test, only when it runs. Set here, not in pyproject's addopts, so that
+# ``-p no:xdist`` runs still parse; an explicit ``--dist`` wins.
+COSTLY_FIRST = (
+    "test_sharding.py", "test_kill_resume.py", "test_experiments_synthetic.py",
+    "test_flower.py", "test_pixels.py", "test_side_by_side.py", "test_client.py",
+    "test_participation.py", "test_condensation.py", "test_compilation.py",
+    "test_experiments_run.py", "test_federated.py", "test_baselines.py", "test_privacy.py",
+    "test_server_radius.py", "test_models.py", "test_per_example.py", "test_dsa.py",
+    "test_auditing.py", "test_experiments_data.py", "test_readme.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n's "no" into "load"
+def pytest_cmdline_main(config):
+  if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+    config.option.dist = "loadfile"
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {name: i for i, name in enumerate(COSTLY_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
