@@ -195,6 +195,16 @@ def _split(keys: tuple, num: int) -> tuple[jax.Array, jax.Array | None]:
   return jax.random.split(k, num), None if f is None else jax.random.split(f, num)
 
 
+def shared_family_key(key: jax.Array) -> jax.Array:
+  """The DSA family key derived from ``key`` (``client.dsa_family_draw='shared'``).
+
+  :func:`local_approx` derives it from the client's own key when none is given;
+  :func:`fedlap_jax.federated.fedlap_round` from the round's client key
+  ``k_clients``, so every client of the round draws the same families.
+  """
+  return jax.random.fold_in(key, 0x5DA)
+
+
 def local_approx(
     key: jax.Array,
     apply_fn: ApplyFn,
@@ -256,7 +266,7 @@ def local_approx(
   if c.dsa_family_draw == "per_client":
     family_key = None
   elif family_key is None:
-    family_key = jax.random.fold_in(key, 0x5DA)
+    family_key = shared_family_key(key)
 
   def real_batch_gradient(keys, w):
     k_sample, k_aug, k_noise = jax.random.split(keys[0], 3)

@@ -25,7 +25,7 @@ import numpy as np
 
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import LocalApproxMetrics, local_approx
+from fedlap_jax.client import LocalApproxMetrics, local_approx, shared_family_key
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import FedLAPConfig
 from fedlap_jax.dispatch import (VMAP_AXIS, client_weights, place_inputs,
@@ -201,12 +201,6 @@ def server_learning_rate(round_index, config: FedLAPConfig):
   return cosine_learning_rate(round_index, config.rounds,
                               config.learning_rate if base is None else base,
                               schedule=config.lr_schedule)
-
-
-def shared_family_key(k_clients: jax.Array) -> jax.Array:
-  """The round's one DSA family key for all clients (``client.dsa_family_draw='shared'``),
-  derived from the round's client key ``k_clients``."""
-  return jax.random.fold_in(k_clients, 0x5DA)
 
 
 def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:
