@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import checkpointing, report, run, train
+from fedlap_jax import accounting
 from experiments.configs import quickstart
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
@@ -188,21 +189,31 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
           == info["client_classes"]
 
 
-def test_noisy_real_run_keeps_the_model_delta_inside_the_round(tmp_path, monkeypatch):
-  """client.model_steps='noisy_real' + server.start='fedavg_delta': the clients' model deltas
-  are used by the server step and dropped there; nothing of them reaches the work dir."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory):
+  """One round of the hybrid DP recipe (client.model_steps='noisy_real', server.start=
+  'fedavg_delta'), with the round metrics the driver receives: (workdir, out, seen)."""
+  tmp_path = tmp_path_factory.mktemp("hybrid")
   seen = []
   summarize = train.summarize_metrics
 
   def spy(metrics, *args, **kwargs):
     seen.append(metrics)
     return summarize(metrics, *args, **kwargs)
-  monkeypatch.setattr(train, "summarize_metrics", spy)
-  cfg = tiny_config(rounds=1, checkpoint_every=1, progress_bar=False, plots=False,
-                    **{"client.average_targets": True, "client.model_steps": "noisy_real",
-                       "server.start": "fedavg_delta"})
-  out = train.train_and_evaluate(cfg, tmp_path)
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.setattr(train, "summarize_metrics", spy)
+    cfg = tiny_config(rounds=1, checkpoint_every=1, progress_bar=False, plots=False,
+                      **{"client.average_targets": True, "client.model_steps": "noisy_real",
+                         "server.start": "fedavg_delta"})
+    out = train.train_and_evaluate(cfg, tmp_path)
+  return tmp_path, out, seen
+
+
+def test_noisy_real_run_keeps_the_model_delta_inside_the_round(hybrid_run):
+  """client.model_steps='noisy_real' + server.start='fedavg_delta': the clients' model deltas
+  are used by the server step and dropped there; nothing of them reaches the work dir."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  tmp_path, out, seen = hybrid_run
   assert len(out["records"]) == 1 and len(seen) == 1
   assert seen[0].client.model_delta is None  # what the round hands the driver
   listing = {p.name for p in tmp_path.iterdir()}
@@ -220,6 +231,22 @@ def test_noisy_real_run_keeps_the_model_delta_inside_the_round(tmp_path, monkeyp
   assert fields == {"params", "synthetic", "round", "key"}, sorted(state)
   num_params = json.loads((tmp_path / "run_info.json").read_text())["num_params"]
   assert sum(np.size(a) for n, a in state.items() if n.split("_")[1] == "params") == num_params
+
+
+def test_every_noisy_access_of_the_hybrid_reaches_the_ledger(hybrid_run):
+  """The hybrid's model steps and matching use only the round's T noisy accesses: every client
+  made at least one and at most T = R_i x max_outer x batch_loop, and the ledger charged T
+  (the worst case) for the round, at the smallest client's q."""
+  tmp_path, out, _ = hybrid_run
+  ledger = accounting.PrivacyLedger.from_dict(
+      json.loads((tmp_path / "privacy_ledger.json").read_text()))
+  t = TINY["client.iterations"] * TINY["client.max_outer"] * TINY["client.batch_loop"]
+  assert ledger.steps_per_round == t and ledger.steps == [t]
+  info = json.loads((tmp_path / "run_info.json").read_text())
+  assert ledger.min_client_size == min(info["client_sizes"]) == info["min_client_size"]
+  (rec,) = out["records"]
+  assert len(rec["real_accesses"]) == 5 and all(1 <= a <= t for a in rec["real_accesses"])
+  assert rec["epsilon"] == pytest.approx(ledger.epsilon, rel=1e-9)
 
 
 def test_debug_nonprivate_stats_writes_them_in_a_named_section(straight, tmp_path):
@@ -453,7 +480,6 @@ def _garbage_meta(ckpt_dir):
 
 
 def _sigma_edited(ckpt_dir):  # consistent by itself, but not this run's sigma
-  from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
   path = ckpt_dir / "meta" / "metadata"
   meta = json.loads(path.read_text())
   ledger = dict(meta["ledger"], noise_multiplier=5.0, epsilons=[])
