@@ -1,1 +1,1 @@
-"""Benchmarks of fedlap_jax (timings, FLOPs, memory); see BENCHMARKS.md."""
+"""Benchmarks of fedlap_jax (timings, FLOPs, memory); see docs/benchmarks.md."""

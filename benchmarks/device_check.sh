@@ -11,7 +11,7 @@
 # and compile seconds, and the goals: cifar_dp <= 3 s, cifar_nondp <= 8 s, compile <= 30 s.
 # "new" = client_backend "vmap" with dsa_family_draw "shared"; "old" = "map" with
 # "per_client" (the program measured before: cifar_dp 7.3-7.6 s, cifar_nondp 12.35 s).
-# BENCHMARKS.md ("GPU") explains them.
+# docs/benchmarks.md ("GPU") explains them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device_check}

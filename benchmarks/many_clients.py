@@ -1,7 +1,8 @@
 """Many clients: time per round and peak memory for 5 to 500 clients on the same total data.
 
-Issue 17, goal 3. The 8,000 MNIST training records of ``/work/data/mnist10k.npz``
-(``data.source=npz:...``) are split by the project's Dirichlet partition
+The 8,000 MNIST training records of the ``mnist10k`` subset (built by
+``python -m experiments.datasets mnist10k``; ``--data PATH`` for another copy)
+are split by the project's Dirichlet partition
 (``data.partition=dirichlet``, ``alpha`` 0.5) among K = 5, 20, 100 and 500
 clients; each setting runs FedLAP-DP and DP-FedAvg through the experiment
 driver (:func:`experiments.train.train_and_evaluate`) with 5 clients per round
@@ -26,7 +27,9 @@ at every K, and a DP-FedAvg client's ``T = round(N_max / B)`` steps shrink as
 the clients get smaller. The privacy figures of these runs are not meaningful
 (q = 1 for the smallest client); the accounting cost is part of the round.
 
+  python -m experiments.datasets mnist10k            # once: the data (needs tfds online)
   python -m benchmarks.many_clients                  # the table, JSON lines and the PNG
+  python -m benchmarks.many_clients --data PATH      # mnist10k from elsewhere
   python -m benchmarks.many_clients --small          # a quick check: digits, K 5 and 20, 2 rounds
   python -m benchmarks.many_clients --from-log LOG   # table and plot again from a run's output
 """
@@ -49,13 +52,23 @@ SMALL_CLIENTS = (5, 20)
 METHODS = ("fedlap_dp", "dp_fedavg")
 PER_ROUND = 5
 BATCH = 3
-MNIST = "/work/data/mnist10k.npz"
+SUBSET = "mnist10k"
 PNG = Path(__file__).parent / "results" / "many_clients.png"
 
 
+def default_data() -> Path:
+  """Where ``python -m experiments.datasets mnist10k`` writes the subset by default."""
+  from experiments import datasets  # pylint: disable=g-import-not-at-top
+  return datasets.output_path(SUBSET)
+
+
 def bench_config(method: str, num_clients: int, per_round: int | None, *, rounds: int,
-                 small: bool):
-  """The measured config: ``method`` on K Dirichlet clients, ``per_round`` of them per round."""
+                 small: bool, data: str | os.PathLike | None = None):
+  """The measured config: ``method`` on K Dirichlet clients, ``per_round`` of them per round.
+
+  ``data``: the mnist10k npz (default :func:`default_data`); unused with ``small``
+  (scikit-learn's digits).
+  """
   from experiments.configs import baselines, quickstart  # pylint: disable=g-import-not-at-top
   if method == "fedlap_dp":
     cfg = quickstart.dp_config()
@@ -73,7 +86,7 @@ def bench_config(method: str, num_clients: int, per_round: int | None, *, rounds
     cfg.data.name, cfg.data.source = "digits", "sklearn"
     cfg.data.normalisation = "test_split"
   else:
-    cfg.data.name, cfg.data.source = "mnist", f"npz:{MNIST}"
+    cfg.data.name, cfg.data.source = "mnist", f"npz:{data or default_data()}"
     cfg.data.normalisation = "published"
   cfg.data.partition = "dirichlet"
   cfg.data.dirichlet_alpha = 0.5
@@ -91,7 +104,7 @@ def bench_config(method: str, num_clients: int, per_round: int | None, *, rounds
 
 
 def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
-            small: bool) -> dict:
+            small: bool, data: str | None = None) -> dict:
   """One setting in this process (call it in a fresh one: peak RSS is the process's)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -99,7 +112,7 @@ def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
 
   from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
 
-  cfg = bench_config(method, num_clients, per_round, rounds=rounds, small=small)
+  cfg = bench_config(method, num_clients, per_round, rounds=rounds, small=small, data=data)
   # Time the accounting apart (every ledger's round composition goes through here).
   spent = []
   compose = accounting.PrivacyLedger.record_round
@@ -142,11 +155,13 @@ def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
 
 
 def run_child(method: str, num_clients: int, per_round: int | None, rounds: int,
-              small: bool) -> dict:
+              small: bool, data: str | None = None) -> dict:
   argv = [sys.executable, "-m", "benchmarks.many_clients", "--one",
           f"{method},{num_clients},{per_round or 0}", f"--rounds={rounds}"]
   if small:
     argv.append("--small")
+  if data:
+    argv.append(f"--data={data}")
   proc = subprocess.run(argv, capture_output=True, text=True, check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
@@ -200,6 +215,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--small", action="store_true",
                       help="digits (sklearn), K 5 and 20, 2 rounds: a quick check")
+  parser.add_argument("--data", default=None,
+                      help="the mnist10k npz (default: where `python -m experiments.datasets "
+                           "mnist10k` writes it)")
   parser.add_argument("--rounds", type=int, default=None,
                       help="rounds per setting (default 3; --small 2); the first compiles")
   parser.add_argument("--clients", default=None, help="comma-separated K (default 5,20,100,500)")
@@ -221,15 +239,20 @@ def main(argv=None) -> int:
     return 0
   if args.one:
     method, k, m = args.one.split(",")
-    print(json.dumps(measure(method, int(k), int(m) or None, rounds, args.small)), flush=True)
+    print(json.dumps(measure(method, int(k), int(m) or None, rounds, args.small, args.data)),
+          flush=True)
     return 0
+  if not args.small and not Path(args.data or default_data()).is_file():
+    raise SystemExit(f"--data={str(args.data or default_data())!r} is invalid: no such file; "
+                     f"allowed: the {SUBSET} npz, built by `python -m experiments.datasets "
+                     f"{SUBSET}`, or --small (scikit-learn's digits, offline)")
   ks = ([int(k) for k in args.clients.split(",")] if args.clients
         else SMALL_CLIENTS if args.small else CLIENTS)
   rows = []
   for method in args.methods.split(","):
     for k in ks:
       for per_round in ((PER_ROUND, None) if k > PER_ROUND else (None,)):
-        rows.append(run_child(method, k, per_round, rounds, args.small))
+        rows.append(run_child(method, k, per_round, rounds, args.small, args.data))
         print(json.dumps(rows[-1]), flush=True)
   print(table(rows))
   plot(rows, Path(args.png))

@@ -1,4 +1,4 @@
-"""The benchmark helpers whose numbers BENCHMARKS.md reports: data and FLOP bookkeeping."""
+"""The benchmark helpers whose numbers docs/benchmarks.md reports: data and FLOP bookkeeping."""
 
 from __future__ import annotations
 

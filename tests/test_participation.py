@@ -253,15 +253,26 @@ def test_clients_per_round_k_equals_no_sampling(sampled_runs, tmp_path):
 # ---------------------------------------------------------------- the benchmark's settings
 
 
-def test_many_clients_benchmark_configs_are_valid_and_sample():
+def test_many_clients_benchmark_configs_are_valid_and_sample(tmp_path):
+  """The benchmark's configs validate on an mnist10k-shaped file the test builds (no file
+  outside the repository); by default they read where experiments.datasets writes."""
   from benchmarks import many_clients  # pylint: disable=g-import-not-at-top
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import datasets, validation  # pylint: disable=g-import-not-at-top
+  data = tmp_path / "mnist10k.npz"
+  y = np.arange(60) % 10
+  datasets.write_npz(data, {"x_train": np.zeros((60, 28, 28, 1), np.uint8), "y_train": y,
+                            "x_test": np.zeros((20, 28, 28, 1), np.uint8), "y_test": y[:20]})
+  default = many_clients.bench_config("fedlap_dp", 5, None, rounds=3, small=False)
+  assert default.data.source == f"npz:{datasets.output_path('mnist10k')}"
   for method in many_clients.METHODS:
     for k, m in ((500, 5), (500, None), (5, None)):
-      cfg = many_clients.bench_config(method, k, m, rounds=3, small=False)
+      cfg = many_clients.bench_config(method, k, m, rounds=3, small=False, data=data)
+      assert cfg.data.source == f"npz:{data}" and cfg.data.name == "mnist"
       validation.validate_config(cfg)
       assert cfg.data.partition == "dirichlet" and cfg.data.dirichlet_alpha == 0.5
       assert cfg.data.clients_per_round == m and cfg.client.batch_size == many_clients.BATCH
+  with pytest.raises(SystemExit, match="built by `python -m experiments.datasets mnist10k`"):
+    many_clients.main(["--data", str(tmp_path / "missing.npz")])
   row = dict(method="fedlap_dp", clients=500, per_round=5, n_min=3, n_max=48,
              first_round_s=1.0, round_s=0.5, accounting_s=0.1, peak_rss_mb=900.0,
              host_data_mb=18.8, block_mb=0.19, load=[3.0, 3.1])
