@@ -698,7 +698,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     log(f"[{config_name}] WARNING checkpoint {r} is damaged ({why}); moved to {target}")
   if start:
     log(f"[{config_name}] resuming from round {start} (checkpoint {ckpt.directory / str(start)})"
-        + (f", epsilon so far {ledger.epsilon:.3f}" if ledger is not None else ""))
+        + (f", epsilon so far {ledger.epsilon:.3f} (add/remove {ledger.epsilon_add_remove:.3f})"
+           if ledger is not None else ""))
   elif moved:
     log(f"[{config_name}] no valid checkpoint left: starting from round 0")
   else:

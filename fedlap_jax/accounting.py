@@ -526,8 +526,8 @@ class PrivacyLedger:
     epsilons: ``epsilon`` (nats, of ``adjacency``) after each recorded round;
       if empty while ``rounds > 0`` it is computed, else checked against the
       recomputation.
-    epsilons_add_remove: the add/remove epsilons after each round; computed,
-      or checked like ``epsilons`` when given.
+    epsilons_add_remove: the add/remove epsilons after each round; computed
+      (always, when ``epsilons`` is empty), or checked like ``epsilons``.
   """
 
   noise_multiplier: float
@@ -564,20 +564,21 @@ class PrivacyLedger:
                    f"one entry per recorded round (rounds={self.rounds})")
     self.steps = [checks.integer(f"steps[{i}]", s, minimum=1) for i, s in enumerate(steps)]
 
+    # Empty epsilons (with rounds > 0) ask for a recomputation of both lists.
     stored = {"epsilons": list(self.epsilons),
-              "epsilons_add_remove": list(self.epsilons_add_remove)}
+              "epsilons_add_remove": list(self.epsilons_add_remove) if self.epsilons else []}
     self._recompute()
     for name, values in stored.items():
-      if not values:
+      if not values and (self.rounds > 0 or name == "epsilons_add_remove"):
         continue
       checks.require(len(values) == self.rounds, name, values,
                      f"one epsilon per recorded round (rounds={self.rounds})")
       for i, (s, r) in enumerate(zip(values, getattr(self, name))):
         s_f = checks.finite(f"{name}[{i}]", s)
         if not math.isclose(s_f, r, rel_tol=_LEDGER_TOL, abs_tol=_LEDGER_TOL):
-          raise ConfigError(
-              f"{name}[{i}]", s, f"equal to within {_LEDGER_TOL:g}",
-              message=f"{name}[{i}]={s!r} does not match the recomputed epsilon {r!r} after "
+          # Not a bad input but a record that contradicts itself: a plain ValueError.
+          raise ValueError(
+              f"{name}[{i}]={s!r} does not match the recomputed epsilon {r!r} after "
               f"round {i + 1} (allowed: equal to within {_LEDGER_TOL:g}); the ledger is "
               "inconsistent or tampered")
 
@@ -694,9 +695,9 @@ class PrivacyLedger:
     A dict without ``adjacency`` is an add/remove ledger.
 
     Raises:
-      ConfigError: if keys are missing or unknown, a field is invalid, or a
-        stored epsilon differs from the recomputed one by more than 1e-9
-        (a tampered or inconsistent ledger is refused).
+      ConfigError: if keys are missing or unknown, or a field is invalid.
+      ValueError: a stored epsilon differs from the recomputed one by more
+        than 1e-9 (a tampered or inconsistent ledger is refused).
     """
     checks.require(isinstance(d, dict), "d", d, "a dict from to_dict()")
     optional = _REPLACE_ONE_FIELDS if d.get("adjacency", ADD_REMOVE) != ADD_REMOVE else ()
@@ -771,10 +772,8 @@ class ClientLedgers:
     self.participants = clean
     for i, (ledger, n) in enumerate(zip(self.ledgers, counts)):
       if ledger.rounds != n:
-        raise ConfigError(f"ledgers[{i}].rounds", ledger.rounds, f"{n}, the rounds it took "
-                          "part in", message=f"client {i}'s ledger records {ledger.rounds} "
-                          f"rounds but it took part in {n}; the ledgers are inconsistent or "
-                          "tampered")
+        raise ValueError(f"client {i}'s ledger records {ledger.rounds} rounds but it took "
+                         f"part in {n}; the ledgers are inconsistent or tampered")
 
   @classmethod
   def create(cls, *, client_sizes: Sequence[int], noise_multiplier: float, batch_size: int,
