@@ -18,9 +18,10 @@ the public seed 0. Three ways, side by side in this process:
 * ``after, replace_one``: the headline the experiments report (replace-one by PLD, one
   composition per distinct rate and step count of the round, cached) plus add/remove.
 
-Prints, per (way, participants per round), the first round (cold caches) and the median of
-the later rounds, with the 1-minute load average before and after; the epsilons of the two
-add/remove ways must agree.
+Prints, per (way, participants per round), the first round (cold caches), the median of
+the later rounds and of the last half of the rounds (once most rates were met: with
+sampling, a round costs the most while new rates keep appearing), with the 1-minute load
+average after each way; the epsilons of the two add/remove ways must agree.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ def main(argv=None) -> int:
   print(f"K = {args.clients} clients, N_k {min(sizes)}..{max(sizes)} ({len(set(sizes))} "
         f"distinct), sigma {SIGMA}, B {BATCH}, T {STEPS}, delta {DELTA:g}, "
         f"{args.rounds} rounds; load before {os.getloadavg()[0]:.2f}")
-  print("| way | per round | round 1 (s) | median of rounds 2.. (s) | final epsilon | "
-        "load |")
-  print("|---|---:|---:|---:|---:|---:|")
+  print("| way | per round | round 1 (s) | median of rounds 2.. (s) | median of the last half "
+        "(s) | final epsilon | load |")
+  print("|---|---:|---:|---:|---:|---:|---:|")
   for m in args.per_round:
     draws = [participation.sample_clients(0, r, args.clients, m).tolist()
              for r in range(1, args.rounds + 1)]
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
       seconds, eps = time_rounds(make(), draws)
       eps_of[way] = eps
       later = statistics.median(seconds[1:]) if len(seconds) > 1 else float("nan")
-      print(f"| {way} | {m} | {seconds[0]:.3f} | {later:.4f} | {eps:.4f} | "
+      last = statistics.median(seconds[len(seconds) // 2:])
+      print(f"| {way} | {m} | {seconds[0]:.3f} | {later:.4f} | {last:.4f} | {eps:.4f} | "
             f"{os.getloadavg()[0]:.2f} |", flush=True)
     if abs(eps_of["before"] - eps_of["after, add_remove"]) > 1e-9 * eps_of["before"]:
       raise SystemExit(f"the add/remove epsilons differ: {eps_of}")

@@ -895,5 +895,6 @@ def restore_newest_valid(ckpt: checkpointing.Checkpointer, template, *, privacy:
         f"refusing to resume {workdir}: every checkpoint is damaged ("
         + "; ".join(f"checkpoint {r}: {why}" for r, why in damaged)
         + "), so the privacy ledger of the rounds run so far cannot be restored; nothing was "
-        "changed. Allowed: restore the checkpoints, or start over with a new --workdir")
+        "changed. Allowed: the undamaged checkpoints this run wrote, or a new --workdir (a new "
+        "run with its own ledger)")
   return 0, template, fresh_ledger, []

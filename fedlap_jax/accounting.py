@@ -193,7 +193,7 @@ def _rdp_epsilon(rdp, delta: float) -> float:
   return float(rdp_privacy_accountant.compute_epsilon(np.array(_orders()), rdp, delta)[0])
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=512)
 def _step_pld(q: float, sigma: float):
   """PLD (replace-one) of one Poisson-sampled Gaussian step."""
   import dp_accounting  # pylint: disable=g-import-not-at-top
@@ -222,7 +222,11 @@ def _replace_one_figure(*, q1: float, q2: float, sigma: float, rounds: int, step
                         delta: float) -> float:
   """Replace-one epsilon of ``rounds`` rounds of ``steps`` steps in all (the first of each at
   ``q1``, the others at ``q2``)."""
-  return _replace_one(q1, rounds, q2, steps - rounds, sigma, delta) if rounds else 0.0
+  if not rounds:
+    return 0.0
+  if q1 == q2:  # one cache entry per (rate, steps), however the steps fall into rounds
+    return _replace_one(q2, 0, q2, steps, sigma, delta)
+  return _replace_one(q1, rounds, q2, steps - rounds, sigma, delta)
 
 
 # --------------------------------------------------------------------------
