@@ -77,6 +77,8 @@ def run_flower(config: str, overrides: str, workdir: Path, *, engine: str, num_c
   env = {"JAX_COMPILATION_CACHE_DIR": str(jax_cache)}
   if server_keys:
     env[settings.UNSAFE_ENV] = "1"
+  if engine == "simulation":  # virtual clients have no node config: their own state root
+    env[settings.STATE_ROOT_ENV] = str(workdir / "clients")
   run_dir = workdir / "server"
   run_config = {"config": config, "overrides": overrides, "run-dir": str(run_dir),
                 "state-root": str(workdir / "clients"), "round-timeout": timeout,

@@ -27,7 +27,10 @@ the number of seeds.
   default) or the best over rounds (``--metric best``).
 * DP tables, one per ``--epsilons`` value: the accuracy after the last round
   whose epsilon is at most that value (``-`` if already the first round spends
-  more), as the paper's "under privacy budgets of 2.79 and 10.18".
+  more), as the paper's "under privacy budgets of 2.79 and 10.18". A run's
+  epsilon is the figure its ``dp.epsilon_for`` names: the record's ``epsilon``
+  (replace-one), or ``epsilon_add_remove`` (the paper's notion) for runs
+  calibrated on it.
 * DP at the epsilon spent: the accuracy after the last round and that
   round's epsilon (the paper's PSG column at epsilon 32; one-shot methods
   have one round).
@@ -97,6 +100,11 @@ class Run:
     if self.config.get("label"):  # a config's display name replaces the method's
       self.method = self.config["label"]
     self.target_epsilon = self.config.get("dp.target_epsilon")
+    # The figure the run's epsilon levels are stated in: the one its dp.target_epsilon /
+    # dp.match_epsilon_of calibrated (dp.epsilon_for): "epsilon" (replace-one) or the
+    # paper's "epsilon_add_remove".
+    self.epsilon_key = ("epsilon_add_remove" if self.config.get("dp.epsilon_for") == "add_remove"
+                        else "epsilon")
     fields = {k: v for k, v in self.config.items() if k not in IGNORED}
     self.row_fields = {k: v for k, v in fields.items() if k.startswith(ROW_PREFIXES)}
     self.col_fields = {k: v for k, v in fields.items() if not k.startswith(ROW_PREFIXES)}
@@ -111,7 +119,7 @@ class Run:
 
   @property
   def final_epsilon(self) -> float:
-    eps = self.records[-1].get("epsilon")
+    eps = self.records[-1].get(self.epsilon_key)
     return float("nan") if eps is None else float(eps)
 
   @property
@@ -121,7 +129,8 @@ class Run:
     return secs[0], (float(np.mean(secs[1:])) if len(secs) > 1 else float("nan"))
 
   def accuracy_at_epsilon(self, epsilon: float) -> float:
-    ok = [r for r in self.records if r.get("epsilon") is not None and r["epsilon"] <= epsilon]
+    key = self.epsilon_key
+    ok = [r for r in self.records if r.get(key) is not None and r[key] <= epsilon]
     return ok[-1]["test_accuracy"] if ok else float("nan")
 
 

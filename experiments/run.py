@@ -123,17 +123,6 @@ def client_sizes(cfg) -> list[int]:
                                  message=str(e)) from None
 
 
-def _dp_steps_per_round(cfg, sizes: list[int]) -> int:
-  """``T``, the real-data accesses per round the accountant charges ``cfg`` with."""
-  from experiments import validation  # pylint: disable=g-import-not-at-top
-  if cfg.method == "fedlap":
-    return validation.to_fedlap_config(cfg).client.real_accesses_per_round
-  if cfg.method == "psg":
-    return validation.to_oneshot_config(cfg).condensation.real_accesses_per_round
-  local = validation.to_baseline_config(cfg, max_client_size=max(sizes)).local
-  return local.scheduled_steps()
-
-
 # The largest noise multiplier dp.target_epsilon may calibrate to: beyond it the released
 # statistics are noise (sigma * C / B per coordinate) and the target is refused as unreachable.
 MAX_TARGET_NOISE_MULTIPLIER = 100.0
@@ -142,31 +131,41 @@ CALIBRATION_TOL = 1e-4
 
 
 class DpBudget(NamedTuple):
-  """What the ledger charges a DP config with: per round, ``steps_per_round`` noisy steps at rate
-  ``batch_size / min_client_size``, for ``rounds`` rounds, at ``delta``.
+  """What a DP config spends: its method's mechanism for ``rounds`` rounds at the smallest
+  client's rate, and the epsilon its calibration targets.
 
-  ``steps_per_round`` is the method's own count (:func:`_dp_steps_per_round`: FedLAP-DP's real
-  accesses per round, a DP baseline's scheduled local steps), the one the run's
-  :class:`~fedlap_jax.accounting.PrivacyLedger` composes.
+  ``mechanism`` is the :class:`~fedlap_jax.accounting.DpMechanism` the method declares
+  (:func:`experiments.validation.dp_mechanism`: ``B``, ``T`` per round, ``delta``; the same
+  value the run's :class:`~fedlap_jax.algorithm.FederatedAlgorithm` carries and its ledgers
+  compose); ``epsilon_for`` is ``dp.epsilon_for``, the figure (``"replace_one"`` or
+  ``"add_remove"``) that :meth:`epsilon` returns and :meth:`calibrate` targets.
   """
 
-  batch_size: int
+  mechanism: "accounting.DpMechanism"
   min_client_size: int
-  steps_per_round: int
   rounds: int
-  delta: float
+  epsilon_for: str
+
+  @property
+  def batch_size(self) -> int:
+    return self.mechanism.batch_size
+
+  @property
+  def steps_per_round(self) -> int:
+    return self.mechanism.steps_per_round
+
+  @property
+  def delta(self) -> float:
+    return self.mechanism.delta
 
   @property
   def sampling_rate(self) -> float:
-    return self.batch_size / self.min_client_size
+    return self.mechanism.sampling_rate(self.min_client_size)
 
   def epsilon(self, noise_multiplier: float) -> float:
-    """Epsilon (nats) after the last round with this ``noise_multiplier``."""
-    from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
-    return accounting.epsilon_after_rounds(
-        rounds=self.rounds, noise_multiplier=noise_multiplier, batch_size=self.batch_size,
-        min_client_size=self.min_client_size, steps_per_round=self.steps_per_round,
-        delta=self.delta)
+    """Epsilon (nats, of ``epsilon_for``) after the last round with this ``noise_multiplier``."""
+    return self.mechanism.with_noise_multiplier(noise_multiplier).epsilon_after(
+        self.rounds, self.min_client_size, adjacency=self.epsilon_for)
 
   def calibrate(self, target_epsilon: float, *, field: str) -> float:
     """The smallest sigma (to ``CALIBRATION_TOL``) whose epsilon is <= ``target_epsilon``.
@@ -176,16 +175,15 @@ class DpBudget(NamedTuple):
         ``sigma > MAX_TARGET_NOISE_MULTIPLIER``.
     """
     from experiments import validation  # pylint: disable=g-import-not-at-top
-    from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
     allowed = (f"a finite number > 0 that some noise_multiplier <= "
                f"{MAX_TARGET_NOISE_MULTIPLIER:g} meets (here q = {self.batch_size}/"
                f"{self.min_client_size}, T = {self.steps_per_round} per round, {self.rounds} "
-               f"rounds, delta = {self.delta:g})")
+               f"rounds, delta = {self.delta:g}, {self.epsilon_for} epsilon)")
     try:
-      return accounting.calibrate_noise_multiplier(
-          target_epsilon, delta=self.delta, rounds=self.rounds, batch_size=self.batch_size,
-          min_client_size=self.min_client_size, steps_per_round=self.steps_per_round,
-          tol=CALIBRATION_TOL, max_noise_multiplier=MAX_TARGET_NOISE_MULTIPLIER)
+      return self.mechanism.calibrated(
+          target_epsilon, rounds=self.rounds, client_size=self.min_client_size,
+          adjacency=self.epsilon_for, tol=CALIBRATION_TOL,
+          max_noise_multiplier=MAX_TARGET_NOISE_MULTIPLIER).noise_multiplier
     except ValueError:
       if isinstance(target_epsilon, (int, float)) and target_epsilon > 0:
         floor = self.epsilon(MAX_TARGET_NOISE_MULTIPLIER)
@@ -198,18 +196,21 @@ class DpBudget(NamedTuple):
 
 def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
   """The :class:`DpBudget` of a DP config (``sizes``: records per client; loaded if None)."""
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
   sizes = client_sizes(cfg) if sizes is None else sizes
-  return DpBudget(int(cfg.client.batch_size), int(min(sizes)), _dp_steps_per_round(cfg, sizes),
-                  int(cfg.rounds), float(cfg.dp.delta))
+  return DpBudget(validation.dp_mechanism(cfg, sizes), int(min(sizes)), int(cfg.rounds),
+                  cfg.dp.get("epsilon_for", accounting.REPLACE_ONE))
 
 
 def calibrate_noise(config) -> list[str]:
   """Sets ``dp.noise_multiplier`` of every (suite) run with ``dp.target_epsilon`` or
   ``dp.match_epsilon_of`` (in place); returns one log line per calibrated run.
 
-  * ``dp.target_epsilon = E``: the smallest sigma whose epsilon after the run's last round is
-    at most ``E`` (:meth:`DpBudget.calibrate`, with the run's own client sizes, batch size,
-    steps per round and rounds, for every DP method).
+  * ``dp.target_epsilon = E``: the smallest sigma whose epsilon (of ``dp.epsilon_for``:
+    replace-one by default, the reported guarantee) after the run's last round is at most
+    ``E`` (:meth:`DpBudget.calibrate`, with the run's own client sizes and its method's
+    mechanism, for every DP method).
   * ``dp.match_epsilon_of = "other"`` (suites only): ``E`` is the epsilon of the suite's run
     ``other`` after its last round (after ``other``'s own calibration, if it has a target).
 
@@ -236,7 +237,7 @@ def calibrate_noise(config) -> list[str]:
                  f"{cfg.dp.noise_multiplier:.6g} (q = {budget.batch_size}/"
                  f"{budget.min_client_size} = {budget.sampling_rate:.4g}, T = "
                  f"{budget.steps_per_round} per round, {budget.rounds} rounds, delta = "
-                 f"{budget.delta:g}: epsilon {eps:.4f})")
+                 f"{budget.delta:g}: {budget.epsilon_for} epsilon {eps:.4f})")
 
   if "suite" not in config:
     other = config.dp.get("match_epsilon_of", "")
@@ -267,7 +268,8 @@ def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
 
   A run ``r`` with ``dp.match_epsilon_of = "other"`` gets the noise multiplier
   (:meth:`DpBudget.calibrate`, tolerance ``CALIBRATION_TOL``) that makes its epsilon after its
-  last round equal ``other``'s, each from its own client sizes, steps per round and batch size.
+  last round equal ``other``'s, each from its own client sizes and mechanism; both epsilons
+  are of ``r``'s ``dp.epsilon_for``.
   Used by :func:`calibrate_noise` (after the ``dp.target_epsilon`` runs are calibrated).
 
   Raises:
@@ -302,9 +304,9 @@ def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
       raise validation.ConfigError(f"suite.{name}.dp.target_epsilon", cfg.dp.target_epsilon,
                                    f"None with {field}={other!r} (set one of the two)")
     ref = suite[other]
-    ref_budget = budgets.get(f"suite.{other}.") or budget_of(ref)
-    target = ref_budget.epsilon(ref.dp.noise_multiplier)
     budget = budget_of(cfg)
+    ref_budget = budgets.get(f"suite.{other}.") or budget_of(ref)
+    target = ref_budget._replace(epsilon_for=budget.epsilon_for).epsilon(ref.dp.noise_multiplier)
     cfg.dp.noise_multiplier = budget.calibrate(target, field=field)
     if log is not None:
       log(f"suite.{name}.", f"dp.match_epsilon_of={other!r}: epsilon", target, cfg, budget)

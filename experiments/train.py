@@ -11,14 +11,18 @@ the public ``(data.participation_seed, round)`` (never the secret ``seed``: the
 participants are released). After every round it
 
 1. evaluates the global model on the full test split (jitted once),
-2. composes the round into the :class:`~fedlap_jax.accounting.PrivacyLedger`
-   (DP only; ``T = alg.dp_steps_per_round``, ``B = alg.batch_size``,
-   ``q = B / min_k N_k``); with ``data.clients_per_round`` set, into each
-   participating client's ledger instead
-   (:class:`~fedlap_jax.accounting.ClientLedgers`, ``q_k = B / N_k``, only
-   the rounds a client took part in), and the record's ``epsilon`` is the
+2. composes the round into the ledger of the method's mechanism
+   (DP only; ``alg.mechanism``, a :class:`~fedlap_jax.accounting.DpMechanism`:
+   ``T`` steps per round at ``q = B / min_k N_k``, one
+   :class:`~fedlap_jax.accounting.PrivacyLedger`); with
+   ``data.clients_per_round`` set, into each participating client's ledger
+   instead (:class:`~fedlap_jax.accounting.ClientLedgers`, ``q_k = B / N_k``,
+   only the rounds a client took part in), and the record's ``epsilon`` is the
    maximum over clients (``epsilon_clients``: min / median / max; ``clients``:
-   the round's participants, the order of its per-client metrics),
+   the round's participants, the order of its per-client metrics). ``epsilon``
+   is the replace-one figure (the guarantee that holds: client sizes and
+   classes are released), ``epsilon_add_remove`` beside it the add/remove
+   figure (the paper's notion, for comparison),
 3. stops with :class:`NonFiniteError` if the parameters, a client's matching
    loss or the test loss are NaN / Inf (nothing of that round is written, the
    last good checkpoint stays the latest),
@@ -527,10 +531,16 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
         f"- best test accuracy: {100 * best['test_accuracy']:.2f} % (round {best['round']})",
     ]
     if last.get("epsilon") is not None:
-      lines.append(f"- privacy: epsilon = {last['epsilon']:.3f} at delta = {info['delta']:g} "
-                   f"(sigma = {info['noise_multiplier']}, C = {info['l2_clip_norm']}, "
+      lines.append(f"- privacy: epsilon = {last['epsilon']:.3f} at delta = {info['delta']:g}, "
+                   "replace-one neighbours given the public client sizes and classes (the "
+                   f"guarantee; sigma = {info['noise_multiplier']}, C = {info['l2_clip_norm']}, "
                    f"B = {info['batch_size']}, T = {info['steps_per_round']}, "
                    f"q = {info['sampling_rate']:.4f})")
+      if last.get("epsilon_add_remove") is not None:
+        lines.append(f"- for comparison, the add/remove-one epsilon (the paper's notion): "
+                     f"{last['epsilon_add_remove']:.3f}"
+                     + (" (dp.target_epsilon calibrated this figure)"
+                        if info.get("epsilon_for") == "add_remove" else ""))
     lines += notes + [
         f"- upload: {info['upload_floats_per_client']:,} floats per client per round "
         f"({info['upload_floats_per_client'] / info['num_params']:.2f}x the "
@@ -614,18 +624,18 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   participation_seed = cfg.data.get("participation_seed", 0)  # public; never cfg.seed
   sampled = samples_clients(cfg)
   fresh_ledger = None
+  mechanism = alg.mechanism
+  epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
   if private:
-    mechanism = dict(noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
-                     steps_per_round=alg.dp_steps_per_round, delta=alg.dp.delta)
     smallest = privacy["min_client_size"]
     if per_round is not None:  # one ledger per client, charged when it takes part
-      fresh_ledger = accounting.ClientLedgers.create(client_sizes=sizes, **mechanism)
+      fresh_ledger = mechanism.client_ledgers(sizes)
     else:  # every client every round: the smallest client's ledger is the maximum
-      fresh_ledger = accounting.PrivacyLedger(min_client_size=smallest, **mechanism)
+      fresh_ledger = mechanism.ledger(smallest)
     if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
       # The smallest client taking part in every round bounds every client's ledger.
-      validation.check_target_epsilon(cfg, accounting.epsilon_after_rounds(
-          rounds=cfg.rounds, min_client_size=smallest, **mechanism))
+      validation.check_target_epsilon(cfg, mechanism.epsilon_after(
+          cfg.rounds, smallest, adjacency=epsilon_for))
 
   info = dict(
       config_name=config_name, method=cfg.method,
@@ -643,7 +653,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
                                             side_by_side=cfg.method == "fedlap"),
       # Without the seed: it determines every noise draw (it stays in config.json).
       **{k: v for k, v in privacy.items()
-         if k not in ("method", "dataset", "client_sizes", "seed")})
+         if k not in ("method", "dataset", "client_sizes", "seed")},
+      # What "epsilon" means (replace-one) and which figure a target calibrated.
+      **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}))
 
   # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
@@ -686,7 +698,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     log(f"[{config_name}] WARNING checkpoint {r} is damaged ({why}); moved to {target}")
   if start:
     log(f"[{config_name}] resuming from round {start} (checkpoint {ckpt.directory / str(start)})"
-        + (f", epsilon so far {ledger.epsilon:.3f}" if ledger is not None else ""))
+        + (f", epsilon so far {ledger.epsilon:.3f} (add/remove {ledger.epsilon_add_remove:.3f})"
+           if ledger is not None else ""))
   elif moved:
     log(f"[{config_name}] no valid checkpoint left: starting from round 0")
   else:
@@ -732,9 +745,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         test_loss, test_acc = float(ev.loss), float(ev.accuracy)
         faults.point("round", m)
         if isinstance(ledger, accounting.ClientLedgers):
-          epsilon = ledger.record_round(idx.tolist(), alg.dp_steps_per_round)
+          epsilon = ledger.record_round(idx.tolist(), mechanism.steps_per_round)
         else:
-          epsilon = ledger.record_round(alg.dp_steps_per_round) if ledger is not None else None
+          epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
         if ledger is not None:
           checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
                                           fault_round=m)
@@ -754,7 +767,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           if isinstance(ledger, accounting.ClientLedgers):
             released["epsilon_clients"] = ledger.summary()
         rec = {"round": m, "test_accuracy": test_acc, "test_loss": test_loss,
-               "epsilon": epsilon, **released,
+               "epsilon": epsilon,
+               **({} if ledger is None else {"epsilon_add_remove": ledger.epsilon_add_remove}),
+               **released,
                "upload_mb": m * upload_mb_per_round,
                "round_seconds": now - t0, "wall_seconds": wall_before + (now - t_loop),
                "first_in_process": m == start + 1}
@@ -880,5 +895,6 @@ def restore_newest_valid(ckpt: checkpointing.Checkpointer, template, *, privacy:
         f"refusing to resume {workdir}: every checkpoint is damaged ("
         + "; ".join(f"checkpoint {r}: {why}" for r, why in damaged)
         + "), so the privacy ledger of the rounds run so far cannot be restored; nothing was "
-        "changed. Allowed: restore the checkpoints, or start over with a new --workdir")
+        "changed. Allowed: the undamaged checkpoints this run wrote, or a new --workdir (a new "
+        "run with its own ledger)")
   return 0, template, fresh_ledger, []

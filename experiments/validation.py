@@ -9,7 +9,12 @@ Two stages:
   :func:`to_baseline_config`, :func:`to_feddm_config`, :func:`to_oneshot_config`).
 * :func:`validate_data` (after loading): what only the data can tell, e.g. a
   batch larger than the smallest client, a client with no data, ``ipc`` larger
-  than a class with real-image initialisation, a class no client holds.
+  than a class with real-image initialisation, a class no client holds, a
+  ``dp.delta`` of at least ``1 / min_k N_k``.
+
+:func:`dp_mechanism` is the :class:`~fedlap_jax.accounting.DpMechanism` the
+config's method declares (the one its ``FederatedAlgorithm`` carries), for
+calibration before the algorithm is built.
 
 Every error is a :class:`fedlap_jax.checks.ConfigError` (a ``ValueError``)
 whose ``field`` is the config field as written on the command line (the core's
@@ -26,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fedlap_jax import baselines, condensation, feddm
+from fedlap_jax import accounting, baselines, condensation, feddm, federated
 from fedlap_jax import config as core
 from fedlap_jax import participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
@@ -221,6 +226,24 @@ def to_oneshot_config(cfg) -> condensation.OneShotConfig:
     raise _synthetic_error(e, "condense") from None
 
 
+def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | None:
+  """The privacy mechanism ``cfg``'s method declares; ``None`` without DP.
+
+  The method's own ``dp_mechanism`` on its core config (FedLAP-DP:
+  :func:`fedlap_jax.federated.dp_mechanism`; PSG:
+  :func:`fedlap_jax.condensation.dp_mechanism`; DP-FedAvg / DP-FedProx:
+  :func:`fedlap_jax.baselines.dp_mechanism`, whose ``T`` needs the largest
+  of ``client_sizes``), the value the built algorithm carries as ``mechanism``.
+  """
+  if not cfg.dp.enabled:
+    return None
+  if cfg.method == "fedlap":
+    return federated.dp_mechanism(to_fedlap_config(cfg).client)
+  if cfg.method in ONE_SHOT_METHODS:
+    return condensation.dp_mechanism(to_oneshot_config(cfg).condensation)
+  return baselines.dp_mechanism(to_baseline_config(cfg, max_client_size=max(client_sizes)))
+
+
 def validate_config(cfg) -> None:
   """Static checks of a resolved config (no data needed).
 
@@ -288,6 +311,10 @@ def validate_config(cfg) -> None:
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
   if not isinstance(cfg.get("label", ""), str):
     _fail("label", cfg.label, "a string (display name in reports; '' = the method's name)")
+  epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
+  if epsilon_for not in accounting.ADJACENCIES:
+    _fail("dp.epsilon_for", epsilon_for, f"one of {accounting.ADJACENCIES} (the neighbouring "
+          "relation whose epsilon dp.target_epsilon and dp.match_epsilon_of calibrate)")
   target = cfg.dp.get("target_epsilon")
   if target is not None:
     if not is_real(target) or target <= 0:
@@ -428,6 +455,8 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
     _fail("client.batch_size", cfg.client.batch_size,
           f"at most {sizes[smallest]}, the size of the smallest client (client {smallest}); "
           "the Poisson rate q = batch_size / N_k must be <= 1")
+  if cfg.dp.enabled:
+    dp_mechanism(cfg, sizes).check_delta(sizes[smallest])
 
   ys = [dataset.y_train[i] for i in client_indices]
   held = set(np.concatenate(ys).tolist())
@@ -466,10 +495,11 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
 def check_target_epsilon(cfg, planned_epsilon: float) -> None:
   """Refuses a run whose ``dp.noise_multiplier`` was not calibrated to its ``dp.target_epsilon``.
 
-  ``planned_epsilon`` is the epsilon the run's ledger reaches after its last round.
+  ``planned_epsilon`` is the epsilon of ``dp.epsilon_for`` the run's mechanism reaches after
+  its last round (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_after`).
   :func:`experiments.run.calibrate_noise` sets the sigma; this catches a config that skipped
-  it (or a steps-per-round count that differs from the ledger's): the planned epsilon must be at
-  most the target and within 1 % of it (unless sigma sits at the calibration's floor, 1e-3).
+  it (or a mechanism other than the one calibrated): the planned epsilon must be at most the
+  target and within 1 % of it (unless sigma sits at the calibration's floor, 1e-3).
   """
   target = cfg.dp.target_epsilon
   sigma = cfg.dp.noise_multiplier

@@ -4,12 +4,18 @@ A FedLAP train message runs, on this client only:
 
 1. settings (:mod:`fedlap_flower.settings`) and the client's data
    (:func:`fedlap_flower.task.load_partition`; cached per process);
-2. under DP, in the client's state directory (:mod:`fedlap_flower.ledger`):
-   refuse the round if the epsilon after it would exceed the client's
-   ``max-epsilon`` (reply ``status = refused`` with the epsilons), else record
-   it first; the round's key is ``fold_in(secret, rounds spent)`` -- the
-   server never learns it (unless the test-only unsafe mode is on *and* this
-   client's environment consents);
+2. under DP, in the client's own state directory (its node config's
+   ``state-dir``; :mod:`fedlap_flower.ledger`): refuse the round (reply
+   ``status = refused`` with the reason) if the run's ``dp.delta`` exceeds
+   the client's ``max-delta`` (default ``min(1e-5, 1 / N_k)``) or the
+   epsilon after it would exceed the client's ``max-epsilon`` (with the
+   epsilons), else record it first. The ledger composes the mechanism FedLAP-DP
+   declares (:func:`fedlap_jax.federated.dp_mechanism`) at the client's own
+   ``N_k``; its epsilon is the replace-one figure. The round's key holds 128
+   fresh bits of the operating system's entropy
+   (:func:`fedlap_flower.ledger.fresh_round_key`) -- the server never learns
+   it (unless the test-only unsafe mode is on *and* this client's environment
+   consents), and no state on disk can make it repeat;
 3. :func:`fedlap_flower.client_work.fedlap_round` (``local_approx``) on the
    received global parameters;
 4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon, and, when
@@ -35,11 +41,11 @@ import contextlib
 import functools
 import math
 
-import jax
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlap_flower import client_work, records, settings, task
+from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
 from fedlap_jax import federated
 
@@ -123,7 +129,8 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
   keys = conf["keys"]
   dp = fc.client.dp is not None
   metrics = {"partition-id": node.partition_id}
-  steps = fc.client.real_accesses_per_round
+  mechanism = federated.dp_mechanism(fc.client)
+  steps = fc.client.real_accesses_per_round if mechanism is None else mechanism.steps_per_round
   carry = fc.synthetic_init == "noise"
   state = ClientState(node.state_dir) if (dp or carry) else None
 
@@ -137,19 +144,24 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
   if dp and keys == "server" and not settings.unsafe_consent():
     return refuse(f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
                   f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
-                  "drawn from the client's own secret")
+                  "drawn from the client's own entropy")
   if dp and not math.isfinite(node.max_epsilon):
     return refuse("no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
                   "or the run config; allowed: a finite epsilon this client will not exceed")
+  if dp:
+    bound = node.delta_bound(part.num_records)
+    if not mechanism.delta <= bound or not mechanism.delta < 1.0 / part.num_records:
+      return refuse(f"dp.delta={mechanism.delta!r} is refused by this client; allowed: "
+                    f"dp.delta <= max-delta={bound:g} (its node config's max-delta, default "
+                    f"min(1e-5, 1 / N_k)) and < 1 / N_k")
 
   with (state.locked() if state is not None else contextlib.nullcontext()):
-    family_key = None  # under DP with the client's secret: derived from its own key
+    family_key = None  # under DP with the client's own key: derived from it
     if keys == "server":
       family_key = federated.shared_family_key(task.words_to_key(conf["key-clients"]))
     if dp:
-      privacy = dict(noise_multiplier=fc.client.dp.noise_multiplier,
-                     batch_size=fc.client.batch_size, min_client_size=part.num_records,
-                     steps_per_round=steps, delta=fc.client.dp.delta)
+      privacy = {**mechanism.ledger(part.num_records).privacy_fields(),
+                 "adjacency": mechanism.adjacency}
       ledger = state.ledger(part.fingerprint, **privacy)
       try:
         eps = state.spend(ledger, part.fingerprint, steps, node.max_epsilon,
@@ -162,8 +174,8 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
       if keys == "server":
         key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
                               node.partition_id)
-      else:  # the client's secret, never reused: the spend count only grows
-        key = jax.random.fold_in(state.secret_key(), ledger.rounds - 1)
+      else:  # 128 fresh bits of the operating system's entropy, never reused
+        key = ledger_lib.fresh_round_key()
     else:
       key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
                             node.partition_id)

@@ -1,28 +1,48 @@
-"""A client's own state directory: privacy ledger, secret key, carried synthetic set.
+"""A client's own state directory: privacy ledger, its journal, carried synthetic set.
 
 Privacy at the edge: every client accounts for its own records (record-level
-DP, ``q = B / N_k`` with its own ``N_k``, ``T`` noisy steps per round) in a
+DP, ``q = B / N_k`` with its own ``N_k``, ``T`` noisy steps per round; the
+mechanism its method declares, :class:`fedlap_jax.accounting.DpMechanism`) in a
 :class:`fedlap_jax.accounting.PrivacyLedger` kept in its state directory, and
 composes every round it ever answered with these records, across runs and
-restarts. Files (written atomically: temporary file, ``fsync``, ``os.replace``):
+restarts. Its ``epsilon`` is the replace-one figure (the guarantee with the
+record count ``N_k`` public, as a client's epsilon reveals it); the ledger
+also keeps the add/remove figure. Files (written atomically: temporary file,
+``fsync``, ``os.replace``, ``fsync`` of the directory):
 
 * ``privacy_ledger.json`` -- ``{"fingerprint": ..., "ledger": PrivacyLedger.to_dict(),
-  "history": [{"run_id", "server_round", "steps", "epsilon", "keys", "time"}, ...]}``;
-  restored with :meth:`PrivacyLedger.from_dict`, which recomputes every epsilon
-  and refuses a tampered file;
-* ``secret_key`` -- 8 random bytes (mode 0600), the client's PRNG secret: under
-  DP the round's key (Poisson sampling, augmentation, Gaussian noise) is
-  ``fold_in(secret, rounds spent so far)``, never known to the server and never
-  reused (the count only grows);
+  "history": [{"run_id", "server_round", "steps", "epsilon", "keys", "time"}, ...],
+  "journaled": true}``; restored with :meth:`PrivacyLedger.from_dict`, which
+  recomputes every epsilon and refuses a tampered file;
+* ``privacy_journal.jsonl`` -- append-only, one line per spent round
+  ``{"rounds", "steps", "epsilon", "time"}`` (rounds and noisy steps spent so
+  far), each ``fsync``-ed: the high-water mark of the budget spent;
 * ``runs/<run_id>/synthetic.npz`` -- the synthetic images carried between
   rounds (``synthetic_init='noise'``).
 
+Round keys: under DP each round's key (Poisson sampling, augmentation, Gaussian
+noise) is drawn from the operating system's entropy (:func:`fresh_round_key`,
+128 bits), never derived from a count on disk, so no state of the disk makes a
+client reuse a round's noise.
+
+Rollback: a ledger whose spent budget went down is refused
+(:class:`LedgerError`). The ledger is checked against the journal's high-water
+mark (more rounds or steps in the journal than in the ledger, a journal missing
+beside a ledger that says it has one, or a journal beside no ledger) and
+against the rounds this process itself recorded. This detects a ledger file
+restored alone (from a backup, a snapshot, another copy) or deleted. It does
+not detect the whole state directory (ledger and journal together) restored to
+an earlier state, or the journal truncated by hand as well, by whoever controls
+the disk, when no process that saw the later state is running: only storage
+the client's operator keeps append-only (or off the machine) defends against
+that. A state directory is never to be restored: its ledger only grows.
+
 The order of a DP round (:meth:`ClientState.spend` before computing): check that
 the epsilon *after* the round stays within the client's maximum, record the
-round (the file is on disk before any result exists), then compute and reply.
-A crash after the spend leaves the ledger charged for a result nobody saw:
-never under-counted. One process works in a state directory at a time
-(``fcntl`` lock).
+round (ledger, then journal, both on disk before any result exists), then
+compute and reply. A crash after the spend leaves the ledger charged for a
+result nobody saw: never under-counted. One process works in a state directory
+at a time (``fcntl`` lock).
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ import copy
 import fcntl
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -42,19 +63,26 @@ import numpy as np
 from fedlap_jax import accounting
 
 LEDGER_FILE = "privacy_ledger.json"
-SECRET_FILE = "secret_key"
-# Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round).
+JOURNAL_FILE = "privacy_journal.jsonl"
+# Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round;
+# the headline's neighbouring relation is recomputed from the recorded steps).
 FIXED_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size", "delta",
                         "participation")
+# Bits of operating-system entropy in every DP round key.
+ROUND_KEY_BITS = 128
 
 
 # The ledger this process last wrote per file, with the file's text: a process that serves
-# several rounds (a simulation worker) restores it without recomputing every round's RDP.
+# several rounds (a simulation worker) restores it without recomputing every round's epsilon.
 _WRITTEN: dict[Path, tuple[str, accounting.PrivacyLedger]] = {}
+# The (rounds, noisy steps) this process recorded last per ledger file: a high-water mark
+# that survives any change of the files while the process runs.
+_HIGH_WATER: dict[Path, tuple[int, int]] = {}
 
 
 class LedgerError(ValueError):
-  """The state directory holds a ledger of other records or another privacy setting."""
+  """The state directory holds a ledger of other records, another privacy setting, or a
+  ledger whose spent budget went down."""
 
 
 class BudgetExceeded(RuntimeError):
@@ -67,8 +95,28 @@ class BudgetExceeded(RuntimeError):
         f"above the client's max-epsilon={max_epsilon:g}")
 
 
+def fresh_round_key() -> jax.Array:
+  """A PRNG key of :data:`ROUND_KEY_BITS` bits from the operating system's entropy.
+
+  ``secrets.token_bytes`` (``os.urandom``) as four ``uint32`` words of an
+  ``rbg`` key, whose key data holds all 128 bits (a ``threefry2x32`` key
+  holds 64).
+  """
+  words = np.frombuffer(secrets.token_bytes(ROUND_KEY_BITS // 8), dtype=np.uint32).copy()
+  return jax.random.wrap_key_data(words, impl="rbg")
+
+
+def _fsync_directory(directory: Path) -> None:
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def write_json_atomic(path: Path, obj) -> None:
-  """``obj`` as JSON to ``path``: temporary file, flush, fsync, ``os.replace``."""
+  """``obj`` as JSON to ``path``: temporary file, flush, fsync, ``os.replace``, fsync of the
+  directory (so the rename itself survives a power loss)."""
   tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
@@ -76,14 +124,20 @@ def write_json_atomic(path: Path, obj) -> None:
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+  _fsync_directory(path.parent)
+
+
+def _spent(ledger: accounting.PrivacyLedger) -> tuple[int, int]:
+  return ledger.rounds, sum(ledger.steps)
 
 
 class ClientState:
   """One client's state directory (see the module docstring)."""
 
   def __init__(self, directory: str | os.PathLike):
-    self.directory = Path(directory)
-    self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory = Path(directory).expanduser()
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    self.directory = directory.resolve()  # one key per directory in the process's caches
 
   @contextlib.contextmanager
   def locked(self):
@@ -95,26 +149,65 @@ class ClientState:
       finally:
         fcntl.flock(f, fcntl.LOCK_UN)
 
-  # -- the secret key ------------------------------------------------------------
+  # -- the journal -----------------------------------------------------------------
 
-  def secret_key(self) -> jax.Array:
-    """The client's secret PRNG key, created once (8 bytes from ``os.urandom``)."""
-    path = self.directory / SECRET_FILE
+  def _journal_mark(self) -> tuple[int, int] | None:
+    """The largest ``(rounds, steps)`` the journal records; None without a journal.
+
+    A torn last line (a crash while appending) is ignored; any other
+    unreadable line is refused.
+    """
+    path = self.directory / JOURNAL_FILE
     if not path.exists():
+      return None
+    lines = path.read_text().split("\n")
+    mark = (0, 0)
+    for i, line in enumerate(lines):
+      if not line.strip():
+        continue
       try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-      except FileExistsError:
-        pass
-      else:
-        with os.fdopen(fd, "wb") as f:
-          f.write(os.urandom(8))
-          f.flush()
-          os.fsync(f.fileno())
-    data = path.read_bytes()
-    if len(data) != 8:
-      raise LedgerError(f"{path} holds {len(data)} bytes; allowed: the 8 bytes written when "
-                        "the state directory was created")
-    return jax.random.wrap_key_data(np.frombuffer(data, np.uint32).copy())
+        entry = json.loads(line)
+        mark = max(mark, (int(entry["rounds"]), int(entry["steps"])))
+      except (ValueError, KeyError, TypeError):
+        if i == len(lines) - 1:  # no newline after it: an append cut short
+          break
+        raise LedgerError(f"{path} line {i + 1} is not a journal entry ({line[:80]!r}); "
+                          "refusing to guess the privacy spent. Allowed: the journal this "
+                          "client appended to") from None
+    return mark
+
+  def _append_journal(self, ledger: accounting.PrivacyLedger) -> None:
+    path = self.directory / JOURNAL_FILE
+    new = not path.exists()
+    rounds, steps = _spent(ledger)
+    line = json.dumps({"rounds": rounds, "steps": steps, "epsilon": ledger.epsilon,
+                       "time": time.time()}, sort_keys=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+      os.write(fd, (line + "\n").encode())
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    if new:
+      _fsync_directory(self.directory)
+
+  def _check_not_rolled_back(self, ledger: accounting.PrivacyLedger | None,
+                             stored: dict | None) -> None:
+    where = self.directory / LEDGER_FILE
+    mark = self._journal_mark()
+    spent = (0, 0) if ledger is None else _spent(ledger)
+    if stored is not None and stored.get("journaled") and mark is None:
+      raise LedgerError(
+          f"{self.directory / JOURNAL_FILE} is missing, yet {where} was written with it; the "
+          "high-water mark of the budget spent is gone, refusing to spend. Allowed: the "
+          "state directory as this client left it")
+    for name, high in (("journal", mark), ("this process", _HIGH_WATER.get(where))):
+      if high is not None and (spent[0] < high[0] or spent[1] < high[1]):
+        raise LedgerError(
+            f"{where} records {spent[0]} rounds and {spent[1]} noisy steps, but the {name} "
+            f"recorded {high[0]} rounds and {high[1]} steps: the spent budget went down (the "
+            "ledger was replaced by an older or a missing one). Refusing to spend; allowed: "
+            "the ledger this client last wrote")
 
   # -- the ledger ------------------------------------------------------------------
 
@@ -122,34 +215,38 @@ class ClientState:
     path = self.directory / LEDGER_FILE
     return path.read_text() if path.exists() else None
 
-  def _read(self) -> dict | None:
-    text = self._text()
+  def _read(self, text: str | None = None) -> dict | None:
+    text = self._text() if text is None else text
     if text is None:
       return None
     try:
       return json.loads(text)
     except json.JSONDecodeError as e:
-      raise LedgerError(f"{self.directory / LEDGER_FILE} is not valid JSON ({e}); refusing to guess the privacy "
-                        "spent. Restore it from a backup; allowed: the file this client "
+      raise LedgerError(f"{self.directory / LEDGER_FILE} is not valid JSON ({e}); refusing "
+                        "to guess the privacy spent. Allowed: the file this client "
                         "wrote") from None
 
   def ledger(self, fingerprint: dict, **privacy) -> accounting.PrivacyLedger:
     """The stored ledger of these records, or a new one (``privacy``: PrivacyLedger's fields).
 
     Restoring recomputes every recorded round's epsilon
-    (:meth:`PrivacyLedger.from_dict`), a cost that grows with the rounds
-    recorded (1.0 s per round of T = 10 steps on the project's 2-core CPU at a
-    load average of 14); a process that wrote the file itself reuses its ledger.
+    (:meth:`PrivacyLedger.from_dict`); a process that wrote the file itself
+    reuses its ledger. A stored ledger of another ``adjacency`` is the same
+    spending: it is recomputed with this one.
 
     Raises:
       LedgerError: the stored ledger describes other records (``fingerprint``)
-        or another setting of ``FIXED_PRIVACY_FIELDS``, or was tampered with.
+        or another setting of ``FIXED_PRIVACY_FIELDS``, was tampered with, or
+        records less than the journal or this process recorded (module
+        docstring).
     """
     where = self.directory / LEDGER_FILE
     text = self._text()
-    stored = self._read()
+    stored = self._read(text)
+    new = accounting.PrivacyLedger(**privacy)
     if stored is None:
-      return accounting.PrivacyLedger(**privacy)
+      self._check_not_rolled_back(None, None)
+      return new
     if stored.get("fingerprint") != fingerprint:
       raise LedgerError(
           f"{where} accounts for other records ({stored.get('fingerprint')}) than this "
@@ -162,7 +259,7 @@ class ClientState:
         ledger = accounting.PrivacyLedger.from_dict(stored["ledger"])
       except (KeyError, ValueError, TypeError) as e:
         raise LedgerError(f"{where}: {e}") from None
-    new = accounting.PrivacyLedger(**privacy)
+    self._check_not_rolled_back(ledger, stored)
     diff = [f"{k}: stored {getattr(ledger, k)!r} vs now {getattr(new, k)!r}"
             for k in FIXED_PRIVACY_FIELDS if getattr(ledger, k) != getattr(new, k)]
     if diff:
@@ -170,6 +267,8 @@ class ClientState:
           f"{where} composes rounds of another privacy setting ({'; '.join(diff)}); its "
           "rounds cannot be composed with this run's. Allowed: the same noise_multiplier, "
           "batch_size, records and delta")
+    if ledger.adjacency != new.adjacency:
+      ledger = ledger.with_adjacency(new.adjacency)
     return ledger
 
   def history(self) -> list[dict]:
@@ -182,7 +281,8 @@ class ClientState:
 
   def spend(self, ledger: accounting.PrivacyLedger, fingerprint: dict, steps: int,
             max_epsilon: float, entry: dict[str, Any]) -> float:
-    """Checks the budget, records one round and writes the ledger (before any computation).
+    """Checks the budget, records one round and writes the ledger and the journal (before any
+    computation).
 
     Raises:
       BudgetExceeded: the epsilon after the round would exceed ``max_epsilon``
@@ -195,9 +295,13 @@ class ClientState:
     history = self.history()
     history.append({**entry, "steps": int(steps), "epsilon": eps, "time": time.time()})
     path = self.directory / LEDGER_FILE
+    # Ledger first, then the journal: a crash between them leaves the ledger ahead of the
+    # journal (accepted), never behind it.
     write_json_atomic(path, {"fingerprint": fingerprint, "ledger": ledger.to_dict(),
-                             "history": history})
+                             "history": history, "journaled": True})
+    self._append_journal(ledger)
     _WRITTEN[path] = (path.read_text(), copy.deepcopy(ledger))
+    _HIGH_WATER[path] = max(_HIGH_WATER.get(path, (0, 0)), _spent(ledger))
     return eps
 
   # -- the carried synthetic set ---------------------------------------------------

@@ -26,8 +26,11 @@ key                             meaning
                                 ``round-timeout`` for those)
 ``max-epsilon``                 the server's cap on each client's epsilon; a
                                 client takes the smaller of this and its own
-``state-root``                  where clients without a ``state-dir`` keep
-                                their state (``""``: ``~/.fedlap_flower``)
+``state-root``                  without DP only: where clients without a
+                                ``state-dir`` carry their synthetic sets
+                                (``""``: ``~/.fedlap_flower``); a DP client
+                                never keeps its ledger where the run config
+                                says
 ``unsafe-dp-keys-from-server``  TEST ONLY: DP clients use the server's round
                                 keys (the server could remove the noise);
                                 also needs the client's consent, the
@@ -42,12 +45,20 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
 * ``data-path``: an ``.npz`` with this client's own records (``x_train``,
   ``y_train``); without it the client takes partition ``k`` of the config's
   data, as ``experiments.run`` does;
-* ``state-dir``: where its privacy ledger, secret key and synthetic set live
-  (default ``<state-root>/<label>/client-<k>``);
+* ``state-dir``: where its privacy ledger, ledger journal and synthetic set
+  live. Required under DP (or the client's environment variable
+  :data:`STATE_ROOT_ENV`, which gives ``<root>/client-<k>``: the simulation
+  engine's virtual nodes have no node config of their own): a client keeps its
+  ledger only where it says, never where the run config (its label,
+  ``state-root``) would put it. Without DP it defaults to
+  ``<state-root>/<label>/client-<k>``;
 * ``max-epsilon``: the epsilon it will never exceed (the smaller of this and
   the run config's ``max-epsilon`` holds). A client given its own
   ``max-epsilon`` takes part in DP runs only: it refuses a run whose config
-  turns DP off.
+  turns DP off;
+* ``max-delta``: the largest ``dp.delta`` it accepts, in ``(0, 1)`` (default
+  ``min(1e-5, 1 / N_k)``, with ``N_k`` its record count); a run whose
+  ``dp.delta`` exceeds it, or reaches ``1 / N_k``, is refused.
 
 Every bad value raises :class:`SettingsError` (a :class:`fedlap_jax.ConfigError`
 whose ``field`` is the run-config or node-config key), or the experiments'
@@ -67,7 +78,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
-from fedlap_jax.checks import ConfigError
+from fedlap_jax.checks import ConfigError, is_int, is_real
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     "config": "quickstart:dp",
@@ -80,9 +91,14 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     "state-root": "",
     "unsafe-dp-keys-from-server": False,
 }
-NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-path", "state-dir", "max-epsilon")
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-path", "state-dir", "max-epsilon",
+                    "max-delta")
 # A DP client uses round keys sent by the server only if its own environment says so.
 UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
+# A client's own environment may name the root of its state directories (<root>/client-<k>).
+STATE_ROOT_ENV = "FEDLAP_FLOWER_STATE_ROOT"
+# The default max-delta is min(DEFAULT_MAX_DELTA, 1 / N_k).
+DEFAULT_MAX_DELTA = 1e-5
 METHODS = ("fedlap", "fedavg")
 
 
@@ -94,12 +110,9 @@ def _fail(key: str, value, allowed: str):
   raise SettingsError(key, value, allowed)
 
 
-def _is_int(v) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+def _is_real_or_inf(v) -> bool:
+  """A finite real number (:func:`fedlap_jax.checks.is_real`) or ``inf``."""
+  return is_real(v) or (isinstance(v, float) and v == math.inf)
 
 
 # ----------------------------------------------------------------------------
@@ -262,16 +275,16 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   cfg, label = load_config(rc["config"], rc["overrides"])
   k = int(cfg.data.num_clients)
   min_clients = rc["min-clients"]
-  if not _is_int(min_clients) or not 0 <= min_clients <= k:
+  if not is_int(min_clients) or not 0 <= min_clients <= k:
     _fail("min-clients", min_clients, f"an integer in [0, {k}] (0: all data.num_clients={k})")
   timeout = rc["round-timeout"]
-  if not _is_real(timeout) or not 0 < timeout < math.inf:
+  if not is_real(timeout) or not 0 < timeout:
     _fail("round-timeout", timeout, "a finite number of seconds > 0")
   join = rc["join-timeout"]
-  if not _is_real(join) or not 0 <= join < math.inf:
+  if not is_real(join) or not 0 <= join:
     _fail("join-timeout", join, "a finite number of seconds >= 0")
   max_eps = rc["max-epsilon"]
-  if not _is_real(max_eps) or max_eps <= 0:
+  if not _is_real_or_inf(max_eps) or max_eps <= 0:
     _fail("max-epsilon", max_eps, "a number > 0 (inf: no cap from the server)")
   unsafe = rc["unsafe-dp-keys-from-server"]
   if not isinstance(unsafe, bool):
@@ -288,14 +301,24 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
 
 @dataclasses.dataclass(frozen=True)
 class NodeSettings:
-  """One client's node config, checked against the run."""
+  """One client's node config, checked against the run.
+
+  ``max_delta`` is the node's ``max-delta`` (``None``: the default,
+  :meth:`delta_bound`).
+  """
 
   partition_id: int
   num_partitions: int
   data_path: Path | None
-  state_dir: Path
+  state_dir: Path | None
   max_epsilon: float
   requires_dp: bool = False
+  max_delta: float | None = None
+
+  def delta_bound(self, num_records: int) -> float:
+    """The largest ``dp.delta`` this client accepts with ``num_records`` records."""
+    default = min(DEFAULT_MAX_DELTA, 1.0 / num_records)
+    return default if self.max_delta is None else self.max_delta
 
 
 def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSettings:
@@ -314,10 +337,10 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
                           message=f"node config {key} is missing; allowed: flower-supernode "
                           f"--node-config 'partition-id=K num-partitions={k}'")
   num = nc["num-partitions"]
-  if not _is_int(num) or num != k:
+  if not is_int(num) or num != k:
     _fail("num-partitions", num, f"{k}, the data.num_clients of config {run.config_name!r}")
   pid = nc["partition-id"]
-  if not _is_int(pid) or not 0 <= pid < k:
+  if not is_int(pid) or not 0 <= pid < k:
     _fail("partition-id", pid, f"an integer in [0, {k - 1}]")
   data_path = nc.get("data-path")
   if data_path is not None:
@@ -327,13 +350,29 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
   state_dir = nc.get("state-dir")
   if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
     _fail("state-dir", state_dir, "a directory path")
-  state_dir = (Path(state_dir).expanduser() if state_dir
-               else run.state_root / run.label / f"client-{pid}")
+  env_root = os.environ.get(STATE_ROOT_ENV, "")
+  if state_dir:
+    state_dir = Path(state_dir).expanduser()
+  elif env_root:
+    state_dir = Path(env_root).expanduser() / f"client-{pid}"
+  elif run.dp:
+    raise SettingsError("state-dir", None, "this client's own state directory",
+                        message="node config state-dir is missing; a DP client keeps its "
+                        "privacy ledger only where its own node config says (never where the "
+                        "run config would put it). Allowed: flower-supernode --node-config "
+                        f"\"... state-dir='/var/lib/fedlap/site_k'\", or {STATE_ROOT_ENV} in "
+                        "the client's environment")
+  else:
+    state_dir = run.state_root / run.label / f"client-{pid}"
   max_eps = nc.get("max-epsilon", math.inf)
-  if not _is_real(max_eps) or max_eps <= 0:
+  if not _is_real_or_inf(max_eps) or max_eps <= 0:
     _fail("max-epsilon", max_eps, "a number > 0")
+  max_delta = nc.get("max-delta")
+  if max_delta is not None and (not is_real(max_delta) or not 0 < max_delta < 1):
+    _fail("max-delta", max_delta, "a probability in the open interval (0, 1)")
   return NodeSettings(pid, num, data_path, state_dir, min(float(max_eps), run.max_epsilon),
-                      requires_dp="max-epsilon" in nc)
+                      requires_dp="max-epsilon" in nc,
+                      max_delta=None if max_delta is None else float(max_delta))
 
 
 def unsafe_consent() -> bool:

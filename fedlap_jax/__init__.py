@@ -16,7 +16,8 @@ Main entry points:
 * :func:`fedlap_round`, :func:`make_round_fn`, :func:`init_state` -- a round.
 * :func:`matching_distance` -- ``L_dis``.
 * :func:`private_gradient`, :func:`poisson_sample` -- DP primitives.
-* :mod:`fedlap_jax.accounting` -- RDP accounting and :class:`PrivacyLedger`.
+* :mod:`fedlap_jax.accounting` -- :class:`DpMechanism`, its epsilons (replace-one by PLD,
+  add/remove by RDP) and the ledgers.
 * :class:`ConvNet` -- the paper's model.
 * :mod:`fedlap_jax.baselines` -- the gradient-sharing baselines (FedAvg, ...);
   :mod:`fedlap_jax.feddm` -- FedDM; :mod:`fedlap_jax.condensation` -- DSC and

@@ -12,10 +12,12 @@ their DP variants).
   of arrays (per-client leaves have a leading ``(K,)`` axis).
 * ``params_of(state) -> params``: the global model to evaluate.
 * ``upload_floats_per_client``: floats one client sends per round.
-* ``dp``: the :class:`~fedlap_jax.config.DPConfig` or ``None``.
-* ``dp_steps_per_round``: ``T``, the data-independent worst-case number of
-  accesses to a client's real data per round (for the accountant); ``None``
-  without DP.
+* ``dp``: the :class:`~fedlap_jax.config.DPConfig` (clip, noise, delta) or ``None``.
+* ``mechanism``: the :class:`~fedlap_jax.accounting.DpMechanism` the method
+  declares (``q_k = B / N_k``, ``sigma``, ``T`` noisy accesses to a client's
+  records per round, ``delta``, the neighbouring relation of its epsilon): the
+  one value every ledger and calibration reads; ``None`` without DP (exactly
+  when ``dp`` is ``None``). ``dp_steps_per_round`` reads its ``T``.
 * ``batch_size``: expected Poisson batch size ``B`` of real data.
 * ``client_state_fields``: names of the state fields whose leaves carry a
   leading ``(K,)`` client axis across rounds (FedLAP's synthetic sets,
@@ -29,6 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
+from fedlap_jax.accounting import DpMechanism
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig
 
@@ -42,6 +45,25 @@ class FederatedAlgorithm(NamedTuple):
   params_of: Callable[[Any], Any]
   upload_floats_per_client: int
   dp: DPConfig | None
-  dp_steps_per_round: int | None
+  mechanism: DpMechanism | None
   batch_size: int
   client_state_fields: tuple[str, ...] = ()
+
+  @property
+  def dp_steps_per_round(self) -> int | None:
+    """``T`` of :attr:`mechanism` (``None`` without DP)."""
+    return None if self.mechanism is None else self.mechanism.steps_per_round
+
+
+def dp_mechanism(dp: DPConfig | None, *, batch_size: int,
+                 steps_per_round: int) -> DpMechanism | None:
+  """The mechanism of a method that runs ``steps_per_round`` noisy steps per round.
+
+  Each DP method declares its ``T`` through this one constructor (its
+  ``dp_mechanism`` function, which its ``algorithm`` also uses); the noise
+  and ``delta`` come from ``dp``. ``None`` when ``dp`` is ``None``.
+  """
+  if dp is None:
+    return None
+  return DpMechanism(noise_multiplier=dp.noise_multiplier, batch_size=batch_size,
+                     steps_per_round=steps_per_round, delta=dp.delta)

@@ -88,7 +88,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax import dsa, privacy
-from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax import accounting
+from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of, require
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
@@ -713,6 +714,16 @@ def baseline_config(
                         lr_schedule=lr_schedule)
 
 
+def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
+  """DP-FedAvg / DP-FedProx's mechanism: ``T = local.scheduled_steps()`` noisy local steps
+  (the largest client's count, every client charged with it) on Poisson batches of
+  expected size ``B`` per round; ``None`` for the non-DP methods."""
+  if config.method not in DP_METHODS:
+    return None
+  return _mechanism(config.dp, batch_size=config.local.batch_size,
+                    steps_per_round=config.local.scheduled_steps())
+
+
 def algorithm(
     apply_fn: ApplyFn,
     config: BaselineConfig,
@@ -751,7 +762,7 @@ def algorithm(
       unsampled clients' control variates unchanged.
 
   Returns:
-    The :class:`FederatedAlgorithm`; ``dp_steps_per_round`` is ``T`` for DP
+    The :class:`FederatedAlgorithm`; its ``mechanism`` (:func:`dp_mechanism`) holds ``T`` for DP
     methods (``None`` otherwise) and ``batch_size`` is ``B``.
 
   Raises:
@@ -806,7 +817,7 @@ def algorithm(
       params_of=lambda state: state.params,
       upload_floats_per_client=(2 if method == "scaffold" else 1) * num_params,
       dp=config.dp if private else None,
-      dp_steps_per_round=local.scheduled_steps() if private else None,
+      mechanism=dp_mechanism(config),
       batch_size=batch_size,
       client_state_fields=("client_controls",) if method == "scaffold" else (),
   )

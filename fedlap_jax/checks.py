@@ -6,6 +6,13 @@ its message ``"{field}={value!r} is invalid; allowed: {allowed}"``. Callers
 that know the field under another name (the experiment driver's
 ``client.ipc`` for the core's ``ipc``) read :attr:`ConfigError.field` instead
 of parsing the message. Nothing is clamped silently.
+
+Two kinds of helpers: predicates (:func:`is_int`, :func:`is_real`) and checks
+that raise (:func:`require`, :func:`positive_int`, ...); the checks named for a
+kind of number (:func:`integer`, :func:`finite`, :func:`probability`) also
+return the value as a Python ``int`` / ``float``. This module imports neither
+JAX nor NumPy (the DSA parser is imported only by :func:`dsa_strategy`), so
+host-only modules such as :mod:`fedlap_jax.accounting` share the vocabulary.
 """
 
 from __future__ import annotations
@@ -13,8 +20,6 @@ from __future__ import annotations
 import math
 import numbers
 from typing import Any
-
-from fedlap_jax import dsa
 
 
 class ConfigError(ValueError):
@@ -77,8 +82,30 @@ def one_of(field: str, value: Any, options: tuple) -> None:
   require(value in options, field, value, f"one of {options}")
 
 
+def integer(field: str, value: Any, *, minimum: int) -> int:
+  """``value`` as an ``int``; refused unless it is an integer (not a bool) >= ``minimum``."""
+  require(is_int(value) and value >= minimum, field, value, f"an integer >= {minimum}")
+  return int(value)
+
+
+def finite(field: str, value: Any, *, above: float | None = None) -> float:
+  """``value`` as a ``float``; refused unless finite (and ``> above`` when given)."""
+  allowed = "a finite number" + ("" if above is None else f" > {above:g}")
+  require(is_real(value) and (above is None or value > above), field, value, allowed)
+  return float(value)
+
+
+def probability(field: str, value: Any, *, one_allowed: bool = False) -> float:
+  """``value`` as a ``float`` in ``(0, 1)``, or ``(0, 1]`` with ``one_allowed``."""
+  ok = is_real(value) and 0 < value and (value <= 1 if one_allowed else value < 1)
+  require(ok, field, value, "a probability in (0, 1]" if one_allowed
+          else "a probability in the open interval (0, 1)")
+  return float(value)
+
+
 def dsa_strategy(field: str, value: Any) -> None:
   """A DSA strategy string that :func:`fedlap_jax.dsa.parse_strategy` accepts."""
+  from fedlap_jax import dsa  # pylint: disable=g-import-not-at-top  (imports JAX)
   allowed = "a string of DSA families joined by '_'"
   require(isinstance(value, str), field, value, allowed)
   try:

@@ -86,7 +86,8 @@ import numpy as np
 import optax
 
 from fedlap_jax import dsa, privacy
-from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax import accounting
+from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import (ConfigError, is_real, nonneg_int, one_of,
                                positive_float, positive_int, require)
 from fedlap_jax.client import class_batch, class_blocks, matching_step
@@ -577,6 +578,13 @@ _round_jit = jax.jit(oneshot_round, static_argnames=("apply_fn", "init_fn", "con
                                                      "client_backend", "mesh"))
 
 
+def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
+  """PSG's mechanism: ``T = iterations * outer_loop * batch_loop`` noisy class-agnostic
+  Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
+  return _mechanism(config.dp, batch_size=config.batch_size,
+                    steps_per_round=config.real_accesses_per_round)
+
+
 def algorithm(apply_fn: ApplyFn, init_fn: InitFn, config: OneShotConfig, *,
               image_shape: tuple[int, ...], max_classes_per_client: int, max_client_size: int,
               client_backend: str = "auto", mesh: Any = None) -> FederatedAlgorithm:
@@ -607,7 +615,7 @@ def algorithm(apply_fn: ApplyFn, init_fn: InitFn, config: OneShotConfig, *,
       params_of=lambda state: state.params,
       upload_floats_per_client=int(upload),
       dp=c.dp,
-      dp_steps_per_round=c.real_accesses_per_round if c.dp is not None else None,
+      mechanism=dp_mechanism(c),
       batch_size=c.batch_size,
       # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
       client_state_fields=() if config.centralized else ("synthetic",),

@@ -340,7 +340,7 @@ def algorithm(apply_fn: ApplyFn, embed_fn: EmbedFn, config: FedDMConfig, *,
       params_of=lambda state: state.params,
       upload_floats_per_client=upload,
       dp=None,
-      dp_steps_per_round=None,
+      mechanism=None,
       batch_size=config.batch_size,
       client_state_fields=("synthetic",),
   )

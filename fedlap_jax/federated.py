@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax.algorithm import FederatedAlgorithm
+from fedlap_jax import accounting
+from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import LocalApproxMetrics, local_approx, shared_family_key
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import FedLAPConfig
+from fedlap_jax.config import ClientConfig, FedLAPConfig
 from fedlap_jax.dispatch import (VMAP_AXIS, client_weights, place_inputs,
                                  resolve_client_backend, run_clients)
 from fedlap_jax.radius import server_radius
@@ -309,6 +310,13 @@ _round_jit = jax.jit(fedlap_round,
                      static_argnames=("apply_fn", "config", "client_backend", "mesh"))
 
 
+def dp_mechanism(client: ClientConfig) -> accounting.DpMechanism | None:
+  """FedLAP-DP's mechanism: ``T = R_i * max_outer * batch_loop`` noisy real batches of
+  expected size ``B`` per round (Algorithm 3); ``None`` without DP."""
+  return _mechanism(client.dp, batch_size=client.batch_size,
+                    steps_per_round=client.real_accesses_per_round)
+
+
 def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[int, ...],
               max_classes_per_client: int, client_backend: str = "auto",
               mesh: Any = None) -> FederatedAlgorithm:
@@ -334,7 +342,7 @@ def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[in
       params_of=lambda state: state.params,
       upload_floats_per_client=upload,
       dp=cc.dp,
-      dp_steps_per_round=cc.real_accesses_per_round if cc.dp is not None else None,
+      mechanism=dp_mechanism(cc),
       batch_size=cc.batch_size,
       client_state_fields=("synthetic",),
   )

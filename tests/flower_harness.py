@@ -91,19 +91,26 @@ def task_identity():
     TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = old
 
 
-def node_configs(num: int = NUM_CLIENTS, **extra) -> dict[int, dict]:
-  """Node ids 101.. -> ``partition-id`` / ``num-partitions`` (+ ``extra`` for every node)."""
-  return {101 + k: {"partition-id": k, "num-partitions": num, **extra} for k in range(num)}
+def node_configs(num: int = NUM_CLIENTS, *, state_root=None, **extra) -> dict[int, dict]:
+  """Node ids 101.. -> ``partition-id`` / ``num-partitions`` (+ ``extra`` for every node);
+  with ``state_root``, each node's own ``state-dir`` ``<state_root>/client-<k>``."""
+  return {101 + k: {"partition-id": k, "num-partitions": num, **extra,
+                    **({} if state_root is None else {"state-dir": f"{state_root}/client-{k}"})}
+          for k in range(num)}
 
 
 def run_inprocess(run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None):
   """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``.
 
+  Without ``nodes``, node ``k`` gets ``state-dir = <run config's state-root>/client-<k>``.
+
   JAX's persistent compilation cache stays off (the ClientApp would turn it on
   for the whole test process).
   """
   from fedlap_flower import client_app, server_app, settings
-  grid = InProcessGrid(client_app.app, run_config, nodes or node_configs())
+  # By default each node keeps its state under the test's state-root (its own node config).
+  nodes = nodes or node_configs(state_root=run_config.get("state-root") or None)
+  grid = InProcessGrid(client_app.app, run_config, nodes)
   if grid_hook is not None:
     grid_hook(grid)
   old = os.environ.get("FEDLAP_FLOWER_JAX_CACHE")

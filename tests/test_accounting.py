@@ -1,5 +1,6 @@
 """Tests for fedlap_jax.accounting (host-side RDP accounting)."""
 
+import dataclasses
 import json
 import math
 
@@ -301,3 +302,159 @@ def test_package_imports_without_dp_accounting():
   out = subprocess.run([sys.executable, "-c", code], cwd=root,
                        capture_output=True, text=True, check=True)
   assert "(0.5, 0.5)" in out.stdout
+
+
+# ---------------------------------------------------------------- replace-one neighbours
+
+# A hybrid FedLAP-DP round on digits: q = 46/274, sigma 2.92, T = 100 (one round), delta 1e-5.
+HYBRID = dict(noise_multiplier=2.92, batch_size=46, min_client_size=274, steps_per_round=100,
+              delta=1e-5)
+
+
+def test_replace_one_and_add_remove_figures_of_the_hybrid_round():
+  """Each client's N_k is public, so the guarantee is replace-one: 5.12 against the paper's
+  add/remove 2.78 (RDP; 2.54 by PLD) for the same mechanism."""
+  import dp_accounting
+  from dp_accounting.pld import pld_privacy_accountant
+  add_remove = accounting.epsilon_after_rounds(rounds=1, **HYBRID, adjacency="add_remove")
+  replace_one = accounting.epsilon_after_rounds(rounds=1, **HYBRID, adjacency="replace_one")
+  assert round(add_remove, 2) == 2.78 and round(replace_one, 2) == 5.12
+  assert add_remove == accounting.epsilon_after_rounds(rounds=1, **HYBRID)  # the default
+  event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+      46 / 274, dp_accounting.GaussianDpEvent(2.92)), 100)
+  pld = {}
+  for rel in ("ADD_OR_REMOVE_ONE", "REPLACE_ONE"):
+    acc = pld_privacy_accountant.PLDAccountant(getattr(dp_accounting.NeighboringRelation, rel))
+    acc.compose(event)
+    pld[rel] = acc.get_epsilon(1e-5)
+  assert round(pld["ADD_OR_REMOVE_ONE"], 2) == 2.54
+  # dp_accounting's own replace-one PLD on its finer default grid: ours is an upper bound
+  # within 1e-4 (pessimistic rounding on a 1e-3 grid).
+  assert pld["REPLACE_ONE"] <= replace_one <= pld["REPLACE_ONE"] + 1e-4
+  assert replace_one == pytest.approx(
+      accounting.epsilon(event, delta=1e-5, adjacency="replace_one"), rel=1e-6)
+
+
+def test_mechanism_reports_replace_one_with_add_remove_beside_it():
+  mech = accounting.DpMechanism(noise_multiplier=2.92, batch_size=46, steps_per_round=100,
+                                delta=1e-5)
+  assert mech.adjacency == "replace_one" and mech.sampling_rate(274) == 46 / 274
+  ledger = mech.ledger(274)
+  assert round(ledger.record_round(), 2) == 5.12 == round(ledger.epsilon, 2)
+  assert round(ledger.epsilon_add_remove, 2) == 2.78
+  assert ledger.epsilon_replace_one == ledger.epsilon
+  assert mech.epsilon_after(1, 274) == ledger.epsilon
+  assert mech.epsilon_after(1, 274, adjacency="add_remove") == pytest.approx(
+      ledger.epsilon_add_remove, rel=1e-12)
+  back = accounting.PrivacyLedger.from_dict(json.loads(json.dumps(ledger.to_dict())))
+  assert back == ledger and back.to_dict()["adjacency"] == "replace_one"
+  edited = ledger.to_dict()
+  edited["epsilons_add_remove"][0] *= 0.9
+  with pytest.raises(ValueError, match="epsilons_add_remove.0.=.* tampered"):
+    accounting.PrivacyLedger.from_dict(edited)
+  # An add/remove ledger's dict keeps the keys it always had; it reports replace-one on demand.
+  paper = make_ledger()
+  paper.record_round()
+  assert set(paper.to_dict()) == {"noise_multiplier", "batch_size", "min_client_size",
+                                  "steps_per_round", "delta", "participation", "rounds",
+                                  "steps", "epsilons"}
+  assert paper.epsilon_replace_one == pytest.approx(
+      make_ledger(adjacency="replace_one").record_round(), rel=1e-12)
+  assert paper.with_adjacency("replace_one").epsilons == [paper.epsilon_replace_one]
+
+
+def test_add_remove_rounds_equal_the_rdp_accountant_bit_for_bit():
+  """The cached per-rate RDP vectors add up exactly as RdpAccountant composes round events."""
+  from dp_accounting import rdp
+  ledger = make_ledger(adjacency="replace_one", participation=0.7)
+  acc = rdp.RdpAccountant()
+  for t in (200, 50, 1, 200):
+    ledger.record_round(t)
+    acc.compose(accounting.round_event(noise_multiplier=1.0, batch_size=256,
+                                       min_client_size=10_000, steps_per_round=t,
+                                       participation=0.7))
+    assert ledger.epsilon_add_remove == acc.get_epsilon(1e-5)
+
+
+def test_replace_one_ledger_composes_all_steps_and_caches_per_rate(monkeypatch):
+  """Many rounds stay cheap: one PLD of one step per (q, sigma), then one self-composition of
+  all the steps so far per round (cached per rate and step count)."""
+  from dp_accounting.pld import privacy_loss_distribution
+  accounting._step_pld.cache_clear()
+  accounting._replace_one.cache_clear()
+  built = []
+  real = privacy_loss_distribution.from_gaussian_mechanism
+
+  def counting(**kw):
+    built.append((kw["sampling_prob"], kw["standard_deviation"]))
+    return real(**kw)
+  monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism", counting)
+  kw = dict(HYBRID, steps_per_round=4, adjacency="replace_one")
+  ledger = accounting.PrivacyLedger(**kw)
+  for _ in range(30):
+    ledger.record_round()
+  assert built == [(46 / 274, 2.92)]
+  assert ledger.epsilon == accounting.epsilon_after_rounds(rounds=30, **kw)
+  again = accounting.PrivacyLedger(**kw, rounds=30)  # the same 30 figures: all cached
+  assert again.epsilons == ledger.epsilons and built == [(46 / 274, 2.92)]
+
+
+def test_calibration_of_either_figure_meets_its_target():
+  kw = dict(delta=1e-5, rounds=3, batch_size=46, min_client_size=274, steps_per_round=100)
+  for adjacency in ("replace_one", "add_remove"):
+    sigma = accounting.calibrate_noise_multiplier(5.0, **kw, adjacency=adjacency)
+    eps = accounting.epsilon_after_rounds(noise_multiplier=sigma, adjacency=adjacency, **kw)
+    assert 5.0 * (1 - 2e-3) <= eps <= 5.0
+  mech = accounting.DpMechanism(noise_multiplier=1.0, batch_size=46, steps_per_round=100,
+                                delta=1e-5)
+  assert mech.calibrated(5.0, rounds=3, client_size=274).noise_multiplier == pytest.approx(
+      accounting.calibrate_noise_multiplier(5.0, **kw, adjacency="replace_one"))
+
+
+def test_delta_must_stay_below_one_over_the_client_size():
+  mech = accounting.DpMechanism(noise_multiplier=1.0, batch_size=46, steps_per_round=1,
+                                delta=0.01)
+  mech.check_delta(99)
+  with pytest.raises(accounting.ConfigError) as err:
+    mech.check_delta(100)
+  assert (err.value.field, err.value.value) == ("dp.delta", 0.01) and "1/100" in str(err.value)
+
+
+@pytest.mark.parametrize("build, field, value", [
+    (lambda: accounting.PrivacyLedger(**dict(VALID, batch_size=2.5)), "batch_size", 2.5),
+    (lambda: accounting.PrivacyLedger(**dict(VALID, delta=1.0)), "delta", 1.0),
+    (lambda: accounting.PrivacyLedger(**dict(VALID, adjacency="swap")), "adjacency", "swap"),
+    (lambda: accounting.DpMechanism(noise_multiplier=0.0, batch_size=1, steps_per_round=1,
+                                    delta=1e-5), "noise_multiplier", 0.0),
+    (lambda: accounting.sampling_rates(batch_size=64, min_client_size=32), "min_client_size",
+     32),
+    (lambda: make_ledger().record_round(steps=0), "steps", 0),
+])
+def test_accounting_speaks_the_check_vocabulary(build, field, value):
+  """Bad inputs are fedlap_jax.checks.ConfigError (a ValueError) naming field, value, allowed."""
+  with pytest.raises(accounting.ConfigError) as err:
+    build()
+  assert (err.value.field, err.value.value) == (field, value) and err.value.allowed
+  assert str(err.value).startswith(f"{field}={value!r} is invalid; allowed: ")
+
+
+def test_participation_amplification_is_documented_unsound_and_no_front_end_uses_it():
+  """The paper's q1 = c B / min N_k needs secret participation; here it is public. The module
+  says so, DpMechanism has no participation term, and no caller outside the accounting module
+  passes one."""
+  import ast
+  import pathlib
+  doc = " ".join(accounting.__doc__.split())
+  assert "q1 = c * B / min_k N_k" in doc and "unsound when who takes part is public" in doc
+  assert "never uses it" in doc
+  assert "participation" not in {f.name for f in dataclasses.fields(accounting.DpMechanism)}
+  root = pathlib.Path(accounting.__file__).resolve().parents[1]
+  callers = []
+  for package in ("fedlap_jax", "experiments", "fedlap_flower", "benchmarks"):
+    for path in (root / package).rglob("*.py"):
+      if path.name == "accounting.py":
+        continue
+      for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and any(k.arg == "participation" for k in node.keywords):
+          callers.append(f"{path.relative_to(root)}:{node.lineno}")
+  assert callers == []

@@ -223,3 +223,50 @@ def test_report_picks_the_best_grid_point_per_checkpoint(tmp_path):
   assert md.index("learning_rate=3.0 |") < md.index("learning_rate=10.0 |")
   assert "not covered by the epsilon" in md
   assert (tmp_path / "out" / "grid_dp.csv").read_text().count("\n") == 1 + 2 * 5
+
+
+# --------------------------------------------------------------------------- one mechanism
+
+
+def test_epsilon_for_selects_the_figure_a_target_calibrates():
+  """dp.epsilon_for='replace_one' (default: the guarantee with public N_k) or 'add_remove' (the
+  paper's notion): the same target gives different sigmas, each meeting its own figure."""
+  cfg = quickstart.dp_config()
+  replace = run.dp_budget(cfg, SIZES)
+  assert replace.epsilon_for == "replace_one" and replace.mechanism.adjacency == "replace_one"
+  sigma_r = replace.calibrate(5.0, field="dp.target_epsilon")
+  cfg.dp.epsilon_for = "add_remove"
+  add = run.dp_budget(cfg, SIZES)
+  sigma_a = add.calibrate(5.0, field="dp.target_epsilon")
+  assert add.mechanism == replace.mechanism and sigma_r != sigma_a
+  mech = replace.mechanism
+  assert 5.0 * (1 - 1e-3) <= mech.with_noise_multiplier(sigma_r).epsilon_after(10, 274) <= 5.0
+  assert 5.0 * (1 - 1e-3) <= mech.with_noise_multiplier(sigma_a).epsilon_after(
+      10, 274, adjacency="add_remove") <= 5.0
+  assert compare_dp.digits_paper().dp.epsilon_for == "add_remove"  # the paper's levels
+  cfg.dp.epsilon_for = "either"
+  with pytest.raises(validation.ConfigError) as err:
+    validation.validate_config(cfg)
+  assert (err.value.field, err.value.value) == ("dp.epsilon_for", "either")
+
+
+def _dp_configs():
+  suite = quickstart_compare.get_config().suite
+  return {"fedlap_dp": quickstart.dp_config(), "dp_fedavg": suite.dp_fedavg,
+          "dp_fedprox": suite.dp_fedprox, "psg": suite.psg}
+
+
+@pytest.mark.parametrize("name", ["fedlap_dp", "dp_fedavg", "dp_fedprox", "psg"])
+def test_calibration_and_the_algorithm_read_one_mechanism(name):
+  """The mechanism the run's algorithm carries (its ledgers compose it) is the one calibration
+  reads: the method declares T once."""
+  cfg = _dp_configs()[name]
+  setup = train.build_run(cfg)
+  sizes = [len(i) for i in setup.client_indices]
+  mech = setup.algorithm.mechanism
+  assert mech == validation.dp_mechanism(cfg, sizes) == run.dp_budget(cfg, sizes).mechanism
+  assert (mech.noise_multiplier, mech.delta, mech.batch_size) == (
+      cfg.dp.noise_multiplier, cfg.dp.delta, cfg.client.batch_size)
+  assert setup.algorithm.dp_steps_per_round == mech.steps_per_round
+  steps = {"fedlap_dp": 1 * 2 * 5, "psg": 500}.get(name, 2 * round(max(sizes) / 64))
+  assert mech.steps_per_round == steps

@@ -143,6 +143,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
 # public by the README's privacy section ("Privacy guarantees and their assumptions").
 RELEASED_RECORD_KEYS = {
     "round", "test_accuracy", "test_loss", "epsilon",              # test split (public), ledger
+    "epsilon_add_remove",                                          # ledger (the paper's notion)
     "matching_loss", "matching_loss_last", "outer_iterations",     # post-processing of the
     "real_accesses", "server_distance", "server_epochs",           # noised gradients and the
     "server_steps",                                                # synthetic sets
@@ -156,6 +157,7 @@ PUBLIC_INFO_KEYS = {
     "devices", "client_backend", "dp", "noise_multiplier", "l2_clip_norm", "delta",
     "batch_size", "steps_per_round", "min_client_size", "sampling_rate", "source", "partition",
     "dirichlet_alpha", "num_clients", "train_fraction",
+    "adjacency", "epsilon_for",                                    # what epsilon means (config)
 }
 WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions")
     "metrics.jsonl": "released", "privacy_ledger.json": "released", "run_info.json": "released",
@@ -459,6 +461,36 @@ def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_pa
   assert record["test_accuracy"] == pytest.approx(float(want.accuracy))
 
 
+def test_a_dp_delta_of_one_over_the_smallest_client_is_refused(tmp_path, capsys):
+  """delta >= 1 / min_k N_k would allow releasing a whole record of the smallest client."""
+  argv = ["prog", "--config=quickstart:dp_loops", "--config.dp.delta=0.004",
+          f"--workdir={tmp_path / 'w'}"]
+  assert run.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert "dp.delta=0.004 is invalid; allowed: a delta < 1 / N_k = 1/274" in err, err
+  assert len(err.splitlines()) == 1 and not (tmp_path / "w" / "config.json").exists()
+
+
+def test_dp_records_state_the_replace_one_epsilon_with_add_remove_beside_it(straight):
+  """Client sizes and classes are released, so the headline epsilon is replace-one; the
+  paper's add/remove figure is written beside it under its own name, and run_info says so."""
+  info = json.loads((straight / "run_info.json").read_text())
+  assert (info["adjacency"], info["epsilon_for"]) == ("replace_one", "replace_one")
+  mech = accounting.DpMechanism(noise_multiplier=info["noise_multiplier"],
+                                batch_size=info["batch_size"],
+                                steps_per_round=info["steps_per_round"], delta=info["delta"])
+  smallest = min(info["client_sizes"])
+  for r in checkpointing.read_metrics(straight / "metrics.jsonl"):
+    assert r["epsilon"] == mech.epsilon_after(r["round"], smallest)
+    assert r["epsilon_add_remove"] == pytest.approx(
+        mech.epsilon_after(r["round"], smallest, adjacency="add_remove"), rel=1e-9)
+  ledger = json.loads((straight / "privacy_ledger.json").read_text())
+  assert ledger["adjacency"] == "replace_one" and len(ledger["epsilons_add_remove"]) == 4
+  summary = (straight / "summary.md").read_text()
+  assert "replace-one neighbours given the public client sizes and classes" in summary
+  assert f"add/remove-one epsilon (the paper's notion): {r['epsilon_add_remove']:.3f}" in summary
+
+
 # ------------------------------------------------------------ issue 13: damaged state
 
 
@@ -501,7 +533,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
   assert run.main(argv) == 0
   log = (workdir / "train.log").read_text()
   assert "WARNING checkpoint 4 is damaged (" in log
-  assert "resuming from round 3" in log and "epsilon so far 2.168" in log
+  assert "resuming from round 3" in log and "(add/remove 2.168)" in log
   # Set aside, not deleted; round 4 re-run from checkpoint 3 with its ledger.
   assert (workdir / "damaged_checkpoints" / "4" / "meta").is_dir()
   assert checkpointing.Checkpointer(workdir / "checkpoints").all_rounds() == [3, 4]

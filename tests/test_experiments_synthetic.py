@@ -85,9 +85,16 @@ def test_psg_epsilon_is_the_accountants_for_its_q_sigma_and_t(runs):
   want = accounting.epsilon_after_rounds(
       rounds=1, noise_multiplier=1.0, batch_size=cfg.client.batch_size,
       min_client_size=min(info["client_sizes"]), steps_per_round=t, delta=cfg.dp.delta)
-  assert result["records"][-1]["epsilon"] == pytest.approx(want, rel=1e-9)
+  # The paper's add/remove figure, under its explicit name (the headline is replace-one).
+  assert result["records"][-1]["epsilon_add_remove"] == pytest.approx(want, rel=1e-9)
   ledger = json.loads((workdir / "privacy_ledger.json").read_text())
-  assert ledger["rounds"] == 1 and ledger["epsilons"][-1] == pytest.approx(want, rel=1e-9)
+  assert ledger["rounds"] == 1 and ledger["epsilons_add_remove"][-1] == pytest.approx(
+      want, rel=1e-9)
+  assert result["records"][-1]["epsilon"] == ledger["epsilons"][-1] == pytest.approx(
+      accounting.epsilon_after_rounds(
+          rounds=1, noise_multiplier=1.0, batch_size=cfg.client.batch_size,
+          min_client_size=min(info["client_sizes"]), steps_per_round=t, delta=cfg.dp.delta,
+          adjacency="replace_one"), rel=1e-9)
   # The noisy real-data accesses really happened, T of them on every client.
   assert result["records"][-1]["client.real_accesses"] == [float(t)] * 5
 

@@ -41,13 +41,14 @@ def test_settings_map_onto_the_named_configs(tmp_path):
   assert run.cfg.seed == 3 and run.cfg.client.batch_loop == 2
   assert tuple(run.cfg.snapshot_rounds) == (1, 2) and run.cfg.plots is False
   assert run.min_clients == 5 and run.max_epsilon == math.inf
-  node = settings.node_settings({"partition-id": 2, "num-partitions": 5, "max-epsilon": 4.0},
+  node = settings.node_settings({"partition-id": 2, "num-partitions": 5, "max-epsilon": 4.0,
+                                 "state-dir": str(tmp_path / "mine")},
                                 settings.run_settings({"config": "quickstart:dp_loops",
                                                        "max-epsilon": 3.0,
                                                        "state-root": str(tmp_path)}))
   # The client keeps the smaller cap: a server can lower it, never raise it.
   assert node.max_epsilon == 3.0
-  assert node.state_dir == tmp_path / "quickstart_dp_loops" / "client-2"
+  assert node.state_dir == tmp_path / "mine"
 
 
 @pytest.mark.parametrize("run_config, match", [
@@ -89,12 +90,36 @@ def test_bad_config_values_fail_the_experiments_validation():
     ({"partition-id": 0, "num-partitions": 4}, "num-partitions=4 is invalid; allowed: 5"),
     ({"partition-id": 0, "num-partitions": 5, "data-path": "/no/such.npz"}, "data-path="),
     ({"partition-id": 0, "num-partitions": 5, "max-epsilon": 0}, "max-epsilon=0 is invalid"),
+    ({"partition-id": 0, "num-partitions": 5, "max-delta": 1.0}, "max-delta=1.0 is invalid"),
+    ({"partition-id": 0, "num-partitions": 5, "max-delta": "1e-6"}, "max-delta='1e-6' is"),
     ({"partition-id": 0, "num-partitions": 5, "gpu": 1}, r"keys \['gpu'\] are unknown"),
 ])
-def test_bad_node_config_is_refused_by_name(node_config, match):
+def test_bad_node_config_is_refused_by_name(node_config, match, tmp_path):
   run = settings.run_settings({"config": "quickstart:dp_loops"})
   with pytest.raises(settings.SettingsError, match=match):
-    settings.node_settings(node_config, run)
+    settings.node_settings({"state-dir": str(tmp_path), **node_config}, run)
+
+
+def test_a_dp_client_keeps_its_ledger_only_where_its_own_config_says(tmp_path, monkeypatch):
+  """Under DP, state-dir comes from the client (node config, or its own environment), never
+  from the run config's label or state-root: renaming the config cannot reset a ledger."""
+  monkeypatch.delenv(settings.STATE_ROOT_ENV, raising=False)
+  dp = settings.run_settings({"config": "quickstart:dp_loops", "state-root": str(tmp_path)})
+  with pytest.raises(settings.SettingsError) as err:
+    settings.node_settings({"partition-id": 1, "num-partitions": 5}, dp)
+  assert err.value.field == "state-dir" and "state-dir is missing" in str(err.value)
+  monkeypatch.setenv(settings.STATE_ROOT_ENV, str(tmp_path / "own"))
+  node = settings.node_settings({"partition-id": 1, "num-partitions": 5}, dp)
+  assert node.state_dir == tmp_path / "own" / "client-1"
+  # Without DP (a carried synthetic set only) the run config's state-root still serves.
+  monkeypatch.delenv(settings.STATE_ROOT_ENV)
+  nondp = settings.run_settings({"config": "quickstart:nondp", "state-root": str(tmp_path)})
+  node = settings.node_settings({"partition-id": 1, "num-partitions": 5}, nondp)
+  assert node.state_dir == tmp_path / "quickstart_nondp" / "client-1"
+  # max-delta: the node's own, else min(1e-5, 1 / N_k).
+  assert node.delta_bound(274) == 1e-5 and node.delta_bound(200_000) == 1 / 200_000
+  own = settings.node_settings({"partition-id": 1, "num-partitions": 5, "max-delta": 1e-7}, nondp)
+  assert own.delta_bound(274) == 1e-7
 
 
 def test_app_pyproject_lists_every_run_config_key():
@@ -157,14 +182,85 @@ def test_ledger_refuses_other_records_other_settings_and_tampering(tmp_path):
     state.ledger(FINGERPRINT, **PRIVACY)
 
 
-def test_secret_key_is_created_once_private_and_different_per_client(tmp_path):
-  a = ledger_lib.ClientState(tmp_path / "a")
-  k1, k2 = a.secret_key(), ledger_lib.ClientState(tmp_path / "a").secret_key()
-  kb = ledger_lib.ClientState(tmp_path / "b").secret_key()
+def test_round_keys_hold_128_bits_of_os_entropy(monkeypatch):
+  """Every DP round key is 16 fresh bytes of the operating system's entropy, all of them in
+  the key (a threefry key would keep 64 bits), never a function of a count on disk."""
+  import secrets
+
   import jax
-  assert (jax.random.key_data(k1) == jax.random.key_data(k2)).all()
-  assert not (jax.random.key_data(k1) == jax.random.key_data(kb)).all()
-  assert stat.S_IMODE(os.stat(tmp_path / "a" / ledger_lib.SECRET_FILE).st_mode) == 0o600
+  drawn = []
+
+  def token_bytes(n):
+    drawn.append(os.urandom(n))
+    return drawn[-1]
+  monkeypatch.setattr(secrets, "token_bytes", token_bytes)
+  k1, k2 = ledger_lib.fresh_round_key(), ledger_lib.fresh_round_key()
+  assert [len(b) for b in drawn] == [16, 16]
+  for key, raw in zip((k1, k2), drawn):
+    assert np.asarray(jax.random.key_data(key)).tobytes() == raw
+  assert drawn[0] != drawn[1]
+  assert jax.random.normal(k1, (3,)).shape == (3,)
+
+
+def _spend_two_rounds(state):
+  led = state.ledger(FINGERPRINT, **PRIVACY)
+  state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 1})
+  state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 2})
+  return led
+
+
+def test_a_ledger_rolled_back_alone_is_refused(tmp_path):
+  """The journal's high-water mark (and this process's) outlives a restored ledger file."""
+  state = ledger_lib.ClientState(tmp_path / "c")
+  led = state.ledger(FINGERPRINT, **PRIVACY)
+  state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 1})
+  path = tmp_path / "c" / ledger_lib.LEDGER_FILE
+  after_one = path.read_text()
+  state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 2})
+  path.write_text(after_one)  # a backup of round 1 put back
+  with pytest.raises(ledger_lib.LedgerError, match="spent budget went down"):
+    state.ledger(FINGERPRINT, **PRIVACY)
+  ledger_lib._HIGH_WATER.clear()  # a restarted process: the journal alone still refuses
+  with pytest.raises(ledger_lib.LedgerError, match="the journal recorded 2 rounds"):
+    ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY)
+  path.unlink()  # no ledger at all: not a fresh start while the journal holds rounds
+  with pytest.raises(ledger_lib.LedgerError, match="spent budget went down"):
+    ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY)
+
+
+def test_a_ledger_without_its_journal_is_refused_and_a_torn_append_is_not(tmp_path):
+  state = ledger_lib.ClientState(tmp_path / "c")
+  _spend_two_rounds(state)
+  journal = tmp_path / "c" / ledger_lib.JOURNAL_FILE
+  lines = journal.read_text().splitlines()
+  assert [json.loads(l)["rounds"] for l in lines] == [1, 2]
+  journal.write_text(journal.read_text() + '{"rounds": 3, "ste')  # a crash mid-append
+  ledger_lib._HIGH_WATER.clear()
+  assert ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY).rounds == 2
+  journal.unlink()
+  with pytest.raises(ledger_lib.LedgerError, match="is missing"):
+    ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY)
+
+
+def test_ledger_file_and_directory_are_fsynced(tmp_path, monkeypatch):
+  synced = []
+  real = os.fsync
+
+  def fsync(fd):
+    synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+    return real(fd)
+  monkeypatch.setattr(os, "fsync", fsync)
+  ledger_lib.write_json_atomic(tmp_path / "x.json", {"a": 1})
+  assert synced == [False, True]  # the file, then its directory after os.replace
+
+
+def test_a_ledger_of_the_other_adjacency_continues_with_this_one(tmp_path):
+  state = ledger_lib.ClientState(tmp_path / "c")
+  _spend_two_rounds(state)  # an add/remove ledger (PRIVACY)
+  led = state.ledger(FINGERPRINT, **PRIVACY, adjacency="replace_one")
+  assert led.adjacency == "replace_one" and led.steps == [1, 1]
+  ref = accounting.PrivacyLedger(**PRIVACY, adjacency="replace_one")
+  assert led.epsilons == [ref.record_round(), ref.record_round()]
 
 
 # ----------------------------------------------------------------------------
@@ -287,7 +383,7 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   # Each client's ledger: its own N_k, both rounds, the epsilons it reported.
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   for k in range(5):
-    state = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp_loops" / f"client-{k}")
+    state = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}")
     hist = state.history()
     assert [h["server_round"] for h in hist] == [1, 2]
     mine = [r["metrics"]["epsilon"] for r in reports if r["partition_id"] == k]
@@ -299,10 +395,10 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   sizes = [len(i) for i in data_lib.client_split(data_lib.load_dataset(cfg.data), cfg.data,
                                                  cfg.seed)]
   steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
-  for k, n in enumerate(sizes):
+  for k, n in enumerate(sizes):  # the replace-one epsilon: N_k is public
     own = accounting.PrivacyLedger(noise_multiplier=cfg.dp.noise_multiplier,
                                    batch_size=cfg.client.batch_size, min_client_size=n,
-                                   steps_per_round=steps, delta=1e-5)
+                                   steps_per_round=steps, delta=1e-5, adjacency="replace_one")
     assert records[0]["epsilon_per_client"][str(k)] == own.record_round()
   assert records[0]["epsilon"] == max(records[0]["epsilon_per_client"].values())
 
@@ -312,9 +408,9 @@ def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
   rc = _run_config(tmp_path, "quickstart:dp_loops")
   # sigma 1 and B 64 pinned: the epsilons below do not move with the quickstart's DP recipe.
   rc["overrides"] = TINY.replace("rounds=2", "rounds=3") + " dp.noise_multiplier=1.0 client.batch_size=64"
-  # Round 1 costs 2.96..3.00 (T = 1 step); round 2 would reach 3.66..3.74: a cap of 3.5
-  # lets round 1 through and refuses round 2 on every client.
-  nodes = node_configs(**{"max-epsilon": 3.5})
+  # Round 1 costs 2.84..2.89 (replace-one, T = 1 step); round 2 would reach 3.62..3.70: a cap
+  # of 3.5 lets round 1 through and refuses round 2 on every client.
+  nodes = node_configs(state_root=tmp_path / "state", **{"max-epsilon": 3.5})
   with pytest.raises(strategy.TooFewClients, match="0 usable client replies, fewer than "
                                                    "min-clients=5"):
     run_inprocess(rc, nodes)
@@ -327,7 +423,7 @@ def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
              for r in refused)
   assert all(r["metrics"]["epsilon-after"] > 3.5 >= r["metrics"]["epsilon"] for r in refused)
   for k in range(5):  # the refused round was never recorded
-    hist = ledger_lib.ClientState(tmp_path / "state" / "quickstart_dp_loops" / f"client-{k}").history()
+    hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
     assert [h["server_round"] for h in hist] == [1]
 
 
@@ -342,6 +438,27 @@ def test_unsafe_server_keys_need_the_clients_consent(tmp_path, monkeypatch):
   assert {r["status"] for r in reports} == {"refused"}
   assert all(settings.UNSAFE_ENV in r["reason"] for r in reports)
   assert not (tmp_path / "state").exists() or not any((tmp_path / "state").rglob("*.json"))
+
+
+@pytest.mark.slow
+def test_a_client_refuses_a_delta_above_its_own_max_delta(tmp_path):
+  """The server chooses dp.delta; each client enforces its own max-delta (default
+  min(1e-5, 1 / N_k)) and replies 'refused' with the reason, before spending anything."""
+  rc = _run_config(tmp_path, "quickstart:dp_loops",
+                   overrides=TINY.replace("rounds=2", "rounds=1") + " dp.delta=1e-4",
+                   **{"max-epsilon": 50.0, "min-clients": 1})
+  nodes = node_configs(state_root=tmp_path / "state")
+  nodes[101]["max-delta"] = 1e-3  # its own bound: 1e-4 passes it (and 1e-4 < 1 / N_k)
+  records, _ = run_inprocess(rc, nodes)
+  assert records[0]["clients_ok"] == [0] and records[0]["clients_refused"] == [1, 2, 3, 4]
+  reports = {r["partition_id"]: r for r in
+             json.loads((tmp_path / "run" / "client_reports.json").read_text())}
+  assert reports[0]["status"] == "ok"
+  for k in range(1, 5):
+    assert reports[k]["status"] == "refused"
+    assert "dp.delta=0.0001 is refused by this client" in reports[k]["reason"]
+    assert "max-delta=1e-05" in reports[k]["reason"]
+    assert not (tmp_path / "state" / f"client-{k}" / ledger_lib.LEDGER_FILE).exists()
 
 
 @pytest.mark.slow
@@ -432,14 +549,14 @@ def test_clients_with_their_own_data_files(tmp_path):
     idx = np.resize(idx, 283)
     np.savez(tmp_path / f"site{k}.npz", x_train=x_train[idx], y_train=y_train[idx])
     nodes[101 + k] = {"partition-id": k, "num-partitions": 5, "max-epsilon": 50.0,
-                      "data-path": str(tmp_path / f"site{k}.npz")}
+                      "data-path": str(tmp_path / f"site{k}.npz"),
+                      "state-dir": str(tmp_path / "state" / f"client-{k}")}
   overrides = (TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
                f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}")
   rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides)
   records, _ = run_inprocess(rc, nodes)
   assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[0]["test_accuracy"] > 0
-  stored = json.loads((tmp_path / "state" / "quickstart_dp_loops" / "client-3" /
-                       ledger_lib.LEDGER_FILE).read_text())
+  stored = json.loads((tmp_path / "state" / "client-3" / ledger_lib.LEDGER_FILE).read_text())
   assert stored["fingerprint"]["data"] == "own" and stored["fingerprint"]["num_records"] == 283
   assert len(stored["fingerprint"]["sha256"]) == 64
   # Statistics of a split (here quickstart:dp's test_split) are not the client's to compute:

@@ -128,6 +128,55 @@ def test_ledgers_round_trip_and_refuse_tampering():
     ledgers.record_round([3])
 
 
+def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
+  """200 clients of 3 sizes, 40 sampled per round: the add/remove RDP of a step is computed
+  once per rate for the whole run (not once per participant or per round), and the replace-one
+  PLD once per rate, then one composition per distinct (rate, steps spent) a round touches."""
+  from dp_accounting.pld import privacy_loss_distribution
+  from dp_accounting.rdp import rdp_privacy_accountant
+  accounting._step_rdp.cache_clear()
+  accounting._step_pld.cache_clear()
+  accounting._replace_one.cache_clear()
+  rdp_rates, pld_rates, compositions = [], [], []
+  real_rdp = rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian
+  real_pld = privacy_loss_distribution.from_gaussian_mechanism
+  real_compose = privacy_loss_distribution.PrivacyLossDistribution.self_compose
+
+  def rdp(q, noise_multiplier, orders):
+    rdp_rates.append(q)
+    return real_rdp(q=q, noise_multiplier=noise_multiplier, orders=orders)
+
+  def pld(**kw):
+    pld_rates.append(kw["sampling_prob"])
+    return real_pld(**kw)
+
+  def compose(self, n, *args, **kw):
+    compositions.append(n)
+    return real_compose(self, n, *args, **kw)
+  monkeypatch.setattr(rdp_privacy_accountant, "_compute_rdp_poisson_subsampled_gaussian", rdp)
+  monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism", pld)
+  monkeypatch.setattr(privacy_loss_distribution.PrivacyLossDistribution, "self_compose", compose)
+  sizes = [300] * 50 + [400] * 50 + [500] * 100
+  small = dict(noise_multiplier=2.0, batch_size=30, steps_per_round=3, delta=1e-5)
+  ledgers = accounting.ClientLedgers.create(client_sizes=sizes, **small, adjacency="replace_one")
+  distinct_per_round = []
+  for r in range(1, 6):
+    ids = participation.sample_clients(0, r, len(sizes), 40).tolist()
+    touched = {(sizes[i], sum(ledgers.ledgers[i].steps) + 3) for i in ids}
+    before = len(compositions)
+    ledgers.record_round(ids)
+    distinct_per_round.append((len(touched), len(compositions) - before))
+  assert sorted(rdp_rates) == [30 / 500, 30 / 400, 30 / 300]
+  assert sorted(pld_rates) == [30 / 500, 30 / 400, 30 / 300]
+  assert all(made <= touched for touched, made in distinct_per_round), distinct_per_round
+  single = accounting.PrivacyLedger(**small, min_client_size=300, adjacency="replace_one")
+  busiest = max(ledgers.ledgers[:50], key=lambda l: l.rounds)
+  for _ in range(busiest.rounds):
+    single.record_round()
+  assert busiest.epsilons == single.epsilons
+  assert busiest.epsilons_add_remove == single.epsilons_add_remove
+
+
 # ---------------------------------------------------------------- SCAFFOLD
 
 
@@ -324,7 +373,7 @@ def test_sampled_dp_workdir_holds_only_dp_outputs_and_public_values(sampled_runs
   for k, ledger in enumerate(stored["clients"]):
     assert set(ledger) == {"noise_multiplier", "batch_size", "min_client_size",
                            "steps_per_round", "delta", "participation", "rounds", "steps",
-                           "epsilons"}
+                           "epsilons", "adjacency", "epsilons_add_remove"}
     assert ledger["min_client_size"] == info["client_sizes"][k]  # N_k: public
 
 

@@ -143,6 +143,11 @@ def get_config() -> ml_collections.ConfigDict:
   # accountant the ledger uses (B / min_k N_k, the method's noisy steps per round, rounds).
   # None uses noise_multiplier as given. Refused with exit 2 if it needs sigma > 100.
   config.dp.target_epsilon = config_dict.placeholder(float)
+  # The neighbouring relation whose epsilon target_epsilon / match_epsilon_of calibrate:
+  # "replace_one" (the guarantee that holds: client sizes and classes are public) or
+  # "add_remove" (the paper's notion, for reproducing its numbers). Every run reports both:
+  # "epsilon" (replace-one) and "epsilon_add_remove".
+  config.dp.epsilon_for = "replace_one"
 
   config.baseline = ml_collections.ConfigDict()
   config.baseline.local_epochs = 5
