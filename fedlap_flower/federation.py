@@ -128,7 +128,7 @@ class Federation:
     """Starts SuperNode ``index`` (its own Runtime API port) with ``node_config``."""
     if node_config is not None:
       self.node_configs[index] = dict(node_config)
-    args = [str(self.bin / "flower-supernode"), "--insecure",
+    args = [sys.executable, "-m", "fedlap_flower.node", "--allow-unsigned-runs", "--insecure",
             "--superlink", f"127.0.0.1:{self.port}", "--host", "127.0.0.1",
             "--port", str(free_port()),
             "--node-config", node_config_arg(self.node_configs[index])]
