@@ -9,7 +9,9 @@
   when this process does) that runs every ClientApp task of this SuperNode in
   one long-lived process, only for runs signed by a key of
   ``--trusted-entities`` (:mod:`fedlap_flower.run_signature`);
-  ``--allow-unsigned-runs`` (tests on one machine only) skips the signature;
+  ``--allow-unsigned-runs`` (tests on one machine only) skips the signature.
+  The SuperNode wakes it through a pipe as soon as a message and its arrays
+  are stored, so it asks for tasks only then (and once a second);
 * makes the SuperNode ask the SuperLink for messages every ``--poll`` seconds
   (Flower 1.42 waits 3 s between two pulls while idle and 0.5 s while a reply
   is pending; a round would wait for the slowest of those waits), and retry a
@@ -46,6 +48,21 @@ class _CappedSleep:
     return getattr(_time, name)
 
 
+def _waking(pull_and_store, wake_fd: int):
+  """``pull_and_store`` that, once a message and its arrays are stored (a task exists),
+  wakes the ClientApp process by writing one byte to ``wake_fd``."""
+
+  def wrapped(*args, **kwargs):
+    run_id = pull_and_store(*args, **kwargs)
+    if run_id is not None:
+      try:
+        os.write(wake_fd, b"!")
+      except (BlockingIOError, BrokenPipeError):  # already woken, or the worker is gone
+        pass
+    return run_id
+  return wrapped
+
+
 def _runtime_api(rest: list[str]) -> tuple[str, list[str]]:
   """The SuperNode's Runtime API address and the worker's TLS flags for it."""
   p = argparse.ArgumentParser(add_help=False)
@@ -71,7 +88,7 @@ def main(argv=None) -> int:
                  help="YAML {label: 'ssh-ed25519 ...'}: keys whose signed runs this node computes")
   p.add_argument("--allow-unsigned-runs", action="store_true",
                  help="compute unsigned runs too (tests on one machine only)")
-  p.add_argument("--poll", type=float, default=0.2,
+  p.add_argument("--poll", type=float, default=0.5,
                  help="seconds between two pulls from the SuperLink (Flower's: 3)")
   ours, rest = p.parse_known_args(argv)
   if any(a == "--isolation" or a.startswith("--isolation=") for a in rest):
@@ -84,15 +101,21 @@ def main(argv=None) -> int:
   if not ours.poll > 0:
     p.error(f"--poll {ours.poll}: allowed: seconds > 0")
   address, tls = _runtime_api(rest)
+  wake_r, wake_w = os.pipe()
+  os.set_blocking(wake_w, False)
   worker = [sys.executable, "-m", "fedlap_flower.warm_clientapp",
-            "--runtime-api-address", address, "--parent-pid", str(os.getpid()), *tls]
+            "--runtime-api-address", address, "--parent-pid", str(os.getpid()),
+            "--wake-fd", str(wake_r), *tls]
   worker += (["--allow-unsigned-runs"] if ours.allow_unsigned_runs
              else ["--trusted-entities", ours.trusted_entities])
-  subprocess.Popen(worker)  # pylint: disable=consider-using-with  (ends with this process)
+  # pylint: disable-next=consider-using-with  (it ends with this process)
+  subprocess.Popen(worker, pass_fds=(wake_r,))
+  os.close(wake_r)
 
   from flwr.supernode.cli.flower_supernode import flower_supernode  # pylint: disable=g-import-not-at-top
   sci = importlib.import_module("flwr.supernode.start_client_internal")
   sci.time = _CappedSleep(ours.poll)
+  sci._pull_and_store_message = _waking(sci._pull_and_store_message, wake_w)  # pylint: disable=protected-access
   quick_object_pulls(sci)  # arrays not yet on the SuperLink: retry after 50 ms, not 1 s
   sys.argv = ["flower-supernode", *rest, "--isolation", "process"]
   flower_supernode()

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import select
 import sys
 import time
 from logging import ERROR, INFO, WARNING
@@ -164,16 +166,33 @@ def run_task(address: str, token: str, client_app: Callable, *, insecure: bool,
   return status
 
 
+def _waiter(wake_fd: int | None, poll: float) -> Callable[[], None]:
+  """Returns ``wait()``: until a byte arrives on ``wake_fd`` or ``poll`` seconds passed."""
+  if wake_fd is None:
+    return lambda: time.sleep(poll)
+
+  def wait() -> None:
+    ready, _, _ = select.select([wake_fd], [], [], poll)
+    if ready and not os.read(wake_fd, 4096):
+      raise KeyboardInterrupt  # the SuperNode closed the pipe: it has ended
+  return wait
+
+
 def serve(address: str, *, insecure: bool = True, certificates: bytes | None = None,
-          trusted=None, allow_unsigned: bool = False, poll: float = 0.05,
-          client_app: Callable | None = None) -> None:
-  """Acquires and runs the SuperNode's ClientApp tasks until the process is stopped."""
+          trusted=None, allow_unsigned: bool = False, poll: float = 1.0,
+          wake_fd: int | None = None, client_app: Callable | None = None) -> None:
+  """Acquires and runs the SuperNode's ClientApp tasks until the process is stopped.
+
+  Asks for a task when woken through ``wake_fd`` (the SuperNode stored a message)
+  and every ``poll`` seconds.
+  """
   if not allow_unsigned and not trusted:
     raise ValueError("no trusted entities: a client computes only runs signed by a key it "
                      "trusts (--trusted-entities FILE); --allow-unsigned-runs only for tests")
   if client_app is None:
     from fedlap_flower.client_app import app as client_app  # pylint: disable=g-import-not-at-top
   acquire = _client(address, insecure, certificates, None)
+  wait = _waiter(wake_fd, poll)
   request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
   log(INFO, "[fedlap node] serving ClientApp tasks of the SuperNode at %s (%s)", address,
       "unsigned runs allowed" if allow_unsigned else f"trusted signers {sorted(trusted)}")
@@ -181,7 +200,7 @@ def serve(address: str, *, insecure: bool = True, certificates: bytes | None = N
     try:
       res = acquire.AcquireTask(request)
     except httpx.TransportError:  # the SuperNode is starting or restarting
-      time.sleep(max(poll, 0.5))
+      time.sleep(0.5)
       continue
     if res.HasField("task") and res.token:
       try:
@@ -190,7 +209,7 @@ def serve(address: str, *, insecure: bool = True, certificates: bytes | None = N
       except Exception as e:  # pylint: disable=broad-except  (the task is lost, not the node)
         log(WARNING, "[fedlap node] task %s failed: %s", res.task.task_id, e)
     else:
-      time.sleep(poll)
+      wait()
 
 
 def main(argv=None) -> int:
@@ -201,7 +220,10 @@ def main(argv=None) -> int:
                  "HTTP on loopback)")
   p.add_argument("--trusted-entities", default=None)
   p.add_argument("--allow-unsigned-runs", action="store_true")
-  p.add_argument("--poll", type=float, default=0.05)
+  p.add_argument("--poll", type=float, default=1.0,
+                 help="seconds between two asks for a task when not woken")
+  p.add_argument("--wake-fd", type=int, default=None,
+                 help="a pipe the SuperNode writes to when it stored a message")
   p.add_argument("--parent-pid", type=int, default=None)
   args = p.parse_args(argv)
   if args.parent_pid is not None:
@@ -213,7 +235,8 @@ def main(argv=None) -> int:
   trusted = run_signature.load_trusted(args.trusted_entities) if args.trusted_entities else None
   try:
     serve(args.runtime_api_address, insecure=certificates is None, certificates=certificates,
-          trusted=trusted, allow_unsigned=args.allow_unsigned_runs, poll=args.poll)
+          trusted=trusted, allow_unsigned=args.allow_unsigned_runs, poll=args.poll,
+          wake_fd=args.wake_fd)
   except KeyboardInterrupt:  # the SuperNode ended (parent monitor) or Ctrl-C
     return 0
   return 0
