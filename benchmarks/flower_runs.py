@@ -54,6 +54,9 @@ import time
 from pathlib import Path
 
 ENGINES = ("experiments", "simulation", "deployment", "deployment-server-keys")
+# A deployment round after the first (5 client nodes on one machine) against the same round
+# under experiments.run: the most it may cost, as a ratio of medians.
+DEPLOYMENT_GOAL = 1.5
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -175,6 +178,7 @@ def report(results: dict, out: Path) -> str:
             f"{last['upload_bytes'] / r['model_bytes']:.3f} | {same} |")
       lines.append("")
       ref_s = round_seconds("experiments", ref["records"]) if ref is not None else []
+      goal_line = None
       lines += [f"### seed {seed}: seconds per round after the first", "",
                 "| engine | rounds 2.. (s) | median s | median / experiments.run's | "
                 "load avg (before, after) |", "|---|---|---:|---:|---|"]
@@ -186,7 +190,14 @@ def report(results: dict, out: Path) -> str:
         ratio = f"{med / statistics.median(ref_s):.2f}" if ref_s else "-"
         lines.append(f"| {e} | {', '.join(f'{v:.2f}' for v in secs)} | {med:.2f} | {ratio} | "
                      f"{_fmt(by_engine[e].get('load_average'))} |")
+        if e == "deployment" and ref_s:
+          goal = med / statistics.median(ref_s) <= DEPLOYMENT_GOAL
+          goal_line = (f"Goal: a deployment round after the first costs at most "
+                       f"{DEPLOYMENT_GOAL}x an experiments.run round: "
+                       f"{'met' if goal else 'NOT met'} ({med / statistics.median(ref_s):.2f}x).")
       lines.append("")
+      if goal_line:
+        lines += [goal_line, ""]
     if len(by_seed) > 1:
       engines = sorted({e for by_engine in by_seed.values() for e in by_engine})
       lines += [f"### {label}: final test accuracy over seeds {list(by_seed)}", "",
