@@ -9,15 +9,18 @@ For every config and seed it runs each engine and writes ``OUT/<label>/s<seed>/<
 (``metrics.jsonl`` of experiments.run or of the Flower ServerApp, the Flower
 processes' logs, the clients' state directories), then ``OUT/report.md`` and
 ``OUT/report.json``: accuracy per round, epsilon per client, wall time, bytes
-uploaded per round against the model size, and, where engines share their
-randomness, whether their numbers are identical.
+uploaded per round against the model size, where engines share their
+randomness whether their numbers are identical, and the seconds each round
+after the first costs per engine with its ratio to experiments.run's (the
+machine, its core count and the load average before and after each engine).
 
 * ``experiments``: ``experiments.train.train_and_evaluate`` (one process).
 * ``simulation``: ``flwr run`` on ``flower-superlink --simulation`` with
   ``num-supernodes = data.num_clients`` virtual clients (Ray).
-* ``deployment``: ``flower-superlink`` and one ``flower-supernode`` process per
-  client (``--node-config "partition-id=k num-partitions=K state-dir=...
-  max-epsilon=..."``), then ``flwr run``.
+* ``deployment``: ``flower-superlink`` and one client node per client
+  (:mod:`fedlap_flower.node`: ``flower-supernode --isolation process`` with
+  ``--node-config "partition-id=k num-partitions=K state-dir=... max-epsilon=..."``
+  and its long-lived ClientApp process), then ``flwr run``.
 * ``deployment-server-keys`` (DP configs only): the deployment with the
   test-only ``unsafe-dp-keys-from-server`` (and the clients' consent): DP noise
   from the server's keys, so the numbers must equal experiments.run's.
@@ -25,9 +28,16 @@ randomness, whether their numbers are identical.
 Without DP every Flower engine gets the server's round keys and must equal
 experiments.run bit for bit. Under DP (client-secret keys) they cannot; compare
 several ``--seeds``: the report gives mean and standard deviation per engine.
-Wall times include process start-up and compilation (clients start a new
-process per round in the deployment engine; compiled programs are cached on
-disk in ``OUT/jax_cache``).
+Wall times include process start-up and compilation (round 1; compiled
+programs are cached on disk in ``OUT/jax_cache``). A round's seconds: for
+experiments.run its ``round_seconds``; for a Flower engine the ServerApp's
+wall clock from the end of the previous round to the end of this one
+(``metrics.jsonl``'s ``wall_seconds``), so the time between rounds counts too.
+
+The speed check of a deployment round against an in-process one:
+
+  python -m benchmarks.flower_runs --out runs/flower_speed --configs quickstart:dp \
+      --overrides "rounds=6" --engines experiments deployment
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import signal
 import statistics
 import sys
@@ -43,6 +54,9 @@ import time
 from pathlib import Path
 
 ENGINES = ("experiments", "simulation", "deployment", "deployment-server-keys")
+# A deployment round after the first (5 client nodes on one machine) against the same round
+# under experiments.run: the most it may cost, as a ratio of medians.
+DEPLOYMENT_GOAL = 1.5
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -106,12 +120,32 @@ def run_flower(config: str, overrides: str, workdir: Path, *, engine: str, num_c
           "model_bytes": records[-1]["model_bytes"]}
 
 
+def machine() -> str:
+  """The CPU model, its logical core count and the OS, for the report."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return f"{model}, {os.cpu_count()} logical cores, {platform.platform()}"
+
+
+def round_seconds(engine: str, records: list[dict]) -> list[float]:
+  """Seconds of each round after the first (see the module docstring)."""
+  if engine == "experiments":
+    return [r["round_seconds"] for r in records[1:]]
+  wall = [r["wall_seconds"] for r in records]
+  return [b - a for a, b in zip(wall, wall[1:])]
+
+
 def _fmt(v, digits=4):
   return "-" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
 
 
 def report(results: dict, out: Path) -> str:
-  lines = ["# FedLAP(-DP): experiments.run vs Flower simulation vs Flower deployment", ""]
+  lines = ["# FedLAP(-DP): experiments.run vs Flower simulation vs Flower deployment", "",
+           f"Machine: {machine()}.", ""]
   for label, by_seed in results.items():
     lines += [f"## {label}", ""]
     for seed, by_engine in by_seed.items():
@@ -145,6 +179,27 @@ def report(results: dict, out: Path) -> str:
             f" | {last['upload_bytes']} | {r['model_bytes']} | "
             f"{last['upload_bytes'] / r['model_bytes']:.3f} | {same} |")
       lines.append("")
+      ref_s = round_seconds("experiments", ref["records"]) if ref is not None else []
+      goal_line = None
+      lines += [f"### seed {seed}: seconds per round after the first", "",
+                "| engine | rounds 2.. (s) | median s | median / experiments.run's | "
+                "load avg (before, after) |", "|---|---|---:|---:|---|"]
+      for e in engines:
+        secs = round_seconds(e, by_engine[e]["records"])
+        if not secs:
+          continue
+        med = statistics.median(secs)
+        ratio = f"{med / statistics.median(ref_s):.2f}" if ref_s else "-"
+        lines.append(f"| {e} | {', '.join(f'{v:.2f}' for v in secs)} | {med:.2f} | {ratio} | "
+                     f"{_fmt(by_engine[e].get('load_average'))} |")
+        if e == "deployment" and ref_s:
+          goal = med / statistics.median(ref_s) <= DEPLOYMENT_GOAL
+          goal_line = (f"Goal: a deployment round after the first costs at most "
+                       f"{DEPLOYMENT_GOAL}x an experiments.run round: "
+                       f"{'met' if goal else 'NOT met'} ({med / statistics.median(ref_s):.2f}x).")
+      lines.append("")
+      if goal_line:
+        lines += [goal_line, ""]
     if len(by_seed) > 1:
       engines = sorted({e for by_engine in by_seed.values() for e in by_engine})
       lines += [f"### {label}: final test accuracy over seeds {list(by_seed)}", "",

@@ -17,13 +17,15 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedlap_flower import records, server_work, settings, strategy as strategy_lib, task
+from fedlap_flower.prompt_grid import PromptGrid
 
 app = ServerApp()
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-  serve(grid, settings.run_settings(context.run_config))
+  # Replies are collected as they arrive, not on Flower's 3 s pulls.
+  serve(PromptGrid(grid), settings.run_settings(context.run_config))
 
 
 def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:

@@ -35,6 +35,9 @@ key                             meaning
                                 keys (the server could remove the noise);
                                 also needs the client's consent, the
                                 environment variable :data:`UNSAFE_ENV` = 1
+``signer``, ``signature``,      the operator's signature over the bundle and
+``signed-at``                   this run config, checked by every client
+                                (:mod:`fedlap_flower.run_signature`)
 ==============================  =============================================
 
 Node config (``flower-supernode --node-config 'KEY=VALUE ...'``; the
@@ -90,6 +93,10 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     "max-epsilon": math.inf,
     "state-root": "",
     "unsafe-dp-keys-from-server": False,
+    # Checked by the node before the ClientApp runs (fedlap_flower.run_signature).
+    "signer": "",
+    "signature": "",
+    "signed-at": 0,
 }
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-path", "state-dir", "max-epsilon",
                     "max-delta")

@@ -1,0 +1,170 @@
+"""README.md's hardened Flower deployment, on one machine with real processes.
+
+The SuperLink (TLS, SuperNode authentication) listens on ``127.0.0.1``; its
+nginx front listens on ``127.0.0.2``, the stand-in for the server's public
+address: what reaches ``127.0.0.2`` is what a stranger on the network reaches.
+Two client nodes (:mod:`fedlap_flower.node`) connect through the front with
+keys the operator registered, and trust only the operator's signing key.
+Needs nginx (Debian: ``nginx-light``) and loopback networking.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import socket
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flower_harness import TINY, read_jsonl
+from fedlap_flower.federation import APP_DIR, PUBLIC_HOST, Federation, ssh_key_pair
+
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
+
+K = 2
+RUN = {"config": "quickstart:dp", "overrides": f"{TINY.replace('rounds=2', 'rounds=1')} "
+       f"data.num_clients={K}", "round-timeout": 300.0}
+
+
+def _reachable(host: str, port: int) -> bool:
+  try:
+    with socket.create_connection((host, port), timeout=2):
+      return True
+  except OSError:
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _need_loopback_and_nginx():
+  try:
+    with socket.socket() as s:
+      s.bind((PUBLIC_HOST, 0))
+  except OSError:
+    pytest.skip(f"{PUBLIC_HOST} is not available: loopback networking is down")
+  if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
+    pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")
+
+
+def _post_status(url: str, ca: Path, body: bytes = b"", headers: dict | None = None) -> int:
+  req = urllib.request.Request(url, data=body, method="POST", headers=headers or {})
+  try:
+    with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=str(ca)),
+                                timeout=10) as r:
+      return r.status
+  except urllib.error.HTTPError as e:
+    return e.code
+
+
+def _signed_fleet_status(url: str, ca: Path, request, key_path: Path) -> int:
+  """POSTs ``request`` to a Fleet route signed with the node key ``key_path``, as a SuperNode
+  signs its calls (public key, timestamp, signature headers)."""
+  from cryptography.hazmat.primitives import serialization
+  from flwr.supercore.date import now
+  from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
+  key = serialization.load_ssh_private_key(key_path.read_bytes(), password=None)
+  stamp = now().isoformat()
+  headers = {"Content-Type": "application/protobuf",
+             "flwr-public-key": base64.b64encode(public_key_to_bytes(key.public_key())).decode(),
+             "flwr-timestamp": stamp,
+             "flwr-signature": base64.b64encode(sign_message(key, stamp.encode())).decode()}
+  return _post_status(url, ca, request.SerializeToString(), headers)
+
+
+def _json(res) -> dict:
+  return json.loads(res.stdout[res.stdout.index("{"):])
+
+
+def _nodes(fed: Federation) -> list[dict]:
+  return _json(fed._flwr("supernode", "list", "test", "--format", "json"))["nodes"]
+
+
+def _refusals(run_dir: Path) -> list[str]:
+  reports = json.loads((run_dir / "client_reports.json").read_text())
+  return [f"{r['status']}: {r.get('reason', '')}" for r in reports]
+
+
+def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
+  """A stranger cannot register a key or reach Control / runtime; nodes compute only
+  runs of the installed ClientApp signed by the operator's key."""
+  cache = str(tmp_path_factory.mktemp("jax_cache"))
+  with Federation(tmp_path / "fed", hardened=True,
+                  env={"JAX_COMPILATION_CACHE_DIR": cache}) as fed:
+    ca = fed.certs["ca"]
+    front = f"https://{PUBLIC_HOST}:{fed.public_port}"
+
+    # (a) A stranger's key cannot be registered from the network; the SuperLink's own
+    # port is not served on the public address at all.
+    stranger = ssh_key_pair(tmp_path / "stranger" / "node", "ecdsa")
+    res = _json(fed.register(Path(f"{stranger}.pub"), "front"))
+    assert res["success"] is False and "403" in res["error-message"], res
+    assert not _reachable(PUBLIC_HOST, fed.port)
+    # (c) Control, runtime (ServerApp <-> SuperLink) and every other path: refused,
+    # also when the path only looks like the Fleet API before normalisation.
+    for path in ("/v1/control/start-run", "/v1/control/register-node",
+                 "/v1/runtime/pull-messages", "/v1/runtime/acquire-task",
+                 "/v1/fleet/../control/register-node", "/v1/fleet/%2e%2e/control/list-runs",
+                 "/health", "/docs"):
+      assert _post_status(front + path, ca) == 403, path
+    # The Fleet API passes the front, but a key the operator did not register can neither
+    # register itself there (412: registration disabled under SuperNode authentication)
+    # nor join (activation of an unknown key fails).
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+    from flwr.proto.fleet_pb2 import ActivateNodeRequest, RegisterNodeFleetRequest
+    from cryptography.hazmat.primitives import serialization
+    pub = public_key_to_bytes(serialization.load_ssh_private_key(
+        stranger.read_bytes(), password=None).public_key())
+    assert _signed_fleet_status(front + "/v1/fleet/register-node", ca,
+                                RegisterNodeFleetRequest(public_key=pub), stranger) == 412
+    activate = _signed_fleet_status(front + "/v1/fleet/activate-node", ca,
+                                    ActivateNodeRequest(public_key=pub, heartbeat_interval=30),
+                                    stranger)
+    assert 400 <= activate < 500, activate
+
+    for k in range(K):
+      fed.start_supernode(k, {"partition-id": k, "num-partitions": K,
+                              "state-dir": str(tmp_path / f"client-{k}"), "max-epsilon": 50.0})
+    assert len(_nodes(fed)) == K, _nodes(fed)  # the operator's two, not the stranger's
+
+    # (b) A run signed by a key the nodes do not trust: every node refuses it.
+    outsider = ssh_key_pair(tmp_path / "stranger" / "signer", "ed25519")
+    run_dir = tmp_path / "run_untrusted"
+    run_id = fed.run({**RUN, "run-dir": str(run_dir)}, signing_key=outsider)
+    assert fed.wait(run_id, timeout=600, poll=1.0) != "finished:completed"
+    refusals = _refusals(run_dir)
+    assert len(refusals) == K and all(
+        r.startswith("error: refused:") and "not among this client's trusted entities" in r
+        for r in refusals), refusals
+
+    # A bundle naming other ClientApp code, even signed by the operator: refused, and
+    # that code never runs on a client.
+    evil = tmp_path / "evil_app"
+    evil.mkdir()
+    marker = tmp_path / "evil_code_ran"
+    (evil / "pyproject.toml").write_text(
+        (APP_DIR / "pyproject.toml").read_text()
+        .replace('clientapp = "fedlap_flower.client_app:app"', 'clientapp = "evil:app"'))
+    (evil / "evil.py").write_text(
+        "from flwr.clientapp import ClientApp\n"
+        "app = ClientApp()\n"
+        "@app.train()\n"
+        "def train(msg, context):\n"
+        f"  open({str(marker)!r}, 'w').write('ran')  # a client would leak its records here\n"
+        "  raise RuntimeError('ran')\n")
+    run_dir = tmp_path / "run_evil"
+    run_id = fed.run({**RUN, "run-dir": str(run_dir)}, app_dir=evil)
+    assert fed.wait(run_id, timeout=600, poll=1.0) != "finished:completed"
+    refusals = _refusals(run_dir)
+    assert len(refusals) == K and all("this client runs only" in r for r in refusals), refusals
+    assert not marker.exists()
+
+    # The operator's signed run goes through the front and completes.
+    run_dir = tmp_path / "run_signed"
+    run_id = fed.run({**RUN, "run-dir": str(run_dir)})
+    status = fed.wait(run_id, timeout=900, poll=1.0)
+    assert status == "finished:completed", fed.logs(run_id)[-4000:]
+  assert [r["clients_ok"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [[0, 1]]
