@@ -115,7 +115,11 @@ def test_report_puts_them_in_the_tables_with_their_cost(runs, tmp_path):
   assert cells[("digits", cols[0])][1] == pytest.approx(acc)
   _, cols, cells = tables["dp_final"]
   assert cols == [f"PSG ({cost('psg')})"]
-  eps = runs["psg"][1]["records"][-1]["epsilon"]
+  # PSG's paper config states its epsilon in the paper's add/remove notion (dp.epsilon_for).
+  key = report.Run(runs["psg"][0]).epsilon_key
+  assert key == "epsilon_add_remove"
+  eps = runs["psg"][1]["records"][-1][key]
+  assert eps < runs["psg"][1]["records"][-1]["epsilon"]  # replace-one costs more
   assert cells[("digits", cols[0])][0].endswith(f", ε={eps:.3g})")
   assert tables["dp_eps1000"][2][("digits", cols[0])][0] == cells[("digits", cols[0])][0].split(
       ", ε")[0] + ")"

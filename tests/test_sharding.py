@@ -315,6 +315,7 @@ def test_two_processes_same_round(single_device, tmp_path, multi_process_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.multihost
 def test_two_network_hosts_same_round(single_device, network_hosts, tmp_path,
                                       multi_process_cache):
   """The same, with each process on its own network host (namespace, address, host name)."""
