@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's device check: the side-by-side client path (new) vs one client after another
+# The device check: the side-by-side client path (new) vs one client after another
 # (old) on the paper's CIFAR-10 rounds, at most 8 minutes on one GPU (H100).
 #
 #   OUT=/some/dir bash benchmarks/device_check.sh           # on the GPU machine (timeout_s 600)
