@@ -55,7 +55,7 @@ from fedlap_jax import (baselines, dispatch, federated, models, per_example, pri
                         training)
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
-# The authors' PyTorch code on this kind of machine (2 CPU threads), from issue 6.
+# The authors' PyTorch code on this kind of machine (2 CPU threads).
 REFERENCE_SECONDS = {
     "dp_gradient": 1.21,
     "nondp_gradient": 0.66,
@@ -679,7 +679,7 @@ def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
   ``client_sizes``: records of each client (default: the authors' 8,000 MNIST
   records in the paper's partition, :data:`AUTHORS_CLIENT_SIZES`), random
   MNIST-shaped data padded to the largest client and masked, as in a real run;
-  ``None``: 5 clients x 12,000 (the figures before issue 17). The DP round runs
+  ``None``: 5 clients x 12,000 (the earlier reference figures). The DP round runs
   with each of ``dp_round_backends`` (``map``: clients one after another,
   ``vmap``: all at once), ``round_repeats`` times each; the non-DP and FedAvg
   rounds ``long_repeats`` times, with ``map``. ``small``: a quick check of the
@@ -814,7 +814,7 @@ def main(argv=None) -> int:
                       help="records of each client (padded to the largest and masked); "
                            "--reference defaults to the authors' workload "
                            f"{','.join(map(str, AUTHORS_CLIENT_SIZES))}; 'uniform' there: "
-                           "5 x 12000 (the figures before issue 17)")
+                           "5 x 12000 (the earlier reference figures)")
   parser.add_argument("--small", action="store_true",
                       help="--reference: a quick check of the whole mode (sizes / 4, server 2 "
                            "epochs, 1 calibration epoch, DP round with map only, no ratios), "
@@ -854,7 +854,7 @@ def main(argv=None) -> int:
     rows = reference_mode(args.repeats, args.impl, args.round_repeats, args.long_repeats,
                           client_sizes=sizes, small=args.small,
                           dp_round_backends=("map",) if args.small else ("map", "vmap"))
-    title = ("Reference settings (issue 6), "
+    title = ("Reference settings, "
              + (f"client sizes {','.join(map(str, sizes))}" if sizes else "5 x 12000 records")
              + (", --small (a check, not a measurement)" if args.small else ""))
   elif args.per_example:

@@ -23,7 +23,7 @@ family: ``"per_client"``); any ``BACKEND`` or ``BACKEND:DRAW`` also works
 (e.g. ``map:shared``). For each it prints compile time, seconds
 per round (median of ``--repeats`` runs after compiling) and achieved FLOP/s (XLA's FLOPs of each
 repeated step times the loop counts the round reports), as a Markdown table,
-then each round against the goals of issue 17 (``cifar_dp`` <= 3 s,
+then each round against the goals (``cifar_dp`` <= 3 s,
 ``cifar_nondp`` <= 8 s, compile <= 30 s; :data:`GOALS`) and new against old,
 and writes JSON to ``$OUT/gpu_round.json`` (or ``--json``). On a GPU, XLA's
 counts leave out what it hands to cuDNN (the convolutions of ``impl="flax"``),
@@ -58,7 +58,7 @@ from fedlap_jax import config as config_lib  # noqa: E402
 from fedlap_jax.config import ClientConfig, ServerConfig  # noqa: E402
 
 
-# Goals of issue 17 on one H100: seconds per round and compile seconds.
+# Goals on one H100: seconds per round and compile seconds.
 GOALS = {"cifar_dp": 3.0, "cifar_nondp": 8.0}
 COMPILE_GOAL_S = 30.0
 VARIANTS = {"new": ("vmap", "shared"), "old": ("map", "per_client")}

@@ -46,7 +46,7 @@ def resolve_client_backend(name: str, *, side_by_side: bool = False) -> str:
   whose client function runs side by side without the ``vmap`` penalties:
   :func:`fedlap_jax.client.local_approx` with ``client_axis``) on an
   accelerator it is ``"vmap"``, which gives each kernel the work of all the
-  clients. On the CPU ``map`` stays faster (BENCHMARKS.md has the rounds
+  clients. On the CPU ``map`` stays faster (docs/benchmarks.md has the rounds
   measured both ways); the baselines keep ``map`` everywhere (their ``vmap``
   was never measured on an accelerator).
   """

@@ -29,7 +29,7 @@ Implementation (``impl``), the same function and parameters either way:
 XLA:CPU the convolution's weight gradient, and above all the
 gradient-of-gradient of the synthetic-image update, are several times faster
 as matrix products, while XLA's forward convolution is the fastest forward
-(evaluation); BENCHMARKS.md has the measurements.
+(evaluation); docs/benchmarks.md has the measurements.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int
     grouped convolution, and microbatches slow both paths down).
   * Anything else: ``vmap`` in one pass.
 
-  Accelerators get one pass. The choice rests on the timings in BENCHMARKS.md.
+  Accelerators get one pass. The choice rests on the timings in docs/benchmarks.md.
   """
   try:
     calls = discover(apply_fn, params, x)

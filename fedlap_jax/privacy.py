@@ -29,7 +29,7 @@ as the ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for
 anything else; for matmul-convolution models on the CPU backend also
 microbatches of 16 (`per_example.CPU_MICROBATCH`) when none is given, which skip the all-padding tail of a
 Poisson buffer). Every method gives the same result up to float rounding;
-BENCHMARKS.md compares their speed. The loss is
+docs/benchmarks.md compares their speed. The loss is
 :func:`fedlap_jax.losses.cross_entropy` (also importable from here).
 
 References:
@@ -172,7 +172,7 @@ def real_gradient(
       their own example only. ``"auto"``: the microbatch
       :func:`fedlap_jax.per_example.auto_plan` picks for the DP gradient
       (chunks of 16 for matrix-product convolutions on the CPU backend, one
-      pass otherwise; BENCHMARKS.md has the timings). With chunks the result
+      pass otherwise; docs/benchmarks.md has the timings). With chunks the result
       is not reverse-differentiable (data-dependent loop length).
 
   Returns:

@@ -170,7 +170,7 @@ def default_eval_chunk_size() -> int:
   """Examples per evaluation chunk: 16 on the CPU backend, 1000 elsewhere.
 
   On CPU a small chunk's activations stay in cache; accelerators want large
-  chunks. The chunk sizes were chosen from the timings in BENCHMARKS.md.
+  chunks. The chunk sizes were chosen from the timings in docs/benchmarks.md.
   """
   return 16 if jax.default_backend() == "cpu" else 1000
 

@@ -56,7 +56,7 @@ def test_client_sizes_pad_to_the_largest_and_mask_the_rest():
 
 
 def test_fedavg_round_on_uneven_clients_runs_each_clients_own_epoch():
-  """round(N_k / 256) Poisson steps per client, not round(N_max / 256) each (issue 17 goal 2)."""
+  """round(N_k / 256) Poisson steps per client, not round(N_max / 256) each."""
   problem = bench.with_client_sizes(bench.Problem((8, 8, 1), 1), (300, 900, 640))
   clients = bench.random_clients(problem)
   import flax.linen as nn  # pylint: disable=g-import-not-at-top

@@ -85,7 +85,7 @@ def test_config_sections_map_one_to_one_onto_the_core_dataclasses():
 def test_quickstart_matches_the_recipe():
   suite = quickstart.get_config().suite
   assert sorted(suite.keys()) == ["fedlap", "fedlap_dp"]
-  # The DP default is issue 18's hybrid (digits_dp_hybrid); the older loops stay as dp_loops.
+  # The DP default is the hybrid recipe (digits_dp_hybrid); the older loops stay as dp_loops.
   assert suite.fedlap_dp == quickstart.get_config("dp") == load("digits_dp_hybrid")
   assert validation.to_fedlap_config(suite.fedlap_dp).client.model_steps == "noisy_real"
   assert suite.fedlap == quickstart_nondp.get_config()
@@ -94,7 +94,7 @@ def test_quickstart_matches_the_recipe():
   assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
   assert (fc.client.ipc, fc.client.max_outer, fc.client.batch_loop, fc.client.inner_loop,
           fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 5, 1, 64, 10, 0.05)
-  # digits_dp_tuned is the quickstart's FedLAP-DP with the tuned recipe (issue 18).
+  # digits_dp_tuned is the quickstart's FedLAP-DP with the tuned recipe.
   tc = validation.to_fedlap_config(load("digits_dp_tuned"))
   assert tc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
   assert (tc.client.ipc, tc.client.max_outer, tc.client.batch_loop, tc.client.inner_loop,
@@ -157,7 +157,7 @@ BAD = [
     ("dp", {"baseline.local_epochs": 0}, ["baseline.local_epochs=0"]),
     ("nondp", {"server.radius_strategy": "median", "client.calibrate_radius": False},
      ["client.calibrate_radius=False", "median"]),
-    # Issue 13: DP-safe normalisation, exact Poisson buffers, 1/K weighting under DP.
+    # DP-safe normalisation, exact Poisson buffers, 1/K weighting under DP.
     ("dp", {"data.normalisation": "auto"},
      ["data.normalisation='auto' is invalid", "('published', 'given', 'test_split') with DP",
       "private training split"]),
@@ -352,7 +352,7 @@ def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
 
 
 def test_digits_hybrid_config_carries_the_recipe_at_epsilon_2_79():
-  # Issue 18's hybrid: DP-SGD client path on un-augmented real batches, FedAvg start, then
+  # The hybrid: DP-SGD client path on un-augmented real batches, FedAvg start, then
   # 5 epochs of refinement on the synthetic sets at the server's own rate.
   fc = validation.to_fedlap_config(load("digits_dp_hybrid"))
   c, s = fc.client, fc.server

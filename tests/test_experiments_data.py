@@ -222,7 +222,7 @@ def test_tfds_mock_one_tiny_round(tmp_path):
   assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
 
 
-# ----------------------------------------------------------------- issue 13: what reaches a DP run
+# --------------------------------------------------------------------- what reaches a DP run
 
 
 def test_normalisation_sources(tmp_path, digits):

@@ -139,7 +139,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
     assert f"round   {m}/4  acc " in log and "server_steps 2" in log
 
 
-# Issue 13: every value a DP run writes is a DP output, post-processing of DP outputs, or
+# Every value a DP run writes is a DP output, post-processing of DP outputs, or
 # public by the README's privacy section ("Privacy guarantees and their assumptions").
 RELEASED_RECORD_KEYS = {
     "round", "test_accuracy", "test_loss", "epsilon",              # test split (public), ledger
@@ -491,7 +491,7 @@ def test_dp_records_state_the_replace_one_epsilon_with_add_remove_beside_it(stra
   assert f"add/remove-one epsilon (the paper's notion): {r['epsilon_add_remove']:.3f}" in summary
 
 
-# ------------------------------------------------------------ issue 13: damaged state
+# ------------------------------------------------------------------------ damaged state
 
 
 def _damage_state(ckpt_dir):

@@ -71,7 +71,7 @@ def test_bad_run_config_is_refused_by_name(run_config, match):
 
 
 def test_the_hybrid_dp_recipe_is_a_flower_run_config():
-  """quickstart:dp (issue 18's hybrid: the clients also send model deltas) loads as it is."""
+  """quickstart:dp (the hybrid recipe: the clients also send model deltas) loads as it is."""
   run = settings.run_settings({"config": "quickstart:dp"})
   assert run.label == "quickstart_dp" and run.dp
   assert run.cfg.server.start == "fedavg_delta" and run.cfg.client.model_steps == "noisy_real"

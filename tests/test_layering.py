@@ -1,4 +1,4 @@
-"""The library's floor plan and its one validation vocabulary (issue 14).
+"""The library's floor plan and its one validation vocabulary.
 
 The import graph is read from the source with ``ast`` (benchmarks/import_graph.py),
 so these tests import no JAX and take milliseconds.
