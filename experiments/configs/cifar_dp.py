@@ -11,30 +11,15 @@ the reported ``epsilon`` is the replace-one figure, ``epsilon_add_remove`` the p
   python -m experiments.run --config=cifar_dp [--config.seed=1]
 """
 
-from experiments.configs import default
+from fedlap_jax.config import paper_dp_config
+
+from experiments.configs import default, schema
 
 
 def apply_dp(config):
-  """Turns a config into the published FedLAP-DP setting (loops, radius, DP)."""
-  config.rounds = 30
-  config.learning_rate = 0.002
-  config.synthetic_init = "noise"
-  c = config.client
-  c.ipc = 10
-  c.iterations = 4
-  c.max_outer = 5
-  c.batch_loop = 10
-  c.boost_loop = 5
-  c.inner_loop = 2
-  c.radius = 1.5
-  c.mse_weight = 0.0
-  c.calibrate_radius = False
-  config.server.radius_strategy = "constant"
-  config.server.weighting = "uniform"
-  config.dp.enabled = True
-  config.dp.noise_multiplier = 1.0
-  config.dp.l2_clip_norm = 1.0
-  config.dp.delta = 1e-5
+  """Turns a config into the published FedLAP-DP setting (:func:`fedlap_jax.config.paper_dp_config`:
+  loops, radius, rounds, learning rate, DP), reporting its add/remove epsilon."""
+  schema.write_fedlap(config, paper_dp_config())
   config.dp.epsilon_for = "add_remove"  # the paper's figure (module docstring)
   config.checkpoint_every = 1
   config.snapshot_rounds = (1, 15)
