@@ -28,7 +28,9 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+from experiments import configs
+
+CONFIG_DIR = configs.CONFIG_DIR
 
 
 class ConfigArgError(ValueError):
@@ -36,21 +38,28 @@ class ConfigArgError(ValueError):
 
 
 def resolve_config_arg(value: str) -> tuple[str, str]:
-  """``'NAME[:ARG]'`` -> ``(path[:ARG], run name)``; paths are kept as they are."""
+  """``'NAME[:ARG]'`` -> ``(path[:ARG], run name)``; paths are kept as they are.
+
+  ``NAME`` is a module of ``experiments/configs/`` or an alias of
+  :data:`experiments.configs.ALIASES` (its module and argument are substituted).
+  """
   name, sep, arg = value.partition(":")
   if name.endswith(".py") or os.sep in name:
     path = name
     label = Path(name).stem
+    target = path + sep + arg
   else:
-    path = str(CONFIG_DIR / f"{name}.py")
-    label = name
-    if not os.path.isfile(path):
-      available = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+    try:
+      module, module_arg = configs.resolve(value)
+    except KeyError:
       raise ConfigArgError(f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
-                           f"allowed: one of {available} (optionally NAME:ARG), or a path to "
-                           "a config .py file")
+                           f"allowed: one of {list(configs.names())} (optionally NAME:ARG), or "
+                           "a path to a config .py file") from None
+    path = str(CONFIG_DIR / f"{module}.py")
+    label = name
+    target = path + ("" if module_arg is None else f":{module_arg}")
   safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", arg)  # npz:/a/b.npz must not nest the work dir
-  return path + sep + arg, label + (f"_{safe}" if sep and arg else "")
+  return target, label + (f"_{safe}" if sep and arg else "")
 
 
 def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:

@@ -9,7 +9,7 @@ from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError
 
 from experiments import validation
-from experiments.configs import cifar_dp, default, schema
+from experiments.configs import default, fedlap, schema
 
 
 def test_sections_are_the_dataclasses_fields_and_defaults():
@@ -40,7 +40,7 @@ def test_section_needs_a_value_for_fields_without_default():
 
 
 def test_paper_dp_setting_is_written_once():
-  assert validation.to_fedlap_config(cifar_dp.get_config()) == core.paper_dp_config()
+  assert validation.to_fedlap_config(fedlap.get_config("cifar_dp")) == core.paper_dp_config()
 
 
 @pytest.mark.parametrize("section,field,value,allowed", [
@@ -49,7 +49,7 @@ def test_paper_dp_setting_is_written_once():
     ("dp", "sigma", 1.0, "a field of DPConfig"),
 ])
 def test_unknown_field_is_refused_naming_it(section, field, value, allowed):
-  cfg = cifar_dp.get_config()
+  cfg = fedlap.get_config("cifar_dp")
   cfg[section][field] = value
   with pytest.raises(ConfigError) as err:
     validation.validate_config(cfg)
@@ -65,7 +65,7 @@ def test_unknown_field_is_refused_naming_it(section, field, value, allowed):
     ("dp.per_example_method", None, "a string"),
 ])
 def test_mistyped_field_is_refused_naming_it(path, value, allowed):
-  cfg = cifar_dp.get_config()
+  cfg = fedlap.get_config("cifar_dp")
   section, field = path.split(".")
   del cfg[section][field]                      # a config file may write any type
   cfg[section][field] = value

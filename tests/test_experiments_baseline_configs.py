@@ -1,10 +1,8 @@
 """Named baseline configs and the FedLAP-vs-baselines quickstart suite (matched epsilon)."""
 
-import importlib
-
 import pytest
 
-from experiments import run, validation
+from experiments import configs, run, validation
 from experiments.configs import baselines, quickstart_compare
 from fedlap_jax import accounting
 from fedlap_jax.baselines import steps_per_epoch
@@ -15,7 +13,7 @@ NAMES = [f"{ds}_{m}" for ds in ("mnist", "fmnist", "cifar")
 
 @pytest.mark.parametrize("name", NAMES)
 def test_named_baseline_config_validates_with_published_settings(name):
-  cfg = importlib.import_module(f"experiments.configs.{name}").get_config()
+  cfg = configs.load(name)
   validation.validate_config(cfg)
   dp = name.endswith("_dp")
   assert cfg.method == ("dp_" if dp else "") + name.split("_")[1]

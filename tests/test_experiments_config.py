@@ -1,7 +1,6 @@
 """Named configs, the config -> core converter, and static + data validation."""
 
 import dataclasses
-import importlib
 import re
 
 import numpy as np
@@ -12,7 +11,8 @@ from fedlap_jax import config as core
 
 from experiments import data as data_lib
 from experiments import run, validation
-from experiments.configs import cifar_dp, cifar_nondp, default, quickstart, quickstart_nondp
+from experiments import configs
+from experiments.configs import default, quickstart
 
 NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fmnist_dp", None),
          ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"), ("quickstart", "dp_loops"),
@@ -26,8 +26,7 @@ NAMED += [("cifar_ablation_fraction", str(p)) for p in (5, 10, 50, 100)]
 
 
 def load(name, arg=None):
-  module = importlib.import_module(f"experiments.configs.{name}")
-  return module.get_config() if arg is None else module.get_config(arg)
+  return configs.load(name if arg is None else f"{name}:{arg}")
 
 
 @pytest.mark.parametrize("name,arg", NAMED)
@@ -44,8 +43,8 @@ def test_every_named_config_builds_and_validates(name, arg):
 
 
 def test_published_settings_equal_the_core_paper_configs():
-  assert validation.to_fedlap_config(cifar_nondp.get_config()) == core.paper_nondp_config()
-  dp = validation.to_fedlap_config(cifar_dp.get_config())
+  assert validation.to_fedlap_config(load("cifar_nondp")) == core.paper_nondp_config()
+  dp = validation.to_fedlap_config(load("cifar_dp"))
   assert dp == core.paper_dp_config()
   assert dp.client.real_accesses_per_round == 200
   for name in ("mnist_dp", "fmnist_dp"):
@@ -88,7 +87,7 @@ def test_quickstart_matches_the_recipe():
   # The DP default is the hybrid recipe (digits_dp_hybrid); the older loops stay as dp_loops.
   assert suite.fedlap_dp == quickstart.get_config("dp") == load("digits_dp_hybrid")
   assert validation.to_fedlap_config(suite.fedlap_dp).client.model_steps == "noisy_real"
-  assert suite.fedlap == quickstart_nondp.get_config()
+  assert suite.fedlap == load("quickstart_nondp")
   assert quickstart.get_config("dp_loops") == quickstart.dp_config()
   fc = validation.to_fedlap_config(quickstart.get_config("dp_loops"))
   assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
@@ -302,7 +301,7 @@ def test_dp_normalisation_choices_that_read_no_training_record_pass():
 
 def test_cli_resolves_names_args_and_default_workdir():
   argv, name = run.rewrite_argv(["prog", "--config", "cifar_ablation_ipc:20", "--x=1"])
-  assert argv[1] == "--config" and argv[2].endswith("configs/cifar_ablation_ipc.py:20")
+  assert argv[1] == "--config" and argv[2].endswith("configs/fedlap.py:cifar_ablation_ipc:20")
   assert name == "cifar_ablation_ipc_20" and argv[3] == "--x=1"
 
 

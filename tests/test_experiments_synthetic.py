@@ -5,13 +5,12 @@ Each learning run is the quickstart comparison's config (ConvNet 32 x 2, ipc 10)
 loops: one compilation and a few seconds of rounds each.
 """
 
-import importlib
 import json
 
 import numpy as np
 import pytest
 
-from experiments import report, run, train, validation
+from experiments import configs, report, run, train, validation
 from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
@@ -138,13 +137,12 @@ NAMES = [f"{ds}_{m}" for ds in ("mnist", "fmnist", "cifar") for m in ("feddm", "
 
 @pytest.mark.parametrize("name", NAMES)
 def test_named_configs_validate_with_the_published_settings(name):
-  cfg = importlib.import_module(f"experiments.configs.{name}").get_config()
+  cfg = configs.load(name)
   validation.validate_config(cfg)
   path, label = run.resolve_config_arg(name)
   assert path.startswith(str(run.CONFIG_DIR)) and label == name
   if name.endswith("feddm"):
-    fedlap = importlib.import_module(f"experiments.configs.{name.split('_')[0]}_nondp")
-    fedlap = fedlap.get_config()
+    fedlap = configs.load(f"{name.split('_')[0]}_nondp")
     core = validation.to_feddm_config(cfg)
     # FedLAP's partition, ipc and rounds: equal upload (0.96x on CIFAR-10).
     assert (cfg.data.partition, cfg.client.ipc, cfg.rounds) == (

@@ -57,3 +57,58 @@ def test_a_changed_default_is_caught():
   del cfg.client["calibration_eval_size"]   # a None without placeholder(int)'s type
   cfg.client.calibration_eval_size = None
   assert flatten(cfg) != FROZEN["default"]
+
+
+@pytest.mark.parametrize("name", sorted(FROZEN["named"]))
+def test_the_cli_loads_the_same_config(name):
+  """``experiments.run`` resolves ``--config=NAME[:ARG]`` (aliases too) to the same config."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+  from experiments import run  # pylint: disable=g-import-not-at-top
+  argv, label = run.rewrite_argv(["prog", f"--config={name}"])
+  assert label.startswith(name.partition(":")[0])
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
+  values(argv)
+  assert values.config.to_dict() == configs.load(name).to_dict()
+
+
+def test_every_alias_names_a_module_and_every_name_loads():
+  for alias, target in configs.ALIASES.items():
+    assert target.partition(":")[0] in configs.modules(), alias
+  frozen = {n.partition(":")[0] for n in FROZEN["named"]} | {"default"}
+  assert frozen <= set(configs.names())
+  # new modules whose get_config needs an argument (every alias of them is frozen)
+  assert set(configs.names()) - frozen == {"fedlap", "baselines", "synthetic"}
+
+
+def _imports(path: Path) -> set[str]:
+  import ast  # pylint: disable=g-import-not-at-top
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == "experiments.configs":
+      out |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("experiments.configs."):
+      out.add(node.module.split(".")[2])
+  return out
+
+
+def test_config_modules_import_each_other_without_a_cycle():
+  folder = Path(configs.__file__).parent
+  graph = {p.stem: _imports(p) for p in folder.glob("*.py") if p.stem != "__init__"}
+  assert graph["quickstart"] == {"default", "fedlap"}
+  done, active = set(), []
+
+  def visit(node):
+    assert node not in active, f"import cycle: {' -> '.join(active + [node])}"
+    if node in done:
+      return
+    active.append(node)
+    for nxt in graph.get(node, ()):
+      visit(nxt)
+    active.pop()
+    done.add(node)
+
+  for node in graph:
+    visit(node)
