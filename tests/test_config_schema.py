@@ -8,7 +8,7 @@ import pytest
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError
 
-from experiments import validation
+from experiments import library_configs
 from experiments.configs import default, fedlap, schema
 
 
@@ -16,11 +16,11 @@ def test_sections_are_the_dataclasses_fields_and_defaults():
   cfg = default.get_config()
   assert set(cfg.client.keys()) == {f.name for f in dataclasses.fields(core.ClientConfig)} - {"dp"}
   assert set(cfg.server.keys()) == {f.name for f in dataclasses.fields(core.ServerConfig)}
-  fedlap = validation.to_fedlap_config(cfg)
+  fedlap = library_configs.to_fedlap_config(cfg)
   assert fedlap.client == core.ClientConfig()
   assert fedlap.server == core.ServerConfig(weighting="size")   # None resolved without DP
   cfg.dp.enabled = True
-  assert validation.to_dp_config(cfg) == core.PAPER_DP
+  assert library_configs.to_dp_config(cfg) == core.PAPER_DP
 
 
 def test_optional_fields_are_typed_placeholders():
@@ -40,7 +40,7 @@ def test_section_needs_a_value_for_fields_without_default():
 
 
 def test_paper_dp_setting_is_written_once():
-  assert validation.to_fedlap_config(fedlap.get_config("cifar_dp")) == core.paper_dp_config()
+  assert library_configs.to_fedlap_config(fedlap.get_config("cifar_dp")) == core.paper_dp_config()
 
 
 @pytest.mark.parametrize("section,field,value,allowed", [
@@ -52,7 +52,7 @@ def test_unknown_field_is_refused_naming_it(section, field, value, allowed):
   cfg = fedlap.get_config("cifar_dp")
   cfg[section][field] = value
   with pytest.raises(ConfigError) as err:
-    validation.validate_config(cfg)
+    library_configs.validate_config(cfg)
   assert err.value.field == f"{section}.{field}" and err.value.value == value
   assert allowed in err.value.allowed
 
@@ -70,7 +70,7 @@ def test_mistyped_field_is_refused_naming_it(path, value, allowed):
   del cfg[section][field]                      # a config file may write any type
   cfg[section][field] = value
   with pytest.raises(ConfigError) as err:
-    validation.validate_config(cfg)
+    library_configs.validate_config(cfg)
   assert err.value.field == path and err.value.allowed == allowed
   assert str(err.value).startswith(f"{path}={value!r} is invalid")
 
@@ -88,4 +88,4 @@ def test_write_fedlap_round_trips():
   fedlap = core.paper_dp_config(rounds=3)
   cfg = schema.write_fedlap(default.get_config(), fedlap)
   assert isinstance(cfg, ml_collections.ConfigDict)
-  assert validation.to_fedlap_config(cfg) == fedlap
+  assert library_configs.to_fedlap_config(cfg) == fedlap

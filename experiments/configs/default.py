@@ -18,7 +18,7 @@ Sections:
   :class:`fedlap_jax.config.ClientConfig`, :class:`~fedlap_jax.config.ServerConfig`
   and :class:`~fedlap_jax.config.DPConfig` (:mod:`experiments.configs.schema`; the
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
-  the run's calibration options. :func:`experiments.validation.to_fedlap_config`
+  the run's calibration options. :func:`experiments.library_configs.to_fedlap_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
 * ``baseline``: local epochs and the FedProx ``mu`` of the gradient-sharing
   baselines (FedAvg, FedProx, ...); ignored by ``fedlap``.

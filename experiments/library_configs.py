@@ -1,6 +1,10 @@
-"""Checks of a resolved experiment config, before anything runs.
+"""The library's configs built from an experiment config, and the checks done on the way.
 
-Two stages:
+:func:`to_fedlap_config`, :func:`to_dp_config`, :func:`to_baseline_config`,
+:func:`to_feddm_config` and :func:`to_oneshot_config` build the frozen
+dataclasses of :mod:`fedlap_jax` from a resolved ml_collections config
+(``client`` / ``server`` / ``dp`` through :mod:`experiments.configs.schema`).
+Two stages of checks, before anything runs:
 
 * :func:`validate_config` (static): names (method, dataset, source,
   partition, norm, backend), ranges and the core's own validation, by building
