@@ -112,3 +112,14 @@ def test_config_modules_import_each_other_without_a_cycle():
 
   for node in graph:
     visit(node)
+
+
+if __name__ == "__main__":
+  # Re-freeze after a DELIBERATE change of a config (e.g. a new field in default.py):
+  #   PYTHONPATH=. python tests/test_named_configs.py && git diff tests/data/named_configs.json
+  base = flatten(configs.load("default"))
+  FROZEN["default"] = base
+  named = {n: against_default(flatten(configs.load(n))) for n in sorted(FROZEN["named"])}
+  items = ",\n".join(f"{json.dumps(n)}: {json.dumps(v, sort_keys=True)}" for n, v in named.items())
+  (Path(__file__).parent / "data" / "named_configs.json").write_text(
+      "{\n\"default\": " + json.dumps(base, sort_keys=True) + ",\n\"named\": {\n" + items + "\n}\n}\n")
