@@ -28,14 +28,10 @@ VARIANTS = {"map": ("map", "shared"), "vmap": ("vmap", "shared"),
 
 
 def measure(config: str, variant: str, rounds: int) -> dict:
-  import importlib
-
-  from experiments import train
+  from experiments import configs, train
 
   backend, draw = VARIANTS[variant]
-  name, _, arg = config.partition(":")
-  module = importlib.import_module(f"experiments.configs.{name}")
-  cfg = module.get_config(arg) if arg else module.get_config()
+  cfg = configs.load(config)
   cfg.client_backend = backend
   cfg.client.dsa_family_draw = draw
   setup = train.build_run(cfg)

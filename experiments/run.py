@@ -28,7 +28,9 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+from experiments import configs
+
+CONFIG_DIR = configs.CONFIG_DIR
 
 
 class ConfigArgError(ValueError):
@@ -36,21 +38,28 @@ class ConfigArgError(ValueError):
 
 
 def resolve_config_arg(value: str) -> tuple[str, str]:
-  """``'NAME[:ARG]'`` -> ``(path[:ARG], run name)``; paths are kept as they are."""
+  """``'NAME[:ARG]'`` -> ``(path[:ARG], run name)``; paths are kept as they are.
+
+  ``NAME`` is a module of ``experiments/configs/`` or an alias of
+  :data:`experiments.configs.ALIASES` (its module and argument are substituted).
+  """
   name, sep, arg = value.partition(":")
   if name.endswith(".py") or os.sep in name:
     path = name
     label = Path(name).stem
+    target = path + sep + arg
   else:
-    path = str(CONFIG_DIR / f"{name}.py")
-    label = name
-    if not os.path.isfile(path):
-      available = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+    try:
+      module, module_arg = configs.resolve(value)
+    except KeyError:
       raise ConfigArgError(f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
-                           f"allowed: one of {available} (optionally NAME:ARG), or a path to "
-                           "a config .py file")
+                           f"allowed: one of {list(configs.names())} (optionally NAME:ARG), or "
+                           "a path to a config .py file") from None
+    path = str(CONFIG_DIR / f"{module}.py")
+    label = name
+    target = path + ("" if module_arg is None else f":{module_arg}")
   safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", arg)  # npz:/a/b.npz must not nest the work dir
-  return path + sep + arg, label + (f"_{safe}" if sep and arg else "")
+  return target, label + (f"_{safe}" if sep and arg else "")
 
 
 def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:
@@ -114,12 +123,12 @@ def client_sizes(cfg) -> list[int]:
     ConfigError: the data does not load or does not split as configured.
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   try:
     dataset = data_lib.load_dataset(cfg.data)
     return [len(i) for i in data_lib.client_split(dataset, cfg.data, cfg.seed)]
   except ValueError as e:
-    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+    raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
                                  message=str(e)) from None
 
 
@@ -135,7 +144,7 @@ class DpBudget(NamedTuple):
   client's rate, and the epsilon its calibration targets.
 
   ``mechanism`` is the :class:`~fedlap_jax.accounting.DpMechanism` the method declares
-  (:func:`experiments.validation.dp_mechanism`: ``B``, ``T`` per round, ``delta``; the same
+  (:func:`experiments.library_configs.dp_mechanism`: ``B``, ``T`` per round, ``delta``; the same
   value the run's :class:`~fedlap_jax.algorithm.FederatedAlgorithm` carries and its ledgers
   compose); ``epsilon_for`` is ``dp.epsilon_for``, the figure (``"replace_one"`` or
   ``"add_remove"``) that :meth:`epsilon` returns and :meth:`calibrate` targets.
@@ -174,7 +183,7 @@ class DpBudget(NamedTuple):
       ConfigError: naming ``field`` when the target is not a positive number or needs
         ``sigma > MAX_TARGET_NOISE_MULTIPLIER``.
     """
-    from experiments import validation  # pylint: disable=g-import-not-at-top
+    from experiments import library_configs  # pylint: disable=g-import-not-at-top
     allowed = (f"a finite number > 0 that some noise_multiplier <= "
                f"{MAX_TARGET_NOISE_MULTIPLIER:g} meets (here q = {self.batch_size}/"
                f"{self.min_client_size}, T = {self.steps_per_round} per round, {self.rounds} "
@@ -189,17 +198,17 @@ class DpBudget(NamedTuple):
         floor = self.epsilon(MAX_TARGET_NOISE_MULTIPLIER)
         allowed = (f"a target >= {floor:.4g}, the epsilon of noise_multiplier="
                    f"{MAX_TARGET_NOISE_MULTIPLIER:g}" + allowed[allowed.index(" (here"):])
-      raise validation.ConfigError(field, target_epsilon, allowed,
+      raise library_configs.ConfigError(field, target_epsilon, allowed,
                                    message=f"{field}={target_epsilon!r} is unreachable; "
                                    f"allowed: {allowed}") from None
 
 
 def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
   """The :class:`DpBudget` of a DP config (``sizes``: records per client; loaded if None)."""
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
   sizes = client_sizes(cfg) if sizes is None else sizes
-  return DpBudget(validation.dp_mechanism(cfg, sizes), int(min(sizes)), int(cfg.rounds),
+  return DpBudget(library_configs.dp_mechanism(cfg, sizes), int(min(sizes)), int(cfg.rounds),
                   cfg.dp.get("epsilon_for", accounting.REPLACE_ONE))
 
 
@@ -221,7 +230,7 @@ def calibrate_noise(config) -> list[str]:
     ConfigError: an unreachable target; ``match_epsilon_of`` outside a suite, naming no other DP
       run of it, naming a run that matches another itself, or set on a run without DP.
   """
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   lines = []
   sizes_of = {}  # the runs of a suite mostly share data, partition and seed: load them once
 
@@ -242,7 +251,7 @@ def calibrate_noise(config) -> list[str]:
   if "suite" not in config:
     other = config.dp.get("match_epsilon_of", "")
     if other:
-      raise validation.ConfigError("dp.match_epsilon_of", other,
+      raise library_configs.ConfigError("dp.match_epsilon_of", other,
                                    "'' outside a suite (it names another run of the suite)")
     runs = [("", config)]
   else:
@@ -254,7 +263,7 @@ def calibrate_noise(config) -> list[str]:
       continue
     field = f"{prefix}dp.target_epsilon"
     if not cfg.dp.enabled:
-      raise validation.ConfigError(field, target, "None when dp.enabled is False")
+      raise library_configs.ConfigError(field, target, "None when dp.enabled is False")
     budgets[prefix] = budget = budget_of(cfg)
     cfg.dp.noise_multiplier = budget.calibrate(target, field=field)
     log(prefix, "dp.target_epsilon", target, cfg, budget)
@@ -277,12 +286,12 @@ def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
       of it, naming a run that matches another itself, or set on a run
       without DP.
   """
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   budgets = {} if budgets is None else budgets
   if "suite" not in config:
     other = config.dp.get("match_epsilon_of", "")
     if other:
-      raise validation.ConfigError("dp.match_epsilon_of", other,
+      raise library_configs.ConfigError("dp.match_epsilon_of", other,
                                    "'' outside a suite (it names another run of the suite)")
     return config
   suite = config.suite
@@ -295,13 +304,13 @@ def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
     candidates = [k for k in suite.keys() if k != name and suite[k].dp.enabled
                   and not suite[k].dp.get("match_epsilon_of", "")]
     if other not in candidates:
-      raise validation.ConfigError(field, other, f"one of {candidates}, the suite's other DP "
+      raise library_configs.ConfigError(field, other, f"one of {candidates}, the suite's other DP "
                                    "runs that match no other run themselves")
     if not cfg.dp.enabled:
-      raise validation.ConfigError(f"suite.{name}.dp.enabled", cfg.dp.enabled,
+      raise library_configs.ConfigError(f"suite.{name}.dp.enabled", cfg.dp.enabled,
                                    f"True with {field}={other!r}")
     if cfg.dp.get("target_epsilon") is not None:
-      raise validation.ConfigError(f"suite.{name}.dp.target_epsilon", cfg.dp.target_epsilon,
+      raise library_configs.ConfigError(f"suite.{name}.dp.target_epsilon", cfg.dp.target_epsilon,
                                    f"None with {field}={other!r} (set one of the two)")
     ref = suite[other]
     budget = budget_of(cfg)
@@ -321,7 +330,7 @@ def run_config(config, workdir: str, name: str) -> int:
   validated before the first one starts.
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import train, validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs, train  # pylint: disable=g-import-not-at-top
   if "suite" in config:
     targets = [(config.suite[k], os.path.join(workdir, k), f"{name}/{k}")
                for k in config.suite.keys()]
@@ -330,9 +339,9 @@ def run_config(config, workdir: str, name: str) -> int:
   try:
     for cfg, _, label in targets:
       try:
-        validation.validate_config(cfg)
-      except validation.ConfigError as e:
-        raise validation.ConfigError(e.field, e.value, e.allowed,
+        library_configs.validate_config(cfg)
+      except library_configs.ConfigError as e:
+        raise library_configs.ConfigError(e.field, e.value, e.allowed,
                                      message=f"{label}: {e}") from None
     for line in calibrate_noise(config):
       print(line)
@@ -346,7 +355,7 @@ def run_config(config, workdir: str, name: str) -> int:
         print(f"done: {label} round {last['round']}: test accuracy "
               f"{100 * last['test_accuracy']:.2f} %{eps}; outputs in {wd} "
               f"({result['seconds']:.0f} s)")
-  except (validation.ConfigError, train.ResumeError, train.WorkdirError,
+  except (library_configs.ConfigError, train.ResumeError, train.WorkdirError,
           data_lib.DataUnavailableError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

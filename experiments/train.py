@@ -88,7 +88,7 @@ from fedlap_jax.training import evaluate
 from experiments import checkpointing
 from experiments import data as data_lib
 from experiments import faults
-from experiments import validation
+from experiments import library_configs
 
 # Fields that may change between an interrupted run and its resumption.
 RUNTIME_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
@@ -151,8 +151,8 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
   """The :class:`FederatedAlgorithm` of ``cfg.method``.
 
   ``fedlap``: :func:`fedlap_jax.federated.algorithm` of
-  :func:`validation.to_fedlap_config`; the baselines:
-  :func:`fedlap_jax.baselines.algorithm` of :func:`validation.to_baseline_config`
+  :func:`library_configs.to_fedlap_config`; the baselines:
+  :func:`fedlap_jax.baselines.algorithm` of :func:`library_configs.to_baseline_config`
   (``max_client_size``, records of the largest client, fixes the static local
   step count ``T``); ``feddm``: :func:`fedlap_jax.feddm.algorithm` (needs the
   Flax ``model`` for its embedding, :func:`fedlap_jax.models.embed_fn`);
@@ -163,22 +163,22 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
   """
   backend = resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap")
   if cfg.method == "fedlap":
-    return federated.algorithm(apply_fn, validation.to_fedlap_config(cfg),
+    return federated.algorithm(apply_fn, library_configs.to_fedlap_config(cfg),
                                image_shape=tuple(image_shape),
                                max_classes_per_client=max_classes_per_client,
                                client_backend=backend)
   if cfg.method == "feddm":
-    return feddm.algorithm(apply_fn, _embed_fn(model), validation.to_feddm_config(cfg),
+    return feddm.algorithm(apply_fn, _embed_fn(model), library_configs.to_feddm_config(cfg),
                            image_shape=tuple(image_shape),
                            max_classes_per_client=max_classes_per_client,
                            client_backend=backend)
   if cfg.method in core_config.ONE_SHOT_METHODS:
     return condensation.algorithm(
-        apply_fn, _init_fn(model, tuple(image_shape)), validation.to_oneshot_config(cfg),
+        apply_fn, _init_fn(model, tuple(image_shape)), library_configs.to_oneshot_config(cfg),
         image_shape=tuple(image_shape), max_classes_per_client=max_classes_per_client,
         max_client_size=max_client_size, client_backend=backend)
   return baselines.algorithm(
-      apply_fn, validation.to_baseline_config(cfg, max_client_size=max_client_size),
+      apply_fn, library_configs.to_baseline_config(cfg, max_client_size=max_client_size),
       image_shape=tuple(image_shape), num_clients=cfg.data.num_clients, num_params=num_params,
       client_backend=backend, clients_per_round=cfg.data.get("clients_per_round"))
 
@@ -233,15 +233,15 @@ def build_run(cfg) -> RunSetup:
   the run's checkpoints, e.g. in :mod:`experiments.audit`.
 
   Raises:
-    validation.ConfigError: the data does not fit the config.
+    library_configs.ConfigError: the data does not fit the config.
   """
   try:
     dataset = data_lib.load_dataset(cfg.data)
     indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
   except ValueError as e:  # bad data or a partition the data does not allow
-    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+    raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
                                  message=str(e)) from None
-  validation.validate_data(cfg, dataset, indices)
+  library_configs.validate_data(cfg, dataset, indices)
   ys = [dataset.y_train[i] for i in indices]
   clients = stack_clients([dataset.x_train[i] for i in indices], ys,
                           pixel_scale=dataset.pixel_scale, pixel_offset=dataset.pixel_offset,
@@ -587,7 +587,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     earlier run of the same setting in this process compiled it already).
 
   Raises:
-    validation.ConfigError: invalid config or config/data mismatch.
+    library_configs.ConfigError: invalid config or config/data mismatch.
     WorkdirError: ``workdir`` is a file or cannot be written.
     ResumeError: the workdir's checkpoint belongs to another run, or every
       checkpoint in it is damaged (nothing is changed then).
@@ -596,7 +596,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
   cfg = config
-  validation.validate_config(cfg)
+  library_configs.validate_config(cfg)
   workdir = Path(workdir)
   try:
     checkpointing.check_writable(workdir)
@@ -634,7 +634,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       fresh_ledger = mechanism.ledger(smallest)
     if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
       # The smallest client taking part in every round bounds every client's ledger.
-      validation.check_target_epsilon(cfg, mechanism.epsilon_after(
+      library_configs.check_target_epsilon(cfg, mechanism.epsilon_after(
           cfg.rounds, smallest, adjacency=epsilon_for))
 
   info = dict(

@@ -61,9 +61,9 @@ class _Setup:
   """What a client process builds once per (run config, partition)."""
 
   def __init__(self, run: settings.RunSettings, node: settings.NodeSettings):
-    from experiments import validation  # pylint: disable=g-import-not-at-top
+    from experiments import library_configs  # pylint: disable=g-import-not-at-top
     self.cfg = run.cfg
-    self.fc = validation.to_fedlap_config(run.cfg) if run.cfg.method == "fedlap" else None
+    self.fc = library_configs.to_fedlap_config(run.cfg) if run.cfg.method == "fedlap" else None
     self.partition = task.load_partition(run.cfg, node.partition_id, node.num_partitions,
                                          node.data_path)
     _, self.apply_fn, _ = task.init_model(run.cfg, self.partition.image_shape,

@@ -30,7 +30,7 @@ def main(grid: Grid, context: Context) -> None:
 
 def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   """Runs the whole training; returns the per-round records (also in ``metrics.jsonl``)."""
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   cfg = run.cfg
   t0 = time.time()
   test = task.load_test_split(cfg)
@@ -38,7 +38,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
   model_bytes = int(sum(np.asarray(v).nbytes for v in records.params_to_record(params)
                         .to_numpy_ndarrays()))
-  fc = validation.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
+  fc = library_configs.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
   # Under DP, FedLAPConfig allows only server.weighting='uniform' (Algorithm 3), so the
   # server never needs a DP client's record count N_k.
   info = {"config": run.config_name, "overrides": run.overrides, "label": run.label,

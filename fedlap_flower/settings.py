@@ -200,10 +200,10 @@ def load_config(name: str, overrides: str = ""):
   Raises:
     SettingsError: unknown config name, a suite config, a bad override, or a
       method the Flower app does not offer.
-    experiments.validation.ConfigError: the config itself is invalid.
+    experiments.library_configs.ConfigError: the config itself is invalid.
   """
   from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   if not isinstance(name, str) or not name:
     _fail("config", name,
           "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops'), or a path")
@@ -227,7 +227,7 @@ def load_config(name: str, overrides: str = ""):
           "'quickstart:nondp'")
   cfg.lock()
   apply_overrides(cfg, overrides)
-  validation.validate_config(cfg)
+  library_configs.validate_config(cfg)
   if cfg.method not in METHODS:
     _fail("config", f"{name} (method={cfg.method!r})",
           f"a config whose method is one of {METHODS}; the other baselines run with "

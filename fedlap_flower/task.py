@@ -185,20 +185,20 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
   """Client ``index``'s data: partition ``index`` of ``cfg.data``, or its own ``data_path`` npz.
 
   Raises:
-    experiments.validation.ConfigError: the data does not fit the config.
+    experiments.library_configs.ConfigError: the data does not fit the config.
     ValueError: a bad own-data file.
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   ipc = int(cfg.client.ipc)
   if data_path is None:
     try:
       dataset = data_lib.load_dataset(cfg.data)
       indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
     except ValueError as e:
-      raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+      raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
                                    message=str(e)) from None
-    validation.validate_data(cfg, dataset, indices)
+    library_configs.validate_data(cfg, dataset, indices)
     ys = [dataset.y_train[i] for i in indices]
     labels, mask = fl.synthetic_labels(ys, ipc)
     own = indices[index]
@@ -216,7 +216,7 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
   x, y, scale, offset, num_classes = load_own_data(cfg, data_path)
   labels, mask = fl.synthetic_labels([y], ipc)
   if cfg.client.batch_size > len(y):
-    raise validation.ConfigError(
+    raise library_configs.ConfigError(
         "client.batch_size", cfg.client.batch_size, f"at most {len(y)}",
         message=f"client.batch_size={cfg.client.batch_size} is invalid for data-path "
         f"{data_path}: it holds {len(y)} records; allowed: at most the client's records "
@@ -297,11 +297,11 @@ class TestSplit(NamedTuple):
 def load_test_split(cfg) -> TestSplit:
   """The test split of ``cfg.data`` (what ``experiments.run`` evaluates on)."""
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   try:
     dataset = data_lib.load_dataset(cfg.data)
   except ValueError as e:
-    raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
+    raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
                                  message=str(e)) from None
   return TestSplit(jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test),
                    np.asarray(dataset.pixel_scale), np.asarray(dataset.pixel_offset),

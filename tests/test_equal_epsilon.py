@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import report, run, train, validation
+from experiments import library_configs, report, run, train
 from experiments.configs import compare_dp, quickstart, quickstart_compare
 from fedlap_jax import accounting
 
@@ -46,7 +46,7 @@ def test_calibration_hits_the_target_on_the_ledgers_terms_and_is_monotone(method
 
 def test_unreachable_target_names_the_bound():
   b = _budgets()["fedlap_dp"]
-  with pytest.raises(validation.ConfigError) as err:
+  with pytest.raises(library_configs.ConfigError) as err:
     b.calibrate(0.01, field="suite.x.dp.target_epsilon")
   msg = str(err.value)
   assert err.value.field == "suite.x.dp.target_epsilon" and "0.01 is unreachable" in msg
@@ -99,21 +99,21 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
 def test_an_uncalibrated_target_is_refused_by_the_driver(tmp_path):
   cfg = quickstart.dp_config()
   cfg.dp.target_epsilon = 5.0  # noise_multiplier left at 1.0: epsilon ~19 after 10 rounds
-  with pytest.raises(validation.ConfigError, match="does not match dp.noise_multiplier"):
+  with pytest.raises(library_configs.ConfigError, match="does not match dp.noise_multiplier"):
     train.train_and_evaluate(cfg, tmp_path)
   assert not (tmp_path / "config.json").exists()
   cfg.dp.noise_multiplier = 2.9  # too much noise: epsilon well below the target
-  with pytest.raises(validation.ConfigError, match="does not match dp.noise_multiplier"):
-    validation.check_target_epsilon(cfg, run.dp_budget(cfg, SIZES).epsilon(2.9))
+  with pytest.raises(library_configs.ConfigError, match="does not match dp.noise_multiplier"):
+    library_configs.check_target_epsilon(cfg, run.dp_budget(cfg, SIZES).epsilon(2.9))
   cfg.dp.noise_multiplier = 3.0
-  validation.check_target_epsilon(cfg, 4.99)  # within 1 % below the target: accepted
+  library_configs.check_target_epsilon(cfg, 4.99)  # within 1 % below the target: accepted
 
 
 def test_target_and_match_are_exclusive():
   config = quickstart_compare.get_config()
   config.suite.dp_fedavg.dp.target_epsilon = 3.0
-  with pytest.raises(validation.ConfigError, match="set one of the two"):
-    validation.validate_config(config.suite.dp_fedavg)
+  with pytest.raises(library_configs.ConfigError, match="set one of the two"):
+    library_configs.validate_config(config.suite.dp_fedavg)
 
 
 # --------------------------------------------------------------------------- the suite
@@ -129,13 +129,13 @@ def test_compare_dp_expands_into_every_method_grid_point_and_epsilon():
   assert set(suite.keys()) == expected
   for key in suite.keys():
     cfg = suite[key]
-    validation.validate_config(cfg)
+    library_configs.validate_config(cfg)
     assert cfg.dp.enabled and cfg.dp.target_epsilon == (2.79 if key.endswith("2p79") else 10.18)
     assert cfg.dp.match_epsilon_of == "" and cfg.data.normalisation == "test_split"
     assert (cfg.data.name, cfg.model.width, cfg.model.depth) == ("digits", 32, 2)
   paper = suite.fedlap_dp_paper__eps2p79
   assert paper.label == "FedLAP-DP (paper)" and paper.client.batch_size == 64
-  assert validation.to_fedlap_config(paper).client.real_accesses_per_round == 10
+  assert library_configs.to_fedlap_config(paper).client.real_accesses_per_round == 10
   assert suite.dp_fedavg_lr1__eps2p79.client.batch_size == 64
   assert suite.dp_fedprox_lr0p3__eps2p79.learning_rate == 0.3
   assert suite.dp_fedprox_lr0p3__eps2p79.method == "dp_fedprox"
@@ -245,8 +245,8 @@ def test_epsilon_for_selects_the_figure_a_target_calibrates():
       10, 274, adjacency="add_remove") <= 5.0
   assert compare_dp.digits_paper().dp.epsilon_for == "add_remove"  # the paper's levels
   cfg.dp.epsilon_for = "either"
-  with pytest.raises(validation.ConfigError) as err:
-    validation.validate_config(cfg)
+  with pytest.raises(library_configs.ConfigError) as err:
+    library_configs.validate_config(cfg)
   assert (err.value.field, err.value.value) == ("dp.epsilon_for", "either")
 
 
@@ -264,7 +264,7 @@ def test_calibration_and_the_algorithm_read_one_mechanism(name):
   setup = train.build_run(cfg)
   sizes = [len(i) for i in setup.client_indices]
   mech = setup.algorithm.mechanism
-  assert mech == validation.dp_mechanism(cfg, sizes) == run.dp_budget(cfg, sizes).mechanism
+  assert mech == library_configs.dp_mechanism(cfg, sizes) == run.dp_budget(cfg, sizes).mechanism
   assert (mech.noise_multiplier, mech.delta, mech.batch_size) == (
       cfg.dp.noise_multiplier, cfg.dp.delta, cfg.client.batch_size)
   assert setup.algorithm.dp_steps_per_round == mech.steps_per_round

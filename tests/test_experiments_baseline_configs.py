@@ -1,10 +1,8 @@
 """Named baseline configs and the FedLAP-vs-baselines quickstart suite (matched epsilon)."""
 
-import importlib
-
 import pytest
 
-from experiments import run, validation
+from experiments import configs, library_configs, run
 from experiments.configs import baselines, quickstart_compare
 from fedlap_jax import accounting
 from fedlap_jax.baselines import steps_per_epoch
@@ -15,8 +13,8 @@ NAMES = [f"{ds}_{m}" for ds in ("mnist", "fmnist", "cifar")
 
 @pytest.mark.parametrize("name", NAMES)
 def test_named_baseline_config_validates_with_published_settings(name):
-  cfg = importlib.import_module(f"experiments.configs.{name}").get_config()
-  validation.validate_config(cfg)
+  cfg = configs.load(name)
+  library_configs.validate_config(cfg)
   dp = name.endswith("_dp")
   assert cfg.method == ("dp_" if dp else "") + name.split("_")[1]
   assert cfg.dp.enabled == dp
@@ -41,7 +39,7 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
                                "fedlap_dp", "dp_fedavg", "dp_fedprox",
                                "feddm", "dsc", "dsc_centralized", "psg"}
   for key in suite.keys():
-    validation.validate_config(suite[key])
+    library_configs.validate_config(suite[key])
   fl = suite.fedlap_dp
   sizes = run.client_sizes(fl)
   t_fedlap = fl.client.iterations * fl.client.max_outer * fl.client.batch_loop
@@ -88,6 +86,6 @@ def test_quickstart_compare_config_reads_no_data(monkeypatch):
 def test_match_epsilon_of_names_another_dp_run(run_name, other, field):
   config = quickstart_compare.get_config()
   config.suite[run_name].dp.match_epsilon_of = other
-  with pytest.raises(validation.ConfigError) as err:
+  with pytest.raises(library_configs.ConfigError) as err:
     run.match_epsilons(config)
   assert err.value.field == field and repr(other) in str(err.value)

@@ -1,7 +1,6 @@
 """Named configs, the config -> core converter, and static + data validation."""
 
 import dataclasses
-import importlib
 import re
 
 import numpy as np
@@ -11,8 +10,9 @@ from fedlap_jax import accounting
 from fedlap_jax import config as core
 
 from experiments import data as data_lib
-from experiments import run, validation
-from experiments.configs import cifar_dp, cifar_nondp, default, quickstart, quickstart_nondp
+from experiments import library_configs, run
+from experiments import configs
+from experiments.configs import default, quickstart
 
 NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fmnist_dp", None),
          ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"), ("quickstart", "dp_loops"),
@@ -26,8 +26,7 @@ NAMED += [("cifar_ablation_fraction", str(p)) for p in (5, 10, 50, 100)]
 
 
 def load(name, arg=None):
-  module = importlib.import_module(f"experiments.configs.{name}")
-  return module.get_config() if arg is None else module.get_config(arg)
+  return configs.load(name if arg is None else f"{name}:{arg}")
 
 
 @pytest.mark.parametrize("name,arg", NAMED)
@@ -35,8 +34,8 @@ def test_every_named_config_builds_and_validates(name, arg):
   cfg = load(name, arg)
   runs = [cfg.suite[k] for k in cfg.suite.keys()] if "suite" in cfg else [cfg]
   for c in runs:
-    validation.validate_config(c)
-    fc = validation.to_fedlap_config(c)
+    library_configs.validate_config(c)
+    fc = library_configs.to_fedlap_config(c)
     assert (fc.dp is not None) == c.dp.enabled
   path, label = run.resolve_config_arg(name + (f":{arg}" if arg else ""))
   assert path.startswith(str(run.CONFIG_DIR))
@@ -44,12 +43,12 @@ def test_every_named_config_builds_and_validates(name, arg):
 
 
 def test_published_settings_equal_the_core_paper_configs():
-  assert validation.to_fedlap_config(cifar_nondp.get_config()) == core.paper_nondp_config()
-  dp = validation.to_fedlap_config(cifar_dp.get_config())
+  assert library_configs.to_fedlap_config(load("cifar_nondp")) == core.paper_nondp_config()
+  dp = library_configs.to_fedlap_config(load("cifar_dp"))
   assert dp == core.paper_dp_config()
   assert dp.client.real_accesses_per_round == 200
   for name in ("mnist_dp", "fmnist_dp"):
-    assert validation.to_fedlap_config(load(name)) == core.paper_dp_config()
+    assert library_configs.to_fedlap_config(load(name)) == core.paper_dp_config()
   assert load("mnist_nondp").data.name == "mnist"
   assert load("fmnist_dp").data.name == "fashion_mnist"
 
@@ -57,7 +56,7 @@ def test_published_settings_equal_the_core_paper_configs():
 def test_ablation_values():
   assert load("cifar_ablation_ipc", "150").client.ipc == 150
   assert load("cifar_ablation_fraction", "5").data.train_fraction == pytest.approx(0.05)
-  fixed = validation.to_fedlap_config(load("cifar_ablation_radius", "fixed"))
+  fixed = library_configs.to_fedlap_config(load("cifar_ablation_radius", "fixed"))
   assert fixed.server.radius_strategy == "fixed" and not fixed.client.calibrate_radius
   assert load("cifar_iid").data.partition == "iid"
   with pytest.raises(ValueError, match="allowed"):
@@ -87,20 +86,20 @@ def test_quickstart_matches_the_recipe():
   assert sorted(suite.keys()) == ["fedlap", "fedlap_dp"]
   # The DP default is the hybrid recipe (digits_dp_hybrid); the older loops stay as dp_loops.
   assert suite.fedlap_dp == quickstart.get_config("dp") == load("digits_dp_hybrid")
-  assert validation.to_fedlap_config(suite.fedlap_dp).client.model_steps == "noisy_real"
-  assert suite.fedlap == quickstart_nondp.get_config()
+  assert library_configs.to_fedlap_config(suite.fedlap_dp).client.model_steps == "noisy_real"
+  assert suite.fedlap == load("quickstart_nondp")
   assert quickstart.get_config("dp_loops") == quickstart.dp_config()
-  fc = validation.to_fedlap_config(quickstart.get_config("dp_loops"))
+  fc = library_configs.to_fedlap_config(quickstart.get_config("dp_loops"))
   assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
   assert (fc.client.ipc, fc.client.max_outer, fc.client.batch_loop, fc.client.inner_loop,
           fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 5, 1, 64, 10, 0.05)
   # digits_dp_tuned is the quickstart's FedLAP-DP with the tuned recipe.
-  tc = validation.to_fedlap_config(load("digits_dp_tuned"))
+  tc = library_configs.to_fedlap_config(load("digits_dp_tuned"))
   assert tc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
   assert (tc.client.ipc, tc.client.max_outer, tc.client.batch_loop, tc.client.inner_loop,
           tc.client.batch_size, tc.rounds, tc.learning_rate) == (10, 2, 10, 5, 46, 3, 0.2)
   assert tc.client.average_targets and tc.lr_schedule == "cosine_open"
-  nd = validation.to_fedlap_config(quickstart.get_config("nondp"))
+  nd = library_configs.to_fedlap_config(quickstart.get_config("nondp"))
   assert nd.dp is None and nd.client.calibrate_radius and nd.client.image_lr == 10.0
 
 
@@ -184,8 +183,8 @@ def test_invalid_config_is_rejected_with_field_value_and_allowed(base, overrides
   cfg = quickstart.dp_config() if base == "dp" else quickstart.nondp_config()
   for field, value in overrides.items():
     _override(cfg, field, value)
-  with pytest.raises(validation.ConfigError) as err:
-    validation.validate_config(cfg)
+  with pytest.raises(library_configs.ConfigError) as err:
+    library_configs.validate_config(cfg)
   msg = str(err.value)
   assert "allowed" in msg or "Allowed" in msg or "allowed families" in msg
   for fragment in fragments:
@@ -203,16 +202,16 @@ def digits():
 
 
 def _data_error(cfg, ds, idx):
-  validation.validate_config(cfg)
-  with pytest.raises(validation.ConfigError) as err:
-    validation.validate_data(cfg, ds, idx)
+  library_configs.validate_config(cfg)
+  with pytest.raises(library_configs.ConfigError) as err:
+    library_configs.validate_data(cfg, ds, idx)
   return str(err.value)
 
 
 def test_valid_data_passes(digits):
   ds, idx = digits
   for cfg in (quickstart.dp_config(), quickstart.nondp_config()):
-    validation.validate_data(cfg, ds, idx)
+    library_configs.validate_data(cfg, ds, idx)
 
 
 def test_batch_size_larger_than_smallest_client(digits):
@@ -237,7 +236,7 @@ def test_ipc_larger_than_a_class_with_real_init(digits):
   assert "client.ipc=200" in msg and "synthetic_init='real'" in msg and "at most" in msg
   cfg = quickstart.dp_config()  # noise init draws no real records: allowed
   cfg.client.ipc = 200
-  validation.validate_data(cfg, ds, idx)
+  library_configs.validate_data(cfg, ds, idx)
 
 
 def test_class_no_client_holds(digits):
@@ -294,15 +293,15 @@ def test_dp_normalisation_choices_that_read_no_training_record_pass():
     cfg = quickstart.dp_config()
     for field, value in overrides.items():
       _override(cfg, field, value)
-    validation.validate_config(cfg)
+    library_configs.validate_config(cfg)
   nondp = quickstart.nondp_config()
   assert nondp.data.normalisation == "auto"  # train_split for digits: allowed without DP
-  validation.validate_config(nondp)
+  library_configs.validate_config(nondp)
 
 
 def test_cli_resolves_names_args_and_default_workdir():
   argv, name = run.rewrite_argv(["prog", "--config", "cifar_ablation_ipc:20", "--x=1"])
-  assert argv[1] == "--config" and argv[2].endswith("configs/cifar_ablation_ipc.py:20")
+  assert argv[1] == "--config" and argv[2].endswith("configs/fedlap.py:cifar_ablation_ipc:20")
   assert name == "cifar_ablation_ipc_20" and argv[3] == "--x=1"
 
 
@@ -337,8 +336,8 @@ TUNED = [("mnist_dp_tuned", 11339), ("fmnist_dp_tuned", 12000), ("cifar_dp_tuned
 @pytest.mark.parametrize("name,min_size", TUNED)
 def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
   cfg = load(name)
-  validation.validate_config(cfg)
-  fc = validation.to_fedlap_config(cfg)
+  library_configs.validate_config(cfg)
+  fc = library_configs.to_fedlap_config(cfg)
   c = fc.client
   assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.inner_loop, c.radius,
           c.average_targets, c.model_steps) == (1, 2, 10, 50, 5, 10.0, True, "synthetic")
@@ -354,7 +353,7 @@ def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
 def test_digits_hybrid_config_carries_the_recipe_at_epsilon_2_79():
   # The hybrid: DP-SGD client path on un-augmented real batches, FedAvg start, then
   # 5 epochs of refinement on the synthetic sets at the server's own rate.
-  fc = validation.to_fedlap_config(load("digits_dp_hybrid"))
+  fc = library_configs.to_fedlap_config(load("digits_dp_hybrid"))
   c, s = fc.client, fc.server
   assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.batch_size, c.radius) == (
       1, 20, 1, 20, 46, 1e4)
@@ -379,8 +378,8 @@ def test_mnist_hybrid_configs_split_the_budget_over_10_rounds_at_epsilon_2_79(
     name, min_size, clip_lr, subset):
   # The digits' hybrid with the split that won on mnist10k / fmnist10k: T 35, 10 rounds, q 0.169.
   cfg = load(name)
-  validation.validate_config(cfg)
-  fc = validation.to_fedlap_config(cfg)
+  library_configs.validate_config(cfg)
+  fc = library_configs.to_fedlap_config(cfg)
   c, s = fc.client, fc.server
   assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.radius) == (1, 35, 1, 20, 1e4)
   assert (c.average_targets, c.model_steps, c.real_dsa_strategy) == (True, "noisy_real", "")
@@ -399,7 +398,7 @@ def test_mnist_hybrid_configs_split_the_budget_over_10_rounds_at_epsilon_2_79(
 def test_paper_dp_configs_are_unchanged_by_the_recipe():
   # mnist_dp / cifar_dp keep the published loops: eps 2.79 after round 1, 10.18 after 15.
   for name in ("mnist_dp", "cifar_dp"):
-    fc = validation.to_fedlap_config(load(name))
+    fc = library_configs.to_fedlap_config(load(name))
     assert not fc.client.average_targets and fc.client.model_steps == "synthetic"
     assert fc.lr_schedule == "cosine" and fc.server.learning_rate is None
     assert fc.server.start == "global" and fc.client.real_accesses_per_round == 200

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import data as data_lib
-from experiments import validation
+from experiments import library_configs
 
 
 def data_cfg(**kw):
@@ -213,7 +213,7 @@ def test_tfds_mock_one_tiny_round(tmp_path):
   c.ipc, c.max_outer, c.batch_loop, c.boost_loop, c.batch_size = 1, 1, 1, 1, 4
   c.calibration_epochs, c.dsa_strategy, cfg.server.dsa_strategy = 2, "", ""
   cfg.server.max_epochs, cfg.rounds, cfg.progress_bar, cfg.plots = 2, 1, False, False
-  validation.validate_config(cfg)
+  library_configs.validate_config(cfg)
   with tfds.testing.mock_data(num_examples=100):
     out = train.train_and_evaluate(cfg, tmp_path / "run")
   (rec,) = out["records"]

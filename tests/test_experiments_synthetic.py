@@ -5,13 +5,12 @@ Each learning run is the quickstart comparison's config (ConvNet 32 x 2, ipc 10)
 loops: one compilation and a few seconds of rounds each.
 """
 
-import importlib
 import json
 
 import numpy as np
 import pytest
 
-from experiments import report, run, train, validation
+from experiments import configs, library_configs, report, run, train
 from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
@@ -138,21 +137,20 @@ NAMES = [f"{ds}_{m}" for ds in ("mnist", "fmnist", "cifar") for m in ("feddm", "
 
 @pytest.mark.parametrize("name", NAMES)
 def test_named_configs_validate_with_the_published_settings(name):
-  cfg = importlib.import_module(f"experiments.configs.{name}").get_config()
-  validation.validate_config(cfg)
+  cfg = configs.load(name)
+  library_configs.validate_config(cfg)
   path, label = run.resolve_config_arg(name)
   assert path.startswith(str(run.CONFIG_DIR)) and label == name
   if name.endswith("feddm"):
-    fedlap = importlib.import_module(f"experiments.configs.{name.split('_')[0]}_nondp")
-    fedlap = fedlap.get_config()
-    core = validation.to_feddm_config(cfg)
+    fedlap = configs.load(f"{name.split('_')[0]}_nondp")
+    core = library_configs.to_feddm_config(cfg)
     # FedLAP's partition, ipc and rounds: equal upload (0.96x on CIFAR-10).
     assert (cfg.data.partition, cfg.client.ipc, cfg.rounds) == (
         fedlap.data.partition, fedlap.client.ipc, fedlap.rounds)
     assert (core.iterations, core.rho, core.image_lr, core.batch_size) == (1000, 5.0, 1.0, 256)
     assert (core.server.max_epochs, core.server.momentum, core.learning_rate) == (500, 0.9, 0.01)
   else:
-    core = validation.to_oneshot_config(cfg)
+    core = library_configs.to_oneshot_config(cfg)
     assert cfg.rounds == 1 and core.condensation.iterations == 1000
     assert core.condensation.image_lr == 0.1 and core.condensation.net_lr == 0.01
   if name.endswith("dsc"):
@@ -166,9 +164,9 @@ def test_named_configs_validate_with_the_published_settings(name):
     ("federated10", "dsc", 10), ("centralized50", "dsc_centralized", 50)])
 def test_dsc_variants(variant, method, ipc):
   cfg = synthetic.get_dsc_config("cifar", variant)
-  validation.validate_config(cfg)
+  library_configs.validate_config(cfg)
   assert (cfg.method, cfg.client.ipc) == (method, ipc)
-  assert validation.to_oneshot_config(cfg).condensation.outer_loop == (10 if ipc == 10 else 50)
+  assert library_configs.to_oneshot_config(cfg).condensation.outer_loop == (10 if ipc == 10 else 50)
 
 
 def test_bad_dsc_variant_is_refused():
@@ -179,7 +177,7 @@ def test_bad_dsc_variant_is_refused():
 @pytest.mark.parametrize("dataset", ["mnist", "fmnist", "cifar"])
 def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
   cfg = synthetic.get_psg_config(dataset)
-  core = validation.to_oneshot_config(cfg)
+  core = library_configs.to_oneshot_config(cfg)
   t = core.condensation.real_accesses_per_round
   assert t == 1000 * 10 * 10 and core.condensation.batch_size == 256
   eps = accounting.epsilon_after_rounds(
@@ -208,14 +206,14 @@ def test_bad_settings_name_the_config_field(method, field, value, path):
   cfg.dp.match_epsilon_of = ""
   cfg.data.normalisation = "test_split"   # DP-safe: dp.enabled=True fails on the method alone
   cfg.condense.outer_loop = cfg.condense.inner_loop = None   # the published loops for client.ipc
-  validation.validate_config(cfg)
+  library_configs.validate_config(cfg)
   *parents, leaf = field.split(".")
   node = cfg
   for p in parents:
     node = node[p]
   node[leaf] = value
-  with pytest.raises(validation.ConfigError) as err:
-    validation.validate_config(cfg)
+  with pytest.raises(library_configs.ConfigError) as err:
+    library_configs.validate_config(cfg)
   assert err.value.field == path, str(err.value)
   assert str(err.value).startswith(f"{path}=") and "allowed" in str(err.value)
 
@@ -223,7 +221,7 @@ def test_bad_settings_name_the_config_field(method, field, value, path):
 def test_ipc_larger_than_a_class_is_refused_with_real_initialisation():
   cfg = quickstart_compare.get_config().suite.feddm
   cfg.client.ipc = 500
-  with pytest.raises(validation.ConfigError) as err:
+  with pytest.raises(library_configs.ConfigError) as err:
     train.build_run(cfg)
   assert err.value.field == "client.ipc" and "synthetic_init='real'" in str(err.value)
   np.testing.assert_equal(err.value.value, 500)

@@ -78,8 +78,8 @@ def test_the_hybrid_dp_recipe_is_a_flower_run_config():
 
 
 def test_bad_config_values_fail_the_experiments_validation():
-  from experiments import validation
-  with pytest.raises(validation.ConfigError, match="client.ipc=0 is invalid"):
+  from experiments import library_configs
+  with pytest.raises(library_configs.ConfigError, match="client.ipc=0 is invalid"):
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": "client.ipc=0"})
 
 
@@ -607,9 +607,9 @@ def test_settings_errors_are_config_errors_naming_the_key():
 
 def test_dp_runs_never_weight_by_the_clients_record_counts():
   """A DP client does not release N_k: the settings refuse size weighting under DP."""
-  from experiments import validation
+  from experiments import library_configs
   run = settings.run_settings({"config": "quickstart:dp_loops", "overrides": "server.weighting=None"})
-  assert validation.to_fedlap_config(run.cfg).server.weighting == "uniform"
-  with pytest.raises(validation.ConfigError) as err:
+  assert library_configs.to_fedlap_config(run.cfg).server.weighting == "uniform"
+  with pytest.raises(library_configs.ConfigError) as err:
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": "server.weighting=size"})
   assert err.value.field == "server.weighting"

@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from benchmarks import import_graph
-from experiments import validation
+from experiments import library_configs
 from experiments.configs import quickstart
 from fedlap_jax import baselines, checks
 from fedlap_jax import config as core
@@ -80,8 +80,8 @@ def test_experiment_errors_name_the_config_path(path, value):
   cfg[section][name] = value
   if path == "client.calibrate_radius":
     cfg.server.radius_strategy = "min"
-  with pytest.raises(validation.ConfigError) as err:
-    validation.validate_config(cfg)
+  with pytest.raises(library_configs.ConfigError) as err:
+    library_configs.validate_config(cfg)
   assert err.value.field == path and err.value.value == value
   assert str(err.value).startswith(f"{path}=")
 
@@ -90,15 +90,15 @@ def test_baseline_errors_name_the_config_path():
   cfg = quickstart.nondp_config()
   cfg.method = "fedprox"
   cfg.baseline.prox_mu = -1.0
-  with pytest.raises(validation.ConfigError) as err:
-    validation.to_baseline_config(cfg)
+  with pytest.raises(library_configs.ConfigError) as err:
+    library_configs.to_baseline_config(cfg)
   assert err.value.field == "baseline.prox_mu"
 
 
 def test_method_lists_and_labels_come_from_the_library():
-  assert validation.METHODS == core.METHODS == (
+  assert library_configs.METHODS == core.METHODS == (
       ("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg"))
-  assert validation.CLIENT_BACKENDS == core.CLIENT_BACKENDS
+  assert library_configs.CLIENT_BACKENDS == core.CLIENT_BACKENDS
   assert core.method_label("fedlap", True) == "FedLAP-DP"
   assert [core.method_label(m, m.startswith("dp_")) for m in baselines.METHODS] == [
       "FedAvg", "FedProx", "FedSGD", "SCAFFOLD", "DP-FedAvg", "DP-FedProx"]

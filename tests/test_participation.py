@@ -58,21 +58,21 @@ def test_bad_clients_per_round_names_field_value_and_range(value):
 
 
 def test_config_validation_refuses_more_clients_than_k():
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
   cfg = quickstart.dp_config()
   cfg.data.clients_per_round = 6
   with pytest.raises(ConfigError, match="data.clients_per_round"):
-    validation.validate_config(cfg)
+    library_configs.validate_config(cfg)
 
 
 def test_config_validation_refuses_a_negative_participation_seed():
-  from experiments import validation  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
   cfg = quickstart.dp_config()
   cfg.data.participation_seed = -1  # (ml_collections refuses other types itself)
   with pytest.raises(ConfigError, match=r"data.participation_seed=.* allowed: an integer >= 0"):
-    validation.validate_config(cfg)
+    library_configs.validate_config(cfg)
 
 
 # ---------------------------------------------------------------- the ledgers
@@ -306,7 +306,7 @@ def test_many_clients_benchmark_configs_are_valid_and_sample(tmp_path):
   """The benchmark's configs validate on an mnist10k-shaped file the test builds (no file
   outside the repository); by default they read where experiments.datasets writes."""
   from benchmarks import many_clients  # pylint: disable=g-import-not-at-top
-  from experiments import datasets, validation  # pylint: disable=g-import-not-at-top
+  from experiments import datasets, library_configs  # pylint: disable=g-import-not-at-top
   data = tmp_path / "mnist10k.npz"
   y = np.arange(60) % 10
   datasets.write_npz(data, {"x_train": np.zeros((60, 28, 28, 1), np.uint8), "y_train": y,
@@ -317,7 +317,7 @@ def test_many_clients_benchmark_configs_are_valid_and_sample(tmp_path):
     for k, m in ((500, 5), (500, None), (5, None)):
       cfg = many_clients.bench_config(method, k, m, rounds=3, small=False, data=data)
       assert cfg.data.source == f"npz:{data}" and cfg.data.name == "mnist"
-      validation.validate_config(cfg)
+      library_configs.validate_config(cfg)
       assert cfg.data.partition == "dirichlet" and cfg.data.dirichlet_alpha == 0.5
       assert cfg.data.clients_per_round == m and cfg.client.batch_size == many_clients.BATCH
   with pytest.raises(SystemExit, match="built by `python -m experiments.datasets mnist10k`"):

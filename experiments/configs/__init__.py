@@ -1,5 +1,69 @@
-"""Named experiment configs: ``--config=NAME`` resolves to ``configs/NAME.py``.
+"""Named experiment configs: ``--config=NAME[:ARG]``.
 
-Each module defines ``get_config()`` (some take one string argument, passed as
-``--config=NAME:ARG``) starting from :mod:`experiments.configs.default`.
+``NAME`` is a module of this folder that defines ``get_config()`` (some take
+one string argument, ``ARG``), starting from :mod:`experiments.configs.default`,
+or a name of :data:`ALIASES`, which stands for ``MODULE:ARG0`` (an ``ARG`` given
+with an alias is appended: ``cifar_dsc:federated10`` is
+``synthetic:cifar_dsc:federated10``).
+
+Modules: :mod:`~experiments.configs.fedlap` (FedLAP / FedLAP-DP: the paper's
+settings, ablations, DP recipes), :mod:`~experiments.configs.baselines`
+(gradient-sharing baselines), :mod:`~experiments.configs.synthetic` (FedDM, DSC,
+PSG), :mod:`~experiments.configs.quickstart` (digits), and the suites
+:mod:`~experiments.configs.quickstart_compare` and
+:mod:`~experiments.configs.compare_dp`.
 """
+
+import importlib
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent
+# Modules of this folder that are not configs.
+HELPERS = ("schema",)
+
+_DATASETS = ("mnist", "fmnist", "cifar")
+ALIASES = {
+    **{f"{d}_{v}": f"fedlap:{d}_{v}" for d in _DATASETS for v in ("nondp", "dp", "dp_tuned")},
+    **{f"{d}_dp_hybrid": f"fedlap:{d}_dp_hybrid" for d in ("mnist", "fmnist")},
+    "cifar_iid": "fedlap:cifar_iid",
+    **{f"cifar_ablation_{k}": f"fedlap:cifar_ablation_{k}" for k in ("ipc", "radius", "fraction")},
+    **{f"{d}_{m}": f"baselines:{d}_{m}" for d in _DATASETS
+       for m in ("fedsgd", "fedavg", "fedprox", "scaffold", "fedavg_dp", "fedprox_dp")},
+    **{f"{d}_{s}": f"synthetic:{d}_{s}" for d in _DATASETS for s in ("feddm", "dsc", "psg")},
+    "digits_dp_hybrid": "quickstart:dp",
+    "digits_dp_tuned": "quickstart:dp_tuned",
+    "quickstart_nondp": "quickstart:nondp",
+}
+
+
+def modules() -> tuple[str, ...]:
+  """The config modules of this folder (``NAME`` of ``--config=NAME[:ARG]``)."""
+  return tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.py")
+                      if not p.stem.startswith("_") and p.stem not in HELPERS))
+
+
+def names() -> tuple[str, ...]:
+  """Every ``NAME`` ``--config=NAME`` takes: the modules and the aliases."""
+  return tuple(sorted(set(modules()) | set(ALIASES)))
+
+
+def resolve(name: str) -> tuple[str, str | None]:
+  """``'NAME[:ARG]'`` -> ``(module, argument of its get_config or None)``.
+
+  Raises:
+    KeyError: ``NAME`` is neither a module of this folder nor an alias.
+  """
+  head, sep, arg = name.partition(":")
+  if head in ALIASES:
+    module, _, base = ALIASES[head].partition(":")
+    return module, base + (f":{arg}" if sep and arg else "")
+  if head not in modules():
+    raise KeyError(head)
+  return head, arg if sep else None
+
+
+def load(name: str):
+  """The config ``--config=NAME[:ARG]`` names."""
+  module, arg = resolve(name)
+  get_config = importlib.import_module(f"{__name__}.{module}").get_config
+  return get_config() if arg is None else get_config(arg)

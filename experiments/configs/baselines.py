@@ -1,8 +1,9 @@
 """Gradient-sharing baselines of the paper's Tables 1 and 2, on the same data and model.
 
-One builder, :func:`get_baseline_config`, used by the thin named configs
-``{mnist,fmnist,cifar}_{fedsgd,fedavg,fedprox,scaffold}`` and
-``{mnist,fmnist,cifar}_{fedavg,fedprox}_dp``:
+One builder, :func:`get_baseline_config`; ``--config=baselines:DATASET_METHOD`` with
+``DATASET`` one of ``mnist``, ``fmnist``, ``cifar`` and ``METHOD`` one of ``fedsgd``,
+``fedavg``, ``fedprox``, ``scaffold``, ``fedavg_dp``, ``fedprox_dp``; each is also a
+``--config`` name of its own:
 
   python -m experiments.run --config=cifar_fedavg [--config.seed=1]
   python -m experiments.run --config=cifar_fedavg_dp
@@ -17,9 +18,9 @@ rounds, accounted with the same theorem as FedLAP-DP (T = local steps per round)
 
 from fedlap_jax.config import BASELINE_METHODS
 
-from experiments.configs import default
+from experiments.configs import default, fedlap
 
-DATASETS = {"mnist": "mnist", "fmnist": "fashion_mnist", "cifar": "cifar10"}
+DATASETS = fedlap.DATASETS
 
 
 def get_baseline_config(dataset: str, method: str):
@@ -44,3 +45,11 @@ def get_baseline_config(dataset: str, method: str):
   else:
     config.rounds = 200
   return config
+
+
+def get_config(arg: str):
+  """``DATASET_METHOD`` (``cifar_fedavg``) or ``DATASET_METHOD_dp`` (``cifar_fedavg_dp``)."""
+  dataset, _, method = arg.partition("_")
+  if method.endswith("_dp"):
+    method = "dp_" + method[:-3]
+  return get_baseline_config(dataset, method)

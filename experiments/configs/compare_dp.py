@@ -44,16 +44,13 @@ on the data.
 from __future__ import annotations
 
 import copy
-import importlib
-from pathlib import Path
 
 import ml_collections
 
 from fedlap_jax.config import DP_BASELINE_METHODS
 
+from experiments import configs
 from experiments.configs import baselines, quickstart, quickstart_compare
-
-CONFIG_DIR = Path(__file__).resolve().parent
 
 EPSILONS = (2.79, 10.18)
 LR_GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
@@ -92,7 +89,7 @@ OPTIONS = ("eps", "lrs", "variants", "seeds", "rounds")
 
 
 def _available(variant: str) -> bool:
-  return all(callable(c) or (CONFIG_DIR / f"{c.partition(':')[0]}.py").is_file()
+  return all(callable(c) or c.partition(":")[0] in configs.names()
              for c in FEDLAP_VARIANTS[variant][1].values())
 
 
@@ -158,9 +155,7 @@ def parse_arg(arg: str) -> dict:
 def _named(name):
   if callable(name):
     return name()
-  module, _, arg = name.partition(":")
-  mod = importlib.import_module(f"experiments.configs.{module}")
-  return mod.get_config(arg) if arg else mod.get_config()
+  return configs.load(name)
 
 
 def _tag(value: float) -> str:

@@ -14,11 +14,12 @@ Sections:
   options (checkpoints, plots, evaluation).
 * ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``), partition.
 * ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
-* ``client`` / ``server`` / ``dp``: one-to-one with
+* ``client`` / ``server`` / ``dp``: written from the fields and defaults of
   :class:`fedlap_jax.config.ClientConfig`, :class:`~fedlap_jax.config.ServerConfig`
-  and :class:`~fedlap_jax.config.DPConfig` (``dp.enabled`` switches DP on);
-  :func:`experiments.validation.to_fedlap_config` builds those, so the core's
-  validation runs on the resolved config.
+  and :class:`~fedlap_jax.config.DPConfig` (:mod:`experiments.configs.schema`; the
+  dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
+  the run's calibration options. :func:`experiments.library_configs.to_fedlap_config`
+  builds the dataclasses back, so the core's validation runs on the resolved config.
 * ``baseline``: local epochs and the FedProx ``mu`` of the gradient-sharing
   baselines (FedAvg, FedProx, ...); ignored by ``fedlap``.
 * ``feddm``: FedDM's client loop (:class:`fedlap_jax.feddm.FedDMConfig`);
@@ -30,10 +31,14 @@ Sections:
   configs: ``experiments/configs/synthetic.py``.
 """
 
+import dataclasses
+
 import ml_collections
 from ml_collections import config_dict
 
-DSA = "color_crop_cutout_flip_scale_rotate"
+from fedlap_jax import config as core
+
+from experiments.configs import schema
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -80,60 +85,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.norm = "instance"
   config.model.conv_bias = True          # as the authors; False drops what instance norm cancels
 
-  config.client = ml_collections.ConfigDict()
-  config.client.ipc = 50
-  config.client.iterations = 1           # R_i
-  config.client.max_outer = 5
-  config.client.batch_loop = 40
-  config.client.boost_loop = 5           # R_b
-  config.client.inner_loop = 0           # R_l
-  config.client.batch_size = 256         # B (Poisson, q = B / N_k)
-  config.client.model_batch_size = 512
-  config.client.image_lr = 100.0         # tau
-  config.client.image_momentum = 0.5
-  config.client.mse_weight = 0.1         # lambda
-  config.client.radius = 10.0            # r
-  config.client.calibrate_radius = True
-  config.client.calibration_epochs = 100
-  config.client.calibration_eval_size = config_dict.placeholder(int)
-  config.client.dsa_strategy = DSA
-  # DSA of the real batches (the matching targets' data); None: dsa_strategy (paper), "": none.
-  config.client.real_dsa_strategy = config_dict.placeholder(str)
-  # "shared": one DSA family per step for all clients (each its own parameters), so clients
-  # run side by side compute one family; "per_client": each client draws its own (earlier
-  # versions' random stream). Same accuracy (benchmarks/family_draw_accuracy.py).
-  config.client.dsa_family_draw = "shared"
-  config.client.poisson_capacity = config_dict.placeholder(int)
-  # Average the batch_loop noisy gradients of one while-loop iteration (same model) and match
-  # the images against the mean (post-processing: no privacy cost).
-  config.client.average_targets = False
-  # "synthetic" (paper: R_l epochs on the synthetic set between iterations) or "noisy_real"
-  # (departure: step along the iteration's mean noisy gradient; needs average_targets).
-  config.client.model_steps = "synthetic"
-
-  config.server = ml_collections.ConfigDict()
-  config.server.radius_strategy = "min"
-  config.server.batch_size = 512
-  config.server.max_epochs = 100
-  config.server.weighting = config_dict.placeholder(str)  # None: "uniform" with DP, else "size"
-  config.server.dsa_strategy = DSA
-  # Base of the server's own cosine schedule; None: the run's learning_rate (the paper).
-  config.server.learning_rate = config_dict.placeholder(float)
-  # "global" (paper) or "fedavg_delta" (departure: start from w_g + mean client model delta;
-  # needs client.model_steps="noisy_real"; each client uploads a model delta too).
-  config.server.start = "global"
-
-  config.server.momentum = 0.0           # FedLAP: plain SGD; FedDM / DSC / PSG: 0.9
-  config.server.weight_decay = 0.0       # FedDM / DSC / PSG: 5e-4
+  # client / server / dp: the fields of fedlap_jax.config.ClientConfig / ServerConfig /
+  # DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
+  # sigma, C and delta, used once dp.enabled is True). The dataclasses document them.
+  config.client = schema.section(core.ClientConfig, exclude=("dp",))
+  config.server = schema.section(core.ServerConfig)
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
-  config.dp.noise_multiplier = 1.0       # sigma
-  config.dp.l2_clip_norm = 1.0           # C
-  config.dp.delta = 1e-5
-  config.dp.microbatch_size = config_dict.placeholder(int)
-  # How exact per-example gradients are computed: auto | layerwise | vmap | jax_privacy.
-  config.dp.per_example_method = "auto"
+  config.dp.update(schema.section(core.DPConfig, **dataclasses.asdict(core.PAPER_DP)))
   # In a suite: the name of another DP run of the suite. experiments.run then sets this
   # run's noise_multiplier, when it starts (from the data's client sizes), so that its
   # epsilon after the last round equals that run's. "" uses noise_multiplier as given.

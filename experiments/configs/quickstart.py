@@ -4,6 +4,7 @@
   python -m experiments.run --config=quickstart:dp         # FedLAP-DP only -> runs/quickstart_dp
   python -m experiments.run --config=quickstart:nondp      # FedLAP only (= --config=quickstart_nondp)
   python -m experiments.run --config=quickstart:dp_loops   # FedLAP-DP with the older loops
+  python -m experiments.run --config=quickstart:dp_tuned   # FedLAP-DP, tuned recipe (= digits_dp_tuned)
 
 Five clients own two digit classes each (the paper's class order; 274-283
 records per client), a ConvNet with 32 filters and 2 blocks on 8x8x1 images,
@@ -35,9 +36,10 @@ field of one run with ``--config.suite.fedlap_dp.seed=1``.
 
 import ml_collections
 
-from experiments.configs import default
+from experiments.configs import default, fedlap
 
-VARIANTS = ("both", "dp", "dp_loops", "nondp")
+VARIANTS = ("both", "dp", "dp_loops", "dp_tuned", "nondp")
+BATCH_SIZE_Q017 = 46   # Poisson batch of the DP recipes: q = 0.169 x 274, the smallest client
 
 
 def _common(config):
@@ -95,9 +97,15 @@ def nondp_config():
 
 
 def hybrid_config():
-  """FedLAP-DP on digits with issue 18's hybrid recipe (``quickstart:dp``, ``digits_dp_hybrid``)."""
-  from experiments.configs import digits_dp_hybrid  # pylint: disable=g-import-not-at-top
-  return digits_dp_hybrid.get_config()
+  """FedLAP-DP on digits with the hybrid recipe (``quickstart:dp``, ``digits_dp_hybrid``:
+  :data:`experiments.configs.fedlap.HYBRID_RECIPE`)."""
+  return fedlap.apply_hybrid_dp(dp_config(), batch_size=BATCH_SIZE_Q017)
+
+
+def tuned_config():
+  """FedLAP-DP on digits with the tuned recipe (``quickstart:dp_tuned``, ``digits_dp_tuned``:
+  :data:`experiments.configs.fedlap.TUNED_RECIPE`; sigma 2.38, epsilon 2.79 after round 3)."""
+  return fedlap.apply_tuned_dp(dp_config(), batch_size=BATCH_SIZE_Q017)
 
 
 def get_config(variant: str = "both"):
@@ -105,6 +113,8 @@ def get_config(variant: str = "both"):
     return hybrid_config()
   if variant == "dp_loops":
     return dp_config()
+  if variant == "dp_tuned":
+    return tuned_config()
   if variant == "nondp":
     return nondp_config()
   if variant != "both":

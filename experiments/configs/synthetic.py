@@ -1,6 +1,8 @@
 """The synthetic-data comparison systems of Tables 1 and 2: FedDM, DSC, PSG (same data and model).
 
-Builders used by the thin named configs::
+``--config=synthetic:DATASET_SYSTEM[:VARIANT]`` (``DATASET`` one of ``mnist``, ``fmnist``,
+``cifar``; ``SYSTEM`` one of ``feddm``, ``dsc``, ``psg``), each also a ``--config`` name of its
+own::
 
   python -m experiments.run --config=cifar_feddm            # FedDM, Table 1 (0.96x)
   python -m experiments.run --config=cifar_dsc              # DSC centralized, ipc 50 (Table 1)
@@ -41,12 +43,10 @@ import re
 
 from fedlap_jax.condensation import DC_LOOPS
 
-from experiments.configs import default
+from experiments.configs import default, fedlap
 
-DATASETS = {"mnist": "mnist", "fmnist": "fashion_mnist", "cifar": "cifar10"}
-# Records of the smallest client of the paper partition (classes [5, 6, 1, 2, 0, 8, 9, 3, 4, 7]
-# in pairs): MNIST classes 5 + 6 = 5,421 + 5,918; Fashion-MNIST and CIFAR-10 2 x 6,000 / 5,000.
-MIN_CLIENT_SIZE = {"mnist": 11339, "fmnist": 12000, "cifar": 10000}
+DATASETS = fedlap.DATASETS
+MIN_CLIENT_SIZE = fedlap.MIN_CLIENT_SIZE
 PSG_TARGET_EPSILON = 32.0
 # sigma with epsilon(q = 256 / MIN_CLIENT_SIZE, T = 100,000, delta = 1e-5) = 32, rounded up.
 PSG_SIGMA = {"mnist": 1.674, "fmnist": 1.597, "cifar": 1.864}
@@ -148,3 +148,17 @@ def get_psg_config(dataset: str):
   else:
     server(config, epochs=300)
   return config
+
+
+def get_config(arg: str):
+  """``DATASET_feddm``, ``DATASET_dsc[:VARIANT]`` or ``DATASET_psg``."""
+  name, _, variant = arg.partition(":")
+  dataset, _, system = name.partition("_")
+  if system == "feddm" and not variant:
+    return get_feddm_config(dataset)
+  if system == "dsc":
+    return get_dsc_config(dataset, variant)
+  if system == "psg" and not variant:
+    return get_psg_config(dataset)
+  raise ValueError(f"synthetic:{arg} is invalid; allowed: DATASET_feddm, DATASET_dsc[:VARIANT] "
+                   f"or DATASET_psg, DATASET one of {tuple(DATASETS)}")

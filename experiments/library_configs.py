@@ -1,6 +1,10 @@
-"""Checks of a resolved experiment config, before anything runs.
+"""The library's configs built from an experiment config, and the checks done on the way.
 
-Two stages:
+:func:`to_fedlap_config`, :func:`to_dp_config`, :func:`to_baseline_config`,
+:func:`to_feddm_config` and :func:`to_oneshot_config` build the frozen
+dataclasses of :mod:`fedlap_jax` from a resolved ml_collections config
+(``client`` / ``server`` / ``dp`` through :mod:`experiments.configs.schema`).
+Two stages of checks, before anything runs:
 
 * :func:`validate_config` (static): names (method, dataset, source,
   partition, norm, backend), ranges and the core's own validation, by building
@@ -24,7 +28,6 @@ names the field, the value and what is allowed. Nothing is clamped silently.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from typing import Sequence
@@ -41,10 +44,13 @@ from fedlap_jax.federated import synthetic_labels
 from fedlap_jax.models import NORMS
 
 from experiments import data as data_lib
+from experiments.configs import schema
 
-CLIENT_FIELDS = tuple(f.name for f in dataclasses.fields(core.ClientConfig) if f.name != "dp")
-SERVER_FIELDS = tuple(f.name for f in dataclasses.fields(core.ServerConfig))
-DP_FIELDS = tuple(f.name for f in dataclasses.fields(core.DPConfig))
+CLIENT_FIELDS = schema.fields(core.ClientConfig, exclude=("dp",))
+SERVER_FIELDS = schema.fields(core.ServerConfig)
+DP_FIELDS = schema.fields(core.DPConfig)
+# Entries of config.dp that experiments.run reads (DPConfig does not have them).
+DP_EXPERIMENT_FIELDS = ("enabled", "match_epsilon_of", "target_epsilon", "epsilon_for")
 
 
 def _fail(field: str, value, allowed: str):
@@ -80,7 +86,7 @@ def to_dp_config(cfg) -> core.DPConfig | None:
   if not cfg.dp.enabled:
     return None
   try:
-    return core.DPConfig(**{f: cfg.dp[f] for f in DP_FIELDS if f in cfg.dp})
+    return schema.build(core.DPConfig, cfg.dp, "dp", ignore=DP_EXPERIMENT_FIELDS)
   except ConfigError as e:
     raise _core_error(e, "dp") from None
 
@@ -88,24 +94,21 @@ def to_dp_config(cfg) -> core.DPConfig | None:
 def to_fedlap_config(cfg) -> core.FedLAPConfig:
   """Builds the frozen :class:`fedlap_jax.config.FedLAPConfig` of an experiment config.
 
-  ``config.client`` / ``config.server`` / ``config.dp`` map one to one onto
-  :class:`~fedlap_jax.config.ClientConfig` / ``ServerConfig`` / ``DPConfig``;
-  ``rounds``, ``learning_rate`` and ``synthetic_init`` onto ``FedLAPConfig``.
-  The core validates every field; its errors are re-raised as
-  :class:`ConfigError` naming the config path (e.g. ``client.ipc``). A core
-  field missing from the config keeps the core's default (a test checks that
-  ``default.py`` lists them all).
+  ``config.client`` / ``config.server`` / ``config.dp`` are
+  :class:`~fedlap_jax.config.ClientConfig` / ``ServerConfig`` / ``DPConfig``
+  written as sections (:mod:`experiments.configs.schema`; ``dp`` adds
+  :data:`DP_EXPERIMENT_FIELDS`); ``rounds``, ``learning_rate``,
+  ``synthetic_init`` and ``lr_schedule`` go onto ``FedLAPConfig``. An entry
+  that is not a field, or has the wrong type, is refused; the core validates
+  every value; its errors are re-raised as :class:`ConfigError` naming the
+  config path (e.g. ``client.ipc``).
   """
   dp = to_dp_config(cfg)
   try:
-    client = core.ClientConfig(
-        dp=dp, **{f: cfg.client[f] for f in CLIENT_FIELDS if f in cfg.client})
+    client = schema.build(core.ClientConfig, cfg.client, "client", dp=dp)
   except ConfigError as e:
     raise _core_error(e, "client") from None
-  try:
-    server = core.ServerConfig(**{f: cfg.server[f] for f in SERVER_FIELDS if f in cfg.server})
-  except ConfigError as e:
-    raise _core_error(e, "server") from None
+  server = _server_config(cfg)
   try:
     return core.FedLAPConfig(client=client, server=server, rounds=cfg.rounds,
                              learning_rate=cfg.learning_rate,
@@ -149,7 +152,7 @@ def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.
 
 def _server_config(cfg) -> core.ServerConfig:
   try:
-    return core.ServerConfig(**{f: cfg.server[f] for f in SERVER_FIELDS if f in cfg.server})
+    return schema.build(core.ServerConfig, cfg.server, "server")
   except ConfigError as e:
     raise _core_error(e, "server") from None
 

@@ -1,0 +1,91 @@
+"""The library's dataclasses are the schema of the experiment configs' client / server / dp."""
+
+import dataclasses
+
+import ml_collections
+import pytest
+
+from fedlap_jax import config as core
+from fedlap_jax.checks import ConfigError
+
+from experiments import library_configs
+from experiments.configs import default, fedlap, schema
+
+
+def test_sections_are_the_dataclasses_fields_and_defaults():
+  cfg = default.get_config()
+  assert set(cfg.client.keys()) == {f.name for f in dataclasses.fields(core.ClientConfig)} - {"dp"}
+  assert set(cfg.server.keys()) == {f.name for f in dataclasses.fields(core.ServerConfig)}
+  fedlap = library_configs.to_fedlap_config(cfg)
+  assert fedlap.client == core.ClientConfig()
+  assert fedlap.server == core.ServerConfig(weighting="size")   # None resolved without DP
+  cfg.dp.enabled = True
+  assert library_configs.to_dp_config(cfg) == core.PAPER_DP
+
+
+def test_optional_fields_are_typed_placeholders():
+  client = schema.section(core.ClientConfig, exclude=("dp",))
+  assert client.calibration_eval_size is None and client.get_type("calibration_eval_size") is int
+  assert client.get_type("real_dsa_strategy") is str
+  client.calibration_eval_size = 7            # an override gets the field's type
+  with pytest.raises(TypeError):
+    client.calibration_eval_size = "7"
+
+
+def test_section_needs_a_value_for_fields_without_default():
+  with pytest.raises(TypeError, match="noise_multiplier has no default"):
+    schema.section(core.DPConfig)
+  with pytest.raises(TypeError, match="no fields"):
+    schema.section(core.ServerConfig, nosuch=1)
+
+
+def test_paper_dp_setting_is_written_once():
+  assert library_configs.to_fedlap_config(fedlap.get_config("cifar_dp")) == core.paper_dp_config()
+
+
+@pytest.mark.parametrize("section,field,value,allowed", [
+    ("client", "ipcc", 3, "a field of ClientConfig"),
+    ("server", "radius", 1.0, "a field of ServerConfig"),
+    ("dp", "sigma", 1.0, "a field of DPConfig"),
+])
+def test_unknown_field_is_refused_naming_it(section, field, value, allowed):
+  cfg = fedlap.get_config("cifar_dp")
+  cfg[section][field] = value
+  with pytest.raises(ConfigError) as err:
+    library_configs.validate_config(cfg)
+  assert err.value.field == f"{section}.{field}" and err.value.value == value
+  assert allowed in err.value.allowed
+
+
+@pytest.mark.parametrize("path,value,allowed", [
+    ("client.average_targets", 1, "True or False"),
+    ("client.dsa_family_draw", 0, "a string"),
+    ("client.calibration_eval_size", 2.5, "an integer or None"),
+    ("server.learning_rate", "0.1", "a finite number or None"),
+    ("dp.per_example_method", None, "a string"),
+])
+def test_mistyped_field_is_refused_naming_it(path, value, allowed):
+  cfg = fedlap.get_config("cifar_dp")
+  section, field = path.split(".")
+  del cfg[section][field]                      # a config file may write any type
+  cfg[section][field] = value
+  with pytest.raises(ConfigError) as err:
+    library_configs.validate_config(cfg)
+  assert err.value.field == path and err.value.allowed == allowed
+  assert str(err.value).startswith(f"{path}={value!r} is invalid")
+
+
+def test_build_keeps_the_dataclass_validation():
+  section = schema.section(core.ServerConfig)
+  section.max_epochs = 0
+  with pytest.raises(ConfigError, match="server.max_epochs=0"):
+    schema.build(core.ServerConfig, section, "server")
+  section.max_epochs = 3
+  assert schema.build(core.ServerConfig, section, "server") == core.ServerConfig(max_epochs=3)
+
+
+def test_write_fedlap_round_trips():
+  fedlap = core.paper_dp_config(rounds=3)
+  cfg = schema.write_fedlap(default.get_config(), fedlap)
+  assert isinstance(cfg, ml_collections.ConfigDict)
+  assert library_configs.to_fedlap_config(cfg) == fedlap
