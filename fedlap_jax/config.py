@@ -208,9 +208,7 @@ class ClientConfig:
       adaptive query, as in DP-SGD): ``(q, sigma, T)`` still bound it. The
       client then also has a model delta to send (``server.start``). With
       ``batch_loop=1``, ``real_dsa_strategy=''`` and a ``radius`` the
-      trajectory does not reach, the path is DP-FedAvg's local DP-SGD (the
-      paper's DSA on real batches cost ~9 points on the digits, the radius
-      ~3: README, issue 18).
+      trajectory does not reach, the path is DP-FedAvg's local DP-SGD.
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
   """
 

@@ -221,8 +221,7 @@ class ConvNet(nn.Module):
       noise: under DP that noise, divided by the tiny norm of the synthetic
       bias gradient in the cosine distance, makes a 14% error in the float32
       synthetic-image gradient (against float64; 6e-7 without the bias;
-      ``python -m benchmarks.matching_precision``). FedLAP-DP quickstart
-      accuracy was the same either way (81.3% and 80.9%, means of 3 seeds).
+      ``python -m benchmarks.matching_precision``).
   """
 
   num_classes: int = 10

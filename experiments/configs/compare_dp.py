@@ -29,7 +29,7 @@ rate of each baseline (best mean over seeds) and the whole grid.
 
 Recipes: FedLAP-DP as :data:`FEDLAP_VARIANTS` says (``paper``: the published
 loops, ``{mnist,fmnist,cifar}_dp``, on digits :func:`digits_paper`; ``tuned``:
-issue 18's ``{digits,mnist,fmnist,cifar}_dp_tuned`` once they exist). Baselines: the paper's DP-FedAvg / DP-FedProx (C = 0.1, B = 256, 5
+the recipe of ``{digits,mnist,fmnist,cifar}_dp_tuned``). Baselines: the paper's DP-FedAvg / DP-FedProx (C = 0.1, B = 256, 5
 local epochs, 30 rounds, ``experiments/configs/baselines.py``; on digits those
 of ``quickstart_compare``: B = 64, 2 local epochs, 10 rounds); the data and
 model sections are FedLAP-DP's, so every run sees the same clients.

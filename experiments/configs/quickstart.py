@@ -10,14 +10,12 @@ Five clients own two digit classes each (the paper's class order; 274-283
 records per client), a ConvNet with 32 filters and 2 blocks on 8x8x1 images,
 about a minute for both on 2 idle CPU cores.
 
-* FedLAP-DP (``fedlap_dp``, ``quickstart:dp``): issue 18's hybrid recipe,
+* FedLAP-DP (``fedlap_dp``, ``quickstart:dp``): the hybrid recipe,
   ``digits_dp_hybrid`` (DP-SGD client path on un-augmented real batches at
   q = 46 / 274, T = 20 per round, FedAvg start, 5 epochs on the synthetic sets;
-  5 rounds, sigma 2.92: epsilon 2.78). At equal epsilon it is the most accurate
-  DP method measured on these clients (README, "A tuned DP recipe (issue 18)":
-  72.3 +- 4.7 % against DP-FedAvg's best 67.3 +- 5.1 % and these older loops'
-  41.0 +- 7.7 %). It uploads one model delta per client and round besides the
-  synthetic set (the Flower app sends both).
+  5 rounds, sigma 2.92: add/remove epsilon 2.78). How it compares with DP-FedAvg
+  at equal epsilon is in docs/results.md. It uploads one model delta per client
+  and round besides the synthetic set (the Flower app sends both).
 * FedLAP-DP with the older loops (``quickstart:dp_loops``, :func:`dp_config`, the base
   of the digits' named configs and of many tests): sigma=1, C=1, delta=1e-5, B=64
   Poisson (q = 64 / 274), T=10 noisy accesses per round, 10 rounds (epsilon 18.9);
