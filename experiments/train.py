@@ -40,8 +40,30 @@ run-defining field differ from the checkpointed run is refused. A damaged
 checkpoint (unreadable state or metadata, an inconsistent or edited ledger) is
 moved to ``damaged_checkpoints/`` and the run falls back to the newest valid
 one, with its ledger; if none is valid the resume is refused and nothing is
-touched. SIGTERM lets the round in progress finish, saves a checkpoint and
-stops with :class:`Terminated`.
+touched.
+
+SIGTERM (schedulers kill about 30 s later): each round is computed in a worker
+thread while the main thread waits on it with the signal handled
+(:mod:`experiments.termination`). A round that finishes within
+``termination_grace_seconds`` (default 20) of SIGTERM is written and
+checkpointed as usual; one that does not is *abandoned*: nothing of it is
+written but its ledger charge (``privacy_ledger.json``, atomically), the last
+completed round's checkpoint stays the newest, and the run stops with
+:class:`Terminated` (``experiments.run`` then exits with 143 at once, leaving
+the worker to die with the process). Ctrl-C abandons a round in progress alike
+(exit 130). Either way the next run redoes the round.
+
+Why this is sound under DP: the abandoned round's noisy accesses happened
+(the worker drew its Poisson batches and noise) though nothing of it was
+released, so charging it over-counts: an upper bound. The redone round
+is computed from the checkpointed state and PRNG key, i.e. with the same keys
+on the same inputs by the same computation, so it
+reproduces exactly the outputs the abandoned one would have released: one
+mechanism invocation, not two. The resumed ledger is the checkpoint's, which
+the redone round charges again, so the final ledger equals an uninterrupted
+run's and every released output is covered exactly once. (Redoing a round
+with fresh keys would be a new invocation to charge a second time; this loop
+never does that.) The same holds for a round redone after SIGKILL.
 
 What a DP run writes (the README's "Privacy guarantees and their
 assumptions"): DP outputs (synthetic sets, the model), post-processing of them
@@ -62,9 +84,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -88,12 +108,15 @@ from fedlap_jax.training import evaluate
 from experiments import checkpointing
 from experiments import data as data_lib
 from experiments import faults
+from experiments import termination
 from experiments import validation
 
 # Fields that may change between an interrupted run and its resumption.
 RUNTIME_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
                   "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",
-                  "debug_nonprivate_stats")
+                  "debug_nonprivate_stats", "termination_grace_seconds")
+# How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
+DEFAULT_GRACE_SECONDS = 20.0
 BYTES_PER_FLOAT = 4
 # The section of a metrics record that holds raw statistics of the clients' records.
 NONPRIVATE_SECTION = "nonprivate"
@@ -137,7 +160,8 @@ class WorkdirError(ValueError):
 
 
 class Terminated(RuntimeError):
-  """SIGTERM: the round in progress finished and a checkpoint was saved."""
+  """SIGTERM: the round in progress finished and was checkpointed, or it did not finish within
+  the grace period and was abandoned (the last completed round's checkpoint stays)."""
 
 
 # ----------------------------------------------------------------------------
@@ -592,7 +616,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     ResumeError: the workdir's checkpoint belongs to another run, or every
       checkpoint in it is damaged (nothing is changed then).
     NonFiniteError: a round produced NaN / Inf (the last good checkpoint is kept).
-    Terminated: SIGTERM arrived; the round in progress finished and was checkpointed.
+    Terminated: SIGTERM arrived; the round in progress finished and was checkpointed, or was
+      abandoned after ``termination_grace_seconds`` (charged to the ledger as spent).
+    KeyboardInterrupt: Ctrl-C; a round in progress is abandoned alike.
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
   cfg = config
@@ -723,34 +749,70 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
              disable=not cfg.progress_bar, file=sys.stderr, dynamic_ncols=True)
   last_good = start if start else None
   round_compiles = CompileCounter()
-  stop = _TermSignal()
+  stop = termination.TermSignal()
+  grace = float(cfg.get("termination_grace_seconds", DEFAULT_GRACE_SECONDS))
 
   def save_checkpoint(m):
     ckpt.save(m, state, {"round": m, "ledger": ledger.to_dict() if ledger else None,
                          "privacy": privacy, "config": fields, "metrics_records": m})
+
+  def compute_round(m, idx, state):
+    """Round ``m`` and its evaluation, in the worker thread of :func:`termination.wait_for`
+    (it writes nothing: the main thread does)."""
+    with round_compiles:
+      if sampled:  # only the sampled clients' block goes to the device
+        state, metrics = participation.sampled_round(
+            alg, state, participation.device_block(clients, idx), idx)
+      else:
+        state, metrics = alg.round(state, clients)
+    params = alg.params_of(state)
+    ev = eval_fn(params, x_test, y_test)
+    test_loss, test_acc = float(ev.loss), float(ev.accuracy)
+    jax.block_until_ready((state, metrics))
+    faults.slow(m)
+    return state, metrics, params, test_loss, test_acc
+
+  def charge_ledger(m, idx):
+    """Composes round ``m``'s noisy accesses into the ledger and writes privacy_ledger.json
+    (atomically); the round's epsilon, ``None`` without DP."""
+    if isinstance(ledger, accounting.ClientLedgers):
+      epsilon = ledger.record_round(idx.tolist(), mechanism.steps_per_round)
+    else:
+      epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
+    if ledger is not None:
+      checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
+                                      fault_round=m)
+    return epsilon
+
+  def interrupted(m, idx, why):
+    """Round ``m`` was left computing: charge it as spent (DP), say so; the message."""
+    epsilon = charge_ledger(m, idx)
+    where = (f"checkpoint {last_good} in {ckpt.directory} is the last one" if last_good
+             else "no checkpoint was written yet")
+    spent = ("" if epsilon is None else f"; its noisy accesses are charged to "
+             f"privacy_ledger.json as spent (epsilon {epsilon:.3f})")
+    msg = (f"{why} during round {m}: the round was abandoned{spent}; {where}; run the same "
+           f"command again to redo round {m}")
+    log(f"[{config_name}] {msg}")
+    return msg
 
   try:
     with stop:
       for m in range(start + 1, cfg.rounds + 1):
         t0 = time.time()
         idx = participation.sample_clients(participation_seed, m, num_clients, per_round)
-        with round_compiles:
-          if sampled:  # only the sampled clients' block goes to the device
-            state, metrics = participation.sampled_round(
-                alg, state, participation.device_block(clients, idx), idx)
-          else:
-            state, metrics = alg.round(state, clients)
-        params = alg.params_of(state)
-        ev = eval_fn(params, x_test, y_test)
-        test_loss, test_acc = float(ev.loss), float(ev.accuracy)
+        try:
+          state, metrics, params, test_loss, test_acc = termination.wait_for(
+              functools.partial(compute_round, m, idx, state), stop, grace_seconds=grace)
+        except termination.Abandoned:
+          raise Terminated(interrupted(
+              m, idx, f"terminated by {stop.received} (not done within "
+              f"termination_grace_seconds={grace:g})")) from None
+        except KeyboardInterrupt:
+          interrupted(m, idx, "interrupted (Ctrl-C)")
+          raise
         faults.point("round", m)
-        if isinstance(ledger, accounting.ClientLedgers):
-          epsilon = ledger.record_round(idx.tolist(), mechanism.steps_per_round)
-        else:
-          epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
-        if ledger is not None:
-          checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
-                                          fault_round=m)
+        epsilon = charge_ledger(m, idx)
         problems = find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
           where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
@@ -784,7 +846,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           last_good = m
         bar.update(1)
         log(f"[{config_name}] " + _format_line(rec, cfg.rounds))
-        if stop.received and m < cfg.rounds:
+        if stop.received:  # at the last round too: the plots and summary can wait
           msg = (f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
                  f"{ckpt.directory}; run the same command again to resume")
           log(f"[{config_name}] {msg}")
@@ -802,32 +864,6 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           "ledger": ledger.to_dict() if ledger is not None else None,
           "compilations": round_compiles.count,
           "seconds": time.time() - t_start}
-
-
-class _TermSignal:
-  """``with stop:`` turns SIGTERM into ``stop.received`` (a flag the loop checks after
-  each round) instead of killing the process; a second SIGTERM kills it as usual.
-
-  Installed only in the main thread (Python delivers signals there); elsewhere a no-op.
-  """
-
-  def __init__(self):
-    self.received = None
-    self._previous = None
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received = signal.Signals(signum).name
-    signal.signal(signum, signal.SIG_DFL)
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
 
 
 def _one_line(e: BaseException) -> str:

@@ -128,6 +128,7 @@ BAD = [
     ("dp", {"model.width": 0}, ["model.width=0"]),
     ("dp", {"model.conv_bias": None}, ["model.conv_bias=None", "True or False"]),
     ("dp", {"seed": -1}, ["seed=-1"]),
+    ("dp", {"termination_grace_seconds": -1.0}, ["termination_grace_seconds=-1.0", ">= 0"]),
     ("dp", {"rounds": 0}, ["rounds=0", ">= 1"]),
     ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),
     ("dp", {"learning_rate": -0.1}, ["learning_rate=-0.1"]),

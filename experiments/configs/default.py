@@ -192,6 +192,10 @@ def get_config() -> ml_collections.ConfigDict:
   # clients' records (clip fractions, realised batch sizes, training losses) to
   # metrics.jsonl under "nonprivate", outside the privacy guarantee (for debugging).
   config.debug_nonprivate_stats = False
+  # Seconds a round may go on after SIGTERM (schedulers kill ~30 s after it): a round that has
+  # not finished by then is abandoned (charged to the privacy ledger as spent) and redone when
+  # the run resumes; the process exits with 143 at once. Leave room for a checkpoint save.
+  config.termination_grace_seconds = 20.0
   # Display name in reports (experiments.report), e.g. "FedLAP-DP (tuned)"; "" = the method's.
   config.label = ""
   return config
