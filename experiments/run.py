@@ -121,7 +121,7 @@ def client_sizes(cfg) -> list[int]:
   from experiments import validation  # pylint: disable=g-import-not-at-top
   try:
     dataset = data_lib.load_dataset(cfg.data)
-    return [len(i) for i in data_lib.client_split(dataset, cfg.data, cfg.seed)]
+    return [len(i) for i in data_lib.client_split(dataset, cfg.data)]
   except ValueError as e:
     raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
                                  message=str(e)) from None
@@ -227,10 +227,10 @@ def calibrate_noise(config) -> list[str]:
   """
   from experiments import validation  # pylint: disable=g-import-not-at-top
   lines = []
-  sizes_of = {}  # the runs of a suite mostly share data, partition and seed: load them once
+  sizes_of = {}  # the runs of a suite mostly share data and partition: load them once
 
   def budget_of(cfg):
-    key = (repr(sorted(cfg.data.to_dict().items())), cfg.seed)
+    key = repr(sorted(cfg.data.to_dict().items()))
     if key not in sizes_of:
       sizes_of[key] = client_sizes(cfg)
     return dp_budget(cfg, sizes_of[key])

@@ -35,7 +35,7 @@ ledger is restored (never reset), records beyond the restored round are dropped
 from ``metrics.jsonl`` and the rounds are re-run; the round's randomness comes
 from the checkpointed key, so a re-run round reproduces the same outputs and
 spends no extra privacy. A resume whose privacy-relevant fields (sigma, C,
-delta, B, T, q, dataset, partition, clients, seed, ...) or any other
+delta, B, T, q, dataset, partition and its seed, clients, seed, ...) or any other
 run-defining field differ from the checkpointed run is refused. A damaged
 checkpoint (unreadable state or metadata, an inconsistent or edited ledger) is
 moved to ``damaged_checkpoints/`` and the run falls back to the newest valid
@@ -253,15 +253,16 @@ def build_run(cfg) -> RunSetup:
   """Data, partition, model, algorithm and initial state of a validated config.
 
   Deterministic in ``cfg.seed`` (``key(seed)`` is split into the model-init and
-  the algorithm key), so the initial state is a valid template for restoring
-  the run's checkpoints, e.g. in :mod:`experiments.audit`.
+  the algorithm key) and the public ``cfg.data.partition_seed`` (the partition),
+  so the initial state is a valid template for restoring the run's checkpoints,
+  e.g. in :mod:`experiments.audit`.
 
   Raises:
     validation.ConfigError: the data does not fit the config.
   """
   try:
     dataset = data_lib.load_dataset(cfg.data)
-    indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
+    indices = data_lib.client_split(dataset, cfg.data)
   except ValueError as e:  # bad data or a partition the data does not allow
     raise validation.ConfigError("data.source", cfg.data.source, "data the config can use",
                                  message=str(e)) from None
@@ -339,6 +340,7 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
       "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
       "num_clients": int(cfg.data.num_clients),
       "train_fraction": float(cfg.data.train_fraction),
+      "partition_seed": int(cfg.data.get("partition_seed", 0)),
       "seed": int(cfg.seed),
   }
 

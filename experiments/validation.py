@@ -292,6 +292,9 @@ def validate_config(cfg) -> None:
   participation_seed = d.get("participation_seed", 0)
   if not is_int(participation_seed) or participation_seed < 0:
     _fail("data.participation_seed", participation_seed, "an integer >= 0 (public)")
+  partition_seed = d.get("partition_seed", 0)
+  if not is_int(partition_seed) or partition_seed < 0:
+    _fail("data.partition_seed", partition_seed, "an integer >= 0 (public)")
   if not is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
   _validate_normalisation(cfg)

@@ -156,7 +156,7 @@ PUBLIC_INFO_KEYS = {
     "nonprivate_stats", "upload_floats_per_client", "jax_version", "fedlap_jax_version",
     "devices", "client_backend", "dp", "noise_multiplier", "l2_clip_norm", "delta",
     "batch_size", "steps_per_round", "min_client_size", "sampling_rate", "source", "partition",
-    "dirichlet_alpha", "num_clients", "train_fraction",
+    "dirichlet_alpha", "num_clients", "train_fraction", "partition_seed",
     "adjacency", "epsilon_for",                                    # what epsilon means (config)
 }
 WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions")
@@ -174,7 +174,7 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
     assert set(r) <= RELEASED_RECORD_KEYS, set(r) - RELEASED_RECORD_KEYS
   info = json.loads((straight / "run_info.json").read_text())
   assert set(info) <= PUBLIC_INFO_KEYS, set(info) - PUBLIC_INFO_KEYS
-  assert "seed" not in info
+  assert "seed" not in info and info["partition_seed"] == 0  # the partition's: public
   # Normalisation: the public test split's statistics, nothing of the training records.
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   _, _, x_test, _ = data_lib.load_digits()
@@ -339,6 +339,7 @@ def test_finished_run_is_not_rerun(straight):
     ("seed", 1, "privacy-relevant"),
     ("client.batch_loop", 3, "privacy-relevant"),  # T
     ("data.partition", "iid", "privacy-relevant"),
+    ("data.partition_seed", 1, "privacy-relevant"),
     ("learning_rate", 0.01, "config differs"),
 ])
 def test_resume_with_different_fields_is_refused(straight, field, value, fragment):

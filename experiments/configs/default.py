@@ -66,6 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.clients_per_round = config_dict.placeholder(int)
   # Public seed of the draw (who takes part is released): never the secret `seed`.
   config.data.participation_seed = 0
+  # Public seed of the partition (iid, dirichlet) and of the train_fraction subsample: client
+  # sizes and classes are released, so they are never drawn from the secret `seed`.
+  config.data.partition_seed = 0
   config.data.train_fraction = 1.0
   # Where mean/std come from: "auto" (published constants of mnist / fashion_mnist / cifar10,
   # else the training split) | "published" | "given" (data.mean, data.std per channel, of
