@@ -35,7 +35,8 @@ ledger is restored (never reset), records beyond the restored round are dropped
 from ``metrics.jsonl`` and the rounds are re-run; the round's randomness comes
 from the checkpointed key, so a re-run round reproduces the same outputs and
 spends no extra privacy. A resume whose privacy-relevant fields (sigma, C,
-delta, B, T, q, dataset, partition and its seed, clients, seed, ...) or any other
+delta, B, T, q, dataset, partition and its seed, clients, seed, under DP the
+computation, ...) or any other
 run-defining field differ from the checkpointed run is refused. A damaged
 checkpoint (unreadable state or metadata, an inconsistent or edited ledger) is
 moved to ``damaged_checkpoints/`` and the run falls back to the newest valid
@@ -57,13 +58,19 @@ Why this is sound under DP: the abandoned round's noisy accesses happened
 (the worker drew its Poisson batches and noise) though nothing of it was
 released, so charging it over-counts: an upper bound. The redone round
 is computed from the checkpointed state and PRNG key, i.e. with the same keys
-on the same inputs by the same computation, so it
+on the same inputs by the same computation (the DP fingerprint below), so it
 reproduces exactly the outputs the abandoned one would have released: one
 mechanism invocation, not two. The resumed ledger is the checkpoint's, which
 the redone round charges again, so the final ledger equals an uninterrupted
 run's and every released output is covered exactly once. (Redoing a round
 with fresh keys would be a new invocation to charge a second time; this loop
 never does that.) The same holds for a round redone after SIGKILL.
+
+A DP run's fingerprint also holds its computation: the resolved
+``client_backend``, the JAX platform, device count and kind and the JAX
+version (:func:`computation_fingerprint`). A resume on another one is refused:
+redone rounds would recompute already released outputs with the same noise on
+a different computation, releasing their difference without noise.
 
 What a DP run writes (the README's "Privacy guarantees and their
 assumptions"): DP outputs (synthetic sets, the model), post-processing of them
@@ -313,8 +320,27 @@ def run_defining_fields(cfg) -> dict:
   return flat
 
 
+# The computation of a DP run's rounds (:func:`computation_fingerprint`).
+COMPUTATION_FIELDS = ("client_backend", "platform", "device_count", "device_kind", "jax_version")
+
+
+def computation_fingerprint(cfg) -> dict:
+  """What decides a round's outputs besides its inputs and PRNG keys: the resolved
+  ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, and
+  the JAX version. A DP run's checkpoint holds it (:func:`privacy_fingerprint`)."""
+  devices = jax.devices()
+  return {"client_backend": resolve_client_backend(cfg.client_backend,
+                                                   side_by_side=cfg.method == "fedlap"),
+          "platform": jax.default_backend(), "device_count": len(devices),
+          "device_kind": devices[0].device_kind, "jax_version": jax.__version__}
+
+
 def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
-  """The fields a resumed run must share with its checkpoint for the ledger to hold."""
+  """The fields a resumed run must share with its checkpoint for the ledger to hold.
+
+  Under DP also its :func:`computation_fingerprint`: a round redone from a checkpoint repeats
+  the checkpointed keys, and is the same mechanism invocation only if computed the same way.
+  """
   dp = alg.dp
   smallest = int(min(client_sizes))
   per_round = cfg.data.get("clients_per_round")
@@ -324,6 +350,7 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
       "participation_seed": int(cfg.data.get("participation_seed", 0))}
   return {
       **sampling,
+      **({} if dp is None else computation_fingerprint(cfg)),
       "method": cfg.method,
       "dp": dp is not None,
       "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
@@ -353,8 +380,25 @@ def _diff(stored: dict, current: dict) -> list[str]:
 
 
 def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) -> None:
-  """Refuses to resume a checkpoint of a run with different privacy or run fields."""
-  diff = _diff(meta.get("privacy", {}), privacy)
+  """Refuses to resume a checkpoint of a run with different privacy or run fields, or a DP
+  run on another computation (:data:`COMPUTATION_FIELDS`)."""
+  stored = meta.get("privacy", {})
+  if privacy.get("dp"):
+    was = {k: stored.get(k) for k in COMPUTATION_FIELDS}
+    now = {k: privacy.get(k) for k in COMPUTATION_FIELDS}
+    diff = _diff(was, now)
+    if diff:
+      raise ResumeError(
+          f"refusing to resume the DP run in {workdir} on another computation "
+          f"({'; '.join(diff)}): its redone rounds would repeat the checkpointed noise on a "
+          "different computation, and two outputs under the same noise release their "
+          "difference without noise. Allowed: resume where it ran (--config.client_backend="
+          f"{was['client_backend']}, JAX platform {was['platform']!r} with "
+          f"{was['device_count']} device(s) of kind {was['device_kind']!r}, e.g. "
+          f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
+          f"platform_device_count to pick the devices; jax {was['jax_version']}), or a new "
+          "--workdir")
+  diff = _diff(stored, privacy)
   if diff:
     raise ResumeError(
         f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
@@ -681,7 +725,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
                                             side_by_side=cfg.method == "fedlap"),
       # Without the seed: it determines every noise draw (it stays in config.json).
       **{k: v for k, v in privacy.items()
-         if k not in ("method", "dataset", "client_sizes", "seed")},
+         if k not in ("method", "dataset", "client_sizes", "seed") + COMPUTATION_FIELDS},
       # What "epsilon" means (replace-one) and which figure a target calibrated.
       **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}))
 

@@ -352,6 +352,35 @@ def test_resume_with_different_fields_is_refused(straight, field, value, fragmen
   assert (straight / "metrics.jsonl").read_text() == before
 
 
+def test_dp_resume_on_another_client_backend_is_refused(straight, capsys):
+  """A resumed round repeats the checkpointed keys: on another computation it would release a
+  second output under the same noise, and their difference without noise."""
+  files = {n: (straight / n).read_text() for n in ("metrics.jsonl", "privacy_ledger.json",
+                                                   "run_info.json", "config.json")}
+  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), "--config.client_backend=vmap",
+          f"--workdir={straight}"]
+  assert run.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "refusing to resume the DP run" in err and "on another computation" in err
+  assert "client_backend: checkpoint 'map' vs now 'vmap'" in err
+  assert "--config.client_backend=map" in err and "JAX platform 'cpu' with 1 device(s)" in err
+  assert "new --workdir" in err
+  assert {n: (straight / n).read_text() for n in files} == files
+
+
+def test_nondp_resume_may_change_the_client_backend(tmp_path):
+  """Without DP there is no noise to repeat: a run may resume on another backend."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  overrides = {"dp.enabled": False, "rounds": 2, "checkpoint_every": 1, "progress_bar": False,
+               "plots": False}
+  first = train.train_and_evaluate(tiny_config(**overrides), tmp_path)
+  shutil.rmtree(tmp_path / "checkpoints" / "2")  # as if killed before round 2's checkpoint
+  again = train.train_and_evaluate(tiny_config(**overrides, client_backend="vmap"), tmp_path)
+  assert [r["round"] for r in again["records"]] == [1, 2]
+  assert again["records"][1]["first_in_process"]  # round 2 was redone, on vmap
+  assert comparable(again["records"][:1]) == comparable(first["records"][:1])
+
+
 def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   """Round 2 returns NaN parameters and a NaN matching loss on client 3 (npz source)."""
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
