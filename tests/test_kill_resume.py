@@ -72,10 +72,10 @@ def launch(workdir: Path, cache: Path, fault: str | None = None, *, config="quic
 
 
 def terminate_when(argv: list[str], env: dict, marker: str, timeout: float = 300.0,
-                   exit_timeout: float = 120.0):
-  """Starts ``argv``, sends SIGTERM once ``marker`` appears on its stderr (within ``timeout``
-  seconds); returns ``(returncode, stdout, stderr, seconds from SIGTERM to exit)``, the process
-  killed after ``exit_timeout`` seconds."""
+                   exit_timeout: float = 120.0, delay: float = 0.0):
+  """Starts ``argv``, sends SIGTERM ``delay`` seconds after ``marker`` appears on its stderr
+  (within ``timeout`` seconds); returns ``(returncode, stdout, stderr, seconds from SIGTERM to
+  exit)``, the process killed after ``exit_timeout`` seconds."""
   proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   err, seen = [], threading.Event()
@@ -93,6 +93,7 @@ def terminate_when(argv: list[str], env: dict, marker: str, timeout: float = 300
     proc.kill()
     proc.wait()
     raise AssertionError(f"no {marker!r} within {timeout} s:\n" + "".join(err[-30:]))
+  time.sleep(delay)
   t0 = time.monotonic()
   proc.send_signal(signal.SIGTERM)
   try:
@@ -251,7 +252,8 @@ def test_sigterm_abandons_a_long_oneshot_round_and_the_resume_redoes_it(tmp_path
 
 # A Flower app process (as flwr-clientapp / flwr-serverapp run it: Flower's SIGTERM handler in the
 # main thread) serving a run in process; one round of PART (client or server) is made long by
-# one XLA computation after the real work, during which no Python bytecode runs in its thread.
+# one XLA computation after the real work, whose wait runs no Python bytecode in its thread (a
+# handler in that thread runs only when it ends): SIGTERM comes 2 s into it.
 FLOWER_APP = """\
 import json, sys
 sys.path.insert(0, {tests!r})
@@ -261,7 +263,9 @@ from flwr.supercore.telemetry import EventType
 import flower_harness
 from fedlap_flower import client_work, server_work
 
-spin = jax.jit(lambda x: jax.lax.fori_loop(0, 2 ** 30, lambda i, v: jnp.sin(v) + 1e-3, x))
+spin = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, v: jnp.sin(v) + 1e-3, x))
+ones = jnp.ones(64)
+spin(ones, 1).block_until_ready()  # compiled before the run: the slow call only waits
 part, round_to_slow = {part!r}, {round_to_slow}
 calls = []
 
@@ -271,7 +275,7 @@ def slowed(real):
     calls.append(1)
     if len(calls) == round_to_slow:
       print("fault: the " + part + " round is slow", file=sys.stderr, flush=True)
-      spin(jnp.ones(64)).block_until_ready()
+      spin(ones, 2 ** 30).block_until_ready()
     return out
   return run
 
@@ -311,7 +315,7 @@ def test_sigterm_ends_a_flower_app_process_in_a_long_round(tmp_path, part):
   env = _env(tmp_path / "xla_cache")
   rc, _, err, seconds = terminate_when([sys.executable, str(script), json.dumps(run_config)], env,
                                        f"fault: the {part} round is slow", timeout=900,
-                                       exit_timeout=60)
+                                       exit_timeout=60, delay=2.0)
   assert seconds < FLOWER_EXIT_BUDGET_SECONDS, (seconds, err[-2000:])
   assert rc == 0, err[-2000:]  # Flower's graceful exit
   if part == "client":  # client 0 was computing round 1: its ledger is charged and intact
