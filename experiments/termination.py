@@ -13,10 +13,10 @@ thread and the main thread waits on it in short, interruptible steps:
   finish within ``grace_seconds`` of it, and lets ``KeyboardInterrupt`` (or a handler's
   ``SystemExit``) through at once;
 * :func:`call_interruptibly`: the same without a grace period, for processes whose own
-  handlers end them (Flower's ClientApp and ServerApp processes);
+  handlers end them (Flower's ClientApp and ServerApp processes), which it then ends at once;
 * :func:`exit_process`: the process's exit with a status; with an abandoned worker still
   computing, ``os._exit`` after flushing stdout and stderr (the interpreter's own shutdown
-  could wait for the computation).
+  waits for the computation, or aborts the process when the worker, inside XLA, meets it).
 
 A thread cannot be stopped from outside: an abandoned worker computes on until the process
 exits, and whatever it would return is dropped. Callers write their files (atomically)
@@ -131,8 +131,18 @@ def wait_for(fn: Callable[[], Any], stop: TermSignal | None = None, *,
 def call_interruptibly(fn: Callable[..., Any], *args, **kwargs) -> Any:
   """``fn(*args, **kwargs)`` in a worker thread, so the main thread's signal handlers (e.g.
   Flower's, which end the process on SIGTERM) run at once instead of after the computation.
-  Off the main thread (a simulation worker) a plain call."""
-  return wait_for(lambda: fn(*args, **kwargs))
+  Off the main thread (a simulation worker) a plain call.
+
+  A handler's ``SystemExit`` while the worker still computes ends the process here with its
+  code (:func:`exit_process`): the interpreter's shutdown would meet the worker inside XLA and
+  abort the process (SIGABRT) instead of exiting.
+  """
+  try:
+    return wait_for(lambda: fn(*args, **kwargs))
+  except SystemExit as e:
+    if computing():
+      exit_process(0 if e.code is None else e.code if isinstance(e.code, int) else 1)
+    raise
 
 
 def computing() -> bool:
