@@ -89,10 +89,16 @@ def terminate_when(argv: list[str], env: dict, marker: str, timeout: float = 300
   reader.start()
   out = []
   threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
-  if not seen.wait(timeout):
+  deadline = time.monotonic() + timeout
+  while not seen.wait(1.0) and proc.poll() is None and time.monotonic() < deadline:
+    pass
+  if not seen.is_set() and proc.poll() is not None:
+    reader.join(5)  # the exited process's last lines
+  if not seen.is_set():
     proc.kill()
     proc.wait()
-    raise AssertionError(f"no {marker!r} within {timeout} s:\n" + "".join(err[-30:]))
+    raise AssertionError(f"no {marker!r} within {timeout} s (exit {proc.returncode}):\n"
+                         + "".join(err[-30:]))
   time.sleep(delay)
   t0 = time.monotonic()
   proc.send_signal(signal.SIGTERM)
@@ -294,6 +300,7 @@ else:  # the ServerApp's entry point, as flwr-serverapp calls it
   from fedlap_flower import client_app, server_app
   nodes = flower_harness.node_configs(state_root=run_config["state-root"])
   grid = flower_harness.InProcessGrid(client_app.app, run_config, nodes)
+  server_app.PromptGrid = lambda g: g  # the in-process Grid has send_and_receive only
   with flower_harness.task_identity():
     server_app.main(grid, Context(run_id=7, node_id=1, node_config={{}}, state=RecordDict(),
                                   run_config=run_config))
