@@ -37,7 +37,8 @@ from fedlap_jax.types import PyTree
 
 
 def write_json_atomic(path: str | os.PathLike, obj, *, fault_round: int | None = None) -> None:
-  """Writes ``obj`` as JSON to ``path`` via a temporary file and ``os.replace``.
+  """Writes ``obj`` as JSON to ``path`` via a temporary file (fsync'ed), ``os.replace`` and an
+  fsync of the directory: a kill leaves the old file or the new one, never a mix.
 
   ``fault_round``: the round this write belongs to, for the ``ledger`` point of
   :mod:`experiments.faults` (fired between the temporary file and the replace).
@@ -52,6 +53,21 @@ def write_json_atomic(path: str | os.PathLike, obj, *, fault_round: int | None =
   if fault_round is not None:
     faults.point("ledger", fault_round)
   os.replace(tmp, path)
+  _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+  """Makes a rename in ``directory`` durable (where the platform allows opening directories)."""
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
 
 
 def check_writable(directory: str | os.PathLike) -> None:
@@ -118,6 +134,7 @@ def truncate_metrics(path: str | os.PathLike, max_round: int) -> list[dict]:
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+  _fsync_directory(path.parent)
   return kept
 
 

@@ -36,7 +36,8 @@ record of classes ``order[c*i : c*(i+1)]`` with the paper's order
 ``[5, 6, 1, 2, 0, 8, 9, 3, 4, 7]`` and ``c = classes / clients``), ``iid``
 (random disjoint, near-equal parts) and ``dirichlet`` (per class, client shares
 drawn from ``Dirichlet(alpha)``, the usual label-skew benchmark). Client sizes
-may differ; the training loop pads and masks them.
+may differ; the training loop pads and masks them. The random schemes and the
+subsample draw from the public ``data.partition_seed`` (:func:`client_split`).
 """
 
 from __future__ import annotations
@@ -497,8 +498,15 @@ def partition(y: np.ndarray, *, num_clients: int, scheme: str, num_classes: int,
   return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
 
 
-def client_split(dataset: Dataset, data_cfg, seed: int) -> list[np.ndarray]:
-  """Training-record indices of each client: subsample, then partition."""
+def client_split(dataset: Dataset, data_cfg) -> list[np.ndarray]:
+  """Training-record indices of each client: subsample, then partition, both drawn from the
+  public ``data_cfg.partition_seed`` (default 0), never from the run's secret ``seed``.
+
+  The partition is released (``client_sizes`` and ``client_classes``, and a DP client's epsilon
+  depends on its size): random sizes drawn from the secret seed (``dirichlet``) would let anyone
+  test seed guesses offline, and the seed determines every noise draw.
+  """
+  seed = int(data_cfg.get("partition_seed", 0))
   keep = subsample(dataset.y_train, data_cfg.train_fraction, seed)
   parts = partition(dataset.y_train[keep], num_clients=data_cfg.num_clients,
                     scheme=data_cfg.partition, num_classes=dataset.num_classes,

@@ -295,6 +295,9 @@ def validate_config(cfg) -> None:
   participation_seed = d.get("participation_seed", 0)
   if not is_int(participation_seed) or participation_seed < 0:
     _fail("data.participation_seed", participation_seed, "an integer >= 0 (public)")
+  partition_seed = d.get("partition_seed", 0)
+  if not is_int(partition_seed) or partition_seed < 0:
+    _fail("data.partition_seed", partition_seed, "an integer >= 0 (public)")
   if not is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
   _validate_normalisation(cfg)
@@ -356,6 +359,10 @@ def validate_config(cfg) -> None:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")
   if not is_int(cfg.keep_checkpoints) or cfg.keep_checkpoints < 1:
     _fail("keep_checkpoints", cfg.keep_checkpoints, "an integer >= 1")
+  grace = cfg.get("termination_grace_seconds", 20.0)
+  if not is_real(grace) or grace < 0:
+    _fail("termination_grace_seconds", grace, "a finite number of seconds >= 0 (below the "
+          "scheduler's delay between SIGTERM and SIGKILL, less a checkpoint save)")
   if cfg.eval_chunk_size is not None and (not is_int(cfg.eval_chunk_size)
                                           or cfg.eval_chunk_size < 1):
     _fail("eval_chunk_size", cfg.eval_chunk_size, "an integer >= 1, or None (backend default)")

@@ -15,9 +15,13 @@ run's noise multiplier, when it starts, so that its epsilon after its last round
 
 Exit status: 0 on success; 2 for bad input or damaged state (an invalid
 config, data or work dir, a resume that is refused; a one-line message); 1
-when a round produced NaN or Inf; 130 when interrupted (Ctrl-C); 143 after
-SIGTERM (the round in progress finishes and is checkpointed first). Re-running
-the same command resumes after 1, 130 and 143.
+when a round produced NaN or Inf; 130 when interrupted (Ctrl-C: a round in
+progress is abandoned); 143 after SIGTERM: the round in progress is finished
+and checkpointed if it ends within ``--config.termination_grace_seconds``
+(default 20) of the signal, else abandoned (charged to the privacy ledger as
+spent, the last completed round's checkpoint kept), and the process exits at
+once (:mod:`experiments.train`). Re-running the same command resumes after 1,
+130 and 143, redoing an abandoned round.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def client_sizes(cfg) -> list[int]:
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
   try:
     dataset = data_lib.load_dataset(cfg.data)
-    return [len(i) for i in data_lib.client_split(dataset, cfg.data, cfg.seed)]
+    return [len(i) for i in data_lib.client_split(dataset, cfg.data)]
   except ValueError as e:
     raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
                                  message=str(e)) from None
@@ -232,10 +236,10 @@ def calibrate_noise(config) -> list[str]:
   """
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
   lines = []
-  sizes_of = {}  # the runs of a suite mostly share data, partition and seed: load them once
+  sizes_of = {}  # the runs of a suite mostly share data and partition: load them once
 
   def budget_of(cfg):
-    key = (repr(sorted(cfg.data.to_dict().items())), cfg.seed)
+    key = repr(sorted(cfg.data.to_dict().items()))
     if key not in sizes_of:
       sizes_of[key] = client_sizes(cfg)
     return dp_budget(cfg, sizes_of[key])
@@ -383,4 +387,5 @@ def run_config(config, workdir: str, name: str) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from experiments import termination  # pylint: disable=g-import-not-at-top
+  termination.exit_process(main())

@@ -35,13 +35,42 @@ ledger is restored (never reset), records beyond the restored round are dropped
 from ``metrics.jsonl`` and the rounds are re-run; the round's randomness comes
 from the checkpointed key, so a re-run round reproduces the same outputs and
 spends no extra privacy. A resume whose privacy-relevant fields (sigma, C,
-delta, B, T, q, dataset, partition, clients, seed, ...) or any other
+delta, B, T, q, dataset, partition and its seed, clients, seed, under DP the
+computation, ...) or any other
 run-defining field differ from the checkpointed run is refused. A damaged
 checkpoint (unreadable state or metadata, an inconsistent or edited ledger) is
 moved to ``damaged_checkpoints/`` and the run falls back to the newest valid
 one, with its ledger; if none is valid the resume is refused and nothing is
-touched. SIGTERM lets the round in progress finish, saves a checkpoint and
-stops with :class:`Terminated`.
+touched.
+
+SIGTERM (schedulers kill about 30 s later): each round is computed in a worker
+thread while the main thread waits on it with the signal handled
+(:mod:`experiments.termination`). A round that finishes within
+``termination_grace_seconds`` (default 20) of SIGTERM is written and
+checkpointed as usual; one that does not is *abandoned*: nothing of it is
+written but its ledger charge (``privacy_ledger.json``, atomically), the last
+completed round's checkpoint stays the newest, and the run stops with
+:class:`Terminated` (``experiments.run`` then exits with 143 at once, leaving
+the worker to die with the process). Ctrl-C abandons a round in progress alike
+(exit 130). Either way the next run redoes the round.
+
+Why this is sound under DP: the abandoned round's noisy accesses happened
+(the worker drew its Poisson batches and noise) though nothing of it was
+released, so charging it over-counts: an upper bound. The redone round
+is computed from the checkpointed state and PRNG key, i.e. with the same keys
+on the same inputs by the same computation (the DP fingerprint below), so it
+reproduces exactly the outputs the abandoned one would have released: one
+mechanism invocation, not two. The resumed ledger is the checkpoint's, which
+the redone round charges again, so the final ledger equals an uninterrupted
+run's and every released output is covered exactly once. (Redoing a round
+with fresh keys would be a new invocation to charge a second time; this loop
+never does that.) The same holds for a round redone after SIGKILL.
+
+A DP run's fingerprint also holds its computation: the resolved
+``client_backend``, the JAX platform, device count and kind and the JAX
+version (:func:`computation_fingerprint`). A resume on another one is refused:
+redone rounds would recompute already released outputs with the same noise on
+a different computation, releasing their difference without noise.
 
 What a DP run writes (the README's "Privacy guarantees and their
 assumptions"): DP outputs (synthetic sets, the model), post-processing of them
@@ -62,9 +91,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -89,11 +116,14 @@ from experiments import checkpointing
 from experiments import data as data_lib
 from experiments import faults
 from experiments import library_configs
+from experiments import termination
 
 # Fields that may change between an interrupted run and its resumption.
 RUNTIME_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
                   "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",
-                  "debug_nonprivate_stats")
+                  "debug_nonprivate_stats", "termination_grace_seconds")
+# How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
+DEFAULT_GRACE_SECONDS = 20.0
 BYTES_PER_FLOAT = 4
 # The section of a metrics record that holds raw statistics of the clients' records.
 NONPRIVATE_SECTION = "nonprivate"
@@ -137,7 +167,8 @@ class WorkdirError(ValueError):
 
 
 class Terminated(RuntimeError):
-  """SIGTERM: the round in progress finished and a checkpoint was saved."""
+  """SIGTERM: the round in progress finished and was checkpointed, or it did not finish within
+  the grace period and was abandoned (the last completed round's checkpoint stays)."""
 
 
 # ----------------------------------------------------------------------------
@@ -229,15 +260,16 @@ def build_run(cfg) -> RunSetup:
   """Data, partition, model, algorithm and initial state of a validated config.
 
   Deterministic in ``cfg.seed`` (``key(seed)`` is split into the model-init and
-  the algorithm key), so the initial state is a valid template for restoring
-  the run's checkpoints, e.g. in :mod:`experiments.audit`.
+  the algorithm key) and the public ``cfg.data.partition_seed`` (the partition),
+  so the initial state is a valid template for restoring the run's checkpoints,
+  e.g. in :mod:`experiments.audit`.
 
   Raises:
     library_configs.ConfigError: the data does not fit the config.
   """
   try:
     dataset = data_lib.load_dataset(cfg.data)
-    indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
+    indices = data_lib.client_split(dataset, cfg.data)
   except ValueError as e:  # bad data or a partition the data does not allow
     raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
                                  message=str(e)) from None
@@ -288,8 +320,27 @@ def run_defining_fields(cfg) -> dict:
   return flat
 
 
+# The computation of a DP run's rounds (:func:`computation_fingerprint`).
+COMPUTATION_FIELDS = ("client_backend", "platform", "device_count", "device_kind", "jax_version")
+
+
+def computation_fingerprint(cfg) -> dict:
+  """What decides a round's outputs besides its inputs and PRNG keys: the resolved
+  ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, and
+  the JAX version. A DP run's checkpoint holds it (:func:`privacy_fingerprint`)."""
+  devices = jax.devices()
+  return {"client_backend": resolve_client_backend(cfg.client_backend,
+                                                   side_by_side=cfg.method == "fedlap"),
+          "platform": jax.default_backend(), "device_count": len(devices),
+          "device_kind": devices[0].device_kind, "jax_version": jax.__version__}
+
+
 def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
-  """The fields a resumed run must share with its checkpoint for the ledger to hold."""
+  """The fields a resumed run must share with its checkpoint for the ledger to hold.
+
+  Under DP also its :func:`computation_fingerprint`: a round redone from a checkpoint repeats
+  the checkpointed keys, and is the same mechanism invocation only if computed the same way.
+  """
   dp = alg.dp
   smallest = int(min(client_sizes))
   per_round = cfg.data.get("clients_per_round")
@@ -299,6 +350,7 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
       "participation_seed": int(cfg.data.get("participation_seed", 0))}
   return {
       **sampling,
+      **({} if dp is None else computation_fingerprint(cfg)),
       "method": cfg.method,
       "dp": dp is not None,
       "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
@@ -315,6 +367,7 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
       "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
       "num_clients": int(cfg.data.num_clients),
       "train_fraction": float(cfg.data.train_fraction),
+      "partition_seed": int(cfg.data.get("partition_seed", 0)),
       "seed": int(cfg.seed),
   }
 
@@ -327,8 +380,25 @@ def _diff(stored: dict, current: dict) -> list[str]:
 
 
 def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) -> None:
-  """Refuses to resume a checkpoint of a run with different privacy or run fields."""
-  diff = _diff(meta.get("privacy", {}), privacy)
+  """Refuses to resume a checkpoint of a run with different privacy or run fields, or a DP
+  run on another computation (:data:`COMPUTATION_FIELDS`)."""
+  stored = meta.get("privacy", {})
+  if privacy.get("dp"):
+    was = {k: stored.get(k) for k in COMPUTATION_FIELDS}
+    now = {k: privacy.get(k) for k in COMPUTATION_FIELDS}
+    diff = _diff(was, now)
+    if diff:
+      raise ResumeError(
+          f"refusing to resume the DP run in {workdir} on another computation "
+          f"({'; '.join(diff)}): its redone rounds would repeat the checkpointed noise on a "
+          "different computation, and two outputs under the same noise release their "
+          "difference without noise. Allowed: resume where it ran (--config.client_backend="
+          f"{was['client_backend']}, JAX platform {was['platform']!r} with "
+          f"{was['device_count']} device(s) of kind {was['device_kind']!r}, e.g. "
+          f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
+          f"platform_device_count to pick the devices; jax {was['jax_version']}), or a new "
+          "--workdir")
+  diff = _diff(stored, privacy)
   if diff:
     raise ResumeError(
         f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
@@ -592,7 +662,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     ResumeError: the workdir's checkpoint belongs to another run, or every
       checkpoint in it is damaged (nothing is changed then).
     NonFiniteError: a round produced NaN / Inf (the last good checkpoint is kept).
-    Terminated: SIGTERM arrived; the round in progress finished and was checkpointed.
+    Terminated: SIGTERM arrived; the round in progress finished and was checkpointed, or was
+      abandoned after ``termination_grace_seconds`` (charged to the ledger as spent).
+    KeyboardInterrupt: Ctrl-C; a round in progress is abandoned alike.
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
   cfg = config
@@ -653,7 +725,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
                                             side_by_side=cfg.method == "fedlap"),
       # Without the seed: it determines every noise draw (it stays in config.json).
       **{k: v for k, v in privacy.items()
-         if k not in ("method", "dataset", "client_sizes", "seed")},
+         if k not in ("method", "dataset", "client_sizes", "seed") + COMPUTATION_FIELDS},
       # What "epsilon" means (replace-one) and which figure a target calibrated.
       **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}))
 
@@ -723,34 +795,70 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
              disable=not cfg.progress_bar, file=sys.stderr, dynamic_ncols=True)
   last_good = start if start else None
   round_compiles = CompileCounter()
-  stop = _TermSignal()
+  stop = termination.TermSignal()
+  grace = float(cfg.get("termination_grace_seconds", DEFAULT_GRACE_SECONDS))
 
   def save_checkpoint(m):
     ckpt.save(m, state, {"round": m, "ledger": ledger.to_dict() if ledger else None,
                          "privacy": privacy, "config": fields, "metrics_records": m})
+
+  def compute_round(m, idx, state):
+    """Round ``m`` and its evaluation, in the worker thread of :func:`termination.wait_for`
+    (it writes nothing: the main thread does)."""
+    with round_compiles:
+      if sampled:  # only the sampled clients' block goes to the device
+        state, metrics = participation.sampled_round(
+            alg, state, participation.device_block(clients, idx), idx)
+      else:
+        state, metrics = alg.round(state, clients)
+    params = alg.params_of(state)
+    ev = eval_fn(params, x_test, y_test)
+    test_loss, test_acc = float(ev.loss), float(ev.accuracy)
+    jax.block_until_ready((state, metrics))
+    faults.slow(m)
+    return state, metrics, params, test_loss, test_acc
+
+  def charge_ledger(m, idx):
+    """Composes round ``m``'s noisy accesses into the ledger and writes privacy_ledger.json
+    (atomically); the round's epsilon, ``None`` without DP."""
+    if isinstance(ledger, accounting.ClientLedgers):
+      epsilon = ledger.record_round(idx.tolist(), mechanism.steps_per_round)
+    else:
+      epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
+    if ledger is not None:
+      checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
+                                      fault_round=m)
+    return epsilon
+
+  def interrupted(m, idx, why):
+    """Round ``m`` was left computing: charge it as spent (DP), say so; the message."""
+    epsilon = charge_ledger(m, idx)
+    where = (f"checkpoint {last_good} in {ckpt.directory} is the last one" if last_good
+             else "no checkpoint was written yet")
+    spent = ("" if epsilon is None else f"; its noisy accesses are charged to "
+             f"privacy_ledger.json as spent (epsilon {epsilon:.3f})")
+    msg = (f"{why} during round {m}: the round was abandoned{spent}; {where}; run the same "
+           f"command again to redo round {m}")
+    log(f"[{config_name}] {msg}")
+    return msg
 
   try:
     with stop:
       for m in range(start + 1, cfg.rounds + 1):
         t0 = time.time()
         idx = participation.sample_clients(participation_seed, m, num_clients, per_round)
-        with round_compiles:
-          if sampled:  # only the sampled clients' block goes to the device
-            state, metrics = participation.sampled_round(
-                alg, state, participation.device_block(clients, idx), idx)
-          else:
-            state, metrics = alg.round(state, clients)
-        params = alg.params_of(state)
-        ev = eval_fn(params, x_test, y_test)
-        test_loss, test_acc = float(ev.loss), float(ev.accuracy)
+        try:
+          state, metrics, params, test_loss, test_acc = termination.wait_for(
+              functools.partial(compute_round, m, idx, state), stop, grace_seconds=grace)
+        except termination.Abandoned:
+          raise Terminated(interrupted(
+              m, idx, f"terminated by {stop.received} (not done within "
+              f"termination_grace_seconds={grace:g})")) from None
+        except KeyboardInterrupt:
+          interrupted(m, idx, "interrupted (Ctrl-C)")
+          raise
         faults.point("round", m)
-        if isinstance(ledger, accounting.ClientLedgers):
-          epsilon = ledger.record_round(idx.tolist(), mechanism.steps_per_round)
-        else:
-          epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
-        if ledger is not None:
-          checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
-                                          fault_round=m)
+        epsilon = charge_ledger(m, idx)
         problems = find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
           where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
@@ -784,7 +892,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           last_good = m
         bar.update(1)
         log(f"[{config_name}] " + _format_line(rec, cfg.rounds))
-        if stop.received and m < cfg.rounds:
+        if stop.received:  # at the last round too: the plots and summary can wait
           msg = (f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
                  f"{ckpt.directory}; run the same command again to resume")
           log(f"[{config_name}] {msg}")
@@ -802,32 +910,6 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           "ledger": ledger.to_dict() if ledger is not None else None,
           "compilations": round_compiles.count,
           "seconds": time.time() - t_start}
-
-
-class _TermSignal:
-  """``with stop:`` turns SIGTERM into ``stop.received`` (a flag the loop checks after
-  each round) instead of killing the process; a second SIGTERM kills it as usual.
-
-  Installed only in the main thread (Python delivers signals there); elsewhere a no-op.
-  """
-
-  def __init__(self):
-    self.received = None
-    self._previous = None
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received = signal.Signals(signum).name
-    signal.signal(signum, signal.SIG_DFL)
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
 
 
 def _one_line(e: BaseException) -> str:

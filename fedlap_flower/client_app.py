@@ -90,7 +90,18 @@ def _reply(msg: Message, metrics: dict, status: dict, synthetic=None, delta=None
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-  """One round of this client (see the module docstring)."""
+  """One round of this client (see the module docstring).
+
+  Computed in a worker thread while the process's main thread waits in short steps, so the
+  handler Flower's ClientApp process installs for SIGTERM ends the process at once rather
+  than after the round (:func:`experiments.termination.call_interruptibly`). The ledger is
+  charged, atomically, before the round draws any noise: a round cut short stays charged.
+  """
+  from experiments import termination  # pylint: disable=g-import-not-at-top
+  return termination.call_interruptibly(_train, msg, context)
+
+
+def _train(msg: Message, context: Context) -> Message:
   task.enable_compilation_cache()
   run_items = tuple(sorted(settings.with_defaults(context.run_config).items()))
   run = _run(run_items)

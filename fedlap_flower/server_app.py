@@ -24,8 +24,12 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-  # Replies are collected as they arrive, not on Flower's 3 s pulls.
-  serve(PromptGrid(grid), settings.run_settings(context.run_config))
+  """:func:`serve` in a worker thread, so that Flower's SIGTERM handler (in the main thread)
+  ends the ServerApp process at once, not after the round's server training. The run log is
+  on disk round by round (``metrics.jsonl`` lines, ``client_reports.json`` atomically).
+  Replies are collected as they arrive, not on Flower's 3 s pulls."""
+  from experiments import termination  # pylint: disable=g-import-not-at-top
+  termination.call_interruptibly(serve, PromptGrid(grid), settings.run_settings(context.run_config))
 
 
 def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:

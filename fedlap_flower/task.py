@@ -194,7 +194,7 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
   if data_path is None:
     try:
       dataset = data_lib.load_dataset(cfg.data)
-      indices = data_lib.client_split(dataset, cfg.data, cfg.seed)
+      indices = data_lib.client_split(dataset, cfg.data)
     except ValueError as e:
       raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
                                    message=str(e)) from None

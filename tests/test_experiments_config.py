@@ -127,6 +127,8 @@ BAD = [
     ("dp", {"model.width": 0}, ["model.width=0"]),
     ("dp", {"model.conv_bias": None}, ["model.conv_bias=None", "True or False"]),
     ("dp", {"seed": -1}, ["seed=-1"]),
+    ("dp", {"data.partition_seed": -1}, ["data.partition_seed=-1", ">= 0 (public)"]),
+    ("dp", {"termination_grace_seconds": -1.0}, ["termination_grace_seconds=-1.0", ">= 0"]),
     ("dp", {"rounds": 0}, ["rounds=0", ">= 1"]),
     ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),
     ("dp", {"learning_rate": -0.1}, ["learning_rate=-0.1"]),
@@ -198,7 +200,7 @@ def test_invalid_config_is_rejected_with_field_value_and_allowed(base, overrides
 def digits():
   cfg = quickstart.dp_config()
   ds = data_lib.load_dataset(cfg.data)
-  return ds, data_lib.client_split(ds, cfg.data, cfg.seed)
+  return ds, data_lib.client_split(ds, cfg.data)
 
 
 def _data_error(cfg, ds, idx):

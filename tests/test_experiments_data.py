@@ -83,8 +83,48 @@ def test_subsample_is_stratified(digits):
   expected = np.round(0.1 * np.bincount(digits.y_train)).astype(int)
   np.testing.assert_array_equal(counts, expected)
   cfg = data_cfg(train_fraction=0.5)
-  parts = data_lib.client_split(digits, cfg, seed=0)
+  parts = data_lib.client_split(digits, cfg)
   assert sum(len(p) for p in parts) == int(np.round(0.5 * np.bincount(digits.y_train)).sum())
+
+
+# Client sizes and a digest of the index arrays of client_split on the digits, as the code
+# before data.partition_seed computed them from the run's seed 0 and 1: partition_seed S draws
+# exactly what seed S drew, so every seed-0 run keeps its partition bit for bit.
+SPLITS = {  # (partition, train_fraction, seed) -> (sizes, sha256 prefix)
+    ("dirichlet", 1.0, 0): ([198, 278, 325, 362, 237], "1d0851866d5046d5"),
+    ("dirichlet", 1.0, 1): ([341, 290, 227, 293, 249], "ce825a3f735d4c6c"),
+    ("dirichlet", 0.5, 0): ([65, 198, 195, 103, 140], "678824f3d63aac75"),
+    ("iid", 0.5, 0): ([141, 140, 140, 140, 140], "2435216227461e0d"),
+    ("iid", 0.5, 1): ([141, 140, 140, 140, 140], "c65c7d0533ad4189"),
+}
+
+
+@pytest.mark.parametrize("scheme, fraction, seed", list(SPLITS))
+def test_partition_seed_draws_what_the_seed_drew_before(digits, scheme, fraction, seed):
+  import hashlib  # pylint: disable=g-import-not-at-top
+  cfg = data_cfg(partition=scheme, train_fraction=fraction, partition_seed=seed)
+  parts = data_lib.client_split(digits, cfg)
+  sizes = [len(p) for p in parts]
+  digest = hashlib.sha256(np.concatenate(parts).tobytes() + str(sizes).encode()).hexdigest()
+  assert (sizes, digest[:16]) == SPLITS[(scheme, fraction, seed)]
+  if seed == 0:  # the default
+    del cfg["partition_seed"]
+    assert [p.tolist() for p in data_lib.client_split(digits, cfg)] == [p.tolist() for p in parts]
+
+
+def test_released_client_sizes_come_from_the_public_partition_seed_not_the_secret_seed():
+  """Dirichlet client sizes are released (run_info.json, and a DP client's epsilon depends on
+  its size). Drawn from the secret seed they would let anyone test seed guesses offline, and
+  the seed determines every noise draw."""
+  from experiments import run  # pylint: disable=g-import-not-at-top
+  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  cfg = quickstart.dp_config()
+  cfg.data.partition = "dirichlet"
+  sizes = run.client_sizes(cfg)
+  cfg.seed = 7
+  assert run.client_sizes(cfg) == sizes == SPLITS[("dirichlet", 1.0, 0)][0]
+  cfg.data.partition_seed = 1
+  assert run.client_sizes(cfg) == SPLITS[("dirichlet", 1.0, 1)][0]
 
 
 def _write_npz(path, n=60, shape=(6, 6, 3), dtype=np.uint8, classes=4, **override):

@@ -156,7 +156,7 @@ PUBLIC_INFO_KEYS = {
     "nonprivate_stats", "upload_floats_per_client", "jax_version", "fedlap_jax_version",
     "devices", "client_backend", "dp", "noise_multiplier", "l2_clip_norm", "delta",
     "batch_size", "steps_per_round", "min_client_size", "sampling_rate", "source", "partition",
-    "dirichlet_alpha", "num_clients", "train_fraction",
+    "dirichlet_alpha", "num_clients", "train_fraction", "partition_seed",
     "adjacency", "epsilon_for",                                    # what epsilon means (config)
 }
 WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions")
@@ -174,7 +174,7 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
     assert set(r) <= RELEASED_RECORD_KEYS, set(r) - RELEASED_RECORD_KEYS
   info = json.loads((straight / "run_info.json").read_text())
   assert set(info) <= PUBLIC_INFO_KEYS, set(info) - PUBLIC_INFO_KEYS
-  assert "seed" not in info
+  assert "seed" not in info and info["partition_seed"] == 0  # the partition's: public
   # Normalisation: the public test split's statistics, nothing of the training records.
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   _, _, x_test, _ = data_lib.load_digits()
@@ -339,6 +339,7 @@ def test_finished_run_is_not_rerun(straight):
     ("seed", 1, "privacy-relevant"),
     ("client.batch_loop", 3, "privacy-relevant"),  # T
     ("data.partition", "iid", "privacy-relevant"),
+    ("data.partition_seed", 1, "privacy-relevant"),
     ("learning_rate", 0.01, "config differs"),
 ])
 def test_resume_with_different_fields_is_refused(straight, field, value, fragment):
@@ -349,6 +350,35 @@ def test_resume_with_different_fields_is_refused(straight, field, value, fragmen
   msg = str(err.value)
   assert fragment in msg and "new --workdir" in msg
   assert (straight / "metrics.jsonl").read_text() == before
+
+
+def test_dp_resume_on_another_client_backend_is_refused(straight, capsys):
+  """A resumed round repeats the checkpointed keys: on another computation it would release a
+  second output under the same noise, and their difference without noise."""
+  files = {n: (straight / n).read_text() for n in ("metrics.jsonl", "privacy_ledger.json",
+                                                   "run_info.json", "config.json")}
+  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), "--config.client_backend=vmap",
+          f"--workdir={straight}"]
+  assert run.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "refusing to resume the DP run" in err and "on another computation" in err
+  assert "client_backend: checkpoint 'map' vs now 'vmap'" in err
+  assert "--config.client_backend=map" in err and "JAX platform 'cpu' with 1 device(s)" in err
+  assert "new --workdir" in err
+  assert {n: (straight / n).read_text() for n in files} == files
+
+
+def test_nondp_resume_may_change_the_client_backend(tmp_path):
+  """Without DP there is no noise to repeat: a run may resume on another backend."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  overrides = {"dp.enabled": False, "rounds": 2, "checkpoint_every": 1, "progress_bar": False,
+               "plots": False}
+  first = train.train_and_evaluate(tiny_config(**overrides), tmp_path)
+  shutil.rmtree(tmp_path / "checkpoints" / "2")  # as if killed before round 2's checkpoint
+  again = train.train_and_evaluate(tiny_config(**overrides, client_backend="vmap"), tmp_path)
+  assert [r["round"] for r in again["records"]] == [1, 2]
+  assert again["records"][1]["first_in_process"]  # round 2 was redone, on vmap
+  assert comparable(again["records"][:1]) == comparable(first["records"][:1])
 
 
 def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):

@@ -392,8 +392,7 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   # is experiments.run's, which accounts every client with q = B / min_k N_k.
   from experiments import data as data_lib
   cfg, _ = settings.load_config("quickstart:dp_loops", TINY)
-  sizes = [len(i) for i in data_lib.client_split(data_lib.load_dataset(cfg.data), cfg.data,
-                                                 cfg.seed)]
+  sizes = [len(i) for i in data_lib.client_split(data_lib.load_dataset(cfg.data), cfg.data)]
   steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
   for k, n in enumerate(sizes):  # the replace-one epsilon: N_k is public
     own = accounting.PrivacyLedger(noise_multiplier=cfg.dp.noise_multiplier,

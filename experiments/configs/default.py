@@ -71,6 +71,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.clients_per_round = config_dict.placeholder(int)
   # Public seed of the draw (who takes part is released): never the secret `seed`.
   config.data.participation_seed = 0
+  # Public seed of the partition (iid, dirichlet) and of the train_fraction subsample: client
+  # sizes and classes are released, so they are never drawn from the secret `seed`.
+  config.data.partition_seed = 0
   config.data.train_fraction = 1.0
   # Where mean/std come from: "auto" (published constants of mnist / fashion_mnist / cifar10,
   # else the training split) | "published" | "given" (data.mean, data.std per channel, of
@@ -152,6 +155,10 @@ def get_config() -> ml_collections.ConfigDict:
   # clients' records (clip fractions, realised batch sizes, training losses) to
   # metrics.jsonl under "nonprivate", outside the privacy guarantee (for debugging).
   config.debug_nonprivate_stats = False
+  # Seconds a round may go on after SIGTERM (schedulers kill ~30 s after it): a round that has
+  # not finished by then is abandoned (charged to the privacy ledger as spent) and redone when
+  # the run resumes; the process exits with 143 at once. Leave room for a checkpoint save.
+  config.termination_grace_seconds = 20.0
   # Display name in reports (experiments.report), e.g. "FedLAP-DP (tuned)"; "" = the method's.
   config.label = ""
   return config
