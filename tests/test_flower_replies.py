@@ -243,9 +243,9 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(kind, genuin
 @pytest.mark.slow
 def test_honest_model_deltas_stay_far_inside_the_bound(genuine):
   """The hybrid's deltas, as the real clients send them, against max_delta_norm."""
-  from experiments import validation
+  from experiments import library_configs
   run = settings.run_settings({"config": "quickstart:dp", "overrides": HYBRID_ONE})
-  fc = validation.to_fedlap_config(run.cfg)
+  fc = library_configs.to_fedlap_config(run.cfg)
   for content in genuine("hybrid").values():
     leaves = {k: a.numpy() for k, a in content["delta"].items()}
     bound = replies.max_delta_norm(fc.client, task.learning_rate(run.cfg, 1),
@@ -317,9 +317,9 @@ def test_metric_checks_name_the_field(metrics, check, match):
 
 def test_the_delta_bound_follows_the_config():
   """DP hybrid: min(r + eta G, max_outer eta G); without DP (no clip) no bound."""
-  from experiments import validation
+  from experiments import library_configs
   run = settings.run_settings({"config": "quickstart:dp"})
-  c = validation.to_fedlap_config(run.cfg).client
+  c = library_configs.to_fedlap_config(run.cfg).client
   d = 10_000
   bound = replies.max_delta_norm(c, 0.1, d)
   t = replies.TAIL_LOG / 3 + math.sqrt(replies.TAIL_LOG ** 2 / 9
@@ -329,7 +329,7 @@ def test_the_delta_bound_follows_the_config():
        / (c.batch_size * math.sqrt(c.batch_loop)))
   assert bound == pytest.approx(1.001 * min(c.radius + 0.1 * g, c.max_outer * 0.1 * g))
   assert replies.max_delta_norm(c, 0.2, d) > bound  # grows with eta_m
-  nondp = validation.to_fedlap_config(settings.run_settings(
+  nondp = library_configs.to_fedlap_config(settings.run_settings(
       {"config": "quickstart:nondp"}).cfg).client
   assert replies.max_delta_norm(nondp, 0.1, d) is None
   leaves = {"a": np.full(4, 3e38, np.float32)}
