@@ -22,6 +22,11 @@ A FedLAP client sends its synthetic set and radius (and its DP metrics); with
 its model delta, one array per parameter leaf (:mod:`fedlap_flower.records`).
 * :mod:`fedlap_flower.ledger` -- a client's own privacy ledger, secret key and
   carried synthetic set, persisted atomically in its state directory.
+* :mod:`fedlap_flower.replies` -- what a client's reply may hold (shapes,
+  dtypes, labels, slot count, image range, delta norm, metrics): the checks
+  the server runs on every reply.
+* :mod:`fedlap_flower.binding` -- which node holds which partition
+  (``partition-keys``, or first come).
 
 Modules built on ``flwr`` (``pip install -e ".[experiments,flower]"``):
 
@@ -36,4 +41,4 @@ Modules built on ``flwr`` (``pip install -e ".[experiments,flower]"``):
   ``flwr run`` as processes (the tests and ``benchmarks/flower_runs.py``).
 """
 
-__all__ = ["settings", "task", "client_work", "server_work", "ledger"]
+__all__ = ["settings", "task", "client_work", "server_work", "ledger", "replies", "binding"]

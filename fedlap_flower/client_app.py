@@ -33,6 +33,18 @@ A FedLAP train message runs, on this client only:
 
 A FedAvg train message (config ``method = fedavg``) runs local SGD and replies
 with the parameters and ``num-examples``, as Flower's FedAvg expects.
+
+With ``data.clients_per_round = m < K`` a client takes part only in the
+rounds the public participation seed draws it for
+(:func:`fedlap_flower.task.participants`): asked in another round it refuses
+before its ledger is touched, so it charges only the rounds it computes. The
+``j``-th of the round's ``m`` clients uses ``split(key, m)[j]`` of the
+server's round keys (:func:`fedlap_flower.task.key_slot`), as
+``experiments.run`` does.
+
+A query message asks for the client's ``partition-id`` (the server binds the
+partition to this node, :mod:`fedlap_flower.binding`); the reply carries only
+that.
 """
 
 from __future__ import annotations
@@ -113,6 +125,22 @@ def _train(msg: Message, context: Context) -> Message:
   return _train_fedlap(msg, context, conf, run, node, setup)
 
 
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+  """This node's ``partition-id`` (its node config, checked against the run config)."""
+  run = _run(tuple(sorted(settings.with_defaults(context.run_config).items())))
+  node = settings.node_settings(context.node_config, run)
+  return Message(content=RecordDict({"metrics": MetricRecord(
+      {"partition-id": node.partition_id})}), reply_to=msg)
+
+
+def _not_drawn(run, node, server_round: int) -> str:
+  return (f"partition {node.partition_id} is not among round {server_round}'s clients "
+          f"{task.participants(run.cfg, server_round).tolist()} (data.clients_per_round="
+          f"{run.cfg.data.get('clients_per_round')}, public data.participation_seed="
+          f"{run.cfg.data.get('participation_seed', 0)}); allowed: the rounds it is drawn for")
+
+
 def _train_fedavg(msg, conf, run, node, setup) -> Message:
   cfg = run.cfg
   if node.requires_dp:
@@ -120,8 +148,10 @@ def _train_fedavg(msg, conf, run, node, setup) -> Message:
         "method", "fedavg", "a DP FedLAP config",
         message="this client has its own max-epsilon and takes part in DP runs only; "
         "method='fedavg' is not private. Allowed: a DP FedLAP config")
-  key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
-                        node.partition_id)
+  slot = task.key_slot(cfg, int(conf["server-round"]), node.partition_id)
+  if slot is None:
+    raise ValueError(_not_drawn(run, node, int(conf["server-round"])))
+  key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
   params = records.record_to_params(msg.content["arrays"])
   new = client_work.fedavg_round(key, setup.apply_fn, params, setup.partition,
                                  epochs=cfg.baseline.local_epochs,
@@ -156,6 +186,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     return refuse(f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
                   f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
                   "drawn from the client's own entropy")
+  slot = task.key_slot(run.cfg, server_round, node.partition_id)
+  if slot is None:  # before the ledger: a client charges only the rounds it computes
+    return refuse(_not_drawn(run, node, server_round))
   if dp and not math.isfinite(node.max_epsilon):
     return refuse("no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
                   "or the run config; allowed: a finite epsilon this client will not exceed")
@@ -183,18 +216,15 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
                                                     "max-epsilon": e.max_epsilon})
       metrics.update({"epsilon": eps, "max-epsilon": node.max_epsilon, "dp-steps": steps})
       if keys == "server":
-        key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
-                              node.partition_id)
+        key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
       else:  # 128 fresh bits of the operating system's entropy, never reused
         key = ledger_lib.fresh_round_key()
     else:
-      key = task.client_key(task.words_to_key(conf["key-clients"]), run.num_clients,
-                            node.partition_id)
+      key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
       metrics.update({"dp-steps": 0, "num-examples": part.num_records})
     init_key = None
     if fc.synthetic_init == "real":
-      init_key = task.client_key(task.words_to_key(conf["key-init"]), run.num_clients,
-                                 node.partition_id)
+      init_key = task.client_key(task.words_to_key(conf["key-init"]), slot[1], slot[0])
     carried = state.load_synthetic(context.run_id) if carry else None
     start = client_work.start_synthetic(part, fc, carried, init_key)
     params = records.record_to_params(msg.content["arrays"])

@@ -23,6 +23,15 @@ Train reply (client -> server):
   ``keys``). A refused round carries no arrays.
 * FedAvg: ``"arrays"`` (the client's parameters) and ``"metrics"``
   (``num-examples``, ``partition-id``), as Flower's FedAvg expects.
+
+Query message (server -> client): ``"config"`` (``server-round``, ``ask =
+"partition-id"``); the reply holds ``"metrics"`` with the client's
+``partition-id`` only (:mod:`fedlap_flower.binding`).
+
+The server reads a reply's arrays through :func:`record_to_synthetic`,
+:func:`record_to_delta` and :func:`record_to_like`, which refuse anything but
+the dtypes and shapes above before using a value
+(:mod:`fedlap_flower.replies`).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from flax import traverse_util
 from flwr.app import Array, ArrayRecord
 
 import fedlap_jax as fl
+from fedlap_flower import replies
 
 
 def params_to_record(params) -> ArrayRecord:
@@ -48,30 +58,83 @@ def record_to_params(record: ArrayRecord):
                                       sep="/")
 
 
-def record_to_delta(record: ArrayRecord, params):
+def _numpy(record: ArrayRecord, key: str, name: str, dtype, finite: bool = True) -> np.ndarray:
+  """``record[key]`` as NumPy, refused unless the Array declares and holds ``dtype``
+  (and, with ``finite``, floating values are finite)."""
+  array = record[key]
+  try:
+    declared = np.dtype(array.dtype)
+  except TypeError:
+    declared = None
+  if declared != np.dtype(dtype):
+    raise replies.InvalidReply(name, f"{name} has dtype {replies.short(array.dtype)}; allowed: "
+                               f"{np.dtype(dtype).name}")
+  value = array.numpy()
+  if not isinstance(value, np.ndarray) or value.dtype != np.dtype(dtype):
+    raise replies.InvalidReply(name, f"{name} holds dtype {getattr(value, 'dtype', '?')}; "
+                               f"allowed: {np.dtype(dtype).name}")
+  return replies.check_array(name, value, dtype) if finite else value
+
+
+def record_to_like(record: ArrayRecord, params, what: str = "model delta",
+                   max_norm: float | None = None):
+  """A received pytree like ``params`` (a model delta, or a FedAvg client's parameters), checked.
+
+  Args:
+    record: :func:`params_to_record` of the pytree.
+    params: the round's global parameters (paths, shapes and dtypes to match).
+    what: the name in messages (``"model delta"``; field ``delta/<path>``).
+    max_norm: refuse a global L2 norm above it
+      (:func:`fedlap_flower.replies.max_delta_norm`); ``None``: no bound.
+
+  Returns:
+    A NumPy pytree like ``params``.
+
+  Raises:
+    fedlap_flower.replies.InvalidReply (a ``ValueError``): other parameter
+      paths, a leaf of another shape or dtype, NaN / Inf, or a norm above
+      ``max_norm``.
+  """
+  field = "delta" if what == "model delta" else "arrays"
+  want = traverse_util.flatten_dict(jax.device_get(params), sep="/")
+  if set(record.keys()) != set(want):
+    missing, extra = sorted(set(want) - set(record.keys())), sorted(set(record.keys()) - set(want))
+    raise replies.InvalidReply(field, f"{what} has other parameters (missing {missing}, unknown "
+                               f"{replies.short(extra)}); allowed: exactly the global model's "
+                               "parameter paths")
+  flat = {}
+  for k, ref in want.items():
+    ref = np.asarray(ref)
+    shape = tuple(record[k].shape)
+    if shape != ref.shape:
+      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} has shape {shape}; allowed: "
+                                 f"{ref.shape}")
+    d = _numpy(record, k, f"{field}/{k}", ref.dtype, finite=False)
+    if d.shape != ref.shape:
+      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} holds shape {d.shape}; allowed: "
+                                 f"{ref.shape}")
+    if not np.isfinite(d).all():
+      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} holds NaN or Inf")
+    flat[k] = d
+  if max_norm is not None:
+    replies.check_delta_norm(flat, max_norm)
+  return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def record_to_delta(record: ArrayRecord, params, max_norm: float | None = None):
   """A received model delta as a pytree like ``params`` (NumPy, the parameters' dtypes), checked.
 
   Args:
     record: the reply's ``"delta"`` (:func:`params_to_record` of the delta).
     params: the round's global parameters (what the delta must match).
+    max_norm: the largest global L2 norm accepted
+      (:func:`fedlap_flower.replies.max_delta_norm`); ``None``: not bounded.
 
   Raises:
-    ValueError: other parameter paths, a leaf of another shape, or NaN / Inf.
+    ValueError: other parameter paths, a leaf of another shape or dtype,
+      NaN / Inf, or a norm above ``max_norm``.
   """
-  want = traverse_util.flatten_dict(jax.device_get(params), sep="/")
-  if set(record.keys()) != set(want):
-    missing, extra = sorted(set(want) - set(record.keys())), sorted(set(record.keys()) - set(want))
-    raise ValueError(f"model delta has other parameters (missing {missing}, unknown {extra}); "
-                     "allowed: exactly the global model's parameter paths")
-  flat = {}
-  for k, ref in want.items():
-    d = record[k].numpy()
-    if d.shape != np.shape(ref):
-      raise ValueError(f"model delta {k!r} has shape {d.shape}; allowed: {np.shape(ref)}")
-    if not np.isfinite(d).all():
-      raise ValueError(f"model delta {k!r} holds NaN or Inf")
-    flat[k] = d.astype(np.asarray(ref).dtype)
-  return traverse_util.unflatten_dict(flat, sep="/")
+  return record_to_like(record, params, "model delta", max_norm)
 
 
 def synthetic_to_record(synthetic) -> ArrayRecord:
@@ -80,21 +143,41 @@ def synthetic_to_record(synthetic) -> ArrayRecord:
                       "mask": Array(np.asarray(synthetic.mask, bool))})
 
 
-def record_to_synthetic(record: ArrayRecord) -> fl.SyntheticSet:
-  """A received synthetic set (NumPy), checked for consistent shapes and finite images.
+def record_to_synthetic(record: ArrayRecord,
+                        limits: replies.SyntheticLimits | None = None) -> fl.SyntheticSet:
+  """A received synthetic set (NumPy), checked.
+
+  With ``limits`` (what the server does): exactly the arrays ``x`` float32
+  ``(S, *image_shape)``, ``y`` int32 ``(S,)``, ``mask`` bool ``(S,)``, at most
+  ``ipc * num_classes`` slots (refused from the declared shape, before the
+  values are read), finite images within ``max_image_abs``, labels in the
+  layout of :func:`fedlap_jax.federated.synthetic_labels`
+  (:func:`fedlap_flower.replies.check_synthetic`). Without: consistent
+  shapes and finite images only.
 
   Raises:
-    ValueError: missing arrays, shapes that do not agree, or NaN / Inf images.
+    ValueError (:class:`fedlap_flower.replies.InvalidReply` naming the
+      array): what the checks above refuse.
   """
   missing = [k for k in ("x", "y", "mask") if k not in record]
   if missing:
-    raise ValueError(f"synthetic set lacks arrays {missing}")
+    raise replies.InvalidReply("synthetic", f"synthetic set lacks arrays {missing}")
+  if limits is not None:
+    extra = sorted(set(record.keys()) - {"x", "y", "mask"})
+    if extra:
+      raise replies.InvalidReply("synthetic", f"synthetic set holds other arrays "
+                                 f"{replies.short(extra)}; allowed: x, y, mask")
+    replies.check_slot_count(record["x"].shape, limits)
+    x = _numpy(record, "x", "x", np.float32)
+    y = _numpy(record, "y", "y", np.int32)
+    mask = _numpy(record, "mask", "mask", np.bool_)
+    return fl.SyntheticSet(*replies.check_synthetic(x, y, mask, limits))
   x, y, mask = (record[k].numpy() for k in ("x", "y", "mask"))
   if x.ndim != 4 or y.shape != (len(x),) or mask.shape != (len(x),):
     raise ValueError(f"synthetic set has shapes x {x.shape}, y {y.shape}, mask {mask.shape}; "
                      "allowed: (S, H, W, C), (S,), (S,)")
-  if not np.isfinite(x).all():
-    raise ValueError("synthetic images hold NaN or Inf")
+  if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+    raise ValueError("synthetic images hold NaN or Inf, or are not numbers")
   return fl.SyntheticSet(x.astype(np.float32), y.astype(np.int32), mask.astype(bool))
 
 

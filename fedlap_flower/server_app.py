@@ -16,7 +16,7 @@ import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedlap_flower import records, server_work, settings, strategy as strategy_lib, task
+from fedlap_flower import records, replies, server_work, settings, strategy as strategy_lib, task
 from fedlap_flower.prompt_grid import PromptGrid
 
 app = ServerApp()
@@ -30,6 +30,15 @@ def main(grid: Grid, context: Context) -> None:
   Replies are collected as they arrive, not on Flower's 3 s pulls."""
   from experiments import termination  # pylint: disable=g-import-not-at-top
   termination.call_interruptibly(serve, PromptGrid(grid), settings.run_settings(context.run_config))
+
+
+def largest_pixel(test: task.TestSplit) -> float:
+  """The largest ``|pixel|`` of the normalised test split (per-channel extremes, no copy)."""
+  x = np.asarray(test.x)
+  axes = tuple(range(x.ndim - 1))
+  lo = x.min(axis=axes).astype(np.float64) * test.pixel_scale + test.pixel_offset
+  hi = x.max(axis=axes).astype(np.float64) * test.pixel_scale + test.pixel_offset
+  return float(np.max(np.abs(np.concatenate([np.ravel(lo), np.ravel(hi)]))))
 
 
 def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
@@ -51,6 +60,9 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
           "round_timeout": run.round_timeout, "join_timeout": run.join_timeout,
           "model_bytes": model_bytes,
           "unsafe_dp_keys_from_server": run.unsafe_dp_keys_from_server,
+          "clients_per_round": cfg.data.get("clients_per_round"),
+          "participation_seed": int(cfg.data.get("participation_seed", 0)),
+          "partition_keys": dict(run.partition_keys),
           "config_values": cfg.to_dict()}
   run_log = strategy_lib.RunLog(run.run_dir, info)
   if fc is not None:
@@ -59,13 +71,16 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
         min_clients=run.min_clients, round_timeout=run.round_timeout,
         join_timeout=run.join_timeout,
         unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
-        model_bytes=model_bytes)
+        model_bytes=model_bytes, image_shape=test.image_shape, num_classes=test.num_classes,
+        max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
+        partition_keys=run.partition_keys)
   else:
     strategy = strategy_lib.FedAvgBaseline(cfg=cfg, evaluate=evaluate,
                                            min_clients=run.min_clients,
                                            round_timeout=run.round_timeout,
                                            join_timeout=run.join_timeout, run_log=run_log,
-                                           model_bytes=model_bytes)
+                                           model_bytes=model_bytes,
+                                           partition_keys=run.partition_keys)
   result = strategy.start(grid=grid, initial_arrays=records.params_to_record(params),
                           num_rounds=int(cfg.rounds), timeout=run.round_timeout)
   final = result.arrays if result.arrays is not None else records.params_to_record(params)

@@ -18,7 +18,8 @@ key                             meaning
                                 of ``experiments.run`` (``"seed=1 rounds=3"``)
 ``run-dir``                     the server's outputs; ``""``: ``runs/flower/<label>``
 ``min-clients``                 fewest clients a round may aggregate (0: all
-                                ``data.num_clients``); fewer stops the run
+                                of the round's clients, ``data.clients_per_round``
+                                or else ``data.num_clients``); fewer stops the run
 ``round-timeout``               seconds the server waits for a round's replies
 ``join-timeout``                seconds a round waits for all ``K`` clients to be
                                 connected before it starts with those there
@@ -31,6 +32,13 @@ key                             meaning
                                 (``""``: ``~/.fedlap_flower``); a DP client
                                 never keeps its ledger where the run config
                                 says
+``partition-keys``              ``"K=SHA256:... ..."``: partition ``K`` is the node
+                                with that public key (``ssh-keygen -l -f
+                                KEY.pub``); ``""``: first come
+                                (:mod:`fedlap_flower.binding`)
+``max-image-abs``               largest ``|x|`` of a synthetic image the server
+                                accepts (0: 1000 x the normalised test split's
+                                largest ``|pixel|``; :mod:`fedlap_flower.replies`)
 ``unsafe-dp-keys-from-server``  TEST ONLY: DP clients use the server's round
                                 keys (the server could remove the noise);
                                 also needs the client's consent, the
@@ -92,6 +100,8 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     "join-timeout": 30.0,
     "max-epsilon": math.inf,
     "state-root": "",
+    "partition-keys": "",
+    "max-image-abs": 0.0,
     "unsafe-dp-keys-from-server": False,
     # Checked by the node before the ClientApp runs (fedlap_flower.run_signature).
     "signer": "",
@@ -255,6 +265,8 @@ class RunSettings:
   max_epsilon: float
   state_root: Path
   unsafe_dp_keys_from_server: bool
+  partition_keys: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  max_image_abs: float = 0.0
 
   @property
   def num_clients(self) -> int:
@@ -281,9 +293,11 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   rc = with_defaults(run_config)
   cfg, label = load_config(rc["config"], rc["overrides"])
   k = int(cfg.data.num_clients)
+  per_round = int(cfg.data.get("clients_per_round") or k)
   min_clients = rc["min-clients"]
-  if not is_int(min_clients) or not 0 <= min_clients <= k:
-    _fail("min-clients", min_clients, f"an integer in [0, {k}] (0: all data.num_clients={k})")
+  if not is_int(min_clients) or not 0 <= min_clients <= per_round:
+    _fail("min-clients", min_clients, f"an integer in [0, {per_round}] (0: all {per_round} "
+          "clients of a round, data.clients_per_round or data.num_clients)")
   timeout = rc["round-timeout"]
   if not is_real(timeout) or not 0 < timeout:
     _fail("round-timeout", timeout, "a finite number of seconds > 0")
@@ -299,11 +313,23 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   for key in ("run-dir", "state-root"):
     if not isinstance(rc[key], str):
       _fail(key, rc[key], "a path (a string; '' for the default)")
+  from fedlap_flower import binding  # pylint: disable=g-import-not-at-top
+  keys = rc["partition-keys"]
+  if not isinstance(keys, str):
+    _fail("partition-keys", keys, "a string of PARTITION=SHA256:... pairs ('' for first come)")
+  try:
+    partition_keys = binding.parse_partition_keys(keys, k)
+  except ValueError as e:
+    raise SettingsError("partition-keys", keys, "PARTITION=SHA256:... pairs",
+                        message=str(e)) from None
+  max_image = rc["max-image-abs"]
+  if not is_real(max_image) or not 0 <= max_image:
+    _fail("max-image-abs", max_image, "a finite number > 0, or 0 for the default bound")
   run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
   state_root = Path(rc["state-root"] or "~/.fedlap_flower").expanduser()
   return RunSettings(rc["config"], rc["overrides"], label, cfg, run_dir,
-                     min_clients or k, float(timeout), float(join), float(max_eps), state_root,
-                     unsafe)
+                     min_clients or per_round, float(timeout), float(join), float(max_eps),
+                     state_root, unsafe, partition_keys, float(max_image))
 
 
 @dataclasses.dataclass(frozen=True)

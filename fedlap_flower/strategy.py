@@ -1,31 +1,53 @@
 """Server strategies: FedLAP / FedLAP-DP, and FedAvg through Flower's own strategy.
 
+Who is asked (:class:`Participation`, both strategies): each round waits up
+to ``join-timeout`` for all ``K`` clients to be connected (and up to
+``round-timeout`` for ``min-clients``), binds every connected node to its
+partition (:mod:`fedlap_flower.binding`: by ``partition-keys``, or a query
+for the node's ``partition-id``, first come), and asks the nodes holding the
+round's clients: all ``K``, or with ``data.clients_per_round = m`` the ``m``
+partitions :func:`fedlap_flower.task.participants` draws from the public
+``data.participation_seed``, as ``experiments.run`` draws them (logged as
+``clients``).
+
+Every reply is untrusted input (:mod:`fedlap_flower.replies`). Each is
+parsed inside its own error boundary: whatever one reply holds, the worst it
+gets is ``invalid`` with the reason (and the field) in ``client_reports.json``;
+the round goes on with the others. After the update, parameters holding NaN /
+Inf (or a non-finite test loss) are refused: the previous global model is
+kept and the round is logged with ``update_refused``.
+
 :class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``):
 
-* ``configure_train`` waits up to ``join-timeout`` for all ``K`` clients to be
-  connected (and up to ``round-timeout`` for ``min-clients``), then sends every
-  connected node the global parameters,
-  the round's learning rate ``eta_m`` and, without DP, the round's keys as
+* ``configure_train`` sends the asked nodes the global parameters, the
+  round's learning rate ``eta_m`` and, without DP, the round's keys as
   ``experiments.run`` derives them (``(next, k_init, k_clients, k_server) =
   split(state key, 4)``); under DP each client draws its keys from its own
   secret (see :mod:`fedlap_flower.ledger`).
-* ``aggregate_train`` sorts the replies: ``ok`` (a synthetic set), ``refused``
-  (the client's privacy budget), ``error`` (the ClientApp raised, or Flower
-  reports the node unavailable) and ``missing`` (no reply within
-  ``round-timeout``). With fewer than ``min-clients`` usable sets it logs the
-  round and stops the run (:class:`TooFewClients`). Otherwise it stacks the
-  sets in partition order, runs :func:`fedlap_flower.server_work.server_update`
-  (radius ``r_g`` from the clients' ``r_k`` by the config's strategy, then
+* ``aggregate_train`` sorts the replies: ``ok`` (a synthetic set that fits
+  the round), ``refused`` (the client's privacy budget, or a round it is not
+  drawn for), ``invalid`` (a reply that does not fit: shapes, dtypes, labels,
+  slot count, image range, metrics, model delta, or a ``partition-id`` other
+  than its node's), ``error`` (the ClientApp raised, or Flower reports the
+  node unavailable) and ``missing`` (no reply within ``round-timeout``). With
+  fewer than ``min-clients`` usable sets it logs the round and stops the run
+  (:class:`TooFewClients`). Otherwise it stacks the sets in partition order,
+  runs :func:`fedlap_flower.server_work.server_update` (radius ``r_g`` from
+  the clients' ``r_k`` by the config's strategy, then
   :func:`fedlap_jax.global_update`), evaluates on the test split and logs the
   round (:class:`RunLog`). With ``server.start='fedavg_delta'`` (the hybrid
-  recipe) every ``ok`` reply must also carry the client's model delta (a reply
-  without one, or with one that does not match the model, is ``invalid``);
-  the descent starts from ``w_g`` plus the usable clients' deltas averaged
-  with the server's weights, as ``experiments.run`` does.
+  recipe) every ``ok`` reply must also carry the client's model delta, of
+  bounded norm under DP (:func:`fedlap_flower.replies.max_delta_norm`); the
+  descent starts from ``w_g`` plus the usable clients' deltas averaged with
+  the server's weights, as ``experiments.run`` does.
 
 :class:`FedAvgBaseline` is Flower's ``FedAvg`` (weighted mean of the clients'
-models by ``num-examples``) with the cosine learning rate and the round keys
-added to each round's config, and the test evaluation logged the same way.
+models by ``num-examples``) over the replies that fit (the model's paths,
+shapes and dtypes, finite values, ``num-examples`` an int >= 1, the node's
+``partition-id``), with the cosine learning rate and the round keys added to
+each round's config, and the test evaluation logged the same way. Local SGD
+is not clipped, so no config-derived bound limits a client's model: a client
+moves the mean by its weight share, as in FedAvg itself.
 """
 
 from __future__ import annotations
@@ -37,14 +59,19 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, Iterable
 
+import jax
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
-from fedlap_flower import records, server_work, task
+from fedlap_flower import binding as binding_lib
+from fedlap_flower import records, replies, server_work, task
 from fedlap_flower.ledger import write_json_atomic
+
+# The longest client-supplied text kept in a report (a reason, a status).
+MAX_TEXT = 2000
 
 
 class TooFewClients(RuntimeError):
@@ -55,12 +82,14 @@ class RunLog:
   """The server's record of a run in ``run_dir``.
 
   * ``metrics.jsonl``: one record per round (test accuracy and loss, the
-    largest epsilon any client reported, per-client epsilon / radius / status,
-    server radius and steps, bytes uploaded (synthetic sets, plus the model
-    deltas with ``server.start='fedavg_delta'``, also counted alone in
-    ``upload_delta_bytes``), seconds);
-  * ``client_reports.json``: everything each client reported, every round
-    (rewritten atomically after each round);
+    largest epsilon any client has reported so far, this round's epsilon /
+    radius / status per client, the round's clients, server radius and steps,
+    bytes uploaded (synthetic sets, plus the model deltas with
+    ``server.start='fedavg_delta'``, also counted alone in
+    ``upload_delta_bytes``), seconds, ``update_refused`` when the update was
+    not finite);
+  * ``client_reports.json``: everything each client reported, every round,
+    and why a reply was not used (rewritten atomically after each round);
   * ``run_info.json``: the settings of the run.
   """
 
@@ -83,11 +112,12 @@ class RunLog:
     with open(self.run_dir / "metrics.jsonl", "a") as f:
       f.write(json.dumps(record, sort_keys=True) + "\n")
     eps = record.get("epsilon")
-    log(INFO, "[fedlap] round %d: test accuracy %.4f, loss %.4f%s, clients ok %s%s",
+    log(INFO, "[fedlap] round %d: test accuracy %.4f, loss %.4f%s, clients ok %s%s%s",
         record["round"], record["test_accuracy"], record["test_loss"],
         "" if eps is None else f", epsilon {eps:.3f}", record["clients_ok"],
         "".join(f", {k} {v}" for k, v in record.items()
-                if k.startswith("clients_") and k != "clients_ok" and v))
+                if k.startswith("clients_") and k != "clients_ok" and v),
+        f"; UPDATE REFUSED: {record['update_refused']}" if record.get("update_refused") else "")
 
 
 def wait_for_nodes(grid: Grid, expected: int, minimum: int, join_timeout: float,
@@ -109,11 +139,142 @@ def wait_for_nodes(grid: Grid, expected: int, minimum: int, join_timeout: float,
     time.sleep(1.0)
 
 
-def _metric(content, key, default=None):
-  for rec in content.metric_records.values():
-    if key in rec:
-      return rec[key]
-  return default
+def _text(value: Any) -> str:
+  text = value if isinstance(value, str) else replies.short(value, MAX_TEXT)
+  return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "..."
+
+
+def _why(e: Exception) -> str:
+  """A dropped reply's reason: ``FIELD: message`` for a check, ``Type: message`` otherwise."""
+  head = e.field if isinstance(e, replies.InvalidReply) else type(e).__name__
+  return _text(f"{head}: {e}")
+
+
+def _loggable(metrics: dict) -> dict:
+  """A reply's metrics for the reports: numbers as they are, lists summarised."""
+  out = {}
+  for k, v in list(metrics.items())[:64]:
+    k = _text(k)[:100]
+    if isinstance(v, (bool, int, float)):
+      out[k] = v if not isinstance(v, float) or math.isfinite(v) else repr(v)
+    else:
+      out[k] = f"<{type(v).__name__} of {len(v) if hasattr(v, '__len__') else '?'}>"
+  return out
+
+
+def _finite(params) -> bool:
+  return all(bool(np.isfinite(np.asarray(leaf)).all()) for leaf in jax.tree.leaves(params))
+
+
+def _reply_node(msg: Message, destination: dict) -> int:
+  """The node a reply answers for: the destination of the message it replies to."""
+  return int(destination.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id))
+
+
+def _destinations(messages) -> dict:
+  # The Grid gives the sent messages their ids; an error the SuperLink returns for an
+  # unavailable node comes from the SuperLink and names the message it answers.
+  return {m.metadata.message_id: m.metadata.dst_node_id for m in messages
+          if m.metadata.message_id}
+
+
+def _node_facts(grid: Grid, nodes: list[int]) -> dict[int, binding_lib.NodeFacts]:
+  """What the SuperLink says about ``nodes`` (key fingerprint, connection time)."""
+  facts = {n: binding_lib.NodeFacts(n) for n in nodes}
+  try:
+    infos = list(grid.get_nodes())
+  except Exception:  # pylint: disable=broad-except  (a Grid without node details)
+    return facts
+  for info in infos:
+    node = int(info.node_id)
+    if node not in facts:
+      continue
+    fingerprint = ""
+    if info.public_key:
+      try:
+        fingerprint = binding_lib.key_fingerprint(bytes(info.public_key))
+      except (ValueError, TypeError):
+        fingerprint = ""
+    facts[node] = binding_lib.NodeFacts(node, fingerprint,
+                                        str(info.last_activated_at or ""))
+  return facts
+
+
+class Participation:
+  """Which nodes a round asks: partition binding and client sampling (module docstring)."""
+
+  def __init__(self, cfg, *, partition_keys, min_clients: int, round_timeout: float,
+               join_timeout: float):
+    self.cfg = cfg
+    self.num_clients = int(cfg.data.num_clients)
+    self.binding = binding_lib.PartitionBinding(self.num_clients, partition_keys)
+    self.min_clients = min_clients
+    self.round_timeout = round_timeout
+    self.join_timeout = join_timeout
+
+  def _ask_partitions(self, grid: Grid, server_round: int, nodes: list[int], facts: dict):
+    """Queries ``nodes`` for their ``partition-id``; ``(claims, reports)``."""
+    messages = [Message(content=RecordDict({"config": ConfigRecord(
+        {"server-round": server_round, "ask": "partition-id"})}),
+        message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
+    answers = list(grid.send_and_receive(messages, timeout=self.round_timeout))
+    destination = _destinations(messages)
+    claims, reports, answered = [], [], set()
+    for msg in answers:
+      report = {"round": server_round, "node_id": None, "partition_id": None,
+                "stage": "partition-id query"}
+      try:
+        node = _reply_node(msg, destination)
+        report["node_id"] = node
+        if node not in facts or node in answered:
+          raise replies.InvalidReply("node", f"an answer from node {node}, which was not asked "
+                                     "(or answered twice)")
+        answered.add(node)
+        if msg.has_error():
+          report.update(status="error", reason=_text(msg.error.reason))
+          reports.append(report)
+          continue
+        metrics = dict(msg.content.metric_records["metrics"])
+        claims.append((facts[node], replies.check_partition(metrics, self.num_clients)))
+      except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
+        report.update(status="invalid", reason=_why(e),
+                      field=getattr(e, "field", None))
+        reports.append(report)
+    for node in nodes:
+      if node not in answered:
+        reports.append({"round": server_round, "node_id": node, "partition_id": None,
+                        "stage": "partition-id query", "status": "missing",
+                        "reason": f"no answer within round-timeout={self.round_timeout:g} s"})
+    return claims, reports
+
+  def select(self, grid: Grid, server_round: int) -> tuple[dict[int, int], list[int], list[dict]]:
+    """``(asked {node: partition}, the round's clients, reports of nodes left out)``."""
+    nodes = wait_for_nodes(grid, self.num_clients, self.min_clients, self.join_timeout,
+                           self.round_timeout)
+    facts = _node_facts(grid, nodes)
+    self.binding.release_absent(nodes)
+    reports: list[dict] = []
+    unbound = [n for n in nodes if self.binding.partition_of(n) is None]
+    refused: dict[int, str] = {}
+    claimed: dict[int, int] = {}
+    if self.binding.by_key:
+      refused = self.binding.bind_by_key([facts[n] for n in unbound])
+    elif unbound:
+      claims, reports = self._ask_partitions(grid, server_round, unbound, facts)
+      claimed = {f.node_id: pid for f, pid in claims}
+      refused = self.binding.claim(claims)
+    for node, reason in sorted(refused.items()):
+      reports.append({"round": server_round, "node_id": node,
+                      "partition_id": claimed.get(node), "stage": "partition binding",
+                      "status": "invalid", "reason": reason,
+                      "field": "partition-keys" if self.binding.by_key else "partition-id"})
+    chosen = task.participants(self.cfg, server_round).tolist()
+    asked = {}
+    for pid in chosen:
+      node = self.binding.node_of(pid)
+      if node is not None:
+        asked[node] = pid
+    return asked, chosen, reports
 
 
 class FedLAP(Strategy):
@@ -121,7 +282,8 @@ class FedLAP(Strategy):
 
   def __init__(self, *, cfg, fedlap_config, apply_fn, evaluate, min_clients: int,
                round_timeout: float, join_timeout: float, unsafe_dp_keys_from_server: bool,
-               run_log: RunLog, model_bytes: int):
+               run_log: RunLog, model_bytes: int, image_shape=None, num_classes: int = 10,
+               max_image_abs: float | None = None, partition_keys=None):
     self.cfg = cfg
     self.fc = fedlap_config
     self.apply_fn = apply_fn
@@ -135,30 +297,44 @@ class FedLAP(Strategy):
     self.with_deltas = fedlap_config.server.start == "fedavg_delta"
     self.run_log = run_log
     self.model_bytes = model_bytes
+    self.participation = Participation(cfg, partition_keys=partition_keys,
+                                       min_clients=min_clients, round_timeout=round_timeout,
+                                       join_timeout=join_timeout)
+    self.limits = None
+    if image_shape is not None:
+      self.limits = replies.SyntheticLimits(
+          tuple(image_shape), int(num_classes), int(fedlap_config.client.ipc),
+          float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR))
+    # r_k <= r, compared as the float32 the client computes r_k in.
+    self.max_radius = float(np.float32(fedlap_config.client.radius))
     self._chain = task.initial_chain_key(cfg.seed)
     self._round: dict[str, Any] = {}
-    self._partition_of: dict[int, int] = {}
+    self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._epsilon: dict[int, float] = {}
     self._params = None
 
   def summary(self) -> None:
-    log(INFO, "\t├──> FedLAP%s: %d clients (min %d per round), %s keys, radius strategy %s",
-        "-DP" if self.dp else "", self.num_clients, self.min_clients,
-        "server" if self.server_keys else "client-secret",
-        self.fc.server.radius_strategy)
+    log(INFO, "\t├──> FedLAP%s: %d clients (%s per round, min %d), %s keys, radius strategy %s, "
+        "partitions bound %s", "-DP" if self.dp else "", self.num_clients,
+        self.cfg.data.get("clients_per_round") or "all", self.min_clients,
+        "server" if self.server_keys else "client-secret", self.fc.server.radius_strategy,
+        "by partition-keys" if self.participation.binding.by_key else "first come")
     if self.dp and self.server_keys:
       log(WARNING, "UNSAFE (test only): DP clients draw their noise from keys the server "
           "chose; a server that knows them can remove the noise")
 
   def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                       grid: Grid) -> Iterable[Message]:
-    nodes = wait_for_nodes(grid, self.num_clients, self.min_clients, self.join_timeout,
-                           self.round_timeout)
+    asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_init, k_clients, k_server = task.round_keys(self._chain)
     lr = task.learning_rate(self.cfg, server_round)
     self._params = records.record_to_params(arrays)
     self._round = {"server_round": server_round, "k_server": k_server, "lr": lr,
                    "server_lr": task.server_learning_rate(self.fc, server_round),
-                   "nodes": nodes, "t0": time.time()}
+                   "asked": asked, "chosen": chosen, "reports": reports, "t0": time.time(),
+                   "max_delta_norm": replies.max_delta_norm(
+                       self.fc.client, lr, sum(int(np.size(v)) for v in
+                                               jax.tree.leaves(self._params)))}
     conf = ConfigRecord({"server-round": server_round, "learning-rate": lr,
                          "num-clients": self.num_clients,
                          "keys": "server" if self.server_keys else "client"})
@@ -167,79 +343,117 @@ class FedLAP(Strategy):
       conf["key-clients"] = task.key_to_words(k_clients)
     content = RecordDict({"arrays": arrays, "config": conf})
     self._round["messages"] = [Message(content=content, message_type=MessageType.TRAIN,
-                                       dst_node_id=n) for n in nodes]
+                                       dst_node_id=n) for n in sorted(asked)]
     return self._round["messages"]
 
-  def _parse(self, server_round: int, replies: list[Message]) -> tuple[list, list[dict]]:
+  # -- replies -------------------------------------------------------------------
+
+  def _check_ok(self, content, metrics: dict, pid: int):
+    """The usable parts of an ``ok`` reply: ``(synthetic, radius, num_examples, delta)``."""
+    allowed = {"metrics", "status", "synthetic"} | ({"delta"} if self.with_deltas else set())
+    extra = sorted(set(content.keys()) - allowed)
+    if extra:
+      raise replies.InvalidReply("reply", f"the reply holds records {replies.short(extra)}; "
+                                 f"allowed: {sorted(allowed)}")
+    if "synthetic" not in content.array_records:
+      raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
+    radius = replies.check_radius(metrics, self.max_radius)
+    sizes = self.fc.server.weighting == "size"
+    num_examples = replies.check_num_examples(metrics, required=sizes)
+    replies.check_epsilon(metrics, required=self.dp)
+    synthetic = records.record_to_synthetic(content.array_records["synthetic"], self.limits)
+    pinned = self._labels.get(pid)
+    if pinned is not None and not (np.array_equal(pinned[0], synthetic.y)
+                                   and np.array_equal(pinned[1], synthetic.mask)):
+      raise replies.InvalidReply("y", "y / mask differ from this partition's earlier replies; "
+                                 "allowed: the synthetic labels fixed for the run")
+    delta = None
+    if self.with_deltas:
+      if "delta" not in content.array_records:
+        raise replies.InvalidReply("delta", "no model delta; server.start='fedavg_delta' needs "
+                                   "one from every client")
+      delta = records.record_to_delta(content.array_records["delta"], self._params,
+                                      max_norm=self._round.get("max_delta_norm"))
+    return synthetic, radius, num_examples, delta
+
+  def _parse_one(self, msg: Message, node: int, report: dict):
+    """One reply into ``report``; returns the usable tuple of an ``ok`` reply, else None."""
+    if msg.has_error():
+      report.update(status="error", reason=_text(msg.error.reason), code=int(msg.error.code))
+      return None
+    content = msg.content
+    metrics = dict(content.metric_records["metrics"])
+    status = dict(content.config_records["status"])
+    report["metrics"] = _loggable(metrics)
+    state = status.get("status", "ok")
+    if state not in ("ok", "refused"):
+      raise replies.InvalidReply("status", f"status={replies.short(state)} is invalid; allowed: "
+                                 "'ok' or 'refused'")
+    report["status"] = state
+    if status.get("keys") is not None:
+      report["keys"] = _text(status["keys"])[:20]
+    if status.get("reason"):
+      report["reason"] = _text(status["reason"])
+    pid = replies.check_partition(metrics, self.num_clients, self._round["asked"].get(node))
+    report["partition_id"] = pid
+    if state == "refused":
+      try:
+        eps = replies.check_epsilon(metrics, required=False)
+      except replies.InvalidReply:
+        eps = None
+      if eps is not None:
+        self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
+      return None
+    synthetic, radius, num_examples, delta = self._check_ok(content, metrics, pid)
+    eps = replies.check_epsilon(metrics, required=False)
+    sent = [content.array_records["synthetic"]]
+    if self.with_deltas:
+      sent.append(content.array_records["delta"])
+      report["upload_delta_bytes"] = records.raw_bytes(content.array_records["delta"])
+    report["upload_bytes"] = sum(records.raw_bytes(r) for r in sent)
+    report["upload_wire_bytes"] = sum(records.wire_bytes(r) for r in sent)
+    return pid, synthetic, radius, num_examples, eps, delta
+
+  def _parse(self, server_round: int, replies_in: list[Message]) -> tuple[list, list[dict]]:
     """``(usable [(partition, synthetic, radius, num_examples, epsilon, delta)], reports)``.
 
     ``delta`` is the client's model delta with ``server.start='fedavg_delta'``,
-    else ``None``.
+    else ``None``. Each reply is handled in its own error boundary.
     """
-    usable, reports, seen = [], [], set()
-    replied = set()
-    # The Grid gives the sent messages their ids; an error the SuperLink returns for an
-    # unavailable node comes from the SuperLink and names the message it answers.
-    destination = {m.metadata.message_id: m.metadata.dst_node_id
-                   for m in self._round.get("messages", []) if m.metadata.message_id}
-    for msg in replies:
-      node = int(destination.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id))
-      replied.add(node)
-      report = {"round": server_round, "node_id": node,
-                "partition_id": self._partition_of.get(node)}
-      if msg.has_error():
-        report.update(status="error", reason=msg.error.reason, code=int(msg.error.code))
-        reports.append(report)
-        continue
-      content = msg.content
-      metrics = {k: v for rec in content.metric_records.values() for k, v in rec.items()}
-      status = dict(content.config_records.get("status", {}))
-      pid = metrics.get("partition-id")
-      report.update(partition_id=pid, metrics=metrics, keys=status.get("keys"),
-                    status=status.get("status", "ok"))
-      if status.get("reason"):
-        report["reason"] = status["reason"]
-      if pid is not None:
-        self._partition_of[node] = int(pid)
-      if report["status"] == "ok":
-        try:
-          if not (isinstance(pid, int) and 0 <= pid < self.num_clients):
-            raise ValueError(f"partition-id={pid!r} is not in [0, {self.num_clients - 1}]")
-          if pid in seen:
-            raise ValueError(f"a second reply for partition {pid}")
-          synthetic = records.record_to_synthetic(content.array_records["synthetic"])
-          radius = float(metrics["radius"])
-          if not math.isfinite(radius) or radius <= 0:
-            raise ValueError(f"radius={radius!r}")
-          delta = None
-          if self.with_deltas:
-            if "delta" not in content.array_records:
-              raise ValueError("no model delta; server.start='fedavg_delta' needs one from "
-                               "every client")
-            delta = records.record_to_delta(content.array_records["delta"], self._params)
-        except (KeyError, ValueError) as e:
-          report.update(status="invalid", reason=str(e))
-        else:
-          seen.add(pid)
-          sent = [content.array_records["synthetic"]]
-          if self.with_deltas:
-            sent.append(content.array_records["delta"])
-            report["upload_delta_bytes"] = records.raw_bytes(content.array_records["delta"])
-          report["upload_bytes"] = sum(records.raw_bytes(r) for r in sent)
-          report["upload_wire_bytes"] = sum(records.wire_bytes(r) for r in sent)
-          usable.append((pid, synthetic, radius, metrics.get("num-examples"),
-                         metrics.get("epsilon"), delta))
+    asked = self._round.get("asked", {})
+    usable, reports, replied = [], list(self._round.get("reports", [])), set()
+    destination = _destinations(self._round.get("messages", []))
+    for msg in replies_in:
+      report = {"round": server_round, "node_id": None, "partition_id": None}
+      try:
+        node = _reply_node(msg, destination)
+        report.update(node_id=node, partition_id=asked.get(node))
+        if node not in asked:
+          raise replies.InvalidReply("node", f"a reply from node {node}, which was not asked "
+                                     "this round")
+        if node in replied:
+          raise replies.InvalidReply("node", f"a second reply from node {node}")
+        replied.add(node)
+        got = self._parse_one(msg, node, report)
+        if got is not None:
+          report["status"] = "ok"
+          usable.append(got)
+      except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
+        report.update(status="invalid", reason=_why(e),
+                      field=getattr(e, "field", None))
+        for k in ("upload_bytes", "upload_wire_bytes", "upload_delta_bytes"):
+          report.pop(k, None)
       reports.append(report)
-    for node in self._round.get("nodes", []):
+    for node in sorted(asked):
       if node not in replied:
         reports.append({"round": server_round, "node_id": node,
-                        "partition_id": self._partition_of.get(node), "status": "missing",
+                        "partition_id": asked[node], "status": "missing",
                         "reason": f"no reply within round-timeout={self.round_timeout:g} s"})
     return sorted(usable, key=lambda u: u[0]), reports
 
-  def aggregate_train(self, server_round: int, replies: Iterable[Message]
+  def aggregate_train(self, server_round: int, replies_in: Iterable[Message]
                       ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-    usable, reports = self._parse(server_round, list(replies))
+    usable, reports = self._parse(server_round, list(replies_in))
     self.run_log.add_reports(reports)
     by_status: dict[str, list] = {}
     for r in reports:
@@ -247,16 +461,24 @@ class FedLAP(Strategy):
                                                    is not None else f"node {r['node_id']}")
     for r in reports:
       if r["status"] != "ok":
-        log(WARNING, "[fedlap] round %d: client %s (node %d) %s: %s", server_round,
+        log(WARNING, "[fedlap] round %d: client %s (node %s) %s: %s", server_round,
             r["partition_id"], r["node_id"], r["status"], r.get("reason", ""))
-    epsilons = {r["partition_id"]: r["metrics"]["epsilon"] for r in reports
-                if "epsilon" in r.get("metrics", {})}
+    this_round = {u[0]: u[4] for u in usable if u[4] is not None}
+    for pid, eps in this_round.items():
+      self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
+    for r in reports:  # a refusal reports the epsilon the client stays at
+      if r["status"] == "refused" and r["partition_id"] in self._epsilon:
+        this_round.setdefault(r["partition_id"], self._epsilon[r["partition_id"]])
+    chosen = self._round.get("chosen", [])
+    unheld = [p for p in chosen if self.participation.binding.node_of(p) is None]
+    sampled = self.cfg.data.get("clients_per_round") is not None
     base = {"round": server_round, "learning_rate": self._round["lr"],
+            **({"clients": chosen} if sampled else {}),
             "clients_ok": [u[0] for u in usable],
             **{f"clients_{s}": v for s, v in by_status.items() if s != "ok"},
-            "epsilon": max(epsilons.values()) if epsilons else None,
-            "epsilon_per_client": {str(k): v for k, v in sorted(epsilons.items(),
-                                                                key=lambda kv: str(kv[0]))},
+            **({"partitions_unheld": unheld} if unheld else {}),
+            "epsilon": max(self._epsilon.values()) if self._epsilon else None,
+            "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
             "model_bytes": self.model_bytes}
     if len(usable) < self.min_clients:
       msg = (f"round {server_round}: {len(usable)} usable client replies, fewer than "
@@ -267,17 +489,27 @@ class FedLAP(Strategy):
                               "round_seconds": time.time() - self._round["t0"]})
       raise TooFewClients(msg)
     pids, sets, radii, sizes, _, deltas = zip(*usable)
+    for pid, syn in zip(pids, sets):
+      self._labels.setdefault(pid, (np.asarray(syn.y), np.asarray(syn.mask)))
     stacked = server_work.stack_synthetic(sets)
     weights = server_work.client_weights(self.fc.server.weighting, sizes)
     params, sm = server_work.server_update(
         self._round["k_server"], self.apply_fn, self._params, stacked, weights,
         np.asarray(radii), self._round["server_lr"], self.fc,
         deltas=server_work.stack_deltas(deltas) if self.with_deltas else None)
-    loss, acc = self.evaluate(params)
+    refused = None
+    loss, acc = (self.evaluate(params) if _finite(params) else (math.nan, math.nan))
+    if not (_finite(params) and math.isfinite(loss)):
+      refused = ("the server update holds NaN or Inf parameters" if not _finite(params)
+                 else f"the test loss after the update is {loss}")
+      refused += "; the previous global model is kept"
+      params = self._params
+      loss, acc = self.evaluate(params)
     r_g = float(sm.radius)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
     self.run_log.add_round({
         **base, "test_accuracy": acc, "test_loss": loss,
+        **({"update_refused": refused} if refused else {}),
         "client_radius": {str(p): r for p, r in zip(pids, radii)},
         "server_radius": r_g if math.isfinite(r_g) else None,
         "server_epochs": int(sm.epochs), "server_steps": int(sm.steps),
@@ -296,16 +528,16 @@ class FedLAP(Strategy):
                          grid: Grid) -> Iterable[Message]:
     return []  # evaluation on the server's test split happens in aggregate_train
 
-  def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+  def aggregate_evaluate(self, server_round: int, replies_in: Iterable[Message]
                          ) -> MetricRecord | None:
     return None
 
 
 class FedAvgBaseline(FedAvg):
-  """Flower's FedAvg with the cosine learning rate and round keys in every round's config."""
+  """Flower's FedAvg over the replies that fit, with the cosine learning rate and round keys."""
 
   def __init__(self, *, cfg, evaluate, min_clients: int, round_timeout: float,
-               join_timeout: float, run_log: RunLog, model_bytes: int):
+               join_timeout: float, run_log: RunLog, model_bytes: int, partition_keys=None):
     super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
                      min_available_nodes=min_clients)
     self.cfg = cfg
@@ -315,13 +547,15 @@ class FedAvgBaseline(FedAvg):
     self.join_timeout = join_timeout
     self.run_log = run_log
     self.model_bytes = model_bytes
+    self.participation = Participation(cfg, partition_keys=partition_keys,
+                                       min_clients=min_clients, round_timeout=round_timeout,
+                                       join_timeout=join_timeout)
     self._chain = task.initial_chain_key(cfg.seed)
     self._t0 = time.time()
-    self._nodes: list[int] = []
+    self._round: dict[str, Any] = {}
 
   def configure_train(self, server_round, arrays, config, grid):
-    self._nodes = wait_for_nodes(grid, int(self.cfg.data.num_clients), self.min_clients,
-                                 self.join_timeout, self.round_timeout)
+    asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, _, k_clients, _ = task.round_keys(self._chain)
     config = ConfigRecord(dict(config))
     config["learning-rate"] = task.learning_rate(self.cfg, server_round)
@@ -331,29 +565,87 @@ class FedAvgBaseline(FedAvg):
     config["server-round"] = server_round
     self._t0 = time.time()
     record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-    return self._construct_messages(record, self._nodes, MessageType.TRAIN)
+    messages = list(self._construct_messages(record, sorted(asked), MessageType.TRAIN))
+    self._round = {"asked": asked, "chosen": chosen, "reports": reports, "arrays": arrays,
+                   "params": records.record_to_params(arrays), "messages": messages}
+    return messages
 
-  def aggregate_train(self, server_round, replies):
-    replies = list(replies)
-    ok = [m for m in replies if not m.has_error()]
-    reports = []
-    for m in replies:
-      r = {"round": server_round, "node_id": int(m.metadata.src_node_id)}
-      if m.has_error():
-        r.update(status="error", reason=m.error.reason)
-      else:
-        r.update(status="ok", partition_id=_metric(m.content, "partition-id"),
-                 upload_bytes=records.raw_bytes(m.content.array_records["arrays"]))
+  def _parse_one(self, msg: Message, node: int, report: dict) -> None:
+    if msg.has_error():
+      report.update(status="error", reason=_text(msg.error.reason))
+      return
+    content = msg.content
+    extra = sorted(set(content.keys()) - {self.arrayrecord_key, "metrics"})
+    if extra or self.arrayrecord_key not in content.array_records \
+        or "metrics" not in content.metric_records:
+      raise replies.InvalidReply("reply", f"the reply holds records {replies.short(sorted(content.keys()))}; "
+                                 f"allowed: exactly {self.arrayrecord_key!r} and 'metrics'")
+    metrics = dict(content.metric_records["metrics"])
+    report["metrics"] = _loggable(metrics)
+    unknown = sorted(set(metrics) - {self.weighted_by_key, "partition-id"})
+    if unknown:
+      raise replies.InvalidReply("metrics", f"metrics {replies.short(unknown)} are unknown; "
+                                 f"allowed: {self.weighted_by_key}, partition-id")
+    report["partition_id"] = replies.check_partition(metrics, int(self.cfg.data.num_clients),
+                                                     self._round["asked"].get(node))
+    replies.check_num_examples(metrics, required=True)
+    records.record_to_like(content.array_records[self.arrayrecord_key], self._round["params"],
+                           what="model")
+    report.update(status="ok",
+                  upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key]))
+
+  def aggregate_train(self, server_round, replies_in):
+    asked = self._round.get("asked", {})
+    destination = _destinations(self._round.get("messages", []))
+    ok, reports, replied = [], list(self._round.get("reports", [])), set()
+    for m in replies_in:
+      r = {"round": server_round, "node_id": None, "partition_id": None}
+      try:
+        node = _reply_node(m, destination)
+        r.update(node_id=node, partition_id=asked.get(node))
+        if node not in asked or node in replied:
+          raise replies.InvalidReply("node", f"a reply from node {node}, which was not asked "
+                                     "this round (or a second one)")
+        replied.add(node)
+        self._parse_one(m, node, r)
+        if r["status"] == "ok":
+          ok.append(m)
+      except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
+        r.update(status="invalid", reason=_why(e),
+                 field=getattr(e, "field", None))
+        r.pop("upload_bytes", None)
       reports.append(r)
+    for node in sorted(asked):
+      if node not in replied:
+        reports.append({"round": server_round, "node_id": node, "partition_id": asked[node],
+                        "status": "missing",
+                        "reason": f"no reply within round-timeout={self.round_timeout:g} s"})
     self.run_log.add_reports(reports)
     if len(ok) < self.min_clients:
       raise TooFewClients(f"round {server_round}: {len(ok)} usable client replies, fewer than "
                           f"min-clients={self.min_clients}")
     arrays, metrics = super().aggregate_train(server_round, ok)
-    loss, acc = self.evaluate(records.record_to_params(arrays))
+    params = records.record_to_params(arrays)
+    loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
+    refused = None
+    if not (_finite(params) and math.isfinite(loss)):
+      refused = ("the aggregate holds NaN or Inf parameters" if not _finite(params)
+                 else f"the test loss of the aggregate is {loss}")
+      refused += "; the previous global model is kept"
+      arrays = self._round["arrays"]
+      loss, acc = self.evaluate(self._round["params"])
+    by_status: dict[str, list] = {}
+    for r in reports:
+      if r["status"] != "ok":
+        by_status.setdefault(r["status"], []).append(
+            r["partition_id"] if r["partition_id"] is not None else f"node {r['node_id']}")
+    sampled = self.cfg.data.get("clients_per_round") is not None
     self.run_log.add_round({
         "round": server_round, "test_accuracy": acc, "test_loss": loss, "epsilon": None,
+        **({"clients": self._round["chosen"]} if sampled else {}),
         "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
+        **{f"clients_{s}": v for s, v in by_status.items()},
+        **({"update_refused": refused} if refused else {}),
         "upload_bytes": sum(r.get("upload_bytes", 0) for r in reports),
         "model_bytes": self.model_bytes, "round_seconds": time.time() - self._t0})
     return arrays, metrics

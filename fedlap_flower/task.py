@@ -9,6 +9,12 @@ Flower client computes what client ``k`` of ``experiments.run`` computes:
   synthetic images' key and the state key; every round splits the state key
   into ``(next, k_init, k_clients, k_server)`` (:func:`round_keys`), and client
   ``k`` uses ``split(k_clients, K)[k]`` (:func:`client_key`);
+* the round's participants: with ``data.clients_per_round = m < K`` the
+  ``m`` clients :func:`fedlap_jax.participation.sample_clients` draws from the
+  public ``(data.participation_seed, round)`` (:func:`participants`); the
+  ``j``-th of them uses ``split(k_clients, m)[j]``, as
+  :func:`fedlap_jax.participation.sampled_round` runs the round on their block
+  (:func:`key_slot`);
 * one client's data (:func:`load_partition`): partition ``k`` of the config's
   data, padded to the largest partition as ``stack_clients`` pads it, with the
   synthetic labels of ``synthetic_labels`` over all partitions (``S = ipc *``
@@ -24,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import zipfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax import federated
+from fedlap_jax import federated, participation
 from fedlap_jax.federated import noise_images
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
@@ -97,6 +104,29 @@ def round_keys(chain_key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, j
 def client_key(round_key: jax.Array, num_clients: int, index: int) -> jax.Array:
   """Client ``index``'s share of a round key: ``split(round_key, K)[index]``."""
   return jax.random.split(round_key, num_clients)[index]
+
+
+def participants(cfg, server_round: int) -> np.ndarray:
+  """``(m,)`` the clients of round ``server_round`` (1-based), sorted, as ``experiments.run`` draws.
+
+  Uniform without replacement from the public ``data.participation_seed``
+  (:func:`fedlap_jax.participation.sample_clients`); every client (``arange(K)``)
+  when ``data.clients_per_round`` is ``None`` or ``K``.
+  """
+  return participation.sample_clients(int(cfg.data.get("participation_seed", 0)),
+                                      int(server_round), int(cfg.data.num_clients),
+                                      cfg.data.get("clients_per_round"))
+
+
+def key_slot(cfg, server_round: int, index: int) -> tuple[int, int] | None:
+  """``(j, m)``: client ``index`` is the ``j``-th of the round's ``m`` participants.
+
+  Its share of a round key is ``split(key, m)[j]`` (:func:`client_key` with
+  ``num_clients=m``), the key :func:`fedlap_jax.participation.sampled_round`
+  gives it; ``None`` if the client does not take part in the round.
+  """
+  chosen = participants(cfg, server_round).tolist()
+  return (chosen.index(index), len(chosen)) if index in chosen else None
 
 
 def key_to_words(key: jax.Array) -> list[int]:
@@ -247,6 +277,12 @@ def load_own_data(cfg, path: Path):
   server: ``test_split`` (the client does not hold the server's test split)
   and ``train_split`` (each client would standardise with its own statistics)
   are refused.
+
+  Raises:
+    ValueError: naming ``data-path``: a file that is not an npz of plain
+      arrays, missing arrays, no records or shapes that disagree, images
+      neither uint8 nor float, labels not integers or outside ``0..9``, NaN /
+      Inf pixels (checked as float32).
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   name = cfg.data.name
@@ -263,21 +299,37 @@ def load_own_data(cfg, path: Path):
                      f"is invalid for a client holding only its own records ({source!r} reads "
                      f"{reads}); allowed: one of {OWN_DATA_NORMALISATIONS} (or 'auto', "
                      f"'published' for data.name={name!r})")
-  with np.load(path, allow_pickle=False) as f:
-    missing = [k for k in ("x_train", "y_train") if k not in f.files]
-    if missing:
-      raise ValueError(f"data-path {path} lacks arrays {missing} (has {sorted(f.files)}); "
-                       "allowed: an npz with x_train (N, H, W, C) and y_train (N,)")
-    x, y = np.asarray(f["x_train"]), np.asarray(f["y_train"])
-  if x.ndim != 4 or len(x) != len(y) or len(x) == 0:
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      missing = [k for k in ("x_train", "y_train") if k not in f.files]
+      if missing:
+        raise ValueError(f"data-path {path} lacks arrays {missing} (has {sorted(f.files)}); "
+                         "allowed: an npz with x_train (N, H, W, C) and y_train (N,)")
+      x, y = np.asarray(f["x_train"]), np.asarray(f["y_train"])
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    if str(e).startswith("data-path "):
+      raise
+    raise ValueError(f"data-path {path} cannot be read as an npz of numeric arrays "
+                     f"({type(e).__name__}: {e}); allowed: np.savez output with x_train "
+                     "(N, H, W, C) and y_train (N,), no object arrays") from None
+  if x.ndim != 4 or y.ndim != 1 or len(x) != len(y) or x.size == 0:
     raise ValueError(f"data-path {path}: x_train {x.shape} / y_train {y.shape}; allowed: "
-                     "N >= 1 NHWC images and N labels")
+                     "N >= 1 NHWC images (H, W, C >= 1) and N labels")
   if not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
     raise ValueError(f"data-path {path}: x_train has dtype {x.dtype}; allowed: uint8 or float")
-  y = y.astype(np.int32)
+  if not np.issubdtype(y.dtype, np.integer):
+    raise ValueError(f"data-path {path}: y_train has dtype {y.dtype}; allowed: integer labels")
   if y.min() < 0 or y.max() >= 10:
     raise ValueError(f"data-path {path}: labels in [{y.min()}, {y.max()}]; allowed: 0..9")
-  x = x if x.dtype == np.uint8 else x.astype(np.float32)
+  y = y.astype(np.int32)
+  if x.dtype != np.uint8:
+    # Checked as float32, the dtype the client computes in (1e300 as float64 becomes Inf).
+    with np.errstate(over="ignore"):
+      x = x.astype(np.float32)
+    bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+    if bad:
+      raise ValueError(f"data-path {path}: x_train holds {bad} NaN or Inf values (as float32); "
+                       "allowed: finite pixels")
   _, mean, std = data_lib.normalisation_stats(cfg.data, x, x)  # fixed numbers: reads no pixel
   scale, offset = fl.pixel_normalisation(mean, std, 255.0 if x.dtype == np.uint8 else 1.0)
   return x, y, scale, offset, 10

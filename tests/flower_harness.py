@@ -22,6 +22,9 @@ TINY = ("rounds=2 client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
         "client.calibration_epochs=2 client.dsa_strategy='' server.dsa_strategy='' "
         "server.max_epochs=2 eval_chunk_size=128")
 NUM_CLIENTS = 5
+# Client sampling: 20 clients of 70 digits each (iid), 5 a round, one synthetic image a class.
+SAMPLED = (TINY + " data.num_clients=20 data.clients_per_round=5 data.partition=iid "
+           "client.batch_size=16 client.ipc=1")
 
 
 class InProcessGrid(Grid):
@@ -29,6 +32,9 @@ class InProcessGrid(Grid):
 
   ``offline`` holds node ids that neither appear in ``get_node_ids`` nor answer;
   ``silent`` holds nodes that are listed but never answer (a crashed node).
+  ``replies`` holds the train replies, ``query_replies`` the answers to the
+  strategy's partition-id queries; ``node_infos`` (node id -> ``NodeInfo``)
+  replaces what ``get_nodes`` reports for a node (its key, when it connected).
   """
 
   def __init__(self, client_app, run_config: dict, node_configs: dict[int, dict],
@@ -41,6 +47,8 @@ class InProcessGrid(Grid):
     self.silent: set[int] = set()
     self.sent: list[Message] = []
     self.replies: list[Message] = []
+    self.query_replies: list[Message] = []
+    self.node_infos: dict = {}
     self._run = None
 
   def set_run(self, run) -> None:
@@ -57,11 +65,22 @@ class InProcessGrid(Grid):
   def get_node_ids(self):
     return [n for n in self.contexts if n not in self.offline]
 
+  def get_nodes(self):
+    from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
+    return [self.node_infos.get(n, NodeInfo(node_id=n)) for n in self.get_node_ids()]
+
   def push_messages(self, messages):
     raise NotImplementedError("the strategies use send_and_receive")
 
   def pull_messages(self, message_ids):
     raise NotImplementedError("the strategies use send_and_receive")
+
+  def answer(self, msg):
+    """The node's ClientApp's reply to ``msg`` (an error reply if it raises)."""
+    try:
+      return self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+    except Exception as e:  # pylint: disable=broad-except  (as a SuperNode reports it)
+      return Message(Error(code=2, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
 
   def send_and_receive(self, messages, *, timeout=None):
     replies = []
@@ -70,12 +89,10 @@ class InProcessGrid(Grid):
       node = msg.metadata.dst_node_id
       if node in self.offline or node in self.silent:
         continue
-      try:
-        reply = self.client_app(msg, self.contexts[node])
-      except Exception as e:  # pylint: disable=broad-except  (as a SuperNode reports it)
-        reply = Message(Error(code=2, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
-      replies.append(reply)
-    self.replies.extend(replies)
+      replies.append(self.answer(msg))
+    for reply in replies:
+      is_query = reply.metadata.message_type == "query"
+      (self.query_replies if is_query else self.replies).append(reply)
     return replies
 
 
@@ -99,31 +116,68 @@ def node_configs(num: int = NUM_CLIENTS, *, state_root=None, **extra) -> dict[in
           for k in range(num)}
 
 
-def run_inprocess(run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None):
-  """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``.
+class ReplayGrid(InProcessGrid):
+  """An :class:`InProcessGrid` whose nodes answer train messages with given contents.
 
-  Without ``nodes``, node ``k`` gets ``state-dir = <run config's state-root>/client-<k>``.
+  ``script`` maps node ids to the ``RecordDict`` each sends back (as a reply
+  to the server's message of that round); nodes in ``silent`` or missing from
+  ``script`` do not answer. ``first`` (a node id) puts that node's reply
+  first. Query messages go to the real ClientApp.
+  """
+
+  def __init__(self, client_app, run_config: dict, node_configs: dict[int, dict],
+               script: dict, first: int | None = None):
+    super().__init__(client_app, run_config, node_configs)
+    self.script = script
+    self.first = first
+
+  def send_and_receive(self, messages, *, timeout=None):
+    messages = list(messages)
+    if any(m.metadata.message_type == "query" for m in messages):
+      return super().send_and_receive(messages, timeout=timeout)
+    replies = []
+    for msg in messages:
+      self.sent.append(msg)
+      node = msg.metadata.dst_node_id
+      if node in self.silent or node not in self.script:
+        continue
+      reply = Message(content=self.script[node], reply_to=msg)
+      replies.insert(0, reply) if node == self.first else replies.append(reply)
+    self.replies.extend(replies)
+    return replies
+
+
+def serve_with(grid, run_config: dict) -> list[dict]:
+  """Runs the ServerApp on ``grid`` in process; returns the per-round records.
 
   JAX's persistent compilation cache stays off (the ClientApp would turn it on
   for the whole test process).
   """
-  from fedlap_flower import client_app, server_app, settings
-  # By default each node keeps its state under the test's state-root (its own node config).
-  nodes = nodes or node_configs(state_root=run_config.get("state-root") or None)
-  grid = InProcessGrid(client_app.app, run_config, nodes)
-  if grid_hook is not None:
-    grid_hook(grid)
+  from fedlap_flower import server_app, settings
   old = os.environ.get("FEDLAP_FLOWER_JAX_CACHE")
   os.environ["FEDLAP_FLOWER_JAX_CACHE"] = "off"
   try:
     with task_identity():
-      records = server_app.serve(grid, settings.run_settings(run_config))
+      return server_app.serve(grid, settings.run_settings(run_config))
   finally:
     if old is None:
       del os.environ["FEDLAP_FLOWER_JAX_CACHE"]
     else:
       os.environ["FEDLAP_FLOWER_JAX_CACHE"] = old
-  return records, grid
+
+
+def run_inprocess(run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None):
+  """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``.
+
+  Without ``nodes``, node ``k`` gets ``state-dir = <run config's state-root>/client-<k>``
+  (its own node config).
+  """
+  from fedlap_flower import client_app
+  nodes = nodes or node_configs(state_root=run_config.get("state-root") or None)
+  grid = InProcessGrid(client_app.app, run_config, nodes)
+  if grid_hook is not None:
+    grid_hook(grid)
+  return serve_with(grid, run_config), grid
 
 
 def reference_run(config: str, overrides: str, workdir: Path) -> list[dict]:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from flower_harness import TINY, read_jsonl, reference_run
+from flower_harness import SAMPLED, TINY, read_jsonl, reference_run
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.federation import Federation
 from fedlap_flower import settings
@@ -63,6 +63,39 @@ def test_simulation_engine_equals_experiments_run(tmp_path, jax_cache):
     assert g["clients_ok"] == [0, 1, 2, 3, 4]
     assert (g["test_accuracy"], g["test_loss"]) == (w["test_accuracy"], w["test_loss"])
     assert g["server_radius"] == w["server_radius"]
+
+
+def test_simulation_engine_samples_clients_as_experiments_run(tmp_path, jax_cache):
+  """20 virtual clients, 5 a round (data.clients_per_round), DP with the test-only server
+  keys: the server asks only the drawn clients and its numbers are experiments.run's; each
+  client's ledger holds only the rounds it computed."""
+  run_dir, state = tmp_path / "run", tmp_path / "state"
+  env = {"JAX_COMPILATION_CACHE_DIR": jax_cache, settings.UNSAFE_ENV: "1",
+         settings.STATE_ROOT_ENV: str(state)}
+  with Federation(tmp_path / "fed", simulation=True, env=env) as fed:
+    run_id = fed.run({"config": "quickstart:dp_loops", "overrides": SAMPLED,
+                      "run-dir": str(run_dir), "unsafe-dp-keys-from-server": True, "max-epsilon": 50.0,
+                      "round-timeout": 300.0}, num_supernodes=20)
+    status = fed.wait(run_id, timeout=600)
+    assert status == "finished:completed", fed.logs(run_id)[-4000:]
+  got = read_jsonl(run_dir / "metrics.jsonl")
+  want = reference_run("quickstart:dp_loops", SAMPLED, tmp_path / "ref")
+  assert [r["round"] for r in got] == [1, 2]
+  for g, w in zip(got, want):
+    assert g["clients"] == g["clients_ok"] == w["clients"]
+    assert (g["test_accuracy"], g["test_loss"]) == (w["test_accuracy"], w["test_loss"])
+    assert g["epsilon"] == w["epsilon"]
+  reports = json.loads((run_dir / "client_reports.json").read_text())
+  assert sorted(r["partition_id"] for r in reports) == sorted(
+      k for r in got for k in r["clients"])  # only the drawn clients were asked
+  ledgers = accounting.ClientLedgers.from_dict(
+      json.loads((tmp_path / "ref" / "privacy_ledger.json").read_text()))
+  for k in range(20):
+    directory = state / f"client-{k}"
+    hist = ledger_lib.ClientState(directory).history() if directory.exists() else []
+    assert [h["server_round"] for h in hist] == [r["round"] for r in got if k in r["clients"]]
+    if hist:
+      assert hist[-1]["epsilon"] == ledgers.ledgers[k].epsilon
 
 
 def _wait_for(predicate, timeout: float, what: str, fed: Federation):

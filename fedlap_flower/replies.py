@@ -1,0 +1,273 @@
+"""What a client's reply may hold: checks against what the round expects (no ``flwr``).
+
+The server handles every reply as untrusted input. Each check raises
+:class:`InvalidReply` naming the field (``x``, ``y``, ``mask``, ``radius``,
+``num-examples``, ``epsilon``, ``partition-id``, ``delta/<path>``, ...), the
+value and what is allowed; the strategy drops that reply with the reason and
+the round goes on with the others.
+
+The bounds, and why an honest client stays inside them:
+
+* **Synthetic set** (:func:`check_synthetic`): ``x`` float32
+  ``(S, *image_shape)``, ``y`` int32 ``(S,)``, ``mask`` bool ``(S,)`` with
+  ``S <= ipc * num_classes`` (a client owning every class has that many
+  slots; padding only fills a set up to the largest client's classes). The
+  labels are :func:`fedlap_jax.federated.synthetic_labels`'s layout: the
+  valid slots first, ``ipc`` per class the client owns, classes in
+  increasing order in ``[0, num_classes)``, padding labelled 0. They are
+  fixed for a run, so the strategy pins each partition's labels at its first
+  accepted reply.
+* **Image range**: ``|x| <= max_image_abs``, by default
+  :data:`IMAGE_RANGE_FACTOR` times the largest ``|pixel|`` of the normalised
+  test split (:func:`image_bound`). Honest synthetic images start as N(0, 1)
+  draws and are moved by the matching loss towards images whose gradients
+  look like the real data's; the synthetic sets of the project's test runs
+  stay within 5 times the real pixel range. The bound leaves a factor of 200
+  above that; a reply beyond it is refused with a reason naming the bound,
+  never clamped, and the run config's ``max-image-abs`` sets another bound.
+* **Model delta** (``server.start='fedavg_delta'``, :func:`max_delta_norm`):
+  under DP the client's model moves once per while-loop iteration by
+  ``eta_m g``, ``g`` the mean of ``batch_loop`` noisy clipped gradients
+  ``(sum of at most n clipped gradients + N(0, sigma^2 C^2 I_d)) / B``, and
+  the loop stops once ``||w - w_g|| >= r``. So ``||delta|| <= min(r + eta_m G,
+  max_outer eta_m G)`` with ``G = C (B + t) / B + sigma C (sqrt(d) + s) /
+  (B sqrt(batch_loop))``, where ``n <= B + t`` and ``||z|| <= sqrt(d) + s``
+  for the standard normal ``z`` in ``d`` dimensions each fail with
+  probability at most ``exp(-TAIL_LOG)`` (Bernstein's inequality for the
+  Poisson batch, Gaussian concentration of the norm); over the ``T``
+  batches of a round an honest reply exceeds the bound with probability
+  below ``2 T exp(-80)``, i.e. never. Without DP the client's gradients are
+  not clipped and no bound follows from the config: the delta is checked
+  for shape and finiteness only (and the server refuses a non-finite
+  update).
+* **Metrics** (:func:`scalar`): one int or float each (no lists, strings,
+  bools), finite; ``radius`` in ``(0, r]`` (``r_k`` is ``r`` under DP, and
+  the calibration caps it at ``r``); ``num-examples`` an int >= 1;
+  ``epsilon`` >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+# |x| of an accepted synthetic image is at most this times the largest |pixel| of the
+# normalised test split (at least 1).
+IMAGE_RANGE_FACTOR = 1000.0
+# A high-probability bound of max_delta_norm fails with probability <= exp(-TAIL_LOG).
+TAIL_LOG = 80.0
+# Relative slack of the delta bound for float32 rounding.
+FLOAT_SLACK = 1e-3
+
+
+class InvalidReply(ValueError):
+  """A reply that does not fit the round; ``field`` names what is wrong."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
+
+
+def short(value: Any, limit: int = 80) -> str:
+  """``repr(value)``, cut to ``limit`` characters (a reply's values can be huge)."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _fail(field: str, value: Any, allowed: str):
+  raise InvalidReply(field, f"{field}={short(value)} is invalid; allowed: {allowed}")
+
+
+# ----------------------------------------------------------------------------
+# Scalars.
+# ----------------------------------------------------------------------------
+
+
+def scalar(metrics: Mapping[str, Any], key: str, *, integer: bool = False,
+           required: bool = True):
+  """``metrics[key]`` as one finite number (``None`` if absent and not ``required``).
+
+  Raises:
+    InvalidReply: missing (when ``required``), a list, string or bool, a
+      float where an int is needed, or NaN / Inf.
+  """
+  if key not in metrics:
+    if required:
+      raise InvalidReply(key, f"{key} is missing; allowed: one {'int' if integer else 'number'}")
+    return None
+  v = metrics[key]
+  kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, kinds):
+    _fail(key, v, f"one {'int' if integer else 'finite number'}")
+  if not integer and not math.isfinite(float(v)):
+    _fail(key, v, "a finite number")
+  return int(v) if integer else float(v)
+
+
+def check_radius(metrics: Mapping[str, Any], max_radius: float) -> float:
+  """The client's ``r_k``: one finite number in ``(0, max_radius]``."""
+  r = scalar(metrics, "radius")
+  if not 0 < r <= max_radius:
+    _fail("radius", r, f"a number in (0, {max_radius:g}] (r_k <= the config's client.radius)")
+  return r
+
+
+def check_num_examples(metrics: Mapping[str, Any], required: bool) -> int | None:
+  """``num-examples``: an int >= 1 (``None`` if absent and not ``required``)."""
+  n = scalar(metrics, "num-examples", integer=True, required=required)
+  if n is not None and n < 1:
+    _fail("num-examples", n, "an int >= 1 (the client's records)")
+  return n
+
+
+def check_epsilon(metrics: Mapping[str, Any], required: bool) -> float | None:
+  """``epsilon``: a finite number >= 0 (``None`` if absent and not ``required``)."""
+  eps = scalar(metrics, "epsilon", required=required)
+  if eps is not None and eps < 0:
+    _fail("epsilon", eps, "a finite number >= 0")
+  return eps
+
+
+def check_partition(metrics: Mapping[str, Any], num_partitions: int,
+                    bound: int | None = None) -> int:
+  """``partition-id``: an int in ``[0, K)``, equal to ``bound`` (the node's partition) if given."""
+  pid = scalar(metrics, "partition-id", integer=True)
+  if not 0 <= pid < num_partitions:
+    _fail("partition-id", pid, f"an int in [0, {num_partitions - 1}]")
+  if bound is not None and pid != bound:
+    raise InvalidReply("partition-id", f"partition-id={pid} is invalid; allowed: {bound}, the "
+                       "partition this node is bound to for the run")
+  return pid
+
+
+# ----------------------------------------------------------------------------
+# Arrays.
+# ----------------------------------------------------------------------------
+
+
+def check_array(name: str, array: np.ndarray, dtype, shape: tuple | None = None) -> np.ndarray:
+  """``array`` of exactly ``dtype`` (and ``shape`` if given), every value finite if floating."""
+  if not isinstance(array, np.ndarray) or array.dtype != np.dtype(dtype):
+    got = getattr(array, "dtype", type(array).__name__)
+    raise InvalidReply(name, f"{name} has dtype {got}; allowed: {np.dtype(dtype).name}")
+  if shape is not None and array.shape != tuple(shape):
+    raise InvalidReply(name, f"{name} has shape {array.shape}; allowed: {tuple(shape)}")
+  if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+    raise InvalidReply(name, f"{name} holds NaN or Inf; allowed: finite values")
+  return array
+
+
+class SyntheticLimits(NamedTuple):
+  """What a synthetic set of this run may be (see the module docstring).
+
+  Attributes:
+    image_shape: ``(H, W, C)`` of the model's input.
+    num_classes: of the dataset.
+    ipc: ``client.ipc``.
+    max_image_abs: the largest ``|x|`` accepted.
+  """
+
+  image_shape: tuple
+  num_classes: int
+  ipc: int
+  max_image_abs: float
+
+  @property
+  def max_slots(self) -> int:
+    return self.ipc * self.num_classes
+
+
+def check_slot_count(shape: tuple, limits: SyntheticLimits) -> int:
+  """``S`` of an ``x`` of ``shape``: ``(S, *image_shape)`` with ``1 <= S <= ipc * num_classes``."""
+  shape = tuple(shape)
+  if len(shape) != 1 + len(limits.image_shape) or shape[1:] != tuple(limits.image_shape):
+    raise InvalidReply("x", f"x has shape {shape}; allowed: (S, {', '.join(map(str, limits.image_shape))}), "
+                       "the model's input shape")
+  s = shape[0]
+  if not 1 <= s <= limits.max_slots:
+    raise InvalidReply("x", f"x has {s} slots; allowed: 1..{limits.max_slots} (client.ipc="
+                       f"{limits.ipc} x {limits.num_classes} classes)")
+  return s
+
+
+def check_labels(y: np.ndarray, mask: np.ndarray, limits: SyntheticLimits) -> None:
+  """``y``, ``mask`` in :func:`fedlap_jax.federated.synthetic_labels`'s layout."""
+  if y.size and (y.min() < 0 or y.max() >= limits.num_classes):
+    bad = int(y.min()) if y.min() < 0 else int(y.max())
+    raise InvalidReply("y", f"y holds label {bad}; allowed: labels in [0, {limits.num_classes})")
+  n = int(mask.sum())
+  if not mask[:n].all():
+    raise InvalidReply("mask", "mask has padding before valid slots; allowed: the valid slots "
+                       "first (True ... then False ...)")
+  if n == 0 or n % limits.ipc:
+    raise InvalidReply("mask", f"mask has {n} valid slots; allowed: a positive multiple of "
+                       f"client.ipc={limits.ipc}")
+  rows = y[:n].reshape(-1, limits.ipc)
+  if not (rows == rows[:, :1]).all() or not (np.diff(rows[:, 0]) > 0).all():
+    raise InvalidReply("y", f"y={short(y[:n].tolist())} is invalid; allowed: client.ipc="
+                       f"{limits.ipc} slots per class the client owns, classes in increasing "
+                       "order (fixed for the run)")
+  if (y[n:] != 0).any():
+    raise InvalidReply("y", "y labels a padding slot; allowed: label 0 where mask is False")
+
+
+def check_synthetic(x: np.ndarray, y: np.ndarray, mask: np.ndarray, limits: SyntheticLimits):
+  """Checks a synthetic set's arrays; returns them (as given)."""
+  s = check_slot_count(getattr(x, "shape", ()), limits)
+  check_array("x", x, np.float32)
+  check_array("y", y, np.int32, (s,))
+  check_array("mask", mask, np.bool_, (s,))
+  biggest = float(np.abs(x).max())
+  if biggest > limits.max_image_abs:
+    raise InvalidReply("x", f"x holds |value| {biggest:.4g}; allowed: at most max-image-abs="
+                       f"{limits.max_image_abs:g}")
+  check_labels(y, mask, limits)
+  return x, y, mask
+
+
+def image_bound(max_abs_pixel: float) -> float:
+  """The default ``max_image_abs``: :data:`IMAGE_RANGE_FACTOR` x ``max(1, max_abs_pixel)``.
+
+  ``max_abs_pixel``: the largest ``|pixel|`` of the normalised test split.
+  """
+  return IMAGE_RANGE_FACTOR * max(1.0, float(max_abs_pixel))
+
+
+# ----------------------------------------------------------------------------
+# Model deltas.
+# ----------------------------------------------------------------------------
+
+
+def max_delta_norm(client_config, learning_rate: float, num_params: int) -> float | None:
+  """The largest ``||delta||`` an honest DP client sends (the module docstring's bound).
+
+  Args:
+    client_config: :class:`fedlap_jax.ClientConfig` of the run.
+    learning_rate: the round's ``eta_m`` (what the client stepped with).
+    num_params: ``d``, the model's parameter count.
+
+  Returns:
+    The bound, or ``None`` without DP or without ``model_steps='noisy_real'``
+    (no clip: nothing bounds an honest client's step).
+  """
+  c = client_config
+  if c.dp is None or c.model_steps != "noisy_real":
+    return None
+  b, clip, sigma = float(c.batch_size), float(c.dp.l2_clip_norm), float(c.dp.noise_multiplier)
+  extra = TAIL_LOG / 3 + math.sqrt(TAIL_LOG ** 2 / 9 + 2 * TAIL_LOG * b)
+  norm_tail = math.sqrt(2 * TAIL_LOG)
+  g = clip * (b + extra) / b + sigma * clip * (math.sqrt(num_params) + norm_tail) / (
+      b * math.sqrt(c.batch_loop))
+  step = abs(float(learning_rate)) * g
+  return (1 + FLOAT_SLACK) * min(float(c.radius) + step, c.max_outer * step)
+
+
+def check_delta_norm(flat: Mapping[str, np.ndarray], max_norm: float | None) -> float:
+  """``||delta||`` over every leaf (float64); refuses it above ``max_norm``."""
+  norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in flat.values()))
+  if max_norm is not None and not norm <= max_norm:
+    raise InvalidReply("delta", f"delta has norm {norm:.4g}; allowed: at most {max_norm:.4g}, what "
+                       "an honest client's eta_m, clip, noise and radius allow")
+  return norm
