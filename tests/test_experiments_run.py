@@ -140,7 +140,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
 
 
 # Every value a DP run writes is a DP output, post-processing of DP outputs, or
-# public by the README's privacy section ("Privacy guarantees and their assumptions").
+# public by the README's privacy section and docs/privacy.md.
 RELEASED_RECORD_KEYS = {
     "round", "test_accuracy", "test_loss", "epsilon",              # test split (public), ledger
     "epsilon_add_remove",                                          # ledger (the paper's notion)
@@ -159,7 +159,7 @@ PUBLIC_INFO_KEYS = {
     "dirichlet_alpha", "num_clients", "train_fraction", "partition_seed",
     "adjacency", "epsilon_for",                                    # what epsilon means (config)
 }
-WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions")
+WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions"; docs/privacy.md)
     "metrics.jsonl": "released", "privacy_ledger.json": "released", "run_info.json": "released",
     "summary.md": "released", "train.log": "released", "synthetic": "released",
     "config.json": "public but its seed", "checkpoints": "secret (PRNG key)",
