@@ -30,7 +30,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from experiments import configs
 
@@ -84,36 +84,150 @@ def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:
   return out, name
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Entry point; ``argv`` defaults to ``sys.argv``."""
+# What a --config.FIELD override may name (the ``allowed`` of an unknown field's ConfigError).
+CONFIG_FIELDS = "the fields of experiments/configs/default.py"
+# An override value that sets a None-able field (a ``config_dict.placeholder``) to None.
+NONE_TEXTS = ("None", "none")
+
+
+def _none_able(config, field: str) -> bool:
+  """Whether ``field`` (dotted) of ``config`` is a placeholder, i.e. may be None."""
+  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+  *parents, leaf = field.split(".")
+  node = config
+  for part in parents:
+    node = node._fields.get(part) if isinstance(node, config_dict.ConfigDict) else None  # pylint: disable=protected-access
+  return (isinstance(node, config_dict.ConfigDict)
+          and isinstance(node._fields.get(leaf), config_dict.FieldReference))  # pylint: disable=protected-access
+
+
+def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]]):
+  """The :class:`ConfigError` of a failed flag parse; its text is the command line's message.
+
+  ``field`` is the override's field for an unknown field (``allowed``: :data:`CONFIG_FIELDS`)
+  or a value its type does not parse, else ``"config"`` (the file did not load).
+  """
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  inner = e.args[0] if e.args and isinstance(e.args[0], KeyError) else e
+  if isinstance(inner, KeyError):  # an override of a field the config does not have
+    detail = (inner.args[0] if inner.args else str(inner)).replace("\n", "; ")
+    key = re.match(r"'([^']*)'", detail)  # the unknown key first, then any suggestions
+    field, text = next(((f, t) for f, t in overrides
+                        if key and key.group(1) in f.split(".")),
+                       overrides[0] if overrides else ("", ""))
+    return library_configs.ConfigError(
+        field, text, CONFIG_FIELDS, message=f"unknown config field in a --config.FIELD "
+        f"override: {detail} (allowed: {CONFIG_FIELDS})")
+  message = str(e)
+  for field, text in reversed(overrides):  # absl: "flag --config.FIELD=VALUE: why"
+    prefix = f"flag --config.{field}={text}: "
+    if message.startswith(prefix):
+      return library_configs.ConfigError(
+          field, text, f"a value of the field's type ({message[len(prefix):]})", message=message)
+  return library_configs.ConfigError("config", name_arg, "a config file that loads",
+                                     message=message)
+
+
+def parse_argv(argv: list[str]):
+  """Parses ``experiments.run``'s command line (``argv[0]`` is the program).
+
+  ``--config=NAME[:ARG]`` is resolved (:func:`rewrite_argv`) and loaded by
+  ``ml_collections.config_flags`` (locked); each ``--config.FIELD=VALUE`` is parsed by the
+  field's type (``true``/``false`` for bools, ``'(0.5,)'`` for tuples), and ``None`` (or
+  ``none``) sets a None-able field (one ``default.py`` declares a placeholder) to None.
+
+  Returns:
+    ``(flags, name)``: the parsed ``absl.flags.FlagValues`` (``.config``, ``.workdir``) and the
+    run's name; ``(None, None)`` without ``--config``.
+
+  Raises:
+    ConfigError: naming ``"config"`` (an unknown name, a file that does not load), an
+      override's field (unknown, or a value its type does not parse; ``value`` is the text),
+      or ``"overrides"`` (an override without a value); ``str(e)`` is the command line's
+      message.
+  """
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
-  argv = list(sys.argv if argv is None else argv)
+  argv = list(argv)
+  name_arg = next((a[len("--config="):] for a in argv if a.startswith("--config=")), None)
   try:
     argv, name = rewrite_argv(argv)
   except ConfigArgError as e:
+    raise library_configs.ConfigError(
+        "config", name_arg, "NAME[:ARG] of experiments/configs/, or a path to a config .py "
+        "file", message=str(e)) from None
+  if name is None:
+    return None, None
+  overrides = [tuple(a[len("--config."):].partition("=")[::2]) for a in argv
+               if a.startswith("--config.") and "=" in a]
+  last = dict(overrides)  # absl: the last value of a flag wins
+  none_fields = [f for f, t in last.items() if t in NONE_TEXTS]
+
+  def parse(argv):
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                    lock_config=True, flag_values=flag_values, sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).",
+                        flag_values=flag_values)
+    try:
+      flag_values(argv)
+      getattr(flag_values.config, "keys")  # a file that did not load raises on first use
+    except (flags.Error, ValueError, TypeError, AttributeError, KeyError, OSError) as e:
+      raise _config_error(e, name_arg, overrides) from None
+    return flag_values
+
+  if none_fields:  # None is no value of the field's type: set it after
+    base = parse([a for a in argv if not a.startswith("--config.")]).config
+    none_fields = [f for f in none_fields if _none_able(base, f)]
+    argv = [a for a in argv
+            if a[len("--config."):].partition("=")[0] not in none_fields]
+  flag_values = parse(argv)
+  for field in none_fields:
+    *parents, leaf = field.split(".")
+    node = flag_values.config
+    for part in parents:
+      node = node[part]
+    node[leaf] = None
+  return flag_values, name
+
+
+def load_config(name_arg: str, overrides: Sequence[str] = ()):
+  """The config of ``--config=NAME_ARG --config.FIELD=VALUE ...``, as :func:`main` builds it.
+
+  ``overrides`` are ``"FIELD=VALUE"`` items, each parsed as the command line's
+  ``--config.FIELD=VALUE`` (:func:`parse_argv`). The config is locked, not validated.
+
+  Returns:
+    ``(config, name)``: the ml_collections config and the run's name (``cifar_ablation_ipc:20``
+    -> ``cifar_ablation_ipc_20``).
+
+  Raises:
+    ConfigError: as :func:`parse_argv`; ``"overrides"`` for an item that is not
+      ``FIELD=VALUE``.
+  """
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  for item in overrides:
+    if not isinstance(item, str) or not item.partition("=")[0] or "=" not in item:
+      raise library_configs.ConfigError("overrides", item,
+                                        "FIELD=VALUE, e.g. seed=1 or client.batch_loop=2")
+  flag_values, name = parse_argv(
+      ["prog", f"--config={name_arg}", *(f"--config.{item}" for item in overrides)])
+  return flag_values.config, name
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Entry point; ``argv`` defaults to ``sys.argv``."""
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  try:
+    flag_values, name = parse_argv(sys.argv if argv is None else argv)
+  except library_configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if name is None:
     print(__doc__, file=sys.stderr)
     print("error: --config=NAME is required", file=sys.stderr)
-    return 2
-  flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                  lock_config=True, flag_values=flag_values, sys_argv=argv)
-  flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).",
-                      flag_values=flag_values)
-  try:
-    flag_values(argv)
-  except (flags.Error, ValueError, TypeError, AttributeError, KeyError) as e:
-    inner = e.args[0] if e.args and isinstance(e.args[0], KeyError) else e
-    if isinstance(inner, KeyError):  # an override of a field the config does not have
-      detail = (inner.args[0] if inner.args else str(inner)).replace("\n", "; ")
-      print(f"error: unknown config field in a --config.FIELD override: {detail} (allowed: the "
-            "fields of experiments/configs/default.py)", file=sys.stderr)
-    else:
-      print(f"error: {e}", file=sys.stderr)
     return 2
   config = flag_values.config
   workdir = flag_values.workdir or os.path.join("runs", name)

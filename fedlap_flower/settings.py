@@ -79,10 +79,7 @@ allowed.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import importlib.util
 import math
 import os
 import shlex
@@ -137,79 +134,21 @@ def _is_real_or_inf(v) -> bool:
 # ----------------------------------------------------------------------------
 
 
-def _parse_value(text: str):
-  lowered = text.lower()
-  if lowered in ("true", "false"):
-    return lowered == "true"
-  if lowered == "none":
-    return None
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
-def apply_overrides(cfg, overrides: str) -> None:
-  """Applies ``"FIELD=VALUE ..."`` (``--config.FIELD=VALUE`` of ``experiments.run``) in place.
-
-  Values are Python literals (``3``, ``0.5``, ``(1, 5)``, ``True``/``true``,
-  ``None``) or bare strings (``data.source=npz:/data/c.npz``); quote with
-  shell rules where a value holds spaces.
-  """
-  if not isinstance(overrides, str):
-    _fail("overrides", overrides, "a string of FIELD=VALUE pairs separated by spaces")
-  try:
-    tokens = shlex.split(overrides)
-  except ValueError as e:
-    raise SettingsError("overrides", overrides, "FIELD=VALUE pairs separated by spaces, "
-                        "quoted with shell rules",
-                        message=f"overrides={overrides!r} is invalid ({e}); allowed: "
-                        "FIELD=VALUE pairs separated by spaces, quoted with shell rules") from None
-  for token in tokens:
-    field, sep, text = token.partition("=")
-    if not sep or not field:
-      _fail("overrides", token, "FIELD=VALUE, e.g. seed=1 or client.batch_loop=2")
-    *parents, name = field.split(".")
-    node = cfg
-    for i, part in enumerate(parents):
-      if part not in node or not hasattr(node[part], "keys"):
-        raise SettingsError("overrides", field, "the fields of experiments/configs/default.py",
-                            message=f"overrides: {field!r} is not a field of the config (no "
-                            f"section {'.'.join(parents[:i + 1])!r}); allowed: the fields of "
-                            "experiments/configs/default.py")
-      node = node[part]
-    if name not in node or hasattr(node[name], "keys"):
-      raise SettingsError("overrides", field, "the fields of experiments/configs/default.py",
-                          message=f"overrides: {field!r} is not a field of the config; "
-                          "allowed: the fields of experiments/configs/default.py")
-    value = _parse_value(text)
-    try:
-      node[name] = value
-    except (TypeError, ValueError) as e:
-      raise SettingsError(field, value, "a value of the field's type",
-                          message=f"overrides: {field}={value!r} is invalid ({e}); allowed: a "
-                          "value of the field's type") from None
-
-
-@functools.lru_cache(maxsize=8)
-def _config_module(path: str):
-  name = "_fedlap_flower_config_" + "".join(c if c.isalnum() else "_" for c in path)
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def load_config(name: str, overrides: str = ""):
   """The resolved, validated ml_collections config of ``NAME[:ARG]`` plus ``overrides``.
+
+  ``overrides`` is ``"FIELD=VALUE ..."``, split with shell rules (quote a value that holds
+  spaces); each item is parsed as ``experiments.run``'s ``--config.FIELD=VALUE``
+  (:func:`experiments.run.load_config`: by the field's type, ``None`` for a None-able field).
 
   Returns:
     ``(cfg, label)``; ``label`` names the run as ``experiments.run`` does
     (``quickstart:dp_loops`` -> ``quickstart_dp_loops``).
 
   Raises:
-    SettingsError: unknown config name, a suite config, a bad override, or a
-      method the Flower app does not offer.
+    SettingsError: unknown config name, a suite config, a bad override (``field``: the
+      config field whose value does not parse, else ``overrides``), or a method the Flower
+      app does not offer.
     experiments.library_configs.ConfigError: the config itself is invalid.
   """
   from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
@@ -217,32 +156,46 @@ def load_config(name: str, overrides: str = ""):
   if not isinstance(name, str) or not name:
     _fail("config", name,
           "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops'), or a path")
+  if not isinstance(overrides, str):
+    _fail("overrides", overrides, "a string of FIELD=VALUE pairs separated by spaces")
   try:
-    target, label = run_lib.resolve_config_arg(name)
-  except run_lib.ConfigArgError as e:
-    raise SettingsError("config", name, "NAME[:ARG] of experiments/configs/, or a path",
-                        message=str(e).replace("--config=", "config=")) from None
-  path, _, arg = target.partition(":")
-  if not os.path.isfile(path):
-    _fail("config", name, "NAME[:ARG] of experiments/configs/, or the path of a config .py file")
+    items = shlex.split(overrides)
+  except ValueError as e:
+    raise SettingsError("overrides", overrides, "FIELD=VALUE pairs separated by spaces, "
+                        "quoted with shell rules",
+                        message=f"overrides={overrides!r} is invalid ({e}); allowed: "
+                        "FIELD=VALUE pairs separated by spaces, quoted with shell rules") from None
   try:
-    module = _config_module(path)
-    cfg = module.get_config(arg) if arg else module.get_config()
-  except (TypeError, ValueError) as e:
-    raise SettingsError("config", name, "an argument the config file takes",
-                        message=f"config={name!r} is invalid: {e}") from None
+    cfg, label = run_lib.load_config(name, items)
+  except library_configs.ConfigError as e:
+    raise _settings_error(e, name) from None
   if "suite" in cfg:
     _fail("config", name, f"one run, not a suite config (this one holds the runs "
           f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp_loops' or "
           "'quickstart:nondp'")
-  cfg.lock()
-  apply_overrides(cfg, overrides)
   library_configs.validate_config(cfg)
   if cfg.method not in METHODS:
     _fail("config", f"{name} (method={cfg.method!r})",
           f"a config whose method is one of {METHODS}; the other baselines run with "
           "experiments.run")
   return cfg, label
+
+
+def _settings_error(e: ConfigError, name: str) -> SettingsError:
+  """:func:`experiments.run.load_config`'s error as the run config's ``config`` or ``overrides``."""
+  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+  if e.field == "config":
+    text = str(e)
+    why = (text.replace("--config=", "config=", 1) if text.startswith("--config=") else
+           f"config={name!r} is invalid: {text.strip().splitlines()[-1]}")
+    return SettingsError("config", name, e.allowed, message=why)
+  if e.field == "overrides":
+    return SettingsError("overrides", e.value, e.allowed)
+  if e.allowed == run_lib.CONFIG_FIELDS:
+    return SettingsError("overrides", e.field, e.allowed, message=f"overrides: {e.field!r} is "
+                         f"not a field of the config; allowed: {e.allowed}")
+  return SettingsError(e.field, e.value, e.allowed, message=f"overrides: {e.field}={e.value!r} "
+                       f"is invalid; allowed: {e.allowed}")
 
 
 # ----------------------------------------------------------------------------

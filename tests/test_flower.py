@@ -588,6 +588,67 @@ def test_clients_with_their_own_data_files(tmp_path):
       for r in reasons), reasons
 
 
+# Run-config overrides and experiments.run's --config.FIELD=VALUE: ints, floats, bools, strings,
+# tuples, and None for None-able fields (placeholders of experiments/configs/default.py).
+SAME_OVERRIDES = ("seed=3 rounds=4 dp.noise_multiplier=2 dp.delta=1e-4 plots=false "
+                  "progress_bar=False data.source=sklearn client.dsa_strategy='' "
+                  "data.normalisation=given data.mean='(0.5,)' data.std=(0.25,) "
+                  "snapshot_rounds=(1,2) server.weighting=None dp.target_epsilon=none "
+                  "eval_chunk_size=None data.clients_per_round=None client.poisson_capacity=96")
+
+
+def _cli_config(monkeypatch, name, items):
+  """The config experiments.run's command line hands to its run (nothing is trained)."""
+  from experiments import run
+  got = []
+  monkeypatch.setattr(run, "run_config", lambda config, workdir, label: got.append(config) or 0)
+  rc = run.main(["prog", f"--config={name}", *(f"--config.{item}" for item in items)])
+  return rc, (got[0] if got else None)
+
+
+def test_override_strings_give_the_cli_config(monkeypatch):
+  import shlex
+  from experiments import run
+  items = shlex.split(SAME_OVERRIDES)
+  rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", items)
+  flower, label = settings.load_config("quickstart:dp_loops", SAME_OVERRIDES)
+  assert rc == 0 and label == "quickstart_dp_loops"
+  assert cli.to_dict() == flower.to_dict() == run.load_config("quickstart:dp_loops", items)[0].to_dict()
+  assert (flower.seed, flower.rounds, flower.dp.noise_multiplier, flower.dp.delta) == (3, 4, 2.0, 1e-4)
+  assert flower.plots is False and flower.progress_bar is False
+  assert (flower.data.source, flower.client.dsa_strategy) == ("sklearn", "")
+  assert (flower.data.mean, flower.data.std, flower.snapshot_rounds) == ((0.5,), (0.25,), (1, 2))
+  assert flower.server.weighting is None and flower.dp.target_epsilon is None
+  assert flower.eval_chunk_size is None and flower.data.clients_per_round is None
+  assert flower.client.poisson_capacity == 96
+
+
+@pytest.mark.parametrize("item, field", [
+    ("client.nosuch=1", "client.nosuch"), ("nosection.x=1", "nosection.x"),
+    ("rounds=abc", "rounds"), ("client.ipc=x", "client.ipc"), ("dp.delta=tiny", "dp.delta"),
+    ("seed=None", "seed"),  # not None-able: no value of its type
+    ("dp.target_epsilon=abc", "dp.target_epsilon"), ("plots=maybe", "plots"),
+])
+def test_a_bad_override_is_refused_by_both_naming_the_field(monkeypatch, capsys, item, field):
+  from experiments import library_configs, run
+  rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", [item])
+  assert rc == 2 and cli is None and field.split(".")[-1] in capsys.readouterr().err
+  with pytest.raises(library_configs.ConfigError) as err:
+    run.load_config("quickstart:dp_loops", [item])
+  assert err.value.field == field and str(err.value) in capsys.readouterr().err + str(err.value)
+  with pytest.raises(settings.SettingsError) as err:
+    settings.load_config("quickstart:dp_loops", item)
+  assert field in str(err.value) and str(err.value).startswith("overrides: ")
+
+
+def test_a_config_file_that_does_not_load_is_exit_2(monkeypatch, capsys, tmp_path):
+  rc, _ = _cli_config(monkeypatch, str(tmp_path / "no_such.py"), [])
+  assert rc == 2 and "no_such.py" in capsys.readouterr().err
+  with pytest.raises(settings.SettingsError) as err:
+    settings.load_config(str(tmp_path / "no_such.py"))
+  assert err.value.field == "config" and "No such file" in str(err.value)
+
+
 def test_settings_errors_are_config_errors_naming_the_key():
   import fedlap_jax
   run = settings.run_settings({"config": "quickstart:dp_loops"})
