@@ -78,8 +78,9 @@ class _Setup:
     self.fc = library_configs.to_fedlap_config(run.cfg) if run.cfg.method == "fedlap" else None
     self.partition = task.load_partition(run.cfg, node.partition_id, node.num_partitions,
                                          node.data_path)
-    _, self.apply_fn, _ = task.init_model(run.cfg, self.partition.image_shape,
-                                          self.partition.num_classes)
+    # template: the model's layout, to unpack the parameters a message carries packed.
+    _, self.apply_fn, self.template = task.init_model(run.cfg, self.partition.image_shape,
+                                                      self.partition.num_classes)
 
 
 # A simulation worker serves many clients: keep every partition it met (all K of a run
@@ -152,7 +153,7 @@ def _train_fedavg(msg, conf, run, node, setup) -> Message:
   if slot is None:
     raise ValueError(_not_drawn(run, node, int(conf["server-round"])))
   key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
-  params = records.record_to_params(msg.content["arrays"])
+  params = records.record_to_params(msg.content["arrays"], setup.template)
   new = client_work.fedavg_round(key, setup.apply_fn, params, setup.partition,
                                  epochs=cfg.baseline.local_epochs,
                                  batch_size=cfg.client.batch_size,
@@ -227,7 +228,7 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
       init_key = task.client_key(task.words_to_key(conf["key-init"]), slot[1], slot[0])
     carried = state.load_synthetic(context.run_id) if carry else None
     start = client_work.start_synthetic(part, fc, carried, init_key)
-    params = records.record_to_params(msg.content["arrays"])
+    params = records.record_to_params(msg.content["arrays"], setup.template)
     out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr,
                                    family_key)
     if carry:

@@ -2,8 +2,8 @@
 
 Train message (server -> client), ``RecordDict``:
 
-* ``"arrays"``: the global parameters (:func:`params_to_record`, keys are the
-  Flax parameter paths joined by ``/``);
+* ``"arrays"``: the global parameters (:func:`params_to_record`: one float32
+  Array, the leaves concatenated in sorted ``a/b/c`` path order);
 * ``"config"``: ``server-round``, ``learning-rate`` (the float32 ``eta_m``),
   ``num-clients``; without DP (or in the test-only unsafe mode) the round keys
   ``key-init`` and ``key-clients`` (uint32 words; client ``k`` uses
@@ -14,8 +14,8 @@ Train reply (client -> server):
 * FedLAP: ``"synthetic"`` (``x`` ``(S, H, W, C)`` float32, ``y`` ``(S,)``
   int32, ``mask`` ``(S,)`` bool); with ``server.start='fedavg_delta'`` (the
   hybrid recipe, ``client.model_steps='noisy_real'``) also ``"delta"``: the
-  client's model delta ``w_end - w_g``, one float32 array per parameter leaf,
-  keyed like ``"arrays"`` (:func:`params_to_record`; checked by
+  client's model delta ``w_end - w_g``, packed like ``"arrays"``
+  (:func:`params_to_record`; checked by
   :func:`record_to_delta`); with ``server.start='global'`` no ``"delta"``.
   ``"metrics"`` (``partition-id``, ``radius``, ``dp-steps``, and under DP
   ``epsilon`` / ``max-epsilon``; without DP also ``num-examples`` and
@@ -46,16 +46,76 @@ import fedlap_jax as fl
 from fedlap_flower import replies
 
 
-def params_to_record(params) -> ArrayRecord:
-  """A Flax parameter pytree (nested dicts) as an ``ArrayRecord`` keyed by ``a/b/c`` paths."""
+PACKED = "params"
+"""The key of the one Array a packed parameter pytree travels as."""
+
+
+def _flat(params) -> dict:
+  """``{"a/b/c": leaf}`` of a Flax parameter pytree, in sorted path order (the packing order)."""
   flat = traverse_util.flatten_dict(jax.device_get(params), sep="/")
-  return ArrayRecord({k: Array(np.asarray(v)) for k, v in flat.items()})
+  return {k: flat[k] for k in sorted(flat)}
 
 
-def record_to_params(record: ArrayRecord):
-  """Inverse of :func:`params_to_record` (arrays on the default device, dtypes kept)."""
-  return traverse_util.unflatten_dict({k: jnp.asarray(v.numpy()) for k, v in record.items()},
-                                      sep="/")
+def params_to_record(params) -> ArrayRecord:
+  """A Flax parameter pytree (nested dicts of float32 leaves) as ONE float32 Array.
+
+  The record holds ``PACKED``: every leaf raveled (C order) and concatenated in
+  sorted ``a/b/c`` path order, shape ``(P,)`` with ``P`` the parameter count.
+  Flower transfers each Array (and each of its chunks) of a message as separate
+  requests on every hop (ServerApp, SuperLink, SuperNode, ClientApp), so one
+  Array per model instead of one per leaf cuts a round's requests; the receiver
+  holds the model's layout already (:func:`record_to_params`, :func:`record_to_like`).
+
+  Raises:
+    ValueError: a leaf that is not float32 (packing would change its values).
+  """
+  flat = _flat(params)
+  other = {k: str(np.asarray(v).dtype) for k, v in flat.items()
+           if np.asarray(v).dtype != np.float32}
+  if other:
+    raise ValueError(f"parameters {other} are not float32; allowed: float32 leaves only "
+                     "(they travel packed into one float32 array)")
+  packed = np.concatenate([np.ravel(np.asarray(v)) for v in flat.values()]) if flat \
+      else np.zeros((0,), np.float32)
+  return ArrayRecord({PACKED: Array(packed)})
+
+
+def _unpack(packed: np.ndarray, template) -> dict:
+  """``{"a/b/c": leaf}`` of ``packed`` (shape ``(P,)``) in ``template``'s layout."""
+  flat, start = {}, 0
+  for k, ref in _flat(template).items():
+    shape = np.shape(ref)
+    size = int(np.prod(shape, dtype=np.int64))
+    flat[k] = packed[start:start + size].reshape(shape)
+    start += size
+  return flat
+
+
+def _num_params(template) -> int:
+  return int(sum(int(np.size(v)) for v in _flat(template).values()))
+
+
+def record_to_params(record: ArrayRecord, template):
+  """Inverse of :func:`params_to_record`: a pytree like ``template`` (jnp arrays on the
+  default device, float32), for a record from a trusted sender (the server's own).
+
+  Args:
+    record: :func:`params_to_record` of the parameters.
+    template: any pytree with the model's paths and shapes (e.g. the initial parameters).
+
+  Raises:
+    ValueError: the record is not one float32 Array of the template's parameter count.
+  """
+  want = (_num_params(template),)
+  if set(record.keys()) != {PACKED} or tuple(record[PACKED].shape) != want:
+    held = {k: tuple(a.shape) for k, a in record.items()}
+    raise ValueError(f"the parameter record holds {held}; allowed: exactly {PACKED!r} of "
+                     f"shape {want}")
+  packed = record[PACKED].numpy()
+  if packed.dtype != np.float32:
+    raise ValueError(f"the parameter record holds dtype {packed.dtype}; allowed: float32")
+  flat = _unpack(packed, template)
+  return traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in flat.items()}, sep="/")
 
 
 def _numpy(record: ArrayRecord, key: str, name: str, dtype, finite: bool = True) -> np.ndarray:
@@ -81,41 +141,39 @@ def record_to_like(record: ArrayRecord, params, what: str = "model delta",
   """A received pytree like ``params`` (a model delta, or a FedAvg client's parameters), checked.
 
   Args:
-    record: :func:`params_to_record` of the pytree.
-    params: the round's global parameters (paths, shapes and dtypes to match).
-    what: the name in messages (``"model delta"``; field ``delta/<path>``).
+    record: :func:`params_to_record` of the pytree (one float32 Array ``PACKED``).
+    params: the round's global parameters (the layout to unpack with).
+    what: the name in messages (``"model delta"``; fields ``delta/...``, else ``arrays/...``).
     max_norm: refuse a global L2 norm above it
       (:func:`fedlap_flower.replies.max_delta_norm`); ``None``: no bound.
 
   Returns:
-    A NumPy pytree like ``params``.
+    A NumPy pytree like ``params`` (float32).
 
   Raises:
-    fedlap_flower.replies.InvalidReply (a ``ValueError``): other parameter
-      paths, a leaf of another shape or dtype, NaN / Inf, or a norm above
-      ``max_norm``.
+    fedlap_flower.replies.InvalidReply (a ``ValueError``): other arrays than
+      ``PACKED``, another length than the model's parameter count (refused from
+      the declared shape, before the values are read) or dtype, NaN / Inf
+      (naming the parameter path), or a norm above ``max_norm``.
   """
   field = "delta" if what == "model delta" else "arrays"
-  want = traverse_util.flatten_dict(jax.device_get(params), sep="/")
-  if set(record.keys()) != set(want):
-    missing, extra = sorted(set(want) - set(record.keys())), sorted(set(record.keys()) - set(want))
-    raise replies.InvalidReply(field, f"{what} has other parameters (missing {missing}, unknown "
-                               f"{replies.short(extra)}); allowed: exactly the global model's "
-                               "parameter paths")
-  flat = {}
-  for k, ref in want.items():
-    ref = np.asarray(ref)
-    shape = tuple(record[k].shape)
-    if shape != ref.shape:
-      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} has shape {shape}; allowed: "
-                                 f"{ref.shape}")
-    d = _numpy(record, k, f"{field}/{k}", ref.dtype, finite=False)
-    if d.shape != ref.shape:
-      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} holds shape {d.shape}; allowed: "
-                                 f"{ref.shape}")
-    if not np.isfinite(d).all():
-      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} holds NaN or Inf")
-    flat[k] = d
+  name = f"{field}/{PACKED}"
+  if set(record.keys()) != {PACKED}:
+    raise replies.InvalidReply(field, f"{what} ({field}) holds arrays "
+                               f"{replies.short(sorted(record.keys()))}; allowed: exactly "
+                               f"{PACKED!r}, the parameters packed into one array")
+  want = (_num_params(params),)
+  shape = tuple(record[PACKED].shape)
+  if shape != want:
+    raise replies.InvalidReply(name, f"{what} ({name}) has shape {replies.short(shape)}; "
+                               f"allowed: {want}, the global model's parameter count")
+  d = _numpy(record, PACKED, name, np.float32, finite=False)
+  if d.shape != want:
+    raise replies.InvalidReply(name, f"{what} ({name}) holds shape {d.shape}; allowed: {want}")
+  flat = _unpack(d, params)
+  for k, v in flat.items():
+    if not np.isfinite(v).all():
+      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} ({field}/{k}) holds NaN or Inf")
   if max_norm is not None:
     replies.check_delta_norm(flat, max_norm)
   return traverse_util.unflatten_dict(flat, sep="/")
@@ -131,7 +189,7 @@ def record_to_delta(record: ArrayRecord, params, max_norm: float | None = None):
       (:func:`fedlap_flower.replies.max_delta_norm`); ``None``: not bounded.
 
   Raises:
-    ValueError: other parameter paths, a leaf of another shape or dtype,
+    ValueError: another array, length or dtype than the packed parameters,
       NaN / Inf, or a norm above ``max_norm``.
   """
   return record_to_like(record, params, "model delta", max_norm)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from flax import traverse_util
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -71,7 +72,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
         min_clients=run.min_clients, round_timeout=run.round_timeout,
         join_timeout=run.join_timeout,
         unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
-        model_bytes=model_bytes, image_shape=test.image_shape, num_classes=test.num_classes,
+        model_bytes=model_bytes, template=params, image_shape=test.image_shape, num_classes=test.num_classes,
         max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
         partition_keys=run.partition_keys)
   else:
@@ -79,12 +80,13 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
                                            min_clients=run.min_clients,
                                            round_timeout=run.round_timeout,
                                            join_timeout=run.join_timeout, run_log=run_log,
-                                           model_bytes=model_bytes,
+                                           model_bytes=model_bytes, template=params,
                                            partition_keys=run.partition_keys)
   result = strategy.start(grid=grid, initial_arrays=records.params_to_record(params),
                           num_rounds=int(cfg.rounds), timeout=run.round_timeout)
   final = result.arrays if result.arrays is not None else records.params_to_record(params)
   np.savez(run.run_dir / "final_params.npz",
-           **{k.replace("/", "."): v.numpy() for k, v in final.items()})
+           **{k.replace("/", "."): np.asarray(v) for k, v in traverse_util.flatten_dict(
+               records.record_to_params(final, params), sep="/").items()})
   (run.run_dir / "done").write_text(f"{time.time() - t0:.1f} s\n")
   return run_log.records

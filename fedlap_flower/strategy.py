@@ -282,9 +282,10 @@ class FedLAP(Strategy):
 
   def __init__(self, *, cfg, fedlap_config, apply_fn, evaluate, min_clients: int,
                round_timeout: float, join_timeout: float, unsafe_dp_keys_from_server: bool,
-               run_log: RunLog, model_bytes: int, image_shape=None, num_classes: int = 10,
-               max_image_abs: float | None = None, partition_keys=None):
+               run_log: RunLog, model_bytes: int, template, image_shape=None,
+               num_classes: int = 10, max_image_abs: float | None = None, partition_keys=None):
     self.cfg = cfg
+    self.template = template  # the model's layout: parameter records travel packed
     self.fc = fedlap_config
     self.apply_fn = apply_fn
     self.evaluate = evaluate
@@ -328,7 +329,7 @@ class FedLAP(Strategy):
     asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_init, k_clients, k_server = task.round_keys(self._chain)
     lr = task.learning_rate(self.cfg, server_round)
-    self._params = records.record_to_params(arrays)
+    self._params = records.record_to_params(arrays, self.template)
     self._round = {"server_round": server_round, "k_server": k_server, "lr": lr,
                    "server_lr": task.server_learning_rate(self.fc, server_round),
                    "asked": asked, "chosen": chosen, "reports": reports, "t0": time.time(),
@@ -537,10 +538,12 @@ class FedAvgBaseline(FedAvg):
   """Flower's FedAvg over the replies that fit, with the cosine learning rate and round keys."""
 
   def __init__(self, *, cfg, evaluate, min_clients: int, round_timeout: float,
-               join_timeout: float, run_log: RunLog, model_bytes: int, partition_keys=None):
+               join_timeout: float, run_log: RunLog, model_bytes: int, template,
+               partition_keys=None):
     super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
                      min_available_nodes=min_clients)
     self.cfg = cfg
+    self.template = template  # the model's layout: parameter records travel packed
     self.evaluate = evaluate
     self.min_clients = min_clients
     self.round_timeout = round_timeout
@@ -567,7 +570,7 @@ class FedAvgBaseline(FedAvg):
     record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
     messages = list(self._construct_messages(record, sorted(asked), MessageType.TRAIN))
     self._round = {"asked": asked, "chosen": chosen, "reports": reports, "arrays": arrays,
-                   "params": records.record_to_params(arrays), "messages": messages}
+                   "params": records.record_to_params(arrays, self.template), "messages": messages}
     return messages
 
   def _parse_one(self, msg: Message, node: int, report: dict) -> None:
@@ -625,7 +628,7 @@ class FedAvgBaseline(FedAvg):
       raise TooFewClients(f"round {server_round}: {len(ok)} usable client replies, fewer than "
                           f"min-clients={self.min_clients}")
     arrays, metrics = super().aggregate_train(server_round, ok)
-    params = records.record_to_params(arrays)
+    params = records.record_to_params(arrays, self.template)
     loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
     refused = None
     if not (_finite(params) and math.isfinite(loss)):

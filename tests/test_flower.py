@@ -14,6 +14,8 @@ import stat
 
 import numpy as np
 import pytest
+from flax import traverse_util
+from flwr.app import Array, ArrayRecord
 
 from flower_harness import TINY, node_configs, read_jsonl, reference_run, run_inprocess
 from fedlap_flower import ledger as ledger_lib
@@ -326,14 +328,15 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
     assert got["test_accuracy"] == want["test_accuracy"]
     assert got["test_loss"] == want["test_loss"]
     assert got["epsilon"] == want["epsilon"]
-  # Every reply carries one delta array per parameter leaf, shaped like the model,
-  # and nothing else beyond the synthetic set and the DP metrics.
+  # Every reply carries the delta packed into one float32 array of the model's parameter
+  # count, and nothing else beyond the synthetic set and the DP metrics.
   with np.load(tmp_path / "run" / "final_params.npz") as f:
-    shapes = {k.replace(".", "/"): v.shape for k, v in f.items()}
+    num_params = sum(v.size for v in f.values())
   for reply in grid.replies:
     assert set(reply.content.keys()) == {"metrics", "status", "synthetic", "delta"}
     delta = reply.content["delta"]
-    assert {k: tuple(a.shape) for k, a in delta.items()} == shapes
+    assert {k: (tuple(a.shape), a.dtype) for k, a in delta.items()} == {
+        "params": ((num_params,), "float32")}
     assert any(np.abs(a.numpy()).max() > 0 for a in delta.values())
     assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS
   model_bytes = records[0]["model_bytes"]
@@ -341,23 +344,54 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
   assert records[0]["upload_bytes"] == 5 * (model_bytes + 20 * 64 * 4 + 20 * 4 + 20)
 
 
-def test_a_model_delta_must_match_the_global_model():
-  """The server refuses a delta with other parameter paths, shapes, or NaN / Inf."""
+def test_parameters_travel_packed_into_one_array():
+  """One float32 Array, the leaves raveled in sorted path order; unpacked with the template."""
   from fedlap_flower import records
+  params = {"dense": {"bias": np.array([6.0, 7.0], np.float32)},
+            "conv": {"kernel": np.arange(6, dtype=np.float32).reshape(3, 2, 1)}}
+  record = records.params_to_record(params)
+  assert list(record.keys()) == ["params"] and record["params"].dtype == "float32"
+  np.testing.assert_array_equal(record["params"].numpy(), np.arange(8, dtype=np.float32))
+  template = {"conv": {"kernel": np.zeros((3, 2, 1), np.float32)},
+              "dense": {"bias": np.zeros(2, np.float32)}}
+  back = records.record_to_params(record, template)
+  np.testing.assert_array_equal(back["conv"]["kernel"], params["conv"]["kernel"])
+  np.testing.assert_array_equal(back["dense"]["bias"], params["dense"]["bias"])
+  with pytest.raises(ValueError, match=r"shape \(7,\)"):
+    records.record_to_params(records.params_to_record(params), {**template, "dense": {
+        "bias": np.zeros(1, np.float32)}})
+  with pytest.raises(ValueError, match=r"\{'dense/bias': 'float64'\} are not float32"):
+    records.params_to_record({"dense": {"bias": np.zeros(2)}})
+
+
+def test_a_model_delta_must_match_the_global_model():
+  """The server refuses a delta of another length or layout, another dtype, or NaN / Inf."""
+  from fedlap_flower import records, replies
   params = {"conv": {"kernel": np.zeros((3, 3, 1, 2), np.float32)},
             "dense": {"bias": np.zeros(4, np.float32)}}
   good = {"conv": {"kernel": np.ones((3, 3, 1, 2), np.float32)},
           "dense": {"bias": np.full(4, 0.5, np.float32)}}
   back = records.record_to_delta(records.params_to_record(good), params)
   np.testing.assert_array_equal(back["dense"]["bias"], good["dense"]["bias"])
-  with pytest.raises(ValueError, match=r"missing \['dense/bias'\]"):
-    records.record_to_delta(records.params_to_record({"conv": good["conv"]}), params)
-  with pytest.raises(ValueError, match=r"'dense/bias' has shape \(5,\); allowed: \(4,\)"):
-    records.record_to_delta(records.params_to_record(
-        {**good, "dense": {"bias": np.zeros(5, np.float32)}}), params)
-  with pytest.raises(ValueError, match="'conv/kernel' holds NaN or Inf"):
-    records.record_to_delta(records.params_to_record(
-        {**good, "conv": {"kernel": np.full((3, 3, 1, 2), np.nan, np.float32)}}), params)
+  np.testing.assert_array_equal(back["conv"]["kernel"], good["conv"]["kernel"])
+
+  def refused(record, field, match):
+    with pytest.raises(replies.InvalidReply, match=match) as e:
+      records.record_to_delta(record, params)
+    assert e.value.field == field
+
+  refused(records.params_to_record({"conv": good["conv"]}), "delta/params",
+          r"\(delta/params\) has shape \(18,\); allowed: \(22,\)")
+  refused(records.params_to_record({**good, "dense": {"bias": np.zeros(5, np.float32)}}),
+          "delta/params", r"has shape \(23,\); allowed: \(22,\)")
+  refused(ArrayRecord({"params": Array(np.zeros(22, np.float64))}), "delta/params",
+          "dtype 'float64'; allowed: float32")
+  refused(ArrayRecord({"conv/kernel": Array(np.zeros(18, np.float32)),
+                       "dense/bias": Array(np.zeros(4, np.float32))}), "delta",
+          "allowed: exactly 'params'")
+  refused(records.params_to_record(
+      {**good, "conv": {"kernel": np.full((3, 3, 1, 2), np.nan, np.float32)}}),
+      "delta/conv/kernel", "'conv/kernel' .* holds NaN or Inf")
 
 
 @pytest.mark.slow
@@ -487,8 +521,14 @@ def test_fedavg_baseline_runs_through_flowers_fedavg(tmp_path):
   assert sorted(r.content["metrics"]["partition-id"] for r in grid.replies) == [0, 1, 2, 3, 4]
   with np.load(tmp_path / "run" / "final_params.npz") as f:
     final = dict(f)
+  template = traverse_util.unflatten_dict({k.replace(".", "/"): v for k, v in final.items()},
+                                          sep="/")
+  from fedlap_flower import records as records_lib
+  sent = [traverse_util.flatten_dict(records_lib.record_to_like(r.content["arrays"], template,
+                                                                "parameters"), sep="/")
+          for r in grid.replies]
   for name, value in final.items():
-    arrays = [r.content["arrays"][name.replace(".", "/")].numpy() for r in grid.replies]
+    arrays = [s[name.replace(".", "/")] for s in sent]
     mean = sum(w * a for w, a in zip(weights / weights.sum(), arrays))
     np.testing.assert_allclose(value, mean, rtol=1e-5, atol=1e-7)
     assert not np.array_equal(arrays[0], arrays[1])  # the clients trained on their own data

@@ -19,6 +19,7 @@ import subprocess
 import jax
 import numpy as np
 import pytest
+from flax import traverse_util
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from flower_harness import (SAMPLED, TINY, InProcessGrid, ReplayGrid, node_configs,
@@ -201,11 +202,11 @@ def test_fedavg_drops_a_bad_reply(case, genuine, replay):
 
 
 def _initial_params(tmp_path, kind):
-  from fedlap_flower import records as records_lib
   run = settings.run_settings(_rc(tmp_path, kind))
   test = task.load_test_split(run.cfg)
   _, _, params = task.init_model(run.cfg, test.image_shape, test.num_classes)
-  return {k.replace("/", "."): v.numpy() for k, v in records_lib.params_to_record(params).items()}
+  return {k: np.asarray(v) for k, v in
+          traverse_util.flatten_dict(jax.device_get(params), sep=".").items()}
 
 
 @pytest.mark.slow
