@@ -40,8 +40,8 @@ from fedlap_jax import participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
 from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
                                DP_ONE_SHOT_METHODS, METHODS, ONE_SHOT_METHODS)
-from fedlap_jax.federated import synthetic_labels
 from fedlap_jax.models import NORMS
+from fedlap_jax.synthetic import synthetic_labels
 
 from experiments import data as data_lib
 from experiments.configs import schema

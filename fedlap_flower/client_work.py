@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax.federated import real_images, shared_family_key
+from fedlap_jax.client import shared_family_key
+from fedlap_jax.synthetic import real_images
 
 
 class FedLAPReply(NamedTuple):

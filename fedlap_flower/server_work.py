@@ -6,7 +6,7 @@ union of the received synthetic sets, stacked in client order ``(K', S, ...)``
 (``K'``: the clients that replied), trained on inside the radius ``r_g``.
 With ``server.start='fedavg_delta'`` the descent starts from ``w_g`` plus the
 clients' model deltas averaged with the server's weights
-(:func:`fedlap_jax.federated.fedavg_delta_start`, as ``experiments.run``).
+(:func:`fedlap_jax.server.fedavg_delta_start`, as ``experiments.run``).
 :func:`make_evaluate` evaluates on the test split as ``experiments.run`` does.
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax.federated import fedavg_delta_start
+from fedlap_jax.server import fedavg_delta_start
 
 
 def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:

@@ -40,7 +40,7 @@ import numpy as np
 
 import fedlap_jax as fl
 from fedlap_jax import federated, participation
-from fedlap_jax.federated import noise_images
+from fedlap_jax.synthetic import noise_images
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
 

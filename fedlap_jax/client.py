@@ -49,9 +49,10 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ClientConfig
-from fedlap_jax.matching import matching_distance
+from fedlap_jax.config import ClientConfig, FedLAPConfig
+from fedlap_jax.matching import matching_step
 from fedlap_jax.radius import calibrate_radius
+from fedlap_jax.synthetic import real_images
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -94,83 +95,6 @@ class LocalApproxMetrics(NamedTuple):
   trajectory_distance: jax.Array
   clip_fraction: jax.Array
   model_delta: PyTree | None = None
-
-
-def synthetic_gradient(apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet,
-                       x: jax.Array | None = None) -> PyTree:
-  """Gradient of the mean loss on the synthetic set (images ``x`` if given)."""
-  x = synthetic.x if x is None else x
-  return privacy.real_gradient(apply_fn, params, x, synthetic.y,
-                               jnp.logical_not(synthetic.mask))
-
-
-def matching_step(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    g_real: PyTree,
-    aug_key: jax.Array,
-    *,
-    dsa_strategy: str,
-    mse_weight,
-    family_key: jax.Array | None = None,
-    row_reduction: str = "mean",
-    include_vectors: bool = True,
-) -> tuple[jax.Array, jax.Array]:
-  """``L_dis`` and its gradient with respect to the synthetic images (grad of grad).
-
-  ``aug_key`` (and ``family_key``, if given: :func:`fedlap_jax.dsa.augment`)
-  must be those of the real batch, so both batches get the same transform.
-  ``row_reduction`` and ``include_vectors`` select the distance's variant
-  (:func:`fedlap_jax.matching.matching_distance`; FedLAP's by default, DSC /
-  PSG pass ``"sum"`` and ``False``).
-
-  Returns:
-    ``(loss, grad_x)`` with ``grad_x`` shaped like ``synthetic.x``.
-  """
-  augment = dsa.make_augment_fn(dsa_strategy)
-
-  def loss_fn(x):
-    g_syn = synthetic_gradient(apply_fn, params, synthetic,
-                               augment(aug_key, x, family_key=family_key))
-    return matching_distance(g_real, g_syn, mse_weight=mse_weight, row_reduction=row_reduction,
-                             include_vectors=include_vectors)
-
-  return jax.value_and_grad(loss_fn)(synthetic.x)
-
-
-def class_blocks(synthetic: SyntheticSet, ipc: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """A synthetic set laid out by :func:`fedlap_jax.federated.synthetic_labels`, per class.
-
-  Slots come in blocks of ``ipc`` with one label each (then padding blocks), so
-  ``S = C * ipc``. Returns ``(x, labels, valid)``: images ``(C, ipc, H, W, C_img)``,
-  each block's label ``(C,)`` and whether the block holds a class ``(C,)``.
-  The class-wise methods (DSC's gradient matching, FedDM's distribution
-  matching) match each block against real records of its class.
-  """
-  s = synthetic.x.shape[0]
-  if s % ipc:
-    raise ValueError(f"synthetic set of {s} slots is not in blocks of ipc={ipc}; allowed: "
-                     "the layout of fedlap_jax.federated.synthetic_labels")
-  blocks = s // ipc
-  return (synthetic.x.reshape(blocks, ipc, *synthetic.x.shape[1:]),
-          synthetic.y.reshape(blocks, ipc)[:, 0], synthetic.mask.reshape(blocks, ipc)[:, 0])
-
-
-def class_batch(key: jax.Array, client_data: ClientData, label: jax.Array, valid: jax.Array,
-                batch_size: int, capacity: int) -> privacy.PoissonBatch:
-  """A Poisson batch of the client's records of class ``label`` (non-private).
-
-  Each record of the class is drawn with probability ``min(1, B / N_c)`` (``N_c``
-  its records of the class): ``B`` expected, the whole class when it holds
-  fewer than ``B`` records (as the condensation code's ``get_images(c, B)``).
-  The rate depends on ``N_c``, so this sampling is for the non-DP class-wise
-  methods only. ``valid=False`` gives an empty batch.
-  """
-  members = jnp.logical_and(jnp.logical_and(client_data.mask, client_data.y == label), valid)
-  n_c = jnp.sum(members)
-  rate = jnp.minimum(1.0, batch_size / jnp.maximum(n_c, 1).astype(jnp.float32))
-  return privacy.poisson_sample(key, members, rate, capacity)
 
 
 def image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
@@ -482,3 +406,79 @@ def local_approx(
                    else jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)),
   )
   return synthetic, r_k, metrics
+
+
+class ClientUpdate(NamedTuple):
+  """What one FedLAP client sends the server after a round (:func:`client_step`).
+
+  Stacked over clients (every leaf with a leading ``(K,)`` axis) it is what
+  :func:`fedlap_jax.server.server_step` takes.
+
+  Attributes:
+    synthetic: the client's :class:`SyntheticSet` after local approximation,
+      ``(S, ...)`` (labels and mask as the run fixed them).
+    radius: ``r_k``, float32 (the constant ``r`` under DP or without
+      calibration).
+    model_delta: with ``server.start='fedavg_delta'``, ``w_end - w_g`` averaged
+      over the ``R_i`` trajectories (:attr:`LocalApproxMetrics.model_delta`, a
+      pytree like the model); ``None`` otherwise. Under DP it is
+      post-processing of the round's released noisy gradients.
+  """
+
+  synthetic: SyntheticSet
+  radius: jax.Array
+  model_delta: PyTree | None = None
+
+
+def client_step(
+    key: jax.Array,
+    apply_fn: ApplyFn,
+    params: PyTree,
+    synthetic: SyntheticSet,
+    client_data: ClientData,
+    config: FedLAPConfig,
+    *,
+    learning_rate,
+    family_key: jax.Array | None = None,
+    init_key: jax.Array | None = None,
+    client_axis: str | None = None,
+) -> tuple[ClientUpdate, LocalApproxMetrics]:
+  """One FedLAP client's round: its synthetic set's start, :func:`local_approx`, the upload.
+
+  Pure and jit-compatible (``config`` static); every front end runs a client
+  through it (:func:`fedlap_jax.federated.fedlap_round` for all clients at
+  once, the Flower ``ClientApp`` for one).
+
+  Args:
+    key: PRNG key of this client and round.
+    apply_fn, params: the model and the received global model ``w_g``.
+    synthetic: the client's synthetic set from the previous round (or the
+      initial one); under ``synthetic_init='real'`` only its labels and mask
+      are used: the images are drawn again from real records with ``init_key``.
+    client_data: the client's real records, padded with a mask.
+    config: :class:`~fedlap_jax.config.FedLAPConfig`.
+    learning_rate: the clients' ``eta_m`` of the round (may be traced).
+    family_key: the round's shared DSA family key (:func:`shared_family_key`
+      of the round's client key); ``None``: derived from ``key``.
+    init_key: the key of the real images under ``synthetic_init='real'``
+      (required then); ignored under ``'noise'``.
+    client_axis: see :func:`local_approx`.
+
+  Returns:
+    ``(ClientUpdate, LocalApproxMetrics)``; the metrics' ``model_delta`` is
+    ``None`` (the delta travels in the update, when the server uses it).
+
+  Raises:
+    ValueError: ``synthetic_init='real'`` without ``init_key``.
+  """
+  if config.synthetic_init == "real":
+    if init_key is None:
+      raise ValueError("client_step: synthetic_init='real' needs init_key (the round's key "
+                       "of the real images); allowed: a PRNG key")
+    synthetic = synthetic._replace(x=real_images(init_key, client_data, synthetic.y,
+                                                 synthetic.mask, config.client.ipc))
+  synthetic, radius, metrics = local_approx(
+      key, apply_fn, params, synthetic, client_data, config.client, learning_rate=learning_rate,
+      family_key=family_key, client_axis=client_axis)
+  delta = metrics.model_delta if config.server.start == "fedavg_delta" else None
+  return ClientUpdate(synthetic, radius, delta), metrics._replace(model_delta=None)

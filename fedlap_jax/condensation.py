@@ -18,7 +18,7 @@ the union of the clients' synthetic sets. :func:`condense` is the client side
              divided by B (privacy.clipped_gradient_sum over every chunk of
              the draw, privacy.sum_over_chunks, then privacy.privatise: exact
              Poisson sampling, no record dropped)
-        S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.client.matching_step)
+        S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.matching.matching_step)
       if o == outer_loop: break
       inner_loop epochs of SGD (net_lr, batch model_batch_size) of w on S
   server: a fresh model trained on the union (fedlap_jax.server.global_update,
@@ -90,14 +90,14 @@ from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import (ConfigError, is_real, nonneg_int, one_of,
                                positive_float, positive_int, require)
-from fedlap_jax.client import class_batch, class_blocks, matching_step
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS,
                                SYNTHETIC_INITS, DPConfig, ServerConfig, check_synthetic_learner,
                                poisson_capacity)
-from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
-from fedlap_jax.federated import initial_synthetic, real_images
+from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
+from fedlap_jax.matching import matching_step
 from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic, real_images
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -309,7 +309,7 @@ def condense(
     init_fn: ``init_fn(key) -> params``, a freshly initialised network
       (:func:`fedlap_jax.models.init_fn` for the ConvNet).
     synthetic: the starting set ``(S, ...)``, in the layout of
-      :func:`fedlap_jax.federated.synthetic_labels` (blocks of ``ipc``).
+      :func:`fedlap_jax.synthetic.synthetic_labels` (blocks of ``ipc``).
     client_data: the client's real records, padded with a mask.
     config: :class:`CondensationConfig`.
 
@@ -568,7 +568,7 @@ def oneshot_round(
       client_backend=client_backend, mesh=mesh)
   params, server_metrics = train_on_union(
       k_server, apply_fn, state.params, synthetic,
-      client_weights(data, config.server.weighting), config)
+      client_weights(config.server.weighting, record_counts(data)), config)
   new_state = OneShotState(params, synthetic, state.round + 1, key)
   return new_state, OneShotMetrics(client_metrics, server_metrics.epochs, server_metrics.steps,
                                    server_metrics.distance, jnp.float32(config.learning_rate))

@@ -47,7 +47,7 @@ since it considers class-wise optimization, introducing additional privacy
 risks and a distinct privacy notion"); :class:`FedDMConfig` has no DP field.
 
 Deviation: real batches are Poisson draws of expected size ``B`` per class
-(:func:`fedlap_jax.client.class_batch`; the whole class when it holds fewer),
+(:func:`fedlap_jax.synthetic.class_batch`; the whole class when it holds fewer),
 where the reimplementation takes exactly ``B`` at random.
 """
 
@@ -66,14 +66,14 @@ from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (is_real, one_of, positive_float,
                                positive_int, require)
-from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, SYNTHETIC_INITS, ServerConfig,
                                check_synthetic_learner, poisson_capacity)
-from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
-from fedlap_jax.federated import initial_synthetic, noise_images, real_images
+from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.matching import mean_embedding_distance
 from fedlap_jax.server import global_update
+from fedlap_jax.synthetic import (class_batch, class_blocks, initial_synthetic, noise_images,
+                                  real_images)
 from fedlap_jax.types import ApplyFn, PyTree
 
 EmbedFn = Callable[[PyTree, jax.Array], PyTree]
@@ -178,7 +178,7 @@ def distribution_match(
       ``(N, ...)`` (e.g. :func:`fedlap_jax.models.embed_fn`).
     params: the global model ``w_g``.
     synthetic: the starting set ``(S, ...)`` in blocks of ``ipc``
-      (:func:`fedlap_jax.federated.synthetic_labels`).
+      (:func:`fedlap_jax.synthetic.synthetic_labels`).
     client_data: the client's real records, padded with a mask.
     config: :class:`FedDMConfig`.
 
@@ -306,7 +306,7 @@ def feddm_round(
       client_backend=client_backend, mesh=mesh)
   params, server_metrics = global_update(
       k_server, apply_fn, state.params, synthetic,
-      client_weights(clients, config.server.weighting), jnp.inf,
+      client_weights(config.server.weighting, record_counts(clients)), jnp.inf,
       learning_rate=config.learning_rate, config=config.server)
   return (FedDMState(params, synthetic, state.round + 1, key),
           FedDMRoundMetrics(client_metrics, server_metrics.epochs, server_metrics.steps,

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import client, privacy
+from fedlap_jax import client, matching, privacy
 from fedlap_jax.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
-from fedlap_jax.federated import noise_images, synthetic_labels
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
+from fedlap_jax.synthetic import noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
@@ -159,7 +159,7 @@ def test_local_approx_lowers_matching_loss(run, tiny_apply_fn, tiny_params, synt
   # L_dis recomputed from scratch on the full-batch real gradient, before and after.
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
       tiny_apply_fn, tiny_params, client_data.x, client_data.y, ~client_data.mask)
-  step = jax.jit(functools.partial(client.matching_step, tiny_apply_fn, dsa_strategy="",
+  step = jax.jit(functools.partial(matching.matching_step, tiny_apply_fn, dsa_strategy="",
                                    mse_weight=FIXED.mse_weight))
   before, _ = step(tiny_params, synthetic, g_real, jax.random.PRNGKey(0))
   after, _ = step(tiny_params, syn, g_real, jax.random.PRNGKey(0))
@@ -203,7 +203,7 @@ def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, d
   """L_dis and its image gradient (grad of grad), eager and jitted."""
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
       linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
-  step = functools.partial(client.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy,
+  step = functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy,
                            mse_weight=0.1)
   eager = step(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
   jitted = jax.jit(step)(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
@@ -214,7 +214,7 @@ def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, d
   chex.assert_tree_all_finite(grad_x)
   assert float(jnp.max(jnp.abs(grad_x))) > 0
   if not dsa_strategy:
-    g_syn = client.synthetic_gradient(linear_apply_fn, linear_params, synthetic)
+    g_syn = matching.synthetic_gradient(linear_apply_fn, linear_params, synthetic)
     chex.assert_trees_all_close(loss, matching_distance(g_real, g_syn, mse_weight=0.1),
                                 rtol=1e-5)
 
@@ -227,7 +227,7 @@ def test_padding_slots_of_the_synthetic_set_are_ignored(linear_apply_fn, linear_
                         jnp.concatenate([synthetic.mask, jnp.zeros(2, bool)]))
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
       linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
-  step = jax.jit(functools.partial(client.matching_step, linear_apply_fn, dsa_strategy="",
+  step = jax.jit(functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy="",
                                    mse_weight=0.1))
   loss, grad_x = step(linear_params, padded, g_real, jax.random.PRNGKey(0))
   ref_loss, ref_grad = step(linear_params, synthetic, g_real, jax.random.PRNGKey(0))
@@ -330,3 +330,4 @@ def test_noisy_real_needs_average_targets():
     ClientConfig(model_steps="noisy_real")
   with pytest.raises(ValueError, match="model_steps='real' is invalid"):
     ClientConfig(model_steps="real", average_targets=True)
+

@@ -18,12 +18,11 @@ import pytest
 
 from fedlap_jax import condensation, feddm, privacy
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import DPConfig, ServerConfig
-from fedlap_jax.federated import noise_images, synthetic_labels
 from fedlap_jax.models import init_fn
 from fedlap_jax.server import global_update
+from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
