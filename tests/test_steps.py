@@ -255,3 +255,15 @@ def test_the_round_is_built_on_the_two_steps_and_nothing_else():
   assert {"client_step", "server_step"} <= names
   assert not STEP_INTERNALS & names, STEP_INTERNALS & names
 
+
+def test_the_flower_app_calls_the_librarys_steps_and_no_copy_of_them():
+  """fedlap_flower marshals messages: FedLAP's and FedAvg's steps are the library's."""
+  used = set()
+  for path in sorted((ROOT / "fedlap_flower").glob("*.py")):
+    names = _names(path)
+    assert not STEP_INTERNALS & names, (path.name, STEP_INTERNALS & names)
+    # No local training of its own either: FedAvg's client is the library's.
+    assert not {"client_update", "real_gradient", "sgd_epoch", "cosine_learning_rate"} & names, \
+        path.name
+    used |= names
+  assert {"client_step", "server_step", "round_learning_rates", "learning_rate"} <= used
