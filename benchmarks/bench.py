@@ -366,7 +366,7 @@ def op_synthetic_update(apply_fn, params, clients, cfg, problem):
   syn = jax.tree.map(lambda a: a[0], _synthetic(clients, cfg, problem))
   x, y, pad = _batch(clients, cc.capacity, cc.batch_size)
   g_real = jax.jit(functools.partial(privacy.real_gradient, apply_fn))(params, x, y, pad)
-  opt = client_lib.image_optimizer(cc)
+  opt = client_lib.default_image_optimizer(cc)
 
   def fn(p, syn, g_real, key, opt_state):
     _, grad_x = matching.matching_step(apply_fn, p, syn, g_real, key,
