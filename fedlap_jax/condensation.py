@@ -7,7 +7,7 @@ set to the gradient of real batches; the server then trains a fresh model on
 the union of the clients' synthetic sets. :func:`condense` is the client side
 (one pure function, like :func:`fedlap_jax.client.local_approx`)::
 
-  for i in 1..iterations:                    # lax.scan, a fresh network each time
+  for i in 1..networks:                      # lax.scan, a fresh network each time
     w <- init_fn(key_i)
     for o in 1..outer_loop:                  # lax.fori_loop
       for b in 1..batch_loop:                # lax.fori_loop
@@ -42,7 +42,7 @@ Methods (``OneShotConfig.method``):
 * ``psg``: Chen, Kerkouche & Fritz, "Private Set Generation with
   Discriminative Information", NeurIPS 2022: class-agnostic matching of
   per-example-clipped, noised real gradients (record-level DP), each client
-  once on its own data. ``T = iterations * outer_loop * batch_loop`` noisy
+  once on its own data. ``T = networks * outer_loop * batch_loop`` noisy
   accesses at ``q = B / N_k``, accounted by :mod:`fedlap_jax.accounting` as
   one round of ``T`` steps.
 
@@ -132,7 +132,8 @@ class CondensationConfig:
 
   Attributes:
     ipc: synthetic images per class the client (or the pool) owns.
-    iterations: freshly initialised networks, one after another.
+    networks: freshly initialised networks, one after another (the experiment
+      config's ``condense.iterations``, the code's ``Iteration``).
     outer_loop: image-update stages per network (the last ends without a
       network update).
     inner_loop: epochs of network SGD on the synthetic set between stages.
@@ -155,7 +156,7 @@ class CondensationConfig:
   """
 
   ipc: int = 10
-  iterations: int = 1000
+  networks: int = 1000
   outer_loop: int = 10
   inner_loop: int = 50
   batch_loop: int = 1
@@ -171,7 +172,7 @@ class CondensationConfig:
   dp: DPConfig | None = None
 
   def __post_init__(self):
-    for f in ("ipc", "iterations", "outer_loop", "batch_loop", "batch_size",
+    for f in ("ipc", "networks", "outer_loop", "batch_loop", "batch_size",
               "model_batch_size"):
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
@@ -193,8 +194,8 @@ class CondensationConfig:
 
   @property
   def real_accesses_per_round(self) -> int:
-    """``T = iterations * outer_loop * batch_loop`` real batches (the accountant's steps)."""
-    return self.iterations * self.outer_loop * self.batch_loop
+    """``T = networks * outer_loop * batch_loop`` real batches (the accountant's steps)."""
+    return self.networks * self.outer_loop * self.batch_loop
 
 
 def _default_server() -> ServerConfig:
@@ -266,7 +267,7 @@ class CondensationMetrics(NamedTuple):
   """Diagnostics of :func:`condense` (scalars, ``(K,)`` over clients).
 
   Attributes:
-    matching_loss: ``(iterations,)`` mean ``L_dis`` over the image updates of
+    matching_loss: ``(networks,)`` mean ``L_dis`` over the image updates of
       each fresh network (under DP: computed from the noised gradients).
     real_accesses: real batches drawn (``T``; per class when class-wise).
     poisson_extra_chunks: extra buffer-sized chunks processed because a
@@ -419,7 +420,7 @@ def condense(
   stats0 = (jnp.int32(0), jnp.int32(0), jnp.int32(0), f32(0.0))
   (x_syn, _, stats), losses = jax.lax.scan(
       iteration, (synthetic.x, opt.init(synthetic.x), stats0),
-      jax.random.split(key, c.iterations))
+      jax.random.split(key, c.networks))
   accesses, extra_chunks, sampled, n_clipped = stats
   metrics = CondensationMetrics(
       matching_loss=losses,
@@ -595,7 +596,7 @@ def algorithm(apply_fn: ApplyFn, init_fn: InitFn, config: OneShotConfig, *,
   ``ipc * max_classes_per_client * prod(image_shape)`` floats (its synthetic
   set, once); for ``dsc_centralized`` the raw data pooled,
   ``max_client_size * prod(image_shape)``. ``dp_steps_per_round`` is PSG's
-  ``T = iterations * outer_loop * batch_loop``.
+  ``T = networks * outer_loop * batch_loop``.
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.

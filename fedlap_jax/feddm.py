@@ -10,7 +10,7 @@ matching, and there is no trust region::
   server: send w_g
   client k (distribution_match):
     S_k <- ipc real images per class it owns (re-drawn every round)
-    for i in 1..iterations:
+    for i in 1..image_updates:
       w <- w_g + rho * z / ||z||,  z ~ N(0, I)     # a model in the neighbourhood of w_g
       L = sum_c || mean_{x in real batch of c} e_w(x) - mean_{s in S_k of c} e_w(s) ||^2
       S_k <- S_k - momentum-SGD(image_lr) grad_S L
@@ -90,7 +90,8 @@ class FedDMConfig:
 
   Attributes:
     ipc: synthetic images per class a client owns.
-    iterations: image updates per round, each with a new perturbed model.
+    image_updates: updates of the synthetic images per round, each against a
+      new perturbed model (the experiment config's ``feddm.iterations``).
     rho: norm of the random perturbation of the global model (L2 over all
       parameters).
     batch_size: ``B``, expected real records per class per iteration.
@@ -107,7 +108,7 @@ class FedDMConfig:
   """
 
   ipc: int = 10
-  iterations: int = 1000
+  image_updates: int = 1000
   rho: float = 5.0
   batch_size: int = 256
   image_lr: float = 1.0
@@ -119,7 +120,7 @@ class FedDMConfig:
   learning_rate: float = 0.01
 
   def __post_init__(self):
-    for f in ("ipc", "iterations", "batch_size"):
+    for f in ("ipc", "image_updates", "batch_size"):
       positive_int(f, getattr(self, f))
     require(is_real(self.rho) and self.rho >= 0, "rho", self.rho, "a finite number >= 0")
     check_synthetic_learner(self)
@@ -139,7 +140,7 @@ class FedDMClientMetrics(NamedTuple):
   """Diagnostics of :func:`distribution_match` (scalars, ``(K,)`` over clients).
 
   Attributes:
-    matching_loss: ``(iterations,)`` the distribution-matching loss before each update.
+    matching_loss: ``(image_updates,)`` the distribution-matching loss before each update.
     poisson_extra_chunks: extra buffer-sized chunks processed because a
       Poisson draw exceeded the buffer (usually 0; no record is ever dropped).
     mean_batch_size: mean real records per iteration (all classes together).
@@ -233,8 +234,8 @@ def distribution_match(
 
   init = (synthetic.x, opt.init(synthetic.x), jnp.int32(0), jnp.int32(0))
   (x_syn, _, extra_chunks, sampled), losses = jax.lax.scan(
-      step, init, jax.random.split(key, c.iterations))
-  metrics = FedDMClientMetrics(losses, extra_chunks, sampled / c.iterations)
+      step, init, jax.random.split(key, c.image_updates))
+  metrics = FedDMClientMetrics(losses, extra_chunks, sampled / c.image_updates)
   return synthetic._replace(x=x_syn), metrics
 
 
