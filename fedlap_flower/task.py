@@ -147,7 +147,7 @@ def words_to_key(words) -> jax.Array:
 
 
 def baseline_chain_key(seed: int) -> jax.Array:
-  """The state key of a baseline before round 1 (``init_baseline_state``'s key: the algorithm key)."""
+  """A baseline's state key before round 1: ``init_baseline_state``'s, the algorithm key."""
   return _alg_key(seed)
 
 

@@ -39,8 +39,8 @@ from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation
 from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
                                paper_dp_config, paper_nondp_config)
 from fedlap_jax.dsa import augment
-from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state, make_round_fn,
-                                  round_learning_rates)
+from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state,
+                                  make_round_fn, round_learning_rates)
 from fedlap_jax.matching import matching_distance, matching_step
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 from fedlap_jax.privacy import (PoissonBatch, clipped_gradient_sum, per_example_gradients,

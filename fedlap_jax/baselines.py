@@ -393,7 +393,8 @@ class BaselineRoundMetrics(NamedTuple):
 
 
 def round_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(next_state_key, k_clients)`` of a round; client ``k`` of ``K`` uses ``split(k_clients, K)[k]``."""
+  """``(next_state_key, k_clients)`` of a round; client ``k`` of ``K`` uses
+  ``split(k_clients, K)[k]`` (:func:`round_keys`)."""
   key, k_clients = jax.random.split(key)
   return key, k_clients
 

@@ -50,7 +50,7 @@ Differentially Private Loss Approximations", PoPETs 2024.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +83,9 @@ class LocalApproxMetrics(NamedTuple):
     clip_fraction: scalar, fraction of per-example gradients that were clipped
       (DP only; 0 otherwise).
     model_delta: with ``model_steps='noisy_real'``, the mean over the ``R_i``
-      trajectories of ``w_end - w_g`` (a pytree like the model; the upload
-      :func:`fedlap_jax.federated.fedlap_round` uses for ``server.start``);
-      ``None`` otherwise.
+      trajectories of ``w_end - w_g`` (a pytree like the model; what
+      :func:`client_step` sends as :attr:`ClientUpdate.model_delta` to a
+      ``server.start='fedavg_delta'`` server); ``None`` otherwise.
 
   Under DP, ``matching_loss``, ``outer_iterations``, ``real_accesses`` and
   ``trajectory_distance`` are computed from the noised gradients and the
@@ -266,7 +266,7 @@ def noisy_real_target(problem: LocalProblem, keys: tuple, params: PyTree) -> Rea
 
 def match_images(problem: LocalProblem, params: PyTree, images: jax.Array, opt_state,
                  target: PyTree, aug_keys: tuple, *, fresh_augmentation: bool
-                 ) -> tuple[jax.Array, object, jax.Array]:
+                 ) -> tuple[jax.Array, optax.OptState, jax.Array]:
   """``R_b`` updates of the synthetic images against one target, at the model ``params``.
 
   Update ``j``: ``L_dis(target, grad_w L(w, S))`` and its image gradient
@@ -403,8 +403,8 @@ class Recipe(NamedTuple):
   :func:`noisy_real_target`.
   """
 
-  targets: object
-  model_step: object
+  targets: Callable[..., tuple]
+  model_step: Callable[..., PyTree] | None
   sends_delta: bool
 
 
@@ -438,7 +438,7 @@ class _Loop(NamedTuple):
   w: PyTree
   dist: jax.Array
   images: jax.Array
-  opt_state: object
+  opt_state: optax.OptState
   loss_log: jax.Array
   stats: AccessStats
   any_active: jax.Array  # some client of the axis is still running
