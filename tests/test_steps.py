@@ -130,7 +130,7 @@ def test_server_step_is_radius_weights_start_then_global_update(tiny_apply_fn, t
                                                                  clients):
   """Hand-composed from the library's pieces: r_g = min r_k, N_k weights, the delta start."""
   config = dataclasses.replace(
-      HYBRID, client=dataclasses.replace(HYBRID.client, dp=None),
+      HYBRID, client=dataclasses.replace(HYBRID.client, dp=None, calibrate_radius=True),
       server=dataclasses.replace(HYBRID.server, radius_strategy="min", weighting="size",
                                  max_epochs=3))
   radii = [0.5, 0.2, 0.9, 0.3, 0.7]
@@ -156,7 +156,7 @@ def test_server_step_is_radius_weights_start_then_global_update(tiny_apply_fn, t
 def test_server_step_leaves_out_invalid_clients(tiny_apply_fn, tiny_params, clients):
   """valid=False: the client's radius, delta and synthetic set change nothing."""
   config = dataclasses.replace(
-      HYBRID, client=dataclasses.replace(HYBRID.client, dp=None),
+      HYBRID, client=dataclasses.replace(HYBRID.client, dp=None, calibrate_radius=True),
       server=dataclasses.replace(HYBRID.server, radius_strategy="min", weighting="size",
                                  max_epochs=2))
   updates = _updates(tiny_params, clients, config, [0.5, 0.2, 0.9, 0.3, 0.7])
