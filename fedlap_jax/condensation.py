@@ -580,7 +580,7 @@ _round_jit = jax.jit(oneshot_round, static_argnames=("apply_fn", "init_fn", "con
 
 
 def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
-  """PSG's mechanism: ``T = iterations * outer_loop * batch_loop`` noisy class-agnostic
+  """PSG's mechanism: ``T = networks * outer_loop * batch_loop`` noisy class-agnostic
   Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
   return _mechanism(config.dp, batch_size=config.batch_size,
                     steps_per_round=config.real_accesses_per_round)
