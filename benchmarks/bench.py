@@ -51,8 +51,8 @@ import numpy as np
 from fedlap_jax import client as client_lib
 from fedlap_jax import client_data
 from fedlap_jax import config as config_lib
-from fedlap_jax import (baselines, dispatch, federated, models, per_example, privacy, server,
-                        training)
+from fedlap_jax import (baselines, dispatch, federated, matching, models, per_example, privacy,
+                        radius, server, synthetic, training)
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
 # The authors' PyTorch code on this kind of machine (2 CPU threads).
@@ -354,9 +354,9 @@ def op_gradient(apply_fn, params, clients, cfg: FedLAPConfig, *, dp: bool, slots
 
 
 def _synthetic(clients, cfg: FedLAPConfig, problem: Problem):
-  labels, mask = federated.synthetic_labels(
+  labels, mask = synthetic.synthetic_labels(
       [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)], cfg.client.ipc)
-  x = federated.noise_images(jax.random.PRNGKey(3), jnp.asarray(mask), problem.image_shape)
+  x = synthetic.noise_images(jax.random.PRNGKey(3), jnp.asarray(mask), problem.image_shape)
   return client_data.SyntheticSet(x, jnp.asarray(labels), jnp.asarray(mask))
 
 
@@ -366,11 +366,11 @@ def op_synthetic_update(apply_fn, params, clients, cfg, problem):
   syn = jax.tree.map(lambda a: a[0], _synthetic(clients, cfg, problem))
   x, y, pad = _batch(clients, cc.capacity, cc.batch_size)
   g_real = jax.jit(functools.partial(privacy.real_gradient, apply_fn))(params, x, y, pad)
-  opt = client_lib.image_optimizer(cc)
+  opt = client_lib.default_image_optimizer(cc)
 
   def fn(p, syn, g_real, key, opt_state):
-    _, grad_x = client_lib.matching_step(apply_fn, p, syn, g_real, key,
-                                         dsa_strategy=cc.dsa_strategy, mse_weight=cc.mse_weight)
+    _, grad_x = matching.matching_step(apply_fn, p, syn, g_real, key,
+                                     dsa_strategy=cc.dsa_strategy, mse_weight=cc.mse_weight)
     updates, opt_state = opt.update(grad_x, opt_state, syn.x)
     return syn.x + updates, opt_state
   return fn, (params, syn, g_real, jax.random.PRNGKey(4), opt.init(syn.x))
@@ -382,7 +382,7 @@ def op_client_round(apply_fn, params, clients, cfg, problem):
   one = jax.tree.map(lambda a: a[0], clients)
   syn = jax.tree.map(lambda a: a[0], syn)
   if cfg.synthetic_init == "real":
-    syn = syn._replace(x=federated.real_images(jax.random.PRNGKey(5), one, syn.y, syn.mask,
+    syn = syn._replace(x=synthetic.real_images(jax.random.PRNGKey(5), one, syn.y, syn.mask,
                                                cfg.client.ipc))
   lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
 
@@ -394,15 +394,15 @@ def op_client_round(apply_fn, params, clients, cfg, problem):
 def op_server_update(apply_fn, params, clients, cfg, problem):
   """``global_update`` on all clients' synthetic sets, radius ``r`` (runs to ``r`` or the cap)."""
   syn = _synthetic(clients, cfg, problem)
-  weights = dispatch.client_weights(clients, cfg.server.weighting)
+  weights = dispatch.client_weights(cfg.server.weighting, dispatch.record_counts(clients))
   lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
-  radius = federated.server_radius(jnp.full((problem.num_clients,), cfg.client.radius),
-                                   cfg.server.radius_strategy, cfg.client.radius)
+  r_g = radius.server_radius(jnp.full((problem.num_clients,), cfg.client.radius),
+                             cfg.server.radius_strategy, cfg.client.radius)
 
   def fn(key, p, syn, w, r):
     return server.global_update(key, apply_fn, p, syn, w, r, learning_rate=lr,
                                 config=cfg.server)
-  return fn, (jax.random.PRNGKey(7), params, syn, weights, radius)
+  return fn, (jax.random.PRNGKey(7), params, syn, weights, r_g)
 
 
 def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):

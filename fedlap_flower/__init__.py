@@ -9,13 +9,13 @@ bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
 * :mod:`fedlap_flower.task` -- model, keys, one client's data partition, the
   server's test split: everything built from a config, exactly as
   ``experiments.run`` builds it.
-* :mod:`fedlap_flower.client_work` -- one client's round
-  (:func:`fedlap_jax.local_approx`, or local SGD for the FedAvg baseline).
-* :mod:`fedlap_flower.server_work` -- the server's round
-  (:func:`fedlap_jax.server_radius` and :func:`fedlap_jax.global_update` on the
-  union of the received synthetic sets, starting from ``w_g``, or with
-  ``server.start='fedavg_delta'`` from ``w_g`` plus the clients' averaged
-  model deltas) and the test evaluation.
+* :mod:`fedlap_flower.client_work` -- one client's round: the library's
+  :func:`fedlap_jax.client_step` (or :func:`fedlap_jax.baselines.client_step`
+  for the FedAvg baseline) on the client's start set, and its reply.
+* :mod:`fedlap_flower.server_work` -- the server's round: the replies stacked
+  into one :class:`fedlap_jax.ClientUpdate` for the library's
+  :func:`fedlap_jax.server.server_step` (or the FedAvg clients' models for
+  :func:`fedlap_jax.baselines.server_step`), and the test evaluation.
 
 A FedLAP client sends its synthetic set and radius (and its DP metrics); with
 ``server.start='fedavg_delta'`` (the hybrid DP recipe, ``quickstart:dp``) also

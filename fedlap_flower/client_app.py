@@ -16,8 +16,9 @@ A FedLAP train message runs, on this client only:
    (:func:`fedlap_flower.ledger.fresh_round_key`) -- the server never learns
    it (unless the test-only unsafe mode is on *and* this client's environment
    consents), and no state on disk can make it repeat;
-3. :func:`fedlap_flower.client_work.fedlap_round` (``local_approx``) on the
-   received global parameters;
+3. :func:`fedlap_flower.client_work.fedlap_round`
+   (:func:`fedlap_jax.client.client_step`, as every front end runs a client) on
+   the received global parameters;
 4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon, and, when
    the config's ``server.start`` is ``'fedavg_delta'`` (the hybrid recipe,
    ``client.model_steps='noisy_real'``), the client's model delta
@@ -31,8 +32,9 @@ A FedLAP train message runs, on this client only:
    writing raw statistics locally, changes nothing here). With
    ``server.start='global'`` the reply holds no delta.
 
-A FedAvg train message (config ``method = fedavg``) runs local SGD and replies
-with the parameters and ``num-examples``, as Flower's FedAvg expects.
+A FedAvg train message (config ``method = fedavg``) runs
+:func:`fedlap_jax.baselines.client_step` (``experiments.run``'s FedAvg client)
+and replies with the parameters and ``num-examples``.
 
 With ``data.clients_per_round = m < K`` a client takes part only in the
 rounds the public participation seed draws it for
@@ -60,6 +62,7 @@ from fedlap_flower import client_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
 from fedlap_jax import federated
+from fedlap_jax.client import shared_family_key
 
 app = ClientApp()
 
@@ -76,6 +79,9 @@ class _Setup:
     from experiments import library_configs  # pylint: disable=g-import-not-at-top
     self.cfg = run.cfg
     self.fc = library_configs.to_fedlap_config(run.cfg) if run.cfg.method == "fedlap" else None
+    # FedAvg: T = local_epochs * round(N_max / B) of the padded partition (N_max records).
+    self.bc = (library_configs.to_baseline_config(run.cfg) if run.cfg.method == "fedavg"
+               else None)
     self.partition = task.load_partition(run.cfg, node.partition_id, node.num_partitions,
                                          node.data_path)
     # template: the model's layout, to unpack the parameters a message carries packed.
@@ -143,20 +149,17 @@ def _not_drawn(run, node, server_round: int) -> str:
 
 
 def _train_fedavg(msg, conf, run, node, setup) -> Message:
-  cfg = run.cfg
   if node.requires_dp:
     raise settings.SettingsError(
         "method", "fedavg", "a DP FedLAP config",
         message="this client has its own max-epsilon and takes part in DP runs only; "
         "method='fedavg' is not private. Allowed: a DP FedLAP config")
-  slot = task.key_slot(cfg, int(conf["server-round"]), node.partition_id)
+  slot = task.key_slot(run.cfg, int(conf["server-round"]), node.partition_id)
   if slot is None:
     raise ValueError(_not_drawn(run, node, int(conf["server-round"])))
   key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
   params = records.record_to_params(msg.content["arrays"], setup.template)
-  new = client_work.fedavg_round(key, setup.apply_fn, params, setup.partition,
-                                 epochs=cfg.baseline.local_epochs,
-                                 batch_size=cfg.client.batch_size,
+  new = client_work.fedavg_round(key, setup.apply_fn, params, setup.partition, setup.bc,
                                  learning_rate=float(conf["learning-rate"]))
   return Message(content=RecordDict({
       "arrays": records.params_to_record(new),
@@ -203,7 +206,7 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
   with (state.locked() if state is not None else contextlib.nullcontext()):
     family_key = None  # under DP with the client's own key: derived from it
     if keys == "server":
-      family_key = federated.shared_family_key(task.words_to_key(conf["key-clients"]))
+      family_key = shared_family_key(task.words_to_key(conf["key-clients"]))
     if dp:
       privacy = {**mechanism.ledger(part.num_records).privacy_fields(),
                  "adjacency": mechanism.adjacency}
@@ -227,14 +230,13 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     if fc.synthetic_init == "real":
       init_key = task.client_key(task.words_to_key(conf["key-init"]), slot[1], slot[0])
     carried = state.load_synthetic(context.run_id) if carry else None
-    start = client_work.start_synthetic(part, fc, carried, init_key)
+    start = client_work.start_synthetic(part, carried)
     params = records.record_to_params(msg.content["arrays"], setup.template)
     out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr,
-                                   family_key)
+                                   family_key, init_key)
     if carry:
       state.save_synthetic(context.run_id, server_round, out.synthetic.x)
   metrics["radius"] = out.radius
   metrics.update(out.diagnostics)
-  # server.start='fedavg_delta': the server starts from w_g + the weighted mean delta.
-  delta = out.model_delta if fc.server.start == "fedavg_delta" else None
-  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic, delta)
+  # server.start='fedavg_delta' only: the server starts from w_g + the weighted mean delta.
+  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic, out.model_delta)

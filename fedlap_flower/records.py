@@ -209,7 +209,7 @@ def record_to_synthetic(record: ArrayRecord,
   ``(S, *image_shape)``, ``y`` int32 ``(S,)``, ``mask`` bool ``(S,)``, at most
   ``ipc * num_classes`` slots (refused from the declared shape, before the
   values are read), finite images within ``max_image_abs``, labels in the
-  layout of :func:`fedlap_jax.federated.synthetic_labels`
+  layout of :func:`fedlap_jax.synthetic.synthetic_labels`
   (:func:`fedlap_flower.replies.check_synthetic`). Without: consistent
   shapes and finite images only.
 

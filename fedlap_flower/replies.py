@@ -12,7 +12,7 @@ The bounds, and why an honest client stays inside them:
   ``(S, *image_shape)``, ``y`` int32 ``(S,)``, ``mask`` bool ``(S,)`` with
   ``S <= ipc * num_classes`` (a client owning every class has that many
   slots; padding only fills a set up to the largest client's classes). The
-  labels are :func:`fedlap_jax.federated.synthetic_labels`'s layout: the
+  labels are :func:`fedlap_jax.synthetic.synthetic_labels`'s layout: the
   valid slots first, ``ipc`` per class the client owns, classes in
   increasing order in ``[0, num_classes)``, padding labelled 0. They are
   fixed for a run, so the strategy pins each partition's labels at its first
@@ -193,7 +193,7 @@ def check_slot_count(shape: tuple, limits: SyntheticLimits) -> int:
 
 
 def check_labels(y: np.ndarray, mask: np.ndarray, limits: SyntheticLimits) -> None:
-  """``y``, ``mask`` in :func:`fedlap_jax.federated.synthetic_labels`'s layout."""
+  """``y``, ``mask`` in :func:`fedlap_jax.synthetic.synthetic_labels`'s layout."""
   if y.size and (y.min() < 0 or y.max() >= limits.num_classes):
     bad = int(y.min()) if y.min() < 0 else int(y.max())
     raise InvalidReply("y", f"y holds label {bad}; allowed: labels in [0, {limits.num_classes})")

@@ -53,6 +53,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   model_bytes = int(sum(np.asarray(v).nbytes for v in records.params_to_record(params)
                         .to_numpy_ndarrays()))
   fc = library_configs.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
+  bc = library_configs.to_baseline_config(cfg) if cfg.method == "fedavg" else None
   # Under DP, FedLAPConfig allows only server.weighting='uniform' (Algorithm 3), so the
   # server never needs a DP client's record count N_k.
   info = {"config": run.config_name, "overrides": run.overrides, "label": run.label,
@@ -72,11 +73,12 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
         min_clients=run.min_clients, round_timeout=run.round_timeout,
         join_timeout=run.join_timeout,
         unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
-        model_bytes=model_bytes, template=params, image_shape=test.image_shape, num_classes=test.num_classes,
+        model_bytes=model_bytes, template=params, image_shape=test.image_shape,
+        num_classes=test.num_classes,
         max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
         partition_keys=run.partition_keys)
   else:
-    strategy = strategy_lib.FedAvgBaseline(cfg=cfg, evaluate=evaluate,
+    strategy = strategy_lib.FedAvgBaseline(cfg=cfg, baseline_config=bc, evaluate=evaluate,
                                            min_clients=run.min_clients,
                                            round_timeout=run.round_timeout,
                                            join_timeout=run.join_timeout, run_log=run_log,

@@ -1,13 +1,11 @@
-"""The server's round, as a pure computation (no ``flwr``).
+"""The server's round: marshalling around the library's server steps (no ``flwr``).
 
-:func:`server_update` is the one place the Flower app calls
-:func:`fedlap_jax.server_radius` and :func:`fedlap_jax.global_update`: the
-union of the received synthetic sets, stacked in client order ``(K', S, ...)``
-(``K'``: the clients that replied), trained on inside the radius ``r_g``.
-With ``server.start='fedavg_delta'`` the descent starts from ``w_g`` plus the
-clients' model deltas averaged with the server's weights
-(:func:`fedlap_jax.federated.fedavg_delta_start`, as ``experiments.run``).
-:func:`make_evaluate` evaluates on the test split as ``experiments.run`` does.
+The clients' replies are stacked in partition order into what the library's
+steps take: FedLAP's :class:`fedlap_jax.ClientUpdate` ``(K', ...)``
+(:func:`stack_updates`) for :func:`fedlap_jax.server.server_step`, the FedAvg
+clients' models for :func:`fedlap_jax.baselines.server_step`. Both steps are
+jitted once per (model, config). :func:`make_evaluate` evaluates on the test
+split as ``experiments.run`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax.federated import fedavg_delta_start
+from fedlap_jax import baselines
+from fedlap_jax.server import server_step
 
 
 def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:
@@ -42,66 +41,67 @@ def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:
                          jnp.asarray(np.stack([pad(t.mask, False) for t in sets])))
 
 
-def stack_deltas(deltas: Sequence):
-  """Stacks per-client model deltas (pytrees like the parameters) into leaves ``(K', ...)``."""
-  if not deltas:
-    raise ValueError("stack_deltas needs at least one model delta")
-  return jax.tree.map(lambda *d: jnp.asarray(np.stack(d)), *deltas)
+def stack_trees(trees: Sequence, what: str = "pytree"):
+  """Stacks per-client pytrees shaped like the parameters into leaves ``(K', ...)``."""
+  if not trees:
+    raise ValueError(f"stacking needs at least one {what}")
+  return jax.tree.map(lambda *d: jnp.asarray(np.stack(d)), *trees)
+
+
+def stack_updates(sets: Sequence, radii: Sequence[float], deltas: Sequence | None = None
+                  ) -> fl.ClientUpdate:
+  """The clients' replies as one stacked :class:`fedlap_jax.ClientUpdate` ``(K', ...)``.
+
+  ``deltas``: the clients' model deltas in the order of ``sets`` (with
+  ``server.start='fedavg_delta'``), or ``None``.
+  """
+  return fl.ClientUpdate(stack_synthetic(sets), jnp.asarray(np.asarray(radii, np.float32)),
+                         None if deltas is None else stack_trees(deltas, "model delta"))
 
 
 @functools.lru_cache(maxsize=8)
-def _server_fn(apply_fn, fedlap_config):
-  def run(key, params, synthetic, client_weights, radii, learning_rate, deltas):
-    r_g = fl.server_radius(radii, fedlap_config.server.radius_strategy,
-                           fedlap_config.client.radius)
-    start = params
-    if fedlap_config.server.start == "fedavg_delta":
-      start = fedavg_delta_start(params, deltas, client_weights)
-    return fl.global_update(key, apply_fn, start, synthetic, client_weights, r_g,
-                            learning_rate=learning_rate, config=fedlap_config.server)
+def _server_step_fn(apply_fn, fedlap_config):
+  def run(key, params, updates, learning_rate, num_records):
+    return server_step(key, apply_fn, params, updates, fedlap_config,
+                       learning_rate=learning_rate, num_records=num_records)
   return jax.jit(run)
 
 
-def client_weights(weighting: str, num_records: Sequence[int | None]) -> np.ndarray:
-  """``(K',)`` weights: ``N_k`` for ``size`` (needs every ``N_k``), ones for ``uniform``."""
-  if weighting == "uniform":
-    return np.ones(len(num_records), np.float32)
-  if any(n is None for n in num_records):
-    raise ValueError("server.weighting='size' needs every client's num-examples")
-  return np.asarray(num_records, np.float32)
-
-
-def server_update(key, apply_fn, params, synthetic: fl.SyntheticSet, weights, radii,
-                  learning_rate: float, fedlap_config, deltas=None):
-  """Algorithm 2 on the union of the received synthetic sets.
+def server_update(key, apply_fn, params, updates: fl.ClientUpdate, learning_rate: float,
+                  fedlap_config, num_records: Sequence[int | None] | None = None):
+  """:func:`fedlap_jax.server.server_step` on the stacked updates of the clients that replied.
 
   Args:
     key: ``k_server`` of the round.
     apply_fn, params: the model and the global parameters of the round.
-    synthetic: stacked sets of the clients that replied, ``(K', S, ...)``.
-    weights: ``(K',)`` client weights (:func:`client_weights`).
-    radii: ``(K',)`` the clients' ``r_k``.
-    learning_rate: ``eta_m`` (float32 value).
+    updates: :func:`stack_updates` of the usable replies, in partition order.
+    learning_rate: the server's step size (float32 value).
     fedlap_config: :class:`fedlap_jax.FedLAPConfig`.
-    deltas: with ``server.start='fedavg_delta'`` (required then) the clients'
-      model deltas, stacked in the order of ``synthetic`` (:func:`stack_deltas`,
-      leaves ``(K', ...)``); the descent starts from ``params + sum_k w_k
-      delta_k / sum_k w_k``. Ignored (may be ``None``) with ``'global'``.
+    num_records: the clients' reported ``N_k`` (``None`` entries: not reported,
+      as by DP clients); passed on only when every client reported one.
 
   Returns:
     ``(params, fedlap_jax.ServerMetrics)``.
-
-  Raises:
-    ValueError: ``server.start='fedavg_delta'`` without ``deltas``.
   """
-  if fedlap_config.server.start == "fedavg_delta":
-    if deltas is None:
-      raise ValueError("server.start='fedavg_delta' needs the clients' model deltas")
-  else:
-    deltas = None
-  run = _server_fn(apply_fn, fedlap_config)
-  return run(key, params, synthetic, jnp.asarray(weights, jnp.float32),
-             jnp.asarray(radii, jnp.float32), jnp.float32(learning_rate), deltas)
+  counts = None
+  if num_records is not None and all(n is not None for n in num_records):
+    counts = jnp.asarray(np.asarray(num_records, np.int32))
+  run = _server_step_fn(apply_fn, fedlap_config)
+  return run(key, params, updates, jnp.float32(learning_rate), counts)
+
+
+@functools.lru_cache(maxsize=8)
+def _fedavg_server_fn(baseline_config):
+  return jax.jit(lambda params, ys, counts: baselines.server_step(
+      params, ys, baseline_config, num_records=counts)[0])
+
+
+def fedavg_update(params, client_params: Sequence, num_records: Sequence[int],
+                  baseline_config):
+  """:func:`fedlap_jax.baselines.server_step` on the clients' models (in partition order)."""
+  run = _fedavg_server_fn(baseline_config)
+  return run(params, stack_trees(client_params, "client model"),
+             jnp.asarray(np.asarray(num_records, np.int32)))
 
 
 def make_evaluate(apply_fn, test, chunk_size: int | None):

@@ -1,4 +1,4 @@
-"""Server strategies: FedLAP / FedLAP-DP, and FedAvg through Flower's own strategy.
+"""Server strategies: FedLAP / FedLAP-DP, and the FedAvg baseline, on the library's server steps.
 
 Who is asked (:class:`Participation`, both strategies): each round waits up
 to ``join-timeout`` for all ``K`` clients to be connected (and up to
@@ -20,10 +20,11 @@ kept and the round is logged with ``update_refused``.
 :class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``):
 
 * ``configure_train`` sends the asked nodes the global parameters, the
-  round's learning rate ``eta_m`` and, without DP, the round's keys as
-  ``experiments.run`` derives them (``(next, k_init, k_clients, k_server) =
-  split(state key, 4)``); under DP each client draws its keys from its own
-  secret (see :mod:`fedlap_flower.ledger`).
+  round's learning rate ``eta_m``
+  (:func:`fedlap_jax.federated.round_learning_rates`) and, without DP, the
+  round's keys as ``experiments.run`` derives them (``(next, k_init,
+  k_clients, k_server) = split(state key, 4)``); under DP each client draws its
+  keys from its own secret (see :mod:`fedlap_flower.ledger`).
 * ``aggregate_train`` sorts the replies: ``ok`` (a synthetic set that fits
   the round), ``refused`` (the client's privacy budget, or a round it is not
   drawn for), ``invalid`` (a reply that does not fit: shapes, dtypes, labels,
@@ -31,21 +32,25 @@ kept and the round is logged with ``update_refused``.
   than its node's), ``error`` (the ClientApp raised, or Flower reports the
   node unavailable) and ``missing`` (no reply within ``round-timeout``). With
   fewer than ``min-clients`` usable sets it logs the round and stops the run
-  (:class:`TooFewClients`). Otherwise it stacks the sets in partition order,
-  runs :func:`fedlap_flower.server_work.server_update` (radius ``r_g`` from
-  the clients' ``r_k`` by the config's strategy, then
-  :func:`fedlap_jax.global_update`), evaluates on the test split and logs the
+  (:class:`TooFewClients`). Otherwise it stacks the replies in partition order
+  into one :class:`fedlap_jax.ClientUpdate` and runs
+  :func:`fedlap_jax.server.server_step` on it (radius ``r_g`` from the
+  clients' ``r_k``, the client weights, the start, Algorithm 2: what
+  ``experiments.run``'s round runs), evaluates on the test split and logs the
   round (:class:`RunLog`). With ``server.start='fedavg_delta'`` (the hybrid
   recipe) every ``ok`` reply must also carry the client's model delta, of
   bounded norm under DP (:func:`fedlap_flower.replies.max_delta_norm`); the
   descent starts from ``w_g`` plus the usable clients' deltas averaged with
   the server's weights, as ``experiments.run`` does.
 
-:class:`FedAvgBaseline` is Flower's ``FedAvg`` (weighted mean of the clients'
-models by ``num-examples``) over the replies that fit (the model's paths,
+:class:`FedAvgBaseline` is Flower's ``FedAvg`` message handling with the
+library's FedAvg: the clients run :func:`fedlap_jax.baselines.client_step`
+with the keys and learning rate of ``experiments.run``'s FedAvg, and the
+server aggregates the models of the replies that fit (the model's paths,
 shapes and dtypes, finite values, ``num-examples`` an int >= 1, the node's
-``partition-id``), with the cosine learning rate and the round keys added to
-each round's config, and the test evaluation logged the same way. Local SGD
+``partition-id``) with :func:`fedlap_jax.baselines.server_step`
+(``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``), so a round equals
+``experiments.run``'s; the test evaluation is logged the same way. Local SGD
 is not clipped, so no config-derived bound limits a client's model: a client
 moves the mean by its weight share, as in FedAvg itself.
 """
@@ -68,6 +73,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedlap_flower import binding as binding_lib
 from fedlap_flower import records, replies, server_work, task
+from fedlap_jax import baselines
 from fedlap_flower.ledger import write_json_atomic
 
 # The longest client-supplied text kept in a report (a reason, a status).
@@ -328,10 +334,10 @@ class FedLAP(Strategy):
                       grid: Grid) -> Iterable[Message]:
     asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_init, k_clients, k_server = task.round_keys(self._chain)
-    lr = task.learning_rate(self.cfg, server_round)
+    lr, server_lr = task.round_learning_rates(self.fc, server_round)
     self._params = records.record_to_params(arrays, self.template)
     self._round = {"server_round": server_round, "k_server": k_server, "lr": lr,
-                   "server_lr": task.server_learning_rate(self.fc, server_round),
+                   "server_lr": server_lr,
                    "asked": asked, "chosen": chosen, "reports": reports, "t0": time.time(),
                    "max_delta_norm": replies.max_delta_norm(
                        self.fc.client, lr, sum(int(np.size(v)) for v in
@@ -492,12 +498,10 @@ class FedLAP(Strategy):
     pids, sets, radii, sizes, _, deltas = zip(*usable)
     for pid, syn in zip(pids, sets):
       self._labels.setdefault(pid, (np.asarray(syn.y), np.asarray(syn.mask)))
-    stacked = server_work.stack_synthetic(sets)
-    weights = server_work.client_weights(self.fc.server.weighting, sizes)
+    updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
     params, sm = server_work.server_update(
-        self._round["k_server"], self.apply_fn, self._params, stacked, weights,
-        np.asarray(radii), self._round["server_lr"], self.fc,
-        deltas=server_work.stack_deltas(deltas) if self.with_deltas else None)
+        self._round["k_server"], self.apply_fn, self._params, updates,
+        self._round["server_lr"], self.fc, num_records=sizes)
     refused = None
     loss, acc = (self.evaluate(params) if _finite(params) else (math.nan, math.nan))
     if not (_finite(params) and math.isfinite(loss)):
@@ -535,14 +539,15 @@ class FedLAP(Strategy):
 
 
 class FedAvgBaseline(FedAvg):
-  """Flower's FedAvg over the replies that fit, with the cosine learning rate and round keys."""
+  """Flower's FedAvg messages around the library's FedAvg (see the module docstring)."""
 
-  def __init__(self, *, cfg, evaluate, min_clients: int, round_timeout: float,
+  def __init__(self, *, cfg, baseline_config, evaluate, min_clients: int, round_timeout: float,
                join_timeout: float, run_log: RunLog, model_bytes: int, template,
                partition_keys=None):
     super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
                      min_available_nodes=min_clients)
     self.cfg = cfg
+    self.bc = baseline_config
     self.template = template  # the model's layout: parameter records travel packed
     self.evaluate = evaluate
     self.min_clients = min_clients
@@ -553,15 +558,15 @@ class FedAvgBaseline(FedAvg):
     self.participation = Participation(cfg, partition_keys=partition_keys,
                                        min_clients=min_clients, round_timeout=round_timeout,
                                        join_timeout=join_timeout)
-    self._chain = task.initial_chain_key(cfg.seed)
+    self._chain = task.baseline_chain_key(cfg.seed)
     self._t0 = time.time()
     self._round: dict[str, Any] = {}
 
   def configure_train(self, server_round, arrays, config, grid):
     asked, chosen, reports = self.participation.select(grid, server_round)
-    self._chain, _, k_clients, _ = task.round_keys(self._chain)
+    self._chain, k_clients = baselines.round_key(self._chain)
     config = ConfigRecord(dict(config))
-    config["learning-rate"] = task.learning_rate(self.cfg, server_round)
+    config["learning-rate"] = task.baseline_learning_rate(self.bc, server_round)
     config["num-clients"] = int(self.cfg.data.num_clients)
     config["keys"] = "server"
     config["key-clients"] = task.key_to_words(k_clients)
@@ -573,10 +578,11 @@ class FedAvgBaseline(FedAvg):
                    "params": records.record_to_params(arrays, self.template), "messages": messages}
     return messages
 
-  def _parse_one(self, msg: Message, node: int, report: dict) -> None:
+  def _parse_one(self, msg: Message, node: int, report: dict):
+    """One reply into ``report``; an ``ok`` reply's ``(partition, model, num_examples)``."""
     if msg.has_error():
       report.update(status="error", reason=_text(msg.error.reason))
-      return
+      return None
     content = msg.content
     extra = sorted(set(content.keys()) - {self.arrayrecord_key, "metrics"})
     if extra or self.arrayrecord_key not in content.array_records \
@@ -591,11 +597,12 @@ class FedAvgBaseline(FedAvg):
                                  f"allowed: {self.weighted_by_key}, partition-id")
     report["partition_id"] = replies.check_partition(metrics, int(self.cfg.data.num_clients),
                                                      self._round["asked"].get(node))
-    replies.check_num_examples(metrics, required=True)
-    records.record_to_like(content.array_records[self.arrayrecord_key], self._round["params"],
-                           what="model")
+    num_examples = replies.check_num_examples(metrics, required=True)
+    model = records.record_to_like(content.array_records[self.arrayrecord_key],
+                                   self._round["params"], what="model")
     report.update(status="ok",
                   upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key]))
+    return report["partition_id"], model, num_examples
 
   def aggregate_train(self, server_round, replies_in):
     asked = self._round.get("asked", {})
@@ -610,9 +617,9 @@ class FedAvgBaseline(FedAvg):
           raise replies.InvalidReply("node", f"a reply from node {node}, which was not asked "
                                      "this round (or a second one)")
         replied.add(node)
-        self._parse_one(m, node, r)
-        if r["status"] == "ok":
-          ok.append(m)
+        got = self._parse_one(m, node, r)
+        if got is not None:
+          ok.append(got)
       except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
         r.update(status="invalid", reason=_why(e),
                  field=getattr(e, "field", None))
@@ -627,8 +634,11 @@ class FedAvgBaseline(FedAvg):
     if len(ok) < self.min_clients:
       raise TooFewClients(f"round {server_round}: {len(ok)} usable client replies, fewer than "
                           f"min-clients={self.min_clients}")
-    arrays, metrics = super().aggregate_train(server_round, ok)
-    params = records.record_to_params(arrays, self.template)
+    # In partition order, the order of experiments.run's stacked clients (or sampled block).
+    ok = sorted(ok, key=lambda u: u[0])
+    params = server_work.fedavg_update(self._round["params"], [u[1] for u in ok],
+                                       [u[2] for u in ok], self.bc)
+    arrays = records.params_to_record(params)
     loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
     refused = None
     if not (_finite(params) and math.isfinite(loss)):
@@ -651,4 +661,5 @@ class FedAvgBaseline(FedAvg):
         **({"update_refused": refused} if refused else {}),
         "upload_bytes": sum(r.get("upload_bytes", 0) for r in reports),
         "model_bytes": self.model_bytes, "round_seconds": time.time() - self._t0})
-    return arrays, metrics
+    return arrays, MetricRecord({"test-accuracy": acc, "test-loss": loss,
+                                 "clients-ok": len(ok)})

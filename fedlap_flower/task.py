@@ -8,13 +8,17 @@ Flower client computes what client ``k`` of ``experiments.run`` computes:
 * the server's key chain: ``init_state`` splits ``k_alg`` into the initial
   synthetic images' key and the state key; every round splits the state key
   into ``(next, k_init, k_clients, k_server)`` (:func:`round_keys`), and client
-  ``k`` uses ``split(k_clients, K)[k]`` (:func:`client_key`);
+  ``k`` uses ``split(k_clients, K)[k]`` (:func:`client_key`); a baseline's
+  chain starts at ``k_alg`` itself (:func:`baseline_chain_key`) and splits
+  into ``(next, k_clients)`` (:func:`fedlap_jax.baselines.round_key`);
 * the round's participants: with ``data.clients_per_round = m < K`` the
   ``m`` clients :func:`fedlap_jax.participation.sample_clients` draws from the
   public ``(data.participation_seed, round)`` (:func:`participants`); the
   ``j``-th of them uses ``split(k_clients, m)[j]``, as
   :func:`fedlap_jax.participation.sampled_round` runs the round on their block
   (:func:`key_slot`);
+* the rounds' learning rates (:func:`round_learning_rates`,
+  :func:`baseline_learning_rate`), computed by the library's functions;
 * one client's data (:func:`load_partition`): partition ``k`` of the config's
   data, padded to the largest partition as ``stack_clients`` pads it, with the
   synthetic labels of ``synthetic_labels`` over all partitions (``S = ipc *``
@@ -39,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax import federated, participation
-from fedlap_jax.federated import noise_images
+from fedlap_jax import baselines, federated, participation
+from fedlap_jax.synthetic import noise_images
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
 
@@ -142,27 +146,32 @@ def words_to_key(words) -> jax.Array:
   return jax.random.wrap_key_data(data)
 
 
-@functools.lru_cache(maxsize=8)
-def _learning_rate_fn(rounds: int, base_lr: float, schedule: str):
-  return jax.jit(lambda m: fl.cosine_learning_rate(m, rounds, base_lr, schedule=schedule))
-
-
-def learning_rate(cfg, server_round: int) -> float:
-  """``eta_m`` of round ``m`` (the clients' rate), as the jitted round computes it (float32)."""
-  lr = _learning_rate_fn(int(cfg.rounds), float(cfg.learning_rate),
-                         str(cfg.lr_schedule))(jnp.int32(server_round))
-  return float(np.float32(lr))
+def baseline_chain_key(seed: int) -> jax.Array:
+  """A baseline's state key before round 1: ``init_baseline_state``'s, the algorithm key."""
+  return _alg_key(seed)
 
 
 @functools.lru_cache(maxsize=8)
-def _server_learning_rate_fn(fedlap_config):
-  return jax.jit(lambda m: federated.server_learning_rate(m, fedlap_config))
+def _round_rates_fn(fedlap_config):
+  return jax.jit(lambda m: federated.round_learning_rates(m, fedlap_config))
 
 
-def server_learning_rate(fedlap_config, server_round: int) -> float:
-  """The server's step size in round ``m`` of a :class:`fedlap_jax.FedLAPConfig`, as the
-  jitted round computes it (:func:`fedlap_jax.federated.server_learning_rate`, float32)."""
-  return float(np.float32(_server_learning_rate_fn(fedlap_config)(jnp.int32(server_round))))
+def round_learning_rates(fedlap_config, server_round: int) -> tuple[float, float]:
+  """``(client eta_m, server rate)`` of round ``m`` of a :class:`fedlap_jax.FedLAPConfig`, as
+  the jitted round computes them (:func:`fedlap_jax.federated.round_learning_rates`, float32)."""
+  rates = _round_rates_fn(fedlap_config)(jnp.int32(server_round))
+  return float(np.float32(rates.client)), float(np.float32(rates.server))
+
+
+@functools.lru_cache(maxsize=8)
+def _baseline_rate_fn(baseline_config):
+  return jax.jit(lambda m: baselines.learning_rate(m, baseline_config))
+
+
+def baseline_learning_rate(baseline_config, server_round: int) -> float:
+  """A baseline's client ``eta_m`` of round ``m``, as its jitted round computes it
+  (:func:`fedlap_jax.baselines.learning_rate`, float32)."""
+  return float(np.float32(_baseline_rate_fn(baseline_config)(jnp.int32(server_round))))
 
 
 # ----------------------------------------------------------------------------

@@ -13,8 +13,14 @@ Main entry points:
 
 * :func:`local_approx` -- Algorithms 1 / 3 on one client.
 * :func:`global_update` -- Algorithm 2 on the server.
+* :func:`client_step`, :func:`server_step` -- a round's two halves (what a
+  client computes and sends, a :class:`ClientUpdate`; what the server does
+  with them), shared by every front end; :func:`round_learning_rates`.
 * :func:`fedlap_round`, :func:`make_round_fn`, :func:`init_state` -- a round.
 * :func:`matching_distance` -- ``L_dis``.
+* :mod:`fedlap_jax.synthetic` -- synthetic-set layout and first images
+  (:func:`synthetic_labels`, :func:`noise_images`, :func:`real_images`), shared
+  by every method that sends synthetic sets.
 * :func:`private_gradient`, :func:`poisson_sample` -- DP primitives.
 * :mod:`fedlap_jax.accounting` -- :class:`DpMechanism`, its epsilons (replace-one by PLD,
   add/remove by RDP) and the ledgers.
@@ -25,28 +31,31 @@ Main entry points:
 * :class:`ConfigError` -- every refused setting, with ``field``, ``value``, ``allowed``.
 """
 
-from fedlap_jax import accounting, algorithm, condensation, dsa, feddm
+from fedlap_jax import accounting, algorithm, condensation, dsa, feddm, synthetic
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import LocalApproxMetrics, local_approx, matching_step
+from fedlap_jax.client import ClientUpdate, LocalApproxMetrics, client_step, local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
 from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
                                paper_dp_config, paper_nondp_config)
 from fedlap_jax.dsa import augment
 from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state,
-                                  make_round_fn, synthetic_labels)
-from fedlap_jax.matching import matching_distance
+                                  make_round_fn, round_learning_rates)
+from fedlap_jax.matching import matching_distance, matching_step
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 from fedlap_jax.privacy import (PoissonBatch, clipped_gradient_sum, per_example_gradients,
                                 poisson_sample, private_gradient, real_gradient)
 from fedlap_jax.radius import calibrate_radius, server_radius
-from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.server import ServerMetrics, global_update, server_step
+from fedlap_jax.synthetic import (class_batch, class_blocks, initial_synthetic, noise_images,
+                                  real_images, synthetic_labels)
 from fedlap_jax.training import cosine_learning_rate, evaluate, tree_distance
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClientConfig", "ClientData", "ConfigError", "FederatedAlgorithm", "algorithm", "ConvNet",
+    "ClientConfig", "ClientData", "ClientUpdate", "ConfigError", "client_step", "server_step",
+    "round_learning_rates", "FederatedAlgorithm", "algorithm", "ConvNet",
     "DPConfig", "FedLAPConfig", "FedLAPState", "condensation", "feddm",
     "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
     "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
@@ -54,6 +63,7 @@ __all__ = [
     "global_update", "init_convnet", "init_state", "local_approx", "make_round_fn",
     "matching_distance", "matching_step", "paper_dp_config", "paper_nondp_config",
     "per_example_gradients", "pixel_normalisation", "poisson_sample", "private_gradient",
-    "real_gradient",
-    "server_radius", "stack_clients", "synthetic_labels", "tree_distance",
+    "real_gradient", "class_batch", "class_blocks", "initial_synthetic", "noise_images",
+    "real_images", "server_radius", "stack_clients", "synthetic", "synthetic_labels",
+    "tree_distance",
 ]

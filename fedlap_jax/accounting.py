@@ -902,7 +902,7 @@ class DpMechanism:
   Poisson sample at rate ``q_k = batch_size / N_k`` (:meth:`sampling_rate`)
   with Gaussian noise of multiplier ``noise_multiplier``. A DP method
   declares it once (FedLAP-DP ``T = R_i * max_outer * batch_loop``, PSG
-  ``T = iterations * outer_loop * batch_loop``, DP-FedAvg / DP-FedProx their
+  ``T = networks * outer_loop * batch_loop``, DP-FedAvg / DP-FedProx their
   scheduled local steps; :attr:`fedlap_jax.algorithm.FederatedAlgorithm.dp`),
   and calibration (:meth:`calibrated`), the ledgers (:meth:`ledger`,
   :meth:`client_ledgers`) and the planned epsilon (:meth:`epsilon_after`) are

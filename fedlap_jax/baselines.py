@@ -20,6 +20,11 @@ One round, every client taking part (as in the reference)::
   x <- x + eta_s sum_k w_k (y_k - x)              # w_k = N_k / N (1 / K under DP)
   SCAFFOLD: c <- c + sum_k w_k (c_k^+ - c_k)
 
+The two halves are :func:`client_step` (what one client computes and sends,
+its model ``y_k``) and :func:`server_step` (the weighted FedAvg step), as in
+FedJAX's ``FederatedAlgorithm`` and Flower's baselines; :func:`baseline_round`
+and the Flower app's FedAvg both run exactly these two.
+
 Methods (hyperparameters as in the reference implementation):
 
 * ``fedavg`` (McMahan et al., 2017): ``local_epochs`` epochs of SGD with Poisson
@@ -94,7 +99,7 @@ from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
                                WEIGHTINGS, DPConfig, check_poisson_capacity)
-from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
+from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import LR_SCHEDULES, cosine_learning_rate, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
@@ -107,8 +112,9 @@ GRADIENT_MEANS = ("realized", "expected")
 
 __all__ = [
     "METHODS", "BaselineConfig", "BaselineState", "BaselineRoundMetrics", "ClientMetrics",
-    "LocalTraining", "algorithm", "baseline_config", "baseline_round", "client_update",
-    "init_baseline_state", "round_keys", "step_keys", "steps_per_epoch",
+    "LocalTraining", "algorithm", "baseline_config", "baseline_round", "client_step",
+    "client_update", "init_baseline_state", "learning_rate", "round_key", "round_keys",
+    "server_step", "step_keys", "steps_per_epoch",
 ]
 
 
@@ -386,10 +392,23 @@ class BaselineRoundMetrics(NamedTuple):
 # --------------------------------------------------------------------------
 
 
+def round_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(next_state_key, k_clients)`` of a round; client ``k`` of ``K`` uses
+  ``split(k_clients, K)[k]`` (:func:`round_keys`)."""
+  key, k_clients = jax.random.split(key)
+  return key, k_clients
+
+
 def round_keys(key: jax.Array, num_clients: int) -> tuple[jax.Array, jax.Array]:
   """``(next_state_key, client_keys)`` of a round; ``client_keys`` is ``(K, ...)``."""
-  key, k_clients = jax.random.split(key)
+  key, k_clients = round_key(key)
   return key, jax.random.split(k_clients, num_clients)
+
+
+def learning_rate(round_index, config: BaselineConfig):
+  """The clients' ``eta_m`` in round ``m`` (1-based, may be traced): the cosine schedule."""
+  return cosine_learning_rate(round_index, config.rounds, config.learning_rate,
+                              schedule=config.lr_schedule)
 
 
 def step_keys(client_key: jax.Array, step) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -509,13 +528,59 @@ def client_update(
   return w, metrics
 
 
+def client_step(
+    key: jax.Array,
+    apply_fn: ApplyFn,
+    params: PyTree,
+    data: ClientData,
+    config: BaselineConfig,
+    *,
+    learning_rate,
+    num_steps: int | None = None,
+    correction: PyTree | None = None,
+) -> tuple[PyTree, ClientMetrics]:
+  """What one client of a baseline computes and sends: its model ``y_k`` after local training.
+
+  :func:`client_update` with ``config.local``; ``num_steps`` (the static
+  ``T``) defaults to ``config.local.scheduled_steps`` of the padded client
+  size ``data.mask.shape[0]``. Pure and jit-compatible (``config`` static).
+  The counterpart of :func:`server_step`; :func:`baseline_round` runs both.
+  """
+  if num_steps is None:
+    num_steps = config.local.scheduled_steps(data.mask.shape[0])
+  return client_update(key, apply_fn, params, data, learning_rate=learning_rate,
+                       local=config.local, num_steps=num_steps, correction=correction)
+
+
 # --------------------------------------------------------------------------
-# One round.
+# The server, and one round.
 # --------------------------------------------------------------------------
 
 
 def _weighted_sum(weights: jax.Array, stacked: PyTree) -> PyTree:
   return jax.tree.map(lambda a: jnp.tensordot(weights, a, axes=1), stacked)
+
+
+def server_step(params: PyTree, client_params: PyTree, config: BaselineConfig, *,
+                num_records: jax.Array | None = None) -> tuple[PyTree, jax.Array]:
+  """The server's weighted FedAvg step: ``x + eta_s sum_k w_k (y_k - x)``, ``sum_k w_k = 1``.
+
+  Args:
+    params: the global model ``x``.
+    client_params: the clients' models ``y_k`` (:func:`client_step`), leaves ``(K, ...)``.
+    config: :class:`BaselineConfig` (static): ``weighting`` and ``server_lr``.
+    num_records: ``(K,)`` the clients' ``N_k``; required with ``weighting='size'``
+      (:func:`fedlap_jax.dispatch.client_weights`).
+
+  Returns:
+    ``(new_params, w)``: the new global model and the normalised ``(K,)`` weights.
+  """
+  weights = client_weights(config.weighting, num_records,
+                           num_clients=jax.tree.leaves(client_params)[0].shape[0])
+  weights = weights / jnp.sum(weights)
+  deltas = jax.tree.map(lambda y, xi: y - xi[None], client_params, params)
+  mean_delta = _weighted_sum(weights, deltas)
+  return jax.tree.map(lambda xi, d: xi + config.server_lr * d, params, mean_delta), weights
 
 
 def baseline_round(
@@ -556,7 +621,7 @@ def baseline_round(
   num_clients, padded = clients.mask.shape
   num_steps = local.scheduled_steps(padded)
   m = state.round + 1
-  lr = cosine_learning_rate(m, config.rounds, config.learning_rate, schedule=config.lr_schedule)
+  lr = learning_rate(m, config)
   key, client_keys = round_keys(state.key, num_clients)
   x = state.params
 
@@ -569,21 +634,17 @@ def baseline_round(
 
   def run(args, x, lr):
     k, data, corr = args
-    return client_update(k, apply_fn, x, data, learning_rate=lr, local=local,
-                         num_steps=num_steps, correction=corr)
+    return client_step(k, apply_fn, x, data, config, learning_rate=lr, num_steps=num_steps,
+                       correction=corr)
 
   ys, client_metrics = run_clients(run, (client_keys, clients, corrections),
                                    replicated=(x, lr), client_backend=client_backend, mesh=mesh)
-
-  weights = client_weights(clients, config.weighting)
-  weights = weights / jnp.sum(weights)
-  deltas = jax.tree.map(lambda y, xi: y - xi[None], ys, x)
-  mean_delta = _weighted_sum(weights, deltas)
-  params = jax.tree.map(lambda xi, d: xi + config.server_lr * d, x, mean_delta)
+  params, weights = server_step(x, ys, config, num_records=record_counts(clients))
 
   control, client_controls = state.control, state.client_controls
   control_norm = jnp.float32(0.0)
   if scaffold:
+    deltas = jax.tree.map(lambda y, xi: y - xi[None], ys, x)
     # Option II: c_k+ = c_k - c + (x - y_k) / (T_k eta); delta c_k = c_k+ - c_k.
     scale = 1.0 / (jnp.maximum(client_metrics.steps, 1).astype(jnp.float32) * lr)
     delta_c = jax.tree.map(

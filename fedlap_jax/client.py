@@ -26,6 +26,16 @@ structure (names as in the authors' implementation)::
       (model_steps='noisy_real': w <- w - eta_m g instead, also after the last
        iteration; the client's model delta w - w_g is returned as well)
 
+The pieces, each a module-level pure function: :func:`noisy_real_target`
+(one Poisson batch's clipped, noised, averaged gradient: the only access to
+real records), :func:`match_images` (``R_b`` updates of the images against a
+target with an ``optax`` transformation, by default :func:`default_image_optimizer`),
+the targets of one iteration (:func:`per_batch_targets`, :func:`averaged_target`),
+the model's step (:func:`synthetic_model_step`, :func:`noisy_real_step`),
+:func:`trajectory` (the radius-bounded while loop). :func:`recipe` names the
+pieces a :class:`ClientConfig` chooses, once; :func:`client_step` adds the
+round's start (real images) and packs the :class:`ClientUpdate` a client sends.
+
 Clients side by side (``vmap`` over clients, ``client_axis`` set): the while
 loop's counter is shared by the clients and runs while any of them is inside
 its radius; a client that has left it keeps its state through ``jnp.where``
@@ -40,8 +50,7 @@ Differentially Private Loss Approximations", PoPETs 2024.
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +58,10 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ClientConfig
-from fedlap_jax.matching import matching_distance
+from fedlap_jax.config import ClientConfig, FedLAPConfig
+from fedlap_jax.matching import matching_step
 from fedlap_jax.radius import calibrate_radius
+from fedlap_jax.synthetic import real_images
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -73,9 +83,9 @@ class LocalApproxMetrics(NamedTuple):
     clip_fraction: scalar, fraction of per-example gradients that were clipped
       (DP only; 0 otherwise).
     model_delta: with ``model_steps='noisy_real'``, the mean over the ``R_i``
-      trajectories of ``w_end - w_g`` (a pytree like the model; the upload
-      :func:`fedlap_jax.federated.fedlap_round` uses for ``server.start``);
-      ``None`` otherwise.
+      trajectories of ``w_end - w_g`` (a pytree like the model; what
+      :func:`client_step` sends as :attr:`ClientUpdate.model_delta` to a
+      ``server.start='fedavg_delta'`` server); ``None`` otherwise.
 
   Under DP, ``matching_loss``, ``outer_iterations``, ``real_accesses`` and
   ``trajectory_distance`` are computed from the noised gradients and the
@@ -96,85 +106,9 @@ class LocalApproxMetrics(NamedTuple):
   model_delta: PyTree | None = None
 
 
-def synthetic_gradient(apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet,
-                       x: jax.Array | None = None) -> PyTree:
-  """Gradient of the mean loss on the synthetic set (images ``x`` if given)."""
-  x = synthetic.x if x is None else x
-  return privacy.real_gradient(apply_fn, params, x, synthetic.y,
-                               jnp.logical_not(synthetic.mask))
-
-
-def matching_step(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    g_real: PyTree,
-    aug_key: jax.Array,
-    *,
-    dsa_strategy: str,
-    mse_weight,
-    family_key: jax.Array | None = None,
-    row_reduction: str = "mean",
-    include_vectors: bool = True,
-) -> tuple[jax.Array, jax.Array]:
-  """``L_dis`` and its gradient with respect to the synthetic images (grad of grad).
-
-  ``aug_key`` (and ``family_key``, if given: :func:`fedlap_jax.dsa.augment`)
-  must be those of the real batch, so both batches get the same transform.
-  ``row_reduction`` and ``include_vectors`` select the distance's variant
-  (:func:`fedlap_jax.matching.matching_distance`; FedLAP's by default, DSC /
-  PSG pass ``"sum"`` and ``False``).
-
-  Returns:
-    ``(loss, grad_x)`` with ``grad_x`` shaped like ``synthetic.x``.
-  """
-  augment = dsa.make_augment_fn(dsa_strategy)
-
-  def loss_fn(x):
-    g_syn = synthetic_gradient(apply_fn, params, synthetic,
-                               augment(aug_key, x, family_key=family_key))
-    return matching_distance(g_real, g_syn, mse_weight=mse_weight, row_reduction=row_reduction,
-                             include_vectors=include_vectors)
-
-  return jax.value_and_grad(loss_fn)(synthetic.x)
-
-
-def class_blocks(synthetic: SyntheticSet, ipc: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """A synthetic set laid out by :func:`fedlap_jax.federated.synthetic_labels`, per class.
-
-  Slots come in blocks of ``ipc`` with one label each (then padding blocks), so
-  ``S = C * ipc``. Returns ``(x, labels, valid)``: images ``(C, ipc, H, W, C_img)``,
-  each block's label ``(C,)`` and whether the block holds a class ``(C,)``.
-  The class-wise methods (DSC's gradient matching, FedDM's distribution
-  matching) match each block against real records of its class.
-  """
-  s = synthetic.x.shape[0]
-  if s % ipc:
-    raise ValueError(f"synthetic set of {s} slots is not in blocks of ipc={ipc}; allowed: "
-                     "the layout of fedlap_jax.federated.synthetic_labels")
-  blocks = s // ipc
-  return (synthetic.x.reshape(blocks, ipc, *synthetic.x.shape[1:]),
-          synthetic.y.reshape(blocks, ipc)[:, 0], synthetic.mask.reshape(blocks, ipc)[:, 0])
-
-
-def class_batch(key: jax.Array, client_data: ClientData, label: jax.Array, valid: jax.Array,
-                batch_size: int, capacity: int) -> privacy.PoissonBatch:
-  """A Poisson batch of the client's records of class ``label`` (non-private).
-
-  Each record of the class is drawn with probability ``min(1, B / N_c)`` (``N_c``
-  its records of the class): ``B`` expected, the whole class when it holds
-  fewer than ``B`` records (as the condensation code's ``get_images(c, B)``).
-  The rate depends on ``N_c``, so this sampling is for the non-DP class-wise
-  methods only. ``valid=False`` gives an empty batch.
-  """
-  members = jnp.logical_and(jnp.logical_and(client_data.mask, client_data.y == label), valid)
-  n_c = jnp.sum(members)
-  rate = jnp.minimum(1.0, batch_size / jnp.maximum(n_c, 1).astype(jnp.float32))
-  return privacy.poisson_sample(key, members, rate, capacity)
-
-
-def image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
-  """SGD with momentum on the synthetic images (``tau``, momentum 0.5)."""
+def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
+  """The paper's optimiser of the synthetic images: SGD at ``tau`` (``image_lr``) with
+  momentum ``image_momentum`` (0.5)."""
   return optax.sgd(config.image_lr, momentum=config.image_momentum or None)
 
 
@@ -205,6 +139,367 @@ def shared_family_key(key: jax.Array) -> jax.Array:
   return jax.random.fold_in(key, 0x5DA)
 
 
+# ----------------------------------------------------------------------------
+# The pieces of local approximation. Each reads the client's fixed inputs from a
+# LocalProblem and is a pure function of its own arguments.
+# ----------------------------------------------------------------------------
+
+
+class LocalProblem(NamedTuple):
+  """The fixed inputs of one client's local approximation, read by every piece.
+
+  Attributes:
+    apply_fn: ``apply_fn(params, x) -> logits``.
+    params: the global model ``w_g`` (trajectories start from it).
+    synthetic: the client's :class:`SyntheticSet` (its labels and mask; the
+      images move and are passed to the pieces separately).
+    client_data: the client's real records, padded with a mask.
+    config: :class:`ClientConfig` (static).
+    learning_rate: the model's step size ``eta_m`` (may be traced).
+    optimizer: the images' ``optax.GradientTransformation``.
+  """
+
+  apply_fn: ApplyFn
+  params: PyTree
+  synthetic: SyntheticSet
+  client_data: ClientData
+  config: ClientConfig
+  learning_rate: jax.Array
+  optimizer: optax.GradientTransformation
+
+
+class AccessStats(NamedTuple):
+  """Running counts over a client's real batches.
+
+  Attributes:
+    accesses: int32, real batches drawn (each a noisy access under DP).
+    extra_chunks: int32, buffer-sized chunks beyond the first (overflowing draws).
+    sampled: int32, records drawn over all batches.
+    clipped: float32, per-example gradients clipped over all batches (DP).
+  """
+
+  accesses: jax.Array
+  extra_chunks: jax.Array
+  sampled: jax.Array
+  clipped: jax.Array
+
+  @classmethod
+  def zeros(cls) -> "AccessStats":
+    return cls(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.float32(0.0))
+
+  def add(self, target: "RealTarget") -> "AccessStats":
+    """The counts after one more real batch."""
+    return AccessStats(self.accesses + 1, self.extra_chunks + target.extra_chunks,
+                       self.sampled + target.batch_size, self.clipped + target.clipped)
+
+
+class RealTarget(NamedTuple):
+  """A matching target from one real batch (:func:`noisy_real_target`).
+
+  Attributes:
+    gradient: pytree like the model: under DP the sum of per-example
+      gradients clipped to ``C`` plus ``N(0, sigma^2 C^2)`` noise, divided by
+      the expected batch size ``B`` (:func:`fedlap_jax.privacy.privatise`);
+      without DP the mean gradient over the realised batch.
+    aug_key, family_key: the batch's DSA draw (the paper's synthetic batch
+      reuses it); ``family_key`` is ``None`` with per-client family draws.
+    batch_size: int32, records drawn (non-private under DP).
+    extra_chunks: int32, extra buffer-sized chunks of the draw.
+    clipped: float32, per-example gradients clipped (0 without DP).
+  """
+
+  gradient: PyTree
+  aug_key: jax.Array
+  family_key: jax.Array | None
+  batch_size: jax.Array
+  extra_chunks: jax.Array
+  clipped: jax.Array
+
+
+def noisy_real_target(problem: LocalProblem, keys: tuple, params: PyTree) -> RealTarget:
+  """The gradient of one Poisson batch of real records at ``params``: the only data access.
+
+  The batch draws each record with ``q = B / N_k`` (:func:`fedlap_jax.privacy.poisson_sample`,
+  every record counted also when the draw overflows the buffer), augments it with
+  one DSA draw of ``real_dsa_strategy`` (default ``dsa_strategy``); under DP
+  each example's gradient is clipped to ``C``, the sum noised and divided by
+  ``B`` (Algorithm 3), else averaged over the realised batch. Keys:
+  ``(k_sample, k_aug, k_noise) = split(keys[0], 3)``, the family key
+  ``split(keys[1], 3)[1]``.
+
+  Args:
+    problem: the client's :class:`LocalProblem`.
+    keys: ``(client key, family key or None)`` of this batch.
+    params: the model ``w`` the gradient is taken at.
+  """
+  c, data, apply_fn = problem.config, problem.client_data, problem.apply_fn
+  k_sample, k_aug, k_noise = jax.random.split(keys[0], 3)
+  f_aug = None if keys[1] is None else jax.random.split(keys[1], 3)[1]
+  rate = c.batch_size / jnp.maximum(jnp.sum(data.mask), 1).astype(jnp.float32)
+  augment = dsa.make_augment_fn(c.dsa_strategy if c.real_dsa_strategy is None
+                                else c.real_dsa_strategy)
+  batch = privacy.poisson_sample(k_sample, data.mask, rate, c.capacity)
+
+  def chunk_sums(indices, is_padding):
+    # One DSA draw per batch (every chunk gets the same transform).
+    xb = augment(k_aug, data.images(indices), family_key=f_aug)
+    yb = data.y[indices]
+    if c.dp is None:
+      return privacy.real_gradient_sum(apply_fn, params, xb, yb, is_padding,
+                                       microbatch_size="auto")[0], jnp.float32(0.0)
+    clipped_sum, norms = privacy.clipped_gradient_sum(
+        apply_fn, params, xb, yb, is_padding, l2_clip_norm=c.dp.l2_clip_norm,
+        microbatch_size=c.dp.microbatch_size, method=c.dp.per_example_method)
+    was_clipped = jnp.logical_and(norms > c.dp.l2_clip_norm, ~is_padding)
+    return clipped_sum, jnp.sum(was_clipped).astype(jnp.float32)
+
+  total, clipped = privacy.sum_over_chunks(chunk_sums, batch)
+  if c.dp is None:
+    count = jnp.maximum(batch.size, 1).astype(jnp.float32)
+    g = jax.tree.map(lambda t: t / count, total)
+  else:
+    g = privacy.privatise(k_noise, total, l2_clip_norm=c.dp.l2_clip_norm,
+                          noise_multiplier=c.dp.noise_multiplier,
+                          expected_batch_size=c.batch_size)
+  return RealTarget(g, k_aug, f_aug, batch.size, batch.extra_chunks, clipped)
+
+
+def match_images(problem: LocalProblem, params: PyTree, images: jax.Array, opt_state,
+                 target: PyTree, aug_keys: tuple, *, fresh_augmentation: bool
+                 ) -> tuple[jax.Array, optax.OptState, jax.Array]:
+  """``R_b`` updates of the synthetic images against one target, at the model ``params``.
+
+  Update ``j``: ``L_dis(target, grad_w L(w, S))`` and its image gradient
+  (:func:`fedlap_jax.matching.matching_step`), then a step of
+  ``problem.optimizer``. The synthetic batch's DSA draw is ``aug_keys``
+  itself (the paper: the real batch's draw) or, with ``fresh_augmentation``,
+  ``fold_in(aug_keys, j)`` for update ``j``.
+
+  Returns:
+    ``(images, opt_state, losses)``; ``losses`` ``(R_b,)``, ``L_dis`` before each update.
+  """
+  c = problem.config
+
+  def update(j, carry):
+    x, opt_state, losses = carry
+    k, f = _fold(aug_keys, j) if fresh_augmentation else aug_keys
+    loss, grad_x = matching_step(problem.apply_fn, params, problem.synthetic._replace(x=x),
+                                 target, k, dsa_strategy=c.dsa_strategy,
+                                 mse_weight=c.mse_weight, family_key=f)
+    updates, opt_state = problem.optimizer.update(grad_x, opt_state, x)
+    return optax.apply_updates(x, updates), opt_state, losses.at[j].set(loss)
+
+  losses = jnp.zeros((c.boost_loop,), jnp.float32)
+  return jax.lax.fori_loop(0, c.boost_loop, update, (images, opt_state, losses))
+
+
+def per_batch_targets(problem: LocalProblem, keys: tuple, params: PyTree, images: jax.Array,
+                      opt_state, stats: AccessStats):
+  """The paper's targets: each of the ``batch_loop`` real batches in turn, ``R_b`` updates each.
+
+  Batch ``b`` uses the keys ``fold_in(keys, b)``; the synthetic batch shares
+  the real batch's DSA draw.
+
+  Returns:
+    ``(images, opt_state, losses (batch_loop, R_b), stats, None)`` (no
+    gradient for the model's step).
+  """
+  c = problem.config
+
+  def batch_step(b, carry):
+    x, opt_state, losses, stats = carry
+    target = noisy_real_target(problem, _fold(keys, b), params)
+    x, opt_state, row = match_images(problem, params, x, opt_state, target.gradient,
+                                     (target.aug_key, target.family_key),
+                                     fresh_augmentation=False)
+    return x, opt_state, losses.at[b].set(row), stats.add(target)
+
+  losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
+  x, opt_state, losses, stats = jax.lax.fori_loop(0, c.batch_loop, batch_step,
+                                                  (images, opt_state, losses, stats))
+  return x, opt_state, losses, stats, None
+
+
+def averaged_target(problem: LocalProblem, keys: tuple, params: PyTree, images: jax.Array,
+                    opt_state, stats: AccessStats):
+  """``average_targets``: the mean of the ``batch_loop`` real gradients, then ``R_b`` updates.
+
+  Every gradient is taken at the same ``params`` (the model moves only after
+  the batches), so their mean estimates the same clipped gradient with
+  ``1 / batch_loop`` of the noise variance. It is a function of released noisy
+  gradients only (post-processing): ``T`` still counts each access. The
+  synthetic batch gets its own DSA draw per update (keys
+  ``fold_in(keys, batch_loop + 1)``; the real batches each had theirs).
+
+  Returns:
+    ``(images, opt_state, losses, stats, g_mean)``; ``losses`` ``(batch_loop,
+    R_b)`` holds the ``R_b`` matching losses in its row 0.
+  """
+  c = problem.config
+
+  def accumulate(b, acc):
+    g_sum, stats = acc
+    target = noisy_real_target(problem, _fold(keys, b), params)
+    return jax.tree.map(jnp.add, g_sum, target.gradient), stats.add(target)
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  g_sum, stats = jax.lax.fori_loop(0, c.batch_loop, accumulate, (zeros, stats))
+  g_mean = jax.tree.map(lambda g: g / c.batch_loop, g_sum)
+  x, opt_state, row = match_images(problem, params, images, opt_state, g_mean,
+                                   _fold(keys, c.batch_loop + 1), fresh_augmentation=True)
+  losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32).at[0].set(row)
+  return x, opt_state, losses, stats, g_mean
+
+
+def synthetic_epochs(problem: LocalProblem, keys: tuple, params: PyTree,
+                     images: jax.Array) -> PyTree:
+  """``R_l`` epochs of SGD of the model on the synthetic set (batch ``model_batch_size``, DSA).
+
+  Epoch ``e`` uses the keys ``fold_in(fold_in(keys, batch_loop), e)``.
+  """
+  c = problem.config
+  weights = problem.synthetic.mask.astype(jnp.float32)
+
+  def epoch(e, w):
+    k, f = _fold(_fold(keys, c.batch_loop), e)
+    return sgd_epoch(k, problem.apply_fn, w, images, problem.synthetic.y, weights,
+                     problem.learning_rate, batch_size=c.model_batch_size,
+                     dsa_strategy=c.dsa_strategy, family_key=f)[0]
+
+  return jax.lax.fori_loop(0, c.inner_loop, epoch, params)
+
+
+def synthetic_model_step(problem: LocalProblem, keys: tuple, iteration, params: PyTree,
+                         images: jax.Array, gradient) -> PyTree:
+  """The paper's model step: :func:`synthetic_epochs`, except after the last permitted
+  while-loop iteration. ``iteration`` (shared by clients side by side) decides in a
+  ``lax.cond``: a real branch under ``vmap``, not a select of both."""
+  del gradient
+  return jax.lax.cond(iteration < problem.config.max_outer - 1,
+                      lambda w: synthetic_epochs(problem, keys, w, images), lambda w: w, params)
+
+
+def noisy_real_step(problem: LocalProblem, keys: tuple, iteration, params: PyTree,
+                    images: jax.Array, gradient: PyTree) -> PyTree:
+  """``model_steps='noisy_real'``: ``w <- w - eta_m g`` along the iteration's mean noisy real
+  gradient (a DP-SGD step on released values), after every iteration, the last included."""
+  del keys, iteration, images
+  return jax.tree.map(lambda p, g: p - problem.learning_rate * g, params, gradient)
+
+
+class Recipe(NamedTuple):
+  """What one while-loop iteration is made of, chosen once from a :class:`ClientConfig`.
+
+  Attributes:
+    targets: the matching targets and image updates, :func:`per_batch_targets`
+      (the paper) or :func:`averaged_target` (``average_targets``).
+    model_step: how the model moves after them: :func:`synthetic_model_step`
+      (the paper, ``R_l >= 1``), :func:`noisy_real_step`
+      (``model_steps='noisy_real'``) or ``None`` (``R_l = 0``: it stays at ``w_g``).
+    sends_delta: whether the client has a model delta ``w_end - w_g`` to send
+      (``noisy_real``; the server uses it with ``server.start='fedavg_delta'``).
+
+  The real batches' augmentation (``real_dsa_strategy``) is read by
+  :func:`noisy_real_target`.
+  """
+
+  targets: Callable[..., tuple]
+  model_step: Callable[..., PyTree] | None
+  sends_delta: bool
+
+
+def recipe(config: ClientConfig) -> Recipe:
+  """The pieces ``config``'s switches choose (see :class:`Recipe`)."""
+  if config.model_steps == "noisy_real":
+    step = noisy_real_step
+  elif config.inner_loop > 0:
+    step = synthetic_model_step
+  else:
+    step = None
+  return Recipe(averaged_target if config.average_targets else per_batch_targets, step,
+                config.model_steps == "noisy_real")
+
+
+class TrajectoryLog(NamedTuple):
+  """What one trajectory reports: ``matching_loss`` ``(max_outer, batch_loop, R_b)`` (0 for
+  iterations that did not run), ``iterations`` run, the final ``distance`` ``||w - w_g||``
+  and the final model ``params``."""
+
+  matching_loss: jax.Array
+  iterations: jax.Array
+  distance: jax.Array
+  params: PyTree
+
+
+class _Loop(NamedTuple):
+  o: jax.Array          # the loop counter (shared by clients side by side)
+  runs: jax.Array       # iterations this client ran
+  active: jax.Array     # this client is still inside its radius
+  w: PyTree
+  dist: jax.Array
+  images: jax.Array
+  opt_state: optax.OptState
+  loss_log: jax.Array
+  stats: AccessStats
+  any_active: jax.Array  # some client of the axis is still running
+
+
+def trajectory(iteration, keys: tuple, params: PyTree, images: jax.Array, opt_state,
+               stats: AccessStats, *, config: ClientConfig, moves_model: bool,
+               client_axis: str | None = None):
+  """One trajectory from ``params``: while-loop iterations until the model leaves the radius.
+
+  ``iteration(keys_o, o, w, images, opt_state, stats) -> (w, images, opt_state,
+  losses, stats)`` runs iteration ``o`` with the keys ``fold_in(keys, o)``;
+  the loop runs at most ``max_outer`` iterations and stops after the first that
+  leaves ``||w - params|| < r`` (the distance is measured only when
+  ``moves_model``).
+
+  One formulation for a client alone and for clients side by side: each client
+  carries whether it is still ``active``; the loop runs while any client of
+  ``client_axis`` is (``psum``), and a client that has stopped keeps its state
+  through ``jnp.where`` masks. With ``client_axis=None`` the client is alone:
+  the loop runs while it is active, so nothing is masked (the numbers of
+  clients side by side equal those alone). The counter ``o`` is shared, so a
+  ``lax.cond`` on it inside ``iteration`` stays a real branch under ``vmap``.
+
+  Returns:
+    ``(images, opt_state, stats, TrajectoryLog)``.
+  """
+  c = config
+  alone = client_axis is None
+
+  def any_client(flag):
+    return flag if alone else jax.lax.psum(flag.astype(jnp.int32), client_axis) > 0
+
+  def keep(active, new, old):
+    if alone:  # inside the loop a client alone is always active
+      return new
+    return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
+
+  def cond(s):
+    return jnp.logical_and(s.o < c.max_outer, s.any_active)
+
+  def body(s):
+    new = iteration(_fold(keys, s.o), s.o, s.w, s.images, s.opt_state, s.stats)
+    new_w, new_images, new_opt, losses, new_stats = new
+    w, images, opt_state, stats = keep(s.active, (new_w, new_images, new_opt, new_stats),
+                                       (s.w, s.images, s.opt_state, s.stats))
+    loss_log = s.loss_log.at[s.o].set(keep(s.active, losses, jnp.zeros_like(losses)))
+    dist = s.dist
+    if moves_model:
+      dist = keep(s.active, tree_distance(w, params), s.dist)
+    active = jnp.logical_and(s.active, dist < c.radius)
+    return _Loop(s.o + 1, s.runs + s.active.astype(jnp.int32), active, w, dist, images,
+                 opt_state, loss_log, stats, any_client(active))
+
+  loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
+  init = _Loop(jnp.int32(0), jnp.int32(0), jnp.bool_(True), params, jnp.float32(0.0), images,
+               opt_state, loss_log, stats, jnp.bool_(True))
+  s = jax.lax.while_loop(cond, body, init)
+  return s.images, s.opt_state, s.stats, TrajectoryLog(s.loss_log, s.runs, s.dist, s.w)
+
+
 def local_approx(
     key: jax.Array,
     apply_fn: ApplyFn,
@@ -216,6 +511,7 @@ def local_approx(
     learning_rate,
     family_key: jax.Array | None = None,
     client_axis: str | None = None,
+    image_optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[SyntheticSet, jax.Array, LocalApproxMetrics]:
   """Local approximation on one client: Algorithm 1 (``config.dp is None``) or 3.
 
@@ -223,6 +519,10 @@ def local_approx(
   axis of ``key``, ``synthetic`` and ``client_data`` to run many clients side
   by side, with ``axis_name=client_axis`` and ``family_key`` not mapped
   (:func:`fedlap_jax.dispatch.run_clients` does this for ``vmap``).
+
+  Composed of the module's pieces: :func:`recipe` names the targets and the
+  model step ``config`` chooses; ``R_i`` :func:`trajectory` s (``lax.scan``)
+  run them; then the radius (:func:`fedlap_jax.radius.calibrate_radius` or ``r``).
 
   Args:
     key: PRNG key of this client and round.
@@ -248,6 +548,9 @@ def local_approx(
       once it has stopped). The counter being shared, the condition of the
       model update stays a real branch under ``vmap``, not a select of both.
       Same numbers as ``None`` for every client, up to float rounding.
+    image_optimizer: the ``optax.GradientTransformation`` of the synthetic
+      images (its state lives across the ``R_i`` trajectories); ``None``: the
+      paper's :func:`default_image_optimizer`.
 
   Returns:
     ``(synthetic, r_k, metrics)``: the optimised synthetic set (labels and mask
@@ -256,209 +559,33 @@ def local_approx(
     :class:`LocalApproxMetrics`.
   """
   c = config
-  capacity = c.capacity
-  num_records = jnp.sum(client_data.mask)
-  rate = c.batch_size / jnp.maximum(num_records, 1).astype(jnp.float32)
-  augment_real = dsa.make_augment_fn(
-      c.dsa_strategy if c.real_dsa_strategy is None else c.real_dsa_strategy)
-  opt = image_optimizer(c)
-  syn_weights = synthetic.mask.astype(jnp.float32)
+  optimizer = default_image_optimizer(c) if image_optimizer is None else image_optimizer
   if c.dsa_family_draw == "per_client":
     family_key = None
   elif family_key is None:
     family_key = shared_family_key(key)
+  problem = LocalProblem(apply_fn, params, synthetic, client_data, c, learning_rate, optimizer)
+  pieces = recipe(c)
 
-  def real_batch_gradient(keys, w):
-    k_sample, k_aug, k_noise = jax.random.split(keys[0], 3)
-    f_aug = None if keys[1] is None else jax.random.split(keys[1], 3)[1]
-    batch = privacy.poisson_sample(k_sample, client_data.mask, rate, capacity)
+  def iteration(keys_o, o, w, images, opt_state, stats):
+    images, opt_state, losses, stats, g = pieces.targets(problem, keys_o, w, images, opt_state,
+                                                         stats)
+    if pieces.model_step is not None:
+      w = pieces.model_step(problem, keys_o, o, w, images, g)
+    return w, images, opt_state, losses, stats
 
-    def chunk_sums(indices, is_padding):
-      # One DSA draw per batch (every chunk gets the same transform).
-      xb = augment_real(k_aug, client_data.images(indices), family_key=f_aug)
-      yb = client_data.y[indices]
-      if c.dp is None:
-        return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,
-                                         microbatch_size="auto")[0], jnp.float32(0.0)
-      clipped_sum, norms = privacy.clipped_gradient_sum(
-          apply_fn, w, xb, yb, is_padding, l2_clip_norm=c.dp.l2_clip_norm,
-          microbatch_size=c.dp.microbatch_size, method=c.dp.per_example_method)
-      was_clipped = jnp.logical_and(norms > c.dp.l2_clip_norm, ~is_padding)
-      return clipped_sum, jnp.sum(was_clipped).astype(jnp.float32)
+  def one_trajectory(carry, keys_i):
+    images, opt_state, stats, log = trajectory(
+        iteration, keys_i, params, *carry, config=c,
+        moves_model=pieces.model_step is not None, client_axis=client_axis)
+    delta = jax.tree.map(jnp.subtract, log.params, params) if pieces.sends_delta else None
+    return (images, opt_state, stats), (log._replace(params=None), delta)
 
-    # Every sampled record counts, also when the draw overflows the buffer.
-    total, clipped = privacy.sum_over_chunks(chunk_sums, batch)
-    if c.dp is None:
-      count = jnp.maximum(batch.size, 1).astype(jnp.float32)
-      g = jax.tree.map(lambda t: t / count, total)
-    else:
-      g = privacy.privatise(k_noise, total, l2_clip_norm=c.dp.l2_clip_norm,
-                            noise_multiplier=c.dp.noise_multiplier,
-                            expected_batch_size=c.batch_size)
-    return g, (k_aug, f_aug), batch, clipped
-
-  def count_access(stats, batch, clipped):
-    """``stats`` ``(accesses, extra chunks, sampled, clipped)`` after one real batch."""
-    accesses, extra, sampled, n_clipped = stats
-    return (accesses + 1, extra + batch.extra_chunks, sampled + batch.size, n_clipped + clipped)
-
-  def real_batches(keys_o, w, x_syn, opt_state, stats):
-    """The ``batch_loop`` real batches of one while-loop iteration, each ``R_b`` updates."""
-    def batch_step(b, carry):
-      x_syn, opt_state, losses, stats = carry
-      g_real, aug_keys, batch, clipped = real_batch_gradient(_fold(keys_o, b), w)
-
-      def boost(j, inner):
-        x_syn, opt_state, losses = inner
-        loss, grad_x = matching_step(apply_fn, w, synthetic._replace(x=x_syn), g_real,
-                                     aug_keys[0], dsa_strategy=c.dsa_strategy,
-                                     mse_weight=c.mse_weight, family_key=aug_keys[1])
-        updates, opt_state = opt.update(grad_x, opt_state, x_syn)
-        return optax.apply_updates(x_syn, updates), opt_state, losses.at[b, j].set(loss)
-
-      x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
-                                                   (x_syn, opt_state, losses))
-      return x_syn, opt_state, losses, count_access(stats, batch, clipped)
-
-    losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
-    return jax.lax.fori_loop(0, c.batch_loop, batch_step, (x_syn, opt_state, losses, stats))
-
-  def averaged_batches(keys_o, w, x_syn, opt_state, stats):
-    """``average_targets``: mean of the ``batch_loop`` noisy gradients at ``w``, then R_b updates.
-
-    Every gradient is taken at the same ``w`` (the model moves only after the
-    batch loop), so their mean is an unbiased estimate of the same clipped
-    gradient with ``1 / batch_loop`` of the noise variance. It is a function of
-    released noisy gradients only (post-processing): the accountant's ``T``
-    still counts each of the ``batch_loop`` accesses. The synthetic batch gets
-    its own DSA draw per update (the real batches each had theirs).
-
-    Returns ``(x_syn, opt_state, losses, stats, g_mean)``; ``losses`` holds the
-    ``R_b`` matching losses in its row 0.
-    """
-    def accumulate(b, acc):
-      g_sum, stats = acc
-      g, _, batch, clipped = real_batch_gradient(_fold(keys_o, b), w)
-      return jax.tree.map(jnp.add, g_sum, g), count_access(stats, batch, clipped)
-
-    zeros = jax.tree.map(jnp.zeros_like, w)
-    g_sum, stats = jax.lax.fori_loop(0, c.batch_loop, accumulate, (zeros, stats))
-    g_mean = jax.tree.map(lambda g: g / c.batch_loop, g_sum)
-    keys_match = _fold(keys_o, c.batch_loop + 1)
-
-    def boost(j, inner):
-      x_syn, opt_state, losses = inner
-      k, f = _fold(keys_match, j)
-      loss, grad_x = matching_step(apply_fn, w, synthetic._replace(x=x_syn), g_mean, k,
-                                   dsa_strategy=c.dsa_strategy, mse_weight=c.mse_weight,
-                                   family_key=f)
-      updates, opt_state = opt.update(grad_x, opt_state, x_syn)
-      return optax.apply_updates(x_syn, updates), opt_state, losses.at[0, j].set(loss)
-
-    losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
-    x_syn, opt_state, losses = jax.lax.fori_loop(0, c.boost_loop, boost,
-                                                 (x_syn, opt_state, losses))
-    return x_syn, opt_state, losses, stats, g_mean
-
-  def iteration(keys_o, o, w, x_syn, opt_state, stats):
-    """One while-loop iteration: the real batches, then the model's step(s).
-
-    Returns ``(w, moved, x_syn, opt_state, losses, stats)``; ``moved`` (a
-    Python bool) says whether ``w`` may have changed.
-    """
-    if c.average_targets:
-      x_syn, opt_state, losses, stats, g_mean = averaged_batches(keys_o, w, x_syn, opt_state,
-                                                                 stats)
-    else:
-      x_syn, opt_state, losses, stats = real_batches(keys_o, w, x_syn, opt_state, stats)
-    if c.model_steps == "noisy_real":  # a DP-SGD step along the same released mean
-      w = jax.tree.map(lambda p, g: p - learning_rate * g, w, g_mean)
-      return w, True, x_syn, opt_state, losses, stats
-    if c.inner_loop > 0:
-      # The last permitted iteration ends without a model update (`o` is shared
-      # by clients side by side: a real branch under vmap, not a select).
-      w = jax.lax.cond(o < c.max_outer - 1, functools.partial(local_update, keys_o, x_syn),
-                       lambda w: w, w)
-      return w, True, x_syn, opt_state, losses, stats
-    return w, False, x_syn, opt_state, losses, stats
-
-  def model_delta(w):
-    return jax.tree.map(jnp.subtract, w, params) if c.model_steps == "noisy_real" else None
-
-  def local_update(keys_o, x_syn, w):
-    """``R_l`` epochs of SGD of the model on the synthetic set."""
-    def epoch(e, w):
-      k, f = _fold(_fold(keys_o, c.batch_loop), e)
-      return sgd_epoch(k, apply_fn, w, x_syn, synthetic.y, syn_weights, learning_rate,
-                       batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy,
-                       family_key=f)[0]
-    return jax.lax.fori_loop(0, c.inner_loop, epoch, w)
-
-  def trajectory_one(carry, keys_i):
-    """One trajectory of one client: the while loop stops when it leaves the radius."""
-    x_syn, opt_state, stats = carry
-    loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
-
-    def cond(s):
-      o, _, dist, *_ = s
-      return jnp.logical_and(o < c.max_outer, dist < c.radius)
-
-    def body(s):
-      o, w, dist, x_syn, opt_state, loss_log, stats = s
-      w, moved, x_syn, opt_state, losses, stats = iteration(_fold(keys_i, o), o, w, x_syn,
-                                                            opt_state, stats)
-      loss_log = loss_log.at[o].set(losses)
-      if moved:
-        dist = tree_distance(w, params)
-      return o + 1, w, dist, x_syn, opt_state, loss_log, stats
-
-    init = (jnp.int32(0), params, jnp.float32(0.0), x_syn, opt_state, loss_log, stats)
-    o, w, dist, x_syn, opt_state, loss_log, stats = jax.lax.while_loop(cond, body, init)
-    return (x_syn, opt_state, stats), (loss_log, o, dist, model_delta(w))
-
-  def trajectory_masked(carry, keys_i):
-    """One trajectory, clients side by side: shared counter, per-client termination as a mask."""
-    x_syn, opt_state, stats = carry
-    loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
-
-    def any_client(flag):
-      return jax.lax.psum(flag.astype(jnp.int32), client_axis) > 0
-
-    def cond(s):
-      return jnp.logical_and(s[0] < c.max_outer, s[-1])
-
-    def body(s):
-      o, runs, active, w, dist, x_syn, opt_state, loss_log, stats, _ = s
-      keys_o = _fold(keys_i, o)
-
-      def keep(new, old):  # a client that has stopped keeps what it had
-        return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
-
-      new_w, moved, new_x, new_opt, losses, new_stats = iteration(keys_o, o, w, x_syn,
-                                                                  opt_state, stats)
-      w, x_syn, opt_state, stats = keep((new_w, new_x, new_opt, new_stats),
-                                        (w, x_syn, opt_state, stats))
-      loss_log = loss_log.at[o].set(jnp.where(active, losses, 0.0))
-      if moved:
-        dist = jnp.where(active, tree_distance(w, params), dist)
-      runs = runs + active.astype(jnp.int32)
-      active = jnp.logical_and(active, dist < c.radius)
-      return o + 1, runs, active, w, dist, x_syn, opt_state, loss_log, stats, any_client(active)
-
-    init = (jnp.int32(0), jnp.int32(0), jnp.bool_(True), params, jnp.float32(0.0), x_syn,
-            opt_state, loss_log, stats, jnp.bool_(True))
-    _, runs, _, w, dist, x_syn, opt_state, loss_log, stats, _ = jax.lax.while_loop(
-        cond, body, init)
-    return (x_syn, opt_state, stats), (loss_log, runs, dist, model_delta(w))
-
-  stats0 = (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.float32(0.0))
   k_traj, k_cal = jax.random.split(key)
   f_traj, f_cal = (None, None) if family_key is None else jax.random.split(family_key)
-  trajectory = trajectory_one if client_axis is None else trajectory_masked
-  (x_syn, _, stats), (loss_log, outer, dists, deltas) = jax.lax.scan(
-      trajectory, (synthetic.x, opt.init(synthetic.x), stats0),
+  (x_syn, _, stats), (log, deltas) = jax.lax.scan(
+      one_trajectory, (synthetic.x, optimizer.init(synthetic.x), AccessStats.zeros()),
       _split((k_traj, f_traj), c.iterations))
-  accesses, extra_chunks, sampled, n_clipped = stats
   synthetic = synthetic._replace(x=x_syn)
 
   if c.calibrate_radius:
@@ -471,14 +598,90 @@ def local_approx(
     r_k = jnp.asarray(c.radius, jnp.float32)
 
   metrics = LocalApproxMetrics(
-      matching_loss=loss_log,
-      outer_iterations=outer,
-      real_accesses=accesses,
-      poisson_extra_chunks=extra_chunks,
-      mean_batch_size=sampled / jnp.maximum(accesses, 1),
-      trajectory_distance=dists,
-      clip_fraction=n_clipped / jnp.maximum(sampled, 1),
+      matching_loss=log.matching_loss,
+      outer_iterations=log.iterations,
+      real_accesses=stats.accesses,
+      poisson_extra_chunks=stats.extra_chunks,
+      mean_batch_size=stats.sampled / jnp.maximum(stats.accesses, 1),
+      trajectory_distance=log.distance,
+      clip_fraction=stats.clipped / jnp.maximum(stats.sampled, 1),
       model_delta=(None if deltas is None
                    else jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)),
   )
   return synthetic, r_k, metrics
+
+
+class ClientUpdate(NamedTuple):
+  """What one FedLAP client sends the server after a round (:func:`client_step`).
+
+  Stacked over clients (every leaf with a leading ``(K,)`` axis) it is what
+  :func:`fedlap_jax.server.server_step` takes.
+
+  Attributes:
+    synthetic: the client's :class:`SyntheticSet` after local approximation,
+      ``(S, ...)`` (labels and mask as the run fixed them).
+    radius: ``r_k``, float32 (the constant ``r`` under DP or without
+      calibration).
+    model_delta: with ``server.start='fedavg_delta'``, ``w_end - w_g`` averaged
+      over the ``R_i`` trajectories (:attr:`LocalApproxMetrics.model_delta`, a
+      pytree like the model); ``None`` otherwise. Under DP it is
+      post-processing of the round's released noisy gradients.
+  """
+
+  synthetic: SyntheticSet
+  radius: jax.Array
+  model_delta: PyTree | None = None
+
+
+def client_step(
+    key: jax.Array,
+    apply_fn: ApplyFn,
+    params: PyTree,
+    synthetic: SyntheticSet,
+    client_data: ClientData,
+    config: FedLAPConfig,
+    *,
+    learning_rate,
+    family_key: jax.Array | None = None,
+    init_key: jax.Array | None = None,
+    client_axis: str | None = None,
+) -> tuple[ClientUpdate, LocalApproxMetrics]:
+  """One FedLAP client's round: its synthetic set's start, :func:`local_approx`, the upload.
+
+  Pure and jit-compatible (``config`` static); every front end runs a client
+  through it (:func:`fedlap_jax.federated.fedlap_round` for all clients at
+  once, the Flower ``ClientApp`` for one).
+
+  Args:
+    key: PRNG key of this client and round.
+    apply_fn, params: the model and the received global model ``w_g``.
+    synthetic: the client's synthetic set from the previous round (or the
+      initial one); under ``synthetic_init='real'`` only its labels and mask
+      are used: the images are drawn again from real records with ``init_key``.
+    client_data: the client's real records, padded with a mask.
+    config: :class:`~fedlap_jax.config.FedLAPConfig`.
+    learning_rate: the clients' ``eta_m`` of the round (may be traced).
+    family_key: the round's shared DSA family key (:func:`shared_family_key`
+      of the round's client key); ``None``: derived from ``key``.
+    init_key: the key of the real images under ``synthetic_init='real'``
+      (required then); ignored under ``'noise'``.
+    client_axis: see :func:`local_approx`.
+
+  Returns:
+    ``(ClientUpdate, LocalApproxMetrics)``; the metrics' ``model_delta`` is
+    ``None`` (the delta travels in the update, when the server uses it).
+
+  Raises:
+    ValueError: ``synthetic_init='real'`` without ``init_key``.
+  """
+  if config.synthetic_init == "real":
+    if init_key is None:
+      raise ValueError("client_step: synthetic_init='real' needs init_key (the round's key "
+                       "of the real images); allowed: a PRNG key")
+    synthetic = synthetic._replace(x=real_images(init_key, client_data, synthetic.y,
+                                                 synthetic.mask, config.client.ipc))
+  synthetic, radius, metrics = local_approx(
+      key, apply_fn, params, synthetic, client_data, config.client, learning_rate=learning_rate,
+      family_key=family_key, client_axis=client_axis)
+  delta = metrics.model_delta if config.server.start == "fedavg_delta" else None
+  return ClientUpdate(synthetic, radius, delta), metrics._replace(model_delta=None)

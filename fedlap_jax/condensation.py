@@ -7,7 +7,7 @@ set to the gradient of real batches; the server then trains a fresh model on
 the union of the clients' synthetic sets. :func:`condense` is the client side
 (one pure function, like :func:`fedlap_jax.client.local_approx`)::
 
-  for i in 1..iterations:                    # lax.scan, a fresh network each time
+  for i in 1..networks:                      # lax.scan, a fresh network each time
     w <- init_fn(key_i)
     for o in 1..outer_loop:                  # lax.fori_loop
       for b in 1..batch_loop:                # lax.fori_loop
@@ -18,7 +18,7 @@ the union of the clients' synthetic sets. :func:`condense` is the client side
              divided by B (privacy.clipped_gradient_sum over every chunk of
              the draw, privacy.sum_over_chunks, then privacy.privatise: exact
              Poisson sampling, no record dropped)
-        S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.client.matching_step)
+        S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.matching.matching_step)
       if o == outer_loop: break
       inner_loop epochs of SGD (net_lr, batch model_batch_size) of w on S
   server: a fresh model trained on the union (fedlap_jax.server.global_update,
@@ -42,7 +42,7 @@ Methods (``OneShotConfig.method``):
 * ``psg``: Chen, Kerkouche & Fritz, "Private Set Generation with
   Discriminative Information", NeurIPS 2022: class-agnostic matching of
   per-example-clipped, noised real gradients (record-level DP), each client
-  once on its own data. ``T = iterations * outer_loop * batch_loop`` noisy
+  once on its own data. ``T = networks * outer_loop * batch_loop`` noisy
   accesses at ``q = B / N_k``, accounted by :mod:`fedlap_jax.accounting` as
   one round of ``T`` steps.
 
@@ -90,14 +90,14 @@ from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import (ConfigError, is_real, nonneg_int, one_of,
                                positive_float, positive_int, require)
-from fedlap_jax.client import class_batch, class_blocks, matching_step
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS,
                                SYNTHETIC_INITS, DPConfig, ServerConfig, check_synthetic_learner,
                                poisson_capacity)
-from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
-from fedlap_jax.federated import initial_synthetic, real_images
+from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
+from fedlap_jax.matching import matching_step
 from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic, real_images
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -132,7 +132,8 @@ class CondensationConfig:
 
   Attributes:
     ipc: synthetic images per class the client (or the pool) owns.
-    iterations: freshly initialised networks, one after another.
+    networks: freshly initialised networks, one after another (the experiment
+      config's ``condense.iterations``, the code's ``Iteration``).
     outer_loop: image-update stages per network (the last ends without a
       network update).
     inner_loop: epochs of network SGD on the synthetic set between stages.
@@ -155,7 +156,7 @@ class CondensationConfig:
   """
 
   ipc: int = 10
-  iterations: int = 1000
+  networks: int = 1000
   outer_loop: int = 10
   inner_loop: int = 50
   batch_loop: int = 1
@@ -171,7 +172,7 @@ class CondensationConfig:
   dp: DPConfig | None = None
 
   def __post_init__(self):
-    for f in ("ipc", "iterations", "outer_loop", "batch_loop", "batch_size",
+    for f in ("ipc", "networks", "outer_loop", "batch_loop", "batch_size",
               "model_batch_size"):
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
@@ -193,8 +194,8 @@ class CondensationConfig:
 
   @property
   def real_accesses_per_round(self) -> int:
-    """``T = iterations * outer_loop * batch_loop`` real batches (the accountant's steps)."""
-    return self.iterations * self.outer_loop * self.batch_loop
+    """``T = networks * outer_loop * batch_loop`` real batches (the accountant's steps)."""
+    return self.networks * self.outer_loop * self.batch_loop
 
 
 def _default_server() -> ServerConfig:
@@ -266,7 +267,7 @@ class CondensationMetrics(NamedTuple):
   """Diagnostics of :func:`condense` (scalars, ``(K,)`` over clients).
 
   Attributes:
-    matching_loss: ``(iterations,)`` mean ``L_dis`` over the image updates of
+    matching_loss: ``(networks,)`` mean ``L_dis`` over the image updates of
       each fresh network (under DP: computed from the noised gradients).
     real_accesses: real batches drawn (``T``; per class when class-wise).
     poisson_extra_chunks: extra buffer-sized chunks processed because a
@@ -309,7 +310,7 @@ def condense(
     init_fn: ``init_fn(key) -> params``, a freshly initialised network
       (:func:`fedlap_jax.models.init_fn` for the ConvNet).
     synthetic: the starting set ``(S, ...)``, in the layout of
-      :func:`fedlap_jax.federated.synthetic_labels` (blocks of ``ipc``).
+      :func:`fedlap_jax.synthetic.synthetic_labels` (blocks of ``ipc``).
     client_data: the client's real records, padded with a mask.
     config: :class:`CondensationConfig`.
 
@@ -419,7 +420,7 @@ def condense(
   stats0 = (jnp.int32(0), jnp.int32(0), jnp.int32(0), f32(0.0))
   (x_syn, _, stats), losses = jax.lax.scan(
       iteration, (synthetic.x, opt.init(synthetic.x), stats0),
-      jax.random.split(key, c.iterations))
+      jax.random.split(key, c.networks))
   accesses, extra_chunks, sampled, n_clipped = stats
   metrics = CondensationMetrics(
       matching_loss=losses,
@@ -568,7 +569,7 @@ def oneshot_round(
       client_backend=client_backend, mesh=mesh)
   params, server_metrics = train_on_union(
       k_server, apply_fn, state.params, synthetic,
-      client_weights(data, config.server.weighting), config)
+      client_weights(config.server.weighting, record_counts(data)), config)
   new_state = OneShotState(params, synthetic, state.round + 1, key)
   return new_state, OneShotMetrics(client_metrics, server_metrics.epochs, server_metrics.steps,
                                    server_metrics.distance, jnp.float32(config.learning_rate))
@@ -579,7 +580,7 @@ _round_jit = jax.jit(oneshot_round, static_argnames=("apply_fn", "init_fn", "con
 
 
 def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
-  """PSG's mechanism: ``T = iterations * outer_loop * batch_loop`` noisy class-agnostic
+  """PSG's mechanism: ``T = networks * outer_loop * batch_loop`` noisy class-agnostic
   Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
   return _mechanism(config.dp, batch_size=config.batch_size,
                     steps_per_round=config.real_accesses_per_round)
@@ -595,7 +596,7 @@ def algorithm(apply_fn: ApplyFn, init_fn: InitFn, config: OneShotConfig, *,
   ``ipc * max_classes_per_client * prod(image_shape)`` floats (its synthetic
   set, once); for ``dsc_centralized`` the raw data pooled,
   ``max_client_size * prod(image_shape)``. ``dp_steps_per_round`` is PSG's
-  ``T = iterations * outer_loop * batch_loop``.
+  ``T = networks * outer_loop * batch_loop``.
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.

@@ -16,7 +16,8 @@ the results stacked on a leading ``(K,)`` axis whatever the backend:
 
 FedLAP (:mod:`fedlap_jax.federated`) and the gradient-sharing baselines
 (:mod:`fedlap_jax.baselines`) both dispatch their clients through here, and
-weight them with :func:`client_weights`.
+weight them with :func:`client_weights` (the one weighting rule, from record counts
+or from nothing).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from fedlap_jax import sharding
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import CLIENT_BACKENDS
+from fedlap_jax.config import CLIENT_BACKENDS, WEIGHTINGS
 from fedlap_jax.types import PyTree
 
 # The axis name of the ``vmap`` backend's client axis (for collectives such as
@@ -96,8 +97,39 @@ def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
   return one_by_one(args, *replicated)
 
 
-def client_weights(clients: ClientData, weighting: str) -> jax.Array:
-  """``(K,)`` server weights: ``N_k`` for ``size``, ones for ``uniform``."""
-  if weighting == "uniform":
-    return jnp.ones(clients.mask.shape[0], jnp.float32)
-  return jnp.sum(clients.mask, axis=1).astype(jnp.float32)
+def record_counts(clients: ClientData) -> jax.Array:
+  """``(K,)`` int32 ``N_k``: the real records of each stacked client."""
+  return jnp.sum(clients.mask, axis=1)
+
+
+def client_weights(weighting: str, num_records: jax.Array | None = None, *,
+                   num_clients: int | None = None) -> jax.Array:
+  """The server's ``(K,)`` float32 client weights (not normalised): the one weighting rule.
+
+  ``size``: ``N_k`` (paper Eq. 9; the server must know every ``N_k``);
+  ``uniform``: ones (Algorithm 3: a DP client does not release ``N_k``).
+
+  Args:
+    weighting: ``"size"`` or ``"uniform"`` (:data:`fedlap_jax.config.WEIGHTINGS`).
+    num_records: ``(K,)`` the clients' record counts (e.g. :func:`record_counts`,
+      or what the clients reported); required by ``size``.
+    num_clients: ``K``, for ``uniform`` without ``num_records``.
+
+  Raises:
+    ConfigError: an unknown ``weighting``; ``size`` without ``num_records``;
+      neither ``num_records`` nor ``num_clients``.
+  """
+  if weighting not in WEIGHTINGS:
+    raise ConfigError("weighting", weighting, f"one of {WEIGHTINGS}")
+  if weighting == "size":
+    if num_records is None:
+      raise ConfigError("weighting", weighting, "'uniform' when the clients' record counts "
+                        "are not known", message="weighting='size' needs every client's "
+                        "record count N_k (num_records); allowed: the counts, or "
+                        "weighting='uniform'")
+    return jnp.asarray(num_records).astype(jnp.float32)
+  if num_records is not None:
+    num_clients = jnp.shape(num_records)[0]
+  if num_clients is None:
+    raise ValueError("client_weights needs num_records or num_clients (the number of clients)")
+  return jnp.ones(num_clients, jnp.float32)

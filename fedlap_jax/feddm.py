@@ -10,7 +10,7 @@ matching, and there is no trust region::
   server: send w_g
   client k (distribution_match):
     S_k <- ipc real images per class it owns (re-drawn every round)
-    for i in 1..iterations:
+    for i in 1..image_updates:
       w <- w_g + rho * z / ||z||,  z ~ N(0, I)     # a model in the neighbourhood of w_g
       L = sum_c || mean_{x in real batch of c} e_w(x) - mean_{s in S_k of c} e_w(s) ||^2
       S_k <- S_k - momentum-SGD(image_lr) grad_S L
@@ -47,7 +47,7 @@ since it considers class-wise optimization, introducing additional privacy
 risks and a distinct privacy notion"); :class:`FedDMConfig` has no DP field.
 
 Deviation: real batches are Poisson draws of expected size ``B`` per class
-(:func:`fedlap_jax.client.class_batch`; the whole class when it holds fewer),
+(:func:`fedlap_jax.synthetic.class_batch`; the whole class when it holds fewer),
 where the reimplementation takes exactly ``B`` at random.
 """
 
@@ -66,14 +66,14 @@ from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (is_real, one_of, positive_float,
                                positive_int, require)
-from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import (CLIENT_BACKENDS, SYNTHETIC_INITS, ServerConfig,
                                check_synthetic_learner, poisson_capacity)
-from fedlap_jax.dispatch import client_weights, place_inputs, run_clients
-from fedlap_jax.federated import initial_synthetic, noise_images, real_images
+from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.matching import mean_embedding_distance
 from fedlap_jax.server import global_update
+from fedlap_jax.synthetic import (class_batch, class_blocks, initial_synthetic, noise_images,
+                                  real_images)
 from fedlap_jax.types import ApplyFn, PyTree
 
 EmbedFn = Callable[[PyTree, jax.Array], PyTree]
@@ -90,7 +90,8 @@ class FedDMConfig:
 
   Attributes:
     ipc: synthetic images per class a client owns.
-    iterations: image updates per round, each with a new perturbed model.
+    image_updates: updates of the synthetic images per round, each against a
+      new perturbed model (the experiment config's ``feddm.iterations``).
     rho: norm of the random perturbation of the global model (L2 over all
       parameters).
     batch_size: ``B``, expected real records per class per iteration.
@@ -107,7 +108,7 @@ class FedDMConfig:
   """
 
   ipc: int = 10
-  iterations: int = 1000
+  image_updates: int = 1000
   rho: float = 5.0
   batch_size: int = 256
   image_lr: float = 1.0
@@ -119,7 +120,7 @@ class FedDMConfig:
   learning_rate: float = 0.01
 
   def __post_init__(self):
-    for f in ("ipc", "iterations", "batch_size"):
+    for f in ("ipc", "image_updates", "batch_size"):
       positive_int(f, getattr(self, f))
     require(is_real(self.rho) and self.rho >= 0, "rho", self.rho, "a finite number >= 0")
     check_synthetic_learner(self)
@@ -139,7 +140,7 @@ class FedDMClientMetrics(NamedTuple):
   """Diagnostics of :func:`distribution_match` (scalars, ``(K,)`` over clients).
 
   Attributes:
-    matching_loss: ``(iterations,)`` the distribution-matching loss before each update.
+    matching_loss: ``(image_updates,)`` the distribution-matching loss before each update.
     poisson_extra_chunks: extra buffer-sized chunks processed because a
       Poisson draw exceeded the buffer (usually 0; no record is ever dropped).
     mean_batch_size: mean real records per iteration (all classes together).
@@ -178,7 +179,7 @@ def distribution_match(
       ``(N, ...)`` (e.g. :func:`fedlap_jax.models.embed_fn`).
     params: the global model ``w_g``.
     synthetic: the starting set ``(S, ...)`` in blocks of ``ipc``
-      (:func:`fedlap_jax.federated.synthetic_labels`).
+      (:func:`fedlap_jax.synthetic.synthetic_labels`).
     client_data: the client's real records, padded with a mask.
     config: :class:`FedDMConfig`.
 
@@ -233,8 +234,8 @@ def distribution_match(
 
   init = (synthetic.x, opt.init(synthetic.x), jnp.int32(0), jnp.int32(0))
   (x_syn, _, extra_chunks, sampled), losses = jax.lax.scan(
-      step, init, jax.random.split(key, c.iterations))
-  metrics = FedDMClientMetrics(losses, extra_chunks, sampled / c.iterations)
+      step, init, jax.random.split(key, c.image_updates))
+  metrics = FedDMClientMetrics(losses, extra_chunks, sampled / c.image_updates)
   return synthetic._replace(x=x_syn), metrics
 
 
@@ -306,7 +307,7 @@ def feddm_round(
       client_backend=client_backend, mesh=mesh)
   params, server_metrics = global_update(
       k_server, apply_fn, state.params, synthetic,
-      client_weights(clients, config.server.weighting), jnp.inf,
+      client_weights(config.server.weighting, record_counts(clients)), jnp.inf,
       learning_rate=config.learning_rate, config=config.server)
   return (FedDMState(params, synthetic, state.round + 1, key),
           FedDMRoundMetrics(client_metrics, server_metrics.epochs, server_metrics.steps,

@@ -1,23 +1,25 @@
 """One FedLAP / FedLAP-DP communication round over all clients.
 
-:func:`fedlap_round` runs :func:`fedlap_jax.client.local_approx` on every
-client (through :func:`fedlap_jax.dispatch.run_clients`: one client after
-another, all at once with ``vmap``, or sharded over devices), combines the
-client radii, and runs the server's :func:`fedlap_jax.server.global_update`.
-The round index and learning rate are traced, so :func:`make_round_fn`
+A round is two pure steps, the same for every front end (this jitted round,
+``experiments.run``, the Flower app): :func:`fedlap_jax.client.client_step`
+on every client (through :func:`fedlap_jax.dispatch.run_clients`: one client
+after another, all at once with ``vmap``, or sharded over devices), then
+:func:`fedlap_jax.server.server_step` on their stacked
+:class:`~fedlap_jax.client.ClientUpdate` s. :func:`round_learning_rates`
+gives both steps their rates. The round index is traced, so :func:`make_round_fn`
 compiles once per run; :func:`algorithm` wraps the round as a
 :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
 
 Clients of different sizes come stacked, padded to the largest client and
 masked (:func:`fedlap_jax.client_data.stack_clients`); synthetic sets of
 clients owning fewer classes are padded and masked the same way
-(:func:`synthetic_labels`).
+(:func:`fedlap_jax.synthetic.synthetic_labels`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +28,16 @@ import numpy as np
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import LocalApproxMetrics, local_approx, shared_family_key
+from fedlap_jax.client import LocalApproxMetrics, client_step, shared_family_key
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, FedLAPConfig
-from fedlap_jax.dispatch import (VMAP_AXIS, client_weights, place_inputs,
-                                 resolve_client_backend, run_clients)
-from fedlap_jax.radius import server_radius
-from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.dispatch import (VMAP_AXIS, place_inputs, record_counts, resolve_client_backend,
+                                 run_clients)
+from fedlap_jax.server import ServerMetrics, server_step
+from fedlap_jax.synthetic import initial_synthetic
 from fedlap_jax.training import cosine_learning_rate
 from fedlap_jax.types import PyTree
+
 
 class FedLAPState(NamedTuple):
   """Server state between rounds.
@@ -60,104 +63,6 @@ class RoundMetrics(NamedTuple):
   client_radius: jax.Array
   server: ServerMetrics
   learning_rate: jax.Array
-
-
-def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.ndarray, np.ndarray]:
-  """Balanced synthetic labels: ``ipc`` per class each client owns (host side).
-
-  Args:
-    client_labels: K label arrays (only the real records, no padding).
-    ipc: images per class.
-
-  Returns:
-    ``(labels, mask)`` of shape ``(K, S)`` with ``S = ipc * max_k classes_k``;
-    each row holds the client's classes in increasing order, ``ipc`` slots each,
-    then padding.
-  """
-  if ipc < 1:
-    raise ConfigError("ipc", ipc, "an integer >= 1")
-  classes = [np.unique(np.asarray(y)) for y in client_labels]
-  s = ipc * max(len(c) for c in classes)
-  labels = np.zeros((len(classes), s), np.int32)
-  mask = np.zeros((len(classes), s), bool)
-  for k, cls in enumerate(classes):
-    row = np.repeat(cls, ipc)
-    labels[k, :len(row)] = row
-    mask[k, :len(row)] = True
-  return labels, mask
-
-
-def initial_synthetic(key: jax.Array, clients: ClientData, ipc: int,
-                      synthetic_init: str) -> tuple[SyntheticSet, jax.Array]:
-  """Round-1 synthetic sets: balanced labels and ``N(0, 1)`` images (host side).
-
-  Labels are :func:`synthetic_labels` of each client's real records, images
-  :func:`noise_images` (under ``synthetic_init="real"`` the caller draws real
-  images later; this checks that it can).
-
-  Args:
-    key: PRNG key, split into the images' key and the one returned.
-    clients: :class:`ClientData` with ``(K, N, ...)`` leaves.
-    ipc: images per class.
-    synthetic_init: ``"noise"`` or ``"real"``.
-
-  Returns:
-    ``(synthetic, key)``: ``(K, S, ...)`` :class:`SyntheticSet` and the
-    remaining key for the state.
-
-  Raises:
-    ConfigError: under ``"real"``, a client has fewer than ``ipc`` records of
-      one of its classes; ``ipc < 1``.
-  """
-  ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
-  if synthetic_init == "real":
-    for k, y in enumerate(ys):
-      cls, counts = np.unique(y, return_counts=True)
-      if counts.min() < ipc:
-        raise ConfigError(
-            "ipc", ipc, "ipc <= the smallest class count of every client", message=
-            f"ipc={ipc} is invalid with synthetic_init='real': client {k} has only "
-            f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
-            "smallest class count of every client (or synthetic_init='noise')")
-  labels, mask = synthetic_labels(ys, ipc)
-  k_init, k_state = jax.random.split(key)
-  images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
-  return SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask)), k_state
-
-
-def noise_images(key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]) -> jax.Array:
-  """``N(0, 1)`` images for every valid slot, zeros for padding: ``(*mask.shape, *image_shape)``."""
-  x = jax.random.normal(key, (*mask.shape, *image_shape), jnp.float32)
-  return x * mask.reshape(*mask.shape, *([1] * len(image_shape)))
-
-
-def real_images(key: jax.Array, client: ClientData, labels: jax.Array, mask: jax.Array,
-                ipc: int) -> jax.Array:
-  """Draws ``ipc`` distinct real images per synthetic class of ONE client.
-
-  Slot ``s`` with label ``c`` gets the ``(s mod ipc)``-th record of class ``c``
-  in a random order. Non-private: refused under DP by :class:`FedLAPConfig`.
-  Every class of the client needs ``>= ipc`` records (:func:`init_state` checks).
-
-  Args:
-    key: PRNG key; client: one client's :class:`ClientData` ``(N, ...)``.
-    labels, mask: ``(S,)`` synthetic labels and validity.
-    ipc: images per class.
-
-  Returns:
-    ``(S, H, W, C)`` float32 images (zeros in padding slots).
-  """
-  scores = jax.random.uniform(key, client.y.shape)
-
-  def pick(label, rank):
-    s = jnp.where(jnp.logical_and(client.y == label, client.mask), scores, -1.0)
-    _, idx = jax.lax.top_k(s, ipc)
-    return idx[rank]
-
-  ranks = jnp.arange(labels.shape[0]) % ipc
-  idx = jax.vmap(pick)(labels, ranks)
-  x = client.images(idx).astype(jnp.float32)
-  return x * mask.reshape(-1, *([1] * (x.ndim - 1)))
 
 
 def init_state(
@@ -192,29 +97,32 @@ def init_state(
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
 
 
-def server_learning_rate(round_index, config: FedLAPConfig):
-  """The server's step size in round ``m`` (1-based, may be traced).
+class RoundRates(NamedTuple):
+  """The step sizes of round ``m``: the clients' ``eta_m`` and the server's."""
 
-  The cosine schedule of ``config.server.learning_rate`` when set, else the
-  run's ``eta_m`` (the paper: clients and server share one schedule).
+  client: jax.Array
+  server: jax.Array
+
+
+def round_learning_rates(round_index, config: FedLAPConfig) -> RoundRates:
+  """The learning rates of round ``m`` (1-based, may be traced), for both steps.
+
+  ``client``: ``eta_m``, the cosine schedule of ``config.learning_rate``
+  (:func:`fedlap_jax.training.cosine_learning_rate` with ``config.lr_schedule``).
+  ``server``: the same schedule of ``config.server.learning_rate`` when set,
+  else ``eta_m`` itself (the paper: clients and server share one schedule).
   """
+  client = cosine_learning_rate(round_index, config.rounds, config.learning_rate,
+                                schedule=config.lr_schedule)
   base = config.server.learning_rate
-  return cosine_learning_rate(round_index, config.rounds,
-                              config.learning_rate if base is None else base,
-                              schedule=config.lr_schedule)
+  server = client if base is None else cosine_learning_rate(
+      round_index, config.rounds, base, schedule=config.lr_schedule)
+  return RoundRates(client, server)
 
 
-def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:
-  """The server's start for ``server.start='fedavg_delta'``: ``w_g + sum_k w_k delta_k / sum_k w_k``.
-
-  Args:
-    params: the global model ``w_g`` of the round.
-    model_deltas: the clients' model deltas (``LocalApproxMetrics.model_delta``
-      of ``model_steps='noisy_real'``), leaves ``(K, *leaf_shape)``.
-    weights: ``(K,)`` the server's client weights (:func:`fedlap_jax.dispatch.client_weights`).
-  """
-  wn = weights / jnp.sum(weights)
-  return jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), params, model_deltas)
+def server_learning_rate(round_index, config: FedLAPConfig):
+  """The server's step size in round ``m``: ``round_learning_rates(m, config).server``."""
+  return round_learning_rates(round_index, config).server
 
 
 def fedlap_round(
@@ -227,6 +135,12 @@ def fedlap_round(
     mesh: Any = None,
 ) -> tuple[FedLAPState, RoundMetrics]:
   """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
+
+  The round's keys: ``(next, k_init, k_clients, k_server) = split(state.key,
+  4)``; client ``k`` runs :func:`fedlap_jax.client.client_step` with
+  ``split(k_clients, K)[k]``, ``split(k_init, K)[k]`` (real images) and the
+  shared family key ``shared_family_key(k_clients)``; the server runs
+  :func:`fedlap_jax.server.server_step` with ``k_server``.
 
   Args:
     state: :class:`FedLAPState` after ``state.round`` rounds.
@@ -247,45 +161,31 @@ def fedlap_round(
   Returns:
     ``(new_state, RoundMetrics)``.
   """
-  cc = config.client
   m = state.round + 1
-  lr = cosine_learning_rate(m, config.rounds, config.learning_rate, schedule=config.lr_schedule)
+  rates = round_learning_rates(m, config)
   key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
   num_clients = clients.mask.shape[0]
-  synthetic = state.synthetic
-  if config.synthetic_init == "real":
-    x = jax.vmap(real_images, in_axes=(0, 0, 0, 0, None))(
-        jax.random.split(k_init, num_clients), clients, synthetic.y, synthetic.mask, cc.ipc)
-    synthetic = synthetic._replace(x=x)
+  init_keys = (jax.random.split(k_init, num_clients) if config.synthetic_init == "real"
+               else None)
 
   # Side by side (vmap), the clients' loops run with a shared counter and masks.
   client_backend = resolve_client_backend(client_backend, side_by_side=True)
   client_axis = VMAP_AXIS if client_backend == "vmap" else None
 
   def run(args, params, lr, family_key):
-    k, syn, data = args
-    return local_approx(k, apply_fn=apply_fn, params=params, config=cc, learning_rate=lr,
-                        synthetic=syn, client_data=data, family_key=family_key,
-                        client_axis=client_axis)
+    k, syn, data, k_real = args
+    return client_step(k, apply_fn, params, syn, data, config, learning_rate=lr,
+                       family_key=family_key, init_key=k_real, client_axis=client_axis)
 
-  family_key = shared_family_key(k_clients)
-  args = (jax.random.split(k_clients, num_clients), synthetic, clients)
-  synthetic, radii, client_metrics = run_clients(
-      run, args, replicated=(state.params, lr, family_key), client_backend=client_backend,
-      mesh=mesh)
-
-  r_g = server_radius(radii, config.server.radius_strategy, cc.radius)
-  weights = client_weights(clients, config.server.weighting)
-  start = state.params
-  if config.server.start == "fedavg_delta":
-    # The trust region is centred on the FedAvg model of the clients' deltas.
-    start = fedavg_delta_start(state.params, client_metrics.model_delta, weights)
-  client_metrics = client_metrics._replace(model_delta=None)  # used; not a metric to log
-  params, server_metrics = global_update(
-      k_server, apply_fn, start, synthetic, weights, r_g,
-      learning_rate=server_learning_rate(m, config), config=config.server)
-  new_state = FedLAPState(params, synthetic, m, key)
-  return new_state, RoundMetrics(client_metrics, radii, server_metrics, lr)
+  args = (jax.random.split(k_clients, num_clients), state.synthetic, clients, init_keys)
+  updates, client_metrics = run_clients(
+      run, args, replicated=(state.params, rates.client, shared_family_key(k_clients)),
+      client_backend=client_backend, mesh=mesh)
+  params, server_metrics = server_step(k_server, apply_fn, state.params, updates, config,
+                                       learning_rate=rates.server,
+                                       num_records=record_counts(clients))
+  new_state = FedLAPState(params, updates.synthetic, m, key)
+  return new_state, RoundMetrics(client_metrics, updates.radius, server_metrics, rates.client)
 
 
 def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: str = "auto",

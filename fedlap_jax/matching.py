@@ -23,6 +23,10 @@ Bilen, "Dataset Condensation with Distribution Matching", WACV 2023; FedDM,
 Xiong et al., arXiv 2207.09653): the squared distance between the mean
 embeddings of a real and a synthetic batch.
 
+:func:`matching_step` is ``L_dis`` between a real gradient and the gradient
+on a synthetic set, with its gradient with respect to the synthetic images
+(a gradient of a gradient): the image update of FedLAP, DSC and PSG.
+
 Reference: Zhao, Mopuri & Bilen, "Dataset Condensation with Gradient Matching",
 ICLR 2021 (the layer-wise distance); FedLAP-DP adds the MSE term and averages
 over rows.
@@ -34,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedlap_jax import dsa, privacy
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.types import PyTree
+from fedlap_jax.client_data import SyntheticSet
+from fedlap_jax.types import ApplyFn, PyTree
 
 EPS = 1e-8
 ROW_REDUCTIONS = ("mean", "sum")
@@ -145,3 +151,46 @@ def mean_embedding_distance(real: PyTree, syn: PyTree, real_weights: jax.Array,
                      "synthetic leaves")
   return sum((jnp.sum(jnp.square(mean(a, real_weights) - mean(b, syn_weights)))
               for a, b in zip(reals, syns)), jnp.float32(0.0))
+
+
+def synthetic_gradient(apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet,
+                       x: jax.Array | None = None) -> PyTree:
+  """Gradient of the mean loss on the synthetic set (images ``x`` if given)."""
+  x = synthetic.x if x is None else x
+  return privacy.real_gradient(apply_fn, params, x, synthetic.y,
+                               jnp.logical_not(synthetic.mask))
+
+
+def matching_step(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    synthetic: SyntheticSet,
+    g_real: PyTree,
+    aug_key: jax.Array,
+    *,
+    dsa_strategy: str,
+    mse_weight,
+    family_key: jax.Array | None = None,
+    row_reduction: str = "mean",
+    include_vectors: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+  """``L_dis`` and its gradient with respect to the synthetic images (grad of grad).
+
+  ``aug_key`` (and ``family_key``, if given: :func:`fedlap_jax.dsa.augment`)
+  must be those of the real batch, so both batches get the same transform.
+  ``row_reduction`` and ``include_vectors`` select the distance's variant
+  (:func:`matching_distance`; FedLAP's by default, DSC /
+  PSG pass ``"sum"`` and ``False``).
+
+  Returns:
+    ``(loss, grad_x)`` with ``grad_x`` shaped like ``synthetic.x``.
+  """
+  augment = dsa.make_augment_fn(dsa_strategy)
+
+  def loss_fn(x):
+    g_syn = synthetic_gradient(apply_fn, params, synthetic,
+                               augment(aug_key, x, family_key=family_key))
+    return matching_distance(g_real, g_syn, mse_weight=mse_weight,
+                             row_reduction=row_reduction, include_vectors=include_vectors)
+
+  return jax.value_and_grad(loss_fn)(synthetic.x)

@@ -1,4 +1,4 @@
-"""Server side of FedLAP: global optimisation in a trust region (Algorithm 2).
+"""Server side of FedLAP: global optimisation in a trust region (Algorithm 2), and its step.
 
 The server trains the global model by SGD on the union of the clients'
 synthetic sets (client ``k`` weighted by ``N_k / N``, or ``1 / K`` under DP),
@@ -8,6 +8,12 @@ cap). The optimiser is SGD re-created every round: plain for FedLAP, with
 ``momentum`` and ``weight_decay`` for the synthetic-data comparison systems
 (FedDM's server; DSC's and PSG's training of a fresh model on the synthetic
 sets), which also run here, with ``r_g = inf``.
+
+Shared and FedLAP-only: :func:`global_update` (with :func:`example_weights`
+and :class:`ServerMetrics`) is the training on a union of synthetic sets that
+FedDM, DSC and PSG share; :func:`server_step` is FedLAP's whole server
+(``r_g`` from the clients' ``r_k``, the client weights, the FedAvg-delta start,
+then :func:`global_update`) and :func:`fedavg_delta_start` is part of it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from fedlap_jax.client_data import SyntheticSet
-from fedlap_jax.config import ServerConfig
+from fedlap_jax.config import FedLAPConfig, ServerConfig
+from fedlap_jax.dispatch import client_weights
+from fedlap_jax.radius import server_radius
 from fedlap_jax.training import model_optimizer, train_epoch, tree_distance
 from fedlap_jax.types import PyTree
 
@@ -108,3 +116,75 @@ def global_update(
       cond, body,
       (jnp.int32(0), params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0)))
   return w, ServerMetrics(epochs, steps, dist, radius)
+
+
+def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:
+  """The server's start for ``server.start='fedavg_delta'``: ``w_g + sum_k w_k delta_k / sum_k w_k``.
+
+  Args:
+    params: the global model ``w_g`` of the round.
+    model_deltas: the clients' model deltas (``ClientUpdate.model_delta`` of
+      ``model_steps='noisy_real'``), leaves ``(K, *leaf_shape)``.
+    weights: ``(K,)`` the server's client weights
+      (:func:`fedlap_jax.dispatch.client_weights`).
+  """
+  wn = weights / jnp.sum(weights)
+  return jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), params, model_deltas)
+
+
+def server_step(
+    key: jax.Array,
+    apply_fn: Callable,
+    params: PyTree,
+    updates,
+    config: FedLAPConfig,
+    *,
+    learning_rate,
+    num_records: jax.Array | None = None,
+    valid: jax.Array | None = None,
+) -> tuple[PyTree, ServerMetrics]:
+  """FedLAP's server in one round: what it does with the clients' updates.
+
+  ``r_g`` from the clients' ``r_k`` (:func:`fedlap_jax.radius.server_radius`
+  with ``server.radius_strategy``), the client weights
+  (:func:`fedlap_jax.dispatch.client_weights` with ``server.weighting``),
+  the start (``w_g``, or with ``server.start='fedavg_delta'``
+  :func:`fedavg_delta_start` of the clients' deltas), then
+  :func:`global_update` on the union of the synthetic sets. Pure and
+  jit-compatible (``config`` static); every front end's server runs it.
+
+  Args:
+    key: ``k_server`` of the round.
+    apply_fn, params: the model and the global model ``w_g`` of the round.
+    updates: the clients' :class:`fedlap_jax.client.ClientUpdate` stacked,
+      leaves ``(K', ...)`` (synthetic sets padded to one size and masked).
+    config: :class:`~fedlap_jax.config.FedLAPConfig`.
+    learning_rate: the server's step size of the round (may be traced;
+      :func:`fedlap_jax.federated.round_learning_rates`).
+    num_records: ``(K',)`` the clients' ``N_k``; required with
+      ``server.weighting='size'``.
+    valid: optional ``(K',)`` bool: clients whose update counts (the others get
+      weight 0 and are left out of ``r_g``).
+
+  Returns:
+    ``(params, ServerMetrics)``.
+
+  Raises:
+    ValueError: ``server.start='fedavg_delta'`` and ``updates`` without model
+      deltas; ``weighting='size'`` without ``num_records``.
+  """
+  sc = config.server
+  num_clients = updates.radius.shape[0]
+  r_g = server_radius(updates.radius, sc.radius_strategy, config.client.radius, valid)
+  weights = client_weights(sc.weighting, num_records, num_clients=num_clients)
+  if valid is not None:
+    weights = weights * valid.astype(weights.dtype)
+  start = params
+  if sc.start == "fedavg_delta":
+    if updates.model_delta is None:
+      raise ValueError("server.start='fedavg_delta' needs the clients' model deltas "
+                       "(ClientUpdate.model_delta); allowed: updates from client_step")
+    # The trust region is centred on the FedAvg model of the clients' deltas.
+    start = fedavg_delta_start(params, updates.model_delta, weights)
+  return global_update(key, apply_fn, start, updates.synthetic, weights, r_g,
+                       learning_rate=learning_rate, config=sc)

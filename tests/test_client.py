@@ -15,15 +15,16 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from fedlap_jax import client, privacy
+from fedlap_jax import client, matching, privacy, training
 from fedlap_jax.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
-from fedlap_jax.federated import noise_images, synthetic_labels
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
+from fedlap_jax.synthetic import noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
@@ -159,7 +160,7 @@ def test_local_approx_lowers_matching_loss(run, tiny_apply_fn, tiny_params, synt
   # L_dis recomputed from scratch on the full-batch real gradient, before and after.
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
       tiny_apply_fn, tiny_params, client_data.x, client_data.y, ~client_data.mask)
-  step = jax.jit(functools.partial(client.matching_step, tiny_apply_fn, dsa_strategy="",
+  step = jax.jit(functools.partial(matching.matching_step, tiny_apply_fn, dsa_strategy="",
                                    mse_weight=FIXED.mse_weight))
   before, _ = step(tiny_params, synthetic, g_real, jax.random.PRNGKey(0))
   after, _ = step(tiny_params, syn, g_real, jax.random.PRNGKey(0))
@@ -203,7 +204,7 @@ def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, d
   """L_dis and its image gradient (grad of grad), eager and jitted."""
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
       linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
-  step = functools.partial(client.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy,
+  step = functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy,
                            mse_weight=0.1)
   eager = step(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
   jitted = jax.jit(step)(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
@@ -214,7 +215,7 @@ def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, d
   chex.assert_tree_all_finite(grad_x)
   assert float(jnp.max(jnp.abs(grad_x))) > 0
   if not dsa_strategy:
-    g_syn = client.synthetic_gradient(linear_apply_fn, linear_params, synthetic)
+    g_syn = matching.synthetic_gradient(linear_apply_fn, linear_params, synthetic)
     chex.assert_trees_all_close(loss, matching_distance(g_real, g_syn, mse_weight=0.1),
                                 rtol=1e-5)
 
@@ -227,7 +228,7 @@ def test_padding_slots_of_the_synthetic_set_are_ignored(linear_apply_fn, linear_
                         jnp.concatenate([synthetic.mask, jnp.zeros(2, bool)]))
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
       linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
-  step = jax.jit(functools.partial(client.matching_step, linear_apply_fn, dsa_strategy="",
+  step = jax.jit(functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy="",
                                    mse_weight=0.1))
   loss, grad_x = step(linear_params, padded, g_real, jax.random.PRNGKey(0))
   ref_loss, ref_grad = step(linear_params, synthetic, g_real, jax.random.PRNGKey(0))
@@ -237,7 +238,8 @@ def test_padding_slots_of_the_synthetic_set_are_ignored(linear_apply_fn, linear_
 
 
 def test_image_optimizer_is_momentum_sgd():
-  opt = client.image_optimizer(ClientConfig(image_lr=2.0, image_momentum=0.5, dsa_strategy=""))
+  opt = client.default_image_optimizer(ClientConfig(image_lr=2.0, image_momentum=0.5,
+                                                    dsa_strategy=""))
   x = jnp.zeros(3)
   g = jnp.ones(3)
   state = opt.init(x)
@@ -330,3 +332,176 @@ def test_noisy_real_needs_average_targets():
     ClientConfig(model_steps="noisy_real")
   with pytest.raises(ValueError, match="model_steps='real' is invalid"):
     ClientConfig(model_steps="real", average_targets=True)
+
+
+# ---------------------------------------------------------------- the pieces, each alone
+
+DP_Q1 = ClientConfig(ipc=IPC, iterations=1, max_outer=1, batch_loop=3, boost_loop=2,
+                     inner_loop=1, batch_size=290, image_lr=0.5, image_momentum=0.0,
+                     mse_weight=0.1, radius=1.0, calibrate_radius=False, dsa_strategy="",
+                     dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=0.05, delta=1e-5))
+NONDP_Q1 = dataclasses.replace(DP_Q1, dp=None)
+
+
+def _problem(apply_fn, params, synthetic, client_data, config, optimizer=None):
+  return client.LocalProblem(apply_fn, params, synthetic, client_data, config, jnp.float32(LR),
+                             optimizer or client.default_image_optimizer(config))
+
+
+def test_noisy_real_target_at_q_one_is_the_full_batch_gradient(linear_apply_fn, linear_params,
+                                                               synthetic, client_data):
+  p = _problem(linear_apply_fn, linear_params, synthetic, client_data, NONDP_Q1)
+  t = client.noisy_real_target(p, (jax.random.PRNGKey(0), None), linear_params)
+  full = privacy.real_gradient(linear_apply_fn, linear_params, client_data.x, client_data.y,
+                               ~client_data.mask)
+  chex.assert_trees_all_close(t.gradient, full, atol=1e-6, rtol=1e-5)
+  assert int(t.batch_size) == 290 and int(t.extra_chunks) == 0 and float(t.clipped) == 0.0
+
+
+def test_noisy_real_target_under_dp_is_the_clipped_noised_sum_over_b(linear_apply_fn,
+                                                                     linear_params, synthetic,
+                                                                     client_data):
+  """Algorithm 3's target by hand: every record (q = 1) clipped to C, N(0, sigma^2 C^2) with
+  the batch's noise key, divided by B."""
+  key = jax.random.PRNGKey(4)
+  p = _problem(linear_apply_fn, linear_params, synthetic, client_data, DP_Q1)
+  t = client.noisy_real_target(p, (key, None), linear_params)
+  dp = DP_Q1.dp
+  clipped, norms = privacy.clipped_gradient_sum(linear_apply_fn, linear_params, client_data.x,
+                                                client_data.y, ~client_data.mask,
+                                                l2_clip_norm=dp.l2_clip_norm)
+  expected = privacy.privatise(jax.random.split(key, 3)[2], clipped,
+                               l2_clip_norm=dp.l2_clip_norm,
+                               noise_multiplier=dp.noise_multiplier, expected_batch_size=290)
+  chex.assert_trees_all_close(t.gradient, expected, atol=1e-6, rtol=1e-5)
+  assert float(t.clipped) == float(jnp.sum(norms > dp.l2_clip_norm)) > 0
+
+
+def test_match_images_steps_the_images_with_the_given_optimizer(linear_apply_fn, linear_params,
+                                                                synthetic, client_data):
+  """R_b = 2 updates of plain SGD at 0.5, by hand: x <- x - 0.5 grad_x L_dis."""
+  opt = optax.sgd(0.5)
+  p = _problem(linear_apply_fn, linear_params, synthetic, client_data, NONDP_Q1, opt)
+  target = privacy.real_gradient(linear_apply_fn, linear_params, client_data.x, client_data.y,
+                                 ~client_data.mask)
+  keys = (jax.random.PRNGKey(0), None)
+  x, _, losses = client.match_images(p, linear_params, synthetic.x, opt.init(synthetic.x),
+                                     target, keys, fresh_augmentation=False)
+  x_ref, ref_losses = synthetic.x, []
+  for _ in range(2):
+    loss, grad_x = matching.matching_step(linear_apply_fn, linear_params,
+                                          synthetic._replace(x=x_ref), target, keys[0],
+                                          dsa_strategy="", mse_weight=0.1)
+    ref_losses.append(loss)
+    x_ref = x_ref - 0.5 * grad_x
+  chex.assert_trees_all_close(x, x_ref, atol=1e-6, rtol=1e-5)
+  chex.assert_trees_all_close(losses, jnp.stack(ref_losses), rtol=1e-5)
+
+
+def test_averaged_target_is_the_mean_of_the_batch_targets(linear_apply_fn, linear_params,
+                                                          synthetic, client_data):
+  cfg = dataclasses.replace(DP_Q1, average_targets=True)
+  p = _problem(linear_apply_fn, linear_params, synthetic, client_data, cfg)
+  keys = (jax.random.PRNGKey(2), None)
+  x, _, losses, stats, g = client.averaged_target(
+      p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x),
+      client.AccessStats.zeros())
+  targets = [client.noisy_real_target(p, client._fold(keys, b), linear_params).gradient
+             for b in range(3)]
+  chex.assert_trees_all_close(g, jax.tree.map(lambda *t: sum(t) / 3, *targets), atol=1e-7)
+  assert int(stats.accesses) == 3 and int(stats.sampled) == 3 * 290
+  assert np.all(np.asarray(losses[0]) > 0) and np.all(np.asarray(losses[1:]) == 0)
+  # The per-batch recipe's first row is against the first batch's target alone.
+  _, _, per_batch, stats_b, none = client.per_batch_targets(
+      p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x),
+      client.AccessStats.zeros())
+  assert none is None and int(stats_b.accesses) == 3
+  first, _ = matching.matching_step(linear_apply_fn, linear_params, synthetic, targets[0],
+                                    jax.random.split(client._fold(keys, 0)[0], 3)[1],
+                                    dsa_strategy="", mse_weight=0.1)
+  np.testing.assert_allclose(float(per_batch[0, 0]), float(first), rtol=1e-5)
+
+
+def test_the_model_steps(linear_apply_fn, linear_params, synthetic, client_data):
+  p = _problem(linear_apply_fn, linear_params, synthetic, client_data, DP_Q1)
+  g = jax.tree.map(jnp.ones_like, linear_params)
+  moved = client.noisy_real_step(p, None, 0, linear_params, synthetic.x, g)
+  chex.assert_trees_all_close(moved, jax.tree.map(lambda w: w - LR, linear_params))
+  keys = (jax.random.PRNGKey(3), None)
+  epochs = client.synthetic_epochs(p, keys, linear_params, synthetic.x)
+  k, _ = client._fold(client._fold(keys, DP_Q1.batch_loop), 0)
+  ref = training.sgd_epoch(k, linear_apply_fn, linear_params, synthetic.x, synthetic.y,
+                           synthetic.mask.astype(jnp.float32), LR,
+                           batch_size=DP_Q1.model_batch_size, dsa_strategy="")[0]
+  chex.assert_trees_all_close(epochs, ref, atol=1e-7)
+  # The paper's step: those epochs after every while-loop iteration but the last permitted.
+  two = _problem(linear_apply_fn, linear_params, synthetic, client_data,
+                 dataclasses.replace(DP_Q1, max_outer=2))
+  step = client.synthetic_model_step
+  chex.assert_trees_all_close(step(two, keys, 0, linear_params, synthetic.x, None), ref,
+                              atol=1e-7)
+  chex.assert_trees_all_equal(step(two, keys, 1, linear_params, synthetic.x, None),
+                              linear_params)
+
+
+def test_recipe_names_the_pieces_of_each_config():
+  paper = client.recipe(FIXED)
+  assert paper == (client.per_batch_targets, None, False)
+  assert client.recipe(TINY_RADIUS).model_step is client.synthetic_model_step
+  hybrid = client.recipe(dataclasses.replace(DP_Q1, average_targets=True,
+                                             model_steps="noisy_real"))
+  assert hybrid == (client.averaged_target, client.noisy_real_step, True)
+
+
+TOY = ClientConfig(ipc=1, iterations=1, max_outer=5, batch_loop=1, boost_loop=1, radius=1.0,
+                   calibrate_radius=False, dsa_strategy="")
+
+
+def _toy_trajectory(step, client_axis, moves_model=True):
+  """A trajectory whose iteration moves w by ``step`` and logs loss o + 1."""
+  def iteration(keys_o, o, w, images, opt_state, stats):
+    return ({"w": w["w"] + step}, images + 1.0, opt_state,
+            jnp.full((1, 1), o + 1.0), stats.add(client.RealTarget(None, None, None, 1, 0, 0.0)))
+
+  return client.trajectory(iteration, (jax.random.PRNGKey(0), None), {"w": jnp.float32(0.0)},
+                           jnp.float32(0.0), (), client.AccessStats.zeros(), config=TOY,
+                           moves_model=moves_model, client_axis=client_axis)
+
+
+def test_one_trajectory_function_alone_and_side_by_side():
+  """Alone each client stops at its own iteration; side by side (shared counter, masks) every
+  client ends exactly where it ends alone."""
+  steps = jnp.array([0.3, 0.6, 0.1], jnp.float32)
+  alone = [_toy_trajectory(s, None) for s in steps]
+  images, _, stats, log = alone[0]
+  assert int(log.iterations) == 4 and int(stats.accesses) == 4 and float(images) == 4.0
+  np.testing.assert_allclose(float(log.distance), 1.2, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(log.matching_loss).ravel(), [1, 2, 3, 4, 0])
+  assert [int(a[3].iterations) for a in alone] == [4, 2, 5]
+  side = jax.vmap(lambda s: _toy_trajectory(s, "toy"), axis_name="toy")(steps)
+  for k in range(3):
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[k], side), alone[k])
+  # A model that never moves: the radius cannot stop the loop.
+  _, _, _, still = _toy_trajectory(0.3, None, moves_model=False)
+  assert int(still.iterations) == TOY.max_outer and float(still.distance) == 0.0
+
+
+def test_a_custom_image_optimizer_is_used(linear_apply_fn, linear_params, synthetic,
+                                         client_data):
+  run = jax.jit(local_approx, static_argnames=("apply_fn", "config", "image_optimizer"))
+  cfg = dataclasses.replace(NONDP_Q1, batch_loop=1, boost_loop=1, inner_loop=0)
+  args = (jax.random.PRNGKey(1), linear_apply_fn, linear_params, synthetic, client_data, cfg)
+  default = run(*args, learning_rate=LR)
+  explicit = run(*args, learning_rate=LR, image_optimizer=optax.sgd(0.5))
+  chex.assert_trees_all_equal(default, explicit)  # the default is tau's SGD (momentum 0 here)
+  frozen = run(*args, learning_rate=LR, image_optimizer=optax.scale(0.0))
+  chex.assert_trees_all_equal(frozen[0].x, synthetic.x)
+  adam = run(*args, learning_rate=LR, image_optimizer=optax.adam(0.01))
+  # Adam's first step: -0.01 g / (|g| + eps), g the image gradient against the full batch.
+  target = privacy.real_gradient(linear_apply_fn, linear_params, client_data.x, client_data.y,
+                                 ~client_data.mask)
+  _, g = matching.matching_step(linear_apply_fn, linear_params, synthetic, target,
+                                jax.random.PRNGKey(0), dsa_strategy="", mse_weight=0.1)
+  chex.assert_trees_all_close(adam[0].x, synthetic.x - 0.01 * g / (jnp.abs(g) + 1e-8),
+                              atol=1e-4)
+  assert not np.allclose(np.asarray(adam[0].x), np.asarray(default[0].x), atol=1e-3)

@@ -18,12 +18,11 @@ import pytest
 
 from fedlap_jax import condensation, feddm, privacy
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import class_batch, class_blocks
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import DPConfig, ServerConfig
-from fedlap_jax.federated import noise_images, synthetic_labels
 from fedlap_jax.models import init_fn
 from fedlap_jax.server import global_update
+from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
@@ -32,7 +31,7 @@ pytestmark = pytest.mark.xdist_group("condensation")
 IMAGE_SHAPE = (8, 8, 1)
 IPC = 2
 B = 16
-TINY = condensation.CondensationConfig(ipc=IPC, iterations=1, outer_loop=2, inner_loop=1,
+TINY = condensation.CondensationConfig(ipc=IPC, networks=1, outer_loop=2, inner_loop=1,
                                        batch_loop=2, classwise=False, batch_size=B)
 
 
@@ -76,7 +75,7 @@ DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5)
     (lambda: condensation.CondensationConfig(classwise=True, dp=DP), "classwise", True),
     (lambda: condensation.CondensationConfig(classwise=False, synthetic_init="real", dp=DP),
      "synthetic_init", "real"),
-    (lambda: condensation.CondensationConfig(iterations=0), "iterations", 0),
+    (lambda: condensation.CondensationConfig(networks=0), "networks", 0),
     (lambda: condensation.CondensationConfig(net_lr=-0.1), "net_lr", -0.1),
     (lambda: condensation.OneShotConfig(method="psg"), "dp", None),
     (lambda: condensation.OneShotConfig(method="dsc", condensation=TINY), "classwise", False),
@@ -243,7 +242,7 @@ def test_distribution_matching_lowers_its_loss(tiny_model, tiny_params, clients)
   from fedlap_jax.models import embed_fn
   client = _client(clients)
   syn = _synthetic(client, ipc=3)
-  config = feddm.FedDMConfig(ipc=3, iterations=30, rho=0.0, batch_size=B, image_lr=1.0,
+  config = feddm.FedDMConfig(ipc=3, image_updates=30, rho=0.0, batch_size=B, image_lr=1.0,
                              synthetic_init="noise")
   run = jax.jit(functools.partial(feddm.distribution_match, embed_fn=embed_fn(tiny_model),
                                   config=config))

@@ -147,11 +147,11 @@ def test_named_configs_validate_with_the_published_settings(name):
     # FedLAP's partition, ipc and rounds: equal upload (0.96x on CIFAR-10).
     assert (cfg.data.partition, cfg.client.ipc, cfg.rounds) == (
         fedlap.data.partition, fedlap.client.ipc, fedlap.rounds)
-    assert (core.iterations, core.rho, core.image_lr, core.batch_size) == (1000, 5.0, 1.0, 256)
+    assert (core.image_updates, core.rho, core.image_lr, core.batch_size) == (1000, 5.0, 1.0, 256)
     assert (core.server.max_epochs, core.server.momentum, core.learning_rate) == (500, 0.9, 0.01)
   else:
     core = library_configs.to_oneshot_config(cfg)
-    assert cfg.rounds == 1 and core.condensation.iterations == 1000
+    assert cfg.rounds == 1 and core.condensation.networks == 1000
     assert core.condensation.image_lr == 0.1 and core.condensation.net_lr == 0.01
   if name.endswith("dsc"):
     assert core.method == "dsc_centralized" and core.condensation.ipc == 50

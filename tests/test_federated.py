@@ -11,11 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedlap_jax import client as client_lib
 from fedlap_jax import dispatch, federated
 from fedlap_jax.client_data import ClientData, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state, make_round_fn, real_images, synthetic_labels
+from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import ConvNet
+from fedlap_jax.synthetic import real_images, synthetic_labels
 from fedlap_jax.training import evaluate
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
@@ -287,8 +289,14 @@ def test_fedlap_dp_learns(e2e_model, clients, digits):
 
 
 def test_client_weights(clients):
-  chex.assert_trees_all_equal(dispatch.client_weights(clients, "uniform"), jnp.ones(5))
-  sizes = dispatch.client_weights(clients, "size")
+  counts = dispatch.record_counts(clients)
+  chex.assert_trees_all_equal(dispatch.client_weights("uniform", counts), jnp.ones(5))
+  chex.assert_trees_all_equal(dispatch.client_weights("uniform", num_clients=5), jnp.ones(5))
+  with pytest.raises(ValueError, match="weighting='size' needs every client's record count"):
+    dispatch.client_weights("size", num_clients=5)
+  with pytest.raises(ValueError, match="weighting='n_k' is invalid"):
+    dispatch.client_weights("n_k", counts)
+  sizes = dispatch.client_weights("size", counts)
   chex.assert_type(sizes, jnp.float32)
   np.testing.assert_array_equal(np.asarray(sizes), np.asarray(clients.mask).sum(axis=1))
   assert len(set(np.asarray(sizes).tolist())) > 1  # the digits clients differ in size
@@ -345,7 +353,7 @@ def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(tiny_apply_fn
   deltas = []
   for k in range(5):
     pick = lambda t: jax.tree.map(lambda a: a[k], t)
-    _, _, m = jax.jit(federated.local_approx, static_argnames=("apply_fn", "config"))(
+    _, _, m = jax.jit(client_lib.local_approx, static_argnames=("apply_fn", "config"))(
         keys[k], tiny_apply_fn, tiny_params, pick(state.synthetic), pick(clients), client,
         learning_rate=0.5)
     deltas.append(m.model_delta)

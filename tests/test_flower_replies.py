@@ -215,7 +215,6 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(kind, genuin
                                                                     tmp_path, monkeypatch):
   """Whatever slips through (here: the update itself made NaN), the round keeps w_g."""
   from fedlap_flower import server_work
-  from flwr.serverapp.strategy import FedAvg
   if kind == "nondp":
     real = server_work.server_update
 
@@ -224,13 +223,11 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(kind, genuin
       return jax.tree.map(lambda p: p.at[(0,) * p.ndim].set(np.nan), params), metrics
     monkeypatch.setattr(server_work, "server_update", poisoned)
   else:
-    real = FedAvg.aggregate_train
+    real = server_work.fedavg_update
 
-    def poisoned(self, server_round, replies_in):
-      arrays, metrics = real(self, server_round, replies_in)
-      return ArrayRecord({k: Array(np.full_like(a.numpy(), np.nan)) for k, a in arrays.items()}
-                         ), metrics
-    monkeypatch.setattr(FedAvg, "aggregate_train", poisoned)
+    def poisoned(*args, **kwargs):
+      return jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), real(*args, **kwargs))
+    monkeypatch.setattr(server_work, "fedavg_update", poisoned)
   records, reports, final = replay(kind, genuine(kind))
   assert "NaN or Inf" in records[0]["update_refused"]
   assert "previous global model is kept" in records[0]["update_refused"]
@@ -249,7 +246,7 @@ def test_honest_model_deltas_stay_far_inside_the_bound(genuine):
   fc = library_configs.to_fedlap_config(run.cfg)
   for content in genuine("hybrid").values():
     leaves = {k: a.numpy() for k, a in content["delta"].items()}
-    bound = replies.max_delta_norm(fc.client, task.learning_rate(run.cfg, 1),
+    bound = replies.max_delta_norm(fc.client, task.round_learning_rates(fc, 1)[0],
                                    sum(v.size for v in leaves.values()))
     norm = replies.check_delta_norm(leaves, bound)
     assert 0 < norm < bound / 2, (norm, bound)

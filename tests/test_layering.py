@@ -106,11 +106,54 @@ def test_method_lists_and_labels_come_from_the_library():
       "FedDM", "DSC federated", "DSC centralized", "PSG"]
 
 
+# The methods: each builds its round from the shared floors below, none from another's.
+METHODS = ("federated", "client", "baselines", "feddm", "condensation")
+# FedLAP's own modules: its local approximation, its round, its radii.
+FEDLAP_ONLY = {"client", "federated", "radius"}
+# What the other synthetic-set methods may take from fedlap_jax.server: Algorithm 2's training
+# on the union of synthetic sets (FedDM's server, DSC's and PSG's training of a fresh model,
+# with r_g = inf). FedLAP's server step (radius, weights, FedAvg-delta start) is not shared.
+SHARED_SERVER_NAMES = {"global_update", "example_weights", "ServerMetrics"}
+
+
+def _names_imported_from(module: str, source: str) -> set[str]:
+  import ast
+  path = import_graph.modules()[module]
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == f"{import_graph.PACKAGE}.{source}":
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module == import_graph.PACKAGE:
+      # The whole module imported: every name of it is within reach.
+      names.update(f"{source}.*" for a in node.names if a.name == source)
+  return names
+
+
 def test_synthetic_systems_are_built_from_the_shared_primitives():
-  """FedDM, DSC and PSG reuse the server's training, the matching step, the privacy primitives
-  and the client dispatch; they sit beside the baselines, not below FedLAP's round."""
+  """FedDM, DSC and PSG reuse the synthetic-set construction, the matching step, the server's
+  training, the privacy primitives and the client dispatch; they stand beside FedLAP, not on it."""
   graph = import_graph.graph()
   for module in ("feddm", "condensation"):
-    assert {"server", "client", "dispatch", "algorithm", "matching" if module == "feddm"
-            else "privacy"} <= graph[module], (module, graph[module])
+    assert {"synthetic", "matching", "server", "dispatch", "algorithm", "privacy"} \
+        <= graph[module], (module, graph[module])
+    assert not FEDLAP_ONLY & graph[module], (module, graph[module])
+    assert _names_imported_from(module, "server") <= SHARED_SERVER_NAMES, module
   assert not {"feddm", "condensation"} & (graph["federated"] | graph["baselines"])
+
+
+def test_synthetic_sets_and_class_batches_live_below_every_method():
+  graph = import_graph.graph()
+  floors = import_graph.floors(graph)
+  for shared in ("synthetic", "matching"):
+    assert not set(METHODS) & graph[shared], (shared, graph[shared])
+    for method in ("client", "feddm", "condensation"):
+      assert floors[shared] < floors[method], (shared, method, floors)
+  for name in ("synthetic_labels", "initial_synthetic", "noise_images", "real_images",
+               "class_blocks", "class_batch"):
+    owners = [m for m, p in import_graph.modules().items()
+              if f"\ndef {name}(" in p.read_text()]
+    assert owners == ["synthetic"], (name, owners)
+  import fedlap_jax
+  from fedlap_jax import synthetic
+  assert fedlap_jax.synthetic_labels is synthetic.synthetic_labels
+  assert fedlap_jax.noise_images is synthetic.noise_images

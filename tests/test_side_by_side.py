@@ -24,8 +24,8 @@ from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import local_approx
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
-from fedlap_jax.federated import noise_images, synthetic_labels
 from fedlap_jax.models import ConvNet
+from fedlap_jax.synthetic import noise_images, synthetic_labels
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
 pytestmark = pytest.mark.xdist_group("side_by_side")

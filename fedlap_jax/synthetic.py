@@ -1,0 +1,161 @@
+"""Synthetic sets: their layout, their first images, and class-wise access to them.
+
+Every method that sends a synthetic set (FedLAP, FedDM, DSC, PSG) builds it
+here, below all of them:
+
+* :func:`synthetic_labels`: the balanced layout, ``ipc`` slots per class a
+  client owns, in blocks of ``ipc`` (padded and masked across clients);
+* :func:`initial_synthetic`: labels and ``N(0, 1)`` images before round 1;
+  :func:`noise_images` and :func:`real_images` draw images for a layout;
+* :func:`class_blocks` and :func:`class_batch`: the class-wise view of a set
+  and a Poisson batch of one class of real records (DSC's gradient matching,
+  FedDM's distribution matching).
+
+Labels are host-side NumPy (they are fixed for a run); images are drawn with
+explicit PRNG keys and are jit-compatible.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlap_jax import privacy
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.client_data import ClientData, SyntheticSet
+
+
+def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.ndarray, np.ndarray]:
+  """Balanced synthetic labels: ``ipc`` per class each client owns (host side).
+
+  Args:
+    client_labels: K label arrays (only the real records, no padding).
+    ipc: images per class.
+
+  Returns:
+    ``(labels, mask)`` of shape ``(K, S)`` with ``S = ipc * max_k classes_k``;
+    each row holds the client's classes in increasing order, ``ipc`` slots each,
+    then padding.
+  """
+  if ipc < 1:
+    raise ConfigError("ipc", ipc, "an integer >= 1")
+  classes = [np.unique(np.asarray(y)) for y in client_labels]
+  s = ipc * max(len(c) for c in classes)
+  labels = np.zeros((len(classes), s), np.int32)
+  mask = np.zeros((len(classes), s), bool)
+  for k, cls in enumerate(classes):
+    row = np.repeat(cls, ipc)
+    labels[k, :len(row)] = row
+    mask[k, :len(row)] = True
+  return labels, mask
+
+
+def initial_synthetic(key: jax.Array, clients: ClientData, ipc: int,
+                      synthetic_init: str) -> tuple[SyntheticSet, jax.Array]:
+  """Round-1 synthetic sets: balanced labels and ``N(0, 1)`` images (host side).
+
+  Labels are :func:`synthetic_labels` of each client's real records, images
+  :func:`noise_images` (under ``synthetic_init="real"`` the caller draws real
+  images later; this checks that it can).
+
+  Args:
+    key: PRNG key, split into the images' key and the one returned.
+    clients: :class:`ClientData` with ``(K, N, ...)`` leaves.
+    ipc: images per class.
+    synthetic_init: ``"noise"`` or ``"real"``.
+
+  Returns:
+    ``(synthetic, key)``: ``(K, S, ...)`` :class:`SyntheticSet` and the
+    remaining key for the state.
+
+  Raises:
+    ConfigError: under ``"real"``, a client has fewer than ``ipc`` records of
+      one of its classes; ``ipc < 1``.
+  """
+  ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
+  if synthetic_init == "real":
+    for k, y in enumerate(ys):
+      cls, counts = np.unique(y, return_counts=True)
+      if counts.min() < ipc:
+        raise ConfigError(
+            "ipc", ipc, "ipc <= the smallest class count of every client", message=
+            f"ipc={ipc} is invalid with synthetic_init='real': client {k} has only "
+            f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
+            "smallest class count of every client (or synthetic_init='noise')")
+  labels, mask = synthetic_labels(ys, ipc)
+  k_init, k_state = jax.random.split(key)
+  images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
+  return SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask)), k_state
+
+
+def noise_images(key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]) -> jax.Array:
+  """``N(0, 1)`` images for every valid slot, zeros for padding: ``(*mask.shape, *image_shape)``."""
+  x = jax.random.normal(key, (*mask.shape, *image_shape), jnp.float32)
+  return x * mask.reshape(*mask.shape, *([1] * len(image_shape)))
+
+
+def real_images(key: jax.Array, client: ClientData, labels: jax.Array, mask: jax.Array,
+                ipc: int) -> jax.Array:
+  """Draws ``ipc`` distinct real images per synthetic class of ONE client.
+
+  Slot ``s`` with label ``c`` gets the ``(s mod ipc)``-th record of class ``c``
+  in a random order. Non-private: the methods' configs refuse it under DP.
+  Every class of the client needs ``>= ipc`` records (:func:`initial_synthetic`
+  checks).
+
+  Args:
+    key: PRNG key; client: one client's :class:`ClientData` ``(N, ...)``.
+    labels, mask: ``(S,)`` synthetic labels and validity.
+    ipc: images per class.
+
+  Returns:
+    ``(S, H, W, C)`` float32 images (zeros in padding slots).
+  """
+  scores = jax.random.uniform(key, client.y.shape)
+
+  def pick(label, rank):
+    s = jnp.where(jnp.logical_and(client.y == label, client.mask), scores, -1.0)
+    _, idx = jax.lax.top_k(s, ipc)
+    return idx[rank]
+
+  ranks = jnp.arange(labels.shape[0]) % ipc
+  idx = jax.vmap(pick)(labels, ranks)
+  x = client.images(idx).astype(jnp.float32)
+  return x * mask.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def class_blocks(synthetic: SyntheticSet, ipc: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A synthetic set laid out by :func:`synthetic_labels`, per class.
+
+  Slots come in blocks of ``ipc`` with one label each (then padding blocks), so
+  ``S = C * ipc``. Returns ``(x, labels, valid)``: images ``(C, ipc, H, W, C_img)``,
+  each block's label ``(C,)`` and whether the block holds a class ``(C,)``.
+  The class-wise methods (DSC's gradient matching, FedDM's distribution
+  matching) match each block against real records of its class.
+  """
+  s = synthetic.x.shape[0]
+  if s % ipc:
+    raise ValueError(f"synthetic set of {s} slots is not in blocks of ipc={ipc}; allowed: "
+                     "the layout of fedlap_jax.synthetic.synthetic_labels")
+  blocks = s // ipc
+  return (synthetic.x.reshape(blocks, ipc, *synthetic.x.shape[1:]),
+          synthetic.y.reshape(blocks, ipc)[:, 0], synthetic.mask.reshape(blocks, ipc)[:, 0])
+
+
+def class_batch(key: jax.Array, client_data: ClientData, label: jax.Array, valid: jax.Array,
+                batch_size: int, capacity: int) -> privacy.PoissonBatch:
+  """A Poisson batch of the client's records of class ``label`` (non-private).
+
+  Each record of the class is drawn with probability ``min(1, B / N_c)`` (``N_c``
+  its records of the class): ``B`` expected, the whole class when it holds
+  fewer than ``B`` records (as the condensation code's ``get_images(c, B)``).
+  The rate depends on ``N_c``, so this sampling is for the non-DP class-wise
+  methods only. ``valid=False`` gives an empty batch.
+  """
+  members = jnp.logical_and(jnp.logical_and(client_data.mask, client_data.y == label), valid)
+  n_c = jnp.sum(members)
+  rate = jnp.minimum(1.0, batch_size / jnp.maximum(n_c, 1).astype(jnp.float32))
+  return privacy.poisson_sample(key, members, rate, capacity)
