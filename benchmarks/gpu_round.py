@@ -56,7 +56,6 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench  # noqa: E402
 from fedlap_jax import config as config_lib  # noqa: E402
-from fedlap_jax.config import ClientConfig, ServerConfig  # noqa: E402
 
 
 # Goals on one H100: seconds per round and compile seconds.

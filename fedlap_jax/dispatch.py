@@ -96,8 +96,14 @@ def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
   return one_by_one(args, *replicated)
 
 
-def client_weights(clients: ClientData, weighting: str) -> jax.Array:
-  """``(K,)`` server weights: ``N_k`` for ``size``, ones for ``uniform``."""
+def client_weights(clients: ClientData, weighting: str | None) -> jax.Array:
+  """``(K,)`` server weights: ``N_k`` for ``size``, ones for ``uniform``.
+
+  ``weighting`` is the resolved config value (the configs resolve their default
+  ``None``); anything else raises :class:`~fedlap_jax.checks.ConfigError`.
+  """
   if weighting == "uniform":
     return jnp.ones(clients.mask.shape[0], jnp.float32)
-  return jnp.sum(clients.mask, axis=1).astype(jnp.float32)
+  if weighting == "size":
+    return jnp.sum(clients.mask, axis=1).astype(jnp.float32)
+  raise ConfigError("weighting", weighting, "'size' or 'uniform' (resolved by the config)")

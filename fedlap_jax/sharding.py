@@ -79,7 +79,7 @@ def _cpu_only() -> bool:
   accelerator plugin is installed (GPU plugins live in the ``jax_plugins``
   namespace or its entry points, TPUs need ``libtpu``).
   """
-  platforms = (jax.config.jax_platforms or "").strip().lower()
+  platforms = (jax.config.jax_platforms or "").strip().lower()  # type: ignore[attr-defined]
   if platforms:
     return platforms == "cpu"
   import importlib.metadata  # pylint: disable=g-import-not-at-top
