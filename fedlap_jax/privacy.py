@@ -49,8 +49,9 @@ from fedlap_jax import per_example as _per_example
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import PER_EXAMPLE_METHODS
 # The buffer of poisson_sample, and the smallest one a config may ask for.
-from fedlap_jax.config import (check_poisson_capacity, min_poisson_capacity,  # noqa: F401
-                               poisson_capacity)
+from fedlap_jax.config import check_poisson_capacity  # noqa: F401
+from fedlap_jax.config import min_poisson_capacity  # noqa: F401
+from fedlap_jax.config import poisson_capacity  # noqa: F401
 from fedlap_jax.losses import cross_entropy, masked_mean_loss  # noqa: F401
 from fedlap_jax.types import ApplyFn, PyTree
 
