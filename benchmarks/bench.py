@@ -41,7 +41,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import flax.linen as nn
 import jax

@@ -36,6 +36,7 @@ repository root::
 
   PYTHONPATH=. python benchmarks/gpu_round.py            # on the GPU machine
   PYTHONPATH=. python benchmarks/gpu_round.py --small    # smoke test on a CPU (< 2 min)
+  PYTHONPATH=. python benchmarks/gpu_round.py --from-json gpu_round.json   # its goal lines
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench  # noqa: E402
 from fedlap_jax import config as config_lib  # noqa: E402
-from fedlap_jax.config import ClientConfig, ServerConfig  # noqa: E402
 
 
 # Goals on one H100: seconds per round and compile seconds.
@@ -201,7 +201,14 @@ def main(argv=None) -> int:
                       help="earlier spelling: backends only (each with the config's draw); "
                            "overrides --variants")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--from-json", default=None, metavar="PATH",
+                      help="measure nothing: print the goal lines of an earlier run's JSON")
   args = parser.parse_args(argv)
+  if args.from_json:
+    with open(args.from_json) as f:
+      for line in goal_lines(json.load(f)["rows"]):
+        print(line)
+    return 0
   if args.repeats is None:
     args.repeats = 1 if args.small else 2
   start = time.monotonic()

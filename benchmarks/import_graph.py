@@ -12,12 +12,17 @@ i.e. the number of modules on its longest import chain. A cycle has no floors
 (reported as such).
 
 Usage: ``python -m benchmarks.import_graph`` prints the module list with line
-counts, each module's floor and imports, the longest chain and any cycle.
+counts, each module's floor and imports, the longest chain and any cycle;
+``--json`` prints the graph, floors, longest chain and cycle as one JSON object;
+``python -m benchmarks.import_graph DIR`` reads another package directory. The
+exit status is 1 when there is a cycle.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import json
 import pathlib
 import sys
 
@@ -109,14 +114,26 @@ def longest_chain(g: dict[str, set[str]]) -> list[str]:
   return chain
 
 
-def main() -> int:
-  mods = modules()
-  g = graph()
-  lines = {m: len(p.read_text().splitlines()) for m, p in mods.items()}
-  init = ROOT / "__init__.py"
-  print(f"{len(mods)} modules (+ __init__.py, {len(init.read_text().splitlines())} lines), "
-        f"{sum(lines.values())} lines")
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("root", nargs="?", default=str(ROOT),
+                      help=f"the package directory (default: {PACKAGE}/ of this repository)")
+  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  args = parser.parse_args(argv)
+  root = pathlib.Path(args.root)
+  mods = modules(root)
+  g = graph(root)
   cycle = find_cycle(g)
+  if args.json:
+    print(json.dumps({"graph": {m: sorted(d) for m, d in g.items()}, "cycle": cycle,
+                      "floors": None if cycle else floors(g),
+                      "longest_chain": None if cycle else longest_chain(g)}))
+    return 1 if cycle else 0
+  lines = {m: len(p.read_text().splitlines()) for m, p in mods.items()}
+  init = root / "__init__.py"
+  init_lines = len(init.read_text().splitlines()) if init.is_file() else 0
+  print(f"{len(mods)} modules (+ __init__.py, {init_lines} lines), "
+        f"{sum(lines.values())} lines")
   if cycle:
     # Floors over the graph without deferred imports would hide it; report it plainly.
     print("import cycle:", " -> ".join(cycle))
@@ -128,7 +145,6 @@ def main() -> int:
     print(f"  floor {f[m]}  {m:<14} {lines[m]:>5}  imports {', '.join(sorted(g[m])) or '-'}")
   print(f"{max(f.values())} floors; longest chain: {' -> '.join(longest_chain(g))}")
   return 0
-
 
 if __name__ == "__main__":
   sys.exit(main())

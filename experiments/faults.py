@@ -3,7 +3,7 @@
 ``FEDLAP_JAX_FAULT=POINT:ROUND[:SIGNAL]`` makes an ``experiments.run`` process
 send itself ``SIGNAL`` (``KILL``, the default, or ``TERM``) when it reaches
 ``POINT`` of round ``ROUND``, so a test can interrupt a real run at a chosen
-place instead of racing a timer (``tests/test_kill_resume.py``). Points:
+place instead of racing a timer (``tests/integration/test_kill_resume.py``). Points:
 
 * ``slow``: the round has been computed (in its worker thread) and is made to
   last :data:`SLOW_SECONDS` longer, as a round longer than the SIGTERM grace

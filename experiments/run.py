@@ -30,7 +30,10 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+if TYPE_CHECKING:  # the annotation only; the module imports JAX lazily
+  from fedlap_jax import accounting
 
 from experiments import configs
 

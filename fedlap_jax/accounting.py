@@ -299,7 +299,7 @@ def _new_accountant(orders: Sequence[float] | None = None):
   if orders is None:
     return rdp.RdpAccountant()
   orders = [float(o) for o in orders]
-  checks.require(orders and all(math.isfinite(o) and o > 1.0 for o in orders), "orders",
+  checks.require(bool(orders) and all(math.isfinite(o) and o > 1.0 for o in orders), "orders",
                  orders, "a non-empty sequence of finite Renyi orders > 1")
   return rdp.RdpAccountant(orders)
 
@@ -717,8 +717,9 @@ class PrivacyLedger:
     checks.require(len(d["epsilons"]) == len(d["steps"]) == d["rounds"], "rounds",
                    d["rounds"], f"len(steps)={len(d['steps'])} and len(epsilons)="
                    f"{len(d['epsilons'])}, equal")
-    return cls(**{k: (list(d[k]) if k in ("steps", "epsilons", "epsilons_add_remove")
-                      else d[k]) for k in allowed})
+    kwargs: dict[str, Any] = {k: (list(d[k]) if k in ("steps", "epsilons", "epsilons_add_remove")
+                                  else d[k]) for k in allowed}
+    return cls(**kwargs)
 
 
 # --------------------------------------------------------------------------
@@ -826,7 +827,7 @@ class ClientLedgers:
     """
     ids = sorted(int(i) for i in participants)
     k = len(self.ledgers)
-    checks.require(ids and len(set(ids)) == len(ids) and 0 <= ids[0] <= ids[-1] < k,
+    checks.require(bool(ids) and len(set(ids)) == len(ids) and 0 <= ids[0] <= ids[-1] < k,
                    "participants", ids, f"distinct client indices in 0..{k - 1}, at least one")
     done: dict[tuple, PrivacyLedger] = {}
     new = list(self.ledgers)

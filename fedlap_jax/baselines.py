@@ -361,7 +361,7 @@ class ClientMetrics(NamedTuple):
   outside the DP mechanism: diagnostics, not to be released.
   """
 
-  NONPRIVATE = ("loss", "poisson_extra_chunks", "mean_batch_size", "clip_fraction")
+  NONPRIVATE = ("loss", "poisson_extra_chunks", "mean_batch_size", "clip_fraction")  # type: ignore[misc]  # a class constant, not a field
 
   loss: jax.Array
   steps: jax.Array
@@ -517,7 +517,7 @@ def client_update(
   init = (global_params, f32(0.0), jnp.int32(0), jnp.int32(0), f32(0.0))
   w, loss_sum, extra, sampled, clipped = jax.lax.fori_loop(0, num_steps, body, init)
   taken = jnp.minimum(active_steps, num_steps).astype(jnp.int32)
-  metrics = ClientMetrics(
+  metrics = ClientMetrics(  # type: ignore[call-arg]  # (NONPRIVATE is no field)
       loss=loss_sum / jnp.maximum(taken, 1),
       steps=taken,
       update_norm=tree_distance(w, global_params),
@@ -758,9 +758,9 @@ def baseline_config(
       max_client_size=max_client_size,
       poisson_capacity=poisson_capacity,
       prox_mu=prox_mu if method in PROX_METHODS else 0.0,
-      l2_clip_norm=dp.l2_clip_norm if private else None,
-      noise_multiplier=dp.noise_multiplier if private else 0.0,
-      microbatch_size=dp.microbatch_size if private else None,
+      l2_clip_norm=dp.l2_clip_norm if dp is not None else None,
+      noise_multiplier=dp.noise_multiplier if dp is not None else 0.0,
+      microbatch_size=dp.microbatch_size if dp is not None else None,
       gradient_mean=gradient_mean,
       control_variates=method == "scaffold",
       dsa_strategy=dsa_strategy,

@@ -13,7 +13,7 @@ The data types every federated algorithm shares, below all of them:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -167,5 +167,5 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
   x = np.stack([pad(x) for x in xs])
   y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
   mask = np.stack([np.arange(n_max) < len(x) for x in xs])
-  put = np.ascontiguousarray if on_host else jnp.asarray
+  put: Callable[[np.ndarray], Any] = np.ascontiguousarray if on_host else jnp.asarray
   return ClientData(put(x), put(y), put(mask), **{k: put(v) for k, v in norm.items()})

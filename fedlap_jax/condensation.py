@@ -282,7 +282,7 @@ class CondensationMetrics(NamedTuple):
   (the experiment driver writes them only with ``debug_nonprivate_stats``).
   """
 
-  NONPRIVATE = ("poisson_extra_chunks", "mean_batch_size", "clip_fraction")
+  NONPRIVATE = ("poisson_extra_chunks", "mean_batch_size", "clip_fraction")  # type: ignore[misc]  # a class constant, not a field
 
   matching_loss: jax.Array
   real_accesses: jax.Array
@@ -422,7 +422,7 @@ def condense(
       iteration, (synthetic.x, opt.init(synthetic.x), stats0),
       jax.random.split(key, c.networks))
   accesses, extra_chunks, sampled, n_clipped = stats
-  metrics = CondensationMetrics(
+  metrics = CondensationMetrics(  # type: ignore[call-arg]  # (NONPRIVATE is no field)
       matching_loss=losses,
       real_accesses=accesses,
       poisson_extra_chunks=extra_chunks,
@@ -474,7 +474,7 @@ def pool_clients(clients: ClientData) -> ClientData:
   def flat(a):
     return a.reshape(1, a.shape[0] * a.shape[1], *a.shape[2:])
   pooled = ClientData(flat(clients.x), flat(clients.y), flat(clients.mask))
-  if clients.pixel_scale is not None:
+  if clients.pixel_scale is not None and clients.pixel_offset is not None:  # both or neither
     pooled = pooled._replace(pixel_scale=clients.pixel_scale[:1],
                              pixel_offset=clients.pixel_offset[:1])
   return pooled

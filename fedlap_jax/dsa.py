@@ -440,5 +440,8 @@ def make_augment_fn(strategy: str = DEFAULT_STRATEGY) -> AugmentFn:
       ``(N, H, W, C)`` images of the same dtype.
     """
     if not parse_strategy(strategy):
-        return lambda key, x, family_key=None: x
+        def identity(key, x, family_key=None):
+            del key, family_key
+            return x
+        return identity
     return functools.partial(augment, strategy=strategy)

@@ -35,7 +35,7 @@ as matrix products, while XLA's forward convolution is the fastest forward
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -115,9 +115,9 @@ def _col2im(dpatches: jax.Array, x_shape, kernel_hw, padding) -> jax.Array:
   ho, wo = dpatches.shape[1:3]
   hp, wp = h + pt + pb, w + pl + pr
   d = dpatches.reshape(n, ho, wo, kh * kw, c)
-  out = sum(jnp.pad(d[:, :, :, u * kw + v, :],
-                    ((0, 0), (u, hp - ho - u), (v, wp - wo - v), (0, 0)))
-            for u in range(kh) for v in range(kw))
+  out = cast(jax.Array, sum(jnp.pad(d[:, :, :, u * kw + v, :],
+                                    ((0, 0), (u, hp - ho - u), (v, wp - wo - v), (0, 0)))
+                            for u in range(kh) for v in range(kw)))
   return out[:, pt:pt + h, pl:pl + w, :]
 
 

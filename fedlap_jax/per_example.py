@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import flax.linen as nn
 import jax
@@ -112,7 +112,8 @@ class LayerCall:
   patches: bool = False
 
   def apply(self, params: PyTree, x: jax.Array) -> jax.Array:
-    return self.module.apply({"params": params}, x, method=self.method, **dict(self.kwargs))
+    return cast(jax.Array, self.module.apply({"params": params}, x, method=self.method,
+                                             **dict(self.kwargs)))
 
 
 def _is_array(v) -> bool:
@@ -326,8 +327,8 @@ def _conv_pads(module: nn.Conv, x: jax.Array, kernel: jax.Array):
 def _patches(module: nn.Conv, x: jax.Array, kernel: jax.Array) -> jax.Array:
   """im2col patches ``(N, H_out, W_out, kh kw C)`` of a conv layer's input."""
   strides, dil, pads = _conv_pads(module, x, kernel)
-  return models.im2col_patches(x, kernel.shape[:2], strides=strides, dilation=dil,
-                               padding=pads)
+  return models.im2col_patches(x, (kernel.shape[0], kernel.shape[1]), strides=strides,
+                               dilation=dil, padding=pads)
 
 
 def _conv_from_patches(patches: jax.Array, params: dict) -> jax.Array:
@@ -362,7 +363,7 @@ class _Layer:
       self._kind = "dense"
     elif call.rule == "conv":
       kernel = params["kernel"]
-      patches = a if call.patches else _patches(call.module, a, kernel)
+      patches = a if call.patches else _patches(cast(nn.Conv, call.module), a, kernel)
       p = patches.shape[1] * patches.shape[2]
       k, o = patches.shape[-1], kernel.shape[-1]
       self.a = patches.reshape(n, p, k)

@@ -40,7 +40,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +49,9 @@ from fedlap_jax import per_example as _per_example
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import PER_EXAMPLE_METHODS
 # The buffer of poisson_sample, and the smallest one a config may ask for.
-from fedlap_jax.config import (check_poisson_capacity, min_poisson_capacity,  # noqa: F401
-                               poisson_capacity)
+from fedlap_jax.config import check_poisson_capacity  # noqa: F401
+from fedlap_jax.config import min_poisson_capacity  # noqa: F401
+from fedlap_jax.config import poisson_capacity  # noqa: F401
 from fedlap_jax.losses import cross_entropy, masked_mean_loss  # noqa: F401
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -156,7 +157,7 @@ def real_gradient(
     y: jax.Array,
     is_padding: jax.Array,
     *,
-    microbatch_size: int | str | None = None,
+    microbatch_size: int | Literal["auto"] | None = None,
 ) -> PyTree:
   """Non-private gradient of the mean loss over the non-padding examples.
 
@@ -189,7 +190,7 @@ def real_gradient_and_loss(
     y: jax.Array,
     is_padding: jax.Array,
     *,
-    microbatch_size: int | str | None = None,
+    microbatch_size: int | Literal["auto"] | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """:func:`real_gradient` and the mean loss (nats) over the non-padding examples."""
   total, loss_sum = real_gradient_sum(apply_fn, params, x, y, is_padding,
@@ -205,7 +206,7 @@ def real_gradient_sum(
     y: jax.Array,
     is_padding: jax.Array,
     *,
-    microbatch_size: int | str | None = None,
+    microbatch_size: int | Literal["auto"] | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """Gradient of the *summed* loss over the non-padding examples, and that sum (nats).
 
@@ -266,7 +267,7 @@ def clipped_gradient_sum(
     method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:
       microbatch_size = auto_microbatch
-  kwargs = dict(l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size)
+  kwargs: dict[str, Any] = dict(l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size)
   if method == "layerwise":
     return _per_example.clipped_gradient_sum(apply_fn, params, x, y, is_padding, **kwargs)
   if method == "vmap":

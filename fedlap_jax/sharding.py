@@ -6,7 +6,7 @@ block of clients, one after another (``jax.shard_map`` around ``lax.map``;
 ``client_backend="auto"`` does this whenever JAX sees several devices), the synthetic sets
 and radii come back as arrays sharded over the same axis, and the server
 update runs on the gathered union as before. Results equal the single-device
-round up to float reduction order (``tests/test_sharding.py`` checks 1 vs 4
+round up to float reduction order (``tests/integration/test_sharding.py`` checks 1 vs 4
 CPU devices).
 
 If the number of clients ``K`` is not a multiple of the number of devices
@@ -40,7 +40,7 @@ client data on every host and place it with :func:`put_clients` (which uses
 of its own devices); the state returned by ``init_state`` can be placed with
 :func:`replicate`. Read outputs sharded over hosts with
 ``jax.experimental.multihost_utils.process_allgather``.
-``tests/test_sharding.py`` runs this as two processes, on one host and on two
+``tests/integration/test_sharding.py`` runs this as two processes, on one host and on two
 network hosts (namespaces joined by a virtual Ethernet link), and gets the
 single-device round. On CPU,
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before JAX starts)
@@ -79,7 +79,7 @@ def _cpu_only() -> bool:
   accelerator plugin is installed (GPU plugins live in the ``jax_plugins``
   namespace or its entry points, TPUs need ``libtpu``).
   """
-  platforms = (jax.config.jax_platforms or "").strip().lower()
+  platforms = (jax.config.jax_platforms or "").strip().lower()  # type: ignore[attr-defined]
   if platforms:
     return platforms == "cpu"
   import importlib.metadata  # pylint: disable=g-import-not-at-top
@@ -115,7 +115,7 @@ def initialize_hosts(coordinator_address: str | None = None, num_processes: int 
   and the first sharded round fails only after gloo's timeout. So on CPU, with
   a coordinator on another address, a loopback host name is refused here with
   the fix in the message. Hosts joined over a network are checked this way in
-  ``tests/test_sharding.py`` (two network namespaces linked by a virtual
+  ``tests/integration/test_sharding.py`` (two network namespaces linked by a virtual
   Ethernet pair).
 
   Args:

@@ -15,12 +15,14 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
 pytestmark = pytest.mark.xdist_group("sharding")
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 NUM_CLIENTS = 5
 
@@ -364,7 +366,7 @@ def test_experiments_run_on_four_devices_compiles_once(tmp_path):
   """The experiment driver shards by itself: client data placed once, one program per run."""
   proc = subprocess.run([sys.executable, __file__, "experiments", str(tmp_path)], env=_env(4),
                         capture_output=True, text=True, timeout=600,
-                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                        cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   assert out["devices"] == 4 and out["backend"] == "shard"

@@ -43,7 +43,7 @@ CONFIG = ClientConfig(ipc=2, iterations=2, max_outer=3, batch_loop=2, boost_loop
 def model_fns():
   """``(apply_fn, params)`` of a ConvNet without instance norm.
 
-  FedLAP-DP amplifies float rounding (tests/test_sharding.py); without instance
+  FedLAP-DP amplifies float rounding (tests/integration/test_sharding.py); without instance
   norm the side-by-side and one-by-one programs agree to 1e-5.
   """
   model = ConvNet(num_classes=10, width=8, depth=1, norm="none")
@@ -197,19 +197,3 @@ def test_auto_backend_runs_fedlap_side_by_side_on_an_accelerator(monkeypatch):
   assert dispatch.resolve_client_backend("map", side_by_side=True) == "map"
   monkeypatch.setattr(jax, "device_count", lambda: 4)
   assert dispatch.resolve_client_backend("auto", side_by_side=True) == "shard"
-
-
-def test_gpu_script_variants_and_goals():
-  from benchmarks import gpu_round
-
-  assert gpu_round.parse_variant("new") == ("vmap", "shared")
-  assert gpu_round.parse_variant("old") == ("map", "per_client")
-  assert gpu_round.parse_variant("map:shared") == ("map", "shared")
-  with pytest.raises(SystemExit, match="'pmap'"):
-    gpu_round.parse_variant("pmap")
-  rows = [{"config": "cifar_dp", "variant": "new", "median_s": 2.5, "compile_s": 40.0},
-          {"config": "cifar_dp", "variant": "old", "median_s": 7.5, "compile_s": 44.0}]
-  lines = gpu_round.goal_lines(rows)
-  assert lines[0] == ("cifar_dp [new]: 2.50 s/round (goal <= 3 s: met), compile 40.0 s "
-                      "(goal <= 30 s: NOT met)")
-  assert lines[-1].startswith("cifar_dp: new / old = 2.50 / 7.50 s = 0.33")

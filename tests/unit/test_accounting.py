@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import math
 
 import pytest
 
@@ -297,8 +296,8 @@ def test_package_imports_without_dp_accounting():
       "import fedlap_jax.accounting as a\n"
       "assert sys.modules['dp_accounting'] is None\n"
       "print(a.sampling_rates(batch_size=2, min_client_size=4))\n")
-  import os
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  import pathlib
+  root = pathlib.Path(__file__).resolve().parents[2]  # the repository
   out = subprocess.run([sys.executable, "-c", code], cwd=root,
                        capture_output=True, text=True, check=True)
   assert "(0.5, 0.5)" in out.stdout

@@ -1,4 +1,5 @@
-"""Tests for fedlap_jax.auditing and experiments.audit (membership inference).
+"""Tests for fedlap_jax.auditing (membership inference); its CLI on a run dir:
+``tests/integration/test_audit_cli.py``.
 
 Three ConvNets (width 32, depth 2) on digits, members = 64 training records:
 untrained; overfit (100 full-batch SGD steps); and the same 100 steps with
@@ -278,46 +279,3 @@ def test_audit_model_writes_roc_and_json(apply_fn, models, members, nonmembers, 
     assert set(a["tpr_at_fpr"]) == {"0.001", "0.01"}
     assert 0.0 <= a["epsilon_lower_bound"] <= a["epsilon_lower_bound_max"] < math.inf
     assert a["confidence"] == 0.95 and a["delta"] == DELTA
-
-
-def test_cli_audits_a_run_dir(tmp_path, capsys):
-  """A run dir (config.json + checkpoint + ledger) -> audit/ files; the checkpointed model is audited."""
-  audit = pytest.importorskip("experiments.audit")
-  from experiments import checkpointing
-  from experiments.configs import quickstart
-  from fedlap_jax.accounting import PrivacyLedger
-
-  cfg = quickstart.dp_config()
-  cfg.model.width, cfg.model.depth, cfg.client.ipc, cfg.rounds = 8, 1, 2, 3
-  checkpointing.write_json_atomic(tmp_path / "config.json", cfg.to_dict())
-  built = audit.rebuild_run(cfg)
-  alg = built.algorithm
-  state = built.template._replace(
-      params=jax.tree.map(lambda p: p + 0.01, alg.params_of(built.template)))
-  ledger = PrivacyLedger(noise_multiplier=1.0, batch_size=64, min_client_size=260,
-                         steps_per_round=alg.dp_steps_per_round, delta=DELTA)
-  ledger.record_round()
-  ledger.record_round()
-  ckpt = checkpointing.Checkpointer(tmp_path / "checkpoints")
-  ckpt.save(2, state, {"round": 2, "ledger": ledger.to_dict()})
-  ckpt.close()
-
-  run = audit.load_run(tmp_path)
-  chex.assert_trees_all_close(run.params, alg.params_of(state))
-  assert (run.round_index, run.rounds, run.label) == (2, 3, "FedLAP-DP")
-  assert run.accountant_epsilon == pytest.approx(ledger.epsilon) and run.delta == DELTA
-  sizes = [len(i) for i in built.client_indices]
-  assert len(run.members[1]) == sum(sizes) and len(run.nonmembers[1]) == 397
-
-  assert audit.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
-  printed = capsys.readouterr()
-  assert "blackbox_loss: AUC=" in printed.out and "auditing round 2" in printed.err
-  with open(tmp_path / "out" / "audit.json") as f:
-    result = json.load(f)
-  assert result["accountant"] == {"dp": True, "epsilon": pytest.approx(ledger.epsilon),
-                                  "delta": DELTA}
-  assert result["run"]["round"] == 2 and result["run"]["label"] == "FedLAP-DP"
-  assert result["counts"]["audit_members"] == result["counts"]["audit_nonmembers"] == 198
-  assert (tmp_path / "out" / "roc_whitebox.png").exists()
-  assert audit.main([str(tmp_path / "missing")]) == 2
-  assert "config.json does not exist" in capsys.readouterr().err

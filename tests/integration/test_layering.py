@@ -1,33 +1,55 @@
 """The library's floor plan and its one validation vocabulary.
 
-The import graph is read from the source with ``ast`` (benchmarks/import_graph.py),
-so these tests import no JAX and take milliseconds.
+The import graph is read from the source with ``ast`` by
+``python -m benchmarks.import_graph --json`` (run as a script: the tests import
+nothing from ``benchmarks``); it imports no JAX and takes a fraction of a second.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import pathlib
 import pickle
+import subprocess
+import sys
 
 import pytest
 
-from benchmarks import import_graph
 from experiments import library_configs
 from experiments.configs import quickstart
 from fedlap_jax import baselines, checks
 from fedlap_jax import config as core
 
 MAX_FLOORS = 7
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
+
+
+def read_graph(*args: str) -> tuple[int, dict]:
+  """Exit status and JSON of ``python -m benchmarks.import_graph --json [DIR]``."""
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.import_graph", "--json", *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.stdout, proc.stderr[-3000:]
+  return proc.returncode, json.loads(proc.stdout)
+
+
+@functools.lru_cache(maxsize=None)
+def library_graph() -> dict:
+  """``{module: set of library modules it imports}`` of ``fedlap_jax``."""
+  status, out = read_graph()
+  assert status == 0 and out["cycle"] is None, out["cycle"]
+  return {m: set(d) for m, d in out["graph"].items()}
 
 
 def test_the_import_graph_has_no_cycle_and_at_most_seven_floors():
-  graph = import_graph.graph()
-  assert import_graph.find_cycle(graph) is None, import_graph.find_cycle(graph)
-  floors = import_graph.floors(graph)
-  assert max(floors.values()) <= MAX_FLOORS, import_graph.longest_chain(graph)
+  status, out = read_graph()
+  assert status == 0 and out["cycle"] is None, out["cycle"]
+  assert max(out["floors"].values()) <= MAX_FLOORS, out["longest_chain"]
+  assert len(out["longest_chain"]) == max(out["floors"].values())
 
 
 def test_baselines_sit_beside_fedlap_not_on_top_of_it():
-  graph = import_graph.graph()
+  graph = library_graph()
   assert not {"client", "federated", "server", "radius"} & graph["baselines"]
   # What both use lives below both: client data types, client dispatch, the interface.
   shared = {"client_data", "dispatch", "algorithm"}
@@ -35,16 +57,13 @@ def test_baselines_sit_beside_fedlap_not_on_top_of_it():
 
 
 def test_the_graph_reader_sees_deferred_imports_and_cycles(tmp_path):
-  (tmp_path / "a.py").write_text("from pkgname import b\n")
-  (tmp_path / "b.py").write_text("def f():\n  from pkgname.a import x\n")
-  package = import_graph.PACKAGE
-  for p in tmp_path.glob("*.py"):
-    p.write_text(p.read_text().replace("pkgname", package))
-  graph = import_graph.graph(tmp_path)
-  assert graph == {"a": {"b"}, "b": {"a"}}
-  assert import_graph.find_cycle(graph) in (["a", "b", "a"], ["b", "a", "b"])
-  with pytest.raises(ValueError, match="import cycle"):
-    import_graph.floors(graph)
+  (tmp_path / "a.py").write_text("from fedlap_jax import b\n")
+  (tmp_path / "b.py").write_text("def f():\n  from fedlap_jax.a import x\n")
+  status, out = read_graph(str(tmp_path))
+  assert status == 1
+  assert out["graph"] == {"a": ["b"], "b": ["a"]}
+  assert out["cycle"] in (["a", "b", "a"], ["b", "a", "b"])
+  assert out["floors"] is None and out["longest_chain"] is None
 
 
 @pytest.mark.parametrize("build, field, value", [
@@ -116,14 +135,19 @@ FEDLAP_ONLY = {"client", "federated", "radius"}
 SHARED_SERVER_NAMES = {"global_update", "example_weights", "ServerMetrics"}
 
 
+def library_modules() -> dict[str, pathlib.Path]:
+  """``{module: path}`` of ``fedlap_jax``'s modules."""
+  return {p.stem: p for p in sorted((ROOT / "fedlap_jax").glob("*.py")) if p.stem != "__init__"}
+
+
 def _names_imported_from(module: str, source: str) -> set[str]:
   import ast
-  path = import_graph.modules()[module]
+  path = library_modules()[module]
   names = set()
   for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module == f"{import_graph.PACKAGE}.{source}":
+    if isinstance(node, ast.ImportFrom) and node.module == f"fedlap_jax.{source}":
       names.update(a.name for a in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module == import_graph.PACKAGE:
+    elif isinstance(node, ast.ImportFrom) and node.module == "fedlap_jax":
       # The whole module imported: every name of it is within reach.
       names.update(f"{source}.*" for a in node.names if a.name == source)
   return names
@@ -132,7 +156,7 @@ def _names_imported_from(module: str, source: str) -> set[str]:
 def test_synthetic_systems_are_built_from_the_shared_primitives():
   """FedDM, DSC and PSG reuse the synthetic-set construction, the matching step, the server's
   training, the privacy primitives and the client dispatch; they stand beside FedLAP, not on it."""
-  graph = import_graph.graph()
+  graph = library_graph()
   for module in ("feddm", "condensation"):
     assert {"synthetic", "matching", "server", "dispatch", "algorithm", "privacy"} \
         <= graph[module], (module, graph[module])
@@ -142,18 +166,42 @@ def test_synthetic_systems_are_built_from_the_shared_primitives():
 
 
 def test_synthetic_sets_and_class_batches_live_below_every_method():
-  graph = import_graph.graph()
-  floors = import_graph.floors(graph)
+  graph = library_graph()
+  floors = read_graph()[1]["floors"]
   for shared in ("synthetic", "matching"):
     assert not set(METHODS) & graph[shared], (shared, graph[shared])
     for method in ("client", "feddm", "condensation"):
       assert floors[shared] < floors[method], (shared, method, floors)
   for name in ("synthetic_labels", "initial_synthetic", "noise_images", "real_images",
                "class_blocks", "class_batch"):
-    owners = [m for m, p in import_graph.modules().items()
+    owners = [m for m, p in library_modules().items()
               if f"\ndef {name}(" in p.read_text()]
     assert owners == ["synthetic"], (name, owners)
   import fedlap_jax
   from fedlap_jax import synthetic
   assert fedlap_jax.synthetic_labels is synthetic.synthetic_labels
   assert fedlap_jax.noise_images is synthetic.noise_images
+
+
+def _imported_packages(path: pathlib.Path) -> set[str]:
+  """Top-level packages a file imports anywhere (also inside functions)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      found.add(node.module.split(".")[0])
+  return found
+
+
+def test_the_test_layers_import_only_what_they_test():
+  """No test imports ``benchmarks`` (its scripts run as processes); ``tests/unit`` imports the
+  library only, none of ``experiments``, ``fedlap_flower``."""
+  tests = ROOT / "tests"
+  files = sorted(tests.rglob("*.py"))
+  assert len(files) > 20 and list((tests / "unit").glob("test_*.py"))
+  wrong = [f"{p.relative_to(ROOT)}: {pkg}" for p in files for pkg in _imported_packages(p)
+           if pkg == "benchmarks"
+           or (pkg in ("experiments", "fedlap_flower") and p.parent == tests / "unit")]
+  assert wrong == []

@@ -41,7 +41,7 @@ import pytest
 
 from experiments import checkpointing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {
     "model.width": 8, "model.depth": 1, "client.ipc": 2, "client.iterations": 1,
     "client.max_outer": 1, "client.batch_loop": 2, "client.boost_loop": 1,

@@ -3,7 +3,7 @@
 :mod:`fedlap_flower.run_signature` (what a client accepts), the node worker's
 task check (:func:`fedlap_flower.warm_clientapp.check_task`) and
 :class:`fedlap_flower.prompt_grid.PromptGrid`. The same paths with real
-processes: ``tests/test_flower_deployment.py`` (``-m flower``).
+processes: ``tests/integration/test_flower_deployment.py`` (``-m flower``).
 """
 
 from __future__ import annotations

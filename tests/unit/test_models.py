@@ -145,9 +145,23 @@ def test_conv_bias_before_instance_norm_does_nothing(impl):
                                grouped.apply({"params": moved}, x), atol=1e-3))
 
 
+def image_gradient(apply_fn, params, g_real, x_syn, y_syn, dtype):
+  """``d L_dis / d x_syn`` with every input cast to ``dtype``, as float64 numpy.
+
+  For ``jnp.float64`` call it inside ``with jax.enable_x64(True):``.
+  """
+  from fedlap_jax import matching, privacy
+  cast = lambda t: jax.tree.map(lambda a: a.astype(dtype), t)  # noqa: E731
+  params, g_real, x_syn = cast(params), cast(g_real), x_syn.astype(dtype)
+
+  def loss(x):
+    g_syn = privacy.real_gradient(apply_fn, params, x, y_syn, jnp.zeros(len(y_syn), bool))
+    return matching.matching_distance(g_real, g_syn)
+  return np.asarray(jax.jit(jax.grad(loss))(x_syn), np.float64)
+
+
 def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
   """The float noise of a structurally zero bias gradient does not reach the images."""
-  from benchmarks.matching_precision import image_gradient
   from fedlap_jax import privacy
 
   x = jax.random.normal(jax.random.PRNGKey(3), (16, 8, 8, 1))

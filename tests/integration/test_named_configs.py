@@ -1,9 +1,9 @@
 """Every documented ``--config=NAME[:ARG]`` gives the config it gave when the names were frozen.
 
-``tests/data/named_configs.json`` holds ``default``'s fields (value and type of each leaf) and,
-for every name, its number of leaves and the leaves that differ from ``default`` (a suite's
-``suite.RUN.FIELD`` against ``FIELD``), taken from the config files before they were merged
-into parametrised builders.
+``tests/integration/data/named_configs.json`` holds ``default``'s fields (value and type of
+each leaf) and, for every name, its number of leaves and the leaves that differ from
+``default`` (a suite's ``suite.RUN.FIELD`` against ``FIELD``), taken from the config files
+before they were merged into parametrised builders.
 """
 
 import json
@@ -116,7 +116,8 @@ def test_config_modules_import_each_other_without_a_cycle():
 
 if __name__ == "__main__":
   # Re-freeze after a DELIBERATE change of a config (e.g. a new field in default.py):
-  #   PYTHONPATH=. python tests/test_named_configs.py && git diff tests/data/named_configs.json
+  #   PYTHONPATH=. python tests/integration/test_named_configs.py
+  #   git diff tests/integration/data/named_configs.json
   base = flatten(configs.load("default"))
   FROZEN["default"] = base
   named = {n: against_default(flatten(configs.load(n))) for n in sorted(FROZEN["named"])}

@@ -13,6 +13,7 @@ import pytest
 
 from fedlap_jax import client as client_lib
 from fedlap_jax import dispatch, federated
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.federated import init_state, make_round_fn
@@ -300,6 +301,9 @@ def test_client_weights(clients):
   chex.assert_type(sizes, jnp.float32)
   np.testing.assert_array_equal(np.asarray(sizes), np.asarray(clients.mask).sum(axis=1))
   assert len(set(np.asarray(sizes).tolist())) > 1  # the digits clients differ in size
+  for unresolved in (None, "n_k"):  # not silently size weighting
+    with pytest.raises(ConfigError, match=r"weighting=.* is invalid; allowed: 'size' or"):
+      dispatch.client_weights(clients, unresolved)
 
 
 def test_bad_client_backend(params, clients):

@@ -1,0 +1,120 @@
+"""The benchmark scripts whose numbers docs/benchmarks.md reports, run as a user runs them.
+
+Every script runs in its own process (``python -m benchmarks.X``, from the
+repository root), so the tests import nothing from ``benchmarks``: arguments
+are refused with the documented status and message, and the report modes turn
+given measurements into the documented lines.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
+
+
+def run_script(*argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+  """``python -m benchmarks.<argv>`` from the repository root, ``env`` added to the environment."""
+  return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout, env={**os.environ, **env})
+
+
+def test_bench_refuses_bad_client_sizes_with_status_2():
+  bad = run_script("benchmarks.bench", "--client-sizes", "1,x")
+  assert bad.returncode == 2, bad.stderr[-2000:]
+  assert "--client-sizes '1,x' is invalid" in bad.stderr
+  assert "comma-separated integers >= 1" in bad.stderr
+  small = run_script("benchmarks.bench", "--small")
+  assert small.returncode == 2 and "--small is for --reference only" in small.stderr
+
+
+def test_trace_summary_busy_time_and_totals(tmp_path):
+  """Overlapping kernels count once towards busy time; totals and counts per event name."""
+  events = [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+      {"ph": "X", "pid": 1, "name": "conv", "ts": 0, "dur": 10_000},
+      {"ph": "X", "pid": 1, "name": "conv", "ts": 5_000, "dur": 10_000},  # overlaps the first
+      {"ph": "X", "pid": 1, "name": "add", "ts": 30_000, "dur": 5_000},
+      {"ph": "X", "pid": 2, "name": "launch", "ts": 0, "dur": 100_000},
+  ]
+  path = tmp_path / "op" / "host.trace.json.gz"
+  path.parent.mkdir()
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  out = run_script("benchmarks.trace_summary", str(tmp_path))
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  assert lines[0] == "## op/host.trace.json.gz"
+  gpu = lines.index("/device:GPU:0: busy 20.0 ms of 100.0 ms (20%)")  # [0, 15] + [30, 35]
+  assert re.fullmatch(r"\s+20\.00 ms\s+2x\s+conv", lines[gpu + 1]), lines
+  assert re.fullmatch(r"\s+5\.00 ms\s+1x\s+add", lines[gpu + 2]), lines
+  assert "/host:CPU: busy 100.0 ms of 100.0 ms (100%)" in lines
+  missing = run_script("benchmarks.trace_summary", str(tmp_path / "missing"))
+  assert missing.returncode == 2 and "no *.trace.json.gz under" in missing.stderr
+
+
+def test_gpu_script_variants_and_goals(tmp_path):
+  bad = run_script("benchmarks.gpu_round", "--variants", "new,pmap")
+  assert bad.returncode == 1 and "--variants item 'pmap' is invalid" in bad.stderr
+  rows = [{"config": "cifar_dp", "variant": "new", "median_s": 2.5, "compile_s": 40.0},
+          {"config": "cifar_dp", "variant": "old", "median_s": 7.5, "compile_s": 44.0}]
+  saved = tmp_path / "gpu_round.json"
+  saved.write_text(json.dumps({"rows": rows}))
+  out = run_script("benchmarks.gpu_round", "--from-json", str(saved))
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  assert lines[0] == ("cifar_dp [new]: 2.50 s/round (goal <= 3 s: met), compile 40.0 s "
+                      "(goal <= 30 s: NOT met)")
+  assert lines[1].startswith("cifar_dp [old]: 7.50 s/round (goal <= 3 s: NOT met)")
+  assert lines[-1].startswith("cifar_dp: new / old = 2.50 / 7.50 s = 0.33")
+
+
+def test_many_clients_defaults_to_the_built_subset_and_tabulates_a_log(tmp_path):
+  """Without --data the benchmark reads where ``experiments.datasets`` writes mnist10k (the
+  data cache under the home directory), and says how to build it when it is missing."""
+  missing = run_script("benchmarks.many_clients", "--data", str(tmp_path / "missing.npz"))
+  assert missing.returncode == 1
+  assert "built by `python -m experiments.datasets mnist10k`" in missing.stderr
+  assert f"--data={str(tmp_path / 'missing.npz')!r} is invalid" in missing.stderr
+  default = run_script("benchmarks.many_clients", HOME=str(tmp_path))
+  built = tmp_path / ".cache" / "fedlap_jax" / "mnist10k.npz"
+  assert default.returncode == 1 and f"--data={str(built)!r} is invalid" in default.stderr
+  row = dict(method="fedlap_dp", clients=500, per_round=5, n_min=3, n_max=48,
+             first_round_s=1.0, round_s=0.5, accounting_s=0.1, peak_rss_mb=900.0,
+             host_data_mb=18.8, block_mb=0.19, load=[3.0, 3.1])
+  log = tmp_path / "run.log"
+  log.write_text("a progress line\n" + json.dumps(row) + "\n")
+  png = tmp_path / "many_clients.png"
+  out = run_script("benchmarks.many_clients", "--from-log", str(log), "--png", str(png))
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = [line for line in out.stdout.splitlines() if line.startswith("|")]
+  assert len(lines) == 3 and lines[2].startswith("| fedlap_dp | 500 | 5 | 3..48 | 1.0 | 0.5 | 0.1")
+  assert lines[0].count("|") == lines[2].count("|")
+  assert png.stat().st_size > 1000
+
+
+def test_device_check_script_is_valid_and_uses_existing_flags():
+  """benchmarks/device_check.sh parses, and every --flag it passes exists in the script it calls."""
+  script = ROOT / "benchmarks" / "device_check.sh"
+  subprocess.run(["bash", "-n", str(script)], check=True)
+  # Join continuation lines, then check each command's flags against its target's source.
+  text = script.read_text().replace("\\\n", " ")
+  targets = {"benchmarks/gpu_round.py": ROOT / "benchmarks" / "gpu_round.py",
+             "-m benchmarks.bench": ROOT / "benchmarks" / "bench.py",
+             "-m benchmarks.trace_summary": ROOT / "benchmarks" / "trace_summary.py"}
+  checked = 0
+  for line in text.splitlines():
+    for call, source in targets.items():
+      if call in line and not line.lstrip().startswith("#"):
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", line.split(call, 1)[1]))
+        for flag in flags:
+          assert f'"{flag}"' in source.read_text(), f"{call} has no option {flag}"
+          checked += 1
+  assert checked >= 8
