@@ -51,18 +51,29 @@ import numpy as np
 from fedlap_jax import client as client_lib
 from fedlap_jax import client_data
 from fedlap_jax import config as config_lib
-from fedlap_jax import (baselines, dispatch, federated, matching, models, per_example, privacy,
-                        radius, server, synthetic, training)
+from fedlap_jax import (
+  baselines,
+  dispatch,
+  federated,
+  matching,
+  models,
+  per_example,
+  privacy,
+  radius,
+  server,
+  synthetic,
+  training,
+)
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
 # The authors' PyTorch code on this kind of machine (2 CPU threads).
 REFERENCE_SECONDS = {
-    "dp_gradient": 1.21,
-    "nondp_gradient": 0.66,
-    "synthetic_update": 0.139,
-    "dp_round": 50.8,
-    "nondp_round": 96.0,
-    "fedavg_round": 18.8,
+  "dp_gradient": 1.21,
+  "nondp_gradient": 0.66,
+  "synthetic_update": 0.139,
+  "dp_round": 50.8,
+  "nondp_round": 96.0,
+  "fedavg_round": 18.8,
 }
 
 
@@ -88,11 +99,15 @@ class Problem:
       return
     sizes = self.client_sizes
     if len(sizes) != self.num_clients or any(not isinstance(n, int) or n < 1 for n in sizes):
-      raise ValueError(f"client_sizes={sizes!r} is invalid; allowed: {self.num_clients} "
-                       "integers >= 1 (one per client)")
+      raise ValueError(
+        f"client_sizes={sizes!r} is invalid; allowed: {self.num_clients} "
+        "integers >= 1 (one per client)"
+      )
     if self.records != max(sizes):
-      raise ValueError(f"records={self.records} is invalid with client_sizes={sizes!r}; "
-                       f"allowed: their maximum {max(sizes)} (the padded size N_max)")
+      raise ValueError(
+        f"records={self.records} is invalid with client_sizes={sizes!r}; "
+        f"allowed: their maximum {max(sizes)} (the padded size N_max)"
+      )
 
   @property
   def sizes(self) -> tuple[int, ...]:
@@ -105,8 +120,9 @@ def with_client_sizes(problem: Problem, sizes) -> Problem:
   sizes = tuple(sizes)
   if not sizes:
     raise ValueError("client_sizes=() is invalid; allowed: at least one size")
-  return dataclasses.replace(problem, num_clients=len(sizes), records=max(sizes),
-                             client_sizes=sizes)
+  return dataclasses.replace(
+    problem, num_clients=len(sizes), records=max(sizes), client_sizes=sizes
+  )
 
 
 def parse_client_sizes(text: str) -> tuple[int, ...]:
@@ -116,15 +132,14 @@ def parse_client_sizes(text: str) -> tuple[int, ...]:
   except ValueError:
     sizes = ()
   if not sizes or min(sizes) < 1:
-    raise ValueError(f"--client-sizes {text!r} is invalid; allowed: comma-separated integers "
-                     ">= 1, one per client, e.g. 1513,1700,1571,1570,1646")
+    raise ValueError(
+      f"--client-sizes {text!r} is invalid; allowed: comma-separated integers "
+      ">= 1, one per client, e.g. 1513,1700,1571,1570,1646"
+    )
   return sizes
 
 
-PROBLEMS = {
-    "mnist": Problem((28, 28, 1), 12_000),
-    "cifar": Problem((32, 32, 3), 10_000),
-}
+PROBLEMS = {"mnist": Problem((28, 28, 1), 12_000), "cifar": Problem((32, 32, 3), 10_000)}
 
 # The workload the authors' reference figures were timed on: MNIST-shaped data,
 # 8,000 training records in all, the paper's two-classes-per-client partition.
@@ -140,38 +155,66 @@ AUTHORS_CLIENT_SIZES = (1513, 1700, 1571, 1570, 1646)
 def reference_dp_config() -> FedLAPConfig:
   """The issue's FedLAP-DP round: R_i 1, max_outer 2, batch_loop 2, R_b 2, R_l 1, ipc 10."""
   return config_lib.paper_dp_config(
-      client=ClientConfig(ipc=10, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
-                          inner_loop=1, batch_size=256, radius=1.5, mse_weight=0.0,
-                          calibrate_radius=False,
-                          dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)),
-      server=ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=100))
+    client=ClientConfig(
+      ipc=10,
+      iterations=1,
+      max_outer=2,
+      batch_loop=2,
+      boost_loop=2,
+      inner_loop=1,
+      batch_size=256,
+      radius=1.5,
+      mse_weight=0.0,
+      calibrate_radius=False,
+      dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5),
+    ),
+    server=ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=100),
+  )
 
 
 def reference_nondp_config() -> FedLAPConfig:
   """The issue's FedLAP round: R_i 1, max_outer 2, batch_loop 4, R_b 5, R_l 0, 5 epochs."""
   return config_lib.paper_nondp_config(
-      client=ClientConfig(ipc=10, iterations=1, max_outer=2, batch_loop=4, boost_loop=5,
-                          inner_loop=0, batch_size=256, radius=10.0, mse_weight=0.1,
-                          calibrate_radius=True, calibration_epochs=5),
-      server=ServerConfig(radius_strategy="min", weighting="size", max_epochs=5))
+    client=ClientConfig(
+      ipc=10,
+      iterations=1,
+      max_outer=2,
+      batch_loop=4,
+      boost_loop=5,
+      inner_loop=0,
+      batch_size=256,
+      radius=10.0,
+      mse_weight=0.1,
+      calibrate_radius=True,
+      calibration_epochs=5,
+    ),
+    server=ServerConfig(radius_strategy="min", weighting="size", max_epochs=5),
+  )
 
 
 def paper_nondp_bounded() -> FedLAPConfig:
   """The published non-DP configuration, calibration loss on 2,048 records per client."""
   cfg = config_lib.paper_nondp_config()
   return dataclasses.replace(
-      cfg, client=dataclasses.replace(cfg.client, calibration_eval_size=2048))
+    cfg, client=dataclasses.replace(cfg.client, calibration_eval_size=2048)
+  )
 
 
 CONFIGS: dict[str, tuple[Callable[[], FedLAPConfig], str]] = {
-    "mnist_dp_ref": (reference_dp_config, "mnist"),
-    "mnist_nondp_ref": (reference_nondp_config, "mnist"),
-    "cifar_dp": (config_lib.paper_dp_config, "cifar"),
-    "cifar_nondp": (paper_nondp_bounded, "cifar"),
+  "mnist_dp_ref": (reference_dp_config, "mnist"),
+  "mnist_nondp_ref": (reference_nondp_config, "mnist"),
+  "cifar_dp": (config_lib.paper_dp_config, "cifar"),
+  "cifar_nondp": (paper_nondp_bounded, "cifar"),
 }
 
-OPS = ("dp_gradient", "nondp_gradient", "synthetic_update", "client_round", "server_update",
-       "round")
+OPS = (
+  "dp_gradient",
+  "nondp_gradient",
+  "synthetic_update",
+  "client_round",
+  "server_update",
+  "round",
+)
 
 
 def apply_overrides(cfg: FedLAPConfig, overrides: list[str]) -> FedLAPConfig:
@@ -189,11 +232,15 @@ def apply_overrides(cfg: FedLAPConfig, overrides: list[str]) -> FedLAPConfig:
 
 
 def _replace_path(obj, path, value):
-  if not dataclasses.is_dataclass(obj) or not any(f.name == path[0] for f in dataclasses.fields(obj)):
+  if not dataclasses.is_dataclass(obj) or not any(
+    f.name == path[0] for f in dataclasses.fields(obj)
+  ):
     raise ValueError(f"--set: no field {path[0]!r} in {type(obj).__name__}")
   if len(path) == 1:
     return dataclasses.replace(obj, **{path[0]: value})
-  return dataclasses.replace(obj, **{path[0]: _replace_path(getattr(obj, path[0]), path[1:], value)})
+  return dataclasses.replace(
+    obj, **{path[0]: _replace_path(getattr(obj, path[0]), path[1:], value)}
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -204,8 +251,9 @@ def _replace_path(obj, path, value):
 DATA_KINDS = ("float32", "uint8")
 
 
-def random_clients(problem: Problem, seed: int = 0,
-                   data: str = "float32") -> client_data.ClientData:
+def random_clients(
+  problem: Problem, seed: int = 0, data: str = "float32"
+) -> client_data.ClientData:
   """``num_clients`` clients of random images, two classes each.
 
   Client ``k`` holds ``problem.sizes[k]`` records, padded to the largest with
@@ -238,8 +286,9 @@ def random_clients(problem: Problem, seed: int = 0,
 
 def make_model(problem: Problem, impl: str = "auto", width: int = 128, depth: int = 3):
   model = models.ConvNet(num_classes=problem.num_classes, width=width, depth=depth, impl=impl)
-  params = jax.jit(model.init)(jax.random.PRNGKey(0),
-                               jnp.zeros((1, *problem.image_shape)))["params"]
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, *problem.image_shape)))[
+    "params"
+  ]
 
   def apply_fn(p, x):
     return model.apply({"params": p}, x)
@@ -259,8 +308,15 @@ def _cost(compiled) -> dict:
   return dict(cost or {})
 
 
-def measure(name: str, fn, args: tuple, *, repeats: int = 3, warmup: bool = True,
-            profile_dir: str | None = None) -> dict:
+def measure(
+  name: str,
+  fn,
+  args: tuple,
+  *,
+  repeats: int = 3,
+  warmup: bool = True,
+  profile_dir: str | None = None,
+) -> dict:
   """Compiles ``jit(fn)`` on ``args``, runs it once to warm up, then ``repeats`` times.
 
   ``warmup=False`` skips the warm-up run (for long rounds: the compile is
@@ -293,18 +349,18 @@ def measure(name: str, fn, args: tuple, *, repeats: int = 3, warmup: bool = True
     with jax.profiler.trace(os.path.join(profile_dir, slug)):
       out = jax.block_until_ready(compiled(*args))
   return {
-      "name": name,
-      "compile_s": compile_s,
-      "times_s": times,
-      "median_s": statistics.median(times),
-      "cpu_median_s": statistics.median(cpus),
-      "flops": float(cost.get("flops", 0.0)),
-      "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0) or 0),
-      "argument_bytes": int(getattr(mem, "argument_size_in_bytes", 0) or 0),
-      "output_bytes": int(getattr(mem, "output_size_in_bytes", 0) or 0),
-      "load_before": load_before,
-      "load_after": os.getloadavg()[0],
-      "output": out,
+    "name": name,
+    "compile_s": compile_s,
+    "times_s": times,
+    "median_s": statistics.median(times),
+    "cpu_median_s": statistics.median(cpus),
+    "flops": float(cost.get("flops", 0.0)),
+    "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0) or 0),
+    "argument_bytes": int(getattr(mem, "argument_size_in_bytes", 0) or 0),
+    "output_bytes": int(getattr(mem, "output_size_in_bytes", 0) or 0),
+    "load_before": load_before,
+    "load_after": os.getloadavg()[0],
+    "output": out,
   }
 
 
@@ -325,8 +381,17 @@ def _batch(clients, slots: int, real: int):
   return first.images(idx), first.y[idx], idx >= real
 
 
-def op_gradient(apply_fn, params, clients, cfg: FedLAPConfig, *, dp: bool, slots: int,
-                method: str = "auto", microbatch_size: int | None = None):
+def op_gradient(
+  apply_fn,
+  params,
+  clients,
+  cfg: FedLAPConfig,
+  *,
+  dp: bool,
+  slots: int,
+  method: str = "auto",
+  microbatch_size: int | None = None,
+):
   """``(fn, args)`` of one real-data gradient on ``slots`` slots, ``B`` of them real.
 
   ``microbatch_size`` defaults to the config's for the DP gradient (``None``:
@@ -341,21 +406,33 @@ def op_gradient(apply_fn, params, clients, cfg: FedLAPConfig, *, dp: bool, slots
 
     def fn(key, p, x, y, pad):
       return privacy.private_gradient(
-          key, apply_fn, p, x, y, pad, l2_clip_norm=dpc.l2_clip_norm,
-          noise_multiplier=dpc.noise_multiplier, expected_batch_size=cc.batch_size,
-          microbatch_size=mb, method=method)[0]
+        key,
+        apply_fn,
+        p,
+        x,
+        y,
+        pad,
+        l2_clip_norm=dpc.l2_clip_norm,
+        noise_multiplier=dpc.noise_multiplier,
+        expected_batch_size=cc.batch_size,
+        microbatch_size=mb,
+        method=method,
+      )[0]
+
     return fn, (jax.random.PRNGKey(1), params, x, y, pad)
 
   mb = "auto" if microbatch_size is None else microbatch_size
 
   def fn(p, x, y, pad):
     return privacy.real_gradient(apply_fn, p, x, y, pad, microbatch_size=mb)
+
   return fn, (params, x, y, pad)
 
 
 def _synthetic(clients, cfg: FedLAPConfig, problem: Problem):
   labels, mask = synthetic.synthetic_labels(
-      [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)], cfg.client.ipc)
+    [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)], cfg.client.ipc
+  )
   x = synthetic.noise_images(jax.random.PRNGKey(3), jnp.asarray(mask), problem.image_shape)
   return client_data.SyntheticSet(x, jnp.asarray(labels), jnp.asarray(mask))
 
@@ -369,10 +446,12 @@ def op_synthetic_update(apply_fn, params, clients, cfg, problem):
   opt = client_lib.default_image_optimizer(cc)
 
   def fn(p, syn, g_real, key, opt_state):
-    _, grad_x = matching.matching_step(apply_fn, p, syn, g_real, key,
-                                     dsa_strategy=cc.dsa_strategy, mse_weight=cc.mse_weight)
+    _, grad_x = matching.matching_step(
+      apply_fn, p, syn, g_real, key, dsa_strategy=cc.dsa_strategy, mse_weight=cc.mse_weight
+    )
     updates, opt_state = opt.update(grad_x, opt_state, syn.x)
     return syn.x + updates, opt_state
+
   return fn, (params, syn, g_real, jax.random.PRNGKey(4), opt.init(syn.x))
 
 
@@ -382,12 +461,14 @@ def op_client_round(apply_fn, params, clients, cfg, problem):
   one = jax.tree.map(lambda a: a[0], clients)
   syn = jax.tree.map(lambda a: a[0], syn)
   if cfg.synthetic_init == "real":
-    syn = syn._replace(x=synthetic.real_images(jax.random.PRNGKey(5), one, syn.y, syn.mask,
-                                               cfg.client.ipc))
+    syn = syn._replace(
+      x=synthetic.real_images(jax.random.PRNGKey(5), one, syn.y, syn.mask, cfg.client.ipc)
+    )
   lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
 
   def fn(key, p, syn, data):
     return client_lib.local_approx(key, apply_fn, p, syn, data, cfg.client, learning_rate=lr)
+
   return fn, (jax.random.PRNGKey(6), params, syn, one)
 
 
@@ -396,12 +477,15 @@ def op_server_update(apply_fn, params, clients, cfg, problem):
   syn = _synthetic(clients, cfg, problem)
   weights = dispatch.client_weights(cfg.server.weighting, dispatch.record_counts(clients))
   lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
-  r_g = radius.server_radius(jnp.full((problem.num_clients,), cfg.client.radius),
-                             cfg.server.radius_strategy, cfg.client.radius)
+  r_g = radius.server_radius(
+    jnp.full((problem.num_clients,), cfg.client.radius),
+    cfg.server.radius_strategy,
+    cfg.client.radius,
+  )
 
   def fn(key, p, syn, w, r):
-    return server.global_update(key, apply_fn, p, syn, w, r, learning_rate=lr,
-                                config=cfg.server)
+    return server.global_update(key, apply_fn, p, syn, w, r, learning_rate=lr, config=cfg.server)
+
   return fn, (jax.random.PRNGKey(7), params, syn, weights, r_g)
 
 
@@ -414,11 +498,23 @@ def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):
 def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "map"):
   """A FedAvg round with one local epoch (:func:`fedlap_jax.baselines.algorithm`)."""
   config = baselines.baseline_config(
-      "fedavg", rounds=200, learning_rate=0.1, local_epochs=1, batch_size=256, prox_mu=0.0,
-      dp=None, max_client_size=max(problem.sizes))
-  alg = baselines.algorithm(apply_fn, config, image_shape=problem.image_shape,
-                            num_clients=problem.num_clients,
-                            num_params=models.count_params(params), client_backend=client_backend)
+    "fedavg",
+    rounds=200,
+    learning_rate=0.1,
+    local_epochs=1,
+    batch_size=256,
+    prox_mu=0.0,
+    dp=None,
+    max_client_size=max(problem.sizes),
+  )
+  alg = baselines.algorithm(
+    apply_fn,
+    config,
+    image_shape=problem.image_shape,
+    num_clients=problem.num_clients,
+    num_params=models.count_params(params),
+    client_backend=client_backend,
+  )
   state = alg.init(jax.random.PRNGKey(9), params, clients)
   return alg.round, (state, clients)
 
@@ -428,16 +524,26 @@ def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "m
 # ---------------------------------------------------------------------------
 
 
-def gradient_flops(apply_fn, params, clients, cfg, slots: int, *, dp: bool,
-                   method: str = "auto", microbatch_size: int | None = None) -> float:
+def gradient_flops(
+  apply_fn,
+  params,
+  clients,
+  cfg,
+  slots: int,
+  *,
+  dp: bool,
+  method: str = "auto",
+  microbatch_size: int | None = None,
+) -> float:
   """FLOPs of the real-gradient work actually done on a ``slots`` buffer with ``B`` real examples.
 
   XLA counts a microbatch loop once, so this is the one-pass FLOP count times
   the fraction of slots processed (microbatches up to the last real example).
   """
   cc = cfg.client
-  fn, args = op_gradient(apply_fn, params, clients, cfg, dp=dp, slots=slots, method=method,
-                         microbatch_size=slots)
+  fn, args = op_gradient(
+    apply_fn, params, clients, cfg, dp=dp, slots=slots, method=method, microbatch_size=slots
+  )
   one_pass = compiled_flops(fn, *args)
   mb = microbatch_size or (cc.dp.microbatch_size if dp and cc.dp else None)
   if mb is None and method == "auto":
@@ -452,8 +558,9 @@ def unit_flops(apply_fn, params, clients, cfg, problem) -> dict[str, float]:
   """XLA FLOPs of the loop bodies a round repeats (compiled, not run)."""
   cc = cfg.client
   units = {}
-  units["real_gradient"] = gradient_flops(apply_fn, params, clients, cfg, cc.capacity,
-                                          dp=cc.dp is not None)
+  units["real_gradient"] = gradient_flops(
+    apply_fn, params, clients, cfg, cc.capacity, dp=cc.dp is not None
+  )
   fn, args = op_synthetic_update(apply_fn, params, clients, cfg, problem)
   units["synthetic_update"] = compiled_flops(fn, *args)
   syn = jax.tree.map(lambda a: a[0], _synthetic(clients, cfg, problem))
@@ -461,16 +568,21 @@ def unit_flops(apply_fn, params, clients, cfg, problem) -> dict[str, float]:
 
   def step(p, x, y, bs, strategy):
     w = jnp.ones((x.shape[0],))
-    return training.sgd_epoch(jax.random.PRNGKey(0), apply_fn, p, x, y, w, 0.1,
-                              batch_size=bs, dsa_strategy=strategy)[0]
+    return training.sgd_epoch(
+      jax.random.PRNGKey(0), apply_fn, p, x, y, w, 0.1, batch_size=bs, dsa_strategy=strategy
+    )[0]
+
   units["client_step"] = compiled_flops(
-      functools.partial(step, bs=cc.model_batch_size, strategy=cc.dsa_strategy),
-      params, syn.x, syn.y)
+    functools.partial(step, bs=cc.model_batch_size, strategy=cc.dsa_strategy), params, syn.x, syn.y
+  )
   k = problem.num_clients
   sb = min(cfg.server.batch_size, k * s)
   units["server_step"] = compiled_flops(
-      functools.partial(step, bs=cfg.server.batch_size, strategy=cfg.server.dsa_strategy),
-      params, jnp.zeros((sb, *problem.image_shape)), jnp.zeros((sb,), jnp.int32))
+    functools.partial(step, bs=cfg.server.batch_size, strategy=cfg.server.dsa_strategy),
+    params,
+    jnp.zeros((sb, *problem.image_shape)),
+    jnp.zeros((sb,), jnp.int32),
+  )
   units["forward_per_image"] = compiled_flops(apply_fn, params, clients.x[0, :256]) / 256
   return units
 
@@ -487,8 +599,10 @@ def round_flops(metrics, units, cfg: FedLAPConfig, problem: Problem) -> float:
   if cc.calibrate_radius:
     # Every client evaluates its padded buffer of N_max slots (or eval_size of them).
     n_eval = min(cc.calibration_eval_size or problem.records, problem.records)
-    per_epoch = (math.ceil(s / cc.model_batch_size) * units["client_step"]
-                 + n_eval * units["forward_per_image"])
+    per_epoch = (
+      math.ceil(s / cc.model_batch_size) * units["client_step"]
+      + n_eval * units["forward_per_image"]
+    )
     total += problem.num_clients * cc.calibration_epochs * per_epoch
   total += float(np.sum(metrics.server.steps)) * units["server_step"]
   return total
@@ -501,16 +615,16 @@ def round_flops(metrics, units, cfg: FedLAPConfig, problem: Problem) -> float:
 
 def environment() -> dict:
   return {
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
-      "device_kind": jax.devices()[0].device_kind,
-      "cpu_count": os.cpu_count(),
-      "processor": platform.processor() or platform.machine(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "load_average": os.getloadavg(),
+    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "devices": [str(d) for d in jax.devices()],
+    "device_kind": jax.devices()[0].device_kind,
+    "cpu_count": os.cpu_count(),
+    "processor": platform.processor() or platform.machine(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "load_average": os.getloadavg(),
   }
 
 
@@ -526,17 +640,21 @@ def row(result: dict, reference: float | None = None, note: str = "") -> dict:
 
 
 def markdown(rows: list[dict], title: str) -> str:
-  lines = [f"### {title}", "",
-           "| operation | ours (s) | compile (s) | GFLOP | GFLOP/s | temp MiB | reference (s) "
-           "| ratio | note |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+  lines = [
+    f"### {title}",
+    "",
+    "| operation | ours (s) | compile (s) | GFLOP | GFLOP/s | temp MiB | reference (s) "
+    "| ratio | note |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+  ]
   for r in rows:
     ref = f"{r['reference_s']:.3g}" if r["reference_s"] else "-"
     ratio = f"**{r['ratio']:.2f}**" if r["ratio"] else "-"
     lines.append(
-        f"| {r['name']} | {r['median_s']:.3f} | {r['compile_s']:.1f} | {r['gflops']:.1f} "
-        f"| {r['gflops_per_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} | {ref} | {ratio} "
-        f"| {r['note']} |")
+      f"| {r['name']} | {r['median_s']:.3f} | {r['compile_s']:.1f} | {r['gflops']:.1f} "
+      f"| {r['gflops_per_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} | {ref} | {ratio} "
+      f"| {r['note']} |"
+    )
   return "\n".join(lines)
 
 
@@ -563,10 +681,19 @@ def _op_backend(op: str, default: str) -> str:
   return dispatch.resolve_client_backend(op.split(":")[1] if ":" in op else default)
 
 
-def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: int,
-               impl: str, references: dict | None = None,
-               client_backend: str = "auto", data: str = "float32",
-               profile_dir: str | None = None) -> list[dict]:
+def run_config(
+  name: str,
+  cfg: FedLAPConfig,
+  problem: Problem,
+  ops,
+  *,
+  repeats: int,
+  impl: str,
+  references: dict | None = None,
+  client_backend: str = "auto",
+  data: str = "float32",
+  profile_dir: str | None = None,
+) -> list[dict]:
   """Measures ``ops`` of one configuration; rows for the report.
 
   ``data``: how the clients' images are stored (:func:`random_clients`).
@@ -582,9 +709,10 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
     _log(f"[{name}] {op} ...")
     if op in ("dp_gradient", "nondp_gradient"):
       dp = op == "dp_gradient"
-      for slots, label in ((cc.batch_size, f"{cc.batch_size} slots"),
-                           (cc.capacity, f"{cc.capacity}-slot Poisson buffer, "
-                                         f"{cc.batch_size} real (as in a round)")):
+      for slots, label in (
+        (cc.batch_size, f"{cc.batch_size} slots"),
+        (cc.capacity, f"{cc.capacity}-slot Poisson buffer, {cc.batch_size} real (as in a round)"),
+      ):
         fn, args = op_gradient(apply_fn, params, clients, cfg, dp=dp, slots=slots)
         res = timed(f"{op} [{slots}]", fn, args, repeats=repeats)
         res["flops_executed"] = gradient_flops(apply_fn, params, clients, cfg, slots, dp=dp)
@@ -594,22 +722,39 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
     if op == "synthetic_update":
       fn, args = op_synthetic_update(apply_fn, params, clients, cfg, problem)
       res = timed(op, fn, args, repeats=repeats)
-      rows.append(row(res, references.get(op), f"{cc.ipc * problem.classes_per_client} images, "
-                                               f"DSA '{cc.dsa_strategy}'"))
+      rows.append(
+        row(
+          res,
+          references.get(op),
+          f"{cc.ipc * problem.classes_per_client} images, DSA '{cc.dsa_strategy}'",
+        )
+      )
     elif op == "client_round":
       fn, args = op_client_round(apply_fn, params, clients, cfg, problem)
       res = timed(op, fn, args, repeats=repeats)
       m = res["output"][2]
-      rows.append(row(res, None, f"1 client: {int(m.real_accesses)} real batches "
-                                 "(GFLOP: XLA static count, loop bodies once)"))
+      rows.append(
+        row(
+          res,
+          None,
+          f"1 client: {int(m.real_accesses)} real batches "
+          "(GFLOP: XLA static count, loop bodies once)",
+        )
+      )
     elif op == "server_update":
       fn, args = op_server_update(apply_fn, params, clients, cfg, problem)
       res = timed(op, fn, args, repeats=repeats)
       m = res["output"][1]
       res["flops_executed"] = res["flops"] * max(int(m.steps), 1)  # XLA counts one step
-      rows.append(row(res, None, f"{int(m.epochs)} epochs, {int(m.steps)} steps of "
-                                 f"{problem.num_clients * cc.ipc * problem.classes_per_client} "
-                                 "images"))
+      rows.append(
+        row(
+          res,
+          None,
+          f"{int(m.epochs)} epochs, {int(m.steps)} steps of "
+          f"{problem.num_clients * cc.ipc * problem.classes_per_client} "
+          "images",
+        )
+      )
     elif op.startswith("round"):
       backend = _op_backend(op, client_backend)
       fn, args = op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
@@ -619,23 +764,31 @@ def run_config(name: str, cfg: FedLAPConfig, problem: Problem, ops, *, repeats: 
       res["flops_executed"] = round_flops(metrics, units, cfg, problem)
       res["unit_flops"] = units
       key = "dp_round" if cc.dp is not None else "nondp_round"
-      note = (f"client_backend={backend!r}: {_clients_note(problem)}, "
-              f"{int(np.sum(metrics.client.real_accesses))} real batches, "
-              f"server {int(metrics.server.epochs)} epochs; FLOPs from loop counts")
+      note = (
+        f"client_backend={backend!r}: {_clients_note(problem)}, "
+        f"{int(np.sum(metrics.client.real_accesses))} real batches, "
+        f"server {int(metrics.server.epochs)} epochs; FLOPs from loop counts"
+      )
       rows.append(row(res, references.get(key), note))
     elif op.split(":")[0] == "fedavg_round":
       backend = _op_backend(op, client_backend)
       fn, args = op_fedavg_round(apply_fn, params, clients, problem, client_backend=backend)
       res = timed(f"fedavg_round [{backend}]", fn, args, repeats=repeats, warmup=False)
-      steps = int(np.sum(res["output"][1].client.steps)) if hasattr(res["output"][1], "client") \
-          else None
+      steps = (
+        int(np.sum(res["output"][1].client.steps)) if hasattr(res["output"][1], "client") else None
+      )
       if steps:  # XLA counts the local step (and its gradient's chunk loop) once
-        res["flops_executed"] = steps * gradient_flops(apply_fn, params, clients, cfg,
-                                                       cc.capacity, dp=False)
-      rows.append(row(res, references.get("fedavg_round"),
-                      f"client_backend={backend!r}: FedAvg, 1 local epoch, "
-                      f"{_clients_note(problem)}"
-                      + (f", {steps} local steps of B=256" if steps else "")))
+        res["flops_executed"] = steps * gradient_flops(
+          apply_fn, params, clients, cfg, cc.capacity, dp=False
+        )
+      rows.append(
+        row(
+          res,
+          references.get("fedavg_round"),
+          f"client_backend={backend!r}: FedAvg, 1 local epoch, "
+          f"{_clients_note(problem)}" + (f", {steps} local steps of B=256" if steps else ""),
+        )
+      )
     else:
       raise ValueError(f"--ops: unknown operation {op!r}; allowed: {OPS + ('fedavg_round',)}")
   return list(rows)
@@ -645,8 +798,10 @@ def _clients_note(problem: Problem) -> str:
   """``"5 clients x 12000"`` or ``"5 clients of 1513/1700/... records"``."""
   if problem.client_sizes is None:
     return f"{problem.num_clients} clients x {problem.records}"
-  return (f"{problem.num_clients} clients of {'/'.join(map(str, problem.sizes))} records "
-          f"(padded to {problem.records})")
+  return (
+    f"{problem.num_clients} clients of {'/'.join(map(str, problem.sizes))} records "
+    f"(padded to {problem.records})"
+  )
 
 
 class _Rows(list):
@@ -660,20 +815,31 @@ class _Rows(list):
     r.setdefault("config", self.config)
     super().append(r)
     _save_partial(r)
-    _log(f"  {r['name']}: {r['median_s']:.3f} s (compile {r['compile_s']:.1f} s, "
-         f"cpu {r['cpu_median_s']:.3f} s, load {r['load_before']:.1f})")
+    _log(
+      f"  {r['name']}: {r['median_s']:.3f} s (compile {r['compile_s']:.1f} s, "
+      f"cpu {r['cpu_median_s']:.3f} s, load {r['load_before']:.1f})"
+    )
 
 
 def small_reference(cfg: FedLAPConfig) -> FedLAPConfig:
   """``cfg`` cut down for ``--reference --small``: server <= 2 epochs, 1 calibration epoch."""
   return dataclasses.replace(
-      cfg, client=dataclasses.replace(cfg.client, calibration_epochs=1),
-      server=dataclasses.replace(cfg.server, max_epochs=min(cfg.server.max_epochs, 2)))
+    cfg,
+    client=dataclasses.replace(cfg.client, calibration_epochs=1),
+    server=dataclasses.replace(cfg.server, max_epochs=min(cfg.server.max_epochs, 2)),
+  )
 
 
-def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
-                   long_repeats: int = 1, *, client_sizes=AUTHORS_CLIENT_SIZES,
-                   small: bool = False, dp_round_backends=("map", "vmap")) -> list[dict]:
+def reference_mode(
+  repeats: int,
+  impl: str,
+  round_repeats: int = 2,
+  long_repeats: int = 1,
+  *,
+  client_sizes=AUTHORS_CLIENT_SIZES,
+  small: bool = False,
+  dp_round_backends=("map", "vmap"),
+) -> list[dict]:
   """The issue's table: operations and the three rounds on the authors' workload.
 
   ``client_sizes``: records of each client (default: the authors' 8,000 MNIST
@@ -695,25 +861,46 @@ def reference_mode(repeats: int, impl: str, round_repeats: int = 2,
   refs = REFERENCE_SECONDS
   if small:
     dp_cfg, nondp_cfg, refs = small_reference(dp_cfg), small_reference(nondp_cfg), {}
-  rows = run_config("mnist_dp_ref", dp_cfg, problem,
-                    ("dp_gradient", "nondp_gradient", "synthetic_update", "server_update"),
-                    repeats=repeats, impl=impl, references=refs)
-  rows += run_config("mnist_dp_ref", dp_cfg, problem,
-                     tuple(f"round:{b}" for b in dp_round_backends), repeats=round_repeats,
-                     impl=impl, references=refs)
+  rows = run_config(
+    "mnist_dp_ref",
+    dp_cfg,
+    problem,
+    ("dp_gradient", "nondp_gradient", "synthetic_update", "server_update"),
+    repeats=repeats,
+    impl=impl,
+    references=refs,
+  )
+  rows += run_config(
+    "mnist_dp_ref",
+    dp_cfg,
+    problem,
+    tuple(f"round:{b}" for b in dp_round_backends),
+    repeats=round_repeats,
+    impl=impl,
+    references=refs,
+  )
   # The vmap backend of the non-DP round needs ~18 GB at 12,000 records per
   # client (five clients' calibration evaluations at once): --ops=round:vmap.
-  rows += run_config("mnist_nondp_ref", nondp_cfg, problem,
-                     ("round:map", "fedavg_round:map"), repeats=long_repeats,
-                     impl=impl, references=refs)
+  rows += run_config(
+    "mnist_nondp_ref",
+    nondp_cfg,
+    problem,
+    ("round:map", "fedavg_round:map"),
+    repeats=long_repeats,
+    impl=impl,
+    references=refs,
+  )
   return rows
 
 
 def ratio_lines(rows: list[dict]) -> list[str]:
   """One line per row with a reference: ``operation: reference R s, ours O s, ratio X``."""
-  return [f"{r['config']} {r['name']}: reference {r['reference_s']:.3g} s, ours "
-          f"{r['median_s']:.3g} s, ratio {r['ratio']:.2f}"
-          for r in rows if r.get("reference_s")]
+  return [
+    f"{r['config']} {r['name']}: reference {r['reference_s']:.3g} s, ours "
+    f"{r['median_s']:.3g} s, ratio {r['ratio']:.2f}"
+    for r in rows
+    if r.get("reference_s")
+  ]
 
 
 def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
@@ -736,15 +923,18 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
     rows.append(row(res, REFERENCE_SECONDS["nondp_gradient"], "no clipping: the floor"))
     for method, mb in variants:
       _log(f"[per-example] impl={impl} method={method} microbatch={mb}")
-      fn, args = op_gradient(apply_fn, params, clients, cfg, dp=True, slots=256, method=method,
-                             microbatch_size=mb)
+      fn, args = op_gradient(
+        apply_fn, params, clients, cfg, dp=True, slots=256, method=method, microbatch_size=mb
+      )
       label = f"DP gradient, impl={impl}, {method}" + (f", microbatch {mb}" if mb else "")
       res = measure(label, fn, args, repeats=repeats)
-      res["flops_executed"] = gradient_flops(apply_fn, params, clients, cfg, 256, dp=True,
-                                             method=method, microbatch_size=mb)
+      res["flops_executed"] = gradient_flops(
+        apply_fn, params, clients, cfg, 256, dp=True, method=method, microbatch_size=mb
+      )
       plan = per_example.auto_plan(apply_fn, params, args[2])
-      note = "256 examples" + (f" (auto: {plan[0]}, microbatch {plan[1]})"
-                               if method == "auto" else "")
+      note = "256 examples" + (
+        f" (auto: {plan[0]}, microbatch {plan[1]})" if method == "auto" else ""
+      )
       rows.append(row(res, REFERENCE_SECONDS["dp_gradient"], note))
   return rows
 
@@ -776,15 +966,23 @@ def padding_mode(repeats: int) -> list[dict]:
     params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
 
     def fn(p, x, y, model=model):
-      return jax.grad(lambda p: jnp.mean(privacy.cross_entropy(model.apply({"params": p}, x),
-                                                               y)))(p)
-    res = measure("mean gradient, 256 images, first conv "
-                  + ("jnp.pad(2) + padding=1" if explicit else "padding=3"), fn, (params, x, y),
-                  repeats=repeats)
+      return jax.grad(lambda p: jnp.mean(privacy.cross_entropy(model.apply({"params": p}, x), y)))(
+        p
+      )
+
+    res = measure(
+      "mean gradient, 256 images, first conv "
+      + ("jnp.pad(2) + padding=1" if explicit else "padding=3"),
+      fn,
+      (params, x, y),
+      repeats=repeats,
+    )
     outs.append(res["output"])
     rows.append(row(res, None, "impl=flax (XLA conv)"))
-  diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(outs[0]),
-                                                           jax.tree.leaves(outs[1])))
+  diff = max(
+    float(jnp.max(jnp.abs(a - b)))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]))
+  )
   rows[-1]["note"] += f"; max |difference| of the gradients {diff:.1e}"
   return rows
 
@@ -792,40 +990,67 @@ def padding_mode(repeats: int) -> list[dict]:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default="mnist_dp_ref", choices=sorted(CONFIGS))
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="override a config field, e.g. client.batch_loop=4")
-  parser.add_argument("--ops", default=",".join(OPS),
-                      help=f"comma-separated subset of {OPS + ('fedavg_round',)}; "
-                           "round:map / round:vmap pick the client backend")
-  parser.add_argument("--reference", action="store_true",
-                      help="the issue's table: ratios to the authors' code")
-  parser.add_argument("--per-example", action="store_true",
-                      help="DP gradient by every per-example method")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="override a config field, e.g. client.batch_loop=4",
+  )
+  parser.add_argument(
+    "--ops",
+    default=",".join(OPS),
+    help=f"comma-separated subset of {OPS + ('fedavg_round',)}; "
+    "round:map / round:vmap pick the client backend",
+  )
+  parser.add_argument(
+    "--reference", action="store_true", help="the issue's table: ratios to the authors' code"
+  )
+  parser.add_argument(
+    "--per-example", action="store_true", help="DP gradient by every per-example method"
+  )
   parser.add_argument("--padding", action="store_true", help="Conv padding=3 vs pad + 1")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--round-repeats", type=int, default=2,
-                      help="--reference: runs of each DP round")
-  parser.add_argument("--long-repeats", type=int, default=1,
-                      help="--reference: runs of the non-DP and FedAvg rounds")
+  parser.add_argument(
+    "--round-repeats", type=int, default=2, help="--reference: runs of each DP round"
+  )
+  parser.add_argument(
+    "--long-repeats", type=int, default=1, help="--reference: runs of the non-DP and FedAvg rounds"
+  )
   parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
   parser.add_argument("--clients", type=int, default=None)
   parser.add_argument("--records", type=int, default=None, help="records per client")
-  parser.add_argument("--client-sizes", default=None, metavar="N1,N2,...",
-                      help="records of each client (padded to the largest and masked); "
-                           "--reference defaults to the authors' workload "
-                           f"{','.join(map(str, AUTHORS_CLIENT_SIZES))}; 'uniform' there: "
-                           "5 x 12000 (the earlier reference figures)")
-  parser.add_argument("--small", action="store_true",
-                      help="--reference: a quick check of the whole mode (sizes / 4, server 2 "
-                           "epochs, 1 calibration epoch, DP round with map only, no ratios), "
-                           "not a measurement")
+  parser.add_argument(
+    "--client-sizes",
+    default=None,
+    metavar="N1,N2,...",
+    help="records of each client (padded to the largest and masked); "
+    "--reference defaults to the authors' workload "
+    f"{','.join(map(str, AUTHORS_CLIENT_SIZES))}; 'uniform' there: "
+    "5 x 12000 (the earlier reference figures)",
+  )
+  parser.add_argument(
+    "--small",
+    action="store_true",
+    help="--reference: a quick check of the whole mode (sizes / 4, server 2 "
+    "epochs, 1 calibration epoch, DP round with map only, no ratios), "
+    "not a measurement",
+  )
   parser.add_argument("--client-backend", default="auto", choices=config_lib.CLIENT_BACKENDS)
-  parser.add_argument("--profile", default=None, metavar="DIR",
-                      help="named configs: trace one extra run of each op into DIR/<op> "
-                           "(jax.profiler; view with XProf or TensorBoard)")
-  parser.add_argument("--data", default="float32", choices=DATA_KINDS,
-                      help="named configs: client images as float32 inputs or uint8 pixels "
-                           "normalised as they are read")
+  parser.add_argument(
+    "--profile",
+    default=None,
+    metavar="DIR",
+    help="named configs: trace one extra run of each op into DIR/<op> "
+    "(jax.profiler; view with XProf or TensorBoard)",
+  )
+  parser.add_argument(
+    "--data",
+    default="float32",
+    choices=DATA_KINDS,
+    help="named configs: client images as float32 inputs or uint8 pixels "
+    "normalised as they are read",
+  )
   parser.add_argument("--json", default=None, help="write the results here")
   parser.add_argument("--markdown", default=None, help="write the Markdown table here")
   args = parser.parse_args(argv)
@@ -834,13 +1059,16 @@ def main(argv=None) -> int:
     PARTIAL_PATH = args.json + ".partial.jsonl"
 
   try:
-    sizes = (None if args.client_sizes in (None, "uniform")
-             else parse_client_sizes(args.client_sizes))
+    sizes = (
+      None if args.client_sizes in (None, "uniform") else parse_client_sizes(args.client_sizes)
+    )
   except ValueError as e:
     parser.error(str(e))  # exit status 2
   if args.client_sizes == "uniform" and not args.reference:
-    parser.error("--client-sizes 'uniform' is for --reference only; allowed elsewhere: "
-                 "N1,N2,... (or --clients / --records)")
+    parser.error(
+      "--client-sizes 'uniform' is for --reference only; allowed elsewhere: "
+      "N1,N2,... (or --clients / --records)"
+    )
   if sizes and (args.clients or args.records):
     parser.error("--client-sizes and --clients/--records are exclusive; allowed: one of them")
   if args.small and not args.reference:
@@ -851,12 +1079,20 @@ def main(argv=None) -> int:
   if args.reference:
     if args.client_sizes is None:
       sizes = AUTHORS_CLIENT_SIZES
-    rows = reference_mode(args.repeats, args.impl, args.round_repeats, args.long_repeats,
-                          client_sizes=sizes, small=args.small,
-                          dp_round_backends=("map",) if args.small else ("map", "vmap"))
-    title = ("Reference settings, "
-             + (f"client sizes {','.join(map(str, sizes))}" if sizes else "5 x 12000 records")
-             + (", --small (a check, not a measurement)" if args.small else ""))
+    rows = reference_mode(
+      args.repeats,
+      args.impl,
+      args.round_repeats,
+      args.long_repeats,
+      client_sizes=sizes,
+      small=args.small,
+      dp_round_backends=("map",) if args.small else ("map", "vmap"),
+    )
+    title = (
+      "Reference settings, "
+      + (f"client sizes {','.join(map(str, sizes))}" if sizes else "5 x 12000 records")
+      + (", --small (a check, not a measurement)" if args.small else "")
+    )
   elif args.per_example:
     rows, title = per_example_mode(args.repeats), "Per-example DP gradient, ConvNet-128, MNIST"
   elif args.padding:
@@ -868,13 +1104,24 @@ def main(argv=None) -> int:
     if sizes:
       problem = with_client_sizes(problem, sizes)
     elif args.clients or args.records:
-      problem = dataclasses.replace(problem, num_clients=args.clients or problem.num_clients,
-                                    records=args.records or problem.records)
+      problem = dataclasses.replace(
+        problem,
+        num_clients=args.clients or problem.num_clients,
+        records=args.records or problem.records,
+      )
     ops = [o for o in args.ops.split(",") if o]
-    rows = run_config(args.config, cfg, problem, ops, repeats=args.repeats, impl=args.impl,
-                      client_backend=args.client_backend, data=args.data,
-                      profile_dir=args.profile,
-                      references=REFERENCE_SECONDS if args.config.endswith("_ref") else None)
+    rows = run_config(
+      args.config,
+      cfg,
+      problem,
+      ops,
+      repeats=args.repeats,
+      impl=args.impl,
+      client_backend=args.client_backend,
+      data=args.data,
+      profile_dir=args.profile,
+      references=REFERENCE_SECONDS if args.config.endswith("_ref") else None,
+    )
     title = f"{args.config} {' '.join(args.set)} data={args.data}".strip()
   env["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   env["load_average_end"] = os.getloadavg()
@@ -883,9 +1130,11 @@ def main(argv=None) -> int:
   lines = ratio_lines(rows)
   if lines:
     print("\n" + "\n".join(lines))
-  print(f"\n{env['date']}, jax {env['jax']} on {env['backend']} ({env['device_kind']}, "
-        f"{env['cpu_count']} CPUs), peak RSS {env['peak_rss_mib']:.0f} MiB, "
-        f"load average {env['load_average'][0]:.2f} -> {env['load_average_end'][0]:.2f}")
+  print(
+    f"\n{env['date']}, jax {env['jax']} on {env['backend']} ({env['device_kind']}, "
+    f"{env['cpu_count']} CPUs), peak RSS {env['peak_rss_mib']:.0f} MiB, "
+    f"load average {env['load_average'][0]:.2f} -> {env['load_average_end'][0]:.2f}"
+  )
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"environment": env, "title": title, "rows": rows}, f, indent=1, default=str)

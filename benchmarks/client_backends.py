@@ -23,8 +23,11 @@ import time
 
 import jax
 
-VARIANTS = {"map": ("map", "shared"), "vmap": ("vmap", "shared"),
-            "map:per_client": ("map", "per_client")}
+VARIANTS = {
+  "map": ("map", "shared"),
+  "vmap": ("vmap", "shared"),
+  "map:per_client": ("map", "per_client"),
+}
 
 
 def measure(config: str, variant: str, rounds: int) -> dict:
@@ -47,11 +50,16 @@ def measure(config: str, variant: str, rounds: int) -> dict:
     state, _ = jax.block_until_ready(round_fn(state, clients))
     walls.append(time.perf_counter() - t)
     cpus.append(time.process_time() - c)
-  return {"config": config, "variant": variant, "first_round_s": round(compile_s, 1),
-          "wall_s": round(statistics.median(walls), 3),
-          "cpu_s": round(statistics.median(cpus), 3), "rounds": rounds,
-          "walls": [round(w, 2) for w in walls],
-          "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+  return {
+    "config": config,
+    "variant": variant,
+    "first_round_s": round(compile_s, 1),
+    "wall_s": round(statistics.median(walls), 3),
+    "cpu_s": round(statistics.median(cpus), 3),
+    "rounds": rounds,
+    "walls": [round(w, 2) for w in walls],
+    "load": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+  }
 
 
 def main(argv=None):
@@ -66,12 +74,16 @@ def main(argv=None):
       raise SystemExit(f"--variants item {variant!r} is invalid; allowed: {sorted(VARIANTS)}")
     rows.append(measure(args.config, variant, args.rounds))
     print(json.dumps(rows[-1]), flush=True)
-  print("| config | variant | round 1 with compile (s) | wall s / round | CPU s / round | "
-        "load before, after |")
+  print(
+    "| config | variant | round 1 with compile (s) | wall s / round | CPU s / round | "
+    "load before, after |"
+  )
   print("|---|---|---:|---:|---:|---|")
   for r in rows:
-    print(f"| {r['config']} | {r['variant']} | {r['first_round_s']} | {r['wall_s']} | {r['cpu_s']} "
-          f"| {r['load'][0]}, {r['load'][1]} |")
+    print(
+      f"| {r['config']} | {r['variant']} | {r['first_round_s']} | {r['wall_s']} | {r['cpu_s']} "
+      f"| {r['load'][0]}, {r['load'][1]} |"
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,13 @@ def run_once(variant: str, draw: str, seed: int, workdir: str) -> dict:
   cfg.snapshot_rounds = ()
   start = time.perf_counter()
   out = train.train_and_evaluate(cfg, workdir)
-  return {"variant": variant, "draw": draw, "seed": seed,
-          "accuracy": float(out["records"][-1]["test_accuracy"]),
-          "seconds": round(time.perf_counter() - start, 1)}
+  return {
+    "variant": variant,
+    "draw": draw,
+    "seed": seed,
+    "accuracy": float(out["records"][-1]["test_accuracy"]),
+    "seconds": round(time.perf_counter() - start, 1),
+  }
 
 
 def permutation_p(a, b, rounds: int = 20000, seed: int = 0) -> float:
@@ -73,11 +77,16 @@ def summarise(results: list[dict]) -> list[str]:
   """The comparison table: mean, std, Welch t-test and permutation p per variant."""
   from scipy import stats
 
-  lines = ["| run | per_client (old) mean +- std | shared (new) mean +- std | difference | "
-           "Welch t, p | permutation p | seeds |", "|---|---|---|---|---|---|---|"]
+  lines = [
+    "| run | per_client (old) mean +- std | shared (new) mean +- std | difference | "
+    "Welch t, p | permutation p | seeds |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for variant in sorted({r["variant"] for r in results}):
-    acc = {d: [r["accuracy"] for r in results if r["variant"] == variant and r["draw"] == d]
-           for d in DRAWS}
+    acc = {
+      d: [r["accuracy"] for r in results if r["variant"] == variant and r["draw"] == d]
+      for d in DRAWS
+    }
     n = min(len(acc[d]) for d in DRAWS)
     if n < 2:
       lines.append(f"| quickstart:{variant} | fewer than 2 seeds per draw | | | | | {n} |")
@@ -85,9 +94,10 @@ def summarise(results: list[dict]) -> list[str]:
     old, new = np.array(acc["per_client"][:n]), np.array(acc["shared"][:n])
     t = stats.ttest_ind(new, old, equal_var=False)
     lines.append(
-        f"| quickstart:{variant} | {old.mean():.4f} +- {old.std(ddof=1):.4f} | "
-        f"{new.mean():.4f} +- {new.std(ddof=1):.4f} | {new.mean() - old.mean():+.4f} | "
-        f"{t.statistic:+.2f}, {t.pvalue:.3f} | {permutation_p(new, old):.3f} | {n} |")
+      f"| quickstart:{variant} | {old.mean():.4f} +- {old.std(ddof=1):.4f} | "
+      f"{new.mean():.4f} +- {new.std(ddof=1):.4f} | {new.mean() - old.mean():+.4f} | "
+      f"{t.statistic:+.2f}, {t.pvalue:.3f} | {permutation_p(new, old):.3f} | {n} |"
+    )
   return lines
 
 

@@ -66,6 +66,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 def run_experiments(config: str, overrides: str, workdir: Path) -> dict:
   from experiments import train  # pylint: disable=g-import-not-at-top
   from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
+
   cfg, label = settings.load_config(config, overrides)
   cfg.unlock()
   cfg.plots = False
@@ -73,20 +74,41 @@ def run_experiments(config: str, overrides: str, workdir: Path) -> dict:
   t0 = time.time()
   result = train.train_and_evaluate(cfg, workdir, config_name=label)
   info = json.loads((workdir / "run_info.json").read_text())
-  records = [{"round": r["round"], "test_accuracy": r["test_accuracy"],
-              "test_loss": r["test_loss"], "epsilon": r.get("epsilon"),
-              "round_seconds": r["round_seconds"],
-              # experiments.run counts the synthetic images only (float32).
-              "upload_bytes": info["upload_floats_per_client"] * 4 * len(info["client_sizes"])}
-             for r in result["records"]]
-  return {"records": records, "wall_seconds": time.time() - t0,
-          "model_bytes": info["num_params"] * 4, "client_sizes": info["client_sizes"]}
+  records = [
+    {
+      "round": r["round"],
+      "test_accuracy": r["test_accuracy"],
+      "test_loss": r["test_loss"],
+      "epsilon": r.get("epsilon"),
+      "round_seconds": r["round_seconds"],
+      # experiments.run counts the synthetic images only (float32).
+      "upload_bytes": info["upload_floats_per_client"] * 4 * len(info["client_sizes"]),
+    }
+    for r in result["records"]
+  ]
+  return {
+    "records": records,
+    "wall_seconds": time.time() - t0,
+    "model_bytes": info["num_params"] * 4,
+    "client_sizes": info["client_sizes"],
+  }
 
 
-def run_flower(config: str, overrides: str, workdir: Path, *, engine: str, num_clients: int,
-               dp: bool, max_epsilon: float, jax_cache: Path, timeout: float) -> dict:
+def run_flower(
+  config: str,
+  overrides: str,
+  workdir: Path,
+  *,
+  engine: str,
+  num_clients: int,
+  dp: bool,
+  max_epsilon: float,
+  jax_cache: Path,
+  timeout: float,
+) -> dict:
   from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
   from fedlap_flower.federation import Federation  # pylint: disable=g-import-not-at-top
+
   server_keys = engine == "deployment-server-keys"
   env = {"JAX_COMPILATION_CACHE_DIR": str(jax_cache)}
   if server_keys:
@@ -94,15 +116,23 @@ def run_flower(config: str, overrides: str, workdir: Path, *, engine: str, num_c
   if engine == "simulation":  # virtual clients have no node config: their own state root
     env[settings.STATE_ROOT_ENV] = str(workdir / "clients")
   run_dir = workdir / "server"
-  run_config = {"config": config, "overrides": overrides, "run-dir": str(run_dir),
-                "state-root": str(workdir / "clients"), "round-timeout": timeout,
-                "unsafe-dp-keys-from-server": server_keys}
+  run_config = {
+    "config": config,
+    "overrides": overrides,
+    "run-dir": str(run_dir),
+    "state-root": str(workdir / "clients"),
+    "round-timeout": timeout,
+    "unsafe-dp-keys-from-server": server_keys,
+  }
   t0 = time.time()
   with Federation(workdir / "processes", simulation=engine == "simulation", env=env) as fed:
     if engine != "simulation":
       for k in range(num_clients):
-        node = {"partition-id": k, "num-partitions": num_clients,
-                "state-dir": str(workdir / "clients" / f"client-{k}")}
+        node = {
+          "partition-id": k,
+          "num-partitions": num_clients,
+          "state-dir": str(workdir / "clients" / f"client-{k}"),
+        }
         if dp:  # a client with its own max-epsilon refuses non-DP runs
           node["max-epsilon"] = max_epsilon
         fed.start_supernode(k, node)
@@ -115,9 +145,13 @@ def run_flower(config: str, overrides: str, workdir: Path, *, engine: str, num_c
   if status != "finished:completed":
     raise RuntimeError(f"{engine} run of {config} ended {status}; see {workdir}")
   records = _read_jsonl(run_dir / "metrics.jsonl")
-  return {"records": records, "wall_seconds": time.time() - t0,
-          "run_seconds": records[-1]["wall_seconds"], "setup_seconds": t_submit - t0,
-          "model_bytes": records[-1]["model_bytes"]}
+  return {
+    "records": records,
+    "wall_seconds": time.time() - t0,
+    "run_seconds": records[-1]["wall_seconds"],
+    "setup_seconds": t_submit - t0,
+    "model_bytes": records[-1]["model_bytes"],
+  }
 
 
 def machine() -> str:
@@ -144,72 +178,106 @@ def _fmt(v, digits=4):
 
 
 def report(results: dict, out: Path) -> str:
-  lines = ["# FedLAP(-DP): experiments.run vs Flower simulation vs Flower deployment", "",
-           f"Machine: {machine()}.", ""]
+  lines = [
+    "# FedLAP(-DP): experiments.run vs Flower simulation vs Flower deployment",
+    "",
+    f"Machine: {machine()}.",
+    "",
+  ]
   for label, by_seed in results.items():
     lines += [f"## {label}", ""]
     for seed, by_engine in by_seed.items():
       engines = list(by_engine)
       rounds = len(next(iter(by_engine.values()))["records"])
-      lines += [f"### seed {seed}: test accuracy per round", "",
-                "| round | " + " | ".join(engines) + " |",
-                "|---:|" + "---:|" * len(engines)]
+      lines += [
+        f"### seed {seed}: test accuracy per round",
+        "",
+        "| round | " + " | ".join(engines) + " |",
+        "|---:|" + "---:|" * len(engines),
+      ]
       for i in range(rounds):
-        lines.append(f"| {i + 1} | " + " | ".join(
-            _fmt(by_engine[e]["records"][i]["test_accuracy"]) for e in engines) + " |")
+        lines.append(
+          f"| {i + 1} | "
+          + " | ".join(_fmt(by_engine[e]["records"][i]["test_accuracy"]) for e in engines)
+          + " |"
+        )
       ref = by_engine.get("experiments")
-      lines += ["", "| engine | wall s | load avg (before, after) | final acc | final epsilon | "
-                "epsilon per client | upload B/round | model B | upload / model | "
-                "identical to experiments.run |",
-                "|---|---:|---|---:|---:|---|---:|---:|---:|---|"]
+      lines += [
+        "",
+        "| engine | wall s | load avg (before, after) | final acc | final epsilon | "
+        "epsilon per client | upload B/round | model B | upload / model | "
+        "identical to experiments.run |",
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---|",
+      ]
       for e in engines:
         r = by_engine[e]
         last = r["records"][-1]
         same = "-"
         if ref is not None and e != "experiments":
-          same = all(a["test_accuracy"] == b["test_accuracy"] and a["test_loss"] == b["test_loss"]
-                     and a.get("epsilon") == b.get("epsilon")
-                     for a, b in zip(r["records"], ref["records"]))
+          same = all(
+            a["test_accuracy"] == b["test_accuracy"]
+            and a["test_loss"] == b["test_loss"]
+            and a.get("epsilon") == b.get("epsilon")
+            for a, b in zip(r["records"], ref["records"])
+          )
         per_client = last.get("epsilon_per_client")
         lines.append(
-            f"| {e} | {r['wall_seconds']:.0f} | {_fmt(r.get('load_average'))} | "
-            f"{last['test_accuracy']:.4f} | "
-            f"{_fmt(last.get('epsilon'), 3)} | "
-            f"{', '.join(f'{k}: {v:.3f}' for k, v in per_client.items()) if per_client else '-'}"
-            f" | {last['upload_bytes']} | {r['model_bytes']} | "
-            f"{last['upload_bytes'] / r['model_bytes']:.3f} | {same} |")
+          f"| {e} | {r['wall_seconds']:.0f} | {_fmt(r.get('load_average'))} | "
+          f"{last['test_accuracy']:.4f} | "
+          f"{_fmt(last.get('epsilon'), 3)} | "
+          f"{', '.join(f'{k}: {v:.3f}' for k, v in per_client.items()) if per_client else '-'}"
+          f" | {last['upload_bytes']} | {r['model_bytes']} | "
+          f"{last['upload_bytes'] / r['model_bytes']:.3f} | {same} |"
+        )
       lines.append("")
       ref_s = round_seconds("experiments", ref["records"]) if ref is not None else []
       goal_line = None
-      lines += [f"### seed {seed}: seconds per round after the first", "",
-                "| engine | rounds 2.. (s) | median s | median / experiments.run's | "
-                "load avg (before, after) |", "|---|---|---:|---:|---|"]
+      lines += [
+        f"### seed {seed}: seconds per round after the first",
+        "",
+        "| engine | rounds 2.. (s) | median s | median / experiments.run's | "
+        "load avg (before, after) |",
+        "|---|---|---:|---:|---|",
+      ]
       for e in engines:
         secs = round_seconds(e, by_engine[e]["records"])
         if not secs:
           continue
         med = statistics.median(secs)
         ratio = f"{med / statistics.median(ref_s):.2f}" if ref_s else "-"
-        lines.append(f"| {e} | {', '.join(f'{v:.2f}' for v in secs)} | {med:.2f} | {ratio} | "
-                     f"{_fmt(by_engine[e].get('load_average'))} |")
+        lines.append(
+          f"| {e} | {', '.join(f'{v:.2f}' for v in secs)} | {med:.2f} | {ratio} | "
+          f"{_fmt(by_engine[e].get('load_average'))} |"
+        )
         if e == "deployment" and ref_s:
           goal = med / statistics.median(ref_s) <= DEPLOYMENT_GOAL
-          goal_line = (f"Goal: a deployment round after the first costs at most "
-                       f"{DEPLOYMENT_GOAL}x an experiments.run round: "
-                       f"{'met' if goal else 'NOT met'} ({med / statistics.median(ref_s):.2f}x).")
+          goal_line = (
+            f"Goal: a deployment round after the first costs at most "
+            f"{DEPLOYMENT_GOAL}x an experiments.run round: "
+            f"{'met' if goal else 'NOT met'} ({med / statistics.median(ref_s):.2f}x)."
+          )
       lines.append("")
       if goal_line:
         lines += [goal_line, ""]
     if len(by_seed) > 1:
       engines = sorted({e for by_engine in by_seed.values() for e in by_engine})
-      lines += [f"### {label}: final test accuracy over seeds {list(by_seed)}", "",
-                "| engine | mean | std | values |", "|---|---:|---:|---|"]
+      lines += [
+        f"### {label}: final test accuracy over seeds {list(by_seed)}",
+        "",
+        "| engine | mean | std | values |",
+        "|---|---:|---:|---|",
+      ]
       for e in engines:
-        vals = [by_engine[e]["records"][-1]["test_accuracy"] for by_engine in by_seed.values()
-                if e in by_engine]
+        vals = [
+          by_engine[e]["records"][-1]["test_accuracy"]
+          for by_engine in by_seed.values()
+          if e in by_engine
+        ]
         std = statistics.stdev(vals) if len(vals) > 1 else math.nan
-        lines.append(f"| {e} | {statistics.mean(vals):.4f} | {std:.4f} | "
-                     f"{', '.join(f'{v:.4f}' for v in vals)} |")
+        lines.append(
+          f"| {e} | {statistics.mean(vals):.4f} | {std:.4f} | "
+          f"{', '.join(f'{v:.4f}' for v in vals)} |"
+        )
       lines.append("")
   text = "\n".join(lines)
   (out / "report.md").write_text(text)
@@ -231,6 +299,7 @@ def main(argv=None) -> int:
   # SIGTERM unwinds like Ctrl-C, so every Federation stops its processes.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
+
   args.out.mkdir(parents=True, exist_ok=True)
   jax_cache = args.out / "jax_cache"
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
@@ -248,14 +317,24 @@ def main(argv=None) -> int:
         if engine == "experiments":
           res = run_experiments(config, overrides, wd)
         else:
-          res = run_flower(config, overrides, wd, engine=engine,
-                           num_clients=int(cfg.data.num_clients), dp=bool(cfg.dp.enabled),
-                           max_epsilon=args.max_epsilon,
-                           jax_cache=jax_cache, timeout=args.round_timeout)
+          res = run_flower(
+            config,
+            overrides,
+            wd,
+            engine=engine,
+            num_clients=int(cfg.data.num_clients),
+            dp=bool(cfg.dp.enabled),
+            max_epsilon=args.max_epsilon,
+            jax_cache=jax_cache,
+            timeout=args.round_timeout,
+          )
         # The machine may be shared: the 1-minute load average before and after the run.
         res["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-        print(f"   final accuracy {res['records'][-1]['test_accuracy']:.4f}, "
-              f"{res['wall_seconds']:.0f} s, load average {res['load_average']}", flush=True)
+        print(
+          f"   final accuracy {res['records'][-1]['test_accuracy']:.4f}, "
+          f"{res['wall_seconds']:.0f} s, load average {res['load_average']}",
+          flush=True,
+        )
         results.setdefault(label, {}).setdefault(seed, {})[engine] = res
         report(results, args.out)
   print(report(results, args.out))

@@ -70,10 +70,13 @@ def parse_variant(item: str) -> tuple[str, str | None]:
     return VARIANTS[item]
   backend, _, draw = item.partition(":")
   if backend not in config_lib.CLIENT_BACKENDS or (
-      draw and draw not in config_lib.DSA_FAMILY_DRAWS):
-    raise SystemExit(f"--variants item {item!r} is invalid; allowed: new, old, BACKEND or "
-                     f"BACKEND:DRAW with BACKEND in {config_lib.CLIENT_BACKENDS} and DRAW in "
-                     f"{config_lib.DSA_FAMILY_DRAWS}")
+    draw and draw not in config_lib.DSA_FAMILY_DRAWS
+  ):
+    raise SystemExit(
+      f"--variants item {item!r} is invalid; allowed: new, old, BACKEND or "
+      f"BACKEND:DRAW with BACKEND in {config_lib.CLIENT_BACKENDS} and DRAW in "
+      f"{config_lib.DSA_FAMILY_DRAWS}"
+    )
   return backend, draw or None
 
 
@@ -97,14 +100,17 @@ def goal_lines(rows: list[dict]) -> list[str]:
     round_ok = "met" if r["median_s"] <= goal else "NOT met"
     compile_ok = "met" if r["compile_s"] <= COMPILE_GOAL_S else "NOT met"
     lines.append(
-        f"{name} [{variant}]: {r['median_s']:.2f} s/round (goal <= {goal:g} s: {round_ok}), "
-        f"compile {r['compile_s']:.1f} s (goal <= {COMPILE_GOAL_S:g} s: {compile_ok})")
+      f"{name} [{variant}]: {r['median_s']:.2f} s/round (goal <= {goal:g} s: {round_ok}), "
+      f"compile {r['compile_s']:.1f} s (goal <= {COMPILE_GOAL_S:g} s: {compile_ok})"
+    )
   for name in GOALS:
     new, old = by.get((name, "new")), by.get((name, "old"))
     if new and old:
-      lines.append(f"{name}: new / old = {new['median_s']:.2f} / {old['median_s']:.2f} s = "
-                   f"{new['median_s'] / old['median_s']:.2f} (compile {new['compile_s']:.1f} "
-                   f"vs {old['compile_s']:.1f} s)")
+      lines.append(
+        f"{name}: new / old = {new['median_s']:.2f} / {old['median_s']:.2f} s = "
+        f"{new['median_s'] / old['median_s']:.2f} (compile {new['compile_s']:.1f} "
+        f"vs {old['compile_s']:.1f} s)"
+      )
   return lines
 
 
@@ -118,14 +124,25 @@ def configs(small: bool) -> dict:
     problem = dataclasses.replace(problem, records=400)
     width = 16
     dp = dataclasses.replace(
-        dp, client=dataclasses.replace(dp.client, iterations=1, max_outer=2, batch_loop=2,
-                                       boost_loop=2, inner_loop=1),
-        server=dataclasses.replace(dp.server, max_epochs=3))
+      dp,
+      client=dataclasses.replace(
+        dp.client, iterations=1, max_outer=2, batch_loop=2, boost_loop=2, inner_loop=1
+      ),
+      server=dataclasses.replace(dp.server, max_epochs=3),
+    )
     nondp = dataclasses.replace(
-        nondp, client=dataclasses.replace(nondp.client, ipc=10, max_outer=2, batch_loop=2,
-                                          boost_loop=2, calibration_epochs=2,
-                                          calibration_eval_size=256),
-        server=dataclasses.replace(nondp.server, max_epochs=3))
+      nondp,
+      client=dataclasses.replace(
+        nondp.client,
+        ipc=10,
+        max_outer=2,
+        batch_loop=2,
+        boost_loop=2,
+        calibration_epochs=2,
+        calibration_eval_size=256,
+      ),
+      server=dataclasses.replace(nondp.server, max_epochs=3),
+    )
   return {"cifar_dp": (dp, problem, width), "cifar_nondp": (nondp, problem, width)}
 
 
@@ -143,16 +160,17 @@ def round_row(name, cfg, problem, width, repeats, impl, variant):
   clients = bench.random_clients(problem)
   _, apply_fn, params = bench.make_model(problem, impl, width=width)
   fn, args = bench.op_round(apply_fn, params, clients, cfg, problem, client_backend=backend)
-  res = bench.measure(f"{name} [{variant}, impl={impl}]", fn, args, repeats=repeats,
-                      warmup=False)
+  res = bench.measure(f"{name} [{variant}, impl={impl}]", fn, args, repeats=repeats, warmup=False)
   metrics = res["output"][1]
   units = bench.unit_flops(apply_fn, params, clients, cfg, problem)
   res["flops_executed"] = bench.round_flops(metrics, units, cfg, problem)
-  note = (f"client_backend={backend!r}, dsa_family_draw={cfg.client.dsa_family_draw!r}: "
-          f"{problem.num_clients} clients x {problem.records}, "
-          f"width {width}, "
-          f"{int(np.sum(metrics.client.real_accesses))} real batches, "
-          f"server {int(metrics.server.epochs)} epochs")
+  note = (
+    f"client_backend={backend!r}, dsa_family_draw={cfg.client.dsa_family_draw!r}: "
+    f"{problem.num_clients} clients x {problem.records}, "
+    f"width {width}, "
+    f"{int(np.sum(metrics.client.real_accesses))} real batches, "
+    f"server {int(metrics.server.epochs)} epochs"
+  )
   out = bench.row(res, None, note)
   out.update(config=name, variant=variant, impl=impl)
   return out
@@ -164,6 +182,7 @@ def per_example_rows(problem, width, repeats, impls, deadline):
   methods = ["layerwise", "vmap"]
   try:
     import jax_privacy  # noqa: F401
+
     methods.append("jax_privacy")
   except ImportError:
     pass
@@ -174,13 +193,15 @@ def per_example_rows(problem, width, repeats, impls, deadline):
       if time.monotonic() > deadline:
         bench._log("budget reached: remaining per-example measurements skipped")
         return rows
-      fn, args = bench.op_gradient(apply_fn, params, clients, cfg, dp=method is not None,
-                                   slots=256, method=method or "auto")
+      fn, args = bench.op_gradient(
+        apply_fn, params, clients, cfg, dp=method is not None, slots=256, method=method or "auto"
+      )
       label = f"DP gradient [{method}]" if method else "non-DP gradient"
       res = bench.measure(f"{label}, impl={impl}", fn, args, repeats=repeats)
       # XLA counts a chunk loop once: FLOPs of the slots actually processed.
       res["flops_executed"] = bench.gradient_flops(
-          apply_fn, params, clients, cfg, 256, dp=method is not None, method=method or "auto")
+        apply_fn, params, clients, cfg, 256, dp=method is not None, method=method or "auto"
+      )
       rows.append(bench.row(res, None, "256 examples"))
   return rows
 
@@ -189,20 +210,30 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke test")
   parser.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --small)")
-  parser.add_argument("--budget-s", type=float, default=420.0,
-                      help="skip what would start after this many seconds")
+  parser.add_argument(
+    "--budget-s", type=float, default=420.0, help="skip what would start after this many seconds"
+  )
   parser.add_argument("--impl", default="auto", help="ConvNet.impl of the rounds")
   parser.add_argument("--only", default="cifar_dp,cifar_nondp,per_example")
-  parser.add_argument("--variants", default="new,old",
-                      help="round variants, measured in this order (every config with the "
-                           "first, then the next): new (vmap, shared DSA family), old (map, "
-                           "per-client family), BACKEND or BACKEND:DRAW")
-  parser.add_argument("--client-backends", default=None,
-                      help="earlier spelling: backends only (each with the config's draw); "
-                           "overrides --variants")
+  parser.add_argument(
+    "--variants",
+    default="new,old",
+    help="round variants, measured in this order (every config with the "
+    "first, then the next): new (vmap, shared DSA family), old (map, "
+    "per-client family), BACKEND or BACKEND:DRAW",
+  )
+  parser.add_argument(
+    "--client-backends",
+    default=None,
+    help="earlier spelling: backends only (each with the config's draw); overrides --variants",
+  )
   parser.add_argument("--json", default=None)
-  parser.add_argument("--from-json", default=None, metavar="PATH",
-                      help="measure nothing: print the goal lines of an earlier run's JSON")
+  parser.add_argument(
+    "--from-json",
+    default=None,
+    metavar="PATH",
+    help="measure nothing: print the goal lines of an earlier run's JSON",
+  )
   args = parser.parse_args(argv)
   if args.from_json:
     with open(args.from_json) as f:
@@ -232,8 +263,10 @@ def main(argv=None) -> int:
       t0 = time.monotonic()
       rows.append(round_row(name, cfg, problem, width, args.repeats, args.impl, variant))
       last = time.monotonic() - t0
-      bench._log(f"{name} [{variant}]: {rows[-1]['median_s']:.2f} s/round, "
-                 f"compile {rows[-1]['compile_s']:.1f} s, part took {last:.0f} s")
+      bench._log(
+        f"{name} [{variant}]: {rows[-1]['median_s']:.2f} s/round, "
+        f"compile {rows[-1]['compile_s']:.1f} s, part took {last:.0f} s"
+      )
   if "per_example" in parts:
     problem, width = configs(args.small)["cifar_dp"][1:]
     impls = ["flax", "hybrid"] if jax.default_backend() != "cpu" else ["hybrid"]
@@ -246,8 +279,10 @@ def main(argv=None) -> int:
     print("(--small: shrunk rounds on this machine; the goals are for the full rounds on an H100)")
   for line in goal_lines(rows):
     print(line)
-  print(f"\ntotal {env['total_s']:.0f} s, jax {env['jax']} on {env['backend']} "
-        f"({env['devices']}), device peak {env['device_peak_bytes']}")
+  print(
+    f"\ntotal {env['total_s']:.0f} s, jax {env['jax']} on {env['backend']} "
+    f"({env['devices']}), device peak {env['device_peak_bytes']}"
+  )
   path = args.json or os.path.join(os.environ.get("OUT", "."), "gpu_round.json")
   with open(path, "w") as f:
     json.dump({"environment": env, "title": title, "rows": rows}, f, indent=1, default=str)

@@ -71,7 +71,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
     path.append(m)
     for d in sorted(g[m]):
       if state.get(d) == 1:
-        return path[path.index(d):] + [d]
+        return path[path.index(d) :] + [d]
       if d not in state:
         cycle = visit(d)
         if cycle:
@@ -116,8 +116,12 @@ def longest_chain(g: dict[str, set[str]]) -> list[str]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("root", nargs="?", default=str(ROOT),
-                      help=f"the package directory (default: {PACKAGE}/ of this repository)")
+  parser.add_argument(
+    "root",
+    nargs="?",
+    default=str(ROOT),
+    help=f"the package directory (default: {PACKAGE}/ of this repository)",
+  )
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   args = parser.parse_args(argv)
   root = pathlib.Path(args.root)
@@ -125,15 +129,21 @@ def main(argv=None) -> int:
   g = graph(root)
   cycle = find_cycle(g)
   if args.json:
-    print(json.dumps({"graph": {m: sorted(d) for m, d in g.items()}, "cycle": cycle,
-                      "floors": None if cycle else floors(g),
-                      "longest_chain": None if cycle else longest_chain(g)}))
+    print(
+      json.dumps(
+        {
+          "graph": {m: sorted(d) for m, d in g.items()},
+          "cycle": cycle,
+          "floors": None if cycle else floors(g),
+          "longest_chain": None if cycle else longest_chain(g),
+        }
+      )
+    )
     return 1 if cycle else 0
   lines = {m: len(p.read_text().splitlines()) for m, p in mods.items()}
   init = root / "__init__.py"
   init_lines = len(init.read_text().splitlines()) if init.is_file() else 0
-  print(f"{len(mods)} modules (+ __init__.py, {init_lines} lines), "
-        f"{sum(lines.values())} lines")
+  print(f"{len(mods)} modules (+ __init__.py, {init_lines} lines), {sum(lines.values())} lines")
   if cycle:
     # Floors over the graph without deferred imports would hide it; report it plainly.
     print("import cycle:", " -> ".join(cycle))
@@ -145,6 +155,7 @@ def main(argv=None) -> int:
     print(f"  floor {f[m]}  {m:<14} {lines[m]:>5}  imports {', '.join(sorted(g[m])) or '-'}")
   print(f"{max(f.values())} floors; longest chain: {' -> '.join(longest_chain(g))}")
   return 0
+
 
 if __name__ == "__main__":
   sys.exit(main())

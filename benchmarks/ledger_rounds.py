@@ -40,9 +40,11 @@ def client_sizes(num_clients: int) -> list[int]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+
   y = np.repeat(np.arange(10), 800)
-  parts = data_lib.partition(y, num_clients=num_clients, scheme="dirichlet", num_classes=10,
-                             alpha=0.5, seed=0)
+  parts = data_lib.partition(
+    y, num_clients=num_clients, scheme="dirichlet", num_classes=10, alpha=0.5, seed=0
+  )
   return [max(BATCH, len(p)) for p in parts]
 
 
@@ -51,20 +53,26 @@ class BeforeLedgers:
 
   def __init__(self, sizes):
     from dp_accounting import rdp  # pylint: disable=g-import-not-at-top
-    self.ledgers = [{"n": n, "steps": (), "acc": rdp.RdpAccountant(), "eps": 0.0}
-                    for n in sizes]
+
+    self.ledgers = [{"n": n, "steps": (), "acc": rdp.RdpAccountant(), "eps": 0.0} for n in sizes]
 
   def record_round(self, ids) -> float:
     from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+
     done, new = {}, list(self.ledgers)
     for i in ids:
       old = self.ledgers[i]
       key = (old["n"], old["steps"])
       if key not in done:
         led = copy.deepcopy(old)
-        led["acc"].compose(accounting.round_event(
-            noise_multiplier=SIGMA, batch_size=BATCH, min_client_size=led["n"],
-            steps_per_round=STEPS))
+        led["acc"].compose(
+          accounting.round_event(
+            noise_multiplier=SIGMA,
+            batch_size=BATCH,
+            min_client_size=led["n"],
+            steps_per_round=STEPS,
+          )
+        )
         led["eps"] = float(led["acc"].get_epsilon(DELTA))
         led["steps"] = led["steps"] + (STEPS,)
         done[key] = led
@@ -75,8 +83,14 @@ class BeforeLedgers:
 
 def after_ledgers(sizes, adjacency):
   from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
-  return accounting.DpMechanism(noise_multiplier=SIGMA, batch_size=BATCH, steps_per_round=STEPS,
-                                delta=DELTA, adjacency=adjacency).client_ledgers(sizes)
+
+  return accounting.DpMechanism(
+    noise_multiplier=SIGMA,
+    batch_size=BATCH,
+    steps_per_round=STEPS,
+    delta=DELTA,
+    adjacency=adjacency,
+  ).client_ledgers(sizes)
 
 
 def time_rounds(ledgers, draws) -> tuple[list[float], float]:
@@ -95,29 +109,44 @@ def main(argv=None) -> int:
   p.add_argument("--per-round", type=int, nargs="+", default=[5, 500])
   args = p.parse_args(argv)
   from fedlap_jax import accounting, participation  # pylint: disable=g-import-not-at-top
+
   sizes = client_sizes(args.clients)
-  print(f"K = {args.clients} clients, N_k {min(sizes)}..{max(sizes)} ({len(set(sizes))} "
-        f"distinct), sigma {SIGMA}, B {BATCH}, T {STEPS}, delta {DELTA:g}, "
-        f"{args.rounds} rounds; load before {os.getloadavg()[0]:.2f}")
-  print("| way | per round | round 1 (s) | median of rounds 2.. (s) | median of the last half "
-        "(s) | final epsilon | load |")
+  print(
+    f"K = {args.clients} clients, N_k {min(sizes)}..{max(sizes)} ({len(set(sizes))} "
+    f"distinct), sigma {SIGMA}, B {BATCH}, T {STEPS}, delta {DELTA:g}, "
+    f"{args.rounds} rounds; load before {os.getloadavg()[0]:.2f}"
+  )
+  print(
+    "| way | per round | round 1 (s) | median of rounds 2.. (s) | median of the last half "
+    "(s) | final epsilon | load |"
+  )
   print("|---|---:|---:|---:|---:|---:|---:|")
   for m in args.per_round:
-    draws = [participation.sample_clients(0, r, args.clients, m).tolist()
-             for r in range(1, args.rounds + 1)]
+    draws = [
+      participation.sample_clients(0, r, args.clients, m).tolist()
+      for r in range(1, args.rounds + 1)
+    ]
     eps_of = {}
-    for way, make in (("before", lambda: BeforeLedgers(sizes)),
-                      ("after, add_remove", lambda: after_ledgers(sizes, "add_remove")),
-                      ("after, replace_one", lambda: after_ledgers(sizes, "replace_one"))):
-      for cache in (accounting._step_rdp, accounting._step_pld,  # pylint: disable=protected-access
-                    accounting._replace_one):  # pylint: disable=protected-access
+    for way, make in (
+      ("before", lambda: BeforeLedgers(sizes)),
+      ("after, add_remove", lambda: after_ledgers(sizes, "add_remove")),
+      ("after, replace_one", lambda: after_ledgers(sizes, "replace_one")),
+    ):
+      for cache in (
+        accounting._step_rdp,
+        accounting._step_pld,  # pylint: disable=protected-access
+        accounting._replace_one,
+      ):  # pylint: disable=protected-access
         cache.cache_clear()  # each way starts cold
       seconds, eps = time_rounds(make(), draws)
       eps_of[way] = eps
       later = statistics.median(seconds[1:]) if len(seconds) > 1 else float("nan")
-      last = statistics.median(seconds[len(seconds) // 2:])
-      print(f"| {way} | {m} | {seconds[0]:.3f} | {later:.4f} | {last:.4f} | {eps:.4f} | "
-            f"{os.getloadavg()[0]:.2f} |", flush=True)
+      last = statistics.median(seconds[len(seconds) // 2 :])
+      print(
+        f"| {way} | {m} | {seconds[0]:.3f} | {later:.4f} | {last:.4f} | {eps:.4f} | "
+        f"{os.getloadavg()[0]:.2f} |",
+        flush=True,
+      )
     if abs(eps_of["before"] - eps_of["after, add_remove"]) > 1e-9 * eps_of["before"]:
       raise SystemExit(f"the add/remove epsilons differ: {eps_of}")
   print(f"load after {os.getloadavg()[0]:.2f}")

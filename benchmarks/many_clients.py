@@ -59,17 +59,26 @@ PNG = Path(__file__).parent / "results" / "many_clients.png"
 def default_data() -> Path:
   """Where ``python -m experiments.datasets mnist10k`` writes the subset by default."""
   from experiments import datasets  # pylint: disable=g-import-not-at-top
+
   return datasets.output_path(SUBSET)
 
 
-def bench_config(method: str, num_clients: int, per_round: int | None, *, rounds: int,
-                 small: bool, data: str | os.PathLike | None = None):
+def bench_config(
+  method: str,
+  num_clients: int,
+  per_round: int | None,
+  *,
+  rounds: int,
+  small: bool,
+  data: str | os.PathLike | None = None,
+):
   """The measured config: ``method`` on K Dirichlet clients, ``per_round`` of them per round.
 
   ``data``: the mnist10k npz (default :func:`default_data`); unused with ``small``
   (scikit-learn's digits).
   """
   from experiments.configs import baselines, quickstart  # pylint: disable=g-import-not-at-top
+
   if method == "fedlap_dp":
     cfg = quickstart.dp_config()
     c = cfg.client
@@ -103,8 +112,14 @@ def bench_config(method: str, num_clients: int, per_round: int | None, *, rounds
   return cfg
 
 
-def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
-            small: bool, data: str | None = None) -> dict:
+def measure(
+  method: str,
+  num_clients: int,
+  per_round: int | None,
+  rounds: int,
+  small: bool,
+  data: str | None = None,
+) -> dict:
   """One setting in this process (call it in a fresh one: peak RSS is the process's)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -138,26 +153,42 @@ def measure(method: str, num_clients: int, per_round: int | None, rounds: int,
   record_bytes = int(np.prod(info["image_shape"]))  # uint8 pixels
   m = num_clients if per_round is None else per_round
   return {
-      "method": method, "clients": num_clients, "per_round": m, "rounds": rounds,
-      "first_round_s": round(records[0]["round_seconds"], 2),
-      "round_s": round(statistics.median(r["round_seconds"] for r in records[1:]), 3),
-      "rounds_s": [round(r["round_seconds"], 3) for r in records],
-      "accounting_s": round(accounting_s, 3),
-      "ledger_compositions": len(spent),
-      "total_s": round(total, 1),
-      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-      "host_data_mb": round(num_clients * n_max * record_bytes / 1e6, 2),
-      "block_mb": round(m * n_max * record_bytes / 1e6, 2),
-      "n_min": min(sizes), "n_max": n_max,
-      "epsilon_max": records[-1]["epsilon"],
-      "load": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    "method": method,
+    "clients": num_clients,
+    "per_round": m,
+    "rounds": rounds,
+    "first_round_s": round(records[0]["round_seconds"], 2),
+    "round_s": round(statistics.median(r["round_seconds"] for r in records[1:]), 3),
+    "rounds_s": [round(r["round_seconds"], 3) for r in records],
+    "accounting_s": round(accounting_s, 3),
+    "ledger_compositions": len(spent),
+    "total_s": round(total, 1),
+    "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    "host_data_mb": round(num_clients * n_max * record_bytes / 1e6, 2),
+    "block_mb": round(m * n_max * record_bytes / 1e6, 2),
+    "n_min": min(sizes),
+    "n_max": n_max,
+    "epsilon_max": records[-1]["epsilon"],
+    "load": [round(load_before, 1), round(os.getloadavg()[0], 1)],
   }
 
 
-def run_child(method: str, num_clients: int, per_round: int | None, rounds: int,
-              small: bool, data: str | None = None) -> dict:
-  argv = [sys.executable, "-m", "benchmarks.many_clients", "--one",
-          f"{method},{num_clients},{per_round or 0}", f"--rounds={rounds}"]
+def run_child(
+  method: str,
+  num_clients: int,
+  per_round: int | None,
+  rounds: int,
+  small: bool,
+  data: str | None = None,
+) -> dict:
+  argv = [
+    sys.executable,
+    "-m",
+    "benchmarks.many_clients",
+    "--one",
+    f"{method},{num_clients},{per_round or 0}",
+    f"--rounds={rounds}",
+  ]
   if small:
     argv.append("--small")
   if data:
@@ -165,36 +196,46 @@ def run_child(method: str, num_clients: int, per_round: int | None, rounds: int,
   proc = subprocess.run(argv, capture_output=True, text=True, check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
-    raise SystemExit(f"setting {method} K={num_clients} m={per_round} failed "
-                     f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise SystemExit(
+      f"setting {method} K={num_clients} m={per_round} failed "
+      f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    )
   return json.loads(lines[-1])
 
 
 def table(rows: list[dict]) -> str:
-  out = ["| method | clients K | per round | N_k min..max | round 1 with compile (s) | "
-         "s / round | of which accounting | peak RSS (MB) | host data (MB) | device block (MB) | "
-         "load before, after |",
-         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+  out = [
+    "| method | clients K | per round | N_k min..max | round 1 with compile (s) | "
+    "s / round | of which accounting | peak RSS (MB) | host data (MB) | device block (MB) | "
+    "load before, after |",
+    "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+  ]
   for r in rows:
-    out.append(f"| {r['method']} | {r['clients']} | {r['per_round']} | {r['n_min']}..{r['n_max']}"
-               f" | {r['first_round_s']} | {r['round_s']} | {r['accounting_s']} | "
-               f"{r['peak_rss_mb']} | "
-               f"{r['host_data_mb']} | {r['block_mb']} | {r['load'][0]}, {r['load'][1]} |")
+    out.append(
+      f"| {r['method']} | {r['clients']} | {r['per_round']} | {r['n_min']}..{r['n_max']}"
+      f" | {r['first_round_s']} | {r['round_s']} | {r['accounting_s']} | "
+      f"{r['peak_rss_mb']} | "
+      f"{r['host_data_mb']} | {r['block_mb']} | {r['load'][0]}, {r['load'][1]} |"
+    )
   return "\n".join(out)
 
 
 def plot(rows: list[dict], path: Path) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
   for method in METHODS:
     for all_clients, style in ((False, "-o"), (True, "--s")):
       # K = 5 is on both lines (5 per round is every client there).
-      pts = sorted((r["clients"], r["round_s"] - r["accounting_s"]) for r in rows
-                   if r["method"] == method
-                   and (r["per_round"] == r["clients"] if all_clients
-                        else r["per_round"] == PER_ROUND))
+      pts = sorted(
+        (r["clients"], r["round_s"] - r["accounting_s"])
+        for r in rows
+        if r["method"] == method
+        and (r["per_round"] == r["clients"] if all_clients else r["per_round"] == PER_ROUND)
+      )
       if pts:
         label = f"{method}, {'all clients' if all_clients else f'{PER_ROUND} per round'}"
         ax.plot(*zip(*pts), style, label=label)
@@ -213,45 +254,64 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--small", action="store_true",
-                      help="digits (sklearn), K 5 and 20, 2 rounds: a quick check")
-  parser.add_argument("--data", default=None,
-                      help="the mnist10k npz (default: where `python -m experiments.datasets "
-                           "mnist10k` writes it)")
-  parser.add_argument("--rounds", type=int, default=None,
-                      help="rounds per setting (default 3; --small 2); the first compiles")
+  parser.add_argument(
+    "--small", action="store_true", help="digits (sklearn), K 5 and 20, 2 rounds: a quick check"
+  )
+  parser.add_argument(
+    "--data",
+    default=None,
+    help="the mnist10k npz (default: where `python -m experiments.datasets mnist10k` writes it)",
+  )
+  parser.add_argument(
+    "--rounds",
+    type=int,
+    default=None,
+    help="rounds per setting (default 3; --small 2); the first compiles",
+  )
   parser.add_argument("--clients", default=None, help="comma-separated K (default 5,20,100,500)")
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--png", default=str(PNG))
-  parser.add_argument("--from-log", default=None,
-                      help="print the table and draw the plot from the JSON lines of an earlier run")
+  parser.add_argument(
+    "--from-log",
+    default=None,
+    help="print the table and draw the plot from the JSON lines of an earlier run",
+  )
   parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   rounds = args.rounds or (2 if args.small else 3)
   if rounds < 2:
     raise SystemExit(f"--rounds={rounds} is invalid; allowed: >= 2 (round 1 compiles)")
   if args.from_log:
-    rows = [json.loads(l) for l in Path(args.from_log).read_text().splitlines()
-            if l.startswith("{")]
+    rows = [
+      json.loads(l) for l in Path(args.from_log).read_text().splitlines() if l.startswith("{")
+    ]
     print(table(rows))
     plot(rows, Path(args.png))
     print(f"plot: {args.png} ({Path(args.png).stat().st_size / 1e3:.0f} KB)")
     return 0
   if args.one:
     method, k, m = args.one.split(",")
-    print(json.dumps(measure(method, int(k), int(m) or None, rounds, args.small, args.data)),
-          flush=True)
+    print(
+      json.dumps(measure(method, int(k), int(m) or None, rounds, args.small, args.data)), flush=True
+    )
     return 0
   if not args.small and not Path(args.data or default_data()).is_file():
-    raise SystemExit(f"--data={str(args.data or default_data())!r} is invalid: no such file; "
-                     f"allowed: the {SUBSET} npz, built by `python -m experiments.datasets "
-                     f"{SUBSET}`, or --small (scikit-learn's digits, offline)")
-  ks = ([int(k) for k in args.clients.split(",")] if args.clients
-        else SMALL_CLIENTS if args.small else CLIENTS)
+    raise SystemExit(
+      f"--data={str(args.data or default_data())!r} is invalid: no such file; "
+      f"allowed: the {SUBSET} npz, built by `python -m experiments.datasets "
+      f"{SUBSET}`, or --small (scikit-learn's digits, offline)"
+    )
+  ks = (
+    [int(k) for k in args.clients.split(",")]
+    if args.clients
+    else SMALL_CLIENTS
+    if args.small
+    else CLIENTS
+  )
   rows = []
   for method in args.methods.split(","):
     for k in ks:
-      for per_round in ((PER_ROUND, None) if k > PER_ROUND else (None,)):
+      for per_round in (PER_ROUND, None) if k > PER_ROUND else (None,):
         rows.append(run_child(method, k, per_round, rounds, args.small, args.data))
         print(json.dumps(rows[-1]), flush=True)
   print(table(rows))

@@ -32,6 +32,7 @@ from fedlap_jax import matching, models, privacy
 
 def _digits(n: int):
   from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+
   d = load_digits()
   x = (d.images[:n, :, :, None] / 16.0 - 0.3) / 0.4
   return jnp.asarray(x, jnp.float32), jnp.asarray(d.target[:n])
@@ -48,6 +49,7 @@ def image_gradient(apply_fn, params, g_real, x_syn, y_syn, dtype):
   def loss(x):
     g_syn = privacy.real_gradient(apply_fn, params, x, y_syn, jnp.zeros(len(y_syn), bool))
     return matching.matching_distance(g_real, g_syn)
+
   return np.asarray(jax.jit(jax.grad(loss))(x_syn), np.float64)
 
 
@@ -58,12 +60,21 @@ def precision() -> None:
   print("| conv_bias | real gradient | rel. error float32 vs float64 | norm (float64) |")
   print("|---|---|---:|---:|")
   for conv_bias in (True, False):
-    model, params = models.init_convnet(jax.random.key(0), (8, 8, 1), width=32, depth=2,
-                                        conv_bias=conv_bias)
+    model, params = models.init_convnet(
+      jax.random.key(0), (8, 8, 1), width=32, depth=2, conv_bias=conv_bias
+    )
     apply_fn = lambda p, v, m=model: m.apply({"params": p}, v)  # noqa: E731
-    g_dp, _ = privacy.private_gradient(jax.random.key(1), apply_fn, params, x, y,
-                                       jnp.zeros(len(y), bool), l2_clip_norm=1.0,
-                                       noise_multiplier=1.0, expected_batch_size=64.0)
+    g_dp, _ = privacy.private_gradient(
+      jax.random.key(1),
+      apply_fn,
+      params,
+      x,
+      y,
+      jnp.zeros(len(y), bool),
+      l2_clip_norm=1.0,
+      noise_multiplier=1.0,
+      expected_batch_size=64.0,
+    )
     g_plain = privacy.real_gradient(apply_fn, params, x, y, jnp.zeros(len(y), bool))
     for name, g in (("DP (C 1, sigma 1)", g_dp), ("non-DP", g_plain)):
       exact = image_gradient(apply_fn, params, g, x_syn, y_syn, jnp.float64)
@@ -75,6 +86,7 @@ def precision() -> None:
 def sensitivity() -> None:
   from experiments import train  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+
   setup = train.build_run(quickstart.dp_config())
   alg, state, clients = setup.algorithm, setup.state, setup.clients
 
@@ -92,8 +104,9 @@ def sensitivity() -> None:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--skip-sensitivity", action="store_true",
-                      help="only the float32/float64 comparison")
+  parser.add_argument(
+    "--skip-sensitivity", action="store_true", help="only the float32/float64 comparison"
+  )
   args = parser.parse_args(argv)
   with jax.enable_x64(True):
     precision()

@@ -33,8 +33,8 @@ from fedlap_jax import config as config_lib  # noqa: E402
 
 # name -> (config, server steps of the measured round)
 ROUNDS = {
-    "cifar_dp": (config_lib.paper_dp_config, 100),
-    "cifar_nondp": (bench.paper_nondp_bounded, 4),
+  "cifar_dp": (config_lib.paper_dp_config, 100),
+  "cifar_nondp": (bench.paper_nondp_bounded, 4),
 }
 
 
@@ -49,10 +49,12 @@ def round_flops(name: str) -> tuple[float, dict[str, float]]:
   units = bench.unit_flops(apply_fn, params, clients, cfg, problem)
   k = problem.num_clients
   metrics = types.SimpleNamespace(
-      client=types.SimpleNamespace(
-          real_accesses=np.full(k, cc.real_accesses_per_round),
-          outer_iterations=np.full((k, cc.iterations), cc.max_outer)),
-      server=types.SimpleNamespace(steps=np.array(server_steps)))
+    client=types.SimpleNamespace(
+      real_accesses=np.full(k, cc.real_accesses_per_round),
+      outer_iterations=np.full((k, cc.iterations), cc.max_outer),
+    ),
+    server=types.SimpleNamespace(steps=np.array(server_steps)),
+  )
   return bench.round_flops(metrics, units, cfg, problem), units
 
 

@@ -58,12 +58,19 @@ def measure(code_root: Path, method: str, iterations: int, after: float, timeout
     config.write_text(CONFIG.format(method=method))
     env = dict(os.environ, PYTHONPATH=str(code_root), JAX_PLATFORMS="cpu")
     env.pop("FEDLAP_JAX_FAULT", None)
-    argv = [sys.executable, "-m", "experiments.run", f"--config={config}",
-            f"--config.condense.iterations={iterations}", f"--workdir={Path(tmp) / 'run'}"]
+    argv = [
+      sys.executable,
+      "-m",
+      "experiments.run",
+      f"--config={config}",
+      f"--config.condense.iterations={iterations}",
+      f"--workdir={Path(tmp) / 'run'}",
+    ]
     load_before = load()
     t_start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=code_root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+      argv, cwd=code_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines, started = [], threading.Event()
 
     def read():
@@ -71,6 +78,7 @@ def measure(code_root: Path, method: str, iterations: int, after: float, timeout
         lines.append(line)
         if any(s in line for s in STARTED):
           started.set()
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     if not started.wait(timeout):
@@ -79,8 +87,10 @@ def measure(code_root: Path, method: str, iterations: int, after: float, timeout
     t_loop = time.monotonic()
     time.sleep(after)
     if proc.poll() is not None:
-      raise RuntimeError(f"the run ended before SIGTERM (status {proc.returncode}); use more "
-                         "--iterations:\n" + "".join(lines[-20:]))
+      raise RuntimeError(
+        f"the run ended before SIGTERM (status {proc.returncode}); use more "
+        "--iterations:\n" + "".join(lines[-20:])
+      )
     t_term = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
@@ -90,28 +100,46 @@ def measure(code_root: Path, method: str, iterations: int, after: float, timeout
       status = "killed after timeout"
     t_exit = time.monotonic()
     reader.join(5)
-    ckpts = sorted(p.name for p in (Path(tmp) / "run" / "checkpoints").glob("*")
-                   if p.name.isdigit())
-    return {"code_root": str(code_root), "method": method, "iterations": iterations,
-            "startup_s": round(t_loop - t_start, 1), "sigterm_after_loop_start_s": after,
-            "sigterm_to_exit_s": round(t_exit - t_term, 1), "exit_status": status,
-            "checkpoints": ckpts, "load_before": load_before, "load_after": load(),
-            "last_lines": [line.rstrip() for line in lines[-3:]]}
+    ckpts = sorted(
+      p.name for p in (Path(tmp) / "run" / "checkpoints").glob("*") if p.name.isdigit()
+    )
+    return {
+      "code_root": str(code_root),
+      "method": method,
+      "iterations": iterations,
+      "startup_s": round(t_loop - t_start, 1),
+      "sigterm_after_loop_start_s": after,
+      "sigterm_to_exit_s": round(t_exit - t_term, 1),
+      "exit_status": status,
+      "checkpoints": ckpts,
+      "load_before": load_before,
+      "load_after": load(),
+      "last_lines": [line.rstrip() for line in lines[-3:]],
+    }
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--code-root", type=Path, nargs="+", default=[ROOT])
   p.add_argument("--method", default="dsc", choices=("dsc", "dsc_centralized", "psg"))
-  p.add_argument("--iterations", type=int, default=10,
-                 help="condense.iterations (fresh networks): the round's length")
-  p.add_argument("--after", type=float, default=10.0,
-                 help="seconds after the loop starts to send SIGTERM")
+  p.add_argument(
+    "--iterations",
+    type=int,
+    default=10,
+    help="condense.iterations (fresh networks): the round's length",
+  )
+  p.add_argument(
+    "--after", type=float, default=10.0, help="seconds after the loop starts to send SIGTERM"
+  )
   p.add_argument("--timeout", type=float, default=1800.0)
   args = p.parse_args()
   for root in args.code_root:
-    print(json.dumps(measure(root.resolve(), args.method, args.iterations, args.after,
-                             args.timeout), indent=2), flush=True)
+    print(
+      json.dumps(
+        measure(root.resolve(), args.method, args.iterations, args.after, args.timeout), indent=2
+      ),
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

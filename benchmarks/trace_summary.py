@@ -43,8 +43,11 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 def summarise(events: list[dict]) -> list[ProcessSummary]:
   """Per-process busy time and event totals of Chrome trace ``events`` (``ph == "X"``)."""
-  names = {e["pid"]: e.get("args", {}).get("name", str(e["pid"])) for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  names = {
+    e["pid"]: e.get("args", {}).get("name", str(e["pid"]))
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
   complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
   if not complete:
     return []
@@ -78,15 +81,20 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   paths = sorted(pathlib.Path(args.dir).rglob("*.trace.json.gz"))
   if not paths:
-    print(f"no *.trace.json.gz under {args.dir}; allowed: a directory written by "
-          "`python -m benchmarks.bench ... --profile DIR`", file=sys.stderr)
+    print(
+      f"no *.trace.json.gz under {args.dir}; allowed: a directory written by "
+      "`python -m benchmarks.bench ... --profile DIR`",
+      file=sys.stderr,
+    )
     return 2
   for path in paths:
     print(f"## {path.relative_to(args.dir)}")
     for p in summarise(load(path)):
-      print(f"{p.name}: busy {p.busy_us / 1e3:.1f} ms of {p.span_us / 1e3:.1f} ms "
-            f"({100 * p.busy_us / max(p.span_us, 1e-9):.0f}%)")
-      for name, total, count in p.events[:args.top]:
+      print(
+        f"{p.name}: busy {p.busy_us / 1e3:.1f} ms of {p.span_us / 1e3:.1f} ms "
+        f"({100 * p.busy_us / max(p.span_us, 1e-9):.0f}%)"
+      )
+      for name, total, count in p.events[: args.top]:
         print(f"  {total / 1e3:10.2f} ms  {count:6d}x  {name[:100]}")
   return 0
 

@@ -44,10 +44,12 @@ from fedlap_jax.types import ApplyFn, PyTree
 
 
 ATTACKS = {
-    # name: (feature description, file stem)
-    "blackbox_loss": ("per-example cross-entropy (nats)", "roc_blackbox"),
-    "whitebox_grad_norm": ("per-example L2 norm of the loss gradient over all parameters",
-                           "roc_whitebox"),
+  # name: (feature description, file stem)
+  "blackbox_loss": ("per-example cross-entropy (nats)", "roc_blackbox"),
+  "whitebox_grad_norm": (
+    "per-example L2 norm of the loss gradient over all parameters",
+    "roc_whitebox",
+  ),
 }
 
 
@@ -87,10 +89,12 @@ class LoadedRun(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _feature_fns(apply_fn: ApplyFn, loss_chunk: int, grad_chunk: int):
-  losses = jax.jit(lambda p, x, y: auditing.per_example_losses(
-      apply_fn, p, x, y, chunk_size=loss_chunk))
-  norms = jax.jit(lambda p, x, y: auditing.per_example_grad_norms(
-      apply_fn, p, x, y, chunk_size=grad_chunk))
+  losses = jax.jit(
+    lambda p, x, y: auditing.per_example_losses(apply_fn, p, x, y, chunk_size=loss_chunk)
+  )
+  norms = jax.jit(
+    lambda p, x, y: auditing.per_example_grad_norms(apply_fn, p, x, y, chunk_size=grad_chunk)
+  )
   acc = jax.jit(lambda p, x, y: evaluate(apply_fn, p, x, y, chunk_size=loss_chunk).accuracy)
   return losses, norms, acc
 
@@ -100,13 +104,16 @@ def _check_xy(name: str, xy) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"{name} must be an (x, y) pair, got {type(xy).__name__}")
   x, y = np.asarray(xy[0]), np.asarray(xy[1])
   if y.ndim != 1 or x.shape[0] != y.shape[0]:
-    raise ValueError(f"{name}: x has shape {x.shape} and y {y.shape}; allowed: "
-                     "x (N, ...) and y (N,) with the same N")
+    raise ValueError(
+      f"{name}: x has shape {x.shape} and y {y.shape}; allowed: "
+      "x (N, ...) and y (N,) with the same N"
+    )
   return x, y
 
 
 def _roc(scores_in: np.ndarray, scores_out: np.ndarray):
   from sklearn import metrics  # pylint: disable=g-import-not-at-top
+
   labels = np.concatenate([np.ones(scores_in.size), np.zeros(scores_out.size)])
   scores = np.concatenate([scores_in, scores_out])
   fpr, tpr, _ = metrics.roc_curve(labels, scores)
@@ -115,6 +122,7 @@ def _roc(scores_in: np.ndarray, scores_out: np.ndarray):
 
 def _plot_roc(path: Path, title: str, curves: dict, min_fpr: float) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -153,20 +161,20 @@ def _finite_or_none(v):
 
 
 def audit_model(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    members,
-    nonmembers,
-    *,
-    seed: int,
-    out_dir: str | os.PathLike | None,
-    accountant_epsilon: float | None = None,
-    delta: float | None = None,
-    confidence: float = 0.95,
-    label: str = "model",
-    run_info: dict | None = None,
-    loss_chunk_size: int = 512,
-    grad_chunk_size: int = 64,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  members,
+  nonmembers,
+  *,
+  seed: int,
+  out_dir: str | os.PathLike | None,
+  accountant_epsilon: float | None = None,
+  delta: float | None = None,
+  confidence: float = 0.95,
+  label: str = "model",
+  run_info: dict | None = None,
+  loss_chunk_size: int = 512,
+  grad_chunk_size: int = 64,
 ) -> dict:
   """Black-box (loss) and white-box (gradient-norm) membership inference on one model.
 
@@ -194,8 +202,9 @@ def audit_model(
   if not 0.5 < confidence < 1:
     raise ValueError(f"confidence={confidence!r} is invalid; allowed: a number in (0.5, 1)")
   if accountant_epsilon is not None and not accountant_epsilon >= 0:
-    raise ValueError(f"accountant_epsilon={accountant_epsilon!r} is invalid; allowed: >= 0 "
-                     "or None (no DP)")
+    raise ValueError(
+      f"accountant_epsilon={accountant_epsilon!r} is invalid; allowed: >= 0 or None (no DP)"
+    )
   bound_delta = 1e-5 if delta is None else float(delta)
   significance = 1.0 - confidence
   split = auditing.split_for_audit(seed, len(y_in), len(y_out))
@@ -208,81 +217,91 @@ def audit_model(
   xi, yi = jnp.asarray(x_in[idx_in]), jnp.asarray(y_in[idx_in], jnp.int32)
   xo, yo = jnp.asarray(x_out[idx_out]), jnp.asarray(y_out[idx_out], jnp.int32)
   features = {
-      "blackbox_loss": (np.asarray(losses_fn(params, xi, yi)), np.asarray(losses_fn(params, xo, yo))),
-      "whitebox_grad_norm": (np.asarray(norms_fn(params, xi, yi)),
-                             np.asarray(norms_fn(params, xo, yo))),
+    "blackbox_loss": (np.asarray(losses_fn(params, xi, yi)), np.asarray(losses_fn(params, xo, yo))),
+    "whitebox_grad_norm": (
+      np.asarray(norms_fn(params, xi, yi)),
+      np.asarray(norms_fn(params, xo, yo)),
+    ),
   }
 
   result = {
-      "protocol": {
-          "members": "clients' training records",
-          "nonmembers": "test split",
-          "balanced": "the larger pool subsampled to the size of the smaller one",
-          "split": "random halves: the training half fits the attack (thresholds), "
-                   "the audit half measures it",
-          "attack": "threshold on one feature: member iff sign * feature >= threshold, "
-                    "sign = -1 (a low loss / gradient norm means member; Yeom et al. 2018)",
-          "epsilon_lower_bound": "Clopper-Pearson (jax_privacy.auditing."
-                                 "CanaryScoreAuditor.epsilon_clopper_pearson)",
-          "seed": int(seed),
-      },
-      "counts": {
-          "member_pool": int(len(y_in)),
-          "nonmember_pool": int(len(y_out)),
-          "train_members": int(split.train_members.size),
-          "train_nonmembers": int(split.train_nonmembers.size),
-          "audit_members": int(split.audit_members.size),
-          "audit_nonmembers": int(split.audit_nonmembers.size),
-      },
-      "accountant": {
-          "dp": accountant_epsilon is not None,
-          "epsilon": _finite_or_none(accountant_epsilon),
-          "delta": None if delta is None else float(delta),
-      },
-      "model": {
-          "member_accuracy": float(acc_fn(params, xi, yi)),
-          "nonmember_accuracy": float(acc_fn(params, xo, yo)),
-      },
-      "attacks": {},
+    "protocol": {
+      "members": "clients' training records",
+      "nonmembers": "test split",
+      "balanced": "the larger pool subsampled to the size of the smaller one",
+      "split": "random halves: the training half fits the attack (thresholds), "
+      "the audit half measures it",
+      "attack": "threshold on one feature: member iff sign * feature >= threshold, "
+      "sign = -1 (a low loss / gradient norm means member; Yeom et al. 2018)",
+      "epsilon_lower_bound": "Clopper-Pearson (jax_privacy.auditing."
+      "CanaryScoreAuditor.epsilon_clopper_pearson)",
+      "seed": int(seed),
+    },
+    "counts": {
+      "member_pool": int(len(y_in)),
+      "nonmember_pool": int(len(y_out)),
+      "train_members": int(split.train_members.size),
+      "train_nonmembers": int(split.train_nonmembers.size),
+      "audit_members": int(split.audit_members.size),
+      "audit_nonmembers": int(split.audit_nonmembers.size),
+    },
+    "accountant": {
+      "dp": accountant_epsilon is not None,
+      "epsilon": _finite_or_none(accountant_epsilon),
+      "delta": None if delta is None else float(delta),
+    },
+    "model": {
+      "member_accuracy": float(acc_fn(params, xi, yi)),
+      "nonmember_accuracy": float(acc_fn(params, xo, yo)),
+    },
+    "attacks": {},
   }
   if run_info is not None:
     result["run"] = dict(run_info)
 
   for name, (f_in, f_out) in features.items():
     if not (np.all(np.isfinite(f_in)) and np.all(np.isfinite(f_out))):
-      raise FloatingPointError(f"{name}: the model gives non-finite features on "
-                               f"{int(np.sum(~np.isfinite(f_in)) + np.sum(~np.isfinite(f_out)))} "
-                               "records; refusing to audit a NaN/Inf model")
+      raise FloatingPointError(
+        f"{name}: the model gives non-finite features on "
+        f"{int(np.sum(~np.isfinite(f_in)) + np.sum(~np.isfinite(f_out)))} "
+        "records; refusing to audit a NaN/Inf model"
+      )
     attack = auditing.fit_threshold_attack(
-        f_in[:n_train], f_out[:n_train], significance=significance, delta=bound_delta)
+      f_in[:n_train], f_out[:n_train], significance=significance, delta=bound_delta
+    )
     ev = auditing.evaluate_attack(
-        attack, f_in[n_train:], f_out[n_train:], significance=significance, delta=bound_delta)
+      attack, f_in[n_train:], f_out[n_train:], significance=significance, delta=bound_delta
+    )
     s_in, s_out = attack.scores(f_in[n_train:]), attack.scores(f_out[n_train:])
     fpr, tpr, auc = _roc(s_in, s_out)
     result["attacks"][name] = {
-        "feature": ATTACKS[name][0],
-        "sign": attack.sign,
-        "threshold": attack.threshold,
-        "epsilon_threshold": attack.epsilon_threshold,
-        "train_auc": attack.train_auc,
-        "train_accuracy": attack.train_accuracy,
-        "auc": auc,
-        "auc_convex_hull": ev.auc_convex_hull,
-        "accuracy": ev.accuracy,
-        "tpr_at_fpr": {f"{f:g}": t for f, t in ev.tpr_at_fpr.items()},
-        "epsilon_lower_bound": ev.epsilon_lower_bound,
-        "epsilon_lower_bound_all_thresholds": ev.epsilon_lower_bound_all_thresholds,
-        "epsilon_lower_bound_max": ev.epsilon_lower_bound_max,
-        "confidence": ev.confidence,
-        "delta": ev.delta,
-        "mean_feature_members": float(np.mean(f_in[n_train:])),
-        "mean_feature_nonmembers": float(np.mean(f_out[n_train:])),
+      "feature": ATTACKS[name][0],
+      "sign": attack.sign,
+      "threshold": attack.threshold,
+      "epsilon_threshold": attack.epsilon_threshold,
+      "train_auc": attack.train_auc,
+      "train_accuracy": attack.train_accuracy,
+      "auc": auc,
+      "auc_convex_hull": ev.auc_convex_hull,
+      "accuracy": ev.accuracy,
+      "tpr_at_fpr": {f"{f:g}": t for f, t in ev.tpr_at_fpr.items()},
+      "epsilon_lower_bound": ev.epsilon_lower_bound,
+      "epsilon_lower_bound_all_thresholds": ev.epsilon_lower_bound_all_thresholds,
+      "epsilon_lower_bound_max": ev.epsilon_lower_bound_max,
+      "confidence": ev.confidence,
+      "delta": ev.delta,
+      "mean_feature_members": float(np.mean(f_in[n_train:])),
+      "mean_feature_nonmembers": float(np.mean(f_out[n_train:])),
     }
     if out_dir is not None:
       Path(out_dir).mkdir(parents=True, exist_ok=True)
       kind = "black-box (loss)" if name == "blackbox_loss" else "white-box (gradient norm)"
-      _plot_roc(Path(out_dir) / f"{ATTACKS[name][1]}.png", kind, {label: (fpr, tpr, auc)},
-                min_fpr=0.5 / s_out.size)
+      _plot_roc(
+        Path(out_dir) / f"{ATTACKS[name][1]}.png",
+        kind,
+        {label: (fpr, tpr, auc)},
+        min_fpr=0.5 / s_out.size,
+      )
 
   if out_dir is not None:
     _write_json(Path(out_dir) / "audit.json", result)
@@ -311,9 +330,11 @@ def rebuild_run(cfg) -> RebuiltRun:
   state is a valid restore template for the run's checkpoints.
   """
   from experiments import train  # pylint: disable=g-import-not-at-top
+
   setup = train.build_run(cfg)
-  return RebuiltRun(setup.apply_fn, setup.algorithm, setup.state, setup.dataset,
-                    setup.client_indices)
+  return RebuiltRun(
+    setup.apply_fn, setup.algorithm, setup.state, setup.dataset, setup.client_indices
+  )
 
 
 def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> LoadedRun:
@@ -342,8 +363,9 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
   run_dir = Path(run_dir)
   config_path = run_dir / "config.json"
   if not config_path.is_file():
-    raise FileNotFoundError(f"{config_path} does not exist; allowed: a work dir written by "
-                            "python -m experiments.run")
+    raise FileNotFoundError(
+      f"{config_path} does not exist; allowed: a work dir written by python -m experiments.run"
+    )
   with open(config_path) as f:
     cfg = ml_collections.ConfigDict(json.load(f))
   built = rebuild_run(cfg)
@@ -352,11 +374,15 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
   ckpt = checkpointing.Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
   try:
     if ckpt.latest_round() is None:
-      raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}; allowed: a run "
-                              "that completed at least one checkpointed round")
+      raise FileNotFoundError(
+        f"no checkpoint in {run_dir / 'checkpoints'}; allowed: a run "
+        "that completed at least one checkpointed round"
+      )
     if round_index is not None and round_index not in ckpt.all_rounds():
-      raise ValueError(f"round_index={round_index!r} is invalid; allowed: one of the "
-                       f"checkpointed rounds {ckpt.all_rounds()}")
+      raise ValueError(
+        f"round_index={round_index!r} is invalid; allowed: one of the "
+        f"checkpointed rounds {ckpt.all_rounds()}"
+      )
     if round_index is None:
       round_index = ckpt.latest_round()
     state, meta = ckpt.restore(built.template, round_index)
@@ -370,16 +396,16 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
   dataset = built.dataset
   members_idx = np.concatenate(built.client_indices)
   return LoadedRun(
-      apply_fn=built.apply_fn,
-      params=alg.params_of(state),
-      members=(dataset.normalise(dataset.x_train[members_idx]), dataset.y_train[members_idx]),
-      nonmembers=(dataset.normalise(dataset.x_test), dataset.y_test),
-      config=cfg.to_dict(),
-      accountant_epsilon=epsilon,
-      delta=delta,
-      round_index=int(meta.get("round", round_index)),
-      rounds=int(cfg.rounds),
-      label=method_label(cfg.method, alg.dp is not None),
+    apply_fn=built.apply_fn,
+    params=alg.params_of(state),
+    members=(dataset.normalise(dataset.x_train[members_idx]), dataset.y_train[members_idx]),
+    nonmembers=(dataset.normalise(dataset.x_test), dataset.y_test),
+    config=cfg.to_dict(),
+    accountant_epsilon=epsilon,
+    delta=delta,
+    round_index=int(meta.get("round", round_index)),
+    rounds=int(cfg.rounds),
+    label=method_label(cfg.method, alg.dp is not None),
   )
 
 
@@ -392,31 +418,42 @@ def summary_lines(result: dict) -> list[str]:
   """A short human-readable summary of an ``audit.json`` dict."""
   acc = result["accountant"]
   eps = acc["epsilon"]
-  lines = [f"accountant: epsilon={eps:.3f} (delta={acc['delta']:g})" if eps is not None
-           else "accountant: no DP (no guarantee)"]
+  lines = [
+    f"accountant: epsilon={eps:.3f} (delta={acc['delta']:g})"
+    if eps is not None
+    else "accountant: no DP (no guarantee)"
+  ]
   c = result["counts"]
   lines.append(f"audit half: {c['audit_members']} members / {c['audit_nonmembers']} non-members")
   for name, a in result["attacks"].items():
     tprs = ", ".join(f"TPR@{k}={v:.3f}" for k, v in a["tpr_at_fpr"].items())
     lines.append(
-        f"{name}: AUC={a['auc']:.3f} acc={a['accuracy']:.3f} {tprs} "
-        f"eps_lb={a['epsilon_lower_bound']:.3f} (all thresholds "
-        f"{a['epsilon_lower_bound_all_thresholds']:.3f}, max possible "
-        f"{a['epsilon_lower_bound_max']:.3f}; {a['confidence']:.0%} confidence, "
-        f"delta={a['delta']:g})")
+      f"{name}: AUC={a['auc']:.3f} acc={a['accuracy']:.3f} {tprs} "
+      f"eps_lb={a['epsilon_lower_bound']:.3f} (all thresholds "
+      f"{a['epsilon_lower_bound_all_thresholds']:.3f}, max possible "
+      f"{a['epsilon_lower_bound_max']:.3f}; {a['confidence']:.0%} confidence, "
+      f"delta={a['delta']:g})"
+    )
   return lines
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m experiments.audit", description=__doc__.split("\n\n")[0])
+    prog="python -m experiments.audit", description=__doc__.split("\n\n")[0]
+  )
   parser.add_argument("run_dir", help="a finished run directory (config.json, checkpoints/)")
   parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/audit)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the subsampling and split")
-  parser.add_argument("--confidence", type=float, default=0.95,
-                      help="confidence level of the epsilon lower bounds")
-  parser.add_argument("--round", type=int, default=None, dest="round_index",
-                      help="audit this checkpointed round (default: the newest)")
+  parser.add_argument(
+    "--confidence", type=float, default=0.95, help="confidence level of the epsilon lower bounds"
+  )
+  parser.add_argument(
+    "--round",
+    type=int,
+    default=None,
+    dest="round_index",
+    help="audit this checkpointed round (default: the newest)",
+  )
   args = parser.parse_args(argv)
   try:
     run = load_run(args.run_dir, args.round_index)
@@ -424,19 +461,36 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if run.round_index != run.rounds:
-    print(f"warning: auditing round {run.round_index} of a run configured for {run.rounds} rounds "
-          "(unfinished run or --round)", file=sys.stderr)
+    print(
+      f"warning: auditing round {run.round_index} of a run configured for {run.rounds} rounds "
+      "(unfinished run or --round)",
+      file=sys.stderr,
+    )
   out = Path(args.out) if args.out else Path(args.run_dir) / "audit"
   label = run.label
   if run.accountant_epsilon is not None:
     label = f"{label} (eps={run.accountant_epsilon:.2f})"
-  run_info = {"dir": str(Path(args.run_dir).absolute()), "method": run.config.get("method"),
-              "label": run.label, "dataset": run.config.get("data", {}).get("name"),
-              "round": run.round_index, "rounds": run.rounds}
-  result = audit_model(run.apply_fn, run.params, run.members, run.nonmembers,
-                       seed=args.seed, out_dir=out, accountant_epsilon=run.accountant_epsilon,
-                       delta=run.delta, confidence=args.confidence, label=label,
-                       run_info=run_info)
+  run_info = {
+    "dir": str(Path(args.run_dir).absolute()),
+    "method": run.config.get("method"),
+    "label": run.label,
+    "dataset": run.config.get("data", {}).get("name"),
+    "round": run.round_index,
+    "rounds": run.rounds,
+  }
+  result = audit_model(
+    run.apply_fn,
+    run.params,
+    run.members,
+    run.nonmembers,
+    seed=args.seed,
+    out_dir=out,
+    accountant_epsilon=run.accountant_epsilon,
+    delta=run.delta,
+    confidence=args.confidence,
+    label=label,
+    run_info=run_info,
+  )
   for line in summary_lines(result):
     print(line)
   print(f"wrote {out / 'audit.json'}, {out / 'roc_blackbox.png'}, {out / 'roc_whitebox.png'}")

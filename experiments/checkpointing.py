@@ -168,8 +168,10 @@ def _leaf_names(tree: PyTree) -> list[str]:
 def flatten_state(state: PyTree) -> dict[str, np.ndarray]:
   """``{name: array}`` of every leaf; typed PRNG keys become their ``key_data``."""
   leaves = jax.tree.leaves(state)
-  return {name: np.asarray(jax.random.key_data(x) if _is_key(x) else x)
-          for name, x in zip(_leaf_names(state), leaves)}
+  return {
+    name: np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+    for name, x in zip(_leaf_names(state), leaves)
+  }
 
 
 def unflatten_state(flat: dict[str, Any], template: PyTree) -> PyTree:
@@ -178,9 +180,11 @@ def unflatten_state(flat: dict[str, Any], template: PyTree) -> PyTree:
   leaves, treedef = jax.tree.flatten(template)
   missing = [n for n in names if n not in flat]
   if missing or len(flat) != len(names):
-    raise ValueError(f"checkpoint does not match this run's state: missing leaves {missing[:5]}, "
-                     f"{len(flat)} stored vs {len(names)} expected; allowed: a checkpoint "
-                     "written by the same method and config")
+    raise ValueError(
+      f"checkpoint does not match this run's state: missing leaves {missing[:5]}, "
+      f"{len(flat)} stored vs {len(names)} expected; allowed: a checkpoint "
+      "written by the same method and config"
+    )
   out = []
   for name, t in zip(names, leaves):
     v = np.asarray(flat[name])
@@ -188,8 +192,10 @@ def unflatten_state(flat: dict[str, Any], template: PyTree) -> PyTree:
       out.append(jax.random.wrap_key_data(jnp.asarray(v), impl=jax.random.key_impl(t)))
       continue
     if v.shape != np.shape(t):
-      raise ValueError(f"checkpoint leaf {name} has shape {v.shape}, expected {np.shape(t)}; "
-                       "allowed: a checkpoint written by the same config")
+      raise ValueError(
+        f"checkpoint leaf {name} has shape {v.shape}, expected {np.shape(t)}; "
+        "allowed: a checkpoint written by the same config"
+      )
     out.append(jnp.asarray(v, dtype=jnp.asarray(t).dtype))
   return jax.tree.unflatten(treedef, out)
 
@@ -213,11 +219,12 @@ class Checkpointer:
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
     self._ocp = ocp
     self.directory = Path(directory).absolute()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=False, create=True,
-        cleanup_tmp_directories=True)
+      max_to_keep=keep, enable_async_checkpointing=False, create=True, cleanup_tmp_directories=True
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_round(self) -> int | None:
@@ -237,11 +244,14 @@ class Checkpointer:
     """
     ocp = self._ocp
     meta = json.loads(json.dumps(meta, default=_json_default))
-    with faults.inside("checkpoint", round_index, ocp.handlers.JsonCheckpointHandler,
-                       "async_save"):
-      self._manager.save(int(round_index), args=ocp.args.Composite(
-          state=ocp.args.StandardSave(flatten_state(state)),
-          meta=ocp.args.JsonSave(meta)), force=True)
+    with faults.inside("checkpoint", round_index, ocp.handlers.JsonCheckpointHandler, "async_save"):
+      self._manager.save(
+        int(round_index),
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(flatten_state(state)), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+      )
       self._manager.wait_until_finished()
 
   def set_aside(self, round_index: int, destination: str | os.PathLike) -> Path:
@@ -261,8 +271,9 @@ class Checkpointer:
   def read_meta(self, round_index: int) -> dict:
     """The JSON ``meta`` item of checkpoint ``round_index`` alone (no arrays read)."""
     ocp = self._ocp
-    restored = self._manager.restore(int(round_index), args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))
+    restored = self._manager.restore(
+      int(round_index), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+    )
     return dict(restored["meta"])
 
   def restore(self, template: PyTree, round_index: int | None = None) -> tuple[PyTree, dict]:
@@ -272,9 +283,13 @@ class Checkpointer:
       round_index = self.latest_round()
     if round_index is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    restored = self._manager.restore(int(round_index), args=ocp.args.Composite(
+    restored = self._manager.restore(
+      int(round_index),
+      args=ocp.args.Composite(
         state=ocp.args.StandardRestore(_abstract(flatten_state(template))),
-        meta=ocp.args.JsonRestore()))
+        meta=ocp.args.JsonRestore(),
+      ),
+    )
     return unflatten_state(restored["state"], template), dict(restored["meta"])
 
   def close(self) -> None:

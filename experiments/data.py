@@ -62,15 +62,15 @@ PAPER_CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
 
 # Per-channel (mean, std) of pixel values in [0, 1], from the authors' code.
 NORMALIZATION = {
-    "mnist": ((0.1307,), (0.3081,)),
-    "fashion_mnist": ((0.2861,), (0.3530,)),
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+  "mnist": ((0.1307,), (0.3081,)),
+  "fashion_mnist": ((0.2861,), (0.3530,)),
+  "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
 }
 # Where tfds downloads each dataset from (host, port): probed before a download.
 DOWNLOAD_HOSTS = {
-    "mnist": ("storage.googleapis.com", 443),
-    "fashion_mnist": ("fashion-mnist.s3-website.eu-central-1.amazonaws.com", 80),
-    "cifar10": ("www.cs.toronto.edu", 443),
+  "mnist": ("storage.googleapis.com", 443),
+  "fashion_mnist": ("fashion-mnist.s3-website.eu-central-1.amazonaws.com", 80),
+  "cifar10": ("www.cs.toronto.edu", 443),
 }
 NORMALISATIONS = ("auto", "published", "given", "test_split", "train_split")
 # Sources of mean/std that do not read the clients' records (allowed under DP).
@@ -201,6 +201,7 @@ def _tfds_split_to_numpy(ds) -> tuple[np.ndarray, np.ndarray]:
   aborts the process under ``tfds.testing.mock_data`` without metadata.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
   n = int(ds.cardinality())
   if n <= 0:  # unknown cardinality: concatenate batches
     xs, ys = zip(*tfds.as_numpy(ds.batch(4096)))
@@ -209,8 +210,9 @@ def _tfds_split_to_numpy(ds) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(x), np.asarray(y)
 
 
-def load_tfds(name: str, *, data_dir: str | None = None, cache_dir: str = "",
-              network_timeout: float = 2.0):
+def load_tfds(
+  name: str, *, data_dir: str | None = None, cache_dir: str = "", network_timeout: float = 2.0
+):
   """Loads a tfds dataset into NumPy once and caches it (see module docstring).
 
   Raises:
@@ -218,13 +220,15 @@ def load_tfds(name: str, *, data_dir: str | None = None, cache_dir: str = "",
       the download host does not answer within ``network_timeout`` seconds.
   """
   if name not in TFDS_DATASETS:
-    raise ValueError(f"data.name={name!r} is invalid for data.source='tfds'; "
-                     f"allowed: one of {TFDS_DATASETS}")
+    raise ValueError(
+      f"data.name={name!r} is invalid for data.source='tfds'; allowed: one of {TFDS_DATASETS}"
+    )
   cache = _cache_path(cache_dir, name)
   if cache is not None and cache.exists():
     return _read_npz(cache, f"the cached copy of {name} ({cache}; delete it to download again)")
 
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
   kwargs = dict(split=["train", "test"], as_supervised=True, data_dir=data_dir or None)
   try:
     train, test = tfds.load(name, download=False, **kwargs)
@@ -232,12 +236,13 @@ def load_tfds(name: str, *, data_dir: str | None = None, cache_dir: str = "",
     host, port = DOWNLOAD_HOSTS[name]
     if not _reachable(host, port, network_timeout):
       raise DataUnavailableError(
-          f"data.name={name!r}: tfds has no prepared copy under data_dir="
-          f"{data_dir or '~/tensorflow_datasets'!r} and cannot download it ({host}:{port} "
-          f"is unreachable; this machine looks offline). Either prepare it on a machine "
-          f"with internet and copy the tfds data_dir here (--config.data.data_dir=DIR), or "
-          f"bring the data as an npz file with arrays x_train, y_train, x_test, y_test "
-          f"(NHWC): --config.data.source=npz:/path/to/{name}.npz") from None
+        f"data.name={name!r}: tfds has no prepared copy under data_dir="
+        f"{data_dir or '~/tensorflow_datasets'!r} and cannot download it ({host}:{port} "
+        f"is unreachable; this machine looks offline). Either prepare it on a machine "
+        f"with internet and copy the tfds data_dir here (--config.data.data_dir=DIR), or "
+        f"bring the data as an npz file with arrays x_train, y_train, x_test, y_test "
+        f"(NHWC): --config.data.source=npz:/path/to/{name}.npz"
+      ) from None
     train, test = tfds.load(name, download=True, **kwargs)
   x_train, y_train = _tfds_split_to_numpy(train)
   x_test, y_test = _tfds_split_to_numpy(test)
@@ -261,42 +266,53 @@ def _read_npz(path, what: str):
     detail = str(e).splitlines()[0] if str(e) else type(e).__name__
     if "pickle" in detail:  # numpy's advice to allow pickles does not apply here
       detail = "not a NumPy .npz archive, or it holds object arrays"
-    raise ValueError(f"{what} is invalid: {detail}; allowed: an .npz written by numpy.savez "
-                     f"holding the numeric arrays {list(NPZ_KEYS)}") from None
+    raise ValueError(
+      f"{what} is invalid: {detail}; allowed: an .npz written by numpy.savez "
+      f"holding the numeric arrays {list(NPZ_KEYS)}"
+    ) from None
 
 
 def load_npz(path: str):
   """Reads ``x_train, y_train, x_test, y_test`` from an npz file and checks them."""
   if not os.path.isfile(path):
-    raise ValueError(f"data.source='npz:{path}' is invalid: no such file; allowed: "
-                     "npz:PATH of an existing .npz with arrays x_train, y_train, x_test, y_test")
+    raise ValueError(
+      f"data.source='npz:{path}' is invalid: no such file; allowed: "
+      "npz:PATH of an existing .npz with arrays x_train, y_train, x_test, y_test"
+    )
   arrays = _read_npz(path, f"data.source='npz:{path}'")
   x_train, y_train, x_test, y_test = arrays
   for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
     if x.ndim != 4:
-      raise ValueError(f"npz x_{split} has shape {x.shape}; allowed: NHWC images (4-D, "
-                       "add a trailing channel axis for grey images)")
+      raise ValueError(
+        f"npz x_{split} has shape {x.shape}; allowed: NHWC images (4-D, "
+        "add a trailing channel axis for grey images)"
+      )
     if not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
       raise ValueError(f"npz x_{split} has dtype {x.dtype}; allowed: uint8 or float")
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-      raise ValueError(f"npz y_{split} has shape {y.shape} and dtype {y.dtype}; allowed: "
-                       "1-D integer class labels")
+      raise ValueError(
+        f"npz y_{split} has shape {y.shape} and dtype {y.dtype}; allowed: 1-D integer class labels"
+      )
     if len(x) != len(y):
       raise ValueError(f"npz x_{split} has {len(x)} images but y_{split} {len(y)} labels")
   if x_train.shape[1:] != x_test.shape[1:]:
-    raise ValueError(f"npz image shapes differ: x_train {x_train.shape[1:]} vs x_test "
-                     f"{x_test.shape[1:]}; allowed: the same HWC shape")
+    raise ValueError(
+      f"npz image shapes differ: x_train {x_train.shape[1:]} vs x_test "
+      f"{x_test.shape[1:]}; allowed: the same HWC shape"
+    )
   return x_train, y_train, x_test, y_test
 
 
 def load_digits():
   """scikit-learn's bundled 8x8 digits, pixels scaled to [0, 1], fixed split."""
   from sklearn import datasets, model_selection  # pylint: disable=g-import-not-at-top
+
   digits = datasets.load_digits()
   x = (digits.images.astype(np.float32) / 16.0)[..., None]
   y = digits.target.astype(np.int32)
   x_train, x_test, y_train, y_test = model_selection.train_test_split(
-      x, y, test_size=DIGITS_TEST_SIZE, stratify=y, random_state=0)
+    x, y, test_size=DIGITS_TEST_SIZE, stratify=y, random_state=0
+  )
   return x_train, y_train, x_test, y_test
 
 
@@ -319,8 +335,7 @@ def resolve_normalisation(name: str, choice: str) -> str:
   """``data.normalisation`` with ``auto`` resolved: ``published`` where ``name`` has
   constants (:data:`NORMALIZATION`), else ``train_split``."""
   if choice not in NORMALISATIONS:
-    raise ValueError(f"data.normalisation={choice!r} is invalid; allowed: one of "
-                     f"{NORMALISATIONS}")
+    raise ValueError(f"data.normalisation={choice!r} is invalid; allowed: one of {NORMALISATIONS}")
   if choice == "auto":
     return "published" if name in NORMALIZATION else "train_split"
   return choice
@@ -332,18 +347,26 @@ def check_finite_and_nonempty(x_train, y_train, x_test, y_test) -> None:
   Under DP a non-finite record would get clip factor 0 and vanish silently; a
   non-finite test image would turn the test metrics into noise.
   """
-  for name, a in (("x_train", x_train), ("y_train", y_train), ("x_test", x_test),
-                  ("y_test", y_test)):
+  for name, a in (
+    ("x_train", x_train),
+    ("y_train", y_train),
+    ("x_test", x_test),
+    ("y_test", y_test),
+  ):
     if a.shape[0] == 0:
-      raise ValueError(f"{name} has 0 records (shape {a.shape}); allowed: at least 1 record "
-                       "in each of x_train, y_train, x_test, y_test")
+      raise ValueError(
+        f"{name} has 0 records (shape {a.shape}); allowed: at least 1 record "
+        "in each of x_train, y_train, x_test, y_test"
+      )
   for name, x in (("x_train", x_train), ("x_test", x_test)):
     if np.issubdtype(x.dtype, np.floating):
       bad = ~np.isfinite(x)
       if bad.any():
         records = int(bad.reshape(len(x), -1).any(axis=1).sum())
-        raise ValueError(f"{name} holds {int(bad.sum())} non-finite values (NaN or Inf) in "
-                         f"{records} of its {len(x)} records; allowed: finite pixel values")
+        raise ValueError(
+          f"{name} holds {int(bad.sum())} non-finite values (NaN or Inf) in "
+          f"{records} of its {len(x)} records; allowed: finite pixel values"
+        )
 
 
 def _channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -364,20 +387,26 @@ def normalisation_stats(data_cfg, x_train: np.ndarray, x_test: np.ndarray):
   source = resolve_normalisation(name, data_cfg.get("normalisation", "auto"))
   if source == "published":
     if name not in NORMALIZATION:
-      raise ValueError(f"data.normalisation='published' is invalid for data.name={name!r}; "
-                       f"allowed: 'given', 'test_split' or 'train_split' (published constants "
-                       f"exist for {tuple(NORMALIZATION)})")
+      raise ValueError(
+        f"data.normalisation='published' is invalid for data.name={name!r}; "
+        f"allowed: 'given', 'test_split' or 'train_split' (published constants "
+        f"exist for {tuple(NORMALIZATION)})"
+      )
     mean, std = (np.asarray(v, np.float32) for v in NORMALIZATION[name])
     if mean.shape[0] != channels:
-      raise ValueError(f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
-                       f"have shape {x_train.shape[1:]}; allowed: images of {name}, or "
-                       "data.name='custom' for other data")
+      raise ValueError(
+        f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
+        f"have shape {x_train.shape[1:]}; allowed: images of {name}, or "
+        "data.name='custom' for other data"
+      )
   elif source == "given":
     mean, std = (np.asarray(data_cfg.get(f), np.float32) for f in ("mean", "std"))
     for field, v in (("data.mean", mean), ("data.std", std)):
       if v.shape != (channels,):
-        raise ValueError(f"{field}={data_cfg.get(field[5:])!r} is invalid; allowed: {channels} "
-                         f"number(s), one per channel of the {x_train.shape[1:]} images")
+        raise ValueError(
+          f"{field}={data_cfg.get(field[5:])!r} is invalid; allowed: {channels} "
+          f"number(s), one per channel of the {x_train.shape[1:]} images"
+        )
   elif source == "test_split":
     mean, std = _channel_stats(x_test)
   else:
@@ -403,20 +432,25 @@ def load_dataset(data_cfg) -> Dataset:
     raise ValueError(f"data.name={name!r} is invalid; allowed: one of {DATASETS}")
   kind, path = parse_source(data_cfg.source)
   if kind == "tfds":
-    raw = load_tfds(name, data_dir=data_cfg.get("data_dir"),
-                    cache_dir=data_cfg.get("cache_dir", ""))
+    raw = load_tfds(
+      name, data_dir=data_cfg.get("data_dir"), cache_dir=data_cfg.get("cache_dir", "")
+    )
   elif kind == "npz":
     raw = load_npz(path)
   else:
     if name != "digits":
-      raise ValueError(f"data.source='sklearn' is invalid with data.name={name!r}; allowed: "
-                       "data.name='digits' (the only sklearn dataset)")
+      raise ValueError(
+        f"data.source='sklearn' is invalid with data.name={name!r}; allowed: "
+        "data.name='digits' (the only sklearn dataset)"
+      )
     raw = load_digits()
   check_finite_and_nonempty(*raw)
   x_train, y_train, x_test, y_test = raw
   if (x_train.dtype == np.uint8) != (x_test.dtype == np.uint8):
-    raise ValueError(f"x_train has dtype {x_train.dtype} but x_test {x_test.dtype}; allowed: "
-                     "both uint8 or both float")
+    raise ValueError(
+      f"x_train has dtype {x_train.dtype} but x_test {x_test.dtype}; allowed: "
+      "both uint8 or both float"
+    )
   x_train, x_test = _stored(x_train), _stored(x_test)
   y_train = np.asarray(y_train).astype(np.int32)
   y_test = np.asarray(y_test).astype(np.int32)
@@ -425,8 +459,10 @@ def load_dataset(data_cfg) -> Dataset:
   num_classes = 10 if name in NORMALIZATION else int(max(y_train.max(), y_test.max())) + 1
   for split, y in (("train", y_train), ("test", y_test)):
     if y.min() < 0 or y.max() >= num_classes:
-      raise ValueError(f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
-                       f"integers in [0, {num_classes - 1}] for data.name={name!r}")
+      raise ValueError(
+        f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
+        f"integers in [0, {num_classes - 1}] for data.name={name!r}"
+      )
   return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
 
 
@@ -453,8 +489,15 @@ def subsample(y: np.ndarray, fraction: float, seed: int) -> np.ndarray:
   return np.sort(np.concatenate(keep))
 
 
-def partition(y: np.ndarray, *, num_clients: int, scheme: str, num_classes: int,
-              alpha: float = 0.5, seed: int = 0) -> list[np.ndarray]:
+def partition(
+  y: np.ndarray,
+  *,
+  num_clients: int,
+  scheme: str,
+  num_classes: int,
+  alpha: float = 0.5,
+  seed: int = 0,
+) -> list[np.ndarray]:
   """Splits record indices among clients.
 
   Args:
@@ -477,13 +520,13 @@ def partition(y: np.ndarray, *, num_clients: int, scheme: str, num_classes: int,
   if scheme == "paper":
     if num_classes % num_clients:
       raise ValueError(
-          f"data.num_clients={num_clients} is invalid with data.partition='paper' and "
-          f"{num_classes} classes; allowed: a divisor of {num_classes} (each client owns "
-          f"num_classes / num_clients whole classes)")
+        f"data.num_clients={num_clients} is invalid with data.partition='paper' and "
+        f"{num_classes} classes; allowed: a divisor of {num_classes} (each client owns "
+        f"num_classes / num_clients whole classes)"
+      )
     order = PAPER_CLASS_ORDER if num_classes == 10 else tuple(range(num_classes))
     per = num_classes // num_clients
-    return [np.flatnonzero(np.isin(y, order[i * per:(i + 1) * per]))
-            for i in range(num_clients)]
+    return [np.flatnonzero(np.isin(y, order[i * per : (i + 1) * per])) for i in range(num_clients)]
   if scheme == "iid":
     return [np.sort(part) for part in np.array_split(rng.permutation(len(y)), num_clients)]
   if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
@@ -508,7 +551,12 @@ def client_split(dataset: Dataset, data_cfg) -> list[np.ndarray]:
   """
   seed = int(data_cfg.get("partition_seed", 0))
   keep = subsample(dataset.y_train, data_cfg.train_fraction, seed)
-  parts = partition(dataset.y_train[keep], num_clients=data_cfg.num_clients,
-                    scheme=data_cfg.partition, num_classes=dataset.num_classes,
-                    alpha=data_cfg.dirichlet_alpha, seed=seed)
+  parts = partition(
+    dataset.y_train[keep],
+    num_clients=data_cfg.num_clients,
+    scheme=data_cfg.partition,
+    num_classes=dataset.num_classes,
+    alpha=data_cfg.dirichlet_alpha,
+    seed=seed,
+  )
   return [keep[p] for p in parts]

@@ -57,24 +57,22 @@ class Subset:
 
 
 SUBSETS = {
-    s.name: s for s in (
-        Subset("mnist10k", "mnist", 8_000, 2_000, "MNIST digits, 28x28x1"),
-        Subset("fmnist10k", "fashion_mnist", 8_000, 2_000, "Fashion-MNIST, 28x28x1"),
-    )
+  s.name: s
+  for s in (
+    Subset("mnist10k", "mnist", 8_000, 2_000, "MNIST digits, 28x28x1"),
+    Subset("fmnist10k", "fashion_mnist", 8_000, 2_000, "Fashion-MNIST, 28x28x1"),
+  )
 }
 NPZ_KEYS = data_lib.NPZ_KEYS
 # SHA-256 of NAME.npz as this rule builds it from tfds's mnist / fashion_mnist 3.0.1
 # (tensorflow-datasets 4.9.10).
 PINNED_SHA256 = {
-    "mnist10k": "630652cf19b24514a54a722d3b18577cfb8be61df3278d5e54050aa36e1c0996",
-    "fmnist10k": "0541d96decaa0dbf6b47501eb5284fba2018b295c91156edd16d864c6665cade",
+  "mnist10k": "630652cf19b24514a54a722d3b18577cfb8be61df3278d5e54050aa36e1c0996",
+  "fmnist10k": "0541d96decaa0dbf6b47501eb5284fba2018b295c91156edd16d864c6665cade",
 }
 # Paper-partition client sizes (classes {5,6}, {1,2}, {0,8}, {9,3}, {4,7}) of the subsets
 # the first result tables were measured on (None: not recorded).
-ORIGINAL_PAPER_CLIENT_SIZES = {
-    "mnist10k": (1513, 1700, 1571, 1570, 1646),
-    "fmnist10k": None,
-}
+ORIGINAL_PAPER_CLIENT_SIZES = {"mnist10k": (1513, 1700, 1571, 1570, 1646), "fmnist10k": None}
 # A fixed zip timestamp (the earliest zip can store) keeps the npz bytes build-independent.
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
@@ -112,15 +110,21 @@ def take_subset(subset: Subset, x_train, y_train, x_test, y_test) -> dict[str, n
     ValueError: a split shorter than the rule needs, or images that are not uint8 NHWC.
   """
   out = {}
-  for split, x, y, n in (("train", x_train, y_train, subset.train),
-                         ("test", x_test, y_test, subset.test)):
+  for split, x, y, n in (
+    ("train", x_train, y_train, subset.train),
+    ("test", x_test, y_test, subset.test),
+  ):
     x, y = np.asarray(x), np.asarray(y)
     if x.ndim != 4 or x.dtype != np.uint8:
-      raise ValueError(f"{subset.tfds_name} x_{split} has shape {x.shape} and dtype {x.dtype}; "
-                       "allowed: uint8 NHWC images")
+      raise ValueError(
+        f"{subset.tfds_name} x_{split} has shape {x.shape} and dtype {x.dtype}; "
+        "allowed: uint8 NHWC images"
+      )
     if len(x) < n or len(y) != len(x):
-      raise ValueError(f"{subset.tfds_name} {split} split has {len(x)} images and {len(y)} "
-                       f"labels; allowed: at least {n} of each (the {subset.name} rule)")
+      raise ValueError(
+        f"{subset.tfds_name} {split} split has {len(x)} images and {len(y)} "
+        f"labels; allowed: at least {n} of each (the {subset.name} rule)"
+      )
     out[f"x_{split}"] = np.ascontiguousarray(x[:n])
     out[f"y_{split}"] = np.ascontiguousarray(y[:n].astype(np.int64))
   return out
@@ -139,8 +143,9 @@ def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
   with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
     for key in NPZ_KEYS:
       buf = io.BytesIO()
-      np.lib.format.write_array(buf, np.ascontiguousarray(arrays[key]), version=(1, 0),
-                                allow_pickle=False)
+      np.lib.format.write_array(
+        buf, np.ascontiguousarray(arrays[key]), version=(1, 0), allow_pickle=False
+      )
       info = zipfile.ZipInfo(f"{key}.npy", date_time=_ZIP_DATE)
       info.create_system = 3  # Unix, on every platform
       info.external_attr = 0o644 << 16
@@ -162,8 +167,13 @@ def paper_client_sizes(y_train: np.ndarray) -> tuple[int, ...]:
   return tuple(int(len(p)) for p in parts)
 
 
-def build(name: str, out_dir: str | os.PathLike | None = None, *, data_dir: str | None = None,
-          cache_dir: str = "") -> dict:
+def build(
+  name: str,
+  out_dir: str | os.PathLike | None = None,
+  *,
+  data_dir: str | None = None,
+  cache_dir: str = "",
+) -> dict:
   """Builds NAME's npz and its ``.sha256`` file from tfds (see the module docstring).
 
   Args:
@@ -187,8 +197,12 @@ def build(name: str, out_dir: str | os.PathLike | None = None, *, data_dir: str 
   write_npz(path, arrays)
   digest = sha256_file(path)
   path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
-  return {"path": path, "sha256": digest, "pinned": PINNED_SHA256.get(name, ""),
-          "client_sizes": paper_client_sizes(arrays["y_train"])}
+  return {
+    "path": path,
+    "sha256": digest,
+    "pinned": PINNED_SHA256.get(name, ""),
+    "client_sizes": paper_client_sizes(arrays["y_train"]),
+  }
 
 
 def _list(out_dir) -> None:
@@ -198,23 +212,34 @@ def _list(out_dir) -> None:
     if path.exists():
       digest = sha256_file(path)
       pinned = PINNED_SHA256.get(subset.name, "")
-      state = ("built, checksum as pinned" if digest == pinned else
-               f"built, sha256 {digest}" + (" (differs from the pinned one)" if pinned else ""))
-    print(f"{subset.name}: {subset.description}; first {subset.train:,} train / "
-          f"{subset.test:,} test records of tfds {subset.tfds_name!r}; {path}: {state}")
+      state = (
+        "built, checksum as pinned"
+        if digest == pinned
+        else f"built, sha256 {digest}" + (" (differs from the pinned one)" if pinned else "")
+      )
+    print(
+      f"{subset.name}: {subset.description}; first {subset.train:,} train / "
+      f"{subset.test:,} test records of tfds {subset.tfds_name!r}; {path}: {state}"
+    )
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m experiments.datasets",
-                                   description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.datasets", description=__doc__.splitlines()[0]
+  )
   parser.add_argument("name", nargs="?", help=f"one of {', '.join(SUBSETS)}")
-  parser.add_argument("--out", default=None,
-                      help=f"output directory (default: the data cache, {default_out_dir()})")
-  parser.add_argument("--data-dir", default=None,
-                      help="a tfds data_dir with a prepared copy (default: tfds's own)")
-  parser.add_argument("--cache-dir", default="",
-                      help="experiments.data's cache of the full data set (default: the data "
-                           "cache; 'none': no cache), as --config.data.cache_dir")
+  parser.add_argument(
+    "--out", default=None, help=f"output directory (default: the data cache, {default_out_dir()})"
+  )
+  parser.add_argument(
+    "--data-dir", default=None, help="a tfds data_dir with a prepared copy (default: tfds's own)"
+  )
+  parser.add_argument(
+    "--cache-dir",
+    default="",
+    help="experiments.data's cache of the full data set (default: the data "
+    "cache; 'none': no cache), as --config.data.cache_dir",
+  )
   parser.add_argument("--list", action="store_true", help="list the subsets and what is built")
   args = parser.parse_args(argv)
   if args.list:
@@ -231,12 +256,14 @@ def main(argv=None) -> int:
     subset = SUBSETS[args.name]
     host, port = data_lib.DOWNLOAD_HOSTS[subset.tfds_name]
     where = args.data_dir or "tfds's default data_dir"
-    print(f"error: cannot build {args.name}: tfds has no prepared copy of "
-          f"{subset.tfds_name!r} under {where} and its download host {host}:{port} is "
-          "unreachable (this machine looks offline). Run this command once on a machine with "
-          "internet access (tfds downloads and prepares the data), or pass --data-dir DIR "
-          "with a tfds data_dir that holds a prepared copy. Nothing was written.",
-          file=sys.stderr)
+    print(
+      f"error: cannot build {args.name}: tfds has no prepared copy of "
+      f"{subset.tfds_name!r} under {where} and its download host {host}:{port} is "
+      "unreachable (this machine looks offline). Run this command once on a machine with "
+      "internet access (tfds downloads and prepares the data), or pass --data-dir DIR "
+      "with a tfds data_dir that holds a prepared copy. Nothing was written.",
+      file=sys.stderr,
+    )
     return 2
   sizes = result["client_sizes"]
   original = ORIGINAL_PAPER_CLIENT_SIZES.get(args.name)
@@ -250,9 +277,12 @@ def main(argv=None) -> int:
     print("no checksum is pinned for this subset: pin the one above")
     return 0
   if result["sha256"] != pinned:
-    print(f"error: the checksum differs from the pinned one, {pinned}: tfds gave other records "
-          "or another order (another tfds or dataset version?); the file is kept for "
-          "inspection", file=sys.stderr)
+    print(
+      f"error: the checksum differs from the pinned one, {pinned}: tfds gave other records "
+      "or another order (another tfds or dataset version?); the file is kept for "
+      "inspection",
+      file=sys.stderr,
+    )
     return 1
   print("checksum: as pinned")
   return 0

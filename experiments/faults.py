@@ -43,10 +43,16 @@ SLOW_SECONDS = 3600.0
 @functools.lru_cache(maxsize=None)
 def _parse(value: str):
   parts = value.split(":")
-  if (len(parts) not in (2, 3) or parts[0] not in POINTS or not parts[1].isdigit()
-      or (len(parts) == 3 and parts[2] not in SIGNALS)):
-    raise ValueError(f"{ENV}={value!r} is invalid; allowed: POINT:ROUND[:SIGNAL] with POINT "
-                     f"one of {POINTS} and SIGNAL one of {tuple(SIGNALS)}")
+  if (
+    len(parts) not in (2, 3)
+    or parts[0] not in POINTS
+    or not parts[1].isdigit()
+    or (len(parts) == 3 and parts[2] not in SIGNALS)
+  ):
+    raise ValueError(
+      f"{ENV}={value!r} is invalid; allowed: POINT:ROUND[:SIGNAL] with POINT "
+      f"one of {POINTS} and SIGNAL one of {tuple(SIGNALS)}"
+    )
   if len(parts) == 3:
     return parts[0], int(parts[1]), SIGNALS[parts[2]]
   return parts[0], int(parts[1]), None if parts[0] == "slow" else signal.SIGKILL

@@ -38,8 +38,14 @@ from fedlap_jax import accounting, baselines, condensation, feddm, federated
 from fedlap_jax import config as core
 from fedlap_jax import participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
-from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
-                               DP_ONE_SHOT_METHODS, METHODS, ONE_SHOT_METHODS)
+from fedlap_jax.config import (
+  BASELINE_METHODS,
+  CLIENT_BACKENDS,
+  DP_BASELINE_METHODS,
+  DP_ONE_SHOT_METHODS,
+  METHODS,
+  ONE_SHOT_METHODS,
+)
 from fedlap_jax.models import NORMS
 from fedlap_jax.synthetic import synthetic_labels
 
@@ -73,7 +79,7 @@ def _core_path(field: str, section: str) -> str:
 def _renamed(err: ConfigError, path: str) -> ConfigError:
   """``err`` of the core with its field renamed to ``path``, the config path."""
   msg = str(err)
-  msg = path + msg[len(err.field):] if msg.startswith(f"{err.field}=") else f"{path}: {msg}"
+  msg = path + msg[len(err.field) :] if msg.startswith(f"{err.field}=") else f"{path}: {msg}"
   return ConfigError(path, err.value, err.allowed, message=msg)
 
 
@@ -110,19 +116,29 @@ def to_fedlap_config(cfg) -> core.FedLAPConfig:
     raise _core_error(e, "client") from None
   server = _server_config(cfg)
   try:
-    return core.FedLAPConfig(client=client, server=server, rounds=cfg.rounds,
-                             learning_rate=cfg.learning_rate,
-                             synthetic_init=cfg.synthetic_init,
-                             lr_schedule=cfg.get("lr_schedule", "cosine"))
+    return core.FedLAPConfig(
+      client=client,
+      server=server,
+      rounds=cfg.rounds,
+      learning_rate=cfg.learning_rate,
+      synthetic_init=cfg.synthetic_init,
+      lr_schedule=cfg.get("lr_schedule", "cosine"),
+    )
   except ConfigError as e:
     raise _core_error(e, "") from None
 
 
 # Fields of fedlap_jax.baselines.baseline_config / BaselineConfig -> experiment config paths.
-BASELINE_PATHS = {"local_epochs": "baseline.local_epochs", "prox_mu": "baseline.prox_mu",
-                  "local.prox_mu": "baseline.prox_mu", "batch_size": "client.batch_size",
-                  "local.batch_size": "client.batch_size", "dp": "dp.enabled",
-                  "poisson_capacity": "client.poisson_capacity", "weighting": "server.weighting"}
+BASELINE_PATHS = {
+  "local_epochs": "baseline.local_epochs",
+  "prox_mu": "baseline.prox_mu",
+  "local.prox_mu": "baseline.prox_mu",
+  "batch_size": "client.batch_size",
+  "local.batch_size": "client.batch_size",
+  "dp": "dp.enabled",
+  "poisson_capacity": "client.poisson_capacity",
+  "weighting": "server.weighting",
+}
 
 
 def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.BaselineConfig:
@@ -140,12 +156,19 @@ def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.
   dp = to_dp_config(cfg)
   try:
     return baselines.baseline_config(
-        cfg.method, rounds=cfg.rounds, learning_rate=cfg.learning_rate,
-        local_epochs=cfg.baseline.local_epochs, batch_size=cfg.client.batch_size,
-        prox_mu=cfg.baseline.prox_mu, dp=dp, max_client_size=max_client_size,
-        weighting=cfg.server.weighting, poisson_capacity=cfg.client.poisson_capacity,
-        lr_schedule=cfg.get("lr_schedule", "cosine"),
-        track_loss=dp is None or bool(cfg.get("debug_nonprivate_stats", False)))
+      cfg.method,
+      rounds=cfg.rounds,
+      learning_rate=cfg.learning_rate,
+      local_epochs=cfg.baseline.local_epochs,
+      batch_size=cfg.client.batch_size,
+      prox_mu=cfg.baseline.prox_mu,
+      dp=dp,
+      max_client_size=max_client_size,
+      weighting=cfg.server.weighting,
+      poisson_capacity=cfg.client.poisson_capacity,
+      lr_schedule=cfg.get("lr_schedule", "cosine"),
+      track_loss=dp is None or bool(cfg.get("debug_nonprivate_stats", False)),
+    )
   except ConfigError as e:
     raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
 
@@ -159,12 +182,18 @@ def _server_config(cfg) -> core.ServerConfig:
 
 # Fields of FedDMConfig / CondensationConfig / OneShotConfig that are not in their own
 # config section -> experiment config paths.
-SYNTHETIC_PATHS = {"ipc": "client.ipc", "batch_size": "client.batch_size",
-                   "poisson_capacity": "client.poisson_capacity",
-                   "synthetic_init": "synthetic_init", "learning_rate": "learning_rate",
-                   "radius_strategy": "server.radius_strategy",
-                   "weighting": "server.weighting", "dp": "dp.enabled", "classwise": "method",
-                   "method": "method"}
+SYNTHETIC_PATHS = {
+  "ipc": "client.ipc",
+  "batch_size": "client.batch_size",
+  "poisson_capacity": "client.poisson_capacity",
+  "synthetic_init": "synthetic_init",
+  "learning_rate": "learning_rate",
+  "radius_strategy": "server.radius_strategy",
+  "weighting": "server.weighting",
+  "dp": "dp.enabled",
+  "classwise": "method",
+  "method": "method",
+}
 
 
 # The library's names of what FedDM / DSC / PSG count, and their experiment config paths.
@@ -174,8 +203,7 @@ SYNTHETIC_COUNTS = {"image_updates": "feddm.iterations", "networks": "condense.i
 def _synthetic_error(err: ConfigError, section: str) -> ConfigError:
   if err.field.startswith(("dp.", "server.")):
     return err
-  path = SYNTHETIC_COUNTS.get(err.field) or SYNTHETIC_PATHS.get(err.field,
-                                                                f"{section}.{err.field}")
+  path = SYNTHETIC_COUNTS.get(err.field) or SYNTHETIC_PATHS.get(err.field, f"{section}.{err.field}")
   return _renamed(err, path)
 
 
@@ -191,11 +219,18 @@ def to_feddm_config(cfg) -> feddm.FedDMConfig:
   f = cfg.feddm
   try:
     return feddm.FedDMConfig(
-        ipc=cfg.client.ipc, image_updates=f.iterations, rho=f.rho,
-        batch_size=cfg.client.batch_size,
-        image_lr=f.image_lr, image_momentum=f.image_momentum, dsa_strategy=f.dsa_strategy,
-        synthetic_init=cfg.synthetic_init, poisson_capacity=cfg.client.poisson_capacity,
-        server=server, learning_rate=cfg.learning_rate)
+      ipc=cfg.client.ipc,
+      image_updates=f.iterations,
+      rho=f.rho,
+      batch_size=cfg.client.batch_size,
+      image_lr=f.image_lr,
+      image_momentum=f.image_momentum,
+      dsa_strategy=f.dsa_strategy,
+      synthetic_init=cfg.synthetic_init,
+      poisson_capacity=cfg.client.poisson_capacity,
+      server=server,
+      learning_rate=cfg.learning_rate,
+    )
   except ConfigError as e:
     raise _synthetic_error(e, "feddm") from None
 
@@ -221,20 +256,38 @@ def to_oneshot_config(cfg) -> condensation.OneShotConfig:
       outer = published[0] if outer is None else outer
       inner = published[1] if inner is None else inner
     cond = condensation.CondensationConfig(
-        ipc=cfg.client.ipc, networks=c.iterations, outer_loop=outer, inner_loop=inner,
-        batch_loop=c.batch_loop, classwise=cfg.method not in DP_ONE_SHOT_METHODS,
-        batch_size=cfg.client.batch_size, model_batch_size=c.model_batch_size,
-        image_lr=c.image_lr, image_momentum=c.image_momentum, net_lr=c.net_lr,
-        dsa_strategy=c.dsa_strategy, synthetic_init=cfg.synthetic_init,
-        poisson_capacity=cfg.client.poisson_capacity, dp=dp)
-    return condensation.OneShotConfig(method=cfg.method, condensation=cond, server=server,
-                                      learning_rate=cfg.learning_rate, lr_decay=c.lr_decay)
+      ipc=cfg.client.ipc,
+      networks=c.iterations,
+      outer_loop=outer,
+      inner_loop=inner,
+      batch_loop=c.batch_loop,
+      classwise=cfg.method not in DP_ONE_SHOT_METHODS,
+      batch_size=cfg.client.batch_size,
+      model_batch_size=c.model_batch_size,
+      image_lr=c.image_lr,
+      image_momentum=c.image_momentum,
+      net_lr=c.net_lr,
+      dsa_strategy=c.dsa_strategy,
+      synthetic_init=cfg.synthetic_init,
+      poisson_capacity=cfg.client.poisson_capacity,
+      dp=dp,
+    )
+    return condensation.OneShotConfig(
+      method=cfg.method,
+      condensation=cond,
+      server=server,
+      learning_rate=cfg.learning_rate,
+      lr_decay=c.lr_decay,
+    )
   except ConfigError as e:
     if e.field == "ipc" and (c.outer_loop is None or c.inner_loop is None):
-      raise ConfigError("client.ipc", e.value, e.allowed, message=
-                        f"client.ipc={e.value!r} has no published condensation loops; "
-                        f"allowed: {e.allowed} (condense.outer_loop, condense.inner_loop)"
-                        ) from None
+      raise ConfigError(
+        "client.ipc",
+        e.value,
+        e.allowed,
+        message=f"client.ipc={e.value!r} has no published condensation loops; "
+        f"allowed: {e.allowed} (condense.outer_loop, condense.inner_loop)",
+      ) from None
     raise _synthetic_error(e, "condense") from None
 
 
@@ -281,19 +334,29 @@ def validate_config(cfg) -> None:
   try:
     kind, path = data_lib.parse_source(d.source)
   except ValueError as e:
-    raise ConfigError("data.source", d.source, f"one of {data_lib.SOURCES}",
-                      message=str(e)) from None
+    raise ConfigError(
+      "data.source", d.source, f"one of {data_lib.SOURCES}", message=str(e)
+    ) from None
   if kind == "tfds" and d.name not in data_lib.TFDS_DATASETS:
-    _fail("data.source", d.source, f"'sklearn' or 'npz:PATH' for data.name={d.name!r} "
-          f"(tfds serves {data_lib.TFDS_DATASETS})")
+    _fail(
+      "data.source",
+      d.source,
+      f"'sklearn' or 'npz:PATH' for data.name={d.name!r} (tfds serves {data_lib.TFDS_DATASETS})",
+    )
   if kind == "sklearn" and d.name != "digits":
-    _fail("data.source", d.source, f"'tfds' or 'npz:PATH' for data.name={d.name!r} "
-          "('sklearn' serves only 'digits')")
+    _fail(
+      "data.source",
+      d.source,
+      f"'tfds' or 'npz:PATH' for data.name={d.name!r} ('sklearn' serves only 'digits')",
+    )
   if d.name == "custom" and kind != "npz":
     _fail("data.source", d.source, "'npz:PATH' for data.name='custom'")
   if kind == "npz" and not os.path.isfile(path):
-    _fail("data.source", d.source, "npz:PATH of an existing .npz file with arrays "
-          "x_train, y_train, x_test, y_test")
+    _fail(
+      "data.source",
+      d.source,
+      "npz:PATH of an existing .npz file with arrays x_train, y_train, x_test, y_test",
+    )
   if d.partition not in data_lib.PARTITIONS:
     _fail("data.partition", d.partition, f"one of {data_lib.PARTITIONS}")
   if not is_real(d.dirichlet_alpha) or d.dirichlet_alpha <= 0:
@@ -317,8 +380,9 @@ def validate_config(cfg) -> None:
   if not is_int(m.depth) or m.depth < 1:
     _fail("model.depth", m.depth, "an integer >= 1")
   if m.norm not in NORMS:
-    _fail("model.norm", m.norm, f"one of {NORMS} (BatchNorm is not offered: it breaks "
-          "record-level DP)")
+    _fail(
+      "model.norm", m.norm, f"one of {NORMS} (BatchNorm is not offered: it breaks record-level DP)"
+    )
   if not isinstance(m.conv_bias, bool):
     _fail("model.conv_bias", m.conv_bias, "True or False")
 
@@ -328,36 +392,66 @@ def validate_config(cfg) -> None:
     _fail("label", cfg.label, "a string (display name in reports; '' = the method's name)")
   epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
   if epsilon_for not in accounting.ADJACENCIES:
-    _fail("dp.epsilon_for", epsilon_for, f"one of {accounting.ADJACENCIES} (the neighbouring "
-          "relation whose epsilon dp.target_epsilon and dp.match_epsilon_of calibrate)")
+    _fail(
+      "dp.epsilon_for",
+      epsilon_for,
+      f"one of {accounting.ADJACENCIES} (the neighbouring "
+      "relation whose epsilon dp.target_epsilon and dp.match_epsilon_of calibrate)",
+    )
   target = cfg.dp.get("target_epsilon")
   if target is not None:
     if not is_real(target) or target <= 0:
-      _fail("dp.target_epsilon", target, "None (use dp.noise_multiplier as given) or a finite "
-            "number > 0 (epsilon in nats after the run's last round)")
+      _fail(
+        "dp.target_epsilon",
+        target,
+        "None (use dp.noise_multiplier as given) or a finite "
+        "number > 0 (epsilon in nats after the run's last round)",
+      )
     if not cfg.dp.enabled:
-      _fail("dp.target_epsilon", target, "None when dp.enabled is False (only a DP run has an "
-            "epsilon to calibrate)")
+      _fail(
+        "dp.target_epsilon",
+        target,
+        "None when dp.enabled is False (only a DP run has an epsilon to calibrate)",
+      )
     if cfg.dp.get("match_epsilon_of", ""):
-      _fail("dp.target_epsilon", target, f"None with dp.match_epsilon_of="
-            f"{cfg.dp.match_epsilon_of!r} (set one of the two)")
+      _fail(
+        "dp.target_epsilon",
+        target,
+        f"None with dp.match_epsilon_of={cfg.dp.match_epsilon_of!r} (set one of the two)",
+      )
   if not isinstance(cfg.get("debug_nonprivate_stats", False), bool):
     _fail("debug_nonprivate_stats", cfg.debug_nonprivate_stats, "True or False")
   if cfg.method in DP_BASELINE_METHODS and not cfg.dp.enabled:
     _fail("dp.enabled", cfg.dp.enabled, f"True for method={cfg.method!r}")
   if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINE_METHODS and cfg.dp.enabled:
-    _fail("dp.enabled", cfg.dp.enabled, f"False for method={cfg.method!r} (use "
-          f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINE_METHODS})")
+    _fail(
+      "dp.enabled",
+      cfg.dp.enabled,
+      f"False for method={cfg.method!r} (use "
+      f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINE_METHODS})",
+    )
   if cfg.method == "feddm" and cfg.dp.enabled:
-    _fail("dp.enabled", cfg.dp.enabled, "False for method='feddm' (FedDM's DP variant "
-          "protects class-wise statistics, a privacy notion not comparable with record-level "
-          "DP; it is not implemented)")
+    _fail(
+      "dp.enabled",
+      cfg.dp.enabled,
+      "False for method='feddm' (FedDM's DP variant "
+      "protects class-wise statistics, a privacy notion not comparable with record-level "
+      "DP; it is not implemented)",
+    )
   if cfg.method in ONE_SHOT_METHODS and cfg.dp.enabled != (cfg.method in DP_ONE_SHOT_METHODS):
-    _fail("dp.enabled", cfg.dp.enabled, f"{not cfg.dp.enabled} for method={cfg.method!r} "
-          f"(PSG is the DP one-shot method: {DP_ONE_SHOT_METHODS})")
+    _fail(
+      "dp.enabled",
+      cfg.dp.enabled,
+      f"{not cfg.dp.enabled} for method={cfg.method!r} "
+      f"(PSG is the DP one-shot method: {DP_ONE_SHOT_METHODS})",
+    )
   if cfg.method in ONE_SHOT_METHODS and cfg.rounds != 1:
-    _fail("rounds", cfg.rounds, f"1 for method={cfg.method!r} (one-shot: the condensation "
-          "and the server's training are round 1)")
+    _fail(
+      "rounds",
+      cfg.rounds,
+      f"1 for method={cfg.method!r} (one-shot: the condensation "
+      "and the server's training are round 1)",
+    )
   b = cfg.baseline
   if not is_int(b.local_epochs) or b.local_epochs < 1:
     _fail("baseline.local_epochs", b.local_epochs, "an integer >= 1")
@@ -370,16 +464,24 @@ def validate_config(cfg) -> None:
     _fail("keep_checkpoints", cfg.keep_checkpoints, "an integer >= 1")
   grace = cfg.get("termination_grace_seconds", 20.0)
   if not is_real(grace) or grace < 0:
-    _fail("termination_grace_seconds", grace, "a finite number of seconds >= 0 (below the "
-          "scheduler's delay between SIGTERM and SIGKILL, less a checkpoint save)")
-  if cfg.eval_chunk_size is not None and (not is_int(cfg.eval_chunk_size)
-                                          or cfg.eval_chunk_size < 1):
+    _fail(
+      "termination_grace_seconds",
+      grace,
+      "a finite number of seconds >= 0 (below the "
+      "scheduler's delay between SIGTERM and SIGKILL, less a checkpoint save)",
+    )
+  if cfg.eval_chunk_size is not None and (
+    not is_int(cfg.eval_chunk_size) or cfg.eval_chunk_size < 1
+  ):
     _fail("eval_chunk_size", cfg.eval_chunk_size, "an integer >= 1, or None (backend default)")
   snaps = cfg.snapshot_rounds
-  if not isinstance(snaps, (tuple, list)) or not all(
-      is_int(r) and r >= 1 for r in snaps):
-    _fail("snapshot_rounds", snaps, "a tuple of rounds >= 1 (rounds after the last are "
-          "not reached; the last round is always saved)")
+  if not isinstance(snaps, (tuple, list)) or not all(is_int(r) and r >= 1 for r in snaps):
+    _fail(
+      "snapshot_rounds",
+      snaps,
+      "a tuple of rounds >= 1 (rounds after the last are "
+      "not reached; the last round is always saved)",
+    )
 
   if cfg.method == "fedlap":
     to_fedlap_config(cfg)
@@ -391,15 +493,19 @@ def validate_config(cfg) -> None:
     to_dp_config(cfg)
     if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
       _fail("client.batch_size", cfg.client.batch_size, "an integer >= 1")
-    core.check_poisson_capacity(cfg.client.poisson_capacity, cfg.client.batch_size,
-                                "client.poisson_capacity")
+    core.check_poisson_capacity(
+      cfg.client.poisson_capacity, cfg.client.batch_size, "client.poisson_capacity"
+    )
     weighting = cfg.server.weighting
     if weighting is not None and weighting not in core.WEIGHTINGS:
       _fail("server.weighting", weighting, f"None or one of {core.WEIGHTINGS}")
     if cfg.method in DP_BASELINE_METHODS and weighting == "size":
-      _fail("server.weighting", weighting,
-            f"'uniform' or None for method={cfg.method!r} (Algorithm 3 averages the client "
-            "updates with 1/K, the setting the privacy analysis covers)")
+      _fail(
+        "server.weighting",
+        weighting,
+        f"'uniform' or None for method={cfg.method!r} (Algorithm 3 averages the client "
+        "updates with 1/K, the setting the privacy analysis covers)",
+      )
 
 
 def _validate_normalisation(cfg) -> None:
@@ -412,27 +518,41 @@ def _validate_normalisation(cfg) -> None:
   mean, std = d.get("mean"), d.get("std")
   if choice == "given":
     for field, v, low in (("data.mean", mean, -math.inf), ("data.std", std, 0.0)):
-      if (not isinstance(v, (tuple, list)) or not v
-          or not all(is_real(a) and a > low for a in v)):
-        _fail(field, v, "a tuple of finite numbers, one per channel (pixels in [0, 1])"
-              + (", each > 0" if low == 0.0 else "") + " with data.normalisation='given'")
+      if not isinstance(v, (tuple, list)) or not v or not all(is_real(a) and a > low for a in v):
+        _fail(
+          field,
+          v,
+          "a tuple of finite numbers, one per channel (pixels in [0, 1])"
+          + (", each > 0" if low == 0.0 else "")
+          + " with data.normalisation='given'",
+        )
     if len(mean) != len(std):
       _fail("data.std", std, f"as many numbers as data.mean={mean!r}")
   elif mean is not None or std is not None:
-    _fail("data.mean" if mean is not None else "data.std", mean if mean is not None else std,
-          f"None with data.normalisation={choice!r} (set data.normalisation='given' to use "
-          "your own mean and std)")
+    _fail(
+      "data.mean" if mean is not None else "data.std",
+      mean if mean is not None else std,
+      f"None with data.normalisation={choice!r} (set data.normalisation='given' to use "
+      "your own mean and std)",
+    )
   if choice == "published" and d.name not in data_lib.NORMALIZATION:
-    _fail("data.normalisation", choice, f"'given', 'test_split' or 'train_split' for "
-          f"data.name={d.name!r} (published constants exist for {tuple(data_lib.NORMALIZATION)})")
+    _fail(
+      "data.normalisation",
+      choice,
+      f"'given', 'test_split' or 'train_split' for "
+      f"data.name={d.name!r} (published constants exist for {tuple(data_lib.NORMALIZATION)})",
+    )
   resolved = data_lib.resolve_normalisation(d.name, choice)
   if cfg.dp.enabled and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
-    _fail("data.normalisation", choice,
-          f"one of {data_lib.DP_SAFE_NORMALISATIONS} with DP (for data.name={d.name!r} "
-          f"{choice!r} standardises with the mean and std of the private training split: one "
-          "record changes them, they reach every synthetic image, and the accountant does not "
-          "cover them); e.g. 'test_split' (statistics of the public test split) or 'given' "
-          "(data.mean, data.std)")
+    _fail(
+      "data.normalisation",
+      choice,
+      f"one of {data_lib.DP_SAFE_NORMALISATIONS} with DP (for data.name={d.name!r} "
+      f"{choice!r} standardises with the mean and std of the private training split: one "
+      "record changes them, they reach every synthetic image, and the accountant does not "
+      "cover them); e.g. 'test_split' (statistics of the public test split) or 'given' "
+      "(data.mean, data.std)",
+    )
 
 
 def _effective_side(image_shape) -> int:
@@ -458,22 +578,31 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
   for k, n in enumerate(sizes):
     if n == 0:
       raise ConfigError(
-          "data.partition", d.partition, "every client holds >= 1 record", message=
-          f"client {k} has no data with data.partition={d.partition!r}, data.num_clients="
-          f"{d.num_clients}, data.train_fraction={d.train_fraction}, data.dirichlet_alpha="
-          f"{d.dirichlet_alpha}; allowed: every client holds >= 1 record (use fewer clients, "
-          f"a larger train_fraction or alpha, or another seed)")
+        "data.partition",
+        d.partition,
+        "every client holds >= 1 record",
+        message=f"client {k} has no data with data.partition={d.partition!r}, data.num_clients="
+        f"{d.num_clients}, data.train_fraction={d.train_fraction}, data.dirichlet_alpha="
+        f"{d.dirichlet_alpha}; allowed: every client holds >= 1 record (use fewer clients, "
+        f"a larger train_fraction or alpha, or another seed)",
+      )
   h, w = dataset.image_shape[:2]
   side = _effective_side(dataset.image_shape)
-  if side // 2 ** cfg.model.depth < 1:
-    _fail("model.depth", cfg.model.depth, f"at most {int(math.log2(side))} for "
-          f"{h}x{w} images (each block halves the side)")
+  if side // 2**cfg.model.depth < 1:
+    _fail(
+      "model.depth",
+      cfg.model.depth,
+      f"at most {int(math.log2(side))} for {h}x{w} images (each block halves the side)",
+    )
 
   smallest = int(np.argmin(sizes))
   if cfg.client.batch_size > sizes[smallest]:
-    _fail("client.batch_size", cfg.client.batch_size,
-          f"at most {sizes[smallest]}, the size of the smallest client (client {smallest}); "
-          "the Poisson rate q = batch_size / N_k must be <= 1")
+    _fail(
+      "client.batch_size",
+      cfg.client.batch_size,
+      f"at most {sizes[smallest]}, the size of the smallest client (client {smallest}); "
+      "the Poisson rate q = batch_size / N_k must be <= 1",
+    )
   if cfg.dp.enabled:
     dp_mechanism(cfg, sizes).check_delta(sizes[smallest])
 
@@ -481,10 +610,13 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
   held = set(np.concatenate(ys).tolist())
   for c in sorted(set(dataset.y_test.tolist()) - held):
     raise ConfigError(
-        "data.partition", d.partition, "every class held by >= 1 client", message=
-        f"class {c} appears in the test split but no client holds a training record of it, "
-        f"so no synthetic label covers it (data.partition={d.partition!r}, "
-        f"data.train_fraction={d.train_fraction}); allowed: every class held by >= 1 client")
+      "data.partition",
+      d.partition,
+      "every class held by >= 1 client",
+      message=f"class {c} appears in the test split but no client holds a training record of it, "
+      f"so no synthetic label covers it (data.partition={d.partition!r}, "
+      f"data.train_fraction={d.train_fraction}); allowed: every class held by >= 1 client",
+    )
 
   if cfg.method not in ("fedlap", "feddm") + ONE_SHOT_METHODS:
     return
@@ -496,19 +628,26 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
     covered = set(labels[k][mask[k]].tolist())
     missing = set(np.unique(y).tolist()) - covered
     if missing:  # an invariant of synthetic_labels; checked because the server relies on it
-      raise ConfigError("client.ipc", ipc, "every class a client holds is covered", message=
-                        f"client {k}: classes {sorted(missing)} have no synthetic labels "
-                        f"with client.ipc={ipc}; allowed: every class a client holds is covered")
+      raise ConfigError(
+        "client.ipc",
+        ipc,
+        "every class a client holds is covered",
+        message=f"client {k}: classes {sorted(missing)} have no synthetic labels "
+        f"with client.ipc={ipc}; allowed: every class a client holds is covered",
+      )
   if cfg.synthetic_init == "real":
     for k, y in enumerate(ys):
       classes, counts = np.unique(y, return_counts=True)
       j = int(np.argmin(counts))
       if ipc > counts[j]:
-        _fail("client.ipc", ipc,
-              f"at most {counts[j]} with synthetic_init='real': "
-              f"{'the pool' if cfg.method == 'dsc_centralized' else f'client {k}'} holds only "
-              f"{counts[j]} records of class {classes[j]} (real initialisation draws ipc "
-              "distinct records per class)")
+        _fail(
+          "client.ipc",
+          ipc,
+          f"at most {counts[j]} with synthetic_init='real': "
+          f"{'the pool' if cfg.method == 'dsc_centralized' else f'client {k}'} holds only "
+          f"{counts[j]} records of class {classes[j]} (real initialisation draws ipc "
+          "distinct records per class)",
+        )
 
 
 def check_target_epsilon(cfg, planned_epsilon: float) -> None:
@@ -522,11 +661,16 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
   """
   target = cfg.dp.target_epsilon
   sigma = cfg.dp.noise_multiplier
-  if planned_epsilon <= target * (1 + 1e-9) and (planned_epsilon >= 0.99 * target
-                                                  or sigma <= 1e-3 * (1 + 1e-9)):
+  if planned_epsilon <= target * (1 + 1e-9) and (
+    planned_epsilon >= 0.99 * target or sigma <= 1e-3 * (1 + 1e-9)
+  ):
     return
-  raise ConfigError("dp.target_epsilon", target, "the epsilon of dp.noise_multiplier",
-                    message=f"dp.target_epsilon={target!r} does not match dp.noise_multiplier="
-                    f"{sigma!r} (epsilon {planned_epsilon:.4f} after {cfg.rounds} rounds); "
-                    "allowed: a config whose noise_multiplier experiments.run calibrated "
-                    "(python -m experiments.run, or experiments.run.calibrate_noise(config))")
+  raise ConfigError(
+    "dp.target_epsilon",
+    target,
+    "the epsilon of dp.noise_multiplier",
+    message=f"dp.target_epsilon={target!r} does not match dp.noise_multiplier="
+    f"{sigma!r} (epsilon {planned_epsilon:.4f} after {cfg.rounds} rounds); "
+    "allowed: a config whose noise_multiplier experiments.run calibrated "
+    "(python -m experiments.run, or experiments.run.calibrate_noise(config))",
+  )

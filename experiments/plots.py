@@ -27,8 +27,10 @@ from experiments import checkpointing
 
 def _plt():
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   return plt
 
 
@@ -53,7 +55,7 @@ def synthetic_grid(path, snapshot: dict, title: str, max_per_class: int = 8) -> 
   """One panel per client (the first :data:`MAX_CLIENT_PANELS`); rows are classes, up to
   ``max_per_class`` images each."""
   plt = _plt()
-  x = snapshot["x"] * snapshot["std"] + snapshot["mean"]   # (K, S, H, W, C)
+  x = snapshot["x"] * snapshot["std"] + snapshot["mean"]  # (K, S, H, W, C)
   x = np.clip(x, 0.0, 1.0)
   y, mask = snapshot["y"], snapshot["mask"]
   num_clients = min(x.shape[0], MAX_CLIENT_PANELS)
@@ -69,9 +71,13 @@ def synthetic_grid(path, snapshot: dict, title: str, max_per_class: int = 8) -> 
         imgs = np.concatenate([imgs, np.ones((pad, *imgs.shape[1:]), imgs.dtype)])
       rows.append(np.concatenate(list(imgs), axis=1))
     grid = np.concatenate(rows, axis=0)
-    ax.imshow(grid[..., 0] if grid.shape[-1] == 1 else grid,
-              cmap="gray" if grid.shape[-1] == 1 else None, vmin=0, vmax=1,
-              interpolation="nearest")
+    ax.imshow(
+      grid[..., 0] if grid.shape[-1] == 1 else grid,
+      cmap="gray" if grid.shape[-1] == 1 else None,
+      vmin=0,
+      vmax=1,
+      interpolation="nearest",
+    )
     ax.set_title(f"client {k}: classes {classes.tolist()}", fontsize=8)
     ax.axis("off")
   fig.suptitle(title, fontsize=10)
@@ -85,8 +91,9 @@ def pixel_histograms(path, snapshots: list[dict], title: str) -> None:
   (the first :data:`MAX_CLIENT_PANELS` clients)."""
   plt = _plt()
   num_clients = min(snapshots[0]["x"].shape[0], MAX_CLIENT_PANELS)
-  fig, axes = plt.subplots(1, num_clients, figsize=(2.6 * num_clients, 2.6), squeeze=False,
-                           sharey=True)
+  fig, axes = plt.subplots(
+    1, num_clients, figsize=(2.6 * num_clients, 2.6), squeeze=False, sharey=True
+  )
   for snap in snapshots:
     x = snap["x"] * snap["std"] + snap["mean"]
     for k in range(num_clients):
@@ -120,8 +127,9 @@ def make_all(workdir) -> list[Path]:
     _line_plot(p, rounds, acc, "communication round", label)
     written.append(p)
     p = workdir / "accuracy_vs_upload.png"
-    _line_plot(p, [r["upload_mb"] for r in records], acc, "cumulative upload (MB, all clients)",
-               label)
+    _line_plot(
+      p, [r["upload_mb"] for r in records], acc, "cumulative upload (MB, all clients)", label
+    )
     written.append(p)
     if records[-1].get("epsilon") is not None:
       p = workdir / "accuracy_vs_epsilon.png"

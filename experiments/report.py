@@ -59,9 +59,22 @@ from experiments import checkpointing
 
 METHOD_ORDER = tuple(METHOD_LABELS.values())
 DATASET_ORDER = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
-IGNORED = ("seed", "checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
-           "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",
-           "data.source", "method", "dp.enabled", "label")
+IGNORED = (
+  "seed",
+  "checkpoint_every",
+  "keep_checkpoints",
+  "eval_chunk_size",
+  "snapshot_rounds",
+  "plots",
+  "progress_bar",
+  "client_backend",
+  "data.cache_dir",
+  "data.data_dir",
+  "data.source",
+  "method",
+  "dp.enabled",
+  "label",
+)
 # Fields that differ between the points of one grid without being a grid dimension.
 GRID_IGNORED = ("dp.noise_multiplier", "dp.target_epsilon")
 ROW_PREFIXES = ("data.", "model.")
@@ -84,8 +97,10 @@ class Run:
     self.path = Path(path)
     cfg_path, info_path = self.path / "config.json", self.path / "run_info.json"
     if not cfg_path.exists() or not info_path.exists():
-      raise ValueError(f"RUN_DIR={str(path)!r} is invalid: no config.json / run_info.json; "
-                       "allowed: a work dir written by experiments.run")
+      raise ValueError(
+        f"RUN_DIR={str(path)!r} is invalid: no config.json / run_info.json; "
+        "allowed: a work dir written by experiments.run"
+      )
     self.config = _flatten(json.loads(cfg_path.read_text()))
     self.info = json.loads(info_path.read_text())
     self.records = checkpointing.read_metrics(self.path / "metrics.jsonl")
@@ -93,8 +108,11 @@ class Run:
       raise ValueError(f"RUN_DIR={str(path)!r} has no metrics records yet")
     self.dp = bool(self.info.get("dp"))
     self.method = self.info.get("method_label", self.config["method"])
-    self.upload_ratio = (self.info["upload_floats_per_client"] / self.info["num_params"]
-                         if self.info.get("num_params") else float("nan"))
+    self.upload_ratio = (
+      self.info["upload_floats_per_client"] / self.info["num_params"]
+      if self.info.get("num_params")
+      else float("nan")
+    )
     self.dataset = self.config["data.name"]
     self.seed = self.config["seed"]
     if self.config.get("label"):  # a config's display name replaces the method's
@@ -103,8 +121,9 @@ class Run:
     # The figure the run's epsilon levels are stated in: the one its dp.target_epsilon /
     # dp.match_epsilon_of calibrated (dp.epsilon_for): "epsilon" (replace-one) or the
     # paper's "epsilon_add_remove".
-    self.epsilon_key = ("epsilon_add_remove" if self.config.get("dp.epsilon_for") == "add_remove"
-                        else "epsilon")
+    self.epsilon_key = (
+      "epsilon_add_remove" if self.config.get("dp.epsilon_for") == "add_remove" else "epsilon"
+    )
     fields = {k: v for k, v in self.config.items() if k not in IGNORED}
     self.row_fields = {k: v for k, v in fields.items() if k.startswith(ROW_PREFIXES)}
     self.col_fields = {k: v for k, v in fields.items() if not k.startswith(ROW_PREFIXES)}
@@ -169,6 +188,7 @@ def _order(labels, order, base=lambda label: label.split(" [")[0]):
   def key(label):
     b = base(label)
     return (order.index(b) if b in order else len(order), label)
+
   return sorted(set(labels), key=key)
 
 
@@ -193,8 +213,9 @@ def build_table(runs: list[Run], value_fn, note_fn=None) -> tuple[list[str], lis
   rows = _order([r.row for r in runs], DATASET_ORDER)
   method_of = {r.col: r.method for r in runs}
   cols = _order([r.col for r in runs], METHOD_ORDER, base=method_of.get)
-  cells = {key: _cell(vals, note_fn(members[key]) if note_fn else "")
-           for key, vals in groups.items()}
+  cells = {
+    key: _cell(vals, note_fn(members[key]) if note_fn else "") for key, vals in groups.items()
+  }
   return rows, cols, cells
 
 
@@ -204,8 +225,12 @@ def _epsilon_note(runs: list[Run]) -> str:
 
 
 def _markdown(title: str, rows, cols, cells) -> str:
-  lines = [f"### {title}", "", "| dataset | " + " | ".join(cols) + " |",
-           "|---|" + "---:|" * len(cols)]
+  lines = [
+    f"### {title}",
+    "",
+    "| dataset | " + " | ".join(cols) + " |",
+    "|---|" + "---:|" * len(cols),
+  ]
   for row in rows:
     lines.append(f"| {row} | " + " | ".join(cells.get((row, c), ("",))[0] for c in cols) + " |")
   return "\n".join(lines) + "\n"
@@ -227,8 +252,10 @@ def _write_csv(path: Path, rows, cols, cells) -> None:
 def overlay_plot(path: Path, runs: list[Run]) -> None:
   """Accuracy vs round, one panel per dataset row, mean over seeds +- std."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   rows = _order([r.row for r in runs], DATASET_ORDER)
   fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.6), squeeze=False)
   for ax, row in zip(axes[0], rows):
@@ -244,7 +271,7 @@ def overlay_plot(path: Path, runs: list[Run]) -> None:
       x = np.arange(1, n + 1)
       mean, std = acc.mean(0), acc.std(0)
       style = "--" if members[0].dp else "-"
-      line, = ax.plot(x, mean, style, label=f"{col} (n={len(members)})")
+      (line,) = ax.plot(x, mean, style, label=f"{col} (n={len(members)})")
       ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
     ax.set_title(row, fontsize=10)
     ax.set_xlabel("communication round")
@@ -269,15 +296,17 @@ def best_of_grid_table(runs: list[Run], epsilon: float) -> tuple[list[str], list
     ``(rows, cols, cells, grid)``: ``cells[(row, col)] = (text, mean, std, n)``
     of the best point (the text names it), ``grid[(row, col)] = {point: cell}``.
   """
-  chosen = [r for r in runs if r.target_epsilon is None
-            or math.isclose(float(r.target_epsilon), epsilon, rel_tol=1e-9)]
+  chosen = [
+    r
+    for r in runs
+    if r.target_epsilon is None or math.isclose(float(r.target_epsilon), epsilon, rel_tol=1e-9)
+  ]
   groups = defaultdict(list)
   for r in chosen:
     groups[(r.row, r.method)].append(r)
   cells, grid = {}, {}
   for key, members in groups.items():
-    fields = [{k: v for k, v in r.col_fields.items() if k not in GRID_IGNORED}
-              for r in members]
+    fields = [{k: v for k, v in r.col_fields.items() if k not in GRID_IGNORED} for r in members]
     varying = _varying(fields)
     points = defaultdict(list)
     for r, f in zip(members, fields):
@@ -285,16 +314,19 @@ def best_of_grid_table(runs: list[Run], epsilon: float) -> tuple[list[str], list
     order = sorted(points, key=lambda vals: tuple((type(v).__name__, v) for v in vals))
     names = [", ".join(f"{k}={v}" for k, v in zip(sorted(varying), vals)) for vals in order]
     grid[key] = {name: _cell(points[vals]) for name, vals in zip(names, order)}
-    scored = [(c[1], -i, p) for i, (p, c) in enumerate(grid[key].items())
-              if not math.isnan(c[1])]
+    scored = [(c[1], -i, p) for i, (p, c) in enumerate(grid[key].items()) if not math.isnan(c[1])]
     if not scored:
       cells[key] = ("-", float("nan"), float("nan"), 0)
       continue
     _, i, best = max(scored)
     edge = len(names) >= 3 and -i in (0, len(names) - 1)  # a wider grid might do better
     text, mean, std, n = grid[key][best]
-    cells[key] = (text + (f" [{best}{', grid edge' if edge else ''}]" if best else ""),
-                  mean, std, n)
+    cells[key] = (
+      text + (f" [{best}{', grid edge' if edge else ''}]" if best else ""),
+      mean,
+      std,
+      n,
+    )
   rows = _order([r.row for r in chosen], DATASET_ORDER)
   cols = sorted({r.method for r in chosen}, key=lambda m: (_method_rank(m), m))
   return rows, cols, cells, grid
@@ -309,17 +341,21 @@ def _method_rank(label: str) -> int:
 
 def _grid_markdown(epsilons, grids: dict) -> str:
   keys = list(dict.fromkeys((k, p) for g in grids.values() for k in sorted(g) for p in g[k]))
-  lines = ["### Every grid point", "",
-           "| dataset | method | grid point | " + " | ".join(f"epsilon {e:g}" for e in epsilons)
-           + " |", "|---|---|---|" + "---:|" * len(epsilons)]
+  lines = [
+    "### Every grid point",
+    "",
+    "| dataset | method | grid point | " + " | ".join(f"epsilon {e:g}" for e in epsilons) + " |",
+    "|---|---|---|" + "---:|" * len(epsilons),
+  ]
   for (row, col), point in keys:
     vals = [grids[e].get((row, col), {}).get(point, ("",))[0] for e in epsilons]
     lines.append(f"| {row} | {col} | {point or '-'} | " + " | ".join(vals) + " |")
   return "\n".join(lines) + "\n"
 
 
-def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
-                best_of_grid: bool = False) -> dict:
+def make_report(
+  run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final", best_of_grid: bool = False
+) -> dict:
   """Writes the tables and the plot for ``run_dirs`` into ``out``; returns the tables.
 
   ``best_of_grid``: the DP tables show each column's best grid point (see
@@ -332,8 +368,12 @@ def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
   label_runs(runs)
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  md = ["# Results", "", f"{len(runs)} runs; accuracy in % (mean ± population std over seeds, "
-        "n = seeds).", ""]
+  md = [
+    "# Results",
+    "",
+    f"{len(runs)} runs; accuracy in % (mean ± population std over seeds, n = seeds).",
+    "",
+  ]
   incomplete = [str(r.path) for r in runs if not r.complete]
   if incomplete:
     md += [f"Unfinished runs (their last round is used): {', '.join(incomplete)}", ""]
@@ -347,10 +387,13 @@ def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
   dp = [r for r in runs if r.dp]
   if best_of_grid and dp:
     grids = {}
-    md += ["DP: accuracy after the last round of each run calibrated to the epsilon "
-           "(`dp.target_epsilon`), or of the last round within it; each column is its best "
-           "grid point (best mean over seeds; [the point]). Choosing the best point looks at "
-           "the test accuracy of every point: that choice is not covered by the epsilon.", ""]
+    md += [
+      "DP: accuracy after the last round of each run calibrated to the epsilon "
+      "(`dp.target_epsilon`), or of the last round within it; each column is its best "
+      "grid point (best mean over seeds; [the point]). Choosing the best point looks at "
+      "the test accuracy of every point: that choice is not covered by the epsilon.",
+      "",
+    ]
     for eps in epsilons:
       rows, cols, cells, grids[eps] = best_of_grid_table(dp, eps)
       tables[f"dp_eps{eps:g}"] = (rows, cols, cells)
@@ -364,8 +407,17 @@ def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
       for eps, g in grids.items():
         for (row, col), pts in sorted(g.items()):
           for point, (_, mean, std, n) in pts.items():
-            w.writerow([f"{eps:g}", row, col, point, "" if math.isnan(mean) else f"{mean:.4f}",
-                        "" if math.isnan(std) else f"{std:.4f}", n])
+            w.writerow(
+              [
+                f"{eps:g}",
+                row,
+                col,
+                point,
+                "" if math.isnan(mean) else f"{mean:.4f}",
+                "" if math.isnan(std) else f"{std:.4f}",
+                n,
+              ]
+            )
   for eps in epsilons if dp and not best_of_grid else ():
     t = build_table(dp, lambda r, e=eps: r.accuracy_at_epsilon(e))
     tables[f"dp_eps{eps:g}"] = t
@@ -378,19 +430,47 @@ def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
     _write_csv(out / "table_dp_final.csv", *t)
   with open(out / "runs.csv", "w", newline="") as f:
     w = csv.writer(f)
-    w.writerow(["run_dir", "dataset", "method", "row", "column", "seed", "rounds_done",
-                "final_accuracy", "best_accuracy", "final_epsilon", "wall_seconds",
-                "upload_floats_per_client", "upload_vs_model", "first_round_seconds",
-                "later_round_seconds"])
+    w.writerow(
+      [
+        "run_dir",
+        "dataset",
+        "method",
+        "row",
+        "column",
+        "seed",
+        "rounds_done",
+        "final_accuracy",
+        "best_accuracy",
+        "final_epsilon",
+        "wall_seconds",
+        "upload_floats_per_client",
+        "upload_vs_model",
+        "first_round_seconds",
+        "later_round_seconds",
+      ]
+    )
     for r in runs:
       last = r.records[-1]
       first, later = r.round_seconds
-      w.writerow([r.path, r.dataset, r.method, r.row, r.col, r.seed, last["round"],
-                  f"{last['test_accuracy']:.6f}", f"{r.accuracy('best'):.6f}",
-                  "" if last.get("epsilon") is None else f"{last['epsilon']:.6f}",
-                  f"{last['wall_seconds']:.1f}", r.info.get("upload_floats_per_client", ""),
-                  f"{r.upload_ratio:.4f}", f"{first:.2f}",
-                  "" if math.isnan(later) else f"{later:.2f}"])
+      w.writerow(
+        [
+          r.path,
+          r.dataset,
+          r.method,
+          r.row,
+          r.col,
+          r.seed,
+          last["round"],
+          f"{last['test_accuracy']:.6f}",
+          f"{r.accuracy('best'):.6f}",
+          "" if last.get("epsilon") is None else f"{last['epsilon']:.6f}",
+          f"{last['wall_seconds']:.1f}",
+          r.info.get("upload_floats_per_client", ""),
+          f"{r.upload_ratio:.4f}",
+          f"{first:.2f}",
+          "" if math.isnan(later) else f"{later:.2f}",
+        ]
+      )
   overlay_plot(out / "accuracy_vs_round.png", runs)
   md += ["![accuracy vs round](accuracy_vs_round.png)", ""]
   (out / "report.md").write_text("\n".join(md))
@@ -398,27 +478,35 @@ def make_report(run_dirs, out, *, epsilons=(2.79, 10.18), metric: str = "final",
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m experiments.report",
-                                   description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(
+    prog="python -m experiments.report", description=__doc__.split("\n\n")[0]
+  )
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
   parser.add_argument("--out", required=True, help="output directory")
-  parser.add_argument("--epsilons", default="2.79,10.18",
-                      help="comma-separated epsilon budgets for the DP tables")
+  parser.add_argument(
+    "--epsilons", default="2.79,10.18", help="comma-separated epsilon budgets for the DP tables"
+  )
   parser.add_argument("--metric", default="final", choices=("final", "best"))
-  parser.add_argument("--best-of-grid", action="store_true",
-                      help="DP tables: each method's best grid point (e.g. learning rate)")
+  parser.add_argument(
+    "--best-of-grid",
+    action="store_true",
+    help="DP tables: each method's best grid point (e.g. learning rate)",
+  )
   args = parser.parse_args(argv)
   try:
     eps = tuple(float(e) for e in args.epsilons.split(",") if e.strip())
     if any(not math.isfinite(e) or e <= 0 for e in eps):
       raise ValueError
   except ValueError:
-    print(f"error: --epsilons={args.epsilons!r} is invalid; allowed: comma-separated numbers "
-          "> 0", file=sys.stderr)
+    print(
+      f"error: --epsilons={args.epsilons!r} is invalid; allowed: comma-separated numbers > 0",
+      file=sys.stderr,
+    )
     return 2
   try:
-    make_report(args.run_dirs, args.out, epsilons=eps, metric=args.metric,
-                best_of_grid=args.best_of_grid)
+    make_report(
+      args.run_dirs, args.out, epsilons=eps, metric=args.metric, best_of_grid=args.best_of_grid
+    )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -59,9 +59,11 @@ def resolve_config_arg(value: str) -> tuple[str, str]:
     try:
       module, module_arg = configs.resolve(value)
     except KeyError:
-      raise ConfigArgError(f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
-                           f"allowed: one of {list(configs.names())} (optionally NAME:ARG), or "
-                           "a path to a config .py file") from None
+      raise ConfigArgError(
+        f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
+        f"allowed: one of {list(configs.names())} (optionally NAME:ARG), or "
+        "a path to a config .py file"
+      ) from None
     path = str(CONFIG_DIR / f"{module}.py")
     label = name
     target = path + ("" if module_arg is None else f":{module_arg}")
@@ -75,7 +77,7 @@ def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:
   while i < len(argv):
     a = argv[i]
     if a.startswith("--config="):
-      path, name = resolve_config_arg(a[len("--config="):])
+      path, name = resolve_config_arg(a[len("--config=") :])
       out.append(f"--config={path}")
     elif a == "--config" and i + 1 < len(argv):
       path, name = resolve_config_arg(argv[i + 1])
@@ -96,12 +98,14 @@ NONE_TEXTS = ("None", "none")
 def _none_able(config, field: str) -> bool:
   """Whether ``field`` (dotted) of ``config`` is a placeholder, i.e. may be None."""
   from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+
   *parents, leaf = field.split(".")
   node = config
   for part in parents:
     node = node._fields.get(part) if isinstance(node, config_dict.ConfigDict) else None  # pylint: disable=protected-access
-  return (isinstance(node, config_dict.ConfigDict)
-          and isinstance(node._fields.get(leaf), config_dict.FieldReference))  # pylint: disable=protected-access
+  return isinstance(node, config_dict.ConfigDict) and isinstance(
+    node._fields.get(leaf), config_dict.FieldReference
+  )  # pylint: disable=protected-access
 
 
 def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]]):
@@ -111,24 +115,32 @@ def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]])
   or a value its type does not parse, else ``"config"`` (the file did not load).
   """
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   inner = e.args[0] if e.args and isinstance(e.args[0], KeyError) else e
   if isinstance(inner, KeyError):  # an override of a field the config does not have
     detail = (inner.args[0] if inner.args else str(inner)).replace("\n", "; ")
     key = re.match(r"'([^']*)'", detail)  # the unknown key first, then any suggestions
-    field, text = next(((f, t) for f, t in overrides
-                        if key and key.group(1) in f.split(".")),
-                       overrides[0] if overrides else ("", ""))
+    field, text = next(
+      ((f, t) for f, t in overrides if key and key.group(1) in f.split(".")),
+      overrides[0] if overrides else ("", ""),
+    )
     return library_configs.ConfigError(
-        field, text, CONFIG_FIELDS, message=f"unknown config field in a --config.FIELD "
-        f"override: {detail} (allowed: {CONFIG_FIELDS})")
+      field,
+      text,
+      CONFIG_FIELDS,
+      message=f"unknown config field in a --config.FIELD "
+      f"override: {detail} (allowed: {CONFIG_FIELDS})",
+    )
   message = str(e)
   for field, text in reversed(overrides):  # absl: "flag --config.FIELD=VALUE: why"
     prefix = f"flag --config.{field}={text}: "
     if message.startswith(prefix):
       return library_configs.ConfigError(
-          field, text, f"a value of the field's type ({message[len(prefix):]})", message=message)
-  return library_configs.ConfigError("config", name_arg, "a config file that loads",
-                                     message=message)
+        field, text, f"a value of the field's type ({message[len(prefix) :]})", message=message
+      )
+  return library_configs.ConfigError(
+    "config", name_arg, "a config file that loads", message=message
+  )
 
 
 def parse_argv(argv: list[str]):
@@ -154,26 +166,39 @@ def parse_argv(argv: list[str]):
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
   argv = list(argv)
-  name_arg = next((a[len("--config="):] for a in argv if a.startswith("--config=")), None)
+  name_arg = next((a[len("--config=") :] for a in argv if a.startswith("--config=")), None)
   try:
     argv, name = rewrite_argv(argv)
   except ConfigArgError as e:
     raise library_configs.ConfigError(
-        "config", name_arg, "NAME[:ARG] of experiments/configs/, or a path to a config .py "
-        "file", message=str(e)) from None
+      "config",
+      name_arg,
+      "NAME[:ARG] of experiments/configs/, or a path to a config .py file",
+      message=str(e),
+    ) from None
   if name is None:
     return None, None
-  overrides = [tuple(a[len("--config."):].partition("=")[::2]) for a in argv
-               if a.startswith("--config.") and "=" in a]
+  overrides = [
+    tuple(a[len("--config.") :].partition("=")[::2])
+    for a in argv
+    if a.startswith("--config.") and "=" in a
+  ]
   last = dict(overrides)  # absl: the last value of a flag wins
   none_fields = [f for f, t in last.items() if t in NONE_TEXTS]
 
   def parse(argv):
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                    lock_config=True, flag_values=flag_values, sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).",
-                        flag_values=flag_values)
+    config_flags.DEFINE_config_file(
+      "config",
+      None,
+      "Experiment config file.",
+      lock_config=True,
+      flag_values=flag_values,
+      sys_argv=argv,
+    )
+    flags.DEFINE_string(
+      "workdir", None, "Output directory (default runs/<config name>).", flag_values=flag_values
+    )
     try:
       flag_values(argv)
       getattr(flag_values.config, "keys")  # a file that did not load raises on first use
@@ -184,8 +209,7 @@ def parse_argv(argv: list[str]):
   if none_fields:  # None is no value of the field's type: set it after
     base = parse([a for a in argv if not a.startswith("--config.")]).config
     none_fields = [f for f in none_fields if _none_able(base, f)]
-    argv = [a for a in argv
-            if a[len("--config."):].partition("=")[0] not in none_fields]
+    argv = [a for a in argv if a[len("--config.") :].partition("=")[0] not in none_fields]
   flag_values = parse(argv)
   for field in none_fields:
     *parents, leaf = field.split(".")
@@ -211,18 +235,22 @@ def load_config(name_arg: str, overrides: Sequence[str] = ()):
       ``FIELD=VALUE``.
   """
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   for item in overrides:
     if not isinstance(item, str) or not item.partition("=")[0] or "=" not in item:
-      raise library_configs.ConfigError("overrides", item,
-                                        "FIELD=VALUE, e.g. seed=1 or client.batch_loop=2")
+      raise library_configs.ConfigError(
+        "overrides", item, "FIELD=VALUE, e.g. seed=1 or client.batch_loop=2"
+      )
   flag_values, name = parse_argv(
-      ["prog", f"--config={name_arg}", *(f"--config.{item}" for item in overrides)])
+    ["prog", f"--config={name_arg}", *(f"--config.{item}" for item in overrides)]
+  )
   return flag_values.config, name
 
 
 def main(argv: list[str] | None = None) -> int:
   """Entry point; ``argv`` defaults to ``sys.argv``."""
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   try:
     flag_values, name = parse_argv(sys.argv if argv is None else argv)
   except library_configs.ConfigError as e:
@@ -245,12 +273,14 @@ def client_sizes(cfg) -> list[int]:
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   try:
     dataset = data_lib.load_dataset(cfg.data)
     return [len(i) for i in data_lib.client_split(dataset, cfg.data)]
   except ValueError as e:
-    raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
-                                 message=str(e)) from None
+    raise library_configs.ConfigError(
+      "data.source", cfg.data.source, "data the config can use", message=str(e)
+    ) from None
 
 
 # The largest noise multiplier dp.target_epsilon may calibrate to: beyond it the released
@@ -295,7 +325,8 @@ class DpBudget(NamedTuple):
   def epsilon(self, noise_multiplier: float) -> float:
     """Epsilon (nats, of ``epsilon_for``) after the last round with this ``noise_multiplier``."""
     return self.mechanism.with_noise_multiplier(noise_multiplier).epsilon_after(
-        self.rounds, self.min_client_size, adjacency=self.epsilon_for)
+      self.rounds, self.min_client_size, adjacency=self.epsilon_for
+    )
 
   def calibrate(self, target_epsilon: float, *, field: str) -> float:
     """The smallest sigma (to ``CALIBRATION_TOL``) whose epsilon is <= ``target_epsilon``.
@@ -305,32 +336,49 @@ class DpBudget(NamedTuple):
         ``sigma > MAX_TARGET_NOISE_MULTIPLIER``.
     """
     from experiments import library_configs  # pylint: disable=g-import-not-at-top
-    allowed = (f"a finite number > 0 that some noise_multiplier <= "
-               f"{MAX_TARGET_NOISE_MULTIPLIER:g} meets (here q = {self.batch_size}/"
-               f"{self.min_client_size}, T = {self.steps_per_round} per round, {self.rounds} "
-               f"rounds, delta = {self.delta:g}, {self.epsilon_for} epsilon)")
+
+    allowed = (
+      f"a finite number > 0 that some noise_multiplier <= "
+      f"{MAX_TARGET_NOISE_MULTIPLIER:g} meets (here q = {self.batch_size}/"
+      f"{self.min_client_size}, T = {self.steps_per_round} per round, {self.rounds} "
+      f"rounds, delta = {self.delta:g}, {self.epsilon_for} epsilon)"
+    )
     try:
       return self.mechanism.calibrated(
-          target_epsilon, rounds=self.rounds, client_size=self.min_client_size,
-          adjacency=self.epsilon_for, tol=CALIBRATION_TOL,
-          max_noise_multiplier=MAX_TARGET_NOISE_MULTIPLIER).noise_multiplier
+        target_epsilon,
+        rounds=self.rounds,
+        client_size=self.min_client_size,
+        adjacency=self.epsilon_for,
+        tol=CALIBRATION_TOL,
+        max_noise_multiplier=MAX_TARGET_NOISE_MULTIPLIER,
+      ).noise_multiplier
     except ValueError:
       if isinstance(target_epsilon, (int, float)) and target_epsilon > 0:
         floor = self.epsilon(MAX_TARGET_NOISE_MULTIPLIER)
-        allowed = (f"a target >= {floor:.4g}, the epsilon of noise_multiplier="
-                   f"{MAX_TARGET_NOISE_MULTIPLIER:g}" + allowed[allowed.index(" (here"):])
-      raise library_configs.ConfigError(field, target_epsilon, allowed,
-                                   message=f"{field}={target_epsilon!r} is unreachable; "
-                                   f"allowed: {allowed}") from None
+        allowed = (
+          f"a target >= {floor:.4g}, the epsilon of noise_multiplier="
+          f"{MAX_TARGET_NOISE_MULTIPLIER:g}" + allowed[allowed.index(" (here") :]
+        )
+      raise library_configs.ConfigError(
+        field,
+        target_epsilon,
+        allowed,
+        message=f"{field}={target_epsilon!r} is unreachable; allowed: {allowed}",
+      ) from None
 
 
 def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
   """The :class:`DpBudget` of a DP config (``sizes``: records per client; loaded if None)."""
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
   from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
+
   sizes = client_sizes(cfg) if sizes is None else sizes
-  return DpBudget(library_configs.dp_mechanism(cfg, sizes), int(min(sizes)), int(cfg.rounds),
-                  cfg.dp.get("epsilon_for", accounting.REPLACE_ONE))
+  return DpBudget(
+    library_configs.dp_mechanism(cfg, sizes),
+    int(min(sizes)),
+    int(cfg.rounds),
+    cfg.dp.get("epsilon_for", accounting.REPLACE_ONE),
+  )
 
 
 def calibrate_noise(config) -> list[str]:
@@ -352,6 +400,7 @@ def calibrate_noise(config) -> list[str]:
       run of it, naming a run that matches another itself, or set on a run without DP.
   """
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   lines = []
   sizes_of = {}  # the runs of a suite mostly share data and partition: load them once
 
@@ -363,17 +412,20 @@ def calibrate_noise(config) -> list[str]:
 
   def log(label, field, target, cfg, budget):
     eps = budget.epsilon(cfg.dp.noise_multiplier)
-    lines.append(f"calibrated: {label}{field}={target:.6g} -> dp.noise_multiplier="
-                 f"{cfg.dp.noise_multiplier:.6g} (q = {budget.batch_size}/"
-                 f"{budget.min_client_size} = {budget.sampling_rate:.4g}, T = "
-                 f"{budget.steps_per_round} per round, {budget.rounds} rounds, delta = "
-                 f"{budget.delta:g}: {budget.epsilon_for} epsilon {eps:.4f})")
+    lines.append(
+      f"calibrated: {label}{field}={target:.6g} -> dp.noise_multiplier="
+      f"{cfg.dp.noise_multiplier:.6g} (q = {budget.batch_size}/"
+      f"{budget.min_client_size} = {budget.sampling_rate:.4g}, T = "
+      f"{budget.steps_per_round} per round, {budget.rounds} rounds, delta = "
+      f"{budget.delta:g}: {budget.epsilon_for} epsilon {eps:.4f})"
+    )
 
   if "suite" not in config:
     other = config.dp.get("match_epsilon_of", "")
     if other:
-      raise library_configs.ConfigError("dp.match_epsilon_of", other,
-                                   "'' outside a suite (it names another run of the suite)")
+      raise library_configs.ConfigError(
+        "dp.match_epsilon_of", other, "'' outside a suite (it names another run of the suite)"
+      )
     runs = [("", config)]
   else:
     runs = [(f"suite.{k}.", config.suite[k]) for k in config.suite.keys()]
@@ -408,12 +460,14 @@ def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
       without DP.
   """
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   budgets = {} if budgets is None else budgets
   if "suite" not in config:
     other = config.dp.get("match_epsilon_of", "")
     if other:
-      raise library_configs.ConfigError("dp.match_epsilon_of", other,
-                                   "'' outside a suite (it names another run of the suite)")
+      raise library_configs.ConfigError(
+        "dp.match_epsilon_of", other, "'' outside a suite (it names another run of the suite)"
+      )
     return config
   suite = config.suite
   for name in suite.keys():
@@ -422,17 +476,27 @@ def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
     if not other:
       continue
     field = f"suite.{name}.dp.match_epsilon_of"
-    candidates = [k for k in suite.keys() if k != name and suite[k].dp.enabled
-                  and not suite[k].dp.get("match_epsilon_of", "")]
+    candidates = [
+      k
+      for k in suite.keys()
+      if k != name and suite[k].dp.enabled and not suite[k].dp.get("match_epsilon_of", "")
+    ]
     if other not in candidates:
-      raise library_configs.ConfigError(field, other, f"one of {candidates}, the suite's other DP "
-                                   "runs that match no other run themselves")
+      raise library_configs.ConfigError(
+        field,
+        other,
+        f"one of {candidates}, the suite's other DP runs that match no other run themselves",
+      )
     if not cfg.dp.enabled:
-      raise library_configs.ConfigError(f"suite.{name}.dp.enabled", cfg.dp.enabled,
-                                   f"True with {field}={other!r}")
+      raise library_configs.ConfigError(
+        f"suite.{name}.dp.enabled", cfg.dp.enabled, f"True with {field}={other!r}"
+      )
     if cfg.dp.get("target_epsilon") is not None:
-      raise library_configs.ConfigError(f"suite.{name}.dp.target_epsilon", cfg.dp.target_epsilon,
-                                   f"None with {field}={other!r} (set one of the two)")
+      raise library_configs.ConfigError(
+        f"suite.{name}.dp.target_epsilon",
+        cfg.dp.target_epsilon,
+        f"None with {field}={other!r} (set one of the two)",
+      )
     ref = suite[other]
     budget = budget_of(cfg)
     ref_budget = budgets.get(f"suite.{other}.") or budget_of(ref)
@@ -452,9 +516,11 @@ def run_config(config, workdir: str, name: str) -> int:
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import library_configs, train  # pylint: disable=g-import-not-at-top
+
   if "suite" in config:
-    targets = [(config.suite[k], os.path.join(workdir, k), f"{name}/{k}")
-               for k in config.suite.keys()]
+    targets = [
+      (config.suite[k], os.path.join(workdir, k), f"{name}/{k}") for k in config.suite.keys()
+    ]
   else:
     targets = [(config, workdir, name)]
   try:
@@ -462,8 +528,9 @@ def run_config(config, workdir: str, name: str) -> int:
       try:
         library_configs.validate_config(cfg)
       except library_configs.ConfigError as e:
-        raise library_configs.ConfigError(e.field, e.value, e.allowed,
-                                     message=f"{label}: {e}") from None
+        raise library_configs.ConfigError(
+          e.field, e.value, e.allowed, message=f"{label}: {e}"
+        ) from None
     for line in calibrate_noise(config):
       print(line)
     results = []
@@ -473,16 +540,25 @@ def run_config(config, workdir: str, name: str) -> int:
       last = result["records"][-1] if result["records"] else None
       if last is not None:
         eps = f", epsilon {last['epsilon']:.3f}" if last.get("epsilon") is not None else ""
-        print(f"done: {label} round {last['round']}: test accuracy "
-              f"{100 * last['test_accuracy']:.2f} %{eps}; outputs in {wd} "
-              f"({result['seconds']:.0f} s)")
-  except (library_configs.ConfigError, train.ResumeError, train.WorkdirError,
-          data_lib.DataUnavailableError) as e:
+        print(
+          f"done: {label} round {last['round']}: test accuracy "
+          f"{100 * last['test_accuracy']:.2f} %{eps}; outputs in {wd} "
+          f"({result['seconds']:.0f} s)"
+        )
+  except (
+    library_configs.ConfigError,
+    train.ResumeError,
+    train.WorkdirError,
+    data_lib.DataUnavailableError,
+  ) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except OSError as e:  # the work dir became unwritable, or the disk is full
-    print(f"error: cannot write the run's files: {e}; the last complete checkpoint in "
-          f"{workdir} is kept; fix the work dir and run the same command again", file=sys.stderr)
+    print(
+      f"error: cannot write the run's files: {e}; the last complete checkpoint in "
+      f"{workdir} is kept; fix the work dir and run the same command again",
+      file=sys.stderr,
+    )
     return 2
   except train.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -491,11 +567,14 @@ def run_config(config, workdir: str, name: str) -> int:
     print(f"stopped: {e}", file=sys.stderr)
     return 143
   except KeyboardInterrupt:
-    print(f"\ninterrupted; run the same command again to resume from the last checkpoint in "
-          f"{workdir}", file=sys.stderr)
+    print(
+      f"\ninterrupted; run the same command again to resume from the last checkpoint in {workdir}",
+      file=sys.stderr,
+    )
     return 130
   if len(targets) > 1:
     from experiments import report  # pylint: disable=g-import-not-at-top
+
     out = os.path.join(workdir, "report")
     options = config.report.to_dict() if "report" in config else {}
     report.make_report([wd for _, wd, _ in targets], out, **options)
@@ -505,4 +584,5 @@ def run_config(config, workdir: str, name: str) -> int:
 
 if __name__ == "__main__":
   from experiments import termination  # pylint: disable=g-import-not-at-top
+
   termination.exit_process(main())

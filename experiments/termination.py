@@ -96,8 +96,9 @@ class _Worker:
     return self.result
 
 
-def wait_for(fn: Callable[[], Any], stop: TermSignal | None = None, *,
-             grace_seconds: float = math.inf) -> Any:
+def wait_for(
+  fn: Callable[[], Any], stop: TermSignal | None = None, *, grace_seconds: float = math.inf
+) -> Any:
   """``fn()``, computed in a worker thread while this thread waits interruptibly.
 
   Args:
@@ -118,10 +119,14 @@ def wait_for(fn: Callable[[], Any], stop: TermSignal | None = None, *,
   worker = _Worker(fn)
   try:
     while not worker.done.wait(POLL_SECONDS):
-      if (stop is not None and stop.received_at is not None
-          and time.monotonic() - stop.received_at >= grace_seconds):
-        raise Abandoned(f"the computation did not finish within {grace_seconds:g} s of "
-                        f"{stop.received}")
+      if (
+        stop is not None
+        and stop.received_at is not None
+        and time.monotonic() - stop.received_at >= grace_seconds
+      ):
+        raise Abandoned(
+          f"the computation did not finish within {grace_seconds:g} s of {stop.received}"
+        )
   except BaseException:  # Abandoned, Ctrl-C, a handler's SystemExit: the worker computes on
     worker.thread.name = ABANDONED_NAME
     raise

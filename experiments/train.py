@@ -119,9 +119,19 @@ from experiments import library_configs
 from experiments import termination
 
 # Fields that may change between an interrupted run and its resumption.
-RUNTIME_FIELDS = ("checkpoint_every", "keep_checkpoints", "eval_chunk_size", "snapshot_rounds",
-                  "plots", "progress_bar", "client_backend", "data.cache_dir", "data.data_dir",
-                  "debug_nonprivate_stats", "termination_grace_seconds")
+RUNTIME_FIELDS = (
+  "checkpoint_every",
+  "keep_checkpoints",
+  "eval_chunk_size",
+  "snapshot_rounds",
+  "plots",
+  "progress_bar",
+  "client_backend",
+  "data.cache_dir",
+  "data.data_dir",
+  "debug_nonprivate_stats",
+  "termination_grace_seconds",
+)
 # How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
 DEFAULT_GRACE_SECONDS = 20.0
 BYTES_PER_FLOAT = 4
@@ -176,9 +186,16 @@ class Terminated(RuntimeError):
 # ----------------------------------------------------------------------------
 
 
-def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
-                    num_params: int, max_client_size: int, model=None
-                    ) -> algorithm_lib.FederatedAlgorithm:
+def build_algorithm(
+  cfg,
+  apply_fn,
+  *,
+  image_shape,
+  max_classes_per_client: int,
+  num_params: int,
+  max_client_size: int,
+  model=None,
+) -> algorithm_lib.FederatedAlgorithm:
   """The :class:`FederatedAlgorithm` of ``cfg.method``.
 
   ``fedlap``: :func:`fedlap_jax.federated.algorithm` of
@@ -194,24 +211,41 @@ def build_algorithm(cfg, apply_fn, *, image_shape, max_classes_per_client: int,
   """
   backend = resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap")
   if cfg.method == "fedlap":
-    return federated.algorithm(apply_fn, library_configs.to_fedlap_config(cfg),
-                               image_shape=tuple(image_shape),
-                               max_classes_per_client=max_classes_per_client,
-                               client_backend=backend)
+    return federated.algorithm(
+      apply_fn,
+      library_configs.to_fedlap_config(cfg),
+      image_shape=tuple(image_shape),
+      max_classes_per_client=max_classes_per_client,
+      client_backend=backend,
+    )
   if cfg.method == "feddm":
-    return feddm.algorithm(apply_fn, _embed_fn(model), library_configs.to_feddm_config(cfg),
-                           image_shape=tuple(image_shape),
-                           max_classes_per_client=max_classes_per_client,
-                           client_backend=backend)
+    return feddm.algorithm(
+      apply_fn,
+      _embed_fn(model),
+      library_configs.to_feddm_config(cfg),
+      image_shape=tuple(image_shape),
+      max_classes_per_client=max_classes_per_client,
+      client_backend=backend,
+    )
   if cfg.method in core_config.ONE_SHOT_METHODS:
     return condensation.algorithm(
-        apply_fn, _init_fn(model, tuple(image_shape)), library_configs.to_oneshot_config(cfg),
-        image_shape=tuple(image_shape), max_classes_per_client=max_classes_per_client,
-        max_client_size=max_client_size, client_backend=backend)
+      apply_fn,
+      _init_fn(model, tuple(image_shape)),
+      library_configs.to_oneshot_config(cfg),
+      image_shape=tuple(image_shape),
+      max_classes_per_client=max_classes_per_client,
+      max_client_size=max_client_size,
+      client_backend=backend,
+    )
   return baselines.algorithm(
-      apply_fn, library_configs.to_baseline_config(cfg, max_client_size=max_client_size),
-      image_shape=tuple(image_shape), num_clients=cfg.data.num_clients, num_params=num_params,
-      client_backend=backend, clients_per_round=cfg.data.get("clients_per_round"))
+    apply_fn,
+    library_configs.to_baseline_config(cfg, max_client_size=max_client_size),
+    image_shape=tuple(image_shape),
+    num_clients=cfg.data.num_clients,
+    num_params=num_params,
+    client_backend=backend,
+    clients_per_round=cfg.data.get("clients_per_round"),
+  )
 
 
 @functools.lru_cache(maxsize=4)
@@ -271,27 +305,51 @@ def build_run(cfg) -> RunSetup:
     dataset = data_lib.load_dataset(cfg.data)
     indices = data_lib.client_split(dataset, cfg.data)
   except ValueError as e:  # bad data or a partition the data does not allow
-    raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
-                                 message=str(e)) from None
+    raise library_configs.ConfigError(
+      "data.source", cfg.data.source, "data the config can use", message=str(e)
+    ) from None
   library_configs.validate_data(cfg, dataset, indices)
   ys = [dataset.y_train[i] for i in indices]
-  clients = stack_clients([dataset.x_train[i] for i in indices], ys,
-                          pixel_scale=dataset.pixel_scale, pixel_offset=dataset.pixel_offset,
-                          on_host=samples_clients(cfg))
+  clients = stack_clients(
+    [dataset.x_train[i] for i in indices],
+    ys,
+    pixel_scale=dataset.pixel_scale,
+    pixel_offset=dataset.pixel_offset,
+    on_host=samples_clients(cfg),
+  )
   if resolve_client_backend(cfg.client_backend) == "shard" and not samples_clients(cfg):
     clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
   k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
-  model, params = init_convnet(k_model, dataset.image_shape, dataset.num_classes,
-                               width=cfg.model.width, depth=cfg.model.depth, norm=cfg.model.norm,
-                               conv_bias=cfg.model.conv_bias)
+  model, params = init_convnet(
+    k_model,
+    dataset.image_shape,
+    dataset.num_classes,
+    width=cfg.model.width,
+    depth=cfg.model.depth,
+    norm=cfg.model.norm,
+    conv_bias=cfg.model.conv_bias,
+  )
   apply_fn = _apply_fn(model)
   num_params = count_params(params)
-  alg = build_algorithm(cfg, apply_fn, image_shape=dataset.image_shape,
-                        max_classes_per_client=max(len(np.unique(y)) for y in ys),
-                        num_params=num_params, max_client_size=max(len(i) for i in indices),
-                        model=model)
-  return RunSetup(dataset, list(indices), clients, model, apply_fn, num_params, alg,
-                  alg.init(k_alg, params, clients))
+  alg = build_algorithm(
+    cfg,
+    apply_fn,
+    image_shape=dataset.image_shape,
+    max_classes_per_client=max(len(np.unique(y)) for y in ys),
+    num_params=num_params,
+    max_client_size=max(len(i) for i in indices),
+    model=model,
+  )
+  return RunSetup(
+    dataset,
+    list(indices),
+    clients,
+    model,
+    apply_fn,
+    num_params,
+    alg,
+    alg.init(k_alg, params, clients),
+  )
 
 
 def samples_clients(cfg) -> bool:
@@ -316,6 +374,7 @@ def run_defining_fields(cfg) -> dict:
         walk(v, name + ".")
       elif name not in RUNTIME_FIELDS:
         flat[name] = list(v) if isinstance(v, tuple) else v
+
   walk(cfg.to_dict(), "")
   return flat
 
@@ -329,10 +388,15 @@ def computation_fingerprint(cfg) -> dict:
   ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, and
   the JAX version. A DP run's checkpoint holds it (:func:`privacy_fingerprint`)."""
   devices = jax.devices()
-  return {"client_backend": resolve_client_backend(cfg.client_backend,
-                                                   side_by_side=cfg.method == "fedlap"),
-          "platform": jax.default_backend(), "device_count": len(devices),
-          "device_kind": devices[0].device_kind, "jax_version": jax.__version__}
+  return {
+    "client_backend": resolve_client_backend(
+      cfg.client_backend, side_by_side=cfg.method == "fedlap"
+    ),
+    "platform": jax.default_backend(),
+    "device_count": len(devices),
+    "device_kind": devices[0].device_kind,
+    "jax_version": jax.__version__,
+  }
 
 
 def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
@@ -345,38 +409,46 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
   smallest = int(min(client_sizes))
   per_round = cfg.data.get("clients_per_round")
   # Only when set, so checkpoints of runs without sampling keep their fingerprint.
-  sampling = {} if per_round is None else {
+  sampling = (
+    {}
+    if per_round is None
+    else {
       "clients_per_round": int(per_round),
-      "participation_seed": int(cfg.data.get("participation_seed", 0))}
+      "participation_seed": int(cfg.data.get("participation_seed", 0)),
+    }
+  )
   return {
-      **sampling,
-      **({} if dp is None else computation_fingerprint(cfg)),
-      "method": cfg.method,
-      "dp": dp is not None,
-      "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
-      "l2_clip_norm": None if dp is None else float(dp.l2_clip_norm),
-      "delta": None if dp is None else float(dp.delta),
-      "batch_size": int(alg.batch_size),
-      "steps_per_round": alg.dp_steps_per_round,
-      "min_client_size": smallest,
-      "sampling_rate": alg.batch_size / smallest,
-      "client_sizes": [int(n) for n in client_sizes],
-      "dataset": cfg.data.name,
-      "source": cfg.data.source,
-      "partition": cfg.data.partition,
-      "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
-      "num_clients": int(cfg.data.num_clients),
-      "train_fraction": float(cfg.data.train_fraction),
-      "partition_seed": int(cfg.data.get("partition_seed", 0)),
-      "seed": int(cfg.seed),
+    **sampling,
+    **({} if dp is None else computation_fingerprint(cfg)),
+    "method": cfg.method,
+    "dp": dp is not None,
+    "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
+    "l2_clip_norm": None if dp is None else float(dp.l2_clip_norm),
+    "delta": None if dp is None else float(dp.delta),
+    "batch_size": int(alg.batch_size),
+    "steps_per_round": alg.dp_steps_per_round,
+    "min_client_size": smallest,
+    "sampling_rate": alg.batch_size / smallest,
+    "client_sizes": [int(n) for n in client_sizes],
+    "dataset": cfg.data.name,
+    "source": cfg.data.source,
+    "partition": cfg.data.partition,
+    "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
+    "num_clients": int(cfg.data.num_clients),
+    "train_fraction": float(cfg.data.train_fraction),
+    "partition_seed": int(cfg.data.get("partition_seed", 0)),
+    "seed": int(cfg.seed),
   }
 
 
 def _diff(stored: dict, current: dict) -> list[str]:
   keys = sorted(set(stored) | set(current))
   norm = lambda v: list(v) if isinstance(v, tuple) else v
-  return [f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
-          for k in keys if norm(stored.get(k)) != norm(current.get(k))]
+  return [
+    f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
+    for k in keys
+    if norm(stored.get(k)) != norm(current.get(k))
+  ]
 
 
 def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) -> None:
@@ -389,32 +461,41 @@ def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) ->
     diff = _diff(was, now)
     if diff:
       raise ResumeError(
-          f"refusing to resume the DP run in {workdir} on another computation "
-          f"({'; '.join(diff)}): its redone rounds would repeat the checkpointed noise on a "
-          "different computation, and two outputs under the same noise release their "
-          "difference without noise. Allowed: resume where it ran (--config.client_backend="
-          f"{was['client_backend']}, JAX platform {was['platform']!r} with "
-          f"{was['device_count']} device(s) of kind {was['device_kind']!r}, e.g. "
-          f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
-          f"platform_device_count to pick the devices; jax {was['jax_version']}), or a new "
-          "--workdir")
+        f"refusing to resume the DP run in {workdir} on another computation "
+        f"({'; '.join(diff)}): its redone rounds would repeat the checkpointed noise on a "
+        "different computation, and two outputs under the same noise release their "
+        "difference without noise. Allowed: resume where it ran (--config.client_backend="
+        f"{was['client_backend']}, JAX platform {was['platform']!r} with "
+        f"{was['device_count']} device(s) of kind {was['device_kind']!r}, e.g. "
+        f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
+        f"platform_device_count to pick the devices; jax {was['jax_version']}), or a new "
+        "--workdir"
+      )
   diff = _diff(stored, privacy)
   if diff:
     raise ResumeError(
-        f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
-        f"({'; '.join(diff)}); the stored privacy ledger would no longer describe the run. "
-        f"Allowed: the same values as the checkpointed run, or a new --workdir")
+      f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
+      f"({'; '.join(diff)}); the stored privacy ledger would no longer describe the run. "
+      f"Allowed: the same values as the checkpointed run, or a new --workdir"
+    )
   diff = _diff(meta.get("config", {}), fields)
   if diff:
     raise ResumeError(
-        f"refusing to resume {workdir}: the config differs from the checkpointed run "
-        f"({'; '.join(diff)}); a resumed run must equal an uninterrupted one. Allowed: the "
-        f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir")
+      f"refusing to resume {workdir}: the config differs from the checkpointed run "
+      f"({'; '.join(diff)}); a resumed run must equal an uninterrupted one. Allowed: the "
+      f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir"
+    )
 
 
 def _keystr(path) -> str:
-  return jax.tree_util.keystr(path).replace("'", "").replace("[", ".").replace("]", "") \
-      .replace("..", ".").strip(".")
+  return (
+    jax.tree_util.keystr(path)
+    .replace("'", "")
+    .replace("[", ".")
+    .replace("]", "")
+    .replace("..", ".")
+    .strip(".")
+  )
 
 
 def _finite_list(a) -> list:
@@ -434,8 +515,9 @@ def _nonprivate_names(metrics: Any, prefix: str = "") -> set[str]:
   return names
 
 
-def summarize_metrics(metrics: Any, num_clients: int, *,
-                      private: bool = False) -> tuple[dict, dict]:
+def summarize_metrics(
+  metrics: Any, num_clients: int, *, private: bool = False
+) -> tuple[dict, dict]:
   """JSON-ready summary of a round's metrics pytree, split by what may be released.
 
   For FedLAP (:class:`~fedlap_jax.federated.RoundMetrics`): per-client radius
@@ -456,23 +538,29 @@ def summarize_metrics(metrics: Any, num_clients: int, *,
   if not private:
     return out, {}
   # FedLAP's summary names its client metrics without the "client." prefix.
-  names = (set(type(metrics.client).NONPRIVATE) if isinstance(metrics, RoundMetrics)
-           else _nonprivate_names(metrics))
-  return ({k: v for k, v in out.items() if k not in names},
-          {k: v for k, v in out.items() if k in names})
+  names = (
+    set(type(metrics.client).NONPRIVATE)
+    if isinstance(metrics, RoundMetrics)
+    else _nonprivate_names(metrics)
+  )
+  return (
+    {k: v for k, v in out.items() if k not in names},
+    {k: v for k, v in out.items() if k in names},
+  )
 
 
 def _summarize(metrics: Any, num_clients: int) -> dict:
   out: dict[str, Any] = {}
   if isinstance(metrics, RoundMetrics):
     cm = metrics.client
-    loss = np.asarray(cm.matching_loss, np.float64)   # (K, R_i, O, B, R_b)
-    outer = np.asarray(cm.outer_iterations)            # (K, R_i)
+    loss = np.asarray(cm.matching_loss, np.float64)  # (K, R_i, O, B, R_b)
+    outer = np.asarray(cm.outer_iterations)  # (K, R_i)
     ran = np.arange(loss.shape[2])[None, None, :] < outer[:, :, None]
     ran = np.broadcast_to(ran[..., None, None], loss.shape)
     count = np.maximum(ran.reshape(num_clients, -1).sum(1), 1)
-    out["matching_loss"] = _finite_list(np.where(ran, loss, 0).reshape(num_clients, -1).sum(1)
-                                        / count)
+    out["matching_loss"] = _finite_list(
+      np.where(ran, loss, 0).reshape(num_clients, -1).sum(1) / count
+    )
     last = []
     for k in range(num_clients):
       i, o = loss.shape[1] - 1, int(outer[k, -1]) - 1
@@ -503,8 +591,9 @@ def _summarize(metrics: Any, num_clients: int) -> dict:
   return out
 
 
-def find_non_finite(params, metrics, test_loss: float, num_clients: int,
-                    client_ids=None) -> list[str]:
+def find_non_finite(
+  params, metrics, test_loss: float, num_clients: int, client_ids=None
+) -> list[str]:
   """Descriptions of every non-finite quantity of a round ("" list if all finite).
 
   ``num_clients``: the clients of the round (the leading axis of per-client
@@ -516,8 +605,7 @@ def find_non_finite(params, metrics, test_loss: float, num_clients: int,
   if isinstance(metrics, RoundMetrics):
     loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
     for k in np.flatnonzero(~np.isfinite(loss).all(axis=1)):
-      problems.append(f"matching loss of client {ids[k]} is "
-                      f"{loss[k][~np.isfinite(loss[k])][0]}")
+      problems.append(f"matching loss of client {ids[k]} is {loss[k][~np.isfinite(loss[k])][0]}")
     r = np.asarray(metrics.client_radius)
     for k in np.flatnonzero(~np.isfinite(r)):
       problems.append(f"radius of client {ids[k]} is {r[k]}")
@@ -528,8 +616,9 @@ def find_non_finite(params, metrics, test_loss: float, num_clients: int,
         continue
       if a.ndim >= 1 and a.shape[0] == num_clients:
         bad = np.flatnonzero(~np.isfinite(a.reshape(num_clients, -1)).all(axis=1))
-        problems.append(f"metric {_keystr(path)} of client(s) {[ids[k] for k in bad]} is not "
-                        "finite")
+        problems.append(
+          f"metric {_keystr(path)} of client(s) {[ids[k] for k in bad]} is not finite"
+        )
       else:
         problems.append(f"metric {_keystr(path)} is not finite")
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -541,15 +630,20 @@ def find_non_finite(params, metrics, test_loss: float, num_clients: int,
 
 
 def _format_line(rec: dict, rounds: int) -> str:
-  parts = [f"round {rec['round']:>3d}/{rounds}",
-           f"acc {rec['test_accuracy']:.4f}", f"loss {rec['test_loss']:.4f}"]
+  parts = [
+    f"round {rec['round']:>3d}/{rounds}",
+    f"acc {rec['test_accuracy']:.4f}",
+    f"loss {rec['test_loss']:.4f}",
+  ]
   if rec.get("epsilon") is not None:
     parts.append(f"eps {rec['epsilon']:.3f}")
   if "client_radius" in rec:
     radii = [r for r in rec["client_radius"] if r is not None]
     r_g = rec.get("server_radius")
-    parts.append(f"radius {'fixed' if r_g is None else f'{r_g:.3f}'}"
-                 + (f" (r_k {min(radii):.2f}..{max(radii):.2f})" if radii else ""))
+    parts.append(
+      f"radius {'fixed' if r_g is None else f'{r_g:.3f}'}"
+      + (f" (r_k {min(radii):.2f}..{max(radii):.2f})" if radii else "")
+    )
   if "server_steps" in rec:
     parts.append(f"server_steps {rec['server_steps']}")
   if "matching_loss" in rec:
@@ -569,9 +663,15 @@ def save_snapshot(workdir: Path, round_index: int, state, dataset) -> None:
   out.mkdir(exist_ok=True)
   path = out / f"round_{round_index:04d}.npz"
   tmp = out / f".round_{round_index:04d}.tmp.npz"
-  np.savez(tmp, x=np.asarray(synthetic.x), y=np.asarray(synthetic.y),
-           mask=np.asarray(synthetic.mask), mean=dataset.mean, std=dataset.std,
-           round=round_index)
+  np.savez(
+    tmp,
+    x=np.asarray(synthetic.x),
+    y=np.asarray(synthetic.y),
+    mask=np.asarray(synthetic.mask),
+    mean=dataset.mean,
+    std=dataset.std,
+    round=round_index,
+  )
   os.replace(tmp, path)
 
 
@@ -583,54 +683,75 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
   if norm:
     notes.append(f"- normalisation: {norm['source']} (mean {norm['mean']}, std {norm['std']})")
   if info.get("delta") is not None:
-    notes.append("- releasable under the privacy guarantee: synthetic/, metrics.jsonl, "
-                 "privacy_ledger.json, run_info.json, summary.md, train.log and the plots; "
-                 "the seed in config.json and checkpoints/ (the PRNG key) determine every noise "
-                 "draw and must stay secret (README, \"Privacy guarantees and their assumptions\")")
+    notes.append(
+      "- releasable under the privacy guarantee: synthetic/, metrics.jsonl, "
+      "privacy_ledger.json, run_info.json, summary.md, train.log and the plots; "
+      "the seed in config.json and checkpoints/ (the PRNG key) determine every noise "
+      "draw and must stay secret (README, \"Privacy guarantees and their assumptions\")"
+    )
   if any(NONPRIVATE_SECTION in r for r in records):
-    notes.append(f"- WARNING: metrics.jsonl holds non-private statistics of the clients' records "
-                 f"(section \"{NONPRIVATE_SECTION}\", debug_nonprivate_stats=True), outside the "
-                 "privacy guarantee: do not release it")
+    notes.append(
+      f"- WARNING: metrics.jsonl holds non-private statistics of the clients' records "
+      f"(section \"{NONPRIVATE_SECTION}\", debug_nonprivate_stats=True), outside the "
+      "privacy guarantee: do not release it"
+    )
   if records:
     last = records[-1]
     best = max(records, key=lambda r: r["test_accuracy"])
     lines += [
-        f"- rounds run: {last['round']} / {info['rounds']}",
-        f"- final test accuracy: {100 * last['test_accuracy']:.2f} % "
-        f"(loss {last['test_loss']:.4f})",
-        f"- best test accuracy: {100 * best['test_accuracy']:.2f} % (round {best['round']})",
+      f"- rounds run: {last['round']} / {info['rounds']}",
+      f"- final test accuracy: {100 * last['test_accuracy']:.2f} % (loss {last['test_loss']:.4f})",
+      f"- best test accuracy: {100 * best['test_accuracy']:.2f} % (round {best['round']})",
     ]
     if last.get("epsilon") is not None:
-      lines.append(f"- privacy: epsilon = {last['epsilon']:.3f} at delta = {info['delta']:g}, "
-                   "replace-one neighbours given the public client sizes and classes (the "
-                   f"guarantee; sigma = {info['noise_multiplier']}, C = {info['l2_clip_norm']}, "
-                   f"B = {info['batch_size']}, T = {info['steps_per_round']}, "
-                   f"q = {info['sampling_rate']:.4f})")
+      lines.append(
+        f"- privacy: epsilon = {last['epsilon']:.3f} at delta = {info['delta']:g}, "
+        "replace-one neighbours given the public client sizes and classes (the "
+        f"guarantee; sigma = {info['noise_multiplier']}, C = {info['l2_clip_norm']}, "
+        f"B = {info['batch_size']}, T = {info['steps_per_round']}, "
+        f"q = {info['sampling_rate']:.4f})"
+      )
       if last.get("epsilon_add_remove") is not None:
-        lines.append(f"- for comparison, the add/remove-one epsilon (the paper's notion): "
-                     f"{last['epsilon_add_remove']:.3f}"
-                     + (" (dp.target_epsilon calibrated this figure)"
-                        if info.get("epsilon_for") == "add_remove" else ""))
+        lines.append(
+          f"- for comparison, the add/remove-one epsilon (the paper's notion): "
+          f"{last['epsilon_add_remove']:.3f}"
+          + (
+            " (dp.target_epsilon calibrated this figure)"
+            if info.get("epsilon_for") == "add_remove"
+            else ""
+          )
+        )
     lines += notes + [
-        f"- upload: {info['upload_floats_per_client']:,} floats per client per round "
-        f"({info['upload_floats_per_client'] / info['num_params']:.2f}x the "
-        f"{info['num_params']:,} model parameters); {last['upload_mb']:.2f} MB in total",
-        f"- wall time: {last['wall_seconds']:.1f} s",
-        "",
-        "| round | accuracy | loss | epsilon | seconds |",
-        "|---:|---:|---:|---:|---:|",
+      f"- upload: {info['upload_floats_per_client']:,} floats per client per round "
+      f"({info['upload_floats_per_client'] / info['num_params']:.2f}x the "
+      f"{info['num_params']:,} model parameters); {last['upload_mb']:.2f} MB in total",
+      f"- wall time: {last['wall_seconds']:.1f} s",
+      "",
+      "| round | accuracy | loss | epsilon | seconds |",
+      "|---:|---:|---:|---:|---:|",
     ]
     for r in records:
       eps = "-" if r.get("epsilon") is None else f"{r['epsilon']:.3f}"
-      lines.append(f"| {r['round']} | {100 * r['test_accuracy']:.2f} | {r['test_loss']:.4f} "
-                   f"| {eps} | {r['round_seconds']:.1f} |")
+      lines.append(
+        f"| {r['round']} | {100 * r['test_accuracy']:.2f} | {r['test_loss']:.4f} "
+        f"| {eps} | {r['round_seconds']:.1f} |"
+      )
   else:
     lines += notes
-  lines += ["", "Clients: " + ", ".join(
-      f"{k}: {n} records, classes {c}" for k, (n, c) in
-      enumerate(zip(info["client_sizes"], info["client_classes"]))), ""]
-  files = sorted(p.relative_to(workdir).as_posix() for p in workdir.glob("*")
-                 if p.is_file() and not p.name.startswith("."))
+  lines += [
+    "",
+    "Clients: "
+    + ", ".join(
+      f"{k}: {n} records, classes {c}"
+      for k, (n, c) in enumerate(zip(info["client_sizes"], info["client_classes"]))
+    ),
+    "",
+  ]
+  files = sorted(
+    p.relative_to(workdir).as_posix()
+    for p in workdir.glob("*")
+    if p.is_file() and not p.name.startswith(".")
+  )
   dirs = [f"{d}/" for d in ("checkpoints", "synthetic") if (workdir / d).is_dir()]
   lines += ["Files: " + ", ".join(files + dirs), ""]
   (workdir / "summary.md").write_text("\n".join(lines))
@@ -675,9 +796,11 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     if (workdir / "checkpoints").is_dir():
       checkpointing.check_writable(workdir / "checkpoints")
   except OSError as e:
-    raise WorkdirError(f"--workdir={str(workdir)!r} is invalid: {e}; allowed: a directory this "
-                       "process can create and write (new, or the work dir of this run to "
-                       "resume it)") from None
+    raise WorkdirError(
+      f"--workdir={str(workdir)!r} is invalid: {e}; allowed: a directory this "
+      "process can create and write (new, or the work dir of this run to "
+      "resume it)"
+    ) from None
   config_name = config_name or workdir.name
   t_start = time.time()
 
@@ -706,42 +829,58 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       fresh_ledger = mechanism.ledger(smallest)
     if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
       # The smallest client taking part in every round bounds every client's ledger.
-      library_configs.check_target_epsilon(cfg, mechanism.epsilon_after(
-          cfg.rounds, smallest, adjacency=epsilon_for))
+      library_configs.check_target_epsilon(
+        cfg, mechanism.epsilon_after(cfg.rounds, smallest, adjacency=epsilon_for)
+      )
 
   info = dict(
-      config_name=config_name, method=cfg.method,
-      method_label=core_config.method_label(cfg.method, private),
-      dataset=cfg.data.name, rounds=cfg.rounds, num_params=num_params,
-      image_shape=list(dataset.image_shape), num_classes=dataset.num_classes,
-      client_sizes=sizes, client_classes=client_classes, test_size=int(len(dataset.y_test)),
-      normalisation={"source": dataset.normalisation, "mean": dataset.mean.tolist(),
-                     "std": dataset.std.tolist()},
-      nonprivate_stats=nonprivate_stats,
-      upload_floats_per_client=int(alg.upload_floats_per_client),
-      jax_version=jax.__version__, fedlap_jax_version=fedlap_jax.__version__,
-      devices=[str(d) for d in jax.devices()],
-      client_backend=resolve_client_backend(cfg.client_backend,
-                                            side_by_side=cfg.method == "fedlap"),
-      # Without the seed: it determines every noise draw (it stays in config.json).
-      **{k: v for k, v in privacy.items()
-         if k not in ("method", "dataset", "client_sizes", "seed") + COMPUTATION_FIELDS},
-      # What "epsilon" means (replace-one) and which figure a target calibrated.
-      **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}))
+    config_name=config_name,
+    method=cfg.method,
+    method_label=core_config.method_label(cfg.method, private),
+    dataset=cfg.data.name,
+    rounds=cfg.rounds,
+    num_params=num_params,
+    image_shape=list(dataset.image_shape),
+    num_classes=dataset.num_classes,
+    client_sizes=sizes,
+    client_classes=client_classes,
+    test_size=int(len(dataset.y_test)),
+    normalisation={
+      "source": dataset.normalisation,
+      "mean": dataset.mean.tolist(),
+      "std": dataset.std.tolist(),
+    },
+    nonprivate_stats=nonprivate_stats,
+    upload_floats_per_client=int(alg.upload_floats_per_client),
+    jax_version=jax.__version__,
+    fedlap_jax_version=fedlap_jax.__version__,
+    devices=[str(d) for d in jax.devices()],
+    client_backend=resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap"),
+    # Without the seed: it determines every noise draw (it stays in config.json).
+    **{
+      k: v
+      for k, v in privacy.items()
+      if k not in ("method", "dataset", "client_sizes", "seed") + COMPUTATION_FIELDS
+    },
+    # What "epsilon" means (replace-one) and which figure a target calibrated.
+    **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}),
+  )
 
   # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
   metrics_path = workdir / "metrics.jsonl"
   try:
     start, state, ledger, damaged = restore_newest_valid(
-        ckpt, state, privacy=privacy, fields=fields, fresh_ledger=fresh_ledger, workdir=workdir)
+      ckpt, state, privacy=privacy, fields=fields, fresh_ledger=fresh_ledger, workdir=workdir
+    )
     records = checkpointing.read_metrics(metrics_path)
     kept = [r for r in records if isinstance(r, dict) and r.get("round", 0) <= start]
     if [r.get("round") for r in kept] != list(range(1, start + 1)):
       raise ResumeError(
-          f"{metrics_path} holds rounds {[r.get('round') for r in kept]} up to round {start}, "
-          f"but the checkpoint is after round {start}; allowed: complete records 1..{start} "
-          "(restore the file, or use a new --workdir); nothing was changed")
+        f"{metrics_path} holds rounds {[r.get('round') for r in kept]} up to round {start}, "
+        f"but the checkpoint is after round {start}; allowed: complete records 1..{start} "
+        "(restore the file, or use a new --workdir); nothing was changed"
+      )
     moved = [(r, why, ckpt.set_aside(r, workdir / DAMAGED_DIR)) for r, why in damaged]
     records = checkpointing.truncate_metrics(metrics_path, start)
   except BaseException:
@@ -754,14 +893,21 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
 
   # The test set stays on the device as stored (uint8 for image datasets) and is
   # normalised chunk by chunk inside the evaluation.
-  to_inputs = functools.partial(normalise_pixels, pixel_scale=jnp.asarray(dataset.pixel_scale),
-                                pixel_offset=jnp.asarray(dataset.pixel_offset))
-  eval_fn = jax.jit(lambda p, x, y: evaluate(apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size,
-                                             preprocess=to_inputs))
+  to_inputs = functools.partial(
+    normalise_pixels,
+    pixel_scale=jnp.asarray(dataset.pixel_scale),
+    pixel_offset=jnp.asarray(dataset.pixel_offset),
+  )
+  eval_fn = jax.jit(
+    lambda p, x, y: evaluate(
+      apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size, preprocess=to_inputs
+    )
+  )
   log_file = open(workdir / "train.log", "a")
 
   def log(line):
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
     tqdm.write(line, file=sys.stdout)
     log_file.write(line + "\n")
     log_file.flush()
@@ -769,21 +915,31 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   for r, why, target in moved:
     log(f"[{config_name}] WARNING checkpoint {r} is damaged ({why}); moved to {target}")
   if start:
-    log(f"[{config_name}] resuming from round {start} (checkpoint {ckpt.directory / str(start)})"
-        + (f", epsilon so far {ledger.epsilon:.3f} (add/remove {ledger.epsilon_add_remove:.3f})"
-           if ledger is not None else ""))
+    log(
+      f"[{config_name}] resuming from round {start} (checkpoint {ckpt.directory / str(start)})"
+      + (
+        f", epsilon so far {ledger.epsilon:.3f} (add/remove {ledger.epsilon_add_remove:.3f})"
+        if ledger is not None
+        else ""
+      )
+    )
   elif moved:
     log(f"[{config_name}] no valid checkpoint left: starting from round 0")
   else:
-    log(f"[{config_name}] {info['method_label']} on {cfg.data.name}: {num_clients} clients "
-        f"(sizes {sizes}" + ("" if per_round is None else f"; {per_round} per round")
-        + ("; data on the host" if sampled else "")
-        + f"), {num_params:,} parameters, {cfg.rounds} rounds, "
-        f"clients run by {info['client_backend']!r} on {jax.default_backend()}")
+    log(
+      f"[{config_name}] {info['method_label']} on {cfg.data.name}: {num_clients} clients "
+      f"(sizes {sizes}"
+      + ("" if per_round is None else f"; {per_round} per round")
+      + ("; data on the host" if sampled else "")
+      + f"), {num_params:,} parameters, {cfg.rounds} rounds, "
+      f"clients run by {info['client_backend']!r} on {jax.default_backend()}"
+    )
   if nonprivate_stats:
-    log(f"[{config_name}] WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
-        f"statistics of the clients' records under \"{NONPRIVATE_SECTION}\", outside the "
-        "privacy guarantee; do not release this work dir")
+    log(
+      f"[{config_name}] WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
+      f"statistics of the clients' records under \"{NONPRIVATE_SECTION}\", outside the "
+      "privacy guarantee; do not release this work dir"
+    )
   wall_before = records[-1]["wall_seconds"] if records else 0.0
   taking_part = num_clients if per_round is None else per_round
   upload_mb_per_round = taking_part * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
@@ -791,16 +947,33 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   t_loop = time.time()
 
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  bar = tqdm(total=cfg.rounds, initial=start, desc=config_name, unit="round",
-             disable=not cfg.progress_bar, file=sys.stderr, dynamic_ncols=True)
+
+  bar = tqdm(
+    total=cfg.rounds,
+    initial=start,
+    desc=config_name,
+    unit="round",
+    disable=not cfg.progress_bar,
+    file=sys.stderr,
+    dynamic_ncols=True,
+  )
   last_good = start if start else None
   round_compiles = CompileCounter()
   stop = termination.TermSignal()
   grace = float(cfg.get("termination_grace_seconds", DEFAULT_GRACE_SECONDS))
 
   def save_checkpoint(m):
-    ckpt.save(m, state, {"round": m, "ledger": ledger.to_dict() if ledger else None,
-                         "privacy": privacy, "config": fields, "metrics_records": m})
+    ckpt.save(
+      m,
+      state,
+      {
+        "round": m,
+        "ledger": ledger.to_dict() if ledger else None,
+        "privacy": privacy,
+        "config": fields,
+        "metrics_records": m,
+      },
+    )
 
   def compute_round(m, idx, state):
     """Round ``m`` and its evaluation, in the worker thread of :func:`termination.wait_for`
@@ -808,7 +981,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     with round_compiles:
       if sampled:  # only the sampled clients' block goes to the device
         state, metrics = participation.sampled_round(
-            alg, state, participation.device_block(clients, idx), idx)
+          alg, state, participation.device_block(clients, idx), idx
+        )
       else:
         state, metrics = alg.round(state, clients)
     params = alg.params_of(state)
@@ -826,19 +1000,29 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     else:
       epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
     if ledger is not None:
-      checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(),
-                                      fault_round=m)
+      checkpointing.write_json_atomic(
+        workdir / "privacy_ledger.json", ledger.to_dict(), fault_round=m
+      )
     return epsilon
 
   def interrupted(m, idx, why):
     """Round ``m`` was left computing: charge it as spent (DP), say so; the message."""
     epsilon = charge_ledger(m, idx)
-    where = (f"checkpoint {last_good} in {ckpt.directory} is the last one" if last_good
-             else "no checkpoint was written yet")
-    spent = ("" if epsilon is None else f"; its noisy accesses are charged to "
-             f"privacy_ledger.json as spent (epsilon {epsilon:.3f})")
-    msg = (f"{why} during round {m}: the round was abandoned{spent}; {where}; run the same "
-           f"command again to redo round {m}")
+    where = (
+      f"checkpoint {last_good} in {ckpt.directory} is the last one"
+      if last_good
+      else "no checkpoint was written yet"
+    )
+    spent = (
+      ""
+      if epsilon is None
+      else f"; its noisy accesses are charged to "
+      f"privacy_ledger.json as spent (epsilon {epsilon:.3f})"
+    )
+    msg = (
+      f"{why} during round {m}: the round was abandoned{spent}; {where}; run the same "
+      f"command again to redo round {m}"
+    )
     log(f"[{config_name}] {msg}")
     return msg
 
@@ -849,11 +1033,17 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         idx = participation.sample_clients(participation_seed, m, num_clients, per_round)
         try:
           state, metrics, params, test_loss, test_acc = termination.wait_for(
-              functools.partial(compute_round, m, idx, state), stop, grace_seconds=grace)
+            functools.partial(compute_round, m, idx, state), stop, grace_seconds=grace
+          )
         except termination.Abandoned:
-          raise Terminated(interrupted(
-              m, idx, f"terminated by {stop.received} (not done within "
-              f"termination_grace_seconds={grace:g})")) from None
+          raise Terminated(
+            interrupted(
+              m,
+              idx,
+              f"terminated by {stop.received} (not done within "
+              f"termination_grace_seconds={grace:g})",
+            )
+          ) from None
         except KeyboardInterrupt:
           interrupted(m, idx, "interrupted (Ctrl-C)")
           raise
@@ -861,11 +1051,16 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         epsilon = charge_ledger(m, idx)
         problems = find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
-          where = (f"the last good checkpoint is round {last_good} in {ckpt.directory}"
-                   if last_good is not None else "no checkpoint was written yet")
-          msg = (f"round {m}: {'; '.join(problems)}. Stopped; {where} (with its privacy "
-                 f"ledger); metrics.jsonl holds rounds 1..{m - 1}. Try a smaller learning_rate "
-                 f"or client.image_lr, or check the data.")
+          where = (
+            f"the last good checkpoint is round {last_good} in {ckpt.directory}"
+            if last_good is not None
+            else "no checkpoint was written yet"
+          )
+          msg = (
+            f"round {m}: {'; '.join(problems)}. Stopped; {where} (with its privacy "
+            f"ledger); metrics.jsonl holds rounds 1..{m - 1}. Try a smaller learning_rate "
+            f"or client.image_lr, or check the data."
+          )
           log(f"ERROR {msg}")
           raise NonFiniteError(msg)
         now = time.time()
@@ -874,13 +1069,18 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           released = {"clients": idx.tolist(), **released}
           if isinstance(ledger, accounting.ClientLedgers):
             released["epsilon_clients"] = ledger.summary()
-        rec = {"round": m, "test_accuracy": test_acc, "test_loss": test_loss,
-               "epsilon": epsilon,
-               **({} if ledger is None else {"epsilon_add_remove": ledger.epsilon_add_remove}),
-               **released,
-               "upload_mb": m * upload_mb_per_round,
-               "round_seconds": now - t0, "wall_seconds": wall_before + (now - t_loop),
-               "first_in_process": m == start + 1}
+        rec = {
+          "round": m,
+          "test_accuracy": test_acc,
+          "test_loss": test_loss,
+          "epsilon": epsilon,
+          **({} if ledger is None else {"epsilon_add_remove": ledger.epsilon_add_remove}),
+          **released,
+          "upload_mb": m * upload_mb_per_round,
+          "round_seconds": now - t0,
+          "wall_seconds": wall_before + (now - t_loop),
+          "first_in_process": m == start + 1,
+        }
         if nonprivate_stats:
           rec[NONPRIVATE_SECTION] = nonprivate
         checkpointing.append_metrics(metrics_path, rec)
@@ -893,8 +1093,10 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         bar.update(1)
         log(f"[{config_name}] " + _format_line(rec, cfg.rounds))
         if stop.received:  # at the last round too: the plots and summary can wait
-          msg = (f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
-                 f"{ckpt.directory}; run the same command again to resume")
+          msg = (
+            f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
+            f"{ckpt.directory}; run the same command again to resume"
+          )
           log(f"[{config_name}] {msg}")
           raise Terminated(msg)
   finally:
@@ -904,12 +1106,17 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
 
   if cfg.plots:
     from experiments import plots  # pylint: disable=g-import-not-at-top
+
     plots.make_all(workdir)
   write_summary(workdir, config_name, records, info)
-  return {"records": records, "state": state, "workdir": str(workdir),
-          "ledger": ledger.to_dict() if ledger is not None else None,
-          "compilations": round_compiles.count,
-          "seconds": time.time() - t_start}
+  return {
+    "records": records,
+    "state": state,
+    "workdir": str(workdir),
+    "ledger": ledger.to_dict() if ledger is not None else None,
+    "compilations": round_compiles.count,
+    "seconds": time.time() - t_start,
+  }
 
 
 def _one_line(e: BaseException) -> str:
@@ -917,8 +1124,9 @@ def _one_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[:300]}"
 
 
-def restore_newest_valid(ckpt: checkpointing.Checkpointer, template, *, privacy: dict,
-                         fields: dict, fresh_ledger, workdir):
+def restore_newest_valid(
+  ckpt: checkpointing.Checkpointer, template, *, privacy: dict, fields: dict, fresh_ledger, workdir
+):
   """The newest checkpoint that restores completely, with its ledger.
 
   Checkpoints are tried newest first. One whose metadata or state cannot be
@@ -974,9 +1182,10 @@ def restore_newest_valid(ckpt: checkpointing.Checkpointer, template, *, privacy:
     return r, state, ledger, damaged
   if damaged:
     raise ResumeError(
-        f"refusing to resume {workdir}: every checkpoint is damaged ("
-        + "; ".join(f"checkpoint {r}: {why}" for r, why in damaged)
-        + "), so the privacy ledger of the rounds run so far cannot be restored; nothing was "
-        "changed. Allowed: the undamaged checkpoints this run wrote, or a new --workdir (a new "
-        "run with its own ledger)")
+      f"refusing to resume {workdir}: every checkpoint is damaged ("
+      + "; ".join(f"checkpoint {r}: {why}" for r, why in damaged)
+      + "), so the privacy ledger of the rounds run so far cannot be restored; nothing was "
+      "changed. Allowed: the undamaged checkpoints this run wrote, or a new --workdir (a new "
+      "run with its own ledger)"
+    )
   return 0, template, fresh_ledger, []

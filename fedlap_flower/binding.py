@@ -58,6 +58,7 @@ def key_fingerprint(public_key: bytes) -> str:
     ValueError: not a PEM public key.
   """
   from cryptography.hazmat.primitives import serialization  # pylint: disable=g-import-not-at-top
+
   key = serialization.load_pem_public_key(public_key)
   openssh = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
   blob = base64.b64decode(openssh.split()[1])
@@ -76,14 +77,20 @@ def parse_partition_keys(text: str, num_partitions: int) -> dict[str, int]:
   for token in str(text).split():
     pid, sep, fingerprint = token.partition("=")
     if not sep or not pid.isdigit() or not FINGERPRINT.match(fingerprint):
-      raise ValueError(f"partition-keys: {token!r} is invalid; allowed: PARTITION=SHA256:... "
-                       "(the fingerprint ssh-keygen -l -f KEY.pub prints), separated by spaces")
+      raise ValueError(
+        f"partition-keys: {token!r} is invalid; allowed: PARTITION=SHA256:... "
+        "(the fingerprint ssh-keygen -l -f KEY.pub prints), separated by spaces"
+      )
     k = int(pid)
     if not 0 <= k < num_partitions:
-      raise ValueError(f"partition-keys: partition {k} is invalid; allowed: 0..{num_partitions - 1}")
+      raise ValueError(
+        f"partition-keys: partition {k} is invalid; allowed: 0..{num_partitions - 1}"
+      )
     if k in seen or fingerprint in out:
-      raise ValueError(f"partition-keys: {token!r} names a partition or key a second time; "
-                       "allowed: each partition and each key once")
+      raise ValueError(
+        f"partition-keys: {token!r} names a partition or key a second time; "
+        "allowed: each partition and each key once"
+      )
     seen.add(k)
     out[fingerprint] = k
   return out
@@ -114,7 +121,7 @@ class PartitionBinding:
   def __init__(self, num_partitions: int, keys: Mapping[str, int] | None = None):
     self.num_partitions = int(num_partitions)
     self.keys = dict(keys or {})
-    self._node_of: dict[int, int] = {}      # partition -> node
+    self._node_of: dict[int, int] = {}  # partition -> node
     self._partition_of: dict[int, int] = {}  # node -> partition
 
   @property
@@ -149,14 +156,17 @@ class PartitionBinding:
         continue
       partition = self.keys.get(facts.fingerprint)
       if partition is None:
-        refused[node] = (f"partition-keys: the node's public key "
-                         f"{facts.fingerprint or '(none reported)'} is not listed; allowed: the "
-                         "keys of partition-keys")
+        refused[node] = (
+          f"partition-keys: the node's public key "
+          f"{facts.fingerprint or '(none reported)'} is not listed; allowed: the "
+          "keys of partition-keys"
+        )
         continue
       holder = self._node_of.get(partition)
       if holder is not None:  # a second node with one key: the SuperLink refuses that
-        refused[node] = (f"partition-keys: partition {partition} is held by node {holder} "
-                         "with the same key")
+        refused[node] = (
+          f"partition-keys: partition {partition} is held by node {holder} with the same key"
+        )
         continue
       self._bind(node, partition)
     return refused
@@ -178,22 +188,28 @@ class PartitionBinding:
       holder = self._node_of.get(partition)
       if holder is not None:
         for f in facts:
-          refused[int(f.node_id)] = (f"partition-id={partition} is held by node {holder} for "
-                                     "this run (first come); allowed: a partition no connected "
-                                     "node holds")
+          refused[int(f.node_id)] = (
+            f"partition-id={partition} is held by node {holder} for "
+            "this run (first come); allowed: a partition no connected "
+            "node holds"
+          )
         continue
       ordered = sorted(facts, key=lambda f: f.activated)
       first = ordered[0]
       if len(ordered) > 1 and (not first.activated or first.activated == ordered[1].activated):
         nodes = sorted(int(f.node_id) for f in facts)
         for f in facts:
-          refused[int(f.node_id)] = (f"partition-id={partition} is claimed at once by nodes "
-                                     f"{nodes}, none connected first; none is bound (name each "
-                                     "node's key in partition-keys)")
+          refused[int(f.node_id)] = (
+            f"partition-id={partition} is claimed at once by nodes "
+            f"{nodes}, none connected first; none is bound (name each "
+            "node's key in partition-keys)"
+          )
         continue
       self._bind(int(first.node_id), partition)
       for f in ordered[1:]:
-        refused[int(f.node_id)] = (f"partition-id={partition} is held by node {first.node_id}, "
-                                   "which connected first; allowed: a partition no connected "
-                                   "node holds")
+        refused[int(f.node_id)] = (
+          f"partition-id={partition} is held by node {first.node_id}, "
+          "which connected first; allowed: a partition no connected "
+          "node holds"
+        )
     return refused

@@ -77,16 +77,18 @@ class _Setup:
 
   def __init__(self, run: settings.RunSettings, node: settings.NodeSettings):
     from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
     self.cfg = run.cfg
     self.fc = library_configs.to_fedlap_config(run.cfg) if run.cfg.method == "fedlap" else None
     # FedAvg: T = local_epochs * round(N_max / B) of the padded partition (N_max records).
-    self.bc = (library_configs.to_baseline_config(run.cfg) if run.cfg.method == "fedavg"
-               else None)
-    self.partition = task.load_partition(run.cfg, node.partition_id, node.num_partitions,
-                                         node.data_path)
+    self.bc = library_configs.to_baseline_config(run.cfg) if run.cfg.method == "fedavg" else None
+    self.partition = task.load_partition(
+      run.cfg, node.partition_id, node.num_partitions, node.data_path
+    )
     # template: the model's layout, to unpack the parameters a message carries packed.
-    _, self.apply_fn, self.template = task.init_model(run.cfg, self.partition.image_shape,
-                                                      self.partition.num_classes)
+    _, self.apply_fn, self.template = task.init_model(
+      run.cfg, self.partition.image_shape, self.partition.num_classes
+    )
 
 
 # A simulation worker serves many clients: keep every partition it met (all K of a run
@@ -117,6 +119,7 @@ def train(msg: Message, context: Context) -> Message:
   charged, atomically, before the round draws any noise: a round cut short stays charged.
   """
   from experiments import termination  # pylint: disable=g-import-not-at-top
+
   return termination.call_interruptibly(_train, msg, context)
 
 
@@ -137,34 +140,53 @@ def query(msg: Message, context: Context) -> Message:
   """This node's ``partition-id`` (its node config, checked against the run config)."""
   run = _run(tuple(sorted(settings.with_defaults(context.run_config).items())))
   node = settings.node_settings(context.node_config, run)
-  return Message(content=RecordDict({"metrics": MetricRecord(
-      {"partition-id": node.partition_id})}), reply_to=msg)
+  return Message(
+    content=RecordDict({"metrics": MetricRecord({"partition-id": node.partition_id})}), reply_to=msg
+  )
 
 
 def _not_drawn(run, node, server_round: int) -> str:
-  return (f"partition {node.partition_id} is not among round {server_round}'s clients "
-          f"{task.participants(run.cfg, server_round).tolist()} (data.clients_per_round="
-          f"{run.cfg.data.get('clients_per_round')}, public data.participation_seed="
-          f"{run.cfg.data.get('participation_seed', 0)}); allowed: the rounds it is drawn for")
+  return (
+    f"partition {node.partition_id} is not among round {server_round}'s clients "
+    f"{task.participants(run.cfg, server_round).tolist()} (data.clients_per_round="
+    f"{run.cfg.data.get('clients_per_round')}, public data.participation_seed="
+    f"{run.cfg.data.get('participation_seed', 0)}); allowed: the rounds it is drawn for"
+  )
 
 
 def _train_fedavg(msg, conf, run, node, setup) -> Message:
   if node.requires_dp:
     raise settings.SettingsError(
-        "method", "fedavg", "a DP FedLAP config",
-        message="this client has its own max-epsilon and takes part in DP runs only; "
-        "method='fedavg' is not private. Allowed: a DP FedLAP config")
+      "method",
+      "fedavg",
+      "a DP FedLAP config",
+      message="this client has its own max-epsilon and takes part in DP runs only; "
+      "method='fedavg' is not private. Allowed: a DP FedLAP config",
+    )
   slot = task.key_slot(run.cfg, int(conf["server-round"]), node.partition_id)
   if slot is None:
     raise ValueError(_not_drawn(run, node, int(conf["server-round"])))
   key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
   params = records.record_to_params(msg.content["arrays"], setup.template)
-  new = client_work.fedavg_round(key, setup.apply_fn, params, setup.partition, setup.bc,
-                                 learning_rate=float(conf["learning-rate"]))
-  return Message(content=RecordDict({
-      "arrays": records.params_to_record(new),
-      "metrics": MetricRecord({"num-examples": setup.partition.num_records,
-                               "partition-id": node.partition_id})}), reply_to=msg)
+  new = client_work.fedavg_round(
+    key,
+    setup.apply_fn,
+    params,
+    setup.partition,
+    setup.bc,
+    learning_rate=float(conf["learning-rate"]),
+  )
+  return Message(
+    content=RecordDict(
+      {
+        "arrays": records.params_to_record(new),
+        "metrics": MetricRecord(
+          {"num-examples": setup.partition.num_records, "partition-id": node.partition_id}
+        ),
+      }
+    ),
+    reply_to=msg,
+  )
 
 
 def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
@@ -180,44 +202,60 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
   state = ClientState(node.state_dir) if (dp or carry) else None
 
   def refuse(reason, **extra):
-    return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason,
-                                              "keys": keys})
+    return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason, "keys": keys})
 
   if node.requires_dp and not dp:
-    return refuse("this client has its own max-epsilon and takes part in DP runs only; the "
-                  "run config turns DP off (dp.enabled=False). Allowed: a DP config")
+    return refuse(
+      "this client has its own max-epsilon and takes part in DP runs only; the "
+      "run config turns DP off (dp.enabled=False). Allowed: a DP config"
+    )
   if dp and keys == "server" and not settings.unsafe_consent():
-    return refuse(f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
-                  f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
-                  "drawn from the client's own entropy")
+    return refuse(
+      f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
+      f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
+      "drawn from the client's own entropy"
+    )
   slot = task.key_slot(run.cfg, server_round, node.partition_id)
   if slot is None:  # before the ledger: a client charges only the rounds it computes
     return refuse(_not_drawn(run, node, server_round))
   if dp and not math.isfinite(node.max_epsilon):
-    return refuse("no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
-                  "or the run config; allowed: a finite epsilon this client will not exceed")
+    return refuse(
+      "no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
+      "or the run config; allowed: a finite epsilon this client will not exceed"
+    )
   if dp:
     bound = node.delta_bound(part.num_records)
     if not mechanism.delta <= bound or not mechanism.delta < 1.0 / part.num_records:
-      return refuse(f"dp.delta={mechanism.delta!r} is refused by this client; allowed: "
-                    f"dp.delta <= max-delta={bound:g} (its node config's max-delta, default "
-                    f"min(1e-5, 1 / N_k)) and < 1 / N_k")
+      return refuse(
+        f"dp.delta={mechanism.delta!r} is refused by this client; allowed: "
+        f"dp.delta <= max-delta={bound:g} (its node config's max-delta, default "
+        f"min(1e-5, 1 / N_k)) and < 1 / N_k"
+      )
 
-  with (state.locked() if state is not None else contextlib.nullcontext()):
+  with state.locked() if state is not None else contextlib.nullcontext():
     family_key = None  # under DP with the client's own key: derived from it
     if keys == "server":
       family_key = shared_family_key(task.words_to_key(conf["key-clients"]))
     if dp:
-      privacy = {**mechanism.ledger(part.num_records).privacy_fields(),
-                 "adjacency": mechanism.adjacency}
+      privacy = {
+        **mechanism.ledger(part.num_records).privacy_fields(),
+        "adjacency": mechanism.adjacency,
+      }
       ledger = state.ledger(part.fingerprint, **privacy)
       try:
-        eps = state.spend(ledger, part.fingerprint, steps, node.max_epsilon,
-                          {"run_id": int(context.run_id), "server_round": server_round,
-                           "keys": keys})
+        eps = state.spend(
+          ledger,
+          part.fingerprint,
+          steps,
+          node.max_epsilon,
+          {"run_id": int(context.run_id), "server_round": server_round, "keys": keys},
+        )
       except BudgetExceeded as e:
-        return refuse(str(e), epsilon=e.epsilon, **{"epsilon-after": e.epsilon_after,
-                                                    "max-epsilon": e.max_epsilon})
+        return refuse(
+          str(e),
+          epsilon=e.epsilon,
+          **{"epsilon-after": e.epsilon_after, "max-epsilon": e.max_epsilon},
+        )
       metrics.update({"epsilon": eps, "max-epsilon": node.max_epsilon, "dp-steps": steps})
       if keys == "server":
         key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
@@ -232,8 +270,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     carried = state.load_synthetic(context.run_id) if carry else None
     start = client_work.start_synthetic(part, carried)
     params = records.record_to_params(msg.content["arrays"], setup.template)
-    out = client_work.fedlap_round(key, setup.apply_fn, params, start, part, fc, lr,
-                                   family_key, init_key)
+    out = client_work.fedlap_round(
+      key, setup.apply_fn, params, start, part, fc, lr, family_key, init_key
+    )
     if carry:
       state.save_synthetic(context.run_id, server_round, out.synthetic.x)
   metrics["radius"] = out.radius

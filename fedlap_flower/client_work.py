@@ -53,8 +53,18 @@ class FedLAPReply(NamedTuple):
 @functools.lru_cache(maxsize=8)
 def _client_step_fn(apply_fn, fedlap_config):
   def run(key, params, synthetic, data, learning_rate, family_key, init_key):
-    return client_step(key, apply_fn, params, synthetic, data, fedlap_config,
-                       learning_rate=learning_rate, family_key=family_key, init_key=init_key)
+    return client_step(
+      key,
+      apply_fn,
+      params,
+      synthetic,
+      data,
+      fedlap_config,
+      learning_rate=learning_rate,
+      family_key=family_key,
+      init_key=init_key,
+    )
+
   return jax.jit(run)
 
 
@@ -67,8 +77,17 @@ def start_synthetic(partition, carried=None) -> fl.SyntheticSet:
   return fl.SyntheticSet(jnp.asarray(x, jnp.float32), y, mask)
 
 
-def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
-                 learning_rate: float, family_key=None, init_key=None) -> FedLAPReply:
+def fedlap_round(
+  key,
+  apply_fn,
+  params,
+  synthetic,
+  partition,
+  fedlap_config,
+  learning_rate: float,
+  family_key=None,
+  init_key=None,
+) -> FedLAPReply:
   """Runs :func:`fedlap_jax.client.client_step` for one client.
 
   Args:
@@ -91,19 +110,20 @@ def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
   if family_key is None:
     family_key = shared_family_key(key)
   run = _client_step_fn(apply_fn, fedlap_config)
-  update, metrics = run(key, params, synthetic, partition.data, jnp.float32(learning_rate),
-                        family_key, init_key)
+  update, metrics = run(
+    key, params, synthetic, partition.data, jnp.float32(learning_rate), family_key, init_key
+  )
   update = jax.tree.map(np.asarray, update)
   diagnostics = {}
   if fedlap_config.client.dp is None:  # under DP nothing but the update leaves
-    loss = np.asarray(metrics.matching_loss, np.float64)        # (R_i, O, B, R_b)
-    outer = np.asarray(metrics.outer_iterations)                # (R_i,)
+    loss = np.asarray(metrics.matching_loss, np.float64)  # (R_i, O, B, R_b)
+    outer = np.asarray(metrics.outer_iterations)  # (R_i,)
     ran = np.arange(loss.shape[1])[None, :] < outer[:, None]
     ran = np.broadcast_to(ran[:, :, None, None], loss.shape)
     diagnostics = {
-        "matching-loss": float(loss[ran].mean()) if ran.any() else math.nan,
-        "real-accesses": int(metrics.real_accesses),
-        "outer-iterations": float(outer.mean()),
+      "matching-loss": float(loss[ran].mean()) if ran.any() else math.nan,
+      "real-accesses": int(metrics.real_accesses),
+      "outer-iterations": float(outer.mean()),
     }
   return FedLAPReply(update.synthetic, float(update.radius), diagnostics, update.model_delta)
 
@@ -111,8 +131,10 @@ def fedlap_round(key, apply_fn, params, synthetic, partition, fedlap_config,
 @functools.lru_cache(maxsize=8)
 def _fedavg_fn(apply_fn, baseline_config):
   def run(key, params, data, learning_rate):
-    return baselines.client_step(key, apply_fn, params, data, baseline_config,
-                                 learning_rate=learning_rate)[0]
+    return baselines.client_step(
+      key, apply_fn, params, data, baseline_config, learning_rate=learning_rate
+    )[0]
+
   return jax.jit(run)
 
 

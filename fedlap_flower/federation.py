@@ -70,36 +70,58 @@ def make_test_certificates(directory: Path) -> dict[str, Path]:
   from cryptography.hazmat.primitives import hashes, serialization  # pylint: disable=g-import-not-at-top
   from cryptography.hazmat.primitives.asymmetric import ec  # pylint: disable=g-import-not-at-top
   from cryptography.x509.oid import NameOID  # pylint: disable=g-import-not-at-top
+
   directory.mkdir(parents=True, exist_ok=True)
   now = datetime.datetime.now(datetime.timezone.utc)
 
   def cert(subject, key, issuer, issuer_key, extensions):
-    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(hours=1))
-         .not_valid_after(now + datetime.timedelta(days=2)))
+    b = (
+      x509.CertificateBuilder()
+      .subject_name(subject)
+      .issuer_name(issuer)
+      .public_key(key.public_key())
+      .serial_number(x509.random_serial_number())
+      .not_valid_before(now - datetime.timedelta(hours=1))
+      .not_valid_after(now + datetime.timedelta(days=2))
+    )
     for ext, critical in extensions:
       b = b.add_extension(ext, critical=critical)
     return b.sign(issuer_key, hashes.SHA256())
 
   ca_key = ec.generate_private_key(ec.SECP384R1())
   ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedlap test CA")])
-  ca = cert(ca_name, ca_key, ca_name, ca_key, [(x509.BasicConstraints(ca=True, path_length=0),
-                                                 True)])
+  ca = cert(
+    ca_name, ca_key, ca_name, ca_key, [(x509.BasicConstraints(ca=True, path_length=0), True)]
+  )
   key = ec.generate_private_key(ec.SECP384R1())
-  san = x509.SubjectAlternativeName([
-      x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-      x509.IPAddress(ipaddress.ip_address(PUBLIC_HOST))])
-  server = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), key,
-                ca_name, ca_key, [(san, False),
-                                  (x509.BasicConstraints(ca=False, path_length=None), True)])
-  paths = {"ca": directory / "ca.crt", "cert": directory / "server.pem",
-           "key": directory / "server.key"}
+  san = x509.SubjectAlternativeName(
+    [
+      x509.DNSName("localhost"),
+      x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+      x509.IPAddress(ipaddress.ip_address(PUBLIC_HOST)),
+    ]
+  )
+  server = cert(
+    x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]),
+    key,
+    ca_name,
+    ca_key,
+    [(san, False), (x509.BasicConstraints(ca=False, path_length=None), True)],
+  )
+  paths = {
+    "ca": directory / "ca.crt",
+    "cert": directory / "server.pem",
+    "key": directory / "server.key",
+  }
   paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
   paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
-  paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                             serialization.PrivateFormat.TraditionalOpenSSL,
-                                             serialization.NoEncryption()))
+  paths["key"].write_bytes(
+    key.private_bytes(
+      serialization.Encoding.PEM,
+      serialization.PrivateFormat.TraditionalOpenSSL,
+      serialization.NoEncryption(),
+    )
+  )
   os.chmod(paths["key"], 0o600)
   return paths
 
@@ -109,15 +131,25 @@ def ssh_key_pair(path: Path, kind: str) -> Path:
   keys; ``ed25519``, signing keys), as ``ssh-keygen -t KIND`` writes them."""
   from cryptography.hazmat.primitives import serialization  # pylint: disable=g-import-not-at-top
   from cryptography.hazmat.primitives.asymmetric import ec, ed25519  # pylint: disable=g-import-not-at-top
-  key = (ec.generate_private_key(ec.SECP384R1()) if kind == "ecdsa"
-         else ed25519.Ed25519PrivateKey.generate())
+
+  key = (
+    ec.generate_private_key(ec.SECP384R1())
+    if kind == "ecdsa"
+    else ed25519.Ed25519PrivateKey.generate()
+  )
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                     serialization.PrivateFormat.OpenSSH,
-                                     serialization.NoEncryption()))
+  path.write_bytes(
+    key.private_bytes(
+      serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+  )
   os.chmod(path, 0o600)
-  Path(f"{path}.pub").write_bytes(key.public_key().public_bytes(
-      serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n")
+  Path(f"{path}.pub").write_bytes(
+    key.public_key().public_bytes(
+      serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    + b"\n"
+  )
   return path
 
 
@@ -145,9 +177,15 @@ def node_config_arg(values: Mapping[str, Any]) -> str:
 class Federation:
   """Processes of a local federation (see the module docstring)."""
 
-  def __init__(self, workdir: str | os.PathLike, *, simulation: bool = False,
-               hardened: bool = False, env: Mapping[str, str] | None = None,
-               bin_dir: str | None = None):
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    *,
+    simulation: bool = False,
+    hardened: bool = False,
+    env: Mapping[str, str] | None = None,
+    bin_dir: str | None = None,
+  ):
     if hardened and simulation:
       raise ValueError("hardened=True is a deployment; the simulation engine has no SuperNodes")
     self.workdir = Path(workdir).resolve()  # FLWR_HOME must not depend on the cwd
@@ -159,9 +197,14 @@ class Federation:
     self.front: subprocess.Popen | None = None
     self.bin = Path(bin_dir or os.path.dirname(sys.executable))
     self.port = free_port()
-    self.env = {**os.environ, **(env or {}), "FLWR_HOME": str(self.workdir / "flwr_home"),
-                "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0",
-                "PYTHONUNBUFFERED": "1"}
+    self.env = {
+      **os.environ,
+      **(env or {}),
+      "FLWR_HOME": str(self.workdir / "flwr_home"),
+      "FLWR_DISABLE_UPDATE_CHECK": "1",
+      "FLWR_TELEMETRY_ENABLED": "0",
+      "PYTHONUNBUFFERED": "1",
+    }
     # The SuperLink starts flower-superexec by name: find it next to flower-superlink
     # even when the virtual environment was not activated.
     self.env["PATH"] = os.pathsep.join([str(self.bin), self.env.get("PATH", "")])
@@ -175,18 +218,36 @@ class Federation:
   def _spawn(self, args: list[str], log_name: str, cwd: Path | None = None) -> subprocess.Popen:
     log = open(self.workdir / log_name, "ab")
     self._logs.append(log)
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                            cwd=str(cwd or self.workdir), start_new_session=True)
+    return subprocess.Popen(
+      args,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      env=self.env,
+      cwd=str(cwd or self.workdir),
+      start_new_session=True,
+    )
 
   def start(self, timeout: float = 60.0) -> "Federation":
     """Starts the SuperLink (and, hardened, its front) and waits until they answer."""
-    args = [str(self.bin / "flower-superlink"), "--host", "127.0.0.1",
-            "--port", str(self.port), "--disable-runtime-dependency-installation"]
+    args = [
+      str(self.bin / "flower-superlink"),
+      "--host",
+      "127.0.0.1",
+      "--port",
+      str(self.port),
+      "--disable-runtime-dependency-installation",
+    ]
     if self.hardened:
       self.certs = make_test_certificates(self.workdir / "certs")
-      args += ["--ssl-ca-certfile", str(self.certs["ca"]), "--ssl-certfile",
-               str(self.certs["cert"]), "--ssl-keyfile", str(self.certs["key"]),
-               "--enable-supernode-auth"]
+      args += [
+        "--ssl-ca-certfile",
+        str(self.certs["ca"]),
+        "--ssl-certfile",
+        str(self.certs["cert"]),
+        "--ssl-keyfile",
+        str(self.certs["key"]),
+        "--enable-supernode-auth",
+      ]
     else:
       args.append("--insecure")
     if self.simulation:
@@ -196,22 +257,29 @@ class Federation:
     if self.hardened:
       context = ssl.create_default_context(cafile=str(self.certs["ca"]))
     scheme = "https" if self.hardened else "http"
-    self._wait_until(lambda: _answers(f"{scheme}://127.0.0.1:{self.port}/health", context),
-                     self.superlink, "flower-superlink", "superlink.log", timeout)
+    self._wait_until(
+      lambda: _answers(f"{scheme}://127.0.0.1:{self.port}/health", context),
+      self.superlink,
+      "flower-superlink",
+      "superlink.log",
+      timeout,
+    )
     home = self.workdir / "flwr_home"
     home.mkdir(exist_ok=True)
     if self.hardened:
       self._start_front(timeout)
       ca = json.dumps(str(self.certs["ca"]))
       (home / "config.toml").write_text(
-          '[superlink]\ndefault = "test"\n\n'
-          f'[superlink.test]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = {ca}\n\n'
-          f'[superlink.front]\naddress = "{PUBLIC_HOST}:{self.public_port}"\n'
-          f'root-certificates = {ca}\n')
+        '[superlink]\ndefault = "test"\n\n'
+        f'[superlink.test]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = {ca}\n\n'
+        f'[superlink.front]\naddress = "{PUBLIC_HOST}:{self.public_port}"\n'
+        f'root-certificates = {ca}\n'
+      )
     else:
       (home / "config.toml").write_text(
-          '[superlink]\ndefault = "test"\n\n'
-          f'[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        '[superlink]\ndefault = "test"\n\n'
+        f'[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+      )
     return self
 
   def _wait_until(self, ready, proc, name: str, log: str, timeout: float) -> None:
@@ -228,19 +296,27 @@ class Federation:
     """nginx from ``deploy/superlink_front.nginx.conf`` on ``PUBLIC_HOST``."""
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not os.path.exists(nginx):
-      raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx-light); "
-                              "the hardened federation's front needs it")
+      raise FileNotFoundError(
+        "nginx is not installed (Debian: apt-get install nginx-light); "
+        "the hardened federation's front needs it"
+      )
     self.public_port = free_port(PUBLIC_HOST)
     front = self.workdir / "front"
     (front / "nginx-tmp").mkdir(parents=True, exist_ok=True)
     conf = FRONT_TEMPLATE.read_text()
-    for k, v in {"@DIR@": str(front), "@PUBLIC_ADDRESS@": f"{PUBLIC_HOST}:{self.public_port}",
-                 "@CERT@": str(self.certs["cert"]), "@KEY@": str(self.certs["key"]),
-                 "@CA@": str(self.certs["ca"]), "@SUPERLINK_PORT@": str(self.port)}.items():
+    for k, v in {
+      "@DIR@": str(front),
+      "@PUBLIC_ADDRESS@": f"{PUBLIC_HOST}:{self.public_port}",
+      "@CERT@": str(self.certs["cert"]),
+      "@KEY@": str(self.certs["key"]),
+      "@CA@": str(self.certs["ca"]),
+      "@SUPERLINK_PORT@": str(self.port),
+    }.items():
       conf = conf.replace(k, v)
     (front / "nginx.conf").write_text(conf)
-    self.front = self._spawn([nginx, "-p", str(front), "-c", str(front / "nginx.conf"),
-                              "-g", "daemon off;"], "front.log")
+    self.front = self._spawn(
+      [nginx, "-p", str(front), "-c", str(front / "nginx.conf"), "-g", "daemon off;"], "front.log"
+    )
 
     def up() -> bool:
       try:
@@ -248,10 +324,12 @@ class Federation:
           return True
       except OSError:
         return False
+
     self._wait_until(up, self.front, "nginx", "front.log", timeout)
 
-  def start_supernode(self, index: int, node_config: Mapping[str, Any] | None = None,
-                      *, trusted: Path | None = None) -> subprocess.Popen:
+  def start_supernode(
+    self, index: int, node_config: Mapping[str, Any] | None = None, *, trusted: Path | None = None
+  ) -> subprocess.Popen:
     """Starts client node ``index`` (its own Runtime API port) with ``node_config``.
 
     Hardened: its key is made and registered by the operator on first start, it
@@ -259,9 +337,17 @@ class Federation:
     """
     if node_config is not None:
       self.node_configs[index] = dict(node_config)
-    args = [sys.executable, "-m", "fedlap_flower.node", "--host", "127.0.0.1",
-            "--port", str(free_port()),
-            "--node-config", node_config_arg(self.node_configs[index])]
+    args = [
+      sys.executable,
+      "-m",
+      "fedlap_flower.node",
+      "--host",
+      "127.0.0.1",
+      "--port",
+      str(free_port()),
+      "--node-config",
+      node_config_arg(self.node_configs[index]),
+    ]
     if self.hardened:
       key = self.workdir / "keys" / f"node_{index}"
       if not key.exists():
@@ -269,10 +355,16 @@ class Federation:
         res = self.register(Path(f"{key}.pub"))
         if '"success": true' not in res.stdout:
           raise RuntimeError(f"registering node {index} failed: {res.stdout} {res.stderr}")
-      args += ["--superlink", f"{PUBLIC_HOST}:{self.public_port}",
-               "--root-certificates", str(self.certs["ca"]),
-               "--auth-supernode-private-key", str(key),
-               "--trusted-entities", str(trusted or self.trusted_entities())]
+      args += [
+        "--superlink",
+        f"{PUBLIC_HOST}:{self.public_port}",
+        "--root-certificates",
+        str(self.certs["ca"]),
+        "--auth-supernode-private-key",
+        str(key),
+        "--trusted-entities",
+        str(trusted or self.trusted_entities()),
+      ]
     else:
       args += ["--insecure", "--superlink", f"127.0.0.1:{self.port}", "--allow-unsigned-runs"]
     self.supernodes[index] = self._spawn(args, f"supernode-{index}.log")
@@ -280,8 +372,9 @@ class Federation:
 
   def register(self, public_key: Path, superlink: str = "test") -> subprocess.CompletedProcess:
     """``flwr supernode register PUBLIC_KEY SUPERLINK`` (``front``: through the front)."""
-    return self._flwr("supernode", "register", str(public_key), superlink, "--format", "json",
-                      timeout=60)
+    return self._flwr(
+      "supernode", "register", str(public_key), superlink, "--format", "json", timeout=60
+    )
 
   def operator_key(self) -> Path:
     """The operator's Ed25519 signing key (made on first use)."""
@@ -338,11 +431,23 @@ class Federation:
   # -- runs --------------------------------------------------------------------------
 
   def _flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(self.bin / "flwr"), *args], capture_output=True, text=True,
-                          env=self.env, cwd=str(self.workdir), timeout=timeout)
+    return subprocess.run(
+      [str(self.bin / "flwr"), *args],
+      capture_output=True,
+      text=True,
+      env=self.env,
+      cwd=str(self.workdir),
+      timeout=timeout,
+    )
 
-  def run(self, run_config: Mapping[str, Any], *, num_supernodes: int | None = None,
-          app_dir: Path = APP_DIR, signing_key: Path | None = None) -> int:
+  def run(
+    self,
+    run_config: Mapping[str, Any],
+    *,
+    num_supernodes: int | None = None,
+    app_dir: Path = APP_DIR,
+    signing_key: Path | None = None,
+  ) -> int:
     """Submits the app with ``run_config``; returns the run id.
 
     Hardened, the run is signed (:mod:`fedlap_flower.run_signature`) with
@@ -351,24 +456,28 @@ class Federation:
     path = write_toml(self.workdir / f"run_config_{time.time_ns()}.toml", run_config)
     if self.hardened:
       from fedlap_flower import run_signature  # pylint: disable=g-import-not-at-top
-      write_toml(path, run_signature.signed_overrides(signing_key or self.operator_key(),
-                                                      app_dir, [str(path)]))
+
+      write_toml(
+        path,
+        run_signature.signed_overrides(signing_key or self.operator_key(), app_dir, [str(path)]),
+      )
     args = ["run", str(app_dir), "test", "--run-config", str(path), "--format", "json"]
     if self.simulation:
       args += ["--federation-config", f"num-supernodes={num_supernodes or 2}"]
     res = self._flwr(*args)
     try:
-      payload = json.loads(res.stdout[res.stdout.index("{"):])
+      payload = json.loads(res.stdout[res.stdout.index("{") :])
       return int(payload["run-id"])
     except (ValueError, KeyError, TypeError):
-      raise RuntimeError(f"flwr run failed ({res.returncode}): {res.stdout[-2000:]} "
-                         f"{res.stderr[-2000:]}") from None
+      raise RuntimeError(
+        f"flwr run failed ({res.returncode}): {res.stdout[-2000:]} {res.stderr[-2000:]}"
+      ) from None
 
   def status(self, run_id: int) -> str:
     """The run's status as ``flwr list`` reports it (e.g. ``finished:completed``)."""
     res = self._flwr("list", "--run-id", str(run_id), "--format", "json", timeout=60)
     try:
-      payload = json.loads(res.stdout[res.stdout.index("{"):])
+      payload = json.loads(res.stdout[res.stdout.index("{") :])
       runs = payload.get("runs", [])
       return str(runs[0].get("status", "unknown")) if runs else "unknown"
     except (ValueError, KeyError, TypeError, IndexError):
@@ -384,9 +493,11 @@ class Federation:
       if self.superlink is not None and self.superlink.poll() is not None:
         raise RuntimeError(f"flower-superlink died: {self.log_tail('superlink.log')}")
       time.sleep(poll)
-    raise TimeoutError(f"run {run_id} did not finish within {timeout} s (status "
-                       f"{self.status(run_id)}); superlink log: "
-                       f"{self.log_tail('superlink.log')}")
+    raise TimeoutError(
+      f"run {run_id} did not finish within {timeout} s (status "
+      f"{self.status(run_id)}); superlink log: "
+      f"{self.log_tail('superlink.log')}"
+    )
 
   def logs(self, run_id: int) -> str:
     """The run's ServerApp log as ``flwr log`` shows it."""

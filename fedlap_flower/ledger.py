@@ -66,8 +66,13 @@ LEDGER_FILE = "privacy_ledger.json"
 JOURNAL_FILE = "privacy_journal.jsonl"
 # Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round;
 # the headline's neighbouring relation is recomputed from the recorded steps).
-FIXED_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size", "delta",
-                        "participation")
+FIXED_PRIVACY_FIELDS = (
+  "noise_multiplier",
+  "batch_size",
+  "min_client_size",
+  "delta",
+  "participation",
+)
 # Bits of operating-system entropy in every DP round key.
 ROUND_KEY_BITS = 128
 
@@ -91,8 +96,9 @@ class BudgetExceeded(RuntimeError):
   def __init__(self, epsilon: float, epsilon_after: float, max_epsilon: float):
     self.epsilon, self.epsilon_after, self.max_epsilon = epsilon, epsilon_after, max_epsilon
     super().__init__(
-        f"refused: this round would raise epsilon from {epsilon:.4f} to {epsilon_after:.4f}, "
-        f"above the client's max-epsilon={max_epsilon:g}")
+      f"refused: this round would raise epsilon from {epsilon:.4f} to {epsilon_after:.4f}, "
+      f"above the client's max-epsilon={max_epsilon:g}"
+    )
 
 
 def fresh_round_key() -> jax.Array:
@@ -171,17 +177,21 @@ class ClientState:
       except (ValueError, KeyError, TypeError):
         if i == len(lines) - 1:  # no newline after it: an append cut short
           break
-        raise LedgerError(f"{path} line {i + 1} is not a journal entry ({line[:80]!r}); "
-                          "refusing to guess the privacy spent. Allowed: the journal this "
-                          "client appended to") from None
+        raise LedgerError(
+          f"{path} line {i + 1} is not a journal entry ({line[:80]!r}); "
+          "refusing to guess the privacy spent. Allowed: the journal this "
+          "client appended to"
+        ) from None
     return mark
 
   def _append_journal(self, ledger: accounting.PrivacyLedger) -> None:
     path = self.directory / JOURNAL_FILE
     new = not path.exists()
     rounds, steps = _spent(ledger)
-    line = json.dumps({"rounds": rounds, "steps": steps, "epsilon": ledger.epsilon,
-                       "time": time.time()}, sort_keys=True)
+    line = json.dumps(
+      {"rounds": rounds, "steps": steps, "epsilon": ledger.epsilon, "time": time.time()},
+      sort_keys=True,
+    )
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
       os.write(fd, (line + "\n").encode())
@@ -191,23 +201,26 @@ class ClientState:
     if new:
       _fsync_directory(self.directory)
 
-  def _check_not_rolled_back(self, ledger: accounting.PrivacyLedger | None,
-                             stored: dict | None) -> None:
+  def _check_not_rolled_back(
+    self, ledger: accounting.PrivacyLedger | None, stored: dict | None
+  ) -> None:
     where = self.directory / LEDGER_FILE
     mark = self._journal_mark()
     spent = (0, 0) if ledger is None else _spent(ledger)
     if stored is not None and stored.get("journaled") and mark is None:
       raise LedgerError(
-          f"{self.directory / JOURNAL_FILE} is missing, yet {where} was written with it; the "
-          "high-water mark of the budget spent is gone, refusing to spend. Allowed: the "
-          "state directory as this client left it")
+        f"{self.directory / JOURNAL_FILE} is missing, yet {where} was written with it; the "
+        "high-water mark of the budget spent is gone, refusing to spend. Allowed: the "
+        "state directory as this client left it"
+      )
     for name, high in (("journal", mark), ("this process", _HIGH_WATER.get(where))):
       if high is not None and (spent[0] < high[0] or spent[1] < high[1]):
         raise LedgerError(
-            f"{where} records {spent[0]} rounds and {spent[1]} noisy steps, but the {name} "
-            f"recorded {high[0]} rounds and {high[1]} steps: the spent budget went down (the "
-            "ledger was replaced by an older or a missing one). Refusing to spend; allowed: "
-            "the ledger this client last wrote")
+          f"{where} records {spent[0]} rounds and {spent[1]} noisy steps, but the {name} "
+          f"recorded {high[0]} rounds and {high[1]} steps: the spent budget went down (the "
+          "ledger was replaced by an older or a missing one). Refusing to spend; allowed: "
+          "the ledger this client last wrote"
+        )
 
   # -- the ledger ------------------------------------------------------------------
 
@@ -222,9 +235,11 @@ class ClientState:
     try:
       return json.loads(text)
     except json.JSONDecodeError as e:
-      raise LedgerError(f"{self.directory / LEDGER_FILE} is not valid JSON ({e}); refusing "
-                        "to guess the privacy spent. Allowed: the file this client "
-                        "wrote") from None
+      raise LedgerError(
+        f"{self.directory / LEDGER_FILE} is not valid JSON ({e}); refusing "
+        "to guess the privacy spent. Allowed: the file this client "
+        "wrote"
+      ) from None
 
   def ledger(self, fingerprint: dict, **privacy) -> accounting.PrivacyLedger:
     """The stored ledger of these records, or a new one (``privacy``: PrivacyLedger's fields).
@@ -249,8 +264,9 @@ class ClientState:
       return new
     if stored.get("fingerprint") != fingerprint:
       raise LedgerError(
-          f"{where} accounts for other records ({stored.get('fingerprint')}) than this "
-          f"client's ({fingerprint}); allowed: the state-dir of these records")
+        f"{where} accounts for other records ({stored.get('fingerprint')}) than this "
+        f"client's ({fingerprint}); allowed: the state-dir of these records"
+      )
     cached = _WRITTEN.get(where)
     if cached is not None and cached[0] == text:
       ledger = copy.deepcopy(cached[1])
@@ -260,13 +276,17 @@ class ClientState:
       except (KeyError, ValueError, TypeError) as e:
         raise LedgerError(f"{where}: {e}") from None
     self._check_not_rolled_back(ledger, stored)
-    diff = [f"{k}: stored {getattr(ledger, k)!r} vs now {getattr(new, k)!r}"
-            for k in FIXED_PRIVACY_FIELDS if getattr(ledger, k) != getattr(new, k)]
+    diff = [
+      f"{k}: stored {getattr(ledger, k)!r} vs now {getattr(new, k)!r}"
+      for k in FIXED_PRIVACY_FIELDS
+      if getattr(ledger, k) != getattr(new, k)
+    ]
     if diff:
       raise LedgerError(
-          f"{where} composes rounds of another privacy setting ({'; '.join(diff)}); its "
-          "rounds cannot be composed with this run's. Allowed: the same noise_multiplier, "
-          "batch_size, records and delta")
+        f"{where} composes rounds of another privacy setting ({'; '.join(diff)}); its "
+        "rounds cannot be composed with this run's. Allowed: the same noise_multiplier, "
+        "batch_size, records and delta"
+      )
     if ledger.adjacency != new.adjacency:
       ledger = ledger.with_adjacency(new.adjacency)
     return ledger
@@ -279,8 +299,14 @@ class ClientState:
     """The epsilon ``ledger`` would show after one more round of ``steps`` (nothing is stored)."""
     return copy.deepcopy(ledger).record_round(steps)  # the copy keeps the composed RDP
 
-  def spend(self, ledger: accounting.PrivacyLedger, fingerprint: dict, steps: int,
-            max_epsilon: float, entry: dict[str, Any]) -> float:
+  def spend(
+    self,
+    ledger: accounting.PrivacyLedger,
+    fingerprint: dict,
+    steps: int,
+    max_epsilon: float,
+    entry: dict[str, Any],
+  ) -> float:
     """Checks the budget, records one round and writes the ledger and the journal (before any
     computation).
 
@@ -297,8 +323,15 @@ class ClientState:
     path = self.directory / LEDGER_FILE
     # Ledger first, then the journal: a crash between them leaves the ledger ahead of the
     # journal (accepted), never behind it.
-    write_json_atomic(path, {"fingerprint": fingerprint, "ledger": ledger.to_dict(),
-                             "history": history, "journaled": True})
+    write_json_atomic(
+      path,
+      {
+        "fingerprint": fingerprint,
+        "ledger": ledger.to_dict(),
+        "history": history,
+        "journaled": True,
+      },
+    )
     self._append_journal(ledger)
     _WRITTEN[path] = (path.read_text(), copy.deepcopy(ledger))
     _HIGH_WATER[path] = max(_HIGH_WATER.get(path, (0, 0)), _spent(ledger))

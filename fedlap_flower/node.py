@@ -60,6 +60,7 @@ def _waking(pull_and_store, wake_fd: int):
       except (BlockingIOError, BrokenPipeError):  # already woken, or the worker is gone
         pass
     return run_id
+
   return wrapped
 
 
@@ -73,8 +74,10 @@ def _runtime_api(rest: list[str]) -> tuple[str, list[str]]:
   args, _ = p.parse_known_args(rest)
   host = f"[{args.host}]" if ":" in args.host else args.host
   if host in ("0.0.0.0", "[::]"):
-    raise SystemExit(f"--host {args.host}: the Runtime API serves this node's tasks and "
-                     "must stay on this machine; allowed: 127.0.0.1 (the default) or ::1")
+    raise SystemExit(
+      f"--host {args.host}: the Runtime API serves this node's tasks and "
+      "must stay on this machine; allowed: 127.0.0.1 (the default) or ::1"
+    )
   tls = ["--root-certificates", args.ssl_ca_certfile] if args.ssl_certfile else []
   if args.ssl_certfile and not args.ssl_ca_certfile:
     raise SystemExit("--ssl-certfile needs --ssl-ca-certfile (the worker verifies the Runtime API)")
@@ -84,35 +87,60 @@ def _runtime_api(rest: list[str]) -> tuple[str, list[str]]:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True)
-  p.add_argument("--trusted-entities", default=None,
-                 help="YAML {label: 'ssh-ed25519 ...'}: keys whose signed runs this node computes")
-  p.add_argument("--allow-unsigned-runs", action="store_true",
-                 help="compute unsigned runs too (tests on one machine only)")
-  p.add_argument("--poll", type=float, default=0.5,
-                 help="seconds between two pulls from the SuperLink (Flower's: 3)")
+  p.add_argument(
+    "--trusted-entities",
+    default=None,
+    help="YAML {label: 'ssh-ed25519 ...'}: keys whose signed runs this node computes",
+  )
+  p.add_argument(
+    "--allow-unsigned-runs",
+    action="store_true",
+    help="compute unsigned runs too (tests on one machine only)",
+  )
+  p.add_argument(
+    "--poll",
+    type=float,
+    default=0.5,
+    help="seconds between two pulls from the SuperLink (Flower's: 3)",
+  )
   ours, rest = p.parse_known_args(argv)
   if any(a == "--isolation" or a.startswith("--isolation=") for a in rest):
     p.error("--isolation is set by this command (process)")
   if not ours.allow_unsigned_runs:
     if not ours.trusted_entities:
-      p.error("--trusted-entities FILE is required: the node computes only runs signed by a "
-              "key it trusts (--allow-unsigned-runs: tests on one machine only)")
+      p.error(
+        "--trusted-entities FILE is required: the node computes only runs signed by a "
+        "key it trusts (--allow-unsigned-runs: tests on one machine only)"
+      )
     run_signature.load_trusted(ours.trusted_entities)  # fail now, not at the first run
   if not ours.poll > 0:
     p.error(f"--poll {ours.poll}: allowed: seconds > 0")
   address, tls = _runtime_api(rest)
   wake_r, wake_w = os.pipe()
   os.set_blocking(wake_w, False)
-  worker = [sys.executable, "-m", "fedlap_flower.warm_clientapp",
-            "--runtime-api-address", address, "--parent-pid", str(os.getpid()),
-            "--wake-fd", str(wake_r), *tls]
-  worker += (["--allow-unsigned-runs"] if ours.allow_unsigned_runs
-             else ["--trusted-entities", ours.trusted_entities])
+  worker = [
+    sys.executable,
+    "-m",
+    "fedlap_flower.warm_clientapp",
+    "--runtime-api-address",
+    address,
+    "--parent-pid",
+    str(os.getpid()),
+    "--wake-fd",
+    str(wake_r),
+    *tls,
+  ]
+  worker += (
+    ["--allow-unsigned-runs"]
+    if ours.allow_unsigned_runs
+    else ["--trusted-entities", ours.trusted_entities]
+  )
   # pylint: disable-next=consider-using-with  (it ends with this process)
   subprocess.Popen(worker, pass_fds=(wake_r,))
   os.close(wake_r)
 
   from flwr.supernode.cli.flower_supernode import flower_supernode  # pylint: disable=g-import-not-at-top
+
   sci = importlib.import_module("flwr.supernode.start_client_internal")
   sci.time = _CappedSleep(ours.poll)
   sci._pull_and_store_message = _waking(sci._pull_and_store_message, wake_w)  # pylint: disable=protected-access

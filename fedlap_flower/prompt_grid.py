@@ -31,8 +31,9 @@ def quick_object_pulls(module: ModuleType, backoff: float = 0.05, cap: float = 1
   pull = getattr(module, "pull_objects", None)
   if pull is None or isinstance(pull, functools.partial):
     return
-  module.pull_objects = functools.partial(pull, max_tries_per_object=None,
-                                          initial_backoff=backoff, backoff_cap=cap)
+  module.pull_objects = functools.partial(
+    pull, max_tries_per_object=None, initial_backoff=backoff, backoff_cap=cap
+  )
 
 
 class PromptGrid(Grid):
@@ -67,8 +68,9 @@ class PromptGrid(Grid):
   def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
     return self.grid.pull_messages(message_ids)
 
-  def send_and_receive(self, messages: Iterable[Message], *,
-                       timeout: float | None = None) -> Iterable[Message]:
+  def send_and_receive(
+    self, messages: Iterable[Message], *, timeout: float | None = None
+  ) -> Iterable[Message]:
     """Pushes ``messages``; returns the replies that arrived within ``timeout`` seconds
     (all of them, however long they take, when ``timeout`` is None)."""
     pending = set(self.push_messages(messages))

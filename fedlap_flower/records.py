@@ -70,13 +70,19 @@ def params_to_record(params) -> ArrayRecord:
     ValueError: a leaf that is not float32 (packing would change its values).
   """
   flat = _flat(params)
-  other = {k: str(np.asarray(v).dtype) for k, v in flat.items()
-           if np.asarray(v).dtype != np.float32}
+  other = {
+    k: str(np.asarray(v).dtype) for k, v in flat.items() if np.asarray(v).dtype != np.float32
+  }
   if other:
-    raise ValueError(f"parameters {other} are not float32; allowed: float32 leaves only "
-                     "(they travel packed into one float32 array)")
-  packed = np.concatenate([np.ravel(np.asarray(v)) for v in flat.values()]) if flat \
-      else np.zeros((0,), np.float32)
+    raise ValueError(
+      f"parameters {other} are not float32; allowed: float32 leaves only "
+      "(they travel packed into one float32 array)"
+    )
+  packed = (
+    np.concatenate([np.ravel(np.asarray(v)) for v in flat.values()])
+    if flat
+    else np.zeros((0,), np.float32)
+  )
   return ArrayRecord({PACKED: Array(packed)})
 
 
@@ -86,7 +92,7 @@ def _unpack(packed: np.ndarray, template) -> dict:
   for k, ref in _flat(template).items():
     shape = np.shape(ref)
     size = int(np.prod(shape, dtype=np.int64))
-    flat[k] = packed[start:start + size].reshape(shape)
+    flat[k] = packed[start : start + size].reshape(shape)
     start += size
   return flat
 
@@ -109,8 +115,9 @@ def record_to_params(record: ArrayRecord, template):
   want = (_num_params(template),)
   if set(record.keys()) != {PACKED} or tuple(record[PACKED].shape) != want:
     held = {k: tuple(a.shape) for k, a in record.items()}
-    raise ValueError(f"the parameter record holds {held}; allowed: exactly {PACKED!r} of "
-                     f"shape {want}")
+    raise ValueError(
+      f"the parameter record holds {held}; allowed: exactly {PACKED!r} of shape {want}"
+    )
   packed = record[PACKED].numpy()
   if packed.dtype != np.float32:
     raise ValueError(f"the parameter record holds dtype {packed.dtype}; allowed: float32")
@@ -127,17 +134,20 @@ def _numpy(record: ArrayRecord, key: str, name: str, dtype, finite: bool = True)
   except TypeError:
     declared = None
   if declared != np.dtype(dtype):
-    raise replies.InvalidReply(name, f"{name} has dtype {replies.short(array.dtype)}; allowed: "
-                               f"{np.dtype(dtype).name}")
+    raise replies.InvalidReply(
+      name, f"{name} has dtype {replies.short(array.dtype)}; allowed: {np.dtype(dtype).name}"
+    )
   value = array.numpy()
   if not isinstance(value, np.ndarray) or value.dtype != np.dtype(dtype):
-    raise replies.InvalidReply(name, f"{name} holds dtype {getattr(value, 'dtype', '?')}; "
-                               f"allowed: {np.dtype(dtype).name}")
+    raise replies.InvalidReply(
+      name, f"{name} holds dtype {getattr(value, 'dtype', '?')}; allowed: {np.dtype(dtype).name}"
+    )
   return replies.check_array(name, value, dtype) if finite else value
 
 
-def record_to_like(record: ArrayRecord, params, what: str = "model delta",
-                   max_norm: float | None = None):
+def record_to_like(
+  record: ArrayRecord, params, what: str = "model delta", max_norm: float | None = None
+):
   """A received pytree like ``params`` (a model delta, or a FedAvg client's parameters), checked.
 
   Args:
@@ -159,14 +169,20 @@ def record_to_like(record: ArrayRecord, params, what: str = "model delta",
   field = "delta" if what == "model delta" else "arrays"
   name = f"{field}/{PACKED}"
   if set(record.keys()) != {PACKED}:
-    raise replies.InvalidReply(field, f"{what} ({field}) holds arrays "
-                               f"{replies.short(sorted(record.keys()))}; allowed: exactly "
-                               f"{PACKED!r}, the parameters packed into one array")
+    raise replies.InvalidReply(
+      field,
+      f"{what} ({field}) holds arrays "
+      f"{replies.short(sorted(record.keys()))}; allowed: exactly "
+      f"{PACKED!r}, the parameters packed into one array",
+    )
   want = (_num_params(params),)
   shape = tuple(record[PACKED].shape)
   if shape != want:
-    raise replies.InvalidReply(name, f"{what} ({name}) has shape {replies.short(shape)}; "
-                               f"allowed: {want}, the global model's parameter count")
+    raise replies.InvalidReply(
+      name,
+      f"{what} ({name}) has shape {replies.short(shape)}; "
+      f"allowed: {want}, the global model's parameter count",
+    )
   d = _numpy(record, PACKED, name, np.float32, finite=False)
   if d.shape != want:
     raise replies.InvalidReply(name, f"{what} ({name}) holds shape {d.shape}; allowed: {want}")
@@ -196,13 +212,18 @@ def record_to_delta(record: ArrayRecord, params, max_norm: float | None = None):
 
 
 def synthetic_to_record(synthetic) -> ArrayRecord:
-  return ArrayRecord({"x": Array(np.asarray(synthetic.x, np.float32)),
-                      "y": Array(np.asarray(synthetic.y, np.int32)),
-                      "mask": Array(np.asarray(synthetic.mask, bool))})
+  return ArrayRecord(
+    {
+      "x": Array(np.asarray(synthetic.x, np.float32)),
+      "y": Array(np.asarray(synthetic.y, np.int32)),
+      "mask": Array(np.asarray(synthetic.mask, bool)),
+    }
+  )
 
 
-def record_to_synthetic(record: ArrayRecord,
-                        limits: replies.SyntheticLimits | None = None) -> fl.SyntheticSet:
+def record_to_synthetic(
+  record: ArrayRecord, limits: replies.SyntheticLimits | None = None
+) -> fl.SyntheticSet:
   """A received synthetic set (NumPy), checked.
 
   With ``limits`` (what the server does): exactly the arrays ``x`` float32
@@ -223,8 +244,9 @@ def record_to_synthetic(record: ArrayRecord,
   if limits is not None:
     extra = sorted(set(record.keys()) - {"x", "y", "mask"})
     if extra:
-      raise replies.InvalidReply("synthetic", f"synthetic set holds other arrays "
-                                 f"{replies.short(extra)}; allowed: x, y, mask")
+      raise replies.InvalidReply(
+        "synthetic", f"synthetic set holds other arrays {replies.short(extra)}; allowed: x, y, mask"
+      )
     replies.check_slot_count(record["x"].shape, limits)
     x = _numpy(record, "x", "x", np.float32)
     y = _numpy(record, "y", "y", np.int32)
@@ -232,8 +254,10 @@ def record_to_synthetic(record: ArrayRecord,
     return fl.SyntheticSet(*replies.check_synthetic(x, y, mask, limits))
   x, y, mask = (record[k].numpy() for k in ("x", "y", "mask"))
   if x.ndim != 4 or y.shape != (len(x),) or mask.shape != (len(x),):
-    raise ValueError(f"synthetic set has shapes x {x.shape}, y {y.shape}, mask {mask.shape}; "
-                     "allowed: (S, H, W, C), (S,), (S,)")
+    raise ValueError(
+      f"synthetic set has shapes x {x.shape}, y {y.shape}, mask {mask.shape}; "
+      "allowed: (S, H, W, C), (S,), (S,)"
+    )
   if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
     raise ValueError("synthetic images hold NaN or Inf, or are not numbers")
   return fl.SyntheticSet(x.astype(np.float32), y.astype(np.int32), mask.astype(bool))

@@ -85,8 +85,7 @@ def _fail(field: str, value: Any, allowed: str):
 # ----------------------------------------------------------------------------
 
 
-def scalar(metrics: Mapping[str, Any], key: str, *, integer: bool = False,
-           required: bool = True):
+def scalar(metrics: Mapping[str, Any], key: str, *, integer: bool = False, required: bool = True):
   """``metrics[key]`` as one finite number (``None`` if absent and not ``required``).
 
   Raises:
@@ -130,15 +129,19 @@ def check_epsilon(metrics: Mapping[str, Any], required: bool) -> float | None:
   return eps
 
 
-def check_partition(metrics: Mapping[str, Any], num_partitions: int,
-                    bound: int | None = None) -> int:
+def check_partition(
+  metrics: Mapping[str, Any], num_partitions: int, bound: int | None = None
+) -> int:
   """``partition-id``: an int in ``[0, K)``, equal to ``bound`` (the node's partition) if given."""
   pid = scalar(metrics, "partition-id", integer=True)
   if not 0 <= pid < num_partitions:
     _fail("partition-id", pid, f"an int in [0, {num_partitions - 1}]")
   if bound is not None and pid != bound:
-    raise InvalidReply("partition-id", f"partition-id={pid} is invalid; allowed: {bound}, the "
-                       "partition this node is bound to for the run")
+    raise InvalidReply(
+      "partition-id",
+      f"partition-id={pid} is invalid; allowed: {bound}, the "
+      "partition this node is bound to for the run",
+    )
   return pid
 
 
@@ -183,12 +186,18 @@ def check_slot_count(shape: tuple, limits: SyntheticLimits) -> int:
   """``S`` of an ``x`` of ``shape``: ``(S, *image_shape)`` with ``1 <= S <= ipc * num_classes``."""
   shape = tuple(shape)
   if len(shape) != 1 + len(limits.image_shape) or shape[1:] != tuple(limits.image_shape):
-    raise InvalidReply("x", f"x has shape {shape}; allowed: (S, {', '.join(map(str, limits.image_shape))}), "
-                       "the model's input shape")
+    raise InvalidReply(
+      "x",
+      f"x has shape {shape}; allowed: (S, {', '.join(map(str, limits.image_shape))}), "
+      "the model's input shape",
+    )
   s = shape[0]
   if not 1 <= s <= limits.max_slots:
-    raise InvalidReply("x", f"x has {s} slots; allowed: 1..{limits.max_slots} (client.ipc="
-                       f"{limits.ipc} x {limits.num_classes} classes)")
+    raise InvalidReply(
+      "x",
+      f"x has {s} slots; allowed: 1..{limits.max_slots} (client.ipc="
+      f"{limits.ipc} x {limits.num_classes} classes)",
+    )
   return s
 
 
@@ -199,16 +208,23 @@ def check_labels(y: np.ndarray, mask: np.ndarray, limits: SyntheticLimits) -> No
     raise InvalidReply("y", f"y holds label {bad}; allowed: labels in [0, {limits.num_classes})")
   n = int(mask.sum())
   if not mask[:n].all():
-    raise InvalidReply("mask", "mask has padding before valid slots; allowed: the valid slots "
-                       "first (True ... then False ...)")
+    raise InvalidReply(
+      "mask",
+      "mask has padding before valid slots; allowed: the valid slots "
+      "first (True ... then False ...)",
+    )
   if n == 0 or n % limits.ipc:
-    raise InvalidReply("mask", f"mask has {n} valid slots; allowed: a positive multiple of "
-                       f"client.ipc={limits.ipc}")
+    raise InvalidReply(
+      "mask", f"mask has {n} valid slots; allowed: a positive multiple of client.ipc={limits.ipc}"
+    )
   rows = y[:n].reshape(-1, limits.ipc)
   if not (rows == rows[:, :1]).all() or not (np.diff(rows[:, 0]) > 0).all():
-    raise InvalidReply("y", f"y={short(y[:n].tolist())} is invalid; allowed: client.ipc="
-                       f"{limits.ipc} slots per class the client owns, classes in increasing "
-                       "order (fixed for the run)")
+    raise InvalidReply(
+      "y",
+      f"y={short(y[:n].tolist())} is invalid; allowed: client.ipc="
+      f"{limits.ipc} slots per class the client owns, classes in increasing "
+      "order (fixed for the run)",
+    )
   if (y[n:] != 0).any():
     raise InvalidReply("y", "y labels a padding slot; allowed: label 0 where mask is False")
 
@@ -221,8 +237,9 @@ def check_synthetic(x: np.ndarray, y: np.ndarray, mask: np.ndarray, limits: Synt
   check_array("mask", mask, np.bool_, (s,))
   biggest = float(np.abs(x).max())
   if biggest > limits.max_image_abs:
-    raise InvalidReply("x", f"x holds |value| {biggest:.4g}; allowed: at most max-image-abs="
-                       f"{limits.max_image_abs:g}")
+    raise InvalidReply(
+      "x", f"x holds |value| {biggest:.4g}; allowed: at most max-image-abs={limits.max_image_abs:g}"
+    )
   check_labels(y, mask, limits)
   return x, y, mask
 
@@ -256,10 +273,11 @@ def max_delta_norm(client_config, learning_rate: float, num_params: int) -> floa
   if c.dp is None or c.model_steps != "noisy_real":
     return None
   b, clip, sigma = float(c.batch_size), float(c.dp.l2_clip_norm), float(c.dp.noise_multiplier)
-  extra = TAIL_LOG / 3 + math.sqrt(TAIL_LOG ** 2 / 9 + 2 * TAIL_LOG * b)
+  extra = TAIL_LOG / 3 + math.sqrt(TAIL_LOG**2 / 9 + 2 * TAIL_LOG * b)
   norm_tail = math.sqrt(2 * TAIL_LOG)
   g = clip * (b + extra) / b + sigma * clip * (math.sqrt(num_params) + norm_tail) / (
-      b * math.sqrt(c.batch_loop))
+    b * math.sqrt(c.batch_loop)
+  )
   step = abs(float(learning_rate)) * g
   return (1 + FLOAT_SLACK) * min(float(c.radius) + step, c.max_outer * step)
 
@@ -268,6 +286,9 @@ def check_delta_norm(flat: Mapping[str, np.ndarray], max_norm: float | None) -> 
   """``||delta||`` over every leaf (float64); refuses it above ``max_norm``."""
   norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in flat.values()))
   if max_norm is not None and not norm <= max_norm:
-    raise InvalidReply("delta", f"delta has norm {norm:.4g}; allowed: at most {max_norm:.4g}, what "
-                       "an honest client's eta_m, clip, noise and radius allow")
+    raise InvalidReply(
+      "delta",
+      f"delta has norm {norm:.4g}; allowed: at most {max_norm:.4g}, what "
+      "an honest client's eta_m, clip, noise and radius allow",
+    )
   return norm

@@ -47,11 +47,11 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from flwr.supercore.primitives.asymmetric_ed25519 import (
-    create_message_to_sign,
-    decode_base64url,
-    load_private_key,
-    sign_message,
-    verify_signature,
+  create_message_to_sign,
+  decode_base64url,
+  load_private_key,
+  sign_message,
+  verify_signature,
 )
 
 SIGNATURE_KEYS = ("signer", "signature", "signed-at")
@@ -63,8 +63,7 @@ class UntrustedRun(ValueError):
 
 def fingerprint(public_key: ed25519.Ed25519PublicKey) -> str:
   """``SHA256:<base64, unpadded>`` of the key's SSH wire form (as ``ssh-keygen -l``)."""
-  line = public_key.public_bytes(serialization.Encoding.OpenSSH,
-                                 serialization.PublicFormat.OpenSSH)
+  line = public_key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
   blob = base64.b64decode(line.split()[1])
   return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
@@ -77,8 +76,10 @@ def load_trusted(path: str | Path) -> dict[str, ed25519.Ed25519PublicKey]:
   except (OSError, yaml.YAMLError) as e:
     raise ValueError(f"trusted entities {str(path)!r} cannot be read: {e}") from e
   if not isinstance(entries, dict) or not entries:
-    raise ValueError(f"trusted entities {str(path)!r}: expected a mapping "
-                     "{label: 'ssh-ed25519 AAAA...'} with at least one key")
+    raise ValueError(
+      f"trusted entities {str(path)!r}: expected a mapping "
+      "{label: 'ssh-ed25519 AAAA...'} with at least one key"
+    )
   keys = {}
   for label, text in entries.items():
     try:
@@ -86,8 +87,10 @@ def load_trusted(path: str | Path) -> dict[str, ed25519.Ed25519PublicKey]:
     except (ValueError, TypeError) as e:
       raise ValueError(f"trusted entity {label!r} is not an SSH public key: {e}") from e
     if not isinstance(key, ed25519.Ed25519PublicKey):
-      raise ValueError(f"trusted entity {label!r} is not an Ed25519 key; allowed: "
-                       "'ssh-ed25519 ...' (ssh-keygen -t ed25519)")
+      raise ValueError(
+        f"trusted entity {label!r} is not an Ed25519 key; allowed: "
+        "'ssh-ed25519 ...' (ssh-keygen -t ed25519)"
+      )
     keys[fingerprint(key)] = key
   return keys
 
@@ -99,47 +102,70 @@ def digest(fab_sha256_hex: str, run_config: Mapping[str, Any]) -> bytes:
   return hashlib.sha256(f"{fab_sha256_hex}\n{text}".encode()).digest()
 
 
-def sign(private_key: ed25519.Ed25519PrivateKey, fab_sha256_hex: str,
-         run_config: Mapping[str, Any], signed_at: int | None = None) -> dict[str, Any]:
+def sign(
+  private_key: ed25519.Ed25519PrivateKey,
+  fab_sha256_hex: str,
+  run_config: Mapping[str, Any],
+  signed_at: int | None = None,
+) -> dict[str, Any]:
   """The three run-config entries that sign ``run_config`` with ``fab_sha256_hex``."""
   signed_at = int(time.time()) if signed_at is None else int(signed_at)
-  sig = sign_message(private_key, create_message_to_sign(digest(fab_sha256_hex, run_config),
-                                                         signed_at))
-  return {"signer": fingerprint(private_key.public_key()),
-          "signature": base64.urlsafe_b64encode(sig).decode().rstrip("="),
-          "signed-at": signed_at}
+  sig = sign_message(
+    private_key, create_message_to_sign(digest(fab_sha256_hex, run_config), signed_at)
+  )
+  return {
+    "signer": fingerprint(private_key.public_key()),
+    "signature": base64.urlsafe_b64encode(sig).decode().rstrip("="),
+    "signed-at": signed_at,
+  }
 
 
-def verify(trusted: Mapping[str, ed25519.Ed25519PublicKey], fab_sha256_hex: str,
-           run_config: Mapping[str, Any]) -> str:
+def verify(
+  trusted: Mapping[str, ed25519.Ed25519PublicKey],
+  fab_sha256_hex: str,
+  run_config: Mapping[str, Any],
+) -> str:
   """Returns the signer's fingerprint; raises :class:`UntrustedRun` saying why not."""
   signer = run_config.get("signer", "")
   if not signer or not run_config.get("signature"):
-    raise UntrustedRun("the run is not signed (run config 'signer'/'signature' empty); this "
-                       "client computes only runs signed by a key in its trusted entities")
+    raise UntrustedRun(
+      "the run is not signed (run config 'signer'/'signature' empty); this "
+      "client computes only runs signed by a key in its trusted entities"
+    )
   key = trusted.get(signer)
   if key is None:
-    raise UntrustedRun(f"the run is signed by {signer}, which is not among this client's "
-                       f"trusted entities {sorted(trusted)}")
+    raise UntrustedRun(
+      f"the run is signed by {signer}, which is not among this client's "
+      f"trusted entities {sorted(trusted)}"
+    )
   try:
     sig = decode_base64url(str(run_config["signature"]))
-    message = create_message_to_sign(digest(fab_sha256_hex, run_config),
-                                     int(run_config.get("signed-at", 0)))
+    message = create_message_to_sign(
+      digest(fab_sha256_hex, run_config), int(run_config.get("signed-at", 0))
+    )
   except (ValueError, TypeError, OverflowError) as e:
     raise UntrustedRun(f"the run's signature cannot be read: {e}") from e
   if not verify_signature(key, message, sig):
-    raise UntrustedRun(f"the signature by {signer} does not match this bundle "
-                       f"({fab_sha256_hex[:12]}...) and run config")
+    raise UntrustedRun(
+      f"the signature by {signer} does not match this bundle "
+      f"({fab_sha256_hex[:12]}...) and run config"
+    )
   return signer
 
 
-def signed_overrides(key_path: str | Path, app: str | Path, run_config: list[str]
-                     ) -> dict[str, Any]:
+def signed_overrides(
+  key_path: str | Path, app: str | Path, run_config: list[str]
+) -> dict[str, Any]:
   """``run_config`` (``flwr run --run-config`` strings) plus the signature over the bundle
   ``flwr run`` builds from ``app`` and the run config the clients will see."""
   from flwr.cli.build import build_fab_from_disk  # pylint: disable=g-import-not-at-top
   from flwr.common.config import (  # pylint: disable=g-import-not-at-top
-      flatten_dict, fuse_dicts, get_fab_config, parse_config_args)
+    flatten_dict,
+    fuse_dicts,
+    get_fab_config,
+    parse_config_args,
+  )
+
   fab = build_fab_from_disk(Path(app))
   overrides = parse_config_args(run_config or None)
   clash = sorted(set(overrides) & set(SIGNATURE_KEYS))
@@ -152,15 +178,22 @@ def signed_overrides(key_path: str | Path, app: str | Path, run_config: list[str
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description="Signs a run of the fedlap_flower app: writes a "
-                              "run-config TOML for `flwr run APP SUPERLINK --run-config FILE`.")
+  p = argparse.ArgumentParser(
+    description="Signs a run of the fedlap_flower app: writes a "
+    "run-config TOML for `flwr run APP SUPERLINK --run-config FILE`."
+  )
   p.add_argument("--key", required=True, help="the operator's Ed25519 private key (OpenSSH)")
   p.add_argument("--app", default=str(Path(__file__).resolve().parent / "app"))
-  p.add_argument("--run-config", action="append", default=[],
-                 help="as flwr run's --run-config (\"key=value ...\")")
+  p.add_argument(
+    "--run-config",
+    action="append",
+    default=[],
+    help="as flwr run's --run-config (\"key=value ...\")",
+  )
   p.add_argument("--out", required=True, type=Path)
   args = p.parse_args(argv)
   from fedlap_flower.federation import write_toml  # pylint: disable=g-import-not-at-top
+
   values = signed_overrides(args.key, args.app, args.run_config)
   write_toml(args.out, values)
   print(f"signed by {values['signer']}: {args.out}")

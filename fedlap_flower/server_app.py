@@ -30,6 +30,7 @@ def main(grid: Grid, context: Context) -> None:
   on disk round by round (``metrics.jsonl`` lines, ``client_reports.json`` atomically).
   Replies are collected as they arrive, not on Flower's 3 s pulls."""
   from experiments import termination  # pylint: disable=g-import-not-at-top
+
   termination.call_interruptibly(serve, PromptGrid(grid), settings.run_settings(context.run_config))
 
 
@@ -45,50 +46,84 @@ def largest_pixel(test: task.TestSplit) -> float:
 def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   """Runs the whole training; returns the per-round records (also in ``metrics.jsonl``)."""
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   cfg = run.cfg
   t0 = time.time()
   test = task.load_test_split(cfg)
   _, apply_fn, params = task.init_model(cfg, test.image_shape, test.num_classes)
   evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
-  model_bytes = int(sum(np.asarray(v).nbytes for v in records.params_to_record(params)
-                        .to_numpy_ndarrays()))
+  model_bytes = int(
+    sum(np.asarray(v).nbytes for v in records.params_to_record(params).to_numpy_ndarrays())
+  )
   fc = library_configs.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
   bc = library_configs.to_baseline_config(cfg) if cfg.method == "fedavg" else None
   # Under DP, FedLAPConfig allows only server.weighting='uniform' (Algorithm 3), so the
   # server never needs a DP client's record count N_k.
-  info = {"config": run.config_name, "overrides": run.overrides, "label": run.label,
-          "method": cfg.method, "dp": run.dp, "rounds": int(cfg.rounds),
-          "num_clients": run.num_clients, "min_clients": run.min_clients,
-          "round_timeout": run.round_timeout, "join_timeout": run.join_timeout,
-          "model_bytes": model_bytes,
-          "unsafe_dp_keys_from_server": run.unsafe_dp_keys_from_server,
-          "clients_per_round": cfg.data.get("clients_per_round"),
-          "participation_seed": int(cfg.data.get("participation_seed", 0)),
-          "partition_keys": dict(run.partition_keys),
-          "config_values": cfg.to_dict()}
+  info = {
+    "config": run.config_name,
+    "overrides": run.overrides,
+    "label": run.label,
+    "method": cfg.method,
+    "dp": run.dp,
+    "rounds": int(cfg.rounds),
+    "num_clients": run.num_clients,
+    "min_clients": run.min_clients,
+    "round_timeout": run.round_timeout,
+    "join_timeout": run.join_timeout,
+    "model_bytes": model_bytes,
+    "unsafe_dp_keys_from_server": run.unsafe_dp_keys_from_server,
+    "clients_per_round": cfg.data.get("clients_per_round"),
+    "participation_seed": int(cfg.data.get("participation_seed", 0)),
+    "partition_keys": dict(run.partition_keys),
+    "config_values": cfg.to_dict(),
+  }
   run_log = strategy_lib.RunLog(run.run_dir, info)
   if fc is not None:
     strategy = strategy_lib.FedLAP(
-        cfg=cfg, fedlap_config=fc, apply_fn=apply_fn, evaluate=evaluate,
-        min_clients=run.min_clients, round_timeout=run.round_timeout,
-        join_timeout=run.join_timeout,
-        unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server, run_log=run_log,
-        model_bytes=model_bytes, template=params, image_shape=test.image_shape,
-        num_classes=test.num_classes,
-        max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
-        partition_keys=run.partition_keys)
+      cfg=cfg,
+      fedlap_config=fc,
+      apply_fn=apply_fn,
+      evaluate=evaluate,
+      min_clients=run.min_clients,
+      round_timeout=run.round_timeout,
+      join_timeout=run.join_timeout,
+      unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
+      run_log=run_log,
+      model_bytes=model_bytes,
+      template=params,
+      image_shape=test.image_shape,
+      num_classes=test.num_classes,
+      max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
+      partition_keys=run.partition_keys,
+    )
   else:
-    strategy = strategy_lib.FedAvgBaseline(cfg=cfg, baseline_config=bc, evaluate=evaluate,
-                                           min_clients=run.min_clients,
-                                           round_timeout=run.round_timeout,
-                                           join_timeout=run.join_timeout, run_log=run_log,
-                                           model_bytes=model_bytes, template=params,
-                                           partition_keys=run.partition_keys)
-  result = strategy.start(grid=grid, initial_arrays=records.params_to_record(params),
-                          num_rounds=int(cfg.rounds), timeout=run.round_timeout)
+    strategy = strategy_lib.FedAvgBaseline(
+      cfg=cfg,
+      baseline_config=bc,
+      evaluate=evaluate,
+      min_clients=run.min_clients,
+      round_timeout=run.round_timeout,
+      join_timeout=run.join_timeout,
+      run_log=run_log,
+      model_bytes=model_bytes,
+      template=params,
+      partition_keys=run.partition_keys,
+    )
+  result = strategy.start(
+    grid=grid,
+    initial_arrays=records.params_to_record(params),
+    num_rounds=int(cfg.rounds),
+    timeout=run.round_timeout,
+  )
   final = result.arrays if result.arrays is not None else records.params_to_record(params)
-  np.savez(run.run_dir / "final_params.npz",
-           **{k.replace("/", "."): np.asarray(v) for k, v in traverse_util.flatten_dict(
-               records.record_to_params(final, params), sep="/").items()})
+  np.savez(
+    run.run_dir / "final_params.npz",
+    **{
+      k.replace("/", "."): np.asarray(v)
+      for k, v in traverse_util.flatten_dict(
+        records.record_to_params(final, params), sep="/"
+      ).items()
+    },
+  )
   (run.run_dir / "done").write_text(f"{time.time() - t0:.1f} s\n")
   return run_log.records

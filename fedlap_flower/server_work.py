@@ -36,9 +36,11 @@ def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:
     a = np.asarray(a)
     return np.concatenate([a, np.full((s - len(a), *a.shape[1:]), fill, a.dtype)])
 
-  return fl.SyntheticSet(jnp.asarray(np.stack([pad(t.x) for t in sets])),
-                         jnp.asarray(np.stack([pad(t.y) for t in sets])),
-                         jnp.asarray(np.stack([pad(t.mask, False) for t in sets])))
+  return fl.SyntheticSet(
+    jnp.asarray(np.stack([pad(t.x) for t in sets])),
+    jnp.asarray(np.stack([pad(t.y) for t in sets])),
+    jnp.asarray(np.stack([pad(t.mask, False) for t in sets])),
+  )
 
 
 def stack_trees(trees: Sequence, what: str = "pytree"):
@@ -48,27 +50,46 @@ def stack_trees(trees: Sequence, what: str = "pytree"):
   return jax.tree.map(lambda *d: jnp.asarray(np.stack(d)), *trees)
 
 
-def stack_updates(sets: Sequence, radii: Sequence[float], deltas: Sequence | None = None
-                  ) -> fl.ClientUpdate:
+def stack_updates(
+  sets: Sequence, radii: Sequence[float], deltas: Sequence | None = None
+) -> fl.ClientUpdate:
   """The clients' replies as one stacked :class:`fedlap_jax.ClientUpdate` ``(K', ...)``.
 
   ``deltas``: the clients' model deltas in the order of ``sets`` (with
   ``server.start='fedavg_delta'``), or ``None``.
   """
-  return fl.ClientUpdate(stack_synthetic(sets), jnp.asarray(np.asarray(radii, np.float32)),
-                         None if deltas is None else stack_trees(deltas, "model delta"))
+  return fl.ClientUpdate(
+    stack_synthetic(sets),
+    jnp.asarray(np.asarray(radii, np.float32)),
+    None if deltas is None else stack_trees(deltas, "model delta"),
+  )
 
 
 @functools.lru_cache(maxsize=8)
 def _server_step_fn(apply_fn, fedlap_config):
   def run(key, params, updates, learning_rate, num_records):
-    return server_step(key, apply_fn, params, updates, fedlap_config,
-                       learning_rate=learning_rate, num_records=num_records)
+    return server_step(
+      key,
+      apply_fn,
+      params,
+      updates,
+      fedlap_config,
+      learning_rate=learning_rate,
+      num_records=num_records,
+    )
+
   return jax.jit(run)
 
 
-def server_update(key, apply_fn, params, updates: fl.ClientUpdate, learning_rate: float,
-                  fedlap_config, num_records: Sequence[int | None] | None = None):
+def server_update(
+  key,
+  apply_fn,
+  params,
+  updates: fl.ClientUpdate,
+  learning_rate: float,
+  fedlap_config,
+  num_records: Sequence[int | None] | None = None,
+):
   """:func:`fedlap_jax.server.server_step` on the stacked updates of the clients that replied.
 
   Args:
@@ -92,16 +113,21 @@ def server_update(key, apply_fn, params, updates: fl.ClientUpdate, learning_rate
 
 @functools.lru_cache(maxsize=8)
 def _fedavg_server_fn(baseline_config):
-  return jax.jit(lambda params, ys, counts: baselines.server_step(
-      params, ys, baseline_config, num_records=counts)[0])
+  return jax.jit(
+    lambda params, ys, counts: baselines.server_step(
+      params, ys, baseline_config, num_records=counts
+    )[0]
+  )
 
 
-def fedavg_update(params, client_params: Sequence, num_records: Sequence[int],
-                  baseline_config):
+def fedavg_update(params, client_params: Sequence, num_records: Sequence[int], baseline_config):
   """:func:`fedlap_jax.baselines.server_step` on the clients' models (in partition order)."""
   run = _fedavg_server_fn(baseline_config)
-  return run(params, stack_trees(client_params, "client model"),
-             jnp.asarray(np.asarray(num_records, np.int32)))
+  return run(
+    params,
+    stack_trees(client_params, "client model"),
+    jnp.asarray(np.asarray(num_records, np.int32)),
+  )
 
 
 def make_evaluate(apply_fn, test, chunk_size: int | None):
@@ -112,8 +138,9 @@ def make_evaluate(apply_fn, test, chunk_size: int | None):
   def to_inputs(x):
     return x.astype(np.float32) * scale + offset
 
-  fn = jax.jit(lambda p, x, y: fl.evaluate(apply_fn, p, x, y, chunk_size=chunk_size,
-                                           preprocess=to_inputs))
+  fn = jax.jit(
+    lambda p, x, y: fl.evaluate(apply_fn, p, x, y, chunk_size=chunk_size, preprocess=to_inputs)
+  )
 
   def evaluate(params):
     ev = fn(params, test.x, test.y)

@@ -89,24 +89,30 @@ from typing import Any, Mapping
 from fedlap_jax.checks import ConfigError, is_int, is_real
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {
-    "config": "quickstart:dp",
-    "overrides": "",
-    "run-dir": "",
-    "min-clients": 0,
-    "round-timeout": 900.0,
-    "join-timeout": 30.0,
-    "max-epsilon": math.inf,
-    "state-root": "",
-    "partition-keys": "",
-    "max-image-abs": 0.0,
-    "unsafe-dp-keys-from-server": False,
-    # Checked by the node before the ClientApp runs (fedlap_flower.run_signature).
-    "signer": "",
-    "signature": "",
-    "signed-at": 0,
+  "config": "quickstart:dp",
+  "overrides": "",
+  "run-dir": "",
+  "min-clients": 0,
+  "round-timeout": 900.0,
+  "join-timeout": 30.0,
+  "max-epsilon": math.inf,
+  "state-root": "",
+  "partition-keys": "",
+  "max-image-abs": 0.0,
+  "unsafe-dp-keys-from-server": False,
+  # Checked by the node before the ClientApp runs (fedlap_flower.run_signature).
+  "signer": "",
+  "signature": "",
+  "signed-at": 0,
 }
-NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-path", "state-dir", "max-epsilon",
-                    "max-delta")
+NODE_CONFIG_KEYS = (
+  "partition-id",
+  "num-partitions",
+  "data-path",
+  "state-dir",
+  "max-epsilon",
+  "max-delta",
+)
 # A DP client uses round keys sent by the server only if its own environment says so.
 UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
 # A client's own environment may name the root of its state directories (<root>/client-<k>).
@@ -153,49 +159,72 @@ def load_config(name: str, overrides: str = ""):
   """
   from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   if not isinstance(name, str) or not name:
-    _fail("config", name,
-          "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops'), or a path")
+    _fail(
+      "config", name, "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops'), or a path"
+    )
   if not isinstance(overrides, str):
     _fail("overrides", overrides, "a string of FIELD=VALUE pairs separated by spaces")
   try:
     items = shlex.split(overrides)
   except ValueError as e:
-    raise SettingsError("overrides", overrides, "FIELD=VALUE pairs separated by spaces, "
-                        "quoted with shell rules",
-                        message=f"overrides={overrides!r} is invalid ({e}); allowed: "
-                        "FIELD=VALUE pairs separated by spaces, quoted with shell rules") from None
+    raise SettingsError(
+      "overrides",
+      overrides,
+      "FIELD=VALUE pairs separated by spaces, quoted with shell rules",
+      message=f"overrides={overrides!r} is invalid ({e}); allowed: "
+      "FIELD=VALUE pairs separated by spaces, quoted with shell rules",
+    ) from None
   try:
     cfg, label = run_lib.load_config(name, items)
   except library_configs.ConfigError as e:
     raise _settings_error(e, name) from None
   if "suite" in cfg:
-    _fail("config", name, f"one run, not a suite config (this one holds the runs "
-          f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp_loops' or "
-          "'quickstart:nondp'")
+    _fail(
+      "config",
+      name,
+      f"one run, not a suite config (this one holds the runs "
+      f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp_loops' or "
+      "'quickstart:nondp'",
+    )
   library_configs.validate_config(cfg)
   if cfg.method not in METHODS:
-    _fail("config", f"{name} (method={cfg.method!r})",
-          f"a config whose method is one of {METHODS}; the other baselines run with "
-          "experiments.run")
+    _fail(
+      "config",
+      f"{name} (method={cfg.method!r})",
+      f"a config whose method is one of {METHODS}; the other baselines run with experiments.run",
+    )
   return cfg, label
 
 
 def _settings_error(e: ConfigError, name: str) -> SettingsError:
   """:func:`experiments.run.load_config`'s error as the run config's ``config`` or ``overrides``."""
   from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+
   if e.field == "config":
     text = str(e)
-    why = (text.replace("--config=", "config=", 1) if text.startswith("--config=") else
-           f"config={name!r} is invalid: {text.strip().splitlines()[-1]}")
+    why = (
+      text.replace("--config=", "config=", 1)
+      if text.startswith("--config=")
+      else f"config={name!r} is invalid: {text.strip().splitlines()[-1]}"
+    )
     return SettingsError("config", name, e.allowed, message=why)
   if e.field == "overrides":
     return SettingsError("overrides", e.value, e.allowed)
   if e.allowed == run_lib.CONFIG_FIELDS:
-    return SettingsError("overrides", e.field, e.allowed, message=f"overrides: {e.field!r} is "
-                         f"not a field of the config; allowed: {e.allowed}")
-  return SettingsError(e.field, e.value, e.allowed, message=f"overrides: {e.field}={e.value!r} "
-                       f"is invalid; allowed: {e.allowed}")
+    return SettingsError(
+      "overrides",
+      e.field,
+      e.allowed,
+      message=f"overrides: {e.field!r} is not a field of the config; allowed: {e.allowed}",
+    )
+  return SettingsError(
+    e.field,
+    e.value,
+    e.allowed,
+    message=f"overrides: {e.field}={e.value!r} is invalid; allowed: {e.allowed}",
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -235,9 +264,12 @@ def with_defaults(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
   run_config = dict(run_config or {})
   unknown = sorted(set(run_config) - set(RUN_CONFIG_DEFAULTS))
   if unknown:
-    raise SettingsError("run config", unknown, str(sorted(RUN_CONFIG_DEFAULTS)),
-                        message=f"run config keys {unknown} are unknown; allowed: "
-                        f"{sorted(RUN_CONFIG_DEFAULTS)}")
+    raise SettingsError(
+      "run config",
+      unknown,
+      str(sorted(RUN_CONFIG_DEFAULTS)),
+      message=f"run config keys {unknown} are unknown; allowed: {sorted(RUN_CONFIG_DEFAULTS)}",
+    )
   return {**RUN_CONFIG_DEFAULTS, **run_config}
 
 
@@ -249,8 +281,12 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   per_round = int(cfg.data.get("clients_per_round") or k)
   min_clients = rc["min-clients"]
   if not is_int(min_clients) or not 0 <= min_clients <= per_round:
-    _fail("min-clients", min_clients, f"an integer in [0, {per_round}] (0: all {per_round} "
-          "clients of a round, data.clients_per_round or data.num_clients)")
+    _fail(
+      "min-clients",
+      min_clients,
+      f"an integer in [0, {per_round}] (0: all {per_round} "
+      "clients of a round, data.clients_per_round or data.num_clients)",
+    )
   timeout = rc["round-timeout"]
   if not is_real(timeout) or not 0 < timeout:
     _fail("round-timeout", timeout, "a finite number of seconds > 0")
@@ -267,22 +303,36 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
     if not isinstance(rc[key], str):
       _fail(key, rc[key], "a path (a string; '' for the default)")
   from fedlap_flower import binding  # pylint: disable=g-import-not-at-top
+
   keys = rc["partition-keys"]
   if not isinstance(keys, str):
     _fail("partition-keys", keys, "a string of PARTITION=SHA256:... pairs ('' for first come)")
   try:
     partition_keys = binding.parse_partition_keys(keys, k)
   except ValueError as e:
-    raise SettingsError("partition-keys", keys, "PARTITION=SHA256:... pairs",
-                        message=str(e)) from None
+    raise SettingsError(
+      "partition-keys", keys, "PARTITION=SHA256:... pairs", message=str(e)
+    ) from None
   max_image = rc["max-image-abs"]
   if not is_real(max_image) or not 0 <= max_image:
     _fail("max-image-abs", max_image, "a finite number > 0, or 0 for the default bound")
   run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
   state_root = Path(rc["state-root"] or "~/.fedlap_flower").expanduser()
-  return RunSettings(rc["config"], rc["overrides"], label, cfg, run_dir,
-                     min_clients or per_round, float(timeout), float(join), float(max_eps),
-                     state_root, unsafe, partition_keys, float(max_image))
+  return RunSettings(
+    rc["config"],
+    rc["overrides"],
+    label,
+    cfg,
+    run_dir,
+    min_clients or per_round,
+    float(timeout),
+    float(join),
+    float(max_eps),
+    state_root,
+    unsafe,
+    partition_keys,
+    float(max_image),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,16 +362,22 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
   nc = dict(node_config or {})
   unknown = sorted(set(nc) - set(NODE_CONFIG_KEYS))
   if unknown:
-    raise SettingsError("node config", unknown, str(list(NODE_CONFIG_KEYS)),
-                        message=f"node config keys {unknown} are unknown; allowed: "
-                        f"{list(NODE_CONFIG_KEYS)}")
+    raise SettingsError(
+      "node config",
+      unknown,
+      str(list(NODE_CONFIG_KEYS)),
+      message=f"node config keys {unknown} are unknown; allowed: {list(NODE_CONFIG_KEYS)}",
+    )
   k = run.num_clients
   for key in ("partition-id", "num-partitions"):
     if key not in nc:
-      raise SettingsError(key, None, f"flower-supernode --node-config 'partition-id=K "
-                          f"num-partitions={k}'",
-                          message=f"node config {key} is missing; allowed: flower-supernode "
-                          f"--node-config 'partition-id=K num-partitions={k}'")
+      raise SettingsError(
+        key,
+        None,
+        f"flower-supernode --node-config 'partition-id=K num-partitions={k}'",
+        message=f"node config {key} is missing; allowed: flower-supernode "
+        f"--node-config 'partition-id=K num-partitions={k}'",
+      )
   num = nc["num-partitions"]
   if not is_int(num) or num != k:
     _fail("num-partitions", num, f"{k}, the data.num_clients of config {run.config_name!r}")
@@ -342,12 +398,16 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
   elif env_root:
     state_dir = Path(env_root).expanduser() / f"client-{pid}"
   elif run.dp:
-    raise SettingsError("state-dir", None, "this client's own state directory",
-                        message="node config state-dir is missing; a DP client keeps its "
-                        "privacy ledger only where its own node config says (never where the "
-                        "run config would put it). Allowed: flower-supernode --node-config "
-                        f"\"... state-dir='/var/lib/fedlap/site_k'\", or {STATE_ROOT_ENV} in "
-                        "the client's environment")
+    raise SettingsError(
+      "state-dir",
+      None,
+      "this client's own state directory",
+      message="node config state-dir is missing; a DP client keeps its "
+      "privacy ledger only where its own node config says (never where the "
+      "run config would put it). Allowed: flower-supernode --node-config "
+      f"\"... state-dir='/var/lib/fedlap/site_k'\", or {STATE_ROOT_ENV} in "
+      "the client's environment",
+    )
   else:
     state_dir = run.state_root / run.label / f"client-{pid}"
   max_eps = nc.get("max-epsilon", math.inf)
@@ -356,9 +416,15 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
   max_delta = nc.get("max-delta")
   if max_delta is not None and (not is_real(max_delta) or not 0 < max_delta < 1):
     _fail("max-delta", max_delta, "a probability in the open interval (0, 1)")
-  return NodeSettings(pid, num, data_path, state_dir, min(float(max_eps), run.max_epsilon),
-                      requires_dp="max-epsilon" in nc,
-                      max_delta=None if max_delta is None else float(max_delta))
+  return NodeSettings(
+    pid,
+    num,
+    data_path,
+    state_dir,
+    min(float(max_eps), run.max_epsilon),
+    requires_dp="max-epsilon" in nc,
+    max_delta=None if max_delta is None else float(max_delta),
+  )
 
 
 def unsafe_consent() -> bool:

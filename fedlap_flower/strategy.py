@@ -118,16 +118,26 @@ class RunLog:
     with open(self.run_dir / "metrics.jsonl", "a") as f:
       f.write(json.dumps(record, sort_keys=True) + "\n")
     eps = record.get("epsilon")
-    log(INFO, "[fedlap] round %d: test accuracy %.4f, loss %.4f%s, clients ok %s%s%s",
-        record["round"], record["test_accuracy"], record["test_loss"],
-        "" if eps is None else f", epsilon {eps:.3f}", record["clients_ok"],
-        "".join(f", {k} {v}" for k, v in record.items()
-                if k.startswith("clients_") and k != "clients_ok" and v),
-        f"; UPDATE REFUSED: {record['update_refused']}" if record.get("update_refused") else "")
+    log(
+      INFO,
+      "[fedlap] round %d: test accuracy %.4f, loss %.4f%s, clients ok %s%s%s",
+      record["round"],
+      record["test_accuracy"],
+      record["test_loss"],
+      "" if eps is None else f", epsilon {eps:.3f}",
+      record["clients_ok"],
+      "".join(
+        f", {k} {v}"
+        for k, v in record.items()
+        if k.startswith("clients_") and k != "clients_ok" and v
+      ),
+      f"; UPDATE REFUSED: {record['update_refused']}" if record.get("update_refused") else "",
+    )
 
 
-def wait_for_nodes(grid: Grid, expected: int, minimum: int, join_timeout: float,
-                   timeout: float) -> list[int]:
+def wait_for_nodes(
+  grid: Grid, expected: int, minimum: int, join_timeout: float, timeout: float
+) -> list[int]:
   """The connected node ids a round starts with.
 
   Waits until all ``expected`` clients are connected, at most ``join_timeout``
@@ -139,8 +149,11 @@ def wait_for_nodes(grid: Grid, expected: int, minimum: int, join_timeout: float,
   while True:
     nodes = sorted(grid.get_node_ids())
     waited = time.time() - t0
-    if len(nodes) >= expected or (waited >= join_timeout and len(nodes) >= minimum) \
-        or waited >= timeout:
+    if (
+      len(nodes) >= expected
+      or (waited >= join_timeout and len(nodes) >= minimum)
+      or waited >= timeout
+    ):
       return nodes
     time.sleep(1.0)
 
@@ -180,8 +193,7 @@ def _reply_node(msg: Message, destination: dict) -> int:
 def _destinations(messages) -> dict:
   # The Grid gives the sent messages their ids; an error the SuperLink returns for an
   # unavailable node comes from the SuperLink and names the message it answers.
-  return {m.metadata.message_id: m.metadata.dst_node_id for m in messages
-          if m.metadata.message_id}
+  return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
 
 
 def _node_facts(grid: Grid, nodes: list[int]) -> dict[int, binding_lib.NodeFacts]:
@@ -201,16 +213,16 @@ def _node_facts(grid: Grid, nodes: list[int]) -> dict[int, binding_lib.NodeFacts
         fingerprint = binding_lib.key_fingerprint(bytes(info.public_key))
       except (ValueError, TypeError):
         fingerprint = ""
-    facts[node] = binding_lib.NodeFacts(node, fingerprint,
-                                        str(info.last_activated_at or ""))
+    facts[node] = binding_lib.NodeFacts(node, fingerprint, str(info.last_activated_at or ""))
   return facts
 
 
 class Participation:
   """Which nodes a round asks: partition binding and client sampling (module docstring)."""
 
-  def __init__(self, cfg, *, partition_keys, min_clients: int, round_timeout: float,
-               join_timeout: float):
+  def __init__(
+    self, cfg, *, partition_keys, min_clients: int, round_timeout: float, join_timeout: float
+  ):
     self.cfg = cfg
     self.num_clients = int(cfg.data.num_clients)
     self.binding = binding_lib.PartitionBinding(self.num_clients, partition_keys)
@@ -220,21 +232,33 @@ class Participation:
 
   def _ask_partitions(self, grid: Grid, server_round: int, nodes: list[int], facts: dict):
     """Queries ``nodes`` for their ``partition-id``; ``(claims, reports)``."""
-    messages = [Message(content=RecordDict({"config": ConfigRecord(
-        {"server-round": server_round, "ask": "partition-id"})}),
-        message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
+    messages = [
+      Message(
+        content=RecordDict(
+          {"config": ConfigRecord({"server-round": server_round, "ask": "partition-id"})}
+        ),
+        message_type=MessageType.QUERY,
+        dst_node_id=n,
+      )
+      for n in nodes
+    ]
     answers = list(grid.send_and_receive(messages, timeout=self.round_timeout))
     destination = _destinations(messages)
     claims, reports, answered = [], [], set()
     for msg in answers:
-      report = {"round": server_round, "node_id": None, "partition_id": None,
-                "stage": "partition-id query"}
+      report = {
+        "round": server_round,
+        "node_id": None,
+        "partition_id": None,
+        "stage": "partition-id query",
+      }
       try:
         node = _reply_node(msg, destination)
         report["node_id"] = node
         if node not in facts or node in answered:
-          raise replies.InvalidReply("node", f"an answer from node {node}, which was not asked "
-                                     "(or answered twice)")
+          raise replies.InvalidReply(
+            "node", f"an answer from node {node}, which was not asked (or answered twice)"
+          )
         answered.add(node)
         if msg.has_error():
           report.update(status="error", reason=_text(msg.error.reason))
@@ -243,20 +267,27 @@ class Participation:
         metrics = dict(msg.content.metric_records["metrics"])
         claims.append((facts[node], replies.check_partition(metrics, self.num_clients)))
       except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
-        report.update(status="invalid", reason=_why(e),
-                      field=getattr(e, "field", None))
+        report.update(status="invalid", reason=_why(e), field=getattr(e, "field", None))
         reports.append(report)
     for node in nodes:
       if node not in answered:
-        reports.append({"round": server_round, "node_id": node, "partition_id": None,
-                        "stage": "partition-id query", "status": "missing",
-                        "reason": f"no answer within round-timeout={self.round_timeout:g} s"})
+        reports.append(
+          {
+            "round": server_round,
+            "node_id": node,
+            "partition_id": None,
+            "stage": "partition-id query",
+            "status": "missing",
+            "reason": f"no answer within round-timeout={self.round_timeout:g} s",
+          }
+        )
     return claims, reports
 
   def select(self, grid: Grid, server_round: int) -> tuple[dict[int, int], list[int], list[dict]]:
     """``(asked {node: partition}, the round's clients, reports of nodes left out)``."""
-    nodes = wait_for_nodes(grid, self.num_clients, self.min_clients, self.join_timeout,
-                           self.round_timeout)
+    nodes = wait_for_nodes(
+      grid, self.num_clients, self.min_clients, self.join_timeout, self.round_timeout
+    )
     facts = _node_facts(grid, nodes)
     self.binding.release_absent(nodes)
     reports: list[dict] = []
@@ -270,10 +301,17 @@ class Participation:
       claimed = {f.node_id: pid for f, pid in claims}
       refused = self.binding.claim(claims)
     for node, reason in sorted(refused.items()):
-      reports.append({"round": server_round, "node_id": node,
-                      "partition_id": claimed.get(node), "stage": "partition binding",
-                      "status": "invalid", "reason": reason,
-                      "field": "partition-keys" if self.binding.by_key else "partition-id"})
+      reports.append(
+        {
+          "round": server_round,
+          "node_id": node,
+          "partition_id": claimed.get(node),
+          "stage": "partition binding",
+          "status": "invalid",
+          "reason": reason,
+          "field": "partition-keys" if self.binding.by_key else "partition-id",
+        }
+      )
     chosen = task.participants(self.cfg, server_round).tolist()
     asked = {}
     for pid in chosen:
@@ -286,10 +324,25 @@ class Participation:
 class FedLAP(Strategy):
   """FedLAP / FedLAP-DP over Flower messages (see the module docstring)."""
 
-  def __init__(self, *, cfg, fedlap_config, apply_fn, evaluate, min_clients: int,
-               round_timeout: float, join_timeout: float, unsafe_dp_keys_from_server: bool,
-               run_log: RunLog, model_bytes: int, template, image_shape=None,
-               num_classes: int = 10, max_image_abs: float | None = None, partition_keys=None):
+  def __init__(
+    self,
+    *,
+    cfg,
+    fedlap_config,
+    apply_fn,
+    evaluate,
+    min_clients: int,
+    round_timeout: float,
+    join_timeout: float,
+    unsafe_dp_keys_from_server: bool,
+    run_log: RunLog,
+    model_bytes: int,
+    template,
+    image_shape=None,
+    num_classes: int = 10,
+    max_image_abs: float | None = None,
+    partition_keys=None,
+  ):
     self.cfg = cfg
     self.template = template  # the model's layout: parameter records travel packed
     self.fc = fedlap_config
@@ -304,14 +357,21 @@ class FedLAP(Strategy):
     self.with_deltas = fedlap_config.server.start == "fedavg_delta"
     self.run_log = run_log
     self.model_bytes = model_bytes
-    self.participation = Participation(cfg, partition_keys=partition_keys,
-                                       min_clients=min_clients, round_timeout=round_timeout,
-                                       join_timeout=join_timeout)
+    self.participation = Participation(
+      cfg,
+      partition_keys=partition_keys,
+      min_clients=min_clients,
+      round_timeout=round_timeout,
+      join_timeout=join_timeout,
+    )
     self.limits = None
     if image_shape is not None:
       self.limits = replies.SyntheticLimits(
-          tuple(image_shape), int(num_classes), int(fedlap_config.client.ipc),
-          float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR))
+        tuple(image_shape),
+        int(num_classes),
+        int(fedlap_config.client.ipc),
+        float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR),
+      )
     # r_k <= r, compared as the float32 the client computes r_k in.
     self.max_radius = float(np.float32(fedlap_config.client.radius))
     self._chain = task.initial_chain_key(cfg.seed)
@@ -321,36 +381,60 @@ class FedLAP(Strategy):
     self._params = None
 
   def summary(self) -> None:
-    log(INFO, "\t├──> FedLAP%s: %d clients (%s per round, min %d), %s keys, radius strategy %s, "
-        "partitions bound %s", "-DP" if self.dp else "", self.num_clients,
-        self.cfg.data.get("clients_per_round") or "all", self.min_clients,
-        "server" if self.server_keys else "client-secret", self.fc.server.radius_strategy,
-        "by partition-keys" if self.participation.binding.by_key else "first come")
+    log(
+      INFO,
+      "\t├──> FedLAP%s: %d clients (%s per round, min %d), %s keys, radius strategy %s, "
+      "partitions bound %s",
+      "-DP" if self.dp else "",
+      self.num_clients,
+      self.cfg.data.get("clients_per_round") or "all",
+      self.min_clients,
+      "server" if self.server_keys else "client-secret",
+      self.fc.server.radius_strategy,
+      "by partition-keys" if self.participation.binding.by_key else "first come",
+    )
     if self.dp and self.server_keys:
-      log(WARNING, "UNSAFE (test only): DP clients draw their noise from keys the server "
-          "chose; a server that knows them can remove the noise")
+      log(
+        WARNING,
+        "UNSAFE (test only): DP clients draw their noise from keys the server "
+        "chose; a server that knows them can remove the noise",
+      )
 
-  def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                      grid: Grid) -> Iterable[Message]:
+  def configure_train(
+    self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+  ) -> Iterable[Message]:
     asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_init, k_clients, k_server = task.round_keys(self._chain)
     lr, server_lr = task.round_learning_rates(self.fc, server_round)
     self._params = records.record_to_params(arrays, self.template)
-    self._round = {"server_round": server_round, "k_server": k_server, "lr": lr,
-                   "server_lr": server_lr,
-                   "asked": asked, "chosen": chosen, "reports": reports, "t0": time.time(),
-                   "max_delta_norm": replies.max_delta_norm(
-                       self.fc.client, lr, sum(int(np.size(v)) for v in
-                                               jax.tree.leaves(self._params)))}
-    conf = ConfigRecord({"server-round": server_round, "learning-rate": lr,
-                         "num-clients": self.num_clients,
-                         "keys": "server" if self.server_keys else "client"})
+    self._round = {
+      "server_round": server_round,
+      "k_server": k_server,
+      "lr": lr,
+      "server_lr": server_lr,
+      "asked": asked,
+      "chosen": chosen,
+      "reports": reports,
+      "t0": time.time(),
+      "max_delta_norm": replies.max_delta_norm(
+        self.fc.client, lr, sum(int(np.size(v)) for v in jax.tree.leaves(self._params))
+      ),
+    }
+    conf = ConfigRecord(
+      {
+        "server-round": server_round,
+        "learning-rate": lr,
+        "num-clients": self.num_clients,
+        "keys": "server" if self.server_keys else "client",
+      }
+    )
     if self.server_keys:
       conf["key-init"] = task.key_to_words(k_init)
       conf["key-clients"] = task.key_to_words(k_clients)
     content = RecordDict({"arrays": arrays, "config": conf})
-    self._round["messages"] = [Message(content=content, message_type=MessageType.TRAIN,
-                                       dst_node_id=n) for n in sorted(asked)]
+    self._round["messages"] = [
+      Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in sorted(asked)
+    ]
     return self._round["messages"]
 
   # -- replies -------------------------------------------------------------------
@@ -360,8 +444,9 @@ class FedLAP(Strategy):
     allowed = {"metrics", "status", "synthetic"} | ({"delta"} if self.with_deltas else set())
     extra = sorted(set(content.keys()) - allowed)
     if extra:
-      raise replies.InvalidReply("reply", f"the reply holds records {replies.short(extra)}; "
-                                 f"allowed: {sorted(allowed)}")
+      raise replies.InvalidReply(
+        "reply", f"the reply holds records {replies.short(extra)}; allowed: {sorted(allowed)}"
+      )
     if "synthetic" not in content.array_records:
       raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
     radius = replies.check_radius(metrics, self.max_radius)
@@ -370,17 +455,23 @@ class FedLAP(Strategy):
     replies.check_epsilon(metrics, required=self.dp)
     synthetic = records.record_to_synthetic(content.array_records["synthetic"], self.limits)
     pinned = self._labels.get(pid)
-    if pinned is not None and not (np.array_equal(pinned[0], synthetic.y)
-                                   and np.array_equal(pinned[1], synthetic.mask)):
-      raise replies.InvalidReply("y", "y / mask differ from this partition's earlier replies; "
-                                 "allowed: the synthetic labels fixed for the run")
+    if pinned is not None and not (
+      np.array_equal(pinned[0], synthetic.y) and np.array_equal(pinned[1], synthetic.mask)
+    ):
+      raise replies.InvalidReply(
+        "y",
+        "y / mask differ from this partition's earlier replies; "
+        "allowed: the synthetic labels fixed for the run",
+      )
     delta = None
     if self.with_deltas:
       if "delta" not in content.array_records:
-        raise replies.InvalidReply("delta", "no model delta; server.start='fedavg_delta' needs "
-                                   "one from every client")
-      delta = records.record_to_delta(content.array_records["delta"], self._params,
-                                      max_norm=self._round.get("max_delta_norm"))
+        raise replies.InvalidReply(
+          "delta", "no model delta; server.start='fedavg_delta' needs one from every client"
+        )
+      delta = records.record_to_delta(
+        content.array_records["delta"], self._params, max_norm=self._round.get("max_delta_norm")
+      )
     return synthetic, radius, num_examples, delta
 
   def _parse_one(self, msg: Message, node: int, report: dict):
@@ -394,8 +485,9 @@ class FedLAP(Strategy):
     report["metrics"] = _loggable(metrics)
     state = status.get("status", "ok")
     if state not in ("ok", "refused"):
-      raise replies.InvalidReply("status", f"status={replies.short(state)} is invalid; allowed: "
-                                 "'ok' or 'refused'")
+      raise replies.InvalidReply(
+        "status", f"status={replies.short(state)} is invalid; allowed: 'ok' or 'refused'"
+      )
     report["status"] = state
     if status.get("keys") is not None:
       report["keys"] = _text(status["keys"])[:20]
@@ -436,8 +528,9 @@ class FedLAP(Strategy):
         node = _reply_node(msg, destination)
         report.update(node_id=node, partition_id=asked.get(node))
         if node not in asked:
-          raise replies.InvalidReply("node", f"a reply from node {node}, which was not asked "
-                                     "this round")
+          raise replies.InvalidReply(
+            "node", f"a reply from node {node}, which was not asked this round"
+          )
         if node in replied:
           raise replies.InvalidReply("node", f"a second reply from node {node}")
         replied.add(node)
@@ -446,30 +539,44 @@ class FedLAP(Strategy):
           report["status"] = "ok"
           usable.append(got)
       except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
-        report.update(status="invalid", reason=_why(e),
-                      field=getattr(e, "field", None))
+        report.update(status="invalid", reason=_why(e), field=getattr(e, "field", None))
         for k in ("upload_bytes", "upload_wire_bytes", "upload_delta_bytes"):
           report.pop(k, None)
       reports.append(report)
     for node in sorted(asked):
       if node not in replied:
-        reports.append({"round": server_round, "node_id": node,
-                        "partition_id": asked[node], "status": "missing",
-                        "reason": f"no reply within round-timeout={self.round_timeout:g} s"})
+        reports.append(
+          {
+            "round": server_round,
+            "node_id": node,
+            "partition_id": asked[node],
+            "status": "missing",
+            "reason": f"no reply within round-timeout={self.round_timeout:g} s",
+          }
+        )
     return sorted(usable, key=lambda u: u[0]), reports
 
-  def aggregate_train(self, server_round: int, replies_in: Iterable[Message]
-                      ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+  def aggregate_train(
+    self, server_round: int, replies_in: Iterable[Message]
+  ) -> tuple[ArrayRecord | None, MetricRecord | None]:
     usable, reports = self._parse(server_round, list(replies_in))
     self.run_log.add_reports(reports)
     by_status: dict[str, list] = {}
     for r in reports:
-      by_status.setdefault(r["status"], []).append(r["partition_id"] if r["partition_id"]
-                                                   is not None else f"node {r['node_id']}")
+      by_status.setdefault(r["status"], []).append(
+        r["partition_id"] if r["partition_id"] is not None else f"node {r['node_id']}"
+      )
     for r in reports:
       if r["status"] != "ok":
-        log(WARNING, "[fedlap] round %d: client %s (node %s) %s: %s", server_round,
-            r["partition_id"], r["node_id"], r["status"], r.get("reason", ""))
+        log(
+          WARNING,
+          "[fedlap] round %d: client %s (node %s) %s: %s",
+          server_round,
+          r["partition_id"],
+          r["node_id"],
+          r["status"],
+          r.get("reason", ""),
+        )
     this_round = {u[0]: u[4] for u in usable if u[4] is not None}
     for pid, eps in this_round.items():
       self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
@@ -479,73 +586,120 @@ class FedLAP(Strategy):
     chosen = self._round.get("chosen", [])
     unheld = [p for p in chosen if self.participation.binding.node_of(p) is None]
     sampled = self.cfg.data.get("clients_per_round") is not None
-    base = {"round": server_round, "learning_rate": self._round["lr"],
-            **({"clients": chosen} if sampled else {}),
-            "clients_ok": [u[0] for u in usable],
-            **{f"clients_{s}": v for s, v in by_status.items() if s != "ok"},
-            **({"partitions_unheld": unheld} if unheld else {}),
-            "epsilon": max(self._epsilon.values()) if self._epsilon else None,
-            "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
-            "model_bytes": self.model_bytes}
+    base = {
+      "round": server_round,
+      "learning_rate": self._round["lr"],
+      **({"clients": chosen} if sampled else {}),
+      "clients_ok": [u[0] for u in usable],
+      **{f"clients_{s}": v for s, v in by_status.items() if s != "ok"},
+      **({"partitions_unheld": unheld} if unheld else {}),
+      "epsilon": max(self._epsilon.values()) if self._epsilon else None,
+      "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
+      "model_bytes": self.model_bytes,
+    }
     if len(usable) < self.min_clients:
-      msg = (f"round {server_round}: {len(usable)} usable client replies, fewer than "
-             f"min-clients={self.min_clients} ({json.dumps({k: v for k, v in base.items() if k.startswith('clients_')})}); "
-             f"the run stops. See {self.run_log.run_dir / 'client_reports.json'}")
-      self.run_log.add_round({**base, "test_accuracy": math.nan, "test_loss": math.nan,
-                              "stopped": msg,
-                              "round_seconds": time.time() - self._round["t0"]})
+      msg = (
+        f"round {server_round}: {len(usable)} usable client replies, fewer than "
+        f"min-clients={self.min_clients} ({json.dumps({k: v for k, v in base.items() if k.startswith('clients_')})}); "
+        f"the run stops. See {self.run_log.run_dir / 'client_reports.json'}"
+      )
+      self.run_log.add_round(
+        {
+          **base,
+          "test_accuracy": math.nan,
+          "test_loss": math.nan,
+          "stopped": msg,
+          "round_seconds": time.time() - self._round["t0"],
+        }
+      )
       raise TooFewClients(msg)
     pids, sets, radii, sizes, _, deltas = zip(*usable)
     for pid, syn in zip(pids, sets):
       self._labels.setdefault(pid, (np.asarray(syn.y), np.asarray(syn.mask)))
     updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
     params, sm = server_work.server_update(
-        self._round["k_server"], self.apply_fn, self._params, updates,
-        self._round["server_lr"], self.fc, num_records=sizes)
+      self._round["k_server"],
+      self.apply_fn,
+      self._params,
+      updates,
+      self._round["server_lr"],
+      self.fc,
+      num_records=sizes,
+    )
     refused = None
-    loss, acc = (self.evaluate(params) if _finite(params) else (math.nan, math.nan))
+    loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
     if not (_finite(params) and math.isfinite(loss)):
-      refused = ("the server update holds NaN or Inf parameters" if not _finite(params)
-                 else f"the test loss after the update is {loss}")
+      refused = (
+        "the server update holds NaN or Inf parameters"
+        if not _finite(params)
+        else f"the test loss after the update is {loss}"
+      )
       refused += "; the previous global model is kept"
       params = self._params
       loss, acc = self.evaluate(params)
     r_g = float(sm.radius)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
-    self.run_log.add_round({
-        **base, "test_accuracy": acc, "test_loss": loss,
+    self.run_log.add_round(
+      {
+        **base,
+        "test_accuracy": acc,
+        "test_loss": loss,
         **({"update_refused": refused} if refused else {}),
         "client_radius": {str(p): r for p, r in zip(pids, radii)},
         "server_radius": r_g if math.isfinite(r_g) else None,
-        "server_epochs": int(sm.epochs), "server_steps": int(sm.steps),
+        "server_epochs": int(sm.epochs),
+        "server_steps": int(sm.steps),
         "upload_bytes": upload,
         "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
-        **({"upload_delta_bytes": sum(r.get("upload_delta_bytes", 0) for r in reports)}
-           if self.with_deltas else {}),
-        "round_seconds": time.time() - self._round["t0"]})
-    metrics = MetricRecord({"test-accuracy": acc, "test-loss": loss,
-                            "clients-ok": len(usable), "upload-bytes": upload})
+        **(
+          {"upload_delta_bytes": sum(r.get("upload_delta_bytes", 0) for r in reports)}
+          if self.with_deltas
+          else {}
+        ),
+        "round_seconds": time.time() - self._round["t0"],
+      }
+    )
+    metrics = MetricRecord(
+      {"test-accuracy": acc, "test-loss": loss, "clients-ok": len(usable), "upload-bytes": upload}
+    )
     if base["epsilon"] is not None:
       metrics["epsilon"] = float(base["epsilon"])
     return records.params_to_record(params), metrics
 
-  def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                         grid: Grid) -> Iterable[Message]:
+  def configure_evaluate(
+    self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+  ) -> Iterable[Message]:
     return []  # evaluation on the server's test split happens in aggregate_train
 
-  def aggregate_evaluate(self, server_round: int, replies_in: Iterable[Message]
-                         ) -> MetricRecord | None:
+  def aggregate_evaluate(
+    self, server_round: int, replies_in: Iterable[Message]
+  ) -> MetricRecord | None:
     return None
 
 
 class FedAvgBaseline(FedAvg):
   """Flower's FedAvg messages around the library's FedAvg (see the module docstring)."""
 
-  def __init__(self, *, cfg, baseline_config, evaluate, min_clients: int, round_timeout: float,
-               join_timeout: float, run_log: RunLog, model_bytes: int, template,
-               partition_keys=None):
-    super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=min_clients,
-                     min_available_nodes=min_clients)
+  def __init__(
+    self,
+    *,
+    cfg,
+    baseline_config,
+    evaluate,
+    min_clients: int,
+    round_timeout: float,
+    join_timeout: float,
+    run_log: RunLog,
+    model_bytes: int,
+    template,
+    partition_keys=None,
+  ):
+    super().__init__(
+      fraction_train=1.0,
+      fraction_evaluate=0.0,
+      min_train_nodes=min_clients,
+      min_available_nodes=min_clients,
+    )
     self.cfg = cfg
     self.bc = baseline_config
     self.template = template  # the model's layout: parameter records travel packed
@@ -555,9 +709,13 @@ class FedAvgBaseline(FedAvg):
     self.join_timeout = join_timeout
     self.run_log = run_log
     self.model_bytes = model_bytes
-    self.participation = Participation(cfg, partition_keys=partition_keys,
-                                       min_clients=min_clients, round_timeout=round_timeout,
-                                       join_timeout=join_timeout)
+    self.participation = Participation(
+      cfg,
+      partition_keys=partition_keys,
+      min_clients=min_clients,
+      round_timeout=round_timeout,
+      join_timeout=join_timeout,
+    )
     self._chain = task.baseline_chain_key(cfg.seed)
     self._t0 = time.time()
     self._round: dict[str, Any] = {}
@@ -574,8 +732,14 @@ class FedAvgBaseline(FedAvg):
     self._t0 = time.time()
     record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
     messages = list(self._construct_messages(record, sorted(asked), MessageType.TRAIN))
-    self._round = {"asked": asked, "chosen": chosen, "reports": reports, "arrays": arrays,
-                   "params": records.record_to_params(arrays, self.template), "messages": messages}
+    self._round = {
+      "asked": asked,
+      "chosen": chosen,
+      "reports": reports,
+      "arrays": arrays,
+      "params": records.record_to_params(arrays, self.template),
+      "messages": messages,
+    }
     return messages
 
   def _parse_one(self, msg: Message, node: int, report: dict):
@@ -585,23 +749,35 @@ class FedAvgBaseline(FedAvg):
       return None
     content = msg.content
     extra = sorted(set(content.keys()) - {self.arrayrecord_key, "metrics"})
-    if extra or self.arrayrecord_key not in content.array_records \
-        or "metrics" not in content.metric_records:
-      raise replies.InvalidReply("reply", f"the reply holds records {replies.short(sorted(content.keys()))}; "
-                                 f"allowed: exactly {self.arrayrecord_key!r} and 'metrics'")
+    if (
+      extra
+      or self.arrayrecord_key not in content.array_records
+      or "metrics" not in content.metric_records
+    ):
+      raise replies.InvalidReply(
+        "reply",
+        f"the reply holds records {replies.short(sorted(content.keys()))}; "
+        f"allowed: exactly {self.arrayrecord_key!r} and 'metrics'",
+      )
     metrics = dict(content.metric_records["metrics"])
     report["metrics"] = _loggable(metrics)
     unknown = sorted(set(metrics) - {self.weighted_by_key, "partition-id"})
     if unknown:
-      raise replies.InvalidReply("metrics", f"metrics {replies.short(unknown)} are unknown; "
-                                 f"allowed: {self.weighted_by_key}, partition-id")
-    report["partition_id"] = replies.check_partition(metrics, int(self.cfg.data.num_clients),
-                                                     self._round["asked"].get(node))
+      raise replies.InvalidReply(
+        "metrics",
+        f"metrics {replies.short(unknown)} are unknown; "
+        f"allowed: {self.weighted_by_key}, partition-id",
+      )
+    report["partition_id"] = replies.check_partition(
+      metrics, int(self.cfg.data.num_clients), self._round["asked"].get(node)
+    )
     num_examples = replies.check_num_examples(metrics, required=True)
-    model = records.record_to_like(content.array_records[self.arrayrecord_key],
-                                   self._round["params"], what="model")
-    report.update(status="ok",
-                  upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key]))
+    model = records.record_to_like(
+      content.array_records[self.arrayrecord_key], self._round["params"], what="model"
+    )
+    report.update(
+      status="ok", upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key])
+    )
     return report["partition_id"], model, num_examples
 
   def aggregate_train(self, server_round, replies_in):
@@ -614,36 +790,48 @@ class FedAvgBaseline(FedAvg):
         node = _reply_node(m, destination)
         r.update(node_id=node, partition_id=asked.get(node))
         if node not in asked or node in replied:
-          raise replies.InvalidReply("node", f"a reply from node {node}, which was not asked "
-                                     "this round (or a second one)")
+          raise replies.InvalidReply(
+            "node", f"a reply from node {node}, which was not asked this round (or a second one)"
+          )
         replied.add(node)
         got = self._parse_one(m, node, r)
         if got is not None:
           ok.append(got)
       except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
-        r.update(status="invalid", reason=_why(e),
-                 field=getattr(e, "field", None))
+        r.update(status="invalid", reason=_why(e), field=getattr(e, "field", None))
         r.pop("upload_bytes", None)
       reports.append(r)
     for node in sorted(asked):
       if node not in replied:
-        reports.append({"round": server_round, "node_id": node, "partition_id": asked[node],
-                        "status": "missing",
-                        "reason": f"no reply within round-timeout={self.round_timeout:g} s"})
+        reports.append(
+          {
+            "round": server_round,
+            "node_id": node,
+            "partition_id": asked[node],
+            "status": "missing",
+            "reason": f"no reply within round-timeout={self.round_timeout:g} s",
+          }
+        )
     self.run_log.add_reports(reports)
     if len(ok) < self.min_clients:
-      raise TooFewClients(f"round {server_round}: {len(ok)} usable client replies, fewer than "
-                          f"min-clients={self.min_clients}")
+      raise TooFewClients(
+        f"round {server_round}: {len(ok)} usable client replies, fewer than "
+        f"min-clients={self.min_clients}"
+      )
     # In partition order, the order of experiments.run's stacked clients (or sampled block).
     ok = sorted(ok, key=lambda u: u[0])
-    params = server_work.fedavg_update(self._round["params"], [u[1] for u in ok],
-                                       [u[2] for u in ok], self.bc)
+    params = server_work.fedavg_update(
+      self._round["params"], [u[1] for u in ok], [u[2] for u in ok], self.bc
+    )
     arrays = records.params_to_record(params)
     loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
     refused = None
     if not (_finite(params) and math.isfinite(loss)):
-      refused = ("the aggregate holds NaN or Inf parameters" if not _finite(params)
-                 else f"the test loss of the aggregate is {loss}")
+      refused = (
+        "the aggregate holds NaN or Inf parameters"
+        if not _finite(params)
+        else f"the test loss of the aggregate is {loss}"
+      )
       refused += "; the previous global model is kept"
       arrays = self._round["arrays"]
       loss, acc = self.evaluate(self._round["params"])
@@ -651,15 +839,22 @@ class FedAvgBaseline(FedAvg):
     for r in reports:
       if r["status"] != "ok":
         by_status.setdefault(r["status"], []).append(
-            r["partition_id"] if r["partition_id"] is not None else f"node {r['node_id']}")
+          r["partition_id"] if r["partition_id"] is not None else f"node {r['node_id']}"
+        )
     sampled = self.cfg.data.get("clients_per_round") is not None
-    self.run_log.add_round({
-        "round": server_round, "test_accuracy": acc, "test_loss": loss, "epsilon": None,
+    self.run_log.add_round(
+      {
+        "round": server_round,
+        "test_accuracy": acc,
+        "test_loss": loss,
+        "epsilon": None,
         **({"clients": self._round["chosen"]} if sampled else {}),
         "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
         **{f"clients_{s}": v for s, v in by_status.items()},
         **({"update_refused": refused} if refused else {}),
         "upload_bytes": sum(r.get("upload_bytes", 0) for r in reports),
-        "model_bytes": self.model_bytes, "round_seconds": time.time() - self._t0})
-    return arrays, MetricRecord({"test-accuracy": acc, "test-loss": loss,
-                                 "clients-ok": len(ok)})
+        "model_bytes": self.model_bytes,
+        "round_seconds": time.time() - self._t0,
+      }
+    )
+    return arrays, MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})

@@ -61,7 +61,8 @@ def enable_compilation_cache() -> None:
     return
   if not jax.config.jax_compilation_cache_dir:
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser(
-        "~/.cache/fedlap_flower/jax")
+      "~/.cache/fedlap_flower/jax"
+    )
     jax.config.update("jax_compilation_cache_dir", path)
 
 
@@ -79,9 +80,15 @@ def apply_fn_of(model):
 def init_model(cfg, image_shape, num_classes: int):
   """``(model, apply_fn, params)`` of ``cfg.model``, initialised as ``experiments.run`` does."""
   k_model, _ = jax.random.split(jax.random.key(cfg.seed))
-  model, params = fl.init_convnet(k_model, tuple(image_shape), num_classes,
-                                  width=cfg.model.width, depth=cfg.model.depth,
-                                  norm=cfg.model.norm, conv_bias=cfg.model.conv_bias)
+  model, params = fl.init_convnet(
+    k_model,
+    tuple(image_shape),
+    num_classes,
+    width=cfg.model.width,
+    depth=cfg.model.depth,
+    norm=cfg.model.norm,
+    conv_bias=cfg.model.conv_bias,
+  )
   return model, apply_fn_of(model), params
 
 
@@ -117,9 +124,12 @@ def participants(cfg, server_round: int) -> np.ndarray:
   (:func:`fedlap_jax.participation.sample_clients`); every client (``arange(K)``)
   when ``data.clients_per_round`` is ``None`` or ``K``.
   """
-  return participation.sample_clients(int(cfg.data.get("participation_seed", 0)),
-                                      int(server_round), int(cfg.data.num_clients),
-                                      cfg.data.get("clients_per_round"))
+  return participation.sample_clients(
+    int(cfg.data.get("participation_seed", 0)),
+    int(server_round),
+    int(cfg.data.num_clients),
+    cfg.data.get("clients_per_round"),
+  )
 
 
 def key_slot(cfg, server_round: int, index: int) -> tuple[int, int] | None:
@@ -209,9 +219,13 @@ def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
   n = len(x)
   xp = np.concatenate([x, np.zeros((pad_to - n, *x.shape[1:]), x.dtype)])
   yp = np.concatenate([np.asarray(y, np.int32), np.zeros(pad_to - n, np.int32)])
-  return fl.ClientData(jnp.asarray(xp), jnp.asarray(yp), jnp.asarray(np.arange(pad_to) < n),
-                       pixel_scale=jnp.asarray(scale, jnp.float32),
-                       pixel_offset=jnp.asarray(offset, jnp.float32))
+  return fl.ClientData(
+    jnp.asarray(xp),
+    jnp.asarray(yp),
+    jnp.asarray(np.arange(pad_to) < n),
+    pixel_scale=jnp.asarray(scale, jnp.float32),
+    pixel_offset=jnp.asarray(offset, jnp.float32),
+  )
 
 
 def _initial_images(seed: int, mask: np.ndarray, image_shape, index: int) -> np.ndarray:
@@ -229,46 +243,85 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   ipc = int(cfg.client.ipc)
   if data_path is None:
     try:
       dataset = data_lib.load_dataset(cfg.data)
       indices = data_lib.client_split(dataset, cfg.data)
     except ValueError as e:
-      raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
-                                   message=str(e)) from None
+      raise library_configs.ConfigError(
+        "data.source", cfg.data.source, "data the config can use", message=str(e)
+      ) from None
     library_configs.validate_data(cfg, dataset, indices)
     ys = [dataset.y_train[i] for i in indices]
     labels, mask = fl.synthetic_labels(ys, ipc)
     own = indices[index]
-    data = _client_data(dataset.x_train[own], dataset.y_train[own], max(len(i) for i in indices),
-                        dataset.pixel_scale, dataset.pixel_offset)
+    data = _client_data(
+      dataset.x_train[own],
+      dataset.y_train[own],
+      max(len(i) for i in indices),
+      dataset.pixel_scale,
+      dataset.pixel_offset,
+    )
     fingerprint = {
-        "data": "partition", "dataset": cfg.data.name, "source": cfg.data.source,
-        "partition": cfg.data.partition, "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
-        "num_clients": int(num_clients), "train_fraction": float(cfg.data.train_fraction),
-        "seed": int(cfg.seed), "index": int(index), "num_records": int(len(own)),
+      "data": "partition",
+      "dataset": cfg.data.name,
+      "source": cfg.data.source,
+      "partition": cfg.data.partition,
+      "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
+      "num_clients": int(num_clients),
+      "train_fraction": float(cfg.data.train_fraction),
+      "seed": int(cfg.seed),
+      "index": int(index),
+      "num_records": int(len(own)),
     }
-    return Partition(index, num_clients, data, int(len(own)), labels[index], mask[index],
-                     _initial_images(cfg.seed, mask, dataset.image_shape, index),
-                     tuple(dataset.image_shape), int(dataset.num_classes), fingerprint)
+    return Partition(
+      index,
+      num_clients,
+      data,
+      int(len(own)),
+      labels[index],
+      mask[index],
+      _initial_images(cfg.seed, mask, dataset.image_shape, index),
+      tuple(dataset.image_shape),
+      int(dataset.num_classes),
+      fingerprint,
+    )
   x, y, scale, offset, num_classes = load_own_data(cfg, data_path)
   labels, mask = fl.synthetic_labels([y], ipc)
   if cfg.client.batch_size > len(y):
     raise library_configs.ConfigError(
-        "client.batch_size", cfg.client.batch_size, f"at most {len(y)}",
-        message=f"client.batch_size={cfg.client.batch_size} is invalid for data-path "
-        f"{data_path}: it holds {len(y)} records; allowed: at most the client's records "
-        "(q = B / N_k <= 1)")
+      "client.batch_size",
+      cfg.client.batch_size,
+      f"at most {len(y)}",
+      message=f"client.batch_size={cfg.client.batch_size} is invalid for data-path "
+      f"{data_path}: it holds {len(y)} records; allowed: at most the client's records "
+      "(q = B / N_k <= 1)",
+    )
   with open(data_path, "rb") as f:
     digest = hashlib.sha256(f.read()).hexdigest()
-  images = noise_images(jax.random.fold_in(initial_images_key(cfg.seed), index),
-                           jnp.asarray(mask), tuple(x.shape[1:]))
-  fingerprint = {"data": "own", "path": str(data_path), "sha256": digest,
-                 "num_records": int(len(y))}
-  return Partition(index, num_clients, _client_data(x, y, len(y), scale, offset), int(len(y)),
-                   labels[0], mask[0], np.asarray(images[0]), tuple(x.shape[1:]), num_classes,
-                   fingerprint)
+  images = noise_images(
+    jax.random.fold_in(initial_images_key(cfg.seed), index), jnp.asarray(mask), tuple(x.shape[1:])
+  )
+  fingerprint = {
+    "data": "own",
+    "path": str(data_path),
+    "sha256": digest,
+    "num_records": int(len(y)),
+  }
+  return Partition(
+    index,
+    num_clients,
+    _client_data(x, y, len(y), scale, offset),
+    int(len(y)),
+    labels[0],
+    mask[0],
+    np.asarray(images[0]),
+    tuple(x.shape[1:]),
+    num_classes,
+    fingerprint,
+  )
 
 
 # Normalisations a client holding only its own records can apply exactly as the
@@ -294,36 +347,50 @@ def load_own_data(cfg, path: Path):
       Inf pixels (checked as float32).
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+
   name = cfg.data.name
   if name not in data_lib.NORMALIZATION:
-    raise ValueError(f"data-path needs a dataset of 10 classes with a fixed normalisation; "
-                     f"data.name={name!r} is invalid; allowed: one of "
-                     f"{sorted(data_lib.NORMALIZATION)}")
+    raise ValueError(
+      f"data-path needs a dataset of 10 classes with a fixed normalisation; "
+      f"data.name={name!r} is invalid; allowed: one of "
+      f"{sorted(data_lib.NORMALIZATION)}"
+    )
   choice = cfg.data.get("normalisation", "auto")
   source = data_lib.resolve_normalisation(name, choice)
   if source not in OWN_DATA_NORMALISATIONS:
-    reads = ("the server's test split" if source == "test_split"
-             else "each client's own records, so every client would differ")
-    raise ValueError(f"data-path needs a fixed normalisation; data.normalisation={choice!r} "
-                     f"is invalid for a client holding only its own records ({source!r} reads "
-                     f"{reads}); allowed: one of {OWN_DATA_NORMALISATIONS} (or 'auto', "
-                     f"'published' for data.name={name!r})")
+    reads = (
+      "the server's test split"
+      if source == "test_split"
+      else "each client's own records, so every client would differ"
+    )
+    raise ValueError(
+      f"data-path needs a fixed normalisation; data.normalisation={choice!r} "
+      f"is invalid for a client holding only its own records ({source!r} reads "
+      f"{reads}); allowed: one of {OWN_DATA_NORMALISATIONS} (or 'auto', "
+      f"'published' for data.name={name!r})"
+    )
   try:
     with np.load(path, allow_pickle=False) as f:
       missing = [k for k in ("x_train", "y_train") if k not in f.files]
       if missing:
-        raise ValueError(f"data-path {path} lacks arrays {missing} (has {sorted(f.files)}); "
-                         "allowed: an npz with x_train (N, H, W, C) and y_train (N,)")
+        raise ValueError(
+          f"data-path {path} lacks arrays {missing} (has {sorted(f.files)}); "
+          "allowed: an npz with x_train (N, H, W, C) and y_train (N,)"
+        )
       x, y = np.asarray(f["x_train"]), np.asarray(f["y_train"])
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     if str(e).startswith("data-path "):
       raise
-    raise ValueError(f"data-path {path} cannot be read as an npz of numeric arrays "
-                     f"({type(e).__name__}: {e}); allowed: np.savez output with x_train "
-                     "(N, H, W, C) and y_train (N,), no object arrays") from None
+    raise ValueError(
+      f"data-path {path} cannot be read as an npz of numeric arrays "
+      f"({type(e).__name__}: {e}); allowed: np.savez output with x_train "
+      "(N, H, W, C) and y_train (N,), no object arrays"
+    ) from None
   if x.ndim != 4 or y.ndim != 1 or len(x) != len(y) or x.size == 0:
-    raise ValueError(f"data-path {path}: x_train {x.shape} / y_train {y.shape}; allowed: "
-                     "N >= 1 NHWC images (H, W, C >= 1) and N labels")
+    raise ValueError(
+      f"data-path {path}: x_train {x.shape} / y_train {y.shape}; allowed: "
+      "N >= 1 NHWC images (H, W, C >= 1) and N labels"
+    )
   if not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
     raise ValueError(f"data-path {path}: x_train has dtype {x.dtype}; allowed: uint8 or float")
   if not np.issubdtype(y.dtype, np.integer):
@@ -337,8 +404,10 @@ def load_own_data(cfg, path: Path):
       x = x.astype(np.float32)
     bad = int(x.size - np.count_nonzero(np.isfinite(x)))
     if bad:
-      raise ValueError(f"data-path {path}: x_train holds {bad} NaN or Inf values (as float32); "
-                       "allowed: finite pixels")
+      raise ValueError(
+        f"data-path {path}: x_train holds {bad} NaN or Inf values (as float32); "
+        "allowed: finite pixels"
+      )
   _, mean, std = data_lib.normalisation_stats(cfg.data, x, x)  # fixed numbers: reads no pixel
   scale, offset = fl.pixel_normalisation(mean, std, 255.0 if x.dtype == np.uint8 else 1.0)
   return x, y, scale, offset, 10
@@ -359,11 +428,18 @@ def load_test_split(cfg) -> TestSplit:
   """The test split of ``cfg.data`` (what ``experiments.run`` evaluates on)."""
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
   try:
     dataset = data_lib.load_dataset(cfg.data)
   except ValueError as e:
-    raise library_configs.ConfigError("data.source", cfg.data.source, "data the config can use",
-                                 message=str(e)) from None
-  return TestSplit(jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test),
-                   np.asarray(dataset.pixel_scale), np.asarray(dataset.pixel_offset),
-                   tuple(dataset.image_shape), int(dataset.num_classes))
+    raise library_configs.ConfigError(
+      "data.source", cfg.data.source, "data the config can use", message=str(e)
+    ) from None
+  return TestSplit(
+    jnp.asarray(dataset.x_test),
+    jnp.asarray(dataset.y_test),
+    np.asarray(dataset.pixel_scale),
+    np.asarray(dataset.pixel_offset),
+    tuple(dataset.image_shape),
+    int(dataset.num_classes),
+  )

@@ -47,13 +47,19 @@ from flwr.common.constant import ErrorCode, SubStatus
 from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
 from flwr.proto.node_pb2 import Node  # pylint: disable=no-name-in-module
 from flwr.proto.runtime_pb2 import (  # pylint: disable=no-name-in-module
-    AcquireTaskRequest, PullAppMessagesRequest, PullTaskInputRequest, SendTaskHeartbeatRequest)
+  AcquireTaskRequest,
+  PullAppMessagesRequest,
+  PullTaskInputRequest,
+  SendTaskHeartbeatRequest,
+)
 from flwr.supercore import log
 from flwr.supercore.app_utils import start_parent_process_monitor
 from flwr.supercore.constant import TaskType
 from flwr.supercore.heartbeat import HeartbeatSender
 from flwr.supercore.inflatable.inflatable_protobuf_utils import (
-    make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf)
+  make_confirm_message_received_fn_protobuf,
+  make_pull_object_fn_protobuf,
+)
 from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
 from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
 from flwr.supercore.retry import make_simple_http_retry_invoker
@@ -74,8 +80,9 @@ def check_task(fab_content: bytes, run_config, trusted, allow_unsigned: bool) ->
     raise run_signature.UntrustedRun(f"the bundle cannot be read: {e}") from e
   if components.get("clientapp") != CLIENTAPP_REF:
     raise run_signature.UntrustedRun(
-        f"the bundle's clientapp is {components.get('clientapp')!r}; this client runs only "
-        f"{CLIENTAPP_REF!r} (installed with fedlap_flower)")
+      f"the bundle's clientapp is {components.get('clientapp')!r}; this client runs only "
+      f"{CLIENTAPP_REF!r} (installed with fedlap_flower)"
+    )
   if not allow_unsigned:
     run_signature.verify(trusted, hashlib.sha256(fab_content).hexdigest(), run_config)
 
@@ -99,27 +106,43 @@ def pull_task_input(client: RuntimeHttpClient, backoff: float = 0.05):
   node = Node(node_id=context.node_id)
   tree = pulled.message_object_trees[0]
   message = pull_and_inflate_object_from_tree(
-      tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
-      make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node,
-                                                context.run_id),
-      return_type=Message, max_tries_per_object=None, initial_backoff=backoff,
-      backoff_cap=20 * backoff)
+    tree,
+    make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+    make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+    return_type=Message,
+    max_tries_per_object=None,
+    initial_backoff=backoff,
+    backoff_cap=20 * backoff,
+  )
   message.metadata.__dict__["_message_id"] = tree.object_id  # as flwr-clientapp sets it
   return message, context, run, fab
 
 
-def _client(address: str, insecure: bool, certificates: bytes | None, token: str | None
-            ) -> RuntimeHttpClient:
+def _client(
+  address: str, insecure: bool, certificates: bytes | None, token: str | None
+) -> RuntimeHttpClient:
   interceptors = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
   if token is not None:
     interceptors.append(RuntimeTokenHttpInterceptor(token))
   return RuntimeHttpClient.from_server_address(
-      server_address=address, insecure=insecure, root_certificates=certificates,
-      interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
+    server_address=address,
+    insecure=insecure,
+    root_certificates=certificates,
+    interceptors=interceptors,
+    retry_invoker=make_simple_http_retry_invoker(),
+  )
 
 
-def run_task(address: str, token: str, client_app: Callable, *, insecure: bool,
-             certificates: bytes | None, trusted, allow_unsigned: bool) -> str:
+def run_task(
+  address: str,
+  token: str,
+  client_app: Callable,
+  *,
+  insecure: bool,
+  certificates: bytes | None,
+  trusted,
+  allow_unsigned: bool,
+) -> str:
   """Runs one acquired task as ``flwr-clientapp`` would; returns its sub-status."""
   client = _client(address, insecure, certificates, token)
   req = SendTaskHeartbeatRequest()
@@ -148,13 +171,15 @@ def run_task(address: str, token: str, client_app: Callable, *, insecure: bool,
     except run_signature.UntrustedRun as e:
       log(ERROR, "[fedlap node] refused run %s: %s", context.run_id, e)
       details = f"refused: {e}"
-      reply = Message(Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=details),
-                      reply_to=message)
+      reply = Message(
+        Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=details), reply_to=message
+      )
     except Exception as e:  # pylint: disable=broad-except  (as flwr-clientapp reports it)
       log(ERROR, "ClientApp raised an exception", exc_info=e)
       details = f"{type(e)}:<'{e}'>"
-      reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details),
-                      reply_to=message)
+      reply = Message(
+        Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message
+      )
     if reply is not None and context is not None:
       push_message(client, reply, context)
   finally:
@@ -175,27 +200,42 @@ def _waiter(wake_fd: int | None, poll: float) -> Callable[[], None]:
     ready, _, _ = select.select([wake_fd], [], [], poll)
     if ready and not os.read(wake_fd, 4096):
       raise KeyboardInterrupt  # the SuperNode closed the pipe: it has ended
+
   return wait
 
 
-def serve(address: str, *, insecure: bool = True, certificates: bytes | None = None,
-          trusted=None, allow_unsigned: bool = False, poll: float = 1.0,
-          wake_fd: int | None = None, client_app: Callable | None = None) -> None:
+def serve(
+  address: str,
+  *,
+  insecure: bool = True,
+  certificates: bytes | None = None,
+  trusted=None,
+  allow_unsigned: bool = False,
+  poll: float = 1.0,
+  wake_fd: int | None = None,
+  client_app: Callable | None = None,
+) -> None:
   """Acquires and runs the SuperNode's ClientApp tasks until the process is stopped.
 
   Asks for a task when woken through ``wake_fd`` (the SuperNode stored a message)
   and every ``poll`` seconds.
   """
   if not allow_unsigned and not trusted:
-    raise ValueError("no trusted entities: a client computes only runs signed by a key it "
-                     "trusts (--trusted-entities FILE); --allow-unsigned-runs only for tests")
+    raise ValueError(
+      "no trusted entities: a client computes only runs signed by a key it "
+      "trusts (--trusted-entities FILE); --allow-unsigned-runs only for tests"
+    )
   if client_app is None:
     from fedlap_flower.client_app import app as client_app  # pylint: disable=g-import-not-at-top
   acquire = _client(address, insecure, certificates, None)
   wait = _waiter(wake_fd, poll)
   request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
-  log(INFO, "[fedlap node] serving ClientApp tasks of the SuperNode at %s (%s)", address,
-      "unsigned runs allowed" if allow_unsigned else f"trusted signers {sorted(trusted)}")
+  log(
+    INFO,
+    "[fedlap node] serving ClientApp tasks of the SuperNode at %s (%s)",
+    address,
+    "unsigned runs allowed" if allow_unsigned else f"trusted signers {sorted(trusted)}",
+  )
   while True:
     try:
       res = acquire.AcquireTask(request)
@@ -204,8 +244,15 @@ def serve(address: str, *, insecure: bool = True, certificates: bytes | None = N
       continue
     if res.HasField("task") and res.token:
       try:
-        run_task(address, res.token, client_app, insecure=insecure, certificates=certificates,
-                 trusted=trusted, allow_unsigned=allow_unsigned)
+        run_task(
+          address,
+          res.token,
+          client_app,
+          insecure=insecure,
+          certificates=certificates,
+          trusted=trusted,
+          allow_unsigned=allow_unsigned,
+        )
       except Exception as e:  # pylint: disable=broad-except  (the task is lost, not the node)
         log(WARNING, "[fedlap node] task %s failed: %s", res.task.task_id, e)
     else:
@@ -215,15 +262,22 @@ def serve(address: str, *, insecure: bool = True, certificates: bytes | None = N
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--runtime-api-address", required=True)
-  p.add_argument("--root-certificates", default=None,
-                 help="CA of the SuperNode's Runtime API TLS certificate (default: plain "
-                 "HTTP on loopback)")
+  p.add_argument(
+    "--root-certificates",
+    default=None,
+    help="CA of the SuperNode's Runtime API TLS certificate (default: plain HTTP on loopback)",
+  )
   p.add_argument("--trusted-entities", default=None)
   p.add_argument("--allow-unsigned-runs", action="store_true")
-  p.add_argument("--poll", type=float, default=1.0,
-                 help="seconds between two asks for a task when not woken")
-  p.add_argument("--wake-fd", type=int, default=None,
-                 help="a pipe the SuperNode writes to when it stored a message")
+  p.add_argument(
+    "--poll", type=float, default=1.0, help="seconds between two asks for a task when not woken"
+  )
+  p.add_argument(
+    "--wake-fd",
+    type=int,
+    default=None,
+    help="a pipe the SuperNode writes to when it stored a message",
+  )
   p.add_argument("--parent-pid", type=int, default=None)
   args = p.parse_args(argv)
   if args.parent_pid is not None:
@@ -234,9 +288,15 @@ def main(argv=None) -> int:
       certificates = f.read()
   trusted = run_signature.load_trusted(args.trusted_entities) if args.trusted_entities else None
   try:
-    serve(args.runtime_api_address, insecure=certificates is None, certificates=certificates,
-          trusted=trusted, allow_unsigned=args.allow_unsigned_runs, poll=args.poll,
-          wake_fd=args.wake_fd)
+    serve(
+      args.runtime_api_address,
+      insecure=certificates is None,
+      certificates=certificates,
+      trusted=trusted,
+      allow_unsigned=args.allow_unsigned_runs,
+      poll=args.poll,
+      wake_fd=args.wake_fd,
+    )
   except KeyboardInterrupt:  # the SuperNode ended (parent monitor) or Ctrl-C
     return 0
   return 0

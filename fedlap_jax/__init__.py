@@ -36,34 +36,100 @@ from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import ClientUpdate, LocalApproxMetrics, client_step, local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
-from fedlap_jax.config import (ClientConfig, DPConfig, FedLAPConfig, ServerConfig,
-                               paper_dp_config, paper_nondp_config)
+from fedlap_jax.config import (
+  ClientConfig,
+  DPConfig,
+  FedLAPConfig,
+  ServerConfig,
+  paper_dp_config,
+  paper_nondp_config,
+)
 from fedlap_jax.dsa import augment
-from fedlap_jax.federated import (FedLAPState, RoundMetrics, fedlap_round, init_state,
-                                  make_round_fn, round_learning_rates)
+from fedlap_jax.federated import (
+  FedLAPState,
+  RoundMetrics,
+  fedlap_round,
+  init_state,
+  make_round_fn,
+  round_learning_rates,
+)
 from fedlap_jax.matching import matching_distance, matching_step
 from fedlap_jax.models import ConvNet, count_params, init_convnet
-from fedlap_jax.privacy import (PoissonBatch, clipped_gradient_sum, per_example_gradients,
-                                poisson_sample, private_gradient, real_gradient)
+from fedlap_jax.privacy import (
+  PoissonBatch,
+  clipped_gradient_sum,
+  per_example_gradients,
+  poisson_sample,
+  private_gradient,
+  real_gradient,
+)
 from fedlap_jax.radius import calibrate_radius, server_radius
 from fedlap_jax.server import ServerMetrics, global_update, server_step
-from fedlap_jax.synthetic import (class_batch, class_blocks, initial_synthetic, noise_images,
-                                  real_images, synthetic_labels)
+from fedlap_jax.synthetic import (
+  class_batch,
+  class_blocks,
+  initial_synthetic,
+  noise_images,
+  real_images,
+  synthetic_labels,
+)
 from fedlap_jax.training import cosine_learning_rate, evaluate, tree_distance
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClientConfig", "ClientData", "ClientUpdate", "ConfigError", "client_step", "server_step",
-    "round_learning_rates", "FederatedAlgorithm", "algorithm", "ConvNet",
-    "DPConfig", "FedLAPConfig", "FedLAPState", "condensation", "feddm",
-    "LocalApproxMetrics", "PoissonBatch", "RoundMetrics", "ServerConfig", "ServerMetrics",
-    "SyntheticSet", "accounting", "augment", "calibrate_radius", "clipped_gradient_sum",
-    "cosine_learning_rate", "count_params", "dsa", "evaluate", "fedlap_round",
-    "global_update", "init_convnet", "init_state", "local_approx", "make_round_fn",
-    "matching_distance", "matching_step", "paper_dp_config", "paper_nondp_config",
-    "per_example_gradients", "pixel_normalisation", "poisson_sample", "private_gradient",
-    "real_gradient", "class_batch", "class_blocks", "initial_synthetic", "noise_images",
-    "real_images", "server_radius", "stack_clients", "synthetic", "synthetic_labels",
-    "tree_distance",
+  "ClientConfig",
+  "ClientData",
+  "ClientUpdate",
+  "ConfigError",
+  "client_step",
+  "server_step",
+  "round_learning_rates",
+  "FederatedAlgorithm",
+  "algorithm",
+  "ConvNet",
+  "DPConfig",
+  "FedLAPConfig",
+  "FedLAPState",
+  "condensation",
+  "feddm",
+  "LocalApproxMetrics",
+  "PoissonBatch",
+  "RoundMetrics",
+  "ServerConfig",
+  "ServerMetrics",
+  "SyntheticSet",
+  "accounting",
+  "augment",
+  "calibrate_radius",
+  "clipped_gradient_sum",
+  "cosine_learning_rate",
+  "count_params",
+  "dsa",
+  "evaluate",
+  "fedlap_round",
+  "global_update",
+  "init_convnet",
+  "init_state",
+  "local_approx",
+  "make_round_fn",
+  "matching_distance",
+  "matching_step",
+  "paper_dp_config",
+  "paper_nondp_config",
+  "per_example_gradients",
+  "pixel_normalisation",
+  "poisson_sample",
+  "private_gradient",
+  "real_gradient",
+  "class_batch",
+  "class_blocks",
+  "initial_synthetic",
+  "noise_images",
+  "real_images",
+  "server_radius",
+  "stack_clients",
+  "synthetic",
+  "synthetic_labels",
+  "tree_distance",
 ]

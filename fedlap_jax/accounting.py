@@ -83,17 +83,17 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
   import dp_accounting
 
 __all__ = [
-    "ADD_REMOVE",
-    "REPLACE_ONE",
-    "ADJACENCIES",
-    "DpMechanism",
-    "sampling_rates",
-    "round_event",
-    "epsilon",
-    "epsilon_after_rounds",
-    "calibrate_noise_multiplier",
-    "PrivacyLedger",
-    "ClientLedgers",
+  "ADD_REMOVE",
+  "REPLACE_ONE",
+  "ADJACENCIES",
+  "DpMechanism",
+  "sampling_rates",
+  "round_event",
+  "epsilon",
+  "epsilon_after_rounds",
+  "calibrate_noise_multiplier",
+  "PrivacyLedger",
+  "ClientLedgers",
 ]
 
 REPLACE_ONE = "replace_one"
@@ -141,18 +141,27 @@ logging.getLogger("absl").addFilter(_DropRdpOrderWarnings())
 
 
 def _check_noise_multiplier(value: Any, name: str = "noise_multiplier") -> float:
-  checks.require(checks.is_real(value) and value > 0, name, value,
-                 "a finite number > 0 (sigma = 0 adds no noise, so the differential-privacy "
-                 "guarantee would be void)")
+  checks.require(
+    checks.is_real(value) and value > 0,
+    name,
+    value,
+    "a finite number > 0 (sigma = 0 adds no noise, so the differential-privacy "
+    "guarantee would be void)",
+  )
   return float(value)
 
 
-def _check_sizes(batch_size: Any, min_client_size: Any,
-                 name: str = "min_client_size") -> tuple[int, int]:
+def _check_sizes(
+  batch_size: Any, min_client_size: Any, name: str = "min_client_size"
+) -> tuple[int, int]:
   batch_size = checks.integer("batch_size", batch_size, minimum=1)
-  checks.require(checks.is_int(min_client_size) and min_client_size >= batch_size, name,
-                 min_client_size, f"an integer >= batch_size={batch_size} (records of the "
-                 "client; the sampling rate batch_size / N_k must be <= 1)")
+  checks.require(
+    checks.is_int(min_client_size) and min_client_size >= batch_size,
+    name,
+    min_client_size,
+    f"an integer >= batch_size={batch_size} (records of the "
+    "client; the sampling rate batch_size / N_k must be <= 1)",
+  )
   return batch_size, int(min_client_size)
 
 
@@ -168,6 +177,7 @@ def _check_adjacency(value: Any) -> str:
 
 def _orders():
   from dp_accounting.rdp import rdp_privacy_accountant  # pylint: disable=g-import-not-at-top
+
   return rdp_privacy_accountant.DEFAULT_RDP_ORDERS
 
 
@@ -181,8 +191,13 @@ def _step_rdp(q: float, sigma: float):
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
   from dp_accounting.rdp import rdp_privacy_accountant  # pylint: disable=g-import-not-at-top
-  vec = np.asarray(rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(  # pylint: disable=protected-access
-      q=q, noise_multiplier=sigma, orders=np.array(_orders())), dtype=np.float64)
+
+  vec = np.asarray(
+    rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(  # pylint: disable=protected-access
+      q=q, noise_multiplier=sigma, orders=np.array(_orders())
+    ),
+    dtype=np.float64,
+  )
   vec.flags.writeable = False
   return vec
 
@@ -190,6 +205,7 @@ def _step_rdp(q: float, sigma: float):
 def _rdp_epsilon(rdp, delta: float) -> float:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from dp_accounting.rdp import rdp_privacy_accountant  # pylint: disable=g-import-not-at-top
+
   return float(rdp_privacy_accountant.compute_epsilon(np.array(_orders()), rdp, delta)[0])
 
 
@@ -198,10 +214,13 @@ def _step_pld(q: float, sigma: float):
   """PLD (replace-one) of one Poisson-sampled Gaussian step."""
   import dp_accounting  # pylint: disable=g-import-not-at-top
   from dp_accounting.pld import privacy_loss_distribution  # pylint: disable=g-import-not-at-top
+
   return privacy_loss_distribution.from_gaussian_mechanism(
-      standard_deviation=sigma, sampling_prob=q,
-      value_discretization_interval=PLD_DISCRETIZATION,
-      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    standard_deviation=sigma,
+    sampling_prob=q,
+    value_discretization_interval=PLD_DISCRETIZATION,
+    neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
+  )
 
 
 @functools.lru_cache(maxsize=65536)
@@ -218,8 +237,9 @@ def _replace_one(q1: float, n1: int, q2: float, n2: int, sigma: float, delta: fl
   return 0.0 if pld is None else float(pld.get_epsilon_for_delta(delta))
 
 
-def _replace_one_figure(*, q1: float, q2: float, sigma: float, rounds: int, steps: int,
-                        delta: float) -> float:
+def _replace_one_figure(
+  *, q1: float, q2: float, sigma: float, rounds: int, steps: int, delta: float
+) -> float:
   """Replace-one epsilon of ``rounds`` rounds of ``steps`` steps in all (the first of each at
   ``q1``, the others at ``q2``)."""
   if not rounds:
@@ -234,8 +254,9 @@ def _replace_one_figure(*, q1: float, q2: float, sigma: float, rounds: int, step
 # --------------------------------------------------------------------------
 
 
-def sampling_rates(*, batch_size: int, min_client_size: int,
-                   participation: float = 1.0) -> tuple[float, float]:
+def sampling_rates(
+  *, batch_size: int, min_client_size: int, participation: float = 1.0
+) -> tuple[float, float]:
   """Poisson sampling rates ``(q1, q2)`` of one round.
 
   Args:
@@ -260,9 +281,14 @@ def sampling_rates(*, batch_size: int, min_client_size: int,
   return q1, q2
 
 
-def round_event(*, noise_multiplier: float, batch_size: int,
-                min_client_size: int, steps_per_round: int,
-                participation: float = 1.0) -> "dp_accounting.DpEvent":
+def round_event(
+  *,
+  noise_multiplier: float,
+  batch_size: int,
+  min_client_size: int,
+  steps_per_round: int,
+  participation: float = 1.0,
+) -> "dp_accounting.DpEvent":
   """The ``dp_accounting`` event of one round for one client.
 
   ``ComposedDpEvent([PoissonSampled(q1, Gaussian(sigma)),
@@ -283,29 +309,42 @@ def round_event(*, noise_multiplier: float, batch_size: int,
 
   sigma = _check_noise_multiplier(noise_multiplier)
   steps = checks.integer("steps_per_round", steps_per_round, minimum=1)
-  q1, q2 = sampling_rates(batch_size=batch_size,
-                          min_client_size=min_client_size,
-                          participation=participation)
+  q1, q2 = sampling_rates(
+    batch_size=batch_size, min_client_size=min_client_size, participation=participation
+  )
   gaussian = dp_accounting.GaussianDpEvent(sigma)
   events = [dp_accounting.PoissonSampledDpEvent(q1, gaussian)]
   if steps > 1:
-    events.append(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q2, gaussian), steps - 1))
+    events.append(
+      dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q2, gaussian), steps - 1
+      )
+    )
   return dp_accounting.ComposedDpEvent(events)
 
 
 def _new_accountant(orders: Sequence[float] | None = None):
   from dp_accounting import rdp  # pylint: disable=g-import-not-at-top
+
   if orders is None:
     return rdp.RdpAccountant()
   orders = [float(o) for o in orders]
-  checks.require(bool(orders) and all(math.isfinite(o) and o > 1.0 for o in orders), "orders",
-                 orders, "a non-empty sequence of finite Renyi orders > 1")
+  checks.require(
+    bool(orders) and all(math.isfinite(o) and o > 1.0 for o in orders),
+    "orders",
+    orders,
+    "a non-empty sequence of finite Renyi orders > 1",
+  )
   return rdp.RdpAccountant(orders)
 
 
-def epsilon(events_or_event, *, delta: float, orders: Sequence[float] | None = None,
-            adjacency: str = ADD_REMOVE) -> float:
+def epsilon(
+  events_or_event,
+  *,
+  delta: float,
+  orders: Sequence[float] | None = None,
+  adjacency: str = ADD_REMOVE,
+) -> float:
   """``epsilon`` (nats) of an event, or of several events composed.
 
   Args:
@@ -327,11 +366,16 @@ def epsilon(events_or_event, *, delta: float, orders: Sequence[float] | None = N
   delta = checks.probability("delta", delta)
   adjacency = _check_adjacency(adjacency)
   if adjacency == REPLACE_ONE:
-    checks.require(orders is None, "orders", orders, "None with adjacency='replace_one' "
-                   "(PLD accounting has no Renyi orders)")
+    checks.require(
+      orders is None,
+      "orders",
+      orders,
+      "None with adjacency='replace_one' (PLD accounting has no Renyi orders)",
+    )
     accountant = pld_privacy_accountant.PLDAccountant(
-        dp_accounting.NeighboringRelation.REPLACE_ONE,
-        value_discretization_interval=PLD_DISCRETIZATION)
+      dp_accounting.NeighboringRelation.REPLACE_ONE,
+      value_discretization_interval=PLD_DISCRETIZATION,
+    )
   else:
     accountant = _new_accountant(orders)
   if isinstance(events_or_event, dp_accounting.DpEvent):
@@ -339,19 +383,31 @@ def epsilon(events_or_event, *, delta: float, orders: Sequence[float] | None = N
   elif isinstance(events_or_event, Iterable):
     events = list(events_or_event)
   else:
-    raise ConfigError("events_or_event", events_or_event,
-                      "a dp_accounting.DpEvent or an iterable of them")
+    raise ConfigError(
+      "events_or_event", events_or_event, "a dp_accounting.DpEvent or an iterable of them"
+    )
   for event in events:
-    checks.require(isinstance(event, dp_accounting.DpEvent), "events_or_event[]", event,
-                   "a dp_accounting.DpEvent")
+    checks.require(
+      isinstance(event, dp_accounting.DpEvent),
+      "events_or_event[]",
+      event,
+      "a dp_accounting.DpEvent",
+    )
     accountant.compose(event)
   return float(accountant.get_epsilon(delta)) if events else 0.0
 
 
-def epsilon_after_rounds(*, rounds: int, noise_multiplier: float,
-                         batch_size: int, min_client_size: int,
-                         steps_per_round: int, delta: float,
-                         participation: float = 1.0, adjacency: str = ADD_REMOVE) -> float:
+def epsilon_after_rounds(
+  *,
+  rounds: int,
+  noise_multiplier: float,
+  batch_size: int,
+  min_client_size: int,
+  steps_per_round: int,
+  delta: float,
+  participation: float = 1.0,
+  adjacency: str = ADD_REMOVE,
+) -> float:
   """``epsilon`` (nats) after ``rounds`` identical rounds.
 
   Args:
@@ -370,31 +426,43 @@ def epsilon_after_rounds(*, rounds: int, noise_multiplier: float,
   rounds = checks.integer("rounds", rounds, minimum=0)
   delta = checks.probability("delta", delta)
   adjacency = _check_adjacency(adjacency)
-  event = round_event(noise_multiplier=noise_multiplier,
-                      batch_size=batch_size, min_client_size=min_client_size,
-                      steps_per_round=steps_per_round,
-                      participation=participation)
+  event = round_event(
+    noise_multiplier=noise_multiplier,
+    batch_size=batch_size,
+    min_client_size=min_client_size,
+    steps_per_round=steps_per_round,
+    participation=participation,
+  )
   if rounds == 0:
     return 0.0
-  q1, q2 = sampling_rates(batch_size=batch_size, min_client_size=min_client_size,
-                          participation=participation)
+  q1, q2 = sampling_rates(
+    batch_size=batch_size, min_client_size=min_client_size, participation=participation
+  )
   sigma = float(noise_multiplier)
   if adjacency == REPLACE_ONE:
-    return _replace_one_figure(q1=q1, q2=q2, sigma=sigma, rounds=rounds,
-                               steps=rounds * int(steps_per_round), delta=delta)
+    return _replace_one_figure(
+      q1=q1, q2=q2, sigma=sigma, rounds=rounds, steps=rounds * int(steps_per_round), delta=delta
+    )
   if q1 == q2:  # every step alike: the same RDP sum, computed once (half the time)
-    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-        q2, dp_accounting.GaussianDpEvent(sigma)), steps_per_round)
+    event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(q2, dp_accounting.GaussianDpEvent(sigma)), steps_per_round
+    )
   return epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta=delta)
 
 
-def calibrate_noise_multiplier(target_epsilon: float, *, delta: float,
-                               rounds: int, batch_size: int,
-                               min_client_size: int, steps_per_round: int,
-                               participation: float = 1.0,
-                               tol: float = 1e-3,
-                               max_noise_multiplier: float = _MAX_SIGMA,
-                               adjacency: str = ADD_REMOVE) -> float:
+def calibrate_noise_multiplier(
+  target_epsilon: float,
+  *,
+  delta: float,
+  rounds: int,
+  batch_size: int,
+  min_client_size: int,
+  steps_per_round: int,
+  participation: float = 1.0,
+  tol: float = 1e-3,
+  max_noise_multiplier: float = _MAX_SIGMA,
+  adjacency: str = ADD_REMOVE,
+) -> float:
   """Smallest noise multiplier ``sigma`` whose epsilon is <= the target.
 
   The one calibration of the project (:meth:`DpMechanism.calibrated` calls it
@@ -435,31 +503,48 @@ def calibrate_noise_multiplier(target_epsilon: float, *, delta: float,
   checks.require(0.0 < tol < 1.0, "tol", tol, "a number in (0, 1)")
   rounds = checks.integer("rounds", rounds, minimum=1)
   max_sigma = checks.finite("max_noise_multiplier", max_noise_multiplier)
-  checks.require(_MIN_SIGMA < max_sigma <= _MAX_SIGMA, "max_noise_multiplier",
-                 max_noise_multiplier, f"a number in ({_MIN_SIGMA:g}, {_MAX_SIGMA:g}]")
+  checks.require(
+    _MIN_SIGMA < max_sigma <= _MAX_SIGMA,
+    "max_noise_multiplier",
+    max_noise_multiplier,
+    f"a number in ({_MIN_SIGMA:g}, {_MAX_SIGMA:g}]",
+  )
   adjacency = _check_adjacency(adjacency)
   floor = _MIN_SIGMA_PLD if adjacency == REPLACE_ONE else _MIN_SIGMA
   # Validate the rest once, with a placeholder sigma.
-  round_event(noise_multiplier=1.0, batch_size=batch_size,
-              min_client_size=min_client_size,
-              steps_per_round=steps_per_round, participation=participation)
+  round_event(
+    noise_multiplier=1.0,
+    batch_size=batch_size,
+    min_client_size=min_client_size,
+    steps_per_round=steps_per_round,
+    participation=participation,
+  )
   delta = checks.probability("delta", delta)
 
   def eps(sigma: float) -> float:
     return epsilon_after_rounds(
-        rounds=rounds, noise_multiplier=sigma, batch_size=batch_size,
-        min_client_size=min_client_size, steps_per_round=steps_per_round,
-        delta=delta, participation=participation, adjacency=adjacency)
+      rounds=rounds,
+      noise_multiplier=sigma,
+      batch_size=batch_size,
+      min_client_size=min_client_size,
+      steps_per_round=steps_per_round,
+      delta=delta,
+      participation=participation,
+      adjacency=adjacency,
+    )
 
   # Bracket: eps(lo) > target >= eps(hi).
   hi = min(1.0, max_sigma)
   while (eps_hi := eps(hi)) > target:
     if hi >= max_sigma:
       raise ConfigError(
-          "target_epsilon", target, f"a target met by some noise_multiplier <= {max_sigma:g}",
-          message=f"target_epsilon={target!r} is unreachable: even noise_multiplier="
-          f"{max_sigma:g} gives epsilon {eps_hi:.4g} after {rounds} rounds "
-          f"(allowed: a target met by some noise_multiplier <= {max_sigma:g})")
+        "target_epsilon",
+        target,
+        f"a target met by some noise_multiplier <= {max_sigma:g}",
+        message=f"target_epsilon={target!r} is unreachable: even noise_multiplier="
+        f"{max_sigma:g} gives epsilon {eps_hi:.4g} after {rounds} rounds "
+        f"(allowed: a target met by some noise_multiplier <= {max_sigma:g})",
+      )
     hi = min(2.0 * hi, max_sigma)
   lo = hi / 2.0
   while lo >= floor and eps(lo) <= target:
@@ -471,8 +556,8 @@ def calibrate_noise_multiplier(target_epsilon: float, *, delta: float,
   # relative tol / 4; upper = root * (1 + tol / 2) is then above the true root (epsilon <=
   # target) and upper / (1 + tol) below it (so within tol of the smallest sigma).
   from scipy import optimize  # pylint: disable=g-import-not-at-top
-  root = optimize.brentq(lambda s: math.log(eps(s) / target), lo, hi,
-                         xtol=1e-12, rtol=0.25 * tol)
+
+  root = optimize.brentq(lambda s: math.log(eps(s) / target), lo, hi, xtol=1e-12, rtol=0.25 * tol)
   upper = min(hi, root * (1.0 + 0.5 * tol))
   if eps(upper) <= target:  # guaranteed by Brent's bound; checked, as it is cheap
     return upper
@@ -489,8 +574,14 @@ def calibrate_noise_multiplier(target_epsilon: float, *, delta: float,
 # Ledger.
 # --------------------------------------------------------------------------
 
-_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size",
-                   "steps_per_round", "delta", "participation")
+_PRIVACY_FIELDS = (
+  "noise_multiplier",
+  "batch_size",
+  "min_client_size",
+  "steps_per_round",
+  "delta",
+  "participation",
+)
 _DICT_FIELDS = _PRIVACY_FIELDS + ("rounds", "steps", "epsilons")
 # Written by ledgers whose headline is replace-one; a dict without them is an add/remove ledger.
 _REPLACE_ONE_FIELDS = ("adjacency", "epsilons_add_remove")
@@ -551,54 +642,65 @@ class PrivacyLedger:
 
   def __post_init__(self):
     self.noise_multiplier = _check_noise_multiplier(self.noise_multiplier)
-    self.batch_size, self.min_client_size = _check_sizes(
-        self.batch_size, self.min_client_size)
-    self.steps_per_round = checks.integer("steps_per_round", self.steps_per_round,
-                                          minimum=1)
+    self.batch_size, self.min_client_size = _check_sizes(self.batch_size, self.min_client_size)
+    self.steps_per_round = checks.integer("steps_per_round", self.steps_per_round, minimum=1)
     self.delta = checks.probability("delta", self.delta)
-    self.participation = checks.probability("participation", self.participation,
-                                            one_allowed=True)
+    self.participation = checks.probability("participation", self.participation, one_allowed=True)
     self.adjacency = _check_adjacency(self.adjacency)
     self.rounds = checks.integer("rounds", self.rounds, minimum=0)
 
     steps = list(self.steps)
     if not steps and self.rounds > 0:
       steps = [self.steps_per_round] * self.rounds
-    checks.require(len(steps) == self.rounds, "steps", steps,
-                   f"one entry per recorded round (rounds={self.rounds})")
+    checks.require(
+      len(steps) == self.rounds,
+      "steps",
+      steps,
+      f"one entry per recorded round (rounds={self.rounds})",
+    )
     self.steps = [checks.integer(f"steps[{i}]", s, minimum=1) for i, s in enumerate(steps)]
 
     # Empty epsilons (with rounds > 0) ask for a recomputation of both lists.
-    stored = {"epsilons": list(self.epsilons),
-              "epsilons_add_remove": list(self.epsilons_add_remove) if self.epsilons else []}
+    stored = {
+      "epsilons": list(self.epsilons),
+      "epsilons_add_remove": list(self.epsilons_add_remove) if self.epsilons else [],
+    }
     self._recompute()
     for name, values in stored.items():
       if not values and (self.rounds > 0 or name == "epsilons_add_remove"):
         continue
-      checks.require(len(values) == self.rounds, name, values,
-                     f"one epsilon per recorded round (rounds={self.rounds})")
+      checks.require(
+        len(values) == self.rounds,
+        name,
+        values,
+        f"one epsilon per recorded round (rounds={self.rounds})",
+      )
       for i, (s, r) in enumerate(zip(values, getattr(self, name))):
         s_f = checks.finite(f"{name}[{i}]", s)
         if not math.isclose(s_f, r, rel_tol=_LEDGER_TOL, abs_tol=_LEDGER_TOL):
           # Not a bad input but a record that contradicts itself: a plain ValueError.
           raise ValueError(
-              f"{name}[{i}]={s!r} does not match the recomputed epsilon {r!r} after "
-              f"round {i + 1} (allowed: equal to within {_LEDGER_TOL:g}); the ledger is "
-              "inconsistent or tampered")
+            f"{name}[{i}]={s!r} does not match the recomputed epsilon {r!r} after "
+            f"round {i + 1} (allowed: equal to within {_LEDGER_TOL:g}); the ledger is "
+            "inconsistent or tampered"
+          )
 
   # -- internals -----------------------------------------------------------
 
   def _key(self) -> tuple:
-    return tuple(getattr(self, f) for f in _PRIVACY_FIELDS) + (
-        self.adjacency, tuple(self.steps))
+    return tuple(getattr(self, f) for f in _PRIVACY_FIELDS) + (self.adjacency, tuple(self.steps))
 
   def _rates(self) -> tuple[float, float]:
-    return sampling_rates(batch_size=self.batch_size, min_client_size=self.min_client_size,
-                          participation=self.participation)
+    return sampling_rates(
+      batch_size=self.batch_size,
+      min_client_size=self.min_client_size,
+      participation=self.participation,
+    )
 
   def _add_round(self, steps: int) -> None:
     """Composes one round into the RDP sum and appends both epsilons."""
     import numpy as np  # pylint: disable=g-import-not-at-top
+
     q1, q2 = self._rates()
     sigma = self.noise_multiplier
     if self._rdp is None:
@@ -613,9 +715,10 @@ class PrivacyLedger:
       self.epsilons.append(add_remove)
     else:
       rounds = len(self.epsilons) + 1
-      total = sum(self.steps[:rounds - 1]) + steps
-      self.epsilons.append(_replace_one_figure(q1=q1, q2=q2, sigma=sigma, rounds=rounds,
-                                               steps=total, delta=self.delta))
+      total = sum(self.steps[: rounds - 1]) + steps
+      self.epsilons.append(
+        _replace_one_figure(q1=q1, q2=q2, sigma=sigma, rounds=rounds, steps=total, delta=self.delta)
+      )
 
   def _recompute(self) -> None:
     """Recomputes the RDP sum and every per-round epsilon from scratch."""
@@ -634,8 +737,7 @@ class PrivacyLedger:
       steps: ``T`` of this round (noisy local steps), >= 1; defaults to
         ``steps_per_round``.
     """
-    steps = self.steps_per_round if steps is None else checks.integer(
-        "steps", steps, minimum=1)
+    steps = self.steps_per_round if steps is None else checks.integer("steps", steps, minimum=1)
     if self._cache_key != self._key():
       self._recompute()  # fields were changed by hand: rebuild from scratch
     self.steps.append(steps)
@@ -660,8 +762,14 @@ class PrivacyLedger:
     if self.adjacency == REPLACE_ONE:
       return self.epsilon
     q1, q2 = self._rates()
-    return _replace_one_figure(q1=q1, q2=q2, sigma=self.noise_multiplier, rounds=self.rounds,
-                               steps=sum(self.steps), delta=self.delta)
+    return _replace_one_figure(
+      q1=q1,
+      q2=q2,
+      sigma=self.noise_multiplier,
+      rounds=self.rounds,
+      steps=sum(self.steps),
+      delta=self.delta,
+    )
 
   def with_adjacency(self, adjacency: str) -> "PrivacyLedger":
     """The same recorded rounds with ``adjacency`` as the headline (epsilons recomputed)."""
@@ -709,16 +817,27 @@ class PrivacyLedger:
     missing = [k for k in allowed if k not in d]
     unknown = [k for k in d if k not in allowed]
     if missing or unknown:
-      raise ConfigError("ledger", sorted(d), f"the keys {list(allowed)}", message=(
+      raise ConfigError(
+        "ledger",
+        sorted(d),
+        f"the keys {list(allowed)}",
+        message=(
           f"ledger dict keys are invalid (missing={missing}, unknown={unknown}): allowed keys "
-          f"are {list(allowed)}"))
+          f"are {list(allowed)}"
+        ),
+      )
     for key in ("steps", "epsilons") + optional[1:]:
       checks.require(isinstance(d[key], (list, tuple)), key, d[key], "a list")
-    checks.require(len(d["epsilons"]) == len(d["steps"]) == d["rounds"], "rounds",
-                   d["rounds"], f"len(steps)={len(d['steps'])} and len(epsilons)="
-                   f"{len(d['epsilons'])}, equal")
-    kwargs: dict[str, Any] = {k: (list(d[k]) if k in ("steps", "epsilons", "epsilons_add_remove")
-                                  else d[k]) for k in allowed}
+    checks.require(
+      len(d["epsilons"]) == len(d["steps"]) == d["rounds"],
+      "rounds",
+      d["rounds"],
+      f"len(steps)={len(d['steps'])} and len(epsilons)={len(d['epsilons'])}, equal",
+    )
+    kwargs: dict[str, Any] = {
+      k: (list(d[k]) if k in ("steps", "epsilons", "epsilons_add_remove") else d[k])
+      for k in allowed
+    }
     return cls(**kwargs)
 
 
@@ -760,38 +879,58 @@ class ClientLedgers:
   participants: list[list[int]] = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
-    checks.require(bool(self.ledgers) and all(isinstance(l, PrivacyLedger)
-                                              for l in self.ledgers),
-                   "ledgers", self.ledgers, "a non-empty list of PrivacyLedger (one per client)")
+    checks.require(
+      bool(self.ledgers) and all(isinstance(l, PrivacyLedger) for l in self.ledgers),
+      "ledgers",
+      self.ledgers,
+      "a non-empty list of PrivacyLedger (one per client)",
+    )
     k = len(self.ledgers)
     counts = [0] * k
     clean = []
     for r, ids in enumerate(self.participants):
       ids = [checks.integer(f"participants[{r}][]", i, minimum=0) for i in ids]
-      checks.require(ids and all(i < k for i in ids) and len(set(ids)) == len(ids),
-                     f"participants[{r}]", ids,
-                     f"distinct client indices in 0..{k - 1}, at least one")
+      checks.require(
+        ids and all(i < k for i in ids) and len(set(ids)) == len(ids),
+        f"participants[{r}]",
+        ids,
+        f"distinct client indices in 0..{k - 1}, at least one",
+      )
       for i in ids:
         counts[i] += 1
       clean.append(sorted(ids))
     self.participants = clean
     for i, (ledger, n) in enumerate(zip(self.ledgers, counts)):
       if ledger.rounds != n:
-        raise ValueError(f"client {i}'s ledger records {ledger.rounds} rounds but it took "
-                         f"part in {n}; the ledgers are inconsistent or tampered")
+        raise ValueError(
+          f"client {i}'s ledger records {ledger.rounds} rounds but it took "
+          f"part in {n}; the ledgers are inconsistent or tampered"
+        )
 
   @classmethod
-  def create(cls, *, client_sizes: Sequence[int], noise_multiplier: float, batch_size: int,
-             steps_per_round: int, delta: float, adjacency: str = ADD_REMOVE
-             ) -> "ClientLedgers":
+  def create(
+    cls,
+    *,
+    client_sizes: Sequence[int],
+    noise_multiplier: float,
+    batch_size: int,
+    steps_per_round: int,
+    delta: float,
+    adjacency: str = ADD_REMOVE,
+  ) -> "ClientLedgers":
     """Empty ledgers for clients of ``client_sizes`` records (``N_k``)."""
     shared: dict[int, PrivacyLedger] = {}
     ledgers = []
     for n in client_sizes:
       if n not in shared:
-        shared[n] = PrivacyLedger(noise_multiplier=noise_multiplier, batch_size=batch_size,
-                                  min_client_size=n, steps_per_round=steps_per_round,
-                                  delta=delta, adjacency=adjacency)
+        shared[n] = PrivacyLedger(
+          noise_multiplier=noise_multiplier,
+          batch_size=batch_size,
+          min_client_size=n,
+          steps_per_round=steps_per_round,
+          delta=delta,
+          adjacency=adjacency,
+        )
       ledgers.append(shared[n])  # shared until recorded: record_round never mutates in place
     return cls(ledgers)
 
@@ -827,8 +966,12 @@ class ClientLedgers:
     """
     ids = sorted(int(i) for i in participants)
     k = len(self.ledgers)
-    checks.require(bool(ids) and len(set(ids)) == len(ids) and 0 <= ids[0] <= ids[-1] < k,
-                   "participants", ids, f"distinct client indices in 0..{k - 1}, at least one")
+    checks.require(
+      bool(ids) and len(set(ids)) == len(ids) and 0 <= ids[0] <= ids[-1] < k,
+      "participants",
+      ids,
+      f"distinct client indices in 0..{k - 1}, at least one",
+    )
     done: dict[tuple, PrivacyLedger] = {}
     new = list(self.ledgers)
     for i in ids:
@@ -855,8 +998,10 @@ class ClientLedgers:
 
   def to_dict(self) -> dict:
     """JSON-ready: ``{"clients": [PrivacyLedger.to_dict(), ...], "participants": [...]}``."""
-    return {"clients": [l.to_dict() for l in self.ledgers],
-            "participants": [list(p) for p in self.participants]}
+    return {
+      "clients": [l.to_dict() for l in self.ledgers],
+      "participants": [list(p) for p in self.participants],
+    }
 
   @classmethod
   def from_dict(cls, d: dict) -> "ClientLedgers":
@@ -869,12 +1014,20 @@ class ClientLedgers:
     """
     if not isinstance(d, dict) or set(d) != {"clients", "participants"}:
       keys = sorted(d) if isinstance(d, dict) else d
-      raise ConfigError("client ledgers", keys, "a dict with the keys 'clients' and "
-                        "'participants' of to_dict()", message=f"client ledgers dict is "
-                        f"invalid ({keys!r}); allowed: a dict with the keys 'clients' and "
-                        "'participants' of to_dict()")
-    checks.require(isinstance(d["clients"], list) and isinstance(d["participants"], list),
-                   "client ledgers", sorted(d), "'clients' and 'participants' lists")
+      raise ConfigError(
+        "client ledgers",
+        keys,
+        "a dict with the keys 'clients' and 'participants' of to_dict()",
+        message=f"client ledgers dict is "
+        f"invalid ({keys!r}); allowed: a dict with the keys 'clients' and "
+        "'participants' of to_dict()",
+      )
+    checks.require(
+      isinstance(d["clients"], list) and isinstance(d["participants"], list),
+      "client ledgers",
+      sorted(d),
+      "'clients' and 'participants' lists",
+    )
     memo: dict[str, PrivacyLedger] = {}
     ledgers = []
     for c in d["clients"]:
@@ -931,8 +1084,7 @@ class DpMechanism:
     set_ = functools.partial(object.__setattr__, self)
     set_("noise_multiplier", _check_noise_multiplier(self.noise_multiplier))
     set_("batch_size", checks.integer("batch_size", self.batch_size, minimum=1))
-    set_("steps_per_round", checks.integer("steps_per_round", self.steps_per_round,
-                                           minimum=1))
+    set_("steps_per_round", checks.integer("steps_per_round", self.steps_per_round, minimum=1))
     set_("delta", checks.probability("delta", self.delta))
     set_("adjacency", _check_adjacency(self.adjacency))
 
@@ -946,33 +1098,52 @@ class DpMechanism:
 
   def ledger(self, client_size: int) -> PrivacyLedger:
     """An empty ledger of a client with ``client_size`` records (or of the smallest client)."""
-    return PrivacyLedger(noise_multiplier=self.noise_multiplier, batch_size=self.batch_size,
-                         min_client_size=client_size, steps_per_round=self.steps_per_round,
-                         delta=self.delta, adjacency=self.adjacency)
+    return PrivacyLedger(
+      noise_multiplier=self.noise_multiplier,
+      batch_size=self.batch_size,
+      min_client_size=client_size,
+      steps_per_round=self.steps_per_round,
+      delta=self.delta,
+      adjacency=self.adjacency,
+    )
 
   def client_ledgers(self, client_sizes: Sequence[int]) -> ClientLedgers:
     """Empty per-client ledgers (client sampling: each charged for its own rounds)."""
-    return ClientLedgers.create(client_sizes=client_sizes,
-                                noise_multiplier=self.noise_multiplier,
-                                batch_size=self.batch_size,
-                                steps_per_round=self.steps_per_round, delta=self.delta,
-                                adjacency=self.adjacency)
+    return ClientLedgers.create(
+      client_sizes=client_sizes,
+      noise_multiplier=self.noise_multiplier,
+      batch_size=self.batch_size,
+      steps_per_round=self.steps_per_round,
+      delta=self.delta,
+      adjacency=self.adjacency,
+    )
 
-  def epsilon_after(self, rounds: int, client_size: int, *,
-                    adjacency: str | None = None) -> float:
+  def epsilon_after(self, rounds: int, client_size: int, *, adjacency: str | None = None) -> float:
     """Epsilon (nats) after ``rounds`` rounds of a client with ``client_size`` records.
 
     ``adjacency`` defaults to the mechanism's; the figure equals what a
     ledger of :meth:`ledger` shows after ``rounds`` rounds of ``T`` steps.
     """
-    return epsilon_after_rounds(rounds=rounds, noise_multiplier=self.noise_multiplier,
-                                batch_size=self.batch_size, min_client_size=client_size,
-                                steps_per_round=self.steps_per_round, delta=self.delta,
-                                adjacency=self.adjacency if adjacency is None else adjacency)
+    return epsilon_after_rounds(
+      rounds=rounds,
+      noise_multiplier=self.noise_multiplier,
+      batch_size=self.batch_size,
+      min_client_size=client_size,
+      steps_per_round=self.steps_per_round,
+      delta=self.delta,
+      adjacency=self.adjacency if adjacency is None else adjacency,
+    )
 
-  def calibrated(self, target_epsilon: float, *, rounds: int, client_size: int,
-                 adjacency: str | None = None, tol: float = 1e-3,
-                 max_noise_multiplier: float = _MAX_SIGMA) -> "DpMechanism":
+  def calibrated(
+    self,
+    target_epsilon: float,
+    *,
+    rounds: int,
+    client_size: int,
+    adjacency: str | None = None,
+    tol: float = 1e-3,
+    max_noise_multiplier: float = _MAX_SIGMA,
+  ) -> "DpMechanism":
     """This mechanism with the smallest ``sigma`` whose epsilon is <= ``target_epsilon``.
 
     The epsilon is that of ``adjacency`` (default: the mechanism's) after
@@ -980,10 +1151,16 @@ class DpMechanism:
     (:func:`calibrate_noise_multiplier`, relative tolerance ``tol``).
     """
     sigma = calibrate_noise_multiplier(
-        target_epsilon, delta=self.delta, rounds=rounds, batch_size=self.batch_size,
-        min_client_size=client_size, steps_per_round=self.steps_per_round, tol=tol,
-        max_noise_multiplier=max_noise_multiplier,
-        adjacency=self.adjacency if adjacency is None else adjacency)
+      target_epsilon,
+      delta=self.delta,
+      rounds=rounds,
+      batch_size=self.batch_size,
+      min_client_size=client_size,
+      steps_per_round=self.steps_per_round,
+      tol=tol,
+      max_noise_multiplier=max_noise_multiplier,
+      adjacency=self.adjacency if adjacency is None else adjacency,
+    )
     return self.with_noise_multiplier(sigma)
 
   def check_delta(self, client_size: int, *, field: str = "dp.delta") -> None:
@@ -993,6 +1170,9 @@ class DpMechanism:
       ConfigError: naming ``field``, the value and the bound.
     """
     n = checks.integer("client_size", client_size, minimum=1)
-    checks.require(self.delta < 1.0 / n, field, self.delta,
-                   f"a delta < 1 / N_k = 1/{n} = {1.0 / n:.3g} (N_k: the records of the "
-                   "smallest client)")
+    checks.require(
+      self.delta < 1.0 / n,
+      field,
+      self.delta,
+      f"a delta < 1 / N_k = 1/{n} = {1.0 / n:.3g} (N_k: the records of the smallest client)",
+    )

@@ -55,8 +55,9 @@ class FederatedAlgorithm(NamedTuple):
     return None if self.mechanism is None else self.mechanism.steps_per_round
 
 
-def dp_mechanism(dp: DPConfig | None, *, batch_size: int,
-                 steps_per_round: int) -> DpMechanism | None:
+def dp_mechanism(
+  dp: DPConfig | None, *, batch_size: int, steps_per_round: int
+) -> DpMechanism | None:
   """The mechanism of a method that runs ``steps_per_round`` noisy steps per round.
 
   Each DP method declares its ``T`` through this one constructor (its
@@ -65,5 +66,9 @@ def dp_mechanism(dp: DPConfig | None, *, batch_size: int,
   """
   if dp is None:
     return None
-  return DpMechanism(noise_multiplier=dp.noise_multiplier, batch_size=batch_size,
-                     steps_per_round=steps_per_round, delta=dp.delta)
+  return DpMechanism(
+    noise_multiplier=dp.noise_multiplier,
+    batch_size=batch_size,
+    steps_per_round=steps_per_round,
+    delta=dp.delta,
+  )

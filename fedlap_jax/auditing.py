@@ -58,15 +58,15 @@ from fedlap_jax.types import ApplyFn, PyTree
 DEFAULT_FPRS = (0.001, 0.01)
 
 __all__ = [
-    "AttackEvaluation",
-    "AuditSplit",
-    "DEFAULT_FPRS",
-    "ThresholdAttack",
-    "evaluate_attack",
-    "fit_threshold_attack",
-    "per_example_grad_norms",
-    "per_example_losses",
-    "split_for_audit",
+  "AttackEvaluation",
+  "AuditSplit",
+  "DEFAULT_FPRS",
+  "ThresholdAttack",
+  "evaluate_attack",
+  "fit_threshold_attack",
+  "per_example_grad_norms",
+  "per_example_losses",
+  "split_for_audit",
 ]
 
 
@@ -86,8 +86,9 @@ def _check_batch(x, y, chunk_size) -> None:
     raise ValueError("x has 0 examples; allowed: N >= 1")
 
 
-def _map_chunks(fn: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, y: jax.Array,
-                chunk_size: int) -> jax.Array:
+def _map_chunks(
+  fn: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, y: jax.Array, chunk_size: int
+) -> jax.Array:
   """Applies ``fn(xc, yc) -> (cs,)`` to ``chunk_size`` examples at a time; ``(N,)`` out.
 
   The last chunk is zero-padded; the padded rows are dropped from the result.
@@ -103,12 +104,7 @@ def _map_chunks(fn: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, y
 
 
 def per_example_losses(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    *,
-    chunk_size: int = 512,
+  apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array, *, chunk_size: int = 512
 ) -> jax.Array:
   """Per-example cross-entropy, the black-box membership feature.
 
@@ -127,12 +123,7 @@ def per_example_losses(
 
 
 def per_example_grad_norms(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    *,
-    chunk_size: int = 64,
+  apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array, *, chunk_size: int = 64
 ) -> jax.Array:
   """Per-example L2 norm of the loss gradient, the white-box membership feature.
 
@@ -154,8 +145,7 @@ def per_example_grad_norms(
 
   def norms(xc, yc):
     grads = per_example_gradients(apply_fn, params, xc, yc)
-    sq = [jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
-          for g in jax.tree.leaves(grads)]
+    sq = [jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in jax.tree.leaves(grads)]
     return jnp.sqrt(sum(sq))
 
   return _map_chunks(norms, x, y, chunk_size)
@@ -197,8 +187,10 @@ def split_for_audit(seed: int, num_members: int, num_nonmembers: int) -> AuditSp
   """
   for name, value in (("num_members", num_members), ("num_nonmembers", num_nonmembers)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 2:
-      raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= 2 "
-                       "(each half of the audit needs one record)")
+      raise ValueError(
+        f"{name}={value!r} is invalid; allowed: an integer >= 2 "
+        "(each half of the audit needs one record)"
+      )
   n = int(min(num_members, num_nonmembers))
   rng = np.random.default_rng(seed)
   members = rng.permutation(num_members)[:n]
@@ -238,15 +230,19 @@ def _check_scores(name: str, values) -> np.ndarray:
   if values.ndim != 1 or values.size == 0:
     raise ValueError(f"{name} has shape {values.shape}; allowed: (n,) with n >= 1")
   if not np.all(np.isfinite(values)):
-    raise ValueError(f"{name} contains {int(np.sum(~np.isfinite(values)))} non-finite "
-                     "values; allowed: finite scores (is the model NaN?)")
+    raise ValueError(
+      f"{name} contains {int(np.sum(~np.isfinite(values)))} non-finite "
+      "values; allowed: finite scores (is the model NaN?)"
+    )
   return values
 
 
 def _check_significance(significance: float) -> None:
   if not 0 < significance < 0.5:
-    raise ValueError(f"significance={significance!r} is invalid; allowed: (0, 0.5) "
-                     "(one minus the confidence level)")
+    raise ValueError(
+      f"significance={significance!r} is invalid; allowed: (0, 0.5) "
+      "(one minus the confidence level)"
+    )
 
 
 def _check_delta(delta: float) -> None:
@@ -271,29 +267,35 @@ def _auc(scores_in: np.ndarray, scores_out: np.ndarray) -> float:
   ``sklearn.metrics.roc_auc_score``.
   """
   import scipy.stats  # pylint: disable=g-import-not-at-top
+
   u = scipy.stats.mannwhitneyu(scores_in, scores_out, alternative="two-sided").statistic
   return float(u / (scores_in.size * scores_out.size))
 
 
 def _auditor(scores_in: np.ndarray, scores_out: np.ndarray):
   from jax_privacy import auditing as jp_auditing  # host-side; imports scipy
+
   return jp_auditing.CanaryScoreAuditor(scores_in, scores_out)
 
 
 def _epsilon_at(auditor, threshold: float, significance: float, delta: float) -> float:
   from jax_privacy import auditing as jp_auditing
-  return float(auditor.epsilon_clopper_pearson(
-      significance, delta, threshold_strategy=jp_auditing.Explicit(float(threshold))))
+
+  return float(
+    auditor.epsilon_clopper_pearson(
+      significance, delta, threshold_strategy=jp_auditing.Explicit(float(threshold))
+    )
+  )
 
 
 def fit_threshold_attack(
-    features_in,
-    features_out,
-    *,
-    sign: float | None = -1.0,
-    significance: float = 0.05,
-    delta: float = 0.0,
-    max_candidates: int = 512,
+  features_in,
+  features_out,
+  *,
+  sign: float | None = -1.0,
+  significance: float = 0.05,
+  delta: float = 0.0,
+  max_candidates: int = 512,
 ) -> ThresholdAttack:
   """Fits a one-feature threshold attack on the training half (host side).
 
@@ -345,11 +347,11 @@ def fit_threshold_attack(
   # Among equal bounds prefer the highest threshold (the lowest FPR).
   eps_best = int(len(candidates) - 1 - np.argmax(epsilons[::-1]))
   return ThresholdAttack(
-      sign=sign,
-      threshold=float(candidates[best]),
-      epsilon_threshold=float(candidates[eps_best]),
-      train_auc=_auc(s_in, s_out),
-      train_accuracy=float(accuracy[best]),
+    sign=sign,
+    threshold=float(candidates[best]),
+    epsilon_threshold=float(candidates[eps_best]),
+    train_auc=_auc(s_in, s_out),
+    train_accuracy=float(accuracy[best]),
   )
 
 
@@ -391,13 +393,13 @@ class AttackEvaluation(NamedTuple):
 
 
 def evaluate_attack(
-    attack: ThresholdAttack,
-    features_in,
-    features_out,
-    *,
-    significance: float = 0.05,
-    delta: float = 0.0,
-    fprs=DEFAULT_FPRS,
+  attack: ThresholdAttack,
+  features_in,
+  features_out,
+  *,
+  significance: float = 0.05,
+  delta: float = 0.0,
+  fprs=DEFAULT_FPRS,
 ) -> AttackEvaluation:
   """Measures a fitted attack on the audit half with ``CanaryScoreAuditor``.
 
@@ -414,6 +416,7 @@ def evaluate_attack(
     An :class:`AttackEvaluation`.
   """
   from jax_privacy import auditing as jp_auditing
+
   s_in = attack.scores(_check_scores("features_in", features_in))
   s_out = attack.scores(_check_scores("features_out", features_out))
   _check_significance(significance)
@@ -428,16 +431,19 @@ def evaluate_attack(
   accuracy = 0.5 * (np.mean(s_in >= attack.threshold) + np.mean(s_out < attack.threshold))
   perfect = _auditor(np.ones(s_in.size), np.zeros(s_out.size))
   return AttackEvaluation(
-      auc=_auc(s_in, s_out),
-      auc_convex_hull=float(auditor.attack_auroc()),
-      tpr_at_fpr={f: float(t) for f, t in zip(fprs, tprs)},
-      accuracy=float(accuracy),
-      epsilon_lower_bound=_epsilon_at(auditor, attack.epsilon_threshold, significance, delta),
-      epsilon_lower_bound_all_thresholds=float(auditor.epsilon_clopper_pearson(
-          significance, delta, threshold_strategy=jp_auditing.Bonferroni())),
-      epsilon_lower_bound_max=_epsilon_at(perfect, 0.5, significance, delta),
-      confidence=1.0 - significance,
-      delta=float(delta),
-      num_members=int(s_in.size),
-      num_nonmembers=int(s_out.size),
+    auc=_auc(s_in, s_out),
+    auc_convex_hull=float(auditor.attack_auroc()),
+    tpr_at_fpr={f: float(t) for f, t in zip(fprs, tprs)},
+    accuracy=float(accuracy),
+    epsilon_lower_bound=_epsilon_at(auditor, attack.epsilon_threshold, significance, delta),
+    epsilon_lower_bound_all_thresholds=float(
+      auditor.epsilon_clopper_pearson(
+        significance, delta, threshold_strategy=jp_auditing.Bonferroni()
+      )
+    ),
+    epsilon_lower_bound_max=_epsilon_at(perfect, 0.5, significance, delta),
+    confidence=1.0 - significance,
+    delta=float(delta),
+    num_members=int(s_in.size),
+    num_nonmembers=int(s_out.size),
   )

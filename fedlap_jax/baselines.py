@@ -97,8 +97,14 @@ from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of, require
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import (BASELINE_METHODS, CLIENT_BACKENDS, DP_BASELINE_METHODS,
-                               WEIGHTINGS, DPConfig, check_poisson_capacity)
+from fedlap_jax.config import (
+  BASELINE_METHODS,
+  CLIENT_BACKENDS,
+  DP_BASELINE_METHODS,
+  WEIGHTINGS,
+  DPConfig,
+  check_poisson_capacity,
+)
 from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.models import count_params
 from fedlap_jax.training import LR_SCHEDULES, cosine_learning_rate, tree_distance
@@ -111,10 +117,24 @@ PROX_METHODS = ("fedprox", "dp_fedprox")
 GRADIENT_MEANS = ("realized", "expected")
 
 __all__ = [
-    "METHODS", "BaselineConfig", "BaselineState", "BaselineRoundMetrics", "ClientMetrics",
-    "LocalTraining", "algorithm", "baseline_config", "baseline_round", "client_step",
-    "client_update", "init_baseline_state", "learning_rate", "round_key", "round_keys",
-    "server_step", "step_keys", "steps_per_epoch",
+  "METHODS",
+  "BaselineConfig",
+  "BaselineState",
+  "BaselineRoundMetrics",
+  "ClientMetrics",
+  "LocalTraining",
+  "algorithm",
+  "baseline_config",
+  "baseline_round",
+  "client_step",
+  "client_update",
+  "init_baseline_state",
+  "learning_rate",
+  "round_key",
+  "round_keys",
+  "server_step",
+  "step_keys",
+  "steps_per_epoch",
 ]
 
 
@@ -184,30 +204,52 @@ class LocalTraining:
   track_loss: bool = True
 
   def __post_init__(self):
-    require(is_int(self.epochs) and self.epochs >= 1, "local_epochs", self.epochs,
-            "an integer >= 1")
-    require(is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
-            self.batch_size, "an integer >= 1")
+    require(
+      is_int(self.epochs) and self.epochs >= 1, "local_epochs", self.epochs, "an integer >= 1"
+    )
+    require(
+      is_int(self.batch_size) and self.batch_size >= 1,
+      "batch_size",
+      self.batch_size,
+      "an integer >= 1",
+    )
     for f in ("fixed_steps", "max_client_size", "microbatch_size"):
       v = getattr(self, f)
       require(v is None or (is_int(v) and v >= 1), f, v, "None or an integer >= 1")
     check_poisson_capacity(self.poisson_capacity, self.batch_size)
-    require(is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu,
-            "a finite number >= 0")
-    require(self.l2_clip_norm is None or (is_real(self.l2_clip_norm)
-                                          and self.l2_clip_norm > 0),
-            "l2_clip_norm", self.l2_clip_norm, "None or a finite number > 0")
-    require(is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
-            "noise_multiplier", self.noise_multiplier, "a finite number >= 0")
-    require(self.l2_clip_norm is not None or self.noise_multiplier == 0,
-            "noise_multiplier", self.noise_multiplier,
-            "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)")
-    require(self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
-            "gradient_mean", self.gradient_mean, f"None or one of {GRADIENT_MEANS}")
-    require(self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
-            "gradient_mean", self.gradient_mean,
-            "'expected' or None with clipping (dividing by the realised batch size "
-            "would leak it)")
+    require(
+      is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu, "a finite number >= 0"
+    )
+    require(
+      self.l2_clip_norm is None or (is_real(self.l2_clip_norm) and self.l2_clip_norm > 0),
+      "l2_clip_norm",
+      self.l2_clip_norm,
+      "None or a finite number > 0",
+    )
+    require(
+      is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
+      "noise_multiplier",
+      self.noise_multiplier,
+      "a finite number >= 0",
+    )
+    require(
+      self.l2_clip_norm is not None or self.noise_multiplier == 0,
+      "noise_multiplier",
+      self.noise_multiplier,
+      "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)",
+    )
+    require(
+      self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
+      "gradient_mean",
+      self.gradient_mean,
+      f"None or one of {GRADIENT_MEANS}",
+    )
+    require(
+      self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
+      "gradient_mean",
+      self.gradient_mean,
+      "'expected' or None with clipping (dividing by the realised batch size would leak it)",
+    )
     dsa_strategy("dsa_strategy", self.dsa_strategy)
 
   @property
@@ -237,8 +279,11 @@ class LocalTraining:
       return self.fixed_steps
     n_max = self.max_client_size or padded_size
     if n_max is None:
-      raise ConfigError("max_client_size", None, "an integer >= 1 (the static step count "
-                        "needs the largest client's size)")
+      raise ConfigError(
+        "max_client_size",
+        None,
+        "an integer >= 1 (the static step count needs the largest client's size)",
+      )
     return self.epochs * steps_per_epoch(int(n_max), self.batch_size)
 
   def client_steps(self, num_records: jax.Array) -> jax.Array:
@@ -281,8 +326,7 @@ class BaselineConfig:
 
   def __post_init__(self):
     one_of("method", self.method, METHODS)
-    require(is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds,
-            "an integer >= 1")
+    require(is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
     for f in ("learning_rate", "server_lr"):
       v = getattr(self, f)
       require(is_real(v) and v > 0, f, v, "a finite number > 0")
@@ -293,29 +337,60 @@ class BaselineConfig:
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
     loc = self.local
     private = self.method in DP_METHODS
-    require(not private or self.weighting == "uniform", "server.weighting", self.weighting,
-            f"'uniform' for method={self.method!r} (Algorithm 3 averages the client "
-            "updates with 1/K, the setting the privacy analysis covers)")
-    require(loc.private == private, "local.l2_clip_norm", loc.l2_clip_norm,
-            "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})")
-    require(self.method in PROX_METHODS or loc.prox_mu == 0, "local.prox_mu", loc.prox_mu,
-            f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')")
-    require(loc.control_variates == (self.method == "scaffold"), "local.control_variates",
-            loc.control_variates, f"True exactly for 'scaffold' (method={self.method!r})")
-    require(self.method != "fedsgd" or loc.fixed_steps == 1, "local.fixed_steps",
-            loc.fixed_steps, "1 for 'fedsgd' (one local batch per round)")
+    require(
+      not private or self.weighting == "uniform",
+      "server.weighting",
+      self.weighting,
+      f"'uniform' for method={self.method!r} (Algorithm 3 averages the client "
+      "updates with 1/K, the setting the privacy analysis covers)",
+    )
+    require(
+      loc.private == private,
+      "local.l2_clip_norm",
+      loc.l2_clip_norm,
+      "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})",
+    )
+    require(
+      self.method in PROX_METHODS or loc.prox_mu == 0,
+      "local.prox_mu",
+      loc.prox_mu,
+      f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')",
+    )
+    require(
+      loc.control_variates == (self.method == "scaffold"),
+      "local.control_variates",
+      loc.control_variates,
+      f"True exactly for 'scaffold' (method={self.method!r})",
+    )
+    require(
+      self.method != "fedsgd" or loc.fixed_steps == 1,
+      "local.fixed_steps",
+      loc.fixed_steps,
+      "1 for 'fedsgd' (one local batch per round)",
+    )
     if private:
-      require(loc.fixed_steps is not None or loc.max_client_size is not None,
-              "max_client_size", loc.max_client_size,
-              f"an integer >= 1 for method={self.method!r} (the accountant needs the static "
-              "step count T = local_epochs * round(max_client_size / batch_size))")
+      require(
+        loc.fixed_steps is not None or loc.max_client_size is not None,
+        "max_client_size",
+        loc.max_client_size,
+        f"an integer >= 1 for method={self.method!r} (the accountant needs the static "
+        "step count T = local_epochs * round(max_client_size / batch_size))",
+      )
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
-      require(private, "dp", self.dp,
-              f"None for method={self.method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
+      require(
+        private,
+        "dp",
+        self.dp,
+        f"None for method={self.method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)",
+      )
       for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size"):
-        require(getattr(loc, f) == getattr(self.dp, f), f"local.{f}", getattr(loc, f),
-                f"dp.{f} ({getattr(self.dp, f)!r}), the value the accountant reports")
+        require(
+          getattr(loc, f) == getattr(self.dp, f),
+          f"local.{f}",
+          getattr(loc, f),
+          f"dp.{f} ({getattr(self.dp, f)!r}), the value the accountant reports",
+        )
 
 
 # --------------------------------------------------------------------------
@@ -407,8 +482,9 @@ def round_keys(key: jax.Array, num_clients: int) -> tuple[jax.Array, jax.Array]:
 
 def learning_rate(round_index, config: BaselineConfig):
   """The clients' ``eta_m`` in round ``m`` (1-based, may be traced): the cosine schedule."""
-  return cosine_learning_rate(round_index, config.rounds, config.learning_rate,
-                              schedule=config.lr_schedule)
+  return cosine_learning_rate(
+    round_index, config.rounds, config.learning_rate, schedule=config.lr_schedule
+  )
 
 
 def step_keys(client_key: jax.Array, step) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -423,15 +499,15 @@ def step_keys(client_key: jax.Array, step) -> tuple[jax.Array, jax.Array, jax.Ar
 
 
 def client_update(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    global_params: PyTree,
-    data: ClientData,
-    *,
-    learning_rate,
-    local: LocalTraining,
-    num_steps: int,
-    correction: PyTree | None = None,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  global_params: PyTree,
+  data: ClientData,
+  *,
+  learning_rate,
+  local: LocalTraining,
+  num_steps: int,
+  correction: PyTree | None = None,
 ) -> tuple[PyTree, ClientMetrics]:
   """Local training of one client from the global model ``x``.
 
@@ -457,9 +533,11 @@ def client_update(
     ``(y_k, ClientMetrics)``.
   """
   if (correction is not None) != local.control_variates:
-    raise ValueError(f"correction given={correction is not None} is invalid with "
-                     f"local.control_variates={local.control_variates}; allowed: a "
-                     "correction exactly when control variates are on")
+    raise ValueError(
+      f"correction given={correction is not None} is invalid with "
+      f"local.control_variates={local.control_variates}; allowed: a "
+      "correction exactly when control variates are on"
+    )
   n_k = jnp.sum(data.mask)
   rate = local.batch_size / jnp.maximum(n_k, 1).astype(jnp.float32)
   active_steps = local.client_steps(n_k)
@@ -477,12 +555,17 @@ def client_update(
       yb = data.y[indices]
       if not local.private:
         # Chunked on CPU for matmul-convolution models, as in local_approx.
-        g, loss = privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,
-                                            microbatch_size="auto")
+        g, loss = privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding, microbatch_size="auto")
         return g, loss, f32(0.0)
       g, norms = privacy.clipped_gradient_sum(
-          apply_fn, w, xb, yb, is_padding, l2_clip_norm=local.l2_clip_norm,
-          microbatch_size=local.microbatch_size)
+        apply_fn,
+        w,
+        xb,
+        yb,
+        is_padding,
+        l2_clip_norm=local.l2_clip_norm,
+        microbatch_size=local.microbatch_size,
+      )
       n_clipped = jnp.sum(jnp.logical_and(norms > local.l2_clip_norm, ~is_padding))
       loss = f32(0.0)
       if local.track_loss:
@@ -494,20 +577,28 @@ def client_update(
     g, batch_loss, n_clipped = privacy.sum_over_chunks(chunk_sums, batch)
     realised = jnp.maximum(batch.size, 1).astype(f32)
     if local.private:
-      g = privacy.privatise(k_noise, g, l2_clip_norm=local.l2_clip_norm,
-                            noise_multiplier=local.noise_multiplier,
-                            expected_batch_size=local.batch_size)
+      g = privacy.privatise(
+        k_noise,
+        g,
+        l2_clip_norm=local.l2_clip_norm,
+        noise_multiplier=local.noise_multiplier,
+        expected_batch_size=local.batch_size,
+      )
     else:
       denominator = realised if local.mean_by == "realized" else f32(local.batch_size)
       g = jax.tree.map(lambda gi: gi / denominator, g)
     if local.prox_mu > 0:
-      g = jax.tree.map(lambda gi, wi, xi: gi + 2.0 * local.prox_mu * (wi - xi),
-                       g, w, global_params)
+      g = jax.tree.map(lambda gi, wi, xi: gi + 2.0 * local.prox_mu * (wi - xi), g, w, global_params)
     if correction is not None:
       g = jax.tree.map(jnp.add, g, correction)
     w = jax.tree.map(lambda wi, gi: wi - learning_rate * gi, w, g)
-    return (w, loss_sum + batch_loss / realised, extra + batch.extra_chunks,
-            sampled + batch.size, clipped + n_clipped)
+    return (
+      w,
+      loss_sum + batch_loss / realised,
+      extra + batch.extra_chunks,
+      sampled + batch.size,
+      clipped + n_clipped,
+    )
 
   def body(s, carry):
     # Skipped steps (s >= T_k) draw nothing; under vmap both branches run and
@@ -518,26 +609,26 @@ def client_update(
   w, loss_sum, extra, sampled, clipped = jax.lax.fori_loop(0, num_steps, body, init)
   taken = jnp.minimum(active_steps, num_steps).astype(jnp.int32)
   metrics = ClientMetrics(  # type: ignore[call-arg]  # (NONPRIVATE is no field)
-      loss=loss_sum / jnp.maximum(taken, 1),
-      steps=taken,
-      update_norm=tree_distance(w, global_params),
-      poisson_extra_chunks=extra,
-      mean_batch_size=sampled / jnp.maximum(taken, 1),
-      clip_fraction=clipped / jnp.maximum(sampled, 1),
+    loss=loss_sum / jnp.maximum(taken, 1),
+    steps=taken,
+    update_norm=tree_distance(w, global_params),
+    poisson_extra_chunks=extra,
+    mean_batch_size=sampled / jnp.maximum(taken, 1),
+    clip_fraction=clipped / jnp.maximum(sampled, 1),
   )
   return w, metrics
 
 
 def client_step(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    params: PyTree,
-    data: ClientData,
-    config: BaselineConfig,
-    *,
-    learning_rate,
-    num_steps: int | None = None,
-    correction: PyTree | None = None,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  data: ClientData,
+  config: BaselineConfig,
+  *,
+  learning_rate,
+  num_steps: int | None = None,
+  correction: PyTree | None = None,
 ) -> tuple[PyTree, ClientMetrics]:
   """What one client of a baseline computes and sends: its model ``y_k`` after local training.
 
@@ -548,8 +639,16 @@ def client_step(
   """
   if num_steps is None:
     num_steps = config.local.scheduled_steps(data.mask.shape[0])
-  return client_update(key, apply_fn, params, data, learning_rate=learning_rate,
-                       local=config.local, num_steps=num_steps, correction=correction)
+  return client_update(
+    key,
+    apply_fn,
+    params,
+    data,
+    learning_rate=learning_rate,
+    local=config.local,
+    num_steps=num_steps,
+    correction=correction,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -561,8 +660,13 @@ def _weighted_sum(weights: jax.Array, stacked: PyTree) -> PyTree:
   return jax.tree.map(lambda a: jnp.tensordot(weights, a, axes=1), stacked)
 
 
-def server_step(params: PyTree, client_params: PyTree, config: BaselineConfig, *,
-                num_records: jax.Array | None = None) -> tuple[PyTree, jax.Array]:
+def server_step(
+  params: PyTree,
+  client_params: PyTree,
+  config: BaselineConfig,
+  *,
+  num_records: jax.Array | None = None,
+) -> tuple[PyTree, jax.Array]:
   """The server's weighted FedAvg step: ``x + eta_s sum_k w_k (y_k - x)``, ``sum_k w_k = 1``.
 
   Args:
@@ -575,8 +679,9 @@ def server_step(params: PyTree, client_params: PyTree, config: BaselineConfig, *
   Returns:
     ``(new_params, w)``: the new global model and the normalised ``(K,)`` weights.
   """
-  weights = client_weights(config.weighting, num_records,
-                           num_clients=jax.tree.leaves(client_params)[0].shape[0])
+  weights = client_weights(
+    config.weighting, num_records, num_clients=jax.tree.leaves(client_params)[0].shape[0]
+  )
   weights = weights / jnp.sum(weights)
   deltas = jax.tree.map(lambda y, xi: y - xi[None], client_params, params)
   mean_delta = _weighted_sum(weights, deltas)
@@ -584,14 +689,14 @@ def server_step(params: PyTree, client_params: PyTree, config: BaselineConfig, *
 
 
 def baseline_round(
-    state: BaselineState,
-    clients: ClientData,
-    *,
-    apply_fn: ApplyFn,
-    config: BaselineConfig,
-    client_backend: str = "auto",
-    mesh: Any = None,
-    control_scale: float = 1.0,
+  state: BaselineState,
+  clients: ClientData,
+  *,
+  apply_fn: ApplyFn,
+  config: BaselineConfig,
+  client_backend: str = "auto",
+  mesh: Any = None,
+  control_scale: float = 1.0,
 ) -> tuple[BaselineState, BaselineRoundMetrics]:
   """One communication round of a baseline over the clients it is given.
 
@@ -627,18 +732,23 @@ def baseline_round(
 
   scaffold = local.control_variates
   if scaffold:
-    corrections = jax.tree.map(lambda c, ck: c[None] - ck, state.control,
-                               state.client_controls)
+    corrections = jax.tree.map(lambda c, ck: c[None] - ck, state.control, state.client_controls)
   else:
     corrections = None
 
   def run(args, x, lr):
     k, data, corr = args
-    return client_step(k, apply_fn, x, data, config, learning_rate=lr, num_steps=num_steps,
-                       correction=corr)
+    return client_step(
+      k, apply_fn, x, data, config, learning_rate=lr, num_steps=num_steps, correction=corr
+    )
 
-  ys, client_metrics = run_clients(run, (client_keys, clients, corrections),
-                                   replicated=(x, lr), client_backend=client_backend, mesh=mesh)
+  ys, client_metrics = run_clients(
+    run,
+    (client_keys, clients, corrections),
+    replicated=(x, lr),
+    client_backend=client_backend,
+    mesh=mesh,
+  )
   params, weights = server_step(x, ys, config, num_records=record_counts(clients))
 
   control, client_controls = state.control, state.client_controls
@@ -648,8 +758,8 @@ def baseline_round(
     # Option II: c_k+ = c_k - c + (x - y_k) / (T_k eta); delta c_k = c_k+ - c_k.
     scale = 1.0 / (jnp.maximum(client_metrics.steps, 1).astype(jnp.float32) * lr)
     delta_c = jax.tree.map(
-        lambda d, c: -c[None] - d * scale.reshape((-1,) + (1,) * (d.ndim - 1)),
-        deltas, control)
+      lambda d, c: -c[None] - d * scale.reshape((-1,) + (1,) * (d.ndim - 1)), deltas, control
+    )
     client_controls = jax.tree.map(jnp.add, client_controls, delta_c)
     step = _weighted_sum(weights, delta_c)
     if control_scale != 1.0:  # sampled clients (static: the all-clients program is unchanged)
@@ -664,13 +774,14 @@ def baseline_round(
 
 # One jit shared by every algorithm built here: runs with equal configs (and the
 # same ``apply_fn`` object) share one compilation; a run compiles once.
-_round_jit = jax.jit(baseline_round,
-                     static_argnames=("apply_fn", "config", "client_backend", "mesh",
-                                      "control_scale"))
+_round_jit = jax.jit(
+  baseline_round, static_argnames=("apply_fn", "config", "client_backend", "mesh", "control_scale")
+)
 
 
-def init_baseline_state(key: jax.Array, params: PyTree, clients: ClientData,
-                        config: BaselineConfig) -> BaselineState:
+def init_baseline_state(
+  key: jax.Array, params: PyTree, clients: ClientData, config: BaselineConfig
+) -> BaselineState:
   """The state before round 1 (SCAFFOLD: all control variates zero)."""
   if config.local.control_variates:
     k = clients.mask.shape[0]
@@ -687,23 +798,23 @@ def init_baseline_state(key: jax.Array, params: PyTree, clients: ClientData,
 
 
 def baseline_config(
-    method: str,
-    *,
-    rounds: int,
-    learning_rate: float,
-    local_epochs: int,
-    batch_size: int,
-    prox_mu: float,
-    dp: DPConfig | None,
-    max_client_size: int | None = None,
-    server_lr: float = 1.0,
-    weighting: str | None = None,
-    dsa_strategy: str = "",
-    poisson_capacity: int | None = None,
-    uniform_steps: bool = False,
-    gradient_mean: str | None = None,
-    track_loss: bool = True,
-    lr_schedule: str = "cosine",
+  method: str,
+  *,
+  rounds: int,
+  learning_rate: float,
+  local_epochs: int,
+  batch_size: int,
+  prox_mu: float,
+  dp: DPConfig | None,
+  max_client_size: int | None = None,
+  server_lr: float = 1.0,
+  weighting: str | None = None,
+  dsa_strategy: str = "",
+  poisson_capacity: int | None = None,
+  uniform_steps: bool = False,
+  gradient_mean: str | None = None,
+  track_loss: bool = True,
+  lr_schedule: str = "cosine",
 ) -> BaselineConfig:
   """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
@@ -746,33 +857,45 @@ def baseline_config(
   if private:
     require(isinstance(dp, DPConfig), "dp", dp, f"a DPConfig for method={method!r}")
   else:
-    require(dp is None, "dp", dp,
-            f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)")
+    require(
+      dp is None, "dp", dp, f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)"
+    )
   require(isinstance(uniform_steps, bool), "uniform_steps", uniform_steps, "a bool")
   if weighting is None:
     weighting = "uniform" if private else "size"
   local = LocalTraining(
-      epochs=local_epochs,
-      batch_size=batch_size,
-      fixed_steps=1 if method == "fedsgd" else None,
-      max_client_size=max_client_size,
-      poisson_capacity=poisson_capacity,
-      prox_mu=prox_mu if method in PROX_METHODS else 0.0,
-      l2_clip_norm=dp.l2_clip_norm if dp is not None else None,
-      noise_multiplier=dp.noise_multiplier if dp is not None else 0.0,
-      microbatch_size=dp.microbatch_size if dp is not None else None,
-      gradient_mean=gradient_mean,
-      control_variates=method == "scaffold",
-      dsa_strategy=dsa_strategy,
-      track_loss=track_loss,
+    epochs=local_epochs,
+    batch_size=batch_size,
+    fixed_steps=1 if method == "fedsgd" else None,
+    max_client_size=max_client_size,
+    poisson_capacity=poisson_capacity,
+    prox_mu=prox_mu if method in PROX_METHODS else 0.0,
+    l2_clip_norm=dp.l2_clip_norm if dp is not None else None,
+    noise_multiplier=dp.noise_multiplier if dp is not None else 0.0,
+    microbatch_size=dp.microbatch_size if dp is not None else None,
+    gradient_mean=gradient_mean,
+    control_variates=method == "scaffold",
+    dsa_strategy=dsa_strategy,
+    track_loss=track_loss,
   )
   if uniform_steps and method != "fedsgd":
-    require(max_client_size is not None, "max_client_size", max_client_size,
-            "an integer >= 1 with uniform_steps=True")
+    require(
+      max_client_size is not None,
+      "max_client_size",
+      max_client_size,
+      "an integer >= 1 with uniform_steps=True",
+    )
     local = dataclasses.replace(local, fixed_steps=local.scheduled_steps())
-  return BaselineConfig(method=method, rounds=rounds, learning_rate=learning_rate,
-                        server_lr=server_lr, weighting=weighting, local=local, dp=dp,
-                        lr_schedule=lr_schedule)
+  return BaselineConfig(
+    method=method,
+    rounds=rounds,
+    learning_rate=learning_rate,
+    server_lr=server_lr,
+    weighting=weighting,
+    local=local,
+    dp=dp,
+    lr_schedule=lr_schedule,
+  )
 
 
 def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
@@ -781,20 +904,21 @@ def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
   expected size ``B`` per round; ``None`` for the non-DP methods."""
   if config.method not in DP_METHODS:
     return None
-  return _mechanism(config.dp, batch_size=config.local.batch_size,
-                    steps_per_round=config.local.scheduled_steps())
+  return _mechanism(
+    config.dp, batch_size=config.local.batch_size, steps_per_round=config.local.scheduled_steps()
+  )
 
 
 def algorithm(
-    apply_fn: ApplyFn,
-    config: BaselineConfig,
-    *,
-    image_shape: tuple[int, ...],
-    num_clients: int,
-    num_params: int,
-    client_backend: str = "auto",
-    mesh: Any = None,
-    clients_per_round: int | None = None,
+  apply_fn: ApplyFn,
+  config: BaselineConfig,
+  *,
+  image_shape: tuple[int, ...],
+  num_clients: int,
+  num_params: int,
+  client_backend: str = "auto",
+  mesh: Any = None,
+  clients_per_round: int | None = None,
 ) -> FederatedAlgorithm:
   """A baseline as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
 
@@ -832,53 +956,77 @@ def algorithm(
   require(isinstance(config, BaselineConfig), "config", config, "a BaselineConfig")
   method, local = config.method, config.local
   private = method in DP_METHODS
-  require(not private or config.dp is not None, "dp", config.dp,
-          f"a DPConfig for method={method!r} (the guarantee the accountant reports)")
-  require(is_int(num_clients) and num_clients >= 1, "num_clients", num_clients,
-          "an integer >= 1")
-  require(is_int(num_params) and num_params >= 1, "num_params", num_params,
-          "an integer >= 1")
+  require(
+    not private or config.dp is not None,
+    "dp",
+    config.dp,
+    f"a DPConfig for method={method!r} (the guarantee the accountant reports)",
+  )
+  require(is_int(num_clients) and num_clients >= 1, "num_clients", num_clients, "an integer >= 1")
+  require(is_int(num_params) and num_params >= 1, "num_params", num_params, "an integer >= 1")
   image_shape = tuple(image_shape)
-  require(len(image_shape) == 3 and all(is_int(d) and d >= 1 for d in image_shape),
-          "image_shape", image_shape, "(H, W, C) positive integers")
+  require(
+    len(image_shape) == 3 and all(is_int(d) and d >= 1 for d in image_shape),
+    "image_shape",
+    image_shape,
+    "(H, W, C) positive integers",
+  )
   one_of("client_backend", client_backend, CLIENT_BACKENDS)
-  require(clients_per_round is None or (is_int(clients_per_round)
-                                        and 1 <= clients_per_round <= num_clients),
-          "clients_per_round", clients_per_round, f"None or an integer in 1..{num_clients}")
+  require(
+    clients_per_round is None
+    or (is_int(clients_per_round) and 1 <= clients_per_round <= num_clients),
+    "clients_per_round",
+    clients_per_round,
+    f"None or an integer in 1..{num_clients}",
+  )
   control_scale = 1.0 if clients_per_round is None else clients_per_round / num_clients
   max_client_size, batch_size = local.max_client_size, local.batch_size
 
   def init(key, params, clients):
     if count_params(params) != num_params:
-      raise ValueError(f"num_params={num_params} does not match the model's "
-                       f"{count_params(params)} parameters; allowed: count_params(params)")
+      raise ValueError(
+        f"num_params={num_params} does not match the model's "
+        f"{count_params(params)} parameters; allowed: count_params(params)"
+      )
     if clients.mask.shape[0] != num_clients:
-      raise ValueError(f"num_clients={num_clients} does not match the data's "
-                       f"{clients.mask.shape[0]} stacked clients")
+      raise ValueError(
+        f"num_clients={num_clients} does not match the data's "
+        f"{clients.mask.shape[0]} stacked clients"
+      )
     if tuple(clients.x.shape[2:]) != image_shape:
-      raise ValueError(f"image_shape={image_shape} does not match the data's "
-                       f"{tuple(clients.x.shape[2:])}")
+      raise ValueError(
+        f"image_shape={image_shape} does not match the data's {tuple(clients.x.shape[2:])}"
+      )
     sizes = np.sum(np.asarray(clients.mask), axis=1)
     if max_client_size is not None and sizes.max() > max_client_size:
-      raise ValueError(f"max_client_size={max_client_size} is smaller than the largest "
-                       f"client ({int(sizes.max())} records); allowed: >= every N_k")
+      raise ValueError(
+        f"max_client_size={max_client_size} is smaller than the largest "
+        f"client ({int(sizes.max())} records); allowed: >= every N_k"
+      )
     if private and sizes.min() < batch_size:
-      raise ValueError(f"batch_size={batch_size} exceeds the smallest client "
-                       f"({int(sizes.min())} records); allowed under DP: B <= min_k N_k "
-                       "(the sampling rate q = B / N_k must be <= 1)")
+      raise ValueError(
+        f"batch_size={batch_size} exceeds the smallest client "
+        f"({int(sizes.min())} records); allowed under DP: B <= min_k N_k "
+        "(the sampling rate q = B / N_k must be <= 1)"
+      )
     return init_baseline_state(key, params, clients, config)
 
-  round_fn = functools.partial(_round_jit, apply_fn=apply_fn, config=config,
-                               client_backend=client_backend, mesh=mesh,
-                               control_scale=control_scale)
+  round_fn = functools.partial(
+    _round_jit,
+    apply_fn=apply_fn,
+    config=config,
+    client_backend=client_backend,
+    mesh=mesh,
+    control_scale=control_scale,
+  )
   return FederatedAlgorithm(
-      name=method,
-      init=init,
-      round=place_inputs(round_fn, client_backend, mesh),
-      params_of=lambda state: state.params,
-      upload_floats_per_client=(2 if method == "scaffold" else 1) * num_params,
-      dp=config.dp if private else None,
-      mechanism=dp_mechanism(config),
-      batch_size=batch_size,
-      client_state_fields=("client_controls",) if method == "scaffold" else (),
+    name=method,
+    init=init,
+    round=place_inputs(round_fn, client_backend, mesh),
+    params_of=lambda state: state.params,
+    upload_floats_per_client=(2 if method == "scaffold" else 1) * num_params,
+    dp=config.dp if private else None,
+    mechanism=dp_mechanism(config),
+    batch_size=batch_size,
+    client_state_fields=("client_controls",) if method == "scaffold" else (),
   )

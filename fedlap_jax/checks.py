@@ -62,8 +62,7 @@ def is_int(value: Any) -> bool:
 
 def is_real(value: Any) -> bool:
   """A finite Python or NumPy real number, not a bool."""
-  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value))
+  return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def positive_int(field: str, value: Any) -> None:
@@ -98,14 +97,19 @@ def finite(field: str, value: Any, *, above: float | None = None) -> float:
 def probability(field: str, value: Any, *, one_allowed: bool = False) -> float:
   """``value`` as a ``float`` in ``(0, 1)``, or ``(0, 1]`` with ``one_allowed``."""
   ok = is_real(value) and 0 < value and (value <= 1 if one_allowed else value < 1)
-  require(ok, field, value, "a probability in (0, 1]" if one_allowed
-          else "a probability in the open interval (0, 1)")
+  require(
+    ok,
+    field,
+    value,
+    "a probability in (0, 1]" if one_allowed else "a probability in the open interval (0, 1)",
+  )
   return float(value)
 
 
 def dsa_strategy(field: str, value: Any) -> None:
   """A DSA strategy string that :func:`fedlap_jax.dsa.parse_strategy` accepts."""
   from fedlap_jax import dsa  # pylint: disable=g-import-not-at-top  (imports JAX)
+
   allowed = "a string of DSA families joined by '_'"
   require(isinstance(value, str), field, value, allowed)
   try:

@@ -189,8 +189,12 @@ class AccessStats(NamedTuple):
 
   def add(self, target: "RealTarget") -> "AccessStats":
     """The counts after one more real batch."""
-    return AccessStats(self.accesses + 1, self.extra_chunks + target.extra_chunks,
-                       self.sampled + target.batch_size, self.clipped + target.clipped)
+    return AccessStats(
+      self.accesses + 1,
+      self.extra_chunks + target.extra_chunks,
+      self.sampled + target.batch_size,
+      self.clipped + target.clipped,
+    )
 
 
 class RealTarget(NamedTuple):
@@ -236,8 +240,9 @@ def noisy_real_target(problem: LocalProblem, keys: tuple, params: PyTree) -> Rea
   k_sample, k_aug, k_noise = jax.random.split(keys[0], 3)
   f_aug = None if keys[1] is None else jax.random.split(keys[1], 3)[1]
   rate = c.batch_size / jnp.maximum(jnp.sum(data.mask), 1).astype(jnp.float32)
-  augment = dsa.make_augment_fn(c.dsa_strategy if c.real_dsa_strategy is None
-                                else c.real_dsa_strategy)
+  augment = dsa.make_augment_fn(
+    c.dsa_strategy if c.real_dsa_strategy is None else c.real_dsa_strategy
+  )
   batch = privacy.poisson_sample(k_sample, data.mask, rate, c.capacity)
 
   def chunk_sums(indices, is_padding):
@@ -245,11 +250,19 @@ def noisy_real_target(problem: LocalProblem, keys: tuple, params: PyTree) -> Rea
     xb = augment(k_aug, data.images(indices), family_key=f_aug)
     yb = data.y[indices]
     if c.dp is None:
-      return privacy.real_gradient_sum(apply_fn, params, xb, yb, is_padding,
-                                       microbatch_size="auto")[0], jnp.float32(0.0)
+      return privacy.real_gradient_sum(
+        apply_fn, params, xb, yb, is_padding, microbatch_size="auto"
+      )[0], jnp.float32(0.0)
     clipped_sum, norms = privacy.clipped_gradient_sum(
-        apply_fn, params, xb, yb, is_padding, l2_clip_norm=c.dp.l2_clip_norm,
-        microbatch_size=c.dp.microbatch_size, method=c.dp.per_example_method)
+      apply_fn,
+      params,
+      xb,
+      yb,
+      is_padding,
+      l2_clip_norm=c.dp.l2_clip_norm,
+      microbatch_size=c.dp.microbatch_size,
+      method=c.dp.per_example_method,
+    )
     was_clipped = jnp.logical_and(norms > c.dp.l2_clip_norm, ~is_padding)
     return clipped_sum, jnp.sum(was_clipped).astype(jnp.float32)
 
@@ -258,15 +271,26 @@ def noisy_real_target(problem: LocalProblem, keys: tuple, params: PyTree) -> Rea
     count = jnp.maximum(batch.size, 1).astype(jnp.float32)
     g = jax.tree.map(lambda t: t / count, total)
   else:
-    g = privacy.privatise(k_noise, total, l2_clip_norm=c.dp.l2_clip_norm,
-                          noise_multiplier=c.dp.noise_multiplier,
-                          expected_batch_size=c.batch_size)
+    g = privacy.privatise(
+      k_noise,
+      total,
+      l2_clip_norm=c.dp.l2_clip_norm,
+      noise_multiplier=c.dp.noise_multiplier,
+      expected_batch_size=c.batch_size,
+    )
   return RealTarget(g, k_aug, f_aug, batch.size, batch.extra_chunks, clipped)
 
 
-def match_images(problem: LocalProblem, params: PyTree, images: jax.Array, opt_state,
-                 target: PyTree, aug_keys: tuple, *, fresh_augmentation: bool
-                 ) -> tuple[jax.Array, optax.OptState, jax.Array]:
+def match_images(
+  problem: LocalProblem,
+  params: PyTree,
+  images: jax.Array,
+  opt_state,
+  target: PyTree,
+  aug_keys: tuple,
+  *,
+  fresh_augmentation: bool,
+) -> tuple[jax.Array, optax.OptState, jax.Array]:
   """``R_b`` updates of the synthetic images against one target, at the model ``params``.
 
   Update ``j``: ``L_dis(target, grad_w L(w, S))`` and its image gradient
@@ -283,9 +307,16 @@ def match_images(problem: LocalProblem, params: PyTree, images: jax.Array, opt_s
   def update(j, carry):
     x, opt_state, losses = carry
     k, f = _fold(aug_keys, j) if fresh_augmentation else aug_keys
-    loss, grad_x = matching_step(problem.apply_fn, params, problem.synthetic._replace(x=x),
-                                 target, k, dsa_strategy=c.dsa_strategy,
-                                 mse_weight=c.mse_weight, family_key=f)
+    loss, grad_x = matching_step(
+      problem.apply_fn,
+      params,
+      problem.synthetic._replace(x=x),
+      target,
+      k,
+      dsa_strategy=c.dsa_strategy,
+      mse_weight=c.mse_weight,
+      family_key=f,
+    )
     updates, opt_state = problem.optimizer.update(grad_x, opt_state, x)
     return optax.apply_updates(x, updates), opt_state, losses.at[j].set(loss)
 
@@ -293,8 +324,14 @@ def match_images(problem: LocalProblem, params: PyTree, images: jax.Array, opt_s
   return jax.lax.fori_loop(0, c.boost_loop, update, (images, opt_state, losses))
 
 
-def per_batch_targets(problem: LocalProblem, keys: tuple, params: PyTree, images: jax.Array,
-                      opt_state, stats: AccessStats):
+def per_batch_targets(
+  problem: LocalProblem,
+  keys: tuple,
+  params: PyTree,
+  images: jax.Array,
+  opt_state,
+  stats: AccessStats,
+):
   """The paper's targets: each of the ``batch_loop`` real batches in turn, ``R_b`` updates each.
 
   Batch ``b`` uses the keys ``fold_in(keys, b)``; the synthetic batch shares
@@ -309,19 +346,32 @@ def per_batch_targets(problem: LocalProblem, keys: tuple, params: PyTree, images
   def batch_step(b, carry):
     x, opt_state, losses, stats = carry
     target = noisy_real_target(problem, _fold(keys, b), params)
-    x, opt_state, row = match_images(problem, params, x, opt_state, target.gradient,
-                                     (target.aug_key, target.family_key),
-                                     fresh_augmentation=False)
+    x, opt_state, row = match_images(
+      problem,
+      params,
+      x,
+      opt_state,
+      target.gradient,
+      (target.aug_key, target.family_key),
+      fresh_augmentation=False,
+    )
     return x, opt_state, losses.at[b].set(row), stats.add(target)
 
   losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32)
-  x, opt_state, losses, stats = jax.lax.fori_loop(0, c.batch_loop, batch_step,
-                                                  (images, opt_state, losses, stats))
+  x, opt_state, losses, stats = jax.lax.fori_loop(
+    0, c.batch_loop, batch_step, (images, opt_state, losses, stats)
+  )
   return x, opt_state, losses, stats, None
 
 
-def averaged_target(problem: LocalProblem, keys: tuple, params: PyTree, images: jax.Array,
-                    opt_state, stats: AccessStats):
+def averaged_target(
+  problem: LocalProblem,
+  keys: tuple,
+  params: PyTree,
+  images: jax.Array,
+  opt_state,
+  stats: AccessStats,
+):
   """``average_targets``: the mean of the ``batch_loop`` real gradients, then ``R_b`` updates.
 
   Every gradient is taken at the same ``params`` (the model moves only after
@@ -345,14 +395,22 @@ def averaged_target(problem: LocalProblem, keys: tuple, params: PyTree, images: 
   zeros = jax.tree.map(jnp.zeros_like, params)
   g_sum, stats = jax.lax.fori_loop(0, c.batch_loop, accumulate, (zeros, stats))
   g_mean = jax.tree.map(lambda g: g / c.batch_loop, g_sum)
-  x, opt_state, row = match_images(problem, params, images, opt_state, g_mean,
-                                   _fold(keys, c.batch_loop + 1), fresh_augmentation=True)
+  x, opt_state, row = match_images(
+    problem,
+    params,
+    images,
+    opt_state,
+    g_mean,
+    _fold(keys, c.batch_loop + 1),
+    fresh_augmentation=True,
+  )
   losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32).at[0].set(row)
   return x, opt_state, losses, stats, g_mean
 
 
-def synthetic_epochs(problem: LocalProblem, keys: tuple, params: PyTree,
-                     images: jax.Array) -> PyTree:
+def synthetic_epochs(
+  problem: LocalProblem, keys: tuple, params: PyTree, images: jax.Array
+) -> PyTree:
   """``R_l`` epochs of SGD of the model on the synthetic set (batch ``model_batch_size``, DSA).
 
   Epoch ``e`` uses the keys ``fold_in(fold_in(keys, batch_loop), e)``.
@@ -362,25 +420,40 @@ def synthetic_epochs(problem: LocalProblem, keys: tuple, params: PyTree,
 
   def epoch(e, w):
     k, f = _fold(_fold(keys, c.batch_loop), e)
-    return sgd_epoch(k, problem.apply_fn, w, images, problem.synthetic.y, weights,
-                     problem.learning_rate, batch_size=c.model_batch_size,
-                     dsa_strategy=c.dsa_strategy, family_key=f)[0]
+    return sgd_epoch(
+      k,
+      problem.apply_fn,
+      w,
+      images,
+      problem.synthetic.y,
+      weights,
+      problem.learning_rate,
+      batch_size=c.model_batch_size,
+      dsa_strategy=c.dsa_strategy,
+      family_key=f,
+    )[0]
 
   return jax.lax.fori_loop(0, c.inner_loop, epoch, params)
 
 
-def synthetic_model_step(problem: LocalProblem, keys: tuple, iteration, params: PyTree,
-                         images: jax.Array, gradient) -> PyTree:
+def synthetic_model_step(
+  problem: LocalProblem, keys: tuple, iteration, params: PyTree, images: jax.Array, gradient
+) -> PyTree:
   """The paper's model step: :func:`synthetic_epochs`, except after the last permitted
   while-loop iteration. ``iteration`` (shared by clients side by side) decides in a
   ``lax.cond``: a real branch under ``vmap``, not a select of both."""
   del gradient
-  return jax.lax.cond(iteration < problem.config.max_outer - 1,
-                      lambda w: synthetic_epochs(problem, keys, w, images), lambda w: w, params)
+  return jax.lax.cond(
+    iteration < problem.config.max_outer - 1,
+    lambda w: synthetic_epochs(problem, keys, w, images),
+    lambda w: w,
+    params,
+  )
 
 
-def noisy_real_step(problem: LocalProblem, keys: tuple, iteration, params: PyTree,
-                    images: jax.Array, gradient: PyTree) -> PyTree:
+def noisy_real_step(
+  problem: LocalProblem, keys: tuple, iteration, params: PyTree, images: jax.Array, gradient: PyTree
+) -> PyTree:
   """``model_steps='noisy_real'``: ``w <- w - eta_m g`` along the iteration's mean noisy real
   gradient (a DP-SGD step on released values), after every iteration, the last included."""
   del keys, iteration, images
@@ -416,8 +489,11 @@ def recipe(config: ClientConfig) -> Recipe:
     step = synthetic_model_step
   else:
     step = None
-  return Recipe(averaged_target if config.average_targets else per_batch_targets, step,
-                config.model_steps == "noisy_real")
+  return Recipe(
+    averaged_target if config.average_targets else per_batch_targets,
+    step,
+    config.model_steps == "noisy_real",
+  )
 
 
 class TrajectoryLog(NamedTuple):
@@ -432,9 +508,9 @@ class TrajectoryLog(NamedTuple):
 
 
 class _Loop(NamedTuple):
-  o: jax.Array          # the loop counter (shared by clients side by side)
-  runs: jax.Array       # iterations this client ran
-  active: jax.Array     # this client is still inside its radius
+  o: jax.Array  # the loop counter (shared by clients side by side)
+  runs: jax.Array  # iterations this client ran
+  active: jax.Array  # this client is still inside its radius
   w: PyTree
   dist: jax.Array
   images: jax.Array
@@ -444,9 +520,18 @@ class _Loop(NamedTuple):
   any_active: jax.Array  # some client of the axis is still running
 
 
-def trajectory(iteration, keys: tuple, params: PyTree, images: jax.Array, opt_state,
-               stats: AccessStats, *, config: ClientConfig, moves_model: bool,
-               client_axis: str | None = None):
+def trajectory(
+  iteration,
+  keys: tuple,
+  params: PyTree,
+  images: jax.Array,
+  opt_state,
+  stats: AccessStats,
+  *,
+  config: ClientConfig,
+  moves_model: bool,
+  client_axis: str | None = None,
+):
   """One trajectory from ``params``: while-loop iterations until the model leaves the radius.
 
   ``iteration(keys_o, o, w, images, opt_state, stats) -> (w, images, opt_state,
@@ -483,35 +568,56 @@ def trajectory(iteration, keys: tuple, params: PyTree, images: jax.Array, opt_st
   def body(s):
     new = iteration(_fold(keys, s.o), s.o, s.w, s.images, s.opt_state, s.stats)
     new_w, new_images, new_opt, losses, new_stats = new
-    w, images, opt_state, stats = keep(s.active, (new_w, new_images, new_opt, new_stats),
-                                       (s.w, s.images, s.opt_state, s.stats))
+    w, images, opt_state, stats = keep(
+      s.active, (new_w, new_images, new_opt, new_stats), (s.w, s.images, s.opt_state, s.stats)
+    )
     loss_log = s.loss_log.at[s.o].set(keep(s.active, losses, jnp.zeros_like(losses)))
     dist = s.dist
     if moves_model:
       dist = keep(s.active, tree_distance(w, params), s.dist)
     active = jnp.logical_and(s.active, dist < c.radius)
-    return _Loop(s.o + 1, s.runs + s.active.astype(jnp.int32), active, w, dist, images,
-                 opt_state, loss_log, stats, any_client(active))
+    return _Loop(
+      s.o + 1,
+      s.runs + s.active.astype(jnp.int32),
+      active,
+      w,
+      dist,
+      images,
+      opt_state,
+      loss_log,
+      stats,
+      any_client(active),
+    )
 
   loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
-  init = _Loop(jnp.int32(0), jnp.int32(0), jnp.bool_(True), params, jnp.float32(0.0), images,
-               opt_state, loss_log, stats, jnp.bool_(True))
+  init = _Loop(
+    jnp.int32(0),
+    jnp.int32(0),
+    jnp.bool_(True),
+    params,
+    jnp.float32(0.0),
+    images,
+    opt_state,
+    loss_log,
+    stats,
+    jnp.bool_(True),
+  )
   s = jax.lax.while_loop(cond, body, init)
   return s.images, s.opt_state, s.stats, TrajectoryLog(s.loss_log, s.runs, s.dist, s.w)
 
 
 def local_approx(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    client_data: ClientData,
-    config: ClientConfig,
-    *,
-    learning_rate,
-    family_key: jax.Array | None = None,
-    client_axis: str | None = None,
-    image_optimizer: optax.GradientTransformation | None = None,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  client_data: ClientData,
+  config: ClientConfig,
+  *,
+  learning_rate,
+  family_key: jax.Array | None = None,
+  client_axis: str | None = None,
+  image_optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[SyntheticSet, jax.Array, LocalApproxMetrics]:
   """Local approximation on one client: Algorithm 1 (``config.dp is None``) or 3.
 
@@ -568,45 +674,62 @@ def local_approx(
   pieces = recipe(c)
 
   def iteration(keys_o, o, w, images, opt_state, stats):
-    images, opt_state, losses, stats, g = pieces.targets(problem, keys_o, w, images, opt_state,
-                                                         stats)
+    images, opt_state, losses, stats, g = pieces.targets(
+      problem, keys_o, w, images, opt_state, stats
+    )
     if pieces.model_step is not None:
       w = pieces.model_step(problem, keys_o, o, w, images, g)
     return w, images, opt_state, losses, stats
 
   def one_trajectory(carry, keys_i):
     images, opt_state, stats, log = trajectory(
-        iteration, keys_i, params, *carry, config=c,
-        moves_model=pieces.model_step is not None, client_axis=client_axis)
+      iteration,
+      keys_i,
+      params,
+      *carry,
+      config=c,
+      moves_model=pieces.model_step is not None,
+      client_axis=client_axis,
+    )
     delta = jax.tree.map(jnp.subtract, log.params, params) if pieces.sends_delta else None
     return (images, opt_state, stats), (log._replace(params=None), delta)
 
   k_traj, k_cal = jax.random.split(key)
   f_traj, f_cal = (None, None) if family_key is None else jax.random.split(family_key)
   (x_syn, _, stats), (log, deltas) = jax.lax.scan(
-      one_trajectory, (synthetic.x, optimizer.init(synthetic.x), AccessStats.zeros()),
-      _split((k_traj, f_traj), c.iterations))
+    one_trajectory,
+    (synthetic.x, optimizer.init(synthetic.x), AccessStats.zeros()),
+    _split((k_traj, f_traj), c.iterations),
+  )
   synthetic = synthetic._replace(x=x_syn)
 
   if c.calibrate_radius:
     r_k, _ = calibrate_radius(
-        k_cal, apply_fn, params, synthetic, client_data,
-        learning_rate=learning_rate, max_radius=c.radius, epochs=c.calibration_epochs,
-        batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy,
-        eval_size=c.calibration_eval_size, family_key=f_cal)
+      k_cal,
+      apply_fn,
+      params,
+      synthetic,
+      client_data,
+      learning_rate=learning_rate,
+      max_radius=c.radius,
+      epochs=c.calibration_epochs,
+      batch_size=c.model_batch_size,
+      dsa_strategy=c.dsa_strategy,
+      eval_size=c.calibration_eval_size,
+      family_key=f_cal,
+    )
   else:
     r_k = jnp.asarray(c.radius, jnp.float32)
 
   metrics = LocalApproxMetrics(
-      matching_loss=log.matching_loss,
-      outer_iterations=log.iterations,
-      real_accesses=stats.accesses,
-      poisson_extra_chunks=stats.extra_chunks,
-      mean_batch_size=stats.sampled / jnp.maximum(stats.accesses, 1),
-      trajectory_distance=log.distance,
-      clip_fraction=stats.clipped / jnp.maximum(stats.sampled, 1),
-      model_delta=(None if deltas is None
-                   else jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)),
+    matching_loss=log.matching_loss,
+    outer_iterations=log.iterations,
+    real_accesses=stats.accesses,
+    poisson_extra_chunks=stats.extra_chunks,
+    mean_batch_size=stats.sampled / jnp.maximum(stats.accesses, 1),
+    trajectory_distance=log.distance,
+    clip_fraction=stats.clipped / jnp.maximum(stats.sampled, 1),
+    model_delta=(None if deltas is None else jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)),
   )
   return synthetic, r_k, metrics
 
@@ -634,17 +757,17 @@ class ClientUpdate(NamedTuple):
 
 
 def client_step(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    client_data: ClientData,
-    config: FedLAPConfig,
-    *,
-    learning_rate,
-    family_key: jax.Array | None = None,
-    init_key: jax.Array | None = None,
-    client_axis: str | None = None,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  client_data: ClientData,
+  config: FedLAPConfig,
+  *,
+  learning_rate,
+  family_key: jax.Array | None = None,
+  init_key: jax.Array | None = None,
+  client_axis: str | None = None,
 ) -> tuple[ClientUpdate, LocalApproxMetrics]:
   """One FedLAP client's round: its synthetic set's start, :func:`local_approx`, the upload.
 
@@ -676,12 +799,23 @@ def client_step(
   """
   if config.synthetic_init == "real":
     if init_key is None:
-      raise ValueError("client_step: synthetic_init='real' needs init_key (the round's key "
-                       "of the real images); allowed: a PRNG key")
-    synthetic = synthetic._replace(x=real_images(init_key, client_data, synthetic.y,
-                                                 synthetic.mask, config.client.ipc))
+      raise ValueError(
+        "client_step: synthetic_init='real' needs init_key (the round's key "
+        "of the real images); allowed: a PRNG key"
+      )
+    synthetic = synthetic._replace(
+      x=real_images(init_key, client_data, synthetic.y, synthetic.mask, config.client.ipc)
+    )
   synthetic, radius, metrics = local_approx(
-      key, apply_fn, params, synthetic, client_data, config.client, learning_rate=learning_rate,
-      family_key=family_key, client_axis=client_axis)
+    key,
+    apply_fn,
+    params,
+    synthetic,
+    client_data,
+    config.client,
+    learning_rate=learning_rate,
+    family_key=family_key,
+    client_axis=client_axis,
+  )
   delta = metrics.model_delta if config.server.start == "fedavg_delta" else None
   return ClientUpdate(synthetic, radius, delta), metrics._replace(model_delta=None)

@@ -83,8 +83,9 @@ def pixel_normalisation(mean, std, pixel_max: float = 255.0) -> tuple[np.ndarray
   mean = np.asarray(mean, np.float64)
   std = np.asarray(std, np.float64)
   if mean.shape != std.shape or mean.ndim != 1:
-    raise ValueError(f"mean and std must both be (C,) vectors; got shapes {mean.shape} and "
-                     f"{std.shape}")
+    raise ValueError(
+      f"mean and std must both be (C,) vectors; got shapes {mean.shape} and {std.shape}"
+    )
   if np.any(std <= 0) or not np.all(np.isfinite(std)):
     raise ValueError(f"std={std.tolist()} is invalid; allowed: finite values > 0")
   if not (np.isfinite(pixel_max) and pixel_max > 0):
@@ -108,8 +109,14 @@ class SyntheticSet(NamedTuple):
   mask: jax.Array
 
 
-def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
-                  pixel_scale=None, pixel_offset=None, on_host: bool = False) -> ClientData:
+def stack_clients(
+  xs: Sequence[np.ndarray],
+  ys: Sequence[np.ndarray],
+  *,
+  pixel_scale=None,
+  pixel_offset=None,
+  on_host: bool = False,
+) -> ClientData:
   """Pads per-client arrays to the largest client and stacks them.
 
   Images keep their dtype: pass uint8 pixels with ``pixel_scale`` and
@@ -135,8 +142,10 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
       is not the channel count.
   """
   if len(xs) != len(ys) or not xs:
-    raise ValueError(f"stack_clients needs the same number (>= 1) of image and label arrays,"
-                     f" got {len(xs)} and {len(ys)}")
+    raise ValueError(
+      f"stack_clients needs the same number (>= 1) of image and label arrays,"
+      f" got {len(xs)} and {len(ys)}"
+    )
   for k, (x, y) in enumerate(zip(xs, ys)):
     if len(x) == 0:
       raise ValueError(f"client {k} has no data; allowed: every client holds >= 1 record")
@@ -144,26 +153,33 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], *,
       raise ValueError(f"client {k}: {len(x)} images but {len(y)} labels")
   xs = [np.asarray(x) for x in xs]
   if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
-    raise ValueError("clients' images differ in dtype or shape: "
-                     f"{sorted({(str(x.dtype), x.shape[1:]) for x in xs})}; allowed: one")
+    raise ValueError(
+      "clients' images differ in dtype or shape: "
+      f"{sorted({(str(x.dtype), x.shape[1:]) for x in xs})}; allowed: one"
+    )
   if (pixel_scale is None) != (pixel_offset is None):
     raise ValueError("pixel_scale and pixel_offset must be given together (or neither)")
   if pixel_scale is None and not np.issubdtype(xs[0].dtype, np.floating):
-    raise ValueError(f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
-                     "(fedlap_jax.client_data.pixel_normalisation); allowed without them: float "
-                     "model inputs")
+    raise ValueError(
+      f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
+      "(fedlap_jax.client_data.pixel_normalisation); allowed without them: float "
+      "model inputs"
+    )
   norm = {}
   if pixel_scale is not None:
     channels = xs[0].shape[-1]
     for name, v in (("pixel_scale", pixel_scale), ("pixel_offset", pixel_offset)):
       v = np.asarray(v, np.float32)
       if v.shape != (channels,):
-        raise ValueError(f"{name} has shape {v.shape}; allowed: ({channels},), one value per "
-                         "image channel")
+        raise ValueError(
+          f"{name} has shape {v.shape}; allowed: ({channels},), one value per image channel"
+        )
       norm[name] = np.broadcast_to(v, (len(xs), channels))
   n_max = max(len(x) for x in xs)
+
   def pad(a):
     return np.concatenate([a, np.zeros((n_max - len(a), *a.shape[1:]), a.dtype)])
+
   x = np.stack([pad(x) for x in xs])
   y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
   mask = np.stack([np.arange(n_max) < len(x) for x in xs])

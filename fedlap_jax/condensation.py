@@ -88,12 +88,26 @@ import optax
 from fedlap_jax import dsa, privacy
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
-from fedlap_jax.checks import (ConfigError, is_real, nonneg_int, one_of,
-                               positive_float, positive_int, require)
+from fedlap_jax.checks import (
+  ConfigError,
+  is_real,
+  nonneg_int,
+  one_of,
+  positive_float,
+  positive_int,
+  require,
+)
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import (CLIENT_BACKENDS, DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS,
-                               SYNTHETIC_INITS, DPConfig, ServerConfig, check_synthetic_learner,
-                               poisson_capacity)
+from fedlap_jax.config import (
+  CLIENT_BACKENDS,
+  DP_ONE_SHOT_METHODS,
+  ONE_SHOT_METHODS,
+  SYNTHETIC_INITS,
+  DPConfig,
+  ServerConfig,
+  check_synthetic_learner,
+  poisson_capacity,
+)
 from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.matching import matching_step
 from fedlap_jax.server import ServerMetrics, global_update
@@ -105,8 +119,15 @@ InitFn = Callable[[jax.Array], PyTree]
 
 # (outer_loop, inner_loop) by images per class: DatasetCondensation's get_loops
 # (PSG's copy adds 100).
-DC_LOOPS = {1: (1, 1), 10: (10, 50), 20: (20, 25), 30: (30, 20), 40: (40, 15), 50: (50, 10),
-            100: (50, 10)}
+DC_LOOPS = {
+  1: (1, 1),
+  10: (10, 50),
+  20: (20, 25),
+  30: (30, 20),
+  40: (40, 15),
+  50: (50, 10),
+  100: (50, 10),
+}
 
 
 def dc_loops(ipc: int) -> tuple[int, int]:
@@ -116,8 +137,12 @@ def dc_loops(ipc: int) -> tuple[int, int]:
     ConfigError: ``ipc`` has no published loops (give both loops explicitly).
   """
   if ipc not in DC_LOOPS:
-    raise ConfigError("ipc", ipc, f"one of {sorted(DC_LOOPS)} (the published loops), or "
-                      "outer_loop and inner_loop given explicitly")
+    raise ConfigError(
+      "ipc",
+      ipc,
+      f"one of {sorted(DC_LOOPS)} (the published loops), or "
+      "outer_loop and inner_loop given explicitly",
+    )
   return DC_LOOPS[ipc]
 
 
@@ -172,8 +197,7 @@ class CondensationConfig:
   dp: DPConfig | None = None
 
   def __post_init__(self):
-    for f in ("ipc", "networks", "outer_loop", "batch_loop", "batch_size",
-              "model_batch_size"):
+    for f in ("ipc", "networks", "outer_loop", "batch_loop", "batch_size", "model_batch_size"):
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
     require(isinstance(self.classwise, bool), "classwise", self.classwise, "True or False")
@@ -181,11 +205,19 @@ class CondensationConfig:
     check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
     if self.dp is not None:
-      require(not self.classwise, "classwise", self.classwise,
-              "False with dp (class-wise batches are drawn at a per-class rate B / N_c the "
-              "accountant does not cover; PSG matches class-agnostic Poisson batches)")
-      require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
-              "'noise' with dp (initialising from real images would publish them)")
+      require(
+        not self.classwise,
+        "classwise",
+        self.classwise,
+        "False with dp (class-wise batches are drawn at a per-class rate B / N_c the "
+        "accountant does not cover; PSG matches class-agnostic Poisson batches)",
+      )
+      require(
+        self.synthetic_init == "noise",
+        "synthetic_init",
+        self.synthetic_init,
+        "'noise' with dp (initialising from real images would publish them)",
+      )
 
   @property
   def capacity(self) -> int:
@@ -199,8 +231,15 @@ class CondensationConfig:
 
 
 def _default_server() -> ServerConfig:
-  return ServerConfig(radius_strategy="fixed", batch_size=256, max_epochs=300,
-                      weighting="uniform", dsa_strategy="", momentum=0.9, weight_decay=5e-4)
+  return ServerConfig(
+    radius_strategy="fixed",
+    batch_size=256,
+    max_epochs=300,
+    weighting="uniform",
+    dsa_strategy="",
+    momentum=0.9,
+    weight_decay=5e-4,
+  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,27 +266,50 @@ class OneShotConfig:
 
   def __post_init__(self):
     one_of("method", self.method, ONE_SHOT_METHODS)
-    require(isinstance(self.condensation, CondensationConfig), "condensation",
-            self.condensation, "a CondensationConfig")
+    require(
+      isinstance(self.condensation, CondensationConfig),
+      "condensation",
+      self.condensation,
+      "a CondensationConfig",
+    )
     require(isinstance(self.server, ServerConfig), "server", self.server, "a ServerConfig")
     positive_float("learning_rate", self.learning_rate)
-    require(is_real(self.lr_decay) and 0 < self.lr_decay <= 1, "lr_decay", self.lr_decay,
-            "a number in (0, 1]")
+    require(
+      is_real(self.lr_decay) and 0 < self.lr_decay <= 1,
+      "lr_decay",
+      self.lr_decay,
+      "a number in (0, 1]",
+    )
     c = self.condensation
     private = self.method in DP_ONE_SHOT_METHODS
-    require((c.dp is not None) == private, "dp", c.dp,
-            f"a DPConfig for method={self.method!r}" if private else
-            f"None for method={self.method!r} (PSG is the DP one-shot method)")
-    require(c.classwise == (not private), "classwise", c.classwise,
-            f"{not private} for method={self.method!r} (DSC matches per class, PSG the "
-            "whole set)")
-    require(self.server.radius_strategy == "fixed", "radius_strategy",
-            self.server.radius_strategy,
-            f"'fixed' for method={self.method!r} (the server trains max_epochs epochs; "
-            "there is no trust region)")
+    require(
+      (c.dp is not None) == private,
+      "dp",
+      c.dp,
+      f"a DPConfig for method={self.method!r}"
+      if private
+      else f"None for method={self.method!r} (PSG is the DP one-shot method)",
+    )
+    require(
+      c.classwise == (not private),
+      "classwise",
+      c.classwise,
+      f"{not private} for method={self.method!r} (DSC matches per class, PSG the whole set)",
+    )
+    require(
+      self.server.radius_strategy == "fixed",
+      "radius_strategy",
+      self.server.radius_strategy,
+      f"'fixed' for method={self.method!r} (the server trains max_epochs epochs; "
+      "there is no trust region)",
+    )
     if private:
-      require(self.server.weighting == "uniform", "weighting", self.server.weighting,
-              "'uniform' with DP (client sizes N_k are not released)")
+      require(
+        self.server.weighting == "uniform",
+        "weighting",
+        self.server.weighting,
+        "'uniform' with DP (client sizes N_k are not released)",
+      )
 
   @property
   def centralized(self) -> bool:
@@ -292,12 +354,12 @@ class CondensationMetrics(NamedTuple):
 
 
 def condense(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    init_fn: InitFn,
-    synthetic: SyntheticSet,
-    client_data: ClientData,
-    config: CondensationConfig,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  init_fn: InitFn,
+  synthetic: SyntheticSet,
+  client_data: ClientData,
+  config: CondensationConfig,
 ) -> tuple[SyntheticSet, CondensationMetrics]:
   """Condenses one client's data into ``synthetic`` (DSC, or PSG with ``config.dp``).
 
@@ -323,8 +385,14 @@ def condense(
   augment = dsa.make_augment_fn(c.dsa_strategy)
   opt = optax.sgd(c.image_lr, momentum=c.image_momentum or None)
   syn_weights = synthetic.mask.astype(jnp.float32)
-  match = functools.partial(matching_step, apply_fn, dsa_strategy=c.dsa_strategy,
-                            mse_weight=0.0, row_reduction="sum", include_vectors=False)
+  match = functools.partial(
+    matching_step,
+    apply_fn,
+    dsa_strategy=c.dsa_strategy,
+    mse_weight=0.0,
+    row_reduction="sum",
+    include_vectors=False,
+  )
   f32 = jnp.float32
 
   def whole_set(k, w, x_syn):
@@ -338,22 +406,35 @@ def condense(
       xb = augment(k_aug, client_data.images(indices))
       yb = client_data.y[indices]
       if c.dp is None:
-        return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding,
-                                         microbatch_size="auto")[0], f32(0.0)
+        return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding, microbatch_size="auto")[
+          0
+        ], f32(0.0)
       clipped_sum, norms = privacy.clipped_gradient_sum(
-          apply_fn, w, xb, yb, is_padding, l2_clip_norm=c.dp.l2_clip_norm,
-          microbatch_size=c.dp.microbatch_size, method=c.dp.per_example_method)
-      return clipped_sum, jnp.sum(jnp.logical_and(norms > c.dp.l2_clip_norm,
-                                                  ~is_padding)).astype(f32)
+        apply_fn,
+        w,
+        xb,
+        yb,
+        is_padding,
+        l2_clip_norm=c.dp.l2_clip_norm,
+        microbatch_size=c.dp.microbatch_size,
+        method=c.dp.per_example_method,
+      )
+      return clipped_sum, jnp.sum(jnp.logical_and(norms > c.dp.l2_clip_norm, ~is_padding)).astype(
+        f32
+      )
 
     # Exact Poisson sampling: every sampled record counts, also beyond the buffer.
     total, clipped = privacy.sum_over_chunks(chunk_sums, batch)
     if c.dp is None:
       g = jax.tree.map(lambda t: t / jnp.maximum(batch.size, 1).astype(f32), total)
     else:
-      g = privacy.privatise(k_noise, total, l2_clip_norm=c.dp.l2_clip_norm,
-                            noise_multiplier=c.dp.noise_multiplier,
-                            expected_batch_size=c.batch_size)
+      g = privacy.privatise(
+        k_noise,
+        total,
+        l2_clip_norm=c.dp.l2_clip_norm,
+        noise_multiplier=c.dp.noise_multiplier,
+        expected_batch_size=c.batch_size,
+      )
     loss, grad_x = match(w, synthetic._replace(x=x_syn), g, k_aug)
     return loss, grad_x, (batch.extra_chunks, batch.size, clipped)
 
@@ -367,8 +448,9 @@ def condense(
 
       def chunk_sum(indices, is_padding):
         xb = augment(k_aug, client_data.images(indices))
-        return privacy.real_gradient_sum(apply_fn, w, xb, client_data.y[indices], is_padding,
-                                         microbatch_size="auto")[0]
+        return privacy.real_gradient_sum(
+          apply_fn, w, xb, client_data.y[indices], is_padding, microbatch_size="auto"
+        )[0]
 
       total = privacy.sum_over_chunks(chunk_sum, batch)
       g = jax.tree.map(lambda t: t / jnp.maximum(batch.size, 1).astype(f32), total)
@@ -377,9 +459,9 @@ def condense(
       return loss * ok, grad_x * ok, batch.extra_chunks, batch.size
 
     losses, grads, extra, sizes = jax.vmap(one)(
-        jax.random.split(k, labels.shape[0]), xs, labels, valid)
-    return (jnp.sum(losses), grads.reshape(x_syn.shape),
-            (jnp.sum(extra), jnp.sum(sizes), f32(0.0)))
+      jax.random.split(k, labels.shape[0]), xs, labels, valid
+    )
+    return (jnp.sum(losses), grads.reshape(x_syn.shape), (jnp.sum(extra), jnp.sum(sizes), f32(0.0)))
 
   update = per_class if c.classwise else whole_set
 
@@ -400,13 +482,24 @@ def condense(
         return optax.apply_updates(x_syn, updates), opt_state, loss_sum + loss, stats
 
       x_syn, opt_state, loss_sum, stats = jax.lax.fori_loop(
-          0, c.batch_loop, batch_step, (x_syn, opt_state, loss_sum, stats))
+        0, c.batch_loop, batch_step, (x_syn, opt_state, loss_sum, stats)
+      )
 
       def train(w):
         def epoch(e, w):
           k = jax.random.fold_in(jax.random.fold_in(k_o, c.batch_loop), e)
-          return sgd_epoch(k, apply_fn, w, x_syn, synthetic.y, syn_weights, c.net_lr,
-                           batch_size=c.model_batch_size, dsa_strategy=c.dsa_strategy)[0]
+          return sgd_epoch(
+            k,
+            apply_fn,
+            w,
+            x_syn,
+            synthetic.y,
+            syn_weights,
+            c.net_lr,
+            batch_size=c.model_batch_size,
+            dsa_strategy=c.dsa_strategy,
+          )[0]
+
         return jax.lax.fori_loop(0, c.inner_loop, epoch, w)
 
       # The last stage ends without a network update (as the code's `break`).
@@ -419,15 +512,15 @@ def condense(
 
   stats0 = (jnp.int32(0), jnp.int32(0), jnp.int32(0), f32(0.0))
   (x_syn, _, stats), losses = jax.lax.scan(
-      iteration, (synthetic.x, opt.init(synthetic.x), stats0),
-      jax.random.split(key, c.networks))
+    iteration, (synthetic.x, opt.init(synthetic.x), stats0), jax.random.split(key, c.networks)
+  )
   accesses, extra_chunks, sampled, n_clipped = stats
   metrics = CondensationMetrics(  # type: ignore[call-arg]  # (NONPRIVATE is no field)
-      matching_loss=losses,
-      real_accesses=accesses,
-      poisson_extra_chunks=extra_chunks,
-      mean_batch_size=sampled / jnp.maximum(accesses, 1),
-      clip_fraction=n_clipped / jnp.maximum(sampled, 1),
+    matching_loss=losses,
+    real_accesses=accesses,
+    poisson_extra_chunks=extra_chunks,
+    mean_batch_size=sampled / jnp.maximum(accesses, 1),
+    clip_fraction=n_clipped / jnp.maximum(sampled, 1),
   )
   return synthetic._replace(x=x_syn), metrics
 
@@ -471,17 +564,21 @@ class OneShotMetrics(NamedTuple):
 
 def pool_clients(clients: ClientData) -> ClientData:
   """All clients' records as one client: leaves ``(K, N, ...) -> (1, K * N, ...)``."""
+
   def flat(a):
     return a.reshape(1, a.shape[0] * a.shape[1], *a.shape[2:])
+
   pooled = ClientData(flat(clients.x), flat(clients.y), flat(clients.mask))
   if clients.pixel_scale is not None and clients.pixel_offset is not None:  # both or neither
-    pooled = pooled._replace(pixel_scale=clients.pixel_scale[:1],
-                             pixel_offset=clients.pixel_offset[:1])
+    pooled = pooled._replace(
+      pixel_scale=clients.pixel_scale[:1], pixel_offset=clients.pixel_offset[:1]
+    )
   return pooled
 
 
-def init_oneshot_state(key: jax.Array, params: PyTree, clients: ClientData,
-                       config: OneShotConfig) -> OneShotState:
+def init_oneshot_state(
+  key: jax.Array, params: PyTree, clients: ClientData, config: OneShotConfig
+) -> OneShotState:
   """The state before the round: the fresh model and N(0, 1) synthetic sets (host side checks).
 
   Raises:
@@ -493,16 +590,25 @@ def init_oneshot_state(key: jax.Array, params: PyTree, clients: ClientData,
   sizes = [int(np.sum(m)) for m in np.asarray(data.mask)]
   if c.dp is not None and c.batch_size > min(sizes):
     raise ConfigError(
-        "batch_size", c.batch_size, "batch_size <= the smallest client", message=
-        f"batch_size={c.batch_size} is invalid: client {int(np.argmin(sizes))} has only "
-        f"{min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson rate "
-        "q = batch_size / N_k must be <= 1)")
+      "batch_size",
+      c.batch_size,
+      "batch_size <= the smallest client",
+      message=f"batch_size={c.batch_size} is invalid: client {int(np.argmin(sizes))} has only "
+      f"{min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson rate "
+      "q = batch_size / N_k must be <= 1)",
+    )
   synthetic, k_state = initial_synthetic(key, data, c.ipc, c.synthetic_init)
   return OneShotState(params, synthetic, jnp.int32(0), k_state)
 
 
-def train_on_union(key: jax.Array, apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet,
-                   weights: jax.Array, config: OneShotConfig) -> tuple[PyTree, ServerMetrics]:
+def train_on_union(
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  weights: jax.Array,
+  config: OneShotConfig,
+) -> tuple[PyTree, ServerMetrics]:
   """The server's training on the union: :func:`global_update` without radius, in two stages.
 
   ``max_epochs - max_epochs // 2`` epochs at ``learning_rate``, then
@@ -512,27 +618,41 @@ def train_on_union(key: jax.Array, apply_fn: ApplyFn, params: PyTree, synthetic:
   server = config.server
   late = server.max_epochs // 2 if config.lr_decay < 1 else 0
   k_early, k_late = jax.random.split(key)
-  w, early = global_update(k_early, apply_fn, params, synthetic, weights, jnp.inf,
-                           learning_rate=config.learning_rate,
-                           config=dataclasses.replace(server, max_epochs=server.max_epochs - late))
+  w, early = global_update(
+    k_early,
+    apply_fn,
+    params,
+    synthetic,
+    weights,
+    jnp.inf,
+    learning_rate=config.learning_rate,
+    config=dataclasses.replace(server, max_epochs=server.max_epochs - late),
+  )
   epochs, steps = early.epochs, early.steps
   if late:
-    w, second = global_update(k_late, apply_fn, w, synthetic, weights, jnp.inf,
-                              learning_rate=config.learning_rate * config.lr_decay,
-                              config=dataclasses.replace(server, max_epochs=late))
+    w, second = global_update(
+      k_late,
+      apply_fn,
+      w,
+      synthetic,
+      weights,
+      jnp.inf,
+      learning_rate=config.learning_rate * config.lr_decay,
+      config=dataclasses.replace(server, max_epochs=late),
+    )
     epochs, steps = epochs + second.epochs, steps + second.steps
   return w, ServerMetrics(epochs, steps, tree_distance(w, params), jnp.float32(jnp.inf))
 
 
 def oneshot_round(
-    state: OneShotState,
-    clients: ClientData,
-    *,
-    apply_fn: ApplyFn,
-    init_fn: InitFn,
-    config: OneShotConfig,
-    client_backend: str = "auto",
-    mesh: Any = None,
+  state: OneShotState,
+  clients: ClientData,
+  *,
+  apply_fn: ApplyFn,
+  init_fn: InitFn,
+  config: OneShotConfig,
+  client_backend: str = "auto",
+  mesh: Any = None,
 ) -> tuple[OneShotState, OneShotMetrics]:
   """The method's one round: :func:`condense` on every client, then :func:`train_on_union`.
 
@@ -557,7 +677,8 @@ def oneshot_round(
   synthetic = state.synthetic
   if c.synthetic_init == "real":
     x = jax.vmap(real_images, in_axes=(0, 0, 0, 0, None))(
-        jax.random.split(k_init, num), data, synthetic.y, synthetic.mask, c.ipc)
+      jax.random.split(k_init, num), data, synthetic.y, synthetic.mask, c.ipc
+    )
     synthetic = synthetic._replace(x=x)
 
   def run(args):
@@ -565,30 +686,53 @@ def oneshot_round(
     return condense(k, apply_fn, init_fn, syn, d, c)
 
   synthetic, client_metrics = run_clients(
-      run, (jax.random.split(k_clients, num), synthetic, data),
-      client_backend=client_backend, mesh=mesh)
+    run,
+    (jax.random.split(k_clients, num), synthetic, data),
+    client_backend=client_backend,
+    mesh=mesh,
+  )
   params, server_metrics = train_on_union(
-      k_server, apply_fn, state.params, synthetic,
-      client_weights(config.server.weighting, record_counts(data)), config)
+    k_server,
+    apply_fn,
+    state.params,
+    synthetic,
+    client_weights(config.server.weighting, record_counts(data)),
+    config,
+  )
   new_state = OneShotState(params, synthetic, state.round + 1, key)
-  return new_state, OneShotMetrics(client_metrics, server_metrics.epochs, server_metrics.steps,
-                                   server_metrics.distance, jnp.float32(config.learning_rate))
+  return new_state, OneShotMetrics(
+    client_metrics,
+    server_metrics.epochs,
+    server_metrics.steps,
+    server_metrics.distance,
+    jnp.float32(config.learning_rate),
+  )
 
 
-_round_jit = jax.jit(oneshot_round, static_argnames=("apply_fn", "init_fn", "config",
-                                                     "client_backend", "mesh"))
+_round_jit = jax.jit(
+  oneshot_round, static_argnames=("apply_fn", "init_fn", "config", "client_backend", "mesh")
+)
 
 
 def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
   """PSG's mechanism: ``T = networks * outer_loop * batch_loop`` noisy class-agnostic
   Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
-  return _mechanism(config.dp, batch_size=config.batch_size,
-                    steps_per_round=config.real_accesses_per_round)
+  return _mechanism(
+    config.dp, batch_size=config.batch_size, steps_per_round=config.real_accesses_per_round
+  )
 
 
-def algorithm(apply_fn: ApplyFn, init_fn: InitFn, config: OneShotConfig, *,
-              image_shape: tuple[int, ...], max_classes_per_client: int, max_client_size: int,
-              client_backend: str = "auto", mesh: Any = None) -> FederatedAlgorithm:
+def algorithm(
+  apply_fn: ApplyFn,
+  init_fn: InitFn,
+  config: OneShotConfig,
+  *,
+  image_shape: tuple[int, ...],
+  max_classes_per_client: int,
+  max_client_size: int,
+  client_backend: str = "auto",
+  mesh: Any = None,
+) -> FederatedAlgorithm:
   """DSC / PSG as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm` of one round.
 
   The whole method is round 1 (a driver runs ``rounds = 1``; a second call
@@ -605,19 +749,26 @@ def algorithm(apply_fn: ApplyFn, init_fn: InitFn, config: OneShotConfig, *,
   one_of("client_backend", client_backend, CLIENT_BACKENDS)
   c = config.condensation
   pixels = int(np.prod(image_shape))
-  upload = (max_client_size * pixels if config.centralized
-            else c.ipc * max_classes_per_client * pixels)
-  round_fn = functools.partial(_round_jit, apply_fn=apply_fn, init_fn=init_fn, config=config,
-                               client_backend=client_backend, mesh=mesh)
+  upload = (
+    max_client_size * pixels if config.centralized else c.ipc * max_classes_per_client * pixels
+  )
+  round_fn = functools.partial(
+    _round_jit,
+    apply_fn=apply_fn,
+    init_fn=init_fn,
+    config=config,
+    client_backend=client_backend,
+    mesh=mesh,
+  )
   return FederatedAlgorithm(
-      name=config.method,
-      init=lambda key, params, clients: init_oneshot_state(key, params, clients, config),
-      round=place_inputs(round_fn, client_backend, mesh),
-      params_of=lambda state: state.params,
-      upload_floats_per_client=int(upload),
-      dp=c.dp,
-      mechanism=dp_mechanism(c),
-      batch_size=c.batch_size,
-      # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
-      client_state_fields=() if config.centralized else ("synthetic",),
+    name=config.method,
+    init=lambda key, params, clients: init_oneshot_state(key, params, clients, config),
+    round=place_inputs(round_fn, client_backend, mesh),
+    params_of=lambda state: state.params,
+    upload_floats_per_client=int(upload),
+    dp=c.dp,
+    mechanism=dp_mechanism(c),
+    batch_size=c.batch_size,
+    # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
+    client_state_fields=() if config.centralized else ("synthetic",),
   )

@@ -27,8 +27,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fedlap_jax.checks import (ConfigError, dsa_strategy, is_int, is_real, nonneg_int, one_of,
-                               positive_float, positive_int, require)
+from fedlap_jax.checks import (
+  ConfigError,
+  dsa_strategy,
+  is_int,
+  is_real,
+  nonneg_int,
+  one_of,
+  positive_float,
+  positive_int,
+  require,
+)
 
 BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
 DP_BASELINE_METHODS = ("dp_fedavg", "dp_fedprox")
@@ -39,11 +48,20 @@ DP_ONE_SHOT_METHODS = ("psg",)
 SYNTHETIC_METHODS = ("feddm",) + ONE_SHOT_METHODS
 METHODS = ("fedlap",) + BASELINE_METHODS + SYNTHETIC_METHODS
 # Display names, keyed by FederatedAlgorithm.name (FedLAP with DP is "fedlap_dp").
-METHOD_LABELS = {"fedlap": "FedLAP", "fedlap_dp": "FedLAP-DP", "fedavg": "FedAvg",
-                 "fedprox": "FedProx", "fedsgd": "FedSGD", "scaffold": "SCAFFOLD",
-                 "dp_fedavg": "DP-FedAvg", "dp_fedprox": "DP-FedProx", "feddm": "FedDM",
-                 "dsc": "DSC federated", "dsc_centralized": "DSC centralized",
-                 "psg": "PSG"}
+METHOD_LABELS = {
+  "fedlap": "FedLAP",
+  "fedlap_dp": "FedLAP-DP",
+  "fedavg": "FedAvg",
+  "fedprox": "FedProx",
+  "fedsgd": "FedSGD",
+  "scaffold": "SCAFFOLD",
+  "dp_fedavg": "DP-FedAvg",
+  "dp_fedprox": "DP-FedProx",
+  "feddm": "FedDM",
+  "dsc": "DSC federated",
+  "dsc_centralized": "DSC centralized",
+  "psg": "PSG",
+}
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 DSA_FAMILY_DRAWS = ("shared", "per_client")
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
@@ -88,12 +106,16 @@ def check_poisson_capacity(capacity, batch_size: int, field: str = "poisson_capa
   if capacity is None:
     return
   low = min_poisson_capacity(batch_size)
-  require(is_int(capacity) and capacity >= low, field, capacity,
-          f"None (the default, {poisson_capacity(batch_size)} slots for batch_size="
-          f"{batch_size}) or an integer >= {low} = batch_size + 3 sqrt(batch_size): a smaller "
-          f"buffer overflows often (about half of the steps at {field} = batch_size) and every "
-          "overflow costs an extra pass over a chunk of that size (no record is dropped, but "
-          "the run gets slow)")
+  require(
+    is_int(capacity) and capacity >= low,
+    field,
+    capacity,
+    f"None (the default, {poisson_capacity(batch_size)} slots for batch_size="
+    f"{batch_size}) or an integer >= {low} = batch_size + 3 sqrt(batch_size): a smaller "
+    f"buffer overflows often (about half of the steps at {field} = batch_size) and every "
+    "overflow costs an extra pass over a chunk of that size (no record is dropped, but "
+    "the run gets slow)",
+  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,13 +142,19 @@ class DPConfig:
   per_example_method: str = "auto"
 
   def __post_init__(self):
-    require(is_real(self.noise_multiplier) and self.noise_multiplier > 0,
-            "dp.noise_multiplier", self.noise_multiplier,
-            "a number > 0 (sigma = 0 with DP on gives no privacy guarantee; "
-            "turn DP off instead)")
+    require(
+      is_real(self.noise_multiplier) and self.noise_multiplier > 0,
+      "dp.noise_multiplier",
+      self.noise_multiplier,
+      "a number > 0 (sigma = 0 with DP on gives no privacy guarantee; turn DP off instead)",
+    )
     positive_float("dp.l2_clip_norm", self.l2_clip_norm)
-    require(is_real(self.delta) and 0 < self.delta < 1,
-            "dp.delta", self.delta, "a number in the open interval (0, 1)")
+    require(
+      is_real(self.delta) and 0 < self.delta < 1,
+      "dp.delta",
+      self.delta,
+      "a number in the open interval (0, 1)",
+    )
     if self.microbatch_size is not None:
       positive_int("dp.microbatch_size", self.microbatch_size)
     one_of("dp.per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
@@ -139,8 +167,12 @@ def check_synthetic_learner(cfg) -> None:
   ``dp`` (where the config has one) a :class:`DPConfig` or None.
   """
   positive_float("image_lr", cfg.image_lr)
-  require(is_real(cfg.image_momentum) and 0 <= cfg.image_momentum < 1,
-          "image_momentum", cfg.image_momentum, "a number in [0, 1)")
+  require(
+    is_real(cfg.image_momentum) and 0 <= cfg.image_momentum < 1,
+    "image_momentum",
+    cfg.image_momentum,
+    "a number in [0, 1)",
+  )
   check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
   dsa_strategy("dsa_strategy", cfg.dsa_strategy)
   dp = getattr(cfg, "dp", None)
@@ -236,12 +268,24 @@ class ClientConfig:
   dp: DPConfig | None = None
 
   def __post_init__(self):
-    for f in ("ipc", "iterations", "max_outer", "batch_loop", "boost_loop",
-              "batch_size", "model_batch_size", "calibration_epochs"):
+    for f in (
+      "ipc",
+      "iterations",
+      "max_outer",
+      "batch_loop",
+      "boost_loop",
+      "batch_size",
+      "model_batch_size",
+      "calibration_epochs",
+    ):
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
-    require(is_real(self.mse_weight) and self.mse_weight >= 0, "mse_weight", self.mse_weight,
-            "a finite number >= 0")
+    require(
+      is_real(self.mse_weight) and self.mse_weight >= 0,
+      "mse_weight",
+      self.mse_weight,
+      "a finite number >= 0",
+    )
     positive_float("radius", self.radius)
     if self.calibration_eval_size is not None:
       positive_int("calibration_eval_size", self.calibration_eval_size)
@@ -249,16 +293,28 @@ class ClientConfig:
     if self.real_dsa_strategy is not None:
       dsa_strategy("real_dsa_strategy", self.real_dsa_strategy)
     one_of("dsa_family_draw", self.dsa_family_draw, DSA_FAMILY_DRAWS)
-    require(isinstance(self.average_targets, bool), "average_targets",
-            self.average_targets, "True or False")
+    require(
+      isinstance(self.average_targets, bool),
+      "average_targets",
+      self.average_targets,
+      "True or False",
+    )
     one_of("model_steps", self.model_steps, MODEL_STEPS)
-    require(self.model_steps == "synthetic" or self.average_targets, "model_steps",
-            self.model_steps, "'synthetic' unless average_targets=True ('noisy_real' steps "
-            "along the mean noisy gradient of each while-loop iteration)")
+    require(
+      self.model_steps == "synthetic" or self.average_targets,
+      "model_steps",
+      self.model_steps,
+      "'synthetic' unless average_targets=True ('noisy_real' steps "
+      "along the mean noisy gradient of each while-loop iteration)",
+    )
     if self.dp is not None:
-      require(not self.calibrate_radius, "calibrate_radius", self.calibrate_radius,
-              "False when dp is set (a radius measured on real data is not private; "
-              "use the constant radius r)")
+      require(
+        not self.calibrate_radius,
+        "calibrate_radius",
+        self.calibrate_radius,
+        "False when dp is set (a radius measured on real data is not private; "
+        "use the constant radius r)",
+      )
 
   @property
   def capacity(self) -> int:
@@ -316,17 +372,29 @@ class ServerConfig:
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
     positive_int("server.batch_size", self.batch_size)
     positive_int("server.max_epochs", self.max_epochs)
-    require(self.weighting is None or self.weighting in WEIGHTINGS, "weighting", self.weighting,
-            f"None or one of {WEIGHTINGS}")
+    require(
+      self.weighting is None or self.weighting in WEIGHTINGS,
+      "weighting",
+      self.weighting,
+      f"None or one of {WEIGHTINGS}",
+    )
     dsa_strategy("server.dsa_strategy", self.dsa_strategy)
     if self.learning_rate is not None:
       positive_float("server.learning_rate", self.learning_rate)
     one_of("server.start", self.start, SERVER_STARTS)
 
-    require(is_real(self.momentum) and 0 <= self.momentum < 1, "server.momentum",
-            self.momentum, "a number in [0, 1)")
-    require(is_real(self.weight_decay) and self.weight_decay >= 0, "server.weight_decay",
-            self.weight_decay, "a finite number >= 0")
+    require(
+      is_real(self.momentum) and 0 <= self.momentum < 1,
+      "server.momentum",
+      self.momentum,
+      "a number in [0, 1)",
+    )
+    require(
+      is_real(self.weight_decay) and self.weight_decay >= 0,
+      "server.weight_decay",
+      self.weight_decay,
+      "a finite number >= 0",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -358,28 +426,50 @@ class FedLAPConfig:
     positive_float("learning_rate", self.learning_rate)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-    require(self.server.start == "global" or self.client.model_steps == "noisy_real",
-            "server.start", self.server.start,
-            "'global' unless client.model_steps='noisy_real' (only then do the clients have "
-            "a model delta to send)")
+    require(
+      self.server.start == "global" or self.client.model_steps == "noisy_real",
+      "server.start",
+      self.server.start,
+      "'global' unless client.model_steps='noisy_real' (only then do the clients have "
+      "a model delta to send)",
+    )
     if self.client.dp is not None:
-      require(self.synthetic_init == "noise", "synthetic_init", self.synthetic_init,
-              "'noise' when DP is on (initialising from real images would publish them)")
-      require(self.server.radius_strategy in ("constant", "fixed"), "radius_strategy",
-              self.server.radius_strategy,
-              "'constant' or 'fixed' when DP is on (other strategies use r_k measured "
-              "on real data)")
-      require(self.server.weighting != "size", "server.weighting", self.server.weighting,
-              "'uniform' or None when DP is on (Algorithm 3 averages the client updates with "
-              "1/K, the setting the privacy analysis covers)")
+      require(
+        self.synthetic_init == "noise",
+        "synthetic_init",
+        self.synthetic_init,
+        "'noise' when DP is on (initialising from real images would publish them)",
+      )
+      require(
+        self.server.radius_strategy in ("constant", "fixed"),
+        "radius_strategy",
+        self.server.radius_strategy,
+        "'constant' or 'fixed' when DP is on (other strategies use r_k measured on real data)",
+      )
+      require(
+        self.server.weighting != "size",
+        "server.weighting",
+        self.server.weighting,
+        "'uniform' or None when DP is on (Algorithm 3 averages the client updates with "
+        "1/K, the setting the privacy analysis covers)",
+      )
     elif self.server.radius_strategy not in ("constant", "fixed"):
-      require(self.client.calibrate_radius, "calibrate_radius", self.client.calibrate_radius,
-              f"True when radius_strategy={self.server.radius_strategy!r} (it needs "
-              "per-client r_k); or use radius_strategy='constant'")
+      require(
+        self.client.calibrate_radius,
+        "calibrate_radius",
+        self.client.calibrate_radius,
+        f"True when radius_strategy={self.server.radius_strategy!r} (it needs "
+        "per-client r_k); or use radius_strategy='constant'",
+      )
 
     if self.server.weighting is None:  # resolve the default: 1/K under DP (Algorithm 3)
-      object.__setattr__(self, "server", dataclasses.replace(
-          self.server, weighting="uniform" if self.client.dp is not None else "size"))
+      object.__setattr__(
+        self,
+        "server",
+        dataclasses.replace(
+          self.server, weighting="uniform" if self.client.dp is not None else "size"
+        ),
+      )
 
   @property
   def dp(self) -> DPConfig | None:
@@ -389,10 +479,22 @@ class FedLAPConfig:
 def paper_nondp_config(**overrides) -> FedLAPConfig:
   """The published non-DP CIFAR-10 configuration (200 rounds, ipc 50)."""
   cfg = FedLAPConfig(
-      client=ClientConfig(ipc=50, iterations=1, max_outer=5, batch_loop=40, boost_loop=5,
-                          inner_loop=0, radius=10.0, mse_weight=0.1, calibrate_radius=True),
-      server=ServerConfig(radius_strategy="min", weighting="size"),
-      rounds=200, learning_rate=0.1, synthetic_init="real")
+    client=ClientConfig(
+      ipc=50,
+      iterations=1,
+      max_outer=5,
+      batch_loop=40,
+      boost_loop=5,
+      inner_loop=0,
+      radius=10.0,
+      mse_weight=0.1,
+      calibrate_radius=True,
+    ),
+    server=ServerConfig(radius_strategy="min", weighting="size"),
+    rounds=200,
+    learning_rate=0.1,
+    synthetic_init="real",
+  )
   return dataclasses.replace(cfg, **overrides)
 
 
@@ -408,9 +510,21 @@ def paper_dp_config(**overrides) -> FedLAPConfig:
   (``experiments/configs``) are written from it.
   """
   cfg = FedLAPConfig(
-      client=ClientConfig(ipc=10, iterations=4, max_outer=5, batch_loop=10, boost_loop=5,
-                          inner_loop=2, radius=1.5, mse_weight=0.0, calibrate_radius=False,
-                          dp=PAPER_DP),
-      server=ServerConfig(radius_strategy="constant", weighting="uniform"),
-      rounds=30, learning_rate=0.002, synthetic_init="noise")
+    client=ClientConfig(
+      ipc=10,
+      iterations=4,
+      max_outer=5,
+      batch_loop=10,
+      boost_loop=5,
+      inner_loop=2,
+      radius=1.5,
+      mse_weight=0.0,
+      calibrate_radius=False,
+      dp=PAPER_DP,
+    ),
+    server=ServerConfig(radius_strategy="constant", weighting="uniform"),
+    rounds=30,
+    learning_rate=0.002,
+    synthetic_init="noise",
+  )
   return dataclasses.replace(cfg, **overrides)

@@ -71,8 +71,14 @@ def place_inputs(round_fn: Callable, client_backend: str = "auto", mesh: Any = N
   return sharding.PlacedRound(round_fn, sharding.client_mesh() if mesh is None else mesh)
 
 
-def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
-                client_backend: str = "auto", mesh: Any = None) -> PyTree:
+def run_clients(
+  run: Callable,
+  args: PyTree,
+  *,
+  replicated: tuple = (),
+  client_backend: str = "auto",
+  mesh: Any = None,
+) -> PyTree:
   """``run(one_client_args, *replicated)`` for every client, stacked on a leading ``(K,)`` axis.
 
   ``args`` holds the per-client inputs (leading axis ``K``); ``replicated``
@@ -86,8 +92,9 @@ def run_clients(run: Callable, args: PyTree, *, replicated: tuple = (),
     raise ConfigError("client_backend", client_backend, f"{CLIENT_BACKENDS}")
   client_backend = resolve_client_backend(client_backend)
   if client_backend == "vmap":
-    return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated),
-                    axis_name=VMAP_AXIS)(args, *replicated)
+    return jax.vmap(run, in_axes=(0,) + (None,) * len(replicated), axis_name=VMAP_AXIS)(
+      args, *replicated
+    )
 
   def one_by_one(block, *rep):
     return jax.lax.map(lambda one: run(one, *rep), block)
@@ -102,8 +109,9 @@ def record_counts(clients: ClientData) -> jax.Array:
   return jnp.sum(clients.mask, axis=1)
 
 
-def client_weights(weighting: str, num_records: jax.Array | None = None, *,
-                   num_clients: int | None = None) -> jax.Array:
+def client_weights(
+  weighting: str | None, num_records: jax.Array | None = None, *, num_clients: int | None = None
+) -> jax.Array:
   """The server's ``(K,)`` float32 client weights (not normalised): the one weighting rule.
 
   ``size``: ``N_k`` (paper Eq. 9; the server must know every ``N_k``);
@@ -123,10 +131,14 @@ def client_weights(weighting: str, num_records: jax.Array | None = None, *,
     raise ConfigError("weighting", weighting, f"one of {WEIGHTINGS}")
   if weighting == "size":
     if num_records is None:
-      raise ConfigError("weighting", weighting, "'uniform' when the clients' record counts "
-                        "are not known", message="weighting='size' needs every client's "
-                        "record count N_k (num_records); allowed: the counts, or "
-                        "weighting='uniform'")
+      raise ConfigError(
+        "weighting",
+        weighting,
+        "'uniform' when the clients' record counts are not known",
+        message="weighting='size' needs every client's "
+        "record count N_k (num_records); allowed: the counts, or "
+        "weighting='uniform'",
+      )
     return jnp.asarray(num_records).astype(jnp.float32)
   if num_records is not None:
     num_clients = jnp.shape(num_records)[0]

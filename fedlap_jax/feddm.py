@@ -64,24 +64,40 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.checks import (is_real, one_of, positive_float,
-                               positive_int, require)
+from fedlap_jax.checks import is_real, one_of, positive_float, positive_int, require
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import (CLIENT_BACKENDS, SYNTHETIC_INITS, ServerConfig,
-                               check_synthetic_learner, poisson_capacity)
+from fedlap_jax.config import (
+  CLIENT_BACKENDS,
+  SYNTHETIC_INITS,
+  ServerConfig,
+  check_synthetic_learner,
+  poisson_capacity,
+)
 from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.matching import mean_embedding_distance
 from fedlap_jax.server import global_update
-from fedlap_jax.synthetic import (class_batch, class_blocks, initial_synthetic, noise_images,
-                                  real_images)
+from fedlap_jax.synthetic import (
+  class_batch,
+  class_blocks,
+  initial_synthetic,
+  noise_images,
+  real_images,
+)
 from fedlap_jax.types import ApplyFn, PyTree
 
 EmbedFn = Callable[[PyTree, jax.Array], PyTree]
 
 
 def _default_server() -> ServerConfig:
-  return ServerConfig(radius_strategy="fixed", batch_size=256, max_epochs=500,
-                      weighting="uniform", dsa_strategy="", momentum=0.9, weight_decay=5e-4)
+  return ServerConfig(
+    radius_strategy="fixed",
+    batch_size=256,
+    max_epochs=500,
+    weighting="uniform",
+    dsa_strategy="",
+    momentum=0.9,
+    weight_decay=5e-4,
+  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,9 +142,12 @@ class FedDMConfig:
     check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
     require(isinstance(self.server, ServerConfig), "server", self.server, "a ServerConfig")
-    require(self.server.radius_strategy == "fixed", "radius_strategy",
-            self.server.radius_strategy,
-            "'fixed' for FedDM (its server trains max_epochs epochs; no trust region)")
+    require(
+      self.server.radius_strategy == "fixed",
+      "radius_strategy",
+      self.server.radius_strategy,
+      "'fixed' for FedDM (its server trains max_epochs epochs; no trust region)",
+    )
     positive_float("learning_rate", self.learning_rate)
 
   @property
@@ -162,12 +181,12 @@ def perturb(key: jax.Array, params: PyTree, rho) -> PyTree:
 
 
 def distribution_match(
-    key: jax.Array,
-    embed_fn: EmbedFn,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    client_data: ClientData,
-    config: FedDMConfig,
+  key: jax.Array,
+  embed_fn: EmbedFn,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  client_data: ClientData,
+  config: FedDMConfig,
 ) -> tuple[SyntheticSet, FedDMClientMetrics]:
   """FedDM's client update: class-wise distribution matching around ``params``.
 
@@ -208,7 +227,8 @@ def distribution_match(
         emb = embed_fn(w, augment(k_aug, client_data.images(indices)))
         keep = (~is_padding).astype(jnp.float32)
         return jax.tree.map(
-            lambda e: jnp.sum(keep.reshape(-1, *([1] * (e.ndim - 1))) * e, axis=0), emb)
+          lambda e: jnp.sum(keep.reshape(-1, *([1] * (e.ndim - 1))) * e, axis=0), emb
+        )
 
       total = privacy.sum_over_chunks(chunk_sum, batch)
       mean = jax.tree.map(lambda t: (t / jnp.maximum(batch.size, 1))[None], total)
@@ -228,13 +248,18 @@ def distribution_match(
 
     loss, grad_x = jax.value_and_grad(loss_fn)(x_syn)
     updates, opt_state = opt.update(grad_x, opt_state, x_syn)
-    carry = (optax.apply_updates(x_syn, updates), opt_state, extra_chunks + jnp.sum(n_extra),
-             sampled + jnp.sum(sizes))
+    carry = (
+      optax.apply_updates(x_syn, updates),
+      opt_state,
+      extra_chunks + jnp.sum(n_extra),
+      sampled + jnp.sum(sizes),
+    )
     return carry, loss
 
   init = (synthetic.x, opt.init(synthetic.x), jnp.int32(0), jnp.int32(0))
   (x_syn, _, extra_chunks, sampled), losses = jax.lax.scan(
-      step, init, jax.random.split(key, c.image_updates))
+    step, init, jax.random.split(key, c.image_updates)
+  )
   metrics = FedDMClientMetrics(losses, extra_chunks, sampled / c.image_updates)
   return synthetic._replace(x=x_syn), metrics
 
@@ -260,8 +285,9 @@ class FedDMRoundMetrics(NamedTuple):
   server_distance: jax.Array
 
 
-def init_feddm_state(key: jax.Array, params: PyTree, clients: ClientData,
-                     config: FedDMConfig) -> FedDMState:
+def init_feddm_state(
+  key: jax.Array, params: PyTree, clients: ClientData, config: FedDMConfig
+) -> FedDMState:
   """The state before round 1: balanced labels, ``ipc`` per class each client owns.
 
   Raises:
@@ -273,14 +299,14 @@ def init_feddm_state(key: jax.Array, params: PyTree, clients: ClientData,
 
 
 def feddm_round(
-    state: FedDMState,
-    clients: ClientData,
-    *,
-    apply_fn: ApplyFn,
-    embed_fn: EmbedFn,
-    config: FedDMConfig,
-    client_backend: str = "auto",
-    mesh: Any = None,
+  state: FedDMState,
+  clients: ClientData,
+  *,
+  apply_fn: ApplyFn,
+  embed_fn: EmbedFn,
+  config: FedDMConfig,
+  client_backend: str = "auto",
+  mesh: Any = None,
 ) -> tuple[FedDMState, FedDMRoundMetrics]:
   """One FedDM round: :func:`distribution_match` on every client, then the server's training.
 
@@ -293,7 +319,8 @@ def feddm_round(
   synthetic = state.synthetic
   if config.synthetic_init == "real":
     x = jax.vmap(real_images, in_axes=(0, 0, 0, 0, None))(
-        jax.random.split(k_init, num), clients, synthetic.y, synthetic.mask, config.ipc)
+      jax.random.split(k_init, num), clients, synthetic.y, synthetic.mask, config.ipc
+    )
   else:
     x = noise_images(k_init, synthetic.mask, synthetic.x.shape[2:])
   synthetic = synthetic._replace(x=x)
@@ -303,24 +330,45 @@ def feddm_round(
     return distribution_match(k, embed_fn, params, syn, data, config)
 
   synthetic, client_metrics = run_clients(
-      run, (jax.random.split(k_clients, num), synthetic, clients), replicated=(state.params,),
-      client_backend=client_backend, mesh=mesh)
+    run,
+    (jax.random.split(k_clients, num), synthetic, clients),
+    replicated=(state.params,),
+    client_backend=client_backend,
+    mesh=mesh,
+  )
   params, server_metrics = global_update(
-      k_server, apply_fn, state.params, synthetic,
-      client_weights(config.server.weighting, record_counts(clients)), jnp.inf,
-      learning_rate=config.learning_rate, config=config.server)
-  return (FedDMState(params, synthetic, state.round + 1, key),
-          FedDMRoundMetrics(client_metrics, server_metrics.epochs, server_metrics.steps,
-                            server_metrics.distance))
+    k_server,
+    apply_fn,
+    state.params,
+    synthetic,
+    client_weights(config.server.weighting, record_counts(clients)),
+    jnp.inf,
+    learning_rate=config.learning_rate,
+    config=config.server,
+  )
+  return (
+    FedDMState(params, synthetic, state.round + 1, key),
+    FedDMRoundMetrics(
+      client_metrics, server_metrics.epochs, server_metrics.steps, server_metrics.distance
+    ),
+  )
 
 
-_round_jit = jax.jit(feddm_round, static_argnames=("apply_fn", "embed_fn", "config",
-                                                   "client_backend", "mesh"))
+_round_jit = jax.jit(
+  feddm_round, static_argnames=("apply_fn", "embed_fn", "config", "client_backend", "mesh")
+)
 
 
-def algorithm(apply_fn: ApplyFn, embed_fn: EmbedFn, config: FedDMConfig, *,
-              image_shape: tuple[int, ...], max_classes_per_client: int,
-              client_backend: str = "auto", mesh: Any = None) -> FederatedAlgorithm:
+def algorithm(
+  apply_fn: ApplyFn,
+  embed_fn: EmbedFn,
+  config: FedDMConfig,
+  *,
+  image_shape: tuple[int, ...],
+  max_classes_per_client: int,
+  client_backend: str = "auto",
+  mesh: Any = None,
+) -> FederatedAlgorithm:
   """FedDM as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
 
   Upload per client and round: ``ipc * max_classes_per_client * prod(image_shape)``
@@ -332,16 +380,22 @@ def algorithm(apply_fn: ApplyFn, embed_fn: EmbedFn, config: FedDMConfig, *,
   require(isinstance(config, FedDMConfig), "config", config, "a FedDMConfig")
   one_of("client_backend", client_backend, CLIENT_BACKENDS)
   upload = int(config.ipc * max_classes_per_client * np.prod(image_shape))
-  round_fn = functools.partial(_round_jit, apply_fn=apply_fn, embed_fn=embed_fn, config=config,
-                               client_backend=client_backend, mesh=mesh)
+  round_fn = functools.partial(
+    _round_jit,
+    apply_fn=apply_fn,
+    embed_fn=embed_fn,
+    config=config,
+    client_backend=client_backend,
+    mesh=mesh,
+  )
   return FederatedAlgorithm(
-      name="feddm",
-      init=lambda key, params, clients: init_feddm_state(key, params, clients, config),
-      round=place_inputs(round_fn, client_backend, mesh),
-      params_of=lambda state: state.params,
-      upload_floats_per_client=upload,
-      dp=None,
-      mechanism=None,
-      batch_size=config.batch_size,
-      client_state_fields=("synthetic",),
+    name="feddm",
+    init=lambda key, params, clients: init_feddm_state(key, params, clients, config),
+    round=place_inputs(round_fn, client_backend, mesh),
+    params_of=lambda state: state.params,
+    upload_floats_per_client=upload,
+    dp=None,
+    mechanism=None,
+    batch_size=config.batch_size,
+    client_state_fields=("synthetic",),
   )

@@ -31,8 +31,13 @@ from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import LocalApproxMetrics, client_step, shared_family_key
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, FedLAPConfig
-from fedlap_jax.dispatch import (VMAP_AXIS, place_inputs, record_counts, resolve_client_backend,
-                                 run_clients)
+from fedlap_jax.dispatch import (
+  VMAP_AXIS,
+  place_inputs,
+  record_counts,
+  resolve_client_backend,
+  run_clients,
+)
 from fedlap_jax.server import ServerMetrics, server_step
 from fedlap_jax.synthetic import initial_synthetic
 from fedlap_jax.training import cosine_learning_rate
@@ -66,10 +71,7 @@ class RoundMetrics(NamedTuple):
 
 
 def init_state(
-    key: jax.Array,
-    params: PyTree,
-    clients: ClientData,
-    config: FedLAPConfig,
+  key: jax.Array, params: PyTree, clients: ClientData, config: FedLAPConfig
 ) -> FedLAPState:
   """The state before round 1.
 
@@ -82,17 +84,23 @@ def init_state(
       ``"real"``, a client has fewer than ``ipc`` records of one of its classes.
   """
   if config.dp is not None and config.synthetic_init != "noise":
-    raise ConfigError("synthetic_init", config.synthetic_init,
-                      "'noise' (real images must not be published)",
-                      message=f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
-                      "allowed: 'noise' (real images must not be published)")
+    raise ConfigError(
+      "synthetic_init",
+      config.synthetic_init,
+      "'noise' (real images must not be published)",
+      message=f"synthetic_init={config.synthetic_init!r} is invalid with DP on; "
+      "allowed: 'noise' (real images must not be published)",
+    )
   sizes = [int(np.sum(m)) for m in np.asarray(clients.mask)]
   if config.client.batch_size > min(sizes):
     raise ConfigError(
-        "batch_size", config.client.batch_size, "batch_size <= the smallest client", message=
-        f"batch_size={config.client.batch_size} is invalid: client {int(np.argmin(sizes))} has"
-        f" only {min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson"
-        " rate q = batch_size / N_k must be <= 1)")
+      "batch_size",
+      config.client.batch_size,
+      "batch_size <= the smallest client",
+      message=f"batch_size={config.client.batch_size} is invalid: client {int(np.argmin(sizes))} has"
+      f" only {min(sizes)} records; allowed: batch_size <= the smallest client (the Poisson"
+      " rate q = batch_size / N_k must be <= 1)",
+    )
   synthetic, k_state = initial_synthetic(key, clients, config.client.ipc, config.synthetic_init)
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
 
@@ -112,11 +120,15 @@ def round_learning_rates(round_index, config: FedLAPConfig) -> RoundRates:
   ``server``: the same schedule of ``config.server.learning_rate`` when set,
   else ``eta_m`` itself (the paper: clients and server share one schedule).
   """
-  client = cosine_learning_rate(round_index, config.rounds, config.learning_rate,
-                                schedule=config.lr_schedule)
+  client = cosine_learning_rate(
+    round_index, config.rounds, config.learning_rate, schedule=config.lr_schedule
+  )
   base = config.server.learning_rate
-  server = client if base is None else cosine_learning_rate(
-      round_index, config.rounds, base, schedule=config.lr_schedule)
+  server = (
+    client
+    if base is None
+    else cosine_learning_rate(round_index, config.rounds, base, schedule=config.lr_schedule)
+  )
   return RoundRates(client, server)
 
 
@@ -126,13 +138,13 @@ def server_learning_rate(round_index, config: FedLAPConfig):
 
 
 def fedlap_round(
-    state: FedLAPState,
-    clients: ClientData,
-    *,
-    apply_fn: Callable,
-    config: FedLAPConfig,
-    client_backend: str = "auto",
-    mesh: Any = None,
+  state: FedLAPState,
+  clients: ClientData,
+  *,
+  apply_fn: Callable,
+  config: FedLAPConfig,
+  client_backend: str = "auto",
+  mesh: Any = None,
 ) -> tuple[FedLAPState, RoundMetrics]:
   """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
 
@@ -165,8 +177,7 @@ def fedlap_round(
   rates = round_learning_rates(m, config)
   key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
   num_clients = clients.mask.shape[0]
-  init_keys = (jax.random.split(k_init, num_clients) if config.synthetic_init == "real"
-               else None)
+  init_keys = jax.random.split(k_init, num_clients) if config.synthetic_init == "real" else None
 
   # Side by side (vmap), the clients' loops run with a shared counter and masks.
   client_backend = resolve_client_backend(client_backend, side_by_side=True)
@@ -174,22 +185,48 @@ def fedlap_round(
 
   def run(args, params, lr, family_key):
     k, syn, data, k_real = args
-    return client_step(k, apply_fn, params, syn, data, config, learning_rate=lr,
-                       family_key=family_key, init_key=k_real, client_axis=client_axis)
+    return client_step(
+      k,
+      apply_fn,
+      params,
+      syn,
+      data,
+      config,
+      learning_rate=lr,
+      family_key=family_key,
+      init_key=k_real,
+      client_axis=client_axis,
+    )
 
   args = (jax.random.split(k_clients, num_clients), state.synthetic, clients, init_keys)
   updates, client_metrics = run_clients(
-      run, args, replicated=(state.params, rates.client, shared_family_key(k_clients)),
-      client_backend=client_backend, mesh=mesh)
-  params, server_metrics = server_step(k_server, apply_fn, state.params, updates, config,
-                                       learning_rate=rates.server,
-                                       num_records=record_counts(clients))
+    run,
+    args,
+    replicated=(state.params, rates.client, shared_family_key(k_clients)),
+    client_backend=client_backend,
+    mesh=mesh,
+  )
+  params, server_metrics = server_step(
+    k_server,
+    apply_fn,
+    state.params,
+    updates,
+    config,
+    learning_rate=rates.server,
+    num_records=record_counts(clients),
+  )
   new_state = FedLAPState(params, updates.synthetic, m, key)
   return new_state, RoundMetrics(client_metrics, updates.radius, server_metrics, rates.client)
 
 
-def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: str = "auto",
-                  mesh: Any = None, donate_state: bool = False):
+def make_round_fn(
+  apply_fn: Callable,
+  config: FedLAPConfig,
+  *,
+  client_backend: str = "auto",
+  mesh: Any = None,
+  donate_state: bool = False,
+):
   """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``.
 
   ``donate_state=True`` donates the input state's buffers to the output
@@ -198,28 +235,37 @@ def make_round_fn(apply_fn: Callable, config: FedLAPConfig, *, client_backend: s
   returned one). ``mesh`` is for ``client_backend="shard"``; the round then
   places its inputs on the mesh itself (:func:`place_inputs`).
   """
-  round_fn = jax.jit(functools.partial(fedlap_round, apply_fn=apply_fn, config=config,
-                                       client_backend=client_backend, mesh=mesh),
-                     donate_argnums=(0,) if donate_state else ())
+  round_fn = jax.jit(
+    functools.partial(
+      fedlap_round, apply_fn=apply_fn, config=config, client_backend=client_backend, mesh=mesh
+    ),
+    donate_argnums=(0,) if donate_state else (),
+  )
   return place_inputs(round_fn, client_backend, mesh)
 
 
 # One jit shared by every FedLAP algorithm built here: runs with equal configs (and
 # the same ``apply_fn`` object) share one compilation; a run compiles once.
-_round_jit = jax.jit(fedlap_round,
-                     static_argnames=("apply_fn", "config", "client_backend", "mesh"))
+_round_jit = jax.jit(fedlap_round, static_argnames=("apply_fn", "config", "client_backend", "mesh"))
 
 
 def dp_mechanism(client: ClientConfig) -> accounting.DpMechanism | None:
   """FedLAP-DP's mechanism: ``T = R_i * max_outer * batch_loop`` noisy real batches of
   expected size ``B`` per round (Algorithm 3); ``None`` without DP."""
-  return _mechanism(client.dp, batch_size=client.batch_size,
-                    steps_per_round=client.real_accesses_per_round)
+  return _mechanism(
+    client.dp, batch_size=client.batch_size, steps_per_round=client.real_accesses_per_round
+  )
 
 
-def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[int, ...],
-              max_classes_per_client: int, client_backend: str = "auto",
-              mesh: Any = None) -> FederatedAlgorithm:
+def algorithm(
+  apply_fn: Callable,
+  config: FedLAPConfig,
+  *,
+  image_shape: tuple[int, ...],
+  max_classes_per_client: int,
+  client_backend: str = "auto",
+  mesh: Any = None,
+) -> FederatedAlgorithm:
   """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
 
   ``round`` is the module's one jit of :func:`fedlap_round` with ``apply_fn``,
@@ -233,16 +279,17 @@ def algorithm(apply_fn: Callable, config: FedLAPConfig, *, image_shape: tuple[in
   """
   cc = config.client
   upload = int(cc.ipc * max_classes_per_client * np.prod(image_shape))
-  round_fn = functools.partial(_round_jit, apply_fn=apply_fn, config=config,
-                               client_backend=client_backend, mesh=mesh)
+  round_fn = functools.partial(
+    _round_jit, apply_fn=apply_fn, config=config, client_backend=client_backend, mesh=mesh
+  )
   return FederatedAlgorithm(
-      name="fedlap_dp" if cc.dp is not None else "fedlap",
-      init=lambda key, params, clients: init_state(key, params, clients, config),
-      round=place_inputs(round_fn, client_backend, mesh),
-      params_of=lambda state: state.params,
-      upload_floats_per_client=upload,
-      dp=cc.dp,
-      mechanism=dp_mechanism(cc),
-      batch_size=cc.batch_size,
-      client_state_fields=("synthetic",),
+    name="fedlap_dp" if cc.dp is not None else "fedlap",
+    init=lambda key, params, clients: init_state(key, params, clients, config),
+    round=place_inputs(round_fn, client_backend, mesh),
+    params_of=lambda state: state.params,
+    upload_floats_per_client=upload,
+    dp=cc.dp,
+    mechanism=dp_mechanism(cc),
+    batch_size=cc.batch_size,
+    client_state_fields=("synthetic",),
   )

@@ -20,11 +20,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def masked_mean_loss(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    weights: jax.Array | None = None,
+  apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array, weights: jax.Array | None = None
 ) -> jax.Array:
   """Mean cross-entropy of ``apply_fn(params, x)`` weighted by ``weights``.
 

@@ -59,8 +59,9 @@ def rows_of(g: jax.Array, row_axis: int | None = -1) -> jax.Array:
   return jnp.moveaxis(g, row_axis, 0).reshape(g.shape[row_axis], -1)
 
 
-def layer_distance(g_real: jax.Array, g_syn: jax.Array, row_axis: int | None = -1,
-                   row_reduction: str = "mean") -> jax.Array:
+def layer_distance(
+  g_real: jax.Array, g_syn: jax.Array, row_axis: int | None = -1, row_reduction: str = "mean"
+) -> jax.Array:
   """Mean (or sum) over output units of ``1 - cos`` between two gradients of one tensor.
 
   ``cos = <a, b> / (|a| |b| + 1e-8)`` per row, as in the dataset-condensation
@@ -82,13 +83,13 @@ def layer_distance(g_real: jax.Array, g_syn: jax.Array, row_axis: int | None = -
 
 
 def matching_distance(
-    g_real: PyTree,
-    g_syn: PyTree,
-    *,
-    mse_weight: float | jax.Array = 0.0,
-    row_axis: int | None | PyTree = -1,
-    row_reduction: str = "mean",
-    include_vectors: bool = True,
+  g_real: PyTree,
+  g_syn: PyTree,
+  *,
+  mse_weight: float | jax.Array = 0.0,
+  row_axis: int | None | PyTree = -1,
+  row_reduction: str = "mean",
+  include_vectors: bool = True,
 ) -> jax.Array:
   """``L_dis(g_real, g_syn)``: layer-wise cosine distance plus ``lambda`` MSE.
 
@@ -118,16 +119,24 @@ def matching_distance(
   reals, syns = jax.tree.leaves(g_real), jax.tree.leaves(g_syn)
   if len(reals) != len(syns) or len(axes) != len(reals):
     raise ValueError(
-        f"gradient pytrees differ: {len(reals)} real leaves, {len(syns)} synthetic"
-        f" leaves, {len(axes)} row axes")
-  cosine = sum((layer_distance(a, b, ax, row_reduction) for a, b, ax in zip(reals, syns, axes)
-                if include_vectors or a.ndim >= 2), jnp.float32(0.0))
+      f"gradient pytrees differ: {len(reals)} real leaves, {len(syns)} synthetic"
+      f" leaves, {len(axes)} row axes"
+    )
+  cosine = sum(
+    (
+      layer_distance(a, b, ax, row_reduction)
+      for a, b, ax in zip(reals, syns, axes)
+      if include_vectors or a.ndim >= 2
+    ),
+    jnp.float32(0.0),
+  )
   mse = sum(jnp.sum((b - a) ** 2) for a, b in zip(reals, syns))
   return cosine + mse_weight * mse
 
 
-def mean_embedding_distance(real: PyTree, syn: PyTree, real_weights: jax.Array,
-                            syn_weights: jax.Array) -> jax.Array:
+def mean_embedding_distance(
+  real: PyTree, syn: PyTree, real_weights: jax.Array, syn_weights: jax.Array
+) -> jax.Array:
   """Distribution matching: ``sum_leaves || mean_w real - mean_w syn ||^2``.
 
   Args:
@@ -141,38 +150,44 @@ def mean_embedding_distance(real: PyTree, syn: PyTree, real_weights: jax.Array,
     A scalar, the squared Euclidean distance between the weighted means summed
     over the leaves (each leaf's non-example axes flattened).
   """
+
   def mean(e, w):
     w = w.astype(e.dtype).reshape(-1, *([1] * (e.ndim - 1)))
     return jnp.sum(w * e, axis=0) / jnp.maximum(jnp.sum(w), 1e-12)
 
   reals, syns = jax.tree.leaves(real), jax.tree.leaves(syn)
   if len(reals) != len(syns):
-    raise ValueError(f"embedding pytrees differ: {len(reals)} real leaves, {len(syns)} "
-                     "synthetic leaves")
-  return sum((jnp.sum(jnp.square(mean(a, real_weights) - mean(b, syn_weights)))
-              for a, b in zip(reals, syns)), jnp.float32(0.0))
+    raise ValueError(
+      f"embedding pytrees differ: {len(reals)} real leaves, {len(syns)} synthetic leaves"
+    )
+  return sum(
+    (
+      jnp.sum(jnp.square(mean(a, real_weights) - mean(b, syn_weights))) for a, b in zip(reals, syns)
+    ),
+    jnp.float32(0.0),
+  )
 
 
-def synthetic_gradient(apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet,
-                       x: jax.Array | None = None) -> PyTree:
+def synthetic_gradient(
+  apply_fn: ApplyFn, params: PyTree, synthetic: SyntheticSet, x: jax.Array | None = None
+) -> PyTree:
   """Gradient of the mean loss on the synthetic set (images ``x`` if given)."""
   x = synthetic.x if x is None else x
-  return privacy.real_gradient(apply_fn, params, x, synthetic.y,
-                               jnp.logical_not(synthetic.mask))
+  return privacy.real_gradient(apply_fn, params, x, synthetic.y, jnp.logical_not(synthetic.mask))
 
 
 def matching_step(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    g_real: PyTree,
-    aug_key: jax.Array,
-    *,
-    dsa_strategy: str,
-    mse_weight,
-    family_key: jax.Array | None = None,
-    row_reduction: str = "mean",
-    include_vectors: bool = True,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  g_real: PyTree,
+  aug_key: jax.Array,
+  *,
+  dsa_strategy: str,
+  mse_weight,
+  family_key: jax.Array | None = None,
+  row_reduction: str = "mean",
+  include_vectors: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """``L_dis`` and its gradient with respect to the synthetic images (grad of grad).
 
@@ -188,9 +203,15 @@ def matching_step(
   augment = dsa.make_augment_fn(dsa_strategy)
 
   def loss_fn(x):
-    g_syn = synthetic_gradient(apply_fn, params, synthetic,
-                               augment(aug_key, x, family_key=family_key))
-    return matching_distance(g_real, g_syn, mse_weight=mse_weight,
-                             row_reduction=row_reduction, include_vectors=include_vectors)
+    g_syn = synthetic_gradient(
+      apply_fn, params, synthetic, augment(aug_key, x, family_key=family_key)
+    )
+    return matching_distance(
+      g_real,
+      g_syn,
+      mse_weight=mse_weight,
+      row_reduction=row_reduction,
+      include_vectors=include_vectors,
+    )
 
   return jax.value_and_grad(loss_fn)(synthetic.x)

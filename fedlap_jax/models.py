@@ -50,12 +50,12 @@ _NHWC = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
 
 
 def im2col_patches(
-    x: jax.Array,
-    kernel_hw: tuple[int, int],
-    *,
-    strides: tuple[int, int] = (1, 1),
-    dilation: tuple[int, int] = (1, 1),
-    padding: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0)),
+  x: jax.Array,
+  kernel_hw: tuple[int, int],
+  *,
+  strides: tuple[int, int] = (1, 1),
+  dilation: tuple[int, int] = (1, 1),
+  padding: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0)),
 ) -> jax.Array:
   """Image patches ``(N, H_out, W_out, kh * kw * C)`` of NHWC images.
 
@@ -67,17 +67,35 @@ def im2col_patches(
   ho = (xp.shape[1] - (kh - 1) * dilation[0] - 1) // strides[0] + 1
   wo = (xp.shape[2] - (kw - 1) * dilation[1] - 1) // strides[1] + 1
   cols = [
-      lax.slice(xp, (0, u * dilation[0], v * dilation[1], 0),
-                (xp.shape[0], u * dilation[0] + (ho - 1) * strides[0] + 1,
-                 v * dilation[1] + (wo - 1) * strides[1] + 1, xp.shape[3]),
-                (1, strides[0], strides[1], 1))
-      for u in range(kh) for v in range(kw)
+    lax.slice(
+      xp,
+      (0, u * dilation[0], v * dilation[1], 0),
+      (
+        xp.shape[0],
+        u * dilation[0] + (ho - 1) * strides[0] + 1,
+        v * dilation[1] + (wo - 1) * strides[1] + 1,
+        xp.shape[3],
+      ),
+      (1, strides[0], strides[1], 1),
+    )
+    for u in range(kh)
+    for v in range(kw)
   ]
   return cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
 
 
-def conv_im2col(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-                dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
+def conv_im2col(
+  lhs,
+  rhs,
+  window_strides,
+  padding,
+  lhs_dilation=None,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  feature_group_count=1,
+  precision=None,
+  **kwargs,
+):
   """``lax.conv_general_dilated`` for 2-D NHWC/HWIO convolutions as a patch matmul.
 
   A drop-in ``conv_general_dilated`` for ``nn.Conv``: the same function, but
@@ -87,23 +105,42 @@ def conv_im2col(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilati
   else (other layouts, feature groups, input dilation, string padding) goes
   to ``lax.conv_general_dilated`` unchanged.
   """
+
   def canon(v):
     return (1, 1) if v is None else tuple(v)
 
   dn = dimension_numbers
-  if (lhs.ndim != 4 or rhs.ndim != 4 or feature_group_count != 1 or kwargs
-      or canon(lhs_dilation) != (1, 1) or isinstance(padding, str)
-      or not (dn == _NHWC or dn == ("NHWC", "HWIO", "NHWC"))):
+  if (
+    lhs.ndim != 4
+    or rhs.ndim != 4
+    or feature_group_count != 1
+    or kwargs
+    or canon(lhs_dilation) != (1, 1)
+    or isinstance(padding, str)
+    or not (dn == _NHWC or dn == ("NHWC", "HWIO", "NHWC"))
+  ):
     return lax.conv_general_dilated(
-        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
-        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-        feature_group_count=feature_group_count, precision=precision, **kwargs)
+      lhs,
+      rhs,
+      window_strides,
+      padding,
+      lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation,
+      dimension_numbers=dimension_numbers,
+      feature_group_count=feature_group_count,
+      precision=precision,
+      **kwargs,
+    )
   kh, kw, c, o = rhs.shape
-  patches = im2col_patches(lhs, (kh, kw), strides=canon(window_strides),
-                           dilation=canon(rhs_dilation), padding=tuple(padding))
+  patches = im2col_patches(
+    lhs,
+    (kh, kw),
+    strides=canon(window_strides),
+    dilation=canon(rhs_dilation),
+    padding=tuple(padding),
+  )
   n, ho, wo, k = patches.shape
-  out = jnp.dot(patches.reshape(n * ho * wo, k), rhs.reshape(kh * kw * c, o),
-                precision=precision)
+  out = jnp.dot(patches.reshape(n * ho * wo, k), rhs.reshape(kh * kw * c, o), precision=precision)
   return out.reshape(n, ho, wo, o)
 
 
@@ -115,16 +152,22 @@ def _col2im(dpatches: jax.Array, x_shape, kernel_hw, padding) -> jax.Array:
   ho, wo = dpatches.shape[1:3]
   hp, wp = h + pt + pb, w + pl + pr
   d = dpatches.reshape(n, ho, wo, kh * kw, c)
-  out = cast(jax.Array, sum(jnp.pad(d[:, :, :, u * kw + v, :],
-                                    ((0, 0), (u, hp - ho - u), (v, wp - wo - v), (0, 0)))
-                            for u in range(kh) for v in range(kw)))
-  return out[:, pt:pt + h, pl:pl + w, :]
+  out = cast(
+    jax.Array,
+    sum(
+      jnp.pad(d[:, :, :, u * kw + v, :], ((0, 0), (u, hp - ho - u), (v, wp - wo - v), (0, 0)))
+      for u in range(kh)
+      for v in range(kw)
+    ),
+  )
+  return out[:, pt : pt + h, pl : pl + w, :]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _conv_hybrid(x: jax.Array, kernel: jax.Array, padding) -> jax.Array:
-  return lax.conv_general_dilated(x, kernel, (1, 1), padding,
-                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return lax.conv_general_dilated(
+    x, kernel, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 def _conv_hybrid_fwd(x, kernel, padding):
@@ -145,8 +188,18 @@ def _conv_hybrid_bwd(padding, residuals, g):
 _conv_hybrid.defvjp(_conv_hybrid_fwd, _conv_hybrid_bwd)
 
 
-def conv_hybrid(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-                dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
+def conv_hybrid(
+  lhs,
+  rhs,
+  window_strides,
+  padding,
+  lhs_dilation=None,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  feature_group_count=1,
+  precision=None,
+  **kwargs,
+):
   """``lax.conv_general_dilated`` with XLA's forward and an im2col-matmul backward.
 
   A drop-in ``conv_general_dilated`` for ``nn.Conv`` (stride 1, no dilation,
@@ -155,17 +208,35 @@ def conv_hybrid(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilati
   are matrix products on patches; forward-mode differentiation (``jvp``) is
   not defined for it.
   """
+
   def canon(v):
     return (1, 1) if v is None else tuple(v)
 
   dn = dimension_numbers
-  if (lhs.ndim != 4 or rhs.ndim != 4 or feature_group_count != 1 or kwargs
-      or precision is not None or canon(lhs_dilation) != (1, 1)
-      or canon(rhs_dilation) != (1, 1) or canon(window_strides) != (1, 1)
-      or isinstance(padding, str) or not (dn == _NHWC or dn == ("NHWC", "HWIO", "NHWC"))):
-    return conv_im2col(lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
-                       rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-                       feature_group_count=feature_group_count, precision=precision, **kwargs)
+  if (
+    lhs.ndim != 4
+    or rhs.ndim != 4
+    or feature_group_count != 1
+    or kwargs
+    or precision is not None
+    or canon(lhs_dilation) != (1, 1)
+    or canon(rhs_dilation) != (1, 1)
+    or canon(window_strides) != (1, 1)
+    or isinstance(padding, str)
+    or not (dn == _NHWC or dn == ("NHWC", "HWIO", "NHWC"))
+  ):
+    return conv_im2col(
+      lhs,
+      rhs,
+      window_strides,
+      padding,
+      lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation,
+      dimension_numbers=dimension_numbers,
+      feature_group_count=feature_group_count,
+      precision=precision,
+      **kwargs,
+    )
   return _conv_hybrid(lhs, rhs, tuple(tuple(int(q) for q in p) for p in padding))
 
 
@@ -251,8 +322,9 @@ class ConvNet(nn.Module):
     fast = impl != "flax"
     conv = {"flax": None, "im2col": conv_im2col, "hybrid": conv_hybrid}[impl]
     for i in range(self.depth):
-      x = nn.Conv(self.width, (3, 3), padding=1, use_bias=self.conv_bias,
-                  conv_general_dilated=conv)(x)
+      x = nn.Conv(
+        self.width, (3, 3), padding=1, use_bias=self.conv_bias, conv_general_dilated=conv
+      )(x)
       if self.norm == "instance" and fast:
         x = InstanceNorm(epsilon=1e-5, name=f"GroupNorm_{i}")(x)
       elif self.norm == "instance":
@@ -292,18 +364,19 @@ def count_params(params: Any) -> int:
 
 
 def init_convnet(
-    key: jax.Array,
-    image_shape: tuple[int, int, int],
-    num_classes: int = 10,
-    *,
-    width: int = 128,
-    depth: int = 3,
-    norm: str = "instance",
-    impl: str = "auto",
-    conv_bias: bool = True,
+  key: jax.Array,
+  image_shape: tuple[int, int, int],
+  num_classes: int = 10,
+  *,
+  width: int = 128,
+  depth: int = 3,
+  norm: str = "instance",
+  impl: str = "auto",
+  conv_bias: bool = True,
 ) -> tuple[ConvNet, Any]:
   """Builds a ConvNet and its parameters for images of ``image_shape`` (H, W, C)."""
-  model = ConvNet(num_classes=num_classes, width=width, depth=depth, norm=norm, impl=impl,
-                  conv_bias=conv_bias)
+  model = ConvNet(
+    num_classes=num_classes, width=width, depth=depth, norm=norm, impl=impl, conv_bias=conv_bias
+  )
   params = model.init(key, jnp.zeros((1, *image_shape), jnp.float32))["params"]
   return model, params

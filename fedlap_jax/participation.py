@@ -49,8 +49,9 @@ from fedlap_jax.client_data import ClientData
 SAMPLING_STREAM = 0x5A3
 
 
-def check_clients_per_round(clients_per_round: Any, num_clients: int,
-                            field: str = "data.clients_per_round") -> int | None:
+def check_clients_per_round(
+  clients_per_round: Any, num_clients: int, field: str = "data.clients_per_round"
+) -> int | None:
   """``clients_per_round`` validated against ``K = num_clients``.
 
   Returns:
@@ -61,16 +62,22 @@ def check_clients_per_round(clients_per_round: Any, num_clients: int,
   """
   if clients_per_round is None:
     return None
-  if (isinstance(clients_per_round, bool) or not isinstance(clients_per_round, (int, np.integer))
-      or not 1 <= clients_per_round <= num_clients):
-    raise ConfigError(field, clients_per_round,
-                      f"None (every client) or an integer in 1..{num_clients} (K, the "
-                      "number of clients)")
+  if (
+    isinstance(clients_per_round, bool)
+    or not isinstance(clients_per_round, (int, np.integer))
+    or not 1 <= clients_per_round <= num_clients
+  ):
+    raise ConfigError(
+      field,
+      clients_per_round,
+      f"None (every client) or an integer in 1..{num_clients} (K, the number of clients)",
+    )
   return int(clients_per_round)
 
 
-def sample_clients(seed: int, round_index: int, num_clients: int,
-                   clients_per_round: int | None) -> np.ndarray:
+def sample_clients(
+  seed: int, round_index: int, num_clients: int, clients_per_round: int | None
+) -> np.ndarray:
   """The clients taking part in round ``round_index`` (1-based), sorted.
 
   Uniform without replacement; a pure function of ``(seed, round_index)``.
@@ -117,8 +124,7 @@ def _put(tree, idx, sub):
   return jax.tree.map(lambda a, b: a.at[idx].set(b), tree, sub)
 
 
-def sampled_round(alg: FederatedAlgorithm, state: Any, block: ClientData,
-                  idx) -> tuple[Any, Any]:
+def sampled_round(alg: FederatedAlgorithm, state: Any, block: ClientData, idx) -> tuple[Any, Any]:
   """One round of ``alg`` over the sampled clients ``idx`` only.
 
   Args:

@@ -112,8 +112,9 @@ class LayerCall:
   patches: bool = False
 
   def apply(self, params: PyTree, x: jax.Array) -> jax.Array:
-    return cast(jax.Array, self.module.apply({"params": params}, x, method=self.method,
-                                             **dict(self.kwargs)))
+    return cast(
+      jax.Array, self.module.apply({"params": params}, x, method=self.method, **dict(self.kwargs))
+    )
 
 
 def _is_array(v) -> bool:
@@ -132,8 +133,10 @@ def _own_params(module: nn.Module):
     return None
   other = [c for c in module.variables if c != "params"]
   if other:
-    raise Unsupported(f"module {module.path} has non-parameter variables {other} "
-                      "(e.g. BatchNorm statistics), which mix examples")
+    raise Unsupported(
+      f"module {module.path} has non-parameter variables {other} "
+      "(e.g. BatchNorm statistics), which mix examples"
+    )
   return own
 
 
@@ -144,12 +147,16 @@ def _conv_rule_applies(module: nn.Module, x: jax.Array, params: dict) -> bool:
   if x.ndim != 4 or k.ndim != 4 or x.dtype != jnp.float32 or k.dtype != jnp.float32:
     return False
   ones = (None, 1, (1, 1), [1, 1])
-  if (module.feature_group_count != 1 or module.input_dilation not in ones
-      or module.mask is not None or module.dtype not in (None, jnp.float32)
-      or module.conv_general_dilated not in (None, lax.conv_general_dilated,
-                                             models.conv_im2col, models.conv_hybrid)
-      or getattr(module, "conv_general_dilated_cls", None) is not None
-      or module.precision is not None):
+  if (
+    module.feature_group_count != 1
+    or module.input_dilation not in ones
+    or module.mask is not None
+    or module.dtype not in (None, jnp.float32)
+    or module.conv_general_dilated
+    not in (None, lax.conv_general_dilated, models.conv_im2col, models.conv_hybrid)
+    or getattr(module, "conv_general_dilated_cls", None) is not None
+    or module.precision is not None
+  ):
     return False
   padding = nn.linear.canonicalize_padding(module.padding, 2)
   return not (isinstance(padding, str) and padding not in ("SAME", "VALID", "SAME_LOWER"))
@@ -158,11 +165,15 @@ def _conv_rule_applies(module: nn.Module, x: jax.Array, params: dict) -> bool:
 def _dense_rule_applies(module: nn.Module, x: jax.Array, params: dict) -> bool:
   if type(module) is not nn.Dense or set(params) - {"kernel", "bias"}:
     return False
-  return (params["kernel"].ndim == 2 and x.dtype == jnp.float32
-          and params["kernel"].dtype == jnp.float32
-          and module.dtype in (None, jnp.float32) and module.precision is None
-          and module.dot_general is None
-          and getattr(module, "dot_general_cls", None) is None)
+  return (
+    params["kernel"].ndim == 2
+    and x.dtype == jnp.float32
+    and params["kernel"].dtype == jnp.float32
+    and module.dtype in (None, jnp.float32)
+    and module.precision is None
+    and module.dot_general is None
+    and getattr(module, "dot_general_cls", None) is None
+  )
 
 
 class _Tracer:
@@ -195,16 +206,27 @@ class _Tracer:
     flat, treedef = jax.tree.flatten(own)
     leaves = tuple(self.ids.get(id(v), -1) for v in flat)
     if -1 in leaves:
-      raise Unsupported(f"parameters of {module.path} are not leaves of the params "
-                        "given to apply_fn (apply_fn transforms them)")
-    if len(args) != 1 or not _is_array(args[0]) or any(
-        _is_array(v) for v in jax.tree.leaves(kwargs)):
+      raise Unsupported(
+        f"parameters of {module.path} are not leaves of the params "
+        "given to apply_fn (apply_fn transforms them)"
+      )
+    if (
+      len(args) != 1 or not _is_array(args[0]) or any(_is_array(v) for v in jax.tree.leaves(kwargs))
+    ):
       raise Unsupported(f"{module.path}.{context.method_name} takes other than one array")
     x = args[0]
     index = len(self.found) if self.calls is None else len(self.inputs)
     unbound = module.unbind()[0]
-    call = LayerCall(unbound, context.method_name, tuple(sorted(kwargs.items())), leaves,
-                     treedef, "generic", (), None)
+    call = LayerCall(
+      unbound,
+      context.method_name,
+      tuple(sorted(kwargs.items())),
+      leaves,
+      treedef,
+      "generic",
+      (),
+      None,
+    )
     own_shadow = jax.tree.unflatten(treedef, [self.shadow[i] for i in leaves])
     spec = None if self.calls is None else self.calls[index]
     if spec is not None and spec.patches:
@@ -225,9 +247,15 @@ class _Tracer:
           rule = "dense"
         elif _conv_rule_applies(module, x, own):
           rule = "conv"
-      self.found.append(dataclasses.replace(
-          call, rule=rule, out_shape=tuple(out.shape), out_dtype=out.dtype,
-          patches=rule == "conv" and module.conv_general_dilated is models.conv_im2col))
+      self.found.append(
+        dataclasses.replace(
+          call,
+          rule=rule,
+          out_shape=tuple(out.shape),
+          out_dtype=out.dtype,
+          patches=rule == "conv" and module.conv_general_dilated is models.conv_im2col,
+        )
+      )
     else:
       self.inputs.append(patches if spec.patches else x)
       out = out + self.perturbations[index]
@@ -327,8 +355,9 @@ def _conv_pads(module: nn.Conv, x: jax.Array, kernel: jax.Array):
 def _patches(module: nn.Conv, x: jax.Array, kernel: jax.Array) -> jax.Array:
   """im2col patches ``(N, H_out, W_out, kh kw C)`` of a conv layer's input."""
   strides, dil, pads = _conv_pads(module, x, kernel)
-  return models.im2col_patches(x, (kernel.shape[0], kernel.shape[1]), strides=strides,
-                               dilation=dil, padding=pads)
+  return models.im2col_patches(
+    x, (kernel.shape[0], kernel.shape[1]), strides=strides, dilation=dil, padding=pads
+  )
 
 
 def _conv_from_patches(patches: jax.Array, params: dict) -> jax.Array:
@@ -351,8 +380,7 @@ class _Layer:
   which instead provide ``ghost_sqnorm`` ``(N,)`` and ``ghost_sum(scale)``.
   """
 
-  def __init__(self, call: LayerCall, params: dict, a: jax.Array, g: jax.Array,
-               allow_ghost: bool):
+  def __init__(self, call: LayerCall, params: dict, a: jax.Array, g: jax.Array, allow_ghost: bool):
     self.call, self.params, self.a, self.g = call, params, a, g
     self.materialised = None
     self.ghost_sqnorm = None
@@ -374,8 +402,9 @@ class _Layer:
         gram_a = jnp.einsum("npk,nqk->npq", self.a, self.a)
         gram_g = jnp.einsum("npo,nqo->npq", self.g, self.g)
         gn = jnp.sum(gram_g, axis=(1, 2))
-        self.ghost_sqnorm = (jnp.sum(gram_a * gram_g, axis=(1, 2))
-                             + (gn if "bias" in params else 0.0))
+        self.ghost_sqnorm = jnp.sum(gram_a * gram_g, axis=(1, 2)) + (
+          gn if "bias" in params else 0.0
+        )
         self._kind = "conv"
       else:
         dk = jnp.einsum("npk,npo->nko", self.a, self.g).reshape(n, *kernel.shape)
@@ -389,9 +418,11 @@ class _Layer:
         tree["bias"] = jnp.sum(g, axis=tuple(range(1, g.ndim - 1))) if g.ndim > 2 else g
       self.materialised = _ordered(params, tree)
     else:
+
       def one(ai, gi):
         _, vjp = jax.vjp(lambda q: call.apply(q, ai[None]), params)
         return vjp(gi[None])[0]
+
       self.materialised = jax.tree.leaves(jax.vmap(one)(a, g))
 
   def ghost_sum(self, scale: jax.Array, ok: jax.Array) -> list[jax.Array]:
@@ -405,7 +436,9 @@ class _Layer:
         tree["bias"] = jnp.sum(g, axis=0)
     else:
       k, o = a.shape[-1], g.shape[-1]
-      tree = {"kernel": (a.reshape(-1, k).T @ g.reshape(-1, o)).reshape(self.params["kernel"].shape)}
+      tree = {
+        "kernel": (a.reshape(-1, k).T @ g.reshape(-1, o)).reshape(self.params["kernel"].shape)
+      }
       if "bias" in self.params:
         tree["bias"] = jnp.sum(g, axis=(0, 1))
     return _ordered(self.params, tree)
@@ -478,15 +511,15 @@ def _clipped_sum_chunk(apply_fn, loss_fn, params, x, y, is_padding, l2_clip_norm
 
 
 def clipped_gradient_sum(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    *,
-    l2_clip_norm: float,
-    microbatch_size: int | None = None,
-    loss_fn: LossFn | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  *,
+  l2_clip_norm: float,
+  microbatch_size: int | None = None,
+  loss_fn: LossFn | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """``sum_i clip_C(grad_i)`` over non-padding examples, layer by layer.
 
@@ -511,18 +544,20 @@ def clipped_gradient_sum(
     Unsupported: if the model is outside the scope of the layer-wise path.
   """
   loss_fn = _default_loss(loss_fn)
+
   def chunk(x, y, is_padding):
     return _clipped_sum_chunk(apply_fn, loss_fn, params, x, y, is_padding, l2_clip_norm)
+
   return microbatched(chunk, params, x, y, is_padding, microbatch_size)
 
 
 def microbatched(
-    chunk_fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[PyTree, jax.Array]],
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    microbatch_size: int | None,
+  chunk_fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[PyTree, jax.Array]],
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  microbatch_size: int | None,
 ) -> tuple[PyTree, jax.Array]:
   """Runs ``chunk_fn`` on microbatches of a batch and adds up the results.
 
@@ -586,8 +621,9 @@ def _default_loss(loss_fn: LossFn | None) -> LossFn:
   return loss_fn
 
 
-def per_example_gradients(apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array,
-                          loss_fn: LossFn | None = None) -> PyTree:
+def per_example_gradients(
+  apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array, loss_fn: LossFn | None = None
+) -> PyTree:
   """``vmap(grad)``: every leaf of ``params`` gains a leading ``(N,)`` axis.
 
   ``loss_fn`` is the per-example loss ``(logits, y) -> (N,)`` (default softmax
@@ -602,20 +638,21 @@ def per_example_gradients(apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: ja
 
 
 def clipped_gradient_sum_vmap(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    *,
-    l2_clip_norm: float,
-    microbatch_size: int | None = None,
-    loss_fn: LossFn | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  *,
+  l2_clip_norm: float,
+  microbatch_size: int | None = None,
+  loss_fn: LossFn | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """The generic path for any ``apply_fn``: ``vmap(grad)``, clip, sum.
 
   Same arguments and results as :func:`clipped_gradient_sum`.
   """
+
   def chunk(x, y, is_padding):
     grads = per_example_gradients(apply_fn, params, x, y, loss_fn)
     norms = jnp.sqrt(sum(_sqnorm(g) for g in jax.tree.leaves(grads)))

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from fedlap_jax import per_example as _per_example
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import PER_EXAMPLE_METHODS
+
 # The buffer of poisson_sample, and the smallest one a config may ask for.
 from fedlap_jax.config import check_poisson_capacity  # noqa: F401
 from fedlap_jax.config import min_poisson_capacity  # noqa: F401
@@ -79,10 +80,7 @@ class PoissonBatch(NamedTuple):
 
 
 def poisson_sample(
-    key: jax.Array,
-    valid: jax.Array,
-    rate: jax.Array | float,
-    capacity: int,
+  key: jax.Array, valid: jax.Array, rate: jax.Array | float, capacity: int
 ) -> PoissonBatch:
   """Samples each valid record independently with probability ``rate``.
 
@@ -100,8 +98,9 @@ def poisson_sample(
   chosen = jnp.logical_and(jax.random.uniform(key, valid.shape) < rate, valid)
   size = jnp.sum(chosen, dtype=jnp.int32)
   extra = jnp.maximum((size + capacity - 1) // capacity - 1, 0).astype(jnp.int32)
-  batch = PoissonBatch(jnp.zeros((capacity,), jnp.int32), jnp.ones((capacity,), bool),
-                       size, extra, chosen)
+  batch = PoissonBatch(
+    jnp.zeros((capacity,), jnp.int32), jnp.ones((capacity,), bool), size, extra, chosen
+  )
   indices, is_padding = poisson_chunk(batch, 0)
   return batch._replace(indices=indices, is_padding=is_padding)
 
@@ -123,8 +122,9 @@ def poisson_chunk(batch: PoissonBatch, j: jax.Array | int) -> tuple[jax.Array, j
   return indices.astype(jnp.int32), is_padding
 
 
-def sum_over_chunks(chunk_sum: Callable[[jax.Array, jax.Array], PyTree],
-                    batch: PoissonBatch) -> PyTree:
+def sum_over_chunks(
+  chunk_sum: Callable[[jax.Array, jax.Array], PyTree], batch: PoissonBatch
+) -> PyTree:
   """``sum_j chunk_sum(indices_j, is_padding_j)`` over every chunk of a draw.
 
   ``chunk_sum`` must return sums over the chunk's examples (padding slots
@@ -138,26 +138,27 @@ def sum_over_chunks(chunk_sum: Callable[[jax.Array, jax.Array], PyTree],
   client, the same XLA compile time as a single unlooped pass. Not
   reverse-differentiable (the loop length depends on the draw).
   """
-  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                       jax.eval_shape(chunk_sum, batch.indices, batch.is_padding))
+  zeros = jax.tree.map(
+    lambda a: jnp.zeros(a.shape, a.dtype),
+    jax.eval_shape(chunk_sum, batch.indices, batch.is_padding),
+  )
 
   def body(carry):
     j, acc = carry
     return j + 1, jax.tree.map(jnp.add, acc, chunk_sum(*poisson_chunk(batch, j)))
 
-  _, total = jax.lax.while_loop(lambda c: c[0] <= batch.extra_chunks, body,
-                                (jnp.int32(0), zeros))
+  _, total = jax.lax.while_loop(lambda c: c[0] <= batch.extra_chunks, body, (jnp.int32(0), zeros))
   return total
 
 
 def real_gradient(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    *,
-    microbatch_size: int | Literal["auto"] | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  *,
+  microbatch_size: int | Literal["auto"] | None = None,
 ) -> PyTree:
   """Non-private gradient of the mean loss over the non-padding examples.
 
@@ -179,34 +180,36 @@ def real_gradient(
   Returns:
     The gradient, a pytree like ``params``.
   """
-  return real_gradient_and_loss(apply_fn, params, x, y, is_padding,
-                                microbatch_size=microbatch_size)[0]
+  return real_gradient_and_loss(
+    apply_fn, params, x, y, is_padding, microbatch_size=microbatch_size
+  )[0]
 
 
 def real_gradient_and_loss(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    *,
-    microbatch_size: int | Literal["auto"] | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  *,
+  microbatch_size: int | Literal["auto"] | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """:func:`real_gradient` and the mean loss (nats) over the non-padding examples."""
-  total, loss_sum = real_gradient_sum(apply_fn, params, x, y, is_padding,
-                                      microbatch_size=microbatch_size)
+  total, loss_sum = real_gradient_sum(
+    apply_fn, params, x, y, is_padding, microbatch_size=microbatch_size
+  )
   count = jnp.maximum(jnp.sum(jnp.logical_not(is_padding)), 1).astype(jnp.float32)
   return jax.tree.map(lambda g: g / count, total), loss_sum / count
 
 
 def real_gradient_sum(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    *,
-    microbatch_size: int | Literal["auto"] | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  *,
+  microbatch_size: int | Literal["auto"] | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """Gradient of the *summed* loss over the non-padding examples, and that sum (nats).
 
@@ -221,6 +224,7 @@ def real_gradient_sum(
     def summed(p):
       losses = cross_entropy(apply_fn(p, xc), yc) * jnp.logical_not(pc)
       return jnp.sum(losses), losses
+
     g, losses = jax.grad(summed, has_aux=True)(params)
     return g, losses.astype(jnp.float32)
 
@@ -228,23 +232,21 @@ def real_gradient_sum(
   return total, jnp.sum(losses)
 
 
-def per_example_gradients(
-    apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array
-) -> PyTree:
+def per_example_gradients(apply_fn: ApplyFn, params: PyTree, x: jax.Array, y: jax.Array) -> PyTree:
   """Per-example gradients with ``vmap``: every leaf gains a leading ``(N,)`` axis."""
   return _per_example.per_example_gradients(apply_fn, params, x, y, cross_entropy)
 
 
 def clipped_gradient_sum(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    *,
-    l2_clip_norm: float,
-    microbatch_size: int | None = None,
-    method: str = "auto",
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  *,
+  l2_clip_norm: float,
+  microbatch_size: int | None = None,
+  method: str = "auto",
 ) -> tuple[PyTree, jax.Array]:
   """Sum over examples of per-example gradients clipped to ``l2_clip_norm``.
 
@@ -278,42 +280,39 @@ def clipped_gradient_sum(
     return jnp.sum(cross_entropy(apply_fn(p, xb), yb))
 
   grad_fn = clipping.clipped_grad(
-      loss,
-      l2_clip_norm=l2_clip_norm,
-      batch_argnums=(1, 2),
-      return_grad_norms=True,
-      microbatch_size=microbatch_size,
+    loss,
+    l2_clip_norm=l2_clip_norm,
+    batch_argnums=(1, 2),
+    return_grad_norms=True,
+    microbatch_size=microbatch_size,
   )
   clipped_sum, aux = grad_fn(params, x, y, is_padding_example=is_padding)
   return clipped_sum, aux.grad_norms
 
 
-def add_gaussian_noise(
-    key: jax.Array, tree: PyTree, stddev: jax.Array | float
-) -> PyTree:
+def add_gaussian_noise(key: jax.Array, tree: PyTree, stddev: jax.Array | float) -> PyTree:
   """Adds i.i.d. ``N(0, stddev^2)`` to every scalar of ``tree``."""
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
   noisy = [
-      leaf + stddev * jax.random.normal(k, leaf.shape, leaf.dtype)
-      for k, leaf in zip(keys, leaves)
+    leaf + stddev * jax.random.normal(k, leaf.shape, leaf.dtype) for k, leaf in zip(keys, leaves)
   ]
   return jax.tree.unflatten(treedef, noisy)
 
 
 def private_gradient(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    is_padding: jax.Array,
-    *,
-    l2_clip_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: jax.Array | float,
-    microbatch_size: int | None = None,
-    method: str = "auto",
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  is_padding: jax.Array,
+  *,
+  l2_clip_norm: float,
+  noise_multiplier: float,
+  expected_batch_size: jax.Array | float,
+  microbatch_size: int | None = None,
+  method: str = "auto",
 ) -> tuple[PyTree, jax.Array]:
   """The Gaussian mechanism on clipped per-example gradients (Algorithm 3).
 
@@ -336,20 +335,31 @@ def private_gradient(
     ``(noisy_mean_gradient, per_example_norms)``.
   """
   clipped_sum, norms = clipped_gradient_sum(
-      apply_fn, params, x, y, is_padding,
-      l2_clip_norm=l2_clip_norm, microbatch_size=microbatch_size, method=method)
-  return privatise(key, clipped_sum, l2_clip_norm=l2_clip_norm,
-                   noise_multiplier=noise_multiplier,
-                   expected_batch_size=expected_batch_size), norms
+    apply_fn,
+    params,
+    x,
+    y,
+    is_padding,
+    l2_clip_norm=l2_clip_norm,
+    microbatch_size=microbatch_size,
+    method=method,
+  )
+  return privatise(
+    key,
+    clipped_sum,
+    l2_clip_norm=l2_clip_norm,
+    noise_multiplier=noise_multiplier,
+    expected_batch_size=expected_batch_size,
+  ), norms
 
 
 def privatise(
-    key: jax.Array,
-    clipped_sum: PyTree,
-    *,
-    l2_clip_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: jax.Array | float,
+  key: jax.Array,
+  clipped_sum: PyTree,
+  *,
+  l2_clip_norm: float,
+  noise_multiplier: float,
+  expected_batch_size: jax.Array | float,
 ) -> PyTree:
   """``(clipped_sum + N(0, sigma^2 C^2 I)) / B``: the noise of Algorithm 3 on a clipped sum.
 

@@ -41,19 +41,19 @@ class CalibrationTrace(NamedTuple):
 
 
 def calibrate_radius(
-    key: jax.Array,
-    apply_fn: Callable,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    real: ClientData,
-    *,
-    learning_rate,
-    max_radius,
-    epochs: int = 100,
-    batch_size: int = 512,
-    dsa_strategy: str = "",
-    eval_size: int | None = None,
-    family_key: jax.Array | None = None,
+  key: jax.Array,
+  apply_fn: Callable,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  real: ClientData,
+  *,
+  learning_rate,
+  max_radius,
+  epochs: int = 100,
+  batch_size: int = 512,
+  dsa_strategy: str = "",
+  eval_size: int | None = None,
+  family_key: jax.Array | None = None,
 ) -> tuple[jax.Array, CalibrationTrace]:
   """Measures the client radius ``r_k`` (non-DP only: it reads real data freely).
 
@@ -87,15 +87,25 @@ def calibrate_radius(
 
   def epoch(w, keys):
     k, fk = keys
-    w, _ = sgd_epoch(k, apply_fn, w, synthetic.x, synthetic.y, weights, learning_rate,
-                     batch_size=batch_size, dsa_strategy=dsa_strategy, family_key=fk)
+    w, _ = sgd_epoch(
+      k,
+      apply_fn,
+      w,
+      synthetic.x,
+      synthetic.y,
+      weights,
+      learning_rate,
+      batch_size=batch_size,
+      dsa_strategy=dsa_strategy,
+      family_key=fk,
+    )
     loss = evaluate(apply_fn, w, real.x, real.y, real.mask, preprocess=real.normalise).loss
     return w, (tree_distance(w, params), loss)
 
-  family_keys = (None if family_key is None
-                 else jax.random.split(jax.random.split(family_key)[1], epochs))
-  _, (dists, losses) = jax.lax.scan(
-      epoch, params, (jax.random.split(k_train, epochs), family_keys))
+  family_keys = (
+    None if family_key is None else jax.random.split(jax.random.split(family_key)[1], epochs)
+  )
+  _, (dists, losses) = jax.lax.scan(epoch, params, (jax.random.split(k_train, epochs), family_keys))
   best = jnp.argmin(losses)
   return jnp.minimum(dists[best], max_radius), CalibrationTrace(dists, losses, best)
 

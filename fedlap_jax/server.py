@@ -67,15 +67,15 @@ def example_weights(mask: jax.Array, client_weights: jax.Array) -> jax.Array:
 
 
 def global_update(
-    key: jax.Array,
-    apply_fn: Callable,
-    params: PyTree,
-    synthetic: SyntheticSet,
-    client_weights: jax.Array,
-    radius,
-    *,
-    learning_rate,
-    config: ServerConfig,
+  key: jax.Array,
+  apply_fn: Callable,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  client_weights: jax.Array,
+  radius,
+  *,
+  learning_rate,
+  config: ServerConfig,
 ) -> tuple[PyTree, ServerMetrics]:
   """Algorithm 2: SGD on the union of synthetic sets until ``||w - w_0|| >= r_g``.
 
@@ -98,8 +98,9 @@ def global_update(
   x = synthetic.x.reshape(-1, *synthetic.x.shape[2:])
   y = synthetic.y.reshape(-1)
   radius = jnp.asarray(radius, jnp.float32)
-  optimizer = model_optimizer(learning_rate, momentum=config.momentum,
-                              weight_decay=config.weight_decay)
+  optimizer = model_optimizer(
+    learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
+  )
 
   def cond(s):
     epoch, _, _, dist, _ = s
@@ -107,14 +108,23 @@ def global_update(
 
   def body(s):
     epoch, w, opt_state, _, steps = s
-    w, opt_state, n = train_epoch(jax.random.fold_in(key, epoch), apply_fn, w, opt_state, x, y,
-                                  weights, optimizer=optimizer, batch_size=config.batch_size,
-                                  dsa_strategy=config.dsa_strategy)
+    w, opt_state, n = train_epoch(
+      jax.random.fold_in(key, epoch),
+      apply_fn,
+      w,
+      opt_state,
+      x,
+      y,
+      weights,
+      optimizer=optimizer,
+      batch_size=config.batch_size,
+      dsa_strategy=config.dsa_strategy,
+    )
     return epoch + 1, w, opt_state, tree_distance(w, params), steps + n
 
   epochs, w, _, dist, steps = jax.lax.while_loop(
-      cond, body,
-      (jnp.int32(0), params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0)))
+    cond, body, (jnp.int32(0), params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0))
+  )
   return w, ServerMetrics(epochs, steps, dist, radius)
 
 
@@ -133,15 +143,15 @@ def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array)
 
 
 def server_step(
-    key: jax.Array,
-    apply_fn: Callable,
-    params: PyTree,
-    updates,
-    config: FedLAPConfig,
-    *,
-    learning_rate,
-    num_records: jax.Array | None = None,
-    valid: jax.Array | None = None,
+  key: jax.Array,
+  apply_fn: Callable,
+  params: PyTree,
+  updates,
+  config: FedLAPConfig,
+  *,
+  learning_rate,
+  num_records: jax.Array | None = None,
+  valid: jax.Array | None = None,
 ) -> tuple[PyTree, ServerMetrics]:
   """FedLAP's server in one round: what it does with the clients' updates.
 
@@ -182,9 +192,12 @@ def server_step(
   start = params
   if sc.start == "fedavg_delta":
     if updates.model_delta is None:
-      raise ValueError("server.start='fedavg_delta' needs the clients' model deltas "
-                       "(ClientUpdate.model_delta); allowed: updates from client_step")
+      raise ValueError(
+        "server.start='fedavg_delta' needs the clients' model deltas "
+        "(ClientUpdate.model_delta); allowed: updates from client_step"
+      )
     # The trust region is centred on the FedAvg model of the clients' deltas.
     start = fedavg_delta_start(params, updates.model_delta, weights)
-  return global_update(key, apply_fn, start, updates.synthetic, weights, r_g,
-                       learning_rate=learning_rate, config=sc)
+  return global_update(
+    key, apply_fn, start, updates.synthetic, weights, r_g, learning_rate=learning_rate, config=sc
+  )

@@ -85,6 +85,7 @@ def _cpu_only() -> bool:
   import importlib.metadata  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
   import pkgutil  # pylint: disable=g-import-not-at-top
+
   if importlib.util.find_spec("libtpu") is not None:
     return False
   if importlib.metadata.entry_points(group="jax_plugins"):
@@ -103,9 +104,14 @@ def _is_loopback(host: str) -> bool:
     return host == "localhost"
 
 
-def initialize_hosts(coordinator_address: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None, *, cpu: bool | None = None,
-                     **kwargs) -> None:
+def initialize_hosts(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  cpu: bool | None = None,
+  **kwargs,
+) -> None:
   """``jax.distributed.initialize`` for rounds sharded over hosts; call it first on every host.
 
   On CPU hosts JAX's cross-process collectives go through gloo (set here). Gloo
@@ -134,8 +140,11 @@ def initialize_hosts(coordinator_address: str | None = None, num_processes: int 
     cpu = _cpu_only()
   if cpu:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  multi_host = (coordinator_address is not None and (num_processes or 0) > 1
-                and not _is_loopback(coordinator_address.rsplit(":", 1)[0].strip("[]")))
+  multi_host = (
+    coordinator_address is not None
+    and (num_processes or 0) > 1
+    and not _is_loopback(coordinator_address.rsplit(":", 1)[0].strip("[]"))
+  )
   if cpu and multi_host:
     name = socket.gethostname()
     try:
@@ -143,16 +152,21 @@ def initialize_hosts(coordinator_address: str | None = None, num_processes: int 
     except OSError as e:
       address, problem = None, f"does not resolve ({e})"
     if address is not None and _is_loopback(address):
-      problem = (f"resolves to {address}, a loopback address, so the other hosts' connections "
-                 "would be refused")
+      problem = (
+        f"resolves to {address}, a loopback address, so the other hosts' connections "
+        "would be refused"
+      )
     if problem:
-      raise ValueError(f"host name {name!r} {problem}: gloo, which carries cross-process "
-                       "collectives on CPU, announces this host by its name. Allowed: a name "
-                       "that resolves to this host's address on the network of the coordinator "
-                       f"{coordinator_address!r} (an /etc/hosts or DNS entry), or every process "
-                       "on this host with the coordinator on localhost")
-  jax.distributed.initialize(coordinator_address, num_processes=num_processes,
-                             process_id=process_id, **kwargs)
+      raise ValueError(
+        f"host name {name!r} {problem}: gloo, which carries cross-process "
+        "collectives on CPU, announces this host by its name. Allowed: a name "
+        "that resolves to this host's address on the network of the coordinator "
+        f"{coordinator_address!r} (an /etc/hosts or DNS entry), or every process "
+        "on this host with the coordinator on localhost"
+      )
+  jax.distributed.initialize(
+    coordinator_address, num_processes=num_processes, process_id=process_id, **kwargs
+  )
 
 
 def padded_size(num_clients: int, num_devices: int) -> int:
@@ -166,11 +180,13 @@ def _pad_leading(tree: PyTree, size: int) -> PyTree:
     if extra == 0:
       return a
     return jnp.concatenate([a, jnp.zeros((extra, *a.shape[1:]), a.dtype)])
+
   return jax.tree.map(pad, tree)
 
 
-def map_clients(fn: Callable[..., PyTree], args: PyTree, *, replicated: tuple = (),
-                mesh: Mesh | None = None) -> PyTree:
+def map_clients(
+  fn: Callable[..., PyTree], args: PyTree, *, replicated: tuple = (), mesh: Mesh | None = None
+) -> PyTree:
   """``fn(block, *replicated)`` on blocks of the leading (client) axis of ``args``, one per device.
 
   ``fn`` maps a block ``(k, ...)`` to outputs with the same leading axis (e.g.
@@ -223,8 +239,9 @@ def _place(a: Any, target: NamedSharding) -> jax.Array:
     if jax.process_count() == 1 or not a.is_fully_addressable:
       return jax.device_put(a, target)  # device to device, or a global array resharded
     if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-      return jax.random.wrap_key_data(_place(jax.random.key_data(a), target),
-                                      impl=jax.random.key_impl(a))
+      return jax.random.wrap_key_data(
+        _place(jax.random.key_data(a), target), impl=jax.random.key_impl(a)
+      )
   # A host value (or a process-local array on several hosts), taken to be the
   # same on every process: each process builds the blocks of its own devices.
   a = np.asarray(a)

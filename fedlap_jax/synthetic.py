@@ -28,7 +28,9 @@ from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
 
 
-def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_labels(
+  client_labels: Sequence[np.ndarray], ipc: int
+) -> tuple[np.ndarray, np.ndarray]:
   """Balanced synthetic labels: ``ipc`` per class each client owns (host side).
 
   Args:
@@ -48,13 +50,14 @@ def synthetic_labels(client_labels: Sequence[np.ndarray], ipc: int) -> tuple[np.
   mask = np.zeros((len(classes), s), bool)
   for k, cls in enumerate(classes):
     row = np.repeat(cls, ipc)
-    labels[k, :len(row)] = row
-    mask[k, :len(row)] = True
+    labels[k, : len(row)] = row
+    mask[k, : len(row)] = True
   return labels, mask
 
 
-def initial_synthetic(key: jax.Array, clients: ClientData, ipc: int,
-                      synthetic_init: str) -> tuple[SyntheticSet, jax.Array]:
+def initial_synthetic(
+  key: jax.Array, clients: ClientData, ipc: int, synthetic_init: str
+) -> tuple[SyntheticSet, jax.Array]:
   """Round-1 synthetic sets: balanced labels and ``N(0, 1)`` images (host side).
 
   Labels are :func:`synthetic_labels` of each client's real records, images
@@ -81,10 +84,13 @@ def initial_synthetic(key: jax.Array, clients: ClientData, ipc: int,
       cls, counts = np.unique(y, return_counts=True)
       if counts.min() < ipc:
         raise ConfigError(
-            "ipc", ipc, "ipc <= the smallest class count of every client", message=
-            f"ipc={ipc} is invalid with synthetic_init='real': client {k} has only "
-            f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
-            "smallest class count of every client (or synthetic_init='noise')")
+          "ipc",
+          ipc,
+          "ipc <= the smallest class count of every client",
+          message=f"ipc={ipc} is invalid with synthetic_init='real': client {k} has only "
+          f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
+          "smallest class count of every client (or synthetic_init='noise')",
+        )
   labels, mask = synthetic_labels(ys, ipc)
   k_init, k_state = jax.random.split(key)
   images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
@@ -97,8 +103,9 @@ def noise_images(key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]) 
   return x * mask.reshape(*mask.shape, *([1] * len(image_shape)))
 
 
-def real_images(key: jax.Array, client: ClientData, labels: jax.Array, mask: jax.Array,
-                ipc: int) -> jax.Array:
+def real_images(
+  key: jax.Array, client: ClientData, labels: jax.Array, mask: jax.Array, ipc: int
+) -> jax.Array:
   """Draws ``ipc`` distinct real images per synthetic class of ONE client.
 
   Slot ``s`` with label ``c`` gets the ``(s mod ipc)``-th record of class ``c``
@@ -138,15 +145,26 @@ def class_blocks(synthetic: SyntheticSet, ipc: int) -> tuple[jax.Array, jax.Arra
   """
   s = synthetic.x.shape[0]
   if s % ipc:
-    raise ValueError(f"synthetic set of {s} slots is not in blocks of ipc={ipc}; allowed: "
-                     "the layout of fedlap_jax.synthetic.synthetic_labels")
+    raise ValueError(
+      f"synthetic set of {s} slots is not in blocks of ipc={ipc}; allowed: "
+      "the layout of fedlap_jax.synthetic.synthetic_labels"
+    )
   blocks = s // ipc
-  return (synthetic.x.reshape(blocks, ipc, *synthetic.x.shape[1:]),
-          synthetic.y.reshape(blocks, ipc)[:, 0], synthetic.mask.reshape(blocks, ipc)[:, 0])
+  return (
+    synthetic.x.reshape(blocks, ipc, *synthetic.x.shape[1:]),
+    synthetic.y.reshape(blocks, ipc)[:, 0],
+    synthetic.mask.reshape(blocks, ipc)[:, 0],
+  )
 
 
-def class_batch(key: jax.Array, client_data: ClientData, label: jax.Array, valid: jax.Array,
-                batch_size: int, capacity: int) -> privacy.PoissonBatch:
+def class_batch(
+  key: jax.Array,
+  client_data: ClientData,
+  label: jax.Array,
+  valid: jax.Array,
+  batch_size: int,
+  capacity: int,
+) -> privacy.PoissonBatch:
   """A Poisson batch of the client's records of class ``label`` (non-private).
 
   Each record of the class is drawn with probability ``min(1, B / N_c)`` (``N_c``

@@ -27,8 +27,9 @@ from fedlap_jax.types import ApplyFn, PyTree
 LR_SCHEDULES = ("cosine", "cosine_open")
 
 
-def cosine_learning_rate(round_index, num_rounds: int, base_lr, min_lr: float = 1e-6, *,
-                         schedule: str = "cosine"):
+def cosine_learning_rate(
+  round_index, num_rounds: int, base_lr, min_lr: float = 1e-6, *, schedule: str = "cosine"
+):
   """``max(eta_0 (1 + cos(pi (m - 1) / D)) / 2, 1e-6)`` for round ``m = 1..M``.
 
   ``schedule="cosine"`` (the reference): ``D = M - 1``, so the last round runs
@@ -54,8 +55,9 @@ def tree_distance(a: PyTree, b: PyTree) -> jax.Array:
   return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
-def model_optimizer(learning_rate, *, momentum: float = 0.0,
-                    weight_decay: float = 0.0) -> optax.GradientTransformation:
+def model_optimizer(
+  learning_rate, *, momentum: float = 0.0, weight_decay: float = 0.0
+) -> optax.GradientTransformation:
   """SGD on model parameters, as PyTorch's ``SGD(lr, momentum, weight_decay)``.
 
   ``g <- g + weight_decay * w``; ``t <- g + momentum * t``; ``w <- w - lr * t``
@@ -69,18 +71,18 @@ def model_optimizer(learning_rate, *, momentum: float = 0.0,
 
 
 def train_epoch(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    params: PyTree,
-    opt_state: optax.OptState,
-    x: jax.Array,
-    y: jax.Array,
-    weights: jax.Array,
-    *,
-    optimizer: optax.GradientTransformation,
-    batch_size: int,
-    dsa_strategy: str,
-    family_key: jax.Array | None = None,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  opt_state: optax.OptState,
+  x: jax.Array,
+  y: jax.Array,
+  weights: jax.Array,
+  *,
+  optimizer: optax.GradientTransformation,
+  batch_size: int,
+  dsa_strategy: str,
+  family_key: jax.Array | None = None,
 ) -> tuple[PyTree, optax.OptState, jax.Array]:
   """One epoch over ``(x, y)`` in shuffled batches of ``batch_size``.
 
@@ -118,8 +120,11 @@ def train_epoch(
     params, opt_state, steps = carry
     idx = jax.lax.dynamic_slice_in_dim(perm, b * bs, bs)
     w = weights[idx] * jax.lax.dynamic_slice_in_dim(slot_valid, b * bs, bs)
-    xb = augment(jax.random.fold_in(k_aug, b), x[idx],
-                 family_key=None if f_aug is None else jax.random.fold_in(f_aug, b))
+    xb = augment(
+      jax.random.fold_in(k_aug, b),
+      x[idx],
+      family_key=None if f_aug is None else jax.random.fold_in(f_aug, b),
+    )
     count = jnp.sum(w > 0)
 
     def loss_fn(p):
@@ -135,17 +140,17 @@ def train_epoch(
 
 
 def sgd_epoch(
-    key: jax.Array,
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    weights: jax.Array,
-    learning_rate,
-    *,
-    batch_size: int,
-    dsa_strategy: str,
-    family_key: jax.Array | None = None,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  weights: jax.Array,
+  learning_rate,
+  *,
+  batch_size: int,
+  dsa_strategy: str,
+  family_key: jax.Array | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """:func:`train_epoch` with plain SGD at ``learning_rate`` (may be traced).
 
@@ -153,9 +158,19 @@ def sgd_epoch(
     ``(params, steps)``: updated parameters and the number of non-empty batches.
   """
   optimizer = model_optimizer(learning_rate)
-  params, _, steps = train_epoch(key, apply_fn, params, optimizer.init(params), x, y, weights,
-                                 optimizer=optimizer, batch_size=batch_size,
-                                 dsa_strategy=dsa_strategy, family_key=family_key)
+  params, _, steps = train_epoch(
+    key,
+    apply_fn,
+    params,
+    optimizer.init(params),
+    x,
+    y,
+    weights,
+    optimizer=optimizer,
+    batch_size=batch_size,
+    dsa_strategy=dsa_strategy,
+    family_key=family_key,
+  )
   return params, steps
 
 
@@ -176,14 +191,14 @@ def default_eval_chunk_size() -> int:
 
 
 def evaluate(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    x: jax.Array,
-    y: jax.Array,
-    mask: jax.Array | None = None,
-    *,
-    chunk_size: int | None = None,
-    preprocess: Callable[[jax.Array], jax.Array] | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  x: jax.Array,
+  y: jax.Array,
+  mask: jax.Array | None = None,
+  *,
+  chunk_size: int | None = None,
+  preprocess: Callable[[jax.Array], jax.Array] | None = None,
 ) -> Evaluation:
   """Loss and accuracy over ``(N, ...)`` inputs, at most ``chunk_size`` at a time (``lax.map``).
 

@@ -38,11 +38,13 @@ class Digits(NamedTuple):
 def load_digits() -> Digits:
   # scikit-learn is in the `test` extra; a missing install fails loudly, not as skips.
   from sklearn import datasets, model_selection
+
   data = datasets.load_digits()
   x = data.images.astype(np.float32)[..., None]
   y = data.target.astype(np.int32)
   x_tr, x_te, y_tr, y_te = model_selection.train_test_split(
-      x, y, test_size=0.2, random_state=0, stratify=y)
+    x, y, test_size=0.2, random_state=0, stratify=y
+  )
   mean, std = x_tr.mean(), x_tr.std()
   return Digits((x_tr - mean) / std, y_tr, (x_te - mean) / std, y_te)
 
@@ -52,7 +54,7 @@ def partition(x: np.ndarray, y: np.ndarray, order=CLASS_ORDER, num_clients=NUM_C
   per = len(order) // num_clients
   parts = []
   for i in range(num_clients):
-    keep = np.isin(y, order[per * i: per * (i + 1)])
+    keep = np.isin(y, order[per * i : per * (i + 1)])
     parts.append((x[keep], y[keep]))
   return parts
 
@@ -83,6 +85,7 @@ def model() -> ConvNet:
 def apply_fn(model):
   def apply(params, x):
     return model.apply({"params": params}, x)
+
   return apply
 
 
@@ -101,6 +104,7 @@ def tiny_model() -> ConvNet:
 def tiny_apply_fn(tiny_model):
   def apply(params, x):
     return tiny_model.apply({"params": params}, x)
+
   return apply
 
 
@@ -132,8 +136,10 @@ def class_order():
 def linear_params():
   k1, k2 = jax.random.split(jax.random.PRNGKey(0))
   d = int(np.prod(IMAGE_SHAPE))
-  return {"kernel": 0.1 * jax.random.normal(k1, (d, 10)),
-          "bias": 0.1 * jax.random.normal(k2, (10,))}
+  return {
+    "kernel": 0.1 * jax.random.normal(k1, (d, 10)),
+    "bias": 0.1 * jax.random.normal(k2, (10,)),
+  }
 
 
 # Scheduling under ``python -m pytest -n 2``. Each test file goes to one worker whole
@@ -149,12 +155,27 @@ def linear_params():
 # The order changes no test, only when it runs. Set here, not in pyproject's addopts, so that
 # ``-p no:xdist`` runs still parse; an explicit ``--dist`` wins.
 COSTLY_FIRST = (
-    "test_sharding.py", "test_kill_resume.py", "test_experiments_synthetic.py",
-    "test_flower.py", "test_pixels.py", "test_side_by_side.py", "test_client.py",
-    "test_participation.py", "test_condensation.py", "test_compilation.py",
-    "test_experiments_run.py", "test_federated.py", "test_baselines.py", "test_privacy.py",
-    "test_server_radius.py", "test_models.py", "test_per_example.py", "test_dsa.py",
-    "test_auditing.py", "test_experiments_data.py", "test_readme.py",
+  "test_sharding.py",
+  "test_kill_resume.py",
+  "test_experiments_synthetic.py",
+  "test_flower.py",
+  "test_pixels.py",
+  "test_side_by_side.py",
+  "test_client.py",
+  "test_participation.py",
+  "test_condensation.py",
+  "test_compilation.py",
+  "test_experiments_run.py",
+  "test_federated.py",
+  "test_baselines.py",
+  "test_privacy.py",
+  "test_server_radius.py",
+  "test_models.py",
+  "test_per_example.py",
+  "test_dsa.py",
+  "test_auditing.py",
+  "test_experiments_data.py",
+  "test_readme.py",
 )
 
 

@@ -18,13 +18,17 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 
 # Tiny loops: the tests check the protocol, not the learning.
-TINY = ("rounds=2 client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
-        "client.calibration_epochs=2 client.dsa_strategy='' server.dsa_strategy='' "
-        "server.max_epochs=2 eval_chunk_size=128")
+TINY = (
+  "rounds=2 client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
+  "client.calibration_epochs=2 client.dsa_strategy='' server.dsa_strategy='' "
+  "server.max_epochs=2 eval_chunk_size=128"
+)
 NUM_CLIENTS = 5
 # Client sampling: 20 clients of 70 digits each (iid), 5 a round, one synthetic image a class.
-SAMPLED = (TINY + " data.num_clients=20 data.clients_per_round=5 data.partition=iid "
-           "client.batch_size=16 client.ipc=1")
+SAMPLED = (
+  TINY + " data.num_clients=20 data.clients_per_round=5 data.partition=iid "
+  "client.batch_size=16 client.ipc=1"
+)
 
 
 class InProcessGrid(Grid):
@@ -37,12 +41,18 @@ class InProcessGrid(Grid):
   replaces what ``get_nodes`` reports for a node (its key, when it connected).
   """
 
-  def __init__(self, client_app, run_config: dict, node_configs: dict[int, dict],
-               run_id: int = 7):
+  def __init__(self, client_app, run_config: dict, node_configs: dict[int, dict], run_id: int = 7):
     self.client_app = client_app
-    self.contexts = {n: Context(run_id=run_id, node_id=n, node_config=dict(c),
-                                state=RecordDict(), run_config=dict(run_config))
-                     for n, c in node_configs.items()}
+    self.contexts = {
+      n: Context(
+        run_id=run_id,
+        node_id=n,
+        node_config=dict(c),
+        state=RecordDict(),
+        run_config=dict(run_config),
+      )
+      for n, c in node_configs.items()
+    }
     self.offline: set[int] = set()
     self.silent: set[int] = set()
     self.sent: list[Message] = []
@@ -59,14 +69,20 @@ class InProcessGrid(Grid):
     return self._run
 
   def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-    return Message(content=content, dst_node_id=dst_node_id, message_type=message_type,
-                   group_id=group_id, ttl=ttl)
+    return Message(
+      content=content,
+      dst_node_id=dst_node_id,
+      message_type=message_type,
+      group_id=group_id,
+      ttl=ttl,
+    )
 
   def get_node_ids(self):
     return [n for n in self.contexts if n not in self.offline]
 
   def get_nodes(self):
     from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
+
     return [self.node_infos.get(n, NodeInfo(node_id=n)) for n in self.get_node_ids()]
 
   def push_messages(self, messages):
@@ -100,6 +116,7 @@ class InProcessGrid(Grid):
 def task_identity():
   """The process identity Flower's Message constructor expects (as the ServerApp process has)."""
   from flwr.supercore.task_identity import TaskIdentity
+
   old = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
   TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 7, 1
   try:
@@ -111,9 +128,15 @@ def task_identity():
 def node_configs(num: int = NUM_CLIENTS, *, state_root=None, **extra) -> dict[int, dict]:
   """Node ids 101.. -> ``partition-id`` / ``num-partitions`` (+ ``extra`` for every node);
   with ``state_root``, each node's own ``state-dir`` ``<state_root>/client-<k>``."""
-  return {101 + k: {"partition-id": k, "num-partitions": num, **extra,
-                    **({} if state_root is None else {"state-dir": f"{state_root}/client-{k}"})}
-          for k in range(num)}
+  return {
+    101 + k: {
+      "partition-id": k,
+      "num-partitions": num,
+      **extra,
+      **({} if state_root is None else {"state-dir": f"{state_root}/client-{k}"}),
+    }
+    for k in range(num)
+  }
 
 
 class ReplayGrid(InProcessGrid):
@@ -125,8 +148,14 @@ class ReplayGrid(InProcessGrid):
   first. Query messages go to the real ClientApp.
   """
 
-  def __init__(self, client_app, run_config: dict, node_configs: dict[int, dict],
-               script: dict, first: int | None = None):
+  def __init__(
+    self,
+    client_app,
+    run_config: dict,
+    node_configs: dict[int, dict],
+    script: dict,
+    first: int | None = None,
+  ):
     super().__init__(client_app, run_config, node_configs)
     self.script = script
     self.first = first
@@ -154,6 +183,7 @@ def serve_with(grid, run_config: dict) -> list[dict]:
   for the whole test process).
   """
   from fedlap_flower import server_app, settings
+
   old = os.environ.get("FEDLAP_FLOWER_JAX_CACHE")
   os.environ["FEDLAP_FLOWER_JAX_CACHE"] = "off"
   try:
@@ -173,6 +203,7 @@ def run_inprocess(run_config: dict, nodes: dict[int, dict] | None = None, grid_h
   (its own node config).
   """
   from fedlap_flower import client_app
+
   nodes = nodes or node_configs(state_root=run_config.get("state-root") or None)
   grid = InProcessGrid(client_app.app, run_config, nodes)
   if grid_hook is not None:
@@ -184,6 +215,7 @@ def reference_run(config: str, overrides: str, workdir: Path) -> list[dict]:
   """``experiments.run``'s records for the same config (no plots, no progress bar)."""
   from experiments import train
   from fedlap_flower import settings
+
   cfg, label = settings.load_config(config, overrides)
   cfg.unlock()
   cfg.plots = False

@@ -23,23 +23,31 @@ HELPERS = ("schema",)
 
 _DATASETS = ("mnist", "fmnist", "cifar")
 ALIASES = {
-    **{f"{d}_{v}": f"fedlap:{d}_{v}" for d in _DATASETS for v in ("nondp", "dp", "dp_tuned")},
-    **{f"{d}_dp_hybrid": f"fedlap:{d}_dp_hybrid" for d in ("mnist", "fmnist")},
-    "cifar_iid": "fedlap:cifar_iid",
-    **{f"cifar_ablation_{k}": f"fedlap:cifar_ablation_{k}" for k in ("ipc", "radius", "fraction")},
-    **{f"{d}_{m}": f"baselines:{d}_{m}" for d in _DATASETS
-       for m in ("fedsgd", "fedavg", "fedprox", "scaffold", "fedavg_dp", "fedprox_dp")},
-    **{f"{d}_{s}": f"synthetic:{d}_{s}" for d in _DATASETS for s in ("feddm", "dsc", "psg")},
-    "digits_dp_hybrid": "quickstart:dp",
-    "digits_dp_tuned": "quickstart:dp_tuned",
-    "quickstart_nondp": "quickstart:nondp",
+  **{f"{d}_{v}": f"fedlap:{d}_{v}" for d in _DATASETS for v in ("nondp", "dp", "dp_tuned")},
+  **{f"{d}_dp_hybrid": f"fedlap:{d}_dp_hybrid" for d in ("mnist", "fmnist")},
+  "cifar_iid": "fedlap:cifar_iid",
+  **{f"cifar_ablation_{k}": f"fedlap:cifar_ablation_{k}" for k in ("ipc", "radius", "fraction")},
+  **{
+    f"{d}_{m}": f"baselines:{d}_{m}"
+    for d in _DATASETS
+    for m in ("fedsgd", "fedavg", "fedprox", "scaffold", "fedavg_dp", "fedprox_dp")
+  },
+  **{f"{d}_{s}": f"synthetic:{d}_{s}" for d in _DATASETS for s in ("feddm", "dsc", "psg")},
+  "digits_dp_hybrid": "quickstart:dp",
+  "digits_dp_tuned": "quickstart:dp_tuned",
+  "quickstart_nondp": "quickstart:nondp",
 }
 
 
 def modules() -> tuple[str, ...]:
   """The config modules of this folder (``NAME`` of ``--config=NAME[:ARG]``)."""
-  return tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.py")
-                      if not p.stem.startswith("_") and p.stem not in HELPERS))
+  return tuple(
+    sorted(
+      p.stem
+      for p in CONFIG_DIR.glob("*.py")
+      if not p.stem.startswith("_") and p.stem not in HELPERS
+    )
+  )
 
 
 def names() -> tuple[str, ...]:

@@ -75,22 +75,42 @@ def digits_paper():
 # being "NAME[:ARG]" of experiments/configs or a function returning one. Adding a recipe is
 # one entry; a recipe whose config files are not (yet) there is left out of the default.
 FEDLAP_VARIANTS = {
-    "paper": ("FedLAP-DP (paper)", {"digits": digits_paper, "mnist": "mnist_dp",
-                                    "fashion_mnist": "fmnist_dp", "cifar10": "cifar_dp",
-                                    "custom": "mnist_dp"}),
-    "tuned": ("FedLAP-DP (tuned)", {"digits": "digits_dp_tuned", "mnist": "mnist_dp_tuned",
-                                    "fashion_mnist": "fmnist_dp_tuned",
-                                    "cifar10": "cifar_dp_tuned", "custom": "mnist_dp_tuned"}),
+  "paper": (
+    "FedLAP-DP (paper)",
+    {
+      "digits": digits_paper,
+      "mnist": "mnist_dp",
+      "fashion_mnist": "fmnist_dp",
+      "cifar10": "cifar_dp",
+      "custom": "mnist_dp",
+    },
+  ),
+  "tuned": (
+    "FedLAP-DP (tuned)",
+    {
+      "digits": "digits_dp_tuned",
+      "mnist": "mnist_dp_tuned",
+      "fashion_mnist": "fmnist_dp_tuned",
+      "cifar10": "cifar_dp_tuned",
+      "custom": "mnist_dp_tuned",
+    },
+  ),
 }
 ALIASES = {"fmnist": "fashion_mnist", "cifar": "cifar10"}
-BASELINE_DATASETS = {"mnist": "mnist", "fashion_mnist": "fmnist", "cifar10": "cifar",
-                     "custom": "mnist"}
+BASELINE_DATASETS = {
+  "mnist": "mnist",
+  "fashion_mnist": "fmnist",
+  "cifar10": "cifar",
+  "custom": "mnist",
+}
 OPTIONS = ("eps", "lrs", "variants", "seeds", "rounds")
 
 
 def _available(variant: str) -> bool:
-  return all(callable(c) or c.partition(":")[0] in configs.names()
-             for c in FEDLAP_VARIANTS[variant][1].values())
+  return all(
+    callable(c) or c.partition(":")[0] in configs.names()
+    for c in FEDLAP_VARIANTS[variant][1].values()
+  )
 
 
 def default_variants() -> tuple[str, ...]:
@@ -105,8 +125,14 @@ def _fail(arg: str, why: str):
 def parse_arg(arg: str) -> dict:
   """``'DATASET[,OPTION=VALUE...]'`` -> the suite's settings (see the module docstring)."""
   dataset, *opts = arg.split(",")
-  out = dict(source=None, epsilons=EPSILONS, lrs=LR_GRID, variants=default_variants(),
-             seeds=(0,), rounds=None)
+  out = dict(
+    source=None,
+    epsilons=EPSILONS,
+    lrs=LR_GRID,
+    variants=default_variants(),
+    seeds=(0,),
+    rounds=None,
+  )
   if dataset.startswith("npz:"):
     name, source = "custom", dataset
   elif "=" in dataset:
@@ -115,8 +141,11 @@ def parse_arg(arg: str) -> dict:
     name, source = dataset, None
   name = ALIASES.get(name, name)
   if name not in BASELINE_DATASETS and name != "digits":
-    _fail(arg, f"dataset {name!r} unknown; allowed: digits, mnist, fashion_mnist, cifar10, "
-          "NAME=npz:PATH or npz:PATH")
+    _fail(
+      arg,
+      f"dataset {name!r} unknown; allowed: digits, mnist, fashion_mnist, cifar10, "
+      "NAME=npz:PATH or npz:PATH",
+    )
   if source is not None and not source.startswith("npz:"):
     _fail(arg, f"source {source!r}; allowed: npz:PATH")
   out.update(name=name, source=source)
@@ -133,22 +162,29 @@ def parse_arg(arg: str) -> dict:
         out["epsilons" if key == "eps" else "lrs"] = nums
       elif key in ("seeds", "rounds"):
         nums = tuple(int(v) for v in values)
-        if any(v < (0 if key == "seeds" else 1) for v in nums) or (key == "rounds"
-                                                                     and len(nums) > 1):
+        if any(v < (0 if key == "seeds" else 1) for v in nums) or (
+          key == "rounds" and len(nums) > 1
+        ):
           raise ValueError
         out[key] = nums if key == "seeds" else nums[0]
       elif value == "none":  # baselines only (e.g. to widen their grid in another work dir)
         out["variants"] = ()
       else:
         if any(v not in default_variants() for v in values):
-          _fail(arg, f"variants={value!r}; allowed: 'none' or names of "
-                f"{default_variants()} ('+' between them)")
+          _fail(
+            arg,
+            f"variants={value!r}; allowed: 'none' or names of "
+            f"{default_variants()} ('+' between them)",
+          )
         out["variants"] = tuple(values)
     except ValueError as e:
       if str(e).startswith("compare_dp:"):
         raise
-      _fail(arg, f"option {opt!r}; allowed: eps and lrs numbers > 0, seeds integers >= 0, "
-            "rounds one integer >= 1, '+' between values")
+      _fail(
+        arg,
+        f"option {opt!r}; allowed: eps and lrs numbers > 0, seeds integers >= 0, "
+        "rounds one integer >= 1, '+' between values",
+      )
   return out
 
 

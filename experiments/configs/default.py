@@ -43,7 +43,7 @@ from experiments.configs import schema
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.method = "fedlap"   # or a baseline, or feddm / dsc / dsc_centralized / psg
+  config.method = "fedlap"  # or a baseline, or feddm / dsc / dsc_centralized / psg
   config.seed = 0
   config.rounds = 200
   config.learning_rate = 0.1
@@ -59,10 +59,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.data = ml_collections.ConfigDict()
   config.data.name = "cifar10"
-  config.data.source = "tfds"            # "tfds" | "sklearn" | "npz:PATH"
+  config.data.source = "tfds"  # "tfds" | "sklearn" | "npz:PATH"
   config.data.data_dir = config_dict.placeholder(str)  # tfds data_dir (None: tfds default)
-  config.data.cache_dir = ""             # "" = ~/.cache/fedlap_jax; "none" = no cache
-  config.data.partition = "paper"        # "paper" | "iid" | "dirichlet"
+  config.data.cache_dir = ""  # "" = ~/.cache/fedlap_jax; "none" = no cache
+  config.data.partition = "paper"  # "paper" | "iid" | "dirichlet"
   config.data.dirichlet_alpha = 0.5
   config.data.num_clients = 5
   # Clients per round m, uniform without replacement, drawn from (participation_seed, round);
@@ -86,7 +86,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.width = 128
   config.model.depth = 3
   config.model.norm = "instance"
-  config.model.conv_bias = True          # as the authors; False drops what instance norm cancels
+  config.model.conv_bias = True  # as the authors; False drops what instance norm cancels
 
   # client / server / dp: the fields of fedlap_jax.config.ClientConfig / ServerConfig /
   # DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
@@ -143,7 +143,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.condense.lr_decay = 0.1
 
   # Run-time options (may change when a run is resumed).
-  config.checkpoint_every = 5            # rounds; the last round is always saved
+  config.checkpoint_every = 5  # rounds; the last round is always saved
   config.keep_checkpoints = 2
   # Test-set images per evaluation step; None: 16 on CPU, 1000 on accelerators.
   config.eval_chunk_size = config_dict.placeholder(int)

@@ -61,11 +61,19 @@ RADIUS_STRATEGIES = ("min", "max", "median", "fixed")
 # epsilon 2.79 after TUNED_ROUNDS rounds at q ~ 0.17, T = 20.
 TUNED_ROUNDS = 3
 TUNED_RECIPE = {
-    "rounds": TUNED_ROUNDS, "learning_rate": 0.2, "lr_schedule": "cosine_open",
-    "client.iterations": 1, "client.max_outer": 2, "client.batch_loop": 10,
-    "client.average_targets": True, "client.boost_loop": 50, "client.inner_loop": 5,
-    "client.radius": 10.0, "server.max_epochs": 30,
-    "dp.noise_multiplier": 2.38, "snapshot_rounds": (1, TUNED_ROUNDS),
+  "rounds": TUNED_ROUNDS,
+  "learning_rate": 0.2,
+  "lr_schedule": "cosine_open",
+  "client.iterations": 1,
+  "client.max_outer": 2,
+  "client.batch_loop": 10,
+  "client.average_targets": True,
+  "client.boost_loop": 50,
+  "client.inner_loop": 5,
+  "client.radius": 10.0,
+  "server.max_epochs": 30,
+  "dp.noise_multiplier": 2.38,
+  "snapshot_rounds": (1, TUNED_ROUNDS),
 }
 
 # The hybrid DP recipe as overrides of a FedLAP-DP config (flattened field names), for
@@ -77,22 +85,36 @@ TUNED_RECIPE = {
 # or a function of released ones and public state (post-processing).
 HYBRID_ROUNDS = 5
 HYBRID_RECIPE = {
-    "rounds": HYBRID_ROUNDS, "learning_rate": 0.3, "lr_schedule": "cosine_open",
-    "client.iterations": 1, "client.max_outer": 20, "client.batch_loop": 1,
-    "client.boost_loop": 20, "client.average_targets": True, "client.model_steps": "noisy_real",
-    "client.real_dsa_strategy": "", "client.radius": 1e4,
-    "server.start": "fedavg_delta", "server.radius_strategy": "constant",
-    "server.learning_rate": 0.03, "server.max_epochs": 5,
-    "dp.noise_multiplier": 2.92, "snapshot_rounds": (1, HYBRID_ROUNDS),
+  "rounds": HYBRID_ROUNDS,
+  "learning_rate": 0.3,
+  "lr_schedule": "cosine_open",
+  "client.iterations": 1,
+  "client.max_outer": 20,
+  "client.batch_loop": 1,
+  "client.boost_loop": 20,
+  "client.average_targets": True,
+  "client.model_steps": "noisy_real",
+  "client.real_dsa_strategy": "",
+  "client.radius": 1e4,
+  "server.start": "fedavg_delta",
+  "server.radius_strategy": "constant",
+  "server.learning_rate": 0.03,
+  "server.max_epochs": 5,
+  "dp.noise_multiplier": 2.92,
+  "snapshot_rounds": (1, HYBRID_ROUNDS),
 }
 # What the larger data sets change in the hybrid recipe: T = 35 per round, 10 rounds, sigma
 # 5.18 (epsilon 2.78 at q = 0.169); MNIST C = 0.1 with eta_0 = 2 (a step of at most
 # eta_0 C = 0.2, as DP-FedAvg's), Fashion-MNIST C = 1 with eta_0 = 0.3.
-_HYBRID_LARGE = {"rounds": 10, "client.max_outer": 35, "dp.noise_multiplier": 5.18,
-                 "snapshot_rounds": (1, 10)}
+_HYBRID_LARGE = {
+  "rounds": 10,
+  "client.max_outer": 35,
+  "dp.noise_multiplier": 5.18,
+  "snapshot_rounds": (1, 10),
+}
 HYBRID_SPLITS = {
-    "mnist": {**_HYBRID_LARGE, "dp.l2_clip_norm": 0.1, "learning_rate": 2.0},
-    "fmnist": {**_HYBRID_LARGE, "dp.l2_clip_norm": 1.0, "learning_rate": 0.3},
+  "mnist": {**_HYBRID_LARGE, "dp.l2_clip_norm": 0.1, "learning_rate": 2.0},
+  "fmnist": {**_HYBRID_LARGE, "dp.l2_clip_norm": 1.0, "learning_rate": 0.3},
 }
 
 
@@ -117,8 +139,7 @@ def apply_hybrid_dp(config, batch_size: int, **overrides):
 
   ``overrides``: flattened field names that replace values of :data:`HYBRID_RECIPE`.
   """
-  config.update_from_flattened_dict({**HYBRID_RECIPE, "client.batch_size": batch_size,
-                                     **overrides})
+  config.update_from_flattened_dict({**HYBRID_RECIPE, "client.batch_size": batch_size, **overrides})
   return config
 
 
@@ -141,8 +162,9 @@ def _ablation(dataset: str, kind: str, value: str):
     try:
       config.client.ipc = int(value or "50")
     except ValueError:
-      raise ValueError(f"{name} is invalid; allowed: an integer, the paper uses "
-                       f"{PAPER_IPC}") from None
+      raise ValueError(
+        f"{name} is invalid; allowed: an integer, the paper uses {PAPER_IPC}"
+      ) from None
   elif kind == "radius":
     strategy = value or "min"
     if strategy not in RADIUS_STRATEGIES:
@@ -156,16 +178,19 @@ def _ablation(dataset: str, kind: str, value: str):
     except ValueError:
       percent = -1.0
     if not 0 < percent <= 100:
-      raise ValueError(f"{name} is invalid; allowed: a percentage in (0, 100], the paper "
-                       f"uses {PAPER_PERCENT}")
+      raise ValueError(
+        f"{name} is invalid; allowed: a percentage in (0, 100], the paper uses {PAPER_PERCENT}"
+      )
     config.data.train_fraction = percent / 100.0
   return config
 
 
 def _fail(arg: str, why: str):
-  raise ValueError(f"fedlap:{arg} is invalid: {why}; allowed: DATASET_VARIANT[:VALUE], "
-                   f"DATASET one of {tuple(DATASETS)}, VARIANT nondp, dp, dp_tuned, "
-                   "dp_hybrid, iid, ablation_ipc, ablation_radius, ablation_fraction")
+  raise ValueError(
+    f"fedlap:{arg} is invalid: {why}; allowed: DATASET_VARIANT[:VALUE], "
+    f"DATASET one of {tuple(DATASETS)}, VARIANT nondp, dp, dp_tuned, "
+    "dp_hybrid, iid, ablation_ipc, ablation_radius, ablation_fraction"
+  )
 
 
 def get_config(arg: str):
@@ -180,8 +205,7 @@ def get_config(arg: str):
   if variant == "dp_tuned":
     return apply_tuned_dp(dp_config(dataset), TUNED_BATCH_SIZE[dataset])
   if variant == "dp_hybrid" and dataset in HYBRID_SPLITS:
-    return apply_hybrid_dp(dp_config(dataset), TUNED_BATCH_SIZE[dataset],
-                           **HYBRID_SPLITS[dataset])
+    return apply_hybrid_dp(dp_config(dataset), TUNED_BATCH_SIZE[dataset], **HYBRID_SPLITS[dataset])
   if variant == "iid":
     if value not in ("", "nondp", "dp"):
       raise ValueError(f"{dataset}_iid:{value} is invalid; allowed: 'nondp' or 'dp'")

@@ -37,7 +37,7 @@ import ml_collections
 from experiments.configs import default, fedlap
 
 VARIANTS = ("both", "dp", "dp_loops", "dp_tuned", "nondp")
-BATCH_SIZE_Q017 = 46   # Poisson batch of the DP recipes: q = 0.169 x 274, the smallest client
+BATCH_SIZE_Q017 = 46  # Poisson batch of the DP recipes: q = 0.169 x 274, the smallest client
 
 
 def _common(config):

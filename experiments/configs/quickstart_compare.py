@@ -49,8 +49,9 @@ def _baseline(method: str, base) -> ml_collections.ConfigDict:
   return config
 
 
-def matched_dp_baseline(method: str, fedlap_dp,
-                        name: str = "fedlap_dp") -> ml_collections.ConfigDict:
+def matched_dp_baseline(
+  method: str, fedlap_dp, name: str = "fedlap_dp"
+) -> ml_collections.ConfigDict:
   """A DP baseline whose epsilon after the last round equals that of the suite's run ``name``.
 
   ``fedlap_dp`` is that run's config. The noise multiplier is left to

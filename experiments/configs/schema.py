@@ -22,9 +22,12 @@ from ml_collections import config_dict
 from fedlap_jax.checks import ConfigError, is_int, is_real
 
 # What a value of each field type may be, in words, and the test it must pass.
-_KINDS = {int: ("an integer", is_int), float: ("a finite number", is_real),
-          bool: ("True or False", lambda v: isinstance(v, bool)),
-          str: ("a string", lambda v: isinstance(v, str))}
+_KINDS = {
+  int: ("an integer", is_int),
+  float: ("a finite number", is_real),
+  bool: ("True or False", lambda v: isinstance(v, bool)),
+  str: ("a string", lambda v: isinstance(v, str)),
+}
 
 
 @functools.cache
@@ -95,8 +98,9 @@ def check_field(cls, name: str, value: Any, path: str) -> None:
       raise ConfigError(path, value, words + (" or None" if optional else ""))
 
 
-def build(cls, cfg: ml_collections.ConfigDict, path: str, *, ignore: Iterable[str] = (),
-          **given: Any):
+def build(
+  cls, cfg: ml_collections.ConfigDict, path: str, *, ignore: Iterable[str] = (), **given: Any
+):
   """The dataclass ``cls`` from section ``cfg`` (written at ``path``) and the fields ``given``.
 
   Every entry of ``cfg`` must be a field of ``cls`` (or be named in
@@ -115,8 +119,11 @@ def build(cls, cfg: ml_collections.ConfigDict, path: str, *, ignore: Iterable[st
     if key in skip:
       continue
     if key not in names:
-      raise ConfigError(f"{path}.{key}", cfg[key], f"a field of {cls.__name__}: one of "
-                        f"{tuple(sorted(names | skip))}")
+      raise ConfigError(
+        f"{path}.{key}",
+        cfg[key],
+        f"a field of {cls.__name__}: one of {tuple(sorted(names | skip))}",
+      )
     check_field(cls, key, cfg[key], f"{path}.{key}")
     kwargs[key] = cfg[key]
   return cls(**kwargs, **given)

@@ -118,14 +118,16 @@ def get_dsc_config(dataset: str, variant: str = ""):
   """DSC on ``dataset``; ``variant`` is ``[centralized|federated][IPC]`` (default centralized, 50)."""
   match = DSC_VARIANT.match(variant or "")
   if match is None or (match.group(2) and int(match.group(2)) not in (10, 50)):
-    raise ValueError(f"{dataset}_dsc:{variant} is invalid; allowed: [centralized|federated]"
-                     "[10|50], e.g. 'federated10' (default: centralized, ipc 50)")
+    raise ValueError(
+      f"{dataset}_dsc:{variant} is invalid; allowed: [centralized|federated]"
+      "[10|50], e.g. 'federated10' (default: centralized, ipc 50)"
+    )
   federated = match.group(1) == "federated"
   config = default.get_config()
   config.method = "dsc" if federated else "dsc_centralized"
   config.data.name = _dataset(dataset)
   _condensation(config, int(match.group(2) or 50), batch_loop=1)
-  if dataset == "mnist":   # the DC code's augmentation for MNIST, and 1000 epochs with it
+  if dataset == "mnist":  # the DC code's augmentation for MNIST, and 1000 epochs with it
     server(config, epochs=1000, dsa_strategy="crop_scale_rotate")
   else:
     server(config, epochs=300)
@@ -143,7 +145,7 @@ def get_psg_config(dataset: str):
   config.dp.l2_clip_norm = 0.1
   config.dp.delta = 1e-5
   config.dp.epsilon_for = "add_remove"  # the paper's figure (module docstring)
-  if dataset in ("mnist", "fmnist"):   # PSG's augmentation for ('MNIST' in name) datasets
+  if dataset in ("mnist", "fmnist"):  # PSG's augmentation for ('MNIST' in name) datasets
     server(config, epochs=1000, dsa_strategy="crop_scale_rotate")
   else:
     server(config, epochs=300)
@@ -160,5 +162,7 @@ def get_config(arg: str):
     return get_dsc_config(dataset, variant)
   if system == "psg" and not variant:
     return get_psg_config(dataset)
-  raise ValueError(f"synthetic:{arg} is invalid; allowed: DATASET_feddm, DATASET_dsc[:VARIANT] "
-                   f"or DATASET_psg, DATASET one of {tuple(DATASETS)}")
+  raise ValueError(
+    f"synthetic:{arg} is invalid; allowed: DATASET_feddm, DATASET_dsc[:VARIANT] "
+    f"or DATASET_psg, DATASET one of {tuple(DATASETS)}"
+  )

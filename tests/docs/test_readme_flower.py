@@ -18,22 +18,36 @@ def test_readme_flower_commands_use_flags_the_installed_flower_has():
   """
   readme = README.read_text()
   section = readme.split("## Running across machines with Flower", 1)[1].split("\n## ", 1)[0]
-  prefixes = ("flower-superlink", "python -m fedlap_flower.node", "flwr run",
-              "python -m fedlap_flower.run_signature")
-  commands = [part.strip() for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-              for line in block.splitlines() for part in re.split(r"&&|(?<!&)&(?!&)", line)
-              if part.strip().startswith(prefixes)]
+  prefixes = (
+    "flower-superlink",
+    "python -m fedlap_flower.node",
+    "flwr run",
+    "python -m fedlap_flower.run_signature",
+  )
+  commands = [
+    part.strip()
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    for line in block.splitlines()
+    for part in re.split(r"&&|(?<!&)&(?!&)", line)
+    if part.strip().startswith(prefixes)
+  ]
   assert {p for p in prefixes if any(c.startswith(p) for c in commands)} == set(prefixes)
   bin_dir = pathlib.Path(sys.executable).parent
 
   def help_of(*argv):
-    return subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "200"}).stdout
+    return subprocess.run(
+      [*argv, "--help"],
+      capture_output=True,
+      text=True,
+      timeout=60,
+      env={**os.environ, "COLUMNS": "200"},
+    ).stdout
 
   for command in commands:
     if command.startswith("python -m fedlap_flower.node"):
       help_text = help_of(sys.executable, "-m", "fedlap_flower.node") + help_of(
-          str(bin_dir / "flower-supernode"))
+        str(bin_dir / "flower-supernode")
+      )
     elif command.startswith("python -m"):
       help_text = help_of(sys.executable, "-m", command.split()[2])
     elif command.startswith("flwr run"):

@@ -24,9 +24,15 @@ def test_cli_audits_a_run_dir(tmp_path, capsys):
   built = audit.rebuild_run(cfg)
   alg = built.algorithm
   state = built.template._replace(
-      params=jax.tree.map(lambda p: p + 0.01, alg.params_of(built.template)))
-  ledger = PrivacyLedger(noise_multiplier=1.0, batch_size=64, min_client_size=260,
-                         steps_per_round=alg.dp_steps_per_round, delta=DELTA)
+    params=jax.tree.map(lambda p: p + 0.01, alg.params_of(built.template))
+  )
+  ledger = PrivacyLedger(
+    noise_multiplier=1.0,
+    batch_size=64,
+    min_client_size=260,
+    steps_per_round=alg.dp_steps_per_round,
+    delta=DELTA,
+  )
   ledger.record_round()
   ledger.record_round()
   ckpt = checkpointing.Checkpointer(tmp_path / "checkpoints")
@@ -45,8 +51,11 @@ def test_cli_audits_a_run_dir(tmp_path, capsys):
   assert "blackbox_loss: AUC=" in printed.out and "auditing round 2" in printed.err
   with open(tmp_path / "out" / "audit.json") as f:
     result = json.load(f)
-  assert result["accountant"] == {"dp": True, "epsilon": pytest.approx(ledger.epsilon),
-                                  "delta": DELTA}
+  assert result["accountant"] == {
+    "dp": True,
+    "epsilon": pytest.approx(ledger.epsilon),
+    "delta": DELTA,
+  }
   assert result["run"]["round"] == 2 and result["run"]["label"] == "FedLAP-DP"
   assert result["counts"]["audit_members"] == result["counts"]["audit_nonmembers"] == 198
   assert (tmp_path / "out" / "roc_whitebox.png").exists()

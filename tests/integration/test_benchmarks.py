@@ -21,8 +21,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 def run_script(*argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
   """``python -m benchmarks.<argv>`` from the repository root, ``env`` added to the environment."""
-  return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout, env={**os.environ, **env})
+  return subprocess.run(
+    [sys.executable, "-m", *argv],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env={**os.environ, **env},
+  )
 
 
 def test_bench_refuses_bad_client_sizes_with_status_2():
@@ -37,12 +43,12 @@ def test_bench_refuses_bad_client_sizes_with_status_2():
 def test_trace_summary_busy_time_and_totals(tmp_path):
   """Overlapping kernels count once towards busy time; totals and counts per event name."""
   events = [
-      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
-      {"ph": "X", "pid": 1, "name": "conv", "ts": 0, "dur": 10_000},
-      {"ph": "X", "pid": 1, "name": "conv", "ts": 5_000, "dur": 10_000},  # overlaps the first
-      {"ph": "X", "pid": 1, "name": "add", "ts": 30_000, "dur": 5_000},
-      {"ph": "X", "pid": 2, "name": "launch", "ts": 0, "dur": 100_000},
+    {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+    {"ph": "X", "pid": 1, "name": "conv", "ts": 0, "dur": 10_000},
+    {"ph": "X", "pid": 1, "name": "conv", "ts": 5_000, "dur": 10_000},  # overlaps the first
+    {"ph": "X", "pid": 1, "name": "add", "ts": 30_000, "dur": 5_000},
+    {"ph": "X", "pid": 2, "name": "launch", "ts": 0, "dur": 100_000},
   ]
   path = tmp_path / "op" / "host.trace.json.gz"
   path.parent.mkdir()
@@ -63,15 +69,18 @@ def test_trace_summary_busy_time_and_totals(tmp_path):
 def test_gpu_script_variants_and_goals(tmp_path):
   bad = run_script("benchmarks.gpu_round", "--variants", "new,pmap")
   assert bad.returncode == 1 and "--variants item 'pmap' is invalid" in bad.stderr
-  rows = [{"config": "cifar_dp", "variant": "new", "median_s": 2.5, "compile_s": 40.0},
-          {"config": "cifar_dp", "variant": "old", "median_s": 7.5, "compile_s": 44.0}]
+  rows = [
+    {"config": "cifar_dp", "variant": "new", "median_s": 2.5, "compile_s": 40.0},
+    {"config": "cifar_dp", "variant": "old", "median_s": 7.5, "compile_s": 44.0},
+  ]
   saved = tmp_path / "gpu_round.json"
   saved.write_text(json.dumps({"rows": rows}))
   out = run_script("benchmarks.gpu_round", "--from-json", str(saved))
   assert out.returncode == 0, out.stderr[-2000:]
   lines = out.stdout.splitlines()
-  assert lines[0] == ("cifar_dp [new]: 2.50 s/round (goal <= 3 s: met), compile 40.0 s "
-                      "(goal <= 30 s: NOT met)")
+  assert lines[0] == (
+    "cifar_dp [new]: 2.50 s/round (goal <= 3 s: met), compile 40.0 s (goal <= 30 s: NOT met)"
+  )
   assert lines[1].startswith("cifar_dp [old]: 7.50 s/round (goal <= 3 s: NOT met)")
   assert lines[-1].startswith("cifar_dp: new / old = 2.50 / 7.50 s = 0.33")
 
@@ -86,9 +95,20 @@ def test_many_clients_defaults_to_the_built_subset_and_tabulates_a_log(tmp_path)
   default = run_script("benchmarks.many_clients", HOME=str(tmp_path))
   built = tmp_path / ".cache" / "fedlap_jax" / "mnist10k.npz"
   assert default.returncode == 1 and f"--data={str(built)!r} is invalid" in default.stderr
-  row = dict(method="fedlap_dp", clients=500, per_round=5, n_min=3, n_max=48,
-             first_round_s=1.0, round_s=0.5, accounting_s=0.1, peak_rss_mb=900.0,
-             host_data_mb=18.8, block_mb=0.19, load=[3.0, 3.1])
+  row = dict(
+    method="fedlap_dp",
+    clients=500,
+    per_round=5,
+    n_min=3,
+    n_max=48,
+    first_round_s=1.0,
+    round_s=0.5,
+    accounting_s=0.1,
+    peak_rss_mb=900.0,
+    host_data_mb=18.8,
+    block_mb=0.19,
+    load=[3.0, 3.1],
+  )
   log = tmp_path / "run.log"
   log.write_text("a progress line\n" + json.dumps(row) + "\n")
   png = tmp_path / "many_clients.png"
@@ -106,9 +126,11 @@ def test_device_check_script_is_valid_and_uses_existing_flags():
   subprocess.run(["bash", "-n", str(script)], check=True)
   # Join continuation lines, then check each command's flags against its target's source.
   text = script.read_text().replace("\\\n", " ")
-  targets = {"benchmarks/gpu_round.py": ROOT / "benchmarks" / "gpu_round.py",
-             "-m benchmarks.bench": ROOT / "benchmarks" / "bench.py",
-             "-m benchmarks.trace_summary": ROOT / "benchmarks" / "trace_summary.py"}
+  targets = {
+    "benchmarks/gpu_round.py": ROOT / "benchmarks" / "gpu_round.py",
+    "-m benchmarks.bench": ROOT / "benchmarks" / "bench.py",
+    "-m benchmarks.trace_summary": ROOT / "benchmarks" / "trace_summary.py",
+  }
   checked = 0
   for line in text.splitlines():
     for call, source in targets.items():

@@ -20,19 +20,42 @@ from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 # The DP config microbatches its 44-slot Poisson buffers by 8, so the round also
 # runs the data-dependent microbatch loop (vmapped over the clients).
 CONFIGS = {
-    "dp": FedLAPConfig(
-        client=ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
-                            inner_loop=1, batch_size=16, radius=5.0, mse_weight=0.0,
-                            calibrate_radius=False,
-                            dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5,
-                                        microbatch_size=8)),
-        server=ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=2),
-        rounds=5, learning_rate=0.05, synthetic_init="noise"),
-    "nondp": FedLAPConfig(
-        client=ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
-                            inner_loop=0, batch_size=16, radius=5.0, calibration_epochs=2),
-        server=ServerConfig(radius_strategy="min", max_epochs=2),
-        rounds=5, learning_rate=0.05, synthetic_init="real"),
+  "dp": FedLAPConfig(
+    client=ClientConfig(
+      ipc=2,
+      iterations=1,
+      max_outer=2,
+      batch_loop=2,
+      boost_loop=2,
+      inner_loop=1,
+      batch_size=16,
+      radius=5.0,
+      mse_weight=0.0,
+      calibrate_radius=False,
+      dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, microbatch_size=8),
+    ),
+    server=ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=2),
+    rounds=5,
+    learning_rate=0.05,
+    synthetic_init="noise",
+  ),
+  "nondp": FedLAPConfig(
+    client=ClientConfig(
+      ipc=2,
+      iterations=1,
+      max_outer=2,
+      batch_loop=2,
+      boost_loop=2,
+      inner_loop=0,
+      batch_size=16,
+      radius=5.0,
+      calibration_epochs=2,
+    ),
+    server=ServerConfig(radius_strategy="min", max_epochs=2),
+    rounds=5,
+    learning_rate=0.05,
+    synthetic_init="real",
+  ),
 }
 
 

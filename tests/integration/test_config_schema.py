@@ -18,7 +18,7 @@ def test_sections_are_the_dataclasses_fields_and_defaults():
   assert set(cfg.server.keys()) == {f.name for f in dataclasses.fields(core.ServerConfig)}
   fedlap = library_configs.to_fedlap_config(cfg)
   assert fedlap.client == core.ClientConfig()
-  assert fedlap.server == core.ServerConfig(weighting="size")   # None resolved without DP
+  assert fedlap.server == core.ServerConfig(weighting="size")  # None resolved without DP
   cfg.dp.enabled = True
   assert library_configs.to_dp_config(cfg) == core.PAPER_DP
 
@@ -27,7 +27,7 @@ def test_optional_fields_are_typed_placeholders():
   client = schema.section(core.ClientConfig, exclude=("dp",))
   assert client.calibration_eval_size is None and client.get_type("calibration_eval_size") is int
   assert client.get_type("real_dsa_strategy") is str
-  client.calibration_eval_size = 7            # an override gets the field's type
+  client.calibration_eval_size = 7  # an override gets the field's type
   with pytest.raises(TypeError):
     client.calibration_eval_size = "7"
 
@@ -43,11 +43,14 @@ def test_paper_dp_setting_is_written_once():
   assert library_configs.to_fedlap_config(fedlap.get_config("cifar_dp")) == core.paper_dp_config()
 
 
-@pytest.mark.parametrize("section,field,value,allowed", [
+@pytest.mark.parametrize(
+  "section,field,value,allowed",
+  [
     ("client", "ipcc", 3, "a field of ClientConfig"),
     ("server", "radius", 1.0, "a field of ServerConfig"),
     ("dp", "sigma", 1.0, "a field of DPConfig"),
-])
+  ],
+)
 def test_unknown_field_is_refused_naming_it(section, field, value, allowed):
   cfg = fedlap.get_config("cifar_dp")
   cfg[section][field] = value
@@ -57,17 +60,20 @@ def test_unknown_field_is_refused_naming_it(section, field, value, allowed):
   assert allowed in err.value.allowed
 
 
-@pytest.mark.parametrize("path,value,allowed", [
+@pytest.mark.parametrize(
+  "path,value,allowed",
+  [
     ("client.average_targets", 1, "True or False"),
     ("client.dsa_family_draw", 0, "a string"),
     ("client.calibration_eval_size", 2.5, "an integer or None"),
     ("server.learning_rate", "0.1", "a finite number or None"),
     ("dp.per_example_method", None, "a string"),
-])
+  ],
+)
 def test_mistyped_field_is_refused_naming_it(path, value, allowed):
   cfg = fedlap.get_config("cifar_dp")
   section, field = path.split(".")
-  del cfg[section][field]                      # a config file may write any type
+  del cfg[section][field]  # a config file may write any type
   cfg[section][field] = value
   with pytest.raises(ConfigError) as err:
     library_configs.validate_config(cfg)

@@ -12,8 +12,10 @@ from experiments import datasets
 
 tfds = pytest.importorskip("tensorflow_datasets")
 
-SMALL = {"mnist10k": datasets.Subset("mnist10k", "mnist", 30, 12, "MNIST (shrunk)"),
-         "fmnist10k": datasets.Subset("fmnist10k", "fashion_mnist", 30, 12, "Fashion (shrunk)")}
+SMALL = {
+  "mnist10k": datasets.Subset("mnist10k", "mnist", 30, 12, "MNIST (shrunk)"),
+  "fmnist10k": datasets.Subset("fmnist10k", "fashion_mnist", 30, 12, "Fashion (shrunk)"),
+}
 
 
 @pytest.fixture
@@ -24,7 +26,9 @@ def small_subsets(monkeypatch):
 
 def test_subsets_are_the_documented_sizes():
   assert {n: (s.tfds_name, s.train, s.test) for n, s in datasets.SUBSETS.items()} == {
-      "mnist10k": ("mnist", 8000, 2000), "fmnist10k": ("fashion_mnist", 8000, 2000)}
+    "mnist10k": ("mnist", 8000, 2000),
+    "fmnist10k": ("fashion_mnist", 8000, 2000),
+  }
   for name in datasets.SUBSETS:
     assert len(datasets.PINNED_SHA256[name]) == 64
     int(datasets.PINNED_SHA256[name], 16)
@@ -51,8 +55,9 @@ def test_build_takes_the_first_records_of_each_split(tmp_path, small_subsets, na
   # What experiments.run reads with --config.data.source=npz:PATH.
   loaded = data_lib.load_npz(str(result["path"]))
   np.testing.assert_array_equal(loaded[0], got["x_train"])
-  sizes = [int(np.isin(got["y_train"], pair).sum())
-           for pair in ((5, 6), (1, 2), (0, 8), (9, 3), (4, 7))]
+  sizes = [
+    int(np.isin(got["y_train"], pair).sum()) for pair in ((5, 6), (1, 2), (0, 8), (9, 3), (4, 7))
+  ]
   assert result["client_sizes"] == tuple(sizes) and sum(sizes) == 30
 
 
@@ -60,7 +65,9 @@ def test_build_is_deterministic_and_writes_its_checksum(tmp_path, small_subsets)
   with tfds.testing.mock_data(num_examples=50):
     first = datasets.build("mnist10k", tmp_path / "a", cache_dir="none")
     second = datasets.build("mnist10k", tmp_path / "b", cache_dir="none")
-  assert (tmp_path / "a" / "mnist10k.npz").read_bytes() == (tmp_path / "b" / "mnist10k.npz").read_bytes()
+  assert (tmp_path / "a" / "mnist10k.npz").read_bytes() == (
+    tmp_path / "b" / "mnist10k.npz"
+  ).read_bytes()
   assert first["sha256"] == second["sha256"] == datasets.sha256_file(first["path"])
   line = (tmp_path / "a" / "mnist10k.npz.sha256").read_text()
   assert line == f"{first['sha256']}  mnist10k.npz\n"  # sha256sum -c format
@@ -69,10 +76,12 @@ def test_build_is_deterministic_and_writes_its_checksum(tmp_path, small_subsets)
 
 def test_npz_bytes_depend_on_the_arrays_only(tmp_path):
   rng = np.random.default_rng(0)
-  arrays = {"x_train": rng.integers(0, 256, (5, 4, 4, 1), dtype=np.uint8),
-            "y_train": np.arange(5, dtype=np.int64),
-            "x_test": rng.integers(0, 256, (2, 4, 4, 1), dtype=np.uint8),
-            "y_test": np.arange(2, dtype=np.int64)}
+  arrays = {
+    "x_train": rng.integers(0, 256, (5, 4, 4, 1), dtype=np.uint8),
+    "y_train": np.arange(5, dtype=np.int64),
+    "x_test": rng.integers(0, 256, (2, 4, 4, 1), dtype=np.uint8),
+    "y_test": np.arange(2, dtype=np.int64),
+  }
   datasets.write_npz(tmp_path / "one.npz", arrays)
   datasets.write_npz(tmp_path / "two.npz", {k: arrays[k] for k in reversed(list(arrays))})
   assert (tmp_path / "one.npz").read_bytes() == (tmp_path / "two.npz").read_bytes()
@@ -83,7 +92,8 @@ def test_npz_bytes_depend_on_the_arrays_only(tmp_path):
 
 
 def test_command_reports_sizes_and_a_checksum_that_differs_from_the_pinned_one(
-    tmp_path, small_subsets, capsys):
+  tmp_path, small_subsets, capsys
+):
   with tfds.testing.mock_data(num_examples=50):
     rc = datasets.main(["mnist10k", "--out", str(tmp_path), "--cache-dir", "none"])
   out, err = capsys.readouterr()
@@ -98,10 +108,20 @@ def test_command_reports_sizes_and_a_checksum_that_differs_from_the_pinned_one(
 
 def test_offline_refuses_and_writes_nothing(tmp_path, monkeypatch, capsys):
   probed = []
-  monkeypatch.setattr(data_lib, "_reachable",
-                      lambda host, port, timeout: probed.append((host, port)) or False)
-  rc = datasets.main(["mnist10k", "--out", str(tmp_path / "out"), "--cache-dir", "none",
-                      "--data-dir", str(tmp_path / "empty")])
+  monkeypatch.setattr(
+    data_lib, "_reachable", lambda host, port, timeout: probed.append((host, port)) or False
+  )
+  rc = datasets.main(
+    [
+      "mnist10k",
+      "--out",
+      str(tmp_path / "out"),
+      "--cache-dir",
+      "none",
+      "--data-dir",
+      str(tmp_path / "empty"),
+    ]
+  )
   err = capsys.readouterr().err
   assert rc == 2 and probed == [("storage.googleapis.com", 443)]
   assert "cannot build mnist10k" in err and "offline" in err and "--data-dir" in err
@@ -120,4 +140,5 @@ def test_bad_name_and_short_split_are_refused(tmp_path):
 
 def test_default_output_is_the_data_cache():
   assert datasets.output_path("mnist10k") == (
-      data_lib._cache_path("", "mnist").parent / "mnist10k.npz")  # pylint: disable=protected-access
+    data_lib._cache_path("", "mnist").parent / "mnist10k.npz"
+  )  # pylint: disable=protected-access

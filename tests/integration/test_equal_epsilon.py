@@ -25,8 +25,12 @@ def test_calibration_hits_the_target_on_the_ledgers_terms_and_is_monotone(method
   budget = _budgets()[method]
   # The method's own steps per round: FedLAP-DP's real accesses, DP-FedAvg's local steps.
   steps = {"fedlap_dp": 1 * 2 * 5, "dp_fedavg": 2 * round(283 / 64)}[method]
-  assert (budget.batch_size, budget.min_client_size, budget.steps_per_round,
-          budget.rounds) == (64, 274, steps, 10)
+  assert (budget.batch_size, budget.min_client_size, budget.steps_per_round, budget.rounds) == (
+    64,
+    274,
+    steps,
+    10,
+  )
   sigmas = []
   for target in (2.79, 10.18):
     sigma = budget.calibrate(target, field="dp.target_epsilon")
@@ -37,8 +41,13 @@ def test_calibration_hits_the_target_on_the_ledgers_terms_and_is_monotone(method
   # The sigma is the smallest to 1e-4: 1e-3 less overshoots the target.
   assert budget.epsilon(sigmas[1] * (1 - 1e-3)) > 10.18
   # A run's ledger charges what the calibration computes (2 rounds here, to stay fast).
-  ledger = accounting.PrivacyLedger(noise_multiplier=sigmas[1], batch_size=64,
-                                    min_client_size=274, steps_per_round=steps, delta=1e-5)
+  ledger = accounting.PrivacyLedger(
+    noise_multiplier=sigmas[1],
+    batch_size=64,
+    min_client_size=274,
+    steps_per_round=steps,
+    delta=1e-5,
+  )
   ledger.record_round()
   ledger.record_round()
   assert ledger.epsilon == pytest.approx(budget._replace(rounds=2).epsilon(sigmas[1]), rel=1e-9)
@@ -52,20 +61,33 @@ def test_unreachable_target_names_the_bound():
   assert err.value.field == "suite.x.dp.target_epsilon" and "0.01 is unreachable" in msg
   assert "noise_multiplier=100" in msg and "\n" not in msg
   with pytest.raises(ValueError, match="max_noise_multiplier"):
-    accounting.calibrate_noise_multiplier(1.0, delta=1e-5, rounds=1, batch_size=1,
-                                          min_client_size=10, steps_per_round=1,
-                                          max_noise_multiplier=0.0)
+    accounting.calibrate_noise_multiplier(
+      1.0,
+      delta=1e-5,
+      rounds=1,
+      batch_size=1,
+      min_client_size=10,
+      steps_per_round=1,
+      max_noise_multiplier=0.0,
+    )
 
 
-@pytest.mark.parametrize("value, config, fragment", [
+@pytest.mark.parametrize(
+  "value, config, fragment",
+  [
     ("0.001", "quickstart:dp", "dp.target_epsilon=0.001 is unreachable"),
     ("-1", "quickstart:dp", "dp.target_epsilon=-1.0 is invalid"),
     ("0", "quickstart:dp", "dp.target_epsilon=0.0 is invalid"),
     ("3", "quickstart:nondp", "None when dp.enabled is False"),
-])
+  ],
+)
 def test_cli_refuses_a_bad_target_with_exit_2(value, config, fragment, tmp_path, capsys):
-  argv = ["prog", f"--config={config}", f"--config.dp.target_epsilon={value}",
-          f"--workdir={tmp_path / 'w'}"]
+  argv = [
+    "prog",
+    f"--config={config}",
+    f"--config.dp.target_epsilon={value}",
+    f"--workdir={tmp_path / 'w'}",
+  ]
   assert run.main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert fragment in err and "allowed" in err and len(err.splitlines()) == 1
@@ -80,8 +102,12 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
     return {"records": [], "seconds": 0.0}
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
-  argv = ["prog", "--config=quickstart:dp_loops", "--config.dp.target_epsilon=5.0",
-          f"--workdir={tmp_path}"]
+  argv = [
+    "prog",
+    "--config=quickstart:dp_loops",
+    "--config.dp.target_epsilon=5.0",
+    f"--workdir={tmp_path}",
+  ]
   assert run.main(argv) == 0
   line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("calibrated:"))
   cfg = seen["cfg"]
@@ -124,8 +150,11 @@ def test_compare_dp_expands_into_every_method_grid_point_and_epsilon():
   variants = compare_dp.default_variants()
   assert variants[0] == "paper"
   expected = {f"fedlap_dp_{v}__eps{e}" for v in variants for e in ("2p79", "10p18")} | {
-      f"{m}_lr{lr}__eps{e}" for m in ("dp_fedavg", "dp_fedprox")
-      for lr in ("0p1", "0p3", "1", "3", "10") for e in ("2p79", "10p18")}
+    f"{m}_lr{lr}__eps{e}"
+    for m in ("dp_fedavg", "dp_fedprox")
+    for lr in ("0p1", "0p3", "1", "3", "10")
+    for e in ("2p79", "10p18")
+  }
   assert set(suite.keys()) == expected
   for key in suite.keys():
     cfg = suite[key]
@@ -142,8 +171,9 @@ def test_compare_dp_expands_into_every_method_grid_point_and_epsilon():
 
 
 def test_a_variant_without_configs_is_left_out_until_they_exist(monkeypatch):
-  monkeypatch.setitem(compare_dp.FEDLAP_VARIANTS, "ghost",
-                      ("FedLAP-DP (ghost)", {"digits": "no_such_config"}))
+  monkeypatch.setitem(
+    compare_dp.FEDLAP_VARIANTS, "ghost", ("FedLAP-DP (ghost)", {"digits": "no_such_config"})
+  )
   assert "ghost" not in compare_dp.default_variants()
   assert not any(k.startswith("fedlap_dp_ghost") for k in compare_dp.get_config("digits").suite)
   with pytest.raises(ValueError, match="variants='ghost'"):
@@ -151,17 +181,24 @@ def test_a_variant_without_configs_is_left_out_until_they_exist(monkeypatch):
 
 
 def test_compare_dp_options_and_one_line_variants(monkeypatch, tmp_path):
-  monkeypatch.setitem(compare_dp.FEDLAP_VARIANTS, "tuned",
-                      ("FedLAP-DP (tuned)", {"mnist": "mnist_dp"}))
+  monkeypatch.setitem(
+    compare_dp.FEDLAP_VARIANTS, "tuned", ("FedLAP-DP (tuned)", {"mnist": "mnist_dp"})
+  )
   npz = tmp_path / "x.npz"
   suite = compare_dp.get_config(
-      f"mnist=npz:{npz},eps=1+5,lrs=0.5,seeds=0+2,rounds=3,variants=paper+tuned").suite
+    f"mnist=npz:{npz},eps=1+5,lrs=0.5,seeds=0+2,rounds=3,variants=paper+tuned"
+  ).suite
   assert len(suite) == 2 * 2 * (2 + 2 * 1)
   cfg = suite["fedlap_dp_tuned__eps5__s2"]
-  assert (cfg.label, cfg.seed, cfg.rounds, cfg.dp.target_epsilon) == ("FedLAP-DP (tuned)", 2, 3,
-                                                                      5.0)
-  assert all(suite[k].data.source == f"npz:{npz}" and suite[k].data.name == "mnist"
-             for k in suite.keys())
+  assert (cfg.label, cfg.seed, cfg.rounds, cfg.dp.target_epsilon) == (
+    "FedLAP-DP (tuned)",
+    2,
+    3,
+    5.0,
+  )
+  assert all(
+    suite[k].data.source == f"npz:{npz}" and suite[k].data.name == "mnist" for k in suite.keys()
+  )
   assert suite["dp_fedavg_lr0p5__eps1__s0"].model.width == 128  # the FedLAP-DP model
   only = compare_dp.get_config("digits,variants=none,lrs=10,eps=3").suite
   assert set(only.keys()) == {"dp_fedavg_lr10__eps3", "dp_fedprox_lr10__eps3"}
@@ -178,16 +215,32 @@ def test_compare_dp_options_and_one_line_variants(monkeypatch, tmp_path):
 def _fake_run(path, *, method, label="", lr, seed, target, accs, dp_method_label):
   """A run dir as experiments.run writes it, with made-up accuracies (one per round)."""
   path.mkdir(parents=True)
-  cfg = {"method": method, "label": label, "seed": seed, "rounds": len(accs),
-         "learning_rate": lr, "data": {"name": "digits"}, "model": {"width": 32},
-         "dp": {"enabled": True, "target_epsilon": target, "noise_multiplier": 1.0 + lr}}
+  cfg = {
+    "method": method,
+    "label": label,
+    "seed": seed,
+    "rounds": len(accs),
+    "learning_rate": lr,
+    "data": {"name": "digits"},
+    "model": {"width": 32},
+    "dp": {"enabled": True, "target_epsilon": target, "noise_multiplier": 1.0 + lr},
+  }
   (path / "config.json").write_text(json.dumps(cfg))
   (path / "run_info.json").write_text(json.dumps({"dp": True, "method_label": dp_method_label}))
   with open(path / "metrics.jsonl", "w") as f:
     for i, a in enumerate(accs):
-      f.write(json.dumps({"round": i + 1, "test_accuracy": a, "wall_seconds": 1.0,
-                          "round_seconds": 1.0, "epsilon": target * (i + 1) / len(accs)})
-              + "\n")
+      f.write(
+        json.dumps(
+          {
+            "round": i + 1,
+            "test_accuracy": a,
+            "wall_seconds": 1.0,
+            "round_seconds": 1.0,
+            "epsilon": target * (i + 1) / len(accs),
+          }
+        )
+        + "\n"
+      )
   return path
 
 
@@ -195,18 +248,35 @@ def test_report_picks_the_best_grid_point_per_checkpoint(tmp_path):
   dirs = []
   for target, good in ((2.79, 0.5), (10.18, 0.8)):
     for seed in (0, 1):
-      dirs.append(_fake_run(tmp_path / f"fl{target}{seed}", method="fedlap",
-                            label="FedLAP-DP (paper)", lr=0.05, seed=seed, target=target,
-                            accs=[0.1, 0.4 + 0.1 * seed], dp_method_label="FedLAP-DP"))
+      dirs.append(
+        _fake_run(
+          tmp_path / f"fl{target}{seed}",
+          method="fedlap",
+          label="FedLAP-DP (paper)",
+          lr=0.05,
+          seed=seed,
+          target=target,
+          accs=[0.1, 0.4 + 0.1 * seed],
+          dp_method_label="FedLAP-DP",
+        )
+      )
       for lr, acc in ((0.1, 0.2), (1.0, good), (3.0, good - 0.1), (10.0, 2 * good - 0.7)):
-        dirs.append(_fake_run(tmp_path / f"fa{target}{lr}{seed}", method="dp_fedavg", lr=lr,
-                              seed=seed, target=target, accs=[0.0, acc + 0.02 * seed],
-                              dp_method_label="DP-FedAvg"))
+        dirs.append(
+          _fake_run(
+            tmp_path / f"fa{target}{lr}{seed}",
+            method="dp_fedavg",
+            lr=lr,
+            seed=seed,
+            target=target,
+            accs=[0.0, acc + 0.02 * seed],
+            dp_method_label="DP-FedAvg",
+          )
+        )
   tables = report.make_report(dirs, tmp_path / "out", best_of_grid=True)
   _, cols, cells = tables["dp_eps2.79"]
   assert cols == ["FedLAP-DP (paper)", "DP-FedAvg"]
   text, mean, std, n = cells[("digits", "DP-FedAvg")]
-  assert (round(mean, 6), round(std, 6), n) == (51.0, 1.0, 2)   # lr 1.0, not 0.1 or 3.0
+  assert (round(mean, 6), round(std, 6), n) == (51.0, 1.0, 2)  # lr 1.0, not 0.1 or 3.0
   assert text.endswith("[learning_rate=1.0]")  # in the middle of the grid
   assert cells[("digits", "FedLAP-DP (paper)")][1] == pytest.approx(45.0)
   text, mean, _, _ = tables["dp_eps10.18"][2][("digits", "DP-FedAvg")]
@@ -214,12 +284,17 @@ def test_report_picks_the_best_grid_point_per_checkpoint(tmp_path):
   assert cells[("digits", "FedLAP-DP (paper)")][0] == "45.00 ± 5.00 (n=2)"
   grid = tables["grid"][2.79][("digits", "DP-FedAvg")]
   assert [(k, round(v[1], 6)) for k, v in grid.items()] == [  # in numeric order
-      ("learning_rate=0.1", 21.0), ("learning_rate=1.0", 51.0), ("learning_rate=3.0", 41.0),
-      ("learning_rate=10.0", 31.0)]
+    ("learning_rate=0.1", 21.0),
+    ("learning_rate=1.0", 51.0),
+    ("learning_rate=3.0", 41.0),
+    ("learning_rate=10.0", 31.0),
+  ]
   md = (tmp_path / "out" / "report.md").read_text()
   assert "accuracy at epsilon 2.79 (best of grid)" in md
   assert "accuracy at epsilon 10.18 (best of grid)" in md
-  assert "| digits | DP-FedAvg | learning_rate=1.0 | 51.00 ± 1.00 (n=2) | 81.00 ± 1.00 (n=2) |" in md
+  assert (
+    "| digits | DP-FedAvg | learning_rate=1.0 | 51.00 ± 1.00 (n=2) | 81.00 ± 1.00 (n=2) |" in md
+  )
   assert md.index("learning_rate=3.0 |") < md.index("learning_rate=10.0 |")
   assert "not covered by the epsilon" in md
   assert (tmp_path / "out" / "grid_dp.csv").read_text().count("\n") == 1 + 2 * 5
@@ -241,8 +316,11 @@ def test_epsilon_for_selects_the_figure_a_target_calibrates():
   assert add.mechanism == replace.mechanism and sigma_r != sigma_a
   mech = replace.mechanism
   assert 5.0 * (1 - 1e-3) <= mech.with_noise_multiplier(sigma_r).epsilon_after(10, 274) <= 5.0
-  assert 5.0 * (1 - 1e-3) <= mech.with_noise_multiplier(sigma_a).epsilon_after(
-      10, 274, adjacency="add_remove") <= 5.0
+  assert (
+    5.0 * (1 - 1e-3)
+    <= mech.with_noise_multiplier(sigma_a).epsilon_after(10, 274, adjacency="add_remove")
+    <= 5.0
+  )
   assert compare_dp.digits_paper().dp.epsilon_for == "add_remove"  # the paper's levels
   cfg.dp.epsilon_for = "either"
   with pytest.raises(library_configs.ConfigError) as err:
@@ -252,8 +330,12 @@ def test_epsilon_for_selects_the_figure_a_target_calibrates():
 
 def _dp_configs():
   suite = quickstart_compare.get_config().suite
-  return {"fedlap_dp": quickstart.dp_config(), "dp_fedavg": suite.dp_fedavg,
-          "dp_fedprox": suite.dp_fedprox, "psg": suite.psg}
+  return {
+    "fedlap_dp": quickstart.dp_config(),
+    "dp_fedavg": suite.dp_fedavg,
+    "dp_fedprox": suite.dp_fedprox,
+    "psg": suite.psg,
+  }
 
 
 @pytest.mark.parametrize("name", ["fedlap_dp", "dp_fedavg", "dp_fedprox", "psg"])
@@ -266,7 +348,10 @@ def test_calibration_and_the_algorithm_read_one_mechanism(name):
   mech = setup.algorithm.mechanism
   assert mech == library_configs.dp_mechanism(cfg, sizes) == run.dp_budget(cfg, sizes).mechanism
   assert (mech.noise_multiplier, mech.delta, mech.batch_size) == (
-      cfg.dp.noise_multiplier, cfg.dp.delta, cfg.client.batch_size)
+    cfg.dp.noise_multiplier,
+    cfg.dp.delta,
+    cfg.client.batch_size,
+  )
   assert setup.algorithm.dp_steps_per_round == mech.steps_per_round
   steps = {"fedlap_dp": 1 * 2 * 5, "psg": 500}.get(name, 2 * round(max(sizes) / 64))
   assert mech.steps_per_round == steps

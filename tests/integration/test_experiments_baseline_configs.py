@@ -7,8 +7,11 @@ from experiments.configs import baselines, quickstart_compare
 from fedlap_jax import accounting
 from fedlap_jax.baselines import steps_per_epoch
 
-NAMES = [f"{ds}_{m}" for ds in ("mnist", "fmnist", "cifar")
-         for m in ("fedsgd", "fedavg", "fedprox", "scaffold", "fedavg_dp", "fedprox_dp")]
+NAMES = [
+  f"{ds}_{m}"
+  for ds in ("mnist", "fmnist", "cifar")
+  for m in ("fedsgd", "fedavg", "fedprox", "scaffold", "fedavg_dp", "fedprox_dp")
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -35,31 +38,57 @@ def test_unknown_baseline_names_are_refused():
 
 def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
   suite = run.match_epsilons(quickstart_compare.get_config()).suite
-  assert set(suite.keys()) == {"fedlap", "fedavg", "fedprox", "scaffold", "fedsgd",
-                               "fedlap_dp", "dp_fedavg", "dp_fedprox",
-                               "feddm", "dsc", "dsc_centralized", "psg"}
+  assert set(suite.keys()) == {
+    "fedlap",
+    "fedavg",
+    "fedprox",
+    "scaffold",
+    "fedsgd",
+    "fedlap_dp",
+    "dp_fedavg",
+    "dp_fedprox",
+    "feddm",
+    "dsc",
+    "dsc_centralized",
+    "psg",
+  }
   for key in suite.keys():
     library_configs.validate_config(suite[key])
   fl = suite.fedlap_dp
   sizes = run.client_sizes(fl)
   t_fedlap = fl.client.iterations * fl.client.max_outer * fl.client.batch_loop
   eps_fedlap = accounting.epsilon_after_rounds(
-      rounds=fl.rounds, noise_multiplier=fl.dp.noise_multiplier, batch_size=fl.client.batch_size,
-      min_client_size=min(sizes), steps_per_round=t_fedlap, delta=fl.dp.delta)
+    rounds=fl.rounds,
+    noise_multiplier=fl.dp.noise_multiplier,
+    batch_size=fl.client.batch_size,
+    min_client_size=min(sizes),
+    steps_per_round=t_fedlap,
+    delta=fl.dp.delta,
+  )
   for key in ("dp_fedavg", "dp_fedprox"):
     c = suite[key]
     t = c.baseline.local_epochs * steps_per_epoch(max(sizes), c.client.batch_size)
     eps = accounting.epsilon_after_rounds(
-        rounds=c.rounds, noise_multiplier=c.dp.noise_multiplier, batch_size=c.client.batch_size,
-        min_client_size=min(sizes), steps_per_round=t, delta=c.dp.delta)
+      rounds=c.rounds,
+      noise_multiplier=c.dp.noise_multiplier,
+      batch_size=c.client.batch_size,
+      min_client_size=min(sizes),
+      steps_per_round=t,
+      delta=c.dp.delta,
+    )
     assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
     assert t != t_fedlap  # the match comes from sigma, not from equal step counts
   # PSG, one round of T = iterations * outer_loop * batch_loop noisy accesses, at the same epsilon.
   c = suite.psg
   t = c.condense.iterations * c.condense.outer_loop * c.condense.batch_loop
   eps = accounting.epsilon_after_rounds(
-      rounds=1, noise_multiplier=c.dp.noise_multiplier, batch_size=c.client.batch_size,
-      min_client_size=min(sizes), steps_per_round=t, delta=c.dp.delta)
+    rounds=1,
+    noise_multiplier=c.dp.noise_multiplier,
+    batch_size=c.client.batch_size,
+    min_client_size=min(sizes),
+    steps_per_round=t,
+    delta=c.dp.delta,
+  )
   assert c.rounds == 1 and t == 500
   assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
 
@@ -78,11 +107,14 @@ def test_quickstart_compare_config_reads_no_data(monkeypatch):
     run.match_epsilons(quickstart_compare.get_config())
 
 
-@pytest.mark.parametrize("run_name, other, field", [
+@pytest.mark.parametrize(
+  "run_name, other, field",
+  [
     ("dp_fedavg", "nosuch", "suite.dp_fedavg.dp.match_epsilon_of"),
-    ("dp_fedavg", "fedavg", "suite.dp_fedavg.dp.match_epsilon_of"),   # no DP there
-    ("fedavg", "fedlap_dp", "suite.fedavg.dp.enabled"),                # no DP here
-])
+    ("dp_fedavg", "fedavg", "suite.dp_fedavg.dp.match_epsilon_of"),  # no DP there
+    ("fedavg", "fedlap_dp", "suite.fedavg.dp.enabled"),  # no DP here
+  ],
+)
 def test_match_epsilon_of_names_another_dp_run(run_name, other, field):
   config = quickstart_compare.get_config()
   config.suite[run_name].dp.match_epsilon_of = other

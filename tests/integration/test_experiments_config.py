@@ -14,12 +14,28 @@ from experiments import library_configs, run
 from experiments import configs
 from experiments.configs import default, quickstart
 
-NAMED = [("mnist_nondp", None), ("mnist_dp", None), ("fmnist_nondp", None), ("fmnist_dp", None),
-         ("cifar_nondp", None), ("cifar_dp", None), ("quickstart", None), ("quickstart", "dp"), ("quickstart", "dp_loops"),
-         ("quickstart", "nondp"), ("quickstart_nondp", None), ("cifar_iid", None),
-         ("cifar_iid", "dp"), ("mnist_dp_tuned", None), ("fmnist_dp_tuned", None),
-         ("cifar_dp_tuned", None), ("digits_dp_tuned", None), ("digits_dp_hybrid", None),
-         ("mnist_dp_hybrid", None), ("fmnist_dp_hybrid", None)]
+NAMED = [
+  ("mnist_nondp", None),
+  ("mnist_dp", None),
+  ("fmnist_nondp", None),
+  ("fmnist_dp", None),
+  ("cifar_nondp", None),
+  ("cifar_dp", None),
+  ("quickstart", None),
+  ("quickstart", "dp"),
+  ("quickstart", "dp_loops"),
+  ("quickstart", "nondp"),
+  ("quickstart_nondp", None),
+  ("cifar_iid", None),
+  ("cifar_iid", "dp"),
+  ("mnist_dp_tuned", None),
+  ("fmnist_dp_tuned", None),
+  ("cifar_dp_tuned", None),
+  ("digits_dp_tuned", None),
+  ("digits_dp_hybrid", None),
+  ("mnist_dp_hybrid", None),
+  ("fmnist_dp_hybrid", None),
+]
 NAMED += [("cifar_ablation_radius", s) for s in ("min", "max", "median", "fixed")]
 NAMED += [("cifar_ablation_ipc", str(i)) for i in (10, 20, 50, 100, 150, 200)]
 NAMED += [("cifar_ablation_fraction", str(p)) for p in (5, 10, 50, 100)]
@@ -65,18 +81,23 @@ def test_ablation_values():
     load("cifar_ablation_fraction", "0")
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("auto", "map"), ("vmap", "vmap"), ("map", "map"), ("shard", "shard")])
+@pytest.mark.parametrize(
+  "name,expected", [("auto", "map"), ("vmap", "vmap"), ("map", "map"), ("shard", "shard")]
+)
 def test_client_backend_auto_runs_clients_one_by_one(name, expected):
   from experiments import train  # pylint: disable=g-import-not-at-top
+
   assert default.get_config().client_backend == "auto"
   assert train.resolve_client_backend(name) == expected
 
 
 def test_config_sections_map_one_to_one_onto_the_core_dataclasses():
   cfg = default.get_config()
-  for section, cls, skip in (("client", core.ClientConfig, {"dp"}),
-                             ("server", core.ServerConfig, set()), ("dp", core.DPConfig, set())):
+  for section, cls, skip in (
+    ("client", core.ClientConfig, {"dp"}),
+    ("server", core.ServerConfig, set()),
+    ("dp", core.DPConfig, set()),
+  ):
     names = {f.name for f in dataclasses.fields(cls)} - skip
     assert names <= set(cfg[section].keys()), (section, names - set(cfg[section].keys()))
 
@@ -91,13 +112,27 @@ def test_quickstart_matches_the_recipe():
   assert quickstart.get_config("dp_loops") == quickstart.dp_config()
   fc = library_configs.to_fedlap_config(quickstart.get_config("dp_loops"))
   assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
-  assert (fc.client.ipc, fc.client.max_outer, fc.client.batch_loop, fc.client.inner_loop,
-          fc.client.batch_size, fc.rounds, fc.learning_rate) == (10, 2, 5, 1, 64, 10, 0.05)
+  assert (
+    fc.client.ipc,
+    fc.client.max_outer,
+    fc.client.batch_loop,
+    fc.client.inner_loop,
+    fc.client.batch_size,
+    fc.rounds,
+    fc.learning_rate,
+  ) == (10, 2, 5, 1, 64, 10, 0.05)
   # digits_dp_tuned is the quickstart's FedLAP-DP with the tuned recipe.
   tc = library_configs.to_fedlap_config(load("digits_dp_tuned"))
   assert tc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
-  assert (tc.client.ipc, tc.client.max_outer, tc.client.batch_loop, tc.client.inner_loop,
-          tc.client.batch_size, tc.rounds, tc.learning_rate) == (10, 2, 10, 5, 46, 3, 0.2)
+  assert (
+    tc.client.ipc,
+    tc.client.max_outer,
+    tc.client.batch_loop,
+    tc.client.inner_loop,
+    tc.client.batch_size,
+    tc.rounds,
+    tc.learning_rate,
+  ) == (10, 2, 10, 5, 46, 3, 0.2)
   assert tc.client.average_targets and tc.lr_schedule == "cosine_open"
   nd = library_configs.to_fedlap_config(quickstart.get_config("nondp"))
   assert nd.dp is None and nd.client.calibrate_radius and nd.client.image_lr == 10.0
@@ -113,70 +148,94 @@ def _override(cfg, field, value):
 
 # (overrides on quickstart (DP) or quickstart_nondp, expected message fragments)
 BAD = [
-    ("dp", {"method": "fedlapp"}, ["method='fedlapp'", "fedavg"]),
-    ("dp", {"data.name": "svhn"}, ["data.name='svhn'", "cifar10"]),
-    ("dp", {"data.source": "hdf5:/x"}, ["data.source='hdf5:/x'", "npz:PATH"]),
-    ("dp", {"data.source": "npz:/no/such/file.npz"}, ["data.source", "existing"]),
-    ("dp", {"data.source": "tfds"}, ["data.source='tfds'", "digits"]),
-    ("dp", {"data.partition": "pathological"}, ["data.partition='pathological'", "dirichlet"]),
-    ("dp", {"data.dirichlet_alpha": 0.0}, ["data.dirichlet_alpha=0.0", "> 0"]),
-    ("dp", {"data.num_clients": 0}, ["data.num_clients=0", ">= 1"]),
-    ("dp", {"data.train_fraction": 1.5}, ["data.train_fraction=1.5", "(0, 1]"]),
-    ("dp", {"data.train_fraction": 0.0}, ["data.train_fraction=0.0"]),
-    ("dp", {"model.norm": "batch"}, ["model.norm='batch'", "instance"]),
-    ("dp", {"model.width": 0}, ["model.width=0"]),
-    ("dp", {"model.conv_bias": None}, ["model.conv_bias=None", "True or False"]),
-    ("dp", {"seed": -1}, ["seed=-1"]),
-    ("dp", {"data.partition_seed": -1}, ["data.partition_seed=-1", ">= 0 (public)"]),
-    ("dp", {"termination_grace_seconds": -1.0}, ["termination_grace_seconds=-1.0", ">= 0"]),
-    ("dp", {"rounds": 0}, ["rounds=0", ">= 1"]),
-    ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),
-    ("dp", {"learning_rate": -0.1}, ["learning_rate=-0.1"]),
-    ("dp", {"client.ipc": 0}, ["client.ipc=0", ">= 1"]),
-    ("dp", {"lr_schedule": "step"}, ["lr_schedule='step'", "cosine_open"]),
-    ("dp", {"client.radius": -1.0}, ["client.radius=-1.0", "> 0"]),
-    ("dp", {"client.radius": 0.0}, ["client.radius=0.0"]),
-    ("dp", {"client.batch_size": 0}, ["client.batch_size=0"]),
-    ("dp", {"client.image_lr": 0.0}, ["client.image_lr=0.0"]),
-    ("dp", {"client.dsa_strategy": "color_blur"}, ["client.dsa_strategy", "blur"]),
-    ("dp", {"server.dsa_strategy": "blur"}, ["server.dsa_strategy", "blur"]),
-    ("dp", {"client.real_dsa_strategy": "spin"}, ["client.real_dsa_strategy='spin'", "spin"]),
-    ("dp", {"server.radius_strategy": "average"}, ["server.radius_strategy='average'", "median"]),
-    ("dp", {"server.radius_strategy": "min"}, ["server.radius_strategy='min'", "DP is on"]),
-    ("dp", {"synthetic_init": "real"}, ["synthetic_init='real'", "noise"]),
-    ("dp", {"dp.noise_multiplier": 0.0}, ["dp.noise_multiplier=0.0", "no privacy guarantee"]),
-    ("dp", {"dp.noise_multiplier": -1.0}, ["dp.noise_multiplier=-1.0"]),
-    ("dp", {"dp.l2_clip_norm": 0.0}, ["dp.l2_clip_norm=0.0"]),
-    ("dp", {"dp.delta": 0.0}, ["dp.delta=0.0", "(0, 1)"]),
-    ("dp", {"dp.delta": 1.0}, ["dp.delta=1.0"]),
-    ("dp", {"client.calibrate_radius": True}, ["client.calibrate_radius=True", "not private"]),
-    ("dp", {"method": "fedavg"}, ["dp.enabled=True", "dp_fedavg"]),
-    ("nondp", {"method": "dp_fedprox"}, ["dp.enabled=False", "True for method='dp_fedprox'"]),
-    ("dp", {"client_backend": "pmap"}, ["client_backend='pmap'", "vmap"]),
-    ("dp", {"checkpoint_every": 0}, ["checkpoint_every=0"]),
-    ("dp", {"snapshot_rounds": (0,)}, ["snapshot_rounds=(0,)"]),
-    ("dp", {"baseline.local_epochs": 0}, ["baseline.local_epochs=0"]),
-    ("nondp", {"server.radius_strategy": "median", "client.calibrate_radius": False},
-     ["client.calibrate_radius=False", "median"]),
-    # DP-safe normalisation, exact Poisson buffers, 1/K weighting under DP.
-    ("dp", {"data.normalisation": "auto"},
-     ["data.normalisation='auto' is invalid", "('published', 'given', 'test_split') with DP",
-      "private training split"]),
-    ("dp", {"data.normalisation": "train_split"}, ["data.normalisation='train_split'", "with DP"]),
-    ("dp", {"data.normalisation": "published"}, ["data.normalisation='published'", "digits"]),
-    ("dp", {"data.normalisation": "minmax"}, ["data.normalisation='minmax'", "test_split"]),
-    ("dp", {"data.normalisation": "given"}, ["data.mean=None", "one per channel"]),
-    ("dp", {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.0,)},
-     ["data.std=(0.0,)", "> 0"]),
-    ("dp", {"data.mean": (0.3,)}, ["data.mean=(0.3,)", "data.normalisation='given'"]),
-    ("dp", {"client.batch_size": 64, "client.poisson_capacity": 64},
-     ["client.poisson_capacity=64 is invalid", ">= 88", "overflows often"]),
-    ("dp", {"server.weighting": "size"},
-     ["server.weighting='size' is invalid", "'uniform' or None when DP is on", "1/K"]),
-    ("dp", {"method": "dp_fedavg", "server.weighting": "size"},
-     ["server.weighting='size' is invalid", "'uniform' or None for method='dp_fedavg'"]),
-    ("dp", {"method": "dp_fedprox", "client.batch_size": 64, "client.poisson_capacity": 70},
-     ["client.poisson_capacity=70 is invalid", ">= 88"]),
+  ("dp", {"method": "fedlapp"}, ["method='fedlapp'", "fedavg"]),
+  ("dp", {"data.name": "svhn"}, ["data.name='svhn'", "cifar10"]),
+  ("dp", {"data.source": "hdf5:/x"}, ["data.source='hdf5:/x'", "npz:PATH"]),
+  ("dp", {"data.source": "npz:/no/such/file.npz"}, ["data.source", "existing"]),
+  ("dp", {"data.source": "tfds"}, ["data.source='tfds'", "digits"]),
+  ("dp", {"data.partition": "pathological"}, ["data.partition='pathological'", "dirichlet"]),
+  ("dp", {"data.dirichlet_alpha": 0.0}, ["data.dirichlet_alpha=0.0", "> 0"]),
+  ("dp", {"data.num_clients": 0}, ["data.num_clients=0", ">= 1"]),
+  ("dp", {"data.train_fraction": 1.5}, ["data.train_fraction=1.5", "(0, 1]"]),
+  ("dp", {"data.train_fraction": 0.0}, ["data.train_fraction=0.0"]),
+  ("dp", {"model.norm": "batch"}, ["model.norm='batch'", "instance"]),
+  ("dp", {"model.width": 0}, ["model.width=0"]),
+  ("dp", {"model.conv_bias": None}, ["model.conv_bias=None", "True or False"]),
+  ("dp", {"seed": -1}, ["seed=-1"]),
+  ("dp", {"data.partition_seed": -1}, ["data.partition_seed=-1", ">= 0 (public)"]),
+  ("dp", {"termination_grace_seconds": -1.0}, ["termination_grace_seconds=-1.0", ">= 0"]),
+  ("dp", {"rounds": 0}, ["rounds=0", ">= 1"]),
+  ("dp", {"learning_rate": 0.0}, ["learning_rate=0.0", "> 0"]),
+  ("dp", {"learning_rate": -0.1}, ["learning_rate=-0.1"]),
+  ("dp", {"client.ipc": 0}, ["client.ipc=0", ">= 1"]),
+  ("dp", {"lr_schedule": "step"}, ["lr_schedule='step'", "cosine_open"]),
+  ("dp", {"client.radius": -1.0}, ["client.radius=-1.0", "> 0"]),
+  ("dp", {"client.radius": 0.0}, ["client.radius=0.0"]),
+  ("dp", {"client.batch_size": 0}, ["client.batch_size=0"]),
+  ("dp", {"client.image_lr": 0.0}, ["client.image_lr=0.0"]),
+  ("dp", {"client.dsa_strategy": "color_blur"}, ["client.dsa_strategy", "blur"]),
+  ("dp", {"server.dsa_strategy": "blur"}, ["server.dsa_strategy", "blur"]),
+  ("dp", {"client.real_dsa_strategy": "spin"}, ["client.real_dsa_strategy='spin'", "spin"]),
+  ("dp", {"server.radius_strategy": "average"}, ["server.radius_strategy='average'", "median"]),
+  ("dp", {"server.radius_strategy": "min"}, ["server.radius_strategy='min'", "DP is on"]),
+  ("dp", {"synthetic_init": "real"}, ["synthetic_init='real'", "noise"]),
+  ("dp", {"dp.noise_multiplier": 0.0}, ["dp.noise_multiplier=0.0", "no privacy guarantee"]),
+  ("dp", {"dp.noise_multiplier": -1.0}, ["dp.noise_multiplier=-1.0"]),
+  ("dp", {"dp.l2_clip_norm": 0.0}, ["dp.l2_clip_norm=0.0"]),
+  ("dp", {"dp.delta": 0.0}, ["dp.delta=0.0", "(0, 1)"]),
+  ("dp", {"dp.delta": 1.0}, ["dp.delta=1.0"]),
+  ("dp", {"client.calibrate_radius": True}, ["client.calibrate_radius=True", "not private"]),
+  ("dp", {"method": "fedavg"}, ["dp.enabled=True", "dp_fedavg"]),
+  ("nondp", {"method": "dp_fedprox"}, ["dp.enabled=False", "True for method='dp_fedprox'"]),
+  ("dp", {"client_backend": "pmap"}, ["client_backend='pmap'", "vmap"]),
+  ("dp", {"checkpoint_every": 0}, ["checkpoint_every=0"]),
+  ("dp", {"snapshot_rounds": (0,)}, ["snapshot_rounds=(0,)"]),
+  ("dp", {"baseline.local_epochs": 0}, ["baseline.local_epochs=0"]),
+  (
+    "nondp",
+    {"server.radius_strategy": "median", "client.calibrate_radius": False},
+    ["client.calibrate_radius=False", "median"],
+  ),
+  # DP-safe normalisation, exact Poisson buffers, 1/K weighting under DP.
+  (
+    "dp",
+    {"data.normalisation": "auto"},
+    [
+      "data.normalisation='auto' is invalid",
+      "('published', 'given', 'test_split') with DP",
+      "private training split",
+    ],
+  ),
+  ("dp", {"data.normalisation": "train_split"}, ["data.normalisation='train_split'", "with DP"]),
+  ("dp", {"data.normalisation": "published"}, ["data.normalisation='published'", "digits"]),
+  ("dp", {"data.normalisation": "minmax"}, ["data.normalisation='minmax'", "test_split"]),
+  ("dp", {"data.normalisation": "given"}, ["data.mean=None", "one per channel"]),
+  (
+    "dp",
+    {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.0,)},
+    ["data.std=(0.0,)", "> 0"],
+  ),
+  ("dp", {"data.mean": (0.3,)}, ["data.mean=(0.3,)", "data.normalisation='given'"]),
+  (
+    "dp",
+    {"client.batch_size": 64, "client.poisson_capacity": 64},
+    ["client.poisson_capacity=64 is invalid", ">= 88", "overflows often"],
+  ),
+  (
+    "dp",
+    {"server.weighting": "size"},
+    ["server.weighting='size' is invalid", "'uniform' or None when DP is on", "1/K"],
+  ),
+  (
+    "dp",
+    {"method": "dp_fedavg", "server.weighting": "size"},
+    ["server.weighting='size' is invalid", "'uniform' or None for method='dp_fedavg'"],
+  ),
+  (
+    "dp",
+    {"method": "dp_fedprox", "client.batch_size": 64, "client.poisson_capacity": 70},
+    ["client.poisson_capacity=70 is invalid", ">= 88"],
+  ),
 ]
 
 
@@ -266,14 +325,16 @@ def test_paper_partition_needs_a_divisor_of_the_classes(digits):
 
 
 def test_cli_rejects_bad_override(tmp_path, capsys):
-  rc = run.main(["prog", "--config=quickstart:dp", "--config.client.ipc=0",
-                 f"--workdir={tmp_path}"])
+  rc = run.main(
+    ["prog", "--config=quickstart:dp", "--config.client.ipc=0", f"--workdir={tmp_path}"]
+  )
   assert rc == 2
   assert "client.ipc=0 is invalid; allowed: an integer >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arg,fragment", [("--config.client.ipcc=3", "ipcc"),
-                                          ("--config.client.ipc=abc", "abc")])
+@pytest.mark.parametrize(
+  "arg,fragment", [("--config.client.ipcc=3", "ipcc"), ("--config.client.ipc=abc", "abc")]
+)
 def test_cli_rejects_unknown_field_and_bad_type(tmp_path, capsys, arg, fragment):
   rc = run.main(["prog", "--config=quickstart:dp", arg, f"--workdir={tmp_path}"])
   assert rc == 2
@@ -283,15 +344,21 @@ def test_cli_rejects_unknown_field_and_bad_type(tmp_path, capsys, arg, fragment)
 def test_cli_unknown_config_name_lists_the_available_ones(capsys):
   assert run.main(["prog", "--config=cifar_pd"]) == 2  # was 1 (a SystemExit with a message)
   err = capsys.readouterr().err
-  assert re.fullmatch(r"error: --config='cifar_pd' is invalid: no experiments/configs/cifar_pd.py;"
-                      r" allowed: one of \[.*'cifar_dp'.*\] \(optionally NAME:ARG\), or a path to a config \.py "
-                      r"file\n", err, re.S), err
+  assert re.fullmatch(
+    r"error: --config='cifar_pd' is invalid: no experiments/configs/cifar_pd.py;"
+    r" allowed: one of \[.*'cifar_dp'.*\] \(optionally NAME:ARG\), or a path to a config \.py "
+    r"file\n",
+    err,
+    re.S,
+  ), err
 
 
 def test_dp_normalisation_choices_that_read_no_training_record_pass():
-  for overrides in ({"data.normalisation": "test_split"},
-                    {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.4,)},
-                    {"data.name": "mnist", "data.source": "tfds", "data.normalisation": "auto"}):
+  for overrides in (
+    {"data.normalisation": "test_split"},
+    {"data.normalisation": "given", "data.mean": (0.3,), "data.std": (0.4,)},
+    {"data.name": "mnist", "data.source": "tfds", "data.normalisation": "auto"},
+  ):
     cfg = quickstart.dp_config()
     for field, value in overrides.items():
       _override(cfg, field, value)
@@ -307,9 +374,9 @@ def test_cli_resolves_names_args_and_default_workdir():
   assert name == "cifar_ablation_ipc_20" and argv[3] == "--x=1"
 
 
-def test_suite_validates_every_run_first_then_runs_each_and_compares(tmp_path, capsys,
-                                                                     monkeypatch):
+def test_suite_validates_every_run_first_then_runs_each_and_compares(tmp_path, capsys, monkeypatch):
   from experiments import report, train  # pylint: disable=g-import-not-at-top
+
   calls, reports = [], []
 
   def fake_train(cfg, workdir, config_name=""):
@@ -318,21 +385,38 @@ def test_suite_validates_every_run_first_then_runs_each_and_compares(tmp_path, c
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
   monkeypatch.setattr(report, "make_report", lambda dirs, out, **kw: reports.append((dirs, out)))
-  rc = run.main(["prog", "--config=quickstart", "--config.suite.fedlap_dp.dp.noise_multiplier=0",
-                 f"--workdir={tmp_path}"])
+  rc = run.main(
+    [
+      "prog",
+      "--config=quickstart",
+      "--config.suite.fedlap_dp.dp.noise_multiplier=0",
+      f"--workdir={tmp_path}",
+    ]
+  )
   assert rc == 2 and not calls
   assert "quickstart/fedlap_dp: dp.noise_multiplier=0.0 is invalid" in capsys.readouterr().err
-  assert run.main(["prog", "--config=quickstart", "--config.suite.fedlap.seed=3",
-                   f"--workdir={tmp_path}"]) == 0
-  assert calls == [("quickstart/fedlap", str(tmp_path / "fedlap"), False),
-                   ("quickstart/fedlap_dp", str(tmp_path / "fedlap_dp"), True)]
-  assert reports == [([str(tmp_path / "fedlap"), str(tmp_path / "fedlap_dp")],
-                      str(tmp_path / "report"))]
+  assert (
+    run.main(
+      ["prog", "--config=quickstart", "--config.suite.fedlap.seed=3", f"--workdir={tmp_path}"]
+    )
+    == 0
+  )
+  assert calls == [
+    ("quickstart/fedlap", str(tmp_path / "fedlap"), False),
+    ("quickstart/fedlap_dp", str(tmp_path / "fedlap_dp"), True),
+  ]
+  assert reports == [
+    ([str(tmp_path / "fedlap"), str(tmp_path / "fedlap_dp")], str(tmp_path / "report"))
+  ]
 
 
 # (config, nominal smallest client of the paper partition): q = B / N_k ~ 0.17.
-TUNED = [("mnist_dp_tuned", 11339), ("fmnist_dp_tuned", 12000), ("cifar_dp_tuned", 10000),
-         ("digits_dp_tuned", 274)]
+TUNED = [
+  ("mnist_dp_tuned", 11339),
+  ("fmnist_dp_tuned", 12000),
+  ("cifar_dp_tuned", 10000),
+  ("digits_dp_tuned", 274),
+]
 
 
 @pytest.mark.parametrize("name,min_size", TUNED)
@@ -341,14 +425,32 @@ def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
   library_configs.validate_config(cfg)
   fc = library_configs.to_fedlap_config(cfg)
   c = fc.client
-  assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.inner_loop, c.radius,
-          c.average_targets, c.model_steps) == (1, 2, 10, 50, 5, 10.0, True, "synthetic")
-  assert (fc.rounds, fc.learning_rate, fc.lr_schedule, fc.server.max_epochs,
-          fc.server.start) == (3, 0.2, "cosine_open", 30, "global")
+  assert (
+    c.iterations,
+    c.max_outer,
+    c.batch_loop,
+    c.boost_loop,
+    c.inner_loop,
+    c.radius,
+    c.average_targets,
+    c.model_steps,
+  ) == (1, 2, 10, 50, 5, 10.0, True, "synthetic")
+  assert (fc.rounds, fc.learning_rate, fc.lr_schedule, fc.server.max_epochs, fc.server.start) == (
+    3,
+    0.2,
+    "cosine_open",
+    30,
+    "global",
+  )
   assert c.batch_size / min_size == pytest.approx(0.169, abs=0.002)
   eps = accounting.epsilon_after_rounds(
-      rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=c.batch_size,
-      min_client_size=min_size, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
+    rounds=fc.rounds,
+    noise_multiplier=fc.dp.noise_multiplier,
+    batch_size=c.batch_size,
+    min_client_size=min_size,
+    steps_per_round=c.real_accesses_per_round,
+    delta=fc.dp.delta,
+  )
   assert 2.75 <= eps <= 2.80  # sigma 2.38 is the q ~ 0.17 calibration, rounded up
 
 
@@ -358,26 +460,48 @@ def test_digits_hybrid_config_carries_the_recipe_at_epsilon_2_79():
   fc = library_configs.to_fedlap_config(load("digits_dp_hybrid"))
   c, s = fc.client, fc.server
   assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.batch_size, c.radius) == (
-      1, 20, 1, 20, 46, 1e4)
+    1,
+    20,
+    1,
+    20,
+    46,
+    1e4,
+  )
   assert (c.average_targets, c.model_steps, c.real_dsa_strategy, c.dsa_strategy) == (
-      True, "noisy_real", "", quickstart.dp_config().client.dsa_strategy)
+    True,
+    "noisy_real",
+    "",
+    quickstart.dp_config().client.dsa_strategy,
+  )
   assert (s.start, s.radius_strategy, s.learning_rate, s.max_epochs) == (
-      "fedavg_delta", "constant", 0.03, 5)
+    "fedavg_delta",
+    "constant",
+    0.03,
+    5,
+  )
   assert (fc.rounds, fc.learning_rate, fc.lr_schedule) == (5, 0.3, "cosine_open")
   eps = accounting.epsilon_after_rounds(
-      rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=c.batch_size,
-      min_client_size=274, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
+    rounds=fc.rounds,
+    noise_multiplier=fc.dp.noise_multiplier,
+    batch_size=c.batch_size,
+    min_client_size=274,
+    steps_per_round=c.real_accesses_per_round,
+    delta=fc.dp.delta,
+  )
   assert c.real_accesses_per_round == 20 and 2.75 <= eps <= 2.80
 
 
 # (config, nominal smallest client, (C, eta_0), the 10k-subset's (B, smallest client)).
-HYBRID = [("mnist_dp_hybrid", 11339, (0.1, 2.0), (256, 1513)),
-          ("fmnist_dp_hybrid", 12000, (1.0, 0.3), (263, 1555))]
+HYBRID = [
+  ("mnist_dp_hybrid", 11339, (0.1, 2.0), (256, 1513)),
+  ("fmnist_dp_hybrid", 12000, (1.0, 0.3), (263, 1555)),
+]
 
 
 @pytest.mark.parametrize("name,min_size,clip_lr,subset", HYBRID)
 def test_mnist_hybrid_configs_split_the_budget_over_10_rounds_at_epsilon_2_79(
-    name, min_size, clip_lr, subset):
+  name, min_size, clip_lr, subset
+):
   # The digits' hybrid with the split that won on mnist10k / fmnist10k: T 35, 10 rounds, q 0.169.
   cfg = load(name)
   library_configs.validate_config(cfg)
@@ -386,14 +510,23 @@ def test_mnist_hybrid_configs_split_the_budget_over_10_rounds_at_epsilon_2_79(
   assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.radius) == (1, 35, 1, 20, 1e4)
   assert (c.average_targets, c.model_steps, c.real_dsa_strategy) == (True, "noisy_real", "")
   assert (s.start, s.radius_strategy, s.learning_rate, s.max_epochs) == (
-      "fedavg_delta", "constant", 0.03, 5)
+    "fedavg_delta",
+    "constant",
+    0.03,
+    5,
+  )
   assert (fc.rounds, fc.lr_schedule) == (10, "cosine_open")
   assert (fc.dp.l2_clip_norm, fc.learning_rate) == clip_lr
   assert c.batch_size / min_size == pytest.approx(0.169, abs=0.001)
   for batch, smallest in ((c.batch_size, min_size), subset):  # the README's B for the subset
     eps = accounting.epsilon_after_rounds(
-        rounds=fc.rounds, noise_multiplier=fc.dp.noise_multiplier, batch_size=batch,
-        min_client_size=smallest, steps_per_round=c.real_accesses_per_round, delta=fc.dp.delta)
+      rounds=fc.rounds,
+      noise_multiplier=fc.dp.noise_multiplier,
+      batch_size=batch,
+      min_client_size=smallest,
+      steps_per_round=c.real_accesses_per_round,
+      delta=fc.dp.delta,
+    )
     assert c.real_accesses_per_round == 35 and 2.75 <= eps <= 2.79, (batch, eps)
 
 
@@ -404,7 +537,15 @@ def test_paper_dp_configs_are_unchanged_by_the_recipe():
     assert not fc.client.average_targets and fc.client.model_steps == "synthetic"
     assert fc.lr_schedule == "cosine" and fc.server.learning_rate is None
     assert fc.server.start == "global" and fc.client.real_accesses_per_round == 200
-    eps = [accounting.epsilon_after_rounds(
-        rounds=m, noise_multiplier=fc.dp.noise_multiplier, batch_size=fc.client.batch_size,
-        min_client_size=10000, steps_per_round=200, delta=fc.dp.delta) for m in (1, 15)]
+    eps = [
+      accounting.epsilon_after_rounds(
+        rounds=m,
+        noise_multiplier=fc.dp.noise_multiplier,
+        batch_size=fc.client.batch_size,
+        min_client_size=10000,
+        steps_per_round=200,
+        delta=fc.dp.delta,
+      )
+      for m in (1, 15)
+    ]
     np.testing.assert_allclose(eps, [2.79, 10.18], atol=0.02)

@@ -15,9 +15,18 @@ from experiments import library_configs
 
 
 def data_cfg(**kw):
-  cfg = ml_collections.ConfigDict(dict(name="digits", source="sklearn", data_dir=None,
-                                       cache_dir="none", partition="paper", dirichlet_alpha=0.5,
-                                       num_clients=5, train_fraction=1.0))
+  cfg = ml_collections.ConfigDict(
+    dict(
+      name="digits",
+      source="sklearn",
+      data_dir=None,
+      cache_dir="none",
+      partition="paper",
+      dirichlet_alpha=0.5,
+      num_clients=5,
+      train_fraction=1.0,
+    )
+  )
   cfg.update(kw)
   return cfg
 
@@ -36,8 +45,9 @@ def test_digits_split_and_standardisation(digits):
   np.testing.assert_allclose(x.mean(), 0.0, atol=1e-5)
   np.testing.assert_allclose(x.std(), 1.0, atol=1e-4)
   # Stratified: each class keeps ~78 % of its records in train (135..143) and 39..40 in test.
-  np.testing.assert_array_equal(np.bincount(digits.y_test),
-                                [39, 40, 39, 40, 40, 40, 40, 40, 39, 40])
+  np.testing.assert_array_equal(
+    np.bincount(digits.y_test), [39, 40, 39, 40, 40, 40, 40, 40, 39, 40]
+  )
   assert np.bincount(digits.y_train).min() == 135
   # Un-normalising gives pixels in [0, 1] again.
   raw = x * digits.std + digits.mean
@@ -51,7 +61,7 @@ def test_paper_partition_owns_whole_classes_in_the_paper_order(digits):
   order = data_lib.PAPER_CLASS_ORDER
   for i, p in enumerate(parts):
     assert set(digits.y_train[p]) == {order[2 * i], order[2 * i + 1]}
-    assert len(p) == np.isin(digits.y_train, order[2 * i:2 * i + 2]).sum()
+    assert len(p) == np.isin(digits.y_train, order[2 * i : 2 * i + 2]).sum()
   assert sorted(np.concatenate(parts).tolist()) == list(range(len(digits.y_train)))
 
 
@@ -67,12 +77,15 @@ def test_iid_partition_is_disjoint_balanced_and_seeded(digits):
 
 def test_dirichlet_partition_skew_grows_as_alpha_shrinks(digits):
   def classes_per_client(alpha):
-    parts = data_lib.partition(digits.y_train, num_clients=5, scheme="dirichlet",
-                               num_classes=10, alpha=alpha, seed=0)
+    parts = data_lib.partition(
+      digits.y_train, num_clients=5, scheme="dirichlet", num_classes=10, alpha=alpha, seed=0
+    )
     assert sorted(np.concatenate(parts).tolist()) == list(range(1400))
     # classes holding >= 5 % of the client's records
-    return np.mean([np.sum(np.bincount(digits.y_train[p], minlength=10) >= 0.05 * len(p))
-                    for p in parts])
+    return np.mean(
+      [np.sum(np.bincount(digits.y_train[p], minlength=10) >= 0.05 * len(p)) for p in parts]
+    )
+
   assert classes_per_client(0.1) < classes_per_client(100.0)
   assert classes_per_client(100.0) == 10
 
@@ -91,17 +104,18 @@ def test_subsample_is_stratified(digits):
 # before data.partition_seed computed them from the run's seed 0 and 1: partition_seed S draws
 # exactly what seed S drew, so every seed-0 run keeps its partition bit for bit.
 SPLITS = {  # (partition, train_fraction, seed) -> (sizes, sha256 prefix)
-    ("dirichlet", 1.0, 0): ([198, 278, 325, 362, 237], "1d0851866d5046d5"),
-    ("dirichlet", 1.0, 1): ([341, 290, 227, 293, 249], "ce825a3f735d4c6c"),
-    ("dirichlet", 0.5, 0): ([65, 198, 195, 103, 140], "678824f3d63aac75"),
-    ("iid", 0.5, 0): ([141, 140, 140, 140, 140], "2435216227461e0d"),
-    ("iid", 0.5, 1): ([141, 140, 140, 140, 140], "c65c7d0533ad4189"),
+  ("dirichlet", 1.0, 0): ([198, 278, 325, 362, 237], "1d0851866d5046d5"),
+  ("dirichlet", 1.0, 1): ([341, 290, 227, 293, 249], "ce825a3f735d4c6c"),
+  ("dirichlet", 0.5, 0): ([65, 198, 195, 103, 140], "678824f3d63aac75"),
+  ("iid", 0.5, 0): ([141, 140, 140, 140, 140], "2435216227461e0d"),
+  ("iid", 0.5, 1): ([141, 140, 140, 140, 140], "c65c7d0533ad4189"),
 }
 
 
 @pytest.mark.parametrize("scheme, fraction, seed", list(SPLITS))
 def test_partition_seed_draws_what_the_seed_drew_before(digits, scheme, fraction, seed):
   import hashlib  # pylint: disable=g-import-not-at-top
+
   cfg = data_cfg(partition=scheme, train_fraction=fraction, partition_seed=seed)
   parts = data_lib.client_split(digits, cfg)
   sizes = [len(p) for p in parts]
@@ -118,6 +132,7 @@ def test_released_client_sizes_come_from_the_public_partition_seed_not_the_secre
   the seed determines every noise draw."""
   from experiments import run  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+
   cfg = quickstart.dp_config()
   cfg.data.partition = "dirichlet"
   sizes = run.client_sizes(cfg)
@@ -130,10 +145,11 @@ def test_released_client_sizes_come_from_the_public_partition_seed_not_the_secre
 def _write_npz(path, n=60, shape=(6, 6, 3), dtype=np.uint8, classes=4, **override):
   rng = np.random.default_rng(0)
   arrays = dict(
-      x_train=rng.integers(0, 256, (n, *shape)).astype(dtype),
-      y_train=np.arange(n) % classes,
-      x_test=rng.integers(0, 256, (n // 2, *shape)).astype(dtype),
-      y_test=np.arange(n // 2) % classes)
+    x_train=rng.integers(0, 256, (n, *shape)).astype(dtype),
+    y_train=np.arange(n) % classes,
+    x_test=rng.integers(0, 256, (n // 2, *shape)).astype(dtype),
+    y_test=np.arange(n // 2) % classes,
+  )
   arrays.update(override)
   np.savez(path, **arrays)
   return arrays
@@ -151,16 +167,18 @@ def test_npz_custom_is_standardised_per_channel(tmp_path):
   assert x.dtype == np.float32
   np.testing.assert_allclose(x.mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
   np.testing.assert_allclose(x.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
-  np.testing.assert_allclose(ds.normalise(ds.x_test) * ds.std + ds.mean,
-                             raw["x_test"] / 255.0, atol=1e-5)
+  np.testing.assert_allclose(
+    ds.normalise(ds.x_test) * ds.std + ds.mean, raw["x_test"] / 255.0, atol=1e-5
+  )
   # Float images in any scale are standardised in their own units.
   path_f = tmp_path / "float.npz"
   raw_f = _write_npz(path_f, dtype=np.float32)
   ds_f = data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path_f}"))
   assert ds_f.x_train.dtype == np.float32
   np.testing.assert_allclose(ds_f.normalise(ds_f.x_train).mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
-  np.testing.assert_allclose(ds_f.normalise(raw_f["x_test"]),
-                             ds.normalise(raw["x_test"]), atol=1e-4)
+  np.testing.assert_allclose(
+    ds_f.normalise(raw_f["x_test"]), ds.normalise(raw["x_test"]), atol=1e-4
+  )
 
 
 def test_npz_mixed_dtypes_are_refused(tmp_path):
@@ -175,16 +193,20 @@ def test_npz_known_dataset_uses_the_paper_constants(tmp_path):
   raw = _write_npz(path, shape=(32, 32, 3), classes=10)
   ds = data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}"))
   mean, std = np.array([0.4914, 0.4822, 0.4465]), np.array([0.2023, 0.1994, 0.2010])
-  np.testing.assert_allclose(ds.normalise(ds.x_train), (raw["x_train"] / 255.0 - mean) / std,
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    ds.normalise(ds.x_train), (raw["x_train"] / 255.0 - mean) / std, rtol=1e-5, atol=1e-5
+  )
 
 
-@pytest.mark.parametrize("override,fragment", [
+@pytest.mark.parametrize(
+  "override,fragment",
+  [
     (dict(x_train=np.zeros((60, 6, 6), np.uint8)), "NHWC"),
     (dict(y_train=np.zeros(59, np.int64)), "60 images but y_train 59"),
     (dict(y_test=np.zeros(30, np.float32)), "integer"),
     (dict(x_test=np.zeros((30, 5, 6, 3), np.uint8)), "the same HWC shape"),
-])
+  ],
+)
 def test_npz_bad_arrays_are_rejected(tmp_path, override, fragment):
   path = tmp_path / "bad.npz"
   _write_npz(path, **override)
@@ -214,8 +236,9 @@ def test_tfds_mock_load_caches_numpy(tmp_path):
   assert ds.x_train.dtype == np.uint8  # kept as stored; normalised as batches are read
   assert (tmp_path / "tfds_mnist.npz").exists()
   with np.load(tmp_path / "tfds_mnist.npz") as f:
-    np.testing.assert_allclose(ds.normalise(ds.x_train), (f["x_train"] / 255.0 - 0.1307) / 0.3081,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+      ds.normalise(ds.x_train), (f["x_train"] / 255.0 - 0.1307) / 0.3081, rtol=1e-5, atol=1e-5
+    )
   # Later loads come from the cache, without tfds (outside the mock).
   again = data_lib.load_dataset(data_cfg(name="mnist", source="tfds", cache_dir=str(tmp_path)))
   np.testing.assert_array_equal(again.x_train, ds.x_train)
@@ -224,8 +247,9 @@ def test_tfds_mock_load_caches_numpy(tmp_path):
 def test_tfds_offline_fails_fast_and_points_to_npz(tmp_path, monkeypatch):
   pytest.importorskip("tensorflow_datasets")
   probed = []
-  monkeypatch.setattr(data_lib, "_reachable",
-                      lambda host, port, timeout: probed.append((host, port)) or False)
+  monkeypatch.setattr(
+    data_lib, "_reachable", lambda host, port, timeout: probed.append((host, port)) or False
+  )
   t0 = time.time()
   with pytest.raises(data_lib.DataUnavailableError) as err:
     data_lib.load_tfds("cifar10", data_dir=str(tmp_path / "empty"), cache_dir="none")
@@ -246,6 +270,7 @@ def test_tfds_mock_one_tiny_round(tmp_path):
   tfds = pytest.importorskip("tensorflow_datasets")
   from experiments import train  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+
   cfg = quickstart.nondp_config()
   cfg.data.name, cfg.data.source, cfg.data.cache_dir = "mnist", "tfds", str(tmp_path / "cache")
   cfg.model.width, cfg.model.depth = 8, 1
@@ -279,36 +304,50 @@ def test_normalisation_sources(tmp_path, digits):
   np.testing.assert_allclose(given.normalise(np.full((1, 1, 1, 1), 0.75, np.float32)), 1.0)
   # The training split's records do not move a DP-safe normalisation.
   path = tmp_path / "d.npz"
-  np.savez(path, x_train=x_tr[:-1], y_train=digits.y_train[:-1], x_test=x_te,
-           y_test=digits.y_test)
-  fewer = data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}",
-                                         normalisation="test_split"))
+  np.savez(path, x_train=x_tr[:-1], y_train=digits.y_train[:-1], x_test=x_te, y_test=digits.y_test)
+  fewer = data_lib.load_dataset(
+    data_cfg(name="custom", source=f"npz:{path}", normalisation="test_split")
+  )
   np.testing.assert_array_equal(fewer.mean, test.mean)
   np.testing.assert_array_equal(fewer.std, test.std)
   assert data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{path}")).mean != digits.mean
   path = tmp_path / "c.npz"
   _write_npz(path, shape=(32, 32, 3), classes=10)
-  assert data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}")).normalisation \
-      == "published"
+  assert (
+    data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}")).normalisation
+    == "published"
+  )
   with pytest.raises(ValueError, match=r"data.mean=\(0.25,\) is invalid; allowed: 3 number"):
-    data_lib.load_dataset(data_cfg(name="cifar10", source=f"npz:{path}", normalisation="given",
-                                   mean=(0.25,), std=(0.5,)))
+    data_lib.load_dataset(
+      data_cfg(
+        name="cifar10", source=f"npz:{path}", normalisation="given", mean=(0.25,), std=(0.5,)
+      )
+    )
 
 
-@pytest.mark.parametrize("array,value,records", [("x_train", np.nan, 2), ("x_test", np.inf, 1),
-                                                 ("x_test", -np.inf, 3)])
+@pytest.mark.parametrize(
+  "array,value,records", [("x_train", np.nan, 2), ("x_test", np.inf, 1), ("x_test", -np.inf, 3)]
+)
 @pytest.mark.parametrize("name", ["custom", "digits"])
-def test_non_finite_pixels_are_rejected_naming_the_array_and_count(tmp_path, digits, name,
-                                                                   array, value, records):
-  arrays = dict(x_train=digits.x_train.copy(), y_train=digits.y_train,
-                x_test=digits.x_test.copy(), y_test=digits.y_test)
+def test_non_finite_pixels_are_rejected_naming_the_array_and_count(
+  tmp_path, digits, name, array, value, records
+):
+  arrays = dict(
+    x_train=digits.x_train.copy(),
+    y_train=digits.y_train,
+    x_test=digits.x_test.copy(),
+    y_test=digits.y_test,
+  )
   arrays[array][:records, 1, 2, 0] = value
   arrays[array][0, 3, 3, 0] = value
   path = tmp_path / "bad.npz"
   np.savez(path, **arrays)
-  with pytest.raises(ValueError, match=rf"^{array} holds {records + 1} non-finite values \(NaN "
-                     rf"or Inf\) in {records} of its {len(arrays[array])} records; allowed: "
-                     "finite pixel values$"):
+  with pytest.raises(
+    ValueError,
+    match=rf"^{array} holds {records + 1} non-finite values \(NaN "
+    rf"or Inf\) in {records} of its {len(arrays[array])} records; allowed: "
+    "finite pixel values$",
+  ):
     data_lib.load_dataset(data_cfg(name=name, source=f"npz:{path}"))
 
 
@@ -318,8 +357,11 @@ def test_empty_arrays_are_rejected(tmp_path, empty):
   split = empty[2:]
   arrays[f"x_{split}"], arrays[f"y_{split}"] = arrays[f"x_{split}"][:0], arrays[f"y_{split}"][:0]
   np.savez(tmp_path / "e.npz", **arrays)
-  with pytest.raises(ValueError, match=rf"^x_{split} has 0 records \(shape \(0, 6, 6, 3\)\); "
-                     "allowed: at least 1 record"):
+  with pytest.raises(
+    ValueError,
+    match=rf"^x_{split} has 0 records \(shape \(0, 6, 6, 3\)\); "
+    "allowed: at least 1 record",
+  ):
     data_lib.load_dataset(data_cfg(name="custom", source=f"npz:{tmp_path / 'e.npz'}"))
 
 

@@ -22,13 +22,23 @@ from experiments.configs import quickstart
 pytestmark = pytest.mark.xdist_group("experiments_run")
 
 TINY = {
-    "model.width": 8, "model.depth": 1, "client.ipc": 2, "client.iterations": 1,
-    "client.max_outer": 1, "client.batch_loop": 2, "client.boost_loop": 1,
-    "client.inner_loop": 0, "client.batch_size": 16, "client.dsa_strategy": "",
-    "server.dsa_strategy": "", "server.max_epochs": 2, "rounds": 4, "eval_chunk_size": 400,
-    "snapshot_rounds": (2,),
-    # Fixed here (the quickstart's recipe may change): the ledger numbers below assume it.
-    "dp.noise_multiplier": 1.0,
+  "model.width": 8,
+  "model.depth": 1,
+  "client.ipc": 2,
+  "client.iterations": 1,
+  "client.max_outer": 1,
+  "client.batch_loop": 2,
+  "client.boost_loop": 1,
+  "client.inner_loop": 0,
+  "client.batch_size": 16,
+  "client.dsa_strategy": "",
+  "server.dsa_strategy": "",
+  "server.max_epochs": 2,
+  "rounds": 4,
+  "eval_chunk_size": 400,
+  "snapshot_rounds": (2,),
+  # Fixed here (the quickstart's recipe may change): the ledger numbers below assume it.
+  "dp.noise_multiplier": 1.0,
 }
 # Fields that legitimately differ between an interrupted and an uninterrupted run.
 TIMING = ("round_seconds", "wall_seconds", "first_in_process")
@@ -72,6 +82,7 @@ def straight(tmp_path_factory):
 def crashed_and_resumed(tmp_path_factory):
   """Checkpoints every round; the save of round 3 raises inside orbax; then resume."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   workdir = tmp_path_factory.mktemp("resumed")
   cfg = tiny_config(checkpoint_every=1, progress_bar=False)
   handler = ocp.handlers.JsonCheckpointHandler
@@ -90,10 +101,10 @@ def crashed_and_resumed(tmp_path_factory):
     train.train_and_evaluate(cfg, workdir)
   mp.undo()
   after_crash = {
-      "latest": checkpointing.Checkpointer(workdir / "checkpoints").latest_round(),
-      "records": checkpointing.read_metrics(workdir / "metrics.jsonl"),
-      "ledger": json.loads((workdir / "privacy_ledger.json").read_text()),
-      "listing": sorted(p.name for p in (workdir / "checkpoints").iterdir()),
+    "latest": checkpointing.Checkpointer(workdir / "checkpoints").latest_round(),
+    "records": checkpointing.read_metrics(workdir / "metrics.jsonl"),
+    "ledger": json.loads((workdir / "privacy_ledger.json").read_text()),
+    "listing": sorted(p.name for p in (workdir / "checkpoints").iterdir()),
   }
   result = train.train_and_evaluate(cfg, workdir)
   return workdir, after_crash, result
@@ -101,10 +112,22 @@ def crashed_and_resumed(tmp_path_factory):
 
 def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   names = {p.name for p in straight.iterdir()}
-  expected = {"config.json", "run_info.json", "metrics.jsonl", "privacy_ledger.json",
-              "train.log", "summary.md", "checkpoints", "synthetic", "accuracy_vs_round.png",
-              "accuracy_vs_upload.png", "accuracy_vs_epsilon.png", "synthetic_round_0002.png",
-              "synthetic_round_0004.png", "pixel_histograms.png"}
+  expected = {
+    "config.json",
+    "run_info.json",
+    "metrics.jsonl",
+    "privacy_ledger.json",
+    "train.log",
+    "summary.md",
+    "checkpoints",
+    "synthetic",
+    "accuracy_vs_round.png",
+    "accuracy_vs_upload.png",
+    "accuracy_vs_epsilon.png",
+    "synthetic_round_0002.png",
+    "synthetic_round_0004.png",
+    "pixel_histograms.png",
+  }
   assert expected <= names, expected - names
   cfg = json.loads((straight / "config.json").read_text())
   assert cfg["model"]["width"] == 8 and cfg["dp"]["enabled"] is True
@@ -117,8 +140,10 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   for r in records:
     assert 0.0 <= r["test_accuracy"] <= 1.0 and np.isfinite(r["test_loss"])
     assert len(r["client_radius"]) == 5 and len(r["matching_loss"]) == 5
-    assert (r["server_radius"] == pytest.approx(quickstart.dp_config().client.radius)
-            and r["server_steps"] >= 1)
+    assert (
+      r["server_radius"] == pytest.approx(quickstart.dp_config().client.radius)
+      and r["server_steps"] >= 1
+    )
   eps = [r["epsilon"] for r in records]
   assert all(b > a > 0 for a, b in zip(eps, eps[1:]))
   ledger = json.loads((straight / "privacy_ledger.json").read_text())
@@ -142,27 +167,71 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
 # Every value a DP run writes is a DP output, post-processing of DP outputs, or
 # public by the README's privacy section and docs/privacy.md.
 RELEASED_RECORD_KEYS = {
-    "round", "test_accuracy", "test_loss", "epsilon",              # test split (public), ledger
-    "epsilon_add_remove",                                          # ledger (the paper's notion)
-    "matching_loss", "matching_loss_last", "outer_iterations",     # post-processing of the
-    "real_accesses", "server_distance", "server_epochs",           # noised gradients and the
-    "server_steps",                                                # synthetic sets
-    "client_radius", "server_radius", "learning_rate", "upload_mb",  # config constants
-    "round_seconds", "wall_seconds", "first_in_process",           # timing (README: not covered)
+  "round",
+  "test_accuracy",
+  "test_loss",
+  "epsilon",  # test split (public), ledger
+  "epsilon_add_remove",  # ledger (the paper's notion)
+  "matching_loss",
+  "matching_loss_last",
+  "outer_iterations",  # post-processing of the
+  "real_accesses",
+  "server_distance",
+  "server_epochs",  # noised gradients and the
+  "server_steps",  # synthetic sets
+  "client_radius",
+  "server_radius",
+  "learning_rate",
+  "upload_mb",  # config constants
+  "round_seconds",
+  "wall_seconds",
+  "first_in_process",  # timing (README: not covered)
 }
 PUBLIC_INFO_KEYS = {
-    "config_name", "method", "method_label", "dataset", "rounds", "num_params", "image_shape",
-    "num_classes", "client_sizes", "client_classes", "test_size", "normalisation",
-    "nonprivate_stats", "upload_floats_per_client", "jax_version", "fedlap_jax_version",
-    "devices", "client_backend", "dp", "noise_multiplier", "l2_clip_norm", "delta",
-    "batch_size", "steps_per_round", "min_client_size", "sampling_rate", "source", "partition",
-    "dirichlet_alpha", "num_clients", "train_fraction", "partition_seed",
-    "adjacency", "epsilon_for",                                    # what epsilon means (config)
+  "config_name",
+  "method",
+  "method_label",
+  "dataset",
+  "rounds",
+  "num_params",
+  "image_shape",
+  "num_classes",
+  "client_sizes",
+  "client_classes",
+  "test_size",
+  "normalisation",
+  "nonprivate_stats",
+  "upload_floats_per_client",
+  "jax_version",
+  "fedlap_jax_version",
+  "devices",
+  "client_backend",
+  "dp",
+  "noise_multiplier",
+  "l2_clip_norm",
+  "delta",
+  "batch_size",
+  "steps_per_round",
+  "min_client_size",
+  "sampling_rate",
+  "source",
+  "partition",
+  "dirichlet_alpha",
+  "num_clients",
+  "train_fraction",
+  "partition_seed",
+  "adjacency",
+  "epsilon_for",  # what epsilon means (config)
 }
 WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions"; docs/privacy.md)
-    "metrics.jsonl": "released", "privacy_ledger.json": "released", "run_info.json": "released",
-    "summary.md": "released", "train.log": "released", "synthetic": "released",
-    "config.json": "public but its seed", "checkpoints": "secret (PRNG key)",
+  "metrics.jsonl": "released",
+  "privacy_ledger.json": "released",
+  "run_info.json": "released",
+  "summary.md": "released",
+  "train.log": "released",
+  "synthetic": "released",
+  "config.json": "public but its seed",
+  "checkpoints": "secret (PRNG key)",
 }
 
 
@@ -177,6 +246,7 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
   assert "seed" not in info and info["partition_seed"] == 0  # the partition's: public
   # Normalisation: the public test split's statistics, nothing of the training records.
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+
   _, _, x_test, _ = data_lib.load_digits()
   assert info["normalisation"]["source"] == "test_split"
   np.testing.assert_allclose(info["normalisation"]["mean"], [x_test.mean()], rtol=1e-5)
@@ -187,8 +257,9 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
       np.testing.assert_array_equal(z["mean"], np.float32(info["normalisation"]["mean"]))
       np.testing.assert_array_equal(z["std"], np.float32(info["normalisation"]["std"]))
       # Labels and mask: the classes each client holds (public), ipc per class.
-      assert [sorted(set(y[m].tolist())) for y, m in zip(z["y"], z["mask"])] \
-          == info["client_classes"]
+      assert [sorted(set(y[m].tolist())) for y, m in zip(z["y"], z["mask"])] == info[
+        "client_classes"
+      ]
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +273,20 @@ def hybrid_run(tmp_path_factory):
   def spy(metrics, *args, **kwargs):
     seen.append(metrics)
     return summarize(metrics, *args, **kwargs)
+
   with pytest.MonkeyPatch.context() as monkeypatch:
     monkeypatch.setattr(train, "summarize_metrics", spy)
-    cfg = tiny_config(rounds=1, checkpoint_every=1, progress_bar=False, plots=False,
-                      **{"client.average_targets": True, "client.model_steps": "noisy_real",
-                         "server.start": "fedavg_delta"})
+    cfg = tiny_config(
+      rounds=1,
+      checkpoint_every=1,
+      progress_bar=False,
+      plots=False,
+      **{
+        "client.average_targets": True,
+        "client.model_steps": "noisy_real",
+        "server.start": "fedavg_delta",
+      },
+    )
     out = train.train_and_evaluate(cfg, tmp_path)
   return tmp_path, out, seen
 
@@ -215,6 +295,7 @@ def test_noisy_real_run_keeps_the_model_delta_inside_the_round(hybrid_run):
   """client.model_steps='noisy_real' + server.start='fedavg_delta': the clients' model deltas
   are used by the server step and dropped there; nothing of them reaches the work dir."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   tmp_path, out, seen = hybrid_run
   assert len(out["records"]) == 1 and len(seen) == 1
   assert seen[0].client.model_delta is None  # what the round hands the driver
@@ -241,7 +322,8 @@ def test_every_noisy_access_of_the_hybrid_reaches_the_ledger(hybrid_run):
   (the worst case) for the round, at the smallest client's q."""
   tmp_path, out, _ = hybrid_run
   ledger = accounting.PrivacyLedger.from_dict(
-      json.loads((tmp_path / "privacy_ledger.json").read_text()))
+    json.loads((tmp_path / "privacy_ledger.json").read_text())
+  )
   t = TINY["client.iterations"] * TINY["client.max_outer"] * TINY["client.batch_loop"]
   assert ledger.steps_per_round == t and ledger.steps == [t]
   info = json.loads((tmp_path / "run_info.json").read_text())
@@ -262,8 +344,9 @@ def test_debug_nonprivate_stats_writes_them_in_a_named_section(straight, tmp_pat
   assert all(8 < b < 28 for b in stats["mean_batch_size"])  # B = 16
   assert json.loads((tmp_path / "run_info.json").read_text())["nonprivate_stats"] is True
   assert "WARNING debug_nonprivate_stats=True" in (tmp_path / "train.log").read_text()
-  assert "WARNING: metrics.jsonl holds non-private statistics" in \
-      (tmp_path / "summary.md").read_text()
+  assert (
+    "WARNING: metrics.jsonl holds non-private statistics" in (tmp_path / "summary.md").read_text()
+  )
   # The DP outputs are those of the run without the flag.
   straight_rec = checkpointing.read_metrics(straight / "metrics.jsonl")[0]
   for k in ("test_accuracy", "epsilon", "matching_loss"):
@@ -272,18 +355,33 @@ def test_debug_nonprivate_stats_writes_them_in_a_named_section(straight, tmp_pat
 
 def test_dp_baseline_metrics_keep_raw_statistics_out_of_the_record():
   from fedlap_jax import baselines  # pylint: disable=g-import-not-at-top
+
   k = 3
   client = baselines.ClientMetrics(
-      loss=jnp.full(k, 2.0), steps=jnp.full(k, 4, jnp.int32), update_norm=jnp.full(k, 0.5),
-      poisson_extra_chunks=jnp.zeros(k, jnp.int32), mean_batch_size=jnp.full(k, 63.0),
-      clip_fraction=jnp.full(k, 0.9))
-  metrics = baselines.BaselineRoundMetrics(client, jnp.float32(0.1), jnp.float32(0.2),
-                                           jnp.float32(0.0))
+    loss=jnp.full(k, 2.0),
+    steps=jnp.full(k, 4, jnp.int32),
+    update_norm=jnp.full(k, 0.5),
+    poisson_extra_chunks=jnp.zeros(k, jnp.int32),
+    mean_batch_size=jnp.full(k, 63.0),
+    clip_fraction=jnp.full(k, 0.9),
+  )
+  metrics = baselines.BaselineRoundMetrics(
+    client, jnp.float32(0.1), jnp.float32(0.2), jnp.float32(0.0)
+  )
   released, nonprivate = train.summarize_metrics(metrics, k, private=True)
-  assert set(released) == {"client.steps", "client.update_norm", "learning_rate",
-                           "server_update_norm", "control_norm"}
-  assert set(nonprivate) == {"client.loss", "client.poisson_extra_chunks",
-                             "client.mean_batch_size", "client.clip_fraction"}
+  assert set(released) == {
+    "client.steps",
+    "client.update_norm",
+    "learning_rate",
+    "server_update_norm",
+    "control_norm",
+  }
+  assert set(nonprivate) == {
+    "client.loss",
+    "client.poisson_extra_chunks",
+    "client.mean_batch_size",
+    "client.clip_fraction",
+  }
   everything, none = train.summarize_metrics(metrics, k, private=False)
   assert set(everything) == set(released) | set(nonprivate) and none == {}
 
@@ -304,8 +402,13 @@ def test_resumed_run_equals_straight_run(straight, crashed_and_resumed):
   for ra, rb in zip(a, b):
     assert ra.keys() == rb.keys()
     for k in ra:
-      np.testing.assert_allclose(np.asarray(ra[k], float), np.asarray(rb[k], float),
-                                 rtol=1e-6, atol=1e-6, err_msg=f"round {ra['round']} {k}")
+      np.testing.assert_allclose(
+        np.asarray(ra[k], float),
+        np.asarray(rb[k], float),
+        rtol=1e-6,
+        atol=1e-6,
+        err_msg=f"round {ra['round']} {k}",
+      )
   # The restored state has the same shapes, dtypes and placement: the straight run
   # (same process, same setting) compiled the round; the resumed run compiles nothing.
   assert result["compilations"] == 0
@@ -333,7 +436,9 @@ def test_finished_run_is_not_rerun(straight):
   assert len(out["records"]) == 4
 
 
-@pytest.mark.parametrize("field,value,fragment", [
+@pytest.mark.parametrize(
+  "field,value,fragment",
+  [
     ("dp.noise_multiplier", 2.0, "privacy-relevant"),
     ("client.batch_size", 8, "privacy-relevant"),
     ("seed", 1, "privacy-relevant"),
@@ -341,7 +446,8 @@ def test_finished_run_is_not_rerun(straight):
     ("data.partition", "iid", "privacy-relevant"),
     ("data.partition_seed", 1, "privacy-relevant"),
     ("learning_rate", 0.01, "config differs"),
-])
+  ],
+)
 def test_resume_with_different_fields_is_refused(straight, field, value, fragment):
   cfg = tiny_config(progress_bar=False, **{field: value})
   before = (straight / "metrics.jsonl").read_text()
@@ -355,10 +461,17 @@ def test_resume_with_different_fields_is_refused(straight, field, value, fragmen
 def test_dp_resume_on_another_client_backend_is_refused(straight, capsys):
   """A resumed round repeats the checkpointed keys: on another computation it would release a
   second output under the same noise, and their difference without noise."""
-  files = {n: (straight / n).read_text() for n in ("metrics.jsonl", "privacy_ledger.json",
-                                                   "run_info.json", "config.json")}
-  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), "--config.client_backend=vmap",
-          f"--workdir={straight}"]
+  files = {
+    n: (straight / n).read_text()
+    for n in ("metrics.jsonl", "privacy_ledger.json", "run_info.json", "config.json")
+  }
+  argv = [
+    "prog",
+    "--config=quickstart:dp_loops",
+    *argv_of(TINY),
+    "--config.client_backend=vmap",
+    f"--workdir={straight}",
+  ]
   assert run.main(argv) == 2
   err = capsys.readouterr().err
   assert "refusing to resume the DP run" in err and "on another computation" in err
@@ -371,8 +484,14 @@ def test_dp_resume_on_another_client_backend_is_refused(straight, capsys):
 def test_nondp_resume_may_change_the_client_backend(tmp_path):
   """Without DP there is no noise to repeat: a run may resume on another backend."""
   import shutil  # pylint: disable=g-import-not-at-top
-  overrides = {"dp.enabled": False, "rounds": 2, "checkpoint_every": 1, "progress_bar": False,
-               "plots": False}
+
+  overrides = {
+    "dp.enabled": False,
+    "rounds": 2,
+    "checkpoint_every": 1,
+    "progress_bar": False,
+    "plots": False,
+  }
   first = train.train_and_evaluate(tiny_config(**overrides), tmp_path)
   shutil.rmtree(tmp_path / "checkpoints" / "2")  # as if killed before round 2's checkpoint
   again = train.train_and_evaluate(tiny_config(**overrides, client_backend="vmap"), tmp_path)
@@ -384,6 +503,7 @@ def test_nondp_resume_may_change_the_client_backend(tmp_path):
 def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   """Round 2 returns NaN parameters and a NaN matching loss on client 3 (npz source)."""
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+
   x_train, y_train, x_test, y_test = data_lib.load_digits()
   npz = tmp_path / "digits.npz"
   np.savez(npz, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
@@ -401,6 +521,7 @@ def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeyp
         loss = metrics.client.matching_loss.at[3].set(jnp.nan)
         metrics = metrics._replace(client=metrics.client._replace(matching_loss=loss))
       return state, metrics
+
     return alg._replace(round=round_fn)
 
   monkeypatch.setattr(train, "build_algorithm", poisoned_build)
@@ -451,8 +572,13 @@ def test_report_on_two_runs(straight, crashed_and_resumed, tmp_path):
 
 def test_baseline_runs_through_the_same_driver(tmp_path):
   pytest.importorskip("fedlap_jax.baselines")
-  cfg = tiny_config(method="fedavg", rounds=2, progress_bar=False, plots=False,
-                    **{"dp.enabled": False, "baseline.local_epochs": 1, "client.batch_size": 64})
+  cfg = tiny_config(
+    method="fedavg",
+    rounds=2,
+    progress_bar=False,
+    plots=False,
+    **{"dp.enabled": False, "baseline.local_epochs": 1, "client.batch_size": 64},
+  )
   out = train.train_and_evaluate(cfg, tmp_path)
   info = json.loads((tmp_path / "run_info.json").read_text())
   assert info["method_label"] == "FedAvg" and info["upload_floats_per_client"] == info["num_params"]
@@ -467,11 +593,13 @@ def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_pa
   """An npz of uint8 pixels: clients and test set stay uint8; metrics use normalised inputs."""
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from fedlap_jax.training import evaluate  # pylint: disable=g-import-not-at-top
+
   x_train, y_train, x_test, y_test = data_lib.load_digits()
   npz = tmp_path / "pixels.npz"
   to_pixels = lambda x: np.round(x * 255).astype(np.uint8)
-  np.savez(npz, x_train=to_pixels(x_train), y_train=y_train, x_test=to_pixels(x_test),
-           y_test=y_test)
+  np.savez(
+    npz, x_train=to_pixels(x_train), y_train=y_train, x_test=to_pixels(x_test), y_test=y_test
+  )
   cfg = tiny_config(rounds=1, progress_bar=False)
   cfg.data.name, cfg.data.source = "custom", f"npz:{npz}"
   setup = train.build_run(cfg)
@@ -480,8 +608,11 @@ def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_pa
   chex.assert_shape([setup.clients.pixel_scale, setup.clients.pixel_offset], (5, 1))
   first = setup.client_indices[0]
   np.testing.assert_allclose(
-      np.asarray(jax.tree.map(lambda a: a[0], setup.clients).images(jnp.arange(len(first)))),
-      setup.dataset.normalise(setup.dataset.x_train[first]), rtol=1e-5, atol=1e-5)
+    np.asarray(jax.tree.map(lambda a: a[0], setup.clients).images(jnp.arange(len(first)))),
+    setup.dataset.normalise(setup.dataset.x_train[first]),
+    rtol=1e-5,
+    atol=1e-5,
+  )
   out = train.train_and_evaluate(cfg, tmp_path / "run")
   record = out["records"][-1]
   params = setup.algorithm.params_of(out["state"])
@@ -493,8 +624,12 @@ def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_pa
 
 def test_a_dp_delta_of_one_over_the_smallest_client_is_refused(tmp_path, capsys):
   """delta >= 1 / min_k N_k would allow releasing a whole record of the smallest client."""
-  argv = ["prog", "--config=quickstart:dp_loops", "--config.dp.delta=0.004",
-          f"--workdir={tmp_path / 'w'}"]
+  argv = [
+    "prog",
+    "--config=quickstart:dp_loops",
+    "--config.dp.delta=0.004",
+    f"--workdir={tmp_path / 'w'}",
+  ]
   assert run.main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert "dp.delta=0.004 is invalid; allowed: a delta < 1 / N_k = 1/274" in err, err
@@ -506,14 +641,18 @@ def test_dp_records_state_the_replace_one_epsilon_with_add_remove_beside_it(stra
   paper's add/remove figure is written beside it under its own name, and run_info says so."""
   info = json.loads((straight / "run_info.json").read_text())
   assert (info["adjacency"], info["epsilon_for"]) == ("replace_one", "replace_one")
-  mech = accounting.DpMechanism(noise_multiplier=info["noise_multiplier"],
-                                batch_size=info["batch_size"],
-                                steps_per_round=info["steps_per_round"], delta=info["delta"])
+  mech = accounting.DpMechanism(
+    noise_multiplier=info["noise_multiplier"],
+    batch_size=info["batch_size"],
+    steps_per_round=info["steps_per_round"],
+    delta=info["delta"],
+  )
   smallest = min(info["client_sizes"])
   for r in checkpointing.read_metrics(straight / "metrics.jsonl"):
     assert r["epsilon"] == mech.epsilon_after(r["round"], smallest)
     assert r["epsilon_add_remove"] == pytest.approx(
-        mech.epsilon_after(r["round"], smallest, adjacency="add_remove"), rel=1e-9)
+      mech.epsilon_after(r["round"], smallest, adjacency="add_remove"), rel=1e-9
+    )
   ledger = json.loads((straight / "privacy_ledger.json").read_text())
   assert ledger["adjacency"] == "replace_one" and len(ledger["epsilons_add_remove"]) == 4
   summary = (straight / "summary.md").read_text()
@@ -549,17 +688,29 @@ def _sigma_edited(ckpt_dir):  # consistent by itself, but not this run's sigma
   path.write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("damage", [_damage_state, _edit_ledger, _garbage_meta, _sigma_edited],
-                         ids=["deleted_state", "edited_ledger", "garbage_meta", "other_sigma"])
+@pytest.mark.parametrize(
+  "damage",
+  [_damage_state, _edit_ledger, _garbage_meta, _sigma_edited],
+  ids=["deleted_state", "edited_ledger", "garbage_meta", "other_sigma"],
+)
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
-    straight, crashed_and_resumed, tmp_path, damage, capsys):
+  straight, crashed_and_resumed, tmp_path, damage, capsys
+):
   import shutil  # pylint: disable=g-import-not-at-top
+
   source, _, _ = crashed_and_resumed  # checkpoints 3 and 4 of a finished 4-round run
   workdir = tmp_path / "run"
   shutil.copytree(source, workdir)
   damage(workdir / "checkpoints" / "4")
-  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), "--config.checkpoint_every=1",
-          "--config.progress_bar=False", "--config.plots=False", f"--workdir={workdir}"]
+  argv = [
+    "prog",
+    "--config=quickstart:dp_loops",
+    *argv_of(TINY),
+    "--config.checkpoint_every=1",
+    "--config.progress_bar=False",
+    "--config.plots=False",
+    f"--workdir={workdir}",
+  ]
   assert run.main(argv) == 0
   log = (workdir / "train.log").read_text()
   assert "WARNING checkpoint 4 is damaged (" in log
@@ -567,51 +718,67 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
   # Set aside, not deleted; round 4 re-run from checkpoint 3 with its ledger.
   assert (workdir / "damaged_checkpoints" / "4" / "meta").is_dir()
   assert checkpointing.Checkpointer(workdir / "checkpoints").all_rounds() == [3, 4]
-  assert comparable(checkpointing.read_metrics(workdir / "metrics.jsonl")) == \
-      comparable(checkpointing.read_metrics(straight / "metrics.jsonl"))
-  assert json.loads((workdir / "privacy_ledger.json").read_text()) == \
-      json.loads((straight / "privacy_ledger.json").read_text())
+  assert comparable(checkpointing.read_metrics(workdir / "metrics.jsonl")) == comparable(
+    checkpointing.read_metrics(straight / "metrics.jsonl")
+  )
+  assert json.loads((workdir / "privacy_ledger.json").read_text()) == json.loads(
+    (straight / "privacy_ledger.json").read_text()
+  )
 
 
 def test_stray_checkpoint_directory_is_set_aside(crashed_and_resumed, tmp_path):
   import shutil  # pylint: disable=g-import-not-at-top
+
   source, _, _ = crashed_and_resumed
   workdir = tmp_path / "run"
   shutil.copytree(source, workdir)
   (workdir / "checkpoints" / "9").mkdir()
-  out = train.train_and_evaluate(tiny_config(checkpoint_every=1, progress_bar=False,
-                                             plots=False), workdir)
+  out = train.train_and_evaluate(
+    tiny_config(checkpoint_every=1, progress_bar=False, plots=False), workdir
+  )
   assert [r["round"] for r in out["records"]] == [1, 2, 3, 4] and out["compilations"] == 0
   assert (workdir / "damaged_checkpoints" / "9").is_dir()
   assert "WARNING checkpoint 9 is damaged" in (workdir / "train.log").read_text()
 
 
 def _snapshot(workdir):
-  return {p.relative_to(workdir).as_posix(): p.read_bytes()
-          for p in sorted(workdir.rglob("*")) if p.is_file()}
+  return {
+    p.relative_to(workdir).as_posix(): p.read_bytes()
+    for p in sorted(workdir.rglob("*"))
+    if p.is_file()
+  }
 
 
 @pytest.mark.parametrize("case", ["all_checkpoints_damaged", "metrics_garbled"])
-def test_unusable_state_is_one_line_exit_2_and_nothing_changes(crashed_and_resumed, tmp_path,
-                                                               case, capsys):
+def test_unusable_state_is_one_line_exit_2_and_nothing_changes(
+  crashed_and_resumed, tmp_path, case, capsys
+):
   import shutil  # pylint: disable=g-import-not-at-top
+
   source, _, _ = crashed_and_resumed
   workdir = tmp_path / "run"
   shutil.copytree(source, workdir)
   if case == "all_checkpoints_damaged":
     _garbage_meta(workdir / "checkpoints" / "4")
     _edit_ledger(workdir / "checkpoints" / "3")
-    fragment = ("every checkpoint is damaged (checkpoint 4: metadata unreadable: JSONDecodeError"
-                ": Expecting value: line 1 column 1 (char 0); checkpoint 3: ValueError: "
-                "epsilons[2]=0.5 does not match")
+    fragment = (
+      "every checkpoint is damaged (checkpoint 4: metadata unreadable: JSONDecodeError"
+      ": Expecting value: line 1 column 1 (char 0); checkpoint 3: ValueError: "
+      "epsilons[2]=0.5 does not match"
+    )
   else:
     lines = (workdir / "metrics.jsonl").read_text().splitlines(keepends=True)
     lines[1] = "{garbled\n"
     (workdir / "metrics.jsonl").write_text("".join(lines))
     fragment = "metrics.jsonl holds rounds [1] up to round 4"
   before = _snapshot(workdir)
-  argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY), "--config.checkpoint_every=1",
-          f"--workdir={workdir}"]
+  argv = [
+    "prog",
+    "--config=quickstart:dp_loops",
+    *argv_of(TINY),
+    "--config.checkpoint_every=1",
+    f"--workdir={workdir}",
+  ]
   assert run.main(argv) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
@@ -621,14 +788,17 @@ def test_unusable_state_is_one_line_exit_2_and_nothing_changes(crashed_and_resum
 
 def test_workdir_that_is_a_file_or_unwritable_exits_2(tmp_path, capsys):
   import subprocess  # pylint: disable=g-import-not-at-top
+
   a_file = tmp_path / "a_file"
   a_file.write_text("x")
   argv = ["prog", "--config=quickstart:dp_loops", *argv_of(TINY)]
   assert run.main(argv + [f"--workdir={a_file}"]) == 2
   err = capsys.readouterr().err
-  assert err == (f"error: --workdir='{a_file}' is invalid: {a_file} is an existing file, not a "
-                 "directory; allowed: a directory this process can create and write (new, or "
-                 "the work dir of this run to resume it)\n")
+  assert err == (
+    f"error: --workdir='{a_file}' is invalid: {a_file} is an existing file, not a "
+    "directory; allowed: a directory this process can create and write (new, or "
+    "the work dir of this run to resume it)\n"
+  )
   assert run.main(argv + [f"--workdir={a_file}/run"]) == 2
   assert "is invalid: " in capsys.readouterr().err
   locked = tmp_path / "locked"

@@ -27,7 +27,7 @@ def shrunk(name, **overrides):
   cfg.plots = False
   if name == "feddm":
     cfg.rounds = 2
-    cfg.synthetic_init = "noise"          # only the matching can make the images informative
+    cfg.synthetic_init = "noise"  # only the matching can make the images informative
     cfg.feddm.iterations = 20
     cfg.server.max_epochs = 50
   else:
@@ -66,9 +66,9 @@ def test_each_system_learns_on_the_digits(runs, name):
   assert records[-1]["test_accuracy"] > 4 * CHANCE, records[-1]
   info = json.loads((workdir / "run_info.json").read_text())
   upload = info["upload_floats_per_client"]
-  if name == "dsc_centralized":      # the raw data pooled: the largest client's records
+  if name == "dsc_centralized":  # the raw data pooled: the largest client's records
     assert upload == max(info["client_sizes"]) * 64
-  else:                              # ipc 10 x 2 classes x 8 x 8 pixels
+  else:  # ipc 10 x 2 classes x 8 x 8 pixels
     assert upload == 10 * 2 * 64
   assert (workdir / "synthetic" / f"round_{len(records):04d}.npz").exists()
   assert (workdir / "checkpoints").is_dir()
@@ -82,18 +82,35 @@ def test_psg_epsilon_is_the_accountants_for_its_q_sigma_and_t(runs):
   t = cfg.condense.iterations * cfg.condense.outer_loop * cfg.condense.batch_loop
   assert info["steps_per_round"] == t == 4 * 10 * 5
   want = accounting.epsilon_after_rounds(
-      rounds=1, noise_multiplier=1.0, batch_size=cfg.client.batch_size,
-      min_client_size=min(info["client_sizes"]), steps_per_round=t, delta=cfg.dp.delta)
+    rounds=1,
+    noise_multiplier=1.0,
+    batch_size=cfg.client.batch_size,
+    min_client_size=min(info["client_sizes"]),
+    steps_per_round=t,
+    delta=cfg.dp.delta,
+  )
   # The paper's add/remove figure, under its explicit name (the headline is replace-one).
   assert result["records"][-1]["epsilon_add_remove"] == pytest.approx(want, rel=1e-9)
   ledger = json.loads((workdir / "privacy_ledger.json").read_text())
   assert ledger["rounds"] == 1 and ledger["epsilons_add_remove"][-1] == pytest.approx(
-      want, rel=1e-9)
-  assert result["records"][-1]["epsilon"] == ledger["epsilons"][-1] == pytest.approx(
+    want, rel=1e-9
+  )
+  assert (
+    result["records"][-1]["epsilon"]
+    == ledger["epsilons"][-1]
+    == pytest.approx(
       accounting.epsilon_after_rounds(
-          rounds=1, noise_multiplier=1.0, batch_size=cfg.client.batch_size,
-          min_client_size=min(info["client_sizes"]), steps_per_round=t, delta=cfg.dp.delta,
-          adjacency="replace_one"), rel=1e-9)
+        rounds=1,
+        noise_multiplier=1.0,
+        batch_size=cfg.client.batch_size,
+        min_client_size=min(info["client_sizes"]),
+        steps_per_round=t,
+        delta=cfg.dp.delta,
+        adjacency="replace_one",
+      ),
+      rel=1e-9,
+    )
+  )
   # The noisy real-data accesses really happened, T of them on every client.
   assert result["records"][-1]["client.real_accesses"] == [float(t)] * 5
 
@@ -108,8 +125,11 @@ def test_report_puts_them_in_the_tables_with_their_cost(runs, tmp_path):
 
   assert cost("feddm") == "0.117x" and cost("dsc_centralized") == "1.65x"
   _, cols, cells = tables["nondp"]
-  assert cols == [f"FedDM ({cost('feddm')})", f"DSC federated ({cost('dsc')})",
-                  f"DSC centralized ({cost('dsc_centralized')})"]
+  assert cols == [
+    f"FedDM ({cost('feddm')})",
+    f"DSC federated ({cost('dsc')})",
+    f"DSC centralized ({cost('dsc_centralized')})",
+  ]
   acc = 100 * runs["feddm"][1]["records"][-1]["test_accuracy"]
   assert cells[("digits", cols[0])][1] == pytest.approx(acc)
   _, cols, cells = tables["dp_final"]
@@ -120,13 +140,19 @@ def test_report_puts_them_in_the_tables_with_their_cost(runs, tmp_path):
   eps = runs["psg"][1]["records"][-1][key]
   assert eps < runs["psg"][1]["records"][-1]["epsilon"]  # replace-one costs more
   assert cells[("digits", cols[0])][0].endswith(f", ε={eps:.3g})")
-  assert tables["dp_eps1000"][2][("digits", cols[0])][0] == cells[("digits", cols[0])][0].split(
-      ", ε")[0] + ")"
+  assert (
+    tables["dp_eps1000"][2][("digits", cols[0])][0]
+    == cells[("digits", cols[0])][0].split(", ε")[0] + ")"
+  )
   assert eps > 2.79 and tables["dp_eps2.79"][2][("digits", cols[0])][0] == "-"
   assert "DP, final accuracy at the epsilon spent" in (tmp_path / "report.md").read_text()
   lines = (tmp_path / "runs.csv").read_text().splitlines()
-  assert lines[0].endswith("upload_floats_per_client,upload_vs_model,first_round_seconds,"
-                           "later_round_seconds") and len(lines) == 5
+  assert (
+    lines[0].endswith(
+      "upload_floats_per_client,upload_vs_model,first_round_seconds,later_round_seconds"
+    )
+    and len(lines) == 5
+  )
 
 
 # ------------------------------------------------------------------ configs
@@ -146,7 +172,10 @@ def test_named_configs_validate_with_the_published_settings(name):
     core = library_configs.to_feddm_config(cfg)
     # FedLAP's partition, ipc and rounds: equal upload (0.96x on CIFAR-10).
     assert (cfg.data.partition, cfg.client.ipc, cfg.rounds) == (
-        fedlap.data.partition, fedlap.client.ipc, fedlap.rounds)
+      fedlap.data.partition,
+      fedlap.client.ipc,
+      fedlap.rounds,
+    )
     assert (core.image_updates, core.rho, core.image_lr, core.batch_size) == (1000, 5.0, 1.0, 256)
     assert (core.server.max_epochs, core.server.momentum, core.learning_rate) == (500, 0.9, 0.01)
   else:
@@ -159,9 +188,16 @@ def test_named_configs_validate_with_the_published_settings(name):
     assert core.condensation.classwise and core.dp is None
 
 
-@pytest.mark.parametrize("variant, method, ipc", [
-    ("", "dsc_centralized", 50), ("10", "dsc_centralized", 10), ("federated", "dsc", 50),
-    ("federated10", "dsc", 10), ("centralized50", "dsc_centralized", 50)])
+@pytest.mark.parametrize(
+  "variant, method, ipc",
+  [
+    ("", "dsc_centralized", 50),
+    ("10", "dsc_centralized", 10),
+    ("federated", "dsc", 50),
+    ("federated10", "dsc", 10),
+    ("centralized50", "dsc_centralized", 50),
+  ],
+)
 def test_dsc_variants(variant, method, ipc):
   cfg = synthetic.get_dsc_config("cifar", variant)
   library_configs.validate_config(cfg)
@@ -181,13 +217,20 @@ def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
   t = core.condensation.real_accesses_per_round
   assert t == 1000 * 10 * 10 and core.condensation.batch_size == 256
   eps = accounting.epsilon_after_rounds(
-      rounds=1, noise_multiplier=cfg.dp.noise_multiplier, batch_size=256,
-      min_client_size=synthetic.MIN_CLIENT_SIZE[dataset], steps_per_round=t, delta=1e-5)
+    rounds=1,
+    noise_multiplier=cfg.dp.noise_multiplier,
+    batch_size=256,
+    min_client_size=synthetic.MIN_CLIENT_SIZE[dataset],
+    steps_per_round=t,
+    delta=1e-5,
+  )
   assert 31.9 < eps <= synthetic.PSG_TARGET_EPSILON
   assert (cfg.dp.l2_clip_norm, core.condensation.classwise) == (0.1, False)
 
 
-@pytest.mark.parametrize("method, field, value, path", [
+@pytest.mark.parametrize(
+  "method, field, value, path",
+  [
     ("dsc", "rounds", 2, "rounds"),
     ("feddm", "dp.enabled", True, "dp.enabled"),
     ("psg", "dp.enabled", False, "dp.enabled"),
@@ -200,12 +243,13 @@ def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
     ("psg", "synthetic_init", "real", "synthetic_init"),
     ("psg", "server.weighting", "size", "server.weighting"),
     ("dsc", "server.momentum", 1.5, "server.momentum"),
-])
+  ],
+)
 def test_bad_settings_name_the_config_field(method, field, value, path):
   cfg = quickstart_compare.get_config().suite[method]
   cfg.dp.match_epsilon_of = ""
-  cfg.data.normalisation = "test_split"   # DP-safe: dp.enabled=True fails on the method alone
-  cfg.condense.outer_loop = cfg.condense.inner_loop = None   # the published loops for client.ipc
+  cfg.data.normalisation = "test_split"  # DP-safe: dp.enabled=True fails on the method alone
+  cfg.condense.outer_loop = cfg.condense.inner_loop = None  # the published loops for client.ipc
   library_configs.validate_config(cfg)
   *parents, leaf = field.split(".")
   node = cfg
@@ -227,16 +271,28 @@ def test_ipc_larger_than_a_class_is_refused_with_real_initialisation():
   np.testing.assert_equal(err.value.value, 500)
 
 
-@pytest.mark.parametrize("config, arg, message", [
-    ("mnist_psg", "--config.dp.enabled=False",
-     "dp.enabled=False is invalid; allowed: True for method='psg'"),
+@pytest.mark.parametrize(
+  "config, arg, message",
+  [
+    (
+      "mnist_psg",
+      "--config.dp.enabled=False",
+      "dp.enabled=False is invalid; allowed: True for method='psg'",
+    ),
     ("mnist_feddm", "--config.feddm.rho=-1.0", "feddm.rho=-1.0 is invalid; allowed: "),
     ("cifar_dsc", "--config.rounds=3", "rounds=3 is invalid; allowed: 1 for method="),
-    ("cifar_psg", "--config.condense.iterations=0",
-     "condense.iterations=0 is invalid; allowed: an integer >= 1"),
-    ("fmnist_psg", "--config.client.poisson_capacity=256",
-     "client.poisson_capacity=256 is invalid; allowed: None (the default"),
-])
+    (
+      "cifar_psg",
+      "--config.condense.iterations=0",
+      "condense.iterations=0 is invalid; allowed: an integer >= 1",
+    ),
+    (
+      "fmnist_psg",
+      "--config.client.poisson_capacity=256",
+      "client.poisson_capacity=256 is invalid; allowed: None (the default",
+    ),
+  ],
+)
 def test_cli_refuses_bad_settings_in_one_line_with_exit_2(config, arg, message, tmp_path, capsys):
   assert run.main(["prog", f"--config={config}", arg, f"--workdir={tmp_path / 'run'}"]) == 2
   err = capsys.readouterr().err
@@ -248,17 +304,31 @@ def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
   """PSG's clip fraction, realised batch sizes and extra chunks are raw statistics of the
   records: a DP run releases the rest and keeps these for debug_nonprivate_stats."""
   from fedlap_jax import condensation  # pylint: disable=g-import-not-at-top
+
   k = 3
   client = condensation.CondensationMetrics(
-      matching_loss=np.ones((k, 4), np.float32), real_accesses=np.full(k, 200, np.int32),
-      poisson_extra_chunks=np.zeros(k, np.int32), mean_batch_size=np.full(k, 63.0),
-      clip_fraction=np.full(k, 0.9))
-  metrics = condensation.OneShotMetrics(client, np.int32(300), np.int32(600), np.float32(1.5),
-                                        np.float32(0.01))
+    matching_loss=np.ones((k, 4), np.float32),
+    real_accesses=np.full(k, 200, np.int32),
+    poisson_extra_chunks=np.zeros(k, np.int32),
+    mean_batch_size=np.full(k, 63.0),
+    clip_fraction=np.full(k, 0.9),
+  )
+  metrics = condensation.OneShotMetrics(
+    client, np.int32(300), np.int32(600), np.float32(1.5), np.float32(0.01)
+  )
   released, nonprivate = train.summarize_metrics(metrics, k, private=True)
-  assert set(released) == {"client.matching_loss", "client.real_accesses", "server_epochs",
-                           "server_steps", "server_distance", "learning_rate"}
-  assert set(nonprivate) == {"client.poisson_extra_chunks", "client.mean_batch_size",
-                             "client.clip_fraction"}
+  assert set(released) == {
+    "client.matching_loss",
+    "client.real_accesses",
+    "server_epochs",
+    "server_steps",
+    "server_distance",
+    "learning_rate",
+  }
+  assert set(nonprivate) == {
+    "client.poisson_extra_chunks",
+    "client.mean_batch_size",
+    "client.clip_fraction",
+  }
   everything, none = train.summarize_metrics(metrics, k, private=False)
   assert set(everything) == set(released) | set(nonprivate) and none == {}

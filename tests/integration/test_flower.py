@@ -26,8 +26,13 @@ DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps", "rad
 
 
 def _run_config(tmp_path, config, overrides=TINY, **extra):
-  return {"config": config, "overrides": overrides, "run-dir": str(tmp_path / "run"),
-          "state-root": str(tmp_path / "state"), **extra}
+  return {
+    "config": config,
+    "overrides": overrides,
+    "run-dir": str(tmp_path / "run"),
+    "state-root": str(tmp_path / "state"),
+    **extra,
+  }
 
 
 # ----------------------------------------------------------------------------
@@ -36,37 +41,56 @@ def _run_config(tmp_path, config, overrides=TINY, **extra):
 
 
 def test_settings_map_onto_the_named_configs(tmp_path):
-  run = settings.run_settings({"config": "quickstart:dp_loops",
-                               "overrides": "seed=3 client.batch_loop=2 data.source=sklearn "
-                                            "snapshot_rounds=(1,2) plots=false"})
+  run = settings.run_settings(
+    {
+      "config": "quickstart:dp_loops",
+      "overrides": "seed=3 client.batch_loop=2 data.source=sklearn "
+      "snapshot_rounds=(1,2) plots=false",
+    }
+  )
   assert run.label == "quickstart_dp_loops" and run.dp and run.num_clients == 5
   assert run.cfg.seed == 3 and run.cfg.client.batch_loop == 2
   assert tuple(run.cfg.snapshot_rounds) == (1, 2) and run.cfg.plots is False
   assert run.min_clients == 5 and run.max_epsilon == math.inf
-  node = settings.node_settings({"partition-id": 2, "num-partitions": 5, "max-epsilon": 4.0,
-                                 "state-dir": str(tmp_path / "mine")},
-                                settings.run_settings({"config": "quickstart:dp_loops",
-                                                       "max-epsilon": 3.0,
-                                                       "state-root": str(tmp_path)}))
+  node = settings.node_settings(
+    {
+      "partition-id": 2,
+      "num-partitions": 5,
+      "max-epsilon": 4.0,
+      "state-dir": str(tmp_path / "mine"),
+    },
+    settings.run_settings(
+      {"config": "quickstart:dp_loops", "max-epsilon": 3.0, "state-root": str(tmp_path)}
+    ),
+  )
   # The client keeps the smaller cap: a server can lower it, never raise it.
   assert node.max_epsilon == 3.0
   assert node.state_dir == tmp_path / "mine"
 
 
-@pytest.mark.parametrize("run_config, match", [
+@pytest.mark.parametrize(
+  "run_config, match",
+  [
     ({"config": "quickstart"}, "config='quickstart' is invalid; allowed: one run"),
     ({"config": "nosuch"}, "no experiments/configs/nosuch.py"),
     ({"config": "quickstart:dp_loops", "overrides": "client.nosuch=1"}, "'client.nosuch' is not a"),
     ({"config": "quickstart:dp_loops", "overrides": "seed"}, "allowed: FIELD=VALUE"),
     ({"config": "quickstart:dp_loops", "overrides": "rounds=abc"}, "rounds='abc' is invalid"),
-    ({"config": "quickstart:dp_loops", "min-clients": 6}, r"min-clients=6 is invalid; allowed: an "
-                                                    r"integer in \[0, 5\]"),
+    (
+      {"config": "quickstart:dp_loops", "min-clients": 6},
+      r"min-clients=6 is invalid; allowed: an "
+      r"integer in \[0, 5\]",
+    ),
     ({"config": "quickstart:dp_loops", "round-timeout": 0.0}, "round-timeout=0.0 is invalid"),
     ({"config": "quickstart:dp_loops", "max-epsilon": -1.0}, "max-epsilon=-1.0 is invalid"),
-    ({"config": "quickstart:dp_loops", "colour": "red"}, r"run config keys \['colour'\] are unknown"),
+    (
+      {"config": "quickstart:dp_loops", "colour": "red"},
+      r"run config keys \['colour'\] are unknown",
+    ),
     ({"config": "quickstart:dp:x"}, "config='quickstart:dp:x' is invalid"),
     ({"config": "mnist_scaffold"}, "method='scaffold'"),
-])
+  ],
+)
 def test_bad_run_config_is_refused_by_name(run_config, match):
   with pytest.raises(ValueError, match=match):
     settings.run_settings(run_config)
@@ -81,21 +105,28 @@ def test_the_hybrid_dp_recipe_is_a_flower_run_config():
 
 def test_bad_config_values_fail_the_experiments_validation():
   from experiments import library_configs
+
   with pytest.raises(library_configs.ConfigError, match="client.ipc=0 is invalid"):
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": "client.ipc=0"})
 
 
-@pytest.mark.parametrize("node_config, match", [
+@pytest.mark.parametrize(
+  "node_config, match",
+  [
     ({"num-partitions": 5}, "partition-id is missing"),
-    ({"partition-id": 5, "num-partitions": 5}, r"partition-id=5 is invalid; allowed: an "
-                                               r"integer in \[0, 4\]"),
+    (
+      {"partition-id": 5, "num-partitions": 5},
+      r"partition-id=5 is invalid; allowed: an "
+      r"integer in \[0, 4\]",
+    ),
     ({"partition-id": 0, "num-partitions": 4}, "num-partitions=4 is invalid; allowed: 5"),
     ({"partition-id": 0, "num-partitions": 5, "data-path": "/no/such.npz"}, "data-path="),
     ({"partition-id": 0, "num-partitions": 5, "max-epsilon": 0}, "max-epsilon=0 is invalid"),
     ({"partition-id": 0, "num-partitions": 5, "max-delta": 1.0}, "max-delta=1.0 is invalid"),
     ({"partition-id": 0, "num-partitions": 5, "max-delta": "1e-6"}, "max-delta='1e-6' is"),
     ({"partition-id": 0, "num-partitions": 5, "gpu": 1}, r"keys \['gpu'\] are unknown"),
-])
+  ],
+)
 def test_bad_node_config_is_refused_by_name(node_config, match, tmp_path):
   run = settings.run_settings({"config": "quickstart:dp_loops"})
   with pytest.raises(settings.SettingsError, match=match):
@@ -127,11 +158,14 @@ def test_a_dp_client_keeps_its_ledger_only_where_its_own_config_says(tmp_path, m
 def test_app_pyproject_lists_every_run_config_key():
   tomllib = pytest.importorskip("tomllib")
   from fedlap_flower.federation import APP_DIR
+
   with open(APP_DIR / "pyproject.toml", "rb") as f:
     app = tomllib.load(f)["tool"]["flwr"]["app"]
   assert app["config"] == settings.RUN_CONFIG_DEFAULTS
-  assert app["components"] == {"serverapp": "fedlap_flower.server_app:app",
-                               "clientapp": "fedlap_flower.client_app:app"}
+  assert app["components"] == {
+    "serverapp": "fedlap_flower.server_app:app",
+    "clientapp": "fedlap_flower.client_app:app",
+  }
 
 
 # ----------------------------------------------------------------------------
@@ -139,8 +173,9 @@ def test_app_pyproject_lists_every_run_config_key():
 # ----------------------------------------------------------------------------
 
 # T = 1: one RDP computation per round keeps these tests fast.
-PRIVACY = dict(noise_multiplier=1.0, batch_size=64, min_client_size=274, steps_per_round=1,
-               delta=1e-5)
+PRIVACY = dict(
+  noise_multiplier=1.0, batch_size=64, min_client_size=274, steps_per_round=1, delta=1e-5
+)
 FINGERPRINT = {"data": "partition", "index": 0, "num_records": 274}
 
 
@@ -190,11 +225,13 @@ def test_round_keys_hold_128_bits_of_os_entropy(monkeypatch):
   import secrets
 
   import jax
+
   drawn = []
 
   def token_bytes(n):
     drawn.append(os.urandom(n))
     return drawn[-1]
+
   monkeypatch.setattr(secrets, "token_bytes", token_bytes)
   k1, k2 = ledger_lib.fresh_round_key(), ledger_lib.fresh_round_key()
   assert [len(b) for b in drawn] == [16, 16]
@@ -251,6 +288,7 @@ def test_ledger_file_and_directory_are_fsynced(tmp_path, monkeypatch):
   def fsync(fd):
     synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
     return real(fd)
+
   monkeypatch.setattr(os, "fsync", fsync)
   ledger_lib.write_json_atomic(tmp_path / "x.json", {"a": 1})
   assert synced == [False, True]  # the file, then its directory after os.replace
@@ -295,8 +333,9 @@ def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
 def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
   """Test-only mode: DP clients draw from the server's keys -> bit-equal to experiments.run."""
   monkeypatch.setenv(settings.UNSAFE_ENV, "1")
-  rc = _run_config(tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True,
-                                                 "max-epsilon": 50.0})
+  rc = _run_config(
+    tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0}
+  )
   records, _ = run_inprocess(rc)
   ref = reference_run("quickstart:dp_loops", TINY, tmp_path / "ref")
   for got, want in zip(records, ref):
@@ -309,8 +348,10 @@ def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monke
 # The hybrid (quickstart:dp) at toy size: a 1-block ConvNet of width 8, T = 2 noisy accesses
 # a round, 2 rounds, 1 server epoch; DSA as the recipe has it (matching and server on, real
 # batches off), so the clients must draw the round's shared DSA family as experiments.run does.
-HYBRID_TINY = ("rounds=2 model.width=8 model.depth=1 client.max_outer=2 client.boost_loop=2 "
-               "server.max_epochs=1 eval_chunk_size=128")
+HYBRID_TINY = (
+  "rounds=2 model.width=8 model.depth=1 client.max_outer=2 client.boost_loop=2 "
+  "server.max_epochs=1 eval_chunk_size=128"
+)
 
 
 @pytest.mark.slow
@@ -318,8 +359,12 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
   """server.start='fedavg_delta': each client sends its model delta with its synthetic set;
   the server starts from w_g + the mean delta, as experiments.run does (bit for bit)."""
   monkeypatch.setenv(settings.UNSAFE_ENV, "1")
-  rc = _run_config(tmp_path, "quickstart:dp", overrides=HYBRID_TINY,
-                   **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0})
+  rc = _run_config(
+    tmp_path,
+    "quickstart:dp",
+    overrides=HYBRID_TINY,
+    **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  )
   records, grid = run_inprocess(rc)
   ref = reference_run("quickstart:dp", HYBRID_TINY, tmp_path / "ref")
   assert [r["round"] for r in records] == [1, 2]
@@ -336,7 +381,8 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
     assert set(reply.content.keys()) == {"metrics", "status", "synthetic", "delta"}
     delta = reply.content["delta"]
     assert {k: (tuple(a.shape), a.dtype) for k, a in delta.items()} == {
-        "params": ((num_params,), "float32")}
+      "params": ((num_params,), "float32")
+    }
     assert any(np.abs(a.numpy()).max() > 0 for a in delta.values())
     assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS
   model_bytes = records[0]["model_bytes"]
@@ -347,19 +393,25 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
 def test_parameters_travel_packed_into_one_array():
   """One float32 Array, the leaves raveled in sorted path order; unpacked with the template."""
   from fedlap_flower import records
-  params = {"dense": {"bias": np.array([6.0, 7.0], np.float32)},
-            "conv": {"kernel": np.arange(6, dtype=np.float32).reshape(3, 2, 1)}}
+
+  params = {
+    "dense": {"bias": np.array([6.0, 7.0], np.float32)},
+    "conv": {"kernel": np.arange(6, dtype=np.float32).reshape(3, 2, 1)},
+  }
   record = records.params_to_record(params)
   assert list(record.keys()) == ["params"] and record["params"].dtype == "float32"
   np.testing.assert_array_equal(record["params"].numpy(), np.arange(8, dtype=np.float32))
-  template = {"conv": {"kernel": np.zeros((3, 2, 1), np.float32)},
-              "dense": {"bias": np.zeros(2, np.float32)}}
+  template = {
+    "conv": {"kernel": np.zeros((3, 2, 1), np.float32)},
+    "dense": {"bias": np.zeros(2, np.float32)},
+  }
   back = records.record_to_params(record, template)
   np.testing.assert_array_equal(back["conv"]["kernel"], params["conv"]["kernel"])
   np.testing.assert_array_equal(back["dense"]["bias"], params["dense"]["bias"])
   with pytest.raises(ValueError, match=r"shape \(7,\)"):
-    records.record_to_params(records.params_to_record(params), {**template, "dense": {
-        "bias": np.zeros(1, np.float32)}})
+    records.record_to_params(
+      records.params_to_record(params), {**template, "dense": {"bias": np.zeros(1, np.float32)}}
+    )
   with pytest.raises(ValueError, match=r"\{'dense/bias': 'float64'\} are not float32"):
     records.params_to_record({"dense": {"bias": np.zeros(2)}})
 
@@ -367,10 +419,15 @@ def test_parameters_travel_packed_into_one_array():
 def test_a_model_delta_must_match_the_global_model():
   """The server refuses a delta of another length or layout, another dtype, or NaN / Inf."""
   from fedlap_flower import records, replies
-  params = {"conv": {"kernel": np.zeros((3, 3, 1, 2), np.float32)},
-            "dense": {"bias": np.zeros(4, np.float32)}}
-  good = {"conv": {"kernel": np.ones((3, 3, 1, 2), np.float32)},
-          "dense": {"bias": np.full(4, 0.5, np.float32)}}
+
+  params = {
+    "conv": {"kernel": np.zeros((3, 3, 1, 2), np.float32)},
+    "dense": {"bias": np.zeros(4, np.float32)},
+  }
+  good = {
+    "conv": {"kernel": np.ones((3, 3, 1, 2), np.float32)},
+    "dense": {"bias": np.full(4, 0.5, np.float32)},
+  }
   back = records.record_to_delta(records.params_to_record(good), params)
   np.testing.assert_array_equal(back["dense"]["bias"], good["dense"]["bias"])
   np.testing.assert_array_equal(back["conv"]["kernel"], good["conv"]["kernel"])
@@ -380,18 +437,35 @@ def test_a_model_delta_must_match_the_global_model():
       records.record_to_delta(record, params)
     assert e.value.field == field
 
-  refused(records.params_to_record({"conv": good["conv"]}), "delta/params",
-          r"\(delta/params\) has shape \(18,\); allowed: \(22,\)")
-  refused(records.params_to_record({**good, "dense": {"bias": np.zeros(5, np.float32)}}),
-          "delta/params", r"has shape \(23,\); allowed: \(22,\)")
-  refused(ArrayRecord({"params": Array(np.zeros(22, np.float64))}), "delta/params",
-          "dtype 'float64'; allowed: float32")
-  refused(ArrayRecord({"conv/kernel": Array(np.zeros(18, np.float32)),
-                       "dense/bias": Array(np.zeros(4, np.float32))}), "delta",
-          "allowed: exactly 'params'")
-  refused(records.params_to_record(
-      {**good, "conv": {"kernel": np.full((3, 3, 1, 2), np.nan, np.float32)}}),
-      "delta/conv/kernel", "'conv/kernel' .* holds NaN or Inf")
+  refused(
+    records.params_to_record({"conv": good["conv"]}),
+    "delta/params",
+    r"\(delta/params\) has shape \(18,\); allowed: \(22,\)",
+  )
+  refused(
+    records.params_to_record({**good, "dense": {"bias": np.zeros(5, np.float32)}}),
+    "delta/params",
+    r"has shape \(23,\); allowed: \(22,\)",
+  )
+  refused(
+    ArrayRecord({"params": Array(np.zeros(22, np.float64))}),
+    "delta/params",
+    "dtype 'float64'; allowed: float32",
+  )
+  refused(
+    ArrayRecord(
+      {"conv/kernel": Array(np.zeros(18, np.float32)), "dense/bias": Array(np.zeros(4, np.float32))}
+    ),
+    "delta",
+    "allowed: exactly 'params'",
+  )
+  refused(
+    records.params_to_record(
+      {**good, "conv": {"kernel": np.full((3, 3, 1, 2), np.nan, np.float32)}}
+    ),
+    "delta/conv/kernel",
+    "'conv/kernel' .* holds NaN or Inf",
+  )
 
 
 @pytest.mark.slow
@@ -402,8 +476,9 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   rc["overrides"] += " debug_nonprivate_stats=True"
   records, grid = run_inprocess(rc)
   # Secret keys: a second federation with fresh state directories (new secrets) differs.
-  records2, _ = run_inprocess({**rc, "state-root": str(tmp_path / "state2"),
-                               "run-dir": str(tmp_path / "run2")})
+  records2, _ = run_inprocess(
+    {**rc, "state-root": str(tmp_path / "state2"), "run-dir": str(tmp_path / "run2")}
+  )
   assert all(r["clients_ok"] == [0, 1, 2, 3, 4] for r in records + records2)
   assert records[-1]["test_loss"] != records2[-1]["test_loss"]
   # No key reaches a DP client; replies carry only the allowed metrics.
@@ -425,13 +500,19 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   # Each client accounts with its own N_k; the largest epsilon (the smallest client's)
   # is experiments.run's, which accounts every client with q = B / min_k N_k.
   from experiments import data as data_lib
+
   cfg, _ = settings.load_config("quickstart:dp_loops", TINY)
   sizes = [len(i) for i in data_lib.client_split(data_lib.load_dataset(cfg.data), cfg.data)]
   steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
   for k, n in enumerate(sizes):  # the replace-one epsilon: N_k is public
-    own = accounting.PrivacyLedger(noise_multiplier=cfg.dp.noise_multiplier,
-                                   batch_size=cfg.client.batch_size, min_client_size=n,
-                                   steps_per_round=steps, delta=1e-5, adjacency="replace_one")
+    own = accounting.PrivacyLedger(
+      noise_multiplier=cfg.dp.noise_multiplier,
+      batch_size=cfg.client.batch_size,
+      min_client_size=n,
+      steps_per_round=steps,
+      delta=1e-5,
+      adjacency="replace_one",
+    )
     assert records[0]["epsilon_per_client"][str(k)] == own.record_round()
   assert records[0]["epsilon"] == max(records[0]["epsilon_per_client"].values())
 
@@ -440,20 +521,25 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
 def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
   rc = _run_config(tmp_path, "quickstart:dp_loops")
   # sigma 1 and B 64 pinned: the epsilons below do not move with the quickstart's DP recipe.
-  rc["overrides"] = TINY.replace("rounds=2", "rounds=3") + " dp.noise_multiplier=1.0 client.batch_size=64"
+  rc["overrides"] = (
+    TINY.replace("rounds=2", "rounds=3") + " dp.noise_multiplier=1.0 client.batch_size=64"
+  )
   # Round 1 costs 2.84..2.89 (replace-one, T = 1 step); round 2 would reach 3.62..3.70: a cap
   # of 3.5 lets round 1 through and refuses round 2 on every client.
   nodes = node_configs(state_root=tmp_path / "state", **{"max-epsilon": 3.5})
-  with pytest.raises(strategy.TooFewClients, match="0 usable client replies, fewer than "
-                                                   "min-clients=5"):
+  with pytest.raises(
+    strategy.TooFewClients, match="0 usable client replies, fewer than min-clients=5"
+  ):
     run_inprocess(rc, nodes)
   recs = read_jsonl(tmp_path / "run" / "metrics.jsonl")
   assert [r["round"] for r in recs] == [1, 2] and "stopped" in recs[1]
   assert recs[1]["clients_refused"] == [0, 1, 2, 3, 4]
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   refused = [r for r in reports if r["round"] == 2]
-  assert all(r["status"] == "refused" and "above the client's max-epsilon=3.5" in r["reason"]
-             for r in refused)
+  assert all(
+    r["status"] == "refused" and "above the client's max-epsilon=3.5" in r["reason"]
+    for r in refused
+  )
   assert all(r["metrics"]["epsilon-after"] > 3.5 >= r["metrics"]["epsilon"] for r in refused)
   for k in range(5):  # the refused round was never recorded
     hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
@@ -463,8 +549,11 @@ def test_budget_refusal_is_reported_and_stops_below_min_clients(tmp_path):
 @pytest.mark.slow
 def test_unsafe_server_keys_need_the_clients_consent(tmp_path, monkeypatch):
   monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
-  rc = _run_config(tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True,
-                                                 "max-epsilon": 50.0, "min-clients": 1})
+  rc = _run_config(
+    tmp_path,
+    "quickstart:dp_loops",
+    **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0, "min-clients": 1},
+  )
   with pytest.raises(strategy.TooFewClients):
     run_inprocess(rc)
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
@@ -477,15 +566,19 @@ def test_unsafe_server_keys_need_the_clients_consent(tmp_path, monkeypatch):
 def test_a_client_refuses_a_delta_above_its_own_max_delta(tmp_path):
   """The server chooses dp.delta; each client enforces its own max-delta (default
   min(1e-5, 1 / N_k)) and replies 'refused' with the reason, before spending anything."""
-  rc = _run_config(tmp_path, "quickstart:dp_loops",
-                   overrides=TINY.replace("rounds=2", "rounds=1") + " dp.delta=1e-4",
-                   **{"max-epsilon": 50.0, "min-clients": 1})
+  rc = _run_config(
+    tmp_path,
+    "quickstart:dp_loops",
+    overrides=TINY.replace("rounds=2", "rounds=1") + " dp.delta=1e-4",
+    **{"max-epsilon": 50.0, "min-clients": 1},
+  )
   nodes = node_configs(state_root=tmp_path / "state")
   nodes[101]["max-delta"] = 1e-3  # its own bound: 1e-4 passes it (and 1e-4 < 1 / N_k)
   records, _ = run_inprocess(rc, nodes)
   assert records[0]["clients_ok"] == [0] and records[0]["clients_refused"] == [1, 2, 3, 4]
-  reports = {r["partition_id"]: r for r in
-             json.loads((tmp_path / "run" / "client_reports.json").read_text())}
+  reports = {
+    r["partition_id"]: r for r in json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  }
   assert reports[0]["status"] == "ok"
   for k in range(1, 5):
     assert reports[k]["status"] == "refused"
@@ -499,8 +592,9 @@ def test_missing_and_failing_clients_are_logged_and_the_rest_aggregate(tmp_path)
   rc = _run_config(tmp_path, "quickstart:nondp", **{"min-clients": 3})
 
   def hook(grid):
-    grid.silent.add(105)                                    # partition 4: crashed
-    grid.contexts[104].node_config["data-path"] = "/nope"   # partition 3: raises
+    grid.silent.add(105)  # partition 4: crashed
+    grid.contexts[104].node_config["data-path"] = "/nope"  # partition 3: raises
+
   records, _ = run_inprocess(rc, grid_hook=hook)
   assert all(r["clients_ok"] == [0, 1, 2] for r in records)
   assert records[0]["clients_missing"] == ["node 105"]
@@ -529,12 +623,17 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   weights = np.array([r.content["metrics"]["num-examples"] for r in replies], np.float64)
   with np.load(tmp_path / "run" / "final_params.npz") as f:
     final = dict(f)
-  template = traverse_util.unflatten_dict({k.replace(".", "/"): v for k, v in final.items()},
-                                          sep="/")
+  template = traverse_util.unflatten_dict(
+    {k.replace(".", "/"): v for k, v in final.items()}, sep="/"
+  )
   from fedlap_flower import records as records_lib
-  sent = [traverse_util.flatten_dict(records_lib.record_to_like(r.content["arrays"], template,
-                                                                "parameters"), sep="/")
-          for r in replies]
+
+  sent = [
+    traverse_util.flatten_dict(
+      records_lib.record_to_like(r.content["arrays"], template, "parameters"), sep="/"
+    )
+    for r in replies
+  ]
   for name, value in final.items():
     arrays = [s[name.replace(".", "/")] for s in sent]
     # x + sum_k w_k (y_k - x) is the weighted mean of the clients' models.
@@ -560,11 +659,12 @@ def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
 def test_clients_with_their_own_data_files(tmp_path):
   """data-path: each client holds only its own records (here digits as 8x8 uint8 'mnist')."""
   from experiments import data as data_lib
+
   digits = data_lib.load_digits()
-  x_train, y_train, x_test, y_test = ((a * 255).round().astype(np.uint8) if a.ndim == 4 else a
-                                      for a in digits)
-  np.savez(tmp_path / "server.npz", x_train=x_train, y_train=y_train, x_test=x_test,
-           y_test=y_test)
+  x_train, y_train, x_test, y_test = (
+    (a * 255).round().astype(np.uint8) if a.ndim == 4 else a for a in digits
+  )
+  np.savez(tmp_path / "server.npz", x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
   parts = data_lib.partition(y_train, num_clients=5, scheme="paper", num_classes=10)
   nodes = {}
   for k, idx in enumerate(parts):
@@ -572,11 +672,17 @@ def test_clients_with_their_own_data_files(tmp_path):
     # partitions, so the compiled round of the other DP tests serves these clients too.
     idx = np.resize(idx, 283)
     np.savez(tmp_path / f"site{k}.npz", x_train=x_train[idx], y_train=y_train[idx])
-    nodes[101 + k] = {"partition-id": k, "num-partitions": 5, "max-epsilon": 50.0,
-                      "data-path": str(tmp_path / f"site{k}.npz"),
-                      "state-dir": str(tmp_path / "state" / f"client-{k}")}
-  overrides = (TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
-               f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}")
+    nodes[101 + k] = {
+      "partition-id": k,
+      "num-partitions": 5,
+      "max-epsilon": 50.0,
+      "data-path": str(tmp_path / f"site{k}.npz"),
+      "state-dir": str(tmp_path / "state" / f"client-{k}"),
+    }
+  overrides = (
+    TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
+    f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}"
+  )
   rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides)
   records, _ = run_inprocess(rc, nodes)
   assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[0]["test_accuracy"] > 0
@@ -585,29 +691,38 @@ def test_clients_with_their_own_data_files(tmp_path):
   assert len(stored["fingerprint"]["sha256"]) == 64
   # Statistics of a split (here quickstart:dp's test_split) are not the client's to compute:
   # it would normalise differently from the server's test split.
-  bad = _run_config(tmp_path / "bad", "quickstart:dp_loops", overrides=overrides.replace(
-      "normalisation=published", "normalisation=test_split"), **{"min-clients": 1})
+  bad = _run_config(
+    tmp_path / "bad",
+    "quickstart:dp_loops",
+    overrides=overrides.replace("normalisation=published", "normalisation=test_split"),
+    **{"min-clients": 1},
+  )
   with pytest.raises(strategy.TooFewClients):
     run_inprocess(bad, nodes)
-  reasons = [r["reason"] for r in
-             json.loads((tmp_path / "bad" / "run" / "client_reports.json").read_text())]
+  reasons = [
+    r["reason"] for r in json.loads((tmp_path / "bad" / "run" / "client_reports.json").read_text())
+  ]
   assert len(reasons) == 5 and all(
-      "data-path needs a fixed normalisation; data.normalisation='test_split' is invalid" in r
-      for r in reasons), reasons
+    "data-path needs a fixed normalisation; data.normalisation='test_split' is invalid" in r
+    for r in reasons
+  ), reasons
 
 
 # Run-config overrides and experiments.run's --config.FIELD=VALUE: ints, floats, bools, strings,
 # tuples, and None for None-able fields (placeholders of experiments/configs/default.py).
-SAME_OVERRIDES = ("seed=3 rounds=4 dp.noise_multiplier=2 dp.delta=1e-4 plots=false "
-                  "progress_bar=False data.source=sklearn client.dsa_strategy='' "
-                  "data.normalisation=given data.mean='(0.5,)' data.std=(0.25,) "
-                  "snapshot_rounds=(1,2) server.weighting=None dp.target_epsilon=none "
-                  "eval_chunk_size=None data.clients_per_round=None client.poisson_capacity=96")
+SAME_OVERRIDES = (
+  "seed=3 rounds=4 dp.noise_multiplier=2 dp.delta=1e-4 plots=false "
+  "progress_bar=False data.source=sklearn client.dsa_strategy='' "
+  "data.normalisation=given data.mean='(0.5,)' data.std=(0.25,) "
+  "snapshot_rounds=(1,2) server.weighting=None dp.target_epsilon=none "
+  "eval_chunk_size=None data.clients_per_round=None client.poisson_capacity=96"
+)
 
 
 def _cli_config(monkeypatch, name, items):
   """The config experiments.run's command line hands to its run (nothing is trained)."""
   from experiments import run
+
   got = []
   monkeypatch.setattr(run, "run_config", lambda config, workdir, label: got.append(config) or 0)
   rc = run.main(["prog", f"--config={name}", *(f"--config.{item}" for item in items)])
@@ -617,12 +732,20 @@ def _cli_config(monkeypatch, name, items):
 def test_override_strings_give_the_cli_config(monkeypatch):
   import shlex
   from experiments import run
+
   items = shlex.split(SAME_OVERRIDES)
   rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", items)
   flower, label = settings.load_config("quickstart:dp_loops", SAME_OVERRIDES)
   assert rc == 0 and label == "quickstart_dp_loops"
-  assert cli.to_dict() == flower.to_dict() == run.load_config("quickstart:dp_loops", items)[0].to_dict()
-  assert (flower.seed, flower.rounds, flower.dp.noise_multiplier, flower.dp.delta) == (3, 4, 2.0, 1e-4)
+  assert (
+    cli.to_dict() == flower.to_dict() == run.load_config("quickstart:dp_loops", items)[0].to_dict()
+  )
+  assert (flower.seed, flower.rounds, flower.dp.noise_multiplier, flower.dp.delta) == (
+    3,
+    4,
+    2.0,
+    1e-4,
+  )
   assert flower.plots is False and flower.progress_bar is False
   assert (flower.data.source, flower.client.dsa_strategy) == ("sklearn", "")
   assert (flower.data.mean, flower.data.std, flower.snapshot_rounds) == ((0.5,), (0.25,), (1, 2))
@@ -631,14 +754,22 @@ def test_override_strings_give_the_cli_config(monkeypatch):
   assert flower.client.poisson_capacity == 96
 
 
-@pytest.mark.parametrize("item, field", [
-    ("client.nosuch=1", "client.nosuch"), ("nosection.x=1", "nosection.x"),
-    ("rounds=abc", "rounds"), ("client.ipc=x", "client.ipc"), ("dp.delta=tiny", "dp.delta"),
+@pytest.mark.parametrize(
+  "item, field",
+  [
+    ("client.nosuch=1", "client.nosuch"),
+    ("nosection.x=1", "nosection.x"),
+    ("rounds=abc", "rounds"),
+    ("client.ipc=x", "client.ipc"),
+    ("dp.delta=tiny", "dp.delta"),
     ("seed=None", "seed"),  # not None-able: no value of its type
-    ("dp.target_epsilon=abc", "dp.target_epsilon"), ("plots=maybe", "plots"),
-])
+    ("dp.target_epsilon=abc", "dp.target_epsilon"),
+    ("plots=maybe", "plots"),
+  ],
+)
 def test_a_bad_override_is_refused_by_both_naming_the_field(monkeypatch, capsys, item, field):
   from experiments import library_configs, run
+
   rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", [item])
   assert rc == 2 and cli is None and field.split(".")[-1] in capsys.readouterr().err
   with pytest.raises(library_configs.ConfigError) as err:
@@ -659,6 +790,7 @@ def test_a_config_file_that_does_not_load_is_exit_2(monkeypatch, capsys, tmp_pat
 
 def test_settings_errors_are_config_errors_naming_the_key():
   import fedlap_jax
+
   run = settings.run_settings({"config": "quickstart:dp_loops"})
   with pytest.raises(fedlap_jax.ConfigError) as err:
     settings.node_settings({"partition-id": 9, "num-partitions": 5}, run)
@@ -676,7 +808,10 @@ def test_settings_errors_are_config_errors_naming_the_key():
 def test_dp_runs_never_weight_by_the_clients_record_counts():
   """A DP client does not release N_k: the settings refuse size weighting under DP."""
   from experiments import library_configs
-  run = settings.run_settings({"config": "quickstart:dp_loops", "overrides": "server.weighting=None"})
+
+  run = settings.run_settings(
+    {"config": "quickstart:dp_loops", "overrides": "server.weighting=None"}
+  )
   assert library_configs.to_fedlap_config(run.cfg).server.weighting == "uniform"
   with pytest.raises(library_configs.ConfigError) as err:
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": "server.weighting=size"})

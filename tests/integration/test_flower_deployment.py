@@ -27,8 +27,11 @@ from fedlap_flower.federation import APP_DIR, PUBLIC_HOST, Federation, ssh_key_p
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 K = 2
-RUN = {"config": "quickstart:dp", "overrides": f"{TINY.replace('rounds=2', 'rounds=1')} "
-       f"data.num_clients={K}", "round-timeout": 300.0}
+RUN = {
+  "config": "quickstart:dp",
+  "overrides": f"{TINY.replace('rounds=2', 'rounds=1')} data.num_clients={K}",
+  "round-timeout": 300.0,
+}
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -53,8 +56,9 @@ def _need_loopback_and_nginx():
 def _post_status(url: str, ca: Path, body: bytes = b"", headers: dict | None = None) -> int:
   req = urllib.request.Request(url, data=body, method="POST", headers=headers or {})
   try:
-    with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=str(ca)),
-                                timeout=10) as r:
+    with urllib.request.urlopen(
+      req, context=ssl.create_default_context(cafile=str(ca)), timeout=10
+    ) as r:
       return r.status
   except urllib.error.HTTPError as e:
     return e.code
@@ -66,17 +70,20 @@ def _signed_fleet_status(url: str, ca: Path, request, key_path: Path) -> int:
   from cryptography.hazmat.primitives import serialization
   from flwr.supercore.date import now
   from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
+
   key = serialization.load_ssh_private_key(key_path.read_bytes(), password=None)
   stamp = now().isoformat()
-  headers = {"Content-Type": "application/protobuf",
-             "flwr-public-key": base64.b64encode(public_key_to_bytes(key.public_key())).decode(),
-             "flwr-timestamp": stamp,
-             "flwr-signature": base64.b64encode(sign_message(key, stamp.encode())).decode()}
+  headers = {
+    "Content-Type": "application/protobuf",
+    "flwr-public-key": base64.b64encode(public_key_to_bytes(key.public_key())).decode(),
+    "flwr-timestamp": stamp,
+    "flwr-signature": base64.b64encode(sign_message(key, stamp.encode())).decode(),
+  }
   return _post_status(url, ca, request.SerializeToString(), headers)
 
 
 def _json(res) -> dict:
-  return json.loads(res.stdout[res.stdout.index("{"):])
+  return json.loads(res.stdout[res.stdout.index("{") :])
 
 
 def _nodes(fed: Federation) -> list[dict]:
@@ -92,8 +99,7 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
   """A stranger cannot register a key or reach Control / runtime; nodes compute only
   runs of the installed ClientApp signed by the operator's key."""
   cache = str(tmp_path_factory.mktemp("jax_cache"))
-  with Federation(tmp_path / "fed", hardened=True,
-                  env={"JAX_COMPILATION_CACHE_DIR": cache}) as fed:
+  with Federation(tmp_path / "fed", hardened=True, env={"JAX_COMPILATION_CACHE_DIR": cache}) as fed:
     ca = fed.certs["ca"]
     front = f"https://{PUBLIC_HOST}:{fed.public_port}"
 
@@ -105,10 +111,16 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
     assert not _reachable(PUBLIC_HOST, fed.port)
     # (c) Control, runtime (ServerApp <-> SuperLink) and every other path: refused,
     # also when the path only looks like the Fleet API before normalisation.
-    for path in ("/v1/control/start-run", "/v1/control/register-node",
-                 "/v1/runtime/pull-messages", "/v1/runtime/acquire-task",
-                 "/v1/fleet/../control/register-node", "/v1/fleet/%2e%2e/control/list-runs",
-                 "/health", "/docs"):
+    for path in (
+      "/v1/control/start-run",
+      "/v1/control/register-node",
+      "/v1/runtime/pull-messages",
+      "/v1/runtime/acquire-task",
+      "/v1/fleet/../control/register-node",
+      "/v1/fleet/%2e%2e/control/list-runs",
+      "/health",
+      "/docs",
+    ):
       assert _post_status(front + path, ca) == 403, path
     # The Fleet API passes the front, but a key the operator did not register can neither
     # register itself there (412: registration disabled under SuperNode authentication)
@@ -116,18 +128,34 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
     from flwr.supercore.primitives.asymmetric import public_key_to_bytes
     from flwr.proto.fleet_pb2 import ActivateNodeRequest, RegisterNodeFleetRequest
     from cryptography.hazmat.primitives import serialization
-    pub = public_key_to_bytes(serialization.load_ssh_private_key(
-        stranger.read_bytes(), password=None).public_key())
-    assert _signed_fleet_status(front + "/v1/fleet/register-node", ca,
-                                RegisterNodeFleetRequest(public_key=pub), stranger) == 412
-    activate = _signed_fleet_status(front + "/v1/fleet/activate-node", ca,
-                                    ActivateNodeRequest(public_key=pub, heartbeat_interval=30),
-                                    stranger)
+
+    pub = public_key_to_bytes(
+      serialization.load_ssh_private_key(stranger.read_bytes(), password=None).public_key()
+    )
+    assert (
+      _signed_fleet_status(
+        front + "/v1/fleet/register-node", ca, RegisterNodeFleetRequest(public_key=pub), stranger
+      )
+      == 412
+    )
+    activate = _signed_fleet_status(
+      front + "/v1/fleet/activate-node",
+      ca,
+      ActivateNodeRequest(public_key=pub, heartbeat_interval=30),
+      stranger,
+    )
     assert 400 <= activate < 500, activate
 
     for k in range(K):
-      fed.start_supernode(k, {"partition-id": k, "num-partitions": K,
-                              "state-dir": str(tmp_path / f"client-{k}"), "max-epsilon": 50.0})
+      fed.start_supernode(
+        k,
+        {
+          "partition-id": k,
+          "num-partitions": K,
+          "state-dir": str(tmp_path / f"client-{k}"),
+          "max-epsilon": 50.0,
+        },
+      )
     assert len(_nodes(fed)) == K, _nodes(fed)  # the operator's two, not the stranger's
 
     # (b) A run signed by a key the nodes do not trust: every node refuses it.
@@ -137,8 +165,9 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
     assert fed.wait(run_id, timeout=600, poll=1.0) != "finished:completed"
     refusals = _refusals(run_dir)
     assert len(refusals) == K and all(
-        r.startswith("error: refused:") and "not among this client's trusted entities" in r
-        for r in refusals), refusals
+      r.startswith("error: refused:") and "not among this client's trusted entities" in r
+      for r in refusals
+    ), refusals
 
     # A bundle naming other ClientApp code, even signed by the operator: refused, and
     # that code never runs on a client.
@@ -146,15 +175,18 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
     evil.mkdir()
     marker = tmp_path / "evil_code_ran"
     (evil / "pyproject.toml").write_text(
-        (APP_DIR / "pyproject.toml").read_text()
-        .replace('clientapp = "fedlap_flower.client_app:app"', 'clientapp = "evil:app"'))
+      (APP_DIR / "pyproject.toml")
+      .read_text()
+      .replace('clientapp = "fedlap_flower.client_app:app"', 'clientapp = "evil:app"')
+    )
     (evil / "evil.py").write_text(
-        "from flwr.clientapp import ClientApp\n"
-        "app = ClientApp()\n"
-        "@app.train()\n"
-        "def train(msg, context):\n"
-        f"  open({str(marker)!r}, 'w').write('ran')  # a client would leak its records here\n"
-        "  raise RuntimeError('ran')\n")
+      "from flwr.clientapp import ClientApp\n"
+      "app = ClientApp()\n"
+      "@app.train()\n"
+      "def train(msg, context):\n"
+      f"  open({str(marker)!r}, 'w').write('ran')  # a client would leak its records here\n"
+      "  raise RuntimeError('ran')\n"
+    )
     run_dir = tmp_path / "run_evil"
     run_id = fed.run({**RUN, "run-dir": str(run_dir)}, app_dir=evil)
     assert fed.wait(run_id, timeout=600, poll=1.0) != "finished:completed"

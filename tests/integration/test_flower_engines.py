@@ -50,10 +50,18 @@ def jax_cache(tmp_path_factory):
 def test_simulation_engine_equals_experiments_run(tmp_path, jax_cache):
   """``flwr run`` on the simulation engine, 5 virtual clients: experiments.run's numbers."""
   run_dir = tmp_path / "run"
-  with Federation(tmp_path / "fed", simulation=True,
-                  env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
-    run_id = fed.run({"config": "quickstart:nondp", "overrides": TINY,
-                      "run-dir": str(run_dir), "round-timeout": 300.0}, num_supernodes=5)
+  with Federation(
+    tmp_path / "fed", simulation=True, env={"JAX_COMPILATION_CACHE_DIR": jax_cache}
+  ) as fed:
+    run_id = fed.run(
+      {
+        "config": "quickstart:nondp",
+        "overrides": TINY,
+        "run-dir": str(run_dir),
+        "round-timeout": 300.0,
+      },
+      num_supernodes=5,
+    )
     status = fed.wait(run_id, timeout=420)
     assert status == "finished:completed", fed.logs(run_id)[-4000:]
   got = read_jsonl(run_dir / "metrics.jsonl")
@@ -70,12 +78,23 @@ def test_simulation_engine_samples_clients_as_experiments_run(tmp_path, jax_cach
   keys: the server asks only the drawn clients and its numbers are experiments.run's; each
   client's ledger holds only the rounds it computed."""
   run_dir, state = tmp_path / "run", tmp_path / "state"
-  env = {"JAX_COMPILATION_CACHE_DIR": jax_cache, settings.UNSAFE_ENV: "1",
-         settings.STATE_ROOT_ENV: str(state)}
+  env = {
+    "JAX_COMPILATION_CACHE_DIR": jax_cache,
+    settings.UNSAFE_ENV: "1",
+    settings.STATE_ROOT_ENV: str(state),
+  }
   with Federation(tmp_path / "fed", simulation=True, env=env) as fed:
-    run_id = fed.run({"config": "quickstart:dp_loops", "overrides": SAMPLED,
-                      "run-dir": str(run_dir), "unsafe-dp-keys-from-server": True, "max-epsilon": 50.0,
-                      "round-timeout": 300.0}, num_supernodes=20)
+    run_id = fed.run(
+      {
+        "config": "quickstart:dp_loops",
+        "overrides": SAMPLED,
+        "run-dir": str(run_dir),
+        "unsafe-dp-keys-from-server": True,
+        "max-epsilon": 50.0,
+        "round-timeout": 300.0,
+      },
+      num_supernodes=20,
+    )
     status = fed.wait(run_id, timeout=600)
     assert status == "finished:completed", fed.logs(run_id)[-4000:]
   got = read_jsonl(run_dir / "metrics.jsonl")
@@ -87,9 +106,11 @@ def test_simulation_engine_samples_clients_as_experiments_run(tmp_path, jax_cach
     assert g["epsilon"] == w["epsilon"]
   reports = json.loads((run_dir / "client_reports.json").read_text())
   assert sorted(r["partition_id"] for r in reports) == sorted(
-      k for r in got for k in r["clients"])  # only the drawn clients were asked
+    k for r in got for k in r["clients"]
+  )  # only the drawn clients were asked
   ledgers = accounting.ClientLedgers.from_dict(
-      json.loads((tmp_path / "ref" / "privacy_ledger.json").read_text()))
+    json.loads((tmp_path / "ref" / "privacy_ledger.json").read_text())
+  )
   for k in range(20):
     directory = state / f"client-{k}"
     hist = ledger_lib.ClientState(directory).history() if directory.exists() else []
@@ -104,8 +125,9 @@ def _wait_for(predicate, timeout: float, what: str, fed: Federation):
     if predicate():
       return
     time.sleep(0.5)
-  raise TimeoutError(f"{what} did not happen within {timeout} s; superlink log: "
-                     f"{fed.log_tail('superlink.log')}")
+  raise TimeoutError(
+    f"{what} did not happen within {timeout} s; superlink log: {fed.log_tail('superlink.log')}"
+  )
 
 
 def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
@@ -121,13 +143,26 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
   overrides = TINY.replace("rounds=2", "rounds=3")
   with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
     for k in range(5):
-      fed.start_supernode(k, {"partition-id": k, "num-partitions": 5,
-                              "state-dir": str(states[k]), "max-epsilon": 10.0})
-    run_id = fed.run({"config": "quickstart:dp_loops", "overrides": overrides,
-                      "run-dir": str(run_dir), "min-clients": 4, "round-timeout": 300.0})
+      fed.start_supernode(
+        k,
+        {"partition-id": k, "num-partitions": 5, "state-dir": str(states[k]), "max-epsilon": 10.0},
+      )
+    run_id = fed.run(
+      {
+        "config": "quickstart:dp_loops",
+        "overrides": overrides,
+        "run-dir": str(run_dir),
+        "min-clients": 4,
+        "round-timeout": 300.0,
+      }
+    )
     ledger4 = ledger_lib.ClientState(states[4])
-    _wait_for(lambda: [h["server_round"] for h in ledger4.history()] == [1, 2], 420,
-              "client 4 spending round 2", fed)
+    _wait_for(
+      lambda: [h["server_round"] for h in ledger4.history()] == [1, 2],
+      420,
+      "client 4 spending round 2",
+      fed,
+    )
     fed.kill_supernode(4)
     fed.start_supernode(4)  # same node config: the same state directory
     status = fed.wait(run_id, timeout=420)
@@ -135,8 +170,11 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
 
   recs = read_jsonl(run_dir / "metrics.jsonl")
   assert [r["clients_ok"] for r in recs] == [[0, 1, 2, 3, 4], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
-  lost = [r for r in json.loads((run_dir / "client_reports.json").read_text())
-          if r["round"] == 2 and r["status"] != "ok"]
+  lost = [
+    r
+    for r in json.loads((run_dir / "client_reports.json").read_text())
+    if r["round"] == 2 and r["status"] != "ok"
+  ]
   assert len(lost) == 1 and lost[0]["status"] in ("missing", "error"), lost
   # Every ledger restores (recomputing its epsilons); client 4's holds 3 rounds.
   cfg, _ = settings.load_config("quickstart:dp_loops", overrides)
@@ -151,6 +189,7 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
     fresh = accounting.PrivacyLedger(**{**led.privacy_fields(), "steps_per_round": steps})
     assert led.epsilons == [fresh.record_round() for _ in range(3)]
   # Round 3: client 4 reports the epsilon of its third round.
-  assert recs[2]["epsilon_per_client"]["4"] == ledger_lib.ClientState(states[4]).history()[2][
-      "epsilon"]
+  assert (
+    recs[2]["epsilon_per_client"]["4"] == ledger_lib.ClientState(states[4]).history()[2]["epsilon"]
+  )
   assert "4" not in recs[1]["epsilon_per_client"]

@@ -46,7 +46,8 @@ def test_signed_run_verifies_and_any_change_is_refused(keys, tmp_path):
   toml.write_text("config = 'quickstart:dp'\nmin-clients = 4\n")
   overrides = run_signature.signed_overrides(keys["operator"], APP_DIR, [str(toml)])
   assert overrides["signer"] == run_signature.fingerprint(
-      load_private_key(keys["operator"]).public_key())
+    load_private_key(keys["operator"]).public_key()
+  )
   seen = _fused(fab, overrides)
   assert run_signature.verify(keys["trusted"], fab_hash, seen) == overrides["signer"]
 
@@ -83,8 +84,9 @@ def _with_clientapp(fab: bytes, ref: str) -> bytes:
     for item in src.infolist():
       data = src.read(item)
       if item.filename == "pyproject.toml":
-        data = data.replace(b'clientapp = "fedlap_flower.client_app:app"',
-                            f'clientapp = "{ref}"'.encode())
+        data = data.replace(
+          b'clientapp = "fedlap_flower.client_app:app"', f'clientapp = "{ref}"'.encode()
+        )
       dst.writestr(item, data)
   return out.getvalue()
 
@@ -99,8 +101,12 @@ def test_node_runs_only_the_installed_clientapp_of_signed_runs(keys):
   with pytest.raises(run_signature.UntrustedRun, match="not signed"):
     warm_clientapp.check_task(fab, seen, keys["trusted"], allow_unsigned=False)
   evil = _with_clientapp(fab, "evil:app")
-  evil_signed = {**seen, **run_signature.sign(load_private_key(keys["operator"]),
-                                              hashlib.sha256(evil).hexdigest(), seen)}
+  evil_signed = {
+    **seen,
+    **run_signature.sign(
+      load_private_key(keys["operator"]), hashlib.sha256(evil).hexdigest(), seen
+    ),
+  }
   for run_config, unsigned in ((evil_signed, False), (seen, True)):
     with pytest.raises(run_signature.UntrustedRun, match="this client runs only"):
       warm_clientapp.check_task(evil, run_config, keys["trusted"], allow_unsigned=unsigned)

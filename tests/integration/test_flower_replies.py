@@ -22,28 +22,50 @@ import pytest
 from flax import traverse_util
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from flower_harness import (SAMPLED, TINY, InProcessGrid, ReplayGrid, node_configs,
-                            reference_run, run_inprocess, serve_with)
+from flower_harness import (
+  SAMPLED,
+  TINY,
+  InProcessGrid,
+  ReplayGrid,
+  node_configs,
+  reference_run,
+  run_inprocess,
+  serve_with,
+)
 from fedlap_flower import binding, replies, settings, task
 from fedlap_flower import ledger as ledger_lib
 
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
 # quickstart:dp (the hybrid: clients also send model deltas) at toy size, one round.
-HYBRID_ONE = ("rounds=1 model.width=8 model.depth=1 client.max_outer=2 client.boost_loop=2 "
-              "server.max_epochs=1 eval_chunk_size=128")
+HYBRID_ONE = (
+  "rounds=1 model.width=8 model.depth=1 client.max_outer=2 client.boost_loop=2 "
+  "server.max_epochs=1 eval_chunk_size=128"
+)
 KINDS = {
-    "nondp": ("quickstart:nondp", ONE_ROUND, {}),
-    "hybrid": ("quickstart:dp", HYBRID_ONE, {"unsafe-dp-keys-from-server": True,
-                                             "max-epsilon": 50.0}),
-    "fedavg": ("quickstart:nondp", "method=fedavg rounds=1 baseline.local_epochs=1 "
-               "eval_chunk_size=128", {}),
+  "nondp": ("quickstart:nondp", ONE_ROUND, {}),
+  "hybrid": (
+    "quickstart:dp",
+    HYBRID_ONE,
+    {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  ),
+  "fedavg": (
+    "quickstart:nondp",
+    "method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+    {},
+  ),
 }
 
 
 def _rc(path, kind):
   config, overrides, extra = KINDS[kind]
-  return {"config": config, "overrides": overrides, "run-dir": str(path / "run"),
-          "state-root": str(path / "state"), "min-clients": 3, **extra}
+  return {
+    "config": config,
+    "overrides": overrides,
+    "run-dir": str(path / "run"),
+    "state-root": str(path / "state"),
+    "min-clients": 3,
+    **extra,
+  }
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +81,7 @@ def genuine(tmp_path_factory):
       cache[kind] = {int(r.metadata.src_node_id): r.content for r in grid.replies}
       assert sorted(cache[kind]) == [101, 102, 103, 104, 105]
     return cache[kind]
+
   return get
 
 
@@ -70,8 +93,7 @@ def replay(genuine, tmp_path_factory):
   def run(kind, script, first=None, silent=()):
     path = tmp_path_factory.mktemp(kind)
     rc = _rc(path, kind)
-    grid = ReplayGrid(client_app.app, rc, node_configs(state_root=rc["state-root"]), script,
-                      first)
+    grid = ReplayGrid(client_app.app, rc, node_configs(state_root=rc["state-root"]), script, first)
     grid.silent.update(silent)
     with pytest.MonkeyPatch.context() as mp:
       mp.setenv(settings.UNSAFE_ENV, "1")
@@ -80,6 +102,7 @@ def replay(genuine, tmp_path_factory):
     with np.load(path / "run" / "final_params.npz") as f:
       final = dict(f)
     return records, reports, final
+
   return run
 
 
@@ -112,8 +135,9 @@ def _y(c):
 
 
 def _slots(c, n):
-  return _synthetic(c, x=np.resize(_x(c), (n, *_x(c).shape[1:])), y=np.resize(_y(c), n),
-                    mask=np.ones(n, bool))
+  return _synthetic(
+    c, x=np.resize(_x(c), (n, *_x(c).shape[1:])), y=np.resize(_y(c), n), mask=np.ones(n, bool)
+  )
 
 
 def _label(c, value):
@@ -124,29 +148,38 @@ def _label(c, value):
 
 # (kind, node sending the bad reply, field its reason names, tamper(content) -> content)
 HOSTILE = {
-    "images_9x9": ("nondp", 101, "x", lambda c: _synthetic(
-        c, x=np.zeros((len(_x(c)), 9, 9, 1), np.float32))),
-    "radius_list": ("nondp", 101, "radius", lambda c: _metrics(c, radius=[1.0])),
-    "string_array": ("nondp", 101, "x", lambda c: _synthetic(c, x=np.full(_x(c).shape, "a"))),
-    "delta_3e38": ("hybrid", 101, "delta", lambda c: _first_leaf(
-        c, "delta", lambda a: np.full_like(a, 3e38))),
-    "images_3e38": ("nondp", 101, "x", lambda c: _synthetic(
-        c, x=np.full_like(_x(c), 3e38))),
-    "num_examples_nan": ("nondp", 101, "num-examples", lambda c: _metrics(
-        c, **{"num-examples": math.nan})),
-    "slots_20000": ("nondp", 101, "x", lambda c: _slots(c, 20_000)),
-    "label_10": ("nondp", 101, "y", lambda c: _label(c, 10)),
-    # Node 102 holds partition 1 and answers first, claiming partition 0.
-    "other_partition": ("nondp", 102, "partition-id", lambda c: _metrics(
-        c, **{"partition-id": 0})),
-    "well_formed": ("nondp", None, None, None),
+  "images_9x9": (
+    "nondp",
+    101,
+    "x",
+    lambda c: _synthetic(c, x=np.zeros((len(_x(c)), 9, 9, 1), np.float32)),
+  ),
+  "radius_list": ("nondp", 101, "radius", lambda c: _metrics(c, radius=[1.0])),
+  "string_array": ("nondp", 101, "x", lambda c: _synthetic(c, x=np.full(_x(c).shape, "a"))),
+  "delta_3e38": (
+    "hybrid",
+    101,
+    "delta",
+    lambda c: _first_leaf(c, "delta", lambda a: np.full_like(a, 3e38)),
+  ),
+  "images_3e38": ("nondp", 101, "x", lambda c: _synthetic(c, x=np.full_like(_x(c), 3e38))),
+  "num_examples_nan": (
+    "nondp",
+    101,
+    "num-examples",
+    lambda c: _metrics(c, **{"num-examples": math.nan}),
+  ),
+  "slots_20000": ("nondp", 101, "x", lambda c: _slots(c, 20_000)),
+  "label_10": ("nondp", 101, "y", lambda c: _label(c, 10)),
+  # Node 102 holds partition 1 and answers first, claiming partition 0.
+  "other_partition": ("nondp", 102, "partition-id", lambda c: _metrics(c, **{"partition-id": 0})),
+  "well_formed": ("nondp", None, None, None),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_a_bad_reply_is_dropped_and_the_round_equals_the_good_replies_alone(case, genuine,
-                                                                           replay):
+def test_a_bad_reply_is_dropped_and_the_round_equals_the_good_replies_alone(case, genuine, replay):
   kind, node, field, tamper = HOSTILE[case]
   good = genuine(kind)
   script = dict(good)
@@ -161,7 +194,9 @@ def test_a_bad_reply_is_dropped_and_the_round_equals_the_good_replies_alone(case
     assert np.isfinite(final[name]).all(), name
     np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
   assert (records[0]["test_accuracy"], records[0]["test_loss"]) == (
-      want_records[0]["test_accuracy"], want_records[0]["test_loss"])
+    want_records[0]["test_accuracy"],
+    want_records[0]["test_loss"],
+  )
   bad = [r for r in reports if r["status"] != "ok"]
   if node is None:
     assert not bad and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
@@ -172,17 +207,26 @@ def test_a_bad_reply_is_dropped_and_the_round_equals_the_good_replies_alone(case
 
 # FedAvg: the replies are model parameters.
 FEDAVG_HOSTILE = {
-    "arrays_wrong_shape": (101, "arrays/", lambda c: _first_leaf(
-        c, "arrays", lambda a: np.zeros((*a.shape[:-1], a.shape[-1] + 1), a.dtype))),
-    "string_array": (101, "arrays/", lambda c: _first_leaf(
-        c, "arrays", lambda a: np.full(a.shape, "a"))),
-    "nan_parameter": (101, "arrays/", lambda c: _first_leaf(
-        c, "arrays", lambda a: np.full_like(a, np.nan))),
-    "num_examples_nan": (101, "num-examples", lambda c: _metrics(
-        c, **{"num-examples": math.nan})),
-    "num_examples_list": (101, "num-examples", lambda c: _metrics(
-        c, **{"num-examples": [1, 2]})),
-    "other_partition": (102, "partition-id", lambda c: _metrics(c, **{"partition-id": 0})),
+  "arrays_wrong_shape": (
+    101,
+    "arrays/",
+    lambda c: _first_leaf(
+      c, "arrays", lambda a: np.zeros((*a.shape[:-1], a.shape[-1] + 1), a.dtype)
+    ),
+  ),
+  "string_array": (
+    101,
+    "arrays/",
+    lambda c: _first_leaf(c, "arrays", lambda a: np.full(a.shape, "a")),
+  ),
+  "nan_parameter": (
+    101,
+    "arrays/",
+    lambda c: _first_leaf(c, "arrays", lambda a: np.full_like(a, np.nan)),
+  ),
+  "num_examples_nan": (101, "num-examples", lambda c: _metrics(c, **{"num-examples": math.nan})),
+  "num_examples_list": (101, "num-examples", lambda c: _metrics(c, **{"num-examples": [1, 2]})),
+  "other_partition": (102, "partition-id", lambda c: _metrics(c, **{"partition-id": 0})),
 }
 
 
@@ -205,28 +249,33 @@ def _initial_params(tmp_path, kind):
   run = settings.run_settings(_rc(tmp_path, kind))
   test = task.load_test_split(run.cfg)
   _, _, params = task.init_model(run.cfg, test.image_shape, test.num_classes)
-  return {k: np.asarray(v) for k, v in
-          traverse_util.flatten_dict(jax.device_get(params), sep=".").items()}
+  return {
+    k: np.asarray(v) for k, v in traverse_util.flatten_dict(jax.device_get(params), sep=".").items()
+  }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nondp", "fedavg"])
-def test_a_non_finite_update_is_refused_and_the_previous_model_kept(kind, genuine, replay,
-                                                                    tmp_path, monkeypatch):
+def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
+  kind, genuine, replay, tmp_path, monkeypatch
+):
   """Whatever slips through (here: the update itself made NaN), the round keeps w_g."""
   from fedlap_flower import server_work
+
   if kind == "nondp":
     real = server_work.server_update
 
     def poisoned(*args, **kwargs):
       params, metrics = real(*args, **kwargs)
       return jax.tree.map(lambda p: p.at[(0,) * p.ndim].set(np.nan), params), metrics
+
     monkeypatch.setattr(server_work, "server_update", poisoned)
   else:
     real = server_work.fedavg_update
 
     def poisoned(*args, **kwargs):
       return jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), real(*args, **kwargs))
+
     monkeypatch.setattr(server_work, "fedavg_update", poisoned)
   records, reports, final = replay(kind, genuine(kind))
   assert "NaN or Inf" in records[0]["update_refused"]
@@ -242,12 +291,14 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(kind, genuin
 def test_honest_model_deltas_stay_far_inside_the_bound(genuine):
   """The hybrid's deltas, as the real clients send them, against max_delta_norm."""
   from experiments import library_configs
+
   run = settings.run_settings({"config": "quickstart:dp", "overrides": HYBRID_ONE})
   fc = library_configs.to_fedlap_config(run.cfg)
   for content in genuine("hybrid").values():
     leaves = {k: a.numpy() for k, a in content["delta"].items()}
-    bound = replies.max_delta_norm(fc.client, task.round_learning_rates(fc, 1)[0],
-                                   sum(v.size for v in leaves.values()))
+    bound = replies.max_delta_norm(
+      fc.client, task.round_learning_rates(fc, 1)[0], sum(v.size for v in leaves.values())
+    )
     norm = replies.check_delta_norm(leaves, bound)
     assert 0 < norm < bound / 2, (norm, bound)
 
@@ -265,23 +316,31 @@ def _set(classes=(3, 5), pad=2):
   return np.zeros((len(y), 8, 8, 1), np.float32), y, mask
 
 
-@pytest.mark.parametrize("change, field, match", [
+@pytest.mark.parametrize(
+  "change, field, match",
+  [
     (lambda x, y, m: (x[:, :7], y, m), "x", r"shape \(6, 7, 8, 1\)"),
-    (lambda x, y, m: (np.zeros((21, 8, 8, 1), np.float32), np.zeros(21, np.int32),
-                      np.ones(21, bool)), "x", r"21 slots; allowed: 1..20"),
+    (
+      lambda x, y, m: (
+        np.zeros((21, 8, 8, 1), np.float32),
+        np.zeros(21, np.int32),
+        np.ones(21, bool),
+      ),
+      "x",
+      r"21 slots; allowed: 1..20",
+    ),
     (lambda x, y, m: (x.astype(np.float64), y, m), "x", "dtype float64"),
     (lambda x, y, m: (x, y.astype(np.int64), m), "y", "dtype int64"),
     (lambda x, y, m: (np.full_like(x, np.inf), y, m), "x", "NaN or Inf"),
     (lambda x, y, m: (np.full_like(x, 101.0), y, m), "x", "max-image-abs=100"),
-    (lambda x, y, m: (x, np.where(np.arange(6) == 0, -1, y).astype(np.int32), m), "y",
-     "label -1"),
+    (lambda x, y, m: (x, np.where(np.arange(6) == 0, -1, y).astype(np.int32), m), "y", "label -1"),
     (lambda x, y, m: (x, y[[0, 2, 1, 3, 4, 5]], m), "y", "in increasing order"),
-    (lambda x, y, m: (x, np.asarray([5, 5, 3, 3, 0, 0], np.int32), m), "y",
-     "in increasing order"),
+    (lambda x, y, m: (x, np.asarray([5, 5, 3, 3, 0, 0], np.int32), m), "y", "in increasing order"),
     (lambda x, y, m: (x, y, m[[4, 0, 1, 2, 3, 5]]), "mask", "padding before valid"),
     (lambda x, y, m: (x, y, np.arange(6) < 3), "mask", "3 valid slots"),
     (lambda x, y, m: (x, np.asarray([3, 3, 5, 5, 1, 0], np.int32), m), "y", "padding slot"),
-])
+  ],
+)
 def test_synthetic_set_checks_name_the_field(change, field, match):
   x, y, mask = _set()
   replies.check_synthetic(x, y, mask, LIMITS)  # the well-formed set passes
@@ -290,7 +349,9 @@ def test_synthetic_set_checks_name_the_field(change, field, match):
   assert err.value.field == field
 
 
-@pytest.mark.parametrize("metrics, check, match", [
+@pytest.mark.parametrize(
+  "metrics, check, match",
+  [
     ({"radius": [1.0]}, lambda m: replies.check_radius(m, 5.0), r"radius=\[1.0\] is invalid"),
     ({"radius": "1.0"}, lambda m: replies.check_radius(m, 5.0), "radius='1.0' is invalid"),
     ({"radius": math.inf}, lambda m: replies.check_radius(m, 5.0), "radius=inf is invalid"),
@@ -298,16 +359,26 @@ def test_synthetic_set_checks_name_the_field(change, field, match):
     ({"radius": 5.5}, lambda m: replies.check_radius(m, 5.0), r"in \(0, 5\]"),
     ({"radius": True}, lambda m: replies.check_radius(m, 5.0), "radius=True is invalid"),
     ({}, lambda m: replies.check_radius(m, 5.0), "radius is missing"),
-    ({"num-examples": math.nan}, lambda m: replies.check_num_examples(m, True),
-     "num-examples=nan is invalid"),
-    ({"num-examples": 2.0}, lambda m: replies.check_num_examples(m, True),
-     "num-examples=2.0 is invalid; allowed: one int"),
+    (
+      {"num-examples": math.nan},
+      lambda m: replies.check_num_examples(m, True),
+      "num-examples=nan is invalid",
+    ),
+    (
+      {"num-examples": 2.0},
+      lambda m: replies.check_num_examples(m, True),
+      "num-examples=2.0 is invalid; allowed: one int",
+    ),
     ({"num-examples": 0}, lambda m: replies.check_num_examples(m, True), "an int >= 1"),
     ({"epsilon": -1.0}, lambda m: replies.check_epsilon(m, True), "epsilon=-1.0 is invalid"),
     ({"partition-id": 7}, lambda m: replies.check_partition(m, 5), r"an int in \[0, 4\]"),
-    ({"partition-id": 1}, lambda m: replies.check_partition(m, 5, bound=2),
-     "allowed: 2, the partition this node is bound to"),
-])
+    (
+      {"partition-id": 1},
+      lambda m: replies.check_partition(m, 5, bound=2),
+      "allowed: 2, the partition this node is bound to",
+    ),
+  ],
+)
 def test_metric_checks_name_the_field(metrics, check, match):
   with pytest.raises(replies.InvalidReply, match=match):
     check(metrics)
@@ -316,19 +387,24 @@ def test_metric_checks_name_the_field(metrics, check, match):
 def test_the_delta_bound_follows_the_config():
   """DP hybrid: min(r + eta G, max_outer eta G); without DP (no clip) no bound."""
   from experiments import library_configs
+
   run = settings.run_settings({"config": "quickstart:dp"})
   c = library_configs.to_fedlap_config(run.cfg).client
   d = 10_000
   bound = replies.max_delta_norm(c, 0.1, d)
-  t = replies.TAIL_LOG / 3 + math.sqrt(replies.TAIL_LOG ** 2 / 9
-                                       + 2 * replies.TAIL_LOG * c.batch_size)
-  g = (c.dp.l2_clip_norm * (c.batch_size + t) / c.batch_size
-       + c.dp.noise_multiplier * c.dp.l2_clip_norm * (math.sqrt(d) + math.sqrt(160))
-       / (c.batch_size * math.sqrt(c.batch_loop)))
+  t = replies.TAIL_LOG / 3 + math.sqrt(
+    replies.TAIL_LOG**2 / 9 + 2 * replies.TAIL_LOG * c.batch_size
+  )
+  g = c.dp.l2_clip_norm * (
+    c.batch_size + t
+  ) / c.batch_size + c.dp.noise_multiplier * c.dp.l2_clip_norm * (math.sqrt(d) + math.sqrt(160)) / (
+    c.batch_size * math.sqrt(c.batch_loop)
+  )
   assert bound == pytest.approx(1.001 * min(c.radius + 0.1 * g, c.max_outer * 0.1 * g))
   assert replies.max_delta_norm(c, 0.2, d) > bound  # grows with eta_m
-  nondp = library_configs.to_fedlap_config(settings.run_settings(
-      {"config": "quickstart:nondp"}).cfg).client
+  nondp = library_configs.to_fedlap_config(
+    settings.run_settings({"config": "quickstart:nondp"}).cfg
+  ).client
   assert replies.max_delta_norm(nondp, 0.1, d) is None
   leaves = {"a": np.full(4, 3e38, np.float32)}
   with pytest.raises(replies.InvalidReply, match="delta has norm 6e\\+38"):
@@ -343,11 +419,14 @@ def test_the_delta_bound_follows_the_config():
 def _ec_key():
   from cryptography.hazmat.primitives import serialization
   from cryptography.hazmat.primitives.asymmetric import ec
+
   key = ec.generate_private_key(ec.SECP384R1())
-  pem = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                      serialization.PublicFormat.SubjectPublicKeyInfo)
-  ssh = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                      serialization.PublicFormat.OpenSSH)
+  pem = key.public_key().public_bytes(
+    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+  )
+  ssh = key.public_key().public_bytes(
+    serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+  )
   return pem, ssh
 
 
@@ -358,15 +437,18 @@ def test_key_fingerprint_is_what_ssh_keygen_prints(tmp_path):
   if shutil.which("ssh-keygen") is None:
     pytest.skip("ssh-keygen is not installed")
   (tmp_path / "k.pub").write_bytes(ssh + b"\n")
-  out = subprocess.run(["ssh-keygen", "-l", "-f", str(tmp_path / "k.pub")], capture_output=True,
-                       text=True, check=True).stdout
+  out = subprocess.run(
+    ["ssh-keygen", "-l", "-f", str(tmp_path / "k.pub")], capture_output=True, text=True, check=True
+  ).stdout
   assert out.split()[1] == fingerprint
 
 
 def test_first_come_binding():
   b = binding.PartitionBinding(3)
-  early, late = binding.NodeFacts(7, "", "2024-01-01T00:00:01"), binding.NodeFacts(
-      8, "", "2024-01-01T00:00:02")
+  early, late = (
+    binding.NodeFacts(7, "", "2024-01-01T00:00:01"),
+    binding.NodeFacts(8, "", "2024-01-01T00:00:02"),
+  )
   # Two claims for one free partition: the node that connected first gets it.
   refused = b.claim([(late, 0), (early, 0)])
   assert b.node_of(0) == 7 and set(refused) == {8} and "connected first" in refused[8]
@@ -385,19 +467,26 @@ def test_first_come_binding():
 def test_partition_keys_bind_by_key_only():
   keys = {"SHA256:" + "A" * 43: 0, "SHA256:" + "B" * 43: 1}
   b = binding.PartitionBinding(2, keys)
-  refused = b.bind_by_key([binding.NodeFacts(5, "SHA256:" + "B" * 43),
-                           binding.NodeFacts(6, "SHA256:" + "C" * 43),
-                           binding.NodeFacts(7, "")])
+  refused = b.bind_by_key(
+    [
+      binding.NodeFacts(5, "SHA256:" + "B" * 43),
+      binding.NodeFacts(6, "SHA256:" + "C" * 43),
+      binding.NodeFacts(7, ""),
+    ]
+  )
   assert b.node_of(1) == 5 and b.node_of(0) is None
   assert set(refused) == {6, 7} and "is not listed" in refused[6]
 
 
-@pytest.mark.parametrize("text, match", [
+@pytest.mark.parametrize(
+  "text, match",
+  [
     ("0=SHA256:abc", "is invalid; allowed: PARTITION=SHA256"),
     ("5=SHA256:" + "A" * 43, "partition 5 is invalid"),
     ("0=SHA256:" + "A" * 43 + " 0=SHA256:" + "B" * 43, "a second time"),
     ("0=SHA256:" + "A" * 43 + " 1=SHA256:" + "A" * 43, "a second time"),
-])
+  ],
+)
 def test_bad_partition_keys_are_refused(text, match):
   with pytest.raises(settings.SettingsError, match=match) as err:
     settings.run_settings({"config": "quickstart:dp_loops", "partition-keys": text})
@@ -408,11 +497,17 @@ def _select(rc, nodes, infos=None, rounds=1):
   """The FedLAP strategy's Participation.select on an in-process grid (no training)."""
   from flower_harness import task_identity
   from fedlap_flower import client_app, strategy
+
   run = settings.run_settings(rc)
   grid = InProcessGrid(client_app.app, rc, nodes)
   grid.node_infos.update(infos or {})
-  p = strategy.Participation(run.cfg, partition_keys=run.partition_keys,
-                             min_clients=run.min_clients, round_timeout=1.0, join_timeout=0.0)
+  p = strategy.Participation(
+    run.cfg,
+    partition_keys=run.partition_keys,
+    min_clients=run.min_clients,
+    round_timeout=1.0,
+    join_timeout=0.0,
+  )
   with task_identity():
     out = [p.select(grid, r) for r in range(1, rounds + 1)]
   return out, grid
@@ -420,15 +515,20 @@ def _select(rc, nodes, infos=None, rounds=1):
 
 def test_a_second_node_claiming_a_partition_is_the_one_left_out(tmp_path):
   from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
+
   rc = {"config": "quickstart:dp_loops", "state-root": str(tmp_path)}
-  nodes = {**node_configs(state_root=tmp_path),
-           106: {"partition-id": 0, "num-partitions": 5, "state-dir": str(tmp_path / "x")}}
-  infos = {n: NodeInfo(node_id=n, last_activated_at=f"2024-01-01T00:00:{n - 100:02d}")
-           for n in nodes}
+  nodes = {
+    **node_configs(state_root=tmp_path),
+    106: {"partition-id": 0, "num-partitions": 5, "state-dir": str(tmp_path / "x")},
+  }
+  infos = {
+    n: NodeInfo(node_id=n, last_activated_at=f"2024-01-01T00:00:{n - 100:02d}") for n in nodes
+  }
   [(asked, chosen, reports)], grid = _select(rc, nodes, infos)
   assert asked == {101: 0, 102: 1, 103: 2, 104: 3, 105: 4} and chosen == [0, 1, 2, 3, 4]
   assert [(r["node_id"], r["status"], r["field"]) for r in reports] == [
-      (106, "invalid", "partition-id")]
+    (106, "invalid", "partition-id")
+  ]
   assert "held by node 101, which connected first" in reports[0]["reason"]
   # Bound nodes are not asked again; the intruder is, and is refused again.
   _, grid2 = _select(rc, nodes, infos, rounds=2)
@@ -438,13 +538,20 @@ def test_a_second_node_claiming_a_partition_is_the_one_left_out(tmp_path):
 
 def test_partition_keys_decide_and_unlisted_keys_take_no_part(tmp_path):
   from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
+
   pems = {n: _ec_key()[0] for n in range(101, 107)}
   # Node 106 says partition 0 in its node config, but the operator listed its key for 4;
   # node 105's key is not listed.
-  keys = " ".join(f"{k}={binding.key_fingerprint(pems[n])}"
-                  for k, n in [(0, 101), (1, 102), (2, 103), (3, 104), (4, 106)])
-  rc = {"config": "quickstart:dp_loops", "state-root": str(tmp_path), "partition-keys": keys,
-        "min-clients": 4}
+  keys = " ".join(
+    f"{k}={binding.key_fingerprint(pems[n])}"
+    for k, n in [(0, 101), (1, 102), (2, 103), (3, 104), (4, 106)]
+  )
+  rc = {
+    "config": "quickstart:dp_loops",
+    "state-root": str(tmp_path),
+    "partition-keys": keys,
+    "min-clients": 4,
+  }
   nodes = {**node_configs(), 106: {"partition-id": 0, "num-partitions": 5}}
   infos = {n: NodeInfo(node_id=n, public_key=pems[n]) for n in nodes}
   [(asked, _, reports)], grid = _select(rc, nodes, infos)
@@ -458,9 +565,9 @@ def test_partition_keys_decide_and_unlisted_keys_take_no_part(tmp_path):
 # ----------------------------------------------------------------------------
 
 
-
 def test_the_flower_participants_are_experiments_runs():
   from fedlap_jax import participation
+
   cfg, _ = settings.load_config("quickstart:dp_loops", SAMPLED + " data.participation_seed=3")
   for r in (1, 2, 7):
     want = participation.sample_clients(3, r, 20, 5)
@@ -475,10 +582,12 @@ def test_the_flower_participants_are_experiments_runs():
 def test_min_clients_is_checked_against_the_clients_of_a_round():
   run = settings.run_settings({"config": "quickstart:dp_loops", "overrides": SAMPLED})
   assert run.min_clients == 5
-  with pytest.raises(settings.SettingsError, match=r"min-clients=6 is invalid; allowed: an "
-                                                    r"integer in \[0, 5\]"):
-    settings.run_settings({"config": "quickstart:dp_loops", "overrides": SAMPLED,
-                           "min-clients": 6})
+  with pytest.raises(
+    settings.SettingsError,
+    match=r"min-clients=6 is invalid; allowed: an "
+    r"integer in \[0, 5\]",
+  ):
+    settings.run_settings({"config": "quickstart:dp_loops", "overrides": SAMPLED, "min-clients": 6})
 
 
 @pytest.mark.slow
@@ -487,29 +596,41 @@ def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch):
   only the drawn clients, and its numbers are experiments.run's; each client's ledger
   holds only the rounds it computed, at experiments.run's per-client epsilon."""
   from fedlap_jax import accounting
+
   monkeypatch.setenv(settings.UNSAFE_ENV, "1")
-  rc = {"config": "quickstart:dp_loops", "overrides": SAMPLED, "run-dir": str(tmp_path / "run"),
-        "state-root": str(tmp_path / "state"), "unsafe-dp-keys-from-server": True,
-        "max-epsilon": 50.0}
+  rc = {
+    "config": "quickstart:dp_loops",
+    "overrides": SAMPLED,
+    "run-dir": str(tmp_path / "run"),
+    "state-root": str(tmp_path / "state"),
+    "unsafe-dp-keys-from-server": True,
+    "max-epsilon": 50.0,
+  }
   records, grid = run_inprocess(rc, node_configs(20, state_root=tmp_path / "state"))
   ref = reference_run("quickstart:dp_loops", SAMPLED, tmp_path / "ref")
   assert len(records) == len(ref) == 2
   for got, want in zip(records, ref):
     assert got["clients"] == got["clients_ok"] == want["clients"]
-    assert (got["test_accuracy"], got["test_loss"]) == (want["test_accuracy"],
-                                                        want["test_loss"])
+    assert (got["test_accuracy"], got["test_loss"]) == (want["test_accuracy"], want["test_loss"])
     assert got["epsilon"] == want["epsilon"]
-  trained = [sorted(m.metadata.dst_node_id - 101 for m in grid.sent
-                    if m.metadata.message_type == "train"
-                    and m.content["config"]["server-round"] == r) for r in (1, 2)]
+  trained = [
+    sorted(
+      m.metadata.dst_node_id - 101
+      for m in grid.sent
+      if m.metadata.message_type == "train" and m.content["config"]["server-round"] == r
+    )
+    for r in (1, 2)
+  ]
   assert trained == [r["clients"] for r in records]
   ledgers = accounting.ClientLedgers.from_dict(
-      json.loads((tmp_path / "ref" / "privacy_ledger.json").read_text()))
+    json.loads((tmp_path / "ref" / "privacy_ledger.json").read_text())
+  )
   for k in range(20):
     state = tmp_path / "state" / f"client-{k}"
     hist = ledger_lib.ClientState(state).history() if state.exists() else []
-    assert [h["server_round"] for h in hist] == [r["round"] for r in records
-                                                 if k in r["clients"]], k
+    assert [h["server_round"] for h in hist] == [
+      r["round"] for r in records if k in r["clients"]
+    ], k
     if hist:
       assert hist[-1]["epsilon"] == ledgers.ledgers[k].epsilon
   assert records[-1]["epsilon"] == max(ledgers.epsilons())
@@ -525,29 +646,52 @@ def _npz(path, **arrays):
   return path
 
 
-@pytest.mark.parametrize("arrays, match", [
-    (dict(x_train=np.full((4, 8, 8, 1), np.nan, np.float32), y_train=np.zeros(4, np.int64)),
-     "holds 256 NaN or Inf values"),
-    (dict(x_train=np.full((4, 8, 8, 1), np.inf, np.float32), y_train=np.zeros(4, np.int64)),
-     "NaN or Inf"),
-    (dict(x_train=np.full((4, 8, 8, 1), 1e300), y_train=np.zeros(4, np.int64)),
-     r"NaN or Inf values \(as float32\)"),
-    (dict(x_train=np.zeros((0, 8, 8, 1), np.float32), y_train=np.zeros(0, np.int64)),
-     "allowed: N >= 1"),
-    (dict(x_train=np.zeros((4, 8, 0, 1), np.float32), y_train=np.zeros(4, np.int64)),
-     "allowed: N >= 1"),
-    (dict(x_train=np.zeros((4, 8, 8, 1), np.float32), y_train=np.zeros(4, np.float32)),
-     "y_train has dtype float32; allowed: integer labels"),
-    (dict(x_train=np.zeros((4, 8, 8, 1), np.float32), y_train=np.array(list("abcd"))),
-     "y_train has dtype <U1"),
-    (dict(x_train=np.full((4, 8, 8, 1), "a"), y_train=np.zeros(4, np.int64)),
-     "x_train has dtype <U1"),
-    (dict(x_train=np.zeros((4, 8, 8, 1), np.float32), y_train=np.zeros((4, 1), np.int64)),
-     r"y_train \(4, 1\)"),
-    (dict(x_train=np.array([None] * 4, dtype=object), y_train=np.zeros(4, np.int64)),
-     "cannot be read as an npz of numeric arrays"),
+@pytest.mark.parametrize(
+  "arrays, match",
+  [
+    (
+      dict(x_train=np.full((4, 8, 8, 1), np.nan, np.float32), y_train=np.zeros(4, np.int64)),
+      "holds 256 NaN or Inf values",
+    ),
+    (
+      dict(x_train=np.full((4, 8, 8, 1), np.inf, np.float32), y_train=np.zeros(4, np.int64)),
+      "NaN or Inf",
+    ),
+    (
+      dict(x_train=np.full((4, 8, 8, 1), 1e300), y_train=np.zeros(4, np.int64)),
+      r"NaN or Inf values \(as float32\)",
+    ),
+    (
+      dict(x_train=np.zeros((0, 8, 8, 1), np.float32), y_train=np.zeros(0, np.int64)),
+      "allowed: N >= 1",
+    ),
+    (
+      dict(x_train=np.zeros((4, 8, 0, 1), np.float32), y_train=np.zeros(4, np.int64)),
+      "allowed: N >= 1",
+    ),
+    (
+      dict(x_train=np.zeros((4, 8, 8, 1), np.float32), y_train=np.zeros(4, np.float32)),
+      "y_train has dtype float32; allowed: integer labels",
+    ),
+    (
+      dict(x_train=np.zeros((4, 8, 8, 1), np.float32), y_train=np.array(list("abcd"))),
+      "y_train has dtype <U1",
+    ),
+    (
+      dict(x_train=np.full((4, 8, 8, 1), "a"), y_train=np.zeros(4, np.int64)),
+      "x_train has dtype <U1",
+    ),
+    (
+      dict(x_train=np.zeros((4, 8, 8, 1), np.float32), y_train=np.zeros((4, 1), np.int64)),
+      r"y_train \(4, 1\)",
+    ),
+    (
+      dict(x_train=np.array([None] * 4, dtype=object), y_train=np.zeros(4, np.int64)),
+      "cannot be read as an npz of numeric arrays",
+    ),
     (None, "cannot be read as an npz"),
-])
+  ],
+)
 def test_a_clients_own_data_file_is_checked(tmp_path, arrays, match):
   cfg, _ = settings.load_config("quickstart:dp_loops")
   cfg.data.name, cfg.data.normalisation = "mnist", "published"  # what a data-path client needs

@@ -43,13 +43,23 @@ BLOCK_FLWR = textwrap.dedent("""
     """)
 
 # fedlap_flower's modules that must not need flwr (the rest are the Flower app itself).
-FLWR_FREE = ("fedlap_flower", "fedlap_flower.settings", "fedlap_flower.task",
-             "fedlap_flower.client_work", "fedlap_flower.server_work", "fedlap_flower.ledger")
+FLWR_FREE = (
+  "fedlap_flower",
+  "fedlap_flower.settings",
+  "fedlap_flower.task",
+  "fedlap_flower.client_work",
+  "fedlap_flower.server_work",
+  "fedlap_flower.ledger",
+)
 
 
 def run_python(code: str, block: str = BLOCK_TENSORFLOW) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-c", block + textwrap.dedent(code)],
-                        capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, "-c", block + textwrap.dedent(code)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
 
 
 def test_import_without_tensorflow():
@@ -80,7 +90,8 @@ def test_block_is_effective():
 
 def test_import_without_flwr():
   """The library never imports Flower; neither do fedlap_flower's computation modules."""
-  result = run_python(f"""
+  result = run_python(
+    f"""
       import importlib, pkgutil
       import fedlap_jax
       names = [m.name for m in pkgutil.iter_modules(fedlap_jax.__path__, "fedlap_jax.")]
@@ -89,22 +100,28 @@ def test_import_without_flwr():
       loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("flwr", "ray"))
       assert not loaded, loaded
       print("OK", len(names), "modules")
-      """, block=BLOCK_FLWR)
+      """,
+    block=BLOCK_FLWR,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("OK")
 
 
 def test_flwr_block_is_effective():
-  result = run_python("""
+  result = run_python(
+    """
       import fedlap_flower.client_app
-      """, block=BLOCK_FLWR)
+      """,
+    block=BLOCK_FLWR,
+  )
   assert result.returncode != 0
   assert "blocked by the test" in result.stderr
 
 
 def test_import_loads_neither_flwr_nor_tensorflow_where_both_are_installed():
   """Not even an optional (try/except) import: with both installed, none is loaded."""
-  result = run_python("""
+  result = run_python(
+    """
       import importlib, pkgutil
       import fedlap_jax
       for m in pkgutil.iter_modules(fedlap_jax.__path__, "fedlap_jax."):
@@ -114,6 +131,8 @@ def test_import_loads_neither_flwr_nor_tensorflow_where_both_are_installed():
       assert not loaded, loaded
       importlib.import_module("flwr")  # installed here (the flower extra): the test can fail
       print("OK")
-      """, block="import sys\n")
+      """,
+    block="import sys\n",
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("OK")

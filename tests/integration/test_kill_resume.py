@@ -43,41 +43,78 @@ from experiments import checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {
-    "model.width": 8, "model.depth": 1, "client.ipc": 2, "client.iterations": 1,
-    "client.max_outer": 1, "client.batch_loop": 2, "client.boost_loop": 1,
-    "client.inner_loop": 0, "client.batch_size": 16, "client.dsa_strategy": "",
-    "server.dsa_strategy": "", "server.max_epochs": 2, "rounds": 6, "eval_chunk_size": 400,
-    "checkpoint_every": 2, "plots": False, "progress_bar": False,
+  "model.width": 8,
+  "model.depth": 1,
+  "client.ipc": 2,
+  "client.iterations": 1,
+  "client.max_outer": 1,
+  "client.batch_loop": 2,
+  "client.boost_loop": 1,
+  "client.inner_loop": 0,
+  "client.batch_size": 16,
+  "client.dsa_strategy": "",
+  "server.dsa_strategy": "",
+  "server.max_epochs": 2,
+  "rounds": 6,
+  "eval_chunk_size": 400,
+  "checkpoint_every": 2,
+  "plots": False,
+  "progress_bar": False,
 }
 TIMING = ("round_seconds", "wall_seconds", "first_in_process")
 
 
 def _env(cache: Path, fault: str | None = None) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", FLWR_TELEMETRY_ENABLED="0")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=str(cache),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    FLWR_TELEMETRY_ENABLED="0",
+  )
   env.pop("FEDLAP_JAX_FAULT", None)
   if fault:
     env["FEDLAP_JAX_FAULT"] = fault
   return env
 
 
-def launch(workdir: Path, cache: Path, fault: str | None = None, *, config="quickstart:dp_loops",
-           flags=None, timeout: float = 300.0) -> subprocess.CompletedProcess:
-  argv = [sys.executable, "-m", "experiments.run", f"--config={config}",
-          *(f"--config.{k}={v}" for k, v in (FLAGS if flags is None else flags).items()),
-          f"--workdir={workdir}"]
-  return subprocess.run(argv, cwd=ROOT, env=_env(cache, fault), capture_output=True, text=True,
-                        timeout=timeout)
+def launch(
+  workdir: Path,
+  cache: Path,
+  fault: str | None = None,
+  *,
+  config="quickstart:dp_loops",
+  flags=None,
+  timeout: float = 300.0,
+) -> subprocess.CompletedProcess:
+  argv = [
+    sys.executable,
+    "-m",
+    "experiments.run",
+    f"--config={config}",
+    *(f"--config.{k}={v}" for k, v in (FLAGS if flags is None else flags).items()),
+    f"--workdir={workdir}",
+  ]
+  return subprocess.run(
+    argv, cwd=ROOT, env=_env(cache, fault), capture_output=True, text=True, timeout=timeout
+  )
 
 
-def terminate_when(argv: list[str], env: dict, marker: str, timeout: float = 300.0,
-                   exit_timeout: float = 120.0, delay: float = 0.0):
+def terminate_when(
+  argv: list[str],
+  env: dict,
+  marker: str,
+  timeout: float = 300.0,
+  exit_timeout: float = 120.0,
+  delay: float = 0.0,
+):
   """Starts ``argv``, sends SIGTERM ``delay`` seconds after ``marker`` appears on its stderr
   (within ``timeout`` seconds); returns ``(returncode, stdout, stderr, seconds from SIGTERM to
   exit)``, the process killed after ``exit_timeout`` seconds."""
-  proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
   err, seen = [], threading.Event()
 
   def read():
@@ -85,6 +122,7 @@ def terminate_when(argv: list[str], env: dict, marker: str, timeout: float = 300
       err.append(line)
       if marker in line:
         seen.set()
+
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
   out = []
@@ -97,8 +135,9 @@ def terminate_when(argv: list[str], env: dict, marker: str, timeout: float = 300
   if not seen.is_set():
     proc.kill()
     proc.wait()
-    raise AssertionError(f"no {marker!r} within {timeout} s (exit {proc.returncode}):\n"
-                         + "".join(err[-30:]))
+    raise AssertionError(
+      f"no {marker!r} within {timeout} s (exit {proc.returncode}):\n" + "".join(err[-30:])
+    )
   time.sleep(delay)
   t0 = time.monotonic()
   proc.send_signal(signal.SIGTERM)
@@ -126,9 +165,9 @@ def ledger_rounds(workdir: Path) -> int:
 
 def state_arrays(workdir: Path, round_index: int) -> dict:
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   manager = ocp.CheckpointManager(workdir / "checkpoints")
-  restored = manager.restore(round_index, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore()))
+  restored = manager.restore(round_index, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
   manager.close()
   return {k: np.asarray(v) for k, v in restored["state"].items()}
 
@@ -177,13 +216,17 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
   a = checkpointing.read_metrics(straight / "metrics.jsonl")
   b = checkpointing.read_metrics(chain / "metrics.jsonl")
-  assert [{k: v for k, v in r.items() if k not in TIMING} for r in a] == \
-      [{k: v for k, v in r.items() if k not in TIMING} for r in b]
-  assert json.loads((straight / "privacy_ledger.json").read_text()) == \
-      json.loads((chain / "privacy_ledger.json").read_text())
+  assert [{k: v for k, v in r.items() if k not in TIMING} for r in a] == [
+    {k: v for k, v in r.items() if k not in TIMING} for r in b
+  ]
+  assert json.loads((straight / "privacy_ledger.json").read_text()) == json.loads(
+    (chain / "privacy_ledger.json").read_text()
+  )
   assert ledger_rounds(chain) == 6
-  with np.load(straight / "synthetic" / "round_0006.npz") as x, \
-       np.load(chain / "synthetic" / "round_0006.npz") as y:
+  with (
+    np.load(straight / "synthetic" / "round_0006.npz") as x,
+    np.load(chain / "synthetic" / "round_0006.npz") as y,
+  ):
     for k in x.files:
       np.testing.assert_array_equal(x[k], y[k], err_msg=k)
   want, got = state_arrays(straight, 6), state_arrays(chain, 6)
@@ -203,9 +246,17 @@ def get_config():
   return cfg
 """
 ONESHOT_FLAGS = {
-    "model.width": 8, "model.depth": 1, "client.ipc": 2, "condense.iterations": 2,
-    "condense.outer_loop": 1, "condense.inner_loop": 1, "condense.batch_loop": 2,
-    "server.max_epochs": 2, "eval_chunk_size": 400, "plots": False, "progress_bar": False,
+  "model.width": 8,
+  "model.depth": 1,
+  "client.ipc": 2,
+  "condense.iterations": 2,
+  "condense.outer_loop": 1,
+  "condense.inner_loop": 1,
+  "condense.batch_loop": 2,
+  "server.max_epochs": 2,
+  "eval_chunk_size": 400,
+  "plots": False,
+  "progress_bar": False,
 }
 GRACE_SECONDS = 2.0
 # SIGTERM to exit: the grace period, then the ledger's charge (its composition takes seconds on a
@@ -225,14 +276,23 @@ def test_sigterm_abandons_a_long_oneshot_round_and_the_resume_redoes_it(tmp_path
 
   # SIGTERM while round 1 (the whole run) is still computing, past the grace period.
   flags = {**ONESHOT_FLAGS, "termination_grace_seconds": GRACE_SECONDS}
-  argv = [sys.executable, "-m", "experiments.run", f"--config={config}",
-          *(f"--config.{k}={v}" for k, v in flags.items()), f"--workdir={chain}"]
-  rc, out, err, seconds = terminate_when(argv, _env(cache, "slow:1"), "fault: round 1 is slow",
-                                         timeout=900)
+  argv = [
+    sys.executable,
+    "-m",
+    "experiments.run",
+    f"--config={config}",
+    *(f"--config.{k}={v}" for k, v in flags.items()),
+    f"--workdir={chain}",
+  ]
+  rc, out, err, seconds = terminate_when(
+    argv, _env(cache, "slow:1"), "fault: round 1 is slow", timeout=900
+  )
   assert rc == 143, err[-2000:]
   assert GRACE_SECONDS <= seconds < EXIT_BUDGET_SECONDS, seconds
-  assert "terminated by SIGTERM (not done within termination_grace_seconds=2) during round 1: " \
-      "the round was abandoned; its noisy accesses are charged to privacy_ledger.json" in err
+  assert (
+    "terminated by SIGTERM (not done within termination_grace_seconds=2) during round 1: "
+    "the round was abandoned; its noisy accesses are charged to privacy_ledger.json" in err
+  )
   assert "no checkpoint was written yet" in err and "abandoned" in out  # train.log's line
   assert not complete_checkpoints(chain) and not rounds_in(chain)
   charged = json.loads((chain / "privacy_ledger.json").read_text())
@@ -244,11 +304,14 @@ def test_sigterm_abandons_a_long_oneshot_round_and_the_resume_redoes_it(tmp_path
   assert p.returncode == 0, p.stderr[-2000:]
   a = checkpointing.read_metrics(straight / "metrics.jsonl")
   b = checkpointing.read_metrics(chain / "metrics.jsonl")
-  assert [{k: v for k, v in r.items() if k not in TIMING} for r in a] == \
-      [{k: v for k, v in r.items() if k not in TIMING} for r in b]
+  assert [{k: v for k, v in r.items() if k not in TIMING} for r in a] == [
+    {k: v for k, v in r.items() if k not in TIMING} for r in b
+  ]
   assert json.loads((chain / "privacy_ledger.json").read_text()) == charged
-  with np.load(straight / "synthetic" / "round_0001.npz") as x, \
-       np.load(chain / "synthetic" / "round_0001.npz") as y:
+  with (
+    np.load(straight / "synthetic" / "round_0001.npz") as x,
+    np.load(chain / "synthetic" / "round_0001.npz") as y,
+  ):
     for k in x.files:
       np.testing.assert_array_equal(x[k], y[k], err_msg=k)
   want, got = state_arrays(straight, 1), state_arrays(chain, 1)
@@ -314,17 +377,28 @@ FLOWER_EXIT_BUDGET_SECONDS = 25.0
 def test_sigterm_ends_a_flower_app_process_in_a_long_round(tmp_path, part):
   from fedlap_flower.ledger import ClientState  # pylint: disable=g-import-not-at-top
   from flower_harness import TINY  # pylint: disable=g-import-not-at-top
+
   round_to_slow = 1 if part == "client" else 2
-  run_config = {"config": "quickstart:dp_loops", "overrides": TINY,
-                "run-dir": str(tmp_path / "run"), "state-root": str(tmp_path / "state"),
-                "max-epsilon": 50.0}
+  run_config = {
+    "config": "quickstart:dp_loops",
+    "overrides": TINY,
+    "run-dir": str(tmp_path / "run"),
+    "state-root": str(tmp_path / "state"),
+    "max-epsilon": 50.0,
+  }
   script = tmp_path / "app.py"
-  script.write_text(FLOWER_APP.format(tests=str(ROOT / "tests"), part=part,
-                                      round_to_slow=round_to_slow))
+  script.write_text(
+    FLOWER_APP.format(tests=str(ROOT / "tests"), part=part, round_to_slow=round_to_slow)
+  )
   env = _env(tmp_path / "xla_cache")
-  rc, _, err, seconds = terminate_when([sys.executable, str(script), json.dumps(run_config)], env,
-                                       f"fault: the {part} round is slow", timeout=900,
-                                       exit_timeout=60, delay=2.0)
+  rc, _, err, seconds = terminate_when(
+    [sys.executable, str(script), json.dumps(run_config)],
+    env,
+    f"fault: the {part} round is slow",
+    timeout=900,
+    exit_timeout=60,
+    delay=2.0,
+  )
   assert seconds < FLOWER_EXIT_BUDGET_SECONDS, (seconds, err[-2000:])
   assert rc == 0, err[-2000:]  # Flower's graceful exit
   if part == "client":  # client 0 was computing round 1: its ledger is charged and intact

@@ -27,8 +27,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 def read_graph(*args: str) -> tuple[int, dict]:
   """Exit status and JSON of ``python -m benchmarks.import_graph --json [DIR]``."""
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.import_graph", "--json", *args],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks.import_graph", "--json", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.stdout, proc.stderr[-3000:]
   return proc.returncode, json.loads(proc.stdout)
 
@@ -66,15 +71,21 @@ def test_the_graph_reader_sees_deferred_imports_and_cycles(tmp_path):
   assert out["floors"] is None and out["longest_chain"] is None
 
 
-@pytest.mark.parametrize("build, field, value", [
+@pytest.mark.parametrize(
+  "build, field, value",
+  [
     (lambda: core.ClientConfig(ipc=0), "ipc", 0),
-    (lambda: core.DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
-     "dp.noise_multiplier", 0.0),
+    (
+      lambda: core.DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
+      "dp.noise_multiplier",
+      0.0,
+    ),
     (lambda: core.ServerConfig(weighting="n_k"), "weighting", "n_k"),
     (lambda: core.ClientConfig(dsa_strategy="blur"), "dsa_strategy", "blur"),
     (lambda: baselines.LocalTraining(prox_mu=-1.0), "prox_mu", -1.0),
     (lambda: baselines.BaselineConfig(method="fednova", rounds=1), "method", "fednova"),
-])
+  ],
+)
 def test_config_errors_carry_field_value_and_allowed(build, field, value):
   with pytest.raises(checks.ConfigError) as err:
     build()
@@ -84,15 +95,23 @@ def test_config_errors_carry_field_value_and_allowed(build, field, value):
   assert str(e).startswith(f"{field}={value!r} is invalid")
   again = pickle.loads(pickle.dumps(e))
   assert (type(again), again.field, again.value, again.allowed, str(again)) == (
-      type(e), e.field, e.value, e.allowed, str(e))
+    type(e),
+    e.field,
+    e.value,
+    e.allowed,
+    str(e),
+  )
 
 
-@pytest.mark.parametrize("path, value", [
+@pytest.mark.parametrize(
+  "path, value",
+  [
     ("client.ipc", 0),
-    ("client.dsa_strategy", "blur"),          # a message not of the form field=value; allowed
+    ("client.dsa_strategy", "blur"),  # a message not of the form field=value; allowed
     ("server.dsa_strategy", "blur"),
-    ("client.calibrate_radius", False),       # a cross-field check of FedLAPConfig
-])
+    ("client.calibrate_radius", False),  # a cross-field check of FedLAPConfig
+  ],
+)
 def test_experiment_errors_name_the_config_path(path, value):
   cfg = quickstart.nondp_config()
   section, name = path.split(".")
@@ -115,14 +134,27 @@ def test_baseline_errors_name_the_config_path():
 
 
 def test_method_lists_and_labels_come_from_the_library():
-  assert library_configs.METHODS == core.METHODS == (
-      ("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg"))
+  assert (
+    library_configs.METHODS
+    == core.METHODS
+    == (("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg"))
+  )
   assert library_configs.CLIENT_BACKENDS == core.CLIENT_BACKENDS
   assert core.method_label("fedlap", True) == "FedLAP-DP"
   assert [core.method_label(m, m.startswith("dp_")) for m in baselines.METHODS] == [
-      "FedAvg", "FedProx", "FedSGD", "SCAFFOLD", "DP-FedAvg", "DP-FedProx"]
+    "FedAvg",
+    "FedProx",
+    "FedSGD",
+    "SCAFFOLD",
+    "DP-FedAvg",
+    "DP-FedProx",
+  ]
   assert [core.method_label(m, m == "psg") for m in core.SYNTHETIC_METHODS] == [
-      "FedDM", "DSC federated", "DSC centralized", "PSG"]
+    "FedDM",
+    "DSC federated",
+    "DSC centralized",
+    "PSG",
+  ]
 
 
 # The methods: each builds its round from the shared floors below, none from another's.
@@ -142,6 +174,7 @@ def library_modules() -> dict[str, pathlib.Path]:
 
 def _names_imported_from(module: str, source: str) -> set[str]:
   import ast
+
   path = library_modules()[module]
   names = set()
   for node in ast.walk(ast.parse(path.read_text())):
@@ -158,8 +191,9 @@ def test_synthetic_systems_are_built_from_the_shared_primitives():
   training, the privacy primitives and the client dispatch; they stand beside FedLAP, not on it."""
   graph = library_graph()
   for module in ("feddm", "condensation"):
-    assert {"synthetic", "matching", "server", "dispatch", "algorithm", "privacy"} \
-        <= graph[module], (module, graph[module])
+    assert {"synthetic", "matching", "server", "dispatch", "algorithm", "privacy"} <= graph[
+      module
+    ], (module, graph[module])
     assert not FEDLAP_ONLY & graph[module], (module, graph[module])
     assert _names_imported_from(module, "server") <= SHARED_SERVER_NAMES, module
   assert not {"feddm", "condensation"} & (graph["federated"] | graph["baselines"])
@@ -172,13 +206,19 @@ def test_synthetic_sets_and_class_batches_live_below_every_method():
     assert not set(METHODS) & graph[shared], (shared, graph[shared])
     for method in ("client", "feddm", "condensation"):
       assert floors[shared] < floors[method], (shared, method, floors)
-  for name in ("synthetic_labels", "initial_synthetic", "noise_images", "real_images",
-               "class_blocks", "class_batch"):
-    owners = [m for m, p in library_modules().items()
-              if f"\ndef {name}(" in p.read_text()]
+  for name in (
+    "synthetic_labels",
+    "initial_synthetic",
+    "noise_images",
+    "real_images",
+    "class_blocks",
+    "class_batch",
+  ):
+    owners = [m for m, p in library_modules().items() if f"\ndef {name}(" in p.read_text()]
     assert owners == ["synthetic"], (name, owners)
   import fedlap_jax
   from fedlap_jax import synthetic
+
   assert fedlap_jax.synthetic_labels is synthetic.synthetic_labels
   assert fedlap_jax.noise_images is synthetic.noise_images
 
@@ -186,6 +226,7 @@ def test_synthetic_sets_and_class_batches_live_below_every_method():
 def _imported_packages(path: pathlib.Path) -> set[str]:
   """Top-level packages a file imports anywhere (also inside functions)."""
   import ast  # pylint: disable=g-import-not-at-top
+
   found = set()
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
@@ -201,7 +242,11 @@ def test_the_test_layers_import_only_what_they_test():
   tests = ROOT / "tests"
   files = sorted(tests.rglob("*.py"))
   assert len(files) > 20 and list((tests / "unit").glob("test_*.py"))
-  wrong = [f"{p.relative_to(ROOT)}: {pkg}" for p in files for pkg in _imported_packages(p)
-           if pkg == "benchmarks"
-           or (pkg in ("experiments", "fedlap_flower") and p.parent == tests / "unit")]
+  wrong = [
+    f"{p.relative_to(ROOT)}: {pkg}"
+    for p in files
+    for pkg in _imported_packages(p)
+    if pkg == "benchmarks"
+    or (pkg in ("experiments", "fedlap_flower") and p.parent == tests / "unit")
+  ]
   assert wrong == []

@@ -54,7 +54,7 @@ def test_a_changed_default_is_caught():
   cfg.client.ipc = 51
   assert flatten(cfg) != FROZEN["default"]
   cfg = configs.load("default")
-  del cfg.client["calibration_eval_size"]   # a None without placeholder(int)'s type
+  del cfg.client["calibration_eval_size"]  # a None without placeholder(int)'s type
   cfg.client.calibration_eval_size = None
   assert flatten(cfg) != FROZEN["default"]
 
@@ -66,6 +66,7 @@ def test_the_cli_loads_the_same_config(name):
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
   from experiments import run  # pylint: disable=g-import-not-at-top
+
   argv, label = run.rewrite_argv(["prog", f"--config={name}"])
   assert label.startswith(name.partition(":")[0])
   values = flags.FlagValues()
@@ -85,11 +86,14 @@ def test_every_alias_names_a_module_and_every_name_loads():
 
 def _imports(path: Path) -> set[str]:
   import ast  # pylint: disable=g-import-not-at-top
+
   out = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.ImportFrom) and node.module == "experiments.configs":
       out |= {a.name for a in node.names}
-    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("experiments.configs."):
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+      "experiments.configs."
+    ):
       out.add(node.module.split(".")[2])
   return out
 
@@ -123,4 +127,5 @@ if __name__ == "__main__":
   named = {n: against_default(flatten(configs.load(n))) for n in sorted(FROZEN["named"])}
   items = ",\n".join(f"{json.dumps(n)}: {json.dumps(v, sort_keys=True)}" for n, v in named.items())
   (Path(__file__).parent / "data" / "named_configs.json").write_text(
-      "{\n\"default\": " + json.dumps(base, sort_keys=True) + ",\n\"named\": {\n" + items + "\n}\n}\n")
+    "{\n\"default\": " + json.dumps(base, sort_keys=True) + ",\n\"named\": {\n" + items + "\n}\n}\n"
+  )

@@ -21,10 +21,10 @@ pytest.importorskip("dp_accounting")
 # ---------------------------------------------------------------- the config
 
 
-
 def test_config_validation_refuses_more_clients_than_k():
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+
   cfg = quickstart.dp_config()
   cfg.data.clients_per_round = 6
   with pytest.raises(ConfigError, match="data.clients_per_round"):
@@ -34,6 +34,7 @@ def test_config_validation_refuses_more_clients_than_k():
 def test_config_validation_refuses_a_negative_participation_seed():
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+
   cfg = quickstart.dp_config()
   cfg.data.participation_seed = -1  # (ml_collections refuses other types itself)
   with pytest.raises(ConfigError, match=r"data.participation_seed=.* allowed: an integer >= 0"):
@@ -48,8 +49,14 @@ def sampled_runs(tmp_path_factory):
   """Tiny FedLAP-DP, 2 of 5 clients per round, 4 rounds: straight, and stopped after round 2."""
   from test_experiments_run import tiny_config  # pylint: disable=g-import-not-at-top
   from experiments import faults, train  # pylint: disable=g-import-not-at-top
-  overrides = dict(progress_bar=False, plots=False, checkpoint_every=1,
-                   snapshot_rounds=(), **{"data.clients_per_round": 2})
+
+  overrides = dict(
+    progress_bar=False,
+    plots=False,
+    checkpoint_every=1,
+    snapshot_rounds=(),
+    **{"data.clients_per_round": 2},
+  )
   straight_dir = tmp_path_factory.mktemp("sampled_straight")
   straight = train.train_and_evaluate(tiny_config(**overrides), straight_dir)
   resumed_dir = tmp_path_factory.mktemp("sampled_resumed")
@@ -87,8 +94,9 @@ def test_sampled_run_charges_only_participants_and_keeps_unsampled_sets(sampled_
   assert records[-1]["epsilon"] == max(eps)
   assert records[-1]["epsilon_clients"]["max"] == max(eps)
   assert records[-1]["epsilon_clients"]["min"] == min(eps)
-  per_client = [k for k, v in records[-1].items()
-                if isinstance(v, list) and len(v) == 2 and k != "clients"]
+  per_client = [
+    k for k, v in records[-1].items() if isinstance(v, list) and len(v) == 2 and k != "clients"
+  ]
   assert per_client  # per-client metrics are of the 2 sampled clients
   # FedLAP-DP carries synthetic sets: those of clients never sampled are the initial noise.
   setup = train.build_run(tiny_config(**overrides))
@@ -108,8 +116,9 @@ def test_sampled_run_resumes_identically(sampled_runs):
   strip = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in rs]
   assert strip(resumed["records"]) == strip(straight["records"])
   assert resumed["ledger"] == straight["ledger"]
-  assert (json.loads((resumed_dir / "privacy_ledger.json").read_text())
-          == json.loads((straight_dir / "privacy_ledger.json").read_text()))
+  assert json.loads((resumed_dir / "privacy_ledger.json").read_text()) == json.loads(
+    (straight_dir / "privacy_ledger.json").read_text()
+  )
 
 
 @pytest.mark.slow
@@ -117,8 +126,9 @@ def test_clients_per_round_k_equals_no_sampling(sampled_runs, tmp_path):
   tiny_config, train, _, _, _ = sampled_runs
   base = dict(progress_bar=False, plots=False, snapshot_rounds=())  # 4 rounds, as tiny runs
   plain = train.train_and_evaluate(tiny_config(**base), tmp_path / "plain")
-  full = train.train_and_evaluate(tiny_config(**base, **{"data.clients_per_round": 5}),
-                                  tmp_path / "full")
+  full = train.train_and_evaluate(
+    tiny_config(**base, **{"data.clients_per_round": 5}), tmp_path / "full"
+  )
   chex.assert_trees_all_equal(plain["state"].params, full["state"].params)
   for a, b in zip(plain["records"], full["records"]):
     assert a["test_accuracy"] == b["test_accuracy"] and a["epsilon"] == b["epsilon"]
@@ -139,12 +149,15 @@ def test_released_participants_do_not_depend_on_the_secret_seed(sampled_runs, tm
   data.participation_seed only."""
   tiny_config, train, overrides, (_, out), _ = sampled_runs
   other = train.train_and_evaluate(
-      tiny_config(**{**overrides, "rounds": 2, "seed": 7}), tmp_path / "seed7")
+    tiny_config(**{**overrides, "rounds": 2, "seed": 7}), tmp_path / "seed7"
+  )
   assert [r["clients"] for r in other["records"]] == [r["clients"] for r in out["records"][:2]]
   moved = train.train_and_evaluate(
-      tiny_config(**{**overrides, "rounds": 2, "data.participation_seed": 1}), tmp_path / "p1")
-  assert ([r["clients"] for r in moved["records"]]
-          == [participation.sample_clients(1, m, 5, 2).tolist() for m in (1, 2)])
+    tiny_config(**{**overrides, "rounds": 2, "data.participation_seed": 1}), tmp_path / "p1"
+  )
+  assert [r["clients"] for r in moved["records"]] == [
+    participation.sample_clients(1, m, 5, 2).tolist() for m in (1, 2)
+  ]
 
 
 @pytest.mark.slow
@@ -152,8 +165,12 @@ def test_sampled_dp_workdir_holds_only_dp_outputs_and_public_values(sampled_runs
   """An attacker's look at a sampled DP run's work dir: besides what a run without sampling
   releases, only the participants (public draw) and values of the public sizes and
   participation (the per-client ledgers and their epsilons)."""
-  from test_experiments_run import (PUBLIC_INFO_KEYS, RELEASED_RECORD_KEYS,  # pylint: disable=g-import-not-at-top
-                                    WORKDIR_FILES)
+  from test_experiments_run import (
+    PUBLIC_INFO_KEYS,
+    RELEASED_RECORD_KEYS,  # pylint: disable=g-import-not-at-top
+    WORKDIR_FILES,
+  )
+
   _, _, _, (workdir, out), _ = sampled_runs
   listing = {p.name for p in workdir.iterdir()}
   assert {n for n in listing if not n.endswith(".png")} <= set(WORKDIR_FILES), listing
@@ -169,9 +186,19 @@ def test_sampled_dp_workdir_holds_only_dp_outputs_and_public_values(sampled_runs
   assert set(stored) == {"clients", "participants"}
   assert stored["participants"] == [r["clients"] for r in records]
   for k, ledger in enumerate(stored["clients"]):
-    assert set(ledger) == {"noise_multiplier", "batch_size", "min_client_size",
-                           "steps_per_round", "delta", "participation", "rounds", "steps",
-                           "epsilons", "adjacency", "epsilons_add_remove"}
+    assert set(ledger) == {
+      "noise_multiplier",
+      "batch_size",
+      "min_client_size",
+      "steps_per_round",
+      "delta",
+      "participation",
+      "rounds",
+      "steps",
+      "epsilons",
+      "adjacency",
+      "epsilons_add_remove",
+    }
     assert ledger["min_client_size"] == info["client_sizes"][k]  # N_k: public
 
 
@@ -181,7 +208,8 @@ def test_every_noisy_access_of_a_sampled_client_reaches_its_ledger(sampled_runs)
   and no client accessed its records more often than that; non-participants run nothing."""
   _, _, _, (workdir, out), _ = sampled_runs
   ledgers = accounting.ClientLedgers.from_dict(
-      json.loads((workdir / "privacy_ledger.json").read_text()))
+    json.loads((workdir / "privacy_ledger.json").read_text())
+  )
   t = ledgers.ledgers[0].steps_per_round
   charged = [0] * 5
   for r in out["records"]:

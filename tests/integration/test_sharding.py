@@ -27,8 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 NUM_CLIENTS = 5
 
 
-def _worker(backend: str, process_id: int | None = None, num_processes: int | None = None,
-            coordinator: str | None = None) -> dict:
+def _worker(
+  backend: str,
+  process_id: int | None = None,
+  num_processes: int | None = None,
+  coordinator: str | None = None,
+) -> dict:
   """Two rounds of FedLAP-DP, one of FedLAP and one of FedAvg on a tiny problem; returns numbers.
 
   The clients hold uint8 pixels with a normalisation, so the per-client pixel
@@ -72,28 +76,60 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
   if multi:
     clients = sharding.put_clients(clients)
   dp = C.FedLAPConfig(
-      client=C.ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
-                            inner_loop=1, batch_size=16, radius=5.0, mse_weight=0.0,
-                            image_lr=1.0, calibrate_radius=False, dsa_strategy="color_flip",
-                            dp=C.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5,
-                                          microbatch_size=8)),
-      server=C.ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=3,
-                            dsa_strategy=""),
-      rounds=3, learning_rate=0.05, synthetic_init="noise")
+    client=C.ClientConfig(
+      ipc=2,
+      iterations=1,
+      max_outer=2,
+      batch_loop=2,
+      boost_loop=2,
+      inner_loop=1,
+      batch_size=16,
+      radius=5.0,
+      mse_weight=0.0,
+      image_lr=1.0,
+      calibrate_radius=False,
+      dsa_strategy="color_flip",
+      dp=C.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, microbatch_size=8),
+    ),
+    server=C.ServerConfig(
+      radius_strategy="constant", weighting="uniform", max_epochs=3, dsa_strategy=""
+    ),
+    rounds=3,
+    learning_rate=0.05,
+    synthetic_init="noise",
+  )
   nondp = C.FedLAPConfig(
-      client=C.ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
-                            inner_loop=0, batch_size=16, radius=5.0, image_lr=1.0,
-                            calibration_epochs=2, dsa_strategy=""),
-      server=C.ServerConfig(radius_strategy="min", max_epochs=2, dsa_strategy=""),
-      rounds=3, learning_rate=0.05, synthetic_init="real")
-  out = {"devices": jax.device_count(), "processes": jax.process_count(),
-         "backend": dispatch.resolve_client_backend(backend)}
+    client=C.ClientConfig(
+      ipc=2,
+      iterations=1,
+      max_outer=2,
+      batch_loop=2,
+      boost_loop=2,
+      inner_loop=0,
+      batch_size=16,
+      radius=5.0,
+      image_lr=1.0,
+      calibration_epochs=2,
+      dsa_strategy="",
+    ),
+    server=C.ServerConfig(radius_strategy="min", max_epochs=2, dsa_strategy=""),
+    rounds=3,
+    learning_rate=0.05,
+    synthetic_init="real",
+  )
+  out = {
+    "devices": jax.device_count(),
+    "processes": jax.process_count(),
+    "backend": dispatch.resolve_client_backend(backend),
+  }
   # Programs read from a persistent compilation cache (the multi-process tests share
   # one) count as compilations too.
   cache_hits = []
   jax.monitoring.register_event_listener(
-      lambda event, **_: cache_hits.append(event)
-      if event == "/jax/compilation_cache/cache_hits" else None)
+    lambda event, **_: (
+      cache_hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None
+    )
+  )
   for name, cfg, rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
     state = federated.init_state(jax.random.PRNGKey(1), params, clients, cfg)
     if backend == "shard" or multi:
@@ -109,26 +145,37 @@ def _worker(backend: str, process_id: int | None = None, num_processes: int | No
         # not compile a second program (single-process runs leave it unplaced).
         out["compiles_after_round_1"] = compiles.count + len(cache_hits) - hits_before
     out[name] = {
-        "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
-        "synthetic": host(state.synthetic.x).ravel().tolist(),
-        "matching_loss": host(metrics.client.matching_loss).ravel().tolist(),
-        "radius": host(metrics.client_radius).tolist(),
-        "server_epochs": int(host(metrics.server.epochs)),
-        "accesses": host(metrics.client.real_accesses).tolist(),
+      "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
+      "synthetic": host(state.synthetic.x).ravel().tolist(),
+      "matching_loss": host(metrics.client.matching_loss).ravel().tolist(),
+      "radius": host(metrics.client_radius).tolist(),
+      "server_epochs": int(host(metrics.server.epochs)),
+      "accesses": host(metrics.client.real_accesses).tolist(),
     }
   fedavg = baselines.algorithm(
-      apply_fn, baselines.baseline_config(
-          "fedavg", rounds=3, learning_rate=0.05, local_epochs=1, batch_size=16, prox_mu=0.0,
-          dp=None, max_client_size=max(sizes)),
-      num_clients=NUM_CLIENTS, image_shape=(8, 8, 1), num_params=models.count_params(params),
-      client_backend=backend)
+    apply_fn,
+    baselines.baseline_config(
+      "fedavg",
+      rounds=3,
+      learning_rate=0.05,
+      local_epochs=1,
+      batch_size=16,
+      prox_mu=0.0,
+      dp=None,
+      max_client_size=max(sizes),
+    ),
+    num_clients=NUM_CLIENTS,
+    image_shape=(8, 8, 1),
+    num_params=models.count_params(params),
+    client_backend=backend,
+  )
   state = fedavg.init(jax.random.PRNGKey(2), params, clients)
   if multi:
     state = sharding.replicate(state)
   state, metrics = fedavg.round(state, clients)
   out["fedavg"] = {
-      "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
-      "steps": host(metrics.client.steps).tolist(),
+    "params": [host(a).ravel().tolist() for a in jax.tree.leaves(state.params)],
+    "steps": host(metrics.client.steps).tolist(),
   }
   return out
 
@@ -147,13 +194,16 @@ def _experiments_worker(workdir: str) -> dict:
   shutil.rmtree(f"{workdir}/checkpoints/3")  # as if the run had stopped after round 2
   resumed = train.train_and_evaluate(cfg, workdir)
   assert [r["test_accuracy"] for r in resumed["records"]] == [
-      r["test_accuracy"] for r in first["records"]]
+    r["test_accuracy"] for r in first["records"]
+  ]
   setup = train.build_run(cfg)
-  return {"devices": jax.device_count(),
-          "compilations": [first["compilations"], resumed["compilations"]],
-          "client_devices": len(setup.clients.x.sharding.device_set),
-          "accuracy": [r["test_accuracy"] for r in resumed["records"]],
-          "backend": json.load(open(f"{workdir}/run_info.json"))["client_backend"]}
+  return {
+    "devices": jax.device_count(),
+    "compilations": [first["compilations"], resumed["compilations"]],
+    "client_devices": len(setup.clients.x.sharding.device_set),
+    "accuracy": [r["test_accuracy"] for r in resumed["records"]],
+    "backend": json.load(open(f"{workdir}/run_info.json"))["client_backend"],
+  }
 
 
 def _env(devices: int, cache=None) -> dict:
@@ -162,20 +212,33 @@ def _env(devices: int, cache=None) -> dict:
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
   if cache is not None:
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(
+      JAX_COMPILATION_CACHE_DIR=str(cache),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
   return env
 
 
 def _run(devices: int, backend: str) -> dict:
-  proc = subprocess.run([sys.executable, __file__, backend], env=_env(devices),
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, __file__, backend],
+    env=_env(devices),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _run_processes(num_processes: int, devices_per_process: int, tmp_path,
-                   hosts: list[list[str]] | None = None, cache=None) -> list[dict]:
+def _run_processes(
+  num_processes: int,
+  devices_per_process: int,
+  tmp_path,
+  hosts: list[list[str]] | None = None,
+  cache=None,
+) -> list[dict]:
   """The worker as ``num_processes`` JAX processes.
 
   Without ``hosts`` all run on this host with the coordinator on localhost.
@@ -202,9 +265,15 @@ def _run_processes(num_processes: int, devices_per_process: int, tmp_path,
     out, err = tmp_path / f"process{i}.out", tmp_path / f"process{i}.err"
     prefix = hosts[i] if hosts else []
     with open(out, "w") as fo, open(err, "w") as fe:
-      procs.append(subprocess.Popen(
+      procs.append(
+        subprocess.Popen(
           [*prefix, sys.executable, __file__, "auto", str(i), str(num_processes), coordinator],
-          env=_env(devices_per_process, cache), stdout=fo, stderr=fe, text=True))
+          env=_env(devices_per_process, cache),
+          stdout=fo,
+          stderr=fe,
+          text=True,
+        )
+      )
     logs.append((out, err))
   try:
     codes = [proc.wait(timeout=600) for proc in procs]
@@ -237,24 +306,44 @@ def network_hosts(tmp_path):
     pytest.skip("two network hosts need root, ip (iproute2) and unshare")
   tag = f"fj{os.getpid() % 100000}"
   names = [f"{tag}h{i}" for i in range(2)]
-  setup = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
-           ["ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", f"{tag}v1"]]
+  setup = [
+    ["ip", "netns", "add", names[0]],
+    ["ip", "netns", "add", names[1]],
+    ["ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", f"{tag}v1"],
+  ]
   for i, (name, address) in enumerate(zip(names, NETWORK_ADDRESSES)):
-    setup += [["ip", "link", "set", f"{tag}v{i}", "netns", name],
-              ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", f"{tag}v{i}"],
-              ["ip", "-n", name, "link", "set", f"{tag}v{i}", "up"],
-              ["ip", "-n", name, "link", "set", "lo", "up"]]
+    setup += [
+      ["ip", "link", "set", f"{tag}v{i}", "netns", name],
+      ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", f"{tag}v{i}"],
+      ["ip", "-n", name, "link", "set", f"{tag}v{i}", "up"],
+      ["ip", "-n", name, "link", "set", "lo", "up"],
+    ]
   hosts_file = tmp_path / "hosts"
-  hosts_file.write_text("127.0.0.1 localhost\n" + "".join(
-      f"{address} {name}\n" for name, address in zip(names, NETWORK_ADDRESSES)))
+  hosts_file.write_text(
+    "127.0.0.1 localhost\n"
+    + "".join(f"{address} {name}\n" for name, address in zip(names, NETWORK_ADDRESSES))
+  )
   try:
     for cmd in setup:
       proc = subprocess.run(cmd, capture_output=True, text=True)
       if proc.returncode:
         pytest.skip(f"cannot build two network hosts: {' '.join(cmd)}: {proc.stderr.strip()}")
-    yield [["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "sh", "-c",
-            f'mount --bind {hosts_file} /etc/hosts && hostname {name} && exec "$@"', "sh"]
-           for name in names]
+    yield [
+      [
+        "ip",
+        "netns",
+        "exec",
+        name,
+        "unshare",
+        "--uts",
+        "--mount",
+        "sh",
+        "-c",
+        f'mount --bind {hosts_file} /etc/hosts && hostname {name} && exec "$@"',
+        "sh",
+      ]
+      for name in names
+    ]
   finally:  # deleting a namespace deletes the pair end in it, and with it the pair
     subprocess.run(["ip", "link", "del", f"{tag}v0"], capture_output=True)  # if never moved
     for name in names:
@@ -318,8 +407,7 @@ def test_two_processes_same_round(single_device, tmp_path, multi_process_cache):
 
 @pytest.mark.slow
 @pytest.mark.multihost
-def test_two_network_hosts_same_round(single_device, network_hosts, tmp_path,
-                                      multi_process_cache):
+def test_two_network_hosts_same_round(single_device, network_hosts, tmp_path, multi_process_cache):
   """The same, with each process on its own network host (namespace, address, host name)."""
   first, second = _run_processes(2, 2, tmp_path, hosts=network_hosts, cache=multi_process_cache)
   for out in (first, second):
@@ -347,15 +435,17 @@ def test_initialize_hosts_refuses_a_loopback_host_name_on_cpu(monkeypatch):
   # Allowed: all processes on one host, or accelerators (NCCL does not use gloo).
   sharding.initialize_hosts("localhost:1234", 2, 1, cpu=True)
   sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=False, initialization_timeout=5)
-  assert calls == [(("localhost:1234",), {"num_processes": 2, "process_id": 1}),
-                   (("10.0.0.1:1234",), {"num_processes": 2, "process_id": 1,
-                                          "initialization_timeout": 5})]
+  assert calls == [
+    (("localhost:1234",), {"num_processes": 2, "process_id": 1}),
+    (("10.0.0.1:1234",), {"num_processes": 2, "process_id": 1, "initialization_timeout": 5}),
+  ]
   monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.7")
   sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=True)
   assert len(calls) == 3
 
   def unresolvable(name):
     raise socket.gaierror("Name or service not known")
+
   monkeypatch.setattr(socket, "gethostbyname", unresolvable)
   with pytest.raises(ValueError, match="does not resolve"):
     sharding.initialize_hosts("10.0.0.1:1234", 2, 1, cpu=True)
@@ -364,9 +454,14 @@ def test_initialize_hosts_refuses_a_loopback_host_name_on_cpu(monkeypatch):
 @pytest.mark.slow
 def test_experiments_run_on_four_devices_compiles_once(tmp_path):
   """The experiment driver shards by itself: client data placed once, one program per run."""
-  proc = subprocess.run([sys.executable, __file__, "experiments", str(tmp_path)], env=_env(4),
-                        capture_output=True, text=True, timeout=600,
-                        cwd=ROOT)
+  proc = subprocess.run(
+    [sys.executable, __file__, "experiments", str(tmp_path)],
+    env=_env(4),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   assert out["devices"] == 4 and out["backend"] == "shard"
@@ -388,8 +483,9 @@ def test_placement_is_a_no_op_for_placed_arrays():
   again = sharding.replicate(placed, mesh)
   assert again["x"] is placed["x"] and again["key"] is placed["key"]
   assert jax.dtypes.issubdtype(placed["key"].dtype, jax.dtypes.prng_key)
-  np.testing.assert_array_equal(jax.random.key_data(placed["key"]),
-                                jax.random.key_data(tree["key"]))
+  np.testing.assert_array_equal(
+    jax.random.key_data(placed["key"]), jax.random.key_data(tree["key"])
+  )
   clients = sharding.put_clients({"x": np.ones((4, 3), np.uint8)}, mesh)
   assert sharding.put_clients(clients, mesh)["x"] is clients["x"]
   assert clients["x"].dtype == np.uint8
@@ -424,6 +520,7 @@ def test_map_clients_pads_and_refuses_bad_input():
   with pytest.raises(ValueError, match="client axis"):
     sharding.map_clients(lambda b: b, (x, jnp.ones(4)), mesh=mesh)
   from jax.sharding import Mesh
+
   with pytest.raises(ValueError, match="axis_names"):
     sharding.map_clients(lambda b: b, x, mesh=Mesh(np.array(jax.devices()), ("data",)))
 

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.xdist_group("auditing")
 
 NUM_MEMBERS = 64
 STEPS = 100
-DP_BATCH = 8           # expected Poisson batch: q = 8 / 64
+DP_BATCH = 8  # expected Poisson batch: q = 8 / 64
 DP_SIGMA = 5.0
 DP_CLIP = 0.1
 DELTA = 1e-5
@@ -63,9 +63,17 @@ def _train(apply_fn, params, x, y, key, dp: bool):
     if dp:
       k_batch, k_noise = jax.random.split(k)
       b = poisson_sample(k_batch, jnp.ones(n, bool), DP_BATCH / n, poisson_capacity(DP_BATCH))
-      g, _ = private_gradient(k_noise, apply_fn, p, x[b.indices], y[b.indices], b.is_padding,
-                              l2_clip_norm=DP_CLIP, noise_multiplier=DP_SIGMA,
-                              expected_batch_size=DP_BATCH)
+      g, _ = private_gradient(
+        k_noise,
+        apply_fn,
+        p,
+        x[b.indices],
+        y[b.indices],
+        b.is_padding,
+        l2_clip_norm=DP_CLIP,
+        noise_multiplier=DP_SIGMA,
+        expected_batch_size=DP_BATCH,
+      )
     else:
       g = jax.grad(lambda q: masked_mean_loss(apply_fn, q, x, y))(p)
     updates, s = opt.update(g, s, p)
@@ -80,17 +88,17 @@ def models(apply_fn, params, members):
   x, y = jnp.asarray(members[0]), jnp.asarray(members[1])
   key = jax.random.PRNGKey(1)
   return {
-      "untrained": params,
-      "overfit": _train(apply_fn, params, x, y, key, False),
-      "dp": _train(apply_fn, params, x, y, key, True),
+    "untrained": params,
+    "overfit": _train(apply_fn, params, x, y, key, False),
+    "dp": _train(apply_fn, params, x, y, key, True),
   }
 
 
 @pytest.fixture(scope="module")
 def feature_fns(apply_fn):
   return {
-      "loss": jax.jit(functools.partial(auditing.per_example_losses, apply_fn)),
-      "grad_norm": jax.jit(functools.partial(auditing.per_example_grad_norms, apply_fn)),
+    "loss": jax.jit(functools.partial(auditing.per_example_losses, apply_fn)),
+    "grad_norm": jax.jit(functools.partial(auditing.per_example_grad_norms, apply_fn)),
   }
 
 
@@ -99,8 +107,10 @@ def features(models, feature_fns, members, nonmembers):
   """``{model: {feature: (members (64,), nonmembers (360,))}}`` as numpy."""
   out = {}
   for name, p in models.items():
-    out[name] = {f: (np.asarray(fn(p, *members)), np.asarray(fn(p, *nonmembers)))
-                 for f, fn in feature_fns.items()}
+    out[name] = {
+      f: (np.asarray(fn(p, *members)), np.asarray(fn(p, *nonmembers)))
+      for f, fn in feature_fns.items()
+    }
   return out
 
 
@@ -118,22 +128,25 @@ def _auc(f_in, f_out):
 def test_features_jit_eager_consistent(tiny_apply_fn, tiny_params, digits):
   x, y = jnp.asarray(digits.x_train[:10]), jnp.asarray(digits.y_train[:10])
   for fn in (auditing.per_example_losses, auditing.per_example_grad_norms):
-    eager = fn(tiny_apply_fn, tiny_params, x, y, chunk_size=64)   # one chunk of 10
+    eager = fn(tiny_apply_fn, tiny_params, x, y, chunk_size=64)  # one chunk of 10
     jitted = jax.jit(functools.partial(fn, tiny_apply_fn, chunk_size=64))(tiny_params, x, y)
     chex.assert_shape([eager, jitted], (10,))
     chex.assert_trees_all_close(eager, jitted, rtol=1e-5, atol=1e-6)
 
 
 def test_features_match_direct_computation(tiny_apply_fn, tiny_params, digits):
-  chunk_size = 4   # 3 chunks, the last one padded with 2 rows
+  chunk_size = 4  # 3 chunks, the last one padded with 2 rows
   x, y = jnp.asarray(digits.x_train[:10]), jnp.asarray(digits.y_train[:10])
-  losses, norms = jax.jit(lambda p: (
+  losses, norms = jax.jit(
+    lambda p: (
       auditing.per_example_losses(tiny_apply_fn, p, x, y, chunk_size=chunk_size),
-      auditing.per_example_grad_norms(tiny_apply_fn, p, x, y, chunk_size=chunk_size)))(
-          tiny_params)
+      auditing.per_example_grad_norms(tiny_apply_fn, p, x, y, chunk_size=chunk_size),
+    )
+  )(tiny_params)
   chex.assert_shape([losses, norms], (10,))
-  chex.assert_trees_all_close(losses, cross_entropy(tiny_apply_fn(tiny_params, x), y),
-                              rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(
+    losses, cross_entropy(tiny_apply_fn(tiny_params, x), y), rtol=1e-5, atol=1e-6
+  )
 
   @jax.jit
   def direct_norm(p, xi, yi):
@@ -163,8 +176,10 @@ def test_features_reject_bad_input(tiny_apply_fn, tiny_params, digits):
 def test_split_for_audit_is_balanced_and_disjoint():
   s = auditing.split_for_audit(0, 1000, 101)
   assert [a.size for a in s] == [51, 51, 50, 50]
-  for pool, (a, b) in ((1000, (s.train_members, s.audit_members)),
-                       (101, (s.train_nonmembers, s.audit_nonmembers))):
+  for pool, (a, b) in (
+    (1000, (s.train_members, s.audit_members)),
+    (101, (s.train_nonmembers, s.audit_nonmembers)),
+  ):
     both = np.concatenate([a, b])
     assert np.unique(both).size == both.size and both.min() >= 0 and both.max() < pool
   assert np.array_equal(auditing.split_for_audit(0, 1000, 101).audit_members, s.audit_members)
@@ -177,7 +192,7 @@ def test_threshold_attack_on_gaussians():
   f_in, f_out = rng.normal(0.0, 1.0, 4000), rng.normal(2.0, 1.0, 4000)  # members lower
   attack = auditing.fit_threshold_attack(f_in[:2000], f_out[:2000], delta=DELTA)
   assert attack.sign == -1.0
-  assert abs(-attack.threshold - 1.0) < 0.15              # Bayes threshold: the midpoint
+  assert abs(-attack.threshold - 1.0) < 0.15  # Bayes threshold: the midpoint
   assert abs(attack.train_accuracy - scipy.stats.norm.cdf(1.0)) < 0.03
   assert auditing.fit_threshold_attack(f_in[:200], f_out[:200], sign=None).sign == -1.0
   learnt = auditing.fit_threshold_attack(-f_in[:200], -f_out[:200], sign=None)
@@ -188,9 +203,11 @@ def test_threshold_attack_on_gaussians():
   expected_auc = scipy.stats.norm.cdf(2.0 / math.sqrt(2.0))
   assert abs(ev.auc - expected_auc) < 0.015
   from sklearn import metrics
+
   labels = np.r_[np.ones(2000), np.zeros(2000)]
   np.testing.assert_allclose(
-      ev.auc, metrics.roc_auc_score(labels, attack.scores(np.r_[f_in[2000:], f_out[2000:]])))
+    ev.auc, metrics.roc_auc_score(labels, attack.scores(np.r_[f_in[2000:], f_out[2000:]]))
+  )
   assert ev.auc <= ev.auc_convex_hull < ev.auc + 0.01
   assert abs(ev.accuracy - scipy.stats.norm.cdf(1.0)) < 0.03
   # TPR at FPR 1 %: Phi(2 - z_0.99) for unit Gaussians two apart.
@@ -206,8 +223,9 @@ def test_threshold_attack_on_gaussians():
 def test_epsilon_bound_of_a_perfect_attack_is_clopper_pearson():
   """n members above n non-members: eps >= log(TPR_lb / FPR_ub), one-sided C-P at alpha/2."""
   n, alpha = 100, 0.05
-  ev = auditing.evaluate_attack(auditing.ThresholdAttack(1.0, 0.5, 0.5, 1.0, 1.0),
-                                np.ones(n), np.zeros(n), significance=alpha)
+  ev = auditing.evaluate_attack(
+    auditing.ThresholdAttack(1.0, 0.5, 0.5, 1.0, 1.0), np.ones(n), np.zeros(n), significance=alpha
+  )
   tpr_lb = (alpha / 2) ** (1 / n)
   fpr_ub = 1 - (alpha / 2) ** (1 / n)
   np.testing.assert_allclose(ev.epsilon_lower_bound, math.log(tpr_lb / fpr_ub), rtol=1e-6)
@@ -243,13 +261,20 @@ def test_overfit_model_leaks_untrained_does_not(features):
     assert 0.0 <= ev.auc <= 1.0
     assert 0.0 <= ev.epsilon_lower_bound_all_thresholds < math.inf
   assert _auc(*features["overfit"]["grad_norm"]).auc > 0.75
-  assert (overfit.epsilon_lower_bound_all_thresholds
-          > untrained.epsilon_lower_bound_all_thresholds + 0.2)
+  assert (
+    overfit.epsilon_lower_bound_all_thresholds > untrained.epsilon_lower_bound_all_thresholds + 0.2
+  )
 
 
 def test_dp_training_lowers_the_attack_auc(features):
-  eps = epsilon_after_rounds(rounds=1, noise_multiplier=DP_SIGMA, batch_size=DP_BATCH,
-                             min_client_size=NUM_MEMBERS, steps_per_round=STEPS, delta=DELTA)
+  eps = epsilon_after_rounds(
+    rounds=1,
+    noise_multiplier=DP_SIGMA,
+    batch_size=DP_BATCH,
+    min_client_size=NUM_MEMBERS,
+    steps_per_round=STEPS,
+    delta=DELTA,
+  )
   assert 0.5 < eps < 1.5
   for feature in ("loss", "grad_norm"):
     overfit = _auc(*features["overfit"][feature]).auc
@@ -260,16 +285,29 @@ def test_dp_training_lowers_the_attack_auc(features):
 
 def test_audit_model_writes_roc_and_json(apply_fn, models, members, nonmembers, tmp_path):
   audit = pytest.importorskip("experiments.audit")
-  result = audit.audit_model(apply_fn, models["overfit"], members, nonmembers, seed=0,
-                             out_dir=tmp_path, accountant_epsilon=None, delta=DELTA)
+  result = audit.audit_model(
+    apply_fn,
+    models["overfit"],
+    members,
+    nonmembers,
+    seed=0,
+    out_dir=tmp_path,
+    accountant_epsilon=None,
+    delta=DELTA,
+  )
   for name in ("roc_blackbox.png", "roc_whitebox.png"):
     assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with open(tmp_path / "audit.json") as f:
     loaded = json.load(f)
   assert loaded == json.loads(json.dumps(result))
-  assert loaded["counts"] == {"member_pool": 64, "nonmember_pool": len(nonmembers[1]),
-                              "train_members": 32, "train_nonmembers": 32,
-                              "audit_members": 32, "audit_nonmembers": 32}
+  assert loaded["counts"] == {
+    "member_pool": 64,
+    "nonmember_pool": len(nonmembers[1]),
+    "train_members": 32,
+    "train_nonmembers": 32,
+    "audit_members": 32,
+    "audit_nonmembers": 32,
+  }
   assert loaded["accountant"] == {"dp": False, "epsilon": None, "delta": DELTA}
   assert loaded["model"]["member_accuracy"] == 1.0
   for name in ("blackbox_loss", "whitebox_grad_norm"):

@@ -24,7 +24,7 @@ from fedlap_jax.models import count_params
 from fedlap_jax.training import evaluate, tree_distance
 
 IMAGE_SHAPE = (8, 8, 1)
-B = 64       # digits clients hold 281-290 records: round(N_k / 64) is 4 or 5
+B = 64  # digits clients hold 281-290 records: round(N_k / 64) is 4 or 5
 LR = 0.1
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5)
 
@@ -34,11 +34,21 @@ def _sizes(clients) -> np.ndarray:
 
 
 def _algorithm(method, apply_fn, params, clients, **overrides):
-  shape = dict(num_clients=clients.mask.shape[0], image_shape=IMAGE_SHAPE,
-               num_params=count_params(params), client_backend="auto")
-  kw = dict(rounds=2, learning_rate=LR, local_epochs=1, batch_size=B, prox_mu=0.1,
-            dp=DP if method.startswith("dp_") else None,
-            max_client_size=int(_sizes(clients).max()))
+  shape = dict(
+    num_clients=clients.mask.shape[0],
+    image_shape=IMAGE_SHAPE,
+    num_params=count_params(params),
+    client_backend="auto",
+  )
+  kw = dict(
+    rounds=2,
+    learning_rate=LR,
+    local_epochs=1,
+    batch_size=B,
+    prox_mu=0.1,
+    dp=DP if method.startswith("dp_") else None,
+    max_client_size=int(_sizes(clients).max()),
+  )
   for k, v in overrides.items():
     (shape if k in shape else kw)[k] = v
   return baselines.algorithm(apply_fn, baselines.baseline_config(method, **kw), **shape)
@@ -51,8 +61,10 @@ def _round_fn(apply_fn, config):
 @functools.partial(jax.jit, static_argnums=0)
 def _sgd_gradient(apply_fn, params, x, y):
   """Reference: gradient of the mean cross-entropy over exactly the given records."""
+
   def loss(p):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(apply_fn(p, x), y))
+
   return jax.grad(loss)(params)
 
 
@@ -60,8 +72,7 @@ def _sampled(client_key, step, data, batch_size):
   """The records step ``step`` of a client samples (host side, no padding)."""
   k_sample, _, _ = baselines.step_keys(client_key, step)
   rate = batch_size / float(np.sum(np.asarray(data.mask)))
-  batch = privacy.poisson_sample(k_sample, data.mask, rate,
-                                 privacy.poisson_capacity(batch_size))
+  batch = privacy.poisson_sample(k_sample, data.mask, rate, privacy.poisson_capacity(batch_size))
   idx = np.asarray(batch.indices)[: int(batch.size)]
   return data.x[idx], data.y[idx]
 
@@ -82,8 +93,7 @@ def test_interface_upload_and_metric_shapes(method, tiny_apply_fn, tiny_params, 
   private = method.startswith("dp_")
   assert (alg.dp is DP) if private else (alg.dp is None)
   sizes = _sizes(clients)
-  expected_steps = (np.ones(k, int) if method == "fedsgd"
-                    else np.floor(sizes / B + 0.5).astype(int))
+  expected_steps = np.ones(k, int) if method == "fedsgd" else np.floor(sizes / B + 0.5).astype(int)
   if private:
     assert alg.dp_steps_per_round == expected_steps.max()
   else:
@@ -98,10 +108,11 @@ def test_interface_upload_and_metric_shapes(method, tiny_apply_fn, tiny_params, 
   assert baselines._round_jit._cache_size() - compiled <= 1
 
   c = metrics.client
-  chex.assert_shape([c.loss, c.steps, c.update_norm, c.poisson_extra_chunks,
-                     c.mean_batch_size, c.clip_fraction], (k,))
-  chex.assert_shape([metrics.learning_rate, metrics.server_update_norm,
-                     metrics.control_norm], ())
+  chex.assert_shape(
+    [c.loss, c.steps, c.update_norm, c.poisson_extra_chunks, c.mean_batch_size, c.clip_fraction],
+    (k,),
+  )
+  chex.assert_shape([metrics.learning_rate, metrics.server_update_norm, metrics.control_norm], ())
   chex.assert_tree_all_finite((state.params, metrics))
   np.testing.assert_array_equal(c.steps, expected_steps)
   np.testing.assert_array_equal(c.poisson_extra_chunks, 0)
@@ -141,10 +152,12 @@ def test_fedavg_one_client_one_step_is_one_sgd_step(tiny_apply_fn, tiny_params, 
   n, pad, batch = 40, 8, 32
   x = np.concatenate([digits.x_train[:n], np.zeros((pad, *IMAGE_SHAPE), np.float32)])
   y = np.concatenate([digits.y_train[:n], np.zeros(pad, np.int32)])
-  data = ClientData(jnp.asarray(x)[None], jnp.asarray(y)[None],
-                    jnp.asarray(np.arange(n + pad) < n)[None])
-  alg = _algorithm("fedavg", tiny_apply_fn, tiny_params, data, num_clients=1,
-                   batch_size=batch, max_client_size=n)
+  data = ClientData(
+    jnp.asarray(x)[None], jnp.asarray(y)[None], jnp.asarray(np.arange(n + pad) < n)[None]
+  )
+  alg = _algorithm(
+    "fedavg", tiny_apply_fn, tiny_params, data, num_clients=1, batch_size=batch, max_client_size=n
+  )
   state = alg.init(jax.random.PRNGKey(7), tiny_params, data)
   new_state, metrics = alg.round(state, data)
 
@@ -164,14 +177,18 @@ def test_fedprox_term_is_mu_times_squared_distance(tiny_apply_fn, tiny_params, c
   mu = 0.5
   local = baselines.LocalTraining(epochs=1, batch_size=B, fixed_steps=2, prox_mu=mu)
   key = jax.random.PRNGKey(11)
-  w, metrics = jax.jit(lambda k: baselines.client_update(
-      k, tiny_apply_fn, tiny_params, data, learning_rate=LR, local=local, num_steps=2))(key)
+  w, metrics = jax.jit(
+    lambda k: baselines.client_update(
+      k, tiny_apply_fn, tiny_params, data, learning_rate=LR, local=local, num_steps=2
+    )
+  )(key)
 
   w_ref = tiny_params
   for s in range(2):
     g = _sgd_gradient(tiny_apply_fn, w_ref, *_sampled(key, s, data, B))
-    w_ref = jax.tree.map(lambda wi, gi, xi: wi - LR * (gi + 2 * mu * (wi - xi)),
-                         w_ref, g, tiny_params)
+    w_ref = jax.tree.map(
+      lambda wi, gi, xi: wi - LR * (gi + 2 * mu * (wi - xi)), w_ref, g, tiny_params
+    )
   chex.assert_trees_all_close(w, w_ref, rtol=1e-5, atol=1e-6)
   assert int(metrics.steps) == 2
 
@@ -179,8 +196,11 @@ def test_fedprox_term_is_mu_times_squared_distance(tiny_apply_fn, tiny_params, c
 def test_fedprox_with_mu_zero_is_fedavg(tiny_apply_fn, tiny_params, clients):
   key = jax.random.PRNGKey(1)
   outs = {}
-  for name, method, mu in (("fedavg", "fedavg", 0.1), ("prox0", "fedprox", 0.0),
-                           ("prox", "fedprox", 0.1)):
+  for name, method, mu in (
+    ("fedavg", "fedavg", 0.1),
+    ("prox0", "fedprox", 0.0),
+    ("prox", "fedprox", 0.1),
+  ):
     alg = _algorithm(method, tiny_apply_fn, tiny_params, clients, prox_mu=mu)
     outs[name] = alg.round(alg.init(key, tiny_params, clients), clients)
   chex.assert_trees_all_close(outs["prox0"], outs["fedavg"], rtol=1e-6, atol=1e-7)
@@ -188,8 +208,7 @@ def test_fedprox_with_mu_zero_is_fedavg(tiny_apply_fn, tiny_params, clients):
   assert float(tree_distance(outs["prox"][0].params, outs["fedavg"][0].params)) > 1e-6
 
 
-def test_scaffold_first_round_is_fedavg_and_control_variates(tiny_apply_fn, tiny_params,
-                                                             clients):
+def test_scaffold_first_round_is_fedavg_and_control_variates(tiny_apply_fn, tiny_params, clients):
   key = jax.random.PRNGKey(2)
   fedavg = _algorithm("fedavg", tiny_apply_fn, tiny_params, clients)
   scaffold = _algorithm("scaffold", tiny_apply_fn, tiny_params, clients)
@@ -207,8 +226,9 @@ def test_scaffold_first_round_is_fedavg_and_control_variates(tiny_apply_fn, tiny
   lr = float(m_sc.learning_rate)
   c_mean = jax.tree.map(lambda ck: jnp.tensordot(w, ck, axes=1), s_sc.client_controls)
   chex.assert_trees_all_close(s_sc.control, c_mean, rtol=1e-5, atol=1e-6)
-  step_ref = jax.tree.map(lambda ck: -lr * jnp.tensordot(w * steps, ck, axes=1),
-                          s_sc.client_controls)
+  step_ref = jax.tree.map(
+    lambda ck: -lr * jnp.tensordot(w * steps, ck, axes=1), s_sc.client_controls
+  )
   step = jax.tree.map(jnp.subtract, s_sc.params, tiny_params)
   chex.assert_trees_all_close(step, step_ref, rtol=1e-4, atol=1e-6)
 
@@ -220,8 +240,7 @@ def test_scaffold_first_round_is_fedavg_and_control_variates(tiny_apply_fn, tiny
   assert np.all(np.abs(ratio - 1) > 0.05)
 
 
-def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tiny_params,
-                                                              clients):
+def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tiny_params, clients):
   """DP-SGD with sigma = 0 and C = 1e6 is FedAvg under the same Poisson batches.
 
   DP-SGD divides the clipped sum by the *expected* batch size B, plain FedAvg
@@ -232,23 +251,28 @@ def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tin
   n_max = int(_sizes(clients).max())
   common = dict(epochs=1, batch_size=B, max_client_size=n_max)
   dp_nonoise = baselines.BaselineConfig(
-      method="dp_fedavg", rounds=2, weighting="uniform",
-      local=baselines.LocalTraining(l2_clip_norm=1e6, noise_multiplier=0.0, **common))
+    method="dp_fedavg",
+    rounds=2,
+    weighting="uniform",
+    local=baselines.LocalTraining(l2_clip_norm=1e6, noise_multiplier=0.0, **common),
+  )
   by_expected = baselines.BaselineConfig(
-      method="fedavg", rounds=2, weighting="uniform",
-      local=baselines.LocalTraining(gradient_mean="expected", **common))
+    method="fedavg",
+    rounds=2,
+    weighting="uniform",
+    local=baselines.LocalTraining(gradient_mean="expected", **common),
+  )
   by_realized = baselines.BaselineConfig(
-      method="fedavg", rounds=2, weighting="uniform", local=baselines.LocalTraining(**common))
-  state = baselines.init_baseline_state(jax.random.PRNGKey(4), tiny_params, clients,
-                                        by_expected)
-  out = {name: _round_fn(tiny_apply_fn, cfg)(state, clients)
-         for name, cfg in (("dp", dp_nonoise), ("expected", by_expected),
-                           ("realized", by_realized))}
+    method="fedavg", rounds=2, weighting="uniform", local=baselines.LocalTraining(**common)
+  )
+  state = baselines.init_baseline_state(jax.random.PRNGKey(4), tiny_params, clients, by_expected)
+  out = {
+    name: _round_fn(tiny_apply_fn, cfg)(state, clients)
+    for name, cfg in (("dp", dp_nonoise), ("expected", by_expected), ("realized", by_realized))
+  }
   np.testing.assert_array_equal(out["dp"][1].client.clip_fraction, 0.0)
-  chex.assert_trees_all_close(out["dp"][0].params, out["expected"][0].params,
-                              rtol=1e-4, atol=1e-6)
-  chex.assert_trees_all_close(out["dp"][1].client.loss, out["expected"][1].client.loss,
-                              rtol=1e-5)
+  chex.assert_trees_all_close(out["dp"][0].params, out["expected"][0].params, rtol=1e-4, atol=1e-6)
+  chex.assert_trees_all_close(out["dp"][1].client.loss, out["expected"][1].client.loss, rtol=1e-5)
   gap = tree_distance(out["realized"][0].params, out["expected"][0].params)
   assert float(gap) > 1e-4
 
@@ -256,10 +280,14 @@ def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tin
 def test_dp_noise_has_the_gaussian_mechanism_scale(tiny_apply_fn, tiny_params, clients):
   key = jax.random.PRNGKey(5)
   a = _algorithm("dp_fedavg", tiny_apply_fn, tiny_params, clients)
-  b = _algorithm("dp_fedavg", tiny_apply_fn, tiny_params, clients,
-                 dp=DPConfig(noise_multiplier=1e-6, l2_clip_norm=0.1, delta=1e-5))
-  (sa, ma), (sb, mb) = (alg.round(alg.init(key, tiny_params, clients), clients)
-                        for alg in (a, b))
+  b = _algorithm(
+    "dp_fedavg",
+    tiny_apply_fn,
+    tiny_params,
+    clients,
+    dp=DPConfig(noise_multiplier=1e-6, l2_clip_norm=0.1, delta=1e-5),
+  )
+  (sa, ma), (sb, mb) = (alg.round(alg.init(key, tiny_params, clients), clients) for alg in (a, b))
   # Same batches (same sampling keys), same clipping; only the noise differs.
   chex.assert_trees_all_close(ma.client.mean_batch_size, mb.client.mean_batch_size)
   chex.assert_trees_all_close(ma.client.clip_fraction, mb.client.clip_fraction)
@@ -271,20 +299,30 @@ def test_dp_noise_has_the_gaussian_mechanism_scale(tiny_apply_fn, tiny_params, c
   assert 0.5 < noise / scale < 2.0
 
 
-def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(tiny_apply_fn,
-                                                                        tiny_params, clients):
+def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(
+  tiny_apply_fn, tiny_params, clients
+):
   """A 24-slot buffer (B = 64; the config check bypassed) equals the default 116-slot one."""
   n_max = int(_sizes(clients).max())
-  local = baselines.LocalTraining(epochs=1, batch_size=B, max_client_size=n_max,
-                                  l2_clip_norm=0.1, noise_multiplier=1.0)
+  local = baselines.LocalTraining(
+    epochs=1, batch_size=B, max_client_size=n_max, l2_clip_norm=0.1, noise_multiplier=1.0
+  )
   small = dataclasses.replace(local)
   object.__setattr__(small, "poisson_capacity", 24)  # below min_poisson_capacity(64) = 88
   data = jax.tree.map(lambda a: a[0], clients)
-  update = jax.jit(baselines.client_update,
-                   static_argnames=("apply_fn", "local", "num_steps"))
+  update = jax.jit(baselines.client_update, static_argnames=("apply_fn", "local", "num_steps"))
   (w_small, m_small), (w_ref, m_ref) = (
-      update(jax.random.PRNGKey(3), tiny_apply_fn, tiny_params, data, learning_rate=LR,
-             local=cfg, num_steps=local.scheduled_steps()) for cfg in (small, local))
+    update(
+      jax.random.PRNGKey(3),
+      tiny_apply_fn,
+      tiny_params,
+      data,
+      learning_rate=LR,
+      local=cfg,
+      num_steps=local.scheduled_steps(),
+    )
+    for cfg in (small, local)
+  )
   assert int(m_small.poisson_extra_chunks) >= 2 * int(m_small.steps)
   assert int(m_ref.poisson_extra_chunks) == 0
   chex.assert_trees_all_close(m_small.mean_batch_size, m_ref.mean_batch_size)
@@ -293,13 +331,21 @@ def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(tiny_app
 
 
 def test_dp_refuses_size_weighting():
-  local = baselines.LocalTraining(epochs=1, batch_size=B, l2_clip_norm=0.1, noise_multiplier=1.0,
-                                  max_client_size=300)
-  with pytest.raises(ValueError, match=r"server.weighting='size' is invalid; allowed: 'uniform' "
-                     r"for method='dp_fedavg' \(Algorithm 3"):
+  local = baselines.LocalTraining(
+    epochs=1, batch_size=B, l2_clip_norm=0.1, noise_multiplier=1.0, max_client_size=300
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"server.weighting='size' is invalid; allowed: 'uniform' "
+    r"for method='dp_fedavg' \(Algorithm 3",
+  ):
     baselines.BaselineConfig(method="dp_fedavg", rounds=2, weighting="size", local=local)
-  assert baselines.BaselineConfig(method="dp_fedavg", rounds=2, weighting="uniform",
-                                  local=local).weighting == "uniform"
+  assert (
+    baselines.BaselineConfig(
+      method="dp_fedavg", rounds=2, weighting="uniform", local=local
+    ).weighting
+    == "uniform"
+  )
 
 
 # --------------------------------------------------------------------------
@@ -310,19 +356,34 @@ def test_dp_refuses_size_weighting():
 @pytest.mark.parametrize("method", ["dp_fedavg", "dp_fedprox"])
 def test_dp_steps_per_round_and_epsilon(method, tiny_apply_fn, tiny_params, clients):
   # The reference: N_k = 10,000, B = 256, 5 epochs -> T = 5 * round(39.06) = 195.
-  alg = _algorithm(method, tiny_apply_fn, tiny_params, clients, local_epochs=5,
-                   batch_size=256, max_client_size=10_000)
+  alg = _algorithm(
+    method,
+    tiny_apply_fn,
+    tiny_params,
+    clients,
+    local_epochs=5,
+    batch_size=256,
+    max_client_size=10_000,
+  )
   assert alg.dp_steps_per_round == 195
   eps = accounting.epsilon_after_rounds(
-      rounds=1, noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
-      min_client_size=10_000, steps_per_round=alg.dp_steps_per_round, delta=alg.dp.delta)
+    rounds=1,
+    noise_multiplier=alg.dp.noise_multiplier,
+    batch_size=alg.batch_size,
+    min_client_size=10_000,
+    steps_per_round=alg.dp_steps_per_round,
+    delta=alg.dp.delta,
+  )
   ledger = accounting.PrivacyLedger(
-      noise_multiplier=alg.dp.noise_multiplier, batch_size=alg.batch_size,
-      min_client_size=10_000, steps_per_round=alg.dp_steps_per_round, delta=alg.dp.delta)
+    noise_multiplier=alg.dp.noise_multiplier,
+    batch_size=alg.batch_size,
+    min_client_size=10_000,
+    steps_per_round=alg.dp_steps_per_round,
+    delta=alg.dp.delta,
+  )
   assert ledger.record_round() == pytest.approx(eps, rel=1e-12)
   # FedLAP-DP's T = 200 gives the paper's 2.79 after round 1; 195 steps a little less.
   assert 2.6 < eps < 2.79
-
 
 
 def test_executed_steps_are_the_scheduled_ones(tiny_apply_fn, tiny_params, clients):
@@ -347,7 +408,9 @@ def test_executed_steps_are_the_scheduled_ones(tiny_apply_fn, tiny_params, clien
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, overrides, field", [
+@pytest.mark.parametrize(
+  "method, overrides, field",
+  [
     ("fedavgg", {}, "method"),
     ("dp_fedavg", {"dp": None}, "dp"),
     ("fedavg", {"dp": DP}, "dp"),
@@ -358,19 +421,24 @@ def test_executed_steps_are_the_scheduled_ones(tiny_apply_fn, tiny_params, clien
     ("fedavg", {"weighting": "n_k"}, "weighting"),
     ("fedavg", {"dsa_strategy": "blur"}, "blur"),
     ("dp_fedavg", {"gradient_mean": "realized"}, "gradient_mean"),
-])
-def test_baseline_config_rejects_bad_arguments(method, overrides, field, tiny_apply_fn,
-                                              tiny_params, clients):
+  ],
+)
+def test_baseline_config_rejects_bad_arguments(
+  method, overrides, field, tiny_apply_fn, tiny_params, clients
+):
   with pytest.raises(ValueError, match=field):
     _algorithm(method, tiny_apply_fn, tiny_params, clients, **overrides)
 
 
-@pytest.mark.parametrize("overrides, field", [
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
     ({"num_params": 7}, "num_params"),
     ({"num_clients": 4}, "num_clients"),
     ({"max_client_size": 100}, "max_client_size"),
     ({"image_shape": (28, 28, 1)}, "image_shape"),
-])
+  ],
+)
 def test_init_checks_the_data(overrides, field, tiny_apply_fn, tiny_params, clients):
   alg = _algorithm("fedavg", tiny_apply_fn, tiny_params, clients, **overrides)
   with pytest.raises(ValueError, match=field):
@@ -379,8 +447,7 @@ def test_init_checks_the_data(overrides, field, tiny_apply_fn, tiny_params, clie
 
 def test_config_refuses_inconsistent_methods():
   with pytest.raises(ValueError, match="prox_mu"):
-    baselines.BaselineConfig(method="fedavg", rounds=1,
-                             local=baselines.LocalTraining(prox_mu=0.1))
+    baselines.BaselineConfig(method="fedavg", rounds=1, local=baselines.LocalTraining(prox_mu=0.1))
   with pytest.raises(ValueError, match="l2_clip_norm"):
     baselines.BaselineConfig(method="dp_fedavg", rounds=1, local=baselines.LocalTraining())
   with pytest.raises(ValueError, match="fixed_steps"):

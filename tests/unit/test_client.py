@@ -36,19 +36,49 @@ LR = 0.1
 # The model never moves (inner_loop = 0): the while loop always runs max_outer, and with
 # batch_size = N_k (q = 1) every real gradient is the same full-batch gradient, so the logged
 # matching losses are L_dis against one fixed target.
-FIXED = ClientConfig(ipc=IPC, iterations=2, max_outer=3, batch_loop=2, boost_loop=3,
-                     inner_loop=0, batch_size=290, image_lr=1.0, mse_weight=0.1, radius=1.0,
-                     calibrate_radius=False, dsa_strategy="")
+FIXED = ClientConfig(
+  ipc=IPC,
+  iterations=2,
+  max_outer=3,
+  batch_loop=2,
+  boost_loop=3,
+  inner_loop=0,
+  batch_size=290,
+  image_lr=1.0,
+  mse_weight=0.1,
+  radius=1.0,
+  calibrate_radius=False,
+  dsa_strategy="",
+)
 # A tiny radius: the first local epoch leaves the ball, the while loop stops after 1 iteration.
-TINY_RADIUS = ClientConfig(ipc=IPC, iterations=2, max_outer=4, batch_loop=2, boost_loop=1,
-                           inner_loop=1, batch_size=64, radius=1e-4, calibrate_radius=False,
-                           dsa_strategy="")
+TINY_RADIUS = ClientConfig(
+  ipc=IPC,
+  iterations=2,
+  max_outer=4,
+  batch_loop=2,
+  boost_loop=1,
+  inner_loop=1,
+  batch_size=64,
+  radius=1e-4,
+  calibrate_radius=False,
+  dsa_strategy="",
+)
 # DP with a radius never reached: the loop is bounded by max_outer; C is so small that every
 # per-example gradient is clipped.
-DP_LARGE_RADIUS = ClientConfig(ipc=IPC, iterations=2, max_outer=3, batch_loop=2, boost_loop=1,
-                               inner_loop=1, batch_size=64, radius=1e3, mse_weight=0.0,
-                               calibrate_radius=False, dsa_strategy="",
-                               dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1e-3, delta=1e-5))
+DP_LARGE_RADIUS = ClientConfig(
+  ipc=IPC,
+  iterations=2,
+  max_outer=3,
+  batch_loop=2,
+  boost_loop=1,
+  inner_loop=1,
+  batch_size=64,
+  radius=1e3,
+  mse_weight=0.0,
+  calibrate_radius=False,
+  dsa_strategy="",
+  dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1e-3, delta=1e-5),
+)
 
 local_approx_jit = jax.jit(local_approx, static_argnames=("apply_fn", "config"))
 
@@ -64,8 +94,9 @@ def client_data(client_parts) -> ClientData:
 def synthetic(client_data) -> SyntheticSet:
   labels, mask = synthetic_labels([np.asarray(client_data.y)], IPC)
   mask = jnp.asarray(mask[0])
-  return SyntheticSet(noise_images(jax.random.PRNGKey(5), mask, (8, 8, 1)),
-                      jnp.asarray(labels[0]), mask)
+  return SyntheticSet(
+    noise_images(jax.random.PRNGKey(5), mask, (8, 8, 1)), jnp.asarray(labels[0]), mask
+  )
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +106,15 @@ def run(tiny_apply_fn, tiny_params, synthetic, client_data):
 
   def go(config):
     if config not in cache:
-      cache[config] = local_approx_jit(jax.random.PRNGKey(1), tiny_apply_fn, tiny_params,
-                                       synthetic, client_data, config, learning_rate=LR)
+      cache[config] = local_approx_jit(
+        jax.random.PRNGKey(1),
+        tiny_apply_fn,
+        tiny_params,
+        synthetic,
+        client_data,
+        config,
+        learning_rate=LR,
+      )
     return cache[config]
 
   return go
@@ -93,10 +131,13 @@ def check_outputs(out, synthetic, config):
   c = config
   chex.assert_shape(m.matching_loss, (c.iterations, c.max_outer, c.batch_loop, c.boost_loop))
   chex.assert_shape([m.outer_iterations, m.trajectory_distance], (c.iterations,))
-  chex.assert_shape([m.real_accesses, m.poisson_extra_chunks, m.mean_batch_size, m.clip_fraction], ())
+  chex.assert_shape(
+    [m.real_accesses, m.poisson_extra_chunks, m.mean_batch_size, m.clip_fraction], ()
+  )
   chex.assert_type([m.outer_iterations, m.real_accesses, m.poisson_extra_chunks], jnp.int32)
-  chex.assert_type([m.matching_loss, m.mean_batch_size, m.trajectory_distance, m.clip_fraction],
-                   jnp.float32)
+  chex.assert_type(
+    [m.matching_loss, m.mean_batch_size, m.trajectory_distance, m.clip_fraction], jnp.float32
+  )
   chex.assert_tree_all_finite((syn.x, r_k, m.matching_loss))
   assert int(m.poisson_extra_chunks) == 0
   # The accesses counted are the batches actually drawn.
@@ -109,8 +150,9 @@ def check_outputs(out, synthetic, config):
   assert np.all(logged[ran] > 0) and np.all(logged[~ran] == 0)
 
 
-@pytest.mark.parametrize("config", [FIXED, TINY_RADIUS, DP_LARGE_RADIUS],
-                         ids=["fixed", "tiny_radius", "dp"])
+@pytest.mark.parametrize(
+  "config", [FIXED, TINY_RADIUS, DP_LARGE_RADIUS], ids=["fixed", "tiny_radius", "dp"]
+)
 def test_outputs(run, synthetic, config):
   out = run(config)
   check_outputs(out, synthetic, config)
@@ -119,8 +161,15 @@ def test_outputs(run, synthetic, config):
 
 
 def test_eager_equals_jit(tiny_apply_fn, tiny_params, synthetic, client_data, run):
-  eager = local_approx(jax.random.PRNGKey(1), tiny_apply_fn, tiny_params, synthetic, client_data,
-                       FIXED, learning_rate=LR)
+  eager = local_approx(
+    jax.random.PRNGKey(1),
+    tiny_apply_fn,
+    tiny_params,
+    synthetic,
+    client_data,
+    FIXED,
+    learning_rate=LR,
+  )
   chex.assert_trees_all_close(eager, run(FIXED), atol=1e-5, rtol=1e-5)
 
 
@@ -152,16 +201,19 @@ def test_while_loop_bounded_by_max_outer_and_dp(run):
   assert float(m.clip_fraction) == 1.0  # C = 1e-3 clips every per-example gradient
 
 
-def test_local_approx_lowers_matching_loss(run, tiny_apply_fn, tiny_params, synthetic,
-                                           client_data):
+def test_local_approx_lowers_matching_loss(run, tiny_apply_fn, tiny_params, synthetic, client_data):
   syn, _, m = run(FIXED)
   losses = np.asarray(m.matching_loss).reshape(-1)  # 36 updates against one fixed target
   assert losses[-1] < 0.5 * losses[0], losses
   # L_dis recomputed from scratch on the full-batch real gradient, before and after.
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
-      tiny_apply_fn, tiny_params, client_data.x, client_data.y, ~client_data.mask)
-  step = jax.jit(functools.partial(matching.matching_step, tiny_apply_fn, dsa_strategy="",
-                                   mse_weight=FIXED.mse_weight))
+    tiny_apply_fn, tiny_params, client_data.x, client_data.y, ~client_data.mask
+  )
+  step = jax.jit(
+    functools.partial(
+      matching.matching_step, tiny_apply_fn, dsa_strategy="", mse_weight=FIXED.mse_weight
+    )
+  )
   before, _ = step(tiny_params, synthetic, g_real, jax.random.PRNGKey(0))
   after, _ = step(tiny_params, syn, g_real, jax.random.PRNGKey(0))
   chex.assert_trees_all_close(before, losses[0], rtol=1e-4)
@@ -170,23 +222,45 @@ def test_local_approx_lowers_matching_loss(run, tiny_apply_fn, tiny_params, synt
 
 
 def test_same_key_same_result(run, tiny_apply_fn, tiny_params, synthetic, client_data):
-  again = local_approx_jit(jax.random.PRNGKey(1), tiny_apply_fn, tiny_params, synthetic,
-                           client_data, TINY_RADIUS, learning_rate=LR)
+  again = local_approx_jit(
+    jax.random.PRNGKey(1),
+    tiny_apply_fn,
+    tiny_params,
+    synthetic,
+    client_data,
+    TINY_RADIUS,
+    learning_rate=LR,
+  )
   chex.assert_trees_all_equal(again, run(TINY_RADIUS))
-  other = local_approx_jit(jax.random.PRNGKey(2), tiny_apply_fn, tiny_params, synthetic,
-                           client_data, TINY_RADIUS, learning_rate=LR)
+  other = local_approx_jit(
+    jax.random.PRNGKey(2),
+    tiny_apply_fn,
+    tiny_params,
+    synthetic,
+    client_data,
+    TINY_RADIUS,
+    learning_rate=LR,
+  )
   assert not bool(jnp.allclose(other[0].x, run(TINY_RADIUS)[0].x))
 
 
-def test_a_buffer_smaller_than_the_draw_gives_the_same_result(run, tiny_apply_fn, tiny_params,
-                                                              synthetic, client_data):
+def test_a_buffer_smaller_than_the_draw_gives_the_same_result(
+  run, tiny_apply_fn, tiny_params, synthetic, client_data
+):
   """Exact Poisson sampling: a 32-slot buffer (B = 64; the config check bypassed) processes
   every draw in 2-4 chunks and gives the result of the default 116-slot buffer."""
   small = dataclasses.replace(DP_LARGE_RADIUS, poisson_capacity=None)
   object.__setattr__(small, "poisson_capacity", 32)  # below min_poisson_capacity(64) = 88
   assert small.capacity == 32
-  out = local_approx_jit(jax.random.PRNGKey(1), tiny_apply_fn, tiny_params, synthetic,
-                         client_data, small, learning_rate=LR)
+  out = local_approx_jit(
+    jax.random.PRNGKey(1),
+    tiny_apply_fn,
+    tiny_params,
+    synthetic,
+    client_data,
+    small,
+    learning_rate=LR,
+  )
   ref = run(DP_LARGE_RADIUS)
   assert int(out[2].poisson_extra_chunks) >= int(out[2].real_accesses)  # >= 1 per batch
   assert int(ref[2].poisson_extra_chunks) == 0
@@ -203,9 +277,11 @@ def test_a_buffer_smaller_than_the_draw_gives_the_same_result(run, tiny_apply_fn
 def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, dsa_strategy):
   """L_dis and its image gradient (grad of grad), eager and jitted."""
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
-      linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
-  step = functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy,
-                           mse_weight=0.1)
+    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
+  )
+  step = functools.partial(
+    matching.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy, mse_weight=0.1
+  )
   eager = step(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
   jitted = jax.jit(step)(linear_params, synthetic, g_real, jax.random.PRNGKey(3))
   chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5)
@@ -216,20 +292,24 @@ def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, d
   assert float(jnp.max(jnp.abs(grad_x))) > 0
   if not dsa_strategy:
     g_syn = matching.synthetic_gradient(linear_apply_fn, linear_params, synthetic)
-    chex.assert_trees_all_close(loss, matching_distance(g_real, g_syn, mse_weight=0.1),
-                                rtol=1e-5)
+    chex.assert_trees_all_close(loss, matching_distance(g_real, g_syn, mse_weight=0.1), rtol=1e-5)
 
 
-def test_padding_slots_of_the_synthetic_set_are_ignored(linear_apply_fn, linear_params,
-                                                        client_data, synthetic):
+def test_padding_slots_of_the_synthetic_set_are_ignored(
+  linear_apply_fn, linear_params, client_data, synthetic
+):
   """Padded synthetic slots (clients owning fewer classes) get no gradient and change nothing."""
-  padded = SyntheticSet(jnp.concatenate([synthetic.x, 7.0 * jnp.ones_like(synthetic.x[:2])]),
-                        jnp.concatenate([synthetic.y, jnp.zeros(2, jnp.int32)]),
-                        jnp.concatenate([synthetic.mask, jnp.zeros(2, bool)]))
+  padded = SyntheticSet(
+    jnp.concatenate([synthetic.x, 7.0 * jnp.ones_like(synthetic.x[:2])]),
+    jnp.concatenate([synthetic.y, jnp.zeros(2, jnp.int32)]),
+    jnp.concatenate([synthetic.mask, jnp.zeros(2, bool)]),
+  )
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
-      linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask)
-  step = jax.jit(functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy="",
-                                   mse_weight=0.1))
+    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
+  )
+  step = jax.jit(
+    functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy="", mse_weight=0.1)
+  )
   loss, grad_x = step(linear_params, padded, g_real, jax.random.PRNGKey(0))
   ref_loss, ref_grad = step(linear_params, synthetic, g_real, jax.random.PRNGKey(0))
   chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5)
@@ -238,8 +318,9 @@ def test_padding_slots_of_the_synthetic_set_are_ignored(linear_apply_fn, linear_
 
 
 def test_image_optimizer_is_momentum_sgd():
-  opt = client.default_image_optimizer(ClientConfig(image_lr=2.0, image_momentum=0.5,
-                                                    dsa_strategy=""))
+  opt = client.default_image_optimizer(
+    ClientConfig(image_lr=2.0, image_momentum=0.5, dsa_strategy="")
+  )
   x = jnp.zeros(3)
   g = jnp.ones(3)
   state = opt.init(x)
@@ -260,8 +341,7 @@ def test_average_targets_equals_one_target_when_the_batches_agree(run):
   s_one, _, m_one = run(one)
   chex.assert_trees_all_close(s_avg.x, s_one.x, atol=1e-5, rtol=1e-5)
   loss_avg = np.asarray(m_avg.matching_loss)
-  np.testing.assert_allclose(loss_avg[:, :, 0], np.asarray(m_one.matching_loss)[:, :, 0],
-                             rtol=1e-5)
+  np.testing.assert_allclose(loss_avg[:, :, 0], np.asarray(m_one.matching_loss)[:, :, 0], rtol=1e-5)
   assert np.all(loss_avg[:, :, 1:] == 0)
   # Every real batch is still counted: T = R_i * max_outer * batch_loop.
   assert int(m_avg.real_accesses) == avg.real_accesses_per_round == 2 * int(m_one.real_accesses)
@@ -292,8 +372,7 @@ def _gradient_descent(apply_fn, params, client_data, steps):
   return w
 
 
-def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_params,
-                                                     client_data):
+def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_params, client_data):
   # q = 1, no DSA, no DP, batch_loop = 1: each while-loop iteration's target is the
   # full-batch gradient, and model_steps='noisy_real' steps w <- w - LR g along it, also after
   # the last iteration: model_delta = 3 steps of full-batch gradient descent (both trajectories
@@ -303,20 +382,28 @@ def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_pa
   w = _gradient_descent(tiny_apply_fn, tiny_params, client_data, cfg.max_outer)
   expected = jax.tree.map(jnp.subtract, w, tiny_params)
   chex.assert_trees_all_close(m.model_delta, expected, atol=1e-5, rtol=1e-4)
-  np.testing.assert_allclose(np.asarray(m.trajectory_distance),
-                             float(tree_distance(w, tiny_params)), rtol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(m.trajectory_distance), float(tree_distance(w, tiny_params)), rtol=1e-4
+  )
   assert run(dataclasses.replace(cfg, model_steps="synthetic"))[2].model_delta is None
 
 
-def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(run, tiny_apply_fn,
-                                                                         tiny_params,
-                                                                         client_data):
+def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(
+  run, tiny_apply_fn, tiny_params, client_data
+):
   # The synthetic side augments (flip), the real batches do not (real_dsa_strategy=""): the
   # noisy_real trajectory is then full-batch gradient descent on the records as they are, as in
   # the test above. With the paper's default (real batches augmented like the synthetic ones,
   # real_dsa_strategy=None) the flipped batches give other gradients and this fails.
-  cfg = dataclasses.replace(FIXED, batch_loop=1, boost_loop=1, average_targets=True,
-                            model_steps="noisy_real", dsa_strategy="flip", real_dsa_strategy="")
+  cfg = dataclasses.replace(
+    FIXED,
+    batch_loop=1,
+    boost_loop=1,
+    average_targets=True,
+    model_steps="noisy_real",
+    dsa_strategy="flip",
+    real_dsa_strategy="",
+  )
   w = _gradient_descent(tiny_apply_fn, tiny_params, client_data, cfg.max_outer)
   expected = jax.tree.map(jnp.subtract, w, tiny_params)
   chex.assert_trees_all_close(run(cfg)[2].model_delta, expected, atol=1e-5, rtol=1e-4)
@@ -336,89 +423,136 @@ def test_noisy_real_needs_average_targets():
 
 # ---------------------------------------------------------------- the pieces, each alone
 
-DP_Q1 = ClientConfig(ipc=IPC, iterations=1, max_outer=1, batch_loop=3, boost_loop=2,
-                     inner_loop=1, batch_size=290, image_lr=0.5, image_momentum=0.0,
-                     mse_weight=0.1, radius=1.0, calibrate_radius=False, dsa_strategy="",
-                     dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=0.05, delta=1e-5))
+DP_Q1 = ClientConfig(
+  ipc=IPC,
+  iterations=1,
+  max_outer=1,
+  batch_loop=3,
+  boost_loop=2,
+  inner_loop=1,
+  batch_size=290,
+  image_lr=0.5,
+  image_momentum=0.0,
+  mse_weight=0.1,
+  radius=1.0,
+  calibrate_radius=False,
+  dsa_strategy="",
+  dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=0.05, delta=1e-5),
+)
 NONDP_Q1 = dataclasses.replace(DP_Q1, dp=None)
 
 
 def _problem(apply_fn, params, synthetic, client_data, config, optimizer=None):
-  return client.LocalProblem(apply_fn, params, synthetic, client_data, config, jnp.float32(LR),
-                             optimizer or client.default_image_optimizer(config))
+  return client.LocalProblem(
+    apply_fn,
+    params,
+    synthetic,
+    client_data,
+    config,
+    jnp.float32(LR),
+    optimizer or client.default_image_optimizer(config),
+  )
 
 
-def test_noisy_real_target_at_q_one_is_the_full_batch_gradient(linear_apply_fn, linear_params,
-                                                               synthetic, client_data):
+def test_noisy_real_target_at_q_one_is_the_full_batch_gradient(
+  linear_apply_fn, linear_params, synthetic, client_data
+):
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, NONDP_Q1)
   t = client.noisy_real_target(p, (jax.random.PRNGKey(0), None), linear_params)
-  full = privacy.real_gradient(linear_apply_fn, linear_params, client_data.x, client_data.y,
-                               ~client_data.mask)
+  full = privacy.real_gradient(
+    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
+  )
   chex.assert_trees_all_close(t.gradient, full, atol=1e-6, rtol=1e-5)
   assert int(t.batch_size) == 290 and int(t.extra_chunks) == 0 and float(t.clipped) == 0.0
 
 
-def test_noisy_real_target_under_dp_is_the_clipped_noised_sum_over_b(linear_apply_fn,
-                                                                     linear_params, synthetic,
-                                                                     client_data):
+def test_noisy_real_target_under_dp_is_the_clipped_noised_sum_over_b(
+  linear_apply_fn, linear_params, synthetic, client_data
+):
   """Algorithm 3's target by hand: every record (q = 1) clipped to C, N(0, sigma^2 C^2) with
   the batch's noise key, divided by B."""
   key = jax.random.PRNGKey(4)
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, DP_Q1)
   t = client.noisy_real_target(p, (key, None), linear_params)
   dp = DP_Q1.dp
-  clipped, norms = privacy.clipped_gradient_sum(linear_apply_fn, linear_params, client_data.x,
-                                                client_data.y, ~client_data.mask,
-                                                l2_clip_norm=dp.l2_clip_norm)
-  expected = privacy.privatise(jax.random.split(key, 3)[2], clipped,
-                               l2_clip_norm=dp.l2_clip_norm,
-                               noise_multiplier=dp.noise_multiplier, expected_batch_size=290)
+  clipped, norms = privacy.clipped_gradient_sum(
+    linear_apply_fn,
+    linear_params,
+    client_data.x,
+    client_data.y,
+    ~client_data.mask,
+    l2_clip_norm=dp.l2_clip_norm,
+  )
+  expected = privacy.privatise(
+    jax.random.split(key, 3)[2],
+    clipped,
+    l2_clip_norm=dp.l2_clip_norm,
+    noise_multiplier=dp.noise_multiplier,
+    expected_batch_size=290,
+  )
   chex.assert_trees_all_close(t.gradient, expected, atol=1e-6, rtol=1e-5)
   assert float(t.clipped) == float(jnp.sum(norms > dp.l2_clip_norm)) > 0
 
 
-def test_match_images_steps_the_images_with_the_given_optimizer(linear_apply_fn, linear_params,
-                                                                synthetic, client_data):
+def test_match_images_steps_the_images_with_the_given_optimizer(
+  linear_apply_fn, linear_params, synthetic, client_data
+):
   """R_b = 2 updates of plain SGD at 0.5, by hand: x <- x - 0.5 grad_x L_dis."""
   opt = optax.sgd(0.5)
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, NONDP_Q1, opt)
-  target = privacy.real_gradient(linear_apply_fn, linear_params, client_data.x, client_data.y,
-                                 ~client_data.mask)
+  target = privacy.real_gradient(
+    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
+  )
   keys = (jax.random.PRNGKey(0), None)
-  x, _, losses = client.match_images(p, linear_params, synthetic.x, opt.init(synthetic.x),
-                                     target, keys, fresh_augmentation=False)
+  x, _, losses = client.match_images(
+    p, linear_params, synthetic.x, opt.init(synthetic.x), target, keys, fresh_augmentation=False
+  )
   x_ref, ref_losses = synthetic.x, []
   for _ in range(2):
-    loss, grad_x = matching.matching_step(linear_apply_fn, linear_params,
-                                          synthetic._replace(x=x_ref), target, keys[0],
-                                          dsa_strategy="", mse_weight=0.1)
+    loss, grad_x = matching.matching_step(
+      linear_apply_fn,
+      linear_params,
+      synthetic._replace(x=x_ref),
+      target,
+      keys[0],
+      dsa_strategy="",
+      mse_weight=0.1,
+    )
     ref_losses.append(loss)
     x_ref = x_ref - 0.5 * grad_x
   chex.assert_trees_all_close(x, x_ref, atol=1e-6, rtol=1e-5)
   chex.assert_trees_all_close(losses, jnp.stack(ref_losses), rtol=1e-5)
 
 
-def test_averaged_target_is_the_mean_of_the_batch_targets(linear_apply_fn, linear_params,
-                                                          synthetic, client_data):
+def test_averaged_target_is_the_mean_of_the_batch_targets(
+  linear_apply_fn, linear_params, synthetic, client_data
+):
   cfg = dataclasses.replace(DP_Q1, average_targets=True)
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, cfg)
   keys = (jax.random.PRNGKey(2), None)
   x, _, losses, stats, g = client.averaged_target(
-      p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x),
-      client.AccessStats.zeros())
-  targets = [client.noisy_real_target(p, client._fold(keys, b), linear_params).gradient
-             for b in range(3)]
+    p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x), client.AccessStats.zeros()
+  )
+  targets = [
+    client.noisy_real_target(p, client._fold(keys, b), linear_params).gradient for b in range(3)
+  ]
   chex.assert_trees_all_close(g, jax.tree.map(lambda *t: sum(t) / 3, *targets), atol=1e-7)
   assert int(stats.accesses) == 3 and int(stats.sampled) == 3 * 290
   assert np.all(np.asarray(losses[0]) > 0) and np.all(np.asarray(losses[1:]) == 0)
   # The per-batch recipe's first row is against the first batch's target alone.
   _, _, per_batch, stats_b, none = client.per_batch_targets(
-      p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x),
-      client.AccessStats.zeros())
+    p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x), client.AccessStats.zeros()
+  )
   assert none is None and int(stats_b.accesses) == 3
-  first, _ = matching.matching_step(linear_apply_fn, linear_params, synthetic, targets[0],
-                                    jax.random.split(client._fold(keys, 0)[0], 3)[1],
-                                    dsa_strategy="", mse_weight=0.1)
+  first, _ = matching.matching_step(
+    linear_apply_fn,
+    linear_params,
+    synthetic,
+    targets[0],
+    jax.random.split(client._fold(keys, 0)[0], 3)[1],
+    dsa_strategy="",
+    mse_weight=0.1,
+  )
   np.testing.assert_allclose(float(per_batch[0, 0]), float(first), rtol=1e-5)
 
 
@@ -430,42 +564,70 @@ def test_the_model_steps(linear_apply_fn, linear_params, synthetic, client_data)
   keys = (jax.random.PRNGKey(3), None)
   epochs = client.synthetic_epochs(p, keys, linear_params, synthetic.x)
   k, _ = client._fold(client._fold(keys, DP_Q1.batch_loop), 0)
-  ref = training.sgd_epoch(k, linear_apply_fn, linear_params, synthetic.x, synthetic.y,
-                           synthetic.mask.astype(jnp.float32), LR,
-                           batch_size=DP_Q1.model_batch_size, dsa_strategy="")[0]
+  ref = training.sgd_epoch(
+    k,
+    linear_apply_fn,
+    linear_params,
+    synthetic.x,
+    synthetic.y,
+    synthetic.mask.astype(jnp.float32),
+    LR,
+    batch_size=DP_Q1.model_batch_size,
+    dsa_strategy="",
+  )[0]
   chex.assert_trees_all_close(epochs, ref, atol=1e-7)
   # The paper's step: those epochs after every while-loop iteration but the last permitted.
-  two = _problem(linear_apply_fn, linear_params, synthetic, client_data,
-                 dataclasses.replace(DP_Q1, max_outer=2))
+  two = _problem(
+    linear_apply_fn, linear_params, synthetic, client_data, dataclasses.replace(DP_Q1, max_outer=2)
+  )
   step = client.synthetic_model_step
-  chex.assert_trees_all_close(step(two, keys, 0, linear_params, synthetic.x, None), ref,
-                              atol=1e-7)
-  chex.assert_trees_all_equal(step(two, keys, 1, linear_params, synthetic.x, None),
-                              linear_params)
+  chex.assert_trees_all_close(step(two, keys, 0, linear_params, synthetic.x, None), ref, atol=1e-7)
+  chex.assert_trees_all_equal(step(two, keys, 1, linear_params, synthetic.x, None), linear_params)
 
 
 def test_recipe_names_the_pieces_of_each_config():
   paper = client.recipe(FIXED)
   assert paper == (client.per_batch_targets, None, False)
   assert client.recipe(TINY_RADIUS).model_step is client.synthetic_model_step
-  hybrid = client.recipe(dataclasses.replace(DP_Q1, average_targets=True,
-                                             model_steps="noisy_real"))
+  hybrid = client.recipe(dataclasses.replace(DP_Q1, average_targets=True, model_steps="noisy_real"))
   assert hybrid == (client.averaged_target, client.noisy_real_step, True)
 
 
-TOY = ClientConfig(ipc=1, iterations=1, max_outer=5, batch_loop=1, boost_loop=1, radius=1.0,
-                   calibrate_radius=False, dsa_strategy="")
+TOY = ClientConfig(
+  ipc=1,
+  iterations=1,
+  max_outer=5,
+  batch_loop=1,
+  boost_loop=1,
+  radius=1.0,
+  calibrate_radius=False,
+  dsa_strategy="",
+)
 
 
 def _toy_trajectory(step, client_axis, moves_model=True):
   """A trajectory whose iteration moves w by ``step`` and logs loss o + 1."""
-  def iteration(keys_o, o, w, images, opt_state, stats):
-    return ({"w": w["w"] + step}, images + 1.0, opt_state,
-            jnp.full((1, 1), o + 1.0), stats.add(client.RealTarget(None, None, None, 1, 0, 0.0)))
 
-  return client.trajectory(iteration, (jax.random.PRNGKey(0), None), {"w": jnp.float32(0.0)},
-                           jnp.float32(0.0), (), client.AccessStats.zeros(), config=TOY,
-                           moves_model=moves_model, client_axis=client_axis)
+  def iteration(keys_o, o, w, images, opt_state, stats):
+    return (
+      {"w": w["w"] + step},
+      images + 1.0,
+      opt_state,
+      jnp.full((1, 1), o + 1.0),
+      stats.add(client.RealTarget(None, None, None, 1, 0, 0.0)),
+    )
+
+  return client.trajectory(
+    iteration,
+    (jax.random.PRNGKey(0), None),
+    {"w": jnp.float32(0.0)},
+    jnp.float32(0.0),
+    (),
+    client.AccessStats.zeros(),
+    config=TOY,
+    moves_model=moves_model,
+    client_axis=client_axis,
+  )
 
 
 def test_one_trajectory_function_alone_and_side_by_side():
@@ -486,8 +648,7 @@ def test_one_trajectory_function_alone_and_side_by_side():
   assert int(still.iterations) == TOY.max_outer and float(still.distance) == 0.0
 
 
-def test_a_custom_image_optimizer_is_used(linear_apply_fn, linear_params, synthetic,
-                                         client_data):
+def test_a_custom_image_optimizer_is_used(linear_apply_fn, linear_params, synthetic, client_data):
   run = jax.jit(local_approx, static_argnames=("apply_fn", "config", "image_optimizer"))
   cfg = dataclasses.replace(NONDP_Q1, batch_loop=1, boost_loop=1, inner_loop=0)
   args = (jax.random.PRNGKey(1), linear_apply_fn, linear_params, synthetic, client_data, cfg)
@@ -498,10 +659,17 @@ def test_a_custom_image_optimizer_is_used(linear_apply_fn, linear_params, synthe
   chex.assert_trees_all_equal(frozen[0].x, synthetic.x)
   adam = run(*args, learning_rate=LR, image_optimizer=optax.adam(0.01))
   # Adam's first step: -0.01 g / (|g| + eps), g the image gradient against the full batch.
-  target = privacy.real_gradient(linear_apply_fn, linear_params, client_data.x, client_data.y,
-                                 ~client_data.mask)
-  _, g = matching.matching_step(linear_apply_fn, linear_params, synthetic, target,
-                                jax.random.PRNGKey(0), dsa_strategy="", mse_weight=0.1)
-  chex.assert_trees_all_close(adam[0].x, synthetic.x - 0.01 * g / (jnp.abs(g) + 1e-8),
-                              atol=1e-4)
+  target = privacy.real_gradient(
+    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
+  )
+  _, g = matching.matching_step(
+    linear_apply_fn,
+    linear_params,
+    synthetic,
+    target,
+    jax.random.PRNGKey(0),
+    dsa_strategy="",
+    mse_weight=0.1,
+  )
+  chex.assert_trees_all_close(adam[0].x, synthetic.x - 0.01 * g / (jnp.abs(g) + 1e-8), atol=1e-4)
   assert not np.allclose(np.asarray(adam[0].x), np.asarray(default[0].x), atol=1e-3)

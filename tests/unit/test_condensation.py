@@ -31,8 +31,9 @@ pytestmark = pytest.mark.xdist_group("condensation")
 IMAGE_SHAPE = (8, 8, 1)
 IPC = 2
 B = 16
-TINY = condensation.CondensationConfig(ipc=IPC, networks=1, outer_loop=2, inner_loop=1,
-                                       batch_loop=2, classwise=False, batch_size=B)
+TINY = condensation.CondensationConfig(
+  ipc=IPC, networks=1, outer_loop=2, inner_loop=1, batch_loop=2, classwise=False, batch_size=B
+)
 
 
 def _client(clients, k=0):
@@ -71,21 +72,30 @@ def test_published_loops():
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5)
 
 
-@pytest.mark.parametrize("build, field, value", [
+@pytest.mark.parametrize(
+  "build, field, value",
+  [
     (lambda: condensation.CondensationConfig(classwise=True, dp=DP), "classwise", True),
-    (lambda: condensation.CondensationConfig(classwise=False, synthetic_init="real", dp=DP),
-     "synthetic_init", "real"),
+    (
+      lambda: condensation.CondensationConfig(classwise=False, synthetic_init="real", dp=DP),
+      "synthetic_init",
+      "real",
+    ),
     (lambda: condensation.CondensationConfig(networks=0), "networks", 0),
     (lambda: condensation.CondensationConfig(net_lr=-0.1), "net_lr", -0.1),
     (lambda: condensation.OneShotConfig(method="psg"), "dp", None),
     (lambda: condensation.OneShotConfig(method="dsc", condensation=TINY), "classwise", False),
-    (lambda: condensation.OneShotConfig(method="dsc", server=ServerConfig()),
-     "radius_strategy", "min"),
+    (
+      lambda: condensation.OneShotConfig(method="dsc", server=ServerConfig()),
+      "radius_strategy",
+      "min",
+    ),
     (lambda: condensation.OneShotConfig(method="dsc", lr_decay=0.0), "lr_decay", 0.0),
     (lambda: condensation.OneShotConfig(method="dc"), "method", "dc"),
     (lambda: feddm.FedDMConfig(rho=-1.0), "rho", -1.0),
     (lambda: feddm.FedDMConfig(server=ServerConfig()), "radius_strategy", "min"),
-])
+  ],
+)
 def test_bad_settings_are_refused_with_field_value_and_allowed(build, field, value):
   with pytest.raises(ConfigError) as err:
     build()
@@ -109,9 +119,9 @@ def test_class_blocks_and_class_batches(clients):
     n_c = int(np.sum((y == c) & np.asarray(client.mask)))
     batch = class_batch(jax.random.PRNGKey(0), client, jnp.int32(c), jnp.bool_(True), B, 64)
     got = np.asarray(batch.indices)[: int(batch.size)]
-    assert set(y[got]) == {c} and 0 < len(got) < n_c            # B / N_c of the class
+    assert set(y[got]) == {c} and 0 < len(got) < n_c  # B / N_c of the class
     whole = class_batch(jax.random.PRNGKey(0), client, jnp.int32(c), jnp.bool_(True), 1000, 1000)
-    assert int(whole.size) == n_c                                 # fewer than B: all of them
+    assert int(whole.size) == n_c  # fewer than B: all of them
   empty = class_batch(jax.random.PRNGKey(0), client, jnp.int32(own[0]), jnp.bool_(False), B, 64)
   assert int(empty.size) == 0
   with pytest.raises(ValueError, match="blocks of ipc=4"):
@@ -122,8 +132,10 @@ def test_pool_clients(clients):
   pooled = condensation.pool_clients(clients)
   chex.assert_shape(pooled.x, (1, clients.x.shape[0] * clients.x.shape[1], *IMAGE_SHAPE))
   assert int(pooled.mask.sum()) == int(clients.mask.sum())
-  np.testing.assert_array_equal(np.sort(np.asarray(pooled.y)[0][np.asarray(pooled.mask)[0]]),
-                                np.sort(np.asarray(clients.y)[np.asarray(clients.mask)]))
+  np.testing.assert_array_equal(
+    np.sort(np.asarray(pooled.y)[0][np.asarray(pooled.mask)[0]]),
+    np.sort(np.asarray(clients.y)[np.asarray(clients.mask)]),
+  )
 
 
 # ------------------------------------------------------------------ PSG's private path
@@ -134,13 +146,16 @@ def psg_runs(tiny_apply_fn, tiny_init, clients):
   """Non-DP class-agnostic condensation, and DP with a negligible and with a large noise."""
   client = _client(clients)
   syn = _synthetic(client)
-  run = functools.partial(_condense, jax.random.PRNGKey(3), syn, client, apply_fn=tiny_apply_fn,
-                          init=tiny_init)
+  run = functools.partial(
+    _condense, jax.random.PRNGKey(3), syn, client, apply_fn=tiny_apply_fn, init=tiny_init
+  )
   negligible = DPConfig(noise_multiplier=1e-9, l2_clip_norm=1e3, delta=1e-5)
   loud = DPConfig(noise_multiplier=5.0, l2_clip_norm=1e-3, delta=1e-5)
-  return syn, {"plain": run(config=TINY),
-               "negligible": run(config=dataclasses.replace(TINY, dp=negligible)),
-               "loud": run(config=dataclasses.replace(TINY, dp=loud))}
+  return syn, {
+    "plain": run(config=TINY),
+    "negligible": run(config=dataclasses.replace(TINY, dp=negligible)),
+    "loud": run(config=dataclasses.replace(TINY, dp=loud)),
+  }
 
 
 def test_psg_private_path_reduces_to_the_plain_one_without_clipping_or_noise(psg_runs):
@@ -149,7 +164,7 @@ def test_psg_private_path_reduces_to_the_plain_one_without_clipping_or_noise(psg
   syn, runs = psg_runs
   (plain, m_plain), (dp, m_dp) = runs["plain"], runs["negligible"]
   moved = float(jnp.max(jnp.abs(plain.x - syn.x)))
-  assert moved > 1e-2                                   # the images did move
+  assert moved > 1e-2  # the images did move
   chex.assert_trees_all_close(dp.x, plain.x, atol=1e-3 * moved)
   assert float(m_dp.clip_fraction) == 0.0
   chex.assert_trees_all_close(m_dp.matching_loss, m_plain.matching_loss, rtol=1e-3)
@@ -159,15 +174,16 @@ def test_psg_private_path_reduces_to_the_plain_one_without_clipping_or_noise(psg
 def test_psg_private_path_clips_and_noises(psg_runs):
   syn, runs = psg_runs
   (plain, _), (loud, m_loud) = runs["plain"], runs["loud"]
-  assert float(m_loud.clip_fraction) == 1.0             # C = 1e-3 clips every example
+  assert float(m_loud.clip_fraction) == 1.0  # C = 1e-3 clips every example
   # sigma C = 5e-3 against clipped sums of at most |batch| * 1e-3: the noise dominates, and
   # the images go elsewhere.
   assert float(tree_distance(loud.x, plain.x)) > 0.5 * float(tree_distance(plain.x, syn.x))
   chex.assert_tree_all_finite(loud)
 
 
-def test_psg_uses_the_private_gradient_with_its_settings(tiny_apply_fn, tiny_init, clients,
-                                                         monkeypatch):
+def test_psg_uses_the_private_gradient_with_its_settings(
+  tiny_apply_fn, tiny_init, clients, monkeypatch
+):
   """The DP path's real gradient: clipped sums over every chunk of the Poisson draw
   (privacy.sum_over_chunks, exact sampling), noised by privacy.privatise with C, sigma and B."""
   calls = []
@@ -176,54 +192,97 @@ def test_psg_uses_the_private_gradient_with_its_settings(tiny_apply_fn, tiny_ini
     original = getattr(privacy, name)
 
     def wrapped(*args, **kwargs):
-      call = (name, {k: kwargs[k] for k in ("l2_clip_norm", "noise_multiplier",
-                                            "expected_batch_size") if k in kwargs})
-      if call not in calls:   # sum_over_chunks traces its chunk sum twice
+      call = (
+        name,
+        {
+          k: kwargs[k]
+          for k in ("l2_clip_norm", "noise_multiplier", "expected_batch_size")
+          if k in kwargs
+        },
+      )
+      if call not in calls:  # sum_over_chunks traces its chunk sum twice
         calls.append(call)
       return original(*args, **kwargs)
+
     monkeypatch.setattr(privacy, name, wrapped)
 
   for name in ("privatise", "sum_over_chunks", "clipped_gradient_sum", "private_gradient"):
     spy(name)
   client = _client(clients)
   config = dataclasses.replace(TINY, outer_loop=1, batch_loop=1, dp=DP)
-  jax.eval_shape(lambda k: condensation.condense(k, tiny_apply_fn, tiny_init, _synthetic(client),
-                                                 client, config), jax.random.PRNGKey(0))
-  assert calls == [("sum_over_chunks", {}), ("clipped_gradient_sum", {"l2_clip_norm": 0.1}),
-                   ("privatise", {"l2_clip_norm": 0.1, "noise_multiplier": 1.0,
-                                  "expected_batch_size": B})]
+  jax.eval_shape(
+    lambda k: condensation.condense(
+      k, tiny_apply_fn, tiny_init, _synthetic(client), client, config
+    ),
+    jax.random.PRNGKey(0),
+  )
+  assert calls == [
+    ("sum_over_chunks", {}),
+    ("clipped_gradient_sum", {"l2_clip_norm": 0.1}),
+    ("privatise", {"l2_clip_norm": 0.1, "noise_multiplier": 1.0, "expected_batch_size": B}),
+  ]
   calls.clear()
-  jax.eval_shape(lambda k: condensation.condense(k, tiny_apply_fn, tiny_init, _synthetic(client),
-                                                 client, dataclasses.replace(config, dp=None)),
-                 jax.random.PRNGKey(0))
+  jax.eval_shape(
+    lambda k: condensation.condense(
+      k, tiny_apply_fn, tiny_init, _synthetic(client), client, dataclasses.replace(config, dp=None)
+    ),
+    jax.random.PRNGKey(0),
+  )
   assert calls == [("sum_over_chunks", {})]
 
 
 def test_psg_metrics_declare_the_raw_statistics_nonprivate():
   """The driver leaves these out of a DP run's metrics (debug_nonprivate_stats)."""
   assert set(condensation.CondensationMetrics.NONPRIVATE) == {
-      "poisson_extra_chunks", "mean_batch_size", "clip_fraction"}
+    "poisson_extra_chunks",
+    "mean_batch_size",
+    "clip_fraction",
+  }
   assert set(condensation.CondensationMetrics.NONPRIVATE) < set(
-      condensation.CondensationMetrics._fields)
+    condensation.CondensationMetrics._fields
+  )
 
 
 # ------------------------------------------------------------------ the server's training
 
 
-def test_train_on_union_decays_the_learning_rate_for_the_second_half(tiny_apply_fn, tiny_params,
-                                                                    clients):
+def test_train_on_union_decays_the_learning_rate_for_the_second_half(
+  tiny_apply_fn, tiny_params, clients
+):
   syn = jax.tree.map(lambda a: a[None], _synthetic(_client(clients), ipc=4))
-  server = ServerConfig(radius_strategy="fixed", batch_size=4, max_epochs=5, weighting="uniform",
-                        dsa_strategy="", momentum=0.9, weight_decay=5e-4)
-  config = condensation.OneShotConfig(method="dsc", server=server, learning_rate=0.05,
-                                      lr_decay=0.1)
+  server = ServerConfig(
+    radius_strategy="fixed",
+    batch_size=4,
+    max_epochs=5,
+    weighting="uniform",
+    dsa_strategy="",
+    momentum=0.9,
+    weight_decay=5e-4,
+  )
+  config = condensation.OneShotConfig(method="dsc", server=server, learning_rate=0.05, lr_decay=0.1)
   key = jax.random.PRNGKey(0)
   w, m = condensation.train_on_union(key, tiny_apply_fn, tiny_params, syn, jnp.ones(1), config)
   k1, k2 = jax.random.split(key)
-  want, _ = global_update(k1, tiny_apply_fn, tiny_params, syn, jnp.ones(1), jnp.inf,
-                          learning_rate=0.05, config=dataclasses.replace(server, max_epochs=3))
-  want, _ = global_update(k2, tiny_apply_fn, want, syn, jnp.ones(1), jnp.inf,
-                          learning_rate=0.005, config=dataclasses.replace(server, max_epochs=2))
+  want, _ = global_update(
+    k1,
+    tiny_apply_fn,
+    tiny_params,
+    syn,
+    jnp.ones(1),
+    jnp.inf,
+    learning_rate=0.05,
+    config=dataclasses.replace(server, max_epochs=3),
+  )
+  want, _ = global_update(
+    k2,
+    tiny_apply_fn,
+    want,
+    syn,
+    jnp.ones(1),
+    jnp.inf,
+    learning_rate=0.005,
+    config=dataclasses.replace(server, max_epochs=2),
+  )
   chex.assert_trees_all_close(w, want, atol=1e-6)
   assert (int(m.epochs), int(m.steps)) == (5, 10)
 
@@ -234,20 +293,21 @@ def test_train_on_union_decays_the_learning_rate_for_the_second_half(tiny_apply_
 def test_perturbation_has_norm_rho(tiny_params):
   moved = feddm.perturb(jax.random.PRNGKey(0), tiny_params, 2.5)
   assert float(tree_distance(moved, tiny_params)) == pytest.approx(2.5, rel=1e-5)
-  chex.assert_trees_all_equal(feddm.perturb(jax.random.PRNGKey(0), tiny_params, 0.0),
-                              tiny_params)
+  chex.assert_trees_all_equal(feddm.perturb(jax.random.PRNGKey(0), tiny_params, 0.0), tiny_params)
 
 
 def test_distribution_matching_lowers_its_loss(tiny_model, tiny_params, clients):
   from fedlap_jax.models import embed_fn
+
   client = _client(clients)
   syn = _synthetic(client, ipc=3)
-  config = feddm.FedDMConfig(ipc=3, image_updates=30, rho=0.0, batch_size=B, image_lr=1.0,
-                             synthetic_init="noise")
-  run = jax.jit(functools.partial(feddm.distribution_match, embed_fn=embed_fn(tiny_model),
-                                  config=config))
-  out, metrics = run(jax.random.PRNGKey(0), params=tiny_params, synthetic=syn,
-                     client_data=client)
+  config = feddm.FedDMConfig(
+    ipc=3, image_updates=30, rho=0.0, batch_size=B, image_lr=1.0, synthetic_init="noise"
+  )
+  run = jax.jit(
+    functools.partial(feddm.distribution_match, embed_fn=embed_fn(tiny_model), config=config)
+  )
+  out, metrics = run(jax.random.PRNGKey(0), params=tiny_params, synthetic=syn, client_data=client)
   loss = np.asarray(metrics.matching_loss)
   chex.assert_shape(loss, (30,))
   assert loss[-5:].mean() < 0.5 * loss[:5].mean()

@@ -23,16 +23,16 @@ color = jax.jit(dsa._color)
 
 @jax.jit
 def all_families(key, x):
-    """Every family applied to ``x`` with the same key: {family: images}."""
-    return {family: dsa.apply_family(key, x, family) for family in dsa.FAMILIES}
+  """Every family applied to ``x`` with the same key: {family: images}."""
+  return {family: dsa.apply_family(key, x, family) for family in dsa.FAMILIES}
 
 
 def _images(shape, seed=0):
-    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
 
 
 def _keys(n=NUM_KEYS, seed=1):
-    return jax.random.split(jax.random.PRNGKey(seed), n)
+  return jax.random.split(jax.random.PRNGKey(seed), n)
 
 
 # --------------------------------------------------------------------------
@@ -41,31 +41,33 @@ def _keys(n=NUM_KEYS, seed=1):
 
 
 def test_parse_strategy():
-    assert dsa.parse_strategy("color_crop") == ("color", "crop")
-    assert dsa.parse_strategy(dsa.DEFAULT_STRATEGY) == dsa.FAMILIES
-    assert dsa.parse_strategy("") == ()
-    assert dsa.parse_strategy("none") == ()
-    assert dsa.parse_strategy("flip") == ("flip",)
+  assert dsa.parse_strategy("color_crop") == ("color", "crop")
+  assert dsa.parse_strategy(dsa.DEFAULT_STRATEGY) == dsa.FAMILIES
+  assert dsa.parse_strategy("") == ()
+  assert dsa.parse_strategy("none") == ()
+  assert dsa.parse_strategy("flip") == ("flip",)
 
 
-@pytest.mark.parametrize("bad, token", [("color_blur", "blur"), ("crop__flip", ""), ("Color", "Color")])
+@pytest.mark.parametrize(
+  "bad, token", [("color_blur", "blur"), ("crop__flip", ""), ("Color", "Color")]
+)
 def test_parse_strategy_error_names_bad_token(bad, token):
-    with pytest.raises(ValueError) as info:
-        dsa.parse_strategy(bad)
-    message = str(info.value)
-    assert repr(token) in message
-    for family in dsa.FAMILIES:
-        assert family in message
+  with pytest.raises(ValueError) as info:
+    dsa.parse_strategy(bad)
+  message = str(info.value)
+  assert repr(token) in message
+  for family in dsa.FAMILIES:
+    assert family in message
 
 
 def test_parse_strategy_rejects_repeats():
-    with pytest.raises(ValueError, match="repeats"):
-        dsa.parse_strategy("flip_flip")
+  with pytest.raises(ValueError, match="repeats"):
+    dsa.parse_strategy("flip_flip")
 
 
 def test_apply_family_rejects_unknown():
-    with pytest.raises(ValueError, match="'blur'"):
-        dsa.apply_family(jax.random.PRNGKey(0), _images((2, 8, 8, 1)), "blur")
+  with pytest.raises(ValueError, match="'blur'"):
+    dsa.apply_family(jax.random.PRNGKey(0), _images((2, 8, 8, 1)), "blur")
 
 
 # --------------------------------------------------------------------------
@@ -75,74 +77,74 @@ def test_apply_family_rejects_unknown():
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_shape_dtype_and_jit(shape):
-    x = _images(shape)
-    key = jax.random.PRNGKey(7)
-    compiled = all_families(key, x)
-    chex.assert_shape(list(compiled.values()), shape)
-    chex.assert_type(list(compiled.values()), jnp.float32)
-    if shape != SHAPES[0]:
-        return  # eager dispatch compiles op by op: check it on one shape only
-    for family in dsa.FAMILIES:
-        eager = dsa.apply_family(key, x, family)
-        chex.assert_shape([eager, compiled[family]], shape)
-        chex.assert_type([eager, compiled[family]], jnp.float32)
-        chex.assert_trees_all_close(eager, compiled[family], atol=1e-5, rtol=1e-5)
-    eager = dsa.augment(key, x)
-    compiled = augment(key, x)
-    chex.assert_shape([eager, compiled], shape)
-    chex.assert_type([eager, compiled], jnp.float32)
-    chex.assert_trees_all_close(eager, compiled, atol=1e-5, rtol=1e-5)
+  x = _images(shape)
+  key = jax.random.PRNGKey(7)
+  compiled = all_families(key, x)
+  chex.assert_shape(list(compiled.values()), shape)
+  chex.assert_type(list(compiled.values()), jnp.float32)
+  if shape != SHAPES[0]:
+    return  # eager dispatch compiles op by op: check it on one shape only
+  for family in dsa.FAMILIES:
+    eager = dsa.apply_family(key, x, family)
+    chex.assert_shape([eager, compiled[family]], shape)
+    chex.assert_type([eager, compiled[family]], jnp.float32)
+    chex.assert_trees_all_close(eager, compiled[family], atol=1e-5, rtol=1e-5)
+  eager = dsa.augment(key, x)
+  compiled = augment(key, x)
+  chex.assert_shape([eager, compiled], shape)
+  chex.assert_type([eager, compiled], jnp.float32)
+  chex.assert_trees_all_close(eager, compiled, atol=1e-5, rtol=1e-5)
 
 
 def test_dtype_kept_bfloat16():
-    x = _images((4, 16, 16, 3)).astype(jnp.bfloat16)
-    out = all_families(jax.random.PRNGKey(3), x)
-    chex.assert_type(list(out.values()), jnp.bfloat16)
+  x = _images((4, 16, 16, 3)).astype(jnp.bfloat16)
+  out = all_families(jax.random.PRNGKey(3), x)
+  chex.assert_type(list(out.values()), jnp.bfloat16)
 
 
 def test_empty_strategy_is_identity():
-    x = _images((2, 8, 8, 3))
-    key = jax.random.PRNGKey(0)
-    chex.assert_trees_all_equal(dsa.augment(key, x, ""), x)
-    chex.assert_trees_all_equal(dsa.augment(key, x, "none"), x)
-    chex.assert_trees_all_equal(dsa.make_augment_fn("none")(key, x), x)
+  x = _images((2, 8, 8, 3))
+  key = jax.random.PRNGKey(0)
+  chex.assert_trees_all_equal(dsa.augment(key, x, ""), x)
+  chex.assert_trees_all_equal(dsa.augment(key, x, "none"), x)
+  chex.assert_trees_all_equal(dsa.make_augment_fn("none")(key, x), x)
 
 
 def test_make_augment_fn_matches_augment():
-    x = _images((4, 16, 16, 3))
-    fn = dsa.make_augment_fn("crop_flip")
-    for key in _keys(4):
-        chex.assert_trees_all_close(fn(key, x), augment(key, x, strategy="crop_flip"))
-    with pytest.raises(ValueError, match="'blur'"):
-        dsa.make_augment_fn("blur")
+  x = _images((4, 16, 16, 3))
+  fn = dsa.make_augment_fn("crop_flip")
+  for key in _keys(4):
+    chex.assert_trees_all_close(fn(key, x), augment(key, x, strategy="crop_flip"))
+  with pytest.raises(ValueError, match="'blur'"):
+    dsa.make_augment_fn("blur")
 
 
 def test_same_key_same_transform_across_batches():
-    """Parameters are drawn per batch: aug(concat[a, b]) == concat[aug(a), aug(b)]."""
-    a = _images((4, 16, 16, 3), seed=10)
-    b = _images((4, 16, 16, 3), seed=11)
-    ab = jnp.concatenate([a, b])
-    for key in _keys(8):
-        joint = all_families(key, ab)
-        out_a, out_b = all_families(key, a), all_families(key, b)
-        for family in dsa.FAMILIES:
-            separate = jnp.concatenate([out_a[family], out_b[family]])
-            chex.assert_trees_all_close(joint[family], separate, atol=1e-5, rtol=1e-5)
-        separate = jnp.concatenate([augment(key, a), augment(key, b)])
-        chex.assert_trees_all_close(augment(key, ab), separate, atol=1e-5, rtol=1e-5)
+  """Parameters are drawn per batch: aug(concat[a, b]) == concat[aug(a), aug(b)]."""
+  a = _images((4, 16, 16, 3), seed=10)
+  b = _images((4, 16, 16, 3), seed=11)
+  ab = jnp.concatenate([a, b])
+  for key in _keys(8):
+    joint = all_families(key, ab)
+    out_a, out_b = all_families(key, a), all_families(key, b)
+    for family in dsa.FAMILIES:
+      separate = jnp.concatenate([out_a[family], out_b[family]])
+      chex.assert_trees_all_close(joint[family], separate, atol=1e-5, rtol=1e-5)
+    separate = jnp.concatenate([augment(key, a), augment(key, b)])
+    chex.assert_trees_all_close(augment(key, ab), separate, atol=1e-5, rtol=1e-5)
 
 
 def test_every_family_is_picked():
-    """With all families enabled, random keys reach every branch."""
-    x = _images((4, 16, 16, 3))
-    picked = set()
-    for key in _keys(48):
-        out = augment(key, x)
-        choice_key, param_key = jax.random.split(key)
-        family = dsa.FAMILIES[int(jax.random.randint(choice_key, (), 0, len(dsa.FAMILIES)))]
-        chex.assert_trees_all_close(out, all_families(param_key, x)[family], atol=1e-5)
-        picked.add(family)
-    assert picked == set(dsa.FAMILIES)
+  """With all families enabled, random keys reach every branch."""
+  x = _images((4, 16, 16, 3))
+  picked = set()
+  for key in _keys(48):
+    out = augment(key, x)
+    choice_key, param_key = jax.random.split(key)
+    family = dsa.FAMILIES[int(jax.random.randint(choice_key, (), 0, len(dsa.FAMILIES)))]
+    chex.assert_trees_all_close(out, all_families(param_key, x)[family], atol=1e-5)
+    picked.add(family)
+  assert picked == set(dsa.FAMILIES)
 
 
 # --------------------------------------------------------------------------
@@ -151,175 +153,175 @@ def test_every_family_is_picked():
 
 
 def test_flip_flips_for_some_keys_only():
-    x = _images((4, 16, 16, 3))
-    flipped, kept = 0, 0
-    for key in _keys():
-        out = np.asarray(all_families(key, x)["flip"])
-        if np.array_equal(out, np.asarray(x)):
-            kept += 1
-        else:
-            np.testing.assert_array_equal(out, np.asarray(x)[:, :, ::-1, :])
-            flipped += 1
-    assert flipped > 0 and kept > 0
+  x = _images((4, 16, 16, 3))
+  flipped, kept = 0, 0
+  for key in _keys():
+    out = np.asarray(all_families(key, x)["flip"])
+    if np.array_equal(out, np.asarray(x)):
+      kept += 1
+    else:
+      np.testing.assert_array_equal(out, np.asarray(x)[:, :, ::-1, :])
+      flipped += 1
+  assert flipped > 0 and kept > 0
 
 
 def _manual_shift(x, dy, dx):
-    """out[:, i, j] = x[:, i + dy, j + dx], zero outside."""
-    n, h, w, c = x.shape
-    out = np.zeros_like(x)
-    for i in range(h):
-        for j in range(w):
-            if 0 <= i + dy < h and 0 <= j + dx < w:
-                out[:, i, j] = x[:, i + dy, j + dx]
-    return out
+  """out[:, i, j] = x[:, i + dy, j + dx], zero outside."""
+  n, h, w, c = x.shape
+  out = np.zeros_like(x)
+  for i in range(h):
+    for j in range(w):
+      if 0 <= i + dy < h and 0 <= j + dx < w:
+        out[:, i, j] = x[:, i + dy, j + dx]
+  return out
 
 
 def test_translate_matches_manual_shift():
-    x = np.asarray(_images((2, 8, 8, 2)))
-    for dy, dx in [(0, 0), (2, -1), (-2, 2), (1, 0)]:
-        out = dsa._translate(jnp.asarray(x), jnp.int32(dy), jnp.int32(dx), 2, 2)
-        np.testing.assert_array_equal(np.asarray(out), _manual_shift(x, dy, dx))
+  x = np.asarray(_images((2, 8, 8, 2)))
+  for dy, dx in [(0, 0), (2, -1), (-2, 2), (1, 0)]:
+    out = dsa._translate(jnp.asarray(x), jnp.int32(dy), jnp.int32(dx), 2, 2)
+    np.testing.assert_array_equal(np.asarray(out), _manual_shift(x, dy, dx))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_crop_is_a_bounded_translation(shape):
-    x = np.asarray(_images(shape))
-    s = int(shape[1] * 0.125 + 0.5)
-    candidates = {
-        (dy, dx): _manual_shift(x, dy, dx) for dy in range(-s, s + 1) for dx in range(-s, s + 1)
-    }
-    seen = set()
-    for key in _keys():
-        out = np.asarray(all_families(key, jnp.asarray(x))["crop"])
-        matches = [shift for shift, ref in candidates.items() if np.array_equal(out, ref)]
-        assert len(matches) == 1, "crop output is not a translation within [-s, s]"
-        seen.add(matches[0])
-    assert len(seen) > 1
+  x = np.asarray(_images(shape))
+  s = int(shape[1] * 0.125 + 0.5)
+  candidates = {
+    (dy, dx): _manual_shift(x, dy, dx) for dy in range(-s, s + 1) for dx in range(-s, s + 1)
+  }
+  seen = set()
+  for key in _keys():
+    out = np.asarray(all_families(key, jnp.asarray(x))["crop"])
+    matches = [shift for shift, ref in candidates.items() if np.array_equal(out, ref)]
+    assert len(matches) == 1, "crop output is not a translation within [-s, s]"
+    seen.add(matches[0])
+  assert len(seen) > 1
 
 
 def _zero_box(mask):
-    """Bounding box (rows, cols) of the zeros in a 2-D boolean 'is zero' mask."""
-    rows = np.flatnonzero(mask.any(axis=1))
-    cols = np.flatnonzero(mask.any(axis=0))
-    return rows, cols
+  """Bounding box (rows, cols) of the zeros in a 2-D boolean 'is zero' mask."""
+  rows = np.flatnonzero(mask.any(axis=1))
+  cols = np.flatnonzero(mask.any(axis=0))
+  return rows, cols
 
 
 def test_cutout_helper_zeros_square_of_right_size():
-    x = jnp.ones((2, 16, 16, 3))
-    out = np.asarray(dsa._cutout(x, jnp.int32(8), jnp.int32(6), 8, 8))
-    zero = out == 0
-    np.testing.assert_array_equal(zero, np.broadcast_to(zero[:1, :, :, :1], zero.shape))
-    rows, cols = _zero_box(zero[0, :, :, 0])
-    np.testing.assert_array_equal(rows, np.arange(4, 12))
-    np.testing.assert_array_equal(cols, np.arange(2, 10))
-    assert zero[0, :, :, 0].sum() == 64
-    # Near the border the square is clipped.
-    out = np.asarray(dsa._cutout(x, jnp.int32(0), jnp.int32(15), 8, 8))
-    assert (out[0, :, :, 0] == 0).sum() == 4 * 5
+  x = jnp.ones((2, 16, 16, 3))
+  out = np.asarray(dsa._cutout(x, jnp.int32(8), jnp.int32(6), 8, 8))
+  zero = out == 0
+  np.testing.assert_array_equal(zero, np.broadcast_to(zero[:1, :, :, :1], zero.shape))
+  rows, cols = _zero_box(zero[0, :, :, 0])
+  np.testing.assert_array_equal(rows, np.arange(4, 12))
+  np.testing.assert_array_equal(cols, np.arange(2, 10))
+  assert zero[0, :, :, 0].sum() == 64
+  # Near the border the square is clipped.
+  out = np.asarray(dsa._cutout(x, jnp.int32(0), jnp.int32(15), 8, 8))
+  assert (out[0, :, :, 0] == 0).sum() == 4 * 5
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cutout_zeros_a_clipped_square(shape):
-    n, h, w, c = shape
-    size = int(h * 0.5 + 0.5)
-    x = jnp.ones(shape)
-    full = 0
-    for key in _keys(32):
-        out = np.asarray(all_families(key, x)["cutout"])
-        zero = out == 0
-        # Same region in every image and channel; other values untouched.
-        np.testing.assert_array_equal(zero, np.broadcast_to(zero[:1, :, :, :1], zero.shape))
-        np.testing.assert_array_equal(out[~zero], 1.0)
-        region = zero[0, :, :, 0]
-        rows, cols = _zero_box(region)
-        assert 0 < len(rows) <= size and 0 < len(cols) <= size
-        assert region.sum() == len(rows) * len(cols)  # a filled rectangle
-        full += len(rows) == size and len(cols) == size
-    assert full > 0
+  n, h, w, c = shape
+  size = int(h * 0.5 + 0.5)
+  x = jnp.ones(shape)
+  full = 0
+  for key in _keys(32):
+    out = np.asarray(all_families(key, x)["cutout"])
+    zero = out == 0
+    # Same region in every image and channel; other values untouched.
+    np.testing.assert_array_equal(zero, np.broadcast_to(zero[:1, :, :, :1], zero.shape))
+    np.testing.assert_array_equal(out[~zero], 1.0)
+    region = zero[0, :, :, 0]
+    rows, cols = _zero_box(region)
+    assert 0 < len(rows) <= size and 0 < len(cols) <= size
+    assert region.sum() == len(rows) * len(cols)  # a filled rectangle
+    full += len(rows) == size and len(cols) == size
+  assert full > 0
 
 
 def test_color_changes_values_keeps_shape():
-    x = _images((4, 16, 16, 3))
-    for key in _keys(4):
-        out = all_families(key, x)["color"]
-        chex.assert_shape(out, x.shape)
-        assert not np.allclose(np.asarray(out), np.asarray(x))
+  x = _images((4, 16, 16, 3))
+  for key in _keys(4):
+    out = all_families(key, x)["color"]
+    chex.assert_shape(out, x.shape)
+    assert not np.allclose(np.asarray(out), np.asarray(x))
 
 
 def test_color_helper_formula():
-    x = _images((2, 4, 4, 3))
-    # Neutral parameters are the identity.
-    chex.assert_trees_all_close(color(x, 0.0, 1.0, 1.0), x, atol=1e-6)
-    # Brightness only shifts.
-    chex.assert_trees_all_close(color(x, 0.3, 1.0, 1.0), x + 0.3, atol=1e-6)
-    # Zero saturation makes every channel equal to the pixel mean.
-    gray = color(x, 0.0, 0.0, 1.0)
-    chex.assert_trees_all_close(gray, jnp.broadcast_to(x.mean(-1, keepdims=True), x.shape), atol=1e-6)
-    # Zero contrast makes every image constant at its mean.
-    flat = color(x, 0.0, 1.0, 0.0)
-    chex.assert_trees_all_close(
-        flat, jnp.broadcast_to(x.mean((1, 2, 3), keepdims=True), x.shape), atol=1e-6
-    )
+  x = _images((2, 4, 4, 3))
+  # Neutral parameters are the identity.
+  chex.assert_trees_all_close(color(x, 0.0, 1.0, 1.0), x, atol=1e-6)
+  # Brightness only shifts.
+  chex.assert_trees_all_close(color(x, 0.3, 1.0, 1.0), x + 0.3, atol=1e-6)
+  # Zero saturation makes every channel equal to the pixel mean.
+  gray = color(x, 0.0, 0.0, 1.0)
+  chex.assert_trees_all_close(gray, jnp.broadcast_to(x.mean(-1, keepdims=True), x.shape), atol=1e-6)
+  # Zero contrast makes every image constant at its mean.
+  flat = color(x, 0.0, 1.0, 0.0)
+  chex.assert_trees_all_close(
+    flat, jnp.broadcast_to(x.mean((1, 2, 3), keepdims=True), x.shape), atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_affine_identity_returns_image(shape):
-    x = _images(shape)
-    identity = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    chex.assert_trees_all_close(affine_sample(x, identity), x, atol=1e-5)
+  x = _images(shape)
+  identity = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+  chex.assert_trees_all_close(affine_sample(x, identity), x, atol=1e-5)
 
 
 def test_affine_scale_and_rotate_limits_are_identity():
-    x = _images((4, 16, 16, 3))
-    chex.assert_trees_all_close(affine_sample(x, dsa._scale_theta(1.0, 1.0)), x, atol=1e-5)
-    chex.assert_trees_all_close(affine_sample(x, dsa._rotate_theta(0.0)), x, atol=1e-5)
+  x = _images((4, 16, 16, 3))
+  chex.assert_trees_all_close(affine_sample(x, dsa._scale_theta(1.0, 1.0)), x, atol=1e-5)
+  chex.assert_trees_all_close(affine_sample(x, dsa._rotate_theta(0.0)), x, atol=1e-5)
 
 
 def test_affine_rotate_quarter_turn():
-    """A 90 degree rotation of a square image is an exact pixel permutation."""
-    x = _images((4, 16, 16, 3))
-    out = affine_sample(x, dsa._rotate_theta(math.pi / 2))
-    chex.assert_trees_all_close(out, jnp.rot90(x, k=-1, axes=(1, 2)), atol=1e-5)
+  """A 90 degree rotation of a square image is an exact pixel permutation."""
+  x = _images((4, 16, 16, 3))
+  out = affine_sample(x, dsa._rotate_theta(math.pi / 2))
+  chex.assert_trees_all_close(out, jnp.rot90(x, k=-1, axes=(1, 2)), atol=1e-5)
 
 
 def test_affine_zero_padding_and_half_pixel_shift():
-    x = _images((4, 16, 16, 3))
-    step = 2.0 / (16 - 1)  # one pixel in normalised coordinates
-    # Shift by one pixel in width: column 0 reads outside the image, so it is
-    # zero; the rest is the shifted image.
-    theta = jnp.array([[1.0, 0.0, -step], [0.0, 1.0, 0.0]])
-    out = np.asarray(affine_sample(x, theta))
-    np.testing.assert_allclose(out[:, :, 0], 0.0, atol=1e-6)
-    np.testing.assert_allclose(out[:, :, 1:], np.asarray(x)[:, :, :-1], atol=1e-5)
-    # Half a pixel gives the average of neighbours.
-    theta = jnp.array([[1.0, 0.0, step / 2], [0.0, 1.0, 0.0]])
-    out = np.asarray(affine_sample(x, theta))
-    xn = np.asarray(x)
-    np.testing.assert_allclose(out[:, :, :-1], 0.5 * (xn[:, :, :-1] + xn[:, :, 1:]), atol=1e-5)
+  x = _images((4, 16, 16, 3))
+  step = 2.0 / (16 - 1)  # one pixel in normalised coordinates
+  # Shift by one pixel in width: column 0 reads outside the image, so it is
+  # zero; the rest is the shifted image.
+  theta = jnp.array([[1.0, 0.0, -step], [0.0, 1.0, 0.0]])
+  out = np.asarray(affine_sample(x, theta))
+  np.testing.assert_allclose(out[:, :, 0], 0.0, atol=1e-6)
+  np.testing.assert_allclose(out[:, :, 1:], np.asarray(x)[:, :, :-1], atol=1e-5)
+  # Half a pixel gives the average of neighbours.
+  theta = jnp.array([[1.0, 0.0, step / 2], [0.0, 1.0, 0.0]])
+  out = np.asarray(affine_sample(x, theta))
+  xn = np.asarray(x)
+  np.testing.assert_allclose(out[:, :, :-1], 0.5 * (xn[:, :, :-1] + xn[:, :, 1:]), atol=1e-5)
 
 
 def test_rotate_keeps_centre_pixel():
-    x = _images((2, 17, 17, 3))
-    for key in _keys(6):
-        out = all_families(key, x)["rotate"]
-        chex.assert_trees_all_close(out[:, 8, 8], x[:, 8, 8], atol=1e-5)
-        assert not np.allclose(np.asarray(out), np.asarray(x), atol=1e-3)
+  x = _images((2, 17, 17, 3))
+  for key in _keys(6):
+    out = all_families(key, x)["rotate"]
+    chex.assert_trees_all_close(out[:, 8, 8], x[:, 8, 8], atol=1e-5)
+    assert not np.allclose(np.asarray(out), np.asarray(x), atol=1e-3)
 
 
 def test_scale_keeps_centre_pixel_and_changes_image():
-    x = _images((2, 17, 17, 3))
-    for key in _keys(6):
-        out = all_families(key, x)["scale"]
-        chex.assert_trees_all_close(out[:, 8, 8], x[:, 8, 8], atol=1e-5)
-        assert not np.allclose(np.asarray(out), np.asarray(x), atol=1e-3)
+  x = _images((2, 17, 17, 3))
+  for key in _keys(6):
+    out = all_families(key, x)["scale"]
+    chex.assert_trees_all_close(out[:, 8, 8], x[:, 8, 8], atol=1e-5)
+    assert not np.allclose(np.asarray(out), np.asarray(x), atol=1e-3)
 
 
 def test_scale_constant_image_inside_stays_constant():
-    """Bilinear weights sum to one away from the border."""
-    x = jnp.full((4, 16, 16, 3), 2.5)
-    for key in _keys(4):
-        out = np.asarray(all_families(key, x)["scale"])
-        np.testing.assert_allclose(out[:, 5:11, 5:11, :], 2.5, atol=1e-5)
+  """Bilinear weights sum to one away from the border."""
+  x = jnp.full((4, 16, 16, 3), 2.5)
+  for key in _keys(4):
+    out = np.asarray(all_families(key, x)["scale"])
+    np.testing.assert_allclose(out[:, 5:11, 5:11, :], 2.5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------
@@ -328,38 +330,38 @@ def test_scale_constant_image_inside_stays_constant():
 
 
 def test_gradient_wrt_images_finite_nonzero():
-    x = _images((4, 16, 16, 3))
-    weights = _images(x.shape, seed=5)
+  x = _images((4, 16, 16, 3))
+  weights = _images(x.shape, seed=5)
 
-    @jax.jit
-    def grads(images, key):
-        return {
-            family: jax.grad(lambda im: jnp.sum(dsa.apply_family(key, im, family) * weights))(images)
-            for family in dsa.FAMILIES
-        }
+  @jax.jit
+  def grads(images, key):
+    return {
+      family: jax.grad(lambda im: jnp.sum(dsa.apply_family(key, im, family) * weights))(images)
+      for family in dsa.FAMILIES
+    }
 
-    for key in _keys(3):
-        for family, grad in grads(x, key).items():
-            chex.assert_shape(grad, x.shape)
-            chex.assert_tree_all_finite(grad)
-            assert float(jnp.abs(grad).sum()) > 0.0, family
+  for key in _keys(3):
+    for family, grad in grads(x, key).items():
+      chex.assert_shape(grad, x.shape)
+      chex.assert_tree_all_finite(grad)
+      assert float(jnp.abs(grad).sum()) > 0.0, family
 
 
 def test_gradient_through_full_strategy():
-    x = _images((4, 16, 16, 3))
-    weights = _images(x.shape, seed=5)
-    grad_fn = jax.jit(jax.grad(lambda im, k: jnp.sum(dsa.augment(k, im) * weights)))
-    for key in _keys(4):
-        grad = grad_fn(x, key)
-        chex.assert_tree_all_finite(grad)
-        assert float(jnp.abs(grad).sum()) > 0.0
+  x = _images((4, 16, 16, 3))
+  weights = _images(x.shape, seed=5)
+  grad_fn = jax.jit(jax.grad(lambda im, k: jnp.sum(dsa.augment(k, im) * weights)))
+  for key in _keys(4):
+    grad = grad_fn(x, key)
+    chex.assert_tree_all_finite(grad)
+    assert float(jnp.abs(grad).sum()) > 0.0
 
 
 def test_vmap_over_clients():
-    clients = 3
-    x = _images((clients, 4, 16, 16, 3))
-    keys = _keys(clients)
-    batched = jax.jit(jax.vmap(dsa.make_augment_fn(dsa.DEFAULT_STRATEGY)))(keys, x)
-    chex.assert_shape(batched, x.shape)
-    for i in range(clients):
-        chex.assert_trees_all_close(batched[i], augment(keys[i], x[i]), atol=1e-5)
+  clients = 3
+  x = _images((clients, 4, 16, 16, 3))
+  keys = _keys(clients)
+  batched = jax.jit(jax.vmap(dsa.make_augment_fn(dsa.DEFAULT_STRATEGY)))(keys, x)
+  chex.assert_shape(batched, x.shape)
+  for i in range(clients):
+    chex.assert_trees_all_close(batched[i], augment(keys[i], x[i]), atol=1e-5)

@@ -33,7 +33,9 @@ def dp_client(**kw):
   return ClientConfig(**{"calibrate_radius": False, "dp": DP, **kw})
 
 
-@pytest.mark.parametrize("build, pattern", [
+@pytest.mark.parametrize(
+  "build, pattern",
+  [
     (lambda: ClientConfig(ipc=0), r"ipc=0"),
     (lambda: ClientConfig(radius=-1.0), r"radius=-1\.0"),
     (lambda: ClientConfig(image_lr=0.0), r"image_lr=0\.0"),
@@ -42,30 +44,46 @@ def dp_client(**kw):
     (lambda: ClientConfig(inner_loop=-1), r"inner_loop=-1"),
     (lambda: ClientConfig(mse_weight=-0.1), r"mse_weight=-0\.1"),
     (lambda: ClientConfig(poisson_capacity=10, batch_size=64), r"poisson_capacity=10"),
-    (lambda: ClientConfig(poisson_capacity=64, batch_size=64),
-     r"poisson_capacity=64 is invalid.*>= 88.*overflows often"),
-    (lambda: FedLAPConfig(client=dp_client(), synthetic_init="noise",
-                          server=ServerConfig(radius_strategy="constant", weighting="size")),
-     r"server.weighting='size' is invalid; allowed: 'uniform' or None when DP is on"),
-    (lambda: DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
-     r"noise_multiplier=0\.0"),
+    (
+      lambda: ClientConfig(poisson_capacity=64, batch_size=64),
+      r"poisson_capacity=64 is invalid.*>= 88.*overflows often",
+    ),
+    (
+      lambda: FedLAPConfig(
+        client=dp_client(),
+        synthetic_init="noise",
+        server=ServerConfig(radius_strategy="constant", weighting="size"),
+      ),
+      r"server.weighting='size' is invalid; allowed: 'uniform' or None when DP is on",
+    ),
+    (
+      lambda: DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
+      r"noise_multiplier=0\.0",
+    ),
     (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=0.0), r"delta=0\.0"),
     (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1.0), r"delta=1\.0"),
-    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=-1.0, delta=1e-5),
-     r"l2_clip_norm=-1\.0"),
-    (lambda: FedLAPConfig(client=dp_client(), server=ServerConfig(radius_strategy="constant"),
-                          synthetic_init="real"), r"synthetic_init='real'"),
-    (lambda: FedLAPConfig(client=dp_client(), server=ServerConfig(radius_strategy="min"),
-                          synthetic_init="noise"), r"radius_strategy='min'"),
+    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=-1.0, delta=1e-5), r"l2_clip_norm=-1\.0"),
+    (
+      lambda: FedLAPConfig(
+        client=dp_client(), server=ServerConfig(radius_strategy="constant"), synthetic_init="real"
+      ),
+      r"synthetic_init='real'",
+    ),
+    (
+      lambda: FedLAPConfig(
+        client=dp_client(), server=ServerConfig(radius_strategy="min"), synthetic_init="noise"
+      ),
+      r"radius_strategy='min'",
+    ),
     (lambda: ClientConfig(dp=DP, calibrate_radius=True), r"calibrate_radius=True"),
     (lambda: ServerConfig(radius_strategy="smallest"), r"radius_strategy='smallest'.*median"),
     (lambda: ClientConfig(dsa_strategy="color_blur"), r"dsa_strategy='color_blur'.*'blur'"),
     (lambda: ServerConfig(dsa_strategy="warp"), r"dsa_strategy='warp'"),
-    (lambda: FedLAPConfig(client=ClientConfig(calibrate_radius=False)),
-     r"calibrate_radius=False"),
+    (lambda: FedLAPConfig(client=ClientConfig(calibrate_radius=False)), r"calibrate_radius=False"),
     (lambda: FedLAPConfig(synthetic_init="zeros"), r"synthetic_init='zeros'"),
     (lambda: FedLAPConfig(rounds=0), r"rounds=0"),
-])
+  ],
+)
 def test_config_validation(build, pattern):
   with pytest.raises(ValueError, match=pattern) as info:
     build()
@@ -73,13 +91,15 @@ def test_config_validation(build, pattern):
 
 
 def test_valid_configs():
-  dp = FedLAPConfig(client=dp_client(), server=ServerConfig(radius_strategy="constant"),
-                    synthetic_init="noise")
+  dp = FedLAPConfig(
+    client=dp_client(), server=ServerConfig(radius_strategy="constant"), synthetic_init="noise"
+  )
   assert dp.server.weighting == "uniform"  # the default under DP: 1/K (Algorithm 3)
   assert FedLAPConfig().server.weighting == "size"  # without DP: N_k / N (Eq. 9)
   assert ClientConfig(batch_size=64, poisson_capacity=88).capacity == 88
-  FedLAPConfig(client=ClientConfig(calibrate_radius=False),
-               server=ServerConfig(radius_strategy="fixed"))
+  FedLAPConfig(
+    client=ClientConfig(calibrate_radius=False), server=ServerConfig(radius_strategy="fixed")
+  )
   assert ClientConfig(batch_size=256).capacity == 356
   assert ClientConfig(iterations=4, max_outer=5, batch_loop=10).real_accesses_per_round == 200
 
@@ -124,8 +144,9 @@ def test_synthetic_labels_balanced_and_padded():
 
 
 def test_init_state(clients, params, class_order):
-  cfg = FedLAPConfig(client=dp_client(ipc=3), server=ServerConfig(radius_strategy="constant"),
-                     synthetic_init="noise")
+  cfg = FedLAPConfig(
+    client=dp_client(ipc=3), server=ServerConfig(radius_strategy="constant"), synthetic_init="noise"
+  )
   state = init_state(jax.random.PRNGKey(0), params, clients, cfg)
   syn = state.synthetic
   chex.assert_shape(syn.x, (5, 6, 8, 8, 1))
@@ -134,7 +155,7 @@ def test_init_state(clients, params, class_order):
   assert int(state.round) == 0
   assert bool(jnp.all(syn.mask))
   for k in range(5):
-    expected = np.repeat(sorted(class_order[2 * k: 2 * k + 2]), 3)
+    expected = np.repeat(sorted(class_order[2 * k : 2 * k + 2]), 3)
     np.testing.assert_array_equal(np.asarray(syn.y[k]), expected)
   assert 0.8 < float(jnp.std(syn.x)) < 1.2  # N(0, 1) noise
   chex.assert_trees_all_equal(state.params, params)
@@ -146,21 +167,21 @@ def test_init_state_uneven_clients(params):
   xs = [rng.normal(size=(n, 8, 8, 1)).astype(np.float32) for n in (6, 9)]
   ys = [np.array([0, 0, 1, 1, 1, 0]), np.array([2, 3, 4, 2, 3, 4, 2, 3, 4])]
   clients = stack_clients(xs, ys)
-  cfg = FedLAPConfig(client=ClientConfig(ipc=2, batch_size=4, calibrate_radius=False),
-                     server=ServerConfig(radius_strategy="constant"))
+  cfg = FedLAPConfig(
+    client=ClientConfig(ipc=2, batch_size=4, calibrate_radius=False),
+    server=ServerConfig(radius_strategy="constant"),
+  )
   state = init_state(jax.random.PRNGKey(0), params, clients, cfg)
   syn = state.synthetic
   chex.assert_shape(syn.x, (2, 6, 8, 8, 1))
   np.testing.assert_array_equal(np.asarray(syn.mask[0]), [1, 1, 1, 1, 0, 0])
   chex.assert_trees_all_equal(syn.x[0, 4:], jnp.zeros((2, 8, 8, 1)))
   # Too few records of a class for ipc real images: refused, not filled with other classes.
-  cfg3 = dataclasses.replace(cfg, client=ClientConfig(ipc=4, batch_size=4,
-                                                      calibrate_radius=False))
+  cfg3 = dataclasses.replace(cfg, client=ClientConfig(ipc=4, batch_size=4, calibrate_radius=False))
   with pytest.raises(ValueError, match=r"ipc=4.*client 0 has only 3 records"):
     init_state(jax.random.PRNGKey(0), params, clients, cfg3)
   # A Poisson rate q = B / N_k above 1 is refused, not silently clamped.
-  cfg7 = dataclasses.replace(cfg, client=ClientConfig(ipc=2, batch_size=7,
-                                                      calibrate_radius=False))
+  cfg7 = dataclasses.replace(cfg, client=ClientConfig(ipc=2, batch_size=7, calibrate_radius=False))
   with pytest.raises(ValueError, match=r"batch_size=7.*client 0 has only 6 records"):
     init_state(jax.random.PRNGKey(0), params, clients, cfg7)
 
@@ -180,8 +201,9 @@ def test_real_images_right_class_and_distinct(clients):
   flat = real.reshape(len(real), -1)
   for c in np.unique(np.asarray(labels)):
     slots = np.flatnonzero((np.asarray(labels) == c) & np.asarray(mask))
-    matches = [np.flatnonzero(np.all(flat == np.asarray(x[s]).reshape(1, -1), axis=1))
-               for s in slots]
+    matches = [
+      np.flatnonzero(np.all(flat == np.asarray(x[s]).reshape(1, -1), axis=1)) for s in slots
+    ]
     assert all(len(m) >= 1 for m in matches)  # every image is a real record ...
     assert all(np.all(real_y[m] == c) for m in matches)  # ... of the slot's class
     firsts = [m[0] for m in matches]
@@ -195,19 +217,46 @@ def test_real_images_right_class_and_distinct(clients):
 
 E2E_WIDTH, E2E_DEPTH = 16, 1
 NONDP = FedLAPConfig(
-    client=ClientConfig(ipc=10, iterations=1, max_outer=2, batch_loop=5, boost_loop=5,
-                        inner_loop=0, batch_size=64, radius=5.0, calibration_epochs=30,
-                        image_lr=10.0),
-    server=ServerConfig(max_epochs=100), rounds=10, learning_rate=0.1)
+  client=ClientConfig(
+    ipc=10,
+    iterations=1,
+    max_outer=2,
+    batch_loop=5,
+    boost_loop=5,
+    inner_loop=0,
+    batch_size=64,
+    radius=5.0,
+    calibration_epochs=30,
+    image_lr=10.0,
+  ),
+  server=ServerConfig(max_epochs=100),
+  rounds=10,
+  learning_rate=0.1,
+)
 # The DP run skips DSA (it halves the compile time; the DSA code path of local_approx is the
 # same with and without DP and is exercised by the non-DP run).
 DP_CONFIG = FedLAPConfig(
-    client=ClientConfig(ipc=10, iterations=1, max_outer=2, batch_loop=5, boost_loop=5,
-                        inner_loop=1, batch_size=64, radius=5.0, mse_weight=0.0,
-                        calibrate_radius=False, dsa_strategy="", dp=DP),
-    server=ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=50,
-                        dsa_strategy=""),
-    rounds=10, learning_rate=0.05, synthetic_init="noise")
+  client=ClientConfig(
+    ipc=10,
+    iterations=1,
+    max_outer=2,
+    batch_loop=5,
+    boost_loop=5,
+    inner_loop=1,
+    batch_size=64,
+    radius=5.0,
+    mse_weight=0.0,
+    calibrate_radius=False,
+    dsa_strategy="",
+    dp=DP,
+  ),
+  server=ServerConfig(
+    radius_strategy="constant", weighting="uniform", max_epochs=50, dsa_strategy=""
+  ),
+  rounds=10,
+  learning_rate=0.05,
+  synthetic_init="noise",
+)
 
 
 @pytest.fixture(scope="module")
@@ -236,14 +285,17 @@ def run_rounds(e2e_model, clients, digits, config, rounds):
 
 def check_round_metrics(metrics, config, num_clients=5):
   cc = config.client
-  chex.assert_shape(metrics.client.matching_loss,
-                    (num_clients, cc.iterations, cc.max_outer, cc.batch_loop, cc.boost_loop))
+  chex.assert_shape(
+    metrics.client.matching_loss,
+    (num_clients, cc.iterations, cc.max_outer, cc.batch_loop, cc.boost_loop),
+  )
   chex.assert_shape([metrics.client.outer_iterations], (num_clients, cc.iterations))
   chex.assert_shape(metrics.client_radius, (num_clients,))
   chex.assert_shape([metrics.server.epochs, metrics.server.distance, metrics.learning_rate], ())
   np.testing.assert_array_equal(
-      np.asarray(metrics.client.real_accesses),
-      np.asarray(metrics.client.outer_iterations).sum(axis=1) * cc.batch_loop)
+    np.asarray(metrics.client.real_accesses),
+    np.asarray(metrics.client.outer_iterations).sum(axis=1) * cc.batch_loop,
+  )
   assert int(jnp.sum(metrics.client.poisson_extra_chunks)) == 0
   assert 1 <= int(metrics.server.epochs) <= config.server.max_epochs
 
@@ -258,11 +310,14 @@ def test_fedlap_nondp_learns(e2e_model, clients, digits):
     radii = np.asarray(m.client_radius)
     assert np.all(radii > 0) and np.all(radii <= NONDP.client.radius)
     chex.assert_trees_all_close(m.server.radius, radii.min())
-    assert (float(m.server.distance) >= radii.min()
-            or int(m.server.epochs) == NONDP.server.max_epochs)
-  chex.assert_trees_all_close([float(m.learning_rate) for m in history],
-                              [0.1 * (1 + np.cos(np.pi * i / 9)) / 2 for i in range(3)],
-                              rtol=1e-5)
+    assert (
+      float(m.server.distance) >= radii.min() or int(m.server.epochs) == NONDP.server.max_epochs
+    )
+  chex.assert_trees_all_close(
+    [float(m.learning_rate) for m in history],
+    [0.1 * (1 + np.cos(np.pi * i / 9)) / 2 for i in range(3)],
+    rtol=1e-5,
+  )
   assert int(state.round) == 3
   # Same key, same result: one round from the same state twice is bitwise equal.
   a = round_fn(state0, clients)
@@ -307,73 +362,107 @@ def test_client_weights(clients):
 
 
 def test_bad_client_backend(params, clients):
-  cfg = FedLAPConfig(client=ClientConfig(calibrate_radius=False),
-                     server=ServerConfig(radius_strategy="constant"))
+  cfg = FedLAPConfig(
+    client=ClientConfig(calibrate_radius=False), server=ServerConfig(radius_strategy="constant")
+  )
   state = init_state(jax.random.PRNGKey(3), params, clients, cfg)
   with pytest.raises(ValueError, match="client_backend='pmap'.*vmap"):
-    federated.fedlap_round(state, clients, apply_fn=lambda p, x: x, config=cfg,
-                           client_backend="pmap")
+    federated.fedlap_round(
+      state, clients, apply_fn=lambda p, x: x, config=cfg, client_backend="pmap"
+    )
 
 
 def test_server_learning_rate_has_its_own_schedule():
   paper = DP_CONFIG
-  own = dataclasses.replace(DP_CONFIG, server=dataclasses.replace(DP_CONFIG.server,
-                                                                  learning_rate=0.5))
+  own = dataclasses.replace(
+    DP_CONFIG, server=dataclasses.replace(DP_CONFIG.server, learning_rate=0.5)
+  )
   for m in (1, 4, 10):
     cos = (1 + np.cos(np.pi * (m - 1) / 9)) / 2
-    np.testing.assert_allclose(float(federated.server_learning_rate(m, paper)),
-                               max(0.05 * cos, 1e-6), rtol=1e-6)
-    np.testing.assert_allclose(float(federated.server_learning_rate(m, own)),
-                               max(0.5 * cos, 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(
+      float(federated.server_learning_rate(m, paper)), max(0.05 * cos, 1e-6), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+      float(federated.server_learning_rate(m, own)), max(0.5 * cos, 1e-6), rtol=1e-6
+    )
   with pytest.raises(ValueError, match="server.learning_rate=0.0 is invalid"):
     ServerConfig(learning_rate=0.0)
 
 
 def test_lr_schedule_reaches_the_server_and_is_validated():
   open_cfg = dataclasses.replace(DP_CONFIG, rounds=3, lr_schedule="cosine_open")
-  np.testing.assert_allclose(float(federated.server_learning_rate(3, open_cfg)), 0.05 * 0.25,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    float(federated.server_learning_rate(3, open_cfg)), 0.05 * 0.25, rtol=1e-5
+  )
   with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
     dataclasses.replace(DP_CONFIG, lr_schedule="step")
 
 
-def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(tiny_apply_fn, tiny_params,
-                                                                   clients):
+def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
+  tiny_apply_fn, tiny_params, clients
+):
   # A server step of ~0 leaves the model where the descent starts: with start='global' the
   # global model, with 'fedavg_delta' the global model plus the mean (uniform weights under
   # DP) of the deltas local_approx returns for each client with the round's keys.
-  client = dp_client(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=1,
-                     batch_size=32, radius=10.0, dsa_strategy="", average_targets=True,
-                     model_steps="noisy_real")
-  server = ServerConfig(radius_strategy="constant", max_epochs=1, dsa_strategy="",
-                        learning_rate=1e-9, start="fedavg_delta")
-  cfg = FedLAPConfig(client=client, server=server, rounds=2, learning_rate=0.5,
-                     synthetic_init="noise")
+  client = dp_client(
+    ipc=2,
+    iterations=1,
+    max_outer=2,
+    batch_loop=2,
+    boost_loop=1,
+    batch_size=32,
+    radius=10.0,
+    dsa_strategy="",
+    average_targets=True,
+    model_steps="noisy_real",
+  )
+  server = ServerConfig(
+    radius_strategy="constant",
+    max_epochs=1,
+    dsa_strategy="",
+    learning_rate=1e-9,
+    start="fedavg_delta",
+  )
+  cfg = FedLAPConfig(
+    client=client, server=server, rounds=2, learning_rate=0.5, synthetic_init="noise"
+  )
   state = init_state(jax.random.PRNGKey(2), tiny_params, clients, cfg)
-  new, _ = federated.fedlap_round(state, clients, apply_fn=tiny_apply_fn, config=cfg,
-                                  client_backend="map")
+  new, _ = federated.fedlap_round(
+    state, clients, apply_fn=tiny_apply_fn, config=cfg, client_backend="map"
+  )
   _, _, k_clients, _ = jax.random.split(state.key, 4)
   keys = jax.random.split(k_clients, 5)
   deltas = []
   for k in range(5):
     pick = lambda t: jax.tree.map(lambda a: a[k], t)
     _, _, m = jax.jit(client_lib.local_approx, static_argnames=("apply_fn", "config"))(
-        keys[k], tiny_apply_fn, tiny_params, pick(state.synthetic), pick(clients), client,
-        learning_rate=0.5)
+      keys[k],
+      tiny_apply_fn,
+      tiny_params,
+      pick(state.synthetic),
+      pick(clients),
+      client,
+      learning_rate=0.5,
+    )
     deltas.append(m.model_delta)
   mean = jax.tree.map(lambda *d: sum(d) / 5, *deltas)
-  assert float(jnp.sqrt(sum(jnp.sum(d ** 2) for d in jax.tree.leaves(mean)))) > 1e-2
-  chex.assert_trees_all_close(new.params, jax.tree.map(jnp.add, tiny_params, mean),
-                              atol=1e-5, rtol=1e-4)
+  assert float(jnp.sqrt(sum(jnp.sum(d**2) for d in jax.tree.leaves(mean)))) > 1e-2
+  chex.assert_trees_all_close(
+    new.params, jax.tree.map(jnp.add, tiny_params, mean), atol=1e-5, rtol=1e-4
+  )
   glob = dataclasses.replace(cfg, server=dataclasses.replace(server, start="global"))
-  same, _ = federated.fedlap_round(state, clients, apply_fn=tiny_apply_fn, config=glob,
-                                   client_backend="map")
+  same, _ = federated.fedlap_round(
+    state, clients, apply_fn=tiny_apply_fn, config=glob, client_backend="map"
+  )
   chex.assert_trees_all_close(same.params, tiny_params, atol=1e-6)
 
 
 def test_fedavg_delta_needs_noisy_real_model_steps():
   with pytest.raises(ValueError, match="server.start='fedavg_delta' is invalid.*noisy_real"):
-    FedLAPConfig(client=dp_client(), synthetic_init="noise",
-                 server=ServerConfig(radius_strategy="constant", start="fedavg_delta"))
+    FedLAPConfig(
+      client=dp_client(),
+      synthetic_init="noise",
+      server=ServerConfig(radius_strategy="constant", start="fedavg_delta"),
+    )
   with pytest.raises(ValueError, match="server.start='median' is invalid"):
     ServerConfig(start="median")

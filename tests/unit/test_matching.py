@@ -17,8 +17,10 @@ from fedlap_jax.matching import matching_distance
 
 def random_grads(seed, shapes=None):
   """A gradient-like pytree: a conv kernel, a Dense kernel and their biases (Flax layouts)."""
-  shapes = shapes or {"conv": {"kernel": (3, 3, 2, 4), "bias": (4,)},
-                      "dense": {"kernel": (6, 3), "bias": (3,)}}
+  shapes = shapes or {
+    "conv": {"kernel": (3, 3, 2, 4), "bias": (4,)},
+    "dense": {"kernel": (6, 3), "bias": (3,)},
+  }
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
   keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
   return jax.tree.unflatten(treedef, [jax.random.normal(k, s) for k, s in zip(keys, leaves)])
@@ -26,12 +28,14 @@ def random_grads(seed, shapes=None):
 
 # A hand-computed example: a (2, 3) Dense kernel in Flax layout (in=2, out=3), so its rows
 # for the distance are its 3 columns, plus a bias of 3 (one row).
-HAND_REAL = {"kernel": jnp.array([[1.0, 0.0, 1.0],
-                                  [0.0, 1.0, 1.0]]),
-             "bias": jnp.array([1.0, 0.0, 0.0])}
-HAND_SYN = {"kernel": jnp.array([[1.0, 1.0, -1.0],
-                                 [0.0, 0.0, -1.0]]),
-            "bias": jnp.array([0.0, 1.0, 0.0])}
+HAND_REAL = {
+  "kernel": jnp.array([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]),
+  "bias": jnp.array([1.0, 0.0, 0.0]),
+}
+HAND_SYN = {
+  "kernel": jnp.array([[1.0, 1.0, -1.0], [0.0, 0.0, -1.0]]),
+  "bias": jnp.array([0.0, 1.0, 0.0]),
+}
 # columns: (1,0)/(1,0) cos 1; (0,1)/(1,0) cos 0; (1,1)/(-1,-1) cos -1 -> mean(0, 1, 2) = 1.
 # bias: (1,0,0)/(0,1,0) cos 0 -> 1.  Cosine part = 2.
 # squared differences: kernel 0+1+4+0+1+4 = 10, bias 1+1+0 = 2 -> 12.
@@ -46,10 +50,10 @@ def test_shapes_dtypes_jit_and_eager(use_jit):
   d = fn(g_real, g_syn, mse_weight=0.1)
   chex.assert_shape(d, ())
   chex.assert_type(d, jnp.float32)
-  chex.assert_trees_all_close(d, jax.jit(matching_distance)(g_real, g_syn, mse_weight=0.1),
-                              rtol=1e-6)
-  layer = (jax.jit(matching.layer_distance, static_argnums=2) if use_jit
-           else matching.layer_distance)
+  chex.assert_trees_all_close(
+    d, jax.jit(matching_distance)(g_real, g_syn, mse_weight=0.1), rtol=1e-6
+  )
+  layer = jax.jit(matching.layer_distance, static_argnums=2) if use_jit else matching.layer_distance
   chex.assert_shape(layer(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], -1), ())
   # Bounds: each layer distance lies in [0, 2]; there are 4 tensors.
   assert 0.0 <= float(matching_distance(g_real, g_syn)) <= 8.0
@@ -88,8 +92,9 @@ def test_mse_weight_term():
   sq = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(g_real), jax.tree.leaves(g_syn)))
   base = matching_distance(g_real, g_syn)
   for lam in (0.1, 2.5):
-    chex.assert_trees_all_close(matching_distance(g_real, g_syn, mse_weight=lam),
-                                base + lam * sq, rtol=1e-5)
+    chex.assert_trees_all_close(
+      matching_distance(g_real, g_syn, mse_weight=lam), base + lam * sq, rtol=1e-5
+    )
   # A traced weight works too (one compilation for every lambda).
   traced = jax.jit(lambda lam: matching_distance(g_real, g_syn, mse_weight=lam))
   chex.assert_trees_all_close(traced(0.1), base + 0.1 * sq, rtol=1e-5)
@@ -101,15 +106,19 @@ def test_cosine_part_invariant_to_positive_row_scaling():
 
   def scale_rows(g, k):
     # One positive factor per output unit (last axis); 1-D tensors are one row.
-    factor = (jax.random.uniform(k, (g.shape[-1],), minval=0.1, maxval=10.0) if g.ndim >= 2
-              else jax.random.uniform(k, (), minval=0.1, maxval=10.0))
+    factor = (
+      jax.random.uniform(k, (g.shape[-1],), minval=0.1, maxval=10.0)
+      if g.ndim >= 2
+      else jax.random.uniform(k, (), minval=0.1, maxval=10.0)
+    )
     return g * factor
 
   leaves, treedef = jax.tree.flatten(g_syn)
   keys = jax.random.split(key, len(leaves))
   scaled = jax.tree.unflatten(treedef, [scale_rows(g, k) for g, k in zip(leaves, keys)])
-  chex.assert_trees_all_close(matching_distance(g_real, scaled), matching_distance(g_real, g_syn),
-                              atol=1e-5)
+  chex.assert_trees_all_close(
+    matching_distance(g_real, scaled), matching_distance(g_real, g_syn), atol=1e-5
+  )
   # A negative factor on one row does change it.
   flipped = jax.tree.map(lambda g: g, g_syn)
   flipped["dense"]["kernel"] = g_syn["dense"]["kernel"].at[:, 0].multiply(-1.0)
@@ -146,25 +155,34 @@ def test_flax_kernel_rows_are_output_units():
 def test_row_axis_override():
   g_real, g_syn = random_grads(0), random_grads(1)
   # PyTorch layout (out, in, h, w) with row_axis=0 equals Flax layout with the default.
-  to_torch = {"kernel": lambda k: jnp.transpose(k, (3, 2, 0, 1)) if k.ndim == 4 else k.T,
-              "bias": lambda b: b}
+  to_torch = {
+    "kernel": lambda k: jnp.transpose(k, (3, 2, 0, 1)) if k.ndim == 4 else k.T,
+    "bias": lambda b: b,
+  }
   torch_real = {m: {n: to_torch[n](v) for n, v in layer.items()} for m, layer in g_real.items()}
   torch_syn = {m: {n: to_torch[n](v) for n, v in layer.items()} for m, layer in g_syn.items()}
-  chex.assert_trees_all_close(matching_distance(torch_real, torch_syn, row_axis=0),
-                              matching_distance(g_real, g_syn), atol=1e-6)
+  chex.assert_trees_all_close(
+    matching_distance(torch_real, torch_syn, row_axis=0),
+    matching_distance(g_real, g_syn),
+    atol=1e-6,
+  )
   # A pytree of axes: per-tensor choice; None makes a tensor a single row.
   axes = {"conv": {"kernel": None, "bias": 0}, "dense": {"kernel": 0, "bias": None}}
-  manual = (matching.layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None)
-            + matching.layer_distance(g_real["conv"]["bias"], g_syn["conv"]["bias"])
-            + matching.layer_distance(g_real["dense"]["kernel"], g_syn["dense"]["kernel"], 0)
-            + matching.layer_distance(g_real["dense"]["bias"], g_syn["dense"]["bias"]))
+  manual = (
+    matching.layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None)
+    + matching.layer_distance(g_real["conv"]["bias"], g_syn["conv"]["bias"])
+    + matching.layer_distance(g_real["dense"]["kernel"], g_syn["dense"]["kernel"], 0)
+    + matching.layer_distance(g_real["dense"]["bias"], g_syn["dense"]["bias"])
+  )
   chex.assert_trees_all_close(matching_distance(g_real, g_syn, row_axis=axes), manual, atol=1e-6)
   assert abs(float(manual - matching_distance(g_real, g_syn))) > 1e-3
   # None for a whole tensor is the cosine of the flattened tensors.
   a, b = g_real["conv"]["kernel"].ravel(), g_syn["conv"]["kernel"].ravel()
   chex.assert_trees_all_close(
-      matching.layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None),
-      1.0 - a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b)), atol=1e-6)
+    matching.layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None),
+    1.0 - a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b)),
+    atol=1e-6,
+  )
 
 
 def test_mismatched_pytrees_raise():
@@ -185,10 +203,12 @@ def test_finite_gradient_with_zero_rows():
   chex.assert_tree_all_finite((value, grad))
   chex.assert_trees_all_equal_shapes_and_dtypes(grad, g_syn)
   # A zero real row gives cos = 0, a constant distance of 1 for that tensor.
-  chex.assert_trees_all_close(matching.layer_distance(g_real["dense"]["bias"],
-                                                      g_syn["dense"]["bias"]), 1.0, atol=1e-6)
+  chex.assert_trees_all_close(
+    matching.layer_distance(g_real["dense"]["bias"], g_syn["dense"]["bias"]), 1.0, atol=1e-6
+  )
   grad_zero = jax.grad(lambda b: matching.layer_distance(g_real["dense"]["bias"], b))(
-      g_syn["dense"]["bias"])
+    g_syn["dense"]["bias"]
+  )
   chex.assert_trees_all_close(grad_zero, jnp.zeros(3), atol=1e-6)
 
 
@@ -199,18 +219,24 @@ def test_condensation_code_variant_sums_rows_and_skips_vectors():
   chex.assert_trees_all_close(summed, 4.0, atol=1e-6)
   no_vectors = matching_distance(HAND_REAL, HAND_SYN, row_reduction="sum", include_vectors=False)
   chex.assert_trees_all_close(no_vectors, 3.0, atol=1e-6)
-  chex.assert_trees_all_close(matching_distance(HAND_REAL, HAND_SYN, include_vectors=False), 1.0,
-                              atol=1e-6)
+  chex.assert_trees_all_close(
+    matching_distance(HAND_REAL, HAND_SYN, include_vectors=False), 1.0, atol=1e-6
+  )
   # The MSE term still covers the bias.
   chex.assert_trees_all_close(
-      matching_distance(HAND_REAL, HAND_SYN, mse_weight=1.0, include_vectors=False),
-      1.0 + HAND_SQ, atol=1e-5)
+    matching_distance(HAND_REAL, HAND_SYN, mse_weight=1.0, include_vectors=False),
+    1.0 + HAND_SQ,
+    atol=1e-5,
+  )
   with pytest.raises(ValueError, match="row_reduction='max' is invalid"):
     matching_distance(HAND_REAL, HAND_SYN, row_reduction="max")
 
 
 def test_mean_embedding_distance_by_hand():
-  real = ({"f": jnp.array([[1.0, 0.0], [3.0, 0.0], [100.0, 100.0]])}, jnp.array([[1.0], [1.0], [9.0]]))
+  real = (
+    {"f": jnp.array([[1.0, 0.0], [3.0, 0.0], [100.0, 100.0]])},
+    jnp.array([[1.0], [1.0], [9.0]]),
+  )
   syn = ({"f": jnp.array([[0.0, 1.0], [0.0, 1.0]])}, jnp.array([[0.0], [4.0]]))
   real_w, syn_w = jnp.array([1.0, 1.0, 0.0]), jnp.array([1.0, 1.0])  # the third real row is padding
   # means: f (2, 0) vs (0, 1) -> 4 + 1; second leaf 1 vs 2 -> 1.

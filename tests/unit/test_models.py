@@ -26,7 +26,7 @@ def expected_count(image_shape, *, classes=10, width=128, depth=3, norm="instanc
     h = w = 32
   convs = 9 * c * width + width + (depth - 1) * (9 * width * width + width)
   norms = 0 if norm == "none" else depth * 2 * width
-  side_h, side_w = h // 2 ** depth, w // 2 ** depth
+  side_h, side_w = h // 2**depth, w // 2**depth
   return convs + norms + width * side_h * side_w * classes + classes
 
 
@@ -50,9 +50,10 @@ def test_paper_parameter_counts(image_shape, count):
 
 
 @pytest.mark.parametrize("norm", models.NORMS)
-@pytest.mark.parametrize("width, depth, image_shape",
-                         [(16, 1, (8, 8, 1)), (32, 2, (8, 8, 1)), (16, 3, (32, 32, 3)),
-                          (32, 3, (28, 28, 1))])
+@pytest.mark.parametrize(
+  "width, depth, image_shape",
+  [(16, 1, (8, 8, 1)), (32, 2, (8, 8, 1)), (16, 3, (32, 32, 3)), (32, 3, (28, 28, 1))],
+)
 def test_narrow_variants_and_norms(norm, width, depth, image_shape):
   model = ConvNet(num_classes=10, width=width, depth=depth, norm=norm)
   params = abstract_params(model, image_shape)
@@ -64,12 +65,15 @@ def test_narrow_variants_and_norms(norm, width, depth, image_shape):
   chex.assert_shape(params["Conv_0"]["kernel"], (3, 3, image_shape[-1], width))
 
 
-@pytest.mark.parametrize("image_shape, feature_shape", [
+@pytest.mark.parametrize(
+  "image_shape, feature_shape",
+  [
     ((28, 28, 1), (2, 32, 32, 16)),  # the 1-channel 28x28 rule: padding 3 in the first conv
     ((32, 32, 3), (2, 32, 32, 16)),
     ((28, 28, 3), (2, 28, 28, 16)),  # the rule is for 1-channel images only
     ((8, 8, 1), (2, 8, 8, 16)),
-])
+  ],
+)
 def test_padding_rule(image_shape, feature_shape):
   assert first_feature_map_shape(ConvNet(width=16, depth=3), image_shape) == feature_shape
 
@@ -129,20 +133,24 @@ def test_conv_bias_before_instance_norm_does_nothing(impl):
   x = jax.random.normal(jax.random.PRNGKey(1), (3, 8, 8, 1))
   params = with_bias.init(jax.random.PRNGKey(0), x)["params"]
   params = jax.tree_util.tree_map_with_path(  # make the biases matter if they could
-      lambda path, p: p + 0.5 if "Conv" in jax.tree_util.keystr(path) and p.ndim == 1 else p,
-      params)
-  stripped = {k: ({"kernel": v["kernel"]} if k.startswith("Conv") else v)
-              for k, v in params.items()}
+    lambda path, p: p + 0.5 if "Conv" in jax.tree_util.keystr(path) and p.ndim == 1 else p, params
+  )
+  stripped = {
+    k: ({"kernel": v["kernel"]} if k.startswith("Conv") else v) for k, v in params.items()
+  }
   assert count_params(params) - count_params(stripped) == 8 * 2
-  chex.assert_trees_all_close(without.apply({"params": stripped}, x),
-                              with_bias.apply({"params": params}, x), atol=1e-5)
+  chex.assert_trees_all_close(
+    without.apply({"params": stripped}, x), with_bias.apply({"params": params}, x), atol=1e-5
+  )
   # With group norm (4 channels per group) a per-channel bias is not removed.
   grouped = ConvNet(**kw, norm="group", num_groups=2)
   gp = grouped.init(jax.random.PRNGKey(0), x)["params"]
-  moved = {k: ({**v, "bias": jnp.arange(8.0)} if k.startswith("Conv") else v)
-           for k, v in gp.items()}
-  assert not bool(jnp.allclose(grouped.apply({"params": gp}, x),
-                               grouped.apply({"params": moved}, x), atol=1e-3))
+  moved = {
+    k: ({**v, "bias": jnp.arange(8.0)} if k.startswith("Conv") else v) for k, v in gp.items()
+  }
+  assert not bool(
+    jnp.allclose(grouped.apply({"params": gp}, x), grouped.apply({"params": moved}, x), atol=1e-3)
+  )
 
 
 def image_gradient(apply_fn, params, g_real, x_syn, y_syn, dtype):
@@ -151,12 +159,14 @@ def image_gradient(apply_fn, params, g_real, x_syn, y_syn, dtype):
   For ``jnp.float64`` call it inside ``with jax.enable_x64(True):``.
   """
   from fedlap_jax import matching, privacy
+
   cast = lambda t: jax.tree.map(lambda a: a.astype(dtype), t)  # noqa: E731
   params, g_real, x_syn = cast(params), cast(g_real), x_syn.astype(dtype)
 
   def loss(x):
     g_syn = privacy.real_gradient(apply_fn, params, x, y_syn, jnp.zeros(len(y_syn), bool))
     return matching.matching_distance(g_real, g_syn)
+
   return np.asarray(jax.jit(jax.grad(loss))(x_syn), np.float64)
 
 
@@ -169,12 +179,23 @@ def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
   x_syn = jax.random.normal(jax.random.PRNGKey(2), (10, 8, 8, 1))
   errors = {}
   for conv_bias in (True, False):
-    model, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), width=16, depth=2,
-                                 conv_bias=conv_bias)
+    model, params = init_convnet(
+      jax.random.PRNGKey(0), (8, 8, 1), width=16, depth=2, conv_bias=conv_bias
+    )
     apply_fn = lambda p, v, m=model: m.apply({"params": p}, v)  # noqa: E731
-    g_dp, _ = jax.jit(lambda p, f=apply_fn: privacy.private_gradient(
-        jax.random.PRNGKey(1), f, p, x, y, jnp.zeros(16, bool), l2_clip_norm=1.0,
-        noise_multiplier=1.0, expected_batch_size=16.0))(params)
+    g_dp, _ = jax.jit(
+      lambda p, f=apply_fn: privacy.private_gradient(
+        jax.random.PRNGKey(1),
+        f,
+        p,
+        x,
+        y,
+        jnp.zeros(16, bool),
+        l2_clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=16.0,
+      )
+    )(params)
     with jax.enable_x64(True):
       exact = image_gradient(apply_fn, params, g_dp, x_syn, jnp.arange(10), jnp.float64)
       single = image_gradient(apply_fn, params, g_dp, x_syn, jnp.arange(10), jnp.float32)
@@ -184,6 +205,7 @@ def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
 
 def test_embedding_returns_features_and_the_same_logits():
   from fedlap_jax.models import embed_fn, init_fn
+
   model = ConvNet(num_classes=10, width=8, depth=2)
   params = init_fn(model, (8, 8, 1))(jax.random.PRNGKey(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (3, 8, 8, 1))

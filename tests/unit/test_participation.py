@@ -58,17 +58,18 @@ def test_bad_clients_per_round_names_field_value_and_range(value):
 
 
 def test_client_never_sampled_spends_nothing_and_each_pays_its_own_rate():
-  ledgers = accounting.ClientLedgers.create(client_sizes=[10_000, 20_000, 10_000],
-                                            **PAPER)
+  ledgers = accounting.ClientLedgers.create(client_sizes=[10_000, 20_000, 10_000], **PAPER)
   ledgers.record_round([0, 1])
   ledgers.record_round([1])
   eps = ledgers.epsilons()
   assert eps[2] == 0.0 and ledgers.ledgers[2].rounds == 0
   assert eps[0] == pytest.approx(2.79, abs=0.01)  # one round at q = 256 / 10,000
-  assert 0 < eps[1] < accounting.epsilon_after_rounds(rounds=2, min_client_size=10_000,
-                                                      **PAPER)  # q = 256 / 20,000
-  assert eps[1] == pytest.approx(accounting.epsilon_after_rounds(
-      rounds=2, min_client_size=20_000, **PAPER), rel=1e-9)
+  assert (
+    0 < eps[1] < accounting.epsilon_after_rounds(rounds=2, min_client_size=10_000, **PAPER)
+  )  # q = 256 / 20,000
+  assert eps[1] == pytest.approx(
+    accounting.epsilon_after_rounds(rounds=2, min_client_size=20_000, **PAPER), rel=1e-9
+  )
   assert ledgers.epsilon == max(eps)
   assert ledgers.summary() == {"min": 0.0, "median": sorted(eps)[1], "max": max(eps)}
 
@@ -113,6 +114,7 @@ def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
   PLD once per rate, then one composition per distinct (rate, steps spent) a round touches."""
   from dp_accounting.pld import privacy_loss_distribution
   from dp_accounting.rdp import rdp_privacy_accountant
+
   accounting._step_rdp.cache_clear()
   accounting._step_pld.cache_clear()
   accounting._replace_one.cache_clear()
@@ -132,6 +134,7 @@ def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
   def compose(self, n, *args, **kw):
     compositions.append(n)
     return real_compose(self, n, *args, **kw)
+
   monkeypatch.setattr(rdp_privacy_accountant, "_compute_rdp_poisson_subsampled_gaussian", rdp)
   monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism", pld)
   monkeypatch.setattr(privacy_loss_distribution.PrivacyLossDistribution, "self_compose", compose)
@@ -161,13 +164,21 @@ def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
 
 @pytest.mark.slow
 def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
-    tiny_apply_fn, tiny_params, clients):
+  tiny_apply_fn, tiny_params, clients
+):
   sizes = np.asarray(clients.mask).sum(1)
-  cfg = baselines.baseline_config("scaffold", rounds=2, learning_rate=0.1, local_epochs=1,
-                                  batch_size=64, prox_mu=0.0, dp=None,
-                                  max_client_size=int(sizes.max()), weighting="uniform")
-  shape = dict(image_shape=(8, 8, 1), num_params=sum(p.size for p in
-                                                    jax.tree.leaves(tiny_params)))
+  cfg = baselines.baseline_config(
+    "scaffold",
+    rounds=2,
+    learning_rate=0.1,
+    local_epochs=1,
+    batch_size=64,
+    prox_mu=0.0,
+    dp=None,
+    max_client_size=int(sizes.max()),
+    weighting="uniform",
+  )
+  shape = dict(image_shape=(8, 8, 1), num_params=sum(p.size for p in jax.tree.leaves(tiny_params)))
   sampled = baselines.algorithm(tiny_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
   assert sampled.client_state_fields == ("client_controls",)
   idx = np.array([1, 3], np.int32)
@@ -181,10 +192,12 @@ def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
   pair = baselines.algorithm(tiny_apply_fn, cfg, num_clients=2, **shape)
   ref, _ = pair.round(pair.init(key, tiny_params, block), block)
   chex.assert_trees_all_close(new.params, ref.params, rtol=1e-6, atol=1e-7)
-  chex.assert_trees_all_close(jax.tree.map(lambda c: c[idx], new.client_controls),
-                              ref.client_controls, rtol=1e-6, atol=1e-7)
-  chex.assert_trees_all_close(new.control, jax.tree.map(lambda c: 0.4 * c, ref.control),
-                              rtol=1e-6, atol=1e-8)
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda c: c[idx], new.client_controls), ref.client_controls, rtol=1e-6, atol=1e-7
+  )
+  chex.assert_trees_all_close(
+    new.control, jax.tree.map(lambda c: 0.4 * c, ref.control), rtol=1e-6, atol=1e-8
+  )
   for k in (0, 2, 4):
     assert all(float(jnp.abs(c[k]).max()) == 0.0 for c in jax.tree.leaves(new.client_controls))
   assert any(float(jnp.abs(c[1]).max()) > 0 for c in jax.tree.leaves(new.client_controls))
@@ -203,6 +216,6 @@ def test_the_sampled_block_holds_every_record_of_the_sampled_clients():
   chex.assert_shape(block.x, (3, 9, 4, 4, 1))
   for j, k in enumerate(idx):
     mask = np.asarray(block.mask[j])
-    assert mask.sum() == sizes[k] and mask[:sizes[k]].all()
+    assert mask.sum() == sizes[k] and mask[: sizes[k]].all()
     np.testing.assert_array_equal(np.asarray(block.x[j])[mask], xs[k])
     np.testing.assert_array_equal(np.asarray(block.y[j])[mask], ys[k])

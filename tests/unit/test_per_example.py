@@ -72,8 +72,10 @@ def test_layerwise_equals_vmap_grad(kind):
   rules = {c.rule for c in calls}
   assert "dense" in rules and ("conv" in rules or kind == "mlp") and "generic" in rules
 
-  fn = jax.jit(functools.partial(per_example.clipped_gradient_sum, apply_fn),
-               static_argnames=("microbatch_size",))
+  fn = jax.jit(
+    functools.partial(per_example.clipped_gradient_sum, apply_fn),
+    static_argnames=("microbatch_size",),
+  )
   for clip in (0.1, 1e3):  # everyone clipped / no one clipped
     ref, ref_norms = _reference(apply_fn, params, x, y, is_padding, clip)
     total, norms = fn(params, x, y, is_padding, l2_clip_norm=clip)
@@ -101,8 +103,9 @@ def test_ghost_conv_norms_exact(monkeypatch):
   ref, ref_norms = _reference(apply_fn, params, x, y, is_padding, 0.5)
   for ghost in (True, False):
     monkeypatch.setattr(per_example, "GHOST_CONV", ghost)
-    total, norms = per_example.clipped_gradient_sum(apply_fn, params, x, y, is_padding,
-                                                    l2_clip_norm=0.5)
+    total, norms = per_example.clipped_gradient_sum(
+      apply_fn, params, x, y, is_padding, l2_clip_norm=0.5
+    )
     _assert_close(total, ref)
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
 
@@ -155,7 +158,9 @@ def test_auto_microbatches_only_matmul_conv_models_on_cpu():
   for kind in ("im2col", "hybrid"):
     apply_fn, params = _model(kind)
     assert per_example.auto_plan(apply_fn, params, big) == (
-        "vmap", per_example.CPU_MICROBATCH if on_cpu else None), kind
+      "vmap",
+      per_example.CPU_MICROBATCH if on_cpu else None,
+    ), kind
     assert per_example.auto_plan(apply_fn, params, small) == ("vmap", None), kind
   for kind in ("flax", "mlp"):
     apply_fn, params = _model(kind)
@@ -169,9 +174,9 @@ def test_privacy_methods_agree(method):
   apply_fn, params = _model("hybrid")
   x, y, is_padding = _batch()
   ref, ref_norms = _reference(apply_fn, params, x, y, is_padding, 0.3)
-  total, norms = jax.jit(functools.partial(privacy.clipped_gradient_sum, apply_fn,
-                                           l2_clip_norm=0.3, method=method))(
-                                               params, x, y, is_padding)
+  total, norms = jax.jit(
+    functools.partial(privacy.clipped_gradient_sum, apply_fn, l2_clip_norm=0.3, method=method)
+  )(params, x, y, is_padding)
   _assert_close(total, ref)
   np.testing.assert_allclose(norms[:9], ref_norms[:9], rtol=RTOL)
 
@@ -180,11 +185,11 @@ def test_bad_method_names():
   apply_fn, params = _model("mlp")
   x, y, is_padding = _batch()
   with pytest.raises(ValueError, match=r"method='ghost'.*layerwise"):
-    privacy.clipped_gradient_sum(apply_fn, params, x, y, is_padding, l2_clip_norm=1.0,
-                                 method="ghost")
+    privacy.clipped_gradient_sum(
+      apply_fn, params, x, y, is_padding, l2_clip_norm=1.0, method="ghost"
+    )
   with pytest.raises(ValueError, match=r"per_example_method.*'fast'.*vmap"):
-    config.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5,
-                    per_example_method="fast")
+    config.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, per_example_method="fast")
 
 
 # ----------------------------------------------------------------- ConvNet implementations
@@ -200,8 +205,9 @@ def test_instance_norm_equals_group_norm():
   chex.assert_trees_all_close(ours.apply(p, x), gn.apply(p, x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("padding, shape", [(((1, 1), (1, 1)), (3, 7, 6, 4)),
-                                            (((0, 2), (1, 0)), (2, 5, 5, 3))])
+@pytest.mark.parametrize(
+  "padding, shape", [(((1, 1), (1, 1)), (3, 7, 6, 4)), (((0, 2), (1, 0)), (2, 5, 5, 3))]
+)
 def test_conv_impls_equal_xla_conv_to_second_order(padding, shape):
   """Value, gradient and gradient-of-gradient of both matmul convolutions."""
   kx, kk = jax.random.split(jax.random.PRNGKey(0))
@@ -214,12 +220,13 @@ def test_conv_impls_equal_xla_conv_to_second_order(padding, shape):
 
   def second(conv, x, k):  # d/dx of |d conv / dk|^2, like the synthetic-image update
     g = jax.grad(lambda k: jnp.sum(jnp.sin(value(conv, x, k))))(k)
-    return jnp.sum(g ** 2)
+    return jnp.sum(g**2)
 
   for conv in (models.conv_im2col, models.conv_hybrid):
     for f in (value, lambda c, x, k: jax.grad(second, argnums=(1, 2))(c, x, k)):
-      expected = jax.tree.map(lambda a: np.asarray(a, np.float64),
-                              f(jax.lax.conv_general_dilated, x, k))
+      expected = jax.tree.map(
+        lambda a: np.asarray(a, np.float64), f(jax.lax.conv_general_dilated, x, k)
+      )
       _assert_close(f(conv, x, k), expected)
 
 
@@ -227,8 +234,9 @@ def test_convnet_impls_same_function_and_params():
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 28, 28, 1))
   outs, trees = [], []
   for impl in ("flax", "im2col", "hybrid", "auto"):
-    model, params = models.init_convnet(jax.random.PRNGKey(1), (28, 28, 1), width=8, depth=3,
-                                        impl=impl)
+    model, params = models.init_convnet(
+      jax.random.PRNGKey(1), (28, 28, 1), width=8, depth=3, impl=impl
+    )
     trees.append(params)
     outs.append(model.apply({"params": params}, x))
   for tree, out in zip(trees[1:], outs[1:]):

@@ -55,11 +55,12 @@ def pixel_and_float_clients(pixel_parts):
   scale, offset = pixel_normalisation(mean, std, pixel_max=PIXEL_MAX)
   xs, ys = [x for x, _ in parts], [y for _, y in parts]
   pixels = stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
-  floats = ClientData(jax.jit(jax.vmap(lambda c: c.normalise(c.x)))(pixels), pixels.y,
-                      pixels.mask)
+  floats = ClientData(jax.jit(jax.vmap(lambda c: c.normalise(c.x)))(pixels), pixels.y, pixels.mask)
   np.testing.assert_allclose(  # the up-front copy is the formula, to float32 rounding
-      np.asarray(floats.x[0, :len(xs[0])]),
-      np.asarray(xs[0], np.float32) * np.asarray(scale) + np.asarray(offset), atol=1e-6)
+    np.asarray(floats.x[0, : len(xs[0])]),
+    np.asarray(xs[0], np.float32) * np.asarray(scale) + np.asarray(offset),
+    atol=1e-6,
+  )
   return pixels, floats
 
 
@@ -69,8 +70,9 @@ def test_pixel_normalisation_matches_the_formula(pixel_parts):
   chex.assert_shape([scale, offset], (1,))
   chex.assert_type([scale, offset], jnp.float32)
   x = parts[0][0]
-  data = ClientData(jnp.asarray(x), jnp.zeros(len(x), jnp.int32), jnp.ones(len(x), bool),
-                    scale, offset)
+  data = ClientData(
+    jnp.asarray(x), jnp.zeros(len(x), jnp.int32), jnp.ones(len(x), bool), scale, offset
+  )
   idx = jnp.array([3, 0, 7, 3])
   got = jax.jit(ClientData.images)(data, idx)
   chex.assert_shape(got, (4, 8, 8, 1))
@@ -79,10 +81,16 @@ def test_pixel_normalisation_matches_the_formula(pixel_parts):
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
   # uint8 pixels of CIFAR-10's statistics: 0 and 255 map to (0 - m) / s and (1 - m) / s.
   s, o = pixel_normalisation([0.4914, 0.4822, 0.4465], [0.2023, 0.1994, 0.2010])
-  np.testing.assert_allclose(np.asarray(o), -np.array([0.4914, 0.4822, 0.4465]) /
-                             np.array([0.2023, 0.1994, 0.2010]), rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(255 * s + o), (1 - np.array([0.4914, 0.4822, 0.4465])) /
-                             np.array([0.2023, 0.1994, 0.2010]), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(o),
+    -np.array([0.4914, 0.4822, 0.4465]) / np.array([0.2023, 0.1994, 0.2010]),
+    rtol=1e-6,
+  )
+  np.testing.assert_allclose(
+    np.asarray(255 * s + o),
+    (1 - np.array([0.4914, 0.4822, 0.4465])) / np.array([0.2023, 0.1994, 0.2010]),
+    rtol=1e-6,
+  )
   # Float model inputs without a normalisation are read as they are.
   plain = ClientData(jnp.asarray(x, jnp.float32), data.y, data.mask)
   chex.assert_trees_all_equal(plain.images(idx), jnp.asarray(x, jnp.float32)[idx])
@@ -97,12 +105,17 @@ def test_stacked_pixels_stay_uint8_at_a_quarter_of_the_memory(pixel_and_float_cl
   assert floats.pixel_scale is None and floats.pixel_offset is None
 
 
-@pytest.mark.parametrize("kwargs,pattern", [
+@pytest.mark.parametrize(
+  "kwargs,pattern",
+  [
     (dict(), r"dtype uint8 need pixel_scale and pixel_offset"),
     (dict(pixel_scale=[1.0]), r"pixel_scale and pixel_offset must be given together"),
-    (dict(pixel_scale=[1.0, 2.0], pixel_offset=[0.0, 0.0]),
-     r"pixel_scale has shape \(2,\); allowed: \(1,\)"),
-])
+    (
+      dict(pixel_scale=[1.0, 2.0], pixel_offset=[0.0, 0.0]),
+      r"pixel_scale has shape \(2,\); allowed: \(1,\)",
+    ),
+  ],
+)
 def test_stack_clients_refuses_pixels_without_a_valid_normalisation(kwargs, pattern):
   x = np.zeros((3, 8, 8, 1), np.uint8)
   with pytest.raises(ValueError, match=pattern):
@@ -111,17 +124,16 @@ def test_stack_clients_refuses_pixels_without_a_valid_normalisation(kwargs, patt
     stack_clients([x, x.astype(np.float32)], [np.zeros(3), np.zeros(3)])
 
 
-@pytest.mark.parametrize("mean,std,pattern", [
-    ([0.5], [0.0], r"std=\[0\.0\] is invalid"),
-    ([0.5, 0.5], [0.2], r"both be \(C,\) vectors"),
-])
+@pytest.mark.parametrize(
+  "mean,std,pattern",
+  [([0.5], [0.0], r"std=\[0\.0\] is invalid"), ([0.5, 0.5], [0.2], r"both be \(C,\) vectors")],
+)
 def test_pixel_normalisation_refuses_bad_statistics(mean, std, pattern):
   with pytest.raises(ValueError, match=pattern):
     pixel_normalisation(mean, std)
 
 
-def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients,
-                                                         linear_params):
+def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients, linear_params):
   pixels, floats = pixel_and_float_clients
   syn_x = jax.random.normal(jax.random.PRNGKey(0), (20, 8, 8, 1))
   syn_y = jnp.arange(20) % 10
@@ -130,28 +142,62 @@ def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients
   one = jax.tree.map(lambda a: a[1], pixels)
   ref = jax.tree.map(lambda a: a[1], floats)
   for eval_size in (None, 64):
-    got = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn, one,
-                           learning_rate=0.1, max_radius=10.0, epochs=4, batch_size=8,
-                           eval_size=eval_size)
-    want = calibrate_radius(jax.random.PRNGKey(1), linear_apply, linear_params, syn, ref,
-                            learning_rate=0.1, max_radius=10.0, epochs=4, batch_size=8,
-                            eval_size=eval_size)
+    got = calibrate_radius(
+      jax.random.PRNGKey(1),
+      linear_apply,
+      linear_params,
+      syn,
+      one,
+      learning_rate=0.1,
+      max_radius=10.0,
+      epochs=4,
+      batch_size=8,
+      eval_size=eval_size,
+    )
+    want = calibrate_radius(
+      jax.random.PRNGKey(1),
+      linear_apply,
+      linear_params,
+      syn,
+      ref,
+      learning_rate=0.1,
+      max_radius=10.0,
+      epochs=4,
+      batch_size=8,
+      eval_size=eval_size,
+    )
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-SMALL = ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=2,
-                     inner_loop=1, batch_size=32, radius=5.0, calibration_epochs=3)
+SMALL = ClientConfig(
+  ipc=2,
+  iterations=1,
+  max_outer=2,
+  batch_loop=2,
+  boost_loop=2,
+  inner_loop=1,
+  batch_size=32,
+  radius=5.0,
+  calibration_epochs=3,
+)
 NONDP = FedLAPConfig(client=SMALL, server=ServerConfig(max_epochs=3), rounds=2)
 DP = FedLAPConfig(
-    client=dataclasses.replace(SMALL, calibrate_radius=False, dsa_strategy="",
-                               dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)),
-    server=ServerConfig(radius_strategy="constant", max_epochs=3), rounds=2,
-    synthetic_init="noise")
+  client=dataclasses.replace(
+    SMALL,
+    calibrate_radius=False,
+    dsa_strategy="",
+    dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5),
+  ),
+  server=ServerConfig(radius_strategy="constant", max_epochs=3),
+  rounds=2,
+  synthetic_init="noise",
+)
 
 
 @pytest.mark.parametrize("config", [NONDP, DP], ids=["fedlap", "fedlap_dp"])
-def test_fedlap_round_on_pixels_equals_the_round_on_floats(config, pixel_and_float_clients,
-                                                           tiny_apply_fn, tiny_params):
+def test_fedlap_round_on_pixels_equals_the_round_on_floats(
+  config, pixel_and_float_clients, tiny_apply_fn, tiny_params
+):
   pixels, floats = pixel_and_float_clients
   round_fn = make_round_fn(tiny_apply_fn, config)
   outs = []
@@ -163,21 +209,43 @@ def test_fedlap_round_on_pixels_equals_the_round_on_floats(config, pixel_and_flo
   chex.assert_trees_all_close(s_pix, s_flt, rtol=1e-4, atol=1e-5)
   chex.assert_trees_all_close(m_pix, m_flt, rtol=1e-4, atol=1e-5)
   # The round really moved something (a test of two no-ops would pass too).
-  assert float(jnp.max(jnp.abs(s_pix.synthetic.x - init_state(
-      jax.random.PRNGKey(2), tiny_params, pixels, config).synthetic.x))) > 1e-3
+  assert (
+    float(
+      jnp.max(
+        jnp.abs(
+          s_pix.synthetic.x
+          - init_state(jax.random.PRNGKey(2), tiny_params, pixels, config).synthetic.x
+        )
+      )
+    )
+    > 1e-3
+  )
 
 
-def test_fedavg_round_on_pixels_equals_the_round_on_floats(pixel_and_float_clients,
-                                                           tiny_apply_fn, tiny_params):
+def test_fedavg_round_on_pixels_equals_the_round_on_floats(
+  pixel_and_float_clients, tiny_apply_fn, tiny_params
+):
   pixels, floats = pixel_and_float_clients
   config = baselines.baseline_config(
-      "fedavg", rounds=2, learning_rate=0.1, local_epochs=1, batch_size=32, prox_mu=0.0,
-      dp=None, max_client_size=int(jnp.max(jnp.sum(pixels.mask, axis=1))))
-  alg = baselines.algorithm(tiny_apply_fn, config, num_clients=5, image_shape=(8, 8, 1),
-                            num_params=count_params(tiny_params))
-  outs = [alg.round(alg.init(jax.random.PRNGKey(3), tiny_params, c), c)
-          for c in (pixels, floats)]
+    "fedavg",
+    rounds=2,
+    learning_rate=0.1,
+    local_epochs=1,
+    batch_size=32,
+    prox_mu=0.0,
+    dp=None,
+    max_client_size=int(jnp.max(jnp.sum(pixels.mask, axis=1))),
+  )
+  alg = baselines.algorithm(
+    tiny_apply_fn,
+    config,
+    num_clients=5,
+    image_shape=(8, 8, 1),
+    num_params=count_params(tiny_params),
+  )
+  outs = [alg.round(alg.init(jax.random.PRNGKey(3), tiny_params, c), c) for c in (pixels, floats)]
   chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
-  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
-                       alg.params_of(outs[0][0]), tiny_params)
+  moved = jax.tree.map(
+    lambda a, b: float(jnp.max(jnp.abs(a - b))), alg.params_of(outs[0][0]), tiny_params
+  )
   assert max(jax.tree.leaves(moved)) > 1e-4

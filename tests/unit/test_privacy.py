@@ -31,8 +31,9 @@ def batch(digits):
 
 def global_norms(tree):
   """``(N,)`` L2 norms of per-example gradients (leaves with a leading ``N`` axis)."""
-  return jnp.sqrt(sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1)
-                      for leaf in jax.tree.leaves(tree)))
+  return jnp.sqrt(
+    sum(jnp.sum(leaf.reshape(leaf.shape[0], -1) ** 2, axis=1) for leaf in jax.tree.leaves(tree))
+  )
 
 
 # ---------------------------------------------------------------- Poisson sampling
@@ -112,12 +113,15 @@ def test_sum_over_chunks_counts_every_record_with_probability_q():
 
   def inclusion(key):
     batch = privacy.poisson_sample(key, valid, q, b)
+
     def chunk_sum(indices, is_padding):
       return jnp.zeros((n,), jnp.float32).at[indices].add(jnp.logical_not(is_padding))
+
     return privacy.sum_over_chunks(chunk_sum, batch), batch.extra_chunks, batch.chosen
 
-  counts, extra, chosen = jax.jit(jax.vmap(inclusion))(jax.random.split(jax.random.PRNGKey(0),
-                                                                       draws))
+  counts, extra, chosen = jax.jit(jax.vmap(inclusion))(
+    jax.random.split(jax.random.PRNGKey(0), draws)
+  )
   counts, extra = np.asarray(counts), np.asarray(extra)
   np.testing.assert_array_equal(counts, np.asarray(chosen, np.float32))  # each exactly once
   assert 0.35 < np.mean(extra > 0) < 0.6  # overflow is frequent: the loop really ran
@@ -136,15 +140,19 @@ def test_chunked_gradient_sums_equal_one_pass(dp, linear_apply_fn, linear_params
 
   def gradient_sum(capacity):
     batch = privacy.poisson_sample(jax.random.PRNGKey(2), valid, 0.5, capacity)
+
     def chunk_sum(indices, is_padding):
       if dp:
-        return privacy.clipped_gradient_sum(apply_fn, params, x[indices], y[indices],
-                                            is_padding, l2_clip_norm=0.5)[0]
+        return privacy.clipped_gradient_sum(
+          apply_fn, params, x[indices], y[indices], is_padding, l2_clip_norm=0.5
+        )[0]
       return privacy.real_gradient_sum(apply_fn, params, x[indices], y[indices], is_padding)
+
     return privacy.sum_over_chunks(chunk_sum, batch), batch
 
-  (chunked, small), (whole, big) = (jax.jit(gradient_sum, static_argnums=0)(c)
-                                    for c in (40, len(y)))
+  (chunked, small), (whole, big) = (
+    jax.jit(gradient_sum, static_argnums=0)(c) for c in (40, len(y))
+  )
   assert int(big.extra_chunks) == 0 and int(small.extra_chunks) >= 3
   assert int(small.size) == int(big.size) > 120
   chex.assert_trees_all_close(chunked, whole, rtol=1e-5, atol=1e-5)
@@ -155,8 +163,11 @@ def test_capacity_that_overflows_often_is_refused():
   privacy.check_poisson_capacity(None, 64)
   privacy.check_poisson_capacity(88, 64)
   for bad in (64, 87):
-    with pytest.raises(ValueError, match=rf"poisson_capacity={bad} is invalid; allowed: None "
-                       r"\(the default, 116 slots.*>= 88.*overflows often.*slow"):
+    with pytest.raises(
+      ValueError,
+      match=rf"poisson_capacity={bad} is invalid; allowed: None "
+      r"\(the default, 116 slots.*>= 88.*overflows often.*slow",
+    ):
       privacy.check_poisson_capacity(bad, 64)
 
 
@@ -168,30 +179,48 @@ def test_eager_matches_jit(batch, linear_apply_fn, linear_params):
   x, y, is_padding = batch
   apply_fn, params = linear_apply_fn, linear_params
   calls = {
-      "cross_entropy": (privacy.cross_entropy, (apply_fn(params, x), y), {}),
-      "masked_mean_loss": (functools.partial(privacy.masked_mean_loss, apply_fn),
-                           (params, x, y, (~is_padding).astype(jnp.float32)), {}),
-      "real_gradient": (functools.partial(privacy.real_gradient, apply_fn),
-                        (params, x, y, is_padding), {}),
-      "per_example_gradients": (functools.partial(privacy.per_example_gradients, apply_fn),
-                                (params, x, y), {}),
-      "clipped_gradient_sum": (functools.partial(privacy.clipped_gradient_sum, apply_fn,
-                                                 l2_clip_norm=1.0), (params, x, y, is_padding), {}),
-      "private_gradient": (functools.partial(privacy.private_gradient, apply_fn=apply_fn,
-                                             l2_clip_norm=1.0, noise_multiplier=1.0,
-                                             expected_batch_size=5.0),
-                           (jax.random.PRNGKey(0),), dict(params=params, x=x, y=y,
-                                                          is_padding=is_padding)),
-      "add_gaussian_noise": (privacy.add_gaussian_noise, (jax.random.PRNGKey(0), params, 2.0), {}),
+    "cross_entropy": (privacy.cross_entropy, (apply_fn(params, x), y), {}),
+    "masked_mean_loss": (
+      functools.partial(privacy.masked_mean_loss, apply_fn),
+      (params, x, y, (~is_padding).astype(jnp.float32)),
+      {},
+    ),
+    "real_gradient": (
+      functools.partial(privacy.real_gradient, apply_fn),
+      (params, x, y, is_padding),
+      {},
+    ),
+    "per_example_gradients": (
+      functools.partial(privacy.per_example_gradients, apply_fn),
+      (params, x, y),
+      {},
+    ),
+    "clipped_gradient_sum": (
+      functools.partial(privacy.clipped_gradient_sum, apply_fn, l2_clip_norm=1.0),
+      (params, x, y, is_padding),
+      {},
+    ),
+    "private_gradient": (
+      functools.partial(
+        privacy.private_gradient,
+        apply_fn=apply_fn,
+        l2_clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=5.0,
+      ),
+      (jax.random.PRNGKey(0),),
+      dict(params=params, x=x, y=y, is_padding=is_padding),
+    ),
+    "add_gaussian_noise": (privacy.add_gaussian_noise, (jax.random.PRNGKey(0), params, 2.0), {}),
   }
   expected = {
-      "cross_entropy": jax.ShapeDtypeStruct((8,), jnp.float32),
-      "masked_mean_loss": jax.ShapeDtypeStruct((), jnp.float32),
-      "real_gradient": params,
-      "per_example_gradients": jax.tree.map(lambda p: jnp.zeros((8, *p.shape)), params),
-      "clipped_gradient_sum": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
-      "private_gradient": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
-      "add_gaussian_noise": params,
+    "cross_entropy": jax.ShapeDtypeStruct((8,), jnp.float32),
+    "masked_mean_loss": jax.ShapeDtypeStruct((), jnp.float32),
+    "real_gradient": params,
+    "per_example_gradients": jax.tree.map(lambda p: jnp.zeros((8, *p.shape)), params),
+    "clipped_gradient_sum": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
+    "private_gradient": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
+    "add_gaussian_noise": params,
   }
   for name, (fn, args, kwargs) in calls.items():
     eager = fn(*args, **kwargs)
@@ -205,27 +234,27 @@ def test_losses(tiny_apply_fn, tiny_params, batch):
   x, y, is_padding = batch
   logits = jax.jit(tiny_apply_fn)(tiny_params, x)
   losses = privacy.cross_entropy(logits, y)
-  chex.assert_trees_all_close(losses, optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, 10)),
-                              atol=1e-5)
+  chex.assert_trees_all_close(
+    losses, optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, 10)), atol=1e-5
+  )
   weights = (~is_padding).astype(jnp.float32)
   mml = jax.jit(privacy.masked_mean_loss, static_argnums=0)
-  chex.assert_trees_all_close(mml(tiny_apply_fn, tiny_params, x, y, weights),
-                              jnp.mean(losses[:5]), atol=1e-5)
+  chex.assert_trees_all_close(
+    mml(tiny_apply_fn, tiny_params, x, y, weights), jnp.mean(losses[:5]), atol=1e-5
+  )
   chex.assert_trees_all_close(mml(tiny_apply_fn, tiny_params, x, y), jnp.mean(losses), atol=1e-5)
 
 
 def test_real_gradient_ignores_padding(tiny_apply_fn, tiny_params, batch):
   x, y, is_padding = batch
-  g = jax.jit(privacy.real_gradient, static_argnums=0)(tiny_apply_fn, tiny_params, x, y,
-                                                        is_padding)
+  g = jax.jit(privacy.real_gradient, static_argnums=0)(tiny_apply_fn, tiny_params, x, y, is_padding)
   chex.assert_trees_all_equal_shapes_and_dtypes(g, tiny_params)
   ref = _mean_grad(tiny_apply_fn, tiny_params, x[:5], y[:5])
   chex.assert_trees_all_close(g, ref, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("microbatch", [3, 4, "auto"])
-def test_real_gradient_in_chunks_equals_one_pass(microbatch, tiny_apply_fn, tiny_params,
-                                                 digits):
+def test_real_gradient_in_chunks_equals_one_pass(microbatch, tiny_apply_fn, tiny_params, digits):
   """Chunks (up to the last one holding a real example) give the one-pass gradient."""
   x, y = jnp.asarray(digits.x_train[:70]), jnp.asarray(digits.y_train[:70])
   # Padding in the middle, real examples up to slot 60, an all-padding tail.
@@ -234,12 +263,15 @@ def test_real_gradient_in_chunks_equals_one_pass(microbatch, tiny_apply_fn, tiny
   one_pass = fn(tiny_apply_fn, tiny_params, x, y, is_padding)
   chunked = fn(tiny_apply_fn, tiny_params, x, y, is_padding, microbatch_size=microbatch)
   chex.assert_trees_all_close(chunked, one_pass, atol=1e-6, rtol=1e-5)
-  g, loss = jax.jit(privacy.real_gradient_and_loss, static_argnums=0,
-                    static_argnames="microbatch_size")(
-                        tiny_apply_fn, tiny_params, x, y, is_padding, microbatch_size=microbatch)
+  g, loss = jax.jit(
+    privacy.real_gradient_and_loss, static_argnums=0, static_argnames="microbatch_size"
+  )(tiny_apply_fn, tiny_params, x, y, is_padding, microbatch_size=microbatch)
   chex.assert_trees_all_close(g, one_pass, atol=1e-6, rtol=1e-5)
-  chex.assert_trees_all_close(loss, privacy.masked_mean_loss(
-      tiny_apply_fn, tiny_params, x, y, (~is_padding).astype(jnp.float32)), atol=1e-6)
+  chex.assert_trees_all_close(
+    loss,
+    privacy.masked_mean_loss(tiny_apply_fn, tiny_params, x, y, (~is_padding).astype(jnp.float32)),
+    atol=1e-6,
+  )
   ref = _mean_grad(tiny_apply_fn, tiny_params, x[~is_padding], y[~is_padding])
   chex.assert_trees_all_close(chunked, ref, atol=1e-5, rtol=1e-4)
   # All padding: a zero gradient, not NaN.
@@ -250,6 +282,7 @@ def test_real_gradient_in_chunks_equals_one_pass(microbatch, tiny_apply_fn, tiny
 def test_real_gradient_auto_chunks_only_matmul_convolutions_on_cpu(digits):
   """``"auto"``: chunks of 64 for the CPU ConvNet (matmul convolutions), one pass for nn.Conv."""
   from fedlap_jax import models, per_example  # pylint: disable=g-import-not-at-top
+
   x = jnp.asarray(digits.x_train[:70])
   plans = {}
   for impl in ("hybrid", "flax"):
@@ -268,19 +301,23 @@ def _mean_grad(apply_fn, params, x, y):
 
 def test_per_example_gradients_equal_one_example_batches(tiny_apply_fn, tiny_params, batch):
   x, y, _ = batch
-  per_ex = jax.jit(privacy.per_example_gradients, static_argnums=0)(tiny_apply_fn, tiny_params,
-                                                                    x, y)
+  per_ex = jax.jit(privacy.per_example_gradients, static_argnums=0)(
+    tiny_apply_fn, tiny_params, x, y
+  )
   chex.assert_trees_all_equal_shapes_and_dtypes(
-      per_ex, jax.tree.map(lambda p: jnp.zeros((8, *p.shape), p.dtype), tiny_params))
+    per_ex, jax.tree.map(lambda p: jnp.zeros((8, *p.shape), p.dtype), tiny_params)
+  )
   for i in range(8):
-    ref = _mean_grad(tiny_apply_fn, tiny_params, x[i:i + 1], y[i:i + 1])
+    ref = _mean_grad(tiny_apply_fn, tiny_params, x[i : i + 1], y[i : i + 1])
     chex.assert_trees_all_close(jax.tree.map(lambda g: g[i], per_ex), ref, atol=1e-5, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
 def clipped_sum_fn(tiny_apply_fn):
-  return jax.jit(functools.partial(privacy.clipped_gradient_sum, tiny_apply_fn),
-                 static_argnames=("l2_clip_norm", "microbatch_size"))
+  return jax.jit(
+    functools.partial(privacy.clipped_gradient_sum, tiny_apply_fn),
+    static_argnames=("l2_clip_norm", "microbatch_size"),
+  )
 
 
 def test_clipped_gradient_sum(tiny_apply_fn, tiny_params, batch, clipped_sum_fn):
@@ -289,12 +326,15 @@ def test_clipped_gradient_sum(tiny_apply_fn, tiny_params, batch, clipped_sum_fn)
   chex.assert_trees_all_equal_shapes_and_dtypes(total, tiny_params)
   chex.assert_shape(norms, (8,))
   # Norms are those of vmap(grad); the sum is sum_i g_i min(1, C / |g_i|) over real examples.
-  per_ex = jax.jit(privacy.per_example_gradients, static_argnums=0)(tiny_apply_fn, tiny_params,
-                                                                    x, y)
+  per_ex = jax.jit(privacy.per_example_gradients, static_argnums=0)(
+    tiny_apply_fn, tiny_params, x, y
+  )
   ref_norms = global_norms(per_ex)
   chex.assert_trees_all_close(norms[:5], ref_norms[:5], rtol=1e-4)
   assert bool(jnp.any(ref_norms[:5] > CLIP)) and bool(jnp.any(ref_norms[:5] < CLIP)), (
-      "pick CLIP so that some examples are clipped and some are not", ref_norms)
+    "pick CLIP so that some examples are clipped and some are not",
+    ref_norms,
+  )
   factor = jnp.minimum(1.0, CLIP / ref_norms) * (~is_padding)
   ref = jax.tree.map(lambda g: jnp.tensordot(factor, g, axes=1), per_ex)
   chex.assert_trees_all_close(total, ref, atol=1e-5, rtol=1e-4)
@@ -303,8 +343,11 @@ def test_clipped_gradient_sum(tiny_apply_fn, tiny_params, batch, clipped_sum_fn)
 def test_clipping_bound_and_padding(tiny_params, batch, clipped_sum_fn):
   x, y, is_padding = batch
   # One-example batches: the clipped gradient of every example has norm <= C.
-  one = jax.vmap(lambda xi, yi: clipped_sum_fn(tiny_params, xi[None], yi[None],
-                                               jnp.zeros((1,), bool), l2_clip_norm=CLIP))
+  one = jax.vmap(
+    lambda xi, yi: clipped_sum_fn(
+      tiny_params, xi[None], yi[None], jnp.zeros((1,), bool), l2_clip_norm=CLIP
+    )
+  )
   clipped, norms = one(x, y)
   clipped_norms = global_norms(clipped)
   assert float(jnp.max(clipped_norms)) <= CLIP + 1e-6
@@ -336,14 +379,26 @@ def test_noise_std_and_mean(linear_apply_fn, linear_params, batch, sigma, clip, 
   """Over many keys: mean = clipped sum / B, std = sigma * C / B (within 2%)."""
   x, y, is_padding = batch
   draws = 200
-  samples = _noisy_gradients(linear_apply_fn, linear_params, x, y, is_padding,
-                             jax.random.split(jax.random.PRNGKey(1), draws), clip, sigma,
-                             expected_batch)
-  exact, _ = privacy.clipped_gradient_sum(linear_apply_fn, linear_params, x, y, is_padding,
-                                          l2_clip_norm=clip)
-  deviations = jnp.concatenate([
+  samples = _noisy_gradients(
+    linear_apply_fn,
+    linear_params,
+    x,
+    y,
+    is_padding,
+    jax.random.split(jax.random.PRNGKey(1), draws),
+    clip,
+    sigma,
+    expected_batch,
+  )
+  exact, _ = privacy.clipped_gradient_sum(
+    linear_apply_fn, linear_params, x, y, is_padding, l2_clip_norm=clip
+  )
+  deviations = jnp.concatenate(
+    [
       (s - e / expected_batch).reshape(-1)
-      for s, e in zip(jax.tree.leaves(samples), jax.tree.leaves(exact))])
+      for s, e in zip(jax.tree.leaves(samples), jax.tree.leaves(exact))
+    ]
+  )
   target = sigma * clip / expected_batch
   assert deviations.size >= 100_000
   std = float(jnp.std(deviations))
@@ -354,8 +409,19 @@ def test_noise_std_and_mean(linear_apply_fn, linear_params, batch, sigma, clip, 
 @functools.partial(jax.jit, static_argnums=0)
 def _noisy_gradients(apply_fn, params, x, y, is_padding, keys, clip, sigma, expected_batch):
   """``(draws, ...)`` private gradients of one batch; clip, sigma and B are traced."""
+
   def one(k):
-    g, _ = privacy.private_gradient(k, apply_fn, params, x, y, is_padding, l2_clip_norm=clip,
-                                    noise_multiplier=sigma, expected_batch_size=expected_batch)
+    g, _ = privacy.private_gradient(
+      k,
+      apply_fn,
+      params,
+      x,
+      y,
+      is_padding,
+      l2_clip_norm=clip,
+      noise_multiplier=sigma,
+      expected_batch_size=expected_batch,
+    )
     return g
+
   return jax.vmap(one)(keys)

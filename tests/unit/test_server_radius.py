@@ -26,14 +26,17 @@ VALID = jnp.array([True, False, True, True, False])
 
 
 @pytest.mark.parametrize("use_jit", [False, True])
-@pytest.mark.parametrize("strategy, expected, expected_valid", [
+@pytest.mark.parametrize(
+  "strategy, expected, expected_valid",
+  [
     ("min", 1.0, 1.5),
     ("max", 9.0, 4.0),
     ("median", 3.0, 3.0),
     ("mean", 3.7, (3.0 + 4.0 + 1.5) / 3),
     ("constant", 2.5, 2.5),
     ("fixed", math.inf, math.inf),
-])
+  ],
+)
 def test_server_radius_strategies(strategy, expected, expected_valid, use_jit):
   fn = functools.partial(radius.server_radius, strategy=strategy)
   if use_jit:
@@ -42,8 +45,9 @@ def test_server_radius_strategies(strategy, expected, expected_valid, use_jit):
   chex.assert_shape(r, ())
   chex.assert_type(r, jnp.float32)
   chex.assert_trees_all_close(r, jnp.float32(expected), rtol=1e-6)
-  chex.assert_trees_all_close(fn(RADII, radius=2.5, valid=VALID), jnp.float32(expected_valid),
-                              rtol=1e-6)
+  chex.assert_trees_all_close(
+    fn(RADII, radius=2.5, valid=VALID), jnp.float32(expected_valid), rtol=1e-6
+  )
 
 
 def test_server_radius_median_even_count():
@@ -64,13 +68,16 @@ def calibration_data(client_parts):
   """Client 0's real data and a synthetic set of 6 of its real images (no padding)."""
   x, y = client_parts[0]
   syn_idx = np.concatenate([np.flatnonzero(y == 5)[:3], np.flatnonzero(y == 6)[:3]])
-  return (SyntheticSet(jnp.asarray(x[syn_idx]), jnp.asarray(y[syn_idx]), jnp.ones(6, bool)),
-          ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool)))
+  return (
+    SyntheticSet(jnp.asarray(x[syn_idx]), jnp.asarray(y[syn_idx]), jnp.ones(6, bool)),
+    ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool)),
+  )
 
 
-calibrate_jit = jax.jit(radius.calibrate_radius,
-                        static_argnames=("apply_fn", "epochs", "batch_size", "dsa_strategy",
-                                         "eval_size"))
+calibrate_jit = jax.jit(
+  radius.calibrate_radius,
+  static_argnames=("apply_fn", "epochs", "batch_size", "dsa_strategy", "eval_size"),
+)
 
 
 @pytest.mark.parametrize("max_radius", [100.0, 1.0])
@@ -81,9 +88,17 @@ def test_calibrate_radius(tiny_apply_fn, tiny_params, calibration_data, max_radi
   plain gradient steps.
   """
   epochs, lr = 5, 0.5
-  r_k, trace = calibrate_jit(jax.random.PRNGKey(0), tiny_apply_fn, tiny_params,
-                             *calibration_data, learning_rate=lr, max_radius=max_radius,
-                             epochs=epochs, batch_size=512, dsa_strategy="")
+  r_k, trace = calibrate_jit(
+    jax.random.PRNGKey(0),
+    tiny_apply_fn,
+    tiny_params,
+    *calibration_data,
+    learning_rate=lr,
+    max_radius=max_radius,
+    epochs=epochs,
+    batch_size=512,
+    dsa_strategy="",
+  )
   chex.assert_shape([trace.distances, trace.real_losses], (epochs,))
   chex.assert_shape([r_k, trace.best_epoch], ())
   chex.assert_type(r_k, jnp.float32)
@@ -97,10 +112,12 @@ def test_calibrate_radius(tiny_apply_fn, tiny_params, calibration_data, max_radi
   w = tiny_params
   for e in range(epochs):
     w = step(w, sx, sy, lr)
-    chex.assert_trees_all_close(trace.distances[e], training.tree_distance(w, tiny_params),
-                                rtol=1e-4)
-    chex.assert_trees_all_close(trace.real_losses[e], evaluate(tiny_apply_fn, w, rx, ry, rm).loss,
-                                rtol=1e-4)
+    chex.assert_trees_all_close(
+      trace.distances[e], training.tree_distance(w, tiny_params), rtol=1e-4
+    )
+    chex.assert_trees_all_close(
+      trace.real_losses[e], evaluate(tiny_apply_fn, w, rx, ry, rm).loss, rtol=1e-4
+    )
   # On this 6-image set the real loss is not monotone: the lowest is not the last epoch, so
   # r_k is not simply the final distance.
   assert best < epochs - 1 and float(trace.distances[best]) < float(trace.distances[-1])
@@ -113,19 +130,37 @@ def _full_batch_step(apply_fn):
   def step(w, x, y, lr):
     g = jax.grad(lambda p: jnp.mean(training.cross_entropy(apply_fn(p, x), y)))(w)
     return jax.tree.map(lambda p, g: p - lr * g, w, g)
+
   return step
 
 
 def test_calibrate_radius_eval_subsample(tiny_apply_fn, tiny_params, calibration_data):
-  r_k, trace = calibrate_jit(jax.random.PRNGKey(0), tiny_apply_fn, tiny_params,
-                             *calibration_data, learning_rate=0.5, max_radius=100.0, epochs=4,
-                             batch_size=512, dsa_strategy="", eval_size=50)
+  r_k, trace = calibrate_jit(
+    jax.random.PRNGKey(0),
+    tiny_apply_fn,
+    tiny_params,
+    *calibration_data,
+    learning_rate=0.5,
+    max_radius=100.0,
+    epochs=4,
+    batch_size=512,
+    dsa_strategy="",
+    eval_size=50,
+  )
   chex.assert_shape(trace.real_losses, (4,))
   chex.assert_tree_all_finite((r_k, trace))
   assert 0 < float(r_k) <= 100.0
-  full_r, full = calibrate_jit(jax.random.PRNGKey(0), tiny_apply_fn, tiny_params,
-                               *calibration_data, learning_rate=0.5, max_radius=100.0, epochs=4,
-                               batch_size=512, dsa_strategy="")
+  full_r, full = calibrate_jit(
+    jax.random.PRNGKey(0),
+    tiny_apply_fn,
+    tiny_params,
+    *calibration_data,
+    learning_rate=0.5,
+    max_radius=100.0,
+    epochs=4,
+    batch_size=512,
+    dsa_strategy="",
+  )
   chex.assert_trees_all_close(trace.distances, full.distances, rtol=1e-5)  # same trajectory
   assert not bool(jnp.allclose(trace.real_losses, full.real_losses))  # a different eval set
 
@@ -150,13 +185,15 @@ global_update_jit = jax.jit(server.global_update, static_argnames=("apply_fn", "
 
 
 def server_run(apply_fn, params, union, r_g, config=SERVER, key=jax.random.PRNGKey(0)):
-  return global_update_jit(key, apply_fn, params, union, jnp.ones(2), r_g, learning_rate=0.05,
-                           config=config)
+  return global_update_jit(
+    key, apply_fn, params, union, jnp.ones(2), r_g, learning_rate=0.05, config=config
+  )
 
 
 def test_global_update_fixed_runs_max_epochs(tiny_apply_fn, tiny_params, union):
-  params, m = server_run(tiny_apply_fn, tiny_params, union,
-                         radius.server_radius(jnp.ones(2), "fixed", 1.0))
+  params, m = server_run(
+    tiny_apply_fn, tiny_params, union, radius.server_radius(jnp.ones(2), "fixed", 1.0)
+  )
   chex.assert_trees_all_equal_shapes_and_dtypes(params, tiny_params)
   chex.assert_shape([m.epochs, m.steps, m.distance, m.radius], ())
   assert int(m.epochs) == SERVER.max_epochs
@@ -175,8 +212,7 @@ def test_global_update_stops_at_radius(tiny_apply_fn, tiny_params, union):
   assert int(m.steps) == 4 * epochs
   chex.assert_trees_all_close(m.distance, training.tree_distance(params, tiny_params), rtol=1e-5)
   # The same run capped one epoch earlier is still inside the ball.
-  short = ServerConfig(radius_strategy="min", batch_size=4, max_epochs=epochs - 1,
-                       dsa_strategy="")
+  short = ServerConfig(radius_strategy="min", batch_size=4, max_epochs=epochs - 1, dsa_strategy="")
   _, before = server_run(tiny_apply_fn, tiny_params, union, r_g, config=short)
   assert int(before.epochs) == epochs - 1
   assert float(before.distance) < r_g
@@ -237,8 +273,10 @@ def test_evaluate_chunks_and_mask(linear_apply_fn, linear_params, union):
   logits = linear_apply_fn(linear_params, x)
   losses = training.cross_entropy(logits, y)
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
-  for fn in (training.evaluate, jax.jit(training.evaluate, static_argnums=0,
-                                        static_argnames="chunk_size")):
+  for fn in (
+    training.evaluate,
+    jax.jit(training.evaluate, static_argnums=0, static_argnames="chunk_size"),
+  ):
     out = fn(linear_apply_fn, linear_params, x, y, mask, chunk_size=7)  # 3 chunks of 6, 2 pad rows
     chex.assert_shape([out.loss, out.accuracy], ())
     chex.assert_trees_all_close(out.loss, jnp.mean(losses[:11]), rtol=1e-5)
@@ -247,8 +285,9 @@ def test_evaluate_chunks_and_mask(linear_apply_fn, linear_params, union):
     chex.assert_trees_all_close(full.loss, jnp.mean(losses), rtol=1e-5)
 
 
-@pytest.mark.parametrize("n, chunk_size, traced", [(2048, 1000, 683), (12000, 16, 16),
-                                                   (16, 5, 4), (3, 1000, 3)])
+@pytest.mark.parametrize(
+  "n, chunk_size, traced", [(2048, 1000, 683), (12000, 16, 16), (16, 5, 4), (3, 1000, 3)]
+)
 def test_evaluate_makes_chunks_equal(n, chunk_size, traced):
   """ceil(N / chunk_size) chunks of near-equal size: 2,048 in chunks <= 1000 is 3 x 683, not 3 x 1000."""
   seen = []
@@ -258,8 +297,9 @@ def test_evaluate_makes_chunks_equal(n, chunk_size, traced):
     return jnp.zeros((x.shape[0], 3)) + p
 
   x = jnp.zeros((n, 1))
-  out = training.evaluate(apply_fn, jnp.zeros(3), x, jnp.zeros((n,), jnp.int32),
-                          chunk_size=chunk_size)
+  out = training.evaluate(
+    apply_fn, jnp.zeros(3), x, jnp.zeros((n,), jnp.int32), chunk_size=chunk_size
+  )
   assert seen == [traced]
   chex.assert_trees_all_close(out.loss, jnp.log(3.0), rtol=1e-6)
   with pytest.raises(ValueError, match="chunk_size=0"):
@@ -274,21 +314,41 @@ def test_sgd_epoch(linear_apply_fn, linear_params, union):
   weights = jnp.ones(16)
   epoch = functools.partial(training.sgd_epoch, batch_size=6, dsa_strategy="")
   eager = epoch(jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y, weights, 0.1)
-  jitted = jax.jit(epoch, static_argnums=1)(jax.random.PRNGKey(0), linear_apply_fn, linear_params,
-                                            x, y, weights, 0.1)
+  jitted = jax.jit(epoch, static_argnums=1)(
+    jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y, weights, 0.1
+  )
   chex.assert_trees_all_close(eager, jitted, atol=1e-6)
   params, steps = eager
   chex.assert_trees_all_equal_shapes_and_dtypes(params, linear_params)
   assert int(steps) == 3  # ceil(16 / 6) batches
   # One full batch: exactly one gradient step on the mean loss.
-  params, steps = training.sgd_epoch(jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y,
-                                     weights, 0.1, batch_size=16, dsa_strategy="")
+  params, steps = training.sgd_epoch(
+    jax.random.PRNGKey(0),
+    linear_apply_fn,
+    linear_params,
+    x,
+    y,
+    weights,
+    0.1,
+    batch_size=16,
+    dsa_strategy="",
+  )
   g = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x), y)))(linear_params)
-  chex.assert_trees_all_close(params, jax.tree.map(lambda p, g: p - 0.1 * g, linear_params, g),
-                              atol=1e-6)
+  chex.assert_trees_all_close(
+    params, jax.tree.map(lambda p, g: p - 0.1 * g, linear_params, g), atol=1e-6
+  )
   # Zero weights: no update and no step counted.
-  params, steps = training.sgd_epoch(jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y,
-                                     jnp.zeros(16), 0.1, batch_size=6, dsa_strategy="")
+  params, steps = training.sgd_epoch(
+    jax.random.PRNGKey(0),
+    linear_apply_fn,
+    linear_params,
+    x,
+    y,
+    jnp.zeros(16),
+    0.1,
+    batch_size=6,
+    dsa_strategy="",
+  )
   chex.assert_trees_all_equal(params, linear_params)
   assert int(steps) == 0
 
@@ -319,13 +379,29 @@ def test_cosine_open_schedule_has_no_zero_rate_round():
   with pytest.raises(ValueError, match="lr_schedule='linear' is invalid"):
     fn(1, 3, 0.1, schedule="linear")
 
+
 def test_server_momentum_and_weight_decay_are_pytorch_sgd(linear_apply_fn, linear_params, union):
   """Two full-batch epochs of ``global_update`` with momentum m and decay wd, by hand (PyTorch SGD)."""
   lr, m, wd = 0.1, 0.9, 5e-3
-  cfg = ServerConfig(radius_strategy="fixed", batch_size=16, max_epochs=2, dsa_strategy="",
-                     weighting="uniform", momentum=m, weight_decay=wd)
-  params, metrics = server.global_update(jax.random.PRNGKey(0), linear_apply_fn, linear_params,
-                                         union, jnp.ones(2), jnp.inf, learning_rate=lr, config=cfg)
+  cfg = ServerConfig(
+    radius_strategy="fixed",
+    batch_size=16,
+    max_epochs=2,
+    dsa_strategy="",
+    weighting="uniform",
+    momentum=m,
+    weight_decay=wd,
+  )
+  params, metrics = server.global_update(
+    jax.random.PRNGKey(0),
+    linear_apply_fn,
+    linear_params,
+    union,
+    jnp.ones(2),
+    jnp.inf,
+    learning_rate=lr,
+    config=cfg,
+  )
   x, y = union.x.reshape(-1, 8, 8, 1), union.y.reshape(-1)
   grad = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x), y)))
   w, buf = linear_params, None
@@ -346,10 +422,19 @@ def test_server_momentum_and_weight_decay_are_pytorch_sgd(linear_apply_fn, linea
 def test_default_server_is_plain_sgd_as_before(linear_apply_fn, linear_params, union):
   """FedLAP's server is unchanged by the optimiser option: with the default momentum and decay
   (0, 0), two full-batch epochs of ``global_update`` are two plain SGD steps ``w - lr g``."""
-  cfg = ServerConfig(radius_strategy="fixed", batch_size=16, max_epochs=2, dsa_strategy="",
-                     weighting="uniform")
-  params, _ = server.global_update(jax.random.PRNGKey(0), linear_apply_fn, linear_params, union,
-                                   jnp.ones(2), jnp.inf, learning_rate=0.1, config=cfg)
+  cfg = ServerConfig(
+    radius_strategy="fixed", batch_size=16, max_epochs=2, dsa_strategy="", weighting="uniform"
+  )
+  params, _ = server.global_update(
+    jax.random.PRNGKey(0),
+    linear_apply_fn,
+    linear_params,
+    union,
+    jnp.ones(2),
+    jnp.inf,
+    learning_rate=0.1,
+    config=cfg,
+  )
   x, y = union.x.reshape(-1, 8, 8, 1), union.y.reshape(-1)
   grad = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x), y)))
   w = linear_params
@@ -361,16 +446,26 @@ def test_default_server_is_plain_sgd_as_before(linear_apply_fn, linear_params, u
 def test_train_epoch_takes_any_optax_optimiser(linear_apply_fn, linear_params, union):
   """``train_epoch`` applies the given optimiser and returns its state: Adam, one full batch."""
   import optax  # pylint: disable=g-import-not-at-top
+
   x, y = union.x.reshape(-1, 8, 8, 1), union.y.reshape(-1)
-  weights = jnp.ones(16).at[3].set(0.0)        # one padding example
+  weights = jnp.ones(16).at[3].set(0.0)  # one padding example
   opt = optax.adam(0.01)
-  params, state, steps = jax.jit(functools.partial(
-      training.train_epoch, apply_fn=linear_apply_fn, optimizer=opt, batch_size=16,
-      dsa_strategy=""))(jax.random.PRNGKey(0), params=linear_params,
-                        opt_state=opt.init(linear_params), x=x, y=y, weights=weights)
+  params, state, steps = jax.jit(
+    functools.partial(
+      training.train_epoch, apply_fn=linear_apply_fn, optimizer=opt, batch_size=16, dsa_strategy=""
+    )
+  )(
+    jax.random.PRNGKey(0),
+    params=linear_params,
+    opt_state=opt.init(linear_params),
+    x=x,
+    y=y,
+    weights=weights,
+  )
   keep = np.asarray(weights) > 0
   g = jax.grad(lambda p: jnp.mean(training.cross_entropy(linear_apply_fn(p, x[keep]), y[keep])))(
-      linear_params)
+    linear_params
+  )
   updates, want_state = opt.update(g, opt.init(linear_params), linear_params)
   chex.assert_trees_all_close(params, optax.apply_updates(linear_params, updates), atol=1e-6)
   chex.assert_trees_all_close(state, want_state, atol=1e-6)

@@ -33,10 +33,21 @@ pytestmark = pytest.mark.xdist_group("side_by_side")
 K = 3
 # DP, every DSA family, a local update per iteration and a radius that some clients'
 # trajectories leave after one iteration and others after two or never (checked below).
-CONFIG = ClientConfig(ipc=2, iterations=2, max_outer=3, batch_loop=2, boost_loop=2,
-                      inner_loop=1, batch_size=32, radius=0.35, mse_weight=0.0, image_lr=1.0,
-                      calibrate_radius=False, dsa_strategy="color_crop_flip",
-                      dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5))
+CONFIG = ClientConfig(
+  ipc=2,
+  iterations=2,
+  max_outer=3,
+  batch_loop=2,
+  boost_loop=2,
+  inner_loop=1,
+  batch_size=32,
+  radius=0.35,
+  mse_weight=0.0,
+  image_lr=1.0,
+  calibrate_radius=False,
+  dsa_strategy="color_crop_flip",
+  dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5),
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +76,23 @@ def inputs(clients):
 def _clients_fn(apply_fn, config, backend):
   def one(args, params, family_key):
     key, syn, data = args
-    return local_approx(key, apply_fn, params, syn, data, config, learning_rate=0.1,
-                        family_key=family_key,
-                        client_axis=dispatch.VMAP_AXIS if backend == "vmap" else None)
+    return local_approx(
+      key,
+      apply_fn,
+      params,
+      syn,
+      data,
+      config,
+      learning_rate=0.1,
+      family_key=family_key,
+      client_axis=dispatch.VMAP_AXIS if backend == "vmap" else None,
+    )
 
-  return jax.jit(lambda args, params, fk: dispatch.run_clients(
-      one, args, replicated=(params, fk), client_backend=backend))
+  return jax.jit(
+    lambda args, params, fk: dispatch.run_clients(
+      one, args, replicated=(params, fk), client_backend=backend
+    )
+  )
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +109,7 @@ def _assert_close(a, b):
   np.testing.assert_array_equal(m_a.real_accesses, m_b.real_accesses)
   np.testing.assert_allclose(syn_a.x, syn_b.x, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(m_a.matching_loss, m_b.matching_loss, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(m_a.trajectory_distance, m_b.trajectory_distance, rtol=1e-4,
-                             atol=1e-6)
+  np.testing.assert_allclose(m_a.trajectory_distance, m_b.trajectory_distance, rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(r_a, r_b)
 
 
@@ -140,8 +161,9 @@ def test_vmapped_round_keeps_its_branches(model_fns, inputs):
   old_config = dataclasses.replace(CONFIG, dsa_family_draw="per_client")
 
   def old(args, params, family_key):  # plain vmap of the one-client loop
-    return jax.vmap(lambda a: local_approx(a[0], apply_fn, params, a[1], a[2],
-                                           old_config, learning_rate=0.1))(args)
+    return jax.vmap(
+      lambda a: local_approx(a[0], apply_fn, params, a[1], a[2], old_config, learning_rate=0.1)
+    )(args)
 
   counts = _cond_branch_counts(jax.make_jaxpr(old)(*args))
   assert 3 not in counts and 2 not in counts, counts
@@ -154,8 +176,9 @@ def _chosen_family(key, family_key):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 8, 1))
   out = dsa.augment(key, x, family_key=family_key)
   param_key = jax.random.split(key)[1]
-  return jnp.stack([jnp.allclose(out, dsa.apply_family(param_key, x, f), atol=1e-6)
-                    for f in dsa.FAMILIES])
+  return jnp.stack(
+    [jnp.allclose(out, dsa.apply_family(param_key, x, f), atol=1e-6) for f in dsa.FAMILIES]
+  )
 
 
 def _chosen_families(keys, family_keys):
@@ -178,8 +201,13 @@ def test_shared_family_draw_frequencies():
   sigma = np.sqrt((1 / 6) * (5 / 6) / unique.sum())
   np.testing.assert_array_less(np.abs(freq - 1 / 6), 4 * sigma)
   # Without the shared key (each client draws its own family) they mostly disagree.
-  own = [_chosen_families(jax.random.split(jax.random.PRNGKey(10 + c), draws),
-                          jax.random.split(jax.random.PRNGKey(20 + c), draws)) for c in range(2)]
+  own = [
+    _chosen_families(
+      jax.random.split(jax.random.PRNGKey(10 + c), draws),
+      jax.random.split(jax.random.PRNGKey(20 + c), draws),
+    )
+    for c in range(2)
+  ]
   assert (own[0] & own[1]).any(axis=1).mean() < 0.4
 
 

@@ -31,18 +31,49 @@ K = 5
 # The hybrid recipe in miniature: DP, averaged targets, noisy_real model steps, the
 # FedAvg-delta start (every piece of both steps is on).
 HYBRID = FedLAPConfig(
-    client=ClientConfig(ipc=2, iterations=1, max_outer=2, batch_loop=2, boost_loop=1,
-                        batch_size=32, radius=10.0, calibrate_radius=False, dsa_strategy="",
-                        average_targets=True, model_steps="noisy_real", dp=DP),
-    server=ServerConfig(radius_strategy="constant", max_epochs=1, dsa_strategy="",
-                        start="fedavg_delta", learning_rate=0.05),
-    rounds=3, learning_rate=0.5, synthetic_init="noise")
+  client=ClientConfig(
+    ipc=2,
+    iterations=1,
+    max_outer=2,
+    batch_loop=2,
+    boost_loop=1,
+    batch_size=32,
+    radius=10.0,
+    calibrate_radius=False,
+    dsa_strategy="",
+    average_targets=True,
+    model_steps="noisy_real",
+    dp=DP,
+  ),
+  server=ServerConfig(
+    radius_strategy="constant",
+    max_epochs=1,
+    dsa_strategy="",
+    start="fedavg_delta",
+    learning_rate=0.05,
+  ),
+  rounds=3,
+  learning_rate=0.5,
+  synthetic_init="noise",
+)
 # Non-DP with real images re-drawn every round and size weighting.
 REAL = FedLAPConfig(
-    client=ClientConfig(ipc=2, iterations=1, max_outer=1, batch_loop=1, boost_loop=1,
-                        batch_size=32, radius=10.0, calibrate_radius=False, dsa_strategy=""),
-    server=ServerConfig(radius_strategy="constant", max_epochs=1, dsa_strategy=""),
-    rounds=3, learning_rate=0.5, synthetic_init="real")
+  client=ClientConfig(
+    ipc=2,
+    iterations=1,
+    max_outer=1,
+    batch_loop=1,
+    boost_loop=1,
+    batch_size=32,
+    radius=10.0,
+    calibrate_radius=False,
+    dsa_strategy="",
+  ),
+  server=ServerConfig(radius_strategy="constant", max_epochs=1, dsa_strategy=""),
+  rounds=3,
+  learning_rate=0.5,
+  synthetic_init="real",
+)
 
 _client_step = jax.jit(client_step, static_argnames=("apply_fn", "config", "client_axis"))
 _server_step = jax.jit(server_step, static_argnames=("apply_fn", "config"))
@@ -56,8 +87,9 @@ def _pick(tree, k):
 def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, clients, config):
   """fedlap_round's keys, rates and weights fed to the two steps by hand give its numbers."""
   state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, config)
-  new, metrics = federated.fedlap_round(state, clients, apply_fn=tiny_apply_fn, config=config,
-                                        client_backend="map")
+  new, metrics = federated.fedlap_round(
+    state, clients, apply_fn=tiny_apply_fn, config=config, client_backend="map"
+  )
   _, k_init, k_clients, k_server = jax.random.split(state.key, 4)
   rates = federated.round_learning_rates(1, config)
   family = federated.shared_family_key(k_clients)
@@ -65,14 +97,27 @@ def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, c
   updates = []
   for k in range(K):
     update, _ = _client_step(
-        keys[k], tiny_apply_fn, tiny_params, _pick(state.synthetic, k), _pick(clients, k),
-        config, learning_rate=rates.client, family_key=family,
-        init_key=init_keys[k] if config.synthetic_init == "real" else None)
+      keys[k],
+      tiny_apply_fn,
+      tiny_params,
+      _pick(state.synthetic, k),
+      _pick(clients, k),
+      config,
+      learning_rate=rates.client,
+      family_key=family,
+      init_key=init_keys[k] if config.synthetic_init == "real" else None,
+    )
     updates.append(update)
   stacked = jax.tree.map(lambda *u: jnp.stack(u), *updates)
-  params, server_metrics = _server_step(k_server, tiny_apply_fn, tiny_params, stacked, config,
-                                        learning_rate=rates.server,
-                                        num_records=dispatch.record_counts(clients))
+  params, server_metrics = _server_step(
+    k_server,
+    tiny_apply_fn,
+    tiny_params,
+    stacked,
+    config,
+    learning_rate=rates.server,
+    num_records=dispatch.record_counts(clients),
+  )
   chex.assert_trees_all_equal(new.synthetic, stacked.synthetic)
   chex.assert_trees_all_equal(metrics.client_radius, stacked.radius)
   chex.assert_trees_all_equal(new.params, params)
@@ -84,13 +129,15 @@ def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, c
     assert stacked.model_delta is None
 
 
-def test_client_step_draws_real_images_and_packs_what_the_client_sends(tiny_apply_fn,
-                                                                       tiny_params, clients):
+def test_client_step_draws_real_images_and_packs_what_the_client_sends(
+  tiny_apply_fn, tiny_params, clients
+):
   state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, REAL)
   syn, data = _pick(state.synthetic, 1), _pick(clients, 1)
   key, init_key = jax.random.PRNGKey(3), jax.random.PRNGKey(4)
-  update, metrics = _client_step(key, tiny_apply_fn, tiny_params, syn, data, REAL,
-                                 learning_rate=0.1, init_key=init_key)
+  update, metrics = _client_step(
+    key, tiny_apply_fn, tiny_params, syn, data, REAL, learning_rate=0.1, init_key=init_key
+  )
 
   @jax.jit
   def by_hand(key, init_key, params, syn, data, lr):
@@ -107,16 +154,23 @@ def test_client_step_draws_real_images_and_packs_what_the_client_sends(tiny_appl
     client_step(key, tiny_apply_fn, tiny_params, syn, data, REAL, learning_rate=0.1)
 
 
-def test_client_step_sends_the_delta_only_to_a_fedavg_delta_server(tiny_apply_fn, tiny_params,
-                                                                   clients):
+def test_client_step_sends_the_delta_only_to_a_fedavg_delta_server(
+  tiny_apply_fn, tiny_params, clients
+):
   glob = dataclasses.replace(HYBRID, server=dataclasses.replace(HYBRID.server, start="global"))
   state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, HYBRID)
-  args = (jax.random.PRNGKey(3), tiny_apply_fn, tiny_params, _pick(state.synthetic, 0),
-          _pick(clients, 0))
+  args = (
+    jax.random.PRNGKey(3),
+    tiny_apply_fn,
+    tiny_params,
+    _pick(state.synthetic, 0),
+    _pick(clients, 0),
+  )
   with_delta, _ = _client_step(*args, HYBRID, learning_rate=0.5)
   without, _ = _client_step(*args, glob, learning_rate=0.5)
   _, _, m = jax.jit(local_approx, static_argnames=("apply_fn", "config"))(
-      *args, HYBRID.client, learning_rate=0.5)
+    *args, HYBRID.client, learning_rate=0.5
+  )
   chex.assert_trees_all_equal(with_delta.model_delta, m.model_delta)
   assert without.model_delta is None
   chex.assert_trees_all_equal(with_delta.synthetic, without.synthetic)
@@ -126,53 +180,85 @@ def _updates(tiny_params, clients, config, radii):
   state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, config)
   rng = np.random.default_rng(0)
   deltas = jax.tree.map(
-      lambda p: jnp.asarray(rng.normal(size=(K, *p.shape)).astype(np.float32) * 0.01),
-      tiny_params)
+    lambda p: jnp.asarray(rng.normal(size=(K, *p.shape)).astype(np.float32) * 0.01), tiny_params
+  )
   return ClientUpdate(state.synthetic, jnp.asarray(radii, jnp.float32), deltas)
 
 
-def test_server_step_is_radius_weights_start_then_global_update(tiny_apply_fn, tiny_params,
-                                                                 clients):
+def test_server_step_is_radius_weights_start_then_global_update(
+  tiny_apply_fn, tiny_params, clients
+):
   """Hand-composed from the library's pieces: r_g = min r_k, N_k weights, the delta start."""
   config = dataclasses.replace(
-      HYBRID, client=dataclasses.replace(HYBRID.client, dp=None, calibrate_radius=True),
-      server=dataclasses.replace(HYBRID.server, radius_strategy="min", weighting="size",
-                                 max_epochs=3))
+    HYBRID,
+    client=dataclasses.replace(HYBRID.client, dp=None, calibrate_radius=True),
+    server=dataclasses.replace(
+      HYBRID.server, radius_strategy="min", weighting="size", max_epochs=3
+    ),
+  )
   radii = [0.5, 0.2, 0.9, 0.3, 0.7]
   updates = _updates(tiny_params, clients, config, radii)
   counts = dispatch.record_counts(clients)
   key = jax.random.PRNGKey(5)
-  params, metrics = _server_step(key, tiny_apply_fn, tiny_params, updates, config,
-                                 learning_rate=0.05, num_records=counts)
+  params, metrics = _server_step(
+    key, tiny_apply_fn, tiny_params, updates, config, learning_rate=0.05, num_records=counts
+  )
   weights = counts.astype(jnp.float32)
   start = fedavg_delta_start(tiny_params, updates.model_delta, weights)
-  ref, ref_m = global_update(key, tiny_apply_fn, start, updates.synthetic, weights, 0.2,
-                             learning_rate=0.05, config=config.server)
+  ref, ref_m = global_update(
+    key,
+    tiny_apply_fn,
+    start,
+    updates.synthetic,
+    weights,
+    0.2,
+    learning_rate=0.05,
+    config=config.server,
+  )
   chex.assert_trees_all_equal(params, ref)
   chex.assert_trees_all_close(metrics.radius, 0.2)
   assert int(metrics.steps) == int(ref_m.steps)
   with pytest.raises(ValueError, match="weighting='size' needs every client's record count"):
     server_step(key, tiny_apply_fn, tiny_params, updates, config, learning_rate=0.05)
   with pytest.raises(ValueError, match="server.start='fedavg_delta' needs the clients' model"):
-    server_step(key, tiny_apply_fn, tiny_params, updates._replace(model_delta=None), config,
-                learning_rate=0.05, num_records=counts)
+    server_step(
+      key,
+      tiny_apply_fn,
+      tiny_params,
+      updates._replace(model_delta=None),
+      config,
+      learning_rate=0.05,
+      num_records=counts,
+    )
 
 
 def test_server_step_leaves_out_invalid_clients(tiny_apply_fn, tiny_params, clients):
   """valid=False: the client's radius, delta and synthetic set change nothing."""
   config = dataclasses.replace(
-      HYBRID, client=dataclasses.replace(HYBRID.client, dp=None, calibrate_radius=True),
-      server=dataclasses.replace(HYBRID.server, radius_strategy="min", weighting="size",
-                                 max_epochs=2))
+    HYBRID,
+    client=dataclasses.replace(HYBRID.client, dp=None, calibrate_radius=True),
+    server=dataclasses.replace(
+      HYBRID.server, radius_strategy="min", weighting="size", max_epochs=2
+    ),
+  )
   updates = _updates(tiny_params, clients, config, [0.5, 0.2, 0.9, 0.3, 0.7])
   valid = jnp.array([True, False, True, True, True])
   counts = dispatch.record_counts(clients)
   garbage = updates._replace(
-      radius=updates.radius.at[1].set(1e-3),
-      model_delta=jax.tree.map(lambda d: d.at[1].set(100.0), updates.model_delta),
-      synthetic=updates.synthetic._replace(x=updates.synthetic.x.at[1].set(50.0)))
-  run = lambda u: _server_step(jax.random.PRNGKey(5), tiny_apply_fn, tiny_params, u, config,
-                               learning_rate=0.05, num_records=counts, valid=valid)
+    radius=updates.radius.at[1].set(1e-3),
+    model_delta=jax.tree.map(lambda d: d.at[1].set(100.0), updates.model_delta),
+    synthetic=updates.synthetic._replace(x=updates.synthetic.x.at[1].set(50.0)),
+  )
+  run = lambda u: _server_step(
+    jax.random.PRNGKey(5),
+    tiny_apply_fn,
+    tiny_params,
+    u,
+    config,
+    learning_rate=0.05,
+    num_records=counts,
+    valid=valid,
+  )
   a, ma = run(updates)
   b, mb = run(garbage)
   chex.assert_trees_all_equal(a, b)
@@ -181,10 +267,8 @@ def test_server_step_leaves_out_invalid_clients(tiny_apply_fn, tiny_params, clie
 
 
 def test_round_learning_rates_are_the_clients_and_the_servers():
-  own = dataclasses.replace(HYBRID, server=dataclasses.replace(HYBRID.server,
-                                                               learning_rate=0.2))
-  paper = dataclasses.replace(HYBRID, server=dataclasses.replace(HYBRID.server,
-                                                                 learning_rate=None))
+  own = dataclasses.replace(HYBRID, server=dataclasses.replace(HYBRID.server, learning_rate=0.2))
+  paper = dataclasses.replace(HYBRID, server=dataclasses.replace(HYBRID.server, learning_rate=None))
   for m in (1, 2, 3):
     cos = (1 + np.cos(np.pi * (m - 1) / 2)) / 2
     rates = federated.round_learning_rates(m, own)
@@ -196,23 +280,28 @@ def test_round_learning_rates_are_the_clients_and_the_servers():
 
 # ---------------------------------------------------------------- the baselines' steps
 
-FEDAVG = baselines.baseline_config("fedavg", rounds=3, learning_rate=0.1, local_epochs=1,
-                                   batch_size=32, prox_mu=0.0, dp=None)
+FEDAVG = baselines.baseline_config(
+  "fedavg", rounds=3, learning_rate=0.1, local_epochs=1, batch_size=32, prox_mu=0.0, dp=None
+)
 
 
 def test_baseline_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, clients):
   state = baselines.init_baseline_state(jax.random.PRNGKey(6), tiny_params, clients, FEDAVG)
-  new, _ = baselines.baseline_round(state, clients, apply_fn=tiny_apply_fn, config=FEDAVG,
-                                    client_backend="map")
+  new, _ = baselines.baseline_round(
+    state, clients, apply_fn=tiny_apply_fn, config=FEDAVG, client_backend="map"
+  )
   _, k_clients = baselines.round_key(state.key)
   keys = jax.random.split(k_clients, K)
   lr = baselines.learning_rate(1, FEDAVG)
   step = jax.jit(baselines.client_step, static_argnames=("apply_fn", "config"))
-  ys = [step(keys[k], tiny_apply_fn, tiny_params, _pick(clients, k), FEDAVG,
-             learning_rate=lr)[0] for k in range(K)]
+  ys = [
+    step(keys[k], tiny_apply_fn, tiny_params, _pick(clients, k), FEDAVG, learning_rate=lr)[0]
+    for k in range(K)
+  ]
   ys = jax.tree.map(lambda *y: jnp.stack(y), *ys)
-  params, weights = baselines.server_step(tiny_params, ys, FEDAVG,
-                                          num_records=dispatch.record_counts(clients))
+  params, weights = baselines.server_step(
+    tiny_params, ys, FEDAVG, num_records=dispatch.record_counts(clients)
+  )
   chex.assert_trees_all_equal(new.params, params)
   counts = np.asarray(clients.mask).sum(axis=1)
   np.testing.assert_allclose(np.asarray(weights), counts / counts.sum(), rtol=1e-6)
@@ -236,8 +325,15 @@ def test_baseline_server_step_is_the_weighted_fedavg_step():
 # ---------------------------------------------------------------- who calls what
 
 # FedLAP's pieces that only the two steps may call.
-STEP_INTERNALS = {"local_approx", "real_images", "server_radius", "global_update",
-                  "fedavg_delta_start", "client_weights", "calibrate_radius"}
+STEP_INTERNALS = {
+  "local_approx",
+  "real_images",
+  "server_radius",
+  "global_update",
+  "fedavg_delta_start",
+  "client_weights",
+  "calibrate_radius",
+}
 
 
 def _names(path: pathlib.Path) -> set[str]:
@@ -268,7 +364,8 @@ def test_the_flower_app_calls_the_librarys_steps_and_no_copy_of_them():
     names = _names(path)
     assert not STEP_INTERNALS & names, (path.name, STEP_INTERNALS & names)
     # No local training of its own either: FedAvg's client is the library's.
-    assert not {"client_update", "real_gradient", "sgd_epoch", "cosine_learning_rate"} & names, \
-        path.name
+    assert not {"client_update", "real_gradient", "sgd_epoch", "cosine_learning_rate"} & names, (
+      path.name
+    )
     used |= names
   assert {"client_step", "server_step", "round_learning_rates", "learning_rate"} <= used
