@@ -48,6 +48,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
 
+from fedlap_flower.run_signature import _toml_value, write_toml
+
 APP_DIR = Path(__file__).resolve().parent / "app"
 FRONT_TEMPLATE = Path(__file__).resolve().parent / "deploy" / "superlink_front.nginx.conf"
 # The server's public address in a hardened federation on one machine (see the docstring).
@@ -150,22 +152,6 @@ def ssh_key_pair(path: Path, kind: str) -> Path:
     )
     + b"\n"
   )
-  return path
-
-
-def _toml_value(v) -> str:
-  if isinstance(v, bool):
-    return "true" if v else "false"
-  if isinstance(v, float) and v == float("inf"):
-    return "inf"
-  if isinstance(v, (int, float)):
-    return repr(v)
-  return json.dumps(str(v))  # a TOML basic string
-
-
-def write_toml(path: Path, values: Mapping[str, Any]) -> Path:
-  """Flat ``key = value`` TOML (keys may hold '-')."""
-  path.write_text("".join(f'"{k}" = {_toml_value(v)}\n' for k, v in values.items()))
   return path
 
 

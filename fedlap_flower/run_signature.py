@@ -177,6 +177,22 @@ def signed_overrides(
   return {**overrides, **sign(private, hashlib.sha256(fab).hexdigest(), fused)}
 
 
+def _toml_value(v) -> str:
+  if isinstance(v, bool):
+    return "true" if v else "false"
+  if isinstance(v, float) and v == float("inf"):
+    return "inf"
+  if isinstance(v, (int, float)):
+    return repr(v)
+  return json.dumps(str(v))  # a TOML basic string
+
+
+def write_toml(path: Path, values: Mapping[str, Any]) -> Path:
+  """Flat ``key = value`` TOML (keys may hold '-')."""
+  path.write_text("".join(f'"{k}" = {_toml_value(v)}\n' for k, v in values.items()))
+  return path
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
     description="Signs a run of the fedlap_flower app: writes a "
@@ -192,8 +208,6 @@ def main(argv=None) -> int:
   )
   p.add_argument("--out", required=True, type=Path)
   args = p.parse_args(argv)
-  from fedlap_flower.federation import write_toml  # pylint: disable=g-import-not-at-top
-
   values = signed_overrides(args.key, args.app, args.run_config)
   write_toml(args.out, values)
   print(f"signed by {values['signer']}: {args.out}")
