@@ -24,7 +24,7 @@ from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.server import fedavg_delta_start, global_update, server_step
 from fedlap_jax.synthetic import real_images
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 K = 5
 
@@ -359,6 +359,7 @@ def test_the_round_is_built_on_the_two_steps_and_nothing_else():
 
 def test_the_flower_app_calls_the_librarys_steps_and_no_copy_of_them():
   """fedlap_flower marshals messages: FedLAP's and FedAvg's steps are the library's."""
+  assert (ROOT / "fedlap_flower" / "client_app.py").is_file(), ROOT
   used = set()
   for path in sorted((ROOT / "fedlap_flower").glob("*.py")):
     names = _names(path)
