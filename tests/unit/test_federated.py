@@ -357,8 +357,10 @@ def test_client_weights(clients):
   np.testing.assert_array_equal(np.asarray(sizes), np.asarray(clients.mask).sum(axis=1))
   assert len(set(np.asarray(sizes).tolist())) > 1  # the digits clients differ in size
   for unresolved in (None, "n_k"):  # not silently size weighting
-    with pytest.raises(ConfigError, match=r"weighting=.* is invalid; allowed: 'size' or"):
-      dispatch.client_weights(clients, unresolved)
+    with pytest.raises(
+      ConfigError, match=r"weighting=.* is invalid; allowed: one of \('size', 'uniform'\)"
+    ):
+      dispatch.client_weights(unresolved, counts)
 
 
 def test_bad_client_backend(params, clients):
