@@ -146,38 +146,39 @@ def linear_params():
 
 
 # Scheduling under ``python -m pytest -n 2``. Each test file goes to one worker whole
-# (xdist's ``--dist loadfile``), so module fixtures are built once: xdist's default ("load")
-# splits files at chunk boundaries and ran test_sharding.py's 25-second single-device
-# reference on both workers. (``--dist loadgroup`` with the files' ``xdist_group`` marks does
-# not group under pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer
-# reads, so each test becomes its own unit and module fixtures are rebuilt: the likely cause
-# of the 816 s of 2026-11-27.) Files are handed out in the order below
-# (``--no-loadscope-reorder`` keeps it), the costliest first (summed test times from
-# ``--durations=0``, 2026-11-27), so that the run ends on cheap files instead of one worker
-# finishing the 200-second sharding file alone. Files not listed follow in their usual order.
-# The order changes no test, only when it runs. Set here, not in pyproject's addopts, so that
-# ``-p no:xdist`` runs still parse; an explicit ``--dist`` wins.
+# (xdist's ``--dist loadfile``), so module fixtures are built once per run: xdist's default
+# ("load") splits files at chunk boundaries, and ``--dist loadgroup`` does not group under
+# pytest 9 with xdist 3.8 (each test becomes its own unit and module fixtures are rebuilt).
+# Files are handed out in the order below (``--no-loadscope-reorder`` keeps it), the
+# costliest first by summed ``--durations=0`` test times, so that the run ends on cheap
+# files instead of one worker finishing a long file alone. Files not listed follow in their
+# usual order. The order changes no test, only when it runs. Set here, not in pyproject's
+# addopts, so that ``-p no:xdist`` runs still parse; an explicit ``--dist`` wins.
 COSTLY_FIRST = (
-  "test_sharding.py",
-  "test_kill_resume.py",
-  "test_experiments_synthetic.py",
   "test_flower.py",
-  "test_pixels.py",
-  "test_side_by_side.py",
+  "test_kill_resume.py",
+  "test_sharding.py",
   "test_client.py",
-  "test_participation.py",
-  "test_condensation.py",
-  "test_compilation.py",
-  "test_experiments_run.py",
-  "test_federated.py",
-  "test_baselines.py",
-  "test_privacy.py",
-  "test_server_radius.py",
-  "test_models.py",
   "test_per_example.py",
+  "test_pixels.py",
+  "test_experiments_run.py",
+  "test_baselines.py",
+  "test_experiments_synthetic.py",
+  "test_federated.py",
+  "test_flower_replies.py",
+  "test_side_by_side.py",
+  "test_privacy.py",
+  "test_steps.py",
+  "test_condensation.py",
+  "test_models.py",
+  "test_compilation.py",
+  "test_server_radius.py",
   "test_dsa.py",
+  "test_participation_runs.py",
   "test_auditing.py",
+  "test_matching.py",
   "test_experiments_data.py",
+  "test_accounting.py",
   "test_readme.py",
 )
 
