@@ -63,7 +63,7 @@ def measure(code_root: Path, method: str, iterations: int, after: float, timeout
       "-m",
       "experiments.run",
       f"--config={config}",
-      f"--config.condense.iterations={iterations}",
+      f"--config.condense.networks={iterations}",
       f"--workdir={Path(tmp) / 'run'}",
     ]
     load_before = load()
@@ -126,7 +126,7 @@ def main() -> None:
     "--iterations",
     type=int,
     default=10,
-    help="condense.iterations (fresh networks): the round's length",
+    help="condense.networks (fresh networks): the round's length",
   )
   p.add_argument(
     "--after", type=float, default=10.0, help="seconds after the loop starts to send SIGTERM"

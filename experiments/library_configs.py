@@ -196,14 +196,10 @@ SYNTHETIC_PATHS = {
 }
 
 
-# The library's names of what FedDM / DSC / PSG count, and their experiment config paths.
-SYNTHETIC_COUNTS = {"image_updates": "feddm.iterations", "networks": "condense.iterations"}
-
-
 def _synthetic_error(err: ConfigError, section: str) -> ConfigError:
   if err.field.startswith(("dp.", "server.")):
     return err
-  path = SYNTHETIC_COUNTS.get(err.field) or SYNTHETIC_PATHS.get(err.field, f"{section}.{err.field}")
+  path = SYNTHETIC_PATHS.get(err.field, f"{section}.{err.field}")
   return _renamed(err, path)
 
 
@@ -212,20 +208,16 @@ def to_feddm_config(cfg) -> feddm.FedDMConfig:
 
   ``feddm.*`` with ``client.ipc``, ``client.batch_size`` (real records per
   class), ``client.poisson_capacity``, ``synthetic_init``, the ``server``
-  section and ``learning_rate`` (the server's); ``feddm.iterations`` is the
-  library's ``image_updates``. Errors name the config path.
+  section and ``learning_rate`` (the server's). Errors name the config path.
   """
   server = _server_config(cfg)
-  f = cfg.feddm
   try:
-    return feddm.FedDMConfig(
+    return schema.build(
+      feddm.FedDMConfig,
+      cfg.feddm,
+      "feddm",
       ipc=cfg.client.ipc,
-      image_updates=f.iterations,
-      rho=f.rho,
       batch_size=cfg.client.batch_size,
-      image_lr=f.image_lr,
-      image_momentum=f.image_momentum,
-      dsa_strategy=f.dsa_strategy,
       synthetic_init=cfg.synthetic_init,
       poisson_capacity=cfg.client.poisson_capacity,
       server=server,
@@ -243,8 +235,7 @@ def to_oneshot_config(cfg) -> condensation.OneShotConfig:
   ``server`` section and ``learning_rate`` (the server's). ``condense.outer_loop``
   / ``inner_loop`` left at None take the published loops for the ipc
   (:func:`fedlap_jax.condensation.dc_loops`); the method fixes class-wise
-  (DSC) or class-agnostic (PSG) matching; ``condense.iterations`` is the
-  library's ``networks``. Errors name the config path.
+  (DSC) or class-agnostic (PSG) matching. Errors name the config path.
   """
   dp = to_dp_config(cfg)
   server = _server_config(cfg)
@@ -255,19 +246,16 @@ def to_oneshot_config(cfg) -> condensation.OneShotConfig:
       published = condensation.dc_loops(cfg.client.ipc)
       outer = published[0] if outer is None else outer
       inner = published[1] if inner is None else inner
-    cond = condensation.CondensationConfig(
-      ipc=cfg.client.ipc,
-      networks=c.iterations,
+    cond = schema.build(
+      condensation.CondensationConfig,
+      c,
+      "condense",
+      ignore=("lr_decay", "outer_loop", "inner_loop"),
       outer_loop=outer,
       inner_loop=inner,
-      batch_loop=c.batch_loop,
+      ipc=cfg.client.ipc,
       classwise=cfg.method not in DP_ONE_SHOT_METHODS,
       batch_size=cfg.client.batch_size,
-      model_batch_size=c.model_batch_size,
-      image_lr=c.image_lr,
-      image_momentum=c.image_momentum,
-      net_lr=c.net_lr,
-      dsa_strategy=c.dsa_strategy,
       synthetic_init=cfg.synthetic_init,
       poisson_capacity=cfg.client.poisson_capacity,
       dp=dp,

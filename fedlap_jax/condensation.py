@@ -157,8 +157,8 @@ class CondensationConfig:
 
   Attributes:
     ipc: synthetic images per class the client (or the pool) owns.
-    networks: freshly initialised networks, one after another (the experiment
-      config's ``condense.iterations``, the code's ``Iteration``).
+    networks: freshly initialised networks, one after another (the authors'
+      ``Iteration``).
     outer_loop: image-update stages per network (the last ends without a
       network update).
     inner_loop: epochs of network SGD on the synthetic set between stages.

@@ -107,7 +107,7 @@ class FedDMConfig:
   Attributes:
     ipc: synthetic images per class a client owns.
     image_updates: updates of the synthetic images per round, each against a
-      new perturbed model (the experiment config's ``feddm.iterations``).
+      new perturbed model.
     rho: norm of the random perturbation of the global model (L2 over all
       parameters).
     batch_size: ``B``, expected real records per class per iteration.

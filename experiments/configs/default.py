@@ -36,9 +36,24 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
+from fedlap_jax import condensation, feddm
 from fedlap_jax import config as core
 
 from experiments.configs import schema
+
+# Fields of the synthetic-data systems' dataclasses that the experiment config writes
+# elsewhere (client.ipc, client.batch_size, client.poisson_capacity, synthetic_init, the
+# server section, learning_rate, dp, and the method, which fixes classwise).
+FEDDM_SHARED = (
+  "ipc",
+  "batch_size",
+  "synthetic_init",
+  "poisson_capacity",
+  "server",
+  "learning_rate",
+)
+CONDENSE_SHARED = ("ipc", "classwise", "batch_size", "synthetic_init", "poisson_capacity", "dp")
+ONESHOT_SHARED = ("method", "condensation", "server", "learning_rate")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -116,31 +131,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.baseline.local_epochs = 5
   config.baseline.prox_mu = 0.1
 
-  # FedDM (method "feddm"): image updates per round, each on the global model moved by
-  # rho in a random direction; image SGD lr and momentum; DSA (none in FedDM).
-  config.feddm = ml_collections.ConfigDict()
-  config.feddm.iterations = 1000
-  config.feddm.rho = 5.0
-  config.feddm.image_lr = 1.0
-  config.feddm.image_momentum = 0.5
-  config.feddm.dsa_strategy = ""
-
-  # DSC / PSG (methods "dsc", "dsc_centralized", "psg"): one-shot condensation against
-  # `iterations` freshly initialised networks; outer_loop / inner_loop None = the
-  # published loops for client.ipc (fedlap_jax.condensation.dc_loops); batch_loop real
-  # batches per outer step (DSC 1, PSG 10); the server's learning rate is multiplied by
-  # lr_decay for the second half of server.max_epochs.
-  config.condense = ml_collections.ConfigDict()
-  config.condense.iterations = 1000
-  config.condense.outer_loop = config_dict.placeholder(int)
-  config.condense.inner_loop = config_dict.placeholder(int)
-  config.condense.batch_loop = 1
-  config.condense.model_batch_size = 256
-  config.condense.image_lr = 0.1
-  config.condense.image_momentum = 0.5
-  config.condense.net_lr = 0.01
-  config.condense.dsa_strategy = ""
-  config.condense.lr_decay = 0.1
+  # FedDM (method "feddm") and DSC / PSG (methods "dsc", "dsc_centralized", "psg"): the
+  # fields of fedlap_jax.feddm.FedDMConfig and fedlap_jax.condensation.CondensationConfig
+  # that are the method's own (ipc, batch sizes, synthetic_init and the server come from
+  # client / server / the top level). condense.outer_loop / inner_loop None = the
+  # published loops for client.ipc (fedlap_jax.condensation.dc_loops); condense.lr_decay
+  # multiplies the server's learning rate for the second half of server.max_epochs.
+  config.feddm = schema.section(feddm.FedDMConfig, exclude=FEDDM_SHARED)
+  config.condense = schema.section(
+    condensation.CondensationConfig, exclude=CONDENSE_SHARED, outer_loop=None, inner_loop=None
+  )
+  config.condense.update(schema.section(condensation.OneShotConfig, exclude=ONESHOT_SHARED))
 
   # Run-time options (may change when a run is resumed).
   config.checkpoint_every = 5  # rounds; the last round is always saved

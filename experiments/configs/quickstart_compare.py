@@ -86,7 +86,7 @@ def feddm_config() -> ml_collections.ConfigDict:
   config.method = "feddm"
   config.synthetic_init = "real"
   f = config.feddm
-  f.iterations = 50
+  f.image_updates = 50
   f.rho = 2.0
   f.image_lr = 1.0
   f.dsa_strategy = ""
@@ -94,7 +94,7 @@ def feddm_config() -> ml_collections.ConfigDict:
   return config
 
 
-def oneshot_config(method: str, *, iterations: int, batch_loop: int) -> ml_collections.ConfigDict:
+def oneshot_config(method: str, *, networks: int, batch_loop: int) -> ml_collections.ConfigDict:
   """DSC (``dsc``, ``dsc_centralized``) or PSG (``psg``, without its DP fields) on the quickstart data."""
   config = quickstart.nondp_config()
   config.method = method
@@ -103,7 +103,7 @@ def oneshot_config(method: str, *, iterations: int, batch_loop: int) -> ml_colle
   config.checkpoint_every = 1
   config.snapshot_rounds = (1,)
   c = config.condense
-  c.iterations = iterations
+  c.networks = networks
   c.outer_loop, c.inner_loop = DC_LOOPS[config.client.ipc]
   c.batch_loop = batch_loop
   c.model_batch_size = 256
@@ -116,7 +116,7 @@ def oneshot_config(method: str, *, iterations: int, batch_loop: int) -> ml_colle
 
 def psg_config(fedlap_dp, name: str = "fedlap_dp") -> ml_collections.ConfigDict:
   """PSG with its epsilon matched to the suite's run ``name`` (``fedlap_dp`` its config)."""
-  config = oneshot_config("psg", iterations=5, batch_loop=10)
+  config = oneshot_config("psg", networks=5, batch_loop=10)
   return _matched_dp(config, fedlap_dp, name)
 
 
@@ -132,8 +132,8 @@ def get_config():
   for method in DP_BASELINES:
     config.suite[method] = matched_dp_baseline(method, dp)
   config.suite.feddm = feddm_config()
-  config.suite.dsc = oneshot_config("dsc", iterations=10, batch_loop=1)
-  config.suite.dsc_centralized = oneshot_config("dsc_centralized", iterations=10, batch_loop=1)
+  config.suite.dsc = oneshot_config("dsc", networks=10, batch_loop=1)
+  config.suite.dsc_centralized = oneshot_config("dsc_centralized", networks=10, batch_loop=1)
   config.suite.psg = psg_config(dp)
   # One normalisation for every run, the DP-safe one of FedLAP-DP (statistics of the public test
   # split): the same preprocessing in every column, and one "digits" row in the report.

@@ -54,7 +54,7 @@ def section(cls, *, exclude: Iterable[str] = (), **values: Any) -> ml_collection
 
   Each entry is ``values[name]`` if given, else the field's default; a field
   without a default must be in ``values``. A ``None`` of an optional field
-  ``T | None`` is ``config_dict.placeholder(T)``.
+  ``T | None``, or a ``None`` given in ``values``, is ``config_dict.placeholder(T)``.
 
   Raises:
     TypeError: a name of ``values`` is not a field, or a field without a
@@ -78,7 +78,10 @@ def section(cls, *, exclude: Iterable[str] = (), **values: Any) -> ml_collection
     else:
       raise TypeError(f"{cls.__name__}.{f.name} has no default: pass {f.name}=VALUE")
     base, optional = kinds[f.name]
-    out[f.name] = config_dict.placeholder(base) if value is None and optional else value
+    # None: a typed placeholder where the field may be None or the caller sets None (a
+    # value the experiment fills in before building the dataclass, e.g. published loops).
+    given_none = value is None and (optional or f.name in values)
+    out[f.name] = config_dict.placeholder(base) if given_none else value
   return out
 
 

@@ -87,7 +87,7 @@ def get_feddm_config(dataset: str):
   config.client.ipc = 50
   config.client.batch_size = 256
   f = config.feddm
-  f.iterations = 1000
+  f.image_updates = 1000
   f.rho = 5.0
   f.image_lr = 1.0
   f.image_momentum = 0.5
@@ -102,7 +102,7 @@ def _condensation(config, ipc: int, *, batch_loop: int):
   config.client.ipc = ipc
   config.client.batch_size = 256
   c = config.condense
-  c.iterations = 1000
+  c.networks = 1000
   c.outer_loop, c.inner_loop = DC_LOOPS[ipc]
   c.batch_loop = batch_loop
   c.model_batch_size = 256

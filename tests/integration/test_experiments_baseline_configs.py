@@ -80,7 +80,7 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
     assert t != t_fedlap  # the match comes from sigma, not from equal step counts
   # PSG, one round of T = iterations * outer_loop * batch_loop noisy accesses, at the same epsilon.
   c = suite.psg
-  t = c.condense.iterations * c.condense.outer_loop * c.condense.batch_loop
+  t = c.condense.networks * c.condense.outer_loop * c.condense.batch_loop
   eps = accounting.epsilon_after_rounds(
     rounds=1,
     noise_multiplier=c.dp.noise_multiplier,

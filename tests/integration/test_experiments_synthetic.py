@@ -28,10 +28,10 @@ def shrunk(name, **overrides):
   if name == "feddm":
     cfg.rounds = 2
     cfg.synthetic_init = "noise"  # only the matching can make the images informative
-    cfg.feddm.iterations = 20
+    cfg.feddm.image_updates = 20
     cfg.server.max_epochs = 50
   else:
-    cfg.condense.iterations = 4 if name == "psg" else 2
+    cfg.condense.networks = 4 if name == "psg" else 2
     cfg.condense.inner_loop = 10
     cfg.server.max_epochs = 100
   if name == "psg":
@@ -79,7 +79,7 @@ def test_psg_epsilon_is_the_accountants_for_its_q_sigma_and_t(runs):
   workdir, result = runs["psg"]
   cfg = shrunk("psg")
   info = json.loads((workdir / "run_info.json").read_text())
-  t = cfg.condense.iterations * cfg.condense.outer_loop * cfg.condense.batch_loop
+  t = cfg.condense.networks * cfg.condense.outer_loop * cfg.condense.batch_loop
   assert info["steps_per_round"] == t == 4 * 10 * 5
   want = accounting.epsilon_after_rounds(
     rounds=1,
@@ -234,11 +234,11 @@ def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
     ("dsc", "rounds", 2, "rounds"),
     ("feddm", "dp.enabled", True, "dp.enabled"),
     ("psg", "dp.enabled", False, "dp.enabled"),
-    ("dsc", "condense.iterations", 0, "condense.iterations"),
+    ("dsc", "condense.networks", 0, "condense.networks"),
     ("dsc", "condense.lr_decay", 2.0, "condense.lr_decay"),
     ("dsc", "client.ipc", 7, "client.ipc"),  # no published loops for ipc 7 (loops left None)
     ("feddm", "feddm.rho", -1.0, "feddm.rho"),
-    ("feddm", "feddm.iterations", 0, "feddm.iterations"),
+    ("feddm", "feddm.image_updates", 0, "feddm.image_updates"),
     ("feddm", "server.radius_strategy", "min", "server.radius_strategy"),
     ("psg", "synthetic_init", "real", "synthetic_init"),
     ("psg", "server.weighting", "size", "server.weighting"),
@@ -283,8 +283,8 @@ def test_ipc_larger_than_a_class_is_refused_with_real_initialisation():
     ("cifar_dsc", "--config.rounds=3", "rounds=3 is invalid; allowed: 1 for method="),
     (
       "cifar_psg",
-      "--config.condense.iterations=0",
-      "condense.iterations=0 is invalid; allowed: an integer >= 1",
+      "--config.condense.networks=0",
+      "condense.networks=0 is invalid; allowed: an integer >= 1",
     ),
     (
       "fmnist_psg",

@@ -249,7 +249,7 @@ ONESHOT_FLAGS = {
   "model.width": 8,
   "model.depth": 1,
   "client.ipc": 2,
-  "condense.iterations": 2,
+  "condense.networks": 2,
   "condense.outer_loop": 1,
   "condense.inner_loop": 1,
   "condense.batch_loop": 2,
