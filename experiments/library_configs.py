@@ -279,22 +279,51 @@ def to_oneshot_config(cfg) -> condensation.OneShotConfig:
     raise _synthetic_error(e, "condense") from None
 
 
-def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | None:
-  """The privacy mechanism ``cfg``'s method declares; ``None`` without DP.
+def library_config(cfg, *, max_client_size: int | None = None):
+  """The frozen library config of ``cfg.method``, built once per run.
 
-  The method's own ``dp_mechanism`` on its core config (FedLAP-DP:
-  :func:`fedlap_jax.federated.dp_mechanism`; PSG:
-  :func:`fedlap_jax.condensation.dp_mechanism`; DP-FedAvg / DP-FedProx:
-  :func:`fedlap_jax.baselines.dp_mechanism`, whose ``T`` needs the largest
-  of ``client_sizes``), the value the built algorithm carries as ``mechanism``.
+  ``fedlap``: :class:`~fedlap_jax.config.FedLAPConfig`; ``feddm``:
+  :class:`~fedlap_jax.feddm.FedDMConfig`; ``dsc``, ``dsc_centralized``, ``psg``:
+  :class:`~fedlap_jax.condensation.OneShotConfig`; a baseline:
+  :class:`~fedlap_jax.baselines.BaselineConfig` (``max_client_size``, records of the
+  largest client, fixes its static step count and is required under DP).
+
+  Raises:
+    ConfigError: naming the experiment config's field, the value and what is allowed.
   """
+  if cfg.method == "fedlap":
+    return to_fedlap_config(cfg)
+  if cfg.method == "feddm":
+    return to_feddm_config(cfg)
+  if cfg.method in ONE_SHOT_METHODS:
+    return to_oneshot_config(cfg)
+  return to_baseline_config(cfg, max_client_size=max_client_size)
+
+
+def mechanism_of(config) -> accounting.DpMechanism | None:
+  """The privacy mechanism a library config declares; ``None`` without DP.
+
+  The method's own ``dp_mechanism`` (FedLAP-DP: :func:`fedlap_jax.federated.dp_mechanism`;
+  PSG: :func:`fedlap_jax.condensation.dp_mechanism`; DP-FedAvg / DP-FedProx:
+  :func:`fedlap_jax.baselines.dp_mechanism`), the value the built algorithm carries as
+  ``mechanism``. FedDM has no DP variant.
+  """
+  if isinstance(config, core.FedLAPConfig):
+    return federated.dp_mechanism(config.client)
+  if isinstance(config, condensation.OneShotConfig):
+    return condensation.dp_mechanism(config.condensation)
+  if isinstance(config, baselines.BaselineConfig):
+    return baselines.dp_mechanism(config)
+  return None
+
+
+def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | None:
+  """The privacy mechanism ``cfg``'s method declares (:func:`mechanism_of` its
+  :func:`library_config`; a baseline's ``T`` needs the largest of ``client_sizes``);
+  ``None`` without DP."""
   if not cfg.dp.enabled:
     return None
-  if cfg.method == "fedlap":
-    return federated.dp_mechanism(to_fedlap_config(cfg).client)
-  if cfg.method in ONE_SHOT_METHODS:
-    return condensation.dp_mechanism(to_oneshot_config(cfg).condensation)
-  return baselines.dp_mechanism(to_baseline_config(cfg, max_client_size=max(client_sizes)))
+  return mechanism_of(library_config(cfg, max_client_size=max(client_sizes)))
 
 
 def validate_config(cfg) -> None:

@@ -196,51 +196,52 @@ def build_algorithm(
   max_client_size: int,
   model=None,
 ) -> algorithm_lib.FederatedAlgorithm:
-  """The :class:`FederatedAlgorithm` of ``cfg.method``.
+  """The :class:`FederatedAlgorithm` of ``cfg.method``, on its
+  :func:`library_configs.library_config` (built once here).
 
-  ``fedlap``: :func:`fedlap_jax.federated.algorithm` of
-  :func:`library_configs.to_fedlap_config`; the baselines:
-  :func:`fedlap_jax.baselines.algorithm` of :func:`library_configs.to_baseline_config`
-  (``max_client_size``, records of the largest client, fixes the static local
-  step count ``T``); ``feddm``: :func:`fedlap_jax.feddm.algorithm` (needs the
-  Flax ``model`` for its embedding, :func:`fedlap_jax.models.embed_fn`);
-  ``dsc``, ``dsc_centralized``, ``psg``: :func:`fedlap_jax.condensation.algorithm`
-  (needs ``model`` for fresh networks, :func:`fedlap_jax.models.init_fn`). All
-  share compiled rounds between algorithms of equal settings, so the seeds of a
-  sweep or a resumed run compile nothing new.
+  ``fedlap``: :func:`fedlap_jax.federated.algorithm`; the baselines:
+  :func:`fedlap_jax.baselines.algorithm` (``max_client_size``, records of the largest
+  client, fixes the static local step count ``T``); ``feddm``:
+  :func:`fedlap_jax.feddm.algorithm` (needs the Flax ``model`` for its embedding,
+  :func:`fedlap_jax.models.embed_fn`); ``dsc``, ``dsc_centralized``, ``psg``:
+  :func:`fedlap_jax.condensation.algorithm` (needs ``model`` for fresh networks,
+  :func:`fedlap_jax.models.init_fn`). All share compiled rounds between algorithms of
+  equal settings, so the seeds of a sweep or a resumed run compile nothing new.
   """
+  config = library_configs.library_config(cfg, max_client_size=max_client_size)
   backend = resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap")
-  if cfg.method == "fedlap":
+  shape = tuple(image_shape)
+  if isinstance(config, core_config.FedLAPConfig):
     return federated.algorithm(
       apply_fn,
-      library_configs.to_fedlap_config(cfg),
-      image_shape=tuple(image_shape),
+      config,
+      image_shape=shape,
       max_classes_per_client=max_classes_per_client,
       client_backend=backend,
     )
-  if cfg.method == "feddm":
+  if isinstance(config, feddm.FedDMConfig):
     return feddm.algorithm(
       apply_fn,
       _embed_fn(model),
-      library_configs.to_feddm_config(cfg),
-      image_shape=tuple(image_shape),
+      config,
+      image_shape=shape,
       max_classes_per_client=max_classes_per_client,
       client_backend=backend,
     )
-  if cfg.method in core_config.ONE_SHOT_METHODS:
+  if isinstance(config, condensation.OneShotConfig):
     return condensation.algorithm(
       apply_fn,
-      _init_fn(model, tuple(image_shape)),
-      library_configs.to_oneshot_config(cfg),
-      image_shape=tuple(image_shape),
+      _init_fn(model, shape),
+      config,
+      image_shape=shape,
       max_classes_per_client=max_classes_per_client,
       max_client_size=max_client_size,
       client_backend=backend,
     )
   return baselines.algorithm(
     apply_fn,
-    library_configs.to_baseline_config(cfg, max_client_size=max_client_size),
-    image_shape=tuple(image_shape),
+    config,
+    image_shape=shape,
     num_clients=cfg.data.num_clients,
     num_params=num_params,
     client_backend=backend,
