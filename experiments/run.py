@@ -128,8 +128,8 @@ def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]])
       field,
       text,
       CONFIG_FIELDS,
-      message=f"unknown config field in a --config.FIELD "
-      f"override: {detail} (allowed: {CONFIG_FIELDS})",
+      message=f"unknown config field in --config.{field}={text}: {detail} "
+      f"(allowed: {CONFIG_FIELDS})",
     )
   message = str(e)
   for field, text in reversed(overrides):  # absl: "flag --config.FIELD=VALUE: why"
