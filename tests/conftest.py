@@ -11,6 +11,7 @@ built on them are compiled once and shared across test modules.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -211,6 +212,22 @@ def pytest_unconfigure(config):
   owned = os.environ.get(_CACHE_OWNER)
   if owned and not hasattr(config, "workerinput"):  # the controller, after its workers
     shutil.rmtree(owned, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's in-memory compiled programs after each test module.
+
+  Every loaded XLA CPU executable holds a few memory mappings; an xdist worker that
+  runs hundreds of test modules would otherwise collect them until the kernel's
+  ``vm.max_map_count`` (65,530 by default) is reached, and the next compile or cache
+  write segfaults (a worker at 41,980 mappings was seen near the end of a run). A
+  later module that needs a program again reads it from the session's compilation
+  cache, and gets the same executable.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n's "no" into "load"
