@@ -441,7 +441,7 @@ def synthetic_model_step(
 ) -> PyTree:
   """The paper's model step: :func:`synthetic_epochs`, except after the last permitted
   while-loop iteration. ``iteration`` (shared by clients side by side) decides in a
-  ``lax.cond``: a real branch under ``vmap``, not a select of both."""
+  ``lax.cond``: a real conditional under ``vmap``, not a select of both."""
   del gradient
   return jax.lax.cond(
     iteration < problem.config.max_outer - 1,
@@ -546,7 +546,7 @@ def trajectory(
   through ``jnp.where`` masks. With ``client_axis=None`` the client is alone:
   the loop runs while it is active, so nothing is masked (the numbers of
   clients side by side equal those alone). The counter ``o`` is shared, so a
-  ``lax.cond`` on it inside ``iteration`` stays a real branch under ``vmap``.
+  ``lax.cond`` on it inside ``iteration`` stays a real conditional under ``vmap``.
 
   Returns:
     ``(images, opt_state, stats, TrajectoryLog)``.
@@ -652,7 +652,7 @@ def local_approx(
       over the axis), and a client's termination is a mask (its synthetic
       set, optimiser state, model and statistics are kept by ``jnp.where``
       once it has stopped). The counter being shared, the condition of the
-      model update stays a real branch under ``vmap``, not a select of both.
+      model update stays a real conditional under ``vmap``, not a select of both.
       Same numbers as ``None`` for every client, up to float rounding.
     image_optimizer: the ``optax.GradientTransformation`` of the synthetic
       images (its state lives across the ``R_i`` trajectories); ``None``: the
