@@ -209,7 +209,9 @@ def _experiments_worker(workdir: str) -> dict:
 def _env(devices: int, cache=None) -> dict:
   """``devices`` CPU devices; with ``cache``, a persistent compilation cache there."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  # After the session's own flags (tests/conftest.py), so both sides compile alike.
+  flags = (os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}")
+  env["XLA_FLAGS"] = " ".join(f for f in flags if f)
   env["JAX_PLATFORMS"] = "cpu"
   if cache is not None:
     env.update(
