@@ -333,6 +333,59 @@ def test_every_noisy_access_of_the_hybrid_reaches_the_ledger(hybrid_run):
   assert rec["epsilon"] == pytest.approx(ledger.epsilon, rel=1e-9)
 
 
+# What a DP baseline's round adds to the released record: local step counts (fixed by the
+# public N_k and B), and norms of models trained with noised steps (post-processing).
+BASELINE_RECORD_KEYS = {"client.steps", "client.update_norm", "server_update_norm", "control_norm"}
+
+
+def test_dp_fedavg_workdir_and_ledger(tmp_path):
+  """An attacker's look at a DP-FedAvg run's work dir: only released and public values are
+  written, and every client's noisy local steps are within the T the ledger charged."""
+  cfg = tiny_config(
+    rounds=2,
+    progress_bar=False,
+    plots=False,
+    method="dp_fedavg",
+    learning_rate=1.0,
+    **{"baseline.local_epochs": 1, "dp.l2_clip_norm": 0.1},
+  )
+  out = train.train_and_evaluate(cfg, tmp_path)
+  listing = {p.name for p in tmp_path.iterdir()}
+  assert listing <= set(WORKDIR_FILES), listing
+  released = RELEASED_RECORD_KEYS | BASELINE_RECORD_KEYS
+  records = checkpointing.read_metrics(tmp_path / "metrics.jsonl")
+  assert len(records) == 2
+  for r in records:
+    assert set(r) <= released, set(r) - released
+  info = json.loads((tmp_path / "run_info.json").read_text())
+  assert set(info) <= PUBLIC_INFO_KEYS, set(info) - PUBLIC_INFO_KEYS
+  assert "seed" not in info
+  ledger = accounting.PrivacyLedger.from_dict(
+    json.loads((tmp_path / "privacy_ledger.json").read_text())
+  )
+  sizes = info["client_sizes"]
+  # One local epoch of expected batches B = 16: T_k = round(N_k / B) noisy steps, from public N_k.
+  steps = [int(np.floor(n / 16 + 0.5)) for n in sizes]
+  t = max(steps)
+  assert ledger.steps_per_round == t == info["steps_per_round"] and ledger.steps == [t, t]
+  assert ledger.min_client_size == min(sizes) and ledger.batch_size == 16
+  for r, eps in zip(out["records"], ledger.epsilons):
+    assert r["client.steps"] == steps  # each client ran its T_k <= T, none ran over
+    assert r["epsilon"] == pytest.approx(eps, rel=1e-9)
+  assert ledger.epsilon == pytest.approx(
+    accounting.epsilon_after_rounds(
+      rounds=2,
+      noise_multiplier=1.0,
+      batch_size=16,
+      min_client_size=min(sizes),
+      steps_per_round=t,
+      delta=cfg.dp.delta,
+      adjacency=accounting.REPLACE_ONE,
+    ),
+    rel=1e-9,
+  )
+
+
 def test_debug_nonprivate_stats_writes_them_in_a_named_section(straight, tmp_path):
   cfg = tiny_config(rounds=1, progress_bar=False, plots=False, debug_nonprivate_stats=True)
   out = train.train_and_evaluate(cfg, tmp_path)
