@@ -36,7 +36,7 @@ def _model(kind):
     model = MLP()
   else:
     model = models.ConvNet(num_classes=10, width=8, depth=2, impl=kind)
-  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12, 12, 3)))["params"]
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 12, 12, 3)))["params"]
   return (lambda p, x: model.apply({"params": p}, x)), params
 
 
@@ -102,10 +102,9 @@ def test_ghost_conv_norms_exact(monkeypatch):
   x, y, is_padding = _batch()
   ref, ref_norms = _reference(apply_fn, params, x, y, is_padding, 0.5)
   for ghost in (True, False):
-    monkeypatch.setattr(per_example, "GHOST_CONV", ghost)
-    total, norms = per_example.clipped_gradient_sum(
-      apply_fn, params, x, y, is_padding, l2_clip_norm=0.5
-    )
+    monkeypatch.setattr(per_example, "GHOST_CONV", ghost)  # read when the call is traced
+    fn = jax.jit(functools.partial(per_example.clipped_gradient_sum, apply_fn, l2_clip_norm=0.5))
+    total, norms = fn(params, x, y, is_padding)
     _assert_close(total, ref)
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
 
@@ -132,7 +131,8 @@ def test_unsupported_models_fall_back_to_vmap():
     assert per_example.auto_plan(fn, p, x) == ("vmap", None)
     with pytest.raises(per_example.Unsupported):
       per_example.clipped_gradient_sum(fn, p, x, y, is_padding, l2_clip_norm=1.0)
-    total, norms = privacy.clipped_gradient_sum(fn, p, x, y, is_padding, l2_clip_norm=1.0)
+    private = jax.jit(functools.partial(privacy.clipped_gradient_sum, fn, l2_clip_norm=1.0))
+    total, norms = private(p, x, y, is_padding)
     ref, ref_norms = _reference(fn, p, x, y, is_padding, 1.0)
     _assert_close(total, ref)
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
@@ -224,6 +224,7 @@ def test_conv_impls_equal_xla_conv_to_second_order(padding, shape):
 
   for conv in (models.conv_im2col, models.conv_hybrid):
     for f in (value, lambda c, x, k: jax.grad(second, argnums=(1, 2))(c, x, k)):
+      f = jax.jit(f, static_argnums=0)
       expected = jax.tree.map(
         lambda a: np.asarray(a, np.float64), f(jax.lax.conv_general_dilated, x, k)
       )
@@ -234,11 +235,10 @@ def test_convnet_impls_same_function_and_params():
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 28, 28, 1))
   outs, trees = [], []
   for impl in ("flax", "im2col", "hybrid", "auto"):
-    model, params = models.init_convnet(
-      jax.random.PRNGKey(1), (28, 28, 1), width=8, depth=3, impl=impl
-    )
+    model = models.ConvNet(num_classes=10, width=8, depth=3, impl=impl)
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), x[:1])["params"]
     trees.append(params)
-    outs.append(model.apply({"params": params}, x))
+    outs.append(jax.jit(model.apply)({"params": params}, x))
   for tree, out in zip(trees[1:], outs[1:]):
     chex.assert_trees_all_close(tree, trees[0])  # same names, shapes and initial values
     chex.assert_trees_all_close(out, outs[0], atol=1e-4, rtol=1e-4)
