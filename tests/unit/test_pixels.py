@@ -180,7 +180,13 @@ SMALL = ClientConfig(
   radius=5.0,
   calibration_epochs=3,
 )
-NONDP = FedLAPConfig(client=SMALL, server=ServerConfig(max_epochs=3), rounds=2)
+# Non-DP with DSA on the client: colour (which depends on the pixel values) and flips. The
+# server trains on synthetic images only, which hold floats either way.
+NONDP = FedLAPConfig(
+  client=dataclasses.replace(SMALL, dsa_strategy="color_flip"),
+  server=ServerConfig(max_epochs=3, dsa_strategy=""),
+  rounds=2,
+)
 DP = FedLAPConfig(
   client=dataclasses.replace(
     SMALL,
