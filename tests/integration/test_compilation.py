@@ -18,7 +18,9 @@ from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 
 
 # The DP config microbatches its 44-slot Poisson buffers by 8, so the round also
-# runs the data-dependent microbatch loop (vmapped over the clients).
+# runs the data-dependent microbatch loop (vmapped over the clients). The non-DP config
+# keeps every DSA family on the client and the server, so their draws are checked too; the
+# DP config leaves them out (they would double its compile time and add nothing new).
 CONFIGS = {
   "dp": FedLAPConfig(
     client=ClientConfig(
@@ -32,9 +34,12 @@ CONFIGS = {
       radius=5.0,
       mse_weight=0.0,
       calibrate_radius=False,
+      dsa_strategy="",
       dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, microbatch_size=8),
     ),
-    server=ServerConfig(radius_strategy="constant", weighting="uniform", max_epochs=2),
+    server=ServerConfig(
+      radius_strategy="constant", weighting="uniform", max_epochs=2, dsa_strategy=""
+    ),
     rounds=5,
     learning_rate=0.05,
     synthetic_init="noise",
