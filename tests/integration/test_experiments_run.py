@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import checkpointing, report, run, train
-from fedlap_jax import accounting
+from fedlap_jax import accounting, baselines
 from experiments.configs import quickstart
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
@@ -365,7 +365,7 @@ def test_dp_fedavg_workdir_and_ledger(tmp_path):
   )
   sizes = info["client_sizes"]
   # One local epoch of expected batches B = 16: T_k = round(N_k / B) noisy steps, from public N_k.
-  steps = [int(np.floor(n / 16 + 0.5)) for n in sizes]
+  steps = [baselines.steps_per_epoch(n, 16) for n in sizes]
   t = max(steps)
   assert ledger.steps_per_round == t == info["steps_per_round"] and ledger.steps == [t, t]
   assert ledger.min_client_size == min(sizes) and ledger.batch_size == 16
@@ -375,7 +375,7 @@ def test_dp_fedavg_workdir_and_ledger(tmp_path):
   assert ledger.epsilon == pytest.approx(
     accounting.epsilon_after_rounds(
       rounds=2,
-      noise_multiplier=1.0,
+      noise_multiplier=cfg.dp.noise_multiplier,
       batch_size=16,
       min_client_size=min(sizes),
       steps_per_round=t,

@@ -36,7 +36,7 @@ def _model(kind):
     model = MLP()
   else:
     model = models.ConvNet(num_classes=10, width=8, depth=2, impl=kind)
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 12, 12, 3)))["params"]
+  params = jax.jit(models.init_fn(model, (12, 12, 3)))(jax.random.PRNGKey(0))
   return (lambda p, x: model.apply({"params": p}, x)), params
 
 
@@ -236,7 +236,7 @@ def test_convnet_impls_same_function_and_params():
   outs, trees = [], []
   for impl in ("flax", "im2col", "hybrid", "auto"):
     model = models.ConvNet(num_classes=10, width=8, depth=3, impl=impl)
-    params = jax.jit(model.init)(jax.random.PRNGKey(1), x[:1])["params"]
+    params = jax.jit(models.init_fn(model, (28, 28, 1)))(jax.random.PRNGKey(1))
     trees.append(params)
     outs.append(jax.jit(model.apply)({"params": params}, x))
   for tree, out in zip(trees[1:], outs[1:]):
