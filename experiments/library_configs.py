@@ -469,11 +469,10 @@ def validate_config(cfg) -> None:
       f"1 for method={cfg.method!r} (one-shot: the condensation "
       "and the server's training are round 1)",
     )
-  b = cfg.baseline
-  if not is_int(b.local_epochs) or b.local_epochs < 1:
-    _fail("baseline.local_epochs", b.local_epochs, "an integer >= 1")
-  if not is_real(b.prox_mu) or b.prox_mu < 0:
-    _fail("baseline.prox_mu", b.prox_mu, "a finite number >= 0")
+  try:  # the library's own checks of the baseline section, whatever the method
+    baselines.LocalTraining(epochs=cfg.baseline.local_epochs, prox_mu=cfg.baseline.prox_mu)
+  except ConfigError as e:
+    raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
 
   if not is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")

@@ -802,10 +802,10 @@ def baseline_config(
   *,
   rounds: int,
   learning_rate: float,
-  local_epochs: int,
   batch_size: int,
-  prox_mu: float,
   dp: DPConfig | None,
+  local_epochs: int = 5,
+  prox_mu: float = 0.1,
   max_client_size: int | None = None,
   server_lr: float = 1.0,
   weighting: str | None = None,
@@ -826,12 +826,13 @@ def baseline_config(
     method: one of :data:`METHODS`.
     rounds: ``M``.
     learning_rate: ``eta_0`` of the client's cosine schedule (0.1).
-    local_epochs: ``E`` (5); ignored by ``fedsgd`` (one step per round).
     batch_size: expected Poisson batch size ``B`` (256).
-    prox_mu: ``mu`` of ``mu ||w - w_g||^2``; used by ``fedprox`` and
-      ``dp_fedprox`` only (0.1), ignored by the other methods.
     dp: a :class:`~fedlap_jax.config.DPConfig` for ``dp_*`` methods (``C =
       0.1``, ``sigma = 1`` in the reference), ``None`` for the others.
+    local_epochs: ``E``, the paper's 5 by default; ignored by ``fedsgd`` (one
+      step per round).
+    prox_mu: ``mu`` of ``mu ||w - w_g||^2``, the paper's 0.1 by default; used
+      by ``fedprox`` and ``dp_fedprox`` only, ignored by the other methods.
     max_client_size: ``N_max``, records of the largest client; fixes the static
       step count ``T = E * round(N_max / B)``. Required by DP methods (the
       accountant needs ``T`` up front); without it non-DP rounds use the padded

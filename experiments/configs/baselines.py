@@ -34,8 +34,6 @@ def get_baseline_config(dataset: str, method: str):
   config.data.name = DATASETS[dataset]
   config.learning_rate = 0.1
   config.client.batch_size = 256
-  config.baseline.local_epochs = 5
-  config.baseline.prox_mu = 0.1
   if method.startswith("dp_"):
     config.rounds = 30
     config.dp.enabled = True

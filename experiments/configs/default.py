@@ -20,8 +20,9 @@ Sections:
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
   the run's calibration options. :func:`experiments.library_configs.to_fedlap_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
-* ``baseline``: local epochs and the FedProx ``mu`` of the gradient-sharing
-  baselines (FedAvg, FedProx, ...); ignored by ``fedlap``.
+* ``baseline``: ``local_epochs`` and FedProx's ``prox_mu``, the arguments of
+  :func:`fedlap_jax.baselines.baseline_config` with its defaults, for the
+  gradient-sharing baselines (FedAvg, FedProx, ...); ignored by the other methods.
 * ``feddm``: FedDM's client loop (:class:`fedlap_jax.feddm.FedDMConfig`);
   ``condense``: DSC's / PSG's one-shot condensation
   (:class:`fedlap_jax.condensation.CondensationConfig`). Both also read
@@ -36,7 +37,7 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from fedlap_jax import condensation, feddm
+from fedlap_jax import baselines, condensation, feddm
 from fedlap_jax import config as core
 
 from experiments.configs import schema
@@ -127,9 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
   # "epsilon" (replace-one) and "epsilon_add_remove".
   config.dp.epsilon_for = "replace_one"
 
-  config.baseline = ml_collections.ConfigDict()
-  config.baseline.local_epochs = 5
-  config.baseline.prox_mu = 0.1
+  config.baseline = schema.arguments(baselines.baseline_config, "local_epochs", "prox_mu")
 
   # FedDM (method "feddm") and DSC / PSG (methods "dsc", "dsc_centralized", "psg"): the
   # fields of fedlap_jax.feddm.FedDMConfig and fedlap_jax.condensation.CondensationConfig

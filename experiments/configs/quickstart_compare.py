@@ -44,8 +44,6 @@ def _baseline(method: str, base) -> ml_collections.ConfigDict:
   config.method = method
   config.learning_rate = 0.1
   config.client.batch_size = base.client.batch_size
-  config.baseline.local_epochs = 5
-  config.baseline.prox_mu = 0.1
   return config
 
 
@@ -64,7 +62,6 @@ def matched_dp_baseline(
   config.learning_rate = DP_BASELINE_LR
   config.client.batch_size = b
   config.baseline.local_epochs = DP_LOCAL_EPOCHS
-  config.baseline.prox_mu = 0.1
   return _matched_dp(config, fedlap_dp, name)
 
 

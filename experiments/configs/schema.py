@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import types
 import typing
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import ml_collections
 from ml_collections import config_dict
@@ -82,6 +83,27 @@ def section(cls, *, exclude: Iterable[str] = (), **values: Any) -> ml_collection
     # value the experiment fills in before building the dataclass, e.g. published loops).
     given_none = value is None and (optional or f.name in values)
     out[f.name] = config_dict.placeholder(base) if given_none else value
+  return out
+
+
+def arguments(fn: Callable[..., Any], *names: str) -> ml_collections.ConfigDict:
+  """A ConfigDict of the keyword arguments ``names`` of ``fn`` with their defaults.
+
+  For settings a library function takes as arguments rather than as a
+  dataclass (e.g. the baselines' ``local_epochs`` and ``prox_mu`` of
+  :func:`fedlap_jax.baselines.baseline_config`): the default is written once,
+  in the function's signature.
+
+  Raises:
+    TypeError: a name is not a parameter of ``fn`` or has no default.
+  """
+  params = inspect.signature(fn).parameters
+  out = ml_collections.ConfigDict()
+  for name in names:
+    p = params.get(name)
+    if p is None or p.default is inspect.Parameter.empty:
+      raise TypeError(f"{fn.__qualname__} has no argument {name!r} with a default")
+    out[name] = p.default
   return out
 
 

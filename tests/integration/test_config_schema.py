@@ -5,6 +5,7 @@ import dataclasses
 import ml_collections
 import pytest
 
+from fedlap_jax import baselines
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError
 
@@ -37,6 +38,35 @@ def test_section_needs_a_value_for_fields_without_default():
     schema.section(core.DPConfig)
   with pytest.raises(TypeError, match="no fields"):
     schema.section(core.ServerConfig, nosuch=1)
+
+
+def test_baseline_section_is_baseline_configs_arguments_and_defaults():
+  cfg = default.get_config()
+  cfg.method = "fedprox"
+  built = library_configs.to_baseline_config(cfg)
+  ref = baselines.baseline_config(
+    "fedprox", rounds=cfg.rounds, learning_rate=0.1, batch_size=256, dp=None
+  )
+  assert (
+    (built.local.epochs, built.local.prox_mu) == (ref.local.epochs, ref.local.prox_mu) == (5, 0.1)
+  )
+  assert dict(cfg.baseline) == {"local_epochs": 5, "prox_mu": 0.1}
+  with pytest.raises(TypeError, match="no argument 'nosuch'"):
+    schema.arguments(baselines.baseline_config, "nosuch")
+  with pytest.raises(TypeError, match="no argument 'rounds' with a default"):
+    schema.arguments(baselines.baseline_config, "rounds")
+
+
+@pytest.mark.parametrize(
+  ("field", "value", "allowed"),
+  [("local_epochs", 0, "an integer >= 1"), ("prox_mu", -0.5, "a finite number >= 0")],
+)
+def test_baseline_section_is_checked_by_the_library_naming_the_path(field, value, allowed):
+  cfg = default.get_config()  # method fedlap: the section is checked all the same
+  cfg.baseline[field] = value
+  with pytest.raises(ConfigError, match=f"baseline.{field}={value}") as err:
+    library_configs.validate_config(cfg)
+  assert err.value.field == f"baseline.{field}" and allowed in str(err.value)
 
 
 def test_paper_dp_setting_is_written_once():
