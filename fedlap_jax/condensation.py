@@ -106,6 +106,7 @@ from fedlap_jax.config import (
   DPConfig,
   ServerConfig,
   check_synthetic_learner,
+  fixed_epochs_server,
   poisson_capacity,
 )
 from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
@@ -230,18 +231,6 @@ class CondensationConfig:
     return self.networks * self.outer_loop * self.batch_loop
 
 
-def _default_server() -> ServerConfig:
-  return ServerConfig(
-    radius_strategy="fixed",
-    batch_size=256,
-    max_epochs=300,
-    weighting="uniform",
-    dsa_strategy="",
-    momentum=0.9,
-    weight_decay=5e-4,
-  )
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OneShotConfig:
   """A one-shot method: condensation on the clients, then the server's training.
@@ -260,7 +249,7 @@ class OneShotConfig:
 
   method: str
   condensation: CondensationConfig = dataclasses.field(default_factory=CondensationConfig)
-  server: ServerConfig = dataclasses.field(default_factory=_default_server)
+  server: ServerConfig = dataclasses.field(default_factory=lambda: fixed_epochs_server(300))
   learning_rate: float = 0.01
   lr_decay: float = 0.1
 

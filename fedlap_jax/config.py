@@ -397,6 +397,26 @@ class ServerConfig:
     )
 
 
+def fixed_epochs_server(max_epochs: int) -> ServerConfig:
+  """The server's training of a fresh model on synthetic sets for ``max_epochs`` epochs.
+
+  The setting the FedDM and DSC/PSG code evaluates synthetic sets with: no
+  radius (``fixed``), batch 256, uniform weights, no DSA, SGD with momentum 0.9
+  and weight decay 5e-4. The default ``server`` of
+  :class:`~fedlap_jax.feddm.FedDMConfig` (500 epochs) and
+  :class:`~fedlap_jax.condensation.OneShotConfig` (300 epochs).
+  """
+  return ServerConfig(
+    radius_strategy="fixed",
+    batch_size=256,
+    max_epochs=max_epochs,
+    weighting="uniform",
+    dsa_strategy="",
+    momentum=0.9,
+    weight_decay=5e-4,
+  )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FedLAPConfig:
   """A whole FedLAP / FedLAP-DP run.

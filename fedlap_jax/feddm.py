@@ -71,6 +71,7 @@ from fedlap_jax.config import (
   SYNTHETIC_INITS,
   ServerConfig,
   check_synthetic_learner,
+  fixed_epochs_server,
   poisson_capacity,
 )
 from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
@@ -86,18 +87,6 @@ from fedlap_jax.synthetic import (
 from fedlap_jax.types import ApplyFn, PyTree
 
 EmbedFn = Callable[[PyTree, jax.Array], PyTree]
-
-
-def _default_server() -> ServerConfig:
-  return ServerConfig(
-    radius_strategy="fixed",
-    batch_size=256,
-    max_epochs=500,
-    weighting="uniform",
-    dsa_strategy="",
-    momentum=0.9,
-    weight_decay=5e-4,
-  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,7 +121,7 @@ class FedDMConfig:
   dsa_strategy: str = ""
   synthetic_init: str = "real"
   poisson_capacity: int | None = None
-  server: ServerConfig = dataclasses.field(default_factory=_default_server)
+  server: ServerConfig = dataclasses.field(default_factory=lambda: fixed_epochs_server(500))
   learning_rate: float = 0.01
 
   def __post_init__(self):

@@ -19,7 +19,7 @@ import pytest
 from fedlap_jax import condensation, feddm, privacy
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import SyntheticSet
-from fedlap_jax.config import DPConfig, ServerConfig
+from fedlap_jax.config import DPConfig, ServerConfig, fixed_epochs_server
 from fedlap_jax.models import init_fn
 from fedlap_jax.server import global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels
@@ -313,3 +313,14 @@ def test_distribution_matching_lowers_its_loss(tiny_model, tiny_params, clients)
   assert loss[-5:].mean() < 0.5 * loss[:5].mean()
   assert float(metrics.mean_batch_size) > 0 and int(metrics.poisson_extra_chunks) == 0
   np.testing.assert_array_equal(out.y, syn.y)
+
+
+def test_feddm_and_one_shot_servers_train_a_fresh_model_for_their_published_epochs():
+  one_shot = condensation.OneShotConfig(
+    method="dsc", condensation=condensation.CondensationConfig(classwise=True)
+  )
+  for server, epochs in ((feddm.FedDMConfig().server, 500), (one_shot.server, 300)):
+    assert server == fixed_epochs_server(epochs)
+    assert (server.radius_strategy, server.max_epochs, server.batch_size) == ("fixed", epochs, 256)
+    assert (server.weighting, server.dsa_strategy) == ("uniform", "")
+    assert (server.momentum, server.weight_decay) == (0.9, 5e-4)
