@@ -78,37 +78,29 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     "config_values": cfg.to_dict(),
   }
   run_log = strategy_lib.RunLog(run.run_dir, info)
+  shared = dict(
+    cfg=cfg,
+    evaluate=evaluate,
+    min_clients=run.min_clients,
+    round_timeout=run.round_timeout,
+    join_timeout=run.join_timeout,
+    run_log=run_log,
+    model_bytes=model_bytes,
+    template=params,
+    partition_keys=run.partition_keys,
+  )
   if fc is not None:
     strategy = strategy_lib.FedLAP(
-      cfg=cfg,
+      **shared,
       fedlap_config=fc,
       apply_fn=apply_fn,
-      evaluate=evaluate,
-      min_clients=run.min_clients,
-      round_timeout=run.round_timeout,
-      join_timeout=run.join_timeout,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
-      run_log=run_log,
-      model_bytes=model_bytes,
-      template=params,
       image_shape=test.image_shape,
       num_classes=test.num_classes,
       max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
-      partition_keys=run.partition_keys,
     )
   else:
-    strategy = strategy_lib.FedAvgBaseline(
-      cfg=cfg,
-      baseline_config=bc,
-      evaluate=evaluate,
-      min_clients=run.min_clients,
-      round_timeout=run.round_timeout,
-      join_timeout=run.join_timeout,
-      run_log=run_log,
-      model_bytes=model_bytes,
-      template=params,
-      partition_keys=run.partition_keys,
-    )
+    strategy = strategy_lib.FedAvgBaseline(**shared, baseline_config=bc)
   result = strategy.start(
     grid=grid,
     initial_arrays=records.params_to_record(params),

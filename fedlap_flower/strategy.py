@@ -62,7 +62,7 @@ import math
 import time
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
@@ -215,6 +215,62 @@ def _node_facts(grid: Grid, nodes: list[int]) -> dict[int, binding_lib.NodeFacts
         fingerprint = ""
     facts[node] = binding_lib.NodeFacts(node, fingerprint, str(info.last_activated_at or ""))
   return facts
+
+
+def collect_replies(
+  round_state: dict,
+  server_round: int,
+  replies_in: list[Message],
+  parse_one: Callable[[Message, int, dict], tuple | None],
+  round_timeout: float,
+) -> tuple[list[tuple], list[dict]]:
+  """``(usable, reports)`` of one round's replies, each in its own error boundary.
+
+  A reply must come from a node asked this round (``round_state["asked"]``,
+  node -> partition), once; ``parse_one(msg, node, report)`` returns the usable
+  tuple (partition first) or ``None`` (a client's refusal, reported by it), and
+  raises on anything invalid: the reply is then reported ``invalid`` with the
+  reason and left out. A node asked that did not reply is reported
+  ``missing``. ``usable`` is in partition order, the order of
+  ``experiments.run``'s stacked clients (or sampled block); ``reports`` starts
+  with ``round_state["reports"]`` (the round's configure step).
+  """
+  asked = round_state.get("asked", {})
+  destination = _destinations(round_state.get("messages", []))
+  usable, reports, replied = [], list(round_state.get("reports", [])), set()
+  for msg in replies_in:
+    report = {"round": server_round, "node_id": None, "partition_id": None}
+    try:
+      node = _reply_node(msg, destination)
+      report.update(node_id=node, partition_id=asked.get(node))
+      if node not in asked:
+        raise replies.InvalidReply(
+          "node", f"a reply from node {node}, which was not asked this round"
+        )
+      if node in replied:
+        raise replies.InvalidReply("node", f"a second reply from node {node}")
+      replied.add(node)
+      got = parse_one(msg, node, report)
+      if got is not None:
+        report["status"] = "ok"
+        usable.append(got)
+    except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
+      report.update(status="invalid", reason=_why(e), field=getattr(e, "field", None))
+      for k in ("upload_bytes", "upload_wire_bytes", "upload_delta_bytes"):
+        report.pop(k, None)
+    reports.append(report)
+  for node in sorted(asked):
+    if node not in replied:
+      reports.append(
+        {
+          "round": server_round,
+          "node_id": node,
+          "partition_id": asked[node],
+          "status": "missing",
+          "reason": f"no reply within round-timeout={round_timeout:g} s",
+        }
+      )
+  return sorted(usable, key=lambda u: u[0]), reports
 
 
 class Participation:
@@ -519,42 +575,9 @@ class FedLAP(Strategy):
     ``delta`` is the client's model delta with ``server.start='fedavg_delta'``,
     else ``None``. Each reply is handled in its own error boundary.
     """
-    asked = self._round.get("asked", {})
-    usable, reports, replied = [], list(self._round.get("reports", [])), set()
-    destination = _destinations(self._round.get("messages", []))
-    for msg in replies_in:
-      report = {"round": server_round, "node_id": None, "partition_id": None}
-      try:
-        node = _reply_node(msg, destination)
-        report.update(node_id=node, partition_id=asked.get(node))
-        if node not in asked:
-          raise replies.InvalidReply(
-            "node", f"a reply from node {node}, which was not asked this round"
-          )
-        if node in replied:
-          raise replies.InvalidReply("node", f"a second reply from node {node}")
-        replied.add(node)
-        got = self._parse_one(msg, node, report)
-        if got is not None:
-          report["status"] = "ok"
-          usable.append(got)
-      except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
-        report.update(status="invalid", reason=_why(e), field=getattr(e, "field", None))
-        for k in ("upload_bytes", "upload_wire_bytes", "upload_delta_bytes"):
-          report.pop(k, None)
-      reports.append(report)
-    for node in sorted(asked):
-      if node not in replied:
-        reports.append(
-          {
-            "round": server_round,
-            "node_id": node,
-            "partition_id": asked[node],
-            "status": "missing",
-            "reason": f"no reply within round-timeout={self.round_timeout:g} s",
-          }
-        )
-    return sorted(usable, key=lambda u: u[0]), reports
+    return collect_replies(
+      self._round, server_round, replies_in, self._parse_one, self.round_timeout
+    )
 
   def aggregate_train(
     self, server_round: int, replies_in: Iterable[Message]
@@ -781,45 +804,15 @@ class FedAvgBaseline(FedAvg):
     return report["partition_id"], model, num_examples
 
   def aggregate_train(self, server_round, replies_in):
-    asked = self._round.get("asked", {})
-    destination = _destinations(self._round.get("messages", []))
-    ok, reports, replied = [], list(self._round.get("reports", [])), set()
-    for m in replies_in:
-      r = {"round": server_round, "node_id": None, "partition_id": None}
-      try:
-        node = _reply_node(m, destination)
-        r.update(node_id=node, partition_id=asked.get(node))
-        if node not in asked or node in replied:
-          raise replies.InvalidReply(
-            "node", f"a reply from node {node}, which was not asked this round (or a second one)"
-          )
-        replied.add(node)
-        got = self._parse_one(m, node, r)
-        if got is not None:
-          ok.append(got)
-      except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
-        r.update(status="invalid", reason=_why(e), field=getattr(e, "field", None))
-        r.pop("upload_bytes", None)
-      reports.append(r)
-    for node in sorted(asked):
-      if node not in replied:
-        reports.append(
-          {
-            "round": server_round,
-            "node_id": node,
-            "partition_id": asked[node],
-            "status": "missing",
-            "reason": f"no reply within round-timeout={self.round_timeout:g} s",
-          }
-        )
+    ok, reports = collect_replies(
+      self._round, server_round, list(replies_in), self._parse_one, self.round_timeout
+    )
     self.run_log.add_reports(reports)
     if len(ok) < self.min_clients:
       raise TooFewClients(
         f"round {server_round}: {len(ok)} usable client replies, fewer than "
         f"min-clients={self.min_clients}"
       )
-    # In partition order, the order of experiments.run's stacked clients (or sampled block).
-    ok = sorted(ok, key=lambda u: u[0])
     params = server_work.fedavg_update(
       self._round["params"], [u[1] for u in ok], [u[2] for u in ok], self.bc
     )

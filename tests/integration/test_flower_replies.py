@@ -15,6 +15,7 @@ import json
 import math
 import shutil
 import subprocess
+import types
 
 import jax
 import numpy as np
@@ -32,7 +33,7 @@ from flower_harness import (
   run_inprocess,
   serve_with,
 )
-from fedlap_flower import binding, replies, settings, task
+from fedlap_flower import binding, replies, settings, strategy, task
 from fedlap_flower import ledger as ledger_lib
 
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
@@ -496,7 +497,7 @@ def test_bad_partition_keys_are_refused(text, match):
 def _select(rc, nodes, infos=None, rounds=1):
   """The FedLAP strategy's Participation.select on an in-process grid (no training)."""
   from flower_harness import task_identity
-  from fedlap_flower import client_app, strategy
+  from fedlap_flower import client_app
 
   run = settings.run_settings(rc)
   grid = InProcessGrid(client_app.app, rc, nodes)
@@ -703,3 +704,36 @@ def test_a_clients_own_data_file_is_checked(tmp_path, arrays, match):
   with pytest.raises(ValueError, match=match) as err:
     task.load_own_data(cfg, path)
   assert str(err.value).startswith(f"data-path {path}")
+
+
+def test_collect_replies_keeps_each_reply_in_its_own_error_boundary():
+  def reply(node):
+    return types.SimpleNamespace(
+      metadata=types.SimpleNamespace(reply_to_message_id="", src_node_id=node)
+    )
+
+  def parse_one(msg, node, report):
+    report["upload_bytes"] = 8
+    if node == 12:
+      raise replies.InvalidReply("radius", "radius=-1 is invalid")
+    return ({11: 1, 13: 0}[node], f"from {node}")
+
+  state = {"asked": {11: 1, 12: 2, 13: 0, 14: 3}, "messages": [], "reports": [{"pre": 1}]}
+  msgs = [reply(n) for n in (11, 12, 99, 13, 11)]
+  usable, reports = strategy.collect_replies(state, 5, msgs, parse_one, round_timeout=30)
+  assert usable == [(0, "from 13"), (1, "from 11")]  # partition order
+  assert reports[0] == {"pre": 1}
+  got = [(r["node_id"], r["partition_id"], r["status"]) for r in reports[1:]]
+  assert got == [
+    (11, 1, "ok"),
+    (12, 2, "invalid"),
+    (99, None, "invalid"),
+    (13, 0, "ok"),
+    (11, 1, "invalid"),
+    (14, 3, "missing"),
+  ]
+  assert reports[2]["field"] == "radius" and "upload_bytes" not in reports[2]
+  assert "not asked this round" in reports[3]["reason"]
+  assert "a second reply from node 11" in reports[5]["reason"]
+  assert reports[6]["reason"] == "no reply within round-timeout=30 s"
+  assert all(r["round"] == 5 for r in reports[1:])
