@@ -12,6 +12,9 @@ Sources (``config.data.source``):
 * ``npz:PATH``: bring your own data, a NumPy ``.npz`` with ``x_train, y_train,
   x_test, y_test``; images NHWC, ``uint8`` (0..255) or float (0..1 for the
   known datasets, any scale for ``custom``), labels integers ``0..classes-1``.
+* ``subset:NAME``: the fixed subset ``NAME`` (``mnist10k``, ``fmnist10k``) that
+  ``python -m experiments.datasets NAME`` builds, with its checksum, in the
+  data cache (``~/.cache/fedlap_jax/NAME.npz``; read as ``npz:`` reads).
 * ``sklearn``: scikit-learn's bundled ``digits`` (8x8x1, real, offline), split
   into 1,400 train / 397 test records (stratified, fixed seed 0).
 
@@ -56,7 +59,7 @@ from fedlap_jax.client_data import normalise_pixels, pixel_normalisation
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
-SOURCES = ("tfds", "sklearn", "npz:PATH")
+SOURCES = ("tfds", "sklearn", "npz:PATH", "subset:NAME")
 PARTITIONS = ("paper", "iid", "dirichlet")
 PAPER_CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
 
@@ -145,12 +148,23 @@ class Dataset:
     return tuple(self.x_train.shape[1:])
 
 
+def subset_path(name: str) -> Path:
+  """Where ``python -m experiments.datasets NAME`` writes subset ``name`` by default."""
+  return _cache_path("", "any").parent / f"{name}.npz"
+
+
 def parse_source(source: str) -> tuple[str, str | None]:
-  """``'tfds'`` -> ``('tfds', None)``; ``'npz:/a/b.npz'`` -> ``('npz', '/a/b.npz')``."""
+  """``'tfds'`` -> ``('tfds', None)``; ``'npz:/a/b.npz'`` -> ``('npz', '/a/b.npz')``.
+
+  ``'subset:NAME'`` -> ``('npz', str(subset_path(NAME)))``: a subset is an npz
+  file in a known place.
+  """
   if source in ("tfds", "sklearn"):
     return source, None
   if isinstance(source, str) and source.startswith("npz:") and len(source) > 4:
     return "npz", os.path.expanduser(source[4:])
+  if isinstance(source, str) and source.startswith("subset:") and len(source) > 7:
+    return "npz", str(subset_path(source[7:]))
   raise ValueError(f"data.source={source!r} is invalid; allowed: one of {SOURCES}")
 
 

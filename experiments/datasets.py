@@ -1,6 +1,7 @@
 """Builds the fixed data subsets that the result tables use, with their checksums.
 
-  python -m experiments.datasets mnist10k            # -> ~/.cache/fedlap_jax/mnist10k.npz (+ .sha256)
+  python -m experiments.datasets mnist10k            # -> ~/.cache/fedlap_jax/mnist10k.npz (+ .sha256),
+                                                     #    read by --config.data.source=subset:mnist10k
   python -m experiments.datasets fmnist10k --out DIR
   python -m experiments.datasets --list
 
@@ -83,9 +84,13 @@ def default_out_dir() -> Path:
 
 
 def output_path(name: str, out_dir: str | os.PathLike | None = None) -> Path:
-  """Where ``python -m experiments.datasets NAME [--out DIR]`` writes NAME's npz."""
+  """Where ``python -m experiments.datasets NAME [--out DIR]`` writes NAME's npz.
+
+  Without ``out_dir``: :func:`experiments.data.subset_path`, where
+  ``--config.data.source=subset:NAME`` reads it.
+  """
   check_name(name)
-  return Path(out_dir or default_out_dir()) / f"{name}.npz"
+  return Path(out_dir) / f"{name}.npz" if out_dir else data_lib.subset_path(name)
 
 
 def check_name(name: str) -> Subset:

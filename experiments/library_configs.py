@@ -50,6 +50,7 @@ from fedlap_jax.models import NORMS
 from fedlap_jax.synthetic import synthetic_labels
 
 from experiments import data as data_lib
+from experiments import datasets as datasets_lib
 from experiments.configs import schema
 
 CLIENT_FIELDS = schema.fields(core.ClientConfig, exclude=("dp",))
@@ -368,6 +369,17 @@ def validate_config(cfg) -> None:
     )
   if d.name == "custom" and kind != "npz":
     _fail("data.source", d.source, "'npz:PATH' for data.name='custom'")
+  if d.source.startswith("subset:"):
+    name = d.source[len("subset:") :]
+    if name not in datasets_lib.SUBSETS:
+      _fail("data.source", d.source, f"subset:NAME with NAME one of {tuple(datasets_lib.SUBSETS)}")
+    if not os.path.isfile(path):
+      _fail(
+        "data.source",
+        d.source,
+        f"a subset that exists: build it with `python -m experiments.datasets {name}` "
+        f"(it writes {path})",
+      )
   if kind == "npz" and not os.path.isfile(path):
     _fail(
       "data.source",

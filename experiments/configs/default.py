@@ -12,7 +12,7 @@ Sections:
   ``rounds`` (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule; the
   server's constant rate for FedDM / DSC / PSG), ``synthetic_init`` and run-time
   options (checkpoints, plots, evaluation).
-* ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``), partition.
+* ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``, ``subset:NAME``), partition.
 * ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
 * ``client`` / ``server`` / ``dp``: written from the fields and defaults of
   :class:`fedlap_jax.config.ClientConfig`, :class:`~fedlap_jax.config.ServerConfig`
@@ -75,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.data = ml_collections.ConfigDict()
   config.data.name = "cifar10"
-  config.data.source = "tfds"  # "tfds" | "sklearn" | "npz:PATH"
+  config.data.source = "tfds"  # "tfds" | "sklearn" | "npz:PATH" | "subset:NAME"
   config.data.data_dir = config_dict.placeholder(str)  # tfds data_dir (None: tfds default)
   config.data.cache_dir = ""  # "" = ~/.cache/fedlap_jax; "none" = no cache
   config.data.partition = "paper"  # "paper" | "iid" | "dirichlet"

@@ -142,3 +142,30 @@ def test_default_output_is_the_data_cache():
   assert datasets.output_path("mnist10k") == (
     data_lib._cache_path("", "mnist").parent / "mnist10k.npz"
   )  # pylint: disable=protected-access
+
+
+def test_a_run_reads_a_built_subset_by_name(tmp_path, monkeypatch, small_subsets):
+  """``--config.data.source=subset:NAME`` reads what ``python -m experiments.datasets NAME``
+  wrote into the data cache; before the build it is refused naming the command."""
+  from experiments import library_configs
+  from experiments.configs import default
+
+  from fedlap_jax.checks import ConfigError
+
+  monkeypatch.setenv("HOME", str(tmp_path))
+  cfg = default.get_config()
+  cfg.data.name, cfg.data.source = "mnist", "subset:mnist10k"
+  with pytest.raises(ConfigError, match="python -m experiments.datasets mnist10k") as err:
+    library_configs.validate_config(cfg)
+  assert err.value.field == "data.source"
+  with tfds.testing.mock_data(num_examples=50):
+    result = datasets.build("mnist10k", None, cache_dir="none")
+  assert result["path"] == tmp_path / ".cache" / "fedlap_jax" / "mnist10k.npz"
+  library_configs.validate_config(cfg)
+  ds = data_lib.load_dataset(cfg.data)
+  with np.load(result["path"]) as f:
+    np.testing.assert_array_equal(ds.x_train, f["x_train"])
+    np.testing.assert_array_equal(ds.y_test, f["y_test"])
+  cfg.data.source = "subset:cifar5k"
+  with pytest.raises(ConfigError, match=r"NAME one of \('mnist10k', 'fmnist10k'\)"):
+    library_configs.validate_config(cfg)
