@@ -148,9 +148,14 @@ class Dataset:
     return tuple(self.x_train.shape[1:])
 
 
+def cache_root(cache_dir: str = "") -> Path:
+  """The data cache: ``cache_dir``, or ``~/.cache/fedlap_jax`` for ``""``."""
+  return Path(os.path.expanduser(cache_dir or "~/.cache/fedlap_jax"))
+
+
 def subset_path(name: str) -> Path:
   """Where ``python -m experiments.datasets NAME`` writes subset ``name`` by default."""
-  return _cache_path("", "any").parent / f"{name}.npz"
+  return cache_root() / f"{name}.npz"
 
 
 def parse_source(source: str) -> tuple[str, str | None]:
@@ -197,8 +202,7 @@ def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
 def _cache_path(cache_dir: str, name: str) -> Path | None:
   if cache_dir == "none":
     return None
-  root = Path(os.path.expanduser(cache_dir or "~/.cache/fedlap_jax"))
-  return root / f"tfds_{name}.npz"
+  return cache_root(cache_dir) / f"tfds_{name}.npz"
 
 
 def _save_npz_atomic(path: Path, **arrays) -> None:

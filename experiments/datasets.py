@@ -80,7 +80,7 @@ _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 def default_out_dir() -> Path:
   """The data cache directory of :mod:`experiments.data` (``~/.cache/fedlap_jax``)."""
-  return data_lib._cache_path("", "any").parent  # pylint: disable=protected-access
+  return data_lib.cache_root()
 
 
 def output_path(name: str, out_dir: str | os.PathLike | None = None) -> Path:

@@ -370,14 +370,16 @@ def validate_config(cfg) -> None:
   if d.name == "custom" and kind != "npz":
     _fail("data.source", d.source, "'npz:PATH' for data.name='custom'")
   if d.source.startswith("subset:"):
-    name = d.source[len("subset:") :]
-    if name not in datasets_lib.SUBSETS:
+    subset = datasets_lib.SUBSETS.get(d.source[len("subset:") :])
+    if subset is None:
       _fail("data.source", d.source, f"subset:NAME with NAME one of {tuple(datasets_lib.SUBSETS)}")
+    if d.name != subset.tfds_name:
+      _fail("data.name", d.name, f"{subset.tfds_name!r} with data.source={d.source!r}")
     if not os.path.isfile(path):
       _fail(
         "data.source",
         d.source,
-        f"a subset that exists: build it with `python -m experiments.datasets {name}` "
+        f"a subset that exists: build it with `python -m experiments.datasets {subset.name}` "
         f"(it writes {path})",
       )
   if kind == "npz" and not os.path.isfile(path):

@@ -166,6 +166,9 @@ def test_a_run_reads_a_built_subset_by_name(tmp_path, monkeypatch, small_subsets
   with np.load(result["path"]) as f:
     np.testing.assert_array_equal(ds.x_train, f["x_train"])
     np.testing.assert_array_equal(ds.y_test, f["y_test"])
+  cfg.data.name = "fashion_mnist"
+  with pytest.raises(ConfigError, match="data.name='fashion_mnist' is invalid; allowed: 'mnist'"):
+    library_configs.validate_config(cfg)
   cfg.data.source = "subset:cifar5k"
   with pytest.raises(ConfigError, match=r"NAME one of \('mnist10k', 'fmnist10k'\)"):
     library_configs.validate_config(cfg)
