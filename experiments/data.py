@@ -158,6 +158,13 @@ def subset_path(name: str) -> Path:
   return cache_root() / f"{name}.npz"
 
 
+def subset_name(source: str) -> str | None:
+  """``'subset:NAME'`` -> ``'NAME'``; any other source -> ``None``."""
+  if isinstance(source, str) and source.startswith("subset:") and len(source) > 7:
+    return source[7:]
+  return None
+
+
 def parse_source(source: str) -> tuple[str, str | None]:
   """``'tfds'`` -> ``('tfds', None)``; ``'npz:/a/b.npz'`` -> ``('npz', '/a/b.npz')``.
 
@@ -168,8 +175,8 @@ def parse_source(source: str) -> tuple[str, str | None]:
     return source, None
   if isinstance(source, str) and source.startswith("npz:") and len(source) > 4:
     return "npz", os.path.expanduser(source[4:])
-  if isinstance(source, str) and source.startswith("subset:") and len(source) > 7:
-    return "npz", str(subset_path(source[7:]))
+  if (name := subset_name(source)) is not None:
+    return "npz", str(subset_path(name))
   raise ValueError(f"data.source={source!r} is invalid; allowed: one of {SOURCES}")
 
 

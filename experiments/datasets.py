@@ -78,11 +78,6 @@ ORIGINAL_PAPER_CLIENT_SIZES = {"mnist10k": (1513, 1700, 1571, 1570, 1646), "fmni
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 
-def default_out_dir() -> Path:
-  """The data cache directory of :mod:`experiments.data` (``~/.cache/fedlap_jax``)."""
-  return data_lib.cache_root()
-
-
 def output_path(name: str, out_dir: str | os.PathLike | None = None) -> Path:
   """Where ``python -m experiments.datasets NAME [--out DIR]`` writes NAME's npz.
 
@@ -183,7 +178,7 @@ def build(
 
   Args:
     name: one of :data:`SUBSETS`.
-    out_dir: where to write (default :func:`default_out_dir`).
+    out_dir: where to write (default: the data cache, :func:`experiments.data.cache_root`).
     data_dir: a tfds data_dir holding a prepared copy (default: tfds's own).
     cache_dir: :func:`experiments.data.load_tfds`'s cache of the full data set
       (``""``: the default cache, ``"none"``: no cache).
@@ -234,7 +229,9 @@ def main(argv=None) -> int:
   )
   parser.add_argument("name", nargs="?", help=f"one of {', '.join(SUBSETS)}")
   parser.add_argument(
-    "--out", default=None, help=f"output directory (default: the data cache, {default_out_dir()})"
+    "--out",
+    default=None,
+    help=f"output directory (default: the data cache, {data_lib.cache_root()})",
   )
   parser.add_argument(
     "--data-dir", default=None, help="a tfds data_dir with a prepared copy (default: tfds's own)"

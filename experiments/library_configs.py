@@ -369,8 +369,8 @@ def validate_config(cfg) -> None:
     )
   if d.name == "custom" and kind != "npz":
     _fail("data.source", d.source, "'npz:PATH' for data.name='custom'")
-  if d.source.startswith("subset:"):
-    subset = datasets_lib.SUBSETS.get(d.source[len("subset:") :])
+  if (name := data_lib.subset_name(d.source)) is not None:
+    subset = datasets_lib.SUBSETS.get(name)
     if subset is None:
       _fail("data.source", d.source, f"subset:NAME with NAME one of {tuple(datasets_lib.SUBSETS)}")
     if d.name != subset.tfds_name:
