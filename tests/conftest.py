@@ -196,25 +196,28 @@ _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 _CACHE_OWNER = "FEDLAP_TESTS_OWN_JAX_CACHE"
 
 
-# The tests' compiler setting: XLA:CPU with LLVM's optimisation level 0. A round of the digits
-# ConvNet is almost all compile time (about 20 s of XLA, under a second to run), and without
-# LLVM's optimisation passes a round compiles about a third faster and runs slower, a net gain
-# (the whole suite takes about a fifth less time; level 1 saves less). The level can change the
-# last bits of a result (no fast-math at either level, but the machine code of two levels may
+# The tests' compiler setting: XLA:CPU with LLVM's optimisation level 0 and XLA's older
+# elementwise code generator (``--xla_cpu_use_fusion_emitters=false``). A round of the digits
+# ConvNet is almost all compile time, and the two settings compile it in about half the time of
+# XLA's defaults and run it slower, a net gain of about two fifths of the suite. One DP round of
+# the width-32 ConvNet (compile s / run s): XLA's defaults 18.1 / 1.3, LLVM level 1 16.3 / 1.4,
+# level 0 12.2 / 6.8, level 0 with the older emitters 6.0 / 7.9. The settings can change the
+# last bits of a result (no fast-math in any of them, but the machine code of two settings may
 # round differently), so a long run can end at a slightly different accuracy than with XLA's
 # defaults (a shortened PSG run of tests/integration/test_experiments_synthetic.py: 0.6020 at
-# level 0, 0.5995 with the defaults); every bit-for-bit comparison (both sides compile alike)
-# and every pinned-number test passes at both levels. A test that pins a number measured with
-# XLA's defaults must allow for that. FEDLAP_TESTS_XLA_FLAGS overrides it (empty: XLA's
-# defaults); flags already in XLA_FLAGS come after it and win. Set before JAX starts its
-# backend, inherited by the workers and by every process a test starts.
-# Measured alternatives, one DP round of the width-32 ConvNet (compile s / run s): level 0
-# 12.2 / 6.8, level 1 16.3 / 1.4, XLA's defaults 18.1 / 1.3. Level 1 made the whole suite
-# slower than level 0. Adding --xla_cpu_use_fusion_emitters=false (XLA's older elementwise
-# code generator) compiles a DP round in 6.0 s and cut the suite by two fifths, but it is not
-# used: under it a round and its client_step/server_step, or the Flower app and
-# experiments.run, round differently, and the bit-for-bit tests fail.
-_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# level 0, 0.5995 with the defaults); a test that pins a number measured with XLA's defaults must
+# allow for that. Two programs that compute the same thing but are fused differently (a round
+# and its client_step/server_step, the Flower app and experiments.run) agree bit for bit under
+# XLA's default emitters but not under the older ones, so the modules marked ``bitwise`` compile
+# with the default emitters; the modules marked ``run_bound`` (long runs of few programs, such as
+# the shortened FedDM/DSC/PSG runs) compile with the default emitters at LLVM level 3, where they
+# run two to three times faster (the ``_module_compiler_setting`` fixture).
+# FEDLAP_TESTS_XLA_FLAGS overrides the setting (empty: XLA's defaults); flags already in
+# XLA_FLAGS come after it and win. Set before JAX starts its backend, inherited by the workers
+# and by every process a test starts.
+_LEVEL_0 = "--xla_backend_optimization_level=0"
+_OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_TEST_XLA_FLAGS = f"{_LEVEL_0} {_OLDER_EMITTERS}"
 
 
 def _set_test_xla_flags() -> None:
@@ -257,6 +260,54 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+# A module marker -> (the options JAX passes to XLA with each program, flags left out of
+# XLA_FLAGS for the processes the module starts).
+_MODULE_SETTINGS = {
+  "bitwise": ({"xla_cpu_use_fusion_emitters": True}, {_OLDER_EMITTERS}),
+  "run_bound": (
+    {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 3},
+    {_OLDER_EMITTERS, _LEVEL_0},
+  ),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_compiler_setting(request):
+  """Compiles a module marked ``bitwise`` or ``run_bound`` with its own setting (see above).
+
+  In this process through the compile options JAX gives XLA with every program (JAX passes
+  them on as overrides of XLA_FLAGS), in processes the module starts through XLA_FLAGS. JAX's
+  in-memory programs are dropped before and after, so that no program compiled under another
+  setting is reused; the persistent compilation cache keys its entries by these options.
+  Nothing changes where the tests' default setting is not in use (FEDLAP_TESTS_XLA_FLAGS).
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  marked = [m for m in _MODULE_SETTINGS if request.node.get_closest_marker(m) is not None]
+  if not marked or _OLDER_EMITTERS not in flags.split():
+    yield
+    return
+  if len(marked) > 1:
+    raise pytest.UsageError(f"{request.node.name}: at most one of {sorted(_MODULE_SETTINGS)}")
+  options, left_out = _MODULE_SETTINGS[marked[0]]
+  from jax._src import compiler  # pylint: disable=g-import-not-at-top
+
+  get_compile_options = compiler.get_compile_options
+
+  def with_module_options(*args, env_options_overrides=None, **kwargs):
+    overrides = {**options, **(env_options_overrides or {})}
+    return get_compile_options(*args, env_options_overrides=overrides, **kwargs)
+
+  jax.clear_caches()
+  compiler.get_compile_options = with_module_options
+  os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if f not in left_out)
+  try:
+    yield
+  finally:
+    compiler.get_compile_options = get_compile_options
+    os.environ["XLA_FLAGS"] = flags
+    jax.clear_caches()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n's "no" into "load"

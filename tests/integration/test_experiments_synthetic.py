@@ -15,7 +15,8 @@ from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("experiments_synthetic")
+# Long runs of few programs: compiled for speed of execution (conftest).
+pytestmark = [pytest.mark.xdist_group("experiments_synthetic"), pytest.mark.run_bound]
 
 CHANCE = 0.1
 

@@ -22,6 +22,9 @@ from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import settings, strategy
 from fedlap_jax import accounting
 
+# Compares differently built programs bit for bit: compiled with XLA's default emitters (conftest).
+pytestmark = pytest.mark.bitwise
+
 DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps", "radius"}
 
 

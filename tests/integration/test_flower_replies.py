@@ -36,6 +36,9 @@ from flower_harness import (
 from fedlap_flower import binding, replies, settings, strategy, task
 from fedlap_flower import ledger as ledger_lib
 
+# Compares differently built programs bit for bit: compiled with XLA's default emitters (conftest).
+pytestmark = pytest.mark.bitwise
+
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
 # quickstart:dp (the hybrid: clients also send model deltas) at toy size, one round.
 HYBRID_ONE = (

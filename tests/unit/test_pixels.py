@@ -26,7 +26,9 @@ from fedlap_jax.radius import calibrate_radius
 from conftest import linear_apply, partition
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("pixels")
+# The fedlap_dp round compares two differently built programs bit for bit: compiled with XLA's
+# default emitters (conftest).
+pytestmark = [pytest.mark.xdist_group("pixels"), pytest.mark.bitwise]
 
 PIXEL_MAX = 16.0  # digits' pixels are integers 0..16
 

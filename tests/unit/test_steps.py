@@ -24,6 +24,9 @@ from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.server import fedavg_delta_start, global_update, server_step
 from fedlap_jax.synthetic import real_images
 
+# Compares differently built programs bit for bit: compiled with XLA's default emitters (conftest).
+pytestmark = pytest.mark.bitwise
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 K = 5
