@@ -264,15 +264,17 @@ def _release_compiled_programs():
   gc.collect()
 
 
-# A module marker -> (the options JAX passes to XLA with each program, flags left out of
-# XLA_FLAGS for the processes the module starts).
+# A module marker -> the XLA options its programs compile with (see above).
 _MODULE_SETTINGS = {
-  "bitwise": ({"xla_cpu_use_fusion_emitters": True}, {_OLDER_EMITTERS}),
-  "run_bound": (
-    {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 3},
-    {_OLDER_EMITTERS, _LEVEL_0},
-  ),
+  "bitwise": {"xla_cpu_use_fusion_emitters": True},
+  "run_bound": {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 3},
 }
+
+
+def _with_options(flags: str, options: dict) -> str:
+  """``XLA_FLAGS`` text ``flags`` with ``options`` in place of the flags of the same names."""
+  kept = [f for f in flags.split() if f.lstrip("-").split("=")[0] not in options]
+  return " ".join([*kept, *(f"--{k}={str(v).lower()}" for k, v in options.items())])
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -281,9 +283,11 @@ def _module_compiler_setting(request):
 
   In this process through the compile options JAX gives XLA with every program (JAX passes
   them on as overrides of XLA_FLAGS), in processes the module starts through XLA_FLAGS. JAX's
-  in-memory programs are dropped before and after, so that no program compiled under another
-  setting is reused; the persistent compilation cache keys its entries by these options.
-  Nothing changes where the tests' default setting is not in use (FEDLAP_TESTS_XLA_FLAGS).
+  in-memory programs are dropped on entry (a session fixture the module is first to use may
+  have compiled one under the default setting) and, by ``_release_compiled_programs``, after
+  the module; the persistent compilation cache keys its entries by these options and by
+  XLA_FLAGS. Nothing changes where the tests' default setting is not in use
+  (FEDLAP_TESTS_XLA_FLAGS).
   """
   flags = os.environ.get("XLA_FLAGS", "")
   marked = [m for m in _MODULE_SETTINGS if request.node.get_closest_marker(m) is not None]
@@ -292,7 +296,7 @@ def _module_compiler_setting(request):
     return
   if len(marked) > 1:
     raise pytest.UsageError(f"{request.node.name}: at most one of {sorted(_MODULE_SETTINGS)}")
-  options, left_out = _MODULE_SETTINGS[marked[0]]
+  options = _MODULE_SETTINGS[marked[0]]
   from jax._src import compiler  # pylint: disable=g-import-not-at-top
 
   get_compile_options = compiler.get_compile_options
@@ -303,13 +307,12 @@ def _module_compiler_setting(request):
 
   jax.clear_caches()
   compiler.get_compile_options = with_module_options
-  os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if f not in left_out)
+  os.environ["XLA_FLAGS"] = _with_options(flags, options)
   try:
     yield
   finally:
     compiler.get_compile_options = get_compile_options
     os.environ["XLA_FLAGS"] = flags
-    jax.clear_caches()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n's "no" into "load"
