@@ -161,8 +161,8 @@ COSTLY_FIRST = (
   "test_sharding.py",
   "test_experiments_synthetic.py",
   "test_client.py",
-  "test_steps.py",
   "test_flower_replies.py",
+  "test_steps.py",
   "test_federated.py",
   "test_pixels.py",
   "test_experiments_run.py",
@@ -171,14 +171,14 @@ COSTLY_FIRST = (
   "test_side_by_side.py",
   "test_privacy.py",
   "test_condensation.py",
-  "test_models.py",
-  "test_server_radius.py",
-  "test_compilation.py",
   "test_dsa.py",
-  "test_participation_runs.py",
+  "test_server_radius.py",
+  "test_models.py",
   "test_auditing.py",
-  "test_equal_epsilon.py",
+  "test_participation_runs.py",
+  "test_compilation.py",
   "test_experiments_data.py",
+  "test_equal_epsilon.py",
   "test_accounting.py",
   "test_matching.py",
   "test_readme.py",
@@ -197,29 +197,31 @@ _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 _CACHE_OWNER = "FEDLAP_TESTS_OWN_JAX_CACHE"
 
 
-# The tests' compiler setting: XLA:CPU with LLVM's optimisation level 0 and XLA's older
-# elementwise code generator (``--xla_cpu_use_fusion_emitters=false``). A test round of the digits
-# ConvNet is mostly compile time, and these settings compile it faster and run it slower, a net
-# gain. test_federated's non-DP round (ConvNet 16 x 1, DSA), compile s / run s: XLA's defaults
-# 13.1 / 0.6, level 0 9.5 / 2.1, level 0 with the older emitters 6.2 / 2.9 (level 1 made the
-# suite slower than level 0). The settings can change the last bits of a result (no fast-math in
-# any of them, but the machine code of two settings may round differently), so a long run can end
-# at a slightly different accuracy than with XLA's defaults (the shortened PSG run of
-# tests/integration/test_experiments_synthetic.py: 0.5970 at level 0, 0.5995 at level 0 with the
-# older emitters, 0.6020 with the defaults); a test that pins a number measured with XLA's
-# defaults must allow for that. Two programs that compute the same thing but are fused
-# differently (a round and its client_step/server_step, the Flower app and experiments.run)
-# agree bit for bit under XLA's default emitters but not under the older ones, so the modules
-# marked ``bitwise`` compile with the default emitters; the modules marked ``run_bound`` (long
-# runs of few programs, such as the shortened FedDM/DSC/PSG runs) compile with the default
-# emitters at LLVM level 3, where the PSG run takes 32 s instead of 73 s (the
-# ``_module_compiler_setting`` fixture).
+# The tests' compiler setting: XLA:CPU with LLVM's optimisation level 0, XLA's older elementwise
+# code generator (``--xla_cpu_use_fusion_emitters=false``) and XLA:CPU's fast-compile preset
+# (``--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE``). A test round of the digits ConvNet is
+# mostly compile time, and these settings compile it faster and run it slower, a net gain.
+# test_federated's non-DP round (ConvNet 16 x 1, DSA), compile s / run s: XLA's defaults
+# 13.1 / 0.6, level 0 9.5 / 2.1, level 0 with the older emitters 6.8-8.2 / 2.6-3.0, and with the
+# preset too 5.1-5.7 / 2.7-3.0 (level 1 instead of 0 made the suite slower). The settings can
+# change the last bits of a result (no fast-math in any of them, but the machine code of two
+# settings may round differently), so a long run can end at a slightly different accuracy than
+# with XLA's defaults (the shortened PSG run of tests/integration/test_experiments_synthetic.py:
+# 0.5970 at level 0, 0.5995 at level 0 with the older emitters, 0.6020 with the defaults); a
+# test that pins a number measured with XLA's defaults must allow for that. Two programs that
+# compute the same thing but are fused differently (a round and its client_step/server_step, the
+# Flower app and experiments.run) agree bit for bit under XLA's default emitters but not under
+# the older ones, so the tests marked ``bitwise`` compile with the default emitters; the tests
+# marked ``run_bound`` (long runs of few programs: the learning tests, the shortened
+# FedDM/DSC/PSG runs) compile at LLVM level 1, where they run about three times faster (the
+# non-DP round above: 0.8 s; the ``pytest_runtest_setup`` hook below).
 # FEDLAP_TESTS_XLA_FLAGS overrides the setting (empty: XLA's defaults); flags already in
 # XLA_FLAGS come after it and win. Set before JAX starts its backend, inherited by the workers
 # and by every process a test starts.
 _LEVEL_0 = "--xla_backend_optimization_level=0"
 _OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-_TEST_XLA_FLAGS = f"{_LEVEL_0} {_OLDER_EMITTERS}"
+_FAST_COMPILE = "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE"
+_TEST_XLA_FLAGS = f"{_LEVEL_0} {_OLDER_EMITTERS} {_FAST_COMPILE}"
 
 
 def _set_test_xla_flags() -> None:
@@ -227,6 +229,7 @@ def _set_test_xla_flags() -> None:
   given = os.environ.get("XLA_FLAGS", "")
   if ours and not given.startswith(ours):  # a worker inherits them from the controller
     os.environ["XLA_FLAGS"] = f"{ours} {given}".strip()
+  _Setting.session_flags = os.environ.get("XLA_FLAGS", "")
 
 
 def pytest_configure(config):
@@ -264,11 +267,19 @@ def _release_compiled_programs():
   gc.collect()
 
 
-# A module marker -> the XLA options its programs compile with (see above).
-_MODULE_SETTINGS = {
+# A test marker -> the XLA options its programs compile with (see above).
+_SETTINGS = {
   "bitwise": {"xla_cpu_use_fusion_emitters": True},
-  "run_bound": {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 3},
+  "run_bound": {"xla_backend_optimization_level": 1},
 }
+
+
+class _Setting:
+  """This process's compiler setting."""
+
+  active: str | None = None  # the marker whose setting is in force (None: the default)
+  session_flags = ""  # XLA_FLAGS under the tests' default setting
+  jax_compile_options = None  # JAX's own get_compile_options, once replaced
 
 
 def _with_options(flags: str, options: dict) -> str:
@@ -277,42 +288,53 @@ def _with_options(flags: str, options: dict) -> str:
   return " ".join([*kept, *(f"--{k}={str(v).lower()}" for k, v in options.items())])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _module_compiler_setting(request):
-  """Compiles a module marked ``bitwise`` or ``run_bound`` with its own setting (see above).
+def _setting_of(item) -> str | None:
+  marked = [m for m in _SETTINGS if item.get_closest_marker(m) is not None]
+  if len(marked) > 1:
+    raise pytest.UsageError(f"{item.nodeid}: at most one of {sorted(_SETTINGS)}")
+  return marked[0] if marked else None
+
+
+def _use_setting(name: str | None) -> None:
+  """Compiles what follows with the setting of marker ``name`` (None: the tests' default).
 
   In this process through the compile options JAX gives XLA with every program (JAX passes
-  them on as overrides of XLA_FLAGS), in processes the module starts through XLA_FLAGS. JAX's
-  in-memory programs are dropped on entry (a session fixture the module is first to use may
-  have compiled one under the default setting) and, by ``_release_compiled_programs``, after
-  the module; the persistent compilation cache keys its entries by these options and by
-  XLA_FLAGS. Nothing changes where the tests' default setting is not in use
-  (FEDLAP_TESTS_XLA_FLAGS).
+  them on as overrides of XLA_FLAGS), in processes a test starts through XLA_FLAGS. JAX's
+  in-memory programs are dropped at each change (its jit caches do not key by these options);
+  the persistent compilation cache keys its entries by them and by XLA_FLAGS, so no program
+  compiled under one setting is reused under another.
   """
-  flags = os.environ.get("XLA_FLAGS", "")
-  marked = [m for m in _MODULE_SETTINGS if request.node.get_closest_marker(m) is not None]
-  if not marked or _OLDER_EMITTERS not in flags.split():
-    yield
+  if name == _Setting.active:
     return
-  if len(marked) > 1:
-    raise pytest.UsageError(f"{request.node.name}: at most one of {sorted(_MODULE_SETTINGS)}")
-  options = _MODULE_SETTINGS[marked[0]]
   from jax._src import compiler  # pylint: disable=g-import-not-at-top
 
-  get_compile_options = compiler.get_compile_options
-
-  def with_module_options(*args, env_options_overrides=None, **kwargs):
-    overrides = {**options, **(env_options_overrides or {})}
-    return get_compile_options(*args, env_options_overrides=overrides, **kwargs)
-
+  if _Setting.jax_compile_options is None:
+    _Setting.jax_compile_options = compiler.get_compile_options
+  default = _Setting.jax_compile_options
   jax.clear_caches()
-  compiler.get_compile_options = with_module_options
-  os.environ["XLA_FLAGS"] = _with_options(flags, options)
-  try:
-    yield
-  finally:
-    compiler.get_compile_options = get_compile_options
-    os.environ["XLA_FLAGS"] = flags
+  if name is None:
+    compiler.get_compile_options = default
+    os.environ["XLA_FLAGS"] = _Setting.session_flags
+  else:
+    options = _SETTINGS[name]
+
+    def with_options(*args, env_options_overrides=None, **kwargs):
+      overrides = {**options, **(env_options_overrides or {})}
+      return default(*args, env_options_overrides=overrides, **kwargs)
+
+    compiler.get_compile_options = with_options
+    os.environ["XLA_FLAGS"] = _with_options(_Setting.session_flags, options)
+  _Setting.active = name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  """A test marked ``bitwise`` or ``run_bound`` (or in a module so marked) compiles with its
+  setting (see above), its fixtures included: the setting is in force from the setup of the
+  test's fixtures on and stays until a test needs another. Nothing changes where the tests'
+  default setting is not in use (FEDLAP_TESTS_XLA_FLAGS)."""
+  if _OLDER_EMITTERS in _Setting.session_flags.split():
+    _use_setting(_setting_of(item))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n's "no" into "load"
@@ -325,4 +347,16 @@ def pytest_cmdline_main(config):
 def pytest_collection_modifyitems(config, items):
   del config
   rank = {name: i for i, name in enumerate(COSTLY_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+  first_seen = {}
+  for i, item in enumerate(items):
+    first_seen.setdefault(item.path, i)
+  # Within a file, tests of one setting run together, the marked ones first, so that a module
+  # fixture a marked test uses is built under that test's setting.
+  order = {name: i for i, name in enumerate(_SETTINGS)}
+  items.sort(
+    key=lambda item: (
+      rank.get(item.path.name, len(rank)),
+      first_seen[item.path],
+      order.get(_setting_of(item), len(order)),
+    )
+  )

@@ -22,9 +22,6 @@ from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import settings, strategy
 from fedlap_jax import accounting
 
-# Compares differently built programs bit for bit: compiled with XLA's default emitters (conftest).
-pytestmark = pytest.mark.bitwise
-
 DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps", "radius"}
 
 
@@ -312,6 +309,7 @@ def test_a_ledger_of_the_other_adjacency_continues_with_this_one(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
   """Without DP the server sends fedlap_round's keys: every number is the same."""
   rc = _run_config(tmp_path, "quickstart:nondp")
@@ -333,6 +331,7 @@ def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
   """Test-only mode: DP clients draw from the server's keys -> bit-equal to experiments.run."""
   monkeypatch.setenv(settings.UNSAFE_ENV, "1")
@@ -358,6 +357,7 @@ HYBRID_TINY = (
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
   """server.start='fedavg_delta': each client sends its model delta with its synthetic set;
   the server starts from w_g + the mean delta, as experiments.run does (bit for bit)."""
@@ -609,6 +609,7 @@ def test_missing_and_failing_clients_are_logged_and_the_rest_aggregate(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   """method=fedavg: the clients run the library's FedAvg client step, the server its server
   step, with experiments.run's keys and learning rates: every number is the same."""

@@ -36,9 +36,6 @@ from flower_harness import (
 from fedlap_flower import binding, replies, settings, strategy, task
 from fedlap_flower import ledger as ledger_lib
 
-# Compares differently built programs bit for bit: compiled with XLA's default emitters (conftest).
-pytestmark = pytest.mark.bitwise
-
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
 # quickstart:dp (the hybrid: clients also send model deltas) at toy size, one round.
 HYBRID_ONE = (
@@ -595,6 +592,7 @@ def test_min_clients_is_checked_against_the_clients_of_a_round():
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch):
   """data.clients_per_round=5 of 20, DP with the test-only server keys: the server asks
   only the drawn clients, and its numbers are experiments.run's; each client's ledger

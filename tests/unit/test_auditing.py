@@ -252,6 +252,7 @@ def test_host_side_rejects_bad_input():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.run_bound  # long runs of few programs (conftest's compiler note)
 def test_overfit_model_leaks_untrained_does_not(features):
   overfit = _auc(*features["overfit"]["loss"])
   untrained = _auc(*features["untrained"]["loss"])

@@ -461,6 +461,7 @@ def test_config_refuses_inconsistent_methods():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.run_bound  # long runs of few programs (conftest's compiler note)
 def test_fedavg_learns_digits(apply_fn, params, clients, digits):
   """FedAvg on 5 clients x 2 classes: 3 rounds lift test accuracy far above chance."""
   alg = _algorithm("fedavg", apply_fn, params, clients, rounds=3, local_epochs=5)

@@ -300,6 +300,7 @@ def check_round_metrics(metrics, config, num_clients=5):
   assert 1 <= int(metrics.server.epochs) <= config.server.max_epochs
 
 
+@pytest.mark.run_bound  # long runs of few programs (conftest's compiler note)
 def test_fedlap_nondp_learns(e2e_model, clients, digits):
   round_fn, state0, state, accs, history = run_rounds(e2e_model, clients, digits, NONDP, 3)
   print("non-DP test accuracy per round:", accs)
@@ -325,6 +326,7 @@ def test_fedlap_nondp_learns(e2e_model, clients, digits):
   chex.assert_trees_all_equal(a, b)
 
 
+@pytest.mark.run_bound  # long runs of few programs (conftest's compiler note)
 def test_fedlap_dp_learns(e2e_model, clients, digits):
   round_fn, state0, state, accs, history = run_rounds(e2e_model, clients, digits, DP_CONFIG, 4)
   print("DP test accuracy per round:", accs)

@@ -24,9 +24,6 @@ from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.server import fedavg_delta_start, global_update, server_step
 from fedlap_jax.synthetic import real_images
 
-# Compares differently built programs bit for bit: compiled with XLA's default emitters (conftest).
-pytestmark = pytest.mark.bitwise
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 K = 5
@@ -86,6 +83,7 @@ def _pick(tree, k):
   return jax.tree.map(lambda a: a[k], tree)
 
 
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 @pytest.mark.parametrize("config", [HYBRID, REAL], ids=["hybrid", "real"])
 def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, clients, config):
   """fedlap_round's keys, rates and weights fed to the two steps by hand give its numbers."""
@@ -132,6 +130,7 @@ def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, c
     assert stacked.model_delta is None
 
 
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_client_step_draws_real_images_and_packs_what_the_client_sends(
   tiny_apply_fn, tiny_params, clients
 ):
