@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import compiler as jax_compiler  # private: the one place JAX builds compile options
 
 from fedlap_jax.client_data import stack_clients
 from fedlap_jax.models import ConvNet
@@ -279,7 +280,9 @@ class _Setting:
 
   active: str | None = None  # the marker whose setting is in force (None: the default)
   session_flags = ""  # XLA_FLAGS under the tests' default setting
-  jax_compile_options = None  # JAX's own get_compile_options, once replaced
+
+
+_jax_compile_options = jax_compiler.get_compile_options  # JAX's own, before any replacement
 
 
 def _with_options(flags: str, options: dict) -> str:
@@ -306,23 +309,18 @@ def _use_setting(name: str | None) -> None:
   """
   if name == _Setting.active:
     return
-  from jax._src import compiler  # pylint: disable=g-import-not-at-top
-
-  if _Setting.jax_compile_options is None:
-    _Setting.jax_compile_options = compiler.get_compile_options
-  default = _Setting.jax_compile_options
   jax.clear_caches()
   if name is None:
-    compiler.get_compile_options = default
+    jax_compiler.get_compile_options = _jax_compile_options
     os.environ["XLA_FLAGS"] = _Setting.session_flags
   else:
     options = _SETTINGS[name]
 
     def with_options(*args, env_options_overrides=None, **kwargs):
       overrides = {**options, **(env_options_overrides or {})}
-      return default(*args, env_options_overrides=overrides, **kwargs)
+      return _jax_compile_options(*args, env_options_overrides=overrides, **kwargs)
 
-    compiler.get_compile_options = with_options
+    jax_compiler.get_compile_options = with_options
     os.environ["XLA_FLAGS"] = _with_options(_Setting.session_flags, options)
   _Setting.active = name
 
