@@ -1,8 +1,9 @@
 """Tests for fedlap_jax.baselines (FedSGD, FedAvg, FedProx, SCAFFOLD, DP-FedAvg, DP-FedProx).
 
-Correctness tests use the tiny ConvNet (width 8, depth 1) on the digits clients
-of ``conftest.py`` with few local steps; one learning test trains the
-width-32 ConvNet for a few FedAvg rounds.
+Correctness tests use a linear classifier on the digits clients of
+``conftest.py`` with few local steps (the algorithms take any ``apply_fn``, and
+a small program compiles in a fraction of a ConvNet's time); one learning test
+trains the width-32 ConvNet for a few FedAvg rounds.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def _sampled(client_key, step, data, batch_size):
 
 
 @pytest.mark.parametrize("method", baselines.METHODS)
-def test_interface_upload_and_metric_shapes(method, tiny_apply_fn, tiny_params, clients):
-  alg = _algorithm(method, tiny_apply_fn, tiny_params, clients)
-  n = count_params(tiny_params)
+def test_interface_upload_and_metric_shapes(method, linear_apply_fn, linear_params, clients):
+  alg = _algorithm(method, linear_apply_fn, linear_params, clients)
+  n = count_params(linear_params)
   k = clients.mask.shape[0]
   assert alg.name == method
   assert alg.upload_floats_per_client == (2 * n if method == "scaffold" else n)
@@ -99,7 +100,7 @@ def test_interface_upload_and_metric_shapes(method, tiny_apply_fn, tiny_params, 
   else:
     assert alg.dp_steps_per_round is None
 
-  state = alg.init(jax.random.PRNGKey(0), tiny_params, clients)
+  state = alg.init(jax.random.PRNGKey(0), linear_params, clients)
   compiled = baselines._round_jit._cache_size()
   for r in (1, 2):
     state, metrics = alg.round(state, clients)
@@ -125,19 +126,19 @@ def test_interface_upload_and_metric_shapes(method, tiny_apply_fn, tiny_params, 
   else:
     np.testing.assert_array_equal(c.clip_fraction, 0.0)
   if method == "scaffold":
-    chex.assert_trees_all_equal_shapes(state.control, tiny_params)
+    chex.assert_trees_all_equal_shapes(state.control, linear_params)
     chex.assert_tree_shape_prefix(state.client_controls, (k,))
     assert float(metrics.control_norm) > 0
   else:
     assert state.control is None and state.client_controls is None
 
 
-def test_client_backends_agree(tiny_apply_fn, tiny_params, clients):
+def test_client_backends_agree(linear_apply_fn, linear_params, clients):
   """``lax.map`` over clients gives the numbers of ``vmap``."""
   outs = []
   for backend in ("vmap", "map"):
-    alg = _algorithm("fedavg", tiny_apply_fn, tiny_params, clients, client_backend=backend)
-    state = alg.init(jax.random.PRNGKey(3), tiny_params, clients)
+    alg = _algorithm("fedavg", linear_apply_fn, linear_params, clients, client_backend=backend)
+    state = alg.init(jax.random.PRNGKey(3), linear_params, clients)
     outs.append(alg.round(state, clients))
   chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
@@ -147,7 +148,7 @@ def test_client_backends_agree(tiny_apply_fn, tiny_params, clients):
 # --------------------------------------------------------------------------
 
 
-def test_fedavg_one_client_one_step_is_one_sgd_step(tiny_apply_fn, tiny_params, digits):
+def test_fedavg_one_client_one_step_is_one_sgd_step(linear_apply_fn, linear_params, digits):
   # One client of 40 records padded to 48 slots; B = 32 gives round(40/32) = 1 step.
   n, pad, batch = 40, 8, 32
   x = np.concatenate([digits.x_train[:n], np.zeros((pad, *IMAGE_SHAPE), np.float32)])
@@ -156,22 +157,28 @@ def test_fedavg_one_client_one_step_is_one_sgd_step(tiny_apply_fn, tiny_params, 
     jnp.asarray(x)[None], jnp.asarray(y)[None], jnp.asarray(np.arange(n + pad) < n)[None]
   )
   alg = _algorithm(
-    "fedavg", tiny_apply_fn, tiny_params, data, num_clients=1, batch_size=batch, max_client_size=n
+    "fedavg",
+    linear_apply_fn,
+    linear_params,
+    data,
+    num_clients=1,
+    batch_size=batch,
+    max_client_size=n,
   )
-  state = alg.init(jax.random.PRNGKey(7), tiny_params, data)
+  state = alg.init(jax.random.PRNGKey(7), linear_params, data)
   new_state, metrics = alg.round(state, data)
 
   _, client_keys = baselines.round_keys(state.key, 1)
   xb, yb = _sampled(client_keys[0], 0, jax.tree.map(lambda a: a[0], data), batch)
   assert 0 < len(yb) < n and np.all(np.isin(np.asarray(yb), y[:n]))
-  grads = _sgd_gradient(tiny_apply_fn, tiny_params, xb, yb)
-  expected = jax.tree.map(lambda p, g: p - LR * g, tiny_params, grads)
+  grads = _sgd_gradient(linear_apply_fn, linear_params, xb, yb)
+  expected = jax.tree.map(lambda p, g: p - LR * g, linear_params, grads)
   chex.assert_trees_all_close(new_state.params, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(metrics.client.steps, [1])
   np.testing.assert_allclose(metrics.client.mean_batch_size, [len(yb)])
 
 
-def test_fedprox_term_is_mu_times_squared_distance(tiny_apply_fn, tiny_params, clients):
+def test_fedprox_term_is_mu_times_squared_distance(linear_apply_fn, linear_params, clients):
   """Two local steps by hand: the proximal gradient is ``2 mu (w - w_g)`` (no 1/2)."""
   data = jax.tree.map(lambda a: a[0], clients)
   mu = 0.5
@@ -179,21 +186,21 @@ def test_fedprox_term_is_mu_times_squared_distance(tiny_apply_fn, tiny_params, c
   key = jax.random.PRNGKey(11)
   w, metrics = jax.jit(
     lambda k: baselines.client_update(
-      k, tiny_apply_fn, tiny_params, data, learning_rate=LR, local=local, num_steps=2
+      k, linear_apply_fn, linear_params, data, learning_rate=LR, local=local, num_steps=2
     )
   )(key)
 
-  w_ref = tiny_params
+  w_ref = linear_params
   for s in range(2):
-    g = _sgd_gradient(tiny_apply_fn, w_ref, *_sampled(key, s, data, B))
+    g = _sgd_gradient(linear_apply_fn, w_ref, *_sampled(key, s, data, B))
     w_ref = jax.tree.map(
-      lambda wi, gi, xi: wi - LR * (gi + 2 * mu * (wi - xi)), w_ref, g, tiny_params
+      lambda wi, gi, xi: wi - LR * (gi + 2 * mu * (wi - xi)), w_ref, g, linear_params
     )
   chex.assert_trees_all_close(w, w_ref, rtol=1e-5, atol=1e-6)
   assert int(metrics.steps) == 2
 
 
-def test_fedprox_with_mu_zero_is_fedavg(tiny_apply_fn, tiny_params, clients):
+def test_fedprox_with_mu_zero_is_fedavg(linear_apply_fn, linear_params, clients):
   key = jax.random.PRNGKey(1)
   outs = {}
   for name, method, mu in (
@@ -201,19 +208,21 @@ def test_fedprox_with_mu_zero_is_fedavg(tiny_apply_fn, tiny_params, clients):
     ("prox0", "fedprox", 0.0),
     ("prox", "fedprox", 0.1),
   ):
-    alg = _algorithm(method, tiny_apply_fn, tiny_params, clients, prox_mu=mu)
-    outs[name] = alg.round(alg.init(key, tiny_params, clients), clients)
+    alg = _algorithm(method, linear_apply_fn, linear_params, clients, prox_mu=mu)
+    outs[name] = alg.round(alg.init(key, linear_params, clients), clients)
   chex.assert_trees_all_close(outs["prox0"], outs["fedavg"], rtol=1e-6, atol=1e-7)
   # mu > 0 changes the local updates (the term itself is checked by hand above).
   assert float(tree_distance(outs["prox"][0].params, outs["fedavg"][0].params)) > 1e-6
 
 
-def test_scaffold_first_round_is_fedavg_and_control_variates(tiny_apply_fn, tiny_params, clients):
+def test_scaffold_first_round_is_fedavg_and_control_variates(
+  linear_apply_fn, linear_params, clients
+):
   key = jax.random.PRNGKey(2)
-  fedavg = _algorithm("fedavg", tiny_apply_fn, tiny_params, clients)
-  scaffold = _algorithm("scaffold", tiny_apply_fn, tiny_params, clients)
-  s_avg, m_avg = fedavg.round(fedavg.init(key, tiny_params, clients), clients)
-  s_sc, m_sc = scaffold.round(scaffold.init(key, tiny_params, clients), clients)
+  fedavg = _algorithm("fedavg", linear_apply_fn, linear_params, clients)
+  scaffold = _algorithm("scaffold", linear_apply_fn, linear_params, clients)
+  s_avg, m_avg = fedavg.round(fedavg.init(key, linear_params, clients), clients)
+  s_sc, m_sc = scaffold.round(scaffold.init(key, linear_params, clients), clients)
   chex.assert_trees_all_close(s_sc.params, s_avg.params, rtol=1e-6, atol=1e-7)
   chex.assert_trees_all_close(m_sc.client, m_avg.client, rtol=1e-6, atol=1e-7)
 
@@ -229,7 +238,7 @@ def test_scaffold_first_round_is_fedavg_and_control_variates(tiny_apply_fn, tiny
   step_ref = jax.tree.map(
     lambda ck: -lr * jnp.tensordot(w * steps, ck, axes=1), s_sc.client_controls
   )
-  step = jax.tree.map(jnp.subtract, s_sc.params, tiny_params)
+  step = jax.tree.map(jnp.subtract, s_sc.params, linear_params)
   chex.assert_trees_all_close(step, step_ref, rtol=1e-4, atol=1e-6)
 
   # From the second round on the correction c - c_k changes the client updates
@@ -240,7 +249,9 @@ def test_scaffold_first_round_is_fedavg_and_control_variates(tiny_apply_fn, tiny
   assert np.all(np.abs(ratio - 1) > 0.05)
 
 
-def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tiny_params, clients):
+def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(
+  linear_apply_fn, linear_params, clients
+):
   """DP-SGD with sigma = 0 and C = 1e6 is FedAvg under the same Poisson batches.
 
   DP-SGD divides the clipped sum by the *expected* batch size B, plain FedAvg
@@ -265,9 +276,9 @@ def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tin
   by_realized = baselines.BaselineConfig(
     method="fedavg", rounds=2, weighting="uniform", local=baselines.LocalTraining(**common)
   )
-  state = baselines.init_baseline_state(jax.random.PRNGKey(4), tiny_params, clients, by_expected)
+  state = baselines.init_baseline_state(jax.random.PRNGKey(4), linear_params, clients, by_expected)
   out = {
-    name: _round_fn(tiny_apply_fn, cfg)(state, clients)
+    name: _round_fn(linear_apply_fn, cfg)(state, clients)
     for name, cfg in (("dp", dp_nonoise), ("expected", by_expected), ("realized", by_realized))
   }
   np.testing.assert_array_equal(out["dp"][1].client.clip_fraction, 0.0)
@@ -277,30 +288,30 @@ def test_dp_fedavg_without_noise_and_with_huge_clip_is_fedavg(tiny_apply_fn, tin
   assert float(gap) > 1e-4
 
 
-def test_dp_noise_has_the_gaussian_mechanism_scale(tiny_apply_fn, tiny_params, clients):
+def test_dp_noise_has_the_gaussian_mechanism_scale(linear_apply_fn, linear_params, clients):
   key = jax.random.PRNGKey(5)
-  a = _algorithm("dp_fedavg", tiny_apply_fn, tiny_params, clients)
+  a = _algorithm("dp_fedavg", linear_apply_fn, linear_params, clients)
   b = _algorithm(
     "dp_fedavg",
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     clients,
     dp=DPConfig(noise_multiplier=1e-6, l2_clip_norm=0.1, delta=1e-5),
   )
-  (sa, ma), (sb, mb) = (alg.round(alg.init(key, tiny_params, clients), clients) for alg in (a, b))
+  (sa, ma), (sb, mb) = (alg.round(alg.init(key, linear_params, clients), clients) for alg in (a, b))
   # Same batches (same sampling keys), same clipping; only the noise differs.
   chex.assert_trees_all_close(ma.client.mean_batch_size, mb.client.mean_batch_size)
   chex.assert_trees_all_close(ma.client.clip_fraction, mb.client.clip_fraction)
   # Noise per coordinate of one client step: N(0, (lr sigma C / B)^2); T_k ~ 5
   # steps per client summed, 5 clients averaged: the global noise has about the
   # per-step scale, lr sigma C / B * sqrt(num_params) in norm.
-  scale = LR * DP.noise_multiplier * DP.l2_clip_norm / B * np.sqrt(count_params(tiny_params))
+  scale = LR * DP.noise_multiplier * DP.l2_clip_norm / B * np.sqrt(count_params(linear_params))
   noise = float(tree_distance(sa.params, sb.params))
   assert 0.5 < noise / scale < 2.0
 
 
 def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(
-  tiny_apply_fn, tiny_params, clients
+  linear_apply_fn, linear_params, clients
 ):
   """A 24-slot buffer (B = 64; the config check bypassed) equals the default 116-slot one."""
   n_max = int(_sizes(clients).max())
@@ -314,8 +325,8 @@ def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(
   (w_small, m_small), (w_ref, m_ref) = (
     update(
       jax.random.PRNGKey(3),
-      tiny_apply_fn,
-      tiny_params,
+      linear_apply_fn,
+      linear_params,
       data,
       learning_rate=LR,
       local=cfg,
@@ -354,12 +365,12 @@ def test_dp_refuses_size_weighting():
 
 
 @pytest.mark.parametrize("method", ["dp_fedavg", "dp_fedprox"])
-def test_dp_steps_per_round_and_epsilon(method, tiny_apply_fn, tiny_params, clients):
+def test_dp_steps_per_round_and_epsilon(method, linear_apply_fn, linear_params, clients):
   # The reference: N_k = 10,000, B = 256, 5 epochs -> T = 5 * round(39.06) = 195.
   alg = _algorithm(
     method,
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     clients,
     local_epochs=5,
     batch_size=256,
@@ -386,17 +397,17 @@ def test_dp_steps_per_round_and_epsilon(method, tiny_apply_fn, tiny_params, clie
   assert 2.6 < eps < 2.79
 
 
-def test_executed_steps_are_the_scheduled_ones(tiny_apply_fn, tiny_params, clients):
+def test_executed_steps_are_the_scheduled_ones(linear_apply_fn, linear_params, clients):
   """DP: T for the largest client, fewer (masked) for smaller ones; with
   ``uniform_steps`` every client runs T (shown on FedAvg: the schedule does not
   depend on the method, and a non-DP compile is cheaper)."""
   sizes = _sizes(clients)
   t = int(np.floor(sizes.max() / B + 0.5))
   for method, uniform in (("dp_fedavg", False), ("fedavg", True)):
-    alg = _algorithm(method, tiny_apply_fn, tiny_params, clients, uniform_steps=uniform)
+    alg = _algorithm(method, linear_apply_fn, linear_params, clients, uniform_steps=uniform)
     if method == "dp_fedavg":
       assert alg.dp_steps_per_round == t
-    _, metrics = alg.round(alg.init(jax.random.PRNGKey(0), tiny_params, clients), clients)
+    _, metrics = alg.round(alg.init(jax.random.PRNGKey(0), linear_params, clients), clients)
     steps = np.asarray(metrics.client.steps)
     expected = np.full_like(steps, t) if uniform else np.floor(sizes / B + 0.5).astype(int)
     assert len(set(expected.tolist())) > 1 or uniform
@@ -424,10 +435,10 @@ def test_executed_steps_are_the_scheduled_ones(tiny_apply_fn, tiny_params, clien
   ],
 )
 def test_baseline_config_rejects_bad_arguments(
-  method, overrides, field, tiny_apply_fn, tiny_params, clients
+  method, overrides, field, linear_apply_fn, linear_params, clients
 ):
   with pytest.raises(ValueError, match=field):
-    _algorithm(method, tiny_apply_fn, tiny_params, clients, **overrides)
+    _algorithm(method, linear_apply_fn, linear_params, clients, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -439,10 +450,10 @@ def test_baseline_config_rejects_bad_arguments(
     ({"image_shape": (28, 28, 1)}, "image_shape"),
   ],
 )
-def test_init_checks_the_data(overrides, field, tiny_apply_fn, tiny_params, clients):
-  alg = _algorithm("fedavg", tiny_apply_fn, tiny_params, clients, **overrides)
+def test_init_checks_the_data(overrides, field, linear_apply_fn, linear_params, clients):
+  alg = _algorithm("fedavg", linear_apply_fn, linear_params, clients, **overrides)
   with pytest.raises(ValueError, match=field):
-    alg.init(jax.random.PRNGKey(0), tiny_params, clients)
+    alg.init(jax.random.PRNGKey(0), linear_params, clients)
 
 
 def test_config_refuses_inconsistent_methods():
@@ -477,14 +488,14 @@ def test_fedavg_learns_digits(apply_fn, params, clients, digits):
   assert np.all(np.asarray(metrics.client.loss) < 1.0)
 
 
-def test_cosine_open_schedule_keeps_the_last_round_moving(tiny_apply_fn, tiny_params, clients):
+def test_cosine_open_schedule_keeps_the_last_round_moving(linear_apply_fn, linear_params, clients):
   # With the reference cosine the second of two rounds runs at 1e-6 (test above); the open
   # cosine runs it at eta_0 (1 + cos(pi / 2)) / 2 = eta_0 / 2, and the model moves.
-  alg = _algorithm("fedsgd", tiny_apply_fn, tiny_params, clients, lr_schedule="cosine_open")
-  state = alg.init(jax.random.PRNGKey(0), tiny_params, clients)
+  alg = _algorithm("fedsgd", linear_apply_fn, linear_params, clients, lr_schedule="cosine_open")
+  state = alg.init(jax.random.PRNGKey(0), linear_params, clients)
   for _ in range(2):
     state, metrics = alg.round(state, clients)
   np.testing.assert_allclose(metrics.learning_rate, LR / 2, rtol=1e-5)
   assert float(metrics.server_update_norm) > 1e-3
   with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
-    _algorithm("fedsgd", tiny_apply_fn, tiny_params, clients, lr_schedule="step")
+    _algorithm("fedsgd", linear_apply_fn, linear_params, clients, lr_schedule="step")

@@ -1,7 +1,8 @@
 """Tests for fedlap_jax.client: local_approx (Algorithms 1 and 3) and its pieces.
 
-A narrow ConvNet (width 8, depth 1) on one digits client (290 records of
-classes 5 and 6), no DSA (so that each config compiles in seconds). Each
+A linear classifier (``conftest.linear_apply``: local_approx takes any
+``apply_fn``) on one digits client (290 records of classes 5 and 6), no DSA, so
+that each config compiles in about a second. Each
 ClientConfig is a static argument, hence one compilation per config: the
 configs below are module-level and every test reuses their runs.
 """
@@ -100,7 +101,7 @@ def synthetic(client_data) -> SyntheticSet:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_apply_fn, tiny_params, synthetic, client_data):
+def run(linear_apply_fn, linear_params, synthetic, client_data):
   """``run(config) -> (synthetic, r_k, metrics)``, memoised per config."""
   cache = {}
 
@@ -108,8 +109,8 @@ def run(tiny_apply_fn, tiny_params, synthetic, client_data):
     if config not in cache:
       cache[config] = local_approx_jit(
         jax.random.PRNGKey(1),
-        tiny_apply_fn,
-        tiny_params,
+        linear_apply_fn,
+        linear_params,
         synthetic,
         client_data,
         config,
@@ -160,11 +161,11 @@ def test_outputs(run, synthetic, config):
   chex.assert_trees_all_close(out[1], config.radius)  # no calibration: r_k = r
 
 
-def test_eager_equals_jit(tiny_apply_fn, tiny_params, synthetic, client_data, run):
+def test_eager_equals_jit(linear_apply_fn, linear_params, synthetic, client_data, run):
   eager = local_approx(
     jax.random.PRNGKey(1),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     synthetic,
     client_data,
     FIXED,
@@ -201,31 +202,33 @@ def test_while_loop_bounded_by_max_outer_and_dp(run):
   assert float(m.clip_fraction) == 1.0  # C = 1e-3 clips every per-example gradient
 
 
-def test_local_approx_lowers_matching_loss(run, tiny_apply_fn, tiny_params, synthetic, client_data):
+def test_local_approx_lowers_matching_loss(
+  run, linear_apply_fn, linear_params, synthetic, client_data
+):
   syn, _, m = run(FIXED)
   losses = np.asarray(m.matching_loss).reshape(-1)  # 36 updates against one fixed target
   assert losses[-1] < 0.5 * losses[0], losses
   # L_dis recomputed from scratch on the full-batch real gradient, before and after.
   g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
-    tiny_apply_fn, tiny_params, client_data.x, client_data.y, ~client_data.mask
+    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
   )
   step = jax.jit(
     functools.partial(
-      matching.matching_step, tiny_apply_fn, dsa_strategy="", mse_weight=FIXED.mse_weight
+      matching.matching_step, linear_apply_fn, dsa_strategy="", mse_weight=FIXED.mse_weight
     )
   )
-  before, _ = step(tiny_params, synthetic, g_real, jax.random.PRNGKey(0))
-  after, _ = step(tiny_params, syn, g_real, jax.random.PRNGKey(0))
+  before, _ = step(linear_params, synthetic, g_real, jax.random.PRNGKey(0))
+  after, _ = step(linear_params, syn, g_real, jax.random.PRNGKey(0))
   chex.assert_trees_all_close(before, losses[0], rtol=1e-4)
   assert float(after) < 0.5 * float(before), (float(before), float(after))
   assert float(after) <= losses[-1] + 1e-4
 
 
-def test_same_key_same_result(run, tiny_apply_fn, tiny_params, synthetic, client_data):
+def test_same_key_same_result(run, linear_apply_fn, linear_params, synthetic, client_data):
   again = local_approx_jit(
     jax.random.PRNGKey(1),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     synthetic,
     client_data,
     TINY_RADIUS,
@@ -234,8 +237,8 @@ def test_same_key_same_result(run, tiny_apply_fn, tiny_params, synthetic, client
   chex.assert_trees_all_equal(again, run(TINY_RADIUS))
   other = local_approx_jit(
     jax.random.PRNGKey(2),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     synthetic,
     client_data,
     TINY_RADIUS,
@@ -245,7 +248,7 @@ def test_same_key_same_result(run, tiny_apply_fn, tiny_params, synthetic, client
 
 
 def test_a_buffer_smaller_than_the_draw_gives_the_same_result(
-  run, tiny_apply_fn, tiny_params, synthetic, client_data
+  run, linear_apply_fn, linear_params, synthetic, client_data
 ):
   """Exact Poisson sampling: a 32-slot buffer (B = 64; the config check bypassed) processes
   every draw in 2-4 chunks and gives the result of the default 116-slot buffer."""
@@ -254,8 +257,8 @@ def test_a_buffer_smaller_than_the_draw_gives_the_same_result(
   assert small.capacity == 32
   out = local_approx_jit(
     jax.random.PRNGKey(1),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     synthetic,
     client_data,
     small,
@@ -372,24 +375,26 @@ def _gradient_descent(apply_fn, params, client_data, steps):
   return w
 
 
-def test_noisy_real_model_steps_are_gradient_descent(run, tiny_apply_fn, tiny_params, client_data):
+def test_noisy_real_model_steps_are_gradient_descent(
+  run, linear_apply_fn, linear_params, client_data
+):
   # q = 1, no DSA, no DP, batch_loop = 1: each while-loop iteration's target is the
   # full-batch gradient, and model_steps='noisy_real' steps w <- w - LR g along it, also after
   # the last iteration: model_delta = 3 steps of full-batch gradient descent (both trajectories
   # are equal, so their mean is that). The paper's steps (synthetic, R_l = 0) leave w alone.
   cfg = dataclasses.replace(FIXED, batch_loop=1, average_targets=True, model_steps="noisy_real")
   _, _, m = run(cfg)
-  w = _gradient_descent(tiny_apply_fn, tiny_params, client_data, cfg.max_outer)
-  expected = jax.tree.map(jnp.subtract, w, tiny_params)
+  w = _gradient_descent(linear_apply_fn, linear_params, client_data, cfg.max_outer)
+  expected = jax.tree.map(jnp.subtract, w, linear_params)
   chex.assert_trees_all_close(m.model_delta, expected, atol=1e-5, rtol=1e-4)
   np.testing.assert_allclose(
-    np.asarray(m.trajectory_distance), float(tree_distance(w, tiny_params)), rtol=1e-4
+    np.asarray(m.trajectory_distance), float(tree_distance(w, linear_params)), rtol=1e-4
   )
   assert run(dataclasses.replace(cfg, model_steps="synthetic"))[2].model_delta is None
 
 
 def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(
-  run, tiny_apply_fn, tiny_params, client_data
+  run, linear_apply_fn, linear_params, client_data
 ):
   # The synthetic side augments (flip), the real batches do not (real_dsa_strategy=""): the
   # noisy_real trajectory is then full-batch gradient descent on the records as they are, as in
@@ -404,8 +409,8 @@ def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(
     dsa_strategy="flip",
     real_dsa_strategy="",
   )
-  w = _gradient_descent(tiny_apply_fn, tiny_params, client_data, cfg.max_outer)
-  expected = jax.tree.map(jnp.subtract, w, tiny_params)
+  w = _gradient_descent(linear_apply_fn, linear_params, client_data, cfg.max_outer)
+  expected = jax.tree.map(jnp.subtract, w, linear_params)
   chex.assert_trees_all_close(run(cfg)[2].model_delta, expected, atol=1e-5, rtol=1e-4)
 
 

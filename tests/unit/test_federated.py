@@ -403,7 +403,7 @@ def test_lr_schedule_reaches_the_server_and_is_validated():
 
 
 def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
-  tiny_apply_fn, tiny_params, clients
+  linear_apply_fn, linear_params, clients
 ):
   # A server step of ~0 leaves the model where the descent starts: with start='global' the
   # global model, with 'fedavg_delta' the global model plus the mean (uniform weights under
@@ -430,9 +430,9 @@ def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
   cfg = FedLAPConfig(
     client=client, server=server, rounds=2, learning_rate=0.5, synthetic_init="noise"
   )
-  state = init_state(jax.random.PRNGKey(2), tiny_params, clients, cfg)
+  state = init_state(jax.random.PRNGKey(2), linear_params, clients, cfg)
   new, _ = federated.fedlap_round(
-    state, clients, apply_fn=tiny_apply_fn, config=cfg, client_backend="map"
+    state, clients, apply_fn=linear_apply_fn, config=cfg, client_backend="map"
   )
   _, _, k_clients, _ = jax.random.split(state.key, 4)
   keys = jax.random.split(k_clients, 5)
@@ -441,8 +441,8 @@ def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
     pick = lambda t: jax.tree.map(lambda a: a[k], t)
     _, _, m = jax.jit(client_lib.local_approx, static_argnames=("apply_fn", "config"))(
       keys[k],
-      tiny_apply_fn,
-      tiny_params,
+      linear_apply_fn,
+      linear_params,
       pick(state.synthetic),
       pick(clients),
       client,
@@ -452,13 +452,13 @@ def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
   mean = jax.tree.map(lambda *d: sum(d) / 5, *deltas)
   assert float(jnp.sqrt(sum(jnp.sum(d**2) for d in jax.tree.leaves(mean)))) > 1e-2
   chex.assert_trees_all_close(
-    new.params, jax.tree.map(jnp.add, tiny_params, mean), atol=1e-5, rtol=1e-4
+    new.params, jax.tree.map(jnp.add, linear_params, mean), atol=1e-5, rtol=1e-4
   )
   glob = dataclasses.replace(cfg, server=dataclasses.replace(server, start="global"))
   same, _ = federated.fedlap_round(
-    state, clients, apply_fn=tiny_apply_fn, config=glob, client_backend="map"
+    state, clients, apply_fn=linear_apply_fn, config=glob, client_backend="map"
   )
-  chex.assert_trees_all_close(same.params, tiny_params, atol=1e-6)
+  chex.assert_trees_all_close(same.params, linear_params, atol=1e-6)
 
 
 def test_fedavg_delta_needs_noisy_real_model_steps():

@@ -164,7 +164,7 @@ def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
 
 @pytest.mark.slow
 def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
-  tiny_apply_fn, tiny_params, clients
+  linear_apply_fn, linear_params, clients
 ):
   sizes = np.asarray(clients.mask).sum(1)
   cfg = baselines.baseline_config(
@@ -178,19 +178,21 @@ def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
     max_client_size=int(sizes.max()),
     weighting="uniform",
   )
-  shape = dict(image_shape=(8, 8, 1), num_params=sum(p.size for p in jax.tree.leaves(tiny_params)))
-  sampled = baselines.algorithm(tiny_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
+  shape = dict(
+    image_shape=(8, 8, 1), num_params=sum(p.size for p in jax.tree.leaves(linear_params))
+  )
+  sampled = baselines.algorithm(linear_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
   assert sampled.client_state_fields == ("client_controls",)
   idx = np.array([1, 3], np.int32)
   host = participation.host_clients(clients)
   block = participation.device_block(host, idx)
   key = jax.random.PRNGKey(4)
-  state = sampled.init(key, tiny_params, host)
+  state = sampled.init(key, linear_params, host)
   new, metrics = participation.sampled_round(sampled, state, block, idx)
   assert np.asarray(metrics.client.steps).shape == (2,)
   # The same two clients as a federation of two (scale 1): same model, variates, and c / (2/5).
-  pair = baselines.algorithm(tiny_apply_fn, cfg, num_clients=2, **shape)
-  ref, _ = pair.round(pair.init(key, tiny_params, block), block)
+  pair = baselines.algorithm(linear_apply_fn, cfg, num_clients=2, **shape)
+  ref, _ = pair.round(pair.init(key, linear_params, block), block)
   chex.assert_trees_all_close(new.params, ref.params, rtol=1e-6, atol=1e-7)
   chex.assert_trees_all_close(
     jax.tree.map(lambda c: c[idx], new.client_controls), ref.client_controls, rtol=1e-6, atol=1e-7

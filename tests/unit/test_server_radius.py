@@ -134,11 +134,11 @@ def _full_batch_step(apply_fn):
   return step
 
 
-def test_calibrate_radius_eval_subsample(tiny_apply_fn, tiny_params, calibration_data):
+def test_calibrate_radius_eval_subsample(linear_apply_fn, linear_params, calibration_data):
   r_k, trace = calibrate_jit(
     jax.random.PRNGKey(0),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     *calibration_data,
     learning_rate=0.5,
     max_radius=100.0,
@@ -152,8 +152,8 @@ def test_calibrate_radius_eval_subsample(tiny_apply_fn, tiny_params, calibration
   assert 0 < float(r_k) <= 100.0
   full_r, full = calibrate_jit(
     jax.random.PRNGKey(0),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     *calibration_data,
     learning_rate=0.5,
     max_radius=100.0,
@@ -190,30 +190,30 @@ def server_run(apply_fn, params, union, r_g, config=SERVER, key=jax.random.PRNGK
   )
 
 
-def test_global_update_fixed_runs_max_epochs(tiny_apply_fn, tiny_params, union):
+def test_global_update_fixed_runs_max_epochs(linear_apply_fn, linear_params, union):
   params, m = server_run(
-    tiny_apply_fn, tiny_params, union, radius.server_radius(jnp.ones(2), "fixed", 1.0)
+    linear_apply_fn, linear_params, union, radius.server_radius(jnp.ones(2), "fixed", 1.0)
   )
-  chex.assert_trees_all_equal_shapes_and_dtypes(params, tiny_params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, linear_params)
   chex.assert_shape([m.epochs, m.steps, m.distance, m.radius], ())
   assert int(m.epochs) == SERVER.max_epochs
   assert int(m.steps) == SERVER.max_epochs * 4  # 16 examples in batches of 4
   assert float(m.radius) == math.inf
-  chex.assert_trees_all_close(m.distance, training.tree_distance(params, tiny_params), rtol=1e-5)
+  chex.assert_trees_all_close(m.distance, training.tree_distance(params, linear_params), rtol=1e-5)
 
 
-def test_global_update_stops_at_radius(tiny_apply_fn, tiny_params, union):
-  _, full = server_run(tiny_apply_fn, tiny_params, union, jnp.inf)
+def test_global_update_stops_at_radius(linear_apply_fn, linear_params, union):
+  _, full = server_run(linear_apply_fn, linear_params, union, jnp.inf)
   r_g = 0.5 * float(full.distance)
-  params, m = server_run(tiny_apply_fn, tiny_params, union, r_g)
+  params, m = server_run(linear_apply_fn, linear_params, union, r_g)
   epochs = int(m.epochs)
   assert 1 < epochs < SERVER.max_epochs
   assert float(m.distance) >= r_g
   assert int(m.steps) == 4 * epochs
-  chex.assert_trees_all_close(m.distance, training.tree_distance(params, tiny_params), rtol=1e-5)
+  chex.assert_trees_all_close(m.distance, training.tree_distance(params, linear_params), rtol=1e-5)
   # The same run capped one epoch earlier is still inside the ball.
   short = ServerConfig(radius_strategy="min", batch_size=4, max_epochs=epochs - 1, dsa_strategy="")
-  _, before = server_run(tiny_apply_fn, tiny_params, union, r_g, config=short)
+  _, before = server_run(linear_apply_fn, linear_params, union, r_g, config=short)
   assert int(before.epochs) == epochs - 1
   assert float(before.distance) < r_g
 
@@ -353,19 +353,21 @@ def test_sgd_epoch(linear_apply_fn, linear_params, union):
   assert int(steps) == 0
 
 
-def test_evaluate_is_independent_of_the_chunk_size(tiny_apply_fn, tiny_params, calibration_data):
+def test_evaluate_is_independent_of_the_chunk_size(
+  linear_apply_fn, linear_params, calibration_data
+):
   # The backend default (16 on CPU), a ragged split and one chunk agree; the
   # mask excludes records exactly.
   x, y = calibration_data[1][:2]
   mask = jnp.arange(x.shape[0]) % 3 != 0
-  ref = training.evaluate(tiny_apply_fn, tiny_params, x, y, mask, chunk_size=x.shape[0])
+  ref = training.evaluate(linear_apply_fn, linear_params, x, y, mask, chunk_size=x.shape[0])
   assert training.default_eval_chunk_size() == (16 if jax.default_backend() == "cpu" else 1000)
   for cs in (None, 7):
-    out = training.evaluate(tiny_apply_fn, tiny_params, x, y, mask, chunk_size=cs)
+    out = training.evaluate(linear_apply_fn, linear_params, x, y, mask, chunk_size=cs)
     np.testing.assert_allclose(out.loss, ref.loss, rtol=1e-5)
     np.testing.assert_allclose(out.accuracy, ref.accuracy, rtol=1e-6)
   kept = np.asarray(mask)
-  sub = training.evaluate(tiny_apply_fn, tiny_params, x[kept], y[kept])
+  sub = training.evaluate(linear_apply_fn, linear_params, x[kept], y[kept])
   np.testing.assert_allclose(sub.loss, ref.loss, rtol=1e-5)
 
 

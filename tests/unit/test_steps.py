@@ -85,11 +85,11 @@ def _pick(tree, k):
 
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 @pytest.mark.parametrize("config", [HYBRID, REAL], ids=["hybrid", "real"])
-def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, clients, config):
+def test_the_round_is_client_step_then_server_step(linear_apply_fn, linear_params, clients, config):
   """fedlap_round's keys, rates and weights fed to the two steps by hand give its numbers."""
-  state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, config)
+  state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, config)
   new, metrics = federated.fedlap_round(
-    state, clients, apply_fn=tiny_apply_fn, config=config, client_backend="map"
+    state, clients, apply_fn=linear_apply_fn, config=config, client_backend="map"
   )
   _, k_init, k_clients, k_server = jax.random.split(state.key, 4)
   rates = federated.round_learning_rates(1, config)
@@ -99,8 +99,8 @@ def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, c
   for k in range(K):
     update, _ = _client_step(
       keys[k],
-      tiny_apply_fn,
-      tiny_params,
+      linear_apply_fn,
+      linear_params,
       _pick(state.synthetic, k),
       _pick(clients, k),
       config,
@@ -112,8 +112,8 @@ def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, c
   stacked = jax.tree.map(lambda *u: jnp.stack(u), *updates)
   params, server_metrics = _server_step(
     k_server,
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     stacked,
     config,
     learning_rate=rates.server,
@@ -132,39 +132,39 @@ def test_the_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, c
 
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_client_step_draws_real_images_and_packs_what_the_client_sends(
-  tiny_apply_fn, tiny_params, clients
+  linear_apply_fn, linear_params, clients
 ):
-  state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, REAL)
+  state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, REAL)
   syn, data = _pick(state.synthetic, 1), _pick(clients, 1)
   key, init_key = jax.random.PRNGKey(3), jax.random.PRNGKey(4)
   update, metrics = _client_step(
-    key, tiny_apply_fn, tiny_params, syn, data, REAL, learning_rate=0.1, init_key=init_key
+    key, linear_apply_fn, linear_params, syn, data, REAL, learning_rate=0.1, init_key=init_key
   )
 
   @jax.jit
   def by_hand(key, init_key, params, syn, data, lr):
     """The real images of the client's classes, then Algorithm 1 from them."""
     start = syn._replace(x=real_images(init_key, data, syn.y, syn.mask, REAL.client.ipc))
-    return local_approx(key, tiny_apply_fn, params, start, data, REAL.client, learning_rate=lr)
+    return local_approx(key, linear_apply_fn, params, start, data, REAL.client, learning_rate=lr)
 
-  ref_syn, ref_r, ref_m = by_hand(key, init_key, tiny_params, syn, data, 0.1)
+  ref_syn, ref_r, ref_m = by_hand(key, init_key, linear_params, syn, data, 0.1)
   chex.assert_trees_all_equal(update.synthetic, ref_syn)
   chex.assert_trees_all_equal(update.radius, ref_r)
   chex.assert_trees_all_equal(metrics.matching_loss, ref_m.matching_loss)
   assert isinstance(update, ClientUpdate) and update.model_delta is None
   with pytest.raises(ValueError, match="synthetic_init='real' needs init_key"):
-    client_step(key, tiny_apply_fn, tiny_params, syn, data, REAL, learning_rate=0.1)
+    client_step(key, linear_apply_fn, linear_params, syn, data, REAL, learning_rate=0.1)
 
 
 def test_client_step_sends_the_delta_only_to_a_fedavg_delta_server(
-  tiny_apply_fn, tiny_params, clients
+  linear_apply_fn, linear_params, clients
 ):
   glob = dataclasses.replace(HYBRID, server=dataclasses.replace(HYBRID.server, start="global"))
-  state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, HYBRID)
+  state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, HYBRID)
   args = (
     jax.random.PRNGKey(3),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     _pick(state.synthetic, 0),
     _pick(clients, 0),
   )
@@ -178,17 +178,17 @@ def test_client_step_sends_the_delta_only_to_a_fedavg_delta_server(
   chex.assert_trees_all_equal(with_delta.synthetic, without.synthetic)
 
 
-def _updates(tiny_params, clients, config, radii):
-  state = federated.init_state(jax.random.PRNGKey(2), tiny_params, clients, config)
+def _updates(linear_params, clients, config, radii):
+  state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, config)
   rng = np.random.default_rng(0)
   deltas = jax.tree.map(
-    lambda p: jnp.asarray(rng.normal(size=(K, *p.shape)).astype(np.float32) * 0.01), tiny_params
+    lambda p: jnp.asarray(rng.normal(size=(K, *p.shape)).astype(np.float32) * 0.01), linear_params
   )
   return ClientUpdate(state.synthetic, jnp.asarray(radii, jnp.float32), deltas)
 
 
 def test_server_step_is_radius_weights_start_then_global_update(
-  tiny_apply_fn, tiny_params, clients
+  linear_apply_fn, linear_params, clients
 ):
   """Hand-composed from the library's pieces: r_g = min r_k, N_k weights, the delta start."""
   config = dataclasses.replace(
@@ -199,17 +199,17 @@ def test_server_step_is_radius_weights_start_then_global_update(
     ),
   )
   radii = [0.5, 0.2, 0.9, 0.3, 0.7]
-  updates = _updates(tiny_params, clients, config, radii)
+  updates = _updates(linear_params, clients, config, radii)
   counts = dispatch.record_counts(clients)
   key = jax.random.PRNGKey(5)
   params, metrics = _server_step(
-    key, tiny_apply_fn, tiny_params, updates, config, learning_rate=0.05, num_records=counts
+    key, linear_apply_fn, linear_params, updates, config, learning_rate=0.05, num_records=counts
   )
   weights = counts.astype(jnp.float32)
-  start = fedavg_delta_start(tiny_params, updates.model_delta, weights)
+  start = fedavg_delta_start(linear_params, updates.model_delta, weights)
   ref, ref_m = global_update(
     key,
-    tiny_apply_fn,
+    linear_apply_fn,
     start,
     updates.synthetic,
     weights,
@@ -221,12 +221,12 @@ def test_server_step_is_radius_weights_start_then_global_update(
   chex.assert_trees_all_close(metrics.radius, 0.2)
   assert int(metrics.steps) == int(ref_m.steps)
   with pytest.raises(ValueError, match="weighting='size' needs every client's record count"):
-    server_step(key, tiny_apply_fn, tiny_params, updates, config, learning_rate=0.05)
+    server_step(key, linear_apply_fn, linear_params, updates, config, learning_rate=0.05)
   with pytest.raises(ValueError, match="server.start='fedavg_delta' needs the clients' model"):
     server_step(
       key,
-      tiny_apply_fn,
-      tiny_params,
+      linear_apply_fn,
+      linear_params,
       updates._replace(model_delta=None),
       config,
       learning_rate=0.05,
@@ -234,7 +234,7 @@ def test_server_step_is_radius_weights_start_then_global_update(
     )
 
 
-def test_server_step_leaves_out_invalid_clients(tiny_apply_fn, tiny_params, clients):
+def test_server_step_leaves_out_invalid_clients(linear_apply_fn, linear_params, clients):
   """valid=False: the client's radius, delta and synthetic set change nothing."""
   config = dataclasses.replace(
     HYBRID,
@@ -243,7 +243,7 @@ def test_server_step_leaves_out_invalid_clients(tiny_apply_fn, tiny_params, clie
       HYBRID.server, radius_strategy="min", weighting="size", max_epochs=2
     ),
   )
-  updates = _updates(tiny_params, clients, config, [0.5, 0.2, 0.9, 0.3, 0.7])
+  updates = _updates(linear_params, clients, config, [0.5, 0.2, 0.9, 0.3, 0.7])
   valid = jnp.array([True, False, True, True, True])
   counts = dispatch.record_counts(clients)
   garbage = updates._replace(
@@ -253,8 +253,8 @@ def test_server_step_leaves_out_invalid_clients(tiny_apply_fn, tiny_params, clie
   )
   run = lambda u: _server_step(
     jax.random.PRNGKey(5),
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     u,
     config,
     learning_rate=0.05,
@@ -287,22 +287,22 @@ FEDAVG = baselines.baseline_config(
 )
 
 
-def test_baseline_round_is_client_step_then_server_step(tiny_apply_fn, tiny_params, clients):
-  state = baselines.init_baseline_state(jax.random.PRNGKey(6), tiny_params, clients, FEDAVG)
+def test_baseline_round_is_client_step_then_server_step(linear_apply_fn, linear_params, clients):
+  state = baselines.init_baseline_state(jax.random.PRNGKey(6), linear_params, clients, FEDAVG)
   new, _ = baselines.baseline_round(
-    state, clients, apply_fn=tiny_apply_fn, config=FEDAVG, client_backend="map"
+    state, clients, apply_fn=linear_apply_fn, config=FEDAVG, client_backend="map"
   )
   _, k_clients = baselines.round_key(state.key)
   keys = jax.random.split(k_clients, K)
   lr = baselines.learning_rate(1, FEDAVG)
   step = jax.jit(baselines.client_step, static_argnames=("apply_fn", "config"))
   ys = [
-    step(keys[k], tiny_apply_fn, tiny_params, _pick(clients, k), FEDAVG, learning_rate=lr)[0]
+    step(keys[k], linear_apply_fn, linear_params, _pick(clients, k), FEDAVG, learning_rate=lr)[0]
     for k in range(K)
   ]
   ys = jax.tree.map(lambda *y: jnp.stack(y), *ys)
   params, weights = baselines.server_step(
-    tiny_params, ys, FEDAVG, num_records=dispatch.record_counts(clients)
+    linear_params, ys, FEDAVG, num_records=dispatch.record_counts(clients)
   )
   chex.assert_trees_all_equal(new.params, params)
   counts = np.asarray(clients.mask).sum(axis=1)
