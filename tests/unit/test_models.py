@@ -180,7 +180,7 @@ def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
   errors = {}
   for conv_bias in (True, False):
     model, params = init_convnet(
-      jax.random.PRNGKey(0), (8, 8, 1), width=16, depth=2, conv_bias=conv_bias
+      jax.random.PRNGKey(0), (8, 8, 1), width=8, depth=1, conv_bias=conv_bias
     )
     apply_fn = lambda p, v, m=model: m.apply({"params": p}, v)  # noqa: E731
     g_dp, _ = jax.jit(
