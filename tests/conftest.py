@@ -2,8 +2,10 @@
 
 Real data offline: scikit-learn's bundled digits (1,797 images, 8x8x1),
 standardised, split 80/20 (stratified, fixed seed) and partitioned into five
-clients of two classes each in the paper's class order. Models are narrow
-ConvNets so that every compile stays in seconds on two CPU cores.
+clients of two classes each in the paper's class order. Models: a linear
+classifier where a test checks how the library's functions compose (its programs
+compile in about a second), narrow ConvNets where the model matters (learning,
+per-layer clipping, instance norm, convolutions side by side).
 
 ``apply_fn`` and the parameters are session-scoped so that jitted functions
 built on them are compiled once and shared across test modules.
