@@ -7,8 +7,11 @@ classifier where a test checks how the library's functions compose (its programs
 compile in about a second), narrow ConvNets where the model matters (learning,
 per-layer clipping, instance norm, convolutions side by side).
 
-``apply_fn`` and the parameters are session-scoped so that jitted functions
-built on them are compiled once and shared across test modules.
+``apply_fn`` and the parameters are session-scoped, so a jitted function built
+on them is traced with the same static arguments in every module; a program
+that takes over a second to compile is compiled once per session and read back
+from the session's compilation cache after that (JAX's in-memory programs are
+dropped after each module, see ``_release_compiled_programs``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import count_params
 from fedlap_jax.radius import calibrate_radius
 
-from conftest import linear_apply, partition
+from conftest import partition
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
 pytestmark = pytest.mark.xdist_group("pixels")
@@ -133,7 +133,9 @@ def test_pixel_normalisation_refuses_bad_statistics(mean, std, pattern):
     pixel_normalisation(mean, std)
 
 
-def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients, linear_params):
+def test_calibration_reads_pixels_through_the_preprocess(
+  pixel_and_float_clients, linear_apply_fn, linear_params
+):
   pixels, floats = pixel_and_float_clients
   syn_x = jax.random.normal(jax.random.PRNGKey(0), (20, 8, 8, 1))
   syn_y = jnp.arange(20) % 10
@@ -144,7 +146,7 @@ def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients
   for eval_size in (None, 64):
     got = calibrate_radius(
       jax.random.PRNGKey(1),
-      linear_apply,
+      linear_apply_fn,
       linear_params,
       syn,
       one,
@@ -156,7 +158,7 @@ def test_calibration_reads_pixels_through_the_preprocess(pixel_and_float_clients
     )
     want = calibrate_radius(
       jax.random.PRNGKey(1),
-      linear_apply,
+      linear_apply_fn,
       linear_params,
       syn,
       ref,
