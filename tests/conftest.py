@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from jax._src import compiler as jax_compiler  # private: the one place JAX builds compile options
 
-from fedlap_jax.client_data import stack_clients
+from fedlap_jax.client_data import ClientData, pixel_normalisation, stack_clients
 from fedlap_jax.models import ConvNet
 
 CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
@@ -152,6 +152,44 @@ def linear_params():
   }
 
 
+PIXEL_MAX = 16.0  # digits' pixels are integers 0..16
+
+
+@pytest.fixture(scope="session")
+def pixel_parts():
+  """Five clients of raw digits pixels, ``uint8`` in 0..16, and their mean / std."""
+  from sklearn import datasets
+
+  data = datasets.load_digits()
+  x = data.images.astype(np.uint8)[..., None]
+  y = data.target.astype(np.int32)
+  unit = x / PIXEL_MAX
+  mean, std = unit.mean(axis=(0, 1, 2)), unit.std(axis=(0, 1, 2))
+  return partition(x, y), mean, std
+
+
+@pytest.fixture(scope="session")
+def pixel_and_float_clients(pixel_parts):
+  """The same clients twice: uint8 pixels + normalisation, and float32 model inputs.
+
+  The float copy is normalised up front with the same XLA arithmetic. (NumPy's
+  ``x * scale + offset`` differs by one float32 ulp where XLA fuses a
+  multiply-add, and a FedLAP-DP round, image step 100 on a cosine matching
+  loss, amplifies that to visible differences in the synthetic images.)
+  """
+  parts, mean, std = pixel_parts
+  scale, offset = pixel_normalisation(mean, std, pixel_max=PIXEL_MAX)
+  xs, ys = [x for x, _ in parts], [y for _, y in parts]
+  pixels = stack_clients(xs, ys, pixel_scale=scale, pixel_offset=offset)
+  floats = ClientData(jax.jit(jax.vmap(lambda c: c.normalise(c.x)))(pixels), pixels.y, pixels.mask)
+  np.testing.assert_allclose(  # the up-front copy is the formula, to float32 rounding
+    np.asarray(floats.x[0, : len(xs[0])]),
+    np.asarray(xs[0], np.float32) * np.asarray(scale) + np.asarray(offset),
+    atol=1e-6,
+  )
+  return pixels, floats
+
+
 # Scheduling under ``python -m pytest -n 2``. Each test file goes to one worker whole
 # (xdist's ``--dist loadfile``), so module fixtures are built once per run: xdist's default
 # ("load") splits files at chunk boundaries, and ``--dist loadgroup`` does not group under
@@ -168,13 +206,15 @@ COSTLY_FIRST = (
   "test_experiments_synthetic.py",
   "test_client.py",
   "test_flower_replies.py",
-  "test_steps.py",
+  "test_round_steps.py",
+  "test_learning.py",
+  "test_round_pixels.py",
   "test_federated.py",
-  "test_pixels.py",
   "test_experiments_run.py",
   "test_baselines.py",
   "test_per_example.py",
-  "test_side_by_side.py",
+  "test_round_side_by_side.py",
+  "test_audit_trained_models.py",
   "test_privacy.py",
   "test_condensation.py",
   "test_dsa.py",

@@ -9,10 +9,12 @@ sampling; the config checks of the two sampling fields.
 import json
 
 import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import accounting, participation
+from fedlap_jax import accounting, baselines, participation
 from fedlap_jax.checks import ConfigError
 
 pytest.importorskip("dp_accounting")
@@ -219,3 +221,46 @@ def test_every_noisy_access_of_a_sampled_client_reaches_its_ledger(sampled_runs)
       charged[k] += 1
   for k in range(5):
     assert ledgers.ledgers[k].steps == [t] * charged[k]
+
+
+@pytest.mark.slow
+def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
+  linear_apply_fn, linear_params, clients
+):
+  sizes = np.asarray(clients.mask).sum(1)
+  cfg = baselines.baseline_config(
+    "scaffold",
+    rounds=2,
+    learning_rate=0.1,
+    local_epochs=1,
+    batch_size=64,
+    prox_mu=0.0,
+    dp=None,
+    max_client_size=int(sizes.max()),
+    weighting="uniform",
+  )
+  shape = dict(
+    image_shape=(8, 8, 1), num_params=sum(p.size for p in jax.tree.leaves(linear_params))
+  )
+  sampled = baselines.algorithm(linear_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
+  assert sampled.client_state_fields == ("client_controls",)
+  idx = np.array([1, 3], np.int32)
+  host = participation.host_clients(clients)
+  block = participation.device_block(host, idx)
+  key = jax.random.PRNGKey(4)
+  state = sampled.init(key, linear_params, host)
+  new, metrics = participation.sampled_round(sampled, state, block, idx)
+  assert np.asarray(metrics.client.steps).shape == (2,)
+  # The same two clients as a federation of two (scale 1): same model, variates, and c / (2/5).
+  pair = baselines.algorithm(linear_apply_fn, cfg, num_clients=2, **shape)
+  ref, _ = pair.round(pair.init(key, linear_params, block), block)
+  chex.assert_trees_all_close(new.params, ref.params, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda c: c[idx], new.client_controls), ref.client_controls, rtol=1e-6, atol=1e-7
+  )
+  chex.assert_trees_all_close(
+    new.control, jax.tree.map(lambda c: 0.4 * c, ref.control), rtol=1e-6, atol=1e-8
+  )
+  for k in (0, 2, 4):
+    assert all(float(jnp.abs(c[k]).max()) == 0.0 for c in jax.tree.leaves(new.client_controls))
+  assert any(float(jnp.abs(c[1]).max()) > 0 for c in jax.tree.leaves(new.client_controls))

@@ -2,8 +2,8 @@
 
 Correctness tests use a linear classifier on the digits clients of
 ``conftest.py`` with few local steps (the algorithms take any ``apply_fn``, and
-a small program compiles in a fraction of a ConvNet's time); one learning test
-trains the width-32 ConvNet for a few FedAvg rounds.
+a small program compiles in a fraction of a ConvNet's time). FedAvg's learning run:
+``tests/integration/test_learning.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fedlap_jax import accounting, baselines, privacy
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig
 from fedlap_jax.models import count_params
-from fedlap_jax.training import evaluate, tree_distance
+from fedlap_jax.training import tree_distance
 
 IMAGE_SHAPE = (8, 8, 1)
 B = 64  # digits clients hold 281-290 records: round(N_k / 64) is 4 or 5
@@ -465,27 +465,6 @@ def test_config_refuses_inconsistent_methods():
     baselines.BaselineConfig(method="fedsgd", rounds=1, local=baselines.LocalTraining())
   with pytest.raises(ValueError, match="noise_multiplier"):
     baselines.LocalTraining(noise_multiplier=1.0)  # noise without clipping
-
-
-# --------------------------------------------------------------------------
-# Learning.
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.run_bound  # long runs of few programs (conftest's compiler note)
-def test_fedavg_learns_digits(apply_fn, params, clients, digits):
-  """FedAvg on 5 clients x 2 classes: 3 rounds lift test accuracy far above chance."""
-  alg = _algorithm("fedavg", apply_fn, params, clients, rounds=3, local_epochs=5)
-  state = alg.init(jax.random.PRNGKey(0), params, clients)
-  x_test, y_test = jnp.asarray(digits.x_test), jnp.asarray(digits.y_test)
-  before = float(evaluate(apply_fn, params, x_test, y_test).accuracy)
-  for _ in range(2):
-    state, metrics = alg.round(state, clients)
-  after = float(evaluate(apply_fn, alg.params_of(state), x_test, y_test).accuracy)
-  assert before < 0.3
-  assert after > 0.5  # chance is 0.1; 2 rounds reach about 0.62
-  # Each client fits its own two classes.
-  assert np.all(np.asarray(metrics.client.loss) < 1.0)
 
 
 def test_cosine_open_schedule_keeps_the_last_round_moving(linear_apply_fn, linear_params, clients):

@@ -9,12 +9,10 @@ the sampled clients' device block. Whole runs: tests/integration/test_participat
 import json
 
 import chex
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import accounting, baselines, participation
+from fedlap_jax import accounting, participation
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import stack_clients
 
@@ -160,49 +158,6 @@ def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
 
 
 # ---------------------------------------------------------------- SCAFFOLD
-
-
-@pytest.mark.slow
-def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
-  linear_apply_fn, linear_params, clients
-):
-  sizes = np.asarray(clients.mask).sum(1)
-  cfg = baselines.baseline_config(
-    "scaffold",
-    rounds=2,
-    learning_rate=0.1,
-    local_epochs=1,
-    batch_size=64,
-    prox_mu=0.0,
-    dp=None,
-    max_client_size=int(sizes.max()),
-    weighting="uniform",
-  )
-  shape = dict(
-    image_shape=(8, 8, 1), num_params=sum(p.size for p in jax.tree.leaves(linear_params))
-  )
-  sampled = baselines.algorithm(linear_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
-  assert sampled.client_state_fields == ("client_controls",)
-  idx = np.array([1, 3], np.int32)
-  host = participation.host_clients(clients)
-  block = participation.device_block(host, idx)
-  key = jax.random.PRNGKey(4)
-  state = sampled.init(key, linear_params, host)
-  new, metrics = participation.sampled_round(sampled, state, block, idx)
-  assert np.asarray(metrics.client.steps).shape == (2,)
-  # The same two clients as a federation of two (scale 1): same model, variates, and c / (2/5).
-  pair = baselines.algorithm(linear_apply_fn, cfg, num_clients=2, **shape)
-  ref, _ = pair.round(pair.init(key, linear_params, block), block)
-  chex.assert_trees_all_close(new.params, ref.params, rtol=1e-6, atol=1e-7)
-  chex.assert_trees_all_close(
-    jax.tree.map(lambda c: c[idx], new.client_controls), ref.client_controls, rtol=1e-6, atol=1e-7
-  )
-  chex.assert_trees_all_close(
-    new.control, jax.tree.map(lambda c: 0.4 * c, ref.control), rtol=1e-6, atol=1e-8
-  )
-  for k in (0, 2, 4):
-    assert all(float(jnp.abs(c[k]).max()) == 0.0 for c in jax.tree.leaves(new.client_controls))
-  assert any(float(jnp.abs(c[1]).max()) > 0 for c in jax.tree.leaves(new.client_controls))
 
 
 def test_the_sampled_block_holds_every_record_of_the_sampled_clients():
