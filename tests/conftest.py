@@ -142,14 +142,19 @@ def class_order():
   return CLASS_ORDER
 
 
-@pytest.fixture(scope="session")
-def linear_params():
-  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+def linear_init(key: jax.Array) -> dict:
+  """Fresh parameters of :func:`linear_apply` (``init(key) -> params``, jit-compatible)."""
+  k1, k2 = jax.random.split(key)
   d = int(np.prod(IMAGE_SHAPE))
   return {
     "kernel": 0.1 * jax.random.normal(k1, (d, 10)),
     "bias": 0.1 * jax.random.normal(k2, (10,)),
   }
+
+
+@pytest.fixture(scope="session")
+def linear_params():
+  return linear_init(jax.random.PRNGKey(0))
 
 
 PIXEL_MAX = 16.0  # digits' pixels are integers 0..16

@@ -1,7 +1,7 @@
 """DSC and PSG (fedlap_jax.condensation) and FedDM (fedlap_jax.feddm): the core functions.
 
-Loop-structure and privacy checks use the tiny ConvNet (width 8, depth 1) on
-the digits clients of ``conftest.py`` with a handful of steps. Learning on the
+Loop-structure checks use the tiny ConvNet (width 8, depth 1), PSG's private path the
+linear classifier, on the digits clients of ``conftest.py`` with a handful of steps. Learning on the
 digits is checked end to end in ``test_experiments_synthetic.py``.
 """
 
@@ -24,6 +24,8 @@ from fedlap_jax.models import init_fn
 from fedlap_jax.server import global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
+
+from conftest import linear_init
 
 # Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
 pytestmark = pytest.mark.xdist_group("condensation")
@@ -142,12 +144,13 @@ def test_pool_clients(clients):
 
 
 @pytest.fixture(scope="module")
-def psg_runs(tiny_apply_fn, tiny_init, clients):
-  """Non-DP class-agnostic condensation, and DP with a negligible and with a large noise."""
+def psg_runs(linear_apply_fn, clients):
+  """Non-DP class-agnostic condensation, and DP with a negligible and with a large noise, of
+  the linear classifier (the DP path is the same for any ``apply_fn``)."""
   client = _client(clients)
   syn = _synthetic(client)
   run = functools.partial(
-    _condense, jax.random.PRNGKey(3), syn, client, apply_fn=tiny_apply_fn, init=tiny_init
+    _condense, jax.random.PRNGKey(3), syn, client, apply_fn=linear_apply_fn, init=linear_init
   )
   negligible = DPConfig(noise_multiplier=1e-9, l2_clip_norm=1e3, delta=1e-5)
   loud = DPConfig(noise_multiplier=5.0, l2_clip_norm=1e-3, delta=1e-5)
@@ -247,7 +250,7 @@ def test_psg_metrics_declare_the_raw_statistics_nonprivate():
 
 
 def test_train_on_union_decays_the_learning_rate_for_the_second_half(
-  tiny_apply_fn, tiny_params, clients
+  linear_apply_fn, linear_params, clients
 ):
   syn = jax.tree.map(lambda a: a[None], _synthetic(_client(clients), ipc=4))
   server = ServerConfig(
@@ -261,12 +264,12 @@ def test_train_on_union_decays_the_learning_rate_for_the_second_half(
   )
   config = condensation.OneShotConfig(method="dsc", server=server, learning_rate=0.05, lr_decay=0.1)
   key = jax.random.PRNGKey(0)
-  w, m = condensation.train_on_union(key, tiny_apply_fn, tiny_params, syn, jnp.ones(1), config)
+  w, m = condensation.train_on_union(key, linear_apply_fn, linear_params, syn, jnp.ones(1), config)
   k1, k2 = jax.random.split(key)
   want, _ = global_update(
     k1,
-    tiny_apply_fn,
-    tiny_params,
+    linear_apply_fn,
+    linear_params,
     syn,
     jnp.ones(1),
     jnp.inf,
@@ -275,7 +278,7 @@ def test_train_on_union_decays_the_learning_rate_for_the_second_half(
   )
   want, _ = global_update(
     k2,
-    tiny_apply_fn,
+    linear_apply_fn,
     want,
     syn,
     jnp.ones(1),
