@@ -1,6 +1,8 @@
-"""Client sampling per round (data.clients_per_round) run end to end by ``experiments``.
+"""Client sampling per round (data.clients_per_round): a sampled round of the library, and
+runs end to end by ``experiments``.
 
-Tiny FedLAP-DP on digits, 2 of 5 clients per round: unsampled clients' synthetic
+SCAFFOLD's sampled round equals a federation of the sampled clients, with the m / K server
+variate. Tiny FedLAP-DP on digits, 2 of 5 clients per round: unsampled clients' synthetic
 sets stay as they are, the ledger file holds every client, a run stopped after
 round 2 resumes identically, clients_per_round = K equals the run without
 sampling; the config checks of the two sampling fields.

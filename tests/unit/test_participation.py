@@ -2,8 +2,8 @@
 
 Unit level: the draw (uniform, deterministic per (seed, round)), the ledgers
 (a client never sampled spends nothing; all clients every round equals the
-single ledger with q = B / min_k N_k exactly), SCAFFOLD's m / K server variate,
-the sampled clients' device block. Whole runs: tests/integration/test_participation_runs.py.
+single ledger with q = B / min_k N_k exactly), the sampled clients' device block. Sampled
+rounds and whole runs: tests/integration/test_participation_runs.py.
 """
 
 import json
@@ -157,7 +157,7 @@ def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
   assert busiest.epsilons_add_remove == single.epsilons_add_remove
 
 
-# ---------------------------------------------------------------- SCAFFOLD
+# ---------------------------------------------------------------- the device block
 
 
 def test_the_sampled_block_holds_every_record_of_the_sampled_clients():
