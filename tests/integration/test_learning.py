@@ -1,5 +1,5 @@
 """Learning runs of the library: FedLAP, FedLAP-DP and FedAvg rounds on the digits clients
-lift test accuracy far above chance, and the FedAvg-delta start of FedLAP's server.
+lift test accuracy far above chance.
 
 Each test runs whole rounds (the clients' synthesis or training, then the server's
 update) of the ConvNets in ``conftest.py``; the functions they compose are checked one
@@ -8,7 +8,6 @@ by one in ``tests/unit``.
 
 from __future__ import annotations
 
-import dataclasses
 
 import chex
 import jax
@@ -16,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import baselines, federated
-from fedlap_jax import client as client_lib
+from fedlap_jax import baselines
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import ConvNet, count_params
@@ -28,10 +26,6 @@ pytestmark = pytest.mark.xdist_group("learning")
 
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 E2E_WIDTH, E2E_DEPTH = 16, 1
-
-
-def dp_client(**kw):
-  return ClientConfig(**{"calibrate_radius": False, "dp": DP, **kw})
 
 
 NONDP = FedLAPConfig(
@@ -162,65 +156,6 @@ def test_fedlap_dp_learns(e2e_model, clients, digits):
   after_one, _ = first
   chex.assert_trees_all_equal(after_one.synthetic.y, state0.synthetic.y)
   assert not bool(jnp.allclose(after_one.synthetic.x, state0.synthetic.x))
-
-
-def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
-  linear_apply_fn, linear_params, clients
-):
-  # A server step of ~0 leaves the model where the descent starts: with start='global' the
-  # global model, with 'fedavg_delta' the global model plus the mean (uniform weights under
-  # DP) of the deltas local_approx returns for each client with the round's keys.
-  client = dp_client(
-    ipc=2,
-    iterations=1,
-    max_outer=2,
-    batch_loop=2,
-    boost_loop=1,
-    batch_size=32,
-    radius=10.0,
-    dsa_strategy="",
-    average_targets=True,
-    model_steps="noisy_real",
-  )
-  server = ServerConfig(
-    radius_strategy="constant",
-    max_epochs=1,
-    dsa_strategy="",
-    learning_rate=1e-9,
-    start="fedavg_delta",
-  )
-  cfg = FedLAPConfig(
-    client=client, server=server, rounds=2, learning_rate=0.5, synthetic_init="noise"
-  )
-  state = init_state(jax.random.PRNGKey(2), linear_params, clients, cfg)
-  new, _ = federated.fedlap_round(
-    state, clients, apply_fn=linear_apply_fn, config=cfg, client_backend="map"
-  )
-  _, _, k_clients, _ = jax.random.split(state.key, 4)
-  keys = jax.random.split(k_clients, 5)
-  deltas = []
-  for k in range(5):
-    pick = lambda t: jax.tree.map(lambda a: a[k], t)
-    _, _, m = jax.jit(client_lib.local_approx, static_argnames=("apply_fn", "config"))(
-      keys[k],
-      linear_apply_fn,
-      linear_params,
-      pick(state.synthetic),
-      pick(clients),
-      client,
-      learning_rate=0.5,
-    )
-    deltas.append(m.model_delta)
-  mean = jax.tree.map(lambda *d: sum(d) / 5, *deltas)
-  assert float(jnp.sqrt(sum(jnp.sum(d**2) for d in jax.tree.leaves(mean)))) > 1e-2
-  chex.assert_trees_all_close(
-    new.params, jax.tree.map(jnp.add, linear_params, mean), atol=1e-5, rtol=1e-4
-  )
-  glob = dataclasses.replace(cfg, server=dataclasses.replace(server, start="global"))
-  same, _ = federated.fedlap_round(
-    state, clients, apply_fn=linear_apply_fn, config=glob, client_backend="map"
-  )
-  chex.assert_trees_all_close(same.params, linear_params, atol=1e-6)
 
 
 @pytest.mark.run_bound  # long runs of few programs (conftest's compiler note)

@@ -178,6 +178,44 @@ def test_client_step_sends_the_delta_only_to_a_fedavg_delta_server(
   chex.assert_trees_all_equal(with_delta.synthetic, without.synthetic)
 
 
+def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
+  linear_apply_fn, linear_params, clients
+):
+  # A server step of ~0 leaves the model where the descent starts: with start='global' the
+  # global model, with 'fedavg_delta' the global model plus the mean (uniform weights under
+  # DP) of the deltas local_approx returns for each client with the round's keys.
+  server = dataclasses.replace(HYBRID.server, learning_rate=1e-9)
+  cfg = dataclasses.replace(HYBRID, server=server, rounds=2)
+  state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, cfg)
+  new, _ = federated.fedlap_round(
+    state, clients, apply_fn=linear_apply_fn, config=cfg, client_backend="map"
+  )
+  _, _, k_clients, _ = jax.random.split(state.key, 4)
+  keys = jax.random.split(k_clients, K)
+  deltas = []
+  for k in range(K):
+    _, _, m = jax.jit(local_approx, static_argnames=("apply_fn", "config"))(
+      keys[k],
+      linear_apply_fn,
+      linear_params,
+      _pick(state.synthetic, k),
+      _pick(clients, k),
+      cfg.client,
+      learning_rate=0.5,
+    )
+    deltas.append(m.model_delta)
+  mean = jax.tree.map(lambda *d: sum(d) / K, *deltas)
+  assert float(jnp.sqrt(sum(jnp.sum(d**2) for d in jax.tree.leaves(mean)))) > 1e-2
+  chex.assert_trees_all_close(
+    new.params, jax.tree.map(jnp.add, linear_params, mean), atol=1e-5, rtol=1e-4
+  )
+  glob = dataclasses.replace(cfg, server=dataclasses.replace(server, start="global"))
+  same, _ = federated.fedlap_round(
+    state, clients, apply_fn=linear_apply_fn, config=glob, client_backend="map"
+  )
+  chex.assert_trees_all_close(same.params, linear_params, atol=1e-6)
+
+
 def _updates(linear_params, clients, config, radii):
   state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, config)
   rng = np.random.default_rng(0)
