@@ -18,6 +18,7 @@ import pytest
 
 from fedlap_jax import accounting, baselines, participation
 from fedlap_jax.checks import ConfigError
+from fedlap_jax.models import count_params
 
 pytest.importorskip("dp_accounting")
 
@@ -241,9 +242,7 @@ def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
     max_client_size=int(sizes.max()),
     weighting="uniform",
   )
-  shape = dict(
-    image_shape=(8, 8, 1), num_params=sum(p.size for p in jax.tree.leaves(linear_params))
-  )
+  shape = dict(image_shape=(8, 8, 1), num_params=count_params(linear_params))
   sampled = baselines.algorithm(linear_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
   assert sampled.client_state_fields == ("client_controls",)
   idx = np.array([1, 3], np.int32)

@@ -2,8 +2,9 @@
 
 Every front end (the jitted round, ``experiments.run``, the Flower app) is
 built on these steps; the tests check that the round is exactly the two steps
-composed, what each step does alone, and (by reading the source) that the
-round and the Flower app call nothing else of FedLAP's.
+composed, what each step does alone, that the FedAvg-delta start is the mean of the
+clients' local_approx deltas, and (by reading the source) that the round and the Flower
+app call nothing else of FedLAP's.
 """
 
 from __future__ import annotations
