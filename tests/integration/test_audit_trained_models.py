@@ -24,8 +24,6 @@ from fedlap_jax.accounting import epsilon_after_rounds
 from fedlap_jax.losses import masked_mean_loss
 from fedlap_jax.privacy import poisson_capacity, poisson_sample, private_gradient
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("audit_trained_models")
 
 NUM_MEMBERS = 64
 STEPS = 100

@@ -18,8 +18,6 @@ from experiments import checkpointing, report, run, train
 from fedlap_jax import accounting, baselines
 from experiments.configs import quickstart
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("experiments_run")
 
 TINY = {
   "model.width": 8,

@@ -14,9 +14,8 @@ from experiments import configs, library_configs, report, run, train
 from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
 # Long runs of few programs: compiled for speed of execution (conftest).
-pytestmark = [pytest.mark.xdist_group("experiments_synthetic"), pytest.mark.run_bound]
+pytestmark = pytest.mark.run_bound
 
 CHANCE = 0.1
 

@@ -21,8 +21,6 @@ from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import ConvNet, count_params
 from fedlap_jax.training import evaluate
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("learning")
 
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 E2E_WIDTH, E2E_DEPTH = 16, 1

@@ -20,9 +20,6 @@ from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import count_params
 from fedlap_jax.radius import calibrate_radius
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("round_pixels")
-
 
 def test_calibration_reads_pixels_through_the_preprocess(
   pixel_and_float_clients, linear_apply_fn, linear_params

@@ -27,8 +27,6 @@ from fedlap_jax.config import ClientConfig, DPConfig
 from fedlap_jax.models import ConvNet
 from fedlap_jax.synthetic import noise_images, synthetic_labels
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("side_by_side")
 
 K = 3
 # DP, every DSA family, a local update per iteration and a radius that some clients'

@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("sharding")
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 NUM_CLIENTS = 5

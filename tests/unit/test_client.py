@@ -28,8 +28,6 @@ from fedlap_jax.matching import matching_distance
 from fedlap_jax.synthetic import noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("client")
 
 IPC = 2
 LR = 0.1

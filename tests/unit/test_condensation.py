@@ -27,8 +27,6 @@ from fedlap_jax.training import tree_distance
 
 from conftest import linear_init
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("condensation")
 
 IMAGE_SHAPE = (8, 8, 1)
 IPC = 2

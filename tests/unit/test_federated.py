@@ -19,8 +19,6 @@ from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.federated import init_state
 from fedlap_jax.synthetic import real_images, synthetic_labels
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("federated")
 
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 

@@ -14,8 +14,6 @@ import pytest
 
 from fedlap_jax import privacy
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("privacy")
 
 CLIP = 6.4  # between the smallest and the largest per-example norm of the batch below
 

@@ -16,8 +16,6 @@ from fedlap_jax import radius, server, training
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ServerConfig
 
-# Its module fixtures run once: under xdist (-n 2) all of this file goes to one worker.
-pytestmark = pytest.mark.xdist_group("server_radius")
 
 # ---------------------------------------------------------------- server radius strategies
 
