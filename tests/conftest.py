@@ -86,6 +86,20 @@ def clients(client_parts):
   return stack_clients([x for x, _ in client_parts], [y for _, y in client_parts])
 
 
+def apply_of(model: ConvNet):
+  """``apply_fn(params, x) -> logits`` of a Flax ``model``."""
+
+  def apply(params, x):
+    return model.apply({"params": params}, x)
+
+  return apply
+
+
+def params_of(model: ConvNet):
+  """``model``'s parameters for digits images, initialised under jit from ``PRNGKey(0)``."""
+  return jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, *IMAGE_SHAPE)))["params"]
+
+
 @pytest.fixture(scope="session")
 def model() -> ConvNet:
   return ConvNet(num_classes=10, width=32, depth=2)
@@ -93,15 +107,12 @@ def model() -> ConvNet:
 
 @pytest.fixture(scope="session")
 def apply_fn(model):
-  def apply(params, x):
-    return model.apply({"params": params}, x)
-
-  return apply
+  return apply_of(model)
 
 
 @pytest.fixture(scope="session")
 def params(model):
-  return jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, *IMAGE_SHAPE)))["params"]
+  return params_of(model)
 
 
 @pytest.fixture(scope="session")
@@ -112,15 +123,12 @@ def tiny_model() -> ConvNet:
 
 @pytest.fixture(scope="session")
 def tiny_apply_fn(tiny_model):
-  def apply(params, x):
-    return tiny_model.apply({"params": params}, x)
-
-  return apply
+  return apply_of(tiny_model)
 
 
 @pytest.fixture(scope="session")
 def tiny_params(tiny_model):
-  return jax.jit(tiny_model.init)(jax.random.PRNGKey(0), jnp.zeros((1, *IMAGE_SHAPE)))["params"]
+  return params_of(tiny_model)
 
 
 def linear_apply(params, x):

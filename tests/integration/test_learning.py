@@ -21,6 +21,8 @@ from fedlap_jax.federated import init_state, make_round_fn
 from fedlap_jax.models import ConvNet, count_params
 from fedlap_jax.training import evaluate
 
+from conftest import apply_of, params_of
+
 
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 E2E_WIDTH, E2E_DEPTH = 16, 1
@@ -74,12 +76,7 @@ DP_CONFIG = FedLAPConfig(
 @pytest.fixture(scope="module")
 def e2e_model():
   model = ConvNet(num_classes=10, width=E2E_WIDTH, depth=E2E_DEPTH)
-
-  def apply_fn(params, x):
-    return model.apply({"params": params}, x)
-
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
-  return apply_fn, params
+  return apply_of(model), params_of(model)
 
 
 def run_rounds(e2e_model, clients, digits, config, rounds):
