@@ -909,7 +909,10 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   def log(line):
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
+    # Flushed at once, like train.log: a run killed by a scheduler or SIGKILL, with its stdout
+    # piped to a file, keeps every line it printed (a pipe is block-buffered otherwise).
     tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
     log_file.write(line + "\n")
     log_file.flush()
 

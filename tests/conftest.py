@@ -301,6 +301,10 @@ def _set_test_xla_flags() -> None:
 def pytest_configure(config):
   del config
   _set_test_xla_flags()
+  # The processes the tests start buffer their output as Python does by default, whatever this
+  # machine sets: a test that reads a killed process's output then checks that the program
+  # flushed it, not that PYTHONUNBUFFERED did.
+  os.environ.pop("PYTHONUNBUFFERED", None)
   if not os.environ.get(_CACHE_ENV):
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="fedlap-tests-jax-cache-")
     os.environ[_CACHE_OWNER] = os.environ[_CACHE_ENV]
