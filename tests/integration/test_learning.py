@@ -8,7 +8,6 @@ by one in ``tests/unit``.
 
 from __future__ import annotations
 
-
 import chex
 import jax
 import jax.numpy as jnp
