@@ -73,7 +73,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedlap_flower import binding as binding_lib
 from fedlap_flower import records, replies, server_work, task
-from fedlap_jax import baselines
+from fedlap_jax import baselines, federated
 from fedlap_flower.ledger import write_json_atomic
 
 # The longest client-supplied text kept in a report (a reason, a status).
@@ -460,7 +460,7 @@ class FedLAP(Strategy):
     self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
   ) -> Iterable[Message]:
     asked, chosen, reports = self.participation.select(grid, server_round)
-    self._chain, k_init, k_clients, k_server = task.round_keys(self._chain)
+    self._chain, k_init, k_clients, k_server = federated.round_keys(self._chain)
     lr, server_lr = task.round_learning_rates(self.fc, server_round)
     self._params = records.record_to_params(arrays, self.template)
     self._round = {

@@ -7,7 +7,8 @@ Flower client computes what client ``k`` of ``experiments.run`` computes:
   ``k_model`` (:func:`init_model`);
 * the server's key chain: ``init_state`` splits ``k_alg`` into the initial
   synthetic images' key and the state key; every round splits the state key
-  into ``(next, k_init, k_clients, k_server)`` (:func:`round_keys`), and client
+  into ``(next, k_init, k_clients, k_server)``
+  (:func:`fedlap_jax.federated.round_keys`), and client
   ``k`` uses ``split(k_clients, K)[k]`` (:func:`client_key`); a baseline's
   chain starts at ``k_alg`` itself (:func:`baseline_chain_key`) and splits
   into ``(next, k_clients)`` (:func:`fedlap_jax.baselines.round_key`);
@@ -104,12 +105,6 @@ def initial_images_key(seed: int) -> jax.Array:
 def initial_chain_key(seed: int) -> jax.Array:
   """The state key before round 1 (``FedLAPState.key`` of ``init_state``)."""
   return jax.random.split(_alg_key(seed))[1]
-
-
-def round_keys(chain_key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """``(next_chain_key, k_init, k_clients, k_server)`` of one round, as ``fedlap_round`` splits."""
-  key, k_init, k_clients, k_server = jax.random.split(chain_key, 4)
-  return key, k_init, k_clients, k_server
 
 
 def client_key(round_key: jax.Array, num_clients: int, index: int) -> jax.Array:

@@ -105,6 +105,24 @@ def init_state(
   return FedLAPState(params, synthetic, jnp.int32(0), k_state)
 
 
+class RoundKeys(NamedTuple):
+  """The keys one round splits from the state key: ``split(key, 4)`` in this order.
+
+  Client ``k`` of ``K`` uses ``split(clients, K)[k]`` (and ``split(init, K)[k]`` for real
+  images); every front end derives a round's keys here.
+  """
+
+  next: jax.Array  # the state key of the next round
+  init: jax.Array  # the real-image draws of synthetic_init='real'
+  clients: jax.Array  # the clients' keys and the round's shared DSA family key
+  server: jax.Array  # the server step
+
+
+def round_keys(key: jax.Array) -> RoundKeys:
+  """The :class:`RoundKeys` of a round whose state key is ``key``."""
+  return RoundKeys(*jax.random.split(key, 4))
+
+
 class RoundRates(NamedTuple):
   """The step sizes of round ``m``: the clients' ``eta_m`` and the server's."""
 
@@ -148,8 +166,8 @@ def fedlap_round(
 ) -> tuple[FedLAPState, RoundMetrics]:
   """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
 
-  The round's keys: ``(next, k_init, k_clients, k_server) = split(state.key,
-  4)``; client ``k`` runs :func:`fedlap_jax.client.client_step` with
+  The round's keys: ``(next, k_init, k_clients, k_server) = round_keys(state.key)``;
+  client ``k`` runs :func:`fedlap_jax.client.client_step` with
   ``split(k_clients, K)[k]``, ``split(k_init, K)[k]`` (real images) and the
   shared family key ``shared_family_key(k_clients)``; the server runs
   :func:`fedlap_jax.server.server_step` with ``k_server``.
@@ -175,7 +193,7 @@ def fedlap_round(
   """
   m = state.round + 1
   rates = round_learning_rates(m, config)
-  key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
+  key, k_init, k_clients, k_server = round_keys(state.key)
   num_clients = clients.mask.shape[0]
   init_keys = jax.random.split(k_init, num_clients) if config.synthetic_init == "real" else None
 

@@ -94,7 +94,7 @@ def test_the_round_is_client_step_then_server_step(linear_apply_fn, linear_param
   new, metrics = federated.fedlap_round(
     state, clients, apply_fn=linear_apply_fn, config=config, client_backend="map"
   )
-  _, k_init, k_clients, k_server = jax.random.split(state.key, 4)
+  _, k_init, k_clients, k_server = federated.round_keys(state.key)
   rates = federated.round_learning_rates(1, config)
   family = federated.shared_family_key(k_clients)
   keys, init_keys = jax.random.split(k_clients, K), jax.random.split(k_init, K)
@@ -193,8 +193,7 @@ def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
   new, _ = federated.fedlap_round(
     state, clients, apply_fn=linear_apply_fn, config=cfg, client_backend="map"
   )
-  _, _, k_clients, _ = jax.random.split(state.key, 4)
-  keys = jax.random.split(k_clients, K)
+  keys = jax.random.split(federated.round_keys(state.key).clients, K)
   rate = federated.round_learning_rates(1, cfg).client
   deltas = []
   for k in range(K):
