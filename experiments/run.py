@@ -247,18 +247,36 @@ def load_config(name_arg: str, overrides: Sequence[str] = ()):
   return flag_values.config, name
 
 
+# Arguments that ask for the usage text instead of a run (absl's and argparse's spellings).
+HELP_ARGS = ("-h", "--help", "-help", "--helpshort", "--helpfull")
+
+
+def usage() -> str:
+  """The command's usage text: this module's guide and every ``NAME`` ``--config`` takes."""
+  import textwrap  # pylint: disable=g-import-not-at-top
+
+  names = textwrap.fill(
+    ", ".join(configs.names()), width=88, initial_indent="  ", subsequent_indent="  "
+  )
+  return f"{__doc__.strip()}\n\nNAME is one of (experiments/configs/ and its aliases):\n{names}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
   """Entry point; ``argv`` defaults to ``sys.argv``."""
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
+  argv = sys.argv if argv is None else argv
+  if any(a in HELP_ARGS for a in argv[1:]):
+    print(usage())
+    return 0
   try:
-    flag_values, name = parse_argv(sys.argv if argv is None else argv)
+    flag_values, name = parse_argv(argv)
   except library_configs.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if name is None:
-    print(__doc__, file=sys.stderr)
-    print("error: --config=NAME is required", file=sys.stderr)
+    print(usage(), file=sys.stderr)
+    print("error: --config=NAME is required (--help: this text)", file=sys.stderr)
     return 2
   config = flag_values.config
   workdir = flag_values.workdir or os.path.join("runs", name)

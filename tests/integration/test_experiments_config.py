@@ -353,6 +353,20 @@ def test_cli_unknown_config_name_lists_the_available_ones(capsys):
   ), err
 
 
+def test_cli_help_lists_every_config_name_and_exits_0(capsys):
+  for argv in (["prog", "--help"], ["prog", "-h"], ["prog", "--config=quickstart", "--help"]):
+    assert run.main(argv) == 0, argv
+    out = capsys.readouterr().out
+    assert out.startswith("Runs one experiment from a named config.")
+    listed = out.split("NAME is one of (experiments/configs/ and its aliases):", 1)[1]
+    assert re.split(r"[,\s]+", listed.strip()) == list(configs.names())
+  # Without --config: the same text on stderr, a one-line error, exit status 2.
+  assert run.main(["prog"]) == 2
+  err = capsys.readouterr().err
+  assert "NAME is one of" in err
+  assert err.endswith("error: --config=NAME is required (--help: this text)\n")
+
+
 def test_dp_normalisation_choices_that_read_no_training_record_pass():
   for overrides in (
     {"data.normalisation": "test_split"},
