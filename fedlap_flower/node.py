@@ -86,7 +86,18 @@ def _runtime_api(rest: list[str]) -> tuple[str, list[str]]:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True)
+  p = argparse.ArgumentParser(
+    usage="python -m fedlap_flower.node --trusted-entities FILE [flower-supernode flags]",
+    description=__doc__.split("\n\n")[0],
+    epilog=(
+      "Every other flag goes to Flower's flower-supernode (flower-supernode --help), e.g.\n"
+      "  --superlink HOST:PORT  --root-certificates FILE  --auth-supernode-private-key FILE\n"
+      "  --node-config \"partition-id=K data-path='...' state-dir='...' max-epsilon=E\"\n"
+      "--isolation is set by this command (process)."
+    ),
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    add_help=True,
+  )
   p.add_argument(
     "--trusted-entities",
     default=None,

@@ -154,3 +154,31 @@ def test_prompt_grid_returns_replies_as_they_arrive_within_the_timeout():
   assert len(got) == 2 and time.time() - t0 < 1.0  # all replies in: returns at once
   with pytest.raises(ValueError, match="poll"):
     PromptGrid(grid, poll=0)
+
+
+def test_node_cli_help_names_the_flags_it_hands_to_flower_and_refuses_bad_ones(capsys):
+  from fedlap_flower import node  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(SystemExit) as exit_info:
+    node.main(["--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  for flag in ("--trusted-entities", "--allow-unsigned-runs", "--poll", "flower-supernode"):
+    assert flag in out, flag
+  # The README's node command hands these to flower-supernode; --help says so.
+  for flag in (
+    "--superlink",
+    "--root-certificates",
+    "--auth-supernode-private-key",
+    "--node-config",
+  ):
+    assert flag in out.split("Every other flag goes to", 1)[1], flag
+  for argv, message in (
+    (["--allow-unsigned-runs", "--isolation", "subprocess"], "--isolation is set by this command"),
+    ([], "--trusted-entities FILE is required"),
+    (["--allow-unsigned-runs", "--poll", "0"], "--poll 0.0: allowed: seconds > 0"),
+  ):
+    with pytest.raises(SystemExit) as exit_info:
+      node.main(argv)
+    assert exit_info.value.code == 2, argv
+    assert message in capsys.readouterr().err, argv
