@@ -20,6 +20,7 @@ import optax
 import pytest
 
 from fedlap_jax import client, matching, privacy, training
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
@@ -422,6 +423,66 @@ def test_noisy_real_needs_average_targets():
     ClientConfig(model_steps="noisy_real")
   with pytest.raises(ValueError, match="model_steps='real' is invalid"):
     ClientConfig(model_steps="real", average_targets=True)
+
+
+def _with(data, **leaves):
+  return data._replace(**leaves)
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda s, d: (_with(s, x=jnp.zeros((s.x.shape[0], 8, 8, 3))), d),
+      r"synthetic.x.shape=\(4, 8, 8, 3\) is invalid; allowed: \(S, 8, 8, 1\): the image shape",
+    ),
+    (
+      lambda s, d: (s, _with(d, y=d.y.astype(jnp.float32))),
+      r"client_data.y.dtype='float32' is invalid; allowed: an integer dtype",
+    ),
+    (
+      lambda s, d: (_with(s, mask=s.mask[:-1]), d),
+      r"synthetic.mask.shape=\(3,\) is invalid; allowed: \(4,\): one entry per record",
+    ),
+    (
+      lambda s, d: (_with(s, x=s.x.astype(jnp.int32)), d),
+      r"synthetic.x.dtype='int32' is invalid; allowed: a floating dtype",
+    ),
+    (
+      lambda s, d: (s, _with(d, x=(10 * d.x).astype(jnp.uint8))),
+      r"client_data.x.dtype='uint8' is invalid; allowed: float model inputs, or stored pixels",
+    ),
+    (
+      lambda s, d: (s, ClientData(d.x[:40], d.y[:40], d.mask[:40])),
+      r"batch_size=64 is invalid; allowed: at most 40, the client's record slots",
+    ),
+  ],
+)
+def test_local_approx_refuses_inputs_it_cannot_use(
+  linear_apply_fn, linear_params, synthetic, client_data, change, message
+):
+  """Static shapes and dtypes are checked when local_approx is traced, before any compile."""
+  bad_synthetic, bad_data = change(synthetic, client_data)
+  with pytest.raises(ConfigError, match=message):
+    local_approx_jit(
+      jax.random.PRNGKey(1),
+      linear_apply_fn,
+      linear_params,
+      bad_synthetic,
+      bad_data,
+      TINY_RADIUS,
+      learning_rate=LR,
+    )
+  client.check_inputs(synthetic, client_data, TINY_RADIUS)  # the unchanged inputs pass
+  # Stored pixels with their normalisation are model inputs.
+  pixels = ClientData(
+    jnp.zeros(client_data.x.shape, jnp.uint8),
+    client_data.y,
+    client_data.mask,
+    pixel_scale=jnp.ones(1),
+    pixel_offset=jnp.zeros(1),
+  )
+  client.check_inputs(synthetic, pixels, TINY_RADIUS)
 
 
 # ---------------------------------------------------------------- the pieces, each alone
