@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import FedLAPConfig, ServerConfig
 from fedlap_jax.dispatch import client_weights
@@ -66,6 +67,42 @@ def example_weights(mask: jax.Array, client_weights: jax.Array) -> jax.Array:
   return mask * per_example[:, None] * jnp.sum(mask)
 
 
+def check_union(synthetic: SyntheticSet, client_weights: jax.Array) -> None:
+  """Refuses a union of synthetic sets that :func:`global_update` cannot use.
+
+  Reads static shapes and dtypes only (it runs at trace time, under ``jit`` too): images
+  ``(K, S, ...)`` with a leading client axis (one client's set is stacked as ``K = 1``),
+  labels and mask ``(K, S)``, integer labels and ``(K,)`` client weights.
+
+  Raises:
+    ConfigError: naming the leaf (``synthetic.x.shape``, ``client_weights.shape``, ...), with
+      the value and what is allowed.
+  """
+  shape = jnp.shape(synthetic.x)
+  if len(shape) < 3:
+    raise ConfigError(
+      "synthetic.x.shape",
+      shape,
+      "(K, S, ...): the clients' sets stacked on a leading axis (one client: x[None])",
+    )
+  for name, leaf in (("y", synthetic.y), ("mask", synthetic.mask)):
+    if jnp.shape(leaf) != shape[:2]:
+      raise ConfigError(
+        f"synthetic.{name}.shape",
+        jnp.shape(leaf),
+        f"{shape[:2]}: one entry per image of synthetic.x {shape} (K clients x S images; "
+        "one client's set stacked as x[None])",
+      )
+  if not jnp.issubdtype(jnp.result_type(synthetic.y), jnp.integer):
+    raise ConfigError(
+      "synthetic.y.dtype", str(jnp.result_type(synthetic.y)), "an integer dtype (class labels)"
+    )
+  if jnp.shape(client_weights) != shape[:1]:
+    raise ConfigError(
+      "client_weights.shape", jnp.shape(client_weights), f"{shape[:1]}: one weight per client"
+    )
+
+
 def global_update(
   key: jax.Array,
   apply_fn: Callable,
@@ -93,7 +130,11 @@ def global_update(
 
   Returns:
     ``(params, ServerMetrics)``.
+
+  Raises:
+    ConfigError: a union :func:`check_union` refuses (shapes, label dtype, weights).
   """
+  check_union(synthetic, client_weights)
   weights = example_weights(synthetic.mask, client_weights).reshape(-1)
   x = synthetic.x.reshape(-1, *synthetic.x.shape[2:])
   y = synthetic.y.reshape(-1)

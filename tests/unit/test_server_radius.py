@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fedlap_jax import radius, server, training
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ServerConfig
 
@@ -223,6 +224,45 @@ def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
   jitted = global_update_jit(*args, learning_rate=0.1, config=cfg)
   chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5)
   chex.assert_trees_all_equal_shapes_and_dtypes(eager[0], linear_params)
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda s, w: (jax.tree.map(lambda a: a[0], s), w[:1]),
+      r"synthetic.y.shape=\(8,\) is invalid; allowed: \(8, 8\): one entry per image",
+    ),
+    (
+      lambda s, w: (s, jnp.ones(3)),
+      r"client_weights.shape=\(3,\) is invalid; allowed: \(2,\): one weight per client",
+    ),
+    (
+      lambda s, w: (s._replace(y=s.y.astype(jnp.float32)), w),
+      r"synthetic.y.dtype='float32' is invalid; allowed: an integer dtype",
+    ),
+  ],
+)
+def test_global_update_refuses_a_union_it_cannot_use(
+  linear_apply_fn, linear_params, union, change, message
+):
+  bad, weights = change(union, jnp.ones(2))
+  with pytest.raises(ConfigError, match=message):
+    global_update_jit(
+      jax.random.PRNGKey(0),
+      linear_apply_fn,
+      linear_params,
+      bad,
+      weights,
+      1.0,
+      learning_rate=0.1,
+      config=SERVER,
+    )
+  server.check_union(union, jnp.ones(2))  # the union the other tests train on passes
+  with pytest.raises(ConfigError, match=r"synthetic.x.shape=\(16,\) is invalid"):
+    server.check_union(
+      SyntheticSet(jnp.zeros(16), jnp.zeros(16, jnp.int32), jnp.ones(16, bool)), jnp.ones(1)
+    )
 
 
 def test_example_weights():
