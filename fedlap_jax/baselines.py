@@ -96,7 +96,7 @@ from fedlap_jax import dsa, privacy
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
 from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of, require
-from fedlap_jax.client_data import ClientData
+from fedlap_jax.client_data import ClientData, check_batch_size, check_records
 from fedlap_jax.config import (
   BASELINE_METHODS,
   CLIENT_BACKENDS,
@@ -531,7 +531,13 @@ def client_update(
 
   Returns:
     ``(y_k, ClientMetrics)``.
+
+  Raises:
+    ConfigError: ``data`` that :func:`~fedlap_jax.client_data.check_records` refuses, or a
+      ``local.batch_size`` larger than its record slots.
   """
+  check_records("data", data)
+  check_batch_size("local.batch_size", local.batch_size, data)
   if (correction is not None) != local.control_variates:
     raise ValueError(
       f"correction given={correction is not None} is invalid with "

@@ -57,8 +57,7 @@ import jax.numpy as jnp
 import optax
 
 from fedlap_jax import dsa, privacy
-from fedlap_jax.checks import ConfigError
-from fedlap_jax.client_data import ClientData, SyntheticSet
+from fedlap_jax.client_data import ClientData, SyntheticSet, check_batch_size, check_pair
 from fedlap_jax.config import ClientConfig, FedLAPConfig
 from fedlap_jax.matching import matching_step
 from fedlap_jax.radius import calibrate_radius
@@ -610,61 +609,17 @@ def trajectory(
 def check_inputs(synthetic: SyntheticSet, client_data: ClientData, config: ClientConfig) -> None:
   """Refuses inputs whose static shapes or dtypes :func:`local_approx` cannot use.
 
-  Reads shapes and dtypes only, so it runs at trace time, under ``jit`` and ``vmap`` alike
-  (under ``vmap`` on one client's shapes). The real batch's sampling rate ``q = B / N_k``
-  is a probability: ``config.batch_size`` may not exceed the client's record slots
-  ``client_data.x.shape[0]``. (The number of valid records ``N_k = sum(mask)`` may be traced;
-  a caller that pads a client to more slots than it has records keeps ``B <= N_k`` itself,
-  as the accountant, which refuses ``q > 1``, requires.)
+  Each set's records (:func:`~fedlap_jax.client_data.check_records`), the synthetic images
+  in the client's image shape, and a batch no larger than the client's record slots
+  (:func:`~fedlap_jax.client_data.check_batch_size`: ``q = B / N_k`` is a probability).
+  Shapes and dtypes only: it runs at trace time, under ``jit`` and ``vmap`` alike.
 
   Raises:
     ConfigError: naming the leaf (``synthetic.x.shape``, ``client_data.y.dtype``, ...) or
       ``batch_size``, with the value and what is allowed.
   """
-  for name, data in (("synthetic", synthetic), ("client_data", client_data)):
-    shape = jnp.shape(data.x)
-    if len(shape) < 2:
-      raise ConfigError(f"{name}.x.shape", shape, "(N, ...): one leading axis of records")
-    for leaf in ("y", "mask"):
-      if jnp.shape(getattr(data, leaf)) != shape[:1]:
-        raise ConfigError(
-          f"{name}.{leaf}.shape",
-          jnp.shape(getattr(data, leaf)),
-          f"{shape[:1]}: one entry per record of {name}.x {shape}",
-        )
-    if not jnp.issubdtype(jnp.result_type(data.y), jnp.integer):
-      raise ConfigError(
-        f"{name}.y.dtype", str(jnp.result_type(data.y)), "an integer dtype (class labels)"
-      )
-  if jnp.shape(synthetic.x)[1:] != jnp.shape(client_data.x)[1:]:
-    raise ConfigError(
-      "synthetic.x.shape",
-      jnp.shape(synthetic.x),
-      f"(S, {', '.join(map(str, jnp.shape(client_data.x)[1:]))}): the image shape of client_data.x",
-    )
-  if not jnp.issubdtype(jnp.result_type(synthetic.x), jnp.floating):
-    raise ConfigError(
-      "synthetic.x.dtype",
-      str(jnp.result_type(synthetic.x)),
-      "a floating dtype (the images are optimised)",
-    )
-  if client_data.pixel_scale is None and not jnp.issubdtype(
-    jnp.result_type(client_data.x), jnp.floating
-  ):
-    raise ConfigError(
-      "client_data.x.dtype",
-      str(jnp.result_type(client_data.x)),
-      "float model inputs, or stored pixels with pixel_scale and pixel_offset "
-      "(stack_clients(..., pixel_scale=, pixel_offset=), pixel_normalisation)",
-    )
-  slots = jnp.shape(client_data.x)[0]
-  if config.batch_size > slots:
-    raise ConfigError(
-      "batch_size",
-      config.batch_size,
-      f"at most {slots}, the client's record slots (client_data.x.shape[0]): the real "
-      "batch samples each record with probability q = batch_size / N_k <= 1",
-    )
+  check_pair(synthetic, client_data)
+  check_batch_size("batch_size", config.batch_size, client_data)
 
 
 def local_approx(

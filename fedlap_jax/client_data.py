@@ -9,6 +9,8 @@ The data types every federated algorithm shares, below all of them:
 * :class:`SyntheticSet`: a client's synthetic set ``S_k`` (FedLAP).
 * :func:`pixel_normalisation` / :func:`normalise_pixels`: the per-channel
   affine map from stored pixels to model inputs.
+* :func:`check_records`, :func:`check_pair`, :func:`check_batch_size`: the static
+  shape and dtype checks every method's client update runs when it is traced.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fedlap_jax.checks import ConfigError
 
 
 class ClientData(NamedTuple):
@@ -107,6 +111,82 @@ class SyntheticSet(NamedTuple):
   x: jax.Array
   y: jax.Array
   mask: jax.Array
+
+
+def check_records(name: str, data: ClientData | SyntheticSet) -> tuple[int, ...]:
+  """Refuses records whose static shapes or dtypes a method cannot use; returns ``x``'s shape.
+
+  ``data.x`` ``(N, ...)`` with ``y`` and ``mask`` ``(N,)``, integer labels, and float model
+  inputs, or stored pixels with ``pixel_scale`` / ``pixel_offset`` (a :class:`ClientData`'s
+  only). Reads shapes and dtypes only, so it runs at trace time, under ``jit`` and ``vmap``
+  (there on one client's shapes).
+
+  Raises:
+    ConfigError: naming the leaf (``f"{name}.y.dtype"``, ...), the value and what is allowed.
+  """
+  shape = jnp.shape(data.x)
+  if len(shape) < 2:
+    raise ConfigError(f"{name}.x.shape", shape, "(N, ...): one leading axis of records")
+  for leaf in ("y", "mask"):
+    if jnp.shape(getattr(data, leaf)) != shape[:1]:
+      raise ConfigError(
+        f"{name}.{leaf}.shape",
+        jnp.shape(getattr(data, leaf)),
+        f"{shape[:1]}: one entry per record of {name}.x {shape}",
+      )
+  if not jnp.issubdtype(jnp.result_type(data.y), jnp.integer):
+    raise ConfigError(
+      f"{name}.y.dtype", str(jnp.result_type(data.y)), "an integer dtype (class labels)"
+    )
+  if getattr(data, "pixel_scale", None) is None and not jnp.issubdtype(
+    jnp.result_type(data.x), jnp.floating
+  ):
+    raise ConfigError(
+      f"{name}.x.dtype",
+      str(jnp.result_type(data.x)),
+      "a floating dtype"
+      if isinstance(data, SyntheticSet)
+      else "float model inputs, or stored pixels with pixel_scale and pixel_offset "
+      "(stack_clients(..., pixel_scale=, pixel_offset=), pixel_normalisation)",
+    )
+  return shape
+
+
+def check_pair(synthetic: SyntheticSet, client_data: ClientData) -> None:
+  """Both sets' records (:func:`check_records`), and synthetic images of the client's shape.
+
+  Raises:
+    ConfigError: as :func:`check_records`, or ``synthetic.x.shape`` for another image shape.
+  """
+  check_records("synthetic", synthetic)
+  image = check_records("client_data", client_data)[1:]
+  if jnp.shape(synthetic.x)[1:] != image:
+    raise ConfigError(
+      "synthetic.x.shape",
+      jnp.shape(synthetic.x),
+      f"(S, {', '.join(map(str, image))}): the image shape of client_data.x",
+    )
+
+
+def check_batch_size(field: str, batch_size: int, data: ClientData) -> None:
+  """Refuses a batch whose sampling rate ``q = batch_size / N_k`` exceeds 1 for any mask.
+
+  Checks against the client's record slots ``data.x.shape[0]`` (static); the number of
+  valid records ``N_k = sum(mask)`` may be traced, and a caller that pads a client to more
+  slots than it has records keeps ``batch_size <= N_k`` itself, as the accountant (which
+  refuses ``q > 1``) requires.
+
+  Raises:
+    ConfigError: ``field`` with ``batch_size``, and the slots allowed.
+  """
+  slots = jnp.shape(data.x)[0]
+  if batch_size > slots:
+    raise ConfigError(
+      field,
+      batch_size,
+      f"at most {slots}, the client's record slots (x.shape[0]): the real batch samples "
+      "each record with probability q = batch_size / N_k <= 1",
+    )
 
 
 def stack_clients(

@@ -97,7 +97,7 @@ from fedlap_jax.checks import (
   positive_int,
   require,
 )
-from fedlap_jax.client_data import ClientData, SyntheticSet
+from fedlap_jax.client_data import ClientData, SyntheticSet, check_batch_size, check_pair
 from fedlap_jax.config import (
   CLIENT_BACKENDS,
   DP_ONE_SHOT_METHODS,
@@ -368,7 +368,14 @@ def condense(
   Returns:
     ``(synthetic, metrics)``: the condensed set (labels and mask unchanged)
     and :class:`CondensationMetrics`.
+
+  Raises:
+    ConfigError: sets that :func:`~fedlap_jax.client_data.check_pair` refuses; for PSG's
+      whole-set batches (``classwise`` off), a ``batch_size`` larger than the record slots.
   """
+  check_pair(synthetic, client_data)
+  if not config.classwise:
+    check_batch_size("batch_size", config.batch_size, client_data)
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)

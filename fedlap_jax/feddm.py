@@ -65,7 +65,7 @@ import optax
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import is_real, one_of, positive_float, positive_int, require
-from fedlap_jax.client_data import ClientData, SyntheticSet
+from fedlap_jax.client_data import ClientData, SyntheticSet, check_pair
 from fedlap_jax.config import (
   CLIENT_BACKENDS,
   SYNTHETIC_INITS,
@@ -193,7 +193,11 @@ def distribution_match(
 
   Returns:
     ``(synthetic, metrics)``.
+
+  Raises:
+    ConfigError: sets that :func:`~fedlap_jax.client_data.check_pair` refuses.
   """
+  check_pair(synthetic, client_data)
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
