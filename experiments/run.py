@@ -138,8 +138,27 @@ def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]])
       return library_configs.ConfigError(
         field, text, f"a value of the field's type ({message[len(prefix) :]})", message=message
       )
+  if "Traceback (most recent call last)" in message:  # the config's own get_config refused
+    last = [line for line in message.splitlines() if line.strip()][-1]
+    reason = re.sub(r"^[A-Za-z_.]*(Error|Exception): ", "", last.strip())
+    message = f"--config={name_arg!r} is invalid: {reason}"
   return library_configs.ConfigError(
     "config", name_arg, "a config file that loads", message=message
+  )
+
+
+def _suite_error(error, name_arg: str, runs: Sequence[str]):
+  """``error`` (an unknown field) restated for a suite: a run's field is ``suite.RUN.FIELD``."""
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
+  field, text = error.field, error.value
+  return library_configs.ConfigError(
+    field,
+    text,
+    f"a field of a run, --config.suite.RUN.{field} with RUN one of {list(runs)}",
+    message=f"--config.{field}={text}: {name_arg} is a suite of the runs {list(runs)}; a "
+    f"run's field is set as --config.suite.RUN.FIELD=VALUE "
+    f"(e.g. --config.suite.{runs[0]}.{field}={text})",
   )
 
 
@@ -203,7 +222,12 @@ def parse_argv(argv: list[str]):
       flag_values(argv)
       getattr(flag_values.config, "keys")  # a file that did not load raises on first use
     except (flags.Error, ValueError, TypeError, AttributeError, KeyError, OSError) as e:
-      raise _config_error(e, name_arg, overrides) from None
+      error = _config_error(e, name_arg, overrides)
+      if error.allowed == CONFIG_FIELDS and not error.field.startswith("suite."):
+        base = parse([a for a in argv if not a.startswith("--config.")]).config
+        if "suite" in base:
+          raise _suite_error(error, name_arg, list(base.suite.keys())) from None
+      raise error from None
     return flag_values
 
   if none_fields:  # None is no value of the field's type: set it after

@@ -353,6 +353,24 @@ def test_cli_unknown_config_name_lists_the_available_ones(capsys):
   ), err
 
 
+def test_cli_says_how_to_set_a_field_of_a_suite_run(tmp_path, capsys):
+  assert run.main(["prog", "--config=quickstart", "--config.seed=1", f"--workdir={tmp_path}"]) == 2
+  assert capsys.readouterr().err == (
+    "error: --config.seed=1: quickstart is a suite of the runs ['fedlap', 'fedlap_dp']; a run's "
+    "field is set as --config.suite.RUN.FIELD=VALUE (e.g. --config.suite.fedlap.seed=1)\n"
+  )
+  config, _ = run.load_config("quickstart", ["suite.fedlap.seed=1"])  # the way it says
+  assert config.suite.fedlap.seed == 1 and config.suite.fedlap_dp.seed == 0
+  assert list(tmp_path.iterdir()) == []  # refused before anything ran
+
+
+def test_cli_a_config_argument_its_file_refuses_is_one_line(capsys):
+  assert run.main(["prog", "--config=quickstart:bogus"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --config='quickstart:bogus' is invalid: quickstart:bogus is ")
+  assert err.count("\n") == 1 and "Traceback" not in err and "allowed: one of (" in err
+
+
 def test_cli_help_lists_every_config_name_and_exits_0(capsys):
   for argv in (["prog", "--help"], ["prog", "-h"], ["prog", "--config=quickstart", "--help"]):
     assert run.main(argv) == 0, argv
