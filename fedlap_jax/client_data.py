@@ -218,6 +218,7 @@ def stack_clients(
 
   Raises:
     ValueError: on mismatched counts, empty clients, mixed dtypes or shapes,
+      labels that are not class indices (fractional or negative values, not ``(N,)``),
       integer images without a normalisation, or a normalisation whose length
       is not the channel count.
   """
@@ -231,6 +232,17 @@ def stack_clients(
       raise ValueError(f"client {k} has no data; allowed: every client holds >= 1 record")
     if len(x) != len(y):
       raise ValueError(f"client {k}: {len(x)} images but {len(y)} labels")
+    labels = np.asarray(y)
+    whole = np.issubdtype(labels.dtype, np.integer) or (
+      np.issubdtype(labels.dtype, np.floating) and bool(np.all(labels == np.round(labels)))
+    )
+    if labels.ndim != 1 or not whole or labels.min() < 0:
+      values = np.unique(labels)
+      shown = f"{values[:5].tolist()}{'...' if len(values) > 5 else ''}"
+      raise ValueError(
+        f"client {k}: labels of dtype {labels.dtype}, shape {labels.shape}, values {shown}; "
+        "allowed: (N,) class indices >= 0 (integers, or floats with whole values)"
+      )
   xs = [np.asarray(x) for x in xs]
   if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
     raise ValueError(

@@ -125,6 +125,12 @@ def test_stack_clients_refuses_bad_input():
     stack_clients([x], [y[:2]])
   with pytest.raises(ValueError, match="got 0 and 0"):
     stack_clients([], [])
+  # Labels are class indices: a fractional or negative label is refused, not truncated.
+  for bad in (np.array([0.0, 0.7, 1.0]), np.array([0, -1, 1]), np.zeros((3, 1), np.int32)):
+    with pytest.raises(ValueError, match=r"client 0: labels of dtype .*; allowed: \(N,\) class"):
+      stack_clients([x], [bad])
+  whole = stack_clients([x], [np.array([0.0, 3.0, 1.0])])  # whole floats are indices
+  np.testing.assert_array_equal(whole.y[0], [0, 3, 1])
 
 
 def test_synthetic_labels_balanced_and_padded():
