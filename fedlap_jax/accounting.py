@@ -450,6 +450,10 @@ def epsilon_after_rounds(
   return epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta=delta)
 
 
+# Stands in for an epsilon of 0 in the calibration's log(epsilon / target).
+_TINY_EPSILON = 1e-300
+
+
 def calibrate_noise_multiplier(
   target_epsilon: float,
   *,
@@ -557,7 +561,10 @@ def calibrate_noise_multiplier(
   # target) and upper / (1 + tol) below it (so within tol of the smallest sigma).
   from scipy import optimize  # pylint: disable=g-import-not-at-top
 
-  root = optimize.brentq(lambda s: math.log(eps(s) / target), lo, hi, xtol=1e-12, rtol=0.25 * tol)
+  # The accountant reports epsilon 0 where its bound vanishes; the log stays finite there.
+  root = optimize.brentq(
+    lambda s: math.log(max(eps(s), _TINY_EPSILON) / target), lo, hi, xtol=1e-12, rtol=0.25 * tol
+  )
   upper = min(hi, root * (1.0 + 0.5 * tol))
   if eps(upper) <= target:  # guaranteed by Brent's bound; checked, as it is cheap
     return upper

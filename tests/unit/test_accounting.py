@@ -226,6 +226,17 @@ def test_calibrate_round_trip(target, rounds):
     assert sigma == pytest.approx(1.0, abs=0.01)
 
 
+def test_calibrate_to_a_target_below_the_accountants_last_nonzero_epsilon():
+  """Above some sigma the RDP accountant reports epsilon 0 (its bound vanishes at this delta);
+  a target below the last nonzero epsilon is met there, not refused with a math error."""
+  setting = dict(delta=1e-5, rounds=1, batch_size=64, min_client_size=256, steps_per_round=1)
+  sigma = accounting.calibrate_noise_multiplier(1e-6, **setting)
+  del setting["delta"]
+  assert accounting.epsilon_after_rounds(noise_multiplier=sigma, delta=1e-5, **setting) <= 1e-6
+  below = accounting.epsilon_after_rounds(noise_multiplier=sigma / 1.01, delta=1e-5, **setting)
+  assert below > 1e-6  # and it is the smallest such sigma, to the search's tolerance
+
+
 def test_calibrate_unreachable():
   with pytest.raises(ValueError, match="target_epsilon"):
     accounting.calibrate_noise_multiplier(
