@@ -40,12 +40,14 @@ References:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedlap_jax import per_example as _per_example
+from fedlap_jax import checks
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import PER_EXAMPLE_METHODS
 
@@ -55,6 +57,16 @@ from fedlap_jax.config import min_poisson_capacity  # noqa: F401
 from fedlap_jax.config import poisson_capacity  # noqa: F401
 from fedlap_jax.losses import cross_entropy, masked_mean_loss  # noqa: F401
 from fedlap_jax.types import ApplyFn, PyTree
+
+
+def _check_number(field: str, value: Any, ok: Callable[[float], bool], allowed: str) -> None:
+  """Refuses a Python or NumPy number ``value`` outside ``allowed``; arrays pass unchecked.
+
+  The primitives take their DP parameters as numbers (a config's, static), checked when the
+  function is traced, or as arrays (e.g. a rate computed from a traced mask), the caller's.
+  """
+  if isinstance(value, numbers.Real):
+    checks.require(checks.is_real(value) and ok(float(value)), field, value, allowed)
 
 
 class PoissonBatch(NamedTuple):
@@ -95,6 +107,8 @@ def poisson_sample(
     capacity)`` sampled indices in increasing order; read every chunk with
     :func:`sum_over_chunks` (or :func:`poisson_chunk`).
   """
+  checks.positive_int("capacity", capacity)
+  _check_number("rate", rate, lambda q: 0.0 <= q <= 1.0, "a probability in [0, 1]")
   chosen = jnp.logical_and(jax.random.uniform(key, valid.shape) < rate, valid)
   size = jnp.sum(chosen, dtype=jnp.int32)
   extra = jnp.maximum((size + capacity - 1) // capacity - 1, 0).astype(jnp.int32)
@@ -265,6 +279,7 @@ def clipped_gradient_sum(
   """
   if method not in PER_EXAMPLE_METHODS:
     raise ConfigError("method", method, f"{PER_EXAMPLE_METHODS}")
+  _check_number("l2_clip_norm", l2_clip_norm, lambda c: c > 0, "a finite number > 0")
   if method == "auto":
     method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:
@@ -367,6 +382,14 @@ def privatise(
   gradients clipped to ``C`` (e.g. :func:`clipped_gradient_sum` added up by
   :func:`sum_over_chunks`), so adding or removing one record moves it by at
   most ``C``; ``B`` is the expected batch size.
+
+  Raises:
+    ConfigError: a number (not a traced value) outside ``C > 0``, ``sigma >= 0``, ``B > 0``.
   """
+  _check_number("l2_clip_norm", l2_clip_norm, lambda c: c > 0, "a finite number > 0")
+  _check_number(
+    "noise_multiplier", noise_multiplier, lambda s: s >= 0, "a finite number >= 0 (0: no noise)"
+  )
+  _check_number("expected_batch_size", expected_batch_size, lambda b: b > 0, "a number > 0")
   noisy = add_gaussian_noise(key, clipped_sum, noise_multiplier * l2_clip_norm)
   return jax.tree.map(lambda g: g / expected_batch_size, noisy)

@@ -372,6 +372,37 @@ def test_noise_is_added():
   assert not bool(jnp.allclose(noisy["a"][0], noisy["a"][1]))  # independent across scalars
 
 
+@pytest.mark.parametrize(
+  "call, field, value",
+  [
+    (lambda k, t: privacy.poisson_sample(k, jnp.ones(10, bool), 1.5, 8), "rate", 1.5),
+    (lambda k, t: privacy.poisson_sample(k, jnp.ones(10, bool), 0.5, 0), "capacity", 0),
+    (lambda k, t: privacy.privatise(k, t, **_dp(l2_clip_norm=0.0)), "l2_clip_norm", 0.0),
+    (lambda k, t: privacy.privatise(k, t, **_dp(noise_multiplier=-1.0)), "noise_multiplier", -1.0),
+    (lambda k, t: privacy.privatise(k, t, **_dp(expected_batch_size=0)), "expected_batch_size", 0),
+  ],
+)
+def test_primitives_refuse_dp_numbers_outside_their_range(call, field, value):
+  """A number is checked when traced; sigma 0 (clipping only) and traced values pass."""
+  key, tree = jax.random.PRNGKey(0), {"w": jnp.ones(3)}
+  with pytest.raises(privacy.ConfigError) as err:
+    call(key, tree)
+  assert (err.value.field, err.value.value) == (field, value)
+  chex.assert_trees_all_close(privacy.privatise(key, tree, **_dp(noise_multiplier=0.0)), tree)
+  traced = jax.jit(
+    lambda b, q: (
+      privacy.privatise(key, tree, **_dp(expected_batch_size=b)),
+      privacy.poisson_sample(key, jnp.ones(10, bool), q, 8).size,
+    )
+  )
+  noisy, size = traced(1.0, 1.0)
+  assert int(size) == 10 and noisy["w"].shape == (3,)
+
+
+def _dp(**changes):
+  return {"l2_clip_norm": 1.0, "noise_multiplier": 1.0, "expected_batch_size": 1.0, **changes}
+
+
 @pytest.mark.parametrize("sigma, clip, expected_batch", [(1.0, 1.0, 64.0), (0.7, 0.1, 5.0)])
 def test_noise_std_and_mean(linear_apply_fn, linear_params, batch, sigma, clip, expected_batch):
   """Over many keys: mean = clipped sum / B, std = sigma * C / B (within 2%)."""
