@@ -35,6 +35,7 @@ as matrix products, while XLA's forward convolution is the fastest forward
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any, cast
 
 import flax.linen as nn
@@ -313,11 +314,22 @@ class ConvNet(nn.Module):
     """
     if self.norm not in NORMS:
       raise ValueError(f"ConvNet.norm={self.norm!r}; allowed: {NORMS}")
+    for field, least in (("num_classes", 1), ("width", 1), ("depth", 0)):
+      value = getattr(self, field)
+      if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+        raise ValueError(f"ConvNet.{field}={value!r}; allowed: an integer >= {least}")
     if x.ndim != 4:
       raise ValueError(f"ConvNet expects NHWC images, got shape {x.shape}")
+    given = f"{x.shape[1]}x{x.shape[2]}"
     if x.shape[1:] == (28, 28, 1):
       # The reference ConvNet uses padding 3 on 1-channel 28x28 inputs: pad 2 here, 1 in the conv.
       x = jnp.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
+    side = min(x.shape[1:3])
+    if side >> self.depth < 1:  # each block halves the side (2x2 average pooling)
+      raise ValueError(
+        f"ConvNet.depth={self.depth} is too deep for {given} images (each block halves the "
+        f"side of {x.shape[1]}x{x.shape[2]}); allowed: at most {side.bit_length() - 1}"
+      )
     impl = resolve_impl(self.impl)
     fast = impl != "flax"
     conv = {"flax": None, "im2col": conv_im2col, "hybrid": conv_hybrid}[impl]

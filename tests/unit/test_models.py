@@ -90,6 +90,33 @@ def test_bad_input_rank():
     model.init(jax.random.PRNGKey(0), jnp.zeros((8, 8)))
 
 
+@pytest.mark.parametrize(
+  "model, image_shape, message",
+  [
+    (ConvNet(width=0, depth=1), (8, 8, 1), r"ConvNet.width=0; allowed: an integer >= 1"),
+    (
+      ConvNet(num_classes=0, width=8),
+      (8, 8, 1),
+      r"ConvNet.num_classes=0; allowed: an integer >= 1",
+    ),
+    (
+      ConvNet(width=8, depth=4),
+      (8, 8, 1),
+      r"ConvNet.depth=4 is too deep for 8x8 images .*; allowed: at most 3",
+    ),
+    (
+      ConvNet(width=8, depth=6),
+      (28, 28, 1),
+      r"ConvNet.depth=6 is too deep for 28x28 images \(each block halves the side of 32x32\); "
+      r"allowed: at most 5",
+    ),
+  ],
+)
+def test_bad_sizes_are_refused_before_any_layer_is_built(model, image_shape, message):
+  with pytest.raises(ValueError, match=message):
+    model.init(jax.random.PRNGKey(0), jnp.zeros((1, *image_shape)))
+
+
 @pytest.mark.parametrize("norm", models.NORMS)
 def test_apply_shapes_jit_and_eager(norm):
   model, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), 10, width=8, depth=1, norm=norm)
