@@ -46,7 +46,7 @@ from fedlap_jax.config import (
   METHODS,
   ONE_SHOT_METHODS,
 )
-from fedlap_jax.models import NORMS
+from fedlap_jax.models import NORMS, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
 from experiments import data as data_lib
@@ -585,13 +585,6 @@ def _validate_normalisation(cfg) -> None:
     )
 
 
-def _effective_side(image_shape) -> int:
-  """Smallest spatial side the first conv block sees (ConvNet pads 28x28x1 to 32x32)."""
-  if tuple(image_shape) == (28, 28, 1):
-    return 32
-  return min(image_shape[:2])
-
-
 def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.ndarray]) -> None:
   """Checks that need the data: client sizes and classes against the config.
 
@@ -617,12 +610,11 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
         f"a larger train_fraction or alpha, or another seed)",
       )
   h, w = dataset.image_shape[:2]
-  side = _effective_side(dataset.image_shape)
-  if side // 2**cfg.model.depth < 1:
+  if cfg.model.depth > max_depth(dataset.image_shape):
     _fail(
       "model.depth",
       cfg.model.depth,
-      f"at most {int(math.log2(side))} for {h}x{w} images (each block halves the side)",
+      f"at most {max_depth(dataset.image_shape)} for {h}x{w} images (each block halves the side)",
     )
 
   smallest = int(np.argmin(sizes))

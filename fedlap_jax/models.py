@@ -274,6 +274,23 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
+# The reference ConvNet uses padding 3 on 1-channel 28x28 inputs: 2 before the first block,
+# 1 in the convolution.
+_PADDED_SHAPE, _PAD = (28, 28, 1), 2
+
+
+def max_depth(image_shape: tuple[int, ...]) -> int:
+  """The most conv blocks a :class:`ConvNet` can stack on ``(H, W, C)`` images.
+
+  Each block halves the side (2x2 average pooling) and must keep at least one pixel; 1-channel
+  28x28 images are padded to 32x32 first.
+  """
+  h, w = image_shape[:2]
+  if tuple(image_shape) == _PADDED_SHAPE:
+    h, w = h + 2 * _PAD, w + 2 * _PAD
+  return int(min(h, w)).bit_length() - 1
+
+
 class ConvNet(nn.Module):
   """ConvNet-`width` with `depth` conv blocks.
 
@@ -320,15 +337,13 @@ class ConvNet(nn.Module):
         raise ValueError(f"ConvNet.{field}={value!r}; allowed: an integer >= {least}")
     if x.ndim != 4:
       raise ValueError(f"ConvNet expects NHWC images, got shape {x.shape}")
-    given = f"{x.shape[1]}x{x.shape[2]}"
-    if x.shape[1:] == (28, 28, 1):
-      # The reference ConvNet uses padding 3 on 1-channel 28x28 inputs: pad 2 here, 1 in the conv.
-      x = jnp.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
-    side = min(x.shape[1:3])
-    if side >> self.depth < 1:  # each block halves the side (2x2 average pooling)
+    given, allowed = f"{x.shape[1]}x{x.shape[2]}", max_depth(x.shape[1:])
+    if x.shape[1:] == _PADDED_SHAPE:
+      x = jnp.pad(x, ((0, 0), (_PAD, _PAD), (_PAD, _PAD), (0, 0)))
+    if self.depth > allowed:
       raise ValueError(
         f"ConvNet.depth={self.depth} is too deep for {given} images (each block halves the "
-        f"side of {x.shape[1]}x{x.shape[2]}); allowed: at most {side.bit_length() - 1}"
+        f"side of {x.shape[1]}x{x.shape[2]}); allowed: at most {allowed}"
       )
     impl = resolve_impl(self.impl)
     fast = impl != "flax"
