@@ -9,8 +9,10 @@ The data types every federated algorithm shares, below all of them:
 * :class:`SyntheticSet`: a client's synthetic set ``S_k`` (FedLAP).
 * :func:`pixel_normalisation` / :func:`normalise_pixels`: the per-channel
   affine map from stored pixels to model inputs.
-* :func:`check_records`, :func:`check_pair`, :func:`check_batch_size`: the static
-  shape and dtype checks every method's client update runs when it is traced.
+* :func:`check_records`, :func:`check_pair`, :func:`check_batch_size`,
+  :func:`check_label_dtype`: the static shape and dtype checks every method's
+  client update (and the server's :func:`~fedlap_jax.server.check_union`) runs when
+  it is traced.
 """
 
 from __future__ import annotations
@@ -113,6 +115,16 @@ class SyntheticSet(NamedTuple):
   mask: jax.Array
 
 
+def check_label_dtype(field: str, y: jax.Array) -> None:
+  """Refuses labels ``y`` whose dtype is not an integer one (class indices).
+
+  Raises:
+    ConfigError: ``f"{field}.dtype"`` with the dtype's name.
+  """
+  if not jnp.issubdtype(jnp.result_type(y), jnp.integer):
+    raise ConfigError(f"{field}.dtype", str(jnp.result_type(y)), "an integer dtype (class labels)")
+
+
 def check_records(name: str, data: ClientData | SyntheticSet) -> tuple[int, ...]:
   """Refuses records whose static shapes or dtypes a method cannot use; returns ``x``'s shape.
 
@@ -134,10 +146,7 @@ def check_records(name: str, data: ClientData | SyntheticSet) -> tuple[int, ...]
         jnp.shape(getattr(data, leaf)),
         f"{shape[:1]}: one entry per record of {name}.x {shape}",
       )
-  if not jnp.issubdtype(jnp.result_type(data.y), jnp.integer):
-    raise ConfigError(
-      f"{name}.y.dtype", str(jnp.result_type(data.y)), "an integer dtype (class labels)"
-    )
+  check_label_dtype(f"{name}.y", data.y)
   if getattr(data, "pixel_scale", None) is None and not jnp.issubdtype(
     jnp.result_type(data.x), jnp.floating
   ):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client_data import SyntheticSet
+from fedlap_jax.client_data import SyntheticSet, check_label_dtype
 from fedlap_jax.config import FedLAPConfig, ServerConfig
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.radius import server_radius
@@ -93,10 +93,7 @@ def check_union(synthetic: SyntheticSet, client_weights: jax.Array) -> None:
         f"{shape[:2]}: one entry per image of synthetic.x {shape} (K clients x S images; "
         "one client's set stacked as x[None])",
       )
-  if not jnp.issubdtype(jnp.result_type(synthetic.y), jnp.integer):
-    raise ConfigError(
-      "synthetic.y.dtype", str(jnp.result_type(synthetic.y)), "an integer dtype (class labels)"
-    )
+  check_label_dtype("synthetic.y", synthetic.y)
   if jnp.shape(client_weights) != shape[:1]:
     raise ConfigError(
       "client_weights.shape", jnp.shape(client_weights), f"{shape[:1]}: one weight per client"
