@@ -59,14 +59,13 @@ from fedlap_jax.losses import cross_entropy, masked_mean_loss  # noqa: F401
 from fedlap_jax.types import ApplyFn, PyTree
 
 
-def _check_number(field: str, value: Any, ok: Callable[[float], bool], allowed: str) -> None:
-  """Refuses a Python or NumPy number ``value`` outside ``allowed``; arrays pass unchecked.
+def _given(value: Any) -> bool:
+  """Whether a DP parameter is a Python or NumPy number, checked when the function is traced.
 
-  The primitives take their DP parameters as numbers (a config's, static), checked when the
-  function is traced, or as arrays (e.g. a rate computed from a traced mask), the caller's.
+  The primitives take them as numbers (a config's, static) or as arrays (e.g. a rate computed
+  from a traced mask); an array is the caller's to check.
   """
-  if isinstance(value, numbers.Real):
-    checks.require(checks.is_real(value) and ok(float(value)), field, value, allowed)
+  return isinstance(value, numbers.Real)
 
 
 class PoissonBatch(NamedTuple):
@@ -108,7 +107,9 @@ def poisson_sample(
     :func:`sum_over_chunks` (or :func:`poisson_chunk`).
   """
   checks.positive_int("capacity", capacity)
-  _check_number("rate", rate, lambda q: 0.0 <= q <= 1.0, "a probability in [0, 1]")
+  if _given(rate):
+    q_ok = checks.is_real(rate) and 0 <= float(rate) <= 1
+    checks.require(q_ok, "rate", rate, "a probability in [0, 1]")
   chosen = jnp.logical_and(jax.random.uniform(key, valid.shape) < rate, valid)
   size = jnp.sum(chosen, dtype=jnp.int32)
   extra = jnp.maximum((size + capacity - 1) // capacity - 1, 0).astype(jnp.int32)
@@ -279,7 +280,8 @@ def clipped_gradient_sum(
   """
   if method not in PER_EXAMPLE_METHODS:
     raise ConfigError("method", method, f"{PER_EXAMPLE_METHODS}")
-  _check_number("l2_clip_norm", l2_clip_norm, lambda c: c > 0, "a finite number > 0")
+  if _given(l2_clip_norm):
+    checks.positive_float("l2_clip_norm", l2_clip_norm)
   if method == "auto":
     method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:
@@ -386,10 +388,16 @@ def privatise(
   Raises:
     ConfigError: a number (not a traced value) outside ``C > 0``, ``sigma >= 0``, ``B > 0``.
   """
-  _check_number("l2_clip_norm", l2_clip_norm, lambda c: c > 0, "a finite number > 0")
-  _check_number(
-    "noise_multiplier", noise_multiplier, lambda s: s >= 0, "a finite number >= 0 (0: no noise)"
-  )
-  _check_number("expected_batch_size", expected_batch_size, lambda b: b > 0, "a number > 0")
+  for field, value in (
+    ("l2_clip_norm", l2_clip_norm),
+    ("expected_batch_size", expected_batch_size),
+  ):
+    if _given(value):
+      checks.positive_float(field, value)
+  if _given(noise_multiplier):
+    sigma_ok = checks.is_real(noise_multiplier) and noise_multiplier >= 0
+    checks.require(
+      sigma_ok, "noise_multiplier", noise_multiplier, "a finite number >= 0 (0: no noise)"
+    )
   noisy = add_gaussian_noise(key, clipped_sum, noise_multiplier * l2_clip_norm)
   return jax.tree.map(lambda g: g / expected_batch_size, noisy)
