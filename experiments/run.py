@@ -108,6 +108,10 @@ def _none_able(config, field: str) -> bool:
   )  # pylint: disable=protected-access
 
 
+# How ml_collections' config_flags begins the error of a config file whose get_config raised.
+_CONFIG_FILE_ERROR = "Error whilst parsing config file"
+
+
 def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]]):
   """The :class:`ConfigError` of a failed flag parse; its text is the command line's message.
 
@@ -138,10 +142,11 @@ def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]])
       return library_configs.ConfigError(
         field, text, f"a value of the field's type ({message[len(prefix) :]})", message=message
       )
-  if "Traceback (most recent call last)" in message:  # the config's own get_config refused
-    last = [line for line in message.splitlines() if line.strip()][-1]
-    reason = re.sub(r"^[A-Za-z_.]*(Error|Exception): ", "", last.strip())
-    message = f"--config={name_arg!r} is invalid: {reason}"
+  # The config's own get_config refused: ml_collections re-raises its error with the traceback
+  # as text (the original is the context of that re-raise); the original's message is the reason.
+  wrapped = e.__context__
+  if wrapped is not None and str(wrapped).startswith(_CONFIG_FILE_ERROR) and wrapped.__context__:
+    message = f"--config={name_arg!r} is invalid: {wrapped.__context__}"
   return library_configs.ConfigError(
     "config", name_arg, "a config file that loads", message=message
   )
