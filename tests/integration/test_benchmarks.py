@@ -140,3 +140,62 @@ def test_device_check_script_is_valid_and_uses_existing_flags():
           assert f'"{flag}"' in source.read_text(), f"{call} has no option {flag}"
           checked += 1
   assert checked >= 8
+
+
+def test_compile_census_counts_each_tests_jax_work_across_xdist_workers(tmp_path):
+  """``-p benchmarks.compile_census``: one jitted call is one trace, lowering and compile of the
+  test that made it; a test without JAX has none; the workers' counts add up on the controller."""
+  (tmp_path / "pytest.ini").write_text("[pytest]\n")
+  (tmp_path / "test_two.py").write_text(
+    "import jax, numpy as np\n"
+    "def test_jitted():\n"
+    "  assert np.asarray(jax.jit(lambda x: x * 2.0)(np.float32(1.5))) == 3.0\n"
+    "def test_python_only():\n"
+    "  assert 1 + 1 == 2\n"
+  )
+  out_json = tmp_path / "census.json"
+  # The child run keeps no persistent compilation cache (it would share this session's).
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_COMPILATION_CACHE", "FEDLAP_TESTS_OWN"))
+  }
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-q",
+      "-n",
+      "2",
+      "-p",
+      "benchmarks.compile_census",
+      "--census-json",
+      str(out_json),
+      "-c",
+      str(tmp_path / "pytest.ini"),
+      "--rootdir",
+      str(tmp_path),
+      str(tmp_path / "test_two.py"),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "compile census" in out.stdout
+  row = next(line for line in out.stdout.splitlines() if line.startswith("test_two.py"))
+  assert row.split()[1:2] == ["2"], row  # two tests
+  census = json.loads(out_json.read_text())
+  jitted, plain = (
+    census["tests"]["test_two.py::test_jitted"],
+    census["tests"]["test_two.py::test_python_only"],
+  )
+  assert (jitted["trace_n"], jitted["lower_n"], jitted["compile_n"]) == (1, 1, 1), jitted
+  assert jitted["compile_s"] > 0 and jitted["test_s"] >= jitted["compile_s"]
+  assert (plain["trace_n"], plain["lower_n"], plain["compile_n"]) == (0, 0, 0), plain
+  total = census["files"]["total"]
+  assert total["tests"] == 2
+  assert total["compile_n"] == sum(t["compile_n"] for t in census["tests"].values())
