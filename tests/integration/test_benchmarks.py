@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 
 def run_script(*argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-  """``python -m benchmarks.<argv>`` from the repository root, ``env`` added to the environment."""
+  """``python -m <argv>`` (a ``benchmarks`` script, or pytest with a benchmark plugin) from the
+  repository root, ``env`` added to the environment."""
   return subprocess.run(
     [sys.executable, "-m", *argv],
     cwd=ROOT,
@@ -154,35 +155,21 @@ def test_compile_census_counts_each_tests_jax_work_across_xdist_workers(tmp_path
     "  assert 1 + 1 == 2\n"
   )
   out_json = tmp_path / "census.json"
-  # The child run keeps no persistent compilation cache (it would share this session's).
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(("JAX_COMPILATION_CACHE", "FEDLAP_TESTS_OWN"))
-  }
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "pytest",
-      "-q",
-      "-n",
-      "2",
-      "-p",
-      "benchmarks.compile_census",
-      "--census-json",
-      str(out_json),
-      "-c",
-      str(tmp_path / "pytest.ini"),
-      "--rootdir",
-      str(tmp_path),
-      str(tmp_path / "test_two.py"),
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
+  out = run_script(  # no persistent compilation cache: it would be this session's
+    "pytest",
+    "-q",
+    "-n",
+    "2",
+    "-p",
+    "benchmarks.compile_census",
+    "--census-json",
+    str(out_json),
+    "-c",
+    str(tmp_path / "pytest.ini"),
+    "--rootdir",
+    str(tmp_path),
+    str(tmp_path / "test_two.py"),
+    JAX_COMPILATION_CACHE_DIR="",
   )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "compile census" in out.stdout
