@@ -95,7 +95,15 @@ import numpy as np
 from fedlap_jax import dsa, privacy
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
-from fedlap_jax.checks import ConfigError, dsa_strategy, is_int, is_real, one_of, require
+from fedlap_jax.checks import (
+  ConfigError,
+  dsa_strategy,
+  is_int,
+  is_real,
+  nonneg_float,
+  one_of,
+  require,
+)
 from fedlap_jax.client_data import ClientData, check_batch_size, check_records
 from fedlap_jax.config import (
   BASELINE_METHODS,
@@ -217,21 +225,14 @@ class LocalTraining:
       v = getattr(self, f)
       require(v is None or (is_int(v) and v >= 1), f, v, "None or an integer >= 1")
     check_poisson_capacity(self.poisson_capacity, self.batch_size)
-    require(
-      is_real(self.prox_mu) and self.prox_mu >= 0, "prox_mu", self.prox_mu, "a finite number >= 0"
-    )
+    nonneg_float("prox_mu", self.prox_mu)
     require(
       self.l2_clip_norm is None or (is_real(self.l2_clip_norm) and self.l2_clip_norm > 0),
       "l2_clip_norm",
       self.l2_clip_norm,
       "None or a finite number > 0",
     )
-    require(
-      is_real(self.noise_multiplier) and self.noise_multiplier >= 0,
-      "noise_multiplier",
-      self.noise_multiplier,
-      "a finite number >= 0",
-    )
+    nonneg_float("noise_multiplier", self.noise_multiplier)
     require(
       self.l2_clip_norm is not None or self.noise_multiplier == 0,
       "noise_multiplier",

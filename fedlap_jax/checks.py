@@ -77,6 +77,10 @@ def positive_float(field: str, value: Any) -> None:
   require(is_real(value) and value > 0, field, value, "a finite number > 0")
 
 
+def nonneg_float(field: str, value: Any) -> None:
+  require(is_real(value) and value >= 0, field, value, "a finite number >= 0")
+
+
 def one_of(field: str, value: Any, options: tuple) -> None:
   require(value in options, field, value, f"one of {options}")
 

@@ -32,6 +32,7 @@ from fedlap_jax.checks import (
   dsa_strategy,
   is_int,
   is_real,
+  nonneg_float,
   nonneg_int,
   one_of,
   positive_float,
@@ -280,12 +281,7 @@ class ClientConfig:
     ):
       positive_int(f, getattr(self, f))
     nonneg_int("inner_loop", self.inner_loop)
-    require(
-      is_real(self.mse_weight) and self.mse_weight >= 0,
-      "mse_weight",
-      self.mse_weight,
-      "a finite number >= 0",
-    )
+    nonneg_float("mse_weight", self.mse_weight)
     positive_float("radius", self.radius)
     if self.calibration_eval_size is not None:
       positive_int("calibration_eval_size", self.calibration_eval_size)
@@ -389,12 +385,7 @@ class ServerConfig:
       self.momentum,
       "a number in [0, 1)",
     )
-    require(
-      is_real(self.weight_decay) and self.weight_decay >= 0,
-      "server.weight_decay",
-      self.weight_decay,
-      "a finite number >= 0",
-    )
+    nonneg_float("server.weight_decay", self.weight_decay)
 
 
 def fixed_epochs_server(max_epochs: int) -> ServerConfig:

@@ -64,7 +64,7 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.checks import is_real, one_of, positive_float, positive_int, require
+from fedlap_jax.checks import nonneg_float, one_of, positive_float, positive_int, require
 from fedlap_jax.client_data import ClientData, SyntheticSet, check_pair
 from fedlap_jax.config import (
   CLIENT_BACKENDS,
@@ -127,7 +127,7 @@ class FedDMConfig:
   def __post_init__(self):
     for f in ("ipc", "image_updates", "batch_size"):
       positive_int(f, getattr(self, f))
-    require(is_real(self.rho) and self.rho >= 0, "rho", self.rho, "a finite number >= 0")
+    nonneg_float("rho", self.rho)
     check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
     require(isinstance(self.server, ServerConfig), "server", self.server, "a ServerConfig")

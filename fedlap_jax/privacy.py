@@ -395,9 +395,6 @@ def privatise(
     if _given(value):
       checks.positive_float(field, value)
   if _given(noise_multiplier):
-    sigma_ok = checks.is_real(noise_multiplier) and noise_multiplier >= 0
-    checks.require(
-      sigma_ok, "noise_multiplier", noise_multiplier, "a finite number >= 0 (0: no noise)"
-    )
+    checks.nonneg_float("noise_multiplier", noise_multiplier)  # 0: clipping only, no noise
   noisy = add_gaussian_noise(key, clipped_sum, noise_multiplier * l2_clip_norm)
   return jax.tree.map(lambda g: g / expected_batch_size, noisy)
