@@ -610,11 +610,12 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
         f"a larger train_fraction or alpha, or another seed)",
       )
   h, w = dataset.image_shape[:2]
-  if cfg.model.depth > max_depth(dataset.image_shape):
+  deepest = max_depth(dataset.image_shape)
+  if cfg.model.depth > deepest:
     _fail(
       "model.depth",
       cfg.model.depth,
-      f"at most {max_depth(dataset.image_shape)} for {h}x{w} images (each block halves the side)",
+      f"at most {deepest} for {h}x{w} images (each block halves the side)",
     )
 
   smallest = int(np.argmin(sizes))
