@@ -428,9 +428,13 @@ def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
   )
 
 
-def calibrate_noise(config) -> list[str]:
+def calibrate_noise(config, sizes_of=None) -> list[str]:
   """Sets ``dp.noise_multiplier`` of every (suite) run with ``dp.target_epsilon`` or
   ``dp.match_epsilon_of`` (in place); returns one log line per calibrated run.
+
+  ``sizes_of(cfg)`` gives a run's records per client (default :func:`client_sizes`, which
+  loads the data; :mod:`experiments.epsilons` passes the published sizes of data it does not
+  load).
 
   * ``dp.target_epsilon = E``: the smallest sigma whose epsilon (of ``dp.epsilon_for``:
     replace-one by default, the reported guarantee) after the run's last round is at most
@@ -449,13 +453,13 @@ def calibrate_noise(config) -> list[str]:
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
   lines = []
-  sizes_of = {}  # the runs of a suite mostly share data and partition: load them once
+  loaded = {}  # the runs of a suite mostly share data and partition: load them once
 
   def budget_of(cfg):
     key = repr(sorted(cfg.data.to_dict().items()))
-    if key not in sizes_of:
-      sizes_of[key] = client_sizes(cfg)
-    return dp_budget(cfg, sizes_of[key])
+    if key not in loaded:
+      loaded[key] = (sizes_of or client_sizes)(cfg)
+    return dp_budget(cfg, loaded[key])
 
   def log(label, field, target, cfg, budget):
     eps = budget.epsilon(cfg.dp.noise_multiplier)

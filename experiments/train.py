@@ -824,10 +824,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
   if private:
     smallest = privacy["min_client_size"]
-    if per_round is not None:  # one ledger per client, charged when it takes part
-      fresh_ledger = mechanism.client_ledgers(sizes)
-    else:  # every client every round: the smallest client's ledger is the maximum
-      fresh_ledger = mechanism.ledger(smallest)
+    fresh_ledger = new_ledger(mechanism, sizes, per_round)
     if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
       # The smallest client taking part in every round bounds every client's ledger.
       library_configs.check_target_epsilon(
@@ -999,10 +996,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   def charge_ledger(m, idx):
     """Composes round ``m``'s noisy accesses into the ledger and writes privacy_ledger.json
     (atomically); the round's epsilon, ``None`` without DP."""
-    if isinstance(ledger, accounting.ClientLedgers):
-      epsilon = ledger.record_round(idx.tolist(), mechanism.steps_per_round)
-    else:
-      epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
+    epsilon = None if ledger is None else charge_round(ledger, mechanism, idx)
     if ledger is not None:
       checkpointing.write_json_atomic(
         workdir / "privacy_ledger.json", ledger.to_dict(), fault_round=m
@@ -1121,6 +1115,24 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     "compilations": round_compiles.count,
     "seconds": time.time() - t_start,
   }
+
+
+def new_ledger(mechanism: accounting.DpMechanism, client_sizes, clients_per_round: int | None):
+  """The empty ledger a DP run keeps: with every client in every round one
+  :class:`~fedlap_jax.accounting.PrivacyLedger` of the smallest client (its epsilon is the
+  maximum over clients); with ``clients_per_round`` set one ledger per client
+  (:class:`~fedlap_jax.accounting.ClientLedgers`), each charged only for its rounds."""
+  if clients_per_round is not None:
+    return mechanism.client_ledgers(client_sizes)
+  return mechanism.ledger(int(min(client_sizes)))
+
+
+def charge_round(ledger, mechanism: accounting.DpMechanism, participants) -> float:
+  """Composes one round of ``mechanism`` (its ``T`` noisy steps) into ``ledger`` for the round's
+  ``participants`` (client indices); returns the headline epsilon after it."""
+  if isinstance(ledger, accounting.ClientLedgers):
+    return ledger.record_round(np.asarray(participants).tolist(), mechanism.steps_per_round)
+  return ledger.record_round(mechanism.steps_per_round)
 
 
 def _one_line(e: BaseException) -> str:

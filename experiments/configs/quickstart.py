@@ -13,12 +13,14 @@ about a minute for both on 2 idle CPU cores.
 * FedLAP-DP (``fedlap_dp``, ``quickstart:dp``): the hybrid recipe,
   ``digits_dp_hybrid`` (DP-SGD client path on un-augmented real batches at
   q = 46 / 274, T = 20 per round, FedAvg start, 5 epochs on the synthetic sets;
-  5 rounds, sigma 2.92: add/remove epsilon 2.78). How it compares with DP-FedAvg
+  5 rounds, sigma 2.92: ``quickstart:dp``: epsilon 5.116 after 5 rounds (add/remove
+  2.777)). How it compares with DP-FedAvg
   at equal epsilon is in docs/results.md. It uploads one model delta per client
   and round besides the synthetic set (the Flower app sends both).
 * FedLAP-DP with the older loops (``quickstart:dp_loops``, :func:`dp_config`, the base
   of the digits' named configs and of many tests): sigma=1, C=1, delta=1e-5, B=64
-  Poisson (q = 64 / 274), T=10 noisy accesses per round, 10 rounds (epsilon 18.9);
+  Poisson (q = 64 / 274), T=10 noisy accesses per round, 10 rounds
+  (``quickstart:dp_loops``: epsilon 28.64 after 10 rounds (add/remove 18.89));
   synthetic images from N(0, 1) once; constant radius r=5; eta_0=0.05, tau=100;
   pixels standardised with the statistics of the public test split
   (``data.normalisation='test_split'``).
@@ -102,7 +104,8 @@ def hybrid_config():
 
 def tuned_config():
   """FedLAP-DP on digits with the tuned recipe (``quickstart:dp_tuned``, ``digits_dp_tuned``:
-  :data:`experiments.configs.fedlap.TUNED_RECIPE`; sigma 2.38, epsilon 2.79 after round 3)."""
+  :data:`experiments.configs.fedlap.TUNED_RECIPE`; sigma 2.38:
+  ``quickstart:dp_tuned``: epsilon 4.82 after 3 rounds (add/remove 2.77))."""
   return fedlap.apply_tuned_dp(dp_config(), batch_size=BATCH_SIZE_Q017)
 
 
