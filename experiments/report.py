@@ -32,7 +32,7 @@ the number of seeds.
   (replace-one), or ``epsilon_add_remove`` (the paper's notion) for runs
   calibrated on it.
 * DP at the epsilon spent: the accuracy after the last round and that
-  round's epsilon (the paper's PSG column at epsilon 32; one-shot methods
+  round's epsilon (as the paper's PSG column, there at its add/remove 32; one-shot methods
   have one round).
 
 Writes ``report.md``, ``table_nondp.csv``, ``table_dp_eps<e>.csv``,

@@ -41,13 +41,8 @@ def test_calibration_hits_the_target_on_the_ledgers_terms_and_is_monotone(method
   # The sigma is the smallest to 1e-4: 1e-3 less overshoots the target.
   assert budget.epsilon(sigmas[1] * (1 - 1e-3)) > 10.18
   # A run's ledger charges what the calibration computes (2 rounds here, to stay fast).
-  ledger = accounting.PrivacyLedger(
-    noise_multiplier=sigmas[1],
-    batch_size=64,
-    min_client_size=274,
-    steps_per_round=steps,
-    delta=1e-5,
-  )
+  ledger = budget.mechanism.with_noise_multiplier(sigmas[1]).ledger(274)
+  assert (ledger.batch_size, ledger.steps_per_round, ledger.delta) == (64, steps, 1e-5)
   ledger.record_round()
   ledger.record_round()
   assert ledger.epsilon == pytest.approx(budget._replace(rounds=2).epsilon(sigmas[1]), rel=1e-9)
@@ -145,6 +140,35 @@ def test_target_and_match_are_exclusive():
 # --------------------------------------------------------------------------- the suite
 
 
+@pytest.mark.parametrize("epsilon_for", ["replace_one", "add_remove"])
+def test_the_comparison_suites_match_every_method_on_one_notion(epsilon_for):
+  """compare_dp and quickstart_compare calibrate every DP run on the guarantee by default, on
+  the paper's add/remove figure only when asked, and then every method alike."""
+  arg = "" if epsilon_for == "replace_one" else f",epsilon_for={epsilon_for}"
+  suites = [
+    compare_dp.get_config(f"digits,lrs=1{arg}").suite,
+    quickstart_compare.get_config(*([epsilon_for] if arg else [])).suite,
+  ]
+  for suite in suites:
+    dp = [suite[k] for k in suite.keys() if suite[k].dp.enabled]
+    assert len(dp) >= 4 and {c.dp.epsilon_for for c in dp} == {epsilon_for}
+  with pytest.raises(ValueError, match="quickstart_compare:rdp is invalid"):
+    quickstart_compare.get_config("rdp")
+
+
+def test_quickstart_compare_gives_every_dp_method_the_same_guarantee():
+  config = quickstart_compare.get_config()
+  run.calibrate_noise(config)
+  suite = config.suite
+  sizes = run.client_sizes(suite.fedlap_dp)
+  eps = {
+    k: run.dp_budget(suite[k], sizes).epsilon(suite[k].dp.noise_multiplier)
+    for k in ("fedlap_dp", "dp_fedavg", "dp_fedprox", "psg")
+  }
+  assert all(e == pytest.approx(eps["fedlap_dp"], rel=2e-4) for e in eps.values()), eps
+  assert eps["fedlap_dp"] == pytest.approx(28.64, abs=0.005)  # quickstart:dp_loops' guarantee
+
+
 def test_compare_dp_expands_into_every_method_grid_point_and_epsilon():
   suite = compare_dp.get_config("digits").suite
   variants = compare_dp.default_variants()
@@ -205,6 +229,8 @@ def test_compare_dp_options_and_one_line_variants(monkeypatch, tmp_path):
   assert only.dp_fedavg_lr10__eps3.model.width == 32
   with pytest.raises(ValueError, match="compare_dp:digits,eps=0 is invalid"):
     compare_dp.get_config("digits,eps=0")
+  with pytest.raises(ValueError, match="epsilon_for='rdp'; allowed: one of"):
+    compare_dp.get_config("digits,epsilon_for=rdp")
   _, label = run.resolve_config_arg(f"compare_dp:npz:{npz}")
   assert "/" not in label
 
@@ -321,7 +347,8 @@ def test_epsilon_for_selects_the_figure_a_target_calibrates():
     <= mech.with_noise_multiplier(sigma_a).epsilon_after(10, 274, adjacency="add_remove")
     <= 5.0
   )
-  assert compare_dp.digits_paper().dp.epsilon_for == "add_remove"  # the paper's levels
+  # One notion in every named config and suite: the guarantee, unless asked for explicitly.
+  assert compare_dp.digits_paper().dp.epsilon_for == "replace_one"
   cfg.dp.epsilon_for = "either"
   with pytest.raises(library_configs.ConfigError) as err:
     library_configs.validate_config(cfg)
