@@ -80,11 +80,11 @@ def run_experiments(config: str, overrides: str, workdir: Path) -> dict:
       "test_accuracy": r["test_accuracy"],
       "test_loss": r["test_loss"],
       "epsilon": r.get("epsilon"),
-      "round_seconds": r["round_seconds"],
+      "round_seconds": t["round_seconds"],  # timing.jsonl's record of the round
       # experiments.run counts the synthetic images only (float32).
       "upload_bytes": info["upload_floats_per_client"] * 4 * len(info["client_sizes"]),
     }
-    for r in result["records"]
+    for r, t in zip(result["records"], result["timing"])
   ]
   return {
     "records": records,

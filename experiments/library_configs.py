@@ -335,8 +335,14 @@ def validate_config(cfg) -> None:
   """
   if cfg.method not in METHODS:
     _fail("method", cfg.method, f"one of {METHODS}")
-  if not is_int(cfg.seed) or cfg.seed < 0:
-    _fail("seed", cfg.seed, "an integer >= 0")
+  seed = cfg.get("seed")
+  if seed is not None and (not is_int(seed) or not 0 <= seed < 2**128):
+    _fail(
+      "seed",
+      seed,
+      "None (DP: drawn from the operating system's entropy; without DP: 0) or an integer "
+      "in [0, 2**128) (a given seed is guessable: a DP run's outputs are then not private)",
+    )
   if not is_int(cfg.rounds) or cfg.rounds < 1:
     _fail("rounds", cfg.rounds, "an integer >= 1")
   if not is_real(cfg.learning_rate) or cfg.learning_rate <= 0:

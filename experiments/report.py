@@ -37,7 +37,7 @@ the number of seeds.
 
 Writes ``report.md``, ``table_nondp.csv``, ``table_dp_eps<e>.csv``,
 ``table_dp_final.csv``, ``runs.csv`` (one line per run, with its upload and
-seconds per round) and ``accuracy_vs_round.png`` (mean over seeds, shaded +-
+seconds per round from its ``timing.jsonl``; a drawn seed as ``drawn``) and ``accuracy_vs_round.png`` (mean over seeds, shaded +-
 std; DP runs dashed) to ``--out``.
 """
 
@@ -104,6 +104,9 @@ class Run:
     self.config = _flatten(json.loads(cfg_path.read_text()))
     self.info = json.loads(info_path.read_text())
     self.records = checkpointing.read_metrics(self.path / "metrics.jsonl")
+    # Timing has its own file (outside the releasable ones); work dirs of older versions kept
+    # it in metrics.jsonl.
+    self.timing = checkpointing.read_metrics(self.path / "timing.jsonl") or self.records
     if not self.records:
       raise ValueError(f"RUN_DIR={str(path)!r} has no metrics records yet")
     self.dp = bool(self.info.get("dp"))
@@ -114,7 +117,8 @@ class Run:
       else float("nan")
     )
     self.dataset = self.config["data.name"]
-    self.seed = self.config["seed"]
+    # A drawn seed is secret: reports name it "drawn", never its value.
+    self.seed = "drawn" if self.info.get("seed_origin") == "drawn" else self.config["seed"]
     if self.config.get("label"):  # a config's display name replaces the method's
       self.method = self.config["label"]
     self.target_epsilon = self.config.get("dp.target_epsilon")
@@ -144,7 +148,9 @@ class Run:
   @property
   def round_seconds(self) -> tuple[float, float]:
     """``(first round, mean of the later rounds or nan)``; the first includes compilation."""
-    secs = [r["round_seconds"] for r in self.records]
+    secs = [r["round_seconds"] for r in self.timing if "round_seconds" in r]
+    if not secs:
+      return float("nan"), float("nan")
     return secs[0], (float(np.mean(secs[1:])) if len(secs) > 1 else float("nan"))
 
   def accuracy_at_epsilon(self, epsilon: float) -> float:
@@ -464,7 +470,7 @@ def make_report(
           f"{last['test_accuracy']:.6f}",
           f"{r.accuracy('best'):.6f}",
           "" if last.get("epsilon") is None else f"{last['epsilon']:.6f}",
-          f"{last['wall_seconds']:.1f}",
+          f"{r.timing[-1].get('wall_seconds', float('nan')):.1f}",
           r.info.get("upload_floats_per_client", ""),
           f"{r.upload_ratio:.4f}",
           f"{first:.2f}",

@@ -255,6 +255,11 @@ def load_config(name_arg: str, overrides: Sequence[str] = ()):
   ``overrides`` are ``"FIELD=VALUE"`` items, each parsed as the command line's
   ``--config.FIELD=VALUE`` (:func:`parse_argv`). The config is locked, not validated.
 
+  A ``seed`` the config and the overrides leave None becomes 0 here: this serves a caller with
+  no work dir to keep a drawn seed in (the Flower app, whose DP clients draw their round keys
+  from the operating system's entropy, and tests). :func:`main` leaves it None, so that a DP
+  run's seed is drawn for its work dir (:mod:`experiments.seeds`).
+
   Returns:
     ``(config, name)``: the ml_collections config and the run's name (``cifar_ablation_ipc:20``
     -> ``cifar_ablation_ipc_20``).
@@ -273,7 +278,11 @@ def load_config(name_arg: str, overrides: Sequence[str] = ()):
   flag_values, name = parse_argv(
     ["prog", f"--config={name_arg}", *(f"--config.{item}" for item in overrides)]
   )
-  return flag_values.config, name
+  config = flag_values.config
+  for cfg in config.suite.values() if "suite" in config else [config]:
+    if cfg.get("seed", 0) is None:
+      cfg.seed = 0
+  return config, name
 
 
 # Arguments that ask for the usage text instead of a run (absl's and argparse's spellings).

@@ -80,14 +80,23 @@ ledger. Raw statistics of the clients' records (:attr:`LocalApproxMetrics.NONPRI
 :attr:`ClientMetrics.NONPRIVATE`) are written only with
 ``debug_nonprivate_stats=True``, under ``"nonprivate"`` in ``metrics.jsonl``.
 
+The seed (:mod:`experiments.seeds`): a DP run without ``config.seed`` draws one from the
+operating system's entropy (128 bits) and keeps it in ``config.json``; a re-run on the same
+work dir reads it back. A given seed is guessable, and ``summary.md`` then says the outputs
+are not private. Timing (``round_seconds``, ``wall_seconds``) goes to its own file,
+:data:`TIMING_FILE`, never to the releasable ``metrics.jsonl``, ``train.log`` or
+``summary.md`` (stdout shows each round's seconds); ``summary.md`` lists what may be released
+(:data:`RELEASABLE`, :data:`SECRET`, :data:`NOT_COVERED`, as docs/privacy.md).
+
 Outputs (in ``workdir``): ``config.json``, ``run_info.json``,
-``metrics.jsonl``, ``privacy_ledger.json`` (DP), ``train.log``,
+``metrics.jsonl``, ``timing.jsonl``, ``privacy_ledger.json`` (DP), ``train.log``,
 ``checkpoints/``, ``synthetic/round_XXXX.npz`` (FedLAP), the PNG plots of
 :mod:`experiments.plots` and ``summary.md``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
@@ -116,6 +125,7 @@ from experiments import checkpointing
 from experiments import data as data_lib
 from experiments import faults
 from experiments import library_configs
+from experiments import seeds
 from experiments import termination
 
 # Fields that may change between an interrupted run and its resumption.
@@ -138,6 +148,25 @@ BYTES_PER_FLOAT = 4
 # The section of a metrics record that holds raw statistics of the clients' records.
 NONPRIVATE_SECTION = "nonprivate"
 DAMAGED_DIR = "damaged_checkpoints"
+# A round's timing (it depends on the round's Poisson draws, so it is not covered by the
+# guarantee): its own file, beside the releasable metrics.jsonl.
+TIMING_FILE = "timing.jsonl"
+TIMING_FIELDS = ("round_seconds", "wall_seconds", "first_in_process")
+# What a DP run's work dir holds, by what may be released (docs/privacy.md, "A DP run's work
+# dir"; summary.md lists the same): DP outputs, their post-processing and public facts;
+# what determines every noise draw; what the guarantee does not cover.
+RELEASABLE = (
+  "synthetic/",
+  "metrics.jsonl",
+  "privacy_ledger.json",
+  "run_info.json",
+  "summary.md",
+  "train.log",
+  "the plots (*.png)",
+  "config.json without its seed",
+)
+SECRET = ("the seed in config.json", "checkpoints/", f"{DAMAGED_DIR}/")
+NOT_COVERED = (TIMING_FILE, "audit/")
 
 
 # dp_accounting's per-order convergence warnings are filtered by fedlap_jax.accounting.
@@ -294,14 +323,22 @@ class RunSetup(NamedTuple):
 def build_run(cfg) -> RunSetup:
   """Data, partition, model, algorithm and initial state of a validated config.
 
-  Deterministic in ``cfg.seed`` (``key(seed)`` is split into the model-init and
-  the algorithm key) and the public ``cfg.data.partition_seed`` (the partition),
-  so the initial state is a valid template for restoring the run's checkpoints,
-  e.g. in :mod:`experiments.audit`.
+  Deterministic in ``cfg.seed`` (:func:`experiments.seeds.run_key` is split into the
+  model-init and the algorithm key) and the public ``cfg.data.partition_seed`` (the
+  partition), so the initial state is a valid template for restoring the run's checkpoints,
+  e.g. in :mod:`experiments.audit`. ``cfg.seed`` must be resolved (an integer;
+  :func:`train_and_evaluate` resolves a None seed with :func:`experiments.seeds.resolve`).
 
   Raises:
-    library_configs.ConfigError: the data does not fit the config.
+    library_configs.ConfigError: the seed is None, or the data does not fit the config.
   """
+  if cfg.get("seed") is None:
+    raise library_configs.ConfigError(
+      "seed",
+      None,
+      "an integer: build_run needs a resolved seed (train_and_evaluate draws a DP run's "
+      "seed from the operating system's entropy, experiments.seeds.resolve)",
+    )
   try:
     dataset = data_lib.load_dataset(cfg.data)
     indices = data_lib.client_split(dataset, cfg.data)
@@ -320,7 +357,7 @@ def build_run(cfg) -> RunSetup:
   )
   if resolve_client_backend(cfg.client_backend) == "shard" and not samples_clients(cfg):
     clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
-  k_model, k_alg = jax.random.split(jax.random.key(cfg.seed))
+  k_model, k_alg = jax.random.split(seeds.run_key(int(cfg.seed)))
   model, params = init_convnet(
     k_model,
     dataset.image_shape,
@@ -446,7 +483,10 @@ def _diff(stored: dict, current: dict) -> list[str]:
   keys = sorted(set(stored) | set(current))
   norm = lambda v: list(v) if isinstance(v, tuple) else v
   return [
-    f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
+    # The seed is secret: a message says that it differs, never what it is.
+    "seed: another seed than the checkpoint's (not shown: it is secret)"
+    if k == "seed"
+    else f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
     for k in keys
     if norm(stored.get(k)) != norm(current.get(k))
   ]
@@ -651,7 +691,6 @@ def _format_line(rec: dict, rounds: int) -> str:
     ml = [v for v in rec["matching_loss"] if v is not None]
     if ml:
       parts.append(f"match {np.mean(ml):.3f}")
-  parts.append(f"{rec['round_seconds']:.1f}s")
   return "  ".join(parts)
 
 
@@ -676,26 +715,43 @@ def save_snapshot(workdir: Path, round_index: int, state, dataset) -> None:
   os.replace(tmp, path)
 
 
+def release_lines(info: dict, *, nonprivate_stats: bool) -> list[str]:
+  """What ``summary.md`` says about releasing a DP run's work dir: the lists of
+  :data:`RELEASABLE`, :data:`SECRET` and :data:`NOT_COVERED` (docs/privacy.md holds the same),
+  unless the seed was given or raw statistics were written, which make nothing private."""
+  lines = []
+  if info.get("seed_origin") != seeds.DRAWN:
+    lines.append(
+      "- NOT PRIVATE: the seed was given (--config.seed), and a given seed is guessable: "
+      "these outputs reproduce a run and may not be published as private (leave --config.seed "
+      "out to draw one from the operating system's entropy)"
+    )
+  if nonprivate_stats:
+    lines.append(
+      f"- WARNING: metrics.jsonl holds non-private statistics of the clients' records "
+      f"(section \"{NONPRIVATE_SECTION}\", debug_nonprivate_stats=True), outside the "
+      "privacy guarantee: do not release it"
+    )
+  lines += [
+    f"- releasable under the privacy guarantee{' (had the seed been drawn)' if lines else ''}: "
+    + ", ".join(RELEASABLE),
+    "- secret (they determine every noise draw): " + ", ".join(SECRET),
+    "- not covered by the guarantee (do not release): " + ", ".join(NOT_COVERED),
+  ]
+  return lines
+
+
 def write_summary(workdir: Path, config_name: str, records: list[dict], info: dict) -> None:
-  """A short ``summary.md``: setting, final and best accuracy, epsilon, cost, files."""
+  """A short ``summary.md``: setting, final and best accuracy, epsilon, cost, what may be
+  released, files. Timing is named (:data:`TIMING_FILE`), not quoted: the guarantee does not
+  cover it."""
   lines = [f"# {config_name}: {info['method_label']} on {info['dataset']}", ""]
   notes = []
   norm = info.get("normalisation")
   if norm:
     notes.append(f"- normalisation: {norm['source']} (mean {norm['mean']}, std {norm['std']})")
   if info.get("delta") is not None:
-    notes.append(
-      "- releasable under the privacy guarantee: synthetic/, metrics.jsonl, "
-      "privacy_ledger.json, run_info.json, summary.md, train.log and the plots; "
-      "the seed in config.json and checkpoints/ (the PRNG key) determine every noise "
-      "draw and must stay secret (README, \"Privacy guarantees and their assumptions\")"
-    )
-  if any(NONPRIVATE_SECTION in r for r in records):
-    notes.append(
-      f"- WARNING: metrics.jsonl holds non-private statistics of the clients' records "
-      f"(section \"{NONPRIVATE_SECTION}\", debug_nonprivate_stats=True), outside the "
-      "privacy guarantee: do not release it"
-    )
+    notes += release_lines(info, nonprivate_stats=any(NONPRIVATE_SECTION in r for r in records))
   if records:
     last = records[-1]
     best = max(records, key=lambda r: r["test_accuracy"])
@@ -726,16 +782,15 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
       f"- upload: {info['upload_floats_per_client']:,} floats per client per round "
       f"({info['upload_floats_per_client'] / info['num_params']:.2f}x the "
       f"{info['num_params']:,} model parameters); {last['upload_mb']:.2f} MB in total",
-      f"- wall time: {last['wall_seconds']:.1f} s",
+      f"- timing: {TIMING_FILE}",
       "",
-      "| round | accuracy | loss | epsilon | seconds |",
-      "|---:|---:|---:|---:|---:|",
+      "| round | accuracy | loss | epsilon |",
+      "|---:|---:|---:|---:|",
     ]
     for r in records:
       eps = "-" if r.get("epsilon") is None else f"{r['epsilon']:.3f}"
       lines.append(
-        f"| {r['round']} | {100 * r['test_accuracy']:.2f} | {r['test_loss']:.4f} "
-        f"| {eps} | {r['round_seconds']:.1f} |"
+        f"| {r['round']} | {100 * r['test_accuracy']:.2f} | {r['test_loss']:.4f} | {eps} |"
       )
   else:
     lines += notes
@@ -789,8 +844,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     KeyboardInterrupt: Ctrl-C; a round in progress is abandoned alike.
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
-  cfg = config
-  library_configs.validate_config(cfg)
+  library_configs.validate_config(config)
   workdir = Path(workdir)
   try:
     checkpointing.check_writable(workdir)
@@ -804,6 +858,12 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     ) from None
   config_name = config_name or workdir.name
   t_start = time.time()
+  try:
+    seed = seeds.resolve(config.get("seed"), private=bool(config.dp.enabled), workdir=workdir)
+  except seeds.SeedError as e:
+    raise ResumeError(str(e)) from None
+  cfg = copy.deepcopy(config)  # the caller's config keeps its None seed (another work dir)
+  cfg.seed = seed.value
 
   setup = build_run(cfg)
   dataset, alg, state, clients = setup.dataset, setup.algorithm, setup.state, setup.clients
@@ -862,11 +922,14 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     },
     # What "epsilon" means (replace-one) and which figure a target calibrated.
     **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}),
+    # How the run came by its seed (experiments.seeds: given, drawn or default), not the seed.
+    seed_origin=seed.origin,
   )
 
   # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
   metrics_path = workdir / "metrics.jsonl"
+  timing_path = workdir / TIMING_FILE
   try:
     start, state, ledger, damaged = restore_newest_valid(
       ckpt, state, privacy=privacy, fields=fields, fresh_ledger=fresh_ledger, workdir=workdir
@@ -881,6 +944,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       )
     moved = [(r, why, ckpt.set_aside(r, workdir / DAMAGED_DIR)) for r, why in damaged]
     records = checkpointing.truncate_metrics(metrics_path, start)
+    timing = checkpointing.truncate_metrics(timing_path, start)
   except BaseException:
     ckpt.close()
     raise
@@ -903,12 +967,14 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   )
   log_file = open(workdir / "train.log", "a")
 
-  def log(line):
+  def log(line, seconds: float | None = None):
+    """``line`` to stdout and train.log; ``seconds`` (a round's timing) to stdout only, as
+    train.log is releasable and timing is not covered."""
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
     # Flushed at once, like train.log: a run killed by a scheduler or SIGKILL, with its stdout
     # piped to a file, keeps every line it printed (a pipe is block-buffered otherwise).
-    tqdm.write(line, file=sys.stdout)
+    tqdm.write(line if seconds is None else f"{line}  {seconds:.1f}s", file=sys.stdout)
     sys.stdout.flush()
     log_file.write(line + "\n")
     log_file.flush()
@@ -935,13 +1001,16 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       + f"), {num_params:,} parameters, {cfg.rounds} rounds, "
       f"clients run by {info['client_backend']!r} on {jax.default_backend()}"
     )
+  seed_line = seeds.describe(seed, private=private)
+  if seed_line:
+    log(f"[{config_name}] {seed_line}")
   if nonprivate_stats:
     log(
       f"[{config_name}] WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
       f"statistics of the clients' records under \"{NONPRIVATE_SECTION}\", outside the "
       "privacy guarantee; do not release this work dir"
     )
-  wall_before = records[-1]["wall_seconds"] if records else 0.0
+  wall_before = timing[-1]["wall_seconds"] if timing else 0.0
   taking_part = num_clients if per_round is None else per_round
   upload_mb_per_round = taking_part * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
   snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}
@@ -1075,13 +1144,18 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           **({} if ledger is None else {"epsilon_add_remove": ledger.epsilon_add_remove}),
           **released,
           "upload_mb": m * upload_mb_per_round,
+        }
+        if nonprivate_stats:
+          rec[NONPRIVATE_SECTION] = nonprivate
+        times = {
+          "round": m,
           "round_seconds": now - t0,
           "wall_seconds": wall_before + (now - t_loop),
           "first_in_process": m == start + 1,
         }
-        if nonprivate_stats:
-          rec[NONPRIVATE_SECTION] = nonprivate
+        checkpointing.append_metrics(timing_path, times)  # first: metrics.jsonl decides resumes
         checkpointing.append_metrics(metrics_path, rec)
+        timing.append(times)
         records.append(rec)
         if m in snapshots:
           save_snapshot(workdir, m, state, dataset)
@@ -1089,7 +1163,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           save_checkpoint(m)
           last_good = m
         bar.update(1)
-        log(f"[{config_name}] " + _format_line(rec, cfg.rounds))
+        log(f"[{config_name}] " + _format_line(rec, cfg.rounds), seconds=times["round_seconds"])
         if stop.received:  # at the last round too: the plots and summary can wait
           msg = (
             f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
@@ -1109,6 +1183,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   write_summary(workdir, config_name, records, info)
   return {
     "records": records,
+    "timing": timing,
     "state": state,
     "workdir": str(workdir),
     "ledger": ledger.to_dict() if ledger is not None else None,

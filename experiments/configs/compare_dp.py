@@ -18,7 +18,10 @@ custom``, the MNIST recipes). Options, ``+`` between values:
 * ``variants=paper+tuned``: FedLAP-DP recipes, names of :data:`FEDLAP_VARIANTS`
   (default: those whose configs exist; ``none``: the baselines alone, on the data and
   model of the ``paper`` recipe);
-* ``seeds=0``: seeds (each run once per seed; the report pools them);
+* ``seeds=S+S+...``: given seeds, each run once per seed (the report pools them; a given
+  seed is guessable, so those runs say their outputs are not private); default: each run
+  once, with a seed drawn from the operating system's entropy for its work dir
+  (:mod:`experiments.seeds`);
 * ``rounds=N``: every run's number of rounds (default: each recipe's own).
 
 For every checkpoint ``E`` the suite holds one run per FedLAP-DP variant and
@@ -132,7 +135,7 @@ def parse_arg(arg: str) -> dict:
     epsilons=EPSILONS,
     lrs=LR_GRID,
     variants=default_variants(),
-    seeds=(0,),
+    seeds=(None,),
     rounds=None,
     epsilon_for="replace_one",
   )
@@ -261,7 +264,7 @@ def get_config(arg: str = "digits"):
         run = copy.deepcopy(cfg)
         run.dp.target_epsilon = eps
         run.dp.epsilon_for = s["epsilon_for"]
-        run.seed = seed
+        run.seed = seed  # None: drawn for the run's work dir when it starts
         key = f"{name}__eps{_tag(eps)}" + (f"__s{seed}" if len(s["seeds"]) > 1 else "")
         config.suite[key] = run
   return config

@@ -8,7 +8,8 @@ Sections:
 
 * top level: ``method`` (``fedlap``, a baseline: ``fedavg``, ``fedprox``,
   ``fedsgd``, ``scaffold``, ``dp_fedavg``, ``dp_fedprox``, or a synthetic-data
-  system: ``feddm``, ``dsc``, ``dsc_centralized``, ``psg``), ``seed``,
+  system: ``feddm``, ``dsc``, ``dsc_centralized``, ``psg``), ``seed`` (None: drawn
+  under DP, :mod:`experiments.seeds`),
   ``rounds`` (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule; the
   server's constant rate for FedDM / DSC / PSG), ``synthetic_init`` and run-time
   options (checkpoints, plots, evaluation).
@@ -60,7 +61,11 @@ ONESHOT_SHARED = ("method", "condensation", "server", "learning_rate")
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.method = "fedlap"  # or a baseline, or feddm / dsc / dsc_centralized / psg
-  config.seed = 0
+  # The secret seed of every pseudo-random draw (experiments.seeds). None: a DP run draws one
+  # from the operating system's entropy (128 bits) and keeps it in the work dir's config.json
+  # (secret; a re-run resumes with it); a run without DP uses 0. A given seed (--config.seed=S)
+  # reproduces a run; under DP it is guessable, and the run says its outputs are not private.
+  config.seed = config_dict.placeholder(int)
   config.rounds = 200
   config.learning_rate = 0.1
   config.synthetic_init = "real"
