@@ -7,6 +7,7 @@ ledger. Plus: outputs parse, resume refusals, NaN stop, report.
 
 import csv
 import json
+import re
 
 import chex
 import jax
@@ -37,6 +38,8 @@ TINY = {
   "snapshot_rounds": (2,),
   # Fixed here (the quickstart's recipe may change): the ledger numbers below assume it.
   "dp.noise_multiplier": 1.0,
+  # Given, so runs compare (a DP run draws its seed otherwise: test_a_dp_run_draws_its_seed...).
+  "seed": 0,
 }
 # Fields that legitimately differ between an interrupted and an uninterrupted run.
 TIMING = ("round_seconds", "wall_seconds", "first_in_process")
@@ -117,6 +120,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
     "privacy_ledger.json",
     "train.log",
     "summary.md",
+    "timing.jsonl",
     "checkpoints",
     "synthetic",
     "accuracy_vs_round.png",
@@ -155,7 +159,9 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
     assert snap["x"].shape == (5, 4, 8, 8, 1) and snap["y"].shape == (5, 4)
   summary = (straight / "summary.md").read_text()
   assert "FedLAP-DP on digits" in summary and f"{eps[-1]:.3f}" in summary
-  assert "- normalisation: test_split" in summary and "must stay secret" in summary
+  assert "- normalisation: test_split" in summary
+  assert "- secret (they determine every noise draw): the seed in config.json" in summary
+  assert "NOT PRIVATE: the seed was given" in summary  # TINY gives seed 0
   assert "non-private" not in summary
   log = (straight / "train.log").read_text()
   for m in range(1, 5):
@@ -181,10 +187,8 @@ RELEASED_RECORD_KEYS = {
   "server_radius",
   "learning_rate",
   "upload_mb",  # config constants
-  "round_seconds",
-  "wall_seconds",
-  "first_in_process",  # timing (README: not covered)
 }
+TIMING_KEYS = {"round", "round_seconds", "wall_seconds", "first_in_process"}  # timing.jsonl
 PUBLIC_INFO_KEYS = {
   "config_name",
   "method",
@@ -220,6 +224,7 @@ PUBLIC_INFO_KEYS = {
   "partition_seed",
   "adjacency",
   "epsilon_for",  # what epsilon means (config)
+  "seed_origin",  # given / drawn / default, never the seed
 }
 WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their assumptions"; docs/privacy.md)
   "metrics.jsonl": "released",
@@ -230,6 +235,7 @@ WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their a
   "synthetic": "released",
   "config.json": "public but its seed",
   "checkpoints": "secret (PRNG key)",
+  "timing.jsonl": "not covered (timing)",
 }
 
 
@@ -239,6 +245,15 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
   assert {n for n in listing if not n.endswith(".png")} <= set(WORKDIR_FILES), listing
   for r in checkpointing.read_metrics(straight / "metrics.jsonl"):
     assert set(r) <= RELEASED_RECORD_KEYS, set(r) - RELEASED_RECORD_KEYS
+  timing = checkpointing.read_metrics(straight / "timing.jsonl")
+  assert [set(t) for t in timing] == [TIMING_KEYS] * 4 and [t["round"] for t in timing] == [
+    1,
+    2,
+    3,
+    4,
+  ]
+  log = (straight / "train.log").read_text() + (straight / "summary.md").read_text()
+  assert not re.search(r"\d+\.\ds\b|seconds|wall time", log), "timing in a releasable file"
   info = json.loads((straight / "run_info.json").read_text())
   assert set(info) <= PUBLIC_INFO_KEYS, set(info) - PUBLIC_INFO_KEYS
   assert "seed" not in info and info["partition_seed"] == 0  # the partition's: public
@@ -547,7 +562,7 @@ def test_nondp_resume_may_change_the_client_backend(tmp_path):
   shutil.rmtree(tmp_path / "checkpoints" / "2")  # as if killed before round 2's checkpoint
   again = train.train_and_evaluate(tiny_config(**overrides, client_backend="vmap"), tmp_path)
   assert [r["round"] for r in again["records"]] == [1, 2]
-  assert again["records"][1]["first_in_process"]  # round 2 was redone, on vmap
+  assert again["timing"][1]["first_in_process"]  # round 2 was redone, on vmap
   assert comparable(again["records"][:1]) == comparable(first["records"][:1])
 
 
@@ -875,3 +890,122 @@ def test_workdir_that_is_a_file_or_unwritable_exits_2(tmp_path, capsys):
   finally:
     subprocess.run(["chattr", "-i", str(locked)], capture_output=True)
     locked.chmod(0o755)
+
+
+# ------------------------------------------------------------------------ the seed, releasing
+
+
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory):
+  """Two rounds through the command line without --config.seed, then the same command again."""
+  from experiments import seeds  # pylint: disable=g-import-not-at-top
+
+  workdir = tmp_path_factory.mktemp("drawn")
+  flags = {k: v for k, v in TINY.items() if k != "seed"}
+  argv = [
+    "prog",
+    "--config=quickstart:dp_loops",
+    *argv_of({**flags, "rounds": 2, "plots": False}),
+    f"--workdir={workdir}",
+  ]
+  assert run.main(argv) == 0
+  first = json.loads((workdir / "config.json").read_text())["seed"]
+  assert run.main(argv) == 0  # resumes: the seed is read back, not drawn again
+  return workdir, first, seeds
+
+
+def test_a_dp_run_draws_its_seed_keeps_it_secret_and_resumes_with_it(drawn, capsys):
+  workdir, first, seeds = drawn
+  cfg = json.loads((workdir / "config.json").read_text())
+  assert cfg["seed"] == first and seeds.DRAWN_MIN <= first < 2**128
+  info = json.loads((workdir / "run_info.json").read_text())
+  assert info["seed_origin"] == "drawn" and "seed" not in info
+  log = (workdir / "train.log").read_text()
+  assert "seed: drawn from the operating system's entropy (128 bits)" in log
+  assert "resuming from round 2" in log and "read back from config.json" in log
+  summary = (workdir / "summary.md").read_text()
+  assert str(first) not in log + summary + (workdir / "metrics.jsonl").read_text()
+  assert "NOT PRIVATE" not in summary
+  assert "- releasable under the privacy guarantee: synthetic/, metrics.jsonl" in summary
+  # A new work dir draws another seed; a resume with another one names no seed value.
+  assert seeds.draw() != first
+  with pytest.raises(train.ResumeError, match="another seed than the checkpoint's") as err:
+    train.train_and_evaluate(tiny_config(rounds=2, plots=False, seed=5), workdir)
+  assert str(first) not in str(err.value)
+
+
+def test_a_dp_work_dir_without_its_seed_is_not_given_a_new_one(drawn, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  workdir, _, _ = drawn
+  copy = tmp_path / "shared"
+  shutil.copytree(workdir, copy)
+  cfg = json.loads((copy / "config.json").read_text())
+  del cfg["seed"]  # shared without its seed, as docs/privacy.md allows
+  (copy / "config.json").write_text(json.dumps(cfg))
+  flags = {k: v for k, v in TINY.items() if k != "seed"}
+  with pytest.raises(train.ResumeError, match="holds checkpoints but its config.json has no seed"):
+    train.train_and_evaluate(
+      tiny_config(**{**flags, "rounds": 2, "plots": False, "seed": None}), copy
+    )
+
+
+def test_a_seed_key_is_the_old_one_below_2_64_and_holds_128_bits_above():
+  from experiments import seeds  # pylint: disable=g-import-not-at-top
+
+  assert (jax.random.key_data(seeds.run_key(7)) == jax.random.key_data(jax.random.key(7))).all()
+  a, b = seeds.run_key(2**100), seeds.run_key(2**100 + 2**70)
+  assert str(jax.random.key_impl(a)) == "rbg"
+  assert not (jax.random.key_data(a) == jax.random.key_data(b)).all()
+  with pytest.raises(ValueError, match="2\\*\\*128"):
+    seeds.run_key(2**128)
+
+
+def test_runs_without_dp_keep_seed_0(tmp_path):
+  from experiments import seeds  # pylint: disable=g-import-not-at-top
+
+  assert seeds.resolve(None, private=False, workdir=tmp_path) == seeds.Seed(0, seeds.DEFAULT)
+  assert seeds.resolve(3, private=True, workdir=tmp_path).origin == seeds.GIVEN
+  assert seeds.resolve(None, private=True, workdir=tmp_path).origin == seeds.DRAWN
+
+
+def _privacy_md_lists():
+  from pathlib import Path  # pylint: disable=g-import-not-at-top
+
+  text = (Path(__file__).resolve().parents[2] / "docs" / "privacy.md").read_text()
+  section = text[text.index("## A DP run's work dir") :]
+  out = {}
+  for kind in ("releasable", "secret", "not covered"):
+    start = section.index(f"* **{kind}**")
+    end = min(i for i in (section.find("\n* ", start + 1), section.find("\n\n", start)) if i > 0)
+    out[kind] = tuple(re.findall(r"`([^`]+)`", section[start:end]))
+  return out
+
+
+def test_summary_lists_what_docs_privacy_md_lists(straight, drawn):
+  assert _privacy_md_lists() == {
+    "releasable": train.RELEASABLE,
+    "secret": train.SECRET,
+    "not covered": train.NOT_COVERED,
+  }
+  for workdir in (straight, drawn[0]):
+    summary = (workdir / "summary.md").read_text()
+    assert "- releasable under the privacy guarantee" in summary
+    assert ", ".join(train.RELEASABLE) in summary
+    assert "- secret (they determine every noise draw): " + ", ".join(train.SECRET) in summary
+    assert (
+      "- not covered by the guarantee (do not release): " + ", ".join(train.NOT_COVERED) in summary
+    )
+
+
+def test_the_epsilon_table_computes_what_a_run_prints(straight, drawn):
+  """experiments.epsilons, on a run's own config.json, gives its metrics.jsonl's epsilons."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from experiments import epsilons  # pylint: disable=g-import-not-at-top
+
+  for workdir in (straight, drawn[0]):
+    cfg = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    spend = epsilons.spend(cfg, "run")
+    records = checkpointing.read_metrics(workdir / "metrics.jsonl")
+    assert [r["epsilon"] for r in records] == list(spend.epsilons)
+    assert [r["epsilon_add_remove"] for r in records] == list(spend.epsilons_add_remove)
