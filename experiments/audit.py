@@ -18,7 +18,9 @@ accountant's epsilon. Writes to ``RUN_DIR/audit/`` (or ``--out``):
 
 * ``roc_blackbox.png``, ``roc_whitebox.png``: ROC curves of the audit half,
   linear and log-log;
-* ``audit.json``: AUCs, TPR at 0.1 % and 1 % FPR, the epsilon lower bounds
+* ``audit.json``: AUCs, TPR at 0.1 % and 1 % FPR where the audit half resolves them
+  (:func:`resolves`: a rate of FPR ``f`` needs at least ``1 / f`` audit non-members; else
+  ``null`` with the reason) and at the lowest FPR it does resolve, the epsilon lower bounds
   with their confidence level and delta, the accountant's epsilon, counts.
 """
 
@@ -160,6 +162,40 @@ def _finite_or_none(v):
   return None if v is None or not math.isfinite(v) else float(v)
 
 
+def resolves(fpr: float, num_nonmembers: int) -> bool:
+  """Whether ``num_nonmembers`` audit non-members resolve a false-positive rate of ``fpr``:
+  at least one false positive must be possible (``fpr * n >= 1``; 0.1 % needs 1,000). Below
+  that the empirical TPR at ``fpr`` is the TPR at zero false positives, not at ``fpr``."""
+  return fpr * num_nonmembers >= 1.0 - 1e-9
+
+
+def lowest_resolvable_fpr(num_nonmembers: int) -> float:
+  """``1 / n``: the smallest false-positive rate ``n`` audit non-members resolve."""
+  return 1.0 / num_nonmembers
+
+
+def tpr_report(tpr_at_fpr: dict, num_nonmembers: int, fprs) -> dict:
+  """The TPRs an audit may state: ``{"tpr_at_fpr": {fpr: tpr or None}, "tpr_unresolved":
+  {fpr: why}, "lowest_resolvable_fpr": 1 / n, "tpr_at_lowest_resolvable_fpr": tpr}``, keys
+  as ``f"{fpr:g}"``; ``tpr_at_fpr`` holds the measured TPR at each of ``fprs`` and at
+  :func:`lowest_resolvable_fpr`."""
+  lowest = lowest_resolvable_fpr(num_nonmembers)
+  out = {"tpr_at_fpr": {}, "tpr_unresolved": {}}
+  for f in fprs:
+    key = f"{f:g}"
+    if resolves(f, num_nonmembers):
+      out["tpr_at_fpr"][key] = float(tpr_at_fpr[f])
+    else:
+      out["tpr_at_fpr"][key] = None
+      out["tpr_unresolved"][key] = (
+        f"needs >= {math.ceil(1 / f - 1e-9):,} audit non-members, has {num_nonmembers:,} "
+        f"(lowest resolvable FPR {lowest:.3g})"
+      )
+  out["lowest_resolvable_fpr"] = lowest
+  out["tpr_at_lowest_resolvable_fpr"] = float(tpr_at_fpr[lowest])
+  return out
+
+
 def audit_model(
   apply_fn: ApplyFn,
   params: PyTree,
@@ -269,8 +305,14 @@ def audit_model(
     attack = auditing.fit_threshold_attack(
       f_in[:n_train], f_out[:n_train], significance=significance, delta=bound_delta
     )
+    n_audit_out = int(split.audit_nonmembers.size)
     ev = auditing.evaluate_attack(
-      attack, f_in[n_train:], f_out[n_train:], significance=significance, delta=bound_delta
+      attack,
+      f_in[n_train:],
+      f_out[n_train:],
+      significance=significance,
+      delta=bound_delta,
+      fprs=auditing.DEFAULT_FPRS + (lowest_resolvable_fpr(n_audit_out),),
     )
     s_in, s_out = attack.scores(f_in[n_train:]), attack.scores(f_out[n_train:])
     fpr, tpr, auc = _roc(s_in, s_out)
@@ -284,7 +326,7 @@ def audit_model(
       "auc": auc,
       "auc_convex_hull": ev.auc_convex_hull,
       "accuracy": ev.accuracy,
-      "tpr_at_fpr": {f"{f:g}": t for f, t in ev.tpr_at_fpr.items()},
+      **tpr_report(ev.tpr_at_fpr, n_audit_out, auditing.DEFAULT_FPRS),
       "epsilon_lower_bound": ev.epsilon_lower_bound,
       "epsilon_lower_bound_all_thresholds": ev.epsilon_lower_bound_all_thresholds,
       "epsilon_lower_bound_max": ev.epsilon_lower_bound_max,
@@ -426,7 +468,14 @@ def summary_lines(result: dict) -> list[str]:
   c = result["counts"]
   lines.append(f"audit half: {c['audit_members']} members / {c['audit_nonmembers']} non-members")
   for name, a in result["attacks"].items():
-    tprs = ", ".join(f"TPR@{k}={v:.3f}" for k, v in a["tpr_at_fpr"].items())
+    tprs = ", ".join(
+      f"TPR@{k}=N/A ({a['tpr_unresolved'][k]})" if v is None else f"TPR@{k}={v:.3f}"
+      for k, v in a["tpr_at_fpr"].items()
+    )
+    tprs += (
+      f", TPR@{a['lowest_resolvable_fpr']:.3g} (the lowest FPR resolved)="
+      f"{a['tpr_at_lowest_resolvable_fpr']:.3f}"
+    )
     lines.append(
       f"{name}: AUC={a['auc']:.3f} acc={a['accuracy']:.3f} {tprs} "
       f"eps_lb={a['epsilon_lower_bound']:.3f} (all thresholds "

@@ -60,6 +60,7 @@ FLAGS = {
   "checkpoint_every": 2,
   "plots": False,
   "progress_bar": False,
+  "seed": 0,  # given: the interrupted run is compared with one in another work dir
 }
 TIMING = ("round_seconds", "wall_seconds", "first_in_process")
 
@@ -257,6 +258,7 @@ ONESHOT_FLAGS = {
   "eval_chunk_size": 400,
   "plots": False,
   "progress_bar": False,
+  "seed": 0,  # given: the interrupted run is compared with one in another work dir
 }
 GRACE_SECONDS = 2.0
 # SIGTERM to exit: the grace period, then the ledger's charge (its composition takes seconds on a
