@@ -89,16 +89,16 @@ def _holds_a_run(workdir: Path) -> bool:
   return checkpoints.is_dir() and any(checkpoints.iterdir())
 
 
-def resolve(seed: int | None, *, private: bool, workdir: str | Path) -> Seed:
-  """The seed of a run with ``config.seed = seed`` (``private``: DP on) in ``workdir``.
+def resolve(seed: int | None, *, private: bool, workdir: str | Path | None) -> Seed:
+  """The seed of a run with ``config.seed = seed`` (``private``: DP on) in ``workdir``
+  (``None``: no work dir to read a seed back from).
 
   Raises:
     SeedError: ``seed`` is None under DP and ``workdir`` holds checkpoints but no seed in its
       ``config.json`` (removed before sharing the work dir?): drawing a new one would start
       another run over this one's ledger.
   """
-  workdir = Path(workdir)
-  stored, origin = _stored(workdir)
+  stored, origin = (None, None) if workdir is None else _stored(Path(workdir))
   if seed is not None:
     return Seed(int(seed), GIVEN, resumed=stored == seed)
   if stored is not None:
@@ -106,7 +106,7 @@ def resolve(seed: int | None, *, private: bool, workdir: str | Path) -> Seed:
     return Seed(stored, origin or inferred, resumed=True)
   if not private:
     return Seed(0, DEFAULT)
-  if _holds_a_run(workdir):
+  if workdir is not None and _holds_a_run(Path(workdir)):
     raise SeedError(
       f"refusing to resume {workdir}: it holds checkpoints but its config.json has no seed, "
       "and a DP run's seed is drawn only for a new run (a new seed would start another run "

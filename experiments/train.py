@@ -326,19 +326,14 @@ def build_run(cfg) -> RunSetup:
   Deterministic in ``cfg.seed`` (:func:`experiments.seeds.run_key` is split into the
   model-init and the algorithm key) and the public ``cfg.data.partition_seed`` (the
   partition), so the initial state is a valid template for restoring the run's checkpoints,
-  e.g. in :mod:`experiments.audit`. ``cfg.seed`` must be resolved (an integer;
-  :func:`train_and_evaluate` resolves a None seed with :func:`experiments.seeds.resolve`).
+  e.g. in :mod:`experiments.audit`. A None ``cfg.seed`` is resolved without a work dir
+  (:func:`experiments.seeds.resolve`: 0 without DP, a fresh draw under DP);
+  :func:`train_and_evaluate` resolves it for its work dir first.
 
   Raises:
-    library_configs.ConfigError: the seed is None, or the data does not fit the config.
+    library_configs.ConfigError: the data does not fit the config.
   """
-  if cfg.get("seed") is None:
-    raise library_configs.ConfigError(
-      "seed",
-      None,
-      "an integer: build_run needs a resolved seed (train_and_evaluate draws a DP run's "
-      "seed from the operating system's entropy, experiments.seeds.resolve)",
-    )
+
   try:
     dataset = data_lib.load_dataset(cfg.data)
     indices = data_lib.client_split(dataset, cfg.data)
@@ -357,7 +352,8 @@ def build_run(cfg) -> RunSetup:
   )
   if resolve_client_backend(cfg.client_backend) == "shard" and not samples_clients(cfg):
     clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
-  k_model, k_alg = jax.random.split(seeds.run_key(int(cfg.seed)))
+  seed = seeds.resolve(cfg.get("seed"), private=bool(cfg.dp.enabled), workdir=None).value
+  k_model, k_alg = jax.random.split(seeds.run_key(seed))
   model, params = init_convnet(
     k_model,
     dataset.image_shape,
