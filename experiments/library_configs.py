@@ -327,6 +327,90 @@ def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | N
   return mechanism_of(library_config(cfg, max_client_size=max(client_sizes)))
 
 
+# What DP needs of the other fields, per field: (test of the value, the value to set, why).
+_DP_FEDLAP_FIELDS = (
+  ("synthetic_init", lambda v: v == "noise", "noise", "real images would be published"),
+  (
+    "client.calibrate_radius",
+    lambda v: v is False,
+    False,
+    "a radius measured on real data is not private",
+  ),
+  (
+    "server.radius_strategy",
+    lambda v: v in ("constant", "fixed"),
+    "constant",
+    "the other strategies read r_k measured on real data",
+  ),
+)
+
+
+def _get(cfg, field: str):
+  node = cfg
+  for part in field.split("."):
+    node = node.get(part) if hasattr(node, "get") else None
+  return node
+
+
+def dp_coupled_fields(cfg) -> list[tuple[str, object, object, str]]:
+  """The fields that must change with ``dp.enabled=True``: ``(field, value, value to set,
+  why)`` for each, empty when the config is ready for DP (or DP is off).
+
+  The method (a non-DP baseline or DSC has a DP twin), FedLAP's initialisation and radius
+  (:class:`fedlap_jax.config.FedLAPConfig`'s DP rules), size-weighted averaging and a
+  normalisation from the training split. :func:`validate_config` names them all in one error.
+  """
+  if cfg.dp.enabled is not True:
+    return []
+  out = []
+  method = cfg.method
+  if method in BASELINE_METHODS and method not in DP_BASELINE_METHODS:
+    if f"dp_{method}" in DP_BASELINE_METHODS:
+      out.append(("method", method, f"dp_{method}", "its DP variant"))
+  elif method in ONE_SHOT_METHODS and method not in DP_ONE_SHOT_METHODS:
+    out.append(("method", method, "psg", "PSG is the DP one-shot method"))
+  if method == "fedlap":
+    for field, ok, fix, why in _DP_FEDLAP_FIELDS:
+      if not ok(_get(cfg, field)):
+        out.append((field, _get(cfg, field), fix, why))
+  if cfg.server.get("weighting") == "size":
+    out.append(("server.weighting", "size", "uniform", "the analysis covers 1/K averaging"))
+  d = cfg.data
+  try:
+    resolved = data_lib.resolve_normalisation(d.name, d.get("normalisation", "auto"))
+  except ValueError:
+    resolved = None  # validate_config names a bad value itself
+  if resolved is not None and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
+    fix = "published" if d.name in data_lib.NORMALIZATION else "test_split"
+    out.append(
+      (
+        "data.normalisation",
+        d.get("normalisation", "auto"),
+        fix,
+        "the training split's statistics leak",
+      )
+    )
+  return out
+
+
+def _check_dp_coupled_fields(cfg) -> None:
+  """Several fields that DP needs changed: one error naming all of them (one alone is refused
+  by its own check, with its own message)."""
+  fields = dp_coupled_fields(cfg)
+  if len(fields) < 2:
+    return
+  flags = " ".join(f"--config.{f}={fix}" for f, _, fix, _ in fields)
+  listed = "; ".join(f"{f}={fix!r} (now {v!r}: {why})" for f, v, fix, why in fields)
+  raise ConfigError(
+    "dp.enabled",
+    True,
+    f"with {flags}, or a DP config",
+    message=f"dp.enabled=True needs {len(fields)} other fields changed with it: {listed}; "
+    f"allowed: add {flags}, or start from a DP config (e.g. cifar_dp, mnist_dp_hybrid, "
+    "quickstart:dp, mnist_fedavg_dp, mnist_psg)",
+  )
+
+
 def validate_config(cfg) -> None:
   """Static checks of a resolved config (no data needed).
 
@@ -409,6 +493,7 @@ def validate_config(cfg) -> None:
     _fail("data.partition_seed", partition_seed, "an integer >= 0 (public)")
   if not is_real(d.train_fraction) or not 0 < d.train_fraction <= 1:
     _fail("data.train_fraction", d.train_fraction, "a number in (0, 1]")
+  _check_dp_coupled_fields(cfg)  # before the one-field checks: every field DP needs at once
   _validate_normalisation(cfg)
 
   m = cfg.model

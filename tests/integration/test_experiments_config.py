@@ -581,3 +581,39 @@ def test_paper_dp_configs_are_unchanged_by_the_recipe():
       for m in (1, 15)
     ]
     np.testing.assert_allclose(eps, [2.79, 10.18], atol=0.02)
+
+
+@pytest.mark.parametrize(
+  "name, fields",
+  [
+    (
+      "quickstart:nondp",
+      ["synthetic_init", "client.calibrate_radius", "server.radius_strategy", "data.normalisation"],
+    ),
+    ("cifar_nondp", ["synthetic_init", "client.calibrate_radius", "server.radius_strategy"]),
+  ],
+)
+def test_dp_on_a_non_dp_config_names_every_coupled_field_at_once(name, fields, capsys):
+  """--config.dp.enabled=True on a non-DP config: one error with every field DP needs changed
+  and the flags that change them; with those flags the config is a valid DP run."""
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
+  config, _ = run.load_config(name, ["dp.enabled=True"])
+  with pytest.raises(library_configs.ConfigError) as err:
+    library_configs.validate_config(config)
+  assert err.value.field == "dp.enabled"
+  assert [f for f, *_ in library_configs.dp_coupled_fields(config)] == fields
+  assert f"needs {len(fields)} other fields changed with it" in str(err.value)
+  flags = re.search(r"allowed: add (.*?), or start from a DP config", str(err.value)).group(1)
+  assert (
+    run.main(["prog", f"--config={name}", "--config.dp.enabled=True", "--workdir=/nonexistent/x"])
+    == 2
+  )
+  assert capsys.readouterr().err.startswith(
+    f"error: {name.replace(':', '_')}: dp.enabled=True needs"
+  )
+  fixed, _ = run.load_config(
+    name, ["dp.enabled=True", *(f[len("--config.") :] for f in flags.split())]
+  )
+  library_configs.validate_config(fixed)
+  assert library_configs.dp_coupled_fields(fixed) == []
