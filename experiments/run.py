@@ -11,7 +11,9 @@ in ``WORKDIR/report``. Fields are overridden with ``--config.FIELD=VALUE``
 work dir defaults to ``runs/<NAME>`` (``:`` replaced by ``_``); re-running the
 same command resumes from its last checkpoint. ``--config.dp.target_epsilon=E`` sets a DP
 run's noise multiplier, when it starts, so that its epsilon after its last round is ``E``
-(:func:`calibrate_noise`; ``compare_dp:DATASET`` runs every DP method so).
+(:func:`calibrate_noise`; ``compare_dp:DATASET`` runs every DP method so). Without
+``--config.seed`` a DP run draws its seed from the operating system's entropy and keeps it
+in its work dir (:mod:`experiments.seeds`); a run without DP uses 0.
 
 Exit status: 0 on success; 2 for bad input or damaged state (an invalid
 config, data or work dir, a resume that is refused; a one-line message); 1

@@ -17,8 +17,10 @@ def test_every_library_module_has_a_page():
   index = (ROOT / "docs" / "api" / "index.rst").read_text()
   for m in modules:
     assert f"   modules/{m}\n" in index
-    assert (ROOT / "docs" / "api" / "modules" / f"{m}.rst").read_text().endswith(
-      f".. automodule:: fedlap_jax.{m}\n"
+    assert (
+      (ROOT / "docs" / "api" / "modules" / f"{m}.rst")
+      .read_text()
+      .endswith(f".. automodule:: fedlap_jax.{m}\n")
     )
 
 

@@ -766,7 +766,7 @@ def test_override_strings_give_the_cli_config(monkeypatch):
     ("rounds=abc", "rounds"),
     ("client.ipc=x", "client.ipc"),
     ("dp.delta=tiny", "dp.delta"),
-    ("seed=None", "seed"),  # not None-able: no value of its type
+    ("rounds=None", "rounds"),  # not None-able: no value of its type (seed is: None draws it)
     ("dp.target_epsilon=abc", "dp.target_epsilon"),
     ("plots=maybe", "plots"),
   ],
