@@ -28,8 +28,8 @@ table :data:`experiments.configs.ALIASES`):
 * ``DATASET_dp_tuned``: the DP setting with the tuned recipe
   (:data:`TUNED_RECIPE`): q = B / min_k N_k ~ 0.17, T = 20 per round (R_i 1 x
   max_outer 2 x batch_loop 10), 3 rounds, sigma 2.38 (``mnist_dp_tuned``: epsilon
-  4.86 after 3 rounds (add/remove 2.79)); each while-loop iteration's 10 noisy gradients averaged and
-  matched R_b = 50 times (post-processing); R_l = 5 at eta_0 = 0.2 with
+  4.86 after 3 rounds (add/remove 2.79)); each while-loop iteration's 10 noisy
+  gradients averaged and matched R_b = 50 times (post-processing); R_l = 5 at eta_0 = 0.2 with
   ``lr_schedule='cosine_open'``, client radius 10, server at most 30 epochs.
   For another client size keep q ~ 0.17 (``--config.client.batch_size``).
 * ``DATASET_dp_hybrid`` (``mnist``, ``fmnist``): the hybrid recipe of
