@@ -98,6 +98,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       image_shape=test.image_shape,
       num_classes=test.num_classes,
       max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
+      max_epsilon=run.max_epsilon,
     )
   else:
     strategy = strategy_lib.FedAvgBaseline(**shared, baseline_config=bc)

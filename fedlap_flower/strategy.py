@@ -13,9 +13,13 @@ partitions :func:`fedlap_flower.task.participants` draws from the public
 Every reply is untrusted input (:mod:`fedlap_flower.replies`). Each is
 parsed inside its own error boundary: whatever one reply holds, the worst it
 gets is ``invalid`` with the reason (and the field) in ``client_reports.json``;
-the round goes on with the others. After the update, parameters holding NaN /
-Inf (or a non-finite test loss) are refused: the previous global model is
-kept and the round is logged with ``update_refused``.
+the round goes on with the others. Every number a reply carries is bounded
+there (:mod:`fedlap_flower.replies`), and a partition's ``num-examples`` is
+pinned at its first accepted reply (:meth:`fedlap_flower.binding.PartitionBinding.pin`).
+The aggregation has its own error boundary: an update that raises, or
+whose parameters hold NaN / Inf (or give a non-finite test loss), is
+refused: the previous global model is kept, the round is logged with
+``update_refused`` and the run goes on.
 
 :class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``):
 
@@ -78,6 +82,9 @@ from fedlap_flower.ledger import write_json_atomic
 
 # The longest client-supplied text kept in a report (a reason, a status).
 MAX_TEXT = 2000
+# What the published epsilons are (metrics.jsonl's ``epsilon_kind``): the server cannot verify
+# a client's accounting, only that its reply was accepted.
+EPSILON_KIND = "self-reported by the clients whose replies were accepted"
 
 
 class TooFewClients(RuntimeError):
@@ -87,9 +94,12 @@ class TooFewClients(RuntimeError):
 class RunLog:
   """The server's record of a run in ``run_dir``.
 
-  * ``metrics.jsonl``: one record per round (test accuracy and loss, the
-    largest epsilon any client has reported so far, this round's epsilon /
-    radius / status per client, the round's clients, server radius and steps,
+  * ``metrics.jsonl``: one record per round (test accuracy and loss; under DP
+    ``epsilon``, the largest epsilon a client reported in an accepted reply so
+    far, and ``epsilon_per_client``, this round's accepted replies' epsilons,
+    both labelled by ``epsilon_kind`` as the clients' own reports (a refusal's
+    figures stay in ``client_reports.json``); this round's radius / status per
+    client, the round's clients, server radius and steps,
     bytes uploaded (synthetic sets, plus the model deltas with
     ``server.start='fedavg_delta'``, also counted alone in
     ``upload_delta_bytes``), seconds, ``update_refused`` when the update was
@@ -124,7 +134,7 @@ class RunLog:
       record["round"],
       record["test_accuracy"],
       record["test_loss"],
-      "" if eps is None else f", epsilon {eps:.3f}",
+      "" if eps is None else f", epsilon {eps:.3f} (self-reported)",
       record["clients_ok"],
       "".join(
         f", {k} {v}"
@@ -183,6 +193,39 @@ def _loggable(metrics: dict) -> dict:
 
 def _finite(params) -> bool:
   return all(bool(np.isfinite(np.asarray(leaf)).all()) for leaf in jax.tree.leaves(params))
+
+
+def _check_pinned(binding: binding_lib.PartitionBinding, pid: int, num_examples) -> None:
+  """Refuses a ``num-examples`` other than the one pinned for partition ``pid``."""
+  if num_examples is None:
+    return
+  try:
+    binding.check_pinned(pid, "num-examples", num_examples)
+  except ValueError as e:
+    raise replies.InvalidReply("num-examples", str(e)) from None
+
+
+def _guarded_update(run: Callable, previous, evaluate, what: str, no_metrics):
+  """``(params, metrics, refused, loss, accuracy)`` of ``run() -> (params, metrics)``.
+
+  The aggregation's error boundary: every reply was checked on its own, but
+  should ``run`` still raise, or give NaN / Inf parameters or test loss, the
+  update is refused (``refused``: why), ``previous`` is kept (with
+  ``no_metrics``) and the run goes on.
+  """
+  try:
+    params, metrics = run()
+  except Exception as e:  # pylint: disable=broad-except  (the aggregation's error boundary)
+    params, metrics, why = None, no_metrics, _text(f"the {what} raised {type(e).__name__}: {e}")
+  else:
+    why = None if _finite(params) else f"the {what} holds NaN or Inf parameters"
+  if why is None:
+    loss, acc = evaluate(params)
+    if math.isfinite(loss):
+      return params, metrics, None, loss, acc
+    why = f"the test loss after the {what} is {loss}"
+  loss, acc = evaluate(previous)
+  return previous, no_metrics, why + "; the previous global model is kept", loss, acc
 
 
 def _reply_node(msg: Message, destination: dict) -> int:
@@ -398,8 +441,10 @@ class FedLAP(Strategy):
     num_classes: int = 10,
     max_image_abs: float | None = None,
     partition_keys=None,
+    max_epsilon: float = math.inf,
   ):
     self.cfg = cfg
+    self.max_epsilon = float(max_epsilon)
     self.template = template  # the model's layout: parameter records travel packed
     self.fc = fedlap_config
     self.apply_fn = apply_fn
@@ -475,6 +520,7 @@ class FedLAP(Strategy):
       "max_delta_norm": replies.max_delta_norm(
         self.fc.client, lr, sum(int(np.size(v)) for v in jax.tree.leaves(self._params))
       ),
+      "min_radius": replies.radius_floor(lr),
     }
     conf = ConfigRecord(
       {
@@ -505,10 +551,11 @@ class FedLAP(Strategy):
       )
     if "synthetic" not in content.array_records:
       raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
-    radius = replies.check_radius(metrics, self.max_radius)
+    radius = replies.check_radius(metrics, self.max_radius, self._round["min_radius"])
     sizes = self.fc.server.weighting == "size"
     num_examples = replies.check_num_examples(metrics, required=sizes)
-    replies.check_epsilon(metrics, required=self.dp)
+    _check_pinned(self.participation.binding, pid, num_examples)
+    replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
     synthetic = records.record_to_synthetic(content.array_records["synthetic"], self.limits)
     pinned = self._labels.get(pid)
     if pinned is not None and not (
@@ -551,16 +598,10 @@ class FedLAP(Strategy):
       report["reason"] = _text(status["reason"])
     pid = replies.check_partition(metrics, self.num_clients, self._round["asked"].get(node))
     report["partition_id"] = pid
-    if state == "refused":
-      try:
-        eps = replies.check_epsilon(metrics, required=False)
-      except replies.InvalidReply:
-        eps = None
-      if eps is not None:
-        self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
+    if state == "refused":  # its metrics stay in the report; nothing of it is published
       return None
     synthetic, radius, num_examples, delta = self._check_ok(content, metrics, pid)
-    eps = replies.check_epsilon(metrics, required=False)
+    eps = replies.check_epsilon(metrics, required=False, max_epsilon=self.max_epsilon)
     sent = [content.array_records["synthetic"]]
     if self.with_deltas:
       sent.append(content.array_records["delta"])
@@ -600,12 +641,10 @@ class FedLAP(Strategy):
           r["status"],
           r.get("reason", ""),
         )
+    # Published: the epsilons of accepted replies only, each the client's own report.
     this_round = {u[0]: u[4] for u in usable if u[4] is not None}
     for pid, eps in this_round.items():
       self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
-    for r in reports:  # a refusal reports the epsilon the client stays at
-      if r["status"] == "refused" and r["partition_id"] in self._epsilon:
-        this_round.setdefault(r["partition_id"], self._epsilon[r["partition_id"]])
     chosen = self._round.get("chosen", [])
     unheld = [p for p in chosen if self.participation.binding.node_of(p) is None]
     sampled = self.cfg.data.get("clients_per_round") is not None
@@ -618,6 +657,7 @@ class FedLAP(Strategy):
       **({"partitions_unheld": unheld} if unheld else {}),
       "epsilon": max(self._epsilon.values()) if self._epsilon else None,
       "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
+      **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
       "model_bytes": self.model_bytes,
     }
     if len(usable) < self.min_clients:
@@ -637,30 +677,28 @@ class FedLAP(Strategy):
       )
       raise TooFewClients(msg)
     pids, sets, radii, sizes, _, deltas = zip(*usable)
-    for pid, syn in zip(pids, sets):
+    for pid, syn, n in zip(pids, sets, sizes):
       self._labels.setdefault(pid, (np.asarray(syn.y), np.asarray(syn.mask)))
-    updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
-    params, sm = server_work.server_update(
-      self._round["k_server"],
-      self.apply_fn,
-      self._params,
-      updates,
-      self._round["server_lr"],
-      self.fc,
-      num_records=sizes,
-    )
-    refused = None
-    loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
-    if not (_finite(params) and math.isfinite(loss)):
-      refused = (
-        "the server update holds NaN or Inf parameters"
-        if not _finite(params)
-        else f"the test loss after the update is {loss}"
+      if n is not None:
+        self.participation.binding.pin(pid, "num-examples", n)
+
+    def update():
+      updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
+      params, sm = server_work.server_update(
+        self._round["k_server"],
+        self.apply_fn,
+        self._params,
+        updates,
+        self._round["server_lr"],
+        self.fc,
+        num_records=sizes,
       )
-      refused += "; the previous global model is kept"
-      params = self._params
-      loss, acc = self.evaluate(params)
-    r_g = float(sm.radius)
+      return params, (float(sm.radius), int(sm.epochs), int(sm.steps))
+
+    params, server_metrics, refused, loss, acc = _guarded_update(
+      update, self._params, self.evaluate, "server update", (math.nan, 0, 0)
+    )
+    r_g, server_epochs, server_steps = server_metrics
     upload = sum(r.get("upload_bytes", 0) for r in reports)
     self.run_log.add_round(
       {
@@ -670,8 +708,8 @@ class FedLAP(Strategy):
         **({"update_refused": refused} if refused else {}),
         "client_radius": {str(p): r for p, r in zip(pids, radii)},
         "server_radius": r_g if math.isfinite(r_g) else None,
-        "server_epochs": int(sm.epochs),
-        "server_steps": int(sm.steps),
+        "server_epochs": server_epochs,
+        "server_steps": server_steps,
         "upload_bytes": upload,
         "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
         **(
@@ -795,6 +833,7 @@ class FedAvgBaseline(FedAvg):
       metrics, int(self.cfg.data.num_clients), self._round["asked"].get(node)
     )
     num_examples = replies.check_num_examples(metrics, required=True)
+    _check_pinned(self.participation.binding, report["partition_id"], num_examples)
     model = records.record_to_like(
       content.array_records[self.arrayrecord_key], self._round["params"], what="model"
     )
@@ -813,21 +852,21 @@ class FedAvgBaseline(FedAvg):
         f"round {server_round}: {len(ok)} usable client replies, fewer than "
         f"min-clients={self.min_clients}"
       )
-    params = server_work.fedavg_update(
-      self._round["params"], [u[1] for u in ok], [u[2] for u in ok], self.bc
+    for pid, _, n in ok:
+      self.participation.binding.pin(pid, "num-examples", n)
+    params, _, refused, loss, acc = _guarded_update(
+      lambda: (
+        server_work.fedavg_update(
+          self._round["params"], [u[1] for u in ok], [u[2] for u in ok], self.bc
+        ),
+        None,
+      ),
+      self._round["params"],
+      self.evaluate,
+      "aggregate",
+      None,
     )
-    arrays = records.params_to_record(params)
-    loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
-    refused = None
-    if not (_finite(params) and math.isfinite(loss)):
-      refused = (
-        "the aggregate holds NaN or Inf parameters"
-        if not _finite(params)
-        else f"the test loss of the aggregate is {loss}"
-      )
-      refused += "; the previous global model is kept"
-      arrays = self._round["arrays"]
-      loss, acc = self.evaluate(self._round["params"])
+    arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
     for r in reports:
       if r["status"] != "ok":
