@@ -1,7 +1,8 @@
 """The ``ServerApp``: FedLAP / FedLAP-DP (or the FedAvg baseline) for ``cfg.rounds`` rounds.
 
 It builds the model and its initial parameters exactly as ``experiments.run``
-does (``key(seed)``), loads the config's test split, and runs the strategy
+does (``key(seed)``), loads the config's test split (or the npz the server's
+environment names, :data:`fedlap_flower.settings.SERVER_DATA_ENV`), and runs the strategy
 (:mod:`fedlap_flower.strategy`) with ``strategy.start``. Outputs go to the run
 config's ``run-dir`` (default ``runs/flower/<label>``, relative to the
 directory the SuperLink was started in): ``metrics.jsonl``,
@@ -49,7 +50,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
 
   cfg = run.cfg
   t0 = time.time()
-  test = task.load_test_split(cfg)
+  test = task.load_test_split(settings.server_data(cfg))
   _, apply_fn, params = task.init_model(cfg, test.image_shape, test.num_classes)
   evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
   model_bytes = int(

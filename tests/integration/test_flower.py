@@ -660,7 +660,7 @@ def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
 
 
 @pytest.mark.slow
-def test_clients_with_their_own_data_files(tmp_path):
+def test_clients_with_their_own_data_files(tmp_path, monkeypatch):
   """data-path: each client holds only its own records (here digits as 8x8 uint8 'mnist')."""
   from experiments import data as data_lib
 
@@ -683,9 +683,11 @@ def test_clients_with_their_own_data_files(tmp_path):
       "data-path": str(tmp_path / f"site{k}.npz"),
       "state-dir": str(tmp_path / "state" / f"client-{k}"),
     }
+  # The run names no file: the server's test split is the npz its own environment names.
+  monkeypatch.setenv(settings.SERVER_DATA_ENV, str(tmp_path / "server.npz"))
   overrides = (
     TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
-    f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}"
+    "data.normalisation=published data.source=tfds"
   )
   rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides)
   records, _ = run_inprocess(rc, nodes)
@@ -787,9 +789,107 @@ def test_a_bad_override_is_refused_by_both_naming_the_field(monkeypatch, capsys,
 def test_a_config_file_that_does_not_load_is_exit_2(monkeypatch, capsys, tmp_path):
   rc, _ = _cli_config(monkeypatch, str(tmp_path / "no_such.py"), [])
   assert rc == 2 and "no_such.py" in capsys.readouterr().err
+
+
+def _tool(tmp_path):
+  """A config file that, executed, leaves a mark (and then raises)."""
+  tool = tmp_path / "tool.py"
+  mark = tmp_path / "executed"
+  tool.write_text(f"open({str(mark)!r}, 'w').write('ran')\nraise ValueError('a secret line')\n")
+  return tool, mark
+
+
+@pytest.mark.parametrize("config", ["tool.py", "tool.py:arg", "sub/tool", "x.py"])
+def test_a_flower_run_names_configs_never_paths(tmp_path, monkeypatch, config):
+  """A run config is another party's: a path would execute a file of the node's disk. It is
+  refused before the disk is looked at: the message is the same whether the file exists."""
+  tool, mark = _tool(tmp_path)
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "tool").write_text(tool.read_text())
+  messages = []
+  for where in (tmp_path, tmp_path / "nothing_here"):
+    for name in (config, str(where / config)):
+      with pytest.raises(settings.SettingsError) as err:
+        settings.run_settings({"config": name})
+      assert err.value.field == "config", name
+      messages.append(str(err.value).replace(name, "NAME"))
+  assert not mark.exists()
+  assert len(set(messages)) == 1, messages
+  assert "is invalid: a path; allowed: NAME[:ARG] with NAME one of" in messages[0]
+  assert "secret" not in messages[0] and "No such file" not in messages[0]
+
+
+def test_experiments_run_still_runs_the_config_file_its_user_names(tmp_path, monkeypatch, capsys):
+  """The command line is its user's own: a config path is executed there (and its error shown)."""
+  tool, mark = _tool(tmp_path)
+  rc, _ = _cli_config(monkeypatch, str(tool), [])
+  assert rc == 2 and mark.read_text() == "ran"
+
+
+@pytest.mark.slow
+def test_a_run_naming_a_client_file_is_refused_alike_by_server_and_clients(tmp_path):
+  """Through the app: the ServerApp and every ClientApp refuse config=PATH without running
+  it, and a client's error reply is the same for a file that exists and one that does not."""
+  from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+  from flower_harness import InProcessGrid, task_identity
+  from fedlap_flower import client_app
+
+  tool, mark = _tool(tmp_path)
+  reasons = []
+  for path in (tool, tmp_path / "missing.py"):
+    rc = _run_config(tmp_path, str(path))
+    with pytest.raises(settings.SettingsError, match="is invalid: a path"):
+      run_inprocess(rc)
+    grid = InProcessGrid(client_app.app, rc, node_configs(state_root=tmp_path / "state"))
+    with task_identity():
+      for kind, conf in (
+        (MessageType.TRAIN, {"server-round": 1, "learning-rate": 0.1, "keys": "client"}),
+        (MessageType.QUERY, {"server-round": 1, "ask": "partition-id"}),
+      ):
+        msg = Message(
+          content=RecordDict({"config": ConfigRecord(conf)}), message_type=kind, dst_node_id=101
+        )
+        reply = grid.answer(msg)
+        assert reply.has_error()
+        reasons.append(reply.error.reason.replace(str(path), "PATH"))
+  assert not mark.exists()
+  assert reasons[:2] == reasons[2:] and "is invalid: a path" in reasons[0], reasons
+
+
+@pytest.mark.parametrize(
+  "item, field",
+  [
+    ("data.source=npz:/etc/any.npz", "data.source"),
+    ("data.source='npz:~/x.npz'", "data.source"),
+    ("data.data_dir=/tmp", "overrides"),
+    ("data.cache_dir=/tmp", "overrides"),
+    ("checkpoint_every=1", "overrides"),
+    ("label=x", "overrides"),
+    ("nosection.x=1", "overrides"),
+  ],
+)
+def test_a_flower_run_overrides_only_allowed_fields(tmp_path, item, field):
+  """An allow-list: nothing that names a file, a directory or code, checked before any read
+  (no file at /etc/any.npz needed for the same refusal)."""
   with pytest.raises(settings.SettingsError) as err:
-    settings.load_config(str(tmp_path / "no_such.py"))
-  assert err.value.field == "config" and "No such file" in str(err.value)
+    settings.load_config("quickstart:dp_loops", item)
+  assert err.value.field == field and str(err.value).startswith("overrides: "), str(err.value)
+  assert "No such file" not in str(err.value) and "existing" not in str(err.value)
+  # experiments.run (its user's own command line) takes every field.
+  from experiments import run
+
+  if not item.startswith(("data.source", "nosection")):
+    run.load_config("quickstart:dp_loops", [item])
+
+
+def test_the_allowed_overrides_are_sections_and_fields_of_the_algorithm():
+  assert settings.overridable("client.ipc") and settings.overridable("dp.noise_multiplier")
+  assert settings.overridable("data.num_clients") and not settings.overridable("data.cache_dir")
+  assert not settings.overridable("client.") and not settings.overridable("data")
+  assert not settings.overridable("client_backend.x") and not settings.overridable("seeds")
+  cfg, _ = settings.load_config("quickstart:dp_loops", "data.source=sklearn")
+  assert cfg.data.source == "sklearn"
 
 
 def test_settings_errors_are_config_errors_naming_the_key():
