@@ -75,10 +75,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from experiments.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
 from fedlap_flower import records, replies, server_work, task
 from fedlap_jax import baselines, federated
-from fedlap_flower.ledger import write_json_atomic
 
 # The longest client-supplied text kept in a report (a reason, a status).
 MAX_TEXT = 2000

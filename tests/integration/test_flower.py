@@ -219,6 +219,58 @@ def test_ledger_refuses_other_records_other_settings_and_tampering(tmp_path):
     state.ledger(FINGERPRINT, **PRIVACY)
 
 
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "foreign-owned"])
+def test_a_state_dir_another_user_could_change_is_refused(tmp_path, how):
+  d = tmp_path / "state"
+  d.mkdir(mode=0o700)
+  if how == "foreign-owned":
+    if os.geteuid() != 0:
+      pytest.skip("chown to another user needs root")
+    os.chown(d, 12345, -1)
+  else:
+    d.chmod(0o770 if how == "group-writable" else 0o707)
+  with pytest.raises(ledger_lib.LedgerError, match="another user could replace its privacy"):
+    ledger_lib.ClientState(d)
+  # The node config's state-dir goes through the same check on the client.
+  rc = {"config": "quickstart:dp_loops", "state-root": str(tmp_path)}
+  node = settings.node_settings(
+    {"partition-id": 0, "num-partitions": 5, "state-dir": str(d)}, settings.run_settings(rc)
+  )
+  with pytest.raises(ledger_lib.LedgerError):
+    ledger_lib.ClientState(node.state_dir)
+
+
+def test_state_files_are_the_owners_alone_and_links_planted_there_are_not_followed(tmp_path):
+  """A link planted where the ledger's temporary file was predictable, or where the journal
+  goes, must not redirect a write; every file is 0600, every directory 0700."""
+  d = tmp_path / "c0"
+  state = ledger_lib.ClientState(d)
+  target = tmp_path / "elsewhere.txt"
+  target.write_text("not the ledger")
+  for pid in range(os.getpid() - 2, os.getpid() + 3):  # the old name: .privacy_ledger.json.tmpPID
+    (d / f".{ledger_lib.LEDGER_FILE}.tmp{pid}").symlink_to(target)
+  led = state.ledger(FINGERPRINT, **PRIVACY)
+  state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 1})
+  state.save_synthetic(7, 1, np.zeros((2, 8, 8, 1), np.float32))
+  with state.locked():
+    pass
+  assert target.read_text() == "not the ledger"
+  ledger_file = d / ledger_lib.LEDGER_FILE
+  assert ledger_file.is_file() and not ledger_file.is_symlink()
+  assert json.loads(ledger_file.read_text())["ledger"]["rounds"] == 1
+  files = [ledger_file, d / ledger_lib.JOURNAL_FILE, d / ".lock", d / "runs/7/synthetic.npz"]
+  assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
+  for sub in (d, d / "runs", d / "runs" / "7"):
+    assert stat.S_IMODE(sub.stat().st_mode) == 0o700, sub
+  # A link in the journal's place: the append refuses it (and writes nothing there).
+  (d / ledger_lib.JOURNAL_FILE).unlink()
+  (d / ledger_lib.JOURNAL_FILE).symlink_to(target)
+  ledger_lib._HIGH_WATER.clear()
+  with pytest.raises(OSError):
+    state._append_journal(led)
+  assert target.read_text() == "not the ledger"
+
+
 def test_round_keys_hold_128_bits_of_os_entropy(monkeypatch):
   """Every DP round key is 16 fresh bytes of the operating system's entropy, all of them in
   the key (a threefry key would keep 64 bits), never a function of a count on disk."""
