@@ -18,7 +18,12 @@ key                             meaning
 ``overrides``                   ``"FIELD=VALUE ..."``, as ``--config.FIELD=VALUE``
                                 of ``experiments.run`` (``"seed=1 rounds=3"``),
                                 of the fields :data:`OVERRIDABLE` allows
-``run-dir``                     the server's outputs; ``""``: ``runs/flower/<label>``
+``run-dir``                     the server's outputs; ``""``: ``runs/flower/<label>``.
+                                One that holds a run's outputs is refused
+                                unless ``resume`` is true
+``resume``                      continue the run of ``run-dir`` (the same config
+                                and overrides) after its last completed round
+                                (:mod:`fedlap_flower.server_state`)
 ``min-clients``                 fewest clients a round may aggregate (0: all
                                 of the round's clients, ``data.clients_per_round``
                                 or else ``data.num_clients``); fewer stops the run
@@ -110,6 +115,7 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
   "config": "quickstart:dp",
   "overrides": "",
   "run-dir": "",
+  "resume": False,
   "min-clients": 0,
   "round-timeout": 900.0,
   "join-timeout": 30.0,
@@ -359,6 +365,7 @@ class RunSettings:
   unsafe_dp_keys_from_server: bool
   partition_keys: Mapping[str, int] = dataclasses.field(default_factory=dict)
   max_image_abs: float = 0.0
+  resume: bool = False
 
   @property
   def num_clients(self) -> int:
@@ -409,6 +416,8 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   unsafe = rc["unsafe-dp-keys-from-server"]
   if not isinstance(unsafe, bool):
     _fail("unsafe-dp-keys-from-server", unsafe, "true or false")
+  if not isinstance(rc["resume"], bool):
+    _fail("resume", rc["resume"], "true or false")
   for key in ("run-dir", "state-root"):
     if not isinstance(rc[key], str):
       _fail(key, rc[key], "a path (a string; '' for the default)")
@@ -442,6 +451,7 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
     unsafe,
     partition_keys,
     float(max_image),
+    rc["resume"],
   )
 
 

@@ -77,7 +77,8 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from experiments.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
-from fedlap_flower import records, replies, server_work, task
+from fedlap_flower import records, replies, server_state, server_work, task
+from fedlap_flower import settings as settings_lib
 from fedlap_jax import baselines, federated
 
 # The longest client-supplied text kept in a report (a reason, a status).
@@ -87,8 +88,24 @@ MAX_TEXT = 2000
 EPSILON_KIND = "self-reported by the clients whose replies were accepted"
 
 
+# What a run writes in its run-dir; a new run refuses a run-dir holding any of them.
+OUTPUTS = (
+  "metrics.jsonl",
+  "client_reports.json",
+  "run_info.json",
+  "final_params.npz",
+  "done",
+  server_state.STATE_FILE,
+)
+
+
 class TooFewClients(RuntimeError):
   """A round ended with fewer usable client replies than ``min-clients``."""
+
+
+def _as_json(value):
+  """``value`` as it reads back from JSON (tuples become lists)."""
+  return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 class RunLog:
@@ -106,17 +123,89 @@ class RunLog:
     not finite);
   * ``client_reports.json``: everything each client reported, every round,
     and why a reply was not used (rewritten atomically after each round);
-  * ``run_info.json``: the settings of the run.
+  * ``run_info.json``: the settings of the run (with ``resumed``: the rounds
+    after which it was resumed);
+  * ``server_state.npz``: the state after the last completed round
+    (:mod:`fedlap_flower.server_state`).
+
+  A new run (``RunLog(run_dir, info)``) refuses a ``run_dir`` that holds any
+  of these (:data:`OUTPUTS`): it would overwrite another run's results.
+  :meth:`resume` continues the run in ``run_dir`` after round ``m``.
   """
 
-  def __init__(self, run_dir: Path, info: dict):
+  def __init__(self, run_dir: Path, info: dict, *, _resumed: tuple | None = None):
     self.run_dir = Path(run_dir)
+    self.t0 = time.time()
+    if _resumed is not None:
+      self.records, self.reports = _resumed
+      return
+    found = [n for n in OUTPUTS if (self.run_dir / n).exists()]
+    if found:
+      raise settings_lib.SettingsError(
+        "run-dir",
+        str(self.run_dir),
+        "a directory without a run's outputs, or resume = true",
+        message=f"run-dir={str(self.run_dir)!r} holds the outputs of a run ({found}); a new "
+        "run would overwrite them. Allowed: another run-dir, or resume = true to continue "
+        "that run after its last completed round",
+      )
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.reports: list[dict] = []
     self.records: list[dict] = []
-    self.t0 = time.time()
     (self.run_dir / "metrics.jsonl").write_text("")
     write_json_atomic(self.run_dir / "run_info.json", info)
+
+  @classmethod
+  def check_resumable(cls, run_dir: Path, info: dict) -> None:
+    """Refuses to resume ``run_dir`` unless it holds an unfinished run of ``info``'s config.
+
+    Raises:
+      fedlap_flower.settings.SettingsError: naming ``resume``: no run there, a finished one,
+        or a run of other ``config_values`` (another config, overrides or seed).
+    """
+    run_dir = Path(run_dir)
+
+    def refuse(why: str):
+      raise settings_lib.SettingsError(
+        "resume",
+        True,
+        "resume = true for the unfinished run of run-dir with the same config and overrides",
+        message=f"resume=true is invalid: run-dir={str(run_dir)!r} {why}",
+      )
+
+    path = run_dir / "run_info.json"
+    if not path.exists():
+      refuse("holds no run to resume; allowed: resume = false for a new run")
+    if (run_dir / "done").exists():
+      refuse("holds a finished run; allowed: another run-dir for a new run")
+    stored = json.loads(path.read_text()).get("config_values")
+    if _as_json(stored) != _as_json(info["config_values"]):
+      refuse(
+        "holds a run of another experiment (run_info.json's config_values differ); allowed: "
+        "the config and overrides of that run"
+      )
+
+  @classmethod
+  def resume(cls, run_dir: Path, info: dict, completed: int) -> "RunLog":
+    """Continues the run in ``run_dir`` after round ``completed``: its log keeps the rounds
+    up to it (a round cut short after them is dropped) and ``run_info.json`` notes the resume.
+
+    Call :meth:`check_resumable` first.
+    """
+    from experiments import checkpointing  # pylint: disable=g-import-not-at-top
+
+    run_dir = Path(run_dir)
+    kept = checkpointing.truncate_metrics(run_dir / "metrics.jsonl", completed)
+    path = run_dir / "client_reports.json"
+    reports = json.loads(path.read_text()) if path.exists() else []
+    reports = [r for r in reports if r.get("round", 0) <= completed]
+    write_json_atomic(path, reports)
+    old = json.loads((run_dir / "run_info.json").read_text())
+    write_json_atomic(
+      run_dir / "run_info.json", {**info, "resumed": [*old.get("resumed", []), completed]}
+    )
+    log(INFO, "[fedlap] resuming %s after round %d", run_dir, completed)
+    return cls(run_dir, info, _resumed=(kept, reports))
 
   def add_reports(self, reports: list[dict]) -> None:
     self.reports.extend(reports)
@@ -420,7 +509,39 @@ class Participation:
     return asked, chosen, reports
 
 
-class FedLAP(Strategy):
+class Resumable:
+  """What both strategies keep for a resumed run (:mod:`fedlap_flower.server_state`).
+
+  After every round whose update they made they save their state in the run-dir;
+  :meth:`restore` takes it back, and the rounds Flower numbers ``1, 2, ...`` are then
+  rounds ``m + 1, m + 2, ...`` of the run (:attr:`rounds_done` is added to them).
+  """
+
+  rounds_done = 0
+
+  def _save_state(self, server_round: int, params) -> None:
+    server_state.save(
+      self.run_log.run_dir,
+      server_state.ServerState(
+        server_round,
+        params,
+        self._chain,
+        getattr(self, "_labels", {}),
+        getattr(self, "_epsilon", {}),
+        self.participation.binding.pins,
+      ),
+    )
+
+  def restore(self, state: server_state.ServerState) -> None:
+    """Continues after ``state.round`` with its key chain and what it pinned."""
+    self.rounds_done = int(state.round)
+    self._chain = state.chain
+    self._labels = dict(state.labels)
+    self._epsilon = dict(state.epsilon)
+    self.participation.binding.restore_pins(state.pins)
+
+
+class FedLAP(Resumable, Strategy):
   """FedLAP / FedLAP-DP over Flower messages (see the module docstring)."""
 
   def __init__(
@@ -504,6 +625,7 @@ class FedLAP(Strategy):
   def configure_train(
     self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
   ) -> Iterable[Message]:
+    server_round += self.rounds_done
     asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_init, k_clients, k_server = federated.round_keys(self._chain)
     lr, server_lr = task.round_learning_rates(self.fc, server_round)
@@ -623,6 +745,7 @@ class FedLAP(Strategy):
   def aggregate_train(
     self, server_round: int, replies_in: Iterable[Message]
   ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    server_round += self.rounds_done
     usable, reports = self._parse(server_round, list(replies_in))
     self.run_log.add_reports(reports)
     by_status: dict[str, list] = {}
@@ -725,6 +848,7 @@ class FedLAP(Strategy):
     )
     if base["epsilon"] is not None:
       metrics["epsilon"] = float(base["epsilon"])
+    self._save_state(server_round, params)
     return records.params_to_record(params), metrics
 
   def configure_evaluate(
@@ -738,7 +862,7 @@ class FedLAP(Strategy):
     return None
 
 
-class FedAvgBaseline(FedAvg):
+class FedAvgBaseline(Resumable, FedAvg):
   """Flower's FedAvg messages around the library's FedAvg (see the module docstring)."""
 
   def __init__(
@@ -782,6 +906,7 @@ class FedAvgBaseline(FedAvg):
     self._round: dict[str, Any] = {}
 
   def configure_train(self, server_round, arrays, config, grid):
+    server_round += self.rounds_done
     asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_clients = baselines.round_key(self._chain)
     config = ConfigRecord(dict(config))
@@ -843,6 +968,7 @@ class FedAvgBaseline(FedAvg):
     return report["partition_id"], model, num_examples
 
   def aggregate_train(self, server_round, replies_in):
+    server_round += self.rounds_done
     ok, reports = collect_replies(
       self._round, server_round, list(replies_in), self._parse_one, self.round_timeout
     )
@@ -889,4 +1015,5 @@ class FedAvgBaseline(FedAvg):
         "round_seconds": time.time() - self._t0,
       }
     )
+    self._save_state(server_round, self._round["params"] if refused else params)
     return arrays, MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})

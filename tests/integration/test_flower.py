@@ -700,6 +700,110 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   assert records[-1]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
 
 
+# The run-dir: a new run never overwrites one; resume = true continues it.
+RESUMABLE = {
+  "nondp": TINY.replace("rounds=2", "rounds=3"),
+  "fedavg": "method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
+}
+
+
+def _stop_at_round(server_round):
+  """A grid hook: no node answers the train messages of ``server_round`` (the run stops)."""
+
+  def hook(grid):
+    real = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+      messages = list(messages)
+      if any(
+        m.metadata.message_type == "train" and m.content["config"]["server-round"] == server_round
+        for m in messages
+      ):
+        return []
+      return real(messages, timeout=timeout)
+
+    grid.send_and_receive = send_and_receive
+
+  return hook
+
+
+def test_the_server_state_round_trips(tmp_path):
+  import jax
+
+  from fedlap_flower import server_state, task
+
+  run = settings.run_settings({"config": "quickstart:dp_loops"})
+  _, _, params = task.init_model(run.cfg, (8, 8, 1), 10)
+  params = jax.tree.map(lambda p: p + 1.5, params)
+  chain = jax.random.split(task.initial_chain_key(3))[0]
+  labels = {2: (np.arange(4, dtype=np.int32), np.array([True, True, False, False]))}
+  state = server_state.ServerState(
+    4, params, chain, labels, {0: 2.5, 3: 1.25}, {"num-examples": {"1": 283}}
+  )
+  server_state.save(tmp_path, state)
+  back = server_state.load(tmp_path, params)
+  assert (back.round, back.epsilon, back.pins) == (4, {0: 2.5, 3: 1.25}, state.pins)
+  assert task.key_to_words(back.chain) == task.key_to_words(chain)
+  np.testing.assert_array_equal(back.labels[2][0], labels[2][0])
+  np.testing.assert_array_equal(back.labels[2][1], labels[2][1])
+  for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+  assert server_state.load(tmp_path / "none", params) is None
+
+
+@pytest.mark.slow
+def test_a_new_run_refuses_a_run_dir_holding_a_run(tmp_path):
+  """A resubmitted run once reused the run-dir and truncated its metrics.jsonl."""
+  rc = _run_config(tmp_path, "quickstart:nondp", overrides=TINY.replace("rounds=2", "rounds=1"))
+  run_inprocess(rc)
+  before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+  with pytest.raises(settings.SettingsError, match="holds the outputs of a run") as err:
+    run_inprocess(rc)
+  assert err.value.field == "run-dir"
+  assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
+  # resume = true is not a way around it: the run there is finished, or another experiment's.
+  with pytest.raises(settings.SettingsError, match="holds a finished run") as err:
+    run_inprocess({**rc, "resume": True})
+  assert err.value.field == "resume"
+  (tmp_path / "run" / "done").unlink()
+  with pytest.raises(settings.SettingsError, match="a run of another experiment"):
+    run_inprocess({**rc, "resume": True, "overrides": rc["overrides"] + " seed=1"})
+  with pytest.raises(settings.SettingsError, match="holds no run to resume"):
+    run_inprocess({**rc, "resume": True, "run-dir": str(tmp_path / "empty")})
+  assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.name != "done"} == {
+    k: v for k, v in before.items() if k != "done"
+  }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(RESUMABLE))
+def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind):
+  """Round 3 gets no replies and the run stops; resume = true redoes round 3 from the state
+  after round 2 (parameters, key chain, pins) and ends where the uninterrupted run ends."""
+  straight = _run_config(tmp_path / "a", "quickstart:nondp", overrides=RESUMABLE[kind])
+  want, _ = run_inprocess(straight)
+  rc = _run_config(tmp_path / "b", "quickstart:nondp", overrides=RESUMABLE[kind])
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc, grid_hook=_stop_at_round(3))
+  # FedLAP logs the stopped round; both stop with the state after round 2.
+  stopped = [r["round"] for r in read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")]
+  assert stopped == ([1, 2, 3] if kind == "nondp" else [1, 2])
+  run_inprocess({**rc, "resume": True})
+  got = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
+  keys = ("round", "test_accuracy", "test_loss", "clients_ok", "server_radius", "client_radius")
+  assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want]
+  with np.load(tmp_path / "a" / "run" / "final_params.npz") as a:
+    with np.load(tmp_path / "b" / "run" / "final_params.npz") as b:
+      assert sorted(a.files) == sorted(b.files)
+      for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  info = json.loads((tmp_path / "b" / "run" / "run_info.json").read_text())
+  assert info["resumed"] == [2]
+  reports = json.loads((tmp_path / "b" / "run" / "client_reports.json").read_text())
+  assert sorted({r["round"] for r in reports}) == [1, 2, 3]
+  assert all(r["status"] == "ok" for r in reports if r["round"] == 3)
+
+
 @pytest.mark.slow
 def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
   """The server cannot switch DP off for a client that set its own budget."""
