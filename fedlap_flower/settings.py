@@ -64,7 +64,8 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
   ``y_train``); without it the client takes partition ``k`` of the config's
   data, as ``experiments.run`` does;
 * ``state-dir``: where its privacy ledger, ledger journal and synthetic set
-  live. Required under DP (or the client's environment variable
+  live; an existing one must be this user's and writable by it alone
+  (:func:`fedlap_flower.ledger.check_private`). Required under DP (or the client's environment variable
   :data:`STATE_ROOT_ENV`, which gives ``<root>/client-<k>``: the simulation
   engine's virtual nodes have no node config of their own): a client keeps its
   ledger only where it says, never where the run config (its label,
