@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,24 +37,47 @@ from experiments import faults
 from fedlap_jax.types import PyTree
 
 
-def write_json_atomic(path: str | os.PathLike, obj, *, fault_round: int | None = None) -> None:
-  """Writes ``obj`` as JSON to ``path`` via a temporary file (fsync'ed), ``os.replace`` and an
-  fsync of the directory: a kill leaves the old file or the new one, never a mix.
+def write_atomic(
+  path: str | os.PathLike,
+  write: Callable[[BinaryIO], Any],
+  *,
+  mode: int = 0o666,
+  fault_round: int | None = None,
+) -> None:
+  """Writes ``path`` through ``write(f)`` (``f`` a binary file) so a kill leaves the old file or
+  the new one, never a mix: a temporary file, fsync, ``os.replace``, fsync of the directory.
 
-  ``fault_round``: the round this write belongs to, for the ``ledger`` point of
-  :mod:`experiments.faults` (fired between the temporary file and the replace).
+  The temporary has a random name in ``path``'s directory and is created with ``O_CREAT |
+  O_EXCL | O_NOFOLLOW``: nothing planted there beforehand (a file, a symbolic link) is
+  followed, truncated or reused, and ``os.replace`` replaces a link at ``path`` itself, never
+  its target. ``mode``: the new file's permission bits (the umask applies; ``0o600`` for a
+  file only its owner may read). ``fault_round``: the round this write belongs to, for the
+  ``ledger`` point of :mod:`experiments.faults` (fired between the temporary file and the
+  replace).
   """
   path = Path(path)
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True, default=_json_default)
-    f.write("\n")
-    f.flush()
-    os.fsync(f.fileno())
-  if fault_round is not None:
-    faults.point("ledger", fault_round)
-  os.replace(tmp, path)
+  tmp = path.with_name(f".{path.name}.tmp{secrets.token_hex(8)}")
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    if fault_round is not None:
+      faults.point("ledger", fault_round)
+    os.replace(tmp, path)
+  except Exception:
+    tmp.unlink(missing_ok=True)
+    raise
   _fsync_directory(path.parent)
+
+
+def write_json_atomic(
+  path: str | os.PathLike, obj, *, mode: int = 0o666, fault_round: int | None = None
+) -> None:
+  """Writes ``obj`` as JSON (indented, keys sorted) to ``path`` with :func:`write_atomic`."""
+  text = json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
+  write_atomic(path, lambda f: f.write(text.encode()), mode=mode, fault_round=fault_round)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -127,14 +151,8 @@ def truncate_metrics(path: str | os.PathLike, max_round: int) -> list[dict]:
   """Keeps the records with ``round <= max_round`` (atomic rewrite); returns them."""
   path = Path(path)
   kept = [r for r in read_metrics(path) if r.get("round", 0) <= max_round]
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  with open(tmp, "w") as f:
-    for r in kept:
-      f.write(json.dumps(r, default=_json_default) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  _fsync_directory(path.parent)
+  text = "".join(json.dumps(r, default=_json_default) + "\n" for r in kept)
+  write_atomic(path, lambda f: f.write(text.encode()))
   return kept
 
 

@@ -4,7 +4,9 @@ r"""Runs one experiment from a named config.
 
 ``NAME`` is a file of ``experiments/configs/`` without ``.py`` (``quickstart``,
 ``cifar_dp``, ...), optionally with an argument (``cifar_ablation_ipc:20``), or
-a path to any config file. A *suite* config (one with a ``suite`` section, e.g.
+a path to any config file (this command runs what its user names, on the
+user's own machine: a config file is Python and is executed; the Flower app
+takes only the names, :func:`load_config` with ``named_only=True``). A *suite* config (one with a ``suite`` section, e.g.
 ``quickstart``) runs each of its configs in ``WORKDIR/<run>`` and compares them
 in ``WORKDIR/report``. Fields are overridden with ``--config.FIELD=VALUE``
 (e.g. ``--config.seed=1``, ``--config.data.source=npz:/data/cifar10.npz``). The
@@ -46,14 +48,23 @@ class ConfigArgError(ValueError):
   """``--config`` names no config file."""
 
 
-def resolve_config_arg(value: str) -> tuple[str, str]:
+def resolve_config_arg(value: str, *, named_only: bool = False) -> tuple[str, str]:
   """``'NAME[:ARG]'`` -> ``(path[:ARG], run name)``; paths are kept as they are.
 
   ``NAME`` is a module of ``experiments/configs/`` or an alias of
   :data:`experiments.configs.ALIASES` (its module and argument are substituted).
+  With ``named_only`` a path (``NAME`` ending in ``.py`` or holding a path
+  separator) is refused before anything on the disk is looked at, so the
+  message is the same whether such a file exists or not.
   """
   name, sep, arg = value.partition(":")
-  if name.endswith(".py") or os.sep in name:
+  is_path = name.endswith(".py") or os.sep in name or bool(os.altsep and os.altsep in name)
+  if named_only and is_path:
+    raise ConfigArgError(
+      f"--config={value!r} is invalid: a path; allowed: NAME[:ARG] with NAME one of "
+      f"{list(configs.names())} (the configs of experiments/configs/)"
+    )
+  if is_path:
     path = name
     label = Path(name).stem
     target = path + sep + arg
@@ -73,16 +84,19 @@ def resolve_config_arg(value: str) -> tuple[str, str]:
   return target, label + (f"_{safe}" if sep and arg else "")
 
 
-def rewrite_argv(argv: list[str]) -> tuple[list[str], str | None]:
-  """Replaces the value of ``--config`` by its file path; returns the run name too."""
+def rewrite_argv(argv: list[str], *, named_only: bool = False) -> tuple[list[str], str | None]:
+  """Replaces the value of ``--config`` by its file path; returns the run name too.
+
+  ``named_only``: refuse a path (:func:`resolve_config_arg`).
+  """
   out, name, i = [], None, 0
   while i < len(argv):
     a = argv[i]
     if a.startswith("--config="):
-      path, name = resolve_config_arg(a[len("--config=") :])
+      path, name = resolve_config_arg(a[len("--config=") :], named_only=named_only)
       out.append(f"--config={path}")
     elif a == "--config" and i + 1 < len(argv):
-      path, name = resolve_config_arg(argv[i + 1])
+      path, name = resolve_config_arg(argv[i + 1], named_only=named_only)
       out += ["--config", path]
       i += 1
     else:
@@ -169,8 +183,11 @@ def _suite_error(error, name_arg: str, runs: Sequence[str]):
   )
 
 
-def parse_argv(argv: list[str]):
+def parse_argv(argv: list[str], *, named_only: bool = False):
   """Parses ``experiments.run``'s command line (``argv[0]`` is the program).
+
+  ``named_only``: ``--config`` must name a config of ``experiments/configs/``
+  (:func:`resolve_config_arg`; a path is refused).
 
   ``--config=NAME[:ARG]`` is resolved (:func:`rewrite_argv`) and loaded by
   ``ml_collections.config_flags`` (locked); each ``--config.FIELD=VALUE`` is parsed by the
@@ -194,12 +211,13 @@ def parse_argv(argv: list[str]):
   argv = list(argv)
   name_arg = next((a[len("--config=") :] for a in argv if a.startswith("--config=")), None)
   try:
-    argv, name = rewrite_argv(argv)
+    argv, name = rewrite_argv(argv, named_only=named_only)
   except ConfigArgError as e:
     raise library_configs.ConfigError(
       "config",
       name_arg,
-      "NAME[:ARG] of experiments/configs/, or a path to a config .py file",
+      "NAME[:ARG] of experiments/configs/"
+      + ("" if named_only else ", or a path to a config .py file"),
       message=str(e),
     ) from None
   if name is None:
@@ -251,11 +269,13 @@ def parse_argv(argv: list[str]):
   return flag_values, name
 
 
-def load_config(name_arg: str, overrides: Sequence[str] = ()):
+def load_config(name_arg: str, overrides: Sequence[str] = (), *, named_only: bool = False):
   """The config of ``--config=NAME_ARG --config.FIELD=VALUE ...``, as :func:`main` builds it.
 
   ``overrides`` are ``"FIELD=VALUE"`` items, each parsed as the command line's
   ``--config.FIELD=VALUE`` (:func:`parse_argv`). The config is locked, not validated.
+  ``named_only``: ``NAME_ARG`` must name a config of ``experiments/configs/`` (a path,
+  which would be executed, is refused).
 
   A ``seed`` the config and the overrides leave None becomes 0 here: this serves a caller with
   no work dir to keep a drawn seed in (the Flower app, whose DP clients draw their round keys
@@ -278,7 +298,8 @@ def load_config(name_arg: str, overrides: Sequence[str] = ()):
         "overrides", item, "FIELD=VALUE, e.g. seed=1 or client.batch_loop=2"
       )
   flag_values, name = parse_argv(
-    ["prog", f"--config={name_arg}", *(f"--config.{item}" for item in overrides)]
+    ["prog", f"--config={name_arg}", *(f"--config.{item}" for item in overrides)],
+    named_only=named_only,
   )
   config = flag_values.config
   for cfg in config.suite.values() if "suite" in config else [config]:

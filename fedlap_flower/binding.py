@@ -26,6 +26,15 @@ makes up at start.
   (:meth:`PartitionBinding.release_absent` frees it when the SuperLink no
   longer lists the node).
 
+What a partition's replies say about its data is pinned for the run at its
+first accepted reply (:meth:`PartitionBinding.pin`: ``num-examples``, the
+client's ``N_k``, which weights it under ``server.weighting='size'``): a
+later reply for the partition that says otherwise is refused, whichever node
+holds the partition then (a pin outlives the node's binding: the records are
+the partition's). With ``partition-keys`` the pinned value is that of the
+authenticated node; a value a client states from its first reply on is not
+verified (docs/flower.md says what it can still do).
+
 Residual risk without ``partition-keys``: a node that claims a partition
 before its owner connects, or while its owner is disconnected, holds it
 (the owner's replies are then refused, and the intruder's reply counts as
@@ -42,7 +51,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 FINGERPRINT = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}$")
 
@@ -123,6 +132,7 @@ class PartitionBinding:
     self.keys = dict(keys or {})
     self._node_of: dict[int, int] = {}  # partition -> node
     self._partition_of: dict[int, int] = {}  # node -> partition
+    self._pins: dict[tuple[int, str], Any] = {}  # (partition, name) -> value
 
   @property
   def by_key(self) -> bool:
@@ -138,6 +148,38 @@ class PartitionBinding:
   def _bind(self, node: int, partition: int) -> None:
     self._node_of[partition] = node
     self._partition_of[node] = partition
+
+  def check_pinned(self, partition: int, name: str, value) -> None:
+    """Raises ``ValueError`` if ``name`` of ``partition`` is pinned to another value."""
+    key = (int(partition), name)
+    if key in self._pins and self._pins[key] != value:
+      raise ValueError(
+        f"{name}={value!r} is invalid; allowed: {self._pins[key]!r}, what partition "
+        f"{partition}'s first accepted reply said (fixed for the run)"
+      )
+
+  def pin(self, partition: int, name: str, value) -> None:
+    """Pins ``name`` of ``partition`` to ``value`` for the run (a first value stays).
+
+    Raises:
+      ValueError: it is pinned to another value (:meth:`check_pinned`).
+    """
+    self.check_pinned(partition, name, value)
+    self._pins.setdefault((int(partition), name), value)
+
+  @property
+  def pins(self) -> dict[str, dict[str, Any]]:
+    """``{name: {partition (str): value}}`` of every pin (JSON-ready, for a checkpoint)."""
+    out: dict[str, dict[str, Any]] = {}
+    for (partition, name), value in sorted(self._pins.items()):
+      out.setdefault(name, {})[str(partition)] = value
+    return out
+
+  def restore_pins(self, pins: Mapping[str, Mapping[str, Any]]) -> None:
+    """Pins what :attr:`pins` returned (a resumed run)."""
+    for name, values in pins.items():
+      for partition, value in values.items():
+        self.pin(int(partition), name, value)
 
   def release_absent(self, connected: Iterable[int]) -> list[int]:
     """Frees the partitions of nodes not in ``connected``; returns the freed nodes."""

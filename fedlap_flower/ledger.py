@@ -43,6 +43,14 @@ round (ledger, then journal, both on disk before any result exists), then
 compute and reply. A crash after the spend leaves the ledger charged for a
 result nobody saw: never under-counted. One process works in a state directory
 at a time (``fcntl`` lock).
+
+The directory is the client's alone: an existing one that another user owns,
+or that its group or the world may write, is refused (:func:`check_private`);
+a new one is created ``0700``. Every file in it is created ``0600``, and
+without following a link planted in its place: the ledger and the carried
+set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``
+(:func:`experiments.checkpointing.write_atomic`), the journal and the lock
+``O_NOFOLLOW``.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ import fcntl
 import json
 import os
 import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +69,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from experiments.checkpointing import write_atomic, write_json_atomic
 from fedlap_jax import accounting
 
 LEDGER_FILE = "privacy_ledger.json"
@@ -75,6 +85,11 @@ FIXED_PRIVACY_FIELDS = (
 )
 # Bits of operating-system entropy in every DP round key.
 ROUND_KEY_BITS = 128
+# Permission bits of every file in a state directory (its owner only) and of its directories.
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
+# Open flags that refuse to follow a symbolic link planted at the path.
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 # The ledger this process last wrote per file, with the file's text: a process that serves
@@ -120,17 +135,26 @@ def _fsync_directory(directory: Path) -> None:
     os.close(fd)
 
 
-def write_json_atomic(path: Path, obj) -> None:
-  """``obj`` as JSON to ``path``: temporary file, flush, fsync, ``os.replace``, fsync of the
-  directory (so the rename itself survives a power loss)."""
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-    f.write("\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  _fsync_directory(path.parent)
+def check_private(directory: Path) -> None:
+  """Refuses a state directory another user could change.
+
+  Raises:
+    LedgerError: ``directory`` is not a directory, is owned by another user than this
+      process's, or its group or every user may write it.
+  """
+  st = os.stat(directory)
+  why = None
+  if not stat.S_ISDIR(st.st_mode):
+    why = "is not a directory"
+  elif st.st_uid != os.geteuid():
+    why = f"is owned by user {st.st_uid}, not by this client's user {os.geteuid()}"
+  elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    why = f"may be written by its group or by every user (mode {stat.S_IMODE(st.st_mode):04o})"
+  if why is not None:
+    raise LedgerError(
+      f"state-dir {directory} {why}: another user could replace its privacy ledger. "
+      f"Allowed: a directory of this user that only it may write (chmod go-w), or a new one"
+    )
 
 
 def _spent(ledger: accounting.PrivacyLedger) -> tuple[int, int]:
@@ -142,13 +166,15 @@ class ClientState:
 
   def __init__(self, directory: str | os.PathLike):
     directory = Path(directory).expanduser()
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.mkdir(parents=True, exist_ok=True, mode=DIRECTORY_MODE)
     self.directory = directory.resolve()  # one key per directory in the process's caches
+    check_private(self.directory)
 
   @contextlib.contextmanager
   def locked(self):
     """Holds an exclusive lock on the directory for a round."""
-    with open(self.directory / ".lock", "a") as f:
+    fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, FILE_MODE)
+    with os.fdopen(fd, "r+b") as f:
       fcntl.flock(f, fcntl.LOCK_EX)
       try:
         yield self
@@ -192,7 +218,7 @@ class ClientState:
       {"rounds": rounds, "steps": steps, "epsilon": ledger.epsilon, "time": time.time()},
       sort_keys=True,
     )
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, FILE_MODE)
     try:
       os.write(fd, (line + "\n").encode())
       os.fsync(fd)
@@ -331,6 +357,7 @@ class ClientState:
         "history": history,
         "journaled": True,
       },
+      mode=FILE_MODE,
     )
     self._append_journal(ledger)
     _WRITTEN[path] = (path.read_text(), copy.deepcopy(ledger))
@@ -352,10 +379,8 @@ class ClientState:
 
   def save_synthetic(self, run_id, server_round: int, x: np.ndarray) -> None:
     path = self._synthetic_path(run_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".synthetic.tmp{os.getpid()}.npz")
-    with open(tmp, "wb") as f:
-      np.savez(f, x=np.asarray(x, np.float32), round=server_round)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
+    for d in (path.parent.parent, path.parent):
+      d.mkdir(exist_ok=True, mode=DIRECTORY_MODE)
+    write_atomic(
+      path, lambda f: np.savez(f, x=np.asarray(x, np.float32), round=server_round), mode=FILE_MODE
+    )

@@ -41,9 +41,28 @@ The bounds, and why an honest client stays inside them:
   for shape and finiteness only (and the server refuses a non-finite
   update).
 * **Metrics** (:func:`scalar`): one int or float each (no lists, strings,
-  bools), finite; ``radius`` in ``(0, r]`` (``r_k`` is ``r`` under DP, and
-  the calibration caps it at ``r``); ``num-examples`` an int >= 1;
-  ``epsilon`` >= 0.
+  bools), finite, every one bounded above and below:
+
+  - ``radius`` in ``[RADIUS_FLOOR_PER_LR * eta_m, r]`` (:func:`radius_floor`).
+    ``r_k`` is ``r`` under DP and without calibration; a calibrated ``r_k`` is
+    the distance the global model moved after at least one epoch of SGD at the
+    round's ``eta_m`` on the client's synthetic set, capped at ``r``: ``eta_m``
+    times the length of the summed gradient steps. ``quickstart:nondp`` (10
+    rounds on the digits) measures ``r_k / eta_m`` from 13.8 to 112, every
+    round (the last one at ``eta_m = 1e-6`` included); the floor,
+    ``1e-3 eta_m``, leaves a factor above 10^4 for honest clients and refuses
+    what no SGD step gives (``1e-30``, zero, denormals). The floor stops
+    degenerate values only: with ``server.radius_strategy='min'`` one client
+    still sets ``r_g`` anywhere in ``[floor, r]`` (docs/flower.md).
+  - ``num-examples`` an int in ``[1, MAX_NUM_EXAMPLES]`` (2^24: every count
+    up to it is exact in the library's float32 client weights and fits the
+    int32 the server passes the counts in). The strategy also pins each
+    partition's ``N_k`` at its first accepted reply
+    (:meth:`fedlap_flower.binding.PartitionBinding.pin`): a reply that
+    changes it is refused.
+  - ``epsilon`` in ``[0, max-epsilon]`` (the run config's cap, which every
+    client keeps; no upper bound but finiteness with ``max-epsilon = inf``).
+    It is the client's own report: the server publishes it labelled so.
 """
 
 from __future__ import annotations
@@ -60,6 +79,10 @@ IMAGE_RANGE_FACTOR = 1000.0
 TAIL_LOG = 80.0
 # Relative slack of the delta bound for float32 rounding.
 FLOAT_SLACK = 1e-3
+# The smallest r_k accepted, in units of the round's learning rate eta_m (module docstring).
+RADIUS_FLOOR_PER_LR = 1e-3
+# The largest num-examples accepted (module docstring): float32 counts are exact up to 2^24.
+MAX_NUM_EXAMPLES = 2**24
 
 
 class InvalidReply(ValueError):
@@ -100,32 +123,63 @@ def scalar(metrics: Mapping[str, Any], key: str, *, integer: bool = False, requi
   kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
   if isinstance(v, (bool, np.bool_)) or not isinstance(v, kinds):
     _fail(key, v, f"one {'int' if integer else 'finite number'}")
-  if not integer and not math.isfinite(float(v)):
-    _fail(key, v, "a finite number")
-  return int(v) if integer else float(v)
+  if not integer:
+    try:
+      v = float(v)
+    except OverflowError:  # a Python int beyond float64
+      _fail(key, v, "a finite number")
+    if not math.isfinite(v):
+      _fail(key, v, "a finite number")
+  return int(v) if integer else v
 
 
-def check_radius(metrics: Mapping[str, Any], max_radius: float) -> float:
-  """The client's ``r_k``: one finite number in ``(0, max_radius]``."""
+def radius_floor(learning_rate: float) -> float:
+  """The smallest ``r_k`` accepted in a round of client rate ``eta_m``: ``1e-3 eta_m``.
+
+  Compared as the float32 the client computes ``r_k`` in (module docstring).
+  """
+  return float(np.float32(RADIUS_FLOOR_PER_LR * abs(float(learning_rate))))
+
+
+def check_radius(metrics: Mapping[str, Any], max_radius: float, min_radius: float = 0.0) -> float:
+  """The client's ``r_k``: one finite number in ``[min_radius, max_radius]``, and ``> 0``.
+
+  ``min_radius``: :func:`radius_floor` of the round's ``eta_m``.
+  """
   r = scalar(metrics, "radius")
-  if not 0 < r <= max_radius:
-    _fail("radius", r, f"a number in (0, {max_radius:g}] (r_k <= the config's client.radius)")
+  if not (0 < r and min_radius <= r <= max_radius):
+    low = f"[{min_radius:g}" if min_radius > 0 else "(0"
+    _fail(
+      "radius",
+      r,
+      f"a number in {low}, {max_radius:g}] (r_k <= the config's client.radius; "
+      f"r_k >= {RADIUS_FLOOR_PER_LR:g} x the round's learning rate, less than one SGD step)",
+    )
   return r
 
 
 def check_num_examples(metrics: Mapping[str, Any], required: bool) -> int | None:
-  """``num-examples``: an int >= 1 (``None`` if absent and not ``required``)."""
+  """``num-examples``: an int in ``[1, MAX_NUM_EXAMPLES]`` (``None`` if absent and not
+  ``required``)."""
   n = scalar(metrics, "num-examples", integer=True, required=required)
-  if n is not None and n < 1:
-    _fail("num-examples", n, "an int >= 1 (the client's records)")
+  if n is not None and not 1 <= n <= MAX_NUM_EXAMPLES:
+    _fail("num-examples", n, f"an int in [1, {MAX_NUM_EXAMPLES}] (the client's records)")
   return n
 
 
-def check_epsilon(metrics: Mapping[str, Any], required: bool) -> float | None:
-  """``epsilon``: a finite number >= 0 (``None`` if absent and not ``required``)."""
+def check_epsilon(
+  metrics: Mapping[str, Any], required: bool, max_epsilon: float = math.inf
+) -> float | None:
+  """``epsilon``: a finite number in ``[0, max_epsilon]`` (``None`` if absent and not
+  ``required``); ``max_epsilon`` is the run config's cap, which every client keeps."""
   eps = scalar(metrics, "epsilon", required=required)
-  if eps is not None and eps < 0:
-    _fail("epsilon", eps, "a finite number >= 0")
+  if eps is not None and not 0 <= eps <= max_epsilon:
+    _fail(
+      "epsilon",
+      eps,
+      "a finite number >= 0"
+      + (f" and <= the run's max-epsilon={max_epsilon:g}" if math.isfinite(max_epsilon) else ""),
+    )
   return eps
 
 

@@ -1,11 +1,20 @@
 """The ``ServerApp``: FedLAP / FedLAP-DP (or the FedAvg baseline) for ``cfg.rounds`` rounds.
 
 It builds the model and its initial parameters exactly as ``experiments.run``
-does (``key(seed)``), loads the config's test split, and runs the strategy
+does (``key(seed)``), loads the config's test split (or the npz the server's
+environment names, :data:`fedlap_flower.settings.SERVER_DATA_ENV`), and runs the strategy
 (:mod:`fedlap_flower.strategy`) with ``strategy.start``. Outputs go to the run
 config's ``run-dir`` (default ``runs/flower/<label>``, relative to the
 directory the SuperLink was started in): ``metrics.jsonl``,
-``client_reports.json``, ``run_info.json``, ``final_params.npz``.
+``client_reports.json``, ``run_info.json``, ``server_state.npz`` (after every
+round), ``final_params.npz`` and ``done`` (at the end). A run-dir holding a
+run's outputs is refused, unless the run config says ``resume = true``: the
+server then continues that run (same config and overrides, not finished)
+after its last completed round, from the parameters, key chain and pins of
+``server_state.npz`` (:mod:`fedlap_flower.server_state`). The resumed run is
+a new Flower run: each DP client's ledger charges the rounds it computes (a
+round redone after a stop is charged again), and carried synthetic images
+(``synthetic_init='noise'``) start afresh from the clients' initial images.
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ from flax import traverse_util
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedlap_flower import records, replies, server_work, settings, strategy as strategy_lib, task
+from fedlap_flower import records, replies, server_state, server_work, settings, task
+from fedlap_flower import strategy as strategy_lib
 from fedlap_flower.prompt_grid import PromptGrid
 
 app = ServerApp()
@@ -49,7 +59,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
 
   cfg = run.cfg
   t0 = time.time()
-  test = task.load_test_split(cfg)
+  test = task.load_test_split(settings.server_data(cfg))
   _, apply_fn, params = task.init_model(cfg, test.image_shape, test.num_classes)
   evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
   model_bytes = int(
@@ -77,7 +87,13 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     "partition_keys": dict(run.partition_keys),
     "config_values": cfg.to_dict(),
   }
-  run_log = strategy_lib.RunLog(run.run_dir, info)
+  state = None
+  if run.resume:
+    strategy_lib.RunLog.check_resumable(run.run_dir, info)
+    state = server_state.load(run.run_dir, params)
+    run_log = strategy_lib.RunLog.resume(run.run_dir, info, state.round if state else 0)
+  else:
+    run_log = strategy_lib.RunLog(run.run_dir, info)
   shared = dict(
     cfg=cfg,
     evaluate=evaluate,
@@ -98,13 +114,17 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       image_shape=test.image_shape,
       num_classes=test.num_classes,
       max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
+      max_epsilon=run.max_epsilon,
     )
   else:
     strategy = strategy_lib.FedAvgBaseline(**shared, baseline_config=bc)
+  if state is not None:
+    strategy.restore(state)
+    params = state.params
   result = strategy.start(
     grid=grid,
     initial_arrays=records.params_to_record(params),
-    num_rounds=int(cfg.rounds),
+    num_rounds=int(cfg.rounds) - strategy.rounds_done,
     timeout=run.round_timeout,
   )
   final = result.arrays if result.arrays is not None else records.params_to_record(params)

@@ -13,10 +13,17 @@ every ClientApp see the same values):
 key                             meaning
 ==============================  =============================================
 ``config``                      ``NAME[:ARG]`` of ``experiments/configs/`` (one
-                                run, not a suite), or a path to a config file
+                                run, not a suite); never a path (a config file
+                                is Python: it would run on every node)
 ``overrides``                   ``"FIELD=VALUE ..."``, as ``--config.FIELD=VALUE``
-                                of ``experiments.run`` (``"seed=1 rounds=3"``)
-``run-dir``                     the server's outputs; ``""``: ``runs/flower/<label>``
+                                of ``experiments.run`` (``"seed=1 rounds=3"``),
+                                of the fields :data:`OVERRIDABLE` allows
+``run-dir``                     the server's outputs; ``""``: ``runs/flower/<label>``.
+                                One that holds a run's outputs is refused
+                                unless ``resume`` is true
+``resume``                      continue the run of ``run-dir`` (the same config
+                                and overrides) after its last completed round
+                                (:mod:`fedlap_flower.server_state`)
 ``min-clients``                 fewest clients a round may aggregate (0: all
                                 of the round's clients, ``data.clients_per_round``
                                 or else ``data.num_clients``); fewer stops the run
@@ -57,7 +64,8 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
   ``y_train``); without it the client takes partition ``k`` of the config's
   data, as ``experiments.run`` does;
 * ``state-dir``: where its privacy ledger, ledger journal and synthetic set
-  live. Required under DP (or the client's environment variable
+  live; an existing one must be this user's and writable by it alone
+  (:func:`fedlap_flower.ledger.check_private`). Required under DP (or the client's environment variable
   :data:`STATE_ROOT_ENV`, which gives ``<root>/client-<k>``: the simulation
   engine's virtual nodes have no node config of their own): a client keeps its
   ledger only where it says, never where the run config (its label,
@@ -70,6 +78,22 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
 * ``max-delta``: the largest ``dp.delta`` it accepts, in ``(0, 1)`` (default
   ``min(1e-5, 1 / N_k)``, with ``N_k`` its record count); a run whose
   ``dp.delta`` exceeds it, or reaches ``1 / N_k``, is refused.
+
+What a run may name on a node (the run config comes from whoever submits the
+run; every node, the server included, takes only this):
+
+* code: the configs of ``experiments/configs/`` by name (:func:`load_config`
+  refuses a path before it looks at the disk, so its message says nothing
+  about what exists there);
+* data: a client reads only its own ``data-path`` (or, without one, the named
+  config's dataset from its usual place: tfds, scikit-learn's digits or a
+  subset of the data cache); ``data.source`` may not be ``npz:PATH``, and
+  ``data.data_dir`` / ``data.cache_dir`` may not be overridden. The server
+  reads its test split from the named config's dataset, or from the npz its
+  own environment names (:data:`SERVER_DATA_ENV`);
+* overrides: an allow-list (:data:`OVERRIDABLE`) of fields that change the
+  algorithm, the model, the partition and the normalisation, never a path,
+  code, a ledger or a state directory.
 
 Every bad value raises :class:`SettingsError` (a :class:`fedlap_jax.ConfigError`
 whose ``field`` is the run-config or node-config key), or the experiments'
@@ -92,6 +116,7 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
   "config": "quickstart:dp",
   "overrides": "",
   "run-dir": "",
+  "resume": False,
   "min-clients": 0,
   "round-timeout": 900.0,
   "join-timeout": 30.0,
@@ -117,8 +142,49 @@ NODE_CONFIG_KEYS = (
 UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
 # A client's own environment may name the root of its state directories (<root>/client-<k>).
 STATE_ROOT_ENV = "FEDLAP_FLOWER_STATE_ROOT"
+# The server's own test data: an npz (x_train, y_train, x_test, y_test) its environment names,
+# read in place of the named config's data.source (the run config never names a file).
+SERVER_DATA_ENV = "FEDLAP_FLOWER_SERVER_DATA"
 # The default max-delta is min(DEFAULT_MAX_DELTA, 1 / N_k).
 DEFAULT_MAX_DELTA = 1e-5
+# What a Flower run's overrides may set: an allow-list of config fields (a name ending in "."
+# is a section: every field of it). None of them names a file, a directory or code:
+# client / server / dp / model / baseline hold numbers and names of the algorithm; data.source
+# is allowed only as one of PATHLESS_SOURCES (checked on the loaded config).
+OVERRIDABLE = (
+  "client.",
+  "server.",
+  "dp.",
+  "model.",
+  "baseline.",
+  "method",
+  "seed",
+  "rounds",
+  "learning_rate",
+  "synthetic_init",
+  "lr_schedule",
+  "client_backend",
+  "eval_chunk_size",
+  "snapshot_rounds",
+  "plots",
+  "progress_bar",
+  "debug_nonprivate_stats",
+  "termination_grace_seconds",
+  "data.name",
+  "data.source",
+  "data.num_clients",
+  "data.partition",
+  "data.dirichlet_alpha",
+  "data.clients_per_round",
+  "data.participation_seed",
+  "data.partition_seed",
+  "data.train_fraction",
+  "data.normalisation",
+  "data.mean",
+  "data.std",
+)
+# data.source values of a Flower run: no path (subset:NAME is a fixed file of the data cache).
+PATHLESS_SOURCES = ("tfds", "sklearn", "subset:NAME")
 METHODS = ("fedlap", "fedavg")
 
 
@@ -140,11 +206,52 @@ def _is_real_or_inf(v) -> bool:
 # ----------------------------------------------------------------------------
 
 
+def overridable(field: str) -> bool:
+  """Whether a Flower run's overrides may set ``field`` (dotted; :data:`OVERRIDABLE`)."""
+  return any(
+    field.startswith(a) and len(field) > len(a) if a.endswith(".") else field == a
+    for a in OVERRIDABLE
+  )
+
+
+def _check_source(source) -> None:
+  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+
+  try:
+    kind, _ = data_lib.parse_source(source)
+  except ValueError:
+    kind = None
+  if kind is None or (kind == "npz" and data_lib.subset_name(source) is None):
+    allowed = (
+      f"one of {PATHLESS_SOURCES}: a Flower run names no file (a client reads its own "
+      f"data-path, the server the npz its environment's {SERVER_DATA_ENV} names)"
+    )
+    raise SettingsError(
+      "data.source",
+      source,
+      allowed,
+      message=f"overrides: data.source={source!r} is invalid; allowed: {allowed}",
+    )
+
+
+def server_data(cfg):
+  """``cfg`` for the server's test split: ``data.source = 'npz:PATH'`` with the ``PATH`` of
+  the server's environment variable :data:`SERVER_DATA_ENV`, else ``cfg`` itself."""
+  path = os.environ.get(SERVER_DATA_ENV, "")
+  if not path:
+    return cfg
+  out = cfg.copy_and_resolve_references()
+  out.data.source = f"npz:{path}"
+  return out
+
+
 def load_config(name: str, overrides: str = ""):
   """The resolved, validated ml_collections config of ``NAME[:ARG]`` plus ``overrides``.
 
-  ``overrides`` is ``"FIELD=VALUE ..."``, split with shell rules (quote a value that holds
-  spaces); each item is parsed as ``experiments.run``'s ``--config.FIELD=VALUE``
+  ``NAME`` must be a config of ``experiments/configs/`` (a path is refused, whether or not
+  the file exists). ``overrides`` is ``"FIELD=VALUE ..."``, split with shell rules (quote a
+  value that holds spaces), each ``FIELD`` one :func:`overridable` allows; each item is
+  parsed as ``experiments.run``'s ``--config.FIELD=VALUE``
   (:func:`experiments.run.load_config`: by the field's type, ``None`` for a None-able field).
 
   Returns:
@@ -161,9 +268,7 @@ def load_config(name: str, overrides: str = ""):
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
   if not isinstance(name, str) or not name:
-    _fail(
-      "config", name, "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops'), or a path"
-    )
+    _fail("config", name, "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops')")
   if not isinstance(overrides, str):
     _fail("overrides", overrides, "a string of FIELD=VALUE pairs separated by spaces")
   try:
@@ -176,8 +281,19 @@ def load_config(name: str, overrides: str = ""):
       message=f"overrides={overrides!r} is invalid ({e}); allowed: "
       "FIELD=VALUE pairs separated by spaces, quoted with shell rules",
     ) from None
+  for item in items:
+    field = item.partition("=")[0]
+    if "=" in item and field and not overridable(field):
+      raise SettingsError(
+        "overrides",
+        field,
+        f"the fields of {OVERRIDABLE}",
+        message=f"overrides: {field!r} is not a field a Flower run may set; allowed: "
+        f"{OVERRIDABLE} (a name ending in '.' is a section); the others can name files, "
+        "directories or code",
+      )
   try:
-    cfg, label = run_lib.load_config(name, items)
+    cfg, label = run_lib.load_config(name, items, named_only=True)
   except library_configs.ConfigError as e:
     raise _settings_error(e, name) from None
   if "suite" in cfg:
@@ -188,6 +304,7 @@ def load_config(name: str, overrides: str = ""):
       f"{list(cfg.suite.keys())}); name one run's config, e.g. 'quickstart:dp_loops' or "
       "'quickstart:nondp'",
     )
+  _check_source(cfg.data.source)  # before validate_config, which looks for an npz file
   library_configs.validate_config(cfg)
   if cfg.method not in METHODS:
     _fail(
@@ -249,6 +366,7 @@ class RunSettings:
   unsafe_dp_keys_from_server: bool
   partition_keys: Mapping[str, int] = dataclasses.field(default_factory=dict)
   max_image_abs: float = 0.0
+  resume: bool = False
 
   @property
   def num_clients(self) -> int:
@@ -299,6 +417,8 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   unsafe = rc["unsafe-dp-keys-from-server"]
   if not isinstance(unsafe, bool):
     _fail("unsafe-dp-keys-from-server", unsafe, "true or false")
+  if not isinstance(rc["resume"], bool):
+    _fail("resume", rc["resume"], "true or false")
   for key in ("run-dir", "state-root"):
     if not isinstance(rc[key], str):
       _fail(key, rc[key], "a path (a string; '' for the default)")
@@ -332,6 +452,7 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
     unsafe,
     partition_keys,
     float(max_image),
+    rc["resume"],
   )
 
 

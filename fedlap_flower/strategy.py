@@ -13,9 +13,13 @@ partitions :func:`fedlap_flower.task.participants` draws from the public
 Every reply is untrusted input (:mod:`fedlap_flower.replies`). Each is
 parsed inside its own error boundary: whatever one reply holds, the worst it
 gets is ``invalid`` with the reason (and the field) in ``client_reports.json``;
-the round goes on with the others. After the update, parameters holding NaN /
-Inf (or a non-finite test loss) are refused: the previous global model is
-kept and the round is logged with ``update_refused``.
+the round goes on with the others. Every number a reply carries is bounded
+there (:mod:`fedlap_flower.replies`), and a partition's ``num-examples`` is
+pinned at its first accepted reply (:meth:`fedlap_flower.binding.PartitionBinding.pin`).
+The aggregation has its own error boundary: an update that raises, or
+whose parameters hold NaN / Inf (or give a non-finite test loss), is
+refused: the previous global model is kept, the round is logged with
+``update_refused`` and the run goes on.
 
 :class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``):
 
@@ -71,42 +75,137 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from experiments.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
-from fedlap_flower import records, replies, server_work, task
+from fedlap_flower import records, replies, server_state, server_work, task
+from fedlap_flower import settings as settings_lib
 from fedlap_jax import baselines, federated
-from fedlap_flower.ledger import write_json_atomic
 
 # The longest client-supplied text kept in a report (a reason, a status).
 MAX_TEXT = 2000
+# What the published epsilons are (metrics.jsonl's ``epsilon_kind``): the server cannot verify
+# a client's accounting, only that its reply was accepted.
+EPSILON_KIND = "self-reported by the clients whose replies were accepted"
+
+
+# What a run writes in its run-dir; a new run refuses a run-dir holding any of them.
+OUTPUTS = (
+  "metrics.jsonl",
+  "client_reports.json",
+  "run_info.json",
+  "final_params.npz",
+  "done",
+  server_state.STATE_FILE,
+)
 
 
 class TooFewClients(RuntimeError):
   """A round ended with fewer usable client replies than ``min-clients``."""
 
 
+def _as_json(value):
+  """``value`` as it reads back from JSON (tuples become lists)."""
+  return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
 class RunLog:
   """The server's record of a run in ``run_dir``.
 
-  * ``metrics.jsonl``: one record per round (test accuracy and loss, the
-    largest epsilon any client has reported so far, this round's epsilon /
-    radius / status per client, the round's clients, server radius and steps,
+  * ``metrics.jsonl``: one record per round (test accuracy and loss; under DP
+    ``epsilon``, the largest epsilon a client reported in an accepted reply so
+    far, and ``epsilon_per_client``, this round's accepted replies' epsilons,
+    both labelled by ``epsilon_kind`` as the clients' own reports (a refusal's
+    figures stay in ``client_reports.json``); this round's radius / status per
+    client, the round's clients, server radius and steps,
     bytes uploaded (synthetic sets, plus the model deltas with
     ``server.start='fedavg_delta'``, also counted alone in
     ``upload_delta_bytes``), seconds, ``update_refused`` when the update was
     not finite);
   * ``client_reports.json``: everything each client reported, every round,
     and why a reply was not used (rewritten atomically after each round);
-  * ``run_info.json``: the settings of the run.
+  * ``run_info.json``: the settings of the run (with ``resumed``: the rounds
+    after which it was resumed);
+  * ``server_state.npz``: the state after the last completed round
+    (:mod:`fedlap_flower.server_state`).
+
+  A new run (``RunLog(run_dir, info)``) refuses a ``run_dir`` that holds any
+  of these (:data:`OUTPUTS`): it would overwrite another run's results.
+  :meth:`resume` continues the run in ``run_dir`` after round ``m``.
   """
 
-  def __init__(self, run_dir: Path, info: dict):
+  def __init__(self, run_dir: Path, info: dict, *, _resumed: tuple | None = None):
     self.run_dir = Path(run_dir)
+    self.t0 = time.time()
+    if _resumed is not None:
+      self.records, self.reports = _resumed
+      return
+    found = [n for n in OUTPUTS if (self.run_dir / n).exists()]
+    if found:
+      raise settings_lib.SettingsError(
+        "run-dir",
+        str(self.run_dir),
+        "a directory without a run's outputs, or resume = true",
+        message=f"run-dir={str(self.run_dir)!r} holds the outputs of a run ({found}); a new "
+        "run would overwrite them. Allowed: another run-dir, or resume = true to continue "
+        "that run after its last completed round",
+      )
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.reports: list[dict] = []
     self.records: list[dict] = []
-    self.t0 = time.time()
     (self.run_dir / "metrics.jsonl").write_text("")
     write_json_atomic(self.run_dir / "run_info.json", info)
+
+  @classmethod
+  def check_resumable(cls, run_dir: Path, info: dict) -> None:
+    """Refuses to resume ``run_dir`` unless it holds an unfinished run of ``info``'s config.
+
+    Raises:
+      fedlap_flower.settings.SettingsError: naming ``resume``: no run there, a finished one,
+        or a run of other ``config_values`` (another config, overrides or seed).
+    """
+    run_dir = Path(run_dir)
+
+    def refuse(why: str):
+      raise settings_lib.SettingsError(
+        "resume",
+        True,
+        "resume = true for the unfinished run of run-dir with the same config and overrides",
+        message=f"resume=true is invalid: run-dir={str(run_dir)!r} {why}",
+      )
+
+    path = run_dir / "run_info.json"
+    if not path.exists():
+      refuse("holds no run to resume; allowed: resume = false for a new run")
+    if (run_dir / "done").exists():
+      refuse("holds a finished run; allowed: another run-dir for a new run")
+    stored = json.loads(path.read_text()).get("config_values")
+    if _as_json(stored) != _as_json(info["config_values"]):
+      refuse(
+        "holds a run of another experiment (run_info.json's config_values differ); allowed: "
+        "the config and overrides of that run"
+      )
+
+  @classmethod
+  def resume(cls, run_dir: Path, info: dict, completed: int) -> "RunLog":
+    """Continues the run in ``run_dir`` after round ``completed``: its log keeps the rounds
+    up to it (a round cut short after them is dropped) and ``run_info.json`` notes the resume.
+
+    Call :meth:`check_resumable` first.
+    """
+    from experiments import checkpointing  # pylint: disable=g-import-not-at-top
+
+    run_dir = Path(run_dir)
+    kept = checkpointing.truncate_metrics(run_dir / "metrics.jsonl", completed)
+    path = run_dir / "client_reports.json"
+    reports = json.loads(path.read_text()) if path.exists() else []
+    reports = [r for r in reports if r.get("round", 0) <= completed]
+    write_json_atomic(path, reports)
+    old = json.loads((run_dir / "run_info.json").read_text())
+    write_json_atomic(
+      run_dir / "run_info.json", {**info, "resumed": [*old.get("resumed", []), completed]}
+    )
+    log(INFO, "[fedlap] resuming %s after round %d", run_dir, completed)
+    return cls(run_dir, info, _resumed=(kept, reports))
 
   def add_reports(self, reports: list[dict]) -> None:
     self.reports.extend(reports)
@@ -124,7 +223,7 @@ class RunLog:
       record["round"],
       record["test_accuracy"],
       record["test_loss"],
-      "" if eps is None else f", epsilon {eps:.3f}",
+      "" if eps is None else f", epsilon {eps:.3f} (self-reported)",
       record["clients_ok"],
       "".join(
         f", {k} {v}"
@@ -183,6 +282,39 @@ def _loggable(metrics: dict) -> dict:
 
 def _finite(params) -> bool:
   return all(bool(np.isfinite(np.asarray(leaf)).all()) for leaf in jax.tree.leaves(params))
+
+
+def _check_pinned(binding: binding_lib.PartitionBinding, pid: int, num_examples) -> None:
+  """Refuses a ``num-examples`` other than the one pinned for partition ``pid``."""
+  if num_examples is None:
+    return
+  try:
+    binding.check_pinned(pid, "num-examples", num_examples)
+  except ValueError as e:
+    raise replies.InvalidReply("num-examples", str(e)) from None
+
+
+def _guarded_update(run: Callable, previous, evaluate, what: str, no_metrics):
+  """``(params, metrics, refused, loss, accuracy)`` of ``run() -> (params, metrics)``.
+
+  The aggregation's error boundary: every reply was checked on its own, but
+  should ``run`` still raise, or give NaN / Inf parameters or test loss, the
+  update is refused (``refused``: why), ``previous`` is kept (with
+  ``no_metrics``) and the run goes on.
+  """
+  try:
+    params, metrics = run()
+  except Exception as e:  # pylint: disable=broad-except  (the aggregation's error boundary)
+    params, metrics, why = None, no_metrics, _text(f"the {what} raised {type(e).__name__}: {e}")
+  else:
+    why = None if _finite(params) else f"the {what} holds NaN or Inf parameters"
+  if why is None:
+    loss, acc = evaluate(params)
+    if math.isfinite(loss):
+      return params, metrics, None, loss, acc
+    why = f"the test loss after the {what} is {loss}"
+  loss, acc = evaluate(previous)
+  return previous, no_metrics, why + "; the previous global model is kept", loss, acc
 
 
 def _reply_node(msg: Message, destination: dict) -> int:
@@ -377,7 +509,39 @@ class Participation:
     return asked, chosen, reports
 
 
-class FedLAP(Strategy):
+class Resumable:
+  """What both strategies keep for a resumed run (:mod:`fedlap_flower.server_state`).
+
+  After every round whose update they made they save their state in the run-dir;
+  :meth:`restore` takes it back, and the rounds Flower numbers ``1, 2, ...`` are then
+  rounds ``m + 1, m + 2, ...`` of the run (:attr:`rounds_done` is added to them).
+  """
+
+  rounds_done = 0
+
+  def _save_state(self, server_round: int, params) -> None:
+    server_state.save(
+      self.run_log.run_dir,
+      server_state.ServerState(
+        server_round,
+        params,
+        self._chain,
+        getattr(self, "_labels", {}),
+        getattr(self, "_epsilon", {}),
+        self.participation.binding.pins,
+      ),
+    )
+
+  def restore(self, state: server_state.ServerState) -> None:
+    """Continues after ``state.round`` with its key chain and what it pinned."""
+    self.rounds_done = int(state.round)
+    self._chain = state.chain
+    self._labels = dict(state.labels)
+    self._epsilon = dict(state.epsilon)
+    self.participation.binding.restore_pins(state.pins)
+
+
+class FedLAP(Resumable, Strategy):
   """FedLAP / FedLAP-DP over Flower messages (see the module docstring)."""
 
   def __init__(
@@ -398,8 +562,10 @@ class FedLAP(Strategy):
     num_classes: int = 10,
     max_image_abs: float | None = None,
     partition_keys=None,
+    max_epsilon: float = math.inf,
   ):
     self.cfg = cfg
+    self.max_epsilon = float(max_epsilon)
     self.template = template  # the model's layout: parameter records travel packed
     self.fc = fedlap_config
     self.apply_fn = apply_fn
@@ -459,6 +625,7 @@ class FedLAP(Strategy):
   def configure_train(
     self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
   ) -> Iterable[Message]:
+    server_round += self.rounds_done
     asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_init, k_clients, k_server = federated.round_keys(self._chain)
     lr, server_lr = task.round_learning_rates(self.fc, server_round)
@@ -475,6 +642,7 @@ class FedLAP(Strategy):
       "max_delta_norm": replies.max_delta_norm(
         self.fc.client, lr, sum(int(np.size(v)) for v in jax.tree.leaves(self._params))
       ),
+      "min_radius": replies.radius_floor(lr),
     }
     conf = ConfigRecord(
       {
@@ -505,10 +673,11 @@ class FedLAP(Strategy):
       )
     if "synthetic" not in content.array_records:
       raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
-    radius = replies.check_radius(metrics, self.max_radius)
+    radius = replies.check_radius(metrics, self.max_radius, self._round["min_radius"])
     sizes = self.fc.server.weighting == "size"
     num_examples = replies.check_num_examples(metrics, required=sizes)
-    replies.check_epsilon(metrics, required=self.dp)
+    _check_pinned(self.participation.binding, pid, num_examples)
+    replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
     synthetic = records.record_to_synthetic(content.array_records["synthetic"], self.limits)
     pinned = self._labels.get(pid)
     if pinned is not None and not (
@@ -551,16 +720,10 @@ class FedLAP(Strategy):
       report["reason"] = _text(status["reason"])
     pid = replies.check_partition(metrics, self.num_clients, self._round["asked"].get(node))
     report["partition_id"] = pid
-    if state == "refused":
-      try:
-        eps = replies.check_epsilon(metrics, required=False)
-      except replies.InvalidReply:
-        eps = None
-      if eps is not None:
-        self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
+    if state == "refused":  # its metrics stay in the report; nothing of it is published
       return None
     synthetic, radius, num_examples, delta = self._check_ok(content, metrics, pid)
-    eps = replies.check_epsilon(metrics, required=False)
+    eps = replies.check_epsilon(metrics, required=False, max_epsilon=self.max_epsilon)
     sent = [content.array_records["synthetic"]]
     if self.with_deltas:
       sent.append(content.array_records["delta"])
@@ -582,6 +745,7 @@ class FedLAP(Strategy):
   def aggregate_train(
     self, server_round: int, replies_in: Iterable[Message]
   ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    server_round += self.rounds_done
     usable, reports = self._parse(server_round, list(replies_in))
     self.run_log.add_reports(reports)
     by_status: dict[str, list] = {}
@@ -600,12 +764,10 @@ class FedLAP(Strategy):
           r["status"],
           r.get("reason", ""),
         )
+    # Published: the epsilons of accepted replies only, each the client's own report.
     this_round = {u[0]: u[4] for u in usable if u[4] is not None}
     for pid, eps in this_round.items():
       self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
-    for r in reports:  # a refusal reports the epsilon the client stays at
-      if r["status"] == "refused" and r["partition_id"] in self._epsilon:
-        this_round.setdefault(r["partition_id"], self._epsilon[r["partition_id"]])
     chosen = self._round.get("chosen", [])
     unheld = [p for p in chosen if self.participation.binding.node_of(p) is None]
     sampled = self.cfg.data.get("clients_per_round") is not None
@@ -618,6 +780,7 @@ class FedLAP(Strategy):
       **({"partitions_unheld": unheld} if unheld else {}),
       "epsilon": max(self._epsilon.values()) if self._epsilon else None,
       "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
+      **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
       "model_bytes": self.model_bytes,
     }
     if len(usable) < self.min_clients:
@@ -637,30 +800,28 @@ class FedLAP(Strategy):
       )
       raise TooFewClients(msg)
     pids, sets, radii, sizes, _, deltas = zip(*usable)
-    for pid, syn in zip(pids, sets):
+    for pid, syn, n in zip(pids, sets, sizes):
       self._labels.setdefault(pid, (np.asarray(syn.y), np.asarray(syn.mask)))
-    updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
-    params, sm = server_work.server_update(
-      self._round["k_server"],
-      self.apply_fn,
-      self._params,
-      updates,
-      self._round["server_lr"],
-      self.fc,
-      num_records=sizes,
-    )
-    refused = None
-    loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
-    if not (_finite(params) and math.isfinite(loss)):
-      refused = (
-        "the server update holds NaN or Inf parameters"
-        if not _finite(params)
-        else f"the test loss after the update is {loss}"
+      if n is not None:
+        self.participation.binding.pin(pid, "num-examples", n)
+
+    def update():
+      updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
+      params, sm = server_work.server_update(
+        self._round["k_server"],
+        self.apply_fn,
+        self._params,
+        updates,
+        self._round["server_lr"],
+        self.fc,
+        num_records=sizes,
       )
-      refused += "; the previous global model is kept"
-      params = self._params
-      loss, acc = self.evaluate(params)
-    r_g = float(sm.radius)
+      return params, (float(sm.radius), int(sm.epochs), int(sm.steps))
+
+    params, server_metrics, refused, loss, acc = _guarded_update(
+      update, self._params, self.evaluate, "server update", (math.nan, 0, 0)
+    )
+    r_g, server_epochs, server_steps = server_metrics
     upload = sum(r.get("upload_bytes", 0) for r in reports)
     self.run_log.add_round(
       {
@@ -670,8 +831,8 @@ class FedLAP(Strategy):
         **({"update_refused": refused} if refused else {}),
         "client_radius": {str(p): r for p, r in zip(pids, radii)},
         "server_radius": r_g if math.isfinite(r_g) else None,
-        "server_epochs": int(sm.epochs),
-        "server_steps": int(sm.steps),
+        "server_epochs": server_epochs,
+        "server_steps": server_steps,
         "upload_bytes": upload,
         "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
         **(
@@ -687,6 +848,7 @@ class FedLAP(Strategy):
     )
     if base["epsilon"] is not None:
       metrics["epsilon"] = float(base["epsilon"])
+    self._save_state(server_round, params)
     return records.params_to_record(params), metrics
 
   def configure_evaluate(
@@ -700,7 +862,7 @@ class FedLAP(Strategy):
     return None
 
 
-class FedAvgBaseline(FedAvg):
+class FedAvgBaseline(Resumable, FedAvg):
   """Flower's FedAvg messages around the library's FedAvg (see the module docstring)."""
 
   def __init__(
@@ -744,6 +906,7 @@ class FedAvgBaseline(FedAvg):
     self._round: dict[str, Any] = {}
 
   def configure_train(self, server_round, arrays, config, grid):
+    server_round += self.rounds_done
     asked, chosen, reports = self.participation.select(grid, server_round)
     self._chain, k_clients = baselines.round_key(self._chain)
     config = ConfigRecord(dict(config))
@@ -795,6 +958,7 @@ class FedAvgBaseline(FedAvg):
       metrics, int(self.cfg.data.num_clients), self._round["asked"].get(node)
     )
     num_examples = replies.check_num_examples(metrics, required=True)
+    _check_pinned(self.participation.binding, report["partition_id"], num_examples)
     model = records.record_to_like(
       content.array_records[self.arrayrecord_key], self._round["params"], what="model"
     )
@@ -804,6 +968,7 @@ class FedAvgBaseline(FedAvg):
     return report["partition_id"], model, num_examples
 
   def aggregate_train(self, server_round, replies_in):
+    server_round += self.rounds_done
     ok, reports = collect_replies(
       self._round, server_round, list(replies_in), self._parse_one, self.round_timeout
     )
@@ -813,21 +978,21 @@ class FedAvgBaseline(FedAvg):
         f"round {server_round}: {len(ok)} usable client replies, fewer than "
         f"min-clients={self.min_clients}"
       )
-    params = server_work.fedavg_update(
-      self._round["params"], [u[1] for u in ok], [u[2] for u in ok], self.bc
+    for pid, _, n in ok:
+      self.participation.binding.pin(pid, "num-examples", n)
+    params, _, refused, loss, acc = _guarded_update(
+      lambda: (
+        server_work.fedavg_update(
+          self._round["params"], [u[1] for u in ok], [u[2] for u in ok], self.bc
+        ),
+        None,
+      ),
+      self._round["params"],
+      self.evaluate,
+      "aggregate",
+      None,
     )
-    arrays = records.params_to_record(params)
-    loss, acc = self.evaluate(params) if _finite(params) else (math.nan, math.nan)
-    refused = None
-    if not (_finite(params) and math.isfinite(loss)):
-      refused = (
-        "the aggregate holds NaN or Inf parameters"
-        if not _finite(params)
-        else f"the test loss of the aggregate is {loss}"
-      )
-      refused += "; the previous global model is kept"
-      arrays = self._round["arrays"]
-      loss, acc = self.evaluate(self._round["params"])
+    arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
     for r in reports:
       if r["status"] != "ok":
@@ -850,4 +1015,5 @@ class FedAvgBaseline(FedAvg):
         "round_seconds": time.time() - self._t0,
       }
     )
+    self._save_state(server_round, self._round["params"] if refused else params)
     return arrays, MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})

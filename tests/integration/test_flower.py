@@ -219,6 +219,58 @@ def test_ledger_refuses_other_records_other_settings_and_tampering(tmp_path):
     state.ledger(FINGERPRINT, **PRIVACY)
 
 
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "foreign-owned"])
+def test_a_state_dir_another_user_could_change_is_refused(tmp_path, how):
+  d = tmp_path / "state"
+  d.mkdir(mode=0o700)
+  if how == "foreign-owned":
+    if os.geteuid() != 0:
+      pytest.skip("chown to another user needs root")
+    os.chown(d, 12345, -1)
+  else:
+    d.chmod(0o770 if how == "group-writable" else 0o707)
+  with pytest.raises(ledger_lib.LedgerError, match="another user could replace its privacy"):
+    ledger_lib.ClientState(d)
+  # The node config's state-dir goes through the same check on the client.
+  rc = {"config": "quickstart:dp_loops", "state-root": str(tmp_path)}
+  node = settings.node_settings(
+    {"partition-id": 0, "num-partitions": 5, "state-dir": str(d)}, settings.run_settings(rc)
+  )
+  with pytest.raises(ledger_lib.LedgerError):
+    ledger_lib.ClientState(node.state_dir)
+
+
+def test_state_files_are_the_owners_alone_and_links_planted_there_are_not_followed(tmp_path):
+  """A link planted where the ledger's temporary file was predictable, or where the journal
+  goes, must not redirect a write; every file is 0600, every directory 0700."""
+  d = tmp_path / "c0"
+  state = ledger_lib.ClientState(d)
+  target = tmp_path / "elsewhere.txt"
+  target.write_text("not the ledger")
+  for pid in range(os.getpid() - 2, os.getpid() + 3):  # the old name: .privacy_ledger.json.tmpPID
+    (d / f".{ledger_lib.LEDGER_FILE}.tmp{pid}").symlink_to(target)
+  led = state.ledger(FINGERPRINT, **PRIVACY)
+  state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 1})
+  state.save_synthetic(7, 1, np.zeros((2, 8, 8, 1), np.float32))
+  with state.locked():
+    pass
+  assert target.read_text() == "not the ledger"
+  ledger_file = d / ledger_lib.LEDGER_FILE
+  assert ledger_file.is_file() and not ledger_file.is_symlink()
+  assert json.loads(ledger_file.read_text())["ledger"]["rounds"] == 1
+  files = [ledger_file, d / ledger_lib.JOURNAL_FILE, d / ".lock", d / "runs/7/synthetic.npz"]
+  assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
+  for sub in (d, d / "runs", d / "runs" / "7"):
+    assert stat.S_IMODE(sub.stat().st_mode) == 0o700, sub
+  # A link in the journal's place: the append refuses it (and writes nothing there).
+  (d / ledger_lib.JOURNAL_FILE).unlink()
+  (d / ledger_lib.JOURNAL_FILE).symlink_to(target)
+  ledger_lib._HIGH_WATER.clear()
+  with pytest.raises(OSError):
+    state._append_journal(led)
+  assert target.read_text() == "not the ledger"
+
+
 def test_round_keys_hold_128_bits_of_os_entropy(monkeypatch):
   """Every DP round key is 16 fresh bytes of the operating system's entropy, all of them in
   the key (a threefry key would keep 64 bits), never a function of a count on disk."""
@@ -648,6 +700,110 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   assert records[-1]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
 
 
+# The run-dir: a new run never overwrites one; resume = true continues it.
+RESUMABLE = {
+  "nondp": TINY.replace("rounds=2", "rounds=3"),
+  "fedavg": "method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
+}
+
+
+def _stop_at_round(server_round):
+  """A grid hook: no node answers the train messages of ``server_round`` (the run stops)."""
+
+  def hook(grid):
+    real = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+      messages = list(messages)
+      if any(
+        m.metadata.message_type == "train" and m.content["config"]["server-round"] == server_round
+        for m in messages
+      ):
+        return []
+      return real(messages, timeout=timeout)
+
+    grid.send_and_receive = send_and_receive
+
+  return hook
+
+
+def test_the_server_state_round_trips(tmp_path):
+  import jax
+
+  from fedlap_flower import server_state, task
+
+  run = settings.run_settings({"config": "quickstart:dp_loops"})
+  _, _, params = task.init_model(run.cfg, (8, 8, 1), 10)
+  params = jax.tree.map(lambda p: p + 1.5, params)
+  chain = jax.random.split(task.initial_chain_key(3))[0]
+  labels = {2: (np.arange(4, dtype=np.int32), np.array([True, True, False, False]))}
+  state = server_state.ServerState(
+    4, params, chain, labels, {0: 2.5, 3: 1.25}, {"num-examples": {"1": 283}}
+  )
+  server_state.save(tmp_path, state)
+  back = server_state.load(tmp_path, params)
+  assert (back.round, back.epsilon, back.pins) == (4, {0: 2.5, 3: 1.25}, state.pins)
+  assert task.key_to_words(back.chain) == task.key_to_words(chain)
+  np.testing.assert_array_equal(back.labels[2][0], labels[2][0])
+  np.testing.assert_array_equal(back.labels[2][1], labels[2][1])
+  for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+  assert server_state.load(tmp_path / "none", params) is None
+
+
+@pytest.mark.slow
+def test_a_new_run_refuses_a_run_dir_holding_a_run(tmp_path):
+  """A resubmitted run once reused the run-dir and truncated its metrics.jsonl."""
+  rc = _run_config(tmp_path, "quickstart:nondp", overrides=TINY.replace("rounds=2", "rounds=1"))
+  run_inprocess(rc)
+  before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+  with pytest.raises(settings.SettingsError, match="holds the outputs of a run") as err:
+    run_inprocess(rc)
+  assert err.value.field == "run-dir"
+  assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
+  # resume = true is not a way around it: the run there is finished, or another experiment's.
+  with pytest.raises(settings.SettingsError, match="holds a finished run") as err:
+    run_inprocess({**rc, "resume": True})
+  assert err.value.field == "resume"
+  (tmp_path / "run" / "done").unlink()
+  with pytest.raises(settings.SettingsError, match="a run of another experiment"):
+    run_inprocess({**rc, "resume": True, "overrides": rc["overrides"] + " seed=1"})
+  with pytest.raises(settings.SettingsError, match="holds no run to resume"):
+    run_inprocess({**rc, "resume": True, "run-dir": str(tmp_path / "empty")})
+  assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.name != "done"} == {
+    k: v for k, v in before.items() if k != "done"
+  }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(RESUMABLE))
+def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind):
+  """Round 3 gets no replies and the run stops; resume = true redoes round 3 from the state
+  after round 2 (parameters, key chain, pins) and ends where the uninterrupted run ends."""
+  straight = _run_config(tmp_path / "a", "quickstart:nondp", overrides=RESUMABLE[kind])
+  want, _ = run_inprocess(straight)
+  rc = _run_config(tmp_path / "b", "quickstart:nondp", overrides=RESUMABLE[kind])
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc, grid_hook=_stop_at_round(3))
+  # FedLAP logs the stopped round; both stop with the state after round 2.
+  stopped = [r["round"] for r in read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")]
+  assert stopped == ([1, 2, 3] if kind == "nondp" else [1, 2])
+  run_inprocess({**rc, "resume": True})
+  got = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
+  keys = ("round", "test_accuracy", "test_loss", "clients_ok", "server_radius", "client_radius")
+  assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want]
+  with np.load(tmp_path / "a" / "run" / "final_params.npz") as a:
+    with np.load(tmp_path / "b" / "run" / "final_params.npz") as b:
+      assert sorted(a.files) == sorted(b.files)
+      for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  info = json.loads((tmp_path / "b" / "run" / "run_info.json").read_text())
+  assert info["resumed"] == [2]
+  reports = json.loads((tmp_path / "b" / "run" / "client_reports.json").read_text())
+  assert sorted({r["round"] for r in reports}) == [1, 2, 3]
+  assert all(r["status"] == "ok" for r in reports if r["round"] == 3)
+
+
 @pytest.mark.slow
 def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
   """The server cannot switch DP off for a client that set its own budget."""
@@ -660,7 +816,7 @@ def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
 
 
 @pytest.mark.slow
-def test_clients_with_their_own_data_files(tmp_path):
+def test_clients_with_their_own_data_files(tmp_path, monkeypatch):
   """data-path: each client holds only its own records (here digits as 8x8 uint8 'mnist')."""
   from experiments import data as data_lib
 
@@ -683,9 +839,11 @@ def test_clients_with_their_own_data_files(tmp_path):
       "data-path": str(tmp_path / f"site{k}.npz"),
       "state-dir": str(tmp_path / "state" / f"client-{k}"),
     }
+  # The run names no file: the server's test split is the npz its own environment names.
+  monkeypatch.setenv(settings.SERVER_DATA_ENV, str(tmp_path / "server.npz"))
   overrides = (
     TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
-    f"data.normalisation=published data.source=npz:{tmp_path / 'server.npz'}"
+    "data.normalisation=published data.source=tfds"
   )
   rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides)
   records, _ = run_inprocess(rc, nodes)
@@ -787,9 +945,107 @@ def test_a_bad_override_is_refused_by_both_naming_the_field(monkeypatch, capsys,
 def test_a_config_file_that_does_not_load_is_exit_2(monkeypatch, capsys, tmp_path):
   rc, _ = _cli_config(monkeypatch, str(tmp_path / "no_such.py"), [])
   assert rc == 2 and "no_such.py" in capsys.readouterr().err
+
+
+def _tool(tmp_path):
+  """A config file that, executed, leaves a mark (and then raises)."""
+  tool = tmp_path / "tool.py"
+  mark = tmp_path / "executed"
+  tool.write_text(f"open({str(mark)!r}, 'w').write('ran')\nraise ValueError('a secret line')\n")
+  return tool, mark
+
+
+@pytest.mark.parametrize("config", ["tool.py", "tool.py:arg", "sub/tool", "x.py"])
+def test_a_flower_run_names_configs_never_paths(tmp_path, monkeypatch, config):
+  """A run config is another party's: a path would execute a file of the node's disk. It is
+  refused before the disk is looked at: the message is the same whether the file exists."""
+  tool, mark = _tool(tmp_path)
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "tool").write_text(tool.read_text())
+  messages = []
+  for where in (tmp_path, tmp_path / "nothing_here"):
+    for name in (config, str(where / config)):
+      with pytest.raises(settings.SettingsError) as err:
+        settings.run_settings({"config": name})
+      assert err.value.field == "config", name
+      messages.append(str(err.value).replace(name, "NAME"))
+  assert not mark.exists()
+  assert len(set(messages)) == 1, messages
+  assert "is invalid: a path; allowed: NAME[:ARG] with NAME one of" in messages[0]
+  assert "secret" not in messages[0] and "No such file" not in messages[0]
+
+
+def test_experiments_run_still_runs_the_config_file_its_user_names(tmp_path, monkeypatch, capsys):
+  """The command line is its user's own: a config path is executed there (and its error shown)."""
+  tool, mark = _tool(tmp_path)
+  rc, _ = _cli_config(monkeypatch, str(tool), [])
+  assert rc == 2 and mark.read_text() == "ran"
+
+
+@pytest.mark.slow
+def test_a_run_naming_a_client_file_is_refused_alike_by_server_and_clients(tmp_path):
+  """Through the app: the ServerApp and every ClientApp refuse config=PATH without running
+  it, and a client's error reply is the same for a file that exists and one that does not."""
+  from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+  from flower_harness import InProcessGrid, task_identity
+  from fedlap_flower import client_app
+
+  tool, mark = _tool(tmp_path)
+  reasons = []
+  for path in (tool, tmp_path / "missing.py"):
+    rc = _run_config(tmp_path, str(path))
+    with pytest.raises(settings.SettingsError, match="is invalid: a path"):
+      run_inprocess(rc)
+    grid = InProcessGrid(client_app.app, rc, node_configs(state_root=tmp_path / "state"))
+    with task_identity():
+      for kind, conf in (
+        (MessageType.TRAIN, {"server-round": 1, "learning-rate": 0.1, "keys": "client"}),
+        (MessageType.QUERY, {"server-round": 1, "ask": "partition-id"}),
+      ):
+        msg = Message(
+          content=RecordDict({"config": ConfigRecord(conf)}), message_type=kind, dst_node_id=101
+        )
+        reply = grid.answer(msg)
+        assert reply.has_error()
+        reasons.append(reply.error.reason.replace(str(path), "PATH"))
+  assert not mark.exists()
+  assert reasons[:2] == reasons[2:] and "is invalid: a path" in reasons[0], reasons
+
+
+@pytest.mark.parametrize(
+  "item, field",
+  [
+    ("data.source=npz:/etc/any.npz", "data.source"),
+    ("data.source='npz:~/x.npz'", "data.source"),
+    ("data.data_dir=/tmp", "overrides"),
+    ("data.cache_dir=/tmp", "overrides"),
+    ("checkpoint_every=1", "overrides"),
+    ("label=x", "overrides"),
+    ("nosection.x=1", "overrides"),
+  ],
+)
+def test_a_flower_run_overrides_only_allowed_fields(tmp_path, item, field):
+  """An allow-list: nothing that names a file, a directory or code, checked before any read
+  (no file at /etc/any.npz needed for the same refusal)."""
   with pytest.raises(settings.SettingsError) as err:
-    settings.load_config(str(tmp_path / "no_such.py"))
-  assert err.value.field == "config" and "No such file" in str(err.value)
+    settings.load_config("quickstart:dp_loops", item)
+  assert err.value.field == field and str(err.value).startswith("overrides: "), str(err.value)
+  assert "No such file" not in str(err.value) and "existing" not in str(err.value)
+  # experiments.run (its user's own command line) takes every field.
+  from experiments import run
+
+  if not item.startswith(("data.source", "nosection")):
+    run.load_config("quickstart:dp_loops", [item])
+
+
+def test_the_allowed_overrides_are_sections_and_fields_of_the_algorithm():
+  assert settings.overridable("client.ipc") and settings.overridable("dp.noise_multiplier")
+  assert settings.overridable("data.num_clients") and not settings.overridable("data.cache_dir")
+  assert not settings.overridable("client.") and not settings.overridable("data")
+  assert not settings.overridable("client_backend.x") and not settings.overridable("seeds")
+  cfg, _ = settings.load_config("quickstart:dp_loops", "data.source=sklearn")
+  assert cfg.data.source == "sklearn"
 
 
 def test_settings_errors_are_config_errors_naming_the_key():

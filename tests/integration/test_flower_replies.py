@@ -11,6 +11,7 @@ alone give (the same run with the bad client silent).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from flower_harness import (
   SAMPLED,
@@ -172,6 +173,17 @@ HOSTILE = {
   ),
   "slots_20000": ("nondp", 101, "x", lambda c: _slots(c, 20_000)),
   "label_10": ("nondp", 101, "y", lambda c: _label(c, 10)),
+  # Past the int32 the counts are aggregated in (the server once died of it).
+  "num_examples_2**40": (
+    "nondp",
+    101,
+    "num-examples",
+    lambda c: _metrics(c, **{"num-examples": 2**40}),
+  ),
+  # Below the floor: with radius_strategy='min' the server would take one step.
+  "radius_1e-30": ("nondp", 101, "radius", lambda c: _metrics(c, radius=1e-30)),
+  # Above the run's max-epsilon=50, which every client keeps.
+  "epsilon_above_the_cap": ("hybrid", 101, "epsilon", lambda c: _metrics(c, epsilon=1e6)),
   # Node 102 holds partition 1 and answers first, claiming partition 0.
   "other_partition": ("nondp", 102, "partition-id", lambda c: _metrics(c, **{"partition-id": 0})),
   "well_formed": ("nondp", None, None, None),
@@ -227,6 +239,7 @@ FEDAVG_HOSTILE = {
   ),
   "num_examples_nan": (101, "num-examples", lambda c: _metrics(c, **{"num-examples": math.nan})),
   "num_examples_list": (101, "num-examples", lambda c: _metrics(c, **{"num-examples": [1, 2]})),
+  "num_examples_2**40": (101, "num-examples", lambda c: _metrics(c, **{"num-examples": 2**40})),
   "other_partition": (102, "partition-id", lambda c: _metrics(c, **{"partition-id": 0})),
 }
 
@@ -244,6 +257,90 @@ def test_fedavg_drops_a_bad_reply(case, genuine, replay):
   bad = [r for r in reports if r["status"] != "ok"]
   assert len(bad) == 1 and bad[0]["node_id"] == node and bad[0]["status"] == "invalid", bad
   assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
+
+
+def _tamper_round(grid, node: int, server_round: int, tamper) -> None:
+  """Makes ``node``'s real reply to round ``server_round``'s train message ``tamper(content)``."""
+  from flwr.app import Message
+
+  real = grid.answer
+
+  def answer(msg):
+    reply = real(msg)
+    if (
+      msg.metadata.dst_node_id == node
+      and msg.metadata.message_type == "train"
+      and msg.content["config"]["server-round"] == server_round
+    ):
+      return Message(content=tamper(reply.content), reply_to=msg)
+    return reply
+
+  grid.answer = answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nondp", "fedavg"])
+def test_a_partitions_num_examples_is_pinned_at_its_first_accepted_reply(kind, tmp_path):
+  """Round 1 pins N_k; node 101 claiming one record more in round 2 is dropped."""
+  config, overrides, extra = KINDS[kind]
+  rc = {**_rc(tmp_path, kind), "overrides": overrides.replace("rounds=1", "rounds=2")}
+  hook = functools.partial(
+    _tamper_round,
+    node=101,
+    server_round=2,
+    tamper=lambda c: _metrics(c, **{"num-examples": int(c["metrics"]["num-examples"]) + 1}),
+  )
+  records, _ = run_inprocess(rc, node_configs(state_root=rc["state-root"]), grid_hook=hook)
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4], [1, 2, 3, 4]]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  bad = [r for r in reports if r["status"] != "ok"]
+  assert [(r["round"], r["node_id"], r["field"]) for r in bad] == [(2, 101, "num-examples")]
+  assert "first accepted reply said" in bad[0]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nondp", "fedavg"])
+def test_an_aggregation_that_raises_keeps_the_model_and_the_run(kind, tmp_path, monkeypatch):
+  """Whatever slips past the reply checks and makes the aggregation raise costs the round's
+  update, never the run."""
+  from fedlap_flower import server_work
+
+  def boom(*args, **kwargs):
+    raise OverflowError("Python int too large to convert to C long")
+
+  monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "fedavg_update", boom)
+  rc = _rc(tmp_path, kind)
+  records, _ = run_inprocess(rc, node_configs(state_root=rc["state-root"]))
+  assert len(records) == 1 and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert records[0]["update_refused"] == (
+    f"the {'server update' if kind == 'nondp' else 'aggregate'} raised OverflowError: Python "
+    "int too large to convert to C long; the previous global model is kept"
+  )
+  assert math.isfinite(records[0]["test_loss"])
+  initial = _initial_params(tmp_path, kind)
+  with np.load(tmp_path / "run" / "final_params.npz") as f:
+    for name, value in initial.items():
+      np.testing.assert_array_equal(f[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_the_published_epsilon_is_the_accepted_clients_self_reports(genuine, replay):
+  """A refusal's epsilon (here an absurd 1e9 of node 101) is reported, never published."""
+  good = genuine("hybrid")
+  refusal = RecordDict(
+    {
+      "metrics": MetricRecord({"partition-id": 0, "epsilon": 1e9}),
+      "status": ConfigRecord({"status": "refused", "reason": "budget", "keys": "server"}),
+    }
+  )
+  records, reports, _ = replay("hybrid", {**good, 101: refusal})
+  rec = records[0]
+  assert rec["clients_ok"] == [1, 2, 3, 4] and rec["clients_refused"] == [0]
+  assert sorted(rec["epsilon_per_client"]) == ["1", "2", "3", "4"]
+  assert rec["epsilon"] == max(rec["epsilon_per_client"].values()) < 50
+  assert rec["epsilon_kind"] == strategy.EPSILON_KIND and "self-reported" in rec["epsilon_kind"]
+  refused = [r for r in reports if r["status"] == "refused"]
+  assert [r["metrics"]["epsilon"] for r in refused] == [1e9]  # kept in the reports
 
 
 def _initial_params(tmp_path, kind):
@@ -370,8 +467,32 @@ def test_synthetic_set_checks_name_the_field(change, field, match):
       lambda m: replies.check_num_examples(m, True),
       "num-examples=2.0 is invalid; allowed: one int",
     ),
-    ({"num-examples": 0}, lambda m: replies.check_num_examples(m, True), "an int >= 1"),
+    ({"num-examples": 0}, lambda m: replies.check_num_examples(m, True), r"an int in \[1, "),
+    # Beyond the bound: the int32 counts of the aggregation would overflow.
+    (
+      {"num-examples": 2**40},
+      lambda m: replies.check_num_examples(m, True),
+      r"num-examples=1099511627776 is invalid; allowed: an int in \[1, 16777216\]",
+    ),
+    (
+      {"num-examples": 2**24 + 1},
+      lambda m: replies.check_num_examples(m, True),
+      "num-examples=16777217 is invalid",
+    ),
     ({"epsilon": -1.0}, lambda m: replies.check_epsilon(m, True), "epsilon=-1.0 is invalid"),
+    (
+      {"epsilon": 3.5},
+      lambda m: replies.check_epsilon(m, True, max_epsilon=3.0),
+      "epsilon=3.5 is invalid; allowed: a finite number >= 0 and <= the run's max-epsilon=3",
+    ),
+    ({"epsilon": 10**400}, lambda m: replies.check_epsilon(m, True), "allowed: a finite number"),
+    ({"radius": 10**400}, lambda m: replies.check_radius(m, 5.0), "allowed: a finite number"),
+    # Below the floor of the round's learning rate 0.1: less than one SGD step.
+    (
+      {"radius": 1e-30},
+      lambda m: replies.check_radius(m, 5.0, replies.radius_floor(0.1)),
+      r"radius=1e-30 is invalid; allowed: a number in \[0.0001, 5\]",
+    ),
     ({"partition-id": 7}, lambda m: replies.check_partition(m, 5), r"an int in \[0, 4\]"),
     (
       {"partition-id": 1},
@@ -463,6 +584,31 @@ def test_first_come_binding():
   assert b.release_absent([7, 9]) == [10] and b.node_of(1) is None
   with pytest.raises(ValueError, match="partition-keys decides"):
     binding.PartitionBinding(3, {"SHA256:" + "A" * 43: 0}).claim([])
+
+
+def test_a_pin_keeps_a_partitions_first_value_past_its_nodes_binding():
+  b = binding.PartitionBinding(3)
+  b.claim([(binding.NodeFacts(7, "", "t1"), 0)])
+  b.pin(0, "num-examples", 283)
+  b.pin(0, "num-examples", 283)  # the same value again is fine
+  with pytest.raises(ValueError, match=r"num-examples=284 is invalid; allowed: 283"):
+    b.check_pinned(0, "num-examples", 284)
+  b.release_absent([])  # the node leaves; the partition's records do not change
+  b.claim([(binding.NodeFacts(8, "", "t2"), 0)])
+  with pytest.raises(ValueError, match="first accepted reply said"):
+    b.pin(0, "num-examples", 2**24)
+  assert b.pins == {"num-examples": {"0": 283}}
+  fresh = binding.PartitionBinding(3)
+  fresh.restore_pins(b.pins)
+  with pytest.raises(ValueError):
+    fresh.check_pinned(0, "num-examples", 1)
+
+
+def test_the_radius_floor_is_a_thousandth_of_the_rounds_learning_rate():
+  assert replies.radius_floor(0.1) == float(np.float32(1e-4))
+  assert replies.radius_floor(1e-6) == float(np.float32(1e-9))
+  # The last round of quickstart:nondp (eta_m = 1e-6): its smallest honest r_k, 6.9e-5, passes.
+  assert replies.check_radius({"radius": 6.9e-5}, 5.0, replies.radius_floor(1e-6)) == 6.9e-5
 
 
 def test_partition_keys_bind_by_key_only():

@@ -1,0 +1,203 @@
+r"""What one hostile client can still do to the Flower server's aggregate, measured.
+
+  python -m benchmarks.flower_hostile [--out runs/flower_hostile.json] [--cases ...]
+
+Each case runs the Flower app in process (the real ServerApp and ClientApp over
+:class:`flower_harness.InProcessGrid`, no SuperLink) on scikit-learn's digits
+with 5 clients; client 0 (node 101) computes its round honestly and then
+changes its reply within what the server accepts (every value inside the
+bounds of :mod:`fedlap_flower.replies`), every round. The honest run and the
+run with client 0 silent are the references. Without DP the server sends the
+round keys, so every difference comes from the tampered reply; the hybrid DP
+recipe runs with the test-only server keys for the same reason.
+
+Cases (``quickstart:nondp``, 10 rounds, unless named otherwise):
+
+* ``honest``, ``silent``: all 5 clients honest; client 0 silent.
+* ``num_examples_max``: client 0 says ``num-examples = MAX_NUM_EXAMPLES`` from
+  its first reply on (pinned then; ``server.weighting='size'``, the default
+  without DP); ``num_examples_max_uniform``: the same under
+  ``server.weighting='uniform'``.
+* ``radius_floor_<strategy>``: client 0 sends the smallest radius accepted
+  (:func:`fedlap_flower.replies.radius_floor`) under
+  ``server.radius_strategy`` ``min`` (the default), ``median``, ``mean``;
+  ``radius_max_max``: the largest, ``r``, under ``max``;
+  ``honest_<strategy>``: the honest run under that strategy.
+* ``hybrid_honest``, ``hybrid_silent``, ``hybrid_flipped_delta``
+  (``quickstart:dp``, 5 rounds): client 0's model delta sign-flipped and scaled
+  to 0.99 x the server's delta bound (:func:`fedlap_flower.replies.max_delta_norm`).
+
+Printed: the test accuracy after round 1 and after the last round per case,
+and the ratio of the tampered delta's norm to the honest one. The results
+live in docs/flower.md with this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTILE_NODE = 101  # partition 0
+
+NONDP = ("quickstart:nondp", "")
+HYBRID = ("quickstart:dp", "")
+
+
+def _metrics(content, **values):
+  from flwr.app import MetricRecord, RecordDict
+
+  return RecordDict(
+    {**dict(content.items()), "metrics": MetricRecord({**dict(content["metrics"]), **values})}
+  )
+
+
+def _num_examples(content, msg):
+  from fedlap_flower import replies
+
+  return _metrics(content, **{"num-examples": replies.MAX_NUM_EXAMPLES})
+
+
+def _radius_floor(content, msg):
+  from fedlap_flower import replies
+
+  return _metrics(content, radius=replies.radius_floor(msg.content["config"]["learning-rate"]))
+
+
+def _radius_max(content, msg):
+  from fedlap_flower import settings
+
+  r = settings.run_settings({"config": NONDP[0]}).cfg.client.radius
+  return _metrics(content, radius=float(np.float32(r)))
+
+
+def _flipped_delta(stats):
+  """Client 0's delta, sign-flipped, scaled to 0.99 x the server's bound (records the ratio)."""
+
+  def tamper(content, msg):
+    from experiments import library_configs
+    from flwr.app import Array, ArrayRecord, RecordDict
+    from fedlap_flower import replies, settings
+
+    run = settings.run_settings({"config": HYBRID[0], "overrides": HYBRID[1]})
+    fc = library_configs.to_fedlap_config(run.cfg)
+    leaves = {k: a.numpy() for k, a in content["delta"].items()}
+    d = sum(v.size for v in leaves.values())
+    bound = replies.max_delta_norm(fc.client, msg.content["config"]["learning-rate"], d)
+    norm = replies.check_delta_norm(leaves, None)
+    scale = -0.99 * bound / norm
+    stats.append({"honest_norm": norm, "bound": bound, "ratio_to_honest": 0.99 * bound / norm})
+    flipped = {k: (v * scale).astype(v.dtype) for k, v in leaves.items()}
+    return RecordDict(
+      {**dict(content.items()), "delta": ArrayRecord({k: Array(v) for k, v in flipped.items()})}
+    )
+
+  return tamper
+
+
+def cases(stats):
+  """``name -> (config, overrides, tamper or None, silent)``."""
+  out = {
+    "honest": (*NONDP, None, False),
+    "silent": (*NONDP, None, True),
+    "num_examples_max": (*NONDP, _num_examples, False),
+    "honest_uniform": (NONDP[0], "server.weighting=uniform", None, False),
+    "num_examples_max_uniform": (NONDP[0], "server.weighting=uniform", _num_examples, False),
+    "radius_floor_min": (*NONDP, _radius_floor, False),
+  }
+  for strategy in ("median", "mean", "max"):
+    over = f"server.radius_strategy={strategy}"
+    out[f"honest_{strategy}"] = (NONDP[0], over, None, False)
+    if strategy == "max":
+      out["radius_max_max"] = (NONDP[0], over, _radius_max, False)
+    else:
+      out[f"radius_floor_{strategy}"] = (NONDP[0], over, _radius_floor, False)
+  out["hybrid_honest"] = (*HYBRID, None, False)
+  out["hybrid_silent"] = (*HYBRID, None, True)
+  out["hybrid_flipped_delta"] = (*HYBRID, _flipped_delta(stats), False)
+  return out
+
+
+def run_case(config, overrides, tamper, silent, workdir: Path) -> list[dict]:
+  """The ServerApp's per-round records of one case."""
+  from flwr.app import Message
+  from flower_harness import node_configs, run_inprocess
+  from fedlap_flower import settings
+
+  rc = {"config": config, "overrides": overrides, "run-dir": str(workdir / "run"), "min-clients": 4}
+  if config == HYBRID[0]:
+    rc.update({"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0})
+    os.environ[settings.UNSAFE_ENV] = "1"
+
+  def hook(grid):
+    if silent:
+      grid.silent.add(HOSTILE_NODE)
+    if tamper is None:
+      return
+    real = grid.answer
+
+    def answer(msg):
+      reply = real(msg)
+      if msg.metadata.dst_node_id == HOSTILE_NODE and msg.metadata.message_type == "train":
+        return Message(content=tamper(reply.content, msg), reply_to=msg)
+      return reply
+
+    grid.answer = answer
+
+  records, _ = run_inprocess(rc, node_configs(state_root=workdir / "state"), grid_hook=hook)
+  return records
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="runs/flower_hostile.json")
+  parser.add_argument("--cases", nargs="*", default=None, help="names of cases (default: all)")
+  args = parser.parse_args(argv)
+  sys.path.insert(0, str(ROOT / "tests"))  # flower_harness: the in-process grid
+  os.environ.setdefault("FEDLAP_FLOWER_JAX_CACHE", "off")
+  from flwr.common.logger import FLOWER_LOGGER  # pylint: disable=g-import-not-at-top
+
+  FLOWER_LOGGER.setLevel(logging.WARNING)  # Flower's per-round INFO lines
+  stats: list[dict] = []
+  table = cases(stats)
+  names = args.cases or list(table)
+  results = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in names:
+      t0 = time.time()
+      records = run_case(*table[name], Path(tmp) / name)
+      results[name] = {
+        "accuracy": [r["test_accuracy"] for r in records],
+        "server_radius": [r.get("server_radius") for r in records],
+        "server_steps": [r.get("server_steps") for r in records],
+        "clients_ok": [r["clients_ok"] for r in records],
+        "seconds": time.time() - t0,
+      }
+      acc = results[name]["accuracy"]
+      print(
+        f"{name:28s} round 1 {100 * acc[0]:5.1f} %  last (round {len(acc)}) "
+        f"{100 * acc[-1]:5.1f} %  server steps {results[name]['server_steps']}",
+        flush=True,
+      )
+  if stats:
+    ratios = [s["ratio_to_honest"] for s in stats]
+    print(f"flipped delta: {min(ratios):.2f}x to {max(ratios):.2f}x the honest delta's norm")
+    results["hybrid_flipped_delta_norms"] = stats
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out).write_text(json.dumps(results, indent=2, default=float) + "\n")
+  print(f"wrote {args.out}")
+  finite = all(math.isfinite(a) for r in results.values() if "accuracy" in r for a in r["accuracy"])
+  return 0 if finite else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
