@@ -1,7 +1,7 @@
 """Flower's two engines with real processes: simulation (Ray) and deployment (SuperLink + SuperNodes).
 
 Each test starts its own processes on free localhost ports through
-:class:`fedlap_flower.federation.Federation`, whose exit always stops them
+:class:`flower_federation.Federation`, whose exit always stops them
 (SIGTERM, then SIGKILL of each process group), and bounds every wait.
 Insecure HTTP on loopback only (CI runs the suite under ``unshare -n`` with
 ``lo`` up).
@@ -17,7 +17,7 @@ import pytest
 
 from flower_harness import SAMPLED, TINY, read_jsonl, reference_run
 from fedlap_flower import ledger as ledger_lib
-from fedlap_flower.federation import Federation
+from flower_federation import Federation
 from fedlap_flower import settings
 from fedlap_jax import accounting
 

@@ -18,11 +18,22 @@ SuperLink sends, and only runs that
 
 * name that ClientApp in the bundle's ``[tool.flwr.app.components]``, and
 * are signed by a key in the client's trusted entities
-  (:mod:`fedlap_flower.run_signature`; skipped only with ``allow_unsigned``,
-  for tests on one machine).
+  (:mod:`fedlap_flower.runtime.run_signature`; skipped only with
+  ``allow_unsigned``, for tests on one machine), and, on a run's first task,
+  signed at most ``max_run_age`` seconds ago (give or take ``clock_skew``)
+  with a ``run-nonce`` this client has not computed under another run
+  (:mod:`fedlap_flower.signed_runs`, in the node config's ``state-dir``).
 
 Any other task is answered with an error reply saying why, and nothing of it
-runs. The privacy ledger's rules are the ClientApp's own and unchanged by a
+runs.
+
+As SuperExec does, it acquires tasks with the SuperNode's SuperExec secret
+(``--superexec-auth-secret-file``: HMAC-signed ``AcquireTask`` requests), so
+that no other local process can take this node's tasks from its Runtime API.
+It honours ``flwr stop``: when the task's heartbeat says the task is no longer
+alive, the ClientApp's computation is abandoned, the task reported
+``stopped``, and, while that computation still runs in its thread, this
+process exits (``fedlap_flower.node`` starts a new one). The privacy ledger's rules are the ClientApp's own and unchanged by a
 long-lived process: each train message locks the client's state directory
 (``fcntl``), records the round on disk before computing it, and releases the
 lock; the ledger is re-read from disk every round (a cached copy is used only
@@ -38,7 +49,8 @@ import select
 import sys
 import time
 from logging import ERROR, INFO, WARNING
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple
 
 import httpx
 from flwr.app import Error, Message
@@ -61,19 +73,53 @@ from flwr.supercore.inflatable.inflatable_protobuf_utils import (
   make_pull_object_fn_protobuf,
 )
 from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
-from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+from flwr.supercore.interceptors import (
+  RuntimeTokenHttpInterceptor,
+  RuntimeVersionHttpInterceptor,
+  SuperExecAuthHttpInterceptor,
+)
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-from fedlap_flower import run_signature
+from experiments import termination
+from fedlap_flower import signed_runs
+from fedlap_flower.runtime import run_signature, support
 
 CLIENTAPP_REF = "fedlap_flower.client_app:app"
+# The task's heartbeat said it is no longer alive (flwr stop): what the abandoned task reports.
+STOPPED_DETAILS = "stopped: the task is no longer alive (the run was stopped)"
 
 
-def check_task(fab_content: bytes, run_config, trusted, allow_unsigned: bool) -> None:
-  """Raises :class:`run_signature.UntrustedRun` unless this worker may run the task."""
+class Policy(NamedTuple):
+  """Which runs this worker computes.
+
+  Attributes:
+    trusted: the signers' keys by fingerprint (:func:`run_signature.load_trusted`).
+    allow_unsigned: compute unsigned runs (tests on one machine only).
+    max_run_age, clock_skew: seconds (:func:`run_signature.check_age`).
+  """
+
+  trusted: Mapping[str, Any] | None
+  allow_unsigned: bool = False
+  max_run_age: float = run_signature.DEFAULT_MAX_RUN_AGE
+  clock_skew: float = run_signature.DEFAULT_CLOCK_SKEW
+
+
+def check_task(
+  fab_content: bytes,
+  run_config: Mapping[str, Any],
+  node_config: Mapping[str, Any],
+  run_id: int,
+  policy: Policy,
+  now: float | None = None,
+) -> None:
+  """Raises :class:`run_signature.UntrustedRun` unless this worker may run the task.
+
+  For a signed run's first task on this client it also records the run (its nonce, in the
+  node config's ``state-dir``) before returning: see the module docstring.
+  """
   try:
     components = get_fab_config(fab_content)["tool"]["flwr"]["app"].get("components", {})
   except (ValueError, KeyError, OSError) as e:
@@ -83,8 +129,31 @@ def check_task(fab_content: bytes, run_config, trusted, allow_unsigned: bool) ->
       f"the bundle's clientapp is {components.get('clientapp')!r}; this client runs only "
       f"{CLIENTAPP_REF!r} (installed with fedlap_flower)"
     )
-  if not allow_unsigned:
-    run_signature.verify(trusted, hashlib.sha256(fab_content).hexdigest(), run_config)
+  if policy.allow_unsigned:
+    return
+  signer = run_signature.verify(
+    policy.trusted or {}, hashlib.sha256(fab_content).hexdigest(), run_config
+  )
+  state_dir = node_config.get("state-dir")
+  if not isinstance(state_dir, str) or not state_dir:
+    raise run_signature.UntrustedRun(
+      "this node records the signed runs it computes in its state directory, and its node "
+      "config has no state-dir; allowed: --node-config \"... state-dir='/var/lib/fedlap/site_k'\""
+    )
+  signed_at = int(run_config.get("signed-at", 0))
+  now = time.time() if now is None else now
+  try:
+    signed_runs.admit(
+      Path(state_dir),
+      str(run_config[run_signature.NONCE_KEY]),
+      int(run_id),
+      check_new=lambda: run_signature.check_age(
+        signed_at, now, policy.max_run_age, policy.clock_skew
+      ),
+      details={"signed_at": signed_at, "signer": signer},
+    )
+  except signed_runs.ReplayedRun as e:
+    raise run_signature.UntrustedRun(str(e)) from None
 
 
 def pull_task_input(client: RuntimeHttpClient, backoff: float = 0.05):
@@ -119,11 +188,21 @@ def pull_task_input(client: RuntimeHttpClient, backoff: float = 0.05):
 
 
 def _client(
-  address: str, insecure: bool, certificates: bytes | None, token: str | None
+  address: str,
+  insecure: bool,
+  certificates: bytes | None,
+  token: str | None,
+  superexec_secret: bytes | None = None,
 ) -> RuntimeHttpClient:
-  interceptors = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
+  interceptors: list = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
   if token is not None:
     interceptors.append(RuntimeTokenHttpInterceptor(token))
+  if superexec_secret is not None:  # as flower-superexec signs AcquireTask
+    interceptors.append(
+      SuperExecAuthHttpInterceptor(
+        master_secret=superexec_secret, protected_methods=support.SUPEREXEC_AUTH_METHODS
+      )
+    )
   return RuntimeHttpClient.from_server_address(
     server_address=address,
     insecure=insecure,
@@ -133,28 +212,42 @@ def _client(
   )
 
 
+def heartbeat_fn(client, stop: termination.TermSignal) -> Callable[[], bool]:
+  """``flwr-clientapp``'s task heartbeat (1.42), except that a task no longer alive (``flwr
+  stop``) sets ``stop`` (as if a signal named ``task-stopped`` arrived) instead of raising
+  SIGINT in this long-lived process. Returns False (retry) when the call fails."""
+  req = SendTaskHeartbeatRequest()
+
+  def beat() -> bool:
+    try:
+      res = client.SendTaskHeartbeat(req)
+    except httpx.HTTPError:
+      return False
+    if not res.success and stop.received is None:
+      stop.received, stop.received_at = "task-stopped", time.monotonic()
+    return True
+
+  return beat
+
+
 def run_task(
   address: str,
   token: str,
   client_app: Callable,
+  policy: Policy,
   *,
   insecure: bool,
   certificates: bytes | None,
-  trusted,
-  allow_unsigned: bool,
 ) -> str:
-  """Runs one acquired task as ``flwr-clientapp`` would; returns its sub-status."""
+  """Runs one acquired task as ``flwr-clientapp`` would; returns its sub-status.
+
+  The ClientApp computes in a worker thread (:func:`experiments.termination.wait_for`) while
+  this thread watches the heartbeat: a stopped task is abandoned at once (its thread computes
+  on; :func:`serve` then ends this process).
+  """
   client = _client(address, insecure, certificates, token)
-  req = SendTaskHeartbeatRequest()
-
-  def beat() -> bool:  # unlike Flower's, never signals this process when the task is over
-    try:
-      client.SendTaskHeartbeat(req)
-      return True
-    except httpx.HTTPError:
-      return False
-
-  heartbeat = HeartbeatSender(beat)
+  stop = termination.TermSignal()  # never installed as a handler: set by the heartbeat
+  heartbeat = HeartbeatSender(heartbeat_fn(client, stop))
   t0 = time.time()
   t_app = 0.0
   context = message = reply = None
@@ -163,11 +256,16 @@ def run_task(
     heartbeat.start()
     message, context, _run, fab = pull_task_input(client)
     try:
-      check_task(fab.content, context.run_config, trusted, allow_unsigned)
+      check_task(fab.content, context.run_config, context.node_config, context.run_id, policy)
       t_app = time.time()
-      reply = client_app(message=message, context=context)
+      reply = termination.wait_for(
+        lambda: client_app(message=message, context=context), stop, grace_seconds=0.0
+      )
       t_app = time.time() - t_app
       status, details = SubStatus.COMPLETED, ""
+    except termination.Abandoned:
+      log(WARNING, "[fedlap node] run %s: %s", context.run_id, STOPPED_DETAILS)
+      status, details, reply = SubStatus.STOPPED, STOPPED_DETAILS, None
     except run_signature.UntrustedRun as e:
       log(ERROR, "[fedlap node] refused run %s: %s", context.run_id, e)
       details = f"refused: {e}"
@@ -191,6 +289,10 @@ def run_task(
   return status
 
 
+# The worker's exit status after a stopped task whose computation it could not stop.
+EXIT_ABANDONED = 75
+
+
 def _waiter(wake_fd: int | None, poll: float) -> Callable[[], None]:
   """Returns ``wait()``: until a byte arrives on ``wake_fd`` or ``poll`` seconds passed."""
   if wake_fd is None:
@@ -206,35 +308,38 @@ def _waiter(wake_fd: int | None, poll: float) -> Callable[[], None]:
 
 def serve(
   address: str,
+  policy: Policy,
   *,
   insecure: bool = True,
   certificates: bytes | None = None,
-  trusted=None,
-  allow_unsigned: bool = False,
+  superexec_secret: bytes | None = None,
   poll: float = 1.0,
   wake_fd: int | None = None,
   client_app: Callable | None = None,
-) -> None:
+) -> int:
   """Acquires and runs the SuperNode's ClientApp tasks until the process is stopped.
 
   Asks for a task when woken through ``wake_fd`` (the SuperNode stored a message)
-  and every ``poll`` seconds.
+  and every ``poll`` seconds. Returns :data:`EXIT_ABANDONED` after a stopped task whose
+  computation still runs (the caller ends the process).
   """
-  if not allow_unsigned and not trusted:
+  if not policy.allow_unsigned and not policy.trusted:
     raise ValueError(
       "no trusted entities: a client computes only runs signed by a key it "
       "trusts (--trusted-entities FILE); --allow-unsigned-runs only for tests"
     )
   if client_app is None:
     from fedlap_flower.client_app import app as client_app  # pylint: disable=g-import-not-at-top
-  acquire = _client(address, insecure, certificates, None)
+  acquire = _client(address, insecure, certificates, None, superexec_secret)
   wait = _waiter(wake_fd, poll)
   request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
   log(
     INFO,
     "[fedlap node] serving ClientApp tasks of the SuperNode at %s (%s)",
     address,
-    "unsigned runs allowed" if allow_unsigned else f"trusted signers {sorted(trusted)}",
+    "unsigned runs allowed"
+    if policy.allow_unsigned
+    else f"trusted signers {sorted(policy.trusted)}",
   )
   while True:
     try:
@@ -245,16 +350,13 @@ def serve(
     if res.HasField("task") and res.token:
       try:
         run_task(
-          address,
-          res.token,
-          client_app,
-          insecure=insecure,
-          certificates=certificates,
-          trusted=trusted,
-          allow_unsigned=allow_unsigned,
+          address, res.token, client_app, policy, insecure=insecure, certificates=certificates
         )
       except Exception as e:  # pylint: disable=broad-except  (the task is lost, not the node)
         log(WARNING, "[fedlap node] task %s failed: %s", res.task.task_id, e)
+      if termination.computing():  # a stopped task's computation goes on in its thread
+        log(WARNING, "[fedlap node] ending this process to stop the abandoned computation")
+        return EXIT_ABANDONED
     else:
       wait()
 
@@ -269,6 +371,13 @@ def main(argv=None) -> int:
   )
   p.add_argument("--trusted-entities", default=None)
   p.add_argument("--allow-unsigned-runs", action="store_true")
+  p.add_argument("--max-run-age", type=float, default=run_signature.DEFAULT_MAX_RUN_AGE)
+  p.add_argument("--clock-skew", type=float, default=run_signature.DEFAULT_CLOCK_SKEW)
+  p.add_argument(
+    "--superexec-auth-secret-file",
+    default=None,
+    help="the SuperNode's SuperExec secret: AcquireTask requests are signed with it",
+  )
   p.add_argument(
     "--poll", type=float, default=1.0, help="seconds between two asks for a task when not woken"
   )
@@ -286,20 +395,25 @@ def main(argv=None) -> int:
   if args.root_certificates:
     with open(args.root_certificates, "rb") as f:
       certificates = f.read()
+  secret = None
+  if args.superexec_auth_secret_file:
+    secret = Path(args.superexec_auth_secret_file).read_bytes()
   trusted = run_signature.load_trusted(args.trusted_entities) if args.trusted_entities else None
+  policy = Policy(trusted, args.allow_unsigned_runs, args.max_run_age, args.clock_skew)
   try:
-    serve(
+    status = serve(
       args.runtime_api_address,
+      policy,
       insecure=certificates is None,
       certificates=certificates,
-      trusted=trusted,
-      allow_unsigned=args.allow_unsigned_runs,
+      superexec_secret=secret,
       poll=args.poll,
       wake_fd=args.wake_fd,
     )
   except KeyboardInterrupt:  # the SuperNode ended (parent monitor) or Ctrl-C
     return 0
-  return 0
+  termination.exit_process(status)
+  return status
 
 
 if __name__ == "__main__":
