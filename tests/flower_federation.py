@@ -209,6 +209,7 @@ class Federation:
     self.superlink: subprocess.Popen | None = None
     self.supernodes: dict[int, subprocess.Popen] = {}
     self.node_configs: dict[int, dict] = {}
+    self.runtime_ports: dict[int, int] = {}
     self._logs: list = []
 
   # -- processes -----------------------------------------------------------------
@@ -355,13 +356,14 @@ class Federation:
       if stock
       else [sys.executable, "-m", "fedlap_flower.node"]
     )
+    self.runtime_ports[index] = free_port()
     args = [
       *command,
       *extra,
       "--host",
       "127.0.0.1",
       "--port",
-      str(free_port()),
+      str(self.runtime_ports[index]),
       "--node-config",
       node_config_arg(self.node_configs[index]),
     ]

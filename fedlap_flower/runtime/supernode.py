@@ -11,6 +11,13 @@
 * starts :mod:`fedlap_flower.runtime.warm_clientapp` with that secret as a
   child process, and starts it again if it ends while the node runs (after a
   ``flwr stop`` whose computation it could not stop);
+* checks, every :data:`STOP_CHECK_SECONDS` while a ClientApp task runs, that
+  the SuperLink still runs its run; a stopped run (``flwr stop``) has its
+  tasks finished ``stopped`` and an error reply stored for its message (Flower
+  1.42 itself never tells a SuperNode that a run was stopped, and its SuperNode
+  would wait for that reply for ever), so the worker's next heartbeat finds the
+  task no longer alive and abandons it: a stopped round ends within about
+  :data:`STOP_CHECK_SECONDS` + the worker's heartbeat interval;
 * makes the SuperNode ask the SuperLink for messages every ``poll`` seconds
   (Flower 1.42 waits 3 s between two pulls while idle and 0.5 s while a reply
   is pending; a round would wait for the slowest of those waits), wake the
@@ -47,6 +54,8 @@ from flwr.common.logger import log
 from fedlap_flower.runtime import object_pulls
 
 SECRET_FLAG = "--superexec-auth-secret-file"
+STOP_CHECK_SECONDS = 5.0
+STOPPED_REASON = "the run was stopped (flwr stop)"
 # A worker that ends sooner than this after its start is started again after a growing pause.
 RESTART_PAUSE = (1.0, 30.0)
 
@@ -80,12 +89,87 @@ def _waking(pull_and_store, wake_fd: int):
   return wrapped
 
 
+def stop_stopped_runs(state, get_run) -> list[int]:
+  """Finishes ``stopped`` the running ClientApp tasks of runs the SuperLink no longer runs,
+  with an error reply for each message they held; returns those runs' ids.
+
+  ``state``: the SuperNode's NodeState; ``get_run``: its Fleet API call, which raises
+  ``RunNotRunningException`` for a run that is not running.
+  """
+  from flwr.app import Error  # pylint: disable=g-import-not-at-top
+  from flwr.common.constant import ErrorCode, Status, SubStatus  # pylint: disable=g-import-not-at-top
+  from flwr.supercore.constant import TaskType  # pylint: disable=g-import-not-at-top
+  from flwr.supercore.run import RunNotRunningException  # pylint: disable=g-import-not-at-top
+
+  tasks = [
+    t
+    for t in state.get_tasks(statuses=[Status.STARTING, Status.RUNNING])
+    if t.type == TaskType.CLIENT_APP
+  ]
+  stopped = []
+  for run_id in sorted({t.run_id for t in tasks}):
+    try:
+      get_run(run_id)
+    except RunNotRunningException:
+      stopped.append(run_id)
+    except Exception as e:  # pylint: disable=broad-except  (the SuperLink unreachable: later)
+      log(INFO, "[fedlap node] run %s: its status is unknown for now (%s)", run_id, e)
+  for run_id in stopped:
+    log(
+      WARNING, "[fedlap node] run %s: %s; its task on this node is stopped", run_id, STOPPED_REASON
+    )
+    for t in tasks:
+      if t.run_id == run_id:
+        state.finish_task(t.task_id, SubStatus.STOPPED, STOPPED_REASON)
+    state._store_error_replies(  # pylint: disable=protected-access
+      {run_id}, Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=STOPPED_REASON)
+    )
+  return stopped
+
+
+class RunWatch:
+  """Runs :func:`stop_stopped_runs` every ``every`` seconds in a thread, from the first call
+  of :meth:`attach` (which hands it the SuperNode's state and ``get_run``)."""
+
+  def __init__(self, every: float = STOP_CHECK_SECONDS):
+    self.every = every
+    self._lock = threading.Lock()
+    self._thread: threading.Thread | None = None
+
+  def attach(self, state, get_run) -> None:
+    with self._lock:
+      if self._thread is None:
+        self._thread = threading.Thread(
+          target=self._loop, args=(state, get_run), name="run-watch", daemon=True
+        )
+        self._thread.start()
+
+  def _loop(self, state, get_run) -> None:
+    while True:
+      _time.sleep(self.every)
+      try:
+        stop_stopped_runs(state, get_run)
+      except BaseException as e:  # pylint: disable=broad-except  (never end the watch)
+        log(WARNING, "[fedlap node] checking for stopped runs failed: %r", e)
+
+
+def _watching(pull_and_store, watch: RunWatch):
+  """``pull_and_store`` that hands its ``state`` and ``get_run`` to ``watch``."""
+
+  def wrapped(*args, **kwargs):
+    watch.attach(kwargs["state"], kwargs["get_run"])
+    return pull_and_store(*args, **kwargs)
+
+  return wrapped
+
+
 def patch_supernode(poll: float, wake_fd: int):
   """Replaces the three names of ``flwr.supernode.start_client_internal`` (see the module
   docstring); returns the module. The caller has checked them (``support.problems``)."""
   sci = importlib.import_module("flwr.supernode.start_client_internal")
   sci.time = _CappedSleep(poll)
-  sci._pull_and_store_message = _waking(sci._pull_and_store_message, wake_fd)  # pylint: disable=protected-access
+  pull_and_store = _waking(sci._pull_and_store_message, wake_fd)  # pylint: disable=protected-access
+  sci._pull_and_store_message = _watching(pull_and_store, RunWatch())  # pylint: disable=protected-access
   object_pulls.quick_object_pulls(sci)
   return sci
 

@@ -112,6 +112,9 @@ def _supernode(c: _Checks) -> None:
   loop = c.attr(sci, "start_client_internal")
   c.calls(loop, "start_client_internal.start_client_internal", "time.sleep")
   c.calls(loop, "start_client_internal.start_client_internal", "_pull_and_store_message")
+  for passed in ("state=state", "get_run=get_run"):  # the run watch takes them from there
+    if loop is not None and passed not in _source(loop):
+      c.found.append(f"start_client_internal no longer passes {passed} (its source changed)")
   c.calls(c.attr(sci, "_push_messages"), "start_client_internal._push_messages", "time.sleep")
   pull_store = c.attr(sci, "_pull_and_store_message")
   c.params(
@@ -139,6 +142,17 @@ def _supernode(c: _Checks) -> None:
     "inflatable_utils.pull_objects",
   )
   c.params(pulls, "start_client_internal.pull_objects", PULL_BACKOFF_PARAMS)
+  nodestate = c.module("flwr.supernode.nodestate.in_memory_nodestate")
+  state_cls = c.attr(nodestate, "InMemoryNodeState")
+  for name, params in (
+    ("get_tasks", ("statuses",)),
+    ("finish_task", ("self", "task_id", "sub_status", "details")),
+    ("_store_error_replies", ("self", "run_ids", "error")),
+  ):
+    c.params(
+      c.attr(state_cls, name), f"InMemoryNodeState.{name}", params, exact=name != "get_tasks"
+    )
+  c.attr(c.module("flwr.supercore.run"), "RunNotRunningException")
   cli = c.module("flwr.supernode.cli.flower_supernode")
   c.params(c.attr(cli, "flower_supernode"), "flower_supernode.flower_supernode", (), exact=True)
   c.attr(c.module("flwr.supercore.auth"), "add_superexec_auth_secret_args")
@@ -201,6 +215,11 @@ def _worker(c: _Checks) -> None:
     "HeartbeatSender",
     ("heartbeat_fn",),
     exact=True,
+  )
+  c.params(
+    c.attr(c.module("flwr.supercore.retry"), "RetryInvoker"),
+    "RetryInvoker",
+    ("wait_gen_factory", "recoverable_exceptions", "max_tries", "max_time", "should_giveup"),
   )
   c.attr(c.module("flwr.supercore.runtime"), "RuntimeHttpClient")
   c.attr(c.module("flwr.supercore.task_identity"), "TaskIdentity")

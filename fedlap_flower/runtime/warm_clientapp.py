@@ -47,6 +47,7 @@ import hashlib
 import os
 import select
 import sys
+import threading
 import time
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -67,7 +68,6 @@ from flwr.proto.runtime_pb2 import (  # pylint: disable=no-name-in-module
 from flwr.supercore import log
 from flwr.supercore.app_utils import start_parent_process_monitor
 from flwr.supercore.constant import TaskType
-from flwr.supercore.heartbeat import HeartbeatSender
 from flwr.supercore.inflatable.inflatable_protobuf_utils import (
   make_confirm_message_received_fn_protobuf,
   make_pull_object_fn_protobuf,
@@ -78,7 +78,7 @@ from flwr.supercore.interceptors import (
   RuntimeVersionHttpInterceptor,
   SuperExecAuthHttpInterceptor,
 )
-from flwr.supercore.retry import make_simple_http_retry_invoker
+from flwr.supercore.retry import RetryInvoker, exponential, make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
@@ -90,6 +90,9 @@ from fedlap_flower.runtime import run_signature, support
 CLIENTAPP_REF = "fedlap_flower.client_app:app"
 # The task's heartbeat said it is no longer alive (flwr stop): what the abandoned task reports.
 STOPPED_DETAILS = "stopped: the task is no longer alive (the run was stopped)"
+# Seconds between two heartbeats of a task (Flower's flwr-clientapp: about 20 s). A stopped
+# run's task is abandoned at the first heartbeat after the SuperNode finished it.
+HEARTBEAT_SECONDS = 2.0
 
 
 class Policy(NamedTuple):
@@ -187,6 +190,30 @@ def pull_task_input(client: RuntimeHttpClient, backoff: float = 0.05):
   return message, context, run, fab
 
 
+# A task's calls are retried on these answers of the Runtime API (and on transport errors);
+# any other error answer reaches the caller (401: the task's token is no longer valid).
+RETRIED_STATUS = frozenset({502, 503, 504})
+# An HTTP answer that means the task is over: its token was revoked (401) or its run is not
+# running (403).
+TASK_OVER_STATUS = frozenset({401, 403})
+
+
+def _task_retry_invoker() -> RetryInvoker:
+  """Flower's HTTP retries for a task's calls, without Flower's reaction to a revoked token
+  (``flwr-clientapp``'s invoker sends SIGINT to its own process, which would end this one)."""
+
+  def give_up(e: Exception) -> bool:
+    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code not in RETRIED_STATUS
+
+  return RetryInvoker(
+    wait_gen_factory=lambda: exponential(max_delay=20),
+    recoverable_exceptions=(httpx.TransportError, httpx.HTTPStatusError),
+    max_tries=None,
+    max_time=120.0,
+    should_giveup=give_up,
+  )
+
+
 def _client(
   address: str,
   insecure: bool,
@@ -208,26 +235,58 @@ def _client(
     insecure=insecure,
     root_certificates=certificates,
     interceptors=interceptors,
-    retry_invoker=make_simple_http_retry_invoker(),
+    retry_invoker=make_simple_http_retry_invoker() if token is None else _task_retry_invoker(),
   )
 
 
 def heartbeat_fn(client, stop: termination.TermSignal) -> Callable[[], bool]:
   """``flwr-clientapp``'s task heartbeat (1.42), except that a task no longer alive (``flwr
-  stop``) sets ``stop`` (as if a signal named ``task-stopped`` arrived) instead of raising
-  SIGINT in this long-lived process. Returns False (retry) when the call fails."""
+  stop``, :func:`fedlap_flower.runtime.supernode.stop_stopped_runs`), or whose token the
+  SuperNode revoked (401) or whose run is not running (403), sets ``stop`` (as if a signal
+  named ``task-stopped`` arrived) instead of raising SIGINT in this long-lived process.
+  Returns False when the call failed."""
   req = SendTaskHeartbeatRequest()
+
+  def over() -> None:
+    if stop.received is None:
+      stop.received, stop.received_at = "task-stopped", time.monotonic()
 
   def beat() -> bool:
     try:
       res = client.SendTaskHeartbeat(req)
+    except httpx.HTTPStatusError as e:
+      if e.response.status_code in TASK_OVER_STATUS:
+        over()
+      return False
     except httpx.HTTPError:
       return False
-    if not res.success and stop.received is None:
-      stop.received, stop.received_at = "task-stopped", time.monotonic()
+    if not res.success:
+      over()
     return True
 
   return beat
+
+
+class Heartbeat:
+  """Calls ``beat()`` now and every ``every`` seconds in a thread until :meth:`stop`."""
+
+  def __init__(self, beat: Callable[[], bool], every: float = HEARTBEAT_SECONDS):
+    self._beat, self._every = beat, every
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      self._beat()
+      self._stop.wait(self._every)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
 
 
 def run_task(
@@ -247,7 +306,7 @@ def run_task(
   """
   client = _client(address, insecure, certificates, token)
   stop = termination.TermSignal()  # never installed as a handler: set by the heartbeat
-  heartbeat = HeartbeatSender(heartbeat_fn(client, stop))
+  heartbeat = Heartbeat(heartbeat_fn(client, stop))
   t0 = time.time()
   t_app = 0.0
   context = message = reply = None
@@ -257,11 +316,13 @@ def run_task(
     message, context, _run, fab = pull_task_input(client)
     try:
       check_task(fab.content, context.run_config, context.node_config, context.run_id, policy)
-      t_app = time.time()
-      reply = termination.wait_for(
-        lambda: client_app(message=message, context=context), stop, grace_seconds=0.0
-      )
-      t_app = time.time() - t_app
+      app_started = time.time()
+      try:
+        reply = termination.wait_for(
+          lambda: client_app(message=message, context=context), stop, grace_seconds=0.0
+        )
+      finally:
+        t_app = time.time() - app_started
       status, details = SubStatus.COMPLETED, ""
     except termination.Abandoned:
       log(WARNING, "[fedlap node] run %s: %s", context.run_id, STOPPED_DETAILS)
@@ -281,8 +342,7 @@ def run_task(
     if reply is not None and context is not None:
       push_message(client, reply, context)
   finally:
-    if heartbeat.is_running:
-      heartbeat.stop()
+    heartbeat.stop()
     push_task_output(client=client, context=context, sub_status=status, details=details)
     client.close()
   log(INFO, "[fedlap node] task %s: %.2f s (ClientApp %.2f s)", status, time.time() - t0, t_app)

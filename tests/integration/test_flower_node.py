@@ -17,10 +17,12 @@ import zipfile
 from io import BytesIO
 from pathlib import Path
 
+import httpx
 import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.common.config import flatten_dict, fuse_dicts, get_fab_config
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
+from flwr.supercore.constant import TaskType
 from flwr.supercore.primitives.asymmetric_ed25519 import create_message_to_sign, load_private_key
 
 from experiments import termination
@@ -403,6 +405,14 @@ def test_a_stopped_task_is_abandoned_and_reported_stopped(monkeypatch):
   assert beat() and stop.received is None
   assert beat() and stop.received == "task-stopped"
 
+  class Revoked:  # the SuperNode finished the task: its token no longer authenticates
+    def SendTaskHeartbeat(self, request):  # pylint: disable=invalid-name
+      response = httpx.Response(401, request=httpx.Request("POST", "http://x/heartbeat"))
+      raise httpx.HTTPStatusError("401", request=response.request, response=response)
+
+  stop = termination.TermSignal()
+  assert not warm_clientapp.heartbeat_fn(Revoked(), stop)() and stop.received == "task-stopped"
+
 
 class _FailedPushGrid(_SlowGrid):
   """Message 0's push failed (Flower 1.42: None), so did message 2's (later Flower: "")."""
@@ -418,3 +428,44 @@ def test_prompt_grid_does_not_wait_for_messages_whose_push_failed():
   got = PromptGrid(grid, poll=0.05).send_and_receive(["a", "b", "c"], timeout=10)
   assert [r.metadata.reply_to_message_id for r in got] == ["1"]
   assert time.time() - t0 < 2  # not the whole timeout
+
+
+class _NodeState:
+  """The NodeState calls of the run watch: tasks ``(task_id, run_id)``, all running."""
+
+  def __init__(self, tasks):
+    self.tasks = [
+      types.SimpleNamespace(task_id=t, run_id=r, type=TaskType.CLIENT_APP) for t, r in tasks
+    ]
+    self.finished, self.replied = [], []
+
+  def get_tasks(self, *, statuses):
+    assert set(statuses) == {"starting", "running"}
+    return list(self.tasks)
+
+  def finish_task(self, task_id, sub_status, details):
+    self.finished.append((task_id, sub_status, details))
+    return True
+
+  def _store_error_replies(self, run_ids, error):  # pylint: disable=invalid-name
+    self.replied.append((set(run_ids), error.reason))
+
+
+def test_the_node_stops_the_tasks_of_a_stopped_run():
+  """flwr stop: the SuperLink says the run is not running; the node finishes its task there
+  stopped and stores an error reply (else Flower's SuperNode would wait for one for ever)."""
+  from flwr.supercore.run import RunNotRunningException  # pylint: disable=g-import-not-at-top
+
+  from fedlap_flower.runtime import supernode  # pylint: disable=g-import-not-at-top
+
+  def get_run(run_id):
+    if run_id == 2:
+      raise RunNotRunningException
+    if run_id == 3:
+      raise OSError("SuperLink unreachable")  # unknown: left alone, asked again later
+    return object()
+
+  state = _NodeState([(10, 1), (20, 2), (30, 3)])
+  assert supernode.stop_stopped_runs(state, get_run) == [2]
+  assert state.finished == [(20, "stopped", supernode.STOPPED_REASON)]
+  assert state.replied == [({2}, supernode.STOPPED_REASON)]
