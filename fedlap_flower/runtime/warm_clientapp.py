@@ -277,7 +277,10 @@ class Heartbeat:
 
   def _run(self) -> None:
     while not self._stop.is_set():
-      self._beat()
+      try:
+        self._beat()
+      except Exception as e:  # pylint: disable=broad-except  (the next beat may succeed)
+        log(WARNING, "[fedlap node] task heartbeat failed: %r", e)
       self._stop.wait(self._every)
 
   def start(self) -> None:
