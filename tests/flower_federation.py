@@ -65,6 +65,18 @@ FRONT_TEMPLATE = PACKAGE_DIR / "deploy" / "superlink_front.nginx.conf"
 PUBLIC_HOST = "127.0.0.2"
 
 
+def loopback_up(host: str = "127.0.0.1") -> bool:
+  """Whether this process can listen on ``host`` and connect to itself there."""
+  try:
+    with socket.socket() as s:
+      s.bind((host, 0))
+      s.listen(1)
+      with socket.create_connection(s.getsockname(), timeout=2):
+        return True
+  except OSError:
+    return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
   """A TCP port on ``host`` that was free a moment ago."""
   with socket.socket() as s:

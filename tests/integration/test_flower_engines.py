@@ -19,34 +19,22 @@ carries on.
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
 
 from flower_harness import SAMPLED, TINY, read_jsonl, reference_run
 from fedlap_flower import ledger as ledger_lib
-from flower_federation import Federation
+from flower_federation import Federation, loopback_up
 from fedlap_flower import settings
 from fedlap_jax import accounting
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 
-def _loopback_up() -> bool:
-  try:
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      s.listen(1)
-      with socket.create_connection(s.getsockname(), timeout=2):
-        return True
-  except OSError:
-    return False
-
-
 @pytest.fixture(autouse=True)
 def _need_loopback():
-  if not _loopback_up():
+  if not loopback_up():
     pytest.skip("loopback networking is down: SuperLink and SuperNodes cannot talk")
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import signed_runs
-from flower_federation import PUBLIC_HOST, Federation
+from flower_federation import PUBLIC_HOST, Federation, loopback_up
 from flower_harness import TINY, read_jsonl
 
 pytestmark = [pytest.mark.slow]
@@ -33,25 +33,14 @@ pytestmark = [pytest.mark.slow]
 K = 2
 
 
-def _loopback_up(host: str = "127.0.0.1") -> bool:
-  try:
-    with socket.socket() as s:
-      s.bind((host, 0))
-      s.listen(1)
-      with socket.create_connection(s.getsockname(), timeout=2):
-        return True
-  except OSError:
-    return False
-
-
 @pytest.fixture(autouse=True)
 def _need_loopback():
-  if not _loopback_up():
+  if not loopback_up():
     pytest.skip("loopback networking is down: SuperLink and SuperNodes cannot talk")
 
 
 def _nginx() -> bool:
-  return _loopback_up(PUBLIC_HOST) and (
+  return loopback_up(PUBLIC_HOST) and (
     shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
   )
 
