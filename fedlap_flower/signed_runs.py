@@ -8,8 +8,9 @@ atomically, before the task runs); every later task of that run finds it there
 and goes on, however long the run takes. The same nonce under another Flower run
 id is a resubmission of a run this client already computed (``flwr run`` with
 the same signed TOML, byte for byte) and is refused before anything runs, so it
-charges no ledger. A run the operator resumes is a new submission signed again
-(a new nonce).
+charges no ledger. A run the operator resumes (the server's ``resume = true``) is a
+new submission signed again (a new nonce): each client then computes, and charges, the
+rounds the resumed run asks of it.
 
 The record outlives restarts of the node (a SuperNode that crashes mid-run and
 comes back continues the same Flower run); it is never pruned (one line per
