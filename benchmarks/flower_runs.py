@@ -59,6 +59,17 @@ ENGINES = ("experiments", "simulation", "deployment", "deployment-server-keys")
 DEPLOYMENT_GOAL = 1.5
 
 
+def _federation():
+  """The tests' harness of local Flower processes (``tests/flower_federation.py``; it is not
+  part of the package)."""
+  tests = str(Path(__file__).resolve().parents[1] / "tests")
+  if tests not in sys.path:
+    sys.path.insert(0, tests)
+  import flower_federation  # pylint: disable=g-import-not-at-top
+
+  return flower_federation
+
+
 def _read_jsonl(path: Path) -> list[dict]:
   return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 
@@ -107,7 +118,8 @@ def run_flower(
   timeout: float,
 ) -> dict:
   from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
-  from fedlap_flower.federation import Federation  # pylint: disable=g-import-not-at-top
+
+  Federation = _federation().Federation
 
   server_keys = engine == "deployment-server-keys"
   env = {"JAX_COMPILATION_CACHE_DIR": str(jax_cache)}

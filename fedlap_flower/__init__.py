@@ -27,6 +27,8 @@ its model delta, one array per parameter leaf (:mod:`fedlap_flower.records`).
   the server runs on every reply.
 * :mod:`fedlap_flower.binding` -- which node holds which partition
   (``partition-keys``, or first come).
+* :mod:`fedlap_flower.signed_runs` -- the signed runs a client computed (each
+  signature admits one run), in its state directory.
 
 Modules built on ``flwr`` (``pip install -e ".[experiments,flower]"``):
 
@@ -37,8 +39,11 @@ Modules built on ``flwr`` (``pip install -e ".[experiments,flower]"``):
 * :mod:`fedlap_flower.client_app`, :mod:`fedlap_flower.server_app` -- the
   ``ClientApp`` and ``ServerApp`` (the Flower app project is
   ``fedlap_flower/app/``: ``flwr run fedlap_flower/app ...``).
-* :mod:`fedlap_flower.federation` -- starts a local SuperLink, SuperNodes and
-  ``flwr run`` as processes (the tests and ``benchmarks/flower_runs.py``).
+* :mod:`fedlap_flower.node` -- a client's node (``python -m fedlap_flower.node``).
+* :mod:`fedlap_flower.runtime` -- everything built on Flower's internals (not its
+  public API): the node's SuperNode and long-lived ClientApp worker, the run
+  signature, the Grid's quicker pulls, each checked at start-up against the
+  Flower versions it was tested with (:mod:`fedlap_flower.runtime.support`).
 """
 
 __all__ = ["settings", "task", "client_work", "server_work", "ledger", "replies", "binding"]

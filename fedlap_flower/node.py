@@ -1,87 +1,106 @@
-"""One client's node: ``flower-supernode --isolation process`` and its long-lived ClientApp.
+"""One client's node: Flower's ``flower-supernode`` and its long-lived ClientApp.
 
 ``python -m fedlap_flower.node --trusted-entities FILE [flower-supernode flags]``
 
 * runs Flower's ``flower-supernode`` in this process, with its flags (TLS,
   SuperNode key, node config, Runtime API ``--host``/``--port``) and
-  ``--isolation process``, so the SuperNode starts no executor of its own;
-* starts :mod:`fedlap_flower.warm_clientapp` as a child process (it exits
-  when this process does) that runs every ClientApp task of this SuperNode in
-  one long-lived process, only for runs signed by a key of
-  ``--trusted-entities`` (:mod:`fedlap_flower.run_signature`);
-  ``--allow-unsigned-runs`` (tests on one machine only) skips the signature.
-  The SuperNode wakes it through a pipe as soon as a message and its arrays
-  are stored, so it asks for tasks only then (and once a second);
+  ``--isolation process``, so the SuperNode starts no executor of its own, and
+  with a SuperExec secret only this node's worker holds;
+* starts :mod:`fedlap_flower.runtime.warm_clientapp` as a child process (it
+  exits when this process does) that runs every ClientApp task of this
+  SuperNode in one long-lived process, only for runs signed by a key of
+  ``--trusted-entities`` (:mod:`fedlap_flower.runtime.run_signature`), signed
+  at most ``--max-run-age`` seconds before their first round reaches the node,
+  and not computed before under another run; ``--allow-unsigned-runs`` (tests
+  on one machine only) skips the signature;
 * makes the SuperNode ask the SuperLink for messages every ``--poll`` seconds
-  (Flower 1.42 waits 3 s between two pulls while idle and 0.5 s while a reply
-  is pending; a round would wait for the slowest of those waits), and retry a
-  message's arrays not yet on the SuperLink after 50 ms (Flower: 1, 2, 4 s).
+  and wake the worker as soon as a message is stored
+  (:mod:`fedlap_flower.runtime.supernode`).
 
-``--trusted-entities`` is this wrapper's and is not passed to Flower: Flower's
-own check would refuse every bundle submitted with ``flwr run``
-(:mod:`fedlap_flower.run_signature` says why).
+The Runtime API serves this node's tasks: ``--host`` must resolve to loopback
+addresses only (default ``127.0.0.1``); the SuperNode is given the address it
+resolved to.
+
+All of this rests on parts of Flower that are not its public API, checked at
+start-up (:mod:`fedlap_flower.runtime.support`): on a Flower version it was not
+tested with, or when a name it uses changed, the node says so and runs Flower's
+own ``flower-supernode`` instead (subprocess isolation, Flower's polling, and
+with ``--trusted-entities`` Flower's own check, which refuses every run not
+signed through Flower Hub).
+
+``--trusted-entities``, ``--max-run-age`` and ``--clock-skew`` are this
+wrapper's and are not passed to Flower: Flower's own check would refuse every
+bundle submitted with ``flwr run`` (:mod:`fedlap_flower.runtime.run_signature`
+says why).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
-import subprocess
+import ipaddress
+import socket
 import sys
-import time as _time
 
-from fedlap_flower import run_signature
-from fedlap_flower.prompt_grid import quick_object_pulls
+from fedlap_flower.runtime import run_signature, supernode, support
 
-
-class _CappedSleep:
-  """The ``time`` module with ``sleep`` capped at ``cap`` seconds."""
-
-  def __init__(self, cap: float):
-    self.cap = cap
-
-  def sleep(self, seconds: float) -> None:
-    _time.sleep(min(seconds, self.cap))
-
-  def __getattr__(self, name):
-    return getattr(_time, name)
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = "9094"
 
 
-def _waking(pull_and_store, wake_fd: int):
-  """``pull_and_store`` that, once a message and its arrays are stored (a task exists),
-  wakes the ClientApp process by writing one byte to ``wake_fd``."""
+def loopback_address(host: str) -> str:
+  """The address ``host`` resolves to, if every address it resolves to is a loopback one.
 
-  def wrapped(*args, **kwargs):
-    run_id = pull_and_store(*args, **kwargs)
-    if run_id is not None:
-      try:
-        os.write(wake_fd, b"!")
-      except (BlockingIOError, BrokenPipeError):  # already woken, or the worker is gone
-        pass
-    return run_id
-
-  return wrapped
-
-
-def _runtime_api(rest: list[str]) -> tuple[str, list[str]]:
-  """The SuperNode's Runtime API address and the worker's TLS flags for it."""
-  p = argparse.ArgumentParser(add_help=False)
-  p.add_argument("--host", default="127.0.0.1")
-  p.add_argument("--port", default="9094")
-  p.add_argument("--ssl-certfile")
-  p.add_argument("--ssl-ca-certfile")
-  args, _ = p.parse_known_args(rest)
-  host = f"[{args.host}]" if ":" in args.host else args.host
-  if host in ("0.0.0.0", "[::]"):
+  Raises:
+    SystemExit: naming the host, what it resolved to and what is allowed.
+  """
+  allowed = "an address or name that resolves to loopback only: 127.0.0.1 (the default), ::1"
+  try:
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+  except (socket.gaierror, UnicodeError) as e:
+    raise SystemExit(f"--host {host}: cannot be resolved ({e}); allowed: {allowed}") from None
+  addresses = [info[4][0] for info in infos]
+  outside = [a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+  if not addresses or outside:
     raise SystemExit(
-      f"--host {args.host}: the Runtime API serves this node's tasks and "
-      "must stay on this machine; allowed: 127.0.0.1 (the default) or ::1"
+      f"--host {host} resolves to {sorted(set(addresses))}, not loopback only: the Runtime "
+      "API serves this node's tasks and must stay on this machine; allowed: " + allowed
     )
-  tls = ["--root-certificates", args.ssl_ca_certfile] if args.ssl_certfile else []
-  if args.ssl_certfile and not args.ssl_ca_certfile:
+  return addresses[0]
+
+
+def _flag(args: list[str], name: str) -> str | None:
+  value = None
+  for i, a in enumerate(args):
+    if a == name and i + 1 < len(args):
+      value = args[i + 1]
+    elif a.startswith(name + "="):
+      value = a.split("=", 1)[1]
+  return value
+
+
+def _without(args: list[str], name: str) -> list[str]:
+  out, skip = [], False
+  for a in args:
+    if skip:
+      skip = False
+    elif a == name:
+      skip = True
+    elif not a.startswith(name + "="):
+      out.append(a)
+  return out
+
+
+def runtime_api(rest: list[str]) -> tuple[list[str], str, list[str]]:
+  """``(flower-supernode flags with --host resolved, the Runtime API address, the worker's TLS
+  flags for it)``."""
+  host = loopback_address(_flag(rest, "--host") or DEFAULT_HOST)
+  port = _flag(rest, "--port") or DEFAULT_PORT
+  certfile, ca = _flag(rest, "--ssl-certfile"), _flag(rest, "--ssl-ca-certfile")
+  if certfile and not ca:
     raise SystemExit("--ssl-certfile needs --ssl-ca-certfile (the worker verifies the Runtime API)")
-  return f"{host}:{args.port}", tls
+  tls = ["--root-certificates", ca] if certfile else []
+  flower = [*_without(rest, "--host"), "--host", host]
+  return flower, (f"[{host}]" if ":" in host else host) + f":{port}", tls
 
 
 def main(argv=None) -> int:
@@ -93,7 +112,8 @@ def main(argv=None) -> int:
       "Every other flag goes to Flower's flower-supernode (flower-supernode --help), e.g.\n"
       "  --superlink HOST:PORT  --root-certificates FILE  --auth-supernode-private-key FILE\n"
       "  --node-config \"partition-id=K data-path='...' state-dir='...' max-epsilon=E\"\n"
-      "--isolation is set by this command (process)."
+      "  --host ADDRESS (loopback only)  --port PORT\n"
+      f"--isolation and {supernode.SECRET_FLAG} are set by this command."
     ),
     formatter_class=argparse.RawDescriptionHelpFormatter,
     add_help=True,
@@ -109,14 +129,29 @@ def main(argv=None) -> int:
     help="compute unsigned runs too (tests on one machine only)",
   )
   p.add_argument(
+    "--max-run-age",
+    type=float,
+    default=run_signature.DEFAULT_MAX_RUN_AGE,
+    help="seconds a signed run may be old when its first round reaches this node "
+    f"(default {run_signature.DEFAULT_MAX_RUN_AGE:g})",
+  )
+  p.add_argument(
+    "--clock-skew",
+    type=float,
+    default=run_signature.DEFAULT_CLOCK_SKEW,
+    help="seconds the signer's clock may differ from this node's "
+    f"(default {run_signature.DEFAULT_CLOCK_SKEW:g})",
+  )
+  p.add_argument(
     "--poll",
     type=float,
     default=0.5,
     help="seconds between two pulls from the SuperLink (Flower's: 3)",
   )
   ours, rest = p.parse_known_args(argv)
-  if any(a == "--isolation" or a.startswith("--isolation=") for a in rest):
-    p.error("--isolation is set by this command (process)")
+  for flag in ("--isolation", supernode.SECRET_FLAG):
+    if any(a == flag or a.startswith(flag + "=") for a in rest):
+      p.error(f"{flag} is set by this command")
   if not ours.allow_unsigned_runs:
     if not ours.trusted_entities:
       p.error(
@@ -126,39 +161,27 @@ def main(argv=None) -> int:
     run_signature.load_trusted(ours.trusted_entities)  # fail now, not at the first run
   if not ours.poll > 0:
     p.error(f"--poll {ours.poll}: allowed: seconds > 0")
-  address, tls = _runtime_api(rest)
-  wake_r, wake_w = os.pipe()
-  os.set_blocking(wake_w, False)
+  if not ours.max_run_age > 0:
+    p.error(f"--max-run-age {ours.max_run_age}: allowed: seconds > 0")
+  if not ours.clock_skew >= 0:
+    p.error(f"--clock-skew {ours.clock_skew}: allowed: seconds >= 0")
+  flower, address, tls = runtime_api(rest)
+  found = support.problems("supernode") + support.problems("worker")
+  if found:
+    supernode.run_stock(flower, ours.trusted_entities, dict.fromkeys(found))
   worker = [
-    sys.executable,
-    "-m",
-    "fedlap_flower.warm_clientapp",
-    "--runtime-api-address",
-    address,
-    "--parent-pid",
-    str(os.getpid()),
-    "--wake-fd",
-    str(wake_r),
     *tls,
+    "--max-run-age",
+    str(ours.max_run_age),
+    "--clock-skew",
+    str(ours.clock_skew),
+    *(
+      ["--allow-unsigned-runs"]
+      if ours.allow_unsigned_runs
+      else ["--trusted-entities", ours.trusted_entities]
+    ),
   ]
-  worker += (
-    ["--allow-unsigned-runs"]
-    if ours.allow_unsigned_runs
-    else ["--trusted-entities", ours.trusted_entities]
-  )
-  # pylint: disable-next=consider-using-with  (it ends with this process)
-  subprocess.Popen(worker, pass_fds=(wake_r,))
-  os.close(wake_r)
-
-  from flwr.supernode.cli.flower_supernode import flower_supernode  # pylint: disable=g-import-not-at-top
-
-  sci = importlib.import_module("flwr.supernode.start_client_internal")
-  sci.time = _CappedSleep(ours.poll)
-  sci._pull_and_store_message = _waking(sci._pull_and_store_message, wake_w)  # pylint: disable=protected-access
-  quick_object_pulls(sci)  # arrays not yet on the SuperLink: retry after 50 ms, not 1 s
-  sys.argv = ["flower-supernode", *rest, "--isolation", "process"]
-  flower_supernode()
-  return 0
+  return supernode.run_warm(flower, worker, runtime_api=address, poll=ours.poll)
 
 
 if __name__ == "__main__":

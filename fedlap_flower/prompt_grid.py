@@ -7,33 +7,25 @@ implements ``send_and_receive`` with the wrapped Grid's own ``push_messages`` /
 ``pull_messages``, pulling every ``poll`` seconds (one small HTTP call to the
 SuperLink on the same machine); everything else is the wrapped Grid's.
 
-A message and its arrays travel separately (the message first, then one
-request per array), so a reply can be listed before its arrays arrived; Flower
-then retries each missing array after 1, 2, 4, ... s (up to 10 s).
-:func:`quick_object_pulls` makes a module that pulls arrays (the Grid's, the
-SuperNode's) retry after 50 ms, doubling up to 1 s.
+A message that could not be pushed has no id (Flower 1.42 lists ``None`` for
+it, later versions ``""``): it gets no reply, so it is not waited for.
+
+A reply can be listed before its arrays arrived; with Flower's HTTP Grid its
+missing arrays are retried after 50 ms rather than 1, 2, 4 s
+(:func:`fedlap_flower.runtime.object_pulls.quick_grid_pulls`, where the
+installed Flower is one it was tested with).
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
-from types import ModuleType
 from typing import Iterable
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-
-def quick_object_pulls(module: ModuleType, backoff: float = 0.05, cap: float = 1.0) -> None:
-  """``module.pull_objects`` (Flower's) retrying after ``backoff`` s, doubling up to ``cap``."""
-  pull = getattr(module, "pull_objects", None)
-  if pull is None or isinstance(pull, functools.partial):
-    return
-  module.pull_objects = functools.partial(
-    pull, max_tries_per_object=None, initial_backoff=backoff, backoff_cap=cap
-  )
+from fedlap_flower.runtime.object_pulls import quick_grid_pulls
 
 
 class PromptGrid(Grid):
@@ -44,7 +36,7 @@ class PromptGrid(Grid):
       raise ValueError(f"poll={poll!r}: the seconds between two pulls must be > 0")
     self.grid = grid
     self.poll = poll
-    quick_object_pulls(sys.modules[type(grid).__module__])
+    quick_grid_pulls(sys.modules[type(grid).__module__])
 
   def set_run(self, run) -> None:
     self.grid.set_run(run)
@@ -72,8 +64,9 @@ class PromptGrid(Grid):
     self, messages: Iterable[Message], *, timeout: float | None = None
   ) -> Iterable[Message]:
     """Pushes ``messages``; returns the replies that arrived within ``timeout`` seconds
-    (all of them, however long they take, when ``timeout`` is None)."""
-    pending = set(self.push_messages(messages))
+    (all of them, however long they take, when ``timeout`` is None). A message whose push
+    failed (no id) is not waited for."""
+    pending = {i for i in self.push_messages(messages) if i}
     end = None if timeout is None else time.time() + timeout
     replies: list[Message] = []
     while pending:

@@ -51,8 +51,9 @@ key                             meaning
                                 also needs the client's consent, the
                                 environment variable :data:`UNSAFE_ENV` = 1
 ``signer``, ``signature``,      the operator's signature over the bundle and
-``signed-at``                   this run config, checked by every client
-                                (:mod:`fedlap_flower.run_signature`)
+``signed-at``, ``run-nonce``    this run config, and the run's random nonce,
+                                checked by every client
+                                (:mod:`fedlap_flower.runtime.run_signature`)
 ==============================  =============================================
 
 Node config (``flower-supernode --node-config 'KEY=VALUE ...'``; the
@@ -125,10 +126,11 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
   "partition-keys": "",
   "max-image-abs": 0.0,
   "unsafe-dp-keys-from-server": False,
-  # Checked by the node before the ClientApp runs (fedlap_flower.run_signature).
+  # Checked by the node before the ClientApp runs (fedlap_flower.runtime.run_signature).
   "signer": "",
   "signature": "",
   "signed-at": 0,
+  "run-nonce": "",
 }
 NODE_CONFIG_KEYS = (
   "partition-id",

@@ -215,6 +215,7 @@ def pixel_and_float_clients(pixel_parts):
 COSTLY_FIRST = (
   "test_flower.py",
   "test_kill_resume.py",
+  "test_flower_hardened.py",
   "test_sharding.py",
   "test_experiments_synthetic.py",
   "test_client.py",

@@ -14,7 +14,7 @@ def test_readme_flower_commands_use_flags_the_installed_flower_has():
   """Every --flag of the README's Flower commands exists in the CLI that receives it.
 
   ``python -m fedlap_flower.node`` takes its own flags and hands the rest to Flower 1.42's
-  ``flower-supernode``; ``python -m fedlap_flower.run_signature`` has its own CLI.
+  ``flower-supernode``; ``python -m fedlap_flower.runtime.run_signature`` has its own CLI.
   """
   readme = README.read_text()
   section = readme.split("## Running across machines with Flower", 1)[1].split("\n## ", 1)[0]
@@ -22,7 +22,7 @@ def test_readme_flower_commands_use_flags_the_installed_flower_has():
     "flower-superlink",
     "python -m fedlap_flower.node",
     "flwr run",
-    "python -m fedlap_flower.run_signature",
+    "python -m fedlap_flower.runtime.run_signature",
   )
   commands = [
     part.strip()

@@ -157,7 +157,7 @@ def test_a_dp_client_keeps_its_ledger_only_where_its_own_config_says(tmp_path, m
 
 def test_app_pyproject_lists_every_run_config_key():
   tomllib = pytest.importorskip("tomllib")
-  from fedlap_flower.federation import APP_DIR
+  from flower_federation import APP_DIR
 
   with open(APP_DIR / "pyproject.toml", "rb") as f:
     app = tomllib.load(f)["tool"]["flwr"]["app"]

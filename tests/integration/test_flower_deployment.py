@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from flower_harness import TINY, read_jsonl
-from fedlap_flower.federation import APP_DIR, PUBLIC_HOST, Federation, ssh_key_pair
+from flower_federation import APP_DIR, PUBLIC_HOST, Federation, ssh_key_pair
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 

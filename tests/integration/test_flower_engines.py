@@ -1,43 +1,40 @@
 """Flower's two engines with real processes: simulation (Ray) and deployment (SuperLink + SuperNodes).
 
 Each test starts its own processes on free localhost ports through
-:class:`fedlap_flower.federation.Federation`, whose exit always stops them
+:class:`flower_federation.Federation`, whose exit always stops them
 (SIGTERM, then SIGKILL of each process group), and bounds every wait.
 Insecure HTTP on loopback only (CI runs the suite under ``unshare -n`` with
 ``lo`` up).
+
+The tests that compare numbers with ``experiments.run`` bit for bit are marked
+``bitwise``: their processes compile with XLA's default CPU emitters
+(``tests/conftest.py``). Under the tests' default setting
+(``--xla_cpu_use_fusion_emitters=false``) the program that computes one client
+(the Flower app) and the one that computes all clients batched
+(``experiments.run``) are fused differently, and a client's radius can differ
+in its last bit (0.6966202259 against 0.6966202855), which the server radius
+carries on.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
 
 from flower_harness import SAMPLED, TINY, read_jsonl, reference_run
 from fedlap_flower import ledger as ledger_lib
-from fedlap_flower.federation import Federation
+from flower_federation import Federation, loopback_up
 from fedlap_flower import settings
 from fedlap_jax import accounting
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 
-def _loopback_up() -> bool:
-  try:
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      s.listen(1)
-      with socket.create_connection(s.getsockname(), timeout=2):
-        return True
-  except OSError:
-    return False
-
-
 @pytest.fixture(autouse=True)
 def _need_loopback():
-  if not _loopback_up():
+  if not loopback_up():
     pytest.skip("loopback networking is down: SuperLink and SuperNodes cannot talk")
 
 
@@ -47,6 +44,7 @@ def jax_cache(tmp_path_factory):
   return str(tmp_path_factory.mktemp("jax_cache"))
 
 
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_simulation_engine_equals_experiments_run(tmp_path, jax_cache):
   """``flwr run`` on the simulation engine, 5 virtual clients: experiments.run's numbers."""
   run_dir = tmp_path / "run"
@@ -73,6 +71,7 @@ def test_simulation_engine_equals_experiments_run(tmp_path, jax_cache):
     assert g["server_radius"] == w["server_radius"]
 
 
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_simulation_engine_samples_clients_as_experiments_run(tmp_path, jax_cache):
   """20 virtual clients, 5 a round (data.clients_per_round), DP with the test-only server
   keys: the server asks only the drawn clients and its numbers are experiments.run's; each
@@ -193,3 +192,72 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
     recs[2]["epsilon_per_client"]["4"] == ledger_lib.ClientState(states[4]).history()[2]["epsilon"]
   )
   assert "4" not in recs[1]["epsilon_per_client"]
+
+
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_the_app_runs_on_stock_flower_supernodes(tmp_path, jax_cache):
+  """Flower's own flower-supernode, its default subprocess isolation (a ClientApp process per
+  message), no fedlap_flower.node: the same numbers as experiments.run."""
+  run_dir = tmp_path / "run"
+  overrides = f"{TINY.replace('rounds=2', 'rounds=1')} data.num_clients=2"
+  with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
+    for k in range(2):
+      fed.start_supernode(k, {"partition-id": k, "num-partitions": 2}, stock=True)
+    run_id = fed.run(
+      {
+        "config": "quickstart:nondp",
+        "overrides": overrides,
+        "run-dir": str(run_dir),
+        "state-root": str(tmp_path / "state"),
+        "round-timeout": 300.0,
+      }
+    )
+    status = fed.wait(run_id, timeout=900)
+    assert status == "finished:completed", fed.logs(run_id)[-4000:]
+    logs = [fed.log_tail(f"supernode-{k}.log", 200_000) for k in range(2)]
+  assert all("[fedlap node]" not in log for log in logs)  # Flower's own node, nothing of ours
+  (got,) = read_jsonl(run_dir / "metrics.jsonl")
+  (want,) = reference_run("quickstart:nondp", overrides, tmp_path / "ref")
+  assert got["clients_ok"] == [0, 1]
+  assert (got["test_accuracy"], got["test_loss"]) == (want["test_accuracy"], want["test_loss"])
+  assert got["server_radius"] == want["server_radius"]
+
+
+def test_flwr_stop_stops_a_round_on_the_nodes(tmp_path, jax_cache):
+  """``flwr stop`` during a long round: each node finishes its task there ``stopped``, its
+  worker abandons the computation within seconds (and is started again), and the node then
+  computes the next run."""
+  states = [tmp_path / f"client-{k}" for k in range(2)]
+  long_round = f"{TINY} data.num_clients=2 client.max_outer=400"
+  with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
+    for k in range(2):
+      fed.start_supernode(
+        k,
+        {"partition-id": k, "num-partitions": 2, "state-dir": str(states[k]), "max-epsilon": 50.0},
+      )
+    run_id = fed.run(
+      {"config": "quickstart:dp", "overrides": long_round, "run-dir": str(tmp_path / "long")}
+    )
+    _wait_for(lambda: all(ledger_lib.ClientState(s).history() for s in states), 600, "round 1", fed)
+    t_stop = time.time()
+    res = fed._flwr("stop", str(run_id), "test")
+    assert res.returncode == 0, res.stdout + res.stderr
+    _wait_for(
+      lambda: all("task stopped" in fed.log_tail(f"supernode-{k}.log", 200_000) for k in range(2)),
+      60,
+      "the nodes stopping their tasks",
+      fed,
+    )
+    took = time.time() - t_stop
+    assert fed.wait(run_id, timeout=60).startswith("finished:stopped")
+    for k in range(2):
+      log = fed.log_tail(f"supernode-{k}.log", 200_000)
+      assert "its task on this node is stopped" in log and "starting it again" in log, log[-3000:]
+    assert [len(ledger_lib.ClientState(s).history()) for s in states] == [1, 1]
+    run_dir = tmp_path / "next"
+    nondp = f"{TINY.replace('rounds=2', 'rounds=1')} data.num_clients=2"
+    next_id = fed.run({"config": "quickstart:dp", "overrides": nondp, "run-dir": str(run_dir)})
+    status = fed.wait(next_id, timeout=600)
+    assert status == "finished:completed", fed.logs(next_id)[-4000:]
+  assert took < 30, took
+  assert [r["clients_ok"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [[0, 1]]

@@ -1,6 +1,9 @@
 """A local Flower federation as real processes: SuperLink, SuperNodes, ``flwr run``.
 
-Used by the tests and by ``benchmarks/flower_runs.py``; each process runs in
+A test and benchmark harness, not part of the package: the tests import it as
+``flower_federation`` (``tests/`` is on their path), ``benchmarks/flower_runs.py``
+from this directory. It starts the installed ``fedlap_flower`` (whatever
+``import fedlap_flower`` finds: the source tree or a built wheel). Each process runs in
 its own session (process group), so stopping it also stops the ServerApp /
 ClientApp processes it spawned. :class:`Federation` is a context manager whose
 exit always stops everything it started (SIGTERM, then SIGKILL after a few
@@ -10,7 +13,9 @@ seconds).
   on a free localhost port; :meth:`Federation.start_supernode` starts a client
   node (:mod:`fedlap_flower.node`: ``flower-supernode --isolation process`` and
   its long-lived ClientApp process, ``--insecure --allow-unsigned-runs``) with a
-  node config (partition, state dir, max epsilon);
+  node config (partition, state dir, max epsilon); ``stock=True`` starts Flower's
+  own ``flower-supernode`` instead (subprocess isolation, a ClientApp process
+  per message);
   :meth:`Federation.kill_supernode` kills one (SIGKILL: a crash).
 * ``Federation(workdir, hardened=True)``: README.md's deployment on one
   machine. Test certificates (:func:`make_test_certificates`); the SuperLink with TLS
@@ -20,6 +25,8 @@ seconds).
   (``flwr supernode register``, on ``127.0.0.1``), connecting through the front
   with its key and trusting the operator's signing key
   (:meth:`Federation.operator_key`); :meth:`Federation.run` signs every run.
+  ``front=False``: the same without nginx, the nodes connecting to the
+  SuperLink on ``127.0.0.1`` (TLS, SuperNode authentication, signed runs).
 * ``Federation(workdir, simulation=True)``: ``flower-superlink --simulation``;
   ``flwr run`` then runs the app on ``num-supernodes`` virtual clients with the
   simulation engine (Ray).
@@ -48,12 +55,26 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
 
-from fedlap_flower.run_signature import _toml_value, write_toml
+import fedlap_flower
+from fedlap_flower.runtime.run_signature import _toml_value, write_toml
 
-APP_DIR = Path(__file__).resolve().parent / "app"
-FRONT_TEMPLATE = Path(__file__).resolve().parent / "deploy" / "superlink_front.nginx.conf"
+PACKAGE_DIR = Path(fedlap_flower.__file__).resolve().parent
+APP_DIR = PACKAGE_DIR / "app"
+FRONT_TEMPLATE = PACKAGE_DIR / "deploy" / "superlink_front.nginx.conf"
 # The server's public address in a hardened federation on one machine (see the docstring).
 PUBLIC_HOST = "127.0.0.2"
+
+
+def loopback_up(host: str = "127.0.0.1") -> bool:
+  """Whether this process can listen on ``host`` and connect to itself there."""
+  try:
+    with socket.socket() as s:
+      s.bind((host, 0))
+      s.listen(1)
+      with socket.create_connection(s.getsockname(), timeout=2):
+        return True
+  except OSError:
+    return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -169,6 +190,7 @@ class Federation:
     *,
     simulation: bool = False,
     hardened: bool = False,
+    front: bool = True,
     env: Mapping[str, str] | None = None,
     bin_dir: str | None = None,
   ):
@@ -178,6 +200,8 @@ class Federation:
     self.workdir.mkdir(parents=True, exist_ok=True)
     self.simulation = simulation
     self.hardened = hardened
+    self.use_front = hardened and front
+    self.last_run_config: Path | None = None
     self.certs: dict[str, Path] | None = None
     self.public_port: int | None = None
     self.front: subprocess.Popen | None = None
@@ -197,6 +221,7 @@ class Federation:
     self.superlink: subprocess.Popen | None = None
     self.supernodes: dict[int, subprocess.Popen] = {}
     self.node_configs: dict[int, dict] = {}
+    self.runtime_ports: dict[int, int] = {}
     self._logs: list = []
 
   # -- processes -----------------------------------------------------------------
@@ -253,14 +278,18 @@ class Federation:
     home = self.workdir / "flwr_home"
     home.mkdir(exist_ok=True)
     if self.hardened:
-      self._start_front(timeout)
       ca = json.dumps(str(self.certs["ca"]))
-      (home / "config.toml").write_text(
+      text = (
         '[superlink]\ndefault = "test"\n\n'
-        f'[superlink.test]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = {ca}\n\n'
-        f'[superlink.front]\naddress = "{PUBLIC_HOST}:{self.public_port}"\n'
-        f'root-certificates = {ca}\n'
+        f'[superlink.test]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = {ca}\n'
       )
+      if self.use_front:
+        self._start_front(timeout)
+        text += (
+          f'\n[superlink.front]\naddress = "{PUBLIC_HOST}:{self.public_port}"\n'
+          f'root-certificates = {ca}\n'
+        )
+      (home / "config.toml").write_text(text)
     else:
       (home / "config.toml").write_text(
         '[superlink]\ndefault = "test"\n\n'
@@ -314,23 +343,39 @@ class Federation:
     self._wait_until(up, self.front, "nginx", "front.log", timeout)
 
   def start_supernode(
-    self, index: int, node_config: Mapping[str, Any] | None = None, *, trusted: Path | None = None
+    self,
+    index: int,
+    node_config: Mapping[str, Any] | None = None,
+    *,
+    trusted: Path | None = None,
+    stock: bool = False,
+    extra: tuple[str, ...] = (),
   ) -> subprocess.Popen:
     """Starts client node ``index`` (its own Runtime API port) with ``node_config``.
 
     Hardened: its key is made and registered by the operator on first start, it
-    connects through the front, and trusts ``trusted`` (default: the operator's key).
+    connects through the front (or to the SuperLink, ``front=False``), and trusts
+    ``trusted`` (default: the operator's key). ``stock``: Flower's own
+    ``flower-supernode`` (subprocess isolation), not :mod:`fedlap_flower.node`.
+    ``extra``: more flags for the node.
     """
     if node_config is not None:
       self.node_configs[index] = dict(node_config)
+    if stock and self.hardened:
+      raise ValueError("stock=True runs unsigned runs only (Flower's own check refuses ours)")
+    command = (
+      [str(self.bin / "flower-supernode")]
+      if stock
+      else [sys.executable, "-m", "fedlap_flower.node"]
+    )
+    self.runtime_ports[index] = free_port()
     args = [
-      sys.executable,
-      "-m",
-      "fedlap_flower.node",
+      *command,
+      *extra,
       "--host",
       "127.0.0.1",
       "--port",
-      str(free_port()),
+      str(self.runtime_ports[index]),
       "--node-config",
       node_config_arg(self.node_configs[index]),
     ]
@@ -341,9 +386,12 @@ class Federation:
         res = self.register(Path(f"{key}.pub"))
         if '"success": true' not in res.stdout:
           raise RuntimeError(f"registering node {index} failed: {res.stdout} {res.stderr}")
+      superlink = (
+        f"{PUBLIC_HOST}:{self.public_port}" if self.use_front else f"127.0.0.1:{self.port}"
+      )
       args += [
         "--superlink",
-        f"{PUBLIC_HOST}:{self.public_port}",
+        superlink,
         "--root-certificates",
         str(self.certs["ca"]),
         "--auth-supernode-private-key",
@@ -352,7 +400,8 @@ class Federation:
         str(trusted or self.trusted_entities()),
       ]
     else:
-      args += ["--insecure", "--superlink", f"127.0.0.1:{self.port}", "--allow-unsigned-runs"]
+      args += ["--insecure", "--superlink", f"127.0.0.1:{self.port}"]
+      args += [] if stock else ["--allow-unsigned-runs"]
     self.supernodes[index] = self._spawn(args, f"supernode-{index}.log")
     return self.supernodes[index]
 
@@ -436,17 +485,25 @@ class Federation:
   ) -> int:
     """Submits the app with ``run_config``; returns the run id.
 
-    Hardened, the run is signed (:mod:`fedlap_flower.run_signature`) with
+    Hardened, the run is signed (:mod:`fedlap_flower.runtime.run_signature`) with
     ``signing_key`` (default: the operator's).
     """
     path = write_toml(self.workdir / f"run_config_{time.time_ns()}.toml", run_config)
     if self.hardened:
-      from fedlap_flower import run_signature  # pylint: disable=g-import-not-at-top
+      from fedlap_flower.runtime import run_signature  # pylint: disable=g-import-not-at-top
 
       write_toml(
         path,
         run_signature.signed_overrides(signing_key or self.operator_key(), app_dir, [str(path)]),
       )
+    self.last_run_config = path
+    return self.submit(path, num_supernodes=num_supernodes, app_dir=app_dir)
+
+  def submit(
+    self, path: Path, *, num_supernodes: int | None = None, app_dir: Path = APP_DIR
+  ) -> int:
+    """``flwr run APP test --run-config PATH`` as it is (a signed TOML submitted again);
+    returns the run id."""
     args = ["run", str(app_dir), "test", "--run-config", str(path), "--format", "json"]
     if self.simulation:
       args += ["--federation-config", f"num-supernodes={num_supernodes or 2}"]
