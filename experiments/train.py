@@ -999,14 +999,10 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   def charge_ledger(m, idx):
     """Composes round ``m``'s noisy accesses into the ledger and writes privacy_ledger.json
     (atomically); the round's epsilon, ``None`` without DP."""
-    if isinstance(ledger, accounting.ClientLedgers):
-      epsilon = ledger.record_round(idx.tolist(), mechanism.steps_per_round)
-    else:
-      epsilon = ledger.record_round(mechanism.steps_per_round) if ledger is not None else None
-    if ledger is not None:
-      checkpointing.write_json_atomic(
-        workdir / "privacy_ledger.json", ledger.to_dict(), fault_round=m
-      )
+    if ledger is None:
+      return None
+    epsilon = ledger.record_round(mechanism.steps_per_round, participants=idx.tolist())
+    checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(), fault_round=m)
     return epsilon
 
   def interrupted(m, idx, why):

@@ -94,7 +94,7 @@ import numpy as np
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
+from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
   ConfigError,
   dsa_strategy,
@@ -110,6 +110,7 @@ from fedlap_jax.config import (
   CLIENT_BACKENDS,
   DP_BASELINE_METHODS,
   WEIGHTINGS,
+  DpAccesses,
   DPConfig,
   check_poisson_capacity,
 )
@@ -392,6 +393,14 @@ class BaselineConfig:
           getattr(loc, f),
           f"dp.{f} ({getattr(self.dp, f)!r}), the value the accountant reports",
         )
+
+  def dp_accesses(self) -> DpAccesses | None:
+    """DP-FedAvg / DP-FedProx's noisy accesses: ``T = local.scheduled_steps()`` local steps
+    (the largest client's count, every client charged with it) on Poisson batches of
+    expected size ``B`` per round; ``None`` for the non-DP methods."""
+    if self.method not in DP_METHODS or self.dp is None:
+      return None
+    return DpAccesses(self.dp, self.local.batch_size, self.local.scheduled_steps())
 
 
 # --------------------------------------------------------------------------
@@ -910,11 +919,7 @@ def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
   """DP-FedAvg / DP-FedProx's mechanism: ``T = local.scheduled_steps()`` noisy local steps
   (the largest client's count, every client charged with it) on Poisson batches of
   expected size ``B`` per round; ``None`` for the non-DP methods."""
-  if config.method not in DP_METHODS:
-    return None
-  return _mechanism(
-    config.dp, batch_size=config.local.batch_size, steps_per_round=config.local.scheduled_steps()
-  )
+  return accounting.DpMechanism.from_config(config)
 
 
 def algorithm(

@@ -87,7 +87,7 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
+from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
   ConfigError,
   is_real,
@@ -103,6 +103,7 @@ from fedlap_jax.config import (
   DP_ONE_SHOT_METHODS,
   ONE_SHOT_METHODS,
   SYNTHETIC_INITS,
+  DpAccesses,
   DPConfig,
   ServerConfig,
   check_synthetic_learner,
@@ -230,6 +231,13 @@ class CondensationConfig:
     """``T = networks * outer_loop * batch_loop`` real batches (the accountant's steps)."""
     return self.networks * self.outer_loop * self.batch_loop
 
+  def dp_accesses(self) -> DpAccesses | None:
+    """PSG's noisy accesses: ``T = networks * outer_loop * batch_loop`` class-agnostic
+    Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
+    if self.dp is None:
+      return None
+    return DpAccesses(self.dp, self.batch_size, self.real_accesses_per_round)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OneShotConfig:
@@ -307,6 +315,10 @@ class OneShotConfig:
   @property
   def dp(self) -> DPConfig | None:
     return self.condensation.dp
+
+  def dp_accesses(self) -> DpAccesses | None:
+    """The condensation's noisy accesses (:meth:`CondensationConfig.dp_accesses`)."""
+    return self.condensation.dp_accesses()
 
 
 # --------------------------------------------------------------------------
@@ -713,9 +725,7 @@ _round_jit = jax.jit(
 def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
   """PSG's mechanism: ``T = networks * outer_loop * batch_loop`` noisy class-agnostic
   Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
-  return _mechanism(
-    config.dp, batch_size=config.batch_size, steps_per_round=config.real_accesses_per_round
-  )
+  return accounting.DpMechanism.from_config(config)
 
 
 def algorithm(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from fedlap_jax.checks import (
   ConfigError,
@@ -159,6 +160,25 @@ class DPConfig:
     if self.microbatch_size is not None:
       positive_int("dp.microbatch_size", self.microbatch_size)
     one_of("dp.per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
+
+
+class DpAccesses(NamedTuple):
+  """What a DP method's library config tells the accountant about one round of a client.
+
+  Every library config of a method has ``dp_accesses() -> DpAccesses | None``;
+  :meth:`fedlap_jax.accounting.DpMechanism.from_config` turns it into the
+  method's mechanism (the one place ``B`` and ``T`` become one).
+
+  Attributes:
+    dp: the noise (``sigma``) and ``delta``.
+    batch_size: ``B``, the expected Poisson batch size (``q_k = B / N_k``).
+    steps_per_round: ``T``, the worst-case noisy accesses to a client's
+      records per round.
+  """
+
+  dp: DPConfig
+  batch_size: int
+  steps_per_round: int
 
 
 def check_synthetic_learner(cfg) -> None:
@@ -321,6 +341,13 @@ class ClientConfig:
   def real_accesses_per_round(self) -> int:
     """Worst-case real batches per round, ``T = R_i * max_outer * batch_loop``."""
     return self.iterations * self.max_outer * self.batch_loop
+
+  def dp_accesses(self) -> DpAccesses | None:
+    """FedLAP-DP's noisy accesses: ``T = R_i * max_outer * batch_loop`` real batches of
+    expected size ``B`` per round (Algorithm 3); ``None`` without DP."""
+    if self.dp is None:
+      return None
+    return DpAccesses(self.dp, self.batch_size, self.real_accesses_per_round)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -485,6 +512,10 @@ class FedLAPConfig:
   @property
   def dp(self) -> DPConfig | None:
     return self.client.dp
+
+  def dp_accesses(self) -> DpAccesses | None:
+    """The client's noisy accesses (:meth:`ClientConfig.dp_accesses`)."""
+    return self.client.dp_accesses()
 
 
 def paper_nondp_config(**overrides) -> FedLAPConfig:

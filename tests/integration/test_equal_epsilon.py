@@ -47,6 +47,7 @@ def test_calibration_hits_the_target_on_the_ledgers_terms_and_is_monotone(method
     min_client_size=274,
     steps_per_round=steps,
     delta=1e-5,
+    adjacency=budget.epsilon_for,
   )
   ledger.record_round()
   ledger.record_round()

@@ -64,6 +64,7 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
     min_client_size=min(sizes),
     steps_per_round=t_fedlap,
     delta=fl.dp.delta,
+    adjacency="add_remove",  # the paper's figure
   )
   for key in ("dp_fedavg", "dp_fedprox"):
     c = suite[key]
@@ -75,6 +76,7 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
       min_client_size=min(sizes),
       steps_per_round=t,
       delta=c.dp.delta,
+      adjacency="add_remove",  # the paper's figure
     )
     assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
     assert t != t_fedlap  # the match comes from sigma, not from equal step counts
@@ -88,6 +90,7 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
     min_client_size=min(sizes),
     steps_per_round=t,
     delta=c.dp.delta,
+    adjacency="add_remove",  # the paper's figure
   )
   assert c.rounds == 1 and t == 500
   assert eps <= eps_fedlap and eps == pytest.approx(eps_fedlap, rel=2e-3)
