@@ -104,7 +104,14 @@ from fedlap_jax.checks import (
   one_of,
   require,
 )
-from fedlap_jax.client_data import ClientData, check_batch_size, check_records
+from fedlap_jax.client_data import (
+  ClientData,
+  check_batch_size,
+  check_labels,
+  check_records,
+  num_classes_of,
+  poison_unless,
+)
 from fedlap_jax.config import (
   BASELINE_METHODS,
   CLIENT_BACKENDS,
@@ -542,12 +549,25 @@ def client_update(
   Returns:
     ``(y_k, ClientMetrics)``.
 
+  Labels: every valid record's label must lie in ``[0, K)``, ``K`` the
+  model's logits: refused on concrete arrays; inside ``jit`` or ``vmap`` the
+  client's model and float metrics are NaN instead
+  (:func:`~fedlap_jax.client_data.check_labels`).
+
   Raises:
-    ConfigError: ``data`` that :func:`~fedlap_jax.client_data.check_records` refuses, or a
-      ``local.batch_size`` larger than its record slots.
+    ConfigError: ``data`` that :func:`~fedlap_jax.client_data.check_records` refuses, a
+      ``local.batch_size`` larger than its record slots, or concrete labels outside
+      ``[0, K)``.
   """
-  check_records("data", data)
+  shape = check_records("data", data)
   check_batch_size("local.batch_size", local.batch_size, data)
+  floating = data.pixel_scale is None
+  ok = check_labels(
+    num_classes_of(
+      apply_fn, global_params, shape[1:], jnp.result_type(data.x) if floating else jnp.float32
+    ),
+    ("data.y", data.y, data.mask),
+  )
   if (correction is not None) != local.control_variates:
     raise ValueError(
       f"correction given={correction is not None} is invalid with "
@@ -632,7 +652,7 @@ def client_update(
     mean_batch_size=sampled / jnp.maximum(taken, 1),
     clip_fraction=clipped / jnp.maximum(sampled, 1),
   )
-  return w, metrics
+  return poison_unless(ok, (w, metrics))
 
 
 def client_step(

@@ -97,7 +97,15 @@ from fedlap_jax.checks import (
   positive_int,
   require,
 )
-from fedlap_jax.client_data import ClientData, SyntheticSet, check_batch_size, check_pair
+from fedlap_jax.client_data import (
+  ClientData,
+  SyntheticSet,
+  check_batch_size,
+  check_labels,
+  check_pair,
+  num_classes_of,
+  poison_unless,
+)
 from fedlap_jax.config import (
   CLIENT_BACKENDS,
   DP_ONE_SHOT_METHODS,
@@ -381,13 +389,28 @@ def condense(
     ``(synthetic, metrics)``: the condensed set (labels and mask unchanged)
     and :class:`CondensationMetrics`.
 
+  Labels of both sets must lie in ``[0, K)``, ``K`` the network's logits:
+  refused on concrete arrays, NaN outputs inside ``jit`` or ``vmap``
+  (:func:`~fedlap_jax.client_data.check_labels`).
+
   Raises:
     ConfigError: sets that :func:`~fedlap_jax.client_data.check_pair` refuses; for PSG's
-      whole-set batches (``classwise`` off), a ``batch_size`` larger than the record slots.
+      whole-set batches (``classwise`` off), a ``batch_size`` larger than the record slots;
+      concrete labels outside ``[0, K)``.
   """
   check_pair(synthetic, client_data)
   if not config.classwise:
     check_batch_size("batch_size", config.batch_size, client_data)
+  ok = check_labels(
+    num_classes_of(
+      apply_fn,
+      jax.eval_shape(init_fn, key),
+      jnp.shape(synthetic.x)[1:],
+      jnp.result_type(synthetic.x),
+    ),
+    ("client_data.y", client_data.y, client_data.mask),
+    ("synthetic.y", synthetic.y, synthetic.mask),
+  )
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
@@ -530,7 +553,7 @@ def condense(
     mean_batch_size=sampled / jnp.maximum(accesses, 1),
     clip_fraction=n_clipped / jnp.maximum(sampled, 1),
   )
-  return synthetic._replace(x=x_syn), metrics
+  return poison_unless(ok, (synthetic._replace(x=x_syn), metrics))
 
 
 # --------------------------------------------------------------------------
