@@ -25,10 +25,12 @@ per-layer per-example gradients, for models built from Flax layers),
 (``jax_privacy.clipping.clipped_grad``, imported only when used) and
 ``"auto"`` (default: :func:`fedlap_jax.per_example.auto_plan`, decided at
 trace time: ``vmap`` for models whose convolutions are matrix products, such
-as the ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for
-anything else; for matmul-convolution models on the CPU backend also
+as the ConvNet on CPU, ``layerwise`` for other flax.linen models, ``vmap`` for
+anything else, Flax NNX, Equinox and plain-JAX models included; for matmul-convolution models on the CPU backend also
 microbatches of 16 (`per_example.CPU_MICROBATCH`) when none is given, which skip the all-padding tail of a
-Poisson buffer). Every method gives the same result up to float rounding;
+Poisson buffer). A model with BatchNorm (or other state outside its parameters) is refused
+under every method (:func:`fedlap_jax.per_example.check_dp_model`). Every
+method gives the same result up to float rounding;
 docs/benchmarks.md compares their speed. The loss is
 :func:`fedlap_jax.losses.cross_entropy` (also importable from here).
 
@@ -271,17 +273,26 @@ def clipped_gradient_sum(
   Args:
     method: how per-example gradients are computed (same result): ``auto``,
       ``layerwise``, ``vmap`` or ``jax_privacy`` (see the module docstring).
-      ``layerwise`` raises :class:`fedlap_jax.per_example.Unsupported` for
-      models outside its scope, where ``auto`` uses ``vmap``.
+      ``layerwise`` raises :class:`fedlap_jax.per_example.Unsupported` (a
+      ``ConfigError``) for models outside its scope (it serves flax.linen
+      models built from Flax layers), where ``auto`` uses ``vmap``.
 
   Returns:
     ``(clipped_sum, norms)``: a pytree like ``params`` and the ``(N,)``
     pre-clipping per-example gradient norms.
+
+  Raises:
+    fedlap_jax.per_example.NotDpSafe: for every ``method``, a model that
+      mixes examples or holds state outside its parameters (BatchNorm in
+      flax.linen, NNX or Equinox; :func:`fedlap_jax.per_example.check_dp_model`
+      says what is detected), whose per-example gradients would not bound one
+      record's influence.
   """
   if method not in PER_EXAMPLE_METHODS:
     raise ConfigError("method", method, f"{PER_EXAMPLE_METHODS}")
   if _given(l2_clip_norm):
     checks.positive_float("l2_clip_norm", l2_clip_norm)
+  _per_example.check_dp_model(apply_fn, params, x)  # every method, auto included
   if method == "auto":
     method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:
