@@ -92,10 +92,31 @@ class PoissonBatch(NamedTuple):
   chosen: jax.Array
 
 
+def include(key: jax.Array, shape: tuple[int, ...], rate: jax.Array | float) -> jax.Array:
+  """Independent inclusions with a probability never above ``rate`` (``shape`` bools).
+
+  Each entry compares 32 random bits with the integer threshold
+  ``floor(r' 2^32)``, ``r'`` the float32 ``rate`` stepped one unit in the last
+  place toward zero: the probability ``floor(r' 2^32) / 2^32`` is then below
+  the exact rate the float32 was rounded from (``B / N_k`` in float64, as the
+  accountant uses it), however it was rounded to nearest. A rate of 1 or more
+  includes every entry, 0 or less none. ``uniform(float32) < rate`` instead
+  includes with probability ``ceil(rate 2^23) / 2^23``, up to ``2^-23`` above
+  the rate; the two agree on the same bits except in the one bucket of width
+  ``2^-23`` at the threshold.
+  """
+  r = jnp.asarray(rate, jnp.float32)
+  below = jnp.nextafter(r, jnp.float32(0.0))
+  threshold = jnp.floor(jnp.clip(below, 0.0, 1.0) * jnp.float32(2.0**32))
+  threshold = jnp.minimum(threshold, jnp.float32(2.0**32 - 256)).astype(jnp.uint32)
+  bits = jax.random.bits(key, shape, jnp.uint32)
+  return jnp.where(r >= 1.0, True, jnp.logical_and(r > 0.0, bits < threshold))
+
+
 def poisson_sample(
   key: jax.Array, valid: jax.Array, rate: jax.Array | float, capacity: int
 ) -> PoissonBatch:
-  """Samples each valid record independently with probability ``rate``.
+  """Samples each valid record independently with probability at most ``rate`` (:func:`include`).
 
   Args:
     key: PRNG key.
@@ -112,7 +133,7 @@ def poisson_sample(
   if _given(rate):
     q_ok = checks.is_real(rate) and 0 <= float(rate) <= 1
     checks.require(q_ok, "rate", rate, "a probability in [0, 1]")
-  chosen = jnp.logical_and(jax.random.uniform(key, valid.shape) < rate, valid)
+  chosen = jnp.logical_and(include(key, valid.shape, rate), valid)
   size = jnp.sum(chosen, dtype=jnp.int32)
   extra = jnp.maximum((size + capacity - 1) // capacity - 1, 0).astype(jnp.int32)
   batch = PoissonBatch(
