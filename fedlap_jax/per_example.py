@@ -453,12 +453,38 @@ def _reachable(root: Any, depth: int = 4) -> list[Any]:
   return out
 
 
+def _is_batch_stat(nnx, v) -> bool:
+  """An NNX BatchStat variable (or, in Flax < 0.11, a VariableState of that type)."""
+  kind = getattr(v, "type", None)
+  return isinstance(v, nnx.BatchStat) or (
+    isinstance(kind, type) and issubclass(kind, nnx.BatchStat)
+  )
+
+
+def _graphdef_batchnorms(nnx, node, depth: int = 0) -> int:
+  """BatchNorm nodes of an NNX GraphDef (a flat ``nodes`` list, or NodeDefs nested in
+  ``subgraphs`` in Flax < 0.11; the class sits in ``type`` or ``metadata``)."""
+  if depth > 64:
+    return 0
+  meta = getattr(node, "metadata", None)
+  kinds = [getattr(node, "type", None), meta, meta[0] if isinstance(meta, tuple) and meta else None]
+  count = int(any(isinstance(k, type) and issubclass(k, nnx.BatchNorm) for k in kinds))
+  for child in list(getattr(node, "nodes", ()) or ()) + list(
+    (getattr(node, "subgraphs", None) or {}).values()
+  ):
+    if child is not node:
+      count += _graphdef_batchnorms(nnx, child, depth + 1)
+  return count
+
+
 def _nnx_state(obj: Any) -> list[str]:
   """NNX BatchNorm modules and BatchStat variables in ``obj`` (a module, a state, a graphdef)."""
   nnx = sys.modules.get("flax.nnx")
   if nnx is None:
     return []
   found = []
+  legacy = vars(nnx).get("VariableState")  # Flax < 0.11 (later: a deprecated alias, not looked up)
+  variable_types = (nnx.Variable, *((legacy,) if isinstance(legacy, type) else ()))
   if isinstance(obj, nnx.Module):
     stats = jax.tree.leaves(nnx.state(obj, nnx.BatchStat))
     norms = [type(m).__name__ for _, m in nnx.iter_graph(obj) if isinstance(m, nnx.BatchNorm)]
@@ -468,20 +494,15 @@ def _nnx_state(obj: Any) -> list[str]:
         f"{len(stats)} BatchStat variable(s)"
       )
   elif isinstance(obj, nnx.State):
-    leaves = jax.tree.leaves(obj, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    stats = [v for v in leaves if isinstance(v, nnx.BatchStat)]
+    leaves = jax.tree.leaves(obj, is_leaf=lambda v: isinstance(v, variable_types))
+    stats = [v for v in leaves if _is_batch_stat(nnx, v)]
     if stats:
       found.append(f"an NNX State holds {len(stats)} BatchStat variable(s) (BatchNorm statistics)")
-  elif isinstance(obj, nnx.GraphDef):
-    nodes = getattr(obj, "nodes", ())
-    norms = [
-      n
-      for n in nodes
-      if isinstance(getattr(n, "metadata", None), type) and issubclass(n.metadata, nnx.BatchNorm)
-    ]
-    if norms:
-      found.append(f"an NNX GraphDef holds {len(norms)} nnx.BatchNorm layer(s)")
-  elif isinstance(obj, nnx.Variable) and isinstance(obj, nnx.BatchStat):
+  elif isinstance(obj, nnx.GraphDef) or type(obj).__module__.startswith("flax.nnx.graph"):
+    count = _graphdef_batchnorms(nnx, obj)
+    if count:
+      found.append(f"an NNX GraphDef holds {count} nnx.BatchNorm layer(s)")
+  elif isinstance(obj, variable_types) and _is_batch_stat(nnx, obj):
     found.append("an NNX BatchStat variable (BatchNorm statistics)")
   return found
 

@@ -340,7 +340,8 @@ def test_clipped_gradient_sum(tiny_apply_fn, tiny_params, batch, clipped_sum_fn)
 
 def test_clipping_bound_and_padding(tiny_params, batch, clipped_sum_fn):
   x, y, is_padding = batch
-  # One-example batches: the clipped gradient of every example has norm <= C.
+  # One-example batches: the clipped gradient of every example has norm <= C, up to float32
+  # rounding of the norm (a few ulps: 6.400001 for C = 6.4 with jax 0.10.0's XLA).
   one = jax.vmap(
     lambda xi, yi: clipped_sum_fn(
       tiny_params, xi[None], yi[None], jnp.zeros((1,), bool), l2_clip_norm=CLIP
@@ -348,7 +349,7 @@ def test_clipping_bound_and_padding(tiny_params, batch, clipped_sum_fn):
   )
   clipped, norms = one(x, y)
   clipped_norms = global_norms(clipped)
-  assert float(jnp.max(clipped_norms)) <= CLIP + 1e-6
+  assert float(jnp.max(clipped_norms)) <= CLIP * (1 + 1e-6)
   big = norms[:, 0] > CLIP
   chex.assert_trees_all_close(clipped_norms[big], jnp.full((int(big.sum()),), CLIP), rtol=1e-4)
   # Padding examples contribute exactly zero, whatever their content.
