@@ -23,6 +23,7 @@ import sys
 
 CHILD = """
 import json, resource, sys, time
+import dp_accounting.pld.privacy_loss_distribution  # imported before the clocks start
 from fedlap_jax import accounting
 q, sigma, steps = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6

@@ -1002,7 +1002,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     if ledger is None:
       return None
     epsilon = ledger.record_round(mechanism.steps_per_round, participants=idx.tolist())
-    checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict(), fault_round=m)
+    checkpointing.write_json_atomic(
+      workdir / "privacy_ledger.json", ledger.to_dict(), fault_round=m
+    )
     return epsilon
 
   def interrupted(m, idx, why):

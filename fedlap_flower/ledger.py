@@ -66,12 +66,7 @@ LEDGER_FILE = "privacy_ledger.json"
 JOURNAL_FILE = "privacy_journal.jsonl"
 # Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round;
 # the headline's neighbouring relation is recomputed from the recorded steps).
-FIXED_PRIVACY_FIELDS = (
-  "noise_multiplier",
-  "batch_size",
-  "min_client_size",
-  "delta",
-)
+FIXED_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size", "delta")
 # Bits of operating-system entropy in every DP round key.
 ROUND_KEY_BITS = 128
 
