@@ -317,6 +317,7 @@ def build_run(cfg) -> RunSetup:
     pixel_scale=dataset.pixel_scale,
     pixel_offset=dataset.pixel_offset,
     on_host=samples_clients(cfg),
+    num_classes=dataset.num_classes,  # labels outside [0, K) are refused here, on the host
   )
   if resolve_client_backend(cfg.client_backend) == "shard" and not samples_clients(cfg):
     clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
