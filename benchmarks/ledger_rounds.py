@@ -56,7 +56,9 @@ class BeforeLedgers:
 
     self.ledgers = [{"n": n, "steps": (), "acc": rdp.RdpAccountant(), "eps": 0.0} for n in sizes]
 
-  def record_round(self, ids) -> float:
+  def record_round(self, steps=None, *, participants) -> float:
+    del steps  # always STEPS
+    ids = participants
     from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
 
     done, new = {}, list(self.ledgers)
@@ -97,7 +99,7 @@ def time_rounds(ledgers, draws) -> tuple[list[float], float]:
   seconds, eps = [], 0.0
   for ids in draws:
     t0 = time.perf_counter()
-    eps = ledgers.record_round(ids)
+    eps = ledgers.record_round(participants=ids)
     seconds.append(time.perf_counter() - t0)
   return seconds, eps
 

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fedlap_jax import accounting, baselines, condensation, feddm, federated
+from fedlap_jax import accounting, baselines, condensation, feddm
 from fedlap_jax import config as core
 from fedlap_jax import participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
@@ -304,18 +304,11 @@ def library_config(cfg, *, max_client_size: int | None = None):
 def mechanism_of(config) -> accounting.DpMechanism | None:
   """The privacy mechanism a library config declares; ``None`` without DP.
 
-  The method's own ``dp_mechanism`` (FedLAP-DP: :func:`fedlap_jax.federated.dp_mechanism`;
-  PSG: :func:`fedlap_jax.condensation.dp_mechanism`; DP-FedAvg / DP-FedProx:
-  :func:`fedlap_jax.baselines.dp_mechanism`), the value the built algorithm carries as
-  ``mechanism``. FedDM has no DP variant.
+  :meth:`fedlap_jax.accounting.DpMechanism.from_config` (FedLAP-DP, PSG, DP-FedAvg,
+  DP-FedProx; FedDM has no DP variant), the value the built algorithm carries as
+  ``mechanism``.
   """
-  if isinstance(config, core.FedLAPConfig):
-    return federated.dp_mechanism(config.client)
-  if isinstance(config, condensation.OneShotConfig):
-    return condensation.dp_mechanism(config.condensation)
-  if isinstance(config, baselines.BaselineConfig):
-    return baselines.dp_mechanism(config)
-  return None
+  return accounting.DpMechanism.from_config(config)
 
 
 def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | None:

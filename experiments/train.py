@@ -349,6 +349,7 @@ def build_run(cfg) -> RunSetup:
     pixel_scale=dataset.pixel_scale,
     pixel_offset=dataset.pixel_offset,
     on_host=samples_clients(cfg),
+    num_classes=dataset.num_classes,  # labels outside [0, K) are refused here, on the host
   )
   if resolve_client_backend(cfg.client_backend) == "shard" and not samples_clients(cfg):
     clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
@@ -1201,9 +1202,9 @@ def new_ledger(mechanism: accounting.DpMechanism, client_sizes, clients_per_roun
 def charge_round(ledger, mechanism: accounting.DpMechanism, participants) -> float:
   """Composes one round of ``mechanism`` (its ``T`` noisy steps) into ``ledger`` for the round's
   ``participants`` (client indices); returns the headline epsilon after it."""
-  if isinstance(ledger, accounting.ClientLedgers):
-    return ledger.record_round(np.asarray(participants).tolist(), mechanism.steps_per_round)
-  return ledger.record_round(mechanism.steps_per_round)
+  return ledger.record_round(
+    mechanism.steps_per_round, participants=np.asarray(participants).tolist()
+  )
 
 
 def _one_line(e: BaseException) -> str:

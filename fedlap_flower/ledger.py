@@ -76,13 +76,7 @@ LEDGER_FILE = "privacy_ledger.json"
 JOURNAL_FILE = "privacy_journal.jsonl"
 # Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round;
 # the headline's neighbouring relation is recomputed from the recorded steps).
-FIXED_PRIVACY_FIELDS = (
-  "noise_multiplier",
-  "batch_size",
-  "min_client_size",
-  "delta",
-  "participation",
-)
+FIXED_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size", "delta")
 # Bits of operating-system entropy in every DP round key.
 ROUND_KEY_BITS = 128
 # Permission bits of every file in a state directory (its owner only) and of its directories.
@@ -108,10 +102,13 @@ class LedgerError(ValueError):
 class BudgetExceeded(RuntimeError):
   """A round would take the client's epsilon past its maximum."""
 
-  def __init__(self, epsilon: float, epsilon_after: float, max_epsilon: float):
+  def __init__(
+    self, epsilon: float, epsilon_after: float, max_epsilon: float, *, at_least: bool = False
+  ):
     self.epsilon, self.epsilon_after, self.max_epsilon = epsilon, epsilon_after, max_epsilon
+    to = "to at least" if at_least else "to"
     super().__init__(
-      f"refused: this round would raise epsilon from {epsilon:.4f} to {epsilon_after:.4f}, "
+      f"refused: this round would raise epsilon from {epsilon:.4f} {to} {epsilon_after:.4f}, "
       f"above the client's max-epsilon={max_epsilon:g}"
     )
 
@@ -336,11 +333,19 @@ class ClientState:
     """Checks the budget, records one round and writes the ledger and the journal (before any
     computation).
 
+    A round that a cheap lower bound of the epsilon after it already puts above
+    ``max_epsilon`` is refused without computing that epsilon
+    (:meth:`~fedlap_jax.accounting.PrivacyLedger.epsilon_lower_bound_after`), so a far
+    exceeded budget costs a fraction of one accounting.
+
     Raises:
       BudgetExceeded: the epsilon after the round would exceed ``max_epsilon``
         (nothing is recorded).
     """
-    after = self.epsilon_after(ledger, steps)
+    at_least = ledger.epsilon_lower_bound_after(steps)
+    if at_least > max_epsilon:
+      raise BudgetExceeded(ledger.epsilon, at_least, max_epsilon, at_least=True)
+    after = ledger.epsilon_after(steps)
     if after > max_epsilon:
       raise BudgetExceeded(ledger.epsilon, after, max_epsilon)
     eps = ledger.record_round(steps)

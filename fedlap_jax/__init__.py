@@ -17,6 +17,11 @@ Main entry points:
   client computes and sends, a :class:`ClientUpdate`; what the server does
   with them), shared by every front end; :func:`round_learning_rates`.
 * :func:`fedlap_round`, :func:`make_round_fn`, :func:`init_state` -- a round.
+* :meth:`FedLAPConfig.with_dp`, :meth:`ClientConfig.with_dp` -- DP on in one call;
+  :func:`paper_dp_config` -- the paper's DP setting.
+* :func:`stack_clients`, :func:`pad_client`, :func:`client_synthetic` -- client
+  data padded to a fixed capacity (one compilation for every client) and a
+  client's first synthetic set.
 * :func:`matching_distance` -- ``L_dis``.
 * :mod:`fedlap_jax.synthetic` -- synthetic-set layout and first images
   (:func:`synthetic_labels`, :func:`noise_images`, :func:`real_images`), shared
@@ -35,7 +40,15 @@ from fedlap_jax import accounting, algorithm, condensation, dsa, feddm, syntheti
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import ClientUpdate, LocalApproxMetrics, client_step, local_approx
-from fedlap_jax.client_data import ClientData, SyntheticSet, pixel_normalisation, stack_clients
+from fedlap_jax.client_data import (
+  ClientData,
+  SyntheticSet,
+  check_labels,
+  num_classes_of,
+  pad_client,
+  pixel_normalisation,
+  stack_clients,
+)
 from fedlap_jax.config import (
   ClientConfig,
   DPConfig,
@@ -68,6 +81,7 @@ from fedlap_jax.server import ServerMetrics, global_update, server_step
 from fedlap_jax.synthetic import (
   class_batch,
   class_blocks,
+  client_synthetic,
   initial_synthetic,
   noise_images,
   real_images,
@@ -129,6 +143,10 @@ __all__ = [
   "real_images",
   "server_radius",
   "stack_clients",
+  "pad_client",
+  "num_classes_of",
+  "check_labels",
+  "client_synthetic",
   "synthetic",
   "synthetic_labels",
   "tree_distance",

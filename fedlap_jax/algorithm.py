@@ -53,22 +53,3 @@ class FederatedAlgorithm(NamedTuple):
   def dp_steps_per_round(self) -> int | None:
     """``T`` of :attr:`mechanism` (``None`` without DP)."""
     return None if self.mechanism is None else self.mechanism.steps_per_round
-
-
-def dp_mechanism(
-  dp: DPConfig | None, *, batch_size: int, steps_per_round: int
-) -> DpMechanism | None:
-  """The mechanism of a method that runs ``steps_per_round`` noisy steps per round.
-
-  Each DP method declares its ``T`` through this one constructor (its
-  ``dp_mechanism`` function, which its ``algorithm`` also uses); the noise
-  and ``delta`` come from ``dp``. ``None`` when ``dp`` is ``None``.
-  """
-  if dp is None:
-    return None
-  return DpMechanism(
-    noise_multiplier=dp.noise_multiplier,
-    batch_size=batch_size,
-    steps_per_round=steps_per_round,
-    delta=dp.delta,
-  )

@@ -94,7 +94,7 @@ import numpy as np
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
+from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
   ConfigError,
   dsa_strategy,
@@ -104,12 +104,20 @@ from fedlap_jax.checks import (
   one_of,
   require,
 )
-from fedlap_jax.client_data import ClientData, check_batch_size, check_records
+from fedlap_jax.client_data import (
+  ClientData,
+  check_batch_size,
+  check_labels,
+  check_records,
+  num_classes_of,
+  poison_unless,
+)
 from fedlap_jax.config import (
   BASELINE_METHODS,
   CLIENT_BACKENDS,
   DP_BASELINE_METHODS,
   WEIGHTINGS,
+  DpAccesses,
   DPConfig,
   check_poisson_capacity,
 )
@@ -393,6 +401,14 @@ class BaselineConfig:
           f"dp.{f} ({getattr(self.dp, f)!r}), the value the accountant reports",
         )
 
+  def dp_accesses(self) -> DpAccesses | None:
+    """DP-FedAvg / DP-FedProx's noisy accesses: ``T = local.scheduled_steps()`` local steps
+    (the largest client's count, every client charged with it) on Poisson batches of
+    expected size ``B`` per round; ``None`` for the non-DP methods."""
+    if self.method not in DP_METHODS or self.dp is None:
+      return None
+    return DpAccesses(self.dp, self.local.batch_size, self.local.scheduled_steps())
+
 
 # --------------------------------------------------------------------------
 # State and metrics.
@@ -533,12 +549,25 @@ def client_update(
   Returns:
     ``(y_k, ClientMetrics)``.
 
+  Labels: every valid record's label must lie in ``[0, K)``, ``K`` the
+  model's logits: refused on concrete arrays; inside ``jit`` or ``vmap`` the
+  client's model and float metrics are NaN instead
+  (:func:`~fedlap_jax.client_data.check_labels`).
+
   Raises:
-    ConfigError: ``data`` that :func:`~fedlap_jax.client_data.check_records` refuses, or a
-      ``local.batch_size`` larger than its record slots.
+    ConfigError: ``data`` that :func:`~fedlap_jax.client_data.check_records` refuses, a
+      ``local.batch_size`` larger than its record slots, or concrete labels outside
+      ``[0, K)``.
   """
-  check_records("data", data)
+  shape = check_records("data", data)
   check_batch_size("local.batch_size", local.batch_size, data)
+  floating = data.pixel_scale is None
+  ok = check_labels(
+    num_classes_of(
+      apply_fn, global_params, shape[1:], jnp.result_type(data.x) if floating else jnp.float32
+    ),
+    ("data.y", data.y, data.mask),
+  )
   if (correction is not None) != local.control_variates:
     raise ValueError(
       f"correction given={correction is not None} is invalid with "
@@ -623,7 +652,7 @@ def client_update(
     mean_batch_size=sampled / jnp.maximum(taken, 1),
     clip_fraction=clipped / jnp.maximum(sampled, 1),
   )
-  return w, metrics
+  return poison_unless(ok, (w, metrics))
 
 
 def client_step(
@@ -910,11 +939,7 @@ def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
   """DP-FedAvg / DP-FedProx's mechanism: ``T = local.scheduled_steps()`` noisy local steps
   (the largest client's count, every client charged with it) on Poisson batches of
   expected size ``B`` per round; ``None`` for the non-DP methods."""
-  if config.method not in DP_METHODS:
-    return None
-  return _mechanism(
-    config.dp, batch_size=config.local.batch_size, steps_per_round=config.local.scheduled_steps()
-  )
+  return accounting.DpMechanism.from_config(config)
 
 
 def algorithm(

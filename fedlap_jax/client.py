@@ -57,7 +57,15 @@ import jax.numpy as jnp
 import optax
 
 from fedlap_jax import dsa, privacy
-from fedlap_jax.client_data import ClientData, SyntheticSet, check_batch_size, check_pair
+from fedlap_jax.client_data import (
+  ClientData,
+  SyntheticSet,
+  check_batch_size,
+  check_labels,
+  check_pair,
+  num_classes_of,
+  poison_unless,
+)
 from fedlap_jax.config import ClientConfig, FedLAPConfig
 from fedlap_jax.matching import matching_step
 from fedlap_jax.radius import calibrate_radius
@@ -680,12 +688,25 @@ def local_approx(
     ``config.calibrate_radius``, else ``config.radius``) and
     :class:`LocalApproxMetrics`.
 
+  Labels: every valid record's label, of the client's data and of the
+  synthetic set, must lie in ``[0, K)``, ``K`` the model's output logits
+  (:func:`~fedlap_jax.client_data.check_labels`). Called on concrete arrays,
+  an out-of-range label is refused before anything runs; inside ``jit`` or
+  ``vmap`` the values are unknown when it is traced, and every float output
+  (images, radius, metrics) of that client is NaN instead
+  (:func:`~fedlap_jax.client_data.poison_unless`).
+
   Raises:
     ConfigError: inputs :func:`check_inputs` refuses (shapes, dtypes, a batch larger than
-      the client's record slots).
+      the client's record slots), or concrete labels outside ``[0, K)``.
   """
   c = config
   check_inputs(synthetic, client_data, c)
+  ok = check_labels(
+    num_classes_of(apply_fn, params, jnp.shape(synthetic.x)[1:], jnp.result_type(synthetic.x)),
+    ("client_data.y", client_data.y, client_data.mask),
+    ("synthetic.y", synthetic.y, synthetic.mask),
+  )
   optimizer = default_image_optimizer(c) if image_optimizer is None else image_optimizer
   if c.dsa_family_draw == "per_client":
     family_key = None
@@ -752,7 +773,7 @@ def local_approx(
     clip_fraction=stats.clipped / jnp.maximum(stats.sampled, 1),
     model_delta=(None if deltas is None else jax.tree.map(lambda d: jnp.mean(d, axis=0), deltas)),
   )
-  return synthetic, r_k, metrics
+  return poison_unless(ok, (synthetic, r_k, metrics))
 
 
 class ClientUpdate(NamedTuple):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax.checks import ConfigError
+from fedlap_jax.checks import ConfigError, is_int, require
 
 
 class ClientData(NamedTuple):
@@ -125,6 +125,91 @@ def check_label_dtype(field: str, y: jax.Array) -> None:
     raise ConfigError(f"{field}.dtype", str(jnp.result_type(y)), "an integer dtype (class labels)")
 
 
+def num_classes_of(
+  apply_fn: Callable, params: Any, image_shape: Sequence[int], dtype=jnp.float32
+) -> int:
+  """``K``, the model's number of output logits, from its output shape (no FLOPs).
+
+  ``jax.eval_shape`` of ``apply_fn(params, x)`` on one input of ``image_shape``
+  ``(H, W, C)`` and float ``dtype``; works on traced ``params`` too (under
+  ``jit`` it costs one abstract trace of the model).
+
+  Raises:
+    ConfigError: ``apply_fn`` does not return ``(1, K)`` logits.
+  """
+  out = jax.eval_shape(apply_fn, params, jax.ShapeDtypeStruct((1, *image_shape), dtype))
+  shape = getattr(out, "shape", None)
+  if shape is None or len(shape) != 2 or shape[0] != 1 or shape[1] < 1:
+    raise ConfigError(
+      "apply_fn",
+      getattr(out, "shape", type(out).__name__),
+      "a model whose apply_fn(params, x) returns logits (N, K) for x (N, H, W, C)",
+    )
+  return int(shape[1])
+
+
+def _is_traced(*arrays) -> bool:
+  return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def check_labels(num_classes: int, *labelled: tuple[str, Any, Any]) -> Any:
+  """Labels of every valid record in ``[0, num_classes)``: refused where the values are known,
+  a flag where they are traced.
+
+  ``labelled`` are ``(field, y, mask)`` triples (``y`` and ``mask`` of any
+  matching shape; records whose ``mask`` is False are not checked). Outside
+  ``jit`` and ``vmap`` the values are concrete and an out-of-range label is
+  refused here. Inside a traced program nothing can be raised on a value, so
+  the returned flag (a traced bool scalar, False when some label is out of
+  range) is what the caller folds into its outputs with :func:`poison_unless`;
+  ``True`` when every set was concrete (and checked).
+
+  Raises:
+    ConfigError: naming the field (e.g. ``"client_data.y"``), the labels out
+      of range and the allowed range, for concrete labels.
+  """
+  ok: Any = True
+  for field, y, mask in labelled:
+    if not _is_traced(y, mask):
+      y_np, m_np = np.asarray(y), np.asarray(mask, bool)
+      bad = np.unique(y_np[m_np & ((y_np < 0) | (y_np >= num_classes))])
+      if bad.size:
+        raise ConfigError(
+          field,
+          bad[:5].tolist(),
+          f"class indices in [0, {num_classes}) for every valid record (the model has "
+          f"{num_classes} output logits)",
+          message=f"{field} holds labels {bad[:5].tolist()}{'...' if bad.size > 5 else ''} "
+          f"outside [0, {num_classes}); allowed: class indices in [0, {num_classes}) for every "
+          f"valid record (the model has {num_classes} output logits)",
+        )
+    else:
+      inside = (y >= 0) & (y < num_classes)
+      ok = ok & jnp.all(inside | ~mask.astype(bool))
+  return ok
+
+
+def poison_unless(ok: jax.Array, tree: Any) -> Any:
+  """``tree`` with every floating leaf NaN unless ``ok`` (a bool scalar, may be traced).
+
+  How a traced program makes bad input impossible to miss: an out-of-range
+  label (:func:`check_labels`) turns every float output (images, parameters,
+  radii, losses) into NaN, which no later step can turn finite again (not a
+  loss alone: DP's clipped sums drop non-finite per-example gradients). With
+  ``ok`` True the leaves are returned bit for bit.
+  """
+
+  if ok is True:  # checked on concrete values: nothing to fold in
+    return tree
+
+  def poison(a):
+    if a is None or not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+      return a
+    return jnp.where(ok, a, jnp.asarray(jnp.nan, jnp.result_type(a)))
+
+  return jax.tree.map(poison, tree)
+
+
 def check_records(name: str, data: ClientData | SyntheticSet) -> tuple[int, ...]:
   """Refuses records whose static shapes or dtypes a method cannot use; returns ``x``'s shape.
 
@@ -205,8 +290,10 @@ def stack_clients(
   pixel_scale=None,
   pixel_offset=None,
   on_host: bool = False,
+  num_classes: int | None = None,
+  capacity: int | None = None,
 ) -> ClientData:
-  """Pads per-client arrays to the largest client and stacks them.
+  """Pads per-client arrays to the largest client (or ``capacity``) and stacks them.
 
   Images keep their dtype: pass uint8 pixels with ``pixel_scale`` and
   ``pixel_offset`` (e.g. from :func:`fedlap_jax.client_data.pixel_normalisation`)
@@ -220,6 +307,13 @@ def stack_clients(
     on_host: leaves are host NumPy arrays instead of device arrays (client
       sampling moves only each round's block to the device,
       :func:`fedlap_jax.participation.device_block`).
+    num_classes: ``K``, the model's classes: every label must lie in
+      ``[0, K)`` (e.g. ``num_classes_of(apply_fn, params, image_shape)``).
+      ``None`` checks labels ``>= 0`` only; the library's steps then refuse
+      or poison an out-of-range label themselves (:func:`check_labels`).
+    capacity: record slots per client, at least the largest client's ``N_k``;
+      ``None``: the largest client's. Data of a fixed capacity keeps one
+      shape across calls, so a jitted step compiles once for all of them.
 
   Returns:
     :class:`ClientData` with leaves ``(K, N_max, ...)``, a validity mask and,
@@ -230,7 +324,11 @@ def stack_clients(
       labels that are not class indices (fractional or negative values, not ``(N,)``),
       integer images without a normalisation, or a normalisation whose length
       is not the channel count.
+    ConfigError: (a ``ValueError``) labels ``>= num_classes``, or a ``capacity``
+      below the largest client.
   """
+  if num_classes is not None:
+    require(is_int(num_classes) and num_classes >= 1, "num_classes", num_classes, "an integer >= 1")
   if len(xs) != len(ys) or not xs:
     raise ValueError(
       f"stack_clients needs the same number (>= 1) of image and label arrays,"
@@ -252,6 +350,8 @@ def stack_clients(
         f"client {k}: labels of dtype {labels.dtype}, shape {labels.shape}, values {shown}; "
         "allowed: (N,) class indices >= 0 (integers, or floats with whole values)"
       )
+    if num_classes is not None:
+      check_labels(num_classes, (f"ys[{k}]", labels, np.ones(labels.shape, bool)))
   xs = [np.asarray(x) for x in xs]
   if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
     raise ValueError(
@@ -277,6 +377,14 @@ def stack_clients(
         )
       norm[name] = np.broadcast_to(v, (len(xs), channels))
   n_max = max(len(x) for x in xs)
+  if capacity is not None:
+    require(
+      is_int(capacity) and capacity >= n_max,
+      "capacity",
+      capacity,
+      f"an integer >= {n_max}, the largest client's records",
+    )
+    n_max = int(capacity)
 
   def pad(a):
     return np.concatenate([a, np.zeros((n_max - len(a), *a.shape[1:]), a.dtype)])
@@ -286,3 +394,42 @@ def stack_clients(
   mask = np.stack([np.arange(n_max) < len(x) for x in xs])
   put: Callable[[np.ndarray], Any] = np.ascontiguousarray if on_host else jnp.asarray
   return ClientData(put(x), put(y), put(mask), **{k: put(v) for k, v in norm.items()})
+
+
+def pad_client(
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  capacity: int,
+  pixel_scale=None,
+  pixel_offset=None,
+  num_classes: int | None = None,
+) -> ClientData:
+  """One client's records padded to ``capacity`` slots (no client axis).
+
+  A loop over clients that calls a jitted step (``client_step``,
+  ``local_approx``, a baseline's ``client_step``) once per client compiles it
+  once per distinct shape: clients of 300, 320 and 375 records compile three
+  programs. Padded to one ``capacity`` (e.g. the largest client's ``N_k``)
+  they share one; the mask keeps the padding out of every batch and ``N_k``.
+
+  Args:
+    x: ``(N_k, H, W, C)`` images; y: ``(N_k,)`` labels.
+    capacity: record slots, ``>= N_k``.
+    pixel_scale, pixel_offset, num_classes: as :func:`stack_clients`.
+
+  Returns:
+    :class:`ClientData` with leaves ``(capacity, ...)`` (``(C,)`` scale and offset).
+
+  Raises:
+    ValueError: as :func:`stack_clients`.
+  """
+  stacked = stack_clients(
+    [x],
+    [y],
+    pixel_scale=pixel_scale,
+    pixel_offset=pixel_offset,
+    num_classes=num_classes,
+    capacity=capacity,
+  )
+  return jax.tree.map(lambda a: a[0], stacked)

@@ -87,7 +87,7 @@ import optax
 
 from fedlap_jax import dsa, privacy
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
+from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
   ConfigError,
   is_real,
@@ -97,12 +97,21 @@ from fedlap_jax.checks import (
   positive_int,
   require,
 )
-from fedlap_jax.client_data import ClientData, SyntheticSet, check_batch_size, check_pair
+from fedlap_jax.client_data import (
+  ClientData,
+  SyntheticSet,
+  check_batch_size,
+  check_labels,
+  check_pair,
+  num_classes_of,
+  poison_unless,
+)
 from fedlap_jax.config import (
   CLIENT_BACKENDS,
   DP_ONE_SHOT_METHODS,
   ONE_SHOT_METHODS,
   SYNTHETIC_INITS,
+  DpAccesses,
   DPConfig,
   ServerConfig,
   check_synthetic_learner,
@@ -230,6 +239,13 @@ class CondensationConfig:
     """``T = networks * outer_loop * batch_loop`` real batches (the accountant's steps)."""
     return self.networks * self.outer_loop * self.batch_loop
 
+  def dp_accesses(self) -> DpAccesses | None:
+    """PSG's noisy accesses: ``T = networks * outer_loop * batch_loop`` class-agnostic
+    Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
+    if self.dp is None:
+      return None
+    return DpAccesses(self.dp, self.batch_size, self.real_accesses_per_round)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OneShotConfig:
@@ -308,6 +324,10 @@ class OneShotConfig:
   def dp(self) -> DPConfig | None:
     return self.condensation.dp
 
+  def dp_accesses(self) -> DpAccesses | None:
+    """The condensation's noisy accesses (:meth:`CondensationConfig.dp_accesses`)."""
+    return self.condensation.dp_accesses()
+
 
 # --------------------------------------------------------------------------
 # One client: the condensation.
@@ -369,13 +389,28 @@ def condense(
     ``(synthetic, metrics)``: the condensed set (labels and mask unchanged)
     and :class:`CondensationMetrics`.
 
+  Labels of both sets must lie in ``[0, K)``, ``K`` the network's logits:
+  refused on concrete arrays, NaN outputs inside ``jit`` or ``vmap``
+  (:func:`~fedlap_jax.client_data.check_labels`).
+
   Raises:
     ConfigError: sets that :func:`~fedlap_jax.client_data.check_pair` refuses; for PSG's
-      whole-set batches (``classwise`` off), a ``batch_size`` larger than the record slots.
+      whole-set batches (``classwise`` off), a ``batch_size`` larger than the record slots;
+      concrete labels outside ``[0, K)``.
   """
   check_pair(synthetic, client_data)
   if not config.classwise:
     check_batch_size("batch_size", config.batch_size, client_data)
+  ok = check_labels(
+    num_classes_of(
+      apply_fn,
+      jax.eval_shape(init_fn, key),
+      jnp.shape(synthetic.x)[1:],
+      jnp.result_type(synthetic.x),
+    ),
+    ("client_data.y", client_data.y, client_data.mask),
+    ("synthetic.y", synthetic.y, synthetic.mask),
+  )
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
@@ -518,7 +553,7 @@ def condense(
     mean_batch_size=sampled / jnp.maximum(accesses, 1),
     clip_fraction=n_clipped / jnp.maximum(sampled, 1),
   )
-  return synthetic._replace(x=x_syn), metrics
+  return poison_unless(ok, (synthetic._replace(x=x_syn), metrics))
 
 
 # --------------------------------------------------------------------------
@@ -713,9 +748,7 @@ _round_jit = jax.jit(
 def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
   """PSG's mechanism: ``T = networks * outer_loop * batch_loop`` noisy class-agnostic
   Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
-  return _mechanism(
-    config.dp, batch_size=config.batch_size, steps_per_round=config.real_accesses_per_round
-  )
+  return accounting.DpMechanism.from_config(config)
 
 
 def algorithm(

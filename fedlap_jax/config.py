@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from fedlap_jax.checks import (
   ConfigError,
@@ -133,7 +134,17 @@ class DPConfig:
     microbatch_size: optional, bounds the memory of per-example gradients.
     per_example_method: how per-example gradients are computed, all exact:
       ``"auto"`` (default), ``"layerwise"``, ``"vmap"`` or ``"jax_privacy"``
-      (see :func:`fedlap_jax.privacy.clipped_gradient_sum`).
+      (see :func:`fedlap_jax.privacy.clipped_gradient_sum`). ``"layerwise"``
+      serves flax.linen models built from Flax layers only; Flax NNX,
+      Equinox and plain-JAX models get ``"vmap"`` (which ``"auto"`` picks for
+      them; ``"layerwise"`` refuses them). Under every method a model with
+      BatchNorm or other state outside its parameters is refused
+      (:func:`fedlap_jax.per_example.check_dp_model`).
+
+  Accounting (:mod:`fedlap_jax.accounting`) refuses a ``noise_multiplier``
+  below :data:`~fedlap_jax.accounting.MIN_NOISE_MULTIPLIER` (0.3) and a
+  ``delta`` of at least ``1 / N_k``; a config may still hold them (tests of
+  the mechanism use a negligible noise), but no ledger or epsilon is built.
   """
 
   noise_multiplier: float
@@ -159,6 +170,25 @@ class DPConfig:
     if self.microbatch_size is not None:
       positive_int("dp.microbatch_size", self.microbatch_size)
     one_of("dp.per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
+
+
+class DpAccesses(NamedTuple):
+  """What a DP method's library config tells the accountant about one round of a client.
+
+  Every library config of a method has ``dp_accesses() -> DpAccesses | None``;
+  :meth:`fedlap_jax.accounting.DpMechanism.from_config` turns it into the
+  method's mechanism (the one place ``B`` and ``T`` become one).
+
+  Attributes:
+    dp: the noise (``sigma``) and ``delta``.
+    batch_size: ``B``, the expected Poisson batch size (``q_k = B / N_k``).
+    steps_per_round: ``T``, the worst-case noisy accesses to a client's
+      records per round.
+  """
+
+  dp: DPConfig
+  batch_size: int
+  steps_per_round: int
 
 
 def check_synthetic_learner(cfg) -> None:
@@ -188,16 +218,32 @@ class ClientConfig:
 
   Attributes:
     ipc: synthetic images per class the client owns.
-    iterations: ``R_i``.
-    max_outer: bound of the radius-limited while loop (5).
-    batch_loop: real batches per while-loop iteration.
-    boost_loop: ``R_b``.
-    inner_loop: ``R_l`` (epochs of the local model on the synthetic set).
-    batch_size: expected Poisson batch size ``B`` of real data; q = B / N_k.
+    iterations: ``R_i``, how many trajectories a round runs: each starts
+      again from the global model ``w_g`` (the images carry over), so the
+      images are matched along ``R_i`` fresh training paths.
+    max_outer: the bound (5) of the while loop of one trajectory: it runs
+      while the local model stays within ``radius`` of ``w_g``, at most
+      ``max_outer`` iterations.
+    batch_loop: real batches per while-loop iteration: each gives one real
+      gradient (noisy under DP), the target the images are matched against;
+      with ``R_i`` and ``max_outer`` it fixes ``T = R_i * max_outer *
+      batch_loop``, the noisy accesses per round the accountant charges.
+    boost_loop: ``R_b``, image updates per real gradient: the synthetic
+      images take ``R_b`` steps of the matching loss against the same target.
+    inner_loop: ``R_l``, epochs of SGD of the local model on the synthetic
+      set after each while-loop iteration (how far the model moves along the
+      trajectory; 0 keeps it at ``w_g``).
+    batch_size: ``B``, expected Poisson batch size of real data: each record
+      is drawn with probability ``q = B / N_k``.
     model_batch_size: batch size of model steps on synthetic data (512).
-    image_lr: ``tau``; image_momentum: momentum of the image optimiser.
-    mse_weight: ``lambda``.
-    radius: ``r``, the trust-region radius (L2 over all parameters).
+    image_lr: ``tau``, the learning rate of the SGD on the synthetic images
+      (100 in the paper); image_momentum: that optimiser's momentum (0.5).
+    mse_weight: ``lambda``, the weight of the squared-error term beside the
+      cosine distance in the matching loss (0.1 without DP; 0 under DP).
+    radius: ``r``, the trust-region radius (L2 over all parameters): a
+      trajectory stops once the local model leaves the ball of radius ``r``
+      around ``w_g``, and (without calibration) the ``r_k`` the client
+      reports, which bounds the server's descent.
     calibrate_radius: if True (non-DP only), measure ``r_k`` on real data.
     calibration_epochs: epochs of the radius calibration (100).
     calibration_eval_size: if set, the real loss during calibration is
@@ -242,7 +288,8 @@ class ClientConfig:
       client then also has a model delta to send (``server.start``). With
       ``batch_loop=1``, ``real_dsa_strategy=''`` and a ``radius`` the
       trajectory does not reach, the path is DP-FedAvg's local DP-SGD.
-    dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP.
+    dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP
+      (:meth:`with_dp` turns it on with the settings DP requires).
   """
 
   ipc: int = 50
@@ -321,6 +368,19 @@ class ClientConfig:
   def real_accesses_per_round(self) -> int:
     """Worst-case real batches per round, ``T = R_i * max_outer * batch_loop``."""
     return self.iterations * self.max_outer * self.batch_loop
+
+  def with_dp(self, dp: DPConfig) -> ClientConfig:
+    """This client config under DP ``dp``: ``dp`` set and ``calibrate_radius=False`` (a
+    radius measured on real data is not private; the constant ``radius`` is used)."""
+    require(isinstance(dp, DPConfig), "dp", dp, "a DPConfig")
+    return dataclasses.replace(self, dp=dp, calibrate_radius=False)
+
+  def dp_accesses(self) -> DpAccesses | None:
+    """FedLAP-DP's noisy accesses: ``T = R_i * max_outer * batch_loop`` real batches of
+    expected size ``B`` per round (Algorithm 3); ``None`` without DP."""
+    if self.dp is None:
+      return None
+    return DpAccesses(self.dp, self.batch_size, self.real_accesses_per_round)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -415,9 +475,11 @@ class FedLAPConfig:
   Attributes:
     client: :class:`ClientConfig`.
     server: :class:`ServerConfig`.
-    rounds: ``M``; also the length of the cosine learning-rate schedule.
-    learning_rate: ``eta_0`` of the cosine schedule (model steps on clients
-      and server).
+    rounds: ``M``, communication rounds; also the length of the cosine
+      learning-rate schedule.
+    learning_rate: ``eta_0``, the first round's learning rate of the model
+      steps (clients' local SGD and, unless ``server.learning_rate`` is set,
+      the server's); round ``m`` uses the cosine schedule's ``eta_m``.
     synthetic_init: ``real`` (non-DP: real images, re-drawn every round) or
       ``noise`` (N(0, 1) once, carried across rounds; required under DP).
     lr_schedule: ``cosine`` (the reference; the last round's rate is ~0) or
@@ -485,6 +547,37 @@ class FedLAPConfig:
   @property
   def dp(self) -> DPConfig | None:
     return self.client.dp
+
+  def dp_accesses(self) -> DpAccesses | None:
+    """The client's noisy accesses (:meth:`ClientConfig.dp_accesses`)."""
+    return self.client.dp_accesses()
+
+  def with_dp(self, dp: DPConfig) -> FedLAPConfig:
+    """This run under DP ``dp`` (FedLAP-DP), in one call: every coupled setting DP requires.
+
+    Changes exactly: ``client`` to :meth:`ClientConfig.with_dp` (``dp``, no
+    radius calibration), ``synthetic_init='noise'`` (real-image starts would
+    publish records), ``server.radius_strategy='constant'`` unless it is
+    already ``'constant'`` or ``'fixed'`` (the others use radii measured on
+    real data) and ``server.weighting='uniform'`` (the ``1/K`` average the
+    analysis covers). Everything else (loops, ``B``, learning rates, rounds)
+    stays as it is; :func:`paper_dp_config` is the paper's whole DP setting.
+
+    Example::
+
+      config = FedLAPConfig(rounds=10).with_dp(
+          DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5))
+    """
+    require(isinstance(dp, DPConfig), "dp", dp, "a DPConfig")
+    strategy = self.server.radius_strategy
+    server = dataclasses.replace(
+      self.server,
+      radius_strategy=strategy if strategy in ("constant", "fixed") else "constant",
+      weighting="uniform",
+    )
+    return dataclasses.replace(
+      self, client=self.client.with_dp(dp), server=server, synthetic_init="noise"
+    )
 
 
 def paper_nondp_config(**overrides) -> FedLAPConfig:

@@ -143,6 +143,10 @@ class FedDMConfig:
   def capacity(self) -> int:
     return self.poisson_capacity or poisson_capacity(self.batch_size)
 
+  def dp_accesses(self) -> None:
+    """FedDM has no DP variant: no noisy accesses to account for."""
+    return None
+
 
 class FedDMClientMetrics(NamedTuple):
   """Diagnostics of :func:`distribution_match` (scalars, ``(K,)`` over clients).

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm, dp_mechanism as _mechanism
+from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import LocalApproxMetrics, client_step, shared_family_key
 from fedlap_jax.client_data import ClientData, SyntheticSet
@@ -267,12 +267,11 @@ def make_round_fn(
 _round_jit = jax.jit(fedlap_round, static_argnames=("apply_fn", "config", "client_backend", "mesh"))
 
 
-def dp_mechanism(client: ClientConfig) -> accounting.DpMechanism | None:
+def dp_mechanism(client: ClientConfig | FedLAPConfig) -> accounting.DpMechanism | None:
   """FedLAP-DP's mechanism: ``T = R_i * max_outer * batch_loop`` noisy real batches of
-  expected size ``B`` per round (Algorithm 3); ``None`` without DP."""
-  return _mechanism(
-    client.dp, batch_size=client.batch_size, steps_per_round=client.real_accesses_per_round
-  )
+  expected size ``B`` per round (Algorithm 3); ``None`` without DP
+  (:meth:`~fedlap_jax.accounting.DpMechanism.from_config`)."""
+  return accounting.DpMechanism.from_config(client)
 
 
 def algorithm(

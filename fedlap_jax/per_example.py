@@ -41,9 +41,14 @@ path applies when, traced on the given shapes,
 * no layer mixes examples (no BatchNorm), the same assumption per-example DP
   makes anyway.
 
-Otherwise :func:`discover` raises :class:`Unsupported` and
+Otherwise :func:`discover` raises :class:`Unsupported` (a ``ConfigError``
+saying which models the path serves, :data:`LAYERWISE_SCOPE`) and
 :func:`fedlap_jax.privacy.clipped_gradient_sum` with ``method="auto"`` falls
-back to the generic path (:func:`auto_plan`). Non-finite per-example
+back to the generic path (:func:`auto_plan`): Flax NNX, Equinox and plain-JAX
+models always get ``vmap``. A model that mixes examples or holds state outside
+its parameters (BatchNorm statistics, linen or NNX or Equinox) is refused
+under DP for every method, ``auto`` included (:class:`NotDpSafe`,
+:func:`check_dp_model`, which also says what it cannot detect). Non-finite per-example
 gradients: the example is dropped (clip factor 0); ``jax_privacy`` instead
 zeroes the non-finite entries. Both keep the sensitivity bound ``C``.
 
@@ -58,7 +63,10 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
+import types
 from typing import Any, Callable, cast
 
 import flax.linen as nn
@@ -77,8 +85,60 @@ LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 RULES = ("dense", "conv", "generic")
 
 
-class Unsupported(Exception):
-  """The model cannot use the layer-wise path (the caller falls back)."""
+# What the layer-wise path serves, in the words of its refusal.
+LAYERWISE_SCOPE = (
+  "per_example_method='layerwise' serves flax.linen models whose parametrised layers are "
+  "Flax modules, each called on one batched array, with every parameter used only by the "
+  "layer that owns it; every other model (Flax NNX, Equinox, plain JAX, a linen model that "
+  "transforms its parameters) gets per_example_method='vmap', which 'auto' picks for it"
+)
+
+
+class Unsupported(ConfigError):
+  """The layer-wise path cannot serve the model (``auto`` falls back to ``vmap``).
+
+  A :class:`~fedlap_jax.checks.ConfigError` on ``dp.per_example_method``
+  whose message says why and which models the layer-wise path serves
+  (:data:`LAYERWISE_SCOPE`).
+  """
+
+  def __init__(self, reason: str):
+    self.reason = reason
+    super().__init__(
+      "dp.per_example_method",
+      "layerwise",
+      LAYERWISE_SCOPE,
+      message=f"dp.per_example_method='layerwise' cannot serve this model: {reason}. "
+      f"Allowed: {LAYERWISE_SCOPE}",
+    )
+
+  def __reduce__(self):
+    return type(self), (self.reason,)
+
+
+class NotDpSafe(ConfigError):
+  """A model refused under DP for every per-example method: its computation mixes examples or
+  carries state outside the parameters (BatchNorm statistics), so per-example clipping does
+  not bound one record's influence (:func:`check_dp_model`)."""
+
+  def __init__(self, findings: list[str]):
+    self.findings = list(findings)
+    allowed = (
+      "a model whose output for one example depends on that example and the parameters only "
+      "(per-example normalisation such as GroupNorm / LayerNorm / instance norm; no BatchNorm, "
+      "no batch statistics or other state outside the parameters)"
+    )
+    super().__init__(
+      "apply_fn",
+      self.findings,
+      allowed,
+      message="apply_fn is refused under DP for every dp.per_example_method: "
+      + "; ".join(self.findings)
+      + f". Allowed: {allowed}",
+    )
+
+  def __reduce__(self):
+    return type(self), (self.findings,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +193,15 @@ def _own_params(module: nn.Module):
     return None
   other = [c for c in module.variables if c != "params"]
   if other:
-    raise Unsupported(
-      f"module {module.path} has non-parameter variables {other} "
-      "(e.g. BatchNorm statistics), which mix examples"
-    )
+    raise NotDpSafe([_linen_state(module, other)])
   return own
+
+
+def _linen_state(module: nn.Module, collections: list) -> str:
+  return (
+    f"flax.linen module {type(module).__name__} at {'/'.join(map(str, module.path)) or '/'} "
+    f"holds variables outside 'params' ({sorted(collections)}, e.g. BatchNorm statistics)"
+  )
 
 
 def _conv_rule_applies(module: nn.Module, x: jax.Array, params: dict) -> bool:
@@ -291,7 +355,7 @@ def discover(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[LayerCall
 
   try:
     closed = jax.make_jaxpr(fn)(params, leaves, x)
-  except Unsupported:
+  except (Unsupported, NotDpSafe):
     raise
   except Exception as e:  # the model does not run under interception
     raise Unsupported(f"apply_fn failed under layer interception: {e!r}") from e
@@ -301,6 +365,219 @@ def discover(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[LayerCall
   if not calls:
     raise Unsupported("no parametrised Flax layer was called")
   return calls
+
+
+# ---------------------------------------------------------------------------
+# Models refused under DP: state outside the parameters, examples mixed.
+# ---------------------------------------------------------------------------
+
+
+class _LinenState:
+  """Interceptor that records linen modules holding non-parameter variables or BatchNorm."""
+
+  def __init__(self):
+    self.found: list[str] = []
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name != "setup" and module.scope is not None:
+      try:  # the collections this module holds itself (not its children's)
+        other = [
+          c
+          for c, d in module.variables.items()
+          if c != "params" and any(not isinstance(v, dict) for v in d.values())
+        ]
+      except Exception:  # pragma: no cover - unusual scopes
+        other = []
+      text = None
+      if other:
+        text = _linen_state(module, other)
+      elif isinstance(module, nn.BatchNorm):
+        text = f"flax.linen BatchNorm at {'/'.join(map(str, module.path))} (statistics of a batch)"
+      if text is not None and text not in self.found:
+        self.found.append(text)
+    return next_fun(*args, **kwargs)
+
+
+# Objects of these packages are not looked into (arrays, tracers, JAX's and NumPy's internals,
+# linen modules: the abstract trace finds what those hold).
+_OPAQUE = ("jax", "jaxlib", "numpy", "flax", "equinox", "builtins", "optax", "chex")
+
+
+def _reachable(root: Any, depth: int = 4) -> list[Any]:
+  """Objects ``root`` holds: itself, what a function closes over (cells, defaults, the globals
+  it names), a partial's or bound method's parts, the items of containers, the attributes of
+  other objects; up to ``depth`` references away."""
+  seen: set[int] = set()
+  out: list[Any] = []
+
+  def visit(obj, d):
+    if id(obj) in seen or d < 0 or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+      return
+    seen.add(id(obj))
+    out.append(obj)
+    if isinstance(obj, functools.partial):
+      for o in (obj.func, *obj.args, *obj.keywords.values()):
+        visit(o, d - 1)
+    elif isinstance(obj, types.MethodType):
+      visit(obj.__self__, d - 1)
+      visit(obj.__func__, d - 1)
+    elif isinstance(obj, types.FunctionType):
+      for cell in obj.__closure__ or ():
+        try:
+          visit(cell.cell_contents, d - 1)
+        except ValueError:  # an empty cell
+          pass
+      for o in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+        visit(o, d - 1)
+      names = set(obj.__code__.co_names)
+      for const in obj.__code__.co_consts:  # nested lambdas and functions
+        if isinstance(const, types.CodeType):
+          names |= set(const.co_names)
+      for name in names:
+        if name in obj.__globals__ and not isinstance(obj.__globals__[name], types.ModuleType):
+          visit(obj.__globals__[name], d - 1)
+    elif isinstance(obj, (list, tuple)):
+      for o in obj[:64]:
+        visit(o, d - 1)
+    elif isinstance(obj, dict):
+      for o in list(obj.values())[:64]:
+        visit(o, d - 1)
+    elif not isinstance(obj, type) and type(obj).__module__.split(".")[0] not in _OPAQUE:
+      attrs = getattr(obj, "__dict__", None)  # e.g. a trainer object holding the model
+      if isinstance(attrs, dict):
+        for o in list(attrs.values())[:64]:
+          visit(o, d - 1)
+
+  visit(root, depth)
+  return out
+
+
+def _is_batch_stat(nnx, v) -> bool:
+  """An NNX BatchStat variable (or, in Flax < 0.11, a VariableState of that type)."""
+  kind = getattr(v, "type", None)
+  return isinstance(v, nnx.BatchStat) or (
+    isinstance(kind, type) and issubclass(kind, nnx.BatchStat)
+  )
+
+
+def _graphdef_batchnorms(nnx, node, depth: int = 0) -> int:
+  """BatchNorm nodes of an NNX GraphDef (a flat ``nodes`` list, or NodeDefs nested in
+  ``subgraphs`` in Flax < 0.11; the class sits in ``type`` or ``metadata``)."""
+  if depth > 64:
+    return 0
+  meta = getattr(node, "metadata", None)
+  kinds = [getattr(node, "type", None), meta, meta[0] if isinstance(meta, tuple) and meta else None]
+  count = int(any(isinstance(k, type) and issubclass(k, nnx.BatchNorm) for k in kinds))
+  for child in list(getattr(node, "nodes", ()) or ()) + list(
+    (getattr(node, "subgraphs", None) or {}).values()
+  ):
+    if child is not node:
+      count += _graphdef_batchnorms(nnx, child, depth + 1)
+  return count
+
+
+def _nnx_state(obj: Any) -> list[str]:
+  """NNX BatchNorm modules and BatchStat variables in ``obj`` (a module, a state, a graphdef)."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return []
+  found = []
+  legacy = vars(nnx).get("VariableState")  # Flax < 0.11 (later: a deprecated alias, not looked up)
+  variable_types = (nnx.Variable, *((legacy,) if isinstance(legacy, type) else ()))
+  if isinstance(obj, nnx.Module):
+    stats = jax.tree.leaves(nnx.state(obj, nnx.BatchStat))
+    norms = [type(m).__name__ for _, m in nnx.iter_graph(obj) if isinstance(m, nnx.BatchNorm)]
+    if stats or norms:
+      found.append(
+        f"NNX module {type(obj).__name__} holds {len(norms)} nnx.BatchNorm layer(s) and "
+        f"{len(stats)} BatchStat variable(s)"
+      )
+  elif isinstance(obj, nnx.State):
+    leaves = jax.tree.leaves(obj, is_leaf=lambda v: isinstance(v, variable_types))
+    stats = [v for v in leaves if _is_batch_stat(nnx, v)]
+    if stats:
+      found.append(f"an NNX State holds {len(stats)} BatchStat variable(s) (BatchNorm statistics)")
+  elif isinstance(obj, nnx.GraphDef) or type(obj).__module__.startswith("flax.nnx.graph"):
+    count = _graphdef_batchnorms(nnx, obj)
+    if count:
+      found.append(f"an NNX GraphDef holds {count} nnx.BatchNorm layer(s)")
+  elif isinstance(obj, variable_types) and _is_batch_stat(nnx, obj):
+    found.append("an NNX BatchStat variable (BatchNorm statistics)")
+  return found
+
+
+def _equinox_state(obj: Any) -> list[str]:
+  """Equinox BatchNorm layers and ``eqx.nn.State`` in ``obj``."""
+  eqx = sys.modules.get("equinox")
+  if eqx is None:
+    return []
+  if isinstance(obj, eqx.nn.State):
+    return ["an Equinox eqx.nn.State (state outside the parameters, e.g. BatchNorm statistics)"]
+  if isinstance(obj, eqx.Module):
+    norms = [
+      n
+      for n in jax.tree.leaves(obj, is_leaf=lambda n: isinstance(n, eqx.nn.BatchNorm))
+      if isinstance(n, eqx.nn.BatchNorm)
+    ]
+    if norms:
+      return [f"an Equinox {type(obj).__name__} holds {len(norms)} eqx.nn.BatchNorm layer(s)"]
+  return []
+
+
+def model_state_findings(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> list[str]:
+  """What makes ``apply_fn(params, x)`` mix examples or carry state outside ``params``.
+
+  Found (each as a sentence):
+
+  * ``flax.linen`` modules called by ``apply_fn`` that hold variables outside
+    ``params`` (``batch_stats`` of ``nn.BatchNorm``, any other collection) or
+    are ``nn.BatchNorm``, however the variables reach them (one abstract
+    trace under :func:`flax.linen.intercept_methods`);
+  * Flax NNX ``nnx.BatchNorm`` layers and ``BatchStat`` variables, in
+    ``params`` or in what ``apply_fn`` holds: its closure, defaults, the
+    globals it names, a ``functools.partial``'s arguments, a bound method's
+    object, the attributes of objects among them (an ``nnx.Module``, an
+    ``nnx.State``, an ``nnx.GraphDef``);
+  * Equinox ``eqx.nn.BatchNorm`` layers and ``eqx.nn.State`` there too.
+
+  Not found: a plain-JAX function (or a custom module) that computes batch
+  statistics itself (e.g. ``x - x.mean(axis=0)``), state reached other than
+  as above (a module-level variable read by a function that ``apply_fn``
+  calls, an object of a compiled extension), and NNX / Equinox state more
+  than four references away from ``apply_fn``. Such a model is the caller's
+  to keep per-example.
+  """
+  found: list[str] = []
+  for obj in _reachable(apply_fn) + _reachable(params, depth=1):
+    for text in _nnx_state(obj) + _equinox_state(obj):
+      if text not in found:
+        found.append(text)
+  if found:  # before tracing: such a model may not even trace as apply_fn(params, x)
+    return found
+  tracer = _LinenState()
+
+  def traced(p, xs):
+    with nn.intercept_methods(tracer):
+      return apply_fn(p, xs)
+
+  jax.eval_shape(traced, params, x)
+  return tracer.found
+
+
+def check_dp_model(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> None:
+  """Refuses, under DP, a model that mixes examples or carries state outside its parameters.
+
+  Runs at trace time (shapes only; one abstract trace of ``apply_fn``) for
+  every ``per_example_method``; :func:`model_state_findings` says what is and
+  is not detected.
+
+  Raises:
+    NotDpSafe: naming what was found (a :class:`~fedlap_jax.checks.ConfigError`).
+  """
+  found = model_state_findings(apply_fn, params, x)
+  if found:
+    raise NotDpSafe(found)
 
 
 # Microbatch size that method="auto" uses on CPU for matmul-convolution models.
@@ -325,7 +602,7 @@ def auto_plan(apply_fn: ApplyFn, params: PyTree, x: jax.Array) -> tuple[str, int
   """
   try:
     calls = discover(apply_fn, params, x)
-  except Unsupported:
+  except (Unsupported, NotDpSafe):  # under DP the caller has refused the latter already
     return "vmap", None
   matmul_convs = (models.conv_im2col, models.conv_hybrid)
   convs = [c for c in calls if c.rule == "conv"]

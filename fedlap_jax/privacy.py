@@ -25,10 +25,12 @@ per-layer per-example gradients, for models built from Flax layers),
 (``jax_privacy.clipping.clipped_grad``, imported only when used) and
 ``"auto"`` (default: :func:`fedlap_jax.per_example.auto_plan`, decided at
 trace time: ``vmap`` for models whose convolutions are matrix products, such
-as the ConvNet on CPU, ``layerwise`` for other Flax models, ``vmap`` for
-anything else; for matmul-convolution models on the CPU backend also
+as the ConvNet on CPU, ``layerwise`` for other flax.linen models, ``vmap`` for
+anything else, Flax NNX, Equinox and plain-JAX models included; for matmul-convolution models on the CPU backend also
 microbatches of 16 (`per_example.CPU_MICROBATCH`) when none is given, which skip the all-padding tail of a
-Poisson buffer). Every method gives the same result up to float rounding;
+Poisson buffer). A model with BatchNorm (or other state outside its parameters) is refused
+under every method (:func:`fedlap_jax.per_example.check_dp_model`). Every
+method gives the same result up to float rounding;
 docs/benchmarks.md compares their speed. The loss is
 :func:`fedlap_jax.losses.cross_entropy` (also importable from here).
 
@@ -90,10 +92,31 @@ class PoissonBatch(NamedTuple):
   chosen: jax.Array
 
 
+def include(key: jax.Array, shape: tuple[int, ...], rate: jax.Array | float) -> jax.Array:
+  """Independent inclusions with a probability never above ``rate`` (``shape`` bools).
+
+  Each entry compares 32 random bits with the integer threshold
+  ``floor(r' 2^32)``, ``r'`` the float32 ``rate`` stepped one unit in the last
+  place toward zero: the probability ``floor(r' 2^32) / 2^32`` is then below
+  the exact rate the float32 was rounded from (``B / N_k`` in float64, as the
+  accountant uses it), however it was rounded to nearest. A rate of 1 or more
+  includes every entry, 0 or less none. ``uniform(float32) < rate`` instead
+  includes with probability ``ceil(rate 2^23) / 2^23``, up to ``2^-23`` above
+  the rate; the two agree on the same bits except in the one bucket of width
+  ``2^-23`` at the threshold.
+  """
+  r = jnp.asarray(rate, jnp.float32)
+  below = jnp.nextafter(r, jnp.float32(0.0))
+  threshold = jnp.floor(jnp.clip(below, 0.0, 1.0) * jnp.float32(2.0**32))
+  threshold = jnp.minimum(threshold, jnp.float32(2.0**32 - 256)).astype(jnp.uint32)
+  bits = jax.random.bits(key, shape, jnp.uint32)
+  return jnp.where(r >= 1.0, True, jnp.logical_and(r > 0.0, bits < threshold))
+
+
 def poisson_sample(
   key: jax.Array, valid: jax.Array, rate: jax.Array | float, capacity: int
 ) -> PoissonBatch:
-  """Samples each valid record independently with probability ``rate``.
+  """Samples each valid record independently with probability at most ``rate`` (:func:`include`).
 
   Args:
     key: PRNG key.
@@ -110,7 +133,7 @@ def poisson_sample(
   if _given(rate):
     q_ok = checks.is_real(rate) and 0 <= float(rate) <= 1
     checks.require(q_ok, "rate", rate, "a probability in [0, 1]")
-  chosen = jnp.logical_and(jax.random.uniform(key, valid.shape) < rate, valid)
+  chosen = jnp.logical_and(include(key, valid.shape, rate), valid)
   size = jnp.sum(chosen, dtype=jnp.int32)
   extra = jnp.maximum((size + capacity - 1) // capacity - 1, 0).astype(jnp.int32)
   batch = PoissonBatch(
@@ -271,17 +294,26 @@ def clipped_gradient_sum(
   Args:
     method: how per-example gradients are computed (same result): ``auto``,
       ``layerwise``, ``vmap`` or ``jax_privacy`` (see the module docstring).
-      ``layerwise`` raises :class:`fedlap_jax.per_example.Unsupported` for
-      models outside its scope, where ``auto`` uses ``vmap``.
+      ``layerwise`` raises :class:`fedlap_jax.per_example.Unsupported` (a
+      ``ConfigError``) for models outside its scope (it serves flax.linen
+      models built from Flax layers), where ``auto`` uses ``vmap``.
 
   Returns:
     ``(clipped_sum, norms)``: a pytree like ``params`` and the ``(N,)``
     pre-clipping per-example gradient norms.
+
+  Raises:
+    fedlap_jax.per_example.NotDpSafe: for every ``method``, a model that
+      mixes examples or holds state outside its parameters (BatchNorm in
+      flax.linen, NNX or Equinox; :func:`fedlap_jax.per_example.check_dp_model`
+      says what is detected), whose per-example gradients would not bound one
+      record's influence.
   """
   if method not in PER_EXAMPLE_METHODS:
     raise ConfigError("method", method, f"{PER_EXAMPLE_METHODS}")
   if _given(l2_clip_norm):
     checks.positive_float("l2_clip_norm", l2_clip_norm)
+  _per_example.check_dp_model(apply_fn, params, x)  # every method, auto included
   if method == "auto":
     method, auto_microbatch = _per_example.auto_plan(apply_fn, params, x)
     if microbatch_size is None:

@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client_data import SyntheticSet, check_label_dtype
+from fedlap_jax.client_data import (
+  SyntheticSet,
+  check_label_dtype,
+  check_labels,
+  num_classes_of,
+  poison_unless,
+)
 from fedlap_jax.config import FedLAPConfig, ServerConfig
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.radius import server_radius
@@ -128,10 +134,21 @@ def global_update(
   Returns:
     ``(params, ServerMetrics)``.
 
+  Labels: every label of a valid image of a client with weight > 0 must lie
+  in ``[0, K)``, ``K`` the model's logits: refused on concrete arrays, and
+  inside ``jit`` every float output is NaN instead
+  (:func:`~fedlap_jax.client_data.check_labels`).
+
   Raises:
-    ConfigError: a union :func:`check_union` refuses (shapes, label dtype, weights).
+    ConfigError: a union :func:`check_union` refuses (shapes, label dtype, weights), or
+      concrete labels outside ``[0, K)``.
   """
   check_union(synthetic, client_weights)
+  counted = jnp.logical_and(synthetic.mask, (jnp.asarray(client_weights) > 0)[:, None])
+  ok = check_labels(
+    num_classes_of(apply_fn, params, jnp.shape(synthetic.x)[2:], jnp.result_type(synthetic.x)),
+    ("synthetic.y", synthetic.y, counted),
+  )
   weights = example_weights(synthetic.mask, client_weights).reshape(-1)
   x = synthetic.x.reshape(-1, *synthetic.x.shape[2:])
   y = synthetic.y.reshape(-1)
@@ -163,7 +180,7 @@ def global_update(
   epochs, w, _, dist, steps = jax.lax.while_loop(
     cond, body, (jnp.int32(0), params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0))
   )
-  return w, ServerMetrics(epochs, steps, dist, radius)
+  return poison_unless(ok, (w, ServerMetrics(epochs, steps, dist, radius)))
 
 
 def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:

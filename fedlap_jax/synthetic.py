@@ -5,7 +5,8 @@ here, below all of them:
 
 * :func:`synthetic_labels`: the balanced layout, ``ipc`` slots per class a
   client owns, in blocks of ``ipc`` (padded and masked across clients);
-* :func:`initial_synthetic`: labels and ``N(0, 1)`` images before round 1;
+* :func:`initial_synthetic`: labels and ``N(0, 1)`` images before round 1
+  (:func:`client_synthetic` for one client);
   :func:`noise_images` and :func:`real_images` draw images for a layout;
 * :func:`class_blocks` and :func:`class_batch`: the class-wise view of a set
   and a Poisson batch of one class of real records (DSC's gradient matching,
@@ -95,6 +96,59 @@ def initial_synthetic(
   k_init, k_state = jax.random.split(key)
   images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
   return SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask)), k_state
+
+
+def client_synthetic(
+  key: jax.Array,
+  data: ClientData,
+  ipc: int,
+  *,
+  synthetic_init: str = "noise",
+  max_classes: int | None = None,
+) -> SyntheticSet:
+  """One client's round-1 synthetic set (host side): :func:`initial_synthetic` of one client.
+
+  For a loop over single clients (the Flower client, a user's own loop):
+  ``data`` holds one client's records without a client axis (e.g.
+  :func:`~fedlap_jax.client_data.pad_client`).
+
+  Args:
+    key: PRNG key of the images.
+    data: :class:`ClientData` with ``(N, ...)`` leaves.
+    ipc: images per class.
+    synthetic_init: ``"noise"`` or ``"real"`` (as :func:`initial_synthetic`).
+    max_classes: pad the set to ``ipc * max_classes`` slots (masked), e.g.
+      the most classes any client owns, so that every client's set has one
+      shape and a jitted step compiles once; ``None``: ``ipc`` times this
+      client's classes.
+
+  Returns:
+    A :class:`SyntheticSet` with ``(S, ...)`` leaves.
+
+  Raises:
+    ConfigError: as :func:`initial_synthetic`, or ``max_classes`` below this
+      client's classes.
+  """
+  stacked = jax.tree.map(lambda a: None if a is None else jnp.asarray(a)[None], data)
+  synthetic, _ = initial_synthetic(key, stacked, ipc, synthetic_init)
+  synthetic = jax.tree.map(lambda a: a[0], synthetic)
+  if max_classes is None:
+    return synthetic
+  classes = int(np.sum(np.asarray(synthetic.mask))) // ipc
+  if not (isinstance(max_classes, int) and max_classes >= classes):
+    raise ConfigError(
+      "max_classes", max_classes, f"an integer >= {classes}, the classes this client owns"
+    )
+  pad = ipc * max_classes - synthetic.y.shape[0]
+  return (
+    SyntheticSet(
+      jnp.concatenate([synthetic.x, jnp.zeros((pad, *synthetic.x.shape[1:]), synthetic.x.dtype)]),
+      jnp.concatenate([synthetic.y, jnp.zeros(pad, synthetic.y.dtype)]),
+      jnp.concatenate([synthetic.mask, jnp.zeros(pad, bool)]),
+    )
+    if pad
+    else synthetic
+  )
 
 
 def noise_images(key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]) -> jax.Array:

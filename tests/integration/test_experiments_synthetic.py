@@ -89,6 +89,7 @@ def test_psg_epsilon_is_the_accountants_for_its_q_sigma_and_t(runs):
     min_client_size=min(info["client_sizes"]),
     steps_per_round=t,
     delta=cfg.dp.delta,
+    adjacency="add_remove",  # the paper's figure
   )
   # The paper's add/remove figure, under its explicit name (the headline is replace-one).
   assert result["records"][-1]["epsilon_add_remove"] == pytest.approx(want, rel=1e-9)
@@ -225,6 +226,7 @@ def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
     min_client_size=synthetic.MIN_CLIENT_SIZE[dataset],
     steps_per_round=t,
     delta=1e-5,
+    adjacency="add_remove",  # the paper's figure
   )
   assert 31.9 < eps <= synthetic.PSG_TARGET_EPSILON
   assert (cfg.dp.l2_clip_norm, core.condensation.classwise) == (0.1, False)

@@ -197,7 +197,6 @@ def test_sampled_dp_workdir_holds_only_dp_outputs_and_public_values(sampled_runs
       "min_client_size",
       "steps_per_round",
       "delta",
-      "participation",
       "rounds",
       "steps",
       "epsilons",

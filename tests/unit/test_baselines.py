@@ -384,14 +384,9 @@ def test_dp_steps_per_round_and_epsilon(method, linear_apply_fn, linear_params, 
     min_client_size=10_000,
     steps_per_round=alg.dp_steps_per_round,
     delta=alg.dp.delta,
+    adjacency="add_remove",  # the paper's figure
   )
-  ledger = accounting.PrivacyLedger(
-    noise_multiplier=alg.dp.noise_multiplier,
-    batch_size=alg.batch_size,
-    min_client_size=10_000,
-    steps_per_round=alg.dp_steps_per_round,
-    delta=alg.dp.delta,
-  )
+  ledger = alg.mechanism.ledger(10_000).with_adjacency("add_remove")
   assert ledger.record_round() == pytest.approx(eps, rel=1e-12)
   # FedLAP-DP's T = 200 gives the paper's 2.79 after round 1; 195 steps a little less.
   assert 2.6 < eps < 2.79

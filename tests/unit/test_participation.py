@@ -20,6 +20,9 @@ pytest.importorskip("dp_accounting")
 
 # The paper's setting (tests/unit/test_accounting.py): eps 2.79 after 1 round, 10.18 after 15.
 PAPER = dict(noise_multiplier=1.0, batch_size=256, steps_per_round=200, delta=1e-5)
+# The paper's figures are add/remove ones (RDP); the mechanism's default is replace-one.
+PAPER_MECHANISM = accounting.DpMechanism(**PAPER, adjacency="add_remove")
+PAPER_RDP = dict(PAPER, adjacency="add_remove")
 
 
 # ---------------------------------------------------------------- the draw
@@ -56,17 +59,17 @@ def test_bad_clients_per_round_names_field_value_and_range(value):
 
 
 def test_client_never_sampled_spends_nothing_and_each_pays_its_own_rate():
-  ledgers = accounting.ClientLedgers.create(client_sizes=[10_000, 20_000, 10_000], **PAPER)
-  ledgers.record_round([0, 1])
-  ledgers.record_round([1])
+  ledgers = PAPER_MECHANISM.client_ledgers([10_000, 20_000, 10_000])
+  ledgers.record_round(participants=[0, 1])
+  ledgers.record_round(participants=[1])
   eps = ledgers.epsilons()
   assert eps[2] == 0.0 and ledgers.ledgers[2].rounds == 0
   assert eps[0] == pytest.approx(2.79, abs=0.01)  # one round at q = 256 / 10,000
   assert (
-    0 < eps[1] < accounting.epsilon_after_rounds(rounds=2, min_client_size=10_000, **PAPER)
+    0 < eps[1] < accounting.epsilon_after_rounds(rounds=2, min_client_size=10_000, **PAPER_RDP)
   )  # q = 256 / 20,000
   assert eps[1] == pytest.approx(
-    accounting.epsilon_after_rounds(rounds=2, min_client_size=20_000, **PAPER), rel=1e-9
+    accounting.epsilon_after_rounds(rounds=2, min_client_size=20_000, **PAPER_RDP), rel=1e-9
   )
   assert ledgers.epsilon == max(eps)
   assert ledgers.summary() == {"min": 0.0, "median": sorted(eps)[1], "max": max(eps)}
@@ -74,23 +77,25 @@ def test_client_never_sampled_spends_nothing_and_each_pays_its_own_rate():
 
 def test_all_clients_every_round_equals_the_single_ledger_exactly():
   sizes = [12_000, 10_000, 12_000]
-  ledgers = accounting.ClientLedgers.create(client_sizes=sizes, **PAPER)
-  single = accounting.PrivacyLedger(min_client_size=min(sizes), **PAPER)
-  for _ in range(15):
-    assert ledgers.record_round(range(3)) == single.record_round()
+  ledgers = PAPER_MECHANISM.client_ledgers(sizes)
+  single = PAPER_MECHANISM.ledger(min(sizes))
+  for r in range(15):
+    # The two ledger types record a round with the same call.
+    everyone = range(3) if r % 2 else None
+    assert ledgers.record_round(participants=everyone) == single.record_round(participants=everyone)
   assert ledgers.epsilon == single.epsilon == pytest.approx(10.18, abs=0.01)
   assert single.epsilons[0] == pytest.approx(2.79, abs=0.01)
 
 
 def test_ledgers_round_trip_and_refuse_tampering():
-  ledgers = accounting.ClientLedgers.create(client_sizes=[10_000, 12_000, 10_000], **PAPER)
-  ledgers.record_round([0, 2])
-  ledgers.record_round([1, 2])
+  ledgers = PAPER_MECHANISM.client_ledgers([10_000, 12_000, 10_000])
+  ledgers.record_round(participants=[0, 2])
+  ledgers.record_round(participants=[1, 2])
   d = json.loads(json.dumps(ledgers.to_dict()))
   back = accounting.ClientLedgers.from_dict(d)
   assert back.epsilons() == ledgers.epsilons() and back.participants == [[0, 2], [1, 2]]
-  back.record_round([0])
-  ledgers.record_round([0])
+  back.record_round(participants=[0])
+  ledgers.record_round(participants=[0])
   assert back.epsilons() == ledgers.epsilons()
   edited = json.loads(json.dumps(d))
   edited["clients"][1]["epsilons"][0] *= 0.5
@@ -101,9 +106,11 @@ def test_ledgers_round_trip_and_refuse_tampering():
   with pytest.raises(ValueError, match="client 2's ledger records 2 rounds"):
     accounting.ClientLedgers.from_dict(dropped)
   with pytest.raises(ValueError, match="distinct client indices"):
-    ledgers.record_round([0, 0])
+    ledgers.record_round(participants=[0, 0])
   with pytest.raises(ValueError, match="distinct client indices"):
-    ledgers.record_round([3])
+    ledgers.record_round(participants=[3])
+  with pytest.raises(ValueError, match="distinct client indices"):
+    ledgers.record_round(participants=[])
 
 
 def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
@@ -138,13 +145,13 @@ def test_a_round_composes_once_per_distinct_rate_and_steps(monkeypatch):
   monkeypatch.setattr(privacy_loss_distribution.PrivacyLossDistribution, "self_compose", compose)
   sizes = [300] * 50 + [400] * 50 + [500] * 100
   small = dict(noise_multiplier=2.0, batch_size=30, steps_per_round=3, delta=1e-5)
-  ledgers = accounting.ClientLedgers.create(client_sizes=sizes, **small, adjacency="replace_one")
+  ledgers = accounting.DpMechanism(**small).client_ledgers(sizes)
   distinct_per_round = []
   for r in range(1, 6):
     ids = participation.sample_clients(0, r, len(sizes), 40).tolist()
     touched = {(sizes[i], sum(ledgers.ledgers[i].steps) + 3) for i in ids}
     before = len(compositions)
-    ledgers.record_round(ids)
+    ledgers.record_round(participants=ids)
     distinct_per_round.append((len(touched), len(compositions) - before))
   assert sorted(rdp_rates) == [30 / 500, 30 / 400, 30 / 300]
   assert sorted(pld_rates) == [30 / 500, 30 / 400, 30 / 300]

@@ -1,0 +1,103 @@
+"""What a library user needs for a loop of their own: DP on in one call, clients padded to one
+capacity (one compilation for every client), a client's first synthetic set."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fedlap_jax as fl
+from fedlap_jax.checks import ConfigError
+
+DP = fl.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+
+
+def test_with_dp_turns_dp_on_in_one_call():
+  """a27beca: four coupled fields (client.dp, calibrate_radius, synthetic_init, the radius
+  strategy, and weighting) refused one error at a time."""
+  plain = fl.FedLAPConfig()
+  with pytest.raises(ConfigError):
+    dataclasses.replace(plain, client=dataclasses.replace(plain.client, dp=DP))
+  private = plain.with_dp(DP)
+  assert private.dp is DP and private.client.calibrate_radius is False
+  assert private.synthetic_init == "noise"
+  assert (private.server.radius_strategy, private.server.weighting) == ("constant", "uniform")
+  # Nothing else moves.
+  assert dataclasses.replace(private.client, dp=None, calibrate_radius=True) == plain.client
+  assert private.rounds == plain.rounds and private.learning_rate == plain.learning_rate
+  fixed = dataclasses.replace(plain, server=fl.ServerConfig(radius_strategy="fixed"))
+  assert fixed.with_dp(DP).server.radius_strategy == "fixed"
+  assert fl.ClientConfig().with_dp(DP) == dataclasses.replace(
+    fl.ClientConfig(), dp=DP, calibrate_radius=False
+  )
+  assert fl.accounting.DpMechanism.from_config(private).steps_per_round == 1 * 5 * 40
+  with pytest.raises(ConfigError, match="dp"):
+    plain.with_dp(None)
+
+
+def test_client_synthetic_is_initial_synthetic_of_one_client(client_parts):
+  (x0, y0), (x1, y1) = client_parts[:2]
+  stacked = fl.stack_clients([x0, x1], [y0, y1])
+  many, _ = fl.initial_synthetic(jax.random.key(3), stacked, 4, "noise")
+  one = fl.client_synthetic(jax.random.key(3), jax.tree.map(lambda a: a[0], stacked), 4)
+  np.testing.assert_array_equal(np.asarray(one.y), np.asarray(many.y[0]))
+  np.testing.assert_array_equal(np.asarray(one.mask), np.asarray(many.mask[0]))
+  assert one.x.shape == (8, 8, 8, 1) and bool(jnp.all(jnp.isfinite(one.x)))
+  padded = fl.client_synthetic(
+    jax.random.key(3), fl.pad_client(x0, y0, capacity=400), 4, max_classes=3
+  )
+  assert padded.x.shape == (12, 8, 8, 1) and int(padded.mask.sum()) == 8
+  with pytest.raises(ConfigError, match="max_classes"):
+    fl.client_synthetic(jax.random.key(3), fl.pad_client(x0, y0, capacity=400), 4, max_classes=1)
+
+
+def test_a_loop_over_padded_clients_compiles_once(linear_apply_fn, linear_params, client_parts):
+  """Clients of different N_k: one program per size unpadded, one for all padded."""
+  sizes = [150, 170, 190]
+  parts = [(x[:n], y[:n]) for (x, y), n in zip(client_parts, sizes)]
+  config = fl.ClientConfig(
+    ipc=2,
+    iterations=1,
+    max_outer=1,
+    batch_loop=1,
+    boost_loop=1,
+    inner_loop=0,
+    batch_size=16,
+    radius=1.0,
+    calibrate_radius=False,
+    dsa_strategy="",
+  ).with_dp(DP)
+  compiled = []
+
+  def count(event, duration_secs, **kwargs):
+    del duration_secs, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(event)
+
+  def loop(padded):
+    step = jax.jit(fl.local_approx, static_argnames=("apply_fn", "config"))
+    compiled.clear()
+    for k, (x, y) in enumerate(parts):
+      if padded:
+        data = fl.pad_client(x, y, capacity=max(sizes), num_classes=10)
+      else:
+        data = fl.ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
+      syn = fl.client_synthetic(jax.random.key(k), data, 2, max_classes=2)
+      jax.block_until_ready(
+        step(
+          jax.random.key(k), linear_apply_fn, linear_params, syn, data, config, learning_rate=0.1
+        )
+      )
+    return len(compiled)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    unpadded, padded = loop(False), loop(True)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert padded < unpadded
+  assert unpadded >= len(sizes) * padded  # one set of programs per distinct N_k
