@@ -764,12 +764,13 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
   its last round (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_after`).
   :func:`experiments.run.calibrate_noise` sets the sigma; this catches a config that skipped
   it (or a mechanism other than the one calibrated): the planned epsilon must be at most the
-  target and within 1 % of it (unless sigma sits at the calibration's floor, 1e-3).
+  target and within 1 % of it (unless sigma sits at the accounting floor,
+  :data:`fedlap_jax.accounting.MIN_NOISE_MULTIPLIER`, where calibration stops).
   """
   target = cfg.dp.target_epsilon
   sigma = cfg.dp.noise_multiplier
   if planned_epsilon <= target * (1 + 1e-9) and (
-    planned_epsilon >= 0.99 * target or sigma <= 1e-3 * (1 + 1e-9)
+    planned_epsilon >= 0.99 * target or sigma <= accounting.MIN_NOISE_MULTIPLIER * (1 + 1e-9)
   ):
     return
   raise ConfigError(

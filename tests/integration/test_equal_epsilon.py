@@ -130,6 +130,17 @@ def test_an_uncalibrated_target_is_refused_by_the_driver(tmp_path):
   library_configs.check_target_epsilon(cfg, 4.99)  # within 1 % below the target: accepted
 
 
+def test_a_target_met_at_the_accounting_floor_is_accepted():
+  """A loose target is met by the smallest sigma accounting allows; the run is not refused."""
+  cfg = quickstart.dp_config()
+  cfg.dp.target_epsilon = 1e6  # far above what sigma = MIN_NOISE_MULTIPLIER reaches
+  run.calibrate_noise(cfg)
+  assert cfg.dp.noise_multiplier == pytest.approx(accounting.MIN_NOISE_MULTIPLIER, rel=1e-3)
+  planned = run.dp_budget(cfg, SIZES).epsilon(cfg.dp.noise_multiplier)
+  assert planned < 0.99 * cfg.dp.target_epsilon
+  library_configs.check_target_epsilon(cfg, planned)
+
+
 def test_target_and_match_are_exclusive():
   config = quickstart_compare.get_config()
   config.suite.dp_fedavg.dp.target_epsilon = 3.0
