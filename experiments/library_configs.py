@@ -762,7 +762,7 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
 
   ``planned_epsilon`` is the epsilon of ``dp.epsilon_for`` the run's mechanism reaches after
   its last round (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_after`).
-  :func:`experiments.run.calibrate_noise` sets the sigma; this catches a config that skipped
+  :func:`experiments.calibration.calibrate_noise` sets the sigma; this catches a config that skipped
   it (or a mechanism other than the one calibrated): the planned epsilon must be at most the
   target and within 1 % of it (unless sigma sits at the accounting floor,
   :data:`fedlap_jax.accounting.MIN_NOISE_MULTIPLIER`, where calibration stops).
@@ -780,5 +780,5 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
     message=f"dp.target_epsilon={target!r} does not match dp.noise_multiplier="
     f"{sigma!r} (epsilon {planned_epsilon:.4f} after {cfg.rounds} rounds); "
     "allowed: a config whose noise_multiplier experiments.run calibrated "
-    "(python -m experiments.run, or experiments.run.calibrate_noise(config))",
+    "(python -m experiments.run, or experiments.calibration.calibrate_noise(config))",
   )
