@@ -22,7 +22,7 @@ def run_config(config, workdir: str, name: str) -> int:
   validated before the first one starts.
   """
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import library_configs, train  # pylint: disable=g-import-not-at-top
+  from experiments import library_configs, resume, train  # pylint: disable=g-import-not-at-top
 
   if "suite" in config:
     targets = [
@@ -54,7 +54,7 @@ def run_config(config, workdir: str, name: str) -> int:
         )
   except (
     library_configs.ConfigError,
-    train.ResumeError,
+    resume.ResumeError,
     train.WorkdirError,
     data_lib.DataUnavailableError,
   ) as e:

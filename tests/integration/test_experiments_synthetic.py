@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import configs, flags, library_configs, report, run, train
+from experiments import configs, flags, library_configs, outputs, report, run, train
 from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
@@ -320,7 +320,7 @@ def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
   metrics = condensation.OneShotMetrics(
     client, np.int32(300), np.int32(600), np.float32(1.5), np.float32(0.01)
   )
-  released, nonprivate = train.summarize_metrics(metrics, k, private=True)
+  released, nonprivate = outputs.summarize_metrics(metrics, k, private=True)
   assert set(released) == {
     "client.matching_loss",
     "client.real_accesses",
@@ -334,5 +334,5 @@ def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
     "client.mean_batch_size",
     "client.clip_fraction",
   }
-  everything, none = train.summarize_metrics(metrics, k, private=False)
+  everything, none = outputs.summarize_metrics(metrics, k, private=False)
   assert set(everything) == set(released) | set(nonprivate) and none == {}
