@@ -45,6 +45,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -509,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     f"python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
     f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
   )
+  # SIGTERM ends the run as Ctrl-C does: the child in progress is killed, the ref worktrees
+  # and the scratch directory are removed.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   work = Path(tempfile.mkdtemp(prefix="compile-times-"))
   results = []
   try:
