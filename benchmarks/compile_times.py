@@ -256,6 +256,7 @@ def _child(spec: dict) -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   out: dict[str, Any] = {
+    "load_before": os.getloadavg()[0],
     "fedlap_jax": str(Path(fedlap_jax.__file__).resolve().parents[1]),
     "jax": jax.__version__,
     "device": str(jax.devices()[0].device_kind),
@@ -320,6 +321,7 @@ def _child(spec: dict) -> dict:
   out["hlo_optimised"] = hlo_counts(compiled.as_text())
   out["events"] = events.rows
   out["process_s"] = time.perf_counter() - t_process
+  out["load_after"] = os.getloadavg()[0]
   return out
 
 
@@ -433,8 +435,8 @@ def _stage(run: dict, stage: str) -> float | None:
 HEADER = (
   "| tree | config | cache | HLO in / optimised | fusions | while | cond | trace s | lower s | "
   "compile s | set-up: programs (by XLA) / s | round 1 s | later s | round-1 overhead s | "
-  "cache MB |",
-  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+  "cache MB | load |",
+  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
 )
 
 
@@ -447,7 +449,9 @@ def rows(r: dict) -> list[str]:
   """The table rows of one measured config, cold and warm.
 
   ``compile s`` is XLA's compile when cold and the cache's read when warm; ``cache MB`` is
-  what the cold process wrote (every program of the config that took at least the threshold).
+  what the cold process wrote (every program of the config that took at least the threshold);
+  ``load`` the machine's 1-minute load average when the process started and ended (above the
+  core count, the figures are provisional).
   """
   lines = []
   name = r["config"] + (" (stand-in data)" if r["stand_in"] else "")
@@ -468,7 +472,8 @@ def rows(r: dict) -> list[str]:
       f"{_f(_stage(run, 'trace'), '{:.2f}')} | {_f(_stage(run, 'lower'), '{:.2f}')} | "
       f"{_f(_stage(run, 'compile'), '{:.2f}')} | {programs:.0f} ({by_xla:.0f}) / "
       f"{run['setup_s']:.1f} | {_f(rounds[0] if rounds else None)} | "
-      f"{_f(run.get('steady_round_s'))} | {_f(run.get('round1_overhead_s'))} | {size} |"
+      f"{_f(run.get('steady_round_s'))} | {_f(run.get('round1_overhead_s'))} | {size} | "
+      f"{run['load_before']:.1f}-{run['load_after']:.1f} |"
     )
   return lines
 
