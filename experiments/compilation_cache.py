@@ -167,7 +167,15 @@ def enable(setting: str = "", *, field: str = FIELD) -> Path | None:
   )
 
   path = prepare(setting, field=field)
-  before = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+
+  def opened_with():  # what JAX reads when it opens its cache (the threshold it reads per entry)
+    return (
+      jax.config.jax_enable_compilation_cache,
+      jax.config.jax_compilation_cache_dir,
+      jax.config.jax_compilation_cache_max_size,
+    )
+
+  before = opened_with()
   if path is None:
     jax.config.update("jax_enable_compilation_cache", False)
   else:
@@ -177,7 +185,6 @@ def enable(setting: str = "", *, field: str = FIELD) -> Path | None:
       jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
     if MAX_BYTES_ENV not in os.environ:
       jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
-  after = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
-  if after != before:  # JAX opens its cache once; it reopens after a reset
+  if opened_with() != before:  # JAX opens its cache once; it reopens after a reset
     jax_cache.reset_cache()
   return path
