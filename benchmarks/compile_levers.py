@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -243,6 +244,17 @@ def main(argv: list[str] | None = None) -> int:
   if bad:
     parser.error(f"--levers {','.join(bad)} is invalid; allowed: {list(LEVERS)}")
   work = Path(tempfile.mkdtemp(prefix="compile-levers-"))
+  try:
+    results = _measure(args, levers, work)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  if args.json:
+    Path(args.json).write_text(json.dumps(results, indent=1))
+  return 0
+
+
+def _measure(args, levers: list[str], work: Path) -> list[dict]:
+  """Every (config, repeat, lever) in a fresh process; prints each row as it comes."""
   results = []
   for name in [c for c in args.configs.split(",") if c]:
     overrides, _ = compile_times._overrides(name, work, [])  # pylint: disable=protected-access
@@ -273,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         r["same_numbers"] = _same(base, Path(spec["first_round"])) if lever != "none" else True
         results.append(r)
         print(_row(r), flush=True)
-  if args.json:
-    Path(args.json).write_text(json.dumps(results, indent=1))
-  return 0
+  return results
 
 
 def _row(r: dict) -> str:
