@@ -31,6 +31,7 @@ RUNTIME_FIELDS = (
   "client_backend",
   "data.cache_dir",
   "data.data_dir",
+  "compilation_cache_dir",
   "debug_nonprivate_stats",
   "termination_grace_seconds",
 )

@@ -20,6 +20,11 @@ its seed from the operating system's entropy and keeps it in its work dir
 (:mod:`experiments.seeds`); a run without DP uses 0. The run itself is
 :func:`experiments.train.train_and_evaluate`.
 
+Compiled programs are kept between runs (:mod:`experiments.compilation_cache`): a second run
+of a config on the same machine reads them back instead of compiling. They go to
+``--config.compilation_cache_dir``, else ``$FEDLAP_COMPILATION_CACHE``, else
+``~/.cache/fedlap_jax/jax_compilation_cache`` (``none``: off).
+
 Exit status: 0 on success; 2 for bad input or damaged state (an invalid
 config, data or work dir, a resume that is refused; a one-line message); 1
 when a round produced NaN or Inf; 130 when interrupted (Ctrl-C: a round in

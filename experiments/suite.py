@@ -21,6 +21,7 @@ def run_config(config, workdir: str, name: str) -> int:
   :mod:`experiments.report`) to ``workdir/report``. Every config of a suite is
   validated before the first one starts.
   """
+  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import library_configs, resume, train  # pylint: disable=g-import-not-at-top
 
@@ -34,6 +35,7 @@ def run_config(config, workdir: str, name: str) -> int:
     for cfg, _, label in targets:
       try:
         library_configs.validate_config(cfg)
+        compilation_cache.prepare(cfg.get(compilation_cache.FIELD, ""))
       except library_configs.ConfigError as e:
         raise library_configs.ConfigError(
           e.field, e.value, e.allowed, message=f"{label}: {e}"
@@ -42,6 +44,8 @@ def run_config(config, workdir: str, name: str) -> int:
       print(line)
     results = []
     for cfg, wd, label in targets:
+      # Compile once per machine: a later run of the config reads its programs back.
+      compilation_cache.enable(cfg.get(compilation_cache.FIELD, ""))
       result = train.train_and_evaluate(cfg, wd, config_name=label)
       results.append(result)
       last = result["records"][-1] if result["records"] else None
