@@ -132,7 +132,6 @@ def run_flower(
     "config": config,
     "overrides": overrides,
     "run-dir": str(run_dir),
-    "state-root": str(workdir / "clients"),
     "round-timeout": timeout,
     "unsafe-dp-keys-from-server": server_keys,
   }
