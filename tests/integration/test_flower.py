@@ -849,6 +849,12 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind)
   got = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
   keys = ("round", "test_accuracy", "test_loss", "clients_ok", "server_radius", "client_radius")
   assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want]
+  # Timing is kept apart from the releasable metrics.jsonl, one record per round, and the
+  # resume dropped the stopped round's.
+  assert not any(k in r for r in got for k in strategy.TIMING_FIELDS)
+  timing = read_jsonl(tmp_path / "b" / "run" / strategy.TIMING_FILE)
+  assert [t["round"] for t in timing] == [1, 2, 3]
+  assert all(t["round_seconds"] > 0 and t["wall_seconds"] > 0 for t in timing)
   with np.load(tmp_path / "a" / "run" / "final_params.npz") as a:
     with np.load(tmp_path / "b" / "run" / "final_params.npz") as b:
       assert sorted(a.files) == sorted(b.files)
