@@ -118,6 +118,7 @@ from fedlap_jax.config import (
   DP_BASELINE_METHODS,
   WEIGHTINGS,
   DpAccesses,
+  PER_EXAMPLE_METHODS,
   DPConfig,
   check_poisson_capacity,
 )
@@ -194,6 +195,8 @@ class LocalTraining:
       :func:`baseline_config` builds the private path from a
       :class:`~fedlap_jax.config.DPConfig` only, which requires ``sigma > 0``.
     microbatch_size: optional bound on per-example-gradient memory (DP).
+    per_example_method: how the private path computes per-example gradients
+      (:func:`~fedlap_jax.privacy.clipped_gradient_sum`; ``dp.per_example_method``).
     gradient_mean: ``"realized"`` (mean over the sampled batch) or
       ``"expected"`` (sum / ``B``); ``None`` picks ``"expected"`` when clipping
       and ``"realized"`` otherwise. The private path requires ``"expected"``.
@@ -214,6 +217,7 @@ class LocalTraining:
   l2_clip_norm: float | None = None
   noise_multiplier: float = 0.0
   microbatch_size: int | None = None
+  per_example_method: str = "auto"
   gradient_mean: str | None = None
   control_variates: bool = False
   dsa_strategy: str = ""
@@ -234,6 +238,7 @@ class LocalTraining:
       require(v is None or (is_int(v) and v >= 1), f, v, "None or an integer >= 1")
     check_poisson_capacity(self.poisson_capacity, self.batch_size)
     nonneg_float("prox_mu", self.prox_mu)
+    one_of("per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
     require(
       self.l2_clip_norm is None or (is_real(self.l2_clip_norm) and self.l2_clip_norm > 0),
       "l2_clip_norm",
@@ -290,6 +295,7 @@ class LocalTraining:
       l2_clip_norm=self.l2_clip_norm,
       noise_multiplier=self.noise_multiplier,
       microbatch_size=self.microbatch_size if self.private else None,
+      per_example_method=self.per_example_method,
       gradient_mean=self.gradient_mean,
       dsa_strategy=self.dsa_strategy,
       track_loss=self.track_loss or not self.private,
@@ -332,8 +338,8 @@ class BaselineConfig:
       methods require ``uniform`` (Algorithm 3). ``None`` (default): ``uniform``
       for DP methods, ``size`` otherwise.
     local: :class:`LocalTraining`.
-    dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise and
-      microbatch ``local`` uses, for DP methods (the guarantee the accountant
+    dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise, microbatch
+      and per-example method ``local`` uses, for DP methods (the guarantee the accountant
       reports; :func:`algorithm` requires it); ``None`` for the others, and for
       a private path outside ``DPConfig``'s range (e.g. ``sigma = 0`` in tests),
       which then runs only through :func:`baseline_round`.
@@ -410,7 +416,7 @@ class BaselineConfig:
         self.dp,
         f"None for method={self.method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)",
       )
-      for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size"):
+      for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size", "per_example_method"):
         require(
           getattr(loc, f) == getattr(self.dp, f),
           f"local.{f}",
@@ -891,6 +897,7 @@ def baseline_config(
     l2_clip_norm=dp.l2_clip_norm if dp is not None else None,
     noise_multiplier=dp.noise_multiplier if dp is not None else 0.0,
     microbatch_size=dp.microbatch_size if dp is not None else None,
+    per_example_method=dp.per_example_method if dp is not None else "auto",
     gradient_mean=gradient_mean,
     control_variates=method == "scaffold",
     dsa_strategy=dsa_strategy,
