@@ -107,6 +107,9 @@ def main(argv=None):
   parser.add_argument("--variants", default="dp,nondp")
   args = parser.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
+  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+
+  compilation_cache.enable()  # as experiments.run: each setting compiles once per machine
   results = []
   with tempfile.TemporaryDirectory() as tmp:
     for seed in range(args.seeds):

@@ -32,7 +32,7 @@ Wall times include process start-up and compilation (round 1; compiled
 programs are cached on disk in ``OUT/jax_cache``). A round's seconds: for
 experiments.run its ``round_seconds``; for a Flower engine the ServerApp's
 wall clock from the end of the previous round to the end of this one
-(``metrics.jsonl``'s ``wall_seconds``), so the time between rounds counts too.
+(``timing.jsonl``'s ``wall_seconds``), so the time between rounds counts too.
 
 The speed check of a deployment round against an in-process one:
 
@@ -132,7 +132,6 @@ def run_flower(
     "config": config,
     "overrides": overrides,
     "run-dir": str(run_dir),
-    "state-root": str(workdir / "clients"),
     "round-timeout": timeout,
     "unsafe-dp-keys-from-server": server_keys,
   }
@@ -156,7 +155,12 @@ def run_flower(
     (workdir / "serverapp.log").write_text(fed.logs(run_id))
   if status != "finished:completed":
     raise RuntimeError(f"{engine} run of {config} ended {status}; see {workdir}")
-  records = _read_jsonl(run_dir / "metrics.jsonl")
+  # The ServerApp keeps each round's seconds in timing.jsonl, beside metrics.jsonl.
+  timing = {t["round"]: t for t in _read_jsonl(run_dir / "timing.jsonl")}
+  records = [
+    {**r, "wall_seconds": timing[r["round"]]["wall_seconds"]}
+    for r in _read_jsonl(run_dir / "metrics.jsonl")
+  ]
   return {
     "records": records,
     "wall_seconds": time.time() - t0,

@@ -70,6 +70,7 @@ IGNORED = (
   "client_backend",
   "data.cache_dir",
   "data.data_dir",
+  "compilation_cache_dir",
   "data.source",
   "method",
   "dp.enabled",

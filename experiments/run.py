@@ -17,6 +17,11 @@ run's noise multiplier, when it starts, so that its epsilon after its last round
 ``--config.seed`` a DP run draws its seed from the operating system's entropy and keeps it
 in its work dir (:mod:`experiments.seeds`); a run without DP uses 0.
 
+Compiled programs are kept between runs (:mod:`experiments.compilation_cache`): a second run
+of a config on the same machine reads them back instead of compiling. They go to
+``--config.compilation_cache_dir``, else ``$FEDLAP_COMPILATION_CACHE``, else
+``~/.cache/fedlap_jax/jax_compilation_cache`` (``none``: off).
+
 Exit status: 0 on success; 2 for bad input or damaged state (an invalid
 config, data or work dir, a resume that is refused; a one-line message); 1
 when a round produced NaN or Inf; 130 when interrupted (Ctrl-C: a round in
@@ -597,6 +602,7 @@ def run_config(config, workdir: str, name: str) -> int:
   :mod:`experiments.report`) to ``workdir/report``. Every config of a suite is
   validated before the first one starts.
   """
+  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import library_configs, train  # pylint: disable=g-import-not-at-top
 
@@ -610,6 +616,7 @@ def run_config(config, workdir: str, name: str) -> int:
     for cfg, _, label in targets:
       try:
         library_configs.validate_config(cfg)
+        compilation_cache.prepare(cfg.get(compilation_cache.FIELD, ""))
       except library_configs.ConfigError as e:
         raise library_configs.ConfigError(
           e.field, e.value, e.allowed, message=f"{label}: {e}"
@@ -618,6 +625,8 @@ def run_config(config, workdir: str, name: str) -> int:
       print(line)
     results = []
     for cfg, wd, label in targets:
+      # Compile once per machine: a later run of the config reads its programs back.
+      compilation_cache.enable(cfg.get(compilation_cache.FIELD, ""))
       result = train.train_and_evaluate(cfg, wd, config_name=label)
       results.append(result)
       last = result["records"][-1] if result["records"] else None

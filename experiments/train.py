@@ -139,6 +139,7 @@ RUNTIME_FIELDS = (
   "client_backend",
   "data.cache_dir",
   "data.data_dir",
+  "compilation_cache_dir",
   "debug_nonprivate_stats",
   "termination_grace_seconds",
 )
@@ -173,7 +174,8 @@ NOT_COVERED = (TIMING_FILE, "audit/")
 
 
 class CompileCounter:
-  """Counts the XLA compilations that happen inside ``with counter:`` blocks."""
+  """Counts the programs built inside ``with counter:`` blocks (compiled by XLA, or read from
+  the persistent compilation cache: JAX reports both as a compilation)."""
 
   EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -827,8 +829,9 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   Returns:
     ``{'records': [...], 'state': final state, 'ledger': dict | None,
     'compilations': int, 'workdir': str}``; ``compilations`` is the number
-    of XLA programs the rounds of this call compiled (1 for a run; 0 when an
-    earlier run of the same setting in this process compiled it already).
+    of programs the rounds of this call built (1 for a run, compiled by XLA or read
+    from the persistent compilation cache; 0 when an earlier run of the same setting
+    in this process built it already).
 
   Raises:
     library_configs.ConfigError: invalid config or config/data mismatch.

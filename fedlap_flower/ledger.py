@@ -46,7 +46,7 @@ at a time (``fcntl`` lock).
 
 The directory is the client's alone: an existing one that another user owns,
 or that its group or the world may write, is refused (:func:`check_private`);
-a new one is created ``0700``. Every file in it is created ``0600``, and
+a new one, and each parent it needs, is created ``0700``. Every file in it is created ``0600``, and
 without following a link planted in its place: the ledger and the carried
 set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``
 (:func:`experiments.checkpointing.write_atomic`), the journal and the lock
@@ -132,6 +132,20 @@ def _fsync_directory(directory: Path) -> None:
     os.close(fd)
 
 
+def make_private_dirs(directory: Path) -> None:
+  """Creates ``directory`` and each missing parent ``0700`` (``mkdir -p`` would give the
+  parents the umask's mode); existing ones are left as they are."""
+  missing = []
+  while not os.path.lexists(directory) and directory.parent != directory:
+    missing.append(directory)
+    directory = directory.parent
+  for d in reversed(missing):
+    try:
+      d.mkdir(mode=DIRECTORY_MODE)
+    except FileExistsError:  # made meanwhile by another process; check_private judges it
+      pass
+
+
 def check_private(directory: Path) -> None:
   """Refuses a state directory another user could change.
 
@@ -163,7 +177,7 @@ class ClientState:
 
   def __init__(self, directory: str | os.PathLike):
     directory = Path(directory).expanduser()
-    directory.mkdir(parents=True, exist_ok=True, mode=DIRECTORY_MODE)
+    make_private_dirs(directory)
     self.directory = directory.resolve()  # one key per directory in the process's caches
     check_private(self.directory)
 

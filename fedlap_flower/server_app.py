@@ -57,6 +57,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   """Runs the whole training; returns the per-round records (also in ``metrics.jsonl``)."""
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
+  task.enable_compilation_cache()
   cfg = run.cfg
   t0 = time.time()
   test = task.load_test_split(settings.server_data(cfg))

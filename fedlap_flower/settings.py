@@ -34,11 +34,6 @@ key                             meaning
                                 ``round-timeout`` for those)
 ``max-epsilon``                 the server's cap on each client's epsilon; a
                                 client takes the smaller of this and its own
-``state-root``                  without DP only: where clients without a
-                                ``state-dir`` carry their synthetic sets
-                                (``""``: ``~/.fedlap_flower``); a DP client
-                                never keeps its ledger where the run config
-                                says
 ``partition-keys``              ``"K=SHA256:... ..."``: partition ``K`` is the node
                                 with that public key (``ssh-keygen -l -f
                                 KEY.pub``); ``""``: first come
@@ -66,12 +61,14 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
   data, as ``experiments.run`` does;
 * ``state-dir``: where its privacy ledger, ledger journal and synthetic set
   live; an existing one must be this user's and writable by it alone
-  (:func:`fedlap_flower.ledger.check_private`). Required under DP (or the client's environment variable
-  :data:`STATE_ROOT_ENV`, which gives ``<root>/client-<k>``: the simulation
-  engine's virtual nodes have no node config of their own): a client keeps its
-  ledger only where it says, never where the run config (its label,
-  ``state-root``) would put it. Without DP it defaults to
-  ``<state-root>/<label>/client-<k>``;
+  (:func:`fedlap_flower.ledger.check_private`). Without it, the client's own
+  environment variable :data:`STATE_ROOT_ENV` gives ``<root>/client-<k>`` (the
+  simulation engine's virtual nodes have no node config of their own). Under DP
+  one of the two is required: a client keeps its ledger only where it says, never
+  where the run config (its label) would put it. Without DP and without either,
+  it is ``~/.fedlap_flower/<label>/client-<k>`` in the client user's home
+  (:func:`default_state_dir`; new directories 0700). The run config never names
+  a client's directory;
 * ``max-epsilon``: the epsilon it will never exceed (the smaller of this and
   the run config's ``max-epsilon`` holds). A client given its own
   ``max-epsilon`` takes part in DP runs only: it refuses a run whose config
@@ -94,7 +91,11 @@ run; every node, the server included, takes only this):
   own environment names (:data:`SERVER_DATA_ENV`);
 * overrides: an allow-list (:data:`OVERRIDABLE`) of fields that change the
   algorithm, the model, the partition and the normalisation, never a path,
-  code, a ledger or a state directory.
+  code, a ledger or a state directory;
+* state: a client's state directory comes from its own node config or
+  environment only (``state-dir``, :data:`STATE_ROOT_ENV`, else the fixed
+  default under its home, in which the run's label is one checked path
+  component); a run config carrying ``state-root`` is refused.
 
 Every bad value raises :class:`SettingsError` (a :class:`fedlap_jax.ConfigError`
 whose ``field`` is the run-config or node-config key), or the experiments'
@@ -107,6 +108,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import Any, Mapping
@@ -122,7 +124,6 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
   "round-timeout": 900.0,
   "join-timeout": 30.0,
   "max-epsilon": math.inf,
-  "state-root": "",
   "partition-keys": "",
   "max-image-abs": 0.0,
   "unsafe-dp-keys-from-server": False,
@@ -144,6 +145,20 @@ NODE_CONFIG_KEYS = (
 UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
 # A client's own environment may name the root of its state directories (<root>/client-<k>).
 STATE_ROOT_ENV = "FEDLAP_FLOWER_STATE_ROOT"
+# Without state-dir or STATE_ROOT_ENV, a non-DP client keeps its state in
+# DEFAULT_STATE_ROOT/<label>/client-<k> (created 0700).
+DEFAULT_STATE_ROOT = "~/.fedlap_flower"
+# Run-config keys that once named a directory on the clients' disks: refused with the reason.
+REMOVED_RUN_CONFIG_KEYS = {
+  "state-root": (
+    "a client's state directory comes from its own node config (state-dir) or its own "
+    f"environment ({STATE_ROOT_ENV}), else {DEFAULT_STATE_ROOT}/<label>/client-<k> in its "
+    "home; a run config names nothing on a client's disk"
+  )
+}
+# A label as one path component: what experiments.run's labels are made of, starting with a
+# letter or digit (so never '.', '..' or a hidden name), at most 200 characters.
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")
 # The server's own test data: an npz (x_train, y_train, x_test, y_test) its environment names,
 # read in place of the named config's data.source (the run config never names a file).
 SERVER_DATA_ENV = "FEDLAP_FLOWER_SERVER_DATA"
@@ -364,7 +379,6 @@ class RunSettings:
   round_timeout: float
   join_timeout: float
   max_epsilon: float
-  state_root: Path
   unsafe_dp_keys_from_server: bool
   partition_keys: Mapping[str, int] = dataclasses.field(default_factory=dict)
   max_image_abs: float = 0.0
@@ -380,8 +394,14 @@ class RunSettings:
 
 
 def with_defaults(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
-  """``run_config`` over :data:`RUN_CONFIG_DEFAULTS`; unknown keys are refused."""
+  """``run_config`` over :data:`RUN_CONFIG_DEFAULTS`; unknown keys are refused (a key of
+  :data:`REMOVED_RUN_CONFIG_KEYS` with the reason)."""
   run_config = dict(run_config or {})
+  for key, why in REMOVED_RUN_CONFIG_KEYS.items():
+    if key in run_config:
+      raise SettingsError(
+        key, run_config[key], why, message=f"run config key {key!r} is not allowed: {why}"
+      )
   unknown = sorted(set(run_config) - set(RUN_CONFIG_DEFAULTS))
   if unknown:
     raise SettingsError(
@@ -421,9 +441,8 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
     _fail("unsafe-dp-keys-from-server", unsafe, "true or false")
   if not isinstance(rc["resume"], bool):
     _fail("resume", rc["resume"], "true or false")
-  for key in ("run-dir", "state-root"):
-    if not isinstance(rc[key], str):
-      _fail(key, rc[key], "a path (a string; '' for the default)")
+  if not isinstance(rc["run-dir"], str):
+    _fail("run-dir", rc["run-dir"], "a path (a string; '' for the default)")
   from fedlap_flower import binding  # pylint: disable=g-import-not-at-top
 
   keys = rc["partition-keys"]
@@ -439,7 +458,6 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   if not is_real(max_image) or not 0 <= max_image:
     _fail("max-image-abs", max_image, "a finite number > 0, or 0 for the default bound")
   run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
-  state_root = Path(rc["state-root"] or "~/.fedlap_flower").expanduser()
   return RunSettings(
     rc["config"],
     rc["overrides"],
@@ -450,7 +468,6 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
     float(timeout),
     float(join),
     float(max_eps),
-    state_root,
     unsafe,
     partition_keys,
     float(max_image),
@@ -532,7 +549,7 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
       "the client's environment",
     )
   else:
-    state_dir = run.state_root / run.label / f"client-{pid}"
+    state_dir = default_state_dir(run.label, pid)
   max_eps = nc.get("max-epsilon", math.inf)
   if not _is_real_or_inf(max_eps) or max_eps <= 0:
     _fail("max-epsilon", max_eps, "a number > 0")
@@ -548,6 +565,29 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
     requires_dp="max-epsilon" in nc,
     max_delta=None if max_delta is None else float(max_delta),
   )
+
+
+def default_state_dir(label: str, partition_id: int) -> Path:
+  """A non-DP client's state directory without ``state-dir`` or :data:`STATE_ROOT_ENV`:
+  ``~/.fedlap_flower/<label>/client-<k>`` in this (the client's) user's home.
+
+  ``label`` comes from the run config, so it must be one plain path component
+  (:data:`_LABEL`: letters, digits, ``_ . + -``, starting with a letter or digit); any other
+  is refused rather than rewritten, so two labels never share a directory.
+
+  Raises:
+    SettingsError: ``label`` could leave ``~/.fedlap_flower`` or is not a plain name.
+  """
+  if not isinstance(label, str) or not _LABEL.fullmatch(label):
+    raise SettingsError(
+      "config",
+      label,
+      "a run label of letters, digits and _ . + - that starts with a letter or digit",
+      message=f"the run label {label!r} cannot name a client's state directory; allowed: "
+      "letters, digits and _ . + -, starting with a letter or digit (or give the client a "
+      f"state-dir or {STATE_ROOT_ENV})",
+    )
+  return Path(DEFAULT_STATE_ROOT).expanduser() / label / f"client-{partition_id}"
 
 
 def unsafe_consent() -> bool:

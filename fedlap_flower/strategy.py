@@ -89,8 +89,14 @@ EPSILON_KIND = "self-reported by the clients whose replies were accepted"
 
 
 # What a run writes in its run-dir; a new run refuses a run-dir holding any of them.
+# A round's timing depends on the clients' records (their sizes, a DP round's Poisson
+# draws), so it is not covered by the guarantee: its own file, beside the releasable
+# metrics.jsonl (docs/privacy.md), as experiments.run keeps it.
+TIMING_FILE = "timing.jsonl"
+TIMING_FIELDS = ("round_seconds", "wall_seconds")
 OUTPUTS = (
   "metrics.jsonl",
+  TIMING_FILE,
   "client_reports.json",
   "run_info.json",
   "final_params.npz",
@@ -119,8 +125,10 @@ class RunLog:
     client, the round's clients, server radius and steps,
     bytes uploaded (synthetic sets, plus the model deltas with
     ``server.start='fedavg_delta'``, also counted alone in
-    ``upload_delta_bytes``), seconds, ``update_refused`` when the update was
-    not finite);
+    ``upload_delta_bytes``), ``update_refused`` when the update was not finite);
+  * ``timing.jsonl`` (:data:`TIMING_FILE`): per round, ``round_seconds`` and
+    ``wall_seconds`` (since the server started). Timing is not covered by the
+    guarantee, so it is kept apart from the releasable ``metrics.jsonl``;
   * ``client_reports.json``: everything each client reported, every round,
     and why a reply was not used (rewritten atomically after each round);
   * ``run_info.json``: the settings of the run (with ``resumed``: the rounds
@@ -153,6 +161,7 @@ class RunLog:
     self.reports: list[dict] = []
     self.records: list[dict] = []
     (self.run_dir / "metrics.jsonl").write_text("")
+    (self.run_dir / TIMING_FILE).write_text("")
     write_json_atomic(self.run_dir / "run_info.json", info)
 
   @classmethod
@@ -196,6 +205,7 @@ class RunLog:
 
     run_dir = Path(run_dir)
     kept = checkpointing.truncate_metrics(run_dir / "metrics.jsonl", completed)
+    checkpointing.truncate_metrics(run_dir / TIMING_FILE, completed)
     path = run_dir / "client_reports.json"
     reports = json.loads(path.read_text()) if path.exists() else []
     reports = [r for r in reports if r.get("round", 0) <= completed]
@@ -212,10 +222,15 @@ class RunLog:
     write_json_atomic(self.run_dir / "client_reports.json", self.reports)
 
   def add_round(self, record: dict) -> None:
-    record = {**record, "wall_seconds": time.time() - self.t0}
+    """Appends a round's record to ``metrics.jsonl``, its timing fields to ``timing.jsonl``."""
+    timing = {"round": record["round"], "wall_seconds": time.time() - self.t0}
+    timing.update((k, record[k]) for k in TIMING_FIELDS if k in record)
+    record = {k: v for k, v in record.items() if k not in TIMING_FIELDS}
     self.records.append(record)
     with open(self.run_dir / "metrics.jsonl", "a") as f:
       f.write(json.dumps(record, sort_keys=True) + "\n")
+    with open(self.run_dir / TIMING_FILE, "a") as f:
+      f.write(json.dumps(timing, sort_keys=True) + "\n")
     eps = record.get("epsilon")
     log(
       INFO,

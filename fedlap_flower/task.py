@@ -51,20 +51,21 @@ KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
 
 
 def enable_compilation_cache() -> None:
-  """Keeps compiled XLA programs on disk (``$JAX_COMPILATION_CACHE_DIR``, default
-  ``~/.cache/fedlap_flower/jax``).
+  """Keeps compiled XLA programs on disk, where ``experiments.run`` keeps them
+  (:func:`experiments.compilation_cache.enable`: ``$FEDLAP_COMPILATION_CACHE``, else JAX's
+  own setting, else ``~/.cache/fedlap_jax/jax_compilation_cache``; ``none``: off).
 
   A SuperNode starts a new ClientApp process for every message, so without the
-  cache every client would compile ``local_approx`` again in every round.
+  cache every client would compile ``local_approx`` again in every round. The place comes
+  from this machine's environment only, never from a run config (which the server sends):
+  whoever chooses the directory could plant programs there that this process would run.
   ``FEDLAP_FLOWER_JAX_CACHE=off`` leaves JAX's setting alone (the in-process tests).
   """
   if os.environ.get("FEDLAP_FLOWER_JAX_CACHE") == "off":
     return
-  if not jax.config.jax_compilation_cache_dir:
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser(
-      "~/.cache/fedlap_flower/jax"
-    )
-    jax.config.update("jax_compilation_cache_dir", path)
+  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+
+  compilation_cache.enable()
 
 
 # ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ explicit PRNG keys and are jit-compatible.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -151,8 +152,13 @@ def client_synthetic(
   )
 
 
+@functools.partial(jax.jit, static_argnames=("image_shape",))
 def noise_images(key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]) -> jax.Array:
-  """``N(0, 1)`` images for every valid slot, zeros for padding: ``(*mask.shape, *image_shape)``."""
+  """``N(0, 1)`` images for every valid slot, zeros for padding: ``(*mask.shape, *image_shape)``.
+
+  One compiled program (``image_shape`` static), also when called outside ``jit``: the
+  sampler run operation by operation would compile each of its operations on its own.
+  """
   x = jax.random.normal(key, (*mask.shape, *image_shape), jnp.float32)
   return x * mask.reshape(*mask.shape, *([1] * len(image_shape)))
 

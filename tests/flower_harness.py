@@ -196,15 +196,17 @@ def serve_with(grid, run_config: dict) -> list[dict]:
       os.environ["FEDLAP_FLOWER_JAX_CACHE"] = old
 
 
-def run_inprocess(run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None):
+def run_inprocess(
+  run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None, *, state_root=None
+):
   """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``.
 
-  Without ``nodes``, node ``k`` gets ``state-dir = <run config's state-root>/client-<k>``
-  (its own node config).
+  Without ``nodes``, node ``k`` gets :func:`node_configs`, with ``state_root`` its own
+  ``state-dir = <state_root>/client-<k>`` (the run config names no client directory).
   """
   from fedlap_flower import client_app
 
-  nodes = nodes or node_configs(state_root=run_config.get("state-root") or None)
+  nodes = nodes or node_configs(state_root=state_root)
   grid = InProcessGrid(client_app.app, run_config, nodes)
   if grid_hook is not None:
     grid_hook(grid)

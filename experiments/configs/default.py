@@ -148,6 +148,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.condense.update(schema.section(condensation.OneShotConfig, exclude=ONESHOT_SHARED))
 
   # Run-time options (may change when a run is resumed).
+  # Where compiled XLA programs are kept between runs (experiments.compilation_cache): ""
+  # = $FEDLAP_COMPILATION_CACHE, else ~/.cache/fedlap_jax/jax_compilation_cache; "none" = off.
+  config.compilation_cache_dir = ""
   config.checkpoint_every = 5  # rounds; the last round is always saved
   config.keep_checkpoints = 2
   # Test-set images per evaluation step; None: 16 on CPU, 1000 on accelerators.

@@ -16,6 +16,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 
@@ -186,3 +188,46 @@ def test_compile_census_counts_each_tests_jax_work_across_xdist_workers(tmp_path
   total = census["files"]["total"]
   assert total["tests"] == 2
   assert total["compile_n"] == sum(t["compile_n"] for t in census["tests"].values())
+
+
+# A smaller FedLAP-DP round than the quickstart's (the same paths), so that four processes
+# build and run it in about a minute.
+SMALL_DP = ("model.width=8", "model.depth=1", "client.ipc=2", "server.max_epochs=1")
+
+
+@pytest.mark.slow
+def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_path):
+  """``benchmarks.compile_times --ref``: each tree's round program is built cold (XLA compiles
+  it) and warm (read back from the cache the cold process wrote), in fresh processes; the ref's
+  processes import the ref's code from a worktree that is removed afterwards."""
+  out_json = tmp_path / "times.json"
+  sets = [a for s in SMALL_DP for a in ("--set", s)]
+  out = run_script(
+    "benchmarks.compile_times",
+    "--configs",
+    "quickstart:dp",
+    *sets,
+    "--later-rounds",
+    "1",
+    "--ref",
+    "HEAD",
+    "--json",
+    str(out_json),
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  results = json.loads(out_json.read_text())
+  assert [r["tree"] for r in results] == ["this tree", "HEAD"]
+  trees = [pathlib.Path(r["cold"]["fedlap_jax"]) for r in results]
+  assert trees[0] == ROOT and trees[1] != ROOT and not trees[1].exists()
+  for r in results:
+    cold, warm = r["cold"], r["warm"]
+    assert (cold["events"]["round"]["compile_n"], cold["events"]["round"]["cache_hits"]) == (1, 0)
+    assert (warm["events"]["round"]["compile_n"], warm["events"]["round"]["cache_hits"]) == (1, 1)
+    assert warm["events"]["round"]["compile_s"] < cold["events"]["round"]["compile_s"]
+    assert r["cache_entries"] >= 1 and r["cache_bytes"] > 0
+    assert cold["hlo_input"]["instructions"] > 1000 and cold["hlo_optimised"]["fusions"] > 0
+    assert warm["hlo_input"] == cold["hlo_input"]  # one program, built twice
+    assert len(cold["rounds_s"]) == 2 and "round1_overhead_s" in cold
+  assert "| this tree | quickstart:dp | cold |" in out.stdout
+  assert "| HEAD | quickstart:dp | warm |" in out.stdout

@@ -26,13 +26,7 @@ DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps", "rad
 
 
 def _run_config(tmp_path, config, overrides=TINY, **extra):
-  return {
-    "config": config,
-    "overrides": overrides,
-    "run-dir": str(tmp_path / "run"),
-    "state-root": str(tmp_path / "state"),
-    **extra,
-  }
+  return {"config": config, "overrides": overrides, "run-dir": str(tmp_path / "run"), **extra}
 
 
 # ----------------------------------------------------------------------------
@@ -59,9 +53,7 @@ def test_settings_map_onto_the_named_configs(tmp_path):
       "max-epsilon": 4.0,
       "state-dir": str(tmp_path / "mine"),
     },
-    settings.run_settings(
-      {"config": "quickstart:dp_loops", "max-epsilon": 3.0, "state-root": str(tmp_path)}
-    ),
+    settings.run_settings({"config": "quickstart:dp_loops", "max-epsilon": 3.0}),
   )
   # The client keeps the smaller cap: a server can lower it, never raise it.
   assert node.max_epsilon == 3.0
@@ -133,26 +125,86 @@ def test_bad_node_config_is_refused_by_name(node_config, match, tmp_path):
     settings.node_settings({"state-dir": str(tmp_path), **node_config}, run)
 
 
-def test_a_dp_client_keeps_its_ledger_only_where_its_own_config_says(tmp_path, monkeypatch):
-  """Under DP, state-dir comes from the client (node config, or its own environment), never
-  from the run config's label or state-root: renaming the config cannot reset a ledger."""
+def test_a_client_takes_its_state_dir_from_itself_only(tmp_path, monkeypatch):
+  """state-dir comes from the client (node config, or its own environment), never from the
+  run config: under DP renaming the config cannot reset a ledger; without DP and without
+  either, it is a fixed place in the client user's home."""
   monkeypatch.delenv(settings.STATE_ROOT_ENV, raising=False)
-  dp = settings.run_settings({"config": "quickstart:dp_loops", "state-root": str(tmp_path)})
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  dp = settings.run_settings({"config": "quickstart:dp_loops"})
   with pytest.raises(settings.SettingsError) as err:
     settings.node_settings({"partition-id": 1, "num-partitions": 5}, dp)
   assert err.value.field == "state-dir" and "state-dir is missing" in str(err.value)
   monkeypatch.setenv(settings.STATE_ROOT_ENV, str(tmp_path / "own"))
   node = settings.node_settings({"partition-id": 1, "num-partitions": 5}, dp)
   assert node.state_dir == tmp_path / "own" / "client-1"
-  # Without DP (a carried synthetic set only) the run config's state-root still serves.
+  # Without DP (a carried synthetic set only): ~/.fedlap_flower/<label>/client-<k>, each
+  # directory the client creates 0700 and checks as any state-dir.
   monkeypatch.delenv(settings.STATE_ROOT_ENV)
-  nondp = settings.run_settings({"config": "quickstart:nondp", "state-root": str(tmp_path)})
+  nondp = settings.run_settings({"config": "quickstart:nondp"})
   node = settings.node_settings({"partition-id": 1, "num-partitions": 5}, nondp)
-  assert node.state_dir == tmp_path / "quickstart_nondp" / "client-1"
+  root = tmp_path / "home" / ".fedlap_flower"
+  assert node.state_dir == root / "quickstart_nondp" / "client-1"
+  ledger_lib.ClientState(node.state_dir)
+  for d in (root, root / "quickstart_nondp", node.state_dir):
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
   # max-delta: the node's own, else min(1e-5, 1 / N_k).
   assert node.delta_bound(274) == 1e-5 and node.delta_bound(200_000) == 1 / 200_000
   own = settings.node_settings({"partition-id": 1, "num-partitions": 5, "max-delta": 1e-7}, nondp)
   assert own.delta_bound(274) == 1e-7
+
+
+def test_a_run_config_naming_a_client_directory_is_refused(tmp_path, monkeypatch):
+  """state-root once put a non-DP client's state where the run config said; a run config
+  carrying it is refused, on the server and on every client, and nothing is created there."""
+  monkeypatch.delenv(settings.STATE_ROOT_ENV, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  there = tmp_path / "named"
+  rc = {**_run_config(tmp_path, "quickstart:nondp"), "state-root": str(there)}
+  with pytest.raises(settings.SettingsError) as err:
+    settings.run_settings(rc)
+  assert err.value.field == "state-root"
+  text = str(err.value)
+  assert "\n" not in text and "'state-root' is not allowed" in text
+  assert "state-dir" in text and settings.STATE_ROOT_ENV in text
+  with pytest.raises(settings.SettingsError, match="'state-root' is not allowed"):
+    run_inprocess(rc, node_configs())
+  # A client asked directly (as if the server let it through) refuses it too.
+  from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+  from flower_harness import InProcessGrid, task_identity
+  from fedlap_flower import client_app
+
+  grid = InProcessGrid(client_app.app, rc, node_configs())
+  conf = {"server-round": 1, "learning-rate": 0.1, "keys": "server"}
+  with task_identity():
+    reply = grid.answer(
+      Message(
+        content=RecordDict({"config": ConfigRecord(conf)}),
+        message_type=MessageType.TRAIN,
+        dst_node_id=101,
+      )
+    )
+  assert reply.has_error() and "'state-root' is not allowed" in reply.error.reason
+  assert not there.exists() and not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize(
+  "label", ["..", ".", "../x", "a/b", "/abs", "", ".hidden", "x\x00y", "caf\u00e9", "a" * 201]
+)
+def test_a_label_that_could_leave_the_default_state_root_is_refused(label, tmp_path, monkeypatch):
+  """The default state-dir is ~/.fedlap_flower/<label>/client-<k>, and the label comes from
+  the run config: it must be one plain name, else the client refuses (never rewrites) it."""
+  import dataclasses
+
+  monkeypatch.delenv(settings.STATE_ROOT_ENV, raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path))
+  run = dataclasses.replace(settings.run_settings({"config": "quickstart:nondp"}), label=label)
+  with pytest.raises(settings.SettingsError, match="cannot name a client's state directory"):
+    settings.node_settings({"partition-id": 0, "num-partitions": 5}, run)
+  assert settings.default_state_dir("quickstart_dp_loops", 3) == (
+    tmp_path / ".fedlap_flower" / "quickstart_dp_loops" / "client-3"
+  )
+  assert not (tmp_path / ".fedlap_flower").exists()
 
 
 def test_app_pyproject_lists_every_run_config_key():
@@ -232,7 +284,7 @@ def test_a_state_dir_another_user_could_change_is_refused(tmp_path, how):
   with pytest.raises(ledger_lib.LedgerError, match="another user could replace its privacy"):
     ledger_lib.ClientState(d)
   # The node config's state-dir goes through the same check on the client.
-  rc = {"config": "quickstart:dp_loops", "state-root": str(tmp_path)}
+  rc = {"config": "quickstart:dp_loops"}
   node = settings.node_settings(
     {"partition-id": 0, "num-partitions": 5, "state-dir": str(d)}, settings.run_settings(rc)
   )
@@ -365,7 +417,7 @@ def test_a_ledger_of_the_other_adjacency_continues_with_this_one(tmp_path):
 def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
   """Without DP the server sends fedlap_round's keys: every number is the same."""
   rc = _run_config(tmp_path, "quickstart:nondp")
-  records, grid = run_inprocess(rc)
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
   ref = reference_run("quickstart:nondp", TINY, tmp_path / "ref")
   assert [r["round"] for r in records] == [1, 2]
   for got, want in zip(records, ref):
@@ -390,7 +442,7 @@ def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monke
   rc = _run_config(
     tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0}
   )
-  records, _ = run_inprocess(rc)
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
   ref = reference_run("quickstart:dp_loops", TINY, tmp_path / "ref")
   for got, want in zip(records, ref):
     assert got["test_accuracy"] == want["test_accuracy"]
@@ -420,7 +472,7 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
     overrides=HYBRID_TINY,
     **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
   )
-  records, grid = run_inprocess(rc)
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
   ref = reference_run("quickstart:dp", HYBRID_TINY, tmp_path / "ref")
   assert [r["round"] for r in records] == [1, 2]
   for got, want in zip(records, ref):
@@ -529,10 +581,10 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   rc = _run_config(tmp_path, "quickstart:dp_loops", **{"max-epsilon": 50.0})
   # experiments.run's debugging switch for raw statistics never reaches the wire.
   rc["overrides"] += " debug_nonprivate_stats=True"
-  records, grid = run_inprocess(rc)
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
   # Secret keys: a second federation with fresh state directories (new secrets) differs.
   records2, _ = run_inprocess(
-    {**rc, "state-root": str(tmp_path / "state2"), "run-dir": str(tmp_path / "run2")}
+    {**rc, "run-dir": str(tmp_path / "run2")}, state_root=tmp_path / "state2"
   )
   assert all(r["clients_ok"] == [0, 1, 2, 3, 4] for r in records + records2)
   assert records[-1]["test_loss"] != records2[-1]["test_loss"]
@@ -610,7 +662,7 @@ def test_unsafe_server_keys_need_the_clients_consent(tmp_path, monkeypatch):
     **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0, "min-clients": 1},
   )
   with pytest.raises(strategy.TooFewClients):
-    run_inprocess(rc)
+    run_inprocess(rc, state_root=tmp_path / "state")
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   assert {r["status"] for r in reports} == {"refused"}
   assert all(settings.UNSAFE_ENV in r["reason"] for r in reports)
@@ -650,7 +702,7 @@ def test_missing_and_failing_clients_are_logged_and_the_rest_aggregate(tmp_path)
     grid.silent.add(105)  # partition 4: crashed
     grid.contexts[104].node_config["data-path"] = "/nope"  # partition 3: raises
 
-  records, _ = run_inprocess(rc, grid_hook=hook)
+  records, _ = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
   assert all(r["clients_ok"] == [0, 1, 2] for r in records)
   assert records[0]["clients_missing"] == ["node 105"]
   assert records[0]["clients_error"] == ["node 104"]
@@ -667,7 +719,7 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   step, with experiments.run's keys and learning rates: every number is the same."""
   overrides = "method=fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128"
   rc = _run_config(tmp_path, "quickstart:nondp", overrides=overrides)
-  records, grid = run_inprocess(rc)
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
   ref = reference_run("quickstart:nondp", overrides, tmp_path / "ref")
   assert [r["round"] for r in records] == [1, 2]
   for got, want in zip(records, ref):
@@ -755,21 +807,26 @@ def test_the_server_state_round_trips(tmp_path):
 def test_a_new_run_refuses_a_run_dir_holding_a_run(tmp_path):
   """A resubmitted run once reused the run-dir and truncated its metrics.jsonl."""
   rc = _run_config(tmp_path, "quickstart:nondp", overrides=TINY.replace("rounds=2", "rounds=1"))
-  run_inprocess(rc)
+  run_inprocess(rc, state_root=tmp_path / "state")
   before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
   with pytest.raises(settings.SettingsError, match="holds the outputs of a run") as err:
-    run_inprocess(rc)
+    run_inprocess(rc, state_root=tmp_path / "state")
   assert err.value.field == "run-dir"
   assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
   # resume = true is not a way around it: the run there is finished, or another experiment's.
   with pytest.raises(settings.SettingsError, match="holds a finished run") as err:
-    run_inprocess({**rc, "resume": True})
+    run_inprocess({**rc, "resume": True}, state_root=tmp_path / "state")
   assert err.value.field == "resume"
   (tmp_path / "run" / "done").unlink()
   with pytest.raises(settings.SettingsError, match="a run of another experiment"):
-    run_inprocess({**rc, "resume": True, "overrides": rc["overrides"] + " seed=1"})
+    run_inprocess(
+      {**rc, "resume": True, "overrides": rc["overrides"] + " seed=1"},
+      state_root=tmp_path / "state",
+    )
   with pytest.raises(settings.SettingsError, match="holds no run to resume"):
-    run_inprocess({**rc, "resume": True, "run-dir": str(tmp_path / "empty")})
+    run_inprocess(
+      {**rc, "resume": True, "run-dir": str(tmp_path / "empty")}, state_root=tmp_path / "state"
+    )
   assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.name != "done"} == {
     k: v for k, v in before.items() if k != "done"
   }
@@ -781,17 +838,23 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind)
   """Round 3 gets no replies and the run stops; resume = true redoes round 3 from the state
   after round 2 (parameters, key chain, pins) and ends where the uninterrupted run ends."""
   straight = _run_config(tmp_path / "a", "quickstart:nondp", overrides=RESUMABLE[kind])
-  want, _ = run_inprocess(straight)
+  want, _ = run_inprocess(straight, state_root=tmp_path / "a" / "state")
   rc = _run_config(tmp_path / "b", "quickstart:nondp", overrides=RESUMABLE[kind])
   with pytest.raises(strategy.TooFewClients):
-    run_inprocess(rc, grid_hook=_stop_at_round(3))
+    run_inprocess(rc, grid_hook=_stop_at_round(3), state_root=tmp_path / "b" / "state")
   # FedLAP logs the stopped round; both stop with the state after round 2.
   stopped = [r["round"] for r in read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")]
   assert stopped == ([1, 2, 3] if kind == "nondp" else [1, 2])
-  run_inprocess({**rc, "resume": True})
+  run_inprocess({**rc, "resume": True}, state_root=tmp_path / "b" / "state")
   got = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
   keys = ("round", "test_accuracy", "test_loss", "clients_ok", "server_radius", "client_radius")
   assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want]
+  # Timing is kept apart from the releasable metrics.jsonl, one record per round, and the
+  # resume dropped the stopped round's.
+  assert not any(k in r for r in got for k in strategy.TIMING_FIELDS)
+  timing = read_jsonl(tmp_path / "b" / "run" / strategy.TIMING_FILE)
+  assert [t["round"] for t in timing] == [1, 2, 3]
+  assert all(t["round_seconds"] > 0 and t["wall_seconds"] > 0 for t in timing)
   with np.load(tmp_path / "a" / "run" / "final_params.npz") as a:
     with np.load(tmp_path / "b" / "run" / "final_params.npz") as b:
       assert sorted(a.files) == sorted(b.files)
@@ -809,7 +872,7 @@ def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
   """The server cannot switch DP off for a client that set its own budget."""
   rc = _run_config(tmp_path, "quickstart:nondp", **{"min-clients": 1})
   with pytest.raises(strategy.TooFewClients):
-    run_inprocess(rc, node_configs(**{"max-epsilon": 8.0}))
+    run_inprocess(rc, node_configs(state_root=tmp_path / "state", **{"max-epsilon": 8.0}))
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   assert {r["status"] for r in reports} == {"refused"}
   assert all("takes part in DP runs only" in r["reason"] for r in reports)
@@ -996,7 +1059,7 @@ def test_a_run_naming_a_client_file_is_refused_alike_by_server_and_clients(tmp_p
   for path in (tool, tmp_path / "missing.py"):
     rc = _run_config(tmp_path, str(path))
     with pytest.raises(settings.SettingsError, match="is invalid: a path"):
-      run_inprocess(rc)
+      run_inprocess(rc, state_root=tmp_path / "state")
     grid = InProcessGrid(client_app.app, rc, node_configs(state_root=tmp_path / "state"))
     with task_identity():
       for kind, conf in (

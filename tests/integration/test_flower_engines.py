@@ -202,13 +202,13 @@ def test_the_app_runs_on_stock_flower_supernodes(tmp_path, jax_cache):
   overrides = f"{TINY.replace('rounds=2', 'rounds=1')} data.num_clients=2"
   with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
     for k in range(2):
-      fed.start_supernode(k, {"partition-id": k, "num-partitions": 2}, stock=True)
+      node = {"partition-id": k, "num-partitions": 2, "state-dir": str(tmp_path / f"client-{k}")}
+      fed.start_supernode(k, node, stock=True)
     run_id = fed.run(
       {
         "config": "quickstart:nondp",
         "overrides": overrides,
         "run-dir": str(run_dir),
-        "state-root": str(tmp_path / "state"),
         "round-timeout": 300.0,
       }
     )

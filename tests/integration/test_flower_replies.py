@@ -64,7 +64,6 @@ def _rc(path, kind):
     "config": config,
     "overrides": overrides,
     "run-dir": str(path / "run"),
-    "state-root": str(path / "state"),
     "min-clients": 3,
     **extra,
   }
@@ -79,7 +78,8 @@ def genuine(tmp_path_factory):
     if kind not in cache:
       with pytest.MonkeyPatch.context() as mp:
         mp.setenv(settings.UNSAFE_ENV, "1")
-        _, grid = run_inprocess(_rc(tmp_path_factory.mktemp(f"genuine_{kind}"), kind))
+        path = tmp_path_factory.mktemp(f"genuine_{kind}")
+        _, grid = run_inprocess(_rc(path, kind), state_root=path / "state")
       cache[kind] = {int(r.metadata.src_node_id): r.content for r in grid.replies}
       assert sorted(cache[kind]) == [101, 102, 103, 104, 105]
     return cache[kind]
@@ -95,7 +95,7 @@ def replay(genuine, tmp_path_factory):
   def run(kind, script, first=None, silent=()):
     path = tmp_path_factory.mktemp(kind)
     rc = _rc(path, kind)
-    grid = ReplayGrid(client_app.app, rc, node_configs(state_root=rc["state-root"]), script, first)
+    grid = ReplayGrid(client_app.app, rc, node_configs(state_root=path / "state"), script, first)
     grid.silent.update(silent)
     with pytest.MonkeyPatch.context() as mp:
       mp.setenv(settings.UNSAFE_ENV, "1")
@@ -290,7 +290,7 @@ def test_a_partitions_num_examples_is_pinned_at_its_first_accepted_reply(kind, t
     server_round=2,
     tamper=lambda c: _metrics(c, **{"num-examples": int(c["metrics"]["num-examples"]) + 1}),
   )
-  records, _ = run_inprocess(rc, node_configs(state_root=rc["state-root"]), grid_hook=hook)
+  records, _ = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
   assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4], [1, 2, 3, 4]]
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   bad = [r for r in reports if r["status"] != "ok"]
@@ -310,7 +310,7 @@ def test_an_aggregation_that_raises_keeps_the_model_and_the_run(kind, tmp_path, 
 
   monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "fedavg_update", boom)
   rc = _rc(tmp_path, kind)
-  records, _ = run_inprocess(rc, node_configs(state_root=rc["state-root"]))
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
   assert len(records) == 1 and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
   assert records[0]["update_refused"] == (
     f"the {'server update' if kind == 'nondp' else 'aggregate'} raised OverflowError: Python "
@@ -663,7 +663,7 @@ def _select(rc, nodes, infos=None, rounds=1):
 def test_a_second_node_claiming_a_partition_is_the_one_left_out(tmp_path):
   from flwr.proto.node_pb2 import NodeInfo  # pylint: disable=no-name-in-module
 
-  rc = {"config": "quickstart:dp_loops", "state-root": str(tmp_path)}
+  rc = {"config": "quickstart:dp_loops"}
   nodes = {
     **node_configs(state_root=tmp_path),
     106: {"partition-id": 0, "num-partitions": 5, "state-dir": str(tmp_path / "x")},
@@ -693,12 +693,7 @@ def test_partition_keys_decide_and_unlisted_keys_take_no_part(tmp_path):
     f"{k}={binding.key_fingerprint(pems[n])}"
     for k, n in [(0, 101), (1, 102), (2, 103), (3, 104), (4, 106)]
   )
-  rc = {
-    "config": "quickstart:dp_loops",
-    "state-root": str(tmp_path),
-    "partition-keys": keys,
-    "min-clients": 4,
-  }
+  rc = {"config": "quickstart:dp_loops", "partition-keys": keys, "min-clients": 4}
   nodes = {**node_configs(), 106: {"partition-id": 0, "num-partitions": 5}}
   infos = {n: NodeInfo(node_id=n, public_key=pems[n]) for n in nodes}
   [(asked, _, reports)], grid = _select(rc, nodes, infos)
@@ -750,7 +745,6 @@ def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch):
     "config": "quickstart:dp_loops",
     "overrides": SAMPLED,
     "run-dir": str(tmp_path / "run"),
-    "state-root": str(tmp_path / "state"),
     "unsafe-dp-keys-from-server": True,
     "max-epsilon": 50.0,
   }

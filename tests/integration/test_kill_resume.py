@@ -357,13 +357,13 @@ else:
   server_work.server_update = slowed(server_work.server_update)
 register_signal_handlers(event_type=EventType.FLWR_CLIENTAPP_RUN_LEAVE,
                          exit_message="Task stopped.")
-run_config = json.loads(sys.argv[1])
+run_config, state_root = json.loads(sys.argv[1]), sys.argv[2]  # the clients' own state-dirs
 if part == "client":
-  flower_harness.run_inprocess(run_config)
+  flower_harness.run_inprocess(run_config, state_root=state_root)
 else:  # the ServerApp's entry point, as flwr-serverapp calls it
   from flwr.app import Context, RecordDict
   from fedlap_flower import client_app, server_app
-  nodes = flower_harness.node_configs(state_root=run_config["state-root"])
+  nodes = flower_harness.node_configs(state_root=state_root)
   grid = flower_harness.InProcessGrid(client_app.app, run_config, nodes)
   server_app.PromptGrid = lambda g: g  # the in-process Grid has send_and_receive only
   with flower_harness.task_identity():
@@ -385,7 +385,6 @@ def test_sigterm_ends_a_flower_app_process_in_a_long_round(tmp_path, part):
     "config": "quickstart:dp_loops",
     "overrides": TINY,
     "run-dir": str(tmp_path / "run"),
-    "state-root": str(tmp_path / "state"),
     "max-epsilon": 50.0,
   }
   script = tmp_path / "app.py"
@@ -394,7 +393,7 @@ def test_sigterm_ends_a_flower_app_process_in_a_long_round(tmp_path, part):
   )
   env = _env(tmp_path / "xla_cache")
   rc, _, err, seconds = terminate_when(
-    [sys.executable, str(script), json.dumps(run_config)],
+    [sys.executable, str(script), json.dumps(run_config), str(tmp_path / "state")],
     env,
     f"fault: the {part} round is slow",
     timeout=900,

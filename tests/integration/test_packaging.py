@@ -7,8 +7,10 @@ repository), where an editable install cannot stand in for the package data.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import importlib.resources
+import importlib.util
 import json
 import os
 import sys
@@ -52,3 +54,41 @@ def test_the_tests_run_against_an_installed_wheel():
   direct = dist.read_text("direct_url.json")
   assert direct is None or not json.loads(direct).get("dir_info", {}).get("editable"), direct
   assert Path(sys.executable).parent == Path(sys.prefix) / "bin"
+
+
+# Flower's modules that are not its public API (``flwr.app``, ``flwr.serverapp``,
+# ``flwr.clientapp``, ``flwr.common`` are): only ``fedlap_flower.runtime`` may import them,
+# checked against the Flower versions it was tested with at start-up.
+FLOWER_PRIVATE = ("flwr.supercore", "flwr.proto", "flwr.supernode", "flwr.superlink")
+
+
+def _imported_modules(path: Path) -> set[str]:
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    if isinstance(node, ast.Import):
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names.add(node.module)
+  return names
+
+
+def test_only_the_runtime_subpackage_imports_flowers_private_modules():
+  root = Path(fedlap_flower.__file__).resolve().parent
+  outside = {
+    str(path.relative_to(root)): sorted(
+      m for m in _imported_modules(path) if m.startswith(FLOWER_PRIVATE)
+    )
+    for path in root.rglob("*.py")
+    if "runtime" not in path.relative_to(root).parts
+  }
+  assert {f: m for f, m in outside.items() if m} == {}
+  inside = set().union(*(_imported_modules(p) for p in (root / "runtime").rglob("*.py")))
+  assert any(m.startswith(FLOWER_PRIVATE) for m in inside)  # the checker sees them
+
+
+def test_the_test_federation_harness_is_not_part_of_the_package():
+  """The harness that starts SuperLinks and SuperNodes for tests and benchmarks lives in
+  tests/, not in what users install."""
+  assert importlib.util.find_spec("fedlap_flower.federation") is None
+  root = Path(fedlap_flower.__file__).resolve().parent
+  assert not list(root.rglob("federation.py"))

@@ -241,3 +241,38 @@ def test_embedding_returns_features_and_the_same_logits():
   # init_fn gives fresh networks: another key, other parameters.
   other = init_fn(model, (8, 8, 1))(jax.random.PRNGKey(2))
   assert not np.allclose(other["Dense_0"]["kernel"], dense["kernel"])
+
+
+class _Compiles:
+  """Counts the programs XLA builds (or reads from a cache) inside ``with``."""
+
+  def __enter__(self):
+    self.n = 0
+    self._on = lambda event, seconds, **kw: setattr(
+      self, "n", self.n + (event == "/jax/core/compile/backend_compile_duration")
+    )
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+def test_init_convnet_is_one_program_with_the_eager_initialisation_s_numbers():
+  shape, key = (6, 6, 2), jax.random.key(7)  # a shape no other test initialises
+  with _Compiles() as built:
+    model, params = init_convnet(key, shape, 3, width=4, depth=1)
+  assert built.n == 1  # eagerly: one program per operation of Flax's initialisation
+  eager = model.init(key, jnp.zeros((1, *shape)))["params"]
+  chex.assert_trees_all_equal(params, eager)  # bit for bit
+
+
+def test_noise_images_is_one_program_with_the_eager_sampler_s_numbers():
+  from fedlap_jax.synthetic import noise_images  # pylint: disable=g-import-not-at-top
+
+  key, mask = jax.random.key(3), jnp.asarray([[True, True, False], [True, False, False]])
+  with _Compiles() as built:
+    x = noise_images(key, mask, (5, 3, 2))
+  assert built.n == 1
+  eager = jax.random.normal(key, (2, 3, 5, 3, 2)) * mask[:, :, None, None, None]
+  np.testing.assert_array_equal(np.asarray(x), np.asarray(eager))

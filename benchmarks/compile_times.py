@@ -1,0 +1,553 @@
+r"""Time to first result: what a run's round program costs to build, cold and from the cache.
+
+Usage, from the repository root::
+
+  python -m benchmarks.compile_times                      # every config of CONFIGS
+  python -m benchmarks.compile_times --small              # the quickstart configs, a few minutes
+  python -m benchmarks.compile_times --configs quickstart:dp,cifar_dp --ref a27beca
+  python -m benchmarks.compile_times --json out.json
+
+For each named config the script prints the round program's HLO instruction count (as JAX
+hands it to XLA, and after XLA's optimisation: instructions, fusions, while loops,
+conditionals), its trace, lower and compile seconds, the set-up's programs and seconds, and
+the round-1 overhead: round 1 minus the median of the later rounds, each round timed as
+``experiments.run`` times it (the round and the test-set evaluation). Each config is measured
+twice, each time in a fresh process: **cold** (an empty persistent compilation cache, which
+the process fills) and **warm** (the same cache again: what a second run of the config on the
+machine pays). Both processes use the same cache settings, the ones ``experiments.run`` uses
+(:data:`experiments.compilation_cache.MIN_COMPILE_SECS`), set on JAX directly so that
+another tree's code is measured under the same settings.
+
+``--ref REF`` measures the git commit ``REF`` too, in the same run and on identical work: a
+throwaway worktree of ``REF`` is checked out, and the same measuring code (this file) runs in
+child processes that import ``fedlap_jax`` and ``experiments`` from it. The worktree is
+removed at the end.
+
+Data: the digits configs use the real bundled digits. cifar10 and mnist cannot be downloaded
+here, so their configs read a synthetic stand-in (uniform random uint8 images of the same
+shapes, and the same records per class, hence the same client sizes under the paper's
+partition); compile times depend on shapes, not values, and the output says so. On a CPU the
+large configs' rounds take minutes each, so by default only their program is built (traced,
+lowered, compiled, not run) and their round-1 overhead is not measured
+(``--large-rounds N`` runs 1 + N rounds of them as well).
+
+The XLA options are the environment's (``XLA_FLAGS`` is printed); the test suite's
+fast-compile options do not apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIGS = (
+  "quickstart:nondp",
+  "quickstart:dp",
+  "quickstart:dp_loops",
+  "cifar_dp",
+  "cifar_nondp",
+  "mnist_fedavg_dp",
+)
+SMALL_CONFIGS = ("quickstart:nondp", "quickstart:dp", "quickstart:dp_loops")
+# Configs whose data is a synthetic stand-in and whose rounds are not run by default.
+LARGE = ("cifar_dp", "cifar_nondp", "mnist_fedavg_dp")
+LATER_ROUNDS = 3  # rounds after round 1 whose median is the steady round time
+SMALL_LATER_ROUNDS = 2
+
+# Records per class of the real datasets (train, test): the stand-ins keep them, so the paper's
+# partition gives the same client sizes. Shapes are (H, W, C).
+STAND_INS = {
+  "cifar10": ((32, 32, 3), (5000,) * 10, (1000,) * 10),
+  "mnist": (
+    (28, 28, 1),
+    (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+    (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009),
+  ),
+}
+
+# JAX's monitoring events of the three stages of building a program.
+STAGE_EVENTS = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+  "/jax/core/compile/backend_compile_duration": "compile",
+}
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+RESULT_PREFIX = "COMPILE_TIMES_RESULT "
+
+
+# ----------------------------------------------------------------------------
+# HLO text.
+# ----------------------------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def _opcode(rest: str) -> str | None:
+  """The opcode of an HLO instruction's text after ``name = `` (its shape comes first)."""
+  if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        rest = rest[i + 1 :]
+        break
+  else:
+    rest = rest.partition(" ")[2]
+  match = re.match(r"\s*([a-z][\w\-]*)\(", rest)
+  return match.group(1) if match else None
+
+
+def hlo_counts(text: str) -> dict[str, int]:
+  """Counts of an HLO module's text: ``instructions`` (all, fused computations included),
+  ``computations``, ``fusions`` (fusion instructions), ``while``, ``conditional``, ``call``,
+  ``custom-call``, ``dot`` and ``convolution`` instructions."""
+  counts = dict.fromkeys(
+    (
+      "instructions",
+      "computations",
+      "fusions",
+      "while",
+      "conditional",
+      "call",
+      "custom-call",
+      "dot",
+      "convolution",
+    ),
+    0,
+  )
+  for line in text.splitlines():
+    if _COMPUTATION.match(line) and "=" not in line.partition("{")[0].split("(")[0]:
+      counts["computations"] += 1
+      continue
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    op = _opcode(match.group(1))
+    if op is None:
+      continue
+    counts["instructions"] += 1
+    key = "fusions" if op == "fusion" else op
+    if key in counts:
+      counts[key] += 1
+  return counts
+
+
+# ----------------------------------------------------------------------------
+# Stand-in data.
+# ----------------------------------------------------------------------------
+
+
+def stand_in_npz(name: str, directory: Path) -> Path:
+  """A synthetic ``name`` npz (uniform uint8 images, the real per-class counts) in ``directory``."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  path = directory / f"stand_in_{name}.npz"
+  if path.exists():
+    return path
+  shape, train, test = STAND_INS[name]
+  rng = np.random.default_rng(0)
+
+  def split(counts):
+    y = np.repeat(np.arange(10, dtype=np.int32), counts)
+    y = y[rng.permutation(len(y))]
+    return rng.integers(0, 256, (len(y), *shape), dtype=np.uint8), y
+
+  x_train, y_train = split(train)
+  x_test, y_test = split(test)
+  tmp = directory / f".{path.name}.tmp.npz"
+  np.savez(tmp, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+  tmp.replace(path)
+  return path
+
+
+# ----------------------------------------------------------------------------
+# The child: one config, one cache state, in a fresh process.
+# ----------------------------------------------------------------------------
+
+
+class _Events:
+  """JAX's stage events and cache hits, per phase of the child's work."""
+
+  def __init__(self) -> None:
+    self.phase = "import"
+    self.rows: dict[str, dict[str, float]] = {}
+
+  def _row(self) -> dict[str, float]:
+    return self.rows.setdefault(
+      self.phase,
+      {f"{s}_{k}": 0.0 for s in STAGE_EVENTS.values() for k in ("n", "s")} | {"cache_hits": 0.0},
+    )
+
+  def on_duration(self, event: str, seconds: float, **kwargs: Any) -> None:
+    del kwargs
+    stage = STAGE_EVENTS.get(event)
+    if stage is not None:
+      row = self._row()
+      row[f"{stage}_n"] += 1
+      row[f"{stage}_s"] += seconds
+
+  def on_event(self, event: str, **kwargs: Any) -> None:
+    del kwargs
+    if event == CACHE_HIT_EVENT:
+      self._row()["cache_hits"] += 1
+
+  @contextlib.contextmanager
+  def during(self, phase: str):
+    previous, self.phase = self.phase, phase
+    try:
+      yield
+    finally:
+      self.phase = previous
+
+
+def _jitted_call(fn, *args):
+  """``fn(*args)`` as a traced-but-not-lowered JAX stage (``jax.stages.Traced``).
+
+  A method's ``round`` is ``functools.partial(jit, **static arguments)``; its jit is traced
+  with the same static arguments as a call would use, so the call and this share one trace,
+  one lowering and one compiled program.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if isinstance(fn, functools.partial) and hasattr(fn.func, "trace"):
+    return fn.func.trace(*fn.args, *args, **fn.keywords)
+  return jax.jit(fn).trace(*args)
+
+
+def _child(spec: dict) -> dict:
+  """Measures one config in this (fresh) process; see the module docstring."""
+  t_process = time.perf_counter()
+  import jax  # pylint: disable=g-import-not-at-top
+
+  events = _Events()
+  jax.monitoring.register_event_duration_secs_listener(events.on_duration)
+  jax.monitoring.register_event_listener(events.on_event)
+  if spec["cache_dir"]:
+    jax.config.update("jax_compilation_cache_dir", spec["cache_dir"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", spec["min_compile_secs"])
+    jax.config.update("jax_compilation_cache_max_size", spec["max_size"])
+  else:
+    jax.config.update("jax_enable_compilation_cache", False)
+
+  import fedlap_jax  # pylint: disable=g-import-not-at-top
+  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.client_data import normalise_pixels  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.training import evaluate  # pylint: disable=g-import-not-at-top
+
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  out: dict[str, Any] = {
+    "load_before": os.getloadavg()[0],
+    "fedlap_jax": str(Path(fedlap_jax.__file__).resolve().parents[1]),
+    "jax": jax.__version__,
+    "device": str(jax.devices()[0].device_kind),
+    "import_s": time.perf_counter() - t_process,
+  }
+  t_setup = time.perf_counter()
+  with events.during("setup"):
+    cfg, _ = run_lib.load_config(spec["config"], spec["overrides"])
+    run_lib.calibrate_noise(cfg)
+    setup = train.build_run(cfg)
+    alg, state, clients = setup.algorithm, setup.state, setup.clients
+    dataset = setup.dataset
+    x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
+    to_inputs = functools.partial(
+      normalise_pixels,
+      pixel_scale=jnp.asarray(dataset.pixel_scale),
+      pixel_offset=jnp.asarray(dataset.pixel_offset),
+    )
+    eval_fn = jax.jit(
+      lambda p, x, y: evaluate(
+        setup.apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size, preprocess=to_inputs
+      )
+    )
+    jax.block_until_ready((state, clients, x_test, y_test))
+  out["setup_s"] = time.perf_counter() - t_setup
+  out["client_sizes"] = [len(i) for i in setup.client_indices]
+
+  def one_round(state):
+    t0 = time.perf_counter()
+    with events.during("round" if rounds_run == 0 else "later"):
+      state, metrics = alg.round(state, clients)
+    with events.during("eval" if rounds_run == 0 else "later"):
+      ev = eval_fn(alg.params_of(state), x_test, y_test)
+      float(ev.accuracy)
+    jax.block_until_ready((state, metrics))
+    return state, time.perf_counter() - t0
+
+  rounds = []
+  rounds_run = 0
+  if spec["rounds"] > 0:
+    for _ in range(spec["rounds"]):
+      state, seconds = one_round(state)
+      rounds.append(seconds)
+      rounds_run += 1
+    with events.during("hlo"):  # the same program: read from JAX's in-memory caches
+      traced = _jitted_call(alg.round, state, clients)
+      lowered = traced.lower()
+      compiled = lowered.compile()
+  else:  # built, not run
+    with events.during("round"):
+      t0 = time.perf_counter()
+      traced = _jitted_call(alg.round, state, clients)
+      lowered = traced.lower()
+      compiled = lowered.compile()
+      out["build_s"] = time.perf_counter() - t0
+  out["rounds_s"] = rounds
+  if len(rounds) >= 2:
+    steady = statistics.median(rounds[1:])
+    out["steady_round_s"] = steady
+    out["round1_overhead_s"] = rounds[0] - steady
+  out["hlo_input"] = hlo_counts(lowered.as_text(dialect="hlo"))
+  out["hlo_optimised"] = hlo_counts(compiled.as_text())
+  out["events"] = events.rows
+  out["process_s"] = time.perf_counter() - t_process
+  out["load_after"] = os.getloadavg()[0]
+  return out
+
+
+# ----------------------------------------------------------------------------
+# The parent.
+# ----------------------------------------------------------------------------
+
+
+def _overrides(name: str, data_dir: Path, given: list[str]) -> tuple[list[str], str | None]:
+  """``(overrides, stand-in dataset name or None)`` of config ``name`` with ``given`` ones."""
+  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+
+  cfg, _ = run_lib.load_config(name, given)
+  dataset = cfg.data.name
+  overrides = list(given)
+  if dataset in STAND_INS:
+    overrides.append(f"data.source=npz:{stand_in_npz(dataset, data_dir)}")
+    return overrides, dataset
+  return overrides, None
+
+
+def _child_env(tree: Path) -> dict[str, str]:
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "FEDLAP_COMPILATION"))
+  }
+  env["PYTHONPATH"] = str(tree)
+  return env
+
+
+def run_child(tree: Path, spec: dict, timeout: float) -> dict:
+  """Runs :func:`_child` on ``spec`` in a fresh process that imports the code of ``tree``."""
+  proc = subprocess.run(
+    [sys.executable, "-P", str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+    cwd=tree,
+    env=_child_env(tree),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+  line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
+  if proc.returncode != 0 or line is None:
+    tail = (proc.stderr or proc.stdout)[-3000:]
+    return {"error": f"exit {proc.returncode}: {tail}"}
+  result = json.loads(line[len(RESULT_PREFIX) :])
+  if Path(result["fedlap_jax"]) != tree.resolve():
+    raise RuntimeError(f"the child imported {result['fedlap_jax']}, not {tree}")
+  return result
+
+
+def _dir_size(path: Path) -> tuple[int, int]:
+  files = [p for p in path.rglob("*-cache") if p.is_file()]
+  return len(files), sum(p.stat().st_size for p in files)
+
+
+def measure(tree: Path, name: str, args, work: Path) -> dict:
+  """Cold then warm measurement of config ``name`` on the code of ``tree``."""
+  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+
+  overrides, stand_in = _overrides(name, work, args.set)
+  large = name in LARGE
+  rounds = (1 + args.large_rounds if args.large_rounds else 0) if large else 1 + args.later_rounds
+  cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
+  spec = {
+    "config": name,
+    "overrides": overrides,
+    "rounds": rounds,
+    "cache_dir": str(cache),
+    "min_compile_secs": compilation_cache.MIN_COMPILE_SECS,
+    "max_size": compilation_cache.MAX_BYTES,
+  }
+  result = {"config": name, "stand_in": stand_in}
+  for state in ("cold", "warm"):
+    result[state] = run_child(tree, spec, args.timeout)
+    if state == "cold":
+      result["cache_entries"], result["cache_bytes"] = _dir_size(cache)
+  shutil.rmtree(cache, ignore_errors=True)
+  return result
+
+
+@contextlib.contextmanager
+def ref_tree(ref: str, work: Path):
+  """A throwaway worktree of git commit ``ref`` (removed on exit)."""
+  path = work / f"ref-{re.sub(r'[^A-Za-z0-9_.-]', '_', ref)}"
+  subprocess.run(
+    ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(path), ref],
+    check=True,
+    capture_output=True,
+    text=True,
+  )
+  try:
+    yield path
+  finally:
+    subprocess.run(
+      ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+      capture_output=True,
+      check=False,
+    )
+
+
+def _f(x, fmt="{:.1f}") -> str:
+  return "n/a" if x is None else fmt.format(x)
+
+
+def _stage(run: dict, stage: str) -> float | None:
+  row = run.get("events", {}).get("round")
+  return None if row is None else row[f"{stage}_s"]
+
+
+HEADER = (
+  "| tree | config | cache | HLO in / optimised | fusions | while | cond | trace s | lower s | "
+  "compile s | set-up: programs (by XLA) / s | round 1 s | later s | round-1 overhead s | "
+  "cache MB | load |",
+  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+)
+
+
+def table(results: list[dict]) -> list[str]:
+  """The printed table: one row per (tree, config, cache state)."""
+  return [*HEADER, *(row for r in results for row in rows(r))]
+
+
+def rows(r: dict) -> list[str]:
+  """The table rows of one measured config, cold and warm.
+
+  ``compile s`` is XLA's compile when cold and the cache's read when warm; ``cache MB`` is
+  what the cold process wrote (every program of the config that took at least the threshold);
+  ``load`` the machine's 1-minute load average when the process started and ended (above the
+  core count, the figures are provisional).
+  """
+  lines = []
+  name = r["config"] + (" (stand-in data)" if r["stand_in"] else "")
+  for state in ("cold", "warm"):
+    run = r[state]
+    if "error" in run:
+      lines.append(f"| {r['tree']} | {name} | {state} | error: see below |")
+      continue
+    hin, hopt = run["hlo_input"], run["hlo_optimised"]
+    setup = run["events"].get("setup", {})
+    programs = setup.get("compile_n", 0)
+    by_xla = programs - setup.get("cache_hits", 0)
+    rounds = run["rounds_s"]
+    size = f"{r['cache_bytes'] / 1e6:.1f}" if state == "cold" else ""
+    lines.append(
+      f"| {r['tree']} | {name} | {state} | {hin['instructions']:,} / {hopt['instructions']:,} | "
+      f"{hopt['fusions']:,} | {hopt['while']} | {hopt['conditional']} | "
+      f"{_f(_stage(run, 'trace'), '{:.2f}')} | {_f(_stage(run, 'lower'), '{:.2f}')} | "
+      f"{_f(_stage(run, 'compile'), '{:.2f}')} | {programs:.0f} ({by_xla:.0f}) / "
+      f"{run['setup_s']:.1f} | {_f(rounds[0] if rounds else None)} | "
+      f"{_f(run.get('steady_round_s'))} | {_f(run.get('round1_overhead_s'))} | {size} | "
+      f"{run['load_before']:.1f}-{run['load_after']:.1f} |"
+    )
+  return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks.compile_times",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated config names")
+  parser.add_argument("--small", action="store_true", help=f"only {', '.join(SMALL_CONFIGS)}")
+  parser.add_argument("--ref", action="append", default=[], help="a git commit to measure too")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="override a config field (as --config.FIELD=VALUE) in every measured config",
+  )
+  parser.add_argument("--later-rounds", type=int, default=None)
+  parser.add_argument("--large-rounds", type=int, default=0)
+  parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
+  parser.add_argument("--json", default=None, help="also write the figures to this file")
+  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child is not None:
+    print(RESULT_PREFIX + json.dumps(_child(json.loads(args.child))), flush=True)
+    return 0
+  names = list(SMALL_CONFIGS) if args.small else [n for n in args.configs.split(",") if n]
+  unknown = [n for n in names if n not in CONFIGS]
+  if unknown:
+    parser.error(f"--configs {','.join(unknown)} is invalid; allowed: names of {list(CONFIGS)}")
+  if args.later_rounds is None:
+    args.later_rounds = SMALL_LATER_ROUNDS if args.small else LATER_ROUNDS
+  if args.later_rounds < 1 or args.large_rounds < 0:
+    parser.error("--later-rounds must be >= 1 and --large-rounds >= 0")
+  print(
+    f"python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+    f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+  )
+  # SIGTERM ends the run as Ctrl-C does: the child in progress is killed, the ref worktrees
+  # and the scratch directory are removed.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  work = Path(tempfile.mkdtemp(prefix="compile-times-"))
+  results = []
+  try:
+    trees = [("this tree", ROOT, None)]
+    with contextlib.ExitStack() as stack:
+      for ref in args.ref:
+        trees.append((ref, stack.enter_context(ref_tree(ref, work)), ref))
+      for name in names:
+        for label, tree, _ in trees:
+          r = measure(tree, name, args, work)
+          r["tree"] = label
+          results.append(r)
+          print("\n".join(rows(r)), flush=True)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  print()
+  print("\n".join(table(results)))
+  for r in results:
+    for state in ("cold", "warm"):
+      if "error" in r[state]:
+        print(f"\n{r['tree']} {r['config']} {state}: {r[state]['error']}")
+  if any(r["stand_in"] for r in results):
+    print(
+      "\nstand-in data: cifar10 / mnist are synthetic (uniform uint8 images, the real shapes and "
+      "records per class); compile times depend on shapes, not values"
+    )
+  if args.json:
+    Path(args.json).write_text(json.dumps(results, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
