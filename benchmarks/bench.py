@@ -547,7 +547,8 @@ def gradient_flops(
   one_pass = compiled_flops(fn, *args)
   mb = microbatch_size or (cc.dp.microbatch_size if dp and cc.dp else None)
   if mb is None and method == "auto":
-    mb = per_example.auto_plan(apply_fn, params, args[-3])[1]
+    x = args[-1].x if dp else args[-3]  # the DP gradient takes a ClientData, the other (x, y, pad)
+    mb = per_example.auto_plan(apply_fn, params, x)[1]
   if mb is None or mb >= slots:
     return one_pass
   processed = min(math.ceil(min(cc.batch_size, slots) / mb) * mb, slots)
@@ -931,7 +932,7 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
       res["flops_executed"] = gradient_flops(
         apply_fn, params, clients, cfg, 256, dp=True, method=method, microbatch_size=mb
       )
-      plan = per_example.auto_plan(apply_fn, params, args[2])
+      plan = per_example.auto_plan(apply_fn, params, args[2].x)
       note = "256 examples" + (
         f" (auto: {plan[0]}, microbatch {plan[1]})" if method == "auto" else ""
       )
