@@ -404,22 +404,22 @@ def op_gradient(
     dpc = cc.dp or DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
     mb = microbatch_size or dpc.microbatch_size
 
-    def fn(key, p, x, y, pad):
-      return privacy.private_gradient(
-        key,
-        apply_fn,
-        p,
-        x,
-        y,
-        pad,
-        l2_clip_norm=dpc.l2_clip_norm,
-        noise_multiplier=dpc.noise_multiplier,
-        expected_batch_size=cc.batch_size,
-        microbatch_size=mb,
-        method=method,
-      )[0]
+    # The one DP gradient, on a client holding exactly these records (every one drawn: the
+    # buffer is the batch), as a round takes it.
+    query = privacy.PoissonGradient(
+      batch_size=cc.batch_size,
+      capacity=slots,
+      l2_clip_norm=dpc.l2_clip_norm,
+      noise_multiplier=dpc.noise_multiplier,
+      microbatch_size=mb,
+      per_example_method=method,
+    )
+    data = client_data.ClientData(x, y, jnp.logical_not(pad))
 
-    return fn, (jax.random.PRNGKey(1), params, x, y, pad)
+    def fn(key, p, data):
+      return privacy.poisson_gradient(query, key, apply_fn, p, data).gradient
+
+    return fn, (jax.random.PRNGKey(1), params, data)
 
   mb = "auto" if microbatch_size is None else microbatch_size
 
@@ -547,7 +547,8 @@ def gradient_flops(
   one_pass = compiled_flops(fn, *args)
   mb = microbatch_size or (cc.dp.microbatch_size if dp and cc.dp else None)
   if mb is None and method == "auto":
-    mb = per_example.auto_plan(apply_fn, params, args[-3])[1]
+    x = args[-1].x if dp else args[-3]  # the DP gradient takes a ClientData, the other (x, y, pad)
+    mb = per_example.auto_plan(apply_fn, params, x)[1]
   if mb is None or mb >= slots:
     return one_pass
   processed = min(math.ceil(min(cc.batch_size, slots) / mb) * mb, slots)
@@ -931,7 +932,7 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
       res["flops_executed"] = gradient_flops(
         apply_fn, params, clients, cfg, 256, dp=True, method=method, microbatch_size=mb
       )
-      plan = per_example.auto_plan(apply_fn, params, args[2])
+      plan = per_example.auto_plan(apply_fn, params, args[2].x)
       note = "256 examples" + (
         f" (auto: {plan[0]}, microbatch {plan[1]})" if method == "auto" else ""
       )

@@ -1,20 +1,28 @@
 """The floor plan of ``fedlap_jax``: its modules, line counts and import graph.
 
-Reads the source with :mod:`ast` (imports nothing of the library). Every
-``import`` / ``from ... import`` of a ``fedlap_jax`` module counts, also one
-inside a function (a deferred import is still a dependency) and one of a name
-that is a submodule (``from fedlap_jax import dsa``). The package's
-``__init__`` is left out: it re-exports, it is not a floor.
+Reads the source with :mod:`ast` (imports nothing of the library). Modules are
+named by their dotted path inside the package (``client``, ``methods.fedlap``);
+a subpackage's ``__init__.py`` is the module of the subpackage's name
+(``methods``), and only the package's own ``__init__`` is left out: it
+re-exports, it is not a floor. Every ``import`` / ``from ... import`` of a
+``fedlap_jax`` module counts, also one inside a function (a deferred import is
+still a dependency), one of a name that is a submodule (``from fedlap_jax
+import dsa``, ``from fedlap_jax.methods import fedlap``) and a relative one.
 
 A module's floor is 1 if it imports no other library module, else one more
 than the highest floor it imports; the library's floors are the highest floor,
 i.e. the number of modules on its longest import chain. A cycle has no floors
-(reported as such).
+(reported as such). The *core* is every module outside the subpackage
+``methods`` (the method registry and the methods' own modules sit on top of it);
+``core_floors`` is the highest floor among the core's modules.
 
 Usage: ``python -m benchmarks.import_graph`` prints the module list with line
 counts, each module's floor and imports, the longest chain and any cycle;
 ``--json`` prints the graph, floors, longest chain and cycle as one JSON object;
-``python -m benchmarks.import_graph DIR`` reads another package directory. The
+``--importers DIR [DIR ...]`` adds, for every ``.py`` file under each folder
+(e.g. ``experiments fedlap_flower``), the ``fedlap_jax`` modules it imports
+(key ``importers``, paths relative to the current directory);
+``python -m benchmarks.import_graph ROOT`` reads another package directory. The
 exit status is 1 when there is a cycle.
 """
 
@@ -30,35 +38,97 @@ PACKAGE = "fedlap_jax"
 ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 
 
+# The subpackage of the method registry and the methods' own modules (outside the core).
+METHODS_PACKAGE = "methods"
+
+
 def modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
-  """``{module name: path}`` of the package's modules, without ``__init__``."""
-  return {p.stem: p for p in sorted(root.glob("*.py")) if p.stem != "__init__"}
+  """``{dotted module name: path}`` of the package's modules, without its own ``__init__``."""
+  found = {}
+  for p in sorted(root.rglob("*.py")):
+    parts = p.relative_to(root).with_suffix("").parts
+    if "__pycache__" in parts:
+      continue
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    if parts:
+      found[".".join(parts)] = p
+  return found
 
 
-def imports(path: pathlib.Path, names: set[str]) -> set[str]:
-  """Library modules (among ``names``) that the file at ``path`` imports anywhere."""
+def _longest_known(dotted: str, names: set[str]) -> str | None:
+  """The longest prefix of ``dotted`` (``a.b.c`` -> ``a.b.c``, ``a.b``, ``a``) in ``names``."""
+  parts = dotted.split(".")
+  for n in range(len(parts), 0, -1):
+    candidate = ".".join(parts[:n])
+    if candidate in names:
+      return candidate
+  return None
+
+
+def imports(path: pathlib.Path, names: set[str], module: str | None = None) -> set[str]:
+  """Library modules (among ``names``) that the file at ``path`` imports anywhere.
+
+  ``module`` is the file's own dotted name inside the package (for relative imports;
+  ``None``: a file outside the package, whose relative imports are not the library's).
+  """
   found = set()
+  is_package = path.name == "__init__.py"
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
       for alias in node.names:
         parts = alias.name.split(".")
         if parts[0] == PACKAGE and len(parts) > 1:
-          found.add(parts[1])
-    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-      parts = node.module.split(".")
-      if parts[0] != PACKAGE:
-        continue
-      if len(parts) > 1:
-        found.add(parts[1])
+          hit = _longest_known(".".join(parts[1:]), names)
+          if hit:
+            found.add(hit)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level == 0:
+        if not node.module:
+          continue
+        parts = node.module.split(".")
+        if parts[0] != PACKAGE:
+          continue
+        base = parts[1:]
       else:
-        found.update(a.name for a in node.names)
+        if module is None:
+          continue
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        up = node.level - 1
+        if up > len(here):
+          continue
+        base = here[: len(here) - up] + (node.module.split(".") if node.module else [])
+      prefix = ".".join(base)
+      for alias in node.names:  # a name that is a submodule is that module
+        sub = f"{prefix}.{alias.name}" if prefix else alias.name
+        if sub in names:
+          found.add(sub)
+        elif prefix:
+          hit = _longest_known(prefix, names)
+          if hit:
+            found.add(hit)
   return found & names
 
 
 def graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
   """``{module: library modules it imports}`` (self-imports dropped)."""
   mods = modules(root)
-  return {m: imports(p, set(mods)) - {m} for m, p in mods.items()}
+  return {m: imports(p, set(mods), m) - {m} for m, p in mods.items()}
+
+
+def is_core(module: str) -> bool:
+  """Whether ``module`` belongs to the core (outside the subpackage ``methods``)."""
+  return module.split(".")[0] != METHODS_PACKAGE
+
+
+def importers(folders, names: set[str]) -> dict[str, list[str]]:
+  """``{file: sorted library modules it imports}`` for every ``.py`` under ``folders``."""
+  out = {}
+  for folder in folders:
+    for p in sorted(pathlib.Path(folder).rglob("*.py")):
+      if "__pycache__" not in p.parts:
+        out[p.as_posix()] = sorted(imports(p, names))
+  return out
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
@@ -123,22 +193,30 @@ def main(argv=None) -> int:
     help=f"the package directory (default: {PACKAGE}/ of this repository)",
   )
   parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument(
+    "--importers",
+    nargs="+",
+    default=(),
+    metavar="DIR",
+    help="also list the library modules each .py file under these folders imports",
+  )
   args = parser.parse_args(argv)
   root = pathlib.Path(args.root)
   mods = modules(root)
   g = graph(root)
   cycle = find_cycle(g)
   if args.json:
-    print(
-      json.dumps(
-        {
-          "graph": {m: sorted(d) for m, d in g.items()},
-          "cycle": cycle,
-          "floors": None if cycle else floors(g),
-          "longest_chain": None if cycle else longest_chain(g),
-        }
-      )
-    )
+    f = None if cycle else floors(g)
+    out = {
+      "graph": {m: sorted(d) for m, d in g.items()},
+      "cycle": cycle,
+      "floors": f,
+      "core_floors": None if f is None else max(v for m, v in f.items() if is_core(m)),
+      "longest_chain": None if cycle else longest_chain(g),
+    }
+    if args.importers:
+      out["importers"] = importers(args.importers, set(mods))
+    print(json.dumps(out))
     return 1 if cycle else 0
   lines = {m: len(p.read_text().splitlines()) for m, p in mods.items()}
   init = root / "__init__.py"
@@ -148,12 +226,20 @@ def main(argv=None) -> int:
     # Floors over the graph without deferred imports would hide it; report it plainly.
     print("import cycle:", " -> ".join(cycle))
     for m in sorted(mods):
-      print(f"  {m:<14} {lines[m]:>5}  imports {', '.join(sorted(g[m])) or '-'}")
+      print(f"  {m:<22} {lines[m]:>5}  imports {', '.join(sorted(g[m])) or '-'}")
     return 1
   f = floors(g)
   for m in sorted(mods, key=lambda m: (f[m], m)):
-    print(f"  floor {f[m]}  {m:<14} {lines[m]:>5}  imports {', '.join(sorted(g[m])) or '-'}")
-  print(f"{max(f.values())} floors; longest chain: {' -> '.join(longest_chain(g))}")
+    print(f"  floor {f[m]}  {m:<22} {lines[m]:>5}  imports {', '.join(sorted(g[m])) or '-'}")
+  core = max(v for m, v in f.items() if is_core(m))
+  print(
+    f"{max(f.values())} floors ({core} in the core, outside {METHODS_PACKAGE}/); "
+    f"longest chain: {' -> '.join(longest_chain(g))}"
+  )
+  if args.importers:
+    for path, used in importers(args.importers, set(mods)).items():
+      if used:
+        print(f"  {path}: {', '.join(used)}")
   return 0
 
 

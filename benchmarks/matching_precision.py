@@ -64,16 +64,11 @@ def precision() -> None:
       jax.random.key(0), (8, 8, 1), width=32, depth=2, conv_bias=conv_bias
     )
     apply_fn = lambda p, v, m=model: m.apply({"params": p}, v)  # noqa: E731
-    g_dp, _ = privacy.private_gradient(
-      jax.random.key(1),
-      apply_fn,
-      params,
-      x,
-      y,
-      jnp.zeros(len(y), bool),
-      l2_clip_norm=1.0,
-      noise_multiplier=1.0,
-      expected_batch_size=64.0,
+    clipped, _ = privacy.clipped_gradient_sum(
+      apply_fn, params, x, y, jnp.zeros(len(y), bool), l2_clip_norm=1.0
+    )
+    g_dp = privacy.privatise(
+      jax.random.key(1), clipped, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=64.0
     )
     g_plain = privacy.real_gradient(apply_fn, params, x, y, jnp.zeros(len(y), bool))
     for name, g in (("DP (C 1, sigma 1)", g_dp), ("non-DP", g_plain)):

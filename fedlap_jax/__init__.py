@@ -26,7 +26,8 @@ Main entry points:
 * :mod:`fedlap_jax.synthetic` -- synthetic-set layout and first images
   (:func:`synthetic_labels`, :func:`noise_images`, :func:`real_images`), shared
   by every method that sends synthetic sets.
-* :func:`private_gradient`, :func:`poisson_sample` -- DP primitives.
+* :func:`poisson_gradient` (with its query :class:`PoissonGradient`) -- the one DP
+  gradient every method's access to records goes through; :func:`poisson_sample` -- its draw.
 * :mod:`fedlap_jax.accounting` -- :class:`DpMechanism`, its epsilons (replace-one by PLD,
   add/remove by RDP) and the ledgers.
 * :class:`ConvNet` -- the paper's model.
@@ -70,10 +71,11 @@ from fedlap_jax.matching import matching_distance, matching_step
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 from fedlap_jax.privacy import (
   PoissonBatch,
+  PoissonGradient,
   clipped_gradient_sum,
   per_example_gradients,
+  poisson_gradient,
   poisson_sample,
-  private_gradient,
   real_gradient,
 )
 from fedlap_jax.radius import calibrate_radius, server_radius
@@ -109,6 +111,7 @@ __all__ = [
   "feddm",
   "LocalApproxMetrics",
   "PoissonBatch",
+  "PoissonGradient",
   "RoundMetrics",
   "ServerConfig",
   "ServerMetrics",
@@ -133,8 +136,8 @@ __all__ = [
   "paper_nondp_config",
   "per_example_gradients",
   "pixel_normalisation",
+  "poisson_gradient",
   "poisson_sample",
-  "private_gradient",
   "real_gradient",
   "class_batch",
   "class_blocks",

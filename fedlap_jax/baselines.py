@@ -46,7 +46,7 @@ Methods (hyperparameters as in the reference implementation):
   weights (or balanced clients) this is the paper's ``c += (|S|/N) mean dc_k``.
 * ``dp_fedavg`` / ``dp_fedprox``: local DP-SGD (per-example clipping to ``C``
   over the whole gradient, ``N(0, sigma^2 C^2)`` on the sum, divided by the
-  *expected* batch size ``B``; :func:`~fedlap_jax.privacy.private_gradient`).
+  *expected* batch size ``B``; :func:`~fedlap_jax.privacy.poisson_gradient`).
   The proximal term does not touch data and is added after privatisation.
   The server weights clients uniformly by default (as FedLAP-DP's Algorithm 3:
   ``N_k`` is not released).
@@ -92,7 +92,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax import dsa, privacy
+from fedlap_jax import privacy
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
@@ -118,6 +118,7 @@ from fedlap_jax.config import (
   DP_BASELINE_METHODS,
   WEIGHTINGS,
   DpAccesses,
+  PER_EXAMPLE_METHODS,
   DPConfig,
   check_poisson_capacity,
 )
@@ -130,7 +131,7 @@ from fedlap_jax.types import ApplyFn, PyTree
 METHODS = BASELINE_METHODS
 DP_METHODS = DP_BASELINE_METHODS
 PROX_METHODS = ("fedprox", "dp_fedprox")
-GRADIENT_MEANS = ("realized", "expected")
+GRADIENT_MEANS = privacy.GRADIENT_MEANS
 
 __all__ = [
   "METHODS",
@@ -194,6 +195,8 @@ class LocalTraining:
       :func:`baseline_config` builds the private path from a
       :class:`~fedlap_jax.config.DPConfig` only, which requires ``sigma > 0``.
     microbatch_size: optional bound on per-example-gradient memory (DP).
+    per_example_method: how the private path computes per-example gradients
+      (:func:`~fedlap_jax.privacy.clipped_gradient_sum`; ``dp.per_example_method``).
     gradient_mean: ``"realized"`` (mean over the sampled batch) or
       ``"expected"`` (sum / ``B``); ``None`` picks ``"expected"`` when clipping
       and ``"realized"`` otherwise. The private path requires ``"expected"``.
@@ -214,6 +217,7 @@ class LocalTraining:
   l2_clip_norm: float | None = None
   noise_multiplier: float = 0.0
   microbatch_size: int | None = None
+  per_example_method: str = "auto"
   gradient_mean: str | None = None
   control_variates: bool = False
   dsa_strategy: str = ""
@@ -234,6 +238,7 @@ class LocalTraining:
       require(v is None or (is_int(v) and v >= 1), f, v, "None or an integer >= 1")
     check_poisson_capacity(self.poisson_capacity, self.batch_size)
     nonneg_float("prox_mu", self.prox_mu)
+    one_of("per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
     require(
       self.l2_clip_norm is None or (is_real(self.l2_clip_norm) and self.l2_clip_norm > 0),
       "l2_clip_norm",
@@ -278,6 +283,24 @@ class LocalTraining:
     """Static size of the Poisson batch buffer."""
     return self.poisson_capacity or privacy.poisson_capacity(self.batch_size)
 
+  @property
+  def gradient(self) -> privacy.PoissonGradient:
+    """The query of every local step (:func:`fedlap_jax.privacy.poisson_gradient`): ``B``, the
+    buffer, the clip, noise and microbatch of the private path, ``gradient_mean``, the DSA and
+    the loss (always on the non-private path, where it is free; ``track_loss`` on the private
+    path, one more forward pass)."""
+    return privacy.PoissonGradient(
+      batch_size=self.batch_size,
+      capacity=self.capacity,
+      l2_clip_norm=self.l2_clip_norm,
+      noise_multiplier=self.noise_multiplier,
+      microbatch_size=self.microbatch_size if self.private else None,
+      per_example_method=self.per_example_method,
+      gradient_mean=self.gradient_mean,
+      dsa_strategy=self.dsa_strategy,
+      track_loss=self.track_loss or not self.private,
+    )
+
   def scheduled_steps(self, padded_size: int | None = None) -> int:
     """Static loop bound ``T``: ``fixed_steps`` or ``E * round(N_max / B)``.
 
@@ -315,8 +338,8 @@ class BaselineConfig:
       methods require ``uniform`` (Algorithm 3). ``None`` (default): ``uniform``
       for DP methods, ``size`` otherwise.
     local: :class:`LocalTraining`.
-    dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise and
-      microbatch ``local`` uses, for DP methods (the guarantee the accountant
+    dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise, microbatch
+      and per-example method ``local`` uses, for DP methods (the guarantee the accountant
       reports; :func:`algorithm` requires it); ``None`` for the others, and for
       a private path outside ``DPConfig``'s range (e.g. ``sigma = 0`` in tests),
       which then runs only through :func:`baseline_round`.
@@ -393,7 +416,7 @@ class BaselineConfig:
         self.dp,
         f"None for method={self.method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)",
       )
-      for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size"):
+      for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size", "per_example_method"):
         require(
           getattr(loc, f) == getattr(self.dp, f),
           f"local.{f}",
@@ -531,9 +554,10 @@ def client_update(
   Pure and jit-compatible (``local`` and ``num_steps`` static); vmap it over a
   stacked client axis of ``key``, ``data`` and ``correction``.
 
-  Step ``s`` draws its Poisson batch with ``step_keys(key, s)[0]``, rate
-  ``B / N_k`` and buffer ``local.capacity``, augments it with ``[1]`` and
-  noises it with ``[2]`` (DP).
+  Step ``s`` takes the gradient of one Poisson batch
+  (:func:`fedlap_jax.privacy.poisson_gradient` with ``local.gradient`` and the key
+  ``fold_in(key, s)``, whose split is ``step_keys(key, s)``: the batch's draw, its
+  augmentation and (DP) its noise), rate ``B / N_k`` and buffer ``local.capacity``.
 
   Args:
     key: PRNG key of this client and round.
@@ -575,65 +599,28 @@ def client_update(
       "correction exactly when control variates are on"
     )
   n_k = jnp.sum(data.mask)
-  rate = local.batch_size / jnp.maximum(n_k, 1).astype(jnp.float32)
   active_steps = local.client_steps(n_k)
-  capacity = local.capacity
-  augment = dsa.make_augment_fn(local.dsa_strategy)
+  query = local.gradient
   f32 = jnp.float32
 
   def step(s, carry):
     w, loss_sum, extra, sampled, clipped = carry
-    k_sample, k_aug, k_noise = step_keys(key, s)
-    batch = privacy.poisson_sample(k_sample, data.mask, rate, capacity)
-
-    def chunk_sums(indices, is_padding):
-      xb = augment(k_aug, data.images(indices))  # one DSA draw for the whole batch
-      yb = data.y[indices]
-      if not local.private:
-        # Chunked on CPU for matmul-convolution models, as in local_approx.
-        g, loss = privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding, microbatch_size="auto")
-        return g, loss, f32(0.0)
-      g, norms = privacy.clipped_gradient_sum(
-        apply_fn,
-        w,
-        xb,
-        yb,
-        is_padding,
-        l2_clip_norm=local.l2_clip_norm,
-        microbatch_size=local.microbatch_size,
-      )
-      n_clipped = jnp.sum(jnp.logical_and(norms > local.l2_clip_norm, ~is_padding))
-      loss = f32(0.0)
-      if local.track_loss:
-        weights = jnp.logical_not(is_padding).astype(f32)
-        loss = jnp.sum(weights * privacy.cross_entropy(apply_fn(w, xb), yb))
-      return g, loss, n_clipped.astype(f32)
-
     # Every sampled record counts, also when the draw overflows the buffer.
-    g, batch_loss, n_clipped = privacy.sum_over_chunks(chunk_sums, batch)
-    realised = jnp.maximum(batch.size, 1).astype(f32)
-    if local.private:
-      g = privacy.privatise(
-        k_noise,
-        g,
-        l2_clip_norm=local.l2_clip_norm,
-        noise_multiplier=local.noise_multiplier,
-        expected_batch_size=local.batch_size,
-      )
-    else:
-      denominator = realised if local.mean_by == "realized" else f32(local.batch_size)
-      g = jax.tree.map(lambda gi: gi / denominator, g)
+    real = privacy.poisson_gradient(query, jax.random.fold_in(key, s), apply_fn, w, data)
+    g = real.gradient
+    realised = jnp.maximum(real.batch_size, 1).astype(f32)
     if local.prox_mu > 0:
       g = jax.tree.map(lambda gi, wi, xi: gi + 2.0 * local.prox_mu * (wi - xi), g, w, global_params)
     if correction is not None:
       g = jax.tree.map(jnp.add, g, correction)
     w = jax.tree.map(lambda wi, gi: wi - learning_rate * gi, w, g)
+    batch_loss = f32(0.0) if real.loss_sum is None else real.loss_sum
     return (
       w,
       loss_sum + batch_loss / realised,
-      extra + batch.extra_chunks,
-      sampled + batch.size,
-      clipped + n_clipped,
+      extra + real.extra_chunks,
+      sampled + real.batch_size,
+      clipped + real.clipped,
     )
 
   def body(s, carry):
@@ -910,6 +897,7 @@ def baseline_config(
     l2_clip_norm=dp.l2_clip_norm if dp is not None else None,
     noise_multiplier=dp.noise_multiplier if dp is not None else 0.0,
     microbatch_size=dp.microbatch_size if dp is not None else None,
+    per_example_method=dp.per_example_method if dp is not None else "auto",
     gradient_mean=gradient_mean,
     control_variates=method == "scaffold",
     dsa_strategy=dsa_strategy,

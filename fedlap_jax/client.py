@@ -4,7 +4,7 @@ A client receives the global model ``w_g`` and the trust-region radius ``r``
 and optimises its synthetic set ``S_k`` so that gradients on ``S_k`` match the
 gradients on its real data along local training trajectories that stay within
 ``r`` of ``w_g``. Under DP the real gradients are clipped per example and
-noised (:func:`fedlap_jax.privacy.private_gradient`); everything done with them
+noised (:func:`fedlap_jax.privacy.poisson_gradient`); everything done with them
 afterwards is post-processing.
 
 :func:`local_approx` is the whole algorithm as one pure function. Loop
@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedlap_jax import dsa, privacy
+from fedlap_jax import privacy
 from fedlap_jax.client_data import (
   ClientData,
   SyntheticSet,
@@ -205,88 +205,50 @@ class AccessStats(NamedTuple):
     )
 
 
-class RealTarget(NamedTuple):
-  """A matching target from one real batch (:func:`noisy_real_target`).
+# A matching target from one real batch: :func:`fedlap_jax.privacy.poisson_gradient`'s result
+# (its gradient, the batch's DSA draw, the counts :class:`AccessStats` adds up).
+RealTarget = privacy.BatchGradient
 
-  Attributes:
-    gradient: pytree like the model: under DP the sum of per-example
-      gradients clipped to ``C`` plus ``N(0, sigma^2 C^2)`` noise, divided by
-      the expected batch size ``B`` (:func:`fedlap_jax.privacy.privatise`);
-      without DP the mean gradient over the realised batch.
-    aug_key, family_key: the batch's DSA draw (the paper's synthetic batch
-      reuses it); ``family_key`` is ``None`` with per-client family draws.
-    batch_size: int32, records drawn (non-private under DP).
-    extra_chunks: int32, extra buffer-sized chunks of the draw.
-    clipped: float32, per-example gradients clipped (0 without DP).
-  """
 
-  gradient: PyTree
-  aug_key: jax.Array
-  family_key: jax.Array | None
-  batch_size: jax.Array
-  extra_chunks: jax.Array
-  clipped: jax.Array
+def real_gradient_query(config: ClientConfig) -> privacy.PoissonGradient:
+  """The client's real-gradient query (:class:`fedlap_jax.privacy.PoissonGradient`): ``B``, the
+  buffer, ``config.dp``'s clip, noise, microbatch and per-example method, the real batches'
+  DSA (``real_dsa_strategy``, default ``dsa_strategy``); the non-private mean is over the
+  records drawn. Under DP, :meth:`~fedlap_jax.privacy.PoissonGradient.mechanism` of
+  ``T = R_i * max_outer * batch_loop`` is FedLAP-DP's mechanism."""
+  return privacy.PoissonGradient.of(
+    config.dp,
+    batch_size=config.batch_size,
+    capacity=config.capacity,
+    dsa_strategy=config.dsa_strategy
+    if config.real_dsa_strategy is None
+    else config.real_dsa_strategy,
+  )
 
 
 def noisy_real_target(problem: LocalProblem, keys: tuple, params: PyTree) -> RealTarget:
   """The gradient of one Poisson batch of real records at ``params``: the only data access.
 
-  The batch draws each record with ``q = B / N_k`` (:func:`fedlap_jax.privacy.poisson_sample`,
-  every record counted also when the draw overflows the buffer), augments it with
-  one DSA draw of ``real_dsa_strategy`` (default ``dsa_strategy``); under DP
-  each example's gradient is clipped to ``C``, the sum noised and divided by
-  ``B`` (Algorithm 3), else averaged over the realised batch. Keys:
-  ``(k_sample, k_aug, k_noise) = split(keys[0], 3)``, the family key
-  ``split(keys[1], 3)[1]``.
+  :func:`fedlap_jax.privacy.poisson_gradient` with the client's :func:`real_gradient_query`:
+  each record drawn with ``q = B / N_k`` (every record counted also when the draw overflows
+  the buffer), one DSA draw of ``real_dsa_strategy`` (default ``dsa_strategy``); under DP
+  each example's gradient is clipped to ``C``, the sum noised and divided by ``B``
+  (Algorithm 3), else averaged over the realised batch. Keys:
+  ``(k_sample, k_aug, k_noise) = split(keys[0], 3)``, the family key ``split(keys[1], 3)[1]``.
 
   Args:
     problem: the client's :class:`LocalProblem`.
     keys: ``(client key, family key or None)`` of this batch.
     params: the model ``w`` the gradient is taken at.
   """
-  c, data, apply_fn = problem.config, problem.client_data, problem.apply_fn
-  k_sample, k_aug, k_noise = jax.random.split(keys[0], 3)
-  f_aug = None if keys[1] is None else jax.random.split(keys[1], 3)[1]
-  rate = c.batch_size / jnp.maximum(jnp.sum(data.mask), 1).astype(jnp.float32)
-  augment = dsa.make_augment_fn(
-    c.dsa_strategy if c.real_dsa_strategy is None else c.real_dsa_strategy
+  return privacy.poisson_gradient(
+    real_gradient_query(problem.config),
+    keys[0],
+    problem.apply_fn,
+    params,
+    problem.client_data,
+    family_key=keys[1],
   )
-  batch = privacy.poisson_sample(k_sample, data.mask, rate, c.capacity)
-
-  def chunk_sums(indices, is_padding):
-    # One DSA draw per batch (every chunk gets the same transform).
-    xb = augment(k_aug, data.images(indices), family_key=f_aug)
-    yb = data.y[indices]
-    if c.dp is None:
-      return privacy.real_gradient_sum(
-        apply_fn, params, xb, yb, is_padding, microbatch_size="auto"
-      )[0], jnp.float32(0.0)
-    clipped_sum, norms = privacy.clipped_gradient_sum(
-      apply_fn,
-      params,
-      xb,
-      yb,
-      is_padding,
-      l2_clip_norm=c.dp.l2_clip_norm,
-      microbatch_size=c.dp.microbatch_size,
-      method=c.dp.per_example_method,
-    )
-    was_clipped = jnp.logical_and(norms > c.dp.l2_clip_norm, ~is_padding)
-    return clipped_sum, jnp.sum(was_clipped).astype(jnp.float32)
-
-  total, clipped = privacy.sum_over_chunks(chunk_sums, batch)
-  if c.dp is None:
-    count = jnp.maximum(batch.size, 1).astype(jnp.float32)
-    g = jax.tree.map(lambda t: t / count, total)
-  else:
-    g = privacy.privatise(
-      k_noise,
-      total,
-      l2_clip_norm=c.dp.l2_clip_norm,
-      noise_multiplier=c.dp.noise_multiplier,
-      expected_batch_size=c.batch_size,
-    )
-  return RealTarget(g, k_aug, f_aug, batch.size, batch.extra_chunks, clipped)
 
 
 def match_images(

@@ -15,9 +15,9 @@ the union of the clients' synthetic sets. :func:`condense` is the client side
              images of class c; L = sum_c L_dis(g_real_c, g_syn_c)
         PSG: one Poisson batch of the whole client (q = B / N_k), the whole
              synthetic set; g_real clipped per example to C, N(0, sigma^2 C^2),
-             divided by B (privacy.clipped_gradient_sum over every chunk of
-             the draw, privacy.sum_over_chunks, then privacy.privatise: exact
-             Poisson sampling, no record dropped)
+             divided by B (privacy.poisson_gradient: clipped sums over every
+             chunk of the draw, then the noise: exact Poisson sampling, no
+             record dropped)
         S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.matching.matching_step)
       if o == outer_loop: break
       inner_loop epochs of SGD (net_lr, batch model_batch_size) of w on S
@@ -239,6 +239,17 @@ class CondensationConfig:
     """``T = networks * outer_loop * batch_loop`` real batches (the accountant's steps)."""
     return self.networks * self.outer_loop * self.batch_loop
 
+  @property
+  def gradient(self) -> privacy.PoissonGradient:
+    """PSG's whole-set real gradient (``classwise`` off;
+    :func:`fedlap_jax.privacy.poisson_gradient`): ``B``, the buffer, ``dp``'s clip, noise,
+    microbatch and per-example method, the DSA; without ``dp`` the mean over the records
+    drawn. Its :meth:`~fedlap_jax.privacy.PoissonGradient.mechanism` of
+    ``T = networks * outer_loop * batch_loop`` is PSG's."""
+    return privacy.PoissonGradient.of(
+      self.dp, batch_size=self.batch_size, capacity=self.capacity, dsa_strategy=self.dsa_strategy
+    )
+
   def dp_accesses(self) -> DpAccesses | None:
     """PSG's noisy accesses: ``T = networks * outer_loop * batch_loop`` class-agnostic
     Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
@@ -428,46 +439,10 @@ def condense(
 
   def whole_set(k, w, x_syn):
     """PSG: one Poisson batch of the client, the whole synthetic set."""
-    k_sample, k_aug, k_noise = jax.random.split(k, 3)
-    rate = c.batch_size / jnp.maximum(jnp.sum(client_data.mask), 1).astype(f32)
-    batch = privacy.poisson_sample(k_sample, client_data.mask, rate, capacity)
-
-    def chunk_sums(indices, is_padding):
-      # One DSA draw per batch (every chunk gets the same transform).
-      xb = augment(k_aug, client_data.images(indices))
-      yb = client_data.y[indices]
-      if c.dp is None:
-        return privacy.real_gradient_sum(apply_fn, w, xb, yb, is_padding, microbatch_size="auto")[
-          0
-        ], f32(0.0)
-      clipped_sum, norms = privacy.clipped_gradient_sum(
-        apply_fn,
-        w,
-        xb,
-        yb,
-        is_padding,
-        l2_clip_norm=c.dp.l2_clip_norm,
-        microbatch_size=c.dp.microbatch_size,
-        method=c.dp.per_example_method,
-      )
-      return clipped_sum, jnp.sum(jnp.logical_and(norms > c.dp.l2_clip_norm, ~is_padding)).astype(
-        f32
-      )
-
     # Exact Poisson sampling: every sampled record counts, also beyond the buffer.
-    total, clipped = privacy.sum_over_chunks(chunk_sums, batch)
-    if c.dp is None:
-      g = jax.tree.map(lambda t: t / jnp.maximum(batch.size, 1).astype(f32), total)
-    else:
-      g = privacy.privatise(
-        k_noise,
-        total,
-        l2_clip_norm=c.dp.l2_clip_norm,
-        noise_multiplier=c.dp.noise_multiplier,
-        expected_batch_size=c.batch_size,
-      )
-    loss, grad_x = match(w, synthetic._replace(x=x_syn), g, k_aug)
-    return loss, grad_x, (batch.extra_chunks, batch.size, clipped)
+    real = privacy.poisson_gradient(c.gradient, k, apply_fn, w, client_data)
+    loss, grad_x = match(w, synthetic._replace(x=x_syn), real.gradient, real.aug_key)
+    return loss, grad_x, (real.extra_chunks, real.batch_size, real.clipped)
 
   def per_class(k, w, x_syn):
     """DSC: per class block, a real batch of the class and the block's images."""

@@ -13,10 +13,15 @@ Everything here runs under ``jit`` and ``vmap``. Host-side accounting lives in
   examples are additive, so the result equals one pass over a buffer holding
   the whole batch: sampling is exact and the accountant needs no extra delta.
 * :func:`real_gradient` is the gradient of the mean loss on a batch (non-DP).
-* :func:`private_gradient` is the Gaussian mechanism of Algorithm 3: per-example
-  gradients clipped to L2 norm ``C`` over the whole parameter pytree, summed,
-  ``N(0, sigma^2 C^2)`` noise added to the sum, divided by the *expected* batch
-  size ``B``.
+* :func:`poisson_gradient` is every method's one access to a client's records:
+  the gradient of one Poisson batch at a model, under DP the Gaussian mechanism
+  of Algorithm 3 (per-example gradients clipped to L2 norm ``C`` over the whole
+  parameter pytree, summed over every chunk of the draw, ``N(0, sigma^2 C^2)``
+  noise added to the sum, divided by the *expected* batch size ``B``). Its
+  static query :class:`PoissonGradient` carries ``B``, ``C`` and ``sigma`` and
+  declares the :class:`~fedlap_jax.accounting.DpMechanism` of ``T`` such
+  accesses per round (:meth:`PoissonGradient.mechanism`): the noise drawn and
+  the noise accounted are read from one value. :func:`privatise` is its noise.
 
 Per-example clipping (``method`` of :func:`clipped_gradient_sum`), all exact:
 ``"layerwise"`` (:mod:`fedlap_jax.per_example`: one batched backward pass and
@@ -42,6 +47,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any, Callable, Literal, NamedTuple
 
@@ -49,7 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from fedlap_jax import per_example as _per_example
-from fedlap_jax import checks
+from fedlap_jax import accounting, checks, dsa
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import PER_EXAMPLE_METHODS
 
@@ -57,8 +63,12 @@ from fedlap_jax.config import PER_EXAMPLE_METHODS
 from fedlap_jax.config import check_poisson_capacity  # noqa: F401
 from fedlap_jax.config import min_poisson_capacity  # noqa: F401
 from fedlap_jax.config import poisson_capacity  # noqa: F401
+from fedlap_jax.client_data import ClientData
 from fedlap_jax.losses import cross_entropy, masked_mean_loss  # noqa: F401
 from fedlap_jax.types import ApplyFn, PyTree
+
+# How the non-private gradient of a batch is normalised: by the records drawn, or by B.
+GRADIENT_MEANS = ("realized", "expected")
 
 
 def _given(value: Any) -> bool:
@@ -161,7 +171,10 @@ def poisson_chunk(batch: PoissonBatch, j: jax.Array | int) -> tuple[jax.Array, j
 
 
 def sum_over_chunks(
-  chunk_sum: Callable[[jax.Array, jax.Array], PyTree], batch: PoissonBatch
+  chunk_sum: Callable[[jax.Array, jax.Array], PyTree],
+  batch: PoissonBatch,
+  *,
+  zeros: PyTree | None = None,
 ) -> PyTree:
   """``sum_j chunk_sum(indices_j, is_padding_j)`` over every chunk of a draw.
 
@@ -175,11 +188,16 @@ def sum_over_chunks(
   copy of ``chunk_sum`` in the program: measured on the quickstart's FedLAP-DP
   client, the same XLA compile time as a single unlooped pass. Not
   reverse-differentiable (the loop length depends on the draw).
+
+  ``zeros``: the accumulator's start, a pytree like ``chunk_sum``'s result (e.g. zeros like
+  the model's parameters); ``None`` traces ``chunk_sum`` once more (in ``jax.eval_shape``)
+  to find its shapes.
   """
-  zeros = jax.tree.map(
-    lambda a: jnp.zeros(a.shape, a.dtype),
-    jax.eval_shape(chunk_sum, batch.indices, batch.is_padding),
-  )
+  if zeros is None:
+    zeros = jax.tree.map(
+      lambda a: jnp.zeros(a.shape, a.dtype),
+      jax.eval_shape(chunk_sum, batch.indices, batch.is_padding),
+    )
 
   def body(carry):
     j, acc = carry
@@ -349,59 +367,6 @@ def add_gaussian_noise(key: jax.Array, tree: PyTree, stddev: jax.Array | float) 
   return jax.tree.unflatten(treedef, noisy)
 
 
-def private_gradient(
-  key: jax.Array,
-  apply_fn: ApplyFn,
-  params: PyTree,
-  x: jax.Array,
-  y: jax.Array,
-  is_padding: jax.Array,
-  *,
-  l2_clip_norm: float,
-  noise_multiplier: float,
-  expected_batch_size: jax.Array | float,
-  microbatch_size: int | None = None,
-  method: str = "auto",
-) -> tuple[PyTree, jax.Array]:
-  """The Gaussian mechanism on clipped per-example gradients (Algorithm 3).
-
-  ``(sum_i clip_C(g_i) + N(0, sigma^2 C^2 I)) / B`` with ``B`` the expected
-  batch size ``q N_k`` (not the realised one, which would leak the batch size).
-
-  Args:
-    key: PRNG key for the noise.
-    apply_fn: ``apply_fn(params, x) -> logits``.
-    params: model parameters.
-    x: ``(capacity, ...)`` batch buffer; y: ``(capacity,)`` int labels.
-    is_padding: ``(capacity,)`` bool, True for empty slots.
-    l2_clip_norm: clipping bound ``C`` (> 0).
-    noise_multiplier: ``sigma`` (noise std divided by ``C``).
-    expected_batch_size: ``B``.
-    microbatch_size: optional microbatching to bound memory.
-    method: per-example gradient method of :func:`clipped_gradient_sum`.
-
-  Returns:
-    ``(noisy_mean_gradient, per_example_norms)``.
-  """
-  clipped_sum, norms = clipped_gradient_sum(
-    apply_fn,
-    params,
-    x,
-    y,
-    is_padding,
-    l2_clip_norm=l2_clip_norm,
-    microbatch_size=microbatch_size,
-    method=method,
-  )
-  return privatise(
-    key,
-    clipped_sum,
-    l2_clip_norm=l2_clip_norm,
-    noise_multiplier=noise_multiplier,
-    expected_batch_size=expected_batch_size,
-  ), norms
-
-
 def privatise(
   key: jax.Array,
   clipped_sum: PyTree,
@@ -430,3 +395,277 @@ def privatise(
     checks.nonneg_float("noise_multiplier", noise_multiplier)  # 0: clipping only, no noise
   noisy = add_gaussian_noise(key, clipped_sum, noise_multiplier * l2_clip_norm)
   return jax.tree.map(lambda g: g / expected_batch_size, noisy)
+
+
+# --------------------------------------------------------------------------
+# The one DP gradient.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PoissonGradient:
+  """One access to a client's records: the gradient of a Poisson batch, clipped and noised.
+
+  The static query of :func:`poisson_gradient` (hashable: a jit static). In the spirit of
+  ``jax_privacy``'s ``clipped_grad``, it carries what the accountant needs: ``B`` (the
+  sampling rate ``q = B / N_k``), the clip ``C`` (one record moves the clipped sum by at most
+  ``C``: its L2 sensitivity) and the noise multiplier ``sigma`` (noise std ``sigma * C`` on the
+  sum); :meth:`mechanism` declares the :class:`~fedlap_jax.accounting.DpMechanism` of ``T``
+  such accesses per round from those very fields.
+
+  Attributes:
+    batch_size: ``B``, expected records per batch, >= 1.
+    capacity: the Poisson buffer (a chunk of the draw; a draw beyond it is read in further
+      chunks, never dropped), >= 1.
+    l2_clip_norm: ``C`` > 0: per-example clipping (the private path); ``None``: the
+      non-private gradient (no clipping, no noise).
+    noise_multiplier: ``sigma >= 0`` (only with ``l2_clip_norm``; 0 is clipped SGD without
+      noise, for ablations and tests: no mechanism is declared for it).
+    microbatch_size: per-example gradients this many examples at a time (private path;
+      ``None``: the plan of :func:`fedlap_jax.per_example.auto_plan` under ``"auto"``, one
+      pass otherwise); the non-private path always uses that plan.
+    per_example_method: how per-example gradients are computed (:func:`clipped_gradient_sum`).
+    gradient_mean: ``"realized"`` (the mean over the records drawn) or ``"expected"`` (the sum
+      divided by ``B``); ``None``: ``"expected"`` on the private path, which requires it (the
+      realised batch size would leak), ``"realized"`` otherwise.
+    dsa_strategy: DSA families of the batch (one draw for the whole batch); ``""``: none.
+    track_loss: also return the batch's summed loss (:attr:`BatchGradient.loss_sum`); on the
+      private path it costs one more forward pass and is a non-private diagnostic.
+  """
+
+  batch_size: int
+  capacity: int
+  l2_clip_norm: float | None = None
+  noise_multiplier: float = 0.0
+  microbatch_size: int | None = None
+  per_example_method: str = "auto"
+  gradient_mean: str | None = None
+  dsa_strategy: str = ""
+  track_loss: bool = False
+
+  def __post_init__(self):
+    checks.positive_int("batch_size", self.batch_size)
+    checks.positive_int("capacity", self.capacity)
+    checks.require(
+      self.l2_clip_norm is None or checks.is_real(self.l2_clip_norm) and self.l2_clip_norm > 0,
+      "l2_clip_norm",
+      self.l2_clip_norm,
+      "None or a finite number > 0",
+    )
+    checks.nonneg_float("noise_multiplier", self.noise_multiplier)
+    checks.require(
+      self.private or self.noise_multiplier == 0,
+      "noise_multiplier",
+      self.noise_multiplier,
+      "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)",
+    )
+    checks.require(
+      self.microbatch_size is None
+      or checks.is_int(self.microbatch_size)
+      and self.microbatch_size >= 1,
+      "microbatch_size",
+      self.microbatch_size,
+      "None or an integer >= 1",
+    )
+    checks.one_of("per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
+    checks.require(
+      self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
+      "gradient_mean",
+      self.gradient_mean,
+      f"None or one of {GRADIENT_MEANS}",
+    )
+    checks.require(
+      not self.private or self.gradient_mean in (None, "expected"),
+      "gradient_mean",
+      self.gradient_mean,
+      "'expected' or None with clipping (dividing by the realised batch size would leak it)",
+    )
+    checks.dsa_strategy("dsa_strategy", self.dsa_strategy)
+    checks.require(isinstance(self.track_loss, bool), "track_loss", self.track_loss, "a bool")
+
+  @classmethod
+  def of(cls, dp, *, batch_size: int, capacity: int, **rest) -> "PoissonGradient":
+    """The query of a method under ``dp`` (a :class:`~fedlap_jax.config.DPConfig`, or ``None``
+    for the non-private gradient): its clip, noise, microbatch and per-example method."""
+    if dp is None:
+      return cls(batch_size=batch_size, capacity=capacity, **rest)
+    return cls(
+      batch_size=batch_size,
+      capacity=capacity,
+      l2_clip_norm=dp.l2_clip_norm,
+      noise_multiplier=dp.noise_multiplier,
+      microbatch_size=dp.microbatch_size,
+      per_example_method=dp.per_example_method,
+      **rest,
+    )
+
+  @property
+  def private(self) -> bool:
+    """Whether per-example gradients are clipped (and noised)."""
+    return self.l2_clip_norm is not None
+
+  @property
+  def mean_by(self) -> str:
+    """The resolved ``gradient_mean``."""
+    if self.gradient_mean is not None:
+      return self.gradient_mean
+    return "expected" if self.private else "realized"
+
+  @property
+  def l2_sensitivity(self) -> float | None:
+    """``C``: adding or removing one record moves the clipped sum by at most ``C`` (``None``
+    off the private path). The accountant's PLD also reads replace-one (:mod:`accounting`)."""
+    return self.l2_clip_norm
+
+  @property
+  def noise_stddev(self) -> float | None:
+    """``sigma * C``, the standard deviation of the noise on the clipped sum."""
+    return None if self.l2_clip_norm is None else self.noise_multiplier * self.l2_clip_norm
+
+  def mechanism(
+    self, *, steps_per_round: int, delta: float, adjacency: str = accounting.REPLACE_ONE
+  ) -> accounting.DpMechanism:
+    """The :class:`~fedlap_jax.accounting.DpMechanism` of ``T = steps_per_round`` such
+    accesses per round: ``sigma`` and ``B`` of this query, ``delta`` of the report.
+
+    Raises:
+      ConfigError: off the private path, or ``sigma = 0`` (no guarantee to account for).
+    """
+    checks.require(
+      self.private and self.noise_multiplier > 0,
+      "noise_multiplier",
+      self.noise_multiplier,
+      "a number > 0 with l2_clip_norm set (a mechanism needs clipping and noise)",
+    )
+    return accounting.DpMechanism(
+      noise_multiplier=self.noise_multiplier,
+      batch_size=self.batch_size,
+      steps_per_round=steps_per_round,
+      delta=delta,
+      adjacency=adjacency,
+    )
+
+
+class BatchGradient(NamedTuple):
+  """What :func:`poisson_gradient` returns.
+
+  Attributes:
+    gradient: a pytree like the model: on the private path the sum of per-example gradients
+      clipped to ``C`` plus ``N(0, sigma^2 C^2)`` noise, divided by the expected batch size
+      ``B`` (:func:`privatise`); otherwise the summed gradient divided by the records drawn
+      (``"realized"``) or by ``B`` (``"expected"``).
+    aug_key, family_key: the batch's DSA draw (FedLAP's and PSG's synthetic batch reuse it);
+      ``family_key`` is ``None`` without a shared family key.
+    batch_size: int32, records drawn (all chunks).
+    extra_chunks: int32, chunks of the draw beyond the first.
+    clipped: float32, per-example gradients clipped (0 off the private path).
+    loss_sum: float32, the summed loss over the batch with ``track_loss``; ``None`` without.
+
+  On the private path ``gradient`` is the mechanism's output; the fields of
+  :attr:`NONPRIVATE` are raw statistics of the records: diagnostics, not to be released.
+  """
+
+  NONPRIVATE = ("batch_size", "extra_chunks", "clipped", "loss_sum")  # type: ignore[misc]  # a class constant, not a field
+
+  gradient: PyTree
+  aug_key: jax.Array
+  family_key: jax.Array | None
+  batch_size: jax.Array
+  extra_chunks: jax.Array
+  clipped: jax.Array
+  loss_sum: jax.Array | None = None
+
+
+def poisson_gradient(
+  query: PoissonGradient,
+  key: jax.Array,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  data: ClientData,
+  *,
+  family_key: jax.Array | None = None,
+) -> BatchGradient:
+  """The gradient of one Poisson batch of ``data`` at ``params``: a method's access to records.
+
+  Each valid record is drawn with probability ``q = B / N_k`` (:func:`poisson_sample`; every
+  record drawn counts, also when the draw overflows the buffer: :func:`sum_over_chunks`),
+  the batch gets one DSA draw of ``query.dsa_strategy``, and on the private path each
+  example's gradient is clipped to ``C``, the sum over the whole draw noised and divided by
+  ``B`` (:func:`privatise`, Algorithm 3); otherwise the summed gradient is divided by the
+  records drawn or by ``B`` (``query.gradient_mean``).
+
+  Keys: ``k_sample, k_aug, k_noise = split(key, 3)``; with a shared family key the batch's
+  family is drawn with ``split(family_key, 3)[1]``. Pure, jit- and vmap-compatible
+  (``query`` static). The per-example gradient is one copy in the program: the first chunk
+  and any overflow chunk run through one ``lax.while_loop`` body.
+
+  Args:
+    query: the static :class:`PoissonGradient`.
+    key: this access's PRNG key.
+    apply_fn, params: the model and the parameters the gradient is taken at.
+    data: the client's records, padded with a mask (no client axis).
+    family_key: the DSA family key shared by the clients of a round, or ``None``.
+
+  Returns:
+    :class:`BatchGradient`.
+  """
+  q = query
+  k_sample, k_aug, k_noise = jax.random.split(key, 3)
+  f_aug = None if family_key is None else jax.random.split(family_key, 3)[1]
+  rate = q.batch_size / jnp.maximum(jnp.sum(data.mask), 1).astype(jnp.float32)
+  batch = poisson_sample(k_sample, data.mask, rate, q.capacity)
+  augment = dsa.make_augment_fn(q.dsa_strategy)
+  f32 = jnp.float32
+
+  def chunk(indices, is_padding):
+    # One DSA draw per batch (every chunk gets the same transform).
+    xb = augment(k_aug, data.images(indices), family_key=f_aug)
+    yb = data.y[indices]
+    if not q.private:
+      # Chunked on CPU for matmul-convolution models (the plan of the DP gradient).
+      g, loss = real_gradient_sum(apply_fn, params, xb, yb, is_padding, microbatch_size="auto")
+      return (g, loss, f32(0.0)) if q.track_loss else (g, f32(0.0))
+    g, norms = clipped_gradient_sum(
+      apply_fn,
+      params,
+      xb,
+      yb,
+      is_padding,
+      l2_clip_norm=q.l2_clip_norm,
+      microbatch_size=q.microbatch_size,
+      method=q.per_example_method,
+    )
+    clipped = jnp.sum(jnp.logical_and(norms > q.l2_clip_norm, ~is_padding)).astype(f32)
+    if not q.track_loss:
+      return g, clipped
+    weights = jnp.logical_not(is_padding).astype(f32)
+    loss = jnp.sum(weights * cross_entropy(apply_fn(params, xb), yb))
+    return g, loss, clipped
+
+  grad_zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+  zeros = (grad_zeros, f32(0.0), f32(0.0)) if q.track_loss else (grad_zeros, f32(0.0))
+  sums = sum_over_chunks(chunk, batch, zeros=zeros)
+  total, loss_sum, clipped = sums if q.track_loss else (sums[0], None, sums[1])
+  if q.l2_clip_norm is not None:  # the private path
+    g = privatise(
+      k_noise,
+      total,
+      l2_clip_norm=q.l2_clip_norm,
+      noise_multiplier=q.noise_multiplier,
+      expected_batch_size=q.batch_size,
+    )
+  else:
+    if q.mean_by == "realized":
+      denominator = jnp.maximum(batch.size, 1).astype(f32)
+    else:
+      denominator = f32(q.batch_size)
+    g = jax.tree.map(lambda t: t / denominator, total)
+  return BatchGradient(  # type: ignore[call-arg]  # (NONPRIVATE is no field)
+    gradient=g,
+    aug_key=k_aug,
+    family_key=f_aug,
+    batch_size=batch.size,
+    extra_chunks=batch.extra_chunks,
+    clipped=clipped,
+    loss_sum=loss_sum,
+  )

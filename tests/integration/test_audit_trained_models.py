@@ -22,7 +22,7 @@ import pytest
 from fedlap_jax import auditing
 from fedlap_jax.accounting import epsilon_after_rounds
 from fedlap_jax.losses import masked_mean_loss
-from fedlap_jax.privacy import poisson_capacity, poisson_sample, private_gradient
+from fedlap_jax.privacy import clipped_gradient_sum, poisson_capacity, poisson_sample, privatise
 
 
 NUM_MEMBERS = 64
@@ -55,13 +55,12 @@ def _train(apply_fn, params, x, y, key, dp: bool):
     if dp:
       k_batch, k_noise = jax.random.split(k)
       b = poisson_sample(k_batch, jnp.ones(n, bool), DP_BATCH / n, poisson_capacity(DP_BATCH))
-      g, _ = private_gradient(
+      clipped, _ = clipped_gradient_sum(
+        apply_fn, p, x[b.indices], y[b.indices], b.is_padding, l2_clip_norm=DP_CLIP
+      )
+      g = privatise(
         k_noise,
-        apply_fn,
-        p,
-        x[b.indices],
-        y[b.indices],
-        b.is_padding,
+        clipped,
         l2_clip_norm=DP_CLIP,
         noise_multiplier=DP_SIGMA,
         expected_batch_size=DP_BATCH,

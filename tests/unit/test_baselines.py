@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import accounting, baselines, privacy
+from fedlap_jax import accounting, baselines, per_example, privacy
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig
 from fedlap_jax.models import count_params
@@ -473,3 +473,28 @@ def test_cosine_open_schedule_keeps_the_last_round_moving(linear_apply_fn, linea
   assert float(metrics.server_update_norm) > 1e-3
   with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
     _algorithm("fedsgd", linear_apply_fn, linear_params, clients, lr_schedule="step")
+
+
+def test_dp_baselines_honour_the_per_example_method(linear_apply_fn, linear_params, clients):
+  """``dp.per_example_method`` reaches DP-FedAvg's local steps: ``layerwise`` refuses a model
+  of no Flax layers (it was silently replaced by ``auto``); ``vmap`` gives ``auto``'s round."""
+  key = jax.random.PRNGKey(2)
+  runs = {}
+  for method in ("auto", "vmap", "layerwise"):
+    dp = dataclasses.replace(DP, per_example_method=method)
+    alg = _algorithm("dp_fedavg", linear_apply_fn, linear_params, clients, dp=dp)
+    if method == "layerwise":
+      with pytest.raises(per_example.Unsupported) as err:
+        alg.round(alg.init(key, linear_params, clients), clients)
+      assert err.value.field == "dp.per_example_method"
+      continue
+    runs[method] = alg.round(alg.init(key, linear_params, clients), clients)
+  chex.assert_trees_all_close(runs["vmap"][0].params, runs["auto"][0].params, atol=1e-6)
+  local = baselines.LocalTraining(l2_clip_norm=0.1, noise_multiplier=1.0, max_client_size=300)
+  with pytest.raises(privacy.ConfigError, match="local.per_example_method"):
+    baselines.BaselineConfig(
+      method="dp_fedavg",
+      rounds=1,
+      local=local,
+      dp=dataclasses.replace(DP, per_example_method="vmap"),
+    )

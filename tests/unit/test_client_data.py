@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from fedlap_jax import baselines, condensation, feddm
@@ -23,24 +24,36 @@ N, S = 12, 4
 
 
 def _data(**leaves) -> ClientData:
-  base = ClientData(jnp.zeros((N, 8, 8, 1)), jnp.zeros(N, jnp.int32), jnp.ones(N, bool))
+  base = ClientData(np.zeros((N, 8, 8, 1), np.float32), np.zeros(N, np.int32), np.ones(N, bool))
   return base._replace(**leaves)
 
 
 def _synthetic(**leaves) -> SyntheticSet:
-  base = SyntheticSet(jnp.zeros((S, 8, 8, 1)), jnp.arange(S, dtype=jnp.int32), jnp.ones(S, bool))
+  base = SyntheticSet(
+    np.zeros((S, 8, 8, 1), np.float32), np.arange(S, dtype=np.int32), np.ones(S, bool)
+  )
   return base._replace(**leaves)
 
 
 @pytest.mark.parametrize(
   "records, field, value, allowed",
   [
-    (_data(x=jnp.zeros(N)), "data.x.shape", (N,), "(N, ...): one leading axis of records"),
-    (_data(y=jnp.zeros(N - 1, jnp.int32)), "data.y.shape", (N - 1,), f"({N},): one entry per"),
-    (_data(mask=jnp.ones((N, 1), bool)), "data.mask.shape", (N, 1), f"({N},): one entry per"),
-    (_data(y=jnp.zeros(N)), "data.y.dtype", "float32", "an integer dtype (class labels)"),
-    (_data(x=jnp.zeros((N, 8, 8, 1), jnp.uint8)), "data.x.dtype", "uint8", "float model inputs"),
-    (_synthetic(x=jnp.zeros((S, 8, 8, 1), jnp.int32)), "data.x.dtype", "int32", "a floating"),
+    (
+      _data(x=np.zeros(N, np.float32)),
+      "data.x.shape",
+      (N,),
+      "(N, ...): one leading axis of records",
+    ),
+    (_data(y=np.zeros(N - 1, np.int32)), "data.y.shape", (N - 1,), f"({N},): one entry per"),
+    (_data(mask=np.ones((N, 1), bool)), "data.mask.shape", (N, 1), f"({N},): one entry per"),
+    (
+      _data(y=np.zeros(N, np.float32)),
+      "data.y.dtype",
+      "float32",
+      "an integer dtype (class labels)",
+    ),
+    (_data(x=np.zeros((N, 8, 8, 1), np.uint8)), "data.x.dtype", "uint8", "float model inputs"),
+    (_synthetic(x=np.zeros((S, 8, 8, 1), np.int32)), "data.x.dtype", "int32", "a floating"),
   ],
 )
 def test_check_records_names_the_leaf_the_value_and_what_is_allowed(records, field, value, allowed):
@@ -52,23 +65,25 @@ def test_check_records_names_the_leaf_the_value_and_what_is_allowed(records, fie
 
 def test_valid_records_pass_and_return_their_shape():
   assert check_records("data", _data()) == (N, 8, 8, 1)
-  assert check_records("synthetic", _synthetic(x=jnp.zeros((S, 8, 8, 1), jnp.bfloat16)))
+  assert check_records("synthetic", _synthetic(x=np.zeros((S, 8, 8, 1), jnp.bfloat16)))
   pixels = _data(
-    x=jnp.zeros((N, 8, 8, 1), jnp.uint8), pixel_scale=jnp.ones(1), pixel_offset=jnp.zeros(1)
+    x=np.zeros((N, 8, 8, 1), np.uint8),
+    pixel_scale=np.ones(1, np.float32),
+    pixel_offset=np.zeros(1, np.float32),
   )
   assert check_records("data", pixels) == (N, 8, 8, 1)  # stored pixels with a normalisation
-  assert check_records("data", _data(y=jnp.zeros(N, jnp.uint8)))  # any integer labels
+  assert check_records("data", _data(y=np.zeros(N, np.uint8)))  # any integer labels
   check_pair(_synthetic(), _data())
   check_batch_size("batch_size", N, _data())  # q = 1 at most: every record
 
 
 def test_check_pair_and_batch_size_refuse_what_no_client_update_can_use():
   with pytest.raises(ConfigError) as err:
-    check_pair(_synthetic(x=jnp.zeros((S, 8, 8, 3))), _data())
+    check_pair(_synthetic(x=np.zeros((S, 8, 8, 3), np.float32)), _data())
   assert err.value.field == "synthetic.x.shape" and err.value.value == (S, 8, 8, 3)
   assert err.value.allowed == "(S, 8, 8, 1): the image shape of client_data.x"
   with pytest.raises(ConfigError, match=r"client_data.y.dtype='float32' is invalid"):
-    check_pair(_synthetic(), _data(y=jnp.zeros(N)))
+    check_pair(_synthetic(), _data(y=np.zeros(N, np.float32)))
   with pytest.raises(ConfigError) as err:
     check_batch_size("local.batch_size", N + 1, _data())
   assert (err.value.field, err.value.value) == ("local.batch_size", N + 1)
@@ -81,7 +96,11 @@ def _linear(params, x):
 
 def test_every_method_checks_its_client_data_when_traced():
   """Float labels are refused by each method's client update before anything compiles."""
-  key, params, bad = jax.random.PRNGKey(0), jnp.zeros((64, 10)), _data(y=jnp.zeros(N))
+  key, params, bad = (
+    jax.random.PRNGKey(0),
+    np.zeros((64, 10), np.float32),
+    _data(y=np.zeros(N, np.float32)),
+  )
   message = r"(client_data|data).y.dtype='float32' is invalid; allowed: an integer dtype"
   local = baselines.LocalTraining(epochs=1, batch_size=4, fixed_steps=1)
   with pytest.raises(ConfigError, match=message):

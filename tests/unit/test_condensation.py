@@ -207,7 +207,7 @@ def test_psg_uses_the_private_gradient_with_its_settings(
 
     monkeypatch.setattr(privacy, name, wrapped)
 
-  for name in ("privatise", "sum_over_chunks", "clipped_gradient_sum", "private_gradient"):
+  for name in ("privatise", "sum_over_chunks", "clipped_gradient_sum"):
     spy(name)
   client = _client(clients)
   config = dataclasses.replace(TINY, outer_loop=1, batch_loop=1, dp=DP)

@@ -12,7 +12,6 @@ import warnings
 import equinox as eqx
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,9 +22,11 @@ from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
 
 METHODS = ("auto", "vmap", "layerwise", "jax_privacy")
-X = jax.random.normal(jax.random.key(0), (8, 4, 4, 1))
-Y = jnp.arange(8) % 3
-PAD = jnp.zeros(8, bool)
+# NumPy inputs: built without compiling anything (JAX compiles every operation it runs outside
+# ``jit`` on a new shape as a program of its own).
+X = np.random.default_rng(0).standard_normal((8, 4, 4, 1), np.float32)
+Y = np.arange(8, dtype=np.int32) % 3
+PAD = np.zeros(8, bool)
 
 
 def _flat(x):
@@ -141,7 +142,7 @@ def _clean_models():
   return {
     "nnx": (lambda s, x: nnx.merge(graphdef, s)(x), state),
     "equinox": (lambda p, x: jax.vmap(eqx.combine(p, static))(x), params),
-    "plain jax": (lambda w, x: _flat(x) @ w, 0.1 * jnp.ones((16, 3))),
+    "plain jax": (lambda w, x: _flat(x) @ w, np.full((16, 3), 0.1, np.float32)),
   }
 
 
@@ -165,8 +166,8 @@ def test_other_models_get_vmap_and_layerwise_says_whom_it_serves(name):
 
 def test_local_approx_refuses_a_batchnorm_model_only_under_dp():
   apply_fn, params = BATCHNORM["nnx, statistics in the closure"]
-  data = ClientData(X, Y, jnp.ones(8, bool))
-  synthetic = SyntheticSet(X[:3], jnp.arange(3), jnp.ones(3, bool))
+  data = ClientData(X, Y, np.ones(8, bool))
+  synthetic = SyntheticSet(X[:3], np.arange(3, dtype=np.int32), np.ones(3, bool))
   config = ClientConfig(
     ipc=1,
     iterations=1,

@@ -9,6 +9,7 @@ non-finite per-example gradients). A linear classifier on 8x8 digits, tiny loops
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -50,17 +51,23 @@ LOCAL_DP = dataclasses.replace(LOCAL, l2_clip_norm=1.0, noise_multiplier=1.0)
 @pytest.fixture(scope="module")
 def data(client_parts):
   x, y = client_parts[0]
-  return ClientData(jnp.asarray(x[:N]), jnp.asarray(y[:N]), jnp.ones(N, bool))
+  return jax.device_put(ClientData(x[:N], y[:N], np.ones(N, bool)))
 
 
 @pytest.fixture(scope="module")
 def synthetic():
-  y = jnp.array([5, 5, 6, 6], jnp.int32)
-  return SyntheticSet(jax.random.normal(jax.random.PRNGKey(0), (4, 8, 8, 1)), y, jnp.ones(4, bool))
+  """Built with NumPy, then put on the device: compiles nothing (JAX compiles every operation
+  it runs outside ``jit`` on a new shape as a program of its own). The eager library calls need
+  device arrays (their loops index the data with traced indices)."""
+  y = np.array([5, 5, 6, 6], np.int32)
+  x = np.random.default_rng(0).standard_normal((4, 8, 8, 1), np.float32)
+  return jax.device_put(SyntheticSet(x, y, np.ones(4, bool)))
 
 
 def _bad(labels, value):
-  return labels.at[1].set(value)
+  labels = np.array(labels)
+  labels[1] = value
+  return jax.device_put(labels)
 
 
 def _local(apply_fn, params, synthetic, data, config=LOOPS):
@@ -76,8 +83,8 @@ def _global(apply_fn, params, synthetic):
     apply_fn,
     params,
     stacked,
-    jnp.ones(1),
-    jnp.inf,
+    np.ones(1, np.float32),
+    np.inf,
     learning_rate=0.1,
     config=SERVER,
   )
@@ -99,7 +106,48 @@ def _condense(apply_fn, params, synthetic, data):
 
 
 def _floats(tree):
-  return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+  return [np.asarray(a) for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+
+def _all_finite(leaves):
+  return all(bool(np.all(np.isfinite(np.asarray(a)))) for a in leaves)
+
+
+def _all_nan(leaves):
+  return all(bool(np.all(np.isnan(np.asarray(a)))) for a in leaves)
+
+
+# The traced runs, each ``run(f, p, s, d)`` jitted once for the file (the model static): the
+# parametrised tests share their programs.
+_TRACED_RUNS = {
+  "local_approx, data": lambda f, p, s, d: _local(f, p, s, d),
+  "local_approx under DP, data": lambda f, p, s, d: _local(
+    f, p, s, d, dataclasses.replace(LOOPS, dp=DP)
+  ),
+  "baseline": lambda f, p, s, d: _baseline(f, p, d),
+  "baseline under DP": lambda f, p, s, d: _baseline(f, p, d, LOCAL_DP),
+  "condense": lambda f, p, s, d: _condense(f, p, s, d),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(name):
+  return jax.jit(_TRACED_RUNS[name], static_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _local_dp_on_synthetic(f, p, s, d):
+  return _local(f, p, s, d, dataclasses.replace(LOOPS, dp=DP))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _global_jit(f, p, s):
+  return _global(f, p, s)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _vmapped_dp_baseline(f, p, two):
+  return jax.vmap(lambda d: _baseline(f, p, d, LOCAL_DP))(two)
 
 
 def test_the_class_count_is_the_model_output_width(linear_apply_fn, linear_params):
@@ -146,20 +194,22 @@ def test_concrete_labels_out_of_range_are_refused_before_anything_runs(
 
 
 def test_a_client_with_weight_zero_is_not_checked(linear_apply_fn, linear_params, synthetic):
-  two = jax.tree.map(
-    lambda a, b: jnp.stack([a, b]), synthetic, synthetic._replace(y=_bad(synthetic.y, 12))
+  two = jax.device_put(
+    jax.tree.map(
+      lambda a, b: np.stack([a, b]), synthetic, synthetic._replace(y=_bad(synthetic.y, 12))
+    )
   )
-  params, _ = server.global_update(
+  params, _ = server.global_update(  # eager: the labels are concrete, checked on the host
     jax.random.PRNGKey(2),
     linear_apply_fn,
     linear_params,
     two,
-    jnp.array([1.0, 0.0]),
-    jnp.inf,
+    np.array([1.0, 0.0], np.float32),
+    np.inf,
     learning_rate=0.1,
     config=SERVER,
   )
-  assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(params))
+  assert _all_finite(jax.tree.leaves(params))
 
 
 @pytest.mark.parametrize("value", [12, -1])
@@ -169,29 +219,23 @@ def test_traced_labels_out_of_range_make_every_float_output_nan(
   f, p = linear_apply_fn, linear_params
   bad_data = data._replace(y=_bad(data.y, value))
   bad_syn = synthetic._replace(y=_bad(synthetic.y, value))
-  dp = dataclasses.replace(LOOPS, dp=DP)
-  runs = {
-    "local_approx, data": lambda s, d: _local(f, p, s, d),
-    "local_approx under DP, data": lambda s, d: _local(f, p, s, d, dp),
-    "baseline": lambda s, d: _baseline(f, p, d),
-    "baseline under DP": lambda s, d: _baseline(f, p, d, LOCAL_DP),
-    "condense": lambda s, d: _condense(f, p, s, d),
-  }
-  for name, run in runs.items():
-    good = jax.jit(run)(synthetic, data)
-    assert all(bool(jnp.all(jnp.isfinite(a))) for a in _floats(good)), name
-    out = jax.jit(run)(synthetic, bad_data)
-    assert _floats(out) and all(bool(jnp.all(jnp.isnan(a))) for a in _floats(out)), name
+  for name in _TRACED_RUNS:
+    run = _jitted(name)
+    good = run(f, p, synthetic, data)
+    assert _all_finite(_floats(good)), name
+    out = run(f, p, synthetic, bad_data)
+    assert _floats(out) and _all_nan(_floats(out)), name
   for name, out in {
-    "local_approx, synthetic": jax.jit(lambda s: _local(f, p, s, data, dp))(bad_syn),
-    "global_update": jax.jit(lambda s: _global(f, p, s))(bad_syn),
+    "local_approx, synthetic": _local_dp_on_synthetic(f, p, bad_syn, data),
+    "global_update": _global_jit(f, p, bad_syn),
   }.items():
-    assert all(bool(jnp.all(jnp.isnan(a))) for a in _floats(out)), name
+    assert _all_nan(_floats(out)), name
   # Vmapped clients: only the client with the bad label is poisoned.
-  two = jax.tree.map(lambda a, b: jnp.stack([a, b]), data, bad_data)
-  w, _ = jax.jit(jax.vmap(lambda d: _baseline(f, p, d, LOCAL_DP)))(two)
+  two = jax.tree.map(lambda a, b: np.stack([a, b]), data, bad_data)
+  w, _ = _vmapped_dp_baseline(f, p, two)
   for leaf in jax.tree.leaves(w):
-    assert bool(jnp.all(jnp.isfinite(leaf[0]))) and bool(jnp.all(jnp.isnan(leaf[1])))
+    leaf = np.asarray(leaf)
+    assert bool(np.all(np.isfinite(leaf[0]))) and bool(np.all(np.isnan(leaf[1])))
 
 
 def test_in_range_labels_give_the_same_numbers_as_before(

@@ -210,14 +210,10 @@ def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
       jax.random.PRNGKey(0), (8, 8, 1), width=8, depth=1, conv_bias=conv_bias
     )
     apply_fn = lambda p, v, m=model: m.apply({"params": p}, v)  # noqa: E731
-    g_dp, _ = jax.jit(
-      lambda p, f=apply_fn: privacy.private_gradient(
+    g_dp = jax.jit(
+      lambda p, f=apply_fn: privacy.privatise(
         jax.random.PRNGKey(1),
-        f,
-        p,
-        x,
-        y,
-        jnp.zeros(16, bool),
+        privacy.clipped_gradient_sum(f, p, x, y, jnp.zeros(16, bool), l2_clip_norm=1.0)[0],
         l2_clip_norm=1.0,
         noise_multiplier=1.0,
         expected_batch_size=16.0,

@@ -31,7 +31,9 @@ class MLP(nn.Module):
     return nn.Dense(10)(x)
 
 
+@functools.lru_cache(maxsize=None)
 def _model(kind):
+  """``(apply_fn, params)``, one per kind for the whole file: the tests share their programs."""
   if kind == "mlp":
     model = MLP()
   else:
@@ -41,14 +43,21 @@ def _model(kind):
 
 
 def _batch(n=12, real=9):
-  x = 2.0 * jax.random.normal(jax.random.PRNGKey(1), (n, 12, 12, 3))
-  y = jax.random.randint(jax.random.PRNGKey(2), (n,), 0, 10)
-  return x, y, jnp.arange(n) >= real
+  """Images, labels and the padding mask, NumPy (built without compiling anything: JAX compiles
+  every operation it runs outside ``jit`` on a new shape as a program of its own)."""
+  rng = np.random.default_rng(1)
+  x = 2.0 * rng.standard_normal((n, 12, 12, 3), np.float32)
+  y = rng.integers(0, 10, (n,), np.int32)
+  return x, y, np.arange(n) >= real
+
+
+# vmap(grad) under jit: one program per model for every reference in the file.
+_per_example_gradients = jax.jit(privacy.per_example_gradients, static_argnums=0)
 
 
 def _reference(apply_fn, params, x, y, is_padding, clip):
   """vmap(grad), then ``sum_i min(1, C / |g_i|) g_i`` over real examples (float64 sums)."""
-  per_ex = jax.jit(privacy.per_example_gradients, static_argnums=0)(apply_fn, params, x, y)
+  per_ex = _per_example_gradients(apply_fn, params, x, y)
   leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(per_ex)]
   norms = np.sqrt(sum(np.sum(g.reshape(len(g), -1) ** 2, axis=1) for g in leaves))
   factor = np.minimum(1.0, clip / norms) * ~np.asarray(is_padding)
@@ -89,7 +98,7 @@ def test_layerwise_equals_vmap_grad(kind):
   np.testing.assert_allclose(norms_mb[:9], ref_norms[:9], rtol=RTOL)
   np.testing.assert_array_equal(norms_mb[9:], 0.0)
   # Padding in the middle and an uneven split (12 = 5 + 5 + 2 padded).
-  middle = jnp.arange(12) % 3 == 1
+  middle = np.arange(12) % 3 == 1
   total_mb, norms_mb = fn(params, x, y, middle, l2_clip_norm=0.1, microbatch_size=5)
   ref, ref_norms = _reference(apply_fn, params, x, y, middle, 0.1)
   _assert_close(total_mb, ref)
@@ -114,10 +123,12 @@ def test_padding_contributes_exactly_zero():
   x, y, is_padding = _batch()
   fn = jax.jit(functools.partial(per_example.clipped_gradient_sum, apply_fn, l2_clip_norm=1.0))
   clean, _ = fn(params, x, y, is_padding)
-  garbage, _ = fn(params, x.at[9:].set(jnp.nan), y, is_padding)
+  nan_padding = x.copy()
+  nan_padding[9:] = np.nan
+  garbage, _ = fn(params, nan_padding, y, is_padding)
   chex.assert_trees_all_equal(clean, garbage)
-  nothing, _ = fn(params, x, y, jnp.ones_like(is_padding))
-  assert all(bool(jnp.all(leaf == 0)) for leaf in jax.tree.leaves(nothing))
+  nothing, _ = fn(params, x, y, np.ones_like(is_padding))
+  assert all(bool(np.all(np.asarray(leaf) == 0)) for leaf in jax.tree.leaves(nothing))
 
 
 def test_unsupported_models_fall_back_to_vmap():
@@ -126,7 +137,7 @@ def test_unsupported_models_fall_back_to_vmap():
   uses_outside = lambda p, x: apply_fn(p, x) * p["Dense_1"]["bias"][0]  # noqa: E731
   transformed = lambda p, x: apply_fn(jax.tree.map(lambda a: 2.0 * a, p), x)  # noqa: E731
   plain = lambda p, x: x.reshape(len(x), -1) @ p  # noqa: E731
-  w = 0.01 * jnp.ones((432, 10))
+  w = np.full((432, 10), 0.01, np.float32)
   for fn, p in ((uses_outside, params), (transformed, params), (plain, w)):
     assert per_example.auto_plan(fn, p, x) == ("vmap", None)
     with pytest.raises(per_example.Unsupported):
@@ -145,14 +156,14 @@ def test_auto_prefers_layerwise_only_where_it_pays():
     apply_fn, params = _model(kind)
     assert per_example.auto_plan(apply_fn, params, x)[0] == method, kind
   plain = lambda p, x: x.reshape(len(x), -1) @ p  # noqa: E731
-  assert per_example.auto_plan(plain, jnp.ones((432, 10)), x)[0] == "vmap"
+  assert per_example.auto_plan(plain, np.ones((432, 10), np.float32), x)[0] == "vmap"
 
 
 def test_auto_microbatches_only_matmul_conv_models_on_cpu():
   # Microbatches paid off only for matmul convolutions on CPU; they slowed the
   # layer-wise path and vmap with XLA's convolution, so those keep one pass.
   m = per_example.CPU_MICROBATCH
-  big = jnp.zeros((m + 1, *_batch()[0].shape[1:]))
+  big = np.zeros((m + 1, *_batch()[0].shape[1:]), np.float32)
   small = big[:m]
   on_cpu = jax.default_backend() == "cpu"
   for kind in ("im2col", "hybrid"):
@@ -166,7 +177,7 @@ def test_auto_microbatches_only_matmul_conv_models_on_cpu():
     apply_fn, params = _model(kind)
     assert per_example.auto_plan(apply_fn, params, big) == ("layerwise", None), kind
   plain = lambda p, x: x.reshape(len(x), -1) @ p  # noqa: E731
-  assert per_example.auto_plan(plain, jnp.ones((432, 10)), big) == ("vmap", None)
+  assert per_example.auto_plan(plain, np.ones((432, 10), np.float32), big) == ("vmap", None)
 
 
 @pytest.mark.parametrize("method", ["auto", "layerwise", "vmap", "jax_privacy"])
@@ -196,13 +207,16 @@ def test_bad_method_names():
 
 
 def test_instance_norm_equals_group_norm():
-  x = 3.0 + jax.random.normal(jax.random.PRNGKey(0), (4, 6, 6, 5))
+  rng = np.random.default_rng(0)
+  x = 3.0 + rng.standard_normal((4, 6, 6, 5), np.float32)
   gn = nn.GroupNorm(num_groups=5, epsilon=1e-5)
-  p = gn.init(jax.random.PRNGKey(1), x)
-  p = jax.tree.map(lambda a: a + jax.random.normal(jax.random.PRNGKey(2), a.shape), p)
+  p = jax.jit(gn.init)(jax.random.PRNGKey(1), x)
+  p = jax.tree.map(lambda a: np.asarray(a) + rng.standard_normal(a.shape, np.float32), p)
   ours = models.InstanceNorm(epsilon=1e-5)
-  chex.assert_trees_all_equal_structs(ours.init(jax.random.PRNGKey(1), x), p)
-  chex.assert_trees_all_close(ours.apply(p, x), gn.apply(p, x), atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_equal_structs(jax.jit(ours.init)(jax.random.PRNGKey(1), x), p)
+  chex.assert_trees_all_close(
+    jax.jit(ours.apply)(p, x), jax.jit(gn.apply)(p, x), atol=1e-5, rtol=1e-5
+  )
 
 
 @pytest.mark.parametrize(
@@ -210,9 +224,9 @@ def test_instance_norm_equals_group_norm():
 )
 def test_conv_impls_equal_xla_conv_to_second_order(padding, shape):
   """Value, gradient and gradient-of-gradient of both matmul convolutions."""
-  kx, kk = jax.random.split(jax.random.PRNGKey(0))
-  x = jax.random.normal(kx, shape)
-  k = jax.random.normal(kk, (3, 3, shape[-1], 5))
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal(shape, np.float32)
+  k = rng.standard_normal((3, 3, shape[-1], 5), np.float32)
   dn = ("NHWC", "HWIO", "NHWC")
 
   def value(conv, x, k):
@@ -232,7 +246,7 @@ def test_conv_impls_equal_xla_conv_to_second_order(padding, shape):
 
 
 def test_convnet_impls_same_function_and_params():
-  x = jax.random.normal(jax.random.PRNGKey(0), (3, 28, 28, 1))
+  x = np.random.default_rng(0).standard_normal((3, 28, 28, 1), np.float32)
   outs, trees = [], []
   for impl in ("flax", "im2col", "hybrid", "auto"):
     model = models.ConvNet(num_classes=10, width=8, depth=3, impl=impl)

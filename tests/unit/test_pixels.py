@@ -23,14 +23,12 @@ def test_pixel_normalisation_matches_the_formula(pixel_parts):
   chex.assert_shape([scale, offset], (1,))
   chex.assert_type([scale, offset], jnp.float32)
   x = parts[0][0]
-  data = ClientData(
-    jnp.asarray(x), jnp.zeros(len(x), jnp.int32), jnp.ones(len(x), bool), scale, offset
-  )
-  idx = jnp.array([3, 0, 7, 3])
+  data = ClientData(x, np.zeros(len(x), np.int32), np.ones(len(x), bool), scale, offset)
+  idx = np.array([3, 0, 7, 3], np.int32)
   got = jax.jit(ClientData.images)(data, idx)
   chex.assert_shape(got, (4, 8, 8, 1))
   chex.assert_type(got, jnp.float32)
-  want = (x[np.asarray(idx)] / PIXEL_MAX - mean) / std
+  want = (x[idx] / PIXEL_MAX - mean) / std
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
   # uint8 pixels of CIFAR-10's statistics: 0 and 255 map to (0 - m) / s and (1 - m) / s.
   s, o = pixel_normalisation([0.4914, 0.4822, 0.4465], [0.2023, 0.1994, 0.2010])
@@ -40,13 +38,13 @@ def test_pixel_normalisation_matches_the_formula(pixel_parts):
     rtol=1e-6,
   )
   np.testing.assert_allclose(
-    np.asarray(255 * s + o),
+    255 * np.asarray(s) + np.asarray(o),
     (1 - np.array([0.4914, 0.4822, 0.4465])) / np.array([0.2023, 0.1994, 0.2010]),
     rtol=1e-6,
   )
   # Float model inputs without a normalisation are read as they are.
-  plain = ClientData(jnp.asarray(x, jnp.float32), data.y, data.mask)
-  chex.assert_trees_all_equal(plain.images(idx), jnp.asarray(x, jnp.float32)[idx])
+  plain = ClientData(x.astype(np.float32), data.y, data.mask)
+  chex.assert_trees_all_equal(plain.images(idx), x.astype(np.float32)[idx])
 
 
 def test_stacked_pixels_stay_uint8_at_a_quarter_of_the_memory(pixel_and_float_clients):

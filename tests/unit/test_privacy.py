@@ -13,6 +13,8 @@ import optax
 import pytest
 
 from fedlap_jax import privacy
+from fedlap_jax.client_data import ClientData
+from fedlap_jax.config import DPConfig
 
 
 CLIP = 6.4  # between the smallest and the largest per-example norm of the batch below
@@ -198,16 +200,14 @@ def test_eager_matches_jit(batch, linear_apply_fn, linear_params):
       (params, x, y, is_padding),
       {},
     ),
-    "private_gradient": (
+    "poisson_gradient": (
       functools.partial(
-        privacy.private_gradient,
+        privacy.poisson_gradient,
+        privacy.PoissonGradient(batch_size=5, capacity=8, l2_clip_norm=1.0, noise_multiplier=1.0),
         apply_fn=apply_fn,
-        l2_clip_norm=1.0,
-        noise_multiplier=1.0,
-        expected_batch_size=5.0,
       ),
       (jax.random.PRNGKey(0),),
-      dict(params=params, x=x, y=y, is_padding=is_padding),
+      dict(params=params, data=ClientData(x, y, ~is_padding)),
     ),
     "add_gaussian_noise": (privacy.add_gaussian_noise, (jax.random.PRNGKey(0), params, 2.0), {}),
   }
@@ -217,7 +217,14 @@ def test_eager_matches_jit(batch, linear_apply_fn, linear_params):
     "real_gradient": params,
     "per_example_gradients": jax.tree.map(lambda p: jnp.zeros((8, *p.shape)), params),
     "clipped_gradient_sum": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
-    "private_gradient": (params, jax.ShapeDtypeStruct((8,), jnp.float32)),
+    "poisson_gradient": privacy.BatchGradient(
+      params,
+      jax.ShapeDtypeStruct((2,), jnp.uint32),
+      None,
+      jax.ShapeDtypeStruct((), jnp.int32),
+      jax.ShapeDtypeStruct((), jnp.int32),
+      jax.ShapeDtypeStruct((), jnp.float32),
+    ),
     "add_gaussian_noise": params,
   }
   for name, (fn, args, kwargs) in calls.items():
@@ -440,19 +447,12 @@ def test_noise_std_and_mean(linear_apply_fn, linear_params, batch, sigma, clip, 
 def _noisy_gradients(apply_fn, params, x, y, is_padding, keys, clip, sigma, expected_batch):
   """``(draws, ...)`` private gradients of one batch; clip, sigma and B are traced."""
 
+  clipped, _ = privacy.clipped_gradient_sum(apply_fn, params, x, y, is_padding, l2_clip_norm=clip)
+
   def one(k):
-    g, _ = privacy.private_gradient(
-      k,
-      apply_fn,
-      params,
-      x,
-      y,
-      is_padding,
-      l2_clip_norm=clip,
-      noise_multiplier=sigma,
-      expected_batch_size=expected_batch,
+    return privacy.privatise(
+      k, clipped, l2_clip_norm=clip, noise_multiplier=sigma, expected_batch_size=expected_batch
     )
-    return g
 
   return jax.vmap(one)(keys)
 
@@ -494,3 +494,124 @@ def test_poisson_inclusion_probability_is_never_above_the_accounted_rate(batch, 
   assert exact - Fraction(2, 2**23) <= Fraction(t, 2**32) <= exact
   everyone = privacy.poisson_sample(_counting_key(2**32 - 4096), valid, jnp.float32(1.0), 8)
   assert bool(jnp.all(everyone.chosen))
+
+
+# ---------------------------------------------------------------- the one DP gradient
+
+
+def _query(**changes):
+  return privacy.PoissonGradient(**{"batch_size": 40, "capacity": 60, **changes})
+
+
+@pytest.mark.parametrize(
+  "changes, field",
+  [
+    (dict(noise_multiplier=1.0), "noise_multiplier"),  # noise without clipping
+    (dict(l2_clip_norm=0.0), "l2_clip_norm"),
+    (dict(l2_clip_norm=1.0, gradient_mean="realized"), "gradient_mean"),  # would leak |batch|
+    (dict(per_example_method="fast"), "per_example_method"),
+    (dict(capacity=0), "capacity"),
+    (dict(microbatch_size=0), "microbatch_size"),
+    (dict(dsa_strategy="blur"), "dsa_strategy"),
+  ],
+)
+def test_the_gradient_query_refuses_what_it_cannot_honour(changes, field):
+  with pytest.raises(privacy.ConfigError) as err:
+    _query(**changes)
+  assert err.value.field == field
+
+
+def test_the_gradient_query_carries_its_sensitivity_and_declares_its_mechanism():
+  q = _query(l2_clip_norm=0.5, noise_multiplier=1.2)
+  assert q.private and q.mean_by == "expected"
+  assert q.l2_sensitivity == 0.5 and q.noise_stddev == pytest.approx(0.6)
+  m = q.mechanism(steps_per_round=7, delta=1e-5)
+  assert (m.noise_multiplier, m.batch_size, m.steps_per_round, m.delta) == (1.2, 40, 7, 1e-5)
+  dp = privacy.PoissonGradient.of(
+    DPConfig(noise_multiplier=1.2, l2_clip_norm=0.5, delta=1e-5, per_example_method="vmap"),
+    batch_size=40,
+    capacity=60,
+  )
+  assert (dp.l2_clip_norm, dp.noise_multiplier, dp.per_example_method) == (0.5, 1.2, "vmap")
+  plain = _query()
+  assert not plain.private and plain.mean_by == "realized" and plain.noise_stddev is None
+  for no_guarantee in (plain, _query(l2_clip_norm=0.5)):  # no noise: nothing to account for
+    with pytest.raises(privacy.ConfigError):
+      no_guarantee.mechanism(steps_per_round=7, delta=1e-5)
+
+
+def test_poisson_gradient_is_algorithm_3_on_the_whole_draw(
+  linear_apply_fn, linear_params, client_parts
+):
+  """At q = 1 every record is drawn: the gradient is the clipped sum over all of them (read in
+  chunks of the buffer), noised with ``split(key, 3)[2]`` and divided by B; non-private, the
+  mean over the records drawn, or the sum over B."""
+  x, y = client_parts[0]
+  n = len(y)
+  data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(n, bool))
+  key = jax.random.PRNGKey(5)
+  clipped, norms = privacy.clipped_gradient_sum(
+    linear_apply_fn, linear_params, data.x, data.y, jnp.zeros(n, bool), l2_clip_norm=0.5
+  )
+  dp = privacy.PoissonGradient(
+    batch_size=n, capacity=40, l2_clip_norm=0.5, noise_multiplier=1.0, track_loss=True
+  )
+  out = jax.jit(privacy.poisson_gradient, static_argnums=(0, 2))(
+    dp, key, linear_apply_fn, linear_params, data
+  )
+  expected = privacy.privatise(
+    jax.random.split(key, 3)[2],
+    clipped,
+    l2_clip_norm=0.5,
+    noise_multiplier=1.0,
+    expected_batch_size=n,
+  )
+  chex.assert_trees_all_close(out.gradient, expected, atol=1e-6, rtol=1e-5)
+  assert int(out.batch_size) == n and int(out.extra_chunks) == math.ceil(n / 40) - 1 > 0
+  assert float(out.clipped) == float(jnp.sum(norms > 0.5))
+  losses = privacy.cross_entropy(linear_apply_fn(linear_params, data.x), data.y)
+  np.testing.assert_allclose(float(out.loss_sum), float(jnp.sum(losses)), rtol=1e-5)
+  full = privacy.real_gradient(linear_apply_fn, linear_params, data.x, data.y, jnp.zeros(n, bool))
+  everyone = privacy.poisson_gradient(_q1(n), key, linear_apply_fn, linear_params, data)
+  chex.assert_trees_all_close(everyone.gradient, full, atol=1e-6, rtol=1e-5)
+  assert everyone.loss_sum is None and float(everyone.clipped) == 0.0
+  # q = 1/2: the same draw, its summed gradient over the records drawn or over B.
+  half = n // 2
+  realized, expected = (
+    privacy.poisson_gradient(
+      privacy.PoissonGradient(batch_size=half, capacity=40, gradient_mean=mean),
+      key,
+      linear_apply_fn,
+      linear_params,
+      data,
+    )
+    for mean in ("realized", "expected")
+  )
+  size = int(realized.batch_size)
+  assert 0 < size < n and int(expected.batch_size) == size
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda g: g * half, expected.gradient),
+    jax.tree.map(lambda g: g * size, realized.gradient),
+    atol=1e-5,
+    rtol=1e-5,
+  )
+
+
+def _q1(n):
+  return privacy.PoissonGradient(batch_size=n, capacity=40)
+
+
+def test_poisson_gradient_keys_are_the_callers_derivation(linear_apply_fn, linear_params, batch):
+  """``k_sample, k_aug, k_noise = split(key, 3)``; the family key's draw is
+  ``split(family_key, 3)[1]``: the derivation the callers used, so their numbers stay."""
+  x, y, is_padding = batch
+  data = ClientData(x, y, ~is_padding)
+  key, family = jax.random.PRNGKey(3), jax.random.PRNGKey(4)
+  q = privacy.PoissonGradient(batch_size=3, capacity=8, l2_clip_norm=1.0, noise_multiplier=1.0)
+  out = privacy.poisson_gradient(q, key, linear_apply_fn, linear_params, data, family_key=family)
+  k_sample, k_aug, _ = jax.random.split(key, 3)
+  np.testing.assert_array_equal(out.aug_key, k_aug)
+  np.testing.assert_array_equal(out.family_key, jax.random.split(family, 3)[1])
+  drawn = privacy.poisson_sample(k_sample, data.mask, 3 / jnp.sum(data.mask), 8)
+  assert int(out.batch_size) == int(drawn.size)
+  assert privacy.poisson_gradient(q, key, linear_apply_fn, linear_params, data).family_key is None
