@@ -144,11 +144,10 @@ def _child(spec: dict) -> dict:
   lever = spec["lever"]
   _apply_patch(lever)
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
-  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments import calibration, flags, train  # pylint: disable=g-import-not-at-top
 
-  cfg, _ = run_lib.load_config(spec["config"], spec["overrides"])
-  run_lib.calibrate_noise(cfg)
+  cfg, _ = flags.load_config(spec["config"], spec["overrides"])
+  calibration.calibrate_noise(cfg)
   setup = train.build_run(cfg)
   alg, state, clients = setup.algorithm, setup.state, setup.clients
   if lever == "split":

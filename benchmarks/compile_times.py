@@ -248,8 +248,7 @@ def _child(spec: dict) -> dict:
     jax.config.update("jax_enable_compilation_cache", False)
 
   import fedlap_jax  # pylint: disable=g-import-not-at-top
-  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments import calibration, flags, train  # pylint: disable=g-import-not-at-top
   from fedlap_jax.client_data import normalise_pixels  # pylint: disable=g-import-not-at-top
   from fedlap_jax.training import evaluate  # pylint: disable=g-import-not-at-top
 
@@ -264,8 +263,8 @@ def _child(spec: dict) -> dict:
   }
   t_setup = time.perf_counter()
   with events.during("setup"):
-    cfg, _ = run_lib.load_config(spec["config"], spec["overrides"])
-    run_lib.calibrate_noise(cfg)
+    cfg, _ = flags.load_config(spec["config"], spec["overrides"])
+    calibration.calibrate_noise(cfg)
     setup = train.build_run(cfg)
     alg, state, clients = setup.algorithm, setup.state, setup.clients
     dataset = setup.dataset
@@ -332,9 +331,9 @@ def _child(spec: dict) -> dict:
 
 def _overrides(name: str, data_dir: Path, given: list[str]) -> tuple[list[str], str | None]:
   """``(overrides, stand-in dataset name or None)`` of config ``name`` with ``given`` ones."""
-  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+  from experiments import flags  # pylint: disable=g-import-not-at-top
 
-  cfg, _ = run_lib.load_config(name, given)
+  cfg, _ = flags.load_config(name, given)
   dataset = cfg.data.name
   overrides = list(given)
   if dataset in STAND_INS:

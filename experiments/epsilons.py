@@ -5,9 +5,9 @@ r"""The epsilon every named DP config spends, computed the way its run computes 
   python -m experiments.epsilons --check    # exit 1 if a document quotes another figure
 
 For each config of :data:`NAMES` (and each DP run of a suite) it builds the config as
-``experiments.run`` does (:func:`experiments.run.load_config`; a suite's
+``experiments.run`` does (:func:`experiments.flags.load_config`; a suite's
 ``dp.target_epsilon`` / ``dp.match_epsilon_of`` calibrated by
-:func:`experiments.run.calibrate_noise`), takes the mechanism its method declares
+:func:`experiments.calibration.calibrate_noise`), takes the mechanism its method declares
 (:func:`experiments.library_configs.dp_mechanism`: ``B``, ``T`` per round, ``sigma``,
 ``delta``) and composes its rounds into the ledger the run keeps
 (:func:`experiments.train.new_ledger`, :func:`experiments.train.charge_round`). So each figure
@@ -131,15 +131,15 @@ def client_sizes(cfg) -> list[int]:
 
   tfds data sets of :data:`TRAIN_CLASS_COUNTS`: labels with those counts through
   :func:`experiments.data.client_split` (the run's partition and ``train_fraction``, from the
-  public ``data.partition_seed``); any other source: :func:`experiments.run.client_sizes`
+  public ``data.partition_seed``); any other source: :func:`experiments.calibration.client_sizes`
   (loads the data).
   """
+  from experiments import calibration  # pylint: disable=g-import-not-at-top
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import run  # pylint: disable=g-import-not-at-top
 
   counts = TRAIN_CLASS_COUNTS.get(cfg.data.name)
   if counts is None or data_lib.parse_source(cfg.data.source)[0] != "tfds":
-    return run.client_sizes(cfg)
+    return calibration.client_sizes(cfg)
   labels = np.repeat(np.arange(len(counts)), counts)
   split = data_lib.client_split(
     types.SimpleNamespace(y_train=labels, num_classes=len(counts)), cfg.data
@@ -190,12 +190,12 @@ def spends_of(name: str) -> tuple[Spend, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _spends_of(name: str) -> tuple[Spend, ...]:
-  from experiments import run  # pylint: disable=g-import-not-at-top
+  from experiments import calibration, flags  # pylint: disable=g-import-not-at-top
 
   head, *overrides = name.split(" ")
   base, _, only = head.partition("/")
-  config, _ = run.load_config(base, overrides)
-  run.calibrate_noise(config, sizes_of=client_sizes)
+  config, _ = flags.load_config(base, overrides)
+  calibration.calibrate_noise(config, sizes_of=client_sizes)
   if "suite" not in config:
     if only:
       raise KeyError(f"{name}: {base} is not a suite")

@@ -1,16 +1,15 @@
 """The library's configs built from an experiment config, and the checks done on the way.
 
+:func:`library_config` builds the frozen library config of ``cfg.method`` as the method's
+entry declares it (:mod:`experiments.methods`: where it reads the fields every method shares,
+which sections are its own; :func:`experiments.sections.build`, the one builder).
 :func:`to_fedlap_config`, :func:`to_dp_config`, :func:`to_baseline_config`,
-:func:`to_feddm_config` and :func:`to_oneshot_config` build the frozen
-dataclasses of :mod:`fedlap_jax` from a resolved ml_collections config
-(``client`` / ``server`` / ``dp`` through :mod:`experiments.configs.schema`).
-Two stages of checks, before anything runs:
+:func:`to_feddm_config` and :func:`to_oneshot_config` name it for one method. Two stages of
+checks, before anything runs:
 
 * :func:`validate_config` (static): names (method, dataset, source,
-  partition, norm, backend), ranges and the core's own validation, by building
-  the frozen dataclasses of :mod:`fedlap_jax.config` with
-  :func:`to_fedlap_config` / :func:`to_dp_config` (and the methods' own:
-  :func:`to_baseline_config`, :func:`to_feddm_config`, :func:`to_oneshot_config`).
+  partition, norm, backend), ranges, the method's privacy policy, and the core's own
+  validation, by building the method's frozen dataclasses.
 * :func:`validate_data` (after loading): what only the data can tell, e.g. a
   batch larger than the smallest client, a client with no data, ``ipc`` larger
   than a class with real-image initialisation, a class no client holds, a
@@ -34,271 +33,80 @@ from typing import Sequence
 
 import numpy as np
 
-from fedlap_jax import accounting, baselines, condensation, feddm
+from fedlap_jax import accounting, baselines
 from fedlap_jax import config as core
-from fedlap_jax import participation
+from fedlap_jax import condensation, feddm, participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
-from fedlap_jax.config import (
-  BASELINE_METHODS,
-  CLIENT_BACKENDS,
-  DP_BASELINE_METHODS,
-  DP_ONE_SHOT_METHODS,
-  METHODS,
-  ONE_SHOT_METHODS,
-)
+from fedlap_jax.config import CLIENT_BACKENDS
 from fedlap_jax.models import NORMS, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
 from experiments import data as data_lib
 from experiments import datasets as datasets_lib
-from experiments.configs import schema
-
-CLIENT_FIELDS = schema.fields(core.ClientConfig, exclude=("dp",))
-SERVER_FIELDS = schema.fields(core.ServerConfig)
-DP_FIELDS = schema.fields(core.DPConfig)
-# Entries of config.dp that experiments.run reads (DPConfig does not have them).
-DP_EXPERIMENT_FIELDS = ("enabled", "match_epsilon_of", "target_epsilon", "epsilon_for")
+from experiments import methods, sections
 
 
 def _fail(field: str, value, allowed: str):
   raise ConfigError(field, value, allowed)
 
 
-def _core_path(field: str, section: str) -> str:
-  """Maps a field named in a core error to its path in the experiment config."""
-  if field.startswith(("dp.", "server.", "client.")):
-    return field
-  if field in ("rounds", "learning_rate", "synthetic_init", "lr_schedule"):
-    return field
-  if field in CLIENT_FIELDS and section != "server":
-    return f"client.{field}"
-  if field in SERVER_FIELDS:
-    return f"server.{field}"
-  return f"{section}.{field}" if section else field
-
-
-def _renamed(err: ConfigError, path: str) -> ConfigError:
-  """``err`` of the core with its field renamed to ``path``, the config path."""
-  msg = str(err)
-  msg = path + msg[len(err.field) :] if msg.startswith(f"{err.field}=") else f"{path}: {msg}"
-  return ConfigError(path, err.value, err.allowed, message=msg)
-
-
-def _core_error(err: ConfigError, section: str) -> ConfigError:
-  return _renamed(err, _core_path(err.field, section))
-
-
 def to_dp_config(cfg) -> core.DPConfig | None:
   """``config.dp`` as a :class:`fedlap_jax.config.DPConfig`, or ``None`` when disabled."""
-  if not cfg.dp.enabled:
-    return None
-  try:
-    return schema.build(core.DPConfig, cfg.dp, "dp", ignore=DP_EXPERIMENT_FIELDS)
-  except ConfigError as e:
-    raise _core_error(e, "dp") from None
+  return methods.dp_config(cfg)
 
 
 def to_fedlap_config(cfg) -> core.FedLAPConfig:
-  """Builds the frozen :class:`fedlap_jax.config.FedLAPConfig` of an experiment config.
+  """The frozen :class:`fedlap_jax.config.FedLAPConfig` of an experiment config.
 
   ``config.client`` / ``config.server`` / ``config.dp`` are
   :class:`~fedlap_jax.config.ClientConfig` / ``ServerConfig`` / ``DPConfig``
   written as sections (:mod:`experiments.configs.schema`; ``dp`` adds
-  :data:`DP_EXPERIMENT_FIELDS`); ``rounds``, ``learning_rate``,
-  ``synthetic_init`` and ``lr_schedule`` go onto ``FedLAPConfig``. An entry
-  that is not a field, or has the wrong type, is refused; the core validates
-  every value; its errors are re-raised as :class:`ConfigError` naming the
-  config path (e.g. ``client.ipc``).
+  :data:`experiments.methods.DP_EXPERIMENT_FIELDS`); ``rounds``, ``learning_rate``,
+  ``synthetic_init`` and ``lr_schedule`` go onto ``FedLAPConfig``
+  (:data:`experiments.methods.FEDLAP_SPEC`). An entry that is not a field, or has the wrong
+  type, is refused; the core validates every value; its errors are re-raised as
+  :class:`ConfigError` naming the config path (e.g. ``client.ipc``).
   """
-  dp = to_dp_config(cfg)
-  try:
-    client = schema.build(core.ClientConfig, cfg.client, "client", dp=dp)
-  except ConfigError as e:
-    raise _core_error(e, "client") from None
-  server = _server_config(cfg)
-  try:
-    return core.FedLAPConfig(
-      client=client,
-      server=server,
-      rounds=cfg.rounds,
-      learning_rate=cfg.learning_rate,
-      synthetic_init=cfg.synthetic_init,
-      lr_schedule=cfg.get("lr_schedule", "cosine"),
-    )
-  except ConfigError as e:
-    raise _core_error(e, "") from None
-
-
-# Fields of fedlap_jax.baselines.baseline_config / BaselineConfig -> experiment config paths.
-BASELINE_PATHS = {
-  "local_epochs": "baseline.local_epochs",
-  "prox_mu": "baseline.prox_mu",
-  "local.prox_mu": "baseline.prox_mu",
-  "batch_size": "client.batch_size",
-  "local.batch_size": "client.batch_size",
-  "dp": "dp.enabled",
-  "poisson_capacity": "client.poisson_capacity",
-  "weighting": "server.weighting",
-}
+  return sections.build(methods.FEDLAP_SPEC, cfg)
 
 
 def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.BaselineConfig:
-  """The frozen :class:`fedlap_jax.baselines.BaselineConfig` of a baseline experiment config.
-
-  ``method``, ``rounds``, ``learning_rate``, ``client.batch_size``,
+  """The frozen :class:`fedlap_jax.baselines.BaselineConfig` of a baseline experiment config
+  (:data:`experiments.methods.BASELINE_SPEC`: ``client.batch_size``,
   ``client.poisson_capacity``, ``server.weighting``, ``baseline.local_epochs``,
-  ``baseline.prox_mu``, ``lr_schedule`` and ``dp`` go to
-  :func:`fedlap_jax.baselines.baseline_config`; ``max_client_size`` (records of
-  the largest client) fixes the static step count and is required under DP.
-  Under DP the per-client training loss (a non-private diagnostic that costs a
-  forward pass) is tracked only with ``debug_nonprivate_stats``. The core's
-  errors are re-raised naming the config path.
-  """
-  dp = to_dp_config(cfg)
-  try:
-    return baselines.baseline_config(
-      cfg.method,
-      rounds=cfg.rounds,
-      learning_rate=cfg.learning_rate,
-      local_epochs=cfg.baseline.local_epochs,
-      batch_size=cfg.client.batch_size,
-      prox_mu=cfg.baseline.prox_mu,
-      dp=dp,
-      max_client_size=max_client_size,
-      weighting=cfg.server.weighting,
-      poisson_capacity=cfg.client.poisson_capacity,
-      lr_schedule=cfg.get("lr_schedule", "cosine"),
-      track_loss=dp is None or bool(cfg.get("debug_nonprivate_stats", False)),
-    )
-  except ConfigError as e:
-    raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
-
-
-def _server_config(cfg) -> core.ServerConfig:
-  try:
-    return schema.build(core.ServerConfig, cfg.server, "server")
-  except ConfigError as e:
-    raise _core_error(e, "server") from None
-
-
-# Fields of FedDMConfig / CondensationConfig / OneShotConfig that are not in their own
-# config section -> experiment config paths.
-SYNTHETIC_PATHS = {
-  "ipc": "client.ipc",
-  "batch_size": "client.batch_size",
-  "poisson_capacity": "client.poisson_capacity",
-  "synthetic_init": "synthetic_init",
-  "learning_rate": "learning_rate",
-  "radius_strategy": "server.radius_strategy",
-  "weighting": "server.weighting",
-  "dp": "dp.enabled",
-  "classwise": "method",
-  "method": "method",
-}
-
-
-def _synthetic_error(err: ConfigError, section: str) -> ConfigError:
-  if err.field.startswith(("dp.", "server.")):
-    return err
-  path = SYNTHETIC_PATHS.get(err.field, f"{section}.{err.field}")
-  return _renamed(err, path)
+  ``baseline.prox_mu`` ...); ``max_client_size`` (records of the largest client) fixes the
+  static step count and is required under DP."""
+  return sections.build(methods.BASELINE_SPEC, cfg, max_client_size=max_client_size)
 
 
 def to_feddm_config(cfg) -> feddm.FedDMConfig:
-  """The frozen :class:`fedlap_jax.feddm.FedDMConfig` of an experiment config.
-
-  ``feddm.*`` with ``client.ipc``, ``client.batch_size`` (real records per
-  class), ``client.poisson_capacity``, ``synthetic_init``, the ``server``
-  section and ``learning_rate`` (the server's). Errors name the config path.
-  """
-  server = _server_config(cfg)
-  try:
-    return schema.build(
-      feddm.FedDMConfig,
-      cfg.feddm,
-      "feddm",
-      ipc=cfg.client.ipc,
-      batch_size=cfg.client.batch_size,
-      synthetic_init=cfg.synthetic_init,
-      poisson_capacity=cfg.client.poisson_capacity,
-      server=server,
-      learning_rate=cfg.learning_rate,
-    )
-  except ConfigError as e:
-    raise _synthetic_error(e, "feddm") from None
+  """The frozen :class:`fedlap_jax.feddm.FedDMConfig` of an experiment config
+  (:data:`experiments.methods.FEDDM_SPEC`: ``feddm.*`` with ``client.ipc``,
+  ``client.batch_size``, ``client.poisson_capacity``, ``synthetic_init``, the ``server``
+  section and ``learning_rate``, the server's)."""
+  return sections.build(methods.FEDDM_SPEC, cfg)
 
 
 def to_oneshot_config(cfg) -> condensation.OneShotConfig:
-  """The frozen :class:`fedlap_jax.condensation.OneShotConfig` of a DSC / PSG config.
-
-  ``condense.*`` with ``client.ipc``, ``client.batch_size``,
-  ``client.poisson_capacity``, ``synthetic_init``, ``dp`` (PSG), the
-  ``server`` section and ``learning_rate`` (the server's). ``condense.outer_loop``
-  / ``inner_loop`` left at None take the published loops for the ipc
-  (:func:`fedlap_jax.condensation.dc_loops`); the method fixes class-wise
-  (DSC) or class-agnostic (PSG) matching. Errors name the config path.
-  """
-  dp = to_dp_config(cfg)
-  server = _server_config(cfg)
-  c = cfg.condense
-  try:
-    outer, inner = c.outer_loop, c.inner_loop
-    if outer is None or inner is None:
-      published = condensation.dc_loops(cfg.client.ipc)
-      outer = published[0] if outer is None else outer
-      inner = published[1] if inner is None else inner
-    cond = schema.build(
-      condensation.CondensationConfig,
-      c,
-      "condense",
-      ignore=("lr_decay", "outer_loop", "inner_loop"),
-      outer_loop=outer,
-      inner_loop=inner,
-      ipc=cfg.client.ipc,
-      classwise=cfg.method not in DP_ONE_SHOT_METHODS,
-      batch_size=cfg.client.batch_size,
-      synthetic_init=cfg.synthetic_init,
-      poisson_capacity=cfg.client.poisson_capacity,
-      dp=dp,
-    )
-    return condensation.OneShotConfig(
-      method=cfg.method,
-      condensation=cond,
-      server=server,
-      learning_rate=cfg.learning_rate,
-      lr_decay=c.lr_decay,
-    )
-  except ConfigError as e:
-    if e.field == "ipc" and (c.outer_loop is None or c.inner_loop is None):
-      raise ConfigError(
-        "client.ipc",
-        e.value,
-        e.allowed,
-        message=f"client.ipc={e.value!r} has no published condensation loops; "
-        f"allowed: {e.allowed} (condense.outer_loop, condense.inner_loop)",
-      ) from None
-    raise _synthetic_error(e, "condense") from None
+  """The frozen :class:`fedlap_jax.condensation.OneShotConfig` of a DSC / PSG config
+  (:data:`experiments.methods.ONESHOT_SPEC`: ``condense.*`` with ``client.ipc``,
+  ``client.batch_size``, ``client.poisson_capacity``, ``synthetic_init``, ``dp`` (PSG), the
+  ``server`` section and ``learning_rate``). ``condense.outer_loop`` / ``inner_loop`` left
+  at None take the published loops for the ipc (:func:`fedlap_jax.condensation.dc_loops`);
+  the method fixes class-wise (DSC) or class-agnostic (PSG) matching."""
+  return sections.build(methods.ONESHOT_SPEC, cfg)
 
 
 def library_config(cfg, *, max_client_size: int | None = None):
-  """The frozen library config of ``cfg.method``, built once per run.
-
-  ``fedlap``: :class:`~fedlap_jax.config.FedLAPConfig`; ``feddm``:
-  :class:`~fedlap_jax.feddm.FedDMConfig`; ``dsc``, ``dsc_centralized``, ``psg``:
-  :class:`~fedlap_jax.condensation.OneShotConfig`; a baseline:
-  :class:`~fedlap_jax.baselines.BaselineConfig` (``max_client_size``, records of the
-  largest client, fixes its static step count and is required under DP).
+  """The frozen library config of ``cfg.method``, as its entry declares it
+  (:func:`experiments.methods.entry`; ``max_client_size``, records of the largest client,
+  fixes a baseline's static step count and is required under DP).
 
   Raises:
     ConfigError: naming the experiment config's field, the value and what is allowed.
   """
-  if cfg.method == "fedlap":
-    return to_fedlap_config(cfg)
-  if cfg.method == "feddm":
-    return to_feddm_config(cfg)
-  if cfg.method in ONE_SHOT_METHODS:
-    return to_oneshot_config(cfg)
-  return to_baseline_config(cfg, max_client_size=max_client_size)
+  spec = methods.entry(cfg.method).spec
+  return sections.build(spec, cfg, max_client_size=max_client_size)
 
 
 def mechanism_of(config) -> accounting.DpMechanism | None:
@@ -320,24 +128,6 @@ def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | N
   return mechanism_of(library_config(cfg, max_client_size=max(client_sizes)))
 
 
-# What DP needs of the other fields, per field: (test of the value, the value to set, why).
-_DP_FEDLAP_FIELDS = (
-  ("synthetic_init", lambda v: v == "noise", "noise", "real images would be published"),
-  (
-    "client.calibrate_radius",
-    lambda v: v is False,
-    False,
-    "a radius measured on real data is not private",
-  ),
-  (
-    "server.radius_strategy",
-    lambda v: v in ("constant", "fixed"),
-    "constant",
-    "the other strategies read r_k measured on real data",
-  ),
-)
-
-
 def _get(cfg, field: str):
   node = cfg
   for part in field.split("."):
@@ -356,16 +146,12 @@ def dp_coupled_fields(cfg) -> list[tuple[str, object, object, str]]:
   if cfg.dp.enabled is not True:
     return []
   out = []
-  method = cfg.method
-  if method in BASELINE_METHODS and method not in DP_BASELINE_METHODS:
-    if f"dp_{method}" in DP_BASELINE_METHODS:
-      out.append(("method", method, f"dp_{method}", "its DP variant"))
-  elif method in ONE_SHOT_METHODS and method not in DP_ONE_SHOT_METHODS:
-    out.append(("method", method, "psg", "PSG is the DP one-shot method"))
-  if method == "fedlap":
-    for field, ok, fix, why in _DP_FEDLAP_FIELDS:
-      if not ok(_get(cfg, field)):
-        out.append((field, _get(cfg, field), fix, why))
+  entry = methods.ENTRIES.get(cfg.method)
+  if entry is not None and entry.dp_twin is not None:
+    out.append(("method", cfg.method, *entry.dp_twin))
+  for field, ok, fix, why in () if entry is None else entry.dp_fields:
+    if not ok(_get(cfg, field)):
+      out.append((field, _get(cfg, field), fix, why))
   if cfg.server.get("weighting") == "size":
     out.append(("server.weighting", "size", "uniform", "the analysis covers 1/K averaging"))
   d = cfg.data
@@ -407,11 +193,14 @@ def _check_dp_coupled_fields(cfg) -> None:
 def validate_config(cfg) -> None:
   """Static checks of a resolved config (no data needed).
 
+  The method's library config is built on the way (:func:`library_config`), except for a
+  method whose library config needs the data (a baseline's step count: the entry's ``check``
+  checks its sections one by one instead).
+
   Raises:
     ConfigError: naming the field, the value and what is allowed.
   """
-  if cfg.method not in METHODS:
-    _fail("method", cfg.method, f"one of {METHODS}")
+  entry = methods.entry(cfg.method)
   seed = cfg.get("seed")
   if seed is not None and (not is_int(seed) or not 0 <= seed < 2**128):
     _fail(
@@ -536,31 +325,10 @@ def validate_config(cfg) -> None:
       )
   if not isinstance(cfg.get("debug_nonprivate_stats", False), bool):
     _fail("debug_nonprivate_stats", cfg.debug_nonprivate_stats, "True or False")
-  if cfg.method in DP_BASELINE_METHODS and not cfg.dp.enabled:
-    _fail("dp.enabled", cfg.dp.enabled, f"True for method={cfg.method!r}")
-  if cfg.method in BASELINE_METHODS and cfg.method not in DP_BASELINE_METHODS and cfg.dp.enabled:
-    _fail(
-      "dp.enabled",
-      cfg.dp.enabled,
-      f"False for method={cfg.method!r} (use "
-      f"method='dp_{cfg.method}' where a DP variant exists: {DP_BASELINE_METHODS})",
-    )
-  if cfg.method == "feddm" and cfg.dp.enabled:
-    _fail(
-      "dp.enabled",
-      cfg.dp.enabled,
-      "False for method='feddm' (FedDM's DP variant "
-      "protects class-wise statistics, a privacy notion not comparable with record-level "
-      "DP; it is not implemented)",
-    )
-  if cfg.method in ONE_SHOT_METHODS and cfg.dp.enabled != (cfg.method in DP_ONE_SHOT_METHODS):
-    _fail(
-      "dp.enabled",
-      cfg.dp.enabled,
-      f"{not cfg.dp.enabled} for method={cfg.method!r} "
-      f"(PSG is the DP one-shot method: {DP_ONE_SHOT_METHODS})",
-    )
-  if cfg.method in ONE_SHOT_METHODS and cfg.rounds != 1:
+  refused = entry.privacy(bool(cfg.dp.enabled))
+  if refused is not None:
+    _fail("dp.enabled", cfg.dp.enabled, refused)
+  if entry.one_shot and cfg.rounds != 1:
     _fail(
       "rounds",
       cfg.rounds,
@@ -570,7 +338,7 @@ def validate_config(cfg) -> None:
   try:  # the library's own checks of the baseline section, whatever the method
     baselines.LocalTraining(epochs=cfg.baseline.local_epochs, prox_mu=cfg.baseline.prox_mu)
   except ConfigError as e:
-    raise _renamed(e, BASELINE_PATHS.get(e.field, e.field)) from None
+    raise sections.renamed(e, methods.BASELINE_SPEC.path(e.field)) from None
 
   if not is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")
@@ -597,29 +365,10 @@ def validate_config(cfg) -> None:
       "not reached; the last round is always saved)",
     )
 
-  if cfg.method == "fedlap":
-    to_fedlap_config(cfg)
-  elif cfg.method == "feddm":
-    to_feddm_config(cfg)
-  elif cfg.method in ONE_SHOT_METHODS:
-    to_oneshot_config(cfg)
-  else:
-    to_dp_config(cfg)
-    if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
-      _fail("client.batch_size", cfg.client.batch_size, "an integer >= 1")
-    core.check_poisson_capacity(
-      cfg.client.poisson_capacity, cfg.client.batch_size, "client.poisson_capacity"
-    )
-    weighting = cfg.server.weighting
-    if weighting is not None and weighting not in core.WEIGHTINGS:
-      _fail("server.weighting", weighting, f"None or one of {core.WEIGHTINGS}")
-    if cfg.method in DP_BASELINE_METHODS and weighting == "size":
-      _fail(
-        "server.weighting",
-        weighting,
-        f"'uniform' or None for method={cfg.method!r} (Algorithm 3 averages the client "
-        "updates with 1/K, the setting the privacy analysis covers)",
-      )
+  if entry.check is not None:  # its library config needs the data (the largest client)
+    entry.check(cfg)
+  else:  # the core's own validation: the method's library config is built
+    library_config(cfg)
 
 
 def _validate_normalisation(cfg) -> None:
@@ -725,10 +474,11 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
       f"data.train_fraction={d.train_fraction}); allowed: every class held by >= 1 client",
     )
 
-  if cfg.method not in ("fedlap", "feddm") + ONE_SHOT_METHODS:
+  entry = methods.entry(cfg.method)
+  if not entry.synthetic:
     return
   ipc = cfg.client.ipc
-  if cfg.method == "dsc_centralized":  # one pool of every client's records
+  if entry.pooled:  # one pool of every client's records
     ys = [np.concatenate(ys)]
   labels, mask = synthetic_labels(ys, ipc)
   for k, y in enumerate(ys):
@@ -751,7 +501,7 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
           "client.ipc",
           ipc,
           f"at most {counts[j]} with synthetic_init='real': "
-          f"{'the pool' if cfg.method == 'dsc_centralized' else f'client {k}'} holds only "
+          f"{'the pool' if entry.pooled else f'client {k}'} holds only "
           f"{counts[j]} records of class {classes[j]} (real initialisation draws ipc "
           "distinct records per class)",
         )
@@ -762,7 +512,7 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
 
   ``planned_epsilon`` is the epsilon of ``dp.epsilon_for`` the run's mechanism reaches after
   its last round (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_after`).
-  :func:`experiments.run.calibrate_noise` sets the sigma; this catches a config that skipped
+  :func:`experiments.calibration.calibrate_noise` sets the sigma; this catches a config that skipped
   it (or a mechanism other than the one calibrated): the planned epsilon must be at most the
   target and within 1 % of it (unless sigma sits at the accounting floor,
   :data:`fedlap_jax.accounting.MIN_NOISE_MULTIPLIER`, where calibration stops).
@@ -780,5 +530,5 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
     message=f"dp.target_epsilon={target!r} does not match dp.noise_multiplier="
     f"{sigma!r} (epsilon {planned_epsilon:.4f} after {cfg.rounds} rounds); "
     "allowed: a config whose noise_multiplier experiments.run calibrated "
-    "(python -m experiments.run, or experiments.run.calibrate_noise(config))",
+    "(python -m experiments.run, or experiments.calibration.calibrate_noise(config))",
   )

@@ -55,27 +55,14 @@ import numpy as np
 
 from fedlap_jax.config import METHOD_LABELS
 
-from experiments import checkpointing
+from experiments import checkpointing, resume
 
 METHOD_ORDER = tuple(METHOD_LABELS.values())
 DATASET_ORDER = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
-IGNORED = (
-  "seed",
-  "checkpoint_every",
-  "keep_checkpoints",
-  "eval_chunk_size",
-  "snapshot_rounds",
-  "plots",
-  "progress_bar",
-  "client_backend",
-  "data.cache_dir",
-  "data.data_dir",
-  "compilation_cache_dir",
-  "data.source",
-  "method",
-  "dp.enabled",
-  "label",
-)
+# Fields that do not tell runs apart: what may change when a run resumes (it changes no
+# number), and what a report names otherwise (the seed: runs of one setting; the method and
+# dp.enabled: the label; where the data was read from).
+IGNORED = resume.RUNTIME_FIELDS + ("seed", "data.source", "method", "dp.enabled", "label")
 # Fields that differ between the points of one grid without being a grid dimension.
 GRID_IGNORED = ("dp.noise_multiplier", "dp.target_epsilon")
 ROW_PREFIXES = ("data.", "model.")

@@ -68,7 +68,7 @@ never does that.) The same holds for a round redone after SIGKILL.
 
 A DP run's fingerprint also holds its computation: the resolved
 ``client_backend``, the JAX platform, device count and kind and the JAX
-version (:func:`computation_fingerprint`). A resume on another one is refused:
+version (:func:`experiments.resume.computation_fingerprint`). A resume on another one is refused:
 redone rounds would recompute already released outputs with the same noise on
 a different computation, releasing their difference without noise.
 
@@ -84,9 +84,9 @@ The seed (:mod:`experiments.seeds`): a DP run without ``config.seed`` draws one 
 operating system's entropy (128 bits) and keeps it in ``config.json``; a re-run on the same
 work dir reads it back. A given seed is guessable, and ``summary.md`` then says the outputs
 are not private. Timing (``round_seconds``, ``wall_seconds``) goes to its own file,
-:data:`TIMING_FILE`, never to the releasable ``metrics.jsonl``, ``train.log`` or
+:data:`experiments.outputs.TIMING_FILE`, never to the releasable ``metrics.jsonl``, ``train.log`` or
 ``summary.md`` (stdout shows each round's seconds); ``summary.md`` lists what may be released
-(:data:`RELEASABLE`, :data:`SECRET`, :data:`NOT_COVERED`, as docs/privacy.md).
+(:data:`experiments.outputs.RELEASABLE`, ``SECRET``, ``NOT_COVERED``, as docs/privacy.md).
 
 Outputs (in ``workdir``): ``config.json``, ``run_info.json``,
 ``metrics.jsonl``, ``timing.jsonl``, ``privacy_ledger.json`` (DP), ``train.log``,
@@ -98,7 +98,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import os
 import sys
 import time
@@ -117,7 +116,6 @@ from fedlap_jax import config as core_config
 from fedlap_jax import sharding
 from fedlap_jax.client_data import normalise_pixels, stack_clients
 from fedlap_jax.dispatch import resolve_client_backend
-from fedlap_jax.federated import RoundMetrics
 from fedlap_jax.models import count_params, embed_fn, init_convnet, init_fn
 from fedlap_jax.training import evaluate
 
@@ -125,51 +123,13 @@ from experiments import checkpointing
 from experiments import data as data_lib
 from experiments import faults
 from experiments import library_configs
+from experiments import outputs
+from experiments import resume
 from experiments import seeds
 from experiments import termination
 
-# Fields that may change between an interrupted run and its resumption.
-RUNTIME_FIELDS = (
-  "checkpoint_every",
-  "keep_checkpoints",
-  "eval_chunk_size",
-  "snapshot_rounds",
-  "plots",
-  "progress_bar",
-  "client_backend",
-  "data.cache_dir",
-  "data.data_dir",
-  "compilation_cache_dir",
-  "debug_nonprivate_stats",
-  "termination_grace_seconds",
-)
 # How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
 DEFAULT_GRACE_SECONDS = 20.0
-BYTES_PER_FLOAT = 4
-# The section of a metrics record that holds raw statistics of the clients' records.
-NONPRIVATE_SECTION = "nonprivate"
-DAMAGED_DIR = "damaged_checkpoints"
-# A round's timing (it depends on the round's Poisson draws, so it is not covered by the
-# guarantee): its own file, beside the releasable metrics.jsonl.
-TIMING_FILE = "timing.jsonl"
-TIMING_FIELDS = ("round_seconds", "wall_seconds", "first_in_process")
-# What a DP run's work dir holds, by what may be released (docs/privacy.md, "A DP run's work
-# dir"; summary.md lists the same): DP outputs, their post-processing and public facts;
-# what determines every noise draw; what the guarantee does not cover.
-RELEASABLE = (
-  "synthetic/",
-  "metrics.jsonl",
-  "privacy_ledger.json",
-  "run_info.json",
-  "summary.md",
-  "train.log",
-  "the plots (*.png)",
-  "config.json without its seed",
-)
-SECRET = ("the seed in config.json", "checkpoints/", f"{DAMAGED_DIR}/")
-NOT_COVERED = (TIMING_FILE, "audit/")
-
-
 # dp_accounting's per-order convergence warnings are filtered by fedlap_jax.accounting.
 
 
@@ -197,10 +157,6 @@ class CompileCounter:
 
 class NonFiniteError(RuntimeError):
   """A round produced NaN / Inf parameters, matching losses or test loss."""
-
-
-class ResumeError(ValueError):
-  """The workdir holds a checkpoint of a different run, or no usable one."""
 
 
 class WorkdirError(ValueError):
@@ -400,418 +356,6 @@ def samples_clients(cfg) -> bool:
   return m is not None and m < cfg.data.num_clients
 
 
-def run_defining_fields(cfg) -> dict:
-  """The resolved config as a flat ``{'a.b': value}`` dict without :data:`RUNTIME_FIELDS`."""
-  flat = {}
-
-  def walk(d, prefix):
-    for k, v in d.items():
-      name = f"{prefix}{k}"
-      if isinstance(v, dict):
-        walk(v, name + ".")
-      elif name not in RUNTIME_FIELDS:
-        flat[name] = list(v) if isinstance(v, tuple) else v
-
-  walk(cfg.to_dict(), "")
-  return flat
-
-
-# The computation of a DP run's rounds (:func:`computation_fingerprint`).
-COMPUTATION_FIELDS = ("client_backend", "platform", "device_count", "device_kind", "jax_version")
-
-
-def computation_fingerprint(cfg) -> dict:
-  """What decides a round's outputs besides its inputs and PRNG keys: the resolved
-  ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, and
-  the JAX version. A DP run's checkpoint holds it (:func:`privacy_fingerprint`)."""
-  devices = jax.devices()
-  return {
-    "client_backend": resolve_client_backend(
-      cfg.client_backend, side_by_side=cfg.method == "fedlap"
-    ),
-    "platform": jax.default_backend(),
-    "device_count": len(devices),
-    "device_kind": devices[0].device_kind,
-    "jax_version": jax.__version__,
-  }
-
-
-def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
-  """The fields a resumed run must share with its checkpoint for the ledger to hold.
-
-  Under DP also its :func:`computation_fingerprint`: a round redone from a checkpoint repeats
-  the checkpointed keys, and is the same mechanism invocation only if computed the same way.
-  """
-  dp = alg.dp
-  smallest = int(min(client_sizes))
-  per_round = cfg.data.get("clients_per_round")
-  # Only when set, so checkpoints of runs without sampling keep their fingerprint.
-  sampling = (
-    {}
-    if per_round is None
-    else {
-      "clients_per_round": int(per_round),
-      "participation_seed": int(cfg.data.get("participation_seed", 0)),
-    }
-  )
-  return {
-    **sampling,
-    **({} if dp is None else computation_fingerprint(cfg)),
-    "method": cfg.method,
-    "dp": dp is not None,
-    "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
-    "l2_clip_norm": None if dp is None else float(dp.l2_clip_norm),
-    "delta": None if dp is None else float(dp.delta),
-    "batch_size": int(alg.batch_size),
-    "steps_per_round": alg.dp_steps_per_round,
-    "min_client_size": smallest,
-    "sampling_rate": alg.batch_size / smallest,
-    "client_sizes": [int(n) for n in client_sizes],
-    "dataset": cfg.data.name,
-    "source": cfg.data.source,
-    "partition": cfg.data.partition,
-    "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
-    "num_clients": int(cfg.data.num_clients),
-    "train_fraction": float(cfg.data.train_fraction),
-    "partition_seed": int(cfg.data.get("partition_seed", 0)),
-    "seed": int(cfg.seed),
-  }
-
-
-def _diff(stored: dict, current: dict) -> list[str]:
-  keys = sorted(set(stored) | set(current))
-  norm = lambda v: list(v) if isinstance(v, tuple) else v
-  return [
-    # The seed is secret: a message says that it differs, never what it is.
-    "seed: another seed than the checkpoint's (not shown: it is secret)"
-    if k == "seed"
-    else f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
-    for k in keys
-    if norm(stored.get(k)) != norm(current.get(k))
-  ]
-
-
-def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) -> None:
-  """Refuses to resume a checkpoint of a run with different privacy or run fields, or a DP
-  run on another computation (:data:`COMPUTATION_FIELDS`)."""
-  stored = meta.get("privacy", {})
-  if privacy.get("dp"):
-    was = {k: stored.get(k) for k in COMPUTATION_FIELDS}
-    now = {k: privacy.get(k) for k in COMPUTATION_FIELDS}
-    diff = _diff(was, now)
-    if diff:
-      raise ResumeError(
-        f"refusing to resume the DP run in {workdir} on another computation "
-        f"({'; '.join(diff)}): its redone rounds would repeat the checkpointed noise on a "
-        "different computation, and two outputs under the same noise release their "
-        "difference without noise. Allowed: resume where it ran (--config.client_backend="
-        f"{was['client_backend']}, JAX platform {was['platform']!r} with "
-        f"{was['device_count']} device(s) of kind {was['device_kind']!r}, e.g. "
-        f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
-        f"platform_device_count to pick the devices; jax {was['jax_version']}), or a new "
-        "--workdir"
-      )
-  diff = _diff(stored, privacy)
-  if diff:
-    raise ResumeError(
-      f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
-      f"({'; '.join(diff)}); the stored privacy ledger would no longer describe the run. "
-      f"Allowed: the same values as the checkpointed run, or a new --workdir"
-    )
-  diff = _diff(meta.get("config", {}), fields)
-  if diff:
-    raise ResumeError(
-      f"refusing to resume {workdir}: the config differs from the checkpointed run "
-      f"({'; '.join(diff)}); a resumed run must equal an uninterrupted one. Allowed: the "
-      f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir"
-    )
-
-
-def _keystr(path) -> str:
-  return (
-    jax.tree_util.keystr(path)
-    .replace("'", "")
-    .replace("[", ".")
-    .replace("]", "")
-    .replace("..", ".")
-    .strip(".")
-  )
-
-
-def _finite_list(a) -> list:
-  return [None if not math.isfinite(v) else v for v in np.asarray(a, np.float64).ravel().tolist()]
-
-
-def _nonprivate_names(metrics: Any, prefix: str = "") -> set[str]:
-  """Dotted names of the metrics that NamedTuples declare ``NONPRIVATE``."""
-  names = set()
-  if isinstance(metrics, tuple) and hasattr(metrics, "_fields"):
-    declared = getattr(type(metrics), "NONPRIVATE", ())
-    for f in metrics._fields:
-      if f in declared:
-        names.add(prefix + f)
-      else:
-        names |= _nonprivate_names(getattr(metrics, f), f"{prefix}{f}.")
-  return names
-
-
-def summarize_metrics(
-  metrics: Any, num_clients: int, *, private: bool = False
-) -> tuple[dict, dict]:
-  """JSON-ready summary of a round's metrics pytree, split by what may be released.
-
-  For FedLAP (:class:`~fedlap_jax.federated.RoundMetrics`): per-client radius
-  ``r_k``, mean and last matching loss over the executed while-loop
-  iterations, real accesses, clip fraction, mean batch size and extra Poisson
-  chunks; the server's radius ``r_g`` (``None`` for ``fixed``), epochs and
-  steps. Other algorithms: every leaf, per client where it has a leading
-  ``(K,)`` axis.
-
-  Args:
-    private: a DP run: the metrics the library declares ``NONPRIVATE`` (raw
-      statistics of the clients' records) go to the second dict.
-
-  Returns:
-    ``(released, nonprivate)``; ``nonprivate`` is empty unless ``private``.
-  """
-  out = _summarize(metrics, num_clients)
-  if not private:
-    return out, {}
-  # FedLAP's summary names its client metrics without the "client." prefix.
-  names = (
-    set(type(metrics.client).NONPRIVATE)
-    if isinstance(metrics, RoundMetrics)
-    else _nonprivate_names(metrics)
-  )
-  return (
-    {k: v for k, v in out.items() if k not in names},
-    {k: v for k, v in out.items() if k in names},
-  )
-
-
-def _summarize(metrics: Any, num_clients: int) -> dict:
-  out: dict[str, Any] = {}
-  if isinstance(metrics, RoundMetrics):
-    cm = metrics.client
-    loss = np.asarray(cm.matching_loss, np.float64)  # (K, R_i, O, B, R_b)
-    outer = np.asarray(cm.outer_iterations)  # (K, R_i)
-    ran = np.arange(loss.shape[2])[None, None, :] < outer[:, :, None]
-    ran = np.broadcast_to(ran[..., None, None], loss.shape)
-    count = np.maximum(ran.reshape(num_clients, -1).sum(1), 1)
-    out["matching_loss"] = _finite_list(
-      np.where(ran, loss, 0).reshape(num_clients, -1).sum(1) / count
-    )
-    last = []
-    for k in range(num_clients):
-      i, o = loss.shape[1] - 1, int(outer[k, -1]) - 1
-      last.append(loss[k, i, o, -1, -1] if o >= 0 else float("nan"))
-    out["matching_loss_last"] = _finite_list(last)
-    out["client_radius"] = _finite_list(metrics.client_radius)
-    r_g = float(metrics.server.radius)
-    out["server_radius"] = r_g if math.isfinite(r_g) else None
-    out["server_epochs"] = int(metrics.server.epochs)
-    out["server_steps"] = int(metrics.server.steps)
-    out["server_distance"] = float(metrics.server.distance)
-    out["learning_rate"] = float(metrics.learning_rate)
-    out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
-    out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
-    out["clip_fraction"] = _finite_list(cm.clip_fraction)
-    out["mean_batch_size"] = _finite_list(cm.mean_batch_size)
-    out["poisson_extra_chunks"] = np.asarray(cm.poisson_extra_chunks).tolist()
-    return out
-  for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
-    a = np.asarray(leaf)
-    name = _keystr(path) or "value"
-    if a.ndim == 0:
-      out[name] = _finite_list(a)[0]
-    elif a.shape[0] == num_clients:
-      out[name] = _finite_list(a.reshape(num_clients, -1).mean(axis=1))
-    elif a.size <= 64:
-      out[name] = _finite_list(a)
-  return out
-
-
-def find_non_finite(
-  params, metrics, test_loss: float, num_clients: int, client_ids=None
-) -> list[str]:
-  """Descriptions of every non-finite quantity of a round ("" list if all finite).
-
-  ``num_clients``: the clients of the round (the leading axis of per-client
-  metrics); ``client_ids``: their indices among all clients (sampled rounds),
-  default ``0..num_clients - 1``.
-  """
-  ids = list(range(num_clients)) if client_ids is None else [int(i) for i in client_ids]
-  problems = []
-  if isinstance(metrics, RoundMetrics):
-    loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
-    for k in np.flatnonzero(~np.isfinite(loss).all(axis=1)):
-      problems.append(f"matching loss of client {ids[k]} is {loss[k][~np.isfinite(loss[k])][0]}")
-    r = np.asarray(metrics.client_radius)
-    for k in np.flatnonzero(~np.isfinite(r)):
-      problems.append(f"radius of client {ids[k]} is {r[k]}")
-  else:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
-      a = np.asarray(leaf)
-      if not np.issubdtype(a.dtype, np.floating) or np.isfinite(a).all():
-        continue
-      if a.ndim >= 1 and a.shape[0] == num_clients:
-        bad = np.flatnonzero(~np.isfinite(a.reshape(num_clients, -1)).all(axis=1))
-        problems.append(
-          f"metric {_keystr(path)} of client(s) {[ids[k] for k in bad]} is not finite"
-        )
-      else:
-        problems.append(f"metric {_keystr(path)} is not finite")
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if not bool(jnp.all(jnp.isfinite(leaf))):
-      problems.append(f"global parameter {_keystr(path)} holds NaN/Inf")
-  if not math.isfinite(test_loss):
-    problems.append(f"test loss is {test_loss}")
-  return problems
-
-
-def _format_line(rec: dict, rounds: int) -> str:
-  parts = [
-    f"round {rec['round']:>3d}/{rounds}",
-    f"acc {rec['test_accuracy']:.4f}",
-    f"loss {rec['test_loss']:.4f}",
-  ]
-  if rec.get("epsilon") is not None:
-    parts.append(f"eps {rec['epsilon']:.3f}")
-  if "client_radius" in rec:
-    radii = [r for r in rec["client_radius"] if r is not None]
-    r_g = rec.get("server_radius")
-    parts.append(
-      f"radius {'fixed' if r_g is None else f'{r_g:.3f}'}"
-      + (f" (r_k {min(radii):.2f}..{max(radii):.2f})" if radii else "")
-    )
-  if "server_steps" in rec:
-    parts.append(f"server_steps {rec['server_steps']}")
-  if "matching_loss" in rec:
-    ml = [v for v in rec["matching_loss"] if v is not None]
-    if ml:
-      parts.append(f"match {np.mean(ml):.3f}")
-  return "  ".join(parts)
-
-
-def save_snapshot(workdir: Path, round_index: int, state, dataset) -> None:
-  """Writes the synthetic sets of all clients (if the state has them) to ``synthetic/``."""
-  synthetic = getattr(state, "synthetic", None)
-  if synthetic is None:
-    return
-  out = workdir / "synthetic"
-  out.mkdir(exist_ok=True)
-  path = out / f"round_{round_index:04d}.npz"
-  tmp = out / f".round_{round_index:04d}.tmp.npz"
-  np.savez(
-    tmp,
-    x=np.asarray(synthetic.x),
-    y=np.asarray(synthetic.y),
-    mask=np.asarray(synthetic.mask),
-    mean=dataset.mean,
-    std=dataset.std,
-    round=round_index,
-  )
-  os.replace(tmp, path)
-
-
-def release_lines(info: dict, *, nonprivate_stats: bool) -> list[str]:
-  """What ``summary.md`` says about releasing a DP run's work dir: the lists of
-  :data:`RELEASABLE`, :data:`SECRET` and :data:`NOT_COVERED` (docs/privacy.md holds the same),
-  unless the seed was given or raw statistics were written, which make nothing private."""
-  lines = []
-  if info.get("seed_origin") != seeds.DRAWN:
-    lines.append(
-      "- NOT PRIVATE: the seed was given (--config.seed), and a given seed is guessable: "
-      "these outputs reproduce a run and may not be published as private (leave --config.seed "
-      "out to draw one from the operating system's entropy)"
-    )
-  if nonprivate_stats:
-    lines.append(
-      f"- WARNING: metrics.jsonl holds non-private statistics of the clients' records "
-      f"(section \"{NONPRIVATE_SECTION}\", debug_nonprivate_stats=True), outside the "
-      "privacy guarantee: do not release it"
-    )
-  lines += [
-    f"- releasable under the privacy guarantee{' (had the seed been drawn)' if lines else ''}: "
-    + ", ".join(RELEASABLE),
-    "- secret (they determine every noise draw): " + ", ".join(SECRET),
-    "- not covered by the guarantee (do not release): " + ", ".join(NOT_COVERED),
-  ]
-  return lines
-
-
-def write_summary(workdir: Path, config_name: str, records: list[dict], info: dict) -> None:
-  """A short ``summary.md``: setting, final and best accuracy, epsilon, cost, what may be
-  released, files. Timing is named (:data:`TIMING_FILE`), not quoted: the guarantee does not
-  cover it."""
-  lines = [f"# {config_name}: {info['method_label']} on {info['dataset']}", ""]
-  notes = []
-  norm = info.get("normalisation")
-  if norm:
-    notes.append(f"- normalisation: {norm['source']} (mean {norm['mean']}, std {norm['std']})")
-  if info.get("delta") is not None:
-    notes += release_lines(info, nonprivate_stats=any(NONPRIVATE_SECTION in r for r in records))
-  if records:
-    last = records[-1]
-    best = max(records, key=lambda r: r["test_accuracy"])
-    lines += [
-      f"- rounds run: {last['round']} / {info['rounds']}",
-      f"- final test accuracy: {100 * last['test_accuracy']:.2f} % (loss {last['test_loss']:.4f})",
-      f"- best test accuracy: {100 * best['test_accuracy']:.2f} % (round {best['round']})",
-    ]
-    if last.get("epsilon") is not None:
-      lines.append(
-        f"- privacy: epsilon = {last['epsilon']:.3f} at delta = {info['delta']:g}, "
-        "replace-one neighbours given the public client sizes and classes (the "
-        f"guarantee; sigma = {info['noise_multiplier']}, C = {info['l2_clip_norm']}, "
-        f"B = {info['batch_size']}, T = {info['steps_per_round']}, "
-        f"q = {info['sampling_rate']:.4f})"
-      )
-      if last.get("epsilon_add_remove") is not None:
-        lines.append(
-          f"- for comparison, the add/remove-one epsilon (the paper's notion): "
-          f"{last['epsilon_add_remove']:.3f}"
-          + (
-            " (dp.target_epsilon calibrated this figure)"
-            if info.get("epsilon_for") == "add_remove"
-            else ""
-          )
-        )
-    lines += notes + [
-      f"- upload: {info['upload_floats_per_client']:,} floats per client per round "
-      f"({info['upload_floats_per_client'] / info['num_params']:.2f}x the "
-      f"{info['num_params']:,} model parameters); {last['upload_mb']:.2f} MB in total",
-      f"- timing: {TIMING_FILE}",
-      "",
-      "| round | accuracy | loss | epsilon |",
-      "|---:|---:|---:|---:|",
-    ]
-    for r in records:
-      eps = "-" if r.get("epsilon") is None else f"{r['epsilon']:.3f}"
-      lines.append(
-        f"| {r['round']} | {100 * r['test_accuracy']:.2f} | {r['test_loss']:.4f} | {eps} |"
-      )
-  else:
-    lines += notes
-  lines += [
-    "",
-    "Clients: "
-    + ", ".join(
-      f"{k}: {n} records, classes {c}"
-      for k, (n, c) in enumerate(zip(info["client_sizes"], info["client_classes"]))
-    ),
-    "",
-  ]
-  files = sorted(
-    p.relative_to(workdir).as_posix()
-    for p in workdir.glob("*")
-    if p.is_file() and not p.name.startswith(".")
-  )
-  dirs = [f"{d}/" for d in ("checkpoints", "synthetic") if (workdir / d).is_dir()]
-  lines += ["Files: " + ", ".join(files + dirs), ""]
-  (workdir / "summary.md").write_text("\n".join(lines))
-
-
 # ----------------------------------------------------------------------------
 # The loop.
 # ----------------------------------------------------------------------------
@@ -836,7 +380,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   Raises:
     library_configs.ConfigError: invalid config or config/data mismatch.
     WorkdirError: ``workdir`` is a file or cannot be written.
-    ResumeError: the workdir's checkpoint belongs to another run, or every
+    resume.ResumeError: the workdir's checkpoint belongs to another run, or every
       checkpoint in it is damaged (nothing is changed then).
     NonFiniteError: a round produced NaN / Inf (the last good checkpoint is kept).
     Terminated: SIGTERM arrived; the round in progress finished and was checkpointed, or was
@@ -861,7 +405,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   try:
     seed = seeds.resolve(config.get("seed"), private=bool(config.dp.enabled), workdir=workdir)
   except seeds.SeedError as e:
-    raise ResumeError(str(e)) from None
+    raise resume.ResumeError(str(e)) from None
   cfg = copy.deepcopy(config)  # the caller's config keeps its None seed (another work dir)
   cfg.seed = seed.value
 
@@ -872,8 +416,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   client_classes = [np.unique(dataset.y_train[i]).tolist() for i in setup.client_indices]
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
   num_clients = len(sizes)
-  privacy = privacy_fingerprint(cfg, alg, sizes)
-  fields = run_defining_fields(cfg)
+  privacy = resume.privacy_fingerprint(cfg, alg, sizes)
+  fields = resume.run_defining_fields(cfg)
   private = alg.dp is not None
   nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
   per_round = cfg.data.get("clients_per_round")
@@ -918,7 +462,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     **{
       k: v
       for k, v in privacy.items()
-      if k not in ("method", "dataset", "client_sizes", "seed") + COMPUTATION_FIELDS
+      if k not in ("method", "dataset", "client_sizes", "seed") + resume.COMPUTATION_FIELDS
     },
     # What "epsilon" means (replace-one) and which figure a target calibrated.
     **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}),
@@ -929,20 +473,20 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
   ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
   metrics_path = workdir / "metrics.jsonl"
-  timing_path = workdir / TIMING_FILE
+  timing_path = workdir / outputs.TIMING_FILE
   try:
-    start, state, ledger, damaged = restore_newest_valid(
+    start, state, ledger, damaged = resume.restore_newest_valid(
       ckpt, state, privacy=privacy, fields=fields, fresh_ledger=fresh_ledger, workdir=workdir
     )
     records = checkpointing.read_metrics(metrics_path)
     kept = [r for r in records if isinstance(r, dict) and r.get("round", 0) <= start]
     if [r.get("round") for r in kept] != list(range(1, start + 1)):
-      raise ResumeError(
+      raise resume.ResumeError(
         f"{metrics_path} holds rounds {[r.get('round') for r in kept]} up to round {start}, "
         f"but the checkpoint is after round {start}; allowed: complete records 1..{start} "
         "(restore the file, or use a new --workdir); nothing was changed"
       )
-    moved = [(r, why, ckpt.set_aside(r, workdir / DAMAGED_DIR)) for r, why in damaged]
+    moved = [(r, why, ckpt.set_aside(r, workdir / resume.DAMAGED_DIR)) for r, why in damaged]
     records = checkpointing.truncate_metrics(metrics_path, start)
     timing = checkpointing.truncate_metrics(timing_path, start)
   except BaseException:
@@ -1007,12 +551,12 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   if nonprivate_stats:
     log(
       f"[{config_name}] WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
-      f"statistics of the clients' records under \"{NONPRIVATE_SECTION}\", outside the "
+      f"statistics of the clients' records under \"{outputs.NONPRIVATE_SECTION}\", outside the "
       "privacy guarantee; do not release this work dir"
     )
   wall_before = timing[-1]["wall_seconds"] if timing else 0.0
   taking_part = num_clients if per_round is None else per_round
-  upload_mb_per_round = taking_part * alg.upload_floats_per_client * BYTES_PER_FLOAT / 1e6
+  upload_mb_per_round = taking_part * alg.upload_floats_per_client * outputs.BYTES_PER_FLOAT / 1e6
   snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}
   t_loop = time.time()
 
@@ -1116,7 +660,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           raise
         faults.point("round", m)
         epsilon = charge_ledger(m, idx)
-        problems = find_non_finite(params, metrics, test_loss, len(idx), idx)
+        problems = outputs.find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
           where = (
             f"the last good checkpoint is round {last_good} in {ckpt.directory}"
@@ -1131,7 +675,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           log(f"ERROR {msg}")
           raise NonFiniteError(msg)
         now = time.time()
-        released, nonprivate = summarize_metrics(metrics, len(idx), private=private)
+        released, nonprivate = outputs.summarize_metrics(metrics, len(idx), private=private)
         if per_round is not None:  # per-client metrics below are of these clients, in order
           released = {"clients": idx.tolist(), **released}
           if isinstance(ledger, accounting.ClientLedgers):
@@ -1146,7 +690,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           "upload_mb": m * upload_mb_per_round,
         }
         if nonprivate_stats:
-          rec[NONPRIVATE_SECTION] = nonprivate
+          rec[outputs.NONPRIVATE_SECTION] = nonprivate
         times = {
           "round": m,
           "round_seconds": now - t0,
@@ -1158,12 +702,14 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
         timing.append(times)
         records.append(rec)
         if m in snapshots:
-          save_snapshot(workdir, m, state, dataset)
+          outputs.save_snapshot(workdir, m, state, dataset)
         if m % cfg.checkpoint_every == 0 or m == cfg.rounds or stop.received:
           save_checkpoint(m)
           last_good = m
         bar.update(1)
-        log(f"[{config_name}] " + _format_line(rec, cfg.rounds), seconds=times["round_seconds"])
+        log(
+          f"[{config_name}] " + outputs.format_line(rec, cfg.rounds), seconds=times["round_seconds"]
+        )
         if stop.received:  # at the last round too: the plots and summary can wait
           msg = (
             f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
@@ -1180,7 +726,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     from experiments import plots  # pylint: disable=g-import-not-at-top
 
     plots.make_all(workdir)
-  write_summary(workdir, config_name, records, info)
+  outputs.write_summary(workdir, config_name, records, info)
   return {
     "records": records,
     "timing": timing,
@@ -1208,75 +754,3 @@ def charge_round(ledger, mechanism: accounting.DpMechanism, participants) -> flo
   return ledger.record_round(
     mechanism.steps_per_round, participants=np.asarray(participants).tolist()
   )
-
-
-def _one_line(e: BaseException) -> str:
-  text = " ".join(str(e).split()) or type(e).__name__
-  return f"{type(e).__name__}: {text[:300]}"
-
-
-def restore_newest_valid(
-  ckpt: checkpointing.Checkpointer, template, *, privacy: dict, fields: dict, fresh_ledger, workdir
-):
-  """The newest checkpoint that restores completely, with its ledger.
-
-  Checkpoints are tried newest first. One whose metadata or state cannot be
-  read, whose state round differs from its name, or whose privacy ledger is
-  inconsistent (:class:`~fedlap_jax.accounting.PrivacyLedger` recomputes every
-  epsilon) or belongs to other privacy parameters is *damaged*: the next older
-  one is tried. One that belongs to another run (:func:`check_resume_compatible`)
-  is refused.
-
-  Args:
-    ckpt: the run's :class:`~experiments.checkpointing.Checkpointer`.
-    template: the state before round 1 (structure, dtypes, key types).
-    privacy, fields: this run's :func:`privacy_fingerprint` and :func:`run_defining_fields`.
-    fresh_ledger: the run's empty :class:`~fedlap_jax.accounting.PrivacyLedger`
-      (``None`` without DP).
-    workdir: for messages.
-
-  Returns:
-    ``(round, state, ledger, damaged)``: ``(0, template, fresh_ledger, [])``
-    when there is no checkpoint; ``damaged`` lists ``(round, reason)`` of the
-    newer checkpoints that were skipped (the caller sets them aside).
-
-  Raises:
-    ResumeError: a checkpoint of another run, or checkpoints that are all damaged.
-  """
-  damaged = []
-  for r in sorted(ckpt.all_rounds(), reverse=True):
-    try:
-      meta = ckpt.read_meta(r)
-      missing = {"round", "ledger", "privacy", "config"} - set(meta)
-      if missing:
-        raise ValueError(f"its metadata lacks {sorted(missing)}")
-    except Exception as e:  # pylint: disable=broad-except
-      damaged.append((r, f"metadata unreadable: {_one_line(e)}"))
-      continue
-    check_resume_compatible(meta, privacy, fields, workdir)
-    try:
-      state, meta = ckpt.restore(template, r)
-      held = int(state.round) if hasattr(state, "round") else r
-      if held != r:
-        raise ValueError(f"its state holds round {held}")
-      ledger = None
-      if fresh_ledger is not None:
-        ledger = type(fresh_ledger).from_dict(meta["ledger"])
-        if ledger.rounds != r:
-          raise ValueError(f"its privacy ledger records {ledger.rounds} rounds")
-        expected, stored = fresh_ledger.privacy_fields(), ledger.privacy_fields()
-        if stored != expected:
-          raise ValueError(f"its privacy ledger has parameters {stored}, this run {expected}")
-    except Exception as e:  # pylint: disable=broad-except
-      damaged.append((r, _one_line(e)))
-      continue
-    return r, state, ledger, damaged
-  if damaged:
-    raise ResumeError(
-      f"refusing to resume {workdir}: every checkpoint is damaged ("
-      + "; ".join(f"checkpoint {r}: {why}" for r, why in damaged)
-      + "), so the privacy ledger of the rounds run so far cannot be restored; nothing was "
-      "changed. Allowed: the undamaged checkpoints this run wrote, or a new --workdir (a new "
-      "run with its own ledger)"
-    )
-  return 0, template, fresh_ledger, []

@@ -269,7 +269,7 @@ def load_config(name: str, overrides: str = ""):
   the file exists). ``overrides`` is ``"FIELD=VALUE ..."``, split with shell rules (quote a
   value that holds spaces), each ``FIELD`` one :func:`overridable` allows; each item is
   parsed as ``experiments.run``'s ``--config.FIELD=VALUE``
-  (:func:`experiments.run.load_config`: by the field's type, ``None`` for a None-able field).
+  (:func:`experiments.flags.load_config`: by the field's type, ``None`` for a None-able field).
 
   Returns:
     ``(cfg, label)``; ``label`` names the run as ``experiments.run`` does
@@ -281,7 +281,7 @@ def load_config(name: str, overrides: str = ""):
       app does not offer.
     experiments.library_configs.ConfigError: the config itself is invalid.
   """
-  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+  from experiments import flags  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
   if not isinstance(name, str) or not name:
@@ -310,7 +310,7 @@ def load_config(name: str, overrides: str = ""):
         "directories or code",
       )
   try:
-    cfg, label = run_lib.load_config(name, items, named_only=True)
+    cfg, label = flags.load_config(name, items, named_only=True)
   except library_configs.ConfigError as e:
     raise _settings_error(e, name) from None
   if "suite" in cfg:
@@ -333,8 +333,9 @@ def load_config(name: str, overrides: str = ""):
 
 
 def _settings_error(e: ConfigError, name: str) -> SettingsError:
-  """:func:`experiments.run.load_config`'s error as the run config's ``config`` or ``overrides``."""
-  from experiments import run as run_lib  # pylint: disable=g-import-not-at-top
+  """:func:`experiments.flags.load_config`'s error as the run config's ``config`` or
+  ``overrides``."""
+  from experiments import flags  # pylint: disable=g-import-not-at-top
 
   if e.field == "config":
     text = str(e)
@@ -346,7 +347,7 @@ def _settings_error(e: ConfigError, name: str) -> SettingsError:
     return SettingsError("config", name, e.allowed, message=why)
   if e.field == "overrides":
     return SettingsError("overrides", e.value, e.allowed)
-  if e.allowed == run_lib.CONFIG_FIELDS:
+  if e.allowed == flags.CONFIG_FIELDS:
     return SettingsError(
       "overrides",
       e.field,

@@ -41,21 +41,8 @@ from ml_collections import config_dict
 from fedlap_jax import baselines, condensation, feddm
 from fedlap_jax import config as core
 
+from experiments import methods
 from experiments.configs import schema
-
-# Fields of the synthetic-data systems' dataclasses that the experiment config writes
-# elsewhere (client.ipc, client.batch_size, client.poisson_capacity, synthetic_init, the
-# server section, learning_rate, dp, and the method, which fixes classwise).
-FEDDM_SHARED = (
-  "ipc",
-  "batch_size",
-  "synthetic_init",
-  "poisson_capacity",
-  "server",
-  "learning_rate",
-)
-CONDENSE_SHARED = ("ipc", "classwise", "batch_size", "synthetic_init", "poisson_capacity", "dp")
-ONESHOT_SHARED = ("method", "condensation", "server", "learning_rate")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -141,11 +128,14 @@ def get_config() -> ml_collections.ConfigDict:
   # client / server / the top level). condense.outer_loop / inner_loop None = the
   # published loops for client.ipc (fedlap_jax.condensation.dc_loops); condense.lr_decay
   # multiplies the server's learning rate for the second half of server.max_epochs.
-  config.feddm = schema.section(feddm.FedDMConfig, exclude=FEDDM_SHARED)
+  config.feddm = schema.section(feddm.FedDMConfig, exclude=methods.FEDDM_SHARED)
   config.condense = schema.section(
-    condensation.CondensationConfig, exclude=CONDENSE_SHARED, outer_loop=None, inner_loop=None
+    condensation.CondensationConfig,
+    exclude=methods.CONDENSE_SHARED,
+    outer_loop=None,
+    inner_loop=None,
   )
-  config.condense.update(schema.section(condensation.OneShotConfig, exclude=ONESHOT_SHARED))
+  config.condense.update(schema.section(condensation.OneShotConfig, exclude=methods.ONESHOT_SHARED))
 
   # Run-time options (may change when a run is resumed).
   # Where compiled XLA programs are kept between runs (experiments.compilation_cache): ""

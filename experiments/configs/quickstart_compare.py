@@ -58,7 +58,7 @@ def matched_dp_baseline(
   """A DP baseline whose epsilon after the last round equals that of the suite's run ``name``.
 
   ``fedlap_dp`` is that run's config. The noise multiplier is left to
-  :func:`experiments.run.match_epsilons` (``dp.match_epsilon_of``), which needs
+  :func:`experiments.calibration.match_epsilons` (``dp.match_epsilon_of``), which needs
   the client sizes of the data.
   """
   b = fedlap_dp.client.batch_size

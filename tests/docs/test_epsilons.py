@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import configs, epsilons, run
+from experiments import calibration, configs, epsilons, flags
 from experiments.configs import fedlap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_the_published_class_counts_give_the_paper_partitions_sizes(dataset):
 
 def test_digits_sizes_come_from_the_data():
   cfg = configs.load("quickstart:dp")
-  assert epsilons.client_sizes(cfg) == run.client_sizes(cfg) == [283, 280, 274, 283, 280]
+  assert epsilons.client_sizes(cfg) == calibration.client_sizes(cfg) == [283, 280, 274, 283, 280]
 
 
 def test_config_docstrings_state_no_unlabelled_epsilon():
@@ -113,5 +113,5 @@ def test_the_readme_calibration_line_is_what_the_command_prints():
   readme = (ROOT / "README.md").read_text()
   cmd = re.search(r"`python -m experiments.run --config=(\S+)\s+--config\.(\S+)` prints", readme)
   printed = re.search(r"\n(calibrated: [^\n]+)\n", readme).group(1)
-  config, _ = run.load_config(cmd.group(1), [cmd.group(2)])
-  assert run.calibrate_noise(config) == [printed]
+  config, _ = flags.load_config(cmd.group(1), [cmd.group(2)])
+  assert calibration.calibrate_noise(config) == [printed]

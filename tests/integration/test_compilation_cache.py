@@ -21,6 +21,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from experiments import compilation_cache, run
+from experiments import flags as run_flags
 from fedlap_jax.checks import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ def test_a_second_run_compiles_nothing_and_the_cached_programs_hold_no_data_or_k
   keys = [key, *jax.random.split(key), *jax.random.split(jax.random.split(key)[1])]
   for k in keys:
     assert held(np.asarray(jax.random.key_data(k)).astype("<u4").tobytes()) == 0
-  cfg, _ = run.load_config("quickstart:dp")
+  cfg, _ = run_flags.load_config("quickstart:dp")
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
 
   dataset = data_lib.load_dataset(cfg.data)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import library_configs, report, run, train
+from experiments import calibration, flags, library_configs, report, run, train
 from experiments.configs import compare_dp, quickstart, quickstart_compare
 from fedlap_jax import accounting
 
@@ -17,7 +17,10 @@ def _budgets():
   # The paper-recipe FedLAP-DP on digits (pinned: the quickstart's DP recipe may change).
   fedlap = compare_dp.digits_paper()
   fedavg = quickstart_compare.matched_dp_baseline("dp_fedavg", fedlap)
-  return {"fedlap_dp": run.dp_budget(fedlap, SIZES), "dp_fedavg": run.dp_budget(fedavg, SIZES)}
+  return {
+    "fedlap_dp": calibration.dp_budget(fedlap, SIZES),
+    "dp_fedavg": calibration.dp_budget(fedavg, SIZES),
+  }
 
 
 @pytest.mark.parametrize("method", ["fedlap_dp", "dp_fedavg"])
@@ -113,7 +116,7 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   steps = c.client.iterations * c.client.max_outer * c.client.batch_loop
   assert f"q = {c.client.batch_size}/274" in line
   assert f"T = {steps} per round, {c.rounds} rounds" in line
-  eps = run.dp_budget(cfg, SIZES).epsilon(sigma)
+  eps = calibration.dp_budget(cfg, SIZES).epsilon(sigma)
   assert 5.0 * (1 - 1e-3) <= eps <= 5.0 and f"epsilon {eps:.4f})" in line
 
 
@@ -125,7 +128,7 @@ def test_an_uncalibrated_target_is_refused_by_the_driver(tmp_path):
   assert not (tmp_path / "config.json").exists()
   cfg.dp.noise_multiplier = 2.9  # too much noise: epsilon well below the target
   with pytest.raises(library_configs.ConfigError, match="does not match dp.noise_multiplier"):
-    library_configs.check_target_epsilon(cfg, run.dp_budget(cfg, SIZES).epsilon(2.9))
+    library_configs.check_target_epsilon(cfg, calibration.dp_budget(cfg, SIZES).epsilon(2.9))
   cfg.dp.noise_multiplier = 3.0
   library_configs.check_target_epsilon(cfg, 4.99)  # within 1 % below the target: accepted
 
@@ -134,9 +137,9 @@ def test_a_target_met_at_the_accounting_floor_is_accepted():
   """A loose target is met by the smallest sigma accounting allows; the run is not refused."""
   cfg = quickstart.dp_config()
   cfg.dp.target_epsilon = 1e6  # far above what sigma = MIN_NOISE_MULTIPLIER reaches
-  run.calibrate_noise(cfg)
+  calibration.calibrate_noise(cfg)
   assert cfg.dp.noise_multiplier == pytest.approx(accounting.MIN_NOISE_MULTIPLIER, rel=1e-3)
-  planned = run.dp_budget(cfg, SIZES).epsilon(cfg.dp.noise_multiplier)
+  planned = calibration.dp_budget(cfg, SIZES).epsilon(cfg.dp.noise_multiplier)
   assert planned < 0.99 * cfg.dp.target_epsilon
   library_configs.check_target_epsilon(cfg, planned)
 
@@ -169,11 +172,11 @@ def test_the_comparison_suites_match_every_method_on_one_notion(epsilon_for):
 
 def test_quickstart_compare_gives_every_dp_method_the_same_guarantee():
   config = quickstart_compare.get_config()
-  run.calibrate_noise(config)
+  calibration.calibrate_noise(config)
   suite = config.suite
-  sizes = run.client_sizes(suite.fedlap_dp)
+  sizes = calibration.client_sizes(suite.fedlap_dp)
   eps = {
-    k: run.dp_budget(suite[k], sizes).epsilon(suite[k].dp.noise_multiplier)
+    k: calibration.dp_budget(suite[k], sizes).epsilon(suite[k].dp.noise_multiplier)
     for k in ("fedlap_dp", "dp_fedavg", "dp_fedprox", "psg")
   }
   assert all(e == pytest.approx(eps["fedlap_dp"], rel=2e-4) for e in eps.values()), eps
@@ -242,7 +245,7 @@ def test_compare_dp_options_and_one_line_variants(monkeypatch, tmp_path):
     compare_dp.get_config("digits,eps=0")
   with pytest.raises(ValueError, match="epsilon_for='rdp'; allowed: one of"):
     compare_dp.get_config("digits,epsilon_for=rdp")
-  _, label = run.resolve_config_arg(f"compare_dp:npz:{npz}")
+  _, label = flags.resolve_config_arg(f"compare_dp:npz:{npz}")
   assert "/" not in label
 
 
@@ -344,11 +347,11 @@ def test_epsilon_for_selects_the_figure_a_target_calibrates():
   """dp.epsilon_for='replace_one' (default: the guarantee with public N_k) or 'add_remove' (the
   paper's notion): the same target gives different sigmas, each meeting its own figure."""
   cfg = quickstart.dp_config()
-  replace = run.dp_budget(cfg, SIZES)
+  replace = calibration.dp_budget(cfg, SIZES)
   assert replace.epsilon_for == "replace_one" and replace.mechanism.adjacency == "replace_one"
   sigma_r = replace.calibrate(5.0, field="dp.target_epsilon")
   cfg.dp.epsilon_for = "add_remove"
-  add = run.dp_budget(cfg, SIZES)
+  add = calibration.dp_budget(cfg, SIZES)
   sigma_a = add.calibrate(5.0, field="dp.target_epsilon")
   assert add.mechanism == replace.mechanism and sigma_r != sigma_a
   mech = replace.mechanism
@@ -384,7 +387,9 @@ def test_calibration_and_the_algorithm_read_one_mechanism(name):
   setup = train.build_run(cfg)
   sizes = [len(i) for i in setup.client_indices]
   mech = setup.algorithm.mechanism
-  assert mech == library_configs.dp_mechanism(cfg, sizes) == run.dp_budget(cfg, sizes).mechanism
+  assert (
+    mech == library_configs.dp_mechanism(cfg, sizes) == calibration.dp_budget(cfg, sizes).mechanism
+  )
   assert (mech.noise_multiplier, mech.delta, mech.batch_size) == (
     cfg.dp.noise_multiplier,
     cfg.dp.delta,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from experiments import configs, library_configs, run
+from experiments import calibration, configs, flags, library_configs
 from experiments.configs import baselines, quickstart_compare
 from fedlap_jax import accounting
 from fedlap_jax.baselines import steps_per_epoch
@@ -25,8 +25,8 @@ def test_named_baseline_config_validates_with_published_settings(name):
   assert cfg.baseline.prox_mu == 0.1
   if dp:
     assert (cfg.rounds, cfg.dp.l2_clip_norm, cfg.dp.noise_multiplier) == (30, 0.1, 1.0)
-  path, label = run.resolve_config_arg(name)
-  assert path.startswith(str(run.CONFIG_DIR)) and label == name
+  path, label = flags.resolve_config_arg(name)
+  assert path.startswith(str(flags.CONFIG_DIR)) and label == name
 
 
 def test_unknown_baseline_names_are_refused():
@@ -37,7 +37,7 @@ def test_unknown_baseline_names_are_refused():
 
 
 def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
-  suite = run.match_epsilons(quickstart_compare.get_config()).suite  # on the guarantee
+  suite = calibration.match_epsilons(quickstart_compare.get_config()).suite  # on the guarantee
   assert set(suite.keys()) == {
     "fedlap",
     "fedavg",
@@ -55,7 +55,7 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
   for key in suite.keys():
     library_configs.validate_config(suite[key])
   fl = suite.fedlap_dp
-  sizes = run.client_sizes(fl)
+  sizes = calibration.client_sizes(fl)
   t_fedlap = fl.client.iterations * fl.client.max_outer * fl.client.batch_loop
   eps_fedlap = accounting.epsilon_after_rounds(
     rounds=fl.rounds,
@@ -107,7 +107,7 @@ def test_quickstart_compare_config_reads_no_data(monkeypatch):
   suite = quickstart_compare.get_config().suite
   assert suite.dp_fedavg.dp.match_epsilon_of == "fedlap_dp"
   with pytest.raises(AssertionError, match="loaded a dataset"):
-    run.match_epsilons(quickstart_compare.get_config())
+    calibration.match_epsilons(quickstart_compare.get_config())
 
 
 @pytest.mark.parametrize(
@@ -122,5 +122,5 @@ def test_match_epsilon_of_names_another_dp_run(run_name, other, field):
   config = quickstart_compare.get_config()
   config.suite[run_name].dp.match_epsilon_of = other
   with pytest.raises(library_configs.ConfigError) as err:
-    run.match_epsilons(config)
+    calibration.match_epsilons(config)
   assert err.value.field == field and repr(other) in str(err.value)

@@ -10,7 +10,7 @@ from fedlap_jax import accounting
 from fedlap_jax import config as core
 
 from experiments import data as data_lib
-from experiments import library_configs, run
+from experiments import flags, library_configs, run
 from experiments import configs
 from experiments.configs import default, quickstart
 
@@ -53,8 +53,8 @@ def test_every_named_config_builds_and_validates(name, arg):
     library_configs.validate_config(c)
     fc = library_configs.to_fedlap_config(c)
     assert (fc.dp is not None) == c.dp.enabled
-  path, label = run.resolve_config_arg(name + (f":{arg}" if arg else ""))
-  assert path.startswith(str(run.CONFIG_DIR))
+  path, label = flags.resolve_config_arg(name + (f":{arg}" if arg else ""))
+  assert path.startswith(str(flags.CONFIG_DIR))
   assert label == name + (f"_{arg}" if arg else "")
 
 
@@ -359,7 +359,7 @@ def test_cli_says_how_to_set_a_field_of_a_suite_run(tmp_path, capsys):
     "error: --config.seed=1: quickstart is a suite of the runs ['fedlap', 'fedlap_dp']; a run's "
     "field is set as --config.suite.RUN.FIELD=VALUE (e.g. --config.suite.fedlap.seed=1)\n"
   )
-  config, _ = run.load_config("quickstart", ["suite.fedlap.seed=1"])  # the way it says
+  config, _ = flags.load_config("quickstart", ["suite.fedlap.seed=1"])  # the way it says
   assert config.suite.fedlap.seed == 1 and config.suite.fedlap_dp.seed == 0
   assert list(tmp_path.iterdir()) == []  # refused before anything ran
 
@@ -401,7 +401,7 @@ def test_dp_normalisation_choices_that_read_no_training_record_pass():
 
 
 def test_cli_resolves_names_args_and_default_workdir():
-  argv, name = run.rewrite_argv(["prog", "--config", "cifar_ablation_ipc:20", "--x=1"])
+  argv, name = flags.rewrite_argv(["prog", "--config", "cifar_ablation_ipc:20", "--x=1"])
   assert argv[1] == "--config" and argv[2].endswith("configs/fedlap.py:cifar_ablation_ipc:20")
   assert name == "cifar_ablation_ipc_20" and argv[3] == "--x=1"
 
@@ -602,13 +602,13 @@ def test_dp_on_a_non_dp_config_names_every_coupled_field_at_once(name, fields, c
   and the flags that change them; with those flags the config is a valid DP run."""
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
-  config, _ = run.load_config(name, ["dp.enabled=True"])
+  config, _ = flags.load_config(name, ["dp.enabled=True"])
   with pytest.raises(library_configs.ConfigError) as err:
     library_configs.validate_config(config)
   assert err.value.field == "dp.enabled"
   assert [f for f, *_ in library_configs.dp_coupled_fields(config)] == fields
   assert f"needs {len(fields)} other fields changed with it" in str(err.value)
-  flags = re.search(r"allowed: add (.*?), or start from a DP config", str(err.value)).group(1)
+  added = re.search(r"allowed: add (.*?), or start from a DP config", str(err.value)).group(1)
   assert (
     run.main(["prog", f"--config={name}", "--config.dp.enabled=True", "--workdir=/nonexistent/x"])
     == 2
@@ -616,8 +616,8 @@ def test_dp_on_a_non_dp_config_names_every_coupled_field_at_once(name, fields, c
   assert capsys.readouterr().err.startswith(
     f"error: {name.replace(':', '_')}: dp.enabled=True needs"
   )
-  fixed, _ = run.load_config(
-    name, ["dp.enabled=True", *(f[len("--config.") :] for f in flags.split())]
+  fixed, _ = flags.load_config(
+    name, ["dp.enabled=True", *(f[len("--config.") :] for f in added.split())]
   )
   library_configs.validate_config(fixed)
   assert library_configs.dp_coupled_fields(fixed) == []

@@ -130,16 +130,16 @@ def test_released_client_sizes_come_from_the_public_partition_seed_not_the_secre
   """Dirichlet client sizes are released (run_info.json, and a DP client's epsilon depends on
   its size). Drawn from the secret seed they would let anyone test seed guesses offline, and
   the seed determines every noise draw."""
-  from experiments import run  # pylint: disable=g-import-not-at-top
+  from experiments import calibration  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.dp_config()
   cfg.data.partition = "dirichlet"
-  sizes = run.client_sizes(cfg)
+  sizes = calibration.client_sizes(cfg)
   cfg.seed = 7
-  assert run.client_sizes(cfg) == sizes == SPLITS[("dirichlet", 1.0, 0)][0]
+  assert calibration.client_sizes(cfg) == sizes == SPLITS[("dirichlet", 1.0, 0)][0]
   cfg.data.partition_seed = 1
-  assert run.client_sizes(cfg) == SPLITS[("dirichlet", 1.0, 1)][0]
+  assert calibration.client_sizes(cfg) == SPLITS[("dirichlet", 1.0, 1)][0]
 
 
 def _write_npz(path, n=60, shape=(6, 6, 3), dtype=np.uint8, classes=4, **override):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import checkpointing, report, run, train
+from experiments import checkpointing, outputs, report, resume, run, train
 from fedlap_jax import accounting, baselines
 from experiments.configs import quickstart
 
@@ -281,14 +281,14 @@ def hybrid_run(tmp_path_factory):
   'fedavg_delta'), with the round metrics the driver receives: (workdir, out, seen)."""
   tmp_path = tmp_path_factory.mktemp("hybrid")
   seen = []
-  summarize = train.summarize_metrics
+  summarize = outputs.summarize_metrics
 
   def spy(metrics, *args, **kwargs):
     seen.append(metrics)
     return summarize(metrics, *args, **kwargs)
 
   with pytest.MonkeyPatch.context() as monkeypatch:
-    monkeypatch.setattr(train, "summarize_metrics", spy)
+    monkeypatch.setattr(outputs, "summarize_metrics", spy)
     cfg = tiny_config(
       rounds=1,
       checkpoint_every=1,
@@ -403,8 +403,8 @@ def test_debug_nonprivate_stats_writes_them_in_a_named_section(straight, tmp_pat
   cfg = tiny_config(rounds=1, progress_bar=False, plots=False, debug_nonprivate_stats=True)
   out = train.train_and_evaluate(cfg, tmp_path)
   rec = out["records"][0]
-  assert set(rec) - {train.NONPRIVATE_SECTION} <= RELEASED_RECORD_KEYS
-  stats = rec[train.NONPRIVATE_SECTION]
+  assert set(rec) - {outputs.NONPRIVATE_SECTION} <= RELEASED_RECORD_KEYS
+  stats = rec[outputs.NONPRIVATE_SECTION]
   assert set(stats) == {"clip_fraction", "mean_batch_size", "poisson_extra_chunks"}
   assert all(0 <= c <= 1 for c in stats["clip_fraction"]) and len(stats["clip_fraction"]) == 5
   assert all(8 < b < 28 for b in stats["mean_batch_size"])  # B = 16
@@ -434,7 +434,7 @@ def test_dp_baseline_metrics_keep_raw_statistics_out_of_the_record():
   metrics = baselines.BaselineRoundMetrics(
     client, jnp.float32(0.1), jnp.float32(0.2), jnp.float32(0.0)
   )
-  released, nonprivate = train.summarize_metrics(metrics, k, private=True)
+  released, nonprivate = outputs.summarize_metrics(metrics, k, private=True)
   assert set(released) == {
     "client.steps",
     "client.update_norm",
@@ -448,7 +448,7 @@ def test_dp_baseline_metrics_keep_raw_statistics_out_of_the_record():
     "client.mean_batch_size",
     "client.clip_fraction",
   }
-  everything, none = train.summarize_metrics(metrics, k, private=False)
+  everything, none = outputs.summarize_metrics(metrics, k, private=False)
   assert set(everything) == set(released) | set(nonprivate) and none == {}
 
 
@@ -517,7 +517,7 @@ def test_finished_run_is_not_rerun(straight):
 def test_resume_with_different_fields_is_refused(straight, field, value, fragment):
   cfg = tiny_config(progress_bar=False, **{field: value})
   before = (straight / "metrics.jsonl").read_text()
-  with pytest.raises(train.ResumeError) as err:
+  with pytest.raises(resume.ResumeError) as err:
     train.train_and_evaluate(cfg, straight)
   msg = str(err.value)
   assert fragment in msg and "new --workdir" in msg
@@ -929,7 +929,7 @@ def test_a_dp_run_draws_its_seed_keeps_it_secret_and_resumes_with_it(drawn, caps
   assert "- releasable under the privacy guarantee: synthetic/, metrics.jsonl" in summary
   # A new work dir draws another seed; a resume with another one names no seed value.
   assert seeds.draw() != first
-  with pytest.raises(train.ResumeError, match="another seed than the checkpoint's") as err:
+  with pytest.raises(resume.ResumeError, match="another seed than the checkpoint's") as err:
     train.train_and_evaluate(tiny_config(rounds=2, plots=False, seed=5), workdir)
   assert str(first) not in str(err.value)
 
@@ -944,7 +944,7 @@ def test_a_dp_work_dir_without_its_seed_is_not_given_a_new_one(drawn, tmp_path):
   del cfg["seed"]  # shared without its seed, as docs/privacy.md allows
   (copy / "config.json").write_text(json.dumps(cfg))
   flags = {k: v for k, v in TINY.items() if k != "seed"}
-  with pytest.raises(train.ResumeError, match="holds checkpoints but its config.json has no seed"):
+  with pytest.raises(resume.ResumeError, match="holds checkpoints but its config.json has no seed"):
     train.train_and_evaluate(
       tiny_config(**{**flags, "rounds": 2, "plots": False, "seed": None}), copy
     )
@@ -984,17 +984,18 @@ def _privacy_md_lists():
 
 def test_summary_lists_what_docs_privacy_md_lists(straight, drawn):
   assert _privacy_md_lists() == {
-    "releasable": train.RELEASABLE,
-    "secret": train.SECRET,
-    "not covered": train.NOT_COVERED,
+    "releasable": outputs.RELEASABLE,
+    "secret": outputs.SECRET,
+    "not covered": outputs.NOT_COVERED,
   }
   for workdir in (straight, drawn[0]):
     summary = (workdir / "summary.md").read_text()
     assert "- releasable under the privacy guarantee" in summary
-    assert ", ".join(train.RELEASABLE) in summary
-    assert "- secret (they determine every noise draw): " + ", ".join(train.SECRET) in summary
+    assert ", ".join(outputs.RELEASABLE) in summary
+    assert "- secret (they determine every noise draw): " + ", ".join(outputs.SECRET) in summary
     assert (
-      "- not covered by the guarantee (do not release): " + ", ".join(train.NOT_COVERED) in summary
+      "- not covered by the guarantee (do not release): " + ", ".join(outputs.NOT_COVERED)
+      in summary
     )
 
 

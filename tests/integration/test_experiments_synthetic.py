@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import configs, library_configs, report, run, train
+from experiments import configs, flags, library_configs, outputs, report, run, train
 from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
@@ -168,8 +168,8 @@ NAMES = [f"{ds}_{m}" for ds in ("mnist", "fmnist", "cifar") for m in ("feddm", "
 def test_named_configs_validate_with_the_published_settings(name):
   cfg = configs.load(name)
   library_configs.validate_config(cfg)
-  path, label = run.resolve_config_arg(name)
-  assert path.startswith(str(run.CONFIG_DIR)) and label == name
+  path, label = flags.resolve_config_arg(name)
+  assert path.startswith(str(flags.CONFIG_DIR)) and label == name
   if name.endswith("feddm"):
     fedlap = configs.load(f"{name.split('_')[0]}_nondp")
     core = library_configs.to_feddm_config(cfg)
@@ -320,7 +320,7 @@ def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
   metrics = condensation.OneShotMetrics(
     client, np.int32(300), np.int32(600), np.float32(1.5), np.float32(0.01)
   )
-  released, nonprivate = train.summarize_metrics(metrics, k, private=True)
+  released, nonprivate = outputs.summarize_metrics(metrics, k, private=True)
   assert set(released) == {
     "client.matching_loss",
     "client.real_accesses",
@@ -334,5 +334,5 @@ def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
     "client.mean_batch_size",
     "client.clip_fraction",
   }
-  everything, none = train.summarize_metrics(metrics, k, private=False)
+  everything, none = outputs.summarize_metrics(metrics, k, private=False)
   assert set(everything) == set(released) | set(nonprivate) and none == {}

@@ -946,24 +946,27 @@ SAME_OVERRIDES = (
 
 def _cli_config(monkeypatch, name, items):
   """The config experiments.run's command line hands to its run (nothing is trained)."""
-  from experiments import run
+  from experiments import run, suite
 
   got = []
-  monkeypatch.setattr(run, "run_config", lambda config, workdir, label: got.append(config) or 0)
+  monkeypatch.setattr(suite, "run_config", lambda config, workdir, label: got.append(config) or 0)
   rc = run.main(["prog", f"--config={name}", *(f"--config.{item}" for item in items)])
   return rc, (got[0] if got else None)
 
 
 def test_override_strings_give_the_cli_config(monkeypatch):
   import shlex
-  from experiments import run
+
+  from experiments import flags
 
   items = shlex.split(SAME_OVERRIDES)
   rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", items)
   flower, label = settings.load_config("quickstart:dp_loops", SAME_OVERRIDES)
   assert rc == 0 and label == "quickstart_dp_loops"
   assert (
-    cli.to_dict() == flower.to_dict() == run.load_config("quickstart:dp_loops", items)[0].to_dict()
+    cli.to_dict()
+    == flower.to_dict()
+    == flags.load_config("quickstart:dp_loops", items)[0].to_dict()
   )
   assert (flower.seed, flower.rounds, flower.dp.noise_multiplier, flower.dp.delta) == (
     3,
@@ -993,12 +996,12 @@ def test_override_strings_give_the_cli_config(monkeypatch):
   ],
 )
 def test_a_bad_override_is_refused_by_both_naming_the_field(monkeypatch, capsys, item, field):
-  from experiments import library_configs, run
+  from experiments import flags, library_configs
 
   rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", [item])
   assert rc == 2 and cli is None and field.split(".")[-1] in capsys.readouterr().err
   with pytest.raises(library_configs.ConfigError) as err:
-    run.load_config("quickstart:dp_loops", [item])
+    flags.load_config("quickstart:dp_loops", [item])
   assert err.value.field == field and str(err.value) in capsys.readouterr().err + str(err.value)
   with pytest.raises(settings.SettingsError) as err:
     settings.load_config("quickstart:dp_loops", item)
@@ -1096,10 +1099,10 @@ def test_a_flower_run_overrides_only_allowed_fields(tmp_path, item, field):
   assert err.value.field == field and str(err.value).startswith("overrides: "), str(err.value)
   assert "No such file" not in str(err.value) and "existing" not in str(err.value)
   # experiments.run (its user's own command line) takes every field.
-  from experiments import run
+  from experiments import flags
 
   if not item.startswith(("data.source", "nosection")):
-    run.load_config("quickstart:dp_loops", [item])
+    flags.load_config("quickstart:dp_loops", [item])
 
 
 def test_the_allowed_overrides_are_sections_and_fields_of_the_algorithm():

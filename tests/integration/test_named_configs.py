@@ -65,9 +65,9 @@ def test_the_cli_loads_the_same_config(name):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-  from experiments import run  # pylint: disable=g-import-not-at-top
+  from experiments import flags as run_flags  # pylint: disable=g-import-not-at-top
 
-  argv, label = run.rewrite_argv(["prog", f"--config={name}"])
+  argv, label = run_flags.rewrite_argv(["prog", f"--config={name}"])
   assert label.startswith(name.partition(":")[0])
   values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)

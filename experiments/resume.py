@@ -1,0 +1,292 @@
+"""Resuming a run from its work dir: what must match, and the newest checkpoint that restores.
+
+A run's checkpoint holds its state, its privacy ledger and two fingerprints:
+:func:`privacy_fingerprint` (what the ledger's guarantee rests on: sigma, C, delta, B, T, q,
+the data and its partition, the seed; under DP the computation, :func:`computation_fingerprint`)
+and :func:`run_defining_fields` (every config field but :data:`RUNTIME_FIELDS`). A resume whose
+fingerprints differ is refused (:func:`check_resume_compatible`); a damaged checkpoint is set
+aside and the next older one tried (:func:`restore_newest_valid`); :func:`restore` is the whole
+step :func:`experiments.train.train_and_evaluate` takes before its first round.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+
+from fedlap_jax.dispatch import resolve_client_backend
+
+from experiments import checkpointing
+
+# Fields that may change between an interrupted run and its resumption.
+RUNTIME_FIELDS = (
+  "checkpoint_every",
+  "keep_checkpoints",
+  "eval_chunk_size",
+  "snapshot_rounds",
+  "plots",
+  "progress_bar",
+  "client_backend",
+  "data.cache_dir",
+  "data.data_dir",
+  "compilation_cache_dir",
+  "debug_nonprivate_stats",
+  "termination_grace_seconds",
+)
+# Where damaged checkpoints are moved (never deleted).
+DAMAGED_DIR = "damaged_checkpoints"
+
+
+class ResumeError(ValueError):
+  """The workdir holds a checkpoint of a different run, or no usable one."""
+
+
+def run_defining_fields(cfg) -> dict:
+  """The resolved config as a flat ``{'a.b': value}`` dict without :data:`RUNTIME_FIELDS`."""
+  flat = {}
+
+  def walk(d, prefix):
+    for k, v in d.items():
+      name = f"{prefix}{k}"
+      if isinstance(v, dict):
+        walk(v, name + ".")
+      elif name not in RUNTIME_FIELDS:
+        flat[name] = list(v) if isinstance(v, tuple) else v
+
+  walk(cfg.to_dict(), "")
+  return flat
+
+
+# The computation of a DP run's rounds (:func:`computation_fingerprint`).
+COMPUTATION_FIELDS = ("client_backend", "platform", "device_count", "device_kind", "jax_version")
+
+
+def computation_fingerprint(cfg) -> dict:
+  """What decides a round's outputs besides its inputs and PRNG keys: the resolved
+  ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, and
+  the JAX version. A DP run's checkpoint holds it (:func:`privacy_fingerprint`)."""
+  devices = jax.devices()
+  return {
+    "client_backend": resolve_client_backend(
+      cfg.client_backend, side_by_side=cfg.method == "fedlap"
+    ),
+    "platform": jax.default_backend(),
+    "device_count": len(devices),
+    "device_kind": devices[0].device_kind,
+    "jax_version": jax.__version__,
+  }
+
+
+def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
+  """The fields a resumed run must share with its checkpoint for the ledger to hold.
+
+  Under DP also its :func:`computation_fingerprint`: a round redone from a checkpoint repeats
+  the checkpointed keys, and is the same mechanism invocation only if computed the same way.
+  """
+  dp = alg.dp
+  smallest = int(min(client_sizes))
+  per_round = cfg.data.get("clients_per_round")
+  # Only when set, so checkpoints of runs without sampling keep their fingerprint.
+  sampling = (
+    {}
+    if per_round is None
+    else {
+      "clients_per_round": int(per_round),
+      "participation_seed": int(cfg.data.get("participation_seed", 0)),
+    }
+  )
+  return {
+    **sampling,
+    **({} if dp is None else computation_fingerprint(cfg)),
+    "method": cfg.method,
+    "dp": dp is not None,
+    "noise_multiplier": None if dp is None else float(dp.noise_multiplier),
+    "l2_clip_norm": None if dp is None else float(dp.l2_clip_norm),
+    "delta": None if dp is None else float(dp.delta),
+    "batch_size": int(alg.batch_size),
+    "steps_per_round": alg.dp_steps_per_round,
+    "min_client_size": smallest,
+    "sampling_rate": alg.batch_size / smallest,
+    "client_sizes": [int(n) for n in client_sizes],
+    "dataset": cfg.data.name,
+    "source": cfg.data.source,
+    "partition": cfg.data.partition,
+    "dirichlet_alpha": float(cfg.data.dirichlet_alpha),
+    "num_clients": int(cfg.data.num_clients),
+    "train_fraction": float(cfg.data.train_fraction),
+    "partition_seed": int(cfg.data.get("partition_seed", 0)),
+    "seed": int(cfg.seed),
+  }
+
+
+def _diff(stored: dict, current: dict) -> list[str]:
+  keys = sorted(set(stored) | set(current))
+  norm = lambda v: list(v) if isinstance(v, tuple) else v
+  return [
+    # The seed is secret: a message says that it differs, never what it is.
+    "seed: another seed than the checkpoint's (not shown: it is secret)"
+    if k == "seed"
+    else f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
+    for k in keys
+    if norm(stored.get(k)) != norm(current.get(k))
+  ]
+
+
+def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) -> None:
+  """Refuses to resume a checkpoint of a run with different privacy or run fields, or a DP
+  run on another computation (:data:`COMPUTATION_FIELDS`)."""
+  stored = meta.get("privacy", {})
+  if privacy.get("dp"):
+    was = {k: stored.get(k) for k in COMPUTATION_FIELDS}
+    now = {k: privacy.get(k) for k in COMPUTATION_FIELDS}
+    diff = _diff(was, now)
+    if diff:
+      raise ResumeError(
+        f"refusing to resume the DP run in {workdir} on another computation "
+        f"({'; '.join(diff)}): its redone rounds would repeat the checkpointed noise on a "
+        "different computation, and two outputs under the same noise release their "
+        "difference without noise. Allowed: resume where it ran (--config.client_backend="
+        f"{was['client_backend']}, JAX platform {was['platform']!r} with "
+        f"{was['device_count']} device(s) of kind {was['device_kind']!r}, e.g. "
+        f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
+        f"platform_device_count to pick the devices; jax {was['jax_version']}), or a new "
+        "--workdir"
+      )
+  diff = _diff(stored, privacy)
+  if diff:
+    raise ResumeError(
+      f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
+      f"({'; '.join(diff)}); the stored privacy ledger would no longer describe the run. "
+      f"Allowed: the same values as the checkpointed run, or a new --workdir"
+    )
+  diff = _diff(meta.get("config", {}), fields)
+  if diff:
+    raise ResumeError(
+      f"refusing to resume {workdir}: the config differs from the checkpointed run "
+      f"({'; '.join(diff)}); a resumed run must equal an uninterrupted one. Allowed: the "
+      f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+  text = " ".join(str(e).split()) or type(e).__name__
+  return f"{type(e).__name__}: {text[:300]}"
+
+
+def restore_newest_valid(
+  ckpt: checkpointing.Checkpointer, template, *, privacy: dict, fields: dict, fresh_ledger, workdir
+):
+  """The newest checkpoint that restores completely, with its ledger.
+
+  Checkpoints are tried newest first. One whose metadata or state cannot be
+  read, whose state round differs from its name, or whose privacy ledger is
+  inconsistent (:class:`~fedlap_jax.accounting.PrivacyLedger` recomputes every
+  epsilon) or belongs to other privacy parameters is *damaged*: the next older
+  one is tried. One that belongs to another run (:func:`check_resume_compatible`)
+  is refused.
+
+  Args:
+    ckpt: the run's :class:`~experiments.checkpointing.Checkpointer`.
+    template: the state before round 1 (structure, dtypes, key types).
+    privacy, fields: this run's :func:`privacy_fingerprint` and :func:`run_defining_fields`.
+    fresh_ledger: the run's empty :class:`~fedlap_jax.accounting.PrivacyLedger`
+      (``None`` without DP).
+    workdir: for messages.
+
+  Returns:
+    ``(round, state, ledger, damaged)``: ``(0, template, fresh_ledger, [])``
+    when there is no checkpoint; ``damaged`` lists ``(round, reason)`` of the
+    newer checkpoints that were skipped (the caller sets them aside).
+
+  Raises:
+    ResumeError: a checkpoint of another run, or checkpoints that are all damaged.
+  """
+  damaged = []
+  for r in sorted(ckpt.all_rounds(), reverse=True):
+    try:
+      meta = ckpt.read_meta(r)
+      missing = {"round", "ledger", "privacy", "config"} - set(meta)
+      if missing:
+        raise ValueError(f"its metadata lacks {sorted(missing)}")
+    except Exception as e:  # pylint: disable=broad-except
+      damaged.append((r, f"metadata unreadable: {_one_line(e)}"))
+      continue
+    check_resume_compatible(meta, privacy, fields, workdir)
+    try:
+      state, meta = ckpt.restore(template, r)
+      held = int(state.round) if hasattr(state, "round") else r
+      if held != r:
+        raise ValueError(f"its state holds round {held}")
+      ledger = None
+      if fresh_ledger is not None:
+        ledger = type(fresh_ledger).from_dict(meta["ledger"])
+        if ledger.rounds != r:
+          raise ValueError(f"its privacy ledger records {ledger.rounds} rounds")
+        expected, stored = fresh_ledger.privacy_fields(), ledger.privacy_fields()
+        if stored != expected:
+          raise ValueError(f"its privacy ledger has parameters {stored}, this run {expected}")
+    except Exception as e:  # pylint: disable=broad-except
+      damaged.append((r, _one_line(e)))
+      continue
+    return r, state, ledger, damaged
+  if damaged:
+    raise ResumeError(
+      f"refusing to resume {workdir}: every checkpoint is damaged ("
+      + "; ".join(f"checkpoint {r}: {why}" for r, why in damaged)
+      + "), so the privacy ledger of the rounds run so far cannot be restored; nothing was "
+      "changed. Allowed: the undamaged checkpoints this run wrote, or a new --workdir (a new "
+      "run with its own ledger)"
+    )
+  return 0, template, fresh_ledger, []
+
+
+class Resumed(NamedTuple):
+  """Where a run starts: after round ``start`` (0: a new run), from ``state`` and ``ledger``,
+  with the ``records`` of ``metrics.jsonl`` and ``timing`` of the timing file up to it, and
+  the ``moved`` damaged checkpoints ``(round, why, where)``."""
+
+  start: int
+  state: Any
+  ledger: Any
+  records: list
+  timing: list
+  moved: list
+
+
+def restore(
+  ckpt: checkpointing.Checkpointer,
+  template,
+  *,
+  privacy: dict,
+  fields: dict,
+  fresh_ledger,
+  workdir: Path,
+  metrics_path: Path,
+  timing_path: Path,
+) -> Resumed:
+  """The newest valid checkpoint (:func:`restore_newest_valid`) and the records up to it.
+
+  Damaged checkpoints are moved to :data:`DAMAGED_DIR`; ``metrics.jsonl`` and the timing file
+  are cut after the restored round (a redone round is written again).
+
+  Raises:
+    ResumeError: as :func:`restore_newest_valid`, or ``metrics.jsonl`` lacks a round up to the
+      checkpoint's (nothing is changed then).
+  """
+  start, state, ledger, damaged = restore_newest_valid(
+    ckpt, template, privacy=privacy, fields=fields, fresh_ledger=fresh_ledger, workdir=workdir
+  )
+  records = checkpointing.read_metrics(metrics_path)
+  kept = [r for r in records if isinstance(r, dict) and r.get("round", 0) <= start]
+  if [r.get("round") for r in kept] != list(range(1, start + 1)):
+    raise ResumeError(
+      f"{metrics_path} holds rounds {[r.get('round') for r in kept]} up to round {start}, "
+      f"but the checkpoint is after round {start}; allowed: complete records 1..{start} "
+      "(restore the file, or use a new --workdir); nothing was changed"
+    )
+  moved = [(r, why, ckpt.set_aside(r, workdir / DAMAGED_DIR)) for r, why in damaged]
+  records = checkpointing.truncate_metrics(metrics_path, start)
+  timing = checkpointing.truncate_metrics(timing_path, start)
+  return Resumed(start, state, ledger, records, timing, moved)
