@@ -392,7 +392,9 @@ def stack_clients(
   x = np.stack([pad(x) for x in xs])
   y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
   mask = np.stack([np.arange(n_max) < len(x) for x in xs])
-  put: Callable[[np.ndarray], Any] = np.ascontiguousarray if on_host else jnp.asarray
+  # jax.device_put copies to the device without compiling anything (jnp.asarray would build a
+  # program per shape and dtype).
+  put: Callable[[np.ndarray], Any] = np.ascontiguousarray if on_host else jax.device_put
   return ClientData(put(x), put(y), put(mask), **{k: put(v) for k, v in norm.items()})
 
 
@@ -412,6 +414,7 @@ def pad_client(
   once per distinct shape: clients of 300, 320 and 375 records compile three
   programs. Padded to one ``capacity`` (e.g. the largest client's ``N_k``)
   they share one; the mask keeps the padding out of every batch and ``N_k``.
+  The padding runs on the host (NumPy) and compiles nothing.
 
   Args:
     x: ``(N_k, H, W, C)`` images; y: ``(N_k,)`` labels.
@@ -431,5 +434,7 @@ def pad_client(
     pixel_offset=pixel_offset,
     num_classes=num_classes,
     capacity=capacity,
+    on_host=True,
   )
-  return jax.tree.map(lambda a: a[0], stacked)
+  # Padded and sliced on the host, then copied to the device: no program is compiled.
+  return jax.tree.map(lambda a: jax.device_put(a[0]), stacked)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +55,57 @@ def test_client_synthetic_is_initial_synthetic_of_one_client(client_parts):
   assert padded.x.shape == (12, 8, 8, 1) and int(padded.mask.sum()) == 8
   with pytest.raises(ConfigError, match="max_classes"):
     fl.client_synthetic(jax.random.key(3), fl.pad_client(x0, y0, capacity=400), 4, max_classes=1)
+
+
+class _Compiles:
+  """Counts the programs XLA builds (or reads from a cache) inside ``with``."""
+
+  def __enter__(self):
+    self.n = 0
+    self._on = lambda event, seconds, **kw: setattr(
+      self, "n", self.n + (event == "/jax/core/compile/backend_compile_duration")
+    )
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+def test_pad_client_compiles_nothing_and_client_synthetic_one_program(client_parts):
+  """Run eagerly, pad_client compiled 6 programs and client_synthetic 14 per shape; now
+  pad_client pads on the host and client_synthetic draws its images in one program, with the
+  numbers of the op-by-op computation bit for bit."""
+  (x0, y0), (x1, y1) = client_parts[:2]
+  x0, x1 = x0[:, :, :5], x1[:, :, :5]  # (N, 8, 5, 1): an image shape no other test uses
+  with _Compiles() as built:
+    data = fl.pad_client(x0, y0, capacity=401, num_classes=10)
+    again = fl.pad_client(x1, y1, capacity=401, num_classes=10)
+  assert built.n == 0
+  with jax.disable_jit():  # the eager path: a one-client stack on the device, sliced
+    eager_data = jax.tree.map(lambda a: a[0], fl.stack_clients([x0], [y0], capacity=401))
+  chex.assert_trees_all_equal(data, eager_data)  # values, dtypes and shapes
+  chex.assert_trees_all_equal_shapes_and_dtypes(data, again)
+  for max_classes in (None, 3):
+    with _Compiles() as built:
+      one = fl.client_synthetic(jax.random.key(5), data, 4, max_classes=max_classes)
+    assert built.n == 1  # one program per (image shape, slots)
+    with _Compiles() as built:
+      other = fl.client_synthetic(jax.random.key(6), again, 4, max_classes=max_classes)
+    assert built.n == 0  # the same shapes: the program is reused
+    assert not np.array_equal(np.asarray(one.x), np.asarray(other.x))
+    with jax.disable_jit():
+      eager = fl.client_synthetic(jax.random.key(5), data, 4, max_classes=max_classes)
+    chex.assert_trees_all_equal(one, eager)  # bit for bit
+    slots = 4 * (max_classes or 2)
+    chex.assert_shape([one.x, one.y, one.mask], [(slots, 8, 5, 1), (slots,), (slots,)])
+  # The one-client draw is initial_synthetic's for a one-client stack (images included).
+  many, _ = fl.initial_synthetic(
+    jax.random.key(5), jax.tree.map(lambda a: a[None], eager_data), 4, "noise"
+  )
+  chex.assert_trees_all_equal(
+    fl.client_synthetic(jax.random.key(5), data, 4), jax.tree.map(lambda a: a[0], many)
+  )
 
 
 def test_a_loop_over_padded_clients_compiles_once(linear_apply_fn, linear_params, client_parts):
