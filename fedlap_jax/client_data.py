@@ -67,6 +67,28 @@ class ClientData(NamedTuple):
     return self.normalise(self.x[indices])
 
 
+def on_device(*trees: Any) -> Any:
+  """``trees`` with every NumPy leaf copied to the device (:func:`jax.device_put`).
+
+  What the library's entry points (``local_approx``, ``client_step``, ``global_update``,
+  ``server_step``) run on their array arguments, so that NumPy client data, synthetic sets
+  and parameters work outside ``jit`` as inside it: their ``lax`` loops index the records
+  with traced indices, which a NumPy array refuses. Jax arrays and tracers are returned as
+  they are (bit for bit); the copy compiles nothing (``jnp.asarray`` would build a program
+  per shape). Dtypes are canonicalised as ``jnp.asarray`` does (float64 -> float32 without
+  x64).
+
+  Returns:
+    The converted tree for one argument, a tuple of them for several.
+  """
+
+  def put(a):
+    return jax.device_put(a) if isinstance(a, (np.ndarray, np.generic)) else a
+
+  out = tuple(jax.tree.map(put, tree) for tree in trees)
+  return out[0] if len(trees) == 1 else out
+
+
 def normalise_pixels(x, pixel_scale, pixel_offset):
   """Stored pixels ``(..., C)`` -> float32 model inputs ``x * pixel_scale + pixel_offset``.
 

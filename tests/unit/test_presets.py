@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fedlap_jax as fl
+from fedlap_jax import baselines
 from fedlap_jax.checks import ConfigError
 
 DP = fl.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
@@ -154,3 +155,71 @@ def test_a_loop_over_padded_clients_compiles_once(linear_apply_fn, linear_params
     jax.monitoring.unregister_event_duration_listener(count)
   assert padded < unpadded
   assert unpadded >= len(sizes) * padded  # one set of programs per distinct N_k
+
+
+def test_the_entry_points_take_numpy_arrays(linear_apply_fn, linear_params, client_parts):
+  """Outside jit, NumPy client data, synthetic sets, weights and parameters failed with a
+  TracerArrayConversionError (the lax loops index them with traced indices); now each entry
+  point copies them to the device and returns what it returns for jax arrays, bit for bit."""
+  x, y = client_parts[0]
+  data_np = fl.stack_clients([x[:40]], [y[:40]], on_host=True)
+  assert isinstance(data_np.x, np.ndarray)
+  chex.assert_trees_all_equal(  # stack_clients: device arrays in, the same as NumPy in
+    fl.stack_clients([jnp.asarray(x[:40])], [jnp.asarray(y[:40])]),
+    fl.stack_clients([x[:40]], [y[:40]]),
+  )
+  data_np = jax.tree.map(lambda a: a[0], data_np)
+  syn_np = jax.tree.map(np.asarray, fl.client_synthetic(jax.random.key(1), data_np, 2))
+  params_np = jax.tree.map(np.asarray, linear_params)
+  client = fl.ClientConfig(
+    ipc=2,
+    iterations=1,
+    max_outer=1,
+    batch_loop=2,
+    boost_loop=1,
+    inner_loop=1,
+    batch_size=8,
+    radius=1.5,
+    mse_weight=0.0,
+    calibrate_radius=False,
+    dsa_strategy="",
+  )
+  server = fl.ServerConfig(
+    radius_strategy="constant", max_epochs=2, batch_size=8, dsa_strategy="", weighting="size"
+  )
+  config = fl.FedLAPConfig(client=client, server=server, synthetic_init="noise")
+  local = baselines.LocalTraining(epochs=1, batch_size=8, fixed_steps=2)
+  key, f = jax.random.key(2), linear_apply_fn
+
+  def one(c, tree):  # a one-client stack, NumPy or on the device as c puts it
+    return jax.tree.map(lambda a: c(np.asarray(a)[None]), tree)
+
+  calls = {
+    "local_approx": lambda p, s, d, c: fl.local_approx(key, f, p, s, d, client, learning_rate=0.05),
+    "client_step": lambda p, s, d, c: fl.client_step(key, f, p, s, d, config, learning_rate=0.05),
+    "global_update": lambda p, s, d, c: fl.global_update(
+      key, f, p, one(c, s), c(np.ones(1, np.float32)), 1.0, learning_rate=0.05, config=server
+    ),
+    "server_step": lambda p, s, d, c: fl.server_step(
+      key,
+      f,
+      p,
+      one(c, fl.ClientUpdate(s, np.float32(1.5))),
+      config,
+      learning_rate=0.05,
+      num_records=c(np.array([40])),
+    ),
+    "baselines.client_step": lambda p, s, d, c: baselines.client_step(
+      key,
+      f,
+      p,
+      d,
+      baselines.BaselineConfig(method="fedavg", rounds=1, local=local),
+      learning_rate=0.05,
+    ),
+  }
+  for name, call in calls.items():
+    with_numpy = call(params_np, syn_np, data_np, np.asarray)
+    on_device = jax.device_put((params_np, syn_np, data_np))
+    with_jax = call(*on_device, lambda a: jax.device_put(a))
+    chex.assert_trees_all_equal(with_numpy, with_jax, custom_message=name)
