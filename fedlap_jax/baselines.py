@@ -110,6 +110,7 @@ from fedlap_jax.client_data import (
   check_labels,
   check_records,
   num_classes_of,
+  on_device,
   poison_unless,
 )
 from fedlap_jax.config import (
@@ -659,7 +660,9 @@ def client_step(
   ``T``) defaults to ``config.local.scheduled_steps`` of the padded client
   size ``data.mask.shape[0]``. Pure and jit-compatible (``config`` static).
   The counterpart of :func:`server_step`; :func:`baseline_round` runs both.
+  NumPy arguments are copied to the device first (:func:`~fedlap_jax.client_data.on_device`).
   """
+  key, params, data, correction = on_device(key, params, data, correction)
   if num_steps is None:
     num_steps = config.local.scheduled_steps(data.mask.shape[0])
   return client_update(

@@ -64,6 +64,7 @@ from fedlap_jax.client_data import (
   check_labels,
   check_pair,
   num_classes_of,
+  on_device,
   poison_unless,
 )
 from fedlap_jax.config import ClientConfig, FedLAPConfig
@@ -607,7 +608,8 @@ def local_approx(
 ) -> tuple[SyntheticSet, jax.Array, LocalApproxMetrics]:
   """Local approximation on one client: Algorithm 1 (``config.dp is None``) or 3.
 
-  Pure and jit-compatible (``config`` static). Vmap it over a stacked client
+  Pure and jit-compatible (``config`` static); NumPy arguments are copied to
+  the device first (:func:`~fedlap_jax.client_data.on_device`). Vmap it over a stacked client
   axis of ``key``, ``synthetic`` and ``client_data`` to run many clients side
   by side, with ``axis_name=client_axis`` and ``family_key`` not mapped
   (:func:`fedlap_jax.dispatch.run_clients` does this for ``vmap``).
@@ -663,6 +665,9 @@ def local_approx(
       the client's record slots), or concrete labels outside ``[0, K)``.
   """
   c = config
+  key, params, synthetic, client_data, family_key = on_device(
+    key, params, synthetic, client_data, family_key
+  )
   check_inputs(synthetic, client_data, c)
   ok = check_labels(
     num_classes_of(apply_fn, params, jnp.shape(synthetic.x)[1:], jnp.result_type(synthetic.x)),
@@ -775,8 +780,8 @@ def client_step(
 ) -> tuple[ClientUpdate, LocalApproxMetrics]:
   """One FedLAP client's round: its synthetic set's start, :func:`local_approx`, the upload.
 
-  Pure and jit-compatible (``config`` static); every front end runs a client
-  through it (:func:`fedlap_jax.federated.fedlap_round` for all clients at
+  Pure and jit-compatible (``config`` static; NumPy arguments are copied to the
+  device first); every front end runs a client through it (:func:`fedlap_jax.federated.fedlap_round` for all clients at
   once, the Flower ``ClientApp`` for one).
 
   Args:
@@ -801,6 +806,9 @@ def client_step(
   Raises:
     ValueError: ``synthetic_init='real'`` without ``init_key``.
   """
+  key, params, synthetic, client_data, family_key, init_key = on_device(
+    key, params, synthetic, client_data, family_key, init_key
+  )
   if config.synthetic_init == "real":
     if init_key is None:
       raise ValueError(

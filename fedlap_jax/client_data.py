@@ -67,6 +67,28 @@ class ClientData(NamedTuple):
     return self.normalise(self.x[indices])
 
 
+def on_device(*trees: Any) -> Any:
+  """``trees`` with every NumPy leaf copied to the device (:func:`jax.device_put`).
+
+  What the library's entry points (``local_approx``, ``client_step``, ``global_update``,
+  ``server_step``) run on their array arguments, so that NumPy client data, synthetic sets
+  and parameters work outside ``jit`` as inside it: their ``lax`` loops index the records
+  with traced indices, which a NumPy array refuses. Jax arrays and tracers are returned as
+  they are (bit for bit); the copy compiles nothing (``jnp.asarray`` would build a program
+  per shape). Dtypes are canonicalised as ``jnp.asarray`` does (float64 -> float32 without
+  x64).
+
+  Returns:
+    The converted tree for one argument, a tuple of them for several.
+  """
+
+  def put(a):
+    return jax.device_put(a) if isinstance(a, (np.ndarray, np.generic)) else a
+
+  out = tuple(jax.tree.map(put, tree) for tree in trees)
+  return out[0] if len(trees) == 1 else out
+
+
 def normalise_pixels(x, pixel_scale, pixel_offset):
   """Stored pixels ``(..., C)`` -> float32 model inputs ``x * pixel_scale + pixel_offset``.
 
@@ -392,7 +414,9 @@ def stack_clients(
   x = np.stack([pad(x) for x in xs])
   y = np.stack([pad(np.asarray(y, np.int32)) for y in ys])
   mask = np.stack([np.arange(n_max) < len(x) for x in xs])
-  put: Callable[[np.ndarray], Any] = np.ascontiguousarray if on_host else jnp.asarray
+  # jax.device_put copies to the device without compiling anything (jnp.asarray would build a
+  # program per shape and dtype).
+  put: Callable[[np.ndarray], Any] = np.ascontiguousarray if on_host else jax.device_put
   return ClientData(put(x), put(y), put(mask), **{k: put(v) for k, v in norm.items()})
 
 
@@ -412,6 +436,7 @@ def pad_client(
   once per distinct shape: clients of 300, 320 and 375 records compile three
   programs. Padded to one ``capacity`` (e.g. the largest client's ``N_k``)
   they share one; the mask keeps the padding out of every batch and ``N_k``.
+  The padding runs on the host (NumPy) and compiles nothing.
 
   Args:
     x: ``(N_k, H, W, C)`` images; y: ``(N_k,)`` labels.
@@ -431,5 +456,7 @@ def pad_client(
     pixel_offset=pixel_offset,
     num_classes=num_classes,
     capacity=capacity,
+    on_host=True,
   )
-  return jax.tree.map(lambda a: a[0], stacked)
+  # Padded and sliced on the host, then copied to the device: no program is compiled.
+  return jax.tree.map(lambda a: jax.device_put(a[0]), stacked)

@@ -29,6 +29,7 @@ from fedlap_jax.client_data import (
   check_label_dtype,
   check_labels,
   num_classes_of,
+  on_device,
   poison_unless,
 )
 from fedlap_jax.config import FedLAPConfig, ServerConfig
@@ -119,6 +120,9 @@ def global_update(
 ) -> tuple[PyTree, ServerMetrics]:
   """Algorithm 2: SGD on the union of synthetic sets until ``||w - w_0|| >= r_g``.
 
+  Jit-compatible (``config`` static); NumPy arguments are copied to the device first
+  (:func:`~fedlap_jax.client_data.on_device`).
+
   Args:
     key: PRNG key (shuffling and DSA).
     apply_fn: ``apply_fn(params, x) -> logits``.
@@ -143,6 +147,7 @@ def global_update(
     ConfigError: a union :func:`check_union` refuses (shapes, label dtype, weights), or
       concrete labels outside ``[0, K)``.
   """
+  key, params, synthetic, client_weights = on_device(key, params, synthetic, client_weights)
   check_union(synthetic, client_weights)
   counted = jnp.logical_and(synthetic.mask, (jnp.asarray(client_weights) > 0)[:, None])
   ok = check_labels(
@@ -216,7 +221,8 @@ def server_step(
   the start (``w_g``, or with ``server.start='fedavg_delta'``
   :func:`fedavg_delta_start` of the clients' deltas), then
   :func:`global_update` on the union of the synthetic sets. Pure and
-  jit-compatible (``config`` static); every front end's server runs it.
+  jit-compatible (``config`` static; NumPy arguments are copied to the device first);
+  every front end's server runs it.
 
   Args:
     key: ``k_server`` of the round.
@@ -238,6 +244,7 @@ def server_step(
     ValueError: ``server.start='fedavg_delta'`` and ``updates`` without model
       deltas; ``weighting='size'`` without ``num_records``.
   """
+  key, params, updates, num_records, valid = on_device(key, params, updates, num_records, valid)
   sc = config.server
   num_clients = updates.radius.shape[0]
   r_g = server_radius(updates.radius, sc.radius_strategy, config.client.radius, valid)

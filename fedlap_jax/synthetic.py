@@ -81,6 +81,15 @@ def initial_synthetic(
       one of its classes; ``ipc < 1``.
   """
   ys = [np.asarray(y)[np.asarray(m)] for y, m in zip(clients.y, clients.mask)]
+  labels, mask = _checked_labels(ys, ipc, synthetic_init)
+  images, k_state = _first_images(key, mask, tuple(clients.x.shape[2:]))
+  return SyntheticSet(images, jax.device_put(labels), jax.device_put(mask)), k_state
+
+
+def _checked_labels(
+  ys: Sequence[np.ndarray], ipc: int, synthetic_init: str
+) -> tuple[np.ndarray, np.ndarray]:
+  """:func:`synthetic_labels` of the clients' real labels ``ys``, after the ``"real"`` check."""
   if synthetic_init == "real":
     for k, y in enumerate(ys):
       cls, counts = np.unique(y, return_counts=True)
@@ -93,10 +102,29 @@ def initial_synthetic(
           f"{counts.min()} records of class {cls[np.argmin(counts)]}; allowed: ipc <= the "
           "smallest class count of every client (or synthetic_init='noise')",
         )
-  labels, mask = synthetic_labels(ys, ipc)
+  return synthetic_labels(ys, ipc)
+
+
+@functools.partial(jax.jit, static_argnames=("image_shape",))
+def _first_images(
+  key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]
+) -> tuple[jax.Array, jax.Array]:
+  """``split(key)``: :func:`noise_images` of ``mask`` ``(K, S)`` from the first half, and the
+  second half (the state's key); one compiled program."""
   k_init, k_state = jax.random.split(key)
-  images = noise_images(k_init, jnp.asarray(mask), clients.x.shape[2:])
-  return SyntheticSet(images, jnp.asarray(labels), jnp.asarray(mask)), k_state
+  return noise_images(k_init, mask, image_shape), k_state
+
+
+@functools.partial(jax.jit, static_argnames=("image_shape", "pad"))
+def _client_images(
+  key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...], pad: int
+) -> jax.Array:
+  """One client's :func:`_first_images` for ``mask`` ``(S,)``, then ``pad`` zero images:
+  ``(S + pad, *image_shape)``; one compiled program."""
+  x = _first_images(key, mask[None], image_shape)[0][0]
+  if not pad:
+    return x
+  return jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)])
 
 
 def client_synthetic(
@@ -107,7 +135,10 @@ def client_synthetic(
   synthetic_init: str = "noise",
   max_classes: int | None = None,
 ) -> SyntheticSet:
-  """One client's round-1 synthetic set (host side): :func:`initial_synthetic` of one client.
+  """One client's round-1 synthetic set: :func:`initial_synthetic` of one client.
+
+  Labels and mask are laid out on the host; the images are one compiled program (one per
+  image shape and slot count), also when called outside ``jit``.
 
   For a loop over single clients (the Flower client, a user's own loop):
   ``data`` holds one client's records without a client axis (e.g.
@@ -130,26 +161,22 @@ def client_synthetic(
     ConfigError: as :func:`initial_synthetic`, or ``max_classes`` below this
       client's classes.
   """
-  stacked = jax.tree.map(lambda a: None if a is None else jnp.asarray(a)[None], data)
-  synthetic, _ = initial_synthetic(key, stacked, ipc, synthetic_init)
-  synthetic = jax.tree.map(lambda a: a[0], synthetic)
-  if max_classes is None:
-    return synthetic
-  classes = int(np.sum(np.asarray(synthetic.mask))) // ipc
-  if not (isinstance(max_classes, int) and max_classes >= classes):
-    raise ConfigError(
-      "max_classes", max_classes, f"an integer >= {classes}, the classes this client owns"
-    )
-  pad = ipc * max_classes - synthetic.y.shape[0]
-  return (
-    SyntheticSet(
-      jnp.concatenate([synthetic.x, jnp.zeros((pad, *synthetic.x.shape[1:]), synthetic.x.dtype)]),
-      jnp.concatenate([synthetic.y, jnp.zeros(pad, synthetic.y.dtype)]),
-      jnp.concatenate([synthetic.mask, jnp.zeros(pad, bool)]),
-    )
-    if pad
-    else synthetic
-  )
+  labels, mask = _checked_labels([np.asarray(data.y)[np.asarray(data.mask)]], ipc, synthetic_init)
+  labels, mask = labels[0], mask[0]
+  pad = 0
+  if max_classes is not None:
+    classes = int(np.sum(mask)) // ipc
+    if not (isinstance(max_classes, int) and max_classes >= classes):
+      raise ConfigError(
+        "max_classes", max_classes, f"an integer >= {classes}, the classes this client owns"
+      )
+    pad = ipc * max_classes - labels.shape[0]
+  # Labels and mask are laid out on the host; the images (key split, N(0, 1) draw, padding)
+  # are one compiled program, the same numbers as the draw for a one-client stack.
+  images = _client_images(key, mask, tuple(data.x.shape[1:]), pad)
+  labels = np.concatenate([labels, np.zeros(pad, labels.dtype)])
+  mask = np.concatenate([mask, np.zeros(pad, bool)])
+  return SyntheticSet(images, jax.device_put(labels), jax.device_put(mask))
 
 
 @functools.partial(jax.jit, static_argnames=("image_shape",))

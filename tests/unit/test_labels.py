@@ -57,8 +57,7 @@ def data(client_parts):
 @pytest.fixture(scope="module")
 def synthetic():
   """Built with NumPy, then put on the device: compiles nothing (JAX compiles every operation
-  it runs outside ``jit`` on a new shape as a program of its own). The eager library calls need
-  device arrays (their loops index the data with traced indices)."""
+  it runs outside ``jit`` on a new shape as a program of its own)."""
   y = np.array([5, 5, 6, 6], np.int32)
   x = np.random.default_rng(0).standard_normal((4, 8, 8, 1), np.float32)
   return jax.device_put(SyntheticSet(x, y, np.ones(4, bool)))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fedlap_jax as fl
+from fedlap_jax import baselines
 from fedlap_jax.checks import ConfigError
 
 DP = fl.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
@@ -54,6 +56,57 @@ def test_client_synthetic_is_initial_synthetic_of_one_client(client_parts):
   assert padded.x.shape == (12, 8, 8, 1) and int(padded.mask.sum()) == 8
   with pytest.raises(ConfigError, match="max_classes"):
     fl.client_synthetic(jax.random.key(3), fl.pad_client(x0, y0, capacity=400), 4, max_classes=1)
+
+
+class _Compiles:
+  """Counts the programs XLA builds (or reads from a cache) inside ``with``."""
+
+  def __enter__(self):
+    self.n = 0
+    self._on = lambda event, seconds, **kw: setattr(
+      self, "n", self.n + (event == "/jax/core/compile/backend_compile_duration")
+    )
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._on)
+
+
+def test_pad_client_compiles_nothing_and_client_synthetic_one_program(client_parts):
+  """Run eagerly, pad_client compiled 6 programs and client_synthetic 14 per shape; now
+  pad_client pads on the host and client_synthetic draws its images in one program, with the
+  numbers of the op-by-op computation bit for bit."""
+  (x0, y0), (x1, y1) = client_parts[:2]
+  x0, x1 = x0[:, :, :5], x1[:, :, :5]  # (N, 8, 5, 1): an image shape no other test uses
+  with _Compiles() as built:
+    data = fl.pad_client(x0, y0, capacity=401, num_classes=10)
+    again = fl.pad_client(x1, y1, capacity=401, num_classes=10)
+  assert built.n == 0
+  with jax.disable_jit():  # the eager path: a one-client stack on the device, sliced
+    eager_data = jax.tree.map(lambda a: a[0], fl.stack_clients([x0], [y0], capacity=401))
+  chex.assert_trees_all_equal(data, eager_data)  # values, dtypes and shapes
+  chex.assert_trees_all_equal_shapes_and_dtypes(data, again)
+  for max_classes in (None, 3):
+    with _Compiles() as built:
+      one = fl.client_synthetic(jax.random.key(5), data, 4, max_classes=max_classes)
+    assert built.n == 1  # one program per (image shape, slots)
+    with _Compiles() as built:
+      other = fl.client_synthetic(jax.random.key(6), again, 4, max_classes=max_classes)
+    assert built.n == 0  # the same shapes: the program is reused
+    assert not np.array_equal(np.asarray(one.x), np.asarray(other.x))
+    with jax.disable_jit():
+      eager = fl.client_synthetic(jax.random.key(5), data, 4, max_classes=max_classes)
+    chex.assert_trees_all_equal(one, eager)  # bit for bit
+    slots = 4 * (max_classes or 2)
+    chex.assert_shape([one.x, one.y, one.mask], [(slots, 8, 5, 1), (slots,), (slots,)])
+  # The one-client draw is initial_synthetic's for a one-client stack (images included).
+  many, _ = fl.initial_synthetic(
+    jax.random.key(5), jax.tree.map(lambda a: a[None], eager_data), 4, "noise"
+  )
+  chex.assert_trees_all_equal(
+    fl.client_synthetic(jax.random.key(5), data, 4), jax.tree.map(lambda a: a[0], many)
+  )
 
 
 def test_a_loop_over_padded_clients_compiles_once(linear_apply_fn, linear_params, client_parts):
@@ -102,3 +155,71 @@ def test_a_loop_over_padded_clients_compiles_once(linear_apply_fn, linear_params
     jax.monitoring.unregister_event_duration_listener(count)
   assert padded < unpadded
   assert unpadded >= len(sizes) * padded  # one set of programs per distinct N_k
+
+
+def test_the_entry_points_take_numpy_arrays(linear_apply_fn, linear_params, client_parts):
+  """Outside jit, NumPy client data, synthetic sets, weights and parameters failed with a
+  TracerArrayConversionError (the lax loops index them with traced indices); now each entry
+  point copies them to the device and returns what it returns for jax arrays, bit for bit."""
+  x, y = client_parts[0]
+  data_np = fl.stack_clients([x[:40]], [y[:40]], on_host=True)
+  assert isinstance(data_np.x, np.ndarray)
+  chex.assert_trees_all_equal(  # stack_clients: device arrays in, the same as NumPy in
+    fl.stack_clients([jnp.asarray(x[:40])], [jnp.asarray(y[:40])]),
+    fl.stack_clients([x[:40]], [y[:40]]),
+  )
+  data_np = jax.tree.map(lambda a: a[0], data_np)
+  syn_np = jax.tree.map(np.asarray, fl.client_synthetic(jax.random.key(1), data_np, 2))
+  params_np = jax.tree.map(np.asarray, linear_params)
+  client = fl.ClientConfig(
+    ipc=2,
+    iterations=1,
+    max_outer=1,
+    batch_loop=2,
+    boost_loop=1,
+    inner_loop=1,
+    batch_size=8,
+    radius=1.5,
+    mse_weight=0.0,
+    calibrate_radius=False,
+    dsa_strategy="",
+  )
+  server = fl.ServerConfig(
+    radius_strategy="constant", max_epochs=2, batch_size=8, dsa_strategy="", weighting="size"
+  )
+  config = fl.FedLAPConfig(client=client, server=server, synthetic_init="noise")
+  local = baselines.LocalTraining(epochs=1, batch_size=8, fixed_steps=2)
+  key, f = jax.random.key(2), linear_apply_fn
+
+  def one(c, tree):  # a one-client stack, NumPy or on the device as c puts it
+    return jax.tree.map(lambda a: c(np.asarray(a)[None]), tree)
+
+  calls = {
+    "local_approx": lambda p, s, d, c: fl.local_approx(key, f, p, s, d, client, learning_rate=0.05),
+    "client_step": lambda p, s, d, c: fl.client_step(key, f, p, s, d, config, learning_rate=0.05),
+    "global_update": lambda p, s, d, c: fl.global_update(
+      key, f, p, one(c, s), c(np.ones(1, np.float32)), 1.0, learning_rate=0.05, config=server
+    ),
+    "server_step": lambda p, s, d, c: fl.server_step(
+      key,
+      f,
+      p,
+      one(c, fl.ClientUpdate(s, np.float32(1.5))),
+      config,
+      learning_rate=0.05,
+      num_records=c(np.array([40])),
+    ),
+    "baselines.client_step": lambda p, s, d, c: baselines.client_step(
+      key,
+      f,
+      p,
+      d,
+      baselines.BaselineConfig(method="fedavg", rounds=1, local=local),
+      learning_rate=0.05,
+    ),
+  }
+  for name, call in calls.items():
+    with_numpy = call(params_np, syn_np, data_np, np.asarray)
+    on_device = jax.device_put((params_np, syn_np, data_np))
+    with_jax = call(*on_device, lambda a: jax.device_put(a))
+    chex.assert_trees_all_equal(with_numpy, with_jax, custom_message=name)
