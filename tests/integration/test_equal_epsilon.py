@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import calibration, flags, library_configs, report, run, train
+from experiments import build, calibration, flags, library_configs, report, run, train
 from experiments.configs import compare_dp, quickstart, quickstart_compare
 from fedlap_jax import accounting
 
@@ -384,7 +384,7 @@ def test_calibration_and_the_algorithm_read_one_mechanism(name):
   """The mechanism the run's algorithm carries (its ledgers compose it) is the one calibration
   reads: the method declares T once."""
   cfg = _dp_configs()[name]
-  setup = train.build_run(cfg)
+  setup = build.build_run(cfg)
   sizes = [len(i) for i in setup.client_indices]
   mech = setup.algorithm.mechanism
   assert (
