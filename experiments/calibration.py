@@ -20,20 +20,15 @@ if TYPE_CHECKING:  # the annotation only; the module imports JAX lazily
 
 
 def client_sizes(cfg) -> list[int]:
-  """Records per client of ``cfg``'s data and partition (loads the data).
+  """Records per client of ``cfg``'s data and partition (loads the data:
+  :func:`experiments.build.load_data`).
 
   Raises:
     ConfigError: the data does not load or does not split as configured.
   """
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import build  # pylint: disable=g-import-not-at-top
 
-  try:
-    dataset = data_lib.load_dataset(cfg.data)
-    return [len(i) for i in data_lib.client_split(dataset, cfg.data)]
-  except ValueError as e:
-    raise ConfigError(
-      "data.source", cfg.data.source, "data the config can use", message=str(e)
-    ) from None
+  return list(build.load_data(cfg).facts.client_sizes)
 
 
 # The largest noise multiplier dp.target_epsilon may calibrate to: beyond it the released

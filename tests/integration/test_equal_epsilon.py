@@ -120,6 +120,29 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   assert 5.0 * (1 - 1e-3) <= eps <= 5.0 and f"epsilon {eps:.4f})" in line
 
 
+@pytest.mark.parametrize("name", ["fedlap_dp", "dp_fedavg", "psg"])
+def test_the_builder_calibrates_as_experiments_run(name):
+  """``build.plan(cfg, calibrate=True)`` (the front ends' calibration of one run) sets the
+  sigma and log line ``experiments.run`` does (:func:`calibration.calibrate_noise`), on a copy:
+  the library config and mechanism are those of the calibrated sigma."""
+  cfg = _dp_configs()[name]
+  cfg.dp.target_epsilon, cfg.dp.match_epsilon_of = 5.0, ""  # one run, outside its suite
+  given = cfg.dp.noise_multiplier
+  planned = build.plan(cfg, calibrate=True)
+  assert cfg.dp.noise_multiplier == given != planned.cfg.dp.noise_multiplier
+  lines = calibration.calibrate_noise(cfg)  # in place, as experiments.run
+  sigma = cfg.dp.noise_multiplier
+  assert planned.cfg.dp.noise_multiplier == sigma and planned.calibration == lines[0]
+  assert planned.mechanism.noise_multiplier == sigma
+  assert planned.mechanism == library_configs.dp_mechanism(cfg, list(planned.facts.client_sizes))
+  eps = planned.budget().epsilon(sigma)
+  assert 5.0 * (1 - 1e-3) <= eps <= 5.0
+  cfg.dp.target_epsilon, cfg.dp.match_epsilon_of = None, "other"
+  with pytest.raises(library_configs.ConfigError) as err:
+    build.plan(cfg, calibrate=True)
+  assert err.value.field == "dp.match_epsilon_of"
+
+
 def test_an_uncalibrated_target_is_refused_by_the_driver(tmp_path):
   cfg = quickstart.dp_config()
   cfg.dp.target_epsilon = 5.0  # noise_multiplier left at 1.0: epsilon ~19 after 10 rounds
