@@ -160,7 +160,9 @@ class Terminated(RuntimeError):
 # ----------------------------------------------------------------------------
 
 
-def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str = "") -> dict:
+def train_and_evaluate(
+  config, workdir: str | os.PathLike, *, config_name: str = "", built: build.Plan | None = None
+) -> dict:
   """Runs (or resumes) one experiment in ``workdir`` and writes every output.
 
   Args:
@@ -168,6 +170,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       ``experiments/configs/default.py``).
     workdir: output directory (created); an existing checkpoint is resumed.
     config_name: label for logs and ``summary.md``.
+    built: ``config``'s :class:`experiments.build.Plan` if made already (its data, library
+      config and mechanism, for ``config`` as it is now); else :func:`experiments.build.plan`.
 
   Returns:
     ``{'records': [...], 'state': final state, 'ledger': dict | None,
@@ -187,7 +191,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     KeyboardInterrupt: Ctrl-C; a round in progress is abandoned alike.
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
-  planned = build.plan(config)  # the config's checks, its data, library config and mechanism
+  # The config's checks, its data, library config and mechanism.
+  planned = build.plan(config) if built is None else built
   workdir = Path(workdir)
   try:
     checkpointing.check_writable(workdir)

@@ -95,8 +95,8 @@ def test_cli_refuses_a_bad_target_with_exit_2(value, config, fragment, tmp_path,
 def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   seen = {}
 
-  def fake_train(cfg, workdir, config_name=""):  # the calibrated config reaches the driver
-    seen["cfg"] = cfg
+  def fake_train(cfg, workdir, config_name="", built=None):  # the calibrated config reaches it
+    seen["cfg"], seen["built"] = cfg, built
     return {"records": [], "seconds": 0.0}
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
@@ -111,6 +111,7 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   cfg = seen["cfg"]
   sigma = cfg.dp.noise_multiplier
   assert cfg.dp.target_epsilon == 5.0 and sigma != 1.0
+  assert seen["built"].mechanism.noise_multiplier == sigma  # the plan of the calibrated config
   assert line.startswith(f"calibrated: dp.target_epsilon=5 -> dp.noise_multiplier={sigma:.6g} ")
   c = quickstart.dp_config()  # quickstart:dp_loops: q = B / 274, T = R_i x max_outer x batch_loop
   steps = c.client.iterations * c.client.max_outer * c.client.batch_loop

@@ -411,7 +411,8 @@ def test_suite_validates_every_run_first_then_runs_each_and_compares(tmp_path, c
 
   calls, reports = [], []
 
-  def fake_train(cfg, workdir, config_name=""):
+  def fake_train(cfg, workdir, config_name="", built=None):
+    del built
     calls.append((config_name, str(workdir), cfg.dp.enabled))
     return {"records": [{"round": 1, "test_accuracy": 0.5, "epsilon": None}], "seconds": 0.0}
 
