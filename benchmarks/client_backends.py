@@ -31,14 +31,14 @@ VARIANTS = {
 
 
 def measure(config: str, variant: str, rounds: int) -> dict:
-  from experiments import configs, train
+  from experiments import build, configs
 
   backend, draw = VARIANTS[variant]
   cfg = configs.load(config)
   cfg.seed = 0  # a measurement, not a private run: the seed the recorded figures used
   cfg.client_backend = backend
   cfg.client.dsa_family_draw = draw
-  setup = train.build_run(cfg)
+  setup = build.build_run(cfg)
   state, clients = setup.state, setup.clients
   load_before = os.getloadavg()[0]
   round_fn = setup.algorithm.round

@@ -144,11 +144,11 @@ def _child(spec: dict) -> dict:
   lever = spec["lever"]
   _apply_patch(lever)
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
-  from experiments import calibration, flags, train  # pylint: disable=g-import-not-at-top
+  from experiments import build, calibration, flags  # pylint: disable=g-import-not-at-top
 
   cfg, _ = flags.load_config(spec["config"], spec["overrides"])
   calibration.calibrate_noise(cfg)
-  setup = train.build_run(cfg)
+  setup = build.build_run(cfg)
   alg, state, clients = setup.algorithm, setup.state, setup.clients
   if lever == "split":
     return _split_child(setup, library_configs.to_fedlap_config(cfg))

@@ -249,6 +249,11 @@ def _child(spec: dict) -> dict:
 
   import fedlap_jax  # pylint: disable=g-import-not-at-top
   from experiments import calibration, flags, train  # pylint: disable=g-import-not-at-top
+
+  # A --ref from before experiments.build builds its run in experiments.train.
+  build_run = getattr(train, "build_run", None)
+  if build_run is None:
+    from experiments.build import build_run  # pylint: disable=g-import-not-at-top
   from fedlap_jax.client_data import normalise_pixels  # pylint: disable=g-import-not-at-top
   from fedlap_jax.training import evaluate  # pylint: disable=g-import-not-at-top
 
@@ -265,7 +270,7 @@ def _child(spec: dict) -> dict:
   with events.during("setup"):
     cfg, _ = flags.load_config(spec["config"], spec["overrides"])
     calibration.calibrate_noise(cfg)
-    setup = train.build_run(cfg)
+    setup = build_run(cfg)
     alg, state, clients = setup.algorithm, setup.state, setup.clients
     dataset = setup.dataset
     x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)

@@ -79,10 +79,10 @@ def precision() -> None:
 
 
 def sensitivity() -> None:
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments import build  # pylint: disable=g-import-not-at-top
   from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
 
-  setup = train.build_run(quickstart.dp_config())
+  setup = build.build_run(quickstart.dp_config())
   alg, state, clients = setup.algorithm, setup.state, setup.clients
 
   def synthetic_after_round(st):

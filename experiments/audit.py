@@ -368,12 +368,12 @@ class RebuiltRun(NamedTuple):
 def rebuild_run(cfg) -> RebuiltRun:
   """Data, partition, model, algorithm and initial state of ``cfg``, as the trainer builds them.
 
-  :func:`experiments.train.build_run` itself (same seed use), so the initial
+  :func:`experiments.build.build_run` itself (same seed use), so the initial
   state is a valid restore template for the run's checkpoints.
   """
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments import build  # pylint: disable=g-import-not-at-top
 
-  setup = train.build_run(cfg)
+  setup = build.build_run(cfg)
   return RebuiltRun(
     setup.apply_fn, setup.algorithm, setup.state, setup.dataset, setup.client_indices
   )

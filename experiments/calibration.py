@@ -20,20 +20,15 @@ if TYPE_CHECKING:  # the annotation only; the module imports JAX lazily
 
 
 def client_sizes(cfg) -> list[int]:
-  """Records per client of ``cfg``'s data and partition (loads the data).
+  """Records per client of ``cfg``'s data and partition (loads the data:
+  :func:`experiments.build.load_data`).
 
   Raises:
     ConfigError: the data does not load or does not split as configured.
   """
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import build  # pylint: disable=g-import-not-at-top
 
-  try:
-    dataset = data_lib.load_dataset(cfg.data)
-    return [len(i) for i in data_lib.client_split(dataset, cfg.data)]
-  except ValueError as e:
-    raise ConfigError(
-      "data.source", cfg.data.source, "data the config can use", message=str(e)
-    ) from None
+  return list(build.load_data(cfg).facts.client_sizes)
 
 
 # The largest noise multiplier dp.target_epsilon may calibrate to: beyond it the released
@@ -118,27 +113,58 @@ class DpBudget(NamedTuple):
       ) from None
 
 
-def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
-  """The :class:`DpBudget` of a DP config (``sizes``: records per client; loaded if None)."""
+def budget(cfg, mechanism: "accounting.DpMechanism", sizes) -> DpBudget:
+  """The :class:`DpBudget` of a DP config whose method declares ``mechanism``, on clients of
+  ``sizes`` records (the smallest sets the rate)."""
   from fedlap_jax import accounting  # pylint: disable=g-import-not-at-top
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
-  sizes = client_sizes(cfg) if sizes is None else sizes
   return DpBudget(
-    library_configs.dp_mechanism(cfg, sizes),
-    int(min(sizes)),
-    int(cfg.rounds),
-    cfg.dp.get("epsilon_for", accounting.REPLACE_ONE),
+    mechanism, int(min(sizes)), int(cfg.rounds), cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
   )
 
 
-def calibrate_noise(config, sizes_of=None) -> list[str]:
+def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
+  """The :class:`DpBudget` of a DP config (``sizes``: records per client; loaded if None)."""
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
+  sizes = client_sizes(cfg) if sizes is None else sizes
+  return budget(cfg, library_configs.dp_mechanism(cfg, sizes), sizes)
+
+
+def line(label: str, what: str, target: float, noise_multiplier: float, spent: DpBudget) -> str:
+  """The log line of one calibration: ``calibrated: LABELWHAT=TARGET -> dp.noise_multiplier=...``
+  with the mechanism's figures and the epsilon it reaches."""
+  eps = spent.epsilon(noise_multiplier)
+  return (
+    f"calibrated: {label}{what}={target:.6g} -> dp.noise_multiplier="
+    f"{noise_multiplier:.6g} (q = {spent.batch_size}/"
+    f"{spent.min_client_size} = {spent.sampling_rate:.4g}, T = "
+    f"{spent.steps_per_round} per round, {spent.rounds} rounds, delta = "
+    f"{spent.delta:g}: {spent.epsilon_for} epsilon {eps:.4f})"
+  )
+
+
+def outside_a_suite(cfg) -> None:
+  """Refuses ``dp.match_epsilon_of`` on a config that is not a run of a suite.
+
+  Raises:
+    ConfigError: naming ``dp.match_epsilon_of``.
+  """
+  other = cfg.dp.get("match_epsilon_of", "")
+  if other:
+    raise ConfigError(
+      "dp.match_epsilon_of", other, "'' outside a suite (it names another run of the suite)"
+    )
+
+
+def calibrate_noise(config, sizes_of=None, budget_of=None) -> list[str]:
   """Sets ``dp.noise_multiplier`` of every (suite) run with ``dp.target_epsilon`` or
   ``dp.match_epsilon_of`` (in place); returns one log line per calibrated run.
 
   ``sizes_of(cfg)`` gives a run's records per client (default :func:`client_sizes`, which
   loads the data; :mod:`experiments.epsilons` passes the published sizes of data it does not
-  load).
+  load); ``budget_of(cfg)`` gives a run's :class:`DpBudget` as configured now (default: from
+  ``sizes_of``; :mod:`experiments.suite` passes those of the runs it built).
 
   * ``dp.target_epsilon = E``: the smallest sigma whose epsilon (of ``dp.epsilon_for``:
     replace-one by default, the reported guarantee) after the run's last round is at most
@@ -157,28 +183,19 @@ def calibrate_noise(config, sizes_of=None) -> list[str]:
   lines = []
   loaded = {}  # the runs of a suite mostly share data and partition: load them once
 
-  def budget_of(cfg):
+  def sized_budget(cfg):
     key = repr(sorted(cfg.data.to_dict().items()))
     if key not in loaded:
       loaded[key] = (sizes_of or client_sizes)(cfg)
     return dp_budget(cfg, loaded[key])
 
-  def log(label, field, target, cfg, budget):
-    eps = budget.epsilon(cfg.dp.noise_multiplier)
-    lines.append(
-      f"calibrated: {label}{field}={target:.6g} -> dp.noise_multiplier="
-      f"{cfg.dp.noise_multiplier:.6g} (q = {budget.batch_size}/"
-      f"{budget.min_client_size} = {budget.sampling_rate:.4g}, T = "
-      f"{budget.steps_per_round} per round, {budget.rounds} rounds, delta = "
-      f"{budget.delta:g}: {budget.epsilon_for} epsilon {eps:.4f})"
-    )
+  budget_of = budget_of or sized_budget
+
+  def log(label, field, target, cfg, spent):
+    lines.append(line(label, field, target, cfg.dp.noise_multiplier, spent))
 
   if "suite" not in config:
-    other = config.dp.get("match_epsilon_of", "")
-    if other:
-      raise ConfigError(
-        "dp.match_epsilon_of", other, "'' outside a suite (it names another run of the suite)"
-      )
+    outside_a_suite(config)
     runs = [("", config)]
   else:
     runs = [(f"suite.{k}.", config.suite[k]) for k in config.suite.keys()]
@@ -190,9 +207,9 @@ def calibrate_noise(config, sizes_of=None) -> list[str]:
     field = f"{prefix}dp.target_epsilon"
     if not cfg.dp.enabled:
       raise ConfigError(field, target, "None when dp.enabled is False")
-    budgets[prefix] = budget = budget_of(cfg)
-    cfg.dp.noise_multiplier = budget.calibrate(target, field=field)
-    log(prefix, "dp.target_epsilon", target, cfg, budget)
+    budgets[prefix] = spent = budget_of(cfg)
+    cfg.dp.noise_multiplier = spent.calibrate(target, field=field)
+    log(prefix, "dp.target_epsilon", target, cfg, spent)
   if "suite" in config:
     match_epsilons(config, budgets, log, budget_of)
   return lines
@@ -214,11 +231,7 @@ def match_epsilons(config, budgets=None, log=None, budget_of=dp_budget):
   """
   budgets = {} if budgets is None else budgets
   if "suite" not in config:
-    other = config.dp.get("match_epsilon_of", "")
-    if other:
-      raise ConfigError(
-        "dp.match_epsilon_of", other, "'' outside a suite (it names another run of the suite)"
-      )
+    outside_a_suite(config)
     return config
   suite = config.suite
   for name in suite.keys():

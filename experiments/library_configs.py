@@ -190,12 +190,13 @@ def _check_dp_coupled_fields(cfg) -> None:
   )
 
 
-def validate_config(cfg) -> None:
+def validate_config(cfg):
   """Static checks of a resolved config (no data needed).
 
-  The method's library config is built on the way (:func:`library_config`), except for a
-  method whose library config needs the data (a baseline's step count: the entry's ``check``
-  checks its sections one by one instead).
+  Returns:
+    the method's library config, built on the way (:func:`library_config`); ``None`` for a
+    method whose library config needs the data (a baseline's step count: its sections are
+    checked one by one instead).
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
@@ -367,8 +368,8 @@ def validate_config(cfg) -> None:
 
   if entry.check is not None:  # its library config needs the data (the largest client)
     entry.check(cfg)
-  else:  # the core's own validation: the method's library config is built
-    library_config(cfg)
+    return None
+  return library_config(cfg)
 
 
 def _validate_normalisation(cfg) -> None:
@@ -418,13 +419,20 @@ def _validate_normalisation(cfg) -> None:
     )
 
 
-def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.ndarray]) -> None:
+def validate_data(
+  cfg,
+  dataset: "data_lib.Dataset",
+  client_indices: Sequence[np.ndarray],
+  *,
+  mechanism: accounting.DpMechanism | None = None,
+) -> None:
   """Checks that need the data: client sizes and classes against the config.
 
   Args:
     cfg: the resolved config (already through :func:`validate_config`).
     dataset: the loaded :class:`experiments.data.Dataset`.
     client_indices: training-record indices of each client.
+    mechanism: the run's DP mechanism, if built already (else :func:`dp_mechanism`).
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
@@ -460,7 +468,7 @@ def validate_data(cfg, dataset: "data_lib.Dataset", client_indices: Sequence[np.
       "the Poisson rate q = batch_size / N_k must be <= 1",
     )
   if cfg.dp.enabled:
-    dp_mechanism(cfg, sizes).check_delta(sizes[smallest])
+    (mechanism or dp_mechanism(cfg, sizes)).check_delta(sizes[smallest])
 
   ys = [dataset.y_train[i] for i in client_indices]
   held = set(np.concatenate(ys).tolist())

@@ -1,31 +1,42 @@
-"""What ``experiments/`` knows of each method's config, in one table (:data:`ENTRIES`, by
-``cfg.method``).
+"""What ``experiments/`` knows of each method, in one table (:data:`ENTRIES`, by ``cfg.method``).
 
-:mod:`experiments.library_configs` and :mod:`experiments.configs.default` are generic: they
-look a method up here and use what its :class:`Entry` holds. An entry says
+Every other module of ``experiments/`` is generic: it looks a method up here and calls what its
+:class:`Entry` holds. An entry says
 
 * how the method's library config is built (``spec``, an :class:`experiments.sections.Spec`:
   where it reads the fields every method shares, such as ``client.batch_size`` and
   ``server.weighting``, and which sections are its own);
+* how its :class:`~fedlap_jax.algorithm.FederatedAlgorithm` is built (``algorithm``);
 * its privacy policy (``privacy``: DP required, refused or optional, and what the config
   needs changed with DP on: ``dp_twin``, ``dp_fields``) and what else its config must hold
   (``check``, ``one_shot``);
 * what the data must allow (``synthetic``: it learns synthetic sets with one label per slot;
-  ``pooled``: one pool of every client's records).
+  ``pooled``: one pool of every client's records);
+* how its clients run (``side_by_side``) and its key chain before round 1 (``chain_key``,
+  ``images_key``: what the Flower app's server and clients derive from the run key).
 
-The library's registry of methods will replace this table.
+It also holds the round summaries of methods whose metrics need their own reading
+(:func:`metrics_view`). The library's registry of methods will replace this table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+import math
+from typing import Any, Callable, NamedTuple
 
-from fedlap_jax import baselines, condensation, feddm
+import jax
+import numpy as np
+
+from fedlap_jax import baselines, condensation, feddm, federated
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int
+from fedlap_jax.federated import RoundMetrics
+from fedlap_jax.models import embed_fn, init_fn
 
 from experiments import sections
+from experiments.json_values import finite_list
 from experiments.configs import schema
 from experiments.sections import Spec
 
@@ -40,6 +51,9 @@ class Entry:
   Attributes:
     name: ``cfg.method``.
     spec: how its library config is built (:func:`experiments.sections.build`).
+    algorithm: ``algorithm(config, model, facts, *, client_backend, cfg)`` -> its
+      :class:`~fedlap_jax.algorithm.FederatedAlgorithm` (``model``, ``facts``: of
+      :mod:`experiments.build`).
     privacy: ``privacy(dp_enabled)`` -> ``None`` if the method runs so, else what ``dp.enabled``
       must be instead (the ``allowed`` of the error).
     check: the static checks of the config that building the library config does not do
@@ -49,10 +63,15 @@ class Entry:
     one_shot: every client's work is round 1 (``rounds`` must be 1).
     synthetic: it learns synthetic sets (one label per slot, ``client.ipc`` per class).
     pooled: its synthetic sets are learnt from one pool of every client's records.
+    side_by_side: its clients' rounds may run side by side (``client_backend='auto'``).
+    chain_key: the run's algorithm key -> the state's key before round 1.
+    images_key: the run's algorithm key -> the key of the initial synthetic images (``None``:
+      the method draws none).
   """
 
   name: str
   spec: Spec
+  algorithm: Callable[..., Any]
   privacy: Callable[[bool], str | None]
   check: Callable[[Any], None] | None = None
   dp_twin: tuple[str, str] | None = None
@@ -60,6 +79,9 @@ class Entry:
   one_shot: bool = False
   synthetic: bool = False
   pooled: bool = False
+  side_by_side: bool = False
+  chain_key: Callable[[jax.Array], jax.Array] | None = None
+  images_key: Callable[[jax.Array], jax.Array] | None = None
 
 
 # -- the library configs -------------------------------------------------------------------
@@ -229,6 +251,69 @@ CONDENSE_SHARED = tuple(
 ONESHOT_SHARED = ("method", "condensation", "server", "learning_rate")
 
 
+# -- the algorithms ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _embed_fn(module):
+  """One ``embed(params, x) -> (features, logits)`` per Flax module (FedDM)."""
+  return embed_fn(module)
+
+
+@functools.lru_cache(maxsize=4)
+def _init_fn(module, image_shape):
+  """One ``init(key) -> params`` per Flax module and image shape (DSC, PSG)."""
+  return init_fn(module, image_shape)
+
+
+def _fedlap_algorithm(config, model, facts, *, client_backend, cfg):
+  del cfg
+  return federated.algorithm(
+    model.apply_fn,
+    config,
+    image_shape=facts.image_shape,
+    max_classes_per_client=facts.max_classes_per_client,
+    client_backend=client_backend,
+  )
+
+
+def _feddm_algorithm(config, model, facts, *, client_backend, cfg):
+  del cfg
+  return feddm.algorithm(
+    model.apply_fn,
+    _embed_fn(model.module),
+    config,
+    image_shape=facts.image_shape,
+    max_classes_per_client=facts.max_classes_per_client,
+    client_backend=client_backend,
+  )
+
+
+def _oneshot_algorithm(config, model, facts, *, client_backend, cfg):
+  del cfg
+  return condensation.algorithm(
+    model.apply_fn,
+    _init_fn(model.module, facts.image_shape),
+    config,
+    image_shape=facts.image_shape,
+    max_classes_per_client=facts.max_classes_per_client,
+    max_client_size=facts.max_client_size,
+    client_backend=client_backend,
+  )
+
+
+def _baseline_algorithm(config, model, facts, *, client_backend, cfg):
+  return baselines.algorithm(
+    model.apply_fn,
+    config,
+    image_shape=facts.image_shape,
+    num_clients=cfg.data.num_clients,
+    num_params=model.num_params,
+    client_backend=client_backend,
+    clients_per_round=cfg.data.get("clients_per_round"),
+  )
+
+
 # -- the privacy policies and checks -------------------------------------------------------
 
 
@@ -294,14 +379,23 @@ FEDDM_NO_DP = (
 )
 
 
+def _fedlap_keys(k_alg):
+  """FedLAP's ``init_state``: ``split(k_alg)`` is (initial images' key, state key)."""
+  return jax.random.split(k_alg)
+
+
 def _entries() -> dict[str, Entry]:
   out = {
     "fedlap": Entry(
       "fedlap",
       FEDLAP_SPEC,
+      _fedlap_algorithm,
       privacy=lambda enabled: None,
       dp_fields=FEDLAP_DP_FIELDS,
       synthetic=True,
+      side_by_side=True,
+      chain_key=lambda k: _fedlap_keys(k)[1],
+      images_key=lambda k: _fedlap_keys(k)[0],
     )
   }
   for m in core.BASELINE_METHODS:
@@ -316,15 +410,20 @@ def _entries() -> dict[str, Entry]:
     out[m] = Entry(
       m,
       BASELINE_SPEC,
+      _baseline_algorithm,
       privacy=privacy,
       check=_check_baseline,
       dp_twin=(twin, "its DP variant") if twin in core.DP_BASELINE_METHODS else None,
+      chain_key=lambda k: k,  # init_baseline_state keeps the algorithm key
     )
-  out["feddm"] = Entry("feddm", FEDDM_SPEC, privacy=_dp_refused(FEDDM_NO_DP), synthetic=True)
+  out["feddm"] = Entry(
+    "feddm", FEDDM_SPEC, _feddm_algorithm, privacy=_dp_refused(FEDDM_NO_DP), synthetic=True
+  )
   for m in core.ONE_SHOT_METHODS:
     out[m] = Entry(
       m,
       ONESHOT_SPEC,
+      _oneshot_algorithm,
       privacy=_one_shot_privacy(m),
       dp_twin=None if m in core.DP_ONE_SHOT_METHODS else ("psg", "PSG is the DP one-shot method"),
       one_shot=True,
@@ -346,3 +445,76 @@ def entry(method: str) -> Entry:
   if method not in ENTRIES:
     raise ConfigError("method", method, f"one of {core.METHODS}")
   return ENTRIES[method]
+
+
+# -- round metrics that need their own reading ---------------------------------------------
+
+
+class MetricsView(NamedTuple):
+  """How a round's metrics of one type are summarised (:mod:`experiments.outputs`).
+
+  Attributes:
+    summary: ``summary(metrics, num_clients) -> {name: value}``, the record's fields.
+    nonprivate: the summary's names that are raw statistics of the clients' records.
+    non_finite: ``non_finite(metrics, num_clients, ids) -> [problem, ...]``.
+  """
+
+  summary: Callable[[Any, int], dict]
+  nonprivate: Callable[[Any], set]
+  non_finite: Callable[[Any, int, list], list]
+
+
+def _fedlap_summary(metrics, num_clients: int) -> dict:
+  """Per-client radius ``r_k``, mean and last matching loss over the executed while-loop
+  iterations, real accesses, clip fraction, mean batch size and extra Poisson chunks; the
+  server's radius ``r_g`` (``None`` for ``fixed``), epochs and steps."""
+  out: dict[str, Any] = {}
+  cm = metrics.client
+  loss = np.asarray(cm.matching_loss, np.float64)  # (K, R_i, O, B, R_b)
+  outer = np.asarray(cm.outer_iterations)  # (K, R_i)
+  ran = np.arange(loss.shape[2])[None, None, :] < outer[:, :, None]
+  ran = np.broadcast_to(ran[..., None, None], loss.shape)
+  count = np.maximum(ran.reshape(num_clients, -1).sum(1), 1)
+  out["matching_loss"] = finite_list(np.where(ran, loss, 0).reshape(num_clients, -1).sum(1) / count)
+  last = []
+  for k in range(num_clients):
+    i, o = loss.shape[1] - 1, int(outer[k, -1]) - 1
+    last.append(loss[k, i, o, -1, -1] if o >= 0 else float("nan"))
+  out["matching_loss_last"] = finite_list(last)
+  out["client_radius"] = finite_list(metrics.client_radius)
+  r_g = float(metrics.server.radius)
+  out["server_radius"] = r_g if math.isfinite(r_g) else None
+  out["server_epochs"] = int(metrics.server.epochs)
+  out["server_steps"] = int(metrics.server.steps)
+  out["server_distance"] = float(metrics.server.distance)
+  out["learning_rate"] = float(metrics.learning_rate)
+  out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
+  out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
+  out["clip_fraction"] = finite_list(cm.clip_fraction)
+  out["mean_batch_size"] = finite_list(cm.mean_batch_size)
+  out["poisson_extra_chunks"] = np.asarray(cm.poisson_extra_chunks).tolist()
+  return out
+
+
+def _fedlap_non_finite(metrics, num_clients: int, ids: list) -> list[str]:
+  problems = []
+  loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
+  for k in np.flatnonzero(~np.isfinite(loss).all(axis=1)):
+    problems.append(f"matching loss of client {ids[k]} is {loss[k][~np.isfinite(loss[k])][0]}")
+  r = np.asarray(metrics.client_radius)
+  for k in np.flatnonzero(~np.isfinite(r)):
+    problems.append(f"radius of client {ids[k]} is {r[k]}")
+  return problems
+
+
+METRICS_VIEWS = {
+  # FedLAP's summary names its client metrics without the "client." prefix.
+  RoundMetrics: MetricsView(
+    _fedlap_summary, lambda m: set(type(m.client).NONPRIVATE), _fedlap_non_finite
+  )
+}
+
+
+def metrics_view(metrics) -> MetricsView | None:
+  """The view of a round's ``metrics`` type (``None``: every leaf, generically)."""
+  return METRICS_VIEWS.get(type(metrics))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax.federated import RoundMetrics
+import fedlap_jax
+from fedlap_jax import accounting
+from fedlap_jax import config as core
 
-from experiments import seeds
+from experiments import build, methods, resume, seeds
+from experiments.json_values import finite_list
 from experiments.resume import DAMAGED_DIR
 
 BYTES_PER_FLOAT = 4
@@ -60,10 +64,6 @@ def _keystr(path) -> str:
   )
 
 
-def _finite_list(a) -> list:
-  return [None if not math.isfinite(v) else v for v in np.asarray(a, np.float64).ravel().tolist()]
-
-
 def _nonprivate_names(metrics: Any, prefix: str = "") -> set[str]:
   """Dotted names of the metrics that NamedTuples declare ``NONPRIVATE``."""
   names = set()
@@ -82,12 +82,10 @@ def summarize_metrics(
 ) -> tuple[dict, dict]:
   """JSON-ready summary of a round's metrics pytree, split by what may be released.
 
-  For FedLAP (:class:`~fedlap_jax.federated.RoundMetrics`): per-client radius
-  ``r_k``, mean and last matching loss over the executed while-loop
-  iterations, real accesses, clip fraction, mean batch size and extra Poisson
-  chunks; the server's radius ``r_g`` (``None`` for ``fixed``), epochs and
-  steps. Other algorithms: every leaf, per client where it has a leading
-  ``(K,)`` axis.
+  A metrics type with a view of its own (:func:`experiments.methods.metrics_view`; FedLAP's
+  :class:`~fedlap_jax.federated.RoundMetrics`: per-client radius, matching losses, real
+  accesses, ...) is summarised by it; any other: every leaf, per client where it has a
+  leading ``(K,)`` axis.
 
   Args:
     private: a DP run: the metrics the library declares ``NONPRIVATE`` (raw
@@ -96,15 +94,11 @@ def summarize_metrics(
   Returns:
     ``(released, nonprivate)``; ``nonprivate`` is empty unless ``private``.
   """
-  out = _summarize(metrics, num_clients)
+  view = methods.metrics_view(metrics)
+  out = _summarize(metrics, num_clients) if view is None else view.summary(metrics, num_clients)
   if not private:
     return out, {}
-  # FedLAP's summary names its client metrics without the "client." prefix.
-  names = (
-    set(type(metrics.client).NONPRIVATE)
-    if isinstance(metrics, RoundMetrics)
-    else _nonprivate_names(metrics)
-  )
+  names = _nonprivate_names(metrics) if view is None else view.nonprivate(metrics)
   return (
     {k: v for k, v in out.items() if k not in names},
     {k: v for k, v in out.items() if k in names},
@@ -113,43 +107,15 @@ def summarize_metrics(
 
 def _summarize(metrics: Any, num_clients: int) -> dict:
   out: dict[str, Any] = {}
-  if isinstance(metrics, RoundMetrics):
-    cm = metrics.client
-    loss = np.asarray(cm.matching_loss, np.float64)  # (K, R_i, O, B, R_b)
-    outer = np.asarray(cm.outer_iterations)  # (K, R_i)
-    ran = np.arange(loss.shape[2])[None, None, :] < outer[:, :, None]
-    ran = np.broadcast_to(ran[..., None, None], loss.shape)
-    count = np.maximum(ran.reshape(num_clients, -1).sum(1), 1)
-    out["matching_loss"] = _finite_list(
-      np.where(ran, loss, 0).reshape(num_clients, -1).sum(1) / count
-    )
-    last = []
-    for k in range(num_clients):
-      i, o = loss.shape[1] - 1, int(outer[k, -1]) - 1
-      last.append(loss[k, i, o, -1, -1] if o >= 0 else float("nan"))
-    out["matching_loss_last"] = _finite_list(last)
-    out["client_radius"] = _finite_list(metrics.client_radius)
-    r_g = float(metrics.server.radius)
-    out["server_radius"] = r_g if math.isfinite(r_g) else None
-    out["server_epochs"] = int(metrics.server.epochs)
-    out["server_steps"] = int(metrics.server.steps)
-    out["server_distance"] = float(metrics.server.distance)
-    out["learning_rate"] = float(metrics.learning_rate)
-    out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
-    out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
-    out["clip_fraction"] = _finite_list(cm.clip_fraction)
-    out["mean_batch_size"] = _finite_list(cm.mean_batch_size)
-    out["poisson_extra_chunks"] = np.asarray(cm.poisson_extra_chunks).tolist()
-    return out
   for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
     a = np.asarray(leaf)
     name = _keystr(path) or "value"
     if a.ndim == 0:
-      out[name] = _finite_list(a)[0]
+      out[name] = finite_list(a)[0]
     elif a.shape[0] == num_clients:
-      out[name] = _finite_list(a.reshape(num_clients, -1).mean(axis=1))
+      out[name] = finite_list(a.reshape(num_clients, -1).mean(axis=1))
     elif a.size <= 64:
-      out[name] = _finite_list(a)
+      out[name] = finite_list(a)
   return out
 
 
@@ -163,15 +129,9 @@ def find_non_finite(
   default ``0..num_clients - 1``.
   """
   ids = list(range(num_clients)) if client_ids is None else [int(i) for i in client_ids]
-  problems = []
-  if isinstance(metrics, RoundMetrics):
-    loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
-    for k in np.flatnonzero(~np.isfinite(loss).all(axis=1)):
-      problems.append(f"matching loss of client {ids[k]} is {loss[k][~np.isfinite(loss[k])][0]}")
-    r = np.asarray(metrics.client_radius)
-    for k in np.flatnonzero(~np.isfinite(r)):
-      problems.append(f"radius of client {ids[k]} is {r[k]}")
-  else:
+  view = methods.metrics_view(metrics)
+  problems = [] if view is None else view.non_finite(metrics, num_clients, ids)
+  if view is None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
       a = np.asarray(leaf)
       if not np.issubdtype(a.dtype, np.floating) or np.isfinite(a).all():
@@ -332,3 +292,150 @@ def write_summary(workdir: Path, config_name: str, records: list[dict], info: di
   dirs = [f"{d}/" for d in ("checkpoints", "synthetic") if (workdir / d).is_dir()]
   lines += ["Files: " + ", ".join(files + dirs), ""]
   (workdir / "summary.md").write_text("\n".join(lines))
+
+
+def run_info(
+  cfg, config_name: str, run, *, privacy: dict, mechanism, seed, nonprivate_stats: bool
+) -> dict:
+  """``run_info.json``: the run's public facts (method, data, client sizes and classes,
+  normalisation, upload, versions, the privacy parameters) without the seed, which determines
+  every noise draw (it stays in config.json), and how the run came by it."""
+  dataset, private = run.dataset, run.algorithm.dp is not None
+  hidden = ("method", "dataset", "client_sizes", "seed") + resume.COMPUTATION_FIELDS
+  return dict(
+    config_name=config_name,
+    method=cfg.method,
+    method_label=core.method_label(cfg.method, private),
+    dataset=cfg.data.name,
+    rounds=cfg.rounds,
+    num_params=run.num_params,
+    image_shape=list(dataset.image_shape),
+    num_classes=dataset.num_classes,
+    client_sizes=[len(i) for i in run.client_indices],
+    client_classes=[np.unique(dataset.y_train[i]).tolist() for i in run.client_indices],
+    test_size=int(len(dataset.y_test)),
+    normalisation={
+      "source": dataset.normalisation,
+      "mean": dataset.mean.tolist(),
+      "std": dataset.std.tolist(),
+    },
+    nonprivate_stats=nonprivate_stats,
+    upload_floats_per_client=int(run.algorithm.upload_floats_per_client),
+    jax_version=jax.__version__,
+    fedlap_jax_version=fedlap_jax.__version__,
+    devices=[str(d) for d in jax.devices()],
+    client_backend=build.client_backend(cfg),
+    **{k: v for k, v in privacy.items() if k not in hidden},
+    # What "epsilon" means (replace-one) and which figure a target calibrated.
+    **(
+      {
+        "adjacency": mechanism.adjacency,
+        "epsilon_for": cfg.dp.get("epsilon_for", accounting.REPLACE_ONE),
+      }
+      if private
+      else {}
+    ),
+    # How the run came by its seed (experiments.seeds: given, drawn or default), not the seed.
+    seed_origin=seed.origin,
+  )
+
+
+class RunLog:
+  """``train.log`` and stdout, line by line (flushed at once: a run killed by a scheduler or
+  SIGKILL, with its stdout piped to a file, keeps every line it printed)."""
+
+  def __init__(self, path: Path, label: str):
+    self.label = label
+    self._file = open(path, "a")
+
+  def __call__(self, line: str, seconds: float | None = None, *, labelled: bool = True) -> None:
+    """``[label] line`` (``labelled``) to stdout and train.log; ``seconds`` (a round's timing)
+    to stdout only, as train.log is releasable and timing is not covered."""
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+    line = f"[{self.label}] {line}" if labelled else line
+    tqdm.write(line if seconds is None else f"{line}  {seconds:.1f}s", file=sys.stdout)
+    sys.stdout.flush()
+    self._file.write(line + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def log_start(
+  log: RunLog, cfg, info: dict, *, start: int, ledger, moved, ckpt_dir: Path, seed, private: bool
+) -> None:
+  """The first lines of a run: damaged checkpoints set aside (``moved``: ``(round, why,
+  where)``), where it resumes (round ``start`` of ``ckpt_dir``, with its ``ledger``) or the
+  setting of a new run, the seed (DP) and the warning of ``debug_nonprivate_stats``."""
+  for r, why, target in moved:
+    log(f"WARNING checkpoint {r} is damaged ({why}); moved to {target}")
+  per_round = cfg.data.get("clients_per_round")
+  if start:
+    log(
+      f"resuming from round {start} (checkpoint {ckpt_dir / str(start)})"
+      + (
+        f", epsilon so far {ledger.epsilon:.3f} (add/remove {ledger.epsilon_add_remove:.3f})"
+        if ledger is not None
+        else ""
+      )
+    )
+  elif moved:
+    log("no valid checkpoint left: starting from round 0")
+  else:
+    sizes = info["client_sizes"]
+    sampled = per_round is not None and per_round < cfg.data.num_clients
+    log(
+      f"{info['method_label']} on {cfg.data.name}: {len(sizes)} clients (sizes {sizes}"
+      + ("" if per_round is None else f"; {per_round} per round")
+      + ("; data on the host" if sampled else "")
+      + f"), {info['num_params']:,} parameters, {cfg.rounds} rounds, "
+      f"clients run by {info['client_backend']!r} on {jax.default_backend()}"
+    )
+  seed_line = seeds.describe(seed, private=private)
+  if seed_line:
+    log(seed_line)
+  if info["nonprivate_stats"]:
+    log(
+      f"WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
+      f"statistics of the clients' records under \"{NONPRIVATE_SECTION}\", outside the "
+      "privacy guarantee; do not release this work dir"
+    )
+
+
+def round_record(
+  m: int,
+  test_accuracy: float,
+  test_loss: float,
+  epsilon,
+  ledger,
+  metrics,
+  idx,
+  *,
+  cfg,
+  private,
+  nonprivate_stats: bool,
+  upload_mb: float,
+) -> dict:
+  """Round ``m``'s record of ``metrics.jsonl``: test metrics, epsilon (replace-one; and the
+  add/remove figure), the round's summary (:func:`summarize_metrics`; with sampled
+  participation its ``clients`` first and the per-client epsilons), the upload so far, and
+  with ``debug_nonprivate_stats`` the raw statistics under :data:`NONPRIVATE_SECTION`."""
+  released, nonprivate = summarize_metrics(metrics, len(idx), private=private)
+  if cfg.data.get("clients_per_round") is not None:  # per-client metrics are of these clients
+    released = {"clients": idx.tolist(), **released}
+    if isinstance(ledger, accounting.ClientLedgers):
+      released["epsilon_clients"] = ledger.summary()
+  rec = {
+    "round": m,
+    "test_accuracy": test_accuracy,
+    "test_loss": test_loss,
+    "epsilon": epsilon,
+    **({} if ledger is None else {"epsilon_add_remove": ledger.epsilon_add_remove}),
+    **released,
+    "upload_mb": upload_mb,
+  }
+  if nonprivate_stats:
+    rec[NONPRIVATE_SECTION] = nonprivate
+  return rec

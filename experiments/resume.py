@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import jax
 
-from fedlap_jax.dispatch import resolve_client_backend
 
 from experiments import checkpointing
 
@@ -67,11 +66,11 @@ def computation_fingerprint(cfg) -> dict:
   """What decides a round's outputs besides its inputs and PRNG keys: the resolved
   ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, and
   the JAX version. A DP run's checkpoint holds it (:func:`privacy_fingerprint`)."""
+  from experiments import build  # pylint: disable=g-import-not-at-top
+
   devices = jax.devices()
   return {
-    "client_backend": resolve_client_backend(
-      cfg.client_backend, side_by_side=cfg.method == "fedlap"
-    ),
+    "client_backend": build.client_backend(cfg),
     "platform": jax.default_backend(),
     "device_count": len(devices),
     "device_kind": devices[0].device_kind,

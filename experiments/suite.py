@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments import calibration
+from experiments import build, calibration
 
 
 def run_config(config, workdir: str, name: str) -> int:
@@ -40,13 +40,27 @@ def run_config(config, workdir: str, name: str) -> int:
         raise library_configs.ConfigError(
           e.field, e.value, e.allowed, message=f"{label}: {e}"
         ) from None
-    for line in calibration.calibrate_noise(config):
+    loaded, planned = {}, {}  # the runs of a suite mostly share data: loaded once
+
+    def plan_of(cfg) -> build.Plan:
+      """``cfg``'s plan as configured now (with its calibrated ``dp.noise_multiplier``)."""
+      if id(cfg) not in planned:
+        key = repr(sorted(cfg.data.to_dict().items()))
+        if key not in loaded:
+          loaded[key] = build.load_data(cfg)
+        planned[id(cfg)] = build.plan(cfg, data=loaded[key])
+      return build.with_config(planned[id(cfg)], cfg)
+
+    def budget_of(cfg) -> calibration.DpBudget:
+      return plan_of(cfg).budget()
+
+    for line in calibration.calibrate_noise(config, budget_of=budget_of):
       print(line)
     results = []
     for cfg, wd, label in targets:
       # Compile once per machine: a later run of the config reads its programs back.
       compilation_cache.enable(cfg.get(compilation_cache.FIELD, ""))
-      result = train.train_and_evaluate(cfg, wd, config_name=label)
+      result = train.train_and_evaluate(cfg, wd, config_name=label, built=plan_of(cfg))
       results.append(result)
       last = result["records"][-1] if result["records"] else None
       if last is not None:

@@ -1,7 +1,8 @@
 """The experiment loop: ``train_and_evaluate(config, workdir)``.
 
-Method-agnostic: builds a :class:`fedlap_jax.algorithm.FederatedAlgorithm`
-(FedLAP / FedLAP-DP, or a baseline from :mod:`fedlap_jax.baselines`) and runs
+Method-agnostic: builds its run with :mod:`experiments.build` (the data, the method's
+library config and mechanism, the model, the keys and the
+:class:`fedlap_jax.algorithm.FederatedAlgorithm`) and runs
 its jitted ``round`` once per communication round (one compilation per run:
 the round index lives in the state and is traced). With
 ``data.clients_per_round = m < K`` the clients' data stay on the host and each
@@ -102,30 +103,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import fedlap_jax
-from fedlap_jax import accounting
-from fedlap_jax import algorithm as algorithm_lib
-from fedlap_jax import baselines, condensation, feddm, federated, participation
-from fedlap_jax import config as core_config
-from fedlap_jax import sharding
-from fedlap_jax.client_data import normalise_pixels, stack_clients
-from fedlap_jax.dispatch import resolve_client_backend
-from fedlap_jax.models import count_params, embed_fn, init_convnet, init_fn
+from fedlap_jax import accounting, participation
+from fedlap_jax.client_data import normalise_pixels
 from fedlap_jax.training import evaluate
 
-from experiments import checkpointing
-from experiments import data as data_lib
-from experiments import faults
-from experiments import library_configs
-from experiments import outputs
-from experiments import resume
-from experiments import seeds
+from experiments import build, checkpointing, faults, library_configs, outputs, resume, seeds
 from experiments import termination
 
 # How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
@@ -169,199 +156,13 @@ class Terminated(RuntimeError):
 
 
 # ----------------------------------------------------------------------------
-# Building blocks.
-# ----------------------------------------------------------------------------
-
-
-def build_algorithm(
-  cfg,
-  apply_fn,
-  *,
-  image_shape,
-  max_classes_per_client: int,
-  num_params: int,
-  max_client_size: int,
-  model=None,
-) -> algorithm_lib.FederatedAlgorithm:
-  """The :class:`FederatedAlgorithm` of ``cfg.method``, on its
-  :func:`library_configs.library_config` (built once here).
-
-  ``fedlap``: :func:`fedlap_jax.federated.algorithm`; the baselines:
-  :func:`fedlap_jax.baselines.algorithm` (``max_client_size``, records of the largest
-  client, fixes the static local step count ``T``); ``feddm``:
-  :func:`fedlap_jax.feddm.algorithm` (needs the Flax ``model`` for its embedding,
-  :func:`fedlap_jax.models.embed_fn`); ``dsc``, ``dsc_centralized``, ``psg``:
-  :func:`fedlap_jax.condensation.algorithm` (needs ``model`` for fresh networks,
-  :func:`fedlap_jax.models.init_fn`). All share compiled rounds between algorithms of
-  equal settings, so the seeds of a sweep or a resumed run compile nothing new.
-  """
-  config = library_configs.library_config(cfg, max_client_size=max_client_size)
-  backend = resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap")
-  shape = tuple(image_shape)
-  if isinstance(config, core_config.FedLAPConfig):
-    return federated.algorithm(
-      apply_fn,
-      config,
-      image_shape=shape,
-      max_classes_per_client=max_classes_per_client,
-      client_backend=backend,
-    )
-  if isinstance(config, feddm.FedDMConfig):
-    return feddm.algorithm(
-      apply_fn,
-      _embed_fn(model),
-      config,
-      image_shape=shape,
-      max_classes_per_client=max_classes_per_client,
-      client_backend=backend,
-    )
-  if isinstance(config, condensation.OneShotConfig):
-    return condensation.algorithm(
-      apply_fn,
-      _init_fn(model, shape),
-      config,
-      image_shape=shape,
-      max_classes_per_client=max_classes_per_client,
-      max_client_size=max_client_size,
-      client_backend=backend,
-    )
-  return baselines.algorithm(
-    apply_fn,
-    config,
-    image_shape=shape,
-    num_clients=cfg.data.num_clients,
-    num_params=num_params,
-    client_backend=backend,
-    clients_per_round=cfg.data.get("clients_per_round"),
-  )
-
-
-@functools.lru_cache(maxsize=4)
-def _apply_fn(model):
-  """One ``apply_fn(params, x) -> logits`` per (hashable) Flax module."""
-  return lambda params, x: model.apply({"params": params}, x)
-
-
-@functools.lru_cache(maxsize=4)
-def _embed_fn(model):
-  """One ``embed(params, x) -> (features, logits)`` per Flax module (FedDM)."""
-  return embed_fn(model)
-
-
-@functools.lru_cache(maxsize=4)
-def _init_fn(model, image_shape):
-  """One ``init(key) -> params`` per Flax module and image shape (DSC, PSG)."""
-  return init_fn(model, image_shape)
-
-
-class RunSetup(NamedTuple):
-  """Everything a run (or a later audit of its checkpoints) builds from its config.
-
-  Attributes:
-    dataset: the :class:`experiments.data.Dataset` (images as stored, with their normalisation).
-    client_indices: training-record indices of each client.
-    clients: stacked :class:`~fedlap_jax.client_data.ClientData` ``(K, N_max, ...)``;
-      host NumPy arrays when clients are sampled (:func:`samples_clients`), else on the device.
-    model: the Flax ConvNet; apply_fn: ``apply_fn(params, x) -> logits``.
-    num_params: parameter count of the model.
-    algorithm: the :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
-    state: the state before round 1 (also the restore template of checkpoints).
-  """
-
-  dataset: Any
-  client_indices: list
-  clients: Any
-  model: Any
-  apply_fn: Any
-  num_params: int
-  algorithm: algorithm_lib.FederatedAlgorithm
-  state: Any
-
-
-def build_run(cfg) -> RunSetup:
-  """Data, partition, model, algorithm and initial state of a validated config.
-
-  Deterministic in ``cfg.seed`` (:func:`experiments.seeds.run_key` is split into the
-  model-init and the algorithm key) and the public ``cfg.data.partition_seed`` (the
-  partition), so the initial state is a valid template for restoring the run's checkpoints,
-  e.g. in :mod:`experiments.audit`. A None ``cfg.seed`` is resolved without a work dir
-  (:func:`experiments.seeds.resolve`: 0 without DP, a fresh draw under DP);
-  :func:`train_and_evaluate` resolves it for its work dir first.
-
-  Raises:
-    library_configs.ConfigError: the data does not fit the config.
-  """
-
-  try:
-    dataset = data_lib.load_dataset(cfg.data)
-    indices = data_lib.client_split(dataset, cfg.data)
-  except ValueError as e:  # bad data or a partition the data does not allow
-    raise library_configs.ConfigError(
-      "data.source", cfg.data.source, "data the config can use", message=str(e)
-    ) from None
-  library_configs.validate_data(cfg, dataset, indices)
-  ys = [dataset.y_train[i] for i in indices]
-  clients = stack_clients(
-    [dataset.x_train[i] for i in indices],
-    ys,
-    pixel_scale=dataset.pixel_scale,
-    pixel_offset=dataset.pixel_offset,
-    on_host=samples_clients(cfg),
-    num_classes=dataset.num_classes,  # labels outside [0, K) are refused here, on the host
-  )
-  if resolve_client_backend(cfg.client_backend) == "shard" and not samples_clients(cfg):
-    clients = sharding.put_clients(clients)  # once: each device keeps its block for the run
-  seed = seeds.resolve(cfg.get("seed"), private=bool(cfg.dp.enabled), workdir=None).value
-  k_model, k_alg = jax.random.split(seeds.run_key(seed))
-  model, params = init_convnet(
-    k_model,
-    dataset.image_shape,
-    dataset.num_classes,
-    width=cfg.model.width,
-    depth=cfg.model.depth,
-    norm=cfg.model.norm,
-    conv_bias=cfg.model.conv_bias,
-  )
-  apply_fn = _apply_fn(model)
-  num_params = count_params(params)
-  alg = build_algorithm(
-    cfg,
-    apply_fn,
-    image_shape=dataset.image_shape,
-    max_classes_per_client=max(len(np.unique(y)) for y in ys),
-    num_params=num_params,
-    max_client_size=max(len(i) for i in indices),
-    model=model,
-  )
-  return RunSetup(
-    dataset,
-    list(indices),
-    clients,
-    model,
-    apply_fn,
-    num_params,
-    alg,
-    alg.init(k_alg, params, clients),
-  )
-
-
-def samples_clients(cfg) -> bool:
-  """True when a round runs fewer than all clients (``data.clients_per_round < K``).
-
-  Such a run keeps the clients' data on the host and moves each round's sampled
-  block to the device (:mod:`fedlap_jax.participation`); ``None`` or ``K``
-  keep every client on the device and run today's round.
-  """
-  m = cfg.data.get("clients_per_round")
-  return m is not None and m < cfg.data.num_clients
-
-
-# ----------------------------------------------------------------------------
 # The loop.
 # ----------------------------------------------------------------------------
 
 
-def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str = "") -> dict:
+def train_and_evaluate(
+  config, workdir: str | os.PathLike, *, config_name: str = "", built: build.Plan | None = None
+) -> dict:
   """Runs (or resumes) one experiment in ``workdir`` and writes every output.
 
   Args:
@@ -369,6 +170,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       ``experiments/configs/default.py``).
     workdir: output directory (created); an existing checkpoint is resumed.
     config_name: label for logs and ``summary.md``.
+    built: ``config``'s :class:`experiments.build.Plan` if made already (its data, library
+      config and mechanism, for ``config`` as it is now); else :func:`experiments.build.plan`.
 
   Returns:
     ``{'records': [...], 'state': final state, 'ledger': dict | None,
@@ -388,7 +191,8 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
     KeyboardInterrupt: Ctrl-C; a round in progress is abandoned alike.
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
-  library_configs.validate_config(config)
+  # The config's checks, its data, library config and mechanism.
+  planned = build.plan(config) if built is None else built
   workdir = Path(workdir)
   try:
     checkpointing.check_writable(workdir)
@@ -409,11 +213,10 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   cfg = copy.deepcopy(config)  # the caller's config keeps its None seed (another work dir)
   cfg.seed = seed.value
 
-  setup = build_run(cfg)
+  setup = build.build_run(cfg, seed=seed.value, built=planned._replace(cfg=cfg))
   dataset, alg, state, clients = setup.dataset, setup.algorithm, setup.state, setup.clients
-  apply_fn, num_params = setup.apply_fn, setup.num_params
+  apply_fn = setup.apply_fn
   sizes = [len(i) for i in setup.client_indices]
-  client_classes = [np.unique(dataset.y_train[i]).tolist() for i in setup.client_indices]
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
   num_clients = len(sizes)
   privacy = resume.privacy_fingerprint(cfg, alg, sizes)
@@ -422,52 +225,26 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
   nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
   per_round = cfg.data.get("clients_per_round")
   participation_seed = cfg.data.get("participation_seed", 0)  # public; never cfg.seed
-  sampled = samples_clients(cfg)
+  sampled = build.samples_clients(cfg)
   fresh_ledger = None
   mechanism = alg.mechanism
-  epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
   if private:
     smallest = privacy["min_client_size"]
     fresh_ledger = new_ledger(mechanism, sizes, per_round)
     if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
       # The smallest client taking part in every round bounds every client's ledger.
+      epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
       library_configs.check_target_epsilon(
         cfg, mechanism.epsilon_after(cfg.rounds, smallest, adjacency=epsilon_for)
       )
-
-  info = dict(
-    config_name=config_name,
-    method=cfg.method,
-    method_label=core_config.method_label(cfg.method, private),
-    dataset=cfg.data.name,
-    rounds=cfg.rounds,
-    num_params=num_params,
-    image_shape=list(dataset.image_shape),
-    num_classes=dataset.num_classes,
-    client_sizes=sizes,
-    client_classes=client_classes,
-    test_size=int(len(dataset.y_test)),
-    normalisation={
-      "source": dataset.normalisation,
-      "mean": dataset.mean.tolist(),
-      "std": dataset.std.tolist(),
-    },
+  info = outputs.run_info(
+    cfg,
+    config_name,
+    setup,
+    privacy=privacy,
+    mechanism=mechanism,
+    seed=seed,
     nonprivate_stats=nonprivate_stats,
-    upload_floats_per_client=int(alg.upload_floats_per_client),
-    jax_version=jax.__version__,
-    fedlap_jax_version=fedlap_jax.__version__,
-    devices=[str(d) for d in jax.devices()],
-    client_backend=resolve_client_backend(cfg.client_backend, side_by_side=cfg.method == "fedlap"),
-    # Without the seed: it determines every noise draw (it stays in config.json).
-    **{
-      k: v
-      for k, v in privacy.items()
-      if k not in ("method", "dataset", "client_sizes", "seed") + resume.COMPUTATION_FIELDS
-    },
-    # What "epsilon" means (replace-one) and which figure a target calibrated.
-    **({"adjacency": mechanism.adjacency, "epsilon_for": epsilon_for} if private else {}),
-    # How the run came by its seed (experiments.seeds: given, drawn or default), not the seed.
-    seed_origin=seed.origin,
   )
 
   # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
@@ -509,51 +286,18 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size, preprocess=to_inputs
     )
   )
-  log_file = open(workdir / "train.log", "a")
-
-  def log(line, seconds: float | None = None):
-    """``line`` to stdout and train.log; ``seconds`` (a round's timing) to stdout only, as
-    train.log is releasable and timing is not covered."""
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
-    # Flushed at once, like train.log: a run killed by a scheduler or SIGKILL, with its stdout
-    # piped to a file, keeps every line it printed (a pipe is block-buffered otherwise).
-    tqdm.write(line if seconds is None else f"{line}  {seconds:.1f}s", file=sys.stdout)
-    sys.stdout.flush()
-    log_file.write(line + "\n")
-    log_file.flush()
-
-  for r, why, target in moved:
-    log(f"[{config_name}] WARNING checkpoint {r} is damaged ({why}); moved to {target}")
-  if start:
-    log(
-      f"[{config_name}] resuming from round {start} (checkpoint {ckpt.directory / str(start)})"
-      + (
-        f", epsilon so far {ledger.epsilon:.3f} (add/remove {ledger.epsilon_add_remove:.3f})"
-        if ledger is not None
-        else ""
-      )
-    )
-  elif moved:
-    log(f"[{config_name}] no valid checkpoint left: starting from round 0")
-  else:
-    log(
-      f"[{config_name}] {info['method_label']} on {cfg.data.name}: {num_clients} clients "
-      f"(sizes {sizes}"
-      + ("" if per_round is None else f"; {per_round} per round")
-      + ("; data on the host" if sampled else "")
-      + f"), {num_params:,} parameters, {cfg.rounds} rounds, "
-      f"clients run by {info['client_backend']!r} on {jax.default_backend()}"
-    )
-  seed_line = seeds.describe(seed, private=private)
-  if seed_line:
-    log(f"[{config_name}] {seed_line}")
-  if nonprivate_stats:
-    log(
-      f"[{config_name}] WARNING debug_nonprivate_stats=True: metrics.jsonl holds raw "
-      f"statistics of the clients' records under \"{outputs.NONPRIVATE_SECTION}\", outside the "
-      "privacy guarantee; do not release this work dir"
-    )
+  log = outputs.RunLog(workdir / "train.log", config_name)
+  outputs.log_start(
+    log,
+    cfg,
+    info,
+    start=start,
+    ledger=ledger,
+    moved=moved,
+    ckpt_dir=ckpt.directory,
+    seed=seed,
+    private=private,
+  )
   wall_before = timing[-1]["wall_seconds"] if timing else 0.0
   taking_part = num_clients if per_round is None else per_round
   upload_mb_per_round = taking_part * alg.upload_floats_per_client * outputs.BYTES_PER_FLOAT / 1e6
@@ -634,7 +378,7 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
       f"{why} during round {m}: the round was abandoned{spent}; {where}; run the same "
       f"command again to redo round {m}"
     )
-    log(f"[{config_name}] {msg}")
+    log(msg)
     return msg
 
   try:
@@ -672,25 +416,22 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
             f"ledger); metrics.jsonl holds rounds 1..{m - 1}. Try a smaller learning_rate "
             f"or client.image_lr, or check the data."
           )
-          log(f"ERROR {msg}")
+          log(f"ERROR {msg}", labelled=False)
           raise NonFiniteError(msg)
         now = time.time()
-        released, nonprivate = outputs.summarize_metrics(metrics, len(idx), private=private)
-        if per_round is not None:  # per-client metrics below are of these clients, in order
-          released = {"clients": idx.tolist(), **released}
-          if isinstance(ledger, accounting.ClientLedgers):
-            released["epsilon_clients"] = ledger.summary()
-        rec = {
-          "round": m,
-          "test_accuracy": test_acc,
-          "test_loss": test_loss,
-          "epsilon": epsilon,
-          **({} if ledger is None else {"epsilon_add_remove": ledger.epsilon_add_remove}),
-          **released,
-          "upload_mb": m * upload_mb_per_round,
-        }
-        if nonprivate_stats:
-          rec[outputs.NONPRIVATE_SECTION] = nonprivate
+        rec = outputs.round_record(
+          m,
+          test_acc,
+          test_loss,
+          epsilon,
+          ledger,
+          metrics,
+          idx,
+          cfg=cfg,
+          private=private,
+          nonprivate_stats=nonprivate_stats,
+          upload_mb=m * upload_mb_per_round,
+        )
         times = {
           "round": m,
           "round_seconds": now - t0,
@@ -707,19 +448,17 @@ def train_and_evaluate(config, workdir: str | os.PathLike, *, config_name: str =
           save_checkpoint(m)
           last_good = m
         bar.update(1)
-        log(
-          f"[{config_name}] " + outputs.format_line(rec, cfg.rounds), seconds=times["round_seconds"]
-        )
+        log(outputs.format_line(rec, cfg.rounds), seconds=times["round_seconds"])
         if stop.received:  # at the last round too: the plots and summary can wait
           msg = (
             f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
             f"{ckpt.directory}; run the same command again to resume"
           )
-          log(f"[{config_name}] {msg}")
+          log(msg)
           raise Terminated(msg)
   finally:
     bar.close()
-    log_file.close()
+    log.close()
     ckpt.close()
 
   if cfg.plots:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import calibration, flags, library_configs, report, run, train
+from experiments import build, calibration, flags, library_configs, report, run, train
 from experiments.configs import compare_dp, quickstart, quickstart_compare
 from fedlap_jax import accounting
 
@@ -95,8 +95,8 @@ def test_cli_refuses_a_bad_target_with_exit_2(value, config, fragment, tmp_path,
 def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   seen = {}
 
-  def fake_train(cfg, workdir, config_name=""):  # the calibrated config reaches the driver
-    seen["cfg"] = cfg
+  def fake_train(cfg, workdir, config_name="", built=None):  # the calibrated config reaches it
+    seen["cfg"], seen["built"] = cfg, built
     return {"records": [], "seconds": 0.0}
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
@@ -111,6 +111,7 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   cfg = seen["cfg"]
   sigma = cfg.dp.noise_multiplier
   assert cfg.dp.target_epsilon == 5.0 and sigma != 1.0
+  assert seen["built"].mechanism.noise_multiplier == sigma  # the plan of the calibrated config
   assert line.startswith(f"calibrated: dp.target_epsilon=5 -> dp.noise_multiplier={sigma:.6g} ")
   c = quickstart.dp_config()  # quickstart:dp_loops: q = B / 274, T = R_i x max_outer x batch_loop
   steps = c.client.iterations * c.client.max_outer * c.client.batch_loop
@@ -118,6 +119,29 @@ def test_target_epsilon_sets_sigma_and_logs_it(tmp_path, capsys, monkeypatch):
   assert f"T = {steps} per round, {c.rounds} rounds" in line
   eps = calibration.dp_budget(cfg, SIZES).epsilon(sigma)
   assert 5.0 * (1 - 1e-3) <= eps <= 5.0 and f"epsilon {eps:.4f})" in line
+
+
+@pytest.mark.parametrize("name", ["fedlap_dp", "dp_fedavg", "psg"])
+def test_the_builder_calibrates_as_experiments_run(name):
+  """``build.plan(cfg, calibrate=True)`` (the front ends' calibration of one run) sets the
+  sigma and log line ``experiments.run`` does (:func:`calibration.calibrate_noise`), on a copy:
+  the library config and mechanism are those of the calibrated sigma."""
+  cfg = _dp_configs()[name]
+  cfg.dp.target_epsilon, cfg.dp.match_epsilon_of = 5.0, ""  # one run, outside its suite
+  given = cfg.dp.noise_multiplier
+  planned = build.plan(cfg, calibrate=True)
+  assert cfg.dp.noise_multiplier == given != planned.cfg.dp.noise_multiplier
+  lines = calibration.calibrate_noise(cfg)  # in place, as experiments.run
+  sigma = cfg.dp.noise_multiplier
+  assert planned.cfg.dp.noise_multiplier == sigma and planned.calibration == lines[0]
+  assert planned.mechanism.noise_multiplier == sigma
+  assert planned.mechanism == library_configs.dp_mechanism(cfg, list(planned.facts.client_sizes))
+  eps = planned.budget().epsilon(sigma)
+  assert 5.0 * (1 - 1e-3) <= eps <= 5.0
+  cfg.dp.target_epsilon, cfg.dp.match_epsilon_of = None, "other"
+  with pytest.raises(library_configs.ConfigError) as err:
+    build.plan(cfg, calibrate=True)
+  assert err.value.field == "dp.match_epsilon_of"
 
 
 def test_an_uncalibrated_target_is_refused_by_the_driver(tmp_path):
@@ -384,7 +408,7 @@ def test_calibration_and_the_algorithm_read_one_mechanism(name):
   """The mechanism the run's algorithm carries (its ledgers compose it) is the one calibration
   reads: the method declares T once."""
   cfg = _dp_configs()[name]
-  setup = train.build_run(cfg)
+  setup = build.build_run(cfg)
   sizes = [len(i) for i in setup.client_indices]
   mech = setup.algorithm.mechanism
   assert (

@@ -85,10 +85,10 @@ def test_ablation_values():
   "name,expected", [("auto", "map"), ("vmap", "vmap"), ("map", "map"), ("shard", "shard")]
 )
 def test_client_backend_auto_runs_clients_one_by_one(name, expected):
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.dispatch import resolve_client_backend  # pylint: disable=g-import-not-at-top
 
   assert default.get_config().client_backend == "auto"
-  assert train.resolve_client_backend(name) == expected
+  assert resolve_client_backend(name) == expected
 
 
 def test_config_sections_map_one_to_one_onto_the_core_dataclasses():
@@ -411,7 +411,8 @@ def test_suite_validates_every_run_first_then_runs_each_and_compares(tmp_path, c
 
   calls, reports = [], []
 
-  def fake_train(cfg, workdir, config_name=""):
+  def fake_train(cfg, workdir, config_name="", built=None):
+    del built
     calls.append((config_name, str(workdir), cfg.dp.enabled))
     return {"records": [{"round": 1, "test_accuracy": 0.5, "epsilon": None}], "seconds": 0.0}
 

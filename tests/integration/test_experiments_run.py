@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import checkpointing, outputs, report, resume, run, train
+from experiments import build, checkpointing, outputs, report, resume, run, train
 from fedlap_jax import accounting, baselines
 from experiments.configs import quickstart
 
@@ -573,10 +573,10 @@ def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeyp
   x_train, y_train, x_test, y_test = data_lib.load_digits()
   npz = tmp_path / "digits.npz"
   np.savez(npz, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
-  build = train.build_algorithm
+  algorithm = build.algorithm
 
   def poisoned_build(*args, **kwargs):
-    alg = build(*args, **kwargs)
+    alg = algorithm(*args, **kwargs)
     calls = []
 
     def round_fn(state, clients):
@@ -590,7 +590,7 @@ def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeyp
 
     return alg._replace(round=round_fn)
 
-  monkeypatch.setattr(train, "build_algorithm", poisoned_build)
+  monkeypatch.setattr(build, "algorithm", poisoned_build)
   cfg = tiny_config(checkpoint_every=1, progress_bar=False)
   cfg.data.source = f"npz:{npz}"
   with pytest.raises(train.NonFiniteError) as err:
@@ -668,7 +668,7 @@ def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_pa
   )
   cfg = tiny_config(rounds=1, progress_bar=False)
   cfg.data.name, cfg.data.source = "custom", f"npz:{npz}"
-  setup = train.build_run(cfg)
+  setup = build.build_run(cfg)
   assert setup.dataset.x_train.dtype == np.uint8
   chex.assert_type(setup.clients.x, jnp.uint8)
   chex.assert_shape([setup.clients.pixel_scale, setup.clients.pixel_offset], (5, 1))

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import configs, flags, library_configs, outputs, report, run, train
+from experiments import build, configs, flags, library_configs, outputs, report, run, train
 from experiments.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
@@ -270,7 +270,7 @@ def test_ipc_larger_than_a_class_is_refused_with_real_initialisation():
   cfg = quickstart_compare.get_config().suite.feddm
   cfg.client.ipc = 500
   with pytest.raises(library_configs.ConfigError) as err:
-    train.build_run(cfg)
+    build.build_run(cfg)
   assert err.value.field == "client.ipc" and "synthetic_init='real'" in str(err.value)
   np.testing.assert_equal(err.value.value, 500)
 

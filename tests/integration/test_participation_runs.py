@@ -104,7 +104,9 @@ def test_sampled_run_charges_only_participants_and_keeps_unsampled_sets(sampled_
   ]
   assert per_client  # per-client metrics are of the 2 sampled clients
   # FedLAP-DP carries synthetic sets: those of clients never sampled are the initial noise.
-  setup = train.build_run(tiny_config(**overrides))
+  from experiments import build  # pylint: disable=g-import-not-at-top
+
+  setup = build.build_run(tiny_config(**overrides))
   before, after = np.asarray(setup.state.synthetic.x), np.asarray(out["state"].synthetic.x)
   for k in range(5):
     if k in taken:

@@ -184,7 +184,7 @@ def _experiments_worker(workdir: str) -> dict:
 
   import jax
 
-  from experiments import train
+  from experiments import build, train
   from test_experiments_run import tiny_config  # this file runs as a script from tests/
 
   cfg = tiny_config(rounds=3, checkpoint_every=1, progress_bar=False, plots=False)
@@ -194,7 +194,7 @@ def _experiments_worker(workdir: str) -> dict:
   assert [r["test_accuracy"] for r in resumed["records"]] == [
     r["test_accuracy"] for r in first["records"]
   ]
-  setup = train.build_run(cfg)
+  setup = build.build_run(cfg)
   return {
     "devices": jax.device_count(),
     "compilations": [first["compilations"], resumed["compilations"]],
