@@ -1,6 +1,6 @@
 """What the Flower app builds from a config: model, keys, one client's data, the test split.
 
-Everything here reproduces ``experiments.train.build_run`` piece by piece, so a
+Everything here reproduces ``experiments.build.build_run`` piece by piece, so a
 Flower client computes what client ``k`` of ``experiments.run`` computes:
 
 * the model: ``k_model, k_alg = split(key(seed))``, a ConvNet initialised with
