@@ -273,13 +273,6 @@ class LocalTraining:
     return self.l2_clip_norm is not None
 
   @property
-  def mean_by(self) -> str:
-    """The resolved ``gradient_mean``."""
-    if self.gradient_mean is not None:
-      return self.gradient_mean
-    return "expected" if self.private else "realized"
-
-  @property
   def capacity(self) -> int:
     """Static size of the Poisson batch buffer."""
     return self.poisson_capacity or privacy.poisson_capacity(self.batch_size)
