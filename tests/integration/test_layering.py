@@ -8,11 +8,8 @@ nothing from ``benchmarks``); it imports no JAX and takes a fraction of a second
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 import pickle
-import subprocess
-import sys
 
 import pytest
 
@@ -20,6 +17,7 @@ from experiments import library_configs, methods
 from experiments.configs import quickstart
 from fedlap_jax import baselines, checks
 from fedlap_jax import config as core
+from conftest import run_benchmark
 
 MAX_FLOORS = 7
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
@@ -27,15 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 
 def read_graph(*args: str) -> tuple[int, dict]:
   """Exit status and JSON of ``python -m benchmarks.import_graph --json [DIR]``."""
-  proc = subprocess.run(
-    [sys.executable, "-m", "benchmarks.import_graph", "--json", *args],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert proc.stdout, proc.stderr[-3000:]
-  return proc.returncode, json.loads(proc.stdout)
+  return run_benchmark("import_graph", *args)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,28 +22,15 @@ from fedlap_jax import baselines, client, condensation, federated, per_example, 
 from fedlap_jax import config as core
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.models import count_params
-from conftest import linear_init
+from conftest import linear_init, run_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 FRONT_ENDS = ("experiments", "fedlap_flower")
 
 
-def run_script(module: str, *args: str, cwd: pathlib.Path = ROOT) -> tuple[int, dict]:
-  """Exit status and JSON output of ``python -m benchmarks.<module> --json ARGS``."""
-  proc = subprocess.run(
-    [sys.executable, "-m", f"benchmarks.{module}", "--json", *args],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert proc.stdout, proc.stderr[-3000:]
-  return proc.returncode, json.loads(proc.stdout)
-
-
 @functools.lru_cache(maxsize=None)
 def graph_and_importers() -> dict:
-  status, out = run_script("import_graph", "--importers", *FRONT_ENDS)
+  status, out = run_benchmark("import_graph", "--importers", *FRONT_ENDS)
   assert status == 0 and out["cycle"] is None, out["cycle"]
   return out
 
@@ -64,7 +51,7 @@ def test_the_graph_reader_reads_subpackages_and_relative_imports(tmp_path):
   (pkg / "__init__.py").write_text("from fedlap_jax.methods import a, b\n")
   (pkg / "a.py").write_text("from fedlap_jax.method import Method\n")
   (pkg / "b.py").write_text("from . import a\nfrom ..core import X\n")
-  status, out = run_script("import_graph", str(tmp_path))
+  status, out = run_benchmark("import_graph", str(tmp_path))
   assert status == 0, out
   assert out["graph"] == {
     "core": [],
@@ -109,7 +96,9 @@ def test_the_branch_counter_finds_every_kind_of_method_branch(tmp_path):
     "LABELS = {'fedavg': 'FedAvg'}\n"  # key: listed, not counted
   )
   (tmp_path / "fedlap_jax" / "methods" / "fedavg.py").write_text("ok = name == 'fedavg'\n")
-  status, out = run_script("method_branches", "--repo", str(tmp_path), "--names", "fedavg,fedprox")
+  status, out = run_benchmark(
+    "method_branches", "--repo", str(tmp_path), "--names", "fedavg,fedprox"
+  )
   assert status == 0
   kinds = sorted(kind for _, _, kind, _ in out["sites"])
   assert kinds == ["cmp", "cmp", "cmp", "key", "list", "tstate", "type"]
@@ -125,7 +114,7 @@ BRANCH_CEILINGS = {"fedlap_jax": 17, "experiments": 12, "fedlap_flower": 6}
 
 
 def test_method_name_branches_do_not_grow():
-  status, out = run_script("method_branches", "--names", ",".join(method_names()))
+  status, out = run_benchmark("method_branches", "--names", ",".join(method_names()))
   assert status == 0
   over = {f: n for f, n in out["by_folder"].items() if n > BRANCH_CEILINGS[f]}
   sites = [s for s in out["sites"] if s[2] in ("cmp", "list", "type")]
