@@ -75,10 +75,11 @@ def _run(items: tuple) -> settings.RunSettings:
   return settings.run_settings(dict(items))
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=1)
 def _named_plan(run_items: tuple):
   """The run's plan over the config's named data and partition (:func:`task.named_plan`:
-  loaded and calibrated once per process and run, for every partition it serves)."""
+  loaded and calibrated once per process and run, for every partition it serves; the
+  dataset of one run at a time is kept)."""
   return task.named_plan(_run(run_items).cfg)
 
 

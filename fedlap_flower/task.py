@@ -181,7 +181,7 @@ class ClientRun(NamedTuple):
 
   Attributes:
     plan: its :class:`experiments.build.Plan`: the (calibrated) config, the method's library
-      config and DP mechanism.
+      config and DP mechanism (its ``data``: the run's facts only, no records).
     model: its :class:`experiments.build.Model` (``params``: the initial global model, the
       layout the parameters of a message unpack into).
     partition: its :class:`Partition`.
@@ -283,7 +283,8 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
       int(dataset.num_classes),
       fingerprint,
     )
-    return ClientRun(p, start.model, part)
+    # The run's data stays with the caller's plan (the other partitions are not kept here).
+    return ClientRun(p._replace(data=build.Data(None, None, p.facts)), start.model, part)
   x, y, scale, offset, num_classes = load_own_data(cfg, data_path)
   labels, mask = fl.synthetic_labels([y], ipc)
   if cfg.client.batch_size > len(y):
