@@ -99,14 +99,26 @@ class Plan(NamedTuple):
     """What the run spends (its mechanism at the smallest client's rate), for calibration.
 
     Raises:
-      ConfigError: the run has no DP, or the client sizes are not known.
+      ConfigError: naming ``dp.target_epsilon``: the run has no DP, or the client sizes are
+        not known (a Flower client holding only its own records, or a server whose data is
+        its own: the rate ``q = B / min_k N_k`` needs the smallest client's record count).
     """
     sizes = self.facts.client_sizes
-    if self.mechanism is None or not sizes:
+    target = self.cfg.dp.get("target_epsilon")
+    if self.mechanism is None:
+      raise ConfigError("dp.target_epsilon", target, "None without DP (dp.enabled=False)")
+    if not sizes:
+      allowed = (
+        "None where the clients' record counts are not known (set dp.noise_multiplier): "
+        "calibrating to a target needs min_k N_k, the smallest client's record count, which "
+        "only the config's named data and partition make public to every party"
+      )
       raise ConfigError(
         "dp.target_epsilon",
-        self.cfg.dp.get("target_epsilon"),
-        "a DP run whose client sizes are known",
+        target,
+        allowed,
+        message=f"dp.target_epsilon={target!r} cannot be calibrated here: this party does "
+        f"not hold the federation's client sizes; allowed: {allowed}",
       )
     return calibration.budget(self.cfg, self.mechanism, sizes)
 
@@ -211,9 +223,9 @@ class Init(NamedTuple):
     """The method's state key before round 1."""
     return entry.chain_key(self.k_alg)
 
-  def images_key(self, entry: methods.Entry) -> jax.Array:
-    """The key of the method's initial synthetic images."""
-    return entry.images_key(self.k_alg)
+  def images_key(self, entry: methods.Entry) -> jax.Array | None:
+    """The key of the method's initial synthetic images (``None``: the method draws none)."""
+    return None if entry.images_key is None else entry.images_key(self.k_alg)
 
 
 def init_model(model_cfg, image_shape, num_classes: int, key: jax.Array) -> Model:

@@ -6,9 +6,10 @@ bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
 * :mod:`fedlap_flower.settings` -- the app's run config and node config
   (``config = "quickstart:dp"``, ``overrides``, ``partition-id``, ...) mapped
   onto the experiments' named ml_collections configs.
-* :mod:`fedlap_flower.task` -- model, keys, one client's data partition, the
-  server's test split: everything built from a config, exactly as
-  ``experiments.run`` builds it.
+* :mod:`fedlap_flower.task` -- a party's run (library config, calibrated DP
+  mechanism, model and keys, built by :mod:`experiments.build` as for
+  ``experiments.run``), the round keys, one client's data partition, the
+  server's test split.
 * :mod:`fedlap_flower.client_work` -- one client's round: the library's
   :func:`fedlap_jax.client_step` (or :func:`fedlap_jax.baselines.client_step`
   for the FedAvg baseline) on the client's start set, and its reply.

@@ -2,15 +2,19 @@
 
 A FedLAP train message runs, on this client only:
 
-1. settings (:mod:`fedlap_flower.settings`) and the client's data
-   (:func:`fedlap_flower.task.load_partition`; cached per process);
+1. settings (:mod:`fedlap_flower.settings`), the client's run and data
+   (:func:`fedlap_flower.task.client_run`, built as ``experiments.run`` builds a run:
+   the library config, the DP mechanism with ``dp.target_epsilon`` calibrated at the
+   named partition's smallest client, the model; cached per process). A client holding its
+   own records (``data-path``) does not know the federation's client sizes: it refuses a
+   ``dp.target_epsilon``;
 2. under DP, in the client's own state directory (its node config's
    ``state-dir``; :mod:`fedlap_flower.ledger`): refuse the round (reply
    ``status = refused`` with the reason) if the run's ``dp.delta`` exceeds
    the client's ``max-delta`` (default ``min(1e-5, 1 / N_k)``) or the
    epsilon after it would exceed the client's ``max-epsilon`` (with the
    epsilons), else record it first. The ledger composes the mechanism FedLAP-DP
-   declares (:func:`fedlap_jax.federated.dp_mechanism`) at the client's own
+   declares (:meth:`fedlap_jax.accounting.DpMechanism.from_config`) at the client's own
    ``N_k``; its epsilon is the replace-one figure. The round's key holds 128
    fresh bits of the operating system's entropy
    (:func:`fedlap_flower.ledger.fresh_round_key`) -- the server never learns
@@ -61,7 +65,6 @@ from flwr.clientapp import ClientApp
 from fedlap_flower import client_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
-from fedlap_jax import federated
 from fedlap_jax.client import shared_family_key
 
 app = ClientApp()
@@ -72,32 +75,22 @@ def _run(items: tuple) -> settings.RunSettings:
   return settings.run_settings(dict(items))
 
 
-class _Setup:
-  """What a client process builds once per (run config, partition)."""
-
-  def __init__(self, run: settings.RunSettings, node: settings.NodeSettings):
-    from experiments import library_configs  # pylint: disable=g-import-not-at-top
-
-    self.cfg = run.cfg
-    self.fc = library_configs.to_fedlap_config(run.cfg) if run.cfg.method == "fedlap" else None
-    # FedAvg: T = local_epochs * round(N_max / B) of the padded partition (N_max records).
-    self.bc = library_configs.to_baseline_config(run.cfg) if run.cfg.method == "fedavg" else None
-    self.partition = task.load_partition(
-      run.cfg, node.partition_id, node.num_partitions, node.data_path
-    )
-    # template: the model's layout, to unpack the parameters a message carries packed.
-    _, self.apply_fn, self.template = task.init_model(
-      run.cfg, self.partition.image_shape, self.partition.num_classes
-    )
+@functools.lru_cache(maxsize=1)
+def _named_plan(run_items: tuple):
+  """The run's plan over the config's named data and partition (:func:`task.named_plan`:
+  loaded and calibrated once per process and run, for every partition it serves; the
+  dataset of one run at a time is kept)."""
+  return task.named_plan(_run(run_items).cfg)
 
 
 # A simulation worker serves many clients: keep every partition it met (all K of a run
 # together hold the training set once, as experiments.run does).
 @functools.lru_cache(maxsize=128)
-def _setup(run_items: tuple, pid: int, num: int, data_path) -> _Setup:
-  run = _run(run_items)
-  node = settings.NodeSettings(pid, num, data_path, None, math.inf)
-  return _Setup(run, node)
+def _setup(run_items: tuple, pid: int, num: int, data_path) -> task.ClientRun:
+  """What a client process builds once per (run config, partition): the run's library config
+  and (calibrated) DP mechanism, the model, the partition (:func:`task.client_run`)."""
+  plan = None if data_path is not None else _named_plan(run_items)
+  return task.client_run(_run(run_items).cfg, pid, num, data_path, plan=plan)
 
 
 def _reply(msg: Message, metrics: dict, status: dict, synthetic=None, delta=None) -> Message:
@@ -167,13 +160,13 @@ def _train_fedavg(msg, conf, run, node, setup) -> Message:
   if slot is None:
     raise ValueError(_not_drawn(run, node, int(conf["server-round"])))
   key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
-  params = records.record_to_params(msg.content["arrays"], setup.template)
+  params = records.record_to_params(msg.content["arrays"], setup.model.params)
   new = client_work.fedavg_round(
     key,
-    setup.apply_fn,
+    setup.model.apply_fn,
     params,
     setup.partition,
-    setup.bc,
+    setup.plan.config,
     learning_rate=float(conf["learning-rate"]),
   )
   return Message(
@@ -190,13 +183,13 @@ def _train_fedavg(msg, conf, run, node, setup) -> Message:
 
 
 def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
-  fc, part = setup.fc, setup.partition
+  fc, part = setup.plan.config, setup.partition
   server_round = int(conf["server-round"])
   lr = float(conf["learning-rate"])
   keys = conf["keys"]
   dp = fc.client.dp is not None
   metrics = {"partition-id": node.partition_id}
-  mechanism = federated.dp_mechanism(fc.client)
+  mechanism = setup.plan.mechanism  # dp.noise_multiplier calibrated to dp.target_epsilon
   steps = fc.client.real_accesses_per_round if mechanism is None else mechanism.steps_per_round
   carry = fc.synthetic_init == "noise"
   state = ClientState(node.state_dir) if (dp or carry) else None
@@ -269,9 +262,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
       init_key = task.client_key(task.words_to_key(conf["key-init"]), slot[1], slot[0])
     carried = state.load_synthetic(context.run_id) if carry else None
     start = client_work.start_synthetic(part, carried)
-    params = records.record_to_params(msg.content["arrays"], setup.template)
+    params = records.record_to_params(msg.content["arrays"], setup.model.params)
     out = client_work.fedlap_round(
-      key, setup.apply_fn, params, start, part, fc, lr, family_key, init_key
+      key, setup.model.apply_fn, params, start, part, fc, lr, family_key, init_key
     )
     if carry:
       state.save_synthetic(context.run_id, server_round, out.synthetic.x)

@@ -1,8 +1,11 @@
 """The ``ServerApp``: FedLAP / FedLAP-DP (or the FedAvg baseline) for ``cfg.rounds`` rounds.
 
-It builds the model and its initial parameters exactly as ``experiments.run``
-does (``key(seed)``), loads the config's test split (or the npz the server's
-environment names, :data:`fedlap_flower.settings.SERVER_DATA_ENV`), and runs the strategy
+It builds the run exactly as ``experiments.run`` does (:mod:`experiments.build`: the
+library config, the DP mechanism with ``dp.target_epsilon`` calibrated at the smallest
+client of the named partition, the model and its initial parameters from ``key(seed)``,
+the key chain), loads the config's test split (or the npz the server's
+environment names, :data:`fedlap_flower.settings.SERVER_DATA_ENV`: a server reading its
+own data knows no client sizes and refuses ``dp.target_epsilon``), and runs the strategy
 (:mod:`fedlap_flower.strategy`) with ``strategy.start``. Outputs go to the run
 config's ``run-dir`` (default ``runs/flower/<label>``, relative to the
 directory the SuperLink was started in): ``metrics.jsonl``,
@@ -20,10 +23,12 @@ round redone after a stop is charged again), and carried synthetic images
 from __future__ import annotations
 
 import time
+from logging import INFO
 
 import numpy as np
 from flax import traverse_util
 from flwr.app import Context
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedlap_flower import records, replies, server_state, server_work, settings, task
@@ -54,20 +59,22 @@ def largest_pixel(test: task.TestSplit) -> float:
 
 
 def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
-  """Runs the whole training; returns the per-round records (also in ``metrics.jsonl``)."""
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  """Runs the whole training; returns the per-round records (also in ``metrics.jsonl``).
 
+  The run is built as ``experiments.run`` builds it (:func:`fedlap_flower.task.server_run`):
+  its library config, its DP mechanism with ``dp.target_epsilon`` calibrated, the model and
+  the key chain."""
   task.enable_compilation_cache()
-  cfg = run.cfg
   t0 = time.time()
-  test = task.load_test_split(settings.server_data(cfg))
-  _, apply_fn, params = task.init_model(cfg, test.image_shape, test.num_classes)
+  plan, start, test = task.server_run(run.cfg, settings.server_data(run.cfg))
+  cfg = plan.cfg  # with the calibrated dp.noise_multiplier
+  if plan.calibration is not None:
+    log(INFO, plan.calibration)
+  apply_fn, params = start.model.apply_fn, start.model.params
   evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
   model_bytes = int(
     sum(np.asarray(v).nbytes for v in records.params_to_record(params).to_numpy_ndarrays())
   )
-  fc = library_configs.to_fedlap_config(cfg) if cfg.method == "fedlap" else None
-  bc = library_configs.to_baseline_config(cfg) if cfg.method == "fedavg" else None
   # Under DP, FedLAPConfig allows only server.weighting='uniform' (Algorithm 3), so the
   # server never needs a DP client's record count N_k.
   info = {
@@ -87,6 +94,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     "participation_seed": int(cfg.data.get("participation_seed", 0)),
     "partition_keys": dict(run.partition_keys),
     "config_values": cfg.to_dict(),
+    **({"calibration": plan.calibration} if plan.calibration is not None else {}),
   }
   state = None
   if run.resume:
@@ -105,11 +113,12 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     model_bytes=model_bytes,
     template=params,
     partition_keys=run.partition_keys,
+    chain_key=start.chain_key(plan.entry),
   )
-  if fc is not None:
+  if cfg.method == "fedlap":
     strategy = strategy_lib.FedLAP(
       **shared,
-      fedlap_config=fc,
+      fedlap_config=plan.config,
       apply_fn=apply_fn,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
       image_shape=test.image_shape,
@@ -118,7 +127,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       max_epsilon=run.max_epsilon,
     )
   else:
-    strategy = strategy_lib.FedAvgBaseline(**shared, baseline_config=bc)
+    strategy = strategy_lib.FedAvgBaseline(**shared, baseline_config=plan.config)
   if state is not None:
     strategy.restore(state)
     params = state.params

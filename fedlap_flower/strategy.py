@@ -578,6 +578,7 @@ class FedLAP(Resumable, Strategy):
     max_image_abs: float | None = None,
     partition_keys=None,
     max_epsilon: float = math.inf,
+    chain_key,
   ):
     self.cfg = cfg
     self.max_epsilon = float(max_epsilon)
@@ -611,7 +612,7 @@ class FedLAP(Resumable, Strategy):
       )
     # r_k <= r, compared as the float32 the client computes r_k in.
     self.max_radius = float(np.float32(fedlap_config.client.radius))
-    self._chain = task.initial_chain_key(cfg.seed)
+    self._chain = chain_key  # init_state's state key (experiments.build.Init.chain_key)
     self._round: dict[str, Any] = {}
     self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._epsilon: dict[int, float] = {}
@@ -893,6 +894,7 @@ class FedAvgBaseline(Resumable, FedAvg):
     model_bytes: int,
     template,
     partition_keys=None,
+    chain_key,
   ):
     super().__init__(
       fraction_train=1.0,
@@ -916,7 +918,7 @@ class FedAvgBaseline(Resumable, FedAvg):
       round_timeout=round_timeout,
       join_timeout=join_timeout,
     )
-    self._chain = task.baseline_chain_key(cfg.seed)
+    self._chain = chain_key  # init_baseline_state's key, the algorithm key k_alg
     self._t0 = time.time()
     self._round: dict[str, Any] = {}
 

@@ -1,17 +1,21 @@
-"""What the Flower app builds from a config: model, keys, one client's data, the test split.
+"""What the Flower app builds from a config: a party's run, keys, one client's data, the test split.
 
-Everything here reproduces ``experiments.build.build_run`` piece by piece, so a
-Flower client computes what client ``k`` of ``experiments.run`` computes:
+The server and every client build their run with :mod:`experiments.build`, the builder of
+``experiments.run``, so a Flower client computes what client ``k`` of ``experiments.run``
+computes:
 
-* the model: ``k_model, k_alg = split(key(seed))``, a ConvNet initialised with
-  ``k_model`` (:func:`init_model`);
-* the server's key chain: ``init_state`` splits ``k_alg`` into the initial
-  synthetic images' key and the state key; every round splits the state key
-  into ``(next, k_init, k_clients, k_server)``
-  (:func:`fedlap_jax.federated.round_keys`), and client
-  ``k`` uses ``split(k_clients, K)[k]`` (:func:`client_key`); a baseline's
-  chain starts at ``k_alg`` itself (:func:`baseline_chain_key`) and splits
-  into ``(next, k_clients)`` (:func:`fedlap_jax.baselines.round_key`);
+* the library config and the DP mechanism (:func:`experiments.build.plan`), with
+  ``dp.target_epsilon`` calibrated as ``experiments.run`` calibrates it: at the smallest
+  client of the config's named data and partition, a public fact every party computes alike
+  (:func:`client_run`, :func:`server_run`). A party that does not hold those client sizes (a
+  client with its own ``data-path``, a server reading its own npz) refuses the target;
+* the model and the keys: ``k_model, k_alg = split(key(seed))``, a ConvNet initialised with
+  ``k_model`` (:func:`experiments.build.init`); the server's key chain starts at the method's
+  chain key of ``k_alg`` (FedLAP: the state key of ``init_state``; a baseline: ``k_alg``
+  itself). Every round splits it into ``(next, k_init, k_clients, k_server)``
+  (:func:`fedlap_jax.federated.round_keys`; a baseline: ``(next, k_clients)``,
+  :func:`fedlap_jax.baselines.round_key`), and client ``k`` uses ``split(k_clients, K)[k]``
+  (:func:`client_key`);
 * the round's participants: with ``data.clients_per_round = m < K`` the
   ``m`` clients :func:`fedlap_jax.participation.sample_clients` draws from the
   public ``(data.participation_seed, round)`` (:func:`participants`); the
@@ -20,7 +24,7 @@ Flower client computes what client ``k`` of ``experiments.run`` computes:
   (:func:`key_slot`);
 * the rounds' learning rates (:func:`round_learning_rates`,
   :func:`baseline_learning_rate`), computed by the library's functions;
-* one client's data (:func:`load_partition`): partition ``k`` of the config's
+* one client's data (:func:`client_run`): partition ``k`` of the config's
   data, padded to the largest partition as ``stack_clients`` pads it, with the
   synthetic labels of ``synthetic_labels`` over all partitions (``S = ipc *``
   the most classes any client owns) and the initial images of ``init_state``.
@@ -73,41 +77,6 @@ def enable_compilation_cache() -> None:
 # ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def apply_fn_of(model):
-  """One ``apply_fn(params, x) -> logits`` per (hashable) Flax module, so jits are shared."""
-  return lambda params, x: model.apply({"params": params}, x)
-
-
-def init_model(cfg, image_shape, num_classes: int):
-  """``(model, apply_fn, params)`` of ``cfg.model``, initialised as ``experiments.run`` does."""
-  k_model, _ = jax.random.split(jax.random.key(cfg.seed))
-  model, params = fl.init_convnet(
-    k_model,
-    tuple(image_shape),
-    num_classes,
-    width=cfg.model.width,
-    depth=cfg.model.depth,
-    norm=cfg.model.norm,
-    conv_bias=cfg.model.conv_bias,
-  )
-  return model, apply_fn_of(model), params
-
-
-def _alg_key(seed: int) -> jax.Array:
-  return jax.random.split(jax.random.key(seed))[1]
-
-
-def initial_images_key(seed: int) -> jax.Array:
-  """The key ``init_state`` draws the N(0, 1) synthetic images of all clients with."""
-  return jax.random.split(_alg_key(seed))[0]
-
-
-def initial_chain_key(seed: int) -> jax.Array:
-  """The state key before round 1 (``FedLAPState.key`` of ``init_state``)."""
-  return jax.random.split(_alg_key(seed))[1]
-
-
 def client_key(round_key: jax.Array, num_clients: int, index: int) -> jax.Array:
   """Client ``index``'s share of a round key: ``split(round_key, K)[index]``."""
   return jax.random.split(round_key, num_clients)[index]
@@ -152,11 +121,6 @@ def words_to_key(words) -> jax.Array:
   return jax.random.wrap_key_data(data)
 
 
-def baseline_chain_key(seed: int) -> jax.Array:
-  """A baseline's state key before round 1: ``init_baseline_state``'s, the algorithm key."""
-  return _alg_key(seed)
-
-
 @functools.lru_cache(maxsize=8)
 def _round_rates_fn(fedlap_config):
   return jax.jit(lambda m: federated.round_learning_rates(m, fedlap_config))
@@ -194,7 +158,8 @@ class Partition(NamedTuple):
       the largest partition in named-partition mode, else ``N_k``).
     num_records: ``N_k``, the client's real records.
     synthetic_y, synthetic_mask: ``(S,)`` labels and validity of its synthetic set.
-    initial_images: ``(S, H, W, C)`` the N(0, 1) images of ``init_state`` (zero padding).
+    initial_images: ``(S, H, W, C)`` the N(0, 1) images of ``init_state`` (zero padding);
+      ``None`` for a method that draws none.
     image_shape, num_classes: of the dataset.
     fingerprint: what identifies these records (for the privacy ledger).
   """
@@ -205,10 +170,26 @@ class Partition(NamedTuple):
   num_records: int
   synthetic_y: np.ndarray
   synthetic_mask: np.ndarray
-  initial_images: np.ndarray
+  initial_images: np.ndarray | None
   image_shape: tuple
   num_classes: int
   fingerprint: dict
+
+
+class ClientRun(NamedTuple):
+  """What one client builds from the run config (once per run and partition).
+
+  Attributes:
+    plan: its :class:`experiments.build.Plan`: the (calibrated) config, the method's library
+      config and DP mechanism (its ``data``: the run's facts only, no records).
+    model: its :class:`experiments.build.Model` (``params``: the initial global model, the
+      layout the parameters of a message unpack into).
+    partition: its :class:`Partition`.
+  """
+
+  plan: Any
+  model: Any
+  partition: Partition
 
 
 def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
@@ -224,32 +205,46 @@ def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
   )
 
 
-def _initial_images(seed: int, mask: np.ndarray, image_shape, index: int) -> np.ndarray:
-  """Client ``index``'s rows of ``init_state``'s images (``mask``: ``(K, S)``)."""
-  images = noise_images(initial_images_key(seed), jnp.asarray(mask), tuple(image_shape))
-  return np.asarray(images[index])
+def own_records(image_shape, num_classes: int):
+  """The :class:`experiments.build.Data` of a party that holds no partition of the config's
+  data (a client's own records, a server's own test data): its :class:`~experiments.build.Facts`
+  without client sizes."""
+  from experiments import build  # pylint: disable=g-import-not-at-top
+
+  return build.Data(None, None, build.Facts(tuple(image_shape), int(num_classes)))
 
 
-def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = None) -> Partition:
-  """Client ``index``'s data: partition ``index`` of ``cfg.data``, or its own ``data_path`` npz.
+def named_plan(cfg):
+  """The :class:`experiments.build.Plan` of the config's named data and partition, calibrated
+  (``dp.target_epsilon``) at its smallest client as ``experiments.run`` calibrates: what the
+  server and every client of a named-partition run compute alike."""
+  from experiments import build  # pylint: disable=g-import-not-at-top
+
+  return build.plan(cfg, calibrate=True)
+
+
+def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None, *, plan=None):
+  """Client ``index``'s :class:`ClientRun`: partition ``index`` of ``cfg.data``, or its own
+  ``data_path`` npz.
+
+  Args:
+    plan: :func:`named_plan` of ``cfg`` if built already (a process serving several clients of
+      a run); only without ``data_path``.
 
   Raises:
-    experiments.library_configs.ConfigError: the data does not fit the config.
+    experiments.library_configs.ConfigError: the data does not fit the config; with
+      ``data_path``, a ``dp.target_epsilon`` (calibrating it needs the federation's client
+      sizes, which a client holding only its own records does not have).
     ValueError: a bad own-data file.
   """
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import build  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
   ipc = int(cfg.client.ipc)
   if data_path is None:
-    try:
-      dataset = data_lib.load_dataset(cfg.data)
-      indices = data_lib.client_split(dataset, cfg.data)
-    except ValueError as e:
-      raise library_configs.ConfigError(
-        "data.source", cfg.data.source, "data the config can use", message=str(e)
-      ) from None
-    library_configs.validate_data(cfg, dataset, indices)
+    p = named_plan(cfg) if plan is None else plan
+    start = build.init(p, p.cfg.seed)
+    dataset, indices = p.data.dataset, p.data.client_indices
     ys = [dataset.y_train[i] for i in indices]
     labels, mask = fl.synthetic_labels(ys, ipc)
     own = indices[index]
@@ -272,18 +267,24 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
       "index": int(index),
       "num_records": int(len(own)),
     }
-    return Partition(
+    key = start.images_key(p.entry)
+    images = None
+    if key is not None:  # init_state's images of all clients; this client's rows
+      images = np.asarray(noise_images(key, jnp.asarray(mask), tuple(dataset.image_shape))[index])
+    part = Partition(
       index,
       num_clients,
       data,
       int(len(own)),
       labels[index],
       mask[index],
-      _initial_images(cfg.seed, mask, dataset.image_shape, index),
+      images,
       tuple(dataset.image_shape),
       int(dataset.num_classes),
       fingerprint,
     )
+    # The run's data stays with the caller's plan (the other partitions are not kept here).
+    return ClientRun(p._replace(data=build.Data(None, None, p.facts)), start.model, part)
   x, y, scale, offset, num_classes = load_own_data(cfg, data_path)
   labels, mask = fl.synthetic_labels([y], ipc)
   if cfg.client.batch_size > len(y):
@@ -295,29 +296,35 @@ def load_partition(cfg, index: int, num_clients: int, data_path: Path | None = N
       f"{data_path}: it holds {len(y)} records; allowed: at most the client's records "
       "(q = B / N_k <= 1)",
     )
+  p = build.plan(cfg, data=own_records(x.shape[1:], num_classes), calibrate=True)
+  start = build.init(p, p.cfg.seed)
   with open(data_path, "rb") as f:
     digest = hashlib.sha256(f.read()).hexdigest()
-  images = noise_images(
-    jax.random.fold_in(initial_images_key(cfg.seed), index), jnp.asarray(mask), tuple(x.shape[1:])
-  )
+  key = start.images_key(p.entry)
+  images = None
+  if key is not None:
+    images = np.asarray(
+      noise_images(jax.random.fold_in(key, index), jnp.asarray(mask), tuple(x.shape[1:]))[0]
+    )
   fingerprint = {
     "data": "own",
     "path": str(data_path),
     "sha256": digest,
     "num_records": int(len(y)),
   }
-  return Partition(
+  part = Partition(
     index,
     num_clients,
     _client_data(x, y, len(y), scale, offset),
     int(len(y)),
     labels[0],
     mask[0],
-    np.asarray(images[0]),
+    images,
     tuple(x.shape[1:]),
     num_classes,
     fingerprint,
   )
+  return ClientRun(p, start.model, part)
 
 
 # Normalisations a client holding only its own records can apply exactly as the
@@ -420,6 +427,18 @@ class TestSplit(NamedTuple):
   num_classes: int
 
 
+def test_split(dataset) -> TestSplit:
+  """The test split of a loaded :class:`experiments.data.Dataset`."""
+  return TestSplit(
+    jnp.asarray(dataset.x_test),
+    jnp.asarray(dataset.y_test),
+    np.asarray(dataset.pixel_scale),
+    np.asarray(dataset.pixel_offset),
+    tuple(dataset.image_shape),
+    int(dataset.num_classes),
+  )
+
+
 def load_test_split(cfg) -> TestSplit:
   """The test split of ``cfg.data`` (what ``experiments.run`` evaluates on)."""
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
@@ -431,11 +450,30 @@ def load_test_split(cfg) -> TestSplit:
     raise library_configs.ConfigError(
       "data.source", cfg.data.source, "data the config can use", message=str(e)
     ) from None
-  return TestSplit(
-    jnp.asarray(dataset.x_test),
-    jnp.asarray(dataset.y_test),
-    np.asarray(dataset.pixel_scale),
-    np.asarray(dataset.pixel_offset),
-    tuple(dataset.image_shape),
-    int(dataset.num_classes),
-  )
+  return test_split(dataset)
+
+
+def server_run(cfg, data_cfg=None):
+  """The server's ``(plan, init, test split)``: its :class:`experiments.build.Plan`, the
+  :class:`experiments.build.Init` of the seed (the initial model, ``k_alg``) and the
+  :class:`TestSplit`.
+
+  ``data_cfg``: ``cfg`` with the server's own test data (:func:`fedlap_flower.settings.server_data`;
+  ``None`` or ``cfg`` itself: the config's named data). With the named data the server builds
+  the run as every client of a named-partition run does (:func:`named_plan`: the same client
+  sizes, so the same calibrated sigma) and evaluates on its test split; with its own data it
+  knows no client sizes, and refuses ``dp.target_epsilon``.
+
+  Raises:
+    experiments.library_configs.ConfigError: the config or the data; ``dp.target_epsilon``
+      with the server's own data.
+  """
+  from experiments import build  # pylint: disable=g-import-not-at-top
+
+  if data_cfg is None or data_cfg is cfg:
+    p = named_plan(cfg)
+    test = test_split(p.data.dataset)
+  else:
+    test = load_test_split(data_cfg)
+    p = build.plan(cfg, data=own_records(test.image_shape, test.num_classes), calibrate=True)
+  return p, build.init(p, p.cfg.seed), test

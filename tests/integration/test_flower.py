@@ -451,6 +451,94 @@ def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monke
     assert got["epsilon"] == want["epsilon"]
 
 
+def _experiments_run(config: str, overrides: str, workdir) -> tuple[list[dict], dict]:
+  """``experiments.run``'s way with a config (its one-run path, calibration included):
+  ``(records, config.json)``."""
+  from experiments import suite
+
+  cfg, label = settings.load_config(config, overrides)
+  cfg.unlock()
+  cfg.plots = False
+  cfg.progress_bar = False
+  assert suite.run_config(cfg, str(workdir), label) == 0
+  return read_jsonl(workdir / "metrics.jsonl"), json.loads((workdir / "config.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_target_epsilon_calibrates_the_flower_run_as_experiments_run(tmp_path):
+  """dp.target_epsilon: server and clients calibrate as experiments.run does (the sigma that
+  meets the target at min_k N_k), so the noise, the ledgers and the epsilon are its own."""
+  overrides = TINY.replace("rounds=2", "rounds=1") + " dp.target_epsilon=5.0"
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 50.0})
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref, ref_cfg = _experiments_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  sigma = ref_cfg["dp"]["noise_multiplier"]
+  assert sigma != 1.0  # the config's own sigma: calibrated away
+  info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+  assert info["config_values"]["dp"]["noise_multiplier"] == sigma
+  assert info["calibration"].startswith("calibrated: dp.target_epsilon=5 -> ")
+  for k in range(5):  # every client's noise and ledger: the same sigma
+    stored = (tmp_path / "state" / f"client-{k}" / ledger_lib.LEDGER_FILE).read_text()
+    assert json.loads(stored)["ledger"]["noise_multiplier"] == sigma
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert records[-1]["epsilon"] == ref[-1]["epsilon"] <= 5.0
+
+
+def _own_data_sites(tmp_path, num: int = 5) -> tuple[dict, str]:
+  """Digits as 8x8 uint8 'mnist' in one npz per client (and the server's own npz): the node
+  configs of clients holding their own records, and the server npz's path."""
+  from experiments import data as data_lib
+
+  digits = data_lib.load_digits()
+  x_train, y_train, x_test, y_test = (
+    (a * 255).round().astype(np.uint8) if a.ndim == 4 else a for a in digits
+  )
+  np.savez(tmp_path / "server.npz", x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+  nodes = {}
+  for k, idx in enumerate(
+    data_lib.partition(y_train, num_clients=num, scheme="paper", num_classes=10)
+  ):
+    np.savez(tmp_path / f"site{k}.npz", x_train=x_train[idx], y_train=y_train[idx])
+    nodes[101 + k] = {
+      "partition-id": k,
+      "num-partitions": num,
+      "max-epsilon": 50.0,
+      "data-path": str(tmp_path / f"site{k}.npz"),
+      "state-dir": str(tmp_path / "state" / f"client-{k}"),
+    }
+  return nodes, str(tmp_path / "server.npz")
+
+
+OWN_DATA = " data.name=mnist data.normalisation=published data.source=tfds"
+
+
+@pytest.mark.slow
+def test_a_party_without_the_client_sizes_refuses_a_target_epsilon(tmp_path, monkeypatch):
+  """Calibrating dp.target_epsilon needs min_k N_k: a client holding its own records and a
+  server reading its own data do not know it, and refuse the target by name (no guess)."""
+  from flower_harness import InProcessGrid, serve_with, task_identity
+  from flwr.app import Message, RecordDict
+
+  from fedlap_flower import client_app
+
+  nodes, server_npz = _own_data_sites(tmp_path)
+  overrides = TINY.replace("rounds=2", "rounds=1") + OWN_DATA + " dp.target_epsilon=5.0"
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"min-clients": 1})
+  why = "dp.target_epsilon=5.0 cannot be calibrated here: this party does not hold"
+  grid = InProcessGrid(client_app.app, rc, nodes)
+  with task_identity():  # a client, asked for a round
+    reply = grid.answer(
+      Message(content=RecordDict(), dst_node_id=101, message_type="train", group_id="1")
+    )
+  assert reply.has_error() and "ConfigError: " + why in reply.error.reason, reply.error.reason
+  assert "min_k N_k" in reply.error.reason
+  monkeypatch.setenv(settings.SERVER_DATA_ENV, server_npz)
+  with pytest.raises(accounting.ConfigError, match=why) as err:  # the server, at its start
+    serve_with(InProcessGrid(client_app.app, rc, nodes), rc)
+  assert err.value.field == "dp.target_epsilon" and err.value.value == 5.0
+  assert not (tmp_path / "state").exists()  # no client computed, nothing was charged
+
+
 # The hybrid (quickstart:dp) at toy size: a 1-block ConvNet of width 8, T = 2 noisy accesses
 # a round, 2 rounds, 1 server epoch; DSA as the recipe has it (matching and server on, real
 # batches off), so the clients must draw the round's shared DSA family as experiments.run does.
@@ -782,12 +870,13 @@ def _stop_at_round(server_round):
 def test_the_server_state_round_trips(tmp_path):
   import jax
 
+  from experiments import build
   from fedlap_flower import server_state, task
 
   run = settings.run_settings({"config": "quickstart:dp_loops"})
-  _, _, params = task.init_model(run.cfg, (8, 8, 1), 10)
+  params = build.init_model(run.cfg.model, (8, 8, 1), 10, jax.random.key(0)).params
   params = jax.tree.map(lambda p: p + 1.5, params)
-  chain = jax.random.split(task.initial_chain_key(3))[0]
+  chain = jax.random.split(jax.random.key(3))[0]
   labels = {2: (np.arange(4, dtype=np.int32), np.array([True, True, False, False]))}
   state = server_state.ServerState(
     4, params, chain, labels, {0: 2.5, 3: 1.25}, {"num-examples": {"1": 283}}

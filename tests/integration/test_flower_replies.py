@@ -345,8 +345,7 @@ def test_the_published_epsilon_is_the_accepted_clients_self_reports(genuine, rep
 
 def _initial_params(tmp_path, kind):
   run = settings.run_settings(_rc(tmp_path, kind))
-  test = task.load_test_split(run.cfg)
-  _, _, params = task.init_model(run.cfg, test.image_shape, test.num_classes)
+  params = task.server_run(run.cfg)[1].model.params
   return {
     k: np.asarray(v) for k, v in traverse_util.flatten_dict(jax.device_get(params), sep=".").items()
   }
