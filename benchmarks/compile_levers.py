@@ -20,6 +20,9 @@ compared with the baseline's bit for bit (``same numbers``). Levers:
 * ``paired_keys``: a client's key and its DSA family key are folded and split in one
   ``vmap``-ed PRNG call instead of two (the same numbers; valid when clients are not run
   side by side with ``vmap``, which would batch the family key).
+* ``prng_rbg``, ``prng_unsafe_rbg``: JAX's ``rbg`` / ``unsafe_rbg`` key implementations
+  (``jax_default_prng_impl``) instead of threefry: XLA's ``RngBitGenerator`` draws the bits,
+  one instruction instead of a threefry loop per draw (other numbers: another generator).
 * ``bound_no_prng``: threefry lowered to one xor per word: an upper bound of what fewer PRNG
   call sites could save, not a lever (the numbers are wrong).
 * ``bound_no_dsa``: the config without DSA augmentation: an upper bound of the DSA's share.
@@ -53,6 +56,8 @@ LEVERS = (
   "xla_cheap_llvm",
   "one_noise_draw",
   "paired_keys",
+  "prng_rbg",
+  "prng_unsafe_rbg",
   "bound_no_prng",
   "bound_no_dsa",
   "split",
@@ -71,7 +76,9 @@ def _apply_patch(lever: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  if lever == "bound_no_prng":
+  if lever in ("prng_rbg", "prng_unsafe_rbg"):
+    jax.config.update("jax_default_prng_impl", lever.removeprefix("prng_"))
+  elif lever == "bound_no_prng":
     from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
     from jax._src.random import threefry2x32  # pylint: disable=g-import-not-at-top
 
