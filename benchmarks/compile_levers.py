@@ -20,6 +20,9 @@ compared with the baseline's bit for bit (``same numbers``). Levers:
 * ``paired_keys``: a client's key and its DSA family key are folded and split in one
   ``vmap``-ed PRNG call instead of two (the same numbers; valid when clients are not run
   side by side with ``vmap``, which would batch the family key).
+* ``prng_rbg``, ``prng_unsafe_rbg``: JAX's ``rbg`` / ``unsafe_rbg`` key implementations
+  (``jax_default_prng_impl``) instead of threefry: XLA's ``RngBitGenerator`` draws the bits,
+  one instruction instead of a threefry loop per draw (other numbers: another generator).
 * ``bound_no_prng``: threefry lowered to one xor per word: an upper bound of what fewer PRNG
   call sites could save, not a lever (the numbers are wrong).
 * ``bound_no_dsa``: the config without DSA augmentation: an upper bound of the DSA's share.
@@ -53,6 +56,8 @@ LEVERS = (
   "xla_cheap_llvm",
   "one_noise_draw",
   "paired_keys",
+  "prng_rbg",
+  "prng_unsafe_rbg",
   "bound_no_prng",
   "bound_no_dsa",
   "split",
@@ -71,7 +76,9 @@ def _apply_patch(lever: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  if lever == "bound_no_prng":
+  if lever in ("prng_rbg", "prng_unsafe_rbg"):
+    jax.config.update("jax_default_prng_impl", lever.removeprefix("prng_"))
+  elif lever == "bound_no_prng":
     from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
     from jax._src.random import threefry2x32  # pylint: disable=g-import-not-at-top
 
@@ -114,6 +121,38 @@ def _apply_patch(lever: str) -> None:
     client._fold, client._split = _fold, _split  # pylint: disable=protected-access
 
 
+# The JAX random functions whose instructions count as the PRNG's (``op_name`` metadata).
+PRNG_PIECES = (
+  "_threefry_split",
+  "_threefry_fold_in",
+  "_randint",
+  "_uniform",
+  "_normal",
+  "_shuffle",
+  "_bernoulli",
+  "_random_bits",
+)
+
+
+def prng_instructions(text: str) -> dict[str, int]:
+  """Instructions of an optimised HLO module by the JAX random function they come from.
+
+  An instruction counts for the outermost ``jit(<random function>)`` named in its
+  ``op_name``; ``total`` is every instruction, ``prng`` those of any random function.
+  """
+  out = dict.fromkeys(("total", "prng", *PRNG_PIECES), 0)
+  for line in text.splitlines():
+    if " = " not in line or line.lstrip().startswith(("HloModule", "//")):
+      continue
+    out["total"] += 1
+    name = line.partition('op_name="')[2].partition('"')[0]
+    piece = next((p for p in name.split("/") if p[:4] == "jit(" and p[4:-1] in PRNG_PIECES), None)
+    if piece is not None:
+      out["prng"] += 1
+      out[piece[4:-1]] += 1
+  return out
+
+
 def _timed(jitted_call) -> tuple[dict, object]:
   """Trace, lower and compile one ``jax.stages.Traced`` producer; seconds and HLO counts."""
   t0, c0 = time.perf_counter(), time.process_time()
@@ -132,6 +171,7 @@ def _timed(jitted_call) -> tuple[dict, object]:
     "compile_cpu": c3 - c2,
     "hlo_input": compile_times.hlo_counts(lowered.as_text(dialect="hlo")),
     "hlo_optimised": compile_times.hlo_counts(compiled.as_text()),
+    "prng_instructions": prng_instructions(compiled.as_text()),
   }
   return out, compiled
 
@@ -287,6 +327,11 @@ def _measure(args, levers: list[str], work: Path) -> list[dict]:
   return results
 
 
+def _prng_share(r: dict) -> str:
+  p = r["prng_instructions"]
+  return f"PRNG {p['prng']:,} of {p['total']:,} instructions ({100 * p['prng'] / max(p['total'], 1):.0f} %)"
+
+
 def _row(r: dict) -> str:
   if "error" in r:
     return f"{r['config']} {r['lever']}: error {r['error'][-300:]}"
@@ -295,15 +340,17 @@ def _row(r: dict) -> str:
     return (
       f"{r['config']} split: client step compile {c['compile_s']:.1f} s ({c['compile_cpu']:.1f} "
       f"CPU), {c['hlo_optimised']['instructions']:,} instr, {c['hlo_optimised']['fusions']} "
-      f"fusions; server step {s['compile_s']:.1f} s ({s['compile_cpu']:.1f} CPU), "
-      f"{s['hlo_optimised']['instructions']:,} instr, {s['hlo_optimised']['fusions']} fusions"
+      f"fusions ({_prng_share(c)}); server step {s['compile_s']:.1f} s "
+      f"({s['compile_cpu']:.1f} CPU), {s['hlo_optimised']['instructions']:,} instr, "
+      f"{s['hlo_optimised']['fusions']} fusions ({_prng_share(s)})"
     )
   hin, hopt = r["hlo_input"], r["hlo_optimised"]
   later = f"later {r['later_s']:.2f} s ({r['later_cpu']:.2f} CPU)" if "later_s" in r else "not run"
   return (
     f"{r['config']} {r['lever']}: trace {r['trace_s']:.2f} lower {r['lower_s']:.2f} compile "
     f"{r['compile_s']:.1f} s ({r['compile_cpu']:.1f} CPU); HLO {hin['instructions']:,} -> "
-    f"{hopt['instructions']:,}, {hopt['fusions']} fusions, {hopt['while']} while; {later}; "
+    f"{hopt['instructions']:,}, {hopt['fusions']} fusions, {hopt['while']} while "
+    f"({_prng_share(r)}); {later}; "
     f"same numbers: {r['same_numbers']}"
   )
 
