@@ -4,12 +4,11 @@ server's state carried across rounds and restored from checkpoints (old ones inc
 (a) Passing a role's default explicitly is bit for bit the run without it (the explicit
     :func:`fedlap_jax.optim.sgd` runs through optax where the default is written out by hand).
 (b) Another optimiser changes the result, and a carried server state advances round by round.
-(c) A checkpoint of a state without ``opt_state`` (written before the field) still resumes.
+The checkpoints of the server's state (one written before ``opt_state`` included):
+``tests/integration/test_resume_opt_state.py``.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import chex
 import jax
@@ -18,7 +17,6 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import checkpointing, resume
 from fedlap_jax import baselines, federated, optim, server
 from fedlap_jax.client import client_step, local_approx
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
@@ -332,86 +330,3 @@ def test_fedlap_carries_its_server_state_only_when_asked(linear_apply_fn, linear
   assert _differs(f2.params, s2.params)  # round 2 starts from Adam's moments of round 1
   d1, _ = federated.algorithm(linear_apply_fn, PAPER, **common).round(f0, clients)
   assert _differs(d1.params, f1.params)
-
-
-# ------------------------------------------------------------------------------------------
-# (c) Checkpoints: the server's state is saved; a checkpoint from before the field resumes.
-# ------------------------------------------------------------------------------------------
-
-
-class _BaselineStateBefore(NamedTuple):
-  """BaselineState as it was before ``opt_state`` (same fields, same order)."""
-
-  params: PyTree
-  round: jax.Array
-  key: jax.Array
-  control: PyTree = None
-  client_controls: PyTree = None
-
-
-class _FedLAPStateBefore(NamedTuple):
-  params: PyTree
-  synthetic: PyTree
-  round: jax.Array
-  key: jax.Array
-
-
-def _resume(directory, template):
-  ckpt = checkpointing.Checkpointer(directory)
-  r, state, _, damaged = resume.restore_newest_valid(
-    ckpt, template, privacy={}, fields={}, fresh_ledger=None, workdir=directory
-  )
-  ckpt.close()
-  assert damaged == []
-  return r, state
-
-
-def _save(directory, round_index, state):
-  ckpt = checkpointing.Checkpointer(directory)
-  meta = {"round": round_index, "ledger": None, "privacy": {}, "config": {}}
-  ckpt.save(round_index, state, meta)
-  ckpt.close()
-
-
-def test_a_checkpoint_written_before_opt_state_resumes(
-  tmp_path, linear_apply_fn, linear_params, clients
-):
-  common = dict(
-    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
-  )
-  algo = baselines.algorithm(linear_apply_fn, FEDAVG, **common)
-  template = algo.init(jax.random.PRNGKey(11), linear_params, clients)
-  state, _ = algo.round(template, clients)
-  before = _BaselineStateBefore(*state[:5])
-  _save(tmp_path / "baseline", 1, before)
-  r, restored = _resume(tmp_path / "baseline", template)
-  assert r == 1 and restored.opt_state == ()
-  chex.assert_trees_all_equal(restored.params, state.params)
-  chex.assert_trees_all_equal(restored.key, state.key)
-  chex.assert_trees_all_equal(algo.round(restored, clients)[0], algo.round(state, clients)[0])
-
-  fl = federated.algorithm(
-    linear_apply_fn, PAPER, image_shape=clients.x.shape[2:], max_classes_per_client=10
-  )
-  template = fl.init(jax.random.PRNGKey(12), linear_params, clients)
-  _save(tmp_path / "fedlap", 0, _FedLAPStateBefore(*template[:4]))
-  r, restored = _resume(tmp_path / "fedlap", template)
-  assert r == 0 and restored.opt_state == ()
-  chex.assert_trees_all_equal(restored.synthetic, template.synthetic)
-
-
-def test_a_carried_server_state_is_checkpointed(tmp_path, linear_apply_fn, linear_params, clients):
-  common = dict(
-    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
-  )
-  algo = baselines.algorithm(linear_apply_fn, FEDAVG, server_optimizer=ADAM, **common)
-  template = algo.init(jax.random.PRNGKey(13), linear_params, clients)
-  s1, _ = algo.round(template, clients)
-  s2, _ = algo.round(s1, clients)
-  _save(tmp_path, 2, s2)
-  r, restored = _resume(tmp_path, template)
-  assert r == 2 and _count(restored.opt_state) == 2
-  chex.assert_trees_all_equal(restored.opt_state, s2.opt_state)
-  chex.assert_trees_all_equal(
-    algo.round(restored, clients)[0].params, algo.round(s2, clients)[0].params
-  )
