@@ -130,11 +130,12 @@ from fedlap_jax.config import (
   DpAccesses,
   PER_EXAMPLE_METHODS,
   DPConfig,
+  LR_SCHEDULES,
   check_poisson_capacity,
 )
 from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.models import count_params
-from fedlap_jax.training import LR_SCHEDULES, cosine_learning_rate, tree_distance
+from fedlap_jax.training import cosine_learning_rate, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
 
@@ -347,7 +348,9 @@ class BaselineConfig:
       and per-example method ``local`` uses, for DP methods (the guarantee the accountant
       reports; :func:`algorithm` requires it); ``None`` for the others, and for
       a private path outside ``DPConfig``'s range (e.g. ``sigma = 0`` in tests),
-      which then runs only through :func:`baseline_round`.
+      which then runs only through :func:`baseline_round`. ``dp`` is the source of those
+      four fields: a ``local`` that leaves them at their non-private defaults takes them
+      from ``dp``; one that sets them must set ``dp``'s values.
     lr_schedule: ``cosine`` (reference) or ``cosine_open`` (no zero-rate last
       round; :func:`~fedlap_jax.training.cosine_learning_rate`).
   """
@@ -372,8 +375,11 @@ class BaselineConfig:
     one_of("weighting", self.weighting, WEIGHTINGS)
     require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-    loc = self.local
     private = self.method in DP_METHODS
+    if private and isinstance(self.dp, DPConfig) and _dp_fields_unset(self.local):
+      # dp is the source of the private path's clip, noise, microbatch and per-example method
+      object.__setattr__(self, "local", dataclasses.replace(self.local, **_dp_fields(self.dp)))
+    loc = self.local
     require(
       not private or self.weighting == "uniform",
       "server.weighting",
@@ -415,6 +421,7 @@ class BaselineConfig:
       )
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
+      # A local path set by hand must be dp's: the accountant reports dp.
       require(
         private,
         "dp",
@@ -436,6 +443,25 @@ class BaselineConfig:
     if self.method not in DP_METHODS or self.dp is None:
       return None
     return DpAccesses(self.dp, self.local.batch_size, self.local.scheduled_steps())
+
+
+_DP_FIELDS = ("l2_clip_norm", "noise_multiplier", "microbatch_size", "per_example_method")
+_NON_PRIVATE = {
+  f.name: f.default for f in dataclasses.fields(LocalTraining) if f.name in _DP_FIELDS
+}
+
+
+def _dp_fields(dp: DPConfig) -> dict:
+  """The :class:`LocalTraining` fields of the private path that ``dp`` sets."""
+  return {f: getattr(dp, f) for f in _DP_FIELDS}
+
+
+def _dp_fields_unset(local: LocalTraining) -> bool:
+  """``local``'s private-path fields are all at their non-private defaults (and its
+  ``gradient_mean`` allows clipping), so :class:`BaselineConfig` may take them from ``dp``."""
+  return local.gradient_mean in (None, "expected") and all(
+    getattr(local, f) == v for f, v in _NON_PRIVATE.items()
+  )
 
 
 # --------------------------------------------------------------------------
@@ -954,8 +980,8 @@ def baseline_config(
   """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
   Fills in what the method implies: FedSGD one step per round, FedProx's
-  ``mu`` only for the prox methods, SCAFFOLD's control variates, the private
-  path's clip and noise from ``dp``.
+  ``mu`` only for the prox methods, SCAFFOLD's control variates; the private
+  path's clip and noise come from ``dp`` (:class:`BaselineConfig`).
 
   Args:
     method: one of :data:`METHODS`.
@@ -1006,14 +1032,11 @@ def baseline_config(
     max_client_size=max_client_size,
     poisson_capacity=poisson_capacity,
     prox_mu=prox_mu if method in PROX_METHODS else 0.0,
-    l2_clip_norm=dp.l2_clip_norm if dp is not None else None,
-    noise_multiplier=dp.noise_multiplier if dp is not None else 0.0,
-    microbatch_size=dp.microbatch_size if dp is not None else None,
-    per_example_method=dp.per_example_method if dp is not None else "auto",
     gradient_mean=gradient_mean,
     control_variates=method == "scaffold",
     dsa_strategy=dsa_strategy,
     track_loss=track_loss,
+    **({} if dp is None else _dp_fields(dp)),
   )
   if uniform_steps and method != "fedsgd":
     require(
