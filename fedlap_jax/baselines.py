@@ -1104,7 +1104,7 @@ def algorithm(
       :func:`fedlap_jax.participation.sampled_round`, which also carries the
       unsampled clients' control variates unchanged.
     client_optimizer, server_optimizer: the clients' and the server's directions
-      (:func:`baseline_round`; ``None``: SGD written out, today's updates). Static
+      (:func:`baseline_round`; ``None``: SGD written out). Static
       arguments of the shared jit that hash by identity: build each once and pass the same
       object to every algorithm that should share a compilation.
 

@@ -168,7 +168,7 @@ class LocalProblem(NamedTuple):
     optimizer: the images' ``optax.GradientTransformation``.
     model_optimizer: the model's direction (an ``optax.GradientTransformation`` before the
       rate, :mod:`fedlap_jax.optim`), stepped at ``learning_rate``; ``None``: plain SGD,
-      today's update written out.
+      the update written out (``w - eta_m g``).
   """
 
   apply_fn: ApplyFn
@@ -685,8 +685,8 @@ def local_approx(
       hashes by identity: build it once).
     model_optimizer: the direction of the model's steps along a trajectory (the ``R_l``
       synthetic epochs, or ``noisy_real``'s step), an ``optax.GradientTransformation``
-      before the rate ``eta_m`` (:mod:`fedlap_jax.optim`); ``None``: plain SGD, today's
-      update. The radius calibration (:func:`fedlap_jax.radius.calibrate_radius`) keeps
+      before the rate ``eta_m`` (:mod:`fedlap_jax.optim`); ``None``: plain SGD.
+      The radius calibration (:func:`fedlap_jax.radius.calibrate_radius`) keeps
       plain SGD.
 
   Returns:
@@ -845,7 +845,7 @@ def client_step(
     init_key: the key of the real images under ``synthetic_init='real'``
       (required then); ignored under ``'noise'``.
     client_axis, image_optimizer, model_optimizer: see :func:`local_approx` (``None``:
-      the defaults of :mod:`fedlap_jax.optim`, today's updates).
+      the defaults of :mod:`fedlap_jax.optim`).
 
   Returns:
     ``(ClientUpdate, LocalApproxMetrics)``; the metrics' ``model_delta`` is

@@ -212,7 +212,7 @@ def fedlap_round(
     image_optimizer, model_optimizer: the clients' optimisers of the synthetic images and
       of the model (:func:`fedlap_jax.client.client_step`); server_optimizer: the server's
       direction (:func:`fedlap_jax.server.server_step_with_state`). ``None``: the defaults
-      of :mod:`fedlap_jax.optim` (today's updates). Static (they hash by identity).
+      of :mod:`fedlap_jax.optim`. Static (they hash by identity).
     carry_server_state: start the server's optimiser from ``state.opt_state`` and carry its
       state to the next round (FedOpt-style); ``False`` (the paper): a fresh optimiser
       every round, ``state.opt_state`` stays ``()``. Static.

@@ -1,24 +1,17 @@
-"""Optimisers as optax values: each role's default, derived from today's numeric fields.
+"""Optimisers as optax values: each role's default, derived from the config's numbers.
 
 Every optimiser of the library is an ``optax.GradientTransformation`` passed in by the caller
 (``None``: the role's default below). The numeric config fields *are* the SGD spec of the
 defaults; nothing else names them:
 
-=====================================  ===================================  ====================
-role                                   default                              from
-=====================================  ===================================  ====================
-FedLAP synthetic images                ``optax.sgd(tau, momentum)``         ``client.image_lr``,
-                                       (:func:`image_sgd`)                  ``image_momentum``
-FedLAP client model (synthetic epochs  :func:`sgd` (plain SGD), at ``eta_m``  --
-and ``noisy_real`` steps)
-FedLAP / FedDM / DSC / PSG server      :func:`sgd` ``(momentum,             ``server.momentum``,
-                                       weight_decay)`` at the server rate   ``weight_decay``
-FedAvg family client model             :func:`sgd` at ``eta_m``             --
-FedAvg family server                   :func:`sgd` at ``server_lr``, on     ``server_lr``
-                                       the negated weighted mean delta
-FedDM / DSC / PSG images               :func:`image_sgd`                    ``image_lr``,
-                                       ``image_momentum``
-=====================================  ===================================  ====================
+* FedLAP's synthetic images, and FedDM's, DSC's and PSG's: :func:`image_sgd` of
+  ``image_lr`` and ``image_momentum`` (``optax.sgd(tau, momentum)``).
+* FedLAP's client model (the synthetic epochs, the ``noisy_real`` steps) and the FedAvg
+  family's client: plain SGD at ``eta_m`` (:func:`sgd`).
+* The servers that train on synthetic sets (FedLAP, FedDM, DSC, PSG): :func:`server_direction`
+  of ``server.momentum`` and ``server.weight_decay`` at the server's rate.
+* The FedAvg family's server: plain SGD at ``server_lr`` on the negated weighted mean delta
+  (``x + server_lr * d``).
 
 **Directions and rates.** The images' rate ``tau`` is a constant, so their optimiser is a
 whole transformation, rate included (``optax.sgd(tau, ...)``, ``optax.adam(1e-2)``). The model
@@ -36,9 +29,9 @@ functions, so two ``optax.scale_by_adam()`` calls are two compilations. Build on
 (the seeds of a sweep, a resumed run); :func:`sgd` is memoised, so equal arguments return the
 same object.
 
-**Bit-equality with today.** ``with_rate(sgd(m, wd), lr)`` applies the operations of
+**Bit-equality with the updates written out.** ``with_rate(sgd(m, wd), lr)`` applies the operations of
 ``chain(add_decayed_weights(wd), optax.sgd(lr, momentum=m))`` (``g + wd w``, ``g + m t``,
-``-lr u``) in the same order. The hand-written plain-SGD updates of today (the FedAvg client
+``-lr u``) in the same order. The hand-written plain-SGD updates (the FedAvg client
 step ``w - eta g``, its server step ``x + eta_s d``, FedLAP's ``noisy_real`` step) stay the
 defaults written out as they are (``optimizer=None``); an explicit :func:`sgd` runs through
 optax and gives the same bits (``w + (-eta) g``; negation is exact), which
