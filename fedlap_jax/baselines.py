@@ -781,7 +781,7 @@ def server_step_with_state(
 
 
 def server_state(
-  params: PyTree, config: BaselineConfig, optimizer: optax.GradientTransformation | None
+  params: PyTree, config: BaselineConfig, optimizer: optax.GradientTransformation | None = None
 ) -> optax.OptState:
   """The server optimiser's state before round 1: ``()`` for the default (``None``), else
   ``optim.with_rate(optimizer, server_lr).init(params)``."""

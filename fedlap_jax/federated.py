@@ -119,7 +119,7 @@ def init_state(
       " rate q = batch_size / N_k must be <= 1)",
     )
   synthetic, k_state = initial_synthetic(key, clients, config.client.ipc, config.synthetic_init)
-  opt_state = server_state(params, server_optimizer, config.server) if carry_server_state else ()
+  opt_state = server_state(params, config.server, server_optimizer) if carry_server_state else ()
   return FedLAPState(params, synthetic, jnp.int32(0), k_state, opt_state)
 
 

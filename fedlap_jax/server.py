@@ -207,7 +207,7 @@ def global_update_with_state(
 
 
 def server_state(
-  params: PyTree, optimizer: optax.GradientTransformation | None, config: ServerConfig
+  params: PyTree, config: ServerConfig, optimizer: optax.GradientTransformation | None = None
 ) -> optax.OptState:
   """The fresh state of the server's optimiser for ``params`` (``optimizer=None``: the
   default of :func:`global_update_with_state`; SGD without momentum has no leaves)."""
