@@ -685,9 +685,11 @@ def local_approx(
       hashes by identity: build it once).
     model_optimizer: the direction of the model's steps along a trajectory (the ``R_l``
       synthetic epochs, or ``noisy_real``'s step), an ``optax.GradientTransformation``
-      before the rate ``eta_m`` (:mod:`fedlap_jax.optim`); ``None``: plain SGD.
-      The radius calibration (:func:`fedlap_jax.radius.calibrate_radius`) keeps
-      plain SGD.
+      before the rate ``eta_m`` (:mod:`fedlap_jax.optim`); ``None``: plain SGD. Its state
+      starts afresh at each while-loop iteration's model step (carried over that step's
+      ``R_l`` epochs; ``noisy_real``: one update from a fresh state, so momentum has
+      nothing to accumulate). The radius calibration
+      (:func:`fedlap_jax.radius.calibrate_radius`) keeps plain SGD.
 
   Returns:
     ``(synthetic, r_k, metrics)``: the optimised synthetic set (labels and mask
