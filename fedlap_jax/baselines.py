@@ -25,6 +25,14 @@ its model ``y_k``) and :func:`server_step` (the weighted FedAvg step), as in
 FedJAX's ``FederatedAlgorithm`` and Flower's baselines; :func:`baseline_round`
 and the Flower app's FedAvg both run exactly these two.
 
+Optimisers. The client's local steps and the server's step are SGD written out by
+default; any optax direction (:mod:`fedlap_jax.optim`: the transformation before the rate)
+may replace either (``client_optimizer`` / ``server_optimizer`` of :func:`baseline_round`
+and :func:`algorithm`). The client's state starts afresh every round on every client; the
+server's (FedOpt: Reddi et al., ICLR 2021) acts on the negated weighted mean delta ``-sum_k
+w_k (y_k - x)`` at rate ``server_lr`` and is carried across rounds in
+:attr:`BaselineState.opt_state` (``optax.scale_by_adam()`` there is FedAdam's server).
+
 Methods (hyperparameters as in the reference implementation):
 
 * ``fedavg`` (McMahan et al., 2017): ``local_epochs`` epochs of SGD with Poisson
@@ -91,8 +99,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from fedlap_jax import privacy
+from fedlap_jax import optim, privacy
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
@@ -121,11 +130,12 @@ from fedlap_jax.config import (
   DpAccesses,
   PER_EXAMPLE_METHODS,
   DPConfig,
+  LR_SCHEDULES,
   check_poisson_capacity,
 )
 from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.models import count_params
-from fedlap_jax.training import LR_SCHEDULES, cosine_learning_rate, tree_distance
+from fedlap_jax.training import cosine_learning_rate, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
 
@@ -150,7 +160,9 @@ __all__ = [
   "learning_rate",
   "round_key",
   "round_keys",
+  "server_state",
   "server_step",
+  "server_step_with_state",
   "step_keys",
   "steps_per_epoch",
 ]
@@ -336,7 +348,9 @@ class BaselineConfig:
       and per-example method ``local`` uses, for DP methods (the guarantee the accountant
       reports; :func:`algorithm` requires it); ``None`` for the others, and for
       a private path outside ``DPConfig``'s range (e.g. ``sigma = 0`` in tests),
-      which then runs only through :func:`baseline_round`.
+      which then runs only through :func:`baseline_round`. ``dp`` is the source of those
+      four fields: a ``local`` that leaves them at their non-private defaults takes them
+      from ``dp``; one that sets them must set ``dp``'s values.
     lr_schedule: ``cosine`` (reference) or ``cosine_open`` (no zero-rate last
       round; :func:`~fedlap_jax.training.cosine_learning_rate`).
   """
@@ -361,8 +375,11 @@ class BaselineConfig:
     one_of("weighting", self.weighting, WEIGHTINGS)
     require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-    loc = self.local
     private = self.method in DP_METHODS
+    if private and isinstance(self.dp, DPConfig) and _dp_fields_unset(self.local):
+      # dp is the source of the private path's clip, noise, microbatch and per-example method
+      object.__setattr__(self, "local", dataclasses.replace(self.local, **_dp_fields(self.dp)))
+    loc = self.local
     require(
       not private or self.weighting == "uniform",
       "server.weighting",
@@ -404,6 +421,7 @@ class BaselineConfig:
       )
     if self.dp is not None:
       require(isinstance(self.dp, DPConfig), "dp", self.dp, "a DPConfig or None")
+      # A local path set by hand must be dp's: the accountant reports dp.
       require(
         private,
         "dp",
@@ -427,6 +445,25 @@ class BaselineConfig:
     return DpAccesses(self.dp, self.local.batch_size, self.local.scheduled_steps())
 
 
+_DP_FIELDS = ("l2_clip_norm", "noise_multiplier", "microbatch_size", "per_example_method")
+_NON_PRIVATE = {
+  f.name: f.default for f in dataclasses.fields(LocalTraining) if f.name in _DP_FIELDS
+}
+
+
+def _dp_fields(dp: DPConfig) -> dict:
+  """The :class:`LocalTraining` fields of the private path that ``dp`` sets."""
+  return {f: getattr(dp, f) for f in _DP_FIELDS}
+
+
+def _dp_fields_unset(local: LocalTraining) -> bool:
+  """``local``'s private-path fields are all at their non-private defaults (and its
+  ``gradient_mean`` allows clipping), so :class:`BaselineConfig` may take them from ``dp``."""
+  return local.gradient_mean in (None, "expected") and all(
+    getattr(local, f) == v for f, v in _NON_PRIVATE.items()
+  )
+
+
 # --------------------------------------------------------------------------
 # State and metrics.
 # --------------------------------------------------------------------------
@@ -442,6 +479,10 @@ class BaselineState(NamedTuple):
     control: SCAFFOLD's server control variate ``c`` (like ``params``);
       ``None`` for the other methods.
     client_controls: SCAFFOLD's ``c_k``, leaves ``(K, ...)``; ``None`` otherwise.
+    opt_state: the server optimiser's state, carried across rounds
+      (:func:`server_step_with_state`); ``()`` for the default (SGD written out: nothing to carry). Last, so the checkpoint
+      leaves of the other fields keep their names and a checkpoint written before the
+      field restores.
   """
 
   params: PyTree
@@ -449,6 +490,7 @@ class BaselineState(NamedTuple):
   key: jax.Array
   control: PyTree = None
   client_controls: PyTree = None
+  opt_state: PyTree = ()
 
 
 class ClientMetrics(NamedTuple):
@@ -542,6 +584,7 @@ def client_update(
   local: LocalTraining,
   num_steps: int,
   correction: PyTree | None = None,
+  optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[PyTree, ClientMetrics]:
   """Local training of one client from the global model ``x``.
 
@@ -563,6 +606,9 @@ def client_update(
     num_steps: static loop bound ``T``; steps ``s >= T_k`` are skipped.
     correction: SCAFFOLD's ``c - c_k`` (like ``params``), added to every
       gradient; required iff ``local.control_variates``.
+    optimizer: the local steps' direction, an ``optax.GradientTransformation`` before the
+      rate ``eta_m`` (:mod:`fedlap_jax.optim`), its state fresh for this client and round;
+      ``None``: SGD written out, ``y <- y - eta_m g``. Static under jit (hashes by identity).
 
   Returns:
     ``(y_k, ClientMetrics)``.
@@ -596,9 +642,10 @@ def client_update(
   active_steps = local.client_steps(n_k)
   query = local.gradient
   f32 = jnp.float32
+  opt = None if optimizer is None else optim.with_rate(optimizer, learning_rate)
 
   def step(s, carry):
-    w, loss_sum, extra, sampled, clipped = carry
+    w, loss_sum, extra, sampled, clipped, opt_state = carry
     # Every sampled record counts, also when the draw overflows the buffer.
     real = privacy.poisson_gradient(query, jax.random.fold_in(key, s), apply_fn, w, data)
     g = real.gradient
@@ -607,7 +654,11 @@ def client_update(
       g = jax.tree.map(lambda gi, wi, xi: gi + 2.0 * local.prox_mu * (wi - xi), g, w, global_params)
     if correction is not None:
       g = jax.tree.map(jnp.add, g, correction)
-    w = jax.tree.map(lambda wi, gi: wi - learning_rate * gi, w, g)
+    if opt is None:
+      w = jax.tree.map(lambda wi, gi: wi - learning_rate * gi, w, g)
+    else:
+      updates, opt_state = opt.update(g, opt_state, w)
+      w = optax.apply_updates(w, updates)
     batch_loss = f32(0.0) if real.loss_sum is None else real.loss_sum
     return (
       w,
@@ -615,6 +666,7 @@ def client_update(
       extra + real.extra_chunks,
       sampled + real.batch_size,
       clipped + real.clipped,
+      opt_state,
     )
 
   def body(s, carry):
@@ -622,8 +674,9 @@ def client_update(
     # the result is selected, under lax.map the skip saves the work.
     return jax.lax.cond(s < active_steps, functools.partial(step, s), lambda c: c, carry)
 
-  init = (global_params, f32(0.0), jnp.int32(0), jnp.int32(0), f32(0.0))
-  w, loss_sum, extra, sampled, clipped = jax.lax.fori_loop(0, num_steps, body, init)
+  opt_state = () if opt is None else opt.init(global_params)
+  init = (global_params, f32(0.0), jnp.int32(0), jnp.int32(0), f32(0.0), opt_state)
+  w, loss_sum, extra, sampled, clipped, _ = jax.lax.fori_loop(0, num_steps, body, init)
   taken = jnp.minimum(active_steps, num_steps).astype(jnp.int32)
   metrics = ClientMetrics(  # type: ignore[call-arg]  # (NONPRIVATE is no field)
     loss=loss_sum / jnp.maximum(taken, 1),
@@ -646,12 +699,14 @@ def client_step(
   learning_rate,
   num_steps: int | None = None,
   correction: PyTree | None = None,
+  optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[PyTree, ClientMetrics]:
   """What one client of a baseline computes and sends: its model ``y_k`` after local training.
 
   :func:`client_update` with ``config.local``; ``num_steps`` (the static
   ``T``) defaults to ``config.local.scheduled_steps`` of the padded client
-  size ``data.mask.shape[0]``. Pure and jit-compatible (``config`` static).
+  size ``data.mask.shape[0]``; ``optimizer``: the local steps' direction (``None``: SGD;
+  :func:`client_update`). Pure and jit-compatible (``config`` static).
   The counterpart of :func:`server_step`; :func:`baseline_round` runs both.
   NumPy arguments are copied to the device first (:func:`~fedlap_jax.client_data.on_device`).
   """
@@ -667,6 +722,7 @@ def client_step(
     local=config.local,
     num_steps=num_steps,
     correction=correction,
+    optimizer=optimizer,
   )
 
 
@@ -679,6 +735,61 @@ def _weighted_sum(weights: jax.Array, stacked: PyTree) -> PyTree:
   return jax.tree.map(lambda a: jnp.tensordot(weights, a, axes=1), stacked)
 
 
+def server_step_with_state(
+  params: PyTree,
+  client_params: PyTree,
+  config: BaselineConfig,
+  opt_state: optax.OptState,
+  *,
+  num_records: jax.Array | None = None,
+  optimizer: optax.GradientTransformation | None = None,
+) -> tuple[PyTree, optax.OptState, jax.Array]:
+  """The server's step on the weighted mean delta ``d = sum_k w_k (y_k - x)``, ``sum_k w_k = 1``.
+
+  Default (``optimizer=None``): FedAvg's ``x + eta_s d``, written out; ``opt_state`` comes
+  back unchanged. Otherwise one step of ``optim.with_rate(optimizer, eta_s)`` on the
+  pseudo-gradient ``-d`` from ``opt_state`` (FedOpt; :func:`fedlap_jax.optim.sgd` gives
+  ``x + eta_s d`` again, bit for bit).
+
+  Args:
+    params: the global model ``x``.
+    client_params: the clients' models ``y_k`` (:func:`client_step`), leaves ``(K, ...)``.
+    config: :class:`BaselineConfig` (static): ``weighting`` and ``server_lr``.
+    opt_state: the server optimiser's state (:attr:`BaselineState.opt_state`;
+      :func:`server_state` before round 1).
+    num_records: ``(K,)`` the clients' ``N_k``; required with ``weighting='size'``
+      (:func:`fedlap_jax.dispatch.client_weights`).
+    optimizer: the server's direction (an ``optax.GradientTransformation`` before the rate;
+      static under jit, hashes by identity).
+
+  Returns:
+    ``(new_params, opt_state, w)``: the new global model, the optimiser's new state and the
+    normalised ``(K,)`` weights.
+  """
+  weights = client_weights(
+    config.weighting, num_records, num_clients=jax.tree.leaves(client_params)[0].shape[0]
+  )
+  weights = weights / jnp.sum(weights)
+  deltas = jax.tree.map(lambda y, xi: y - xi[None], client_params, params)
+  mean_delta = _weighted_sum(weights, deltas)
+  if optimizer is None:
+    new = jax.tree.map(lambda xi, d: xi + config.server_lr * d, params, mean_delta)
+    return new, opt_state, weights
+  opt = optim.with_rate(optimizer, config.server_lr)
+  updates, opt_state = opt.update(jax.tree.map(jnp.negative, mean_delta), opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, weights
+
+
+def server_state(
+  params: PyTree, config: BaselineConfig, optimizer: optax.GradientTransformation | None = None
+) -> optax.OptState:
+  """The server optimiser's state before round 1: ``()`` for the default (``None``), else
+  ``optim.with_rate(optimizer, server_lr).init(params)``."""
+  if optimizer is None:
+    return ()
+  return optim.with_rate(optimizer, config.server_lr).init(params)
+
+
 def server_step(
   params: PyTree,
   client_params: PyTree,
@@ -687,6 +798,8 @@ def server_step(
   num_records: jax.Array | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """The server's weighted FedAvg step: ``x + eta_s sum_k w_k (y_k - x)``, ``sum_k w_k = 1``.
+
+  :func:`server_step_with_state` with the default optimiser (no state).
 
   Args:
     params: the global model ``x``.
@@ -698,13 +811,10 @@ def server_step(
   Returns:
     ``(new_params, w)``: the new global model and the normalised ``(K,)`` weights.
   """
-  weights = client_weights(
-    config.weighting, num_records, num_clients=jax.tree.leaves(client_params)[0].shape[0]
+  params, _, weights = server_step_with_state(
+    params, client_params, config, (), num_records=num_records
   )
-  weights = weights / jnp.sum(weights)
-  deltas = jax.tree.map(lambda y, xi: y - xi[None], client_params, params)
-  mean_delta = _weighted_sum(weights, deltas)
-  return jax.tree.map(lambda xi, d: xi + config.server_lr * d, params, mean_delta), weights
+  return params, weights
 
 
 def baseline_round(
@@ -716,6 +826,8 @@ def baseline_round(
   client_backend: str = "auto",
   mesh: Any = None,
   control_scale: float = 1.0,
+  client_optimizer: optax.GradientTransformation | None = None,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[BaselineState, BaselineRoundMetrics]:
   """One communication round of a baseline over the clients it is given.
 
@@ -737,6 +849,10 @@ def baseline_round(
       (:func:`fedlap_jax.participation.sampled_round`), as in Karimireddy et
       al. (2020), eq. (5): ``c += (|S| / N) mean_{i in S} delta_c_i``, which
       with uniform weights is exactly that. Static.
+    client_optimizer: the clients' local direction (:func:`client_update`; fresh state per
+      client and round; SCAFFOLD's option-II variate update still reads ``(x - y_k) / (T_k
+      eta_m)``); server_optimizer: the server's (:func:`server_step_with_state`; its state
+      ``state.opt_state`` carried). ``None``: SGD written out. Static (hash by identity).
 
   Returns:
     ``(new_state, BaselineRoundMetrics)``.
@@ -758,7 +874,15 @@ def baseline_round(
   def run(args, x, lr):
     k, data, corr = args
     return client_step(
-      k, apply_fn, x, data, config, learning_rate=lr, num_steps=num_steps, correction=corr
+      k,
+      apply_fn,
+      x,
+      data,
+      config,
+      learning_rate=lr,
+      num_steps=num_steps,
+      correction=corr,
+      optimizer=client_optimizer,
     )
 
   ys, client_metrics = run_clients(
@@ -768,7 +892,9 @@ def baseline_round(
     client_backend=client_backend,
     mesh=mesh,
   )
-  params, weights = server_step(x, ys, config, num_records=record_counts(clients))
+  params, opt_state, weights = server_step_with_state(
+    x, ys, config, state.opt_state, num_records=record_counts(clients), optimizer=server_optimizer
+  )
 
   control, client_controls = state.control, state.client_controls
   control_norm = jnp.float32(0.0)
@@ -786,7 +912,7 @@ def baseline_round(
     control = jax.tree.map(jnp.add, control, step)
     control_norm = tree_distance(control, jax.tree.map(jnp.zeros_like, control))
 
-  new_state = BaselineState(params, m, key, control, client_controls)
+  new_state = BaselineState(params, m, key, control, client_controls, opt_state)
   metrics = BaselineRoundMetrics(client_metrics, lr, tree_distance(params, x), control_norm)
   return new_state, metrics
 
@@ -794,21 +920,37 @@ def baseline_round(
 # One jit shared by every algorithm built here: runs with equal configs (and the
 # same ``apply_fn`` object) share one compilation; a run compiles once.
 _round_jit = jax.jit(
-  baseline_round, static_argnames=("apply_fn", "config", "client_backend", "mesh", "control_scale")
+  baseline_round,
+  static_argnames=(
+    "apply_fn",
+    "config",
+    "client_backend",
+    "mesh",
+    "control_scale",
+    "client_optimizer",
+    "server_optimizer",
+  ),
 )
 
 
 def init_baseline_state(
-  key: jax.Array, params: PyTree, clients: ClientData, config: BaselineConfig
+  key: jax.Array,
+  params: PyTree,
+  clients: ClientData,
+  config: BaselineConfig,
+  *,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> BaselineState:
-  """The state before round 1 (SCAFFOLD: all control variates zero)."""
+  """The state before round 1 (SCAFFOLD: all control variates zero; the server optimiser's
+  fresh state, :func:`server_state`)."""
   if config.local.control_variates:
     k = clients.mask.shape[0]
     control = jax.tree.map(jnp.zeros_like, params)
     client_controls = jax.tree.map(lambda p: jnp.zeros((k, *p.shape), p.dtype), params)
   else:
     control = client_controls = None
-  return BaselineState(params, jnp.int32(0), key, control, client_controls)
+  opt_state = server_state(params, config, server_optimizer)
+  return BaselineState(params, jnp.int32(0), key, control, client_controls, opt_state)
 
 
 # --------------------------------------------------------------------------
@@ -838,8 +980,8 @@ def baseline_config(
   """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
   Fills in what the method implies: FedSGD one step per round, FedProx's
-  ``mu`` only for the prox methods, SCAFFOLD's control variates, the private
-  path's clip and noise from ``dp``.
+  ``mu`` only for the prox methods, SCAFFOLD's control variates; the private
+  path's clip and noise come from ``dp`` (:class:`BaselineConfig`).
 
   Args:
     method: one of :data:`METHODS`.
@@ -890,14 +1032,11 @@ def baseline_config(
     max_client_size=max_client_size,
     poisson_capacity=poisson_capacity,
     prox_mu=prox_mu if method in PROX_METHODS else 0.0,
-    l2_clip_norm=dp.l2_clip_norm if dp is not None else None,
-    noise_multiplier=dp.noise_multiplier if dp is not None else 0.0,
-    microbatch_size=dp.microbatch_size if dp is not None else None,
-    per_example_method=dp.per_example_method if dp is not None else "auto",
     gradient_mean=gradient_mean,
     control_variates=method == "scaffold",
     dsa_strategy=dsa_strategy,
     track_loss=track_loss,
+    **({} if dp is None else _dp_fields(dp)),
   )
   if uniform_steps and method != "fedsgd":
     require(
@@ -936,6 +1075,8 @@ def algorithm(
   client_backend: str = "auto",
   mesh: Any = None,
   clients_per_round: int | None = None,
+  client_optimizer: optax.GradientTransformation | None = None,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> FederatedAlgorithm:
   """A baseline as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
 
@@ -962,6 +1103,10 @@ def algorithm(
       :func:`baseline_round`); the round is run on the sampled clients by
       :func:`fedlap_jax.participation.sampled_round`, which also carries the
       unsampled clients' control variates unchanged.
+    client_optimizer, server_optimizer: the clients' and the server's directions
+      (:func:`baseline_round`; ``None``: SGD written out). Static
+      arguments of the shared jit that hash by identity: build each once and pass the same
+      object to every algorithm that should share a compilation.
 
   Returns:
     The :class:`FederatedAlgorithm`; its ``mechanism`` (:func:`dp_mechanism`) holds ``T`` for DP
@@ -1026,7 +1171,7 @@ def algorithm(
         f"({int(sizes.min())} records); allowed under DP: B <= min_k N_k "
         "(the sampling rate q = B / N_k must be <= 1)"
       )
-    return init_baseline_state(key, params, clients, config)
+    return init_baseline_state(key, params, clients, config, server_optimizer=server_optimizer)
 
   round_fn = functools.partial(
     _round_jit,
@@ -1035,6 +1180,8 @@ def algorithm(
     client_backend=client_backend,
     mesh=mesh,
     control_scale=control_scale,
+    client_optimizer=client_optimizer,
+    server_optimizer=server_optimizer,
   )
   return FederatedAlgorithm(
     name=method,

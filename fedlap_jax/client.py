@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedlap_jax import privacy
+from fedlap_jax import optim, privacy
 from fedlap_jax.client_data import (
   ClientData,
   SyntheticSet,
@@ -71,7 +71,7 @@ from fedlap_jax.config import ClientConfig, FedLAPConfig
 from fedlap_jax.matching import matching_step
 from fedlap_jax.radius import calibrate_radius
 from fedlap_jax.synthetic import real_images
-from fedlap_jax.training import sgd_epoch, tree_distance
+from fedlap_jax.training import sgd_epoch, train_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
 
@@ -117,8 +117,8 @@ class LocalApproxMetrics(NamedTuple):
 
 def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
   """The paper's optimiser of the synthetic images: SGD at ``tau`` (``image_lr``) with
-  momentum ``image_momentum`` (0.5)."""
-  return optax.sgd(config.image_lr, momentum=config.image_momentum or None)
+  momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`)."""
+  return optim.image_sgd(config.image_lr, config.image_momentum)
 
 
 # A client's keys travel as a pair ``(client key, family key or None)``: the same
@@ -166,6 +166,9 @@ class LocalProblem(NamedTuple):
     config: :class:`ClientConfig` (static).
     learning_rate: the model's step size ``eta_m`` (may be traced).
     optimizer: the images' ``optax.GradientTransformation``.
+    model_optimizer: the model's direction (an ``optax.GradientTransformation`` before the
+      rate, :mod:`fedlap_jax.optim`), stepped at ``learning_rate``; ``None``: plain SGD,
+      the update written out (``w - eta_m g``).
   """
 
   apply_fn: ApplyFn
@@ -175,6 +178,7 @@ class LocalProblem(NamedTuple):
   config: ClientConfig
   learning_rate: jax.Array
   optimizer: optax.GradientTransformation
+  model_optimizer: optax.GradientTransformation | None = None
 
 
 class AccessStats(NamedTuple):
@@ -384,10 +388,35 @@ def synthetic_epochs(
 ) -> PyTree:
   """``R_l`` epochs of SGD of the model on the synthetic set (batch ``model_batch_size``, DSA).
 
-  Epoch ``e`` uses the keys ``fold_in(fold_in(keys, batch_loop), e)``.
+  Epoch ``e`` uses the keys ``fold_in(fold_in(keys, batch_loop), e)``. With
+  ``problem.model_optimizer`` set, its steps at ``eta_m`` replace SGD's; its state starts
+  afresh at each call (one while-loop iteration's model step) and carries over its ``R_l``
+  epochs.
   """
   c = problem.config
   weights = problem.synthetic.mask.astype(jnp.float32)
+  if problem.model_optimizer is not None:
+    optimizer = optim.with_rate(problem.model_optimizer, problem.learning_rate)
+
+    def optax_epoch(e, carry):
+      k, f = _fold(_fold(keys, c.batch_loop), e)
+      w, opt_state = carry
+      w, opt_state, _ = train_epoch(
+        k,
+        problem.apply_fn,
+        w,
+        opt_state,
+        images,
+        problem.synthetic.y,
+        weights,
+        optimizer=optimizer,
+        batch_size=c.model_batch_size,
+        dsa_strategy=c.dsa_strategy,
+        family_key=f,
+      )
+      return w, opt_state
+
+    return jax.lax.fori_loop(0, c.inner_loop, optax_epoch, (params, optimizer.init(params)))[0]
 
   def epoch(e, w):
     k, f = _fold(_fold(keys, c.batch_loop), e)
@@ -426,8 +455,15 @@ def noisy_real_step(
   problem: LocalProblem, keys: tuple, iteration, params: PyTree, images: jax.Array, gradient: PyTree
 ) -> PyTree:
   """``model_steps='noisy_real'``: ``w <- w - eta_m g`` along the iteration's mean noisy real
-  gradient (a DP-SGD step on released values), after every iteration, the last included."""
+  gradient (a DP-SGD step on released values), after every iteration, the last included.
+  With ``problem.model_optimizer`` set, one step of it at ``eta_m`` instead, from a fresh
+  state (a stateless direction such as weight decay changes the step; momentum has nothing
+  to accumulate in one step)."""
   del keys, iteration, images
+  if problem.model_optimizer is not None:
+    optimizer = optim.with_rate(problem.model_optimizer, problem.learning_rate)
+    updates, _ = optimizer.update(gradient, optimizer.init(params), params)
+    return optax.apply_updates(params, updates)
   return jax.tree.map(lambda p, g: p - problem.learning_rate * g, params, gradient)
 
 
@@ -605,6 +641,7 @@ def local_approx(
   family_key: jax.Array | None = None,
   client_axis: str | None = None,
   image_optimizer: optax.GradientTransformation | None = None,
+  model_optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[SyntheticSet, jax.Array, LocalApproxMetrics]:
   """Local approximation on one client: Algorithm 1 (``config.dp is None``) or 3.
 
@@ -644,7 +681,15 @@ def local_approx(
       Same numbers as ``None`` for every client, up to float rounding.
     image_optimizer: the ``optax.GradientTransformation`` of the synthetic
       images (its state lives across the ``R_i`` trajectories); ``None``: the
-      paper's :func:`default_image_optimizer`.
+      paper's :func:`default_image_optimizer`. A jit static where the caller jits (it
+      hashes by identity: build it once).
+    model_optimizer: the direction of the model's steps along a trajectory (the ``R_l``
+      synthetic epochs, or ``noisy_real``'s step), an ``optax.GradientTransformation``
+      before the rate ``eta_m`` (:mod:`fedlap_jax.optim`); ``None``: plain SGD. Its state
+      starts afresh at each while-loop iteration's model step (carried over that step's
+      ``R_l`` epochs; ``noisy_real``: one update from a fresh state, so momentum has
+      nothing to accumulate). The radius calibration
+      (:func:`fedlap_jax.radius.calibrate_radius`) keeps plain SGD.
 
   Returns:
     ``(synthetic, r_k, metrics)``: the optimised synthetic set (labels and mask
@@ -679,7 +724,9 @@ def local_approx(
     family_key = None
   elif family_key is None:
     family_key = shared_family_key(key)
-  problem = LocalProblem(apply_fn, params, synthetic, client_data, c, learning_rate, optimizer)
+  problem = LocalProblem(
+    apply_fn, params, synthetic, client_data, c, learning_rate, optimizer, model_optimizer
+  )
   pieces = recipe(c)
 
   def iteration(keys_o, o, w, images, opt_state, stats):
@@ -777,6 +824,8 @@ def client_step(
   family_key: jax.Array | None = None,
   init_key: jax.Array | None = None,
   client_axis: str | None = None,
+  image_optimizer: optax.GradientTransformation | None = None,
+  model_optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[ClientUpdate, LocalApproxMetrics]:
   """One FedLAP client's round: its synthetic set's start, :func:`local_approx`, the upload.
 
@@ -797,7 +846,8 @@ def client_step(
       of the round's client key); ``None``: derived from ``key``.
     init_key: the key of the real images under ``synthetic_init='real'``
       (required then); ignored under ``'noise'``.
-    client_axis: see :func:`local_approx`.
+    client_axis, image_optimizer, model_optimizer: see :func:`local_approx` (``None``:
+      the defaults of :mod:`fedlap_jax.optim`).
 
   Returns:
     ``(ClientUpdate, LocalApproxMetrics)``; the metrics' ``model_delta`` is
@@ -828,6 +878,8 @@ def client_step(
     learning_rate=learning_rate,
     family_key=family_key,
     client_axis=client_axis,
+    image_optimizer=image_optimizer,
+    model_optimizer=model_optimizer,
   )
   delta = metrics.model_delta if config.server.start == "fedavg_delta" else None
   return ClientUpdate(synthetic, radius, delta), metrics._replace(model_delta=None)

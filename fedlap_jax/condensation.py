@@ -85,7 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlap_jax import dsa, privacy
+from fedlap_jax import dsa, optim, privacy
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
@@ -380,6 +380,8 @@ def condense(
   synthetic: SyntheticSet,
   client_data: ClientData,
   config: CondensationConfig,
+  *,
+  image_optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[SyntheticSet, CondensationMetrics]:
   """Condenses one client's data into ``synthetic`` (DSC, or PSG with ``config.dp``).
 
@@ -395,6 +397,9 @@ def condense(
       :func:`fedlap_jax.synthetic.synthetic_labels` (blocks of ``ipc``).
     client_data: the client's real records, padded with a mask.
     config: :class:`CondensationConfig`.
+    image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
+      static, hashed by identity); ``None``: SGD at ``image_lr`` with momentum
+      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`).
 
   Returns:
     ``(synthetic, metrics)``: the condensed set (labels and mask unchanged)
@@ -425,7 +430,9 @@ def condense(
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
-  opt = optax.sgd(c.image_lr, momentum=c.image_momentum or None)
+  opt = (
+    optim.image_sgd(c.image_lr, c.image_momentum) if image_optimizer is None else image_optimizer
+  )
   syn_weights = synthetic.mask.astype(jnp.float32)
   match = functools.partial(
     matching_step,

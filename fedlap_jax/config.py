@@ -70,7 +70,7 @@ PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
 SYNTHETIC_INITS = ("real", "noise")
 WEIGHTINGS = ("size", "uniform")
-LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.LR_SCHEDULES
+LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.cosine_learning_rate's
 MODEL_STEPS = ("synthetic", "noisy_real")
 SERVER_STARTS = ("global", "fedavg_delta")
 

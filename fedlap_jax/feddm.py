@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlap_jax import dsa, privacy
+from fedlap_jax import dsa, optim, privacy
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import nonneg_float, one_of, positive_float, positive_int, require
 from fedlap_jax.client_data import ClientData, SyntheticSet, check_pair
@@ -180,6 +180,8 @@ def distribution_match(
   synthetic: SyntheticSet,
   client_data: ClientData,
   config: FedDMConfig,
+  *,
+  image_optimizer: optax.GradientTransformation | None = None,
 ) -> tuple[SyntheticSet, FedDMClientMetrics]:
   """FedDM's client update: class-wise distribution matching around ``params``.
 
@@ -194,6 +196,9 @@ def distribution_match(
       (:func:`fedlap_jax.synthetic.synthetic_labels`).
     client_data: the client's real records, padded with a mask.
     config: :class:`FedDMConfig`.
+    image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
+      static, hashed by identity); ``None``: SGD at ``image_lr`` with momentum
+      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`).
 
   Returns:
     ``(synthetic, metrics)``.
@@ -205,7 +210,9 @@ def distribution_match(
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
-  opt = optax.sgd(c.image_lr, momentum=c.image_momentum or None)
+  opt = (
+    optim.image_sgd(c.image_lr, c.image_momentum) if image_optimizer is None else image_optimizer
+  )
   _, labels, valid = class_blocks(synthetic, c.ipc)
   num_blocks = labels.shape[0]
   syn_weights = jnp.ones((c.ipc,), jnp.float32)

@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm
@@ -38,7 +39,7 @@ from fedlap_jax.dispatch import (
   resolve_client_backend,
   run_clients,
 )
-from fedlap_jax.server import ServerMetrics, server_step
+from fedlap_jax.server import ServerMetrics, server_state, server_step, server_step_with_state
 from fedlap_jax.synthetic import initial_synthetic
 from fedlap_jax.training import cosine_learning_rate
 from fedlap_jax.types import PyTree
@@ -53,12 +54,19 @@ class FedLAPState(NamedTuple):
       (carried across rounds under DP, re-drawn from real data otherwise).
     round: int32, rounds completed so far.
     key: PRNG key for the next round.
+    opt_state: the server optimiser's state carried to the next round. By default (the
+      paper's Algorithm 2) the server's optimiser starts afresh every round and nothing is
+      carried: ``()``. With ``carry_server_state=True`` (:func:`fedlap_round`) it is the
+      state after the last round's server step (``init`` of the optimiser before round
+      1), and the next round starts from it. Last, so the checkpoint leaves of the other
+      fields keep their names and a checkpoint written before the field restores.
   """
 
   params: PyTree
   synthetic: SyntheticSet
   round: jax.Array
   key: jax.Array
+  opt_state: Any = ()
 
 
 class RoundMetrics(NamedTuple):
@@ -71,9 +79,18 @@ class RoundMetrics(NamedTuple):
 
 
 def init_state(
-  key: jax.Array, params: PyTree, clients: ClientData, config: FedLAPConfig
+  key: jax.Array,
+  params: PyTree,
+  clients: ClientData,
+  config: FedLAPConfig,
+  *,
+  server_optimizer: optax.GradientTransformation | None = None,
+  carry_server_state: bool = False,
 ) -> FedLAPState:
   """The state before round 1.
+
+  ``opt_state``: ``()`` (nothing carried), or with ``carry_server_state`` the fresh state of
+  ``server_optimizer`` (:func:`fedlap_jax.server.server_state`).
 
   Synthetic labels are balanced over each client's classes (``config.client.ipc``
   per class). Under ``synthetic_init="noise"`` the images are N(0, 1) once;
@@ -102,7 +119,8 @@ def init_state(
       " rate q = batch_size / N_k must be <= 1)",
     )
   synthetic, k_state = initial_synthetic(key, clients, config.client.ipc, config.synthetic_init)
-  return FedLAPState(params, synthetic, jnp.int32(0), k_state)
+  opt_state = server_state(params, config.server, server_optimizer) if carry_server_state else ()
+  return FedLAPState(params, synthetic, jnp.int32(0), k_state, opt_state)
 
 
 class RoundKeys(NamedTuple):
@@ -163,6 +181,10 @@ def fedlap_round(
   config: FedLAPConfig,
   client_backend: str = "auto",
   mesh: Any = None,
+  image_optimizer: optax.GradientTransformation | None = None,
+  model_optimizer: optax.GradientTransformation | None = None,
+  server_optimizer: optax.GradientTransformation | None = None,
+  carry_server_state: bool = False,
 ) -> tuple[FedLAPState, RoundMetrics]:
   """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
 
@@ -187,6 +209,13 @@ def fedlap_round(
       accelerator, ``map`` on the CPU; :func:`resolve_client_backend`).
     mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all
       devices (:func:`fedlap_jax.sharding.client_mesh`).
+    image_optimizer, model_optimizer: the clients' optimisers of the synthetic images and
+      of the model (:func:`fedlap_jax.client.client_step`); server_optimizer: the server's
+      direction (:func:`fedlap_jax.server.server_step_with_state`). ``None``: the defaults
+      of :mod:`fedlap_jax.optim`. Static (they hash by identity).
+    carry_server_state: start the server's optimiser from ``state.opt_state`` and carry its
+      state to the next round (FedOpt-style); ``False`` (the paper): a fresh optimiser
+      every round, ``state.opt_state`` stays ``()``. Static.
 
   Returns:
     ``(new_state, RoundMetrics)``.
@@ -214,6 +243,8 @@ def fedlap_round(
       family_key=family_key,
       init_key=k_real,
       client_axis=client_axis,
+      image_optimizer=image_optimizer,
+      model_optimizer=model_optimizer,
     )
 
   args = (jax.random.split(k_clients, num_clients), state.synthetic, clients, init_keys)
@@ -224,16 +255,32 @@ def fedlap_round(
     client_backend=client_backend,
     mesh=mesh,
   )
-  params, server_metrics = server_step(
-    k_server,
-    apply_fn,
-    state.params,
-    updates,
-    config,
-    learning_rate=rates.server,
-    num_records=record_counts(clients),
-  )
-  new_state = FedLAPState(params, updates.synthetic, m, key)
+  num_records = record_counts(clients)
+  if carry_server_state:
+    params, opt_state, server_metrics = server_step_with_state(
+      k_server,
+      apply_fn,
+      state.params,
+      updates,
+      config,
+      state.opt_state,
+      learning_rate=rates.server,
+      num_records=num_records,
+      optimizer=server_optimizer,
+    )
+  else:  # Algorithm 2: the server's optimiser starts afresh; nothing is carried
+    params, server_metrics = server_step(
+      k_server,
+      apply_fn,
+      state.params,
+      updates,
+      config,
+      learning_rate=rates.server,
+      num_records=num_records,
+      optimizer=server_optimizer,
+    )
+    opt_state = state.opt_state
+  new_state = FedLAPState(params, updates.synthetic, m, key, opt_state)
   return new_state, RoundMetrics(client_metrics, updates.radius, server_metrics, rates.client)
 
 
@@ -244,6 +291,10 @@ def make_round_fn(
   client_backend: str = "auto",
   mesh: Any = None,
   donate_state: bool = False,
+  image_optimizer: optax.GradientTransformation | None = None,
+  model_optimizer: optax.GradientTransformation | None = None,
+  server_optimizer: optax.GradientTransformation | None = None,
+  carry_server_state: bool = False,
 ):
   """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``.
 
@@ -251,11 +302,20 @@ def make_round_fn(
   (``donate_argnums=0``): saves a copy of the parameters and synthetic sets per
   round, but the state passed in must not be used afterwards (keep only the
   returned one). ``mesh`` is for ``client_backend="shard"``; the round then
-  places its inputs on the mesh itself (:func:`place_inputs`).
+  places its inputs on the mesh itself (:func:`place_inputs`). The optimisers and
+  ``carry_server_state``: as :func:`fedlap_round`.
   """
   round_fn = jax.jit(
     functools.partial(
-      fedlap_round, apply_fn=apply_fn, config=config, client_backend=client_backend, mesh=mesh
+      fedlap_round,
+      apply_fn=apply_fn,
+      config=config,
+      client_backend=client_backend,
+      mesh=mesh,
+      image_optimizer=image_optimizer,
+      model_optimizer=model_optimizer,
+      server_optimizer=server_optimizer,
+      carry_server_state=carry_server_state,
     ),
     donate_argnums=(0,) if donate_state else (),
   )
@@ -264,7 +324,10 @@ def make_round_fn(
 
 # One jit shared by every FedLAP algorithm built here: runs with equal configs (and
 # the same ``apply_fn`` object) share one compilation; a run compiles once.
-_round_jit = jax.jit(fedlap_round, static_argnames=("apply_fn", "config", "client_backend", "mesh"))
+_OPTIMISERS = ("image_optimizer", "model_optimizer", "server_optimizer", "carry_server_state")
+_round_jit = jax.jit(
+  fedlap_round, static_argnames=("apply_fn", "config", "client_backend", "mesh", *_OPTIMISERS)
+)
 
 
 def dp_mechanism(client: ClientConfig | FedLAPConfig) -> accounting.DpMechanism | None:
@@ -282,6 +345,10 @@ def algorithm(
   max_classes_per_client: int,
   client_backend: str = "auto",
   mesh: Any = None,
+  image_optimizer: optax.GradientTransformation | None = None,
+  model_optimizer: optax.GradientTransformation | None = None,
+  server_optimizer: optax.GradientTransformation | None = None,
+  carry_server_state: bool = False,
 ) -> FederatedAlgorithm:
   """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
 
@@ -293,15 +360,38 @@ def algorithm(
 
   ``upload_floats_per_client = ipc * max_classes_per_client * prod(image_shape)``
   (the synthetic images; labels are fixed and sent once).
+
+  The optimisers and ``carry_server_state``: as :func:`fedlap_round` (``None``: the
+  defaults of :mod:`fedlap_jax.optim`). They are static arguments of the shared jit and
+  hash by identity: build each once and pass the same object to every algorithm that
+  should share a compilation.
   """
   cc = config.client
   upload = int(cc.ipc * max_classes_per_client * np.prod(image_shape))
+  optimisers = dict(
+    image_optimizer=image_optimizer,
+    model_optimizer=model_optimizer,
+    server_optimizer=server_optimizer,
+    carry_server_state=carry_server_state,
+  )
   round_fn = functools.partial(
-    _round_jit, apply_fn=apply_fn, config=config, client_backend=client_backend, mesh=mesh
+    _round_jit,
+    apply_fn=apply_fn,
+    config=config,
+    client_backend=client_backend,
+    mesh=mesh,
+    **optimisers,
   )
   return FederatedAlgorithm(
     name="fedlap_dp" if cc.dp is not None else "fedlap",
-    init=lambda key, params, clients: init_state(key, params, clients, config),
+    init=lambda key, params, clients: init_state(
+      key,
+      params,
+      clients,
+      config,
+      server_optimizer=server_optimizer,
+      carry_server_state=carry_server_state,
+    ),
     round=place_inputs(round_fn, client_backend, mesh),
     params_of=lambda state: state.params,
     upload_floats_per_client=upload,

@@ -7,7 +7,10 @@ first epoch that leaves the ball ``||w - w_start|| < r_g`` (or at the epoch
 cap). The optimiser is SGD re-created every round: plain for FedLAP, with
 ``momentum`` and ``weight_decay`` for the synthetic-data comparison systems
 (FedDM's server; DSC's and PSG's training of a fresh model on the synthetic
-sets), which also run here, with ``r_g = inf``.
+sets), which also run here, with ``r_g = inf``. Any optax direction may replace
+it (``optimizer``, :mod:`fedlap_jax.optim`); :func:`global_update_with_state` and
+:func:`server_step_with_state` also take and return its state, for a server that
+carries it across rounds.
 
 Shared and FedLAP-only: :func:`global_update` (with :func:`example_weights`
 and :class:`ServerMetrics`) is the training on a union of synthetic sets that
@@ -22,7 +25,9 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from fedlap_jax import optim
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import (
   SyntheticSet,
@@ -35,7 +40,7 @@ from fedlap_jax.client_data import (
 from fedlap_jax.config import FedLAPConfig, ServerConfig
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.radius import server_radius
-from fedlap_jax.training import model_optimizer, train_epoch, tree_distance
+from fedlap_jax.training import train_epoch, tree_distance
 from fedlap_jax.types import PyTree
 
 
@@ -107,18 +112,21 @@ def check_union(synthetic: SyntheticSet, client_weights: jax.Array) -> None:
     )
 
 
-def global_update(
+def global_update_with_state(
   key: jax.Array,
   apply_fn: Callable,
   params: PyTree,
   synthetic: SyntheticSet,
   client_weights: jax.Array,
   radius,
+  opt_state: optax.OptState | None,
   *,
   learning_rate,
   config: ServerConfig,
-) -> tuple[PyTree, ServerMetrics]:
-  """Algorithm 2: SGD on the union of synthetic sets until ``||w - w_0|| >= r_g``.
+  optimizer: optax.GradientTransformation | None = None,
+) -> tuple[PyTree, optax.OptState, ServerMetrics]:
+  """Algorithm 2: SGD (or ``optimizer``) on the union of synthetic sets until
+  ``||w - w_0|| >= r_g``, from ``opt_state``.
 
   Jit-compatible (``config`` static); NumPy arguments are copied to the device first
   (:func:`~fedlap_jax.client_data.on_device`).
@@ -132,11 +140,19 @@ def global_update(
     client_weights: ``(K,)`` weights (``N_k`` or ones); normalised inside.
     radius: ``r_g`` (``inf`` runs ``config.max_epochs`` epochs).
     learning_rate: ``eta_m`` (may be traced).
+    opt_state: the optimiser's state to start from (``with_rate(optimizer, lr).init`` of
+      the parameters' structure; :func:`server_state`), or ``None``: a fresh one
+      (Algorithm 2: the server's SGD starts afresh every round).
     config: :class:`ServerConfig` (static): batch size, epoch cap, DSA, and
-      the optimiser's momentum and weight decay (:func:`model_optimizer`).
+      the default optimiser's momentum and weight decay.
+    optimizer: the server's direction, an ``optax.GradientTransformation`` before the
+      rate (:mod:`fedlap_jax.optim`), stepped at ``learning_rate``; ``None``:
+      :func:`fedlap_jax.optim.server_direction` of ``config.momentum`` and
+      ``config.weight_decay`` (SGD, as :func:`fedlap_jax.training.model_optimizer`). A
+      jit static where the caller jits (hashes by identity).
 
   Returns:
-    ``(params, ServerMetrics)``.
+    ``(params, opt_state, ServerMetrics)``: the optimiser's state after the last step.
 
   Labels: every label of a valid image of a client with weight > 0 must lie
   in ``[0, K)``, ``K`` the model's logits: refused on concrete arrays, and
@@ -158,9 +174,11 @@ def global_update(
   x = synthetic.x.reshape(-1, *synthetic.x.shape[2:])
   y = synthetic.y.reshape(-1)
   radius = jnp.asarray(radius, jnp.float32)
-  optimizer = model_optimizer(
-    learning_rate, momentum=config.momentum, weight_decay=config.weight_decay
-  )
+  if optimizer is None:
+    optimizer = optim.server_direction(config.momentum, config.weight_decay)
+  optimizer = optim.with_rate(optimizer, learning_rate)
+  if opt_state is None:
+    opt_state = optimizer.init(params)
 
   def cond(s):
     epoch, _, _, dist, _ = s
@@ -182,10 +200,50 @@ def global_update(
     )
     return epoch + 1, w, opt_state, tree_distance(w, params), steps + n
 
-  epochs, w, _, dist, steps = jax.lax.while_loop(
-    cond, body, (jnp.int32(0), params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0))
+  epochs, w, opt_state, dist, steps = jax.lax.while_loop(
+    cond, body, (jnp.int32(0), params, opt_state, jnp.float32(0.0), jnp.int32(0))
   )
-  return poison_unless(ok, (w, ServerMetrics(epochs, steps, dist, radius)))
+  return poison_unless(ok, (w, opt_state, ServerMetrics(epochs, steps, dist, radius)))
+
+
+def server_state(
+  params: PyTree, config: ServerConfig, optimizer: optax.GradientTransformation | None = None
+) -> optax.OptState:
+  """The fresh state of the server's optimiser for ``params`` (``optimizer=None``: the
+  default of :func:`global_update_with_state`; SGD without momentum has no leaves)."""
+  if optimizer is None:
+    optimizer = optim.server_direction(config.momentum, config.weight_decay)
+  return optim.with_rate(optimizer, 1.0).init(params)
+
+
+def global_update(
+  key: jax.Array,
+  apply_fn: Callable,
+  params: PyTree,
+  synthetic: SyntheticSet,
+  client_weights: jax.Array,
+  radius,
+  *,
+  learning_rate,
+  config: ServerConfig,
+  optimizer: optax.GradientTransformation | None = None,
+) -> tuple[PyTree, ServerMetrics]:
+  """Algorithm 2: :func:`global_update_with_state` from a fresh optimiser state, the state
+  dropped: ``(params, ServerMetrics)``. FedLAP's, FedDM's, DSC's and PSG's servers run it
+  (the optimiser re-created every round)."""
+  params, _, metrics = global_update_with_state(
+    key,
+    apply_fn,
+    params,
+    synthetic,
+    client_weights,
+    radius,
+    None,
+    learning_rate=learning_rate,
+    config=config,
+    optimizer=optimizer,
+  )
+  return params, metrics
 
 
 def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array) -> PyTree:
@@ -202,17 +260,19 @@ def fedavg_delta_start(params: PyTree, model_deltas: PyTree, weights: jax.Array)
   return jax.tree.map(lambda p, d: p + jnp.tensordot(wn, d, axes=1), params, model_deltas)
 
 
-def server_step(
+def server_step_with_state(
   key: jax.Array,
   apply_fn: Callable,
   params: PyTree,
   updates,
   config: FedLAPConfig,
+  opt_state: optax.OptState | None,
   *,
   learning_rate,
   num_records: jax.Array | None = None,
   valid: jax.Array | None = None,
-) -> tuple[PyTree, ServerMetrics]:
+  optimizer: optax.GradientTransformation | None = None,
+) -> tuple[PyTree, optax.OptState, ServerMetrics]:
   """FedLAP's server in one round: what it does with the clients' updates.
 
   ``r_g`` from the clients' ``r_k`` (:func:`fedlap_jax.radius.server_radius`
@@ -236,9 +296,12 @@ def server_step(
       ``server.weighting='size'``.
     valid: optional ``(K',)`` bool: clients whose update counts (the others get
       weight 0 and are left out of ``r_g``).
+    opt_state, optimizer: the server optimiser's state to start from (``None``: fresh, the
+      paper's recipe) and its direction (``None``: SGD of ``server.momentum`` and
+      ``server.weight_decay``); :func:`global_update_with_state`.
 
   Returns:
-    ``(params, ServerMetrics)``.
+    ``(params, opt_state, ServerMetrics)``.
 
   Raises:
     ValueError: ``server.start='fedavg_delta'`` and ``updates`` without model
@@ -260,6 +323,45 @@ def server_step(
       )
     # The trust region is centred on the FedAvg model of the clients' deltas.
     start = fedavg_delta_start(params, updates.model_delta, weights)
-  return global_update(
-    key, apply_fn, start, updates.synthetic, weights, r_g, learning_rate=learning_rate, config=sc
+  return global_update_with_state(
+    key,
+    apply_fn,
+    start,
+    updates.synthetic,
+    weights,
+    r_g,
+    opt_state,
+    learning_rate=learning_rate,
+    config=sc,
+    optimizer=optimizer,
   )
+
+
+def server_step(
+  key: jax.Array,
+  apply_fn: Callable,
+  params: PyTree,
+  updates,
+  config: FedLAPConfig,
+  *,
+  learning_rate,
+  num_records: jax.Array | None = None,
+  valid: jax.Array | None = None,
+  optimizer: optax.GradientTransformation | None = None,
+) -> tuple[PyTree, ServerMetrics]:
+  """FedLAP's server in one round, its optimiser fresh (Algorithm 2):
+  :func:`server_step_with_state` from ``opt_state=None``, the state dropped:
+  ``(params, ServerMetrics)``."""
+  params, _, metrics = server_step_with_state(
+    key,
+    apply_fn,
+    params,
+    updates,
+    config,
+    None,
+    learning_rate=learning_rate,
+    num_records=num_records,
+    valid=valid,
+    optimizer=optimizer,
+  )
+  return params, metrics

@@ -18,13 +18,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedlap_jax import dsa
+from fedlap_jax import dsa, optim
 from fedlap_jax.checks import ConfigError
+from fedlap_jax.config import LR_SCHEDULES
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
-
-
-LR_SCHEDULES = ("cosine", "cosine_open")
 
 
 def cosine_learning_rate(
@@ -62,12 +60,10 @@ def model_optimizer(
 
   ``g <- g + weight_decay * w``; ``t <- g + momentum * t``; ``w <- w - lr * t``
   (no dampening). With both 0 this is plain SGD, ``w <- w - lr * g``.
-  ``learning_rate`` may be traced.
+  ``learning_rate`` may be traced. :func:`fedlap_jax.optim.with_rate` of
+  :func:`fedlap_jax.optim.sgd` (``optax.sgd``'s operations, in its order).
   """
-  sgd = optax.sgd(learning_rate, momentum=momentum or None)
-  if weight_decay:
-    return optax.chain(optax.add_decayed_weights(weight_decay), sgd)
-  return sgd
+  return optim.with_rate(optim.sgd(momentum, weight_decay), learning_rate)
 
 
 def train_epoch(

@@ -498,3 +498,30 @@ def test_dp_baselines_honour_the_per_example_method(linear_apply_fn, linear_para
       local=local,
       dp=dataclasses.replace(DP, per_example_method="vmap"),
     )
+
+
+def test_dp_is_the_source_of_the_private_paths_fields():
+  """A DP method's ``local`` left at its non-private defaults takes dp's clip, noise, microbatch
+  and per-example method; one set by hand must equal dp's (the same refusal as before)."""
+  dp = dataclasses.replace(DP, microbatch_size=8, per_example_method="vmap")
+  cfg = baselines.BaselineConfig(
+    method="dp_fedavg",
+    rounds=1,
+    local=baselines.LocalTraining(batch_size=32, max_client_size=300),
+    dp=dp,
+  )
+  got = {f: getattr(cfg.local, f) for f in ("l2_clip_norm", "noise_multiplier")}
+  assert got == {"l2_clip_norm": 0.1, "noise_multiplier": 1.0}
+  assert (cfg.local.microbatch_size, cfg.local.per_example_method) == (8, "vmap")
+  assert cfg.local.gradient.l2_clip_norm == 0.1  # the local steps' query is dp's
+  built = baselines.baseline_config(
+    "dp_fedavg", rounds=1, learning_rate=0.1, batch_size=32, dp=dp, max_client_size=300
+  )
+  assert built.local == cfg.local
+  wrong = baselines.LocalTraining(l2_clip_norm=0.1, noise_multiplier=2.0, max_client_size=300)
+  with pytest.raises(privacy.ConfigError, match="local.noise_multiplier"):
+    baselines.BaselineConfig(method="dp_fedavg", rounds=1, local=wrong, dp=dp)
+  with pytest.raises(privacy.ConfigError, match="local.l2_clip_norm"):  # no dp: nothing to take
+    baselines.BaselineConfig(
+      method="dp_fedavg", rounds=1, local=baselines.LocalTraining(max_client_size=300)
+    )

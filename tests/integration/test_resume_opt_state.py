@@ -1,0 +1,132 @@
+"""The server optimiser's state in checkpoints: a carried Adam state is saved and restored, and
+a checkpoint written before ``opt_state`` existed (a state without the field) still resumes
+through :func:`experiments.resume.restore_newest_valid`, as ``experiments.run`` resumes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import chex
+import jax
+import optax
+import pytest
+
+from experiments import checkpointing, resume
+from fedlap_jax import baselines, federated
+from fedlap_jax.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.models import count_params
+from fedlap_jax.types import PyTree
+
+pytestmark = pytest.mark.bitwise  # a resumed round against the uninterrupted one, bit for bit
+
+K = 5
+FEDAVG = baselines.baseline_config(
+  "fedavg", rounds=3, learning_rate=0.1, local_epochs=1, batch_size=32, prox_mu=0.0, dp=None
+)
+PAPER = FedLAPConfig(
+  client=ClientConfig(
+    ipc=2,
+    iterations=1,
+    max_outer=1,
+    batch_loop=1,
+    boost_loop=1,
+    batch_size=32,
+    calibrate_radius=False,
+    dsa_strategy="",
+  ),
+  server=ServerConfig(radius_strategy="constant", max_epochs=1, dsa_strategy=""),
+  rounds=3,
+  learning_rate=0.5,
+  synthetic_init="noise",
+)
+ADAM = optax.scale_by_adam()
+
+
+def _count(opt_state) -> int:
+  """The step count of the one Adam state inside ``opt_state``."""
+  is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
+  (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
+  return int(adam.count)
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints: the server's state is saved; a checkpoint from before the field resumes.
+# ------------------------------------------------------------------------------------------
+
+
+class _BaselineStateBefore(NamedTuple):
+  """BaselineState as it was before ``opt_state`` (same fields, same order)."""
+
+  params: PyTree
+  round: jax.Array
+  key: jax.Array
+  control: PyTree = None
+  client_controls: PyTree = None
+
+
+class _FedLAPStateBefore(NamedTuple):
+  params: PyTree
+  synthetic: PyTree
+  round: jax.Array
+  key: jax.Array
+
+
+def _resume(directory, template):
+  ckpt = checkpointing.Checkpointer(directory)
+  r, state, _, damaged = resume.restore_newest_valid(
+    ckpt, template, privacy={}, fields={}, fresh_ledger=None, workdir=directory
+  )
+  ckpt.close()
+  assert damaged == []
+  return r, state
+
+
+def _save(directory, round_index, state):
+  ckpt = checkpointing.Checkpointer(directory)
+  meta = {"round": round_index, "ledger": None, "privacy": {}, "config": {}}
+  ckpt.save(round_index, state, meta)
+  ckpt.close()
+
+
+def test_a_checkpoint_written_before_opt_state_resumes(
+  tmp_path, linear_apply_fn, linear_params, clients
+):
+  common = dict(
+    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
+  )
+  algo = baselines.algorithm(linear_apply_fn, FEDAVG, **common)
+  template = algo.init(jax.random.PRNGKey(11), linear_params, clients)
+  state, _ = algo.round(template, clients)
+  before = _BaselineStateBefore(*state[:5])
+  _save(tmp_path / "baseline", 1, before)
+  r, restored = _resume(tmp_path / "baseline", template)
+  assert r == 1 and restored.opt_state == ()
+  chex.assert_trees_all_equal(restored.params, state.params)
+  chex.assert_trees_all_equal(restored.key, state.key)
+  chex.assert_trees_all_equal(algo.round(restored, clients)[0], algo.round(state, clients)[0])
+
+  fl = federated.algorithm(
+    linear_apply_fn, PAPER, image_shape=clients.x.shape[2:], max_classes_per_client=10
+  )
+  template = fl.init(jax.random.PRNGKey(12), linear_params, clients)
+  _save(tmp_path / "fedlap", 0, _FedLAPStateBefore(*template[:4]))
+  r, restored = _resume(tmp_path / "fedlap", template)
+  assert r == 0 and restored.opt_state == ()
+  chex.assert_trees_all_equal(restored.synthetic, template.synthetic)
+
+
+def test_a_carried_server_state_is_checkpointed(tmp_path, linear_apply_fn, linear_params, clients):
+  common = dict(
+    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
+  )
+  algo = baselines.algorithm(linear_apply_fn, FEDAVG, server_optimizer=ADAM, **common)
+  template = algo.init(jax.random.PRNGKey(13), linear_params, clients)
+  s1, _ = algo.round(template, clients)
+  s2, _ = algo.round(s1, clients)
+  _save(tmp_path, 2, s2)
+  r, restored = _resume(tmp_path, template)
+  assert r == 2 and _count(restored.opt_state) == 2
+  chex.assert_trees_all_equal(restored.opt_state, s2.opt_state)
+  chex.assert_trees_all_equal(
+    algo.round(restored, clients)[0].params, algo.round(s2, clients)[0].params
+  )

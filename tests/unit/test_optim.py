@@ -1,0 +1,332 @@
+"""Optimisers as optax values: every role's default, any optax transformation in its place, the
+server's state carried across rounds and restored from checkpoints (old ones included).
+
+(a) Passing a role's default explicitly is bit for bit the run without it (the explicit
+    :func:`fedlap_jax.optim.sgd` runs through optax where the default is written out by hand).
+(b) Another optimiser changes the result, and a carried server state advances round by round.
+The checkpoints of the server's state (one written before ``opt_state`` included):
+``tests/integration/test_resume_opt_state.py``.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedlap_jax import baselines, federated, optim, server
+from fedlap_jax.client import client_step, local_approx
+from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.models import count_params
+from fedlap_jax.types import PyTree
+
+pytestmark = pytest.mark.bitwise  # differently built programs, bit for bit (conftest's note)
+
+K = 5
+DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+_CLIENT = dict(
+  ipc=2,
+  iterations=1,
+  max_outer=2,
+  batch_loop=1,
+  boost_loop=2,
+  batch_size=32,
+  radius=1e4,  # every while-loop iteration runs, so the model's steps reach the images
+  calibrate_radius=False,
+  dsa_strategy="",
+)
+# The paper's recipe (R_l synthetic epochs of the model) and the hybrid one (noisy real steps,
+# FedAvg-delta start), both small.
+PAPER = FedLAPConfig(
+  client=ClientConfig(**_CLIENT, inner_loop=2, model_batch_size=8),
+  server=ServerConfig(radius_strategy="constant", max_epochs=2, dsa_strategy=""),
+  rounds=3,
+  learning_rate=0.5,
+  synthetic_init="noise",
+)
+HYBRID = FedLAPConfig(
+  client=ClientConfig(**_CLIENT, average_targets=True, model_steps="noisy_real", dp=DP),
+  server=ServerConfig(
+    radius_strategy="constant", max_epochs=1, dsa_strategy="", start="fedavg_delta"
+  ),
+  rounds=3,
+  learning_rate=0.5,
+  synthetic_init="noise",
+)
+FEDAVG = baselines.baseline_config(
+  "fedavg", rounds=3, learning_rate=0.1, local_epochs=1, batch_size=32, prox_mu=0.0, dp=None
+)
+FEDAVG_HALF = baselines.baseline_config(
+  "fedavg",
+  rounds=3,
+  learning_rate=0.1,
+  local_epochs=1,
+  batch_size=32,
+  prox_mu=0.0,
+  dp=None,
+  server_lr=0.5,
+)
+ADAM = optax.scale_by_adam()  # one object: optimisers are jit statics hashed by identity
+
+
+def _pick(tree, k):
+  return jax.tree.map(lambda a: a[k], tree)
+
+
+def _differs(a: PyTree, b: PyTree) -> bool:
+  return any(
+    not np.array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+
+
+# ------------------------------------------------------------------------------------------
+# The derivation: the numeric fields are the SGD spec.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.5, 0.0), (0.9, 5e-4)])
+def test_the_default_sgd_is_todays_optax_sgd_bit_for_bit(momentum, weight_decay):
+  """``with_rate(sgd(m, wd), lr)`` against the chain the code built before: the same steps."""
+  lr = 0.3
+  today = optax.sgd(lr, momentum=momentum or None)
+  if weight_decay:
+    today = optax.chain(optax.add_decayed_weights(weight_decay), today)
+  ours = optim.with_rate(optim.sgd(momentum, weight_decay), lr)
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (7, 3))}
+  grads = [{"w": jax.random.normal(jax.random.PRNGKey(i + 1), (7, 3))} for i in range(3)]
+
+  @jax.jit
+  def run(p):
+    out = []
+    for tx in (today, ours):
+      w, s = p, tx.init(p)
+      for g in grads:
+        u, s = tx.update(g, s, w)
+        w = optax.apply_updates(w, u)
+      out.append(w)
+    return out
+
+  a, b = run(params)
+  chex.assert_trees_all_equal(a, b)
+  assert len(jax.tree.leaves(ours.init(params))) == (1 if momentum else 0)
+  assert optim.sgd(momentum, weight_decay) is optim.sgd(momentum, weight_decay)  # memoised
+
+
+# ------------------------------------------------------------------------------------------
+# (a) The explicit default is the default, role by role.
+# ------------------------------------------------------------------------------------------
+
+
+_local_approx = jax.jit(local_approx, static_argnames=("apply_fn", "config", "image_optimizer"))
+_client_step = jax.jit(
+  client_step, static_argnames=("apply_fn", "config", "image_optimizer", "model_optimizer")
+)
+
+
+def _fedlap_client(apply_fn, params, clients, config, **optimisers):
+  syn = jax.tree.map(
+    lambda a: a[0], federated.init_state(jax.random.PRNGKey(1), params, clients, config).synthetic
+  )
+  return _client_step(
+    jax.random.PRNGKey(2),
+    apply_fn,
+    params,
+    syn,
+    _pick(clients, 0),
+    config,
+    learning_rate=jnp.float32(0.3),
+    **optimisers,
+  )
+
+
+def test_the_image_optimiser_default_is_todays_sgd(linear_apply_fn, linear_params, clients):
+  c = PAPER.client
+  syn = jax.tree.map(
+    lambda a: a[0],
+    federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER).synthetic,
+  )
+  args = (jax.random.PRNGKey(2), linear_apply_fn, linear_params, syn, _pick(clients, 0), c)
+  default = _local_approx(*args, learning_rate=jnp.float32(0.3))
+  today = optax.sgd(c.image_lr, momentum=c.image_momentum)
+  explicit = _local_approx(*args, learning_rate=jnp.float32(0.3), image_optimizer=today)
+  chex.assert_trees_all_equal(default[0], explicit[0])
+  adam = _local_approx(
+    *args, learning_rate=jnp.float32(0.3), image_optimizer=optax.adam(c.image_lr)
+  )
+  assert _differs(default[0].x, adam[0].x)
+
+
+@pytest.mark.parametrize("config", [PAPER, HYBRID], ids=["synthetic_epochs", "noisy_real"])
+def test_the_client_model_optimiser_default_is_plain_sgd(
+  linear_apply_fn, linear_params, clients, config
+):
+  default = _fedlap_client(linear_apply_fn, linear_params, clients, config)
+  explicit = _fedlap_client(
+    linear_apply_fn, linear_params, clients, config, model_optimizer=optim.sgd()
+  )
+  chex.assert_trees_all_equal(default, explicit)
+  other = _fedlap_client(linear_apply_fn, linear_params, clients, config, model_optimizer=ADAM)
+  # The model's trajectory moves differently, so the images matched along it do too.
+  assert _differs(default[0].synthetic.x, other[0].synthetic.x)
+  if config.server.start == "fedavg_delta":
+    assert _differs(default[0].model_delta, other[0].model_delta)
+
+
+_global_update = jax.jit(server.global_update, static_argnames=("apply_fn", "config", "optimizer"))
+
+
+@pytest.mark.parametrize(
+  "config",
+  [
+    PAPER.server,
+    ServerConfig(
+      radius_strategy="constant", max_epochs=2, dsa_strategy="", momentum=0.9, weight_decay=5e-4
+    ),
+  ],
+  ids=["fedlap", "momentum_decay"],
+)
+def test_the_server_optimiser_default_comes_from_momentum_and_weight_decay(
+  linear_apply_fn, linear_params, clients, config
+):
+  state = federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER)
+  args = (
+    jax.random.PRNGKey(3),
+    linear_apply_fn,
+    linear_params,
+    state.synthetic,
+    jnp.ones((K,)),
+    jnp.inf,
+  )
+  default = _global_update(*args, learning_rate=jnp.float32(0.2), config=config)
+  explicit = _global_update(
+    *args,
+    learning_rate=jnp.float32(0.2),
+    config=config,
+    optimizer=optim.sgd(config.momentum, config.weight_decay),
+  )
+  chex.assert_trees_all_equal(default, explicit)
+  plain = _global_update(
+    *args, learning_rate=jnp.float32(0.2), config=config, optimizer=optax.identity()
+  )
+  assert _differs(default[0], plain[0]) == bool(config.momentum or config.weight_decay)
+
+
+_baseline_client = jax.jit(
+  baselines.client_step, static_argnames=("apply_fn", "config", "optimizer")
+)
+
+
+def test_the_baseline_client_default_is_sgd_written_out(linear_apply_fn, linear_params, clients):
+  args = (jax.random.PRNGKey(4), linear_apply_fn, linear_params, _pick(clients, 0), FEDAVG)
+  default = _baseline_client(*args, learning_rate=jnp.float32(0.1))
+  explicit = _baseline_client(*args, learning_rate=jnp.float32(0.1), optimizer=optim.sgd())
+  chex.assert_trees_all_equal(default, explicit)
+  momentum = _baseline_client(*args, learning_rate=jnp.float32(0.1), optimizer=optim.sgd(0.9))
+  assert _differs(default[0], momentum[0])
+
+
+def test_the_baseline_server_default_is_fedavgs_step_written_out():
+  x = {"w": jax.random.normal(jax.random.PRNGKey(5), (4, 3)), "b": jnp.array([0.1, -0.2])}
+  ys = jax.tree.map(
+    lambda a: a[None] + 0.3 * jax.random.normal(jax.random.PRNGKey(6), (3, *a.shape)), x
+  )
+  n = jnp.array([10, 20, 5])
+  step = jax.jit(baselines.server_step_with_state, static_argnames=("config", "optimizer"))
+  for cfg in (FEDAVG, FEDAVG_HALF):
+    today, w = baselines.server_step(x, ys, cfg, num_records=n)
+    explicit = step(
+      x, ys, cfg, baselines.server_state(x, cfg, optim.sgd()), num_records=n, optimizer=optim.sgd()
+    )
+    chex.assert_trees_all_equal(today, explicit[0])
+    chex.assert_trees_all_equal(w, explicit[2])
+    adam = step(x, ys, cfg, baselines.server_state(x, cfg, ADAM), num_records=n, optimizer=ADAM)
+    assert _differs(today, adam[0])
+
+
+def test_a_round_with_every_default_passed_is_the_default_round(
+  linear_apply_fn, linear_params, clients
+):
+  defaults = dict(
+    image_optimizer=optim.image_sgd(PAPER.client.image_lr, PAPER.client.image_momentum),
+    model_optimizer=optim.sgd(),
+    server_optimizer=optim.sgd(),
+  )
+  state = federated.init_state(jax.random.PRNGKey(7), linear_params, clients, PAPER)
+  run = dict(apply_fn=linear_apply_fn, config=PAPER, client_backend="map")
+  a, _ = federated._round_jit(state, clients, **run)
+  b, _ = federated._round_jit(state, clients, **run, **defaults)
+  chex.assert_trees_all_equal(a, b)
+
+  base = baselines.init_baseline_state(jax.random.PRNGKey(8), linear_params, clients, FEDAVG)
+  run = dict(apply_fn=linear_apply_fn, config=FEDAVG, client_backend="map")
+  c, _ = baselines._round_jit(base, clients, **run)
+  explicit = base._replace(opt_state=baselines.server_state(linear_params, FEDAVG, optim.sgd()))
+  d, _ = baselines._round_jit(
+    explicit, clients, **run, client_optimizer=optim.sgd(), server_optimizer=optim.sgd()
+  )
+  chex.assert_trees_all_equal(c.params, d.params)
+  chex.assert_trees_all_equal(c.key, d.key)
+
+
+# ------------------------------------------------------------------------------------------
+# (b) Another optimiser; the server's state carried across rounds.
+# ------------------------------------------------------------------------------------------
+
+
+def _count(opt_state) -> int:
+  """The step count of the one Adam state inside ``opt_state``."""
+  is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
+  (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
+  return int(adam.count)
+
+
+def test_fedadams_server_state_is_carried_across_rounds(linear_apply_fn, linear_params, clients):
+  common = dict(
+    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
+  )
+  adam = baselines.algorithm(linear_apply_fn, FEDAVG, server_optimizer=ADAM, **common)
+  plain = baselines.algorithm(linear_apply_fn, FEDAVG, **common)
+  key = jax.random.PRNGKey(9)
+  s0 = adam.init(key, linear_params, clients)
+  assert _count(s0.opt_state) == 0
+  s1, _ = adam.round(s0, clients)
+  s2, _ = adam.round(s1, clients)
+  assert (_count(s1.opt_state), _count(s2.opt_state)) == (1, 2)
+  # The second moment accumulates over both rounds' mean deltas.
+  assert _differs(s1.opt_state, s2.opt_state)
+  p0 = plain.init(key, linear_params, clients)
+  assert p0.opt_state == ()
+  p1, _ = plain.round(p0, clients)
+  assert _differs(p1.params, s1.params)
+  chex.assert_trees_all_equal(p1.key, s1.key)
+
+
+def test_fedlap_carries_its_server_state_only_when_asked(linear_apply_fn, linear_params, clients):
+  common = dict(image_shape=clients.x.shape[2:], max_classes_per_client=10, client_backend="map")
+  carried = federated.algorithm(
+    linear_apply_fn, PAPER, server_optimizer=ADAM, carry_server_state=True, **common
+  )
+  fresh = federated.algorithm(linear_apply_fn, PAPER, server_optimizer=ADAM, **common)
+  key = jax.random.PRNGKey(10)
+  s0 = carried.init(key, linear_params, clients)
+  s1, m1 = carried.round(s0, clients)
+  s2, m2 = carried.round(s1, clients)
+  steps = int(m1.server.steps), int(m2.server.steps)
+  assert (_count(s0.opt_state), _count(s1.opt_state), _count(s2.opt_state)) == (
+    0,
+    steps[0],
+    steps[0] + steps[1],
+  )
+  f0 = fresh.init(key, linear_params, clients)
+  assert f0.opt_state == ()  # the paper's recipe: the server's optimiser starts afresh
+  f1, _ = fresh.round(f0, clients)
+  f2, _ = fresh.round(f1, clients)
+  assert f2.opt_state == ()
+  chex.assert_trees_all_equal(f1.params, s1.params)  # round 1 starts from a fresh state both ways
+  assert _differs(f2.params, s2.params)  # round 2 starts from Adam's moments of round 1
+  d1, _ = federated.algorithm(linear_apply_fn, PAPER, **common).round(f0, clients)
+  assert _differs(d1.params, f1.params)
