@@ -37,9 +37,11 @@ def library_graph() -> dict:
 
 
 def test_the_import_graph_has_no_cycle_and_at_most_seven_floors():
+  """The core (every module outside ``methods/``) has at most seven floors; the registry and
+  the methods' own modules sit on top of it."""
   status, out = read_graph()
   assert status == 0 and out["cycle"] is None, out["cycle"]
-  assert max(out["floors"].values()) <= MAX_FLOORS, out["longest_chain"]
+  assert out["core_floors"] <= MAX_FLOORS, out["longest_chain"]
   assert len(out["longest_chain"]) == max(out["floors"].values())
 
 
