@@ -244,6 +244,9 @@ def synthetic_wire(ipc: int, facts: RunFacts) -> Wire:
 # -- the method ----------------------------------------------------------------------------------
 
 
+PRIVACY = ("required", "optional", "never")
+
+
 def _no_data_change(clients: ClientData, config: Any) -> ClientData:
   del config
   return clients
@@ -269,8 +272,13 @@ class Method:
     wire: ``(config, params, facts) -> Wire`` of a client's update.
     batch_size: ``config -> B``, the expected Poisson batch of real records.
     side_by_side: its clients may run side by side under ``vmap`` (``client_backend='auto'``).
+    privacy: ``"required"`` (the method is DP: a config without DP is refused), ``"never"``
+      (it has no DP variant) or ``"optional"`` (DP by its config: FedLAP-DP).
+    privacy_note: why a config's ``dp`` setting is refused, appended to the refusal.
+    dp_twin: ``(method, why)``: the method a config with DP needs instead (``None``: none).
+    federated: ``False`` when the round is one client pooling every client's records (DSC
+      centralized; its clients always run ``map``).
     prepare_clients: ``(clients, config) -> clients`` the round runs on (DSC centralized pools).
-    runs_alone: ``config -> True`` when the round is one pooled client (always ``map``).
     algorithm_name: ``config -> FederatedAlgorithm.name`` (FedLAP with DP is ``fedlap_dp``).
     extends: the registry method whose library config this one builds on (``None``: its own).
     extend: ``(base config, own section values) -> config`` for ``extends``.
@@ -290,12 +298,19 @@ class Method:
   carried: tuple[str, ...] = ()
   per_client_fields: Callable[[Any], tuple[str, ...]] | None = None
   side_by_side: bool = False
+  privacy: str = "never"
+  privacy_note: str = ""
+  dp_twin: tuple[str, str] | None = None
+  federated: bool = True
   prepare_clients: Callable[[ClientData, Any], ClientData] = _no_data_change
-  runs_alone: Callable[[Any], bool] = lambda config: False
   algorithm_name: Callable[[Any], str] | None = None
   extends: str | None = None
   extend: Callable[[Any, Mapping[str, Any]], Any] | None = None
   own_section: type | None = None
+
+  def __post_init__(self):
+    if self.privacy not in PRIVACY:
+      raise ConfigError("privacy", self.privacy, f"one of {PRIVACY}")
 
   def mechanism(self, config: Any) -> accounting.DpMechanism | None:
     """The method's DP mechanism (``None`` without DP): what its config declares

@@ -58,7 +58,7 @@ def method_round(
   clients = method.prepare_clients(clients, config)
   num = clients.mask.shape[0]
   plan = method.plan(state, num, config)
-  if method.runs_alone(config):
+  if not method.federated:  # one pooled client
     backend, mesh = "map", None
   else:
     backend = resolve_client_backend(client_backend, side_by_side=method.side_by_side)

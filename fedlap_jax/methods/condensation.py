@@ -18,7 +18,7 @@ import numpy as np
 from fedlap_jax import condensation
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.condensation import OneShotConfig, OneShotMetrics
-from fedlap_jax.config import ONE_SHOT_METHODS, method_label
+from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS, method_label
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.method import (
   ClientResult,
@@ -104,7 +104,10 @@ def family(name: str) -> Method:
     # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
     per_client_fields=lambda config: () if config.centralized else ("synthetic",),
     prepare_clients=_prepare,
-    runs_alone=lambda config: config.centralized,
+    privacy="required" if name in DP_ONE_SHOT_METHODS else "never",
+    privacy_note=f"PSG is the DP one-shot method: {DP_ONE_SHOT_METHODS}",
+    dp_twin=None if name in DP_ONE_SHOT_METHODS else ("psg", "PSG is the DP one-shot method"),
+    federated=name != "dsc_centralized",
     algorithm_name=lambda config: config.method,
   )
 

@@ -148,6 +148,11 @@ def family(name: str) -> Method:
     wire=_scaffold_wire if scaffold else model_wire,
     batch_size=lambda config: config.local.batch_size,
     carried=("client_controls",) if scaffold else (),
+    privacy="required" if name in baselines.DP_METHODS else "never",
+    privacy_note=""
+    if name in baselines.DP_METHODS
+    else f"use method='dp_{name}' where a DP variant exists: {baselines.DP_METHODS}",
+    dp_twin=(f"dp_{name}", "its DP variant") if f"dp_{name}" in baselines.DP_METHODS else None,
   )
 
 

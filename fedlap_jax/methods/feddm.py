@@ -89,5 +89,7 @@ METHOD = Method(
   wire=lambda config, params, facts: synthetic_wire(config.ipc, facts),
   batch_size=lambda config: config.batch_size,
   carried=("synthetic",),
+  privacy_note="FedDM's DP variant protects class-wise statistics, a privacy notion not "
+  "comparable with record-level DP; it is not implemented",
 )
 METHODS = (METHOD,)

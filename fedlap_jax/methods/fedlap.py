@@ -113,6 +113,7 @@ METHOD = Method(
   batch_size=lambda config: config.client.batch_size,
   carried=("synthetic",),
   side_by_side=True,
+  privacy="optional",
   algorithm_name=lambda config: "fedlap_dp" if config.client.dp is not None else "fedlap",
 )
 METHODS = (METHOD,)
