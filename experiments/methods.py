@@ -428,6 +428,17 @@ def entry(method: str) -> Entry:
   return ENTRIES[method]
 
 
+def label(method: str, dp: bool) -> str:
+  """Display name of ``method`` (the registry's :attr:`~fedlap_jax.method.Method.label`),
+  e.g. ``"FedLAP-DP"``; an unknown name is its own label."""
+  return REGISTRY[method].label(dp) if method in REGISTRY else method
+
+
+def labels() -> tuple[str, ...]:
+  """Every method's labels (without DP, then with), in the registry's order (report columns)."""
+  return tuple(dict.fromkeys(m.label(dp) for m in REGISTRY.values() for dp in (False, True)))
+
+
 # -- round metrics that need their own reading ---------------------------------------------
 
 
