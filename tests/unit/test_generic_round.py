@@ -177,8 +177,9 @@ def _two_rounds(alg, key, params, clients):
   return out
 
 
-def test_every_registry_method_is_a_case():
-  assert {c[1] for c in cases()} == set(REGISTRY)
+def test_every_registry_method_with_a_round_of_its_own_is_a_case():
+  """A method that extends another (FedAdam: FedAvg's config) has no legacy round to equal."""
+  assert {c[1] for c in cases()} == {n for n, m in REGISTRY.items() if m.extends is None}
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
