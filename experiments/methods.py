@@ -404,10 +404,15 @@ def extended_spec(base: Spec, method: Method) -> Spec:
   extend, own, name = method.extend, method.own_section, method.name
 
   def make(cfg, **values):
-    section = schema.build(own, cfg[name], name) if name in cfg else own()
+    try:
+      section = schema.build(own, cfg[name], name) if name in cfg else own()
+    except ConfigError as e:
+      if e.field.startswith(f"{name}."):
+        raise
+      raise sections.renamed(e, f"{name}.{e.field}") from None
     return extend(base.make(cfg, **values), section)
 
-  return base._replace(make=make)
+  return base._replace(make=make, section=name, cls=own)
 
 
 def _entries() -> dict[str, Entry]:
