@@ -135,21 +135,27 @@ def fedadam_config():
   return config
 
 
-def get_config(variant: str = "both"):
-  if variant == "dp":
-    return hybrid_config()
-  if variant == "dp_loops":
-    return dp_config()
-  if variant == "dp_tuned":
-    return tuned_config()
-  if variant == "nondp":
-    return nondp_config()
-  if variant == "fedadam":
-    return fedadam_config()
-  if variant != "both":
-    raise ValueError(f"quickstart:{variant} is invalid; allowed: one of {VARIANTS}")
+def both_config():
+  """The suite of FedLAP-DP (the hybrid recipe) and FedLAP."""
   config = ml_collections.ConfigDict()
   config.suite = ml_collections.ConfigDict()
   config.suite.fedlap_dp = hybrid_config()
   config.suite.fedlap = nondp_config()
   return config
+
+
+# The config of each variant (VARIANTS, in order).
+BUILDERS = {
+  "both": both_config,
+  "dp": hybrid_config,
+  "dp_loops": dp_config,
+  "dp_tuned": tuned_config,
+  "nondp": nondp_config,
+  "fedadam": fedadam_config,
+}
+
+
+def get_config(variant: str = "both"):
+  if variant not in BUILDERS:
+    raise ValueError(f"quickstart:{variant} is invalid; allowed: one of {VARIANTS}")
+  return BUILDERS[variant]()

@@ -21,6 +21,7 @@ import numpy as np
 from fedlap_jax import baselines, client, condensation, federated, per_example, privacy
 from fedlap_jax import config as core
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
 from conftest import linear_init, run_benchmark
 
@@ -36,8 +37,8 @@ def graph_and_importers() -> dict:
 
 
 def method_names() -> tuple[str, ...]:
-  """Every name a method is known by: the methods and their labels' keys."""
-  return tuple(sorted(core.METHOD_LABELS))
+  """Every name a method is known by: the registry's methods and the labels' keys."""
+  return tuple(sorted(set(core.METHOD_LABELS) | set(REGISTRY)))
 
 
 # -- the readers read structure ------------------------------------------------------------------
