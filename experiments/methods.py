@@ -1,5 +1,11 @@
 """What ``experiments/`` knows of each method, in one table (:data:`ENTRIES`, by ``cfg.method``).
 
+The table is built from the library's registry (:data:`fedlap_jax.methods.REGISTRY`), one
+entry per registry method: the algorithm (:func:`fedlap_jax.rounds.algorithm`), the mechanism,
+the privacy policy, the DP twin, the carried and pooled data come from the method's value; what
+is the experiment's own (how a config class is written in an experiment config: :data:`SPECS`)
+is kept here, one row per library config class. A method that extends another (FedAdam) takes
+that one's row, its config built on the other's with its own section (:func:`extended_spec`).
 Every other module of ``experiments/`` is generic: it looks a method up here and calls what its
 :class:`Entry` holds. An entry says
 
@@ -16,7 +22,7 @@ Every other module of ``experiments/`` is generic: it looks a method up here and
   ``images_key``: what the Flower app's server and clients derive from the run key).
 
 It also holds the round summaries of methods whose metrics need their own reading
-(:func:`metrics_view`). The library's registry of methods will replace this table.
+(:func:`metrics_view`) and the methods' labels (:func:`label`, :func:`labels`).
 """
 
 from __future__ import annotations
