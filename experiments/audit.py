@@ -40,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax import auditing
-from fedlap_jax.config import method_label
 from fedlap_jax.training import evaluate
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -399,7 +398,7 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
     FileNotFoundError: no ``config.json`` or no checkpoint.
   """
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from experiments import checkpointing  # pylint: disable=g-import-not-at-top
+  from experiments import checkpointing, methods  # pylint: disable=g-import-not-at-top
   from fedlap_jax.accounting import PrivacyLedger  # pylint: disable=g-import-not-at-top
 
   run_dir = Path(run_dir)
@@ -447,7 +446,7 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
     delta=delta,
     round_index=int(meta.get("round", round_index)),
     rounds=int(cfg.rounds),
-    label=method_label(cfg.method, alg.dp is not None),
+    label=methods.label(cfg.method, alg.dp is not None),
   )
 
 

@@ -172,7 +172,7 @@ def plan(cfg, *, data: Data | None = None, calibrate: bool = False) -> Plan:
   data = load_data(cfg) if data is None else data
   if config is None:  # a method whose static step count needs the largest client
     config = library_configs.library_config(cfg, max_client_size=data.facts.max_client_size)
-  mechanism = library_configs.mechanism_of(config)
+  mechanism = entry.mechanism(config)
   if data.dataset is not None:
     library_configs.validate_data(cfg, data.dataset, data.client_indices, mechanism=mechanism)
   out = Plan(cfg, entry, data, config, mechanism)
@@ -191,7 +191,7 @@ def with_config(p: Plan, cfg) -> Plan:
   """``p`` for ``cfg``, the same run with another ``dp.noise_multiplier`` (a calibrated one):
   the library config and mechanism built again."""
   config = library_configs.library_config(cfg, max_client_size=p.facts.max_client_size)
-  return p._replace(cfg=cfg, config=config, mechanism=library_configs.mechanism_of(config))
+  return p._replace(cfg=cfg, config=config, mechanism=p.entry.mechanism(config))
 
 
 # -- the model and the keys ---------------------------------------------------------------

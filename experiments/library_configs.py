@@ -109,23 +109,14 @@ def library_config(cfg, *, max_client_size: int | None = None):
   return sections.build(spec, cfg, max_client_size=max_client_size)
 
 
-def mechanism_of(config) -> accounting.DpMechanism | None:
-  """The privacy mechanism a library config declares; ``None`` without DP.
-
-  :meth:`fedlap_jax.accounting.DpMechanism.from_config` (FedLAP-DP, PSG, DP-FedAvg,
-  DP-FedProx; FedDM has no DP variant), the value the built algorithm carries as
-  ``mechanism``.
-  """
-  return accounting.DpMechanism.from_config(config)
-
-
 def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | None:
-  """The privacy mechanism ``cfg``'s method declares (:func:`mechanism_of` its
-  :func:`library_config`; a baseline's ``T`` needs the largest of ``client_sizes``);
-  ``None`` without DP."""
+  """The privacy mechanism ``cfg``'s method declares (the registry method's
+  :meth:`~fedlap_jax.method.Method.mechanism` of its :func:`library_config`; a baseline's ``T``
+  needs the largest of ``client_sizes``); ``None`` without DP."""
   if not cfg.dp.enabled:
     return None
-  return mechanism_of(library_config(cfg, max_client_size=max(client_sizes)))
+  config = library_config(cfg, max_client_size=max(client_sizes))
+  return methods.entry(cfg.method).mechanism(config)
 
 
 def _get(cfg, field: str):

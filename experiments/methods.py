@@ -1,5 +1,11 @@
 """What ``experiments/`` knows of each method, in one table (:data:`ENTRIES`, by ``cfg.method``).
 
+The table is built from the library's registry (:data:`fedlap_jax.methods.REGISTRY`), one
+entry per registry method: the algorithm (:func:`fedlap_jax.rounds.algorithm`), the mechanism,
+the privacy policy, the DP twin, the carried and pooled data come from the method's value; what
+is the experiment's own (how a config class is written in an experiment config: :data:`SPECS`)
+is kept here, one row per library config class. A method that extends another (FedAdam) takes
+that one's row, its config built on the other's with its own section (:func:`extended_spec`).
 Every other module of ``experiments/`` is generic: it looks a method up here and calls what its
 :class:`Entry` holds. An entry says
 
@@ -16,7 +22,7 @@ Every other module of ``experiments/`` is generic: it looks a method up here and
   ``images_key``: what the Flower app's server and clients derive from the run key).
 
 It also holds the round summaries of methods whose metrics need their own reading
-(:func:`metrics_view`). The library's registry of methods will replace this table.
+(:func:`metrics_view`) and the methods' labels (:func:`label`, :func:`labels`).
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from fedlap_jax import baselines, condensation, feddm, federated
+from fedlap_jax import baselines, condensation, feddm, rounds
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int
 from fedlap_jax.federated import RoundMetrics
+from fedlap_jax.method import Method, ModelFns, RunFacts
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import embed_fn, init_fn
 
 from experiments import sections
@@ -67,6 +75,8 @@ class Entry:
     chain_key: the run's algorithm key -> the state's key before round 1.
     images_key: the run's algorithm key -> the key of the initial synthetic images (``None``:
       the method draws none).
+    mechanism: its library config -> its DP mechanism (``None`` without DP): the registry
+      method's :meth:`~fedlap_jax.method.Method.mechanism`.
   """
 
   name: str
@@ -82,6 +92,7 @@ class Entry:
   side_by_side: bool = False
   chain_key: Callable[[jax.Array], jax.Array] | None = None
   images_key: Callable[[jax.Array], jax.Array] | None = None
+  mechanism: Callable[[Any], Any] | None = None
 
 
 # -- the library configs -------------------------------------------------------------------
@@ -132,8 +143,13 @@ def _baseline_values(cfg, max_client_size):
   }
 
 
+def _config_name(method: str) -> str:
+  """The registry method whose library config ``method``'s builds on (itself by default)."""
+  return REGISTRY.method(method).extends or method
+
+
 BASELINE_SPEC = Spec(
-  make=lambda cfg, **values: baselines.baseline_config(cfg.method, **values),
+  make=lambda cfg, **values: baselines.baseline_config(_config_name(cfg.method), **values),
   reads={
     "rounds": "rounds",
     "learning_rate": "learning_rate",
@@ -192,7 +208,7 @@ def _condense_values(cfg, max_client_size):
   return {
     "outer_loop": outer,
     "inner_loop": inner,
-    "classwise": cfg.method not in core.DP_ONE_SHOT_METHODS,
+    "classwise": REGISTRY.method(cfg.method).privacy != "required",  # PSG: class-agnostic
     "dp": dp,
     "server": server,
   }
@@ -266,73 +282,38 @@ def _init_fn(module, image_shape):
   return init_fn(module, image_shape)
 
 
-def _fedlap_algorithm(config, model, facts, *, client_backend, cfg):
-  del cfg
-  return federated.algorithm(
-    model.apply_fn,
-    config,
-    image_shape=facts.image_shape,
-    max_classes_per_client=facts.max_classes_per_client,
-    client_backend=client_backend,
-  )
+def algorithm(method: Method):
+  """``algorithm(config, model, facts, *, client_backend, cfg)`` of ``method``: the registry's
+  method bound by :func:`fedlap_jax.rounds.algorithm` to the run's model and facts."""
 
+  def build(config, model, facts, *, client_backend, cfg):
+    fns = ModelFns(
+      model.apply_fn, _embed_fn(model.module), _init_fn(model.module, tuple(facts.image_shape))
+    )
+    run = RunFacts(
+      tuple(facts.image_shape),
+      cfg.data.num_clients,
+      model.num_params,
+      facts.max_classes_per_client,
+      facts.max_client_size,
+      cfg.data.get("clients_per_round"),
+    )
+    return rounds.algorithm(method, config, fns, run, client_backend=client_backend)
 
-def _feddm_algorithm(config, model, facts, *, client_backend, cfg):
-  del cfg
-  return feddm.algorithm(
-    model.apply_fn,
-    _embed_fn(model.module),
-    config,
-    image_shape=facts.image_shape,
-    max_classes_per_client=facts.max_classes_per_client,
-    client_backend=client_backend,
-  )
-
-
-def _oneshot_algorithm(config, model, facts, *, client_backend, cfg):
-  del cfg
-  return condensation.algorithm(
-    model.apply_fn,
-    _init_fn(model.module, facts.image_shape),
-    config,
-    image_shape=facts.image_shape,
-    max_classes_per_client=facts.max_classes_per_client,
-    max_client_size=facts.max_client_size,
-    client_backend=client_backend,
-  )
-
-
-def _baseline_algorithm(config, model, facts, *, client_backend, cfg):
-  return baselines.algorithm(
-    model.apply_fn,
-    config,
-    image_shape=facts.image_shape,
-    num_clients=cfg.data.num_clients,
-    num_params=model.num_params,
-    client_backend=client_backend,
-    clients_per_round=cfg.data.get("clients_per_round"),
-  )
+  return build
 
 
 # -- the privacy policies and checks -------------------------------------------------------
 
 
-def _dp_required(method):
-  return lambda enabled: None if enabled else f"True for method={method!r}"
-
-
-def _dp_refused(allowed: str):
-  return lambda enabled: allowed if enabled else None
-
-
-def _one_shot_privacy(method):
-  dp = method in core.DP_ONE_SHOT_METHODS
-  return lambda enabled: (
-    None
-    if enabled == dp
-    else f"{not enabled} for method={method!r} (PSG is the DP one-shot method: "
-    f"{core.DP_ONE_SHOT_METHODS})"
-  )
+def _privacy(method: Method):
+  """``privacy(dp_enabled)`` of ``method`` (its :attr:`~fedlap_jax.method.Method.privacy`):
+  ``None`` when it runs so, else what ``dp.enabled`` must be, with the method's note."""
+  if method.privacy == "optional":
+    return lambda enabled: None
+  dp = method.privacy == "required"
+  note = f" ({method.privacy_note})" if method.privacy_note else ""
+  return lambda enabled: None if enabled == dp else f"{dp} for method={method.name!r}{note}"
 
 
 def _check_baseline(cfg) -> None:
@@ -347,7 +328,7 @@ def _check_baseline(cfg) -> None:
   weighting = cfg.server.weighting
   if weighting is not None and weighting not in core.WEIGHTINGS:
     raise ConfigError("server.weighting", weighting, f"None or one of {core.WEIGHTINGS}")
-  if cfg.method in core.DP_BASELINE_METHODS and weighting == "size":
+  if REGISTRY.method(cfg.method).privacy == "required" and weighting == "size":
     raise ConfigError(
       "server.weighting",
       weighting,
@@ -372,11 +353,6 @@ FEDLAP_DP_FIELDS = (
     "the other strategies read r_k measured on real data",
   ),
 )
-# FedDM's DP variant protects class-wise statistics: not record-level DP.
-FEDDM_NO_DP = (
-  "False for method='feddm' (FedDM's DP variant protects class-wise statistics, a privacy "
-  "notion not comparable with record-level DP; it is not implemented)"
-)
 
 
 def _fedlap_keys(k_alg):
@@ -384,53 +360,69 @@ def _fedlap_keys(k_alg):
   return jax.random.split(k_alg)
 
 
-def _entries() -> dict[str, Entry]:
-  out = {
-    "fedlap": Entry(
-      "fedlap",
-      FEDLAP_SPEC,
-      _fedlap_algorithm,
-      privacy=lambda enabled: None,
-      dp_fields=FEDLAP_DP_FIELDS,
-      synthetic=True,
-      side_by_side=True,
-      chain_key=lambda k: _fedlap_keys(k)[1],
-      images_key=lambda k: _fedlap_keys(k)[0],
+# The experiment binding of each library config class: how the config is built from the
+# experiment config, what else it must hold, and the method's key chain before round 1.
+SPECS = {
+  core.FedLAPConfig: dict(
+    spec=FEDLAP_SPEC,
+    dp_fields=FEDLAP_DP_FIELDS,
+    chain_key=lambda k: _fedlap_keys(k)[1],
+    images_key=lambda k: _fedlap_keys(k)[0],
+  ),
+  # init_baseline_state keeps the algorithm key
+  baselines.BaselineConfig: dict(spec=BASELINE_SPEC, check=_check_baseline, chain_key=lambda k: k),
+  feddm.FedDMConfig: dict(spec=FEDDM_SPEC),
+  condensation.OneShotConfig: dict(spec=ONESHOT_SPEC, one_shot=True),
+}
+
+
+def _entry(method: Method) -> Entry:
+  """The entry of a registry method (of one that extends another: that one's, its config
+  built on the other's)."""
+  if method.extends is not None:
+    base = _entry(REGISTRY.method(method.extends))
+    return dataclasses.replace(
+      base,
+      name=method.name,
+      spec=extended_spec(base.spec, method),
+      algorithm=algorithm(method),
+      privacy=_privacy(method),
+      dp_twin=method.dp_twin,
+      mechanism=method.mechanism,
     )
-  }
-  for m in core.BASELINE_METHODS:
-    twin = f"dp_{m}"
-    if m in core.DP_BASELINE_METHODS:
-      privacy = _dp_required(m)
-    else:
-      privacy = _dp_refused(
-        f"False for method={m!r} (use method='dp_{m}' where a DP variant exists: "
-        f"{core.DP_BASELINE_METHODS})"
-      )
-    out[m] = Entry(
-      m,
-      BASELINE_SPEC,
-      _baseline_algorithm,
-      privacy=privacy,
-      check=_check_baseline,
-      dp_twin=(twin, "its DP variant") if twin in core.DP_BASELINE_METHODS else None,
-      chain_key=lambda k: k,  # init_baseline_state keeps the algorithm key
-    )
-  out["feddm"] = Entry(
-    "feddm", FEDDM_SPEC, _feddm_algorithm, privacy=_dp_refused(FEDDM_NO_DP), synthetic=True
+  return Entry(
+    method.name,
+    algorithm=algorithm(method),
+    privacy=_privacy(method),
+    dp_twin=method.dp_twin,
+    synthetic="synthetic" in method.carried,
+    pooled=not method.federated,
+    side_by_side=method.side_by_side,
+    mechanism=method.mechanism,
+    **SPECS[method.config_type],
   )
-  for m in core.ONE_SHOT_METHODS:
-    out[m] = Entry(
-      m,
-      ONESHOT_SPEC,
-      _oneshot_algorithm,
-      privacy=_one_shot_privacy(m),
-      dp_twin=None if m in core.DP_ONE_SHOT_METHODS else ("psg", "PSG is the DP one-shot method"),
-      one_shot=True,
-      synthetic=True,
-      pooled=m == "dsc_centralized",
-    )
-  return out
+
+
+def extended_spec(base: Spec, method: Method) -> Spec:
+  """``base`` whose config ``method.extend`` builds on, with the method's own section
+  (``config.<name>``, the fields of ``method.own_section``; absent: their defaults)."""
+  assert method.extend is not None and method.own_section is not None
+  extend, own, name = method.extend, method.own_section, method.name
+
+  def make(cfg, **values):
+    try:
+      section = schema.build(own, cfg[name], name) if name in cfg else own()
+    except ConfigError as e:
+      if e.field.startswith(f"{name}."):
+        raise
+      raise sections.renamed(e, f"{name}.{e.field}") from None
+    return extend(base.make(cfg, **values), section)
+
+  return base._replace(make=make, section=name, cls=own)
+
+
+def _entries() -> dict[str, Entry]:
+  return {name: _entry(m) for name, m in REGISTRY.items()}
 
 
 ENTRIES: dict[str, Entry] = _entries()
@@ -440,11 +432,22 @@ def entry(method: str) -> Entry:
   """The entry of ``method``.
 
   Raises:
-    ConfigError: ``method`` is none of :data:`fedlap_jax.config.METHODS`.
+    ConfigError: ``method`` is none of the registry's (:data:`fedlap_jax.methods.REGISTRY`).
   """
   if method not in ENTRIES:
-    raise ConfigError("method", method, f"one of {core.METHODS}")
+    raise ConfigError("method", method, f"one of {tuple(ENTRIES)}")
   return ENTRIES[method]
+
+
+def label(method: str, dp: bool) -> str:
+  """Display name of ``method`` (the registry's :attr:`~fedlap_jax.method.Method.label`),
+  e.g. ``"FedLAP-DP"``; an unknown name is its own label."""
+  return REGISTRY[method].label(dp) if method in REGISTRY else method
+
+
+def labels() -> tuple[str, ...]:
+  """Every method's labels (without DP, then with), in the registry's order (report columns)."""
+  return tuple(dict.fromkeys(m.label(dp) for m in REGISTRY.values() for dp in (False, True)))
 
 
 # -- round metrics that need their own reading ---------------------------------------------

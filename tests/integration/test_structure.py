@@ -21,6 +21,7 @@ import numpy as np
 from fedlap_jax import baselines, client, condensation, federated, per_example, privacy
 from fedlap_jax import config as core
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
 from conftest import linear_init, run_benchmark
 
@@ -36,8 +37,8 @@ def graph_and_importers() -> dict:
 
 
 def method_names() -> tuple[str, ...]:
-  """Every name a method is known by: the methods and their labels' keys."""
-  return tuple(sorted(core.METHOD_LABELS))
+  """Every name a method is known by: the registry's methods and the labels' keys."""
+  return tuple(sorted(set(core.METHOD_LABELS) | set(REGISTRY)))
 
 
 # -- the readers read structure ------------------------------------------------------------------
@@ -110,7 +111,7 @@ def test_the_branch_counter_finds_every_kind_of_method_branch(tmp_path):
 
 # Method-name branches (cmp + list + type) outside fedlap_jax/methods/, per folder: today's
 # figures. They may only fall; the registry's goal is 0 in every folder.
-BRANCH_CEILINGS = {"fedlap_jax": 17, "experiments": 12, "fedlap_flower": 3}
+BRANCH_CEILINGS = {"fedlap_jax": 17, "experiments": 4, "fedlap_flower": 3}
 
 
 def test_method_name_branches_do_not_grow():

@@ -1,0 +1,115 @@
+"""The one-shot condensation methods as :class:`~fedlap_jax.method.Method` s: DSC federated,
+DSC centralized and PSG.
+
+Keys as :func:`fedlap_jax.condensation.oneshot_round`: ``next, k_init, k_clients, k_server =
+split(key, 4)``; under ``synthetic_init='real'`` a client's start set is drawn from its own
+records with ``split(k_init, K)[k]`` in its step. Every client condenses once
+(:func:`fedlap_jax.condensation.condense`); the server trains on the union
+(:func:`fedlap_jax.condensation.train_on_union`). DSC centralized pools every client's
+records into one (:func:`fedlap_jax.condensation.pool_clients`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlap_jax import condensation
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.condensation import OneShotConfig, OneShotMetrics
+from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS, method_label
+from fedlap_jax.dispatch import client_weights
+from fedlap_jax.method import (
+  ClientResult,
+  Method,
+  ModelFns,
+  RoundFacts,
+  RoundPlan,
+  RunFacts,
+  synthetic_upload,
+  synthetic_wire,
+)
+from fedlap_jax.synthetic import real_images
+
+
+def _init(key, params, clients, config: OneShotConfig, facts: RunFacts):
+  del facts
+  return condensation.init_oneshot_state(key, params, clients, config)
+
+
+def _prepare(clients, config: OneShotConfig):
+  return condensation.pool_clients(clients) if config.centralized else clients
+
+
+def _plan(state, num_clients: int, config: OneShotConfig) -> RoundPlan:
+  key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
+  real = config.condensation.synthetic_init == "real"
+  init_keys = jax.random.split(k_init, num_clients) if real else None
+  return RoundPlan(key, k_server, (), (jax.random.split(k_clients, num_clients), init_keys))
+
+
+def _client_step(own, model: ModelFns, message, carried, data, config, *, client_axis=None):
+  del message, client_axis
+  key, init_key = own
+  (syn,) = carried
+  c = config.condensation
+  if model.init_fn is None:
+    raise ConfigError("model.init_fn", None, "init(key) -> params of a fresh network (DSC, PSG)")
+  if init_key is not None:
+    syn = syn._replace(x=real_images(init_key, data, syn.y, syn.mask, c.ipc))
+  synthetic, metrics = condensation.condense(key, model.apply_fn, model.init_fn, syn, data, c)
+  return ClientResult(synthetic, (synthetic,), metrics)
+
+
+def _server_step(key, model: ModelFns, state, message, results, config, facts: RoundFacts):
+  del message
+  params, m = condensation.train_on_union(
+    key,
+    model.apply_fn,
+    state.params,
+    results.update,
+    client_weights(config.server.weighting, facts.num_records),
+    config,
+  )
+  metrics = OneShotMetrics(
+    results.metrics, m.epochs, m.steps, m.distance, jnp.float32(config.learning_rate)
+  )
+  return state._replace(params=params), metrics
+
+
+def _upload(config: OneShotConfig, facts: RunFacts) -> int:
+  """The synthetic set once; DSC centralized: the raw records pooled."""
+  if config.centralized:
+    if facts.max_client_size is None:
+      raise ConfigError("max_client_size", None, "the largest client's records (DSC centralized)")
+    return int(facts.max_client_size * np.prod(facts.image_shape))
+  return synthetic_upload(config.condensation.ipc, facts)
+
+
+def family(name: str) -> Method:
+  """The one-shot method ``name`` (one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`)."""
+  return Method(
+    name=name,
+    label=lambda dp: method_label(name, dp),
+    config_type=OneShotConfig,
+    init=_init,
+    plan=_plan,
+    client_step=_client_step,
+    server_step=_server_step,
+    upload_floats=_upload,
+    wire=lambda config, params, facts: synthetic_wire(config.condensation.ipc, facts),
+    batch_size=lambda config: config.condensation.batch_size,
+    carried=("synthetic",),
+    # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
+    per_client_fields=lambda config: () if config.centralized else ("synthetic",),
+    prepare_clients=_prepare,
+    privacy="required" if name in DP_ONE_SHOT_METHODS else "never",
+    privacy_note=f"PSG is the DP one-shot method: {DP_ONE_SHOT_METHODS}",
+    dp_twin=None if name in DP_ONE_SHOT_METHODS else ("psg", "PSG is the DP one-shot method"),
+    federated=name != "dsc_centralized",
+    algorithm_name=lambda config: config.method,
+  )
+
+
+METHODS = tuple(family(name) for name in ONE_SHOT_METHODS)

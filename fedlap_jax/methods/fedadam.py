@@ -1,0 +1,154 @@
+"""FedAdam: FedAvg's clients, Adam on the server (FedOpt; Reddi et al., "Adaptive Federated
+Optimization", ICLR 2021, Algorithm 2).
+
+Each round the clients run FedAvg's local training (:func:`fedlap_jax.methods.fedavg.client_step`)
+from the global model ``x`` and send ``y_k``; the server treats minus the weighted mean client
+delta, ``g = -sum_k w_k (y_k - x)`` (``w_k`` normalised, ``server.weighting`` as FedAvg's), as
+a gradient and takes one step of ``optax.adam(eta, b1, b2, eps)``. The Adam state (step count,
+first and second moments) is the state's ``opt_state``, carried across rounds (and
+checkpointed with the state).
+
+Defaults: ``b1 = 0.9``, ``b2 = 0.99``, ``eps = tau = 1e-3`` (the paper's FedAdam settings) and
+``eta = 0.01``. One deviation from the paper's pseudo-code, as FedJAX's and Flower's FedAdam:
+optax's Adam corrects the moments' bias (``m / (1 - b1^t)``, ``v / (1 - b2^t)``), which
+Reddi et al.'s Algorithm 2 omits. No DP variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedlap_jax import baselines
+from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
+from fedlap_jax.checks import is_real, require
+from fedlap_jax.dispatch import client_weights
+from fedlap_jax.method import Method, ModelFns, RoundFacts, RoundPlan, RunFacts
+from fedlap_jax.methods import fedavg
+from fedlap_jax.training import tree_distance
+from fedlap_jax.types import PyTree
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamServer:
+  """The server's Adam (hashable: a jit static).
+
+  Attributes:
+    learning_rate: ``eta``, the server's step size (the same every round).
+    b1, b2: the moments' decay rates, in ``[0, 1)``.
+    eps: ``tau``, added to ``sqrt(v)`` (the adaptivity's floor).
+  """
+
+  learning_rate: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.99
+  eps: float = 1e-3
+
+  def __post_init__(self):
+    for f in ("learning_rate", "eps"):
+      v = getattr(self, f)
+      require(is_real(v) and v > 0, f, v, "a finite number > 0")
+    for f in ("b1", "b2"):
+      v = getattr(self, f)
+      require(is_real(v) and 0 <= v < 1, f, v, "a number in [0, 1)")
+
+  def optimizer(self) -> optax.GradientTransformation:
+    return optax.adam(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAdamConfig:
+  """FedAdam (hashable: a jit static): FedAvg's clients and the server's Adam.
+
+  Attributes:
+    clients: the :class:`~fedlap_jax.baselines.BaselineConfig` of method ``fedavg`` (rounds,
+      the clients' schedule and local training, the server's weighting).
+    server: :class:`AdamServer`.
+  """
+
+  clients: BaselineConfig
+  server: AdamServer = AdamServer()
+
+  def __post_init__(self):
+    c = self.clients
+    require(
+      isinstance(c, BaselineConfig) and c.method == "fedavg",
+      "clients",
+      c,
+      "a BaselineConfig of method 'fedavg'",
+    )
+    require(isinstance(self.server, AdamServer), "server", self.server, "an AdamServer")
+
+  def dp_accesses(self) -> None:
+    """FedAdam has no DP variant."""
+    return None
+
+
+class FedAdamState(NamedTuple):
+  """Server state: the global model, rounds done, the chain key and Adam's state."""
+
+  params: PyTree
+  round: jax.Array
+  key: jax.Array
+  opt_state: optax.OptState
+
+
+def _init(key, params, clients, config: FedAdamConfig, facts: RunFacts) -> FedAdamState:
+  base = fedavg.init(key, params, clients, config.clients, facts)
+  return FedAdamState(base.params, base.round, base.key, config.server.optimizer().init(params))
+
+
+def _plan(state, num_clients: int, config: FedAdamConfig) -> RoundPlan:
+  key, client_keys = baselines.round_keys(state.key, num_clients)
+  lr = baselines.learning_rate(state.round + 1, config.clients)
+  return RoundPlan(key, None, fedavg.Message(state.params, lr), client_keys)
+
+
+def _client_step(own, model: ModelFns, message, carried, data, config, *, client_axis=None):
+  return fedavg.client_step(
+    own, model, message, carried, data, config.clients, client_axis=client_axis
+  )
+
+
+def _server_step(key, model: ModelFns, state, message, results, config, facts: RoundFacts):
+  del key, model
+  ys, x = results.update, state.params
+  w = client_weights(config.clients.weighting, facts.num_records)
+  w = w / jnp.sum(w)
+  # The pseudo-gradient: minus the weighted mean client delta.
+  grad = jax.tree.map(lambda y, xi: -jnp.tensordot(w, y - xi[None], axes=1), ys, x)
+  updates, opt_state = config.server.optimizer().update(grad, state.opt_state, x)
+  params = optax.apply_updates(x, updates)
+  metrics = BaselineRoundMetrics(
+    results.metrics, message.learning_rate, tree_distance(params, x), jnp.float32(0.0)
+  )
+  return state._replace(params=params, opt_state=opt_state), metrics
+
+
+def _extend(base: BaselineConfig, server: Mapping[str, Any] | AdamServer) -> FedAdamConfig:
+  if not isinstance(server, AdamServer):
+    server = AdamServer(**server)
+  return FedAdamConfig(base, server)
+
+
+METHOD = Method(
+  name="fedadam",
+  label=lambda dp: "FedAdam",
+  config_type=FedAdamConfig,
+  init=_init,
+  plan=_plan,
+  client_step=_client_step,
+  server_step=_server_step,
+  upload_floats=lambda config, facts: facts.num_params,
+  wire=fedavg.model_wire,
+  batch_size=lambda config: config.clients.local.batch_size,
+  privacy_note="FedAdam has no DP variant",
+  extends="fedavg",
+  extend=_extend,
+  own_section=AdamServer,
+)
+METHODS = (METHOD,)

@@ -1,0 +1,159 @@
+"""The gradient-sharing baselines as :class:`~fedlap_jax.method.Method` s: FedSGD, FedAvg,
+FedProx, SCAFFOLD, DP-FedAvg and DP-FedProx.
+
+Every client runs :func:`fedlap_jax.baselines.client_step` (local training from the global
+model ``x``) with its key ``split(k_clients, K)[k]`` of ``next, k_clients = split(key)``
+(:func:`fedlap_jax.baselines.round_keys`) and sends its model ``y_k``; the server takes the
+weighted FedAvg step of :func:`fedlap_jax.baselines.server_step`. SCAFFOLD's client also
+updates its control variate in its step (option II of Karimireddy et al., 2020:
+``c_k+ = c_k - c + (x - y_k) / (T_k eta)``), carries ``c_k`` and sends ``delta c_k`` besides
+``y_k``; its server adds ``(m / K) sum_k w_k delta c_k`` to ``c``.
+
+:func:`family` builds the method of one name; :mod:`fedlap_jax.methods.fedadam` reuses the
+client step and the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedlap_jax import baselines
+from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
+from fedlap_jax.config import method_label
+from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
+from fedlap_jax.training import tree_distance
+
+
+class Message(NamedTuple):
+  """What a baseline's server sends: ``x``, the clients' ``eta_m`` and SCAFFOLD's ``c``."""
+
+  params: Any
+  learning_rate: jax.Array
+  control: Any = None
+
+
+class ScaffoldUpdate(NamedTuple):
+  """What a SCAFFOLD client sends: its model ``y_k`` and ``delta c_k``."""
+
+  params: Any
+  control_delta: Any
+
+
+def _unused_apply(params, x):
+  raise NotImplementedError("only the algorithm's init is used here")
+
+
+def init(key, params, clients, config: BaselineConfig, facts: RunFacts):
+  """The state before round 1, after the checks of :func:`fedlap_jax.baselines.algorithm`."""
+  alg = baselines.algorithm(
+    _unused_apply,  # init reads the config and the facts, not the model's function
+    config,
+    image_shape=facts.image_shape,
+    num_clients=facts.num_clients,
+    num_params=facts.num_params,
+    clients_per_round=facts.clients_per_round,
+  )
+  return alg.init(key, params, clients)
+
+
+def plan(state, num_clients: int, config: BaselineConfig) -> RoundPlan:
+  key, client_keys = baselines.round_keys(state.key, num_clients)
+  lr = baselines.learning_rate(state.round + 1, config)
+  return RoundPlan(key, None, Message(state.params, lr, state.control), client_keys)
+
+
+def client_step(own, model: ModelFns, message: Message, carried, data, config, *, client_axis=None):
+  """FedAvg's client: ``y_k`` after local training (:func:`fedlap_jax.baselines.client_step`)."""
+  del carried, client_axis
+  y, metrics = baselines.client_step(
+    own, model.apply_fn, message.params, data, config, learning_rate=message.learning_rate
+  )
+  return ClientResult(y, (), metrics)
+
+
+def scaffold_client_step(
+  own, model: ModelFns, message: Message, carried, data, config, *, client_axis=None
+):
+  """SCAFFOLD's client: local training corrected by ``c - c_k``, then its control update."""
+  del client_axis
+  (c_k,) = carried
+  x, c, lr = message.params, message.control, message.learning_rate
+  correction = jax.tree.map(jnp.subtract, c, c_k)
+  y, metrics = baselines.client_step(
+    own, model.apply_fn, x, data, config, learning_rate=lr, correction=correction
+  )
+  # Option II: c_k+ = c_k - c + (x - y_k) / (T_k eta); delta c_k = c_k+ - c_k.
+  scale = 1.0 / (jnp.maximum(metrics.steps, 1).astype(jnp.float32) * lr)
+  delta_c = jax.tree.map(lambda yi, xi, ci: -ci - (yi - xi) * scale, y, x, c)
+  return ClientResult(ScaffoldUpdate(y, delta_c), (jax.tree.map(jnp.add, c_k, delta_c),), metrics)
+
+
+def mean_model(state, results, config, facts: RoundFacts):
+  """``(x + eta_s sum_k w_k (y_k - x), w)``: :func:`fedlap_jax.baselines.server_step`."""
+  return baselines.server_step(state.params, results, config, num_records=facts.num_records)
+
+
+def server_step(key, model: ModelFns, state, message: Message, results, config, facts: RoundFacts):
+  del key, model
+  params, _ = mean_model(state, results.update, config, facts)
+  metrics = BaselineRoundMetrics(
+    results.metrics, message.learning_rate, tree_distance(params, state.params), jnp.float32(0.0)
+  )
+  return state._replace(params=params), metrics
+
+
+def scaffold_server_step(
+  key, model: ModelFns, state, message: Message, results, config, facts: RoundFacts
+):
+  del key, model
+  params, weights = mean_model(state, results.update.params, config, facts)
+  step = jax.tree.map(lambda a: jnp.tensordot(weights, a, axes=1), results.update.control_delta)
+  m, k = facts.take_part
+  if m != k:  # sampled clients (static: the all-clients program is unchanged)
+    step = jax.tree.map(lambda d: (m / k) * d, step)
+  control = jax.tree.map(jnp.add, state.control, step)
+  control_norm = tree_distance(control, jax.tree.map(jnp.zeros_like, control))
+  metrics = BaselineRoundMetrics(
+    results.metrics, message.learning_rate, tree_distance(params, state.params), control_norm
+  )
+  return state._replace(params=params, control=control), metrics
+
+
+def model_wire(config, params, facts: RunFacts) -> Wire:
+  del config, facts
+  return Wire.of(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params))
+
+
+def _scaffold_wire(config, params, facts: RunFacts) -> Wire:
+  del config, facts
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+  return Wire.of(ScaffoldUpdate(shapes, shapes))
+
+
+def family(name: str) -> Method:
+  """The baseline ``name`` (one of :data:`fedlap_jax.baselines.METHODS`)."""
+  scaffold = name == "scaffold"
+  return Method(
+    name=name,
+    label=lambda dp: method_label(name, dp),
+    config_type=BaselineConfig,
+    init=init,
+    plan=plan,
+    client_step=scaffold_client_step if scaffold else client_step,
+    server_step=scaffold_server_step if scaffold else server_step,
+    upload_floats=lambda config, facts: (2 if scaffold else 1) * facts.num_params,
+    wire=_scaffold_wire if scaffold else model_wire,
+    batch_size=lambda config: config.local.batch_size,
+    carried=("client_controls",) if scaffold else (),
+    privacy="required" if name in baselines.DP_METHODS else "never",
+    privacy_note=""
+    if name in baselines.DP_METHODS
+    else f"use method='dp_{name}' where a DP variant exists: {baselines.DP_METHODS}",
+    dp_twin=(f"dp_{name}", "its DP variant") if f"dp_{name}" in baselines.DP_METHODS else None,
+  )
+
+
+METHODS = tuple(family(name) for name in baselines.METHODS)

@@ -1,0 +1,286 @@
+"""The generic round (:mod:`fedlap_jax.rounds`) over every registry method equals that
+method's own round bit for bit, and the registry's values say what today's algorithms say.
+
+Two rounds of each method on the digits (five clients, a linear model; FedDM's embedding is
+the flattened image), built once through the method's own module (``federated.algorithm``,
+``baselines.algorithm``, ``feddm.algorithm``, ``condensation.algorithm``) and once through
+``rounds.algorithm(REGISTRY[name], ...)``: states and metrics equal, and so are the
+algorithms' static facts (name, upload, mechanism, batch size, per-client fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from fedlap_jax import baselines, condensation, feddm, federated, rounds
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.config import (
+  ClientConfig,
+  DPConfig,
+  FedLAPConfig,
+  ServerConfig,
+  fixed_epochs_server,
+)
+from fedlap_jax.method import ModelFns, RunFacts, Wire
+from fedlap_jax.methods import REGISTRY
+from fedlap_jax.models import count_params
+
+from conftest import linear_apply, linear_init
+
+pytestmark = pytest.mark.bitwise  # differently built programs, bit for bit (conftest's note)
+
+K = 5
+IMAGE_SHAPE = (8, 8, 1)
+MAX_CLIENT_SIZE = 400  # >= every digits client: fixes the baselines' static step count
+DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+SERVER = ServerConfig(radius_strategy="constant", max_epochs=1, dsa_strategy="")
+CLIENT = ClientConfig(
+  ipc=2,
+  iterations=1,
+  max_outer=1,
+  batch_loop=1,
+  boost_loop=1,
+  batch_size=32,
+  radius=10.0,
+  calibrate_radius=False,
+  dsa_strategy="",
+)
+FEDLAP = {
+  "real": FedLAPConfig(
+    client=CLIENT, server=SERVER, rounds=3, learning_rate=0.5, synthetic_init="real"
+  ),
+  "hybrid": FedLAPConfig(
+    client=dataclasses.replace(
+      CLIENT, max_outer=2, batch_loop=2, average_targets=True, model_steps="noisy_real", dp=DP
+    ),
+    server=dataclasses.replace(SERVER, start="fedavg_delta", learning_rate=0.05),
+    rounds=3,
+    learning_rate=0.5,
+    synthetic_init="noise",
+  ),
+}
+
+
+def linear_embed(params, x):
+  """FedDM's ``(features, logits)`` of the linear model: the flattened image and its logits."""
+  return x.reshape(x.shape[0], -1), linear_apply(params, x)
+
+
+MODEL = ModelFns(linear_apply, linear_embed, linear_init)
+
+
+def _baseline(name, max_client_size):
+  dp = DP if name.startswith("dp_") else None
+  return baselines.baseline_config(
+    name,
+    rounds=3,
+    learning_rate=0.1,
+    local_epochs=1,
+    batch_size=32,
+    dp=dp,
+    max_client_size=max_client_size,
+  )
+
+
+def _oneshot(name, init="noise"):
+  cond = condensation.CondensationConfig(
+    ipc=2,
+    networks=1,
+    outer_loop=2,
+    inner_loop=1,
+    batch_loop=2,
+    classwise=name != "psg",
+    batch_size=16,
+    synthetic_init=init,
+    dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5) if name == "psg" else None,
+  )
+  return condensation.OneShotConfig(method=name, condensation=cond, server=fixed_epochs_server(1))
+
+
+def cases(max_client_size=MAX_CLIENT_SIZE):
+  """``(id, method name, config, legacy algorithm builder)`` of every registry method."""
+  out = [(f"fedlap-{k}", "fedlap", c) for k, c in FEDLAP.items()]
+  out += [(m, m, _baseline(m, max_client_size)) for m in baselines.METHODS]
+  for init in ("real", "noise"):
+    fc = feddm.FedDMConfig(
+      ipc=2, image_updates=2, batch_size=16, synthetic_init=init, server=fixed_epochs_server(1)
+    )
+    out.append((f"feddm-{init}", "feddm", fc))
+  out += [(m, m, _oneshot(m)) for m in ("dsc", "dsc_centralized", "psg")]
+  out.append(("dsc-real", "dsc", _oneshot("dsc", "real")))
+  return out
+
+
+CASE_IDS = [c[0] for c in cases()]
+
+
+def legacy(config, facts: RunFacts, client_backend: str):
+  if isinstance(config, FedLAPConfig):
+    return federated.algorithm(
+      linear_apply,
+      config,
+      image_shape=IMAGE_SHAPE,
+      max_classes_per_client=facts.max_classes_per_client,
+      client_backend=client_backend,
+    )
+  if isinstance(config, baselines.BaselineConfig):
+    return baselines.algorithm(
+      linear_apply,
+      config,
+      image_shape=IMAGE_SHAPE,
+      num_clients=K,
+      num_params=facts.num_params,
+      client_backend=client_backend,
+      clients_per_round=facts.clients_per_round,
+    )
+  if isinstance(config, feddm.FedDMConfig):
+    return feddm.algorithm(
+      linear_apply,
+      linear_embed,
+      config,
+      image_shape=IMAGE_SHAPE,
+      max_classes_per_client=facts.max_classes_per_client,
+      client_backend=client_backend,
+    )
+  return condensation.algorithm(
+    linear_apply,
+    linear_init,
+    config,
+    image_shape=IMAGE_SHAPE,
+    max_classes_per_client=facts.max_classes_per_client,
+    max_client_size=facts.max_client_size,
+    client_backend=client_backend,
+  )
+
+
+@pytest.fixture(scope="module")
+def facts(clients, linear_params):
+  sizes = np.asarray(clients.mask).sum(axis=1)
+  return RunFacts(IMAGE_SHAPE, K, count_params(linear_params), 2, int(sizes.max()))
+
+
+def _case(case_id, facts):
+  return next(c for c in cases() if c[0] == case_id)
+
+
+def _two_rounds(alg, key, params, clients):
+  state = alg.init(key, params, clients)
+  out = []
+  for _ in range(2):
+    state, metrics = alg.round(state, clients)
+    out.append((state, metrics))
+  return out
+
+
+def test_every_registry_method_with_a_round_of_its_own_is_a_case():
+  """A method that extends another (FedAdam: FedAvg's config) has no legacy round to equal."""
+  assert {c[1] for c in cases()} == {n for n, m in REGISTRY.items() if m.extends is None}
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_the_generic_round_equals_the_methods_own(case_id, facts, clients, linear_params):
+  _, name, config = _case(case_id, facts)
+  method = REGISTRY.method(name)
+  old = legacy(config, facts, "map")
+  new = rounds.algorithm(method, config, MODEL, facts, client_backend="map")
+  assert new.name == old.name
+  assert new.upload_floats_per_client == old.upload_floats_per_client
+  assert new.mechanism == old.mechanism and new.dp == old.dp
+  assert new.batch_size == old.batch_size
+  assert new.client_state_fields == old.client_state_fields
+  key = jax.random.PRNGKey(3)
+  for (s_old, m_old), (s_new, m_new) in zip(
+    _two_rounds(old, key, linear_params, clients), _two_rounds(new, key, linear_params, clients)
+  ):
+    assert type(s_new) is type(s_old) and type(m_new) is type(m_old)
+    chex.assert_trees_all_equal(s_new, s_old)
+    chex.assert_trees_all_equal(m_new, m_old)
+
+
+@pytest.mark.parametrize("case_id", ["fedlap-real", "scaffold"])
+def test_side_by_side_and_sampled_clients_equal_the_methods_own(
+  case_id, facts, clients, linear_params
+):
+  """``vmap`` clients (FedLAP's side-by-side loops), and SCAFFOLD's ``m / K`` server variate."""
+  _, name, config = _case(case_id, facts)
+  facts = facts._replace(clients_per_round=3) if name == "scaffold" else facts
+  old = legacy(config, facts, "vmap")
+  new = rounds.algorithm(REGISTRY.method(name), config, MODEL, facts, client_backend="vmap")
+  key = jax.random.PRNGKey(4)
+  for (s_old, m_old), (s_new, m_new) in zip(
+    _two_rounds(old, key, linear_params, clients), _two_rounds(new, key, linear_params, clients)
+  ):
+    chex.assert_trees_all_equal(s_new, s_old)
+    chex.assert_trees_all_equal(m_new, m_old)
+
+
+def test_scaffolds_control_update_is_in_its_client_step(facts, clients, linear_params):
+  """A SCAFFOLD client's step alone returns ``c_k+`` and sends ``(y_k, delta c_k)``."""
+  method = REGISTRY.method("scaffold")
+  config = _baseline("scaffold", MAX_CLIENT_SIZE)
+  state = method.init(jax.random.PRNGKey(5), linear_params, clients, config, facts)
+  state = state._replace(control=jax.tree.map(lambda p: p + 0.01, state.control))
+  plan = method.plan(state, K, config)
+  one = jax.tree.map(lambda a: a[1], (plan.own, clients, state.client_controls))
+  result = method.client_step(one[0], MODEL, plan.message, (one[2],), one[1], config)
+  y, delta_c = result.update
+  (c_new,) = result.carried
+  steps = float(result.metrics.steps)
+  lr = float(plan.message.learning_rate)
+  for leaf in ("kernel", "bias"):
+    expect = -np.asarray(state.control[leaf]) - (
+      np.asarray(y[leaf]) - np.asarray(linear_params[leaf])
+    ) / (steps * lr)
+    np.testing.assert_allclose(np.asarray(delta_c[leaf]), expect, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(c_new[leaf]), np.asarray(one[2][leaf]) + np.asarray(delta_c[leaf]), rtol=1e-6
+    )
+
+
+def test_the_wire_refuses_a_malformed_reply(facts, linear_params):
+  wire = REGISTRY.method("scaffold").wire(None, linear_params, facts)
+  assert wire.names() == (
+    "params.bias",
+    "params.kernel",
+    "control_delta.bias",
+    "control_delta.kernel",
+  )
+  assert wire.floats() == 2 * facts.num_params
+  good = {f.name: np.zeros(f.shape, f.dtype) for f in wire.fields}
+  wire.check(good)
+  bad = [
+    ({k: v for k, v in good.items() if k != "params.bias"}, "params.bias"),
+    ({**good, "extra": np.zeros(1)}, "extra"),
+    ({**good, "params.kernel": np.zeros((3,), np.float32)}, "params.kernel"),
+    ({**good, "params.bias": np.zeros(10, np.float64)}, "params.bias"),
+    ({**good, "control_delta.bias": np.full(10, np.nan, np.float32)}, "control_delta.bias"),
+  ]
+  for reply, field in bad:
+    with pytest.raises(ConfigError) as err:
+      wire.check(reply)
+    assert err.value.field == field
+
+
+def test_fedlaps_wire_pins_labels_and_counts_todays_upload(facts, linear_params):
+  for config in FEDLAP.values():
+    wire = REGISTRY.method("fedlap").wire(config, linear_params, facts)
+    assert isinstance(wire, Wire)
+    upload = REGISTRY.method("fedlap").upload_floats(config, facts)
+    delta = facts.num_params if config.client.model_steps == "noisy_real" else 0
+    assert wire.floats() == upload + delta + 1  # + the radius, a scalar today's count leaves out
+
+
+def test_the_registry_refuses_an_unknown_name_and_a_config_of_another_method(facts):
+  with pytest.raises(ConfigError) as err:
+    REGISTRY.method("fedbogus")
+  assert err.value.field == "method"
+  with pytest.raises(ConfigError) as err:
+    rounds.algorithm(REGISTRY.method("fedavg"), FEDLAP["real"], MODEL, facts)
+  assert err.value.field == "config"
+  with pytest.raises(ValueError):
+    REGISTRY.with_methods(REGISTRY.method("fedavg"))
