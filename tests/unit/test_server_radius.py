@@ -251,15 +251,15 @@ def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
   "change, message",
   [
     (
-      lambda s, w: (jax.tree.map(lambda a: a[0], s), w[:1]),
+      lambda s, w: (jax.tree.map(lambda a: np.asarray(a)[0], s), w[:1]),
       r"synthetic.y.shape=\(8,\) is invalid; allowed: \(8, 8\): one entry per image",
     ),
     (
-      lambda s, w: (s, jnp.ones(3)),
+      lambda s, w: (s, np.ones(3, np.float32)),
       r"client_weights.shape=\(3,\) is invalid; allowed: \(2,\): one weight per client",
     ),
     (
-      lambda s, w: (s._replace(y=s.y.astype(jnp.float32)), w),
+      lambda s, w: (s._replace(y=np.asarray(s.y).astype(np.float32)), w),
       r"synthetic.y.dtype='float32' is invalid; allowed: an integer dtype",
     ),
   ],
@@ -267,7 +267,7 @@ def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
 def test_global_update_refuses_a_union_it_cannot_use(
   linear_apply_fn, linear_params, union, change, message
 ):
-  bad, weights = change(union, jnp.ones(2))
+  bad, weights = change(union, np.ones(2, np.float32))
   with pytest.raises(ConfigError, match=message):
     global_update_jit(
       jax.random.PRNGKey(0),
@@ -288,14 +288,15 @@ def test_global_update_refuses_a_union_it_cannot_use(
 
 def test_example_weights():
   mask = np.array([[True, True, False, False], [True, True, True, True]])
-  w = server.example_weights(mask, np.array([1.0, 3.0], np.float32))
+  example_weights = jax.jit(server.example_weights)
+  w = example_weights(mask, np.array([1.0, 3.0], np.float32))
   chex.assert_shape(w, (2, 4))
   w = np.asarray(w)
   chex.assert_trees_all_equal(w[0, 2:], np.zeros(2, w.dtype))  # padding
   # A full pass weighs the clients 1 : 3; the mean weight over valid examples is 1.
   chex.assert_trees_all_close(np.sum(w, axis=1) / np.sum(w), np.array([0.25, 0.75]))
   chex.assert_trees_all_close(np.sum(w), 6.0)
-  equal = server.example_weights(np.ones((3, 5), bool), np.ones(3, np.float32))
+  equal = example_weights(np.ones((3, 5), bool), np.ones(3, np.float32))
   chex.assert_trees_all_close(equal, np.ones((3, 5)))
 
 
@@ -317,12 +318,12 @@ def test_cosine_learning_rate(use_jit):
 
 
 def test_tree_distance():
-  a = {"w": jnp.ones((2, 3)), "b": jnp.zeros(4)}
-  b = {"w": jnp.zeros((2, 3)), "b": 2 * jnp.ones(4)}
+  a = {"w": np.ones((2, 3), np.float32), "b": np.zeros(4, np.float32)}
+  b = {"w": np.zeros((2, 3), np.float32), "b": np.full(4, 2.0, np.float32)}
   for fn in (training.tree_distance, jax.jit(training.tree_distance)):
     d = fn(a, b)
     chex.assert_shape(d, ())
-    chex.assert_trees_all_close(d, jnp.sqrt(6.0 + 16.0))
+    chex.assert_trees_all_close(d, np.sqrt(6.0 + 16.0))
     chex.assert_trees_all_close(fn(a, a), 0.0)
 
 
