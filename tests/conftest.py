@@ -11,7 +11,8 @@ per-layer clipping, instance norm, convolutions side by side).
 on them is traced with the same static arguments in every module; a program
 that takes over 0.1 s to compile is compiled once per session and read back
 from the session's compilation cache after that (JAX's in-memory programs are
-dropped after each module, see ``_release_compiled_programs``).
+dropped after a module once the process holds many of them, see
+``_release_compiled_programs``).
 """
 
 from __future__ import annotations
