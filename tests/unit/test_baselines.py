@@ -31,7 +31,12 @@ DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5)
 
 
 def _sizes(clients) -> np.ndarray:
-  return np.asarray(jnp.sum(clients.mask, axis=1))
+  return np.sum(np.asarray(clients.mask), axis=1)
+
+
+def host(tree):
+  """``tree`` read back as NumPy arrays: the checks that follow compile nothing."""
+  return jax.tree.map(np.asarray, tree)
 
 
 def _algorithm(method, apply_fn, params, clients, **overrides):
@@ -71,11 +76,17 @@ def _sgd_gradient(apply_fn, params, x, y):
 
 def _sampled(client_key, step, data, batch_size):
   """The records step ``step`` of a client samples (host side, no padding)."""
-  k_sample, _, _ = baselines.step_keys(client_key, step)
   rate = batch_size / float(np.sum(np.asarray(data.mask)))
-  batch = privacy.poisson_sample(k_sample, data.mask, rate, privacy.poisson_capacity(batch_size))
+  batch = _step_sample(client_key, step, data.mask, rate, privacy.poisson_capacity(batch_size))
   idx = np.asarray(batch.indices)[: int(batch.size)]
-  return data.x[idx], data.y[idx]
+  return np.asarray(data.x)[idx], np.asarray(data.y)[idx]
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _step_sample(client_key, step, mask, rate, capacity):
+  """The Poisson draw of local step ``step`` (one program for every step)."""
+  k_sample, _, _ = baselines.step_keys(client_key, step)
+  return privacy.poisson_sample(k_sample, mask, rate, capacity)
 
 
 # --------------------------------------------------------------------------
@@ -154,7 +165,7 @@ def test_fedavg_one_client_one_step_is_one_sgd_step(linear_apply_fn, linear_para
   x = np.concatenate([digits.x_train[:n], np.zeros((pad, *IMAGE_SHAPE), np.float32)])
   y = np.concatenate([digits.y_train[:n], np.zeros(pad, np.int32)])
   data = ClientData(
-    jnp.asarray(x)[None], jnp.asarray(y)[None], jnp.asarray(np.arange(n + pad) < n)[None]
+    jnp.asarray(x[None]), jnp.asarray(y[None]), jnp.asarray((np.arange(n + pad) < n)[None])
   )
   alg = _algorithm(
     "fedavg",
@@ -169,10 +180,10 @@ def test_fedavg_one_client_one_step_is_one_sgd_step(linear_apply_fn, linear_para
   new_state, metrics = alg.round(state, data)
 
   _, client_keys = baselines.round_keys(state.key, 1)
-  xb, yb = _sampled(client_keys[0], 0, jax.tree.map(lambda a: a[0], data), batch)
+  xb, yb = _sampled(client_keys[0], 0, jax.tree.map(lambda a: np.asarray(a)[0], data), batch)
   assert 0 < len(yb) < n and np.all(np.isin(np.asarray(yb), y[:n]))
   grads = _sgd_gradient(linear_apply_fn, linear_params, xb, yb)
-  expected = jax.tree.map(lambda p, g: p - LR * g, linear_params, grads)
+  expected = jax.tree.map(lambda p, g: p - np.float32(LR) * g, host(linear_params), host(grads))
   chex.assert_trees_all_close(new_state.params, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(metrics.client.steps, [1])
   np.testing.assert_allclose(metrics.client.mean_batch_size, [len(yb)])
@@ -180,7 +191,7 @@ def test_fedavg_one_client_one_step_is_one_sgd_step(linear_apply_fn, linear_para
 
 def test_fedprox_term_is_mu_times_squared_distance(linear_apply_fn, linear_params, clients):
   """Two local steps by hand: the proximal gradient is ``2 mu (w - w_g)`` (no 1/2)."""
-  data = jax.tree.map(lambda a: a[0], clients)
+  data = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[0]), clients)  # sliced on the host
   mu = 0.5
   local = baselines.LocalTraining(epochs=1, batch_size=B, fixed_steps=2, prox_mu=mu)
   key = jax.random.PRNGKey(11)
@@ -190,12 +201,11 @@ def test_fedprox_term_is_mu_times_squared_distance(linear_apply_fn, linear_param
     )
   )(key)
 
-  w_ref = linear_params
+  w_ref = w_global = host(linear_params)
+  lr, two_mu = np.float32(LR), np.float32(2 * mu)
   for s in range(2):
-    g = _sgd_gradient(linear_apply_fn, w_ref, *_sampled(key, s, data, B))
-    w_ref = jax.tree.map(
-      lambda wi, gi, xi: wi - LR * (gi + 2 * mu * (wi - xi)), w_ref, g, linear_params
-    )
+    g = host(_sgd_gradient(linear_apply_fn, w_ref, *_sampled(key, s, data, B)))
+    w_ref = jax.tree.map(lambda wi, gi, xi: wi - lr * (gi + two_mu * (wi - xi)), w_ref, g, w_global)
   chex.assert_trees_all_close(w, w_ref, rtol=1e-5, atol=1e-6)
   assert int(metrics.steps) == 2
 
@@ -233,12 +243,11 @@ def test_scaffold_first_round_is_fedavg_and_control_variates(
   steps = np.asarray(m_sc.client.steps)
   assert len(set(steps.tolist())) > 1  # clients of different sizes take different T_k
   lr = float(m_sc.learning_rate)
-  c_mean = jax.tree.map(lambda ck: jnp.tensordot(w, ck, axes=1), s_sc.client_controls)
+  controls = host(s_sc.client_controls)
+  c_mean = jax.tree.map(lambda ck: np.tensordot(w, ck, axes=1), controls)
   chex.assert_trees_all_close(s_sc.control, c_mean, rtol=1e-5, atol=1e-6)
-  step_ref = jax.tree.map(
-    lambda ck: -lr * jnp.tensordot(w * steps, ck, axes=1), s_sc.client_controls
-  )
-  step = jax.tree.map(jnp.subtract, s_sc.params, linear_params)
+  step_ref = jax.tree.map(lambda ck: -lr * np.tensordot(w * steps, ck, axes=1), controls)
+  step = jax.tree.map(np.subtract, host(s_sc.params), host(linear_params))
   chex.assert_trees_all_close(step, step_ref, rtol=1e-4, atol=1e-6)
 
   # From the second round on the correction c - c_k changes the client updates

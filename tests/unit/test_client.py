@@ -81,13 +81,34 @@ DP_LARGE_RADIUS = ClientConfig(
 )
 
 local_approx_jit = jax.jit(local_approx, static_argnames=("apply_fn", "config"))
+# The library calls the tests check against, jitted once for the file (the same static
+# arguments, hence one program per input shape).
+_real_gradient = jax.jit(privacy.real_gradient, static_argnums=0)
+_clipped_sum = jax.jit(
+  privacy.clipped_gradient_sum, static_argnums=0, static_argnames="l2_clip_norm"
+)
+_matching_step = jax.jit(
+  matching.matching_step, static_argnums=0, static_argnames=("dsa_strategy", "mse_weight")
+)
+
+
+def host(tree):
+  """``tree`` read back as NumPy arrays: the checks that follow compile nothing."""
+  return jax.tree.map(np.asarray, tree)
 
 
 @pytest.fixture(scope="module")
 def client_data(client_parts) -> ClientData:
   x, y = client_parts[0]
   assert len(y) == 290 and set(np.unique(y)) == {5, 6}
-  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
+  return ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(np.ones(len(y), bool)))
+
+
+@pytest.fixture(scope="module")
+def full_gradient(linear_apply_fn, linear_params, client_data):
+  """The real gradient of the whole client (every record, no padding), jitted."""
+  padding = ~np.asarray(client_data.mask)
+  return _real_gradient(linear_apply_fn, linear_params, client_data.x, client_data.y, padding)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +162,7 @@ def check_outputs(out, synthetic, config):
   chex.assert_tree_all_finite((syn.x, r_k, m.matching_loss))
   assert int(m.poisson_extra_chunks) == 0
   # The accesses counted are the batches actually drawn.
-  assert int(m.real_accesses) == int(jnp.sum(m.outer_iterations)) * c.batch_loop
+  assert int(m.real_accesses) == int(np.sum(np.asarray(m.outer_iterations))) * c.batch_loop
   assert np.all(np.asarray(m.outer_iterations) >= 1)
   assert np.all(np.asarray(m.outer_iterations) <= c.max_outer)
   # Losses are logged exactly for the iterations that ran.
@@ -156,7 +177,7 @@ def check_outputs(out, synthetic, config):
 def test_outputs(run, synthetic, config):
   out = run(config)
   check_outputs(out, synthetic, config)
-  assert not bool(jnp.allclose(out[0].x, synthetic.x))
+  assert not bool(np.allclose(np.asarray(out[0].x), np.asarray(synthetic.x)))
   chex.assert_trees_all_close(out[1], config.radius)  # no calibration: r_k = r
 
 
@@ -175,9 +196,9 @@ def test_eager_equals_jit(linear_apply_fn, linear_params, synthetic, client_data
 
 def test_while_loop_runs_max_outer_without_local_steps(run):
   _, _, m = run(FIXED)
-  chex.assert_trees_all_equal(m.outer_iterations, jnp.array([3, 3], jnp.int32))
+  chex.assert_trees_all_equal(m.outer_iterations, np.array([3, 3], np.int32))
   assert int(m.real_accesses) == FIXED.real_accesses_per_round == 12
-  chex.assert_trees_all_equal(m.trajectory_distance, jnp.zeros(2))
+  chex.assert_trees_all_equal(m.trajectory_distance, np.zeros(2, np.float32))
   assert float(m.mean_batch_size) == 290.0  # q = 1: the full client every time
   assert float(m.clip_fraction) == 0.0
 
@@ -194,7 +215,7 @@ def test_while_loop_stops_at_radius(run):
 
 def test_while_loop_bounded_by_max_outer_and_dp(run):
   _, _, m = run(DP_LARGE_RADIUS)
-  chex.assert_trees_all_equal(m.outer_iterations, jnp.array([3, 3], jnp.int32))
+  chex.assert_trees_all_equal(m.outer_iterations, np.array([3, 3], np.int32))
   dist = np.asarray(m.trajectory_distance)
   assert np.all(dist > 0) and np.all(dist < DP_LARGE_RADIUS.radius)
   assert int(m.real_accesses) == DP_LARGE_RADIUS.real_accesses_per_round == 12
@@ -202,19 +223,15 @@ def test_while_loop_bounded_by_max_outer_and_dp(run):
 
 
 def test_local_approx_lowers_matching_loss(
-  run, linear_apply_fn, linear_params, synthetic, client_data
+  run, linear_apply_fn, linear_params, synthetic, full_gradient
 ):
   syn, _, m = run(FIXED)
   losses = np.asarray(m.matching_loss).reshape(-1)  # 36 updates against one fixed target
   assert losses[-1] < 0.5 * losses[0], losses
   # L_dis recomputed from scratch on the full-batch real gradient, before and after.
-  g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
-    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
-  )
-  step = jax.jit(
-    functools.partial(
-      matching.matching_step, linear_apply_fn, dsa_strategy="", mse_weight=FIXED.mse_weight
-    )
+  g_real = full_gradient
+  step = functools.partial(
+    _matching_step, linear_apply_fn, dsa_strategy="", mse_weight=FIXED.mse_weight
   )
   before, _ = step(linear_params, synthetic, g_real, jax.random.PRNGKey(0))
   after, _ = step(linear_params, syn, g_real, jax.random.PRNGKey(0))
@@ -243,7 +260,7 @@ def test_same_key_same_result(run, linear_apply_fn, linear_params, synthetic, cl
     TINY_RADIUS,
     learning_rate=LR,
   )
-  assert not bool(jnp.allclose(other[0].x, run(TINY_RADIUS)[0].x))
+  assert not bool(np.allclose(np.asarray(other[0].x), np.asarray(run(TINY_RADIUS)[0].x)))
 
 
 def test_a_buffer_smaller_than_the_draw_gives_the_same_result(
@@ -276,11 +293,9 @@ def test_a_buffer_smaller_than_the_draw_gives_the_same_result(
 
 
 @pytest.mark.parametrize("dsa_strategy", ["", "flip_crop"])
-def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, dsa_strategy):
+def test_matching_step(linear_apply_fn, linear_params, full_gradient, synthetic, dsa_strategy):
   """L_dis and its image gradient (grad of grad), eager and jitted."""
-  g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
-    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
-  )
+  g_real = full_gradient
   step = functools.partial(
     matching.matching_step, linear_apply_fn, dsa_strategy=dsa_strategy, mse_weight=0.1
   )
@@ -291,43 +306,46 @@ def test_matching_step(linear_apply_fn, linear_params, client_data, synthetic, d
   chex.assert_shape(loss, ())
   chex.assert_trees_all_equal_shapes_and_dtypes(grad_x, synthetic.x)
   chex.assert_tree_all_finite(grad_x)
-  assert float(jnp.max(jnp.abs(grad_x))) > 0
+  assert float(np.max(np.abs(np.asarray(grad_x)))) > 0
   if not dsa_strategy:
-    g_syn = matching.synthetic_gradient(linear_apply_fn, linear_params, synthetic)
-    chex.assert_trees_all_close(loss, matching_distance(g_real, g_syn, mse_weight=0.1), rtol=1e-5)
+    distance = jax.jit(
+      lambda p, s, g: matching_distance(
+        g, matching.synthetic_gradient(linear_apply_fn, p, s), mse_weight=0.1
+      )
+    )
+    chex.assert_trees_all_close(loss, distance(linear_params, synthetic, g_real), rtol=1e-5)
 
 
 def test_padding_slots_of_the_synthetic_set_are_ignored(
-  linear_apply_fn, linear_params, client_data, synthetic
+  linear_apply_fn, linear_params, full_gradient, synthetic
 ):
   """Padded synthetic slots (clients owning fewer classes) get no gradient and change nothing."""
+  syn = host(synthetic)
   padded = SyntheticSet(
-    jnp.concatenate([synthetic.x, 7.0 * jnp.ones_like(synthetic.x[:2])]),
-    jnp.concatenate([synthetic.y, jnp.zeros(2, jnp.int32)]),
-    jnp.concatenate([synthetic.mask, jnp.zeros(2, bool)]),
+    np.concatenate([syn.x, 7.0 * np.ones_like(syn.x[:2])]),
+    np.concatenate([syn.y, np.zeros(2, np.int32)]),
+    np.concatenate([syn.mask, np.zeros(2, bool)]),
   )
-  g_real = jax.jit(privacy.real_gradient, static_argnums=0)(
-    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
-  )
-  step = jax.jit(
-    functools.partial(matching.matching_step, linear_apply_fn, dsa_strategy="", mse_weight=0.1)
-  )
+  g_real = full_gradient
+  step = functools.partial(_matching_step, linear_apply_fn, dsa_strategy="", mse_weight=0.1)
   loss, grad_x = step(linear_params, padded, g_real, jax.random.PRNGKey(0))
   ref_loss, ref_grad = step(linear_params, synthetic, g_real, jax.random.PRNGKey(0))
   chex.assert_trees_all_close(loss, ref_loss, rtol=1e-5)
+  grad_x = np.asarray(grad_x)
   chex.assert_trees_all_close(grad_x[:4], ref_grad, atol=1e-6, rtol=1e-5)
-  chex.assert_trees_all_equal(grad_x[4:], jnp.zeros_like(grad_x[4:]))
+  chex.assert_trees_all_equal(grad_x[4:], np.zeros_like(grad_x[4:]))
 
 
 def test_image_optimizer_is_momentum_sgd():
   opt = client.default_image_optimizer(
     ClientConfig(image_lr=2.0, image_momentum=0.5, dsa_strategy="")
   )
-  x = jnp.zeros(3)
-  g = jnp.ones(3)
-  state = opt.init(x)
-  u1, state = opt.update(g, state, x)
-  u2, _ = opt.update(g, state, x)
+  x = np.zeros(3, np.float32)
+  g = np.ones(3, np.float32)
+  update = jax.jit(opt.update)
+  state = jax.jit(opt.init)(x)
+  u1, state = update(g, state, x)
+  u2, _ = update(g, state, x)
   chex.assert_trees_all_close(u1, -2.0 * g)
   chex.assert_trees_all_close(u2, -2.0 * 1.5 * g)  # trace = g + 0.5 g
 
@@ -353,7 +371,7 @@ def test_average_targets_under_dp_counts_every_access(run, synthetic):
   cfg = dataclasses.replace(DP_LARGE_RADIUS, average_targets=True, boost_loop=2)
   syn, _, m = run(cfg)
   chex.assert_tree_all_finite(syn.x)
-  assert not bool(jnp.allclose(syn.x, synthetic.x))
+  assert not bool(np.allclose(np.asarray(syn.x), np.asarray(synthetic.x)))
   assert int(m.real_accesses) == cfg.real_accesses_per_round
   loss = np.asarray(m.matching_loss)
   assert np.all(loss[:, :, 0] > 0) and np.all(loss[:, :, 1:] == 0)
@@ -364,8 +382,10 @@ def test_average_targets_must_be_a_bool():
     ClientConfig(average_targets=1)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3))
 def _gradient_descent(apply_fn, params, client_data, steps):
-  """``params`` after ``steps`` full-batch gradient steps of rate LR on every record, as they are."""
+  """``params`` after ``steps`` full-batch gradient steps of rate LR on every record, as they are
+  (one program)."""
   x = client_data.images(jnp.arange(client_data.y.shape[0]))
   loss = lambda p: jnp.mean(cross_entropy(apply_fn(p, x), client_data.y))
   w = params
@@ -384,10 +404,10 @@ def test_noisy_real_model_steps_are_gradient_descent(
   cfg = dataclasses.replace(FIXED, batch_loop=1, average_targets=True, model_steps="noisy_real")
   _, _, m = run(cfg)
   w = _gradient_descent(linear_apply_fn, linear_params, client_data, cfg.max_outer)
-  expected = jax.tree.map(jnp.subtract, w, linear_params)
+  expected = jax.tree.map(np.subtract, host(w), host(linear_params))
   chex.assert_trees_all_close(m.model_delta, expected, atol=1e-5, rtol=1e-4)
   np.testing.assert_allclose(
-    np.asarray(m.trajectory_distance), float(tree_distance(w, linear_params)), rtol=1e-4
+    np.asarray(m.trajectory_distance), float(jax.jit(tree_distance)(w, linear_params)), rtol=1e-4
   )
   assert run(dataclasses.replace(cfg, model_steps="synthetic"))[2].model_delta is None
 
@@ -409,7 +429,7 @@ def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(
     real_dsa_strategy="",
   )
   w = _gradient_descent(linear_apply_fn, linear_params, client_data, cfg.max_outer)
-  expected = jax.tree.map(jnp.subtract, w, linear_params)
+  expected = jax.tree.map(np.subtract, host(w), host(linear_params))
   chex.assert_trees_all_close(run(cfg)[2].model_delta, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -433,27 +453,27 @@ def _with(data, **leaves):
   "change, message",
   [
     (
-      lambda s, d: (_with(s, x=jnp.zeros((s.x.shape[0], 8, 8, 3))), d),
+      lambda s, d: (_with(s, x=np.zeros((s.x.shape[0], 8, 8, 3), np.float32)), d),
       r"synthetic.x.shape=\(4, 8, 8, 3\) is invalid; allowed: \(S, 8, 8, 1\): the image shape",
     ),
     (
-      lambda s, d: (s, _with(d, y=d.y.astype(jnp.float32))),
+      lambda s, d: (s, _with(d, y=np.asarray(d.y).astype(np.float32))),
       r"client_data.y.dtype='float32' is invalid; allowed: an integer dtype",
     ),
     (
-      lambda s, d: (_with(s, mask=s.mask[:-1]), d),
+      lambda s, d: (_with(s, mask=np.asarray(s.mask)[:-1]), d),
       r"synthetic.mask.shape=\(3,\) is invalid; allowed: \(4,\): one entry per record",
     ),
     (
-      lambda s, d: (_with(s, x=s.x.astype(jnp.int32)), d),
+      lambda s, d: (_with(s, x=np.asarray(s.x).astype(np.int32)), d),
       r"synthetic.x.dtype='int32' is invalid; allowed: a floating dtype",
     ),
     (
-      lambda s, d: (s, _with(d, x=(10 * d.x).astype(jnp.uint8))),
+      lambda s, d: (s, _with(d, x=(10 * np.asarray(d.x)).astype(np.uint8))),
       r"client_data.x.dtype='uint8' is invalid; allowed: float model inputs, or stored pixels",
     ),
     (
-      lambda s, d: (s, ClientData(d.x[:40], d.y[:40], d.mask[:40])),
+      lambda s, d: (s, ClientData(*(np.asarray(a)[:40] for a in (d.x, d.y, d.mask)))),
       r"batch_size=64 is invalid; allowed: at most 40, the client's record slots",
     ),
   ],
@@ -476,11 +496,11 @@ def test_local_approx_refuses_inputs_it_cannot_use(
   client.check_inputs(synthetic, client_data, TINY_RADIUS)  # the unchanged inputs pass
   # Stored pixels with their normalisation are model inputs.
   pixels = ClientData(
-    jnp.zeros(client_data.x.shape, jnp.uint8),
+    np.zeros(client_data.x.shape, np.uint8),
     client_data.y,
     client_data.mask,
-    pixel_scale=jnp.ones(1),
-    pixel_offset=jnp.zeros(1),
+    pixel_scale=np.ones(1, np.float32),
+    pixel_offset=np.zeros(1, np.float32),
   )
   client.check_inputs(synthetic, pixels, TINY_RADIUS)
 
@@ -518,14 +538,17 @@ def _problem(apply_fn, params, synthetic, client_data, config, optimizer=None):
   )
 
 
+def _target_fn(p):
+  """``keys, params -> noisy_real_target(p, keys, params)``, jitted."""
+  return jax.jit(lambda keys, params: client.noisy_real_target(p, keys, params))
+
+
 def test_noisy_real_target_at_q_one_is_the_full_batch_gradient(
-  linear_apply_fn, linear_params, synthetic, client_data
+  linear_apply_fn, linear_params, synthetic, client_data, full_gradient
 ):
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, NONDP_Q1)
-  t = client.noisy_real_target(p, (jax.random.PRNGKey(0), None), linear_params)
-  full = privacy.real_gradient(
-    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
-  )
+  t = _target_fn(p)((jax.random.PRNGKey(0), None), linear_params)
+  full = full_gradient
   chex.assert_trees_all_close(t.gradient, full, atol=1e-6, rtol=1e-5)
   assert int(t.batch_size) == 290 and int(t.extra_chunks) == 0 and float(t.clipped) == 0.0
 
@@ -537,43 +560,45 @@ def test_noisy_real_target_under_dp_is_the_clipped_noised_sum_over_b(
   the batch's noise key, divided by B."""
   key = jax.random.PRNGKey(4)
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, DP_Q1)
-  t = client.noisy_real_target(p, (key, None), linear_params)
+  t = _target_fn(p)((key, None), linear_params)
   dp = DP_Q1.dp
-  clipped, norms = privacy.clipped_gradient_sum(
+  clipped, norms = _clipped_sum(
     linear_apply_fn,
     linear_params,
     client_data.x,
     client_data.y,
-    ~client_data.mask,
+    ~np.asarray(client_data.mask),
     l2_clip_norm=dp.l2_clip_norm,
   )
-  expected = privacy.privatise(
-    jax.random.split(key, 3)[2],
-    clipped,
-    l2_clip_norm=dp.l2_clip_norm,
-    noise_multiplier=dp.noise_multiplier,
-    expected_batch_size=290,
-  )
+  expected = jax.jit(
+    lambda k, g: privacy.privatise(
+      jax.random.split(k, 3)[2],
+      g,
+      l2_clip_norm=dp.l2_clip_norm,
+      noise_multiplier=dp.noise_multiplier,
+      expected_batch_size=290,
+    )
+  )(key, clipped)
   chex.assert_trees_all_close(t.gradient, expected, atol=1e-6, rtol=1e-5)
-  assert float(t.clipped) == float(jnp.sum(norms > dp.l2_clip_norm)) > 0
+  assert float(t.clipped) == float(np.sum(np.asarray(norms) > dp.l2_clip_norm)) > 0
 
 
 def test_match_images_steps_the_images_with_the_given_optimizer(
-  linear_apply_fn, linear_params, synthetic, client_data
+  linear_apply_fn, linear_params, synthetic, client_data, full_gradient
 ):
   """R_b = 2 updates of plain SGD at 0.5, by hand: x <- x - 0.5 grad_x L_dis."""
   opt = optax.sgd(0.5)
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, NONDP_Q1, opt)
-  target = privacy.real_gradient(
-    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
-  )
+  target = full_gradient
   keys = (jax.random.PRNGKey(0), None)
-  x, _, losses = client.match_images(
-    p, linear_params, synthetic.x, opt.init(synthetic.x), target, keys, fresh_augmentation=False
-  )
-  x_ref, ref_losses = synthetic.x, []
+  x, _, losses = jax.jit(
+    lambda params, images, t, ks: client.match_images(
+      p, params, images, opt.init(images), t, ks, fresh_augmentation=False
+    )
+  )(linear_params, synthetic.x, target, keys)
+  x_ref, ref_losses = np.asarray(synthetic.x), []
   for _ in range(2):
-    loss, grad_x = matching.matching_step(
+    loss, grad_x = _matching_step(
       linear_apply_fn,
       linear_params,
       synthetic._replace(x=x_ref),
@@ -582,10 +607,10 @@ def test_match_images_steps_the_images_with_the_given_optimizer(
       dsa_strategy="",
       mse_weight=0.1,
     )
-    ref_losses.append(loss)
-    x_ref = x_ref - 0.5 * grad_x
+    ref_losses.append(np.asarray(loss))
+    x_ref = x_ref - np.float32(0.5) * np.asarray(grad_x)
   chex.assert_trees_all_close(x, x_ref, atol=1e-6, rtol=1e-5)
-  chex.assert_trees_all_close(losses, jnp.stack(ref_losses), rtol=1e-5)
+  chex.assert_trees_all_close(losses, np.stack(ref_losses), rtol=1e-5)
 
 
 def test_averaged_target_is_the_mean_of_the_batch_targets(
@@ -594,21 +619,26 @@ def test_averaged_target_is_the_mean_of_the_batch_targets(
   cfg = dataclasses.replace(DP_Q1, average_targets=True)
   p = _problem(linear_apply_fn, linear_params, synthetic, client_data, cfg)
   keys = (jax.random.PRNGKey(2), None)
-  x, _, losses, stats, g = client.averaged_target(
-    p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x), client.AccessStats.zeros()
-  )
-  targets = [
-    client.noisy_real_target(p, client._fold(keys, b), linear_params).gradient for b in range(3)
-  ]
+
+  def recipe_of(targets_fn):
+    return jax.jit(
+      lambda ks, params, images: targets_fn(
+        p, ks, params, images, p.optimizer.init(images), client.AccessStats.zeros()
+      )
+    )
+
+  x, _, losses, stats, g = recipe_of(client.averaged_target)(keys, linear_params, synthetic.x)
+  target = _target_fn(p)
+  targets = [host(target(client._fold(keys, b), linear_params).gradient) for b in range(3)]
   chex.assert_trees_all_close(g, jax.tree.map(lambda *t: sum(t) / 3, *targets), atol=1e-7)
   assert int(stats.accesses) == 3 and int(stats.sampled) == 3 * 290
   assert np.all(np.asarray(losses[0]) > 0) and np.all(np.asarray(losses[1:]) == 0)
   # The per-batch recipe's first row is against the first batch's target alone.
-  _, _, per_batch, stats_b, none = client.per_batch_targets(
-    p, keys, linear_params, synthetic.x, p.optimizer.init(synthetic.x), client.AccessStats.zeros()
+  _, _, per_batch, stats_b, none = recipe_of(client.per_batch_targets)(
+    keys, linear_params, synthetic.x
   )
   assert none is None and int(stats_b.accesses) == 3
-  first, _ = matching.matching_step(
+  first, _ = _matching_step(
     linear_apply_fn,
     linear_params,
     synthetic,
@@ -697,14 +727,15 @@ def _toy_trajectory(step, client_axis, moves_model=True):
 def test_one_trajectory_function_alone_and_side_by_side():
   """Alone each client stops at its own iteration; side by side (shared counter, masks) every
   client ends exactly where it ends alone."""
-  steps = jnp.array([0.3, 0.6, 0.1], jnp.float32)
-  alone = [_toy_trajectory(s, None) for s in steps]
+  steps = np.array([0.3, 0.6, 0.1], np.float32)
+  one = jax.jit(lambda s: _toy_trajectory(s, None))  # the step traced: one program
+  alone = [host(one(s)) for s in steps]
   images, _, stats, log = alone[0]
   assert int(log.iterations) == 4 and int(stats.accesses) == 4 and float(images) == 4.0
   np.testing.assert_allclose(float(log.distance), 1.2, rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(log.matching_loss).ravel(), [1, 2, 3, 4, 0])
   assert [int(a[3].iterations) for a in alone] == [4, 2, 5]
-  side = jax.vmap(lambda s: _toy_trajectory(s, "toy"), axis_name="toy")(steps)
+  side = host(jax.jit(jax.vmap(lambda s: _toy_trajectory(s, "toy"), axis_name="toy"))(steps))
   for k in range(3):
     chex.assert_trees_all_equal(jax.tree.map(lambda a: a[k], side), alone[k])
   # A model that never moves: the radius cannot stop the loop.
@@ -712,7 +743,9 @@ def test_one_trajectory_function_alone_and_side_by_side():
   assert int(still.iterations) == TOY.max_outer and float(still.distance) == 0.0
 
 
-def test_a_custom_image_optimizer_is_used(linear_apply_fn, linear_params, synthetic, client_data):
+def test_a_custom_image_optimizer_is_used(
+  linear_apply_fn, linear_params, synthetic, client_data, full_gradient
+):
   run = jax.jit(local_approx, static_argnames=("apply_fn", "config", "image_optimizer"))
   cfg = dataclasses.replace(NONDP_Q1, batch_loop=1, boost_loop=1, inner_loop=0)
   args = (jax.random.PRNGKey(1), linear_apply_fn, linear_params, synthetic, client_data, cfg)
@@ -723,17 +756,18 @@ def test_a_custom_image_optimizer_is_used(linear_apply_fn, linear_params, synthe
   chex.assert_trees_all_equal(frozen[0].x, synthetic.x)
   adam = run(*args, learning_rate=LR, image_optimizer=optax.adam(0.01))
   # Adam's first step: -0.01 g / (|g| + eps), g the image gradient against the full batch.
-  target = privacy.real_gradient(
-    linear_apply_fn, linear_params, client_data.x, client_data.y, ~client_data.mask
+  target = full_gradient
+  _, g = host(
+    _matching_step(
+      linear_apply_fn,
+      linear_params,
+      synthetic,
+      target,
+      jax.random.PRNGKey(0),
+      dsa_strategy="",
+      mse_weight=0.1,
+    )
   )
-  _, g = matching.matching_step(
-    linear_apply_fn,
-    linear_params,
-    synthetic,
-    target,
-    jax.random.PRNGKey(0),
-    dsa_strategy="",
-    mse_weight=0.1,
-  )
-  chex.assert_trees_all_close(adam[0].x, synthetic.x - 0.01 * g / (jnp.abs(g) + 1e-8), atol=1e-4)
+  adam_step = np.asarray(synthetic.x) - np.float32(0.01) * g / (np.abs(g) + np.float32(1e-8))
+  chex.assert_trees_all_close(adam[0].x, adam_step, atol=1e-4)
   assert not np.allclose(np.asarray(adam[0].x), np.asarray(default[0].x), atol=1e-3)

@@ -37,7 +37,13 @@ TINY = condensation.CondensationConfig(
 
 
 def _client(clients, k=0):
-  return jax.tree.map(lambda a: a[k], clients)
+  """Client ``k``, sliced on the host (no program compiled) and placed on the device."""
+  return jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[k]), clients)
+
+
+def host(tree):
+  """``tree`` read back as NumPy arrays: the checks that follow compile nothing."""
+  return jax.tree.map(np.asarray, tree)
 
 
 def _synthetic(client, ipc=IPC, key=0):
@@ -109,29 +115,30 @@ def test_bad_settings_are_refused_with_field_value_and_allowed(build, field, val
 def test_class_blocks_and_class_batches(clients):
   client = _client(clients)
   syn = _synthetic(client, ipc=3)
-  xs, labels, valid = class_blocks(syn, 3)
+  xs, labels, valid = jax.jit(class_blocks, static_argnums=1)(syn, 3)
   chex.assert_shape(xs, (2, 3, *IMAGE_SHAPE))
   own = np.unique(np.asarray(client.y)[np.asarray(client.mask)])
   np.testing.assert_array_equal(labels, own)
   np.testing.assert_array_equal(valid, True)
   y = np.asarray(client.y)
+  draw = jax.jit(class_batch, static_argnums=(4, 5))  # the label and its validity traced
   for c in own:
     n_c = int(np.sum((y == c) & np.asarray(client.mask)))
-    batch = class_batch(jax.random.PRNGKey(0), client, jnp.int32(c), jnp.bool_(True), B, 64)
+    batch = draw(jax.random.PRNGKey(0), client, np.int32(c), np.bool_(True), B, 64)
     got = np.asarray(batch.indices)[: int(batch.size)]
     assert set(y[got]) == {c} and 0 < len(got) < n_c  # B / N_c of the class
-    whole = class_batch(jax.random.PRNGKey(0), client, jnp.int32(c), jnp.bool_(True), 1000, 1000)
+    whole = draw(jax.random.PRNGKey(0), client, np.int32(c), np.bool_(True), 1000, 1000)
     assert int(whole.size) == n_c  # fewer than B: all of them
-  empty = class_batch(jax.random.PRNGKey(0), client, jnp.int32(own[0]), jnp.bool_(False), B, 64)
+  empty = draw(jax.random.PRNGKey(0), client, np.int32(own[0]), np.bool_(False), B, 64)
   assert int(empty.size) == 0
   with pytest.raises(ValueError, match="blocks of ipc=4"):
     class_blocks(syn, 4)
 
 
 def test_pool_clients(clients):
-  pooled = condensation.pool_clients(clients)
+  pooled = host(jax.jit(condensation.pool_clients)(clients))
   chex.assert_shape(pooled.x, (1, clients.x.shape[0] * clients.x.shape[1], *IMAGE_SHAPE))
-  assert int(pooled.mask.sum()) == int(clients.mask.sum())
+  assert int(pooled.mask.sum()) == int(np.asarray(clients.mask).sum())
   np.testing.assert_array_equal(
     np.sort(np.asarray(pooled.y)[0][np.asarray(pooled.mask)[0]]),
     np.sort(np.asarray(clients.y)[np.asarray(clients.mask)]),
@@ -164,7 +171,7 @@ def test_psg_private_path_reduces_to_the_plain_one_without_clipping_or_noise(psg
   so the DP path (clipped sum + noise, / B) gives the plain path's images."""
   syn, runs = psg_runs
   (plain, m_plain), (dp, m_dp) = runs["plain"], runs["negligible"]
-  moved = float(jnp.max(jnp.abs(plain.x - syn.x)))
+  moved = float(np.max(np.abs(np.asarray(plain.x) - np.asarray(syn.x))))
   assert moved > 1e-2  # the images did move
   chex.assert_trees_all_close(dp.x, plain.x, atol=1e-3 * moved)
   assert float(m_dp.clip_fraction) == 0.0
@@ -250,7 +257,7 @@ def test_psg_metrics_declare_the_raw_statistics_nonprivate():
 def test_train_on_union_decays_the_learning_rate_for_the_second_half(
   linear_apply_fn, linear_params, clients
 ):
-  syn = jax.tree.map(lambda a: a[None], _synthetic(_client(clients), ipc=4))
+  syn = jax.tree.map(lambda a: np.asarray(a)[None], _synthetic(_client(clients), ipc=4))
   server = ServerConfig(
     radius_strategy="fixed",
     batch_size=4,
@@ -261,26 +268,28 @@ def test_train_on_union_decays_the_learning_rate_for_the_second_half(
     weight_decay=5e-4,
   )
   config = condensation.OneShotConfig(method="dsc", server=server, learning_rate=0.05, lr_decay=0.1)
-  key = jax.random.PRNGKey(0)
-  w, m = condensation.train_on_union(key, linear_apply_fn, linear_params, syn, jnp.ones(1), config)
+  key, one = jax.random.PRNGKey(0), np.ones(1, np.float32)
+  union = jax.jit(condensation.train_on_union, static_argnums=(1, 5))
+  w, m = union(key, linear_apply_fn, linear_params, syn, one, config)
   k1, k2 = jax.random.split(key)
-  want, _ = global_update(
+  update = jax.jit(global_update, static_argnums=1, static_argnames="config")
+  want, _ = update(
     k1,
     linear_apply_fn,
     linear_params,
     syn,
-    jnp.ones(1),
-    jnp.inf,
+    one,
+    np.inf,
     learning_rate=0.05,
     config=dataclasses.replace(server, max_epochs=3),
   )
-  want, _ = global_update(
+  want, _ = update(
     k2,
     linear_apply_fn,
     want,
     syn,
-    jnp.ones(1),
-    jnp.inf,
+    one,
+    np.inf,
     learning_rate=0.005,
     config=dataclasses.replace(server, max_epochs=2),
   )
@@ -292,9 +301,11 @@ def test_train_on_union_decays_the_learning_rate_for_the_second_half(
 
 
 def test_perturbation_has_norm_rho(tiny_params):
-  moved = feddm.perturb(jax.random.PRNGKey(0), tiny_params, 2.5)
-  assert float(tree_distance(moved, tiny_params)) == pytest.approx(2.5, rel=1e-5)
-  chex.assert_trees_all_equal(feddm.perturb(jax.random.PRNGKey(0), tiny_params, 0.0), tiny_params)
+  perturb = jax.jit(feddm.perturb)  # rho traced: one program
+  moved = perturb(jax.random.PRNGKey(0), tiny_params, 2.5)
+  distance = float(jax.jit(tree_distance)(moved, tiny_params))
+  assert distance == pytest.approx(2.5, rel=1e-5)
+  chex.assert_trees_all_equal(perturb(jax.random.PRNGKey(0), tiny_params, 0.0), tiny_params)
 
 
 def test_distribution_matching_lowers_its_loss(tiny_model, tiny_params, clients):

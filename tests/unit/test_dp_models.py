@@ -43,7 +43,7 @@ class LinenBN(nn.Module):
 
 def linen_models():
   m = LinenBN()
-  v = m.init(jax.random.key(1), X)
+  v = jax.jit(m.init)(jax.random.key(1), X)
   stats = v["batch_stats"]
   return {
     "linen, running averages": (
@@ -76,10 +76,15 @@ class Trainer:  # a user's object holding the model
     return nnx.merge(graphdef, params, rest)(x)
 
 
+def _nnx_net(norm):
+  """``NnxNet(norm, Rngs(0))``, initialised in one program (``nnx.jit``)."""
+  return nnx.jit(lambda: NnxNet(norm, nnx.Rngs(0)))()
+
+
 def nnx_models():
-  train = NnxNet(nnx.BatchNorm, nnx.Rngs(0))
+  train = _nnx_net(nnx.BatchNorm)
   graphdef, state = nnx.split(train)  # Param and BatchStat, one pytree passed as params
-  evaluated = NnxNet(nnx.BatchNorm, nnx.Rngs(0))
+  evaluated = _nnx_net(nnx.BatchNorm)
   evaluated.eval()  # running averages, held in the closure
   g_eval, p_eval, rest = nnx.split(evaluated, nnx.Param, ...)
   trainer = Trainer(evaluated)
@@ -104,7 +109,7 @@ def equinox_models():
 
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    model, state = eqx.nn.make_with_state(make)(jax.random.key(2))
+    model, state = eqx.filter_jit(eqx.nn.make_with_state(make))(jax.random.key(2))
   model = eqx.nn.inference_mode(model)
   params, static = eqx.partition(model, eqx.is_array)
 
@@ -134,7 +139,7 @@ def test_batchnorm_is_refused_under_dp_for_every_method(name, method):
 
 
 def _clean_models():
-  graphdef, state = nnx.split(NnxNet(nnx.LayerNorm, nnx.Rngs(0)))
+  graphdef, state = nnx.split(_nnx_net(nnx.LayerNorm))
   net = eqx.nn.Sequential(
     [eqx.nn.Lambda(lambda x: x.reshape(-1)), eqx.nn.Linear(16, 3, key=jax.random.key(3))]
   )

@@ -132,9 +132,10 @@ def test_flax_kernel_rows_are_output_units():
   scaling an input row by 5 changes it."""
   dense = nn.Dense(3)
   x = jax.random.normal(jax.random.PRNGKey(0), (7, 4))
-  params = dense.init(jax.random.PRNGKey(1), x)["params"]
+  params = jax.jit(dense.init)(jax.random.PRNGKey(1), x)["params"]
   chex.assert_shape(params["kernel"], (4, 3))  # Flax: (in, out)
 
+  @jax.jit
   def grad(targets):
     return jax.grad(lambda p: jnp.mean((dense.apply({"params": p}, x) - targets) ** 2))(params)
 
@@ -172,14 +173,15 @@ def test_row_axis_override():
   # A pytree of axes: per-tensor choice; None makes a tensor a single row.
   axes = {"conv": {"kernel": None, "bias": 0}, "dense": {"kernel": 0, "bias": None}}
   manual = (
-    layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None)
-    + layer_distance(g_real["conv"]["bias"], g_syn["conv"]["bias"], -1)
-    + layer_distance(g_real["dense"]["kernel"], g_syn["dense"]["kernel"], 0)
-    + layer_distance(g_real["dense"]["bias"], g_syn["dense"]["bias"], -1)
+    float(layer_distance(g_real["conv"]["kernel"], g_syn["conv"]["kernel"], None))
+    + float(layer_distance(g_real["conv"]["bias"], g_syn["conv"]["bias"], -1))
+    + float(layer_distance(g_real["dense"]["kernel"], g_syn["dense"]["kernel"], 0))
+    + float(layer_distance(g_real["dense"]["bias"], g_syn["dense"]["bias"], -1))
   )
-  # A pytree of axes is no jit argument (unhashable): this one call runs eagerly.
-  chex.assert_trees_all_close(matching_distance(g_real, g_syn, row_axis=axes), manual, atol=1e-6)
-  assert abs(float(manual - distance(g_real, g_syn))) > 1e-3
+  # A pytree of axes is no static jit argument (unhashable): it is closed over instead.
+  by_axes = jax.jit(lambda a, b: matching_distance(a, b, row_axis=axes))
+  chex.assert_trees_all_close(by_axes(g_real, g_syn), manual, atol=1e-6)
+  assert abs(manual - float(distance(g_real, g_syn))) > 1e-3
   # None for a whole tensor is the cosine of the flattened tensors.
   a, b = g_real["conv"]["kernel"].ravel(), g_syn["conv"]["kernel"].ravel()
   chex.assert_trees_all_close(

@@ -13,6 +13,16 @@ from fedlap_jax import models
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 
 
+def normal(seed, shape):
+  """Standard normal float32 inputs, drawn on the host (``np.random.default_rng(seed)``)."""
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def host(tree):
+  """``tree`` read back as NumPy arrays: the checks that follow compile nothing."""
+  return jax.tree.map(np.asarray, tree)
+
+
 def abstract_params(model: ConvNet, image_shape):
   """Parameter shapes without computing anything (``jax.eval_shape``)."""
   x = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
@@ -81,13 +91,13 @@ def test_padding_rule(image_shape, feature_shape):
 def test_bad_norm_name():
   model = ConvNet(norm="batch")
   with pytest.raises(ValueError, match=r"norm='batch'.*instance"):
-    model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))
+    model.init(jax.random.PRNGKey(0), np.zeros((1, 8, 8, 1), np.float32))
 
 
 def test_bad_input_rank():
   model = ConvNet(width=8, depth=1)
   with pytest.raises(ValueError, match=r"NHWC.*\(8, 8\)"):
-    model.init(jax.random.PRNGKey(0), jnp.zeros((8, 8)))
+    model.init(jax.random.PRNGKey(0), np.zeros((8, 8), np.float32))
 
 
 @pytest.mark.parametrize(
@@ -114,14 +124,14 @@ def test_bad_input_rank():
 )
 def test_bad_sizes_are_refused_before_any_layer_is_built(model, image_shape, message):
   with pytest.raises(ValueError, match=message):
-    model.init(jax.random.PRNGKey(0), jnp.zeros((1, *image_shape)))
+    model.init(jax.random.PRNGKey(0), np.zeros((1, *image_shape), np.float32))
 
 
 @pytest.mark.parametrize("norm", models.NORMS)
 def test_apply_shapes_jit_and_eager(norm):
   model, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), 10, width=8, depth=1, norm=norm)
   assert model.norm == norm and model.width == 8
-  x = jax.random.normal(jax.random.PRNGKey(1), (5, 8, 8, 1))
+  x = jnp.asarray(normal(1, (5, 8, 8, 1)))
 
   def apply(p, x):
     return model.apply({"params": p}, x)
@@ -138,12 +148,13 @@ def test_instance_norm_is_per_example():
   """An example's logits do not depend on the rest of the batch (needed for record-level DP)."""
   model, params = init_convnet(jax.random.PRNGKey(0), (8, 8, 1), 10, width=8, depth=2)
   apply = jax.jit(model.apply)
-  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 1))
-  other = x.at[1:].set(5.0 * jax.random.normal(jax.random.PRNGKey(2), (3, 8, 8, 1)))
-  a = apply({"params": params}, x)
-  b = apply({"params": params}, other)
+  x = normal(1, (4, 8, 8, 1))
+  other = x.copy()
+  other[1:] = 5.0 * normal(2, (3, 8, 8, 1))
+  a = np.asarray(apply({"params": params}, x))
+  b = np.asarray(apply({"params": params}, other))
   chex.assert_trees_all_close(a[0], b[0], atol=1e-5)
-  assert not bool(jnp.allclose(a[1:], b[1:]))
+  assert not bool(np.allclose(a[1:], b[1:]))
 
 
 def test_count_params_concrete():
@@ -157,27 +168,32 @@ def test_conv_bias_before_instance_norm_does_nothing(impl):
   """conv_bias=False is the same function with width * depth fewer parameters."""
   kw = dict(num_classes=10, width=8, depth=2, impl=impl)
   with_bias, without = ConvNet(**kw), ConvNet(**kw, conv_bias=False)
-  x = jax.random.normal(jax.random.PRNGKey(1), (3, 8, 8, 1))
-  params = with_bias.init(jax.random.PRNGKey(0), x)["params"]
+  x = normal(1, (3, 8, 8, 1))
+  params = host(jax.jit(with_bias.init)(jax.random.PRNGKey(0), x)["params"])
   params = jax.tree_util.tree_map_with_path(  # make the biases matter if they could
-    lambda path, p: p + 0.5 if "Conv" in jax.tree_util.keystr(path) and p.ndim == 1 else p, params
+    lambda path, p: (
+      p + np.float32(0.5) if "Conv" in jax.tree_util.keystr(path) and p.ndim == 1 else p
+    ),
+    params,
   )
   stripped = {
     k: ({"kernel": v["kernel"]} if k.startswith("Conv") else v) for k, v in params.items()
   }
   assert count_params(params) - count_params(stripped) == 8 * 2
   chex.assert_trees_all_close(
-    without.apply({"params": stripped}, x), with_bias.apply({"params": params}, x), atol=1e-5
+    jax.jit(without.apply)({"params": stripped}, x),
+    jax.jit(with_bias.apply)({"params": params}, x),
+    atol=1e-5,
   )
   # With group norm (4 channels per group) a per-channel bias is not removed.
   grouped = ConvNet(**kw, norm="group", num_groups=2)
-  gp = grouped.init(jax.random.PRNGKey(0), x)["params"]
+  gp = host(jax.jit(grouped.init)(jax.random.PRNGKey(0), x)["params"])
   moved = {
-    k: ({**v, "bias": jnp.arange(8.0)} if k.startswith("Conv") else v) for k, v in gp.items()
+    k: ({**v, "bias": np.arange(8.0, dtype=np.float32)} if k.startswith("Conv") else v)
+    for k, v in gp.items()
   }
-  assert not bool(
-    jnp.allclose(grouped.apply({"params": gp}, x), grouped.apply({"params": moved}, x), atol=1e-3)
-  )
+  apply = jax.jit(grouped.apply)
+  assert not bool(np.allclose(apply({"params": gp}, x), apply({"params": moved}, x), atol=1e-3))
 
 
 def image_gradient(apply_fn, params, g_real, x_syn, y_syn, dtype):
@@ -187,8 +203,8 @@ def image_gradient(apply_fn, params, g_real, x_syn, y_syn, dtype):
   """
   from fedlap_jax import matching, privacy
 
-  cast = lambda t: jax.tree.map(lambda a: a.astype(dtype), t)  # noqa: E731
-  params, g_real, x_syn = cast(params), cast(g_real), x_syn.astype(dtype)
+  cast = lambda t: jax.tree.map(lambda a: np.asarray(a).astype(dtype), t)  # noqa: E731
+  params, g_real, x_syn = cast(params), cast(g_real), cast(x_syn)
 
   def loss(x):
     g_syn = privacy.real_gradient(apply_fn, params, x, y_syn, jnp.zeros(len(y_syn), bool))
@@ -202,7 +218,7 @@ def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
   from fedlap_jax import privacy
 
   x = jax.random.normal(jax.random.PRNGKey(3), (16, 8, 8, 1))
-  y = jnp.arange(16) % 10
+  y = np.arange(16, dtype=np.int32) % 10
   x_syn = jax.random.normal(jax.random.PRNGKey(2), (10, 8, 8, 1))
   errors = {}
   for conv_bias in (True, False):
@@ -213,15 +229,15 @@ def test_without_conv_bias_the_dp_image_gradient_is_exact_in_float32():
     g_dp = jax.jit(
       lambda p, f=apply_fn: privacy.privatise(
         jax.random.PRNGKey(1),
-        privacy.clipped_gradient_sum(f, p, x, y, jnp.zeros(16, bool), l2_clip_norm=1.0)[0],
+        privacy.clipped_gradient_sum(f, p, x, y, np.zeros(16, bool), l2_clip_norm=1.0)[0],
         l2_clip_norm=1.0,
         noise_multiplier=1.0,
         expected_batch_size=16.0,
       )
     )(params)
     with jax.enable_x64(True):
-      exact = image_gradient(apply_fn, params, g_dp, x_syn, jnp.arange(10), jnp.float64)
-      single = image_gradient(apply_fn, params, g_dp, x_syn, jnp.arange(10), jnp.float32)
+      exact = image_gradient(apply_fn, params, g_dp, x_syn, np.arange(10), jnp.float64)
+      single = image_gradient(apply_fn, params, g_dp, x_syn, np.arange(10), jnp.float32)
     errors[conv_bias] = np.linalg.norm(single - exact) / np.linalg.norm(exact)
   assert errors[False] < 1e-4 < errors[True], errors
 
@@ -230,16 +246,17 @@ def test_embedding_returns_features_and_the_same_logits():
   from fedlap_jax.models import embed_fn, init_fn
 
   model = ConvNet(num_classes=10, width=8, depth=2)
-  params = init_fn(model, (8, 8, 1))(jax.random.PRNGKey(0))
-  x = jax.random.normal(jax.random.PRNGKey(1), (3, 8, 8, 1))
-  features, logits = embed_fn(model)(params, x)
+  init = jax.jit(init_fn(model, (8, 8, 1)))  # one program for both keys
+  params = init(jax.random.PRNGKey(0))
+  x = normal(1, (3, 8, 8, 1))
+  features, logits = host(jax.jit(embed_fn(model))(params, x))
   chex.assert_shape(features, (3, 8 * 2 * 2))
-  chex.assert_trees_all_close(logits, model.apply({"params": params}, x), atol=1e-6)
+  chex.assert_trees_all_close(logits, jax.jit(model.apply)({"params": params}, x), atol=1e-6)
   # The logits are the Dense layer of the features.
-  dense = params["Dense_0"]
+  dense = host(params["Dense_0"])
   chex.assert_trees_all_close(logits, features @ dense["kernel"] + dense["bias"], atol=1e-5)
   # init_fn gives fresh networks: another key, other parameters.
-  other = init_fn(model, (8, 8, 1))(jax.random.PRNGKey(2))
+  other = init(jax.random.PRNGKey(2))
   assert not np.allclose(other["Dense_0"]["kernel"], dense["kernel"])
 
 

@@ -68,9 +68,14 @@ def calibration_data(client_parts):
   x, y = client_parts[0]
   syn_idx = np.concatenate([np.flatnonzero(y == 5)[:3], np.flatnonzero(y == 6)[:3]])
   return (
-    SyntheticSet(jnp.asarray(x[syn_idx]), jnp.asarray(y[syn_idx]), jnp.ones(6, bool)),
-    ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool)),
+    SyntheticSet(jnp.asarray(x[syn_idx]), jnp.asarray(y[syn_idx]), jnp.asarray(np.ones(6, bool))),
+    ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(np.ones(len(y), bool))),
   )
+
+
+def host(tree):
+  """``tree`` read back as NumPy arrays: the checks that follow compile nothing."""
+  return jax.tree.map(np.asarray, tree)
 
 
 # Helpers of the checks under jit: each is one program, not one per operation (JAX compiles every
@@ -118,7 +123,8 @@ def test_calibrate_radius(tiny_apply_fn, tiny_params, calibration_data, max_radi
   chex.assert_type(r_k, jnp.float32)
   best = int(np.argmin(np.asarray(trace.real_losses)))
   assert int(trace.best_epoch) == best
-  chex.assert_trees_all_close(r_k, jnp.minimum(trace.distances[best], max_radius))
+  trace = host(trace)
+  chex.assert_trees_all_close(r_k, np.minimum(trace.distances[best], max_radius))
   # Reproduce the trace with explicit full-batch gradient steps.
   (sx, sy, _), (rx, ry, rm, _, _) = calibration_data
   step = _full_batch_step(tiny_apply_fn)
@@ -189,7 +195,9 @@ def union(client_parts):
     idx = np.concatenate([np.flatnonzero(y == c)[:4] for c in np.unique(y)])
     xs.append(x[idx])
     ys.append(y[idx])
-  return SyntheticSet(jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys)), jnp.ones((2, 8), bool))
+  return SyntheticSet(
+    jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys)), jnp.asarray(np.ones((2, 8), bool))
+  )
 
 
 SERVER = ServerConfig(radius_strategy="min", batch_size=4, max_epochs=20, dsa_strategy="")
@@ -243,15 +251,15 @@ def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
   "change, message",
   [
     (
-      lambda s, w: (jax.tree.map(lambda a: a[0], s), w[:1]),
+      lambda s, w: (jax.tree.map(lambda a: np.asarray(a)[0], s), w[:1]),
       r"synthetic.y.shape=\(8,\) is invalid; allowed: \(8, 8\): one entry per image",
     ),
     (
-      lambda s, w: (s, jnp.ones(3)),
+      lambda s, w: (s, np.ones(3, np.float32)),
       r"client_weights.shape=\(3,\) is invalid; allowed: \(2,\): one weight per client",
     ),
     (
-      lambda s, w: (s._replace(y=s.y.astype(jnp.float32)), w),
+      lambda s, w: (s._replace(y=np.asarray(s.y).astype(np.float32)), w),
       r"synthetic.y.dtype='float32' is invalid; allowed: an integer dtype",
     ),
   ],
@@ -259,7 +267,7 @@ def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
 def test_global_update_refuses_a_union_it_cannot_use(
   linear_apply_fn, linear_params, union, change, message
 ):
-  bad, weights = change(union, jnp.ones(2))
+  bad, weights = change(union, np.ones(2, np.float32))
   with pytest.raises(ConfigError, match=message):
     global_update_jit(
       jax.random.PRNGKey(0),
@@ -279,15 +287,17 @@ def test_global_update_refuses_a_union_it_cannot_use(
 
 
 def test_example_weights():
-  mask = jnp.array([[True, True, False, False], [True, True, True, True]])
-  w = server.example_weights(mask, jnp.array([1.0, 3.0]))
+  mask = np.array([[True, True, False, False], [True, True, True, True]])
+  example_weights = jax.jit(server.example_weights)
+  w = example_weights(mask, np.array([1.0, 3.0], np.float32))
   chex.assert_shape(w, (2, 4))
-  chex.assert_trees_all_equal(w[0, 2:], jnp.zeros(2))  # padding
+  w = np.asarray(w)
+  chex.assert_trees_all_equal(w[0, 2:], np.zeros(2, w.dtype))  # padding
   # A full pass weighs the clients 1 : 3; the mean weight over valid examples is 1.
-  chex.assert_trees_all_close(jnp.sum(w, axis=1) / jnp.sum(w), jnp.array([0.25, 0.75]))
-  chex.assert_trees_all_close(jnp.sum(w), 6.0)
-  equal = server.example_weights(jnp.ones((3, 5), bool), jnp.ones(3))
-  chex.assert_trees_all_close(equal, jnp.ones((3, 5)))
+  chex.assert_trees_all_close(np.sum(w, axis=1) / np.sum(w), np.array([0.25, 0.75]))
+  chex.assert_trees_all_close(np.sum(w), 6.0)
+  equal = example_weights(np.ones((3, 5), bool), np.ones(3, np.float32))
+  chex.assert_trees_all_close(equal, np.ones((3, 5)))
 
 
 # ---------------------------------------------------------------- model steps (training.py)
@@ -308,32 +318,37 @@ def test_cosine_learning_rate(use_jit):
 
 
 def test_tree_distance():
-  a = {"w": jnp.ones((2, 3)), "b": jnp.zeros(4)}
-  b = {"w": jnp.zeros((2, 3)), "b": 2 * jnp.ones(4)}
+  a = {"w": np.ones((2, 3), np.float32), "b": np.zeros(4, np.float32)}
+  b = {"w": np.zeros((2, 3), np.float32), "b": np.full(4, 2.0, np.float32)}
   for fn in (training.tree_distance, jax.jit(training.tree_distance)):
     d = fn(a, b)
     chex.assert_shape(d, ())
-    chex.assert_trees_all_close(d, jnp.sqrt(6.0 + 16.0))
+    chex.assert_trees_all_close(d, np.sqrt(6.0 + 16.0))
     chex.assert_trees_all_close(fn(a, a), 0.0)
 
 
 def test_evaluate_chunks_and_mask(linear_apply_fn, linear_params, union):
-  x = union[0].reshape(-1, 8, 8, 1)
-  y = union[1].reshape(-1)
-  mask = jnp.arange(16) < 11
-  logits = linear_apply_fn(linear_params, x)
-  losses = training.cross_entropy(logits, y)
-  correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+  x = np.asarray(union[0]).reshape(-1, 8, 8, 1)
+  y = np.asarray(union[1]).reshape(-1)
+  mask = np.arange(16) < 11
+  losses, correct = host(
+    jax.jit(
+      lambda p: (
+        training.cross_entropy(linear_apply_fn(p, x), y),
+        (jnp.argmax(linear_apply_fn(p, x), -1) == y).astype(jnp.float32),
+      )
+    )(linear_params)
+  )
   for fn in (
     training.evaluate,
     jax.jit(training.evaluate, static_argnums=0, static_argnames="chunk_size"),
   ):
     out = fn(linear_apply_fn, linear_params, x, y, mask, chunk_size=7)  # 3 chunks of 6, 2 pad rows
     chex.assert_shape([out.loss, out.accuracy], ())
-    chex.assert_trees_all_close(out.loss, jnp.mean(losses[:11]), rtol=1e-5)
-    chex.assert_trees_all_close(out.accuracy, jnp.mean(correct[:11]), rtol=1e-5)
+    chex.assert_trees_all_close(out.loss, np.mean(losses[:11]), rtol=1e-5)
+    chex.assert_trees_all_close(out.accuracy, np.mean(correct[:11]), rtol=1e-5)
     full = fn(linear_apply_fn, linear_params, x, y)
-    chex.assert_trees_all_close(full.loss, jnp.mean(losses), rtol=1e-5)
+    chex.assert_trees_all_close(full.loss, np.mean(losses), rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -347,22 +362,22 @@ def test_evaluate_makes_chunks_equal(n, chunk_size, traced):
     seen.append(x.shape[0])  # the chunk shape, recorded while tracing
     return jnp.zeros((x.shape[0], 3)) + p
 
-  x = jnp.zeros((n, 1))
-  out = training.evaluate(
-    apply_fn, jnp.zeros(3), x, jnp.zeros((n,), jnp.int32), chunk_size=chunk_size
-  )
+  x, p, y = np.zeros((n, 1), np.float32), np.zeros(3, np.float32), np.zeros((n,), np.int32)
+  out = evaluate_jit(apply_fn, p, x, y, chunk_size=chunk_size)  # one program
   assert seen == [traced]
-  chex.assert_trees_all_close(out.loss, jnp.log(3.0), rtol=1e-6)
+  chex.assert_trees_all_close(out.loss, np.log(3.0), rtol=1e-6)
   with pytest.raises(ValueError, match="chunk_size=0"):
-    training.evaluate(apply_fn, jnp.zeros(3), x, jnp.zeros((n,), jnp.int32), chunk_size=0)
+    training.evaluate(apply_fn, p, x, y, chunk_size=0)
   with pytest.raises(ValueError, match="0 records"):
-    training.evaluate(apply_fn, jnp.zeros(3), x[:0], jnp.zeros((0,), jnp.int32))
+    training.evaluate(apply_fn, p, x[:0], y[:0])
 
 
 def test_sgd_epoch(linear_apply_fn, linear_params, union):
-  x = union[0].reshape(-1, 8, 8, 1)
-  y = union[1].reshape(-1)
-  weights = jnp.ones(16)
+  # Reshaped on the host, on the device for the eager epoch (it gathers batches with traced
+  # indices).
+  x = jnp.asarray(np.asarray(union[0]).reshape(-1, 8, 8, 1))
+  y = jnp.asarray(np.asarray(union[1]).reshape(-1))
+  weights = jnp.asarray(np.ones(16, np.float32))
   epoch = functools.partial(training.sgd_epoch, batch_size=6, dsa_strategy="")
   eager = epoch(jax.random.PRNGKey(0), linear_apply_fn, linear_params, x, y, weights, 0.1)
   jitted = jax.jit(epoch, static_argnums=1)(
