@@ -124,20 +124,14 @@ class Plan(NamedTuple):
 
 
 def load_data(cfg) -> Data:
-  """The config's dataset and partition (:func:`experiments.data.load_dataset`,
-  :func:`~experiments.data.client_split`) and their :class:`Facts`.
+  """The config's dataset and partition (:func:`experiments.data.load_split`) and their
+  :class:`Facts`.
 
   Raises:
     ConfigError: the data does not load or does not split as configured.
     experiments.data.DataUnavailableError: tfds data missing and no network.
   """
-  try:
-    dataset = data_lib.load_dataset(cfg.data)
-    indices = list(data_lib.client_split(dataset, cfg.data))
-  except ValueError as e:  # bad data or a partition the data does not allow
-    raise ConfigError(
-      "data.source", cfg.data.source, "data the config can use", message=str(e)
-    ) from None
+  dataset, indices = data_lib.load_split(cfg.data)
   sizes = tuple(int(len(i)) for i in indices)
   facts = Facts(
     tuple(dataset.image_shape),

@@ -21,14 +21,14 @@ if TYPE_CHECKING:  # the annotation only; the module imports JAX lazily
 
 def client_sizes(cfg) -> list[int]:
   """Records per client of ``cfg``'s data and partition (loads the data:
-  :func:`experiments.build.load_data`).
+  :func:`experiments.data.load_split`).
 
   Raises:
     ConfigError: the data does not load or does not split as configured.
   """
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from experiments import data  # pylint: disable=g-import-not-at-top
 
-  return list(build.load_data(cfg).facts.client_sizes)
+  return [int(len(i)) for i in data.load_split(cfg.data)[1]]
 
 
 # The largest noise multiplier dp.target_epsilon may calibrate to: beyond it the released

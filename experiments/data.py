@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import normalise_pixels, pixel_normalisation
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
@@ -564,6 +565,24 @@ def partition(
     for k, chunk in enumerate(np.split(idx, cuts)):
       parts[k].append(chunk)
   return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+
+
+def load_split(data_cfg) -> tuple[Dataset, list[np.ndarray]]:
+  """The dataset of ``data_cfg`` (:func:`load_dataset`) and each client's record indices
+  (:func:`client_split`).
+
+  Raises:
+    ConfigError: the data does not load or does not split as configured (named
+      ``data.source``).
+    DataUnavailableError: tfds data missing and no network.
+  """
+  try:
+    dataset = load_dataset(data_cfg)
+    return dataset, list(client_split(dataset, data_cfg))
+  except ValueError as e:  # bad data or a partition the data does not allow
+    raise ConfigError(
+      "data.source", data_cfg.source, "data the config can use", message=str(e)
+    ) from None
 
 
 def client_split(dataset: Dataset, data_cfg) -> list[np.ndarray]:
