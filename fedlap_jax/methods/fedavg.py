@@ -25,7 +25,7 @@ import optax
 
 from fedlap_jax import baselines
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
-from fedlap_jax.config import method_label
+from fedlap_jax.config import BASELINE_FACTS, method_label
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.training import tree_distance
 
@@ -217,7 +217,8 @@ def family(
   directions (:func:`fedlap_jax.baselines.algorithm`'s: ``None`` is SGD written out; the
   server's state is ``state.opt_state``, carried across rounds). Each call is a new method
   (a jit static by identity): build one and reuse it."""
-  scaffold = name == "scaffold"
+  facts = BASELINE_FACTS[name]  # what the name implies
+  scaffold, private = facts.control_variates, facts.private
   client = scaffold_client_step if scaffold else client_step
   server = scaffold_server_step if scaffold else server_step
 
@@ -251,11 +252,11 @@ def family(
     wire=_scaffold_wire if scaffold else model_wire,
     batch_size=lambda config: config.local.batch_size,
     carried=("client_controls",) if scaffold else (),
-    privacy="required" if name in baselines.DP_METHODS else "never",
+    privacy="required" if private else "never",
     privacy_note=""
-    if name in baselines.DP_METHODS
+    if private
     else f"use method='dp_{name}' where a DP variant exists: {baselines.DP_METHODS}",
-    dp_twin=(f"dp_{name}", "its DP variant") if f"dp_{name}" in baselines.DP_METHODS else None,
+    dp_twin=(f"dp_{name}", "its DP variant") if f"dp_{name}" in BASELINE_FACTS else None,
   )
 
 
