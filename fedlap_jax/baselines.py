@@ -123,6 +123,7 @@ from fedlap_jax.client_data import (
   poison_unless,
 )
 from fedlap_jax.config import (
+  BASELINE_FACTS,
   BASELINE_METHODS,
   CLIENT_BACKENDS,
   DP_BASELINE_METHODS,
@@ -141,7 +142,7 @@ from fedlap_jax.types import ApplyFn, PyTree
 
 METHODS = BASELINE_METHODS
 DP_METHODS = DP_BASELINE_METHODS
-PROX_METHODS = ("fedprox", "dp_fedprox")
+PROX_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.prox)
 GRADIENT_MEANS = privacy.GRADIENT_MEANS
 
 __all__ = [
@@ -336,7 +337,9 @@ class BaselineConfig:
   """A whole baseline run (hashable: a jit static).
 
   Attributes:
-    method: one of :data:`METHODS`.
+    method: one of :data:`METHODS`; what it implies (DP, the FedProx term, control variates,
+      a fixed step count) is its :data:`fedlap_jax.config.BASELINE_FACTS` entry, which the
+      checks read (not the name).
     rounds: ``M``, also the length of the cosine schedule.
     learning_rate: ``eta_0`` of the client's cosine schedule.
     server_lr: ``eta_s``, the server's step on the weighted mean delta (1).
@@ -366,16 +369,17 @@ class BaselineConfig:
 
   def __post_init__(self):
     one_of("method", self.method, METHODS)
+    facts = BASELINE_FACTS[self.method]  # what the name implies
+    private = facts.private
     require(is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
     for f in ("learning_rate", "server_lr"):
       v = getattr(self, f)
       require(is_real(v) and v > 0, f, v, "a finite number > 0")
     if self.weighting is None:
-      object.__setattr__(self, "weighting", "uniform" if self.method in DP_METHODS else "size")
+      object.__setattr__(self, "weighting", "uniform" if private else "size")
     one_of("weighting", self.weighting, WEIGHTINGS)
     require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-    private = self.method in DP_METHODS
     if private and isinstance(self.dp, DPConfig) and _dp_fields_unset(self.local):
       # dp is the source of the private path's clip, noise, microbatch and per-example method
       object.__setattr__(self, "local", dataclasses.replace(self.local, **_dp_fields(self.dp)))
@@ -394,19 +398,19 @@ class BaselineConfig:
       "a clip norm for DP methods, None otherwise" + f" (method={self.method!r})",
     )
     require(
-      self.method in PROX_METHODS or loc.prox_mu == 0,
+      facts.prox or loc.prox_mu == 0,
       "local.prox_mu",
       loc.prox_mu,
       f"0 for method={self.method!r} (use 'fedprox' or 'dp_fedprox')",
     )
     require(
-      loc.control_variates == (self.method == "scaffold"),
+      loc.control_variates == facts.control_variates,
       "local.control_variates",
       loc.control_variates,
       f"True exactly for 'scaffold' (method={self.method!r})",
     )
     require(
-      self.method != "fedsgd" or loc.fixed_steps == 1,
+      facts.fixed_steps is None or loc.fixed_steps == facts.fixed_steps,
       "local.fixed_steps",
       loc.fixed_steps,
       "1 for 'fedsgd' (one local batch per round)",
@@ -440,7 +444,7 @@ class BaselineConfig:
     """DP-FedAvg / DP-FedProx's noisy accesses: ``T = local.scheduled_steps()`` local steps
     (the largest client's count, every client charged with it) on Poisson batches of
     expected size ``B`` per round; ``None`` for the non-DP methods."""
-    if self.method not in DP_METHODS or self.dp is None:
+    if not BASELINE_FACTS[self.method].private or self.dp is None:
       return None
     return DpAccesses(self.dp, self.local.batch_size, self.local.scheduled_steps())
 
@@ -1015,7 +1019,8 @@ def baseline_config(
     ConfigError: naming the field, the value and what is allowed.
   """
   one_of("method", method, METHODS)
-  private = method in DP_METHODS
+  facts = BASELINE_FACTS[method]  # what the name implies
+  private = facts.private
   if private:
     require(isinstance(dp, DPConfig), "dp", dp, f"a DPConfig for method={method!r}")
   else:
@@ -1028,17 +1033,17 @@ def baseline_config(
   local = LocalTraining(
     epochs=local_epochs,
     batch_size=batch_size,
-    fixed_steps=1 if method == "fedsgd" else None,
+    fixed_steps=facts.fixed_steps,
     max_client_size=max_client_size,
     poisson_capacity=poisson_capacity,
-    prox_mu=prox_mu if method in PROX_METHODS else 0.0,
+    prox_mu=prox_mu if facts.prox else 0.0,
     gradient_mean=gradient_mean,
-    control_variates=method == "scaffold",
+    control_variates=facts.control_variates,
     dsa_strategy=dsa_strategy,
     track_loss=track_loss,
     **({} if dp is None else _dp_fields(dp)),
   )
-  if uniform_steps and method != "fedsgd":
+  if uniform_steps and facts.fixed_steps is None:
     require(
       max_client_size is not None,
       "max_client_size",
@@ -1117,7 +1122,8 @@ def algorithm(
   """
   require(isinstance(config, BaselineConfig), "config", config, "a BaselineConfig")
   method, local = config.method, config.local
-  private = method in DP_METHODS
+  facts = BASELINE_FACTS[method]  # what the name implies
+  private = facts.private
   require(
     not private or config.dp is not None,
     "dp",
@@ -1188,9 +1194,9 @@ def algorithm(
     init=init,
     round=place_inputs(round_fn, client_backend, mesh),
     params_of=lambda state: state.params,
-    upload_floats_per_client=(2 if method == "scaffold" else 1) * num_params,
+    upload_floats_per_client=(2 if facts.control_variates else 1) * num_params,
     dp=config.dp if private else None,
     mechanism=dp_mechanism(config),
     batch_size=batch_size,
-    client_state_fields=("client_controls",) if method == "scaffold" else (),
+    client_state_fields=("client_controls",) if facts.control_variates else (),
   )

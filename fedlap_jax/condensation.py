@@ -108,7 +108,7 @@ from fedlap_jax.client_data import (
 )
 from fedlap_jax.config import (
   CLIENT_BACKENDS,
-  DP_ONE_SHOT_METHODS,
+  ONE_SHOT_FACTS,
   ONE_SHOT_METHODS,
   SYNTHETIC_INITS,
   DpAccesses,
@@ -263,7 +263,8 @@ class OneShotConfig:
   """A one-shot method: condensation on the clients, then the server's training.
 
   Attributes:
-    method: one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`.
+    method: one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`; what it implies (DP, pooled
+      clients) is its :data:`fedlap_jax.config.ONE_SHOT_FACTS` entry.
     condensation: :class:`CondensationConfig` (``classwise`` for ``dsc*``,
       class-agnostic with ``dp`` for ``psg``).
     server: :class:`~fedlap_jax.config.ServerConfig` of the training of the
@@ -297,7 +298,7 @@ class OneShotConfig:
       "a number in (0, 1]",
     )
     c = self.condensation
-    private = self.method in DP_ONE_SHOT_METHODS
+    private = ONE_SHOT_FACTS[self.method].private  # what the name implies
     require(
       (c.dp is not None) == private,
       "dp",
@@ -329,7 +330,7 @@ class OneShotConfig:
 
   @property
   def centralized(self) -> bool:
-    return self.method == "dsc_centralized"
+    return ONE_SHOT_FACTS[self.method].centralized
 
   @property
   def dp(self) -> DPConfig | None:

@@ -41,12 +41,60 @@ from fedlap_jax.checks import (
   require,
 )
 
-BASELINE_METHODS = ("fedavg", "fedprox", "fedsgd", "scaffold", "dp_fedavg", "dp_fedprox")
-DP_BASELINE_METHODS = ("dp_fedavg", "dp_fedprox")
+
+class BaselineFacts(NamedTuple):
+  """What a gradient-sharing baseline's name implies; its config checks these facts, not
+  the name (:class:`fedlap_jax.baselines.BaselineConfig`, and the registry's methods).
+
+  Attributes:
+    private: a DP method: local DP-SGD, a ``dp`` config, ``uniform`` server weights (the
+      default weighting; ``size`` otherwise).
+    prox: the FedProx term ``mu ||w - w_g||^2`` is allowed (``prox_mu > 0``).
+    control_variates: SCAFFOLD's correction ``c - c_k``; it sends the control delta too.
+    fixed_steps: every client takes exactly this many local steps (FedSGD: 1); ``None``:
+      ``local_epochs`` epochs.
+  """
+
+  private: bool = False
+  prox: bool = False
+  control_variates: bool = False
+  fixed_steps: int | None = None
+
+
+BASELINE_FACTS = {
+  "fedavg": BaselineFacts(),
+  "fedprox": BaselineFacts(prox=True),
+  "fedsgd": BaselineFacts(fixed_steps=1),
+  "scaffold": BaselineFacts(control_variates=True),
+  "dp_fedavg": BaselineFacts(private=True),
+  "dp_fedprox": BaselineFacts(private=True, prox=True),
+}
+BASELINE_METHODS = tuple(BASELINE_FACTS)
+DP_BASELINE_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
+
+
+class OneShotFacts(NamedTuple):
+  """What a one-shot condensation method's name implies
+  (:class:`fedlap_jax.condensation.OneShotConfig`, and the registry's methods).
+
+  Attributes:
+    private: DP condensation (PSG: class-agnostic, a ``dp`` config, ``uniform`` weights).
+    centralized: one client pools every client's records (DSC centralized).
+  """
+
+  private: bool = False
+  centralized: bool = False
+
+
 # Synthetic-data comparison systems: FedDM (fedlap_jax.feddm) and the one-shot
 # condensation methods DSC and PSG (fedlap_jax.condensation).
-ONE_SHOT_METHODS = ("dsc", "dsc_centralized", "psg")
-DP_ONE_SHOT_METHODS = ("psg",)
+ONE_SHOT_FACTS = {
+  "dsc": OneShotFacts(),
+  "dsc_centralized": OneShotFacts(centralized=True),
+  "psg": OneShotFacts(private=True),
+}
+ONE_SHOT_METHODS = tuple(ONE_SHOT_FACTS)
+DP_ONE_SHOT_METHODS = tuple(n for n, f in ONE_SHOT_FACTS.items() if f.private)
 SYNTHETIC_METHODS = ("feddm",) + ONE_SHOT_METHODS
 METHODS = ("fedlap",) + BASELINE_METHODS + SYNTHETIC_METHODS
 # Display names, keyed by FederatedAlgorithm.name (FedLAP with DP is "fedlap_dp").
@@ -76,9 +124,10 @@ SERVER_STARTS = ("global", "fedavg_delta")
 
 
 def method_label(method: str, dp: bool) -> str:
-  """Display name of ``method`` (one of :data:`METHODS`), e.g. ``"FedLAP-DP"``."""
-  name = "fedlap_dp" if method == "fedlap" and dp else method
-  return METHOD_LABELS.get(name, method)
+  """Display name of ``method`` (one of :data:`METHODS`), e.g. ``"FedLAP-DP"``: with ``dp``
+  the label of ``method + "_dp"`` where there is one (``fedlap_dp``), else ``method``'s."""
+  label = METHOD_LABELS.get(method, method)
+  return METHOD_LABELS.get(f"{method}_dp", label) if dp else label
 
 
 def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from fedlap_jax import condensation
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.condensation import OneShotConfig, OneShotMetrics
-from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_METHODS, method_label
+from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_FACTS, ONE_SHOT_METHODS, method_label
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.method import (
   ClientResult,
@@ -88,7 +88,9 @@ def _upload(config: OneShotConfig, facts: RunFacts) -> int:
 
 
 def family(name: str) -> Method:
-  """The one-shot method ``name`` (one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`)."""
+  """The one-shot method ``name`` (one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`; its
+  :data:`fedlap_jax.config.ONE_SHOT_FACTS` entry says what it is)."""
+  private, centralized = ONE_SHOT_FACTS[name]
   return Method(
     name=name,
     label=lambda dp: method_label(name, dp),
@@ -104,10 +106,10 @@ def family(name: str) -> Method:
     # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
     per_client_fields=lambda config: () if config.centralized else ("synthetic",),
     prepare_clients=_prepare,
-    privacy="required" if name in DP_ONE_SHOT_METHODS else "never",
+    privacy="required" if private else "never",
     privacy_note=f"PSG is the DP one-shot method: {DP_ONE_SHOT_METHODS}",
-    dp_twin=None if name in DP_ONE_SHOT_METHODS else ("psg", "PSG is the DP one-shot method"),
-    federated=name != "dsc_centralized",
+    dp_twin=None if private else ("psg", "PSG is the DP one-shot method"),
+    federated=not centralized,
     algorithm_name=lambda config: config.method,
   )
 

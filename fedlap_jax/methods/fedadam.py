@@ -4,7 +4,10 @@ Optimization", ICLR 2021, Algorithm 2).
 Each round the clients run FedAvg's local training (:func:`fedlap_jax.methods.fedavg.client_step`)
 from the global model ``x`` and send ``y_k``; the server treats minus the weighted mean client
 delta, ``g = -sum_k w_k (y_k - x)`` (``w_k`` normalised, ``server.weighting`` as FedAvg's), as
-a gradient and takes one step of ``optax.adam(eta, b1, b2, eps)``. The Adam state (step count,
+a gradient and takes one step of ``optax.adam(eta, b1, b2, eps)``: FedAvg's server step
+(:func:`fedlap_jax.methods.fedavg.server_step`, the stateful
+:func:`fedlap_jax.baselines.server_step_with_state`) with the direction
+``optax.scale_by_adam(b1, b2, eps)`` at the rate ``eta``. The Adam state (step count,
 first and second moments) is the state's ``opt_state``, carried across rounds (and
 checkpointed with the state).
 
@@ -20,16 +23,13 @@ import dataclasses
 from typing import Any, Mapping, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from fedlap_jax import baselines
-from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
+from fedlap_jax import baselines, optim
+from fedlap_jax.baselines import BaselineConfig
 from fedlap_jax.checks import is_real, require
-from fedlap_jax.dispatch import client_weights
 from fedlap_jax.method import Method, ModelFns, RoundFacts, RoundPlan, RunFacts
 from fedlap_jax.methods import fedavg
-from fedlap_jax.training import tree_distance
 from fedlap_jax.types import PyTree
 
 
@@ -56,8 +56,14 @@ class AdamServer:
       v = getattr(self, f)
       require(is_real(v) and 0 <= v < 1, f, v, "a number in [0, 1)")
 
+  def direction(self) -> optax.GradientTransformation:
+    """``optax.scale_by_adam(b1, b2, eps)``: Adam before the rate."""
+    return optax.scale_by_adam(b1=self.b1, b2=self.b2, eps=self.eps)
+
   def optimizer(self) -> optax.GradientTransformation:
-    return optax.adam(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps)
+    """``optax.adam(eta, b1, b2, eps)`` operation for operation: :meth:`direction` at ``eta``
+    (:func:`fedlap_jax.optim.with_rate`)."""
+    return optim.with_rate(self.direction(), self.learning_rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +121,11 @@ def _client_step(own, model: ModelFns, message, carried, data, config, *, client
 
 
 def _server_step(key, model: ModelFns, state, message, results, config, facts: RoundFacts):
-  del key, model
-  ys, x = results.update, state.params
-  w = client_weights(config.clients.weighting, facts.num_records)
-  w = w / jnp.sum(w)
-  # The pseudo-gradient: minus the weighted mean client delta.
-  grad = jax.tree.map(lambda y, xi: -jnp.tensordot(w, y - xi[None], axes=1), ys, x)
-  updates, opt_state = config.server.optimizer().update(grad, state.opt_state, x)
-  params = optax.apply_updates(x, updates)
-  metrics = BaselineRoundMetrics(
-    results.metrics, message.learning_rate, tree_distance(params, x), jnp.float32(0.0)
+  # FedAvg's server with Adam's direction at eta: the step on minus the weighted mean delta.
+  clients = dataclasses.replace(config.clients, server_lr=config.server.learning_rate)
+  return fedavg.server_step(
+    key, model, state, message, results, clients, facts, optimizer=config.server.direction()
   )
-  return state._replace(params=params, opt_state=opt_state), metrics
 
 
 def _extend(base: BaselineConfig, server: Mapping[str, Any] | AdamServer) -> FedAdamConfig:

@@ -4,12 +4,14 @@ FedProx, SCAFFOLD, DP-FedAvg and DP-FedProx.
 Every client runs :func:`fedlap_jax.baselines.client_step` (local training from the global
 model ``x``) with its key ``split(k_clients, K)[k]`` of ``next, k_clients = split(key)``
 (:func:`fedlap_jax.baselines.round_keys`) and sends its model ``y_k``; the server takes the
-weighted FedAvg step of :func:`fedlap_jax.baselines.server_step`. SCAFFOLD's client also
+weighted FedAvg step of :func:`fedlap_jax.baselines.server_step_with_state` (its optimiser's
+state ``state.opt_state`` carried across rounds). SCAFFOLD's client also
 updates its control variate in its step (option II of Karimireddy et al., 2020:
 ``c_k+ = c_k - c + (x - y_k) / (T_k eta)``), carries ``c_k`` and sends ``delta c_k`` besides
 ``y_k``; its server adds ``(m / K) sum_k w_k delta c_k`` to ``c``.
 
-:func:`family` builds the method of one name; :mod:`fedlap_jax.methods.fedadam` reuses the
+:func:`family` builds the method of one name, with the default optimisers or others;
+:mod:`fedlap_jax.methods.fedadam` reuses the
 client step and the message.
 """
 
@@ -19,10 +21,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedlap_jax import baselines
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
-from fedlap_jax.config import method_label
+from fedlap_jax.config import BASELINE_FACTS, method_label
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.training import tree_distance
 
@@ -46,8 +49,17 @@ def _unused_apply(params, x):
   raise NotImplementedError("only the algorithm's init is used here")
 
 
-def init(key, params, clients, config: BaselineConfig, facts: RunFacts):
-  """The state before round 1, after the checks of :func:`fedlap_jax.baselines.algorithm`."""
+def init(
+  key,
+  params,
+  clients,
+  config: BaselineConfig,
+  facts: RunFacts,
+  *,
+  server_optimizer: optax.GradientTransformation | None = None,
+):
+  """The state before round 1, after the checks of :func:`fedlap_jax.baselines.algorithm`
+  (``opt_state``: ``server_optimizer``'s fresh state, :func:`fedlap_jax.baselines.server_state`)."""
   alg = baselines.algorithm(
     _unused_apply,  # init reads the config and the facts, not the model's function
     config,
@@ -55,6 +67,7 @@ def init(key, params, clients, config: BaselineConfig, facts: RunFacts):
     num_clients=facts.num_clients,
     num_params=facts.num_params,
     clients_per_round=facts.clients_per_round,
+    server_optimizer=server_optimizer,
   )
   return alg.init(key, params, clients)
 
@@ -65,17 +78,42 @@ def plan(state, num_clients: int, config: BaselineConfig) -> RoundPlan:
   return RoundPlan(key, None, Message(state.params, lr, state.control), client_keys)
 
 
-def client_step(own, model: ModelFns, message: Message, carried, data, config, *, client_axis=None):
-  """FedAvg's client: ``y_k`` after local training (:func:`fedlap_jax.baselines.client_step`)."""
+def client_step(
+  own,
+  model: ModelFns,
+  message: Message,
+  carried,
+  data,
+  config,
+  *,
+  client_axis=None,
+  optimizer: optax.GradientTransformation | None = None,
+):
+  """FedAvg's client: ``y_k`` after local training (:func:`fedlap_jax.baselines.client_step`;
+  ``optimizer``: its local direction, ``None`` SGD)."""
   del carried, client_axis
   y, metrics = baselines.client_step(
-    own, model.apply_fn, message.params, data, config, learning_rate=message.learning_rate
+    own,
+    model.apply_fn,
+    message.params,
+    data,
+    config,
+    learning_rate=message.learning_rate,
+    optimizer=optimizer,
   )
   return ClientResult(y, (), metrics)
 
 
 def scaffold_client_step(
-  own, model: ModelFns, message: Message, carried, data, config, *, client_axis=None
+  own,
+  model: ModelFns,
+  message: Message,
+  carried,
+  data,
+  config,
+  *,
+  client_axis=None,
+  optimizer: optax.GradientTransformation | None = None,
 ):
   """SCAFFOLD's client: local training corrected by ``c - c_k``, then its control update."""
   del client_axis
@@ -83,7 +121,14 @@ def scaffold_client_step(
   x, c, lr = message.params, message.control, message.learning_rate
   correction = jax.tree.map(jnp.subtract, c, c_k)
   y, metrics = baselines.client_step(
-    own, model.apply_fn, x, data, config, learning_rate=lr, correction=correction
+    own,
+    model.apply_fn,
+    x,
+    data,
+    config,
+    learning_rate=lr,
+    correction=correction,
+    optimizer=optimizer,
   )
   # Option II: c_k+ = c_k - c + (x - y_k) / (T_k eta); delta c_k = c_k+ - c_k.
   scale = 1.0 / (jnp.maximum(metrics.steps, 1).astype(jnp.float32) * lr)
@@ -91,25 +136,54 @@ def scaffold_client_step(
   return ClientResult(ScaffoldUpdate(y, delta_c), (jax.tree.map(jnp.add, c_k, delta_c),), metrics)
 
 
-def mean_model(state, results, config, facts: RoundFacts):
-  """``(x + eta_s sum_k w_k (y_k - x), w)``: :func:`fedlap_jax.baselines.server_step`."""
-  return baselines.server_step(state.params, results, config, num_records=facts.num_records)
+def mean_model(
+  state, results, config, facts: RoundFacts, optimizer: optax.GradientTransformation | None
+):
+  """``(x', opt_state', w)``: the server's step on ``sum_k w_k (y_k - x)`` from
+  ``state.opt_state`` (:func:`fedlap_jax.baselines.server_step_with_state`; ``optimizer=None``:
+  ``x + eta_s sum_k w_k (y_k - x)``, the state unchanged)."""
+  return baselines.server_step_with_state(
+    state.params,
+    results,
+    config,
+    state.opt_state,
+    num_records=facts.num_records,
+    optimizer=optimizer,
+  )
 
 
-def server_step(key, model: ModelFns, state, message: Message, results, config, facts: RoundFacts):
+def server_step(
+  key,
+  model: ModelFns,
+  state,
+  message: Message,
+  results,
+  config,
+  facts: RoundFacts,
+  *,
+  optimizer: optax.GradientTransformation | None = None,
+):
   del key, model
-  params, _ = mean_model(state, results.update, config, facts)
+  params, opt_state, _ = mean_model(state, results.update, config, facts, optimizer)
   metrics = BaselineRoundMetrics(
     results.metrics, message.learning_rate, tree_distance(params, state.params), jnp.float32(0.0)
   )
-  return state._replace(params=params), metrics
+  return state._replace(params=params, opt_state=opt_state), metrics
 
 
 def scaffold_server_step(
-  key, model: ModelFns, state, message: Message, results, config, facts: RoundFacts
+  key,
+  model: ModelFns,
+  state,
+  message: Message,
+  results,
+  config,
+  facts: RoundFacts,
+  *,
+  optimizer: optax.GradientTransformation | None = None,
 ):
   del key, model
-  params, weights = mean_model(state, results.update.params, config, facts)
+  params, opt_state, weights = mean_model(state, results.update.params, config, facts, optimizer)
   step = jax.tree.map(lambda a: jnp.tensordot(weights, a, axes=1), results.update.control_delta)
   m, k = facts.take_part
   if m != k:  # sampled clients (static: the all-clients program is unchanged)
@@ -119,7 +193,7 @@ def scaffold_server_step(
   metrics = BaselineRoundMetrics(
     results.metrics, message.learning_rate, tree_distance(params, state.params), control_norm
   )
-  return state._replace(params=params, control=control), metrics
+  return state._replace(params=params, control=control, opt_state=opt_state), metrics
 
 
 def model_wire(config, params, facts: RunFacts) -> Wire:
@@ -133,26 +207,56 @@ def _scaffold_wire(config, params, facts: RunFacts) -> Wire:
   return Wire.of(ScaffoldUpdate(shapes, shapes))
 
 
-def family(name: str) -> Method:
-  """The baseline ``name`` (one of :data:`fedlap_jax.baselines.METHODS`)."""
-  scaffold = name == "scaffold"
+def family(
+  name: str,
+  *,
+  client_optimizer: optax.GradientTransformation | None = None,
+  server_optimizer: optax.GradientTransformation | None = None,
+) -> Method:
+  """The baseline ``name`` (one of :data:`fedlap_jax.baselines.METHODS`) with these
+  directions (:func:`fedlap_jax.baselines.algorithm`'s: ``None`` is SGD written out; the
+  server's state is ``state.opt_state``, carried across rounds). Each call is a new method
+  (a jit static by identity): build one and reuse it."""
+  facts = BASELINE_FACTS[name]  # what the name implies
+  scaffold, private = facts.control_variates, facts.private
+  client = scaffold_client_step if scaffold else client_step
+  server = scaffold_server_step if scaffold else server_step
+
+  def init_(key, params, clients, config, facts):
+    return init(key, params, clients, config, facts, server_optimizer=server_optimizer)
+
+  def client_(own, model, message, carried, data, config, *, client_axis=None):
+    return client(
+      own,
+      model,
+      message,
+      carried,
+      data,
+      config,
+      client_axis=client_axis,
+      optimizer=client_optimizer,
+    )
+
+  def server_(key, model, state, message, results, config, facts):
+    return server(key, model, state, message, results, config, facts, optimizer=server_optimizer)
+
   return Method(
     name=name,
     label=lambda dp: method_label(name, dp),
     config_type=BaselineConfig,
-    init=init,
+    init=init_,
     plan=plan,
-    client_step=scaffold_client_step if scaffold else client_step,
-    server_step=scaffold_server_step if scaffold else server_step,
+    client_step=client_,
+    server_step=server_,
     upload_floats=lambda config, facts: (2 if scaffold else 1) * facts.num_params,
     wire=_scaffold_wire if scaffold else model_wire,
     batch_size=lambda config: config.local.batch_size,
     carried=("client_controls",) if scaffold else (),
-    privacy="required" if name in baselines.DP_METHODS else "never",
+    privacy="required" if private else "never",
     privacy_note=""
-    if name in baselines.DP_METHODS
+    if private
     else f"use method='dp_{name}' where a DP variant exists: {baselines.DP_METHODS}",
-    dp_twin=(f"dp_{name}", "its DP variant") if f"dp_{name}" in baselines.DP_METHODS else None,
+    dp_twin=(f"dp_{name}", "its DP variant") if f"dp_{name}" in BASELINE_FACTS else None,
   )
 
 

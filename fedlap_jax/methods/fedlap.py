@@ -6,6 +6,7 @@ k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, u
 ``synthetic_init='real'`` also ``split(k_init, K)[k]``, and the shared DSA family key
 ``shared_family_key(k_clients)``) and the rates of
 :func:`fedlap_jax.federated.round_learning_rates`. Each client carries its synthetic set.
+:data:`METHOD` has the default optimisers; :func:`method` builds FedLAP with others.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 from fedlap_jax import client, federated, server
 from fedlap_jax.config import FedLAPConfig
@@ -28,11 +30,6 @@ class Message(NamedTuple):
   family_key: jax.Array
 
 
-def _init(key, params, clients, config: FedLAPConfig, facts: RunFacts):
-  del facts
-  return federated.init_state(key, params, clients, config)
-
-
 def _plan(state, num_clients: int, config: FedLAPConfig) -> RoundPlan:
   keys = federated.round_keys(state.key)
   rates = federated.round_learning_rates(state.round + 1, config)
@@ -42,40 +39,10 @@ def _plan(state, num_clients: int, config: FedLAPConfig) -> RoundPlan:
   return RoundPlan(keys.next, keys.server, message, own)
 
 
-def _client_step(
-  own, model: ModelFns, message: Message, carried, data, config, *, client_axis=None
-):
-  key, init_key = own
-  (synthetic,) = carried
-  update, metrics = client.client_step(
-    key,
-    model.apply_fn,
-    message.params,
-    synthetic,
-    data,
-    config,
-    learning_rate=message.rates.client,
-    family_key=message.family_key,
-    init_key=init_key,
-    client_axis=client_axis,
-  )
-  return ClientResult(update, (update.synthetic,), metrics)
-
-
-def _server_step(key, model: ModelFns, state, message: Message, results, config, facts: RoundFacts):
-  params, server_metrics = server.server_step(
-    key,
-    model.apply_fn,
-    state.params,
-    results.update,
-    config,
-    learning_rate=message.rates.server,
-    num_records=facts.num_records,
-  )
-  metrics = federated.RoundMetrics(
+def _metrics(results, message: Message, server_metrics) -> federated.RoundMetrics:
+  return federated.RoundMetrics(
     results.metrics, results.update.radius, server_metrics, message.rates.client
   )
-  return state._replace(params=params), metrics
 
 
 def _slots(config: FedLAPConfig, facts: RunFacts) -> int:
@@ -100,20 +67,89 @@ def _wire(config: FedLAPConfig, params, facts: RunFacts) -> Wire:
   return Wire.of(update, pinned=("synthetic.y", "synthetic.mask"))
 
 
-METHOD = Method(
-  name="fedlap",
-  label=lambda dp: "FedLAP-DP" if dp else "FedLAP",
-  config_type=FedLAPConfig,
-  init=_init,
-  plan=_plan,
-  client_step=_client_step,
-  server_step=_server_step,
-  upload_floats=_upload,
-  wire=_wire,
-  batch_size=lambda config: config.client.batch_size,
-  carried=("synthetic",),
-  side_by_side=True,
-  privacy="optional",
-  algorithm_name=lambda config: "fedlap_dp" if config.client.dp is not None else "fedlap",
-)
+def method(
+  *,
+  image_optimizer: optax.GradientTransformation | None = None,
+  model_optimizer: optax.GradientTransformation | None = None,
+  server_optimizer: optax.GradientTransformation | None = None,
+  carry_server_state: bool = False,
+) -> Method:
+  """FedLAP with these optimisers (:func:`fedlap_jax.federated.algorithm`'s: ``None`` is the
+  role's default of :mod:`fedlap_jax.optim`; ``carry_server_state`` starts the server's
+  optimiser from ``state.opt_state`` and carries it across rounds). Each call is a new
+  method (a jit static by identity): build one and reuse it."""
+
+  def init(key, params, clients, config: FedLAPConfig, facts: RunFacts):
+    del facts
+    return federated.init_state(
+      key,
+      params,
+      clients,
+      config,
+      server_optimizer=server_optimizer,
+      carry_server_state=carry_server_state,
+    )
+
+  def client_step(
+    own, model: ModelFns, message: Message, carried, data, config, *, client_axis=None
+  ):
+    key, init_key = own
+    (synthetic,) = carried
+    update, metrics = client.client_step(
+      key,
+      model.apply_fn,
+      message.params,
+      synthetic,
+      data,
+      config,
+      learning_rate=message.rates.client,
+      family_key=message.family_key,
+      init_key=init_key,
+      client_axis=client_axis,
+      image_optimizer=image_optimizer,
+      model_optimizer=model_optimizer,
+    )
+    return ClientResult(update, (update.synthetic,), metrics)
+
+  def server_step(
+    key, model: ModelFns, state, message: Message, results, config, facts: RoundFacts
+  ):
+    # Without carry_server_state the optimiser starts afresh (Algorithm 2); () stays ().
+    opt_state = state.opt_state if carry_server_state else None
+    params, opt_state, server_metrics = server.server_step_with_state(
+      key,
+      model.apply_fn,
+      state.params,
+      results.update,
+      config,
+      opt_state,
+      learning_rate=message.rates.server,
+      num_records=facts.num_records,
+      optimizer=server_optimizer,
+    )
+    if not carry_server_state:
+      opt_state = state.opt_state
+    return state._replace(params=params, opt_state=opt_state), _metrics(
+      results, message, server_metrics
+    )
+
+  return Method(
+    name="fedlap",
+    label=lambda dp: "FedLAP-DP" if dp else "FedLAP",
+    config_type=FedLAPConfig,
+    init=init,
+    plan=_plan,
+    client_step=client_step,
+    server_step=server_step,
+    upload_floats=_upload,
+    wire=_wire,
+    batch_size=lambda config: config.client.batch_size,
+    carried=("synthetic",),
+    side_by_side=True,
+    privacy="optional",
+    algorithm_name=lambda config: "fedlap_dp" if config.client.dp is not None else "fedlap",
+  )
+
+
+METHOD = method()
 METHODS = (METHOD,)

@@ -15,9 +15,10 @@ import dataclasses
 import chex
 import jax
 import numpy as np
+import optax
 import pytest
 
-from fedlap_jax import baselines, condensation, feddm, federated, rounds
+from fedlap_jax import baselines, condensation, feddm, federated, optim, rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import (
   ClientConfig,
@@ -28,6 +29,8 @@ from fedlap_jax.config import (
 )
 from fedlap_jax.method import ModelFns, RunFacts, Wire
 from fedlap_jax.methods import REGISTRY
+from fedlap_jax.methods import fedavg as fedavg_methods
+from fedlap_jax.methods import fedlap as fedlap_methods
 from fedlap_jax.models import count_params
 
 from conftest import linear_apply, linear_init
@@ -119,7 +122,7 @@ def cases(max_client_size=MAX_CLIENT_SIZE):
 CASE_IDS = [c[0] for c in cases()]
 
 
-def legacy(config, facts: RunFacts, client_backend: str):
+def legacy(config, facts: RunFacts, client_backend: str, **optimisers):
   if isinstance(config, FedLAPConfig):
     return federated.algorithm(
       linear_apply,
@@ -127,6 +130,7 @@ def legacy(config, facts: RunFacts, client_backend: str):
       image_shape=IMAGE_SHAPE,
       max_classes_per_client=facts.max_classes_per_client,
       client_backend=client_backend,
+      **optimisers,
     )
   if isinstance(config, baselines.BaselineConfig):
     return baselines.algorithm(
@@ -137,6 +141,7 @@ def legacy(config, facts: RunFacts, client_backend: str):
       num_params=facts.num_params,
       client_backend=client_backend,
       clients_per_round=facts.clients_per_round,
+      **optimisers,
     )
   if isinstance(config, feddm.FedDMConfig):
     return feddm.algorithm(
@@ -215,6 +220,42 @@ def test_side_by_side_and_sampled_clients_equal_the_methods_own(
   for (s_old, m_old), (s_new, m_new) in zip(
     _two_rounds(old, key, linear_params, clients), _two_rounds(new, key, linear_params, clients)
   ):
+    chex.assert_trees_all_equal(s_new, s_old)
+    chex.assert_trees_all_equal(m_new, m_old)
+
+
+# Optimisers other than the defaults, built once (jit statics that hash by identity).
+ADAM = optax.scale_by_adam()
+MOMENTUM = optim.sgd(0.9)
+FEDLAP_OPTIMISERS = dict(
+  image_optimizer=optax.adam(1e-2),
+  model_optimizer=MOMENTUM,
+  server_optimizer=ADAM,
+  carry_server_state=True,
+)
+BASELINE_OPTIMISERS = dict(client_optimizer=MOMENTUM, server_optimizer=ADAM)
+OPTIMISED = {
+  "fedlap-hybrid": fedlap_methods.method(**FEDLAP_OPTIMISERS),
+  "fedavg": fedavg_methods.family("fedavg", **BASELINE_OPTIMISERS),
+  "scaffold": fedavg_methods.family("scaffold", **BASELINE_OPTIMISERS),
+}
+
+
+@pytest.mark.parametrize("case_id", list(OPTIMISED))
+def test_the_generic_round_carries_the_server_optimisers_state(
+  case_id, facts, clients, linear_params
+):
+  """With other optimisers in every role (the server's Adam carried across rounds) the
+  generic round equals the method's own, the server's state included."""
+  _, name, config = _case(case_id, facts)
+  optimisers = FEDLAP_OPTIMISERS if name == "fedlap" else BASELINE_OPTIMISERS
+  old = legacy(config, facts, "map", **optimisers)
+  new = rounds.algorithm(OPTIMISED[case_id], config, MODEL, facts, client_backend="map")
+  key = jax.random.PRNGKey(6)
+  for (s_old, m_old), (s_new, m_new) in zip(
+    _two_rounds(old, key, linear_params, clients), _two_rounds(new, key, linear_params, clients)
+  ):
+    assert int(s_new.opt_state[0].count) >= int(s_new.round)  # Adam's state advanced
     chex.assert_trees_all_equal(s_new, s_old)
     chex.assert_trees_all_equal(m_new, m_old)
 
