@@ -16,7 +16,7 @@ DP-FedAvg / DP-FedProx: per-example clip C = 0.1, sigma = 1, delta = 1e-5, 30
 rounds, accounted with the same theorem as FedLAP-DP (T = local steps per round).
 """
 
-from fedlap_jax.config import BASELINE_METHODS
+from fedlap_jax.config import BASELINE_FACTS, BASELINE_METHODS
 
 from experiments.configs import default, fedlap
 
@@ -34,7 +34,7 @@ def get_baseline_config(dataset: str, method: str):
   config.data.name = DATASETS[dataset]
   config.learning_rate = 0.1
   config.client.batch_size = 256
-  if method.startswith("dp_"):
+  if BASELINE_FACTS[method].private:
     config.rounds = 30
     config.dp.enabled = True
     config.dp.noise_multiplier = 1.0

@@ -158,12 +158,14 @@ def get_config(arg: str):
   """``DATASET_feddm``, ``DATASET_dsc[:VARIANT]`` or ``DATASET_psg``."""
   name, _, variant = arg.partition(":")
   dataset, _, system = name.partition("_")
-  if system == "feddm" and not variant:
-    return get_feddm_config(dataset)
-  if system == "dsc":
-    return get_dsc_config(dataset, variant)
-  if system == "psg" and not variant:
-    return get_psg_config(dataset)
+  builders = {  # system -> (its builder, whether it takes a variant)
+    "feddm": (get_feddm_config, False),
+    "dsc": (get_dsc_config, True),
+    "psg": (get_psg_config, False),
+  }
+  builder, takes_variant = builders.get(system, (None, False))
+  if builder is not None and (takes_variant or not variant):
+    return builder(dataset, variant) if takes_variant else builder(dataset)
   raise ValueError(
     f"synthetic:{arg} is invalid; allowed: DATASET_feddm, DATASET_dsc[:VARIANT] "
     f"or DATASET_psg, DATASET one of {tuple(DATASETS)}"
