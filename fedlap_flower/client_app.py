@@ -36,9 +36,10 @@ A FedLAP train message runs, on this client only:
    writing raw statistics locally, changes nothing here). With
    ``server.start='global'`` the reply holds no delta.
 
-A FedAvg train message (config ``method = fedavg``) runs
-:func:`fedlap_jax.baselines.client_step` (``experiments.run``'s FedAvg client)
-and replies with the parameters and ``num-examples``.
+A train message of another method (a registry method of FedAvg's wire,
+:mod:`fedlap_flower.method_work`: FedAvg, FedProx, FedSGD, FedAdam) runs the method's client
+step (``experiments.run``'s client) on the global parameters, the message and the client's own
+inputs the server sent, and replies with its model and ``num-examples``.
 
 With ``data.clients_per_round = m < K`` a client takes part only in the
 rounds the public participation seed draws it for
@@ -59,13 +60,15 @@ import contextlib
 import functools
 import math
 
+import jax
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlap_flower import client_work, records, settings, task
+from fedlap_flower import client_work, method_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
 from fedlap_jax.client import shared_family_key
+from fedlap_jax.method import ModelFns
 
 app = ClientApp()
 
@@ -123,8 +126,8 @@ def _train(msg: Message, context: Context) -> Message:
   node = settings.node_settings(context.node_config, run)
   setup = _setup(run_items, node.partition_id, node.num_partitions, node.data_path)
   conf = msg.content["config"]
-  if run.cfg.method == "fedavg":
-    return _train_fedavg(msg, conf, run, node, setup)
+  if run.cfg.method != "fedlap":
+    return _train_method(msg, conf, run, node, setup)
   return _train_fedlap(msg, context, conf, run, node, setup)
 
 
@@ -147,32 +150,43 @@ def _not_drawn(run, node, server_round: int) -> str:
   )
 
 
-def _train_fedavg(msg, conf, run, node, setup) -> Message:
+def _method_templates(method, config, params, facts):
+  """``(message, own)`` of one client of a round: the structures a server's message and own
+  inputs are read back against (:func:`fedlap_flower.method_work.arrays_to_tree`)."""
+  state = method_work.initial_state(method, config, params, jax.random.key(0), facts)
+  plan = method_work.plan_fn(method, 1, config)(state)
+  return plan.message._replace(params=None), jax.tree.map(lambda a: a[0], plan.own)
+
+
+def _train_method(msg, conf, run, node, setup) -> Message:
+  """A registry method of FedAvg's wire (:mod:`fedlap_flower.method_work`): its client step on
+  the server's message and this client's own inputs; the reply is its model."""
+  method = method_work.method_of(run.cfg)
   if node.requires_dp:
     raise settings.SettingsError(
       "method",
-      "fedavg",
-      "a DP FedLAP config",
-      message="this client has its own max-epsilon and takes part in DP runs only; "
-      "method='fedavg' is not private. Allowed: a DP FedLAP config",
+      run.cfg.method,
+      "a DP config",
+      message=f"this client has its own max-epsilon and takes part in DP runs only; "
+      f"method={run.cfg.method!r} is not private. Allowed: a DP config",
     )
-  slot = task.key_slot(run.cfg, int(conf["server-round"]), node.partition_id)
-  if slot is None:
-    raise ValueError(_not_drawn(run, node, int(conf["server-round"])))
-  key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
-  params = records.record_to_params(msg.content["arrays"], setup.model.params)
-  new = client_work.fedavg_round(
-    key,
-    setup.model.apply_fn,
-    params,
-    setup.partition,
-    setup.plan.config,
-    learning_rate=float(conf["learning-rate"]),
+  server_round = int(conf["server-round"])
+  if task.key_slot(run.cfg, server_round, node.partition_id) is None:
+    raise ValueError(_not_drawn(run, node, server_round))
+  config, params0 = setup.plan.config, setup.model.params
+  facts = method_work.run_facts(run.cfg, setup.plan.facts, setup.model.num_params)
+  message_t, own_t = _method_templates(method, config, params0, facts)
+  message = method_work.arrays_to_tree(records.record_to_arrays(msg.content["message"]), message_t)
+  own = method_work.arrays_to_tree(records.record_to_arrays(msg.content["own"]), own_t)
+  params = records.record_to_params(msg.content["arrays"], params0)
+  model = ModelFns(setup.model.apply_fn)
+  update = method_work.client_fn(method, model, config)(
+    own, message._replace(params=params), setup.partition.data
   )
   return Message(
     content=RecordDict(
       {
-        "arrays": records.params_to_record(new),
+        "arrays": records.params_to_record(update),
         "metrics": MetricRecord(
           {"num-examples": setup.partition.num_records, "partition-id": node.partition_id}
         ),

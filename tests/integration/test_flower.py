@@ -840,10 +840,53 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   assert records[-1]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
 
 
+# Every registry method of FedAvg's wire runs in the Flower app, generic over the registry.
+FEDAVG_WIRE = {
+  "fedsgd": ("quickstart:nondp", "method=fedsgd rounds=2 eval_chunk_size=128"),
+  "fedprox": (
+    "quickstart:nondp",
+    "method=fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  ),
+  "fedadam": ("quickstart:fedadam", "rounds=2 baseline.local_epochs=1 eval_chunk_size=128"),
+}
+
+
+def test_the_flower_methods_are_the_registrys_of_a_supported_wire():
+  """settings.METHODS is derived from the registry, not a list of names."""
+  from fedlap_flower import method_work
+  from fedlap_jax.methods import REGISTRY
+
+  assert settings.METHODS == ("fedlap", *method_work.METHODS)
+  assert set(FEDAVG_WIRE) | {"fedavg"} <= set(method_work.METHODS)
+  assert all(method_work.supported(REGISTRY[m]) for m in method_work.METHODS)
+  assert "scaffold" not in settings.METHODS  # its clients carry state
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+@pytest.mark.parametrize("method", list(FEDAVG_WIRE))
+def test_a_registry_method_of_fedavgs_wire_equals_experiments_run_bit_for_bit(tmp_path, method):
+  """The generic strategy: the method's plan, client step and server step (FedAdam's Adam
+  state carried on the server), with experiments.run's keys: every number is the same."""
+  config, overrides = FEDAVG_WIRE[method]
+  rc = _run_config(tmp_path, config, overrides=overrides)
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run(config, overrides, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["clients_ok"] == [0, 1, 2, 3, 4]
+  info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+  assert info["method"] == method
+  assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
+
+
 # The run-dir: a new run never overwrites one; resume = true continues it.
 RESUMABLE = {
   "nondp": TINY.replace("rounds=2", "rounds=3"),
   "fedavg": "method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
+  "fedadam": "method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
 }
 
 

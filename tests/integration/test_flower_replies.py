@@ -55,6 +55,7 @@ KINDS = {
     "method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
     {},
   ),
+  "fedadam": ("quickstart:fedadam", "rounds=1 baseline.local_epochs=1 eval_chunk_size=128", {}),
 }
 
 
@@ -259,6 +260,27 @@ def test_fedavg_drops_a_bad_reply(case, genuine, replay):
   assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "case", ["nan_parameter", "arrays_wrong_shape", "num_examples_nan", "other_partition"]
+)
+def test_a_registry_method_of_fedavgs_wire_drops_a_bad_reply_naming_the_field(
+  case, genuine, replay
+):
+  """FedAdam through the generic strategy: the same reply checks, the round equals the good
+  replies alone (its server step on them)."""
+  node, field, tamper = FEDAVG_HOSTILE[case]
+  good = genuine("fedadam")
+  records, reports, final = replay("fedadam", {**good, node: tamper(good[node])}, first=node)
+  want_records, _, want_final = replay("fedadam", good, silent=[node])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  bad = [r for r in reports if r["status"] != "ok"]
+  assert len(bad) == 1 and bad[0]["node_id"] == node and bad[0]["status"] == "invalid", bad
+  assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
+
+
 def _tamper_round(grid, node: int, server_round: int, tamper) -> None:
   """Makes ``node``'s real reply to round ``server_round``'s train message ``tamper(content)``."""
   from flwr.app import Message
@@ -308,7 +330,7 @@ def test_an_aggregation_that_raises_keeps_the_model_and_the_run(kind, tmp_path, 
   def boom(*args, **kwargs):
     raise OverflowError("Python int too large to convert to C long")
 
-  monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "fedavg_update", boom)
+  monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "method_update", boom)
   rc = _rc(tmp_path, kind)
   records, _ = run_inprocess(rc, state_root=tmp_path / "state")
   assert len(records) == 1 and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
@@ -368,12 +390,14 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
 
     monkeypatch.setattr(server_work, "server_update", poisoned)
   else:
-    real = server_work.fedavg_update
+    real = server_work.method_update
 
     def poisoned(*args, **kwargs):
-      return jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), real(*args, **kwargs))
+      state, metrics = real(*args, **kwargs)
+      nan = jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), state.params)
+      return state._replace(params=nan), metrics
 
-    monkeypatch.setattr(server_work, "fedavg_update", poisoned)
+    monkeypatch.setattr(server_work, "method_update", poisoned)
   records, reports, final = replay(kind, genuine(kind))
   assert "NaN or Inf" in records[0]["update_refused"]
   assert "previous global model is kept" in records[0]["update_refused"]
