@@ -31,12 +31,7 @@ from fedlap_jax.methods import REGISTRY, fedavg
 def supported(method: Method) -> bool:
   """Whether the generic strategy runs ``method``: federated, no carried client state, FedAvg's
   wire (the client's model)."""
-  return (
-    method.federated
-    and not method.carried
-    and method.wire is fedavg.model_wire
-    and method.privacy != "required"
-  )
+  return method.federated and not method.carried and method.wire is fedavg.model_wire
 
 
 METHODS = tuple(name for name, m in REGISTRY.items() if supported(m))
@@ -83,6 +78,11 @@ def initial_state(method: Method, config, params, k_alg: jax.Array, facts: RunFa
 
 def _is_key(leaf) -> bool:
   return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def fresh_keys(own, draw):
+  """``own`` with every key leaf replaced by ``draw()`` (a DP client's own secret keys)."""
+  return jax.tree.map(lambda leaf: draw() if _is_key(leaf) else leaf, own)
 
 
 def tree_to_arrays(tree) -> dict[str, np.ndarray]:

@@ -135,6 +135,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       facts=method_work.run_facts(cfg, plan.facts, start.model.num_params),
       apply_fn=apply_fn,
       k_alg=start.k_alg,
+      unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
+      max_epsilon=run.max_epsilon,
     )
   if state is not None:
     strategy.restore(state)

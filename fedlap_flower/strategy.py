@@ -904,6 +904,8 @@ class MethodStrategy(Resumable, FedAvg):
     template,
     apply_fn,
     k_alg,
+    unsafe_dp_keys_from_server: bool = False,
+    max_epsilon: float = math.inf,
     partition_keys=None,
     chain_key=None,
   ):
@@ -921,6 +923,11 @@ class MethodStrategy(Resumable, FedAvg):
     self.template = template  # the model's layout: parameter records travel packed
     self.facts = facts
     self.wire = method.wire(method_config, template, facts)
+    # DP at the edge: each client charges its own ledger and draws its own keys.
+    self.dp = method.mechanism(method_config) is not None
+    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
+    self.max_epsilon = float(max_epsilon)
+    self._epsilon: dict[int, float] = {}
     self.evaluate = evaluate
     self.min_clients = min_clients
     self.round_timeout = round_timeout
@@ -983,15 +990,16 @@ class MethodStrategy(Resumable, FedAvg):
       conf = ConfigRecord(dict(config))
       conf["server-round"] = server_round
       conf["num-clients"] = int(self.cfg.data.num_clients)
-      conf["keys"] = "server"
+      conf["keys"] = "server" if self.server_keys else "client"
       content = RecordDict(
         {
           self.arrayrecord_key: arrays,
           self.configrecord_key: conf,
           "message": records.arrays_record(message_arrays),
-          "own": records.arrays_record(own),
         }
       )
+      if self.server_keys:  # under DP the clients draw their own keys
+        content["own"] = records.arrays_record(own)
       messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
     self._t0 = time.time()
     self._round = {
@@ -1012,31 +1020,49 @@ class MethodStrategy(Resumable, FedAvg):
       report.update(status="error", reason=_text(msg.error.reason))
       return None
     content = msg.content
-    extra = sorted(set(content.keys()) - {self.arrayrecord_key, "metrics"})
-    if (
-      extra
-      or self.arrayrecord_key not in content.array_records
-      or "metrics" not in content.metric_records
-    ):
+    status = dict(content.config_records["status"]) if "status" in content.config_records else {}
+    state = status.get("status", "ok")
+    if state not in ("ok", "refused"):
+      raise replies.InvalidReply(
+        "status", f"status={replies.short(state)} is invalid; allowed: 'ok' or 'refused'"
+      )
+    if "metrics" not in content.metric_records:
+      raise replies.InvalidReply("reply", "a reply without its 'metrics' record")
+    metrics = dict(content.metric_records["metrics"])
+    report["metrics"] = _loggable(metrics)
+    if state == "refused":  # its metrics stay in the report; nothing of it is published
+      report["partition_id"] = replies.check_partition(
+        metrics, int(self.cfg.data.num_clients), self._round["asked"].get(node)
+      )
+      report["status"] = "refused"
+      if status.get("reason"):
+        report["reason"] = _text(status["reason"])
+      return None
+    allowed = {self.arrayrecord_key, "metrics", "status"}
+    extra = sorted(set(content.keys()) - allowed)
+    if extra or self.arrayrecord_key not in content.array_records:
       raise replies.InvalidReply(
         "reply",
         f"the reply holds records {replies.short(sorted(content.keys()))}; "
-        f"allowed: exactly {self.arrayrecord_key!r} and 'metrics'",
+        f"allowed: {self.arrayrecord_key!r}, 'metrics' and 'status'",
       )
-    metrics = dict(content.metric_records["metrics"])
-    report["metrics"] = _loggable(metrics)
-    unknown = sorted(set(metrics) - {self.weighted_by_key, "partition-id"})
+    known = (
+      {"partition-id", "epsilon", "max-epsilon", "dp-steps"}
+      if self.dp
+      else {self.weighted_by_key, "partition-id"}
+    )
+    unknown = sorted(set(metrics) - known)
     if unknown:
       raise replies.InvalidReply(
-        "metrics",
-        f"metrics {replies.short(unknown)} are unknown; "
-        f"allowed: {self.weighted_by_key}, partition-id",
+        "metrics", f"metrics {replies.short(unknown)} are unknown; allowed: {sorted(known)}"
       )
     report["partition_id"] = replies.check_partition(
       metrics, int(self.cfg.data.num_clients), self._round["asked"].get(node)
     )
-    num_examples = replies.check_num_examples(metrics, required=True)
+    # Under DP a client sends no record count (the weighting is uniform: its config's rule).
+    num_examples = None if self.dp else replies.check_num_examples(metrics, required=True)
     _check_pinned(self.participation.binding, report["partition_id"], num_examples)
+    eps = replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
     update = records.record_to_like(
       content.array_records[self.arrayrecord_key], self._round["params"], what="model"
     )
@@ -1047,7 +1073,7 @@ class MethodStrategy(Resumable, FedAvg):
     report.update(
       status="ok", upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key])
     )
-    return report["partition_id"], update, num_examples
+    return report["partition_id"], update, num_examples, eps
 
   def aggregate_train(self, server_round, replies_in):
     server_round += self.rounds_done
@@ -1060,8 +1086,13 @@ class MethodStrategy(Resumable, FedAvg):
         f"round {server_round}: {len(ok)} usable client replies, fewer than "
         f"min-clients={self.min_clients}"
       )
-    for pid, _, n in ok:
-      self.participation.binding.pin(pid, "num-examples", n)
+    for pid, _, n, _ in ok:
+      if n is not None:
+        self.participation.binding.pin(pid, "num-examples", n)
+    # Published: the epsilons of accepted replies only, each the client's own report.
+    this_round = {u[0]: u[3] for u in ok if u[3] is not None}
+    for pid, eps in this_round.items():
+      self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
     plan, state = self._round["plan"], self._round["state"]
     take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
 
@@ -1074,7 +1105,7 @@ class MethodStrategy(Resumable, FedAvg):
         plan,
         state,
         [u[1] for u in ok],
-        [u[2] for u in ok],
+        [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
       )
       return new.params, new
 
@@ -1095,7 +1126,9 @@ class MethodStrategy(Resumable, FedAvg):
         "round": server_round,
         "test_accuracy": acc,
         "test_loss": loss,
-        "epsilon": None,
+        "epsilon": max(self._epsilon.values()) if self._epsilon else None,
+        "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
+        **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
         **({"clients": self._round["chosen"]} if sampled else {}),
         "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
         **{f"clients_{s}": v for s, v in by_status.items()},
@@ -1106,4 +1139,7 @@ class MethodStrategy(Resumable, FedAvg):
       }
     )
     self._save_state(server_round, self.state.params)
-    return arrays, MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})
+    metrics = MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})
+    if self._epsilon:
+      metrics["epsilon"] = float(max(self._epsilon.values()))
+    return arrays, metrics

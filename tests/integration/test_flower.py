@@ -882,6 +882,87 @@ def test_a_registry_method_of_fedavgs_wire_equals_experiments_run_bit_for_bit(tm
   assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
 
 
+DP_FEDAVG_WIRE = {
+  "dp_fedavg": "method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  "dp_fedprox": "method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+}
+
+
+def _ledger_rounds(state_root, reports) -> None:
+  """Every client's ledger holds both rounds, with the epsilons it reported."""
+  for k in range(5):
+    hist = ledger_lib.ClientState(state_root / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == [1, 2]
+    mine = [r["metrics"]["epsilon"] for r in reports if r["partition_id"] == k]
+    assert mine == [h["epsilon"] for h in hist]
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+@pytest.mark.parametrize("method", list(DP_FEDAVG_WIRE))
+def test_a_dp_registry_method_equals_experiments_run_with_unsafe_server_keys(
+  tmp_path, monkeypatch, method
+):
+  """DP at the edge for DP-FedAvg / DP-FedProx: with the test-only server keys every number,
+  the epsilon included, is experiments.run's; each client charged its own ledger."""
+  monkeypatch.setenv(settings.UNSAFE_ENV, "1")
+  overrides = DP_FEDAVG_WIRE[method]
+  rc = _run_config(
+    tmp_path,
+    "quickstart:dp_loops",
+    overrides=overrides,
+    **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  )
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["epsilon"] == want["epsilon"]  # the smallest client's: experiments.run's
+    assert got["epsilon_kind"] == strategy.EPSILON_KIND
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  _ledger_rounds(tmp_path / "state", reports)
+
+
+@pytest.mark.slow
+def test_dp_fedavg_clients_draw_their_own_keys_and_send_nothing_else(tmp_path, monkeypatch):
+  """Without the unsafe mode no key reaches a DP-FedAvg client; its reply holds its model
+  and the allowed metrics only (no record count); the epsilon is experiments.run's."""
+  monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
+  overrides = DP_FEDAVG_WIRE["dp_fedavg"]
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 50.0})
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  assert [r["epsilon"] for r in records] == [r["epsilon"] for r in ref]
+  assert all(r["clients_ok"] == [0, 1, 2, 3, 4] for r in records)
+  assert all("own" not in m.content for m in grid.sent if m.metadata.message_type == "train")
+  for reply in grid.replies:
+    assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS, reply.content["metrics"]
+    assert reply.content["status"]["keys"] == "client"
+    assert set(reply.content.keys()) == {"arrays", "metrics", "status"}
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  _ledger_rounds(tmp_path / "state", reports)
+
+
+@pytest.mark.slow
+def test_a_dp_fedavg_client_refuses_what_its_ledger_refuses(tmp_path):
+  """A round past a client's max-epsilon is refused before any noise is drawn; the run stops
+  below min-clients."""
+  overrides = DP_FEDAVG_WIRE["dp_fedavg"]
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 5.5})
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc, state_root=tmp_path / "state")
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  assert {r["status"] for r in reports if r["round"] == 1} == {"ok"}
+  refused = [r for r in reports if r["round"] == 2]
+  assert len(refused) == 5 and {r["status"] for r in refused} == {"refused"}
+  assert all("max-epsilon" in r["reason"] or "epsilon" in r["reason"] for r in refused)
+  for k in range(5):  # the refused round is not charged
+    hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == [1]
+
+
 # The run-dir: a new run never overwrites one; resume = true continues it.
 RESUMABLE = {
   "nondp": TINY.replace("rounds=2", "rounds=3"),

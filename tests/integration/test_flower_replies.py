@@ -56,6 +56,11 @@ KINDS = {
     {},
   ),
   "fedadam": ("quickstart:fedadam", "rounds=1 baseline.local_epochs=1 eval_chunk_size=128", {}),
+  "dp_fedavg": (
+    "quickstart:dp_loops",
+    "method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+    {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  ),
 }
 
 
@@ -274,6 +279,39 @@ def test_a_registry_method_of_fedavgs_wire_drops_a_bad_reply_naming_the_field(
   records, reports, final = replay("fedadam", {**good, node: tamper(good[node])}, first=node)
   want_records, _, want_final = replay("fedadam", good, silent=[node])
   assert records[0]["clients_ok"] == want_records[0]["clients_ok"]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  bad = [r for r in reports if r["status"] != "ok"]
+  assert len(bad) == 1 and bad[0]["node_id"] == node and bad[0]["status"] == "invalid", bad
+  assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
+
+
+DP_FEDAVG_HOSTILE = {
+  "nan_parameter": FEDAVG_HOSTILE["nan_parameter"],
+  "epsilon_above_the_cap": (101, "epsilon", lambda c: _metrics(c, epsilon=1e6)),
+  "epsilon_missing": (
+    101,
+    "epsilon",
+    lambda c: _swap(
+      c, metrics=MetricRecord({k: v for k, v in dict(c["metrics"]).items() if k != "epsilon"})
+    ),
+  ),
+  "a_record_count_under_dp": (101, "metrics", lambda c: _metrics(c, **{"num-examples": 283})),
+  "status_odd": (101, "status", lambda c: _swap(c, status=ConfigRecord({"status": "fine"}))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DP_FEDAVG_HOSTILE))
+def test_a_dp_registry_method_drops_a_bad_reply_naming_the_field(case, genuine, replay):
+  """DP-FedAvg through the generic strategy: a reply without its epsilon, above the cap, with
+  a record count (nothing but the model and the DP figures leaves a DP client) is dropped."""
+  node, field, tamper = DP_FEDAVG_HOSTILE[case]
+  good = genuine("dp_fedavg")
+  records, reports, final = replay("dp_fedavg", {**good, node: tamper(good[node])}, first=node)
+  want_records, _, want_final = replay("dp_fedavg", good, silent=[node])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"] == [1, 2, 3, 4]
+  assert records[0]["epsilon"] == want_records[0]["epsilon"]
   for name in final:
     np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
   bad = [r for r in reports if r["status"] != "ok"]
