@@ -126,7 +126,7 @@ def _train(msg: Message, context: Context) -> Message:
   node = settings.node_settings(context.node_config, run)
   setup = _setup(run_items, node.partition_id, node.num_partitions, node.data_path)
   conf = msg.content["config"]
-  if run.cfg.method != "fedlap":
+  if method_work.supported(method_work.method_of(run.cfg)):
     return _train_method(msg, context, conf, run, node, setup)
   return _train_fedlap(msg, context, conf, run, node, setup)
 

@@ -26,6 +26,7 @@ import numpy as np
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RunFacts, Wire
 from fedlap_jax.methods import REGISTRY, fedavg
+from fedlap_jax.methods import fedlap as _fedlap
 
 
 def supported(method: Method) -> bool:
@@ -34,8 +35,14 @@ def supported(method: Method) -> bool:
   return method.federated and not method.carried and method.wire is fedavg.model_wire
 
 
-METHODS = tuple(name for name, m in REGISTRY.items() if supported(m))
-"""The registry methods :func:`supported` (in the registry's order)."""
+def has_own_strategy(method: Method) -> bool:
+  """FedLAP / FedLAP-DP: their own strategy (:class:`fedlap_flower.strategy.FedLAP`: synthetic
+  sets on the wire)."""
+  return method is _fedlap.METHOD
+
+
+METHODS = tuple(n for n, m in REGISTRY.items() if has_own_strategy(m) or supported(m))
+"""The methods a Flower run runs (in the registry's order): FedLAP's and those :func:`supported`."""
 
 
 def method_of(cfg) -> Method:

@@ -115,19 +115,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     partition_keys=run.partition_keys,
     chain_key=start.chain_key(plan.entry),
   )
-  if cfg.method == "fedlap":
-    strategy = strategy_lib.FedLAP(
-      **shared,
-      fedlap_config=plan.config,
-      apply_fn=apply_fn,
-      unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
-      image_shape=test.image_shape,
-      num_classes=test.num_classes,
-      max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
-      max_epsilon=run.max_epsilon,
-    )
-  else:
-    method = method_work.method_of(cfg)
+  method = method_work.method_of(cfg)
+  if method_work.supported(method):
     strategy = strategy_lib.MethodStrategy(
       **shared,
       method=method,
@@ -136,6 +125,17 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       apply_fn=apply_fn,
       k_alg=start.k_alg,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
+      max_epsilon=run.max_epsilon,
+    )
+  else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy)
+    strategy = strategy_lib.FedLAP(
+      **shared,
+      fedlap_config=plan.config,
+      apply_fn=apply_fn,
+      unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
+      image_shape=test.image_shape,
+      num_classes=test.num_classes,
+      max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
       max_epsilon=run.max_epsilon,
     )
   if state is not None:

@@ -204,7 +204,7 @@ OVERRIDABLE = (
 # data.source values of a Flower run: no path (subset:NAME is a fixed file of the data cache).
 PATHLESS_SOURCES = ("tfds", "sklearn", "subset:NAME")
 # FedLAP (its own strategy) and every registry method the generic strategy runs.
-METHODS = ("fedlap", *_method_work.METHODS)
+METHODS = _method_work.METHODS
 
 
 class SettingsError(ConfigError):

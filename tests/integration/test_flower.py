@@ -856,9 +856,11 @@ def test_the_flower_methods_are_the_registrys_of_a_supported_wire():
   from fedlap_flower import method_work
   from fedlap_jax.methods import REGISTRY
 
-  assert settings.METHODS == ("fedlap", *method_work.METHODS)
-  assert set(FEDAVG_WIRE) | {"fedavg"} <= set(method_work.METHODS)
-  assert all(method_work.supported(REGISTRY[m]) for m in method_work.METHODS)
+  assert settings.METHODS == method_work.METHODS
+  assert settings.METHODS == tuple(
+    n for n, m in REGISTRY.items() if method_work.supported(m) or method_work.has_own_strategy(m)
+  )
+  assert {"fedlap", "fedavg", *FEDAVG_WIRE, *DP_FEDAVG_WIRE} <= set(settings.METHODS)
   assert "scaffold" not in settings.METHODS  # its clients carry state
 
 
