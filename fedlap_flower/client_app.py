@@ -37,9 +37,12 @@ A FedLAP train message runs, on this client only:
    ``server.start='global'`` the reply holds no delta.
 
 A train message of another method (a registry method of FedAvg's wire,
-:mod:`fedlap_flower.method_work`: FedAvg, FedProx, FedSGD, FedAdam) runs the method's client
-step (``experiments.run``'s client) on the global parameters, the message and the client's own
-inputs the server sent, and replies with its model and ``num-examples``.
+:mod:`fedlap_flower.method_work`: FedAvg, FedProx, FedSGD, FedAdam, DP-FedAvg, DP-FedProx)
+runs the method's client step (``experiments.run``'s client) on the global parameters, the
+message and the client's own inputs the server sent, and replies with its model and
+``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
+method's mechanism), draws its keys from its own entropy and replies with its model and its
+epsilon only.
 
 With ``data.clients_per_round = m < K`` a client takes part only in the
 rounds the public participation seed draws it for

@@ -9,6 +9,10 @@ client's ``own`` inputs), what a client computes (:attr:`Method.client_step`) an
 server does with the replies (:attr:`Method.server_step`), so a round is the round of
 ``experiments.run`` (:func:`fedlap_jax.rounds.method_round`) cut at the wire.
 
+Under DP (the method's mechanism) each client charges its own ledger and draws its own keys
+(:func:`fresh_keys`), as a FedLAP-DP client does (:mod:`fedlap_flower.client_app`); the server
+then sends no ``own`` keys.
+
 The message and the ``own`` inputs travel as named arrays (:func:`tree_to_arrays`; PRNG keys as
 their ``uint32`` words) and are read back against the structure the receiver computes itself
 (:func:`arrays_to_tree`).
