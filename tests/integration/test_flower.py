@@ -928,6 +928,26 @@ def test_a_dp_registry_method_equals_experiments_run_with_unsafe_server_keys(
 
 
 @pytest.mark.slow
+def test_a_target_epsilon_calibrates_a_dp_fedavg_flower_run_as_experiments_run(tmp_path):
+  """dp.target_epsilon for DP-FedAvg: the run builder calibrates sigma on the server and every
+  client as experiments.run does, so the ledgers and the epsilon are its own (equal epsilon
+  across methods)."""
+  overrides = DP_FEDAVG_WIRE["dp_fedavg"].replace("rounds=2", "rounds=1") + " dp.target_epsilon=5.0"
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 50.0})
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref, ref_cfg = _experiments_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  sigma = ref_cfg["dp"]["noise_multiplier"]
+  assert sigma != 1.0  # the config's own sigma: calibrated away
+  info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+  assert info["config_values"]["dp"]["noise_multiplier"] == sigma
+  for k in range(5):  # every client's noise and ledger: the same sigma
+    stored = (tmp_path / "state" / f"client-{k}" / ledger_lib.LEDGER_FILE).read_text()
+    assert json.loads(stored)["ledger"]["noise_multiplier"] == sigma
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert records[-1]["epsilon"] == ref[-1]["epsilon"] <= 5.0
+
+
+@pytest.mark.slow
 def test_dp_fedavg_clients_draw_their_own_keys_and_send_nothing_else(tmp_path, monkeypatch):
   """Without the unsafe mode no key reaches a DP-FedAvg client; its reply holds its model
   and the allowed metrics only (no record count); the epsilon is experiments.run's."""

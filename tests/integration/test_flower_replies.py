@@ -793,9 +793,16 @@ def test_min_clients_is_checked_against_the_clients_of_a_round():
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": SAMPLED, "min-clients": 6})
 
 
+# The generic strategy's DP method over sampled rounds (DP at the edge, ledgers per client).
+SAMPLED_DP_FEDAVG = " method=dp_fedavg baseline.local_epochs=1 eval_chunk_size=128"
+
+
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+  "overrides", [SAMPLED, SAMPLED + SAMPLED_DP_FEDAVG], ids=["fedlap", "dp_fedavg"]
+)
+def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch, overrides):
   """data.clients_per_round=5 of 20, DP with the test-only server keys: the server asks
   only the drawn clients, and its numbers are experiments.run's; each client's ledger
   holds only the rounds it computed, at experiments.run's per-client epsilon."""
@@ -804,13 +811,13 @@ def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch):
   monkeypatch.setenv(settings.UNSAFE_ENV, "1")
   rc = {
     "config": "quickstart:dp_loops",
-    "overrides": SAMPLED,
+    "overrides": overrides,
     "run-dir": str(tmp_path / "run"),
     "unsafe-dp-keys-from-server": True,
     "max-epsilon": 50.0,
   }
   records, grid = run_inprocess(rc, node_configs(20, state_root=tmp_path / "state"))
-  ref = reference_run("quickstart:dp_loops", SAMPLED, tmp_path / "ref")
+  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
   assert len(records) == len(ref) == 2
   for got, want in zip(records, ref):
     assert got["clients"] == got["clients_ok"] == want["clients"]
