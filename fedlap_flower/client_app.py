@@ -36,9 +36,13 @@ A FedLAP train message runs, on this client only:
    writing raw statistics locally, changes nothing here). With
    ``server.start='global'`` the reply holds no delta.
 
-A FedAvg train message (config ``method = fedavg``) runs
-:func:`fedlap_jax.baselines.client_step` (``experiments.run``'s FedAvg client)
-and replies with the parameters and ``num-examples``.
+A train message of another method (a registry method of FedAvg's wire,
+:mod:`fedlap_flower.method_work`: FedAvg, FedProx, FedSGD, FedAdam, DP-FedAvg, DP-FedProx)
+runs the method's client step (``experiments.run``'s client) on the global parameters, the
+message and the client's own inputs the server sent, and replies with its model and
+``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
+method's mechanism), draws its keys from its own entropy and replies with its model and its
+epsilon only.
 
 With ``data.clients_per_round = m < K`` a client takes part only in the
 rounds the public participation seed draws it for
@@ -59,13 +63,15 @@ import contextlib
 import functools
 import math
 
+import jax
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlap_flower import client_work, records, settings, task
+from fedlap_flower import client_work, method_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
 from fedlap_jax.client import shared_family_key
+from fedlap_jax.method import ModelFns
 
 app = ClientApp()
 
@@ -123,8 +129,8 @@ def _train(msg: Message, context: Context) -> Message:
   node = settings.node_settings(context.node_config, run)
   setup = _setup(run_items, node.partition_id, node.num_partitions, node.data_path)
   conf = msg.content["config"]
-  if run.cfg.method == "fedavg":
-    return _train_fedavg(msg, conf, run, node, setup)
+  if method_work.supported(method_work.method_of(run.cfg)):
+    return _train_method(msg, context, conf, run, node, setup)
   return _train_fedlap(msg, context, conf, run, node, setup)
 
 
@@ -147,38 +153,118 @@ def _not_drawn(run, node, server_round: int) -> str:
   )
 
 
-def _train_fedavg(msg, conf, run, node, setup) -> Message:
-  if node.requires_dp:
-    raise settings.SettingsError(
-      "method",
-      "fedavg",
-      "a DP FedLAP config",
-      message="this client has its own max-epsilon and takes part in DP runs only; "
-      "method='fedavg' is not private. Allowed: a DP FedLAP config",
+def _method_templates(method, config, params, facts):
+  """``(message, own)`` of one client of a round: the structures a server's message and own
+  inputs are read back against (:func:`fedlap_flower.method_work.arrays_to_tree`)."""
+  state = method_work.initial_state(method, config, params, jax.random.key(0), facts)
+  plan = method_work.plan_fn(method, 1, config)(state)
+  return plan.message._replace(params=None), jax.tree.map(lambda a: a[0], plan.own)
+
+
+def _train_method(msg, context, conf, run, node, setup) -> Message:
+  """A registry method of FedAvg's wire (:mod:`fedlap_flower.method_work`): its client step on
+  the server's message and this client's own inputs; the reply is its model. Under DP (the
+  method's mechanism, :meth:`fedlap_jax.method.Method.mechanism`, calibrated by the run
+  builder) the client charges its own ledger first, as a FedLAP-DP client does, and draws its
+  keys from its own entropy."""
+  method = method_work.method_of(run.cfg)
+  config, params0, part = setup.plan.config, setup.model.params, setup.partition
+  mechanism = setup.plan.mechanism
+  dp = mechanism is not None
+  keys = conf["keys"]
+  server_round = int(conf["server-round"])
+  metrics = {"partition-id": node.partition_id}
+
+  def refuse(reason, **extra):
+    return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason, "keys": keys})
+
+  if node.requires_dp and not dp:
+    return refuse(
+      f"this client has its own max-epsilon and takes part in DP runs only; "
+      f"method={run.cfg.method!r} is not private. Allowed: a DP config"
     )
-  slot = task.key_slot(run.cfg, int(conf["server-round"]), node.partition_id)
-  if slot is None:
-    raise ValueError(_not_drawn(run, node, int(conf["server-round"])))
-  key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
-  params = records.record_to_params(msg.content["arrays"], setup.model.params)
-  new = client_work.fedavg_round(
-    key,
-    setup.model.apply_fn,
-    params,
-    setup.partition,
-    setup.plan.config,
-    learning_rate=float(conf["learning-rate"]),
+  if dp and keys == "server" and not settings.unsafe_consent():
+    return refuse(
+      f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
+      f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
+      "drawn from the client's own entropy"
+    )
+  if task.key_slot(run.cfg, server_round, node.partition_id) is None:
+    return refuse(_not_drawn(run, node, server_round))
+  denied = _dp_denied(mechanism, node, part) if dp else None
+  if denied:
+    return refuse(denied)
+  facts = method_work.run_facts(run.cfg, setup.plan.facts, setup.model.num_params)
+  message_t, own_t = _method_templates(method, config, params0, facts)
+  message = method_work.arrays_to_tree(records.record_to_arrays(msg.content["message"]), message_t)
+  params = records.record_to_params(msg.content["arrays"], params0)
+  state = ClientState(node.state_dir) if dp else None
+  with state.locked() if state is not None else contextlib.nullcontext():
+    if dp:
+      steps = mechanism.steps_per_round
+      try:
+        eps = _charge(state, mechanism, part, node, steps, context, server_round, keys)
+      except BudgetExceeded as e:
+        return refuse(
+          str(e),
+          epsilon=e.epsilon,
+          **{"epsilon-after": e.epsilon_after, "max-epsilon": e.max_epsilon},
+        )
+      metrics.update({"epsilon": eps, "max-epsilon": node.max_epsilon, "dp-steps": steps})
+    else:
+      metrics["num-examples"] = part.num_records
+    if keys == "server":
+      own = method_work.arrays_to_tree(records.record_to_arrays(msg.content["own"]), own_t)
+    else:  # 128 fresh bits of the operating system's entropy per key, never reused
+      own = method_work.fresh_keys(own_t, ledger_lib.fresh_round_key)
+    model = ModelFns(setup.model.apply_fn)
+    update = method_work.client_fn(method, model, config)(
+      own, message._replace(params=params), part.data
+    )
+  content = RecordDict(
+    {
+      "arrays": records.params_to_record(update),
+      "metrics": MetricRecord(metrics),
+      "status": ConfigRecord({"status": "ok", "keys": keys}),
+    }
   )
-  return Message(
-    content=RecordDict(
-      {
-        "arrays": records.params_to_record(new),
-        "metrics": MetricRecord(
-          {"num-examples": setup.partition.num_records, "partition-id": node.partition_id}
-        ),
-      }
-    ),
-    reply_to=msg,
+  return Message(content=content, reply_to=msg)
+
+
+def _dp_denied(mechanism, node, part) -> str | None:
+  """Why this client refuses a DP round before its ledger is touched (``None``: it does not)."""
+  if not math.isfinite(node.max_epsilon):
+    return (
+      "no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
+      "or the run config; allowed: a finite epsilon this client will not exceed"
+    )
+  bound = node.delta_bound(part.num_records)
+  if not mechanism.delta <= bound or not mechanism.delta < 1.0 / part.num_records:
+    return (
+      f"dp.delta={mechanism.delta!r} is refused by this client; allowed: "
+      f"dp.delta <= max-delta={bound:g} (its node config's max-delta, default "
+      f"min(1e-5, 1 / N_k)) and < 1 / N_k"
+    )
+  return None
+
+
+def _charge(state, mechanism, part, node, steps, context, server_round, keys) -> float:
+  """Records the round in this client's ledger (before any noise is drawn); its epsilon.
+
+  Raises:
+    BudgetExceeded: the round would take it past ``max-epsilon``.
+  """
+  privacy = {
+    **mechanism.ledger(part.num_records).privacy_fields(),
+    "adjacency": mechanism.adjacency,
+  }
+  ledger = state.ledger(part.fingerprint, **privacy)
+  return state.spend(
+    ledger,
+    part.fingerprint,
+    steps,
+    node.max_epsilon,
+    {"run_id": int(context.run_id), "server_round": server_round, "keys": keys},
   )
 
 
@@ -211,38 +297,17 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
   slot = task.key_slot(run.cfg, server_round, node.partition_id)
   if slot is None:  # before the ledger: a client charges only the rounds it computes
     return refuse(_not_drawn(run, node, server_round))
-  if dp and not math.isfinite(node.max_epsilon):
-    return refuse(
-      "no max-epsilon: set it in the node config (--node-config 'max-epsilon=E') "
-      "or the run config; allowed: a finite epsilon this client will not exceed"
-    )
-  if dp:
-    bound = node.delta_bound(part.num_records)
-    if not mechanism.delta <= bound or not mechanism.delta < 1.0 / part.num_records:
-      return refuse(
-        f"dp.delta={mechanism.delta!r} is refused by this client; allowed: "
-        f"dp.delta <= max-delta={bound:g} (its node config's max-delta, default "
-        f"min(1e-5, 1 / N_k)) and < 1 / N_k"
-      )
+  denied = _dp_denied(mechanism, node, part) if dp else None
+  if denied:
+    return refuse(denied)
 
   with state.locked() if state is not None else contextlib.nullcontext():
     family_key = None  # under DP with the client's own key: derived from it
     if keys == "server":
       family_key = shared_family_key(task.words_to_key(conf["key-clients"]))
     if dp:
-      privacy = {
-        **mechanism.ledger(part.num_records).privacy_fields(),
-        "adjacency": mechanism.adjacency,
-      }
-      ledger = state.ledger(part.fingerprint, **privacy)
       try:
-        eps = state.spend(
-          ledger,
-          part.fingerprint,
-          steps,
-          node.max_epsilon,
-          {"run_id": int(context.run_id), "server_round": server_round, "keys": keys},
-        )
+        eps = _charge(state, mechanism, part, node, steps, context, server_round, keys)
       except BudgetExceeded as e:
         return refuse(
           str(e),

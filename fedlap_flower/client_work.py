@@ -4,8 +4,7 @@
   (:func:`start_synthetic`), then :func:`fedlap_jax.client.client_step` (real
   images re-drawn under ``synthetic_init='real'``, ``local_approx``, the
   upload), converted to NumPy with the diagnostics a non-DP client reports.
-* :func:`fedavg_round` -- the FedAvg baseline's local training:
-  :func:`fedlap_jax.baselines.client_step`, as ``experiments.run`` runs it.
+(The other registry methods' clients: :mod:`fedlap_flower.method_work`.)
 
 The jitted steps are cached per (model, config), so a process that serves
 several rounds or several clients (the simulation engine's workers) compiles
@@ -23,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax import baselines
 from fedlap_jax.client import client_step, shared_family_key
 
 
@@ -126,26 +124,3 @@ def fedlap_round(
       "outer-iterations": float(outer.mean()),
     }
   return FedLAPReply(update.synthetic, float(update.radius), diagnostics, update.model_delta)
-
-
-@functools.lru_cache(maxsize=8)
-def _fedavg_fn(apply_fn, baseline_config):
-  def run(key, params, data, learning_rate):
-    return baselines.client_step(
-      key, apply_fn, params, data, baseline_config, learning_rate=learning_rate
-    )[0]
-
-  return jax.jit(run)
-
-
-def fedavg_round(key, apply_fn, params, partition, baseline_config, learning_rate: float):
-  """FedAvg's local training on one client: :func:`fedlap_jax.baselines.client_step` with
-  ``baseline_config`` (a :class:`fedlap_jax.baselines.BaselineConfig`) from the received
-  global parameters; returns the client's model ``y_k`` (NumPy pytree).
-
-  The static step count ``T`` is that of the padded partition (the largest
-  client's size, as ``experiments.run``'s ``max_client_size``).
-  """
-  run = _fedavg_fn(apply_fn, baseline_config)
-  out = run(key, params, partition.data, jnp.float32(learning_rate))
-  return jax.tree.map(np.asarray, out)

@@ -271,3 +271,15 @@ def raw_bytes(record: ArrayRecord) -> int:
 def wire_bytes(record: ArrayRecord) -> int:
   """Bytes of the arrays as Flower serialises them (values plus ``.npy`` headers)."""
   return int(sum(len(a.data) for a in record.values()))
+
+
+def arrays_record(arrays) -> ArrayRecord:
+  """``{name: NumPy array}`` as an :class:`ArrayRecord` of the same names (a method's message
+  or a client's ``own`` inputs, :func:`fedlap_flower.method_work.tree_to_arrays`)."""
+  return ArrayRecord({str(k): Array(np.array(v, order="C")) for k, v in arrays.items()})
+
+
+def record_to_arrays(record: ArrayRecord) -> dict:
+  """Inverse of :func:`arrays_record` (the values unchecked: the receiver checks them against
+  its own structure, :func:`fedlap_flower.method_work.arrays_to_tree`)."""
+  return {k: record[k].numpy() for k in record.keys()}

@@ -1,4 +1,4 @@
-"""The ``ServerApp``: FedLAP / FedLAP-DP (or the FedAvg baseline) for ``cfg.rounds`` rounds.
+"""The ``ServerApp``: FedLAP / FedLAP-DP (or a registry method of FedAvg's wire) for ``cfg.rounds`` rounds.
 
 It builds the run exactly as ``experiments.run`` does (:mod:`experiments.build`: the
 library config, the DP mechanism with ``dp.target_epsilon`` calibrated at the smallest
@@ -31,7 +31,7 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedlap_flower import records, replies, server_state, server_work, settings, task
+from fedlap_flower import method_work, records, replies, server_state, server_work, settings, task
 from fedlap_flower import strategy as strategy_lib
 from fedlap_flower.prompt_grid import PromptGrid
 
@@ -115,7 +115,19 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     partition_keys=run.partition_keys,
     chain_key=start.chain_key(plan.entry),
   )
-  if cfg.method == "fedlap":
+  method = method_work.method_of(cfg)
+  if method_work.supported(method):
+    strategy = strategy_lib.MethodStrategy(
+      **shared,
+      method=method,
+      method_config=plan.config,
+      facts=method_work.run_facts(cfg, plan.facts, start.model.num_params),
+      apply_fn=apply_fn,
+      k_alg=start.k_alg,
+      unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
+      max_epsilon=run.max_epsilon,
+    )
+  else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy)
     strategy = strategy_lib.FedLAP(
       **shared,
       fedlap_config=plan.config,
@@ -126,8 +138,6 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
       max_epsilon=run.max_epsilon,
     )
-  else:
-    strategy = strategy_lib.FedAvgBaseline(**shared, baseline_config=plan.config)
   if state is not None:
     strategy.restore(state)
     params = state.params

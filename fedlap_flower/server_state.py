@@ -41,6 +41,9 @@ class ServerState(NamedTuple):
     epsilon: ``{partition: epsilon}`` the largest epsilon each partition's accepted replies
       reported.
     pins: :attr:`fedlap_flower.binding.PartitionBinding.pins`.
+    extra: a registry method's server state besides its parameters, key and round
+      (``{name: array}``, :func:`fedlap_flower.method_work.tree_to_arrays`: FedAdam's Adam
+      state); ``{}`` for FedLAP.
   """
 
   round: int
@@ -49,6 +52,7 @@ class ServerState(NamedTuple):
   labels: dict
   epsilon: dict
   pins: dict
+  extra: dict = {}
 
 
 def save(run_dir: Path, state: ServerState) -> None:
@@ -66,6 +70,8 @@ def save(run_dir: Path, state: ServerState) -> None:
   for pid, (y, mask) in state.labels.items():
     arrays[f"labels/{pid}/y"] = np.asarray(y)
     arrays[f"labels/{pid}/mask"] = np.asarray(mask)
+  for name, value in state.extra.items():
+    arrays[f"extra/{name}"] = np.asarray(value)
   write_atomic(Path(run_dir) / STATE_FILE, lambda f: np.savez(f, **arrays))
 
 
@@ -91,6 +97,7 @@ def load(run_dir: Path, template) -> ServerState | None:
     if name.startswith("labels/") and name.endswith("/y"):
       pid = name.split("/")[1]
       labels[int(pid)] = (arrays[name], arrays[f"labels/{pid}/mask"])
+  extra = {n[len("extra/") :]: arrays[n] for n in arrays if n.startswith("extra/")}
   return ServerState(
     int(meta["round"]),
     params,
@@ -98,4 +105,5 @@ def load(run_dir: Path, template) -> ServerState | None:
     labels,
     {int(k): float(v) for k, v in meta["epsilon"].items()},
     meta["pins"],
+    extra,
   )

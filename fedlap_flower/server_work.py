@@ -2,8 +2,8 @@
 
 The clients' replies are stacked in partition order into what the library's
 steps take: FedLAP's :class:`fedlap_jax.ClientUpdate` ``(K', ...)``
-(:func:`stack_updates`) for :func:`fedlap_jax.server.server_step`, the FedAvg
-clients' models for :func:`fedlap_jax.baselines.server_step`. Both steps are
+(:func:`stack_updates`) for :func:`fedlap_jax.server.server_step`, the other
+methods' updates for their own server step (:func:`method_update`). Both steps are
 jitted once per (model, config). :func:`make_evaluate` evaluates on the test
 split as ``experiments.run`` does.
 """
@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax import baselines
 from fedlap_jax.server import server_step
+
+from fedlap_flower import method_work
 
 
 def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:
@@ -111,21 +112,15 @@ def server_update(
   return run(key, params, updates, jnp.float32(learning_rate), counts)
 
 
-@functools.lru_cache(maxsize=8)
-def _fedavg_server_fn(baseline_config):
-  return jax.jit(
-    lambda params, ys, counts: baselines.server_step(
-      params, ys, baseline_config, num_records=counts
-    )[0]
-  )
-
-
-def fedavg_update(params, client_params: Sequence, num_records: Sequence[int], baseline_config):
-  """:func:`fedlap_jax.baselines.server_step` on the clients' models (in partition order)."""
-  run = _fedavg_server_fn(baseline_config)
+def method_update(method, model, config, take_part, plan, state, updates, num_records):
+  """A registry method's server step (:attr:`fedlap_jax.method.Method.server_step`, jitted) on
+  the clients' updates (in partition order): ``(state, metrics)``."""
+  run = method_work.server_fn(method, model, config, take_part)
   return run(
-    params,
-    stack_trees(client_params, "client model"),
+    plan.server_key,
+    state,
+    plan.message,
+    stack_trees(updates, "client update"),
     jnp.asarray(np.asarray(num_records, np.int32)),
   )
 

@@ -113,6 +113,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
+from fedlap_flower import method_work as _method_work
 from fedlap_jax.checks import ConfigError, is_int, is_real
 
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -202,7 +203,8 @@ OVERRIDABLE = (
 )
 # data.source values of a Flower run: no path (subset:NAME is a fixed file of the data cache).
 PATHLESS_SOURCES = ("tfds", "sklearn", "subset:NAME")
-METHODS = ("fedlap", "fedavg")
+# FedLAP (its own strategy) and every registry method the generic strategy runs.
+METHODS = _method_work.METHODS
 
 
 class SettingsError(ConfigError):

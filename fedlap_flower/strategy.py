@@ -1,4 +1,4 @@
-"""Server strategies: FedLAP / FedLAP-DP, and the FedAvg baseline, on the library's server steps.
+"""Server strategies: FedLAP / FedLAP-DP, and the registry's FedAvg-wire methods, on the library's server steps.
 
 Who is asked (:class:`Participation`, both strategies): each round waits up
 to ``join-timeout`` for all ``K`` clients to be connected (and up to
@@ -47,16 +47,19 @@ refused: the previous global model is kept, the round is logged with
   descent starts from ``w_g`` plus the usable clients' deltas averaged with
   the server's weights, as ``experiments.run`` does.
 
-:class:`FedAvgBaseline` is Flower's ``FedAvg`` message handling with the
-library's FedAvg: the clients run :func:`fedlap_jax.baselines.client_step`
-with the keys and learning rate of ``experiments.run``'s FedAvg, and the
-server aggregates the models of the replies that fit (the model's paths,
-shapes and dtypes, finite values, ``num-examples`` an int >= 1, the node's
-``partition-id``) with :func:`fedlap_jax.baselines.server_step`
-(``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``), so a round equals
-``experiments.run``'s; the test evaluation is logged the same way. Local SGD
-is not clipped, so no config-derived bound limits a client's model: a client
-moves the mean by its weight share, as in FedAvg itself.
+:class:`MethodStrategy` runs every other method of the Flower app: a registry method
+(:data:`fedlap_jax.methods.REGISTRY`) of FedAvg's wire, generic over it
+(:mod:`fedlap_flower.method_work`; :data:`fedlap_flower.settings.METHODS`). Its server state is
+the method's own (its :attr:`~fedlap_jax.method.Method.init` before round 1, e.g. FedAdam's Adam
+state, saved with ``server_state.npz`` and restored on resume); each round it runs the method's
+plan (the key chain and the learning rate of ``experiments.run``), sends every asked node the
+global parameters, the plan's message and that client's own inputs (its key), and aggregates
+the models of the replies that fit (the model's paths, shapes and dtypes, finite values, the
+method's wire format, ``num-examples`` an int >= 1, the node's ``partition-id``) with the
+method's server step (FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``;
+FedAdam: Adam on the mean delta), so a round equals ``experiments.run``'s; the test evaluation
+is logged the same way. Local SGD is not clipped, so no config-derived bound limits a client's
+model: a client moves the mean by its weight share, as in FedAvg itself.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -77,9 +81,11 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from experiments.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
-from fedlap_flower import records, replies, server_state, server_work, task
+from fedlap_flower import method_work, records, replies, server_state, server_work, task
 from fedlap_flower import settings as settings_lib
-from fedlap_jax import baselines, federated
+from fedlap_jax import federated
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.method import ModelFns
 
 # The longest client-supplied text kept in a report (a reason, a status).
 MAX_TEXT = 2000
@@ -878,14 +884,17 @@ class FedLAP(Resumable, Strategy):
     return None
 
 
-class FedAvgBaseline(Resumable, FedAvg):
-  """Flower's FedAvg messages around the library's FedAvg (see the module docstring)."""
+class MethodStrategy(Resumable, FedAvg):
+  """Flower's FedAvg messages around a registry method of FedAvg's wire (the module docstring;
+  :mod:`fedlap_flower.method_work`): the server's state, plan and step are the method's."""
 
   def __init__(
     self,
     *,
     cfg,
-    baseline_config,
+    method,
+    method_config,
+    facts,
     evaluate,
     min_clients: int,
     round_timeout: float,
@@ -893,8 +902,12 @@ class FedAvgBaseline(Resumable, FedAvg):
     run_log: RunLog,
     model_bytes: int,
     template,
+    apply_fn,
+    k_alg,
+    unsafe_dp_keys_from_server: bool = False,
+    max_epsilon: float = math.inf,
     partition_keys=None,
-    chain_key,
+    chain_key=None,
   ):
     super().__init__(
       fraction_train=1.0,
@@ -902,9 +915,19 @@ class FedAvgBaseline(Resumable, FedAvg):
       min_train_nodes=min_clients,
       min_available_nodes=min_clients,
     )
+    del chain_key  # the method's state holds its key chain
     self.cfg = cfg
-    self.bc = baseline_config
+    self.method = method
+    self.mc = method_config
+    self.model = ModelFns(apply_fn)
     self.template = template  # the model's layout: parameter records travel packed
+    self.facts = facts
+    self.wire = method.wire(method_config, template, facts)
+    # DP at the edge: each client charges its own ledger and draws its own keys.
+    self.dp = method.mechanism(method_config) is not None
+    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
+    self.max_epsilon = float(max_epsilon)
+    self._epsilon: dict[int, float] = {}
     self.evaluate = evaluate
     self.min_clients = min_clients
     self.round_timeout = round_timeout
@@ -918,71 +941,139 @@ class FedAvgBaseline(Resumable, FedAvg):
       round_timeout=round_timeout,
       join_timeout=join_timeout,
     )
-    self._chain = chain_key  # init_baseline_state's key, the algorithm key k_alg
+    self.state = method_work.initial_state(method, method_config, template, k_alg, facts)
     self._t0 = time.time()
     self._round: dict[str, Any] = {}
+
+  @property
+  def _chain(self):
+    return self.state.key
+
+  def _save_state(self, server_round: int, params) -> None:
+    extra = method_work.tree_to_arrays(self.state._replace(params=None, key=None, round=None))
+    server_state.save(
+      self.run_log.run_dir,
+      server_state.ServerState(
+        server_round,
+        params,
+        self.state.key,
+        {},
+        getattr(self, "_epsilon", {}),
+        self.participation.binding.pins,
+        extra,
+      ),
+    )
+
+  def restore(self, state: server_state.ServerState) -> None:
+    """Continues after ``state.round`` with the method's state and what it pinned."""
+    self.rounds_done = int(state.round)
+    template = self.state._replace(params=None, key=None, round=None)
+    rest = method_work.arrays_to_tree(state.extra, template)
+    self.state = rest._replace(
+      params=state.params, key=state.chain, round=self.state.round + int(state.round)
+    )
+    self._epsilon = dict(state.epsilon)
+    self.participation.binding.restore_pins(state.pins)
 
   def configure_train(self, server_round, arrays, config, grid):
     server_round += self.rounds_done
     asked, chosen, reports = self.participation.select(grid, server_round)
-    self._chain, k_clients = baselines.round_key(self._chain)
-    config = ConfigRecord(dict(config))
-    config["learning-rate"] = task.baseline_learning_rate(self.bc, server_round)
-    config["num-clients"] = int(self.cfg.data.num_clients)
-    config["keys"] = "server"
-    config["key-clients"] = task.key_to_words(k_clients)
-    config["server-round"] = server_round
+    params = records.record_to_params(arrays, self.template)
+    num = len(chosen)
+    state = self.state._replace(params=params, round=jnp.int32(server_round - 1))
+    plan = method_work.plan_fn(self.method, num, self.mc)(state)
+    message_arrays = method_work.tree_to_arrays(plan.message._replace(params=None))
+    messages = []
+    for node in sorted(asked):
+      slot = chosen.index(asked[node])
+      own = method_work.tree_to_arrays(jax.tree.map(lambda a: a[slot], plan.own))
+      conf = ConfigRecord(dict(config))
+      conf["server-round"] = server_round
+      conf["num-clients"] = int(self.cfg.data.num_clients)
+      conf["keys"] = "server" if self.server_keys else "client"
+      content = RecordDict(
+        {
+          self.arrayrecord_key: arrays,
+          self.configrecord_key: conf,
+          "message": records.arrays_record(message_arrays),
+        }
+      )
+      if self.server_keys:  # under DP the clients draw their own keys
+        content["own"] = records.arrays_record(own)
+      messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
     self._t0 = time.time()
-    record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-    messages = list(self._construct_messages(record, sorted(asked), MessageType.TRAIN))
     self._round = {
       "asked": asked,
       "chosen": chosen,
       "reports": reports,
       "arrays": arrays,
-      "params": records.record_to_params(arrays, self.template),
+      "params": params,
+      "plan": plan,
+      "state": state,
       "messages": messages,
     }
     return messages
 
   def _parse_one(self, msg: Message, node: int, report: dict):
-    """One reply into ``report``; an ``ok`` reply's ``(partition, model, num_examples)``."""
+    """One reply into ``report``; an ``ok`` reply's ``(partition, update, num_examples)``."""
     if msg.has_error():
       report.update(status="error", reason=_text(msg.error.reason))
       return None
     content = msg.content
-    extra = sorted(set(content.keys()) - {self.arrayrecord_key, "metrics"})
-    if (
-      extra
-      or self.arrayrecord_key not in content.array_records
-      or "metrics" not in content.metric_records
-    ):
+    status = dict(content.config_records["status"]) if "status" in content.config_records else {}
+    state = status.get("status", "ok")
+    if state not in ("ok", "refused"):
+      raise replies.InvalidReply(
+        "status", f"status={replies.short(state)} is invalid; allowed: 'ok' or 'refused'"
+      )
+    if "metrics" not in content.metric_records:
+      raise replies.InvalidReply("reply", "a reply without its 'metrics' record")
+    metrics = dict(content.metric_records["metrics"])
+    report["metrics"] = _loggable(metrics)
+    if state == "refused":  # its metrics stay in the report; nothing of it is published
+      report["partition_id"] = replies.check_partition(
+        metrics, int(self.cfg.data.num_clients), self._round["asked"].get(node)
+      )
+      report["status"] = "refused"
+      if status.get("reason"):
+        report["reason"] = _text(status["reason"])
+      return None
+    allowed = {self.arrayrecord_key, "metrics", "status"}
+    extra = sorted(set(content.keys()) - allowed)
+    if extra or self.arrayrecord_key not in content.array_records:
       raise replies.InvalidReply(
         "reply",
         f"the reply holds records {replies.short(sorted(content.keys()))}; "
-        f"allowed: exactly {self.arrayrecord_key!r} and 'metrics'",
+        f"allowed: {self.arrayrecord_key!r}, 'metrics' and 'status'",
       )
-    metrics = dict(content.metric_records["metrics"])
-    report["metrics"] = _loggable(metrics)
-    unknown = sorted(set(metrics) - {self.weighted_by_key, "partition-id"})
+    known = (
+      {"partition-id", "epsilon", "max-epsilon", "dp-steps"}
+      if self.dp
+      else {self.weighted_by_key, "partition-id"}
+    )
+    unknown = sorted(set(metrics) - known)
     if unknown:
       raise replies.InvalidReply(
-        "metrics",
-        f"metrics {replies.short(unknown)} are unknown; "
-        f"allowed: {self.weighted_by_key}, partition-id",
+        "metrics", f"metrics {replies.short(unknown)} are unknown; allowed: {sorted(known)}"
       )
     report["partition_id"] = replies.check_partition(
       metrics, int(self.cfg.data.num_clients), self._round["asked"].get(node)
     )
-    num_examples = replies.check_num_examples(metrics, required=True)
+    # Under DP a client sends no record count (the weighting is uniform: its config's rule).
+    num_examples = None if self.dp else replies.check_num_examples(metrics, required=True)
     _check_pinned(self.participation.binding, report["partition_id"], num_examples)
-    model = records.record_to_like(
+    eps = replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
+    update = records.record_to_like(
       content.array_records[self.arrayrecord_key], self._round["params"], what="model"
     )
+    try:  # the method's own wire format (names, shapes, dtypes, finite values)
+      self.wire.check(method_work.update_arrays(update))
+    except ConfigError as e:
+      raise replies.InvalidReply(str(e.field), str(e)) from None
     report.update(
       status="ok", upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key])
     )
-    return report["partition_id"], model, num_examples
+    return report["partition_id"], update, num_examples, eps
 
   def aggregate_train(self, server_round, replies_in):
     server_round += self.rounds_done
@@ -995,20 +1086,33 @@ class FedAvgBaseline(Resumable, FedAvg):
         f"round {server_round}: {len(ok)} usable client replies, fewer than "
         f"min-clients={self.min_clients}"
       )
-    for pid, _, n in ok:
-      self.participation.binding.pin(pid, "num-examples", n)
-    params, _, refused, loss, acc = _guarded_update(
-      lambda: (
-        server_work.fedavg_update(
-          self._round["params"], [u[1] for u in ok], [u[2] for u in ok], self.bc
-        ),
-        None,
-      ),
-      self._round["params"],
-      self.evaluate,
-      "aggregate",
-      None,
+    for pid, _, n, _ in ok:
+      if n is not None:
+        self.participation.binding.pin(pid, "num-examples", n)
+    # Published: the epsilons of accepted replies only, each the client's own report.
+    this_round = {u[0]: u[3] for u in ok if u[3] is not None}
+    for pid, eps in this_round.items():
+      self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
+    plan, state = self._round["plan"], self._round["state"]
+    take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
+
+    def update():
+      new, _ = server_work.method_update(
+        self.method,
+        self.model,
+        self.mc,
+        take_part,
+        plan,
+        state,
+        [u[1] for u in ok],
+        [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
+      )
+      return new.params, new
+
+    params, new_state, refused, loss, acc = _guarded_update(
+      update, self._round["params"], self.evaluate, "aggregate", state
     )
+    self.state = new_state._replace(round=jnp.int32(server_round), key=plan.next_key)
     arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
     for r in reports:
@@ -1022,7 +1126,9 @@ class FedAvgBaseline(Resumable, FedAvg):
         "round": server_round,
         "test_accuracy": acc,
         "test_loss": loss,
-        "epsilon": None,
+        "epsilon": max(self._epsilon.values()) if self._epsilon else None,
+        "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
+        **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
         **({"clients": self._round["chosen"]} if sampled else {}),
         "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
         **{f"clients_{s}": v for s, v in by_status.items()},
@@ -1032,5 +1138,8 @@ class FedAvgBaseline(Resumable, FedAvg):
         "round_seconds": time.time() - self._t0,
       }
     )
-    self._save_state(server_round, self._round["params"] if refused else params)
-    return arrays, MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})
+    self._save_state(server_round, self.state.params)
+    metrics = MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})
+    if self._epsilon:
+      metrics["epsilon"] = float(max(self._epsilon.values()))
+    return arrays, metrics

@@ -22,8 +22,8 @@ computes:
   ``j``-th of them uses ``split(k_clients, m)[j]``, as
   :func:`fedlap_jax.participation.sampled_round` runs the round on their block
   (:func:`key_slot`);
-* the rounds' learning rates (:func:`round_learning_rates`,
-  :func:`baseline_learning_rate`), computed by the library's functions;
+* FedLAP's learning rates (:func:`round_learning_rates`), computed by the library's functions
+  (another method's come in its plan's message, :mod:`fedlap_flower.method_work`);
 * one client's data (:func:`client_run`): partition ``k`` of the config's
   data, padded to the largest partition as ``stack_clients`` pads it, with the
   synthetic labels of ``synthetic_labels`` over all partitions (``S = ipc *``
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax import baselines, federated, participation
+from fedlap_jax import federated, participation
 from fedlap_jax.synthetic import noise_images
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
@@ -131,17 +131,6 @@ def round_learning_rates(fedlap_config, server_round: int) -> tuple[float, float
   the jitted round computes them (:func:`fedlap_jax.federated.round_learning_rates`, float32)."""
   rates = _round_rates_fn(fedlap_config)(jnp.int32(server_round))
   return float(np.float32(rates.client)), float(np.float32(rates.server))
-
-
-@functools.lru_cache(maxsize=8)
-def _baseline_rate_fn(baseline_config):
-  return jax.jit(lambda m: baselines.learning_rate(m, baseline_config))
-
-
-def baseline_learning_rate(baseline_config, server_round: int) -> float:
-  """A baseline's client ``eta_m`` of round ``m``, as its jitted round computes it
-  (:func:`fedlap_jax.baselines.learning_rate`, float32)."""
-  return float(np.float32(_baseline_rate_fn(baseline_config)(jnp.int32(server_round))))
 
 
 # ----------------------------------------------------------------------------

@@ -840,10 +840,156 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   assert records[-1]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
 
 
+# Every registry method of FedAvg's wire runs in the Flower app, generic over the registry.
+FEDAVG_WIRE = {
+  "fedsgd": ("quickstart:nondp", "method=fedsgd rounds=2 eval_chunk_size=128"),
+  "fedprox": (
+    "quickstart:nondp",
+    "method=fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  ),
+  "fedadam": ("quickstart:fedadam", "rounds=2 baseline.local_epochs=1 eval_chunk_size=128"),
+}
+
+
+def test_the_flower_methods_are_the_registrys_of_a_supported_wire():
+  """settings.METHODS is derived from the registry, not a list of names."""
+  from fedlap_flower import method_work
+  from fedlap_jax.methods import REGISTRY
+
+  assert settings.METHODS == method_work.METHODS
+  assert settings.METHODS == tuple(
+    n for n, m in REGISTRY.items() if method_work.supported(m) or method_work.has_own_strategy(m)
+  )
+  assert {"fedlap", "fedavg", *FEDAVG_WIRE, *DP_FEDAVG_WIRE} <= set(settings.METHODS)
+  assert "scaffold" not in settings.METHODS  # its clients carry state
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+@pytest.mark.parametrize("method", list(FEDAVG_WIRE))
+def test_a_registry_method_of_fedavgs_wire_equals_experiments_run_bit_for_bit(tmp_path, method):
+  """The generic strategy: the method's plan, client step and server step (FedAdam's Adam
+  state carried on the server), with experiments.run's keys: every number is the same."""
+  config, overrides = FEDAVG_WIRE[method]
+  rc = _run_config(tmp_path, config, overrides=overrides)
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run(config, overrides, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["clients_ok"] == [0, 1, 2, 3, 4]
+  info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+  assert info["method"] == method
+  assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
+
+
+DP_FEDAVG_WIRE = {
+  "dp_fedavg": "method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  "dp_fedprox": "method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+}
+
+
+def _ledger_rounds(state_root, reports) -> None:
+  """Every client's ledger holds both rounds, with the epsilons it reported."""
+  for k in range(5):
+    hist = ledger_lib.ClientState(state_root / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == [1, 2]
+    mine = [r["metrics"]["epsilon"] for r in reports if r["partition_id"] == k]
+    assert mine == [h["epsilon"] for h in hist]
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+@pytest.mark.parametrize("method", list(DP_FEDAVG_WIRE))
+def test_a_dp_registry_method_equals_experiments_run_with_unsafe_server_keys(
+  tmp_path, monkeypatch, method
+):
+  """DP at the edge for DP-FedAvg / DP-FedProx: with the test-only server keys every number,
+  the epsilon included, is experiments.run's; each client charged its own ledger."""
+  monkeypatch.setenv(settings.UNSAFE_ENV, "1")
+  overrides = DP_FEDAVG_WIRE[method]
+  rc = _run_config(
+    tmp_path,
+    "quickstart:dp_loops",
+    overrides=overrides,
+    **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  )
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["epsilon"] == want["epsilon"]  # the smallest client's: experiments.run's
+    assert got["epsilon_kind"] == strategy.EPSILON_KIND
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  _ledger_rounds(tmp_path / "state", reports)
+
+
+@pytest.mark.slow
+def test_a_target_epsilon_calibrates_a_dp_fedavg_flower_run_as_experiments_run(tmp_path):
+  """dp.target_epsilon for DP-FedAvg: the run builder calibrates sigma on the server and every
+  client as experiments.run does, so the ledgers and the epsilon are its own (equal epsilon
+  across methods)."""
+  overrides = DP_FEDAVG_WIRE["dp_fedavg"].replace("rounds=2", "rounds=1") + " dp.target_epsilon=5.0"
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 50.0})
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref, ref_cfg = _experiments_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  sigma = ref_cfg["dp"]["noise_multiplier"]
+  assert sigma != 1.0  # the config's own sigma: calibrated away
+  info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+  assert info["config_values"]["dp"]["noise_multiplier"] == sigma
+  for k in range(5):  # every client's noise and ledger: the same sigma
+    stored = (tmp_path / "state" / f"client-{k}" / ledger_lib.LEDGER_FILE).read_text()
+    assert json.loads(stored)["ledger"]["noise_multiplier"] == sigma
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert records[-1]["epsilon"] == ref[-1]["epsilon"] <= 5.0
+
+
+@pytest.mark.slow
+def test_dp_fedavg_clients_draw_their_own_keys_and_send_nothing_else(tmp_path, monkeypatch):
+  """Without the unsafe mode no key reaches a DP-FedAvg client; its reply holds its model
+  and the allowed metrics only (no record count); the epsilon is experiments.run's."""
+  monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
+  overrides = DP_FEDAVG_WIRE["dp_fedavg"]
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 50.0})
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  assert [r["epsilon"] for r in records] == [r["epsilon"] for r in ref]
+  assert all(r["clients_ok"] == [0, 1, 2, 3, 4] for r in records)
+  assert all("own" not in m.content for m in grid.sent if m.metadata.message_type == "train")
+  for reply in grid.replies:
+    assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS, reply.content["metrics"]
+    assert reply.content["status"]["keys"] == "client"
+    assert set(reply.content.keys()) == {"arrays", "metrics", "status"}
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  _ledger_rounds(tmp_path / "state", reports)
+
+
+@pytest.mark.slow
+def test_a_dp_fedavg_client_refuses_what_its_ledger_refuses(tmp_path):
+  """A round past a client's max-epsilon is refused before any noise is drawn; the run stops
+  below min-clients."""
+  overrides = DP_FEDAVG_WIRE["dp_fedavg"]
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 5.5})
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc, state_root=tmp_path / "state")
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  assert {r["status"] for r in reports if r["round"] == 1} == {"ok"}
+  refused = [r for r in reports if r["round"] == 2]
+  assert len(refused) == 5 and {r["status"] for r in refused} == {"refused"}
+  assert all("max-epsilon" in r["reason"] or "epsilon" in r["reason"] for r in refused)
+  for k in range(5):  # the refused round is not charged
+    hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == [1]
+
+
 # The run-dir: a new run never overwrites one; resume = true continues it.
 RESUMABLE = {
   "nondp": TINY.replace("rounds=2", "rounds=3"),
   "fedavg": "method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
+  "fedadam": "method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
 }
 
 

@@ -55,6 +55,12 @@ KINDS = {
     "method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
     {},
   ),
+  "fedadam": ("quickstart:fedadam", "rounds=1 baseline.local_epochs=1 eval_chunk_size=128", {}),
+  "dp_fedavg": (
+    "quickstart:dp_loops",
+    "method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+    {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  ),
 }
 
 
@@ -259,6 +265,60 @@ def test_fedavg_drops_a_bad_reply(case, genuine, replay):
   assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "case", ["nan_parameter", "arrays_wrong_shape", "num_examples_nan", "other_partition"]
+)
+def test_a_registry_method_of_fedavgs_wire_drops_a_bad_reply_naming_the_field(
+  case, genuine, replay
+):
+  """FedAdam through the generic strategy: the same reply checks, the round equals the good
+  replies alone (its server step on them)."""
+  node, field, tamper = FEDAVG_HOSTILE[case]
+  good = genuine("fedadam")
+  records, reports, final = replay("fedadam", {**good, node: tamper(good[node])}, first=node)
+  want_records, _, want_final = replay("fedadam", good, silent=[node])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  bad = [r for r in reports if r["status"] != "ok"]
+  assert len(bad) == 1 and bad[0]["node_id"] == node and bad[0]["status"] == "invalid", bad
+  assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
+
+
+DP_FEDAVG_HOSTILE = {
+  "nan_parameter": FEDAVG_HOSTILE["nan_parameter"],
+  "epsilon_above_the_cap": (101, "epsilon", lambda c: _metrics(c, epsilon=1e6)),
+  "epsilon_missing": (
+    101,
+    "epsilon",
+    lambda c: _swap(
+      c, metrics=MetricRecord({k: v for k, v in dict(c["metrics"]).items() if k != "epsilon"})
+    ),
+  ),
+  "a_record_count_under_dp": (101, "metrics", lambda c: _metrics(c, **{"num-examples": 283})),
+  "status_odd": (101, "status", lambda c: _swap(c, status=ConfigRecord({"status": "fine"}))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DP_FEDAVG_HOSTILE))
+def test_a_dp_registry_method_drops_a_bad_reply_naming_the_field(case, genuine, replay):
+  """DP-FedAvg through the generic strategy: a reply without its epsilon, above the cap, with
+  a record count (nothing but the model and the DP figures leaves a DP client) is dropped."""
+  node, field, tamper = DP_FEDAVG_HOSTILE[case]
+  good = genuine("dp_fedavg")
+  records, reports, final = replay("dp_fedavg", {**good, node: tamper(good[node])}, first=node)
+  want_records, _, want_final = replay("dp_fedavg", good, silent=[node])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"] == [1, 2, 3, 4]
+  assert records[0]["epsilon"] == want_records[0]["epsilon"]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  bad = [r for r in reports if r["status"] != "ok"]
+  assert len(bad) == 1 and bad[0]["node_id"] == node and bad[0]["status"] == "invalid", bad
+  assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
+
+
 def _tamper_round(grid, node: int, server_round: int, tamper) -> None:
   """Makes ``node``'s real reply to round ``server_round``'s train message ``tamper(content)``."""
   from flwr.app import Message
@@ -308,7 +368,7 @@ def test_an_aggregation_that_raises_keeps_the_model_and_the_run(kind, tmp_path, 
   def boom(*args, **kwargs):
     raise OverflowError("Python int too large to convert to C long")
 
-  monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "fedavg_update", boom)
+  monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "method_update", boom)
   rc = _rc(tmp_path, kind)
   records, _ = run_inprocess(rc, state_root=tmp_path / "state")
   assert len(records) == 1 and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
@@ -368,12 +428,14 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
 
     monkeypatch.setattr(server_work, "server_update", poisoned)
   else:
-    real = server_work.fedavg_update
+    real = server_work.method_update
 
     def poisoned(*args, **kwargs):
-      return jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), real(*args, **kwargs))
+      state, metrics = real(*args, **kwargs)
+      nan = jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), state.params)
+      return state._replace(params=nan), metrics
 
-    monkeypatch.setattr(server_work, "fedavg_update", poisoned)
+    monkeypatch.setattr(server_work, "method_update", poisoned)
   records, reports, final = replay(kind, genuine(kind))
   assert "NaN or Inf" in records[0]["update_refused"]
   assert "previous global model is kept" in records[0]["update_refused"]
@@ -731,9 +793,16 @@ def test_min_clients_is_checked_against_the_clients_of_a_round():
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": SAMPLED, "min-clients": 6})
 
 
+# The generic strategy's DP method over sampled rounds (DP at the edge, ledgers per client).
+SAMPLED_DP_FEDAVG = " method=dp_fedavg baseline.local_epochs=1 eval_chunk_size=128"
+
+
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+  "overrides", [SAMPLED, SAMPLED + SAMPLED_DP_FEDAVG], ids=["fedlap", "dp_fedavg"]
+)
+def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch, overrides):
   """data.clients_per_round=5 of 20, DP with the test-only server keys: the server asks
   only the drawn clients, and its numbers are experiments.run's; each client's ledger
   holds only the rounds it computed, at experiments.run's per-client epsilon."""
@@ -742,13 +811,13 @@ def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch):
   monkeypatch.setenv(settings.UNSAFE_ENV, "1")
   rc = {
     "config": "quickstart:dp_loops",
-    "overrides": SAMPLED,
+    "overrides": overrides,
     "run-dir": str(tmp_path / "run"),
     "unsafe-dp-keys-from-server": True,
     "max-epsilon": 50.0,
   }
   records, grid = run_inprocess(rc, node_configs(20, state_root=tmp_path / "state"))
-  ref = reference_run("quickstart:dp_loops", SAMPLED, tmp_path / "ref")
+  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
   assert len(records) == len(ref) == 2
   for got, want in zip(records, ref):
     assert got["clients"] == got["clients_ok"] == want["clients"]
