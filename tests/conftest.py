@@ -237,11 +237,13 @@ def pixel_and_float_clients(pixel_parts):
 # addopts, so that ``-p no:xdist`` runs still parse; an explicit ``--dist`` wins.
 COSTLY_FIRST = (
   "test_flower.py",
+  "test_generic_round.py",
   "test_kill_resume.py",
   "test_flower_hardened.py",
   "test_sharding.py",
   "test_experiments_synthetic.py",
   "test_client.py",
+  "test_optim.py",
   "test_flower_replies.py",
   "test_round_steps.py",
   "test_learning.py",
