@@ -968,6 +968,26 @@ def test_dp_fedavg_clients_draw_their_own_keys_and_send_nothing_else(tmp_path, m
 
 
 @pytest.mark.slow
+def test_a_dp_fedavg_run_dir_holds_only_dp_outputs_and_public_values(tmp_path, monkeypatch):
+  """Read as an attacker: a DP-FedAvg server's run dir holds only the run's own files; its
+  state is the global model (post-processing of the clients' noised models), the round and
+  the server's own key (no client draws from it), with no other server state under SGD; its
+  metrics and reports carry no record count and no per-record value."""
+  monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
+  overrides = DP_FEDAVG_WIRE["dp_fedavg"]
+  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 50.0})
+  run_inprocess(rc, state_root=tmp_path / "state")
+  run_dir = tmp_path / "run"
+  assert {p.name for p in run_dir.iterdir()} <= set(strategy.OUTPUTS)
+  with np.load(run_dir / "server_state.npz") as state:
+    assert not [k for k in state.files if k.startswith(("extra/", "labels/"))], state.files
+  records = read_jsonl(run_dir / "metrics.jsonl")
+  assert records and all("num_examples" not in json.dumps(r) for r in records)
+  for report in json.loads((run_dir / "client_reports.json").read_text()):
+    assert set(report["metrics"]) <= DP_ALLOWED_METRICS, report
+
+
+@pytest.mark.slow
 def test_a_dp_fedavg_client_refuses_what_its_ledger_refuses(tmp_path):
   """A round past a client's max-epsilon is refused before any noise is drawn; the run stops
   below min-clients."""
