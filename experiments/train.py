@@ -113,7 +113,7 @@ from fedlap_jax.client_data import normalise_pixels
 from fedlap_jax.training import evaluate
 
 from experiments import build, checkpointing, faults, library_configs, outputs, resume, seeds
-from experiments import termination
+from experiments import export_cache, termination
 
 # How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
 DEFAULT_GRACE_SECONDS = 20.0
@@ -215,6 +215,9 @@ def train_and_evaluate(
 
   setup = build.build_run(cfg, seed=seed.value, built=planned._replace(cfg=cfg))
   dataset, alg, state, clients = setup.dataset, setup.algorithm, setup.state, setup.clients
+  # With JAX's persistent cache on, the round's traced program is kept too: a warm run reads
+  # it back instead of tracing it (experiments.export_cache).
+  alg = export_cache.wrap(alg)
   apply_fn = setup.apply_fn
   sizes = [len(i) for i in setup.client_indices]
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
