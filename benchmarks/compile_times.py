@@ -272,6 +272,13 @@ def _child(spec: dict) -> dict:
     calibration.calibrate_noise(cfg)
     setup = build_run(cfg)
     alg, state, clients = setup.algorithm, setup.state, setup.clients
+    try:  # the round as experiments.train runs it: from the export cache (trees that have it)
+      from experiments import export_cache  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      out["export_cache"] = False
+    else:
+      alg = export_cache.wrap(alg)
+      out["export_cache"] = isinstance(alg.round, export_cache.ExportedRound)
     dataset = setup.dataset
     x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
     to_inputs = functools.partial(
@@ -298,6 +305,14 @@ def _child(spec: dict) -> dict:
     jax.block_until_ready((state, metrics))
     return state, time.perf_counter() - t0
 
+  def build():
+    """The round's lowered and compiled program, as a run builds it."""
+    if out["export_cache"]:  # read back (or exported), then compiled
+      lowered = alg.round.program(state, clients).lower(state, clients)
+    else:
+      lowered = _jitted_call(alg.round, state, clients).lower()
+    return lowered, lowered.compile()
+
   rounds = []
   rounds_run = 0
   if spec["rounds"] > 0:
@@ -305,16 +320,12 @@ def _child(spec: dict) -> dict:
       state, seconds = one_round(state)
       rounds.append(seconds)
       rounds_run += 1
-    with events.during("hlo"):  # the same program: read from JAX's in-memory caches
-      traced = _jitted_call(alg.round, state, clients)
-      lowered = traced.lower()
-      compiled = lowered.compile()
+    with events.during("hlo"):  # the same program: read from JAX's caches
+      lowered, compiled = build()
   else:  # built, not run
     with events.during("round"):
       t0 = time.perf_counter()
-      traced = _jitted_call(alg.round, state, clients)
-      lowered = traced.lower()
-      compiled = lowered.compile()
+      lowered, compiled = build()
       out["build_s"] = time.perf_counter() - t0
   out["rounds_s"] = rounds
   if len(rounds) >= 2:
@@ -378,7 +389,7 @@ def run_child(tree: Path, spec: dict, timeout: float) -> dict:
 
 
 def _dir_size(path: Path) -> tuple[int, int]:
-  files = [p for p in path.rglob("*-cache") if p.is_file()]
+  files = [p for p in (*path.rglob("*-cache"), *path.rglob("*.jaxexport")) if p.is_file()]
   return len(files), sum(p.stat().st_size for p in files)
 
 
@@ -471,7 +482,8 @@ def rows(r: dict) -> list[str]:
     rounds = run["rounds_s"]
     size = f"{r['cache_bytes'] / 1e6:.1f}" if state == "cold" else ""
     lines.append(
-      f"| {r['tree']} | {name} | {state} | {hin['instructions']:,} / {hopt['instructions']:,} | "
+      f"| {r['tree']} | {name} | {state}{' + export' if run.get('export_cache') else ''} | "
+      f"{hin['instructions']:,} / {hopt['instructions']:,} | "
       f"{hopt['fusions']:,} | {hopt['while']} | {hopt['conditional']} | "
       f"{_f(_stage(run, 'trace'), '{:.2f}')} | {_f(_stage(run, 'lower'), '{:.2f}')} | "
       f"{_f(_stage(run, 'compile'), '{:.2f}')} | {programs:.0f} ({by_xla:.0f}) / "

@@ -397,14 +397,22 @@ def _notice(message: str) -> None:
   print(f"note: {message}", file=sys.stderr, flush=True)
 
 
-def _jitted(exported: Any) -> Callable:
-  """``jax.jit`` of the exported program's call, named as the function it exports."""
+def _jitted(exported: Any, device: Any) -> Callable:
+  """``jax.jit`` of the exported program's call, named as the function it exports.
+
+  Its inputs and outputs are placed on ``device`` explicitly (a one-device program), so that
+  the initial state (not yet committed to a device) and the later rounds' (committed) lower
+  to one program: without it, round 2 would lower and compile the call again.
+  """
 
   def call(*args):
     return exported.call(*args)
 
   call.__name__ = call.__qualname__ = exported.fun_name
-  return jax.jit(call)
+  if exported.nr_devices != 1:
+    return jax.jit(call)
+  placed = jax.sharding.SingleDeviceSharding(device)
+  return jax.jit(call, in_shardings=placed, out_shardings=placed)
 
 
 class ExportedRound:
@@ -466,7 +474,8 @@ class ExportedRound:
       exported = self._export(args, path, key)
       if exported is None:
         return self.round
-    fn = _jitted(exported)
+    devices = {d for x in jax.tree.leaves(args) for d in getattr(x, "devices", lambda: ())()}
+    fn = _jitted(exported, devices.pop() if len(devices) == 1 else jax.devices()[0])
     with _loaded_lock:
       _loaded[key] = fn
       while len(_loaded) > MAX_LOADED:

@@ -1,13 +1,16 @@
 """Compile once per machine: experiments.run keeps its compiled programs in a persistent cache.
 
-A second run of a config in a fresh process reads every program back and compiles none; the
-entries of a DP run hold neither its data nor its keys; the cache's place follows the config
-field, the environment and JAX's own setting, in that order, and a directory that others may
-write to is refused.
+A second run of a config in a fresh process reads every program back and compiles none, and
+reads the round's exported program back instead of tracing it, with the same numbers bit for
+bit; the entries of a DP run (compiled and exported) hold neither its data nor its keys; an
+exported entry is keyed by what decides its program, and a damaged or foreign one is traced
+again; the cache's place follows the config field, the environment and JAX's own setting, in
+that order, and a directory that others may write to is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -20,7 +23,7 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from experiments import compilation_cache, run
+from experiments import compilation_cache, export_cache, run
 from experiments import flags as run_flags
 from fedlap_jax.checks import ConfigError
 
@@ -42,7 +45,7 @@ SMALL = (
 COUNTING_RUN = """
 import json, sys
 import jax
-built, hit = [], [False]
+built, hit, traced = [], [False], []
 def on_event(event, **kwargs):
   if event == "/jax/compilation_cache/cache_hits":
     hit[0] = True
@@ -50,17 +53,21 @@ def on_duration(event, seconds, **kwargs):
   if event == "/jax/core/compile/backend_compile_duration":
     built.append([kwargs.get("fun_name"), hit[0]])
     hit[0] = False
+  if event == "/jax/core/compile/jaxpr_trace_duration":
+    traced.append(kwargs.get("fun_name"))
 jax.monitoring.register_event_listener(on_event)
 jax.monitoring.register_event_duration_secs_listener(on_duration)
 from experiments import run
 status = run.main(["experiments.run", *sys.argv[1:]])
 print("BUILT " + json.dumps(built))
+print("TRACED " + json.dumps(traced))
 sys.exit(status)
 """
 
 
-def counting_run(workdir: Path, cache: Path, *flags: str) -> tuple[list, dict]:
-  """``(programs built: [name, read from the cache], last metrics record)`` of one run."""
+def counting_run(workdir: Path, cache: Path, *flags: str) -> tuple[list, list, list]:
+  """``(programs built: [name, read from the cache], functions traced, metrics records)`` of
+  one run."""
   env = {
     k: v
     for k, v in os.environ.items()
@@ -77,9 +84,11 @@ def counting_run(workdir: Path, cache: Path, *flags: str) -> tuple[list, dict]:
     timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  line = next(x for x in proc.stdout.splitlines() if x.startswith("BUILT "))
+  lines = proc.stdout.splitlines()
+  built = next(x for x in lines if x.startswith("BUILT "))[len("BUILT ") :]
+  traced = next(x for x in lines if x.startswith("TRACED "))[len("TRACED ") :]
   records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return json.loads(line[len("BUILT ") :]), records[-1]
+  return json.loads(built), json.loads(traced), records
 
 
 def entries(cache: Path) -> list[bytes]:
@@ -100,8 +109,8 @@ def test_a_second_run_compiles_nothing_and_the_cached_programs_hold_no_data_or_k
     "--config.plots=false",
     *SMALL,
   )
-  first, record_1 = counting_run(tmp_path / "first", cache, *flags)
-  second, record_2 = counting_run(tmp_path / "second", cache, *flags)
+  first, traced_1, records_1 = counting_run(tmp_path / "first", cache, *flags)
+  second, traced_2, records_2 = counting_run(tmp_path / "second", cache, *flags)
 
   assert len(first) > 10 and not any(h for _, h in first)  # a cold cache: XLA built them all
   assert "jit(method_round)" in [name for name, _ in first]  # the generic round (rounds.py)
@@ -109,12 +118,17 @@ def test_a_second_run_compiles_nothing_and_the_cached_programs_hold_no_data_or_k
   compiled_again = [name for name, h in second if not h]
   assert compiled_again == []  # every program, the round's included, was read back
   assert len(second) == len(first)
-  for field in ("test_accuracy", "test_loss", "epsilon"):
-    assert record_2[field] == record_1[field]
+  assert records_2 == records_1  # every field of every round, bit for bit
+  # The round is traced once by the export (and once more, the call of its export) in the first
+  # run; the second reads the export back and traces only its call.
+  assert traced_1.count("method_round") == 2 and traced_2.count("method_round") == 1
+  (exported,) = (cache / export_cache.SUBDIR).glob("*" + export_cache.SUFFIX)
 
   # What the cache holds of the run: programs, not the records or the keys they ran on.
   blobs = entries(cache)
   assert len(blobs) == len(first)
+  blobs.append(exported.read_bytes())  # the exported round: StableHLO and its constants
+  assert len(blobs[-1]) < 1 << 20
 
   def held(pattern: bytes) -> int:
     return sum(pattern in b for b in blobs)
@@ -229,3 +243,134 @@ def test_enable_switches_this_process_to_the_cache_with_the_run_settings(monkeyp
     for name, value in saved.items():
       jax.config.update(name, value)
     jax_cache.reset_cache()
+
+
+# ----------------------------------------------------------------------------
+# The export cache: the round's traced program kept beside JAX's cache.
+# ----------------------------------------------------------------------------
+
+
+def small_run(name: str = "quickstart:dp"):
+  """``(algorithm, state, clients)`` of the small FedLAP(-DP) run of :data:`SMALL`."""
+  from experiments import calibration  # pylint: disable=g-import-not-at-top
+  from experiments.build import build_run  # pylint: disable=g-import-not-at-top
+
+  cfg, _ = run_flags.load_config(name, [f[len("--config.") :] for f in SMALL])
+  cfg.seed = SEED
+  calibration.calibrate_noise(cfg)
+  setup = build_run(cfg)
+  return setup.algorithm, setup.state, setup.clients
+
+
+def host(tree) -> list[np.ndarray]:
+  """Every leaf of ``tree`` on the host (keys as their data), for bitwise comparison."""
+  prng = jax.dtypes.prng_key
+  return [
+    np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, prng) else x)
+    for x in jax.tree.leaves(tree)
+  ]
+
+
+def fresh(alg, cache: Path, notes: list):
+  """``alg``'s round served from ``cache``, as a new process finds it (nothing loaded)."""
+  export_cache._loaded.clear()  # pylint: disable=protected-access
+  return export_cache.ExportedRound(alg.round, cache, notice=notes.append)
+
+
+def test_the_exported_round_is_the_round_bit_for_bit_and_a_bad_entry_is_traced_again(tmp_path):
+  alg, state, clients = small_run()
+  plain = host(alg.round(state, clients))
+  cache, notes = tmp_path / "exported", []
+
+  cold = fresh(alg, cache, notes)
+  assert all(np.array_equal(a, b) for a, b in zip(host(cold(state, clients)), plain, strict=True))
+  (entry,) = cache.glob("*" + export_cache.SUFFIX)
+  assert stat.S_IMODE(entry.stat().st_mode) == 0o600 and not list(cache.glob(".tmp-*"))
+  assert entry.stat().st_size < 1 << 20  # a program, a few hundred kB
+  good = entry.read_bytes()
+
+  def served(expect_note: str | None):
+    notes.clear()
+    out = host(fresh(alg, cache, notes)(state, clients))
+    assert all(np.array_equal(a, b) for a, b in zip(out, plain, strict=True))
+    if expect_note is None:
+      assert notes == []
+    else:
+      (note,) = notes
+      assert str(entry) in note and expect_note in note and "tracing it again" in note
+      assert "\n" not in note
+      assert entry.read_bytes() == good  # written again, whole
+
+  served(None)  # read back: the same numbers (params, keys, metrics), nothing said
+  header_end = good.index(b"\n", len(export_cache.MAGIC)) + 1
+  damaged = bytearray(good)
+  damaged[-100] ^= 0xFF
+  other_key = good.replace(entry.stem.encode(), b"0" * 64, 1)
+  for bad, why in (
+    (good[: len(good) // 2], "damaged"),  # cut short
+    (bytes(damaged), "damaged"),  # one byte changed
+    (other_key, "another program"),  # another key's entry under this name
+    (b"not an entry", "not an exported round"),
+    (good[:header_end], "damaged"),  # its header only
+  ):
+    entry.write_bytes(bad)
+    served(why)
+
+
+def test_the_key_changes_with_what_decides_the_program(monkeypatch):
+  fp = export_cache.fingerprint
+
+  def closing_over(value):
+    return lambda x: x * value
+
+  assert fp(closing_over(2.0)) == fp(closing_over(2.0))
+  assert fp(closing_over(2.0)) != fp(closing_over(3.0))  # a closed-over value
+  assert fp(lambda x: x + 1) != fp(lambda x: x + 2)  # the code
+  assert fp({"a": np.zeros(3, np.float32)}) != fp({"a": np.ones(3, np.float32)})
+  alg, state, clients = small_run()
+  keywords = alg.round.keywords
+  assert fp(keywords) == fp(small_run()[0].round.keywords)  # the same config: one key
+  cfg = keywords["config"]
+  changed = type(cfg)(**{**cfg.__dict__, "learning_rate": cfg.learning_rate * 2})
+  assert fp({**keywords, "config": changed}) != fp(keywords)
+  with pytest.raises(export_cache.Unkeyable):
+    fp(object())
+
+  args = (state, clients)
+  key = functools.partial(export_cache.entry_key, "m:f", fp(keywords))
+  base = key(args, "source")
+  assert key(args, "source") == base
+  assert key(args, "edited source") != base
+  assert key((state, clients._replace(mask=clients.mask[:, :-1])), "source") != base
+  monkeypatch.setenv(
+    "XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true"
+  )
+  assert key(args, "source") != base
+  monkeypatch.undo()
+  promotion = jax.config.jax_numpy_rank_promotion
+  jax.config.update("jax_numpy_rank_promotion", "warn" if promotion != "warn" else "allow")
+  try:
+    assert key(args, "source") != base
+  finally:
+    jax.config.update("jax_numpy_rank_promotion", promotion)
+  assert key(args, "source") == base
+  assert export_cache.source_digest() == export_cache.SOURCE_AT_IMPORT
+
+
+def test_the_export_cache_is_on_exactly_when_jax_s_cache_is(tmp_path):
+  alg, _, _ = small_run()
+  given = jax.config.jax_compilation_cache_dir
+  assert export_cache.directory() == Path(given) / export_cache.SUBDIR
+  assert isinstance(export_cache.wrap(alg).round, export_cache.ExportedRound)
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    assert export_cache.directory() is None
+    assert export_cache.wrap(alg) is alg
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+  notes = []
+  unkeyable = alg._replace(
+    round=functools.partial(alg.round.func, **{**alg.round.keywords, "mesh": object()})
+  )
+  assert export_cache.wrap(unkeyable, tmp_path, notice=notes.append) is unkeyable
+  assert len(notes) == 1 and "cannot be keyed" in notes[0]
