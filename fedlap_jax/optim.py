@@ -150,7 +150,7 @@ class Optimizer:
           value is default if default is None or isinstance(default, bool) else value == default,
           f,
           value,
-          f"{default!r}: name={self.name!r} does not use it (one of {tuple(uses)})",
+          f"{default!r}: name={self.name!r} does not use it (it uses {('weight_decay', *uses)})",
         )
       elif value is None:
         object.__setattr__(self, f, uses[f])
