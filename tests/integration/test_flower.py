@@ -884,6 +884,40 @@ def test_a_registry_method_of_fedavgs_wire_equals_experiments_run_bit_for_bit(tm
   assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
 
 
+FEDYOGI_OVERRIDES = (
+  "method=fedavg baseline.server_optimizer.name=yogi baseline.server_lr=0.03 "
+  "rounds=2 baseline.local_epochs=1 eval_chunk_size=128"
+)
+
+
+def test_overrides_choose_the_baselines_server_optimiser_and_a_bad_one_is_refused():
+  """The optimisers are config fields the overrides may set (the ``baseline.`` section); the
+  library's check names a bad one."""
+  cfg, _ = settings.load_config("quickstart:fedadam", FEDYOGI_OVERRIDES)
+  assert (cfg.method, cfg.baseline.server_optimizer.name, cfg.baseline.server_lr) == (
+    "fedavg",
+    "yogi",
+    0.03,
+  )
+  with pytest.raises(settings.ConfigError) as err:
+    settings.load_config("quickstart:fedadam", "method=fedavg baseline.server_optimizer.name=nadam")
+  assert err.value.field == "baseline.server_optimizer.name"
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_a_server_optimiser_chosen_in_the_overrides_runs_as_experiments_run(tmp_path):
+  """FedYogi in the Flower app without Flower code: the library config carries the optimiser,
+  the server carries its state; every number is experiments.run's."""
+  rc = _run_config(tmp_path, "quickstart:fedadam", overrides=FEDYOGI_OVERRIDES)
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:fedadam", FEDYOGI_OVERRIDES, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+
+
 DP_FEDAVG_WIRE = {
   "dp_fedavg": "method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
   "dp_fedprox": "method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
