@@ -346,7 +346,7 @@ def test_a_dp_fedavg_reply_beyond_the_update_bound_is_refused_with_its_norm(genu
   assert bad["update_norm"] > 900 and bad["update_norm"] > bad["max_update_norm"] > 0
   ok = [r for r in reports if r["status"] == "ok"]
   ratios = [r["update_norm"] / r["max_update_norm"] for r in ok]
-  assert len(ok) == 4 and all(0.05 < q < 1 for q in ratios), ratios
+  assert len(ok) == 4 and all(0.2 < q < 1 for q in ratios), ratios
 
 
 @pytest.mark.slow
