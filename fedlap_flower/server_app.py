@@ -126,6 +126,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       k_alg=start.k_alg,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
       max_epsilon=run.max_epsilon,
+      max_update_norm=run.max_update_norm,
     )
   else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy)
     strategy = strategy_lib.FedLAP(

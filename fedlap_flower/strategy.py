@@ -58,8 +58,13 @@ the models of the replies that fit (the model's paths, shapes and dtypes, finite
 method's wire format, ``num-examples`` an int >= 1, the node's ``partition-id``) with the
 method's server step (FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``;
 FedAdam: Adam on the mean delta), so a round equals ``experiments.run``'s; the test evaluation
-is logged the same way. Local SGD is not clipped, so no config-derived bound limits a client's
-model: a client moves the mean by its weight share, as in FedAvg itself.
+is logged the same way. A reply's ``||w_k - w_g||`` must also be at most the round's bound
+(the run config's ``max-update-norm``, :func:`fedlap_flower.replies.update_norm_rule`): by
+default, under DP, the method's own bound on an honest client's noisy clipped SGD, which an
+honest reply exceeds with probability below 1e-9; a reply above it is refused (its norm and the
+bound in its report), never clipped. Without DP, local SGD is not clipped, so no
+config-derived bound limits a client's model unless the run config gives one: a client then
+moves the mean by its weight share times whatever it sends.
 """
 
 from __future__ import annotations
@@ -908,6 +913,7 @@ class MethodStrategy(Resumable, FedAvg):
     max_epsilon: float = math.inf,
     partition_keys=None,
     chain_key=None,
+    max_update_norm: float | str | None = "",
   ):
     super().__init__(
       fraction_train=1.0,
@@ -923,6 +929,8 @@ class MethodStrategy(Resumable, FedAvg):
     self.template = template  # the model's layout: parameter records travel packed
     self.facts = facts
     self.wire = method.wire(method_config, template, facts)
+    # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
+    self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
     # DP at the edge: each client charges its own ledger and draws its own keys.
     self.dp = method.mechanism(method_config) is not None
     self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
@@ -1003,6 +1011,7 @@ class MethodStrategy(Resumable, FedAvg):
       messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
     self._t0 = time.time()
     self._round = {
+      "max_update_norm": self.update_bound(plan.message),
       "asked": asked,
       "chosen": chosen,
       "reports": reports,
@@ -1070,6 +1079,12 @@ class MethodStrategy(Resumable, FedAvg):
       self.wire.check(method_work.update_arrays(update))
     except ConfigError as e:
       raise replies.InvalidReply(str(e.field), str(e)) from None
+    bound = self._round.get("max_update_norm")
+    if bound is not None:  # in the report, refused or not
+      report.update(
+        update_norm=replies.update_norm(update, self._round["params"]), max_update_norm=bound
+      )
+      replies.check_update_norm(report["update_norm"], bound)
     report.update(
       status="ok", upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key])
     )

@@ -283,6 +283,11 @@ class Method:
     extends: the registry method whose library config this one builds on (``None``: its own).
     extend: ``(base config, own section values) -> config`` for ``extends``.
     own_section: the dataclass of the method's own experiment section (``extends`` only).
+    update_bound: ``(config, facts) -> (message -> float) | None``: for a model-sending
+      method, the largest ``||y_k - x||`` an honest client sends in the round of ``message``
+      (but with a stated false-refusal probability), which a server refuses a reply above;
+      ``None`` (or a ``None`` result): no bound follows from the config (no clipping, or a
+      client optimiser it cannot bound).
   """
 
   name: str
@@ -307,6 +312,7 @@ class Method:
   extends: str | None = None
   extend: Callable[[Any, Mapping[str, Any]], Any] | None = None
   own_section: type | None = None
+  update_bound: Callable[[Any, RunFacts], Callable[[Any], float] | None] | None = None
 
   def __post_init__(self):
     if self.privacy not in PRIVACY:
