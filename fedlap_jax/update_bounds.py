@@ -3,7 +3,7 @@
 A DP-FedAvg / DP-FedProx client (:func:`fedlap_jax.baselines.client_update` on the private
 path) starts from the global model ``x`` and takes ``T_k <= T`` steps at the round's rate
 ``eta``. Step ``s`` uses the noisy Poisson-batch gradient of
-:func:`fedlap_jax.privacy.poisson_gradient`,
+:func:`fedlap_jax.privacy.poisson_gradient`::
 
     g_s = (sum_{i in batch_s} clip_C(grad_i) + sigma C z_s) / B,    z_s ~ N(0, I_d),
 
@@ -11,13 +11,13 @@ the batch drawn with rate ``B / N_k`` (every record drawn counts: the overflow o
 processed in extra chunks, so the realised batch ``n_s`` is bounded by ``N_k``, not by the
 buffer's capacity). The local optimiser is linear in what it is fed: SGD with heavy-ball
 momentum ``beta`` (:func:`fedlap_jax.optim.sgd`'s ``t <- d + beta t``), weight decay ``lambda``
-(``d = g + lambda w``) and the FedProx term ``2 mu (w - x)``:
+(``d = g + lambda w``) and the FedProx term ``2 mu (w - x)``::
 
     d_s = g_s + (2 mu + lambda) delta_s + lambda x,   t_s = d_s + beta t_{s-1},
     delta_{s+1} = delta_s - eta t_s,                  delta = w - x.
 
 So ``delta_T = sum_j c_j (g_j + lambda x)`` with scalar coefficients ``c_j`` (the impulse
-response of that recurrence, computed here in float64; ``c_j = -eta`` for plain SGD), and
+response of that recurrence, computed here in float64; ``c_j = -eta`` for plain SGD), and::
 
     ||delta_T|| <= (C / B) sum_j |c_j| n_j  +  ||(sigma C / B) sum_j c_j z_j||  +  lambda ||x|| S1,
 
