@@ -279,6 +279,36 @@ def arrays_record(arrays) -> ArrayRecord:
   return ArrayRecord({str(k): Array(np.array(v, order="C")) for k, v in arrays.items()})
 
 
+def record_to_wire(record: ArrayRecord, wire, field: str = "update") -> dict:
+  """A received update's ``{name: array}`` in a method's :class:`~fedlap_jax.method.Wire`,
+  checked: exactly its names, each refused by its declared shape and dtype before its values
+  are read, then by its values (finite: :meth:`Wire.check`).
+
+  Raises:
+    fedlap_flower.replies.InvalidReply: naming the array (``field``: a record that holds others).
+  """
+  want = {f.name: f for f in wire.fields}
+  if set(record.keys()) != set(want):
+    raise replies.InvalidReply(
+      field,
+      f"the {field} record holds arrays {replies.short(sorted(record.keys()))}; allowed: "
+      f"{replies.short(sorted(want))}",
+    )
+  out = {}
+  for name, f in want.items():
+    shape = tuple(record[name].shape)
+    if shape != f.shape:
+      raise replies.InvalidReply(
+        name, f"{name} has shape {replies.short(shape)}; allowed: {f.shape}"
+      )
+    out[name] = _numpy(record, name, name, np.dtype(f.dtype), finite=False)
+  try:
+    wire.check(out)
+  except fl.ConfigError as e:
+    raise replies.InvalidReply(str(e.field), str(e)) from None
+  return out
+
+
 def record_to_arrays(record: ArrayRecord) -> dict:
   """Inverse of :func:`arrays_record` (the values unchecked: the receiver checks them against
   its own structure, :func:`fedlap_flower.method_work.arrays_to_tree`)."""

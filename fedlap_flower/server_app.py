@@ -1,4 +1,4 @@
-"""The ``ServerApp``: FedLAP / FedLAP-DP (or a registry method of FedAvg's wire) for ``cfg.rounds`` rounds.
+"""The ``ServerApp``: FedLAP / FedLAP-DP (or another federated registry method) for ``cfg.rounds`` rounds.
 
 It builds the run exactly as ``experiments.run`` does (:mod:`experiments.build`: the
 library config, the DP mechanism with ``dp.target_epsilon`` calibrated at the smallest
@@ -113,19 +113,25 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     model_bytes=model_bytes,
     template=params,
     partition_keys=run.partition_keys,
-    chain_key=start.chain_key(plan.entry),
+    # None: the method's own init derives its chain key (MethodStrategy's state holds it)
+    chain_key=None if plan.entry.chain_key is None else start.chain_key(plan.entry),
   )
   method = method_work.method_of(cfg)
+  max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))
   if method_work.supported(method):
+    from experiments import methods  # pylint: disable=g-import-not-at-top
+
     strategy = strategy_lib.MethodStrategy(
       **shared,
       method=method,
       method_config=plan.config,
       facts=method_work.run_facts(cfg, plan.facts, start.model.num_params),
-      apply_fn=apply_fn,
+      model=methods.model_fns(start.model, test.image_shape),
       k_alg=start.k_alg,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
       max_epsilon=run.max_epsilon,
+      num_classes=test.num_classes,
+      max_image_abs=max_image_abs,
     )
   else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy)
     strategy = strategy_lib.FedLAP(
@@ -135,7 +141,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
       image_shape=test.image_shape,
       num_classes=test.num_classes,
-      max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
+      max_image_abs=max_image_abs,
       max_epsilon=run.max_epsilon,
     )
   if state is not None:

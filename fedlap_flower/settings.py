@@ -175,6 +175,8 @@ OVERRIDABLE = (
   "dp.",
   "model.",
   "baseline.",
+  "feddm.",
+  "condense.",
   "method",
   "seed",
   "rounds",
