@@ -64,6 +64,17 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   The run is built as ``experiments.run`` builds it (:func:`fedlap_flower.task.server_run`):
   its library config, its DP mechanism with ``dp.target_epsilon`` calibrated, the model and
   the key chain."""
+  method = method_work.method_of(run.cfg)
+  if run.resume and method_work.supported(method) and method.carried:
+    raise settings.SettingsError(
+      "resume",
+      True,
+      "resume = false (a new run) for a method whose clients carry state",
+      message=f"resume=true is invalid for method={run.cfg.method!r}: its clients carry "
+      f"{', '.join(method.carried)} between rounds, kept per Flower run, and a resumed run is "
+      "a new Flower run, whose clients hold none of the stopped one's (they would refuse "
+      "every round rather than start it afresh). Allowed: resume = false, a new run",
+    )
   task.enable_compilation_cache()
   t0 = time.time()
   plan, start, test = task.server_run(run.cfg, settings.server_data(run.cfg))
@@ -116,7 +127,6 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     # None: the method's own init derives its chain key (MethodStrategy's state holds it)
     chain_key=None if plan.entry.chain_key is None else start.chain_key(plan.entry),
   )
-  method = method_work.method_of(cfg)
   max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))
   if method_work.supported(method):
     from experiments import methods  # pylint: disable=g-import-not-at-top
