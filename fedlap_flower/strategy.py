@@ -1,4 +1,4 @@
-"""Server strategies: FedLAP / FedLAP-DP, and the registry's FedAvg-wire methods, on the library's server steps.
+"""Server strategies: FedLAP / FedLAP-DP, and the registry's other federated methods, on the library's server steps.
 
 Who is asked (:class:`Participation`, both strategies): each round waits up
 to ``join-timeout`` for all ``K`` clients to be connected (and up to
@@ -47,19 +47,26 @@ refused: the previous global model is kept, the round is logged with
   descent starts from ``w_g`` plus the usable clients' deltas averaged with
   the server's weights, as ``experiments.run`` does.
 
-:class:`MethodStrategy` runs every other method of the Flower app: a registry method
-(:data:`fedlap_jax.methods.REGISTRY`) of FedAvg's wire, generic over it
+:class:`MethodStrategy` runs every other method of the Flower app: any federated registry
+method (:data:`fedlap_jax.methods.REGISTRY`), generic over it
 (:mod:`fedlap_flower.method_work`; :data:`fedlap_flower.settings.METHODS`). Its server state is
 the method's own (its :attr:`~fedlap_jax.method.Method.init` before round 1, e.g. FedAdam's Adam
-state, saved with ``server_state.npz`` and restored on resume); each round it runs the method's
-plan (the key chain and the learning rate of ``experiments.run``), sends every asked node the
-global parameters, the plan's message and that client's own inputs (its key), and aggregates
-the models of the replies that fit (the model's paths, shapes and dtypes, finite values, the
-method's wire format, ``num-examples`` an int >= 1, the node's ``partition-id``) with the
-method's server step (FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``;
-FedAdam: Adam on the mean delta), so a round equals ``experiments.run``'s; the test evaluation
-is logged the same way. Local SGD is not clipped, so no config-derived bound limits a client's
-model: a client moves the mean by its weight share, as in FedAvg itself.
+state or SCAFFOLD's server variate, saved with ``server_state.npz`` and restored on resume),
+without the clients' carried fields (each client keeps its own; the plan and the server step
+see public stand-ins of their shapes, :func:`fedlap_flower.method_work.carried_standins`); each
+round it runs the method's plan (the key chain and the learning rate of ``experiments.run``),
+sends every asked node the global parameters, the plan's message and that client's own inputs
+(its key), and aggregates the updates of the replies that fit with the method's server step
+(FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``; FedAdam: Adam on the mean
+delta; FedDM / DSC / PSG: training on the union of the synthetic sets), so a round equals
+``experiments.run``'s; the test evaluation is logged the same way. A reply fits when it holds
+the method's update in its wire format (a model packed in ``arrays``: its paths, shapes and
+dtypes; any other update in ``update``, by the wire's names, each array refused by its declared
+shape and dtype before its values are read; finite values), a synthetic set passing FedLAP's
+checks (:func:`fedlap_flower.replies.check_synthetic`, labels pinned per partition),
+``num-examples`` an int >= 1 and the node's ``partition-id``. Local SGD is not clipped, so no
+config-derived bound limits a client's model: a client moves the mean by its weight share, as
+in FedAvg itself.
 """
 
 from __future__ import annotations
@@ -897,7 +904,7 @@ class FedLAP(Resumable, Strategy):
 
 
 class MethodStrategy(Resumable, FedAvg):
-  """Flower's FedAvg messages around a registry method of FedAvg's wire (the module docstring;
+  """Flower's FedAvg messages around a federated registry method (the module docstring;
   :mod:`fedlap_flower.method_work`): the server's state, plan and step are the method's."""
 
   def __init__(

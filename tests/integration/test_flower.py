@@ -842,7 +842,8 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   assert records[-1]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
 
 
-# Every registry method of FedAvg's wire runs in the Flower app, generic over the registry.
+# Every registry method of FedAvg's wire (the client's model) runs in the Flower app, generic
+# over the registry.
 FEDAVG_WIRE = {
   "fedsgd": ("quickstart:nondp", "method=fedsgd rounds=2 eval_chunk_size=128"),
   "fedprox": (
