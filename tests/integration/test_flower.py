@@ -1101,6 +1101,60 @@ def test_a_method_with_carried_client_state_equals_experiments_run_bit_for_bit(
   assert "update" in sent and "arrays" not in sent
 
 
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_sampled_scaffold_clients_keep_their_variates_across_the_rounds_they_skip(tmp_path):
+  """20 clients, 5 a round: a client drawn in rounds 1 and 3 starts round 3 from the state it
+  kept after round 1 (its last drawn round), as experiments.run's sampled round does."""
+  from flower_harness import node_configs, reference_result
+  from fedlap_flower import method_work, task
+  from fedlap_jax.method import Wire
+
+  config = "quickstart:nondp"
+  overrides = (
+    "method=scaffold rounds=3 baseline.local_epochs=1 eval_chunk_size=128 data.num_clients=20 "
+    "data.clients_per_round=5 data.partition=iid client.batch_size=16"
+  )
+  cfg = settings.load_config(config, overrides)[0]
+  drawn = [set(task.participants(cfg, r).tolist()) for r in (1, 2, 3)]
+  skipper = min((drawn[0] & drawn[2]) - drawn[1])  # drawn in rounds 1 and 3 only
+  rc = _run_config(tmp_path, config, overrides=overrides)
+  records, _ = run_inprocess(rc, nodes=node_configs(20, state_root=tmp_path / "state"))
+  ref = reference_result(config, overrides, tmp_path / "ref")
+  for got, want in zip(records, ref["records"], strict=True):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["clients_ok"] == sorted(drawn[got["round"] - 1])
+  want_k = (jax.tree.map(lambda a: np.asarray(a[skipper]), ref["state"].client_controls),)
+  wire = Wire.of(jax.tree.map(method_work.shape_of, want_k))
+  kept = ledger_lib.ClientState(tmp_path / "state" / f"client-{skipper}").load_carried(7, wire)
+  assert kept[0] == 3
+  for name, value in method_work.tree_to_arrays(want_k).items():
+    np.testing.assert_array_equal(kept[1][name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_psg_clients_draw_their_own_keys_and_send_their_set_and_epsilon_only(tmp_path, monkeypatch):
+  """PSG without the unsafe mode: no key reaches a client, each charges its own ledger, its
+  reply holds its synthetic set and the allowed metrics only; the epsilon is experiments.run's
+  (equal epsilon across the methods at the same config)."""
+  monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
+  config, overrides = CARRIED["psg"]
+  rc = _run_config(tmp_path, config, overrides=overrides, **{"max-epsilon": 50.0})
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run(config, overrides, tmp_path / "ref")
+  assert [r["epsilon"] for r in records] == [r["epsilon"] for r in ref]
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert all("own" not in m.content for m in grid.sent if m.metadata.message_type == "train")
+  for reply in grid.replies:
+    assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS, reply.content["metrics"]
+    assert reply.content["status"]["keys"] == "client"
+    assert set(reply.content.keys()) == {"update", "metrics", "status"}
+  for k in range(5):
+    hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == [1]
+
+
 def _tamper_before(server_round, changes):
   """A grid hook: before the train messages of ``server_round`` reach them, ``changes[node]``
   (``path -> None``) alters that node's carried-state file."""
