@@ -188,9 +188,17 @@ def _carried_state(method, config, setup, facts, node, state, run_id, prev, temp
   SCAFFOLD variate or synthetic set would silently be another run's numbers.
   """
   if prev is None:
-    carried = method.client_init(
-      setup.k_alg, setup.model.params, setup.partition.data, config, facts, index=node.partition_id
-    )
+    try:
+      carried = method.client_init(
+        setup.k_alg,
+        setup.model.params,
+        setup.partition.data,
+        config,
+        facts,
+        index=node.partition_id,
+      )
+    except ConfigError as e:  # e.g. its records do not fit the run's public facts
+      return None, f"this client cannot start its carried state ({', '.join(method.carried)}): {e}"
     return tuple(carried), None
   wire = Wire.of(jax.tree.map(method_work.shape_of, template))
   try:

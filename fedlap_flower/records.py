@@ -21,8 +21,11 @@ Train reply (client -> server):
   ``epsilon`` / ``max-epsilon``; without DP also ``num-examples`` and
   diagnostics); ``"status"`` (``status`` = ``ok`` | ``refused``, ``reason``,
   ``keys``). A refused round carries no arrays.
-* FedAvg: ``"arrays"`` (the client's parameters) and ``"metrics"``
-  (``num-examples``, ``partition-id``), as Flower's FedAvg expects.
+* FedAvg's wire (FedSGD, FedAvg, FedProx, FedAdam, DP-FedAvg, DP-FedProx): ``"arrays"``
+  (the client's parameters, packed) and ``"metrics"`` (``num-examples``, ``partition-id``),
+  as Flower's FedAvg expects. Another method's update (SCAFFOLD's model and ``delta c_k``,
+  FedDM's / DSC's / PSG's synthetic set) travels as ``"update"``: its arrays by the names of
+  the method's :class:`~fedlap_jax.method.Wire` (checked by :func:`record_to_wire`).
 
 Query message (server -> client): ``"config"`` (``server-round``, ``ask =
 "partition-id"``); the reply holds ``"metrics"`` with the client's

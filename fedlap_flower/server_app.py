@@ -16,8 +16,10 @@ server then continues that run (same config and overrides, not finished)
 after its last completed round, from the parameters, key chain and pins of
 ``server_state.npz`` (:mod:`fedlap_flower.server_state`). The resumed run is
 a new Flower run: each DP client's ledger charges the rounds it computes (a
-round redone after a stop is charged again), and carried synthetic images
-(``synthetic_init='noise'``) start afresh from the clients' initial images.
+round redone after a stop is charged again), and FedLAP's carried synthetic images
+(``synthetic_init='noise'``) start afresh from the clients' initial images. A method whose
+clients carry state of their own (SCAFFOLD, FedDM, DSC, PSG) refuses ``resume = true``: its
+clients keep that state per Flower run and would refuse to start it afresh.
 """
 
 from __future__ import annotations

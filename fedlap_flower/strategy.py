@@ -968,17 +968,19 @@ class MethodStrategy(Resumable, FedAvg):
     self.state = method_work.server_state(full, method)
     self.update_template = self._update_template(facts)
     self.packed = method_work.is_model(self.update_template, template)
-    if sorted(Wire.of(self.update_template).fields) != sorted(self.wire.fields):
-      raise ConfigError(
-        "method",
-        method.name,
-        "a method whose client step returns the update its wire declares",
-        message=f"method={method.name!r}: its client step returns "
-        f"{Wire.of(self.update_template).fields}, its wire declares {self.wire.fields}",
-      )
     # A synthetic set's checks (FedLAP's): ipc slots per class, S = ipc * the most classes.
     self.limits = None
     sets = _synthetic_sets(self.update_template)
+    if sets and facts.max_classes_per_client < 1:
+      raise ConfigError(
+        "data",
+        "data the server does not know the clients' classes of",
+        "the config's named data and partition",
+        message=f"method={method.name!r} sends synthetic sets of ipc slots per class of the "
+        "client owning the most classes, a fact of the config's named partition; this "
+        "server reads its own data and knows no client's classes. Allowed: the config's "
+        "named data (no server data file), or a method that sends no synthetic set",
+      )
     if sets:
       s = int(sets[0].x.shape[0])
       self.limits = replies.SyntheticLimits(
@@ -986,6 +988,14 @@ class MethodStrategy(Resumable, FedAvg):
         int(num_classes),
         s // max(1, facts.max_classes_per_client),
         float(max_image_abs),
+      )
+    if sorted(Wire.of(self.update_template).fields) != sorted(self.wire.fields):
+      raise ConfigError(
+        "method",
+        method.name,
+        "a method whose client step returns the update its wire declares",
+        message=f"method={method.name!r}: its client step returns "
+        f"{Wire.of(self.update_template).fields}, its wire declares {self.wire.fields}",
       )
     self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._t0 = time.time()

@@ -1274,6 +1274,22 @@ def test_a_method_that_pools_every_clients_records_is_refused_by_name():
   assert "experiments.run" in str(e.value)
 
 
+def test_a_server_reading_its_own_data_refuses_a_synthetic_set_method(tmp_path, monkeypatch):
+  """A synthetic set's slots follow the client owning the most classes, a fact of the named
+  partition: a server that reads its own data does not know it and refuses FedDM up front,
+  saying why (the clients are never asked)."""
+  from flower_harness import serve_with
+  from fedlap_jax.checks import ConfigError
+
+  _, server_npz = _own_data_sites(tmp_path)
+  monkeypatch.setenv(settings.SERVER_DATA_ENV, server_npz)
+  config, overrides = CARRIED["feddm"]
+  rc = _run_config(tmp_path, config, overrides=overrides + OWN_DATA)
+  with pytest.raises(ConfigError, match="synthetic sets") as e:
+    serve_with(None, rc)
+  assert e.value.field == "data" and "named data" in str(e.value)
+
+
 def test_a_run_of_carried_client_state_refuses_resume(tmp_path):
   """A resumed run is a new Flower run, whose clients hold no carried state of the stopped
   one: resume = true is refused up front for such a method, naming why."""
