@@ -82,7 +82,6 @@ def test_settings_map_onto_the_named_configs(tmp_path):
       r"run config keys \['colour'\] are unknown",
     ),
     ({"config": "quickstart:dp:x"}, "config='quickstart:dp:x' is invalid"),
-    ({"config": "mnist_scaffold"}, "method='scaffold'"),
   ],
 )
 def test_bad_run_config_is_refused_by_name(run_config, match):
