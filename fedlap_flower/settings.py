@@ -186,6 +186,8 @@ OVERRIDABLE = (
   "dp.",
   "model.",
   "baseline.",
+  "feddm.",
+  "condense.",
   "method",
   "seed",
   "rounds",
@@ -346,7 +348,9 @@ def load_config(name: str, overrides: str = ""):
     _fail(
       "config",
       f"{name} (method={cfg.method!r})",
-      f"a config whose method is one of {METHODS}; the other baselines run with experiments.run",
+      f"a config whose method is one of {METHODS} (every federated method); a method that "
+      "pools every client's records in one place is not federated and runs with "
+      "experiments.run",
     )
   return cfg, label
 

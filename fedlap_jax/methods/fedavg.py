@@ -74,6 +74,12 @@ def init(
   return alg.init(key, params, clients)
 
 
+def scaffold_client_init(key, params, data, config, facts: RunFacts, *, index: int):
+  """A SCAFFOLD client's ``c_k`` before round 1: zeros like the model (:func:`init`'s slot)."""
+  del key, data, config, facts, index
+  return (jax.tree.map(jnp.zeros_like, params),)
+
+
 def plan(state, num_clients: int, config: BaselineConfig) -> RoundPlan:
   key, client_keys = baselines.round_keys(state.key, num_clients)
   lr = baselines.learning_rate(state.round + 1, config)
@@ -284,6 +290,7 @@ def family(
     wire=_scaffold_wire if scaffold else model_wire,
     batch_size=lambda config: config.local.batch_size,
     carried=("client_controls",) if scaffold else (),
+    client_init=scaffold_client_init if scaffold else None,
     privacy="required" if private else "never",
     privacy_note=""
     if private

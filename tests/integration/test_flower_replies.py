@@ -1045,3 +1045,19 @@ def test_collect_replies_keeps_each_reply_in_its_own_error_boundary():
   assert "a second reply from node 11" in reports[5]["reason"]
   assert reports[6]["reason"] == "no reply within round-timeout=30 s"
   assert all(r["round"] == 5 for r in reports[1:])
+
+
+def test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_model(tmp_path):
+  """SCAFFOLD sends its model and its control delta: a norm bound on ``w_k - w_g`` would check
+  nothing of that update, so a number for it is refused when the server starts, by name."""
+  from fedlap_jax.checks import ConfigError
+
+  rc = {
+    "config": "quickstart:nondp",
+    "overrides": "method=scaffold rounds=1 baseline.local_epochs=1",
+    "run-dir": str(tmp_path / "run"),
+    "max-update-norm": 5.0,
+  }
+  with pytest.raises(ConfigError, match="max-update-norm=5.0 bounds") as e:
+    run_inprocess(rc, state_root=tmp_path / "state")
+  assert e.value.field == "max-update-norm"
