@@ -315,14 +315,20 @@ def _init_fn(module, image_shape):
   return init_fn(module, image_shape)
 
 
+def model_fns(model, image_shape) -> ModelFns:
+  """The run's :class:`~fedlap_jax.method.ModelFns` of its :class:`experiments.build.Model`:
+  ``apply_fn``, FedDM's ``embed_fn``, DSC / PSG's ``init_fn`` (one function each per module)."""
+  return ModelFns(
+    model.apply_fn, _embed_fn(model.module), _init_fn(model.module, tuple(image_shape))
+  )
+
+
 def algorithm(method: Method):
   """``algorithm(config, model, facts, *, client_backend, cfg)`` of ``method``: the registry's
   method bound by :func:`fedlap_jax.rounds.algorithm` to the run's model and facts."""
 
   def build(config, model, facts, *, client_backend, cfg):
-    fns = ModelFns(
-      model.apply_fn, _embed_fn(model.module), _init_fn(model.module, tuple(facts.image_shape))
-    )
+    fns = model_fns(model, facts.image_shape)
     run = RunFacts(
       tuple(facts.image_shape),
       cfg.data.num_clients,
