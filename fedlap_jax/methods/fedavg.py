@@ -221,10 +221,15 @@ def update_bound(config: BaselineConfig, facts: RunFacts):
   false-refusal probability :data:`~fedlap_jax.update_bounds.FALSE_REFUSAL` per reply), for the
   family's own client: plain SGD at the message's ``eta_m``, with FedProx's ``mu``, ``T =
   local.scheduled_steps()``, the clip ``C``, ``sigma`` and ``B`` of ``config.local``, the
-  largest batch ``local.max_client_size``. ``None`` without clipping (the non-DP methods: an
-  honest client's step has no bound)."""
+  largest batch ``local.max_client_size``, and the momentum and weight decay of
+  ``config.client_optimizer`` (an SGD spec). ``None`` without clipping (the non-DP methods: an
+  honest client's step has no bound) or with a client optimiser other than heavy-ball SGD
+  (Adam's step is not linear in the gradients)."""
   loc = config.local
   if loc.l2_clip_norm is None:  # not the private path
+    return None
+  spec = config.client_optimizer  # the config's choice: only SGD's linear response is bounded
+  if spec.name != "sgd" or spec.nesterov:
     return None
   clip = float(loc.l2_clip_norm)
 
@@ -238,6 +243,8 @@ def update_bound(config: BaselineConfig, facts: RunFacts):
       noise_multiplier=float(loc.noise_multiplier),
       num_params=facts.num_params,
       prox_mu=loc.prox_mu,
+      momentum=float(spec.momentum),
+      weight_decay=float(spec.weight_decay),
       params_norm=math.sqrt(math.fsum(float(np.sum(p * p)) for p in x)),
       max_batch=loc.max_client_size,
     )

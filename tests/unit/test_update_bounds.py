@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import baselines, update_bounds
+from fedlap_jax import baselines, optim, update_bounds
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig
 from fedlap_jax.method import RunFacts
@@ -131,3 +131,21 @@ def test_no_bound_without_dp_or_with_another_client_optimiser():
   assert REGISTRY["fedavg"].update_bound(config, facts) is None
   assert fedavg.family("dp_fedavg", client_optimizer=optax.scale_by_adam()).update_bound is None
   assert REGISTRY["scaffold"].update_bound is None
+
+  # The config's client optimiser: Adam has no linear response to bound; SGD's momentum counts.
+  def dp(spec):
+    return baselines.baseline_config(
+      "dp_fedavg",
+      rounds=2,
+      learning_rate=0.1,
+      batch_size=16,
+      dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5),
+      max_client_size=64,
+      client_optimizer=spec,
+    )
+
+  assert REGISTRY["dp_fedavg"].update_bound(dp(optim.Optimizer(name="adam")), facts) is None
+  message = fedavg.Message({"w": np.ones((650,), np.float32)}, np.float32(0.1))
+  plain = REGISTRY["dp_fedavg"].update_bound(dp(optim.SGD), facts)(message)
+  heavy = REGISTRY["dp_fedavg"].update_bound(dp(optim.Optimizer(momentum=0.9)), facts)(message)
+  assert heavy > 3 * plain
