@@ -35,7 +35,7 @@ import numpy as np
 
 from fedlap_jax import accounting, baselines
 from fedlap_jax import config as core
-from fedlap_jax import condensation, feddm, participation
+from fedlap_jax import condensation, feddm, optim, participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
 from fedlap_jax.config import CLIENT_BACKENDS
 from fedlap_jax.models import NORMS, max_depth
@@ -331,6 +331,16 @@ def validate_config(cfg):
     baselines.LocalTraining(epochs=cfg.baseline.local_epochs, prox_mu=cfg.baseline.prox_mu)
   except ConfigError as e:
     raise sections.renamed(e, methods.BASELINE_SPEC.path(e.field)) from None
+  # The optimiser sections are checked whatever the method; a method that does not read the
+  # baseline section refuses a choice there (it would be ignored).
+  for field, spec in methods.baseline_optimizers(cfg).items():
+    if spec != optim.SGD and not methods.reads_baseline(entry):
+      _fail(
+        f"baseline.{field}",
+        spec,
+        f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (the baseline section's "
+        "optimisers are the FedAvg family's; this method does not read them)",
+      )
 
   if not is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")

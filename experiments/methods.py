@@ -35,7 +35,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from fedlap_jax import baselines, condensation, feddm, rounds
+from fedlap_jax import baselines, condensation, feddm, optim, rounds
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int
 from fedlap_jax.federated import RoundMetrics
@@ -132,15 +132,43 @@ FEDLAP_SPEC = Spec(
 )
 
 
+# The baselines' optimiser sections (config.baseline.NAME: fedlap_jax.optim.Optimizer specs).
+BASELINE_OPTIMIZERS = ("client_optimizer", "server_optimizer")
+
+
+def optimizer_section(cfg, path: str) -> optim.Optimizer:
+  """The :class:`fedlap_jax.optim.Optimizer` of config section ``path`` (``baseline.NAME``);
+  an error names ``path.field``."""
+  section, _, name = path.partition(".")
+  try:
+    return schema.build(optim.Optimizer, cfg[section][name], path)
+  except ConfigError as e:
+    if e.field.startswith(f"{path}."):
+      raise
+    raise sections.renamed(e, f"{path}.{e.field}") from None
+
+
+def baseline_optimizers(cfg) -> dict[str, optim.Optimizer]:
+  """``{client_optimizer, server_optimizer}`` of ``config.baseline``."""
+  return {f: optimizer_section(cfg, f"baseline.{f}") for f in BASELINE_OPTIMIZERS}
+
+
 def _baseline_values(cfg, max_client_size):
   dp = dp_config(cfg)
   return {
+    **baseline_optimizers(cfg),
     "dp": dp,
     "max_client_size": max_client_size,
     # Under DP the per-client training loss (a non-private diagnostic that costs a forward
     # pass) is tracked only with debug_nonprivate_stats.
     "track_loss": dp is None or bool(cfg.get("debug_nonprivate_stats", False)),
   }
+
+
+def reads_baseline(entry: "Entry") -> bool:
+  """Whether ``entry``'s library config is built from the ``baseline`` section (the FedAvg
+  family and the methods that extend it)."""
+  return entry.spec.derive is _baseline_values
 
 
 def _config_name(method: str) -> str:
@@ -159,9 +187,14 @@ BASELINE_SPEC = Spec(
     "batch_size": "client.batch_size",
     "poisson_capacity": "client.poisson_capacity",
     "weighting": "server.weighting",
+    "server_lr": "baseline.server_lr",
   },
   derive=_baseline_values,
-  derived={"dp": "dp.enabled"},
+  derived={
+    "dp": "dp.enabled",
+    "client_optimizer": "baseline.client_optimizer",
+    "server_optimizer": "baseline.server_optimizer",
+  },
   strip=("local.",),
 )
 
@@ -282,14 +315,20 @@ def _init_fn(module, image_shape):
   return init_fn(module, image_shape)
 
 
+def model_fns(model, image_shape) -> ModelFns:
+  """The run's :class:`~fedlap_jax.method.ModelFns` of its :class:`experiments.build.Model`:
+  ``apply_fn``, FedDM's ``embed_fn``, DSC / PSG's ``init_fn`` (one function each per module)."""
+  return ModelFns(
+    model.apply_fn, _embed_fn(model.module), _init_fn(model.module, tuple(image_shape))
+  )
+
+
 def algorithm(method: Method):
   """``algorithm(config, model, facts, *, client_backend, cfg)`` of ``method``: the registry's
   method bound by :func:`fedlap_jax.rounds.algorithm` to the run's model and facts."""
 
   def build(config, model, facts, *, client_backend, cfg):
-    fns = ModelFns(
-      model.apply_fn, _embed_fn(model.module), _init_fn(model.module, tuple(facts.image_shape))
-    )
+    fns = model_fns(model, facts.image_shape)
     run = RunFacts(
       tuple(facts.image_shape),
       cfg.data.num_clients,

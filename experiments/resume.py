@@ -4,7 +4,8 @@ A run's checkpoint holds its state, its privacy ledger and two fingerprints:
 :func:`privacy_fingerprint` (what the ledger's guarantee rests on: sigma, C, delta, B, T, q,
 the data and its partition, the seed; under DP the computation, :func:`computation_fingerprint`)
 and :func:`run_defining_fields` (every config field but :data:`RUNTIME_FIELDS`). A resume whose
-fingerprints differ is refused (:func:`check_resume_compatible`); a damaged checkpoint is set
+fingerprints differ is refused (:func:`check_resume_compatible`; a field added since, one of
+:data:`ADDED_FIELDS`, that a checkpoint lacks is the value its run had); a damaged checkpoint is set
 aside and the next older one tried (:func:`restore_newest_valid`); :func:`restore` is the whole
 step :func:`experiments.train.train_and_evaluate` takes before its first round.
 """
@@ -16,8 +17,10 @@ from typing import Any, NamedTuple
 
 import jax
 
+from fedlap_jax import optim
 
 from experiments import checkpointing
+from experiments.configs import schema
 
 # Fields that may change between an interrupted run and its resumption.
 RUNTIME_FIELDS = (
@@ -34,6 +37,20 @@ RUNTIME_FIELDS = (
   "debug_nonprivate_stats",
   "termination_grace_seconds",
 )
+
+
+def _added_fields() -> dict:
+  """``{field: value}`` of the run-defining fields added after checkpoints were first
+  written, with the value every run before them ran with (their defaults): a checkpoint's
+  config without one of them matches a config that holds it at that value."""
+  added: dict = {"baseline.server_lr": 1.0}
+  for name in ("client_optimizer", "server_optimizer"):
+    for k, v in schema.section(optim.Optimizer).to_dict().items():
+      added[f"baseline.{name}.{k}"] = v
+  return added
+
+
+ADDED_FIELDS = _added_fields()
 # Where damaged checkpoints are moved (never deleted).
 DAMAGED_DIR = "damaged_checkpoints"
 
@@ -160,7 +177,11 @@ def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) ->
       f"({'; '.join(diff)}); the stored privacy ledger would no longer describe the run. "
       f"Allowed: the same values as the checkpointed run, or a new --workdir"
     )
-  diff = _diff(meta.get("config", {}), fields)
+  stored_config = meta.get("config", {})
+  # A checkpoint written before a field existed ran with the field's ADDED_FIELDS value.
+  if stored_config:
+    stored_config = {**{k: v for k, v in ADDED_FIELDS.items() if k in fields}, **stored_config}
+  diff = _diff(stored_config, fields)
   if diff:
     raise ResumeError(
       f"refusing to resume {workdir}: the config differs from the checkpointed run "

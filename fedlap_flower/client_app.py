@@ -36,11 +36,14 @@ A FedLAP train message runs, on this client only:
    writing raw statistics locally, changes nothing here). With
    ``server.start='global'`` the reply holds no delta.
 
-A train message of another method (a registry method of FedAvg's wire,
-:mod:`fedlap_flower.method_work`: FedAvg, FedProx, FedSGD, FedAdam, DP-FedAvg, DP-FedProx)
-runs the method's client step (``experiments.run``'s client) on the global parameters, the
-message and the client's own inputs the server sent, and replies with its model and
-``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
+A train message of another method (every other federated registry method,
+:mod:`fedlap_flower.method_work`: FedSGD, FedAvg, FedProx, SCAFFOLD, FedAdam, DP-FedAvg,
+DP-FedProx, FedDM, DSC, PSG) runs the method's client step (``experiments.run``'s client) on
+the global parameters, the message, the client's own inputs the server sent and its carried
+state (SCAFFOLD's ``c_k``, a synthetic set: computed from its own records before its first
+round, then kept in its state directory; missing or altered, the round is refused), and
+replies with its update (its model, or the method's own update: SCAFFOLD's model and ``delta
+c_k``, a synthetic set) and ``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
 method's mechanism), draws its keys from its own entropy and replies with its model and its
 epsilon only.
 
@@ -70,8 +73,9 @@ from flwr.clientapp import ClientApp
 from fedlap_flower import client_work, method_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import shared_family_key
-from fedlap_jax.method import ModelFns
+from fedlap_jax.method import ModelFns, Wire
 
 app = ClientApp()
 
@@ -154,19 +158,73 @@ def _not_drawn(run, node, server_round: int) -> str:
 
 
 def _method_templates(method, config, params, facts):
-  """``(message, own)`` of one client of a round: the structures a server's message and own
-  inputs are read back against (:func:`fedlap_flower.method_work.arrays_to_tree`)."""
+  """``(message, own, carried)`` of one client of a round: the structures a server's message,
+  own inputs and this client's kept state are read back against
+  (:func:`fedlap_flower.method_work.arrays_to_tree`)."""
   state = method_work.initial_state(method, config, params, jax.random.key(0), facts)
   plan = method_work.plan_fn(method, 1, config)(state)
-  return plan.message._replace(params=None), jax.tree.map(lambda a: a[0], plan.own)
+  carried = tuple(jax.tree.map(lambda a: a[0], getattr(state, f)) for f in method.carried)
+  return method_work.without_model(plan.message), jax.tree.map(lambda a: a[0], plan.own), carried
+
+
+def _model_fns(model, image_shape) -> ModelFns:
+  from experiments import methods  # pylint: disable=g-import-not-at-top
+
+  return methods.model_fns(model, image_shape)
+
+
+def _last_round(run, node, server_round: int) -> int | None:
+  """The last round before ``server_round`` this client was drawn for (``None``: none)."""
+  drawn = [r for r in range(1, server_round) if task.key_slot(run.cfg, r, node.partition_id)]
+  return drawn[-1] if drawn else None
+
+
+def _carried_state(method, config, setup, facts, node, state, run_id, prev, template):
+  """This client's carried state for the round: its slot of the method's init before its first
+  round (:attr:`fedlap_jax.method.Method.client_init`, from its own records), else what it
+  kept after round ``prev`` in its state directory. ``(carried, None)`` or ``(None, why)``.
+
+  A state missing or of another round is refused, never started afresh: a re-initialised
+  SCAFFOLD variate or synthetic set would silently be another run's numbers.
+  """
+  if prev is None:
+    try:
+      carried = method.client_init(
+        setup.k_alg,
+        setup.model.params,
+        setup.partition.data,
+        config,
+        facts,
+        index=node.partition_id,
+      )
+    except ConfigError as e:  # e.g. its records do not fit the run's public facts
+      return None, f"this client cannot start its carried state ({', '.join(method.carried)}): {e}"
+    return tuple(carried), None
+  wire = Wire.of(jax.tree.map(method_work.shape_of, template))
+  try:
+    kept = state.load_carried(run_id, wire)
+  except ConfigError as e:
+    return None, str(e)
+  if kept is None or kept[0] != prev:
+    held = "none" if kept is None else f"the state of round {kept[0]}"
+    return None, (
+      f"this client's carried state ({', '.join(method.carried)}) after round {prev} of run "
+      f"{run_id} is missing from its state-dir {state.directory} (it holds {held}); refusing "
+      "to start it afresh (the method's numbers would silently differ). Allowed: the state "
+      "directory as this client left it after its last round of this run (a resumed run is "
+      "a new run, whose clients hold no carried state of the stopped one)"
+    )
+  return method_work.arrays_to_tree(kept[1], template), None
 
 
 def _train_method(msg, context, conf, run, node, setup) -> Message:
-  """A registry method of FedAvg's wire (:mod:`fedlap_flower.method_work`): its client step on
-  the server's message and this client's own inputs; the reply is its model. Under DP (the
-  method's mechanism, :meth:`fedlap_jax.method.Method.mechanism`, calibrated by the run
-  builder) the client charges its own ledger first, as a FedLAP-DP client does, and draws its
-  keys from its own entropy."""
+  """A registry method other than FedLAP (:mod:`fedlap_flower.method_work`): its client step on
+  the server's message, this client's own inputs and its carried state (kept in its state
+  directory, :func:`_carried_state`); the reply is its update (its model packed in
+  ``"arrays"``, any other update as its named arrays in ``"update"``). Under DP (the method's
+  mechanism, :meth:`fedlap_jax.method.Method.mechanism`, calibrated by the run builder) the
+  client charges its own ledger first, as a FedLAP-DP client does, and draws its keys from its
+  own entropy."""
   method = method_work.method_of(run.cfg)
   config, params0, part = setup.plan.config, setup.model.params, setup.partition
   mechanism = setup.plan.mechanism
@@ -195,11 +253,20 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
   if denied:
     return refuse(denied)
   facts = method_work.run_facts(run.cfg, setup.plan.facts, setup.model.num_params)
-  message_t, own_t = _method_templates(method, config, params0, facts)
+  message_t, own_t, carried_t = _method_templates(method, config, params0, facts)
   message = method_work.arrays_to_tree(records.record_to_arrays(msg.content["message"]), message_t)
   params = records.record_to_params(msg.content["arrays"], params0)
-  state = ClientState(node.state_dir) if dp else None
+  state = ClientState(node.state_dir) if (dp or method.carried) else None
   with state.locked() if state is not None else contextlib.nullcontext():
+    carried: tuple = ()
+    if method.carried:  # before the ledger: a round this client cannot compute costs nothing
+      prev = _last_round(run, node, server_round)
+      got, why = _carried_state(
+        method, config, setup, facts, node, state, context.run_id, prev, carried_t
+      )
+      if why is not None:
+        return refuse(why)
+      carried = got
     if dp:
       steps = mechanism.steps_per_round
       try:
@@ -217,17 +284,19 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
       own = method_work.arrays_to_tree(records.record_to_arrays(msg.content["own"]), own_t)
     else:  # 128 fresh bits of the operating system's entropy per key, never reused
       own = method_work.fresh_keys(own_t, ledger_lib.fresh_round_key)
-    model = ModelFns(setup.model.apply_fn)
-    update = method_work.client_fn(method, model, config)(
-      own, message._replace(params=params), part.data
+    model = _model_fns(setup.model, part.image_shape)
+    update, carried = method_work.client_fn(method, model, config)(
+      own, method_work.with_model(message, params), carried, part.data
     )
+    if method.carried:
+      state.save_carried(context.run_id, server_round, method_work.tree_to_arrays(carried))
   content = RecordDict(
-    {
-      "arrays": records.params_to_record(update),
-      "metrics": MetricRecord(metrics),
-      "status": ConfigRecord({"status": "ok", "keys": keys}),
-    }
+    {"metrics": MetricRecord(metrics), "status": ConfigRecord({"status": "ok", "keys": keys})}
   )
+  if method_work.is_model(update, params0):  # FedAvg's wire: the model, packed
+    content["arrays"] = records.params_to_record(update)
+  else:
+    content["update"] = records.arrays_record(method_work.tree_to_arrays(update))
   return Message(content=content, reply_to=msg)
 
 

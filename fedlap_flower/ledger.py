@@ -17,8 +17,14 @@ also keeps the add/remove figure. Files (written atomically: temporary file,
 * ``privacy_journal.jsonl`` -- append-only, one line per spent round
   ``{"rounds", "steps", "epsilon", "time"}`` (rounds and noisy steps spent so
   far), each ``fsync``-ed: the high-water mark of the budget spent;
-* ``runs/<run_id>/synthetic.npz`` -- the synthetic images carried between
-  rounds (``synthetic_init='noise'``).
+* ``runs/<run_id>/synthetic.npz`` -- FedLAP's synthetic images carried between
+  rounds (``synthetic_init='noise'``);
+* ``runs/<run_id>/carried.npz`` -- another method's carried client state
+  (:attr:`fedlap_jax.method.Method.carried`: SCAFFOLD's control variate, a
+  synthetic set), its named arrays and the round it was kept after
+  (:meth:`ClientState.save_carried`); read back against the structure the
+  client computes itself, a file of other arrays, shapes or dtypes refused
+  (:meth:`ClientState.load_carried`).
 
 Round keys: under DP each round's key (Poisson sampling, augmentation, Gaussian
 noise) is drawn from the operating system's entropy (:func:`fresh_round_key`,
@@ -50,7 +56,7 @@ a new one, and each parent it needs, is created ``0700``. Every file in it is cr
 without following a link planted in its place: the ledger and the carried
 set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``
 (:func:`experiments.checkpointing.write_atomic`), the journal and the lock
-``O_NOFOLLOW``.
+``O_NOFOLLOW``; a carried state is read ``O_NOFOLLOW`` too.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ import os
 import secrets
 import stat
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +78,14 @@ import numpy as np
 
 from experiments.checkpointing import write_atomic, write_json_atomic
 from fedlap_jax import accounting
+from fedlap_jax.checks import ConfigError
+from fedlap_jax.method import Wire
 
 LEDGER_FILE = "privacy_ledger.json"
 JOURNAL_FILE = "privacy_journal.jsonl"
+# A method's carried client state per run (its named arrays and the round it was kept after).
+CARRIED_FILE = "carried.npz"
+CARRIED_ROUND = "__round__"
 # Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round;
 # the headline's neighbouring relation is recomputed from the recorded steps).
 FIXED_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size", "delta")
@@ -383,23 +395,85 @@ class ClientState:
     _HIGH_WATER[path] = max(_HIGH_WATER.get(path, (0, 0)), _spent(ledger))
     return eps
 
-  # -- the carried synthetic set ---------------------------------------------------
+  # -- carried state ---------------------------------------------------------------
 
-  def _synthetic_path(self, run_id) -> Path:
-    return self.directory / "runs" / str(run_id) / "synthetic.npz"
+  def _run_dir(self, run_id) -> Path:
+    return self.directory / "runs" / str(int(run_id))
+
+  def _save_arrays(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
+    for d in (path.parent.parent, path.parent):
+      d.mkdir(exist_ok=True, mode=DIRECTORY_MODE)
+    write_atomic(path, lambda f: np.savez(f, **arrays), mode=FILE_MODE)
+
+  def _load_arrays(self, path: Path) -> dict[str, np.ndarray] | None:
+    """The arrays of ``path`` (``None``: no file), read without following a link there.
+
+    Raises:
+      ConfigError: naming ``state-dir``: a link, or a file that is not an npz of plain arrays.
+    """
+    try:
+      fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+    except FileNotFoundError:
+      return None
+    except OSError as e:  # ELOOP: a link planted at the path
+      raise _carried_error(path, f"cannot be opened without following a link ({e})") from None
+    try:
+      with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as z:
+        return {k: np.asarray(z[k]) for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+      raise _carried_error(
+        path, f"is not an npz of plain arrays ({type(e).__name__}: {e})"
+      ) from None
+
+  def save_carried(self, run_id, server_round: int, arrays: dict[str, np.ndarray]) -> None:
+    """Keeps a client's carried state after ``server_round`` of run ``run_id``: its named
+    arrays (:func:`fedlap_flower.method_work.tree_to_arrays` of the carried fields), written
+    atomically ``0600`` (``runs/<run_id>/carried.npz``)."""
+    if CARRIED_ROUND in arrays:
+      raise ValueError(f"{CARRIED_ROUND!r} is reserved for the round in a carried state")
+    self._save_arrays(
+      self._run_dir(run_id) / CARRIED_FILE,
+      {**arrays, CARRIED_ROUND: np.asarray(int(server_round), np.int64)},
+    )
+
+  def load_carried(self, run_id, expected: Wire) -> tuple[int, dict[str, np.ndarray]] | None:
+    """``(round, arrays)`` of this client's carried state in run ``run_id`` (``None``: none kept).
+
+    Raises:
+      ConfigError: naming ``state-dir`` and the file: a link there, not an npz, no round, or
+        an array missing, unexpected, of another shape or dtype than ``expected``, or not
+        finite (:meth:`fedlap_jax.method.Wire.check`).
+    """
+    path = self._run_dir(run_id) / CARRIED_FILE
+    arrays = self._load_arrays(path)
+    if arrays is None:
+      return None
+    held = arrays.pop(CARRIED_ROUND, None)
+    if held is None or held.shape != () or not np.issubdtype(held.dtype, np.integer):
+      raise _carried_error(path, f"holds no round ({CARRIED_ROUND!r}, an integer)")
+    try:
+      expected.check(arrays)
+    except ConfigError as e:
+      raise _carried_error(path, f"holds {e.field!r} = {e.value!r}; allowed: {e.allowed}") from None
+    return int(held), arrays
 
   def load_synthetic(self, run_id) -> np.ndarray | None:
     """The images carried from this run's last round of this client, or None."""
-    path = self._synthetic_path(run_id)
-    if not path.exists():
-      return None
-    with np.load(path, allow_pickle=False) as f:
-      return np.asarray(f["x"])
+    arrays = self._load_arrays(self._run_dir(run_id) / "synthetic.npz")
+    return None if arrays is None else arrays["x"]
 
   def save_synthetic(self, run_id, server_round: int, x: np.ndarray) -> None:
-    path = self._synthetic_path(run_id)
-    for d in (path.parent.parent, path.parent):
-      d.mkdir(exist_ok=True, mode=DIRECTORY_MODE)
-    write_atomic(
-      path, lambda f: np.savez(f, x=np.asarray(x, np.float32), round=server_round), mode=FILE_MODE
+    self._save_arrays(
+      self._run_dir(run_id) / "synthetic.npz",
+      {"x": np.asarray(x, np.float32), "round": np.asarray(server_round)},
     )
+
+
+def _carried_error(path: Path, why: str) -> ConfigError:
+  return ConfigError(
+    "state-dir",
+    str(path),
+    "the carried state this client wrote",
+    message=f"state-dir: the carried state {path} {why}; refusing to compute from it. "
+    "Allowed: the file this client wrote in the run's earlier round",
+  )

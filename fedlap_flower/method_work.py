@@ -1,13 +1,23 @@
 """A registry method's round over Flower, generic over the method (no ``flwr``).
 
-The Flower app runs, besides FedLAP (:mod:`fedlap_flower.client_work`), every method of
-:data:`fedlap_jax.methods.REGISTRY` whose clients carry no state between rounds and send their
-model (FedAvg's wire, :func:`fedlap_jax.methods.fedavg.model_wire`): :func:`supported`. Nothing
-here names a method; the :class:`~fedlap_jax.method.Method` of ``cfg.method`` says what the
+The Flower app runs, besides FedLAP (:mod:`fedlap_flower.client_work`), every federated method
+of :data:`fedlap_jax.methods.REGISTRY` (:func:`supported`): FedSGD, FedAvg, FedProx, SCAFFOLD,
+FedAdam, DP-FedAvg, DP-FedProx, FedDM, DSC (federated) and PSG. Nothing here names a method; the :class:`~fedlap_jax.method.Method` of ``cfg.method`` says what the
 server's state is (:func:`initial_state`), what it sends (:attr:`Method.plan`'s message and each
 client's ``own`` inputs), what a client computes (:attr:`Method.client_step`) and what the
 server does with the replies (:attr:`Method.server_step`), so a round is the round of
 ``experiments.run`` (:func:`fedlap_jax.rounds.method_round`) cut at the wire.
+
+A method's carried client state (:attr:`Method.carried`: SCAFFOLD's ``c_k``, a synthetic set)
+stays with its client: before its first round the client computes its slot of the method's
+``init`` from its own records (:attr:`Method.client_init`), and keeps the state its step returns
+in its own state directory (:meth:`fedlap_flower.ledger.ClientState.save_carried`). The server
+holds none of it: its plan and step see the round's clients' fields as public stand-ins of
+their shapes (:func:`carried_standins`: every slot valid, images of a shape-only client), which
+no method's plan reads beyond their shapes and masks.
+
+The global model travels in its own record: a message's ``params`` field
+(:func:`without_model`, :func:`with_model`).
 
 Under DP (the method's mechanism) each client charges its own ledger and draws its own keys
 (:func:`fresh_keys`), as a FedLAP-DP client does (:mod:`fedlap_flower.client_app`); the server
@@ -29,14 +39,8 @@ import numpy as np
 
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RunFacts, Wire
-from fedlap_jax.methods import REGISTRY, fedavg
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.methods import fedlap as _fedlap
-
-
-def supported(method: Method) -> bool:
-  """Whether the generic strategy runs ``method``: federated, no carried client state, FedAvg's
-  wire (the client's model)."""
-  return method.federated and not method.carried and method.wire is fedavg.model_wire
 
 
 def has_own_strategy(method: Method) -> bool:
@@ -45,8 +49,19 @@ def has_own_strategy(method: Method) -> bool:
   return method is _fedlap.METHOD
 
 
+def supported(method: Method) -> bool:
+  """Whether the generic strategy runs ``method``: federated (not one pooled client), and its
+  clients can start their carried state themselves (:attr:`Method.client_init`) if it has one."""
+  return (
+    method.federated
+    and not has_own_strategy(method)
+    and (not method.carried or method.client_init is not None)
+  )
+
+
 METHODS = tuple(n for n, m in REGISTRY.items() if has_own_strategy(m) or supported(m))
-"""The methods a Flower run runs (in the registry's order): FedLAP's and those :func:`supported`."""
+"""The methods a Flower run runs (in the registry's order): FedLAP's and those :func:`supported`
+(every federated registry method)."""
 
 
 def method_of(cfg) -> Method:
@@ -68,23 +83,53 @@ def run_facts(cfg, facts, num_params: int) -> RunFacts:
 
 
 def _shape_only_clients(method: Method, config, facts: RunFacts) -> ClientData:
-  """Stacked clients of the run's shapes holding no records' values (broadcast zeros): what
+  """Stacked clients of the run's shapes holding no records' values (zero images): what
   :attr:`Method.init` reads of the clients (their count, image shape and sizes) without any
   party's records. Every client is as large as the largest (``max_client_size``, else the
-  expected batch)."""
+  expected batch) and owns the most classes any client owns (labels ``0, 1, ..`` in turn), so
+  a synthetic set has the run's public shape with every slot valid."""
   n = facts.max_client_size or max(1, int(method.batch_size(config)))
   k = facts.num_clients
-  zeros = np.zeros((), np.float32)
+  labels = np.arange(n, dtype=np.int32) % max(1, facts.max_classes_per_client)
   return ClientData(
-    np.broadcast_to(zeros, (k, n, *facts.image_shape)),
-    np.broadcast_to(np.zeros((), np.int32), (k, n)),
+    np.broadcast_to(np.zeros((), np.float32), (k, n, *facts.image_shape)),
+    np.broadcast_to(labels, (k, n)),
     np.broadcast_to(np.ones((), bool), (k, n)),
   )
 
 
 def initial_state(method: Method, config, params, k_alg: jax.Array, facts: RunFacts):
-  """The method's state before round 1 (``experiments.run``'s, from the algorithm key)."""
+  """The method's state before round 1 (``experiments.run``'s, from the algorithm key), its
+  carried client fields those of shape-only clients (:func:`carried_standins`)."""
   return method.init(k_alg, params, _shape_only_clients(method, config, facts), config, facts)
+
+
+def server_state(state, method: Method):
+  """``state`` without the carried client fields (``None``): the server holds none of them."""
+  return state._replace(**{f: None for f in method.carried})
+
+
+def carried_standins(state, method: Method) -> dict:
+  """``{field: leaves (K, ...)}``: :func:`initial_state`'s carried fields, public stand-ins of
+  the clients' own (their shapes; a synthetic set's slots all valid) that a plan and a server
+  step are given in their place."""
+  return {f: getattr(state, f) for f in method.carried}
+
+
+def with_standins(state, standins: dict, num: int):
+  """``state`` with the first ``num`` stand-ins of each carried field (the round's clients)."""
+  return state._replace(**{f: jax.tree.map(lambda a: a[:num], v) for f, v in standins.items()})
+
+
+def without_model(message):
+  """The message without its global model (it travels in the parameter record): its
+  ``params`` field set to ``None``; a message without one as it is."""
+  return message._replace(params=None) if "params" in getattr(message, "_fields", ()) else message
+
+
+def with_model(message, params):
+  """Inverse of :func:`without_model`."""
+  return message._replace(params=params) if "params" in getattr(message, "_fields", ()) else message
 
 
 def _is_key(leaf) -> bool:
@@ -99,12 +144,13 @@ def fresh_keys(own, draw):
 def tree_to_arrays(tree) -> dict[str, np.ndarray]:
   """``{name: array}`` of a pytree's leaves (names: :meth:`fedlap_jax.method.Wire.of`'s; a key
   leaf as its ``uint32`` words)."""
-  names = Wire.of(jax.tree.map(_shape_of, tree)).names()
+  names = Wire.of(jax.tree.map(shape_of, tree)).names()
   leaves = [jax.random.key_data(x) if _is_key(x) else x for x in jax.tree.leaves(tree)]
   return {n: np.asarray(x) for n, x in zip(names, leaves)}
 
 
-def _shape_of(leaf):
+def shape_of(leaf):
+  """A leaf's ``jax.ShapeDtypeStruct`` (a key leaf: of its ``uint32`` words)."""
   if _is_key(leaf):
     leaf = jax.random.key_data(leaf)
   a = leaf if hasattr(leaf, "dtype") else np.asarray(leaf)
@@ -118,13 +164,19 @@ def arrays_to_tree(arrays: Mapping[str, Any], template):
     fedlap_jax.checks.ConfigError: an array missing, unexpected, of another shape or dtype, or
       non-finite (:meth:`fedlap_jax.method.Wire.check`, naming it).
   """
-  wire = Wire.of(jax.tree.map(_shape_of, template))
+  wire = Wire.of(jax.tree.map(shape_of, template))
   wire.check(arrays)
   leaves = [
     jax.random.wrap_key_data(jnp.asarray(arrays[n])) if _is_key(t) else jnp.asarray(arrays[n])
     for n, t in zip(wire.names(), jax.tree.leaves(template))
   ]
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def is_model(update, params) -> bool:
+  """Whether a client update is a model (the parameters' structure: FedAvg's wire), which
+  travels packed (:func:`fedlap_flower.records.params_to_record`)."""
+  return jax.tree.structure(update) == jax.tree.structure(params)
 
 
 def update_arrays(update) -> dict[str, np.ndarray]:
@@ -141,12 +193,24 @@ def plan_fn(method: Method, num_clients: int, config):
 
 @functools.lru_cache(maxsize=8)
 def client_fn(method: Method, model: ModelFns, config):
-  """``(own, message, data) -> update``: the method's client step, jitted."""
+  """``(own, message, carried, data) -> (update, carried)``: the method's client step, jitted."""
 
-  def run(own, message, data):
-    return method.client_step(own, model, message, (), data, config).update
+  def run(own, message, carried, data):
+    result = method.client_step(own, model, message, carried, data, config)
+    return result.update, result.carried
 
   return jax.jit(run)
+
+
+def update_template(method: Method, model: ModelFns, config, message, own, carried, data):
+  """The structure, shapes and dtypes of a client's update (``jax.ShapeDtypeStruct`` leaves):
+  what a reply is read back into (nothing is computed)."""
+  return jax.eval_shape(client_fn(method, model, config), own, message, carried, data)[0]
+
+
+def shape_only_client(method: Method, config, facts: RunFacts) -> ClientData:
+  """One client of the run's largest shape (:func:`_shape_only_clients`' first)."""
+  return jax.tree.map(lambda a: a[0], _shape_only_clients(method, config, facts))
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,8 +21,11 @@ Train reply (client -> server):
   ``epsilon`` / ``max-epsilon``; without DP also ``num-examples`` and
   diagnostics); ``"status"`` (``status`` = ``ok`` | ``refused``, ``reason``,
   ``keys``). A refused round carries no arrays.
-* FedAvg: ``"arrays"`` (the client's parameters) and ``"metrics"``
-  (``num-examples``, ``partition-id``), as Flower's FedAvg expects.
+* FedAvg's wire (FedSGD, FedAvg, FedProx, FedAdam, DP-FedAvg, DP-FedProx): ``"arrays"``
+  (the client's parameters, packed) and ``"metrics"`` (``num-examples``, ``partition-id``),
+  as Flower's FedAvg expects. Another method's update (SCAFFOLD's model and ``delta c_k``,
+  FedDM's / DSC's / PSG's synthetic set) travels as ``"update"``: its arrays by the names of
+  the method's :class:`~fedlap_jax.method.Wire` (checked by :func:`record_to_wire`).
 
 Query message (server -> client): ``"config"`` (``server-round``, ``ask =
 "partition-id"``); the reply holds ``"metrics"`` with the client's
@@ -277,6 +280,36 @@ def arrays_record(arrays) -> ArrayRecord:
   """``{name: NumPy array}`` as an :class:`ArrayRecord` of the same names (a method's message
   or a client's ``own`` inputs, :func:`fedlap_flower.method_work.tree_to_arrays`)."""
   return ArrayRecord({str(k): Array(np.array(v, order="C")) for k, v in arrays.items()})
+
+
+def record_to_wire(record: ArrayRecord, wire, field: str = "update") -> dict:
+  """A received update's ``{name: array}`` in a method's :class:`~fedlap_jax.method.Wire`,
+  checked: exactly its names, each refused by its declared shape and dtype before its values
+  are read, then by its values (finite: :meth:`Wire.check`).
+
+  Raises:
+    fedlap_flower.replies.InvalidReply: naming the array (``field``: a record that holds others).
+  """
+  want = {f.name: f for f in wire.fields}
+  if set(record.keys()) != set(want):
+    raise replies.InvalidReply(
+      field,
+      f"the {field} record holds arrays {replies.short(sorted(record.keys()))}; allowed: "
+      f"{replies.short(sorted(want))}",
+    )
+  out = {}
+  for name, f in want.items():
+    shape = tuple(record[name].shape)
+    if shape != f.shape:
+      raise replies.InvalidReply(
+        name, f"{name} has shape {replies.short(shape)}; allowed: {f.shape}"
+      )
+    out[name] = _numpy(record, name, name, np.dtype(f.dtype), finite=False)
+  try:
+    wire.check(out)
+  except fl.ConfigError as e:
+    raise replies.InvalidReply(str(e.field), str(e)) from None
+  return out
 
 
 def record_to_arrays(record: ArrayRecord) -> dict:

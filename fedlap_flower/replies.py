@@ -40,6 +40,16 @@ The bounds, and why an honest client stays inside them:
   not clipped and no bound follows from the config: the delta is checked
   for shape and finiteness only (and the server refuses a non-finite
   update).
+* **Model of a FedAvg-wire method** (:func:`update_norm_rule`, the run config's
+  ``max-update-norm``): ``||w_k - w_g||`` at most the round's bound. By default (and with
+  ``'auto'``) it is the method's own (:attr:`fedlap_jax.method.Method.update_bound`): for
+  DP-FedAvg / DP-FedProx, whose clients take ``T`` plain-SGD steps on noisy clipped Poisson
+  batches, :func:`fedlap_jax.update_bounds.local_sgd_update_bound` at the round's ``eta_m``,
+  which an honest reply exceeds with probability below
+  :data:`fedlap_jax.update_bounds.FALSE_REFUSAL` (Bernstein's inequality for the batches,
+  Laurent and Massart's chi-square tail for the noise). A reply above it is refused (never
+  clipped) with its norm and the bound in its report. Without DP nothing bounds an honest
+  client's step, so there is no bound unless the run config gives a number.
 * **Metrics** (:func:`scalar`): one int or float each (no lists, strings,
   bools), finite, every one bounded above and below:
 
@@ -68,9 +78,12 @@ The bounds, and why an honest client stays inside them:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
+import jax
 import numpy as np
+
+from fedlap_jax.checks import ConfigError
 
 # |x| of an accepted synthetic image is at most this times the largest |pixel| of the
 # normalised test split (at least 1).
@@ -346,3 +359,62 @@ def check_delta_norm(flat: Mapping[str, np.ndarray], max_norm: float | None) -> 
       "an honest client's eta_m, clip, noise and radius allow",
     )
   return norm
+
+
+# ----------------------------------------------------------------------------
+# The model of a FedAvg-wire reply.
+# ----------------------------------------------------------------------------
+
+
+def update_norm_rule(setting, method, config, facts) -> Callable[[Any], float | None]:
+  """``message -> bound`` (``None``: no bound) of ``max-update-norm`` for ``method``'s rounds.
+
+  Args:
+    setting: the checked run-config value: a float, ``'auto'``, ``''`` (the default) or
+      ``None`` (``'none'``).
+    method: the :class:`fedlap_jax.method.Method` (its :attr:`update_bound`).
+    config, facts: its library config and :class:`~fedlap_jax.method.RunFacts`.
+
+  Raises:
+    ConfigError: ``'auto'`` where the method derives no bound from ``config`` (no DP, or a
+      client optimiser it cannot bound), naming ``max-update-norm``.
+  """
+  if setting is None:
+    return lambda message: None
+  if not isinstance(setting, str):
+    return lambda message: float(setting)
+  derived = None if method.update_bound is None else method.update_bound(config, facts)
+  if derived is not None:
+    return derived
+  if setting == "auto":
+    raise ConfigError(
+      "max-update-norm",
+      "auto",
+      "a number > 0, 'none' or '' (the default)",
+      message=f"max-update-norm='auto' is invalid for method={method.name!r}: no bound on an "
+      "honest client's update follows from its config (it needs DP's clipped, noised local "
+      "SGD: dp_fedavg, dp_fedprox); allowed: a number > 0, 'none' (no bound) or '' (the "
+      "default)",
+    )
+  return lambda message: None
+
+
+def update_norm(update, params) -> float:
+  """``||update - params||`` over every leaf, in float64 (the arrays are the model's)."""
+  pairs = zip(jax.tree.leaves(update), jax.tree.leaves(params))
+  return math.sqrt(
+    math.fsum(
+      float(np.sum(np.square(np.asarray(u, np.float64) - np.asarray(p, np.float64))))
+      for u, p in pairs
+    )
+  )
+
+
+def check_update_norm(norm: float, bound: float | None) -> None:
+  """Refuses a reply whose ``||w_k - w_g||`` is ``norm`` above ``bound`` (``None``: none)."""
+  if bound is not None and not norm <= bound:
+    raise InvalidReply(
+      "update-norm",
+      f"update-norm={norm:.6g} (||w_k - w_g||) is invalid; allowed: at most max-update-norm="
+      f"{bound:.6g}, what an honest client's learning rate, steps, clip and noise allow",
+    )

@@ -1,4 +1,4 @@
-"""The ``ServerApp``: FedLAP / FedLAP-DP (or a registry method of FedAvg's wire) for ``cfg.rounds`` rounds.
+"""The ``ServerApp``: FedLAP / FedLAP-DP (or another federated registry method) for ``cfg.rounds`` rounds.
 
 It builds the run exactly as ``experiments.run`` does (:mod:`experiments.build`: the
 library config, the DP mechanism with ``dp.target_epsilon`` calibrated at the smallest
@@ -16,8 +16,10 @@ server then continues that run (same config and overrides, not finished)
 after its last completed round, from the parameters, key chain and pins of
 ``server_state.npz`` (:mod:`fedlap_flower.server_state`). The resumed run is
 a new Flower run: each DP client's ledger charges the rounds it computes (a
-round redone after a stop is charged again), and carried synthetic images
-(``synthetic_init='noise'``) start afresh from the clients' initial images.
+round redone after a stop is charged again), and FedLAP's carried synthetic images
+(``synthetic_init='noise'``) start afresh from the clients' initial images. A method whose
+clients carry state of their own (SCAFFOLD, FedDM, DSC, PSG) refuses ``resume = true``: its
+clients keep that state per Flower run and would refuse to start it afresh.
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   The run is built as ``experiments.run`` builds it (:func:`fedlap_flower.task.server_run`):
   its library config, its DP mechanism with ``dp.target_epsilon`` calibrated, the model and
   the key chain."""
+  method = method_work.method_of(run.cfg)
+  if run.resume and method_work.supported(method) and method.carried:
+    raise settings.SettingsError(
+      "resume",
+      True,
+      "resume = false (a new run) for a method whose clients carry state",
+      message=f"resume=true is invalid for method={run.cfg.method!r}: its clients carry "
+      f"{', '.join(method.carried)} between rounds, kept per Flower run, and a resumed run is "
+      "a new Flower run, whose clients hold none of the stopped one's (they would refuse "
+      "every round rather than start it afresh). Allowed: resume = false, a new run",
+    )
   task.enable_compilation_cache()
   t0 = time.time()
   plan, start, test = task.server_run(run.cfg, settings.server_data(run.cfg))
@@ -113,19 +126,25 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     model_bytes=model_bytes,
     template=params,
     partition_keys=run.partition_keys,
-    chain_key=start.chain_key(plan.entry),
+    # None: the method's own init derives its chain key (MethodStrategy's state holds it)
+    chain_key=None if plan.entry.chain_key is None else start.chain_key(plan.entry),
   )
-  method = method_work.method_of(cfg)
+  max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))
   if method_work.supported(method):
+    from experiments import methods  # pylint: disable=g-import-not-at-top
+
     strategy = strategy_lib.MethodStrategy(
       **shared,
       method=method,
       method_config=plan.config,
       facts=method_work.run_facts(cfg, plan.facts, start.model.num_params),
-      apply_fn=apply_fn,
+      model=methods.model_fns(start.model, test.image_shape),
       k_alg=start.k_alg,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
       max_epsilon=run.max_epsilon,
+      max_update_norm=run.max_update_norm,
+      num_classes=test.num_classes,
+      max_image_abs=max_image_abs,
     )
   else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy)
     strategy = strategy_lib.FedLAP(
@@ -135,7 +154,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
       image_shape=test.image_shape,
       num_classes=test.num_classes,
-      max_image_abs=run.max_image_abs or replies.image_bound(largest_pixel(test)),
+      max_image_abs=max_image_abs,
       max_epsilon=run.max_epsilon,
     )
   if state is not None:

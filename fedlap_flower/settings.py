@@ -41,6 +41,16 @@ key                             meaning
 ``max-image-abs``               largest ``|x|`` of a synthetic image the server
                                 accepts (0: 1000 x the normalised test split's
                                 largest ``|pixel|``; :mod:`fedlap_flower.replies`)
+``max-update-norm``             largest ``||w_k - w_g||`` of a FedAvg-wire reply
+                                the server accepts: a number > 0, ``'auto'``
+                                (derived from the DP mechanism and the client's
+                                SGD, :func:`fedlap_jax.update_bounds.local_sgd_update_bound`;
+                                refused where none is derivable), ``'none'`` (no
+                                bound: one client moves the mean anywhere), or
+                                ``''`` (default: ``'auto'`` where derivable, i.e.
+                                DP-FedAvg / DP-FedProx, else ``'none'``);
+                                FedLAP's replies have their own bounds, so only
+                                ``''`` is allowed for them
 ``unsafe-dp-keys-from-server``  TEST ONLY: DP clients use the server's round
                                 keys (the server could remove the noise);
                                 also needs the client's consent, the
@@ -127,6 +137,7 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
   "max-epsilon": math.inf,
   "partition-keys": "",
   "max-image-abs": 0.0,
+  "max-update-norm": "",
   "unsafe-dp-keys-from-server": False,
   # Checked by the node before the ClientApp runs (fedlap_flower.runtime.run_signature).
   "signer": "",
@@ -175,6 +186,8 @@ OVERRIDABLE = (
   "dp.",
   "model.",
   "baseline.",
+  "feddm.",
+  "condense.",
   "method",
   "seed",
   "rounds",
@@ -203,6 +216,12 @@ OVERRIDABLE = (
 )
 # data.source values of a Flower run: no path (subset:NAME is a fixed file of the data cache).
 PATHLESS_SOURCES = ("tfds", "sklearn", "subset:NAME")
+# max-update-norm's words: the default, a bound derived from the config, no bound.
+UPDATE_NORM_WORDS = ("", "auto", "none")
+UPDATE_NORM_ALLOWED = (
+  "a number > 0, 'auto' (derived from the DP mechanism and the client's SGD), 'none' (no "
+  "bound), or '' (the default: 'auto' where a bound is derivable, else 'none')"
+)
 # FedLAP (its own strategy) and every registry method the generic strategy runs.
 METHODS = _method_work.METHODS
 
@@ -329,7 +348,9 @@ def load_config(name: str, overrides: str = ""):
     _fail(
       "config",
       f"{name} (method={cfg.method!r})",
-      f"a config whose method is one of {METHODS}; the other baselines run with experiments.run",
+      f"a config whose method is one of {METHODS} (every federated method); a method that "
+      "pools every client's records in one place is not federated and runs with "
+      "experiments.run",
     )
   return cfg, label
 
@@ -386,6 +407,7 @@ class RunSettings:
   partition_keys: Mapping[str, int] = dataclasses.field(default_factory=dict)
   max_image_abs: float = 0.0
   resume: bool = False
+  max_update_norm: float | str | None = ""
 
   @property
   def num_clients(self) -> int:
@@ -460,6 +482,14 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   max_image = rc["max-image-abs"]
   if not is_real(max_image) or not 0 <= max_image:
     _fail("max-image-abs", max_image, "a finite number > 0, or 0 for the default bound")
+  max_update = _update_norm(rc["max-update-norm"])
+  if max_update != "" and _method_work.has_own_strategy(_method_work.method_of(cfg)):
+    _fail(
+      "max-update-norm",
+      rc["max-update-norm"],
+      f"'' for method={cfg.method!r} (FedLAP's replies are bounded by their own checks: "
+      "max-image-abs, and the delta bound of server.start='fedavg_delta')",
+    )
   run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
   return RunSettings(
     rc["config"],
@@ -475,7 +505,17 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
     partition_keys,
     float(max_image),
     rc["resume"],
+    max_update,
   )
+
+
+def _update_norm(value) -> float | str | None:
+  """``max-update-norm`` checked: a float > 0, ``'auto'``, ``''`` or ``None`` (``'none'``)."""
+  if isinstance(value, str) and value in UPDATE_NORM_WORDS:
+    return None if value == "none" else value
+  if is_real(value) and value > 0:
+    return float(value)
+  _fail("max-update-norm", value, UPDATE_NORM_ALLOWED)
 
 
 @dataclasses.dataclass(frozen=True)

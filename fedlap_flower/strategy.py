@@ -1,4 +1,4 @@
-"""Server strategies: FedLAP / FedLAP-DP, and the registry's FedAvg-wire methods, on the library's server steps.
+"""Server strategies: FedLAP / FedLAP-DP, and the registry's other federated methods, on the library's server steps.
 
 Who is asked (:class:`Participation`, both strategies): each round waits up
 to ``join-timeout`` for all ``K`` clients to be connected (and up to
@@ -47,19 +47,31 @@ refused: the previous global model is kept, the round is logged with
   descent starts from ``w_g`` plus the usable clients' deltas averaged with
   the server's weights, as ``experiments.run`` does.
 
-:class:`MethodStrategy` runs every other method of the Flower app: a registry method
-(:data:`fedlap_jax.methods.REGISTRY`) of FedAvg's wire, generic over it
+:class:`MethodStrategy` runs every other method of the Flower app: any federated registry
+method (:data:`fedlap_jax.methods.REGISTRY`), generic over it
 (:mod:`fedlap_flower.method_work`; :data:`fedlap_flower.settings.METHODS`). Its server state is
 the method's own (its :attr:`~fedlap_jax.method.Method.init` before round 1, e.g. FedAdam's Adam
-state, saved with ``server_state.npz`` and restored on resume); each round it runs the method's
-plan (the key chain and the learning rate of ``experiments.run``), sends every asked node the
-global parameters, the plan's message and that client's own inputs (its key), and aggregates
-the models of the replies that fit (the model's paths, shapes and dtypes, finite values, the
-method's wire format, ``num-examples`` an int >= 1, the node's ``partition-id``) with the
-method's server step (FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``;
-FedAdam: Adam on the mean delta), so a round equals ``experiments.run``'s; the test evaluation
-is logged the same way. Local SGD is not clipped, so no config-derived bound limits a client's
-model: a client moves the mean by its weight share, as in FedAvg itself.
+state or SCAFFOLD's server variate, saved with ``server_state.npz`` and restored on resume),
+without the clients' carried fields (each client keeps its own; the plan and the server step
+see public stand-ins of their shapes, :func:`fedlap_flower.method_work.carried_standins`); each
+round it runs the method's plan (the key chain and the learning rate of ``experiments.run``),
+sends every asked node the global parameters, the plan's message and that client's own inputs
+(its key), and aggregates the updates of the replies that fit with the method's server step
+(FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``; FedAdam: Adam on the mean
+delta; FedDM / DSC / PSG: training on the union of the synthetic sets), so a round equals
+``experiments.run``'s; the test evaluation is logged the same way. A reply fits when it holds
+the method's update in its wire format (a model packed in ``arrays``: its paths, shapes and
+dtypes; any other update in ``update``, by the wire's names, each array refused by its declared
+shape and dtype before its values are read; finite values), a synthetic set passing FedLAP's
+checks (:func:`fedlap_flower.replies.check_synthetic`, labels pinned per partition),
+``num-examples`` an int >= 1 and the node's ``partition-id``. A model reply's ``||w_k - w_g||``
+must also be at most the round's bound (the run config's ``max-update-norm``,
+:func:`fedlap_flower.replies.update_norm_rule`): by default, under DP, the method's own bound on
+an honest client's noisy clipped SGD, which an honest reply exceeds with probability below
+1e-9; a reply above it is refused (its norm and the bound in its report), never clipped.
+Without DP, local SGD is not clipped, so no config-derived bound limits a client's model unless
+the run config gives one: a client then moves the mean by its weight share times whatever it
+sends. The bound applies to model replies only (a number for another wire is refused).
 """
 
 from __future__ import annotations
@@ -85,7 +97,8 @@ from fedlap_flower import method_work, records, replies, server_state, server_wo
 from fedlap_flower import settings as settings_lib
 from fedlap_jax import federated
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.method import ModelFns
+from fedlap_jax.client_data import SyntheticSet
+from fedlap_jax.method import Wire
 
 # The longest client-supplied text kept in a report (a reason, a status).
 MAX_TEXT = 2000
@@ -313,6 +326,25 @@ def _check_pinned(binding: binding_lib.PartitionBinding, pid: int, num_examples)
     binding.check_pinned(pid, "num-examples", num_examples)
   except ValueError as e:
     raise replies.InvalidReply("num-examples", str(e)) from None
+
+
+def _check_pinned_labels(pinned, synthetic) -> None:
+  """Refuses a synthetic set whose ``y`` / ``mask`` differ from ``pinned`` (the partition's
+  first accepted ones; ``None``: none yet)."""
+  if pinned is not None and not (
+    np.array_equal(pinned[0], synthetic.y) and np.array_equal(pinned[1], synthetic.mask)
+  ):
+    raise replies.InvalidReply(
+      "y",
+      "y / mask differ from this partition's earlier replies; "
+      "allowed: the synthetic labels fixed for the run",
+    )
+
+
+def _synthetic_sets(update) -> list:
+  """The synthetic sets an update holds (:class:`fedlap_jax.SyntheticSet` nodes)."""
+  is_set = lambda t: isinstance(t, SyntheticSet)  # noqa: E731
+  return [t for t in jax.tree.leaves(update, is_leaf=is_set) if is_set(t)]
 
 
 def _guarded_update(run: Callable, previous, evaluate, what: str, no_metrics):
@@ -701,15 +733,7 @@ class FedLAP(Resumable, Strategy):
     _check_pinned(self.participation.binding, pid, num_examples)
     replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
     synthetic = records.record_to_synthetic(content.array_records["synthetic"], self.limits)
-    pinned = self._labels.get(pid)
-    if pinned is not None and not (
-      np.array_equal(pinned[0], synthetic.y) and np.array_equal(pinned[1], synthetic.mask)
-    ):
-      raise replies.InvalidReply(
-        "y",
-        "y / mask differ from this partition's earlier replies; "
-        "allowed: the synthetic labels fixed for the run",
-      )
+    _check_pinned_labels(self._labels.get(pid), synthetic)
     delta = None
     if self.with_deltas:
       if "delta" not in content.array_records:
@@ -885,7 +909,7 @@ class FedLAP(Resumable, Strategy):
 
 
 class MethodStrategy(Resumable, FedAvg):
-  """Flower's FedAvg messages around a registry method of FedAvg's wire (the module docstring;
+  """Flower's FedAvg messages around a federated registry method (the module docstring;
   :mod:`fedlap_flower.method_work`): the server's state, plan and step are the method's."""
 
   def __init__(
@@ -902,12 +926,15 @@ class MethodStrategy(Resumable, FedAvg):
     run_log: RunLog,
     model_bytes: int,
     template,
-    apply_fn,
+    model,
     k_alg,
     unsafe_dp_keys_from_server: bool = False,
     max_epsilon: float = math.inf,
     partition_keys=None,
     chain_key=None,
+    max_update_norm: float | str | None = "",
+    num_classes: int = 10,
+    max_image_abs: float = replies.IMAGE_RANGE_FACTOR,
   ):
     super().__init__(
       fraction_train=1.0,
@@ -919,10 +946,12 @@ class MethodStrategy(Resumable, FedAvg):
     self.cfg = cfg
     self.method = method
     self.mc = method_config
-    self.model = ModelFns(apply_fn)
+    self.model = model  # ModelFns: apply_fn (and FedDM's embed_fn, DSC / PSG's init_fn)
     self.template = template  # the model's layout: parameter records travel packed
     self.facts = facts
     self.wire = method.wire(method_config, template, facts)
+    # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
+    self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
     # DP at the edge: each client charges its own ledger and draws its own keys.
     self.dp = method.mechanism(method_config) is not None
     self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
@@ -941,9 +970,69 @@ class MethodStrategy(Resumable, FedAvg):
       round_timeout=round_timeout,
       join_timeout=join_timeout,
     )
-    self.state = method_work.initial_state(method, method_config, template, k_alg, facts)
+    full = method_work.initial_state(method, method_config, template, k_alg, facts)
+    # The clients keep their carried state; the plan and step see public stand-ins.
+    self._standins = method_work.carried_standins(full, method)
+    self.state = method_work.server_state(full, method)
+    self.update_template = self._update_template(facts)
+    self.packed = method_work.is_model(self.update_template, template)
+    if not self.packed and max_update_norm not in ("", None):
+      raise ConfigError(
+        "max-update-norm",
+        max_update_norm,
+        "'' (the default) or 'none'",
+        message=f"max-update-norm={max_update_norm!r} bounds ||w_k - w_g|| of a reply that is "
+        f"the client's model; method={method.name!r} sends another update (its wire: "
+        f"{', '.join(self.wire.names())}), so the bound would check nothing. Allowed: '' (the "
+        "default) or 'none'",
+      )
+    # A synthetic set's checks (FedLAP's): ipc slots per class, S = ipc * the most classes.
+    self.limits = None
+    sets = _synthetic_sets(self.update_template)
+    if sets and facts.max_classes_per_client < 1:
+      raise ConfigError(
+        "data",
+        "data the server does not know the clients' classes of",
+        "the config's named data and partition",
+        message=f"method={method.name!r} sends synthetic sets of ipc slots per class of the "
+        "client owning the most classes, a fact of the config's named partition; this "
+        "server reads its own data and knows no client's classes. Allowed: the config's "
+        "named data (no server data file), or a method that sends no synthetic set",
+      )
+    if sets:
+      s = int(sets[0].x.shape[0])
+      self.limits = replies.SyntheticLimits(
+        tuple(facts.image_shape),
+        int(num_classes),
+        s // max(1, facts.max_classes_per_client),
+        float(max_image_abs),
+      )
+    if sorted(Wire.of(self.update_template).fields) != sorted(self.wire.fields):
+      raise ConfigError(
+        "method",
+        method.name,
+        "a method whose client step returns the update its wire declares",
+        message=f"method={method.name!r}: its client step returns "
+        f"{Wire.of(self.update_template).fields}, its wire declares {self.wire.fields}",
+      )
+    self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._t0 = time.time()
     self._round: dict[str, Any] = {}
+
+  def _update_template(self, facts):
+    """The structure of a client's update, from one client's public stand-ins (nothing run)."""
+    state = method_work.with_standins(self.state, self._standins, 1)
+    plan = method_work.plan_fn(self.method, 1, self.mc)(state)
+    carried = tuple(jax.tree.map(lambda a: a[0], v) for v in self._standins.values())
+    return method_work.update_template(
+      self.method,
+      self.model,
+      self.mc,
+      plan.message,
+      jax.tree.map(lambda a: a[0], plan.own),
+      carried,
+      method_work.shape_only_client(self.method, self.mc, facts),
+    )
 
   @property
   def _chain(self):
@@ -957,7 +1046,7 @@ class MethodStrategy(Resumable, FedAvg):
         server_round,
         params,
         self.state.key,
-        {},
+        self._labels,
         getattr(self, "_epsilon", {}),
         self.participation.binding.pins,
         extra,
@@ -973,6 +1062,7 @@ class MethodStrategy(Resumable, FedAvg):
       params=state.params, key=state.chain, round=self.state.round + int(state.round)
     )
     self._epsilon = dict(state.epsilon)
+    self._labels = dict(state.labels)
     self.participation.binding.restore_pins(state.pins)
 
   def configure_train(self, server_round, arrays, config, grid):
@@ -980,9 +1070,11 @@ class MethodStrategy(Resumable, FedAvg):
     asked, chosen, reports = self.participation.select(grid, server_round)
     params = records.record_to_params(arrays, self.template)
     num = len(chosen)
-    state = self.state._replace(params=params, round=jnp.int32(server_round - 1))
+    state = method_work.with_standins(
+      self.state._replace(params=params, round=jnp.int32(server_round - 1)), self._standins, num
+    )
     plan = method_work.plan_fn(self.method, num, self.mc)(state)
-    message_arrays = method_work.tree_to_arrays(plan.message._replace(params=None))
+    message_arrays = method_work.tree_to_arrays(method_work.without_model(plan.message))
     messages = []
     for node in sorted(asked):
       slot = chosen.index(asked[node])
@@ -1003,6 +1095,7 @@ class MethodStrategy(Resumable, FedAvg):
       messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
     self._t0 = time.time()
     self._round = {
+      "max_update_norm": self.update_bound(plan.message),
       "asked": asked,
       "chosen": chosen,
       "reports": reports,
@@ -1038,13 +1131,14 @@ class MethodStrategy(Resumable, FedAvg):
       if status.get("reason"):
         report["reason"] = _text(status["reason"])
       return None
-    allowed = {self.arrayrecord_key, "metrics", "status"}
+    update_key = self.arrayrecord_key if self.packed else "update"
+    allowed = {update_key, "metrics", "status"}
     extra = sorted(set(content.keys()) - allowed)
-    if extra or self.arrayrecord_key not in content.array_records:
+    if extra or update_key not in content.array_records:
       raise replies.InvalidReply(
         "reply",
         f"the reply holds records {replies.short(sorted(content.keys()))}; "
-        f"allowed: {self.arrayrecord_key!r}, 'metrics' and 'status'",
+        f"allowed: {update_key!r}, 'metrics' and 'status'",
       )
     known = (
       {"partition-id", "epsilon", "max-epsilon", "dp-steps"}
@@ -1063,16 +1157,27 @@ class MethodStrategy(Resumable, FedAvg):
     num_examples = None if self.dp else replies.check_num_examples(metrics, required=True)
     _check_pinned(self.participation.binding, report["partition_id"], num_examples)
     eps = replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
-    update = records.record_to_like(
-      content.array_records[self.arrayrecord_key], self._round["params"], what="model"
-    )
-    try:  # the method's own wire format (names, shapes, dtypes, finite values)
-      self.wire.check(method_work.update_arrays(update))
-    except ConfigError as e:
-      raise replies.InvalidReply(str(e.field), str(e)) from None
-    report.update(
-      status="ok", upload_bytes=records.raw_bytes(content.array_records[self.arrayrecord_key])
-    )
+    record = content.array_records[update_key]
+    if self.packed:  # the model, packed
+      update = records.record_to_like(record, self._round["params"], what="model")
+      try:  # the method's own wire format (names, shapes, dtypes, finite values)
+        self.wire.check(method_work.update_arrays(update))
+      except ConfigError as e:
+        raise replies.InvalidReply(str(e.field), str(e)) from None
+      bound = self._round.get("max_update_norm")
+      if bound is not None:  # in the report, refused or not
+        report.update(
+          update_norm=replies.update_norm(update, self._round["params"]), max_update_norm=bound
+        )
+        replies.check_update_norm(report["update_norm"], bound)
+    else:  # the method's update by the names of its wire
+      arrays = records.record_to_wire(record, self.wire)
+      update = method_work.arrays_to_tree(arrays, self.update_template)
+    for synthetic in _synthetic_sets(update):  # FedLAP's checks of a synthetic set
+      x, y, mask = (np.asarray(a) for a in synthetic)
+      replies.check_synthetic(x, y, mask, self.limits)
+      _check_pinned_labels(self._labels.get(report["partition_id"]), SyntheticSet(x, y, mask))
+    report.update(status="ok", upload_bytes=records.raw_bytes(record))
     return report["partition_id"], update, num_examples, eps
 
   def aggregate_train(self, server_round, replies_in):
@@ -1086,9 +1191,11 @@ class MethodStrategy(Resumable, FedAvg):
         f"round {server_round}: {len(ok)} usable client replies, fewer than "
         f"min-clients={self.min_clients}"
       )
-    for pid, _, n, _ in ok:
+    for pid, update, n, _ in ok:
       if n is not None:
         self.participation.binding.pin(pid, "num-examples", n)
+      for synthetic in _synthetic_sets(update)[:1]:  # its labels are fixed for the run
+        self._labels.setdefault(pid, (np.asarray(synthetic.y), np.asarray(synthetic.mask)))
     # Published: the epsilons of accepted replies only, each the client's own report.
     this_round = {u[0]: u[3] for u in ok if u[3] is not None}
     for pid, eps in this_round.items():
@@ -1112,7 +1219,9 @@ class MethodStrategy(Resumable, FedAvg):
     params, new_state, refused, loss, acc = _guarded_update(
       update, self._round["params"], self.evaluate, "aggregate", state
     )
-    self.state = new_state._replace(round=jnp.int32(server_round), key=plan.next_key)
+    self.state = method_work.server_state(
+      new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
+    )
     arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
     for r in reports:

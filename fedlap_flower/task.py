@@ -174,11 +174,15 @@ class ClientRun(NamedTuple):
     model: its :class:`experiments.build.Model` (``params``: the initial global model, the
       layout the parameters of a message unpack into).
     partition: its :class:`Partition`.
+    k_alg: the algorithm's key of the seed (:class:`experiments.build.Init`): what a client
+      that keeps its own carried state starts it from
+      (:attr:`fedlap_jax.method.Method.client_init`).
   """
 
   plan: Any
   model: Any
   partition: Partition
+  k_alg: Any = None
 
 
 def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
@@ -273,7 +277,9 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
       fingerprint,
     )
     # The run's data stays with the caller's plan (the other partitions are not kept here).
-    return ClientRun(p._replace(data=build.Data(None, None, p.facts)), start.model, part)
+    return ClientRun(
+      p._replace(data=build.Data(None, None, p.facts)), start.model, part, start.k_alg
+    )
   x, y, scale, offset, num_classes = load_own_data(cfg, data_path)
   labels, mask = fl.synthetic_labels([y], ipc)
   if cfg.client.batch_size > len(y):
@@ -313,7 +319,7 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
     num_classes,
     fingerprint,
   )
-  return ClientRun(p, start.model, part)
+  return ClientRun(p, start.model, part, start.k_alg)
 
 
 # Normalisations a client holding only its own records can apply exactly as the

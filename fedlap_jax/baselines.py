@@ -27,8 +27,10 @@ and the Flower app's FedAvg both run exactly these two.
 
 Optimisers. The client's local steps and the server's step are SGD written out by
 default; any optax direction (:mod:`fedlap_jax.optim`: the transformation before the rate)
-may replace either (``client_optimizer`` / ``server_optimizer`` of :func:`baseline_round`
-and :func:`algorithm`). The client's state starts afresh every round on every client; the
+may replace either: as config values, :class:`BaselineConfig`'s ``client_optimizer`` and
+``server_optimizer`` (:class:`fedlap_jax.optim.Optimizer` specs, plain SGD by default), or as
+any optax transformation, the ``client_optimizer`` / ``server_optimizer`` of
+:func:`baseline_round` and :func:`algorithm` (used in place of the specs). The client's state starts afresh every round on every client; the
 server's (FedOpt: Reddi et al., ICLR 2021) acts on the negated weighted mean delta ``-sum_k
 w_k (y_k - x)`` at rate ``server_lr`` and is carried across rounds in
 :attr:`BaselineState.opt_state` (``optax.scale_by_adam()`` there is FedAdam's server).
@@ -356,6 +358,13 @@ class BaselineConfig:
       from ``dp``; one that sets them must set ``dp``'s values.
     lr_schedule: ``cosine`` (reference) or ``cosine_open`` (no zero-rate last
       round; :func:`~fedlap_jax.training.cosine_learning_rate`).
+    client_optimizer: the direction of the clients' local steps at ``eta_m``
+      (:class:`~fedlap_jax.optim.Optimizer`; its state fresh per client and round). Default
+      plain SGD, written out (``w - eta_m g``).
+    server_optimizer: the server's direction at ``server_lr`` on the negated weighted mean
+      delta (FedOpt: ``name='adam'`` / ``'yogi'`` / ``'adagrad'`` are FedAdam / FedYogi /
+      FedAdagrad; its state carried across rounds in :attr:`BaselineState.opt_state`).
+      Default plain SGD, written out (``x + server_lr d``).
   """
 
   method: str
@@ -366,9 +375,14 @@ class BaselineConfig:
   local: LocalTraining = dataclasses.field(default_factory=LocalTraining)
   dp: DPConfig | None = None
   lr_schedule: str = "cosine"
+  client_optimizer: optim.Optimizer = optim.SGD
+  server_optimizer: optim.Optimizer = optim.SGD
 
   def __post_init__(self):
     one_of("method", self.method, METHODS)
+    for f in ("client_optimizer", "server_optimizer"):
+      v = getattr(self, f)
+      require(isinstance(v, optim.Optimizer), f, v, "a fedlap_jax.optim.Optimizer")
     facts = BASELINE_FACTS[self.method]  # what the name implies
     private = facts.private
     require(is_int(self.rounds) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
@@ -709,14 +723,16 @@ def client_step(
 
   :func:`client_update` with ``config.local``; ``num_steps`` (the static
   ``T``) defaults to ``config.local.scheduled_steps`` of the padded client
-  size ``data.mask.shape[0]``; ``optimizer``: the local steps' direction (``None``: SGD;
-  :func:`client_update`). Pure and jit-compatible (``config`` static).
+  size ``data.mask.shape[0]``; ``optimizer``: the local steps' direction (``None``:
+  ``config.client_optimizer``'s, SGD written out by default; :func:`client_update`). Pure and jit-compatible (``config`` static).
   The counterpart of :func:`server_step`; :func:`baseline_round` runs both.
   NumPy arguments are copied to the device first (:func:`~fedlap_jax.client_data.on_device`).
   """
   key, params, data, correction = on_device(key, params, data, correction)
   if num_steps is None:
     num_steps = config.local.scheduled_steps(data.mask.shape[0])
+  if optimizer is None:
+    optimizer = optim.written_out_or(config.client_optimizer)
   return client_update(
     key,
     apply_fn,
@@ -750,8 +766,8 @@ def server_step_with_state(
 ) -> tuple[PyTree, optax.OptState, jax.Array]:
   """The server's step on the weighted mean delta ``d = sum_k w_k (y_k - x)``, ``sum_k w_k = 1``.
 
-  Default (``optimizer=None``): FedAvg's ``x + eta_s d``, written out; ``opt_state`` comes
-  back unchanged. Otherwise one step of ``optim.with_rate(optimizer, eta_s)`` on the
+  Default (``optimizer=None``): ``config.server_optimizer``'s direction; for plain SGD (its
+  default) FedAvg's ``x + eta_s d``, written out, ``opt_state`` back unchanged. Otherwise one step of ``optim.with_rate(optimizer, eta_s)`` on the
   pseudo-gradient ``-d`` from ``opt_state`` (FedOpt; :func:`fedlap_jax.optim.sgd` gives
   ``x + eta_s d`` again, bit for bit).
 
@@ -764,7 +780,7 @@ def server_step_with_state(
     num_records: ``(K,)`` the clients' ``N_k``; required with ``weighting='size'``
       (:func:`fedlap_jax.dispatch.client_weights`).
     optimizer: the server's direction (an ``optax.GradientTransformation`` before the rate;
-      static under jit, hashes by identity).
+      static under jit, hashes by identity), in place of ``config.server_optimizer``.
 
   Returns:
     ``(new_params, opt_state, w)``: the new global model, the optimiser's new state and the
@@ -777,6 +793,8 @@ def server_step_with_state(
   deltas = jax.tree.map(lambda y, xi: y - xi[None], client_params, params)
   mean_delta = _weighted_sum(weights, deltas)
   if optimizer is None:
+    optimizer = optim.written_out_or(config.server_optimizer)
+  if optimizer is None:
     new = jax.tree.map(lambda xi, d: xi + config.server_lr * d, params, mean_delta)
     return new, opt_state, weights
   opt = optim.with_rate(optimizer, config.server_lr)
@@ -787,8 +805,12 @@ def server_step_with_state(
 def server_state(
   params: PyTree, config: BaselineConfig, optimizer: optax.GradientTransformation | None = None
 ) -> optax.OptState:
-  """The server optimiser's state before round 1: ``()`` for the default (``None``), else
-  ``optim.with_rate(optimizer, server_lr).init(params)``."""
+  """The server optimiser's state before round 1: ``()`` for plain SGD written out
+  (``optimizer=None`` and ``config.server_optimizer`` plain SGD), else
+  ``optim.with_rate(optimizer, server_lr).init(params)`` (``optimizer=None``: the direction of
+  ``config.server_optimizer``)."""
+  if optimizer is None:
+    optimizer = optim.written_out_or(config.server_optimizer)
   if optimizer is None:
     return ()
   return optim.with_rate(optimizer, config.server_lr).init(params)
@@ -803,7 +825,8 @@ def server_step(
 ) -> tuple[PyTree, jax.Array]:
   """The server's weighted FedAvg step: ``x + eta_s sum_k w_k (y_k - x)``, ``sum_k w_k = 1``.
 
-  :func:`server_step_with_state` with the default optimiser (no state).
+  :func:`server_step_with_state` with plain SGD (no state); a config whose
+  ``server_optimizer`` has a state is refused (run :func:`server_step_with_state` with it).
 
   Args:
     params: the global model ``x``.
@@ -815,6 +838,12 @@ def server_step(
   Returns:
     ``(new_params, w)``: the new global model and the normalised ``(K,)`` weights.
   """
+  require(
+    config.server_optimizer == optim.SGD,
+    "server_optimizer",
+    config.server_optimizer,
+    "plain SGD for the stateless server_step (use server_step_with_state)",
+  )
   params, _, weights = server_step_with_state(
     params, client_params, config, (), num_records=num_records
   )
@@ -980,6 +1009,8 @@ def baseline_config(
   gradient_mean: str | None = None,
   track_loss: bool = True,
   lr_schedule: str = "cosine",
+  client_optimizer: optim.Optimizer = optim.SGD,
+  server_optimizer: optim.Optimizer = optim.SGD,
 ) -> BaselineConfig:
   """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
@@ -1014,6 +1045,8 @@ def baseline_config(
       ``None``: ``realized`` without DP, ``expected`` with DP.
     track_loss: record per-client mean local losses.
     lr_schedule: ``cosine`` or ``cosine_open`` (see :class:`BaselineConfig`).
+    client_optimizer, server_optimizer: :class:`~fedlap_jax.optim.Optimizer` specs of the
+      clients' and the server's directions (plain SGD; see :class:`BaselineConfig`).
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
@@ -1060,6 +1093,8 @@ def baseline_config(
     local=local,
     dp=dp,
     lr_schedule=lr_schedule,
+    client_optimizer=client_optimizer,
+    server_optimizer=server_optimizer,
   )
 
 
@@ -1109,7 +1144,8 @@ def algorithm(
       :func:`fedlap_jax.participation.sampled_round`, which also carries the
       unsampled clients' control variates unchanged.
     client_optimizer, server_optimizer: the clients' and the server's directions
-      (:func:`baseline_round`; ``None``: SGD written out). Static
+      (:func:`baseline_round`; ``None``: ``config.client_optimizer`` /
+      ``config.server_optimizer``'s, SGD written out by default). Static
       arguments of the shared jit that hash by identity: build each once and pass the same
       object to every algorithm that should share a compilation.
 

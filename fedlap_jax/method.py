@@ -265,6 +265,12 @@ class Method:
     client_step: :class:`ClientStep`.
     server_step: :class:`ServerStep`.
     carried: the state fields the client steps read and write (leaves ``(K, ...)``).
+    client_init: ``(key, params, data, config, facts, *, index) -> carried`` of one client
+      before round 1, from its own records ``data`` (leaves ``(N, ...)``) and the run's public
+      facts alone: client ``index``'s slot of :attr:`init`'s :attr:`carried` fields (a tuple,
+      leaves without the client axis) when ``key`` is the key :attr:`init` is given. What a
+      client that keeps its own state computes (a federated front end); ``None`` for a method
+      that carries nothing, or whose front ends hold every client's state.
     per_client_fields: ``config -> fields`` whose leading axis is the run's ``K`` clients
       (what a round over sampled clients gathers and scatters; :attr:`carried` unless the
       clients are pooled).
@@ -283,6 +289,11 @@ class Method:
     extends: the registry method whose library config this one builds on (``None``: its own).
     extend: ``(base config, own section values) -> config`` for ``extends``.
     own_section: the dataclass of the method's own experiment section (``extends`` only).
+    update_bound: ``(config, facts) -> (message -> float) | None``: for a model-sending
+      method, the largest ``||y_k - x||`` an honest client sends in the round of ``message``
+      (but with a stated false-refusal probability), which a server refuses a reply above;
+      ``None`` (or a ``None`` result): no bound follows from the config (no clipping, or a
+      client optimiser it cannot bound).
   """
 
   name: str
@@ -296,6 +307,7 @@ class Method:
   wire: Callable[[Any, PyTree, RunFacts], Wire]
   batch_size: Callable[[Any], int]
   carried: tuple[str, ...] = ()
+  client_init: Callable[..., tuple] | None = None
   per_client_fields: Callable[[Any], tuple[str, ...]] | None = None
   side_by_side: bool = False
   privacy: str = "never"
@@ -307,6 +319,7 @@ class Method:
   extends: str | None = None
   extend: Callable[[Any, Mapping[str, Any]], Any] | None = None
   own_section: type | None = None
+  update_bound: Callable[[Any, RunFacts], Callable[[Any], float] | None] | None = None
 
   def __post_init__(self):
     if self.privacy not in PRIVACY:

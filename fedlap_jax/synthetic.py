@@ -6,7 +6,8 @@ here, below all of them:
 * :func:`synthetic_labels`: the balanced layout, ``ipc`` slots per class a
   client owns, in blocks of ``ipc`` (padded and masked across clients);
 * :func:`initial_synthetic`: labels and ``N(0, 1)`` images before round 1
-  (:func:`client_synthetic` for one client);
+  (:func:`client_synthetic` for one client alone, :func:`synthetic_slot` for one client's
+  row of a federation's);
   :func:`noise_images` and :func:`real_images` draw images for a layout;
 * :func:`class_blocks` and :func:`class_batch`: the class-wise view of a set
   and a Poisson batch of one class of real records (DSC's gradient matching,
@@ -176,6 +177,58 @@ def client_synthetic(
   images = _client_images(key, mask, tuple(data.x.shape[1:]), pad)
   labels = np.concatenate([labels, np.zeros(pad, labels.dtype)])
   mask = np.concatenate([mask, np.zeros(pad, bool)])
+  return SyntheticSet(images, jax.device_put(labels), jax.device_put(mask))
+
+
+@functools.partial(jax.jit, static_argnames=("image_shape", "index", "num_clients"))
+def _slot_images(
+  key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...], index: int, num_clients: int
+) -> jax.Array:
+  """Row ``index`` of :func:`_first_images` of ``num_clients`` clients, masked by this
+  client's ``mask`` ``(S,)`` (the other rows' masks touch no value of this row)."""
+  k_init, _ = jax.random.split(key)
+  x = jax.random.normal(k_init, (num_clients, *mask.shape, *image_shape), jnp.float32)[index]
+  return x * mask.reshape(*mask.shape, *([1] * len(image_shape)))
+
+
+def synthetic_slot(
+  key: jax.Array,
+  data: ClientData,
+  ipc: int,
+  synthetic_init: str,
+  *,
+  index: int,
+  num_clients: int,
+  max_classes: int,
+) -> SyntheticSet:
+  """Client ``index``'s row of :func:`initial_synthetic` over ``num_clients`` clients, from its
+  own records alone (a client computing its round-1 set itself, the federation's facts public).
+
+  The same numbers as ``initial_synthetic(key, clients, ...).synthetic[index]`` when the
+  clients' most classes are ``max_classes``: labels and mask of this client's classes padded
+  to ``S = ipc * max_classes`` slots, images row ``index`` of the ``(K, S, ...)`` N(0, 1) draw.
+
+  Args:
+    key: the key :func:`initial_synthetic` is given.
+    data: :class:`ClientData` with ``(N, ...)`` leaves (this client's records).
+    ipc, synthetic_init: as :func:`initial_synthetic`.
+    index, num_clients: this client's ``k`` of ``K``.
+    max_classes: the most classes any client owns (a public fact of the run).
+
+  Raises:
+    ConfigError: as :func:`initial_synthetic`; ``max_classes`` below this client's classes.
+  """
+  labels, mask = _checked_labels([np.asarray(data.y)[np.asarray(data.mask)]], ipc, synthetic_init)
+  labels, mask = labels[0], mask[0]
+  classes = int(np.sum(mask)) // ipc
+  if not (isinstance(max_classes, int) and max_classes >= classes):
+    raise ConfigError(
+      "max_classes", max_classes, f"an integer >= {classes}, the classes this client owns"
+    )
+  pad = ipc * max_classes - labels.shape[0]
+  labels = np.concatenate([labels, np.zeros(pad, labels.dtype)])
+  mask = np.concatenate([mask, np.zeros(pad, bool)])
+  images = _slot_images(key, jnp.asarray(mask), tuple(data.x.shape[1:]), index, num_clients)
   return SyntheticSet(images, jax.device_put(labels), jax.device_put(mask))
 
 

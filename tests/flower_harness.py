@@ -213,8 +213,9 @@ def run_inprocess(
   return serve_with(grid, run_config), grid
 
 
-def reference_run(config: str, overrides: str, workdir: Path) -> list[dict]:
-  """``experiments.run``'s records for the same config (no plots, no progress bar)."""
+def reference_result(config: str, overrides: str, workdir: Path) -> dict:
+  """``experiments.run``'s result for the same config (no plots, no progress bar): its
+  ``records`` and final ``state`` (:func:`experiments.train.train_and_evaluate`)."""
   from experiments import train
   from fedlap_flower import settings
 
@@ -222,7 +223,12 @@ def reference_run(config: str, overrides: str, workdir: Path) -> list[dict]:
   cfg.unlock()
   cfg.plots = False
   cfg.progress_bar = False
-  return train.train_and_evaluate(cfg, workdir, config_name=label)["records"]
+  return train.train_and_evaluate(cfg, workdir, config_name=label)
+
+
+def reference_run(config: str, overrides: str, workdir: Path) -> list[dict]:
+  """``experiments.run``'s records for the same config (no plots, no progress bar)."""
+  return reference_result(config, overrides, workdir)["records"]
 
 
 def read_jsonl(path: Path) -> list[dict]:

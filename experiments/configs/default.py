@@ -21,9 +21,12 @@ Sections:
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
   the run's calibration options. :func:`experiments.library_configs.to_fedlap_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
-* ``baseline``: ``local_epochs`` and FedProx's ``prox_mu``, the arguments of
-  :func:`fedlap_jax.baselines.baseline_config` with its defaults, for the
-  gradient-sharing baselines (FedAvg, FedProx, ...); ignored by the other methods.
+* ``baseline``: ``local_epochs``, FedProx's ``prox_mu`` and the server's rate ``server_lr``,
+  the arguments of :func:`fedlap_jax.baselines.baseline_config` with its defaults, and the
+  optimisers ``client_optimizer`` / ``server_optimizer``, sections of the fields of
+  :class:`fedlap_jax.optim.Optimizer` (plain SGD: FedAvg; ``server_optimizer.name=yogi``
+  with a ``server_lr`` such as 0.01 is FedYogi), for the gradient-sharing baselines (FedAvg,
+  FedProx, ...); the other methods ignore the numbers and refuse a non-default optimiser.
 * ``feddm``: FedDM's client loop (:class:`fedlap_jax.feddm.FedDMConfig`);
   ``condense``: DSC's / PSG's one-shot condensation
   (:class:`fedlap_jax.condensation.CondensationConfig`). Both also read
@@ -38,7 +41,7 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from fedlap_jax import baselines, condensation, feddm
+from fedlap_jax import baselines, condensation, feddm, optim
 from fedlap_jax import config as core
 
 from experiments import methods
@@ -120,7 +123,11 @@ def get_config() -> ml_collections.ConfigDict:
   # "epsilon" (replace-one) and "epsilon_add_remove".
   config.dp.epsilon_for = "replace_one"
 
-  config.baseline = schema.arguments(baselines.baseline_config, "local_epochs", "prox_mu")
+  config.baseline = schema.arguments(
+    baselines.baseline_config, "local_epochs", "prox_mu", "server_lr"
+  )
+  config.baseline.client_optimizer = schema.section(optim.Optimizer)
+  config.baseline.server_optimizer = schema.section(optim.Optimizer)
 
   # FedDM (method "feddm") and DSC / PSG (methods "dsc", "dsc_centralized", "psg"): the
   # fields of fedlap_jax.feddm.FedDMConfig and fedlap_jax.condensation.CondensationConfig

@@ -30,12 +30,29 @@ from fedlap_jax.method import (
   synthetic_upload,
   synthetic_wire,
 )
-from fedlap_jax.synthetic import real_images
+from fedlap_jax.synthetic import real_images, synthetic_slot
 
 
 def _init(key, params, clients, config: OneShotConfig, facts: RunFacts):
   del facts
   return condensation.init_oneshot_state(key, params, clients, config)
+
+
+def _client_init(key, params, data, config: OneShotConfig, facts: RunFacts, *, index: int):
+  """One client's slot of :func:`_init`'s synthetic set (federated: the clients not pooled),
+  from its own records (:func:`fedlap_jax.synthetic.synthetic_slot`)."""
+  del params
+  c = config.condensation
+  syn = synthetic_slot(
+    key,
+    data,
+    c.ipc,
+    c.synthetic_init,
+    index=index,
+    num_clients=facts.num_clients,
+    max_classes=facts.max_classes_per_client,
+  )
+  return (syn,)
 
 
 def _prepare(clients, config: OneShotConfig):
@@ -103,6 +120,7 @@ def family(name: str) -> Method:
     wire=lambda config, params, facts: synthetic_wire(config.condensation.ipc, facts),
     batch_size=lambda config: config.condensation.batch_size,
     carried=("synthetic",),
+    client_init=None if centralized else _client_init,
     # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
     per_client_fields=lambda config: () if config.centralized else ("synthetic",),
     prepare_clients=_prepare,

@@ -27,7 +27,7 @@ import optax
 
 from fedlap_jax import baselines, optim
 from fedlap_jax.baselines import BaselineConfig
-from fedlap_jax.checks import is_real, require
+from fedlap_jax.checks import ConfigError, is_real, require
 from fedlap_jax.method import Method, ModelFns, RoundFacts, RoundPlan, RunFacts
 from fedlap_jax.methods import fedavg
 from fedlap_jax.types import PyTree
@@ -56,9 +56,14 @@ class AdamServer:
       v = getattr(self, f)
       require(is_real(v) and 0 <= v < 1, f, v, "a number in [0, 1)")
 
+  def spec(self) -> optim.Optimizer:
+    """The direction as a config value: ``Optimizer(name='adam', b1, b2, eps)``."""
+    return optim.Optimizer(name="adam", b1=self.b1, b2=self.b2, eps=self.eps)
+
   def direction(self) -> optax.GradientTransformation:
-    """``optax.scale_by_adam(b1, b2, eps)``: Adam before the rate."""
-    return optax.scale_by_adam(b1=self.b1, b2=self.b2, eps=self.eps)
+    """``optax.scale_by_adam(b1, b2, eps)``: Adam before the rate (:meth:`spec`'s direction,
+    one object for equal settings)."""
+    return self.spec().direction()
 
   def optimizer(self) -> optax.GradientTransformation:
     """``optax.adam(eta, b1, b2, eps)`` operation for operation: :meth:`direction` at ``eta``
@@ -88,6 +93,19 @@ class FedAdamConfig:
       "a BaselineConfig of method 'fedavg'",
     )
     require(isinstance(self.server, AdamServer), "server", self.server, "an AdamServer")
+    # The server's optimiser and rate are ``server``'s: the clients' config must not name others.
+    require(
+      c.server_optimizer == optim.SGD,
+      "clients.server_optimizer",
+      c.server_optimizer,
+      "plain SGD, the default (FedAdam's server optimiser is its server: AdamServer)",
+    )
+    require(
+      c.server_lr == 1.0,
+      "clients.server_lr",
+      c.server_lr,
+      "1.0, the default (FedAdam's server rate is server.learning_rate)",
+    )
 
   def dp_accesses(self) -> None:
     """FedAdam has no DP variant."""
@@ -131,7 +149,13 @@ def _server_step(key, model: ModelFns, state, message, results, config, facts: R
 def _extend(base: BaselineConfig, server: Mapping[str, Any] | AdamServer) -> FedAdamConfig:
   if not isinstance(server, AdamServer):
     server = AdamServer(**server)
-  return FedAdamConfig(base, server)
+  try:
+    return FedAdamConfig(base, server)
+  except ConfigError as e:  # named as a field of the base config, which the caller built
+    if not e.field.startswith("clients."):
+      raise
+    field = e.field.removeprefix("clients.")
+    raise ConfigError(field, e.value, e.allowed) from None
 
 
 METHOD = Method(

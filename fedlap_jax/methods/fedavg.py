@@ -17,13 +17,15 @@ client step and the message.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from fedlap_jax import baselines
+from fedlap_jax import baselines, update_bounds
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
 from fedlap_jax.config import BASELINE_FACTS, method_label
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
@@ -70,6 +72,12 @@ def init(
     server_optimizer=server_optimizer,
   )
   return alg.init(key, params, clients)
+
+
+def scaffold_client_init(key, params, data, config, facts: RunFacts, *, index: int):
+  """A SCAFFOLD client's ``c_k`` before round 1: zeros like the model (:func:`init`'s slot)."""
+  del key, data, config, facts, index
+  return (jax.tree.map(jnp.zeros_like, params),)
 
 
 def plan(state, num_clients: int, config: BaselineConfig) -> RoundPlan:
@@ -207,6 +215,43 @@ def _scaffold_wire(config, params, facts: RunFacts) -> Wire:
   return Wire.of(ScaffoldUpdate(shapes, shapes))
 
 
+def update_bound(config: BaselineConfig, facts: RunFacts):
+  """``message -> bound``: the largest ``||y_k - x||`` an honest client of the private path
+  sends in the round of ``message`` (:func:`fedlap_jax.update_bounds.local_sgd_update_bound`,
+  false-refusal probability :data:`~fedlap_jax.update_bounds.FALSE_REFUSAL` per reply), for the
+  family's own client: plain SGD at the message's ``eta_m``, with FedProx's ``mu``, ``T =
+  local.scheduled_steps()``, the clip ``C``, ``sigma`` and ``B`` of ``config.local``, the
+  largest batch ``local.max_client_size``, and the momentum and weight decay of
+  ``config.client_optimizer`` (an SGD spec). ``None`` without clipping (the non-DP methods: an
+  honest client's step has no bound) or with a client optimiser other than heavy-ball SGD
+  (Adam's step is not linear in the gradients)."""
+  loc = config.local
+  if loc.l2_clip_norm is None:  # not the private path
+    return None
+  spec = config.client_optimizer  # the config's choice: only SGD's linear response is bounded
+  if spec.name != "sgd" or spec.nesterov:
+    return None
+  clip = float(loc.l2_clip_norm)
+
+  def bound(message: Message) -> float:
+    x = [np.asarray(p, np.float64) for p in jax.tree.leaves(message.params)]
+    return update_bounds.local_sgd_update_bound(
+      learning_rate=float(message.learning_rate),
+      steps=loc.scheduled_steps(),
+      batch_size=loc.batch_size,
+      l2_clip_norm=clip,
+      noise_multiplier=float(loc.noise_multiplier),
+      num_params=facts.num_params,
+      prox_mu=loc.prox_mu,
+      momentum=float(spec.momentum),
+      weight_decay=float(spec.weight_decay),
+      params_norm=math.sqrt(math.fsum(float(np.sum(p * p)) for p in x)),
+      max_batch=loc.max_client_size,
+    )
+
+  return bound
+
+
 def family(
   name: str,
   *,
@@ -252,11 +297,14 @@ def family(
     wire=_scaffold_wire if scaffold else model_wire,
     batch_size=lambda config: config.local.batch_size,
     carried=("client_controls",) if scaffold else (),
+    client_init=scaffold_client_init if scaffold else None,
     privacy="required" if private else "never",
     privacy_note=""
     if private
     else f"use method='dp_{name}' where a DP variant exists: {baselines.DP_METHODS}",
     dp_twin=(f"dp_{name}", "its DP variant") if f"dp_{name}" in BASELINE_FACTS else None,
+    # Derived for the family's own client (plain SGD); another direction is not bounded here.
+    update_bound=update_bound if client_optimizer is None and not scaffold else None,
   )
 
 

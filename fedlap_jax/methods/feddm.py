@@ -10,6 +10,8 @@ trains on the union (:func:`fedlap_jax.server.global_update`, ``r_g = inf``).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -29,12 +31,34 @@ from fedlap_jax.method import (
   synthetic_wire,
 )
 from fedlap_jax.server import global_update
-from fedlap_jax.synthetic import noise_images, real_images
+from fedlap_jax.synthetic import noise_images, real_images, synthetic_slot
+
+
+class Message(NamedTuple):
+  """What FedDM's server sends every client: the global model."""
+
+  params: Any
 
 
 def _init(key, params, clients, config: FedDMConfig, facts: RunFacts):
   del facts
   return feddm.init_feddm_state(key, params, clients, config)
+
+
+def _client_init(key, params, data, config: FedDMConfig, facts: RunFacts, *, index: int):
+  """One client's slot of :func:`_init`'s synthetic set (its labels and mask, the N(0, 1)
+  images), from its own records (:func:`fedlap_jax.synthetic.synthetic_slot`)."""
+  del params
+  syn = synthetic_slot(
+    key,
+    data,
+    config.ipc,
+    config.synthetic_init,
+    index=index,
+    num_clients=facts.num_clients,
+    max_classes=facts.max_classes_per_client,
+  )
+  return (syn,)
 
 
 def _plan(state, num_clients: int, config: FedDMConfig) -> RoundPlan:
@@ -45,7 +69,7 @@ def _plan(state, num_clients: int, config: FedDMConfig) -> RoundPlan:
   else:
     start = noise_images(k_init, syn.mask, syn.x.shape[2:])
   own = (jax.random.split(k_clients, num_clients), start)
-  return RoundPlan(key, k_server, state.params, own)
+  return RoundPlan(key, k_server, Message(state.params), own)
 
 
 def _client_step(own, model: ModelFns, message, carried, data, config, *, client_axis=None):
@@ -56,8 +80,10 @@ def _client_step(own, model: ModelFns, message, carried, data, config, *, client
   (syn,) = carried
   if config.synthetic_init == "real":
     start = real_images(start, data, syn.y, syn.mask, config.ipc)
+  else:  # the plan's noise, masked by this client's own slots (a no-op on masked noise)
+    start = start * syn.mask.reshape(-1, *([1] * (start.ndim - 1)))
   synthetic, metrics = feddm.distribution_match(
-    key, model.embed_fn, message, syn._replace(x=start), data, config
+    key, model.embed_fn, message.params, syn._replace(x=start), data, config
   )
   return ClientResult(synthetic, (synthetic,), metrics)
 
@@ -66,7 +92,7 @@ def _server_step(key, model: ModelFns, state, message, results, config, facts: R
   new, m = global_update(
     key,
     model.apply_fn,
-    message,
+    message.params,
     results.update,
     client_weights(config.server.weighting, facts.num_records),
     jnp.inf,
@@ -89,6 +115,7 @@ METHOD = Method(
   wire=lambda config, params, facts: synthetic_wire(config.ipc, facts),
   batch_size=lambda config: config.batch_size,
   carried=("synthetic",),
+  client_init=_client_init,
   privacy_note="FedDM's DP variant protects class-wise statistics, a privacy notion not "
   "comparable with record-level DP; it is not implemented",
 )

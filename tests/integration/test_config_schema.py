@@ -5,7 +5,7 @@ import dataclasses
 import ml_collections
 import pytest
 
-from fedlap_jax import baselines
+from fedlap_jax import baselines, optim
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError
 
@@ -50,7 +50,22 @@ def test_baseline_section_is_baseline_configs_arguments_and_defaults():
   assert (
     (built.local.epochs, built.local.prox_mu) == (ref.local.epochs, ref.local.prox_mu) == (5, 0.1)
   )
-  assert dict(cfg.baseline) == {"local_epochs": 5, "prox_mu": 0.1}
+  assert {k: cfg.baseline[k] for k in ("local_epochs", "prox_mu", "server_lr")} == {
+    "local_epochs": 5,
+    "prox_mu": 0.1,
+    "server_lr": 1.0,
+  }
+  assert set(cfg.baseline) == {
+    "local_epochs",
+    "prox_mu",
+    "server_lr",
+    "client_optimizer",
+    "server_optimizer",
+  }
+  for name in ("client_optimizer", "server_optimizer"):  # plain SGD, today's FedAvg
+    assert cfg.baseline[name].to_dict() == schema.section(optim.Optimizer).to_dict()
+    assert getattr(built, name) == optim.SGD
+  assert built.server_lr == ref.server_lr == 1.0
   with pytest.raises(TypeError, match="no argument 'nosuch'"):
     schema.arguments(baselines.baseline_config, "nosuch")
   with pytest.raises(TypeError, match="no argument 'rounds' with a default"):
@@ -67,6 +82,38 @@ def test_baseline_section_is_checked_by_the_library_naming_the_path(field, value
   with pytest.raises(ConfigError, match=f"baseline.{field}={value}") as err:
     library_configs.validate_config(cfg)
   assert err.value.field == f"baseline.{field}" and allowed in str(err.value)
+
+
+@pytest.mark.parametrize(
+  ("method", "path", "value", "field", "allowed"),
+  [
+    ("fedlap", "server_optimizer.name", "nadam", "name", "one of ('sgd', 'adam'"),
+    ("fedavg", "server_optimizer.momentum", 0.9, "momentum", "name='yogi' does not use it"),
+    ("fedavg", "client_optimizer.b2", 0.99, "b2", "name='sgd' does not use it"),
+    ("fedavg", "server_lr", 0.0, "", "a finite number > 0"),
+    ("fedlap", "server_optimizer.momentum", 0.9, "", "plain SGD"),  # fedlap does not read it
+    ("fedadam", "server_optimizer.name", "adam", "", "FedAdam's server optimiser"),
+    ("fedadam", "server_lr", 0.5, "", "FedAdam's server rate is server.learning_rate"),
+  ],
+)
+def test_the_baselines_optimisers_are_checked_naming_the_path(method, path, value, field, allowed):
+  """``baseline.server_optimizer`` / ``client_optimizer`` / ``server_lr``: a bad value is
+  refused naming its path; a method that does not read them (FedLAP) or has its own server
+  (FedAdam) refuses a choice there rather than ignoring it."""
+  cfg = default.get_config()
+  cfg.method = method
+  section, _, name = path.partition(".")
+  if path == "server_optimizer.momentum" and method == "fedavg":
+    cfg.baseline.server_optimizer.name = "yogi"
+  if name:
+    cfg.baseline[section][name] = value
+  else:
+    cfg.baseline[section] = value
+  with pytest.raises(ConfigError) as err:
+    library_configs.library_config(cfg, max_client_size=500)
+    library_configs.validate_config(cfg)
+  where = f"baseline.{section}" + (f".{field}" if field else "")
+  assert err.value.field == where and allowed in str(err.value), str(err.value)
 
 
 def test_paper_dp_setting_is_written_once():

@@ -11,7 +11,9 @@ import json
 import math
 import os
 import stat
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from flax import traverse_util
@@ -80,7 +82,6 @@ def test_settings_map_onto_the_named_configs(tmp_path):
       r"run config keys \['colour'\] are unknown",
     ),
     ({"config": "quickstart:dp:x"}, "config='quickstart:dp:x' is invalid"),
-    ({"config": "mnist_scaffold"}, "method='scaffold'"),
   ],
 )
 def test_bad_run_config_is_refused_by_name(run_config, match):
@@ -840,7 +841,8 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   assert records[-1]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
 
 
-# Every registry method of FedAvg's wire runs in the Flower app, generic over the registry.
+# Every registry method of FedAvg's wire (the client's model) runs in the Flower app, generic
+# over the registry.
 FEDAVG_WIRE = {
   "fedsgd": ("quickstart:nondp", "method=fedsgd rounds=2 eval_chunk_size=128"),
   "fedprox": (
@@ -860,8 +862,10 @@ def test_the_flower_methods_are_the_registrys_of_a_supported_wire():
   assert settings.METHODS == tuple(
     n for n, m in REGISTRY.items() if method_work.supported(m) or method_work.has_own_strategy(m)
   )
-  assert {"fedlap", "fedavg", *FEDAVG_WIRE, *DP_FEDAVG_WIRE} <= set(settings.METHODS)
-  assert "scaffold" not in settings.METHODS  # its clients carry state
+  assert {"fedlap", "fedavg", *FEDAVG_WIRE, *DP_FEDAVG_WIRE, *CARRIED} <= set(settings.METHODS)
+  # Every federated registry method; DSC centralized pools every client's records.
+  assert set(settings.METHODS) == {n for n, m in REGISTRY.items() if m.federated}
+  assert "dsc_centralized" not in settings.METHODS
 
 
 @pytest.mark.slow
@@ -882,6 +886,40 @@ def test_a_registry_method_of_fedavgs_wire_equals_experiments_run_bit_for_bit(tm
   info = json.loads((tmp_path / "run" / "run_info.json").read_text())
   assert info["method"] == method
   assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
+
+
+FEDYOGI_OVERRIDES = (
+  "method=fedavg baseline.server_optimizer.name=yogi baseline.server_lr=0.03 "
+  "rounds=2 baseline.local_epochs=1 eval_chunk_size=128"
+)
+
+
+def test_overrides_choose_the_baselines_server_optimiser_and_a_bad_one_is_refused():
+  """The optimisers are config fields the overrides may set (the ``baseline.`` section); the
+  library's check names a bad one."""
+  cfg, _ = settings.load_config("quickstart:fedadam", FEDYOGI_OVERRIDES)
+  assert (cfg.method, cfg.baseline.server_optimizer.name, cfg.baseline.server_lr) == (
+    "fedavg",
+    "yogi",
+    0.03,
+  )
+  with pytest.raises(settings.ConfigError) as err:
+    settings.load_config("quickstart:fedadam", "method=fedavg baseline.server_optimizer.name=nadam")
+  assert err.value.field == "baseline.server_optimizer.name"
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_a_server_optimiser_chosen_in_the_overrides_runs_as_experiments_run(tmp_path):
+  """FedYogi in the Flower app without Flower code: the library config carries the optimiser,
+  the server carries its state; every number is experiments.run's."""
+  rc = _run_config(tmp_path, "quickstart:fedadam", overrides=FEDYOGI_OVERRIDES)
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:fedadam", FEDYOGI_OVERRIDES, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
 
 
 DP_FEDAVG_WIRE = {
@@ -1003,6 +1041,298 @@ def test_a_dp_fedavg_client_refuses_what_its_ledger_refuses(tmp_path):
   for k in range(5):  # the refused round is not charged
     hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
     assert [h["server_round"] for h in hist] == [1]
+
+
+# Methods whose clients carry state between rounds (SCAFFOLD's c_k, a synthetic set) or send
+# another update than their model: the client keeps its own state, the server checks the
+# update by the method's wire. Tiny loops (the protocol, not the learning).
+SYNTHETIC_TINY = (
+  "server.radius_strategy=fixed server.weighting=size server.max_epochs=1 "
+  "server.dsa_strategy='' client.ipc=1 eval_chunk_size=128"
+)
+CONDENSE_TINY = (
+  "condense.networks=2 condense.outer_loop=2 condense.inner_loop=1 condense.dsa_strategy=''"
+)
+CARRIED = {
+  "scaffold": (
+    "quickstart:nondp",
+    "method=scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  ),
+  "feddm": (
+    "quickstart:nondp",
+    f"method=feddm rounds=2 synthetic_init=noise feddm.image_updates=2 feddm.dsa_strategy='' "
+    f"{SYNTHETIC_TINY}",
+  ),
+  "dsc": (  # one-shot: its one round
+    "quickstart:nondp",
+    f"method=dsc rounds=1 synthetic_init=real {CONDENSE_TINY} {SYNTHETIC_TINY}",
+  ),
+  "psg": (  # one-shot and DP (the test-only server keys: experiments.run's noise)
+    "quickstart:dp_loops",
+    f"method=psg rounds=1 {CONDENSE_TINY} {SYNTHETIC_TINY.replace(' server.weighting=size', '')}",
+  ),
+}
+
+
+def _final_params(run_dir) -> dict:
+  with np.load(run_dir / "final_params.npz") as f:
+    return dict(f)
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+@pytest.mark.parametrize("method", list(CARRIED))
+def test_a_method_with_carried_client_state_equals_experiments_run_bit_for_bit(
+  tmp_path, monkeypatch, method
+):
+  """SCAFFOLD, FedDM, DSC and PSG over Flower: each client starts its carried state from its
+  own records and keeps it between rounds, the server checks the method's update; the logged
+  metrics (the epsilon under DP), the final model and the clients' kept state are
+  experiments.run's, bit for bit."""
+  from flax import traverse_util as tu
+
+  from flower_harness import reference_result
+
+  config, overrides = CARRIED[method]
+  extra = {}
+  if method == "psg":
+    monkeypatch.setenv(settings.UNSAFE_ENV, "1")
+    extra = {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0}
+  rc = _run_config(tmp_path, config, overrides=overrides, **extra)
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_result(config, overrides, tmp_path / "ref")
+  assert [r["round"] for r in records] == [r["round"] for r in ref["records"]]
+  for got, want in zip(records, ref["records"]):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["epsilon"] == want.get("epsilon")
+    assert got["clients_ok"] == [0, 1, 2, 3, 4]
+  want_params = tu.flatten_dict(jax.device_get(ref["state"].params), sep=".")
+  got_params = _final_params(tmp_path / "run")
+  assert sorted(got_params) == sorted(want_params)
+  for name, value in got_params.items():
+    np.testing.assert_array_equal(value, want_params[name], err_msg=name)
+  # Every client kept its carried state after its last round: experiments.run's slot of it.
+  from fedlap_flower import method_work
+  from fedlap_jax.method import Wire
+
+  m = method_work.method_of(settings.load_config(config, overrides)[0])
+  state = ref["state"]
+  for k in range(5):
+    want_k = tuple(jax.tree.map(lambda a: np.asarray(a[k]), getattr(state, f)) for f in m.carried)
+    wire = Wire.of(jax.tree.map(method_work.shape_of, want_k))
+    kept = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").load_carried(7, wire)
+    assert kept is not None and kept[0] == records[-1]["round"]
+    for name, value in method_work.tree_to_arrays(want_k).items():
+      np.testing.assert_array_equal(kept[1][name], value, err_msg=f"client {k}: {name}")
+  # No client state on the server: its saved state holds no client's field.
+  with np.load(tmp_path / "run" / "server_state.npz") as saved:
+    assert not [n for n in saved.files if any(f in n for f in m.carried)], saved.files
+  info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+  assert info["method"] == method
+  sent = grid.replies[0].content  # the method's update by its wire's names, not a model
+  assert "update" in sent and "arrays" not in sent
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_sampled_scaffold_clients_keep_their_variates_across_the_rounds_they_skip(tmp_path):
+  """20 clients, 5 a round: a client drawn in rounds 1 and 3 starts round 3 from the state it
+  kept after round 1 (its last drawn round), as experiments.run's sampled round does."""
+  from flower_harness import node_configs, reference_result
+  from fedlap_flower import method_work, task
+  from fedlap_jax.method import Wire
+
+  config = "quickstart:nondp"
+  overrides = (
+    "method=scaffold rounds=3 baseline.local_epochs=1 eval_chunk_size=128 data.num_clients=20 "
+    "data.clients_per_round=5 data.partition=iid client.batch_size=16"
+  )
+  cfg = settings.load_config(config, overrides)[0]
+  drawn = [set(task.participants(cfg, r).tolist()) for r in (1, 2, 3)]
+  skipper = min((drawn[0] & drawn[2]) - drawn[1])  # drawn in rounds 1 and 3 only
+  rc = _run_config(tmp_path, config, overrides=overrides)
+  records, _ = run_inprocess(rc, nodes=node_configs(20, state_root=tmp_path / "state"))
+  ref = reference_result(config, overrides, tmp_path / "ref")
+  for got, want in zip(records, ref["records"], strict=True):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["clients_ok"] == sorted(drawn[got["round"] - 1])
+  want_k = (jax.tree.map(lambda a: np.asarray(a[skipper]), ref["state"].client_controls),)
+  wire = Wire.of(jax.tree.map(method_work.shape_of, want_k))
+  kept = ledger_lib.ClientState(tmp_path / "state" / f"client-{skipper}").load_carried(7, wire)
+  assert kept[0] == 3
+  for name, value in method_work.tree_to_arrays(want_k).items():
+    np.testing.assert_array_equal(kept[1][name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_psg_clients_draw_their_own_keys_and_send_their_set_and_epsilon_only(tmp_path, monkeypatch):
+  """PSG without the unsafe mode: no key reaches a client, each charges its own ledger, its
+  reply holds its synthetic set and the allowed metrics only; the epsilon is experiments.run's
+  (equal epsilon across the methods at the same config)."""
+  monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
+  config, overrides = CARRIED["psg"]
+  rc = _run_config(tmp_path, config, overrides=overrides, **{"max-epsilon": 50.0})
+  records, grid = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run(config, overrides, tmp_path / "ref")
+  assert [r["epsilon"] for r in records] == [r["epsilon"] for r in ref]
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert all("own" not in m.content for m in grid.sent if m.metadata.message_type == "train")
+  for reply in grid.replies:
+    assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS, reply.content["metrics"]
+    assert reply.content["status"]["keys"] == "client"
+    assert set(reply.content.keys()) == {"update", "metrics", "status"}
+  for k in range(5):
+    hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == [1]
+
+
+def _tamper_before(server_round, changes):
+  """A grid hook: before the train messages of ``server_round`` reach them, ``changes[node]``
+  (``path -> None``) alters that node's carried-state file."""
+
+  def hook(grid):
+    real = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+      messages = list(messages)
+      if any(
+        m.metadata.message_type == "train" and m.content["config"]["server-round"] == server_round
+        for m in messages
+      ):
+        for node, change in changes.items():
+          state_dir = grid.contexts[node].node_config["state-dir"]
+          change(Path(state_dir) / "runs" / "7" / ledger_lib.CARRIED_FILE)
+      return real(messages, timeout=timeout)
+
+    grid.send_and_receive = send_and_receive
+
+  return hook
+
+
+@pytest.mark.slow
+def test_a_clients_carried_state_missing_or_altered_is_refused_never_started_afresh(tmp_path):
+  """SCAFFOLD's c_k stays with its client between rounds. Deleted, replaced by one of another
+  shape, by a link, or by one of another round, the client refuses the round (a re-initialised
+  variate would silently be another run's numbers), naming why; the others aggregate."""
+
+  def delete(path):
+    path.unlink()
+
+  def reshape(path):
+    with np.load(path) as f:
+      arrays = dict(f)
+    name = next(n for n in arrays if n != ledger_lib.CARRIED_ROUND)
+    arrays[name] = np.zeros((3,), arrays[name].dtype)
+    np.savez(path, **arrays)
+
+  def link(path):
+    other = path.with_name("elsewhere.npz")
+    path.rename(other)
+    path.symlink_to(other)
+
+  def older(path):
+    with np.load(path) as f:
+      arrays = dict(f)
+    np.savez(path, **{**arrays, ledger_lib.CARRIED_ROUND: np.asarray(0)})
+
+  config, overrides = CARRIED["scaffold"]
+  rc = _run_config(tmp_path, config, overrides=overrides, **{"min-clients": 1})
+  hook = _tamper_before(2, {101: delete, 102: reshape, 103: link, 104: older})
+  records, _ = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[1]["clients_ok"] == [4]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  why = {r["partition_id"]: r.get("reason", "") for r in reports if r["round"] == 2}
+  assert {r["status"] for r in reports if r["round"] == 2 and r["partition_id"] < 4} == {"refused"}
+  assert "carried state" in why[0] and "missing" in why[0] and "afresh" in why[0]
+  assert ledger_lib.CARRIED_FILE in why[1] and "shape" in why[1] and "(3,)" in why[1]
+  assert "link" in why[2]
+  assert "round 1" in why[3] and "round 0" in why[3]
+
+
+@pytest.mark.slow
+def test_a_synthetic_update_gets_fedlaps_checks(tmp_path):
+  """A FedDM reply is untrusted input as a FedLAP reply is: an array of another dtype than
+  the method's wire declares, labels out of range, or labels other than the partition's
+  earlier ones are refused by name; the other replies aggregate."""
+  from flwr.app import Array
+
+  config, overrides = CARRIED["feddm"]
+
+  def hook(grid):
+    real = grid.answer
+
+    def answer(msg):
+      reply = real(msg)
+      if msg.metadata.message_type != "train" or "update" not in reply.content:
+        return reply
+      node, r = msg.metadata.dst_node_id, msg.content["config"]["server-round"]
+      update = reply.content["update"]
+      if node == 101 and r == 1:
+        update["mask"] = Array(np.asarray(update["mask"].numpy(), np.int32))
+      if node == 102 and r == 1:
+        y = update["y"].numpy().copy()
+        y[0] = 99
+        update["y"] = Array(y)
+      if node == 103 and r == 2:
+        y, mask = update["y"].numpy().copy(), update["mask"].numpy()
+        y[: int(mask.sum())] = np.sort((y[: int(mask.sum())] + 1) % 10)
+        update["y"] = Array(y)
+      return reply
+
+    grid.answer = answer
+
+  rc = _run_config(tmp_path, config, overrides=overrides, **{"min-clients": 1})
+  records, _ = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
+  assert records[0]["clients_ok"] == [2, 3, 4] and records[1]["clients_ok"] == [0, 1, 3, 4]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  bad = {(r["round"], r["partition_id"]): r for r in reports if r["status"] == "invalid"}
+  assert sorted(bad) == [(1, 0), (1, 1), (2, 2)]
+  assert bad[(1, 0)]["field"] == "mask" and "bool" in bad[(1, 0)]["reason"]
+  assert bad[(1, 1)]["field"] == "y" and "99" in bad[(1, 1)]["reason"]
+  assert bad[(2, 2)]["field"] == "y" and "earlier replies" in bad[(2, 2)]["reason"]
+
+
+def test_a_method_that_pools_every_clients_records_is_refused_by_name():
+  """DSC centralized is one client pooling every client's records, not a federation: the
+  Flower app refuses it, naming the method, the value and the methods it runs."""
+  from fedlap_jax.checks import ConfigError
+
+  with pytest.raises(ConfigError, match="method='dsc_centralized'") as e:
+    settings.load_config(
+      "quickstart:nondp", "method=dsc_centralized rounds=1 server.radius_strategy=fixed"
+    )
+  assert "dsc" in str(e.value) and "psg" in str(e.value) and "scaffold" in str(e.value)
+  assert "experiments.run" in str(e.value)
+
+
+def test_a_server_reading_its_own_data_refuses_a_synthetic_set_method(tmp_path, monkeypatch):
+  """A synthetic set's slots follow the client owning the most classes, a fact of the named
+  partition: a server that reads its own data does not know it and refuses FedDM up front,
+  saying why (the clients are never asked)."""
+  from flower_harness import serve_with
+  from fedlap_jax.checks import ConfigError
+
+  _, server_npz = _own_data_sites(tmp_path)
+  monkeypatch.setenv(settings.SERVER_DATA_ENV, server_npz)
+  config, overrides = CARRIED["feddm"]
+  rc = _run_config(tmp_path, config, overrides=overrides + OWN_DATA)
+  with pytest.raises(ConfigError, match="synthetic sets") as e:
+    serve_with(None, rc)
+  assert e.value.field == "data" and "named data" in str(e.value)
+
+
+def test_a_run_of_carried_client_state_refuses_resume(tmp_path):
+  """A resumed run is a new Flower run, whose clients hold no carried state of the stopped
+  one: resume = true is refused up front for such a method, naming why."""
+  from flower_harness import serve_with
+
+  config, overrides = CARRIED["scaffold"]
+  rc = _run_config(tmp_path, config, overrides=overrides, resume=True)
+  with pytest.raises(settings.SettingsError, match="resume") as e:
+    serve_with(None, rc)
+  assert "client_controls" in str(e.value)
 
 
 # The run-dir: a new run never overwrites one; resume = true continues it.

@@ -261,3 +261,50 @@ def test_flwr_stop_stops_a_round_on_the_nodes(tmp_path, jax_cache):
     assert status == "finished:completed", fed.logs(next_id)[-4000:]
   assert took < 30, took
   assert [r["clients_ok"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [[0, 1]]
+
+
+def test_dp_fedavg_runs_on_the_deployment_engine_through_the_method_strategy(tmp_path, jax_cache):
+  """SuperLink + 2 SuperNode processes, DP-FedAvg (the generic MethodStrategy) with
+  client-secret keys, 2 rounds: both rounds aggregate both clients, every reply is inside
+  its update bound, and each client's ledger holds both rounds with the epsilons it
+  reported."""
+  run_dir = tmp_path / "run"
+  states = [tmp_path / f"client-{k}" for k in range(2)]
+  overrides = (
+    "method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128 data.num_clients=2"
+  )
+  with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
+    for k in range(2):
+      fed.start_supernode(
+        k,
+        {"partition-id": k, "num-partitions": 2, "state-dir": str(states[k]), "max-epsilon": 50.0},
+      )
+    run_id = fed.run(
+      {
+        "config": "quickstart:dp_loops",
+        "overrides": overrides,
+        "run-dir": str(run_dir),
+        "round-timeout": 300.0,
+      }
+    )
+    status = fed.wait(run_id, timeout=600)
+    assert status == "finished:completed", fed.logs(run_id)[-4000:]
+  recs = read_jsonl(run_dir / "metrics.jsonl")
+  assert [r["round"] for r in recs] == [1, 2]
+  assert all(r["clients_ok"] == [0, 1] and "update_refused" not in r for r in recs), recs
+  assert all(r["epsilon"] > 0 and r["epsilon_kind"] for r in recs)
+  assert (run_dir / "done").exists() and (run_dir / "final_params.npz").exists()
+  info = json.loads((run_dir / "run_info.json").read_text())
+  assert info["method"] == "dp_fedavg" and info["dp"] is True
+  reports = json.loads((run_dir / "client_reports.json").read_text())
+  assert len(reports) == 4 and all(r["status"] == "ok" for r in reports), reports
+  assert all(0 < r["update_norm"] < r["max_update_norm"] for r in reports), reports
+  for k in range(2):
+    hist = ledger_lib.ClientState(states[k]).history()
+    assert [h["server_round"] for h in hist] == [1, 2], (k, hist)
+    assert all(h["keys"] == "client" for h in hist)
+    mine = [r["metrics"]["epsilon"] for r in reports if r["partition_id"] == k]
+    assert mine == [h["epsilon"] for h in hist]
+  assert recs[-1]["epsilon"] == max(
+    h["epsilon"] for s in states for h in ledger_lib.ClientState(s).history()
+  )

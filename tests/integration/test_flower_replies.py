@@ -319,6 +319,105 @@ def test_a_dp_registry_method_drops_a_bad_reply_naming_the_field(case, genuine, 
   assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
 
 
+def _pushed(content, scale: float = 1e3):
+  """The reply's model ``w_k + scale * u`` (``u`` a unit direction): ``||w_k - w_g||`` about
+  ``scale``, whatever the honest update was."""
+  (name,) = content["arrays"].keys()  # the parameters travel packed into one array
+  w = content["arrays"][name].numpy()
+  w = w + np.float32(scale / math.sqrt(w.size))
+  return _swap(content, arrays=ArrayRecord({name: Array(w)}))
+
+
+@pytest.mark.slow
+def test_a_dp_fedavg_reply_beyond_the_update_bound_is_refused_with_its_norm(genuine, replay):
+  """A hostile DP-FedAvg client sends w_g + 1e3 u: it would move the uniform mean by 200. The
+  server refuses it by name, logging the norm and the bound (never clipping it), and the
+  round equals the run without that client; every honest reply is inside its bound."""
+  good = genuine("dp_fedavg")
+  records, reports, final = replay("dp_fedavg", {**good, 101: _pushed(good[101])}, first=101)
+  want_records, _, want_final = replay("dp_fedavg", good, silent=[101])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"] == [1, 2, 3, 4]
+  assert records[0]["clients_invalid"] == [0]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  (bad,) = [r for r in reports if r["status"] != "ok"]
+  assert bad["node_id"] == 101 and bad["status"] == "invalid" and bad["field"] == "update-norm"
+  assert "update-norm" in bad["reason"] and "max-update-norm" in bad["reason"]
+  assert bad["update_norm"] > 900 and bad["update_norm"] > bad["max_update_norm"] > 0
+  ok = [r for r in reports if r["status"] == "ok"]
+  ratios = [r["update_norm"] / r["max_update_norm"] for r in ok]
+  assert len(ok) == 4 and all(0.2 < q < 1 for q in ratios), ratios
+
+
+@pytest.mark.slow
+def test_the_update_bound_follows_the_run_config(genuine, replay, tmp_path):
+  """max-update-norm='none' accepts the hostile reply (what the bound prevents: the round
+  differs from the run without it); a number is that bound for every reply."""
+  from fedlap_flower import client_app
+
+  good = genuine("dp_fedavg")
+  script = {**good, 101: _pushed(good[101])}
+
+  def run(path, value):
+    rc = {**_rc(path, "dp_fedavg"), "max-update-norm": value}
+    grid = ReplayGrid(client_app.app, rc, node_configs(state_root=path / "state"), script, 101)
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setenv(settings.UNSAFE_ENV, "1")
+      try:
+        records = serve_with(grid, rc)
+      except strategy.TooFewClients:
+        records = None
+    return records, json.loads((path / "run" / "client_reports.json").read_text())
+
+  records, reports = run(tmp_path / "none", "none")
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
+  assert all("max_update_norm" not in r for r in reports)
+  records, reports = run(tmp_path / "tight", 1e-9)  # every reply refused: below min-clients
+  assert records is None and len(reports) == 5
+  assert {r["field"] for r in reports if r["status"] == "invalid"} == {"update-norm"}
+  assert all(r["max_update_norm"] == 1e-9 for r in reports)
+
+
+@pytest.mark.parametrize(
+  "value, match",
+  [
+    (0.0, "max-update-norm"),
+    (-1.0, "max-update-norm"),
+    (math.nan, "max-update-norm"),
+    ("tight", "max-update-norm"),
+    (True, "max-update-norm"),
+  ],
+)
+def test_a_bad_max_update_norm_is_refused_by_name(value, match):
+  with pytest.raises(settings.SettingsError, match=match) as e:
+    settings.run_settings({"config": "quickstart:nondp", "max-update-norm": value})
+  assert e.value.field == "max-update-norm"
+
+
+def test_max_update_norm_values_and_what_auto_needs():
+  """'' and 'auto' derive the bound where the method has one; 'auto' without DP, or any
+  value for FedLAP (its replies have their own bounds), is a ConfigError naming the field."""
+  from fedlap_flower import method_work
+  from fedlap_jax.checks import ConfigError
+
+  rc = {"config": "quickstart:nondp", "overrides": "method=fedavg"}
+  assert settings.run_settings(rc).max_update_norm == ""
+  assert settings.run_settings({**rc, "max-update-norm": "none"}).max_update_norm is None
+  assert settings.run_settings({**rc, "max-update-norm": 5}).max_update_norm == 5.0
+  from experiments import library_configs
+
+  cfg = settings.run_settings(rc).cfg
+  fedavg, config = method_work.method_of(cfg), library_configs.to_baseline_config(cfg)
+  with pytest.raises(ConfigError, match="max-update-norm='auto' is invalid") as e:
+    replies.update_norm_rule("auto", fedavg, config, None)
+  assert e.value.field == "max-update-norm"
+  assert replies.update_norm_rule("", fedavg, config, None)(None) is None
+  assert replies.update_norm_rule(2.5, fedavg, config, None)(None) == 2.5
+  with pytest.raises(settings.SettingsError, match="max-update-norm") as e:
+    settings.run_settings({"config": "quickstart:nondp", "max-update-norm": "auto"})
+  assert e.value.field == "max-update-norm"
+
+
 def _tamper_round(grid, node: int, server_round: int, tamper) -> None:
   """Makes ``node``'s real reply to round ``server_round``'s train message ``tamper(content)``."""
   from flwr.app import Message
@@ -946,3 +1045,19 @@ def test_collect_replies_keeps_each_reply_in_its_own_error_boundary():
   assert "a second reply from node 11" in reports[5]["reason"]
   assert reports[6]["reason"] == "no reply within round-timeout=30 s"
   assert all(r["round"] == 5 for r in reports[1:])
+
+
+def test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_model(tmp_path):
+  """SCAFFOLD sends its model and its control delta: a norm bound on ``w_k - w_g`` would check
+  nothing of that update, so a number for it is refused when the server starts, by name."""
+  from fedlap_jax.checks import ConfigError
+
+  rc = {
+    "config": "quickstart:nondp",
+    "overrides": "method=scaffold rounds=1 baseline.local_epochs=1",
+    "run-dir": str(tmp_path / "run"),
+    "max-update-norm": 5.0,
+  }
+  with pytest.raises(ConfigError, match="max-update-norm=5.0 bounds") as e:
+    run_inprocess(rc, state_root=tmp_path / "state")
+  assert e.value.field == "max-update-norm"

@@ -325,3 +325,26 @@ def test_the_registry_refuses_an_unknown_name_and_a_config_of_another_method(fac
   assert err.value.field == "config"
   with pytest.raises(ValueError):
     REGISTRY.with_methods(REGISTRY.method("fedavg"))
+
+
+# FedLAP's clients keep their set through their own path (fedlap_flower.task.client_run).
+OWN_INIT_CASES = [
+  c[0] for c in cases() if REGISTRY[c[1]].carried and REGISTRY[c[1]].federated and c[1] != "fedlap"
+]
+
+
+@pytest.mark.parametrize("case_id", OWN_INIT_CASES)
+def test_a_clients_own_init_is_its_slot_of_the_methods_init(case_id, facts, clients, linear_params):
+  """What a client that keeps its own state computes before round 1 from its own records
+  (:attr:`Method.client_init`) is its slot of :attr:`Method.init`'s carried fields, bit for
+  bit (labels, mask and the N(0, 1) images of the whole federation's draw)."""
+  _, name, config = _case(case_id, facts)
+  method = REGISTRY.method(name)
+  assert method.client_init is not None, f"{name} carries {method.carried} without client_init"
+  key = jax.random.key(3)
+  state = method.init(key, linear_params, clients, config, facts)
+  for k in range(K):
+    own = jax.tree.map(lambda a: a[k], clients)
+    got = method.client_init(key, linear_params, own, config, facts, index=k)
+    want = tuple(jax.tree.map(lambda a: a[k], getattr(state, f)) for f in method.carried)
+    chex.assert_trees_all_equal(got, want, strict=True)

@@ -4,6 +4,7 @@ through :func:`experiments.resume.restore_newest_valid`, as ``experiments.run`` 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import chex
@@ -11,8 +12,8 @@ import jax
 import optax
 import pytest
 
-from experiments import checkpointing, resume
-from fedlap_jax import baselines, federated
+from experiments import checkpointing, configs, resume
+from fedlap_jax import baselines, federated, optim
 from fedlap_jax.config import ClientConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.models import count_params
 from fedlap_jax.types import PyTree
@@ -39,6 +40,7 @@ PAPER = FedLAPConfig(
   learning_rate=0.5,
   synthetic_init="noise",
 )
+FEDYOGI = dataclasses.replace(FEDAVG, server_optimizer=optim.Optimizer(name="yogi"), server_lr=0.01)
 ADAM = optax.scale_by_adam()
 
 
@@ -115,11 +117,19 @@ def test_a_checkpoint_written_before_opt_state_resumes(
   chex.assert_trees_all_equal(restored.synthetic, template.synthetic)
 
 
-def test_a_carried_server_state_is_checkpointed(tmp_path, linear_apply_fn, linear_params, clients):
+@pytest.mark.parametrize("given", ["optax", "spec"])
+def test_a_carried_server_state_is_checkpointed(
+  tmp_path, linear_apply_fn, linear_params, clients, given
+):
+  """The server's state of an optax transformation passed in (Adam) or of the config's spec
+  (``server_optimizer=Optimizer(name='yogi')``, FedYogi) is saved, restored and carried on."""
   common = dict(
     image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
   )
-  algo = baselines.algorithm(linear_apply_fn, FEDAVG, server_optimizer=ADAM, **common)
+  if given == "optax":
+    algo = baselines.algorithm(linear_apply_fn, FEDAVG, server_optimizer=ADAM, **common)
+  else:
+    algo = baselines.algorithm(linear_apply_fn, FEDYOGI, **common)
   template = algo.init(jax.random.PRNGKey(13), linear_params, clients)
   s1, _ = algo.round(template, clients)
   s2, _ = algo.round(s1, clients)
@@ -130,3 +140,49 @@ def test_a_carried_server_state_is_checkpointed(tmp_path, linear_apply_fn, linea
   chex.assert_trees_all_equal(
     algo.round(restored, clients)[0].params, algo.round(s2, clients)[0].params
   )
+
+
+# ------------------------------------------------------------------------------------------
+# The run's config: a checkpoint from before the optimiser fields resumes; another optimiser
+# is refused as any other changed run-defining field.
+# ------------------------------------------------------------------------------------------
+
+
+def _fields(**baseline):
+  cfg = configs.load("quickstart:fedadam")
+  cfg.method = "fedavg"
+  for path, value in baseline.items():
+    section, _, name = path.partition("__")
+    if name:
+      cfg.baseline[section][name] = value
+    else:
+      cfg.baseline[section] = value
+  return resume.run_defining_fields(cfg)
+
+
+def _check(stored: dict, now: dict):
+  meta = {"privacy": {}, "config": stored}
+  resume.check_resume_compatible(meta, {}, now, "WORKDIR")
+
+
+def test_a_config_from_before_the_optimiser_fields_resumes_and_another_optimiser_is_refused():
+  now = _fields()
+  before = {k: v for k, v in now.items() if k not in resume.ADDED_FIELDS}
+  assert set(now) - set(before) == set(resume.ADDED_FIELDS)  # the fields a run holds today
+  assert "baseline.server_optimizer.name" in resume.ADDED_FIELDS
+  _check(before, now)  # written before the fields: their defaults are what it ran with
+  _check(now, now)
+  yogi = _fields(server_optimizer__name="yogi", server_lr=0.01)
+  for stored in (before, now):
+    with pytest.raises(resume.ResumeError) as err:
+      _check(stored, yogi)
+    text = str(err.value)
+    assert "baseline.server_optimizer.name: checkpoint 'sgd' vs now 'yogi'" in text
+    assert "baseline.server_lr: checkpoint 1.0 vs now 0.01" in text
+  adam = _fields(server_optimizer__name="adam", server_lr=0.01)
+  with pytest.raises(resume.ResumeError, match="checkpoint 'yogi' vs now 'adam'"):
+    _check(yogi, adam)
+  with pytest.raises(resume.ResumeError, match=r"b2: checkpoint None vs now 0\.99"):
+    _check(yogi, _fields(server_optimizer__name="yogi", server_optimizer__b2=0.99, server_lr=0.01))
+  with pytest.raises(resume.ResumeError, match="client_optimizer.momentum"):
+    _check(before, _fields(client_optimizer__momentum=0.9))

@@ -10,6 +10,9 @@ The checkpoints of the server's state (one written before ``opt_state`` included
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ import optax
 import pytest
 
 from fedlap_jax import baselines, federated, optim, server
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import client_step, local_approx
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.models import count_params
@@ -114,6 +118,92 @@ def test_the_default_sgd_is_todays_optax_sgd_bit_for_bit(momentum, weight_decay)
   chex.assert_trees_all_equal(a, b)
   assert len(jax.tree.leaves(ours.init(params))) == (1 if momentum else 0)
   assert optim.sgd(momentum, weight_decay) is optim.sgd(momentum, weight_decay)  # memoised
+
+
+# ------------------------------------------------------------------------------------------
+# The spec: an optimiser as a config value.
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_sgd_spec_is_todays_default_and_equal_specs_share_one_direction():
+  """The default spec is plain SGD, the object the roles' defaults use (no new program); a
+  role given it writes its step out as before (``written_out_or``: ``None``); equal settings,
+  however written, are one spec and one optax object (one compilation)."""
+  assert optim.Optimizer() == optim.SGD and optim.SGD.direction() is optim.sgd()
+  assert optim.written_out_or(optim.SGD) is None
+  spec = optim.Optimizer(momentum=0.9, weight_decay=5e-4)
+  assert spec.direction() is optim.server_direction(0.9, 5e-4)
+  assert optim.written_out_or(spec) is spec.direction()
+  adam = optim.Optimizer(name="adam")
+  assert adam == optim.Optimizer(name="adam", b1=0.9, b2=0.999, eps=1e-8)
+  assert hash(adam) == hash(optim.Optimizer(name="adam", eps=1e-8))
+  assert adam.direction() is optim.Optimizer(name="adam", eps=1e-8).direction()
+  assert optim.Optimizer(name="yogi").direction() is not adam.direction()
+  described = dataclasses.asdict(optim.Optimizer(name="yogi"))
+  assert json.loads(json.dumps(described)) == described
+  assert optim.Optimizer(**described) == optim.Optimizer(name="yogi")
+
+
+@pytest.mark.parametrize(
+  "kwargs, field",
+  [
+    ({"name": "nadam"}, "name"),
+    ({"name": "adam", "momentum": 0.9}, "momentum"),  # a hyper-parameter adam does not use
+    ({"name": "adam", "nesterov": True}, "nesterov"),
+    ({"b1": 0.9}, "b1"),  # sgd does not use it, even at adam's default
+    ({"name": "adagrad", "b2": 0.99}, "b2"),
+    ({"name": "sgd", "initial_accumulator": 0.1}, "initial_accumulator"),
+    ({"name": "yogi", "b2": 1.0}, "b2"),
+    ({"name": "adam", "b1": -0.1}, "b1"),
+    ({"name": "adam", "eps": 0.0}, "eps"),
+    ({"name": "adagrad", "initial_accumulator": -1.0}, "initial_accumulator"),
+    ({"momentum": -0.5}, "momentum"),
+    ({"weight_decay": float("nan")}, "weight_decay"),
+    ({"nesterov": True}, "nesterov"),  # without momentum
+    ({"momentum": 0.9, "nesterov": 1}, "nesterov"),
+  ],
+)
+def test_a_bad_spec_is_refused_naming_the_field(kwargs, field):
+  with pytest.raises(ConfigError) as err:
+    optim.Optimizer(**kwargs)
+  assert err.value.field == field
+
+
+def test_each_spec_is_optax_own_optimiser_bit_for_bit():
+  """``spec.with_rate(lr)`` against optax's optimiser of the name (``optax.adam``,
+  ``optax.yogi``, ``optax.adagrad``, ``optax.sgd(nesterov=True)``, weight decay chained before):
+  three steps, the same bits. One program for all of them."""
+  lr = 0.05
+  pairs = [
+    (optim.Optimizer(name="adam"), optax.adam(lr)),
+    (optim.Optimizer(name="adam", b2=0.99, eps=1e-3), optax.adam(lr, b2=0.99, eps=1e-3)),
+    (optim.Optimizer(name="yogi"), optax.yogi(lr)),
+    (optim.Optimizer(name="adagrad"), optax.adagrad(lr)),
+    (
+      optim.Optimizer(momentum=0.9, nesterov=True, weight_decay=1e-3),
+      optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(lr, momentum=0.9, nesterov=True)),
+    ),
+  ]
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(7, 3)).astype(np.float32)}
+  grads = [{"w": rng.normal(size=(7, 3)).astype(np.float32)} for _ in range(3)]
+
+  @jax.jit
+  def run(p, gs):
+    out = []
+    for spec, theirs in pairs:
+      for tx in (spec.with_rate(lr), theirs):
+        w, s = p, tx.init(p)
+        for g in gs:
+          u, s = tx.update(g, s, w)
+          w = optax.apply_updates(w, u)
+        out.append(w)
+    return out
+
+  out = run(params, grads)
+  for i in range(len(pairs)):
+    chex.assert_trees_all_equal(out[2 * i], out[2 * i + 1])
+    assert _differs(out[2 * i], params)
 
 
 # ------------------------------------------------------------------------------------------

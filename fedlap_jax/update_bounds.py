@@ -1,0 +1,145 @@
+"""The largest model update an honest client of noisy local SGD sends, with high probability.
+
+A DP-FedAvg / DP-FedProx client (:func:`fedlap_jax.baselines.client_update` on the private
+path) starts from the global model ``x`` and takes ``T_k <= T`` steps at the round's rate
+``eta``. Step ``s`` uses the noisy Poisson-batch gradient of
+:func:`fedlap_jax.privacy.poisson_gradient`::
+
+    g_s = (sum_{i in batch_s} clip_C(grad_i) + sigma C z_s) / B,    z_s ~ N(0, I_d),
+
+the batch drawn with rate ``B / N_k`` (every record drawn counts: the overflow of the buffer is
+processed in extra chunks, so the realised batch ``n_s`` is bounded by ``N_k``, not by the
+buffer's capacity). The local optimiser is linear in what it is fed: SGD with heavy-ball
+momentum ``beta`` (:func:`fedlap_jax.optim.sgd`'s ``t <- d + beta t``), weight decay ``lambda``
+(``d = g + lambda w``) and the FedProx term ``2 mu (w - x)``::
+
+    d_s = g_s + (2 mu + lambda) delta_s + lambda x,   t_s = d_s + beta t_{s-1},
+    delta_{s+1} = delta_s - eta t_s,                  delta = w - x.
+
+So ``delta_T = sum_j c_j (g_j + lambda x)`` with scalar coefficients ``c_j`` (the impulse
+response of that recurrence, computed here in float64; ``c_j = -eta`` for plain SGD), and::
+
+    ||delta_T|| <= (C / B) sum_j |c_j| n_j  +  ||(sigma C / B) sum_j c_j z_j||  +  lambda ||x|| S1,
+
+``S1 = sum_j |c_j|``, ``S2 = sum_j c_j^2``, ``M = max_j |c_j|``. Two tail bounds, each failing
+with probability at most ``p / 2`` (``L = log(2 / p)``; ``p`` the false-refusal probability of
+one honest reply):
+
+* the batches (Bernstein's inequality; each ``n_j`` is a sum of independent Bernoulli draws of
+  mean ``<= B`` and variance ``<= B``): ``sum_j |c_j| n_j <= B S1 + t`` with
+  ``t = M L / 3 + sqrt((M L / 3)^2 + 2 B S2 L)``, and never more than ``N_max S1``;
+* the noise (Laurent and Massart, 2000: ``P(chi^2_d >= d + 2 sqrt(d L) + 2 L) <= e^-L``):
+  ``sum_j c_j z_j`` is ``N(0, S2 I_d)``, so its norm is at most
+  ``sqrt(S2) sqrt(d + 2 sqrt(d L) + 2 L)``.
+
+A client of fewer steps (``T_k < T``) has a prefix of the same sums, so the bound of ``T``
+covers it. Float32 arithmetic adds a relative :data:`FLOAT_SLACK` and the rounding of each step's
+``w - eta t``: at most ``2^-24 ||w||`` per step.
+
+Units: every norm is the L2 norm over all the model's parameters, in the parameters' units;
+``eta`` is the step size those units are moved by per unit gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+# The probability that an honest reply is refused (each of the two tail bounds gets half).
+FALSE_REFUSAL = 1e-9
+# Relative slack for float32 sums and products.
+FLOAT_SLACK = 1e-3
+# Unit roundoff of float32 (round to nearest).
+FLOAT32_ROUNDOFF = 2.0**-24
+
+
+def step_coefficients(
+  learning_rate: float,
+  steps: int,
+  *,
+  prox_mu: float = 0.0,
+  momentum: float = 0.0,
+  weight_decay: float = 0.0,
+) -> list[float]:
+  """``c_j``, ``j = 0..T-1``: the factor of step ``j``'s gradient in ``delta_T`` (float64).
+
+  The impulse response of the module docstring's recurrence: ``c_j = h_{T-1-j}`` with ``h_k``
+  the ``delta`` after ``k + 1`` steps of a unit gradient at step 0. Plain SGD: every ``c_j`` is
+  ``-eta``; FedProx: ``-eta (1 - 2 eta mu)^(T-1-j)``.
+  """
+  eta, beta, pull = float(learning_rate), float(momentum), 2.0 * prox_mu + weight_decay
+  delta, trace, response = 0.0, 0.0, []
+  for s in range(int(steps)):
+    d = (1.0 if s == 0 else 0.0) + pull * delta
+    trace = d + beta * trace
+    delta = delta - eta * trace
+    response.append(delta)
+  return response[::-1]
+
+
+def local_sgd_update_bound(
+  *,
+  learning_rate: float,
+  steps: int,
+  batch_size: int,
+  l2_clip_norm: float,
+  noise_multiplier: float,
+  num_params: int,
+  prox_mu: float = 0.0,
+  momentum: float = 0.0,
+  weight_decay: float = 0.0,
+  params_norm: float = 0.0,
+  max_batch: int | None = None,
+  false_refusal: float = FALSE_REFUSAL,
+) -> float:
+  """The largest ``||w_k - x||`` of an honest client, but with probability ``false_refusal``.
+
+  The module docstring's bound, float32 slack included.
+
+  Args:
+    learning_rate: the round's ``eta`` (what the client steps with).
+    steps: ``T``, the most local steps a client takes (the accountant's static count).
+    batch_size: ``B``, the expected Poisson batch (also the divisor of the noisy sum).
+    l2_clip_norm: ``C``, the per-example clip.
+    noise_multiplier: ``sigma`` (the noise's std is ``sigma C``, before the division by ``B``).
+    num_params: ``d``, the model's parameter count.
+    prox_mu: FedProx's ``mu`` (0: none).
+    momentum: the client optimiser's heavy-ball ``beta`` (0: plain SGD).
+    weight_decay: the client optimiser's ``lambda`` (0: none).
+    params_norm: ``||x||``, the global model's norm (weight decay's drift, float rounding).
+    max_batch: ``N_max``, the largest client's records: a batch never holds more (``None``: the
+      tail bound alone).
+    false_refusal: ``p`` in ``(0, 1)``.
+
+  Returns:
+    The bound, in the parameters' units (with ``eta = 0`` only the rounding slack: an honest
+    client then sends ``x`` itself).
+  """
+  if not 0.0 < false_refusal < 1.0:
+    raise ValueError(f"false_refusal={false_refusal!r} is invalid; allowed: a number in (0, 1)")
+  c = [
+    abs(v)
+    for v in step_coefficients(
+      learning_rate, steps, prox_mu=prox_mu, momentum=momentum, weight_decay=weight_decay
+    )
+  ]
+  if not c:
+    return 0.0
+  s1, s2, m = math.fsum(c), math.fsum(v * v for v in c), max(c)
+  b, clip, d = float(batch_size), float(l2_clip_norm), float(num_params)
+  tail = math.log(2.0 / false_refusal)
+  third = m * tail / 3.0
+  records = b * s1 + third + math.sqrt(third * third + 2.0 * b * s2 * tail)
+  if max_batch is not None:
+    records = min(records, float(max_batch) * s1)
+  clipped = clip / b * records
+  noise = (
+    noise_multiplier
+    * clip
+    / b
+    * math.sqrt(s2)
+    * math.sqrt(d + 2.0 * math.sqrt(d * tail) + 2.0 * tail)
+  )
+  drift = weight_decay * params_norm * s1
+  exact = clipped + noise + drift
+  rounding = len(c) * FLOAT32_ROUNDOFF * (params_norm + exact)
+  return (1.0 + FLOAT_SLACK) * exact + rounding

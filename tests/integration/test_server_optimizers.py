@@ -1,0 +1,70 @@
+"""The FedAvg family's server optimiser as a config choice, end to end on the digits:
+``baseline.server_optimizer.name=yogi`` (FedYogi) learns through the command line, and FedAvg
+with the server optimiser ``adam`` at FedAdam's settings is ``--config=quickstart:fedadam``,
+record for record (the same algorithm, written two ways)."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import checkpointing, run
+
+TINY = [
+  "--config.model.width=8",
+  "--config.model.depth=1",
+  "--config.eval_chunk_size=400",
+  "--config.plots=False",
+  "--config.progress_bar=False",
+]
+VOLATILE = ("round_seconds", "wall_seconds", "first_in_process")
+
+
+def _records(workdir):
+  return [
+    {k: v for k, v in r.items() if k not in VOLATILE}
+    for r in checkpointing.read_metrics(workdir / "metrics.jsonl")
+  ]
+
+
+def _run(workdir, *flags):
+  argv = ["prog", "--config=quickstart:fedadam", *TINY, *flags, f"--workdir={workdir}"]
+  assert run.main(argv) == 0
+  return _records(workdir)
+
+
+def test_fedyogi_is_a_config_and_learns_the_digits(tmp_path):
+  """3 rounds of FedAvg's clients with Yogi on the server (rate 0.03): far above chance (10 %),
+  and still learning in round 3, where the clients' cosine rate is about 0 and only the server's
+  momentum moves the model (plain SGD's server stands still there). Measured on CPU: 37.8 %,
+  61.2 %, 72.0 %; with plain SGD's server, the same clients: 44.6 %, 65.5 %, 65.5 %."""
+  records = _run(
+    tmp_path,
+    "--config.method=fedavg",
+    "--config.baseline.server_optimizer.name=yogi",
+    "--config.baseline.server_lr=0.03",
+    "--config.rounds=3",
+  )
+  accuracy = [r["test_accuracy"] for r in records]
+  assert [r["round"] for r in records] == [1, 2, 3]
+  assert accuracy[-1] > 0.6 and accuracy[2] > accuracy[1] > accuracy[0], accuracy
+  assert records[2]["learning_rate"] < 1e-5  # the clients' last cosine rate (about 0)
+  info = json.loads((tmp_path / "run_info.json").read_text())
+  assert info["method"] == "fedavg"
+
+
+def test_fedavg_with_an_adam_server_is_fedadam(tmp_path):
+  """FedAdam's settings as the FedAvg family's server optimiser give FedAdam's run, record for
+  record: ``config.fedadam`` and ``baseline.server_optimizer`` are one algorithm."""
+  fedadam = _run(tmp_path / "fedadam", "--config.rounds=2")
+  fedavg = _run(
+    tmp_path / "fedavg",
+    "--config.rounds=2",
+    "--config.method=fedavg",
+    "--config.baseline.server_optimizer.name=adam",
+    "--config.baseline.server_optimizer.b1=0.9",
+    "--config.baseline.server_optimizer.b2=0.99",
+    "--config.baseline.server_optimizer.eps=0.001",
+    "--config.baseline.server_lr=0.03",
+  )
+  assert [r["round"] for r in fedadam] == [1, 2]
+  assert fedavg == fedadam
