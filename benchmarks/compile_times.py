@@ -466,7 +466,9 @@ def rows(r: dict) -> list[str]:
   ``compile s`` is XLA's compile when cold and the cache's read when warm; ``cache MB`` is
   what the cold process wrote (every program of the config that took at least the threshold);
   ``load`` the machine's 1-minute load average when the process started and ended (above the
-  core count, the figures are provisional).
+  core count, the figures are provisional). A tree with :mod:`experiments.export_cache` runs
+  the round from it, as ``experiments.train`` does (its JSON's ``export_cache``): its warm
+  ``trace`` is the call's alone.
   """
   lines = []
   name = r["config"] + (" (stand-in data)" if r["stand_in"] else "")
@@ -482,7 +484,7 @@ def rows(r: dict) -> list[str]:
     rounds = run["rounds_s"]
     size = f"{r['cache_bytes'] / 1e6:.1f}" if state == "cold" else ""
     lines.append(
-      f"| {r['tree']} | {name} | {state}{' + export' if run.get('export_cache') else ''} | "
+      f"| {r['tree']} | {name} | {state} | "
       f"{hin['instructions']:,} / {hopt['instructions']:,} | "
       f"{hopt['fusions']:,} | {hopt['while']} | {hopt['conditional']} | "
       f"{_f(_stage(run, 'trace'), '{:.2f}')} | {_f(_stage(run, 'lower'), '{:.2f}')} | "
