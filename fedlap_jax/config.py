@@ -443,8 +443,9 @@ class ServerConfig:
     batch_size: batch size on the union of synthetic sets (512).
     max_epochs: epoch cap (100).
     weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3);
-      ``None`` (default): ``uniform`` with DP, ``size`` without (resolved by
-      :class:`FedLAPConfig`). ``size`` is refused with DP.
+      ``None`` (default): ``uniform`` with DP, ``size`` without (:meth:`resolved`, by the
+      method's config: :class:`FedLAPConfig`, FedDM's, DSC's and PSG's). ``size`` is refused
+      with DP.
     dsa_strategy: DSA families for server steps.
     learning_rate: base of the server's own cosine schedule over rounds;
       ``None`` (the paper) uses the run's ``eta_m`` (the clients' model
@@ -495,6 +496,14 @@ class ServerConfig:
       "a number in [0, 1)",
     )
     nonneg_float("server.weight_decay", self.weight_decay)
+
+  def resolved(self, private: bool) -> ServerConfig:
+    """This config with ``weighting=None`` resolved: ``uniform`` when ``private`` (DP: the
+    ``1/K`` average, Algorithm 3), ``size`` otherwise; a given weighting is kept. Every
+    method's config that holds a :class:`ServerConfig` resolves it here (one rule)."""
+    if self.weighting is not None:
+      return self
+    return dataclasses.replace(self, weighting="uniform" if private else "size")
 
 
 def fixed_epochs_server(max_epochs: int) -> ServerConfig:
@@ -584,14 +593,8 @@ class FedLAPConfig:
         "per-client r_k); or use radius_strategy='constant'",
       )
 
-    if self.server.weighting is None:  # resolve the default: 1/K under DP (Algorithm 3)
-      object.__setattr__(
-        self,
-        "server",
-        dataclasses.replace(
-          self.server, weighting="uniform" if self.client.dp is not None else "size"
-        ),
-      )
+    # The default weighting: 1/K under DP (Algorithm 3), N_k / N without.
+    object.__setattr__(self, "server", self.server.resolved(self.client.dp is not None))
 
   @property
   def dp(self) -> DPConfig | None:
