@@ -28,6 +28,9 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import optax
+
+from fedlap_jax import optim
 from fedlap_jax.checks import (
   ConfigError,
   dsa_strategy,
@@ -337,6 +340,14 @@ class ClientConfig:
       client then also has a model delta to send (``server.start``). With
       ``batch_loop=1``, ``real_dsa_strategy=''`` and a ``radius`` the
       trajectory does not reach, the path is DP-FedAvg's local DP-SGD.
+    model_optimizer: the direction of the client model's steps along a trajectory, at the
+      round's ``eta_m`` (a :class:`fedlap_jax.optim.Optimizer`; default plain SGD, written
+      out: ``w - eta_m g``). Its state starts afresh at each model step of a while-loop
+      iteration (carried over that step's ``R_l`` epochs; one ``noisy_real`` step has nothing
+      to carry) and is never sent or kept across rounds. The radius calibration keeps plain
+      SGD. Another than plain SGD is refused when the model takes no step (``inner_loop=0``
+      with ``model_steps='synthetic'``). Privacy is unchanged: the steps use released
+      (noisy) values or the synthetic set only.
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP
       (:meth:`with_dp` turns it on with the settings DP requires).
   """
@@ -362,6 +373,7 @@ class ClientConfig:
   poisson_capacity: int | None = None
   average_targets: bool = False
   model_steps: str = "synthetic"
+  model_optimizer: optim.Optimizer = optim.SGD
   dp: DPConfig | None = None
 
   def __post_init__(self):
@@ -399,6 +411,19 @@ class ClientConfig:
       "'synthetic' unless average_targets=True ('noisy_real' steps "
       "along the mean noisy gradient of each while-loop iteration)",
     )
+    require(
+      isinstance(self.model_optimizer, optim.Optimizer),
+      "model_optimizer",
+      self.model_optimizer,
+      "a fedlap_jax.optim.Optimizer",
+    )
+    require(
+      self.model_optimizer == optim.SGD or self.moves_model,
+      "model_optimizer",
+      self.model_optimizer,
+      "plain SGD (the default) when inner_loop=0 and model_steps='synthetic' (the client's "
+      "model takes no step, so no optimiser would run)",
+    )
     if self.dp is not None:
       require(
         not self.calibrate_radius,
@@ -412,6 +437,12 @@ class ClientConfig:
   def capacity(self) -> int:
     """Static size of the Poisson batch buffer."""
     return self.poisson_capacity or poisson_capacity(self.batch_size)
+
+  @property
+  def moves_model(self) -> bool:
+    """Whether the client's model steps along a trajectory (``R_l > 0`` epochs on the
+    synthetic set, or ``noisy_real`` steps): only then does ``model_optimizer`` run."""
+    return self.inner_loop > 0 or self.model_steps == "noisy_real"
 
   @property
   def real_accesses_per_round(self) -> int:
@@ -461,6 +492,14 @@ class ServerConfig:
     momentum: SGD momentum of the server's optimiser (0: plain SGD, FedLAP).
     weight_decay: L2 weight decay added to the gradient (0 for FedLAP; FedDM,
       DSC and PSG train their server model with momentum 0.9, decay 5e-4).
+    optimizer: the server's direction as a config value (a :class:`fedlap_jax.optim.Optimizer`
+      other than heavy-ball SGD: Adam, Yogi, Adagrad, Nesterov SGD), stepped at the server's
+      rate; ``None`` (default): heavy-ball SGD of ``momentum`` and ``weight_decay`` (those two
+      fields are the SGD spec: a spec of ``name='sgd'`` without ``nesterov`` is refused, and
+      with a spec both must be 0, its own ``weight_decay`` replacing them). Its state starts
+      afresh at each round's descent (Algorithm 2) and is carried over that descent's epochs;
+      only the library's ``fedlap_jax.methods.fedlap.method(carry_server_state=True)`` carries
+      it across rounds. :meth:`direction` is the transformation the server steps with.
   """
 
   radius_strategy: str = "min"
@@ -473,6 +512,7 @@ class ServerConfig:
 
   momentum: float = 0.0
   weight_decay: float = 0.0
+  optimizer: optim.Optimizer | None = None
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -496,6 +536,37 @@ class ServerConfig:
       "a number in [0, 1)",
     )
     nonneg_float("server.weight_decay", self.weight_decay)
+    spec = self.optimizer
+    if spec is not None:
+      require(
+        isinstance(spec, optim.Optimizer),
+        "server.optimizer",
+        spec,
+        "None or a fedlap_jax.optim.Optimizer",
+      )
+      require(
+        spec.name != "sgd" or spec.nesterov,
+        "server.optimizer",
+        spec,
+        "None for heavy-ball SGD (server.momentum and server.weight_decay are its spec), or "
+        "another optimiser (name='adam', 'yogi', 'adagrad', or 'sgd' with nesterov=True)",
+      )
+      for f in ("momentum", "weight_decay"):
+        require(
+          getattr(self, f) == 0,
+          f"server.{f}",
+          getattr(self, f),
+          f"0.0 when server.optimizer is set (name={spec.name!r}: the spec is the whole "
+          "direction; its own weight_decay, or momentum for Nesterov SGD)",
+        )
+
+  def direction(self) -> optax.GradientTransformation:
+    """The server's direction before the rate: ``optimizer``'s
+    (:meth:`fedlap_jax.optim.Optimizer.direction`), or without one
+    :func:`fedlap_jax.optim.server_direction` of ``momentum`` and ``weight_decay``."""
+    if self.optimizer is None:
+      return optim.server_direction(self.momentum, self.weight_decay)
+    return self.optimizer.direction()
 
   def resolved(self, private: bool) -> ServerConfig:
     """This config with ``weighting=None`` resolved: ``uniform`` when ``private`` (DP: the

@@ -102,8 +102,14 @@ def get_config() -> ml_collections.ConfigDict:
   # client / server / dp: the fields of fedlap_jax.config.ClientConfig / ServerConfig /
   # DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
   # sigma, C and delta, used once dp.enabled is True). The dataclasses document them.
-  config.client = schema.section(core.ClientConfig, exclude=("dp",))
-  config.server = schema.section(core.ServerConfig)
+  config.client = schema.section(core.ClientConfig, exclude=("dp", "model_optimizer"))
+  config.server = schema.section(core.ServerConfig, exclude=("optimizer",))
+  # FedLAP's client model optimiser and the server's optimiser (FedLAP, FedDM, DSC, PSG):
+  # sections of the fields of fedlap_jax.optim.Optimizer, plain SGD by default (the server's
+  # SGD is server.momentum / server.weight_decay; server.optimizer names another one, e.g.
+  # server.optimizer.name=adam). The other methods refuse a choice there.
+  config.client.model_optimizer = schema.section(optim.Optimizer)
+  config.server.optimizer = schema.section(optim.Optimizer)
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
