@@ -305,6 +305,77 @@ def test_the_server_optimiser_default_comes_from_momentum_and_weight_decay(
   assert _differs(default[0], plain[0]) == bool(config.momentum or config.weight_decay)
 
 
+SPEC_ADAM = optim.Optimizer(name="adam")
+
+
+@pytest.mark.parametrize("config", [PAPER, HYBRID], ids=["synthetic_epochs", "noisy_real"])
+def test_the_configs_model_optimiser_is_the_library_keyword(
+  linear_apply_fn, linear_params, clients, config
+):
+  """``ClientConfig.model_optimizer`` (a config value) is the ``model_optimizer`` keyword:
+  Adam from the config and Adam passed in are the same steps, bit for bit, and not SGD's."""
+  spec = dataclasses.replace(
+    config, client=dataclasses.replace(config.client, model_optimizer=SPEC_ADAM)
+  )
+  from_config = _fedlap_client(linear_apply_fn, linear_params, clients, spec)
+  passed = _fedlap_client(
+    linear_apply_fn, linear_params, clients, config, model_optimizer=SPEC_ADAM.direction()
+  )
+  chex.assert_trees_all_equal(from_config, passed)
+  default = _fedlap_client(linear_apply_fn, linear_params, clients, config)
+  assert _differs(default[0].synthetic.x, from_config[0].synthetic.x)
+
+
+def test_the_configs_server_optimiser_is_the_library_keyword(
+  linear_apply_fn, linear_params, clients
+):
+  """``ServerConfig.optimizer`` (a config value) is the ``optimizer`` keyword of the server's
+  descent, bit for bit; without it the direction is the SGD of momentum and weight decay (the
+  same object, so today's program)."""
+  state = federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER)
+  args = (
+    jax.random.PRNGKey(3),
+    linear_apply_fn,
+    linear_params,
+    state.synthetic,
+    jnp.ones((K,)),
+    jnp.inf,
+  )
+  config = PAPER.server
+  assert config.direction() is optim.sgd(config.momentum, config.weight_decay)
+  spec = dataclasses.replace(config, optimizer=SPEC_ADAM)
+  from_config = _global_update(*args, learning_rate=jnp.float32(0.2), config=spec)
+  passed = _global_update(
+    *args, learning_rate=jnp.float32(0.2), config=config, optimizer=SPEC_ADAM.direction()
+  )
+  chex.assert_trees_all_equal(from_config, passed)
+  default = _global_update(*args, learning_rate=jnp.float32(0.2), config=config)
+  assert _differs(default[0], from_config[0])
+  chex.assert_trees_all_equal(
+    server.server_state(linear_params, spec),
+    server.server_state(linear_params, config, SPEC_ADAM.direction()),
+  )
+
+
+@pytest.mark.parametrize(
+  ("make", "field"),
+  [
+    # Heavy-ball SGD is server.momentum / server.weight_decay: one source.
+    (lambda: ServerConfig(optimizer=optim.Optimizer(momentum=0.9)), "server.optimizer"),
+    (lambda: ServerConfig(momentum=0.9, optimizer=SPEC_ADAM), "server.momentum"),
+    (lambda: ServerConfig(weight_decay=5e-4, optimizer=SPEC_ADAM), "server.weight_decay"),
+    (lambda: ServerConfig(optimizer="adam"), "server.optimizer"),
+    # A model optimiser where the model takes no step would be ignored.
+    (lambda: ClientConfig(inner_loop=0, model_optimizer=SPEC_ADAM), "model_optimizer"),
+    (lambda: ClientConfig(inner_loop=1, model_optimizer="adam"), "model_optimizer"),
+  ],
+)
+def test_fedlaps_optimiser_fields_refuse_naming_the_field(make, field):
+  with pytest.raises(ConfigError) as err:
+    make()
+  assert err.value.field == field
+
+
 _baseline_client = jax.jit(
   baselines.client_step, static_argnames=("apply_fn", "config", "optimizer")
 )
