@@ -345,9 +345,9 @@ class ClientConfig:
       out: ``w - eta_m g``). Its state starts afresh at each model step of a while-loop
       iteration (carried over that step's ``R_l`` epochs; one ``noisy_real`` step has nothing
       to carry) and is never sent or kept across rounds. The radius calibration keeps plain
-      SGD. Another than plain SGD is refused when the model takes no step (``inner_loop=0``
-      with ``model_steps='synthetic'``). Privacy is unchanged: the steps use released
-      (noisy) values or the synthetic set only.
+      SGD. Another than plain SGD is refused when the model takes no step
+      (``model_steps='synthetic'`` with ``inner_loop=0`` or ``max_outer=1``). Privacy is
+      unchanged: the steps use released (noisy) values or the synthetic set only.
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP
       (:meth:`with_dp` turns it on with the settings DP requires).
   """
@@ -421,8 +421,8 @@ class ClientConfig:
       self.model_optimizer == optim.SGD or self.moves_model,
       "model_optimizer",
       self.model_optimizer,
-      "plain SGD (the default) when inner_loop=0 and model_steps='synthetic' (the client's "
-      "model takes no step, so no optimiser would run)",
+      "plain SGD (the default) with model_steps='synthetic' and inner_loop=0 or max_outer=1 "
+      "(the client's model takes no step, so no optimiser would run)",
     )
     if self.dp is not None:
       require(
@@ -440,9 +440,12 @@ class ClientConfig:
 
   @property
   def moves_model(self) -> bool:
-    """Whether the client's model steps along a trajectory (``R_l > 0`` epochs on the
-    synthetic set, or ``noisy_real`` steps): only then does ``model_optimizer`` run."""
-    return self.inner_loop > 0 or self.model_steps == "noisy_real"
+    """Whether the client's model steps along a trajectory (``noisy_real``: after every
+    while-loop iteration; ``synthetic``: ``R_l > 0`` epochs after each but the last of
+    ``max_outer > 1``): only then does ``model_optimizer`` run."""
+    if self.model_steps == "noisy_real":
+      return True
+    return self.inner_loop > 0 and self.max_outer > 1
 
   @property
   def real_accesses_per_round(self) -> int:

@@ -367,6 +367,7 @@ def test_the_configs_server_optimiser_is_the_library_keyword(
     (lambda: ServerConfig(optimizer="adam"), "server.optimizer"),
     # A model optimiser where the model takes no step would be ignored.
     (lambda: ClientConfig(inner_loop=0, model_optimizer=SPEC_ADAM), "model_optimizer"),
+    (lambda: ClientConfig(max_outer=1, inner_loop=2, model_optimizer=SPEC_ADAM), "model_optimizer"),
     (lambda: ClientConfig(inner_loop=1, model_optimizer="adam"), "model_optimizer"),
   ],
 )
