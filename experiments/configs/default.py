@@ -21,6 +21,10 @@ Sections:
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
   the run's calibration options. :func:`experiments.library_configs.to_fedlap_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
+  Two optimisers are sections of the fields of :class:`fedlap_jax.optim.Optimizer` there:
+  ``client.model_optimizer`` (FedLAP's client model) and ``server.optimizer`` (the server's
+  descent of FedLAP, FedDM, DSC and PSG; plain SGD there leaves it to ``server.momentum`` and
+  ``server.weight_decay``); the other methods refuse a choice in them.
 * ``baseline``: ``local_epochs``, FedProx's ``prox_mu`` and the server's rate ``server_lr``,
   the arguments of :func:`fedlap_jax.baselines.baseline_config` with its defaults, and the
   optimisers ``client_optimizer`` / ``server_optimizer``, sections of the fields of
