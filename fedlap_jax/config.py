@@ -30,10 +30,9 @@ from typing import NamedTuple
 
 import optax
 
-from fedlap_jax import optim
+from fedlap_jax import dsa, optim
 from fedlap_jax.checks import (
   ConfigError,
-  dsa_strategy,
   is_int,
   is_real,
   nonneg_float,
@@ -257,7 +256,7 @@ def check_synthetic_learner(cfg) -> None:
     "a number in [0, 1)",
   )
   check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
-  dsa_strategy("dsa_strategy", cfg.dsa_strategy)
+  dsa.check_strategy("dsa_strategy", cfg.dsa_strategy)
   dp = getattr(cfg, "dp", None)
   require(dp is None or isinstance(dp, DPConfig), "dp", dp, "a DPConfig or None")
 
@@ -395,7 +394,7 @@ class ClientConfig:
       positive_int("calibration_eval_size", self.calibration_eval_size)
     check_synthetic_learner(self)
     if self.real_dsa_strategy is not None:
-      dsa_strategy("real_dsa_strategy", self.real_dsa_strategy)
+      dsa.check_strategy("real_dsa_strategy", self.real_dsa_strategy)
     one_of("dsa_family_draw", self.dsa_family_draw, DSA_FAMILY_DRAWS)
     require(
       isinstance(self.average_targets, bool),
@@ -527,7 +526,7 @@ class ServerConfig:
       self.weighting,
       f"None or one of {WEIGHTINGS}",
     )
-    dsa_strategy("server.dsa_strategy", self.dsa_strategy)
+    dsa.check_strategy("server.dsa_strategy", self.dsa_strategy)
     if self.learning_rate is not None:
       positive_float("server.learning_rate", self.learning_rate)
     one_of("server.start", self.start, SERVER_STARTS)
