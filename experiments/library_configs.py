@@ -349,7 +349,7 @@ def validate_config(cfg):
         f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (this method does "
         f"not read {path}: "
         + (
-          "FedLAP's client model optimiser)"
+          "an optimiser of FedLAP's clients)"
           if path.startswith("client.")
           else "the optimiser of the servers that train on synthetic sets)"
         ),

@@ -111,12 +111,15 @@ def server_config(cfg) -> core.ServerConfig:
   ``server.momentum`` and ``server.weight_decay``)."""
   spec = optimizer_section(cfg, "server.optimizer")
   return sections.build_section(
-    core.ServerConfig,
-    cfg,
-    "server",
-    ignore=("optimizer",),
-    optimizer=None if spec == optim.SGD else spec,
+    core.ServerConfig, cfg, "server", ignore=("optimizer",), optimizer=_other_than_sgd(spec)
   )
+
+
+def _other_than_sgd(spec: optim.Optimizer) -> optim.Optimizer | None:
+  """A section's spec for a field whose ``None`` is the SGD of numeric fields beside it
+  (``server.optimizer``, ``client.image_optimizer``): plain SGD there (the default) is
+  ``None``."""
+  return None if spec == optim.SGD else spec
 
 
 def _fedlap_values(cfg, max_client_size):
@@ -126,9 +129,10 @@ def _fedlap_values(cfg, max_client_size):
     cfg,
     "client",
     spec=FEDLAP_SPEC,
-    ignore=("model_optimizer",),
+    ignore=("model_optimizer", "image_optimizer"),
     dp=dp_config(cfg),
     model_optimizer=optimizer_section(cfg, "client.model_optimizer"),
+    image_optimizer=_other_than_sgd(optimizer_section(cfg, "client.image_optimizer")),
   )
   return {"client": client, "server": server_config(cfg)}
 
@@ -172,13 +176,14 @@ def baseline_optimizers(cfg) -> dict[str, optim.Optimizer]:
 # dataclass whose field it is): FedLAP's client model optimiser, the synthetic-set servers'.
 SECTION_OPTIMIZERS = {
   "client.model_optimizer": core.ClientConfig,
+  "client.image_optimizer": core.ClientConfig,
   "server.optimizer": core.ServerConfig,
 }
 
 
 def section_optimizers(cfg) -> dict[str, optim.Optimizer]:
   """``{path: spec}`` of :data:`SECTION_OPTIMIZERS` (``client.model_optimizer``,
-  ``server.optimizer``)."""
+  ``client.image_optimizer``, ``server.optimizer``)."""
   return {path: optimizer_section(cfg, path) for path in SECTION_OPTIMIZERS}
 
 

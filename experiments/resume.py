@@ -48,6 +48,7 @@ def _added_fields() -> dict:
     "baseline.client_optimizer",
     "baseline.server_optimizer",
     "client.model_optimizer",
+    "client.image_optimizer",
     "server.optimizer",
   ):
     for k, v in schema.section(optim.Optimizer).to_dict().items():

@@ -116,9 +116,12 @@ class LocalApproxMetrics(NamedTuple):
 
 
 def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
-  """The paper's optimiser of the synthetic images: SGD at ``tau`` (``image_lr``) with
-  momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`)."""
-  return optim.image_sgd(config.image_lr, config.image_momentum)
+  """The config's optimiser of the synthetic images at ``tau`` (``image_lr``): the paper's
+  SGD with momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`), or the
+  direction of ``config.image_optimizer`` where one is set."""
+  if config.image_optimizer is None:
+    return optim.image_sgd(config.image_lr, config.image_momentum)
+  return config.image_optimizer.with_rate(config.image_lr)
 
 
 # A client's keys travel as a pair ``(client key, family key or None)``: the same

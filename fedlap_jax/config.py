@@ -261,6 +261,37 @@ def check_synthetic_learner(cfg) -> None:
   require(dp is None or isinstance(dp, DPConfig), "dp", dp, "a DPConfig or None")
 
 
+def check_other_than_sgd(spec, field: str, sgd_fields, why: str) -> None:
+  """Refuses an optimiser ``spec`` for ``field`` beside the numeric SGD fields it replaces.
+
+  ``None`` (the SGD of ``sgd_fields``) passes. A spec must be a
+  :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD (that SGD is ``sgd_fields``:
+  one source of each number), and every one of ``sgd_fields`` (``(name, value)``) must be 0
+  beside it (the spec is the whole direction).
+
+  Raises:
+    ConfigError: naming ``field`` or the SGD field, the value and what is allowed.
+  """
+  if spec is None:
+    return
+  require(isinstance(spec, optim.Optimizer), field, spec, "None or a fedlap_jax.optim.Optimizer")
+  require(
+    spec.name != "sgd" or spec.nesterov,
+    field,
+    spec,
+    f"None for heavy-ball SGD ({why}), or another optimiser (name='adam', 'yogi', 'adagrad', "
+    "or 'sgd' with nesterov=True)",
+  )
+  for name, value in sgd_fields:
+    require(
+      value == 0,
+      name,
+      value,
+      f"0.0 when {field} is set (name={spec.name!r}: the spec is the whole direction; its own "
+      "weight_decay, or momentum for Nesterov SGD)",
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientConfig:
   """Local approximation (Algorithms 1 and 3) on one client.
@@ -347,6 +378,11 @@ class ClientConfig:
       SGD. Another than plain SGD is refused when the model takes no step
       (``model_steps='synthetic'`` with ``inner_loop=0`` or ``max_outer=1``). Privacy is
       unchanged: the steps use released (noisy) values or the synthetic set only.
+    image_optimizer: the synthetic images' direction as a config value (a
+      :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD), stepped at ``image_lr``;
+      ``None`` (default): the paper's SGD of ``image_momentum`` (that field is the SGD spec:
+      with a spec it must be 0). Its state lives across the round's ``R_i`` trajectories and
+      starts afresh each round.
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP
       (:meth:`with_dp` turns it on with the settings DP requires).
   """
@@ -373,6 +409,7 @@ class ClientConfig:
   average_targets: bool = False
   model_steps: str = "synthetic"
   model_optimizer: optim.Optimizer = optim.SGD
+  image_optimizer: optim.Optimizer | None = None
   dp: DPConfig | None = None
 
   def __post_init__(self):
@@ -422,6 +459,12 @@ class ClientConfig:
       self.model_optimizer,
       "plain SGD (the default) with model_steps='synthetic' and inner_loop=0 or max_outer=1 "
       "(the client's model takes no step, so no optimiser would run)",
+    )
+    check_other_than_sgd(
+      self.image_optimizer,
+      "image_optimizer",
+      (("image_momentum", self.image_momentum),),
+      "image_momentum is its spec",
     )
     if self.dp is not None:
       require(
@@ -538,29 +581,12 @@ class ServerConfig:
       "a number in [0, 1)",
     )
     nonneg_float("server.weight_decay", self.weight_decay)
-    spec = self.optimizer
-    if spec is not None:
-      require(
-        isinstance(spec, optim.Optimizer),
-        "server.optimizer",
-        spec,
-        "None or a fedlap_jax.optim.Optimizer",
-      )
-      require(
-        spec.name != "sgd" or spec.nesterov,
-        "server.optimizer",
-        spec,
-        "None for heavy-ball SGD (server.momentum and server.weight_decay are its spec), or "
-        "another optimiser (name='adam', 'yogi', 'adagrad', or 'sgd' with nesterov=True)",
-      )
-      for f in ("momentum", "weight_decay"):
-        require(
-          getattr(self, f) == 0,
-          f"server.{f}",
-          getattr(self, f),
-          f"0.0 when server.optimizer is set (name={spec.name!r}: the spec is the whole "
-          "direction; its own weight_decay, or momentum for Nesterov SGD)",
-        )
+    check_other_than_sgd(
+      self.optimizer,
+      "server.optimizer",
+      (("server.momentum", self.momentum), ("server.weight_decay", self.weight_decay)),
+      "server.momentum and server.weight_decay are its spec",
+    )
 
   def direction(self) -> optax.GradientTransformation:
     """The server's direction before the rate: ``optimizer``'s

@@ -167,15 +167,15 @@ def write_fedlap(config: ml_collections.ConfigDict, fedlap) -> ml_collections.Co
   """
   for name in ("rounds", "learning_rate", "synthetic_init", "lr_schedule"):
     config[name] = getattr(fedlap, name)
-  for name in fields(type(fedlap.client), exclude=("dp", "model_optimizer")):
+  for name in fields(type(fedlap.client), exclude=("dp", "model_optimizer", "image_optimizer")):
     config.client[name] = getattr(fedlap.client, name)
   for name in fields(type(fedlap.server), exclude=("optimizer",)):
     config.server[name] = getattr(fedlap.server, name)
-  # The optimiser specs as their sections (the server's None: plain SGD, its SGD is above).
-  server_spec = fedlap.server.optimizer or optim.SGD
+  # The optimiser specs as their sections (None: plain SGD there, the SGD's numbers above).
   for section, spec in (
     (config.client.model_optimizer, fedlap.client.model_optimizer),
-    (config.server.optimizer, server_spec),
+    (config.client.image_optimizer, fedlap.client.image_optimizer or optim.SGD),
+    (config.server.optimizer, fedlap.server.optimizer or optim.SGD),
   ):
     section.update(dataclasses.asdict(spec))
   config.dp.enabled = fedlap.dp is not None

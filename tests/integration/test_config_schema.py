@@ -187,6 +187,8 @@ def test_write_fedlap_round_trips():
     # A choice the method would ignore.
     ("fedlap", {"client.model_optimizer.name": "adam"}, "client.model_optimizer", "no step"),
     ("fedavg", {"server.optimizer.name": "adam"}, "server.optimizer", "does not read"),
+    ("fedlap", {"client.image_optimizer.name": "adam"}, "client.image_momentum", "0.0 when"),
+    ("feddm", {"client.image_optimizer.name": "adam"}, "client.image_optimizer", "not read"),
     ("dp_fedavg", {"client.model_optimizer.name": "adam"}, "client.model_optimizer", "FedLAP's"),
     ("feddm", {"client.model_optimizer.name": "adam"}, "client.model_optimizer", "not read"),
   ],
@@ -223,6 +225,7 @@ def test_fedlaps_optimisers_default_to_todays_and_a_spec_reaches_the_library_con
   built = library_configs.to_fedlap_config(cfg)
   assert built == core.FedLAPConfig()
   assert built.server.optimizer is None and built.client.model_optimizer == optim.SGD
+  assert built.client.image_optimizer is None
   assert built.server.direction() is optim.server_direction(0.0, 0.0)
   cfg.server.optimizer.name = "yogi"
   cfg.client.model_optimizer.name = "adam"
@@ -231,3 +234,8 @@ def test_fedlaps_optimisers_default_to_todays_and_a_spec_reaches_the_library_con
   assert built.server.optimizer == optim.Optimizer(name="yogi")
   assert built.client.model_optimizer == optim.Optimizer(name="adam")
   assert built.server.direction() is optim.Optimizer(name="yogi").direction()
+  cfg.client.image_optimizer.name = "adam"
+  cfg.client.image_momentum = 0.0
+  assert library_configs.to_fedlap_config(cfg).client.image_optimizer == optim.Optimizer(
+    name="adam"
+  )

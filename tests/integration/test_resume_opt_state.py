@@ -205,7 +205,11 @@ def test_a_fedlap_checkpoint_from_before_its_optimiser_fields_resumes_and_anothe
   plain SGD (their defaults) and resumes; another optimiser is a changed run-defining field."""
   now = _fedlap_fields()
   added = [k for k in resume.ADDED_FIELDS if k.startswith(("client.", "server."))]
-  assert {"client.model_optimizer.name", "server.optimizer.name"} <= set(added)
+  assert {
+    "client.model_optimizer.name",
+    "client.image_optimizer.name",
+    "server.optimizer.name",
+  } <= set(added)
   before = {k: v for k, v in now.items() if k not in added}
   assert set(now) - set(before) == set(added)
   _check(before, now)

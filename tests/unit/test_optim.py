@@ -326,6 +326,27 @@ def test_the_configs_model_optimiser_is_the_library_keyword(
   assert _differs(default[0].synthetic.x, from_config[0].synthetic.x)
 
 
+def test_the_configs_image_optimiser_is_the_library_keyword(
+  linear_apply_fn, linear_params, clients
+):
+  """``ClientConfig.image_optimizer`` (a config value, stepped at ``image_lr``) is the
+  ``image_optimizer`` keyword, bit for bit; without it, the paper's SGD of ``image_momentum``."""
+  c = PAPER.client
+  syn = jax.tree.map(
+    lambda a: a[0],
+    federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER).synthetic,
+  )
+  spec = dataclasses.replace(c, image_optimizer=SPEC_ADAM, image_momentum=0.0)
+  rest = (jax.random.PRNGKey(2), linear_apply_fn, linear_params, syn, _pick(clients, 0))
+  from_config = _local_approx(*rest, spec, learning_rate=jnp.float32(0.3))
+  passed = _local_approx(
+    *rest, c, learning_rate=jnp.float32(0.3), image_optimizer=optax.adam(c.image_lr)
+  )
+  chex.assert_trees_all_equal(from_config, passed)
+  default = _local_approx(*rest, c, learning_rate=jnp.float32(0.3))
+  assert _differs(default[0].x, from_config[0].x)
+
+
 def test_the_configs_server_optimiser_is_the_library_keyword(
   linear_apply_fn, linear_params, clients
 ):
@@ -369,6 +390,12 @@ def test_the_configs_server_optimiser_is_the_library_keyword(
     (lambda: ClientConfig(inner_loop=0, model_optimizer=SPEC_ADAM), "model_optimizer"),
     (lambda: ClientConfig(max_outer=1, inner_loop=2, model_optimizer=SPEC_ADAM), "model_optimizer"),
     (lambda: ClientConfig(inner_loop=1, model_optimizer="adam"), "model_optimizer"),
+    # The images' SGD is image_momentum: one source.
+    (lambda: ClientConfig(image_optimizer=SPEC_ADAM), "image_momentum"),
+    (
+      lambda: ClientConfig(image_momentum=0.0, image_optimizer=optim.Optimizer(momentum=0.5)),
+      "image_optimizer",
+    ),
   ],
 )
 def test_fedlaps_optimiser_fields_refuse_naming_the_field(make, field):
