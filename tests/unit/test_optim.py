@@ -269,6 +269,13 @@ def test_the_client_model_optimiser_default_is_plain_sgd(
 _global_update = jax.jit(server.global_update, static_argnames=("apply_fn", "config", "optimizer"))
 
 
+def _server_args(apply_fn, params, clients) -> tuple:
+  """The positional arguments of :func:`fedlap_jax.server.global_update` on PAPER's initial
+  synthetic sets, every client weighted alike, no radius."""
+  state = federated.init_state(jax.random.PRNGKey(1), params, clients, PAPER)
+  return (jax.random.PRNGKey(3), apply_fn, params, state.synthetic, jnp.ones((K,)), jnp.inf)
+
+
 @pytest.mark.parametrize(
   "config",
   [
@@ -282,15 +289,7 @@ _global_update = jax.jit(server.global_update, static_argnames=("apply_fn", "con
 def test_the_server_optimiser_default_comes_from_momentum_and_weight_decay(
   linear_apply_fn, linear_params, clients, config
 ):
-  state = federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER)
-  args = (
-    jax.random.PRNGKey(3),
-    linear_apply_fn,
-    linear_params,
-    state.synthetic,
-    jnp.ones((K,)),
-    jnp.inf,
-  )
+  args = _server_args(linear_apply_fn, linear_params, clients)
   default = _global_update(*args, learning_rate=jnp.float32(0.2), config=config)
   explicit = _global_update(
     *args,
@@ -353,15 +352,7 @@ def test_the_configs_server_optimiser_is_the_library_keyword(
   """``ServerConfig.optimizer`` (a config value) is the ``optimizer`` keyword of the server's
   descent, bit for bit; without it the direction is the SGD of momentum and weight decay (the
   same object, so today's program)."""
-  state = federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER)
-  args = (
-    jax.random.PRNGKey(3),
-    linear_apply_fn,
-    linear_params,
-    state.synthetic,
-    jnp.ones((K,)),
-    jnp.inf,
-  )
+  args = _server_args(linear_apply_fn, linear_params, clients)
   config = PAPER.server
   assert config.direction() is optim.sgd(config.momentum, config.weight_decay)
   spec = dataclasses.replace(config, optimizer=SPEC_ADAM)
