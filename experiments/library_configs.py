@@ -341,6 +341,19 @@ def validate_config(cfg):
         f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (the baseline section's "
         "optimisers are the FedAvg family's; this method does not read them)",
       )
+  for path, spec in methods.section_optimizers(cfg).items():
+    if spec != optim.SGD and not methods.reads_section(entry, path):
+      _fail(
+        path,
+        spec,
+        f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (this method does "
+        f"not read {path}: "
+        + (
+          "an optimiser of FedLAP's clients)"
+          if path.startswith("client.")
+          else "the optimiser of the servers that train on synthetic sets)"
+        ),
+      )
 
   if not is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")

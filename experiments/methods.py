@@ -106,14 +106,33 @@ def dp_config(cfg) -> core.DPConfig | None:
 
 
 def server_config(cfg) -> core.ServerConfig:
-  """``config.server`` as a :class:`fedlap_jax.config.ServerConfig`."""
-  return sections.build_section(core.ServerConfig, cfg, "server")
+  """``config.server`` as a :class:`fedlap_jax.config.ServerConfig`; its ``optimizer`` from
+  the section ``server.optimizer`` (plain SGD there, the default: ``None``, the SGD of
+  ``server.momentum`` and ``server.weight_decay``)."""
+  spec = optimizer_section(cfg, "server.optimizer")
+  return sections.build_section(
+    core.ServerConfig, cfg, "server", ignore=("optimizer",), optimizer=_other_than_sgd(spec)
+  )
+
+
+def _other_than_sgd(spec: optim.Optimizer) -> optim.Optimizer | None:
+  """A section's spec for a field whose ``None`` is the SGD of numeric fields beside it
+  (``server.optimizer``, ``client.image_optimizer``): plain SGD there (the default) is
+  ``None``."""
+  return None if spec == optim.SGD else spec
 
 
 def _fedlap_values(cfg, max_client_size):
   del max_client_size
   client = sections.build_section(
-    core.ClientConfig, cfg, "client", spec=FEDLAP_SPEC, dp=dp_config(cfg)
+    core.ClientConfig,
+    cfg,
+    "client",
+    spec=FEDLAP_SPEC,
+    ignore=("model_optimizer", "image_optimizer"),
+    dp=dp_config(cfg),
+    model_optimizer=optimizer_section(cfg, "client.model_optimizer"),
+    image_optimizer=_other_than_sgd(optimizer_section(cfg, "client.image_optimizer")),
   )
   return {"client": client, "server": server_config(cfg)}
 
@@ -151,6 +170,29 @@ def optimizer_section(cfg, path: str) -> optim.Optimizer:
 def baseline_optimizers(cfg) -> dict[str, optim.Optimizer]:
   """``{client_optimizer, server_optimizer}`` of ``config.baseline``."""
   return {f: optimizer_section(cfg, f"baseline.{f}") for f in BASELINE_OPTIMIZERS}
+
+
+# The optimiser sections of the library dataclasses written as sections (config path -> the
+# dataclass whose field it is): FedLAP's client model optimiser, the synthetic-set servers'.
+SECTION_OPTIMIZERS = {
+  "client.model_optimizer": core.ClientConfig,
+  "client.image_optimizer": core.ClientConfig,
+  "server.optimizer": core.ServerConfig,
+}
+
+
+def section_optimizers(cfg) -> dict[str, optim.Optimizer]:
+  """``{path: spec}`` of :data:`SECTION_OPTIMIZERS` (``client.model_optimizer``,
+  ``client.image_optimizer``, ``server.optimizer``)."""
+  return {path: optimizer_section(cfg, path) for path in SECTION_OPTIMIZERS}
+
+
+def reads_section(entry: "Entry", path: str) -> bool:
+  """Whether ``entry``'s library config holds the dataclass of config section ``path``'s
+  parent (``client.model_optimizer``: a :class:`~fedlap_jax.config.ClientConfig` written as
+  ``client``), so that the method reads the optimiser there."""
+  cls = SECTION_OPTIMIZERS[path]
+  return (cls, path.partition(".")[0]) in entry.spec.nested
 
 
 def _baseline_values(cfg, max_client_size):

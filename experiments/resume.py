@@ -44,9 +44,15 @@ def _added_fields() -> dict:
   written, with the value every run before them ran with (their defaults): a checkpoint's
   config without one of them matches a config that holds it at that value."""
   added: dict = {"baseline.server_lr": 1.0}
-  for name in ("client_optimizer", "server_optimizer"):
+  for path in (
+    "baseline.client_optimizer",
+    "baseline.server_optimizer",
+    "client.model_optimizer",
+    "client.image_optimizer",
+    "server.optimizer",
+  ):
     for k, v in schema.section(optim.Optimizer).to_dict().items():
-      added[f"baseline.{name}.{k}"] = v
+      added[f"{path}.{k}"] = v
   return added
 
 

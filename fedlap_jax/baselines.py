@@ -103,18 +103,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlap_jax import optim, privacy
+from fedlap_jax import dsa, optim, privacy
 from fedlap_jax import accounting
 from fedlap_jax.algorithm import FederatedAlgorithm
-from fedlap_jax.checks import (
-  ConfigError,
-  dsa_strategy,
-  is_int,
-  is_real,
-  nonneg_float,
-  one_of,
-  require,
-)
+from fedlap_jax.checks import ConfigError, is_int, is_real, nonneg_float, one_of, require
 from fedlap_jax.client_data import (
   ClientData,
   check_batch_size,
@@ -280,7 +272,7 @@ class LocalTraining:
       self.gradient_mean,
       "'expected' or None with clipping (dividing by the realised batch size would leak it)",
     )
-    dsa_strategy("dsa_strategy", self.dsa_strategy)
+    dsa.check_strategy("dsa_strategy", self.dsa_strategy)
 
   @property
   def private(self) -> bool:

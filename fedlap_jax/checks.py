@@ -11,8 +11,9 @@ Two kinds of helpers: predicates (:func:`is_int`, :func:`is_real`) and checks
 that raise (:func:`require`, :func:`positive_int`, ...); the checks named for a
 kind of number (:func:`integer`, :func:`finite`, :func:`probability`) also
 return the value as a Python ``int`` / ``float``. This module imports neither
-JAX nor NumPy (the DSA parser is imported only by :func:`dsa_strategy`), so
-host-only modules such as :mod:`fedlap_jax.accounting` share the vocabulary.
+JAX nor NumPy, nor any module of the library (a DSA strategy is checked by
+:func:`fedlap_jax.dsa.check_strategy`), so host-only modules such as
+:mod:`fedlap_jax.accounting` share the vocabulary.
 """
 
 from __future__ import annotations
@@ -108,15 +109,3 @@ def probability(field: str, value: Any, *, one_allowed: bool = False) -> float:
     "a probability in (0, 1]" if one_allowed else "a probability in the open interval (0, 1)",
   )
   return float(value)
-
-
-def dsa_strategy(field: str, value: Any) -> None:
-  """A DSA strategy string that :func:`fedlap_jax.dsa.parse_strategy` accepts."""
-  from fedlap_jax import dsa  # pylint: disable=g-import-not-at-top  (imports JAX)
-
-  allowed = "a string of DSA families joined by '_'"
-  require(isinstance(value, str), field, value, allowed)
-  try:
-    dsa.parse_strategy(value)
-  except ValueError as e:
-    raise ConfigError(field, value, allowed, message=f"{field}={value!r} is invalid: {e}") from None

@@ -116,9 +116,12 @@ class LocalApproxMetrics(NamedTuple):
 
 
 def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
-  """The paper's optimiser of the synthetic images: SGD at ``tau`` (``image_lr``) with
-  momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`)."""
-  return optim.image_sgd(config.image_lr, config.image_momentum)
+  """The config's optimiser of the synthetic images at ``tau`` (``image_lr``): the paper's
+  SGD with momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`), or the
+  direction of ``config.image_optimizer`` where one is set."""
+  if config.image_optimizer is None:
+    return optim.image_sgd(config.image_lr, config.image_momentum)
+  return config.image_optimizer.with_rate(config.image_lr)
 
 
 # A client's keys travel as a pair ``(client key, family key or None)``: the same
@@ -685,7 +688,8 @@ def local_approx(
       hashes by identity: build it once).
     model_optimizer: the direction of the model's steps along a trajectory (the ``R_l``
       synthetic epochs, or ``noisy_real``'s step), an ``optax.GradientTransformation``
-      before the rate ``eta_m`` (:mod:`fedlap_jax.optim`); ``None``: plain SGD. Its state
+      before the rate ``eta_m`` (:mod:`fedlap_jax.optim`); ``None``: ``config.model_optimizer``
+      (plain SGD by default, written out). Its state
       starts afresh at each while-loop iteration's model step (carried over that step's
       ``R_l`` epochs; ``noisy_real``: one update from a fresh state, so momentum has
       nothing to accumulate). The radius calibration
@@ -720,6 +724,8 @@ def local_approx(
     ("synthetic.y", synthetic.y, synthetic.mask),
   )
   optimizer = default_image_optimizer(c) if image_optimizer is None else image_optimizer
+  if model_optimizer is None:  # the config's (plain SGD: the step written out, None)
+    model_optimizer = optim.written_out_or(c.model_optimizer)
   if c.dsa_family_draw == "per_client":
     family_key = None
   elif family_key is None:

@@ -299,6 +299,7 @@ class OneShotConfig:
     )
     c = self.condensation
     private = ONE_SHOT_FACTS[self.method].private  # what the name implies
+    object.__setattr__(self, "server", self.server.resolved(private))
     require(
       (c.dp is not None) == private,
       "dp",

@@ -28,9 +28,11 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import optax
+
+from fedlap_jax import dsa, optim
 from fedlap_jax.checks import (
   ConfigError,
-  dsa_strategy,
   is_int,
   is_real,
   nonneg_float,
@@ -254,9 +256,40 @@ def check_synthetic_learner(cfg) -> None:
     "a number in [0, 1)",
   )
   check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
-  dsa_strategy("dsa_strategy", cfg.dsa_strategy)
+  dsa.check_strategy("dsa_strategy", cfg.dsa_strategy)
   dp = getattr(cfg, "dp", None)
   require(dp is None or isinstance(dp, DPConfig), "dp", dp, "a DPConfig or None")
+
+
+def check_other_than_sgd(spec, field: str, sgd_fields, why: str) -> None:
+  """Refuses an optimiser ``spec`` for ``field`` beside the numeric SGD fields it replaces.
+
+  ``None`` (the SGD of ``sgd_fields``) passes. A spec must be a
+  :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD (that SGD is ``sgd_fields``:
+  one source of each number), and every one of ``sgd_fields`` (``(name, value)``) must be 0
+  beside it (the spec is the whole direction).
+
+  Raises:
+    ConfigError: naming ``field`` or the SGD field, the value and what is allowed.
+  """
+  if spec is None:
+    return
+  require(isinstance(spec, optim.Optimizer), field, spec, "None or a fedlap_jax.optim.Optimizer")
+  require(
+    spec.name != "sgd" or spec.nesterov,
+    field,
+    spec,
+    f"None for heavy-ball SGD ({why}), or another optimiser (name='adam', 'yogi', 'adagrad', "
+    "or 'sgd' with nesterov=True)",
+  )
+  for name, value in sgd_fields:
+    require(
+      value == 0,
+      name,
+      value,
+      f"0.0 when {field} is set (name={spec.name!r}: the spec is the whole direction; its own "
+      "weight_decay, or momentum for Nesterov SGD)",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -337,6 +370,19 @@ class ClientConfig:
       client then also has a model delta to send (``server.start``). With
       ``batch_loop=1``, ``real_dsa_strategy=''`` and a ``radius`` the
       trajectory does not reach, the path is DP-FedAvg's local DP-SGD.
+    model_optimizer: the direction of the client model's steps along a trajectory, at the
+      round's ``eta_m`` (a :class:`fedlap_jax.optim.Optimizer`; default plain SGD, written
+      out: ``w - eta_m g``). Its state starts afresh at each model step of a while-loop
+      iteration (carried over that step's ``R_l`` epochs; one ``noisy_real`` step has nothing
+      to carry) and is never sent or kept across rounds. The radius calibration keeps plain
+      SGD. Another than plain SGD is refused when the model takes no step
+      (``model_steps='synthetic'`` with ``inner_loop=0`` or ``max_outer=1``). Privacy is
+      unchanged: the steps use released (noisy) values or the synthetic set only.
+    image_optimizer: the synthetic images' direction as a config value (a
+      :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD), stepped at ``image_lr``;
+      ``None`` (default): the paper's SGD of ``image_momentum`` (that field is the SGD spec:
+      with a spec it must be 0). Its state lives across the round's ``R_i`` trajectories and
+      starts afresh each round.
     dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP
       (:meth:`with_dp` turns it on with the settings DP requires).
   """
@@ -362,6 +408,8 @@ class ClientConfig:
   poisson_capacity: int | None = None
   average_targets: bool = False
   model_steps: str = "synthetic"
+  model_optimizer: optim.Optimizer = optim.SGD
+  image_optimizer: optim.Optimizer | None = None
   dp: DPConfig | None = None
 
   def __post_init__(self):
@@ -383,7 +431,7 @@ class ClientConfig:
       positive_int("calibration_eval_size", self.calibration_eval_size)
     check_synthetic_learner(self)
     if self.real_dsa_strategy is not None:
-      dsa_strategy("real_dsa_strategy", self.real_dsa_strategy)
+      dsa.check_strategy("real_dsa_strategy", self.real_dsa_strategy)
     one_of("dsa_family_draw", self.dsa_family_draw, DSA_FAMILY_DRAWS)
     require(
       isinstance(self.average_targets, bool),
@@ -399,6 +447,25 @@ class ClientConfig:
       "'synthetic' unless average_targets=True ('noisy_real' steps "
       "along the mean noisy gradient of each while-loop iteration)",
     )
+    require(
+      isinstance(self.model_optimizer, optim.Optimizer),
+      "model_optimizer",
+      self.model_optimizer,
+      "a fedlap_jax.optim.Optimizer",
+    )
+    require(
+      self.model_optimizer == optim.SGD or self.moves_model,
+      "model_optimizer",
+      self.model_optimizer,
+      "plain SGD (the default) with model_steps='synthetic' and inner_loop=0 or max_outer=1 "
+      "(the client's model takes no step, so no optimiser would run)",
+    )
+    check_other_than_sgd(
+      self.image_optimizer,
+      "image_optimizer",
+      (("image_momentum", self.image_momentum),),
+      "image_momentum is its spec",
+    )
     if self.dp is not None:
       require(
         not self.calibrate_radius,
@@ -412,6 +479,15 @@ class ClientConfig:
   def capacity(self) -> int:
     """Static size of the Poisson batch buffer."""
     return self.poisson_capacity or poisson_capacity(self.batch_size)
+
+  @property
+  def moves_model(self) -> bool:
+    """Whether the client's model steps along a trajectory (``noisy_real``: after every
+    while-loop iteration; ``synthetic``: ``R_l > 0`` epochs after each but the last of
+    ``max_outer > 1``): only then does ``model_optimizer`` run."""
+    if self.model_steps == "noisy_real":
+      return True
+    return self.inner_loop > 0 and self.max_outer > 1
 
   @property
   def real_accesses_per_round(self) -> int:
@@ -443,8 +519,9 @@ class ServerConfig:
     batch_size: batch size on the union of synthetic sets (512).
     max_epochs: epoch cap (100).
     weighting: ``size`` (N_k / N, paper Eq. 9) or ``uniform`` (1/K, Algorithm 3);
-      ``None`` (default): ``uniform`` with DP, ``size`` without (resolved by
-      :class:`FedLAPConfig`). ``size`` is refused with DP.
+      ``None`` (default): ``uniform`` with DP, ``size`` without (:meth:`resolved`, by the
+      method's config: :class:`FedLAPConfig`, FedDM's, DSC's and PSG's). ``size`` is refused
+      with DP.
     dsa_strategy: DSA families for server steps.
     learning_rate: base of the server's own cosine schedule over rounds;
       ``None`` (the paper) uses the run's ``eta_m`` (the clients' model
@@ -460,6 +537,14 @@ class ServerConfig:
     momentum: SGD momentum of the server's optimiser (0: plain SGD, FedLAP).
     weight_decay: L2 weight decay added to the gradient (0 for FedLAP; FedDM,
       DSC and PSG train their server model with momentum 0.9, decay 5e-4).
+    optimizer: the server's direction as a config value (a :class:`fedlap_jax.optim.Optimizer`
+      other than heavy-ball SGD: Adam, Yogi, Adagrad, Nesterov SGD), stepped at the server's
+      rate; ``None`` (default): heavy-ball SGD of ``momentum`` and ``weight_decay`` (those two
+      fields are the SGD spec: a spec of ``name='sgd'`` without ``nesterov`` is refused, and
+      with a spec both must be 0, its own ``weight_decay`` replacing them). Its state starts
+      afresh at each round's descent (Algorithm 2) and is carried over that descent's epochs;
+      only the library's ``fedlap_jax.methods.fedlap.method(carry_server_state=True)`` carries
+      it across rounds. :meth:`direction` is the transformation the server steps with.
   """
 
   radius_strategy: str = "min"
@@ -472,6 +557,7 @@ class ServerConfig:
 
   momentum: float = 0.0
   weight_decay: float = 0.0
+  optimizer: optim.Optimizer | None = None
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -483,7 +569,7 @@ class ServerConfig:
       self.weighting,
       f"None or one of {WEIGHTINGS}",
     )
-    dsa_strategy("server.dsa_strategy", self.dsa_strategy)
+    dsa.check_strategy("server.dsa_strategy", self.dsa_strategy)
     if self.learning_rate is not None:
       positive_float("server.learning_rate", self.learning_rate)
     one_of("server.start", self.start, SERVER_STARTS)
@@ -495,6 +581,28 @@ class ServerConfig:
       "a number in [0, 1)",
     )
     nonneg_float("server.weight_decay", self.weight_decay)
+    check_other_than_sgd(
+      self.optimizer,
+      "server.optimizer",
+      (("server.momentum", self.momentum), ("server.weight_decay", self.weight_decay)),
+      "server.momentum and server.weight_decay are its spec",
+    )
+
+  def direction(self) -> optax.GradientTransformation:
+    """The server's direction before the rate: ``optimizer``'s
+    (:meth:`fedlap_jax.optim.Optimizer.direction`), or without one
+    :func:`fedlap_jax.optim.server_direction` of ``momentum`` and ``weight_decay``."""
+    if self.optimizer is None:
+      return optim.server_direction(self.momentum, self.weight_decay)
+    return self.optimizer.direction()
+
+  def resolved(self, private: bool) -> ServerConfig:
+    """This config with ``weighting=None`` resolved: ``uniform`` when ``private`` (DP: the
+    ``1/K`` average, Algorithm 3), ``size`` otherwise; a given weighting is kept. Every
+    method's config that holds a :class:`ServerConfig` resolves it here (one rule)."""
+    if self.weighting is not None:
+      return self
+    return dataclasses.replace(self, weighting="uniform" if private else "size")
 
 
 def fixed_epochs_server(max_epochs: int) -> ServerConfig:
@@ -584,14 +692,8 @@ class FedLAPConfig:
         "per-client r_k); or use radius_strategy='constant'",
       )
 
-    if self.server.weighting is None:  # resolve the default: 1/K under DP (Algorithm 3)
-      object.__setattr__(
-        self,
-        "server",
-        dataclasses.replace(
-          self.server, weighting="uniform" if self.client.dp is not None else "size"
-        ),
-      )
+    # The default weighting: 1/K under DP (Algorithm 3), N_k / N without.
+    object.__setattr__(self, "server", self.server.resolved(self.client.dp is not None))
 
   @property
   def dp(self) -> DPConfig | None:

@@ -54,10 +54,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fedlap_jax.checks import ConfigError, require
+
 __all__ = [
   "FAMILIES",
   "DEFAULT_STRATEGY",
   "parse_strategy",
+  "check_strategy",
   "augment",
   "apply_family",
   "make_augment_fn",
@@ -121,6 +124,20 @@ def parse_strategy(strategy: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------
 # Deterministic transforms (explicit parameters)
 # --------------------------------------------------------------------------
+
+
+def check_strategy(field: str, value) -> None:
+  """Refuses ``value`` for config field ``field`` unless :func:`parse_strategy` accepts it.
+
+  Raises:
+    ConfigError: naming ``field``, the value and what is allowed (the bad family named).
+  """
+  allowed = "a string of DSA families joined by '_'"
+  require(isinstance(value, str), field, value, allowed)
+  try:
+    parse_strategy(value)
+  except ValueError as e:
+    raise ConfigError(field, value, allowed, message=f"{field}={value!r} is invalid: {e}") from None
 
 
 def _check_images(x: jax.Array) -> None:

@@ -131,6 +131,7 @@ class FedDMConfig:
     check_synthetic_learner(self)
     one_of("synthetic_init", self.synthetic_init, SYNTHETIC_INITS)
     require(isinstance(self.server, ServerConfig), "server", self.server, "a ServerConfig")
+    object.__setattr__(self, "server", self.server.resolved(private=False))  # no DP variant
     require(
       self.server.radius_strategy == "fixed",
       "radius_strategy",

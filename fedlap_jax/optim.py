@@ -7,9 +7,11 @@ defaults; nothing else names them:
 * FedLAP's synthetic images, and FedDM's, DSC's and PSG's: :func:`image_sgd` of
   ``image_lr`` and ``image_momentum`` (``optax.sgd(tau, momentum)``).
 * FedLAP's client model (the synthetic epochs, the ``noisy_real`` steps) and the FedAvg
-  family's client: plain SGD at ``eta_m`` (:func:`sgd`).
+  family's client: plain SGD at ``eta_m`` (:func:`sgd`); as config values
+  ``ClientConfig.model_optimizer`` and ``BaselineConfig.client_optimizer``.
 * The servers that train on synthetic sets (FedLAP, FedDM, DSC, PSG): :func:`server_direction`
-  of ``server.momentum`` and ``server.weight_decay`` at the server's rate.
+  of ``server.momentum`` and ``server.weight_decay`` at the server's rate; another optimiser
+  as a config value is ``ServerConfig.optimizer`` (:meth:`fedlap_jax.config.ServerConfig.direction`).
 * The FedAvg family's server: plain SGD at ``server_lr`` on the negated weighted mean delta
   (``x + server_lr * d``).
 

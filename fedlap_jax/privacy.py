@@ -480,7 +480,7 @@ class PoissonGradient:
       self.gradient_mean,
       "'expected' or None with clipping (dividing by the realised batch size would leak it)",
     )
-    checks.dsa_strategy("dsa_strategy", self.dsa_strategy)
+    dsa.check_strategy("dsa_strategy", self.dsa_strategy)
     checks.require(isinstance(self.track_loss, bool), "track_loss", self.track_loss, "a bool")
 
   @classmethod

@@ -7,8 +7,10 @@ first epoch that leaves the ball ``||w - w_start|| < r_g`` (or at the epoch
 cap). The optimiser is SGD re-created every round: plain for FedLAP, with
 ``momentum`` and ``weight_decay`` for the synthetic-data comparison systems
 (FedDM's server; DSC's and PSG's training of a fresh model on the synthetic
-sets), which also run here, with ``r_g = inf``. Any optax direction may replace
-it (``optimizer``, :mod:`fedlap_jax.optim`); :func:`global_update_with_state` and
+sets), which also run here, with ``r_g = inf``. Another direction may replace
+it: as a config value, ``ServerConfig.optimizer`` (an :class:`fedlap_jax.optim.Optimizer`
+spec, restarted every round like SGD), or as any optax direction, ``optimizer``
+(:mod:`fedlap_jax.optim`); :func:`global_update_with_state` and
 :func:`server_step_with_state` also take and return its state, for a server that
 carries it across rounds.
 
@@ -147,8 +149,9 @@ def global_update_with_state(
       the default optimiser's momentum and weight decay.
     optimizer: the server's direction, an ``optax.GradientTransformation`` before the
       rate (:mod:`fedlap_jax.optim`), stepped at ``learning_rate``; ``None``:
+      ``config.direction()`` (the config's ``optimizer`` spec, or without one
       :func:`fedlap_jax.optim.server_direction` of ``config.momentum`` and
-      ``config.weight_decay`` (SGD, as :func:`fedlap_jax.training.model_optimizer`). A
+      ``config.weight_decay``: SGD, as :func:`fedlap_jax.training.model_optimizer`). A
       jit static where the caller jits (hashes by identity).
 
   Returns:
@@ -175,7 +178,7 @@ def global_update_with_state(
   y = synthetic.y.reshape(-1)
   radius = jnp.asarray(radius, jnp.float32)
   if optimizer is None:
-    optimizer = optim.server_direction(config.momentum, config.weight_decay)
+    optimizer = config.direction()
   optimizer = optim.with_rate(optimizer, learning_rate)
   if opt_state is None:
     opt_state = optimizer.init(params)
@@ -212,7 +215,7 @@ def server_state(
   """The fresh state of the server's optimiser for ``params`` (``optimizer=None``: the
   default of :func:`global_update_with_state`; SGD without momentum has no leaves)."""
   if optimizer is None:
-    optimizer = optim.server_direction(config.momentum, config.weight_decay)
+    optimizer = config.direction()
   return optim.with_rate(optimizer, 1.0).init(params)
 
 
@@ -297,8 +300,9 @@ def server_step_with_state(
     valid: optional ``(K',)`` bool: clients whose update counts (the others get
       weight 0 and are left out of ``r_g``).
     opt_state, optimizer: the server optimiser's state to start from (``None``: fresh, the
-      paper's recipe) and its direction (``None``: SGD of ``server.momentum`` and
-      ``server.weight_decay``); :func:`global_update_with_state`.
+      paper's recipe) and its direction (``None``: ``server.direction()``, the config's
+      ``server.optimizer`` or SGD of ``server.momentum`` and ``server.weight_decay``);
+      :func:`global_update_with_state`.
 
   Returns:
     ``(params, opt_state, ServerMetrics)``.

@@ -21,6 +21,12 @@ Sections:
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
   the run's calibration options. :func:`experiments.library_configs.to_fedlap_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
+  Three optimisers are sections of the fields of :class:`fedlap_jax.optim.Optimizer` there:
+  ``client.model_optimizer`` (FedLAP's client model), ``client.image_optimizer`` (FedLAP's
+  synthetic images at ``client.image_lr``; plain SGD there leaves them to
+  ``client.image_momentum``) and ``server.optimizer`` (the server's descent of FedLAP, FedDM,
+  DSC and PSG; plain SGD there leaves it to ``server.momentum`` and
+  ``server.weight_decay``); the other methods refuse a choice in them.
 * ``baseline``: ``local_epochs``, FedProx's ``prox_mu`` and the server's rate ``server_lr``,
   the arguments of :func:`fedlap_jax.baselines.baseline_config` with its defaults, and the
   optimisers ``client_optimizer`` / ``server_optimizer``, sections of the fields of
@@ -102,8 +108,17 @@ def get_config() -> ml_collections.ConfigDict:
   # client / server / dp: the fields of fedlap_jax.config.ClientConfig / ServerConfig /
   # DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
   # sigma, C and delta, used once dp.enabled is True). The dataclasses document them.
-  config.client = schema.section(core.ClientConfig, exclude=("dp",))
-  config.server = schema.section(core.ServerConfig)
+  config.client = schema.section(
+    core.ClientConfig, exclude=("dp", "model_optimizer", "image_optimizer")
+  )
+  config.server = schema.section(core.ServerConfig, exclude=("optimizer",))
+  # FedLAP's client model optimiser and the server's optimiser (FedLAP, FedDM, DSC, PSG):
+  # sections of the fields of fedlap_jax.optim.Optimizer, plain SGD by default (the server's
+  # SGD is server.momentum / server.weight_decay; server.optimizer names another one, e.g.
+  # server.optimizer.name=adam). The other methods refuse a choice there.
+  config.client.model_optimizer = schema.section(optim.Optimizer)
+  config.client.image_optimizer = schema.section(optim.Optimizer)
+  config.server.optimizer = schema.section(optim.Optimizer)
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 import ml_collections
 from ml_collections import config_dict
 
+from fedlap_jax import optim
 from fedlap_jax.checks import ConfigError, is_int, is_real
 
 # What a value of each field type may be, in words, and the test it must pass.
@@ -158,17 +159,25 @@ def write_fedlap(config: ml_collections.ConfigDict, fedlap) -> ml_collections.Co
   """Writes a :class:`fedlap_jax.config.FedLAPConfig` into experiment config ``config``.
 
   ``rounds``, ``learning_rate``, ``synthetic_init``, ``lr_schedule``, every
-  field of ``config.client`` and ``config.server``, and ``config.dp``
+  field of ``config.client`` and ``config.server`` (their optimisers as the sections
+  ``client.model_optimizer`` and ``server.optimizer``), and ``config.dp``
   (``enabled`` and, with DP, the :class:`~fedlap_jax.config.DPConfig`'s
   fields) take ``fedlap``'s values; the rest of ``config`` is kept. Returns
   ``config`` (changed in place).
   """
   for name in ("rounds", "learning_rate", "synthetic_init", "lr_schedule"):
     config[name] = getattr(fedlap, name)
-  for name in fields(type(fedlap.client), exclude=("dp",)):
+  for name in fields(type(fedlap.client), exclude=("dp", "model_optimizer", "image_optimizer")):
     config.client[name] = getattr(fedlap.client, name)
-  for name in fields(type(fedlap.server)):
+  for name in fields(type(fedlap.server), exclude=("optimizer",)):
     config.server[name] = getattr(fedlap.server, name)
+  # The optimiser specs as their sections (None: plain SGD there, the SGD's numbers above).
+  for section, spec in (
+    (config.client.model_optimizer, fedlap.client.model_optimizer),
+    (config.client.image_optimizer, fedlap.client.image_optimizer or optim.SGD),
+    (config.server.optimizer, fedlap.server.optimizer or optim.SGD),
+  ):
+    section.update(dataclasses.asdict(spec))
   config.dp.enabled = fedlap.dp is not None
   if fedlap.dp is not None:
     for name in fields(type(fedlap.dp)):

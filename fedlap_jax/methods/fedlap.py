@@ -75,9 +75,11 @@ def method(
   carry_server_state: bool = False,
 ) -> Method:
   """FedLAP with these optimisers (:func:`fedlap_jax.federated.algorithm`'s: ``None`` is the
-  role's default of :mod:`fedlap_jax.optim`; ``carry_server_state`` starts the server's
-  optimiser from ``state.opt_state`` and carries it across rounds). Each call is a new
-  method (a jit static by identity): build one and reuse it."""
+  config's, ``client.model_optimizer``, ``client.image_optimizer`` and ``server.optimizer``,
+  each the role's default of :mod:`fedlap_jax.optim` unless set; ``carry_server_state``
+  starts the server's optimiser from ``state.opt_state`` and carries it across rounds, which
+  the config's server optimiser otherwise restarts each round). Each call is a new method (a
+  jit static by identity): build one and reuse it."""
 
   def init(key, params, clients, config: FedLAPConfig, facts: RunFacts):
     del facts

@@ -172,3 +172,70 @@ def test_write_fedlap_round_trips():
   cfg = schema.write_fedlap(default.get_config(), fedlap)
   assert isinstance(cfg, ml_collections.ConfigDict)
   assert library_configs.to_fedlap_config(cfg) == fedlap
+
+
+@pytest.mark.parametrize(
+  ("method", "settings", "field", "allowed"),
+  [
+    # A bad value, named by its path.
+    ("fedlap", {"server.optimizer.name": "nadam"}, "server.optimizer.name", "one of ('sgd',"),
+    ("fedlap", {"client.model_optimizer.b1": 0.9}, "client.model_optimizer.b1", "does not use"),
+    # Heavy-ball SGD has one source: server.momentum / server.weight_decay.
+    ("fedlap", {"server.optimizer.momentum": 0.9}, "server.optimizer", "server.momentum and"),
+    # A spec is the whole direction: FedDM's SGD momentum must be 0 beside it.
+    ("feddm", {"server.optimizer.name": "adam"}, "server.momentum", "when server.optimizer"),
+    # A choice the method would ignore.
+    ("fedlap", {"client.model_optimizer.name": "adam"}, "client.model_optimizer", "no step"),
+    ("fedavg", {"server.optimizer.name": "adam"}, "server.optimizer", "does not read"),
+    ("fedlap", {"client.image_optimizer.name": "adam"}, "client.image_momentum", "0.0 when"),
+    ("feddm", {"client.image_optimizer.name": "adam"}, "client.image_optimizer", "not read"),
+    ("dp_fedavg", {"client.model_optimizer.name": "adam"}, "client.model_optimizer", "FedLAP's"),
+    ("feddm", {"client.model_optimizer.name": "adam"}, "client.model_optimizer", "not read"),
+  ],
+)
+def test_fedlaps_optimisers_are_checked_naming_the_path(method, settings, field, allowed):
+  """``client.model_optimizer`` / ``server.optimizer``: a bad value, a second source of the
+  server's SGD, and a choice the method does not read are refused naming the field."""
+  cfg = default.get_config()
+  cfg.method = method
+  if method == "feddm":
+    cfg.server.radius_strategy = "fixed"
+  if method == "dp_fedavg":
+    cfg.dp.enabled = True
+    cfg.synthetic_init, cfg.client.calibrate_radius = "noise", False
+    cfg.server.radius_strategy, cfg.server.weighting = "constant", "uniform"
+  if method == "feddm" and "server.optimizer.name" in settings:
+    cfg.server.momentum = 0.9  # FedDM's published server: SGD with momentum
+  for path, value in settings.items():
+    *parents, leaf = path.split(".")
+    node = cfg
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  with pytest.raises(ConfigError) as err:
+    library_configs.validate_config(cfg)
+    library_configs.library_config(cfg, max_client_size=500)
+  assert err.value.field == field and allowed in str(err.value), str(err.value)
+
+
+def test_fedlaps_optimisers_default_to_todays_and_a_spec_reaches_the_library_config():
+  """The sections default to plain SGD: the library config is today's (no server spec, the
+  model's plain SGD); a spec chosen there is the library config's."""
+  cfg = default.get_config()
+  built = library_configs.to_fedlap_config(cfg)
+  assert built == core.FedLAPConfig()
+  assert built.server.optimizer is None and built.client.model_optimizer == optim.SGD
+  assert built.client.image_optimizer is None
+  assert built.server.direction() is optim.server_direction(0.0, 0.0)
+  cfg.server.optimizer.name = "yogi"
+  cfg.client.model_optimizer.name = "adam"
+  cfg.client.inner_loop = 1
+  built = library_configs.to_fedlap_config(cfg)
+  assert built.server.optimizer == optim.Optimizer(name="yogi")
+  assert built.client.model_optimizer == optim.Optimizer(name="adam")
+  assert built.server.direction() is optim.Optimizer(name="yogi").direction()
+  cfg.client.image_optimizer.name = "adam"
+  cfg.client.image_momentum = 0.0
+  assert library_configs.to_fedlap_config(cfg).client.image_optimizer == optim.Optimizer(
+    name="adam"
+  )

@@ -336,3 +336,44 @@ def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
   }
   everything, none = outputs.summarize_metrics(metrics, k, private=False)
   assert set(everything) == set(released) | set(nonprivate) and none == {}
+
+
+@pytest.mark.parametrize(
+  ("method", "resolved"), [("feddm", "size"), ("dsc", "size"), ("psg", "uniform")]
+)
+def test_server_weighting_none_is_the_documented_default_for_feddm_dsc_and_psg(method, resolved):
+  """``server.weighting=None`` means ``uniform`` with DP and ``size`` without, for every method
+  whose config holds a server (FedLAP's rule): the library config resolves it when it is built,
+  so no round meets a ``None`` weighting."""
+  cfg = shrunk(method, **{"server.weighting": None})
+  built = library_configs.library_config(cfg, max_client_size=400)
+  assert built.server.weighting == resolved
+
+
+@pytest.mark.slow
+def test_feddm_with_server_weighting_none_runs_as_size_through_experiments_run(tmp_path):
+  """FedDM on ``quickstart:nondp`` with ``server.weighting=None`` (the default of the FedLAP
+  config it starts from) runs through the command line, record for record as ``size``."""
+  tiny = [
+    "--config=quickstart:nondp",
+    "--config.method=feddm",
+    "--config.server.radius_strategy=fixed",
+    "--config.rounds=1",
+    "--config.model.width=8",
+    "--config.model.depth=1",
+    "--config.feddm.image_updates=2",
+    "--config.server.max_epochs=2",
+    "--config.progress_bar=False",
+    "--config.plots=False",
+  ]
+  records = {}
+  for weighting in ("None", "size"):
+    workdir = tmp_path / weighting
+    argv = ["prog", *tiny, f"--config.server.weighting={weighting}", f"--workdir={workdir}"]
+    assert run.main(argv) == 0
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    records[weighting] = [
+      {k: v for k, v in json.loads(line).items() if k not in ("round_seconds", "wall_seconds")}
+      for line in lines
+    ]
+  assert records["None"] == records["size"] and len(records["None"]) == 1

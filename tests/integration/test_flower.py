@@ -922,6 +922,31 @@ def test_a_server_optimiser_chosen_in_the_overrides_runs_as_experiments_run(tmp_
     assert got["test_loss"] == want["test_loss"]
 
 
+FEDLAP_ADAM_OVERRIDES = TINY.replace("client.max_outer=1", "client.max_outer=2") + (
+  " client.inner_loop=1 server.optimizer.name=adam client.model_optimizer.name=adam"
+  " client.image_optimizer.name=adam client.image_momentum=0.0 client.image_lr=0.1"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_fedlaps_optimisers_chosen_in_the_overrides_run_as_experiments_run(tmp_path):
+  """FedLAP with Adam as its server's descent and as its clients' model and image optimisers,
+  chosen in the overrides, without Flower code: the library config carries the specs to the
+  server and to every client; every number is experiments.run's."""
+  cfg, _ = settings.load_config("quickstart:nondp", FEDLAP_ADAM_OVERRIDES)
+  assert (cfg.server.optimizer.name, cfg.client.model_optimizer.name) == ("adam", "adam")
+  rc = _run_config(tmp_path, "quickstart:nondp", overrides=FEDLAP_ADAM_OVERRIDES)
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:nondp", FEDLAP_ADAM_OVERRIDES, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["server_steps"] == want["server_steps"]
+    assert [got["client_radius"][str(k)] for k in range(5)] == want["client_radius"]
+
+
 DP_FEDAVG_WIRE = {
   "dp_fedavg": "method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
   "dp_fedprox": "method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",

@@ -186,3 +186,39 @@ def test_a_config_from_before_the_optimiser_fields_resumes_and_another_optimiser
     _check(yogi, _fields(server_optimizer__name="yogi", server_optimizer__b2=0.99, server_lr=0.01))
   with pytest.raises(resume.ResumeError, match="client_optimizer.momentum"):
     _check(before, _fields(client_optimizer__momentum=0.9))
+
+
+def _fedlap_fields(**settings):
+  cfg = configs.load("quickstart:nondp")
+  cfg.client.inner_loop = 1
+  for path, value in settings.items():
+    *parents, leaf = path.split("__")
+    node = cfg
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return resume.run_defining_fields(cfg)
+
+
+def test_a_fedlap_checkpoint_from_before_its_optimiser_fields_resumes_and_another_is_refused():
+  """``client.model_optimizer`` and ``server.optimizer``: a checkpoint without them ran with
+  plain SGD (their defaults) and resumes; another optimiser is a changed run-defining field."""
+  now = _fedlap_fields()
+  added = [k for k in resume.ADDED_FIELDS if k.startswith(("client.", "server."))]
+  assert {
+    "client.model_optimizer.name",
+    "client.image_optimizer.name",
+    "server.optimizer.name",
+  } <= set(added)
+  before = {k: v for k, v in now.items() if k not in added}
+  assert set(now) - set(before) == set(added)
+  _check(before, now)
+  _check(now, now)
+  adam = _fedlap_fields(server__optimizer__name="adam")
+  for stored in (before, now):
+    with pytest.raises(
+      resume.ResumeError, match="server.optimizer.name: checkpoint 'sgd' vs now 'adam'"
+    ):
+      _check(stored, adam)
+  with pytest.raises(resume.ResumeError, match="client.model_optimizer.name: checkpoint 'sgd'"):
+    _check(before, _fedlap_fields(client__model_optimizer__name="yogi"))

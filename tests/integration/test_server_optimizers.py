@@ -68,3 +68,44 @@ def test_fedavg_with_an_adam_server_is_fedadam(tmp_path):
   )
   assert [r["round"] for r in fedadam] == [1, 2]
   assert fedavg == fedadam
+
+
+# FedLAP on digits, small: one model epoch between the two while-loop iterations, so the
+# client model's optimiser runs, and a short server descent.
+FEDLAP_TINY = [
+  "--config=quickstart:nondp",
+  *TINY,
+  "--config.rounds=2",
+  "--config.client.inner_loop=1",
+  "--config.client.batch_loop=2",
+  "--config.client.boost_loop=1",
+  "--config.client.calibration_epochs=2",
+  "--config.server.max_epochs=2",
+]
+
+
+def _fedlap(workdir, *flags):
+  assert run.main(["prog", *FEDLAP_TINY, *flags, f"--workdir={workdir}"]) == 0
+  return _records(workdir)
+
+
+def test_fedlaps_server_and_client_model_optimisers_are_configs_of_experiments_run(tmp_path):
+  """``server.optimizer`` (the trust-region descent), ``client.model_optimizer`` (the client
+  model's epochs on its synthetic set) and ``client.image_optimizer`` (the synthetic images, at
+  ``client.image_lr``) chosen on the command line: each run changes the result, and the run's
+  config holds the choice."""
+  default = _fedlap(tmp_path / "sgd")
+  adam_server = _fedlap(tmp_path / "adam_server", "--config.server.optimizer.name=adam")
+  adam_model = _fedlap(tmp_path / "adam_model", "--config.client.model_optimizer.name=adam")
+  adam_images = _fedlap(
+    tmp_path / "adam_images",
+    "--config.client.image_optimizer.name=adam",
+    "--config.client.image_momentum=0.0",
+    "--config.client.image_lr=0.1",
+  )
+  assert [r["round"] for r in default] == [1, 2]
+  for other in (adam_server, adam_model, adam_images):
+    assert [r["round"] for r in other] == [1, 2]
+    assert other[-1]["test_loss"] != default[-1]["test_loss"]
+  config = json.loads((tmp_path / "adam_server" / "config.json").read_text())
+  assert config["server"]["optimizer"]["name"] == "adam"

@@ -269,6 +269,13 @@ def test_the_client_model_optimiser_default_is_plain_sgd(
 _global_update = jax.jit(server.global_update, static_argnames=("apply_fn", "config", "optimizer"))
 
 
+def _server_args(apply_fn, params, clients) -> tuple:
+  """The positional arguments of :func:`fedlap_jax.server.global_update` on PAPER's initial
+  synthetic sets, every client weighted alike, no radius."""
+  state = federated.init_state(jax.random.PRNGKey(1), params, clients, PAPER)
+  return (jax.random.PRNGKey(3), apply_fn, params, state.synthetic, jnp.ones((K,)), jnp.inf)
+
+
 @pytest.mark.parametrize(
   "config",
   [
@@ -282,15 +289,7 @@ _global_update = jax.jit(server.global_update, static_argnames=("apply_fn", "con
 def test_the_server_optimiser_default_comes_from_momentum_and_weight_decay(
   linear_apply_fn, linear_params, clients, config
 ):
-  state = federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER)
-  args = (
-    jax.random.PRNGKey(3),
-    linear_apply_fn,
-    linear_params,
-    state.synthetic,
-    jnp.ones((K,)),
-    jnp.inf,
-  )
+  args = _server_args(linear_apply_fn, linear_params, clients)
   default = _global_update(*args, learning_rate=jnp.float32(0.2), config=config)
   explicit = _global_update(
     *args,
@@ -303,6 +302,97 @@ def test_the_server_optimiser_default_comes_from_momentum_and_weight_decay(
     *args, learning_rate=jnp.float32(0.2), config=config, optimizer=optax.identity()
   )
   assert _differs(default[0], plain[0]) == bool(config.momentum or config.weight_decay)
+
+
+SPEC_ADAM = optim.Optimizer(name="adam")
+
+
+@pytest.mark.parametrize("config", [PAPER, HYBRID], ids=["synthetic_epochs", "noisy_real"])
+def test_the_configs_model_optimiser_is_the_library_keyword(
+  linear_apply_fn, linear_params, clients, config
+):
+  """``ClientConfig.model_optimizer`` (a config value) is the ``model_optimizer`` keyword:
+  Adam from the config and Adam passed in are the same steps, bit for bit, and not SGD's."""
+  spec = dataclasses.replace(
+    config, client=dataclasses.replace(config.client, model_optimizer=SPEC_ADAM)
+  )
+  from_config = _fedlap_client(linear_apply_fn, linear_params, clients, spec)
+  passed = _fedlap_client(
+    linear_apply_fn, linear_params, clients, config, model_optimizer=SPEC_ADAM.direction()
+  )
+  chex.assert_trees_all_equal(from_config, passed)
+  default = _fedlap_client(linear_apply_fn, linear_params, clients, config)
+  assert _differs(default[0].synthetic.x, from_config[0].synthetic.x)
+
+
+def test_the_configs_image_optimiser_is_the_library_keyword(
+  linear_apply_fn, linear_params, clients
+):
+  """``ClientConfig.image_optimizer`` (a config value, stepped at ``image_lr``) is the
+  ``image_optimizer`` keyword, bit for bit; without it, the paper's SGD of ``image_momentum``."""
+  c = PAPER.client
+  syn = jax.tree.map(
+    lambda a: a[0],
+    federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER).synthetic,
+  )
+  spec = dataclasses.replace(c, image_optimizer=SPEC_ADAM, image_momentum=0.0)
+  rest = (jax.random.PRNGKey(2), linear_apply_fn, linear_params, syn, _pick(clients, 0))
+  from_config = _local_approx(*rest, spec, learning_rate=jnp.float32(0.3))
+  passed = _local_approx(
+    *rest, c, learning_rate=jnp.float32(0.3), image_optimizer=optax.adam(c.image_lr)
+  )
+  chex.assert_trees_all_equal(from_config, passed)
+  default = _local_approx(*rest, c, learning_rate=jnp.float32(0.3))
+  assert _differs(default[0].x, from_config[0].x)
+
+
+def test_the_configs_server_optimiser_is_the_library_keyword(
+  linear_apply_fn, linear_params, clients
+):
+  """``ServerConfig.optimizer`` (a config value) is the ``optimizer`` keyword of the server's
+  descent, bit for bit; without it the direction is the SGD of momentum and weight decay (the
+  same object, so today's program)."""
+  args = _server_args(linear_apply_fn, linear_params, clients)
+  config = PAPER.server
+  assert config.direction() is optim.sgd(config.momentum, config.weight_decay)
+  spec = dataclasses.replace(config, optimizer=SPEC_ADAM)
+  from_config = _global_update(*args, learning_rate=jnp.float32(0.2), config=spec)
+  passed = _global_update(
+    *args, learning_rate=jnp.float32(0.2), config=config, optimizer=SPEC_ADAM.direction()
+  )
+  chex.assert_trees_all_equal(from_config, passed)
+  default = _global_update(*args, learning_rate=jnp.float32(0.2), config=config)
+  assert _differs(default[0], from_config[0])
+  chex.assert_trees_all_equal(
+    server.server_state(linear_params, spec),
+    server.server_state(linear_params, config, SPEC_ADAM.direction()),
+  )
+
+
+@pytest.mark.parametrize(
+  ("make", "field"),
+  [
+    # Heavy-ball SGD is server.momentum / server.weight_decay: one source.
+    (lambda: ServerConfig(optimizer=optim.Optimizer(momentum=0.9)), "server.optimizer"),
+    (lambda: ServerConfig(momentum=0.9, optimizer=SPEC_ADAM), "server.momentum"),
+    (lambda: ServerConfig(weight_decay=5e-4, optimizer=SPEC_ADAM), "server.weight_decay"),
+    (lambda: ServerConfig(optimizer="adam"), "server.optimizer"),
+    # A model optimiser where the model takes no step would be ignored.
+    (lambda: ClientConfig(inner_loop=0, model_optimizer=SPEC_ADAM), "model_optimizer"),
+    (lambda: ClientConfig(max_outer=1, inner_loop=2, model_optimizer=SPEC_ADAM), "model_optimizer"),
+    (lambda: ClientConfig(inner_loop=1, model_optimizer="adam"), "model_optimizer"),
+    # The images' SGD is image_momentum: one source.
+    (lambda: ClientConfig(image_optimizer=SPEC_ADAM), "image_momentum"),
+    (
+      lambda: ClientConfig(image_momentum=0.0, image_optimizer=optim.Optimizer(momentum=0.5)),
+      "image_optimizer",
+    ),
+  ],
+)
+def test_fedlaps_optimiser_fields_refuse_naming_the_field(make, field):
+  with pytest.raises(ConfigError) as err:
+    make()
+  assert err.value.field == field
 
 
 _baseline_client = jax.jit(
