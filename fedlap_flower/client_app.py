@@ -303,7 +303,16 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
   denied = _dp_denied(mechanism, node, part) if dp else None
   if denied:
     return refuse(denied)
-  facts = method_work.run_facts(run.cfg, setup.plan.facts, setup.model.num_params)
+  try:
+    facts = method_work.run_facts(
+      run.cfg, setup.plan.facts, setup.model.num_params, run.max_classes_per_client
+    )
+  except ConfigError as e:
+    return refuse(str(e))
+  if setup.plan.facts.max_classes_per_client is None and run.max_classes_per_client:
+    beyond = method_work.classes_beyond(part.data, facts)  # the stated value: its own records
+    if beyond is not None:
+      return refuse(beyond)
   message_t, own_t, carried_t = _method_templates(method, config, params0, facts)
   message = method_work.arrays_to_tree(records.record_to_arrays(msg.content["message"]), message_t)
   params = records.record_to_params(msg.content["arrays"], params0)

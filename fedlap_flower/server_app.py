@@ -112,6 +112,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   if plan.calibration is not None:
     log(INFO, plan.calibration)
   apply_fn, params = start.model.apply_fn, start.model.params
+  # max-classes-per-client checked before the run-dir is written
+  facts = method_work.run_facts(cfg, plan.facts, start.model.num_params, run.max_classes_per_client)
   evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
   model_bytes = int(
     sum(np.asarray(v).nbytes for v in records.params_to_record(params).to_numpy_ndarrays())
@@ -168,7 +170,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       **shared,
       method=method,
       method_config=plan.config,
-      facts=method_work.run_facts(cfg, plan.facts, start.model.num_params),
+      facts=facts,
+      max_classes_stated=run.max_classes_per_client,
       model=methods.model_fns(start.model, test.image_shape),
       k_alg=start.k_alg,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,

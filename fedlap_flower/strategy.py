@@ -946,6 +946,7 @@ class MethodStrategy(Resumable, FedAvg):
     partition_keys=None,
     chain_key=None,
     federated_run: str,
+    max_classes_stated: int = 0,
     max_update_norm: float | str | None = "",
     num_classes: int = 10,
     max_image_abs: float = replies.IMAGE_RANGE_FACTOR,
@@ -1008,11 +1009,21 @@ class MethodStrategy(Resumable, FedAvg):
       raise ConfigError(
         "data",
         "data the server does not know the clients' classes of",
-        "the config's named data and partition",
+        f"the config's named data and partition, or {method_work.MAX_CLASSES_KEY}",
         message=f"method={method.name!r} sends synthetic sets of ipc slots per class of the "
         "client owning the most classes, a fact of the config's named partition; this "
         "server reads its own data and knows no client's classes. Allowed: the config's "
-        "named data (no server data file), or a method that sends no synthetic set",
+        f"named data (no server data file), the run config's {method_work.MAX_CLASSES_KEY} "
+        "(the most classes a client holds), or a method that sends no synthetic set",
+      )
+    if not sets and max_classes_stated:
+      raise ConfigError(
+        method_work.MAX_CLASSES_KEY,
+        max_classes_stated,
+        "0 (not stated)",
+        message=f"{method_work.MAX_CLASSES_KEY}={max_classes_stated!r} sizes a synthetic set; "
+        f"method={method.name!r} sends none (its wire: {', '.join(self.wire.names())}), so "
+        "it would size nothing. Allowed: 0 (not stated)",
       )
     if sets:
       s = int(sets[0].x.shape[0])

@@ -1335,6 +1335,86 @@ def test_a_server_reading_its_own_data_refuses_a_synthetic_set_method(tmp_path, 
   with pytest.raises(ConfigError, match="synthetic sets") as e:
     serve_with(None, rc)
   assert e.value.field == "data" and "named data" in str(e.value)
+  assert "max-classes-per-client" in str(e.value)
+
+
+def _classes_per_site(nodes) -> list[int]:
+  out = []
+  for n in sorted(nodes):
+    with np.load(nodes[n]["data-path"]) as f:
+      out.append(int(np.unique(f["y_train"]).size))
+  return out
+
+
+@pytest.mark.slow
+def test_an_own_data_federation_runs_a_synthetic_set_method_at_the_stated_max_classes(
+  tmp_path, monkeypatch
+):
+  """Server and clients reading their own data: the run config's max-classes-per-client sizes
+  FedDM's sets (ipc slots per class), and every client computes and keeps its set of that size.
+  Stated below a client's classes, PSG's clients refuse by name before their ledgers are
+  touched (nothing charged, nothing kept)."""
+  nodes, server_npz = _own_data_sites(tmp_path)
+  monkeypatch.setenv(settings.SERVER_DATA_ENV, server_npz)
+  most = max(_classes_per_site(nodes))
+  config, overrides = CARRIED["feddm"]
+  rc = _run_config(
+    tmp_path, config, overrides=overrides + OWN_DATA, **{"max-classes-per-client": most}
+  )
+  nondp = {n: {k: v for k, v in c.items() if k != "max-epsilon"} for n, c in nodes.items()}
+  records, _ = run_inprocess(rc, nondp)
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4]] * 2
+  assert all(0 < r["test_accuracy"] <= 1 for r in records)
+  run = _federated_run(tmp_path / "run")
+  for k in range(5):  # ipc = 1 slot for each of the stated classes
+    state = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}")
+    with np.load(state.carried_path(run, 2)) as f:
+      assert f["0.y"].shape == (most,) and f["0.x"].shape == (most, 8, 8, 1)
+  # Stated too low, under DP: refused by name, before the ledger.
+  config, overrides = CARRIED["psg"]
+  low = _run_config(
+    tmp_path / "low",
+    config,
+    overrides=overrides + OWN_DATA,
+    **{"max-classes-per-client": most - 1, "min-clients": 1},
+  )
+  for n in nodes.values():
+    n["state-dir"] = str(tmp_path / "low" / "state" / f"client-{n['partition-id']}")
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(low, nodes)
+  reports = json.loads((tmp_path / "low" / "run" / "client_reports.json").read_text())
+  refused = [r for r in reports if r["status"] == "refused"]
+  held = _classes_per_site(nodes)
+  assert sorted(r["partition_id"] for r in refused) == [k for k in range(5) if held[k] == most]
+  assert all(f"max-classes-per-client={most - 1} is invalid" in r["reason"] for r in refused)
+  for r in refused:
+    d = tmp_path / "low" / "state" / f"client-{r['partition_id']}"
+    assert not (d / ledger_lib.LEDGER_FILE).exists() and not (d / "runs").exists()
+
+
+def test_a_stated_max_classes_is_refused_where_it_would_size_nothing_or_contradict_the_data(
+  tmp_path,
+):
+  """max-classes-per-client: with the config's named partition only its own value (or 0); for a
+  method without synthetic sets, or FedLAP (each client's set has slots for its own classes),
+  only 0; never a non-integer."""
+  from flower_harness import serve_with
+  from fedlap_jax.checks import ConfigError
+
+  config, overrides = CARRIED["feddm"]
+  with pytest.raises(ConfigError, match="named partition gives its clients at most 2") as e:
+    serve_with(None, _run_config(tmp_path, config, overrides, **{"max-classes-per-client": 3}))
+  assert e.value.field == "max-classes-per-client"
+  fedavg = "method=fedavg rounds=1 baseline.local_epochs=1"
+  with pytest.raises(ConfigError, match="sizes a synthetic set") as e:
+    serve_with(None, _run_config(tmp_path / "b", config, fedavg, **{"max-classes-per-client": 2}))
+  assert e.value.field == "max-classes-per-client"
+  for value in (2, -1, 1.5, "2"):
+    rc = _run_config(tmp_path, "quickstart:nondp", **{"max-classes-per-client": value})
+    with pytest.raises(settings.SettingsError) as e:
+      settings.run_settings(rc)
+    assert e.value.field == "max-classes-per-client"
+  assert not (tmp_path / "run").exists()
 
 
 def _alter_round_messages(server_round, changes):
