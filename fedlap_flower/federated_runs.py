@@ -60,30 +60,25 @@ def config_digest(config_values: Any) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _entry_ok(identity: str, entry: dict) -> bool:
+  flower = entry.get("flower_runs")
+  return (
+    bool(IDENTITY.fullmatch(str(identity)))
+    and isinstance(entry.get("config"), str)
+    and isinstance(flower, list)
+    and all(isinstance(r, int) for r in flower)
+  )
+
+
 def _read(path) -> dict[str, dict]:
-  if not path.exists():
-    return {}
   try:
-    data = json.loads(path.read_text())
-    runs = data["runs"]
-    if data.get("format") != FORMAT or not isinstance(runs, dict):
-      raise ValueError(f"format {data.get('format')!r}")
-    for identity, entry in runs.items():
-      flower = entry.get("flower_runs")
-      if (
-        not IDENTITY.fullmatch(str(identity))
-        or not isinstance(entry.get("config"), str)
-        or not isinstance(flower, list)
-        or not all(isinstance(r, int) for r in flower)
-      ):
-        raise ValueError(f"entry {identity!r}: {entry!r}")
-  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    return ledger_lib.read_runs_record(path, FORMAT, _entry_ok)
+  except ValueError as e:
     raise RefusedRun(
       f"{path} cannot be read as this client's record of federated runs ({e}); refusing to "
       "compute from a carried state until it is restored (a new record would take any "
       "identity a server sends)"
     ) from None
-  return runs
 
 
 def admit(state: ledger_lib.ClientState, identity, flower_run: int, digest: str) -> str:

@@ -75,7 +75,7 @@ import stat
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -185,6 +185,28 @@ def check_private(directory: Path) -> None:
       f"state-dir {directory} {why}: another user could replace its privacy ledger. "
       f"Allowed: a directory of this user that only it may write (chmod go-w), or a new one"
     )
+
+
+def read_runs_record(path: Path, fmt: int, entry_ok: Callable[[str, Any], bool]) -> dict:
+  """The ``runs`` of a client's JSON record of runs (``{"format": fmt, "runs": {key: entry}}``;
+  ``{}``: no file), each ``(key, entry)`` passing ``entry_ok``.
+
+  Raises:
+    ValueError: the file cannot be read as such a record (the reason).
+  """
+  if not path.exists():
+    return {}
+  try:
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    if data.get("format") != fmt or not isinstance(runs, dict):
+      raise ValueError(f"format {data.get('format')!r}")
+    for key, entry in runs.items():
+      if not isinstance(entry, dict) or not entry_ok(key, entry):
+        raise ValueError(f"entry {key!r}: {entry!r}")
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(str(e)) from None
+  return runs
 
 
 def _spent(ledger: accounting.PrivacyLedger) -> tuple[int, int]:
