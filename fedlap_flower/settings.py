@@ -23,7 +23,10 @@ key                             meaning
                                 unless ``resume`` is true
 ``resume``                      continue the run of ``run-dir`` (the same config
                                 and overrides) after its last completed round
-                                (:mod:`fedlap_flower.server_state`)
+                                (:mod:`fedlap_flower.server_state`); its clients
+                                continue their carried state, kept under the
+                                federated run's identity
+                                (:mod:`fedlap_flower.federated_runs`)
 ``min-clients``                 fewest clients a round may aggregate (0: all
                                 of the round's clients, ``data.clients_per_round``
                                 or else ``data.num_clients``); fewer stops the run
