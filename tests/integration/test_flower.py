@@ -1593,6 +1593,32 @@ def _kept_states(state_root, run_dir) -> dict:
   return out
 
 
+@pytest.mark.slow
+def test_a_stopped_run_without_a_federated_identity_resumes_only_without_carried_state(tmp_path):
+  """A run-dir written before runs had an identity: its clients kept their carried state under
+  the Flower run id, which a resumed run cannot name, so resume = true is refused by name for
+  SCAFFOLD (nothing is written); FedAvg's clients carry nothing, and it resumes under a new one."""
+  for kind in ("scaffold", "fedavg"):
+    rc = _run_config(tmp_path / kind, "quickstart:nondp", overrides=RESUMABLE[kind])
+    with pytest.raises(strategy.TooFewClients):
+      run_inprocess(rc, grid_hook=_stop_at_round(2), state_root=tmp_path / kind / "state")
+    path = tmp_path / kind / "run" / "run_info.json"
+    info = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in info.items() if k != "federated_run"}))
+    before = path.read_text()
+    resumed = {**rc, "resume": True}
+    if kind == "scaffold":
+      with pytest.raises(settings.SettingsError, match="written before runs had one") as e:
+        run_inprocess(resumed, state_root=tmp_path / kind / "state", run_id=8)
+      assert e.value.field == "resume" and path.read_text() == before
+    else:
+      records, _ = run_inprocess(resumed, state_root=tmp_path / kind / "state", run_id=8)
+      assert (
+        records[-1]["round"] == 3
+        and _federated_run(tmp_path / kind / "run") != info["federated_run"]
+      )
+
+
 def test_the_server_state_round_trips(tmp_path):
   import jax
 
