@@ -22,7 +22,9 @@ A FedLAP client sends its synthetic set and radius (and its DP metrics); with
 ``server.start='fedavg_delta'`` (the hybrid DP recipe, ``quickstart:dp``) also
 its model delta, one array per parameter leaf (:mod:`fedlap_flower.records`).
 * :mod:`fedlap_flower.ledger` -- a client's own privacy ledger, secret key and
-  carried synthetic set, persisted atomically in its state directory.
+  carried client state, persisted atomically in its state directory.
+* :mod:`fedlap_flower.federated_runs` -- the federated run a client's carried
+  state belongs to (one identity across the run's resumes), in its state directory.
 * :mod:`fedlap_flower.replies` -- what a client's reply may hold (shapes,
   dtypes, labels, slot count, image range, delta norm, metrics): the checks
   the server runs on every reply.

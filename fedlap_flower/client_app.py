@@ -22,7 +22,10 @@ A FedLAP train message runs, on this client only:
    consents), and no state on disk can make it repeat;
 3. :func:`fedlap_flower.client_work.fedlap_round`
    (:func:`fedlap_jax.client.client_step`, as every front end runs a client) on
-   the received global parameters;
+   the received global parameters, from the images it kept after its last round
+   under ``synthetic_init='noise'`` (in its state directory, under the federated
+   run's identity; before its first round its initial images; refused as another
+   method's carried state is, before the ledger is touched);
 4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon, and, when
    the config's ``server.start`` is ``'fedavg_delta'`` (the hybrid recipe,
    ``client.model_steps='noisy_real'``), the client's model delta
@@ -41,7 +44,9 @@ A train message of another method (every other federated registry method,
 DP-FedProx, FedDM, DSC, PSG) runs the method's client step (``experiments.run``'s client) on
 the global parameters, the message, the client's own inputs the server sent and its carried
 state (SCAFFOLD's ``c_k``, a synthetic set: computed from its own records before its first
-round, then kept in its state directory; missing or altered, the round is refused), and
+round, then kept in its state directory under the federated run's identity, which a resumed
+run keeps, :mod:`fedlap_flower.federated_runs`; missing, altered, of another round, or a
+round back before one it computed, the round is refused), and
 replies with its update (its model, or the method's own update: SCAFFOLD's model and ``delta
 c_k``, a synthetic set) and ``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
 method's mechanism), draws its keys from its own entropy and replies with its model and its
@@ -67,10 +72,11 @@ import functools
 import math
 
 import jax
+import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlap_flower import client_work, method_work, records, settings, task
+from fedlap_flower import client_work, federated_runs, method_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
 from fedlap_jax.checks import ConfigError
@@ -179,42 +185,87 @@ def _last_round(run, node, server_round: int) -> int | None:
   return drawn[-1] if drawn else None
 
 
-def _carried_state(method, config, setup, facts, node, state, run_id, prev, template):
-  """This client's carried state for the round: its slot of the method's init before its first
-  round (:attr:`fedlap_jax.method.Method.client_init`, from its own records), else what it
-  kept after round ``prev`` in its state directory. ``(carried, None)`` or ``(None, why)``.
+def _federated_run(state, conf, context, run) -> str:
+  """The federated run this task's carried state belongs to: the ``federated-run`` the server
+  sent, taken only as :func:`fedlap_flower.federated_runs.admit` takes it (32 hex digits, of
+  this experiment, one per Flower run). Call it holding ``state.locked()``.
 
-  A state missing or of another round is refused, never started afresh: a re-initialised
-  SCAFFOLD variate or synthetic set would silently be another run's numbers.
+  Raises:
+    fedlap_flower.federated_runs.RefusedRun: it is not taken (the reason).
   """
+  digest = federated_runs.config_digest(run.cfg.to_dict())
+  return federated_runs.admit(
+    state, conf.get(federated_runs.MESSAGE_KEY), int(context.run_id), digest
+  )
+
+
+def _kept_state(state, run_key: str, server_round: int, prev, wire, what: str):
+  """What this client kept after round ``prev`` (its last drawn round before
+  ``server_round``) of federated run ``run_key``: ``(arrays, None)``; ``(None, None)`` before its
+  first round (``prev`` is ``None``); ``(None, why)`` refused.
+
+  Refused, never started afresh (a re-initialised SCAFFOLD variate or synthetic set would
+  silently be another run's numbers): a state missing, altered (:meth:`ClientState.load_carried`)
+  or of another round, and a round before one this client already computed in this run (a
+  server cannot take a client back to its first round). A round redone after a stop is the
+  round after the server's last saved one, and starts from the state it started from.
+  """
+  held = state.carried_rounds(run_key)
+  if held and held[-1] > server_round:
+    return None, (
+      f"this client computed round {held[-1]} of federated run {run_key}; round "
+      f"{server_round} would take its carried state ({what}) back before it (refused: a "
+      "round starts from the state of the client's last round before it). Allowed: round "
+      f"{held[-1]} or later"
+    )
   if prev is None:
-    try:
-      carried = method.client_init(
-        setup.k_alg,
-        setup.model.params,
-        setup.partition.data,
-        config,
-        facts,
-        index=node.partition_id,
-      )
-    except ConfigError as e:  # e.g. its records do not fit the run's public facts
-      return None, f"this client cannot start its carried state ({', '.join(method.carried)}): {e}"
-    return tuple(carried), None
-  wire = Wire.of(jax.tree.map(method_work.shape_of, template))
+    return None, None
   try:
-    kept = state.load_carried(run_id, wire)
+    kept = state.load_carried(run_key, prev, wire)
   except ConfigError as e:
     return None, str(e)
-  if kept is None or kept[0] != prev:
-    held = "none" if kept is None else f"the state of round {kept[0]}"
+  if kept is None:
+    rounds = f"the states of rounds {held}" if held else "none"
     return None, (
-      f"this client's carried state ({', '.join(method.carried)}) after round {prev} of run "
-      f"{run_id} is missing from its state-dir {state.directory} (it holds {held}); refusing "
-      "to start it afresh (the method's numbers would silently differ). Allowed: the state "
-      "directory as this client left it after its last round of this run (a resumed run is "
-      "a new run, whose clients hold no carried state of the stopped one)"
+      f"this client's carried state ({what}) after round {prev} of federated run {run_key} "
+      f"is missing from its state-dir {state.directory} (it holds {rounds}); refusing to "
+      "start it afresh (the method's numbers would silently differ). Allowed: the state "
+      "directory as this client left it after its last round of this run"
     )
-  return method_work.arrays_to_tree(kept[1], template), None
+  return kept, None
+
+
+def _keep_state(state, run_key: str, server_round: int, prev, arrays) -> None:
+  """Keeps the state after ``server_round``; drops those no later round starts from (all but
+  this one and ``prev``'s, from which a redo of ``server_round`` starts)."""
+  state.save_carried(run_key, server_round, arrays)
+  state.drop_carried(
+    run_key, [r for r in state.carried_rounds(run_key) if r not in (prev, server_round)]
+  )
+
+
+def _carried_state(
+  method, config, setup, facts, node, state, run_key, prev, server_round, template
+):
+  """This client's carried state for ``server_round``: its slot of the method's init before its
+  first round (``prev`` is ``None``; :attr:`fedlap_jax.method.Method.client_init`, from its own
+  records), else what it kept after round ``prev`` (:func:`_kept_state`). ``(carried, None)`` or
+  ``(None, why)``.
+  """
+  what = ", ".join(method.carried)
+  wire = Wire.of(jax.tree.map(method_work.shape_of, template))
+  kept, why = _kept_state(state, run_key, server_round, prev, wire, what)
+  if why is not None:
+    return None, why
+  if kept is not None:
+    return method_work.arrays_to_tree(kept, template), None
+  try:
+    carried = method.client_init(
+      setup.k_alg, setup.model.params, setup.partition.data, config, facts, index=node.partition_id
+    )
+  except ConfigError as e:  # e.g. its records do not fit the run's public facts
+    return None, f"this client cannot start its carried state ({what}): {e}"
+  return tuple(carried), None
 
 
 def _train_method(msg, context, conf, run, node, setup) -> Message:
@@ -252,17 +303,31 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
   denied = _dp_denied(mechanism, node, part) if dp else None
   if denied:
     return refuse(denied)
-  facts = method_work.run_facts(run.cfg, setup.plan.facts, setup.model.num_params)
+  try:
+    facts = method_work.run_facts(
+      run.cfg, setup.plan.facts, setup.model.num_params, run.max_classes_per_client
+    )
+  except ConfigError as e:
+    return refuse(str(e))
+  if setup.plan.facts.max_classes_per_client is None and run.max_classes_per_client:
+    beyond = method_work.classes_beyond(part.data, facts)  # the stated value: its own records
+    if beyond is not None:
+      return refuse(beyond)
   message_t, own_t, carried_t = _method_templates(method, config, params0, facts)
   message = method_work.arrays_to_tree(records.record_to_arrays(msg.content["message"]), message_t)
   params = records.record_to_params(msg.content["arrays"], params0)
   state = ClientState(node.state_dir) if (dp or method.carried) else None
   with state.locked() if state is not None else contextlib.nullcontext():
     carried: tuple = ()
+    run_key, prev = None, None
     if method.carried:  # before the ledger: a round this client cannot compute costs nothing
+      try:
+        run_key = _federated_run(state, conf, context, run)
+      except federated_runs.RefusedRun as e:
+        return refuse(str(e))
       prev = _last_round(run, node, server_round)
       got, why = _carried_state(
-        method, config, setup, facts, node, state, context.run_id, prev, carried_t
+        method, config, setup, facts, node, state, run_key, prev, server_round, carried_t
       )
       if why is not None:
         return refuse(why)
@@ -289,7 +354,7 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
       own, method_work.with_model(message, params), carried, part.data
     )
     if method.carried:
-      state.save_carried(context.run_id, server_round, method_work.tree_to_arrays(carried))
+      _keep_state(state, run_key, server_round, prev, method_work.tree_to_arrays(carried))
   content = RecordDict(
     {"metrics": MetricRecord(metrics), "status": ConfigRecord({"status": "ok", "keys": keys})}
   )
@@ -371,6 +436,20 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     return refuse(denied)
 
   with state.locked() if state is not None else contextlib.nullcontext():
+    carried, run_key, prev = None, None, None
+    if carry:  # before the ledger: a round this client cannot compute costs nothing
+      try:
+        run_key = _federated_run(state, conf, context, run)
+      except federated_runs.RefusedRun as e:
+        return refuse(str(e))
+      prev = _last_round(run, node, server_round)
+      shape = jax.ShapeDtypeStruct(np.shape(part.initial_images), np.float32)
+      kept, why = _kept_state(
+        state, run_key, server_round, prev, Wire.of({"x": shape}), "the synthetic images"
+      )
+      if why is not None:
+        return refuse(why)
+      carried = None if kept is None else kept["x"]
     family_key = None  # under DP with the client's own key: derived from it
     if keys == "server":
       family_key = shared_family_key(task.words_to_key(conf["key-clients"]))
@@ -394,14 +473,14 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     init_key = None
     if fc.synthetic_init == "real":
       init_key = task.client_key(task.words_to_key(conf["key-init"]), slot[1], slot[0])
-    carried = state.load_synthetic(context.run_id) if carry else None
     start = client_work.start_synthetic(part, carried)
     params = records.record_to_params(msg.content["arrays"], setup.model.params)
     out = client_work.fedlap_round(
       key, setup.model.apply_fn, params, start, part, fc, lr, family_key, init_key
     )
     if carry:
-      state.save_synthetic(context.run_id, server_round, out.synthetic.x)
+      x = np.asarray(out.synthetic.x, np.float32)
+      _keep_state(state, run_key, server_round, prev, {"x": x})
   metrics["radius"] = out.radius
   metrics.update(out.diagnostics)
   # server.start='fedavg_delta' only: the server starts from w_g + the weighted mean delta.

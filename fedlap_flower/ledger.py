@@ -1,4 +1,4 @@
-"""A client's own state directory: privacy ledger, its journal, carried synthetic set.
+"""A client's own state directory: privacy ledger, its journal, carried client state.
 
 Privacy at the edge: every client accounts for its own records (record-level
 DP, ``q = B / N_k`` with its own ``N_k``, ``T`` noisy steps per round; the
@@ -17,14 +17,17 @@ also keeps the add/remove figure. Files (written atomically: temporary file,
 * ``privacy_journal.jsonl`` -- append-only, one line per spent round
   ``{"rounds", "steps", "epsilon", "time"}`` (rounds and noisy steps spent so
   far), each ``fsync``-ed: the high-water mark of the budget spent;
-* ``runs/<run_id>/synthetic.npz`` -- FedLAP's synthetic images carried between
-  rounds (``synthetic_init='noise'``);
-* ``runs/<run_id>/carried.npz`` -- another method's carried client state
-  (:attr:`fedlap_jax.method.Method.carried`: SCAFFOLD's control variate, a
-  synthetic set), its named arrays and the round it was kept after
-  (:meth:`ClientState.save_carried`); read back against the structure the
-  client computes itself, a file of other arrays, shapes or dtypes refused
-  (:meth:`ClientState.load_carried`).
+* ``runs/<federated run>/carried-<round>.npz`` -- a client's carried state after
+  that round of a federated run (:attr:`fedlap_jax.method.Method.carried`:
+  SCAFFOLD's control variate, a synthetic set; FedLAP's images under
+  ``synthetic_init='noise'``), its named arrays and the round
+  (:meth:`ClientState.save_carried`). The directory is named by the federated
+  run's identity, which a resumed run keeps (:mod:`fedlap_flower.federated_runs`,
+  whose record ``federated_runs.json`` lives here too); the state of the round a
+  later one was computed from stays until that later round has a successor, so a
+  round redone after a stop starts from what it started from. Read back against
+  the structure the client computes itself, a file of other arrays, shapes,
+  dtypes or another round refused (:meth:`ClientState.load_carried`).
 
 Round keys: under DP each round's key (Poisson sampling, augmentation, Gaussian
 noise) is drawn from the operating system's entropy (:func:`fresh_round_key`,
@@ -66,12 +69,13 @@ import copy
 import fcntl
 import json
 import os
+import re
 import secrets
 import stat
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -83,9 +87,12 @@ from fedlap_jax.method import Wire
 
 LEDGER_FILE = "privacy_ledger.json"
 JOURNAL_FILE = "privacy_journal.jsonl"
-# A method's carried client state per run (its named arrays and the round it was kept after).
-CARRIED_FILE = "carried.npz"
+# A carried client state per federated run and round (its named arrays and that round).
+CARRIED_FILE = "carried-{round}.npz"
 CARRIED_ROUND = "__round__"
+_CARRIED_NAME = re.compile(r"carried-([0-9]+)\.npz")
+# A federated run's identity (:mod:`fedlap_flower.federated_runs`): one path component.
+RUN_IDENTITY = re.compile(r"[0-9a-f]{32}")
 # Fields a ledger must keep to compose later rounds with earlier ones (T may vary per round;
 # the headline's neighbouring relation is recomputed from the recorded steps).
 FIXED_PRIVACY_FIELDS = ("noise_multiplier", "batch_size", "min_client_size", "delta")
@@ -178,6 +185,28 @@ def check_private(directory: Path) -> None:
       f"state-dir {directory} {why}: another user could replace its privacy ledger. "
       f"Allowed: a directory of this user that only it may write (chmod go-w), or a new one"
     )
+
+
+def read_runs_record(path: Path, fmt: int, entry_ok: Callable[[str, Any], bool]) -> dict:
+  """The ``runs`` of a client's JSON record of runs (``{"format": fmt, "runs": {key: entry}}``;
+  ``{}``: no file), each ``(key, entry)`` passing ``entry_ok``.
+
+  Raises:
+    ValueError: the file cannot be read as such a record (the reason).
+  """
+  if not path.exists():
+    return {}
+  try:
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    if data.get("format") != fmt or not isinstance(runs, dict):
+      raise ValueError(f"format {data.get('format')!r}")
+    for key, entry in runs.items():
+      if not isinstance(entry, dict) or not entry_ok(key, entry):
+        raise ValueError(f"entry {key!r}: {entry!r}")
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(str(e)) from None
+  return runs
 
 
 def _spent(ledger: accounting.PrivacyLedger) -> tuple[int, int]:
@@ -397,8 +426,12 @@ class ClientState:
 
   # -- carried state ---------------------------------------------------------------
 
-  def _run_dir(self, run_id) -> Path:
-    return self.directory / "runs" / str(int(run_id))
+  def _run_dir(self, run) -> Path:
+    """``runs/<run>``: ``run`` a federated run's identity (:mod:`fedlap_flower.federated_runs`),
+    32 hex digits, never a path."""
+    if not isinstance(run, str) or not RUN_IDENTITY.fullmatch(run):
+      raise ValueError(f"{run!r} is not a federated run's identity (32 hex digits)")
+    return self.directory / "runs" / run
 
   def _save_arrays(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
     for d in (path.parent.parent, path.parent):
@@ -425,48 +458,60 @@ class ClientState:
         path, f"is not an npz of plain arrays ({type(e).__name__}: {e})"
       ) from None
 
-  def save_carried(self, run_id, server_round: int, arrays: dict[str, np.ndarray]) -> None:
-    """Keeps a client's carried state after ``server_round`` of run ``run_id``: its named
-    arrays (:func:`fedlap_flower.method_work.tree_to_arrays` of the carried fields), written
-    atomically ``0600`` (``runs/<run_id>/carried.npz``)."""
+  def carried_path(self, run, server_round: int) -> Path:
+    """``runs/<run>/carried-<round>.npz``: the state kept after ``server_round`` of ``run``."""
+    return self._run_dir(run) / CARRIED_FILE.format(round=int(server_round))
+
+  def save_carried(self, run, server_round: int, arrays: dict[str, np.ndarray]) -> None:
+    """Keeps a client's carried state after ``server_round`` of federated run ``run``: its named
+    arrays (:func:`fedlap_flower.method_work.tree_to_arrays` of the carried fields; FedLAP's
+    images as ``x``) and the round, written atomically ``0600`` (:meth:`carried_path`)."""
     if CARRIED_ROUND in arrays:
       raise ValueError(f"{CARRIED_ROUND!r} is reserved for the round in a carried state")
     self._save_arrays(
-      self._run_dir(run_id) / CARRIED_FILE,
+      self.carried_path(run, server_round),
       {**arrays, CARRIED_ROUND: np.asarray(int(server_round), np.int64)},
     )
 
-  def load_carried(self, run_id, expected: Wire) -> tuple[int, dict[str, np.ndarray]] | None:
-    """``(round, arrays)`` of this client's carried state in run ``run_id`` (``None``: none kept).
+  def carried_rounds(self, run) -> list[int]:
+    """The rounds of ``run`` this client keeps a carried state of, ascending."""
+    directory = self._run_dir(run)
+    if not directory.is_dir():
+      return []
+    found = (_CARRIED_NAME.fullmatch(p.name) for p in directory.iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+  def drop_carried(self, run, rounds) -> None:
+    """Removes the carried states of ``rounds`` of ``run`` (those no later round can need)."""
+    for r in rounds:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(self.carried_path(run, r))
+
+  def load_carried(self, run, server_round: int, expected: Wire) -> dict[str, np.ndarray] | None:
+    """The arrays this client kept after ``server_round`` of federated run ``run`` (``None``:
+    none kept).
 
     Raises:
-      ConfigError: naming ``state-dir`` and the file: a link there, not an npz, no round, or
-        an array missing, unexpected, of another shape or dtype than ``expected``, or not
-        finite (:meth:`fedlap_jax.method.Wire.check`).
+      ConfigError: naming ``state-dir`` and the file: a link there, not an npz, no round or
+        another round than its name's, or an array missing, unexpected, of another shape or
+        dtype than ``expected``, or not finite (:meth:`fedlap_jax.method.Wire.check`).
     """
-    path = self._run_dir(run_id) / CARRIED_FILE
+    path = self.carried_path(run, server_round)
     arrays = self._load_arrays(path)
     if arrays is None:
       return None
     held = arrays.pop(CARRIED_ROUND, None)
     if held is None or held.shape != () or not np.issubdtype(held.dtype, np.integer):
       raise _carried_error(path, f"holds no round ({CARRIED_ROUND!r}, an integer)")
+    if int(held) != int(server_round):
+      raise _carried_error(
+        path, f"holds the state of round {int(held)}, not of round {int(server_round)}"
+      )
     try:
       expected.check(arrays)
     except ConfigError as e:
       raise _carried_error(path, f"holds {e.field!r} = {e.value!r}; allowed: {e.allowed}") from None
-    return int(held), arrays
-
-  def load_synthetic(self, run_id) -> np.ndarray | None:
-    """The images carried from this run's last round of this client, or None."""
-    arrays = self._load_arrays(self._run_dir(run_id) / "synthetic.npz")
-    return None if arrays is None else arrays["x"]
-
-  def save_synthetic(self, run_id, server_round: int, x: np.ndarray) -> None:
-    self._save_arrays(
-      self._run_dir(run_id) / "synthetic.npz",
-      {"x": np.asarray(x, np.float32), "round": np.asarray(server_round)},
-    )
+    return arrays
 
 
 def _carried_error(path: Path, why: str) -> ConfigError:

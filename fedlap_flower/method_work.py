@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RunFacts, Wire
 from fedlap_jax.methods import REGISTRY
@@ -69,16 +70,54 @@ def method_of(cfg) -> Method:
   return REGISTRY.method(cfg.method)
 
 
-def run_facts(cfg, facts, num_params: int) -> RunFacts:
+MAX_CLASSES_KEY = "max-classes-per-client"
+"""The run-config key stating the most classes a client holds (0: not stated)."""
+
+
+def run_facts(cfg, facts, num_params: int, max_classes: int = 0) -> RunFacts:
   """The :class:`~fedlap_jax.method.RunFacts` of a run (as :func:`experiments.methods.algorithm`
-  builds them) from its :class:`experiments.build.Facts`."""
+  builds them) from its :class:`experiments.build.Facts`.
+
+  ``max_classes``: the run config's ``max-classes-per-client`` (0: not stated), the most
+  classes a client holds (a synthetic set's ``ipc`` slots per class), for a party that reads
+  its own data and so does not know it (``facts.max_classes_per_client`` is ``None``). A party
+  of the config's named partition knows it and takes its own.
+
+  Raises:
+    fedlap_jax.checks.ConfigError: naming ``max-classes-per-client``: stated otherwise than the
+      named partition's.
+  """
+  known = facts.max_classes_per_client
+  if known is not None and max_classes not in (0, known):
+    raise ConfigError(
+      MAX_CLASSES_KEY,
+      max_classes,
+      f"0 (not stated) or {known}",
+      message=f"{MAX_CLASSES_KEY}={max_classes!r} is invalid: the config's named partition "
+      f"gives its clients at most {known} classes. Allowed: 0 (not stated) or {known}",
+    )
   return RunFacts(
     tuple(facts.image_shape),
     int(cfg.data.num_clients),
     int(num_params),
-    facts.max_classes_per_client or 0,
+    int(max_classes if known is None else known),
     facts.max_client_size,
     cfg.data.get("clients_per_round"),
+  )
+
+
+def classes_beyond(data: ClientData, facts: RunFacts) -> str | None:
+  """Why a client holding ``data`` cannot take part in a run of ``facts`` (``None``: it can):
+  it holds more classes than the run's ``max_classes_per_client`` (its synthetic set would
+  have no slots for them)."""
+  y = np.asarray(data.y)[np.asarray(data.mask)]
+  held = int(np.unique(y).size)
+  if held <= facts.max_classes_per_client:
+    return None
+  return (
+    f"{MAX_CLASSES_KEY}={facts.max_classes_per_client} is invalid for this client: it holds "
+    f"{held} classes, and its synthetic set has ipc slots for {facts.max_classes_per_client}. "
+    f"Allowed: at least {held}, the most classes any client holds"
   )
 
 

@@ -7,7 +7,9 @@ Train message (server -> client), ``RecordDict``:
 * ``"config"``: ``server-round``, ``learning-rate`` (the float32 ``eta_m``),
   ``num-clients``; without DP (or in the test-only unsafe mode) the round keys
   ``key-init`` and ``key-clients`` (uint32 words; client ``k`` uses
-  ``split(key, K)[k]``) and ``keys = "server"``; under DP ``keys = "client"``.
+  ``split(key, K)[k]``) and ``keys = "server"``; under DP ``keys = "client"``;
+  ``federated-run``: the federated run's identity, the same across its resumes, under
+  which a client keeps its carried state (:mod:`fedlap_flower.federated_runs`).
 
 Train reply (client -> server):
 

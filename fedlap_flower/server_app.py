@@ -16,10 +16,12 @@ server then continues that run (same config and overrides, not finished)
 after its last completed round, from the parameters, key chain and pins of
 ``server_state.npz`` (:mod:`fedlap_flower.server_state`). The resumed run is
 a new Flower run: each DP client's ledger charges the rounds it computes (a
-round redone after a stop is charged again), and FedLAP's carried synthetic images
-(``synthetic_init='noise'``) start afresh from the clients' initial images. A method whose
-clients carry state of their own (SCAFFOLD, FedDM, DSC, PSG) refuses ``resume = true``: its
-clients keep that state per Flower run and would refuse to start it afresh.
+round redone after a stop is charged again). It keeps the federated run's identity
+(``run_info.json``'s ``federated_run``, drawn when the run started and sent with every train
+message, :mod:`fedlap_flower.federated_runs`), under which each client keeps its carried
+state (SCAFFOLD's ``c_k``, FedDM's / DSC's / PSG's synthetic set, FedLAP's images under
+``synthetic_init='noise'``): a resumed round starts from what each client kept after its last
+round, as in the run that was not stopped.
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedlap_flower import method_work, records, replies, server_state, server_work, settings, task
+from fedlap_flower import (
+  federated_runs,
+  method_work,
+  records,
+  replies,
+  server_state,
+  server_work,
+  settings,
+  task,
+)
 from fedlap_flower import strategy as strategy_lib
 from fedlap_flower.prompt_grid import PromptGrid
 
@@ -60,6 +71,33 @@ def largest_pixel(test: task.TestSplit) -> float:
   return float(np.max(np.abs(np.concatenate([np.ravel(lo), np.ravel(hi)]))))
 
 
+def _resumed_identity(stopped: dict, run: settings.RunSettings, method, config) -> str:
+  """The stopped run's federated identity (``run_info.json``), which the resumed run's clients
+  find their carried state under; a run written without one gets a new one, unless its
+  clients carry state (kept then per Flower run, which no resumed run can name).
+
+  Raises:
+    fedlap_flower.settings.SettingsError: naming ``resume``: such a run's clients carry state.
+  """
+  identity = stopped.get(federated_runs.RUN_INFO_KEY)
+  if isinstance(identity, str) and federated_runs.IDENTITY.fullmatch(identity):
+    return identity
+  carried = method.carried if method_work.supported(method) else ()
+  if method_work.has_own_strategy(method) and config.synthetic_init == "noise":
+    carried = ("synthetic images",)
+  if carried:
+    raise settings.SettingsError(
+      "resume",
+      True,
+      "resume = false (a new run)",
+      message=f"resume=true is invalid: run-dir={str(run.run_dir)!r} holds a run without "
+      f"{federated_runs.RUN_INFO_KEY!r} in run_info.json (written before runs had one), "
+      f"whose clients carry {', '.join(carried)} under its Flower run id, which a resumed "
+      "run cannot name. Allowed: resume = false, a new run",
+    )
+  return federated_runs.new_identity()
+
+
 def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   """Runs the whole training; returns the per-round records (also in ``metrics.jsonl``).
 
@@ -67,16 +105,6 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   its library config, its DP mechanism with ``dp.target_epsilon`` calibrated, the model and
   the key chain."""
   method = method_work.method_of(run.cfg)
-  if run.resume and method_work.supported(method) and method.carried:
-    raise settings.SettingsError(
-      "resume",
-      True,
-      "resume = false (a new run) for a method whose clients carry state",
-      message=f"resume=true is invalid for method={run.cfg.method!r}: its clients carry "
-      f"{', '.join(method.carried)} between rounds, kept per Flower run, and a resumed run is "
-      "a new Flower run, whose clients hold none of the stopped one's (they would refuse "
-      "every round rather than start it afresh). Allowed: resume = false, a new run",
-    )
   task.enable_compilation_cache()
   t0 = time.time()
   plan, start, test = task.server_run(run.cfg, settings.server_data(run.cfg))
@@ -84,6 +112,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   if plan.calibration is not None:
     log(INFO, plan.calibration)
   apply_fn, params = start.model.apply_fn, start.model.params
+  # max-classes-per-client checked before the run-dir is written
+  facts = method_work.run_facts(cfg, plan.facts, start.model.num_params, run.max_classes_per_client)
   evaluate = server_work.make_evaluate(apply_fn, test, cfg.eval_chunk_size)
   model_bytes = int(
     sum(np.asarray(v).nbytes for v in records.params_to_record(params).to_numpy_ndarrays())
@@ -111,10 +141,12 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   }
   state = None
   if run.resume:
-    strategy_lib.RunLog.check_resumable(run.run_dir, info)
+    stopped = strategy_lib.RunLog.check_resumable(run.run_dir, info)
+    info[federated_runs.RUN_INFO_KEY] = _resumed_identity(stopped, run, method, plan.config)
     state = server_state.load(run.run_dir, params)
     run_log = strategy_lib.RunLog.resume(run.run_dir, info, state.round if state else 0)
   else:
+    info[federated_runs.RUN_INFO_KEY] = federated_runs.new_identity()
     run_log = strategy_lib.RunLog(run.run_dir, info)
   shared = dict(
     cfg=cfg,
@@ -128,6 +160,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     partition_keys=run.partition_keys,
     # None: the method's own init derives its chain key (MethodStrategy's state holds it)
     chain_key=None if plan.entry.chain_key is None else start.chain_key(plan.entry),
+    federated_run=info[federated_runs.RUN_INFO_KEY],
   )
   max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))
   if method_work.supported(method):
@@ -137,7 +170,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
       **shared,
       method=method,
       method_config=plan.config,
-      facts=method_work.run_facts(cfg, plan.facts, start.model.num_params),
+      facts=facts,
+      max_classes_stated=run.max_classes_per_client,
       model=methods.model_fns(start.model, test.image_shape),
       k_alg=start.k_alg,
       unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,

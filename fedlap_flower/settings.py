@@ -23,7 +23,10 @@ key                             meaning
                                 unless ``resume`` is true
 ``resume``                      continue the run of ``run-dir`` (the same config
                                 and overrides) after its last completed round
-                                (:mod:`fedlap_flower.server_state`)
+                                (:mod:`fedlap_flower.server_state`); its clients
+                                continue their carried state, kept under the
+                                federated run's identity
+                                (:mod:`fedlap_flower.federated_runs`)
 ``min-clients``                 fewest clients a round may aggregate (0: all
                                 of the round's clients, ``data.clients_per_round``
                                 or else ``data.num_clients``); fewer stops the run
@@ -51,6 +54,14 @@ key                             meaning
                                 DP-FedAvg / DP-FedProx, else ``'none'``);
                                 FedLAP's replies have their own bounds, so only
                                 ``''`` is allowed for them
+``max-classes-per-client``      the most classes a client holds, stated for a
+                                federation whose parties read their own data
+                                (0: not stated): FedDM's, DSC's and PSG's
+                                synthetic sets have ``ipc`` slots for each; a
+                                client holding more refuses by name, before its
+                                ledger is touched. With the config's named
+                                partition the partition says it (0 or its
+                                value only); other methods take 0 only
 ``unsafe-dp-keys-from-server``  TEST ONLY: DP clients use the server's round
                                 keys (the server could remove the noise);
                                 also needs the client's consent, the
@@ -138,6 +149,7 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
   "partition-keys": "",
   "max-image-abs": 0.0,
   "max-update-norm": "",
+  "max-classes-per-client": 0,
   "unsafe-dp-keys-from-server": False,
   # Checked by the node before the ClientApp runs (fedlap_flower.runtime.run_signature).
   "signer": "",
@@ -408,6 +420,7 @@ class RunSettings:
   max_image_abs: float = 0.0
   resume: bool = False
   max_update_norm: float | str | None = ""
+  max_classes_per_client: int = 0
 
   @property
   def num_clients(self) -> int:
@@ -490,6 +503,19 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
       f"'' for method={cfg.method!r} (FedLAP's replies are bounded by their own checks: "
       "max-image-abs, and the delta bound of server.start='fedavg_delta')",
     )
+  max_classes = rc[_method_work.MAX_CLASSES_KEY]
+  if not is_int(max_classes) or max_classes < 0:
+    _fail(
+      _method_work.MAX_CLASSES_KEY,
+      max_classes,
+      "an integer >= 1, the most classes a client holds (0: not stated)",
+    )
+  if max_classes and _method_work.has_own_strategy(_method_work.method_of(cfg)):
+    _fail(
+      _method_work.MAX_CLASSES_KEY,
+      max_classes,
+      f"0 for method={cfg.method!r} (each FedLAP client's set has slots for its own classes)",
+    )
   run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
   return RunSettings(
     rc["config"],
@@ -506,6 +532,7 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
     float(max_image),
     rc["resume"],
     max_update,
+    int(max_classes),
   )
 
 

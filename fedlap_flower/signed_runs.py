@@ -22,7 +22,6 @@ No ``flwr`` here.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,22 +38,15 @@ class ReplayedRun(ValueError):
 
 
 def _read(path: Path) -> dict[str, dict]:
-  if not path.exists():
-    return {}
   try:
-    data = json.loads(path.read_text())
-    runs = data["runs"]
-    if data.get("format") != FORMAT or not isinstance(runs, dict):
-      raise ValueError(f"format {data.get('format')!r}")
-    for nonce, entry in runs.items():
-      if not isinstance(nonce, str) or not isinstance(entry.get("run_id"), int):
-        raise ValueError(f"entry {nonce!r}: {entry!r}")
-  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    return ledger_lib.read_runs_record(
+      path, FORMAT, lambda nonce, entry: isinstance(entry.get("run_id"), int)
+    )
+  except ValueError as e:
     raise ReplayedRun(
       f"{path} cannot be read as this client's record of signed runs ({e}); refusing every "
       "signed run until it is restored (a new record would admit the runs computed before)"
     ) from None
-  return runs
 
 
 def admit(

@@ -93,7 +93,15 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from experiments.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
-from fedlap_flower import method_work, records, replies, server_state, server_work, task
+from fedlap_flower import (
+  federated_runs,
+  method_work,
+  records,
+  replies,
+  server_state,
+  server_work,
+  task,
+)
 from fedlap_flower import settings as settings_lib
 from fedlap_jax import federated
 from fedlap_jax.checks import ConfigError
@@ -184,8 +192,9 @@ class RunLog:
     write_json_atomic(self.run_dir / "run_info.json", info)
 
   @classmethod
-  def check_resumable(cls, run_dir: Path, info: dict) -> None:
-    """Refuses to resume ``run_dir`` unless it holds an unfinished run of ``info``'s config.
+  def check_resumable(cls, run_dir: Path, info: dict) -> dict:
+    """Refuses to resume ``run_dir`` unless it holds an unfinished run of ``info``'s config;
+    returns that run's ``run_info.json``.
 
     Raises:
       fedlap_flower.settings.SettingsError: naming ``resume``: no run there, a finished one,
@@ -206,12 +215,13 @@ class RunLog:
       refuse("holds no run to resume; allowed: resume = false for a new run")
     if (run_dir / "done").exists():
       refuse("holds a finished run; allowed: another run-dir for a new run")
-    stored = json.loads(path.read_text()).get("config_values")
-    if _as_json(stored) != _as_json(info["config_values"]):
+    stopped = json.loads(path.read_text())
+    if _as_json(stopped.get("config_values")) != _as_json(info["config_values"]):
       refuse(
         "holds a run of another experiment (run_info.json's config_values differ); allowed: "
         "the config and overrides of that run"
       )
+    return stopped
 
   @classmethod
   def resume(cls, run_dir: Path, info: dict, completed: int) -> "RunLog":
@@ -617,8 +627,10 @@ class FedLAP(Resumable, Strategy):
     partition_keys=None,
     max_epsilon: float = math.inf,
     chain_key,
+    federated_run: str,
   ):
     self.cfg = cfg
+    self.federated_run = federated_run
     self.max_epsilon = float(max_epsilon)
     self.template = template  # the model's layout: parameter records travel packed
     self.fc = fedlap_config
@@ -704,6 +716,7 @@ class FedLAP(Resumable, Strategy):
         "learning-rate": lr,
         "num-clients": self.num_clients,
         "keys": "server" if self.server_keys else "client",
+        federated_runs.MESSAGE_KEY: self.federated_run,
       }
     )
     if self.server_keys:
@@ -932,6 +945,8 @@ class MethodStrategy(Resumable, FedAvg):
     max_epsilon: float = math.inf,
     partition_keys=None,
     chain_key=None,
+    federated_run: str,
+    max_classes_stated: int = 0,
     max_update_norm: float | str | None = "",
     num_classes: int = 10,
     max_image_abs: float = replies.IMAGE_RANGE_FACTOR,
@@ -944,6 +959,7 @@ class MethodStrategy(Resumable, FedAvg):
     )
     del chain_key  # the method's state holds its key chain
     self.cfg = cfg
+    self.federated_run = federated_run  # its clients keep their carried state under it
     self.method = method
     self.mc = method_config
     self.model = model  # ModelFns: apply_fn (and FedDM's embed_fn, DSC / PSG's init_fn)
@@ -993,11 +1009,21 @@ class MethodStrategy(Resumable, FedAvg):
       raise ConfigError(
         "data",
         "data the server does not know the clients' classes of",
-        "the config's named data and partition",
+        f"the config's named data and partition, or {method_work.MAX_CLASSES_KEY}",
         message=f"method={method.name!r} sends synthetic sets of ipc slots per class of the "
         "client owning the most classes, a fact of the config's named partition; this "
         "server reads its own data and knows no client's classes. Allowed: the config's "
-        "named data (no server data file), or a method that sends no synthetic set",
+        f"named data (no server data file), the run config's {method_work.MAX_CLASSES_KEY} "
+        "(the most classes a client holds), or a method that sends no synthetic set",
+      )
+    if not sets and max_classes_stated:
+      raise ConfigError(
+        method_work.MAX_CLASSES_KEY,
+        max_classes_stated,
+        "0 (not stated)",
+        message=f"{method_work.MAX_CLASSES_KEY}={max_classes_stated!r} sizes a synthetic set; "
+        f"method={method.name!r} sends none (its wire: {', '.join(self.wire.names())}), so "
+        "it would size nothing. Allowed: 0 (not stated)",
       )
     if sets:
       s = int(sets[0].x.shape[0])
@@ -1083,6 +1109,7 @@ class MethodStrategy(Resumable, FedAvg):
       conf["server-round"] = server_round
       conf["num-clients"] = int(self.cfg.data.num_clients)
       conf["keys"] = "server" if self.server_keys else "client"
+      conf[federated_runs.MESSAGE_KEY] = self.federated_run
       content = RecordDict(
         {
           self.arrayrecord_key: arrays,

@@ -197,17 +197,23 @@ def serve_with(grid, run_config: dict) -> list[dict]:
 
 
 def run_inprocess(
-  run_config: dict, nodes: dict[int, dict] | None = None, grid_hook=None, *, state_root=None
+  run_config: dict,
+  nodes: dict[int, dict] | None = None,
+  grid_hook=None,
+  *,
+  state_root=None,
+  run_id: int = 7,
 ):
   """Runs the ServerApp against the ClientApp in process; returns ``(records, grid)``.
 
   Without ``nodes``, node ``k`` gets :func:`node_configs`, with ``state_root`` its own
   ``state-dir = <state_root>/client-<k>`` (the run config names no client directory).
+  ``run_id``: the Flower run id the clients see (a resumed run is a new Flower run).
   """
   from fedlap_flower import client_app
 
   nodes = nodes or node_configs(state_root=state_root)
-  grid = InProcessGrid(client_app.app, run_config, nodes)
+  grid = InProcessGrid(client_app.app, run_config, nodes, run_id=run_id)
   if grid_hook is not None:
     grid_hook(grid)
   return serve_with(grid, run_config), grid

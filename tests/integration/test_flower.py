@@ -27,6 +27,15 @@ from fedlap_jax import accounting
 DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps", "radius"}
 
 
+# A federated run's identity (fedlap_flower.federated_runs).
+RUN = "0123456789abcdef0123456789abcdef"
+
+
+def _federated_run(run_dir) -> str:
+  """The identity of the federated run in ``run_dir`` (its clients keep their state under it)."""
+  return json.loads((Path(run_dir) / "run_info.json").read_text())["federated_run"]
+
+
 def _run_config(tmp_path, config, overrides=TINY, **extra):
   return {"config": config, "overrides": overrides, "run-dir": str(tmp_path / "run"), **extra}
 
@@ -304,16 +313,16 @@ def test_state_files_are_the_owners_alone_and_links_planted_there_are_not_follow
     (d / f".{ledger_lib.LEDGER_FILE}.tmp{pid}").symlink_to(target)
   led = state.ledger(FINGERPRINT, **PRIVACY)
   state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 1})
-  state.save_synthetic(7, 1, np.zeros((2, 8, 8, 1), np.float32))
+  state.save_carried(RUN, 1, {"x": np.zeros((2, 8, 8, 1), np.float32)})
   with state.locked():
     pass
   assert target.read_text() == "not the ledger"
   ledger_file = d / ledger_lib.LEDGER_FILE
   assert ledger_file.is_file() and not ledger_file.is_symlink()
   assert json.loads(ledger_file.read_text())["ledger"]["rounds"] == 1
-  files = [ledger_file, d / ledger_lib.JOURNAL_FILE, d / ".lock", d / "runs/7/synthetic.npz"]
+  files = [ledger_file, d / ledger_lib.JOURNAL_FILE, d / ".lock", state.carried_path(RUN, 1)]
   assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o600 for f in files}
-  for sub in (d, d / "runs", d / "runs" / "7"):
+  for sub in (d, d / "runs", d / "runs" / RUN):
     assert stat.S_IMODE(sub.stat().st_mode) == 0o700, sub
   # A link in the journal's place: the append refuses it (and writes nothing there).
   (d / ledger_lib.JOURNAL_FILE).unlink()
@@ -1146,10 +1155,12 @@ def test_a_method_with_carried_client_state_equals_experiments_run_bit_for_bit(
   for k in range(5):
     want_k = tuple(jax.tree.map(lambda a: np.asarray(a[k]), getattr(state, f)) for f in m.carried)
     wire = Wire.of(jax.tree.map(method_work.shape_of, want_k))
-    kept = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").load_carried(7, wire)
-    assert kept is not None and kept[0] == records[-1]["round"]
+    kept = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").load_carried(
+      _federated_run(tmp_path / "run"), records[-1]["round"], wire
+    )
+    assert kept is not None
     for name, value in method_work.tree_to_arrays(want_k).items():
-      np.testing.assert_array_equal(kept[1][name], value, err_msg=f"client {k}: {name}")
+      np.testing.assert_array_equal(kept[name], value, err_msg=f"client {k}: {name}")
   # No client state on the server: its saved state holds no client's field.
   with np.load(tmp_path / "run" / "server_state.npz") as saved:
     assert not [n for n in saved.files if any(f in n for f in m.carried)], saved.files
@@ -1185,10 +1196,12 @@ def test_sampled_scaffold_clients_keep_their_variates_across_the_rounds_they_ski
     assert got["clients_ok"] == sorted(drawn[got["round"] - 1])
   want_k = (jax.tree.map(lambda a: np.asarray(a[skipper]), ref["state"].client_controls),)
   wire = Wire.of(jax.tree.map(method_work.shape_of, want_k))
-  kept = ledger_lib.ClientState(tmp_path / "state" / f"client-{skipper}").load_carried(7, wire)
-  assert kept[0] == 3
+  state = ledger_lib.ClientState(tmp_path / "state" / f"client-{skipper}")
+  run = _federated_run(tmp_path / "run")
+  assert state.carried_rounds(run) == [1, 3]  # round 3's, and round 1's it started from
+  kept = state.load_carried(run, 3, wire)
   for name, value in method_work.tree_to_arrays(want_k).items():
-    np.testing.assert_array_equal(kept[1][name], value, err_msg=name)
+    np.testing.assert_array_equal(kept[name], value, err_msg=name)
 
 
 @pytest.mark.slow
@@ -1226,9 +1239,10 @@ def _tamper_before(server_round, changes):
         m.metadata.message_type == "train" and m.content["config"]["server-round"] == server_round
         for m in messages
       ):
+        run = messages[0].content["config"]["federated-run"]
         for node, change in changes.items():
-          state_dir = grid.contexts[node].node_config["state-dir"]
-          change(Path(state_dir) / "runs" / "7" / ledger_lib.CARRIED_FILE)
+          state = ledger_lib.ClientState(grid.contexts[node].node_config["state-dir"])
+          change(state.carried_path(run, server_round - 1))
       return real(messages, timeout=timeout)
 
     grid.send_and_receive = send_and_receive
@@ -1271,7 +1285,7 @@ def test_a_clients_carried_state_missing_or_altered_is_refused_never_started_afr
   why = {r["partition_id"]: r.get("reason", "") for r in reports if r["round"] == 2}
   assert {r["status"] for r in reports if r["round"] == 2 and r["partition_id"] < 4} == {"refused"}
   assert "carried state" in why[0] and "missing" in why[0] and "afresh" in why[0]
-  assert ledger_lib.CARRIED_FILE in why[1] and "shape" in why[1] and "(3,)" in why[1]
+  assert "carried-1.npz" in why[1] and "shape" in why[1] and "(3,)" in why[1]
   assert "link" in why[2]
   assert "round 1" in why[3] and "round 0" in why[3]
 
@@ -1346,25 +1360,205 @@ def test_a_server_reading_its_own_data_refuses_a_synthetic_set_method(tmp_path, 
   with pytest.raises(ConfigError, match="synthetic sets") as e:
     serve_with(None, rc)
   assert e.value.field == "data" and "named data" in str(e.value)
+  assert "max-classes-per-client" in str(e.value)
 
 
-def test_a_run_of_carried_client_state_refuses_resume(tmp_path):
-  """A resumed run is a new Flower run, whose clients hold no carried state of the stopped
-  one: resume = true is refused up front for such a method, naming why."""
+def _classes_per_site(nodes) -> list[int]:
+  out = []
+  for n in sorted(nodes):
+    with np.load(nodes[n]["data-path"]) as f:
+      out.append(int(np.unique(f["y_train"]).size))
+  return out
+
+
+@pytest.mark.slow
+def test_an_own_data_federation_runs_a_synthetic_set_method_at_the_stated_max_classes(
+  tmp_path, monkeypatch
+):
+  """Server and clients reading their own data: the run config's max-classes-per-client sizes
+  FedDM's sets (ipc slots per class), and every client computes and keeps its set of that size.
+  Stated below a client's classes, PSG's clients refuse by name before their ledgers are
+  touched (nothing charged, nothing kept)."""
+  nodes, server_npz = _own_data_sites(tmp_path)
+  monkeypatch.setenv(settings.SERVER_DATA_ENV, server_npz)
+  most = max(_classes_per_site(nodes))
+  config, overrides = CARRIED["feddm"]
+  rc = _run_config(
+    tmp_path, config, overrides=overrides + OWN_DATA, **{"max-classes-per-client": most}
+  )
+  nondp = {n: {k: v for k, v in c.items() if k != "max-epsilon"} for n, c in nodes.items()}
+  records, _ = run_inprocess(rc, nondp)
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4]] * 2
+  assert all(0 < r["test_accuracy"] <= 1 for r in records)
+  run = _federated_run(tmp_path / "run")
+  for k in range(5):  # ipc = 1 slot for each of the stated classes
+    state = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}")
+    with np.load(state.carried_path(run, 2)) as f:
+      assert f["0.y"].shape == (most,) and f["0.x"].shape == (most, 8, 8, 1)
+  # Stated too low, under DP: refused by name, before the ledger.
+  config, overrides = CARRIED["psg"]
+  low = _run_config(
+    tmp_path / "low",
+    config,
+    overrides=overrides + OWN_DATA,
+    **{"max-classes-per-client": most - 1, "min-clients": 1},
+  )
+  for n in nodes.values():
+    n["state-dir"] = str(tmp_path / "low" / "state" / f"client-{n['partition-id']}")
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(low, nodes)
+  reports = json.loads((tmp_path / "low" / "run" / "client_reports.json").read_text())
+  refused = [r for r in reports if r["status"] == "refused"]
+  held = _classes_per_site(nodes)
+  assert sorted(r["partition_id"] for r in refused) == [k for k in range(5) if held[k] == most]
+  assert all(f"max-classes-per-client={most - 1} is invalid" in r["reason"] for r in refused)
+  for r in refused:
+    d = tmp_path / "low" / "state" / f"client-{r['partition_id']}"
+    assert not (d / ledger_lib.LEDGER_FILE).exists() and not (d / "runs").exists()
+
+
+def test_a_stated_max_classes_is_refused_where_it_would_size_nothing_or_contradict_the_data(
+  tmp_path,
+):
+  """max-classes-per-client: with the config's named partition only its own value (or 0); for a
+  method without synthetic sets, or FedLAP (each client's set has slots for its own classes),
+  only 0; never a non-integer."""
   from flower_harness import serve_with
+  from fedlap_jax.checks import ConfigError
 
+  config, overrides = CARRIED["feddm"]
+  with pytest.raises(ConfigError, match="named partition gives its clients at most 2") as e:
+    serve_with(None, _run_config(tmp_path, config, overrides, **{"max-classes-per-client": 3}))
+  assert e.value.field == "max-classes-per-client"
+  fedavg = "method=fedavg rounds=1 baseline.local_epochs=1"
+  with pytest.raises(ConfigError, match="sizes a synthetic set") as e:
+    serve_with(None, _run_config(tmp_path / "b", config, fedavg, **{"max-classes-per-client": 2}))
+  assert e.value.field == "max-classes-per-client"
+  for value in (2, -1, 1.5, "2"):
+    rc = _run_config(tmp_path, "quickstart:nondp", **{"max-classes-per-client": value})
+    with pytest.raises(settings.SettingsError) as e:
+      settings.run_settings(rc)
+    assert e.value.field == "max-classes-per-client"
+  assert not (tmp_path / "run").exists()
+
+
+def _alter_round_messages(server_round, changes):
+  """A grid hook: ``changes[node](config)`` alters the config record of that node's train
+  message of ``server_round`` (what a server sends is untrusted by its clients)."""
+
+  def hook(grid):
+    real = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+      messages = list(messages)
+      for m in messages:
+        node = m.metadata.dst_node_id
+        if m.metadata.message_type == "train" and node in changes:
+          if m.content["config"]["server-round"] == server_round:
+            changes[node](m.content["config"])
+      return real(messages, timeout=timeout)
+
+    grid.send_and_receive = send_and_receive
+
+  return hook
+
+
+@pytest.mark.slow
+def test_a_server_cannot_point_a_clients_carried_state_elsewhere(tmp_path):
+  """The federated run's identity comes from the server, so a client takes it as untrusted:
+  a path or a missing one, another identity in the same Flower run, or a round back before
+  one the client computed are refused before anything runs, naming why; so is a run of another
+  experiment (here another seed) sending a known identity. The other clients aggregate."""
   config, overrides = CARRIED["scaffold"]
-  rc = _run_config(tmp_path, config, overrides=overrides, resume=True)
-  with pytest.raises(settings.SettingsError, match="resume") as e:
-    serve_with(None, rc)
-  assert "client_controls" in str(e.value)
+  overrides = overrides.replace("rounds=2", "rounds=3")
+  other = "f" * 32
+
+  def path(conf):
+    conf["federated-run"] = "../../elsewhere"
+
+  def switch(conf):
+    conf["federated-run"] = other
+
+  def rewind(conf):
+    conf["server-round"] = 1
+
+  def drop(conf):
+    del conf["federated-run"]
+
+  rc = _run_config(tmp_path, config, overrides=overrides, **{"min-clients": 1})
+  hook = _alter_round_messages(3, {101: path, 102: switch, 103: rewind, 104: drop})
+  records, _ = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4]] * 2 + [[4]]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  why = {r["partition_id"]: r.get("reason", "") for r in reports if r["round"] == 3}
+  assert {r["status"] for r in reports if r["round"] == 3 and r["partition_id"] < 4} == {"refused"}
+  run = _federated_run(tmp_path / "run")
+  assert "federated-run='../../elsewhere' is invalid" in why[0] and "32 hex digits" in why[0]
+  assert f"Flower run 7 as federated run {run}" in why[1] and "does not change" in why[1]
+  assert "computed round 2" in why[2] and "round 1 would take" in why[2]
+  assert "federated-run=None is invalid" in why[3]
+  state = ledger_lib.ClientState(tmp_path / "state" / "client-1")
+  assert not (state.directory / "runs" / other).exists()
+  assert state.carried_rounds(run) == [1, 2]  # untouched by the refused round
+  # Another experiment naming this run's identity: every client refuses its first round.
+  rc2 = _run_config(tmp_path / "seed1", config, overrides=overrides + " seed=1")
+  hook = _alter_round_messages(
+    1, {n: lambda c: c.update({"federated-run": run}) for n in range(101, 106)}
+  )
+  with pytest.raises(strategy.TooFewClients):
+    run_inprocess(rc2, grid_hook=hook, state_root=tmp_path / "state", run_id=8)
+  reports = json.loads((tmp_path / "seed1" / "run" / "client_reports.json").read_text())
+  assert {r["status"] for r in reports} == {"refused"} and len(reports) == 5
+  assert all("another experiment" in r["reason"] for r in reports)
+  assert state.carried_rounds(run) == [1, 2]
+
+
+def test_a_client_records_which_federated_run_and_experiment_its_state_belongs_to(tmp_path):
+  """federated_runs.admit: 32 hex digits only; an identity stays with its experiment and a
+  Flower run with its identity; a record it cannot read is refused, never reset."""
+  from fedlap_flower import federated_runs
+
+  state = ledger_lib.ClientState(tmp_path / "c0")
+  digest = federated_runs.config_digest({"seed": 0, "rounds": 3})
+  assert federated_runs.config_digest({"rounds": 3, "seed": 0}) == digest
+  assert federated_runs.admit(state, RUN, 7, digest) == RUN
+  assert federated_runs.admit(state, RUN, 8, digest) == RUN  # a resumed run: a new Flower run
+  assert federated_runs.recorded(state)[RUN]["flower_runs"] == [7, 8]
+  for bad in ("../" + RUN[3:], RUN.upper(), RUN + "0", 7, None):
+    with pytest.raises(federated_runs.RefusedRun, match="32 hex digits"):
+      federated_runs.admit(state, bad, 9, digest)
+  with pytest.raises(federated_runs.RefusedRun, match="another experiment"):
+    federated_runs.admit(state, RUN, 9, federated_runs.config_digest({"seed": 1, "rounds": 3}))
+  with pytest.raises(federated_runs.RefusedRun, match=f"Flower run 8 as federated run {RUN}"):
+    federated_runs.admit(state, "e" * 32, 8, digest)
+  assert sorted(federated_runs.recorded(state)) == [RUN]
+  assert stat.S_IMODE((state.directory / federated_runs.RECORD_FILE).stat().st_mode) == 0o600
+  (state.directory / federated_runs.RECORD_FILE).write_text("{}")
+  with pytest.raises(federated_runs.RefusedRun, match="cannot be read"):
+    federated_runs.admit(state, RUN, 7, digest)
+  # A state is one of a federated run's (a path component) and of its round.
+  with pytest.raises(ValueError, match="32 hex digits"):
+    state.save_carried("../x", 1, {"x": np.zeros(2, np.float32)})
+  state.save_carried(RUN, 2, {"x": np.zeros(2, np.float32)})
+  path = state.carried_path(RUN, 2)
+  path.rename(state.carried_path(RUN, 3))
+  from fedlap_jax.checks import ConfigError
+  from fedlap_jax.method import Wire
+
+  wire = Wire.of({"x": jax.ShapeDtypeStruct((2,), np.float32)})
+  with pytest.raises(ConfigError, match="holds the state of round 2, not of round 3"):
+    state.load_carried(RUN, 3, wire)
+  assert state.load_carried(RUN, 2, wire) is None and state.carried_rounds(RUN) == [3]
 
 
 # The run-dir: a new run never overwrites one; resume = true continues it.
 RESUMABLE = {
   "nondp": TINY.replace("rounds=2", "rounds=3"),
+  "nondp_noise": TINY.replace("rounds=2", "rounds=3") + " synthetic_init=noise",  # carried images
   "fedavg": "method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
   "fedadam": "method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
+  "scaffold": CARRIED["scaffold"][1].replace("rounds=2", "rounds=3"),  # carried c_k
+  "feddm": CARRIED["feddm"][1].replace("rounds=2", "rounds=3"),  # a carried synthetic set
 }
 
 
@@ -1386,6 +1580,68 @@ def _stop_at_round(server_round):
     grid.send_and_receive = send_and_receive
 
   return hook
+
+
+def _lose_replies_of_round(server_round):
+  """A grid hook: the nodes compute ``server_round`` (and keep their state after it), but the
+  server receives none of their replies (it stopped after they answered)."""
+
+  def hook(grid):
+    real = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+      messages = list(messages)
+      got = real(messages, timeout=timeout)
+      if any(
+        m.metadata.message_type == "train" and m.content["config"]["server-round"] == server_round
+        for m in messages
+      ):
+        return []
+      return got
+
+    grid.send_and_receive = send_and_receive
+
+  return hook
+
+
+STOPS = {"unanswered": _stop_at_round, "replies lost": _lose_replies_of_round}
+
+
+def _kept_states(state_root, run_dir) -> dict:
+  """``{(client, file): arrays}`` of every carried state the clients keep for the run."""
+  run = _federated_run(run_dir)
+  out = {}
+  for k in range(5):
+    for f in sorted((Path(state_root) / f"client-{k}" / "runs" / run).glob("carried-*.npz")):
+      with np.load(f) as z:
+        out[(k, f.name)] = dict(z)
+  return out
+
+
+@pytest.mark.slow
+def test_a_stopped_run_without_a_federated_identity_resumes_only_without_carried_state(tmp_path):
+  """A run-dir written before runs had an identity: its clients kept their carried state under
+  the Flower run id, which a resumed run cannot name, so resume = true is refused by name for
+  SCAFFOLD (nothing is written); FedAvg's clients carry nothing, and it resumes under a new one."""
+  for kind in ("scaffold", "fedavg"):
+    rc = _run_config(tmp_path / kind, "quickstart:nondp", overrides=RESUMABLE[kind])
+    with pytest.raises(strategy.TooFewClients):
+      run_inprocess(rc, grid_hook=_stop_at_round(2), state_root=tmp_path / kind / "state")
+    path = tmp_path / kind / "run" / "run_info.json"
+    info = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in info.items() if k != "federated_run"}))
+    before = path.read_text()
+    resumed = {**rc, "resume": True}
+    if kind == "scaffold":
+      with pytest.raises(settings.SettingsError, match="written before runs had one") as e:
+        run_inprocess(resumed, state_root=tmp_path / kind / "state", run_id=8)
+      assert e.value.field == "resume" and path.read_text() == before
+    else:
+      records, _ = run_inprocess(resumed, state_root=tmp_path / kind / "state", run_id=8)
+      assert (
+        records[-1]["round"] == 3
+        and _federated_run(tmp_path / kind / "run") != info["federated_run"]
+      )
 
 
 def test_the_server_state_round_trips(tmp_path):
@@ -1443,19 +1699,28 @@ def test_a_new_run_refuses_a_run_dir_holding_a_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", list(RESUMABLE))
-def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind):
-  """Round 3 gets no replies and the run stops; resume = true redoes round 3 from the state
-  after round 2 (parameters, key chain, pins) and ends where the uninterrupted run ends."""
+@pytest.mark.parametrize(
+  "kind, stop",
+  [(k, "unanswered") for k in RESUMABLE]
+  + [("scaffold", "replies lost"), ("nondp_noise", "replies lost")],
+)
+def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind, stop):
+  """Round 3 gets no replies and the run stops (its clients never asked, or they computed it
+  and the server lost their replies); resume = true, a new Flower run, redoes round 3 from the
+  state after round 2 (parameters, key chain, pins; each client's carried state, kept under
+  the federated run's identity: SCAFFOLD's c_k, FedDM's set, FedLAP's images) and ends where
+  the uninterrupted run ends: metrics, final model and each client's kept state."""
   straight = _run_config(tmp_path / "a", "quickstart:nondp", overrides=RESUMABLE[kind])
   want, _ = run_inprocess(straight, state_root=tmp_path / "a" / "state")
   rc = _run_config(tmp_path / "b", "quickstart:nondp", overrides=RESUMABLE[kind])
   with pytest.raises(strategy.TooFewClients):
-    run_inprocess(rc, grid_hook=_stop_at_round(3), state_root=tmp_path / "b" / "state")
+    run_inprocess(rc, grid_hook=STOPS[stop](3), state_root=tmp_path / "b" / "state")
   # FedLAP logs the stopped round; both stop with the state after round 2.
   stopped = [r["round"] for r in read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")]
-  assert stopped == ([1, 2, 3] if kind == "nondp" else [1, 2])
-  run_inprocess({**rc, "resume": True}, state_root=tmp_path / "b" / "state")
+  assert stopped == ([1, 2, 3] if kind.startswith("nondp") else [1, 2])
+  run = _federated_run(tmp_path / "b" / "run")
+  run_inprocess({**rc, "resume": True}, state_root=tmp_path / "b" / "state", run_id=8)
+  assert _federated_run(tmp_path / "b" / "run") == run  # the resumed run keeps its identity
   got = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
   keys = ("round", "test_accuracy", "test_loss", "clients_ok", "server_radius", "client_radius")
   assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want]
@@ -1475,6 +1740,14 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind)
   reports = json.loads((tmp_path / "b" / "run" / "client_reports.json").read_text())
   assert sorted({r["round"] for r in reports}) == [1, 2, 3]
   assert all(r["status"] == "ok" for r in reports if r["round"] == 3)
+  kept = _kept_states(tmp_path / "b" / "state", tmp_path / "b" / "run")
+  want_kept = _kept_states(tmp_path / "a" / "state", tmp_path / "a" / "run")
+  assert sorted(kept) == sorted(want_kept)
+  assert bool(kept) == (kind in ("nondp_noise", "scaffold", "feddm"))
+  for where, arrays in want_kept.items():  # rounds 2 and 3's (a redo of 3 starts from 2's)
+    assert sorted(kept[where]) == sorted(arrays), where
+    for name, value in arrays.items():
+      np.testing.assert_array_equal(kept[where][name], value, err_msg=f"{where}: {name}")
 
 
 @pytest.mark.slow
