@@ -16,10 +16,11 @@ It is on exactly when JAX's persistent cache is (:func:`directory`: the config f
 An entry is keyed (:func:`entry_key`) by everything that decides the program: the versions of
 Python, JAX, jaxlib and the libraries the round calls; the backend, its version, the devices'
 kinds and count; ``XLA_FLAGS`` and the ``--xla`` arguments; JAX's configuration (every value
-but the caches' and the logs' settings); a digest of the source of ``fedlap_jax`` and
-``experiments`` (an edit of either traces afresh); the inputs' pytree structure, shapes,
-dtypes, weak types and shardings; and a fingerprint of the round's static arguments (the method,
-its library config, the model's functions, by value: fields, code, closed-over values). A value
+but the caches' and the logs' settings); a digest of the source of ``fedlap_jax``,
+``experiments`` and ``fedlap_flower`` (an edit of any traces afresh); the inputs' pytree
+structure, shapes, dtypes, weak types and shardings; and a fingerprint of the round's static
+arguments (the method, its library config, the model's functions, by value: fields, code,
+closed-over values), and of the jitted function itself where it is a closure. A value
 the fingerprint cannot read (:class:`Unkeyable`) leaves the round as it is. An entry that is
 missing, unreadable, damaged (its digest), foreign (another key inside) or that does not fit
 the inputs is traced again after a one-line notice; writes are atomic (a temporary file,
@@ -29,6 +30,9 @@ go).
 The round takes the clients' records and the keys as arguments; an entry holds the program, its
 constants (the model's shapes, the config's numbers) and the names of the state's types, not
 data (tests/integration/test_compilation_cache.py searches an entry for the records).
+
+:func:`wrap_program` serves any other jitted program the same way: the Flower app's client and
+server steps (``fedlap_flower``), whose processes start afresh for every message.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import functools
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import marshal
 import os
@@ -94,15 +99,19 @@ class Unkeyable(TypeError):
 # ----------------------------------------------------------------------------
 
 
+# The packages whose code a cached program may run: ``fedlap_flower`` (the Flower app's client
+# and server steps) is found, not imported (it is optional, and its import would be Flower's).
+PACKAGES = ("fedlap_jax", "experiments", "fedlap_flower")
+
+
 def source_digest() -> str:
-  """SHA-256 of every ``.py`` file of ``fedlap_jax`` and ``experiments`` (path and bytes)."""
-  import fedlap_jax  # pylint: disable=g-import-not-at-top
-
-  import experiments  # pylint: disable=g-import-not-at-top
-
+  """SHA-256 of every ``.py`` file of :data:`PACKAGES` (path and bytes; those installed)."""
   h = hashlib.sha256()
-  for package in (fedlap_jax, experiments):
-    root = Path(package.__file__).resolve().parent
+  for name in PACKAGES:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+      continue
+    root = Path(next(iter(spec.submodule_search_locations))).resolve()
     for path in sorted(root.rglob("*.py")):
       h.update(str(path.relative_to(root.parent)).encode() + b"\0")
       h.update(path.read_bytes() + b"\0")
@@ -430,11 +439,13 @@ class ExportedRound:
     self.round = round_fn
     self.cache_dir = cache_dir
     self._notice = notice
-    self._fn_name = (
-      _importable_name(round_fn.func)
-      or f"{round_fn.func.__module__}:{getattr(round_fn.func, '__qualname__', '')}"
-    )
-    self._static = fingerprint((round_fn.args, round_fn.keywords))
+    func = round_fn.func
+    name = _importable_name(func)
+    self._fn_name = name or f"{func.__module__}:{getattr(func, '__qualname__', '')}"
+    static: tuple = (round_fn.args, round_fn.keywords)
+    if name is None:  # a closure (or a lambda): its code and closed-over values decide it too
+      static = (getattr(func, "__wrapped__", func), *static)
+    self._static = fingerprint(static)
     self._calls: dict[tuple, Callable] = {}
     self._lock = threading.Lock()
 
@@ -490,7 +501,7 @@ class ExportedRound:
       return None
     if source_digest() != SOURCE_AT_IMPORT:
       self._notice(
-        "the source of fedlap_jax or experiments changed during this run; "
+        "the source of fedlap_jax, experiments or fedlap_flower changed during this run; "
         "the exported round is not kept"
       )
       return exported
@@ -526,3 +537,24 @@ def wrap(
   except Unkeyable as e:
     notice(f"the round is not kept exported ({e})")
     return alg
+
+
+def wrap_program(
+  fn: Callable, cache_dir: Path | None = None, *, notice: Callable[[str], None] = _notice
+) -> Callable:
+  """``fn`` (a jitted function called with positional array arguments) served from the export
+  cache in ``cache_dir`` (default :func:`directory`), as :func:`wrap` serves a round.
+
+  A closure is keyed by its code and the values it closes over (:func:`fingerprint`). ``fn`` is
+  returned as it is when there is no directory, when jit is disabled, when it is not jitted, or
+  when it cannot be keyed (one line says so). The result runs the program; tracing it (as
+  ``jax.eval_shape`` does) needs ``fn`` itself.
+  """
+  cache_dir = directory() if cache_dir is None else cache_dir
+  if cache_dir is None or jax.config.jax_disable_jit or not hasattr(fn, "trace"):
+    return fn
+  try:
+    return ExportedRound(functools.partial(fn), cache_dir, notice)
+  except Unkeyable as e:
+    notice(f"the program {getattr(fn, '__qualname__', fn)!r} is not kept exported ({e})")
+    return fn
