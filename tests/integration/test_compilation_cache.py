@@ -317,6 +317,48 @@ def test_the_exported_round_is_the_round_bit_for_bit_and_a_bad_entry_is_traced_a
     served(why)
 
 
+def test_a_prefetched_round_is_the_round_bit_for_bit_and_a_wrong_hint_changes_nothing(tmp_path):
+  alg, state, clients = small_run()
+  plain = host(alg.round(state, clients))
+  cache, notes = tmp_path / "exported", []
+  hint = export_cache.hint_of("a run", {"rounds": 1})
+
+  def served(**kwargs):
+    export_cache._loaded.clear()  # pylint: disable=protected-access
+    rnd = export_cache.ExportedRound(alg.round, cache, notes.append, **kwargs)
+    out = host(rnd(state, clients))
+    assert all(np.array_equal(a, b) for a, b in zip(out, plain, strict=True))
+    return rnd
+
+  assert not export_cache.prefetch(hint, cache)  # nothing kept under it yet
+  served(hint=hint)  # exported, and its key kept under the hint
+  (entry,) = cache.glob("*" + export_cache.SUFFIX)
+  assert (cache / export_cache.HINTS / f"{hint}.key").read_text() == entry.stem
+
+  export_cache._loaded.clear()  # pylint: disable=protected-access
+  assert export_cache.prefetch(hint, cache)  # loading, on its own thread
+  assert not export_cache.prefetch(hint, cache)  # once
+  (future,) = export_cache._prefetching.values()  # pylint: disable=protected-access
+  exported, fn, _ = future.result(timeout=300)
+  rnd = export_cache.ExportedRound(alg.round, cache, notes.append, hint=hint)
+  assert rnd.program(state, clients) is fn  # the round runs the prefetched program
+  assert export_cache._prefetching == {}  # pylint: disable=protected-access
+  assert all(np.array_equal(a, b) for a, b in zip(host(rnd(state, clients)), plain, strict=True))
+  assert exported.fun_name == "method_round" and notes == []
+
+  # A hint naming another entry, or a damaged one: no load, or one the round leaves unused.
+  other = export_cache.hint_of("another run")
+  (cache / export_cache.HINTS / f"{other}.key").write_text("0" * 64)
+  (cache / export_cache.HINTS / "junk.key").write_text("../../x")
+  export_cache._loaded.clear()  # pylint: disable=protected-access
+  assert not export_cache.prefetch(other, cache) and not export_cache.prefetch("junk", cache)
+  entry.write_bytes(entry.read_bytes()[:-10])  # damaged after the hint was written
+  assert export_cache.prefetch(hint, cache)
+  served(hint=hint)  # read by the round itself, noticed, and traced again
+  assert any("cannot be used" in n for n in notes)
+  assert export_cache._prefetching == {}  # pylint: disable=protected-access
+
+
 def test_the_key_changes_with_what_decides_the_program(monkeypatch):
   fp = export_cache.fingerprint
 
