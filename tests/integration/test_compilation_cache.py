@@ -119,16 +119,22 @@ def test_a_second_run_compiles_nothing_and_the_cached_programs_hold_no_data_or_k
   assert compiled_again == []  # every program, the round's included, was read back
   assert len(second) == len(first)
   assert records_2 == records_1  # every field of every round, bit for bit
-  # The round is traced once by the export (and once more, the call of its export) in the first
-  # run; the second reads the export back and traces only its call.
+  # The round and the evaluation are traced once by the export (and once more, the call of its
+  # export) in the first run; the second reads the exports back and traces only their calls.
   assert traced_1.count("method_round") == 2 and traced_2.count("method_round") == 1
-  (exported,) = (cache / export_cache.SUBDIR).glob("*" + export_cache.SUFFIX)
+  assert traced_1.count("evaluate_test_split") == 2 and traced_2.count("evaluate_test_split") == 1
+  # The round's and the evaluation's exported programs (and the hint naming the round's).
+  exported = sorted((cache / export_cache.SUBDIR).glob("*" + export_cache.SUFFIX))
+  assert len(exported) == 2
+  (hint,) = (cache / export_cache.SUBDIR / export_cache.HINTS).glob("*.key")
+  assert hint.read_text() in [p.stem for p in exported]
 
   # What the cache holds of the run: programs, not the records or the keys they ran on.
   blobs = entries(cache)
   assert len(blobs) == len(first)
-  blobs.append(exported.read_bytes())  # the exported round: StableHLO and its constants
-  assert len(blobs[-1]) < 1 << 20
+  for p in exported:  # the exported programs: StableHLO and its constants
+    blobs.append(p.read_bytes())
+    assert len(blobs[-1]) < 1 << 20
 
   def held(pattern: bytes) -> int:
     return sum(pattern in b for b in blobs)
