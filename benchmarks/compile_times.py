@@ -20,8 +20,9 @@ another tree's code is measured under the same settings.
 
 ``--ref REF`` measures the git commit ``REF`` too, in the same run and on identical work: a
 throwaway worktree of ``REF`` is checked out, and the same measuring code (this file) runs in
-child processes that import ``fedlap_jax`` and ``experiments`` from it. The worktree is
-removed at the end.
+child processes that import ``fedlap_jax``, ``experiments`` and ``fedlap_flower`` from it
+alone (an editable install's import finder, which would answer for a module the ref lacks, is
+removed; a module imported from elsewhere fails the row). The worktree is removed at the end.
 
 Data: the digits configs use the real bundled digits. cifar10 and mnist cannot be downloaded
 here, so their configs read a synthetic stand-in (uniform random uint8 images of the same
@@ -232,9 +233,46 @@ def _jitted_call(fn, *args):
   return jax.jit(fn).trace(*args)
 
 
+# The project's top-level packages: a child imports each from its tree alone.
+PACKAGES = ("fedlap_jax", "experiments", "fedlap_flower", "benchmarks")
+
+
+def _only_from(tree: Path) -> None:
+  """Makes this process import the project's packages from ``tree`` alone.
+
+  An editable install of the project (``pip install -e``) adds an import finder that maps
+  the packages to the installed tree; it comes after ``PYTHONPATH`` for a package, but it
+  answers for a module ``tree`` lacks (``experiments.export_cache`` in a tree from before
+  it), so a ref's run would import that module from the installed tree. Removed here.
+  """
+  sys.meta_path[:] = [
+    f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
+  ]
+  sys.path_hooks[:] = [
+    h for h in sys.path_hooks if not getattr(h, "__module__", "").startswith("__editable__")
+  ]
+  sys.path_importer_cache.clear()
+  if str(tree) not in sys.path:
+    sys.path.insert(0, str(tree))
+
+
+def _foreign_modules(tree: Path) -> list[str]:
+  """The project's modules this process imported from outside ``tree``."""
+  root = tree.resolve()
+  out = []
+  for name, module in list(sys.modules.items()):
+    if name.split(".")[0] not in PACKAGES or getattr(module, "__file__", None) is None:
+      continue
+    if root not in Path(module.__file__).resolve().parents:
+      out.append(f"{name} ({module.__file__})")
+  return out
+
+
 def _child(spec: dict) -> dict:
   """Measures one config in this (fresh) process; see the module docstring."""
   t_process = time.perf_counter()
+  tree = Path(spec["tree"])
+  _only_from(tree)
   import jax  # pylint: disable=g-import-not-at-top
 
   events = _Events()
@@ -336,6 +374,9 @@ def _child(spec: dict) -> dict:
   out["hlo_optimised"] = hlo_counts(compiled.as_text())
   out["events"] = events.rows
   out["process_s"] = time.perf_counter() - t_process
+  foreign = _foreign_modules(tree)
+  if foreign:
+    raise RuntimeError(f"modules imported from outside {tree}: {', '.join(foreign)}")
   out["load_after"] = os.getloadavg()[0]
   return out
 
@@ -406,6 +447,7 @@ def measure(tree: Path, name: str, args, work: Path) -> dict:
     "overrides": overrides,
     "rounds": rounds,
     "cache_dir": str(cache),
+    "tree": str(tree),
     "min_compile_secs": compilation_cache.MIN_COMPILE_SECS,
     "max_size": compilation_cache.MAX_BYTES,
   }

@@ -195,6 +195,47 @@ def test_compile_census_counts_each_tests_jax_work_across_xdist_workers(tmp_path
 SMALL_DP = ("model.width=8", "model.depth=1", "client.ipc=2", "server.max_epochs=1")
 
 
+ONLY_FROM_TREE = """
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("compile_times", sys.argv[1])
+compile_times = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compile_times)
+compile_times._only_from(Path(sys.argv[2]))
+import experiments
+try:
+  import experiments.export_cache
+  print("imported", experiments.export_cache.__file__)
+except ImportError:
+  print("missing")
+print("foreign", compile_times._foreign_modules(Path(sys.argv[2])))
+"""
+
+
+def test_compile_times_children_import_the_project_from_their_tree_alone(tmp_path):
+  """A ref tree that lacks a module (``experiments.export_cache`` before it was written) does
+  not get it from the tree the project is installed from (an editable install's finder)."""
+  (tmp_path / "experiments").mkdir()
+  (tmp_path / "experiments" / "__init__.py").write_text("")
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-P",
+      "-c",
+      ONLY_FROM_TREE,
+      str(ROOT / "benchmarks" / "compile_times.py"),
+      str(tmp_path),
+    ],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": str(tmp_path)},
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.splitlines() == ["missing", "foreign []"]
+
+
 @pytest.mark.slow
 def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_path):
   """``benchmarks.compile_times --ref``: each tree's round program is built cold (XLA compiles
