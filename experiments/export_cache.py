@@ -16,10 +16,11 @@ It is on exactly when JAX's persistent cache is (:func:`directory`: the config f
 An entry is keyed (:func:`entry_key`) by everything that decides the program: the versions of
 Python, JAX, jaxlib and the libraries the round calls; the backend, its version, the devices'
 kinds and count; ``XLA_FLAGS`` and the ``--xla`` arguments; JAX's configuration (every value
-but the caches' and the logs' settings); a digest of the source of ``fedlap_jax`` and
-``experiments`` (an edit of either traces afresh); the inputs' pytree structure, shapes,
-dtypes, weak types and shardings; and a fingerprint of the round's static arguments (the method,
-its library config, the model's functions, by value: fields, code, closed-over values). A value
+but the caches' and the logs' settings); a digest of the source of ``fedlap_jax``,
+``experiments`` and ``fedlap_flower`` (an edit of any traces afresh); the inputs' pytree
+structure, shapes, dtypes, weak types and shardings; and a fingerprint of the round's static
+arguments (the method, its library config, the model's functions, by value: fields, code,
+closed-over values), and of the jitted function itself where it is a closure. A value
 the fingerprint cannot read (:class:`Unkeyable`) leaves the round as it is. An entry that is
 missing, unreadable, damaged (its digest), foreign (another key inside) or that does not fit
 the inputs is traced again after a one-line notice; writes are atomic (a temporary file,
@@ -29,17 +30,22 @@ go).
 The round takes the clients' records and the keys as arguments; an entry holds the program, its
 constants (the model's shapes, the config's numbers) and the names of the state's types, not
 data (tests/integration/test_compilation_cache.py searches an entry for the records).
+
+:func:`wrap_program` serves any other jitted program the same way: the Flower app's client and
+server steps (``fedlap_flower``), whose processes start afresh for every message.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import enum
 import functools
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import marshal
 import os
@@ -94,15 +100,19 @@ class Unkeyable(TypeError):
 # ----------------------------------------------------------------------------
 
 
+# The packages whose code a cached program may run: ``fedlap_flower`` (the Flower app's client
+# and server steps) is found, not imported (it is optional, and its import would be Flower's).
+PACKAGES = ("fedlap_jax", "experiments", "fedlap_flower")
+
+
 def source_digest() -> str:
-  """SHA-256 of every ``.py`` file of ``fedlap_jax`` and ``experiments`` (path and bytes)."""
-  import fedlap_jax  # pylint: disable=g-import-not-at-top
-
-  import experiments  # pylint: disable=g-import-not-at-top
-
+  """SHA-256 of every ``.py`` file of :data:`PACKAGES` (path and bytes; those installed)."""
   h = hashlib.sha256()
-  for package in (fedlap_jax, experiments):
-    root = Path(package.__file__).resolve().parent
+  for name in PACKAGES:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+      continue
+    root = Path(next(iter(spec.submodule_search_locations))).resolve()
     for path in sorted(root.rglob("*.py")):
       h.update(str(path.relative_to(root.parent)).encode() + b"\0")
       h.update(path.read_bytes() + b"\0")
@@ -415,6 +425,107 @@ def _jitted(exported: Any, device: Any) -> Callable:
   return jax.jit(call, in_shardings=placed, out_shardings=placed)
 
 
+def _check_inputs(exported: Any, args: tuple) -> None:
+  """Raises ValueError unless ``exported`` takes ``args`` (their structure, shapes, dtypes)."""
+  if exported.in_tree != jax.tree.structure((args, {})) or [
+    (tuple(a.shape), str(a.dtype)) for a in exported.in_avals
+  ] != [(tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(args)]:
+    raise ValueError("its inputs differ from the round's")
+
+
+def _keep_loaded(key: str, fn: Callable) -> Callable:
+  with _loaded_lock:
+    _loaded[key] = fn
+    _loaded.move_to_end(key)
+    while len(_loaded) > MAX_LOADED:
+      _loaded.popitem(last=False)
+  return fn
+
+
+# ----------------------------------------------------------------------------
+# Prefetch: the next run of a config loads its round's program while it sets up.
+# ----------------------------------------------------------------------------
+
+HINTS = "hints"  # <cache>/exported/hints/<hint>.key: the entry key a run of <hint> last ran
+_HEX64 = frozenset("0123456789abcdef")
+_prefetching: dict[str, concurrent.futures.Future] = {}
+
+
+def hint_of(*parts: Any) -> str:
+  """A SHA-256 naming a run by ``parts`` (e.g. its config without its seed) and this source.
+
+  Only a guess of which entry a run will need: :func:`prefetch` loads what the hint names, and
+  the round uses it only when its own key (:func:`entry_key`) is that entry's.
+  """
+  text = json.dumps([SOURCE_AT_IMPORT, *parts], sort_keys=True, default=repr)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_hint(cache_dir: Path, hint: str, key: str) -> None:
+  path = cache_dir / HINTS / f"{hint}.key"
+  try:
+    if path.read_text() == key:
+      return
+  except OSError:
+    pass
+  try:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+      f.write(key)
+    os.replace(tmp, path)
+    hints = sorted(path.parent.glob("*.key"), key=lambda p: p.stat().st_mtime)
+    for old in hints[:-MAX_ENTRIES]:
+      old.unlink(missing_ok=True)
+  except OSError:  # a guess for the next run; this run goes on without it
+    pass
+
+
+def _load(path: Path, key: str) -> tuple[Any, Callable, Any]:
+  """``(exported, jitted call, its device)``: the entry read and its program compiled (from
+  JAX's cache when it holds it) for the exported inputs' shapes."""
+  exported = read_entry(path, key)
+  device = jax.devices()[0]
+  fn = _jitted(exported, device)
+  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in exported.in_avals]
+  args, kwargs = jax.tree.unflatten(exported.in_tree, avals)
+  fn.lower(*args, **kwargs).compile()  # jit keeps it: the round's first call compiles nothing
+  return exported, fn, device
+
+
+def prefetch(hint: str, cache_dir: Path | None = None) -> bool:
+  """Starts loading, on a background thread, the program the last run of ``hint`` ran: the
+  entry read back and its executable compiled (read from JAX's cache), while this run sets up
+  (its data, its state) on the main thread. The round takes it when its own key is that entry's
+  (:class:`ExportedRound`); otherwise it is left unused. Whether a load started (a hint kept
+  in ``cache_dir``, default :func:`directory`, and not loaded already)."""
+  cache_dir = directory() if cache_dir is None else cache_dir
+  if cache_dir is None or jax.config.jax_disable_jit:
+    return False
+  try:
+    key = (cache_dir / HINTS / f"{hint}.key").read_text()
+  except OSError:
+    return False
+  if len(key) != 64 or not set(key) <= _HEX64:
+    return False
+  path = cache_dir / f"{key}{SUFFIX}"
+  with _loaded_lock:
+    if key in _loaded or key in _prefetching or not path.is_file():
+      return False
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    _prefetching[key] = future
+
+  def work() -> None:
+    try:
+      future.set_result(_load(path, key))
+    except BaseException as e:  # noqa: BLE001 - the round reads it again itself
+      future.set_exception(e)
+
+  # A daemon: a run that ends before its round does not wait for the load.
+  threading.Thread(target=work, name="fedlap-prefetch", daemon=True).start()
+  return True
+
+
 class ExportedRound:
   """``round(state, clients)`` served from the export cache in ``cache_dir`` (see module doc).
 
@@ -422,19 +533,28 @@ class ExportedRound:
     round: the plain round: a ``functools.partial`` of a jitted function and its static
       keyword arguments (:func:`fedlap_jax.rounds.make_round_fn`).
     cache_dir: the folder of the entries.
+    hint: :func:`hint_of` the run, or ``None``: the key of the entry the round runs is kept
+      under it, for :func:`prefetch` in the next run of the same config.
   """
 
   def __init__(
-    self, round_fn: functools.partial, cache_dir: Path, notice: Callable[[str], None] = _notice
+    self,
+    round_fn: functools.partial,
+    cache_dir: Path,
+    notice: Callable[[str], None] = _notice,
+    hint: str | None = None,
   ):
     self.round = round_fn
     self.cache_dir = cache_dir
+    self.hint = hint
     self._notice = notice
-    self._fn_name = (
-      _importable_name(round_fn.func)
-      or f"{round_fn.func.__module__}:{getattr(round_fn.func, '__qualname__', '')}"
-    )
-    self._static = fingerprint((round_fn.args, round_fn.keywords))
+    func = round_fn.func
+    name = _importable_name(func)
+    self._fn_name = name or f"{func.__module__}:{getattr(func, '__qualname__', '')}"
+    static: tuple = (round_fn.args, round_fn.keywords)
+    if name is None:  # a closure (or a lambda): its code and closed-over values decide it too
+      static = (getattr(func, "__wrapped__", func), *static)
+    self._static = fingerprint(static)
     self._calls: dict[tuple, Callable] = {}
     self._lock = threading.Lock()
 
@@ -457,14 +577,18 @@ class ExportedRound:
       if key in _loaded:
         _loaded.move_to_end(key)
         return _loaded[key]
+    if self.hint is not None:
+      _write_hint(self.cache_dir, self.hint, key)
+    devices = {d for x in jax.tree.leaves(args) for d in getattr(x, "devices", lambda: ())()}
+    device = devices.pop() if len(devices) == 1 else jax.devices()[0]
     path = self.cache_dir / f"{key}{SUFFIX}"
+    fn = self._prefetched(key, args, device)
+    if fn is not None:
+      return _keep_loaded(key, fn)
     exported = None
     try:
       exported = read_entry(path, key)
-      if exported.in_tree != jax.tree.structure((args, {})) or [
-        (tuple(a.shape), str(a.dtype)) for a in exported.in_avals
-      ] != [(tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(args)]:
-        raise ValueError("its inputs differ from the round's")
+      _check_inputs(exported, args)
     except FileNotFoundError:
       exported = None
     except Exception as e:  # noqa: BLE001 - any failure to read means: trace again
@@ -474,12 +598,22 @@ class ExportedRound:
       exported = self._export(args, path, key)
       if exported is None:
         return self.round
-    devices = {d for x in jax.tree.leaves(args) for d in getattr(x, "devices", lambda: ())()}
-    fn = _jitted(exported, devices.pop() if len(devices) == 1 else jax.devices()[0])
+    return _keep_loaded(key, _jitted(exported, device))
+
+  def _prefetched(self, key: str, args: tuple, device: Any) -> Callable | None:
+    """The program :func:`prefetch` loaded for ``key`` (waiting for it), or ``None``."""
     with _loaded_lock:
-      _loaded[key] = fn
-      while len(_loaded) > MAX_LOADED:
-        _loaded.popitem(last=False)
+      future = _prefetching.pop(key, None)
+    if future is None:
+      return None
+    try:
+      exported, fn, on = future.result()
+      _check_inputs(exported, args)
+      if on != device:
+        return None
+    except Exception as e:  # noqa: BLE001 - read it again in this thread
+      self._notice(f"the prefetched round {key} cannot be used ({e}); reading it again")
+      return None
     return fn
 
   def _export(self, args: tuple, path: Path, key: str) -> Any:
@@ -490,7 +624,7 @@ class ExportedRound:
       return None
     if source_digest() != SOURCE_AT_IMPORT:
       self._notice(
-        "the source of fedlap_jax or experiments changed during this run; "
+        "the source of fedlap_jax, experiments or fedlap_flower changed during this run; "
         "the exported round is not kept"
       )
       return exported
@@ -502,7 +636,11 @@ class ExportedRound:
 
 
 def wrap(
-  alg: Any, cache_dir: Path | None = None, *, notice: Callable[[str], None] = _notice
+  alg: Any,
+  cache_dir: Path | None = None,
+  *,
+  notice: Callable[[str], None] = _notice,
+  hint: str | None = None,
 ) -> Any:
   """``alg`` (a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`) with its round served by
   :class:`ExportedRound` from ``cache_dir`` (default :func:`directory`).
@@ -510,7 +648,7 @@ def wrap(
   ``alg`` is returned as it is when there is no directory (JAX's persistent cache is off),
   when jit is disabled, when its round is not a jitted function's ``functools.partial`` (the
   ``shard`` backend's placed round), or when its static arguments cannot be keyed (one line
-  says so).
+  says so). ``hint``: see :attr:`ExportedRound.hint`.
   """
   cache_dir = directory() if cache_dir is None else cache_dir
   round_fn = alg.round
@@ -522,7 +660,28 @@ def wrap(
   ):
     return alg
   try:
-    return alg._replace(round=ExportedRound(round_fn, cache_dir, notice))
+    return alg._replace(round=ExportedRound(round_fn, cache_dir, notice, hint))
   except Unkeyable as e:
     notice(f"the round is not kept exported ({e})")
     return alg
+
+
+def wrap_program(
+  fn: Callable, cache_dir: Path | None = None, *, notice: Callable[[str], None] = _notice
+) -> Callable:
+  """``fn`` (a jitted function called with positional array arguments) served from the export
+  cache in ``cache_dir`` (default :func:`directory`), as :func:`wrap` serves a round.
+
+  A closure is keyed by its code and the values it closes over (:func:`fingerprint`). ``fn`` is
+  returned as it is when there is no directory, when jit is disabled, when it is not jitted, or
+  when it cannot be keyed (one line says so). The result runs the program; tracing it (as
+  ``jax.eval_shape`` does) needs ``fn`` itself.
+  """
+  cache_dir = directory() if cache_dir is None else cache_dir
+  if cache_dir is None or jax.config.jax_disable_jit or not hasattr(fn, "trace"):
+    return fn
+  try:
+    return ExportedRound(functools.partial(fn), cache_dir, notice)
+  except Unkeyable as e:
+    notice(f"the program {getattr(fn, '__qualname__', fn)!r} is not kept exported ({e})")
+    return fn

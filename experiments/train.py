@@ -160,6 +160,11 @@ class Terminated(RuntimeError):
 # ----------------------------------------------------------------------------
 
 
+def _without_seed(config) -> dict:
+  """``config`` as a dict without its seed (a DP run's is secret; no program depends on it)."""
+  return {k: v for k, v in config.to_dict().items() if k != "seed"}
+
+
 def train_and_evaluate(
   config, workdir: str | os.PathLike, *, config_name: str = "", built: build.Plan | None = None
 ) -> dict:
@@ -191,6 +196,10 @@ def train_and_evaluate(
     KeyboardInterrupt: Ctrl-C; a round in progress is abandoned alike.
     data_lib.DataUnavailableError: tfds data missing and no network.
   """
+  # A run of a config run before loads that run's round program (from the export cache and
+  # JAX's) on a background thread while it sets up: its data, its state, its outputs.
+  hint = export_cache.hint_of("experiments.train", _without_seed(config))
+  export_cache.prefetch(hint)
   # The config's checks, its data, library config and mechanism.
   planned = build.plan(config) if built is None else built
   workdir = Path(workdir)
@@ -217,7 +226,7 @@ def train_and_evaluate(
   dataset, alg, state, clients = setup.dataset, setup.algorithm, setup.state, setup.clients
   # With JAX's persistent cache on, the round's traced program is kept too: a warm run reads
   # it back instead of tracing it (experiments.export_cache).
-  alg = export_cache.wrap(alg)
+  alg = export_cache.wrap(alg, hint=hint)
   apply_fn = setup.apply_fn
   sizes = [len(i) for i in setup.client_indices]
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
@@ -284,11 +293,13 @@ def train_and_evaluate(
     pixel_scale=jnp.asarray(dataset.pixel_scale),
     pixel_offset=jnp.asarray(dataset.pixel_offset),
   )
-  eval_fn = jax.jit(
-    lambda p, x, y: evaluate(
-      apply_fn, p, x, y, chunk_size=cfg.eval_chunk_size, preprocess=to_inputs
-    )
-  )
+  chunk_size = cfg.eval_chunk_size
+
+  def evaluate_test_split(p, x, y):
+    return evaluate(apply_fn, p, x, y, chunk_size=chunk_size, preprocess=to_inputs)
+
+  # Read back from the export cache too (a warm run neither traces nor lowers it).
+  eval_fn = export_cache.wrap_program(jax.jit(evaluate_test_split))
   log = outputs.RunLog(workdir / "train.log", config_name)
   outputs.log_start(
     log,

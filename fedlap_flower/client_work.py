@@ -8,7 +8,8 @@
 
 The jitted steps are cached per (model, config), so a process that serves
 several rounds or several clients (the simulation engine's workers) compiles
-each once.
+each once; a fresh process reads them back from the export cache
+(:func:`fedlap_flower.task.kept_exported`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 
 import fedlap_jax as fl
 from fedlap_jax.client import client_step, shared_family_key
+
+from fedlap_flower import task
 
 
 class FedLAPReply(NamedTuple):
@@ -50,7 +53,7 @@ class FedLAPReply(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _client_step_fn(apply_fn, fedlap_config):
-  def run(key, params, synthetic, data, learning_rate, family_key, init_key):
+  def fedlap_client_step(key, params, synthetic, data, learning_rate, family_key, init_key):
     return client_step(
       key,
       apply_fn,
@@ -63,7 +66,7 @@ def _client_step_fn(apply_fn, fedlap_config):
       init_key=init_key,
     )
 
-  return jax.jit(run)
+  return task.kept_exported(jax.jit(fedlap_client_step))
 
 
 def start_synthetic(partition, carried=None) -> fl.SyntheticSet:

@@ -43,6 +43,8 @@ from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RunFac
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.methods import fedlap as _fedlap
 
+from fedlap_flower import task
+
 
 def has_own_strategy(method: Method) -> bool:
   """FedLAP / FedLAP-DP: their own strategy (:class:`fedlap_flower.strategy.FedLAP`: synthetic
@@ -231,20 +233,25 @@ def plan_fn(method: Method, num_clients: int, config):
 
 
 @functools.lru_cache(maxsize=8)
-def client_fn(method: Method, model: ModelFns, config):
-  """``(own, message, carried, data) -> (update, carried)``: the method's client step, jitted."""
-
-  def run(own, message, carried, data):
+def _client_jit(method: Method, model: ModelFns, config):
+  def method_client_step(own, message, carried, data):
     result = method.client_step(own, model, message, carried, data, config)
     return result.update, result.carried
 
-  return jax.jit(run)
+  return jax.jit(method_client_step)
+
+
+@functools.lru_cache(maxsize=8)
+def client_fn(method: Method, model: ModelFns, config):
+  """``(own, message, carried, data) -> (update, carried)``: the method's client step, jitted
+  (read back from the export cache: :func:`fedlap_flower.task.kept_exported`)."""
+  return task.kept_exported(_client_jit(method, model, config))
 
 
 def update_template(method: Method, model: ModelFns, config, message, own, carried, data):
   """The structure, shapes and dtypes of a client's update (``jax.ShapeDtypeStruct`` leaves):
   what a reply is read back into (nothing is computed)."""
-  return jax.eval_shape(client_fn(method, model, config), own, message, carried, data)[0]
+  return jax.eval_shape(_client_jit(method, model, config), own, message, carried, data)[0]
 
 
 def shape_only_client(method: Method, config, facts: RunFacts) -> ClientData:
@@ -255,12 +262,13 @@ def shape_only_client(method: Method, config, facts: RunFacts) -> ClientData:
 @functools.lru_cache(maxsize=8)
 def server_fn(method: Method, model: ModelFns, config, take_part: tuple[int, int]):
   """``(key, state, message, updates, num_records) -> (state, metrics)``: the server step,
-  jitted (``key``: the plan's ``server_key``)."""
+  jitted (``key``: the plan's ``server_key``; read back from the export cache:
+  :func:`fedlap_flower.task.kept_exported`)."""
 
-  def run(key, state, message, updates, num_records):
+  def method_server_step(key, state, message, updates, num_records):
     results = ClientResult(updates, (), ())
     return method.server_step(
       key, model, state, message, results, config, RoundFacts(num_records, take_part)
     )
 
-  return jax.jit(run)
+  return task.kept_exported(jax.jit(method_server_step))

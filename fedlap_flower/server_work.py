@@ -4,7 +4,8 @@ The clients' replies are stacked in partition order into what the library's
 steps take: FedLAP's :class:`fedlap_jax.ClientUpdate` ``(K', ...)``
 (:func:`stack_updates`) for :func:`fedlap_jax.server.server_step`, the other
 methods' updates for their own server step (:func:`method_update`). Both steps are
-jitted once per (model, config). :func:`make_evaluate` evaluates on the test
+jitted once per (model, config) and read back from the export cache in a fresh process
+(:func:`fedlap_flower.task.kept_exported`). :func:`make_evaluate` evaluates on the test
 split as ``experiments.run`` does.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 import fedlap_jax as fl
 from fedlap_jax.server import server_step
 
-from fedlap_flower import method_work
+from fedlap_flower import method_work, task
 
 
 def stack_synthetic(sets: Sequence) -> fl.SyntheticSet:
@@ -68,7 +69,7 @@ def stack_updates(
 
 @functools.lru_cache(maxsize=8)
 def _server_step_fn(apply_fn, fedlap_config):
-  def run(key, params, updates, learning_rate, num_records):
+  def fedlap_server_step(key, params, updates, learning_rate, num_records):
     return server_step(
       key,
       apply_fn,
@@ -79,7 +80,7 @@ def _server_step_fn(apply_fn, fedlap_config):
       num_records=num_records,
     )
 
-  return jax.jit(run)
+  return task.kept_exported(jax.jit(fedlap_server_step))
 
 
 def server_update(
@@ -133,9 +134,10 @@ def make_evaluate(apply_fn, test, chunk_size: int | None):
   def to_inputs(x):
     return x.astype(np.float32) * scale + offset
 
-  fn = jax.jit(
-    lambda p, x, y: fl.evaluate(apply_fn, p, x, y, chunk_size=chunk_size, preprocess=to_inputs)
-  )
+  def evaluate_test_split(p, x, y):
+    return fl.evaluate(apply_fn, p, x, y, chunk_size=chunk_size, preprocess=to_inputs)
+
+  fn = task.kept_exported(jax.jit(evaluate_test_split))
 
   def evaluate(params):
     ev = fn(params, test.x, test.y)

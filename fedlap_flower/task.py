@@ -72,6 +72,17 @@ def enable_compilation_cache() -> None:
   compilation_cache.enable()
 
 
+def kept_exported(fn):
+  """``fn`` (jitted, positional arguments) read back from where :func:`enable_compilation_cache`
+  keeps programs, as ``experiments.run`` reads its round back
+  (:func:`experiments.export_cache.wrap_program`): a node's fresh process then neither traces
+  nor lowers it, and compiles it from JAX's cache. On exactly when JAX's persistent cache is;
+  ``fn`` itself otherwise."""
+  from experiments import export_cache  # pylint: disable=g-import-not-at-top
+
+  return export_cache.wrap_program(fn)
+
+
 # ----------------------------------------------------------------------------
 # Model and keys.
 # ----------------------------------------------------------------------------

@@ -119,16 +119,22 @@ def test_a_second_run_compiles_nothing_and_the_cached_programs_hold_no_data_or_k
   assert compiled_again == []  # every program, the round's included, was read back
   assert len(second) == len(first)
   assert records_2 == records_1  # every field of every round, bit for bit
-  # The round is traced once by the export (and once more, the call of its export) in the first
-  # run; the second reads the export back and traces only its call.
+  # The round and the evaluation are traced once by the export (and once more, the call of its
+  # export) in the first run; the second reads the exports back and traces only their calls.
   assert traced_1.count("method_round") == 2 and traced_2.count("method_round") == 1
-  (exported,) = (cache / export_cache.SUBDIR).glob("*" + export_cache.SUFFIX)
+  assert traced_1.count("evaluate_test_split") == 2 and traced_2.count("evaluate_test_split") == 1
+  # The round's and the evaluation's exported programs (and the hint naming the round's).
+  exported = sorted((cache / export_cache.SUBDIR).glob("*" + export_cache.SUFFIX))
+  assert len(exported) == 2
+  (hint,) = (cache / export_cache.SUBDIR / export_cache.HINTS).glob("*.key")
+  assert hint.read_text() in [p.stem for p in exported]
 
   # What the cache holds of the run: programs, not the records or the keys they ran on.
   blobs = entries(cache)
   assert len(blobs) == len(first)
-  blobs.append(exported.read_bytes())  # the exported round: StableHLO and its constants
-  assert len(blobs[-1]) < 1 << 20
+  for p in exported:  # the exported programs: StableHLO and its constants
+    blobs.append(p.read_bytes())
+    assert len(blobs[-1]) < 1 << 20
 
   def held(pattern: bytes) -> int:
     return sum(pattern in b for b in blobs)
@@ -317,6 +323,48 @@ def test_the_exported_round_is_the_round_bit_for_bit_and_a_bad_entry_is_traced_a
     served(why)
 
 
+def test_a_prefetched_round_is_the_round_bit_for_bit_and_a_wrong_hint_changes_nothing(tmp_path):
+  alg, state, clients = small_run()
+  plain = host(alg.round(state, clients))
+  cache, notes = tmp_path / "exported", []
+  hint = export_cache.hint_of("a run", {"rounds": 1})
+
+  def served(**kwargs):
+    export_cache._loaded.clear()  # pylint: disable=protected-access
+    rnd = export_cache.ExportedRound(alg.round, cache, notes.append, **kwargs)
+    out = host(rnd(state, clients))
+    assert all(np.array_equal(a, b) for a, b in zip(out, plain, strict=True))
+    return rnd
+
+  assert not export_cache.prefetch(hint, cache)  # nothing kept under it yet
+  served(hint=hint)  # exported, and its key kept under the hint
+  (entry,) = cache.glob("*" + export_cache.SUFFIX)
+  assert (cache / export_cache.HINTS / f"{hint}.key").read_text() == entry.stem
+
+  export_cache._loaded.clear()  # pylint: disable=protected-access
+  assert export_cache.prefetch(hint, cache)  # loading, on its own thread
+  assert not export_cache.prefetch(hint, cache)  # once
+  (future,) = export_cache._prefetching.values()  # pylint: disable=protected-access
+  exported, fn, _ = future.result(timeout=300)
+  rnd = export_cache.ExportedRound(alg.round, cache, notes.append, hint=hint)
+  assert rnd.program(state, clients) is fn  # the round runs the prefetched program
+  assert export_cache._prefetching == {}  # pylint: disable=protected-access
+  assert all(np.array_equal(a, b) for a, b in zip(host(rnd(state, clients)), plain, strict=True))
+  assert exported.fun_name == "method_round" and notes == []
+
+  # A hint naming another entry, or a damaged one: no load, or one the round leaves unused.
+  other = export_cache.hint_of("another run")
+  (cache / export_cache.HINTS / f"{other}.key").write_text("0" * 64)
+  (cache / export_cache.HINTS / "junk.key").write_text("../../x")
+  export_cache._loaded.clear()  # pylint: disable=protected-access
+  assert not export_cache.prefetch(other, cache) and not export_cache.prefetch("junk", cache)
+  entry.write_bytes(entry.read_bytes()[:-10])  # damaged after the hint was written
+  assert export_cache.prefetch(hint, cache)
+  served(hint=hint)  # read by the round itself, noticed, and traced again
+  assert any("cannot be used" in n for n in notes)
+  assert export_cache._prefetching == {}  # pylint: disable=protected-access
+
+
 def test_the_key_changes_with_what_decides_the_program(monkeypatch):
   fp = export_cache.fingerprint
 
@@ -374,3 +422,100 @@ def test_the_export_cache_is_on_exactly_when_jax_s_cache_is(tmp_path):
   )
   assert export_cache.wrap(unkeyable, tmp_path, notice=notes.append) is unkeyable
   assert len(notes) == 1 and "cannot be keyed" in notes[0]
+
+
+# ----------------------------------------------------------------------------
+# The Flower app: a node's fresh process reads its steps back as experiments.run does.
+# ----------------------------------------------------------------------------
+
+# A Flower run in a child process (the ServerApp against the ClientApp, in process), with the
+# programs kept where this machine's environment says: what it exports (traces and lowers for
+# the export cache), what XLA builds, and every reply's arrays.
+COUNTING_FLOWER_RUN = """
+import hashlib, json, sys
+sys.path.insert(0, "tests")
+import jax
+from experiments import compilation_cache
+compilation_cache.enable()
+built, hit, exported = [], [False], []
+def on_event(event, **kwargs):
+  if event == "/jax/compilation_cache/cache_hits":
+    hit[0] = True
+def on_duration(event, seconds, **kwargs):
+  if event == "/jax/core/compile/backend_compile_duration":
+    built.append([kwargs.get("fun_name"), hit[0]])
+    hit[0] = False
+jax.monitoring.register_event_listener(on_event)
+jax.monitoring.register_event_duration_secs_listener(on_duration)
+export = jax.export.export
+def counted(fn, **kwargs):
+  exported.append(getattr(fn, "__name__", repr(fn)))
+  return export(fn, **kwargs)
+jax.export.export = counted
+from flower_harness import run_inprocess
+run_config = {"config": sys.argv[1], "overrides": sys.argv[2], "run-dir": sys.argv[3] + "/run"}
+records, grid = run_inprocess(run_config, state_root=sys.argv[3] + "/state")
+replies = []
+for reply in grid.replies:
+  h = hashlib.sha256()
+  for name, record in sorted(reply.content.array_records.items()):
+    for key, array in sorted(record.items()):
+      h.update(name.encode() + key.encode() + array.numpy().tobytes())
+  replies.append(h.hexdigest())
+print("OUT " + json.dumps({"built": built, "exported": exported, "replies": replies,
+  "records": [{k: v for k, v in r.items() if "time" not in k and not k.endswith("_s")}
+              for r in records]}))
+"""
+
+
+def counting_flower_run(workdir: Path, cache: Path, config: str, overrides: str) -> dict:
+  """What :data:`COUNTING_FLOWER_RUN` reports of one Flower run in a fresh process."""
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+  }
+  env.update({compilation_cache.ENV: str(cache), compilation_cache.MIN_COMPILE_ENV: "0"})
+  proc = subprocess.run(
+    [sys.executable, "-c", COUNTING_FLOWER_RUN, config, overrides, str(workdir)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = next(x for x in proc.stdout.splitlines() if x.startswith("OUT "))
+  return json.loads(out[len("OUT ") :])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "overrides, steps",
+  [
+    (
+      "rounds=1 client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
+      "client.calibration_epochs=2 client.dsa_strategy='' server.dsa_strategy='' "
+      "server.max_epochs=2 eval_chunk_size=128",
+      ["fedlap_client_step", "fedlap_server_step", "evaluate_test_split"],
+    ),
+    (
+      "method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+      ["method_client_step", "method_server_step", "evaluate_test_split"],
+    ),
+  ],
+  ids=["fedlap", "fedavg"],
+)
+def test_a_flower_nodes_second_process_reads_its_steps_back_with_the_same_replies(
+  tmp_path, overrides, steps
+):
+  cache = tmp_path / "cache"
+  first = counting_flower_run(tmp_path / "first", cache, "quickstart:nondp", overrides)
+  second = counting_flower_run(tmp_path / "second", cache, "quickstart:nondp", overrides)
+
+  assert sorted(set(first["exported"])) == sorted(steps)  # traced and lowered once, then kept
+  assert second["exported"] == []  # read back: neither traced nor lowered again
+  assert len(list((cache / export_cache.SUBDIR).glob("*" + export_cache.SUFFIX))) >= len(steps)
+  assert [name for name, h in second["built"] if not h] == []  # every program from JAX's cache
+  assert second["replies"] == first["replies"] and len(first["replies"]) == 5  # bit for bit
+  assert second["records"] == first["records"]
