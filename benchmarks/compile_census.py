@@ -18,7 +18,8 @@ test.
 
 ``cpu s`` is the CPU time (every thread: XLA compiles on several) of the process that ran a
 test, from the start of its setup to the end of its teardown. On a shared machine a test's wall
-seconds grow with the load while its CPU seconds stay about the same, so compare runs by it.
+seconds grow with the load several times over; its CPU seconds grow too, but far less
+(contended cores and caches), so compare runs by them, made at a similar load.
 
 Seconds of JAX work are wall-clock seconds of the process that did it; the
 rest of a test's seconds is running the programs and the tests' own Python
