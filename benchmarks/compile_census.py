@@ -16,6 +16,11 @@ are the reads). Under ``pytest-xdist`` each worker counts its own tests and the
 controller adds them up. ``--census-json FILE`` writes the same figures per
 test.
 
+``cpu s`` is the CPU time (every thread: XLA compiles on several) of the process that ran a
+test, from the start of its setup to the end of its teardown. On a shared machine a test's wall
+seconds grow with the load several times over; its CPU seconds grow too, but far less
+(contended cores and caches), so compare runs by them, made at a similar load.
+
 Seconds of JAX work are wall-clock seconds of the process that did it; the
 rest of a test's seconds is running the programs and the tests' own Python
 (accounting, NumPy, fixtures). The plugin changes no compiled program.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import collections
 import json
 import pathlib
+import time
 from typing import Any
 
 import jax
@@ -41,12 +47,13 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 OUTSIDE = "(outside tests)"  # collection, session start and end
 _WORKER_KEY = "compile_census"
 
-Counts = dict[str, float]  # "<stage>_n", "<stage>_s", "cache_hits"; per file also "tests", "test_s"
+# "<stage>_n", "<stage>_s", "cache_hits", "cpu_s"; per file also "tests", "test_s"
+Counts = dict[str, float]
 
 
 def _empty() -> Counts:
   counts = {f"{stage}_{k}": 0.0 for stage in STAGES.values() for k in ("n", "s")}
-  return {**counts, "cache_hits": 0.0}
+  return {**counts, "cache_hits": 0.0, "cpu_s": 0.0}
 
 
 class Census:
@@ -108,7 +115,9 @@ class _Hooks:
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(self, item: pytest.Item):
     self.census.current = item.nodeid
+    start = time.process_time()
     yield
+    self.census.tests[item.nodeid]["cpu_s"] += time.process_time() - start
     self.census.current = OUTSIDE
 
   def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -140,7 +149,8 @@ class _Hooks:
     t = rows["total"]
     jax_s = t["trace_s"] + t["lower_s"] + t["compile_s"]
     terminalreporter.write_line(
-      f"JAX work (trace + lower + compile): {jax_s:.1f} s of {t['test_s']:.1f} test seconds; "
+      f"JAX work (trace + lower + compile): {jax_s:.1f} s of {t['test_s']:.1f} test seconds "
+      f"({t['cpu_s']:.1f} CPU seconds); "
       f"{t['compile_n']:.0f} programs compiled, {t['compile_n'] - t['cache_hits']:.0f} of them "
       "by XLA (the rest read from the persistent compilation cache)"
     )
@@ -179,7 +189,8 @@ def format_table(rows: dict[str, Counts]) -> list[str]:
   """One line per test file, costliest first, then the total."""
   header = (
     f"{'test file':42s} {'tests':>5s} {'test s':>7s} {'traced':>7s} {'trace s':>8s} "
-    f"{'lowered':>8s} {'lower s':>8s} {'compiled':>9s} {'compile s':>10s} {'cache hits':>10s}"
+    f"{'lowered':>8s} {'lower s':>8s} {'compiled':>9s} {'compile s':>10s} {'cache hits':>10s} "
+    f"{'cpu s':>7s}"
   )
   lines = [header]
   order = sorted((k for k in rows if k != "total"), key=lambda k: -rows[k]["test_s"])
@@ -188,6 +199,6 @@ def format_table(rows: dict[str, Counts]) -> list[str]:
     lines.append(
       f"{key:42s} {r['tests']:5.0f} {r['test_s']:7.1f} {r['trace_n']:7.0f} {r['trace_s']:8.1f} "
       f"{r['lower_n']:8.0f} {r['lower_s']:8.1f} {r['compile_n']:9.0f} {r['compile_s']:10.1f} "
-      f"{r['cache_hits']:10.0f}"
+      f"{r['cache_hits']:10.0f} {r['cpu_s']:7.1f}"
     )
   return lines

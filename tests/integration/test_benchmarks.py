@@ -184,6 +184,7 @@ def test_compile_census_counts_each_tests_jax_work_across_xdist_workers(tmp_path
   )
   assert (jitted["trace_n"], jitted["lower_n"], jitted["compile_n"]) == (1, 1, 1), jitted
   assert jitted["compile_s"] > 0 and jitted["test_s"] >= jitted["compile_s"]
+  assert jitted["cpu_s"] > 0 and plain["cpu_s"] >= 0
   assert (plain["trace_n"], plain["lower_n"], plain["compile_n"]) == (0, 0, 0), plain
   total = census["files"]["total"]
   assert total["tests"] == 2
