@@ -114,7 +114,9 @@ from fedlap_jax.config import (
   DpAccesses,
   DPConfig,
   ServerConfig,
+  check_fresh_server,
   check_synthetic_learner,
+  image_optimizer as config_image_optimizer,
   fixed_epochs_server,
   poisson_capacity,
 )
@@ -321,6 +323,7 @@ class OneShotConfig:
       f"'fixed' for method={self.method!r} (the server trains max_epochs epochs; "
       "there is no trust region)",
     )
+    check_fresh_server(self.server, self.method, "one-shot: its server trains once")
     if private:
       require(
         self.server.weighting == "uniform",

@@ -542,9 +542,15 @@ class ServerConfig:
       rate; ``None`` (default): heavy-ball SGD of ``momentum`` and ``weight_decay`` (those two
       fields are the SGD spec: a spec of ``name='sgd'`` without ``nesterov`` is refused, and
       with a spec both must be 0, its own ``weight_decay`` replacing them). Its state starts
-      afresh at each round's descent (Algorithm 2) and is carried over that descent's epochs;
-      only the library's ``fedlap_jax.methods.fedlap.method(carry_server_state=True)`` carries
-      it across rounds. :meth:`direction` is the transformation the server steps with.
+      afresh at each round's descent (Algorithm 2) and is carried over that descent's epochs,
+      across rounds only with ``carry_state``. :meth:`direction` is the transformation the
+      server steps with.
+    carry_state: ``False`` (default, the paper's Algorithm 2): the server's optimiser starts
+      afresh every round and the state keeps ``opt_state = ()``. ``True`` (FedOpt-style):
+      round 1 starts from the optimiser's ``init`` and each round from the state the last
+      one ended with, kept in the algorithm state's ``opt_state`` (so checkpointed and
+      resumed with it). FedLAP's server only; FedDM, DSC and PSG refuse ``True`` (their
+      server trains afresh each round, or once).
   """
 
   radius_strategy: str = "min"
@@ -558,6 +564,7 @@ class ServerConfig:
   momentum: float = 0.0
   weight_decay: float = 0.0
   optimizer: optim.Optimizer | None = None
+  carry_state: bool = False
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -587,6 +594,9 @@ class ServerConfig:
       (("server.momentum", self.momentum), ("server.weight_decay", self.weight_decay)),
       "server.momentum and server.weight_decay are its spec",
     )
+    require(
+      isinstance(self.carry_state, bool), "server.carry_state", self.carry_state, "True or False"
+    )
 
   def direction(self) -> optax.GradientTransformation:
     """The server's direction before the rate: ``optimizer``'s
@@ -603,6 +613,21 @@ class ServerConfig:
     if self.weighting is not None:
       return self
     return dataclasses.replace(self, weighting="uniform" if private else "size")
+
+
+def check_fresh_server(server: ServerConfig, method: str, why: str) -> None:
+  """Refuses ``server.carry_state=True`` for ``method``, whose server does not carry its
+  optimiser's state across rounds (``why``: what it does instead).
+
+  Raises:
+    ConfigError: naming ``server.carry_state``, the value and what is allowed.
+  """
+  require(
+    server.carry_state is False,
+    "server.carry_state",
+    server.carry_state,
+    f"False for method={method!r} ({why}; only FedLAP's server carries its state)",
+  )
 
 
 def fixed_epochs_server(max_epochs: int) -> ServerConfig:

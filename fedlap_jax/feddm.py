@@ -70,7 +70,9 @@ from fedlap_jax.config import (
   CLIENT_BACKENDS,
   SYNTHETIC_INITS,
   ServerConfig,
+  check_fresh_server,
   check_synthetic_learner,
+  image_optimizer as config_image_optimizer,
   fixed_epochs_server,
   poisson_capacity,
 )
@@ -137,6 +139,9 @@ class FedDMConfig:
       "radius_strategy",
       self.server.radius_strategy,
       "'fixed' for FedDM (its server trains max_epochs epochs; no trust region)",
+    )
+    check_fresh_server(
+      self.server, "feddm", "its server's optimiser starts afresh at each round's training"
     )
     positive_float("learning_rate", self.learning_rate)
 

@@ -247,6 +247,7 @@ def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
     ("psg", "synthetic_init", "real", "synthetic_init"),
     ("psg", "server.weighting", "size", "server.weighting"),
     ("dsc", "server.momentum", 1.5, "server.momentum"),
+    ("feddm", "server.carry_state", True, "server.carry_state"),
   ],
 )
 def test_bad_settings_name_the_config_field(method, field, value, path):
@@ -377,3 +378,4 @@ def test_feddm_with_server_weighting_none_runs_as_size_through_experiments_run(t
       for line in lines
     ]
   assert records["None"] == records["size"] and len(records["None"]) == 1
+
