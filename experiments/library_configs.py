@@ -347,12 +347,7 @@ def validate_config(cfg):
         path,
         spec,
         f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (this method does "
-        f"not read {path}: "
-        + (
-          "an optimiser of FedLAP's clients)"
-          if path.startswith("client.")
-          else "the optimiser of the servers that train on synthetic sets)"
-        ),
+        f"not read {path}: {methods.SECTION_OPTIMIZERS[path][1]})",
       )
   carry = cfg.server.get("carry_state", False)
   if carry is not False and (core.ServerConfig, "server") not in entry.spec.nested:

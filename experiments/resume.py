@@ -50,6 +50,8 @@ def _added_fields() -> dict:
     "client.model_optimizer",
     "client.image_optimizer",
     "server.optimizer",
+    "feddm.image_optimizer",
+    "condense.image_optimizer",
   ):
     for k, v in schema.section(optim.Optimizer).to_dict().items():
       added[f"{path}.{k}"] = v

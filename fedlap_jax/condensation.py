@@ -182,6 +182,10 @@ class CondensationConfig:
     model_batch_size: batch of the network's SGD on the synthetic set.
     image_lr, image_momentum: SGD on the synthetic images (one optimiser state
       for the whole condensation).
+    image_optimizer: the synthetic images' direction as a config value (a
+      :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD), stepped at ``image_lr``,
+      one state for the whole condensation; ``None`` (default): the SGD of
+      ``image_momentum`` (that field is the SGD spec: with a spec it must be 0).
     net_lr: SGD learning rate of the network on the synthetic set.
     dsa_strategy: DSA families (``""``: none, the DC / PSG default).
     synthetic_init: ``noise`` (N(0, 1), the default of both codes) or ``real``
@@ -202,6 +206,7 @@ class CondensationConfig:
   model_batch_size: int = 256
   image_lr: float = 0.1
   image_momentum: float = 0.5
+  image_optimizer: optim.Optimizer | None = None
   net_lr: float = 0.01
   dsa_strategy: str = ""
   synthetic_init: str = "noise"
@@ -403,8 +408,9 @@ def condense(
     client_data: the client's real records, padded with a mask.
     config: :class:`CondensationConfig`.
     image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
-      static, hashed by identity); ``None``: SGD at ``image_lr`` with momentum
-      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`).
+      static, hashed by identity); ``None``: the config's, SGD at ``image_lr`` with momentum
+      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`) or ``config.image_optimizer``
+      at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
 
   Returns:
     ``(synthetic, metrics)``: the condensed set (labels and mask unchanged)
@@ -435,9 +441,7 @@ def condense(
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
-  opt = (
-    optim.image_sgd(c.image_lr, c.image_momentum) if image_optimizer is None else image_optimizer
-  )
+  opt = config_image_optimizer(c) if image_optimizer is None else image_optimizer
   syn_weights = synthetic.mask.astype(jnp.float32)
   match = functools.partial(
     matching_step,

@@ -245,8 +245,10 @@ class DpAccesses(NamedTuple):
 def check_synthetic_learner(cfg) -> None:
   """The checks every synthetic-set learner shares (:class:`ClientConfig`,
   ``CondensationConfig``, ``FedDMConfig``): ``image_lr`` > 0, ``image_momentum``
-  in [0, 1), ``poisson_capacity`` for ``batch_size``, ``dsa_strategy``, and
-  ``dp`` (where the config has one) a :class:`DPConfig` or None.
+  in [0, 1), ``image_optimizer`` None or a spec other than heavy-ball SGD with
+  ``image_momentum`` 0 (:func:`check_other_than_sgd`), ``poisson_capacity`` for
+  ``batch_size``, ``dsa_strategy``, and ``dp`` (where the config has one) a
+  :class:`DPConfig` or None.
   """
   positive_float("image_lr", cfg.image_lr)
   require(
@@ -254,6 +256,12 @@ def check_synthetic_learner(cfg) -> None:
     "image_momentum",
     cfg.image_momentum,
     "a number in [0, 1)",
+  )
+  check_other_than_sgd(
+    cfg.image_optimizer,
+    "image_optimizer",
+    (("image_momentum", cfg.image_momentum),),
+    "image_momentum is its spec",
   )
   check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
   dsa.check_strategy("dsa_strategy", cfg.dsa_strategy)
@@ -290,6 +298,16 @@ def check_other_than_sgd(spec, field: str, sgd_fields, why: str) -> None:
       f"0.0 when {field} is set (name={spec.name!r}: the spec is the whole direction; its own "
       "weight_decay, or momentum for Nesterov SGD)",
     )
+
+
+def image_optimizer(cfg) -> optax.GradientTransformation:
+  """The synthetic images' optimiser of a synthetic-set learner's config (:class:`ClientConfig`,
+  ``FedDMConfig``, ``CondensationConfig``), rate included: the paper's SGD of ``image_lr``
+  and ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`), or the direction of
+  ``cfg.image_optimizer`` at ``image_lr`` where one is set."""
+  if cfg.image_optimizer is None:
+    return optim.image_sgd(cfg.image_lr, cfg.image_momentum)
+  return cfg.image_optimizer.with_rate(cfg.image_lr)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -459,12 +477,6 @@ class ClientConfig:
       self.model_optimizer,
       "plain SGD (the default) with model_steps='synthetic' and inner_loop=0 or max_outer=1 "
       "(the client's model takes no step, so no optimiser would run)",
-    )
-    check_other_than_sgd(
-      self.image_optimizer,
-      "image_optimizer",
-      (("image_momentum", self.image_momentum),),
-      "image_momentum is its spec",
     )
     if self.dp is not None:
       require(

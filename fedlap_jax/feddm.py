@@ -103,6 +103,10 @@ class FedDMConfig:
       parameters).
     batch_size: ``B``, expected real records per class per iteration.
     image_lr, image_momentum: SGD on the synthetic images (re-created every round).
+    image_optimizer: the synthetic images' direction as a config value (a
+      :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD), stepped at ``image_lr``
+      and re-created every round; ``None`` (default): the SGD of ``image_momentum`` (that
+      field is the SGD spec: with a spec it must be 0).
     dsa_strategy: DSA shared by the real and synthetic batch of a class
       (``""``: none, as the reimplementation).
     synthetic_init: ``real`` (real images of the class, every round) or
@@ -120,6 +124,7 @@ class FedDMConfig:
   batch_size: int = 256
   image_lr: float = 1.0
   image_momentum: float = 0.5
+  image_optimizer: optim.Optimizer | None = None
   dsa_strategy: str = ""
   synthetic_init: str = "real"
   poisson_capacity: int | None = None
@@ -203,8 +208,9 @@ def distribution_match(
     client_data: the client's real records, padded with a mask.
     config: :class:`FedDMConfig`.
     image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
-      static, hashed by identity); ``None``: SGD at ``image_lr`` with momentum
-      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`).
+      static, hashed by identity); ``None``: the config's, SGD at ``image_lr`` with momentum
+      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`) or ``config.image_optimizer``
+      at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
 
   Returns:
     ``(synthetic, metrics)``.
@@ -216,9 +222,7 @@ def distribution_match(
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
-  opt = (
-    optim.image_sgd(c.image_lr, c.image_momentum) if image_optimizer is None else image_optimizer
-  )
+  opt = config_image_optimizer(c) if image_optimizer is None else image_optimizer
   _, labels, valid = class_blocks(synthetic, c.ipc)
   num_blocks = labels.shape[0]
   syn_weights = jnp.ones((c.ipc,), jnp.float32)

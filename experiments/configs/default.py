@@ -163,6 +163,11 @@ def get_config() -> ml_collections.ConfigDict:
     inner_loop=None,
   )
   config.condense.update(schema.section(condensation.OneShotConfig, exclude=methods.ONESHOT_SHARED))
+  # Their synthetic images' optimiser: sections of the fields of fedlap_jax.optim.Optimizer,
+  # plain SGD by default (the SGD of feddm.image_momentum / condense.image_momentum; e.g.
+  # feddm.image_optimizer.name=adam with feddm.image_momentum=0 steps Adam at feddm.image_lr).
+  config.feddm.image_optimizer = schema.section(optim.Optimizer)
+  config.condense.image_optimizer = schema.section(optim.Optimizer)
 
   # Run-time options (may change when a run is resumed).
   # Where compiled XLA programs are kept between runs (experiments.compilation_cache): ""
