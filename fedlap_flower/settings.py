@@ -371,7 +371,8 @@ def load_config(name: str, overrides: str = ""):
       "pools every client's records in one place is not federated and runs with "
       "experiments.run",
     )
-  if cfg.method == "fedlap" and cfg.server.carry_state is not False:
+  # Only FedLAP takes it (validate_config refused it for every other method).
+  if cfg.server.carry_state is not False:
     _fail(
       "server.carry_state",
       cfg.server.carry_state,
