@@ -347,13 +347,16 @@ def validate_config(cfg):
         path,
         spec,
         f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (this method does "
-        f"not read {path}: "
-        + (
-          "an optimiser of FedLAP's clients)"
-          if path.startswith("client.")
-          else "the optimiser of the servers that train on synthetic sets)"
-        ),
+        f"not read {path}: {methods.SECTION_OPTIMIZERS[path][1]})",
       )
+  carry = cfg.server.get("carry_state", False)
+  if carry is not False and (core.ServerConfig, "server") not in entry.spec.nested:
+    _fail(
+      "server.carry_state",
+      carry,
+      f"False for method={cfg.method!r} (this method does not read the server section's "
+      "optimiser; only FedLAP's server carries its optimiser's state across rounds)",
+    )
 
   if not is_int(cfg.checkpoint_every) or cfg.checkpoint_every < 1:
     _fail("checkpoint_every", cfg.checkpoint_every, "an integer >= 1 (rounds)")

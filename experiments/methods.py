@@ -173,26 +173,38 @@ def baseline_optimizers(cfg) -> dict[str, optim.Optimizer]:
 
 
 # The optimiser sections of the library dataclasses written as sections (config path -> the
-# dataclass whose field it is): FedLAP's client model optimiser, the synthetic-set servers'.
+# dataclass whose field it is, and whose optimiser it is in words): FedLAP's client model and
+# images, the synthetic-set servers', FedDM's and DSC's / PSG's images.
 SECTION_OPTIMIZERS = {
-  "client.model_optimizer": core.ClientConfig,
-  "client.image_optimizer": core.ClientConfig,
-  "server.optimizer": core.ServerConfig,
+  "client.model_optimizer": (core.ClientConfig, "an optimiser of FedLAP's clients"),
+  "client.image_optimizer": (core.ClientConfig, "an optimiser of FedLAP's clients"),
+  "server.optimizer": (
+    core.ServerConfig,
+    "the optimiser of the servers that train on synthetic sets",
+  ),
+  "feddm.image_optimizer": (feddm.FedDMConfig, "FedDM's synthetic images' optimiser"),
+  "condense.image_optimizer": (
+    condensation.CondensationConfig,
+    "DSC's and PSG's synthetic images' optimiser",
+  ),
 }
 
 
 def section_optimizers(cfg) -> dict[str, optim.Optimizer]:
   """``{path: spec}`` of :data:`SECTION_OPTIMIZERS` (``client.model_optimizer``,
-  ``client.image_optimizer``, ``server.optimizer``)."""
+  ``client.image_optimizer``, ``server.optimizer``, ``feddm.image_optimizer``,
+  ``condense.image_optimizer``)."""
   return {path: optimizer_section(cfg, path) for path in SECTION_OPTIMIZERS}
 
 
 def reads_section(entry: "Entry", path: str) -> bool:
   """Whether ``entry``'s library config holds the dataclass of config section ``path``'s
   parent (``client.model_optimizer``: a :class:`~fedlap_jax.config.ClientConfig` written as
-  ``client``), so that the method reads the optimiser there."""
-  cls = SECTION_OPTIMIZERS[path]
-  return (cls, path.partition(".")[0]) in entry.spec.nested
+  ``client``; ``feddm.image_optimizer``: FedDM's own section), so that the method reads the
+  optimiser there."""
+  cls, parent = SECTION_OPTIMIZERS[path][0], path.partition(".")[0]
+  spec = entry.spec
+  return (cls, parent) in spec.nested or (spec.cls is cls and spec.section == parent)
 
 
 def _baseline_values(cfg, max_client_size):
@@ -240,8 +252,18 @@ BASELINE_SPEC = Spec(
   strip=("local.",),
 )
 
+
+def _image_optimizer(cfg, section: str) -> optim.Optimizer | None:
+  """The synthetic images' spec of FedDM's or DSC's / PSG's own section
+  (``SECTION.image_optimizer``; plain SGD there, the default: ``None``, the SGD of
+  ``SECTION.image_momentum``)."""
+  return _other_than_sgd(optimizer_section(cfg, f"{section}.image_optimizer"))
+
+
 FEDDM_SPEC = Spec(
-  make=lambda cfg, **values: schema_build(feddm.FedDMConfig, cfg, "feddm", **values),
+  make=lambda cfg, **values: schema_build(
+    feddm.FedDMConfig, cfg, "feddm", ignore=("image_optimizer",), **values
+  ),
   reads={
     "ipc": "client.ipc",
     "batch_size": "client.batch_size",
@@ -249,17 +271,21 @@ FEDDM_SPEC = Spec(
     "poisson_capacity": "client.poisson_capacity",
     "learning_rate": "learning_rate",
   },
-  derive=lambda cfg, _: {"server": server_config(cfg)},
-  derived={"server": "server"},
+  derive=lambda cfg, _: {
+    "server": server_config(cfg),
+    "image_optimizer": _image_optimizer(cfg, "feddm"),
+  },
+  derived={"server": "server", "image_optimizer": "feddm.image_optimizer"},
   section="feddm",
   cls=feddm.FedDMConfig,
   nested=((core.ServerConfig, "server"),),
 )
 
 
-def schema_build(cls, cfg, section: str, **values):
-  """``cls`` from the method's own section (errors are renamed by the caller's spec)."""
-  return schema.build(cls, cfg[section], section, **values)
+def schema_build(cls, cfg, section: str, *, ignore=(), **values):
+  """``cls`` from the method's own section, less ``ignore`` (entries built elsewhere, such as
+  the optimiser sections); errors are renamed by the caller's spec."""
+  return schema.build(cls, cfg[section], section, ignore=ignore, **values)
 
 
 def _condense_values(cfg, max_client_size):
@@ -286,6 +312,7 @@ def _condense_values(cfg, max_client_size):
     "classwise": REGISTRY.method(cfg.method).privacy != "required",  # PSG: class-agnostic
     "dp": dp,
     "server": server,
+    "image_optimizer": _image_optimizer(cfg, "condense"),
   }
 
 
@@ -294,7 +321,7 @@ def _oneshot(cfg, *, server, learning_rate, **values):
     condensation.CondensationConfig,
     cfg,
     "condense",
-    ignore=("lr_decay", "outer_loop", "inner_loop"),
+    ignore=("lr_decay", "outer_loop", "inner_loop", "image_optimizer"),
     **values,
   )
   return condensation.OneShotConfig(
@@ -324,6 +351,7 @@ ONESHOT_SPEC = Spec(
     "dp": "dp.enabled",
     "server": "server",
     "condensation": "condense",
+    "image_optimizer": "condense.image_optimizer",
   },
   section="condense",
   cls=condensation.CondensationConfig,

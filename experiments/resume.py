@@ -43,13 +43,15 @@ def _added_fields() -> dict:
   """``{field: value}`` of the run-defining fields added after checkpoints were first
   written, with the value every run before them ran with (their defaults): a checkpoint's
   config without one of them matches a config that holds it at that value."""
-  added: dict = {"baseline.server_lr": 1.0}
+  added: dict = {"baseline.server_lr": 1.0, "server.carry_state": False}
   for path in (
     "baseline.client_optimizer",
     "baseline.server_optimizer",
     "client.model_optimizer",
     "client.image_optimizer",
     "server.optimizer",
+    "feddm.image_optimizer",
+    "condense.image_optimizer",
   ):
     for k, v in schema.section(optim.Optimizer).to_dict().items():
       added[f"{path}.{k}"] = v

@@ -68,6 +68,7 @@ from fedlap_jax.client_data import (
   poison_unless,
 )
 from fedlap_jax.config import ClientConfig, FedLAPConfig
+from fedlap_jax.config import image_optimizer as config_image_optimizer
 from fedlap_jax.matching import matching_step
 from fedlap_jax.radius import calibrate_radius
 from fedlap_jax.synthetic import real_images
@@ -118,10 +119,9 @@ class LocalApproxMetrics(NamedTuple):
 def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
   """The config's optimiser of the synthetic images at ``tau`` (``image_lr``): the paper's
   SGD with momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`), or the
-  direction of ``config.image_optimizer`` where one is set."""
-  if config.image_optimizer is None:
-    return optim.image_sgd(config.image_lr, config.image_momentum)
-  return config.image_optimizer.with_rate(config.image_lr)
+  direction of ``config.image_optimizer`` where one is set
+  (:func:`fedlap_jax.config.image_optimizer`)."""
+  return config_image_optimizer(config)
 
 
 # A client's keys travel as a pair ``(client key, family key or None)``: the same

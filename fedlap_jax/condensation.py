@@ -67,6 +67,12 @@ Settings and where they come from (defaults of :class:`CondensationConfig` /
   its own accountant; here ``sigma`` is an input and the epsilon is the
   project accountant's for ``(q, sigma, T)``.
 
+The one round (every client's :func:`condense`, then :func:`train_on_union`; the clients
+pooled into one for DSC centralized) is the registry's method of each name
+(:func:`fedlap_jax.methods.condensation.family`), run by :func:`fedlap_jax.rounds.algorithm`
+as every method is; this module holds the configs, the condensation, the server's training,
+the state and the metrics.
+
 Deviations, all documented: real batches of DSC are Poisson draws of
 expected size ``B`` per class (the code draws exactly ``min(B, N_c)``); the
 cosine's ``1e-6`` is our ``1e-8``; DSA picks one augmentation family per batch
@@ -78,7 +84,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +93,6 @@ import optax
 
 from fedlap_jax import dsa, optim, privacy
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import (
   ConfigError,
   is_real,
@@ -107,21 +112,21 @@ from fedlap_jax.client_data import (
   poison_unless,
 )
 from fedlap_jax.config import (
-  CLIENT_BACKENDS,
   ONE_SHOT_FACTS,
   ONE_SHOT_METHODS,
   SYNTHETIC_INITS,
   DpAccesses,
   DPConfig,
   ServerConfig,
+  check_fresh_server,
   check_synthetic_learner,
+  image_optimizer as config_image_optimizer,
   fixed_epochs_server,
   poisson_capacity,
 )
-from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.matching import matching_step
 from fedlap_jax.server import ServerMetrics, global_update
-from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic, real_images
+from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -180,6 +185,10 @@ class CondensationConfig:
     model_batch_size: batch of the network's SGD on the synthetic set.
     image_lr, image_momentum: SGD on the synthetic images (one optimiser state
       for the whole condensation).
+    image_optimizer: the synthetic images' direction as a config value (a
+      :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD), stepped at ``image_lr``,
+      one state for the whole condensation; ``None`` (default): the SGD of
+      ``image_momentum`` (that field is the SGD spec: with a spec it must be 0).
     net_lr: SGD learning rate of the network on the synthetic set.
     dsa_strategy: DSA families (``""``: none, the DC / PSG default).
     synthetic_init: ``noise`` (N(0, 1), the default of both codes) or ``real``
@@ -200,6 +209,7 @@ class CondensationConfig:
   model_batch_size: int = 256
   image_lr: float = 0.1
   image_momentum: float = 0.5
+  image_optimizer: optim.Optimizer | None = None
   net_lr: float = 0.01
   dsa_strategy: str = ""
   synthetic_init: str = "noise"
@@ -321,6 +331,7 @@ class OneShotConfig:
       f"'fixed' for method={self.method!r} (the server trains max_epochs epochs; "
       "there is no trust region)",
     )
+    check_fresh_server(self.server, self.method, "one-shot: its server trains once")
     if private:
       require(
         self.server.weighting == "uniform",
@@ -400,8 +411,9 @@ def condense(
     client_data: the client's real records, padded with a mask.
     config: :class:`CondensationConfig`.
     image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
-      static, hashed by identity); ``None``: SGD at ``image_lr`` with momentum
-      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`).
+      static, hashed by identity); ``None``: the config's, SGD at ``image_lr`` with momentum
+      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`) or ``config.image_optimizer``
+      at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
 
   Returns:
     ``(synthetic, metrics)``: the condensed set (labels and mask unchanged)
@@ -432,9 +444,7 @@ def condense(
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
-  opt = (
-    optim.image_sgd(c.image_lr, c.image_momentum) if image_optimizer is None else image_optimizer
-  )
+  opt = config_image_optimizer(c) if image_optimizer is None else image_optimizer
   syn_weights = synthetic.mask.astype(jnp.float32)
   match = functools.partial(
     matching_step,
@@ -659,129 +669,7 @@ def train_on_union(
   return w, ServerMetrics(epochs, steps, tree_distance(w, params), jnp.float32(jnp.inf))
 
 
-def oneshot_round(
-  state: OneShotState,
-  clients: ClientData,
-  *,
-  apply_fn: ApplyFn,
-  init_fn: InitFn,
-  config: OneShotConfig,
-  client_backend: str = "auto",
-  mesh: Any = None,
-) -> tuple[OneShotState, OneShotMetrics]:
-  """The method's one round: :func:`condense` on every client, then :func:`train_on_union`.
-
-  Args:
-    state: :class:`OneShotState` before the round.
-    clients: stacked :class:`ClientData` ``(K, N_max, ...)`` (pooled into one
-      for ``dsc_centralized``).
-    apply_fn: ``apply_fn(params, x) -> logits``.
-    init_fn: ``init_fn(key) -> params`` of a fresh network.
-    config: :class:`OneShotConfig` (static).
-    client_backend, mesh: how clients run (:func:`fedlap_jax.dispatch.run_clients`).
-
-  Returns:
-    ``(new_state, OneShotMetrics)``.
-  """
-  c = config.condensation
-  data = pool_clients(clients) if config.centralized else clients
-  if config.centralized:
-    client_backend, mesh = "map", None  # one "client"
-  num = data.mask.shape[0]
-  key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
-  synthetic = state.synthetic
-  if c.synthetic_init == "real":
-    x = jax.vmap(real_images, in_axes=(0, 0, 0, 0, None))(
-      jax.random.split(k_init, num), data, synthetic.y, synthetic.mask, c.ipc
-    )
-    synthetic = synthetic._replace(x=x)
-
-  def run(args):
-    k, syn, d = args
-    return condense(k, apply_fn, init_fn, syn, d, c)
-
-  synthetic, client_metrics = run_clients(
-    run,
-    (jax.random.split(k_clients, num), synthetic, data),
-    client_backend=client_backend,
-    mesh=mesh,
-  )
-  params, server_metrics = train_on_union(
-    k_server,
-    apply_fn,
-    state.params,
-    synthetic,
-    client_weights(config.server.weighting, record_counts(data)),
-    config,
-  )
-  new_state = OneShotState(params, synthetic, state.round + 1, key)
-  return new_state, OneShotMetrics(
-    client_metrics,
-    server_metrics.epochs,
-    server_metrics.steps,
-    server_metrics.distance,
-    jnp.float32(config.learning_rate),
-  )
-
-
-_round_jit = jax.jit(
-  oneshot_round, static_argnames=("apply_fn", "init_fn", "config", "client_backend", "mesh")
-)
-
-
 def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
   """PSG's mechanism: ``T = networks * outer_loop * batch_loop`` noisy class-agnostic
   Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
   return accounting.DpMechanism.from_config(config)
-
-
-def algorithm(
-  apply_fn: ApplyFn,
-  init_fn: InitFn,
-  config: OneShotConfig,
-  *,
-  image_shape: tuple[int, ...],
-  max_classes_per_client: int,
-  max_client_size: int,
-  client_backend: str = "auto",
-  mesh: Any = None,
-) -> FederatedAlgorithm:
-  """DSC / PSG as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm` of one round.
-
-  The whole method is round 1 (a driver runs ``rounds = 1``; a second call
-  would condense and train again from the state). Upload per client:
-  ``ipc * max_classes_per_client * prod(image_shape)`` floats (its synthetic
-  set, once); for ``dsc_centralized`` the raw data pooled,
-  ``max_client_size * prod(image_shape)``. ``dp_steps_per_round`` is PSG's
-  ``T = networks * outer_loop * batch_loop``.
-
-  Raises:
-    ConfigError: naming the field, the value and what is allowed.
-  """
-  require(isinstance(config, OneShotConfig), "config", config, "a OneShotConfig")
-  one_of("client_backend", client_backend, CLIENT_BACKENDS)
-  c = config.condensation
-  pixels = int(np.prod(image_shape))
-  upload = (
-    max_client_size * pixels if config.centralized else c.ipc * max_classes_per_client * pixels
-  )
-  round_fn = functools.partial(
-    _round_jit,
-    apply_fn=apply_fn,
-    init_fn=init_fn,
-    config=config,
-    client_backend=client_backend,
-    mesh=mesh,
-  )
-  return FederatedAlgorithm(
-    name=config.method,
-    init=lambda key, params, clients: init_oneshot_state(key, params, clients, config),
-    round=place_inputs(round_fn, client_backend, mesh),
-    params_of=lambda state: state.params,
-    upload_floats_per_client=int(upload),
-    dp=c.dp,
-    mechanism=dp_mechanism(c),
-    batch_size=c.batch_size,
-    # dsc_centralized holds one pooled set: a round pools whichever clients it is given.
-    client_state_fields=() if config.centralized else ("synthetic",),
-  )

@@ -245,8 +245,10 @@ class DpAccesses(NamedTuple):
 def check_synthetic_learner(cfg) -> None:
   """The checks every synthetic-set learner shares (:class:`ClientConfig`,
   ``CondensationConfig``, ``FedDMConfig``): ``image_lr`` > 0, ``image_momentum``
-  in [0, 1), ``poisson_capacity`` for ``batch_size``, ``dsa_strategy``, and
-  ``dp`` (where the config has one) a :class:`DPConfig` or None.
+  in [0, 1), ``image_optimizer`` None or a spec other than heavy-ball SGD with
+  ``image_momentum`` 0 (:func:`check_other_than_sgd`), ``poisson_capacity`` for
+  ``batch_size``, ``dsa_strategy``, and ``dp`` (where the config has one) a
+  :class:`DPConfig` or None.
   """
   positive_float("image_lr", cfg.image_lr)
   require(
@@ -254,6 +256,12 @@ def check_synthetic_learner(cfg) -> None:
     "image_momentum",
     cfg.image_momentum,
     "a number in [0, 1)",
+  )
+  check_other_than_sgd(
+    cfg.image_optimizer,
+    "image_optimizer",
+    (("image_momentum", cfg.image_momentum),),
+    "image_momentum is its spec",
   )
   check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
   dsa.check_strategy("dsa_strategy", cfg.dsa_strategy)
@@ -290,6 +298,16 @@ def check_other_than_sgd(spec, field: str, sgd_fields, why: str) -> None:
       f"0.0 when {field} is set (name={spec.name!r}: the spec is the whole direction; its own "
       "weight_decay, or momentum for Nesterov SGD)",
     )
+
+
+def image_optimizer(cfg) -> optax.GradientTransformation:
+  """The synthetic images' optimiser of a synthetic-set learner's config (:class:`ClientConfig`,
+  ``FedDMConfig``, ``CondensationConfig``), rate included: the paper's SGD of ``image_lr``
+  and ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`), or the direction of
+  ``cfg.image_optimizer`` at ``image_lr`` where one is set."""
+  if cfg.image_optimizer is None:
+    return optim.image_sgd(cfg.image_lr, cfg.image_momentum)
+  return cfg.image_optimizer.with_rate(cfg.image_lr)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -460,12 +478,6 @@ class ClientConfig:
       "plain SGD (the default) with model_steps='synthetic' and inner_loop=0 or max_outer=1 "
       "(the client's model takes no step, so no optimiser would run)",
     )
-    check_other_than_sgd(
-      self.image_optimizer,
-      "image_optimizer",
-      (("image_momentum", self.image_momentum),),
-      "image_momentum is its spec",
-    )
     if self.dp is not None:
       require(
         not self.calibrate_radius,
@@ -542,9 +554,15 @@ class ServerConfig:
       rate; ``None`` (default): heavy-ball SGD of ``momentum`` and ``weight_decay`` (those two
       fields are the SGD spec: a spec of ``name='sgd'`` without ``nesterov`` is refused, and
       with a spec both must be 0, its own ``weight_decay`` replacing them). Its state starts
-      afresh at each round's descent (Algorithm 2) and is carried over that descent's epochs;
-      only the library's ``fedlap_jax.methods.fedlap.method(carry_server_state=True)`` carries
-      it across rounds. :meth:`direction` is the transformation the server steps with.
+      afresh at each round's descent (Algorithm 2) and is carried over that descent's epochs,
+      across rounds only with ``carry_state``. :meth:`direction` is the transformation the
+      server steps with.
+    carry_state: ``False`` (default, the paper's Algorithm 2): the server's optimiser starts
+      afresh every round and the state keeps ``opt_state = ()``. ``True`` (FedOpt-style):
+      round 1 starts from the optimiser's ``init`` and each round from the state the last
+      one ended with, kept in the algorithm state's ``opt_state`` (so checkpointed and
+      resumed with it). FedLAP's server only; FedDM, DSC and PSG refuse ``True`` (their
+      server trains afresh each round, or once).
   """
 
   radius_strategy: str = "min"
@@ -558,6 +576,7 @@ class ServerConfig:
   momentum: float = 0.0
   weight_decay: float = 0.0
   optimizer: optim.Optimizer | None = None
+  carry_state: bool = False
 
   def __post_init__(self):
     one_of("radius_strategy", self.radius_strategy, RADIUS_STRATEGIES)
@@ -587,6 +606,9 @@ class ServerConfig:
       (("server.momentum", self.momentum), ("server.weight_decay", self.weight_decay)),
       "server.momentum and server.weight_decay are its spec",
     )
+    require(
+      isinstance(self.carry_state, bool), "server.carry_state", self.carry_state, "True or False"
+    )
 
   def direction(self) -> optax.GradientTransformation:
     """The server's direction before the rate: ``optimizer``'s
@@ -603,6 +625,21 @@ class ServerConfig:
     if self.weighting is not None:
       return self
     return dataclasses.replace(self, weighting="uniform" if private else "size")
+
+
+def check_fresh_server(server: ServerConfig, method: str, why: str) -> None:
+  """Refuses ``server.carry_state=True`` for ``method``, whose server does not carry its
+  optimiser's state across rounds (``why``: what it does instead).
+
+  Raises:
+    ConfigError: naming ``server.carry_state``, the value and what is allowed.
+  """
+  require(
+    server.carry_state is False,
+    "server.carry_state",
+    server.carry_state,
+    f"False for method={method!r} ({why}; only FedLAP's server carries its state)",
+  )
 
 
 def fixed_epochs_server(max_epochs: int) -> ServerConfig:

@@ -46,6 +46,11 @@ FedLAP-DP paper calls incomparable with record-level DP ("FedDM is incomparable
 since it considers class-wise optimization, introducing additional privacy
 risks and a distinct privacy notion"); :class:`FedDMConfig` has no DP field.
 
+A round (the server's noise or real starts, every client's :func:`distribution_match`, the
+server's :func:`fedlap_jax.server.global_update` on the union) is the registry's method
+:data:`fedlap_jax.methods.feddm.METHOD`, run by :func:`fedlap_jax.rounds.algorithm` as every
+method is; this module holds its config, client update, state and metrics.
+
 Deviation: real batches are Poisson draws of expected size ``B`` per class
 (:func:`fedlap_jax.synthetic.class_batch`; the whole class when it holds fewer),
 where the reimplementation takes exactly ``B`` at random.
@@ -54,37 +59,27 @@ where the reimplementation takes exactly ``B`` at random.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fedlap_jax import dsa, optim, privacy
-from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import nonneg_float, one_of, positive_float, positive_int, require
 from fedlap_jax.client_data import ClientData, SyntheticSet, check_pair
 from fedlap_jax.config import (
-  CLIENT_BACKENDS,
   SYNTHETIC_INITS,
   ServerConfig,
+  check_fresh_server,
   check_synthetic_learner,
+  image_optimizer as config_image_optimizer,
   fixed_epochs_server,
   poisson_capacity,
 )
-from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
 from fedlap_jax.matching import mean_embedding_distance
-from fedlap_jax.server import global_update
-from fedlap_jax.synthetic import (
-  class_batch,
-  class_blocks,
-  initial_synthetic,
-  noise_images,
-  real_images,
-)
-from fedlap_jax.types import ApplyFn, PyTree
+from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic
+from fedlap_jax.types import PyTree
 
 EmbedFn = Callable[[PyTree, jax.Array], PyTree]
 
@@ -101,6 +96,10 @@ class FedDMConfig:
       parameters).
     batch_size: ``B``, expected real records per class per iteration.
     image_lr, image_momentum: SGD on the synthetic images (re-created every round).
+    image_optimizer: the synthetic images' direction as a config value (a
+      :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD), stepped at ``image_lr``
+      and re-created every round; ``None`` (default): the SGD of ``image_momentum`` (that
+      field is the SGD spec: with a spec it must be 0).
     dsa_strategy: DSA shared by the real and synthetic batch of a class
       (``""``: none, as the reimplementation).
     synthetic_init: ``real`` (real images of the class, every round) or
@@ -118,6 +117,7 @@ class FedDMConfig:
   batch_size: int = 256
   image_lr: float = 1.0
   image_momentum: float = 0.5
+  image_optimizer: optim.Optimizer | None = None
   dsa_strategy: str = ""
   synthetic_init: str = "real"
   poisson_capacity: int | None = None
@@ -137,6 +137,9 @@ class FedDMConfig:
       "radius_strategy",
       self.server.radius_strategy,
       "'fixed' for FedDM (its server trains max_epochs epochs; no trust region)",
+    )
+    check_fresh_server(
+      self.server, "feddm", "its server's optimiser starts afresh at each round's training"
     )
     positive_float("learning_rate", self.learning_rate)
 
@@ -198,8 +201,9 @@ def distribution_match(
     client_data: the client's real records, padded with a mask.
     config: :class:`FedDMConfig`.
     image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
-      static, hashed by identity); ``None``: SGD at ``image_lr`` with momentum
-      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`).
+      static, hashed by identity); ``None``: the config's, SGD at ``image_lr`` with momentum
+      ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`) or ``config.image_optimizer``
+      at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
 
   Returns:
     ``(synthetic, metrics)``.
@@ -211,9 +215,7 @@ def distribution_match(
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)
-  opt = (
-    optim.image_sgd(c.image_lr, c.image_momentum) if image_optimizer is None else image_optimizer
-  )
+  opt = config_image_optimizer(c) if image_optimizer is None else image_optimizer
   _, labels, valid = class_blocks(synthetic, c.ipc)
   num_blocks = labels.shape[0]
   syn_weights = jnp.ones((c.ipc,), jnp.float32)
@@ -301,106 +303,3 @@ def init_feddm_state(
   """
   synthetic, k_state = initial_synthetic(key, clients, config.ipc, config.synthetic_init)
   return FedDMState(params, synthetic, jnp.int32(0), k_state)
-
-
-def feddm_round(
-  state: FedDMState,
-  clients: ClientData,
-  *,
-  apply_fn: ApplyFn,
-  embed_fn: EmbedFn,
-  config: FedDMConfig,
-  client_backend: str = "auto",
-  mesh: Any = None,
-) -> tuple[FedDMState, FedDMRoundMetrics]:
-  """One FedDM round: :func:`distribution_match` on every client, then the server's training.
-
-  The synthetic sets start afresh every round (real images, or noise); the
-  server trains the current global model on their union with
-  :func:`fedlap_jax.server.global_update` (``r_g = inf``).
-  """
-  num = clients.mask.shape[0]
-  key, k_init, k_clients, k_server = jax.random.split(state.key, 4)
-  synthetic = state.synthetic
-  if config.synthetic_init == "real":
-    x = jax.vmap(real_images, in_axes=(0, 0, 0, 0, None))(
-      jax.random.split(k_init, num), clients, synthetic.y, synthetic.mask, config.ipc
-    )
-  else:
-    x = noise_images(k_init, synthetic.mask, synthetic.x.shape[2:])
-  synthetic = synthetic._replace(x=x)
-
-  def run(args, params):
-    k, syn, data = args
-    return distribution_match(k, embed_fn, params, syn, data, config)
-
-  synthetic, client_metrics = run_clients(
-    run,
-    (jax.random.split(k_clients, num), synthetic, clients),
-    replicated=(state.params,),
-    client_backend=client_backend,
-    mesh=mesh,
-  )
-  params, server_metrics = global_update(
-    k_server,
-    apply_fn,
-    state.params,
-    synthetic,
-    client_weights(config.server.weighting, record_counts(clients)),
-    jnp.inf,
-    learning_rate=config.learning_rate,
-    config=config.server,
-  )
-  return (
-    FedDMState(params, synthetic, state.round + 1, key),
-    FedDMRoundMetrics(
-      client_metrics, server_metrics.epochs, server_metrics.steps, server_metrics.distance
-    ),
-  )
-
-
-_round_jit = jax.jit(
-  feddm_round, static_argnames=("apply_fn", "embed_fn", "config", "client_backend", "mesh")
-)
-
-
-def algorithm(
-  apply_fn: ApplyFn,
-  embed_fn: EmbedFn,
-  config: FedDMConfig,
-  *,
-  image_shape: tuple[int, ...],
-  max_classes_per_client: int,
-  client_backend: str = "auto",
-  mesh: Any = None,
-) -> FederatedAlgorithm:
-  """FedDM as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
-
-  Upload per client and round: ``ipc * max_classes_per_client * prod(image_shape)``
-  floats, as FedLAP's. Not DP (``dp=None``).
-
-  Raises:
-    ConfigError: naming the field, the value and what is allowed.
-  """
-  require(isinstance(config, FedDMConfig), "config", config, "a FedDMConfig")
-  one_of("client_backend", client_backend, CLIENT_BACKENDS)
-  upload = int(config.ipc * max_classes_per_client * np.prod(image_shape))
-  round_fn = functools.partial(
-    _round_jit,
-    apply_fn=apply_fn,
-    embed_fn=embed_fn,
-    config=config,
-    client_backend=client_backend,
-    mesh=mesh,
-  )
-  return FederatedAlgorithm(
-    name="feddm",
-    init=lambda key, params, clients: init_feddm_state(key, params, clients, config),
-    round=place_inputs(round_fn, client_backend, mesh),
-    params_of=lambda state: state.params,
-    upload_floats_per_client=upload,
-    dp=None,
-    mechanism=None,
-    batch_size=config.batch_size,
-    client_state_fields=("synthetic",),
-  )

@@ -56,7 +56,7 @@ class FedLAPState(NamedTuple):
     key: PRNG key for the next round.
     opt_state: the server optimiser's state carried to the next round. By default (the
       paper's Algorithm 2) the server's optimiser starts afresh every round and nothing is
-      carried: ``()``. With ``carry_server_state=True`` (:func:`fedlap_round`) it is the
+      carried: ``()``. With ``config.server.carry_state=True`` it is the
       state after the last round's server step (``init`` of the optimiser before round
       1), and the next round starts from it. Last, so the checkpoint leaves of the other
       fields keep their names and a checkpoint written before the field restores.
@@ -85,12 +85,11 @@ def init_state(
   config: FedLAPConfig,
   *,
   server_optimizer: optax.GradientTransformation | None = None,
-  carry_server_state: bool = False,
 ) -> FedLAPState:
   """The state before round 1.
 
-  ``opt_state``: ``()`` (nothing carried), or with ``carry_server_state`` the fresh state of
-  ``server_optimizer`` (:func:`fedlap_jax.server.server_state`).
+  ``opt_state``: ``()`` (nothing carried), or with ``config.server.carry_state`` the fresh
+  state of ``server_optimizer`` (``None``: the config's; :func:`fedlap_jax.server.server_state`).
 
   Synthetic labels are balanced over each client's classes (``config.client.ipc``
   per class). Under ``synthetic_init="noise"`` the images are N(0, 1) once;
@@ -119,7 +118,8 @@ def init_state(
       " rate q = batch_size / N_k must be <= 1)",
     )
   synthetic, k_state = initial_synthetic(key, clients, config.client.ipc, config.synthetic_init)
-  opt_state = server_state(params, config.server, server_optimizer) if carry_server_state else ()
+  carry = config.server.carry_state
+  opt_state = server_state(params, config.server, server_optimizer) if carry else ()
   return FedLAPState(params, synthetic, jnp.int32(0), k_state, opt_state)
 
 
@@ -184,7 +184,6 @@ def fedlap_round(
   image_optimizer: optax.GradientTransformation | None = None,
   model_optimizer: optax.GradientTransformation | None = None,
   server_optimizer: optax.GradientTransformation | None = None,
-  carry_server_state: bool = False,
 ) -> tuple[FedLAPState, RoundMetrics]:
   """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
 
@@ -212,10 +211,10 @@ def fedlap_round(
     image_optimizer, model_optimizer: the clients' optimisers of the synthetic images and
       of the model (:func:`fedlap_jax.client.client_step`); server_optimizer: the server's
       direction (:func:`fedlap_jax.server.server_step_with_state`). ``None``: the defaults
-      of :mod:`fedlap_jax.optim`. Static (they hash by identity).
-    carry_server_state: start the server's optimiser from ``state.opt_state`` and carry its
-      state to the next round (FedOpt-style); ``False`` (the paper): a fresh optimiser
-      every round, ``state.opt_state`` stays ``()``. Static.
+      of :mod:`fedlap_jax.optim`. Static (they hash by identity). With
+      ``config.server.carry_state`` the server's optimiser starts from ``state.opt_state``
+      and its state is carried to the next round (FedOpt-style); without (the paper) it
+      starts afresh every round and ``state.opt_state`` stays ``()``.
 
   Returns:
     ``(new_state, RoundMetrics)``.
@@ -256,7 +255,7 @@ def fedlap_round(
     mesh=mesh,
   )
   num_records = record_counts(clients)
-  if carry_server_state:
+  if config.server.carry_state:
     params, opt_state, server_metrics = server_step_with_state(
       k_server,
       apply_fn,
@@ -294,7 +293,6 @@ def make_round_fn(
   image_optimizer: optax.GradientTransformation | None = None,
   model_optimizer: optax.GradientTransformation | None = None,
   server_optimizer: optax.GradientTransformation | None = None,
-  carry_server_state: bool = False,
 ):
   """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``.
 
@@ -302,8 +300,8 @@ def make_round_fn(
   (``donate_argnums=0``): saves a copy of the parameters and synthetic sets per
   round, but the state passed in must not be used afterwards (keep only the
   returned one). ``mesh`` is for ``client_backend="shard"``; the round then
-  places its inputs on the mesh itself (:func:`place_inputs`). The optimisers and
-  ``carry_server_state``: as :func:`fedlap_round`.
+  places its inputs on the mesh itself (:func:`place_inputs`). The optimisers: as
+  :func:`fedlap_round`.
   """
   round_fn = jax.jit(
     functools.partial(
@@ -315,7 +313,6 @@ def make_round_fn(
       image_optimizer=image_optimizer,
       model_optimizer=model_optimizer,
       server_optimizer=server_optimizer,
-      carry_server_state=carry_server_state,
     ),
     donate_argnums=(0,) if donate_state else (),
   )
@@ -324,7 +321,7 @@ def make_round_fn(
 
 # One jit shared by every FedLAP algorithm built here: runs with equal configs (and
 # the same ``apply_fn`` object) share one compilation; a run compiles once.
-_OPTIMISERS = ("image_optimizer", "model_optimizer", "server_optimizer", "carry_server_state")
+_OPTIMISERS = ("image_optimizer", "model_optimizer", "server_optimizer")
 _round_jit = jax.jit(
   fedlap_round, static_argnames=("apply_fn", "config", "client_backend", "mesh", *_OPTIMISERS)
 )
@@ -348,7 +345,6 @@ def algorithm(
   image_optimizer: optax.GradientTransformation | None = None,
   model_optimizer: optax.GradientTransformation | None = None,
   server_optimizer: optax.GradientTransformation | None = None,
-  carry_server_state: bool = False,
 ) -> FederatedAlgorithm:
   """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
 
@@ -361,7 +357,7 @@ def algorithm(
   ``upload_floats_per_client = ipc * max_classes_per_client * prod(image_shape)``
   (the synthetic images; labels are fixed and sent once).
 
-  The optimisers and ``carry_server_state``: as :func:`fedlap_round` (``None``: the
+  The optimisers: as :func:`fedlap_round` (``None``: the
   defaults of :mod:`fedlap_jax.optim`). They are static arguments of the shared jit and
   hash by identity: build each once and pass the same object to every algorithm that
   should share a compilation.
@@ -372,7 +368,6 @@ def algorithm(
     image_optimizer=image_optimizer,
     model_optimizer=model_optimizer,
     server_optimizer=server_optimizer,
-    carry_server_state=carry_server_state,
   )
   round_fn = functools.partial(
     _round_jit,
@@ -385,12 +380,7 @@ def algorithm(
   return FederatedAlgorithm(
     name="fedlap_dp" if cc.dp is not None else "fedlap",
     init=lambda key, params, clients: init_state(
-      key,
-      params,
-      clients,
-      config,
-      server_optimizer=server_optimizer,
-      carry_server_state=carry_server_state,
+      key, params, clients, config, server_optimizer=server_optimizer
     ),
     round=place_inputs(round_fn, client_backend, mesh),
     params_of=lambda state: state.params,

@@ -5,7 +5,9 @@ Every optimiser of the library is an ``optax.GradientTransformation`` passed in 
 defaults; nothing else names them:
 
 * FedLAP's synthetic images, and FedDM's, DSC's and PSG's: :func:`image_sgd` of
-  ``image_lr`` and ``image_momentum`` (``optax.sgd(tau, momentum)``).
+  ``image_lr`` and ``image_momentum`` (``optax.sgd(tau, momentum)``); another as a config
+  value is the ``image_optimizer`` spec of ``ClientConfig``, ``FedDMConfig`` or
+  ``CondensationConfig``, stepped at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
 * FedLAP's client model (the synthetic epochs, the ``noisy_real`` steps) and the FedAvg
   family's client: plain SGD at ``eta_m`` (:func:`sgd`); as config values
   ``ClientConfig.model_optimizer`` and ``BaselineConfig.client_optimizer``.

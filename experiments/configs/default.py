@@ -27,6 +27,10 @@ Sections:
   ``client.image_momentum``) and ``server.optimizer`` (the server's descent of FedLAP, FedDM,
   DSC and PSG; plain SGD there leaves it to ``server.momentum`` and
   ``server.weight_decay``); the other methods refuse a choice in them.
+  ``feddm.image_optimizer`` and ``condense.image_optimizer`` are FedDM's and DSC's / PSG's
+  images' (plain SGD there leaves them to ``feddm.image_momentum`` /
+  ``condense.image_momentum``). ``server.carry_state`` (FedLAP only) carries the server
+  optimiser's state across rounds.
 * ``baseline``: ``local_epochs``, FedProx's ``prox_mu`` and the server's rate ``server_lr``,
   the arguments of :func:`fedlap_jax.baselines.baseline_config` with its defaults, and the
   optimisers ``client_optimizer`` / ``server_optimizer``, sections of the fields of
@@ -115,7 +119,8 @@ def get_config() -> ml_collections.ConfigDict:
   # FedLAP's client model optimiser and the server's optimiser (FedLAP, FedDM, DSC, PSG):
   # sections of the fields of fedlap_jax.optim.Optimizer, plain SGD by default (the server's
   # SGD is server.momentum / server.weight_decay; server.optimizer names another one, e.g.
-  # server.optimizer.name=adam). The other methods refuse a choice there.
+  # server.optimizer.name=adam). The other methods refuse a choice there. server.carry_state
+  # (FedLAP only) carries the server optimiser's state across rounds (default: afresh each).
   config.client.model_optimizer = schema.section(optim.Optimizer)
   config.client.image_optimizer = schema.section(optim.Optimizer)
   config.server.optimizer = schema.section(optim.Optimizer)
@@ -158,6 +163,11 @@ def get_config() -> ml_collections.ConfigDict:
     inner_loop=None,
   )
   config.condense.update(schema.section(condensation.OneShotConfig, exclude=methods.ONESHOT_SHARED))
+  # Their synthetic images' optimiser: sections of the fields of fedlap_jax.optim.Optimizer,
+  # plain SGD by default (the SGD of feddm.image_momentum / condense.image_momentum; e.g.
+  # feddm.image_optimizer.name=adam with feddm.image_momentum=0 steps Adam at feddm.image_lr).
+  config.feddm.image_optimizer = schema.section(optim.Optimizer)
+  config.condense.image_optimizer = schema.section(optim.Optimizer)
 
   # Run-time options (may change when a run is resumed).
   # Where compiled XLA programs are kept between runs (experiments.compilation_cache): ""

@@ -1,8 +1,8 @@
 """The one-shot condensation methods as :class:`~fedlap_jax.method.Method` s: DSC federated,
 DSC centralized and PSG.
 
-Keys as :func:`fedlap_jax.condensation.oneshot_round`: ``next, k_init, k_clients, k_server =
-split(key, 4)``; under ``synthetic_init='real'`` a client's start set is drawn from its own
+Keys: ``next, k_init, k_clients, k_server = split(state.key, 4)``; client ``k`` of ``K``
+condenses with ``split(k_clients, K)[k]``; under ``synthetic_init='real'`` a client's start set is drawn from its own
 records with ``split(k_init, K)[k]`` in its step. Every client condenses once
 (:func:`fedlap_jax.condensation.condense`); the server trains on the union
 (:func:`fedlap_jax.condensation.train_on_union`). DSC centralized pools every client's

@@ -1,7 +1,7 @@
 """FedDM (Xiong et al., 2023) as a :class:`~fedlap_jax.method.Method`.
 
-Keys as :func:`fedlap_jax.feddm.feddm_round`: ``next, k_init, k_clients, k_server =
-split(key, 4)``. Every round each client's synthetic set starts afresh: under
+Keys: ``next, k_init, k_clients, k_server = split(state.key, 4)``; client ``k`` of ``K``
+matches with ``split(k_clients, K)[k]``. Every round each client's synthetic set starts afresh: under
 ``synthetic_init='real'`` from its own real images (``split(k_init, K)[k]``, drawn in its
 step), under ``'noise'`` from ``N(0, 1)`` images the server draws with ``k_init`` (sent to
 each client as its own input); then :func:`fedlap_jax.feddm.distribution_match`. The server

@@ -72,25 +72,17 @@ def method(
   image_optimizer: optax.GradientTransformation | None = None,
   model_optimizer: optax.GradientTransformation | None = None,
   server_optimizer: optax.GradientTransformation | None = None,
-  carry_server_state: bool = False,
 ) -> Method:
   """FedLAP with these optimisers (:func:`fedlap_jax.federated.algorithm`'s: ``None`` is the
   config's, ``client.model_optimizer``, ``client.image_optimizer`` and ``server.optimizer``,
-  each the role's default of :mod:`fedlap_jax.optim` unless set; ``carry_server_state``
-  starts the server's optimiser from ``state.opt_state`` and carries it across rounds, which
-  the config's server optimiser otherwise restarts each round). Each call is a new method (a
-  jit static by identity): build one and reuse it."""
+  each the role's default of :mod:`fedlap_jax.optim` unless set). The config's
+  ``server.carry_state`` says whether the server's optimiser starts from ``state.opt_state``
+  and carries its state across rounds (otherwise it restarts each round). Each call is a new
+  method (a jit static by identity): build one and reuse it."""
 
   def init(key, params, clients, config: FedLAPConfig, facts: RunFacts):
     del facts
-    return federated.init_state(
-      key,
-      params,
-      clients,
-      config,
-      server_optimizer=server_optimizer,
-      carry_server_state=carry_server_state,
-    )
+    return federated.init_state(key, params, clients, config, server_optimizer=server_optimizer)
 
   def client_step(
     own, model: ModelFns, message: Message, carried, data, config, *, client_axis=None
@@ -116,8 +108,9 @@ def method(
   def server_step(
     key, model: ModelFns, state, message: Message, results, config, facts: RoundFacts
   ):
-    # Without carry_server_state the optimiser starts afresh (Algorithm 2); () stays ().
-    opt_state = state.opt_state if carry_server_state else None
+    # Without server.carry_state the optimiser starts afresh (Algorithm 2); () stays ().
+    carry = config.server.carry_state
+    opt_state = state.opt_state if carry else None
     params, opt_state, server_metrics = server.server_step_with_state(
       key,
       model.apply_fn,
@@ -129,7 +122,7 @@ def method(
       num_records=facts.num_records,
       optimizer=server_optimizer,
     )
-    if not carry_server_state:
+    if not carry:
       opt_state = state.opt_state
     return state._replace(params=params, opt_state=opt_state), _metrics(
       results, message, server_metrics

@@ -247,6 +247,17 @@ def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
     ("psg", "synthetic_init", "real", "synthetic_init"),
     ("psg", "server.weighting", "size", "server.weighting"),
     ("dsc", "server.momentum", 1.5, "server.momentum"),
+    # The images' optimiser: a spec beside a non-zero momentum (one source), a bad spec, or
+    # one in the section of another method (it would be ignored).
+    ("feddm", "feddm.image_optimizer.name", "adam", "feddm.image_momentum"),
+    ("feddm", "feddm.image_optimizer.name", "nadam", "feddm.image_optimizer.name"),
+    ("feddm", "feddm.image_optimizer.momentum", 0.9, "feddm.image_optimizer"),
+    ("dsc", "condense.image_optimizer.name", "yogi", "condense.image_momentum"),
+    ("psg", "condense.image_optimizer.b1", 0.5, "condense.image_optimizer.b1"),
+    ("feddm", "condense.image_optimizer.name", "adam", "condense.image_optimizer"),
+    ("dsc", "feddm.image_optimizer.name", "adam", "feddm.image_optimizer"),
+    ("feddm", "client.image_optimizer.name", "adam", "client.image_optimizer"),
+    ("feddm", "server.carry_state", True, "server.carry_state"),
   ],
 )
 def test_bad_settings_name_the_config_field(method, field, value, path):
@@ -377,3 +388,52 @@ def test_feddm_with_server_weighting_none_runs_as_size_through_experiments_run(t
       for line in lines
     ]
   assert records["None"] == records["size"] and len(records["None"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "method, section", [("feddm", "feddm"), ("dsc", "condense")], ids=["feddm", "dsc"]
+)
+def test_the_images_optimiser_of_feddm_and_dsc_is_a_config_of_experiments_run(
+  tmp_path, method, section
+):
+  """``feddm.image_optimizer`` / ``condense.image_optimizer`` chosen on the command line (Adam
+  at the section's ``image_lr``, its ``image_momentum`` at 0) reaches the clients' matching:
+  the run's synthetic images and result change, the run's config holds the choice, and a
+  checkpoint's config from before the field ran with plain SGD (the default)."""
+  from experiments import resume  # pylint: disable=g-import-not-at-top
+
+  tiny = [
+    "--config=quickstart:nondp",
+    f"--config.method={method}",
+    "--config.server.radius_strategy=fixed",
+    "--config.rounds=1",
+    "--config.model.width=8",
+    "--config.model.depth=1",
+    "--config.client.ipc=1",
+    "--config.feddm.image_updates=3",
+    "--config.condense.networks=1",
+    "--config.condense.outer_loop=2",
+    "--config.condense.inner_loop=1",
+    "--config.server.max_epochs=2",
+    "--config.progress_bar=False",
+    "--config.plots=False",
+  ]
+  adam = [
+    f"--config.{section}.image_optimizer.name=adam",
+    f"--config.{section}.image_momentum=0.0",
+    f"--config.{section}.image_lr=0.05",
+  ]
+  images, records = {}, {}
+  for name, extra in (("sgd", []), ("adam", adam)):
+    workdir = tmp_path / name
+    assert run.main(["prog", *tiny, *extra, f"--workdir={workdir}"]) == 0
+    records[name] = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
+    with np.load(workdir / "synthetic" / "round_0001.npz") as z:
+      images[name] = {k: z[k] for k in z.files}
+  assert records["sgd"]["test_loss"] != records["adam"]["test_loss"]
+  x = [k for k in images["sgd"] if k.endswith("x")]
+  assert x and not all(np.array_equal(images["sgd"][k], images["adam"][k]) for k in x)
+  config = json.loads((tmp_path / "adam" / "config.json").read_text())
+  assert config[section]["image_optimizer"]["name"] == "adam"
+  assert resume.ADDED_FIELDS[f"{section}.image_optimizer.name"] == "sgd"

@@ -917,6 +917,44 @@ def test_overrides_choose_the_baselines_server_optimiser_and_a_bad_one_is_refuse
   assert err.value.field == "baseline.server_optimizer.name"
 
 
+def test_overrides_choose_feddms_and_dscs_image_optimiser_and_a_bad_one_is_refused():
+  """``feddm.image_optimizer`` / ``condense.image_optimizer`` are config fields the overrides
+  may set; the run's library config (what the server and every client build) holds the spec,
+  and a second source of the SGD's momentum is refused by name."""
+  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+
+  for method, section in (("feddm", "feddm"), ("dsc", "condense")):
+    overrides = (
+      f"method={method} server.radius_strategy=fixed rounds=1 condense.outer_loop=1 "
+      f"condense.inner_loop=1 {section}.image_optimizer.name=adam {section}.image_momentum=0"
+    )
+    cfg, _ = settings.load_config("quickstart:nondp", overrides)
+    built = library_configs.library_config(cfg)
+    images = built if method == "feddm" else built.condensation
+    assert images.image_optimizer.name == "adam" and images.image_momentum == 0.0
+    with pytest.raises(settings.ConfigError) as err:
+      settings.load_config("quickstart:nondp", overrides.replace(f"{section}.image_momentum=0", ""))
+    assert err.value.field == f"{section}.image_momentum"
+
+
+def test_a_fedlap_run_config_that_carries_the_server_state_is_refused_by_name():
+  """``server.carry_state`` is a field the overrides reach: ``False`` (the default) loads,
+  ``True`` is refused by name for FedLAP (its Flower strategy restarts the server's optimiser
+  each round and keeps no state of it), a non-bool by the config's type."""
+  cfg, _ = settings.load_config("quickstart:nondp", "server.carry_state=False")
+  assert cfg.server.carry_state is False
+  with pytest.raises(settings.SettingsError) as err:
+    settings.load_config("quickstart:nondp", "server.optimizer.name=adam server.carry_state=True")
+  assert err.value.field == "server.carry_state" and err.value.value is True
+  assert "experiments.run" in str(err.value)
+  with pytest.raises(settings.ConfigError) as err:
+    settings.load_config("quickstart:nondp", "server.carry_state=maybe")
+  assert err.value.field == "server.carry_state"
+  with pytest.raises(settings.ConfigError) as err:  # the FedAvg family has no such server
+    settings.load_config("quickstart:fedadam", "method=fedavg server.carry_state=True")
+  assert err.value.field == "server.carry_state"
+
+
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_a_server_optimiser_chosen_in_the_overrides_runs_as_experiments_run(tmp_path):

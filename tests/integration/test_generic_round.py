@@ -2,15 +2,28 @@
 method's own round bit for bit, and the registry's values say what today's algorithms say.
 
 Two rounds of each method on the digits (five clients, a linear model; FedDM's embedding is
-the flattened image), built once through the method's own module (``federated.algorithm``,
-``baselines.algorithm``, ``feddm.algorithm``, ``condensation.algorithm``) and once through
+the flattened image). FedLAP and the FedAvg family, whose own rounds serve users
+(``fedlap_jax.fedlap_round`` / ``make_round_fn`` / ``federated.algorithm``,
+``baselines.algorithm``), are built once through their module and once through
 ``rounds.algorithm(REGISTRY[name], ...)``: states and metrics equal, and so are the
 algorithms' static facts (name, upload, mechanism, batch size, per-client fields).
+
+FedDM, DSC and PSG have no round of their own any more: their two registry rounds are
+pinned as numbers in ``data/synthetic_rounds.json`` (per state and metrics leaf: the sum and
+the sum of squares in float64 of a float leaf, the sum of an integer one; and the static
+facts), recorded when the registry round still equalled their own rounds bit for bit (the
+test this one replaces). A deliberate change of these methods re-records them::
+
+  FEDLAP_RECORD_SYNTHETIC_ROUNDS=1 pytest -q tests/integration/test_generic_round.py -k pinned
+  git diff tests/integration/data/synthetic_rounds.json
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 
 import chex
 import jax
@@ -18,7 +31,7 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import baselines, condensation, feddm, federated, optim, rounds
+from fedlap_jax import accounting, baselines, condensation, feddm, federated, optim, rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import (
   ClientConfig,
@@ -120,6 +133,12 @@ def cases(max_client_size=MAX_CLIENT_SIZE):
 
 
 CASE_IDS = [c[0] for c in cases()]
+# The methods whose own round serves users (module docstring), and the others' pinned rounds.
+OWN_ROUNDS = (FedLAPConfig, baselines.BaselineConfig)
+OWN_IDS = [i for i, _, c in cases() if isinstance(c, OWN_ROUNDS)]
+PINNED_IDS = [i for i in CASE_IDS if i not in OWN_IDS]
+PINNED_FILE = Path(__file__).parent / "data" / "synthetic_rounds.json"
+RECORD_ENV = "FEDLAP_RECORD_SYNTHETIC_ROUNDS"
 
 
 def legacy(config, facts: RunFacts, client_backend: str, **optimisers):
@@ -132,34 +151,16 @@ def legacy(config, facts: RunFacts, client_backend: str, **optimisers):
       client_backend=client_backend,
       **optimisers,
     )
-  if isinstance(config, baselines.BaselineConfig):
-    return baselines.algorithm(
-      linear_apply,
-      config,
-      image_shape=IMAGE_SHAPE,
-      num_clients=K,
-      num_params=facts.num_params,
-      client_backend=client_backend,
-      clients_per_round=facts.clients_per_round,
-      **optimisers,
-    )
-  if isinstance(config, feddm.FedDMConfig):
-    return feddm.algorithm(
-      linear_apply,
-      linear_embed,
-      config,
-      image_shape=IMAGE_SHAPE,
-      max_classes_per_client=facts.max_classes_per_client,
-      client_backend=client_backend,
-    )
-  return condensation.algorithm(
+  assert isinstance(config, baselines.BaselineConfig), config
+  return baselines.algorithm(
     linear_apply,
-    linear_init,
     config,
     image_shape=IMAGE_SHAPE,
-    max_classes_per_client=facts.max_classes_per_client,
-    max_client_size=facts.max_client_size,
+    num_clients=K,
+    num_params=facts.num_params,
     client_backend=client_backend,
+    clients_per_round=facts.clients_per_round,
+    **optimisers,
   )
 
 
@@ -187,7 +188,7 @@ def test_every_registry_method_with_a_round_of_its_own_is_a_case():
   assert {c[1] for c in cases()} == {n for n, m in REGISTRY.items() if m.extends is None}
 
 
-@pytest.mark.parametrize("case_id", CASE_IDS)
+@pytest.mark.parametrize("case_id", OWN_IDS)
 def test_the_generic_round_equals_the_methods_own(case_id, facts, clients, linear_params):
   _, name, config = _case(case_id, facts)
   method = REGISTRY.method(name)
@@ -205,6 +206,60 @@ def test_the_generic_round_equals_the_methods_own(case_id, facts, clients, linea
     assert type(s_new) is type(s_old) and type(m_new) is type(m_old)
     chex.assert_trees_all_equal(s_new, s_old)
     chex.assert_trees_all_equal(m_new, m_old)
+
+
+def round_numbers(state, metrics) -> dict:
+  """``{leaf path: [sum, sum of squares]}`` (float64) of every float leaf of ``state`` and
+  ``metrics``, ``{leaf path: sum}`` of every integer or bool leaf (the pinned numbers)."""
+  out: dict = {}
+  for name, tree in (("state", state), ("metrics", metrics)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      a = np.asarray(leaf)
+      key = name + jax.tree_util.keystr(path)
+      if a.dtype.kind in "fc":
+        a64 = a.astype(np.float64)
+        out[key] = [float(a64.sum()), float(np.square(a64).sum())]
+      else:
+        out[key] = int(a.astype(np.int64).sum())
+  return out
+
+
+def _pinned_facts(alg) -> list:
+  return [alg.name, alg.upload_floats_per_client, alg.batch_size, list(alg.client_state_fields)]
+
+
+def _synthetic_rounds(case_id, facts, clients, linear_params):
+  _, name, config = _case(case_id, facts)
+  alg = rounds.algorithm(REGISTRY.method(name), config, MODEL, facts, client_backend="map")
+  two = _two_rounds(alg, jax.random.PRNGKey(3), linear_params, clients)
+  return alg, config, {"facts": _pinned_facts(alg), "rounds": [round_numbers(*r) for r in two]}
+
+
+@pytest.mark.skipif(not os.environ.get(RECORD_ENV), reason=f"records only with {RECORD_ENV}=1")
+def test_record_the_pinned_synthetic_rounds(facts, clients, linear_params):
+  """Writes ``data/synthetic_rounds.json`` (the module docstring's command)."""
+  out = {c: _synthetic_rounds(c, facts, clients, linear_params)[2] for c in PINNED_IDS}
+  PINNED_FILE.write_text(json.dumps(out, sort_keys=True, indent=1) + "\n")
+
+
+@pytest.mark.parametrize("case_id", PINNED_IDS)
+def test_the_synthetic_set_methods_rounds_are_the_pinned_numbers(
+  case_id, facts, clients, linear_params
+):
+  """FedDM's, DSC's and PSG's two registry rounds give the numbers recorded from their own
+  rounds (module docstring): every leaf of state and metrics, integers exactly, floats to a
+  relative 1e-5 (the bits on the machine that recorded them; the tolerance leaves room for
+  another CPU's rounding, far below what a changed key, step or weight moves); and the
+  algorithm's facts, its mechanism the library config's."""
+  pinned = json.loads(PINNED_FILE.read_text())[case_id]
+  alg, config, got = _synthetic_rounds(case_id, facts, clients, linear_params)
+  assert got["facts"] == pinned["facts"]
+  assert alg.mechanism == accounting.DpMechanism.from_config(config)
+  assert alg.dp == getattr(config, "dp", None)
+  for r, (have, want) in enumerate(zip(got["rounds"], pinned["rounds"], strict=True), 1):
+    assert sorted(have) == sorted(want), (r, sorted(set(have) ^ set(want)))
+    for leaf, value in want.items():
+      assert have[leaf] == pytest.approx(value, rel=1e-5, abs=1e-9), (r, leaf)
 
 
 @pytest.mark.parametrize("case_id", ["fedlap-real", "scaffold"])
@@ -228,10 +283,7 @@ def test_side_by_side_and_sampled_clients_equal_the_methods_own(
 ADAM = optax.scale_by_adam()
 MOMENTUM = optim.sgd(0.9)
 FEDLAP_OPTIMISERS = dict(
-  image_optimizer=optax.adam(1e-2),
-  model_optimizer=MOMENTUM,
-  server_optimizer=ADAM,
-  carry_server_state=True,
+  image_optimizer=optax.adam(1e-2), model_optimizer=MOMENTUM, server_optimizer=ADAM
 )
 BASELINE_OPTIMISERS = dict(client_optimizer=MOMENTUM, server_optimizer=ADAM)
 OPTIMISED = {
@@ -245,9 +297,14 @@ OPTIMISED = {
 def test_the_generic_round_carries_the_server_optimisers_state(
   case_id, facts, clients, linear_params
 ):
-  """With other optimisers in every role (the server's Adam carried across rounds) the
-  generic round equals the method's own, the server's state included."""
+  """With other optimisers in every role (the server's Adam carried across rounds: FedLAP's
+  by ``server.carry_state``) the generic round equals the method's own, the server's state
+  included."""
   _, name, config = _case(case_id, facts)
+  if name == "fedlap":
+    config = dataclasses.replace(
+      config, server=dataclasses.replace(config.server, carry_state=True)
+    )
   optimisers = FEDLAP_OPTIMISERS if name == "fedlap" else BASELINE_OPTIMISERS
   old = legacy(config, facts, "map", **optimisers)
   new = rounds.algorithm(OPTIMISED[case_id], config, MODEL, facts, client_backend="map")

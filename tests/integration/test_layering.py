@@ -180,15 +180,33 @@ def _names_imported_from(module: str, source: str) -> set[str]:
   return names
 
 
+def _registry_imports(module: str) -> set[str]:
+  """The ``fedlap_jax`` modules the registry's ``fedlap_jax/methods/<module>.py`` imports."""
+  import ast
+
+  tree = ast.parse((ROOT / "fedlap_jax" / "methods" / f"{module}.py").read_text())
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module == "fedlap_jax":
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedlap_jax."):
+      out.add(node.module.split(".")[1])
+  return out
+
+
 def test_synthetic_systems_are_built_from_the_shared_primitives():
   """FedDM, DSC and PSG reuse the synthetic-set construction, the matching step, the server's
-  training, the privacy primitives and the client dispatch; they stand beside FedLAP, not on it."""
+  training and the privacy primitives (their modules), and the client dispatch and the method
+  interface (their registry methods, whose round is the generic one); they stand beside
+  FedLAP, not on it."""
   graph = library_graph()
   for module in ("feddm", "condensation"):
-    assert {"synthetic", "matching", "server", "dispatch", "algorithm", "privacy"} <= graph[
-      module
-    ], (module, graph[module])
-    assert not FEDLAP_ONLY & graph[module], (module, graph[module])
+    registry = _registry_imports(module)
+    assert {"synthetic", "matching", "privacy"} <= graph[module], (module, graph[module])
+    assert {"dispatch", "method", "synthetic", module} <= registry, (module, registry)
+    assert "server" in graph[module] | registry, module
+    for imports in (graph[module], registry):
+      assert not FEDLAP_ONLY & imports, (module, imports)
     assert _names_imported_from(module, "server") <= SHARED_SERVER_NAMES, module
   assert not {"feddm", "condensation"} & (graph["federated"] | graph["baselines"])
 

@@ -18,9 +18,10 @@ import sys
 import jax
 import numpy as np
 
-from fedlap_jax import baselines, client, condensation, federated, per_example, privacy
+from fedlap_jax import baselines, client, condensation, federated, per_example, privacy, rounds
 from fedlap_jax import config as core
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
 from conftest import linear_init, run_benchmark
@@ -285,14 +286,11 @@ def _toy_dp_algorithms(apply_fn, params, clients):
     client_backend="map",
   )
   out["dp_fedavg"] = (alg, bc.local.scheduled_steps(), bc.local.gradient)
-  alg = condensation.algorithm(
-    apply_fn,
-    linear_init,
-    oc,
-    image_shape=shape,
-    max_classes_per_client=classes,
-    max_client_size=int(sizes.max()),
-    client_backend="map",
+  facts = RunFacts(
+    tuple(shape), clients.mask.shape[0], count_params(params), classes, int(sizes.max())
+  )
+  alg = rounds.algorithm(
+    REGISTRY.method("psg"), oc, ModelFns(apply_fn, None, linear_init), facts, client_backend="map"
   )
   out["psg"] = (alg, cc.real_accesses_per_round, cc.gradient)
   return out

@@ -14,9 +14,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from fedlap_jax import condensation, feddm, privacy
+from fedlap_jax import condensation, feddm, optim, privacy
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import DPConfig, ServerConfig, fixed_epochs_server
@@ -25,7 +26,7 @@ from fedlap_jax.server import global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 
-from conftest import linear_init
+from conftest import linear_apply, linear_init
 
 
 IMAGE_SHAPE = (8, 8, 1)
@@ -336,3 +337,84 @@ def test_feddm_and_one_shot_servers_train_a_fresh_model_for_their_published_epoc
     assert (server.radius_strategy, server.max_epochs, server.batch_size) == ("fixed", epochs, 256)
     assert (server.weighting, server.dsa_strategy) == ("uniform", "")
     assert (server.momentum, server.weight_decay) == (0.9, 5e-4)
+
+
+# ------------------------------------------------------------------ the images' optimiser
+
+SPEC_ADAM = optim.Optimizer(name="adam")
+
+
+def _linear_embed(params, x):
+  return x.reshape(x.shape[0], -1), linear_apply(params, x)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "image_optimizer"))
+def _match(key, params, synthetic, data, *, config, image_optimizer=None):
+  return feddm.distribution_match(
+    key, _linear_embed, params, synthetic, data, config, image_optimizer=image_optimizer
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "image_optimizer"))
+def _condense_linear(key, synthetic, data, *, config, image_optimizer=None):
+  return condensation.condense(
+    key, linear_apply, linear_init, synthetic, data, config, image_optimizer=image_optimizer
+  )
+
+
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+@pytest.mark.parametrize("method", ["feddm", "dsc"])
+def test_the_configs_image_optimiser_is_the_library_keyword(method, linear_params, clients):
+  """``FedDMConfig.image_optimizer`` / ``CondensationConfig.image_optimizer`` (a config value,
+  stepped at ``image_lr``) is the ``image_optimizer`` keyword, bit for bit; without it, the
+  paper's SGD of ``image_momentum``, today's ``optax.sgd`` passed by keyword."""
+  client = _client(clients)
+  syn = _synthetic(client)
+  key = jax.random.PRNGKey(3)
+  if method == "feddm":
+    config = feddm.FedDMConfig(
+      ipc=IPC, image_updates=3, batch_size=B, image_lr=0.5, synthetic_init="noise"
+    )
+
+    def run(config, **kw):
+      return _match(key, linear_params, syn, client, config=config, **kw)[0].x
+
+  else:
+    config = dataclasses.replace(TINY, classwise=True, image_lr=0.5)
+
+    def run(config, **kw):
+      return _condense_linear(key, syn, client, config=config, **kw)[0].x
+
+  spec = dataclasses.replace(config, image_optimizer=SPEC_ADAM, image_momentum=0.0)
+  from_config = run(spec)
+  passed = run(config, image_optimizer=optax.adam(config.image_lr))
+  chex.assert_trees_all_equal(from_config, passed)
+  default = run(config)
+  today = run(config, image_optimizer=optax.sgd(config.image_lr, momentum=config.image_momentum))
+  chex.assert_trees_all_equal(default, today)
+  assert not np.array_equal(np.asarray(default), np.asarray(from_config))
+
+
+@pytest.mark.parametrize(
+  ("make", "field"),
+  [
+    # The images' SGD is image_momentum: one source.
+    (lambda: feddm.FedDMConfig(image_optimizer=SPEC_ADAM), "image_momentum"),
+    (
+      lambda: feddm.FedDMConfig(image_momentum=0.0, image_optimizer=optim.Optimizer(momentum=0.5)),
+      "image_optimizer",
+    ),
+    (lambda: feddm.FedDMConfig(image_momentum=0.0, image_optimizer="adam"), "image_optimizer"),
+    (lambda: condensation.CondensationConfig(image_optimizer=SPEC_ADAM), "image_momentum"),
+    (
+      lambda: condensation.CondensationConfig(
+        image_momentum=0.0, image_optimizer=optim.Optimizer(momentum=0.9)
+      ),
+      "image_optimizer",
+    ),
+  ],
+)
+def test_the_image_optimiser_fields_refuse_naming_the_field(make, field):
+  with pytest.raises(ConfigError) as err:
+    make()
+  assert err.value.field == field

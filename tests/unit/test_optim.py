@@ -505,9 +505,8 @@ def test_fedadams_server_state_is_carried_across_rounds(linear_apply_fn, linear_
 @BITWISE
 def test_fedlap_carries_its_server_state_only_when_asked(linear_apply_fn, linear_params, clients):
   common = dict(image_shape=clients.x.shape[2:], max_classes_per_client=10, client_backend="map")
-  carried = federated.algorithm(
-    linear_apply_fn, PAPER, server_optimizer=ADAM, carry_server_state=True, **common
-  )
+  carrying = dataclasses.replace(PAPER, server=dataclasses.replace(PAPER.server, carry_state=True))
+  carried = federated.algorithm(linear_apply_fn, carrying, server_optimizer=ADAM, **common)
   fresh = federated.algorithm(linear_apply_fn, PAPER, server_optimizer=ADAM, **common)
   key = jax.random.PRNGKey(10)
   s0 = carried.init(key, linear_params, clients)
