@@ -79,8 +79,16 @@ FEDAVG_HALF = baselines.baseline_config(
 ADAM = optax.scale_by_adam()  # one object: optimisers are jit statics hashed by identity
 
 
+@pytest.fixture(scope="module")
+def clients(clients):
+  """The five stacked clients as NumPy arrays: picking one client or reading the labels on the
+  host compiles nothing (eager indexing of a device array is a program per leaf shape)."""
+  return jax.tree.map(np.asarray, clients)
+
+
 def _pick(tree, k):
-  return jax.tree.map(lambda a: a[k], tree)
+  """Entry ``k`` of every leaf, on the host."""
+  return jax.tree.map(lambda a: np.asarray(a)[k], tree)
 
 
 def _differs(a: PyTree, b: PyTree) -> bool:
@@ -224,9 +232,7 @@ _client_step = jax.jit(
 
 
 def _fedlap_client(apply_fn, params, clients, config, **optimisers):
-  syn = jax.tree.map(
-    lambda a: a[0], federated.init_state(jax.random.PRNGKey(1), params, clients, config).synthetic
-  )
+  syn = _pick(federated.init_state(jax.random.PRNGKey(1), params, clients, config).synthetic, 0)
   return _client_step(
     jax.random.PRNGKey(2),
     apply_fn,
@@ -242,9 +248,8 @@ def _fedlap_client(apply_fn, params, clients, config, **optimisers):
 @BITWISE
 def test_the_image_optimiser_default_is_todays_sgd(linear_apply_fn, linear_params, clients):
   c = PAPER.client
-  syn = jax.tree.map(
-    lambda a: a[0],
-    federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER).synthetic,
+  syn = _pick(
+    federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER).synthetic, 0
   )
   args = (jax.random.PRNGKey(2), linear_apply_fn, linear_params, syn, _pick(clients, 0), c)
   default = _local_approx(*args, learning_rate=jnp.float32(0.3))
@@ -281,7 +286,7 @@ def _server_args(apply_fn, params, clients) -> tuple:
   """The positional arguments of :func:`fedlap_jax.server.global_update` on PAPER's initial
   synthetic sets, every client weighted alike, no radius."""
   state = federated.init_state(jax.random.PRNGKey(1), params, clients, PAPER)
-  return (jax.random.PRNGKey(3), apply_fn, params, state.synthetic, jnp.ones((K,)), jnp.inf)
+  return (jax.random.PRNGKey(3), apply_fn, params, state.synthetic, np.ones(K, np.float32), np.inf)
 
 
 @BITWISE
@@ -342,9 +347,8 @@ def test_the_configs_image_optimiser_is_the_library_keyword(
   """``ClientConfig.image_optimizer`` (a config value, stepped at ``image_lr``) is the
   ``image_optimizer`` keyword, bit for bit; without it, the paper's SGD of ``image_momentum``."""
   c = PAPER.client
-  syn = jax.tree.map(
-    lambda a: a[0],
-    federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER).synthetic,
+  syn = _pick(
+    federated.init_state(jax.random.PRNGKey(1), linear_params, clients, PAPER).synthetic, 0
   )
   spec = dataclasses.replace(c, image_optimizer=SPEC_ADAM, image_momentum=0.0)
   rest = (jax.random.PRNGKey(2), linear_apply_fn, linear_params, syn, _pick(clients, 0))
