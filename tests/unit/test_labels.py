@@ -135,11 +135,6 @@ def _jitted(name):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _local_dp_on_synthetic(f, p, s, d):
-  return _local(f, p, s, d, dataclasses.replace(LOOPS, dp=DP))
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def _global_jit(f, p, s):
   return _global(f, p, s)
 
@@ -225,7 +220,8 @@ def test_traced_labels_out_of_range_make_every_float_output_nan(
     out = run(f, p, synthetic, bad_data)
     assert _floats(out) and _all_nan(_floats(out)), name
   for name, out in {
-    "local_approx, synthetic": _local_dp_on_synthetic(f, p, bad_syn, data),
+    # The program of "local_approx under DP, data" above, run on the bad synthetic labels.
+    "local_approx, synthetic": _jitted("local_approx under DP, data")(f, p, bad_syn, data),
     "global_update": _global_jit(f, p, bad_syn),
   }.items():
     assert _all_nan(_floats(out)), name
