@@ -395,8 +395,8 @@ def draw_params(
 
   Args:
     key: PRNG key (raw ``uint32[2]`` or typed key).
-    image_shape: ``(N, H, W, C)`` (or ``(H, W, ...)`` with ``H, W`` first after ``N``):
-      the batch's shape; the crop's and cutout's ranges depend on ``H`` and ``W``.
+    image_shape: ``(N, H, W, C)``, the batch's shape (the crop's and cutout's ranges
+      depend on ``H`` and ``W``).
     strategy: static DSA strategy string with at least one family.
     family_key: PRNG key that draws the family (default: drawn from ``key``).
 
