@@ -39,16 +39,21 @@ do).  All transforms are differentiable with respect to the images; the
 random parameters themselves are not differentiated.
 
 Images are ``(N, H, W, C)`` floating-point arrays (NHWC, already normalised).
-The dispatch uses :func:`jax.random.randint` + :func:`jax.lax.switch`, so
-:func:`augment` works under :func:`jax.jit` and :func:`jax.vmap` (e.g. over a
-leading client axis of keys and image batches).
+A draw is two steps: :func:`draw_params` draws the family and every family's
+parameters (:class:`Params`, a handful of scalars, in a few batched PRNG calls), then
+:func:`apply` runs the chosen family's transform in a :func:`jax.lax.switch` whose branches
+draw nothing (``scale`` and ``rotate`` share one resampling branch). :func:`augment` is the
+two together; it works under :func:`jax.jit` and :func:`jax.vmap` (e.g. over a leading
+client axis of keys and image batches). The draws are those of one ``jax.random`` call per
+parameter (:func:`draw_params` names the keys), so the numbers are those of a family drawing
+its own parameters.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +68,9 @@ __all__ = [
   "check_strategy",
   "augment",
   "apply_family",
+  "Params",
+  "draw_params",
+  "apply",
   "make_augment_fn",
 ]
 
@@ -289,66 +297,170 @@ def _rotate_theta(angle: jax.Array) -> jax.Array:
 
 
 # --------------------------------------------------------------------------
-# Random families (parameters drawn once per batch from the key)
+# The random parameters of a draw
 # --------------------------------------------------------------------------
 
 
-def _random_color(key: jax.Array, x: jax.Array) -> jax.Array:
-  kb, ks, kc = jax.random.split(key, 3)
-  brightness = (jax.random.uniform(kb) - 0.5) * BRIGHTNESS
-  saturation = jax.random.uniform(ks) * SATURATION
-  contrast = jax.random.uniform(kc) + CONTRAST
-  return _color(x, brightness.astype(x.dtype), saturation.astype(x.dtype), contrast.astype(x.dtype))
+class Params(NamedTuple):
+  """The random parameters of one DSA draw: the family and every family's parameters.
+
+  All fields are scalars (under ``vmap``, one per mapped draw). The family's own fields are
+  the ones its transform reads; the others are drawn too (from the same bits) and ignored.
+
+  Attributes:
+    family: int32, the position of the chosen family in the strategy's families.
+    brightness, saturation, contrast: float32, ``color``'s offset and factors.
+    dy, dx: int32, ``crop``'s translation (pixels).
+    cy, cx: int32, ``cutout``'s centre (pixels).
+    flip: bool, whether ``flip`` flips.
+    sx, sy: float32, ``scale``'s factors (width, height).
+    angle: float32, ``rotate``'s angle (radians).
+  """
+
+  family: jax.Array
+  brightness: jax.Array
+  saturation: jax.Array
+  contrast: jax.Array
+  dy: jax.Array
+  dx: jax.Array
+  cy: jax.Array
+  cx: jax.Array
+  flip: jax.Array
+  sx: jax.Array
+  sy: jax.Array
+  angle: jax.Array
 
 
-def _random_crop(key: jax.Array, x: jax.Array) -> jax.Array:
-  _, h, w, _ = x.shape
-  pad_h = int(h * RATIO_CROP_PAD + 0.5)
-  pad_w = int(w * RATIO_CROP_PAD + 0.5)
-  ky, kx = jax.random.split(key)
-  dy = jax.random.randint(ky, (), -pad_h, pad_h + 1)
-  dx = jax.random.randint(kx, (), -pad_w, pad_w + 1)
-  return _translate(x, dy, dx, pad_h, pad_w)
+def _family_params(param_key: jax.Array, height: int, width: int) -> tuple[jax.Array, ...]:
+  """Every family's parameters from ``param_key``, in the fields' order after ``family``.
 
-
-def _random_cutout(key: jax.Array, x: jax.Array) -> jax.Array:
-  _, h, w, _ = x.shape
-  size_h = int(h * RATIO_CUTOUT + 0.5)
-  size_w = int(w * RATIO_CUTOUT + 0.5)
-  ky, kx = jax.random.split(key)
-  # Centre range as in the authors' code: [0, side] for an even cutout side,
-  # [0, side - 1] for an odd one, so that both image borders are reached
-  # symmetrically.
-  cy = jax.random.randint(ky, (), 0, h + (1 - size_h % 2))
-  cx = jax.random.randint(kx, (), 0, w + (1 - size_w % 2))
-  return _cutout(x, cy, cx, size_h, size_w)
-
-
-def _random_flip(key: jax.Array, x: jax.Array) -> jax.Array:
-  return _flip(x, jax.random.uniform(key) < PROB_FLIP)
-
-
-def _random_scale(key: jax.Array, x: jax.Array) -> jax.Array:
-  ksx, ksy = jax.random.split(key)
+  The values are those of one ``jax.random`` call per parameter with the keys below (each
+  family on its own would draw them so), computed in three batched draws instead of one or
+  three per parameter: ``k0, k1, k2 = split(param_key, 3)`` (``split(param_key, 2)`` is its
+  first two keys); ``color``: ``uniform(k0)``, ``uniform(k1)``, ``uniform(k2)``; ``crop`` and
+  ``cutout``: ``randint(k0)``, ``randint(k1)`` over their ranges; ``flip``:
+  ``uniform(param_key)``; ``scale``: ``uniform(k0)``, ``uniform(k1)`` over ``[1 / 1.2, 1.2)``;
+  ``rotate``: ``uniform(param_key)`` over ``[-15, 15)`` degrees.
+  """
+  k0, k1, k2 = jax.random.split(param_key, 3)
   low, high = 1.0 / RATIO_SCALE, RATIO_SCALE
-  sx = jax.random.uniform(ksx, minval=low, maxval=high)
-  sy = jax.random.uniform(ksy, minval=low, maxval=high)
-  return _affine_sample(x, _scale_theta(sx, sy))
-
-
-def _random_rotate(key: jax.Array, x: jax.Array) -> jax.Array:
   limit = math.radians(RATIO_ROTATE)
-  angle = jax.random.uniform(key, minval=-limit, maxval=limit)
-  return _affine_sample(x, _rotate_theta(angle))
+  # color (3), flip, scale (2), rotate: one batched uniform draw with per-draw bounds.
+  uniform_keys = jnp.stack([k0, k1, k2, param_key, k0, k1, param_key])
+  lows = jnp.asarray([0.0, 0.0, 0.0, 0.0, low, low, -limit], jnp.float32)
+  highs = jnp.asarray([1.0, 1.0, 1.0, 1.0, high, high, limit], jnp.float32)
+  u = jax.vmap(lambda k, lo, hi: jax.random.uniform(k, minval=lo, maxval=hi))(
+    uniform_keys, lows, highs
+  )
+  pad_h = int(height * RATIO_CROP_PAD + 0.5)
+  pad_w = int(width * RATIO_CROP_PAD + 0.5)
+  size_h = int(height * RATIO_CUTOUT + 0.5)
+  size_w = int(width * RATIO_CUTOUT + 0.5)
+  # crop's shift, then cutout's centre. The centre's range is the authors': [0, side] for an
+  # even cutout side, [0, side - 1] for an odd one, so that both borders are reached
+  # symmetrically.
+  int_keys = jnp.stack([k0, k1, k0, k1])
+  int_lows = jnp.asarray([-pad_h, -pad_w, 0, 0], jnp.int32)
+  int_highs = jnp.asarray(
+    [pad_h + 1, pad_w + 1, height + (1 - size_h % 2), width + (1 - size_w % 2)], jnp.int32
+  )
+  n = jax.vmap(lambda k, lo, hi: jax.random.randint(k, (), lo, hi))(int_keys, int_lows, int_highs)
+  return (
+    (u[0] - 0.5) * BRIGHTNESS,
+    u[1] * SATURATION,
+    u[2] + CONTRAST,
+    n[0],
+    n[1],
+    n[2],
+    n[3],
+    u[3] < PROB_FLIP,
+    u[4],
+    u[5],
+    u[6],
+  )
 
 
-_FAMILY_FNS: dict[str, AugmentFn] = {
-  "color": _random_color,
-  "crop": _random_crop,
-  "cutout": _random_cutout,
-  "flip": _random_flip,
-  "scale": _random_scale,
-  "rotate": _random_rotate,
+def draw_params(
+  key: jax.Array,
+  image_shape: tuple[int, ...],
+  strategy: str = DEFAULT_STRATEGY,
+  family_key: jax.Array | None = None,
+) -> Params:
+  """The random parameters :func:`augment` draws from ``key`` for images of ``image_shape``.
+
+  With two or more families, ``choice_key, param_key = split(key)``; the family is
+  ``randint(family_key or choice_key, (), 0, len(families))`` and every family's parameters
+  come from ``param_key``. With one family there is no choice: ``family`` is 0 and the
+  parameters come from ``key`` itself.
+
+  Args:
+    key: PRNG key (raw ``uint32[2]`` or typed key).
+    image_shape: ``(N, H, W, C)``, the batch's shape (the crop's and cutout's ranges
+      depend on ``H`` and ``W``).
+    strategy: static DSA strategy string with at least one family.
+    family_key: PRNG key that draws the family (default: drawn from ``key``).
+
+  Returns:
+    :class:`Params`.
+
+  Raises:
+    ValueError: if ``strategy`` is invalid or enables no family.
+  """
+  families = parse_strategy(strategy)
+  if not families:
+    raise ValueError(f"DSA strategy {strategy!r} enables no family: there is nothing to draw.")
+  if len(image_shape) != 4:
+    raise ValueError(f"DSA expects NHWC images of rank 4, got shape {tuple(image_shape)}.")
+  _, h, w, _ = image_shape
+  if len(families) == 1:
+    return Params(jnp.zeros((), jnp.int32), *_family_params(key, h, w))
+  choice_key, param_key = jax.random.split(key)
+  if family_key is not None:
+    choice_key = family_key
+  index = jax.random.randint(choice_key, (), 0, len(families))
+  return Params(index, *_family_params(param_key, h, w))
+
+
+# --------------------------------------------------------------------------
+# The families' transforms with drawn parameters
+# --------------------------------------------------------------------------
+
+
+def _apply_color(p: Params, x: jax.Array) -> jax.Array:
+  return _color(
+    x, p.brightness.astype(x.dtype), p.saturation.astype(x.dtype), p.contrast.astype(x.dtype)
+  )
+
+
+def _apply_crop(p: Params, x: jax.Array) -> jax.Array:
+  _, h, w, _ = x.shape
+  return _translate(x, p.dy, p.dx, int(h * RATIO_CROP_PAD + 0.5), int(w * RATIO_CROP_PAD + 0.5))
+
+
+def _apply_cutout(p: Params, x: jax.Array) -> jax.Array:
+  _, h, w, _ = x.shape
+  return _cutout(x, p.cy, p.cx, int(h * RATIO_CUTOUT + 0.5), int(w * RATIO_CUTOUT + 0.5))
+
+
+def _apply_flip(p: Params, x: jax.Array) -> jax.Array:
+  return _flip(x, p.flip)
+
+
+def _apply_scale(p: Params, x: jax.Array) -> jax.Array:
+  return _affine_sample(x, _scale_theta(p.sx, p.sy))
+
+
+def _apply_rotate(p: Params, x: jax.Array) -> jax.Array:
+  return _affine_sample(x, _rotate_theta(p.angle))
+
+
+_APPLY_FNS: dict[str, Callable[[Params, jax.Array], jax.Array]] = {
+  "color": _apply_color,
+  "crop": _apply_crop,
+  "cutout": _apply_cutout,
+  "flip": _apply_flip,
+  "scale": _apply_scale,
+  "rotate": _apply_rotate,
 }
 
 
@@ -371,22 +483,80 @@ def apply_family(key: jax.Array, x: jax.Array, family: str) -> jax.Array:
   Raises:
     ValueError: if ``family`` is unknown or ``x`` is not rank 4.
   """
-  if family not in _FAMILY_FNS:
+  if family not in _APPLY_FNS:
     raise ValueError(
       f"Unknown DSA augmentation family {family!r}; allowed families are {', '.join(FAMILIES)}."
     )
   _check_images(x)
-  return _FAMILY_FNS[family](key, x).astype(x.dtype)
+  return _APPLY_FNS[family](draw_params(key, x.shape, family), x).astype(x.dtype)
+
+
+def _apply_affine(families: tuple[str, ...], p: Params, x: jax.Array) -> jax.Array:
+  """``scale`` or ``rotate`` as one resampling: the family's matrix, then one bilinear pass."""
+  theta = jnp.where(
+    p.family == families.index("scale"), _scale_theta(p.sx, p.sy), _rotate_theta(p.angle)
+  )
+  return _affine_sample(x, theta)
 
 
 @functools.lru_cache(maxsize=None)
-def _branches(families: tuple[str, ...]) -> tuple[AugmentFn, ...]:
-  """The ``lax.switch`` branches for ``families``.
+def _branches(families: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[Callable, ...]]:
+  """``(branch of each family, the lax.switch branches)`` for ``families``.
 
-  Cached so that the same function objects are reused on every call, which
-  lets JAX reuse its traced branches when :func:`augment` runs eagerly.
+  ``scale`` and ``rotate``, when both are enabled with another family, share one branch (:func:`_apply_affine`:
+  one copy of the bilinear resampling, and of its gradient, instead of two). Cached so that
+  the same function objects are reused on every call, which lets JAX reuse its traced
+  branches when :func:`apply` runs eagerly.
   """
-  return tuple(functools.partial(apply_family, family=f) for f in families)
+  # Merged only where another family keeps the switch a switch: a one-branch switch is no
+  # conditional, and XLA would fuse the resampling into the caller's program.
+  merged = "scale" in families and "rotate" in families and len(families) > 2
+  branch_of: list[int] = []
+  fns: list[Callable] = []
+  for f in families:
+    if merged and f in ("scale", "rotate"):
+      other = families.index("rotate" if f == "scale" else "scale")
+      if other < len(branch_of):  # the affine branch exists already
+        branch_of.append(branch_of[other])
+        continue
+      branch_of.append(len(fns))
+      fns.append(functools.partial(_apply_affine, families))
+      continue
+    branch_of.append(len(fns))
+    fns.append(_APPLY_FNS[f])
+
+  def cast(fn):
+    return lambda p, x: fn(p, x).astype(x.dtype)
+
+  return tuple(branch_of), tuple(cast(fn) for fn in fns)
+
+
+def apply(params: Params, x: jax.Array, strategy: str = DEFAULT_STRATEGY) -> jax.Array:
+  """Applies the family ``params.family`` of ``strategy`` with the drawn ``params``.
+
+  ``apply(draw_params(key, x.shape, strategy, family_key), x, strategy)`` is
+  :func:`augment`; two batches of one shape given the same ``params`` get the identical
+  transform (Siamese augmentation) without drawing twice.
+
+  Args:
+    params: :class:`Params` from :func:`draw_params` for ``x``'s shape and ``strategy``.
+    x: ``(N, H, W, C)`` floating-point images.
+    strategy: static DSA strategy string; ``""`` or ``"none"`` gives the identity.
+
+  Returns:
+    ``(N, H, W, C)`` augmented images of ``x.dtype``.
+  """
+  families = parse_strategy(strategy)
+  _check_images(x)
+  if not families:
+    return x
+  if len(families) == 1:
+    return _APPLY_FNS[families[0]](params, x).astype(x.dtype)
+  branch_of, branches = _branches(families)
+  index = params.family
+  if branch_of != tuple(range(len(families))):
+    index = jnp.asarray(branch_of, jnp.int32)[index]
+  return lax.switch(index, branches, params, x)
 
 
 def augment(
@@ -400,8 +570,9 @@ def augment(
   The family is drawn uniformly among those enabled by ``strategy`` and its
   parameters are drawn once for the whole batch, so that two batches
   augmented with the same key receive the identical transform (Siamese
-  augmentation).  The choice uses ``jax.random.randint`` + ``lax.switch``,
-  so the function can be jitted and vmapped (over keys and images).  With a
+  augmentation). The draw (:func:`draw_params`) comes before the family's
+  ``lax.switch`` (:func:`apply`), so the switch's branches hold no random draws, and the
+  function can be jitted and vmapped (over keys and images). With a
   single enabled family no choice is drawn: ``augment(key, x, "flip")``
   equals ``apply_family(key, x, "flip")``.
 
@@ -428,13 +599,7 @@ def augment(
   _check_images(x)
   if not families:
     return x
-  if len(families) == 1:
-    return apply_family(key, x, families[0])
-  choice_key, param_key = jax.random.split(key)
-  if family_key is not None:
-    choice_key = family_key
-  index = jax.random.randint(choice_key, (), 0, len(families))
-  return lax.switch(index, _branches(families), param_key, x)
+  return apply(draw_params(key, x.shape, strategy, family_key), x, strategy)
 
 
 def make_augment_fn(strategy: str = DEFAULT_STRATEGY) -> AugmentFn:

@@ -384,3 +384,144 @@ def test_vmap_over_clients():
   chex.assert_shape(batched, x.shape)
   for i in range(clients):
     chex.assert_trees_all_close(batched[i], augment(keys[i], x[i]), atol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# The draw: batched, and equal to one jax.random call per parameter
+# --------------------------------------------------------------------------
+
+
+def _reference_params(param_key, h, w):
+  """Every family's parameters as a family drawing its own would: one ``jax.random`` call
+  per parameter, with the keys :func:`fedlap_jax.dsa.draw_params` names."""
+  kb, ks, kc = jax.random.split(param_key, 3)
+  ky, kx = jax.random.split(param_key)
+  pad_h, pad_w = int(h * 0.125 + 0.5), int(w * 0.125 + 0.5)
+  size_h, size_w = int(h * 0.5 + 0.5), int(w * 0.5 + 0.5)
+  ksx, ksy = jax.random.split(param_key)
+  limit = math.radians(15.0)
+  return (
+    (jax.random.uniform(kb) - 0.5) * 1.0,
+    jax.random.uniform(ks) * 2.0,
+    jax.random.uniform(kc) + 0.5,
+    jax.random.randint(ky, (), -pad_h, pad_h + 1),
+    jax.random.randint(kx, (), -pad_w, pad_w + 1),
+    jax.random.randint(ky, (), 0, h + (1 - size_h % 2)),
+    jax.random.randint(kx, (), 0, w + (1 - size_w % 2)),
+    jax.random.uniform(param_key) < 0.5,
+    jax.random.uniform(ksx, minval=1 / 1.2, maxval=1.2),
+    jax.random.uniform(ksy, minval=1 / 1.2, maxval=1.2),
+    jax.random.uniform(param_key, minval=-limit, maxval=limit),
+  )
+
+
+@pytest.mark.parametrize("hw", [(8, 8), (7, 9), (32, 32)])
+def test_draw_params_equal_one_draw_per_parameter(hw):
+  """The batched draw gives, bit for bit, the numbers of one jax.random call per parameter
+  (the seeded numbers of the families drawing their own parameters)."""
+  h, w = hw
+
+  @jax.jit
+  @jax.vmap
+  def both(key, family_key):
+    got = dsa.draw_params(key, (2, h, w, 1), family_key=family_key)
+    choice_key, param_key = jax.random.split(key)
+    index = jax.random.randint(family_key, (), 0, len(dsa.FAMILIES))
+    own = jax.random.randint(choice_key, (), 0, len(dsa.FAMILIES))
+    single = dsa.draw_params(key, (2, h, w, 1), "crop_scale_rotate")
+    return got, (index, *_reference_params(param_key, h, w)), own, single
+
+  keys, family_keys = _keys(64), _keys(64, seed=2)
+  got, want, own, single = both(keys, family_keys)
+  for field, a, b in zip(dsa.Params._fields, got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+  np.testing.assert_array_equal(np.asarray(single.family), own % 3)  # family drawn from key
+  assert len(set(np.asarray(got.family).tolist())) == len(dsa.FAMILIES)
+  # One family: no choice, the parameters from the key itself.
+  one = jax.jit(jax.vmap(lambda k: dsa.draw_params(k, (2, h, w, 1), "flip")))(keys)
+  np.testing.assert_array_equal(np.asarray(one.family), 0)
+  ref = jax.jit(jax.vmap(lambda k: _reference_params(k, h, w)))(keys)
+  for field, a, b in zip(dsa.Params._fields[1:], one[1:], ref):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
+
+
+def test_apply_of_drawn_params_is_augment():
+  """augment = apply(draw_params(...)): a second batch given the same params gets the same
+  transform without a draw of its own."""
+  x = _images((4, 16, 16, 3))
+  strategy = "color_crop_cutout_flip_scale_rotate"
+
+  @jax.jit
+  def both(key, x):
+    params = dsa.draw_params(key, x.shape, strategy)
+    return dsa.apply(params, x, strategy), dsa.augment(key, x, strategy)
+
+  for key in _keys(8):
+    a, b = both(key, x)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _switches(jaxpr):
+  """``(number of branches, whether a branch draws random bits)`` of every cond in ``jaxpr``."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "cond":
+      branches = eqn.params["branches"]
+      draws = any("random_bits" in str(b.jaxpr) or "threefry" in str(b.jaxpr) for b in branches)
+      found.append((len(branches), draws))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found.extend(_switches(inner))
+  return found
+
+
+@pytest.mark.parametrize(
+  "strategy, branches",
+  [
+    ("color_crop_cutout_flip_scale_rotate", 5),  # scale and rotate: one resampling branch
+    ("crop_scale_rotate", 2),
+    ("color_crop_flip", 3),
+    ("scale_rotate", 2),  # no other family: kept apart (a one-branch switch is inlined)
+  ],
+)
+def test_switch_branches_draw_nothing(strategy, branches):
+  """The family switch holds transforms only: the draw comes before it, and scale and
+  rotate share one branch when another family is enabled."""
+  x = jax.ShapeDtypeStruct((4, 16, 16, 3), jnp.float32)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  jaxpr = jax.make_jaxpr(lambda k, im: dsa.augment(k, im, strategy))(key, x).jaxpr
+  assert _switches(jaxpr) == [(branches, False)]
+
+
+@pytest.mark.parametrize("first, second", [("scale", "rotate"), ("rotate", "scale")])
+def test_merged_resampling_branch_is_each_family(first, second):
+  """The shared scale/rotate branch applies the drawn family's own matrix, in either order."""
+  x = _images((3, 16, 16, 3))
+  strategy = f"flip_{first}_{second}"
+
+  @jax.jit
+  def both(key, x):
+    p = dsa.draw_params(key, x.shape, strategy)
+    param_key = jax.random.split(key)[1]
+    return (
+      p.family,
+      dsa.augment(key, x, strategy),
+      {f: dsa.apply_family(param_key, x, f) for f in ("flip", "scale", "rotate")},
+    )
+
+  seen = set()
+  for key in _keys(24):
+    index, out, each = both(key, x)
+    family = strategy.split("_")[int(index)]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(each[family]))
+    seen.add(family)
+  assert seen == {"flip", "scale", "rotate"}
+
+
+def test_draw_params_refuses_bad_input():
+  with pytest.raises(ValueError, match="enables no family"):
+    dsa.draw_params(jax.random.PRNGKey(0), (2, 8, 8, 1), "none")
+  with pytest.raises(ValueError, match="rank 4"):
+    dsa.draw_params(jax.random.PRNGKey(0), (8, 8, 1), "flip")
