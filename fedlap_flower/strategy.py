@@ -1186,11 +1186,8 @@ class MethodStrategy(Resumable, FedAvg):
     eps = replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
     record = content.array_records[update_key]
     if self.packed:  # the model, packed
-      update = records.record_to_like(record, self._round["params"], what="model")
-      try:  # the method's own wire format (names, shapes, dtypes, finite values)
-        self.wire.check(method_work.update_arrays(update))
-      except ConfigError as e:
-        raise replies.InvalidReply(str(e.field), str(e)) from None
+      # the packing, then the method's own wire format (names, shapes, dtypes, finite values)
+      update = records.record_to_like(record, self._round["params"], "model", wire=self.wire)
       bound = self._round.get("max_update_norm")
       if bound is not None:  # in the report, refused or not
         report.update(

@@ -204,6 +204,10 @@ class Wire:
     check(reply, self)
 
 
+NON_FINITE = "a non-finite value"
+"""The ``value`` of :meth:`Wire.check`'s refusal of an array holding NaN or Inf."""
+
+
 def check(reply: Mapping[str, Any], expected: Wire) -> None:
   """:meth:`Wire.check` of ``reply`` against ``expected``."""
   if not isinstance(reply, Mapping):
@@ -220,7 +224,7 @@ def check(reply: Mapping[str, Any], expected: Wire) -> None:
     if tuple(a.shape) != f.shape:
       raise ConfigError(f.name, tuple(a.shape), f"shape {f.shape}")
     if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
-      raise ConfigError(f.name, "a non-finite value", "finite numbers")
+      raise ConfigError(f.name, NON_FINITE, "finite numbers")
 
 
 def synthetic_upload(ipc: int, facts: RunFacts) -> int:
