@@ -105,6 +105,7 @@ from fedlap_flower import (
 from fedlap_flower import settings as settings_lib
 from fedlap_jax import federated
 from fedlap_jax.checks import ConfigError
+from fedlap_jax.client import ClientUpdate
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.method import Wire
 
@@ -605,14 +606,26 @@ class Resumable:
 
 
 class FedLAP(Resumable, Strategy):
-  """FedLAP / FedLAP-DP over Flower messages (see the module docstring)."""
+  """FedLAP / FedLAP-DP over Flower messages (see the module docstring).
+
+  Its server is its :class:`~fedlap_jax.method.Method`'s: the state before round 1
+  (:attr:`~fedlap_jax.method.Method.init`, without the clients' synthetic sets), each round's
+  plan (the keys and rates of ``experiments.run``), the checks of an update beyond its arrays
+  (:attr:`~fedlap_jax.method.Method.check_update`: the radius range, the DP delta bound), the
+  server step and the round's public numbers (:attr:`~fedlap_jax.method.Method.round_record`).
+  What is its own is the wire: the round's keys sent whole (each client takes its slot), the
+  synthetic set, ``r_k`` as a metric and the delta as records of their own.
+  """
 
   def __init__(
     self,
     *,
     cfg,
-    fedlap_config,
-    apply_fn,
+    method,
+    method_config,
+    facts,
+    model,
+    k_alg,
     evaluate,
     min_clients: int,
     round_timeout: float,
@@ -621,28 +634,29 @@ class FedLAP(Resumable, Strategy):
     run_log: RunLog,
     model_bytes: int,
     template,
-    image_shape=None,
     num_classes: int = 10,
     max_image_abs: float | None = None,
     partition_keys=None,
     max_epsilon: float = math.inf,
-    chain_key,
+    chain_key=None,
     federated_run: str,
   ):
+    del chain_key  # the method's state holds its key chain
     self.cfg = cfg
     self.federated_run = federated_run
     self.max_epsilon = float(max_epsilon)
     self.template = template  # the model's layout: parameter records travel packed
-    self.fc = fedlap_config
-    self.apply_fn = apply_fn
+    self.method = method
+    self.fc = method_config
+    self.model = model
     self.evaluate = evaluate
     self.num_clients = int(cfg.data.num_clients)
     self.min_clients = min_clients
     self.round_timeout = round_timeout
     self.join_timeout = join_timeout
-    self.dp = fedlap_config.client.dp is not None
+    self.dp = method.mechanism(method_config) is not None
     self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
-    self.with_deltas = fedlap_config.server.start == "fedavg_delta"
+    self.with_deltas = method_config.server.start == "fedavg_delta"
     self.run_log = run_log
     self.model_bytes = model_bytes
     self.participation = Participation(
@@ -652,21 +666,28 @@ class FedLAP(Resumable, Strategy):
       round_timeout=round_timeout,
       join_timeout=join_timeout,
     )
-    self.limits = None
-    if image_shape is not None:
-      self.limits = replies.SyntheticLimits(
-        tuple(image_shape),
-        int(num_classes),
-        int(fedlap_config.client.ipc),
-        float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR),
-      )
-    # r_k <= r, compared as the float32 the client computes r_k in.
-    self.max_radius = float(np.float32(fedlap_config.client.radius))
-    self._chain = chain_key  # init_state's state key (experiments.build.Init.chain_key)
+    self.limits = replies.SyntheticLimits(
+      tuple(facts.image_shape),
+      int(num_classes),
+      int(method_config.client.ipc),
+      float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR),
+    )
+    self.check_update = method.check_update(method_config, facts)
+    full = method_work.initial_state(method, method_config, template, k_alg, facts)
+    # The clients keep their synthetic sets; the plan and the step see public stand-ins.
+    self._standins = method_work.carried_standins(full, method)
+    self.state = method_work.server_state(full, method)
     self._round: dict[str, Any] = {}
     self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._epsilon: dict[int, float] = {}
-    self._params = None
+
+  @property
+  def _chain(self):
+    return self.state.key
+
+  @_chain.setter
+  def _chain(self, key):  # a resumed run's (Resumable.restore)
+    self.state = self.state._replace(key=key)
 
   def summary(self) -> None:
     log(
@@ -693,22 +714,26 @@ class FedLAP(Resumable, Strategy):
   ) -> Iterable[Message]:
     server_round += self.rounds_done
     asked, chosen, reports = self.participation.select(grid, server_round)
-    self._chain, k_init, k_clients, k_server = federated.round_keys(self._chain)
-    lr, server_lr = task.round_learning_rates(self.fc, server_round)
-    self._params = records.record_to_params(arrays, self.template)
+    params = records.record_to_params(arrays, self.template)
+    state = method_work.with_standins(
+      self.state._replace(params=params, round=jnp.int32(server_round - 1)),
+      self._standins,
+      len(chosen),
+    )
+    plan = method_work.plan_fn(self.method, len(chosen), self.fc)(state)
+    # The wire sends the round's keys whole (each client takes its slot): the plan's own.
+    keys = federated.round_keys(self.state.key)
+    lr = float(np.float32(plan.message.rates.client))
     self._round = {
       "server_round": server_round,
-      "k_server": k_server,
+      "plan": plan,
+      "state": state,
+      "params": params,
       "lr": lr,
-      "server_lr": server_lr,
       "asked": asked,
       "chosen": chosen,
       "reports": reports,
       "t0": time.time(),
-      "max_delta_norm": replies.max_delta_norm(
-        self.fc.client, lr, sum(int(np.size(v)) for v in jax.tree.leaves(self._params))
-      ),
-      "min_radius": replies.radius_floor(lr),
     }
     conf = ConfigRecord(
       {
@@ -720,8 +745,8 @@ class FedLAP(Resumable, Strategy):
       }
     )
     if self.server_keys:
-      conf["key-init"] = task.key_to_words(k_init)
-      conf["key-clients"] = task.key_to_words(k_clients)
+      conf["key-init"] = task.key_to_words(keys.init)
+      conf["key-clients"] = task.key_to_words(keys.clients)
     content = RecordDict({"arrays": arrays, "config": conf})
     self._round["messages"] = [
       Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in sorted(asked)
@@ -740,7 +765,7 @@ class FedLAP(Resumable, Strategy):
       )
     if "synthetic" not in content.array_records:
       raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
-    radius = replies.check_radius(metrics, self.max_radius, self._round["min_radius"])
+    radius = replies.scalar(metrics, "radius")
     sizes = self.fc.server.weighting == "size"
     num_examples = replies.check_num_examples(metrics, required=sizes)
     _check_pinned(self.participation.binding, pid, num_examples)
@@ -753,9 +778,12 @@ class FedLAP(Resumable, Strategy):
         raise replies.InvalidReply(
           "delta", "no model delta; server.start='fedavg_delta' needs one from every client"
         )
-      delta = records.record_to_delta(
-        content.array_records["delta"], self._params, max_norm=self._round.get("max_delta_norm")
-      )
+      delta = records.record_to_delta(content.array_records["delta"], self._round["params"])
+    update = ClientUpdate(synthetic, np.float32(radius), delta)
+    try:  # the method's bounds: r_k's range, the DP delta's norm
+      self.check_update(self._round["plan"].message, update)
+    except ConfigError as e:
+      raise replies.InvalidReply(str(e.field), str(e)) from None
     return synthetic, radius, num_examples, delta
 
   def _parse_one(self, msg: Message, node: int, report: dict):
@@ -864,23 +892,29 @@ class FedLAP(Resumable, Strategy):
       if n is not None:
         self.participation.binding.pin(pid, "num-examples", n)
 
-    def update():
-      updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
-      params, sm = server_work.server_update(
-        self._round["k_server"],
-        self.apply_fn,
-        self._params,
-        updates,
-        self._round["server_lr"],
-        self.fc,
-        num_records=sizes,
-      )
-      return params, (float(sm.radius), int(sm.epochs), int(sm.steps))
+    plan, state = self._round["plan"], self._round["state"]
+    take_part = (len(chosen), self.num_clients)
 
-    params, server_metrics, refused, loss, acc = _guarded_update(
-      update, self._params, self.evaluate, "server update", (math.nan, 0, 0)
+    def update():
+      new, metrics = server_work.method_update(
+        self.method,
+        self.model,
+        self.fc,
+        take_part,
+        plan,
+        state,
+        server_work.padded_updates(sets, radii, deltas if self.with_deltas else None),
+        [1 if n is None else n for n in sizes],  # unread under the uniform weights
+      )
+      return new.params, (new, metrics)
+
+    params, (new_state, metrics), refused, loss, acc = _guarded_update(
+      update, self._round["params"], self.evaluate, "server update", (state, None)
     )
-    r_g, server_epochs, server_steps = server_metrics
+    self.state = method_work.server_state(
+      new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
+    )
+    summary = {} if metrics is None else self.method.round_record(metrics)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
     self.run_log.add_round(
       {
@@ -889,9 +923,7 @@ class FedLAP(Resumable, Strategy):
         "test_loss": loss,
         **({"update_refused": refused} if refused else {}),
         "client_radius": {str(p): r for p, r in zip(pids, radii)},
-        "server_radius": r_g if math.isfinite(r_g) else None,
-        "server_epochs": server_epochs,
-        "server_steps": server_steps,
+        **summary,
         "upload_bytes": upload,
         "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
         **(

@@ -467,7 +467,7 @@ def test_an_aggregation_that_raises_keeps_the_model_and_the_run(kind, tmp_path, 
   def boom(*args, **kwargs):
     raise OverflowError("Python int too large to convert to C long")
 
-  monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "method_update", boom)
+  monkeypatch.setattr(server_work, "method_update", boom)  # every strategy's server step
   rc = _rc(tmp_path, kind)
   records, _ = run_inprocess(rc, state_root=tmp_path / "state")
   assert len(records) == 1 and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
@@ -518,23 +518,14 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
   """Whatever slips through (here: the update itself made NaN), the round keeps w_g."""
   from fedlap_flower import server_work
 
-  if kind == "nondp":
-    real = server_work.server_update
+  real = server_work.method_update  # every strategy's server step
 
-    def poisoned(*args, **kwargs):
-      params, metrics = real(*args, **kwargs)
-      return jax.tree.map(lambda p: p.at[(0,) * p.ndim].set(np.nan), params), metrics
+  def poisoned(*args, **kwargs):
+    state, metrics = real(*args, **kwargs)
+    nan = jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), state.params)
+    return state._replace(params=nan), metrics
 
-    monkeypatch.setattr(server_work, "server_update", poisoned)
-  else:
-    real = server_work.method_update
-
-    def poisoned(*args, **kwargs):
-      state, metrics = real(*args, **kwargs)
-      nan = jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), state.params)
-      return state._replace(params=nan), metrics
-
-    monkeypatch.setattr(server_work, "method_update", poisoned)
+  monkeypatch.setattr(server_work, "method_update", poisoned)
   records, reports, final = replay(kind, genuine(kind))
   assert "NaN or Inf" in records[0]["update_refused"]
   assert "previous global model is kept" in records[0]["update_refused"]
