@@ -19,8 +19,10 @@ import numpy as np
 import optax
 
 from fedlap_jax import client, federated, server, update_bounds
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import FedLAPConfig
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
+from fedlap_jax.synthetic import synthetic_slot
 
 
 class Message(NamedTuple):
@@ -66,6 +68,36 @@ def _wire(config: FedLAPConfig, params, facts: RunFacts) -> Wire:
   if config.client.model_steps == "noisy_real":  # its model delta travels too
     update["model_delta"] = params
   return Wire.of(update, pinned=("synthetic.y", "synthetic.mask"))
+
+
+def _client_init(key, params, data, config: FedLAPConfig, facts: RunFacts, *, index: int):
+  """One client's slot of ``init``'s synthetic set (its labels and mask, the N(0, 1) images of
+  the whole federation's draw), from its own records and the run's public facts
+  (:func:`fedlap_jax.synthetic.synthetic_slot`).
+
+  Raises:
+    ConfigError: ``client.batch_size`` above this client's records (``init``'s check of the
+      smallest client), or what :func:`~fedlap_jax.synthetic.synthetic_slot` refuses.
+  """
+  del params
+  size = int(np.sum(np.asarray(data.mask)))
+  if config.client.batch_size > size:
+    raise ConfigError(
+      "batch_size",
+      config.client.batch_size,
+      f"batch_size <= this client's {size} records (the Poisson rate q = batch_size / N_k "
+      "must be <= 1)",
+    )
+  syn = synthetic_slot(
+    key,
+    data,
+    config.client.ipc,
+    config.synthetic_init,
+    index=index,
+    num_clients=facts.num_clients,
+    max_classes=facts.max_classes_per_client,
+  )
+  return (syn,)
 
 
 def _check_update(config: FedLAPConfig, facts: RunFacts):
@@ -178,6 +210,7 @@ def method(
     wire=_wire,
     batch_size=lambda config: config.client.batch_size,
     carried=("synthetic",),
+    client_init=_client_init,
     side_by_side=True,
     privacy="optional",
     algorithm_name=lambda config: "fedlap_dp" if config.client.dp is not None else "fedlap",
