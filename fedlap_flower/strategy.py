@@ -352,6 +352,25 @@ def _check_pinned_labels(pinned, synthetic) -> None:
     )
 
 
+def _check_update(check, message, update) -> None:
+  """A method's bounds on one client's update (:attr:`fedlap_jax.method.Method.check_update`,
+  ``None``: none) in the round of ``message``; a refusal names the update's field."""
+  if check is None:
+    return
+  try:
+    check(message, update)
+  except ConfigError as e:
+    raise replies.InvalidReply(str(e.field), str(e)) from None
+
+
+def _round_record(method, metrics) -> dict:
+  """The public numbers of a round's server step (:attr:`fedlap_jax.method.Method.round_record`):
+  ``{}`` for a method without them or a round whose update was refused (``metrics`` None)."""
+  if method.round_record is None or metrics is None:
+    return {}
+  return method.round_record(metrics)
+
+
 def _synthetic_sets(update) -> list:
   """The synthetic sets an update holds (:class:`fedlap_jax.SyntheticSet` nodes)."""
   is_set = lambda t: isinstance(t, SyntheticSet)  # noqa: E731
@@ -780,10 +799,8 @@ class FedLAP(Resumable, Strategy):
         )
       delta = records.record_to_delta(content.array_records["delta"], self._round["params"])
     update = ClientUpdate(synthetic, np.float32(radius), delta)
-    try:  # the method's bounds: r_k's range, the DP delta's norm
-      self.check_update(self._round["plan"].message, update)
-    except ConfigError as e:
-      raise replies.InvalidReply(str(e.field), str(e)) from None
+    # the method's bounds: r_k's range, the DP delta's norm
+    _check_update(self.check_update, self._round["plan"].message, update)
     return synthetic, radius, num_examples, delta
 
   def _parse_one(self, msg: Message, node: int, report: dict):
@@ -914,7 +931,7 @@ class FedLAP(Resumable, Strategy):
     self.state = method_work.server_state(
       new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
     )
-    summary = {} if metrics is None else self.method.round_record(metrics)
+    summary = _round_record(self.method, metrics)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
     self.run_log.add_round(
       {
@@ -998,6 +1015,9 @@ class MethodStrategy(Resumable, FedAvg):
     self.template = template  # the model's layout: parameter records travel packed
     self.facts = facts
     self.wire = method.wire(method_config, template, facts)
+    self.check_update = (
+      None if method.check_update is None else method.check_update(method_config, facts)
+    )
     # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
     self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
     # DP at the edge: each client charges its own ledger and draws its own keys.
@@ -1233,6 +1253,7 @@ class MethodStrategy(Resumable, FedAvg):
       x, y, mask = (np.asarray(a) for a in synthetic)
       replies.check_synthetic(x, y, mask, self.limits)
       _check_pinned_labels(self._labels.get(report["partition_id"]), SyntheticSet(x, y, mask))
+    _check_update(self.check_update, self._round["plan"].message, update)
     report.update(status="ok", upload_bytes=records.raw_bytes(record))
     return report["partition_id"], update, num_examples, eps
 
@@ -1260,7 +1281,7 @@ class MethodStrategy(Resumable, FedAvg):
     take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
 
     def update():
-      new, _ = server_work.method_update(
+      new, metrics = server_work.method_update(
         self.method,
         self.model,
         self.mc,
@@ -1270,10 +1291,10 @@ class MethodStrategy(Resumable, FedAvg):
         [u[1] for u in ok],
         [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
       )
-      return new.params, new
+      return new.params, (new, metrics)
 
-    params, new_state, refused, loss, acc = _guarded_update(
-      update, self._round["params"], self.evaluate, "aggregate", state
+    params, (new_state, metrics), refused, loss, acc = _guarded_update(
+      update, self._round["params"], self.evaluate, "aggregate", (state, None)
     )
     self.state = method_work.server_state(
       new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
@@ -1298,6 +1319,7 @@ class MethodStrategy(Resumable, FedAvg):
         "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
         **{f"clients_{s}": v for s, v in by_status.items()},
         **({"update_refused": refused} if refused else {}),
+        **_round_record(self.method, metrics),
         "upload_bytes": sum(r.get("upload_bytes", 0) for r in reports),
         "model_bytes": self.model_bytes,
         "round_seconds": time.time() - self._t0,
