@@ -21,29 +21,35 @@ whose parameters hold NaN / Inf (or give a non-finite test loss), is
 refused: the previous global model is kept, the round is logged with
 ``update_refused`` and the run goes on.
 
-:class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``):
+:class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``): its server is its registry
+method's (:data:`fedlap_jax.methods.fedlap.METHOD`): the state of its
+:attr:`~fedlap_jax.method.Method.init` (without the clients' synthetic sets), each round's
+:attr:`~fedlap_jax.method.Method.plan`, its :attr:`~fedlap_jax.method.Method.server_step` and
+:attr:`~fedlap_jax.method.Method.check_update`, as :class:`MethodStrategy` runs them; its own
+is the wire:
 
 * ``configure_train`` sends the asked nodes the global parameters, the
-  round's learning rate ``eta_m``
-  (:func:`fedlap_jax.federated.round_learning_rates`) and, without DP, the
+  round's learning rate ``eta_m`` (the plan's) and, without DP, the
   round's keys as ``experiments.run`` derives them (``(next, k_init,
-  k_clients, k_server) = split(state key, 4)``); under DP each client draws its
-  keys from its own secret (see :mod:`fedlap_flower.ledger`).
+  k_clients, k_server) = split(state key, 4)``), each client taking its slot; under DP each
+  client draws its keys from its own secret (see :mod:`fedlap_flower.ledger`).
 * ``aggregate_train`` sorts the replies: ``ok`` (a synthetic set that fits
   the round), ``refused`` (the client's privacy budget, or a round it is not
   drawn for), ``invalid`` (a reply that does not fit: shapes, dtypes, labels,
-  slot count, image range, metrics, model delta, or a ``partition-id`` other
+  slot count, image range, metrics, the radius range and the DP delta bound of the method's
+  ``check_update``, model delta, or a ``partition-id`` other
   than its node's), ``error`` (the ClientApp raised, or Flower reports the
   node unavailable) and ``missing`` (no reply within ``round-timeout``). With
   fewer than ``min-clients`` usable sets it logs the round and stops the run
-  (:class:`TooFewClients`). Otherwise it stacks the replies in partition order
-  into one :class:`fedlap_jax.ClientUpdate` and runs
-  :func:`fedlap_jax.server.server_step` on it (radius ``r_g`` from the
-  clients' ``r_k``, the client weights, the start, Algorithm 2: what
+  (:class:`TooFewClients`). Otherwise it pads the replies' sets to one size, stacks them in
+  partition order (:func:`fedlap_flower.server_work.padded_updates`) and runs the method's
+  server step on them (:func:`fedlap_flower.server_work.method_update`: radius ``r_g`` from
+  the clients' ``r_k``, the client weights, the start, Algorithm 2: what
   ``experiments.run``'s round runs), evaluates on the test split and logs the
-  round (:class:`RunLog`). With ``server.start='fedavg_delta'`` (the hybrid
-  recipe) every ``ok`` reply must also carry the client's model delta, of
-  bounded norm under DP (:func:`fedlap_flower.replies.max_delta_norm`); the
+  round (:class:`RunLog`; the server's numbers are the method's
+  :attr:`~fedlap_jax.method.Method.round_record`). With ``server.start='fedavg_delta'`` (the
+  hybrid recipe) every ``ok`` reply must also carry the client's model delta, of
+  bounded norm under DP (:func:`fedlap_jax.update_bounds.matching_delta_bound`); the
   descent starts from ``w_g`` plus the usable clients' deltas averaged with
   the server's weights, as ``experiments.run`` does.
 
@@ -63,8 +69,10 @@ delta; FedDM / DSC / PSG: training on the union of the synthetic sets), so a rou
 the method's update in its wire format (a model packed in ``arrays``: its paths, shapes and
 dtypes; any other update in ``update``, by the wire's names, each array refused by its declared
 shape and dtype before its values are read; finite values), a synthetic set passing FedLAP's
-checks (:func:`fedlap_flower.replies.check_synthetic`, labels pinned per partition),
-``num-examples`` an int >= 1 and the node's ``partition-id``. A model reply's ``||w_k - w_g||``
+checks (:func:`fedlap_flower.replies.check_synthetic`, labels pinned per partition), the
+method's own bounds on an update (:attr:`~fedlap_jax.method.Method.check_update`, if any),
+``num-examples`` an int >= 1 and the node's ``partition-id``; a round's record holds the
+method's :attr:`~fedlap_jax.method.Method.round_record`, if any. A model reply's ``||w_k - w_g||``
 must also be at most the round's bound (the run config's ``max-update-norm``,
 :func:`fedlap_flower.replies.update_norm_rule`): by default, under DP, the method's own bound on
 an honest client's noisy clipped SGD, which an honest reply exceeds with probability below
