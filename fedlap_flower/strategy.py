@@ -600,39 +600,129 @@ class Participation:
     return asked, chosen, reports
 
 
-class Resumable:
-  """What both strategies keep for a resumed run (:mod:`fedlap_flower.server_state`).
+class MethodServer:
+  """A registry method's server, as both strategies hold it (the module docstring).
 
-  After every round whose update they made they save their state in the run-dir;
-  :meth:`restore` takes it back, and the rounds Flower numbers ``1, 2, ...`` are then
-  rounds ``m + 1, m + 2, ...`` of the run (:attr:`rounds_done` is added to them).
+  Its state is the method's (:attr:`~fedlap_jax.method.Method.init` before round 1) without
+  the clients' carried fields: each client keeps its own, and the plan and the server step see
+  public stand-ins of their shapes (:func:`fedlap_flower.method_work.carried_standins`). Each
+  round it asks the round's clients (:class:`Participation`), runs the method's plan
+  (:meth:`_plan_round`) and, on the replies that fit, its server step in an error boundary
+  (:meth:`_server_update`).
+
+  After every round it saves its state in the run-dir (:mod:`fedlap_flower.server_state`:
+  the parameters, the key chain, the method's own state fields, what it pinned);
+  :meth:`restore` takes it back, and the rounds Flower numbers ``1, 2, ...`` are then rounds
+  ``m + 1, m + 2, ...`` of the run (:attr:`rounds_done` is added to them).
   """
 
   rounds_done = 0
 
+  def _start_server(
+    self,
+    method,
+    method_config,
+    facts,
+    template,
+    k_alg,
+    *,
+    partition_keys,
+    min_clients: int,
+    round_timeout: float,
+    join_timeout: float,
+  ) -> None:
+    self.method = method
+    self.mc = method_config
+    self.participation = Participation(
+      self.cfg,
+      partition_keys=partition_keys,
+      min_clients=min_clients,
+      round_timeout=round_timeout,
+      join_timeout=join_timeout,
+    )
+    self.check_update = (
+      None if method.check_update is None else method.check_update(method_config, facts)
+    )
+    full = method_work.initial_state(method, method_config, template, k_alg, facts)
+    # The clients keep their carried state; the plan and step see public stand-ins.
+    self._standins = method_work.carried_standins(full, method)
+    self.state = method_work.server_state(full, method)
+    self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._epsilon: dict[int, float] = {}
+    self._round: dict[str, Any] = {}
+
+  def _plan_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> dict:
+    """The round's clients and the method's plan for them: ``asked`` (node -> partition),
+    ``chosen``, ``reports`` (nodes left out), the global ``params``, the round's ``state``
+    (with the chosen clients' stand-ins) and its ``plan``."""
+    asked, chosen, reports = self.participation.select(grid, server_round)
+    params = records.record_to_params(arrays, self.template)
+    state = method_work.with_standins(
+      self.state._replace(params=params, round=jnp.int32(server_round - 1)),
+      self._standins,
+      len(chosen),
+    )
+    plan = method_work.plan_fn(self.method, len(chosen), self.mc)(state)
+    return {
+      "asked": asked,
+      "chosen": chosen,
+      "reports": reports,
+      "arrays": arrays,
+      "params": params,
+      "state": state,
+      "plan": plan,
+    }
+
+  def _server_update(self, server_round: int, updates: list, num_records: list, what: str):
+    """The method's server step on the usable ``updates`` (partition order) in the error
+    boundary of :func:`_guarded_update`; the state moves on to the next round's key either way.
+    ``(params, metrics, refused, loss, accuracy)`` (``metrics`` ``None``: refused)."""
+    plan, state = self._round["plan"], self._round["state"]
+    take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
+
+    def update():
+      new, metrics = server_work.method_update(
+        self.method, self.model, self.mc, take_part, plan, state, updates, num_records
+      )
+      return new.params, (new, metrics)
+
+    params, (new_state, metrics), refused, loss, acc = _guarded_update(
+      update, self._round["params"], self.evaluate, what, (state, None)
+    )
+    self.state = method_work.server_state(
+      new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
+    )
+    return params, metrics, refused, loss, acc
+
   def _save_state(self, server_round: int, params) -> None:
+    extra = method_work.tree_to_arrays(self.state._replace(params=None, key=None, round=None))
     server_state.save(
       self.run_log.run_dir,
       server_state.ServerState(
         server_round,
         params,
-        self._chain,
-        getattr(self, "_labels", {}),
-        getattr(self, "_epsilon", {}),
+        self.state.key,
+        self._labels,
+        self._epsilon,
         self.participation.binding.pins,
+        extra,
       ),
     )
 
   def restore(self, state: server_state.ServerState) -> None:
-    """Continues after ``state.round`` with its key chain and what it pinned."""
+    """Continues after ``state.round`` with the method's state and what it pinned."""
     self.rounds_done = int(state.round)
-    self._chain = state.chain
-    self._labels = dict(state.labels)
+    template = self.state._replace(params=None, key=None, round=None)
+    rest = method_work.arrays_to_tree(state.extra, template)
+    self.state = rest._replace(
+      params=state.params, key=state.chain, round=self.state.round + int(state.round)
+    )
     self._epsilon = dict(state.epsilon)
+    self._labels = dict(state.labels)
     self.participation.binding.restore_pins(state.pins)
 
 
-class FedLAP(Resumable, Strategy):
+class FedLAP(MethodServer, Strategy):
   """FedLAP / FedLAP-DP over Flower messages (see the module docstring).
 
   Its server is its :class:`~fedlap_jax.method.Method`'s: the state before round 1
@@ -673,8 +763,6 @@ class FedLAP(Resumable, Strategy):
     self.federated_run = federated_run
     self.max_epsilon = float(max_epsilon)
     self.template = template  # the model's layout: parameter records travel packed
-    self.method = method
-    self.fc = method_config
     self.model = model
     self.evaluate = evaluate
     self.num_clients = int(cfg.data.num_clients)
@@ -686,8 +774,12 @@ class FedLAP(Resumable, Strategy):
     self.with_deltas = method_config.server.start == "fedavg_delta"
     self.run_log = run_log
     self.model_bytes = model_bytes
-    self.participation = Participation(
-      cfg,
+    self._start_server(
+      method,
+      method_config,
+      facts,
+      template,
+      k_alg,
       partition_keys=partition_keys,
       min_clients=min_clients,
       round_timeout=round_timeout,
@@ -699,22 +791,6 @@ class FedLAP(Resumable, Strategy):
       int(method_config.client.ipc),
       float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR),
     )
-    self.check_update = method.check_update(method_config, facts)
-    full = method_work.initial_state(method, method_config, template, k_alg, facts)
-    # The clients keep their synthetic sets; the plan and the step see public stand-ins.
-    self._standins = method_work.carried_standins(full, method)
-    self.state = method_work.server_state(full, method)
-    self._round: dict[str, Any] = {}
-    self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    self._epsilon: dict[int, float] = {}
-
-  @property
-  def _chain(self):
-    return self.state.key
-
-  @_chain.setter
-  def _chain(self, key):  # a resumed run's (Resumable.restore)
-    self.state = self.state._replace(key=key)
 
   def summary(self) -> None:
     log(
@@ -726,7 +802,7 @@ class FedLAP(Resumable, Strategy):
       self.cfg.data.get("clients_per_round") or "all",
       self.min_clients,
       "server" if self.server_keys else "client-secret",
-      self.fc.server.radius_strategy,
+      self.mc.server.radius_strategy,
       "by partition-keys" if self.participation.binding.by_key else "first come",
     )
     if self.dp and self.server_keys:
@@ -740,28 +816,12 @@ class FedLAP(Resumable, Strategy):
     self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
   ) -> Iterable[Message]:
     server_round += self.rounds_done
-    asked, chosen, reports = self.participation.select(grid, server_round)
-    params = records.record_to_params(arrays, self.template)
-    state = method_work.with_standins(
-      self.state._replace(params=params, round=jnp.int32(server_round - 1)),
-      self._standins,
-      len(chosen),
-    )
-    plan = method_work.plan_fn(self.method, len(chosen), self.fc)(state)
+    self._round = self._plan_round(server_round, arrays, grid)
+    plan, asked = self._round["plan"], self._round["asked"]
     # The wire sends the round's keys whole (each client takes its slot): the plan's own.
     keys = federated.round_keys(self.state.key)
     lr = float(np.float32(plan.message.rates.client))
-    self._round = {
-      "server_round": server_round,
-      "plan": plan,
-      "state": state,
-      "params": params,
-      "lr": lr,
-      "asked": asked,
-      "chosen": chosen,
-      "reports": reports,
-      "t0": time.time(),
-    }
+    self._round.update(server_round=server_round, lr=lr, t0=time.time())
     conf = ConfigRecord(
       {
         "server-round": server_round,
@@ -793,7 +853,7 @@ class FedLAP(Resumable, Strategy):
     if "synthetic" not in content.array_records:
       raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
     radius = replies.scalar(metrics, "radius")
-    sizes = self.fc.server.weighting == "size"
+    sizes = self.mc.server.weighting == "size"
     num_examples = replies.check_num_examples(metrics, required=sizes)
     _check_pinned(self.participation.binding, pid, num_examples)
     replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
@@ -917,27 +977,11 @@ class FedLAP(Resumable, Strategy):
       if n is not None:
         self.participation.binding.pin(pid, "num-examples", n)
 
-    plan, state = self._round["plan"], self._round["state"]
-    take_part = (len(chosen), self.num_clients)
-
-    def update():
-      new, metrics = server_work.method_update(
-        self.method,
-        self.model,
-        self.fc,
-        take_part,
-        plan,
-        state,
-        server_work.padded_updates(sets, radii, deltas if self.with_deltas else None),
-        [1 if n is None else n for n in sizes],  # unread under the uniform weights
-      )
-      return new.params, (new, metrics)
-
-    params, (new_state, metrics), refused, loss, acc = _guarded_update(
-      update, self._round["params"], self.evaluate, "server update", (state, None)
-    )
-    self.state = method_work.server_state(
-      new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
+    params, metrics, refused, loss, acc = self._server_update(
+      server_round,
+      server_work.padded_updates(sets, radii, deltas if self.with_deltas else None),
+      [1 if n is None else n for n in sizes],  # unread under the uniform weights
+      "server update",
     )
     summary = _round_record(self.method, metrics)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
@@ -978,7 +1022,7 @@ class FedLAP(Resumable, Strategy):
     return None
 
 
-class MethodStrategy(Resumable, FedAvg):
+class MethodStrategy(MethodServer, FedAvg):
   """Flower's FedAvg messages around a federated registry method (the module docstring;
   :mod:`fedlap_flower.method_work`): the server's state, plan and step are the method's."""
 
@@ -1017,39 +1061,33 @@ class MethodStrategy(Resumable, FedAvg):
     del chain_key  # the method's state holds its key chain
     self.cfg = cfg
     self.federated_run = federated_run  # its clients keep their carried state under it
-    self.method = method
-    self.mc = method_config
     self.model = model  # ModelFns: apply_fn (and FedDM's embed_fn, DSC / PSG's init_fn)
     self.template = template  # the model's layout: parameter records travel packed
     self.facts = facts
     self.wire = method.wire(method_config, template, facts)
-    self.check_update = (
-      None if method.check_update is None else method.check_update(method_config, facts)
-    )
     # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
     self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
     # DP at the edge: each client charges its own ledger and draws its own keys.
     self.dp = method.mechanism(method_config) is not None
     self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
     self.max_epsilon = float(max_epsilon)
-    self._epsilon: dict[int, float] = {}
     self.evaluate = evaluate
     self.min_clients = min_clients
     self.round_timeout = round_timeout
     self.join_timeout = join_timeout
     self.run_log = run_log
     self.model_bytes = model_bytes
-    self.participation = Participation(
-      cfg,
+    self._start_server(
+      method,
+      method_config,
+      facts,
+      template,
+      k_alg,
       partition_keys=partition_keys,
       min_clients=min_clients,
       round_timeout=round_timeout,
       join_timeout=join_timeout,
     )
-    full = method_work.initial_state(method, method_config, template, k_alg, facts)
-    # The clients keep their carried state; the plan and step see public stand-ins.
-    self._standins = method_work.carried_standins(full, method)
-    self.state = method_work.server_state(full, method)
     self.update_template = self._update_template(facts)
     self.packed = method_work.is_model(self.update_template, template)
     if not self.packed and max_update_norm not in ("", None):
@@ -1101,9 +1139,7 @@ class MethodStrategy(Resumable, FedAvg):
         message=f"method={method.name!r}: its client step returns "
         f"{Wire.of(self.update_template).fields}, its wire declares {self.wire.fields}",
       )
-    self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._t0 = time.time()
-    self._round: dict[str, Any] = {}
 
   def _update_template(self, facts):
     """The structure of a client's update, from one client's public stand-ins (nothing run)."""
@@ -1120,46 +1156,10 @@ class MethodStrategy(Resumable, FedAvg):
       method_work.shape_only_client(self.method, self.mc, facts),
     )
 
-  @property
-  def _chain(self):
-    return self.state.key
-
-  def _save_state(self, server_round: int, params) -> None:
-    extra = method_work.tree_to_arrays(self.state._replace(params=None, key=None, round=None))
-    server_state.save(
-      self.run_log.run_dir,
-      server_state.ServerState(
-        server_round,
-        params,
-        self.state.key,
-        self._labels,
-        getattr(self, "_epsilon", {}),
-        self.participation.binding.pins,
-        extra,
-      ),
-    )
-
-  def restore(self, state: server_state.ServerState) -> None:
-    """Continues after ``state.round`` with the method's state and what it pinned."""
-    self.rounds_done = int(state.round)
-    template = self.state._replace(params=None, key=None, round=None)
-    rest = method_work.arrays_to_tree(state.extra, template)
-    self.state = rest._replace(
-      params=state.params, key=state.chain, round=self.state.round + int(state.round)
-    )
-    self._epsilon = dict(state.epsilon)
-    self._labels = dict(state.labels)
-    self.participation.binding.restore_pins(state.pins)
-
   def configure_train(self, server_round, arrays, config, grid):
     server_round += self.rounds_done
-    asked, chosen, reports = self.participation.select(grid, server_round)
-    params = records.record_to_params(arrays, self.template)
-    num = len(chosen)
-    state = method_work.with_standins(
-      self.state._replace(params=params, round=jnp.int32(server_round - 1)), self._standins, num
-    )
-    plan = method_work.plan_fn(self.method, num, self.mc)(state)
+    self._round = self._plan_round(server_round, arrays, grid)
+    asked, chosen, plan = self._round["asked"], self._round["chosen"], self._round["plan"]
     message_arrays = method_work.tree_to_arrays(method_work.without_model(plan.message))
     messages = []
     for node in sorted(asked):
@@ -1181,17 +1181,7 @@ class MethodStrategy(Resumable, FedAvg):
         content["own"] = records.arrays_record(own)
       messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
     self._t0 = time.time()
-    self._round = {
-      "max_update_norm": self.update_bound(plan.message),
-      "asked": asked,
-      "chosen": chosen,
-      "reports": reports,
-      "arrays": arrays,
-      "params": params,
-      "plan": plan,
-      "state": state,
-      "messages": messages,
-    }
+    self._round.update(max_update_norm=self.update_bound(plan.message), messages=messages)
     return messages
 
   def _parse_one(self, msg: Message, node: int, report: dict):
@@ -1285,27 +1275,11 @@ class MethodStrategy(Resumable, FedAvg):
     this_round = {u[0]: u[3] for u in ok if u[3] is not None}
     for pid, eps in this_round.items():
       self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
-    plan, state = self._round["plan"], self._round["state"]
-    take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
-
-    def update():
-      new, metrics = server_work.method_update(
-        self.method,
-        self.model,
-        self.mc,
-        take_part,
-        plan,
-        state,
-        [u[1] for u in ok],
-        [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
-      )
-      return new.params, (new, metrics)
-
-    params, (new_state, metrics), refused, loss, acc = _guarded_update(
-      update, self._round["params"], self.evaluate, "aggregate", (state, None)
-    )
-    self.state = method_work.server_state(
-      new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
+    params, metrics, refused, loss, acc = self._server_update(
+      server_round,
+      [u[1] for u in ok],
+      [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
+      "aggregate",
     )
     arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
