@@ -158,8 +158,6 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     model_bytes=model_bytes,
     template=params,
     partition_keys=run.partition_keys,
-    # None: the method's own init derives its chain key (MethodStrategy's state holds it)
-    chain_key=None if plan.entry.chain_key is None else start.chain_key(plan.entry),
     federated_run=info[federated_runs.RUN_INFO_KEY],
   )
   max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))

@@ -620,17 +620,45 @@ class MethodServer:
 
   def _start_server(
     self,
+    *,
+    cfg,
     method,
     method_config,
     facts,
-    template,
+    model,
     k_alg,
-    *,
-    partition_keys,
+    template,
+    evaluate,
     min_clients: int,
     round_timeout: float,
     join_timeout: float,
+    run_log: RunLog,
+    model_bytes: int,
+    federated_run: str,
+    unsafe_dp_keys_from_server: bool = False,
+    max_epsilon: float = math.inf,
+    partition_keys=None,
   ) -> None:
+    """What every strategy's constructor takes: the run's experiment config ``cfg``, its
+    method and library config, its :class:`~fedlap_jax.method.RunFacts`, the model
+    (:class:`~fedlap_jax.method.ModelFns`; ``template``: its parameters' layout, the
+    parameter records travel packed), the algorithm key ``k_alg`` (the method's init), the
+    test evaluation, the run config's limits, the run log and the federated run's identity
+    (under which the clients keep their carried state)."""
+    self.cfg = cfg
+    self.federated_run = federated_run
+    self.model = model
+    self.template = template
+    self.evaluate = evaluate
+    self.min_clients = min_clients
+    self.round_timeout = round_timeout
+    self.join_timeout = join_timeout
+    self.run_log = run_log
+    self.model_bytes = model_bytes
+    self.max_epsilon = float(max_epsilon)
+    # DP at the edge: each client charges its own ledger and draws its own keys.
+    self.dp = method.mechanism(method_config) is not None
+    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
     self.method = method
     self.mc = method_config
     self.participation = Participation(
@@ -734,57 +762,13 @@ class FedLAP(MethodServer, Strategy):
   synthetic set, ``r_k`` as a metric and the delta as records of their own.
   """
 
-  def __init__(
-    self,
-    *,
-    cfg,
-    method,
-    method_config,
-    facts,
-    model,
-    k_alg,
-    evaluate,
-    min_clients: int,
-    round_timeout: float,
-    join_timeout: float,
-    unsafe_dp_keys_from_server: bool,
-    run_log: RunLog,
-    model_bytes: int,
-    template,
-    num_classes: int = 10,
-    max_image_abs: float | None = None,
-    partition_keys=None,
-    max_epsilon: float = math.inf,
-    chain_key=None,
-    federated_run: str,
-  ):
-    del chain_key  # the method's state holds its key chain
-    self.cfg = cfg
-    self.federated_run = federated_run
-    self.max_epsilon = float(max_epsilon)
-    self.template = template  # the model's layout: parameter records travel packed
-    self.model = model
-    self.evaluate = evaluate
-    self.num_clients = int(cfg.data.num_clients)
-    self.min_clients = min_clients
-    self.round_timeout = round_timeout
-    self.join_timeout = join_timeout
-    self.dp = method.mechanism(method_config) is not None
-    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
+  def __init__(self, *, num_classes: int = 10, max_image_abs: float | None = None, **server):
+    """``server``: :meth:`MethodServer._start_server`'s; ``num_classes`` and
+    ``max_image_abs`` bound a synthetic set (:class:`fedlap_flower.replies.SyntheticLimits`)."""
+    self._start_server(**server)
+    method_config, facts = self.mc, server["facts"]
+    self.num_clients = int(self.cfg.data.num_clients)
     self.with_deltas = method_config.server.start == "fedavg_delta"
-    self.run_log = run_log
-    self.model_bytes = model_bytes
-    self._start_server(
-      method,
-      method_config,
-      facts,
-      template,
-      k_alg,
-      partition_keys=partition_keys,
-      min_clients=min_clients,
-      round_timeout=round_timeout,
-      join_timeout=join_timeout,
-    )
     self.limits = replies.SyntheticLimits(
       tuple(facts.image_shape),
       int(num_classes),
@@ -1029,65 +1013,28 @@ class MethodStrategy(MethodServer, FedAvg):
   def __init__(
     self,
     *,
-    cfg,
-    method,
-    method_config,
-    facts,
-    evaluate,
-    min_clients: int,
-    round_timeout: float,
-    join_timeout: float,
-    run_log: RunLog,
-    model_bytes: int,
-    template,
-    model,
-    k_alg,
-    unsafe_dp_keys_from_server: bool = False,
-    max_epsilon: float = math.inf,
-    partition_keys=None,
-    chain_key=None,
-    federated_run: str,
     max_classes_stated: int = 0,
     max_update_norm: float | str | None = "",
     num_classes: int = 10,
     max_image_abs: float = replies.IMAGE_RANGE_FACTOR,
+    **server,
   ):
+    """``server``: :meth:`MethodServer._start_server`'s; ``max_classes_stated``: the run
+    config's ``max-classes-per-client``; ``max_update_norm``: its ``max-update-norm``
+    (:func:`fedlap_flower.replies.update_norm_rule`); ``num_classes`` and ``max_image_abs``
+    bound a synthetic set."""
     super().__init__(
       fraction_train=1.0,
       fraction_evaluate=0.0,
-      min_train_nodes=min_clients,
-      min_available_nodes=min_clients,
+      min_train_nodes=server["min_clients"],
+      min_available_nodes=server["min_clients"],
     )
-    del chain_key  # the method's state holds its key chain
-    self.cfg = cfg
-    self.federated_run = federated_run  # its clients keep their carried state under it
-    self.model = model  # ModelFns: apply_fn (and FedDM's embed_fn, DSC / PSG's init_fn)
-    self.template = template  # the model's layout: parameter records travel packed
+    self._start_server(**server)
+    method, method_config, facts, template = self.method, self.mc, server["facts"], self.template
     self.facts = facts
     self.wire = method.wire(method_config, template, facts)
     # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
     self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
-    # DP at the edge: each client charges its own ledger and draws its own keys.
-    self.dp = method.mechanism(method_config) is not None
-    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
-    self.max_epsilon = float(max_epsilon)
-    self.evaluate = evaluate
-    self.min_clients = min_clients
-    self.round_timeout = round_timeout
-    self.join_timeout = join_timeout
-    self.run_log = run_log
-    self.model_bytes = model_bytes
-    self._start_server(
-      method,
-      method_config,
-      facts,
-      template,
-      k_alg,
-      partition_keys=partition_keys,
-      min_clients=min_clients,
-      round_timeout=round_timeout,
-      join_timeout=join_timeout,
-    )
     self.update_template = self._update_template(facts)
     self.packed = method_work.is_model(self.update_template, template)
     if not self.packed and max_update_norm not in ("", None):
