@@ -14,9 +14,10 @@ bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
   :func:`fedlap_jax.client_step` (or :func:`fedlap_jax.baselines.client_step`
   for the FedAvg baseline) on the client's start set, and its reply.
 * :mod:`fedlap_flower.server_work` -- the server's round: the replies stacked
-  into one :class:`fedlap_jax.ClientUpdate` for the library's
-  :func:`fedlap_jax.server.server_step` (or the FedAvg clients' models for
-  :func:`fedlap_jax.baselines.server_step`), and the test evaluation.
+  for the method's server step (:attr:`fedlap_jax.method.Method.server_step`; FedLAP's
+  synthetic sets padded to one size first), and the test evaluation.
+* :mod:`fedlap_flower.method_work` -- a registry method's round cut at the wire, generic over
+  the method: its state, plan, client and server steps.
 
 A FedLAP client sends its synthetic set and radius (and its DP metrics); with
 ``server.start='fedavg_delta'`` (the hybrid DP recipe, ``quickstart:dp``) also

@@ -220,12 +220,6 @@ def is_model(update, params) -> bool:
   return jax.tree.structure(update) == jax.tree.structure(params)
 
 
-def update_arrays(update) -> dict[str, np.ndarray]:
-  """A client update as the ``{name: array}`` mapping its :class:`~fedlap_jax.method.Wire`
-  checks."""
-  return tree_to_arrays(update)
-
-
 @functools.lru_cache(maxsize=8)
 def plan_fn(method: Method, num_clients: int, config):
   """``state -> RoundPlan`` of ``num_clients`` clients, jitted as the round computes it."""

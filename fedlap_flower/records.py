@@ -49,6 +49,7 @@ from flwr.app import Array, ArrayRecord
 
 import fedlap_jax as fl
 from fedlap_flower import replies
+from fedlap_jax.method import NON_FINITE, Wire
 
 
 PACKED = "params"
@@ -151,9 +152,18 @@ def _numpy(record: ArrayRecord, key: str, name: str, dtype, finite: bool = True)
 
 
 def record_to_like(
-  record: ArrayRecord, params, what: str = "model delta", max_norm: float | None = None
+  record: ArrayRecord,
+  params,
+  what: str = "model delta",
+  max_norm: float | None = None,
+  wire: Wire | None = None,
 ):
   """A received pytree like ``params`` (a model delta, or a FedAvg client's parameters), checked.
+
+  The packing is checked here (one float32 Array of the model's parameter count, refused from
+  its declared shape and dtype before the values are read); the unpacked arrays are then
+  checked by ``wire`` (:meth:`fedlap_jax.method.Wire.check`: names, shapes, dtypes, finite
+  values), the one check of what a reply's arrays may be.
 
   Args:
     record: :func:`params_to_record` of the pytree (one float32 Array ``PACKED``).
@@ -161,15 +171,17 @@ def record_to_like(
     what: the name in messages (``"model delta"``; fields ``delta/...``, else ``arrays/...``).
     max_norm: refuse a global L2 norm above it
       (:func:`fedlap_flower.replies.max_delta_norm`); ``None``: no bound.
+    wire: the arrays expected (a method's :class:`~fedlap_jax.method.Wire` of its model
+      update); ``None``: ``params``' own (:meth:`Wire.of`).
 
   Returns:
     A NumPy pytree like ``params`` (float32).
 
   Raises:
     fedlap_flower.replies.InvalidReply (a ``ValueError``): other arrays than
-      ``PACKED``, another length than the model's parameter count (refused from
-      the declared shape, before the values are read) or dtype, NaN / Inf
-      (naming the parameter path), or a norm above ``max_norm``.
+      ``PACKED``, another length than the model's parameter count or another dtype, what
+      ``wire`` refuses (NaN / Inf, naming the parameter path ``delta/a/b``), or a norm above
+      ``max_norm``.
   """
   field = "delta" if what == "model delta" else "arrays"
   name = f"{field}/{PACKED}"
@@ -192,12 +204,28 @@ def record_to_like(
   if d.shape != want:
     raise replies.InvalidReply(name, f"{what} ({name}) holds shape {d.shape}; allowed: {want}")
   flat = _unpack(d, params)
-  for k, v in flat.items():
-    if not np.isfinite(v).all():
-      raise replies.InvalidReply(f"{field}/{k}", f"{what} {k!r} ({field}/{k}) holds NaN or Inf")
+  tree = traverse_util.unflatten_dict(flat, sep="/")
+  _check_unpacked(tree, Wire.of(tree) if wire is None else wire, what, field)
   if max_norm is not None:
     replies.check_delta_norm(flat, max_norm)
-  return traverse_util.unflatten_dict(flat, sep="/")
+  return tree
+
+
+def _check_unpacked(tree, wire: Wire, what: str, field: str) -> None:
+  """``wire``'s check of an unpacked parameter pytree, its refusal named by the parameter's
+  ``a/b/c`` path under ``field``."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  names = Wire.of(tree).names()
+  path = {n: "/".join(str(getattr(k, "key", k)) for k in p) for n, (p, _) in zip(names, leaves)}
+  try:
+    wire.check({n: leaf for n, (_, leaf) in zip(names, leaves)})
+  except fl.ConfigError as e:
+    at = path.get(e.field, e.field)
+    if e.value == NON_FINITE:
+      raise replies.InvalidReply(
+        f"{field}/{at}", f"{what} {at!r} ({field}/{at}) holds NaN or Inf"
+      ) from None
+    raise replies.InvalidReply(f"{field}/{at}", f"{what} ({field}/{at}): {e}") from None
 
 
 def record_to_delta(record: ArrayRecord, params, max_norm: float | None = None):

@@ -83,17 +83,17 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax
 import numpy as np
 
+from fedlap_jax import update_bounds
 from fedlap_jax.checks import ConfigError
 
 # |x| of an accepted synthetic image is at most this times the largest |pixel| of the
 # normalised test split (at least 1).
 IMAGE_RANGE_FACTOR = 1000.0
-# A high-probability bound of max_delta_norm fails with probability <= exp(-TAIL_LOG).
-TAIL_LOG = 80.0
-# Relative slack of the delta bound for float32 rounding.
-FLOAT_SLACK = 1e-3
-# The smallest r_k accepted, in units of the round's learning rate eta_m (module docstring).
-RADIUS_FLOOR_PER_LR = 1e-3
+# FedLAP's bounds on r_k and the model delta are the library's (its method's check_update).
+TAIL_LOG = update_bounds.TAIL_LOG
+RADIUS_FLOOR_PER_LR = update_bounds.RADIUS_FLOOR_PER_LR
+radius_floor = update_bounds.radius_floor
+max_delta_norm = update_bounds.matching_delta_bound
 # The largest num-examples accepted (module docstring): float32 counts are exact up to 2^24.
 MAX_NUM_EXAMPLES = 2**24
 
@@ -146,29 +146,16 @@ def scalar(metrics: Mapping[str, Any], key: str, *, integer: bool = False, requi
   return int(v) if integer else v
 
 
-def radius_floor(learning_rate: float) -> float:
-  """The smallest ``r_k`` accepted in a round of client rate ``eta_m``: ``1e-3 eta_m``.
-
-  Compared as the float32 the client computes ``r_k`` in (module docstring).
-  """
-  return float(np.float32(RADIUS_FLOOR_PER_LR * abs(float(learning_rate))))
-
-
 def check_radius(metrics: Mapping[str, Any], max_radius: float, min_radius: float = 0.0) -> float:
-  """The client's ``r_k``: one finite number in ``[min_radius, max_radius]``, and ``> 0``.
+  """The client's ``r_k``: one finite number (:func:`scalar`) in ``[min_radius, max_radius]``,
+  and ``> 0`` (:func:`fedlap_jax.update_bounds.check_radius`).
 
   ``min_radius``: :func:`radius_floor` of the round's ``eta_m``.
   """
-  r = scalar(metrics, "radius")
-  if not (0 < r and min_radius <= r <= max_radius):
-    low = f"[{min_radius:g}" if min_radius > 0 else "(0"
-    _fail(
-      "radius",
-      r,
-      f"a number in {low}, {max_radius:g}] (r_k <= the config's client.radius; "
-      f"r_k >= {RADIUS_FLOOR_PER_LR:g} x the round's learning rate, less than one SGD step)",
-    )
-  return r
+  try:
+    return update_bounds.check_radius(scalar(metrics, "radius"), max_radius, min_radius)
+  except ConfigError as e:
+    raise InvalidReply(e.field, str(e)) from None
 
 
 def check_num_examples(metrics: Mapping[str, Any], required: bool) -> int | None:
@@ -324,41 +311,13 @@ def image_bound(max_abs_pixel: float) -> float:
 # ----------------------------------------------------------------------------
 
 
-def max_delta_norm(client_config, learning_rate: float, num_params: int) -> float | None:
-  """The largest ``||delta||`` an honest DP client sends (the module docstring's bound).
-
-  Args:
-    client_config: :class:`fedlap_jax.ClientConfig` of the run.
-    learning_rate: the round's ``eta_m`` (what the client stepped with).
-    num_params: ``d``, the model's parameter count.
-
-  Returns:
-    The bound, or ``None`` without DP or without ``model_steps='noisy_real'``
-    (no clip: nothing bounds an honest client's step).
-  """
-  c = client_config
-  if c.dp is None or c.model_steps != "noisy_real":
-    return None
-  b, clip, sigma = float(c.batch_size), float(c.dp.l2_clip_norm), float(c.dp.noise_multiplier)
-  extra = TAIL_LOG / 3 + math.sqrt(TAIL_LOG**2 / 9 + 2 * TAIL_LOG * b)
-  norm_tail = math.sqrt(2 * TAIL_LOG)
-  g = clip * (b + extra) / b + sigma * clip * (math.sqrt(num_params) + norm_tail) / (
-    b * math.sqrt(c.batch_loop)
-  )
-  step = abs(float(learning_rate)) * g
-  return (1 + FLOAT_SLACK) * min(float(c.radius) + step, c.max_outer * step)
-
-
 def check_delta_norm(flat: Mapping[str, np.ndarray], max_norm: float | None) -> float:
-  """``||delta||`` over every leaf (float64); refuses it above ``max_norm``."""
-  norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in flat.values()))
-  if max_norm is not None and not norm <= max_norm:
-    raise InvalidReply(
-      "delta",
-      f"delta has norm {norm:.4g}; allowed: at most {max_norm:.4g}, what "
-      "an honest client's eta_m, clip, noise and radius allow",
-    )
-  return norm
+  """``||delta||`` over every leaf (float64); refuses it above ``max_norm``
+  (:func:`fedlap_jax.update_bounds.check_delta_norm`)."""
+  try:
+    return update_bounds.check_delta_norm(flat.values(), max_norm)
+  except ConfigError as e:
+    raise InvalidReply(e.field, str(e)) from None
 
 
 # ----------------------------------------------------------------------------

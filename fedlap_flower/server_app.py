@@ -158,39 +158,28 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     model_bytes=model_bytes,
     template=params,
     partition_keys=run.partition_keys,
-    # None: the method's own init derives its chain key (MethodStrategy's state holds it)
-    chain_key=None if plan.entry.chain_key is None else start.chain_key(plan.entry),
     federated_run=info[federated_runs.RUN_INFO_KEY],
   )
   max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))
-  if method_work.supported(method):
-    from experiments import methods  # pylint: disable=g-import-not-at-top
+  from experiments import methods  # pylint: disable=g-import-not-at-top
 
+  shared.update(
+    method=method,
+    method_config=plan.config,
+    facts=facts,
+    model=methods.model_fns(start.model, test.image_shape),
+    k_alg=start.k_alg,
+    unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
+    max_epsilon=run.max_epsilon,
+    num_classes=test.num_classes,
+    max_image_abs=max_image_abs,
+  )
+  if method_work.supported(method):
     strategy = strategy_lib.MethodStrategy(
-      **shared,
-      method=method,
-      method_config=plan.config,
-      facts=facts,
-      max_classes_stated=run.max_classes_per_client,
-      model=methods.model_fns(start.model, test.image_shape),
-      k_alg=start.k_alg,
-      unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
-      max_epsilon=run.max_epsilon,
-      max_update_norm=run.max_update_norm,
-      num_classes=test.num_classes,
-      max_image_abs=max_image_abs,
+      **shared, max_classes_stated=run.max_classes_per_client, max_update_norm=run.max_update_norm
     )
-  else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy)
-    strategy = strategy_lib.FedLAP(
-      **shared,
-      fedlap_config=plan.config,
-      apply_fn=apply_fn,
-      unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
-      image_shape=test.image_shape,
-      num_classes=test.num_classes,
-      max_image_abs=max_image_abs,
-      max_epsilon=run.max_epsilon,
-    )
+  else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy): its own wire
+    strategy = strategy_lib.FedLAP(**shared)
   if state is not None:
     strategy.restore(state)
     params = state.params

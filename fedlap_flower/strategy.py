@@ -21,29 +21,35 @@ whose parameters hold NaN / Inf (or give a non-finite test loss), is
 refused: the previous global model is kept, the round is logged with
 ``update_refused`` and the run goes on.
 
-:class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``):
+:class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``): its server is its registry
+method's (:data:`fedlap_jax.methods.fedlap.METHOD`): the state of its
+:attr:`~fedlap_jax.method.Method.init` (without the clients' synthetic sets), each round's
+:attr:`~fedlap_jax.method.Method.plan`, its :attr:`~fedlap_jax.method.Method.server_step` and
+:attr:`~fedlap_jax.method.Method.check_update`, as :class:`MethodStrategy` runs them; its own
+is the wire:
 
 * ``configure_train`` sends the asked nodes the global parameters, the
-  round's learning rate ``eta_m``
-  (:func:`fedlap_jax.federated.round_learning_rates`) and, without DP, the
+  round's learning rate ``eta_m`` (the plan's) and, without DP, the
   round's keys as ``experiments.run`` derives them (``(next, k_init,
-  k_clients, k_server) = split(state key, 4)``); under DP each client draws its
-  keys from its own secret (see :mod:`fedlap_flower.ledger`).
+  k_clients, k_server) = split(state key, 4)``), each client taking its slot; under DP each
+  client draws its keys from its own secret (see :mod:`fedlap_flower.ledger`).
 * ``aggregate_train`` sorts the replies: ``ok`` (a synthetic set that fits
   the round), ``refused`` (the client's privacy budget, or a round it is not
   drawn for), ``invalid`` (a reply that does not fit: shapes, dtypes, labels,
-  slot count, image range, metrics, model delta, or a ``partition-id`` other
+  slot count, image range, metrics, the radius range and the DP delta bound of the method's
+  ``check_update``, model delta, or a ``partition-id`` other
   than its node's), ``error`` (the ClientApp raised, or Flower reports the
   node unavailable) and ``missing`` (no reply within ``round-timeout``). With
   fewer than ``min-clients`` usable sets it logs the round and stops the run
-  (:class:`TooFewClients`). Otherwise it stacks the replies in partition order
-  into one :class:`fedlap_jax.ClientUpdate` and runs
-  :func:`fedlap_jax.server.server_step` on it (radius ``r_g`` from the
-  clients' ``r_k``, the client weights, the start, Algorithm 2: what
+  (:class:`TooFewClients`). Otherwise it pads the replies' sets to one size, stacks them in
+  partition order (:func:`fedlap_flower.server_work.padded_updates`) and runs the method's
+  server step on them (:func:`fedlap_flower.server_work.method_update`: radius ``r_g`` from
+  the clients' ``r_k``, the client weights, the start, Algorithm 2: what
   ``experiments.run``'s round runs), evaluates on the test split and logs the
-  round (:class:`RunLog`). With ``server.start='fedavg_delta'`` (the hybrid
-  recipe) every ``ok`` reply must also carry the client's model delta, of
-  bounded norm under DP (:func:`fedlap_flower.replies.max_delta_norm`); the
+  round (:class:`RunLog`; the server's numbers are the method's
+  :attr:`~fedlap_jax.method.Method.round_record`). With ``server.start='fedavg_delta'`` (the
+  hybrid recipe) every ``ok`` reply must also carry the client's model delta, of
+  bounded norm under DP (:func:`fedlap_jax.update_bounds.matching_delta_bound`); the
   descent starts from ``w_g`` plus the usable clients' deltas averaged with
   the server's weights, as ``experiments.run`` does.
 
@@ -63,8 +69,10 @@ delta; FedDM / DSC / PSG: training on the union of the synthetic sets), so a rou
 the method's update in its wire format (a model packed in ``arrays``: its paths, shapes and
 dtypes; any other update in ``update``, by the wire's names, each array refused by its declared
 shape and dtype before its values are read; finite values), a synthetic set passing FedLAP's
-checks (:func:`fedlap_flower.replies.check_synthetic`, labels pinned per partition),
-``num-examples`` an int >= 1 and the node's ``partition-id``. A model reply's ``||w_k - w_g||``
+checks (:func:`fedlap_flower.replies.check_synthetic`, labels pinned per partition), the
+method's own bounds on an update (:attr:`~fedlap_jax.method.Method.check_update`, if any),
+``num-examples`` an int >= 1 and the node's ``partition-id``; a round's record holds the
+method's :attr:`~fedlap_jax.method.Method.round_record`, if any. A model reply's ``||w_k - w_g||``
 must also be at most the round's bound (the run config's ``max-update-norm``,
 :func:`fedlap_flower.replies.update_norm_rule`): by default, under DP, the method's own bound on
 an honest client's noisy clipped SGD, which an honest reply exceeds with probability below
@@ -105,6 +113,7 @@ from fedlap_flower import (
 from fedlap_flower import settings as settings_lib
 from fedlap_jax import federated
 from fedlap_jax.checks import ConfigError
+from fedlap_jax.client import ClientUpdate
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.method import Wire
 
@@ -351,6 +360,25 @@ def _check_pinned_labels(pinned, synthetic) -> None:
     )
 
 
+def _check_update(check, message, update) -> None:
+  """A method's bounds on one client's update (:attr:`fedlap_jax.method.Method.check_update`,
+  ``None``: none) in the round of ``message``; a refusal names the update's field."""
+  if check is None:
+    return
+  try:
+    check(message, update)
+  except ConfigError as e:
+    raise replies.InvalidReply(str(e.field), str(e)) from None
+
+
+def _round_record(method, metrics) -> dict:
+  """The public numbers of a round's server step (:attr:`fedlap_jax.method.Method.round_record`):
+  ``{}`` for a method without them or a round whose update was refused (``metrics`` None)."""
+  if method.round_record is None or metrics is None:
+    return {}
+  return method.round_record(metrics)
+
+
 def _synthetic_sets(update) -> list:
   """The synthetic sets an update holds (:class:`fedlap_jax.SyntheticSet` nodes)."""
   is_set = lambda t: isinstance(t, SyntheticSet)  # noqa: E731
@@ -572,101 +600,181 @@ class Participation:
     return asked, chosen, reports
 
 
-class Resumable:
-  """What both strategies keep for a resumed run (:mod:`fedlap_flower.server_state`).
+class MethodServer:
+  """A registry method's server, as both strategies hold it (the module docstring).
 
-  After every round whose update they made they save their state in the run-dir;
-  :meth:`restore` takes it back, and the rounds Flower numbers ``1, 2, ...`` are then
-  rounds ``m + 1, m + 2, ...`` of the run (:attr:`rounds_done` is added to them).
+  Its state is the method's (:attr:`~fedlap_jax.method.Method.init` before round 1) without
+  the clients' carried fields: each client keeps its own, and the plan and the server step see
+  public stand-ins of their shapes (:func:`fedlap_flower.method_work.carried_standins`). Each
+  round it asks the round's clients (:class:`Participation`), runs the method's plan
+  (:meth:`_plan_round`) and, on the replies that fit, its server step in an error boundary
+  (:meth:`_server_update`).
+
+  After every round it saves its state in the run-dir (:mod:`fedlap_flower.server_state`:
+  the parameters, the key chain, the method's own state fields, what it pinned);
+  :meth:`restore` takes it back, and the rounds Flower numbers ``1, 2, ...`` are then rounds
+  ``m + 1, m + 2, ...`` of the run (:attr:`rounds_done` is added to them).
   """
 
   rounds_done = 0
 
-  def _save_state(self, server_round: int, params) -> None:
-    server_state.save(
-      self.run_log.run_dir,
-      server_state.ServerState(
-        server_round,
-        params,
-        self._chain,
-        getattr(self, "_labels", {}),
-        getattr(self, "_epsilon", {}),
-        self.participation.binding.pins,
-      ),
-    )
-
-  def restore(self, state: server_state.ServerState) -> None:
-    """Continues after ``state.round`` with its key chain and what it pinned."""
-    self.rounds_done = int(state.round)
-    self._chain = state.chain
-    self._labels = dict(state.labels)
-    self._epsilon = dict(state.epsilon)
-    self.participation.binding.restore_pins(state.pins)
-
-
-class FedLAP(Resumable, Strategy):
-  """FedLAP / FedLAP-DP over Flower messages (see the module docstring)."""
-
-  def __init__(
+  def _start_server(
     self,
     *,
     cfg,
-    fedlap_config,
-    apply_fn,
+    method,
+    method_config,
+    facts,
+    model,
+    k_alg,
+    template,
     evaluate,
     min_clients: int,
     round_timeout: float,
     join_timeout: float,
-    unsafe_dp_keys_from_server: bool,
     run_log: RunLog,
     model_bytes: int,
-    template,
-    image_shape=None,
-    num_classes: int = 10,
-    max_image_abs: float | None = None,
-    partition_keys=None,
-    max_epsilon: float = math.inf,
-    chain_key,
     federated_run: str,
-  ):
+    unsafe_dp_keys_from_server: bool = False,
+    max_epsilon: float = math.inf,
+    partition_keys=None,
+  ) -> None:
+    """What every strategy's constructor takes: the run's experiment config ``cfg``, its
+    method and library config, its :class:`~fedlap_jax.method.RunFacts`, the model
+    (:class:`~fedlap_jax.method.ModelFns`; ``template``: its parameters' layout, the
+    parameter records travel packed), the algorithm key ``k_alg`` (the method's init), the
+    test evaluation, the run config's limits, the run log and the federated run's identity
+    (under which the clients keep their carried state)."""
     self.cfg = cfg
     self.federated_run = federated_run
-    self.max_epsilon = float(max_epsilon)
-    self.template = template  # the model's layout: parameter records travel packed
-    self.fc = fedlap_config
-    self.apply_fn = apply_fn
+    self.model = model
+    self.template = template
     self.evaluate = evaluate
-    self.num_clients = int(cfg.data.num_clients)
     self.min_clients = min_clients
     self.round_timeout = round_timeout
     self.join_timeout = join_timeout
-    self.dp = fedlap_config.client.dp is not None
-    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
-    self.with_deltas = fedlap_config.server.start == "fedavg_delta"
     self.run_log = run_log
     self.model_bytes = model_bytes
+    self.max_epsilon = float(max_epsilon)
+    # DP at the edge: each client charges its own ledger and draws its own keys.
+    self.dp = method.mechanism(method_config) is not None
+    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
+    self.method = method
+    self.mc = method_config
     self.participation = Participation(
-      cfg,
+      self.cfg,
       partition_keys=partition_keys,
       min_clients=min_clients,
       round_timeout=round_timeout,
       join_timeout=join_timeout,
     )
-    self.limits = None
-    if image_shape is not None:
-      self.limits = replies.SyntheticLimits(
-        tuple(image_shape),
-        int(num_classes),
-        int(fedlap_config.client.ipc),
-        float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR),
-      )
-    # r_k <= r, compared as the float32 the client computes r_k in.
-    self.max_radius = float(np.float32(fedlap_config.client.radius))
-    self._chain = chain_key  # init_state's state key (experiments.build.Init.chain_key)
-    self._round: dict[str, Any] = {}
+    self.check_update = (
+      None if method.check_update is None else method.check_update(method_config, facts)
+    )
+    full = method_work.initial_state(method, method_config, template, k_alg, facts)
+    # The clients keep their carried state; the plan and step see public stand-ins.
+    self._standins = method_work.carried_standins(full, method)
+    self.state = method_work.server_state(full, method)
     self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._epsilon: dict[int, float] = {}
-    self._params = None
+    self._round: dict[str, Any] = {}
+
+  def _plan_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> dict:
+    """The round's clients and the method's plan for them: ``asked`` (node -> partition),
+    ``chosen``, ``reports`` (nodes left out), the global ``params``, the round's ``state``
+    (with the chosen clients' stand-ins) and its ``plan``."""
+    asked, chosen, reports = self.participation.select(grid, server_round)
+    params = records.record_to_params(arrays, self.template)
+    state = method_work.with_standins(
+      self.state._replace(params=params, round=jnp.int32(server_round - 1)),
+      self._standins,
+      len(chosen),
+    )
+    plan = method_work.plan_fn(self.method, len(chosen), self.mc)(state)
+    return {
+      "asked": asked,
+      "chosen": chosen,
+      "reports": reports,
+      "arrays": arrays,
+      "params": params,
+      "state": state,
+      "plan": plan,
+    }
+
+  def _server_update(self, server_round: int, updates: list, num_records: list, what: str):
+    """The method's server step on the usable ``updates`` (partition order) in the error
+    boundary of :func:`_guarded_update`; the state moves on to the next round's key either way.
+    ``(params, metrics, refused, loss, accuracy)`` (``metrics`` ``None``: refused)."""
+    plan, state = self._round["plan"], self._round["state"]
+    take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
+
+    def update():
+      new, metrics = server_work.method_update(
+        self.method, self.model, self.mc, take_part, plan, state, updates, num_records
+      )
+      return new.params, (new, metrics)
+
+    params, (new_state, metrics), refused, loss, acc = _guarded_update(
+      update, self._round["params"], self.evaluate, what, (state, None)
+    )
+    self.state = method_work.server_state(
+      new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
+    )
+    return params, metrics, refused, loss, acc
+
+  def _save_state(self, server_round: int, params) -> None:
+    extra = method_work.tree_to_arrays(self.state._replace(params=None, key=None, round=None))
+    server_state.save(
+      self.run_log.run_dir,
+      server_state.ServerState(
+        server_round,
+        params,
+        self.state.key,
+        self._labels,
+        self._epsilon,
+        self.participation.binding.pins,
+        extra,
+      ),
+    )
+
+  def restore(self, state: server_state.ServerState) -> None:
+    """Continues after ``state.round`` with the method's state and what it pinned."""
+    self.rounds_done = int(state.round)
+    template = self.state._replace(params=None, key=None, round=None)
+    rest = method_work.arrays_to_tree(state.extra, template)
+    self.state = rest._replace(
+      params=state.params, key=state.chain, round=self.state.round + int(state.round)
+    )
+    self._epsilon = dict(state.epsilon)
+    self._labels = dict(state.labels)
+    self.participation.binding.restore_pins(state.pins)
+
+
+class FedLAP(MethodServer, Strategy):
+  """FedLAP / FedLAP-DP over Flower messages (see the module docstring).
+
+  Its server is its :class:`~fedlap_jax.method.Method`'s: the state before round 1
+  (:attr:`~fedlap_jax.method.Method.init`, without the clients' synthetic sets), each round's
+  plan (the keys and rates of ``experiments.run``), the checks of an update beyond its arrays
+  (:attr:`~fedlap_jax.method.Method.check_update`: the radius range, the DP delta bound), the
+  server step and the round's public numbers (:attr:`~fedlap_jax.method.Method.round_record`).
+  What is its own is the wire: the round's keys sent whole (each client takes its slot), the
+  synthetic set, ``r_k`` as a metric and the delta as records of their own.
+  """
+
+  def __init__(self, *, num_classes: int = 10, max_image_abs: float | None = None, **server):
+    """``server``: :meth:`MethodServer._start_server`'s; ``num_classes`` and
+    ``max_image_abs`` bound a synthetic set (:class:`fedlap_flower.replies.SyntheticLimits`)."""
+    self._start_server(**server)
+    method_config, facts = self.mc, server["facts"]
+    self.num_clients = int(self.cfg.data.num_clients)
+    self.with_deltas = method_config.server.start == "fedavg_delta"
+    self.limits = replies.SyntheticLimits(
+      tuple(facts.image_shape),
+      int(num_classes),
+      int(method_config.client.ipc),
+      float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR),
+    )
 
   def summary(self) -> None:
     log(
@@ -678,7 +786,7 @@ class FedLAP(Resumable, Strategy):
       self.cfg.data.get("clients_per_round") or "all",
       self.min_clients,
       "server" if self.server_keys else "client-secret",
-      self.fc.server.radius_strategy,
+      self.mc.server.radius_strategy,
       "by partition-keys" if self.participation.binding.by_key else "first come",
     )
     if self.dp and self.server_keys:
@@ -692,24 +800,12 @@ class FedLAP(Resumable, Strategy):
     self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
   ) -> Iterable[Message]:
     server_round += self.rounds_done
-    asked, chosen, reports = self.participation.select(grid, server_round)
-    self._chain, k_init, k_clients, k_server = federated.round_keys(self._chain)
-    lr, server_lr = task.round_learning_rates(self.fc, server_round)
-    self._params = records.record_to_params(arrays, self.template)
-    self._round = {
-      "server_round": server_round,
-      "k_server": k_server,
-      "lr": lr,
-      "server_lr": server_lr,
-      "asked": asked,
-      "chosen": chosen,
-      "reports": reports,
-      "t0": time.time(),
-      "max_delta_norm": replies.max_delta_norm(
-        self.fc.client, lr, sum(int(np.size(v)) for v in jax.tree.leaves(self._params))
-      ),
-      "min_radius": replies.radius_floor(lr),
-    }
+    self._round = self._plan_round(server_round, arrays, grid)
+    plan, asked = self._round["plan"], self._round["asked"]
+    # The wire sends the round's keys whole (each client takes its slot): the plan's own.
+    keys = federated.round_keys(self.state.key)
+    lr = float(np.float32(plan.message.rates.client))
+    self._round.update(server_round=server_round, lr=lr, t0=time.time())
     conf = ConfigRecord(
       {
         "server-round": server_round,
@@ -720,8 +816,8 @@ class FedLAP(Resumable, Strategy):
       }
     )
     if self.server_keys:
-      conf["key-init"] = task.key_to_words(k_init)
-      conf["key-clients"] = task.key_to_words(k_clients)
+      conf["key-init"] = task.key_to_words(keys.init)
+      conf["key-clients"] = task.key_to_words(keys.clients)
     content = RecordDict({"arrays": arrays, "config": conf})
     self._round["messages"] = [
       Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in sorted(asked)
@@ -740,8 +836,8 @@ class FedLAP(Resumable, Strategy):
       )
     if "synthetic" not in content.array_records:
       raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
-    radius = replies.check_radius(metrics, self.max_radius, self._round["min_radius"])
-    sizes = self.fc.server.weighting == "size"
+    radius = replies.scalar(metrics, "radius")
+    sizes = self.mc.server.weighting == "size"
     num_examples = replies.check_num_examples(metrics, required=sizes)
     _check_pinned(self.participation.binding, pid, num_examples)
     replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
@@ -753,9 +849,10 @@ class FedLAP(Resumable, Strategy):
         raise replies.InvalidReply(
           "delta", "no model delta; server.start='fedavg_delta' needs one from every client"
         )
-      delta = records.record_to_delta(
-        content.array_records["delta"], self._params, max_norm=self._round.get("max_delta_norm")
-      )
+      delta = records.record_to_delta(content.array_records["delta"], self._round["params"])
+    update = ClientUpdate(synthetic, np.float32(radius), delta)
+    # the method's bounds: r_k's range, the DP delta's norm
+    _check_update(self.check_update, self._round["plan"].message, update)
     return synthetic, radius, num_examples, delta
 
   def _parse_one(self, msg: Message, node: int, report: dict):
@@ -864,23 +961,13 @@ class FedLAP(Resumable, Strategy):
       if n is not None:
         self.participation.binding.pin(pid, "num-examples", n)
 
-    def update():
-      updates = server_work.stack_updates(sets, radii, deltas if self.with_deltas else None)
-      params, sm = server_work.server_update(
-        self._round["k_server"],
-        self.apply_fn,
-        self._params,
-        updates,
-        self._round["server_lr"],
-        self.fc,
-        num_records=sizes,
-      )
-      return params, (float(sm.radius), int(sm.epochs), int(sm.steps))
-
-    params, server_metrics, refused, loss, acc = _guarded_update(
-      update, self._params, self.evaluate, "server update", (math.nan, 0, 0)
+    params, metrics, refused, loss, acc = self._server_update(
+      server_round,
+      server_work.padded_updates(sets, radii, deltas if self.with_deltas else None),
+      [1 if n is None else n for n in sizes],  # unread under the uniform weights
+      "server update",
     )
-    r_g, server_epochs, server_steps = server_metrics
+    summary = _round_record(self.method, metrics)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
     self.run_log.add_round(
       {
@@ -889,9 +976,7 @@ class FedLAP(Resumable, Strategy):
         "test_loss": loss,
         **({"update_refused": refused} if refused else {}),
         "client_radius": {str(p): r for p, r in zip(pids, radii)},
-        "server_radius": r_g if math.isfinite(r_g) else None,
-        "server_epochs": server_epochs,
-        "server_steps": server_steps,
+        **summary,
         "upload_bytes": upload,
         "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
         **(
@@ -921,75 +1006,35 @@ class FedLAP(Resumable, Strategy):
     return None
 
 
-class MethodStrategy(Resumable, FedAvg):
+class MethodStrategy(MethodServer, FedAvg):
   """Flower's FedAvg messages around a federated registry method (the module docstring;
   :mod:`fedlap_flower.method_work`): the server's state, plan and step are the method's."""
 
   def __init__(
     self,
     *,
-    cfg,
-    method,
-    method_config,
-    facts,
-    evaluate,
-    min_clients: int,
-    round_timeout: float,
-    join_timeout: float,
-    run_log: RunLog,
-    model_bytes: int,
-    template,
-    model,
-    k_alg,
-    unsafe_dp_keys_from_server: bool = False,
-    max_epsilon: float = math.inf,
-    partition_keys=None,
-    chain_key=None,
-    federated_run: str,
     max_classes_stated: int = 0,
     max_update_norm: float | str | None = "",
     num_classes: int = 10,
     max_image_abs: float = replies.IMAGE_RANGE_FACTOR,
+    **server,
   ):
+    """``server``: :meth:`MethodServer._start_server`'s; ``max_classes_stated``: the run
+    config's ``max-classes-per-client``; ``max_update_norm``: its ``max-update-norm``
+    (:func:`fedlap_flower.replies.update_norm_rule`); ``num_classes`` and ``max_image_abs``
+    bound a synthetic set."""
     super().__init__(
       fraction_train=1.0,
       fraction_evaluate=0.0,
-      min_train_nodes=min_clients,
-      min_available_nodes=min_clients,
+      min_train_nodes=server["min_clients"],
+      min_available_nodes=server["min_clients"],
     )
-    del chain_key  # the method's state holds its key chain
-    self.cfg = cfg
-    self.federated_run = federated_run  # its clients keep their carried state under it
-    self.method = method
-    self.mc = method_config
-    self.model = model  # ModelFns: apply_fn (and FedDM's embed_fn, DSC / PSG's init_fn)
-    self.template = template  # the model's layout: parameter records travel packed
+    self._start_server(**server)
+    method, method_config, facts, template = self.method, self.mc, server["facts"], self.template
     self.facts = facts
     self.wire = method.wire(method_config, template, facts)
     # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
     self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
-    # DP at the edge: each client charges its own ledger and draws its own keys.
-    self.dp = method.mechanism(method_config) is not None
-    self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
-    self.max_epsilon = float(max_epsilon)
-    self._epsilon: dict[int, float] = {}
-    self.evaluate = evaluate
-    self.min_clients = min_clients
-    self.round_timeout = round_timeout
-    self.join_timeout = join_timeout
-    self.run_log = run_log
-    self.model_bytes = model_bytes
-    self.participation = Participation(
-      cfg,
-      partition_keys=partition_keys,
-      min_clients=min_clients,
-      round_timeout=round_timeout,
-      join_timeout=join_timeout,
-    )
-    full = method_work.initial_state(method, method_config, template, k_alg, facts)
-    # The clients keep their carried state; the plan and step see public stand-ins.
-    self._standins = method_work.carried_standins(full, method)
-    self.state = method_work.server_state(full, method)
     self.update_template = self._update_template(facts)
     self.packed = method_work.is_model(self.update_template, template)
     if not self.packed and max_update_norm not in ("", None):
@@ -1041,9 +1086,7 @@ class MethodStrategy(Resumable, FedAvg):
         message=f"method={method.name!r}: its client step returns "
         f"{Wire.of(self.update_template).fields}, its wire declares {self.wire.fields}",
       )
-    self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._t0 = time.time()
-    self._round: dict[str, Any] = {}
 
   def _update_template(self, facts):
     """The structure of a client's update, from one client's public stand-ins (nothing run)."""
@@ -1060,46 +1103,10 @@ class MethodStrategy(Resumable, FedAvg):
       method_work.shape_only_client(self.method, self.mc, facts),
     )
 
-  @property
-  def _chain(self):
-    return self.state.key
-
-  def _save_state(self, server_round: int, params) -> None:
-    extra = method_work.tree_to_arrays(self.state._replace(params=None, key=None, round=None))
-    server_state.save(
-      self.run_log.run_dir,
-      server_state.ServerState(
-        server_round,
-        params,
-        self.state.key,
-        self._labels,
-        getattr(self, "_epsilon", {}),
-        self.participation.binding.pins,
-        extra,
-      ),
-    )
-
-  def restore(self, state: server_state.ServerState) -> None:
-    """Continues after ``state.round`` with the method's state and what it pinned."""
-    self.rounds_done = int(state.round)
-    template = self.state._replace(params=None, key=None, round=None)
-    rest = method_work.arrays_to_tree(state.extra, template)
-    self.state = rest._replace(
-      params=state.params, key=state.chain, round=self.state.round + int(state.round)
-    )
-    self._epsilon = dict(state.epsilon)
-    self._labels = dict(state.labels)
-    self.participation.binding.restore_pins(state.pins)
-
   def configure_train(self, server_round, arrays, config, grid):
     server_round += self.rounds_done
-    asked, chosen, reports = self.participation.select(grid, server_round)
-    params = records.record_to_params(arrays, self.template)
-    num = len(chosen)
-    state = method_work.with_standins(
-      self.state._replace(params=params, round=jnp.int32(server_round - 1)), self._standins, num
-    )
-    plan = method_work.plan_fn(self.method, num, self.mc)(state)
+    self._round = self._plan_round(server_round, arrays, grid)
+    asked, chosen, plan = self._round["asked"], self._round["chosen"], self._round["plan"]
     message_arrays = method_work.tree_to_arrays(method_work.without_model(plan.message))
     messages = []
     for node in sorted(asked):
@@ -1121,17 +1128,7 @@ class MethodStrategy(Resumable, FedAvg):
         content["own"] = records.arrays_record(own)
       messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
     self._t0 = time.time()
-    self._round = {
-      "max_update_norm": self.update_bound(plan.message),
-      "asked": asked,
-      "chosen": chosen,
-      "reports": reports,
-      "arrays": arrays,
-      "params": params,
-      "plan": plan,
-      "state": state,
-      "messages": messages,
-    }
+    self._round.update(max_update_norm=self.update_bound(plan.message), messages=messages)
     return messages
 
   def _parse_one(self, msg: Message, node: int, report: dict):
@@ -1186,11 +1183,8 @@ class MethodStrategy(Resumable, FedAvg):
     eps = replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
     record = content.array_records[update_key]
     if self.packed:  # the model, packed
-      update = records.record_to_like(record, self._round["params"], what="model")
-      try:  # the method's own wire format (names, shapes, dtypes, finite values)
-        self.wire.check(method_work.update_arrays(update))
-      except ConfigError as e:
-        raise replies.InvalidReply(str(e.field), str(e)) from None
+      # the packing, then the method's own wire format (names, shapes, dtypes, finite values)
+      update = records.record_to_like(record, self._round["params"], "model", wire=self.wire)
       bound = self._round.get("max_update_norm")
       if bound is not None:  # in the report, refused or not
         report.update(
@@ -1204,6 +1198,7 @@ class MethodStrategy(Resumable, FedAvg):
       x, y, mask = (np.asarray(a) for a in synthetic)
       replies.check_synthetic(x, y, mask, self.limits)
       _check_pinned_labels(self._labels.get(report["partition_id"]), SyntheticSet(x, y, mask))
+    _check_update(self.check_update, self._round["plan"].message, update)
     report.update(status="ok", upload_bytes=records.raw_bytes(record))
     return report["partition_id"], update, num_examples, eps
 
@@ -1227,27 +1222,11 @@ class MethodStrategy(Resumable, FedAvg):
     this_round = {u[0]: u[3] for u in ok if u[3] is not None}
     for pid, eps in this_round.items():
       self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
-    plan, state = self._round["plan"], self._round["state"]
-    take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
-
-    def update():
-      new, _ = server_work.method_update(
-        self.method,
-        self.model,
-        self.mc,
-        take_part,
-        plan,
-        state,
-        [u[1] for u in ok],
-        [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
-      )
-      return new.params, new
-
-    params, new_state, refused, loss, acc = _guarded_update(
-      update, self._round["params"], self.evaluate, "aggregate", state
-    )
-    self.state = method_work.server_state(
-      new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
+    params, metrics, refused, loss, acc = self._server_update(
+      server_round,
+      [u[1] for u in ok],
+      [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
+      "aggregate",
     )
     arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
@@ -1269,6 +1248,7 @@ class MethodStrategy(Resumable, FedAvg):
         "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
         **{f"clients_{s}": v for s, v in by_status.items()},
         **({"update_refused": refused} if refused else {}),
+        **_round_record(self.method, metrics),
         "upload_bytes": sum(r.get("upload_bytes", 0) for r in reports),
         "model_bytes": self.model_bytes,
         "round_seconds": time.time() - self._t0,

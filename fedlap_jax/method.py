@@ -204,6 +204,10 @@ class Wire:
     check(reply, self)
 
 
+NON_FINITE = "a non-finite value"
+"""The ``value`` of :meth:`Wire.check`'s refusal of an array holding NaN or Inf."""
+
+
 def check(reply: Mapping[str, Any], expected: Wire) -> None:
   """:meth:`Wire.check` of ``reply`` against ``expected``."""
   if not isinstance(reply, Mapping):
@@ -220,7 +224,7 @@ def check(reply: Mapping[str, Any], expected: Wire) -> None:
     if tuple(a.shape) != f.shape:
       raise ConfigError(f.name, tuple(a.shape), f"shape {f.shape}")
     if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
-      raise ConfigError(f.name, "a non-finite value", "finite numbers")
+      raise ConfigError(f.name, NON_FINITE, "finite numbers")
 
 
 def synthetic_upload(ipc: int, facts: RunFacts) -> int:
@@ -294,6 +298,15 @@ class Method:
       (but with a stated false-refusal probability), which a server refuses a reply above;
       ``None`` (or a ``None`` result): no bound follows from the config (no clipping, or a
       client optimiser it cannot bound).
+    check_update: ``(config, facts) -> (message, update) -> None``: refuses a client's update
+      (one client's, no client axis) that no honest client sends in the round of ``message``,
+      beyond what its :class:`Wire` checks (names, shapes, dtypes, finite values): FedLAP's
+      radius range and, under DP, its model delta's norm. Raises
+      :class:`~fedlap_jax.checks.ConfigError` naming the update's field. ``None``: the wire's
+      checks (and :attr:`update_bound`) are all.
+    round_record: ``metrics -> {name: JSON value}``: the public numbers of a round's metrics
+      that the server step computes (the server's radius and steps, the round's rate; not the
+      clients' own diagnostics): what a front end logs of the round. ``None``: none.
   """
 
   name: str
@@ -320,6 +333,8 @@ class Method:
   extend: Callable[[Any, Mapping[str, Any]], Any] | None = None
   own_section: type | None = None
   update_bound: Callable[[Any, RunFacts], Callable[[Any], float] | None] | None = None
+  check_update: Callable[[Any, RunFacts], Callable[[Any, Any], None]] | None = None
+  round_record: Callable[[Any], dict] | None = None
 
   def __post_init__(self):
     if self.privacy not in PRIVACY:

@@ -43,6 +43,11 @@ Units: every norm is the L2 norm over all the model's parameters, in the paramet
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable
+
+import numpy as np
+
+from fedlap_jax.checks import ConfigError
 
 # The probability that an honest reply is refused (each of the two tail bounds gets half).
 FALSE_REFUSAL = 1e-9
@@ -143,3 +148,102 @@ def local_sgd_update_bound(
   exact = clipped + noise + drift
   rounding = len(c) * FLOAT32_ROUNDOFF * (params_norm + exact)
   return (1.0 + FLOAT_SLACK) * exact + rounding
+
+
+# -- FedLAP's update -----------------------------------------------------------------------------
+#
+# A FedLAP client sends its synthetic set, its radius r_k and, with server.start='fedavg_delta',
+# its model delta. The bounds below are what an honest client's r_k and delta keep (the Flower
+# server refuses a reply outside them: :attr:`fedlap_jax.method.Method.check_update`).
+#
+# * r_k in [RADIUS_FLOOR_PER_LR * eta_m, r]: r_k is r under DP and without calibration; a
+#   calibrated r_k is the distance the global model moved after at least one epoch of SGD at the
+#   round's eta_m on the client's synthetic set, capped at r (eta_m times the length of the summed
+#   gradient steps). quickstart:nondp (10 rounds on the digits) measures r_k / eta_m from 13.8 to
+#   112 every round; the floor, 1e-3 eta_m, leaves a factor above 10^4 for honest clients and
+#   refuses what no SGD step gives (1e-30, zero, denormals).
+# * ||delta|| (DP, client.model_steps='noisy_real'): the model moves once per while-loop
+#   iteration by eta_m g, g the mean of batch_loop noisy clipped gradients (sum of at most n
+#   clipped gradients + N(0, sigma^2 C^2 I_d)) / B, and the loop stops once ||w - w_g|| >= r. So
+#   ||delta|| <= min(r + eta_m G, max_outer eta_m G) with G = C (B + t) / B + sigma C (sqrt(d) +
+#   s) / (B sqrt(batch_loop)), where n <= B + t and ||z|| <= sqrt(d) + s for the standard normal
+#   z in d dimensions each fail with probability at most exp(-TAIL_LOG) (Bernstein's inequality
+#   for the Poisson batch, Gaussian concentration of the norm): over the T batches of a round an
+#   honest reply exceeds the bound with probability below 2 T exp(-80). Without DP nothing bounds
+#   an honest client's delta.
+
+# The smallest r_k accepted, in units of the round's learning rate eta_m.
+RADIUS_FLOOR_PER_LR = 1e-3
+# The delta bound of :func:`matching_delta_bound` fails with probability <= exp(-TAIL_LOG).
+TAIL_LOG = 80.0
+
+
+def radius_floor(learning_rate: float) -> float:
+  """The smallest ``r_k`` an honest client sends in a round of client rate ``eta_m``:
+  ``1e-3 eta_m``, as the float32 the client computes ``r_k`` in."""
+  return float(np.float32(RADIUS_FLOOR_PER_LR * abs(float(learning_rate))))
+
+
+def check_radius(radius: float, max_radius: float, min_radius: float = 0.0) -> float:
+  """``radius`` (a finite number) if it is in ``[min_radius, max_radius]`` and ``> 0``.
+
+  Args:
+    radius: a client's ``r_k``.
+    max_radius: the config's ``client.radius`` ``r`` (as float32).
+    min_radius: :func:`radius_floor` of the round's ``eta_m``.
+
+  Raises:
+    ConfigError: naming ``radius``, the value and the range.
+  """
+  if not (0 < radius and min_radius <= radius <= max_radius):
+    low = f"[{min_radius:g}" if min_radius > 0 else "(0"
+    raise ConfigError(
+      "radius",
+      radius,
+      f"a number in {low}, {max_radius:g}] (r_k <= the config's client.radius; "
+      f"r_k >= {RADIUS_FLOOR_PER_LR:g} x the round's learning rate, less than one SGD step)",
+    )
+  return radius
+
+
+def matching_delta_bound(client_config, learning_rate: float, num_params: int) -> float | None:
+  """The largest ``||delta||`` an honest FedLAP-DP client sends (the bound above).
+
+  Args:
+    client_config: :class:`fedlap_jax.ClientConfig` of the run.
+    learning_rate: the round's ``eta_m`` (what the client stepped with).
+    num_params: ``d``, the model's parameter count.
+
+  Returns:
+    The bound, or ``None`` without DP or without ``model_steps='noisy_real'`` (no clip: nothing
+    bounds an honest client's step).
+  """
+  c = client_config
+  if c.dp is None or c.model_steps != "noisy_real":
+    return None
+  b, clip, sigma = float(c.batch_size), float(c.dp.l2_clip_norm), float(c.dp.noise_multiplier)
+  extra = TAIL_LOG / 3 + math.sqrt(TAIL_LOG**2 / 9 + 2 * TAIL_LOG * b)
+  norm_tail = math.sqrt(2 * TAIL_LOG)
+  g = clip * (b + extra) / b + sigma * clip * (math.sqrt(num_params) + norm_tail) / (
+    b * math.sqrt(c.batch_loop)
+  )
+  step = abs(float(learning_rate)) * g
+  return (1 + FLOAT_SLACK) * min(float(c.radius) + step, c.max_outer * step)
+
+
+def check_delta_norm(leaves: Iterable[Any], max_norm: float | None) -> float:
+  """``||delta||`` over every leaf (float64); refuses it above ``max_norm`` (``None``: none).
+
+  Raises:
+    ConfigError: naming ``delta``, its norm and the bound.
+  """
+  norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in leaves))
+  if max_norm is not None and not norm <= max_norm:
+    raise ConfigError(
+      "delta",
+      norm,
+      f"at most {max_norm:.4g}",
+      message=f"delta has norm {norm:.4g}; allowed: at most {max_norm:.4g}, what an honest "
+      "client's eta_m, clip, noise and radius allow",
+    )
+  return norm

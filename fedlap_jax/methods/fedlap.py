@@ -11,15 +11,18 @@ k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, u
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 
-from fedlap_jax import client, federated, server
+from fedlap_jax import client, federated, server, update_bounds
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import FedLAPConfig
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
+from fedlap_jax.synthetic import synthetic_slot
 
 
 class Message(NamedTuple):
@@ -65,6 +68,66 @@ def _wire(config: FedLAPConfig, params, facts: RunFacts) -> Wire:
   if config.client.model_steps == "noisy_real":  # its model delta travels too
     update["model_delta"] = params
   return Wire.of(update, pinned=("synthetic.y", "synthetic.mask"))
+
+
+def _client_init(key, params, data, config: FedLAPConfig, facts: RunFacts, *, index: int):
+  """One client's slot of ``init``'s synthetic set (its labels and mask, the N(0, 1) images of
+  the whole federation's draw), from its own records and the run's public facts
+  (:func:`fedlap_jax.synthetic.synthetic_slot`).
+
+  Raises:
+    ConfigError: ``client.batch_size`` above this client's records (``init``'s check of the
+      smallest client), or what :func:`~fedlap_jax.synthetic.synthetic_slot` refuses.
+  """
+  del params
+  size = int(np.sum(np.asarray(data.mask)))
+  if config.client.batch_size > size:
+    raise ConfigError(
+      "batch_size",
+      config.client.batch_size,
+      f"batch_size <= this client's {size} records (the Poisson rate q = batch_size / N_k "
+      "must be <= 1)",
+    )
+  syn = synthetic_slot(
+    key,
+    data,
+    config.client.ipc,
+    config.synthetic_init,
+    index=index,
+    num_clients=facts.num_clients,
+    max_classes=facts.max_classes_per_client,
+  )
+  return (syn,)
+
+
+def _check_update(config: FedLAPConfig, facts: RunFacts):
+  """What an honest client's update keeps in the round of ``message``
+  (:mod:`fedlap_jax.update_bounds`): ``r_k`` in ``[radius_floor(eta_m), r]`` and, under DP with
+  ``client.model_steps='noisy_real'``, ``||model_delta||`` at most
+  :func:`~fedlap_jax.update_bounds.matching_delta_bound` at ``eta_m``."""
+  max_radius = float(np.float32(config.client.radius))  # r_k is computed in float32
+
+  def check(message: Message, update: client.ClientUpdate) -> None:
+    eta = float(np.float32(message.rates.client))
+    update_bounds.check_radius(float(update.radius), max_radius, update_bounds.radius_floor(eta))
+    bound = update_bounds.matching_delta_bound(config.client, eta, facts.num_params)
+    if bound is not None and update.model_delta is not None:
+      update_bounds.check_delta_norm(jax.tree.leaves(update.model_delta), bound)
+
+  return check
+
+
+def round_record(metrics: federated.RoundMetrics) -> dict:
+  """The round's server-side numbers: ``r_g`` (``None`` when not finite: ``fixed``), the
+  server's epochs, steps and distance moved, and the clients' rate ``eta_m``."""
+  r_g = float(metrics.server.radius)
+  return {
+    "server_radius": r_g if math.isfinite(r_g) else None,
+    "server_epochs": int(metrics.server.epochs),
+    "server_steps": int(metrics.server.steps),
+    "server_distance": float(metrics.server.distance),
+    "learning_rate": float(metrics.learning_rate),
+  }
 
 
 def method(
@@ -140,9 +203,12 @@ def method(
     wire=_wire,
     batch_size=lambda config: config.client.batch_size,
     carried=("synthetic",),
+    client_init=_client_init,
     side_by_side=True,
     privacy="optional",
     algorithm_name=lambda config: "fedlap_dp" if config.client.dp is not None else "fedlap",
+    check_update=_check_update,
+    round_record=round_record,
   )
 
 

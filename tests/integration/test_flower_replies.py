@@ -467,7 +467,7 @@ def test_an_aggregation_that_raises_keeps_the_model_and_the_run(kind, tmp_path, 
   def boom(*args, **kwargs):
     raise OverflowError("Python int too large to convert to C long")
 
-  monkeypatch.setattr(server_work, "server_update" if kind == "nondp" else "method_update", boom)
+  monkeypatch.setattr(server_work, "method_update", boom)  # every strategy's server step
   rc = _rc(tmp_path, kind)
   records, _ = run_inprocess(rc, state_root=tmp_path / "state")
   assert len(records) == 1 and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
@@ -518,23 +518,14 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
   """Whatever slips through (here: the update itself made NaN), the round keeps w_g."""
   from fedlap_flower import server_work
 
-  if kind == "nondp":
-    real = server_work.server_update
+  real = server_work.method_update  # every strategy's server step
 
-    def poisoned(*args, **kwargs):
-      params, metrics = real(*args, **kwargs)
-      return jax.tree.map(lambda p: p.at[(0,) * p.ndim].set(np.nan), params), metrics
+  def poisoned(*args, **kwargs):
+    state, metrics = real(*args, **kwargs)
+    nan = jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), state.params)
+    return state._replace(params=nan), metrics
 
-    monkeypatch.setattr(server_work, "server_update", poisoned)
-  else:
-    real = server_work.method_update
-
-    def poisoned(*args, **kwargs):
-      state, metrics = real(*args, **kwargs)
-      nan = jax.tree.map(lambda p: np.full_like(np.asarray(p), np.nan), state.params)
-      return state._replace(params=nan), metrics
-
-    monkeypatch.setattr(server_work, "method_update", poisoned)
+  monkeypatch.setattr(server_work, "method_update", poisoned)
   records, reports, final = replay(kind, genuine(kind))
   assert "NaN or Inf" in records[0]["update_refused"]
   assert "previous global model is kept" in records[0]["update_refused"]
@@ -691,6 +682,60 @@ def test_the_delta_bound_follows_the_config():
   leaves = {"a": np.full(4, 3e38, np.float32)}
   with pytest.raises(replies.InvalidReply, match="delta has norm 6e\\+38"):
     replies.check_delta_norm(leaves, bound)
+
+
+def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
+  """FedLAP's Method.check_update (what both Flower strategies apply to an update): r_k in
+  [radius_floor(eta_m), r] and, under DP with noisy_real model steps, ||model_delta|| at most
+  the delta bound at eta_m; each refusal names the field. Method.round_record: the server's
+  numbers of a round, r_g None when not finite."""
+  from experiments import library_configs
+  from fedlap_jax import federated, server
+  from fedlap_jax.checks import ConfigError
+  from fedlap_jax.client import ClientUpdate
+  from fedlap_jax.method import RunFacts
+  from fedlap_jax.methods import fedlap
+
+  d = 10_000
+  facts = RunFacts((8, 8, 1), 5, d, 2)
+  dp = library_configs.to_fedlap_config(settings.run_settings({"config": "quickstart:dp"}).cfg)
+  nondp = library_configs.to_fedlap_config(
+    settings.run_settings({"config": "quickstart:nondp"}).cfg
+  )
+  eta = np.float32(0.1)
+  message = fedlap.Message(None, federated.RoundRates(eta, np.float32(1.0)), None)
+  bound = replies.max_delta_norm(dp.client, float(eta), d)
+  r = float(np.float32(dp.client.radius))
+
+  def update(radius, delta_norm=None):
+    delta = None if delta_norm is None else {"w": np.full(d, delta_norm / 100, np.float32)}
+    return ClientUpdate(None, np.float32(radius), delta)
+
+  def refused(config, u, field, match):
+    with pytest.raises(ConfigError, match=match) as e:
+      fedlap.METHOD.check_update(config, facts)(message, u)
+    assert e.value.field == field
+
+  check = fedlap.METHOD.check_update(dp, facts)
+  check(message, update(r, 0.99 * bound))  # honest: passes
+  check(message, update(replies.radius_floor(float(eta))))
+  refused(dp, update(r, 1.01 * bound), "delta", "delta has norm")
+  refused(dp, update(1.01 * r), "radius", r"radius=.* is invalid; allowed: a number in \[0.0001, ")
+  refused(dp, update(1e-30), "radius", "r_k >= 0.001 x the round's learning rate")
+  fedlap.METHOD.check_update(nondp, facts)(message, update(1.0, 1e30))  # no clip: no bound
+
+  metrics = federated.RoundMetrics(
+    (), np.ones(5, np.float32), server.ServerMetrics(3, 7, np.float32(0.5), np.float32(2.5)), eta
+  )
+  assert fedlap.METHOD.round_record(metrics) == {
+    "server_radius": 2.5,
+    "server_epochs": 3,
+    "server_steps": 7,
+    "server_distance": 0.5,
+    "learning_rate": float(eta),
+  }
+  fixed = metrics._replace(server=metrics.server._replace(radius=np.float32(np.inf)))
+  assert fedlap.METHOD.round_record(fixed)["server_radius"] is None
 
 
 # ----------------------------------------------------------------------------

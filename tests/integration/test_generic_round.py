@@ -384,10 +384,7 @@ def test_the_registry_refuses_an_unknown_name_and_a_config_of_another_method(fac
     REGISTRY.with_methods(REGISTRY.method("fedavg"))
 
 
-# FedLAP's clients keep their set through their own path (fedlap_flower.task.client_run).
-OWN_INIT_CASES = [
-  c[0] for c in cases() if REGISTRY[c[1]].carried and REGISTRY[c[1]].federated and c[1] != "fedlap"
-]
+OWN_INIT_CASES = [c[0] for c in cases() if REGISTRY[c[1]].carried and REGISTRY[c[1]].federated]
 
 
 @pytest.mark.parametrize("case_id", OWN_INIT_CASES)

@@ -354,7 +354,7 @@ def slowed(real):
 if part == "client":
   client_work.fedlap_round = slowed(client_work.fedlap_round)
 else:
-  server_work.server_update = slowed(server_work.server_update)
+  server_work.method_update = slowed(server_work.method_update)
 register_signal_handlers(event_type=EventType.FLWR_CLIENTAPP_RUN_LEAVE,
                          exit_message="Task stopped.")
 run_config, state_root = json.loads(sys.argv[1]), sys.argv[2]  # the clients' own state-dirs
