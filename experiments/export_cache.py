@@ -461,13 +461,25 @@ def hint_of(*parts: Any) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _write_hint(cache_dir: Path, hint: str, key: str) -> None:
-  path = cache_dir / HINTS / f"{hint}.key"
+def _read_hint(cache_dir: Path, hint: str) -> str | None:
+  """The entry key kept under ``hint`` in ``cache_dir``, or ``None`` (none, or not a key)."""
   try:
-    if path.read_text() == key:
-      return
+    key = (cache_dir / HINTS / f"{hint}.key").read_text()
   except OSError:
-    pass
+    return None
+  return key if len(key) == 64 and set(key) <= _HEX64 else None
+
+
+def _write_hint(cache_dir: Path, hint: str, key: str) -> None:
+  """Keeps ``key`` under ``hint``; a load :func:`prefetch` started for the key the hint named
+  before, which this run does not run, is dropped (its program is not kept in memory)."""
+  path = cache_dir / HINTS / f"{hint}.key"
+  old = _read_hint(cache_dir, hint)
+  if old == key:
+    return
+  if old is not None:
+    with _loaded_lock:
+      _prefetching.pop(old, None)
   try:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
@@ -502,11 +514,8 @@ def prefetch(hint: str, cache_dir: Path | None = None) -> bool:
   cache_dir = directory() if cache_dir is None else cache_dir
   if cache_dir is None or jax.config.jax_disable_jit:
     return False
-  try:
-    key = (cache_dir / HINTS / f"{hint}.key").read_text()
-  except OSError:
-    return False
-  if len(key) != 64 or not set(key) <= _HEX64:
+  key = _read_hint(cache_dir, hint)
+  if key is None:
     return False
   path = cache_dir / f"{key}{SUFFIX}"
   with _loaded_lock:

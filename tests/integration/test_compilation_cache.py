@@ -344,11 +344,12 @@ def test_a_prefetched_round_is_the_round_bit_for_bit_and_a_wrong_hint_changes_no
   export_cache._loaded.clear()  # pylint: disable=protected-access
   assert export_cache.prefetch(hint, cache)  # loading, on its own thread
   assert not export_cache.prefetch(hint, cache)  # once
-  (future,) = export_cache._prefetching.values()  # pylint: disable=protected-access
+  # (Looked up by its key: another test of this process may have left a load of its own.)
+  future = export_cache._prefetching[entry.stem]  # pylint: disable=protected-access
   exported, fn, _ = future.result(timeout=300)
   rnd = export_cache.ExportedRound(alg.round, cache, notes.append, hint=hint)
   assert rnd.program(state, clients) is fn  # the round runs the prefetched program
-  assert export_cache._prefetching == {}  # pylint: disable=protected-access
+  assert entry.stem not in export_cache._prefetching  # pylint: disable=protected-access
   assert all(np.array_equal(a, b) for a, b in zip(host(rnd(state, clients)), plain, strict=True))
   assert exported.fun_name == "method_round" and notes == []
 
@@ -362,7 +363,18 @@ def test_a_prefetched_round_is_the_round_bit_for_bit_and_a_wrong_hint_changes_no
   assert export_cache.prefetch(hint, cache)
   served(hint=hint)  # read by the round itself, noticed, and traced again
   assert any("cannot be used" in n for n in notes)
-  assert export_cache._prefetching == {}  # pylint: disable=protected-access
+  assert entry.stem not in export_cache._prefetching  # pylint: disable=protected-access
+
+  # A hint naming an entry this run's round is not: the load it started is dropped, not kept.
+  stale = "f" * 64
+  (cache / f"{stale}{export_cache.SUFFIX}").write_bytes(b"not read by this round")
+  (cache / export_cache.HINTS / f"{hint}.key").write_text(stale)
+  export_cache._loaded.clear()  # pylint: disable=protected-access
+  assert export_cache.prefetch(hint, cache)
+  assert stale in export_cache._prefetching  # pylint: disable=protected-access
+  served(hint=hint)
+  assert stale not in export_cache._prefetching  # pylint: disable=protected-access
+  assert (cache / export_cache.HINTS / f"{hint}.key").read_text() == entry.stem
 
 
 def test_the_key_changes_with_what_decides_the_program(monkeypatch):
