@@ -18,8 +18,6 @@ key                             meaning
 ``overrides``                   ``"FIELD=VALUE ..."``, as ``--config.FIELD=VALUE``
                                 of ``experiments.run`` (``"seed=1 rounds=3"``),
                                 of the fields :data:`OVERRIDABLE` allows
-                                (FedLAP refuses ``server.carry_state=True``:
-                                its server's optimiser restarts each round)
 ``run-dir``                     the server's outputs; ``""``: ``runs/flower/<label>``.
                                 One that holds a run's outputs is refused
                                 unless ``resume`` is true
@@ -236,11 +234,6 @@ UPDATE_NORM_ALLOWED = (
   "a number > 0, 'auto' (derived from the DP mechanism and the client's SGD), 'none' (no "
   "bound), or '' (the default: 'auto' where a bound is derivable, else 'none')"
 )
-# Why a Flower run of FedLAP refuses server.carry_state=True.
-FEDLAP_FRESH_SERVER = (
-  "the Flower server's FedLAP strategy starts its optimiser afresh every round and keeps no "
-  "optimiser state across rounds or in server_state.npz"
-)
 # FedLAP (its own strategy) and every registry method the generic strategy runs.
 METHODS = _method_work.METHODS
 
@@ -369,14 +362,6 @@ def load_config(name: str, overrides: str = ""):
       f"{name} (method={cfg.method!r})",
       f"a config whose method is one of {METHODS} (every federated method); a method that "
       "pools every client's records in one place is not federated and runs with "
-      "experiments.run",
-    )
-  # Only FedLAP takes it (validate_config refused it for every other method).
-  if cfg.server.carry_state is not False:
-    _fail(
-      "server.carry_state",
-      cfg.server.carry_state,
-      f"False in a Flower run ({FEDLAP_FRESH_SERVER}); a run that carries it runs with "
       "experiments.run",
     )
   return cfg, label

@@ -937,16 +937,16 @@ def test_overrides_choose_feddms_and_dscs_image_optimiser_and_a_bad_one_is_refus
     assert err.value.field == f"{section}.image_momentum"
 
 
-def test_a_fedlap_run_config_that_carries_the_server_state_is_refused_by_name():
-  """``server.carry_state`` is a field the overrides reach: ``False`` (the default) loads,
-  ``True`` is refused by name for FedLAP (its Flower strategy restarts the server's optimiser
-  each round and keeps no state of it), a non-bool by the config's type."""
+def test_server_carry_state_is_a_field_the_overrides_reach_for_fedlap_only():
+  """``server.carry_state`` is a field the overrides reach: ``False`` (the default) and
+  ``True`` load for FedLAP, a non-bool is refused by the config's type, and a method whose
+  server does not carry an optimiser's state refuses ``True`` by name."""
   cfg, _ = settings.load_config("quickstart:nondp", "server.carry_state=False")
   assert cfg.server.carry_state is False
-  with pytest.raises(settings.SettingsError) as err:
-    settings.load_config("quickstart:nondp", "server.optimizer.name=adam server.carry_state=True")
-  assert err.value.field == "server.carry_state" and err.value.value is True
-  assert "experiments.run" in str(err.value)
+  cfg, _ = settings.load_config(
+    "quickstart:nondp", "server.optimizer.name=adam server.carry_state=True"
+  )
+  assert cfg.server.carry_state is True
   with pytest.raises(settings.ConfigError) as err:
     settings.load_config("quickstart:nondp", "server.carry_state=maybe")
   assert err.value.field == "server.carry_state"
@@ -992,6 +992,28 @@ def test_fedlaps_optimisers_chosen_in_the_overrides_run_as_experiments_run(tmp_p
     assert got["test_loss"] == want["test_loss"]
     assert got["server_steps"] == want["server_steps"]
     assert [got["client_radius"][str(k)] for k in range(5)] == want["client_radius"]
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_fedlaps_carried_server_state_runs_as_experiments_run(tmp_path):
+  """``server.carry_state=True``: the Flower server's FedLAP descent starts each round from
+  the last round's Adam state, as experiments.run's; every number is experiments.run's, and
+  the state it saved after the last round holds that optimiser's state."""
+  overrides = FEDLAP_ADAM_OVERRIDES + " server.carry_state=True"
+  rc = _run_config(tmp_path, "quickstart:nondp", overrides=overrides)
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:nondp", overrides, tmp_path / "ref")
+  fresh = reference_run("quickstart:nondp", FEDLAP_ADAM_OVERRIDES, tmp_path / "fresh")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["server_steps"] == want["server_steps"]
+  assert ref[1]["test_loss"] != fresh[1]["test_loss"]  # round 2 starts from round 1's state
+  with np.load(tmp_path / "run" / "server_state.npz") as f:
+    carried = [n for n in f.files if n.startswith("extra/")]
+    assert carried and any(np.any(f[n] != 0) for n in carried)
 
 
 DP_FEDAVG_WIRE = {
@@ -1597,6 +1619,9 @@ RESUMABLE = {
   "fedadam": "method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
   "scaffold": CARRIED["scaffold"][1].replace("rounds=2", "rounds=3"),  # carried c_k
   "feddm": CARRIED["feddm"][1].replace("rounds=2", "rounds=3"),  # a carried synthetic set
+  # FedLAP whose server carries its Adam state across rounds (saved in server_state.npz).
+  "nondp_carry": TINY.replace("rounds=2", "rounds=3")
+  + " server.optimizer.name=adam server.carry_state=True",
 }
 
 
