@@ -134,8 +134,13 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
 
   SuperNode 4 is killed (SIGKILL) during round 2, after its ledger recorded the
   round: the server finishes round 2 with the other four (min-clients=4) and
-  logs the loss; the restarted SuperNode finds its ledger on disk, and round 3
-  charges it on top: rounds 1, 2 (spent, never delivered) and 3.
+  logs the loss; the restarted SuperNode finds its ledger on disk. What round 3
+  does depends on where in round 2 the kill landed, which the test cannot choose:
+  its noise-initialised synthetic images are carried between rounds and kept
+  before the reply is sent. Killed after they were kept, round 3 starts from them
+  and charges on top: rounds 1, 2 (spent, never delivered) and 3. Killed before,
+  round 3 is refused by name (the images after round 2 are missing; the client
+  never starts them afresh) and charges nothing: rounds 1 and 2.
   """
   run_dir = tmp_path / "run"
   states = {k: tmp_path / f"client-{k}" for k in range(5)}
@@ -168,30 +173,41 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
     assert status == "finished:completed", fed.logs(run_id)[-4000:]
 
   recs = read_jsonl(run_dir / "metrics.jsonl")
-  assert [r["clients_ok"] for r in recs] == [[0, 1, 2, 3, 4], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
-  lost = [
-    r
-    for r in json.loads((run_dir / "client_reports.json").read_text())
-    if r["round"] == 2 and r["status"] != "ok"
-  ]
+  reports = json.loads((run_dir / "client_reports.json").read_text())
+  assert [r["clients_ok"] for r in recs[:2]] == [[0, 1, 2, 3, 4], [0, 1, 2, 3]]
+  lost = [r for r in reports if r["round"] == 2 and r["status"] != "ok"]
   assert len(lost) == 1 and lost[0]["status"] in ("missing", "error"), lost
-  # Every ledger restores (recomputing its epsilons); client 4's holds 3 rounds.
+  assert "4" not in recs[1]["epsilon_per_client"]
+  run = json.loads((run_dir / "run_info.json").read_text())["federated_run"]
+  kept = ledger_lib.ClientState(states[4]).carried_rounds(run)
+  (third,) = [r for r in reports if r["round"] == 3 and r["partition_id"] == 4]
+  if recs[2]["clients_ok"] == [0, 1, 2, 3, 4]:  # killed after its images were kept
+    assert third["status"] == "ok" and kept == [2, 3], (third, kept)
+    rounds4 = [1, 2, 3]
+  else:  # killed before: refused by name, charged nothing, its round-1 images untouched
+    assert recs[2]["clients_ok"] == [0, 1, 2, 3], recs[2]
+    assert third["status"] == "refused" and kept == [1], (third, kept)
+    assert "after round 2" in third["reason"] and "missing" in third["reason"], third
+    assert "4" not in recs[2]["epsilon_per_client"]
+    rounds4 = [1, 2]
+  # Every ledger restores (recomputing its epsilons); client 4's holds the rounds it spent.
   cfg, _ = settings.load_config("quickstart:dp_loops", overrides)
   steps = cfg.client.iterations * cfg.client.max_outer * cfg.client.batch_loop
   for k in range(5):
+    spent = rounds4 if k == 4 else [1, 2, 3]
     state = ledger_lib.ClientState(states[k])
     hist = state.history()
-    assert [h["server_round"] for h in hist] == [1, 2, 3], (k, hist)
+    assert [h["server_round"] for h in hist] == spent, (k, hist)
     assert all(h["keys"] == "client" for h in hist)
     stored = json.loads((states[k] / ledger_lib.LEDGER_FILE).read_text())
     led = accounting.PrivacyLedger.from_dict(stored["ledger"])
     fresh = accounting.PrivacyLedger(**{**led.privacy_fields(), "steps_per_round": steps})
-    assert led.epsilons == [fresh.record_round() for _ in range(3)]
-  # Round 3: client 4 reports the epsilon of its third round.
-  assert (
-    recs[2]["epsilon_per_client"]["4"] == ledger_lib.ClientState(states[4]).history()[2]["epsilon"]
-  )
-  assert "4" not in recs[1]["epsilon_per_client"]
+    assert led.epsilons == [fresh.record_round() for _ in spent]
+  if rounds4 == [1, 2, 3]:  # round 3: client 4 reports the epsilon of its third round
+    assert (
+      recs[2]["epsilon_per_client"]["4"]
+      == ledger_lib.ClientState(states[4]).history()[2]["epsilon"]
+    )
 
 
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
