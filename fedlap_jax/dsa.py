@@ -41,8 +41,8 @@ random parameters themselves are not differentiated.
 Images are ``(N, H, W, C)`` floating-point arrays (NHWC, already normalised).
 A draw is two steps: :func:`draw_params` draws the family and every family's
 parameters (:class:`Params`, a handful of scalars, in a few batched PRNG calls), then
-:func:`apply` runs the chosen family's transform in a :func:`jax.lax.switch` whose branches
-draw nothing (``scale`` and ``rotate`` share one resampling branch). :func:`augment` is the
+:func:`apply` runs the chosen family's transform in a :func:`jax.lax.switch` whose cases
+draw nothing (``scale`` and ``rotate`` share one resampling case). :func:`augment` is the
 two together; it works under :func:`jax.jit` and :func:`jax.vmap` (e.g. over a leading
 client axis of keys and image batches). The draws are those of one ``jax.random`` call per
 parameter (:func:`draw_params` names the keys), so the numbers are those of a family drawing
@@ -500,35 +500,35 @@ def _apply_affine(families: tuple[str, ...], p: Params, x: jax.Array) -> jax.Arr
 
 
 @functools.lru_cache(maxsize=None)
-def _branches(families: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[Callable, ...]]:
-  """``(branch of each family, the lax.switch branches)`` for ``families``.
+def _switch_cases(families: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[Callable, ...]]:
+  """``(the switch case of each family, the case functions for lax.switch)`` for ``families``.
 
-  ``scale`` and ``rotate``, when both are enabled with another family, share one branch (:func:`_apply_affine`:
+  ``scale`` and ``rotate``, when both are enabled with another family, share one case (:func:`_apply_affine`:
   one copy of the bilinear resampling, and of its gradient, instead of two). Cached so that
   the same function objects are reused on every call, which lets JAX reuse its traced
-  branches when :func:`apply` runs eagerly.
+  cases when :func:`apply` runs eagerly.
   """
-  # Merged only where another family keeps the switch a switch: a one-branch switch is no
+  # Merged only where another family keeps the switch a switch: a one-case switch is no
   # conditional, and XLA would fuse the resampling into the caller's program.
   merged = "scale" in families and "rotate" in families and len(families) > 2
-  branch_of: list[int] = []
+  case_of: list[int] = []
   fns: list[Callable] = []
   for f in families:
     if merged and f in ("scale", "rotate"):
       other = families.index("rotate" if f == "scale" else "scale")
-      if other < len(branch_of):  # the affine branch exists already
-        branch_of.append(branch_of[other])
+      if other < len(case_of):  # the affine case exists already
+        case_of.append(case_of[other])
         continue
-      branch_of.append(len(fns))
+      case_of.append(len(fns))
       fns.append(functools.partial(_apply_affine, families))
       continue
-    branch_of.append(len(fns))
+    case_of.append(len(fns))
     fns.append(_APPLY_FNS[f])
 
   def cast(fn):
     return lambda p, x: fn(p, x).astype(x.dtype)
 
-  return tuple(branch_of), tuple(cast(fn) for fn in fns)
+  return tuple(case_of), tuple(cast(fn) for fn in fns)
 
 
 def apply(params: Params, x: jax.Array, strategy: str = DEFAULT_STRATEGY) -> jax.Array:
@@ -552,11 +552,11 @@ def apply(params: Params, x: jax.Array, strategy: str = DEFAULT_STRATEGY) -> jax
     return x
   if len(families) == 1:
     return _APPLY_FNS[families[0]](params, x).astype(x.dtype)
-  branch_of, branches = _branches(families)
+  case_of, cases = _switch_cases(families)
   index = params.family
-  if branch_of != tuple(range(len(families))):
-    index = jnp.asarray(branch_of, jnp.int32)[index]
-  return lax.switch(index, branches, params, x)
+  if case_of != tuple(range(len(families))):
+    index = jnp.asarray(case_of, jnp.int32)[index]
+  return lax.switch(index, cases, params, x)
 
 
 def augment(
@@ -571,7 +571,7 @@ def augment(
   parameters are drawn once for the whole batch, so that two batches
   augmented with the same key receive the identical transform (Siamese
   augmentation). The draw (:func:`draw_params`) comes before the family's
-  ``lax.switch`` (:func:`apply`), so the switch's branches hold no random draws, and the
+  ``lax.switch`` (:func:`apply`), so the switch's cases hold no random draws, and the
   function can be jitted and vmapped (over keys and images). With a
   single enabled family no choice is drawn: ``augment(key, x, "flip")``
   equals ``apply_family(key, x, "flip")``.
