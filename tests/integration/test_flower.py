@@ -975,6 +975,20 @@ FEDLAP_ADAM_OVERRIDES = TINY.replace("client.max_outer=1", "client.max_outer=2")
 )
 
 
+def _fedlap_rounds_equal_experiments_run(tmp_path, overrides: str):
+  """``(records, experiments.run's records)`` of 2 quickstart:nondp rounds with ``overrides``,
+  asserted equal in test accuracy, test loss and server steps."""
+  rc = _run_config(tmp_path, "quickstart:nondp", overrides=overrides)
+  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
+  ref = reference_run("quickstart:nondp", overrides, tmp_path / "ref")
+  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  for got, want in zip(records, ref):
+    assert got["test_accuracy"] == want["test_accuracy"]
+    assert got["test_loss"] == want["test_loss"]
+    assert got["server_steps"] == want["server_steps"]
+  return records, ref
+
+
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_fedlaps_optimisers_chosen_in_the_overrides_run_as_experiments_run(tmp_path):
@@ -983,14 +997,8 @@ def test_fedlaps_optimisers_chosen_in_the_overrides_run_as_experiments_run(tmp_p
   server and to every client; every number is experiments.run's."""
   cfg, _ = settings.load_config("quickstart:nondp", FEDLAP_ADAM_OVERRIDES)
   assert (cfg.server.optimizer.name, cfg.client.model_optimizer.name) == ("adam", "adam")
-  rc = _run_config(tmp_path, "quickstart:nondp", overrides=FEDLAP_ADAM_OVERRIDES)
-  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:nondp", FEDLAP_ADAM_OVERRIDES, tmp_path / "ref")
-  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
+  records, ref = _fedlap_rounds_equal_experiments_run(tmp_path, FEDLAP_ADAM_OVERRIDES)
   for got, want in zip(records, ref):
-    assert got["test_accuracy"] == want["test_accuracy"]
-    assert got["test_loss"] == want["test_loss"]
-    assert got["server_steps"] == want["server_steps"]
     assert [got["client_radius"][str(k)] for k in range(5)] == want["client_radius"]
 
 
@@ -1001,15 +1009,8 @@ def test_fedlaps_carried_server_state_runs_as_experiments_run(tmp_path):
   the last round's Adam state, as experiments.run's; every number is experiments.run's, and
   the state it saved after the last round holds that optimiser's state."""
   overrides = FEDLAP_ADAM_OVERRIDES + " server.carry_state=True"
-  rc = _run_config(tmp_path, "quickstart:nondp", overrides=overrides)
-  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:nondp", overrides, tmp_path / "ref")
+  _, ref = _fedlap_rounds_equal_experiments_run(tmp_path, overrides)
   fresh = reference_run("quickstart:nondp", FEDLAP_ADAM_OVERRIDES, tmp_path / "fresh")
-  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
-  for got, want in zip(records, ref):
-    assert got["test_accuracy"] == want["test_accuracy"]
-    assert got["test_loss"] == want["test_loss"]
-    assert got["server_steps"] == want["server_steps"]
   assert ref[1]["test_loss"] != fresh[1]["test_loss"]  # round 2 starts from round 1's state
   with np.load(tmp_path / "run" / "server_state.npz") as f:
     carried = [n for n in f.files if n.startswith("extra/")]
