@@ -56,6 +56,12 @@ KINDS = {
     {},
   ),
   "fedadam": ("quickstart:fedadam", "rounds=1 baseline.local_epochs=1 eval_chunk_size=128", {}),
+  # FedLAP whose server carries its Adam state across rounds (kept in server_state.npz).
+  "carry": (
+    "quickstart:nondp",
+    ONE_ROUND + " server.optimizer.name=adam server.carry_state=True",
+    {},
+  ),
   "dp_fedavg": (
     "quickstart:dp_loops",
     "method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
@@ -109,6 +115,7 @@ def replay(genuine, tmp_path_factory):
     reports = json.loads((path / "run" / "client_reports.json").read_text())
     with np.load(path / "run" / "final_params.npz") as f:
       final = dict(f)
+    run.last_run_dir = path / "run"
     return records, reports, final
 
   return run
@@ -171,6 +178,8 @@ HOSTILE = {
     lambda c: _first_leaf(c, "delta", lambda a: np.full_like(a, 3e38)),
   ),
   "images_3e38": ("nondp", 101, "x", lambda c: _synthetic(c, x=np.full_like(_x(c), 3e38))),
+  # The same under a carried server state: the dropped reply reaches neither model nor state.
+  "carried_images_3e38": ("carry", 101, "x", lambda c: _synthetic(c, x=np.full_like(_x(c), 3e38))),
   "num_examples_nan": (
     "nondp",
     101,
@@ -510,12 +519,21 @@ def _initial_params(tmp_path, kind):
   }
 
 
+def _carried_server_state(run_dir) -> dict:
+  with np.load(run_dir / "server_state.npz") as f:
+    return {n: f[n] for n in f.files if n.startswith("extra/")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["nondp", "fedavg"])
+@pytest.mark.parametrize("kind", ["nondp", "fedavg", "carry"])
 def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
   kind, genuine, replay, tmp_path, monkeypatch
 ):
-  """Whatever slips through (here: the update itself made NaN), the round keeps w_g."""
+  """Whatever slips through (here: the update itself made NaN), the round keeps w_g; a server
+  that carries its optimiser's state keeps the state before the round too."""
+  if kind == "carry":  # the honest round moves the carried Adam state off its zero start
+    replay(kind, genuine(kind))
+    assert any(np.any(v) for v in _carried_server_state(replay.last_run_dir).values())
   from fedlap_flower import server_work
 
   real = server_work.method_update  # every strategy's server step
@@ -534,6 +552,9 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
   assert set(final) == set(initial)
   for name, value in initial.items():
     np.testing.assert_array_equal(final[name], value, err_msg=name)
+  if kind == "carry":  # Adam's start (zero moments, count 0), not the refused round's state
+    carried = _carried_server_state(replay.last_run_dir)
+    assert carried and not any(np.any(v) for v in carried.values()), carried
 
 
 @pytest.mark.slow
