@@ -45,8 +45,10 @@ DP-FedProx, FedDM, DSC, PSG) runs the method's client step (``experiments.run``'
 the global parameters, the message, the client's own inputs the server sent and its carried
 state (SCAFFOLD's ``c_k``, a synthetic set: computed from its own records before its first
 round, then kept in its state directory under the federated run's identity, which a resumed
-run keeps, :mod:`fedlap_flower.federated_runs`; missing, altered, of another round, or a
-round back before one it computed, the round is refused), and
+run keeps, :mod:`fedlap_flower.federated_runs`; a round starts from the state of the client's
+last kept round, so one that missed drawn rounds, its message lost or itself cut short before
+it kept their state, continues as a client not drawn for them; missing, altered, of another
+round, or a round back before one it computed, the round is refused), and
 replies with its update (its model, or the method's own update: SCAFFOLD's model and ``delta
 c_k``, a synthetic set) and ``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
 method's mechanism), draws its keys from its own entropy and replies with its model and its
@@ -70,11 +72,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from logging import WARNING
 
 import jax
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 
 from fedlap_flower import client_work, federated_runs, method_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
@@ -200,72 +204,103 @@ def _federated_run(state, conf, context, run) -> str:
 
 
 def _kept_state(state, run_key: str, server_round: int, prev, wire, what: str):
-  """What this client kept after round ``prev`` (its last drawn round before
-  ``server_round``) of federated run ``run_key``: ``(arrays, None)``; ``(None, None)`` before its
-  first round (``prev`` is ``None``); ``(None, why)`` refused.
+  """The round ``server_round`` of federated run ``run_key`` starts from and what this client
+  kept after it: ``(start, arrays, None)``; ``(None, None, None)`` before its first round;
+  ``(None, None, why)`` refused.
 
-  Refused, never started afresh (a re-initialised SCAFFOLD variate or synthetic set would
-  silently be another run's numbers): a state missing, altered (:meth:`ClientState.load_carried`)
-  or of another round, and a round before one this client already computed in this run (a
-  server cannot take a client back to its first round). A round redone after a stop is the
-  round after the server's last saved one, and starts from the state it started from.
+  The start is the last round before ``server_round`` whose state this client kept. That is
+  ``prev``, its last drawn round before it, unless the client missed rounds since: drawn, but
+  the message never reached it, or it was cut short (killed, restarted) before it kept the
+  round's state. It keeps a round's state before it replies, so the server had no reply of
+  those rounds, and the client continues as one not drawn for them.
+
+  Refused, never started afresh nor from an older state (a re-initialised SCAFFOLD variate or
+  synthetic set would silently be another run's numbers): a state missing (the run's record
+  names a later kept round than the files hold,
+  :func:`fedlap_flower.federated_runs.last_kept`), altered
+  (:meth:`ClientState.load_carried`) or of another round, and a round before one this client
+  already computed in this run (a server cannot take a client back to its first round). A
+  round redone after a stop is the round after the server's last saved one, and starts from
+  the state it started from.
   """
   held = state.carried_rounds(run_key)
   if held and held[-1] > server_round:
-    return None, (
+    why = (
       f"this client computed round {held[-1]} of federated run {run_key}; round "
       f"{server_round} would take its carried state ({what}) back before it (refused: a "
       "round starts from the state of the client's last round before it). Allowed: round "
       f"{held[-1]} or later"
     )
-  if prev is None:
-    return None, None
+    return None, None, why
   try:
-    kept = state.load_carried(run_key, prev, wire)
-  except ConfigError as e:
-    return None, str(e)
-  if kept is None:
+    recorded = federated_runs.last_kept(state, run_key)
+  except federated_runs.RefusedRun as e:
+    return None, None, str(e)
+  if recorded is not None and (not held or held[-1] < recorded):
     rounds = f"the states of rounds {held}" if held else "none"
-    return None, (
-      f"this client's carried state ({what}) after round {prev} of federated run {run_key} "
-      f"is missing from its state-dir {state.directory} (it holds {rounds}); refusing to "
-      "start it afresh (the method's numbers would silently differ). Allowed: the state "
-      "directory as this client left it after its last round of this run"
+    why = (
+      f"this client's carried state ({what}) after round {recorded} of federated run "
+      f"{run_key} is missing from its state-dir {state.directory} (it holds {rounds}); "
+      "refusing to start it afresh or from an older state (the method's numbers would "
+      "silently differ). Allowed: the state directory as this client left it after its last "
+      "round of this run"
     )
-  return kept, None
+    return None, None, why
+  before = [r for r in held if r < server_round]
+  if not before:
+    return None, None, None
+  start = before[-1]
+  try:
+    kept = state.load_carried(run_key, start, wire)
+  except ConfigError as e:
+    return None, None, str(e)
+  if kept is None:  # removed since it was listed
+    return None, None, f"this client's carried state ({what}) after round {start} vanished"
+  if prev is not None and start < prev:
+    log(
+      WARNING,
+      "[fedlap] round %d starts from this client's state after round %d: it kept none after "
+      "round %d (the round never reached it, or it was cut short before it replied)",
+      server_round,
+      start,
+      prev,
+    )
+  return start, kept, None
 
 
-def _keep_state(state, run_key: str, server_round: int, prev, arrays) -> None:
-  """Keeps the state after ``server_round``; drops those no later round starts from (all but
-  this one and ``prev``'s, from which a redo of ``server_round`` starts)."""
+def _keep_state(state, run_key: str, server_round: int, start, arrays) -> None:
+  """Keeps the state after ``server_round`` (then records it as the run's last kept round);
+  drops those no later round starts from (all but this one and ``start``'s, from which a redo
+  of ``server_round`` starts)."""
   state.save_carried(run_key, server_round, arrays)
+  federated_runs.record_kept(state, run_key, server_round)
   state.drop_carried(
-    run_key, [r for r in state.carried_rounds(run_key) if r not in (prev, server_round)]
+    run_key, [r for r in state.carried_rounds(run_key) if r not in (start, server_round)]
   )
 
 
 def _carried_state(
   method, config, setup, facts, node, state, run_key, prev, server_round, template
 ):
-  """This client's carried state for ``server_round``: its slot of the method's init before its
-  first round (``prev`` is ``None``; :attr:`fedlap_jax.method.Method.client_init`, from its own
-  records), else what it kept after round ``prev`` (:func:`_kept_state`). ``(carried, None)`` or
-  ``(None, why)``.
+  """This client's carried state for ``server_round`` and the round it starts from: its slot of
+  the method's init before it kept any (:attr:`fedlap_jax.method.Method.client_init`, from its
+  own records; start ``None``), else what it kept after its last kept round before
+  ``server_round`` (:func:`_kept_state`). ``(start, carried, None)`` or ``(None, None, why)``.
   """
   what = ", ".join(method.carried)
   wire = Wire.of(jax.tree.map(method_work.shape_of, template))
-  kept, why = _kept_state(state, run_key, server_round, prev, wire, what)
+  start, kept, why = _kept_state(state, run_key, server_round, prev, wire, what)
   if why is not None:
-    return None, why
+    return None, None, why
   if kept is not None:
-    return method_work.arrays_to_tree(kept, template), None
+    return start, method_work.arrays_to_tree(kept, template), None
   try:
     carried = method.client_init(
       setup.k_alg, setup.model.params, setup.partition.data, config, facts, index=node.partition_id
     )
   except ConfigError as e:  # e.g. its records do not fit the run's public facts
-    return None, f"this client cannot start its carried state ({what}): {e}"
-  return tuple(carried), None
+    return None, None, f"this client cannot start its carried state ({what}): {e}"
+  return None, tuple(carried), None
 
 
 def _train_method(msg, context, conf, run, node, setup) -> Message:
@@ -319,14 +354,14 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
   state = ClientState(node.state_dir) if (dp or method.carried) else None
   with state.locked() if state is not None else contextlib.nullcontext():
     carried: tuple = ()
-    run_key, prev = None, None
+    run_key, from_round = None, None
     if method.carried:  # before the ledger: a round this client cannot compute costs nothing
       try:
         run_key = _federated_run(state, conf, context, run)
       except federated_runs.RefusedRun as e:
         return refuse(str(e))
       prev = _last_round(run, node, server_round)
-      got, why = _carried_state(
+      from_round, got, why = _carried_state(
         method, config, setup, facts, node, state, run_key, prev, server_round, carried_t
       )
       if why is not None:
@@ -354,7 +389,7 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
       own, method_work.with_model(message, params), carried, part.data
     )
     if method.carried:
-      _keep_state(state, run_key, server_round, prev, method_work.tree_to_arrays(carried))
+      _keep_state(state, run_key, server_round, from_round, method_work.tree_to_arrays(carried))
   content = RecordDict(
     {"metrics": MetricRecord(metrics), "status": ConfigRecord({"status": "ok", "keys": keys})}
   )
@@ -436,7 +471,7 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     return refuse(denied)
 
   with state.locked() if state is not None else contextlib.nullcontext():
-    carried, run_key, prev = None, None, None
+    carried, run_key, from_round = None, None, None
     if carry:  # before the ledger: a round this client cannot compute costs nothing
       try:
         run_key = _federated_run(state, conf, context, run)
@@ -444,7 +479,7 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
         return refuse(str(e))
       prev = _last_round(run, node, server_round)
       shape = jax.ShapeDtypeStruct(np.shape(part.initial_images), np.float32)
-      kept, why = _kept_state(
+      from_round, kept, why = _kept_state(
         state, run_key, server_round, prev, Wire.of({"x": shape}), "the synthetic images"
       )
       if why is not None:
@@ -480,7 +515,7 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
     )
     if carry:
       x = np.asarray(out.synthetic.x, np.float32)
-      _keep_state(state, run_key, server_round, prev, {"x": x})
+      _keep_state(state, run_key, server_round, from_round, {"x": x})
   metrics["radius"] = out.radius
   metrics.update(out.diagnostics)
   # server.start='fedavg_delta' only: the server starts from w_g + the weighted mean delta.

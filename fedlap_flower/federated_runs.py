@@ -20,9 +20,12 @@ from its run config: config, overrides, seed) and the Flower runs that used it. 
   state of another experiment;
 * another identity in a Flower run that already used one: a run's identity does not change.
 
-Which of its kept rounds a client computes from (never a fresh start mid-run, never back
-before a round it computed) is :mod:`fedlap_flower.client_app`'s rule. A record that cannot be
-read is refused, not reset. No ``flwr`` here.
+The record also holds, per identity, the last round whose carried state the client kept
+(``last_kept``, :func:`record_kept`; written after the state itself): a state directory whose
+files hold no state of that round lost them, and the client refuses rather than start from an
+older one. Which of its kept rounds a client computes from (never a fresh start mid-run, never
+back before a round it computed) is :mod:`fedlap_flower.client_app`'s rule. A record that
+cannot be read is refused, not reset. No ``flwr`` here.
 """
 
 from __future__ import annotations
@@ -62,11 +65,13 @@ def config_digest(config_values: Any) -> str:
 
 def _entry_ok(identity: str, entry: dict) -> bool:
   flower = entry.get("flower_runs")
+  kept = entry.get("last_kept")
   return (
     bool(IDENTITY.fullmatch(str(identity)))
     and isinstance(entry.get("config"), str)
     and isinstance(flower, list)
     and all(isinstance(r, int) for r in flower)
+    and (kept is None or (isinstance(kept, int) and not isinstance(kept, bool) and kept >= 1))
   )
 
 
@@ -123,5 +128,33 @@ def admit(state: ledger_lib.ClientState, identity, flower_run: int, digest: str)
 
 
 def recorded(state: ledger_lib.ClientState) -> dict[str, dict]:
-  """The record: ``{identity: {"config": digest, "flower_runs": [...], "started_at": ...}}``."""
+  """The record: ``{identity: {"config": digest, "flower_runs": [...], "started_at": ...,
+  "last_kept": round}}`` (``last_kept`` once the client kept a state of that run)."""
   return _read(state.directory / RECORD_FILE)
+
+
+def last_kept(state: ledger_lib.ClientState, identity: str) -> int | None:
+  """The last round of federated run ``identity`` whose carried state this client kept
+  (``None``: none yet). Call it holding ``state.locked()``, after :func:`admit`.
+
+  Raises:
+    RefusedRun: the record is unreadable.
+  """
+  return _read(state.directory / RECORD_FILE).get(identity, {}).get("last_kept")
+
+
+def record_kept(state: ledger_lib.ClientState, identity: str, server_round: int) -> None:
+  """Records that this client kept its carried state after ``server_round`` of federated run
+  ``identity`` (after the state's own file is written; a redo of the round records it again).
+  Call it holding ``state.locked()``, after :func:`admit`.
+
+  Raises:
+    RefusedRun: the record is unreadable, or holds no entry of ``identity``.
+  """
+  path = state.directory / RECORD_FILE
+  runs = _read(path)
+  if identity not in runs:
+    raise RefusedRun(f"{path} holds no federated run {identity}; it was admitted before")
+  if runs[identity].get("last_kept") != int(server_round):
+    runs[identity]["last_kept"] = int(server_round)
+    ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs}, mode=ledger_lib.FILE_MODE)
