@@ -1351,6 +1351,79 @@ def test_a_clients_carried_state_missing_or_altered_is_refused_never_started_afr
   assert "round 1" in why[3] and "round 0" in why[3]
 
 
+MISSED = {  # a method carrying client state, through each client code path
+  "scaffold": CARRIED["scaffold"][1].replace("rounds=2", "rounds=3"),
+  "fedlap_noise": TINY.replace("rounds=2", "rounds=3") + " synthetic_init=noise",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(MISSED))
+def test_a_client_that_missed_rounds_continues_from_its_last_kept_state(
+  tmp_path, kind, monkeypatch
+):
+  """Round 2's message never reaches client 4, and client 3 is cut short before it keeps its
+  round-2 state (it keeps its state before it replies, so the server has neither's round 2).
+  In round 3 both continue from what they kept after round 1, as clients not drawn for round
+  2, and the run aggregates all five. Client 2's round-2 state deleted instead is refused by
+  name: its run's record names round 2 as kept, so an older state is never taken."""
+  from fedlap_flower import client_app
+
+  starts, real_kept, real_keep = {}, client_app._kept_state, client_app._keep_state
+
+  def kept_state(state, run_key, server_round, prev, wire, what):
+    out = real_kept(state, run_key, server_round, prev, wire, what)
+    starts[(state.directory.name, server_round)] = (prev, out[0], out[1])
+    return out
+
+  def keep_state(state, run_key, server_round, start, arrays):
+    if (state.directory.name, server_round) == ("client-3", 2):
+      raise RuntimeError("cut short before it kept its state")
+    return real_keep(state, run_key, server_round, start, arrays)
+
+  monkeypatch.setattr(client_app, "_kept_state", kept_state)
+  monkeypatch.setattr(client_app, "_keep_state", keep_state)
+
+  def hook(grid):
+    real = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+      messages = list(messages)
+      train = [m for m in messages if m.metadata.message_type == "train"]
+      r = train[0].content["config"]["server-round"] if train else None
+      if r == 2:  # the message to node 105 (client 4) is lost
+        messages = [m for m in messages if m.metadata.dst_node_id != 105]
+      if r == 3:
+        run = train[0].content["config"]["federated-run"]
+        ledger_lib.ClientState(grid.contexts[103].node_config["state-dir"]).carried_path(
+          run, 2
+        ).unlink()
+      return real(messages, timeout=timeout)
+
+    grid.send_and_receive = send_and_receive
+
+  rc = _run_config(tmp_path, "quickstart:nondp", overrides=MISSED[kind], **{"min-clients": 2})
+  records, _ = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 3, 4]]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  third = {r["partition_id"]: r for r in reports if r["round"] == 3}
+  why = third[2].get("reason", "")
+  assert third[2]["status"] == "refused", third[2]
+  assert "after round 2" in why and "missing" in why and "older state" in why, why
+  run = _federated_run(tmp_path / "run")
+  for k in (3, 4):
+    prev, start, kept = starts[(f"client-{k}", 3)]
+    assert (prev, start) == (2, 1), (k, prev, start)
+    state = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}")
+    assert state.carried_rounds(run) == [1, 3]  # round 3's, and round 1's it started from
+    with np.load(state.carried_path(run, 1)) as f:
+      assert sorted(kept) == sorted(n for n in f.files if n != ledger_lib.CARRIED_ROUND)
+      for name in kept:
+        np.testing.assert_array_equal(kept[name], f[name], err_msg=f"client {k}: {name}")
+  for k in (0, 1):  # the others start from round 2, as always
+    assert starts[(f"client-{k}", 3)][:2] == (2, 2)
+
+
 @pytest.mark.slow
 def test_a_synthetic_update_gets_fedlaps_checks(tmp_path):
   """A FedDM reply is untrusted input as a FedLAP reply is: an array of another dtype than
