@@ -143,6 +143,10 @@ def _train(msg: Message, context: Context) -> Message:
   node = settings.node_settings(context.node_config, run)
   setup = _setup(run_items, node.partition_id, node.num_partitions, node.data_path)
   conf = msg.content["config"]
+  why = _round_refused(conf.get("server-round"), run)
+  if why is not None:
+    status = {"status": "refused", "reason": why, "keys": str(conf.get("keys", ""))[:20]}
+    return _reply(msg, {"partition-id": node.partition_id}, status)
   if method_work.supported(method_work.method_of(run.cfg)):
     return _train_method(msg, context, conf, run, node, setup)
   return _train_fedlap(msg, context, conf, run, node, setup)
@@ -155,6 +159,20 @@ def query(msg: Message, context: Context) -> Message:
   node = settings.node_settings(context.node_config, run)
   return Message(
     content=RecordDict({"metrics": MetricRecord({"partition-id": node.partition_id})}), reply_to=msg
+  )
+
+
+def _round_refused(value, run) -> str | None:
+  """Why this client refuses a train message's ``server-round`` (``None``: it does not): not an
+  integer round of the run, ``1 .. rounds`` (a round beyond the run would also move the client's
+  carried state past every real round, which it then refuses as a step back)."""
+  rounds = int(run.cfg.rounds)
+  ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= rounds
+  if ok:
+    return None
+  return (
+    f"server-round={str(value)[:40]!r} is invalid; allowed: an integer round of this run, "
+    f"1 to {rounds} (the run config's rounds)"
   )
 
 

@@ -1647,6 +1647,30 @@ def test_a_server_cannot_point_a_clients_carried_state_elsewhere(tmp_path):
   assert state.carried_rounds(run) == [1, 2]
 
 
+@pytest.mark.slow
+def test_a_client_refuses_a_round_outside_its_run(tmp_path):
+  """``server-round`` is untrusted too: 0, a round beyond the run's ``rounds`` (which would
+  carry a client's state past every real round), a string or a bool is refused by name before
+  anything runs; the client takes the run's next real round."""
+  config, overrides = CARRIED["scaffold"]
+  overrides = overrides.replace("rounds=2", "rounds=3")
+  bad = {101: 0, 102: 4, 103: "2", 104: True}
+  changes = {n: (lambda v: lambda c: c.update({"server-round": v}))(v) for n, v in bad.items()}
+  rc = _run_config(tmp_path, config, overrides=overrides, **{"min-clients": 1})
+  records, _ = run_inprocess(
+    rc, grid_hook=_alter_round_messages(2, changes), state_root=tmp_path / "state"
+  )
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4], [4], [0, 1, 2, 3, 4]]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  why = {r["partition_id"]: r.get("reason", "") for r in reports if r["round"] == 2}
+  for k, value in enumerate(bad.values()):
+    assert f"server-round={str(value)!r} is invalid" in why[k], why[k]
+    assert "1 to 3" in why[k], why[k]
+  run = _federated_run(tmp_path / "run")
+  for k in range(4):  # untouched by the refused round; round 3 started from round 1's state
+    assert ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").carried_rounds(run) == [1, 3]
+
+
 def test_a_client_records_which_federated_run_and_experiment_its_state_belongs_to(tmp_path):
   """federated_runs.admit: 32 hex digits only; an identity stays with its experiment and a
   Flower run with its identity; a record it cannot read is refused, never reset."""
