@@ -45,10 +45,11 @@ DP-FedProx, FedDM, DSC, PSG) runs the method's client step (``experiments.run``'
 the global parameters, the message, the client's own inputs the server sent and its carried
 state (SCAFFOLD's ``c_k``, a synthetic set: computed from its own records before its first
 round, then kept in its state directory under the federated run's identity, which a resumed
-run keeps, :mod:`fedlap_flower.federated_runs`; a round starts from the state of the client's
-last kept round, so one that missed drawn rounds, its message lost or itself cut short before
-it kept their state, continues as a client not drawn for them; missing, altered, of another
-round, or a round back before one it computed, the round is refused), and
+run keeps, :mod:`fedlap_flower.federated_runs`; a round starts from the state after the last
+round whose server update took the client's reply, which the message names, so a client whose
+reply a round did not take -- its message lost, itself cut short, its reply lost or late --
+continues as one not drawn for it; missing, altered, of another round, or a round back before
+one it computed, the round is refused), and
 replies with its update (its model, or the method's own update: SCAFFOLD's model and ``delta
 c_k``, a synthetic set) and ``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
 method's mechanism), draws its keys from its own entropy and replies with its model and its
@@ -171,7 +172,7 @@ def _round_refused(value, run) -> str | None:
   if ok:
     return None
   return (
-    f"server-round={str(value)[:40]!r} is invalid; allowed: an integer round of this run, "
+    f"server-round={repr(value)[:40]} is invalid; allowed: an integer round of this run, "
     f"1 to {rounds} (the run config's rounds)"
   )
 
@@ -221,25 +222,27 @@ def _federated_run(state, conf, context, run) -> str:
   )
 
 
-def _kept_state(state, run_key: str, server_round: int, prev, wire, what: str):
+def _kept_state(state, run_key: str, server_round: int, delivered, prev, wire, what: str):
   """The round ``server_round`` of federated run ``run_key`` starts from and what this client
-  kept after it: ``(start, arrays, None)``; ``(None, None, None)`` before its first round;
+  kept after it: ``(start, arrays, None)``; ``(None, None, None)`` from its initial state;
   ``(None, None, why)`` refused.
 
-  The start is the last round before ``server_round`` whose state this client kept. That is
-  ``prev``, its last drawn round before it, unless the client missed rounds since: drawn, but
-  the message never reached it, or it was cut short (killed, restarted) before it kept the
-  round's state. It keeps a round's state before it replies, so the server had no reply of
-  those rounds, and the client continues as one not drawn for them.
+  The start is ``delivered``, the last round whose server update took this client's reply, as
+  the server's message says (:data:`fedlap_flower.federated_runs.DELIVERED_KEY`; 0: none, the
+  initial state). That is ``prev``, its last drawn round before this one, unless the server
+  has no reply of it since: the message never reached it, it was cut short (killed,
+  restarted) mid-round, its reply was lost or late, or the server refused the round's
+  update. The client then continues as one not drawn for those rounds, from the state the
+  server's model has seen.
 
-  Refused, never started afresh nor from an older state (a re-initialised SCAFFOLD variate or
-  synthetic set would silently be another run's numbers): a state missing (the run's record
-  names a later kept round than the files hold,
-  :func:`fedlap_flower.federated_runs.last_kept`), altered
-  (:meth:`ClientState.load_carried`) or of another round, and a round before one this client
-  already computed in this run (a server cannot take a client back to its first round). A
-  round redone after a stop is the round after the server's last saved one, and starts from
-  the state it started from.
+  Refused, never started afresh nor from a state the server did not take (a re-initialised
+  SCAFFOLD variate or synthetic set would silently be another run's numbers): a round before
+  one this client already computed in this run (a server cannot take a client back to its
+  first round); a ``delivered`` that is not an integer before ``server_round``, or is before
+  the one an earlier message of the run named (:func:`fedlap_flower.federated_runs.delivered`);
+  its state missing, altered (:meth:`ClientState.load_carried`) or of another round. A round
+  redone after a stop is the round after the server's last saved one, and starts from the
+  state it started from.
   """
   held = state.carried_rounds(run_key)
   if held and held[-1] > server_round:
@@ -250,64 +253,78 @@ def _kept_state(state, run_key: str, server_round: int, prev, wire, what: str):
       f"{held[-1]} or later"
     )
     return None, None, why
-  try:
-    recorded = federated_runs.last_kept(state, run_key)
-  except federated_runs.RefusedRun as e:
-    return None, None, str(e)
-  if recorded is not None and (not held or held[-1] < recorded):
-    rounds = f"the states of rounds {held}" if held else "none"
+  key = federated_runs.DELIVERED_KEY
+  ok = isinstance(delivered, int) and not isinstance(delivered, bool)
+  if not ok or not 0 <= delivered < server_round:
     why = (
-      f"this client's carried state ({what}) after round {recorded} of federated run "
-      f"{run_key} is missing from its state-dir {state.directory} (it holds {rounds}); "
-      "refusing to start it afresh or from an older state (the method's numbers would "
-      "silently differ). Allowed: the state directory as this client left it after its last "
-      "round of this run"
+      f"{key}={repr(delivered)[:40]} is invalid; allowed: the last round before "
+      f"{server_round} whose update took this client's reply, 0 to {server_round - 1}"
     )
     return None, None, why
-  before = [r for r in held if r < server_round]
-  if not before:
-    return None, None, None
-  start = before[-1]
   try:
-    kept = state.load_carried(run_key, start, wire)
+    earlier = federated_runs.delivered(state, run_key)
+  except federated_runs.RefusedRun as e:
+    return None, None, str(e)
+  if delivered < earlier:
+    why = (
+      f"{key}={delivered} is refused: an earlier message of federated run {run_key} said "
+      f"round {earlier} took this client's reply, and a client's carried state ({what}) does "
+      f"not go back before it. Allowed: {earlier} or later"
+    )
+    return None, None, why
+  if delivered == 0:
+    return None, None, None
+  try:
+    kept = state.load_carried(run_key, delivered, wire)
   except ConfigError as e:
     return None, None, str(e)
-  if kept is None:  # removed since it was listed
-    return None, None, f"this client's carried state ({what}) after round {start} vanished"
-  if prev is not None and start < prev:
+  if kept is None:
+    rounds = f"the states of rounds {held}" if held else "none"
+    why = (
+      f"this client's carried state ({what}) after round {delivered} of federated run "
+      f"{run_key}, whose update took its reply, is missing from its state-dir "
+      f"{state.directory} (it holds {rounds}); refusing to start it afresh or from an older "
+      "state (the method's numbers would silently differ). Allowed: the state directory as "
+      "this client left it after its last round of this run"
+    )
+    return None, None, why
+  federated_runs.record_delivered(state, run_key, delivered)
+  if prev is not None and delivered < prev:
     log(
       WARNING,
-      "[fedlap] round %d starts from this client's state after round %d: it kept none after "
-      "round %d (the round never reached it, or it was cut short before it replied)",
+      "[fedlap] round %d starts from this client's state after round %d, the last whose "
+      "update took its reply: the server has none of round %d (the message never reached "
+      "it, the client was cut short, or its reply was lost, late or refused)",
       server_round,
-      start,
+      delivered,
       prev,
     )
-  return start, kept, None
+  return delivered, kept, None
 
 
 def _keep_state(state, run_key: str, server_round: int, start, arrays) -> None:
-  """Keeps the state after ``server_round`` (then records it as the run's last kept round);
-  drops those no later round starts from (all but this one and ``start``'s, from which a redo
-  of ``server_round`` starts)."""
+  """Keeps the state after ``server_round``; drops those no later round starts from (all but
+  this one, which the next round's update may take, and ``start``'s, from which a redo of
+  ``server_round`` starts: no update of a round between them took this client's reply)."""
   state.save_carried(run_key, server_round, arrays)
-  federated_runs.record_kept(state, run_key, server_round)
   state.drop_carried(
     run_key, [r for r in state.carried_rounds(run_key) if r not in (start, server_round)]
   )
 
 
 def _carried_state(
-  method, config, setup, facts, node, state, run_key, prev, server_round, template
+  method, config, setup, facts, node, state, run_key, conf, prev, server_round, template
 ):
-  """This client's carried state for ``server_round`` and the round it starts from: its slot of
-  the method's init before it kept any (:attr:`fedlap_jax.method.Method.client_init`, from its
-  own records; start ``None``), else what it kept after its last kept round before
-  ``server_round`` (:func:`_kept_state`). ``(start, carried, None)`` or ``(None, None, why)``.
+  """This client's carried state for ``server_round`` and the round it starts from: what it
+  kept after the last round whose update took its reply, as the server's message ``conf``
+  says (:func:`_kept_state`), else (none yet; start ``None``) its slot of the method's init
+  (:attr:`fedlap_jax.method.Method.client_init`, from its own records).
+  ``(start, carried, None)`` or ``(None, None, why)``.
   """
   what = ", ".join(method.carried)
   wire = Wire.of(jax.tree.map(method_work.shape_of, template))
-  start, kept, why = _kept_state(state, run_key, server_round, prev, wire, what)
+  delivered = conf.get(federated_runs.DELIVERED_KEY)
+  start, kept, why = _kept_state(state, run_key, server_round, delivered, prev, wire, what)
   if why is not None:
     return None, None, why
   if kept is not None:
@@ -380,7 +397,7 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
         return refuse(str(e))
       prev = _last_round(run, node, server_round)
       from_round, got, why = _carried_state(
-        method, config, setup, facts, node, state, run_key, prev, server_round, carried_t
+        method, config, setup, facts, node, state, run_key, conf, prev, server_round, carried_t
       )
       if why is not None:
         return refuse(why)
@@ -497,8 +514,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
         return refuse(str(e))
       prev = _last_round(run, node, server_round)
       shape = jax.ShapeDtypeStruct(np.shape(part.initial_images), np.float32)
+      delivered = conf.get(federated_runs.DELIVERED_KEY)
       from_round, kept, why = _kept_state(
-        state, run_key, server_round, prev, Wire.of({"x": shape}), "the synthetic images"
+        state, run_key, server_round, delivered, prev, Wire.of({"x": shape}), "the synthetic images"
       )
       if why is not None:
         return refuse(why)

@@ -20,12 +20,12 @@ from its run config: config, overrides, seed) and the Flower runs that used it. 
   state of another experiment;
 * another identity in a Flower run that already used one: a run's identity does not change.
 
-The record also holds, per identity, the last round whose carried state the client kept
-(``last_kept``, :func:`record_kept`; written after the state itself): a state directory whose
-files hold no state of that round lost them, and the client refuses rather than start from an
-older one. Which of its kept rounds a client computes from (never a fresh start mid-run, never
-back before a round it computed) is :mod:`fedlap_flower.client_app`'s rule. A record that
-cannot be read is refused, not reset. No ``flwr`` here.
+The record also holds, per identity, the last round the server said took this client's reply
+(``delivered``, :func:`record_delivered`), the round the client's carried state continues
+from: a later message naming an earlier one (a fresh start, or a state the server had taken
+a later one of) is refused. Which of its kept rounds a client computes from (never a fresh
+start mid-run, never back before a round it computed) is :mod:`fedlap_flower.client_app`'s
+rule. A record that cannot be read is refused, not reset. No ``flwr`` here.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ IDENTITY = ledger_lib.RUN_IDENTITY
 # The train message's key and run_info.json's.
 MESSAGE_KEY = "federated-run"
 RUN_INFO_KEY = "federated_run"
+# The train message's key of the last round whose server update took this client's reply
+# (0: none): the round its carried state continues from.
+DELIVERED_KEY = "delivered-round"
 
 
 class RefusedRun(ValueError):
@@ -65,7 +68,7 @@ def config_digest(config_values: Any) -> str:
 
 def _entry_ok(identity: str, entry: dict) -> bool:
   flower = entry.get("flower_runs")
-  kept = entry.get("last_kept")
+  kept = entry.get("delivered")
   return (
     bool(IDENTITY.fullmatch(str(identity)))
     and isinstance(entry.get("config"), str)
@@ -129,24 +132,25 @@ def admit(state: ledger_lib.ClientState, identity, flower_run: int, digest: str)
 
 def recorded(state: ledger_lib.ClientState) -> dict[str, dict]:
   """The record: ``{identity: {"config": digest, "flower_runs": [...], "started_at": ...,
-  "last_kept": round}}`` (``last_kept`` once the client kept a state of that run)."""
+  "delivered": round}}`` (``delivered`` once the server said a round took the client's
+  reply)."""
   return _read(state.directory / RECORD_FILE)
 
 
-def last_kept(state: ledger_lib.ClientState, identity: str) -> int | None:
-  """The last round of federated run ``identity`` whose carried state this client kept
-  (``None``: none yet). Call it holding ``state.locked()``, after :func:`admit`.
+def delivered(state: ledger_lib.ClientState, identity: str) -> int:
+  """The last round of federated run ``identity`` the server said took this client's reply
+  (0: none yet). Call it holding ``state.locked()``, after :func:`admit`.
 
   Raises:
     RefusedRun: the record is unreadable.
   """
-  return _read(state.directory / RECORD_FILE).get(identity, {}).get("last_kept")
+  return int(_read(state.directory / RECORD_FILE).get(identity, {}).get("delivered") or 0)
 
 
-def record_kept(state: ledger_lib.ClientState, identity: str, server_round: int) -> None:
-  """Records that this client kept its carried state after ``server_round`` of federated run
-  ``identity`` (after the state's own file is written; a redo of the round records it again).
-  Call it holding ``state.locked()``, after :func:`admit`.
+def record_delivered(state: ledger_lib.ClientState, identity: str, server_round: int) -> None:
+  """Records that the server said round ``server_round`` of federated run ``identity`` took this
+  client's reply (before the client computes from that round's state). Call it holding
+  ``state.locked()``, after :func:`admit`.
 
   Raises:
     RefusedRun: the record is unreadable, or holds no entry of ``identity``.
@@ -155,6 +159,6 @@ def record_kept(state: ledger_lib.ClientState, identity: str, server_round: int)
   runs = _read(path)
   if identity not in runs:
     raise RefusedRun(f"{path} holds no federated run {identity}; it was admitted before")
-  if runs[identity].get("last_kept") != int(server_round):
-    runs[identity]["last_kept"] = int(server_round)
+  if int(server_round) and runs[identity].get("delivered") != int(server_round):
+    runs[identity]["delivered"] = int(server_round)
     ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs}, mode=ledger_lib.FILE_MODE)

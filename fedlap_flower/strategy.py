@@ -677,6 +677,9 @@ class MethodServer:
     self.state = method_work.server_state(full, method)
     self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._epsilon: dict[int, float] = {}
+    # The last round whose server update took each partition's reply: sent to the client as
+    # its train message's federated_runs.DELIVERED_KEY, the round its carried state continues from.
+    self._delivered: dict[int, int] = {}
     self._round: dict[str, Any] = {}
 
   def _plan_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> dict:
@@ -701,10 +704,21 @@ class MethodServer:
       "plan": plan,
     }
 
-  def _server_update(self, server_round: int, updates: list, num_records: list, what: str):
-    """The method's server step on the usable ``updates`` (partition order) in the error
-    boundary of :func:`_guarded_update`; the state moves on to the next round's key either way.
-    ``(params, metrics, refused, loss, accuracy)`` (``metrics`` ``None``: refused)."""
+  def _delivered_conf(self, conf: ConfigRecord, node: int) -> ConfigRecord:
+    """``conf`` with the last round whose update took this node's partition's reply (0: none),
+    :data:`fedlap_flower.federated_runs.DELIVERED_KEY`: its client continues its carried state from that round."""
+    conf = ConfigRecord(dict(conf))
+    conf[federated_runs.DELIVERED_KEY] = int(self._delivered.get(self._round["asked"][node], 0))
+    return conf
+
+  def _server_update(
+    self, server_round: int, updates: list, num_records: list, what: str, partitions=()
+  ):
+    """The method's server step on the usable ``updates`` (partition order; of
+    ``partitions``) in the error boundary of :func:`_guarded_update`; the state moves on to the
+    next round's key either way, and an update made records the round as each of
+    ``partitions``' delivered one. ``(params, metrics, refused, loss, accuracy)`` (``metrics``
+    ``None``: refused)."""
     plan, state = self._round["plan"], self._round["state"]
     take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
 
@@ -720,6 +734,8 @@ class MethodServer:
     self.state = method_work.server_state(
       new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
     )
+    if not refused:
+      self._delivered.update((int(p), int(server_round)) for p in partitions)
     return params, metrics, refused, loss, acc
 
   def _save_state(self, server_round: int, params) -> None:
@@ -734,6 +750,7 @@ class MethodServer:
         self._epsilon,
         self.participation.binding.pins,
         extra,
+        self._delivered,
       ),
     )
 
@@ -746,6 +763,7 @@ class MethodServer:
       params=state.params, key=state.chain, round=self.state.round + int(state.round)
     )
     self._epsilon = dict(state.epsilon)
+    self._delivered = dict(state.delivered)
     self._labels = dict(state.labels)
     self.participation.binding.restore_pins(state.pins)
 
@@ -818,9 +836,13 @@ class FedLAP(MethodServer, Strategy):
     if self.server_keys:
       conf["key-init"] = task.key_to_words(keys.init)
       conf["key-clients"] = task.key_to_words(keys.clients)
-    content = RecordDict({"arrays": arrays, "config": conf})
     self._round["messages"] = [
-      Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in sorted(asked)
+      Message(
+        content=RecordDict({"arrays": arrays, "config": self._delivered_conf(conf, n)}),
+        message_type=MessageType.TRAIN,
+        dst_node_id=n,
+      )
+      for n in sorted(asked)
     ]
     return self._round["messages"]
 
@@ -966,6 +988,7 @@ class FedLAP(MethodServer, Strategy):
       server_work.padded_updates(sets, radii, deltas if self.with_deltas else None),
       [1 if n is None else n for n in sizes],  # unread under the uniform weights
       "server update",
+      pids,
     )
     summary = _round_record(self.method, metrics)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
@@ -1117,6 +1140,7 @@ class MethodStrategy(MethodServer, FedAvg):
       conf["num-clients"] = int(self.cfg.data.num_clients)
       conf["keys"] = "server" if self.server_keys else "client"
       conf[federated_runs.MESSAGE_KEY] = self.federated_run
+      conf = self._delivered_conf(conf, node)
       content = RecordDict(
         {
           self.arrayrecord_key: arrays,
@@ -1227,6 +1251,7 @@ class MethodStrategy(MethodServer, FedAvg):
       [u[1] for u in ok],
       [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
       "aggregate",
+      [u[0] for u in ok],
     )
     arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
