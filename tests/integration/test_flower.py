@@ -1359,20 +1359,22 @@ MISSED = {  # a method carrying client state, through each client code path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MISSED))
-def test_a_client_that_missed_rounds_continues_from_its_last_kept_state(
+def test_a_client_whose_reply_was_not_taken_continues_from_the_last_one_taken(
   tmp_path, kind, monkeypatch
 ):
-  """Round 2's message never reaches client 4, and client 3 is cut short before it keeps its
-  round-2 state (it keeps its state before it replies, so the server has neither's round 2).
-  In round 3 both continue from what they kept after round 1, as clients not drawn for round
-  2, and the run aggregates all five. Client 2's round-2 state deleted instead is refused by
-  name: its run's record names round 2 as kept, so an older state is never taken."""
-  from fedlap_flower import client_app
+  """The server's update of round 2 takes no reply of client 0 (its reply is lost after it
+  kept its state), of client 3 (cut short before it kept its state) or of client 4 (the
+  message never reaches it). In round 3 all three continue from what they kept after round 1,
+  the last round whose update took their reply (the message says so), as clients not drawn
+  for round 2; the run aggregates all five, and client 0's round-2 state, which no update
+  took, is dropped. Client 2's round-2 state deleted is refused by name, never replaced by an
+  older one."""
+  from fedlap_flower import client_app, federated_runs
 
   starts, real_kept, real_keep = {}, client_app._kept_state, client_app._keep_state
 
-  def kept_state(state, run_key, server_round, prev, wire, what):
-    out = real_kept(state, run_key, server_round, prev, wire, what)
+  def kept_state(state, run_key, server_round, delivered, prev, wire, what):
+    out = real_kept(state, run_key, server_round, delivered, prev, wire, what)
     starts[(state.directory.name, server_round)] = (prev, out[0], out[1])
     return out
 
@@ -1383,6 +1385,7 @@ def test_a_client_that_missed_rounds_continues_from_its_last_kept_state(
 
   monkeypatch.setattr(client_app, "_kept_state", kept_state)
   monkeypatch.setattr(client_app, "_keep_state", keep_state)
+  sent = {}
 
   def hook(grid):
     real = grid.send_and_receive
@@ -1391,6 +1394,8 @@ def test_a_client_that_missed_rounds_continues_from_its_last_kept_state(
       messages = list(messages)
       train = [m for m in messages if m.metadata.message_type == "train"]
       r = train[0].content["config"]["server-round"] if train else None
+      for m in train:
+        sent[(m.metadata.dst_node_id, r)] = m.content["config"][federated_runs.DELIVERED_KEY]
       if r == 2:  # the message to node 105 (client 4) is lost
         messages = [m for m in messages if m.metadata.dst_node_id != 105]
       if r == 3:
@@ -1398,20 +1403,25 @@ def test_a_client_that_missed_rounds_continues_from_its_last_kept_state(
         ledger_lib.ClientState(grid.contexts[103].node_config["state-dir"]).carried_path(
           run, 2
         ).unlink()
-      return real(messages, timeout=timeout)
+      replies = real(messages, timeout=timeout)
+      if r == 2:  # node 101's (client 0's) reply is lost after it kept its state
+        replies = [m for m in replies if m.metadata.src_node_id != 101]
+      return replies
 
     grid.send_and_receive = send_and_receive
 
   rc = _run_config(tmp_path, "quickstart:nondp", overrides=MISSED[kind], **{"min-clients": 2})
   records, _ = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
-  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 3, 4]]
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4], [1, 2], [0, 1, 3, 4]]
+  assert [sent[(101 + k, 3)] for k in range(5)] == [1, 2, 2, 1, 1]
+  assert {sent[(101 + k, r)] for k in range(5) for r in (1, 2)} == {0, 1}
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   third = {r["partition_id"]: r for r in reports if r["round"] == 3}
   why = third[2].get("reason", "")
   assert third[2]["status"] == "refused", third[2]
   assert "after round 2" in why and "missing" in why and "older state" in why, why
   run = _federated_run(tmp_path / "run")
-  for k in (3, 4):
+  for k in (0, 3, 4):
     prev, start, kept = starts[(f"client-{k}", 3)]
     assert (prev, start) == (2, 1), (k, prev, start)
     state = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}")
@@ -1420,8 +1430,8 @@ def test_a_client_that_missed_rounds_continues_from_its_last_kept_state(
       assert sorted(kept) == sorted(n for n in f.files if n != ledger_lib.CARRIED_ROUND)
       for name in kept:
         np.testing.assert_array_equal(kept[name], f[name], err_msg=f"client {k}: {name}")
-  for k in (0, 1):  # the others start from round 2, as always
-    assert starts[(f"client-{k}", 3)][:2] == (2, 2)
+    assert federated_runs.delivered(state, run) == 1
+  assert starts[("client-1", 3)][:2] == (2, 2)  # the others start from round 2, as always
 
 
 @pytest.mark.slow
@@ -1664,11 +1674,41 @@ def test_a_client_refuses_a_round_outside_its_run(tmp_path):
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   why = {r["partition_id"]: r.get("reason", "") for r in reports if r["round"] == 2}
   for k, value in enumerate(bad.values()):
-    assert f"server-round={str(value)!r} is invalid" in why[k], why[k]
+    assert f"server-round={value!r} is invalid" in why[k], why[k]
     assert "1 to 3" in why[k], why[k]
   run = _federated_run(tmp_path / "run")
   for k in range(4):  # untouched by the refused round; round 3 started from round 1's state
     assert ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").carried_rounds(run) == [1, 3]
+
+
+@pytest.mark.slow
+def test_a_client_takes_the_delivered_round_as_untrusted(tmp_path):
+  """``delivered-round`` comes from the server: not before this round, a string, or before the
+  round an earlier message named (0 after round 1's update took the reply: a fresh start) is
+  refused by name before anything runs. An older round the client still keeps is taken:
+  that changes the method's numbers, not what the client reveals (docs/flower.md)."""
+  from fedlap_flower import federated_runs
+
+  config, overrides = CARRIED["scaffold"]
+  overrides = overrides.replace("rounds=2", "rounds=3")
+  bad = {101: 3, 102: 0, 103: "2", 104: 1}
+  key = federated_runs.DELIVERED_KEY
+  changes = {n: (lambda v: lambda c: c.update({key: v}))(v) for n, v in bad.items()}
+  rc = _run_config(tmp_path, config, overrides=overrides, **{"min-clients": 1})
+  records, _ = run_inprocess(
+    rc, grid_hook=_alter_round_messages(3, changes), state_root=tmp_path / "state"
+  )
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4]] * 2 + [[3, 4]]
+  reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
+  why = {r["partition_id"]: r.get("reason", "") for r in reports if r["round"] == 3}
+  assert f"{key}=3 is invalid" in why[0] and "0 to 2" in why[0], why[0]
+  assert f"{key}=0 is refused" in why[1] and "round 1 took" in why[1], why[1]
+  assert f"{key}='2' is invalid" in why[2], why[2]
+  run = _federated_run(tmp_path / "run")
+  for k in range(3):  # untouched by the refused round
+    assert ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").carried_rounds(run) == [1, 2]
+  # Client 3 started round 3 from round 1's state, which it still kept, and dropped round 2's.
+  assert ledger_lib.ClientState(tmp_path / "state" / "client-3").carried_rounds(run) == [1, 3]
 
 
 def test_a_client_records_which_federated_run_and_experiment_its_state_belongs_to(tmp_path):
@@ -1817,11 +1857,12 @@ def test_the_server_state_round_trips(tmp_path):
   chain = jax.random.split(jax.random.key(3))[0]
   labels = {2: (np.arange(4, dtype=np.int32), np.array([True, True, False, False]))}
   state = server_state.ServerState(
-    4, params, chain, labels, {0: 2.5, 3: 1.25}, {"num-examples": {"1": 283}}
+    4, params, chain, labels, {0: 2.5, 3: 1.25}, {"num-examples": {"1": 283}}, {}, {0: 4, 3: 2}
   )
   server_state.save(tmp_path, state)
   back = server_state.load(tmp_path, params)
   assert (back.round, back.epsilon, back.pins) == (4, {0: 2.5, 3: 1.25}, state.pins)
+  assert back.delivered == {0: 4, 3: 2}
   assert task.key_to_words(back.chain) == task.key_to_words(chain)
   np.testing.assert_array_equal(back.labels[2][0], labels[2][0])
   np.testing.assert_array_equal(back.labels[2][1], labels[2][1])
