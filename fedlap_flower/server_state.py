@@ -47,6 +47,7 @@ class ServerState(NamedTuple):
       state); ``{}`` for FedLAP.
     delivered: ``{partition: round}`` the last round whose server update took that
       partition's reply (what a client's carried state continues from; absent: none).
+      ``None`` from a file that does not record it (written before it was kept).
   """
 
   round: int
@@ -56,7 +57,7 @@ class ServerState(NamedTuple):
   epsilon: dict
   pins: dict
   extra: dict = {}
-  delivered: dict = {}
+  delivered: dict | None = {}
 
 
 def save(run_dir: Path, state: ServerState) -> None:
@@ -65,7 +66,7 @@ def save(run_dir: Path, state: ServerState) -> None:
     "round": int(state.round),
     "epsilon": {str(k): float(v) for k, v in state.epsilon.items()},
     "pins": state.pins,
-    "delivered": {str(k): int(v) for k, v in state.delivered.items()},
+    "delivered": {str(k): int(v) for k, v in (state.delivered or {}).items()},
   }
   arrays = {
     "params": records.params_to_record(state.params)[records.PACKED].numpy(),
@@ -111,5 +112,5 @@ def load(run_dir: Path, template) -> ServerState | None:
     {int(k): float(v) for k, v in meta["epsilon"].items()},
     meta["pins"],
     extra,
-    {int(k): int(v) for k, v in meta.get("delivered", {}).items()},
+    None if "delivered" not in meta else {int(k): int(v) for k, v in meta["delivered"].items()},
   )

@@ -754,6 +754,16 @@ class MethodServer:
       ),
     )
 
+  def _delivered_from_log(self) -> dict[int, int]:
+    """The delivered rounds of a state file that does not record them, from the run log's
+    rounds (those the resumed run keeps): each partition's last round of ``clients_ok`` whose
+    update was made."""
+    delivered: dict[int, int] = {}
+    for record in self.run_log.records:
+      if not record.get("update_refused") and not record.get("stopped"):
+        delivered.update((int(p), int(record["round"])) for p in record.get("clients_ok", []))
+    return delivered
+
   def restore(self, state: server_state.ServerState) -> None:
     """Continues after ``state.round`` with the method's state and what it pinned."""
     self.rounds_done = int(state.round)
@@ -763,7 +773,9 @@ class MethodServer:
       params=state.params, key=state.chain, round=self.state.round + int(state.round)
     )
     self._epsilon = dict(state.epsilon)
-    self._delivered = dict(state.delivered)
+    self._delivered = (
+      dict(state.delivered) if state.delivered is not None else self._delivered_from_log()
+    )
     self._labels = dict(state.labels)
     self.participation.binding.restore_pins(state.pins)
 

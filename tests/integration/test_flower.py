@@ -1904,7 +1904,9 @@ def test_a_new_run_refuses_a_run_dir_holding_a_run(tmp_path):
 @pytest.mark.parametrize(
   "kind, stop",
   [(k, "unanswered") for k in RESUMABLE]
-  + [("scaffold", "replies lost"), ("nondp_noise", "replies lost")],
+  + [("scaffold", "replies lost"), ("nondp_noise", "replies lost")]
+  # A state file that does not record the delivered rounds: taken from the run log's rounds.
+  + [("scaffold", "replies lost, older state file")],
 )
 def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind, stop):
   """Round 3 gets no replies and the run stops (its clients never asked, or they computed it
@@ -1916,7 +1918,16 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind,
   want, _ = run_inprocess(straight, state_root=tmp_path / "a" / "state")
   rc = _run_config(tmp_path / "b", "quickstart:nondp", overrides=RESUMABLE[kind])
   with pytest.raises(strategy.TooFewClients):
-    run_inprocess(rc, grid_hook=STOPS[stop](3), state_root=tmp_path / "b" / "state")
+    run_inprocess(rc, grid_hook=STOPS[stop.split(",")[0]](3), state_root=tmp_path / "b" / "state")
+  if stop.endswith("older state file"):
+    from fedlap_flower import server_state
+
+    path = tmp_path / "b" / "run" / server_state.STATE_FILE
+    with np.load(path) as f:
+      arrays = dict(f)
+    meta = json.loads(str(arrays["meta"]))
+    assert meta.pop("delivered") == {str(k): 2 for k in range(5)}
+    np.savez(path, **{**arrays, "meta": np.asarray(json.dumps(meta, sort_keys=True))})
   # FedLAP logs the stopped round; both stop with the state after round 2.
   stopped = [r["round"] for r in read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")]
   assert stopped == ([1, 2, 3] if kind.startswith("nondp") else [1, 2])
