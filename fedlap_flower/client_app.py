@@ -357,20 +357,7 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
   def refuse(reason, **extra):
     return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason, "keys": keys})
 
-  if node.requires_dp and not dp:
-    return refuse(
-      f"this client has its own max-epsilon and takes part in DP runs only; "
-      f"method={run.cfg.method!r} is not private. Allowed: a DP config"
-    )
-  if dp and keys == "server" and not settings.unsafe_consent():
-    return refuse(
-      f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
-      f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
-      "drawn from the client's own entropy"
-    )
-  if task.key_slot(run.cfg, server_round, node.partition_id) is None:
-    return refuse(_not_drawn(run, node, server_round))
-  denied = _dp_denied(mechanism, node, part) if dp else None
+  denied = _refused_before_state(run, node, mechanism, part, keys, server_round)
   if denied:
     return refuse(denied)
   try:
@@ -435,6 +422,28 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
   return Message(content=content, reply_to=msg)
 
 
+def _refused_before_state(run, node, mechanism, part, keys, server_round: int) -> str | None:
+  """Why this client refuses a round before it reads its state or touches its ledger (``None``:
+  it does not): a client with its own ``max-epsilon`` asked for a run without DP
+  (``mechanism`` ``None``), server keys under DP without the client's consent, a round it is not
+  drawn for (a client charges only the rounds it computes), or what :func:`_dp_denied` refuses."""
+  dp = mechanism is not None
+  if node.requires_dp and not dp:
+    return (
+      f"this client has its own max-epsilon and takes part in DP runs only; "
+      f"method={run.cfg.method!r} with this run config is not private. Allowed: a DP config"
+    )
+  if dp and keys == "server" and not settings.unsafe_consent():
+    return (
+      f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
+      f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
+      "drawn from the client's own entropy"
+    )
+  if task.key_slot(run.cfg, server_round, node.partition_id) is None:
+    return _not_drawn(run, node, server_round)
+  return _dp_denied(mechanism, node, part) if dp else None
+
+
 def _dp_denied(mechanism, node, part) -> str | None:
   """Why this client refuses a DP round before its ledger is touched (``None``: it does not)."""
   if not math.isfinite(node.max_epsilon):
@@ -477,9 +486,9 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
   server_round = int(conf["server-round"])
   lr = float(conf["learning-rate"])
   keys = conf["keys"]
-  dp = fc.client.dp is not None
   metrics = {"partition-id": node.partition_id}
   mechanism = setup.plan.mechanism  # dp.noise_multiplier calibrated to dp.target_epsilon
+  dp = mechanism is not None
   steps = fc.client.real_accesses_per_round if mechanism is None else mechanism.steps_per_round
   carry = fc.synthetic_init == "noise"
   state = ClientState(node.state_dir) if (dp or carry) else None
@@ -487,23 +496,10 @@ def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
   def refuse(reason, **extra):
     return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason, "keys": keys})
 
-  if node.requires_dp and not dp:
-    return refuse(
-      "this client has its own max-epsilon and takes part in DP runs only; the "
-      "run config turns DP off (dp.enabled=False). Allowed: a DP config"
-    )
-  if dp and keys == "server" and not settings.unsafe_consent():
-    return refuse(
-      f"the server sent round keys under DP (unsafe-dp-keys-from-server); this "
-      f"client does not consent ({settings.UNSAFE_ENV} is not 1). Allowed: keys "
-      "drawn from the client's own entropy"
-    )
-  slot = task.key_slot(run.cfg, server_round, node.partition_id)
-  if slot is None:  # before the ledger: a client charges only the rounds it computes
-    return refuse(_not_drawn(run, node, server_round))
-  denied = _dp_denied(mechanism, node, part) if dp else None
+  denied = _refused_before_state(run, node, mechanism, part, keys, server_round)
   if denied:
     return refuse(denied)
+  slot = task.key_slot(run.cfg, server_round, node.partition_id)
 
   with state.locked() if state is not None else contextlib.nullcontext():
     carried, run_key, from_round = None, None, None
