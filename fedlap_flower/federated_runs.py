@@ -68,13 +68,20 @@ def config_digest(config_values: Any) -> str:
 
 def _entry_ok(identity: str, entry: dict) -> bool:
   flower = entry.get("flower_runs")
-  kept = entry.get("delivered")
+  delivered_round = entry.get("delivered")
   return (
     bool(IDENTITY.fullmatch(str(identity)))
     and isinstance(entry.get("config"), str)
     and isinstance(flower, list)
     and all(isinstance(r, int) for r in flower)
-    and (kept is None or (isinstance(kept, int) and not isinstance(kept, bool) and kept >= 1))
+    and (
+      delivered_round is None
+      or (
+        isinstance(delivered_round, int)
+        and not isinstance(delivered_round, bool)
+        and delivered_round >= 1
+      )
+    )
   )
 
 
@@ -159,6 +166,6 @@ def record_delivered(state: ledger_lib.ClientState, identity: str, server_round:
   runs = _read(path)
   if identity not in runs:
     raise RefusedRun(f"{path} holds no federated run {identity}; it was admitted before")
-  if int(server_round) and runs[identity].get("delivered") != int(server_round):
+  if runs[identity].get("delivered") != int(server_round):
     runs[identity]["delivered"] = int(server_round)
     ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs}, mode=ledger_lib.FILE_MODE)

@@ -6,8 +6,7 @@ update the strategy made: the round ``m``, the global parameters after it
 (packed as :func:`fedlap_flower.records.params_to_record` packs them), the
 strategy's key chain after the round's split, and what the strategy pinned
 for the run (each partition's synthetic labels and ``num-examples``, the
-epsilons its accepted replies reported, the last round whose update took its
-reply). ``run_info.json`` beside it holds
+epsilons its accepted replies reported). ``run_info.json`` beside it holds
 the experiment's config; :func:`load` checks that the resumed run is the
 same experiment.
 
@@ -45,9 +44,6 @@ class ServerState(NamedTuple):
     extra: a registry method's server state besides its parameters, key and round
       (``{name: array}``, :func:`fedlap_flower.method_work.tree_to_arrays`: FedAdam's Adam
       state); ``{}`` for FedLAP.
-    delivered: ``{partition: round}`` the last round whose server update took that
-      partition's reply (what a client's carried state continues from; absent: none).
-      ``None`` from a file that does not record it (written before it was kept).
   """
 
   round: int
@@ -57,7 +53,6 @@ class ServerState(NamedTuple):
   epsilon: dict
   pins: dict
   extra: dict = {}
-  delivered: dict | None = {}
 
 
 def save(run_dir: Path, state: ServerState) -> None:
@@ -66,7 +61,6 @@ def save(run_dir: Path, state: ServerState) -> None:
     "round": int(state.round),
     "epsilon": {str(k): float(v) for k, v in state.epsilon.items()},
     "pins": state.pins,
-    "delivered": {str(k): int(v) for k, v in (state.delivered or {}).items()},
   }
   arrays = {
     "params": records.params_to_record(state.params)[records.PACKED].numpy(),
@@ -112,5 +106,4 @@ def load(run_dir: Path, template) -> ServerState | None:
     {int(k): float(v) for k, v in meta["epsilon"].items()},
     meta["pins"],
     extra,
-    None if "delivered" not in meta else {int(k): int(v) for k, v in meta["delivered"].items()},
   )

@@ -677,9 +677,6 @@ class MethodServer:
     self.state = method_work.server_state(full, method)
     self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._epsilon: dict[int, float] = {}
-    # The last round whose server update took each partition's reply: sent to the client as
-    # its train message's federated_runs.DELIVERED_KEY, the round its carried state continues from.
-    self._delivered: dict[int, int] = {}
     self._round: dict[str, Any] = {}
 
   def _plan_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> dict:
@@ -704,21 +701,23 @@ class MethodServer:
       "plan": plan,
     }
 
-  def _delivered_conf(self, conf: ConfigRecord, node: int) -> ConfigRecord:
-    """``conf`` with the last round whose update took this node's partition's reply (0: none),
-    :data:`fedlap_flower.federated_runs.DELIVERED_KEY`: its client continues its carried state from that round."""
-    conf = ConfigRecord(dict(conf))
-    conf[federated_runs.DELIVERED_KEY] = int(self._delivered.get(self._round["asked"][node], 0))
-    return conf
+  def _delivered_round(self, node: int) -> int:
+    """The last round whose server update took the reply of ``node``'s partition (0: none), from
+    the run log's rounds (those a resumed run keeps: each update made and the ``clients_ok``
+    it took), sent as :data:`fedlap_flower.federated_runs.DELIVERED_KEY`: its client continues
+    its carried state from that round."""
+    pid = self._round["asked"][node]
+    taken = (
+      int(r["round"])
+      for r in self.run_log.records
+      if not r.get("update_refused") and not r.get("stopped") and pid in r.get("clients_ok", ())
+    )
+    return max(taken, default=0)
 
-  def _server_update(
-    self, server_round: int, updates: list, num_records: list, what: str, partitions=()
-  ):
-    """The method's server step on the usable ``updates`` (partition order; of
-    ``partitions``) in the error boundary of :func:`_guarded_update`; the state moves on to the
-    next round's key either way, and an update made records the round as each of
-    ``partitions``' delivered one. ``(params, metrics, refused, loss, accuracy)`` (``metrics``
-    ``None``: refused)."""
+  def _server_update(self, server_round: int, updates: list, num_records: list, what: str):
+    """The method's server step on the usable ``updates`` (partition order) in the error
+    boundary of :func:`_guarded_update`; the state moves on to the next round's key either way.
+    ``(params, metrics, refused, loss, accuracy)`` (``metrics`` ``None``: refused)."""
     plan, state = self._round["plan"], self._round["state"]
     take_part = (len(self._round["chosen"]), int(self.cfg.data.num_clients))
 
@@ -734,8 +733,6 @@ class MethodServer:
     self.state = method_work.server_state(
       new_state._replace(round=jnp.int32(server_round), key=plan.next_key), self.method
     )
-    if not refused:
-      self._delivered.update((int(p), int(server_round)) for p in partitions)
     return params, metrics, refused, loss, acc
 
   def _save_state(self, server_round: int, params) -> None:
@@ -750,19 +747,8 @@ class MethodServer:
         self._epsilon,
         self.participation.binding.pins,
         extra,
-        self._delivered,
       ),
     )
-
-  def _delivered_from_log(self) -> dict[int, int]:
-    """The delivered rounds of a state file that does not record them, from the run log's
-    rounds (those the resumed run keeps): each partition's last round of ``clients_ok`` whose
-    update was made."""
-    delivered: dict[int, int] = {}
-    for record in self.run_log.records:
-      if not record.get("update_refused") and not record.get("stopped"):
-        delivered.update((int(p), int(record["round"])) for p in record.get("clients_ok", []))
-    return delivered
 
   def restore(self, state: server_state.ServerState) -> None:
     """Continues after ``state.round`` with the method's state and what it pinned."""
@@ -773,9 +759,6 @@ class MethodServer:
       params=state.params, key=state.chain, round=self.state.round + int(state.round)
     )
     self._epsilon = dict(state.epsilon)
-    self._delivered = (
-      dict(state.delivered) if state.delivered is not None else self._delivered_from_log()
-    )
     self._labels = dict(state.labels)
     self.participation.binding.restore_pins(state.pins)
 
@@ -850,7 +833,14 @@ class FedLAP(MethodServer, Strategy):
       conf["key-clients"] = task.key_to_words(keys.clients)
     self._round["messages"] = [
       Message(
-        content=RecordDict({"arrays": arrays, "config": self._delivered_conf(conf, n)}),
+        content=RecordDict(
+          {
+            "arrays": arrays,
+            "config": ConfigRecord(
+              {**conf, federated_runs.DELIVERED_KEY: self._delivered_round(n)}
+            ),
+          }
+        ),
         message_type=MessageType.TRAIN,
         dst_node_id=n,
       )
@@ -1000,7 +990,6 @@ class FedLAP(MethodServer, Strategy):
       server_work.padded_updates(sets, radii, deltas if self.with_deltas else None),
       [1 if n is None else n for n in sizes],  # unread under the uniform weights
       "server update",
-      pids,
     )
     summary = _round_record(self.method, metrics)
     upload = sum(r.get("upload_bytes", 0) for r in reports)
@@ -1152,7 +1141,7 @@ class MethodStrategy(MethodServer, FedAvg):
       conf["num-clients"] = int(self.cfg.data.num_clients)
       conf["keys"] = "server" if self.server_keys else "client"
       conf[federated_runs.MESSAGE_KEY] = self.federated_run
-      conf = self._delivered_conf(conf, node)
+      conf[federated_runs.DELIVERED_KEY] = self._delivered_round(node)
       content = RecordDict(
         {
           self.arrayrecord_key: arrays,
@@ -1263,7 +1252,6 @@ class MethodStrategy(MethodServer, FedAvg):
       [u[1] for u in ok],
       [1 if u[2] is None else u[2] for u in ok],  # unread under DP's uniform weights
       "aggregate",
-      [u[0] for u in ok],
     )
     arrays = self._round["arrays"] if refused else records.params_to_record(params)
     by_status: dict[str, list] = {}
