@@ -1711,6 +1711,34 @@ def test_a_client_takes_the_delivered_round_as_untrusted(tmp_path):
   assert ledger_lib.ClientState(tmp_path / "state" / "client-3").carried_rounds(run) == [1, 3]
 
 
+@pytest.mark.slow
+def test_a_dp_client_refusing_a_bad_round_or_delivered_round_charges_nothing(tmp_path):
+  """Under DP (FedLAP-DP, its images carried between rounds) a ``server-round`` outside the
+  run or a ``delivered-round`` not before the round is refused before the ledger: the client
+  is charged round 1 only, and takes part again in round 3 (from round 1's images, the last
+  round whose update took its reply)."""
+  from fedlap_flower import federated_runs
+
+  overrides = TINY.replace("rounds=2", "rounds=3")
+  changes = {
+    101: lambda c: c.update({"server-round": 99}),
+    102: lambda c: c.update({federated_runs.DELIVERED_KEY: 2}),
+  }
+  rc = _run_config(
+    tmp_path, "quickstart:dp_loops", overrides=overrides, **{"min-clients": 1, "max-epsilon": 50.0}
+  )
+  records, _ = run_inprocess(
+    rc, grid_hook=_alter_round_messages(2, changes), state_root=tmp_path / "state"
+  )
+  assert [r["clients_ok"] for r in records] == [[0, 1, 2, 3, 4], [2, 3, 4], [0, 1, 2, 3, 4]]
+  for k in range(5):
+    hist = ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").history()
+    assert [h["server_round"] for h in hist] == ([1, 3] if k < 2 else [1, 2, 3]), (k, hist)
+  run = _federated_run(tmp_path / "run")
+  for k in range(2):
+    assert ledger_lib.ClientState(tmp_path / "state" / f"client-{k}").carried_rounds(run) == [1, 3]
+
+
 def test_a_client_records_which_federated_run_and_experiment_its_state_belongs_to(tmp_path):
   """federated_runs.admit: 32 hex digits only; an identity stays with its experiment and a
   Flower run with its identity; a record it cannot read is refused, never reset."""
