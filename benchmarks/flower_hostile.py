@@ -53,6 +53,22 @@ NONDP = ("quickstart:nondp", "")
 HYBRID = ("quickstart:dp", "")
 
 
+def _eta(msg) -> float:
+  """The round's client learning rate ``eta_m``, as the server's message names it."""
+  return float(msg.content["message"]["rates.client"].numpy())
+
+
+def _update(content, **arrays):
+  """``content`` with these arrays of its ``"update"`` record (FedLAP's wire names)."""
+  from flwr.app import Array, ArrayRecord, RecordDict
+
+  old = {k: a.numpy() for k, a in content["update"].items()}
+  new = {**old, **arrays}
+  return RecordDict(
+    {**dict(content.items()), "update": ArrayRecord({k: Array(v) for k, v in new.items()})}
+  )
+
+
 def _metrics(content, **values):
   from flwr.app import MetricRecord, RecordDict
 
@@ -70,14 +86,14 @@ def _num_examples(content, msg):
 def _radius_floor(content, msg):
   from fedlap_flower import replies
 
-  return _metrics(content, radius=replies.radius_floor(msg.content["config"]["learning-rate"]))
+  return _update(content, radius=np.array(replies.radius_floor(_eta(msg)), np.float32))
 
 
 def _radius_max(content, msg):
   from fedlap_flower import settings
 
   r = settings.run_settings({"config": NONDP[0]}).cfg.client.radius
-  return _metrics(content, radius=float(np.float32(r)))
+  return _update(content, radius=np.array(r, np.float32))
 
 
 def _flipped_delta(stats):
@@ -85,21 +101,18 @@ def _flipped_delta(stats):
 
   def tamper(content, msg):
     from experiments import library_configs
-    from flwr.app import Array, ArrayRecord, RecordDict
     from fedlap_flower import replies, settings
 
     run = settings.run_settings({"config": HYBRID[0], "overrides": HYBRID[1]})
     fc = library_configs.to_fedlap_config(run.cfg)
-    leaves = {k: a.numpy() for k, a in content["delta"].items()}
+    update = content["update"]
+    leaves = {k: a.numpy() for k, a in update.items() if k.startswith("model_delta.")}
     d = sum(v.size for v in leaves.values())
-    bound = replies.max_delta_norm(fc.client, msg.content["config"]["learning-rate"], d)
+    bound = replies.max_delta_norm(fc.client, _eta(msg), d)
     norm = replies.check_delta_norm(leaves, None)
     scale = -0.99 * bound / norm
     stats.append({"honest_norm": norm, "bound": bound, "ratio_to_honest": 0.99 * bound / norm})
-    flipped = {k: (v * scale).astype(v.dtype) for k, v in leaves.items()}
-    return RecordDict(
-      {**dict(content.items()), "delta": ArrayRecord({k: Array(v) for k, v in flipped.items()})}
-    )
+    return _update(content, **{k: (v * scale).astype(v.dtype) for k, v in leaves.items()})
 
   return tamper
 

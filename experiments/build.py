@@ -12,8 +12,7 @@ and the Flower app's server and clients build a run here, so each computes what 
    that meets ``dp.target_epsilon`` (:mod:`experiments.calibration`);
 2. :func:`init`: the model and the run's keys from the seed: ``k_model, k_alg =
    split(run_key(seed))`` (:func:`experiments.seeds.run_key`), a ConvNet initialised with
-   ``k_model``; the method's key chain starts at ``k_alg`` (:class:`experiments.methods.Entry`'s
-   ``chain_key``, ``images_key``);
+   ``k_model``; the method's ``init`` is given ``k_alg``;
 3. :func:`clients`, :func:`algorithm` and the algorithm's ``init``: the stacked clients, the
    :class:`~fedlap_jax.algorithm.FederatedAlgorithm` and the state before round 1
    (:func:`build_run` does all three for a whole run).
@@ -212,14 +211,6 @@ class Init(NamedTuple):
 
   model: Model
   k_alg: jax.Array
-
-  def chain_key(self, entry: methods.Entry) -> jax.Array:
-    """The method's state key before round 1."""
-    return entry.chain_key(self.k_alg)
-
-  def images_key(self, entry: methods.Entry) -> jax.Array | None:
-    """The key of the method's initial synthetic images (``None``: the method draws none)."""
-    return None if entry.images_key is None else entry.images_key(self.k_alg)
 
 
 def init_model(model_cfg, image_shape, num_classes: int, key: jax.Array) -> Model:

@@ -18,8 +18,7 @@ Every other module of ``experiments/`` is generic: it looks a method up here and
   (``check``, ``one_shot``);
 * what the data must allow (``synthetic``: it learns synthetic sets with one label per slot;
   ``pooled``: one pool of every client's records);
-* how its clients run (``side_by_side``) and its key chain before round 1 (``chain_key``,
-  ``images_key``: what the Flower app's server and clients derive from the run key).
+* how its clients run (``side_by_side``).
 
 It also holds the round summaries of methods whose metrics need their own reading
 (:func:`metrics_view`) and the methods' labels (:func:`label`, :func:`labels`).
@@ -32,7 +31,6 @@ import functools
 import math
 from typing import Any, Callable, NamedTuple
 
-import jax
 import numpy as np
 
 from fedlap_jax import baselines, condensation, feddm, optim, rounds
@@ -72,9 +70,6 @@ class Entry:
     synthetic: it learns synthetic sets (one label per slot, ``client.ipc`` per class).
     pooled: its synthetic sets are learnt from one pool of every client's records.
     side_by_side: its clients' rounds may run side by side (``client_backend='auto'``).
-    chain_key: the run's algorithm key -> the state's key before round 1.
-    images_key: the run's algorithm key -> the key of the initial synthetic images (``None``:
-      the method draws none).
     mechanism: its library config -> its DP mechanism (``None`` without DP): the registry
       method's :meth:`~fedlap_jax.method.Method.mechanism`.
   """
@@ -90,8 +85,6 @@ class Entry:
   synthetic: bool = False
   pooled: bool = False
   side_by_side: bool = False
-  chain_key: Callable[[jax.Array], jax.Array] | None = None
-  images_key: Callable[[jax.Array], jax.Array] | None = None
   mechanism: Callable[[Any], Any] | None = None
 
 
@@ -464,22 +457,11 @@ FEDLAP_DP_FIELDS = (
 )
 
 
-def _fedlap_keys(k_alg):
-  """FedLAP's ``init_state``: ``split(k_alg)`` is (initial images' key, state key)."""
-  return jax.random.split(k_alg)
-
-
 # The experiment binding of each library config class: how the config is built from the
-# experiment config, what else it must hold, and the method's key chain before round 1.
+# experiment config and what else it must hold.
 SPECS = {
-  core.FedLAPConfig: dict(
-    spec=FEDLAP_SPEC,
-    dp_fields=FEDLAP_DP_FIELDS,
-    chain_key=lambda k: _fedlap_keys(k)[1],
-    images_key=lambda k: _fedlap_keys(k)[0],
-  ),
-  # init_baseline_state keeps the algorithm key
-  baselines.BaselineConfig: dict(spec=BASELINE_SPEC, check=_check_baseline, chain_key=lambda k: k),
+  core.FedLAPConfig: dict(spec=FEDLAP_SPEC, dp_fields=FEDLAP_DP_FIELDS),
+  baselines.BaselineConfig: dict(spec=BASELINE_SPEC, check=_check_baseline),
   feddm.FedDMConfig: dict(spec=FEDDM_SPEC),
   condensation.OneShotConfig: dict(spec=ONESHOT_SPEC, one_shot=True),
 }

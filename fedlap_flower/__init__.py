@@ -1,4 +1,5 @@
-"""FedLAP and FedLAP-DP as a Flower app: one client per process or machine.
+"""FedLAP, FedLAP-DP and every federated registry method as a Flower app: one client per
+process or machine.
 
 The library :mod:`fedlap_jax` never imports ``flwr``; this package is the
 bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
@@ -8,20 +9,17 @@ bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
   onto the experiments' named ml_collections configs.
 * :mod:`fedlap_flower.task` -- a party's run (library config, calibrated DP
   mechanism, model and keys, built by :mod:`experiments.build` as for
-  ``experiments.run``), the round keys, one client's data partition, the
+  ``experiments.run``), the round's participants, one client's data partition, the
   server's test split.
-* :mod:`fedlap_flower.client_work` -- one client's round: the library's
-  :func:`fedlap_jax.client_step` (or :func:`fedlap_jax.baselines.client_step`
-  for the FedAvg baseline) on the client's start set, and its reply.
-* :mod:`fedlap_flower.server_work` -- the server's round: the replies stacked
-  for the method's server step (:attr:`fedlap_jax.method.Method.server_step`; FedLAP's
-  synthetic sets padded to one size first), and the test evaluation.
 * :mod:`fedlap_flower.method_work` -- a registry method's round cut at the wire, generic over
-  the method: its state, plan, client and server steps.
+  the method: its state, plan, client and server steps, and the arrays they travel as.
+* :mod:`fedlap_flower.server_work` -- the server's round: the replies stacked
+  for the method's server step (:attr:`fedlap_jax.method.Method.server_step`), and the test
+  evaluation.
 
-A FedLAP client sends its synthetic set and radius (and its DP metrics); with
-``server.start='fedavg_delta'`` (the hybrid DP recipe, ``quickstart:dp``) also
-its model delta, one array per parameter leaf (:mod:`fedlap_flower.records`).
+A client sends its method's update by the method's wire (FedLAP: its synthetic set, ``r_k``
+and, with ``client.model_steps='noisy_real'``, the hybrid DP recipe of ``quickstart:dp``, its
+model delta, one array per parameter leaf; :mod:`fedlap_flower.records`), and its DP metrics.
 * :mod:`fedlap_flower.ledger` -- a client's own privacy ledger, secret key and
   carried client state, persisted atomically in its state directory.
 * :mod:`fedlap_flower.federated_runs` -- the federated run a client's carried
@@ -36,10 +34,10 @@ its model delta, one array per parameter leaf (:mod:`fedlap_flower.records`).
 
 Modules built on ``flwr`` (``pip install -e ".[experiments,flower]"``):
 
-* :mod:`fedlap_flower.records` -- parameters, synthetic sets and keys as
+* :mod:`fedlap_flower.records` -- parameters and a method's named arrays as
   Flower records.
-* :mod:`fedlap_flower.strategy` -- :class:`~fedlap_flower.strategy.FedLAP`, a
-  ``flwr.serverapp.strategy.Strategy``.
+* :mod:`fedlap_flower.strategy` -- :class:`~fedlap_flower.strategy.MethodStrategy`, a
+  ``flwr.serverapp.strategy.FedAvg`` around the run's registry method.
 * :mod:`fedlap_flower.client_app`, :mod:`fedlap_flower.server_app` -- the
   ``ClientApp`` and ``ServerApp`` (the Flower app project is
   ``fedlap_flower/app/``: ``flwr run fedlap_flower/app ...``).
@@ -50,4 +48,4 @@ Modules built on ``flwr`` (``pip install -e ".[experiments,flower]"``):
   Flower versions it was tested with (:mod:`fedlap_flower.runtime.support`).
 """
 
-__all__ = ["settings", "task", "client_work", "server_work", "ledger", "replies", "binding"]
+__all__ = ["settings", "task", "method_work", "server_work", "ledger", "replies", "binding"]

@@ -1,6 +1,8 @@
 """The ``ClientApp``: one client's partition, its privacy ledger and its round.
 
-A FedLAP train message runs, on this client only:
+A train message runs, on this client only, one round of the run's registry method
+(:mod:`fedlap_flower.method_work`: FedLAP and FedLAP-DP, FedSGD, FedAvg, FedProx, SCAFFOLD,
+FedAdam, DP-FedAvg, DP-FedProx, FedDM, DSC, PSG), generic over it:
 
 1. settings (:mod:`fedlap_flower.settings`), the client's run and data
    (:func:`fedlap_flower.task.client_run`, built as ``experiments.run`` builds a run:
@@ -8,60 +10,49 @@ A FedLAP train message runs, on this client only:
    named partition's smallest client, the model; cached per process). A client holding its
    own records (``data-path``) does not know the federation's client sizes: it refuses a
    ``dp.target_epsilon``;
-2. under DP, in the client's own state directory (its node config's
-   ``state-dir``; :mod:`fedlap_flower.ledger`): refuse the round (reply
-   ``status = refused`` with the reason) if the run's ``dp.delta`` exceeds
-   the client's ``max-delta`` (default ``min(1e-5, 1 / N_k)``) or the
-   epsilon after it would exceed the client's ``max-epsilon`` (with the
-   epsilons), else record it first. The ledger composes the mechanism FedLAP-DP
-   declares (:meth:`fedlap_jax.accounting.DpMechanism.from_config`) at the client's own
-   ``N_k``; its epsilon is the replace-one figure. The round's key holds 128
-   fresh bits of the operating system's entropy
-   (:func:`fedlap_flower.ledger.fresh_round_key`) -- the server never learns
-   it (unless the test-only unsafe mode is on *and* this client's environment
-   consents), and no state on disk can make it repeat;
-3. :func:`fedlap_flower.client_work.fedlap_round`
-   (:func:`fedlap_jax.client.client_step`, as every front end runs a client) on
-   the received global parameters, from the images it kept after its last round
-   under ``synthetic_init='noise'`` (in its state directory, under the federated
-   run's identity; before its first round its initial images; refused as another
-   method's carried state is, before the ledger is touched);
-4. the reply: the synthetic set, ``r_k``, the DP steps and epsilon, and, when
-   the config's ``server.start`` is ``'fedavg_delta'`` (the hybrid recipe,
-   ``client.model_steps='noisy_real'``), the client's model delta
-   ``w_end - w_g`` (record ``"delta"``, one array per parameter leaf). Under
-   DP the delta is post-processing: the client's model steps only along the
-   round's released noisy gradients, starting from the public ``w_g``, so it
-   is a function of released values and public state, and the ledger charges
-   the same ``T`` noisy accesses per round as without it. Under DP nothing
-   else leaves the client: no clip fractions, batch sizes, matching losses,
-   record counts (``debug_nonprivate_stats``, experiments.run's switch for
-   writing raw statistics locally, changes nothing here). With
-   ``server.start='global'`` the reply holds no delta.
-
-A train message of another method (every other federated registry method,
-:mod:`fedlap_flower.method_work`: FedSGD, FedAvg, FedProx, SCAFFOLD, FedAdam, DP-FedAvg,
-DP-FedProx, FedDM, DSC, PSG) runs the method's client step (``experiments.run``'s client) on
-the global parameters, the message, the client's own inputs the server sent and its carried
-state (SCAFFOLD's ``c_k``, a synthetic set: computed from its own records before its first
-round, then kept in its state directory under the federated run's identity, which a resumed
-run keeps, :mod:`fedlap_flower.federated_runs`; a round starts from the state after the last
-round whose server update took the client's reply, which the message names, so a client whose
-reply a round did not take -- its message lost, itself cut short, its reply lost or late --
-continues as one not drawn for it; missing, altered, of another round, or a round back before
-one it computed, the round is refused), and
-replies with its update (its model, or the method's own update: SCAFFOLD's model and ``delta
-c_k``, a synthetic set) and ``num-examples``. Under DP the client refuses and charges its ledger as in 2. above (the
-method's mechanism), draws its keys from its own entropy and replies with its model and its
-epsilon only.
+2. its carried state, if the method has one (FedLAP's synthetic set, SCAFFOLD's ``c_k``):
+   computed from its own records before its first round
+   (:attr:`fedlap_jax.method.Method.client_init`), then kept in its state directory (its node
+   config's ``state-dir``) under the federated run's identity, which a resumed run keeps
+   (:mod:`fedlap_flower.federated_runs`). A round starts from the state after the last round
+   whose server update took the client's reply, which the message names, so a client whose
+   reply a round did not take -- its message lost, itself cut short, its reply lost or late --
+   continues as one not drawn for it; missing, altered, of another round, or a round back
+   before one it computed, the round is refused, before the ledger is touched;
+3. under DP (the method's mechanism), in the client's state directory
+   (:mod:`fedlap_flower.ledger`): refuse the round (reply ``status = refused`` with the
+   reason) if the run's ``dp.delta`` exceeds the client's ``max-delta`` (default
+   ``min(1e-5, 1 / N_k)``) or the epsilon after it would exceed the client's
+   ``max-epsilon`` (with the epsilons), else record it first. The ledger composes the
+   method's mechanism (:meth:`fedlap_jax.method.Method.mechanism`) at the client's own
+   ``N_k``; its epsilon is the replace-one figure. Every key the client's step draws holds
+   128 fresh bits of the operating system's entropy
+   (:func:`fedlap_flower.ledger.fresh_round_key`) -- the server never learns them (unless
+   the test-only unsafe mode is on *and* this client's environment consents), and no state
+   on disk can make them repeat. What the server's message holds stays public: FedLAP-DP's
+   DSA family key (which augmentations a round's matching uses, drawn before any record is
+   read) is the message's, as in ``experiments.run``;
+4. the method's client step (``experiments.run``'s client,
+   :attr:`fedlap_jax.method.Method.client_step`) on the global parameters, the message, the
+   client's own inputs (the server's, or its own keys under DP) and its carried state;
+5. the reply: its update in the method's wire format (:meth:`fedlap_jax.method.Method.wire`:
+   a model packed in ``"arrays"``; any other update as its named arrays in ``"update"``:
+   FedLAP's synthetic set ``synthetic.x / .y / .mask``, ``r_k`` as ``radius`` and, with
+   ``client.model_steps='noisy_real'``, the model delta ``model_delta.*``), and
+   ``num-examples``, or under DP its epsilon and DP steps only. Under DP FedLAP's model delta
+   is post-processing: the client's model steps only along the round's released noisy
+   gradients, starting from the public ``w_g``, so it is a function of released values and
+   public state, and the ledger charges the same ``T`` noisy accesses per round as without
+   it. Under DP nothing else leaves the client: no clip fractions, batch sizes, matching
+   losses, record counts (``debug_nonprivate_stats``, experiments.run's switch for writing
+   raw statistics locally, changes nothing here).
 
 With ``data.clients_per_round = m < K`` a client takes part only in the
 rounds the public participation seed draws it for
 (:func:`fedlap_flower.task.participants`): asked in another round it refuses
 before its ledger is touched, so it charges only the rounds it computes. The
-``j``-th of the round's ``m`` clients uses ``split(key, m)[j]`` of the
-server's round keys (:func:`fedlap_flower.task.key_slot`), as
-``experiments.run`` does.
+``j``-th of the round's ``m`` clients takes slot ``j`` of the plan's own inputs
+(:func:`fedlap_flower.task.key_slot`), as ``experiments.run`` does.
 
 A query message asks for the client's ``partition-id`` (the server binds the
 partition to this node, :mod:`fedlap_flower.binding`); the reply carries only
@@ -76,16 +67,14 @@ import math
 from logging import WARNING
 
 import jax
-import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
-from fedlap_flower import client_work, federated_runs, method_work, records, settings, task
+from fedlap_flower import federated_runs, method_work, records, settings, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower.ledger import BudgetExceeded, ClientState
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import shared_family_key
 from fedlap_jax.method import ModelFns, Wire
 
 app = ClientApp()
@@ -114,12 +103,8 @@ def _setup(run_items: tuple, pid: int, num: int, data_path) -> task.ClientRun:
   return task.client_run(_run(run_items).cfg, pid, num, data_path, plan=plan)
 
 
-def _reply(msg: Message, metrics: dict, status: dict, synthetic=None, delta=None) -> Message:
+def _reply(msg: Message, metrics: dict, status: dict) -> Message:
   content = RecordDict({"metrics": MetricRecord(metrics), "status": ConfigRecord(status)})
-  if synthetic is not None:
-    content["synthetic"] = records.synthetic_to_record(synthetic)
-  if delta is not None:
-    content["delta"] = records.params_to_record(delta)
   return Message(content=content, reply_to=msg)
 
 
@@ -148,9 +133,7 @@ def _train(msg: Message, context: Context) -> Message:
   if why is not None:
     status = {"status": "refused", "reason": why, "keys": str(conf.get("keys", ""))[:20]}
     return _reply(msg, {"partition-id": node.partition_id}, status)
-  if method_work.supported(method_work.method_of(run.cfg)):
-    return _train_method(msg, context, conf, run, node, setup)
-  return _train_fedlap(msg, context, conf, run, node, setup)
+  return _train_method(msg, context, conf, run, node, setup)
 
 
 @app.query()
@@ -329,23 +312,30 @@ def _carried_state(
     return None, None, why
   if kept is not None:
     return start, method_work.arrays_to_tree(kept, template), None
+  carried, why = _initial_carried(method, config, setup, facts, node)
+  return None, carried, why
+
+
+def _initial_carried(method, config, setup, facts, node):
+  """``(carried, None)``: this client's slot of the method's init
+  (:attr:`fedlap_jax.method.Method.client_init`, from its own records and the run's public
+  facts); ``(None, why)``: its records do not fit them."""
   try:
     carried = method.client_init(
       setup.k_alg, setup.model.params, setup.partition.data, config, facts, index=node.partition_id
     )
-  except ConfigError as e:  # e.g. its records do not fit the run's public facts
-    return None, None, f"this client cannot start its carried state ({what}): {e}"
-  return None, tuple(carried), None
+  except ConfigError as e:
+    return None, f"this client cannot start its carried state ({', '.join(method.carried)}): {e}"
+  return tuple(carried), None
 
 
 def _train_method(msg, context, conf, run, node, setup) -> Message:
-  """A registry method other than FedLAP (:mod:`fedlap_flower.method_work`): its client step on
-  the server's message, this client's own inputs and its carried state (kept in its state
+  """The run's registry method (:mod:`fedlap_flower.method_work`): its client step on the
+  server's message, this client's own inputs and its carried state (kept in its state
   directory, :func:`_carried_state`); the reply is its update (its model packed in
   ``"arrays"``, any other update as its named arrays in ``"update"``). Under DP (the method's
   mechanism, :meth:`fedlap_jax.method.Method.mechanism`, calibrated by the run builder) the
-  client charges its own ledger first, as a FedLAP-DP client does, and draws its keys from its
-  own entropy."""
+  client charges its own ledger first and draws its keys from its own entropy."""
   method = method_work.method_of(run.cfg)
   config, params0, part = setup.plan.config, setup.model.params, setup.partition
   mechanism = setup.plan.mechanism
@@ -373,11 +363,16 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
   message_t, own_t, carried_t = _method_templates(method, config, params0, facts)
   message = method_work.arrays_to_tree(records.record_to_arrays(msg.content["message"]), message_t)
   params = records.record_to_params(msg.content["arrays"], params0)
-  state = ClientState(node.state_dir) if (dp or method.carried) else None
+  carries = method.carries(config)  # a state kept from round to round
+  state = ClientState(node.state_dir) if (dp or carries) else None
   with state.locked() if state is not None else contextlib.nullcontext():
     carried: tuple = ()
     run_key, from_round = None, None
-    if method.carried:  # before the ledger: a round this client cannot compute costs nothing
+    if method.carried and not carries:  # read for its fixed labels only: the initial slot
+      carried, why = _initial_carried(method, config, setup, facts, node)
+      if why is not None:
+        return refuse(why)
+    if carries:  # before the ledger: a round this client cannot compute costs nothing
       try:
         run_key = _federated_run(state, conf, context, run)
       except federated_runs.RefusedRun as e:
@@ -410,7 +405,7 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
     update, carried = method_work.client_fn(method, model, config)(
       own, method_work.with_model(message, params), carried, part.data
     )
-    if method.carried:
+    if carries:
       _keep_state(state, run_key, server_round, from_round, method_work.tree_to_arrays(carried))
   content = RecordDict(
     {"metrics": MetricRecord(metrics), "status": ConfigRecord({"status": "ok", "keys": keys})}
@@ -479,76 +474,3 @@ def _charge(state, mechanism, part, node, steps, context, server_round, keys) ->
     node.max_epsilon,
     {"run_id": int(context.run_id), "server_round": server_round, "keys": keys},
   )
-
-
-def _train_fedlap(msg, context, conf, run, node, setup) -> Message:
-  fc, part = setup.plan.config, setup.partition
-  server_round = int(conf["server-round"])
-  lr = float(conf["learning-rate"])
-  keys = conf["keys"]
-  metrics = {"partition-id": node.partition_id}
-  mechanism = setup.plan.mechanism  # dp.noise_multiplier calibrated to dp.target_epsilon
-  dp = mechanism is not None
-  steps = fc.client.real_accesses_per_round if mechanism is None else mechanism.steps_per_round
-  carry = fc.synthetic_init == "noise"
-  state = ClientState(node.state_dir) if (dp or carry) else None
-
-  def refuse(reason, **extra):
-    return _reply(msg, {**metrics, **extra}, {"status": "refused", "reason": reason, "keys": keys})
-
-  denied = _refused_before_state(run, node, mechanism, part, keys, server_round)
-  if denied:
-    return refuse(denied)
-  slot = task.key_slot(run.cfg, server_round, node.partition_id)
-
-  with state.locked() if state is not None else contextlib.nullcontext():
-    carried, run_key, from_round = None, None, None
-    if carry:  # before the ledger: a round this client cannot compute costs nothing
-      try:
-        run_key = _federated_run(state, conf, context, run)
-      except federated_runs.RefusedRun as e:
-        return refuse(str(e))
-      prev = _last_round(run, node, server_round)
-      shape = jax.ShapeDtypeStruct(np.shape(part.initial_images), np.float32)
-      delivered = conf.get(federated_runs.DELIVERED_KEY)
-      from_round, kept, why = _kept_state(
-        state, run_key, server_round, delivered, prev, Wire.of({"x": shape}), "the synthetic images"
-      )
-      if why is not None:
-        return refuse(why)
-      carried = None if kept is None else kept["x"]
-    family_key = None  # under DP with the client's own key: derived from it
-    if keys == "server":
-      family_key = shared_family_key(task.words_to_key(conf["key-clients"]))
-    if dp:
-      try:
-        eps = _charge(state, mechanism, part, node, steps, context, server_round, keys)
-      except BudgetExceeded as e:
-        return refuse(
-          str(e),
-          epsilon=e.epsilon,
-          **{"epsilon-after": e.epsilon_after, "max-epsilon": e.max_epsilon},
-        )
-      metrics.update({"epsilon": eps, "max-epsilon": node.max_epsilon, "dp-steps": steps})
-      if keys == "server":
-        key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
-      else:  # 128 fresh bits of the operating system's entropy, never reused
-        key = ledger_lib.fresh_round_key()
-    else:
-      key = task.client_key(task.words_to_key(conf["key-clients"]), slot[1], slot[0])
-      metrics.update({"dp-steps": 0, "num-examples": part.num_records})
-    init_key = None
-    if fc.synthetic_init == "real":
-      init_key = task.client_key(task.words_to_key(conf["key-init"]), slot[1], slot[0])
-    start = client_work.start_synthetic(part, carried)
-    params = records.record_to_params(msg.content["arrays"], setup.model.params)
-    out = client_work.fedlap_round(
-      key, setup.model.apply_fn, params, start, part, fc, lr, family_key, init_key
-    )
-    if carry:
-      x = np.asarray(out.synthetic.x, np.float32)
-      _keep_state(state, run_key, server_round, from_round, {"x": x})
-  metrics["radius"] = out.radius
-  metrics.update(out.diagnostics)
-  # server.start='fedavg_delta' only: the server starts from w_g + the weighted mean delta.
-  return _reply(msg, metrics, {"status": "ok", "keys": keys}, out.synthetic, out.model_delta)

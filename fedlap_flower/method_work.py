@@ -1,8 +1,9 @@
 """A registry method's round over Flower, generic over the method (no ``flwr``).
 
-The Flower app runs, besides FedLAP (:mod:`fedlap_flower.client_work`), every federated method
-of :data:`fedlap_jax.methods.REGISTRY` (:func:`supported`): FedSGD, FedAvg, FedProx, SCAFFOLD,
-FedAdam, DP-FedAvg, DP-FedProx, FedDM, DSC (federated) and PSG. Nothing here names a method; the :class:`~fedlap_jax.method.Method` of ``cfg.method`` says what the
+The Flower app runs every federated method of :data:`fedlap_jax.methods.REGISTRY`
+(:func:`supported`): FedLAP and FedLAP-DP, FedSGD, FedAvg, FedProx, SCAFFOLD, FedAdam,
+DP-FedAvg, DP-FedProx, FedDM, DSC (federated) and PSG. Nothing here names a method; the
+:class:`~fedlap_jax.method.Method` of ``cfg.method`` says what the
 server's state is (:func:`initial_state`), what it sends (:attr:`Method.plan`'s message and each
 client's ``own`` inputs), what a client computes (:attr:`Method.client_step`) and what the
 server does with the replies (:attr:`Method.server_step`), so a round is the round of
@@ -20,8 +21,7 @@ The global model travels in its own record: a message's ``params`` field
 (:func:`without_model`, :func:`with_model`).
 
 Under DP (the method's mechanism) each client charges its own ledger and draws its own keys
-(:func:`fresh_keys`), as a FedLAP-DP client does (:mod:`fedlap_flower.client_app`); the server
-then sends no ``own`` keys.
+(:func:`fresh_keys`, :mod:`fedlap_flower.client_app`); the server then sends no ``own`` keys.
 
 The message and the ``own`` inputs travel as named arrays (:func:`tree_to_arrays`; PRNG keys as
 their ``uint32`` words) and are read back against the structure the receiver computes itself
@@ -41,30 +41,19 @@ from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RunFacts, Wire
 from fedlap_jax.methods import REGISTRY
-from fedlap_jax.methods import fedlap as _fedlap
 
 from fedlap_flower import task
 
 
-def has_own_strategy(method: Method) -> bool:
-  """FedLAP / FedLAP-DP: their own strategy (:class:`fedlap_flower.strategy.FedLAP`: synthetic
-  sets on the wire)."""
-  return method is _fedlap.METHOD
-
-
 def supported(method: Method) -> bool:
-  """Whether the generic strategy runs ``method``: federated (not one pooled client), and its
+  """Whether the Flower app runs ``method``: federated (not one pooled client), and its
   clients can start their carried state themselves (:attr:`Method.client_init`) if it has one."""
-  return (
-    method.federated
-    and not has_own_strategy(method)
-    and (not method.carried or method.client_init is not None)
-  )
+  return method.federated and (not method.carried or method.client_init is not None)
 
 
-METHODS = tuple(n for n, m in REGISTRY.items() if has_own_strategy(m) or supported(m))
-"""The methods a Flower run runs (in the registry's order): FedLAP's and those :func:`supported`
-(every federated registry method)."""
+METHODS = tuple(n for n, m in REGISTRY.items() if supported(m))
+"""The methods a Flower run runs (in the registry's order): those :func:`supported` (every
+federated registry method)."""
 
 
 def method_of(cfg) -> Method:

@@ -4,38 +4,32 @@ Train message (server -> client), ``RecordDict``:
 
 * ``"arrays"``: the global parameters (:func:`params_to_record`: one float32
   Array, the leaves concatenated in sorted ``a/b/c`` path order);
-* ``"config"``: ``server-round``, ``learning-rate`` (the float32 ``eta_m``),
-  ``num-clients``; without DP (or in the test-only unsafe mode) the round keys
-  ``key-init`` and ``key-clients`` (uint32 words; client ``k`` uses
-  ``split(key, K)[k]``) and ``keys = "server"``; under DP ``keys = "client"``;
-  ``federated-run``: the federated run's identity, the same across its resumes, under
-  which a client keeps its carried state (:mod:`fedlap_flower.federated_runs`).
+* ``"config"``: ``server-round``, ``num-clients``, ``keys = "server"`` without DP (or in the
+  test-only unsafe mode), else ``"client"``; ``federated-run``: the federated run's identity,
+  the same across its resumes, under which a client keeps its carried state, and
+  ``delivered-round`` (:mod:`fedlap_flower.federated_runs`);
+* ``"message"``: the round plan's message without the model (FedLAP: the round's learning
+  rates and DSA family key), its arrays by name (:func:`arrays_record`); ``"own"``: this
+  client's own inputs (its keys; never under DP, where each client draws its own).
 
 Train reply (client -> server):
 
-* FedLAP: ``"synthetic"`` (``x`` ``(S, H, W, C)`` float32, ``y`` ``(S,)``
-  int32, ``mask`` ``(S,)`` bool); with ``server.start='fedavg_delta'`` (the
-  hybrid recipe, ``client.model_steps='noisy_real'``) also ``"delta"``: the
-  client's model delta ``w_end - w_g``, packed like ``"arrays"``
-  (:func:`params_to_record`; checked by
-  :func:`record_to_delta`); with ``server.start='global'`` no ``"delta"``.
-  ``"metrics"`` (``partition-id``, ``radius``, ``dp-steps``, and under DP
-  ``epsilon`` / ``max-epsilon``; without DP also ``num-examples`` and
-  diagnostics); ``"status"`` (``status`` = ``ok`` | ``refused``, ``reason``,
-  ``keys``). A refused round carries no arrays.
-* FedAvg's wire (FedSGD, FedAvg, FedProx, FedAdam, DP-FedAvg, DP-FedProx): ``"arrays"``
-  (the client's parameters, packed) and ``"metrics"`` (``num-examples``, ``partition-id``),
-  as Flower's FedAvg expects. Another method's update (SCAFFOLD's model and ``delta c_k``,
-  FedDM's / DSC's / PSG's synthetic set) travels as ``"update"``: its arrays by the names of
-  the method's :class:`~fedlap_jax.method.Wire` (checked by :func:`record_to_wire`).
+* A model update (FedSGD, FedAvg, FedProx, FedAdam, DP-FedAvg, DP-FedProx): ``"arrays"``
+  (the client's parameters, packed), as Flower's FedAvg expects. Another method's update
+  (FedLAP's synthetic set, ``r_k`` and, with ``client.model_steps='noisy_real'``, its model
+  delta; SCAFFOLD's model and ``delta c_k``; FedDM's / DSC's / PSG's synthetic set) travels
+  as ``"update"``: its arrays by the names of the method's :class:`~fedlap_jax.method.Wire`
+  (checked by :func:`record_to_wire`).
+* ``"metrics"``: ``partition-id`` and ``num-examples``, or under DP ``epsilon``,
+  ``max-epsilon`` and ``dp-steps``; ``"status"`` (``status`` = ``ok`` | ``refused``,
+  ``reason``, ``keys``). A refused round carries no arrays.
 
 Query message (server -> client): ``"config"`` (``server-round``, ``ask =
 "partition-id"``); the reply holds ``"metrics"`` with the client's
 ``partition-id`` only (:mod:`fedlap_flower.binding`).
 
-The server reads a reply's arrays through :func:`record_to_synthetic`,
-:func:`record_to_delta` and :func:`record_to_like`, which refuse anything but
-the dtypes and shapes above before using a value
+The server reads a reply's arrays through :func:`record_to_wire` and :func:`record_to_like`,
+which refuse anything but the dtypes and shapes above before using a value
 (:mod:`fedlap_flower.replies`).
 """
 
@@ -226,74 +220,6 @@ def _check_unpacked(tree, wire: Wire, what: str, field: str) -> None:
         f"{field}/{at}", f"{what} {at!r} ({field}/{at}) holds NaN or Inf"
       ) from None
     raise replies.InvalidReply(f"{field}/{at}", f"{what} ({field}/{at}): {e}") from None
-
-
-def record_to_delta(record: ArrayRecord, params, max_norm: float | None = None):
-  """A received model delta as a pytree like ``params`` (NumPy, the parameters' dtypes), checked.
-
-  Args:
-    record: the reply's ``"delta"`` (:func:`params_to_record` of the delta).
-    params: the round's global parameters (what the delta must match).
-    max_norm: the largest global L2 norm accepted
-      (:func:`fedlap_flower.replies.max_delta_norm`); ``None``: not bounded.
-
-  Raises:
-    ValueError: another array, length or dtype than the packed parameters,
-      NaN / Inf, or a norm above ``max_norm``.
-  """
-  return record_to_like(record, params, "model delta", max_norm)
-
-
-def synthetic_to_record(synthetic) -> ArrayRecord:
-  return ArrayRecord(
-    {
-      "x": Array(np.asarray(synthetic.x, np.float32)),
-      "y": Array(np.asarray(synthetic.y, np.int32)),
-      "mask": Array(np.asarray(synthetic.mask, bool)),
-    }
-  )
-
-
-def record_to_synthetic(
-  record: ArrayRecord, limits: replies.SyntheticLimits | None = None
-) -> fl.SyntheticSet:
-  """A received synthetic set (NumPy), checked.
-
-  With ``limits`` (what the server does): exactly the arrays ``x`` float32
-  ``(S, *image_shape)``, ``y`` int32 ``(S,)``, ``mask`` bool ``(S,)``, at most
-  ``ipc * num_classes`` slots (refused from the declared shape, before the
-  values are read), finite images within ``max_image_abs``, labels in the
-  layout of :func:`fedlap_jax.synthetic.synthetic_labels`
-  (:func:`fedlap_flower.replies.check_synthetic`). Without: consistent
-  shapes and finite images only.
-
-  Raises:
-    ValueError (:class:`fedlap_flower.replies.InvalidReply` naming the
-      array): what the checks above refuse.
-  """
-  missing = [k for k in ("x", "y", "mask") if k not in record]
-  if missing:
-    raise replies.InvalidReply("synthetic", f"synthetic set lacks arrays {missing}")
-  if limits is not None:
-    extra = sorted(set(record.keys()) - {"x", "y", "mask"})
-    if extra:
-      raise replies.InvalidReply(
-        "synthetic", f"synthetic set holds other arrays {replies.short(extra)}; allowed: x, y, mask"
-      )
-    replies.check_slot_count(record["x"].shape, limits)
-    x = _numpy(record, "x", "x", np.float32)
-    y = _numpy(record, "y", "y", np.int32)
-    mask = _numpy(record, "mask", "mask", np.bool_)
-    return fl.SyntheticSet(*replies.check_synthetic(x, y, mask, limits))
-  x, y, mask = (record[k].numpy() for k in ("x", "y", "mask"))
-  if x.ndim != 4 or y.shape != (len(x),) or mask.shape != (len(x),):
-    raise ValueError(
-      f"synthetic set has shapes x {x.shape}, y {y.shape}, mask {mask.shape}; "
-      "allowed: (S, H, W, C), (S,), (S,)"
-    )
-  if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
-    raise ValueError("synthetic images hold NaN or Inf, or are not numbers")
-  return fl.SyntheticSet(x.astype(np.float32), y.astype(np.int32), mask.astype(bool))
 
 
 def raw_bytes(record: ArrayRecord) -> int:

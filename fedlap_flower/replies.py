@@ -2,16 +2,16 @@
 
 The server handles every reply as untrusted input. Each check raises
 :class:`InvalidReply` naming the field (``x``, ``y``, ``mask``, ``radius``,
-``num-examples``, ``epsilon``, ``partition-id``, ``delta/<path>``, ...), the
+``num-examples``, ``epsilon``, ``partition-id``, ``model_delta``, ...), the
 value and what is allowed; the strategy drops that reply with the reason and
 the round goes on with the others.
 
 The bounds, and why an honest client stays inside them:
 
 * **Synthetic set** (:func:`check_synthetic`): ``x`` float32
-  ``(S, *image_shape)``, ``y`` int32 ``(S,)``, ``mask`` bool ``(S,)`` with
-  ``S <= ipc * num_classes`` (a client owning every class has that many
-  slots; padding only fills a set up to the largest client's classes). The
+  ``(S, *image_shape)``, ``y`` int32 ``(S,)``, ``mask`` bool ``(S,)``, the shapes of the
+  method's wire (``S = ipc *`` the most classes a client holds; padding fills a set up to
+  them), checked by name before any value is read, and ``S <= ipc * num_classes``. The
   labels are :func:`fedlap_jax.synthetic.synthetic_labels`'s layout: the
   valid slots first, ``ipc`` per class the client owns, classes in
   increasing order in ``[0, num_classes)``, padding labelled 0. They are
@@ -25,7 +25,8 @@ The bounds, and why an honest client stays inside them:
   stay within 5 times the real pixel range. The bound leaves a factor of 200
   above that; a reply beyond it is refused with a reason naming the bound,
   never clamped, and the run config's ``max-image-abs`` sets another bound.
-* **Model delta** (``server.start='fedavg_delta'``, :func:`max_delta_norm`):
+* **Model delta** (FedLAP's ``model_delta.*`` with ``client.model_steps='noisy_real'``,
+  ``server.start='fedavg_delta'``, :func:`max_delta_norm`):
   under DP the client's model moves once per while-loop iteration by
   ``eta_m g``, ``g`` the mean of ``batch_loop`` noisy clipped gradients
   ``(sum of at most n clipped gradients + N(0, sigma^2 C^2 I_d)) / B``, and
@@ -50,20 +51,22 @@ The bounds, and why an honest client stays inside them:
   Laurent and Massart's chi-square tail for the noise). A reply above it is refused (never
   clipped) with its norm and the bound in its report. Without DP nothing bounds an honest
   client's step, so there is no bound unless the run config gives a number.
+* **FedLAP's r_k** (its update's ``radius``, one float32 value; the method's
+  :attr:`~fedlap_jax.method.Method.check_update`) in ``[RADIUS_FLOOR_PER_LR * eta_m, r]``
+  (:func:`radius_floor`).
+  ``r_k`` is ``r`` under DP and without calibration; a calibrated ``r_k`` is
+  the distance the global model moved after at least one epoch of SGD at the
+  round's ``eta_m`` on the client's synthetic set, capped at ``r``: ``eta_m``
+  times the length of the summed gradient steps. ``quickstart:nondp`` (10
+  rounds on the digits) measures ``r_k / eta_m`` from 13.8 to 112, every
+  round (the last one at ``eta_m = 1e-6`` included); the floor,
+  ``1e-3 eta_m``, leaves a factor above 10^4 for honest clients and refuses
+  what no SGD step gives (``1e-30``, zero, denormals). The floor stops
+  degenerate values only: with ``server.radius_strategy='min'`` one client
+  still sets ``r_g`` anywhere in ``[floor, r]`` (docs/flower.md).
 * **Metrics** (:func:`scalar`): one int or float each (no lists, strings,
   bools), finite, every one bounded above and below:
 
-  - ``radius`` in ``[RADIUS_FLOOR_PER_LR * eta_m, r]`` (:func:`radius_floor`).
-    ``r_k`` is ``r`` under DP and without calibration; a calibrated ``r_k`` is
-    the distance the global model moved after at least one epoch of SGD at the
-    round's ``eta_m`` on the client's synthetic set, capped at ``r``: ``eta_m``
-    times the length of the summed gradient steps. ``quickstart:nondp`` (10
-    rounds on the digits) measures ``r_k / eta_m`` from 13.8 to 112, every
-    round (the last one at ``eta_m = 1e-6`` included); the floor,
-    ``1e-3 eta_m``, leaves a factor above 10^4 for honest clients and refuses
-    what no SGD step gives (``1e-30``, zero, denormals). The floor stops
-    degenerate values only: with ``server.radius_strategy='min'`` one client
-    still sets ``r_g`` anywhere in ``[floor, r]`` (docs/flower.md).
   - ``num-examples`` an int in ``[1, MAX_NUM_EXAMPLES]`` (2^24: every count
     up to it is exact in the library's float32 client weights and fits the
     int32 the server passes the counts in). The strategy also pins each
@@ -144,18 +147,6 @@ def scalar(metrics: Mapping[str, Any], key: str, *, integer: bool = False, requi
     if not math.isfinite(v):
       _fail(key, v, "a finite number")
   return int(v) if integer else v
-
-
-def check_radius(metrics: Mapping[str, Any], max_radius: float, min_radius: float = 0.0) -> float:
-  """The client's ``r_k``: one finite number (:func:`scalar`) in ``[min_radius, max_radius]``,
-  and ``> 0`` (:func:`fedlap_jax.update_bounds.check_radius`).
-
-  ``min_radius``: :func:`radius_floor` of the round's ``eta_m``.
-  """
-  try:
-    return update_bounds.check_radius(scalar(metrics, "radius"), max_radius, min_radius)
-  except ConfigError as e:
-    raise InvalidReply(e.field, str(e)) from None
 
 
 def check_num_examples(metrics: Mapping[str, Any], required: bool) -> int | None:

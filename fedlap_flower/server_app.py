@@ -82,9 +82,7 @@ def _resumed_identity(stopped: dict, run: settings.RunSettings, method, config) 
   identity = stopped.get(federated_runs.RUN_INFO_KEY)
   if isinstance(identity, str) and federated_runs.IDENTITY.fullmatch(identity):
     return identity
-  carried = method.carried if method_work.supported(method) else ()
-  if method_work.has_own_strategy(method) and config.synthetic_init == "noise":
-    carried = ("synthetic images",)
+  carried = method.carried if method.carries(config) else ()
   if carried:
     raise settings.SettingsError(
       "resume",
@@ -139,22 +137,18 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     "config_values": cfg.to_dict(),
     **({"calibration": plan.calibration} if plan.calibration is not None else {}),
   }
-  state = None
+  stopped = None
   if run.resume:
     stopped = strategy_lib.RunLog.check_resumable(run.run_dir, info)
     info[federated_runs.RUN_INFO_KEY] = _resumed_identity(stopped, run, method, plan.config)
-    state = server_state.load(run.run_dir, params)
-    run_log = strategy_lib.RunLog.resume(run.run_dir, info, state.round if state else 0)
   else:
     info[federated_runs.RUN_INFO_KEY] = federated_runs.new_identity()
-    run_log = strategy_lib.RunLog(run.run_dir, info)
   shared = dict(
     cfg=cfg,
     evaluate=evaluate,
     min_clients=run.min_clients,
     round_timeout=run.round_timeout,
     join_timeout=run.join_timeout,
-    run_log=run_log,
     model_bytes=model_bytes,
     template=params,
     partition_keys=run.partition_keys,
@@ -174,12 +168,18 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     num_classes=test.num_classes,
     max_image_abs=max_image_abs,
   )
-  if method_work.supported(method):
-    strategy = strategy_lib.MethodStrategy(
-      **shared, max_classes_stated=run.max_classes_per_client, max_update_norm=run.max_update_norm
-    )
-  else:  # FedLAP / FedLAP-DP (method_work.has_own_strategy): its own wire
-    strategy = strategy_lib.FedLAP(**shared)
+  # Built before the run-dir is written: what the method's wire refuses (a max-update-norm
+  # that bounds nothing, a synthetic set no party can size) leaves no run behind.
+  strategy = strategy_lib.MethodStrategy(
+    **shared, max_classes_stated=run.max_classes_per_client, max_update_norm=run.max_update_norm
+  )
+  state = None
+  if stopped is not None:
+    state = server_state.load(run.run_dir, params)
+    run_log = strategy_lib.RunLog.resume(run.run_dir, info, state.round if state else 0)
+  else:
+    run_log = strategy_lib.RunLog(run.run_dir, info)
+  strategy.run_log = run_log
   if state is not None:
     strategy.restore(state)
     params = state.params

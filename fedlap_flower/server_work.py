@@ -3,8 +3,7 @@
 The clients' replies, in partition order, are stacked into what a method's server step takes
 (:func:`method_update`: :attr:`fedlap_jax.method.Method.server_step`, jitted once per (method,
 model, config) and read back from the export cache in a fresh process,
-:func:`fedlap_flower.task.kept_exported`). FedLAP's synthetic sets, of each client's own size,
-are first padded to one (:func:`padded_updates`). :func:`make_evaluate` evaluates on the test
+:func:`fedlap_flower.task.kept_exported`). :func:`make_evaluate` evaluates on the test
 split as ``experiments.run`` does.
 """
 
@@ -19,34 +18,6 @@ import numpy as np
 import fedlap_jax as fl
 
 from fedlap_flower import method_work, task
-
-
-def padded_updates(
-  sets: Sequence, radii: Sequence[float], deltas: Sequence | None = None
-) -> list[fl.ClientUpdate]:
-  """FedLAP's replies as :class:`fedlap_jax.ClientUpdate` s of one shape: each synthetic set
-  ``(S_k, ...)`` padded to the largest ``S``, the padding slots masked out (zero images, label
-  0), as ``synthetic_labels`` pads clients owning fewer classes.
-
-  ``deltas``: the clients' model deltas in the order of ``sets`` (with
-  ``server.start='fedavg_delta'``), or ``None``.
-  """
-  if not sets:
-    raise ValueError("padded_updates needs at least one synthetic set")
-  s = max(len(t.y) for t in sets)
-
-  def pad(a, fill=0):
-    a = np.asarray(a)
-    return np.concatenate([a, np.full((s - len(a), *a.shape[1:]), fill, a.dtype)])
-
-  return [
-    fl.ClientUpdate(
-      fl.SyntheticSet(pad(t.x), pad(t.y), pad(t.mask, False)),
-      np.float32(r),
-      None if deltas is None else d,
-    )
-    for t, r, d in zip(sets, radii, deltas if deltas is not None else [None] * len(sets))
-  ]
 
 
 def stack_trees(trees: Sequence, what: str = "pytree"):

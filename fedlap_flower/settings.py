@@ -496,25 +496,12 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
   if not is_real(max_image) or not 0 <= max_image:
     _fail("max-image-abs", max_image, "a finite number > 0, or 0 for the default bound")
   max_update = _update_norm(rc["max-update-norm"])
-  if max_update != "" and _method_work.has_own_strategy(_method_work.method_of(cfg)):
-    _fail(
-      "max-update-norm",
-      rc["max-update-norm"],
-      f"'' for method={cfg.method!r} (FedLAP's replies are bounded by their own checks: "
-      "max-image-abs, and the delta bound of server.start='fedavg_delta')",
-    )
   max_classes = rc[_method_work.MAX_CLASSES_KEY]
   if not is_int(max_classes) or max_classes < 0:
     _fail(
       _method_work.MAX_CLASSES_KEY,
       max_classes,
       "an integer >= 1, the most classes a client holds (0: not stated)",
-    )
-  if max_classes and _method_work.has_own_strategy(_method_work.method_of(cfg)):
-    _fail(
-      _method_work.MAX_CLASSES_KEY,
-      max_classes,
-      f"0 for method={cfg.method!r} (each FedLAP client's set has slots for its own classes)",
     )
   run_dir = Path(rc["run-dir"] or os.path.join("runs", "flower", label)).expanduser()
   return RunSettings(

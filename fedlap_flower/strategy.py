@@ -1,6 +1,6 @@
-"""Server strategies: FedLAP / FedLAP-DP, and the registry's other federated methods, on the library's server steps.
+"""The server strategy: every federated registry method (FedLAP and FedLAP-DP among them) on the library's server steps.
 
-Who is asked (:class:`Participation`, both strategies): each round waits up
+Who is asked (:class:`Participation`): each round waits up
 to ``join-timeout`` for all ``K`` clients to be connected (and up to
 ``round-timeout`` for ``min-clients``), binds every connected node to its
 partition (:mod:`fedlap_flower.binding`: by ``partition-keys``, or a query
@@ -21,40 +21,8 @@ whose parameters hold NaN / Inf (or give a non-finite test loss), is
 refused: the previous global model is kept, the round is logged with
 ``update_refused`` and the run goes on.
 
-:class:`FedLAP` (a ``flwr.serverapp.strategy.Strategy``): its server is its registry
-method's (:data:`fedlap_jax.methods.fedlap.METHOD`): the state of its
-:attr:`~fedlap_jax.method.Method.init` (without the clients' synthetic sets), each round's
-:attr:`~fedlap_jax.method.Method.plan`, its :attr:`~fedlap_jax.method.Method.server_step` and
-:attr:`~fedlap_jax.method.Method.check_update`, as :class:`MethodStrategy` runs them; its own
-is the wire:
-
-* ``configure_train`` sends the asked nodes the global parameters, the
-  round's learning rate ``eta_m`` (the plan's) and, without DP, the
-  round's keys as ``experiments.run`` derives them (``(next, k_init,
-  k_clients, k_server) = split(state key, 4)``), each client taking its slot; under DP each
-  client draws its keys from its own secret (see :mod:`fedlap_flower.ledger`).
-* ``aggregate_train`` sorts the replies: ``ok`` (a synthetic set that fits
-  the round), ``refused`` (the client's privacy budget, or a round it is not
-  drawn for), ``invalid`` (a reply that does not fit: shapes, dtypes, labels,
-  slot count, image range, metrics, the radius range and the DP delta bound of the method's
-  ``check_update``, model delta, or a ``partition-id`` other
-  than its node's), ``error`` (the ClientApp raised, or Flower reports the
-  node unavailable) and ``missing`` (no reply within ``round-timeout``). With
-  fewer than ``min-clients`` usable sets it logs the round and stops the run
-  (:class:`TooFewClients`). Otherwise it pads the replies' sets to one size, stacks them in
-  partition order (:func:`fedlap_flower.server_work.padded_updates`) and runs the method's
-  server step on them (:func:`fedlap_flower.server_work.method_update`: radius ``r_g`` from
-  the clients' ``r_k``, the client weights, the start, Algorithm 2: what
-  ``experiments.run``'s round runs), evaluates on the test split and logs the
-  round (:class:`RunLog`; the server's numbers are the method's
-  :attr:`~fedlap_jax.method.Method.round_record`). With ``server.start='fedavg_delta'`` (the
-  hybrid recipe) every ``ok`` reply must also carry the client's model delta, of
-  bounded norm under DP (:func:`fedlap_jax.update_bounds.matching_delta_bound`); the
-  descent starts from ``w_g`` plus the usable clients' deltas averaged with
-  the server's weights, as ``experiments.run`` does.
-
-:class:`MethodStrategy` runs every other method of the Flower app: any federated registry
-method (:data:`fedlap_jax.methods.REGISTRY`), generic over it
+:class:`MethodStrategy` runs every method of the Flower app: any federated registry
+method (:data:`fedlap_jax.methods.REGISTRY`: FedLAP and FedLAP-DP among them), generic over it
 (:mod:`fedlap_flower.method_work`; :data:`fedlap_flower.settings.METHODS`). Its server state is
 the method's own (its :attr:`~fedlap_jax.method.Method.init` before round 1, e.g. FedAdam's Adam
 state or SCAFFOLD's server variate, saved with ``server_state.npz`` and restored on resume),
@@ -62,9 +30,11 @@ without the clients' carried fields (each client keeps its own; the plan and the
 see public stand-ins of their shapes, :func:`fedlap_flower.method_work.carried_standins`); each
 round it runs the method's plan (the key chain and the learning rate of ``experiments.run``),
 sends every asked node the global parameters, the plan's message and that client's own inputs
-(its key), and aggregates the updates of the replies that fit with the method's server step
+(its keys; under DP none: each client draws its own), and aggregates the updates of the replies that fit with the method's server step
 (FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``; FedAdam: Adam on the mean
-delta; FedDM / DSC / PSG: training on the union of the synthetic sets), so a round equals
+delta; FedDM / DSC / PSG: training on the union of the synthetic sets; FedLAP: Algorithm 2's
+trust-region descent on the union of the clients' synthetic sets, radius ``r_g`` from their
+``r_k``), so a round equals
 ``experiments.run``'s; the test evaluation is logged the same way. A reply fits when it holds
 the method's update in its wire format (a model packed in ``arrays``: its paths, shapes and
 dtypes; any other update in ``update``, by the wire's names, each array refused by its declared
@@ -77,6 +47,10 @@ must also be at most the round's bound (the run config's ``max-update-norm``,
 :func:`fedlap_flower.replies.update_norm_rule`): by default, under DP, the method's own bound on
 an honest client's noisy clipped SGD, which an honest reply exceeds with probability below
 1e-9; a reply above it is refused (its norm and the bound in its report), never clipped.
+FedLAP's update is bounded by its own checks instead: ``r_k`` in the round's range, the images
+by ``max-image-abs`` and, under DP with ``client.model_steps='noisy_real'``, the model delta's
+norm (:func:`fedlap_jax.update_bounds.matching_delta_bound`). With fewer than ``min-clients``
+usable replies the round is logged (``stopped``) and the run stops (:class:`TooFewClients`).
 Without DP, local SGD is not clipped, so no config-derived bound limits a client's model unless
 the run config gives one: a client then moves the mean by its weight share times whatever it
 sends. The bound applies to model replies only (a number for another wire is refused).
@@ -89,7 +63,7 @@ import math
 import time
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +71,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.serverapp.strategy import FedAvg
 
 from experiments.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
@@ -111,9 +85,7 @@ from fedlap_flower import (
   task,
 )
 from fedlap_flower import settings as settings_lib
-from fedlap_jax import federated
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import ClientUpdate
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.method import Wire
 
@@ -159,9 +131,8 @@ class RunLog:
     both labelled by ``epsilon_kind`` as the clients' own reports (a refusal's
     figures stay in ``client_reports.json``); this round's radius / status per
     client, the round's clients, server radius and steps,
-    bytes uploaded (synthetic sets, plus the model deltas with
-    ``server.start='fedavg_delta'``, also counted alone in
-    ``upload_delta_bytes``), ``update_refused`` when the update was not finite);
+    bytes uploaded (the updates' arrays: ``upload_bytes`` their values,
+    ``upload_wire_bytes`` as sent), ``update_refused`` when the update was not finite);
   * ``timing.jsonl`` (:data:`TIMING_FILE`): per round, ``round_seconds`` and
     ``wall_seconds`` (since the server started). Timing is not covered by the
     guarantee, so it is kept apart from the releasable ``metrics.jsonl``;
@@ -479,7 +450,7 @@ def collect_replies(
         usable.append(got)
     except Exception as e:  # pylint: disable=broad-except  (one reply's error boundary)
       report.update(status="invalid", reason=_why(e), field=getattr(e, "field", None))
-      for k in ("upload_bytes", "upload_wire_bytes", "upload_delta_bytes"):
+      for k in ("upload_bytes", "upload_wire_bytes"):
         report.pop(k, None)
     reports.append(report)
   for node in sorted(asked):
@@ -601,7 +572,7 @@ class Participation:
 
 
 class MethodServer:
-  """A registry method's server, as both strategies hold it (the module docstring).
+  """A registry method's server, as the strategy holds it (the module docstring).
 
   Its state is the method's (:attr:`~fedlap_jax.method.Method.init` before round 1) without
   the clients' carried fields: each client keeps its own, and the plan and the server step see
@@ -632,19 +603,19 @@ class MethodServer:
     min_clients: int,
     round_timeout: float,
     join_timeout: float,
-    run_log: RunLog,
     model_bytes: int,
     federated_run: str,
     unsafe_dp_keys_from_server: bool = False,
     max_epsilon: float = math.inf,
     partition_keys=None,
   ) -> None:
-    """What every strategy's constructor takes: the run's experiment config ``cfg``, its
+    """What the strategy's constructor takes: the run's experiment config ``cfg``, its
     method and library config, its :class:`~fedlap_jax.method.RunFacts`, the model
     (:class:`~fedlap_jax.method.ModelFns`; ``template``: its parameters' layout, the
     parameter records travel packed), the algorithm key ``k_alg`` (the method's init), the
-    test evaluation, the run config's limits, the run log and the federated run's identity
-    (under which the clients keep their carried state)."""
+    test evaluation, the run config's limits and the federated run's identity
+    (under which the clients keep their carried state). The server sets :attr:`run_log` once
+    the run-dir is written, after the checks here."""
     self.cfg = cfg
     self.federated_run = federated_run
     self.model = model
@@ -653,7 +624,7 @@ class MethodServer:
     self.min_clients = min_clients
     self.round_timeout = round_timeout
     self.join_timeout = join_timeout
-    self.run_log = run_log
+    self.run_log: RunLog | None = None  # the server sets it once the run-dir is written
     self.model_bytes = model_bytes
     self.max_epsilon = float(max_epsilon)
     # DP at the edge: each client charges its own ledger and draws its own keys.
@@ -761,273 +732,6 @@ class MethodServer:
     self._epsilon = dict(state.epsilon)
     self._labels = dict(state.labels)
     self.participation.binding.restore_pins(state.pins)
-
-
-class FedLAP(MethodServer, Strategy):
-  """FedLAP / FedLAP-DP over Flower messages (see the module docstring).
-
-  Its server is its :class:`~fedlap_jax.method.Method`'s: the state before round 1
-  (:attr:`~fedlap_jax.method.Method.init`, without the clients' synthetic sets), each round's
-  plan (the keys and rates of ``experiments.run``), the checks of an update beyond its arrays
-  (:attr:`~fedlap_jax.method.Method.check_update`: the radius range, the DP delta bound), the
-  server step and the round's public numbers (:attr:`~fedlap_jax.method.Method.round_record`).
-  What is its own is the wire: the round's keys sent whole (each client takes its slot), the
-  synthetic set, ``r_k`` as a metric and the delta as records of their own.
-  """
-
-  def __init__(self, *, num_classes: int = 10, max_image_abs: float | None = None, **server):
-    """``server``: :meth:`MethodServer._start_server`'s; ``num_classes`` and
-    ``max_image_abs`` bound a synthetic set (:class:`fedlap_flower.replies.SyntheticLimits`)."""
-    self._start_server(**server)
-    method_config, facts = self.mc, server["facts"]
-    self.num_clients = int(self.cfg.data.num_clients)
-    self.with_deltas = method_config.server.start == "fedavg_delta"
-    self.limits = replies.SyntheticLimits(
-      tuple(facts.image_shape),
-      int(num_classes),
-      int(method_config.client.ipc),
-      float(max_image_abs if max_image_abs else replies.IMAGE_RANGE_FACTOR),
-    )
-
-  def summary(self) -> None:
-    log(
-      INFO,
-      "\t├──> FedLAP%s: %d clients (%s per round, min %d), %s keys, radius strategy %s, "
-      "partitions bound %s",
-      "-DP" if self.dp else "",
-      self.num_clients,
-      self.cfg.data.get("clients_per_round") or "all",
-      self.min_clients,
-      "server" if self.server_keys else "client-secret",
-      self.mc.server.radius_strategy,
-      "by partition-keys" if self.participation.binding.by_key else "first come",
-    )
-    if self.dp and self.server_keys:
-      log(
-        WARNING,
-        "UNSAFE (test only): DP clients draw their noise from keys the server "
-        "chose; a server that knows them can remove the noise",
-      )
-
-  def configure_train(
-    self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-  ) -> Iterable[Message]:
-    server_round += self.rounds_done
-    self._round = self._plan_round(server_round, arrays, grid)
-    plan, asked = self._round["plan"], self._round["asked"]
-    # The wire sends the round's keys whole (each client takes its slot): the plan's own.
-    keys = federated.round_keys(self.state.key)
-    lr = float(np.float32(plan.message.rates.client))
-    self._round.update(server_round=server_round, lr=lr, t0=time.time())
-    conf = ConfigRecord(
-      {
-        "server-round": server_round,
-        "learning-rate": lr,
-        "num-clients": self.num_clients,
-        "keys": "server" if self.server_keys else "client",
-        federated_runs.MESSAGE_KEY: self.federated_run,
-      }
-    )
-    if self.server_keys:
-      conf["key-init"] = task.key_to_words(keys.init)
-      conf["key-clients"] = task.key_to_words(keys.clients)
-    self._round["messages"] = [
-      Message(
-        content=RecordDict(
-          {
-            "arrays": arrays,
-            "config": ConfigRecord(
-              {**conf, federated_runs.DELIVERED_KEY: self._delivered_round(n)}
-            ),
-          }
-        ),
-        message_type=MessageType.TRAIN,
-        dst_node_id=n,
-      )
-      for n in sorted(asked)
-    ]
-    return self._round["messages"]
-
-  # -- replies -------------------------------------------------------------------
-
-  def _check_ok(self, content, metrics: dict, pid: int):
-    """The usable parts of an ``ok`` reply: ``(synthetic, radius, num_examples, delta)``."""
-    allowed = {"metrics", "status", "synthetic"} | ({"delta"} if self.with_deltas else set())
-    extra = sorted(set(content.keys()) - allowed)
-    if extra:
-      raise replies.InvalidReply(
-        "reply", f"the reply holds records {replies.short(extra)}; allowed: {sorted(allowed)}"
-      )
-    if "synthetic" not in content.array_records:
-      raise replies.InvalidReply("synthetic", "an ok reply without a synthetic set")
-    radius = replies.scalar(metrics, "radius")
-    sizes = self.mc.server.weighting == "size"
-    num_examples = replies.check_num_examples(metrics, required=sizes)
-    _check_pinned(self.participation.binding, pid, num_examples)
-    replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
-    synthetic = records.record_to_synthetic(content.array_records["synthetic"], self.limits)
-    _check_pinned_labels(self._labels.get(pid), synthetic)
-    delta = None
-    if self.with_deltas:
-      if "delta" not in content.array_records:
-        raise replies.InvalidReply(
-          "delta", "no model delta; server.start='fedavg_delta' needs one from every client"
-        )
-      delta = records.record_to_delta(content.array_records["delta"], self._round["params"])
-    update = ClientUpdate(synthetic, np.float32(radius), delta)
-    # the method's bounds: r_k's range, the DP delta's norm
-    _check_update(self.check_update, self._round["plan"].message, update)
-    return synthetic, radius, num_examples, delta
-
-  def _parse_one(self, msg: Message, node: int, report: dict):
-    """One reply into ``report``; returns the usable tuple of an ``ok`` reply, else None."""
-    if msg.has_error():
-      report.update(status="error", reason=_text(msg.error.reason), code=int(msg.error.code))
-      return None
-    content = msg.content
-    metrics = dict(content.metric_records["metrics"])
-    status = dict(content.config_records["status"])
-    report["metrics"] = _loggable(metrics)
-    state = status.get("status", "ok")
-    if state not in ("ok", "refused"):
-      raise replies.InvalidReply(
-        "status", f"status={replies.short(state)} is invalid; allowed: 'ok' or 'refused'"
-      )
-    report["status"] = state
-    if status.get("keys") is not None:
-      report["keys"] = _text(status["keys"])[:20]
-    if status.get("reason"):
-      report["reason"] = _text(status["reason"])
-    pid = replies.check_partition(metrics, self.num_clients, self._round["asked"].get(node))
-    report["partition_id"] = pid
-    if state == "refused":  # its metrics stay in the report; nothing of it is published
-      return None
-    synthetic, radius, num_examples, delta = self._check_ok(content, metrics, pid)
-    eps = replies.check_epsilon(metrics, required=False, max_epsilon=self.max_epsilon)
-    sent = [content.array_records["synthetic"]]
-    if self.with_deltas:
-      sent.append(content.array_records["delta"])
-      report["upload_delta_bytes"] = records.raw_bytes(content.array_records["delta"])
-    report["upload_bytes"] = sum(records.raw_bytes(r) for r in sent)
-    report["upload_wire_bytes"] = sum(records.wire_bytes(r) for r in sent)
-    return pid, synthetic, radius, num_examples, eps, delta
-
-  def _parse(self, server_round: int, replies_in: list[Message]) -> tuple[list, list[dict]]:
-    """``(usable [(partition, synthetic, radius, num_examples, epsilon, delta)], reports)``.
-
-    ``delta`` is the client's model delta with ``server.start='fedavg_delta'``,
-    else ``None``. Each reply is handled in its own error boundary.
-    """
-    return collect_replies(
-      self._round, server_round, replies_in, self._parse_one, self.round_timeout
-    )
-
-  def aggregate_train(
-    self, server_round: int, replies_in: Iterable[Message]
-  ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-    server_round += self.rounds_done
-    usable, reports = self._parse(server_round, list(replies_in))
-    self.run_log.add_reports(reports)
-    by_status: dict[str, list] = {}
-    for r in reports:
-      by_status.setdefault(r["status"], []).append(
-        r["partition_id"] if r["partition_id"] is not None else f"node {r['node_id']}"
-      )
-    for r in reports:
-      if r["status"] != "ok":
-        log(
-          WARNING,
-          "[fedlap] round %d: client %s (node %s) %s: %s",
-          server_round,
-          r["partition_id"],
-          r["node_id"],
-          r["status"],
-          r.get("reason", ""),
-        )
-    # Published: the epsilons of accepted replies only, each the client's own report.
-    this_round = {u[0]: u[4] for u in usable if u[4] is not None}
-    for pid, eps in this_round.items():
-      self._epsilon[pid] = max(self._epsilon.get(pid, 0.0), eps)
-    chosen = self._round.get("chosen", [])
-    unheld = [p for p in chosen if self.participation.binding.node_of(p) is None]
-    sampled = self.cfg.data.get("clients_per_round") is not None
-    base = {
-      "round": server_round,
-      "learning_rate": self._round["lr"],
-      **({"clients": chosen} if sampled else {}),
-      "clients_ok": [u[0] for u in usable],
-      **{f"clients_{s}": v for s, v in by_status.items() if s != "ok"},
-      **({"partitions_unheld": unheld} if unheld else {}),
-      "epsilon": max(self._epsilon.values()) if self._epsilon else None,
-      "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
-      **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
-      "model_bytes": self.model_bytes,
-    }
-    if len(usable) < self.min_clients:
-      msg = (
-        f"round {server_round}: {len(usable)} usable client replies, fewer than "
-        f"min-clients={self.min_clients} ({json.dumps({k: v for k, v in base.items() if k.startswith('clients_')})}); "
-        f"the run stops. See {self.run_log.run_dir / 'client_reports.json'}"
-      )
-      self.run_log.add_round(
-        {
-          **base,
-          "test_accuracy": math.nan,
-          "test_loss": math.nan,
-          "stopped": msg,
-          "round_seconds": time.time() - self._round["t0"],
-        }
-      )
-      raise TooFewClients(msg)
-    pids, sets, radii, sizes, _, deltas = zip(*usable)
-    for pid, syn, n in zip(pids, sets, sizes):
-      self._labels.setdefault(pid, (np.asarray(syn.y), np.asarray(syn.mask)))
-      if n is not None:
-        self.participation.binding.pin(pid, "num-examples", n)
-
-    params, metrics, refused, loss, acc = self._server_update(
-      server_round,
-      server_work.padded_updates(sets, radii, deltas if self.with_deltas else None),
-      [1 if n is None else n for n in sizes],  # unread under the uniform weights
-      "server update",
-    )
-    summary = _round_record(self.method, metrics)
-    upload = sum(r.get("upload_bytes", 0) for r in reports)
-    self.run_log.add_round(
-      {
-        **base,
-        "test_accuracy": acc,
-        "test_loss": loss,
-        **({"update_refused": refused} if refused else {}),
-        "client_radius": {str(p): r for p, r in zip(pids, radii)},
-        **summary,
-        "upload_bytes": upload,
-        "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
-        **(
-          {"upload_delta_bytes": sum(r.get("upload_delta_bytes", 0) for r in reports)}
-          if self.with_deltas
-          else {}
-        ),
-        "round_seconds": time.time() - self._round["t0"],
-      }
-    )
-    metrics = MetricRecord(
-      {"test-accuracy": acc, "test-loss": loss, "clients-ok": len(usable), "upload-bytes": upload}
-    )
-    if base["epsilon"] is not None:
-      metrics["epsilon"] = float(base["epsilon"])
-    self._save_state(server_round, params)
-    return records.params_to_record(params), metrics
-
-  def configure_evaluate(
-    self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-  ) -> Iterable[Message]:
-    return []  # evaluation on the server's test split happens in aggregate_train
-
-  def aggregate_evaluate(
-    self, server_round: int, replies_in: Iterable[Message]
-  ) -> MetricRecord | None:
-    return None
 
 
 class MethodStrategy(MethodServer, FedAvg):
@@ -1224,7 +928,11 @@ class MethodStrategy(MethodServer, FedAvg):
       replies.check_synthetic(x, y, mask, self.limits)
       _check_pinned_labels(self._labels.get(report["partition_id"]), SyntheticSet(x, y, mask))
     _check_update(self.check_update, self._round["plan"].message, update)
-    report.update(status="ok", upload_bytes=records.raw_bytes(record))
+    report.update(
+      status="ok",
+      upload_bytes=records.raw_bytes(record),
+      upload_wire_bytes=records.wire_bytes(record),
+    )
     return report["partition_id"], update, num_examples, eps
 
   def aggregate_train(self, server_round, replies_in):
@@ -1233,11 +941,51 @@ class MethodStrategy(MethodServer, FedAvg):
       self._round, server_round, list(replies_in), self._parse_one, self.round_timeout
     )
     self.run_log.add_reports(reports)
+    by_status: dict[str, list] = {}
+    for r in reports:
+      if r["status"] != "ok":
+        by_status.setdefault(r["status"], []).append(
+          r["partition_id"] if r["partition_id"] is not None else f"node {r['node_id']}"
+        )
+        log(  # %r: a reason a client wrote cannot forge log lines
+          WARNING,
+          "[fedlap] round %d: client %s (node %s) %s: %r",
+          server_round,
+          r["partition_id"],
+          r["node_id"],
+          r["status"],
+          r.get("reason", ""),
+        )
+    chosen = self._round["chosen"]
+    unheld = [p for p in chosen if self.participation.binding.node_of(p) is None]
+    sampled = self.cfg.data.get("clients_per_round") is not None
+    base = {
+      "round": server_round,
+      **({"clients": chosen} if sampled else {}),
+      "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
+      **{f"clients_{s}": v for s, v in by_status.items()},
+      **({"partitions_unheld": unheld} if unheld else {}),
+      **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
+      "model_bytes": self.model_bytes,
+    }
     if len(ok) < self.min_clients:
-      raise TooFewClients(
+      clients = {k: v for k, v in base.items() if k.startswith("clients_")}
+      msg = (
         f"round {server_round}: {len(ok)} usable client replies, fewer than "
-        f"min-clients={self.min_clients}"
+        f"min-clients={self.min_clients} ({json.dumps(clients)}); the run stops. See "
+        f"{self.run_log.run_dir / 'client_reports.json'}"
       )
+      self.run_log.add_round(
+        {
+          **base,
+          "test_accuracy": math.nan,
+          "test_loss": math.nan,
+          "epsilon": max(self._epsilon.values()) if self._epsilon else None,
+          "stopped": msg,
+          "round_seconds": time.time() - self._t0,
+        }
+      )
+      raise TooFewClients(msg)
     for pid, update, n, _ in ok:
       if n is not None:
         self.participation.binding.pin(pid, "num-examples", n)
@@ -1254,33 +1002,26 @@ class MethodStrategy(MethodServer, FedAvg):
       "aggregate",
     )
     arrays = self._round["arrays"] if refused else records.params_to_record(params)
-    by_status: dict[str, list] = {}
-    for r in reports:
-      if r["status"] != "ok":
-        by_status.setdefault(r["status"], []).append(
-          r["partition_id"] if r["partition_id"] is not None else f"node {r['node_id']}"
-        )
-    sampled = self.cfg.data.get("clients_per_round") is not None
+    upload = sum(r.get("upload_bytes", 0) for r in reports)
     self.run_log.add_round(
       {
-        "round": server_round,
+        **base,
         "test_accuracy": acc,
         "test_loss": loss,
         "epsilon": max(self._epsilon.values()) if self._epsilon else None,
         "epsilon_per_client": {str(k): v for k, v in sorted(this_round.items())},
-        **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
-        **({"clients": self._round["chosen"]} if sampled else {}),
-        "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
-        **{f"clients_{s}": v for s, v in by_status.items()},
         **({"update_refused": refused} if refused else {}),
         **_round_record(self.method, metrics),
-        "upload_bytes": sum(r.get("upload_bytes", 0) for r in reports),
-        "model_bytes": self.model_bytes,
+        "upload_bytes": upload,
+        "upload_wire_bytes": sum(r.get("upload_wire_bytes", 0) for r in reports),
         "round_seconds": time.time() - self._t0,
       }
     )
     self._save_state(server_round, self.state.params)
-    metrics = MetricRecord({"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok)})
+    upload = sum(r.get("upload_bytes", 0) for r in reports)
+    metrics = MetricRecord(
+      {"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok), "upload-bytes": upload}
+    )
     if self._epsilon:
       metrics["epsilon"] = float(max(self._epsilon.values()))
     return arrays, metrics

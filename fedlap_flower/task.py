@@ -10,33 +10,27 @@ computes:
   (:func:`client_run`, :func:`server_run`). A party that does not hold those client sizes (a
   client with its own ``data-path``, a server reading its own npz) refuses the target;
 * the model and the keys: ``k_model, k_alg = split(key(seed))``, a ConvNet initialised with
-  ``k_model`` (:func:`experiments.build.init`); the server's key chain starts at the method's
-  chain key of ``k_alg`` (FedLAP: the state key of ``init_state``; a baseline: ``k_alg``
-  itself). Every round splits it into ``(next, k_init, k_clients, k_server)``
-  (:func:`fedlap_jax.federated.round_keys`; a baseline: ``(next, k_clients)``,
-  :func:`fedlap_jax.baselines.round_key`), and client ``k`` uses ``split(k_clients, K)[k]``
-  (:func:`client_key`);
+  ``k_model`` (:func:`experiments.build.init`); the server's key chain starts at the state key
+  the method's ``init`` derives from ``k_alg`` (FedLAP: the state key of ``init_state``; a
+  baseline: ``k_alg`` itself). Every round the method's plan splits it (FedLAP: ``(next,
+  k_init, k_clients, k_server)``, :func:`fedlap_jax.federated.round_keys`), and client ``k``
+  takes slot ``k`` of the plan's own inputs (its key ``split(k_clients, K)[k]``);
 * the round's participants: with ``data.clients_per_round = m < K`` the
   ``m`` clients :func:`fedlap_jax.participation.sample_clients` draws from the
   public ``(data.participation_seed, round)`` (:func:`participants`); the
   ``j``-th of them uses ``split(k_clients, m)[j]``, as
   :func:`fedlap_jax.participation.sampled_round` runs the round on their block
   (:func:`key_slot`);
-* FedLAP's learning rates (:func:`round_learning_rates`), computed by the library's functions
-  (another method's come in its plan's message, :mod:`fedlap_flower.method_work`);
+* the learning rates come in the plan's message (:mod:`fedlap_flower.method_work`);
 * one client's data (:func:`client_run`): partition ``k`` of the config's
-  data, padded to the largest partition as ``stack_clients`` pads it, with the
-  synthetic labels of ``synthetic_labels`` over all partitions (``S = ipc *``
-  the most classes any client owns) and the initial images of ``init_state``.
-  With a ``data-path`` the client holds its own records instead (no padding,
-  ``S = ipc *`` its own classes).
+  data, padded to the largest partition as ``stack_clients`` pads it. With a ``data-path``
+  the client holds its own records instead (no padding).
 
 No ``flwr`` here.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import zipfile
@@ -48,8 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fedlap_jax as fl
-from fedlap_jax import federated, participation
-from fedlap_jax.synthetic import noise_images
+from fedlap_jax import participation
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
 
@@ -88,11 +81,6 @@ def kept_exported(fn):
 # ----------------------------------------------------------------------------
 
 
-def client_key(round_key: jax.Array, num_clients: int, index: int) -> jax.Array:
-  """Client ``index``'s share of a round key: ``split(round_key, K)[index]``."""
-  return jax.random.split(round_key, num_clients)[index]
-
-
 def participants(cfg, server_round: int) -> np.ndarray:
   """``(m,)`` the clients of round ``server_round`` (1-based), sorted, as ``experiments.run`` draws.
 
@@ -111,9 +99,9 @@ def participants(cfg, server_round: int) -> np.ndarray:
 def key_slot(cfg, server_round: int, index: int) -> tuple[int, int] | None:
   """``(j, m)``: client ``index`` is the ``j``-th of the round's ``m`` participants.
 
-  Its share of a round key is ``split(key, m)[j]`` (:func:`client_key` with
-  ``num_clients=m``), the key :func:`fedlap_jax.participation.sampled_round`
-  gives it; ``None`` if the client does not take part in the round.
+  It takes slot ``j`` of the round plan's own inputs (its key ``split(k_clients, m)[j]``), as
+  :func:`fedlap_jax.participation.sampled_round` gives it; ``None`` if the client does not
+  take part in the round.
   """
   chosen = participants(cfg, server_round).tolist()
   return (chosen.index(index), len(chosen)) if index in chosen else None
@@ -132,34 +120,19 @@ def words_to_key(words) -> jax.Array:
   return jax.random.wrap_key_data(data)
 
 
-@functools.lru_cache(maxsize=8)
-def _round_rates_fn(fedlap_config):
-  return jax.jit(lambda m: federated.round_learning_rates(m, fedlap_config))
-
-
-def round_learning_rates(fedlap_config, server_round: int) -> tuple[float, float]:
-  """``(client eta_m, server rate)`` of round ``m`` of a :class:`fedlap_jax.FedLAPConfig`, as
-  the jitted round computes them (:func:`fedlap_jax.federated.round_learning_rates`, float32)."""
-  rates = _round_rates_fn(fedlap_config)(jnp.int32(server_round))
-  return float(np.float32(rates.client)), float(np.float32(rates.server))
-
-
 # ----------------------------------------------------------------------------
 # Data.
 # ----------------------------------------------------------------------------
 
 
 class Partition(NamedTuple):
-  """One client's data and its synthetic-set layout.
+  """One client's data.
 
   Attributes:
     index: the client's ``k``; num_clients: ``K``.
     data: :class:`fedlap_jax.ClientData` ``(N, ...)`` on the device (``N``:
       the largest partition in named-partition mode, else ``N_k``).
     num_records: ``N_k``, the client's real records.
-    synthetic_y, synthetic_mask: ``(S,)`` labels and validity of its synthetic set.
-    initial_images: ``(S, H, W, C)`` the N(0, 1) images of ``init_state`` (zero padding);
-      ``None`` for a method that draws none.
     image_shape, num_classes: of the dataset.
     fingerprint: what identifies these records (for the privacy ledger).
   """
@@ -168,9 +141,6 @@ class Partition(NamedTuple):
   num_clients: int
   data: Any
   num_records: int
-  synthetic_y: np.ndarray
-  synthetic_mask: np.ndarray
-  initial_images: np.ndarray | None
   image_shape: tuple
   num_classes: int
   fingerprint: dict
@@ -244,13 +214,10 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
   from experiments import build  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
-  ipc = int(cfg.client.ipc)
   if data_path is None:
     p = named_plan(cfg) if plan is None else plan
     start = build.init(p, p.cfg.seed)
     dataset, indices = p.data.dataset, p.data.client_indices
-    ys = [dataset.y_train[i] for i in indices]
-    labels, mask = fl.synthetic_labels(ys, ipc)
     own = indices[index]
     data = _client_data(
       dataset.x_train[own],
@@ -271,18 +238,11 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
       "index": int(index),
       "num_records": int(len(own)),
     }
-    key = start.images_key(p.entry)
-    images = None
-    if key is not None:  # init_state's images of all clients; this client's rows
-      images = np.asarray(noise_images(key, jnp.asarray(mask), tuple(dataset.image_shape))[index])
     part = Partition(
       index,
       num_clients,
       data,
       int(len(own)),
-      labels[index],
-      mask[index],
-      images,
       tuple(dataset.image_shape),
       int(dataset.num_classes),
       fingerprint,
@@ -292,7 +252,6 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
       p._replace(data=build.Data(None, None, p.facts)), start.model, part, start.k_alg
     )
   x, y, scale, offset, num_classes = load_own_data(cfg, data_path)
-  labels, mask = fl.synthetic_labels([y], ipc)
   if cfg.client.batch_size > len(y):
     raise library_configs.ConfigError(
       "client.batch_size",
@@ -306,12 +265,6 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
   start = build.init(p, p.cfg.seed)
   with open(data_path, "rb") as f:
     digest = hashlib.sha256(f.read()).hexdigest()
-  key = start.images_key(p.entry)
-  images = None
-  if key is not None:
-    images = np.asarray(
-      noise_images(jax.random.fold_in(key, index), jnp.asarray(mask), tuple(x.shape[1:]))[0]
-    )
   fingerprint = {
     "data": "own",
     "path": str(data_path),
@@ -323,9 +276,6 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
     num_clients,
     _client_data(x, y, len(y), scale, offset),
     int(len(y)),
-    labels[0],
-    mask[0],
-    images,
     tuple(x.shape[1:]),
     num_classes,
     fingerprint,

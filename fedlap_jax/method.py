@@ -275,6 +275,11 @@ class Method:
       leaves without the client axis) when ``key`` is the key :attr:`init` is given. What a
       client that keeps its own state computes (a federated front end); ``None`` for a method
       that carries nothing, or whose front ends hold every client's state.
+    reads_carried: ``config -> bool``: whether a round's client step reads what the client's
+      last round left in its :attr:`carried` fields (``None``: always, if it has any). FedLAP
+      under ``synthetic_init='real'`` draws its images afresh from real records every round
+      and keeps only its fixed labels, so a client that keeps its own state starts every
+      round from :attr:`client_init` instead and keeps nothing (:meth:`carries`).
     per_client_fields: ``config -> fields`` whose leading axis is the run's ``K`` clients
       (what a round over sampled clients gathers and scatters; :attr:`carried` unless the
       clients are pooled).
@@ -321,6 +326,7 @@ class Method:
   batch_size: Callable[[Any], int]
   carried: tuple[str, ...] = ()
   client_init: Callable[..., tuple] | None = None
+  reads_carried: Callable[[Any], bool] | None = None
   per_client_fields: Callable[[Any], tuple[str, ...]] | None = None
   side_by_side: bool = False
   privacy: str = "never"
@@ -344,6 +350,11 @@ class Method:
     """The method's DP mechanism (``None`` without DP): what its config declares
     (:meth:`fedlap_jax.accounting.DpMechanism.from_config`)."""
     return accounting.DpMechanism.from_config(config)
+
+  def carries(self, config: Any) -> bool:
+    """Whether a client's state under ``config`` carries from one round to the next: it has
+    :attr:`carried` fields and its step reads them (:attr:`reads_carried`)."""
+    return bool(self.carried) and (self.reads_carried is None or bool(self.reads_carried(config)))
 
   def client_state_fields(self, config: Any) -> tuple[str, ...]:
     """:attr:`per_client_fields` of ``config``."""

@@ -9,7 +9,7 @@ runs beside it; this process takes that role for one SuperNode: it acquires
 each ClientApp task from the SuperNode's Runtime API and runs it *itself*,
 speaking the same protocol as ``flwr-clientapp`` (pull the task input, call
 the ClientApp, push the reply and the task's outcome), so the data
-(``client_app._setup``), the compiled client step (``client_work``'s jitted
+(``client_app._setup``), the compiled client step (``method_work``'s jitted
 functions) and the ledger's last state stay in memory between rounds.
 
 What it runs: only the ``fedlap_flower`` ClientApp installed with this

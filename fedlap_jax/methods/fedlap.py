@@ -118,10 +118,12 @@ def _check_update(config: FedLAPConfig, facts: RunFacts):
 
 
 def round_record(metrics: federated.RoundMetrics) -> dict:
-  """The round's server-side numbers: ``r_g`` (``None`` when not finite: ``fixed``), the
-  server's epochs, steps and distance moved, and the clients' rate ``eta_m``."""
+  """The round's public numbers: the clients' ``r_k`` (in the order of their updates), ``r_g``
+  (``None`` when not finite: ``fixed``), the server's epochs, steps and distance moved, and
+  the clients' rate ``eta_m``."""
   r_g = float(metrics.server.radius)
   return {
+    "client_radius": [float(r) for r in np.asarray(metrics.client_radius)],
     "server_radius": r_g if math.isfinite(r_g) else None,
     "server_epochs": int(metrics.server.epochs),
     "server_steps": int(metrics.server.steps),
@@ -204,6 +206,8 @@ def method(
     batch_size=lambda config: config.client.batch_size,
     carried=("synthetic",),
     client_init=_client_init,
+    # Under 'real' each round draws its images afresh; only the fixed labels carry over.
+    reads_carried=lambda config: config.synthetic_init == "noise",
     side_by_side=True,
     privacy="optional",
     algorithm_name=lambda config: "fedlap_dp" if config.client.dp is not None else "fedlap",

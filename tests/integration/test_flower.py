@@ -17,14 +17,14 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array
 
 from flower_harness import TINY, node_configs, read_jsonl, reference_run, run_inprocess
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import settings, strategy
 from fedlap_jax import accounting
 
-DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps", "radius"}
+DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps"}
 
 
 # A federated run's identity (fedlap_flower.federated_runs).
@@ -185,7 +185,7 @@ def test_a_run_config_naming_a_client_directory_is_refused(tmp_path, monkeypatch
   from fedlap_flower import client_app
 
   grid = InProcessGrid(client_app.app, rc, node_configs())
-  conf = {"server-round": 1, "learning-rate": 0.1, "keys": "server"}
+  conf = {"server-round": 1, "keys": "server"}
   with task_identity():
     reply = grid.answer(
       Message(
@@ -425,7 +425,8 @@ def test_a_ledger_of_the_other_adjacency_continues_with_this_one(tmp_path):
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
-  """Without DP the server sends fedlap_round's keys: every number is the same."""
+  """Without DP the server sends the round plan's keys (fedlap_round's): every number is the
+  same."""
   rc = _run_config(tmp_path, "quickstart:nondp")
   records, grid = run_inprocess(rc, state_root=tmp_path / "state")
   ref = reference_run("quickstart:nondp", TINY, tmp_path / "ref")
@@ -434,11 +435,11 @@ def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
     assert got["test_accuracy"] == want["test_accuracy"]
     assert got["test_loss"] == want["test_loss"]
     assert got["server_radius"] == want["server_radius"]
-    assert [got["client_radius"][str(k)] for k in range(5)] == want["client_radius"]
+    assert got["client_radius"] == want["client_radius"]
     assert got["server_steps"] == want["server_steps"]
     assert got["epsilon"] is None and got["clients_ok"] == [0, 1, 2, 3, 4]
-  # Bytes: 5 synthetic sets of 20 8x8x1 float32 images + labels + masks per round.
-  assert records[0]["upload_bytes"] == 5 * (20 * 64 * 4 + 20 * 4 + 20)
+  # Bytes: 5 synthetic sets of 20 8x8x1 float32 images + labels + masks, and r_k, per round.
+  assert records[0]["upload_bytes"] == 5 * (20 * 64 * 4 + 20 * 4 + 20 + 4)
   assert records[0]["model_bytes"] > 5 * records[0]["upload_bytes"] / 5
   reply = grid.replies[0]
   assert reply.content["metrics"]["num-examples"] > 0  # non-DP clients report N_k
@@ -578,21 +579,21 @@ def test_hybrid_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path
     assert got["test_accuracy"] == want["test_accuracy"]
     assert got["test_loss"] == want["test_loss"]
     assert got["epsilon"] == want["epsilon"]
-  # Every reply carries the delta packed into one float32 array of the model's parameter
-  # count, and nothing else beyond the synthetic set and the DP metrics.
+  # Every reply's update carries the delta, one float32 array per parameter leaf of the
+  # model's shapes, and nothing else beyond the synthetic set, r_k and the DP metrics.
   with np.load(tmp_path / "run" / "final_params.npz") as f:
-    num_params = sum(v.size for v in f.values())
+    shapes = {f"model_delta.{k}": v.shape for k, v in f.items()}
   for reply in grid.replies:
-    assert set(reply.content.keys()) == {"metrics", "status", "synthetic", "delta"}
-    delta = reply.content["delta"]
-    assert {k: (tuple(a.shape), a.dtype) for k, a in delta.items()} == {
-      "params": ((num_params,), "float32")
-    }
+    assert set(reply.content.keys()) == {"metrics", "status", "update"}
+    update = reply.content["update"]
+    delta = {k: a for k, a in update.items() if k.startswith("model_delta.")}
+    assert {k: tuple(a.shape) for k, a in delta.items()} == shapes
+    assert all(a.dtype == "float32" for a in delta.values())
+    assert set(update) - set(delta) == {"synthetic.x", "synthetic.y", "synthetic.mask", "radius"}
     assert any(np.abs(a.numpy()).max() > 0 for a in delta.values())
     assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS
   model_bytes = records[0]["model_bytes"]
-  assert records[0]["upload_delta_bytes"] == 5 * model_bytes
-  assert records[0]["upload_bytes"] == 5 * (model_bytes + 20 * 64 * 4 + 20 * 4 + 20)
+  assert records[0]["upload_bytes"] == 5 * (model_bytes + 20 * 64 * 4 + 20 * 4 + 20 + 4)
 
 
 def test_parameters_travel_packed_into_one_array():
@@ -621,58 +622,6 @@ def test_parameters_travel_packed_into_one_array():
     records.params_to_record({"dense": {"bias": np.zeros(2)}})
 
 
-def test_a_model_delta_must_match_the_global_model():
-  """The server refuses a delta of another length or layout, another dtype, or NaN / Inf."""
-  from fedlap_flower import records, replies
-
-  params = {
-    "conv": {"kernel": np.zeros((3, 3, 1, 2), np.float32)},
-    "dense": {"bias": np.zeros(4, np.float32)},
-  }
-  good = {
-    "conv": {"kernel": np.ones((3, 3, 1, 2), np.float32)},
-    "dense": {"bias": np.full(4, 0.5, np.float32)},
-  }
-  back = records.record_to_delta(records.params_to_record(good), params)
-  np.testing.assert_array_equal(back["dense"]["bias"], good["dense"]["bias"])
-  np.testing.assert_array_equal(back["conv"]["kernel"], good["conv"]["kernel"])
-
-  def refused(record, field, match):
-    with pytest.raises(replies.InvalidReply, match=match) as e:
-      records.record_to_delta(record, params)
-    assert e.value.field == field
-
-  refused(
-    records.params_to_record({"conv": good["conv"]}),
-    "delta/params",
-    r"\(delta/params\) has shape \(18,\); allowed: \(22,\)",
-  )
-  refused(
-    records.params_to_record({**good, "dense": {"bias": np.zeros(5, np.float32)}}),
-    "delta/params",
-    r"has shape \(23,\); allowed: \(22,\)",
-  )
-  refused(
-    ArrayRecord({"params": Array(np.zeros(22, np.float64))}),
-    "delta/params",
-    "dtype 'float64'; allowed: float32",
-  )
-  refused(
-    ArrayRecord(
-      {"conv/kernel": Array(np.zeros(18, np.float32)), "dense/bias": Array(np.zeros(4, np.float32))}
-    ),
-    "delta",
-    "allowed: exactly 'params'",
-  )
-  refused(
-    records.params_to_record(
-      {**good, "conv": {"kernel": np.full((3, 3, 1, 2), np.nan, np.float32)}}
-    ),
-    "delta/conv/kernel",
-    "'conv/kernel' .* holds NaN or Inf",
-  )
-
-
 @pytest.mark.slow
 def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path, monkeypatch):
   monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
@@ -687,13 +636,18 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
   assert all(r["clients_ok"] == [0, 1, 2, 3, 4] for r in records + records2)
   assert records[-1]["test_loss"] != records2[-1]["test_loss"]
   # No key reaches a DP client; replies carry only the allowed metrics.
-  assert all("key-clients" not in m.content["config"] for m in grid.sent)
+  assert all("own" not in m.content for m in grid.sent)
   for reply in grid.replies:
     assert set(reply.content["metrics"]) <= DP_ALLOWED_METRICS, reply.content["metrics"]
     assert reply.content["status"]["keys"] == "client"
-    # server.start='global': the synthetic set only, no model delta.
-    assert set(reply.content.keys()) == {"metrics", "status", "synthetic"}
-  assert all("upload_delta_bytes" not in r for r in records)
+    # server.start='global': the synthetic set and r_k only, no model delta.
+    assert set(reply.content.keys()) == {"metrics", "status", "update"}
+    assert set(reply.content["update"]) == {
+      "synthetic.x",
+      "synthetic.y",
+      "synthetic.mask",
+      "radius",
+    }
   # Each client's ledger: its own N_k, both rounds, the epsilons it reported.
   reports = json.loads((tmp_path / "run" / "client_reports.json").read_text())
   for k in range(5):
@@ -868,9 +822,7 @@ def test_the_flower_methods_are_the_registrys_of_a_supported_wire():
   from fedlap_jax.methods import REGISTRY
 
   assert settings.METHODS == method_work.METHODS
-  assert settings.METHODS == tuple(
-    n for n, m in REGISTRY.items() if method_work.supported(m) or method_work.has_own_strategy(m)
-  )
+  assert settings.METHODS == tuple(n for n, m in REGISTRY.items() if method_work.supported(m))
   assert {"fedlap", "fedavg", *FEDAVG_WIRE, *DP_FEDAVG_WIRE, *CARRIED} <= set(settings.METHODS)
   # Every federated registry method; DSC centralized pools every client's records.
   assert set(settings.METHODS) == {n for n, m in REGISTRY.items() if m.federated}
@@ -999,7 +951,7 @@ def test_fedlaps_optimisers_chosen_in_the_overrides_run_as_experiments_run(tmp_p
   assert (cfg.server.optimizer.name, cfg.client.model_optimizer.name) == ("adam", "adam")
   records, ref = _fedlap_rounds_equal_experiments_run(tmp_path, FEDLAP_ADAM_OVERRIDES)
   for got, want in zip(records, ref):
-    assert [got["client_radius"][str(k)] for k in range(5)] == want["client_radius"]
+    assert got["client_radius"] == want["client_radius"]
 
 
 @pytest.mark.slow
@@ -1351,7 +1303,7 @@ def test_a_clients_carried_state_missing_or_altered_is_refused_never_started_afr
   assert "round 1" in why[3] and "round 0" in why[3]
 
 
-MISSED = {  # a method carrying client state, through each client code path
+MISSED = {  # a method carrying client state: a variate, a synthetic set
   "scaffold": CARRIED["scaffold"][1].replace("rounds=2", "rounds=3"),
   "fedlap_noise": TINY.replace("rounds=2", "rounds=3") + " synthetic_init=noise",
 }
@@ -1439,7 +1391,6 @@ def test_a_synthetic_update_gets_fedlaps_checks(tmp_path):
   """A FedDM reply is untrusted input as a FedLAP reply is: an array of another dtype than
   the method's wire declares, labels out of range, or labels other than the partition's
   earlier ones are refused by name; the other replies aggregate."""
-  from flwr.app import Array
 
   config, overrides = CARRIED["feddm"]
 
@@ -1564,9 +1515,8 @@ def test_an_own_data_federation_runs_a_synthetic_set_method_at_the_stated_max_cl
 def test_a_stated_max_classes_is_refused_where_it_would_size_nothing_or_contradict_the_data(
   tmp_path,
 ):
-  """max-classes-per-client: with the config's named partition only its own value (or 0); for a
-  method without synthetic sets, or FedLAP (each client's set has slots for its own classes),
-  only 0; never a non-integer."""
+  """max-classes-per-client: with the config's named partition only its own value (or 0), FedLAP's
+  as FedDM's; for a method without synthetic sets only 0; never a non-integer."""
   from flower_harness import serve_with
   from fedlap_jax.checks import ConfigError
 
@@ -1578,7 +1528,12 @@ def test_a_stated_max_classes_is_refused_where_it_would_size_nothing_or_contradi
   with pytest.raises(ConfigError, match="sizes a synthetic set") as e:
     serve_with(None, _run_config(tmp_path / "b", config, fedavg, **{"max-classes-per-client": 2}))
   assert e.value.field == "max-classes-per-client"
-  for value in (2, -1, 1.5, "2"):
+  with pytest.raises(ConfigError, match="named partition gives its clients at most 2") as e:
+    serve_with(
+      None, _run_config(tmp_path / "c", "quickstart:nondp", TINY, **{"max-classes-per-client": 3})
+    )
+  assert e.value.field == "max-classes-per-client"
+  for value in (-1, 1.5, "2"):
     rc = _run_config(tmp_path, "quickstart:nondp", **{"max-classes-per-client": value})
     with pytest.raises(settings.SettingsError) as e:
       settings.run_settings(rc)
@@ -1944,9 +1899,9 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_runs_numbers(tmp_path, kind,
   rc = _run_config(tmp_path / "b", "quickstart:nondp", overrides=RESUMABLE[kind])
   with pytest.raises(strategy.TooFewClients):
     run_inprocess(rc, grid_hook=STOPS[stop](3), state_root=tmp_path / "b" / "state")
-  # FedLAP logs the stopped round; both stop with the state after round 2.
-  stopped = [r["round"] for r in read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")]
-  assert stopped == ([1, 2, 3] if kind.startswith("nondp") else [1, 2])
+  # The stopped round is logged; the run stops with the state after round 2.
+  stopped = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
+  assert [r["round"] for r in stopped] == [1, 2, 3] and "stopped" in stopped[2]
   run = _federated_run(tmp_path / "b" / "run")
   run_inprocess({**rc, "resume": True}, state_root=tmp_path / "b" / "state", run_id=8)
   assert _federated_run(tmp_path / "b" / "run") == run  # the resumed run keeps its identity
@@ -2002,10 +1957,12 @@ def test_clients_with_their_own_data_files(tmp_path, monkeypatch):
   np.savez(tmp_path / "server.npz", x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
   parts = data_lib.partition(y_train, num_clients=5, scheme="paper", num_classes=10)
   nodes = {}
+  most = 0  # the most classes a site holds: what sizes a synthetic set when no party knows
   for k, idx in enumerate(parts):
     # 283 records each (the smaller clients repeat some): the shapes of the padded
     # partitions, so the compiled round of the other DP tests serves these clients too.
     idx = np.resize(idx, 283)
+    most = max(most, int(np.unique(y_train[idx]).size))
     np.savez(tmp_path / f"site{k}.npz", x_train=x_train[idx], y_train=y_train[idx])
     nodes[101 + k] = {
       "partition-id": k,
@@ -2020,7 +1977,9 @@ def test_clients_with_their_own_data_files(tmp_path, monkeypatch):
     TINY.replace("rounds=2", "rounds=1") + " data.name=mnist "
     "data.normalisation=published data.source=tfds"
   )
-  rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides)
+  rc = _run_config(
+    tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-classes-per-client": most}
+  )
   records, _ = run_inprocess(rc, nodes)
   assert records[0]["clients_ok"] == [0, 1, 2, 3, 4] and records[0]["test_accuracy"] > 0
   stored = json.loads((tmp_path / "state" / "client-3" / ledger_lib.LEDGER_FILE).read_text())
@@ -2032,7 +1991,7 @@ def test_clients_with_their_own_data_files(tmp_path, monkeypatch):
     tmp_path / "bad",
     "quickstart:dp_loops",
     overrides=overrides.replace("normalisation=published", "normalisation=test_split"),
-    **{"min-clients": 1},
+    **{"min-clients": 1, "max-classes-per-client": most},
   )
   with pytest.raises(strategy.TooFewClients):
     run_inprocess(bad, nodes)
@@ -2178,7 +2137,7 @@ def test_a_run_naming_a_client_file_is_refused_alike_by_server_and_clients(tmp_p
     grid = InProcessGrid(client_app.app, rc, node_configs(state_root=tmp_path / "state"))
     with task_identity():
       for kind, conf in (
-        (MessageType.TRAIN, {"server-round": 1, "learning-rate": 0.1, "keys": "client"}),
+        (MessageType.TRAIN, {"server-round": 1, "keys": "client"}),
         (MessageType.QUERY, {"server-round": 1, "ask": "partition-id"}),
       ):
         msg = Message(

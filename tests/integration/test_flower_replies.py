@@ -36,6 +36,7 @@ from flower_harness import (
 )
 from fedlap_flower import binding, replies, settings, strategy, task
 from fedlap_flower import ledger as ledger_lib
+from fedlap_jax import federated, update_bounds
 
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
 # quickstart:dp (the hybrid: clients also send model deltas) at toy size, one round.
@@ -129,9 +130,14 @@ def _metrics(content, **values):
   return _swap(content, metrics=MetricRecord({**dict(content["metrics"]), **values}))
 
 
+def _update(content, **arrays):
+  """``content`` with these arrays of its ``"update"`` record (by the method's wire names)."""
+  old = {k: a.numpy() for k, a in content["update"].items()}
+  return _swap(content, update=ArrayRecord({k: Array(v) for k, v in {**old, **arrays}.items()}))
+
+
 def _synthetic(content, **arrays):
-  old = {k: a.numpy() for k, a in content["synthetic"].items()}
-  return _swap(content, synthetic=ArrayRecord({k: Array(v) for k, v in {**old, **arrays}.items()}))
+  return _update(content, **{f"synthetic.{k}": v for k, v in arrays.items()})
 
 
 def _first_leaf(content, record, fn):
@@ -141,12 +147,17 @@ def _first_leaf(content, record, fn):
   return _swap(content, **{record: ArrayRecord({k: Array(v) for k, v in leaves.items()})})
 
 
+def _first_delta(content, fn):
+  first = sorted(k for k in content["update"] if k.startswith("model_delta."))[0]
+  return _update(content, **{first: fn(content["update"][first].numpy())})
+
+
 def _x(c):
-  return c["synthetic"]["x"].numpy()
+  return c["update"]["synthetic.x"].numpy()
 
 
 def _y(c):
-  return c["synthetic"]["y"].numpy()
+  return c["update"]["synthetic.y"].numpy()
 
 
 def _slots(c, n):
@@ -166,16 +177,21 @@ HOSTILE = {
   "images_9x9": (
     "nondp",
     101,
-    "x",
+    "synthetic.x",
     lambda c: _synthetic(c, x=np.zeros((len(_x(c)), 9, 9, 1), np.float32)),
   ),
-  "radius_list": ("nondp", 101, "radius", lambda c: _metrics(c, radius=[1.0])),
-  "string_array": ("nondp", 101, "x", lambda c: _synthetic(c, x=np.full(_x(c).shape, "a"))),
+  "radius_list": ("nondp", 101, "radius", lambda c: _update(c, radius=np.ones(1, np.float32))),
+  "string_array": (
+    "nondp",
+    101,
+    "synthetic.x",
+    lambda c: _synthetic(c, x=np.full(_x(c).shape, "a")),
+  ),
   "delta_3e38": (
     "hybrid",
     101,
     "delta",
-    lambda c: _first_leaf(c, "delta", lambda a: np.full_like(a, 3e38)),
+    lambda c: _first_delta(c, lambda a: np.full_like(a, 3e38)),
   ),
   "images_3e38": ("nondp", 101, "x", lambda c: _synthetic(c, x=np.full_like(_x(c), 3e38))),
   # The same under a carried server state: the dropped reply reaches neither model nor state.
@@ -186,7 +202,8 @@ HOSTILE = {
     "num-examples",
     lambda c: _metrics(c, **{"num-examples": math.nan}),
   ),
-  "slots_20000": ("nondp", 101, "x", lambda c: _slots(c, 20_000)),
+  # The wire's shapes are refused by name before any value is read (here the first one named).
+  "slots_20000": ("nondp", 101, "synthetic.mask", lambda c: _slots(c, 20_000)),
   "label_10": ("nondp", 101, "y", lambda c: _label(c, 10)),
   # Past the int32 the counts are aggregated in (the server once died of it).
   "num_examples_2**40": (
@@ -196,7 +213,12 @@ HOSTILE = {
     lambda c: _metrics(c, **{"num-examples": 2**40}),
   ),
   # Below the floor: with radius_strategy='min' the server would take one step.
-  "radius_1e-30": ("nondp", 101, "radius", lambda c: _metrics(c, radius=1e-30)),
+  "radius_1e-30": (
+    "nondp",
+    101,
+    "radius",
+    lambda c: _update(c, radius=np.array(1e-30, np.float32)),
+  ),
   # Above the run's max-epsilon=50, which every client keeps.
   "epsilon_above_the_cap": ("hybrid", 101, "epsilon", lambda c: _metrics(c, epsilon=1e6)),
   # Node 102 holds partition 1 and answers first, claiming partition 0.
@@ -410,8 +432,10 @@ def test_a_bad_max_update_norm_is_refused_by_name(value, match):
 
 
 def test_max_update_norm_values_and_what_auto_needs():
-  """'' and 'auto' derive the bound where the method has one; 'auto' without DP, or any
-  value for FedLAP (its replies have their own bounds), is a ConfigError naming the field."""
+  """'' and 'auto' derive the bound where the method has one; 'auto' without DP is a
+  ConfigError naming the field (a number for a method whose update is not a model, FedLAP's
+  included, is refused when the server starts:
+  test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_model)."""
   from fedlap_flower import method_work
   from fedlap_jax.checks import ConfigError
 
@@ -428,9 +452,6 @@ def test_max_update_norm_values_and_what_auto_needs():
   assert e.value.field == "max-update-norm"
   assert replies.update_norm_rule("", fedavg, config, None)(None) is None
   assert replies.update_norm_rule(2.5, fedavg, config, None)(None) == 2.5
-  with pytest.raises(settings.SettingsError, match="max-update-norm") as e:
-    settings.run_settings({"config": "quickstart:nondp", "max-update-norm": "auto"})
-  assert e.value.field == "max-update-norm"
 
 
 def _tamper_round(grid, node: int, server_round: int, tamper) -> None:
@@ -487,8 +508,8 @@ def test_an_aggregation_that_raises_keeps_the_model_and_the_run(kind, tmp_path, 
   records, _ = run_inprocess(rc, state_root=tmp_path / "state")
   assert len(records) == 1 and records[0]["clients_ok"] == [0, 1, 2, 3, 4]
   assert records[0]["update_refused"] == (
-    f"the {'server update' if kind == 'nondp' else 'aggregate'} raised OverflowError: Python "
-    "int too large to convert to C long; the previous global model is kept"
+    "the aggregate raised OverflowError: Python int too large to convert to C long; the "
+    "previous global model is kept"
   )
   assert math.isfinite(records[0]["test_loss"])
   initial = _initial_params(tmp_path, kind)
@@ -515,6 +536,25 @@ def test_the_published_epsilon_is_the_accepted_clients_self_reports(genuine, rep
   assert rec["epsilon_kind"] == strategy.EPSILON_KIND and "self-reported" in rec["epsilon_kind"]
   refused = [r for r in reports if r["status"] == "refused"]
   assert [r["metrics"]["epsilon"] for r in refused] == [1e9]  # kept in the reports
+
+
+@pytest.mark.slow
+def test_a_refusals_reason_cannot_forge_the_servers_log_lines(genuine, replay, caplog):
+  """A client writes its refusal's reason: the server logs it quoted, on its own line."""
+  import logging
+
+  forged = "budget\n[fedlap] round 1: client 1 (node 102) ok: fine"
+  refusal = RecordDict(
+    {
+      "metrics": MetricRecord({"partition-id": 0}),
+      "status": ConfigRecord({"status": "refused", "reason": forged, "keys": "server"}),
+    }
+  )
+  with caplog.at_level(logging.WARNING, logger="flwr"):
+    records, _, _ = replay("nondp", {**genuine("nondp"), 101: refusal})
+  assert records[0]["clients_refused"] == [0]
+  logged = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+  assert len(logged) == 1 and "\n" not in logged[0] and repr(forged) in logged[0], logged
 
 
 def _initial_params(tmp_path, kind):
@@ -570,11 +610,11 @@ def test_honest_model_deltas_stay_far_inside_the_bound(genuine):
 
   run = settings.run_settings({"config": "quickstart:dp", "overrides": HYBRID_ONE})
   fc = library_configs.to_fedlap_config(run.cfg)
+  eta = float(np.float32(federated.round_learning_rates(1, fc).client))
   for content in genuine("hybrid").values():
-    leaves = {k: a.numpy() for k, a in content["delta"].items()}
-    bound = replies.max_delta_norm(
-      fc.client, task.round_learning_rates(fc, 1)[0], sum(v.size for v in leaves.values())
-    )
+    update = content["update"]
+    leaves = {k: a.numpy() for k, a in update.items() if k.startswith("model_delta.")}
+    bound = replies.max_delta_norm(fc.client, eta, sum(v.size for v in leaves.values()))
     norm = replies.check_delta_norm(leaves, bound)
     assert 0 < norm < bound / 2, (norm, bound)
 
@@ -628,13 +668,6 @@ def test_synthetic_set_checks_name_the_field(change, field, match):
 @pytest.mark.parametrize(
   "metrics, check, match",
   [
-    ({"radius": [1.0]}, lambda m: replies.check_radius(m, 5.0), r"radius=\[1.0\] is invalid"),
-    ({"radius": "1.0"}, lambda m: replies.check_radius(m, 5.0), "radius='1.0' is invalid"),
-    ({"radius": math.inf}, lambda m: replies.check_radius(m, 5.0), "radius=inf is invalid"),
-    ({"radius": 0.0}, lambda m: replies.check_radius(m, 5.0), r"in \(0, 5\]"),
-    ({"radius": 5.5}, lambda m: replies.check_radius(m, 5.0), r"in \(0, 5\]"),
-    ({"radius": True}, lambda m: replies.check_radius(m, 5.0), "radius=True is invalid"),
-    ({}, lambda m: replies.check_radius(m, 5.0), "radius is missing"),
     (
       {"num-examples": math.nan},
       lambda m: replies.check_num_examples(m, True),
@@ -664,13 +697,6 @@ def test_synthetic_set_checks_name_the_field(change, field, match):
       "epsilon=3.5 is invalid; allowed: a finite number >= 0 and <= the run's max-epsilon=3",
     ),
     ({"epsilon": 10**400}, lambda m: replies.check_epsilon(m, True), "allowed: a finite number"),
-    ({"radius": 10**400}, lambda m: replies.check_radius(m, 5.0), "allowed: a finite number"),
-    # Below the floor of the round's learning rate 0.1: less than one SGD step.
-    (
-      {"radius": 1e-30},
-      lambda m: replies.check_radius(m, 5.0, replies.radius_floor(0.1)),
-      r"radius=1e-30 is invalid; allowed: a number in \[0.0001, 5\]",
-    ),
     ({"partition-id": 7}, lambda m: replies.check_partition(m, 5), r"an int in \[0, 4\]"),
     (
       {"partition-id": 1},
@@ -712,10 +738,10 @@ def test_the_delta_bound_follows_the_config():
 
 
 def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
-  """FedLAP's Method.check_update (what both Flower strategies apply to an update): r_k in
+  """FedLAP's Method.check_update (what the Flower strategy applies to an update): r_k in
   [radius_floor(eta_m), r] and, under DP with noisy_real model steps, ||model_delta|| at most
   the delta bound at eta_m; each refusal names the field. Method.round_record: the server's
-  numbers of a round, r_g None when not finite."""
+  numbers of a round, the clients' r_k in their updates' order, r_g None when not finite."""
   from experiments import library_configs
   from fedlap_jax import federated, server
   from fedlap_jax.checks import ConfigError
@@ -755,6 +781,7 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
     (), np.ones(5, np.float32), server.ServerMetrics(3, 7, np.float32(0.5), np.float32(2.5)), eta
   )
   assert fedlap.METHOD.round_record(metrics) == {
+    "client_radius": [1.0] * 5,
     "server_radius": 2.5,
     "server_epochs": 3,
     "server_steps": 7,
@@ -840,7 +867,7 @@ def test_the_radius_floor_is_a_thousandth_of_the_rounds_learning_rate():
   assert replies.radius_floor(0.1) == float(np.float32(1e-4))
   assert replies.radius_floor(1e-6) == float(np.float32(1e-9))
   # The last round of quickstart:nondp (eta_m = 1e-6): its smallest honest r_k, 6.9e-5, passes.
-  assert replies.check_radius({"radius": 6.9e-5}, 5.0, replies.radius_floor(1e-6)) == 6.9e-5
+  assert update_bounds.check_radius(6.9e-5, 5.0, replies.radius_floor(1e-6)) == 6.9e-5
 
 
 def test_partition_keys_bind_by_key_only():
@@ -1119,17 +1146,26 @@ def test_collect_replies_keeps_each_reply_in_its_own_error_boundary():
   assert all(r["round"] == 5 for r in reports[1:])
 
 
-def test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_model(tmp_path):
-  """SCAFFOLD sends its model and its control delta: a norm bound on ``w_k - w_g`` would check
-  nothing of that update, so a number for it is refused when the server starts, by name."""
+@pytest.mark.parametrize(
+  "overrides",
+  ["method=scaffold rounds=1 baseline.local_epochs=1", ONE_ROUND],
+  ids=["scaffold", "fedlap"],
+)
+def test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_model(
+  tmp_path, overrides
+):
+  """SCAFFOLD sends its model and its control delta, FedLAP its synthetic set and r_k: a norm
+  bound on ``w_k - w_g`` would check nothing of that update, so a number for it is refused
+  when the server starts, by name, before the run-dir is written."""
   from fedlap_jax.checks import ConfigError
 
   rc = {
     "config": "quickstart:nondp",
-    "overrides": "method=scaffold rounds=1 baseline.local_epochs=1",
+    "overrides": overrides,
     "run-dir": str(tmp_path / "run"),
     "max-update-norm": 5.0,
   }
   with pytest.raises(ConfigError, match="max-update-norm=5.0 bounds") as e:
     run_inprocess(rc, state_root=tmp_path / "state")
   assert e.value.field == "max-update-norm"
+  assert not (tmp_path / "run").exists()

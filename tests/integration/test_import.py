@@ -47,7 +47,7 @@ FLWR_FREE = (
   "fedlap_flower",
   "fedlap_flower.settings",
   "fedlap_flower.task",
-  "fedlap_flower.client_work",
+  "fedlap_flower.method_work",
   "fedlap_flower.server_work",
   "fedlap_flower.ledger",
 )

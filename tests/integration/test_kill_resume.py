@@ -333,7 +333,7 @@ import jax, jax.numpy as jnp
 from flwr.supercore.exit import register_signal_handlers
 from flwr.supercore.telemetry import EventType
 import flower_harness
-from fedlap_flower import client_work, server_work
+from fedlap_flower import method_work, server_work
 
 spin = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, v: jnp.sin(v) + 1e-3, x))
 ones = jnp.ones(64)
@@ -352,7 +352,8 @@ def slowed(real):
   return run
 
 if part == "client":
-  client_work.fedlap_round = slowed(client_work.fedlap_round)
+  real_client_fn = method_work.client_fn  # the client's step, slowed once built
+  method_work.client_fn = lambda *a: slowed(real_client_fn(*a))
 else:
   server_work.method_update = slowed(server_work.method_update)
 register_signal_handlers(event_type=EventType.FLWR_CLIENTAPP_RUN_LEAVE,
