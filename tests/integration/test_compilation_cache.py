@@ -509,8 +509,8 @@ def counting_flower_run(workdir: Path, cache: Path, config: str, overrides: str)
       "rounds=1 client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
       "client.calibration_epochs=2 client.dsa_strategy='' server.dsa_strategy='' "
       "server.max_epochs=2 eval_chunk_size=128",
-      # FedLAP's server runs its method's step, as every method's does
-      ["fedlap_client_step", "method_server_step", "evaluate_test_split"],
+      # FedLAP's client and server run their method's steps, as every method's do
+      ["method_client_step", "method_server_step", "evaluate_test_split"],
     ),
     (
       "method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",

@@ -401,7 +401,8 @@ def test_the_round_is_built_on_the_two_steps_and_nothing_else():
 
 
 def test_the_flower_app_calls_the_librarys_steps_and_no_copy_of_them():
-  """fedlap_flower marshals messages: FedLAP's and FedAvg's steps are the library's."""
+  """fedlap_flower marshals messages: every method's steps and client init, FedLAP's included,
+  are the library's (its learning rates come in the plan's message)."""
   assert (ROOT / "fedlap_flower" / "client_app.py").is_file(), ROOT
   used = set()
   for path in sorted((ROOT / "fedlap_flower").glob("*.py")):
@@ -412,4 +413,4 @@ def test_the_flower_app_calls_the_librarys_steps_and_no_copy_of_them():
       path.name
     )
     used |= names
-  assert {"client_step", "server_step", "round_learning_rates", "learning_rate"} <= used
+  assert {"client_step", "server_step", "client_init"} <= used
