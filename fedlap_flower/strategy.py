@@ -1018,7 +1018,6 @@ class MethodStrategy(MethodServer, FedAvg):
       }
     )
     self._save_state(server_round, self.state.params)
-    upload = sum(r.get("upload_bytes", 0) for r in reports)
     metrics = MetricRecord(
       {"test-accuracy": acc, "test-loss": loss, "clients-ok": len(ok), "upload-bytes": upload}
     )
