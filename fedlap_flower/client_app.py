@@ -170,13 +170,12 @@ def _not_drawn(run, node, server_round: int) -> str:
 
 
 def _method_templates(method, config, params, facts):
-  """``(message, own, carried)`` of one client of a round: the structures a server's message,
-  own inputs and this client's kept state are read back against
-  (:func:`fedlap_flower.method_work.arrays_to_tree`)."""
-  state = method_work.initial_state(method, config, params, jax.random.key(0), facts)
-  plan = method_work.plan_fn(method, 1, config)(state)
-  carried = tuple(jax.tree.map(lambda a: a[0], getattr(state, f)) for f in method.carried)
-  return method_work.without_model(plan.message), jax.tree.map(lambda a: a[0], plan.own), carried
+  """``(message, own, carried)`` of one client of a round as ``jax.ShapeDtypeStruct`` leaves:
+  the structures a server's message, own inputs and this client's kept state are read back
+  against (:func:`fedlap_flower.method_work.arrays_to_tree`). Traced, not computed, once per
+  (method, config, facts, parameter shapes): :func:`method_work.round_templates`."""
+  leaves, treedef = jax.tree.flatten(jax.tree.map(method_work.shape_of, params))
+  return method_work.round_templates(method, config, facts, treedef, tuple(leaves))
 
 
 def _model_fns(model, image_shape) -> ModelFns:

@@ -167,8 +167,20 @@ def _is_key(leaf) -> bool:
 
 
 def fresh_keys(own, draw):
-  """``own`` with every key leaf replaced by ``draw()`` (a DP client's own secret keys)."""
-  return jax.tree.map(lambda leaf: draw() if _is_key(leaf) else leaf, own)
+  """``own`` with every key leaf replaced by ``draw()`` (a DP client's own secret keys).
+
+  Raises:
+    ValueError: ``own`` has a leaf that is not a key: a client that draws its own inputs can
+      draw keys only (the method's plan must send anything else in its message).
+  """
+  names = Wire.of(jax.tree.map(shape_of, own)).names()
+  other = [n for n, leaf in zip(names, jax.tree.leaves(own)) if not _is_key(leaf)]
+  if other:
+    raise ValueError(
+      f"the method's own inputs {other} are not PRNG keys: a client that draws its own "
+      "inputs (under DP) draws keys only; allowed: a plan whose own inputs are keys"
+    )
+  return jax.tree.map(lambda leaf: draw(), own)
 
 
 def tree_to_arrays(tree) -> dict[str, np.ndarray]:
@@ -180,11 +192,13 @@ def tree_to_arrays(tree) -> dict[str, np.ndarray]:
 
 
 def shape_of(leaf):
-  """A leaf's ``jax.ShapeDtypeStruct`` (a key leaf: of its ``uint32`` words)."""
+  """A leaf's ``jax.ShapeDtypeStruct`` (a key leaf: of its ``uint32`` words); ``leaf`` an
+  array, a number or a ``jax.ShapeDtypeStruct``."""
   if _is_key(leaf):
-    leaf = jax.random.key_data(leaf)
-  a = leaf if hasattr(leaf, "dtype") else np.asarray(leaf)
-  return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+    leaf = jax.eval_shape(jax.random.key_data, leaf)
+  elif not hasattr(leaf, "dtype"):
+    leaf = np.asarray(leaf)
+  return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
 
 
 def arrays_to_tree(arrays: Mapping[str, Any], template):
@@ -207,6 +221,22 @@ def is_model(update, params) -> bool:
   """Whether a client update is a model (the parameters' structure: FedAvg's wire), which
   travels packed (:func:`fedlap_flower.records.params_to_record`)."""
   return jax.tree.structure(update) == jax.tree.structure(params)
+
+
+@functools.lru_cache(maxsize=8)
+def round_templates(method: Method, config, facts: RunFacts, params_def, params_leaves: tuple):
+  """``(message, own, carried)`` of one client of a round, ``jax.ShapeDtypeStruct`` leaves
+  (traced with :func:`jax.eval_shape`, nothing computed): the plan's message without its model
+  (:func:`without_model`), one client's ``own`` inputs and its carried fields, for parameters
+  of the treedef ``params_def`` and leaves ``params_leaves`` (:func:`shape_of`'s)."""
+
+  def one_client(params):
+    state = initial_state(method, config, params, jax.random.key(0), facts)
+    plan = method.plan(state, 1, config)
+    carried = tuple(jax.tree.map(lambda a: a[0], getattr(state, f)) for f in method.carried)
+    return without_model(plan.message), jax.tree.map(lambda a: a[0], plan.own), carried
+
+  return jax.eval_shape(one_client, jax.tree.unflatten(params_def, params_leaves))
 
 
 @functools.lru_cache(maxsize=8)
