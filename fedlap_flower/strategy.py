@@ -571,15 +571,16 @@ class Participation:
     return asked, chosen, reports
 
 
-class MethodServer:
-  """A registry method's server, as the strategy holds it (the module docstring).
+class MethodStrategy(FedAvg):
+  """Flower's FedAvg messages around a federated registry method (the module docstring;
+  :mod:`fedlap_flower.method_work`): the server's state, plan and step are the method's.
 
   Its state is the method's (:attr:`~fedlap_jax.method.Method.init` before round 1) without
   the clients' carried fields: each client keeps its own, and the plan and the server step see
   public stand-ins of their shapes (:func:`fedlap_flower.method_work.carried_standins`). Each
   round it asks the round's clients (:class:`Participation`), runs the method's plan
-  (:meth:`_plan_round`) and, on the replies that fit, its server step in an error boundary
-  (:meth:`_server_update`).
+  (:meth:`_plan_round`), checks each reply by the method's wire (:meth:`_parse_one`) and, on
+  the replies that fit, runs its server step in an error boundary (:meth:`_server_update`).
 
   After every round it saves its state in the run-dir (:mod:`fedlap_flower.server_state`:
   the parameters, the key chain, the method's own state fields, what it pinned);
@@ -589,7 +590,7 @@ class MethodServer:
 
   rounds_done = 0
 
-  def _start_server(
+  def __init__(
     self,
     *,
     cfg,
@@ -608,14 +609,31 @@ class MethodServer:
     unsafe_dp_keys_from_server: bool = False,
     max_epsilon: float = math.inf,
     partition_keys=None,
-  ) -> None:
-    """What the strategy's constructor takes: the run's experiment config ``cfg``, its
-    method and library config, its :class:`~fedlap_jax.method.RunFacts`, the model
-    (:class:`~fedlap_jax.method.ModelFns`; ``template``: its parameters' layout, the
-    parameter records travel packed), the algorithm key ``k_alg`` (the method's init), the
-    test evaluation, the run config's limits and the federated run's identity
-    (under which the clients keep their carried state). The server sets :attr:`run_log` once
-    the run-dir is written, after the checks here."""
+    max_classes_stated: int = 0,
+    max_update_norm: float | str | None = "",
+    num_classes: int = 10,
+    max_image_abs: float = replies.IMAGE_RANGE_FACTOR,
+  ):
+    """The run's experiment config ``cfg``, its method and library config, its
+    :class:`~fedlap_jax.method.RunFacts`, the model (:class:`~fedlap_jax.method.ModelFns`;
+    ``template``: its parameters' layout, the parameter records travel packed), the algorithm
+    key ``k_alg`` (the method's init), the test evaluation, the run config's limits and the
+    federated run's identity (under which the clients keep their carried state);
+    ``max_classes_stated``: the run config's ``max-classes-per-client``; ``max_update_norm``:
+    its ``max-update-norm`` (:func:`fedlap_flower.replies.update_norm_rule`); ``num_classes``
+    and ``max_image_abs`` bound a synthetic set. The server sets :attr:`run_log` once the
+    run-dir is written, after the checks here.
+
+    Raises:
+      fedlap_jax.checks.ConfigError: a run config the method's wire cannot take (naming the
+        field).
+    """
+    super().__init__(
+      fraction_train=1.0,
+      fraction_evaluate=0.0,
+      min_train_nodes=min_clients,
+      min_available_nodes=min_clients,
+    )
     self.cfg = cfg
     self.federated_run = federated_run
     self.model = model
@@ -649,6 +667,62 @@ class MethodServer:
     self._labels: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._epsilon: dict[int, float] = {}
     self._round: dict[str, Any] = {}
+    self.facts = facts
+    self.wire = method.wire(method_config, template, facts)
+    # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
+    self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
+    self.update_template = self._update_template(facts)
+    self.packed = method_work.is_model(self.update_template, template)
+    if not self.packed and max_update_norm not in ("", None):
+      raise ConfigError(
+        "max-update-norm",
+        max_update_norm,
+        "'' (the default) or 'none'",
+        message=f"max-update-norm={max_update_norm!r} bounds ||w_k - w_g|| of a reply that is "
+        f"the client's model; method={method.name!r} sends another update (its wire: "
+        f"{', '.join(self.wire.names())}), so the bound would check nothing. Allowed: '' (the "
+        "default) or 'none'",
+      )
+    # A synthetic set's checks (FedLAP's): ipc slots per class, S = ipc * the most classes.
+    self.limits = None
+    sets = _synthetic_sets(self.update_template)
+    if sets and facts.max_classes_per_client < 1:
+      raise ConfigError(
+        "data",
+        "data the server does not know the clients' classes of",
+        f"the config's named data and partition, or {method_work.MAX_CLASSES_KEY}",
+        message=f"method={method.name!r} sends synthetic sets of ipc slots per class of the "
+        "client owning the most classes, a fact of the config's named partition; this "
+        "server reads its own data and knows no client's classes. Allowed: the config's "
+        f"named data (no server data file), the run config's {method_work.MAX_CLASSES_KEY} "
+        "(the most classes a client holds), or a method that sends no synthetic set",
+      )
+    if not sets and max_classes_stated:
+      raise ConfigError(
+        method_work.MAX_CLASSES_KEY,
+        max_classes_stated,
+        "0 (not stated)",
+        message=f"{method_work.MAX_CLASSES_KEY}={max_classes_stated!r} sizes a synthetic set; "
+        f"method={method.name!r} sends none (its wire: {', '.join(self.wire.names())}), so "
+        "it would size nothing. Allowed: 0 (not stated)",
+      )
+    if sets:
+      s = int(sets[0].x.shape[0])
+      self.limits = replies.SyntheticLimits(
+        tuple(facts.image_shape),
+        int(num_classes),
+        s // max(1, facts.max_classes_per_client),
+        float(max_image_abs),
+      )
+    if sorted(Wire.of(self.update_template).fields) != sorted(self.wire.fields):
+      raise ConfigError(
+        "method",
+        method.name,
+        "a method whose client step returns the update its wire declares",
+        message=f"method={method.name!r}: its client step returns "
+        f"{Wire.of(self.update_template).fields}, its wire declares {self.wire.fields}",
+      )
+    self._t0 = time.time()
 
   def _plan_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> dict:
     """The round's clients and the method's plan for them: ``asked`` (node -> partition),
@@ -733,100 +807,23 @@ class MethodServer:
     self._labels = dict(state.labels)
     self.participation.binding.restore_pins(state.pins)
 
-
-class MethodStrategy(MethodServer, FedAvg):
-  """Flower's FedAvg messages around a federated registry method (the module docstring;
-  :mod:`fedlap_flower.method_work`): the server's state, plan and step are the method's."""
-
-  def __init__(
-    self,
-    *,
-    max_classes_stated: int = 0,
-    max_update_norm: float | str | None = "",
-    num_classes: int = 10,
-    max_image_abs: float = replies.IMAGE_RANGE_FACTOR,
-    **server,
-  ):
-    """``server``: :meth:`MethodServer._start_server`'s; ``max_classes_stated``: the run
-    config's ``max-classes-per-client``; ``max_update_norm``: its ``max-update-norm``
-    (:func:`fedlap_flower.replies.update_norm_rule`); ``num_classes`` and ``max_image_abs``
-    bound a synthetic set."""
-    super().__init__(
-      fraction_train=1.0,
-      fraction_evaluate=0.0,
-      min_train_nodes=server["min_clients"],
-      min_available_nodes=server["min_clients"],
-    )
-    self._start_server(**server)
-    method, method_config, facts, template = self.method, self.mc, server["facts"], self.template
-    self.facts = facts
-    self.wire = method.wire(method_config, template, facts)
-    # The largest ||w_k - w_g|| of a round's reply (replies.update_norm_rule; None: none).
-    self.update_bound = replies.update_norm_rule(max_update_norm, method, method_config, facts)
-    self.update_template = self._update_template(facts)
-    self.packed = method_work.is_model(self.update_template, template)
-    if not self.packed and max_update_norm not in ("", None):
-      raise ConfigError(
-        "max-update-norm",
-        max_update_norm,
-        "'' (the default) or 'none'",
-        message=f"max-update-norm={max_update_norm!r} bounds ||w_k - w_g|| of a reply that is "
-        f"the client's model; method={method.name!r} sends another update (its wire: "
-        f"{', '.join(self.wire.names())}), so the bound would check nothing. Allowed: '' (the "
-        "default) or 'none'",
-      )
-    # A synthetic set's checks (FedLAP's): ipc slots per class, S = ipc * the most classes.
-    self.limits = None
-    sets = _synthetic_sets(self.update_template)
-    if sets and facts.max_classes_per_client < 1:
-      raise ConfigError(
-        "data",
-        "data the server does not know the clients' classes of",
-        f"the config's named data and partition, or {method_work.MAX_CLASSES_KEY}",
-        message=f"method={method.name!r} sends synthetic sets of ipc slots per class of the "
-        "client owning the most classes, a fact of the config's named partition; this "
-        "server reads its own data and knows no client's classes. Allowed: the config's "
-        f"named data (no server data file), the run config's {method_work.MAX_CLASSES_KEY} "
-        "(the most classes a client holds), or a method that sends no synthetic set",
-      )
-    if not sets and max_classes_stated:
-      raise ConfigError(
-        method_work.MAX_CLASSES_KEY,
-        max_classes_stated,
-        "0 (not stated)",
-        message=f"{method_work.MAX_CLASSES_KEY}={max_classes_stated!r} sizes a synthetic set; "
-        f"method={method.name!r} sends none (its wire: {', '.join(self.wire.names())}), so "
-        "it would size nothing. Allowed: 0 (not stated)",
-      )
-    if sets:
-      s = int(sets[0].x.shape[0])
-      self.limits = replies.SyntheticLimits(
-        tuple(facts.image_shape),
-        int(num_classes),
-        s // max(1, facts.max_classes_per_client),
-        float(max_image_abs),
-      )
-    if sorted(Wire.of(self.update_template).fields) != sorted(self.wire.fields):
-      raise ConfigError(
-        "method",
-        method.name,
-        "a method whose client step returns the update its wire declares",
-        message=f"method={method.name!r}: its client step returns "
-        f"{Wire.of(self.update_template).fields}, its wire declares {self.wire.fields}",
-      )
-    self._t0 = time.time()
-
   def _update_template(self, facts):
-    """The structure of a client's update, from one client's public stand-ins (nothing run)."""
+    """The structure of a client's update, from one client's public stand-ins (traced with
+    :func:`jax.eval_shape`; nothing compiled or run)."""
     state = method_work.with_standins(self.state, self._standins, 1)
-    plan = method_work.plan_fn(self.method, 1, self.mc)(state)
+
+    def one_client(state):
+      plan = self.method.plan(state, 1, self.mc)
+      return plan.message, jax.tree.map(lambda a: a[0], plan.own)
+
+    message, own = jax.eval_shape(one_client, state)
     carried = tuple(jax.tree.map(lambda a: a[0], v) for v in self._standins.values())
     return method_work.update_template(
       self.method,
       self.model,
       self.mc,
-      plan.message,
-      jax.tree.map(lambda a: a[0], plan.own),
+      message,
+      own,
       carried,
       method_work.shape_only_client(self.method, self.mc, facts),
     )
