@@ -19,13 +19,13 @@ Cases (``quickstart:nondp``, 10 rounds, unless named otherwise):
   without DP); ``num_examples_max_uniform``: the same under
   ``server.weighting='uniform'``.
 * ``radius_floor_<strategy>``: client 0 sends the smallest radius accepted
-  (:func:`fedlap_flower.replies.radius_floor`) under
+  (:func:`fedlap_jax.update_bounds.radius_floor`) under
   ``server.radius_strategy`` ``min`` (the default), ``median``, ``mean``;
   ``radius_max_max``: the largest, ``r``, under ``max``;
   ``honest_<strategy>``: the honest run under that strategy.
 * ``hybrid_honest``, ``hybrid_silent``, ``hybrid_flipped_delta``
   (``quickstart:dp``, 5 rounds): client 0's model delta sign-flipped and scaled
-  to 0.99 x the server's delta bound (:func:`fedlap_flower.replies.max_delta_norm`).
+  to 0.99 x the server's delta bound (:func:`fedlap_jax.update_bounds.matching_delta_bound`).
 
 Printed: the test accuracy after round 1 and after the last round per case,
 and the ratio of the tampered delta's norm to the honest one. The results
@@ -84,9 +84,9 @@ def _num_examples(content, msg):
 
 
 def _radius_floor(content, msg):
-  from fedlap_flower import replies
+  from fedlap_jax import update_bounds
 
-  return _update(content, radius=np.array(replies.radius_floor(_eta(msg)), np.float32))
+  return _update(content, radius=np.array(update_bounds.radius_floor(_eta(msg)), np.float32))
 
 
 def _radius_max(content, msg):
@@ -102,13 +102,14 @@ def _flipped_delta(stats):
   def tamper(content, msg):
     from experiments import library_configs
     from fedlap_flower import replies, settings
+    from fedlap_jax import update_bounds
 
     run = settings.run_settings({"config": HYBRID[0], "overrides": HYBRID[1]})
     fc = library_configs.to_fedlap_config(run.cfg)
     update = content["update"]
     leaves = {k: a.numpy() for k, a in update.items() if k.startswith("model_delta.")}
     d = sum(v.size for v in leaves.values())
-    bound = replies.max_delta_norm(fc.client, _eta(msg), d)
+    bound = update_bounds.matching_delta_bound(fc.client, _eta(msg), d)
     norm = replies.check_delta_norm(leaves, None)
     scale = -0.99 * bound / norm
     stats.append({"honest_norm": norm, "bound": bound, "ratio_to_honest": 0.99 * bound / norm})

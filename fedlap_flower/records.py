@@ -164,7 +164,7 @@ def record_to_like(
     params: the round's global parameters (the layout to unpack with).
     what: the name in messages (``"model delta"``; fields ``delta/...``, else ``arrays/...``).
     max_norm: refuse a global L2 norm above it
-      (:func:`fedlap_flower.replies.max_delta_norm`); ``None``: no bound.
+      (:func:`fedlap_jax.update_bounds.matching_delta_bound`); ``None``: no bound.
     wire: the arrays expected (a method's :class:`~fedlap_jax.method.Wire` of its model
       update); ``None``: ``params``' own (:meth:`Wire.of`).
 

@@ -26,7 +26,7 @@ The bounds, and why an honest client stays inside them:
   above that; a reply beyond it is refused with a reason naming the bound,
   never clamped, and the run config's ``max-image-abs`` sets another bound.
 * **Model delta** (FedLAP's ``model_delta.*`` with ``client.model_steps='noisy_real'``,
-  ``server.start='fedavg_delta'``, :func:`max_delta_norm`):
+  ``server.start='fedavg_delta'``, :func:`fedlap_jax.update_bounds.matching_delta_bound`):
   under DP the client's model moves once per while-loop iteration by
   ``eta_m g``, ``g`` the mean of ``batch_loop`` noisy clipped gradients
   ``(sum of at most n clipped gradients + N(0, sigma^2 C^2 I_d)) / B``, and
@@ -34,7 +34,7 @@ The bounds, and why an honest client stays inside them:
   max_outer eta_m G)`` with ``G = C (B + t) / B + sigma C (sqrt(d) + s) /
   (B sqrt(batch_loop))``, where ``n <= B + t`` and ``||z|| <= sqrt(d) + s``
   for the standard normal ``z`` in ``d`` dimensions each fail with
-  probability at most ``exp(-TAIL_LOG)`` (Bernstein's inequality for the
+  probability at most ``exp(-TAIL_LOG)`` (:data:`fedlap_jax.update_bounds.TAIL_LOG`) (Bernstein's inequality for the
   Poisson batch, Gaussian concentration of the norm); over the ``T``
   batches of a round an honest reply exceeds the bound with probability
   below ``2 T exp(-80)``, i.e. never. Without DP the client's gradients are
@@ -52,8 +52,8 @@ The bounds, and why an honest client stays inside them:
   clipped) with its norm and the bound in its report. Without DP nothing bounds an honest
   client's step, so there is no bound unless the run config gives a number.
 * **FedLAP's r_k** (its update's ``radius``, one float32 value; the method's
-  :attr:`~fedlap_jax.method.Method.check_update`) in ``[RADIUS_FLOOR_PER_LR * eta_m, r]``
-  (:func:`radius_floor`).
+  :attr:`~fedlap_jax.method.Method.check_update`) in ``[RADIUS_FLOOR_PER_LR * eta_m, r]`` (:data:`fedlap_jax.update_bounds.RADIUS_FLOOR_PER_LR`)
+  (:func:`fedlap_jax.update_bounds.radius_floor`).
   ``r_k`` is ``r`` under DP and without calibration; a calibrated ``r_k`` is
   the distance the global model moved after at least one epoch of SGD at the
   round's ``eta_m`` on the client's synthetic set, capped at ``r``: ``eta_m``
@@ -92,11 +92,6 @@ from fedlap_jax.checks import ConfigError
 # |x| of an accepted synthetic image is at most this times the largest |pixel| of the
 # normalised test split (at least 1).
 IMAGE_RANGE_FACTOR = 1000.0
-# FedLAP's bounds on r_k and the model delta are the library's (its method's check_update).
-TAIL_LOG = update_bounds.TAIL_LOG
-RADIUS_FLOOR_PER_LR = update_bounds.RADIUS_FLOOR_PER_LR
-radius_floor = update_bounds.radius_floor
-max_delta_norm = update_bounds.matching_delta_bound
 # The largest num-examples accepted (module docstring): float32 counts are exact up to 2^24.
 MAX_NUM_EXAMPLES = 2**24
 

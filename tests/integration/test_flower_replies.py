@@ -34,9 +34,10 @@ from flower_harness import (
   run_inprocess,
   serve_with,
 )
-from fedlap_flower import binding, replies, settings, strategy, task
+from fedlap_flower import binding, method_work, replies, settings, strategy, task
 from fedlap_flower import ledger as ledger_lib
 from fedlap_jax import federated, update_bounds
+from fedlap_jax.method import Wire
 
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
 # quickstart:dp (the hybrid: clients also send model deltas) at toy size, one round.
@@ -614,7 +615,7 @@ def test_honest_model_deltas_stay_far_inside_the_bound(genuine):
   for content in genuine("hybrid").values():
     update = content["update"]
     leaves = {k: a.numpy() for k, a in update.items() if k.startswith("model_delta.")}
-    bound = replies.max_delta_norm(fc.client, eta, sum(v.size for v in leaves.values()))
+    bound = update_bounds.matching_delta_bound(fc.client, eta, sum(v.size for v in leaves.values()))
     norm = replies.check_delta_norm(leaves, bound)
     assert 0 < norm < bound / 2, (norm, bound)
 
@@ -717,9 +718,9 @@ def test_the_delta_bound_follows_the_config():
   run = settings.run_settings({"config": "quickstart:dp"})
   c = library_configs.to_fedlap_config(run.cfg).client
   d = 10_000
-  bound = replies.max_delta_norm(c, 0.1, d)
-  t = replies.TAIL_LOG / 3 + math.sqrt(
-    replies.TAIL_LOG**2 / 9 + 2 * replies.TAIL_LOG * c.batch_size
+  bound = update_bounds.matching_delta_bound(c, 0.1, d)
+  t = update_bounds.TAIL_LOG / 3 + math.sqrt(
+    update_bounds.TAIL_LOG**2 / 9 + 2 * update_bounds.TAIL_LOG * c.batch_size
   )
   g = c.dp.l2_clip_norm * (
     c.batch_size + t
@@ -727,11 +728,11 @@ def test_the_delta_bound_follows_the_config():
     c.batch_size * math.sqrt(c.batch_loop)
   )
   assert bound == pytest.approx(1.001 * min(c.radius + 0.1 * g, c.max_outer * 0.1 * g))
-  assert replies.max_delta_norm(c, 0.2, d) > bound  # grows with eta_m
+  assert update_bounds.matching_delta_bound(c, 0.2, d) > bound  # grows with eta_m
   nondp = library_configs.to_fedlap_config(
     settings.run_settings({"config": "quickstart:nondp"}).cfg
   ).client
-  assert replies.max_delta_norm(nondp, 0.1, d) is None
+  assert update_bounds.matching_delta_bound(nondp, 0.1, d) is None
   leaves = {"a": np.full(4, 3e38, np.float32)}
   with pytest.raises(replies.InvalidReply, match="delta has norm 6e\\+38"):
     replies.check_delta_norm(leaves, bound)
@@ -757,7 +758,7 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
   )
   eta = np.float32(0.1)
   message = fedlap.Message(None, federated.RoundRates(eta, np.float32(1.0)), None)
-  bound = replies.max_delta_norm(dp.client, float(eta), d)
+  bound = update_bounds.matching_delta_bound(dp.client, float(eta), d)
   r = float(np.float32(dp.client.radius))
 
   def update(radius, delta_norm=None):
@@ -771,7 +772,7 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
 
   check = fedlap.METHOD.check_update(dp, facts)
   check(message, update(r, 0.99 * bound))  # honest: passes
-  check(message, update(replies.radius_floor(float(eta))))
+  check(message, update(update_bounds.radius_floor(float(eta))))
   refused(dp, update(r, 1.01 * bound), "delta", "delta has norm")
   refused(dp, update(1.01 * r), "radius", r"radius=.* is invalid; allowed: a number in \[0.0001, ")
   refused(dp, update(1e-30), "radius", "r_k >= 0.001 x the round's learning rate")
@@ -864,10 +865,60 @@ def test_a_pin_keeps_a_partitions_first_value_past_its_nodes_binding():
 
 
 def test_the_radius_floor_is_a_thousandth_of_the_rounds_learning_rate():
-  assert replies.radius_floor(0.1) == float(np.float32(1e-4))
-  assert replies.radius_floor(1e-6) == float(np.float32(1e-9))
+  assert update_bounds.radius_floor(0.1) == float(np.float32(1e-4))
+  assert update_bounds.radius_floor(1e-6) == float(np.float32(1e-9))
   # The last round of quickstart:nondp (eta_m = 1e-6): its smallest honest r_k, 6.9e-5, passes.
-  assert update_bounds.check_radius(6.9e-5, 5.0, replies.radius_floor(1e-6)) == 6.9e-5
+  assert update_bounds.check_radius(6.9e-5, 5.0, update_bounds.radius_floor(1e-6)) == 6.9e-5
+
+
+@pytest.mark.parametrize(
+  "config, overrides",
+  [
+    ("quickstart:nondp", ""),
+    ("quickstart:dp", ""),
+    ("quickstart:nondp", "method=scaffold"),
+    ("quickstart:nondp", "method=feddm synthetic_init=noise server.radius_strategy=fixed"),
+  ],
+)
+def test_a_clients_round_templates_are_traced_shapes_of_the_plan(config, overrides):
+  """What a client reads a message, its own inputs and its kept state back against is the
+  plan's structure, shapes and dtypes, traced (``jax.ShapeDtypeStruct`` leaves: nothing of the
+  method's init or plan is compiled or run for it on a client) and kept for the next round."""
+  run = settings.run_settings({"config": config, "overrides": overrides})
+  setup = task.client_run(
+    run.cfg, 0, int(run.cfg.data.num_clients), None, plan=task.named_plan(run.cfg)
+  )
+  method, config_ = method_work.method_of(run.cfg), setup.plan.config
+  facts = method_work.run_facts(run.cfg, setup.plan.facts, setup.model.num_params)
+  leaves, treedef = jax.tree.flatten(jax.tree.map(method_work.shape_of, setup.model.params))
+  got = method_work.round_templates(method, config_, facts, treedef, tuple(leaves))
+  assert method_work.round_templates(method, config_, facts, treedef, tuple(leaves)) is got
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(got))
+  state = method_work.initial_state(method, config_, setup.model.params, jax.random.key(0), facts)
+  plan = method_work.plan_fn(method, 1, config_)(state)
+  want = (
+    method_work.without_model(plan.message),
+    jax.tree.map(lambda a: a[0], plan.own),
+    tuple(jax.tree.map(lambda a: a[0], getattr(state, f)) for f in method.carried),
+  )
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+  # ...and the wire they are read back by (key leaves as their uint32 words)
+  wire = lambda tree: Wire.of(jax.tree.map(method_work.shape_of, tree))  # noqa: E731
+  assert wire(got) == wire(want)
+  assert list(wire(want).names()) == list(method_work.tree_to_arrays(want))
+
+
+def test_a_client_drawing_its_own_inputs_draws_keys_only():
+  """Under DP a client replaces each key of its own inputs by 128 fresh bits; an own input that
+  is not a key (it would keep the template's value) is refused, naming it."""
+  draws = iter(range(10, 20))
+  own = ((), jax.random.key(0), {"k": jax.random.key(1)})
+  fresh = method_work.fresh_keys(own, lambda: jax.random.key(next(draws)))
+  assert [int(jax.random.key_data(k)[1]) for k in jax.tree.leaves(fresh)] == [10, 11]
+  with pytest.raises(ValueError, match=r"'images'.* not PRNG keys"):
+    method_work.fresh_keys({"k": jax.random.key(0), "images": np.zeros(2, np.float32)}, lambda: 0)
 
 
 def test_partition_keys_bind_by_key_only():
