@@ -959,7 +959,7 @@ class MethodStrategy(FedAvg):
     base = {
       "round": server_round,
       **({"clients": chosen} if sampled else {}),
-      "clients_ok": sorted(r["partition_id"] for r in reports if r["status"] == "ok"),
+      "clients_ok": [u[0] for u in ok],  # the usable replies, in partition order
       **{f"clients_{s}": v for s, v in by_status.items()},
       **({"partitions_unheld": unheld} if unheld else {}),
       **({"epsilon_kind": EPSILON_KIND} if self.dp else {}),
