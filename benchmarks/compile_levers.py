@@ -12,9 +12,11 @@ rounds of it (median wall and CPU seconds after the first). Every lever's first 
 compared with the baseline's bit for bit (``same numbers``). Levers:
 
 * ``none``: the library as it is (the baseline).
-* ``xla_emitters_off``, ``xla_llvm_o1``, ``xla_cheap_llvm``: XLA:CPU options
-  (``--xla_cpu_use_fusion_emitters=false``, ``--xla_backend_optimization_level=1``,
-  ``--xla_llvm_disable_expensive_passes=true``).
+* ``xla_emitters_off``, ``xla_llvm_o1``, ``xla_cheap_llvm``, ``xla_fast_preset``: XLA:CPU
+  options (``--xla_cpu_use_fusion_emitters=false``, ``--xla_backend_optimization_level=1``,
+  ``--xla_llvm_disable_expensive_passes=true``,
+  ``--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE``); ``xla_emitters_off_fast_preset``:
+  the first and the last together (the tests add LLVM's level 0 to them).
 * ``one_noise_draw``: the Gaussian mechanism draws one normal vector for the whole clipped
   gradient instead of one per parameter leaf (same distribution, other numbers).
 * ``paired_keys``: a client's key and its DSA family key are folded and split in one
@@ -54,6 +56,8 @@ LEVERS = (
   "xla_emitters_off",
   "xla_llvm_o1",
   "xla_cheap_llvm",
+  "xla_fast_preset",
+  "xla_emitters_off_fast_preset",
   "one_noise_draw",
   "paired_keys",
   "prng_rbg",
@@ -66,6 +70,10 @@ XLA_OPTIONS = {
   "xla_emitters_off": "--xla_cpu_use_fusion_emitters=false",
   "xla_llvm_o1": "--xla_backend_optimization_level=1",
   "xla_cheap_llvm": "--xla_llvm_disable_expensive_passes=true",
+  "xla_fast_preset": "--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE",
+  "xla_emitters_off_fast_preset": (
+    "--xla_cpu_use_fusion_emitters=false --xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE"
+  ),
 }
 NO_DSA = ("client.dsa_strategy=", "server.dsa_strategy=")
 RESULT = "COMPILE_LEVERS_RESULT "
