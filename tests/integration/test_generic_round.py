@@ -1,21 +1,18 @@
-"""The generic round (:mod:`fedlap_jax.rounds`) over every registry method equals that
-method's own round bit for bit, and the registry's values say what today's algorithms say.
+"""Every registry method's rounds through the one generic round (:mod:`fedlap_jax.rounds`),
+pinned as numbers, and the registry's values.
 
 Two rounds of each method on the digits (five clients, a linear model; FedDM's embedding is
-the flattened image). FedLAP and the FedAvg family, whose own rounds serve users
-(``fedlap_jax.fedlap_round`` / ``make_round_fn`` / ``federated.algorithm``,
-``baselines.algorithm``), are built once through their module and once through
-``rounds.algorithm(REGISTRY[name], ...)``: states and metrics equal, and so are the
-algorithms' static facts (name, upload, mechanism, batch size, per-client fields).
+the flattened image), plus FedLAP's side-by-side loops and SCAFFOLD's ``m / K`` server
+variate under ``vmap``, and other optimisers in every role, are pinned in
+``data/registry_rounds.json`` (per state and metrics leaf: the sum and the sum of squares in
+float64 of a float leaf, the sum of an integer one; and the algorithm's static facts). They
+were recorded when every method still had a round of its own (FedLAP's ``fedlap_round``, the
+baselines' ``baseline_round``, FedDM's, DSC's and PSG's) and the registry round equalled it
+bit for bit (the tests these replace): those rounds reproduced the file exactly before they
+were removed. A deliberate change of a method re-records them::
 
-FedDM, DSC and PSG have no round of their own any more: their two registry rounds are
-pinned as numbers in ``data/synthetic_rounds.json`` (per state and metrics leaf: the sum and
-the sum of squares in float64 of a float leaf, the sum of an integer one; and the static
-facts), recorded when the registry round still equalled their own rounds bit for bit (the
-test this one replaces). A deliberate change of these methods re-records them::
-
-  FEDLAP_RECORD_SYNTHETIC_ROUNDS=1 pytest -q tests/integration/test_generic_round.py -k pinned
-  git diff tests/integration/data/synthetic_rounds.json
+  FEDLAP_RECORD_REGISTRY_ROUNDS=1 pytest -q tests/integration/test_generic_round.py -k record
+  git diff tests/integration/data/registry_rounds.json
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import accounting, baselines, condensation, feddm, federated, optim, rounds
+from fedlap_jax import accounting, baselines, condensation, feddm, optim, rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import (
   ClientConfig,
@@ -133,35 +130,48 @@ def cases(max_client_size=MAX_CLIENT_SIZE):
 
 
 CASE_IDS = [c[0] for c in cases()]
-# The methods whose own round serves users (module docstring), and the others' pinned rounds.
-OWN_ROUNDS = (FedLAPConfig, baselines.BaselineConfig)
-OWN_IDS = [i for i, _, c in cases() if isinstance(c, OWN_ROUNDS)]
-PINNED_IDS = [i for i in CASE_IDS if i not in OWN_IDS]
-PINNED_FILE = Path(__file__).parent / "data" / "synthetic_rounds.json"
-RECORD_ENV = "FEDLAP_RECORD_SYNTHETIC_ROUNDS"
+PINNED_FILE = Path(__file__).parent / "data" / "registry_rounds.json"
+RECORD_ENV = "FEDLAP_RECORD_REGISTRY_ROUNDS"
+
+# Optimisers other than the defaults, built once (jit statics that hash by identity).
+ADAM = optax.scale_by_adam()
+MOMENTUM = optim.sgd(0.9)
+OPTIMISED = {
+  "fedlap-hybrid": fedlap_methods.method(
+    image_optimizer=optax.adam(1e-2), model_optimizer=MOMENTUM, server_optimizer=ADAM
+  ),
+  "fedavg": fedavg_methods.family("fedavg", client_optimizer=MOMENTUM, server_optimizer=ADAM),
+  "scaffold": fedavg_methods.family("scaffold", client_optimizer=MOMENTUM, server_optimizer=ADAM),
+}
 
 
-def legacy(config, facts: RunFacts, client_backend: str, **optimisers):
-  if isinstance(config, FedLAPConfig):
-    return federated.algorithm(
-      linear_apply,
-      config,
-      image_shape=IMAGE_SHAPE,
-      max_classes_per_client=facts.max_classes_per_client,
-      client_backend=client_backend,
-      **optimisers,
-    )
-  assert isinstance(config, baselines.BaselineConfig), config
-  return baselines.algorithm(
-    linear_apply,
-    config,
-    image_shape=IMAGE_SHAPE,
-    num_clients=K,
-    num_params=facts.num_params,
-    client_backend=client_backend,
-    clients_per_round=facts.clients_per_round,
-    **optimisers,
+def _carrying(config):
+  """FedLAP's config with the server's optimiser state carried across rounds."""
+  if not isinstance(config, FedLAPConfig):
+    return config
+  return dataclasses.replace(config, server=dataclasses.replace(config.server, carry_state=True))
+
+
+def pin_cases() -> dict:
+  """``{pin id: (method, config, facts change, client backend, key seed)}``: every registry
+  method's two rounds (``map``), FedLAP's side-by-side loops and SCAFFOLD's ``m / K`` server
+  variate (``vmap``), and other optimisers in every role (the server's Adam carried)."""
+  out = {i: (REGISTRY.method(n), c, {}, "map", 3) for i, n, c in cases()}
+  by_id = {i: c for i, _, c in cases()}
+  out["fedlap-real/vmap"] = (REGISTRY.method("fedlap"), by_id["fedlap-real"], {}, "vmap", 4)
+  out["scaffold/vmap-sampled"] = (
+    REGISTRY.method("scaffold"),
+    by_id["scaffold"],
+    {"clients_per_round": 3},
+    "vmap",
+    4,
   )
+  for i, method in OPTIMISED.items():
+    out[f"{i}/optimised"] = (method, _carrying(by_id[i]), {}, "map", 6)
+  return out
+
+
+PIN_IDS = list(pin_cases())
 
 
 @pytest.fixture(scope="module")
@@ -184,28 +194,8 @@ def _two_rounds(alg, key, params, clients):
 
 
 def test_every_registry_method_with_a_round_of_its_own_is_a_case():
-  """A method that extends another (FedAdam: FedAvg's config) has no legacy round to equal."""
+  """A method that extends another (FedAdam: FedAvg's config) is pinned by its own tests."""
   assert {c[1] for c in cases()} == {n for n, m in REGISTRY.items() if m.extends is None}
-
-
-@pytest.mark.parametrize("case_id", OWN_IDS)
-def test_the_generic_round_equals_the_methods_own(case_id, facts, clients, linear_params):
-  _, name, config = _case(case_id, facts)
-  method = REGISTRY.method(name)
-  old = legacy(config, facts, "map")
-  new = rounds.algorithm(method, config, MODEL, facts, client_backend="map")
-  assert new.name == old.name
-  assert new.upload_floats_per_client == old.upload_floats_per_client
-  assert new.mechanism == old.mechanism and new.dp == old.dp
-  assert new.batch_size == old.batch_size
-  assert new.client_state_fields == old.client_state_fields
-  key = jax.random.PRNGKey(3)
-  for (s_old, m_old), (s_new, m_new) in zip(
-    _two_rounds(old, key, linear_params, clients), _two_rounds(new, key, linear_params, clients)
-  ):
-    assert type(s_new) is type(s_old) and type(m_new) is type(m_old)
-    chex.assert_trees_all_equal(s_new, s_old)
-    chex.assert_trees_all_equal(m_new, m_old)
 
 
 def round_numbers(state, metrics) -> dict:
@@ -224,97 +214,50 @@ def round_numbers(state, metrics) -> dict:
   return out
 
 
-def _pinned_facts(alg) -> list:
-  return [alg.name, alg.upload_floats_per_client, alg.batch_size, list(alg.client_state_fields)]
+def _pinned_facts(alg, state) -> list:
+  return [
+    alg.name,
+    alg.upload_floats_per_client,
+    alg.batch_size,
+    list(alg.client_state_fields),
+    type(state).__name__,
+  ]
 
 
-def _synthetic_rounds(case_id, facts, clients, linear_params):
-  _, name, config = _case(case_id, facts)
-  alg = rounds.algorithm(REGISTRY.method(name), config, MODEL, facts, client_backend="map")
-  two = _two_rounds(alg, jax.random.PRNGKey(3), linear_params, clients)
-  return alg, config, {"facts": _pinned_facts(alg), "rounds": [round_numbers(*r) for r in two]}
+def _registry_rounds(pin_id, facts, clients, linear_params):
+  method, config, change, backend, seed = pin_cases()[pin_id]
+  alg = rounds.algorithm(method, config, MODEL, facts._replace(**change), client_backend=backend)
+  two = _two_rounds(alg, jax.random.PRNGKey(seed), linear_params, clients)
+  pinned = {"facts": _pinned_facts(alg, two[0][0]), "rounds": [round_numbers(*r) for r in two]}
+  return alg, config, two, pinned
 
 
 @pytest.mark.skipif(not os.environ.get(RECORD_ENV), reason=f"records only with {RECORD_ENV}=1")
-def test_record_the_pinned_synthetic_rounds(facts, clients, linear_params):
-  """Writes ``data/synthetic_rounds.json`` (the module docstring's command)."""
-  out = {c: _synthetic_rounds(c, facts, clients, linear_params)[2] for c in PINNED_IDS}
+def test_record_the_pinned_registry_rounds(facts, clients, linear_params):
+  """Writes ``data/registry_rounds.json`` (the module docstring's command)."""
+  out = {i: _registry_rounds(i, facts, clients, linear_params)[3] for i in PIN_IDS}
   PINNED_FILE.write_text(json.dumps(out, sort_keys=True, indent=1) + "\n")
 
 
-@pytest.mark.parametrize("case_id", PINNED_IDS)
-def test_the_synthetic_set_methods_rounds_are_the_pinned_numbers(
-  case_id, facts, clients, linear_params
-):
-  """FedDM's, DSC's and PSG's two registry rounds give the numbers recorded from their own
-  rounds (module docstring): every leaf of state and metrics, integers exactly, floats to a
-  relative 1e-5 (the bits on the machine that recorded them; the tolerance leaves room for
-  another CPU's rounding, far below what a changed key, step or weight moves); and the
-  algorithm's facts, its mechanism the library config's."""
-  pinned = json.loads(PINNED_FILE.read_text())[case_id]
-  alg, config, got = _synthetic_rounds(case_id, facts, clients, linear_params)
+@pytest.mark.parametrize("pin_id", PIN_IDS)
+def test_the_registry_rounds_are_the_pinned_numbers(pin_id, facts, clients, linear_params):
+  """Each method's two registry rounds give the numbers recorded from its own round (module
+  docstring): every leaf of state and metrics, integers exactly, floats to a relative 1e-5
+  (the bits on the machine that recorded them; the tolerance leaves room for another CPU's
+  rounding, far below what a changed key, step or weight moves); and the algorithm's facts
+  (name, upload, batch size, per-client fields, state type), its mechanism the library
+  config's."""
+  pinned = json.loads(PINNED_FILE.read_text())[pin_id]
+  alg, config, two, got = _registry_rounds(pin_id, facts, clients, linear_params)
   assert got["facts"] == pinned["facts"]
   assert alg.mechanism == accounting.DpMechanism.from_config(config)
   assert alg.dp == getattr(config, "dp", None)
+  if pin_id.endswith("/optimised"):  # the server's Adam state advanced with every round
+    assert all(int(s.opt_state[0].count) >= int(s.round) >= 1 for s, _ in two)
   for r, (have, want) in enumerate(zip(got["rounds"], pinned["rounds"], strict=True), 1):
     assert sorted(have) == sorted(want), (r, sorted(set(have) ^ set(want)))
     for leaf, value in want.items():
       assert have[leaf] == pytest.approx(value, rel=1e-5, abs=1e-9), (r, leaf)
-
-
-@pytest.mark.parametrize("case_id", ["fedlap-real", "scaffold"])
-def test_side_by_side_and_sampled_clients_equal_the_methods_own(
-  case_id, facts, clients, linear_params
-):
-  """``vmap`` clients (FedLAP's side-by-side loops), and SCAFFOLD's ``m / K`` server variate."""
-  _, name, config = _case(case_id, facts)
-  facts = facts._replace(clients_per_round=3) if name == "scaffold" else facts
-  old = legacy(config, facts, "vmap")
-  new = rounds.algorithm(REGISTRY.method(name), config, MODEL, facts, client_backend="vmap")
-  key = jax.random.PRNGKey(4)
-  for (s_old, m_old), (s_new, m_new) in zip(
-    _two_rounds(old, key, linear_params, clients), _two_rounds(new, key, linear_params, clients)
-  ):
-    chex.assert_trees_all_equal(s_new, s_old)
-    chex.assert_trees_all_equal(m_new, m_old)
-
-
-# Optimisers other than the defaults, built once (jit statics that hash by identity).
-ADAM = optax.scale_by_adam()
-MOMENTUM = optim.sgd(0.9)
-FEDLAP_OPTIMISERS = dict(
-  image_optimizer=optax.adam(1e-2), model_optimizer=MOMENTUM, server_optimizer=ADAM
-)
-BASELINE_OPTIMISERS = dict(client_optimizer=MOMENTUM, server_optimizer=ADAM)
-OPTIMISED = {
-  "fedlap-hybrid": fedlap_methods.method(**FEDLAP_OPTIMISERS),
-  "fedavg": fedavg_methods.family("fedavg", **BASELINE_OPTIMISERS),
-  "scaffold": fedavg_methods.family("scaffold", **BASELINE_OPTIMISERS),
-}
-
-
-@pytest.mark.parametrize("case_id", list(OPTIMISED))
-def test_the_generic_round_carries_the_server_optimisers_state(
-  case_id, facts, clients, linear_params
-):
-  """With other optimisers in every role (the server's Adam carried across rounds: FedLAP's
-  by ``server.carry_state``) the generic round equals the method's own, the server's state
-  included."""
-  _, name, config = _case(case_id, facts)
-  if name == "fedlap":
-    config = dataclasses.replace(
-      config, server=dataclasses.replace(config.server, carry_state=True)
-    )
-  optimisers = FEDLAP_OPTIMISERS if name == "fedlap" else BASELINE_OPTIMISERS
-  old = legacy(config, facts, "map", **optimisers)
-  new = rounds.algorithm(OPTIMISED[case_id], config, MODEL, facts, client_backend="map")
-  key = jax.random.PRNGKey(6)
-  for (s_old, m_old), (s_new, m_new) in zip(
-    _two_rounds(old, key, linear_params, clients), _two_rounds(new, key, linear_params, clients)
-  ):
-    assert int(s_new.opt_state[0].count) >= int(s_new.round)  # Adam's state advanced
-    chex.assert_trees_all_equal(s_new, s_old)
-    chex.assert_trees_all_equal(m_new, m_old)
 
 
 def test_scaffolds_control_update_is_in_its_client_step(facts, clients, linear_params):
