@@ -60,11 +60,14 @@ from fedlap_jax import (
   per_example,
   privacy,
   radius,
+  rounds,
   server,
   synthetic,
   training,
 )
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.method import ModelFns, RunFacts
+from fedlap_jax.methods import REGISTRY
 
 # The authors' PyTorch code on this kind of machine (2 CPU threads).
 REFERENCE_SECONDS = {
@@ -490,13 +493,17 @@ def op_server_update(apply_fn, params, clients, cfg, problem):
 
 
 def op_round(apply_fn, params, clients, cfg, problem, *, client_backend="auto"):
-  """A whole round (all clients + server) through :func:`make_round_fn`."""
+  """A whole round (all clients + server): FedLAP's generic round
+  (:func:`fedlap_jax.rounds.make_round_fn`)."""
   state = federated.init_state(jax.random.PRNGKey(8), params, clients, cfg)
-  return federated.make_round_fn(apply_fn, cfg, client_backend=client_backend), (state, clients)
+  round_fn = rounds.make_round_fn(
+    REGISTRY["fedlap"], cfg, ModelFns(apply_fn), client_backend=client_backend
+  )
+  return round_fn, (state, clients)
 
 
 def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "map"):
-  """A FedAvg round with one local epoch (:func:`fedlap_jax.baselines.algorithm`)."""
+  """A FedAvg round with one local epoch (:func:`fedlap_jax.rounds.algorithm`)."""
   config = baselines.baseline_config(
     "fedavg",
     rounds=200,
@@ -507,13 +514,9 @@ def op_fedavg_round(apply_fn, params, clients, problem, client_backend: str = "m
     dp=None,
     max_client_size=max(problem.sizes),
   )
-  alg = baselines.algorithm(
-    apply_fn,
-    config,
-    image_shape=problem.image_shape,
-    num_clients=problem.num_clients,
-    num_params=models.count_params(params),
-    client_backend=client_backend,
+  facts = RunFacts(tuple(problem.image_shape), problem.num_clients, models.count_params(params), 1)
+  alg = rounds.algorithm(
+    REGISTRY["fedavg"], config, ModelFns(apply_fn), facts, client_backend=client_backend
   )
   state = alg.init(jax.random.PRNGKey(9), params, clients)
   return alg.round, (state, clients)

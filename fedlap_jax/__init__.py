@@ -16,7 +16,10 @@ Main entry points:
 * :func:`client_step`, :func:`server_step` -- a round's two halves (what a
   client computes and sends, a :class:`ClientUpdate`; what the server does
   with them), shared by every front end; :func:`round_learning_rates`.
-* :func:`fedlap_round`, :func:`make_round_fn`, :func:`init_state` -- a round.
+* :data:`REGISTRY` (:mod:`fedlap_jax.methods`) -- every method as one :class:`Method` value;
+  :func:`rounds.algorithm` / :func:`rounds.make_round_fn` -- the one jitted round over any
+  method, its model (:class:`ModelFns`) and its run's facts (:class:`RunFacts`,
+  :func:`rounds.run_facts`); :func:`init_state` -- FedLAP's state before round 1.
 * :meth:`FedLAPConfig.with_dp`, :meth:`ClientConfig.with_dp` -- DP on in one call;
   :func:`paper_dp_config` -- the paper's DP setting.
 * :func:`stack_clients`, :func:`pad_client`, :func:`client_synthetic` -- client
@@ -37,7 +40,7 @@ Main entry points:
 * :class:`ConfigError` -- every refused setting, with ``field``, ``value``, ``allowed``.
 """
 
-from fedlap_jax import accounting, algorithm, condensation, dsa, feddm, synthetic
+from fedlap_jax import accounting, algorithm, condensation, dsa, feddm, methods, rounds, synthetic
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import ClientUpdate, LocalApproxMetrics, client_step, local_approx
@@ -59,15 +62,10 @@ from fedlap_jax.config import (
   paper_nondp_config,
 )
 from fedlap_jax.dsa import augment
-from fedlap_jax.federated import (
-  FedLAPState,
-  RoundMetrics,
-  fedlap_round,
-  init_state,
-  make_round_fn,
-  round_learning_rates,
-)
+from fedlap_jax.federated import FedLAPState, RoundMetrics, init_state, round_learning_rates
 from fedlap_jax.matching import matching_distance, matching_step
+from fedlap_jax.method import Method, ModelFns, RunFacts
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import ConvNet, count_params, init_convnet
 from fedlap_jax.privacy import (
   PoissonBatch,
@@ -109,6 +107,12 @@ __all__ = [
   "FedLAPState",
   "condensation",
   "feddm",
+  "Method",
+  "methods",
+  "ModelFns",
+  "REGISTRY",
+  "rounds",
+  "RunFacts",
   "LocalApproxMetrics",
   "PoissonBatch",
   "PoissonGradient",
@@ -124,12 +128,10 @@ __all__ = [
   "count_params",
   "dsa",
   "evaluate",
-  "fedlap_round",
   "global_update",
   "init_convnet",
   "init_state",
   "local_approx",
-  "make_round_fn",
   "matching_distance",
   "matching_step",
   "paper_dp_config",

@@ -3,11 +3,10 @@
 In the style of FedJAX's ``FederatedAlgorithm(init, apply)``: an algorithm is a
 pair of functions plus a few static facts the experiment driver needs for
 accounting and communication cost. ``round`` is jitted once per run.
-Implemented by :func:`fedlap_jax.rounds.algorithm` for any
-:class:`~fedlap_jax.method.Method` (every method of :data:`fedlap_jax.methods.REGISTRY`), and
-by each method's own module: :func:`fedlap_jax.federated.algorithm` (FedLAP / FedLAP-DP) and
-:func:`fedlap_jax.baselines.algorithm` (FedAvg, FedProx, FedSGD, SCAFFOLD and
-their DP variants).
+Implemented once, by :func:`fedlap_jax.rounds.algorithm`, for any
+:class:`~fedlap_jax.method.Method` (every method of :data:`fedlap_jax.methods.REGISTRY`: FedLAP
+and FedLAP-DP, the gradient-sharing baselines, FedDM, DSC, PSG, FedAdam, and a method of one's
+own).
 
 * ``init(key, params, clients) -> state``
 * ``round(state, clients) -> (state, metrics)`` where ``metrics`` is a pytree

@@ -22,15 +22,17 @@ One round, every client taking part (as in the reference)::
 
 The two halves are :func:`client_step` (what one client computes and sends,
 its model ``y_k``) and :func:`server_step` (the weighted FedAvg step), as in
-FedJAX's ``FederatedAlgorithm`` and Flower's baselines; :func:`baseline_round`
-and the Flower app's FedAvg both run exactly these two.
+FedJAX's ``FederatedAlgorithm`` and Flower's baselines. The methods of
+:mod:`fedlap_jax.methods.fedavg` run them, and their rounds are the one generic round
+(:func:`fedlap_jax.rounds.algorithm` of ``fedlap_jax.methods.REGISTRY["fedavg"]``, ...),
+which ``experiments.run`` and the Flower app's FedAvg run too.
 
 Optimisers. The client's local steps and the server's step are SGD written out by
 default; any optax direction (:mod:`fedlap_jax.optim`: the transformation before the rate)
 may replace either: as config values, :class:`BaselineConfig`'s ``client_optimizer`` and
 ``server_optimizer`` (:class:`fedlap_jax.optim.Optimizer` specs, plain SGD by default), or as
 any optax transformation, the ``client_optimizer`` / ``server_optimizer`` of
-:func:`baseline_round` and :func:`algorithm` (used in place of the specs). The client's state starts afresh every round on every client; the
+:func:`fedlap_jax.methods.fedavg.family` (used in place of the specs). The client's state starts afresh every round on every client; the
 server's (FedOpt: Reddi et al., ICLR 2021) acts on the negated weighted mean delta ``-sum_k
 w_k (y_k - x)`` at rate ``server_lr`` and is carried across rounds in
 :attr:`BaselineState.opt_state` (``optax.scale_by_adam()`` there is FedAdam's server).
@@ -96,7 +98,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +107,6 @@ import optax
 
 from fedlap_jax import dsa, optim, privacy
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError, is_int, is_real, nonneg_float, one_of, require
 from fedlap_jax.client_data import (
   ClientData,
@@ -119,7 +120,6 @@ from fedlap_jax.client_data import (
 from fedlap_jax.config import (
   BASELINE_FACTS,
   BASELINE_METHODS,
-  CLIENT_BACKENDS,
   DP_BASELINE_METHODS,
   WEIGHTINGS,
   DpAccesses,
@@ -128,8 +128,7 @@ from fedlap_jax.config import (
   LR_SCHEDULES,
   check_poisson_capacity,
 )
-from fedlap_jax.dispatch import client_weights, place_inputs, record_counts, run_clients
-from fedlap_jax.models import count_params
+from fedlap_jax.dispatch import client_weights
 from fedlap_jax.training import cosine_learning_rate, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -146,9 +145,7 @@ __all__ = [
   "BaselineRoundMetrics",
   "ClientMetrics",
   "LocalTraining",
-  "algorithm",
   "baseline_config",
-  "baseline_round",
   "client_step",
   "client_update",
   "init_baseline_state",
@@ -343,9 +340,9 @@ class BaselineConfig:
     local: :class:`LocalTraining`.
     dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise, microbatch
       and per-example method ``local`` uses, for DP methods (the guarantee the accountant
-      reports; :func:`algorithm` requires it); ``None`` for the others, and for
-      a private path outside ``DPConfig``'s range (e.g. ``sigma = 0`` in tests),
-      which then runs only through :func:`baseline_round`. ``dp`` is the source of those
+      reports); ``None`` for the others, and for a private path outside ``DPConfig``'s
+      range (e.g. ``sigma = 0`` in tests), which then runs only through :func:`client_step`
+      (no method's round takes it: the registry's DP methods require ``dp``). ``dp`` is the source of those
       four fields: a ``local`` that leaves them at their non-private defaults takes them
       from ``dp``; one that sets them must set ``dp``'s values.
     lr_schedule: ``cosine`` (reference) or ``cosine_open`` (no zero-rate last
@@ -717,7 +714,7 @@ def client_step(
   ``T``) defaults to ``config.local.scheduled_steps`` of the padded client
   size ``data.mask.shape[0]``; ``optimizer``: the local steps' direction (``None``:
   ``config.client_optimizer``'s, SGD written out by default; :func:`client_update`). Pure and jit-compatible (``config`` static).
-  The counterpart of :func:`server_step`; :func:`baseline_round` runs both.
+  The counterpart of :func:`server_step`.
   NumPy arguments are copied to the device first (:func:`~fedlap_jax.client_data.on_device`).
   """
   key, params, data, correction = on_device(key, params, data, correction)
@@ -842,122 +839,6 @@ def server_step(
   return params, weights
 
 
-def baseline_round(
-  state: BaselineState,
-  clients: ClientData,
-  *,
-  apply_fn: ApplyFn,
-  config: BaselineConfig,
-  client_backend: str = "auto",
-  mesh: Any = None,
-  control_scale: float = 1.0,
-  client_optimizer: optax.GradientTransformation | None = None,
-  server_optimizer: optax.GradientTransformation | None = None,
-) -> tuple[BaselineState, BaselineRoundMetrics]:
-  """One communication round of a baseline over the clients it is given.
-
-  Args:
-    state: :class:`BaselineState` after ``state.round`` rounds.
-    clients: stacked :class:`ClientData`, leaves ``(K, N_max, ...)``.
-    apply_fn: ``apply_fn(params, x) -> logits``.
-    config: :class:`BaselineConfig` (static).
-    client_backend: ``vmap`` (all clients at once), ``map`` (one after
-      another with ``lax.map``; same numbers, less memory), ``shard`` (blocks
-      of clients on the devices of ``mesh``, one after another within a
-      block) or ``auto`` (the default: ``shard`` on several devices, else
-      ``map``); :func:`fedlap_jax.dispatch.run_clients`.
-    mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all devices.
-    control_scale: SCAFFOLD's server variate update is
-      ``c += control_scale * sum_k w_k delta_c_k`` over the clients given
-      (``w`` the normalised server weights). ``1`` when all ``K`` clients take
-      part; ``m / K`` when the round runs ``m`` sampled clients
-      (:func:`fedlap_jax.participation.sampled_round`), as in Karimireddy et
-      al. (2020), eq. (5): ``c += (|S| / N) mean_{i in S} delta_c_i``, which
-      with uniform weights is exactly that. Static.
-    client_optimizer: the clients' local direction (:func:`client_update`; fresh state per
-      client and round; SCAFFOLD's option-II variate update still reads ``(x - y_k) / (T_k
-      eta_m)``); server_optimizer: the server's (:func:`server_step_with_state`; its state
-      ``state.opt_state`` carried). ``None``: SGD written out. Static (hash by identity).
-
-  Returns:
-    ``(new_state, BaselineRoundMetrics)``.
-  """
-  local = config.local
-  num_clients, padded = clients.mask.shape
-  num_steps = local.scheduled_steps(padded)
-  m = state.round + 1
-  lr = learning_rate(m, config)
-  key, client_keys = round_keys(state.key, num_clients)
-  x = state.params
-
-  scaffold = local.control_variates
-  if scaffold:
-    corrections = jax.tree.map(lambda c, ck: c[None] - ck, state.control, state.client_controls)
-  else:
-    corrections = None
-
-  def run(args, x, lr):
-    k, data, corr = args
-    return client_step(
-      k,
-      apply_fn,
-      x,
-      data,
-      config,
-      learning_rate=lr,
-      num_steps=num_steps,
-      correction=corr,
-      optimizer=client_optimizer,
-    )
-
-  ys, client_metrics = run_clients(
-    run,
-    (client_keys, clients, corrections),
-    replicated=(x, lr),
-    client_backend=client_backend,
-    mesh=mesh,
-  )
-  params, opt_state, weights = server_step_with_state(
-    x, ys, config, state.opt_state, num_records=record_counts(clients), optimizer=server_optimizer
-  )
-
-  control, client_controls = state.control, state.client_controls
-  control_norm = jnp.float32(0.0)
-  if scaffold:
-    deltas = jax.tree.map(lambda y, xi: y - xi[None], ys, x)
-    # Option II: c_k+ = c_k - c + (x - y_k) / (T_k eta); delta c_k = c_k+ - c_k.
-    scale = 1.0 / (jnp.maximum(client_metrics.steps, 1).astype(jnp.float32) * lr)
-    delta_c = jax.tree.map(
-      lambda d, c: -c[None] - d * scale.reshape((-1,) + (1,) * (d.ndim - 1)), deltas, control
-    )
-    client_controls = jax.tree.map(jnp.add, client_controls, delta_c)
-    step = _weighted_sum(weights, delta_c)
-    if control_scale != 1.0:  # sampled clients (static: the all-clients program is unchanged)
-      step = jax.tree.map(lambda d: control_scale * d, step)
-    control = jax.tree.map(jnp.add, control, step)
-    control_norm = tree_distance(control, jax.tree.map(jnp.zeros_like, control))
-
-  new_state = BaselineState(params, m, key, control, client_controls, opt_state)
-  metrics = BaselineRoundMetrics(client_metrics, lr, tree_distance(params, x), control_norm)
-  return new_state, metrics
-
-
-# One jit shared by every algorithm built here: runs with equal configs (and the
-# same ``apply_fn`` object) share one compilation; a run compiles once.
-_round_jit = jax.jit(
-  baseline_round,
-  static_argnames=(
-    "apply_fn",
-    "config",
-    "client_backend",
-    "mesh",
-    "control_scale",
-    "client_optimizer",
-    "server_optimizer",
-  ),
-)
-
-
 def init_baseline_state(
   key: jax.Array,
   params: PyTree,
@@ -979,7 +860,7 @@ def init_baseline_state(
 
 
 # --------------------------------------------------------------------------
-# The config of a method, and the FederatedAlgorithm.
+# The config of a method, and its mechanism.
 # --------------------------------------------------------------------------
 
 
@@ -1095,136 +976,3 @@ def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
   (the largest client's count, every client charged with it) on Poisson batches of
   expected size ``B`` per round; ``None`` for the non-DP methods."""
   return accounting.DpMechanism.from_config(config)
-
-
-def algorithm(
-  apply_fn: ApplyFn,
-  config: BaselineConfig,
-  *,
-  image_shape: tuple[int, ...],
-  num_clients: int,
-  num_params: int,
-  client_backend: str = "auto",
-  mesh: Any = None,
-  clients_per_round: int | None = None,
-  client_optimizer: optax.GradientTransformation | None = None,
-  server_optimizer: optax.GradientTransformation | None = None,
-) -> FederatedAlgorithm:
-  """A baseline as a :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
-
-  The counterpart of :func:`fedlap_jax.federated.algorithm`. ``round`` is the
-  module's one jit of :func:`baseline_round` with ``apply_fn``, ``config`` and
-  the backend as static arguments: the round index and learning rate are
-  traced, so a run compiles once, and algorithms with equal settings share
-  the compilation.
-
-  Args:
-    apply_fn: ``apply_fn(params, x) -> logits``.
-    config: the :class:`BaselineConfig` (e.g. from :func:`baseline_config`);
-      a DP method needs ``config.dp``, the guarantee the accountant reports.
-    image_shape: ``(H, W, C)``; ``init`` checks the data against it.
-    num_clients: ``K``; ``init`` checks the data against it.
-    num_params: parameters of the model; ``init`` checks ``params`` against it.
-      The upload is ``num_params`` floats per client and round, twice that for
-      SCAFFOLD (model and control deltas).
-    client_backend: ``vmap``, ``map``, ``shard`` or ``auto``
-      (:func:`fedlap_jax.dispatch.run_clients`).
-    mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all devices.
-    clients_per_round: ``m`` clients per round (``None``: all ``K``). Only
-      SCAFFOLD's server variate depends on it (``control_scale = m / K``,
-      :func:`baseline_round`); the round is run on the sampled clients by
-      :func:`fedlap_jax.participation.sampled_round`, which also carries the
-      unsampled clients' control variates unchanged.
-    client_optimizer, server_optimizer: the clients' and the server's directions
-      (:func:`baseline_round`; ``None``: ``config.client_optimizer`` /
-      ``config.server_optimizer``'s, SGD written out by default). Static
-      arguments of the shared jit that hash by identity: build each once and pass the same
-      object to every algorithm that should share a compilation.
-
-  Returns:
-    The :class:`FederatedAlgorithm`; its ``mechanism`` (:func:`dp_mechanism`) holds ``T`` for DP
-    methods (``None`` otherwise) and ``batch_size`` is ``B``.
-
-  Raises:
-    ConfigError: naming the field, the value and what is allowed.
-  """
-  require(isinstance(config, BaselineConfig), "config", config, "a BaselineConfig")
-  method, local = config.method, config.local
-  facts = BASELINE_FACTS[method]  # what the name implies
-  private = facts.private
-  require(
-    not private or config.dp is not None,
-    "dp",
-    config.dp,
-    f"a DPConfig for method={method!r} (the guarantee the accountant reports)",
-  )
-  require(is_int(num_clients) and num_clients >= 1, "num_clients", num_clients, "an integer >= 1")
-  require(is_int(num_params) and num_params >= 1, "num_params", num_params, "an integer >= 1")
-  image_shape = tuple(image_shape)
-  require(
-    len(image_shape) == 3 and all(is_int(d) and d >= 1 for d in image_shape),
-    "image_shape",
-    image_shape,
-    "(H, W, C) positive integers",
-  )
-  one_of("client_backend", client_backend, CLIENT_BACKENDS)
-  require(
-    clients_per_round is None
-    or (is_int(clients_per_round) and 1 <= clients_per_round <= num_clients),
-    "clients_per_round",
-    clients_per_round,
-    f"None or an integer in 1..{num_clients}",
-  )
-  control_scale = 1.0 if clients_per_round is None else clients_per_round / num_clients
-  max_client_size, batch_size = local.max_client_size, local.batch_size
-
-  def init(key, params, clients):
-    if count_params(params) != num_params:
-      raise ValueError(
-        f"num_params={num_params} does not match the model's "
-        f"{count_params(params)} parameters; allowed: count_params(params)"
-      )
-    if clients.mask.shape[0] != num_clients:
-      raise ValueError(
-        f"num_clients={num_clients} does not match the data's "
-        f"{clients.mask.shape[0]} stacked clients"
-      )
-    if tuple(clients.x.shape[2:]) != image_shape:
-      raise ValueError(
-        f"image_shape={image_shape} does not match the data's {tuple(clients.x.shape[2:])}"
-      )
-    sizes = np.sum(np.asarray(clients.mask), axis=1)
-    if max_client_size is not None and sizes.max() > max_client_size:
-      raise ValueError(
-        f"max_client_size={max_client_size} is smaller than the largest "
-        f"client ({int(sizes.max())} records); allowed: >= every N_k"
-      )
-    if private and sizes.min() < batch_size:
-      raise ValueError(
-        f"batch_size={batch_size} exceeds the smallest client "
-        f"({int(sizes.min())} records); allowed under DP: B <= min_k N_k "
-        "(the sampling rate q = B / N_k must be <= 1)"
-      )
-    return init_baseline_state(key, params, clients, config, server_optimizer=server_optimizer)
-
-  round_fn = functools.partial(
-    _round_jit,
-    apply_fn=apply_fn,
-    config=config,
-    client_backend=client_backend,
-    mesh=mesh,
-    control_scale=control_scale,
-    client_optimizer=client_optimizer,
-    server_optimizer=server_optimizer,
-  )
-  return FederatedAlgorithm(
-    name=method,
-    init=init,
-    round=place_inputs(round_fn, client_backend, mesh),
-    params_of=lambda state: state.params,
-    upload_floats_per_client=(2 if facts.control_variates else 1) * num_params,
-    dp=config.dp if private else None,
-    mechanism=dp_mechanism(config),
-    batch_size=batch_size,
-    client_state_fields=("client_controls",) if facts.control_variates else (),
-  )

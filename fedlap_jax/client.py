@@ -145,7 +145,7 @@ def shared_family_key(key: jax.Array) -> jax.Array:
   """The DSA family key derived from ``key`` (``client.dsa_family_draw='shared'``).
 
   :func:`local_approx` derives it from the client's own key when none is given;
-  :func:`fedlap_jax.federated.fedlap_round` from the round's client key
+  FedLAP's round plan (:mod:`fedlap_jax.methods.fedlap`) from the round's client key
   ``k_clients``, so every client of the round draws the same families.
   """
   return jax.random.fold_in(key, 0x5DA)
@@ -836,8 +836,9 @@ def client_step(
   """One FedLAP client's round: its synthetic set's start, :func:`local_approx`, the upload.
 
   Pure and jit-compatible (``config`` static; NumPy arguments are copied to the
-  device first); every front end runs a client through it (:func:`fedlap_jax.federated.fedlap_round` for all clients at
-  once, the Flower ``ClientApp`` for one).
+  device first); every front end runs a client through it (FedLAP's method,
+  :mod:`fedlap_jax.methods.fedlap`, in the round for all clients at once, the Flower
+  ``ClientApp`` for one).
 
   Args:
     key: PRNG key of this client and round.

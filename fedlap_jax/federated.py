@@ -1,14 +1,15 @@
-"""One FedLAP / FedLAP-DP communication round over all clients.
+"""FedLAP / FedLAP-DP's round state, keys and rates.
 
-A round is two pure steps, the same for every front end (this jitted round,
+A round is two pure steps, the same for every front end (the jitted round,
 ``experiments.run``, the Flower app): :func:`fedlap_jax.client.client_step`
-on every client (through :func:`fedlap_jax.dispatch.run_clients`: one client
-after another, all at once with ``vmap``, or sharded over devices), then
-:func:`fedlap_jax.server.server_step` on their stacked
-:class:`~fedlap_jax.client.ClientUpdate` s. :func:`round_learning_rates`
-gives both steps their rates. The round index is traced, so :func:`make_round_fn`
-compiles once per run; :func:`algorithm` wraps the round as a
-:class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
+on every client, then :func:`fedlap_jax.server.server_step` on their stacked
+:class:`~fedlap_jax.client.ClientUpdate` s. This module holds what the round around them
+needs: the state (:class:`FedLAPState`, :func:`init_state`), the round's keys
+(:func:`round_keys`) and rates (:func:`round_learning_rates`), its metrics and the DP
+mechanism. The round itself is the one generic round over a method
+(:func:`fedlap_jax.rounds.algorithm` / :func:`fedlap_jax.rounds.make_round_fn` of
+``fedlap_jax.methods.REGISTRY["fedlap"]``, :mod:`fedlap_jax.methods.fedlap`); the round
+index is traced, so a run compiles once.
 
 Clients of different sizes come stacked, padded to the largest client and
 masked (:func:`fedlap_jax.client_data.stack_clients`); synthetic sets of
@@ -18,8 +19,7 @@ clients owning fewer classes are padded and masked the same way
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,19 +27,11 @@ import numpy as np
 import optax
 
 from fedlap_jax import accounting
-from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import LocalApproxMetrics, client_step, shared_family_key
+from fedlap_jax.client import LocalApproxMetrics
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, FedLAPConfig
-from fedlap_jax.dispatch import (
-  VMAP_AXIS,
-  place_inputs,
-  record_counts,
-  resolve_client_backend,
-  run_clients,
-)
-from fedlap_jax.server import ServerMetrics, server_state, server_step, server_step_with_state
+from fedlap_jax.server import ServerMetrics, server_state
 from fedlap_jax.synthetic import initial_synthetic
 from fedlap_jax.training import cosine_learning_rate
 from fedlap_jax.types import PyTree
@@ -173,220 +165,8 @@ def server_learning_rate(round_index, config: FedLAPConfig):
   return round_learning_rates(round_index, config).server
 
 
-def fedlap_round(
-  state: FedLAPState,
-  clients: ClientData,
-  *,
-  apply_fn: Callable,
-  config: FedLAPConfig,
-  client_backend: str = "auto",
-  mesh: Any = None,
-  image_optimizer: optax.GradientTransformation | None = None,
-  model_optimizer: optax.GradientTransformation | None = None,
-  server_optimizer: optax.GradientTransformation | None = None,
-) -> tuple[FedLAPState, RoundMetrics]:
-  """One communication round (Algorithm 2 around Algorithm 1, or Algorithm 3).
-
-  The round's keys: ``(next, k_init, k_clients, k_server) = round_keys(state.key)``;
-  client ``k`` runs :func:`fedlap_jax.client.client_step` with
-  ``split(k_clients, K)[k]``, ``split(k_init, K)[k]`` (real images) and the
-  shared family key ``shared_family_key(k_clients)``; the server runs
-  :func:`fedlap_jax.server.server_step` with ``k_server``.
-
-  Args:
-    state: :class:`FedLAPState` after ``state.round`` rounds.
-    clients: stacked :class:`ClientData`, leaves ``(K, N_max, ...)``.
-    apply_fn: ``apply_fn(params, x) -> logits``.
-    config: :class:`FedLAPConfig` (static).
-    client_backend: ``vmap`` (all clients side by side: each step batched
-      over the clients, one DSA family per step shared by them with
-      ``dsa_family_draw="shared"``, loop termination as masks; same results
-      as ``map``), ``map`` (one after another with ``lax.map``: a K-th of
-      the memory), ``shard`` (blocks of clients on the devices of ``mesh``,
-      one after another within a block; :mod:`fedlap_jax.sharding`) or
-      ``auto`` (the default: ``shard`` on several devices, ``vmap`` on one
-      accelerator, ``map`` on the CPU; :func:`resolve_client_backend`).
-    mesh: for ``shard``: a 1-D mesh with axis ``"clients"``; default all
-      devices (:func:`fedlap_jax.sharding.client_mesh`).
-    image_optimizer, model_optimizer: the clients' optimisers of the synthetic images and
-      of the model (:func:`fedlap_jax.client.client_step`); server_optimizer: the server's
-      direction (:func:`fedlap_jax.server.server_step_with_state`). ``None``: the defaults
-      of :mod:`fedlap_jax.optim`. Static (they hash by identity). With
-      ``config.server.carry_state`` the server's optimiser starts from ``state.opt_state``
-      and its state is carried to the next round (FedOpt-style); without (the paper) it
-      starts afresh every round and ``state.opt_state`` stays ``()``.
-
-  Returns:
-    ``(new_state, RoundMetrics)``.
-  """
-  m = state.round + 1
-  rates = round_learning_rates(m, config)
-  key, k_init, k_clients, k_server = round_keys(state.key)
-  num_clients = clients.mask.shape[0]
-  init_keys = jax.random.split(k_init, num_clients) if config.synthetic_init == "real" else None
-
-  # Side by side (vmap), the clients' loops run with a shared counter and masks.
-  client_backend = resolve_client_backend(client_backend, side_by_side=True)
-  client_axis = VMAP_AXIS if client_backend == "vmap" else None
-
-  def run(args, params, lr, family_key):
-    k, syn, data, k_real = args
-    return client_step(
-      k,
-      apply_fn,
-      params,
-      syn,
-      data,
-      config,
-      learning_rate=lr,
-      family_key=family_key,
-      init_key=k_real,
-      client_axis=client_axis,
-      image_optimizer=image_optimizer,
-      model_optimizer=model_optimizer,
-    )
-
-  args = (jax.random.split(k_clients, num_clients), state.synthetic, clients, init_keys)
-  updates, client_metrics = run_clients(
-    run,
-    args,
-    replicated=(state.params, rates.client, shared_family_key(k_clients)),
-    client_backend=client_backend,
-    mesh=mesh,
-  )
-  num_records = record_counts(clients)
-  if config.server.carry_state:
-    params, opt_state, server_metrics = server_step_with_state(
-      k_server,
-      apply_fn,
-      state.params,
-      updates,
-      config,
-      state.opt_state,
-      learning_rate=rates.server,
-      num_records=num_records,
-      optimizer=server_optimizer,
-    )
-  else:  # Algorithm 2: the server's optimiser starts afresh; nothing is carried
-    params, server_metrics = server_step(
-      k_server,
-      apply_fn,
-      state.params,
-      updates,
-      config,
-      learning_rate=rates.server,
-      num_records=num_records,
-      optimizer=server_optimizer,
-    )
-    opt_state = state.opt_state
-  new_state = FedLAPState(params, updates.synthetic, m, key, opt_state)
-  return new_state, RoundMetrics(client_metrics, updates.radius, server_metrics, rates.client)
-
-
-def make_round_fn(
-  apply_fn: Callable,
-  config: FedLAPConfig,
-  *,
-  client_backend: str = "auto",
-  mesh: Any = None,
-  donate_state: bool = False,
-  image_optimizer: optax.GradientTransformation | None = None,
-  model_optimizer: optax.GradientTransformation | None = None,
-  server_optimizer: optax.GradientTransformation | None = None,
-):
-  """``jit(fedlap_round)`` with ``apply_fn`` and ``config`` bound: ``(state, clients) -> (state, metrics)``.
-
-  ``donate_state=True`` donates the input state's buffers to the output
-  (``donate_argnums=0``): saves a copy of the parameters and synthetic sets per
-  round, but the state passed in must not be used afterwards (keep only the
-  returned one). ``mesh`` is for ``client_backend="shard"``; the round then
-  places its inputs on the mesh itself (:func:`place_inputs`). The optimisers: as
-  :func:`fedlap_round`.
-  """
-  round_fn = jax.jit(
-    functools.partial(
-      fedlap_round,
-      apply_fn=apply_fn,
-      config=config,
-      client_backend=client_backend,
-      mesh=mesh,
-      image_optimizer=image_optimizer,
-      model_optimizer=model_optimizer,
-      server_optimizer=server_optimizer,
-    ),
-    donate_argnums=(0,) if donate_state else (),
-  )
-  return place_inputs(round_fn, client_backend, mesh)
-
-
-# One jit shared by every FedLAP algorithm built here: runs with equal configs (and
-# the same ``apply_fn`` object) share one compilation; a run compiles once.
-_OPTIMISERS = ("image_optimizer", "model_optimizer", "server_optimizer")
-_round_jit = jax.jit(
-  fedlap_round, static_argnames=("apply_fn", "config", "client_backend", "mesh", *_OPTIMISERS)
-)
-
-
 def dp_mechanism(client: ClientConfig | FedLAPConfig) -> accounting.DpMechanism | None:
   """FedLAP-DP's mechanism: ``T = R_i * max_outer * batch_loop`` noisy real batches of
   expected size ``B`` per round (Algorithm 3); ``None`` without DP
   (:meth:`~fedlap_jax.accounting.DpMechanism.from_config`)."""
   return accounting.DpMechanism.from_config(client)
-
-
-def algorithm(
-  apply_fn: Callable,
-  config: FedLAPConfig,
-  *,
-  image_shape: tuple[int, ...],
-  max_classes_per_client: int,
-  client_backend: str = "auto",
-  mesh: Any = None,
-  image_optimizer: optax.GradientTransformation | None = None,
-  model_optimizer: optax.GradientTransformation | None = None,
-  server_optimizer: optax.GradientTransformation | None = None,
-) -> FederatedAlgorithm:
-  """FedLAP / FedLAP-DP as a :class:`FederatedAlgorithm`.
-
-  ``round`` is the module's one jit of :func:`fedlap_round` with ``apply_fn``,
-  ``config`` and the backend as static arguments: the round index and learning
-  rate are traced, so a run compiles once, and algorithms with equal settings
-  (e.g. the seeds of a sweep, a resumed run) share the compilation. The
-  counterpart of :func:`fedlap_jax.baselines.algorithm`.
-
-  ``upload_floats_per_client = ipc * max_classes_per_client * prod(image_shape)``
-  (the synthetic images; labels are fixed and sent once).
-
-  The optimisers: as :func:`fedlap_round` (``None``: the
-  defaults of :mod:`fedlap_jax.optim`). They are static arguments of the shared jit and
-  hash by identity: build each once and pass the same object to every algorithm that
-  should share a compilation.
-  """
-  cc = config.client
-  upload = int(cc.ipc * max_classes_per_client * np.prod(image_shape))
-  optimisers = dict(
-    image_optimizer=image_optimizer,
-    model_optimizer=model_optimizer,
-    server_optimizer=server_optimizer,
-  )
-  round_fn = functools.partial(
-    _round_jit,
-    apply_fn=apply_fn,
-    config=config,
-    client_backend=client_backend,
-    mesh=mesh,
-    **optimisers,
-  )
-  return FederatedAlgorithm(
-    name="fedlap_dp" if cc.dp is not None else "fedlap",
-    init=lambda key, params, clients: init_state(
-      key, params, clients, config, server_optimizer=server_optimizer
-    ),
-    round=place_inputs(round_fn, client_backend, mesh),
-    params_of=lambda state: state.params,
-    upload_floats_per_client=upload,
-    dp=cc.dp,
-    mechanism=dp_mechanism(cc),
-    batch_size=cc.batch_size,
-    client_state_fields=("synthetic",),
-  )

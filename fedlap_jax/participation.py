@@ -24,7 +24,7 @@ Real federations do not run every client in every round. With
   The server aggregates over the sampled clients only (the algorithm sees only
   them: FedLAP their synthetic sets with the usual weights, the baselines their
   deltas; SCAFFOLD's server variate uses the ``m / K`` scaling of Karimireddy
-  et al., :func:`fedlap_jax.baselines.baseline_round`).
+  et al., :func:`fedlap_jax.methods.fedavg.scaffold_server_step`).
 
 ``clients_per_round=None`` (or ``K``) draws every client, in order; the driver
 then keeps today's path (all clients on the device, ``alg.round(state, clients)``).

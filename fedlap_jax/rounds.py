@@ -13,6 +13,7 @@ import functools
 from typing import Any
 
 import jax
+import numpy as np
 
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError, one_of
@@ -84,9 +85,9 @@ def method_round(
 
 # One jit shared by every method and setting: runs with equal (method, config, model) share one
 # compilation (the seeds of a sweep, a resumed run).
-_round_jit = jax.jit(
-  method_round, static_argnames=("method", "config", "model", "client_backend", "mesh", "take_part")
-)
+_STATICS = ("method", "config", "model", "client_backend", "mesh", "take_part")
+_round_jit = jax.jit(method_round, static_argnames=_STATICS)
+_donating_round_jit = jax.jit(method_round, static_argnames=_STATICS, donate_argnums=(0,))
 
 
 def make_round_fn(
@@ -97,11 +98,17 @@ def make_round_fn(
   client_backend: str = "auto",
   mesh: Any = None,
   take_part: tuple[int, int] | None = None,
+  donate_state: bool = False,
 ):
   """``(state, clients) -> (state, metrics)``: the shared jit of :func:`method_round` bound
-  (the ``shard`` backend places its inputs first: :func:`fedlap_jax.dispatch.place_inputs`)."""
+  (the ``shard`` backend places its inputs first: :func:`fedlap_jax.dispatch.place_inputs`).
+
+  ``donate_state=True`` donates the input state's buffers to the output (``donate_argnums=0``):
+  saves a copy of the parameters and carried state per round, but the state passed in must not
+  be used afterwards (keep only the returned one).
+  """
   round_fn = functools.partial(
-    _round_jit,
+    _donating_round_jit if donate_state else _round_jit,
     method=method,
     config=config,
     model=model,
@@ -110,6 +117,28 @@ def make_round_fn(
     take_part=take_part,
   )
   return place_inputs(round_fn, client_backend, mesh)
+
+
+def run_facts(
+  params: Any, clients: ClientData, *, clients_per_round: int | None = None
+) -> RunFacts:
+  """The :class:`~fedlap_jax.method.RunFacts` of a run on ``clients`` (host side): the image
+  shape, ``K``, the model's parameter count, the most classes a client holds and ``N_max`` read
+  off the stacked data (leaves ``(K, N_max, ...)``; only records under the mask count).
+
+  A deployment in which no party sees every client's data states them instead (the Flower
+  app's run config)."""
+  mask = np.asarray(clients.mask)
+  y = np.asarray(clients.y)
+  held = [np.unique(y[k][mask[k]]).size for k in range(mask.shape[0])]
+  return RunFacts(
+    image_shape=tuple(int(d) for d in clients.x.shape[2:]),
+    num_clients=int(mask.shape[0]),
+    num_params=int(sum(np.size(p) for p in jax.tree.leaves(params))),
+    max_classes_per_client=int(max(held)),
+    max_client_size=int(mask.sum(axis=1).max()),
+    clients_per_round=clients_per_round,
+  )
 
 
 def algorithm(

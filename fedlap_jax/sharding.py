@@ -17,9 +17,10 @@ clients' work.
 
 Use it through the round::
 
-  round_fn = make_round_fn(apply_fn, config, client_backend="shard")   # all devices
-  round_fn = make_round_fn(apply_fn, config, client_backend="shard",
-                           mesh=client_mesh(jax.devices()[:2]))
+  fedlap, model = REGISTRY["fedlap"], ModelFns(apply_fn)
+  round_fn = rounds.make_round_fn(fedlap, config, model, client_backend="shard")  # all devices
+  round_fn = rounds.make_round_fn(fedlap, config, model, client_backend="shard",
+                                  mesh=client_mesh(jax.devices()[:2]))
   clients = put_clients(clients)       # once: each device keeps its block
 
 A sharded round places its own inputs (:class:`PlacedRound`): the state is

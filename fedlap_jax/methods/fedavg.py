@@ -29,6 +29,7 @@ from fedlap_jax import baselines, update_bounds
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
 from fedlap_jax.config import BASELINE_FACTS, method_label
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
+from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance
 
 
@@ -47,10 +48,6 @@ class ScaffoldUpdate(NamedTuple):
   control_delta: Any
 
 
-def _unused_apply(params, x):
-  raise NotImplementedError("only the algorithm's init is used here")
-
-
 def init(
   key,
   params,
@@ -60,18 +57,45 @@ def init(
   *,
   server_optimizer: optax.GradientTransformation | None = None,
 ):
-  """The state before round 1, after the checks of :func:`fedlap_jax.baselines.algorithm`
-  (``opt_state``: ``server_optimizer``'s fresh state, :func:`fedlap_jax.baselines.server_state`)."""
-  alg = baselines.algorithm(
-    _unused_apply,  # init reads the config and the facts, not the model's function
-    config,
-    image_shape=facts.image_shape,
-    num_clients=facts.num_clients,
-    num_params=facts.num_params,
-    clients_per_round=facts.clients_per_round,
-    server_optimizer=server_optimizer,
+  """The state before round 1 (:func:`fedlap_jax.baselines.init_baseline_state`; ``opt_state``:
+  ``server_optimizer``'s fresh state), once the data agree with the run's facts.
+
+  Raises:
+    ValueError: the model's parameter count, ``K`` or the image shape are not those of
+      ``facts``; a client holds more records than ``local.max_client_size``; under DP, a
+      client holds fewer than ``B`` (``q = B / N_k`` must be at most 1).
+  """
+  if count_params(params) != facts.num_params:
+    raise ValueError(
+      f"num_params={facts.num_params} does not match the model's "
+      f"{count_params(params)} parameters; allowed: count_params(params)"
+    )
+  if clients.mask.shape[0] != facts.num_clients:
+    raise ValueError(
+      f"num_clients={facts.num_clients} does not match the data's "
+      f"{clients.mask.shape[0]} stacked clients"
+    )
+  if tuple(clients.x.shape[2:]) != tuple(facts.image_shape):
+    raise ValueError(
+      f"image_shape={tuple(facts.image_shape)} does not match the data's "
+      f"{tuple(clients.x.shape[2:])}"
+    )
+  local = config.local
+  sizes = np.sum(np.asarray(clients.mask), axis=1)
+  if local.max_client_size is not None and sizes.max() > local.max_client_size:
+    raise ValueError(
+      f"max_client_size={local.max_client_size} is smaller than the largest "
+      f"client ({int(sizes.max())} records); allowed: >= every N_k"
+    )
+  if BASELINE_FACTS[config.method].private and sizes.min() < local.batch_size:
+    raise ValueError(
+      f"batch_size={local.batch_size} exceeds the smallest client "
+      f"({int(sizes.min())} records); allowed under DP: B <= min_k N_k "
+      "(the sampling rate q = B / N_k must be <= 1)"
+    )
+  return baselines.init_baseline_state(
+    key, params, clients, config, server_optimizer=server_optimizer
   )
-  return alg.init(key, params, clients)
 
 
 def scaffold_client_init(key, params, data, config, facts: RunFacts, *, index: int):
@@ -259,8 +283,8 @@ def family(
   server_optimizer: optax.GradientTransformation | None = None,
 ) -> Method:
   """The baseline ``name`` (one of :data:`fedlap_jax.baselines.METHODS`) with these
-  directions (:func:`fedlap_jax.baselines.algorithm`'s: ``None`` is SGD written out; the
-  server's state is ``state.opt_state``, carried across rounds). Each call is a new method
+  directions (``None``: SGD written out; the server's state is ``state.opt_state``, carried
+  across rounds). Each call is a new method
   (a jit static by identity): build one and reuse it."""
   facts = BASELINE_FACTS[name]  # what the name implies
   scaffold, private = facts.control_variates, facts.private

@@ -138,7 +138,7 @@ def method(
   model_optimizer: optax.GradientTransformation | None = None,
   server_optimizer: optax.GradientTransformation | None = None,
 ) -> Method:
-  """FedLAP with these optimisers (:func:`fedlap_jax.federated.algorithm`'s: ``None`` is the
+  """FedLAP with these optimisers (``None`` is the
   config's, ``client.model_optimizer``, ``client.image_optimizer`` and ``server.optimizer``,
   each the role's default of :mod:`fedlap_jax.optim` unless set). The config's
   ``server.carry_state`` says whether the server's optimiser starts from ``state.opt_state``
