@@ -13,11 +13,13 @@ import optax
 import pytest
 
 from experiments import library_configs, resume, train
-from fedlap_jax import federated
+from fedlap_jax import rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import ServerConfig, fixed_epochs_server
 from fedlap_jax.condensation import CondensationConfig, OneShotConfig
 from fedlap_jax.feddm import FedDMConfig
+from fedlap_jax.method import ModelFns
+from fedlap_jax.methods import REGISTRY
 
 from test_experiments_run import TIMING, tiny_config
 
@@ -166,11 +168,13 @@ def test_the_default_is_the_paper_round_and_carrying_plain_sgd_changes_no_number
   carrying = dataclasses.replace(
     config, server=dataclasses.replace(config.server, carry_state=True)
   )
-  common = dict(image_shape=clients.x.shape[2:], max_classes_per_client=10, client_backend="map")
+  facts = rounds.run_facts(linear_params, clients)
   key = jax.random.PRNGKey(21)
   out = {}
   for name, c in (("default", config), ("carried", carrying)):
-    alg = federated.algorithm(linear_apply_fn, c, **common)
+    alg = rounds.algorithm(
+      REGISTRY["fedlap"], c, ModelFns(linear_apply_fn), facts, client_backend="map"
+    )
     state = alg.init(key, linear_params, clients)
     for _ in range(2):
       state, _ = alg.round(state, clients)

@@ -425,7 +425,7 @@ def test_a_ledger_of_the_other_adjacency_continues_with_this_one(tmp_path):
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
-  """Without DP the server sends the round plan's keys (fedlap_round's): every number is the
+  """Without DP the server sends the round plan's keys (the FedLAP round's): every number is the
   same."""
   rc = _run_config(tmp_path, "quickstart:nondp")
   records, grid = run_inprocess(rc, state_root=tmp_path / "state")

@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import baselines
+from fedlap_jax import baselines, rounds
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state, make_round_fn
-from fedlap_jax.models import ConvNet, count_params
+from fedlap_jax.federated import init_state
+from fedlap_jax.method import ModelFns
+from fedlap_jax.methods import REGISTRY
+from fedlap_jax.models import ConvNet
 from fedlap_jax.training import evaluate
 
 from conftest import apply_of, params_of
@@ -78,13 +80,13 @@ def e2e_model():
   return apply_of(model), params_of(model)
 
 
-def run_rounds(e2e_model, clients, digits, config, rounds):
+def run_rounds(e2e_model, clients, digits, config, num_rounds):
   apply_fn, params = e2e_model
-  round_fn = make_round_fn(apply_fn, config)
+  round_fn = rounds.make_round_fn(REGISTRY["fedlap"], config, ModelFns(apply_fn))
   accuracy = jax.jit(lambda p: evaluate(apply_fn, p, digits.x_test, digits.y_test).accuracy)
   state0 = init_state(jax.random.PRNGKey(1), params, clients, config)
   state, accs, history, first = state0, [], [], None
-  for _ in range(rounds):
+  for _ in range(num_rounds):
     state, metrics = round_fn(state, clients)
     if first is None:
       first = (state, metrics)
@@ -167,12 +169,11 @@ def test_fedavg_learns_digits(apply_fn, params, clients, digits):
     dp=None,
     max_client_size=int(sizes.max()),
   )
-  alg = baselines.algorithm(
-    apply_fn,
+  alg = rounds.algorithm(
+    REGISTRY["fedavg"],
     config,
-    num_clients=clients.mask.shape[0],
-    image_shape=(8, 8, 1),
-    num_params=count_params(params),
+    ModelFns(apply_fn),
+    rounds.run_facts(params, clients),
     client_backend="auto",
   )
   state = alg.init(jax.random.PRNGKey(0), params, clients)

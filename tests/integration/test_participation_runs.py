@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import accounting, baselines, participation
+from fedlap_jax import accounting, baselines, participation, rounds
 from fedlap_jax.checks import ConfigError
+from fedlap_jax.method import ModelFns, RunFacts
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
 
 pytest.importorskip("dp_accounting")
@@ -243,8 +245,8 @@ def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
     max_client_size=int(sizes.max()),
     weighting="uniform",
   )
-  shape = dict(image_shape=(8, 8, 1), num_params=count_params(linear_params))
-  sampled = baselines.algorithm(linear_apply_fn, cfg, num_clients=5, clients_per_round=2, **shape)
+  scaffold, model, n = REGISTRY["scaffold"], ModelFns(linear_apply_fn), count_params(linear_params)
+  sampled = rounds.algorithm(scaffold, cfg, model, RunFacts((8, 8, 1), 5, n, 1, None, 2))
   assert sampled.client_state_fields == ("client_controls",)
   idx = np.array([1, 3], np.int32)
   host = participation.host_clients(clients)
@@ -254,7 +256,7 @@ def test_scaffold_sampled_round_updates_only_sampled_variates_with_m_over_k(
   new, metrics = participation.sampled_round(sampled, state, block, idx)
   assert np.asarray(metrics.client.steps).shape == (2,)
   # The same two clients as a federation of two (scale 1): same model, variates, and c / (2/5).
-  pair = baselines.algorithm(linear_apply_fn, cfg, num_clients=2, **shape)
+  pair = rounds.algorithm(scaffold, cfg, model, RunFacts((8, 8, 1), 2, n, 1))
   ref, _ = pair.round(pair.init(key, linear_params, block), block)
   chex.assert_trees_all_close(new.params, ref.params, rtol=1e-6, atol=1e-7)
   chex.assert_trees_all_close(

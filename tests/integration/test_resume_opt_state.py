@@ -13,14 +13,15 @@ import optax
 import pytest
 
 from experiments import checkpointing, configs, resume
-from fedlap_jax import baselines, federated, optim
+from fedlap_jax import baselines, optim, rounds
 from fedlap_jax.config import ClientConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.models import count_params
+from fedlap_jax.method import ModelFns
+from fedlap_jax.methods import REGISTRY
+from fedlap_jax.methods import fedavg as fedavg_methods
 from fedlap_jax.types import PyTree
 
 pytestmark = pytest.mark.bitwise  # a resumed round against the uninterrupted one, bit for bit
 
-K = 5
 FEDAVG = baselines.baseline_config(
   "fedavg", rounds=3, learning_rate=0.1, local_epochs=1, batch_size=32, prox_mu=0.0, dp=None
 )
@@ -42,6 +43,7 @@ PAPER = FedLAPConfig(
 )
 FEDYOGI = dataclasses.replace(FEDAVG, server_optimizer=optim.Optimizer(name="yogi"), server_lr=0.01)
 ADAM = optax.scale_by_adam()
+FEDAVG_ADAM = fedavg_methods.family("fedavg", server_optimizer=ADAM)  # built once: a jit static
 
 
 def _count(opt_state) -> int:
@@ -93,10 +95,8 @@ def _save(directory, round_index, state):
 def test_a_checkpoint_written_before_opt_state_resumes(
   tmp_path, linear_apply_fn, linear_params, clients
 ):
-  common = dict(
-    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
-  )
-  algo = baselines.algorithm(linear_apply_fn, FEDAVG, **common)
+  model, facts = ModelFns(linear_apply_fn), rounds.run_facts(linear_params, clients)
+  algo = rounds.algorithm(REGISTRY["fedavg"], FEDAVG, model, facts)
   template = algo.init(jax.random.PRNGKey(11), linear_params, clients)
   state, _ = algo.round(template, clients)
   before = _BaselineStateBefore(*state[:5])
@@ -107,9 +107,7 @@ def test_a_checkpoint_written_before_opt_state_resumes(
   chex.assert_trees_all_equal(restored.key, state.key)
   chex.assert_trees_all_equal(algo.round(restored, clients)[0], algo.round(state, clients)[0])
 
-  fl = federated.algorithm(
-    linear_apply_fn, PAPER, image_shape=clients.x.shape[2:], max_classes_per_client=10
-  )
+  fl = rounds.algorithm(REGISTRY["fedlap"], PAPER, model, facts)
   template = fl.init(jax.random.PRNGKey(12), linear_params, clients)
   _save(tmp_path / "fedlap", 0, _FedLAPStateBefore(*template[:4]))
   r, restored = _resume(tmp_path / "fedlap", template)
@@ -123,13 +121,11 @@ def test_a_carried_server_state_is_checkpointed(
 ):
   """The server's state of an optax transformation passed in (Adam) or of the config's spec
   (``server_optimizer=Optimizer(name='yogi')``, FedYogi) is saved, restored and carried on."""
-  common = dict(
-    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
-  )
+  model, facts = ModelFns(linear_apply_fn), rounds.run_facts(linear_params, clients)
   if given == "optax":
-    algo = baselines.algorithm(linear_apply_fn, FEDAVG, server_optimizer=ADAM, **common)
+    algo = rounds.algorithm(FEDAVG_ADAM, FEDAVG, model, facts)
   else:
-    algo = baselines.algorithm(linear_apply_fn, FEDYOGI, **common)
+    algo = rounds.algorithm(REGISTRY["fedavg"], FEDYOGI, model, facts)
   template = algo.init(jax.random.PRNGKey(13), linear_params, clients)
   s1, _ = algo.round(template, clients)
   s2, _ = algo.round(s1, clients)

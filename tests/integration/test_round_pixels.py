@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fedlap_jax import baselines
+from fedlap_jax import baselines, rounds
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state, make_round_fn
+from fedlap_jax.federated import init_state
+from fedlap_jax.method import ModelFns, RunFacts
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
 from fedlap_jax.radius import calibrate_radius
 
@@ -103,7 +105,7 @@ def test_fedlap_round_on_pixels_equals_the_round_on_floats(
   config, pixel_and_float_clients, linear_apply_fn, linear_params
 ):
   pixels, floats = pixel_and_float_clients
-  round_fn = make_round_fn(linear_apply_fn, config)
+  round_fn = rounds.make_round_fn(REGISTRY["fedlap"], config, ModelFns(linear_apply_fn))
   outs = []
   for clients in (pixels, floats):
     state = init_state(jax.random.PRNGKey(2), linear_params, clients, config)
@@ -140,12 +142,11 @@ def test_fedavg_round_on_pixels_equals_the_round_on_floats(
     dp=None,
     max_client_size=int(jnp.max(jnp.sum(pixels.mask, axis=1))),
   )
-  alg = baselines.algorithm(
-    linear_apply_fn,
+  alg = rounds.algorithm(
+    REGISTRY["fedavg"],
     config,
-    num_clients=5,
-    image_shape=(8, 8, 1),
-    num_params=count_params(linear_params),
+    ModelFns(linear_apply_fn),
+    RunFacts((8, 8, 1), 5, count_params(linear_params), 2),
   )
   outs = [alg.round(alg.init(jax.random.PRNGKey(3), linear_params, c), c) for c in (pixels, floats)]
   chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)

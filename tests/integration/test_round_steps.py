@@ -20,9 +20,11 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import baselines, dispatch, federated
-from fedlap_jax.client import ClientUpdate, client_step, local_approx
+from fedlap_jax import baselines, dispatch, federated, rounds
+from fedlap_jax.client import ClientUpdate, client_step, local_approx, shared_family_key
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.method import ModelFns
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.server import fedavg_delta_start, global_update, server_step
 from fedlap_jax.synthetic import real_images
 
@@ -86,17 +88,26 @@ def _pick(tree, k):
   return jax.tree.map(lambda a: a[k], tree)
 
 
+def _fedlap_round(state, clients, apply_fn, config):
+  return rounds.method_round(
+    state,
+    clients,
+    method=REGISTRY["fedlap"],
+    config=config,
+    model=ModelFns(apply_fn),
+    client_backend="map",
+  )
+
+
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 @pytest.mark.parametrize("config", [HYBRID, REAL], ids=["hybrid", "real"])
 def test_the_round_is_client_step_then_server_step(linear_apply_fn, linear_params, clients, config):
-  """fedlap_round's keys, rates and weights fed to the two steps by hand give its numbers."""
+  """The FedLAP round's keys, rates and weights fed to the two steps by hand give its numbers."""
   state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, config)
-  new, metrics = federated.fedlap_round(
-    state, clients, apply_fn=linear_apply_fn, config=config, client_backend="map"
-  )
+  new, metrics = _fedlap_round(state, clients, linear_apply_fn, config)
   _, k_init, k_clients, k_server = federated.round_keys(state.key)
   rates = federated.round_learning_rates(1, config)
-  family = federated.shared_family_key(k_clients)
+  family = shared_family_key(k_clients)
   keys, init_keys = jax.random.split(k_clients, K), jax.random.split(k_init, K)
   updates = []
   for k in range(K):
@@ -190,9 +201,7 @@ def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
   server = dataclasses.replace(HYBRID.server, learning_rate=1e-9)
   cfg = dataclasses.replace(HYBRID, server=server, rounds=2)
   state = federated.init_state(jax.random.PRNGKey(2), linear_params, clients, cfg)
-  new, _ = federated.fedlap_round(
-    state, clients, apply_fn=linear_apply_fn, config=cfg, client_backend="map"
-  )
+  new, _ = _fedlap_round(state, clients, linear_apply_fn, cfg)
   keys = jax.random.split(federated.round_keys(state.key).clients, K)
   rate = federated.round_learning_rates(1, cfg).client
   deltas = []
@@ -213,9 +222,7 @@ def test_fedavg_delta_starts_the_server_from_the_mean_client_delta(
     new.params, jax.tree.map(jnp.add, linear_params, mean), atol=1e-5, rtol=1e-4
   )
   glob = dataclasses.replace(cfg, server=dataclasses.replace(server, start="global"))
-  same, _ = federated.fedlap_round(
-    state, clients, apply_fn=linear_apply_fn, config=glob, client_backend="map"
-  )
+  same, _ = _fedlap_round(state, clients, linear_apply_fn, glob)
   chex.assert_trees_all_close(same.params, linear_params, atol=1e-6)
 
 
@@ -328,10 +335,15 @@ FEDAVG = baselines.baseline_config(
 )
 
 
-def test_baseline_round_is_client_step_then_server_step(linear_apply_fn, linear_params, clients):
+def test_the_fedavg_round_is_client_step_then_server_step(linear_apply_fn, linear_params, clients):
   state = baselines.init_baseline_state(jax.random.PRNGKey(6), linear_params, clients, FEDAVG)
-  new, _ = baselines.baseline_round(
-    state, clients, apply_fn=linear_apply_fn, config=FEDAVG, client_backend="map"
+  new, _ = rounds.method_round(
+    state,
+    clients,
+    method=REGISTRY["fedavg"],
+    config=FEDAVG,
+    model=ModelFns(linear_apply_fn),
+    client_backend="map",
   )
   _, k_clients = baselines.round_key(state.key)
   keys = jax.random.split(k_clients, K)
@@ -394,9 +406,38 @@ def _names(path: pathlib.Path) -> set[str]:
   return names
 
 
-def test_the_round_is_built_on_the_two_steps_and_nothing_else():
-  names = _names(ROOT / "fedlap_jax" / "federated.py")
-  assert {"client_step", "server_step"} <= names
+def _library_imports(path: pathlib.Path) -> set[str]:
+  """The ``fedlap_jax`` modules a file imports (anywhere in it, functions included)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedlap_jax"):
+      if node.module == "fedlap_jax":  # from fedlap_jax import client
+        found |= {f"fedlap_jax.{a.name}" for a in node.names}
+      else:
+        found.add(node.module)
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith("fedlap_jax")}
+  return found
+
+
+# Modules that hold one method's (or one family's) own steps.
+METHOD_MODULES = {
+  f"fedlap_jax.{m}"
+  for m in ("client", "server", "radius", "federated", "baselines", "feddm", "condensation")
+}
+
+
+def test_the_round_reaches_a_method_only_through_its_value():
+  """The jitted round imports the seam (the method interface, client dispatch), never a
+  method's module; FedLAP's method is built on its two steps and none of their insides."""
+  imported = _library_imports(ROOT / "fedlap_jax" / "rounds.py")
+  assert "fedlap_jax.method" in imported and "fedlap_jax.dispatch" in imported, imported
+  assert not METHOD_MODULES & imported, METHOD_MODULES & imported
+  assert not any(m.startswith("fedlap_jax.methods") for m in imported), imported
+  fedlap = ROOT / "fedlap_jax" / "methods" / "fedlap.py"
+  assert {"fedlap_jax.client", "fedlap_jax.server"} <= _library_imports(fedlap)
+  names = _names(fedlap)
+  assert {"client_step", "server_step_with_state"} <= names
   assert not STEP_INTERNALS & names, STEP_INTERNALS & names
 
 

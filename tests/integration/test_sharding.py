@@ -49,7 +49,9 @@ def _worker(
   from jax.experimental import multihost_utils
 
   from experiments.train import CompileCounter
-  from fedlap_jax import baselines, client_data, dispatch, federated, models
+  from fedlap_jax import baselines, client_data, dispatch, federated, models, rounds
+  from fedlap_jax.method import ModelFns, RunFacts
+  from fedlap_jax.methods import REGISTRY
   from fedlap_jax import config as C
 
   multi = jax.process_count() > 1
@@ -128,12 +130,14 @@ def _worker(
       cache_hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None
     )
   )
-  for name, cfg, rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
+  for name, cfg, num_rounds in (("dp", dp, 2), ("nondp", nondp, 1)):
     state = federated.init_state(jax.random.PRNGKey(1), params, clients, cfg)
     if backend == "shard" or multi:
       state = sharding.replicate(state)
-    round_fn = federated.make_round_fn(apply_fn, cfg, client_backend=backend)
-    for r in range(rounds):
+    round_fn = rounds.make_round_fn(
+      REGISTRY["fedlap"], cfg, ModelFns(apply_fn), client_backend=backend
+    )
+    for r in range(num_rounds):
       hits_before = len(cache_hits)
       with CompileCounter() as compiles:
         state, metrics = round_fn(state, clients)
@@ -150,8 +154,8 @@ def _worker(
       "server_epochs": int(host(metrics.server.epochs)),
       "accesses": host(metrics.client.real_accesses).tolist(),
     }
-  fedavg = baselines.algorithm(
-    apply_fn,
+  fedavg = rounds.algorithm(
+    REGISTRY["fedavg"],
     baselines.baseline_config(
       "fedavg",
       rounds=3,
@@ -162,9 +166,8 @@ def _worker(
       dp=None,
       max_client_size=max(sizes),
     ),
-    num_clients=NUM_CLIENTS,
-    image_shape=(8, 8, 1),
-    num_params=models.count_params(params),
+    ModelFns(apply_fn),
+    RunFacts((8, 8, 1), NUM_CLIENTS, models.count_params(params), 1),
     client_backend=backend,
   )
   state = fedavg.init(jax.random.PRNGKey(2), params, clients)

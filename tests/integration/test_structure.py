@@ -18,7 +18,7 @@ import sys
 import jax
 import numpy as np
 
-from fedlap_jax import baselines, client, condensation, federated, per_example, privacy, rounds
+from fedlap_jax import baselines, client, condensation, per_example, privacy, rounds
 from fedlap_jax import config as core
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.method import ModelFns, RunFacts
@@ -271,24 +271,16 @@ def _toy_dp_algorithms(apply_fn, params, clients):
     method="psg", condensation=cc, server=condensation.fixed_epochs_server(1)
   )
   shape, classes = clients.x.shape[2:], 2
-  out = {}
-  for name, cfg in (("fedlap_dp", TOY_FEDLAP), ("fedlap_dp_hybrid", TOY_HYBRID)):
-    alg = federated.algorithm(
-      apply_fn, cfg, image_shape=shape, max_classes_per_client=classes, client_backend="map"
-    )
-    out[name] = (alg, cfg.client.real_accesses_per_round, client.real_gradient_query(cfg.client))
-  alg = baselines.algorithm(
-    apply_fn,
-    bc,
-    image_shape=shape,
-    num_clients=clients.mask.shape[0],
-    num_params=count_params(params),
-    client_backend="map",
-  )
-  out["dp_fedavg"] = (alg, bc.local.scheduled_steps(), bc.local.gradient)
   facts = RunFacts(
     tuple(shape), clients.mask.shape[0], count_params(params), classes, int(sizes.max())
   )
+  model = ModelFns(apply_fn)
+  out = {}
+  for name, cfg in (("fedlap_dp", TOY_FEDLAP), ("fedlap_dp_hybrid", TOY_HYBRID)):
+    alg = rounds.algorithm(REGISTRY["fedlap"], cfg, model, facts, client_backend="map")
+    out[name] = (alg, cfg.client.real_accesses_per_round, client.real_gradient_query(cfg.client))
+  alg = rounds.algorithm(REGISTRY["dp_fedavg"], bc, model, facts, client_backend="map")
+  out["dp_fedavg"] = (alg, bc.local.scheduled_steps(), bc.local.gradient)
   alg = rounds.algorithm(
     REGISTRY.method("psg"), oc, ModelFns(apply_fn, None, linear_init), facts, client_backend="map"
   )

@@ -18,9 +18,11 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import accounting, baselines, per_example, privacy
+from fedlap_jax import accounting, baselines, per_example, privacy, rounds
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.config import DPConfig
+from fedlap_jax.method import ModelFns, RunFacts
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance
 
@@ -45,7 +47,7 @@ def _algorithm(method, apply_fn, params, clients, **overrides):
     image_shape=IMAGE_SHAPE,
     num_params=count_params(params),
     client_backend="auto",
-  )
+  )  # the run's facts (the baselines read no classes) and the backend
   kw = dict(
     rounds=2,
     learning_rate=LR,
@@ -57,11 +59,19 @@ def _algorithm(method, apply_fn, params, clients, **overrides):
   )
   for k, v in overrides.items():
     (shape if k in shape else kw)[k] = v
-  return baselines.algorithm(apply_fn, baselines.baseline_config(method, **kw), **shape)
+  config = baselines.baseline_config(method, **kw)
+  backend = shape.pop("client_backend")
+  facts = RunFacts(max_classes_per_client=1, **shape)
+  return rounds.algorithm(
+    REGISTRY[method], config, ModelFns(apply_fn), facts, client_backend=backend
+  )
 
 
 def _round_fn(apply_fn, config):
-  return lambda s, c: baselines._round_jit(s, c, apply_fn=apply_fn, config=config)
+  """The method's generic round (the shared jit) under ``config``."""
+  return lambda s, c: rounds._round_jit(
+    s, c, method=REGISTRY[config.method], config=config, model=ModelFns(apply_fn)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -112,12 +122,12 @@ def test_interface_upload_and_metric_shapes(method, linear_apply_fn, linear_para
     assert alg.dp_steps_per_round is None
 
   state = alg.init(jax.random.PRNGKey(0), linear_params, clients)
-  compiled = baselines._round_jit._cache_size()
+  compiled = rounds._round_jit._cache_size()
   for r in (1, 2):
     state, metrics = alg.round(state, clients)
     assert int(state.round) == r
   # The round index is traced: at most one new compilation for two rounds.
-  assert baselines._round_jit._cache_size() - compiled <= 1
+  assert rounds._round_jit._cache_size() - compiled <= 1
 
   c = metrics.client
   chex.assert_shape(

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import dispatch, federated
+from fedlap_jax import dispatch, federated, rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, stack_clients
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.federated import init_state
+from fedlap_jax.method import ModelFns
+from fedlap_jax.methods import REGISTRY
 from fedlap_jax.synthetic import real_images, synthetic_labels
 
 
@@ -250,8 +252,13 @@ def test_bad_client_backend(params, clients):
   )
   state = init_state(jax.random.PRNGKey(3), params, clients, cfg)
   with pytest.raises(ValueError, match="client_backend='pmap'.*vmap"):
-    federated.fedlap_round(
-      state, clients, apply_fn=lambda p, x: x, config=cfg, client_backend="pmap"
+    rounds.method_round(
+      state,
+      clients,
+      method=REGISTRY["fedlap"],
+      config=cfg,
+      model=ModelFns(lambda p, x: x),
+      client_backend="pmap",
     )
 
 

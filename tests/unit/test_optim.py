@@ -20,10 +20,14 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import baselines, federated, optim, server
+from fedlap_jax import baselines, federated, optim, rounds, server
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client import client_step, local_approx
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.method import ModelFns, RunFacts
+from fedlap_jax.methods import REGISTRY
+from fedlap_jax.methods import fedavg as fedavg_methods
+from fedlap_jax.methods import fedlap as fedlap_methods
 from fedlap_jax.models import count_params
 from fedlap_jax.types import PyTree
 
@@ -449,18 +453,20 @@ def test_a_round_with_every_default_passed_is_the_default_round(
     server_optimizer=optim.sgd(),
   )
   state = federated.init_state(jax.random.PRNGKey(7), linear_params, clients, PAPER)
-  run = dict(apply_fn=linear_apply_fn, config=PAPER, client_backend="map")
-  a, _ = federated._round_jit(state, clients, **run)
-  b, _ = federated._round_jit(state, clients, **run, **defaults)
+  model = ModelFns(linear_apply_fn)
+  run = dict(config=PAPER, model=model, client_backend="map")
+  a, _ = rounds._round_jit(state, clients, method=REGISTRY["fedlap"], **run)
+  b, _ = rounds._round_jit(state, clients, method=fedlap_methods.method(**defaults), **run)
   chex.assert_trees_all_equal(a, b)
 
   base = baselines.init_baseline_state(jax.random.PRNGKey(8), linear_params, clients, FEDAVG)
-  run = dict(apply_fn=linear_apply_fn, config=FEDAVG, client_backend="map")
-  c, _ = baselines._round_jit(base, clients, **run)
+  run = dict(config=FEDAVG, model=model, client_backend="map")
+  c, _ = rounds._round_jit(base, clients, method=REGISTRY["fedavg"], **run)
   explicit = base._replace(opt_state=baselines.server_state(linear_params, FEDAVG, optim.sgd()))
-  d, _ = baselines._round_jit(
-    explicit, clients, **run, client_optimizer=optim.sgd(), server_optimizer=optim.sgd()
+  sgd_written = fedavg_methods.family(
+    "fedavg", client_optimizer=optim.sgd(), server_optimizer=optim.sgd()
   )
+  d, _ = rounds._round_jit(explicit, clients, method=sgd_written, **run)
   chex.assert_trees_all_equal(c.params, d.params)
   chex.assert_trees_all_equal(c.key, d.key)
 
@@ -478,11 +484,11 @@ def _count(opt_state) -> int:
 
 
 def test_fedadams_server_state_is_carried_across_rounds(linear_apply_fn, linear_params, clients):
-  common = dict(
-    image_shape=clients.x.shape[2:], num_clients=K, num_params=count_params(linear_params)
-  )
-  adam = baselines.algorithm(linear_apply_fn, FEDAVG, server_optimizer=ADAM, **common)
-  plain = baselines.algorithm(linear_apply_fn, FEDAVG, **common)
+  facts = rounds.run_facts(linear_params, clients)
+  model = ModelFns(linear_apply_fn)
+  fedadam_server = fedavg_methods.family("fedavg", server_optimizer=ADAM)
+  adam = rounds.algorithm(fedadam_server, FEDAVG, model, facts)
+  plain = rounds.algorithm(REGISTRY["fedavg"], FEDAVG, model, facts)
   key = jax.random.PRNGKey(9)
   s0 = adam.init(key, linear_params, clients)
   assert _count(s0.opt_state) == 0
@@ -499,10 +505,13 @@ def test_fedadams_server_state_is_carried_across_rounds(linear_apply_fn, linear_
 
 
 def test_fedlap_carries_its_server_state_only_when_asked(linear_apply_fn, linear_params, clients):
-  common = dict(image_shape=clients.x.shape[2:], max_classes_per_client=10, client_backend="map")
+  facts = RunFacts(tuple(clients.x.shape[2:]), K, count_params(linear_params), 10)
+  model = ModelFns(linear_apply_fn)
+  common = dict(client_backend="map")
+  adam_server = fedlap_methods.method(server_optimizer=ADAM)
   carrying = dataclasses.replace(PAPER, server=dataclasses.replace(PAPER.server, carry_state=True))
-  carried = federated.algorithm(linear_apply_fn, carrying, server_optimizer=ADAM, **common)
-  fresh = federated.algorithm(linear_apply_fn, PAPER, server_optimizer=ADAM, **common)
+  carried = rounds.algorithm(adam_server, carrying, model, facts, **common)
+  fresh = rounds.algorithm(adam_server, PAPER, model, facts, **common)
   key = jax.random.PRNGKey(10)
   s0 = carried.init(key, linear_params, clients)
   s1, m1 = carried.round(s0, clients)
@@ -520,5 +529,5 @@ def test_fedlap_carries_its_server_state_only_when_asked(linear_apply_fn, linear
   assert f2.opt_state == ()
   chex.assert_trees_all_equal(f1.params, s1.params)  # round 1 starts from a fresh state both ways
   assert _differs(f2.params, s2.params)  # round 2 starts from Adam's moments of round 1
-  d1, _ = federated.algorithm(linear_apply_fn, PAPER, **common).round(f0, clients)
+  d1, _ = rounds.algorithm(REGISTRY["fedlap"], PAPER, model, facts, **common).round(f0, clients)
   assert _differs(d1.params, f1.params)
