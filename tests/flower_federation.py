@@ -226,14 +226,20 @@ class Federation:
 
   # -- processes -----------------------------------------------------------------
 
-  def _spawn(self, args: list[str], log_name: str, cwd: Path | None = None) -> subprocess.Popen:
+  def _spawn(
+    self,
+    args: list[str],
+    log_name: str,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+  ) -> subprocess.Popen:
     log = open(self.workdir / log_name, "ab")
     self._logs.append(log)
     return subprocess.Popen(
       args,
       stdout=log,
       stderr=subprocess.STDOUT,
-      env=self.env,
+      env={**self.env, **(env or {})},
       cwd=str(cwd or self.workdir),
       start_new_session=True,
     )
@@ -350,6 +356,7 @@ class Federation:
     trusted: Path | None = None,
     stock: bool = False,
     extra: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
   ) -> subprocess.Popen:
     """Starts client node ``index`` (its own Runtime API port) with ``node_config``.
 
@@ -357,7 +364,8 @@ class Federation:
     connects through the front (or to the SuperLink, ``front=False``), and trusts
     ``trusted`` (default: the operator's key). ``stock``: Flower's own
     ``flower-supernode`` (subprocess isolation), not :mod:`fedlap_flower.node`.
-    ``extra``: more flags for the node.
+    ``extra``: more flags for the node. ``env``: more environment variables for this node's
+    processes (the federation's own, then these).
     """
     if node_config is not None:
       self.node_configs[index] = dict(node_config)
@@ -402,7 +410,7 @@ class Federation:
     else:
       args += ["--insecure", "--superlink", f"127.0.0.1:{self.port}"]
       args += [] if stock else ["--allow-unsigned-runs"]
-    self.supernodes[index] = self._spawn(args, f"supernode-{index}.log")
+    self.supernodes[index] = self._spawn(args, f"supernode-{index}.log", env=env)
     return self.supernodes[index]
 
   def register(self, public_key: Path, superlink: str = "test") -> subprocess.CompletedProcess:

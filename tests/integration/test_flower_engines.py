@@ -19,7 +19,9 @@ carries on.
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +120,13 @@ def test_simulation_engine_samples_clients_as_experiments_run(tmp_path, jax_cach
       assert hist[-1]["epsilon"] == ledgers.ledgers[k].epsilon
 
 
+HOLD = Path(__file__).resolve().parents[1] / "flower_hold"  # its sitecustomize holds a reply
+
+
+def _federated_run(run_dir: Path) -> str:
+  return json.loads((run_dir / "run_info.json").read_text())["federated_run"]
+
+
 def _wait_for(predicate, timeout: float, what: str, fed: Federation):
   deadline = time.time() + timeout
   while time.time() < deadline:
@@ -133,23 +142,31 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
   """SuperLink + 5 SuperNode processes, FedLAP-DP with client-secret keys, 3 rounds.
 
   SuperNode 4 is killed (SIGKILL) during round 2, after its ledger recorded the
-  round: the server finishes round 2 with the other four (min-clients=4) and
-  logs the loss; the restarted SuperNode finds its ledger on disk and takes part
-  in round 3, charging on top: rounds 1, 2 (spent, never delivered) and 3. Its
-  noise-initialised synthetic images are carried between rounds and kept before
-  the reply is sent; wherever in round 2 the kill landed (before or after they
-  were kept), round 2's update took no reply of it, so round 3's message names
-  round 1 and the client starts from round 1's images, as a client not drawn for
-  round 2, and then drops round 2's if it kept them.
+  round and it kept round 2's images, before it replied (``tests/flower_hold``
+  holds its reply there, so the kill never races a fast reply): the server
+  finishes round 2 with the other four (min-clients=4) and logs the loss; the
+  restarted SuperNode finds its ledger on disk and takes part in round 3,
+  charging on top: rounds 1, 2 (spent, never delivered) and 3. Its
+  noise-initialised synthetic images are carried between rounds; round 2's
+  update took no reply of it, so round 3's message names round 1 and the client
+  starts from round 1's images, as a client not drawn for round 2, and then drops
+  the round 2 images it kept.
   """
   run_dir = tmp_path / "run"
   states = {k: tmp_path / f"client-{k}" for k in range(5)}
   overrides = TINY.replace("rounds=2", "rounds=3")
+  held = tmp_path / "client-4-held"
+  hold = {
+    "PYTHONPATH": os.pathsep.join([str(HOLD), os.environ.get("PYTHONPATH", "")]),
+    "FEDLAP_TEST_HOLD_ROUND": "2",
+    "FEDLAP_TEST_HOLD_MARKER": str(held),
+  }
   with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
     for k in range(5):
       fed.start_supernode(
         k,
         {"partition-id": k, "num-partitions": 5, "state-dir": str(states[k]), "max-epsilon": 10.0},
+        env=hold if k == 4 else None,
       )
     run_id = fed.run(
       {
@@ -160,15 +177,12 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
         "round-timeout": 300.0,
       }
     )
+    _wait_for(held.exists, 420, "client 4 holding its round-2 reply", fed)
     ledger4 = ledger_lib.ClientState(states[4])
-    _wait_for(
-      lambda: [h["server_round"] for h in ledger4.history()] == [1, 2],
-      420,
-      "client 4 spending round 2",
-      fed,
-    )
+    assert [h["server_round"] for h in ledger4.history()] == [1, 2]
+    assert ledger4.carried_rounds(_federated_run(run_dir)) == [1, 2]  # kept, then held
     fed.kill_supernode(4)
-    fed.start_supernode(4)  # same node config: the same state directory
+    fed.start_supernode(4)  # same node config, no hold: the same state directory
     status = fed.wait(run_id, timeout=420)
     assert status == "finished:completed", fed.logs(run_id)[-4000:]
 
@@ -178,8 +192,7 @@ def test_deployment_engine_survives_a_crashed_supernode(tmp_path, jax_cache):
   lost = [r for r in reports if r["round"] == 2 and r["status"] != "ok"]
   assert len(lost) == 1 and lost[0]["status"] in ("missing", "error"), lost
   assert "4" not in recs[1]["epsilon_per_client"]
-  run = json.loads((run_dir / "run_info.json").read_text())["federated_run"]
-  kept = ledger_lib.ClientState(states[4]).carried_rounds(run)
+  kept = ledger_lib.ClientState(states[4]).carried_rounds(_federated_run(run_dir))
   (third,) = [r for r in reports if r["round"] == 3 and r["partition_id"] == 4]
   assert recs[2]["clients_ok"] == [0, 1, 2, 3, 4] and third["status"] == "ok", (recs[2], third)
   assert kept == [1, 3], kept  # round 3's, and round 1's it started from
