@@ -30,9 +30,11 @@ Two figures:
   reads a method's name).
 
 Method names: ``--names`` (comma-separated; the structure tests pass the registry's), else
-the keys of ``METHOD_LABELS`` in ``fedlap_jax/config.py`` (the twelve methods plus the label
-key ``fedlap_dp``). Files: every ``.py`` under fedlap_jax/, experiments/ (configs included)
-and fedlap_flower/; tests and benchmarks are left out.
+those the methods' modules give (``name=`` and ``algorithm_name=`` literals and the keys of
+their ``LABELS`` tables), and in a tree from before the registry the keys of ``METHOD_LABELS``
+in ``fedlap_jax/config.py`` (the twelve methods plus FedLAP's run name ``fedlap_dp``).
+Files: every ``.py`` under fedlap_jax/, experiments/ (configs included) and fedlap_flower/;
+tests and benchmarks are left out.
 
 Output: counts per kind and per file and the two figures; ``--list`` prints every site as
 ``file:line kind text``; ``--json`` one JSON object (``sites``, ``issue_rule``,
@@ -78,19 +80,51 @@ OLD_REGISTRY = "fedlap_jax/config.py"
 METHODS_DIR = "fedlap_jax/methods/"
 
 
-def default_names(root: pathlib.Path) -> set[str]:
-  """The keys of ``METHOD_LABELS`` in ``fedlap_jax/config.py`` (read with ast), or empty."""
-  path = root / OLD_REGISTRY
-  if not path.is_file():
-    return set()
+def _label_keys(path: pathlib.Path, table: str) -> set[str]:
+  """The string keys of the dict literal assigned to ``table`` in ``path`` (read with ast)."""
+  names = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if (
       isinstance(node, ast.Assign)
-      and any(isinstance(t, ast.Name) and t.id == "METHOD_LABELS" for t in node.targets)
+      and any(isinstance(t, ast.Name) and t.id == table for t in node.targets)
       and isinstance(node.value, ast.Dict)
     ):
-      return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
-  return set()
+      names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+  return names
+
+
+def _method_names(path: pathlib.Path) -> set[str]:
+  """The string literals a methods module gives a ``Method(...)`` as ``name=`` or
+  ``algorithm_name=`` (FedLAP's ``fedlap_dp``) and the keys of its ``LABELS`` table (a
+  family's names)."""
+  names = _label_keys(path, "LABELS")
+  for call in ast.walk(ast.parse(path.read_text())):
+    func = getattr(call, "func", None)
+    if not (
+      isinstance(call, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) == "Method"
+    ):
+      continue
+    for kw in call.keywords:
+      if kw.arg in ("name", "algorithm_name"):
+        names |= {
+          c.value
+          for c in ast.walk(kw.value)
+          if isinstance(c, ast.Constant) and isinstance(c.value, str)
+        }
+  return names
+
+
+def default_names(root: pathlib.Path) -> set[str]:
+  """The methods' names, read with ast: of a tree with a registry, from its methods' modules
+  (``fedlap_jax/methods/``); of an older one, the keys of ``METHOD_LABELS`` in
+  ``fedlap_jax/config.py``. Empty if neither is there."""
+  names = set()
+  old = root / OLD_REGISTRY
+  if old.is_file():
+    names |= _label_keys(old, "METHOD_LABELS")
+  for path in sorted((root / METHODS_DIR).glob("*.py")):
+    names |= _method_names(path)
+  return names
 
 
 def sites(path: pathlib.Path, rel: str, names: set[str]) -> list[tuple[str, int, str, str]]:
@@ -182,7 +216,7 @@ def main(argv=None) -> int:
   root = pathlib.Path(args.repo)
   names = set(args.names.split(",")) if args.names else default_names(root)
   if not names:
-    print("no method names: pass --names (fedlap_jax/config.py has no METHOD_LABELS)")
+    print("no method names: pass --names (no fedlap_jax/methods/ and no METHOD_LABELS)")
     return 2
   all_sites = collect(root, names)
   fig = figures(all_sites)

@@ -97,23 +97,6 @@ ONE_SHOT_FACTS = {
 }
 ONE_SHOT_METHODS = tuple(ONE_SHOT_FACTS)
 DP_ONE_SHOT_METHODS = tuple(n for n, f in ONE_SHOT_FACTS.items() if f.private)
-SYNTHETIC_METHODS = ("feddm",) + ONE_SHOT_METHODS
-METHODS = ("fedlap",) + BASELINE_METHODS + SYNTHETIC_METHODS
-# Display names, keyed by FederatedAlgorithm.name (FedLAP with DP is "fedlap_dp").
-METHOD_LABELS = {
-  "fedlap": "FedLAP",
-  "fedlap_dp": "FedLAP-DP",
-  "fedavg": "FedAvg",
-  "fedprox": "FedProx",
-  "fedsgd": "FedSGD",
-  "scaffold": "SCAFFOLD",
-  "dp_fedavg": "DP-FedAvg",
-  "dp_fedprox": "DP-FedProx",
-  "feddm": "FedDM",
-  "dsc": "DSC federated",
-  "dsc_centralized": "DSC centralized",
-  "psg": "PSG",
-}
 CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 DSA_FAMILY_DRAWS = ("shared", "per_client")
 PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
@@ -123,13 +106,6 @@ WEIGHTINGS = ("size", "uniform")
 LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.cosine_learning_rate's
 MODEL_STEPS = ("synthetic", "noisy_real")
 SERVER_STARTS = ("global", "fedavg_delta")
-
-
-def method_label(method: str, dp: bool) -> str:
-  """Display name of ``method`` (one of :data:`METHODS`), e.g. ``"FedLAP-DP"``: with ``dp``
-  the label of ``method + "_dp"`` where there is one (``fedlap_dp``), else ``method``'s."""
-  label = METHOD_LABELS.get(method, method)
-  return METHOD_LABELS.get(f"{method}_dp", label) if dp else label
 
 
 def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from fedlap_jax import condensation
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.condensation import OneShotConfig, OneShotMetrics
-from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_FACTS, ONE_SHOT_METHODS, method_label
+from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_FACTS, ONE_SHOT_METHODS
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.method import (
   ClientResult,
@@ -104,13 +104,17 @@ def _upload(config: OneShotConfig, facts: RunFacts) -> int:
   return synthetic_upload(config.condensation.ipc, facts)
 
 
+LABELS = {"dsc": "DSC federated", "dsc_centralized": "DSC centralized", "psg": "PSG"}
+"""Display names of the one-shot methods."""
+
+
 def family(name: str) -> Method:
   """The one-shot method ``name`` (one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`; its
   :data:`fedlap_jax.config.ONE_SHOT_FACTS` entry says what it is)."""
   private, centralized = ONE_SHOT_FACTS[name]
   return Method(
     name=name,
-    label=lambda dp: method_label(name, dp),
+    label=lambda dp: LABELS[name],
     config_type=OneShotConfig,
     init=_init,
     plan=_plan,

@@ -27,7 +27,7 @@ import optax
 
 from fedlap_jax import baselines, update_bounds
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
-from fedlap_jax.config import BASELINE_FACTS, method_label
+from fedlap_jax.config import BASELINE_FACTS
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance
@@ -46,6 +46,17 @@ class ScaffoldUpdate(NamedTuple):
 
   params: Any
   control_delta: Any
+
+
+LABELS = {
+  "fedavg": "FedAvg",
+  "fedprox": "FedProx",
+  "fedsgd": "FedSGD",
+  "scaffold": "SCAFFOLD",
+  "dp_fedavg": "DP-FedAvg",
+  "dp_fedprox": "DP-FedProx",
+}
+"""Display names of the family's methods (the name says whether it is DP)."""
 
 
 def init(
@@ -311,7 +322,7 @@ def family(
 
   return Method(
     name=name,
-    label=lambda dp: method_label(name, dp),
+    label=lambda dp: LABELS[name],
     config_type=BaselineConfig,
     init=init_,
     plan=plan,

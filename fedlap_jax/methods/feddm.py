@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from fedlap_jax import feddm
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import method_label
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.feddm import FedDMConfig, FedDMRoundMetrics
 from fedlap_jax.method import (
@@ -105,7 +104,7 @@ def _server_step(key, model: ModelFns, state, message, results, config, facts: R
 
 METHOD = Method(
   name="feddm",
-  label=lambda dp: method_label("feddm", dp),
+  label=lambda dp: "FedDM",
   config_type=FedDMConfig,
   init=_init,
   plan=_plan,

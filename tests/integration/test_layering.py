@@ -130,29 +130,33 @@ def test_baseline_errors_name_the_config_path():
   assert err.value.field == "baseline.prox_mu"
 
 
-def test_method_lists_and_labels_come_from_the_library():
-  # The experiments' table of methods has one entry per registry method, in its order.
+def test_method_lists_and_labels_come_from_the_registry():
+  # The experiments' table of methods has one entry per registry method, in its order; the
+  # names and display names are the methods' own (no table of names beside the registry).
   assert tuple(methods.ENTRIES) == tuple(REGISTRY)
-  assert tuple(REGISTRY)[: len(core.METHODS)] == core.METHODS
-  assert core.METHODS == (
-    ("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg")
+  assert tuple(REGISTRY) == (
+    ("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg", "fedadam")
   )
+  assert not hasattr(core, "METHODS") and not hasattr(core, "METHOD_LABELS")
   assert library_configs.CLIENT_BACKENDS == core.CLIENT_BACKENDS
-  assert core.method_label("fedlap", True) == "FedLAP-DP"
-  assert [core.method_label(m, m.startswith("dp_")) for m in baselines.METHODS] == [
-    "FedAvg",
-    "FedProx",
-    "FedSGD",
-    "SCAFFOLD",
-    "DP-FedAvg",
-    "DP-FedProx",
-  ]
-  assert [core.method_label(m, m == "psg") for m in core.SYNTHETIC_METHODS] == [
-    "FedDM",
-    "DSC federated",
-    "DSC centralized",
-    "PSG",
-  ]
+  labels = {name: REGISTRY[name].label(dp) for name in REGISTRY for dp in (False,)}
+  assert REGISTRY["fedlap"].label(True) == "FedLAP-DP"
+  assert labels == {
+    "fedlap": "FedLAP",
+    "fedavg": "FedAvg",
+    "fedprox": "FedProx",
+    "fedsgd": "FedSGD",
+    "scaffold": "SCAFFOLD",
+    "dp_fedavg": "DP-FedAvg",
+    "dp_fedprox": "DP-FedProx",
+    "feddm": "FedDM",
+    "dsc": "DSC federated",
+    "dsc_centralized": "DSC centralized",
+    "psg": "PSG",
+    "fedadam": "FedAdam",
+  }
+  # A DP method's label does not change with dp (the name says it); only FedLAP's does.
+  assert [n for n in REGISTRY if REGISTRY[n].label(True) != labels[n]] == ["fedlap"]
 
 
 # The methods: each builds its round from the shared floors below, none from another's.

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from fedlap_jax import baselines, client, condensation, per_example, privacy, rounds
-from fedlap_jax import config as core
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
@@ -38,8 +37,9 @@ def graph_and_importers() -> dict:
 
 
 def method_names() -> tuple[str, ...]:
-  """Every name a method is known by: the registry's methods and the labels' keys."""
-  return tuple(sorted(set(core.METHOD_LABELS) | set(REGISTRY)))
+  """Every name a method is known by: the registry's and FedLAP's run name under DP
+  (``Method.name_of``)."""
+  return tuple(sorted(set(REGISTRY) | {"fedlap_dp"}))
 
 
 # -- the readers read structure ------------------------------------------------------------------
@@ -121,6 +121,14 @@ def test_method_name_branches_do_not_grow():
   over = {f: n for f, n in out["by_folder"].items() if n > BRANCH_CEILINGS[f]}
   sites = [s for s in out["sites"] if s[2] in ("cmp", "list", "type")]
   assert not over, (over, [s for s in sites if s[0].split("/")[0] in over])
+
+
+def test_the_counter_reads_the_method_names_off_the_methods_modules():
+  """Without ``--names`` the counter finds every name a method is known by in
+  ``fedlap_jax/methods/`` (no table of names elsewhere to read)."""
+  status, out = run_benchmark("method_branches", "--json")
+  assert status == 0
+  assert out["names"] == sorted(method_names())
 
 
 # -- test 2 (weak form): the front ends never reach the library's internals ---------------------
