@@ -202,7 +202,109 @@ def train_and_evaluate(
   export_cache.prefetch(hint)
   # The config's checks, its data, library config and mechanism.
   planned = build.plan(config) if built is None else built
-  workdir = Path(workdir)
+  workdir = _writable(Path(workdir))
+  config_name = config_name or workdir.name
+  t_start = time.time()
+  cfg, seed = _seeded(config, workdir)
+  setup = build.build_run(cfg, seed=seed.value, built=planned._replace(cfg=cfg))
+  # With JAX's persistent cache on, the round's traced program is kept too: a warm run reads
+  # it back instead of tracing it (experiments.export_cache).
+  alg = export_cache.wrap(setup.algorithm, hint=hint)
+  sizes = [len(i) for i in setup.client_indices]
+  privacy = resume.privacy_fingerprint(cfg, alg, sizes)
+  private = alg.dp is not None
+  nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
+  fields = resume.run_defining_fields(cfg)
+  fresh_ledger = _fresh_ledger(cfg, alg.mechanism, sizes, privacy) if private else None
+  info = outputs.run_info(
+    cfg,
+    config_name,
+    setup,
+    privacy=privacy,
+    mechanism=alg.mechanism,
+    seed=seed,
+    nonprivate_stats=nonprivate_stats,
+  )
+
+  # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
+  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
+  try:
+    restored = resume.restore(
+      ckpt,
+      setup.state,
+      privacy=privacy,
+      fields=fields,
+      fresh_ledger=fresh_ledger,
+      workdir=workdir,
+      metrics_path=workdir / "metrics.jsonl",
+      timing_path=workdir / outputs.TIMING_FILE,
+    )
+  except BaseException:
+    ckpt.close()
+    raise
+  checkpointing.write_json_atomic(workdir / "config.json", cfg.to_dict())
+  checkpointing.write_json_atomic(workdir / "run_info.json", info)
+  if restored.ledger is not None:
+    checkpointing.write_json_atomic(workdir / "privacy_ledger.json", restored.ledger.to_dict())
+
+  log = outputs.RunLog(workdir / "train.log", config_name)
+  outputs.log_start(
+    log,
+    cfg,
+    info,
+    start=restored.start,
+    ledger=restored.ledger,
+    moved=restored.moved,
+    ckpt_dir=ckpt.directory,
+    seed=seed,
+    private=private,
+  )
+  bar = _progress_bar(cfg, restored.start, config_name)
+  try:
+    loop = _RoundLoop(
+      cfg,
+      setup,
+      alg,
+      workdir=workdir,
+      restored=restored,
+      ckpt=ckpt,
+      log=log,
+      checkpoint_meta={"privacy": privacy, "config": fields},
+      nonprivate_stats=nonprivate_stats,
+    )
+    loop.run(bar)
+  finally:
+    bar.close()
+    log.close()
+    ckpt.close()
+
+  if cfg.plots:
+    from experiments import plots  # pylint: disable=g-import-not-at-top
+
+    plots.make_all(workdir)
+  outputs.write_summary(workdir, config_name, loop.records, info)
+  return {
+    "records": loop.records,
+    "timing": loop.timing,
+    "state": loop.state,
+    "workdir": str(workdir),
+    "ledger": loop.ledger.to_dict() if loop.ledger is not None else None,
+    "compilations": loop.compiles.count,
+    "seconds": time.time() - t_start,
+  }
+
+
+# ----------------------------------------------------------------------------
+# The steps of a run's set-up.
+# ----------------------------------------------------------------------------
+
+
+def _writable(workdir: Path) -> Path:
+  """``workdir``, once it (and its ``checkpoints/``, if there) is known to be writable.
+
+  Raises:
+    WorkdirError: it is a file, or cannot be created or written.
+  """
   try:
     checkpointing.check_writable(workdir)
     if (workdir / "checkpoints").is_dir():
@@ -213,224 +315,145 @@ def train_and_evaluate(
       "process can create and write (new, or the work dir of this run to "
       "resume it)"
     ) from None
-  config_name = config_name or workdir.name
-  t_start = time.time()
+  return workdir
+
+
+def _seeded(config, workdir: Path):
+  """``(cfg, seed)``: a copy of ``config`` with its resolved seed (:func:`experiments.seeds.resolve`:
+  a DP run without one draws it, a re-run reads it back); the caller's config keeps its
+  ``None`` seed (it may be run in another work dir)."""
   try:
     seed = seeds.resolve(config.get("seed"), private=bool(config.dp.enabled), workdir=workdir)
   except seeds.SeedError as e:
     raise resume.ResumeError(str(e)) from None
-  cfg = copy.deepcopy(config)  # the caller's config keeps its None seed (another work dir)
+  cfg = copy.deepcopy(config)
   cfg.seed = seed.value
+  return cfg, seed
 
-  setup = build.build_run(cfg, seed=seed.value, built=planned._replace(cfg=cfg))
-  dataset, alg, state, clients = setup.dataset, setup.algorithm, setup.state, setup.clients
-  # With JAX's persistent cache on, the round's traced program is kept too: a warm run reads
-  # it back instead of tracing it (experiments.export_cache).
-  alg = export_cache.wrap(alg, hint=hint)
-  apply_fn = setup.apply_fn
-  sizes = [len(i) for i in setup.client_indices]
-  x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
-  num_clients = len(sizes)
-  privacy = resume.privacy_fingerprint(cfg, alg, sizes)
-  fields = resume.run_defining_fields(cfg)
-  private = alg.dp is not None
-  nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
-  per_round = cfg.data.get("clients_per_round")
-  participation_seed = cfg.data.get("participation_seed", 0)  # public; never cfg.seed
-  sampled = build.samples_clients(cfg)
-  fresh_ledger = None
-  mechanism = alg.mechanism
-  if private:
-    smallest = privacy["min_client_size"]
-    fresh_ledger = new_ledger(mechanism, sizes, per_round)
-    if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
-      # The smallest client taking part in every round bounds every client's ledger.
-      epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
-      library_configs.check_target_epsilon(
-        cfg, mechanism.epsilon_after(cfg.rounds, smallest, adjacency=epsilon_for)
-      )
-  info = outputs.run_info(
-    cfg,
-    config_name,
-    setup,
-    privacy=privacy,
-    mechanism=mechanism,
-    seed=seed,
-    nonprivate_stats=nonprivate_stats,
-  )
 
-  # Resume from the newest valid checkpoint (damaged ones are set aside, never deleted).
-  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
-  metrics_path = workdir / "metrics.jsonl"
-  timing_path = workdir / outputs.TIMING_FILE
-  try:
-    start, state, ledger, damaged = resume.restore_newest_valid(
-      ckpt, state, privacy=privacy, fields=fields, fresh_ledger=fresh_ledger, workdir=workdir
+def _fresh_ledger(cfg, mechanism: accounting.DpMechanism, sizes, privacy: dict):
+  """A DP run's empty ledger (:func:`new_ledger`), once a calibrated ``dp.target_epsilon``
+  is known to be what ``cfg.rounds`` rounds spend on the smallest client (the one taking part
+  in every round bounds every client's ledger)."""
+  if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
+    epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
+    library_configs.check_target_epsilon(
+      cfg, mechanism.epsilon_after(cfg.rounds, privacy["min_client_size"], adjacency=epsilon_for)
     )
-    records = checkpointing.read_metrics(metrics_path)
-    kept = [r for r in records if isinstance(r, dict) and r.get("round", 0) <= start]
-    if [r.get("round") for r in kept] != list(range(1, start + 1)):
-      raise resume.ResumeError(
-        f"{metrics_path} holds rounds {[r.get('round') for r in kept]} up to round {start}, "
-        f"but the checkpoint is after round {start}; allowed: complete records 1..{start} "
-        "(restore the file, or use a new --workdir); nothing was changed"
-      )
-    moved = [(r, why, ckpt.set_aside(r, workdir / resume.DAMAGED_DIR)) for r, why in damaged]
-    records = checkpointing.truncate_metrics(metrics_path, start)
-    timing = checkpointing.truncate_metrics(timing_path, start)
-  except BaseException:
-    ckpt.close()
-    raise
-  checkpointing.write_json_atomic(workdir / "config.json", cfg.to_dict())
-  checkpointing.write_json_atomic(workdir / "run_info.json", info)
-  if ledger is not None:
-    checkpointing.write_json_atomic(workdir / "privacy_ledger.json", ledger.to_dict())
+  return new_ledger(mechanism, sizes, cfg.data.get("clients_per_round"))
 
-  # The test set stays on the device as stored (uint8 for image datasets) and is
-  # normalised chunk by chunk inside the evaluation.
+
+def _test_evaluator(setup: build.Run, chunk_size: int):
+  """The jitted ``(params, x, y) -> evaluation`` of the test split. The test set stays on the
+  device as stored (uint8 for image datasets) and is normalised chunk by chunk inside it; it is
+  read back from the export cache too (a warm run neither traces nor lowers it)."""
   to_inputs = functools.partial(
     normalise_pixels,
-    pixel_scale=jnp.asarray(dataset.pixel_scale),
-    pixel_offset=jnp.asarray(dataset.pixel_offset),
+    pixel_scale=jnp.asarray(setup.dataset.pixel_scale),
+    pixel_offset=jnp.asarray(setup.dataset.pixel_offset),
   )
-  chunk_size = cfg.eval_chunk_size
+  apply_fn = setup.apply_fn
 
   def evaluate_test_split(p, x, y):
     return evaluate(apply_fn, p, x, y, chunk_size=chunk_size, preprocess=to_inputs)
 
-  # Read back from the export cache too (a warm run neither traces nor lowers it).
-  eval_fn = export_cache.wrap_program(jax.jit(evaluate_test_split))
-  log = outputs.RunLog(workdir / "train.log", config_name)
-  outputs.log_start(
-    log,
-    cfg,
-    info,
-    start=start,
-    ledger=ledger,
-    moved=moved,
-    ckpt_dir=ckpt.directory,
-    seed=seed,
-    private=private,
-  )
-  wall_before = timing[-1]["wall_seconds"] if timing else 0.0
-  taking_part = num_clients if per_round is None else per_round
-  upload_mb_per_round = taking_part * alg.upload_floats_per_client * outputs.BYTES_PER_FLOAT / 1e6
-  snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}
-  t_loop = time.time()
+  return export_cache.wrap_program(jax.jit(evaluate_test_split))
 
+
+def _progress_bar(cfg, start: int, label: str):
+  """tqdm's bar of the rounds on stderr (``cfg.progress_bar`` off: a disabled one)."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
-  bar = tqdm(
+  return tqdm(
     total=cfg.rounds,
     initial=start,
-    desc=config_name,
+    desc=label,
     unit="round",
     disable=not cfg.progress_bar,
     file=sys.stderr,
     dynamic_ncols=True,
   )
-  last_good = start if start else None
-  round_compiles = CompileCounter()
-  stop = termination.TermSignal()
-  grace = float(cfg.get("termination_grace_seconds", DEFAULT_GRACE_SECONDS))
 
-  def save_checkpoint(m):
-    ckpt.save(
-      m,
-      state,
-      {
-        "round": m,
-        "ledger": ledger.to_dict() if ledger else None,
-        "privacy": privacy,
-        "config": fields,
-        "metrics_records": m,
-      },
-    )
 
-  def compute_round(m, idx, state):
-    """Round ``m`` and its evaluation, in the worker thread of :func:`termination.wait_for`
-    (it writes nothing: the main thread does)."""
-    with round_compiles:
-      if sampled:  # only the sampled clients' block goes to the device
-        state, metrics = participation.sampled_round(
-          alg, state, participation.device_block(clients, idx), idx
-        )
-      else:
-        state, metrics = alg.round(state, clients)
-    params = alg.params_of(state)
-    ev = eval_fn(params, x_test, y_test)
-    test_loss, test_acc = float(ev.loss), float(ev.accuracy)
-    jax.block_until_ready((state, metrics))
-    faults.slow(m)
-    return state, metrics, params, test_loss, test_acc
+# ----------------------------------------------------------------------------
+# The loop.
+# ----------------------------------------------------------------------------
 
-  def charge_ledger(m, idx):
-    """Composes round ``m``'s noisy accesses into the ledger and writes privacy_ledger.json
-    (atomically); the round's epsilon, ``None`` without DP."""
-    epsilon = None if ledger is None else charge_round(ledger, mechanism, idx)
-    if ledger is not None:
-      checkpointing.write_json_atomic(
-        workdir / "privacy_ledger.json", ledger.to_dict(), fault_round=m
-      )
-    return epsilon
 
-  def interrupted(m, idx, why):
-    """Round ``m`` was left computing: charge it as spent (DP), say so; the message."""
-    epsilon = charge_ledger(m, idx)
-    where = (
-      f"checkpoint {last_good} in {ckpt.directory} is the last one"
-      if last_good
-      else "no checkpoint was written yet"
-    )
-    spent = (
-      ""
-      if epsilon is None
-      else f"; its noisy accesses are charged to "
-      f"privacy_ledger.json as spent (epsilon {epsilon:.3f})"
-    )
-    msg = (
-      f"{why} during round {m}: the round was abandoned{spent}; {where}; run the same "
-      f"command again to redo round {m}"
-    )
-    log(msg)
-    return msg
+class _RoundLoop:
+  """The rounds ``start + 1 .. cfg.rounds`` of one run, and what they carry between rounds:
+  the state, the ledger, the records and timing written, the last round checkpointed."""
 
-  try:
+  def __init__(
+    self,
+    cfg,
+    setup: build.Run,
+    alg,
+    *,
+    workdir: Path,
+    restored: resume.Resumed,
+    ckpt,
+    log,
+    checkpoint_meta: dict,
+    nonprivate_stats: bool,
+  ):
+    self.cfg, self.alg, self.workdir, self.ckpt, self.log = cfg, alg, workdir, ckpt, log
+    self.dataset, self.clients = setup.dataset, setup.clients
+    self.start, self.state, self.ledger = restored.start, restored.state, restored.ledger
+    self.records, self.timing = restored.records, restored.timing
+    self.last_good = restored.start if restored.start else None
+    self.meta = checkpoint_meta
+    self.private = alg.dp is not None
+    self.nonprivate_stats = nonprivate_stats
+    self.num_clients = len(setup.client_indices)
+    self.per_round = cfg.data.get("clients_per_round")
+    self.participation_seed = cfg.data.get("participation_seed", 0)  # public; never cfg.seed
+    self.sampled = build.samples_clients(cfg)
+    self.eval_fn = _test_evaluator(setup, cfg.eval_chunk_size)
+    self.x_test, self.y_test = jnp.asarray(self.dataset.x_test), jnp.asarray(self.dataset.y_test)
+    taking_part = self.num_clients if self.per_round is None else self.per_round
+    self.upload_mb = taking_part * alg.upload_floats_per_client * outputs.BYTES_PER_FLOAT / 1e6
+    self.compiles = CompileCounter()
+
+  def run(self, bar) -> None:
+    """Every remaining round: computed in a worker thread while SIGTERM / Ctrl-C are watched,
+    then charged, checked, written and (every ``checkpoint_every``) checkpointed."""
+    cfg = self.cfg
+    stop = termination.TermSignal()
+    grace = float(cfg.get("termination_grace_seconds", DEFAULT_GRACE_SECONDS))
+    snapshots = set(cfg.snapshot_rounds) | {cfg.rounds}
+    wall_before = self.timing[-1]["wall_seconds"] if self.timing else 0.0
+    t_loop = time.time()
     with stop:
-      for m in range(start + 1, cfg.rounds + 1):
+      for m in range(self.start + 1, cfg.rounds + 1):
         t0 = time.time()
-        idx = participation.sample_clients(participation_seed, m, num_clients, per_round)
+        idx = participation.sample_clients(
+          self.participation_seed, m, self.num_clients, self.per_round
+        )
         try:
           state, metrics, params, test_loss, test_acc = termination.wait_for(
-            functools.partial(compute_round, m, idx, state), stop, grace_seconds=grace
+            functools.partial(self._compute, m, idx, self.state), stop, grace_seconds=grace
           )
         except termination.Abandoned:
-          raise Terminated(
-            interrupted(
-              m,
-              idx,
-              f"terminated by {stop.received} (not done within "
-              f"termination_grace_seconds={grace:g})",
-            )
-          ) from None
+          why = (
+            f"terminated by {stop.received} (not done within termination_grace_seconds={grace:g})"
+          )
+          raise Terminated(self._abandon(m, idx, why)) from None
         except KeyboardInterrupt:
-          interrupted(m, idx, "interrupted (Ctrl-C)")
+          self._abandon(m, idx, "interrupted (Ctrl-C)")
           raise
+        self.state = state
         faults.point("round", m)
-        epsilon = charge_ledger(m, idx)
+        epsilon = self._charge(m, idx)
         problems = outputs.find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
-          where = (
-            f"the last good checkpoint is round {last_good} in {ckpt.directory}"
-            if last_good is not None
-            else "no checkpoint was written yet"
-          )
+          where = self._last_good("the last good checkpoint is round {} in {}")
           msg = (
-            f"round {m}: {'; '.join(problems)}. Stopped; {where} (with its privacy "
-            f"ledger); metrics.jsonl holds rounds 1..{m - 1}. Try a smaller learning_rate "
-            f"or client.image_lr, or check the data."
+            f"round {m}: {'; '.join(problems)}. Stopped; {where} (with its privacy ledger); "
+            f"metrics.jsonl holds rounds 1..{m - 1}. Try a smaller "
+            "learning_rate or client.image_lr, or check the data."
           )
-          log(f"ERROR {msg}", labelled=False)
+          self.log(f"ERROR {msg}", labelled=False)
           raise NonFiniteError(msg)
         now = time.time()
         rec = outputs.round_record(
@@ -438,57 +461,98 @@ def train_and_evaluate(
           test_acc,
           test_loss,
           epsilon,
-          ledger,
+          self.ledger,
           metrics,
           idx,
           cfg=cfg,
-          private=private,
-          nonprivate_stats=nonprivate_stats,
-          upload_mb=m * upload_mb_per_round,
+          private=self.private,
+          nonprivate_stats=self.nonprivate_stats,
+          upload_mb=m * self.upload_mb,
         )
         times = {
           "round": m,
           "round_seconds": now - t0,
           "wall_seconds": wall_before + (now - t_loop),
-          "first_in_process": m == start + 1,
+          "first_in_process": m == self.start + 1,
         }
-        checkpointing.append_metrics(timing_path, times)  # first: metrics.jsonl decides resumes
-        checkpointing.append_metrics(metrics_path, rec)
-        timing.append(times)
-        records.append(rec)
+        # timing.jsonl first: metrics.jsonl decides resumes
+        checkpointing.append_metrics(self.workdir / outputs.TIMING_FILE, times)
+        checkpointing.append_metrics(self.workdir / "metrics.jsonl", rec)
+        self.timing.append(times)
+        self.records.append(rec)
         if m in snapshots:
-          outputs.save_snapshot(workdir, m, state, dataset)
+          outputs.save_snapshot(self.workdir, m, self.state, self.dataset)
         if m % cfg.checkpoint_every == 0 or m == cfg.rounds or stop.received:
-          save_checkpoint(m)
-          last_good = m
+          self._checkpoint(m)
         bar.update(1)
-        log(outputs.format_line(rec, cfg.rounds), seconds=times["round_seconds"])
+        self.log(outputs.format_line(rec, cfg.rounds), seconds=times["round_seconds"])
         if stop.received:  # at the last round too: the plots and summary can wait
           msg = (
             f"terminated by {stop.received} after round {m}: checkpoint {m} saved in "
-            f"{ckpt.directory}; run the same command again to resume"
+            f"{self.ckpt.directory}; run the same command again to resume"
           )
-          log(msg)
+          self.log(msg)
           raise Terminated(msg)
-  finally:
-    bar.close()
-    log.close()
-    ckpt.close()
 
-  if cfg.plots:
-    from experiments import plots  # pylint: disable=g-import-not-at-top
+  def _compute(self, m, idx, state):
+    """Round ``m`` and its evaluation, in the worker thread of :func:`termination.wait_for`
+    (it writes nothing: the main thread does)."""
+    alg = self.alg
+    with self.compiles:
+      if self.sampled:  # only the sampled clients' block goes to the device
+        state, metrics = participation.sampled_round(
+          alg, state, participation.device_block(self.clients, idx), idx
+        )
+      else:
+        state, metrics = alg.round(state, self.clients)
+    params = alg.params_of(state)
+    ev = self.eval_fn(params, self.x_test, self.y_test)
+    test_loss, test_acc = float(ev.loss), float(ev.accuracy)
+    jax.block_until_ready((state, metrics))
+    faults.slow(m)
+    return state, metrics, params, test_loss, test_acc
 
-    plots.make_all(workdir)
-  outputs.write_summary(workdir, config_name, records, info)
-  return {
-    "records": records,
-    "timing": timing,
-    "state": state,
-    "workdir": str(workdir),
-    "ledger": ledger.to_dict() if ledger is not None else None,
-    "compilations": round_compiles.count,
-    "seconds": time.time() - t_start,
-  }
+  def _charge(self, m, idx):
+    """Composes round ``m``'s noisy accesses into the ledger and writes privacy_ledger.json
+    (atomically); the round's epsilon, ``None`` without DP."""
+    if self.ledger is None:
+      return None
+    epsilon = charge_round(self.ledger, self.alg.mechanism, idx)
+    checkpointing.write_json_atomic(
+      self.workdir / "privacy_ledger.json", self.ledger.to_dict(), fault_round=m
+    )
+    return epsilon
+
+  def _checkpoint(self, m):
+    """Saves the state after round ``m`` with its ledger and fingerprints."""
+    ledger = self.ledger.to_dict() if self.ledger else None
+    meta = {"round": m, "ledger": ledger, **self.meta, "metrics_records": m}
+    self.ckpt.save(m, self.state, meta)
+    self.last_good = m
+
+  def _last_good(self, where: str) -> str:
+    """``where`` filled with the last checkpointed round and its directory, or that none was
+    written yet."""
+    if self.last_good is None:
+      return "no checkpoint was written yet"
+    return where.format(self.last_good, self.ckpt.directory)
+
+  def _abandon(self, m, idx, why) -> str:
+    """Round ``m`` was left computing: charge it as spent (DP), say so; the message."""
+    epsilon = self._charge(m, idx)
+    spent = (
+      ""
+      if epsilon is None
+      else f"; its noisy accesses are charged to "
+      f"privacy_ledger.json as spent (epsilon {epsilon:.3f})"
+    )
+    where = self._last_good("checkpoint {} in {} is the last one")
+    msg = (
+      f"{why} during round {m}: the round was abandoned{spent}; {where}; run the same "
+      f"command again to redo round {m}"
+    )
+    self.log(msg)
+    return msg
 
 
 def new_ledger(mechanism: accounting.DpMechanism, client_sizes, clients_per_round: int | None):
