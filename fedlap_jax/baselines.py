@@ -337,7 +337,9 @@ class BaselineConfig:
     weighting: ``size`` (``w_k = N_k / N``) or ``uniform`` (``1 / K``); DP
       methods require ``uniform`` (Algorithm 3). ``None`` (default): ``uniform``
       for DP methods, ``size`` otherwise.
-    local: :class:`LocalTraining`.
+    local: :class:`LocalTraining`. What the method's name implies is taken from it when
+      ``local`` leaves it at its default (``control_variates=True`` for ``scaffold``,
+      ``fixed_steps=1`` for ``fedsgd``); a value set otherwise is refused.
     dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise, microbatch
       and per-example method ``local`` uses, for DP methods (the guarantee the accountant
       reports); ``None`` for the others, and for a private path outside ``DPConfig``'s
@@ -386,6 +388,15 @@ class BaselineConfig:
     if private and isinstance(self.dp, DPConfig) and _dp_fields_unset(self.local):
       # dp is the source of the private path's clip, noise, microbatch and per-example method
       object.__setattr__(self, "local", dataclasses.replace(self.local, **_dp_fields(self.dp)))
+    # The method's name is the source of its control variates and fixed step count: a local
+    # that leaves them at their defaults takes them (one that sets them must agree, below).
+    implied = {}
+    if facts.control_variates and self.local.control_variates is False:
+      implied["control_variates"] = True
+    if facts.fixed_steps is not None and self.local.fixed_steps is None:
+      implied["fixed_steps"] = facts.fixed_steps
+    if implied:
+      object.__setattr__(self, "local", dataclasses.replace(self.local, **implied))
     loc = self.local
     require(
       not private or self.weighting == "uniform",
@@ -939,12 +950,10 @@ def baseline_config(
   local = LocalTraining(
     epochs=local_epochs,
     batch_size=batch_size,
-    fixed_steps=facts.fixed_steps,
     max_client_size=max_client_size,
     poisson_capacity=poisson_capacity,
     prox_mu=prox_mu if facts.prox else 0.0,
     gradient_mean=gradient_mean,
-    control_variates=facts.control_variates,
     dsa_strategy=dsa_strategy,
     track_loss=track_loss,
     **({} if dp is None else _dp_fields(dp)),

@@ -475,8 +475,10 @@ def test_config_refuses_inconsistent_methods():
     baselines.BaselineConfig(method="fedavg", rounds=1, local=baselines.LocalTraining(prox_mu=0.1))
   with pytest.raises(ValueError, match="l2_clip_norm"):
     baselines.BaselineConfig(method="dp_fedavg", rounds=1, local=baselines.LocalTraining())
-  with pytest.raises(ValueError, match="fixed_steps"):
-    baselines.BaselineConfig(method="fedsgd", rounds=1, local=baselines.LocalTraining())
+  with pytest.raises(ValueError, match="fixed_steps"):  # FedSGD's one step is its name's
+    baselines.BaselineConfig(
+      method="fedsgd", rounds=1, local=baselines.LocalTraining(fixed_steps=3)
+    )
   with pytest.raises(ValueError, match="noise_multiplier"):
     baselines.LocalTraining(noise_multiplier=1.0)  # noise without clipping
 
@@ -516,6 +518,30 @@ def test_dp_baselines_honour_the_per_example_method(linear_apply_fn, linear_para
       rounds=1,
       local=local,
       dp=dataclasses.replace(DP, per_example_method="vmap"),
+    )
+
+
+def test_the_method_name_is_the_source_of_control_variates_and_fixed_steps():
+  """SCAFFOLD's control variates and FedSGD's one step are the name's: a ``local`` left at
+  its defaults takes them (the builder states neither), one set otherwise is refused by name."""
+  local = baselines.LocalTraining(batch_size=32)
+  scaffold = baselines.BaselineConfig(method="scaffold", rounds=1, local=local)
+  fedsgd = baselines.BaselineConfig(method="fedsgd", rounds=1, local=local)
+  fedavg = baselines.BaselineConfig(method="fedavg", rounds=1, local=local)
+  assert (scaffold.local.control_variates, scaffold.local.fixed_steps) == (True, None)
+  assert (fedsgd.local.control_variates, fedsgd.local.fixed_steps) == (False, 1)
+  assert fedavg.local == local
+  assert dataclasses.replace(scaffold, rounds=2).local == scaffold.local  # replace: the same
+  for method in ("scaffold", "fedsgd"):
+    built = baselines.baseline_config(method, rounds=1, learning_rate=0.1, batch_size=32, dp=None)
+    assert built.local == baselines.BaselineConfig(method=method, rounds=1, local=local).local
+  with pytest.raises(privacy.ConfigError, match="local.control_variates"):
+    baselines.BaselineConfig(
+      method="fedavg", rounds=1, local=dataclasses.replace(local, control_variates=True)
+    )
+  with pytest.raises(privacy.ConfigError, match="local.fixed_steps"):
+    baselines.BaselineConfig(
+      method="fedsgd", rounds=1, local=dataclasses.replace(local, fixed_steps=2)
     )
 
 
