@@ -290,7 +290,13 @@ def _child(spec: dict) -> dict:
     jax.config.update("jax_enable_compilation_cache", False)
 
   import fedlap_jax  # pylint: disable=g-import-not-at-top
-  from experiments import calibration, flags, train  # pylint: disable=g-import-not-at-top
+  from experiments import train  # pylint: disable=g-import-not-at-top
+
+  try:  # the command line's config and its DP calibration, in their own modules
+    from experiments.calibration import calibrate_noise  # pylint: disable=g-import-not-at-top
+    from experiments.flags import load_config  # pylint: disable=g-import-not-at-top
+  except ImportError:  # a --ref from before they left experiments.run
+    from experiments.run import calibrate_noise, load_config  # pylint: disable=g-import-not-at-top
 
   # A --ref from before experiments.build builds its run in experiments.train.
   build_run = getattr(train, "build_run", None)
@@ -310,8 +316,8 @@ def _child(spec: dict) -> dict:
   }
   t_setup = time.perf_counter()
   with events.during("setup"):
-    cfg, _ = flags.load_config(spec["config"], spec["overrides"])
-    calibration.calibrate_noise(cfg)
+    cfg, _ = load_config(spec["config"], spec["overrides"])
+    calibrate_noise(cfg)
     try:  # the round as experiments.train runs it: from the export cache (trees that have it)
       from experiments import export_cache  # pylint: disable=g-import-not-at-top
     except ImportError:
