@@ -385,12 +385,12 @@ class BaselineConfig:
     one_of("weighting", self.weighting, WEIGHTINGS)
     require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-    if private and isinstance(self.dp, DPConfig) and _dp_fields_unset(self.local):
-      # dp is the source of the private path's clip, noise, microbatch and per-example method
-      object.__setattr__(self, "local", dataclasses.replace(self.local, **_dp_fields(self.dp)))
-    # The method's name is the source of its control variates and fixed step count: a local
-    # that leaves them at their defaults takes them (one that sets them must agree, below).
+    # dp is the source of the private path's clip, noise, microbatch and per-example method,
+    # the name of the control variates and the fixed step count: a local that leaves them at
+    # their defaults takes them (one that sets them must agree, below).
     implied = {}
+    if private and isinstance(self.dp, DPConfig) and _dp_fields_unset(self.local):
+      implied.update(_dp_fields(self.dp))
     if facts.control_variates and self.local.control_variates is False:
       implied["control_variates"] = True
     if facts.fixed_steps is not None and self.local.fixed_steps is None:
