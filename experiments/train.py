@@ -215,7 +215,7 @@ def train_and_evaluate(
   private = alg.dp is not None
   nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
   fields = resume.run_defining_fields(cfg)
-  fresh_ledger = _fresh_ledger(cfg, alg.mechanism, sizes, privacy) if private else None
+  fresh_ledger = _fresh_ledger(cfg, alg.mechanism, sizes) if private else None
   info = outputs.run_info(
     cfg,
     config_name,
@@ -331,14 +331,14 @@ def _seeded(config, workdir: Path):
   return cfg, seed
 
 
-def _fresh_ledger(cfg, mechanism: accounting.DpMechanism, sizes, privacy: dict):
+def _fresh_ledger(cfg, mechanism: accounting.DpMechanism, sizes):
   """A DP run's empty ledger (:func:`new_ledger`), once a calibrated ``dp.target_epsilon``
   is known to be what ``cfg.rounds`` rounds spend on the smallest client (the one taking part
   in every round bounds every client's ledger)."""
   if cfg.dp.get("target_epsilon") is not None:  # calibrated by experiments.run
     epsilon_for = cfg.dp.get("epsilon_for", accounting.REPLACE_ONE)
     library_configs.check_target_epsilon(
-      cfg, mechanism.epsilon_after(cfg.rounds, privacy["min_client_size"], adjacency=epsilon_for)
+      cfg, mechanism.epsilon_after(cfg.rounds, int(min(sizes)), adjacency=epsilon_for)
     )
   return new_ledger(mechanism, sizes, cfg.data.get("clients_per_round"))
 
