@@ -8,6 +8,7 @@ nothing from ``benchmarks``); it imports no JAX and takes a fraction of a second
 from __future__ import annotations
 
 import functools
+import importlib
 import pathlib
 import pickle
 
@@ -139,7 +140,7 @@ def test_method_lists_and_labels_come_from_the_registry():
   )
   assert not hasattr(core, "METHODS") and not hasattr(core, "METHOD_LABELS")
   assert library_configs.CLIENT_BACKENDS == core.CLIENT_BACKENDS
-  labels = {name: REGISTRY[name].label(dp) for name in REGISTRY for dp in (False,)}
+  labels = {name: REGISTRY[name].label(False) for name in REGISTRY}
   assert REGISTRY["fedlap"].label(True) == "FedLAP-DP"
   assert labels == {
     "fedlap": "FedLAP",
@@ -226,8 +227,6 @@ def test_synthetic_sets_and_class_batches_live_below_every_method():
     assert not set(METHODS) & graph[shared], (shared, graph[shared])
     for method in ("client", "feddm", "condensation"):
       assert floors[shared] < floors[method], (shared, method, floors)
-  import importlib
-
   import fedlap_jax
   from fedlap_jax import synthetic
 
