@@ -494,6 +494,48 @@ def test_ledger_continues_across_resume(straight, crashed_and_resumed):
   assert stored["ledger"] == reference
 
 
+def test_ctrl_c_charges_the_abandoned_round_and_the_resume_equals_the_uninterrupted_run(
+  straight, tmp_path, monkeypatch
+):
+  """Ctrl-C while round 3 is computing: its noisy accesses happened, so the live ledger is
+  charged for it (3 rounds) though nothing of it is written; the resume redoes round 3 from
+  checkpoint 2 with the same keys, and the ledger and records end as an uninterrupted run's."""
+  from experiments import termination  # pylint: disable=g-import-not-at-top
+
+  wait_for = termination.wait_for
+  rounds = []
+
+  def interrupted_in_round_3(fn, *args, **kwargs):
+    rounds.append(1)
+    out = wait_for(fn, *args, **kwargs)  # the round ran: its Poisson draws and noise happened
+    if len(rounds) == 3:
+      raise KeyboardInterrupt
+    return out
+
+  cfg = tiny_config(checkpoint_every=1, progress_bar=False, plots=False)
+  workdir = tmp_path / "run"
+  monkeypatch.setattr(termination, "wait_for", interrupted_in_round_3)
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(cfg, workdir)
+  monkeypatch.undo()
+  live = json.loads((workdir / "privacy_ledger.json").read_text())
+  assert live["rounds"] == 3  # the abandoned round is charged as spent
+  assert [r["round"] for r in checkpointing.read_metrics(workdir / "metrics.jsonl")] == [1, 2]
+  assert checkpointing.Checkpointer(workdir / "checkpoints").latest_round() == 2
+  log = (workdir / "train.log").read_text()
+  assert (
+    "interrupted (Ctrl-C) during round 3: the round was abandoned; its noisy accesses are "
+    "charged to privacy_ledger.json as spent" in log
+  )
+  assert f"checkpoint 2 in {workdir / 'checkpoints'} is the last one" in log
+  result = train.train_and_evaluate(cfg, workdir)
+  reference = json.loads((straight / "privacy_ledger.json").read_text())
+  assert json.loads((workdir / "privacy_ledger.json").read_text()) == reference
+  assert result["ledger"] == reference and reference["rounds"] == 4
+  straight_records = checkpointing.read_metrics(straight / "metrics.jsonl")
+  assert comparable(result["records"]) == comparable(straight_records)
+
+
 def test_finished_run_is_not_rerun(straight):
   cfg = tiny_config(progress_bar=False)
   before = checkpointing.read_metrics(straight / "metrics.jsonl")
