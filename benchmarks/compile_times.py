@@ -8,7 +8,8 @@ Usage, from the repository root::
   python -m benchmarks.compile_times --json out.json
 
 For each named config the script prints the round program's HLO instruction count (as JAX
-hands it to XLA, and after XLA's optimisation: instructions, fusions, while loops,
+hands it to XLA, and after XLA's optimisation: instructions, fusions, the distinct fused
+kernels XLA's back end generates code for and where they come from, while loops,
 conditionals), its trace, lower and compile seconds, the set-up's programs and seconds, and
 the round-1 overhead: round 1 minus the median of the later rounds, each round timed as
 ``experiments.run`` times it (the round and the test-set evaluation). Each config is measured
@@ -149,6 +150,68 @@ def hlo_counts(text: str) -> dict[str, int]:
     key = "fusions" if op == "fusion" else op
     if key in counts:
       counts[key] += 1
+  return counts
+
+
+# jax.random's own jitted pieces, as they name a fused instruction's op_name.
+_PRNG_SCOPE = re.compile(
+  r"jit\((?:_threefry\w*|threefry\w*|_randint|_uniform|_normal\w*|_shuffle|_bernoulli|"
+  r"_gamma\w*|_truncated_normal|_permutation|_random_bits|_split|_fold_in)\)"
+)
+# A model's layers: Flax (and Equinox) name scopes are the modules' names, capitalised
+# (``ConvNet/Conv_0``, ``GroupNorm_1``, ``Dense_0``); JAX's own scopes are lower case.
+_MODEL_SCOPE = re.compile(r"(?:^|/|\()[A-Z]\w*")
+_NAME = re.compile(r"%[\w.\-]+")
+_METADATA = re.compile(r",\s*metadata=\{[^}]*\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def kernel_counts(text: str) -> dict[str, int]:
+  """Distinct fused kernels of an optimised HLO module's text, by what they come from.
+
+  XLA:CPU generates code once per distinct fused computation, so the count of distinct
+  fusion bodies (their instructions with names and metadata removed) is what its back end
+  compiles, not the count of fusion instructions. Each distinct body is attributed by the
+  ``op_name`` of its first fusion instruction: ``prng`` (``jax.random``'s pieces:
+  threefry, randint, uniform, normal, shuffle), ``model`` (a capitalised module scope:
+  the model's layers, forward or differentiated) or ``other``. Returns ``distinct`` and
+  the three parts, which add up to it.
+  """
+  bodies: dict[str, list[str]] = {}
+  calls: list[tuple[str, str]] = []  # (called computation, op_name)
+  current = None
+  for line in text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head and "=" not in line.partition("{")[0].split("(")[0]:
+      current = head.group(2)
+      bodies[current] = []
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    if current is None:
+      continue
+    bodies[current].append(_METADATA.sub("", _NAME.sub("%", line.strip())))
+    match = _INSTRUCTION.match(line)
+    if match and _opcode(match.group(1)) == "fusion":
+      called = re.search(r"calls=%?([\w.\-]+)", line)
+      op_name = _OP_NAME.search(line)
+      if called:
+        calls.append((called.group(1), op_name.group(1) if op_name else ""))
+  origin: dict[str, str] = {}
+  for called, op_name in calls:
+    body = "\n".join(bodies.get(called, ()))
+    if body in origin:
+      continue
+    if _PRNG_SCOPE.search(op_name):
+      origin[body] = "prng"
+    elif _MODEL_SCOPE.search(op_name.replace("jit(", "").replace("jvp(", "")):
+      origin[body] = "model"
+    else:
+      origin[body] = "other"
+  counts = {"distinct": len(origin), "prng": 0, "model": 0, "other": 0}
+  for kind in origin.values():
+    counts[kind] += 1
   return counts
 
 
@@ -391,7 +454,9 @@ def _child(spec: dict) -> dict:
     out["steady_round_s"] = steady
     out["round1_overhead_s"] = rounds[0] - steady
   out["hlo_input"] = hlo_counts(lowered.as_text(dialect="hlo"))
-  out["hlo_optimised"] = hlo_counts(compiled.as_text())
+  optimised = compiled.as_text()
+  out["hlo_optimised"] = hlo_counts(optimised)
+  out["kernels"] = kernel_counts(optimised)
   out["events"] = events.rows
   out["process_s"] = time.perf_counter() - t_process
   foreign = _foreign_modules(tree)
@@ -518,11 +583,19 @@ def _compile(run: dict) -> str:
   return f"{events['background']['compile_s']:.2f} bg"
 
 
+def _kernels(run: dict) -> str:
+  """``distinct: prng / model / other`` of :func:`kernel_counts` (n/a for older JSON)."""
+  k = run.get("kernels")
+  if not k:
+    return "n/a"
+  return f"{k['distinct']:,}: {k['prng']} / {k['model']} / {k['other']}"
+
+
 HEADER = (
-  "| tree | config | cache | HLO in / optimised | fusions | while | cond | trace s | lower s | "
-  "compile s | set-up: programs (by XLA) / s | round 1 s | later s | round-1 overhead s | "
-  "to round 1 s | cache MB | load |",
-  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
+  "| tree | config | cache | HLO in / optimised | fusions | kernels: PRNG / model / other | "
+  "while | cond | trace s | lower s | compile s | set-up: programs (by XLA) / s | round 1 s | "
+  "later s | round-1 overhead s | to round 1 s | cache MB | load |",
+  "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
 )
 
 
@@ -560,7 +633,7 @@ def rows(r: dict) -> list[str]:
     lines.append(
       f"| {r['tree']} | {name} | {state} | "
       f"{hin['instructions']:,} / {hopt['instructions']:,} | "
-      f"{hopt['fusions']:,} | {hopt['while']} | {hopt['conditional']} | "
+      f"{hopt['fusions']:,} | {_kernels(run)} | {hopt['while']} | {hopt['conditional']} | "
       f"{_f(_stage(run, 'trace'), '{:.2f}')} | {_f(_stage(run, 'lower'), '{:.2f}')} | "
       f"{_compile(run)} | {programs:.0f} ({by_xla:.0f}) / "
       f"{run['setup_s']:.1f} | {_f(rounds[0] if rounds else None)} | "

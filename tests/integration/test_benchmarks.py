@@ -274,6 +274,10 @@ def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_pa
     assert cold["first_round_done_s"] > cold["rounds_s"][0]
     assert r["cache_entries"] >= 1 and r["cache_bytes"] > 0
     assert cold["hlo_input"]["instructions"] > 1000 and cold["hlo_optimised"]["fusions"] > 0
+    kernels = cold["kernels"]  # distinct fused kernels, each attributed once
+    assert 0 < kernels["distinct"] <= cold["hlo_optimised"]["fusions"]
+    assert kernels["distinct"] == kernels["prng"] + kernels["model"] + kernels["other"]
+    assert kernels["prng"] > 0 and kernels["model"] > 0  # DP noise and DSA draws; the ConvNet
     assert warm["hlo_input"] == cold["hlo_input"]  # one program, built twice
     assert len(cold["rounds_s"]) == 2 and "round1_overhead_s" in cold
   assert results[0]["warm"]["prefetch"] is True  # this tree loads it while it sets up
