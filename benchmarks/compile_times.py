@@ -40,6 +40,7 @@ fast-compile options do not apply.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -118,6 +119,14 @@ def _opcode(rest: str) -> str | None:
   return match.group(1) if match else None
 
 
+def _computation_name(line: str) -> str | None:
+  """The name of the computation an HLO text line opens (``%name (...) -> ... {``), else None."""
+  head = _COMPUTATION.match(line)
+  if head and "=" not in line.partition("{")[0].split("(")[0]:
+    return head.group(2)
+  return None
+
+
 def hlo_counts(text: str) -> dict[str, int]:
   """Counts of an HLO module's text: ``instructions`` (all, fused computations included),
   ``computations``, ``fusions`` (fusion instructions), ``while``, ``conditional``, ``call``,
@@ -137,7 +146,7 @@ def hlo_counts(text: str) -> dict[str, int]:
     0,
   )
   for line in text.splitlines():
-    if _COMPUTATION.match(line) and "=" not in line.partition("{")[0].split("(")[0]:
+    if _computation_name(line) is not None:
       counts["computations"] += 1
       continue
     match = _INSTRUCTION.match(line)
@@ -155,35 +164,37 @@ def hlo_counts(text: str) -> dict[str, int]:
 
 # jax.random's own jitted pieces, as they name a fused instruction's op_name.
 _PRNG_SCOPE = re.compile(
-  r"jit\((?:_threefry\w*|threefry\w*|_randint|_uniform|_normal\w*|_shuffle|_bernoulli|"
-  r"_gamma\w*|_truncated_normal|_permutation|_random_bits|_split|_fold_in)\)"
+  r"jit\((?:_?threefry\w*|_randint|_uniform|_normal\w*|_shuffle|_bernoulli|_gamma\w*|"
+  r"_truncated_normal|_permutation|_random_bits|_split|_fold_in)\)"
 )
 # A model's layers: Flax (and Equinox) name scopes are the modules' names, capitalised
-# (``ConvNet/Conv_0``, ``GroupNorm_1``, ``Dense_0``); JAX's own scopes are lower case.
+# (``ConvNet/Conv_0``, ``jvp(ConvNet)/GroupNorm_1``); JAX's own scopes are lower case.
 _MODEL_SCOPE = re.compile(r"(?:^|/|\()[A-Z]\w*")
 _NAME = re.compile(r"%[\w.\-]+")
 _METADATA = re.compile(r",\s*metadata=\{[^}]*\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_LAYOUT = re.compile(r"\{[^}]*\}")
 
 
-def kernel_counts(text: str) -> dict[str, int]:
-  """Distinct fused kernels of an optimised HLO module's text, by what they come from.
+def kernel_table(text: str) -> list[tuple[str, str]]:
+  """``(origin, output shape)`` of each distinct fused kernel of an optimised HLO module's text.
 
-  XLA:CPU generates code once per distinct fused computation, so the count of distinct
-  fusion bodies (their instructions with names and metadata removed) is what its back end
-  compiles, not the count of fusion instructions. Each distinct body is attributed by the
-  ``op_name`` of its first fusion instruction: ``prng`` (``jax.random``'s pieces:
-  threefry, randint, uniform, normal, shuffle), ``model`` (a capitalised module scope:
-  the model's layers, forward or differentiated) or ``other``. Returns ``distinct`` and
-  the three parts, which add up to it.
+  XLA:CPU generates code once per distinct fused computation, so the distinct fusion bodies
+  (their instructions with names and metadata removed) are what its back end compiles, not
+  the fusion instructions. Each distinct body is attributed by the ``op_name`` of its first
+  fusion instruction: ``prng`` (``jax.random``'s pieces: threefry, randint, uniform,
+  normal, shuffle), ``model`` (a capitalised module scope: the model's layers, forward or
+  differentiated) or ``other``; its shape is that instruction's result shape without layout
+  (``f32[20,4,4,32]``).
   """
   bodies: dict[str, list[str]] = {}
-  calls: list[tuple[str, str]] = []  # (called computation, op_name)
+  calls: list[tuple[str, str, str]] = []  # (called computation, op_name, result shape)
   current = None
   for line in text.splitlines():
-    head = _COMPUTATION.match(line)
-    if head and "=" not in line.partition("{")[0].split("(")[0]:
-      current = head.group(2)
+    name = _computation_name(line)
+    if name is not None:
+      current = name
       bodies[current] = []
       continue
     if line.startswith("}"):
@@ -193,26 +204,40 @@ def kernel_counts(text: str) -> dict[str, int]:
       continue
     bodies[current].append(_METADATA.sub("", _NAME.sub("%", line.strip())))
     match = _INSTRUCTION.match(line)
-    if match and _opcode(match.group(1)) == "fusion":
-      called = re.search(r"calls=%?([\w.\-]+)", line)
+    called = _CALLS.search(line)
+    if match and called and _opcode(match.group(1)) == "fusion":
       op_name = _OP_NAME.search(line)
-      if called:
-        calls.append((called.group(1), op_name.group(1) if op_name else ""))
-  origin: dict[str, str] = {}
-  for called, op_name in calls:
+      shape = _LAYOUT.sub("", match.group(1).partition(" fusion(")[0])
+      calls.append((called.group(1), op_name.group(1) if op_name else "", shape))
+  kernels: dict[str, tuple[str, str]] = {}
+  for called, op_name, shape in calls:
     body = "\n".join(bodies.get(called, ()))
-    if body in origin:
+    if body in kernels:
       continue
     if _PRNG_SCOPE.search(op_name):
-      origin[body] = "prng"
-    elif _MODEL_SCOPE.search(op_name.replace("jit(", "").replace("jvp(", "")):
-      origin[body] = "model"
+      kernels[body] = ("prng", shape)
+    elif _MODEL_SCOPE.search(op_name):
+      kernels[body] = ("model", shape)
     else:
-      origin[body] = "other"
-  counts = {"distinct": len(origin), "prng": 0, "model": 0, "other": 0}
-  for kind in origin.values():
-    counts[kind] += 1
+      kernels[body] = ("other", shape)
+  return list(kernels.values())
+
+
+def kernel_counts(table: list[tuple[str, str]]) -> dict[str, int]:
+  """``distinct`` kernels of a :func:`kernel_table` and its ``prng``, ``model`` and ``other``
+  parts, which add up to it."""
+  counts = {"distinct": len(table), "prng": 0, "model": 0, "other": 0}
+  for origin, _ in table:
+    counts[origin] += 1
   return counts
+
+
+def kernel_shapes(table: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
+  """Per origin, how many distinct kernels of a :func:`kernel_table` have each result shape."""
+  shapes: dict[str, collections.Counter] = {}
+  for origin, shape in table:
+    shapes.setdefault(origin, collections.Counter())[shape] += 1
+  return {origin: dict(c.most_common()) for origin, c in shapes.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -456,7 +481,9 @@ def _child(spec: dict) -> dict:
   out["hlo_input"] = hlo_counts(lowered.as_text(dialect="hlo"))
   optimised = compiled.as_text()
   out["hlo_optimised"] = hlo_counts(optimised)
-  out["kernels"] = kernel_counts(optimised)
+  kernels = kernel_table(optimised)
+  out["kernels"] = kernel_counts(kernels)
+  out["kernel_shapes"] = kernel_shapes(kernels)
   out["events"] = events.rows
   out["process_s"] = time.perf_counter() - t_process
   foreign = _foreign_modules(tree)
@@ -584,10 +611,8 @@ def _compile(run: dict) -> str:
 
 
 def _kernels(run: dict) -> str:
-  """``distinct: prng / model / other`` of :func:`kernel_counts` (n/a for older JSON)."""
-  k = run.get("kernels")
-  if not k:
-    return "n/a"
+  """``distinct: prng / model / other`` of :func:`kernel_counts`."""
+  k = run["kernels"]
   return f"{k['distinct']:,}: {k['prng']} / {k['model']} / {k['other']}"
 
 

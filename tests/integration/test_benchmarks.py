@@ -278,6 +278,10 @@ def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_pa
     assert 0 < kernels["distinct"] <= cold["hlo_optimised"]["fusions"]
     assert kernels["distinct"] == kernels["prng"] + kernels["model"] + kernels["other"]
     assert kernels["prng"] > 0 and kernels["model"] > 0  # DP noise and DSA draws; the ConvNet
+    shapes = cold["kernel_shapes"]  # the same kernels, by origin and result shape
+    assert {o: sum(n.values()) for o, n in shapes.items()} == {
+      o: kernels[o] for o in ("prng", "model", "other") if kernels[o]
+    }
     assert warm["hlo_input"] == cold["hlo_input"]  # one program, built twice
     assert len(cold["rounds_s"]) == 2 and "round1_overhead_s" in cold
   assert results[0]["warm"]["prefetch"] is True  # this tree loads it while it sets up
