@@ -12,9 +12,12 @@ summary at the end of the run lists, per test file, the tests' seconds (setup,
 call and teardown, as ``--durations`` counts them), how many programs were
 traced, lowered and compiled and the seconds each stage took, and how many
 compiles were read back from the persistent compilation cache (their seconds
-are the reads). Under ``pytest-xdist`` each worker counts its own tests and the
-controller adds them up. ``--census-json FILE`` writes the same figures per
-test.
+are the reads). A second table lists the programs by name (the jitted function's,
+as JAX reports it with each compile: ``jit(local_approx)``, ``jit(<lambda>)``, one
+name for every shape and setting it is compiled for), the costliest first: how
+many were compiled and the seconds. Under ``pytest-xdist`` each worker counts its
+own tests and the controller adds them up. ``--census-json FILE`` writes the same
+figures per test, and the programs by name (``"programs"``).
 
 ``cpu s`` is the CPU time (every thread: XLA compiles on several) of the process that ran a
 test, from the start of its setup to the end of its teardown. On a shared machine a test's wall
@@ -49,6 +52,8 @@ _WORKER_KEY = "compile_census"
 
 # "<stage>_n", "<stage>_s", "cache_hits", "cpu_s"; per file also "tests", "test_s"
 Counts = dict[str, float]
+COMPILE_EVENT = next(event for event, stage in STAGES.items() if stage == "compile")
+PROGRAMS_SHOWN = 15  # rows of the programs-by-name table
 
 
 def _empty() -> Counts:
@@ -61,32 +66,37 @@ class Census:
 
   ``tests``: the JAX work done while each test ran (in this process); ``durations``: each
   test's seconds from its reports (on xdist's controller: every worker's tests);
-  ``current``: the test being run.
+  ``current``: the test being run; ``programs``: compiles (``n``, ``s``) by program name.
   """
 
   def __init__(self) -> None:
     self.tests: dict[str, Counts] = collections.defaultdict(_empty)
     self.durations: collections.Counter = collections.Counter()
+    self.programs: dict[str, Counts] = collections.defaultdict(lambda: {"n": 0.0, "s": 0.0})
     self.current = OUTSIDE
 
   def on_duration(self, event: str, seconds: float, **kwargs: Any) -> None:
-    del kwargs
     stage = STAGES.get(event)
     if stage is not None:
       row = self.tests[self.current]
       row[f"{stage}_n"] += 1
       row[f"{stage}_s"] += seconds
+    if event == COMPILE_EVENT:  # JAX names the program with each compile
+      program = self.programs[str(kwargs.get("fun_name", "(unnamed)"))]
+      program["n"] += 1
+      program["s"] += seconds
 
   def on_event(self, event: str, **kwargs: Any) -> None:
     del kwargs
     if event == CACHE_HIT_EVENT:
       self.tests[self.current]["cache_hits"] += 1
 
-  def merge(self, tests: dict[str, Counts]) -> None:
-    for name, counts in tests.items():
-      row = self.tests[name]
-      for key, value in counts.items():
-        row[key] += value
+  def merge(self, tests: dict[str, Counts], programs: dict[str, Counts]) -> None:
+    for into, counts_by_name in ((self.tests, tests), (self.programs, programs)):
+      for name, counts in counts_by_name.items():
+        row = into[name]
+        for key, value in counts.items():
+          row[key] += value
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -127,14 +137,17 @@ class _Hooks:
   def pytest_sessionfinish(self, session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: hand the JAX counts to the controller
-      workeroutput[_WORKER_KEY] = json.dumps(self.census.tests)
+      workeroutput[_WORKER_KEY] = json.dumps(
+        {"tests": self.census.tests, "programs": self.census.programs}
+      )
 
   @pytest.hookimpl(optionalhook=True)
   def pytest_testnodedown(self, node) -> None:
     """xdist's controller, when a worker ends: add the worker's JAX counts."""
     data = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
     if data:
-      self.census.merge(json.loads(data))
+      counts = json.loads(data)
+      self.census.merge(counts["tests"], counts["programs"])
 
   def pytest_terminal_summary(self, terminalreporter) -> None:
     if getattr(self.config, "workeroutput", None) is not None:
@@ -154,9 +167,12 @@ class _Hooks:
       f"{t['compile_n']:.0f} programs compiled, {t['compile_n'] - t['cache_hits']:.0f} of them "
       "by XLA (the rest read from the persistent compilation cache)"
     )
+    for line in format_programs(self.census.programs):
+      terminalreporter.write_line(line)
     path = self.config.getoption("--census-json")
     if path:
-      pathlib.Path(path).write_text(json.dumps({"files": rows, "tests": tests}, indent=1))
+      figures = {"files": rows, "tests": tests, "programs": dict(self.census.programs)}
+      pathlib.Path(path).write_text(json.dumps(figures, indent=1))
       terminalreporter.write_line(f"per-test figures: {path}")
 
 
@@ -201,4 +217,25 @@ def format_table(rows: dict[str, Counts]) -> list[str]:
       f"{r['lower_n']:8.0f} {r['lower_s']:8.1f} {r['compile_n']:9.0f} {r['compile_s']:10.1f} "
       f"{r['cache_hits']:10.0f} {r['cpu_s']:7.1f}"
     )
+  return lines
+
+
+def format_programs(programs: dict[str, Counts], shown: int = PROGRAMS_SHOWN) -> list[str]:
+  """The ``shown`` programs by name with the most compile seconds, then the rest in one line."""
+  if not programs:
+    return []
+  order = sorted(programs, key=lambda name: -programs[name]["s"])
+  total_s = sum(p["s"] for p in programs.values()) or 1.0  # shares of 0 s are 0
+  lines = [
+    f"{'program (compiles of every shape and setting)':48s} {'compiled':>9s} "
+    f"{'compile s':>10s} {'share':>6s}"
+  ]
+  for name in order[:shown]:
+    p = programs[name]
+    lines.append(f"{name:48s} {p['n']:9.0f} {p['s']:10.1f} {p['s'] / total_s:6.1%}")
+  rest = order[shown:]
+  if rest:
+    n = sum(programs[name]["n"] for name in rest)
+    s = sum(programs[name]["s"] for name in rest)
+    lines.append(f"{f'{len(rest)} other names':48s} {n:9.0f} {s:10.1f} {s / total_s:6.1%}")
   return lines

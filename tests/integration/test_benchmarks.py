@@ -189,6 +189,13 @@ def test_compile_census_counts_each_tests_jax_work_across_xdist_workers(tmp_path
   total = census["files"]["total"]
   assert total["tests"] == 2
   assert total["compile_n"] == sum(t["compile_n"] for t in census["tests"].values())
+  # By name: the lambda is the one program the tests compiled (JAX's setup outside the
+  # tests may compile others), and every compile is counted under some name.
+  programs = census["programs"]
+  assert programs["jit(<lambda>)"]["n"] == 1, programs
+  assert programs["jit(<lambda>)"]["s"] == pytest.approx(jitted["compile_s"])
+  assert sum(p["n"] for p in programs.values()) == total["compile_n"]
+  assert any(line.startswith("jit(<lambda>) ") for line in out.stdout.splitlines()), out.stdout
 
 
 # A smaller FedLAP-DP round than the quickstart's (the same paths), so that four processes
