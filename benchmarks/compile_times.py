@@ -33,6 +33,12 @@ large configs' rounds take minutes each, so by default only their program is bui
 lowered, compiled, not run) and their round-1 overhead is not measured
 (``--large-rounds N`` runs 1 + N rounds of them as well).
 
+``--phases`` builds each round once more in a third process, without the cache and under JAX's
+profiler, and prints where XLA's compile goes: its HLO passes, the emission of the fused kernels
+and LLVM's code generation (from XLA:CPU's own trace events; :func:`compile_phases`), beside
+the round's trace and lower seconds. It separates what a smaller program could save (the
+per-kernel phases) from what every cold build pays before the first kernel.
+
 The XLA options are the environment's (``XLA_FLAGS`` is printed); the test suite's
 fast-compile options do not apply.
 """
@@ -93,6 +99,75 @@ STAGE_EVENTS = {
 }
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 RESULT_PREFIX = "COMPILE_TIMES_RESULT "
+
+
+# ----------------------------------------------------------------------------
+# Where XLA's compile goes: its phases, from a profile of one compile.
+# ----------------------------------------------------------------------------
+
+# XLA:CPU's own trace events (TraceMe names of this jaxlib) that mark the phases of a compile.
+# They are XLA's internals, not an API: a jaxlib that names them otherwise gives ``None``s.
+PHASE_EVENTS = {
+  "total": ("backend_compile_and_load",),
+  "hlo_passes": ("HLO passes",),  # through / after layout assignment, after scheduling
+  "emission": ("ThunkEmitter::EmitEntryComputation", "ThunkEmitter::ConsumeKernels"),
+  "llvm": ("JitCompiler::Compile",),
+}
+# One per kernel XLA's fusion emitters generate (none with --xla_cpu_use_fusion_emitters=false).
+KERNEL_EVENT = "FusionCompiler::Compile"
+LLVM_TASK_EVENT = "TaskDispatcher::dispatch"  # one per LLVM compile task on XLA's threads
+
+
+def compile_phases(events: list[dict]) -> dict[str, float | int | None]:
+  """The phases of one XLA compile from its profiler trace events.
+
+  Args:
+    events: Chrome-trace complete events (``ph == "X"``, ``dur`` in microseconds) of a
+      profile that holds exactly one backend compile.
+
+  Returns:
+    Wall seconds of ``total`` (the backend compile), ``hlo_passes`` (XLA's HLO optimisation,
+    one thread), ``emission`` (the thunks and the fusion emitters' kernels) and ``llvm``
+    (LLVM's optimisation and code generation of the kernels, on XLA's threads); ``other``
+    (``total`` less the three); ``emitted_kernels`` (kernels XLA's fusion emitters generated;
+    0 under its older emitters, which trace none), ``llvm_tasks`` and ``llvm_task_s`` (LLVM's
+    compile tasks and their summed seconds over the threads). A phase whose events the trace
+    lacks is ``None``.
+  """
+  out: dict[str, float | int | None] = {}
+  for phase, prefixes in PHASE_EVENTS.items():
+    durs = [e["dur"] for e in events if e.get("ph") == "X" and e["name"].startswith(prefixes)]
+    out[f"{phase}_s"] = sum(durs) / 1e6 if durs else None
+  parts = [out[f"{p}_s"] for p in ("hlo_passes", "emission", "llvm")]
+  total = out["total_s"]
+  out["other_s"] = None if total is None or None in parts else total - sum(parts)  # type: ignore[operator]
+  tasks = [e["dur"] for e in events if e.get("ph") == "X" and e["name"] == LLVM_TASK_EVENT]
+  out["emitted_kernels"] = sum(
+    1 for e in events if e.get("ph") == "X" and e["name"] == KERNEL_EVENT
+  )
+  out["llvm_tasks"] = len(tasks)
+  out["llvm_task_s"] = sum(tasks) / 1e6
+  return out
+
+
+def profiled(fn):
+  """``(fn(), compile_phases of the profile of that call)``: ``fn`` builds one program."""
+  import gzip  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0  # XLA's events only: no event per Python call
+  with tempfile.TemporaryDirectory(prefix="compile-profile-") as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=options):
+      value = fn()
+    traces = list(Path(d).rglob("*.trace.json.gz"))
+    if len(traces) != 1:
+      raise RuntimeError(f"expected one perfetto trace under {d}, found {len(traces)}")
+    with gzip.open(traces[0], "rt") as f:
+      data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  return value, compile_phases(events)
 
 
 # ----------------------------------------------------------------------------
@@ -449,12 +524,15 @@ def _child(spec: dict) -> dict:
     jax.block_until_ready((state, metrics))
     return state, time.perf_counter() - t0
 
+  def lower():
+    """The round's lowered program, as a run builds it."""
+    if out["export_cache"]:  # read back (or exported), then compiled
+      return alg.round.program(state, clients).lower(state, clients)
+    return _jitted_call(alg.round, state, clients).lower()
+
   def build():
     """The round's lowered and compiled program, as a run builds it."""
-    if out["export_cache"]:  # read back (or exported), then compiled
-      lowered = alg.round.program(state, clients).lower(state, clients)
-    else:
-      lowered = _jitted_call(alg.round, state, clients).lower()
+    lowered = lower()
     return lowered, lowered.compile()
 
   rounds = []
@@ -471,7 +549,11 @@ def _child(spec: dict) -> dict:
   else:  # built, not run
     with events.during("round"):
       t0 = time.perf_counter()
-      lowered, compiled = build()
+      if spec.get("phases"):  # only the compile is profiled (a profile keeps so many events)
+        lowered = lower()
+        compiled, out["phases"] = profiled(lowered.compile)
+      else:
+        lowered, compiled = build()
       out["build_s"] = time.perf_counter() - t0
   out["rounds_s"] = rounds
   if len(rounds) >= 2:
@@ -569,6 +651,10 @@ def measure(tree: Path, name: str, args, work: Path) -> dict:
     if state == "cold":
       result["cache_entries"], result["cache_bytes"] = _dir_size(cache)
   shutil.rmtree(cache, ignore_errors=True)
+  if args.phases:  # a third process: the program built once more, no cache, under the profiler
+    result["phases"] = run_child(
+      tree, {**spec, "cache_dir": None, "rounds": 0, "phases": True}, args.timeout
+    )
   return result
 
 
@@ -669,6 +755,47 @@ def rows(r: dict) -> list[str]:
   return lines
 
 
+PHASES_HEADER = (
+  "| tree | config | kernels | trace s | lower s | XLA compile s | HLO passes s | "
+  "kernel emission s | LLVM s (tasks, task-seconds) | other s | trace + lower + HLO passes s | "
+  "per kernel ms | load |",
+  "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+)
+
+
+def phase_rows(r: dict) -> list[str]:
+  """The phases table's row of one measured config (``--phases``).
+
+  A cold build without the cache, profiled: the seconds of tracing and lowering the round
+  (JAX), then of XLA's compile by phase (:func:`compile_phases`). ``trace + lower + HLO
+  passes`` is what the build costs before a single kernel is generated; ``per kernel`` is the
+  emission and LLVM seconds divided by the program's distinct kernels (``kernels``, as in the
+  main table).
+  """
+  run = r.get("phases")
+  if run is None:
+    return []
+  name = r["config"] + (" (stand-in data)" if r["stand_in"] else "")
+  if "error" in run:
+    return [f"| {r['tree']} | {name} | error: see below |"]
+  ph = run["phases"]
+  trace, lower = _stage(run, "trace"), _stage(run, "lower")
+  fixed = None
+  if None not in (trace, lower, ph["hlo_passes_s"]):
+    fixed = trace + lower + ph["hlo_passes_s"]  # type: ignore[operator]
+  per_kernel = None
+  kernels = run["kernels"]["distinct"]
+  if kernels and None not in (ph["emission_s"], ph["llvm_s"]):
+    per_kernel = 1e3 * (ph["emission_s"] + ph["llvm_s"]) / kernels
+  return [
+    f"| {r['tree']} | {name} | {kernels:,} | {_f(trace, '{:.2f}')} | "
+    f"{_f(lower, '{:.2f}')} | {_f(ph['total_s'], '{:.2f}')} | {_f(ph['hlo_passes_s'], '{:.2f}')} | "
+    f"{_f(ph['emission_s'], '{:.2f}')} | {_f(ph['llvm_s'], '{:.2f}')} ({ph['llvm_tasks']}, "
+    f"{ph['llvm_task_s']:.1f}) | {_f(ph['other_s'], '{:.2f}')} | {_f(fixed, '{:.2f}')} | "
+    f"{_f(per_kernel, '{:.1f}')} | {run['load_before']:.1f}-{run['load_after']:.1f} |"
+  ]
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks.compile_times",
@@ -688,6 +815,12 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--later-rounds", type=int, default=None)
   parser.add_argument("--large-rounds", type=int, default=0)
   parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
+  parser.add_argument(
+    "--phases",
+    action="store_true",
+    help="also build each round once more without the cache, under JAX's profiler, and print "
+    "where XLA's compile goes (HLO passes, kernel emission, LLVM)",
+  )
   parser.add_argument("--json", default=None, help="also write the figures to this file")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -721,14 +854,17 @@ def main(argv: list[str] | None = None) -> int:
           r = measure(tree, name, args, work)
           r["tree"] = label
           results.append(r)
-          print("\n".join(rows(r)), flush=True)
+          print("\n".join([*rows(r), *phase_rows(r)]), flush=True)
   finally:
     shutil.rmtree(work, ignore_errors=True)
   print()
   print("\n".join(table(results)))
+  if args.phases:
+    print()
+    print("\n".join([*PHASES_HEADER, *(row for r in results for row in phase_rows(r))]))
   for r in results:
-    for state in ("cold", "warm"):
-      if "error" in r[state]:
+    for state in ("cold", "warm", "phases"):
+      if "error" in r.get(state, {}):
         print(f"\n{r['tree']} {r['config']} {state}: {r[state]['error']}")
   if any(r["stand_in"] for r in results):
     print(

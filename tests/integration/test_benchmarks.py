@@ -246,9 +246,11 @@ def test_compile_times_children_import_the_project_from_their_tree_alone(tmp_pat
 
 @pytest.mark.slow
 def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_path):
-  """``benchmarks.compile_times --ref``: each tree's round program is built cold (XLA compiles
-  it) and warm (read back from the cache the cold process wrote), in fresh processes; the ref's
-  processes import the ref's code from a worktree that is removed afterwards."""
+  """``benchmarks.compile_times --ref --phases``: each tree's round program is built cold (XLA
+  compiles it) and warm (read back from the cache the cold process wrote), in fresh processes;
+  the ref's processes import the ref's code from a worktree that is removed afterwards. With
+  ``--phases`` a third process compiles it under the profiler and splits XLA's compile into its
+  phases."""
   out_json = tmp_path / "times.json"
   sets = [a for s in SMALL_DP for a in ("--set", s)]
   out = run_script(
@@ -260,9 +262,10 @@ def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_pa
     "1",
     "--ref",
     "HEAD",
+    "--phases",
     "--json",
     str(out_json),
-    timeout=600,
+    timeout=900,
   )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   results = json.loads(out_json.read_text())
@@ -291,6 +294,20 @@ def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_pa
     }
     assert warm["hlo_input"] == cold["hlo_input"]  # one program, built twice
     assert len(cold["rounds_s"]) == 2 and "round1_overhead_s" in cold
+    profiled = r["phases"]  # compiled once more, without the cache: XLA compiled it
+    built = profiled["events"]["round"]
+    assert (built["compile_n"], built["cache_hits"]) == (1, 0)
+    ph = profiled["phases"]
+    parts = [ph["hlo_passes_s"], ph["emission_s"], ph["llvm_s"]]
+    assert all(p > 0 for p in parts) and sum(parts) <= ph["total_s"]
+    assert ph["other_s"] == pytest.approx(ph["total_s"] - sum(parts))
+    # Kernels of XLA's fusion emitters, if it used them (the tests' XLA options choose its
+    # older emitters, which trace none): fusions of the same program.
+    assert 0 <= ph["emitted_kernels"] <= profiled["hlo_optimised"]["fusions"]
+    assert profiled["kernels"] == cold["kernels"]
+    assert ph["llvm_tasks"] > 0 and ph["llvm_task_s"] > 0
+    assert ph["total_s"] <= built["compile_s"]
   assert results[0]["warm"]["prefetch"] is True  # this tree loads it while it sets up
   assert "| this tree | quickstart:dp | cold |" in out.stdout
   assert "| HEAD | quickstart:dp | warm |" in out.stdout
+  assert "| tree | config | kernels | trace s | lower s | XLA compile s |" in out.stdout
