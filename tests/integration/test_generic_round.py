@@ -214,6 +214,33 @@ def round_numbers(state, metrics) -> dict:
   return out
 
 
+def leaf_sizes(state, metrics) -> dict:
+  """``{leaf path: number of elements}`` of every leaf, keyed as :func:`round_numbers`."""
+  return {
+    name + jax.tree_util.keystr(path): int(np.size(leaf))
+    for name, tree in (("state", state), ("metrics", metrics))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+  }
+
+
+def assert_round_numbers(have: dict, want: dict, sizes: dict, context) -> None:
+  """``have`` (:func:`round_numbers` of a round) holds ``want``'s pinned numbers: integers
+  exactly; a float leaf's sum of squares to a relative 1e-5, and its sum to 1e-5 of the
+  leaf's mass, ``sqrt(n * sum of squares)`` for its ``n`` elements (a bound on the sum of
+  their magnitudes): each element to a relative 1e-5. A sum whose terms cancel (SCAFFOLD's
+  control variates, an optimiser's first moment) is near zero, and another CPU's rounding
+  moves it by far more than a relative 1e-5 of itself, but not of its terms."""
+  assert sorted(have) == sorted(want), (context, sorted(set(have) ^ set(want)))
+  for leaf, value in want.items():
+    if not isinstance(value, list):
+      assert have[leaf] == value, (context, leaf)
+      continue
+    total, squares = have[leaf]
+    assert squares == pytest.approx(value[1], rel=1e-5, abs=1e-12), (context, leaf)
+    mass = np.sqrt(sizes[leaf] * value[1])
+    assert abs(total - value[0]) <= 1e-5 * mass + 1e-9, (context, leaf, total, value[0], mass)
+
+
 def _pinned_facts(alg, state) -> list:
   return [
     alg.name,
@@ -243,8 +270,9 @@ def test_record_the_pinned_registry_rounds(facts, clients, linear_params):
 def test_the_registry_rounds_are_the_pinned_numbers(pin_id, facts, clients, linear_params):
   """Each method's two registry rounds give the numbers recorded from its own round (module
   docstring): every leaf of state and metrics, integers exactly, floats to a relative 1e-5
-  (the bits on the machine that recorded them; the tolerance leaves room for another CPU's
-  rounding, far below what a changed key, step or weight moves); and the algorithm's facts
+  of each element (:func:`assert_round_numbers`; the bits on the machine that recorded them,
+  with room for another CPU's rounding, far below what a changed key, step or weight moves);
+  and the algorithm's facts
   (name, upload, batch size, per-client fields, state type), its mechanism the library
   config's."""
   pinned = json.loads(PINNED_FILE.read_text())[pin_id]
@@ -254,10 +282,10 @@ def test_the_registry_rounds_are_the_pinned_numbers(pin_id, facts, clients, line
   assert alg.dp == getattr(config, "dp", None)
   if pin_id.endswith("/optimised"):  # the server's Adam state advanced with every round
     assert all(int(s.opt_state[0].count) >= int(s.round) >= 1 for s, _ in two)
-  for r, (have, want) in enumerate(zip(got["rounds"], pinned["rounds"], strict=True), 1):
-    assert sorted(have) == sorted(want), (r, sorted(set(have) ^ set(want)))
-    for leaf, value in want.items():
-      assert have[leaf] == pytest.approx(value, rel=1e-5, abs=1e-9), (r, leaf)
+  for r, (round_, have, want) in enumerate(
+    zip(two, got["rounds"], pinned["rounds"], strict=True), 1
+  ):
+    assert_round_numbers(have, want, leaf_sizes(*round_), r)
 
 
 def test_scaffolds_control_update_is_in_its_client_step(facts, clients, linear_params):
