@@ -134,17 +134,16 @@ def compile_phases(events: list[dict]) -> dict[str, float | int | None]:
     compile tasks and their summed seconds over the threads). A phase whose events the trace
     lacks is ``None``.
   """
+  complete = [e for e in events if e.get("ph") == "X"]
   out: dict[str, float | int | None] = {}
   for phase, prefixes in PHASE_EVENTS.items():
-    durs = [e["dur"] for e in events if e.get("ph") == "X" and e["name"].startswith(prefixes)]
+    durs = [e["dur"] for e in complete if e["name"].startswith(prefixes)]
     out[f"{phase}_s"] = sum(durs) / 1e6 if durs else None
   parts = [out[f"{p}_s"] for p in ("hlo_passes", "emission", "llvm")]
   total = out["total_s"]
   out["other_s"] = None if total is None or None in parts else total - sum(parts)  # type: ignore[operator]
-  tasks = [e["dur"] for e in events if e.get("ph") == "X" and e["name"] == LLVM_TASK_EVENT]
-  out["emitted_kernels"] = sum(
-    1 for e in events if e.get("ph") == "X" and e["name"] == KERNEL_EVENT
-  )
+  tasks = [e["dur"] for e in complete if e["name"] == LLVM_TASK_EVENT]
+  out["emitted_kernels"] = sum(1 for e in complete if e["name"] == KERNEL_EVENT)
   out["llvm_tasks"] = len(tasks)
   out["llvm_task_s"] = sum(tasks) / 1e6
   return out
@@ -152,9 +151,9 @@ def compile_phases(events: list[dict]) -> dict[str, float | int | None]:
 
 def profiled(fn):
   """``(fn(), compile_phases of the profile of that call)``: ``fn`` builds one program."""
-  import gzip  # pylint: disable=g-import-not-at-top
-
   import jax  # pylint: disable=g-import-not-at-top
+
+  from benchmarks import trace_summary  # pylint: disable=g-import-not-at-top
 
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0  # XLA's events only: no event per Python call
@@ -164,9 +163,7 @@ def profiled(fn):
     traces = list(Path(d).rglob("*.trace.json.gz"))
     if len(traces) != 1:
       raise RuntimeError(f"expected one perfetto trace under {d}, found {len(traces)}")
-    with gzip.open(traces[0], "rt") as f:
-      data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
+    events = trace_summary.load(traces[0])
   return value, compile_phases(events)
 
 

@@ -198,29 +198,29 @@ def test_every_registry_method_with_a_round_of_its_own_is_a_case():
   assert {c[1] for c in cases()} == {n for n, m in REGISTRY.items() if m.extends is None}
 
 
+def _leaves(state, metrics):
+  """``(leaf path, NumPy array)`` of every leaf of ``state`` and ``metrics``."""
+  for name, tree in (("state", state), ("metrics", metrics)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      yield name + jax.tree_util.keystr(path), np.asarray(leaf)
+
+
 def round_numbers(state, metrics) -> dict:
   """``{leaf path: [sum, sum of squares]}`` (float64) of every float leaf of ``state`` and
   ``metrics``, ``{leaf path: sum}`` of every integer or bool leaf (the pinned numbers)."""
   out: dict = {}
-  for name, tree in (("state", state), ("metrics", metrics)):
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-      a = np.asarray(leaf)
-      key = name + jax.tree_util.keystr(path)
-      if a.dtype.kind in "fc":
-        a64 = a.astype(np.float64)
-        out[key] = [float(a64.sum()), float(np.square(a64).sum())]
-      else:
-        out[key] = int(a.astype(np.int64).sum())
+  for key, a in _leaves(state, metrics):
+    if a.dtype.kind in "fc":
+      a64 = a.astype(np.float64)
+      out[key] = [float(a64.sum()), float(np.square(a64).sum())]
+    else:
+      out[key] = int(a.astype(np.int64).sum())
   return out
 
 
 def leaf_sizes(state, metrics) -> dict:
   """``{leaf path: number of elements}`` of every leaf, keyed as :func:`round_numbers`."""
-  return {
-    name + jax.tree_util.keystr(path): int(np.size(leaf))
-    for name, tree in (("state", state), ("metrics", metrics))
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-  }
+  return {key: a.size for key, a in _leaves(state, metrics)}
 
 
 def assert_round_numbers(have: dict, want: dict, sizes: dict, context) -> None:
