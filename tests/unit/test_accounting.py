@@ -98,6 +98,38 @@ def test_larger_sigma_smaller_epsilon():
   assert all(a > b for a, b in zip(values, values[1:]))
 
 
+@pytest.mark.parametrize(
+  "sigma,batch_size,size,steps,rounds",
+  [
+    (1.0, 256, 10_000, 200, 15),
+    (0.9, 64, 274, 8, 10),
+    (2.92, 46, 274, 20, 5),
+    (7.0, 1, 1000, 1, 1),
+  ],
+)
+def test_add_remove_figure_is_rdp_accountants_bit_for_bit(sigma, batch_size, size, steps, rounds):
+  """The add/remove figure, from the cached RDP of one step, is what ``RdpAccountant`` gives
+  for the run's steps composed as events; asked again, it computes no RDP."""
+  import dp_accounting  # pylint: disable=g-import-not-at-top
+
+  step = dp_accounting.PoissonSampledDpEvent(
+    batch_size / size, dp_accounting.GaussianDpEvent(sigma)
+  )
+  ref = dp_accounting.rdp.RdpAccountant()
+  ref.compose(dp_accounting.SelfComposedDpEvent(step, steps * rounds))
+  kw = dict(noise_multiplier=sigma, batch_size=batch_size, min_client_size=size, delta=1e-5)
+  got = accounting.epsilon_after_rounds(
+    rounds=rounds, steps_per_round=steps, adjacency="add_remove", **kw
+  )
+  assert got == ref.get_epsilon(1e-5)
+  misses = accounting._step_rdp.cache_info().misses  # pylint: disable=protected-access
+  again = accounting.epsilon_after_rounds(
+    rounds=rounds + 1, steps_per_round=steps, adjacency="add_remove", **kw
+  )
+  assert accounting._step_rdp.cache_info().misses == misses  # pylint: disable=protected-access
+  assert again > got
+
+
 # ---------------------------------------------------------------- ledger
 
 
