@@ -82,7 +82,9 @@ Cost: the RDP vector of one Poisson-sampled Gaussian step and the PLD of one
 step are cached per ``(q, sigma)``, and a replace-one epsilon per
 ``(q, sigma, steps, delta)`` (``functools.lru_cache``; pure functions of their
 arguments), so a ledger round costs one PLD self-composition and ledgers that
-share a rate share it.
+share a rate share it. The add/remove figure of :func:`epsilon_after_rounds` (and
+so of a calibration) is that cached vector times the run's steps: a setting
+calibrated or reported again computes no RDP again.
 
 This module needs neither JAX nor NumPy to import; ``dp_accounting`` (and the
 NumPy it brings) is imported only inside the functions that use it, so
