@@ -275,6 +275,12 @@ def _rdp_epsilon(rdp, delta: float) -> float:
   return float(rdp_privacy_accountant.compute_epsilon(np.array(_orders()), rdp, delta)[0])
 
 
+def _add_remove(q: float, steps: int, sigma: float, delta: float) -> float:
+  """Add/remove epsilon (RDP) of ``steps`` steps at rate ``q``: what ``RdpAccountant`` gives
+  for them as one self-composed event (it adds ``steps * rdp(step)`` to zeros), bit for bit."""
+  return _rdp_epsilon(steps * _step_rdp(q, sigma), delta)
+
+
 @functools.lru_cache(maxsize=512)
 def _step_pld(q: float, sigma: float, pessimistic: bool = True):
   """PLD (replace-one) of one Poisson-sampled Gaussian step.
@@ -486,12 +492,8 @@ def epsilon_after_rounds(
     return 0.0
   q = _rate(batch_size, min_client_size)
   sigma = float(noise_multiplier)
-  if adjacency == REPLACE_ONE:
-    return _replace_one(q, rounds * int(steps_per_round), sigma, delta)
-  # Every step alike: RdpAccountant composing SelfComposed(SelfComposed(step, T), M) adds
-  # (T * M) * rdp(step) to zeros, which is this sum bit for bit; rdp(step) is cached per
-  # (q, sigma), so a calibration repeated, or a figure for another M, computes no RDP again.
-  return _rdp_epsilon((int(steps_per_round) * rounds) * _step_rdp(q, sigma), delta)
+  figure = _replace_one if adjacency == REPLACE_ONE else _add_remove
+  return figure(q, rounds * int(steps_per_round), sigma, delta)
 
 
 # Stands in for an epsilon of 0 in the calibration's log(epsilon / target).
