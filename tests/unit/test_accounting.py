@@ -508,6 +508,24 @@ def test_calibration_of_either_figure_meets_its_target():
   )
 
 
+@pytest.mark.parametrize("adjacency", ["replace_one", "add_remove"])
+def test_the_ledger_of_a_calibrated_run_ends_within_its_target(adjacency):
+  """What a run is charged, not only what the calibration computed: the ledger of the
+  calibrated sigma, every noisy step of every round recorded (in round events, as a run
+  records them), ends at or below the target, at the calibration's own figure."""
+  kw = dict(delta=1e-5, batch_size=46, min_client_size=274, steps_per_round=20)
+  sigma = accounting.calibrate_noise_multiplier(5.0, rounds=5, **kw, adjacency=adjacency)
+  ledger = accounting.PrivacyLedger(noise_multiplier=sigma, **kw, adjacency=adjacency)
+  for _ in range(5):
+    ledger.record_round()
+  assert ledger.steps == [20] * 5
+  planned = accounting.epsilon_after_rounds(
+    rounds=5, noise_multiplier=sigma, **kw, adjacency=adjacency
+  )
+  assert 5.0 * (1 - 2e-3) <= ledger.epsilon <= 5.0
+  assert ledger.epsilon == pytest.approx(planned, rel=1e-12)
+
+
 def test_delta_must_stay_below_one_over_the_client_size():
   mech = accounting.DpMechanism(noise_multiplier=1.0, batch_size=46, steps_per_round=1, delta=0.01)
   mech.check_delta(99)
