@@ -29,6 +29,7 @@ import numpy as np
 from fedlap_jax import privacy
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
+from fedlap_jax.setup_jit import setup_jit
 
 
 def synthetic_labels(
@@ -106,7 +107,7 @@ def _checked_labels(
   return synthetic_labels(ys, ipc)
 
 
-@functools.partial(jax.jit, static_argnames=("image_shape",))
+@setup_jit(static_argnames=("image_shape",))
 def _first_images(
   key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...]
 ) -> tuple[jax.Array, jax.Array]:
@@ -116,7 +117,7 @@ def _first_images(
   return noise_images(k_init, mask, image_shape), k_state
 
 
-@functools.partial(jax.jit, static_argnames=("image_shape", "pad"))
+@setup_jit(static_argnames=("image_shape", "pad"))
 def _client_images(
   key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...], pad: int
 ) -> jax.Array:
@@ -180,7 +181,7 @@ def client_synthetic(
   return SyntheticSet(images, jax.device_put(labels), jax.device_put(mask))
 
 
-@functools.partial(jax.jit, static_argnames=("image_shape", "index", "num_clients"))
+@setup_jit(static_argnames=("image_shape", "index", "num_clients"))
 def _slot_images(
   key: jax.Array, mask: jax.Array, image_shape: tuple[int, ...], index: int, num_clients: int
 ) -> jax.Array:
