@@ -2,12 +2,12 @@
 
 A run's set-up compiles a few programs it runs once: a model's initialisation and the first
 synthetic images of the clients. XLA:CPU compiles them as it compiles a round, with LLVM at
-its default optimisation level (2), which spends 1-3 s on each on two CPU cores, more than
+XLA's default optimisation level (3), which spends 1-3 s on each on two CPU cores, more than
 they will ever run. At level 1 each compiles in 0.2-0.5 s and gives the same numbers, bit
-for bit: they are the PRNG's integer hash and a few float operations per element, which
-level 2 does not compute differently (``tests/unit/test_setup_jit.py`` checks it on the
-machine the tests run on; a round's programs, whose numbers do change at level 1, keep
-XLA's default).
+for bit: they are the PRNG's integer hash and a few float operations per element, which the
+higher level does not compute differently (``tests/integration/test_compilation.py`` checks
+it on the machine the tests run on, under XLA's own settings). A round's programs, whose
+numbers do change at level 1, keep XLA's default.
 
 A level named in ``XLA_FLAGS`` (``--xla_backend_optimization_level``) is the user's choice
 and wins: the set-up programs then compile as every other program does. Inside another
