@@ -57,6 +57,7 @@ from typing import Any, Mapping
 
 import fedlap_flower
 from fedlap_flower.runtime.run_signature import _toml_value, write_toml
+from free_ports import free_port
 
 PACKAGE_DIR = Path(fedlap_flower.__file__).resolve().parent
 APP_DIR = PACKAGE_DIR / "app"
@@ -75,13 +76,6 @@ def loopback_up(host: str = "127.0.0.1") -> bool:
         return True
   except OSError:
     return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-  """A TCP port on ``host`` that was free a moment ago."""
-  with socket.socket() as s:
-    s.bind((host, 0))
-    return s.getsockname()[1]
 
 
 def make_test_certificates(directory: Path) -> dict[str, Path]:

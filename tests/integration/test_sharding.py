@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
@@ -254,9 +255,9 @@ def _run_processes(
   if hosts:
     coordinator = f"{NETWORK_ADDRESSES[0]}:{NETWORK_PORT}"
   else:
-    with socket.socket() as s:  # a free port for the coordinator
-      s.bind(("localhost", 0))
-      port = s.getsockname()[1]
+    port = free_port("localhost")  # the coordinator's
+    with socket.socket() as s:
+      s.bind(("localhost", port))
       s.listen()
       try:  # loopback is down in a bare network namespace (`unshare -n` without `ip link set lo up`)
         socket.create_connection(("localhost", port), timeout=5).close()
