@@ -58,7 +58,9 @@ def on_duration(event, seconds, **kwargs):
 jax.monitoring.register_event_listener(on_event)
 jax.monitoring.register_event_duration_secs_listener(on_duration)
 from experiments import run
+from fedlap_jax import setup_jit
 status = run.main(["experiments.run", *sys.argv[1:]])
+assert setup_jit.compiler_options() == setup_jit.SETUP_OPTIONS, "XLA_FLAGS name a level"
 print("BUILT " + json.dumps(built))
 print("TRACED " + json.dumps(traced))
 sys.exit(status)
@@ -67,11 +69,12 @@ sys.exit(status)
 
 def counting_run(workdir: Path, cache: Path, *flags: str) -> tuple[list, list, list]:
   """``(programs built: [name, read from the cache], functions traced, metrics records)`` of
-  one run."""
+  one run, compiled with XLA's own settings, as a user's run is: not the tests' XLA_FLAGS, under
+  which the set-up programs would compile as the round does (``fedlap_jax.setup_jit``)."""
   env = {
     k: v
     for k, v in os.environ.items()
-    if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+    if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "XLA_FLAGS"))
   }
   # Every program is kept (JAX's threshold 0), so that "nothing compiles" covers them all.
   env.update({compilation_cache.ENV: str(cache), compilation_cache.MIN_COMPILE_ENV: "0"})
@@ -113,7 +116,10 @@ def test_a_second_run_compiles_nothing_and_the_cached_programs_hold_no_data_or_k
   second, traced_2, records_2 = counting_run(tmp_path / "second", cache, *flags)
 
   assert len(first) > 10 and not any(h for _, h in first)  # a cold cache: XLA built them all
-  assert "jit(method_round)" in [name for name, _ in first]  # the generic round (rounds.py)
+  names = [name for name, _ in first]
+  assert "jit(method_round)" in names  # the generic round (rounds.py)
+  # The set-up's programs, compiled at their own level (setup_jit), are searched below too.
+  assert {"jit(_init_params)", "jit(_first_images)"} <= set(names), names
   assert stat.S_IMODE(cache.stat().st_mode) == 0o700
   compiled_again = [name for name, h in second if not h]
   assert compiled_again == []  # every program, the round's included, was read back
