@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
@@ -255,6 +254,8 @@ def _run_processes(
   if hosts:
     coordinator = f"{NETWORK_ADDRESSES[0]}:{NETWORK_PORT}"
   else:
+    from free_ports import free_port  # here: this file also runs as the workers' script
+
     port = free_port("localhost")  # the coordinator's
     with socket.socket() as s:
       s.bind(("localhost", port))
