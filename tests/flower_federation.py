@@ -57,25 +57,13 @@ from typing import Any, Mapping
 
 import fedlap_flower
 from fedlap_flower.runtime.run_signature import _toml_value, write_toml
-from free_ports import free_port
+from local_network import free_port
 
 PACKAGE_DIR = Path(fedlap_flower.__file__).resolve().parent
 APP_DIR = PACKAGE_DIR / "app"
 FRONT_TEMPLATE = PACKAGE_DIR / "deploy" / "superlink_front.nginx.conf"
 # The server's public address in a hardened federation on one machine (see the docstring).
 PUBLIC_HOST = "127.0.0.2"
-
-
-def loopback_up(host: str = "127.0.0.1") -> bool:
-  """Whether this process can listen on ``host`` and connect to itself there."""
-  try:
-    with socket.socket() as s:
-      s.bind((host, 0))
-      s.listen(1)
-      with socket.create_connection(s.getsockname(), timeout=2):
-        return True
-  except OSError:
-    return False
 
 
 def make_test_certificates(directory: Path) -> dict[str, Path]:

@@ -23,6 +23,7 @@ import pytest
 
 from flower_harness import TINY, read_jsonl
 from flower_federation import APP_DIR, PUBLIC_HOST, Federation, ssh_key_pair
+from local_network import loopback_up
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
@@ -44,10 +45,7 @@ def _reachable(host: str, port: int) -> bool:
 
 @pytest.fixture(autouse=True)
 def _need_loopback_and_nginx():
-  try:
-    with socket.socket() as s:
-      s.bind((PUBLIC_HOST, 0))
-  except OSError:
+  if not loopback_up(PUBLIC_HOST):
     pytest.skip(f"{PUBLIC_HOST} is not available: loopback networking is down")
   if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
     pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")

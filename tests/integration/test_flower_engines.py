@@ -27,7 +27,8 @@ import pytest
 
 from flower_harness import SAMPLED, TINY, read_jsonl, reference_run
 from fedlap_flower import ledger as ledger_lib
-from flower_federation import Federation, loopback_up
+from flower_federation import Federation
+from local_network import loopback_up
 from fedlap_flower import settings
 from fedlap_jax import accounting
 

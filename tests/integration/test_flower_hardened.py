@@ -25,7 +25,8 @@ import pytest
 
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import signed_runs
-from flower_federation import PUBLIC_HOST, Federation, loopback_up
+from flower_federation import PUBLIC_HOST, Federation
+from local_network import loopback_up
 from flower_harness import TINY, read_jsonl
 
 pytestmark = [pytest.mark.slow]

@@ -254,17 +254,12 @@ def _run_processes(
   if hosts:
     coordinator = f"{NETWORK_ADDRESSES[0]}:{NETWORK_PORT}"
   else:
-    from free_ports import free_port  # here: this file also runs as the workers' script
+    # Imported here: this file also runs as the workers' script, without tests/ on its path.
+    from local_network import free_port, loopback_up
 
-    port = free_port("localhost")  # the coordinator's
-    with socket.socket() as s:
-      s.bind(("localhost", port))
-      s.listen()
-      try:  # loopback is down in a bare network namespace (`unshare -n` without `ip link set lo up`)
-        socket.create_connection(("localhost", port), timeout=5).close()
-      except OSError as e:
-        pytest.skip(f"no loopback network for the coordinator: {e}")
-    coordinator = f"localhost:{port}"
+    if not loopback_up("localhost"):
+      pytest.skip("no loopback network for the coordinator")
+    coordinator = f"localhost:{free_port('localhost')}"
   procs, logs = [], []
   for i in range(num_processes):
     out, err = tmp_path / f"process{i}.out", tmp_path / f"process{i}.err"

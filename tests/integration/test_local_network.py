@@ -1,12 +1,12 @@
-"""The ports the tests give their servers: below the kernel's ephemeral range, free, and never
-handed out twice by one process."""
+"""The tests' local network: the ports they give their servers (below the kernel's ephemeral
+range, free, never handed out twice by one process) and the loopback check."""
 
 from __future__ import annotations
 
 import socket
 
 import pytest
-from free_ports import PORTS, free_port
+from local_network import PORTS, free_port, loopback_up
 
 
 def _ephemeral_range() -> range | None:
@@ -36,6 +36,10 @@ def test_a_port_taken_now_is_not_handed_out(monkeypatch):
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]
     taken.listen()
-    monkeypatch.setattr("free_ports.PORTS", range(port, port + 1))
+    monkeypatch.setattr("local_network.PORTS", range(port, port + 1))
     with pytest.raises(RuntimeError, match="no free TCP port"):
       free_port()
+
+
+def test_loopback_is_down_on_an_address_this_machine_does_not_have():
+  assert not loopback_up("192.0.2.1")  # TEST-NET-1 (RFC 5737): assigned to no machine

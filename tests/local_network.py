@@ -1,4 +1,5 @@
-"""Free TCP ports for the processes the tests start (SuperLink, SuperNodes, JAX's coordinator).
+"""The tests' local network: whether loopback is up, and free TCP ports for the processes the
+tests start (SuperLink, SuperNodes, JAX's coordinator).
 
 Ports come from below the kernel's ephemeral range (Linux: 32768-60999 by default). A port
 the kernel hands out for ``bind(0)`` is one it may hand to the next outbound connection too (a
@@ -32,3 +33,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     _handed_out.add(port)
     return port
   raise RuntimeError(f"no free TCP port on {host} in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def loopback_up(host: str = "127.0.0.1") -> bool:
+  """Whether this process can listen on ``host`` and connect to itself there (not in a bare
+  network namespace, ``unshare -n`` without ``ip link set lo up``)."""
+  try:
+    with socket.socket() as s:
+      s.bind((host, 0))
+      s.listen(1)
+      with socket.create_connection(s.getsockname(), timeout=2):
+        return True
+  except OSError:
+    return False
