@@ -215,6 +215,8 @@ def train_and_evaluate(
   private = alg.dp is not None
   nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
   fields = resume.run_defining_fields(cfg)
+  # A seed read back belongs to the run that drew it: another run is refused before any write.
+  resume.check_seed_binding(workdir, seed.value, privacy, fields)
   fresh_ledger = _fresh_ledger(cfg, alg.mechanism, sizes) if private else None
   info = outputs.run_info(
     cfg,
@@ -242,6 +244,9 @@ def train_and_evaluate(
   except BaseException:
     ckpt.close()
     raise
+  if private:  # before the seed is kept (config.json)
+    fingerprint = resume.run_fingerprint(privacy, fields)
+    checkpointing.write_json_atomic(workdir / resume.FINGERPRINT_FILE, fingerprint)
   checkpointing.write_json_atomic(workdir / "config.json", cfg.to_dict())
   checkpointing.write_json_atomic(workdir / "run_info.json", info)
   if restored.ledger is not None:
