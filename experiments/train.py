@@ -53,7 +53,8 @@ written but its ledger charge (``privacy_ledger.json``, atomically), the last
 completed round's checkpoint stays the newest, and the run stops with
 :class:`Terminated` (``experiments.run`` then exits with 143 at once, leaving
 the worker to die with the process). Ctrl-C abandons a round in progress alike
-(exit 130). Either way the next run redoes the round.
+(exit 130). Either way the last completed round is checkpointed first, if it was
+not yet, and the next run redoes the abandoned round only.
 
 Why this is sound under DP: the abandoned round's noisy accesses happened
 (the worker drew its Poisson batches and noise) though nothing of it was
@@ -543,7 +544,10 @@ class _RoundLoop:
     return where.format(self.last_good, self.ckpt.directory)
 
   def _abandon(self, m, idx, why) -> str:
-    """Round ``m`` was left computing: charge it as spent (DP), say so; the message."""
+    """Round ``m`` was left computing: checkpoint round ``m - 1`` if it is not yet (so a rerun
+    redoes round ``m`` only), charge round ``m`` as spent (DP), say so; the message."""
+    if m > 1 and self.last_good != m - 1:
+      self._checkpoint(m - 1)  # the ledger before round m's charge, as the rerun expects
     epsilon = self._charge(m, idx)
     spent = (
       ""
