@@ -449,6 +449,8 @@ def _keep_loaded(key: str, fn: Callable) -> Callable:
 HINTS = "hints"  # <cache>/exported/hints/<hint>.key: the entry key a run of <hint> last ran
 _HEX64 = frozenset("0123456789abcdef")
 _prefetching: dict[str, concurrent.futures.Future] = {}
+PREFETCH_THREAD = "fedlap-prefetch"
+_prefetch_threads: list[threading.Thread] = []
 
 
 def hint_of(*parts: Any) -> str:
@@ -530,9 +532,19 @@ def prefetch(hint: str, cache_dir: Path | None = None) -> bool:
     except BaseException as e:  # noqa: BLE001 - the round reads it again itself
       future.set_exception(e)
 
-  # A daemon: a run that ends before its round does not wait for the load.
-  threading.Thread(target=work, name="fedlap-prefetch", daemon=True).start()
+  # A daemon, so a run may go on without it; a process that exits waits for it (settle).
+  thread = threading.Thread(target=work, name=PREFETCH_THREAD, daemon=True)
+  thread.start()
+  _prefetch_threads.append(thread)
   return True
+
+
+def settle() -> None:
+  """Waits for the loads :func:`prefetch` started: a process that exits (``experiments.run``,
+  also after an early error) calls it first, as the interpreter's shutdown would meet a load
+  still inside XLA and abort the process (``terminate called ...``) instead of exiting."""
+  while _prefetch_threads:
+    _prefetch_threads.pop().join()
 
 
 class ExportedRound:

@@ -1,8 +1,8 @@
 """Deterministic fault injection for the kill tests; inert unless ``FEDLAP_JAX_FAULT`` is set.
 
 ``FEDLAP_JAX_FAULT=POINT:ROUND[:SIGNAL]`` makes an ``experiments.run`` process
-send itself ``SIGNAL`` (``KILL``, the default, or ``TERM``) when it reaches
-``POINT`` of round ``ROUND``, so a test can interrupt a real run at a chosen
+send itself ``SIGNAL`` (``KILL``, the default, ``TERM`` or ``INT``, Ctrl-C's) when it
+reaches ``POINT`` of round ``ROUND``, so a test can interrupt a real run at a chosen
 place instead of racing a timer (``tests/integration/test_kill_resume.py``). Points:
 
 * ``slow``: the round has been computed (in its worker thread) and is made to
@@ -35,7 +35,7 @@ import time
 
 ENV = "FEDLAP_JAX_FAULT"
 POINTS = ("round", "ledger", "checkpoint", "slow")
-SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 # How much longer a round with the slow fault lasts: beyond any test's patience.
 SLOW_SECONDS = 3600.0
 

@@ -12,10 +12,16 @@ step :func:`experiments.train.train_and_evaluate` takes before its first round.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jaxlib
 
 from fedlap_jax import optim
 
@@ -84,22 +90,53 @@ def run_defining_fields(cfg) -> dict:
 
 
 # The computation of a DP run's rounds (:func:`computation_fingerprint`).
-COMPUTATION_FIELDS = ("client_backend", "platform", "device_count", "device_kind", "jax_version")
+COMPUTATION_FIELDS = (
+  "client_backend",
+  "platform",
+  "device_count",
+  "device_kind",
+  "jax_version",
+  "jaxlib_version",
+  "xla_flags",
+  "cpu_features",
+)
+
+
+def _cpu_features() -> str:
+  """The host CPU's architecture and a digest of its instruction-set extensions (XLA's CPU
+  code generator targets those it finds): ``/proc/cpuinfo``'s ``flags`` (``Features`` on
+  ARM), else the processor's name."""
+  flags = ""
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.split(":")[0].strip() in ("flags", "Features"):
+        flags = " ".join(sorted(line.split(":", 1)[1].split()))
+        break
+  except OSError:
+    pass
+  flags = flags or platform.processor()
+  return f"{platform.machine()} {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
 
 
 def computation_fingerprint(cfg) -> dict:
   """What decides a round's outputs besides its inputs and PRNG keys: the resolved
-  ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, and
-  the JAX version. A DP run's checkpoint holds it (:func:`privacy_fingerprint`)."""
+  ``client_backend``, the JAX platform (``cpu``, ``gpu``, ...), the device count and kind, the
+  JAX and jaxlib versions, the XLA flags (``XLA_FLAGS`` and ``--xla`` arguments: they may
+  change the last bits) and, on the CPU platform, the CPU's instruction set. A DP run's
+  checkpoint holds it (:func:`privacy_fingerprint`)."""
   from experiments import build  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
+  xla_flags = [os.environ.get("XLA_FLAGS", ""), *(a for a in sys.argv if a.startswith("--xla"))]
   return {
     "client_backend": build.client_backend(cfg),
     "platform": jax.default_backend(),
     "device_count": len(devices),
     "device_kind": devices[0].device_kind,
     "jax_version": jax.__version__,
+    "jaxlib_version": jaxlib.__version__,
+    "xla_flags": " ".join(f for f in xla_flags if f),
+    "cpu_features": _cpu_features() if jax.default_backend() == "cpu" else None,
   }
 
 
@@ -145,14 +182,14 @@ def privacy_fingerprint(cfg, alg, client_sizes) -> dict:
   }
 
 
-def _diff(stored: dict, current: dict) -> list[str]:
+def _diff(stored: dict, current: dict, was: str = "checkpoint") -> list[str]:
   keys = sorted(set(stored) | set(current))
   norm = lambda v: list(v) if isinstance(v, tuple) else v
   return [
     # The seed is secret: a message says that it differs, never what it is.
     "seed: another seed than the checkpoint's (not shown: it is secret)"
     if k == "seed"
-    else f"{k}: checkpoint {stored.get(k)!r} vs now {current.get(k)!r}"
+    else f"{k}: {was} {stored.get(k)!r} vs now {current.get(k)!r}"
     for k in keys
     if norm(stored.get(k)) != norm(current.get(k))
   ]
@@ -175,7 +212,8 @@ def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) ->
         f"{was['client_backend']}, JAX platform {was['platform']!r} with "
         f"{was['device_count']} device(s) of kind {was['device_kind']!r}, e.g. "
         f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
-        f"platform_device_count to pick the devices; jax {was['jax_version']}), or a new "
+        f"platform_device_count to pick the devices; jax {was['jax_version']}, jaxlib "
+        f"{was['jaxlib_version']}, XLA_FLAGS={was['xla_flags']!r}, the same CPU), or a new "
         "--workdir"
       )
   diff = _diff(stored, privacy)
@@ -196,6 +234,105 @@ def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) ->
       f"({'; '.join(diff)}); a resumed run must equal an uninterrupted one. Allowed: the "
       f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir"
     )
+
+
+# Where a work dir keeps the fingerprint of the run its secret seed belongs to (not released:
+# it names the machine's XLA flags and CPU).
+FINGERPRINT_FILE = "run_fingerprint.json"
+
+
+class SeedBindingError(ResumeError):
+  """A run would reuse the secret seed of the work dir's run while differing from it in
+  ``fields`` (the names of the fields that differ)."""
+
+  def __init__(self, message: str, fields: list[str]):
+    super().__init__(message)
+    self.fields = fields
+
+
+def _charged(workdir: Path) -> bool:
+  """Whether ``privacy_ledger.json`` holds a charge (or cannot be read: it may)."""
+  path = workdir / "privacy_ledger.json"
+  if not path.exists():
+    return False
+  try:
+    d = json.loads(path.read_text())
+    return bool(d.get("rounds") or d.get("participants"))
+  except (OSError, ValueError, AttributeError):
+    return True
+
+
+def check_seed_binding(workdir: Path, seed: int, privacy: dict, fields: dict) -> None:
+  """Refuses a run that would reuse the secret seed of the run in ``workdir`` while differing
+  from it; before it writes anything. A work dir with checkpoints is checked by the resume
+  (:func:`check_resume_compatible`), one without by the fingerprint the run that drew its seed
+  kept (:data:`FINGERPRINT_FILE`: :func:`privacy_fingerprint` and :func:`run_defining_fields`
+  without the seed): the same seed keys the same noise, so a changed run released beside the
+  first would release the difference of their outputs without noise.
+
+  Only a DP run, or a work dir whose seed was drawn, is checked (a seed without DP is public).
+
+  Raises:
+    SeedBindingError: this run differs from the recorded one (``fields`` names what differs),
+      or the work dir's ledger holds charges but no fingerprint says of which run.
+  """
+  from experiments import seeds  # pylint: disable=g-import-not-at-top
+
+  stored, _ = seeds.stored_seed(workdir)
+  if seeds.holds_checkpoints(workdir) or not (
+    privacy.get("dp") or (stored or 0) >= seeds.DRAWN_MIN
+  ):
+    return
+  allowed = (
+    "Allowed: the same config on the same computation (to resume the run), or a new "
+    "--workdir, which draws a new seed (docs/privacy.md, \"Starting over\")"
+  )
+  try:
+    recorded = json.loads((workdir / FINGERPRINT_FILE).read_text())
+  except FileNotFoundError:
+    if _charged(workdir):
+      raise SeedBindingError(
+        f"refusing to run in {workdir}: its privacy_ledger.json holds charges but no "
+        f"{FINGERPRINT_FILE} says of which run, so this run could reuse its seed on another "
+        f"computation and its ledger would be reset. {allowed}",
+        [FINGERPRINT_FILE],
+      ) from None
+    return
+  except (OSError, ValueError) as e:
+    raise SeedBindingError(
+      f"refusing to run in {workdir}: its {FINGERPRINT_FILE} is unreadable ({e}). {allowed}",
+      [FINGERPRINT_FILE],
+    ) from None
+  now = run_fingerprint(privacy, fields)
+  names = set(now["config"])
+  # A privacy field that is a config field too (noise_multiplier: dp.noise_multiplier) is
+  # named once, by the config.
+  covered = lambda k: any(n == k or n.endswith("." + k) for n in names)
+  was = {
+    **{k: v for k, v in recorded.get("privacy", {}).items() if not covered(k)},
+    **recorded.get("config", {}),
+  }
+  is_ = {**{k: v for k, v in now["privacy"].items() if not covered(k)}, **now["config"]}
+  diff = _diff(was, is_, "recorded")
+  if stored != seed:
+    diff.insert(0, "seed: another seed than the work dir's (not shown: it is secret)")
+  if diff:
+    raise SeedBindingError(
+      f"refusing to run in {workdir}: it holds the run that drew its secret seed, and this "
+      f"run differs from it ({'; '.join(diff)}); the same seed would draw the same noise for "
+      "another computation, and the two runs' releases would give away their difference "
+      f"without noise; nothing was written. {allowed}",
+      [d.split(":")[0] for d in diff],
+    )
+
+
+def run_fingerprint(privacy: dict, fields: dict) -> dict:
+  """What a DP work dir binds its seed to (:func:`check_seed_binding`): this run's
+  :func:`privacy_fingerprint` and :func:`run_defining_fields`, without the seed."""
+  return {
+    "privacy": {k: v for k, v in privacy.items() if k != "seed"},
+    "config": {k: v for k, v in fields.items() if k != "seed"},
+  }
 
 
 def _one_line(e: BaseException) -> str:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     print(flags.usage(__doc__))
     return 0
   from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top  (JAX)
-  from experiments import suite  # pylint: disable=g-import-not-at-top
+  from experiments import export_cache, suite  # pylint: disable=g-import-not-at-top
 
   try:
     flag_values, name = flags.parse_argv(argv)
@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     print("error: --config=NAME is required (--help: this text)", file=sys.stderr)
     return 2
   workdir = flag_values.workdir or os.path.join("runs", name)
-  return suite.run_config(flag_values.config, workdir, name)
+  try:
+    return suite.run_config(flag_values.config, workdir, name)
+  finally:  # no load left on a background thread when the process exits
+    export_cache.settle()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ noise): whoever knows it recomputes the noise of a DP run. So (README, "The seed
 * ``config.seed = None`` (the default) under DP: :data:`SEED_BITS` bits of the operating
   system's entropy (:func:`draw`), kept in the work dir's ``config.json`` (secret). A re-run
   on the same work dir reads it back (:func:`resolve`), so the run resumes; a new seed is never
-  drawn for a work dir that holds a run.
+  drawn for a work dir that holds a run, and a run that differs from the one that drew the
+  seed is refused (:func:`experiments.resume.check_seed_binding`).
 * ``config.seed = None`` without DP: 0.
 
 Keys (:func:`run_key`): a seed below :data:`DRAWN_MIN` is ``jax.random.key(seed)`` (threefry,
@@ -68,7 +69,7 @@ class SeedError(ValueError):
   """A work dir holds a run whose seed cannot be read back."""
 
 
-def _stored(workdir: Path) -> tuple[int | None, str | None]:
+def stored_seed(workdir: Path) -> tuple[int | None, str | None]:
   """The seed in ``workdir/config.json`` and its origin in ``run_info.json`` (None if absent)."""
   seed = origin = None
   try:
@@ -84,7 +85,7 @@ def _stored(workdir: Path) -> tuple[int | None, str | None]:
   return seed, origin if origin in (GIVEN, DRAWN, DEFAULT) else None
 
 
-def _holds_a_run(workdir: Path) -> bool:
+def holds_checkpoints(workdir: Path) -> bool:
   checkpoints = workdir / "checkpoints"
   return checkpoints.is_dir() and any(checkpoints.iterdir())
 
@@ -98,7 +99,7 @@ def resolve(seed: int | None, *, private: bool, workdir: str | Path | None) -> S
       ``config.json`` (removed before sharing the work dir?): drawing a new one would start
       another run over this one's ledger.
   """
-  stored, origin = (None, None) if workdir is None else _stored(Path(workdir))
+  stored, origin = (None, None) if workdir is None else stored_seed(Path(workdir))
   if seed is not None:
     return Seed(int(seed), GIVEN, resumed=stored == seed)
   if stored is not None:
@@ -106,7 +107,7 @@ def resolve(seed: int | None, *, private: bool, workdir: str | Path | None) -> S
     return Seed(stored, origin or inferred, resumed=True)
   if not private:
     return Seed(0, DEFAULT)
-  if workdir is not None and _holds_a_run(Path(workdir)):
+  if workdir is not None and holds_checkpoints(Path(workdir)):
     raise SeedError(
       f"refusing to resume {workdir}: it holds checkpoints but its config.json has no seed, "
       "and a DP run's seed is drawn only for a new run (a new seed would start another run "

@@ -53,7 +53,8 @@ written but its ledger charge (``privacy_ledger.json``, atomically), the last
 completed round's checkpoint stays the newest, and the run stops with
 :class:`Terminated` (``experiments.run`` then exits with 143 at once, leaving
 the worker to die with the process). Ctrl-C abandons a round in progress alike
-(exit 130). Either way the next run redoes the round.
+(exit 130). Either way the last completed round is checkpointed first, if it was
+not yet, and the next run redoes the abandoned round only.
 
 Why this is sound under DP: the abandoned round's noisy accesses happened
 (the worker drew its Poisson batches and noise) though nothing of it was
@@ -215,6 +216,8 @@ def train_and_evaluate(
   private = alg.dp is not None
   nonprivate_stats = private and bool(cfg.get("debug_nonprivate_stats", False))
   fields = resume.run_defining_fields(cfg)
+  # A seed read back belongs to the run that drew it: another run is refused before any write.
+  resume.check_seed_binding(workdir, seed.value, privacy, fields)
   fresh_ledger = _fresh_ledger(cfg, alg.mechanism, sizes) if private else None
   info = outputs.run_info(
     cfg,
@@ -242,6 +245,9 @@ def train_and_evaluate(
   except BaseException:
     ckpt.close()
     raise
+  if private:  # before the seed is kept (config.json)
+    fingerprint = resume.run_fingerprint(privacy, fields)
+    checkpointing.write_json_atomic(workdir / resume.FINGERPRINT_FILE, fingerprint)
   checkpointing.write_json_atomic(workdir / "config.json", cfg.to_dict())
   checkpointing.write_json_atomic(workdir / "run_info.json", info)
   if restored.ledger is not None:
@@ -538,7 +544,10 @@ class _RoundLoop:
     return where.format(self.last_good, self.ckpt.directory)
 
   def _abandon(self, m, idx, why) -> str:
-    """Round ``m`` was left computing: charge it as spent (DP), say so; the message."""
+    """Round ``m`` was left computing: checkpoint round ``m - 1`` if it is not yet (so a rerun
+    redoes round ``m`` only), charge round ``m`` as spent (DP), say so; the message."""
+    if m > 1 and self.last_good != m - 1:
+      self._checkpoint(m - 1)  # the ledger before round m's charge, as the rerun expects
     epsilon = self._charge(m, idx)
     spent = (
       ""

@@ -236,6 +236,7 @@ WORKDIR_FILES = {  # name -> what it is (README, "Privacy guarantees and their a
   "config.json": "public but its seed",
   "checkpoints": "secret (PRNG key)",
   "timing.jsonl": "not covered (timing)",
+  "run_fingerprint.json": "not covered (the machine's XLA flags and CPU)",
 }
 
 
