@@ -54,9 +54,10 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from fedlap_jax import optim, privacy
+from fedlap_jax import accounting, optim, privacy
 from fedlap_jax.client_data import (
   ClientData,
   SyntheticSet,
@@ -713,14 +714,17 @@ def local_approx(
 
   Raises:
     ConfigError: inputs :func:`check_inputs` refuses (shapes, dtypes, a batch larger than
-      the client's record slots), concrete labels outside ``[0, K)``, or concrete images
-      holding NaN or infinite values.
+      the client's record slots), concrete labels outside ``[0, K)``, concrete images
+      holding NaN or infinite values, or under DP a ``dp.delta`` of at least ``1 / N_k`` for
+      the ``N_k`` valid records of a concrete ``client_data.mask``.
   """
   c = config
   key, params, synthetic, client_data, family_key = on_device(
     key, params, synthetic, client_data, family_key
   )
   check_inputs(synthetic, client_data, c)
+  if c.dp is not None and not isinstance(client_data.mask, jax.core.Tracer):
+    accounting.check_record_delta(c.dp.delta, int(np.sum(client_data.mask)), "dp.delta")
   ok = check_labels(
     num_classes_of(apply_fn, params, jnp.shape(synthetic.x)[1:], jnp.result_type(synthetic.x)),
     ("client_data.y", client_data.y, client_data.mask),

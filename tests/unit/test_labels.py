@@ -327,3 +327,33 @@ def test_traced_non_finite_images_make_every_float_output_nan(
   assert _floats(out) and _all_nan(_floats(out))
   out = _jitted("baseline under DP")(f, p, synthetic, data._replace(x=_nan_at(data.x)))
   assert _all_nan(_floats(out))
+
+
+@pytest.mark.parametrize(
+  "fields, field",
+  [
+    ({"noise_multiplier": 0.01}, "dp.noise_multiplier"),
+    ({"noise_multiplier": 0.29}, "dp.noise_multiplier"),
+    ({"delta": 0.5}, "dp.delta"),
+    ({"delta": 0.9}, "dp.delta"),
+  ],
+)
+def test_dp_configs_no_ledger_accepts_are_refused_when_built(fields, field):
+  """51512fe built them and trained; only the ledger refused them, after training."""
+  with pytest.raises(ConfigError) as err:
+    DPConfig(**{"noise_multiplier": 1.0, "l2_clip_norm": 1.0, "delta": 1e-5, **fields})
+  assert err.value.field == field and err.value.value == next(iter(fields.values()))
+  DPConfig(noise_multiplier=0.3, l2_clip_norm=1.0, delta=0.49)  # the edges are accepted
+
+
+def test_local_approx_refuses_a_delta_of_one_over_the_records_it_sees(
+  linear_apply_fn, linear_params, synthetic, data
+):
+  f, p = linear_apply_fn, linear_params
+  n = int(np.sum(data.mask))  # 40 records
+  for delta in (1.0 / n, 0.1):
+    config = dataclasses.replace(LOOPS, dp=dataclasses.replace(DP, delta=delta))
+    with pytest.raises(ConfigError) as err:
+      _local(f, p, synthetic, data, config)
+    assert (err.value.field, err.value.value) == ("dp.delta", delta)
+  _local(f, p, synthetic, data, dataclasses.replace(LOOPS, dp=dataclasses.replace(DP, delta=0.02)))
