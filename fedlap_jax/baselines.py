@@ -645,12 +645,10 @@ def client_update(
   """
   shape = check_records("data", data)
   check_batch_size("local.batch_size", local.batch_size, data)
-  floating = data.pixel_scale is None
+  dtype = jnp.result_type(data.x) if data.pixel_scale is None else jnp.float32
+  local.gradient.check_model(apply_fn, global_params, jax.ShapeDtypeStruct(shape, dtype))
   ok = check_labels(
-    num_classes_of(
-      apply_fn, global_params, shape[1:], jnp.result_type(data.x) if floating else jnp.float32
-    ),
-    ("data.y", data.y, data.mask),
+    num_classes_of(apply_fn, global_params, shape[1:], dtype), ("data.y", data.y, data.mask)
   ) & check_finite(("data.x", data.x))
   if (correction is not None) != local.control_variates:
     raise ValueError(

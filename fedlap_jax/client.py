@@ -725,6 +725,7 @@ def local_approx(
   check_inputs(synthetic, client_data, c)
   if c.dp is not None and not isinstance(client_data.mask, jax.core.Tracer):
     accounting.check_record_delta(c.dp.delta, int(np.sum(client_data.mask)), "dp.delta")
+  real_gradient_query(c).check_model(apply_fn, params, synthetic.x)
   ok = check_labels(
     num_classes_of(apply_fn, params, jnp.shape(synthetic.x)[1:], jnp.result_type(synthetic.x)),
     ("client_data.y", client_data.y, client_data.mask),

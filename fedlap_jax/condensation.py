@@ -433,12 +433,11 @@ def condense(
   check_pair(synthetic, client_data)
   if not config.classwise:
     check_batch_size("batch_size", config.batch_size, client_data)
+  params_shape = jax.eval_shape(init_fn, key)
+  config.gradient.check_model(apply_fn, params_shape, synthetic.x)
   ok = check_labels(
     num_classes_of(
-      apply_fn,
-      jax.eval_shape(init_fn, key),
-      jnp.shape(synthetic.x)[1:],
-      jnp.result_type(synthetic.x),
+      apply_fn, params_shape, jnp.shape(synthetic.x)[1:], jnp.result_type(synthetic.x)
     ),
     ("client_data.y", client_data.y, client_data.mask),
     ("synthetic.y", synthetic.y, synthetic.mask),
