@@ -474,7 +474,10 @@ def pad_client(
   ``local_approx``, a baseline's ``client_step``) once per client compiles it
   once per distinct shape: clients of 300, 320 and 375 records compile three
   programs. Padded to one ``capacity`` (e.g. the largest client's ``N_k``)
-  they share one; the mask keeps the padding out of every batch and ``N_k``.
+  they share one; the mask keeps the padding out of every batch and ``N_k``. Their
+  synthetic sets need one size too: clients of 2 and 3 classes get ``2 ipc`` and ``3 ipc``
+  slots unless :func:`~fedlap_jax.synthetic.client_synthetic` is given the federation's
+  ``max_classes``.
   The padding runs on the host (NumPy) and compiles nothing.
 
   Args:
