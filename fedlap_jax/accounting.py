@@ -112,6 +112,8 @@ __all__ = [
   "REPLACE_ONE",
   "ADJACENCIES",
   "MIN_NOISE_MULTIPLIER",
+  "check_accountable_sigma",
+  "check_record_delta",
   "PLD_DISCRETIZATION",
   "LOWER_BOUND_DISCRETIZATION",
   "DpMechanism",
@@ -185,7 +187,7 @@ def _check_noise_multiplier(value: Any, name: str = "noise_multiplier") -> float
   return float(value)
 
 
-def _check_accountable_sigma(value: Any, name: str = "noise_multiplier") -> float:
+def check_accountable_sigma(value: Any, name: str = "noise_multiplier") -> float:
   """A noise multiplier the accountant accounts for: finite and >= MIN_NOISE_MULTIPLIER."""
   checks.require(
     checks.is_real(value) and value >= MIN_NOISE_MULTIPLIER,
@@ -212,7 +214,7 @@ def _check_sizes(
   return batch_size, int(min_client_size)
 
 
-def _check_delta(delta: Any, client_size: int, name: str = "delta") -> float:
+def check_record_delta(delta: Any, client_size: int, name: str = "delta") -> float:
   """``delta`` in ``(0, 1 / N_k)``: a larger one allows publishing a whole record."""
   delta = checks.probability(name, delta)
   checks.require(
@@ -333,7 +335,7 @@ def _check_events_accountable(event) -> None:
   import dp_accounting  # pylint: disable=g-import-not-at-top
 
   if isinstance(event, dp_accounting.GaussianDpEvent):
-    _check_accountable_sigma(event.noise_multiplier, "events_or_event[].noise_multiplier")
+    check_accountable_sigma(event.noise_multiplier, "events_or_event[].noise_multiplier")
   elif isinstance(event, dp_accounting.ComposedDpEvent):
     for e in event.events:
       _check_events_accountable(e)
@@ -368,7 +370,7 @@ def round_event(
   """
   import dp_accounting  # pylint: disable=g-import-not-at-top
 
-  sigma = _check_accountable_sigma(noise_multiplier)
+  sigma = check_accountable_sigma(noise_multiplier)
   steps = checks.integer("steps_per_round", steps_per_round, minimum=1)
   q = _rate(batch_size, min_client_size)
   gaussian = dp_accounting.GaussianDpEvent(sigma)
@@ -487,7 +489,7 @@ def epsilon_after_rounds(
     min_client_size=min_client_size,
     steps_per_round=steps_per_round,
   )
-  delta = _check_delta(delta, int(min_client_size))
+  delta = check_record_delta(delta, int(min_client_size))
   if rounds == 0:
     return 0.0
   q = _rate(batch_size, min_client_size)
@@ -565,7 +567,7 @@ def calibrate_noise_multiplier(
     min_client_size=min_client_size,
     steps_per_round=steps_per_round,
   )
-  delta = _check_delta(delta, int(min_client_size))
+  delta = check_record_delta(delta, int(min_client_size))
 
   def eps(sigma: float) -> float:
     return epsilon_after_rounds(
@@ -722,7 +724,7 @@ class DpMechanism:
       ConfigError: naming ``field``, the value and the bound.
     """
     n = checks.integer("client_size", client_size, minimum=1)
-    _check_delta(self.delta, n, field)
+    check_record_delta(self.delta, n, field)
 
   def check_accountable(self, client_size: int) -> None:
     """What every accounting of a client of ``client_size`` records checks first.
@@ -731,9 +733,9 @@ class DpMechanism:
       ConfigError: ``noise_multiplier`` below :data:`MIN_NOISE_MULTIPLIER`,
         ``client_size`` below ``batch_size``, or ``delta >= 1 / N_k``.
     """
-    _check_accountable_sigma(self.noise_multiplier)
+    check_accountable_sigma(self.noise_multiplier)
     _, n = _check_sizes(self.batch_size, client_size, "client_size")
-    _check_delta(self.delta, n)
+    check_record_delta(self.delta, n)
 
   def ledger(self, client_size: int) -> "PrivacyLedger":
     """An empty ledger of a client with ``client_size`` records (or of the smallest client).

@@ -111,6 +111,7 @@ from fedlap_jax.checks import ConfigError, is_int, is_real, nonneg_float, one_of
 from fedlap_jax.client_data import (
   ClientData,
   check_batch_size,
+  check_finite,
   check_labels,
   check_records,
   num_classes_of,
@@ -634,7 +635,8 @@ def client_update(
   Labels: every valid record's label must lie in ``[0, K)``, ``K`` the
   model's logits: refused on concrete arrays; inside ``jit`` or ``vmap`` the
   client's model and float metrics are NaN instead
-  (:func:`~fedlap_jax.client_data.check_labels`).
+  (:func:`~fedlap_jax.client_data.check_labels`). So are images holding NaN or infinite
+  values (:func:`~fedlap_jax.client_data.check_finite`).
 
   Raises:
     ConfigError: ``data`` that :func:`~fedlap_jax.client_data.check_records` refuses, a
@@ -643,13 +645,11 @@ def client_update(
   """
   shape = check_records("data", data)
   check_batch_size("local.batch_size", local.batch_size, data)
-  floating = data.pixel_scale is None
+  dtype = jnp.result_type(data.x) if data.pixel_scale is None else jnp.float32
+  local.gradient.check_model(apply_fn, global_params, jax.ShapeDtypeStruct(shape, dtype))
   ok = check_labels(
-    num_classes_of(
-      apply_fn, global_params, shape[1:], jnp.result_type(data.x) if floating else jnp.float32
-    ),
-    ("data.y", data.y, data.mask),
-  )
+    num_classes_of(apply_fn, global_params, shape[1:], dtype), ("data.y", data.y, data.mask)
+  ) & check_finite(("data.x", data.x))
   if (correction is not None) != local.control_variates:
     raise ValueError(
       f"correction given={correction is not None} is invalid with "

@@ -54,13 +54,15 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from fedlap_jax import optim, privacy
+from fedlap_jax import accounting, optim, privacy
 from fedlap_jax.client_data import (
   ClientData,
   SyntheticSet,
   check_batch_size,
+  check_finite,
   check_labels,
   check_pair,
   num_classes_of,
@@ -707,22 +709,28 @@ def local_approx(
   an out-of-range label is refused before anything runs; inside ``jit`` or
   ``vmap`` the values are unknown when it is traced, and every float output
   (images, radius, metrics) of that client is NaN instead
-  (:func:`~fedlap_jax.client_data.poison_unless`).
+  (:func:`~fedlap_jax.client_data.poison_unless`). Images holding NaN or infinite values
+  (:func:`~fedlap_jax.client_data.check_finite`) are treated alike.
 
   Raises:
     ConfigError: inputs :func:`check_inputs` refuses (shapes, dtypes, a batch larger than
-      the client's record slots), or concrete labels outside ``[0, K)``.
+      the client's record slots), concrete labels outside ``[0, K)``, concrete images
+      holding NaN or infinite values, or under DP a ``dp.delta`` of at least ``1 / N_k`` for
+      the ``N_k`` valid records of a concrete ``client_data.mask``.
   """
   c = config
   key, params, synthetic, client_data, family_key = on_device(
     key, params, synthetic, client_data, family_key
   )
   check_inputs(synthetic, client_data, c)
+  if c.dp is not None and not isinstance(client_data.mask, jax.core.Tracer):
+    accounting.check_record_delta(c.dp.delta, int(np.sum(client_data.mask)), "dp.delta")
+  real_gradient_query(c).check_model(apply_fn, params, synthetic.x)
   ok = check_labels(
     num_classes_of(apply_fn, params, jnp.shape(synthetic.x)[1:], jnp.result_type(synthetic.x)),
     ("client_data.y", client_data.y, client_data.mask),
     ("synthetic.y", synthetic.y, synthetic.mask),
-  )
+  ) & check_finite(("client_data.x", client_data.x), ("synthetic.x", synthetic.x))
   optimizer = default_image_optimizer(c) if image_optimizer is None else image_optimizer
   if model_optimizer is None:  # the config's (plain SGD: the step written out, None)
     model_optimizer = optim.written_out_or(c.model_optimizer)

@@ -211,12 +211,49 @@ def check_labels(num_classes: int, *labelled: tuple[str, Any, Any]) -> Any:
   return ok
 
 
+def check_finite(*images: tuple[str, Any]) -> Any:
+  """Float images finite in every record: refused where the values are known, a flag where they
+  are traced, as :func:`check_labels` does for labels.
+
+  ``images`` are ``(field, x)`` pairs; every record is checked, padding included (a NaN pad
+  would still reach a masked sum as ``0 * NaN``). Integer images (stored pixels) are finite by
+  their dtype and not read. Under DP a NaN record would not show: its per-example gradient is
+  dropped by the clipping, and the step runs on as if it had no such record; the flag (a traced
+  bool scalar, False when some value is NaN or infinite) is folded into the outputs with
+  :func:`poison_unless` instead. ``True`` when every array was concrete (and checked).
+
+  Raises:
+    ConfigError: naming the field (e.g. ``"client_data.x"``), the count of NaN and infinite
+      values and the first record holding one, for concrete images.
+  """
+  ok: Any = True
+  for field, x in images:
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      continue
+    if not _is_traced(x):
+      x_np = np.asarray(x)
+      bad = ~np.isfinite(x_np)
+      if bad.any():
+        nan, inf = int(np.isnan(x_np).sum()), int(np.isinf(x_np).sum())
+        first = int(np.argmax(bad.reshape(len(x_np), -1).any(axis=1)))
+        raise ConfigError(
+          field,
+          f"{nan} NaN and {inf} infinite values",
+          "finite values in every record",
+          message=f"{field} holds {nan} NaN and {inf} infinite values (the first in record "
+          f"{first}); allowed: finite values in every record",
+        )
+    else:
+      ok = ok & jnp.all(jnp.isfinite(x))
+  return ok
+
+
 def poison_unless(ok: jax.Array, tree: Any) -> Any:
   """``tree`` with every floating leaf NaN unless ``ok`` (a bool scalar, may be traced).
 
   How a traced program makes bad input impossible to miss: an out-of-range
-  label (:func:`check_labels`) turns every float output (images, parameters,
-  radii, losses) into NaN, which no later step can turn finite again (not a
+  label (:func:`check_labels`) or a non-finite image (:func:`check_finite`) turns
+  every float output (images, parameters, radii, losses) into NaN, which no later step can turn finite again (not a
   loss alone: DP's clipped sums drop non-finite per-example gradients). With
   ``ok`` True the leaves are returned bit for bit.
   """
@@ -346,8 +383,9 @@ def stack_clients(
       labels that are not class indices (fractional or negative values, not ``(N,)``),
       integer images without a normalisation, or a normalisation whose length
       is not the channel count.
-    ConfigError: (a ``ValueError``) labels ``>= num_classes``, or a ``capacity``
-      below the largest client.
+    ConfigError: (a ``ValueError``) labels ``>= num_classes``, float images holding NaN or
+      infinite values (``xs[k]``, :func:`check_finite`), or a ``capacity`` below the largest
+      client.
   """
   if num_classes is not None:
     require(is_int(num_classes) and num_classes >= 1, "num_classes", num_classes, "an integer >= 1")
@@ -374,6 +412,7 @@ def stack_clients(
       )
     if num_classes is not None:
       check_labels(num_classes, (f"ys[{k}]", labels, np.ones(labels.shape, bool)))
+    check_finite((f"xs[{k}]", x))
   xs = [np.asarray(x) for x in xs]
   if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
     raise ValueError(
@@ -435,7 +474,10 @@ def pad_client(
   ``local_approx``, a baseline's ``client_step``) once per client compiles it
   once per distinct shape: clients of 300, 320 and 375 records compile three
   programs. Padded to one ``capacity`` (e.g. the largest client's ``N_k``)
-  they share one; the mask keeps the padding out of every batch and ``N_k``.
+  they share one; the mask keeps the padding out of every batch and ``N_k``. Their
+  synthetic sets need one size too: clients of 2 and 3 classes get ``2 ipc`` and ``3 ipc``
+  slots unless :func:`~fedlap_jax.synthetic.client_synthetic` is given the federation's
+  ``max_classes``.
   The padding runs on the host (NumPy) and compiles nothing.
 
   Args:

@@ -106,6 +106,7 @@ from fedlap_jax.client_data import (
   ClientData,
   SyntheticSet,
   check_batch_size,
+  check_finite,
   check_labels,
   check_pair,
   num_classes_of,
@@ -421,7 +422,8 @@ def condense(
 
   Labels of both sets must lie in ``[0, K)``, ``K`` the network's logits:
   refused on concrete arrays, NaN outputs inside ``jit`` or ``vmap``
-  (:func:`~fedlap_jax.client_data.check_labels`).
+  (:func:`~fedlap_jax.client_data.check_labels`); so are images holding NaN or infinite
+  values (:func:`~fedlap_jax.client_data.check_finite`).
 
   Raises:
     ConfigError: sets that :func:`~fedlap_jax.client_data.check_pair` refuses; for PSG's
@@ -431,16 +433,15 @@ def condense(
   check_pair(synthetic, client_data)
   if not config.classwise:
     check_batch_size("batch_size", config.batch_size, client_data)
+  params_shape = jax.eval_shape(init_fn, key)
+  config.gradient.check_model(apply_fn, params_shape, synthetic.x)
   ok = check_labels(
     num_classes_of(
-      apply_fn,
-      jax.eval_shape(init_fn, key),
-      jnp.shape(synthetic.x)[1:],
-      jnp.result_type(synthetic.x),
+      apply_fn, params_shape, jnp.shape(synthetic.x)[1:], jnp.result_type(synthetic.x)
     ),
     ("client_data.y", client_data.y, client_data.mask),
     ("synthetic.y", synthetic.y, synthetic.mask),
-  )
+  ) & check_finite(("client_data.x", client_data.x), ("synthetic.x", synthetic.x))
   c = config
   capacity = c.capacity
   augment = dsa.make_augment_fn(c.dsa_strategy)

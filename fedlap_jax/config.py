@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import optax
 
-from fedlap_jax import dsa, optim
+from fedlap_jax import accounting, dsa, optim
 from fedlap_jax.checks import (
   ConfigError,
   is_int,
@@ -168,10 +168,11 @@ class DPConfig:
       BatchNorm or other state outside its parameters is refused
       (:func:`fedlap_jax.per_example.check_dp_model`).
 
-  Accounting (:mod:`fedlap_jax.accounting`) refuses a ``noise_multiplier``
-  below :data:`~fedlap_jax.accounting.MIN_NOISE_MULTIPLIER` (0.3) and a
-  ``delta`` of at least ``1 / N_k``; a config may still hold them (tests of
-  the mechanism use a negligible noise), but no ledger or epsilon is built.
+  Refused when built, as accounting (:mod:`fedlap_jax.accounting`) would refuse them after
+  training: a ``noise_multiplier`` below
+  :data:`~fedlap_jax.accounting.MIN_NOISE_MULTIPLIER` (0.3), and a ``delta`` of at least
+  ``1 / 2`` (every client holds ``N_k >= 2`` records and needs ``delta < 1 / N_k``;
+  :func:`fedlap_jax.client.local_approx` checks that bound on the ``N_k`` it sees).
   """
 
   noise_multiplier: float
@@ -187,12 +188,14 @@ class DPConfig:
       self.noise_multiplier,
       "a number > 0 (sigma = 0 with DP on gives no privacy guarantee; turn DP off instead)",
     )
+    accounting.check_accountable_sigma(self.noise_multiplier, "dp.noise_multiplier")
     positive_float("dp.l2_clip_norm", self.l2_clip_norm)
     require(
-      is_real(self.delta) and 0 < self.delta < 1,
+      is_real(self.delta) and 0 < self.delta < 0.5,
       "dp.delta",
       self.delta,
-      "a number in the open interval (0, 1)",
+      "a number in the open interval (0, 1/2): delta < 1 / N_k, N_k >= 2 the records of a "
+      "client (a delta of 1 / N_k allows releasing a whole record)",
     )
     if self.microbatch_size is not None:
       positive_int("dp.microbatch_size", self.microbatch_size)

@@ -504,6 +504,20 @@ class PoissonGradient:
     """Whether per-example gradients are clipped (and noised)."""
     return self.l2_clip_norm is not None
 
+  def check_model(self, apply_fn: ApplyFn, params: PyTree, x: Any) -> None:
+    """On the private path, refuses a model :func:`fedlap_jax.per_example.check_dp_model`
+    refuses (``x``: an array or a ``jax.ShapeDtypeStruct`` of model inputs).
+
+    The entry points run it before any trace of ``apply_fn``: tracing an NNX ``BatchNorm``
+    in train mode would otherwise fail first, in Flax's own check of where it mutates its
+    statistics.
+
+    Raises:
+      fedlap_jax.per_example.NotDpSafe: as :func:`~fedlap_jax.per_example.check_dp_model`.
+    """
+    if self.private:
+      _per_example.check_dp_model(apply_fn, params, x)
+
   @property
   def mean_by(self) -> str:
     """The resolved ``gradient_mean``."""

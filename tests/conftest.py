@@ -34,6 +34,7 @@ import pytest
 from jax._src import compiler as jax_compiler  # private: the one place JAX builds compile options
 
 from fedlap_jax.client_data import ClientData, pixel_normalisation, stack_clients
+from fedlap_jax.config import DPConfig
 from fedlap_jax.models import ConvNet
 
 
@@ -66,6 +67,14 @@ class Digits(NamedTuple):
   y_train: np.ndarray
   x_test: np.ndarray
   y_test: np.ndarray
+
+
+def dp_below_floor(noise_multiplier: float, **fields) -> DPConfig:
+  """A :class:`DPConfig` whose noise multiplier is below the accounting floor, which the
+  constructor refuses: a mechanism test's negligible noise (no ledger is built from it)."""
+  dp = DPConfig(noise_multiplier=1.0, **fields)
+  object.__setattr__(dp, "noise_multiplier", noise_multiplier)
+  return dp
 
 
 def load_digits() -> Digits:

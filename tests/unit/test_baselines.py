@@ -26,6 +26,8 @@ from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance
 
+from conftest import dp_below_floor
+
 IMAGE_SHAPE = (8, 8, 1)
 B = 64  # digits clients hold 281-290 records: round(N_k / 64) is 4 or 5
 LR = 0.1
@@ -315,7 +317,7 @@ def test_dp_noise_has_the_gaussian_mechanism_scale(linear_apply_fn, linear_param
     linear_apply_fn,
     linear_params,
     clients,
-    dp=DPConfig(noise_multiplier=1e-6, l2_clip_norm=0.1, delta=1e-5),
+    dp=dp_below_floor(1e-6, l2_clip_norm=0.1, delta=1e-5),
   )
   (sa, ma), (sb, mb) = (alg.round(alg.init(key, linear_params, clients), clients) for alg in (a, b))
   # Same batches (same sampling keys), same clipping; only the noise differs.

@@ -26,7 +26,7 @@ from fedlap_jax.server import global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 
-from conftest import linear_apply, linear_init
+from conftest import dp_below_floor, linear_apply, linear_init
 
 
 IMAGE_SHAPE = (8, 8, 1)
@@ -158,7 +158,7 @@ def psg_runs(linear_apply_fn, clients):
   run = functools.partial(
     _condense, jax.random.PRNGKey(3), syn, client, apply_fn=linear_apply_fn, init=linear_init
   )
-  negligible = DPConfig(noise_multiplier=1e-9, l2_clip_norm=1e3, delta=1e-5)
+  negligible = dp_below_floor(1e-9, l2_clip_norm=1e3, delta=1e-5)
   loud = DPConfig(noise_multiplier=5.0, l2_clip_norm=1e-3, delta=1e-5)
   return syn, {
     "plain": run(config=TINY),

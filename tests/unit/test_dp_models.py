@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fedlap_jax import client, per_example, privacy
+from fedlap_jax import baselines, client, condensation, per_example, privacy
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ClientConfig, DPConfig
@@ -193,3 +193,74 @@ def test_local_approx_refuses_a_batchnorm_model_only_under_dp():
   dp = dataclasses.replace(config, dp=DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-3))
   with pytest.raises(per_example.NotDpSafe, match="BatchStat"):
     run(jax.random.key(1), params=params, synthetic=synthetic, client_data=data, config=dp)
+
+
+@pytest.mark.parametrize("entry", ["local_approx", "baseline", "condense"])
+def test_a_train_mode_nnx_batchnorm_gets_not_dp_safe_before_any_trace(entry):
+  """51512fe: Flax's TraceContextError (``Cannot mutate BatchStat from a different trace
+  level``) from the first abstract trace of the model, the class count's; eval mode was
+  already refused clearly."""
+  model = _nnx_net(nnx.BatchNorm)  # train mode: each call updates the statistics
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def apply_fn(p, x):
+    return nnx.merge(graphdef, p, rest)(x)
+
+  data = ClientData(X, Y, np.ones(8, bool))
+  synthetic = SyntheticSet(X[:3], np.arange(3, dtype=np.int32), np.ones(3, bool))
+  dp = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-3)
+  key = jax.random.key(1)
+  calls = {
+    "local_approx": lambda: client.local_approx(
+      key,
+      apply_fn,
+      params,
+      synthetic,
+      data,
+      ClientConfig(
+        ipc=1,
+        iterations=1,
+        max_outer=1,
+        batch_loop=1,
+        boost_loop=1,
+        inner_loop=0,
+        batch_size=4,
+        radius=1.0,
+        calibrate_radius=False,
+        dsa_strategy="",
+        dp=dp,
+      ),
+      learning_rate=0.1,
+    ),
+    "baseline": lambda: baselines.client_update(
+      key,
+      apply_fn,
+      params,
+      data,
+      learning_rate=0.1,
+      local=baselines.LocalTraining(
+        epochs=1, batch_size=4, fixed_steps=1, l2_clip_norm=1.0, noise_multiplier=1.0
+      ),
+      num_steps=1,
+    ),
+    "condense": lambda: condensation.condense(
+      key,
+      apply_fn,
+      lambda k: params,
+      synthetic,
+      data,
+      condensation.CondensationConfig(
+        ipc=1,
+        networks=1,
+        outer_loop=1,
+        inner_loop=1,
+        batch_loop=1,
+        batch_size=4,
+        classwise=False,
+        dp=dp,
+      ),
+    ),
+  }
+  with pytest.raises(per_example.NotDpSafe, match="BatchStat") as err:
+    jax.jit(calls[entry])()
+  assert err.value.field == "apply_fn"

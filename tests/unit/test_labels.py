@@ -260,3 +260,100 @@ def test_stack_clients_and_pad_client_know_the_class_count(client_parts):
   assert (err.value.field, err.value.value) == ("capacity", len(y0) - 1)
   with pytest.raises(ConfigError, match=r"ys\[0\] holds labels \[12\]"):
     pad_client(x0, np.full_like(y0, 12), capacity=400, num_classes=10)
+
+
+def _nan_at(x, value=np.nan):
+  x = np.array(x)
+  x[1, 0, 0, 0] = value
+  return jax.device_put(x)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize(
+  "entry", ["pad_client", "stack_clients", "local_approx", "client_step", "baseline", "condense"]
+)
+def test_concrete_non_finite_images_are_refused_before_anything_runs(
+  entry, value, linear_apply_fn, linear_params, synthetic, data
+):
+  """51512fe: accepted, and under DP clipped away (finite outputs from all-NaN data)."""
+  f, p = linear_apply_fn, linear_params
+  bad = data._replace(x=_nan_at(data.x, value))
+  fedlap = FedLAPConfig(client=LOOPS, server=SERVER, rounds=2, synthetic_init="noise")
+  calls = {
+    "pad_client": ("xs[0]", lambda: pad_client(np.asarray(bad.x), np.asarray(bad.y), capacity=N)),
+    "stack_clients": (
+      "xs[1]",
+      lambda: stack_clients([np.asarray(data.x), np.asarray(bad.x)], [data.y, data.y]),
+    ),
+    "local_approx": ("client_data.x", lambda: _local(f, p, synthetic, bad)),
+    "client_step": (
+      "client_data.x",
+      lambda: client.client_step(
+        jax.random.PRNGKey(1), f, p, synthetic, bad, fedlap, learning_rate=0.1
+      ),
+    ),
+    "baseline": (
+      "data.x",
+      lambda: baselines.client_step(
+        jax.random.PRNGKey(3),
+        f,
+        p,
+        bad,
+        baselines.baseline_config(
+          "fedavg", rounds=2, learning_rate=0.1, batch_size=8, dp=None, max_client_size=N
+        ),
+        learning_rate=0.1,
+      ),
+    ),
+    "condense": ("client_data.x", lambda: _condense(f, p, synthetic, bad)),
+  }
+  field, call = calls[entry]
+  with pytest.raises(ConfigError) as err:
+    call()
+  assert err.value.field == field and "record 1" in str(err.value)
+  with pytest.raises(ConfigError) as err:  # the synthetic set's images are checked alike
+    _local(f, p, synthetic._replace(x=_nan_at(synthetic.x, value)), data)
+  assert err.value.field == "synthetic.x"
+
+
+def test_traced_non_finite_images_make_every_float_output_nan(
+  linear_apply_fn, linear_params, synthetic, data
+):
+  """All-NaN data under DP: 51512fe returned a finite synthetic set (every per-example gradient
+  clipped away), now every float output is NaN."""
+  f, p = linear_apply_fn, linear_params
+  run = _jitted("local_approx under DP, data")
+  out = run(f, p, synthetic, data._replace(x=jax.device_put(np.full(data.x.shape, np.nan))))
+  assert _floats(out) and _all_nan(_floats(out))
+  out = _jitted("baseline under DP")(f, p, synthetic, data._replace(x=_nan_at(data.x)))
+  assert _all_nan(_floats(out))
+
+
+@pytest.mark.parametrize(
+  "fields, field",
+  [
+    ({"noise_multiplier": 0.01}, "dp.noise_multiplier"),
+    ({"noise_multiplier": 0.29}, "dp.noise_multiplier"),
+    ({"delta": 0.5}, "dp.delta"),
+    ({"delta": 0.9}, "dp.delta"),
+  ],
+)
+def test_dp_configs_no_ledger_accepts_are_refused_when_built(fields, field):
+  """51512fe built them and trained; only the ledger refused them, after training."""
+  with pytest.raises(ConfigError) as err:
+    DPConfig(**{"noise_multiplier": 1.0, "l2_clip_norm": 1.0, "delta": 1e-5, **fields})
+  assert err.value.field == field and err.value.value == next(iter(fields.values()))
+  DPConfig(noise_multiplier=0.3, l2_clip_norm=1.0, delta=0.49)  # the edges are accepted
+
+
+def test_local_approx_refuses_a_delta_of_one_over_the_records_it_sees(
+  linear_apply_fn, linear_params, synthetic, data
+):
+  f, p = linear_apply_fn, linear_params
+  n = int(np.sum(data.mask))  # 40 records
+  for delta in (1.0 / n, 0.1):
+    config = dataclasses.replace(LOOPS, dp=dataclasses.replace(DP, delta=delta))
+    with pytest.raises(ConfigError) as err:
+      _local(f, p, synthetic, data, config)
+    assert (err.value.field, err.value.value) == ("dp.delta", delta)
+  _local(f, p, synthetic, data, dataclasses.replace(LOOPS, dp=dataclasses.replace(DP, delta=0.02)))

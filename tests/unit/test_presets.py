@@ -157,6 +157,44 @@ def test_a_loop_over_padded_clients_compiles_once(linear_apply_fn, linear_params
   assert unpadded >= len(sizes) * padded  # one set of programs per distinct N_k
 
 
+def test_clients_of_2_and_3_classes_share_one_program_and_stack(
+  linear_apply_fn, linear_params, digits
+):
+  """Padded records alone left a 2-class client 4 synthetic slots and a 3-class one 6: a
+  second compilation, and sets that do not stack. With one synthetic capacity (ipc x the
+  most classes a client owns) the loop compiles once and the sets stack."""
+  parts = [
+    (digits.x_train[np.isin(digits.y_train, c)][:n], digits.y_train[np.isin(digits.y_train, c)][:n])
+    for c, n in (((0, 1), 60), ((2, 3, 4), 80))
+  ]
+  config = fl.ClientConfig(
+    ipc=2,
+    iterations=1,
+    max_outer=1,
+    batch_loop=1,
+    boost_loop=1,
+    inner_loop=0,
+    batch_size=16,
+    radius=1.0,
+    calibrate_radius=False,
+    dsa_strategy="",
+  ).with_dp(DP)
+  step = jax.jit(fl.local_approx, static_argnames=("apply_fn", "config"))
+  sets = []
+  for k, (x, y) in enumerate(parts):
+    data = fl.pad_client(x, y, capacity=80, num_classes=10)
+    syn = fl.client_synthetic(jax.random.key(k), data, 2, max_classes=3)
+    sets.append(
+      step(jax.random.key(k), linear_apply_fn, linear_params, syn, data, config, learning_rate=0.1)[
+        0
+      ]
+    )
+  assert step._cache_size() == 1
+  stacked = jax.tree.map(lambda *a: np.stack(a), *sets)
+  assert stacked.x.shape == (2, 6, 8, 8, 1)
+  np.testing.assert_array_equal(np.asarray(stacked.mask).sum(axis=1), [4, 6])
+
+
 def test_the_entry_points_take_numpy_arrays(linear_apply_fn, linear_params, client_parts):
   """Outside jit, NumPy client data, synthetic sets, weights and parameters failed with a
   TracerArrayConversionError (the lax loops index them with traced indices); now each entry
