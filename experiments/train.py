@@ -568,6 +568,5 @@ def new_ledger(mechanism: accounting.DpMechanism, client_sizes, clients_per_roun
 def charge_round(ledger, mechanism: accounting.DpMechanism, participants) -> float:
   """Composes one round of ``mechanism`` (its ``T`` noisy steps) into ``ledger`` for the round's
   ``participants`` (client indices); returns the headline epsilon after it."""
-  return ledger.record_round(
-    mechanism.steps_per_round, participants=np.asarray(participants).tolist()
-  )
+  ledger.record_round(mechanism.steps_per_round, participants=np.asarray(participants).tolist())
+  return ledger.epsilon
