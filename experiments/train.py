@@ -430,6 +430,8 @@ class _RoundLoop:
         idx = participation.sample_clients(
           self.participation_seed, m, self.num_clients, self.per_round
         )
+        if m == self.start + 1:  # not in train.log: a resumed run's log reads as one run's
+          self.log(outputs.compiling_line(m), kept=False)
         try:
           state, metrics, params, test_loss, test_acc = termination.wait_for(
             functools.partial(self._compute, m, idx, self.state), stop, grace_seconds=grace
