@@ -151,6 +151,12 @@ def find_non_finite(
   return problems
 
 
+def compiling_line(m: int) -> str:
+  """Said before the first round of a process, whose programs are built (minutes on a CPU for
+  the DP recipes) before anything else is printed."""
+  return f"compiling round {m} (or reading its programs from the compilation cache) ..."
+
+
 def format_line(rec: dict, rounds: int) -> str:
   parts = [
     f"round {rec['round']:>3d}/{rounds}",
@@ -162,10 +168,15 @@ def format_line(rec: dict, rounds: int) -> str:
   if "client_radius" in rec:
     radii = [r for r in rec["client_radius"] if r is not None]
     r_g = rec.get("server_radius")
-    parts.append(
-      f"radius {'fixed' if r_g is None else f'{r_g:.3f}'}"
-      + (f" (r_k {min(radii):.2f}..{max(radii):.2f})" if radii else "")
-    )
+    if r_g is not None and rec.get("server_distance", r_g) < r_g and set(radii) <= {r_g}:
+      # One constant radius the server stopped short of (at max_epochs): it bound nothing
+      # this round (the hybrid recipe's 1e4); its number would read as a limit.
+      parts.append("server radius not reached")
+    else:
+      parts.append(
+        f"radius {'fixed' if r_g is None else f'{r_g:.3f}'}"
+        + (f" (r_k {min(radii):.2f}..{max(radii):.2f})" if radii else "")
+      )
   if "server_steps" in rec:
     parts.append(f"server_steps {rec['server_steps']}")
   if "matching_loss" in rec:
@@ -348,16 +359,19 @@ class RunLog:
     self.label = label
     self._file = open(path, "a")
 
-  def __call__(self, line: str, seconds: float | None = None, *, labelled: bool = True) -> None:
-    """``[label] line`` (``labelled``) to stdout and train.log; ``seconds`` (a round's timing)
-    to stdout only, as train.log is releasable and timing is not covered."""
+  def __call__(
+    self, line: str, seconds: float | None = None, *, labelled: bool = True, kept: bool = True
+  ) -> None:
+    """``[label] line`` (``labelled``) to stdout and (``kept``) train.log; ``seconds`` (a
+    round's timing) to stdout only, as train.log is releasable and timing is not covered."""
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
     line = f"[{self.label}] {line}" if labelled else line
     tqdm.write(line if seconds is None else f"{line}  {seconds:.1f}s", file=sys.stdout)
     sys.stdout.flush()
-    self._file.write(line + "\n")
-    self._file.flush()
+    if kept:
+      self._file.write(line + "\n")
+      self._file.flush()
 
   def close(self) -> None:
     self._file.close()

@@ -241,38 +241,46 @@ def _write_csv(path: Path, rows, cols, cells) -> None:
       w.writerow(line)
 
 
-def overlay_plot(path: Path, runs: list[Run]) -> None:
-  """Accuracy vs round, one panel per dataset row, mean over seeds +- std."""
+def overlay_plot(path: Path, runs: list[Run]):
+  """Accuracy vs round, one panel per dataset (the runs it compares, whatever else their
+  rows differ in: that goes to the legend), mean over seeds +- std; integer round ticks.
+  Returns the figure, closed once written."""
   import matplotlib  # pylint: disable=g-import-not-at-top
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
 
-  rows = _order([r.row for r in runs], DATASET_ORDER)
-  fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.6), squeeze=False)
-  for ax, row in zip(axes[0], rows):
+  panels = _order([r.dataset for r in runs], DATASET_ORDER, base=lambda d: d)
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+  for ax, dataset in zip(axes[0], panels):
     groups = defaultdict(list)
     for r in runs:
-      if r.row == row:
-        groups[r.col].append(r)
+      if r.dataset == dataset:
+        groups[r.row, r.col].append(r)
+    several_rows = len({row for row, _ in groups}) > 1
     method_of = {r.col: r.method for r in runs}
-    for col in _order(groups, METHOD_ORDER, base=method_of.get):
-      members = groups[col]
+    for row, col in sorted(groups, key=lambda rc: (_method_rank(method_of[rc[1]]), rc)):
+      members = groups[row, col]
       n = min(len(r.records) for r in members)
       acc = 100 * np.array([[rec["test_accuracy"] for rec in r.records[:n]] for r in members])
       x = np.arange(1, n + 1)
       mean, std = acc.mean(0), acc.std(0)
       style = "--" if members[0].dp else "-"
-      (line,) = ax.plot(x, mean, style, label=f"{col} (n={len(members)})")
+      where = row[len(dataset) :].strip() if several_rows else ""
+      label = f"{col}{' ' + where if where else ''} (n={len(members)})"
+      (line,) = ax.plot(x, mean, style, marker="o", markersize=3, label=label)
       ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-    ax.set_title(row, fontsize=10)
+    ax.set_title(dataset, fontsize=10)
     ax.set_xlabel("communication round")
     ax.set_ylabel("test accuracy (%)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+  return fig
 
 
 def best_of_grid_table(runs: list[Run], epsilon: float) -> tuple[list[str], list[str], dict, dict]:

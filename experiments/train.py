@@ -436,6 +436,8 @@ class _RoundLoop:
         idx = participation.sample_clients(
           self.participation_seed, m, self.num_clients, self.per_round
         )
+        if m == self.start + 1:  # not in train.log: a resumed run's log reads as one run's
+          self.log(outputs.compiling_line(m), kept=False)
         try:
           state, metrics, params, test_loss, test_acc = termination.wait_for(
             functools.partial(self._compute, m, idx, self.state), stop, grace_seconds=grace
@@ -577,6 +579,5 @@ def new_ledger(mechanism: accounting.DpMechanism, client_sizes, clients_per_roun
 def charge_round(ledger, mechanism: accounting.DpMechanism, participants) -> float:
   """Composes one round of ``mechanism`` (its ``T`` noisy steps) into ``ledger`` for the round's
   ``participants`` (client indices); returns the headline epsilon after it."""
-  return ledger.record_round(
-    mechanism.steps_per_round, participants=np.asarray(participants).tolist()
-  )
+  ledger.record_round(mechanism.steps_per_round, participants=np.asarray(participants).tolist())
+  return ledger.epsilon

@@ -1256,10 +1256,12 @@ class ClientLedgers:
     """Server rounds recorded."""
     return len(self.participants)
 
+  @property
   def epsilons(self) -> list[float]:
     """``epsilon`` (nats, the ledgers' adjacency) of each client (0.0 if never sampled)."""
     return [l.epsilon for l in self.ledgers]
 
+  @property
   def epsilons_add_remove(self) -> list[float]:
     """The add/remove ``epsilon`` of each client (the paper's notion)."""
     return [l.epsilon_add_remove for l in self.ledgers]
@@ -1267,19 +1269,21 @@ class ClientLedgers:
   @property
   def epsilon(self) -> float:
     """The run's guarantee: the maximum ``epsilon`` over clients."""
-    return max(self.epsilons())
+    return max(self.epsilons)
 
   @property
   def epsilon_add_remove(self) -> float:
     """The maximum add/remove ``epsilon`` over clients."""
-    return max(self.epsilons_add_remove())
+    return max(self.epsilons_add_remove)
 
   def record_round(
     self, steps: int | None = None, *, participants: Iterable[int] | None = None
-  ) -> float:
-    """Charges one round of ``steps`` noisy steps to each participant; returns :attr:`epsilon`.
+  ) -> list[float]:
+    """Charges one round of ``steps`` noisy steps to each participant.
 
-    The same call as :meth:`PrivacyLedger.record_round`.
+    The same call as :meth:`PrivacyLedger.record_round`; returns what it
+    recorded, :attr:`epsilons` after the round (each client's epsilon; the run's
+    guarantee :attr:`epsilon` is their maximum).
 
     Args:
       steps: ``T`` of this round; defaults to the mechanism's ``steps_per_round``.
@@ -1301,11 +1305,11 @@ class ClientLedgers:
       new[i] = done[key]
     self.ledgers = new
     self.participants.append(ids)
-    return self.epsilon
+    return self.epsilons
 
   def summary(self) -> dict:
     """``{"min", "median", "max"}`` of the clients' epsilons (nats)."""
-    eps = sorted(self.epsilons())
+    eps = sorted(self.epsilons)
     n = len(eps)
     median = eps[n // 2] if n % 2 else 0.5 * (eps[n // 2 - 1] + eps[n // 2])
     return {"min": eps[0], "median": median, "max": eps[-1]}

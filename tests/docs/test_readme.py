@@ -38,3 +38,11 @@ def test_readme_block_runs_and_prints_documented_output(index):
   assert expected, "each README example documents its output"
   for value in expected:
     assert value in printed, (value, printed)
+
+
+def test_readme_runs_local_approx_with_an_nnx_and_an_equinox_model():
+  """Besides linen, the README shows the two other Flax/JAX model styles calling local_approx
+  (the parametrized test above runs the block)."""
+  blocks = [b for b in _python_blocks() if "local_approx" in b]
+  assert any("nnx.split(" in b and "nnx.merge(" in b for b in blocks)
+  assert any("eqx.partition(" in b and "eqx.combine(" in b for b in blocks)

@@ -590,8 +590,9 @@ def test_dp_resume_on_another_client_backend_is_refused(straight, capsys):
   assert {n: (straight / n).read_text() for n in files} == files
 
 
-def test_nondp_resume_may_change_the_client_backend(tmp_path):
-  """Without DP there is no noise to repeat: a run may resume on another backend."""
+def test_nondp_resume_may_change_the_client_backend(tmp_path, capsys):
+  """Without DP there is no noise to repeat: a run may resume on another backend. The first
+  round of each process says it compiles, before it does; train.log keeps no such notice."""
   import shutil  # pylint: disable=g-import-not-at-top
 
   overrides = {
@@ -607,6 +608,12 @@ def test_nondp_resume_may_change_the_client_backend(tmp_path):
   assert [r["round"] for r in again["records"]] == [1, 2]
   assert again["timing"][1]["first_in_process"]  # round 2 was redone, on vmap
   assert comparable(again["records"][:1]) == comparable(first["records"][:1])
+  out = capsys.readouterr().out
+  first_notice, second_notice = out.find("compiling round 1 "), out.find("compiling round 2 ")
+  assert -1 < first_notice < out.find("round   1/2") < second_notice < out.rfind("round   2/2")
+  assert (
+    out.count("compiling round") == 2 and "compiling" not in (tmp_path / "train.log").read_text()
+  )
 
 
 def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):

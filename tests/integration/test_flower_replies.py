@@ -1092,7 +1092,7 @@ def test_sampled_rounds_equal_experiments_run(tmp_path, monkeypatch, overrides):
     ], k
     if hist:
       assert hist[-1]["epsilon"] == ledgers.ledgers[k].epsilon
-  assert records[-1]["epsilon"] == max(ledgers.epsilons())
+  assert records[-1]["epsilon"] == max(ledgers.epsilons)
 
 
 # ----------------------------------------------------------------------------

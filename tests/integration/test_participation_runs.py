@@ -92,7 +92,7 @@ def test_sampled_run_charges_only_participants_and_keeps_unsampled_sets(sampled_
   stored = json.loads((workdir / "privacy_ledger.json").read_text())
   ledgers = accounting.ClientLedgers.from_dict(stored)
   assert ledgers.participants == drawn
-  eps = ledgers.epsilons()
+  eps = ledgers.epsilons
   taken = {k for d in drawn for k in d}
   for k in range(5):
     rounds = sum(k in d for d in drawn)

@@ -817,7 +817,7 @@ def test_ledgers_stored_by_earlier_versions_load_with_their_figures():
   assert old.epsilons == pytest.approx(OLD_ADD_REMOVE["epsilons"], rel=1e-9)
   assert round(old.epsilons[0], 4) == 2.7866
   clients = accounting.ClientLedgers.from_dict(OLD_CLIENTS)
-  assert clients.epsilons() == pytest.approx(
+  assert clients.epsilons == pytest.approx(
     [1.9453676419530521, 1.8680892481621474, 1.4291045426969387], rel=1e-9
   )
   # What they write now: the same keys, less the participation they never used.

@@ -62,7 +62,7 @@ def test_client_never_sampled_spends_nothing_and_each_pays_its_own_rate():
   ledgers = PAPER_MECHANISM.client_ledgers([10_000, 20_000, 10_000])
   ledgers.record_round(participants=[0, 1])
   ledgers.record_round(participants=[1])
-  eps = ledgers.epsilons()
+  eps = ledgers.epsilons
   assert eps[2] == 0.0 and ledgers.ledgers[2].rounds == 0
   assert eps[0] == pytest.approx(2.79, abs=0.01)  # one round at q = 256 / 10,000
   assert (
@@ -82,9 +82,24 @@ def test_all_clients_every_round_equals_the_single_ledger_exactly():
   for r in range(15):
     # The two ledger types record a round with the same call.
     everyone = range(3) if r % 2 else None
-    assert ledgers.record_round(participants=everyone) == single.record_round(participants=everyone)
+    # ClientLedgers returns each client's epsilon, the single ledger the smallest client's.
+    per_client = ledgers.record_round(participants=everyone)
+    assert max(per_client) == per_client[1] == single.record_round(participants=everyone)
   assert ledgers.epsilon == single.epsilon == pytest.approx(10.18, abs=0.01)
   assert single.epsilons[0] == pytest.approx(2.79, abs=0.01)
+
+
+def test_client_ledgers_surface_is_one_of_properties_and_record_round_returns_its_record():
+  """epsilons, epsilon and their add/remove figures are all read as properties, as on
+  PrivacyLedger; record_round returns what it recorded: each client's epsilon after the round."""
+  ledgers = PAPER_MECHANISM.client_ledgers([10_000, 20_000, 10_000])
+  recorded = ledgers.record_round(participants=[0, 1])
+  assert recorded == ledgers.epsilons and len(recorded) == 3 and recorded[2] == 0.0
+  assert recorded[0] == pytest.approx(2.79, abs=0.01)
+  assert ledgers.epsilon == max(recorded)
+  assert ledgers.epsilons_add_remove[2] == 0.0
+  assert ledgers.epsilon_add_remove == max(ledgers.epsilons_add_remove) > 0
+  assert ledgers.record_round(participants=[2]) == ledgers.epsilons != recorded
 
 
 def test_ledgers_round_trip_and_refuse_tampering():
@@ -93,10 +108,10 @@ def test_ledgers_round_trip_and_refuse_tampering():
   ledgers.record_round(participants=[1, 2])
   d = json.loads(json.dumps(ledgers.to_dict()))
   back = accounting.ClientLedgers.from_dict(d)
-  assert back.epsilons() == ledgers.epsilons() and back.participants == [[0, 2], [1, 2]]
+  assert back.epsilons == ledgers.epsilons and back.participants == [[0, 2], [1, 2]]
   back.record_round(participants=[0])
   ledgers.record_round(participants=[0])
-  assert back.epsilons() == ledgers.epsilons()
+  assert back.epsilons == ledgers.epsilons
   edited = json.loads(json.dumps(d))
   edited["clients"][1]["epsilons"][0] *= 0.5
   with pytest.raises(ValueError, match="does not match the recomputed"):
