@@ -256,9 +256,9 @@ def _split_child(setup, config) -> dict:
   stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((num, *s.shape), s.dtype), update)
 
   def server_step(k, params, updates, lr, n):
-    return server_lib.server_step(
-      k, apply_fn, params, updates, config, learning_rate=lr, num_records=n
-    )
+    return server_lib.server_step_with_state(
+      k, apply_fn, params, updates, config, None, learning_rate=lr, num_records=n
+    )[::2]
 
   server_args = (key, state.params, stacked, jnp.float32(0.1), record_counts(clients))
   out["server_step"] = _timed(lambda: jax.jit(server_step).trace(*server_args))[0]
