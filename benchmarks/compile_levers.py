@@ -199,7 +199,7 @@ def _child(spec: dict) -> dict:
   setup = build.build_run(cfg)
   alg, state, clients = setup.algorithm, setup.state, setup.clients
   if lever == "split":
-    return _split_child(setup, library_configs.to_fedlap_config(cfg))
+    return _split_child(setup, library_configs.library_config(cfg))
   out, compiled = _timed(lambda: compile_times._jitted_call(alg.round, state, clients))  # pylint: disable=protected-access
   walls, cpus = [], []
   for r in range(spec["rounds"]):

@@ -80,7 +80,7 @@ def test_baseline_errors_name_the_config_path():
   cfg.method = "fedprox"
   cfg.baseline.prox_mu = -1.0
   with pytest.raises(library_configs.ConfigError) as err:
-    library_configs.to_baseline_config(cfg)
+    library_configs.library_config(cfg)
   assert err.value.field == "baseline.prox_mu"
 
 
