@@ -199,7 +199,7 @@ def _child(spec: dict) -> dict:
   setup = build.build_run(cfg)
   alg, state, clients = setup.algorithm, setup.state, setup.clients
   if lever == "split":
-    return _split_child(setup, library_configs.to_fedlap_config(cfg))
+    return _split_child(setup, library_configs.library_config(cfg))
   out, compiled = _timed(lambda: compile_times._jitted_call(alg.round, state, clients))  # pylint: disable=protected-access
   walls, cpus = [], []
   for r in range(spec["rounds"]):
@@ -256,9 +256,9 @@ def _split_child(setup, config) -> dict:
   stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((num, *s.shape), s.dtype), update)
 
   def server_step(k, params, updates, lr, n):
-    return server_lib.server_step(
-      k, apply_fn, params, updates, config, learning_rate=lr, num_records=n
-    )
+    return server_lib.server_step_with_state(
+      k, apply_fn, params, updates, config, None, learning_rate=lr, num_records=n
+    )[::2]
 
   server_args = (key, state.params, stacked, jnp.float32(0.1), record_counts(clients))
   out["server_step"] = _timed(lambda: jax.jit(server_step).trace(*server_args))[0]

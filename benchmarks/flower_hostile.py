@@ -105,7 +105,7 @@ def _flipped_delta(stats):
     from fedlap_jax import update_bounds
 
     run = settings.run_settings({"config": HYBRID[0], "overrides": HYBRID[1]})
-    fc = library_configs.to_fedlap_config(run.cfg)
+    fc = library_configs.library_config(run.cfg)
     update = content["update"]
     leaves = {k: a.numpy() for k, a in update.items() if k.startswith("model_delta.")}
     d = sum(v.size for v in leaves.values())

@@ -3,9 +3,7 @@
 :func:`library_config` builds the frozen library config of ``cfg.method`` as the method's
 entry declares it (:mod:`experiments.methods`: where it reads the fields every method shares,
 which sections are its own; :func:`experiments.sections.build`, the one builder).
-:func:`to_fedlap_config`, :func:`to_dp_config`, :func:`to_baseline_config`,
-:func:`to_feddm_config` and :func:`to_oneshot_config` name it for one method. Two stages of
-checks, before anything runs:
+Two stages of checks, before anything runs:
 
 * :func:`validate_config` (static): names (method, dataset, source,
   partition, norm, backend), ranges, the method's privacy policy, and the core's own
@@ -35,7 +33,7 @@ import numpy as np
 
 from fedlap_jax import accounting, baselines
 from fedlap_jax import config as core
-from fedlap_jax import condensation, feddm, optim, participation
+from fedlap_jax import optim, participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
 from fedlap_jax.config import CLIENT_BACKENDS
 from fedlap_jax.models import NORMS, max_depth
@@ -48,53 +46,6 @@ from experiments import methods, sections
 
 def _fail(field: str, value, allowed: str):
   raise ConfigError(field, value, allowed)
-
-
-def to_dp_config(cfg) -> core.DPConfig | None:
-  """``config.dp`` as a :class:`fedlap_jax.config.DPConfig`, or ``None`` when disabled."""
-  return methods.dp_config(cfg)
-
-
-def to_fedlap_config(cfg) -> core.FedLAPConfig:
-  """The frozen :class:`fedlap_jax.config.FedLAPConfig` of an experiment config.
-
-  ``config.client`` / ``config.server`` / ``config.dp`` are
-  :class:`~fedlap_jax.config.ClientConfig` / ``ServerConfig`` / ``DPConfig``
-  written as sections (:mod:`experiments.configs.schema`; ``dp`` adds
-  :data:`experiments.methods.DP_EXPERIMENT_FIELDS`); ``rounds``, ``learning_rate``,
-  ``synthetic_init`` and ``lr_schedule`` go onto ``FedLAPConfig``
-  (:data:`experiments.methods.FEDLAP_SPEC`). An entry that is not a field, or has the wrong
-  type, is refused; the core validates every value; its errors are re-raised as
-  :class:`ConfigError` naming the config path (e.g. ``client.ipc``).
-  """
-  return sections.build(methods.FEDLAP_SPEC, cfg)
-
-
-def to_baseline_config(cfg, *, max_client_size: int | None = None) -> baselines.BaselineConfig:
-  """The frozen :class:`fedlap_jax.baselines.BaselineConfig` of a baseline experiment config
-  (:data:`experiments.methods.BASELINE_SPEC`: ``client.batch_size``,
-  ``client.poisson_capacity``, ``server.weighting``, ``baseline.local_epochs``,
-  ``baseline.prox_mu`` ...); ``max_client_size`` (records of the largest client) fixes the
-  static step count and is required under DP."""
-  return sections.build(methods.BASELINE_SPEC, cfg, max_client_size=max_client_size)
-
-
-def to_feddm_config(cfg) -> feddm.FedDMConfig:
-  """The frozen :class:`fedlap_jax.feddm.FedDMConfig` of an experiment config
-  (:data:`experiments.methods.FEDDM_SPEC`: ``feddm.*`` with ``client.ipc``,
-  ``client.batch_size``, ``client.poisson_capacity``, ``synthetic_init``, the ``server``
-  section and ``learning_rate``, the server's)."""
-  return sections.build(methods.FEDDM_SPEC, cfg)
-
-
-def to_oneshot_config(cfg) -> condensation.OneShotConfig:
-  """The frozen :class:`fedlap_jax.condensation.OneShotConfig` of a DSC / PSG config
-  (:data:`experiments.methods.ONESHOT_SPEC`: ``condense.*`` with ``client.ipc``,
-  ``client.batch_size``, ``client.poisson_capacity``, ``synthetic_init``, ``dp`` (PSG), the
-  ``server`` section and ``learning_rate``). ``condense.outer_loop`` / ``inner_loop`` left
-  at None take the published loops for the ipc (:func:`fedlap_jax.condensation.dc_loops`);
-  the method fixes class-wise (DSC) or class-agnostic (PSG) matching."""
-  return sections.build(methods.ONESHOT_SPEC, cfg)
 
 
 def library_config(cfg, *, max_client_size: int | None = None):

@@ -13,7 +13,7 @@ Main entry points:
 
 * :func:`local_approx` -- Algorithms 1 / 3 on one client.
 * :func:`global_update` -- Algorithm 2 on the server.
-* :func:`client_step`, :func:`server_step` -- a round's two halves (what a
+* :func:`client_step`, :func:`server_step_with_state` -- a round's two halves (what a
   client computes and sends, a :class:`ClientUpdate`; what the server does
   with them), shared by every front end; :func:`round_learning_rates`.
 * :data:`REGISTRY` (:mod:`fedlap_jax.methods`) -- every method as one :class:`Method` value;
@@ -77,7 +77,7 @@ from fedlap_jax.privacy import (
   real_gradient,
 )
 from fedlap_jax.radius import calibrate_radius, server_radius
-from fedlap_jax.server import ServerMetrics, global_update, server_step
+from fedlap_jax.server import ServerMetrics, global_update, server_step_with_state
 from fedlap_jax.synthetic import (
   class_batch,
   class_blocks,
@@ -97,7 +97,7 @@ __all__ = [
   "ClientUpdate",
   "ConfigError",
   "client_step",
-  "server_step",
+  "server_step_with_state",
   "round_learning_rates",
   "FederatedAlgorithm",
   "algorithm",

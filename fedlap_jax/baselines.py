@@ -21,7 +21,7 @@ One round, every client taking part (as in the reference)::
   SCAFFOLD: c <- c + sum_k w_k (c_k^+ - c_k)
 
 The two halves are :func:`client_step` (what one client computes and sends,
-its model ``y_k``) and :func:`server_step` (the weighted FedAvg step), as in
+its model ``y_k``) and :func:`server_step_with_state` (the weighted FedAvg step), as in
 FedJAX's ``FederatedAlgorithm`` and Flower's baselines. The methods of
 :mod:`fedlap_jax.methods.fedavg` run them, and their rounds are the one generic round
 (:func:`fedlap_jax.rounds.algorithm` of ``fedlap_jax.methods.REGISTRY["fedavg"]``, ...),
@@ -154,7 +154,6 @@ __all__ = [
   "round_key",
   "round_keys",
   "server_state",
-  "server_step",
   "server_step_with_state",
   "step_keys",
   "steps_per_epoch",
@@ -725,7 +724,7 @@ def client_step(
   ``T``) defaults to ``config.local.scheduled_steps`` of the padded client
   size ``data.mask.shape[0]``; ``optimizer``: the local steps' direction (``None``:
   ``config.client_optimizer``'s, SGD written out by default; :func:`client_update`). Pure and jit-compatible (``config`` static).
-  The counterpart of :func:`server_step`.
+  The counterpart of :func:`server_step_with_state`.
   NumPy arguments are copied to the device first (:func:`~fedlap_jax.client_data.on_device`).
   """
   key, params, data, correction = on_device(key, params, data, correction)
@@ -814,40 +813,6 @@ def server_state(
   if optimizer is None:
     return ()
   return optim.with_rate(optimizer, config.server_lr).init(params)
-
-
-def server_step(
-  params: PyTree,
-  client_params: PyTree,
-  config: BaselineConfig,
-  *,
-  num_records: jax.Array | None = None,
-) -> tuple[PyTree, jax.Array]:
-  """The server's weighted FedAvg step: ``x + eta_s sum_k w_k (y_k - x)``, ``sum_k w_k = 1``.
-
-  :func:`server_step_with_state` with plain SGD (no state); a config whose
-  ``server_optimizer`` has a state is refused (run :func:`server_step_with_state` with it).
-
-  Args:
-    params: the global model ``x``.
-    client_params: the clients' models ``y_k`` (:func:`client_step`), leaves ``(K, ...)``.
-    config: :class:`BaselineConfig` (static): ``weighting`` and ``server_lr``.
-    num_records: ``(K,)`` the clients' ``N_k``; required with ``weighting='size'``
-      (:func:`fedlap_jax.dispatch.client_weights`).
-
-  Returns:
-    ``(new_params, w)``: the new global model and the normalised ``(K,)`` weights.
-  """
-  require(
-    config.server_optimizer == optim.SGD,
-    "server_optimizer",
-    config.server_optimizer,
-    "plain SGD for the stateless server_step (use server_step_with_state)",
-  )
-  params, _, weights = server_step_with_state(
-    params, client_params, config, (), num_records=num_records
-  )
-  return params, weights
 
 
 def init_baseline_state(

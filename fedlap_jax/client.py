@@ -808,7 +808,7 @@ class ClientUpdate(NamedTuple):
   """What one FedLAP client sends the server after a round (:func:`client_step`).
 
   Stacked over clients (every leaf with a leading ``(K,)`` axis) it is what
-  :func:`fedlap_jax.server.server_step` takes.
+  :func:`fedlap_jax.server.server_step_with_state` takes.
 
   Attributes:
     synthetic: the client's :class:`SyntheticSet` after local approximation,

@@ -2,7 +2,7 @@
 
 A round is two pure steps, the same for every front end (the jitted round,
 ``experiments.run``, the Flower app): :func:`fedlap_jax.client.client_step`
-on every client, then :func:`fedlap_jax.server.server_step` on their stacked
+on every client, then :func:`fedlap_jax.server.server_step_with_state` on their stacked
 :class:`~fedlap_jax.client.ClientUpdate` s. This module holds what the round around them
 needs: the state (:class:`FedLAPState`, :func:`init_state`), the round's keys
 (:func:`round_keys`) and rates (:func:`round_learning_rates`), its metrics and the DP

@@ -16,7 +16,7 @@ carries it across rounds.
 
 Shared and FedLAP-only: :func:`global_update` (with :func:`example_weights`
 and :class:`ServerMetrics`) is the training on a union of synthetic sets that
-FedDM, DSC and PSG share; :func:`server_step` is FedLAP's whole server
+FedDM, DSC and PSG share; :func:`server_step_with_state` is FedLAP's whole server
 (``r_g`` from the clients' ``r_k``, the client weights, the FedAvg-delta start,
 then :func:`global_update`) and :func:`fedavg_delta_start` is part of it.
 """
@@ -339,33 +339,3 @@ def server_step_with_state(
     config=sc,
     optimizer=optimizer,
   )
-
-
-def server_step(
-  key: jax.Array,
-  apply_fn: Callable,
-  params: PyTree,
-  updates,
-  config: FedLAPConfig,
-  *,
-  learning_rate,
-  num_records: jax.Array | None = None,
-  valid: jax.Array | None = None,
-  optimizer: optax.GradientTransformation | None = None,
-) -> tuple[PyTree, ServerMetrics]:
-  """FedLAP's server in one round, its optimiser fresh (Algorithm 2):
-  :func:`server_step_with_state` from ``opt_state=None``, the state dropped:
-  ``(params, ServerMetrics)``."""
-  params, _, metrics = server_step_with_state(
-    key,
-    apply_fn,
-    params,
-    updates,
-    config,
-    None,
-    learning_rate=learning_rate,
-    num_records=num_records,
-    valid=valid,
-    optimizer=optimizer,
-  )
-  return params, metrics

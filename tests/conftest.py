@@ -18,12 +18,9 @@ dropped after a module once the process holds many of them, see
 from __future__ import annotations
 
 import gc
-import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import tempfile
 from typing import NamedTuple
 
@@ -39,20 +36,6 @@ from fedlap_jax.models import ConvNet
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def run_benchmark(module: str, *args: str) -> tuple[int, dict]:
-  """Exit status and JSON output of ``python -m benchmarks.<module> --json ARGS``, run from
-  the repository (the structure tests read the code through these scripts)."""
-  proc = subprocess.run(
-    [sys.executable, "-m", f"benchmarks.{module}", "--json", *args],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert proc.stdout, proc.stderr[-3000:]
-  return proc.returncode, json.loads(proc.stdout)
 
 
 CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)

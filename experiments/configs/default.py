@@ -19,7 +19,7 @@ Sections:
   :class:`fedlap_jax.config.ClientConfig`, :class:`~fedlap_jax.config.ServerConfig`
   and :class:`~fedlap_jax.config.DPConfig` (:mod:`experiments.configs.schema`; the
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
-  the run's calibration options. :func:`experiments.library_configs.to_fedlap_config`
+  the run's calibration options. :func:`experiments.library_configs.library_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
   Three optimisers are sections of the fields of :class:`fedlap_jax.optim.Optimizer` there:
   ``client.model_optimizer`` (FedLAP's client model), ``client.image_optimizer`` (FedLAP's

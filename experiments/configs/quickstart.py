@@ -39,7 +39,7 @@ import dataclasses
 
 import ml_collections
 
-from fedlap_jax.methods import fedadam
+from fedlap_jax.methods import fedavg
 
 from experiments.configs import default, fedlap
 
@@ -118,7 +118,7 @@ def tuned_config():
 def fedadam_config():
   """FedAdam on digits (``quickstart:fedadam``): FedAvg's clients (the baselines' 5 local
   epochs at eta_0 = 0.1, B = 64) and the server's Adam of ``config.fedadam``
-  (:class:`fedlap_jax.methods.fedadam.AdamServer`); 10 rounds."""
+  (:class:`fedlap_jax.methods.fedavg.AdamServer`); 10 rounds."""
   config = default.get_config()
   config.method = "fedadam"
   config.rounds = 10
@@ -130,7 +130,7 @@ def fedadam_config():
   config.client.batch_size = 64
   config.checkpoint_every = 5
   config.fedadam = ml_collections.ConfigDict(
-    dataclasses.asdict(fedadam.AdamServer(learning_rate=FEDADAM_SERVER_LR))
+    dataclasses.asdict(fedavg.AdamServer(learning_rate=FEDADAM_SERVER_LR))
   )
   return config
 

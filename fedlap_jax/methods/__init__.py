@@ -12,9 +12,9 @@ from typing import Iterable, Iterator, Mapping
 
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import Method
-from fedlap_jax.methods import condensation, fedadam, fedavg, feddm, fedlap
+from fedlap_jax.methods import condensation, fedavg, feddm, fedlap
 
-_FAMILIES = (fedlap, fedavg, feddm, condensation, fedadam)  # the order of reports
+_FAMILIES = (fedlap, fedavg, feddm, condensation)  # the order of reports, then FedAdam
 
 
 class Registry(Mapping[str, Method]):
@@ -51,4 +51,4 @@ class Registry(Mapping[str, Method]):
     return Registry((*self._methods.values(), *methods))
 
 
-REGISTRY = Registry(m for family in _FAMILIES for m in family.METHODS)
+REGISTRY = Registry((*(m for family in _FAMILIES for m in family.METHODS), fedavg.FEDADAM))

@@ -10,23 +10,34 @@ updates its control variate in its step (option II of Karimireddy et al., 2020:
 ``c_k+ = c_k - c + (x - y_k) / (T_k eta)``), carries ``c_k`` and sends ``delta c_k`` besides
 ``y_k``; its server adds ``(m / K) sum_k w_k delta c_k`` to ``c``.
 
-:func:`family` builds the method of one name, with the default optimisers or others;
-:mod:`fedlap_jax.methods.fedadam` reuses the
-client step and the message.
+:func:`family` builds the method of one name, with the default optimisers or others.
+
+FedAdam (FedOpt; Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2) is
+FedAvg with a server optimiser preset, one algorithm: :data:`FEDADAM` is FedAvg's method (its
+steps, the same objects) under the name ``fedadam``, whose config is FedAvg's
+:class:`~fedlap_jax.baselines.BaselineConfig` with the server optimiser
+``Optimizer(name='adam', b1, b2, eps)`` at the rate ``eta`` of :class:`AdamServer`
+(:func:`adam_preset`): one step of ``optax.adam(eta, b1, b2, eps)`` on minus the weighted mean
+client delta, its state carried across rounds. Defaults: ``b1 = 0.9``, ``b2 = 0.99``, ``eps =
+tau = 1e-3`` (the paper's FedAdam settings), ``eta = 0.01``. As FedJAX's and Flower's FedAdam,
+optax's Adam corrects the moments' bias, which Reddi et al.'s Algorithm 2 omits. FedYogi is the
+same with ``name='yogi'`` (a config of ``fedavg``: ``baseline.server_optimizer``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlap_jax import baselines, update_bounds
+from fedlap_jax import baselines, optim, update_bounds
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
+from fedlap_jax.checks import is_real, require
 from fedlap_jax.config import BASELINE_FACTS
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.models import count_params
@@ -344,3 +355,62 @@ def family(
 
 
 METHODS = tuple(family(name) for name in baselines.METHODS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamServer:
+  """FedAdam's server (its experiment section ``fedadam``).
+
+  Attributes:
+    learning_rate: ``eta``, the server's step size (the same every round).
+    b1, b2: the moments' decay rates, in ``[0, 1)``.
+    eps: ``tau``, added to ``sqrt(v)`` (the adaptivity's floor).
+  """
+
+  learning_rate: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.99
+  eps: float = 1e-3
+
+  def __post_init__(self):
+    for f in ("learning_rate", "eps"):
+      v = getattr(self, f)
+      require(is_real(v) and v > 0, f, v, "a finite number > 0")
+    for f in ("b1", "b2"):
+      v = getattr(self, f)
+      require(is_real(v) and 0 <= v < 1, f, v, "a number in [0, 1)")
+
+
+def adam_preset(base: BaselineConfig, server: Mapping[str, Any] | AdamServer) -> BaselineConfig:
+  """FedAdam's config: FedAvg's ``base`` with ``server`` (an :class:`AdamServer` or its fields)
+  as its server optimiser and rate. ``base`` keeps FedAvg's server defaults (plain SGD, rate
+  1.0): FedAdam's server is ``server``, a choice there is refused, not overridden."""
+  if not isinstance(server, AdamServer):
+    server = AdamServer(**server)
+  require(base.method == "fedavg", "method", base.method, "'fedavg' (FedAdam's clients)")
+  require(
+    base.server_optimizer == optim.SGD,
+    "server_optimizer",
+    base.server_optimizer,
+    "plain SGD, the default (FedAdam's server optimiser is its server: AdamServer)",
+  )
+  require(
+    base.server_lr == 1.0,
+    "server_lr",
+    base.server_lr,
+    "1.0, the default (FedAdam's server rate is server.learning_rate)",
+  )
+  adam = optim.Optimizer(name="adam", b1=server.b1, b2=server.b2, eps=server.eps)
+  return dataclasses.replace(base, server_optimizer=adam, server_lr=server.learning_rate)
+
+
+FEDADAM = dataclasses.replace(
+  METHODS[baselines.METHODS.index("fedavg")],
+  name="fedadam",
+  label=lambda dp: "FedAdam",
+  privacy_note="FedAdam has no DP variant",
+  dp_twin=None,
+  extends="fedavg",
+  extend=adam_preset,
+  own_section=AdamServer,
+)

@@ -1,6 +1,7 @@
 """FedLAP and FedLAP-DP as a :class:`~fedlap_jax.method.Method` (Algorithms 1-3).
 
-The steps are :func:`fedlap_jax.client.client_step` and :func:`fedlap_jax.server.server_step`,
+The steps are :func:`fedlap_jax.client.client_step` and
+:func:`fedlap_jax.server.server_step_with_state`,
 with the round's keys of :func:`fedlap_jax.federated.round_keys` (``next, k_init, k_clients,
 k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, under
 ``synthetic_init='real'`` also ``split(k_init, K)[k]``, and the shared DSA family key

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import library_configs, resume, train
+from experiments import library_configs, methods, resume, train
 from fedlap_jax import rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import ServerConfig, fixed_epochs_server
@@ -112,7 +112,7 @@ def test_carry_state_is_refused_by_name_where_no_server_carries_it():
   for method in ("dsc", "psg"):
     private = method == "psg"
     cond = CondensationConfig(
-      classwise=not private, dp=library_configs.to_dp_config(tiny_config()) if private else None
+      classwise=not private, dp=methods.dp_config(tiny_config()) if private else None
     )
     with pytest.raises(ConfigError, match=f"False for method='{method}'"):
       OneShotConfig(method=method, condensation=cond, server=carrying)

@@ -9,7 +9,7 @@ from fedlap_jax import baselines, optim
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError
 
-from experiments import library_configs
+from experiments import library_configs, methods
 from experiments.configs import default, fedlap, schema
 
 
@@ -17,11 +17,11 @@ def test_sections_are_the_dataclasses_fields_and_defaults():
   cfg = default.get_config()
   assert set(cfg.client.keys()) == {f.name for f in dataclasses.fields(core.ClientConfig)} - {"dp"}
   assert set(cfg.server.keys()) == {f.name for f in dataclasses.fields(core.ServerConfig)}
-  fedlap = library_configs.to_fedlap_config(cfg)
+  fedlap = library_configs.library_config(cfg)
   assert fedlap.client == core.ClientConfig()
   assert fedlap.server == core.ServerConfig(weighting="size")  # None resolved without DP
   cfg.dp.enabled = True
-  assert library_configs.to_dp_config(cfg) == core.PAPER_DP
+  assert methods.dp_config(cfg) == core.PAPER_DP
 
 
 def test_optional_fields_are_typed_placeholders():
@@ -43,7 +43,7 @@ def test_section_needs_a_value_for_fields_without_default():
 def test_baseline_section_is_baseline_configs_arguments_and_defaults():
   cfg = default.get_config()
   cfg.method = "fedprox"
-  built = library_configs.to_baseline_config(cfg)
+  built = library_configs.library_config(cfg)
   ref = baselines.baseline_config(
     "fedprox", rounds=cfg.rounds, learning_rate=0.1, batch_size=256, dp=None
   )
@@ -117,7 +117,7 @@ def test_the_baselines_optimisers_are_checked_naming_the_path(method, path, valu
 
 
 def test_paper_dp_setting_is_written_once():
-  assert library_configs.to_fedlap_config(fedlap.get_config("cifar_dp")) == core.paper_dp_config()
+  assert library_configs.library_config(fedlap.get_config("cifar_dp")) == core.paper_dp_config()
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_write_fedlap_round_trips():
   fedlap = core.paper_dp_config(rounds=3)
   cfg = schema.write_fedlap(default.get_config(), fedlap)
   assert isinstance(cfg, ml_collections.ConfigDict)
-  assert library_configs.to_fedlap_config(cfg) == fedlap
+  assert library_configs.library_config(cfg) == fedlap
 
 
 @pytest.mark.parametrize(
@@ -222,7 +222,7 @@ def test_fedlaps_optimisers_default_to_todays_and_a_spec_reaches_the_library_con
   """The sections default to plain SGD: the library config is today's (no server spec, the
   model's plain SGD); a spec chosen there is the library config's."""
   cfg = default.get_config()
-  built = library_configs.to_fedlap_config(cfg)
+  built = library_configs.library_config(cfg)
   assert built == core.FedLAPConfig()
   assert built.server.optimizer is None and built.client.model_optimizer == optim.SGD
   assert built.client.image_optimizer is None
@@ -230,12 +230,10 @@ def test_fedlaps_optimisers_default_to_todays_and_a_spec_reaches_the_library_con
   cfg.server.optimizer.name = "yogi"
   cfg.client.model_optimizer.name = "adam"
   cfg.client.inner_loop = 1
-  built = library_configs.to_fedlap_config(cfg)
+  built = library_configs.library_config(cfg)
   assert built.server.optimizer == optim.Optimizer(name="yogi")
   assert built.client.model_optimizer == optim.Optimizer(name="adam")
   assert built.server.direction() is optim.Optimizer(name="yogi").direction()
   cfg.client.image_optimizer.name = "adam"
   cfg.client.image_momentum = 0.0
-  assert library_configs.to_fedlap_config(cfg).client.image_optimizer == optim.Optimizer(
-    name="adam"
-  )
+  assert library_configs.library_config(cfg).client.image_optimizer == optim.Optimizer(name="adam")

@@ -226,7 +226,7 @@ def test_compare_dp_expands_into_every_method_grid_point_and_epsilon():
     assert (cfg.data.name, cfg.model.width, cfg.model.depth) == ("digits", 32, 2)
   paper = suite.fedlap_dp_paper__eps2p79
   assert paper.label == "FedLAP-DP (paper)" and paper.client.batch_size == 64
-  assert library_configs.to_fedlap_config(paper).client.real_accesses_per_round == 10
+  assert library_configs.library_config(paper).client.real_accesses_per_round == 10
   assert suite.dp_fedavg_lr1__eps2p79.client.batch_size == 64
   assert suite.dp_fedprox_lr0p3__eps2p79.learning_rate == 0.3
   assert suite.dp_fedprox_lr0p3__eps2p79.method == "dp_fedprox"

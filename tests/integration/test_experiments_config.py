@@ -51,7 +51,7 @@ def test_every_named_config_builds_and_validates(name, arg):
   runs = [cfg.suite[k] for k in cfg.suite.keys()] if "suite" in cfg else [cfg]
   for c in runs:
     library_configs.validate_config(c)
-    fc = library_configs.to_fedlap_config(c)
+    fc = library_configs.library_config(c)
     assert (fc.dp is not None) == c.dp.enabled
   path, label = flags.resolve_config_arg(name + (f":{arg}" if arg else ""))
   assert path.startswith(str(flags.CONFIG_DIR))
@@ -59,12 +59,12 @@ def test_every_named_config_builds_and_validates(name, arg):
 
 
 def test_published_settings_equal_the_core_paper_configs():
-  assert library_configs.to_fedlap_config(load("cifar_nondp")) == core.paper_nondp_config()
-  dp = library_configs.to_fedlap_config(load("cifar_dp"))
+  assert library_configs.library_config(load("cifar_nondp")) == core.paper_nondp_config()
+  dp = library_configs.library_config(load("cifar_dp"))
   assert dp == core.paper_dp_config()
   assert dp.client.real_accesses_per_round == 200
   for name in ("mnist_dp", "fmnist_dp"):
-    assert library_configs.to_fedlap_config(load(name)) == core.paper_dp_config()
+    assert library_configs.library_config(load(name)) == core.paper_dp_config()
   assert load("mnist_nondp").data.name == "mnist"
   assert load("fmnist_dp").data.name == "fashion_mnist"
 
@@ -72,7 +72,7 @@ def test_published_settings_equal_the_core_paper_configs():
 def test_ablation_values():
   assert load("cifar_ablation_ipc", "150").client.ipc == 150
   assert load("cifar_ablation_fraction", "5").data.train_fraction == pytest.approx(0.05)
-  fixed = library_configs.to_fedlap_config(load("cifar_ablation_radius", "fixed"))
+  fixed = library_configs.library_config(load("cifar_ablation_radius", "fixed"))
   assert fixed.server.radius_strategy == "fixed" and not fixed.client.calibrate_radius
   assert load("cifar_iid").data.partition == "iid"
   with pytest.raises(ValueError, match="allowed"):
@@ -107,10 +107,10 @@ def test_quickstart_matches_the_recipe():
   assert sorted(suite.keys()) == ["fedlap", "fedlap_dp"]
   # The DP default is the hybrid recipe (digits_dp_hybrid); the older loops stay as dp_loops.
   assert suite.fedlap_dp == quickstart.get_config("dp") == load("digits_dp_hybrid")
-  assert library_configs.to_fedlap_config(suite.fedlap_dp).client.model_steps == "noisy_real"
+  assert library_configs.library_config(suite.fedlap_dp).client.model_steps == "noisy_real"
   assert suite.fedlap == load("quickstart_nondp")
   assert quickstart.get_config("dp_loops") == quickstart.dp_config()
-  fc = library_configs.to_fedlap_config(quickstart.get_config("dp_loops"))
+  fc = library_configs.library_config(quickstart.get_config("dp_loops"))
   assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
   assert (
     fc.client.ipc,
@@ -122,7 +122,7 @@ def test_quickstart_matches_the_recipe():
     fc.learning_rate,
   ) == (10, 2, 5, 1, 64, 10, 0.05)
   # digits_dp_tuned is the quickstart's FedLAP-DP with the tuned recipe.
-  tc = library_configs.to_fedlap_config(load("digits_dp_tuned"))
+  tc = library_configs.library_config(load("digits_dp_tuned"))
   assert tc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
   assert (
     tc.client.ipc,
@@ -134,7 +134,7 @@ def test_quickstart_matches_the_recipe():
     tc.learning_rate,
   ) == (10, 2, 10, 5, 46, 3, 0.2)
   assert tc.client.average_targets and tc.lr_schedule == "cosine_open"
-  nd = library_configs.to_fedlap_config(quickstart.get_config("nondp"))
+  nd = library_configs.library_config(quickstart.get_config("nondp"))
   assert nd.dp is None and nd.client.calibrate_radius and nd.client.image_lr == 10.0
 
 
@@ -456,7 +456,7 @@ TUNED = [
 def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
   cfg = load(name)
   library_configs.validate_config(cfg)
-  fc = library_configs.to_fedlap_config(cfg)
+  fc = library_configs.library_config(cfg)
   c = fc.client
   assert (
     c.iterations,
@@ -491,7 +491,7 @@ def test_tuned_dp_configs_carry_the_recipe_at_epsilon_2_79(name, min_size):
 def test_digits_hybrid_config_carries_the_recipe_at_epsilon_2_79():
   # The hybrid: DP-SGD client path on un-augmented real batches, FedAvg start, then
   # 5 epochs of refinement on the synthetic sets at the server's own rate.
-  fc = library_configs.to_fedlap_config(load("digits_dp_hybrid"))
+  fc = library_configs.library_config(load("digits_dp_hybrid"))
   c, s = fc.client, fc.server
   assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.batch_size, c.radius) == (
     1,
@@ -540,7 +540,7 @@ def test_mnist_hybrid_configs_split_the_budget_over_10_rounds_at_epsilon_2_79(
   # The digits' hybrid with the split that won on mnist10k / fmnist10k: T 35, 10 rounds, q 0.169.
   cfg = load(name)
   library_configs.validate_config(cfg)
-  fc = library_configs.to_fedlap_config(cfg)
+  fc = library_configs.library_config(cfg)
   c, s = fc.client, fc.server
   assert (c.iterations, c.max_outer, c.batch_loop, c.boost_loop, c.radius) == (1, 35, 1, 20, 1e4)
   assert (c.average_targets, c.model_steps, c.real_dsa_strategy) == (True, "noisy_real", "")
@@ -569,7 +569,7 @@ def test_mnist_hybrid_configs_split_the_budget_over_10_rounds_at_epsilon_2_79(
 def test_paper_dp_configs_are_unchanged_by_the_recipe():
   # mnist_dp / cifar_dp keep the published loops: eps 2.79 after round 1, 10.18 after 15.
   for name in ("mnist_dp", "cifar_dp"):
-    fc = library_configs.to_fedlap_config(load(name))
+    fc = library_configs.library_config(load(name))
     assert not fc.client.average_targets and fc.client.model_steps == "synthetic"
     assert fc.lr_schedule == "cosine" and fc.server.learning_rate is None
     assert fc.server.start == "global" and fc.client.real_accesses_per_round == 200

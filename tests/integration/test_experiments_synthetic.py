@@ -172,7 +172,7 @@ def test_named_configs_validate_with_the_published_settings(name):
   assert path.startswith(str(flags.CONFIG_DIR)) and label == name
   if name.endswith("feddm"):
     fedlap = configs.load(f"{name.split('_')[0]}_nondp")
-    core = library_configs.to_feddm_config(cfg)
+    core = library_configs.library_config(cfg)
     # FedLAP's partition, ipc and rounds: equal upload (0.96x on CIFAR-10).
     assert (cfg.data.partition, cfg.client.ipc, cfg.rounds) == (
       fedlap.data.partition,
@@ -182,7 +182,7 @@ def test_named_configs_validate_with_the_published_settings(name):
     assert (core.image_updates, core.rho, core.image_lr, core.batch_size) == (1000, 5.0, 1.0, 256)
     assert (core.server.max_epochs, core.server.momentum, core.learning_rate) == (500, 0.9, 0.01)
   else:
-    core = library_configs.to_oneshot_config(cfg)
+    core = library_configs.library_config(cfg)
     assert cfg.rounds == 1 and core.condensation.networks == 1000
     assert core.condensation.image_lr == 0.1 and core.condensation.net_lr == 0.01
   if name.endswith("dsc"):
@@ -205,7 +205,7 @@ def test_dsc_variants(variant, method, ipc):
   cfg = synthetic.get_dsc_config("cifar", variant)
   library_configs.validate_config(cfg)
   assert (cfg.method, cfg.client.ipc) == (method, ipc)
-  assert library_configs.to_oneshot_config(cfg).condensation.outer_loop == (10 if ipc == 10 else 50)
+  assert library_configs.library_config(cfg).condensation.outer_loop == (10 if ipc == 10 else 50)
 
 
 def test_bad_dsc_variant_is_refused():
@@ -216,7 +216,7 @@ def test_bad_dsc_variant_is_refused():
 @pytest.mark.parametrize("dataset", ["mnist", "fmnist", "cifar"])
 def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
   cfg = synthetic.get_psg_config(dataset)
-  core = library_configs.to_oneshot_config(cfg)
+  core = library_configs.library_config(cfg)
   t = core.condensation.real_accesses_per_round
   assert t == 1000 * 10 * 10 and core.condensation.batch_size == 256
   eps = accounting.epsilon_after_rounds(

@@ -14,7 +14,7 @@ from fedlap_jax import baselines, rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
-from fedlap_jax.methods.fedadam import AdamServer, FedAdamConfig
+from fedlap_jax.methods.fedavg import AdamServer, adam_preset
 from fedlap_jax.models import count_params
 from fedlap_jax.training import evaluate
 
@@ -25,7 +25,7 @@ def _config(server_lr=0.03):
   clients = baselines.baseline_config(
     "fedavg", rounds=ROUNDS, learning_rate=0.1, local_epochs=2, batch_size=64, dp=None
   )
-  return FedAdamConfig(clients, AdamServer(learning_rate=server_lr))
+  return adam_preset(clients, AdamServer(learning_rate=server_lr))
 
 
 def test_fedadam_learns_digits(apply_fn, params, clients, digits):
@@ -53,8 +53,8 @@ def test_fedadam_refuses_bad_server_settings_and_another_client_method():
     assert err.value.field == field
   fedprox = baselines.baseline_config("fedprox", rounds=1, learning_rate=0.1, batch_size=8, dp=None)
   with pytest.raises(ConfigError) as err:
-    FedAdamConfig(fedprox)
-  assert err.value.field == "clients"
+    adam_preset(fedprox, AdamServer())
+  assert err.value.field == "method"
 
 
 TINY = ["--config.model.width=8", "--config.model.depth=1", "--config.eval_chunk_size=400"]

@@ -2209,7 +2209,7 @@ def test_dp_runs_never_weight_by_the_clients_record_counts():
   run = settings.run_settings(
     {"config": "quickstart:dp_loops", "overrides": "server.weighting=None"}
   )
-  assert library_configs.to_fedlap_config(run.cfg).server.weighting == "uniform"
+  assert library_configs.library_config(run.cfg).server.weighting == "uniform"
   with pytest.raises(library_configs.ConfigError) as err:
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": "server.weighting=size"})
   assert err.value.field == "server.weighting"

@@ -447,7 +447,7 @@ def test_max_update_norm_values_and_what_auto_needs():
   from experiments import library_configs
 
   cfg = settings.run_settings(rc).cfg
-  fedavg, config = method_work.method_of(cfg), library_configs.to_baseline_config(cfg)
+  fedavg, config = method_work.method_of(cfg), library_configs.library_config(cfg)
   with pytest.raises(ConfigError, match="max-update-norm='auto' is invalid") as e:
     replies.update_norm_rule("auto", fedavg, config, None)
   assert e.value.field == "max-update-norm"
@@ -610,7 +610,7 @@ def test_honest_model_deltas_stay_far_inside_the_bound(genuine):
   from experiments import library_configs
 
   run = settings.run_settings({"config": "quickstart:dp", "overrides": HYBRID_ONE})
-  fc = library_configs.to_fedlap_config(run.cfg)
+  fc = library_configs.library_config(run.cfg)
   eta = float(np.float32(federated.round_learning_rates(1, fc).client))
   for content in genuine("hybrid").values():
     update = content["update"]
@@ -716,7 +716,7 @@ def test_the_delta_bound_follows_the_config():
   from experiments import library_configs
 
   run = settings.run_settings({"config": "quickstart:dp"})
-  c = library_configs.to_fedlap_config(run.cfg).client
+  c = library_configs.library_config(run.cfg).client
   d = 10_000
   bound = update_bounds.matching_delta_bound(c, 0.1, d)
   t = update_bounds.TAIL_LOG / 3 + math.sqrt(
@@ -729,7 +729,7 @@ def test_the_delta_bound_follows_the_config():
   )
   assert bound == pytest.approx(1.001 * min(c.radius + 0.1 * g, c.max_outer * 0.1 * g))
   assert update_bounds.matching_delta_bound(c, 0.2, d) > bound  # grows with eta_m
-  nondp = library_configs.to_fedlap_config(
+  nondp = library_configs.library_config(
     settings.run_settings({"config": "quickstart:nondp"}).cfg
   ).client
   assert update_bounds.matching_delta_bound(nondp, 0.1, d) is None
@@ -752,10 +752,8 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
 
   d = 10_000
   facts = RunFacts((8, 8, 1), 5, d, 2)
-  dp = library_configs.to_fedlap_config(settings.run_settings({"config": "quickstart:dp"}).cfg)
-  nondp = library_configs.to_fedlap_config(
-    settings.run_settings({"config": "quickstart:nondp"}).cfg
-  )
+  dp = library_configs.library_config(settings.run_settings({"config": "quickstart:dp"}).cfg)
+  nondp = library_configs.library_config(settings.run_settings({"config": "quickstart:nondp"}).cfg)
   eta = np.float32(0.1)
   message = fedlap.Message(None, federated.RoundRates(eta, np.float32(1.0)), None)
   bound = update_bounds.matching_delta_bound(dp.client, float(eta), d)

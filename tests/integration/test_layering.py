@@ -1,13 +1,12 @@
 """The library's floor plan and its one validation vocabulary.
 
-The import graph is read from the source with ``ast`` by
-``python -m benchmarks.import_graph --json`` (run as a script: the tests import
-nothing from ``benchmarks``); it imports no JAX and takes a fraction of a second.
+Who imports whom (the floors, no cycle, the methods beside each other) is stated as
+import-linter contracts in ``pyproject.toml`` and checked by ``lint-imports`` in CI; the tests
+here check what a contract cannot: what a module uses, and the one vocabulary of errors.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import pathlib
 import pickle
@@ -19,54 +18,8 @@ from experiments.configs import quickstart
 from fedlap_jax import baselines, checks
 from fedlap_jax import config as core
 from fedlap_jax.methods import REGISTRY
-from conftest import run_benchmark
 
-MAX_FLOORS = 7
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
-
-
-def read_graph(*args: str) -> tuple[int, dict]:
-  """Exit status and JSON of ``python -m benchmarks.import_graph --json [DIR]``."""
-  return run_benchmark("import_graph", *args)
-
-
-@functools.lru_cache(maxsize=None)
-def library_graph() -> dict:
-  """``{module: set of library modules it imports}`` of ``fedlap_jax``."""
-  status, out = read_graph()
-  assert status == 0 and out["cycle"] is None, out["cycle"]
-  return {m: set(d) for m, d in out["graph"].items()}
-
-
-def test_the_import_graph_has_no_cycle_and_at_most_seven_floors():
-  """The core (every module outside ``methods/``) has at most seven floors; the registry and
-  the methods' own modules sit on top of it."""
-  status, out = read_graph()
-  assert status == 0 and out["cycle"] is None, out["cycle"]
-  assert out["core_floors"] <= MAX_FLOORS, out["longest_chain"]
-  assert len(out["longest_chain"]) == max(out["floors"].values())
-
-
-def test_baselines_sit_beside_fedlap_not_on_top_of_it():
-  graph = library_graph()
-  assert not {"client", "federated", "server", "radius"} & graph["baselines"]
-  assert not {"baselines"} & (graph["federated"] | graph["client"] | graph["server"])
-  # What both use lives below both (the client data types); the one round that runs either
-  # sits above both, on the method interface and client dispatch, and imports neither.
-  assert "client_data" in graph["baselines"] & graph["federated"]
-  assert {"method", "dispatch", "algorithm"} <= graph["rounds"]
-  assert not {"baselines", "federated", "client", "server"} & graph["rounds"]
-  assert "rounds" not in graph["baselines"] | graph["federated"]
-
-
-def test_the_graph_reader_sees_deferred_imports_and_cycles(tmp_path):
-  (tmp_path / "a.py").write_text("from fedlap_jax import b\n")
-  (tmp_path / "b.py").write_text("def f():\n  from fedlap_jax.a import x\n")
-  status, out = read_graph(str(tmp_path))
-  assert status == 1
-  assert out["graph"] == {"a": ["b"], "b": ["a"]}
-  assert out["cycle"] in (["a", "b", "a"], ["b", "a", "b"])
-  assert out["floors"] is None and out["longest_chain"] is None
 
 
 @pytest.mark.parametrize(
@@ -127,7 +80,7 @@ def test_baseline_errors_name_the_config_path():
   cfg.method = "fedprox"
   cfg.baseline.prox_mu = -1.0
   with pytest.raises(library_configs.ConfigError) as err:
-    library_configs.to_baseline_config(cfg)
+    library_configs.library_config(cfg)
   assert err.value.field == "baseline.prox_mu"
 
 
@@ -160,10 +113,6 @@ def test_method_lists_and_labels_come_from_the_registry():
   assert [n for n in REGISTRY if REGISTRY[n].label(True) != labels[n]] == ["fedlap"]
 
 
-# The methods: each builds its round from the shared floors below, none from another's.
-METHODS = ("federated", "client", "baselines", "feddm", "condensation")
-# FedLAP's own modules: its local approximation, its round, its radii.
-FEDLAP_ONLY = {"client", "federated", "radius"}
 # What the other synthetic-set methods may take from fedlap_jax.server: Algorithm 2's training
 # on the union of synthetic sets (FedDM's server, DSC's and PSG's training of a fresh model,
 # with r_g = inf). FedLAP's server step (radius, weights, FedAvg-delta start) is not shared.
@@ -189,11 +138,11 @@ def _names_imported_from(module: str, source: str) -> set[str]:
   return names
 
 
-def _registry_imports(module: str) -> set[str]:
-  """The ``fedlap_jax`` modules the registry's ``fedlap_jax/methods/<module>.py`` imports."""
+def _library_imports(path: str) -> set[str]:
+  """The ``fedlap_jax`` modules that ``fedlap_jax/<path>`` imports."""
   import ast
 
-  tree = ast.parse((ROOT / "fedlap_jax" / "methods" / f"{module}.py").read_text())
+  tree = ast.parse((ROOT / "fedlap_jax" / path).read_text())
   out = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.ImportFrom) and node.module == "fedlap_jax":
@@ -206,27 +155,18 @@ def _registry_imports(module: str) -> set[str]:
 def test_synthetic_systems_are_built_from_the_shared_primitives():
   """FedDM, DSC and PSG reuse the synthetic-set construction, the matching step, the server's
   training and the privacy primitives (their modules), and the client dispatch and the method
-  interface (their registry methods, whose round is the generic one); they stand beside
-  FedLAP, not on it."""
-  graph = library_graph()
+  interface (their registry methods, whose round is the generic one). That they stand beside
+  FedLAP, not on it, is an import-linter contract (pyproject.toml)."""
   for module in ("feddm", "condensation"):
-    registry = _registry_imports(module)
-    assert {"synthetic", "matching", "privacy"} <= graph[module], (module, graph[module])
+    own, registry = _library_imports(f"{module}.py"), _library_imports(f"methods/{module}.py")
+    assert {"synthetic", "matching", "privacy"} <= own, (module, own)
     assert {"dispatch", "method", "synthetic", module} <= registry, (module, registry)
-    assert "server" in graph[module] | registry, module
-    for imports in (graph[module], registry):
-      assert not FEDLAP_ONLY & imports, (module, imports)
+    assert "server" in own | registry, module
     assert _names_imported_from(module, "server") <= SHARED_SERVER_NAMES, module
-  assert not {"feddm", "condensation"} & (graph["federated"] | graph["baselines"])
 
 
-def test_synthetic_sets_and_class_batches_live_below_every_method():
-  graph = library_graph()
-  floors = read_graph()[1]["floors"]
-  for shared in ("synthetic", "matching"):
-    assert not set(METHODS) & graph[shared], (shared, graph[shared])
-    for method in ("client", "feddm", "condensation"):
-      assert floors[shared] < floors[method], (shared, method, floors)
+def test_every_method_builds_its_sets_with_the_shared_functions():
+  """(That the sets and class batches live below every method is the layers contract.)"""
   import fedlap_jax
   from fedlap_jax import synthetic
 

@@ -25,7 +25,7 @@ from fedlap_jax.client import ClientUpdate, client_step, local_approx, shared_fa
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
-from fedlap_jax.server import fedavg_delta_start, global_update, server_step
+from fedlap_jax.server import fedavg_delta_start, global_update, server_step_with_state
 from fedlap_jax.synthetic import real_images
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ REAL = FedLAPConfig(
 )
 
 _client_step = jax.jit(client_step, static_argnames=("apply_fn", "config", "client_axis"))
-_server_step = jax.jit(server_step, static_argnames=("apply_fn", "config"))
+_server_step = jax.jit(server_step_with_state, static_argnames=("apply_fn", "config"))
 _local_approx = jax.jit(local_approx, static_argnames=("apply_fn", "config"))
 
 
@@ -124,12 +124,13 @@ def test_the_round_is_client_step_then_server_step(linear_apply_fn, linear_param
     )
     updates.append(update)
   stacked = jax.tree.map(lambda *u: jnp.stack(u), *updates)
-  params, server_metrics = _server_step(
+  params, _, server_metrics = _server_step(
     k_server,
     linear_apply_fn,
     linear_params,
     stacked,
     config,
+    None,
     learning_rate=rates.server,
     num_records=dispatch.record_counts(clients),
   )
@@ -250,8 +251,15 @@ def test_server_step_is_radius_weights_start_then_global_update(
   updates = _updates(linear_params, clients, config, radii)
   counts = dispatch.record_counts(clients)
   key = jax.random.PRNGKey(5)
-  params, metrics = _server_step(
-    key, linear_apply_fn, linear_params, updates, config, learning_rate=0.05, num_records=counts
+  params, _, metrics = _server_step(
+    key,
+    linear_apply_fn,
+    linear_params,
+    updates,
+    config,
+    None,
+    learning_rate=0.05,
+    num_records=counts,
   )
   weights = counts.astype(jnp.float32)
   start = fedavg_delta_start(linear_params, updates.model_delta, weights)
@@ -269,14 +277,17 @@ def test_server_step_is_radius_weights_start_then_global_update(
   chex.assert_trees_all_close(metrics.radius, 0.2)
   assert int(metrics.steps) == int(ref_m.steps)
   with pytest.raises(ValueError, match="weighting='size' needs every client's record count"):
-    server_step(key, linear_apply_fn, linear_params, updates, config, learning_rate=0.05)
+    server_step_with_state(
+      key, linear_apply_fn, linear_params, updates, config, None, learning_rate=0.05
+    )
   with pytest.raises(ValueError, match="server.start='fedavg_delta' needs the clients' model"):
-    server_step(
+    server_step_with_state(
       key,
       linear_apply_fn,
       linear_params,
       updates._replace(model_delta=None),
       config,
+      None,
       learning_rate=0.05,
       num_records=counts,
     )
@@ -305,12 +316,13 @@ def test_server_step_leaves_out_invalid_clients(linear_apply_fn, linear_params, 
     linear_params,
     u,
     config,
+    None,
     learning_rate=0.05,
     num_records=counts,
     valid=valid,
   )
-  a, ma = run(updates)
-  b, mb = run(garbage)
+  a, _, ma = run(updates)
+  b, _, mb = run(garbage)
   chex.assert_trees_all_equal(a, b)
   chex.assert_trees_all_close(ma.radius, 0.3)  # min over the valid clients
   chex.assert_trees_all_close(mb.radius, 0.3)
@@ -354,8 +366,8 @@ def test_the_fedavg_round_is_client_step_then_server_step(linear_apply_fn, linea
     for k in range(K)
   ]
   ys = jax.tree.map(lambda *y: jnp.stack(y), *ys)
-  params, weights = baselines.server_step(
-    linear_params, ys, FEDAVG, num_records=dispatch.record_counts(clients)
+  params, _, weights = baselines.server_step_with_state(
+    linear_params, ys, FEDAVG, (), num_records=dispatch.record_counts(clients)
   )
   chex.assert_trees_all_equal(new.params, params)
   counts = np.asarray(clients.mask).sum(axis=1)
@@ -366,15 +378,15 @@ def test_baseline_server_step_is_the_weighted_fedavg_step():
   x = {"w": jnp.array([1.0, -2.0])}
   ys = {"w": jnp.array([[3.0, 0.0], [1.0, 2.0]])}
   half = dataclasses.replace(FEDAVG, server_lr=0.5)
-  params, w = baselines.server_step(x, ys, half, num_records=jnp.array([1, 3]))
+  params, _, w = baselines.server_step_with_state(x, ys, half, (), num_records=jnp.array([1, 3]))
   # x + 0.5 * (1/4 (y_1 - x) + 3/4 (y_2 - x)) = [1, -2] + 0.5 * [0.5, 3.5]
   np.testing.assert_allclose(np.asarray(params["w"]), [1.25, -0.25], rtol=1e-6)
   np.testing.assert_allclose(np.asarray(w), [0.25, 0.75])
   uniform = dataclasses.replace(FEDAVG, weighting="uniform")
-  params, _ = baselines.server_step(x, ys, uniform)
+  params, _, _ = baselines.server_step_with_state(x, ys, uniform, ())
   np.testing.assert_allclose(np.asarray(params["w"]), [2.0, 1.0], rtol=1e-6)
   with pytest.raises(ValueError, match="weighting='size' needs"):
-    baselines.server_step(x, ys, FEDAVG)
+    baselines.server_step_with_state(x, ys, FEDAVG, ())
 
 
 # ---------------------------------------------------------------- who calls what

@@ -1,19 +1,16 @@
-"""The library's structure, checked as structure: who imports whom, who reads a method's name.
+"""The library's structure, checked as structure: who reads a method's name, who calls the DP
+gradient, what the compiled DP programs hold.
 
-The import graph and the method-name sites are read from the source with ``ast`` by the
-scripts ``python -m benchmarks.import_graph`` and ``python -m benchmarks.method_branches``
-(run as processes: the tests import nothing from ``benchmarks``). Each check here fails when
-the structure it states is broken, whatever the names of the functions involved.
+Who imports whom is stated as import-linter contracts in ``pyproject.toml`` (``lint-imports``,
+run by CI); what those cannot state is here, read from the source with ``ast``. Each check
+fails when the structure it states is broken, whatever the names of the functions involved.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import functools
-import json
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -23,129 +20,62 @@ from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
-from conftest import linear_init, run_benchmark
+from conftest import linear_init
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
-FRONT_ENDS = ("experiments", "fedlap_flower")
 
 
-@functools.lru_cache(maxsize=None)
-def graph_and_importers() -> dict:
-  status, out = run_benchmark("import_graph", "--importers", *FRONT_ENDS)
-  assert status == 0 and out["cycle"] is None, out["cycle"]
-  return out
+# -- only the registry reads method names (import-linter sees imports, not string literals) ------
 
-
-def method_names() -> tuple[str, ...]:
-  """Every name a method is known by: the registry's and FedLAP's run name under DP
-  (``Method.name_of``)."""
-  return tuple(sorted(set(REGISTRY) | {"fedlap_dp"}))
-
-
-# -- the readers read structure ------------------------------------------------------------------
-
-
-def test_the_graph_reader_reads_subpackages_and_relative_imports(tmp_path):
-  pkg = tmp_path / "methods"
-  pkg.mkdir()
-  (tmp_path / "core.py").write_text("X = 1\n")
-  (tmp_path / "method.py").write_text("from fedlap_jax import core\n")
-  (pkg / "__init__.py").write_text("from fedlap_jax.methods import a, b\n")
-  (pkg / "a.py").write_text("from fedlap_jax.method import Method\n")
-  (pkg / "b.py").write_text("from . import a\nfrom ..core import X\n")
-  status, out = run_benchmark("import_graph", str(tmp_path))
-  assert status == 0, out
-  assert out["graph"] == {
-    "core": [],
-    "method": ["core"],
-    "methods": ["methods.a", "methods.b"],
-    "methods.a": ["method"],
-    "methods.b": ["core", "methods.a"],
-  }
-  assert out["floors"]["methods"] == 5 and out["core_floors"] == 2
-
-
-def test_the_graph_reader_lists_what_the_front_ends_import(tmp_path):
-  front = tmp_path / "front"
-  front.mkdir()
-  (front / "app.py").write_text(
-    "import fedlap_jax.privacy\nfrom fedlap_jax import client, config as c\n"
-    "def f():\n  from fedlap_jax.server import server_step\n"
-  )
-  proc = subprocess.run(
-    [sys.executable, "-m", "benchmarks.import_graph", "--json", "--importers", str(front)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  out = json.loads(proc.stdout)
-  assert out["importers"] == {
-    (front / "app.py").as_posix(): ["client", "config", "privacy", "server"]
-  }
-
-
-def test_the_branch_counter_finds_every_kind_of_method_branch(tmp_path):
-  (tmp_path / "fedlap_jax" / "methods").mkdir(parents=True)
-  (tmp_path / "experiments").mkdir()
-  (tmp_path / "fedlap_flower").mkdir()
-  (tmp_path / "experiments" / "x.py").write_text(
-    "if cfg.method == 'fedavg': pass\n"
-    "if m in ('fedprox', 'other'): pass\n"
-    "if m in DP_BASELINE_METHODS: pass\n"
-    "if isinstance(c, FedLAPConfig): pass\n"
-    "if isinstance(s, RoundMetrics): pass\n"  # tstate: listed, not counted
-    "LABELS = {'fedavg': 'FedAvg'}\n"  # key: listed, not counted
-  )
-  (tmp_path / "fedlap_jax" / "methods" / "fedavg.py").write_text("ok = name == 'fedavg'\n")
-  status, out = run_benchmark(
-    "method_branches", "--repo", str(tmp_path), "--names", "fedavg,fedprox"
-  )
-  assert status == 0
-  kinds = sorted(kind for _, _, kind, _ in out["sites"])
-  assert kinds == ["cmp", "cmp", "cmp", "key", "list", "tstate", "type"]
-  assert out["registry_rule"] == 4 and out["issue_rule"] == 5
-  assert out["by_folder"] == {"fedlap_jax": 0, "experiments": 4, "fedlap_flower": 0}
-
-
-# -- test 1: only the registry reads method names (a ratchet until the front ends are generic) ---
-
-# Method-name branches (cmp + list + type) outside fedlap_jax/methods/, per folder: today's
-# figures. They may only fall; the registry's goal is 0 in every folder.
+# Every name a method is known by: the registry's and FedLAP's run name under DP.
+METHOD_NAMES = set(REGISTRY) | {"fedlap_dp"}
+# Constants that list methods: a comparison with one is a branch on the method too.
+METHOD_LISTS = {
+  "METHODS",
+  "BASELINE_METHODS",
+  "DP_BASELINE_METHODS",
+  "ONE_SHOT_METHODS",
+  "DP_ONE_SHOT_METHODS",
+  "SYNTHETIC_METHODS",
+  "DP_METHODS",
+  "PROX_METHODS",
+}
+# Branches on a method's name outside fedlap_jax/methods/, per folder: today's figures. They
+# may only fall; the goal is 0 in every folder (the jitted round, fedlap_jax/rounds.py, has 0).
 BRANCH_CEILINGS = {"fedlap_jax": 0, "experiments": 1, "fedlap_flower": 1}
 
 
+def method_branches(source: str) -> list[int]:
+  """Lines of the comparisons (==, !=, in, not in) with a method-name literal (or a tuple of
+  them) or a method-list constant on either side."""
+
+  def names_method(node) -> bool:
+    if isinstance(node, ast.Constant):
+      return node.value in METHOD_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+      return any(names_method(e) for e in node.elts)
+    return getattr(node, "id", getattr(node, "attr", None)) in METHOD_LISTS
+
+  return [
+    node.lineno
+    for node in ast.walk(ast.parse(source))
+    if isinstance(node, ast.Compare)
+    and all(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for o in node.ops)
+    and any(names_method(side) for side in (node.left, *node.comparators))
+  ]
+
+
 def test_method_name_branches_do_not_grow():
-  status, out = run_benchmark("method_branches", "--names", ",".join(method_names()))
-  assert status == 0
-  over = {f: n for f, n in out["by_folder"].items() if n > BRANCH_CEILINGS[f]}
-  sites = [s for s in out["sites"] if s[2] in ("cmp", "list", "type")]
-  assert not over, (over, [s for s in sites if s[0].split("/")[0] in over])
-
-
-def test_the_counter_reads_the_method_names_off_the_methods_modules():
-  """Without ``--names`` the counter finds every name a method is known by in
-  ``fedlap_jax/methods/`` (no table of names elsewhere to read)."""
-  status, out = run_benchmark("method_branches", "--json")
-  assert status == 0
-  assert out["names"] == sorted(method_names())
-
-
-# -- test 2 (weak form): the front ends never reach the library's internals ---------------------
-
-# What no front end needs: the DP primitives (a method's steps use them), the matching loss,
-# the radius, the augmentations, the losses. A front end importing them builds a method of
-# its own outside the library.
-INTERNALS = {"privacy", "per_example", "matching", "radius", "dsa", "losses"}
-
-
-def test_front_ends_never_reach_the_librarys_internals():
-  out = graph_and_importers()
-  wrong = {p: sorted(set(used) & INTERNALS) for p, used in out["importers"].items()}
-  assert not {p: w for p, w in wrong.items() if w}
-  # The reader sees the front ends' imports (the check above is not vacuous).
-  used = set().union(*map(set, out["importers"].values()))
-  assert {"accounting", "config", "client_data"} <= used
+  assert method_branches("if m in ('fedprox', 'x'): pass\nif m in DP_METHODS: pass\n") == [1, 2]
+  assert method_branches("ok = cfg.method == 'fedavg'\nok = name == 'other'\n") == [1]
+  found = {}
+  for folder in BRANCH_CEILINGS:
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      rel = path.relative_to(ROOT).as_posix()
+      if not rel.startswith("fedlap_jax/methods/"):
+        found.update({f"{rel}:{n}": folder for n in method_branches(path.read_text())})
+  over = {f: c for f, c in BRANCH_CEILINGS.items() if list(found.values()).count(f) > c}
+  assert not over, (over, found)
 
 
 # -- test 7: one DP gradient ---------------------------------------------------------------------

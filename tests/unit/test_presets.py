@@ -238,12 +238,13 @@ def test_the_entry_points_take_numpy_arrays(linear_apply_fn, linear_params, clie
     "global_update": lambda p, s, d, c: fl.global_update(
       key, f, p, one(c, s), c(np.ones(1, np.float32)), 1.0, learning_rate=0.05, config=server
     ),
-    "server_step": lambda p, s, d, c: fl.server_step(
+    "server_step_with_state": lambda p, s, d, c: fl.server_step_with_state(
       key,
       f,
       p,
       one(c, fl.ClientUpdate(s, np.float32(1.5))),
       config,
+      None,
       learning_rate=0.05,
       num_records=c(np.array([40])),
     ),
