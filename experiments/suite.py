@@ -57,7 +57,9 @@ def run_config(config, workdir: str, name: str) -> int:
     for line in calibration.calibrate_noise(config, budget_of=budget_of):
       print(line)
     results = []
-    for cfg, wd, label in targets:
+    for i, (cfg, wd, label) in enumerate(targets, 1):
+      if len(targets) > 1:  # the suite's progress; each run shows its own bar of rounds
+        print(f"run {i}/{len(targets)} of the suite: {label}", flush=True)
       # Compile once per machine: a later run of the config reads its programs back.
       compilation_cache.enable(cfg.get(compilation_cache.FIELD, ""))
       result = train.train_and_evaluate(cfg, wd, config_name=label, built=plan_of(cfg))
