@@ -179,16 +179,16 @@ def test_clients_of_2_and_3_classes_share_one_program_and_stack(
     calibrate_radius=False,
     dsa_strategy="",
   ).with_dp(DP)
-  step = jax.jit(fl.local_approx, static_argnames=("apply_fn", "config"))
+
+  def approx(key, apply_fn, params, syn, data, config):  # its own function: its own cache
+    return fl.local_approx(key, apply_fn, params, syn, data, config, learning_rate=0.1)
+
+  step = jax.jit(approx, static_argnames=("apply_fn", "config"))
   sets = []
   for k, (x, y) in enumerate(parts):
     data = fl.pad_client(x, y, capacity=80, num_classes=10)
     syn = fl.client_synthetic(jax.random.key(k), data, 2, max_classes=3)
-    sets.append(
-      step(jax.random.key(k), linear_apply_fn, linear_params, syn, data, config, learning_rate=0.1)[
-        0
-      ]
-    )
+    sets.append(step(jax.random.key(k), linear_apply_fn, linear_params, syn, data, config)[0])
   assert step._cache_size() == 1
   stacked = jax.tree.map(lambda *a: np.stack(a), *sets)
   assert stacked.x.shape == (2, 6, 8, 8, 1)
