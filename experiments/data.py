@@ -63,6 +63,8 @@ TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
 SOURCES = ("tfds", "sklearn", "npz:PATH", "subset:NAME")
 PARTITIONS = ("paper", "iid", "dirichlet")
 PAPER_CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
+# Classes of each named dataset, whatever the source; ``custom`` counts its labels.
+NUM_CLASSES = {"mnist": 10, "fashion_mnist": 10, "cifar10": 10, "digits": 10}
 
 # Per-channel (mean, std) of pixel values in [0, 1], from the authors' code.
 NORMALIZATION = {
@@ -482,12 +484,13 @@ def load_dataset(data_cfg) -> Dataset:
   y_test = np.asarray(y_test).astype(np.int32)
 
   source, mean, std = normalisation_stats(data_cfg, x_train, x_test)
-  num_classes = 10 if name in NORMALIZATION else int(max(y_train.max(), y_test.max())) + 1
+  num_classes = NUM_CLASSES.get(name, int(max(y_train.max(), y_test.max())) + 1)
   for split, y in (("train", y_train), ("test", y_test)):
-    if y.min() < 0 or y.max() >= num_classes:
+    outside = np.unique(y[(y < 0) | (y >= num_classes)])
+    if outside.size:
       raise ValueError(
-        f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
-        f"integers in [0, {num_classes - 1}] for data.name={name!r}"
+        f"y_{split} holds label(s) {outside.tolist()[:10]} outside the {num_classes} classes "
+        f"of data.name={name!r}; allowed: integers in [0, {num_classes - 1}]"
       )
   return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
 
