@@ -3,7 +3,7 @@
 Sources (``config.data.source``):
 
 * ``tfds``: ``mnist``, ``fashion_mnist``, ``cifar10`` through TensorFlow
-  Datasets, read once into NumPy and cached as ``.npz`` (under
+  Datasets (installed by the extra ``paper-data``, imported by nothing else), read once into NumPy and cached as ``.npz`` (under
   ``~/.cache/fedlap_jax`` unless ``data.cache_dir`` says otherwise), so later
   runs do not import TensorFlow at all. If the data is not prepared locally and
   the download host cannot be reached within a few seconds, loading fails at
@@ -222,13 +222,26 @@ def _save_npz_atomic(path: Path, **arrays) -> None:
   os.replace(tmp, path)
 
 
+def _tfds():
+  """TensorFlow Datasets, imported only here: the extra ``paper-data`` installs it."""
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ValueError(
+      "data.source='tfds' needs tensorflow-datasets, which is not installed; allowed: "
+      "pip install 'fedlap_jax[paper-data]' (TensorFlow and tfds, only to download the "
+      "paper's data sets), or --config.data.source=npz:PATH"
+    ) from None
+  return tfds
+
+
 def _tfds_split_to_numpy(ds) -> tuple[np.ndarray, np.ndarray]:
   """All of a finite ``(image, label)`` tf.data split as two NumPy arrays.
 
   Batches by the split's cardinality rather than ``batch_size=-1``, which
   aborts the process under ``tfds.testing.mock_data`` without metadata.
   """
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  tfds = _tfds()
 
   n = int(ds.cardinality())
   if n <= 0:  # unknown cardinality: concatenate batches
@@ -255,7 +268,7 @@ def load_tfds(
   if cache is not None and cache.exists():
     return _read_npz(cache, f"the cached copy of {name} ({cache}; delete it to download again)")
 
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  tfds = _tfds()
 
   kwargs = dict(split=["train", "test"], as_supervised=True, data_dir=data_dir or None)
   try:
