@@ -3,7 +3,7 @@
 Sources (``config.data.source``):
 
 * ``tfds``: ``mnist``, ``fashion_mnist``, ``cifar10`` through TensorFlow
-  Datasets, read once into NumPy and cached as ``.npz`` (under
+  Datasets (installed by the extra ``paper-data``, imported by nothing else), read once into NumPy and cached as ``.npz`` (under
   ``~/.cache/fedlap_jax`` unless ``data.cache_dir`` says otherwise), so later
   runs do not import TensorFlow at all. If the data is not prepared locally and
   the download host cannot be reached within a few seconds, loading fails at
@@ -63,6 +63,8 @@ TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
 SOURCES = ("tfds", "sklearn", "npz:PATH", "subset:NAME")
 PARTITIONS = ("paper", "iid", "dirichlet")
 PAPER_CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
+# Classes of each named dataset, whatever the source; ``custom`` counts its labels.
+NUM_CLASSES = {"mnist": 10, "fashion_mnist": 10, "cifar10": 10, "digits": 10}
 
 # Per-channel (mean, std) of pixel values in [0, 1], from the authors' code.
 NORMALIZATION = {
@@ -220,13 +222,26 @@ def _save_npz_atomic(path: Path, **arrays) -> None:
   os.replace(tmp, path)
 
 
+def _tfds():
+  """TensorFlow Datasets, imported only here: the extra ``paper-data`` installs it."""
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ValueError(
+      "data.source='tfds' needs tensorflow-datasets, which is not installed; allowed: "
+      "pip install 'fedlap_jax[paper-data]' (TensorFlow and tfds, only to download the "
+      "paper's data sets), or --config.data.source=npz:PATH"
+    ) from None
+  return tfds
+
+
 def _tfds_split_to_numpy(ds) -> tuple[np.ndarray, np.ndarray]:
   """All of a finite ``(image, label)`` tf.data split as two NumPy arrays.
 
   Batches by the split's cardinality rather than ``batch_size=-1``, which
   aborts the process under ``tfds.testing.mock_data`` without metadata.
   """
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  tfds = _tfds()
 
   n = int(ds.cardinality())
   if n <= 0:  # unknown cardinality: concatenate batches
@@ -253,7 +268,7 @@ def load_tfds(
   if cache is not None and cache.exists():
     return _read_npz(cache, f"the cached copy of {name} ({cache}; delete it to download again)")
 
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  tfds = _tfds()
 
   kwargs = dict(split=["train", "test"], as_supervised=True, data_dir=data_dir or None)
   try:
@@ -482,12 +497,13 @@ def load_dataset(data_cfg) -> Dataset:
   y_test = np.asarray(y_test).astype(np.int32)
 
   source, mean, std = normalisation_stats(data_cfg, x_train, x_test)
-  num_classes = 10 if name in NORMALIZATION else int(max(y_train.max(), y_test.max())) + 1
+  num_classes = NUM_CLASSES.get(name, int(max(y_train.max(), y_test.max())) + 1)
   for split, y in (("train", y_train), ("test", y_test)):
-    if y.min() < 0 or y.max() >= num_classes:
+    outside = np.unique(y[(y < 0) | (y >= num_classes)])
+    if outside.size:
       raise ValueError(
-        f"y_{split} holds labels in [{y.min()}, {y.max()}]; allowed: "
-        f"integers in [0, {num_classes - 1}] for data.name={name!r}"
+        f"y_{split} holds label(s) {outside.tolist()[:10]} outside the {num_classes} classes "
+        f"of data.name={name!r}; allowed: integers in [0, {num_classes - 1}]"
       )
   return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
 

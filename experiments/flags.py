@@ -141,18 +141,34 @@ def _config_error(e: Exception, name_arg: str, overrides: list[tuple[str, str]])
   return ConfigError("config", name_arg, "a config file that loads", message=message)
 
 
-def _suite_error(error, name_arg: str, runs: Sequence[str]):
-  """``error`` (an unknown field) restated for a suite: a run's field is ``suite.RUN.FIELD``."""
+def _suite_error(error, name_arg: str, suite):
+  """``error`` (an unknown field) restated for a suite: a run's field is ``suite.RUN.FIELD``.
+
+  A field no run has either gets a single config's message (its "did you mean" included).
+  """
   from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top  (JAX)
 
   field, text = error.field, error.value
+  runs, holders, unknown = list(suite.keys()), [], None
+  for run in runs:
+    node = suite[run]
+    try:
+      for part in field.split("."):
+        node = node[part]
+      holders.append(run)
+    except KeyError as e:
+      unknown = unknown or e
+    except TypeError:  # a part below a leaf: the run's own parse names it
+      holders.append(run)
+  if not holders:
+    return _config_error(unknown, name_arg, [(field, text)])
   return ConfigError(
     field,
     text,
-    f"a field of a run, --config.suite.RUN.{field} with RUN one of {list(runs)}",
-    message=f"--config.{field}={text}: {name_arg} is a suite of the runs {list(runs)}; a "
+    f"a field of a run, --config.suite.RUN.{field} with RUN one of {runs}",
+    message=f"--config.{field}={text}: {name_arg} is a suite of the runs {runs}; a "
     f"run's field is set as --config.suite.RUN.FIELD=VALUE "
-    f"(e.g. --config.suite.{runs[0]}.{field}={text})",
+    f"(e.g. --config.suite.{holders[0]}.{field}={text})",
   )
 
 
@@ -225,7 +241,7 @@ def parse_argv(argv: list[str], *, named_only: bool = False):
       if error.allowed == CONFIG_FIELDS and not error.field.startswith("suite."):
         base = parse([a for a in argv if not a.startswith("--config.")]).config
         if "suite" in base:
-          raise _suite_error(error, name_arg, list(base.suite.keys())) from None
+          raise _suite_error(error, name_arg, base.suite) from None
       raise error from None
     return flag_values
 

@@ -364,6 +364,35 @@ def test_cli_says_how_to_set_a_field_of_a_suite_run(tmp_path, capsys):
   assert list(tmp_path.iterdir()) == []  # refused before anything ran
 
 
+@pytest.mark.parametrize(
+  "field,typo,suggestion", [("roundz", "roundz", "rounds"), ("client.ipcc", "ipcc", "ipc")]
+)
+def test_cli_a_typo_on_a_suite_gets_the_single_configs_suggestion(
+  tmp_path, capsys, field, typo, suggestion
+):
+  for name in ("quickstart", "quickstart:nondp"):
+    assert (
+      run.main(["prog", f"--config={name}", f"--config.{field}=3", f"--workdir={tmp_path}"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert f'"{suggestion}" instead of "{typo}"' in err, err
+    assert f"suite.fedlap.{field}" not in err, err  # the typo is not repeated as the way to go
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_names_a_label_outside_the_datasets_classes(tmp_path, capsys):
+  x, y, x_test, y_test = data_lib.load_digits()
+  y = y.copy()
+  y[7] = 12
+  path = tmp_path / "bad.npz"
+  np.savez(path, x_train=x, y_train=y, x_test=x_test, y_test=y_test)
+  argv = ["prog", "--config=quickstart:nondp", f"--config.data.source=npz:{path}"]
+  assert run.main(argv + [f"--workdir={tmp_path / 'w'}"]) == 2
+  err = capsys.readouterr().err
+  assert "y_train" in err and "[12]" in err and "[0, 9]" in err, err
+  assert "num_clients" not in err, err
+
+
 def test_cli_a_config_argument_its_file_refuses_is_one_line(capsys):
   assert run.main(["prog", "--config=quickstart:bogus"]) == 2
   err = capsys.readouterr().err

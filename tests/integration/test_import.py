@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
 
 BLOCK_TENSORFLOW = textwrap.dedent("""
     import importlib.abc
@@ -136,3 +140,49 @@ def test_import_loads_neither_flwr_nor_tensorflow_where_both_are_installed():
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("OK")
+
+
+def test_the_main_jobs_install_brings_no_tensorflow():
+  """TensorFlow and tfds are in the extra that downloads the paper's data sets only; the test
+  extra brings that extra too (the tfds loaders are tested on ``tfds.testing.mock_data``)."""
+  tomllib = pytest.importorskip("tomllib")
+  project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+  extras = project["optional-dependencies"]
+
+  def names(requirements):
+    return {re.split(r"[\[<>=;\s]", r, maxsplit=1)[0].lower() for r in requirements}
+
+  main_job = names(project["dependencies"]) | names(extras["experiments"])
+  assert not {n for n in main_job if n.startswith("tensorflow")}, main_job
+  assert {"tensorflow-cpu", "tensorflow-datasets"} <= names(extras["paper-data"])
+  assert any(r.replace(" ", "") == "fedlap_jax[paper-data]" for r in extras["test"])
+
+
+def test_the_main_job_loads_and_builds_its_runs_without_tensorflow():
+  """The README's first command (``quickstart``) up to its first round, with TensorFlow not
+  installed: every module of ``experiments`` imports, each run's data loads and its plan
+  builds, and nothing loads TensorFlow; a tfds source then names the extra to install."""
+  result = run_python("""
+      import importlib, importlib.util, pkgutil
+      for top in ("experiments", "fedlap_runs"):  # a wheel ships no experiments
+        if importlib.util.find_spec(top) is not None:
+          package = importlib.import_module(top)
+          for m in pkgutil.walk_packages(package.__path__, top + "."):
+            importlib.import_module(m.name)
+      from experiments import build, flags
+      config, _ = flags.load_config("quickstart")
+      for run in config.suite.values():
+        build.plan(run)
+      loaded = sorted(m for m, v in sys.modules.items() if v and m.startswith("tensorflow"))
+      assert not loaded, loaded
+      from experiments import data
+      try:
+        data.load_tfds("mnist", cache_dir="none")
+      except ValueError as e:
+        assert "paper-data" in str(e) and "data.source" in str(e), e
+      else:
+        raise SystemExit("tfds loaded without tfds")
+      print("OK", len(config.suite), "runs")
+      """)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("OK 2 runs"), result.stdout
