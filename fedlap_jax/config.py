@@ -469,6 +469,12 @@ class ClientConfig:
     return self.poisson_capacity or poisson_capacity(self.batch_size)
 
   @property
+  def targets_per_iteration(self) -> int:
+    """The matching targets of one while-loop iteration: ``batch_loop`` (one per real
+    batch), or 1 with ``average_targets`` (their mean)."""
+    return 1 if self.average_targets else self.batch_loop
+
+  @property
   def moves_model(self) -> bool:
     """Whether the client's model steps along a trajectory (``noisy_real``: after every
     while-loop iteration; ``synthetic``: ``R_l > 0`` epochs after each but the last of

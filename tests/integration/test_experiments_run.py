@@ -1052,3 +1052,73 @@ def test_the_epsilon_table_computes_what_a_run_prints(straight, drawn):
     records = checkpointing.read_metrics(workdir / "metrics.jsonl")
     assert [r["epsilon"] for r in records] == list(spend.epsilons)
     assert [r["epsilon_add_remove"] for r in records] == list(spend.epsilons_add_remove)
+
+
+# Tiny configs of the three recipe families (a linear model, one digits client): the paper's
+# loops, the tuned recipe's averaged targets over batch_loop > 1 batches, and the hybrid's
+# noisy_real model steps. The radius stops each trajectory before max_outer, so the summary
+# must also leave out the while-loop iterations that did not run.
+_RECIPE_BASE = dict(
+  ipc=2,
+  iterations=2,
+  max_outer=4,
+  batch_loop=3,
+  boost_loop=2,
+  inner_loop=1,
+  batch_size=64,
+  radius=0.05,
+  calibrate_radius=False,
+  dsa_strategy="",
+)
+_RECIPES = {
+  "paper": {},
+  "tuned": {"average_targets": True},
+  "hybrid": {"average_targets": True, "model_steps": "noisy_real"},
+}
+
+
+@pytest.mark.parametrize("family", list(_RECIPES))
+def test_released_matching_losses_are_those_of_the_rows_written(
+  family, linear_apply_fn, linear_params, client_parts
+):
+  """matching_loss (and _last) of a round's record is the mean (and last) of the losses the
+  client wrote: every target of each while-loop iteration that ran under the paper's loops,
+  one averaged target per iteration under average_targets. The library's round record and the
+  front end's metrics.jsonl summary are the same numbers."""
+  from fedlap_jax import client, config, federated, server  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.client_data import ClientData, SyntheticSet  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods import fedlap  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.synthetic import noise_images, synthetic_labels  # pylint: disable=g-import-not-at-top
+
+  cfg = config.ClientConfig(**_RECIPE_BASE, **_RECIPES[family])
+  x, y = client_parts[0]
+  data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
+  labels, mask = synthetic_labels([y], cfg.ipc)
+  mask = jnp.asarray(mask[0])
+  syn = SyntheticSet(noise_images(jax.random.PRNGKey(5), mask, (8, 8, 1)), labels[0], mask)
+  _, r_k, m = jax.jit(client.local_approx, static_argnames=("apply_fn", "config"))(
+    jax.random.PRNGKey(1), linear_apply_fn, linear_params, syn, data, cfg, learning_rate=0.1
+  )
+  m = jax.tree.map(lambda a: np.asarray(a)[None], m)  # one client
+  loss, runs = m.matching_loss[0], m.outer_iterations[0]  # (R_i, O, targets, R_b), (R_i,)
+  assert runs.min() < cfg.max_outer  # some iterations did not run
+  # By hand: the rows each iteration writes, of the iterations that ran.
+  rows = 1 if cfg.average_targets else cfg.batch_loop
+  written = [
+    loss[i, o, r, :] for i in range(len(runs)) for o in range(runs[i]) for r in range(rows)
+  ]
+  assert all(np.all(w > 0) for w in written)
+  expected = float(np.mean(np.concatenate(written)))
+  expected_last = float(loss[-1, runs[-1] - 1, rows - 1, -1])
+
+  metrics = federated.RoundMetrics(
+    m,
+    np.asarray(r_k)[None],
+    server.ServerMetrics(1, 2, np.float32(0.5), np.float32(np.inf)),
+    np.float32(0.1),
+  )
+  record = fedlap.METHOD.round_record(metrics)
+  np.testing.assert_allclose(record["matching_loss"], [expected], rtol=1e-6)
+  np.testing.assert_allclose(record["matching_loss_last"], [expected_last], rtol=1e-6)
+  released, _ = outputs.summarize_metrics(metrics, 1)
+  assert released == record
