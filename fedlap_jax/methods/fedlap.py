@@ -53,8 +53,12 @@ def _slots(config: FedLAPConfig, facts: RunFacts) -> int:
 
 
 def _upload(config: FedLAPConfig, facts: RunFacts) -> int:
-  """The synthetic images (labels are fixed and sent once)."""
-  return int(_slots(config, facts) * np.prod(facts.image_shape))
+  """The floats one reply of :func:`_wire` carries (:meth:`~fedlap_jax.method.Wire.floats`:
+  the synthetic images, ``r_k`` and, with ``noisy_real`` model steps, the model delta; the
+  labels and mask are fixed and sent once). The model's ``facts.num_params`` floats stand in
+  for its parameters."""
+  model = jax.ShapeDtypeStruct((facts.num_params,), np.float32)
+  return _wire(config, model, facts).floats()
 
 
 def _wire(config: FedLAPConfig, params, facts: RunFacts) -> Wire:

@@ -134,7 +134,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   cfg = json.loads((straight / "config.json").read_text())
   assert cfg["model"]["width"] == 8 and cfg["dp"]["enabled"] is True
   info = json.loads((straight / "run_info.json").read_text())
-  assert info["upload_floats_per_client"] == 2 * 2 * 64  # ipc x classes x 8x8x1
+  assert info["upload_floats_per_client"] == 2 * 2 * 64 + 1  # ipc x classes x 8x8x1, r_k
   assert info["steps_per_round"] == 2 and info["batch_size"] == 16
   assert info["client_backend"] == "map"  # "auto" on the CPU backend
   records = checkpointing.read_metrics(straight / "metrics.jsonl")
@@ -152,7 +152,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   assert ledger["rounds"] == 4 and ledger["epsilons"] == pytest.approx(eps)
   assert ledger["min_client_size"] == min(info["client_sizes"]) and ledger["steps_per_round"] == 2
   # Cumulative upload: rounds x clients x floats x 4 bytes.
-  assert records[-1]["upload_mb"] == pytest.approx(4 * 5 * 256 * 4 / 1e6)
+  assert records[-1]["upload_mb"] == pytest.approx(4 * 5 * 257 * 4 / 1e6)
   for png in straight.glob("*.png"):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with np.load(straight / "synthetic" / "round_0004.npz") as snap:
@@ -1122,3 +1122,22 @@ def test_released_matching_losses_are_those_of_the_rows_written(
   np.testing.assert_allclose(record["matching_loss_last"], [expected_last], rtol=1e-6)
   released, _ = outputs.summarize_metrics(metrics, 1)
   assert released == record
+
+
+@pytest.mark.parametrize(
+  "config, floats", [("quickstart:dp", 1280 + 1 + 10_986), ("quickstart:nondp", 1280 + 1)]
+)
+def test_the_quickstarts_upload_is_what_their_clients_send(config, floats):
+  """Per client and round: 10 images per class x 2 classes x 8x8x1 and r_k; the hybrid
+  (quickstart:dp) also sends its model delta, one float per parameter (10,986): 1.12x the
+  model, not the images' 0.117x."""
+  from experiments import flags  # pylint: disable=g-import-not-at-top
+
+  cfg, _ = flags.load_config(config)
+  p = build.plan(cfg)
+  model = build.init(p, 0).model
+  alg = build.algorithm(p, model)
+  assert model.num_params == 10_986
+  assert alg.upload_floats_per_client == floats
+  ratio = report.cost_label(floats / model.num_params)
+  assert ratio == ("1.12x" if config == "quickstart:dp" else "0.117x")
