@@ -658,9 +658,9 @@ class FedLAPConfig:
       the server's); round ``m`` uses the cosine schedule's ``eta_m``.
     synthetic_init: ``real`` (non-DP: real images, re-drawn every round) or
       ``noise`` (N(0, 1) once, carried across rounds; required under DP).
-    lr_schedule: ``cosine`` (the reference; the last round's rate is ~0) or
-      ``cosine_open`` (no zero-rate round; see
-      :func:`fedlap_jax.training.cosine_learning_rate`).
+    lr_schedule: ``cosine`` (the reference; its last round runs at the floor, 1 % of
+      ``eta_0``) or ``cosine_open`` (the last round's rate above the floor up to 15 rounds;
+      see :func:`fedlap_jax.training.cosine_learning_rate`).
   """
 
   client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
