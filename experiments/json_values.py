@@ -1,7 +1,6 @@
 """Numbers as JSON holds them: JSON has no NaN or Inf, so a non-finite value is ``None``.
 
-The run's records (:mod:`experiments.outputs`) and the method table's round summaries
-(:func:`experiments.methods.metrics_view`) both write them.
+The run's records (:mod:`experiments.outputs`) write them.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -38,11 +37,10 @@ from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int
 from fedlap_jax.federated import RoundMetrics
 from fedlap_jax.method import Method, ModelFns, RunFacts
-from fedlap_jax.methods import REGISTRY
+from fedlap_jax.methods import REGISTRY, fedlap
 from fedlap_jax.models import embed_fn, init_fn
 
 from experiments import sections
-from experiments.json_values import finite_list
 from experiments.configs import schema
 from experiments.sections import Spec
 
@@ -558,38 +556,6 @@ class MetricsView(NamedTuple):
   non_finite: Callable[[Any, int, list], list]
 
 
-def _fedlap_summary(metrics, num_clients: int) -> dict:
-  """Per-client radius ``r_k``, mean and last matching loss over the executed while-loop
-  iterations, real accesses, clip fraction, mean batch size and extra Poisson chunks; the
-  server's radius ``r_g`` (``None`` for ``fixed``), epochs and steps."""
-  out: dict[str, Any] = {}
-  cm = metrics.client
-  loss = np.asarray(cm.matching_loss, np.float64)  # (K, R_i, O, B, R_b)
-  outer = np.asarray(cm.outer_iterations)  # (K, R_i)
-  ran = np.arange(loss.shape[2])[None, None, :] < outer[:, :, None]
-  ran = np.broadcast_to(ran[..., None, None], loss.shape)
-  count = np.maximum(ran.reshape(num_clients, -1).sum(1), 1)
-  out["matching_loss"] = finite_list(np.where(ran, loss, 0).reshape(num_clients, -1).sum(1) / count)
-  last = []
-  for k in range(num_clients):
-    i, o = loss.shape[1] - 1, int(outer[k, -1]) - 1
-    last.append(loss[k, i, o, -1, -1] if o >= 0 else float("nan"))
-  out["matching_loss_last"] = finite_list(last)
-  out["client_radius"] = finite_list(metrics.client_radius)
-  r_g = float(metrics.server.radius)
-  out["server_radius"] = r_g if math.isfinite(r_g) else None
-  out["server_epochs"] = int(metrics.server.epochs)
-  out["server_steps"] = int(metrics.server.steps)
-  out["server_distance"] = float(metrics.server.distance)
-  out["learning_rate"] = float(metrics.learning_rate)
-  out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
-  out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
-  out["clip_fraction"] = finite_list(cm.clip_fraction)
-  out["mean_batch_size"] = finite_list(cm.mean_batch_size)
-  out["poisson_extra_chunks"] = np.asarray(cm.poisson_extra_chunks).tolist()
-  return out
-
-
 def _fedlap_non_finite(metrics, num_clients: int, ids: list) -> list[str]:
   problems = []
   loss = np.asarray(metrics.client.matching_loss).reshape(num_clients, -1)
@@ -604,7 +570,9 @@ def _fedlap_non_finite(metrics, num_clients: int, ids: list) -> list[str]:
 METRICS_VIEWS = {
   # FedLAP's summary names its client metrics without the "client." prefix.
   RoundMetrics: MetricsView(
-    _fedlap_summary, lambda m: set(type(m.client).NONPRIVATE), _fedlap_non_finite
+    lambda m, _: fedlap.round_record(m),
+    lambda m: set(type(m.client).NONPRIVATE),
+    _fedlap_non_finite,
   )
 }
 

@@ -59,7 +59,7 @@ The bounds, and why an honest client stays inside them:
   round's ``eta_m`` on the client's synthetic set, capped at ``r``: ``eta_m``
   times the length of the summed gradient steps. ``quickstart:nondp`` (10
   rounds on the digits) measures ``r_k / eta_m`` from 13.8 to 112, every
-  round (the last one at ``eta_m = 1e-6`` included); the floor,
+  round (measured when the schedule's last round ran at ``eta_m = 1e-6``); the floor,
   ``1e-3 eta_m``, leaves a factor above 10^4 for honest clients and refuses
   what no SGD step gives (``1e-30``, zero, denormals). The floor stops
   degenerate values only: with ``server.radius_strategy='min'`` one client

@@ -347,8 +347,8 @@ class BaselineConfig:
       (no method's round takes it: the registry's DP methods require ``dp``). ``dp`` is the source of those
       four fields: a ``local`` that leaves them at their non-private defaults takes them
       from ``dp``; one that sets them must set ``dp``'s values.
-    lr_schedule: ``cosine`` (reference) or ``cosine_open`` (no zero-rate last
-      round; :func:`~fedlap_jax.training.cosine_learning_rate`).
+    lr_schedule: ``cosine`` (reference; its last round at the floor, 1 % of ``eta_0``) or
+      ``cosine_open`` (:func:`~fedlap_jax.training.cosine_learning_rate`).
     client_optimizer: the direction of the clients' local steps at ``eta_m``
       (:class:`~fedlap_jax.optim.Optimizer`; its state fresh per client and round). Default
       plain SGD, written out (``w - eta_m g``).

@@ -82,10 +82,12 @@ class LocalApproxMetrics(NamedTuple):
   """Diagnostics of one :func:`local_approx` call.
 
   Attributes:
-    matching_loss: ``(R_i, max_outer, batch_loop, R_b)`` ``L_dis`` before each
-      synthetic update; entries of while-loop iterations that did not run are 0
-      (see ``outer_iterations``). With ``average_targets`` only ``[:, :, 0]``
-      is written (one target per while-loop iteration); the rest are 0.
+    matching_loss: ``(R_i, max_outer, targets, R_b)`` ``L_dis`` before each
+      synthetic update, ``targets`` the matching targets of one while-loop iteration
+      (:attr:`ClientConfig.targets_per_iteration`: ``batch_loop``, or 1 with
+      ``average_targets``); entries of while-loop iterations that did not run are 0
+      (see ``outer_iterations``): the first ``outer_iterations[i]`` of trajectory ``i``
+      are exactly the rows written.
     outer_iterations: ``(R_i,)`` while-loop iterations run per trajectory.
     real_accesses: scalar, real batches actually drawn (``<= T``).
     poisson_extra_chunks: scalar, extra buffer-sized chunks processed because a
@@ -362,8 +364,8 @@ def averaged_target(
   ``fold_in(keys, batch_loop + 1)``; the real batches each had theirs).
 
   Returns:
-    ``(images, opt_state, losses, stats, g_mean)``; ``losses`` ``(batch_loop,
-    R_b)`` holds the ``R_b`` matching losses in its row 0.
+    ``(images, opt_state, losses (1, R_b), stats, g_mean)``: one target, ``R_b`` matching
+    losses.
   """
   c = problem.config
 
@@ -384,8 +386,7 @@ def averaged_target(
     _fold(keys, c.batch_loop + 1),
     fresh_augmentation=True,
   )
-  losses = jnp.zeros((c.batch_loop, c.boost_loop), jnp.float32).at[0].set(row)
-  return x, opt_state, losses, stats, g_mean
+  return x, opt_state, row[None], stats, g_mean
 
 
 def synthetic_epochs(
@@ -509,7 +510,7 @@ def recipe(config: ClientConfig) -> Recipe:
 
 
 class TrajectoryLog(NamedTuple):
-  """What one trajectory reports: ``matching_loss`` ``(max_outer, batch_loop, R_b)`` (0 for
+  """What one trajectory reports: ``matching_loss`` ``(max_outer, targets, R_b)`` (0 for
   iterations that did not run), ``iterations`` run, the final ``distance`` ``||w - w_g||``
   and the final model ``params``."""
 
@@ -601,7 +602,7 @@ def trajectory(
       any_client(active),
     )
 
-  loss_log = jnp.zeros((c.max_outer, c.batch_loop, c.boost_loop), jnp.float32)
+  loss_log = jnp.zeros((c.max_outer, c.targets_per_iteration, c.boost_loop), jnp.float32)
   init = _Loop(
     jnp.int32(0),
     jnp.int32(0),

@@ -472,6 +472,12 @@ class ClientConfig:
     return self.poisson_capacity or poisson_capacity(self.batch_size)
 
   @property
+  def targets_per_iteration(self) -> int:
+    """The matching targets of one while-loop iteration: ``batch_loop`` (one per real
+    batch), or 1 with ``average_targets`` (their mean)."""
+    return 1 if self.average_targets else self.batch_loop
+
+  @property
   def moves_model(self) -> bool:
     """Whether the client's model steps along a trajectory (``noisy_real``: after every
     while-loop iteration; ``synthetic``: ``R_l > 0`` epochs after each but the last of
@@ -655,9 +661,9 @@ class FedLAPConfig:
       the server's); round ``m`` uses the cosine schedule's ``eta_m``.
     synthetic_init: ``real`` (non-DP: real images, re-drawn every round) or
       ``noise`` (N(0, 1) once, carried across rounds; required under DP).
-    lr_schedule: ``cosine`` (the reference; the last round's rate is ~0) or
-      ``cosine_open`` (no zero-rate round; see
-      :func:`fedlap_jax.training.cosine_learning_rate`).
+    lr_schedule: ``cosine`` (the reference; its last round runs at the floor, 1 % of
+      ``eta_0``) or ``cosine_open`` (the last round's rate above the floor up to 15 rounds;
+      see :func:`fedlap_jax.training.cosine_learning_rate`).
   """
 
   client: ClientConfig = dataclasses.field(default_factory=ClientConfig)

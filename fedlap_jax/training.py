@@ -25,16 +25,19 @@ from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
 
 
-def cosine_learning_rate(
-  round_index, num_rounds: int, base_lr, min_lr: float = 1e-6, *, schedule: str = "cosine"
-):
-  """``max(eta_0 (1 + cos(pi (m - 1) / D)) / 2, 1e-6)`` for round ``m = 1..M``.
+LR_FLOOR = 0.01
+"""The smallest rate of a round, as a fraction of ``eta_0`` (round 1's): every round steps."""
 
-  ``schedule="cosine"`` (the reference): ``D = M - 1``, so the last round runs
-  at ``1e-6``, i.e. does not move the model. Under DP that round still spends
-  its share of epsilon; with few rounds (``M = 3``: a third of the budget) that
-  matters. ``"cosine_open"``: ``D = M``, the cosine of ``M + 1`` rounds stopped
-  after ``M`` (the last rate is ``eta_0 (1 + cos(pi (M - 1) / M)) / 2 > 0``).
+
+def cosine_learning_rate(round_index, num_rounds: int, base_lr, *, schedule: str = "cosine"):
+  """``max(eta_0 (1 + cos(pi (m - 1) / D)) / 2, 0.01 eta_0)`` for round ``m = 1..M``.
+
+  ``schedule="cosine"`` (the reference): ``D = M - 1``, so the cosine reaches 0 at the last
+  round; the floor of :data:`LR_FLOOR` ``eta_0`` (it binds only where the cosine is below it:
+  the last round, and the second-to-last from ``M = 17``) keeps that round's step, which
+  under DP spends its share of epsilon like any other (``M = 3``: a third of the budget).
+  ``"cosine_open"``: ``D = M``, the cosine of ``M + 1`` rounds stopped after ``M`` (the last
+  rate is ``eta_0 (1 + cos(pi (M - 1) / M)) / 2 > 0``, above the floor up to ``M = 15``).
 
   ``round_index`` is 1-based and may be traced. With ``M = 1`` the rate is ``eta_0``.
   """
@@ -43,7 +46,7 @@ def cosine_learning_rate(
   m = jnp.asarray(round_index, jnp.float32)
   denom = max(num_rounds - 1, 1) if schedule == "cosine" else max(num_rounds, 1)
   lr = base_lr * (1.0 + jnp.cos(jnp.pi * (m - 1.0) / denom)) / 2.0
-  return jnp.maximum(lr, min_lr)
+  return jnp.maximum(lr, LR_FLOOR * base_lr)
 
 
 def tree_distance(a: PyTree, b: PyTree) -> jax.Array:

@@ -54,8 +54,12 @@ def _slots(config: FedLAPConfig, facts: RunFacts) -> int:
 
 
 def _upload(config: FedLAPConfig, facts: RunFacts) -> int:
-  """The synthetic images (labels are fixed and sent once)."""
-  return int(_slots(config, facts) * np.prod(facts.image_shape))
+  """The floats one reply of :func:`_wire` carries (:meth:`~fedlap_jax.method.Wire.floats`:
+  the synthetic images, ``r_k`` and, with ``noisy_real`` model steps, the model delta; the
+  labels and mask are fixed and sent once). The model's ``facts.num_params`` floats stand in
+  for its parameters."""
+  model = jax.ShapeDtypeStruct((facts.num_params,), np.float32)
+  return _wire(config, model, facts).floats()
 
 
 def _wire(config: FedLAPConfig, params, facts: RunFacts) -> Wire:
@@ -118,19 +122,62 @@ def _check_update(config: FedLAPConfig, facts: RunFacts):
   return check
 
 
+def _floats(a) -> list:
+  """``a``'s values as a flat list of floats, ``None`` for NaN / Inf (JSON has neither)."""
+  return [v if math.isfinite(v) else None for v in np.asarray(a, np.float64).ravel().tolist()]
+
+
+def matching_losses(metrics: client.LocalApproxMetrics) -> tuple[np.ndarray, np.ndarray]:
+  """Per client (leading ``(K,)`` axis): the mean matching loss over the rows written (the
+  first ``outer_iterations`` while-loop iterations of each trajectory, every target and image
+  update of them) and the last one written (of the last trajectory's last iteration run);
+  NaN for a client that ran none."""
+  loss = np.asarray(metrics.matching_loss, np.float64)  # (K, R_i, O, targets, R_b)
+  runs = np.asarray(metrics.outer_iterations)  # (K, R_i)
+  k = loss.shape[0]
+  written = np.arange(loss.shape[2]) < runs[..., None]  # (K, R_i, O)
+  written = np.broadcast_to(written[..., None, None], loss.shape).reshape(k, -1)
+  count = written.sum(axis=1)
+  total = np.where(written, loss.reshape(k, -1), 0.0).sum(axis=1)
+  mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+  o = runs[:, -1] - 1
+  last = np.where(o >= 0, loss[np.arange(k), -1, np.maximum(o, 0), -1, -1], np.nan)
+  return mean, last
+
+
 def round_record(metrics: federated.RoundMetrics) -> dict:
-  """The round's public numbers: the clients' ``r_k`` (in the order of their updates), ``r_g``
-  (``None`` when not finite: ``fixed``), the server's epochs, steps and distance moved, and
-  the clients' rate ``eta_m``."""
+  """The round's public numbers (``None`` for a value that is not finite). With the clients'
+  diagnostics (``metrics.client`` a stacked :class:`~fedlap_jax.client.LocalApproxMetrics`;
+  a front end that only sees the updates has ``()``): each client's mean and last matching
+  loss over the rows written (:func:`matching_losses`); then the clients' ``r_k`` (in the
+  order of their updates), ``r_g`` (``None`` for ``fixed``), the server's epochs, steps and
+  distance moved, the clients' rate ``eta_m``; and with the diagnostics their while-loop
+  iterations (mean over trajectories), real accesses, clip fraction, mean batch size and
+  extra Poisson chunks (the last three :attr:`~fedlap_jax.client.LocalApproxMetrics.NONPRIVATE`
+  under DP)."""
+  cm = metrics.client
+  has_client = isinstance(cm, client.LocalApproxMetrics)
+  out: dict[str, Any] = {}
+  if has_client:
+    mean, last = matching_losses(cm)
+    out["matching_loss"] = _floats(mean)
+    out["matching_loss_last"] = _floats(last)
   r_g = float(metrics.server.radius)
-  return {
-    "client_radius": [float(r) for r in np.asarray(metrics.client_radius)],
+  out |= {
+    "client_radius": _floats(metrics.client_radius),
     "server_radius": r_g if math.isfinite(r_g) else None,
     "server_epochs": int(metrics.server.epochs),
     "server_steps": int(metrics.server.steps),
     "server_distance": float(metrics.server.distance),
     "learning_rate": float(metrics.learning_rate),
   }
+  if has_client:
+    out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
+    out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
+    out["clip_fraction"] = _floats(cm.clip_fraction)
+    out["mean_batch_size"] = _floats(cm.mean_batch_size)
+    out["poisson_extra_chunks"] = np.asarray(cm.poisson_extra_chunks).tolist()
+  return out
 
 
 def method(

@@ -134,7 +134,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   cfg = json.loads((straight / "config.json").read_text())
   assert cfg["model"]["width"] == 8 and cfg["dp"]["enabled"] is True
   info = json.loads((straight / "run_info.json").read_text())
-  assert info["upload_floats_per_client"] == 2 * 2 * 64  # ipc x classes x 8x8x1
+  assert info["upload_floats_per_client"] == 2 * 2 * 64 + 1  # ipc x classes x 8x8x1, r_k
   assert info["steps_per_round"] == 2 and info["batch_size"] == 16
   assert info["client_backend"] == "map"  # "auto" on the CPU backend
   records = checkpointing.read_metrics(straight / "metrics.jsonl")
@@ -152,7 +152,7 @@ def test_tiny_run_writes_every_output_and_the_files_parse(straight):
   assert ledger["rounds"] == 4 and ledger["epsilons"] == pytest.approx(eps)
   assert ledger["min_client_size"] == min(info["client_sizes"]) and ledger["steps_per_round"] == 2
   # Cumulative upload: rounds x clients x floats x 4 bytes.
-  assert records[-1]["upload_mb"] == pytest.approx(4 * 5 * 256 * 4 / 1e6)
+  assert records[-1]["upload_mb"] == pytest.approx(4 * 5 * 257 * 4 / 1e6)
   for png in straight.glob("*.png"):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   with np.load(straight / "synthetic" / "round_0004.npz") as snap:
@@ -1060,3 +1060,92 @@ def test_the_epsilon_table_computes_what_a_run_prints(straight, drawn):
     records = checkpointing.read_metrics(workdir / "metrics.jsonl")
     assert [r["epsilon"] for r in records] == list(spend.epsilons)
     assert [r["epsilon_add_remove"] for r in records] == list(spend.epsilons_add_remove)
+
+
+# Tiny configs of the three recipe families (a linear model, one digits client): the paper's
+# loops, the tuned recipe's averaged targets over batch_loop > 1 batches, and the hybrid's
+# noisy_real model steps. The radius stops each trajectory before max_outer, so the summary
+# must also leave out the while-loop iterations that did not run.
+_RECIPE_BASE = dict(
+  ipc=2,
+  iterations=2,
+  max_outer=4,
+  batch_loop=3,
+  boost_loop=2,
+  inner_loop=1,
+  batch_size=64,
+  radius=0.05,
+  calibrate_radius=False,
+  dsa_strategy="",
+)
+_RECIPES = {
+  "paper": {},
+  "tuned": {"average_targets": True},
+  "hybrid": {"average_targets": True, "model_steps": "noisy_real"},
+}
+
+
+@pytest.mark.parametrize("family", list(_RECIPES))
+def test_released_matching_losses_are_those_of_the_rows_written(
+  family, linear_apply_fn, linear_params, client_parts
+):
+  """matching_loss (and _last) of a round's record is the mean (and last) of the losses the
+  client wrote: every target of each while-loop iteration that ran under the paper's loops,
+  one averaged target per iteration under average_targets. The library's round record and the
+  front end's metrics.jsonl summary are the same numbers."""
+  from fedlap_jax import client, config, federated, server  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.client_data import ClientData, SyntheticSet  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods import fedlap  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.synthetic import noise_images, synthetic_labels  # pylint: disable=g-import-not-at-top
+
+  cfg = config.ClientConfig(**_RECIPE_BASE, **_RECIPES[family])
+  x, y = client_parts[0]
+  data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
+  labels, mask = synthetic_labels([y], cfg.ipc)
+  mask = jnp.asarray(mask[0])
+  syn = SyntheticSet(noise_images(jax.random.PRNGKey(5), mask, (8, 8, 1)), labels[0], mask)
+  _, r_k, m = jax.jit(client.local_approx, static_argnames=("apply_fn", "config"))(
+    jax.random.PRNGKey(1), linear_apply_fn, linear_params, syn, data, cfg, learning_rate=0.1
+  )
+  m = jax.tree.map(lambda a: np.asarray(a)[None], m)  # one client
+  loss, runs = m.matching_loss[0], m.outer_iterations[0]  # (R_i, O, targets, R_b), (R_i,)
+  assert runs.min() < cfg.max_outer  # some iterations did not run
+  # By hand: the rows each iteration writes, of the iterations that ran.
+  rows = 1 if cfg.average_targets else cfg.batch_loop
+  written = [
+    loss[i, o, r, :] for i in range(len(runs)) for o in range(runs[i]) for r in range(rows)
+  ]
+  assert all(np.all(w > 0) for w in written)
+  expected = float(np.mean(np.concatenate(written)))
+  expected_last = float(loss[-1, runs[-1] - 1, rows - 1, -1])
+
+  metrics = federated.RoundMetrics(
+    m,
+    np.asarray(r_k)[None],
+    server.ServerMetrics(1, 2, np.float32(0.5), np.float32(np.inf)),
+    np.float32(0.1),
+  )
+  record = fedlap.METHOD.round_record(metrics)
+  np.testing.assert_allclose(record["matching_loss"], [expected], rtol=1e-6)
+  np.testing.assert_allclose(record["matching_loss_last"], [expected_last], rtol=1e-6)
+  released, _ = outputs.summarize_metrics(metrics, 1)
+  assert released == record
+
+
+@pytest.mark.parametrize(
+  "config, floats", [("quickstart:dp", 1280 + 1 + 10_986), ("quickstart:nondp", 1280 + 1)]
+)
+def test_the_quickstarts_upload_is_what_their_clients_send(config, floats):
+  """Per client and round: 10 images per class x 2 classes x 8x8x1 and r_k; the hybrid
+  (quickstart:dp) also sends its model delta, one float per parameter (10,986): 1.12x the
+  model, not the images' 0.117x."""
+  from experiments import flags  # pylint: disable=g-import-not-at-top
+
+  cfg, _ = flags.load_config(config)
+  p = build.plan(cfg)
+  model = build.init(p, 0).model
+  alg = build.algorithm(p, model)
+  assert model.num_params == 10_986
+  assert alg.upload_floats_per_client == floats
+  ratio = report.cost_label(floats / model.num_params)
+  assert ratio == ("1.12x" if config == "quickstart:dp" else "0.117x")

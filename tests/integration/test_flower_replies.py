@@ -865,7 +865,7 @@ def test_a_pin_keeps_a_partitions_first_value_past_its_nodes_binding():
 def test_the_radius_floor_is_a_thousandth_of_the_rounds_learning_rate():
   assert update_bounds.radius_floor(0.1) == float(np.float32(1e-4))
   assert update_bounds.radius_floor(1e-6) == float(np.float32(1e-9))
-  # The last round of quickstart:nondp (eta_m = 1e-6): its smallest honest r_k, 6.9e-5, passes.
+  # A round at eta_m = 1e-6 (far below any default schedule's): an honest r_k of 6.9e-5 passes.
   assert update_bounds.check_radius(6.9e-5, 5.0, update_bounds.radius_floor(1e-6)) == 6.9e-5
 
 

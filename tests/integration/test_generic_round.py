@@ -335,13 +335,16 @@ def test_the_wire_refuses_a_malformed_reply(facts, linear_params):
     assert err.value.field == field
 
 
-def test_fedlaps_wire_pins_labels_and_counts_todays_upload(facts, linear_params):
+def test_fedlaps_upload_is_what_its_wire_carries(facts, linear_params):
+  """The upload a run reports is the wire's floats: the synthetic images and r_k, plus the
+  model delta under noisy_real model steps (the hybrid); labels and mask travel once."""
   for config in FEDLAP.values():
     wire = REGISTRY.method("fedlap").wire(config, linear_params, facts)
     assert isinstance(wire, Wire)
     upload = REGISTRY.method("fedlap").upload_floats(config, facts)
+    images = config.client.ipc * facts.max_classes_per_client * int(np.prod(IMAGE_SHAPE))
     delta = facts.num_params if config.client.model_steps == "noisy_real" else 0
-    assert wire.floats() == upload + delta + 1  # + the radius, a scalar today's count leaves out
+    assert upload == wire.floats() == images + 1 + delta
 
 
 def test_the_registry_refuses_an_unknown_name_and_a_config_of_another_method(facts):

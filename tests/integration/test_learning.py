@@ -99,7 +99,7 @@ def check_round_metrics(metrics, config, num_clients=5):
   cc = config.client
   chex.assert_shape(
     metrics.client.matching_loss,
-    (num_clients, cc.iterations, cc.max_outer, cc.batch_loop, cc.boost_loop),
+    (num_clients, cc.iterations, cc.max_outer, cc.targets_per_iteration, cc.boost_loop),
   )
   chex.assert_shape([metrics.client.outer_iterations], (num_clients, cc.iterations))
   chex.assert_shape(metrics.client_radius, (num_clients,))

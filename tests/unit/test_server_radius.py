@@ -311,10 +311,36 @@ def test_cosine_learning_rate(use_jit):
   lrs = jnp.stack([fn(m, 11, 0.1) for m in range(1, 12)])
   chex.assert_shape(lrs, (11,))
   chex.assert_type(lrs, jnp.float32)
-  expected = np.maximum(0.1 * (1 + np.cos(np.pi * np.arange(11) / 10)) / 2, 1e-6)
+  expected = np.maximum(0.1 * (1 + np.cos(np.pi * np.arange(11) / 10)) / 2, 1e-3)
   chex.assert_trees_all_close(lrs, expected, rtol=1e-5, atol=1e-8)
-  assert float(lrs[-1]) == pytest.approx(1e-6) and float(lrs[5]) == pytest.approx(0.05)
+  assert float(lrs[-1]) == pytest.approx(1e-3) and float(lrs[5]) == pytest.approx(0.05)
   chex.assert_trees_all_close(fn(1, 1, 0.3), 0.3)
+
+
+@pytest.mark.parametrize("rounds", [2, 3, 10, 17, 300])
+def test_every_round_of_the_default_schedules_steps(rounds):
+  """No round of the default schedule (FedLAP's and the baselines', client and server) runs
+  below 1 % of round 1's rate: the reference cosine's last rounds would otherwise be ~0 (a
+  round that changes nothing but, under DP, still spends epsilon). Where the cosine is above
+  the floor it is unchanged."""
+  from fedlap_jax import baselines, federated  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.config import FedLAPConfig, ServerConfig  # pylint: disable=g-import-not-at-top
+
+  fedlap = FedLAPConfig(rounds=rounds, learning_rate=0.3, server=ServerConfig(learning_rate=0.7))
+  baseline = baselines.BaselineConfig(method="fedavg", rounds=rounds, learning_rate=0.3)
+  m = np.arange(1, rounds + 1)
+  rates = federated.round_learning_rates(m, fedlap)
+  series = {
+    "client": np.asarray(rates.client),
+    "server": np.asarray(rates.server),
+    "baseline": np.asarray([float(baselines.learning_rate(i, baseline)) for i in m]),
+  }
+  cos = (1 + np.cos(np.pi * (m - 1) / (rounds - 1))) / 2
+  for name, lrs in series.items():
+    assert np.all(lrs >= 0.01 * lrs[0] * (1 - 1e-6)), (name, lrs.min(), lrs[0])
+    above = cos >= 0.01
+    np.testing.assert_allclose(lrs[above], lrs[0] * cos[above], rtol=1e-5, err_msg=name)
+  assert series["client"][-1] == pytest.approx(0.003)
 
 
 def test_tree_distance():
@@ -441,8 +467,8 @@ def test_cosine_open_schedule_has_no_zero_rate_round():
   fn = training.cosine_learning_rate
   lrs = [float(fn(m, 3, 0.2, schedule="cosine_open")) for m in (1, 2, 3)]
   np.testing.assert_allclose(lrs, [0.2, 0.15, 0.05], rtol=1e-5)
-  # The reference schedule spends its last round at 1e-6.
-  assert float(fn(3, 3, 0.2)) == pytest.approx(1e-6)
+  # The reference schedule spends its last round at the floor, 1 % of eta_0.
+  assert float(fn(3, 3, 0.2)) == pytest.approx(0.002)
   chex.assert_trees_all_close(fn(1, 1, 0.3, schedule="cosine_open"), 0.3)
   with pytest.raises(ValueError, match="lr_schedule='linear' is invalid"):
     fn(1, 3, 0.1, schedule="linear")
