@@ -12,9 +12,9 @@ from typing import Iterable, Iterator, Mapping
 
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import Method
-from fedlap_jax.methods import condensation, fedavg, feddm, fedlap
+from fedlap_jax.methods import condensation, dp_scaffold, fedavg, feddm, fedlap
 
-_FAMILIES = (fedlap, fedavg, feddm, condensation)  # the order of reports, then FedAdam
+_FAMILIES = (fedlap, fedavg, feddm, condensation, dp_scaffold)  # the order of reports, then FedAdam
 
 
 class Registry(Mapping[str, Method]):

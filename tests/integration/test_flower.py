@@ -1118,6 +1118,10 @@ CARRIED = {
     "quickstart:dp_loops",
     f"method=psg rounds=1 {CONDENSE_TINY} {SYNTHETIC_TINY.replace(' server.weighting=size', '')}",
   ),
+  "dp_scaffold": (  # DP (the test-only server keys: experiments.run's noise)
+    "quickstart:dp_loops",
+    "method=dp_scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  ),
 }
 
 
@@ -1132,7 +1136,7 @@ def _final_params(run_dir) -> dict:
 def test_a_method_with_carried_client_state_equals_experiments_run_bit_for_bit(
   tmp_path, monkeypatch, method
 ):
-  """SCAFFOLD, FedDM, DSC and PSG over Flower: each client starts its carried state from its
+  """SCAFFOLD, DP-SCAFFOLD, FedDM, DSC and PSG over Flower: each client starts its carried state from its
   own records and keeps it between rounds, the server checks the method's update; the logged
   metrics (the epsilon under DP), the final model and the clients' kept state are
   experiments.run's, bit for bit."""
@@ -1142,7 +1146,7 @@ def test_a_method_with_carried_client_state_equals_experiments_run_bit_for_bit(
 
   config, overrides = CARRIED[method]
   extra = {}
-  if method == "psg":
+  if config == "quickstart:dp_loops":
     monkeypatch.setenv(settings.UNSAFE_ENV, "1")
     extra = {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0}
   rc = _run_config(tmp_path, config, overrides=overrides, **extra)

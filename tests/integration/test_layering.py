@@ -89,7 +89,9 @@ def test_method_lists_and_labels_come_from_the_registry():
   # names and display names are the methods' own (no table of names beside the registry).
   assert tuple(methods.ENTRIES) == tuple(REGISTRY)
   assert tuple(REGISTRY) == (
-    ("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg", "fedadam")
+    ("fedlap",)
+    + baselines.METHODS
+    + ("feddm", "dsc", "dsc_centralized", "psg", "dp_scaffold", "fedadam")
   )
   assert not hasattr(core, "METHODS") and not hasattr(core, "METHOD_LABELS")
   assert library_configs.CLIENT_BACKENDS == core.CLIENT_BACKENDS
@@ -107,6 +109,7 @@ def test_method_lists_and_labels_come_from_the_registry():
     "dsc": "DSC federated",
     "dsc_centralized": "DSC centralized",
     "psg": "PSG",
+    "dp_scaffold": "DP-SCAFFOLD",
     "fedadam": "FedAdam",
   }
   # A DP method's label does not change with dp (the name says it); only FedLAP's does.
