@@ -1,8 +1,7 @@
 """A registry method's round over Flower, generic over the method (no ``flwr``).
 
 The Flower app runs every federated method of :data:`fedlap_jax.methods.REGISTRY`
-(:func:`supported`): FedLAP and FedLAP-DP, FedSGD, FedAvg, FedProx, SCAFFOLD, FedAdam,
-DP-FedAvg, DP-FedProx, FedDM, DSC (federated) and PSG. Nothing here names a method; the
+(:func:`supported`), a method added to the registry included. Nothing here names a method; the
 :class:`~fedlap_jax.method.Method` of ``cfg.method`` says what the
 server's state is (:func:`initial_state`), what it sends (:attr:`Method.plan`'s message and each
 client's ``own`` inputs), what a client computes (:attr:`Method.client_step`) and what the
