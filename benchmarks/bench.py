@@ -48,23 +48,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax import client as client_lib
+from fedlap_jax.methods.fedlap import client as client_lib
 from fedlap_jax import client_data
 from fedlap_jax import config as config_lib
 from fedlap_jax import (
   baselines,
   dispatch,
-  federated,
   matching,
   models,
   per_example,
   privacy,
-  radius,
   rounds,
-  server,
   synthetic,
   training,
 )
+from fedlap_jax.methods.fedlap import state as federated
+from fedlap_jax.methods.fedlap import radius
+from fedlap_jax.methods.fedlap import server
 from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY

@@ -24,7 +24,8 @@ import contextlib
 import sys
 import tempfile
 
-from fedlap_jax import condensation, feddm
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax import baselines
 from fedlap_jax import config as core
 

@@ -33,10 +33,12 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from fedlap_jax import baselines, condensation, feddm, optim, rounds
+from fedlap_jax import baselines, optim, rounds
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax import config as core
 from fedlap_jax.checks import ConfigError, is_int
-from fedlap_jax.federated import RoundMetrics
+from fedlap_jax.methods.fedlap.state import RoundMetrics
 from fedlap_jax.method import Method, ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import embed_fn, init_fn

@@ -679,9 +679,9 @@ class DpMechanism:
     ``config`` is any library config of a method: :class:`~fedlap_jax.config.FedLAPConfig`
     or its :class:`~fedlap_jax.config.ClientConfig` (FedLAP-DP),
     :class:`~fedlap_jax.baselines.BaselineConfig` (DP-FedAvg, DP-FedProx),
-    :class:`~fedlap_jax.condensation.OneShotConfig` or its
-    :class:`~fedlap_jax.condensation.CondensationConfig` (PSG),
-    :class:`~fedlap_jax.feddm.FedDMConfig` (no DP). Each says through its
+    :class:`~fedlap_jax.methods.condensation.one_shot.OneShotConfig` or its
+    :class:`~fedlap_jax.methods.condensation.one_shot.CondensationConfig` (PSG),
+    :class:`~fedlap_jax.methods.feddm.distribution_matching.FedDMConfig` (no DP). Each says through its
     ``dp_accesses()`` which ``DPConfig`` noises how many accesses (``T``) to
     batches of which expected size (``B``) per round, or ``None``; this
     classmethod is the only place those become a mechanism.

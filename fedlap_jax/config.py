@@ -77,7 +77,7 @@ DP_BASELINE_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
 
 class OneShotFacts(NamedTuple):
   """What a one-shot condensation method's name implies
-  (:class:`fedlap_jax.condensation.OneShotConfig`, and the registry's methods).
+  (:class:`fedlap_jax.methods.condensation.one_shot.OneShotConfig`, and the registry's methods).
 
   Attributes:
     private: DP condensation (PSG: class-agnostic, a ``dp`` config, ``uniform`` weights).
@@ -88,8 +88,8 @@ class OneShotFacts(NamedTuple):
   centralized: bool = False
 
 
-# Synthetic-data comparison systems: FedDM (fedlap_jax.feddm) and the one-shot
-# condensation methods DSC and PSG (fedlap_jax.condensation).
+# Synthetic-data comparison systems: FedDM (fedlap_jax.methods.feddm.distribution_matching) and the one-shot
+# condensation methods DSC and PSG (fedlap_jax.methods.condensation.one_shot).
 ONE_SHOT_FACTS = {
   "dsc": OneShotFacts(),
   "dsc_centralized": OneShotFacts(centralized=True),
@@ -172,7 +172,7 @@ class DPConfig:
   training: a ``noise_multiplier`` below
   :data:`~fedlap_jax.accounting.MIN_NOISE_MULTIPLIER` (0.3), and a ``delta`` of at least
   ``1 / 2`` (every client holds ``N_k >= 2`` records and needs ``delta < 1 / N_k``;
-  :func:`fedlap_jax.client.local_approx` checks that bound on the ``N_k`` it sees).
+  :func:`fedlap_jax.methods.fedlap.client.local_approx` checks that bound on the ``N_k`` it sees).
   """
 
   noise_multiplier: float
@@ -627,8 +627,8 @@ def fixed_epochs_server(max_epochs: int) -> ServerConfig:
   The setting the FedDM and DSC/PSG code evaluates synthetic sets with: no
   radius (``fixed``), batch 256, uniform weights, no DSA, SGD with momentum 0.9
   and weight decay 5e-4. The default ``server`` of
-  :class:`~fedlap_jax.feddm.FedDMConfig` (500 epochs) and
-  :class:`~fedlap_jax.condensation.OneShotConfig` (300 epochs).
+  :class:`~fedlap_jax.methods.feddm.distribution_matching.FedDMConfig` (500 epochs) and
+  :class:`~fedlap_jax.methods.condensation.one_shot.OneShotConfig` (300 epochs).
   """
   return ServerConfig(
     radius_strategy="fixed",

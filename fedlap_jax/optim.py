@@ -86,7 +86,7 @@ def image_sgd(image_lr: float, image_momentum: float) -> optax.GradientTransform
 
 def server_direction(momentum: float, weight_decay: float) -> optax.GradientTransformation:
   """The default direction of a server that trains on synthetic sets
-  (:func:`fedlap_jax.server.global_update`): :func:`sgd` of ``ServerConfig.momentum`` and
+  (:func:`fedlap_jax.methods.fedlap.server.global_update`): :func:`sgd` of ``ServerConfig.momentum`` and
   ``weight_decay`` (0 and 0 for FedLAP: plain SGD)."""
   return sgd(momentum, weight_decay)
 

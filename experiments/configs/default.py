@@ -37,9 +37,9 @@ Sections:
   :class:`fedlap_jax.optim.Optimizer` (plain SGD: FedAvg; ``server_optimizer.name=yogi``
   with a ``server_lr`` such as 0.01 is FedYogi), for the gradient-sharing baselines (FedAvg,
   FedProx, ...); the other methods ignore the numbers and refuse a non-default optimiser.
-* ``feddm``: FedDM's client loop (:class:`fedlap_jax.feddm.FedDMConfig`);
+* ``feddm``: FedDM's client loop (:class:`fedlap_jax.methods.feddm.distribution_matching.FedDMConfig`);
   ``condense``: DSC's / PSG's one-shot condensation
-  (:class:`fedlap_jax.condensation.CondensationConfig`). Both also read
+  (:class:`fedlap_jax.methods.condensation.one_shot.CondensationConfig`). Both also read
   ``client.ipc``, ``client.batch_size`` (real records per batch),
   ``synthetic_init``, the ``server`` section (their server's training) and
   ``learning_rate`` (the server's); PSG reads ``dp``. Builders of their named
@@ -51,7 +51,9 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from fedlap_jax import baselines, condensation, feddm, optim
+from fedlap_jax import baselines, optim
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax import config as core
 
 from experiments import methods
@@ -150,10 +152,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.baseline.server_optimizer = schema.section(optim.Optimizer)
 
   # FedDM (method "feddm") and DSC / PSG (methods "dsc", "dsc_centralized", "psg"): the
-  # fields of fedlap_jax.feddm.FedDMConfig and fedlap_jax.condensation.CondensationConfig
+  # fields of fedlap_jax.methods.feddm.distribution_matching.FedDMConfig and fedlap_jax.methods.condensation.one_shot.CondensationConfig
   # that are the method's own (ipc, batch sizes, synthetic_init and the server come from
   # client / server / the top level). condense.outer_loop / inner_loop None = the
-  # published loops for client.ipc (fedlap_jax.condensation.dc_loops); condense.lr_decay
+  # published loops for client.ipc (fedlap_jax.methods.condensation.one_shot.dc_loops); condense.lr_decay
   # multiplies the server's learning rate for the second half of server.max_epochs.
   config.feddm = schema.section(feddm.FedDMConfig, exclude=methods.FEDDM_SHARED)
   config.condense = schema.section(

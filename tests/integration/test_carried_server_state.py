@@ -16,8 +16,8 @@ from experiments import library_configs, methods, resume, train
 from fedlap_jax import rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import ServerConfig, fixed_epochs_server
-from fedlap_jax.condensation import CondensationConfig, OneShotConfig
-from fedlap_jax.feddm import FedDMConfig
+from fedlap_jax.methods.condensation.one_shot import CondensationConfig, OneShotConfig
+from fedlap_jax.methods.feddm.distribution_matching import FedDMConfig
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 

@@ -28,7 +28,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import accounting, baselines, condensation, feddm, optim, rounds
+from fedlap_jax import accounting, baselines, optim, rounds
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import (
   ClientConfig,

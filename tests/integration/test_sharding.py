@@ -49,7 +49,8 @@ def _worker(
   from jax.experimental import multihost_utils
 
   from experiments.train import CompileCounter
-  from fedlap_jax import baselines, client_data, dispatch, federated, models, rounds
+  from fedlap_jax import baselines, client_data, dispatch, models, rounds
+  from fedlap_jax.methods.fedlap import state as federated
   from fedlap_jax.method import ModelFns, RunFacts
   from fedlap_jax.methods import REGISTRY
   from fedlap_jax import config as C

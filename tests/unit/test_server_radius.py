@@ -1,4 +1,4 @@
-"""Tests for fedlap_jax.radius (r_k calibration, r_g strategies) and fedlap_jax.server
+"""Tests for fedlap_jax.methods.fedlap.radius (r_k calibration, r_g strategies) and fedlap_jax.methods.fedlap.server
 (Algorithm 2: trust-region global update)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import radius, server, training
+from fedlap_jax import training
+from fedlap_jax.methods.fedlap import radius
+from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.config import ServerConfig

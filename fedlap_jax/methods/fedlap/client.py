@@ -72,7 +72,7 @@ from fedlap_jax.client_data import (
 from fedlap_jax.config import ClientConfig, FedLAPConfig
 from fedlap_jax.config import image_optimizer as config_image_optimizer
 from fedlap_jax.matching import matching_step
-from fedlap_jax.radius import calibrate_radius
+from fedlap_jax.methods.fedlap.radius import calibrate_radius
 from fedlap_jax.synthetic import real_images
 from fedlap_jax.training import sgd_epoch, train_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
@@ -658,7 +658,7 @@ def local_approx(
 
   Composed of the module's pieces: :func:`recipe` names the targets and the
   model step ``config`` chooses; ``R_i`` :func:`trajectory` s (``lax.scan``)
-  run them; then the radius (:func:`fedlap_jax.radius.calibrate_radius` or ``r``).
+  run them; then the radius (:func:`fedlap_jax.methods.fedlap.radius.calibrate_radius` or ``r``).
 
   Args:
     key: PRNG key of this client and round.
@@ -695,7 +695,7 @@ def local_approx(
       starts afresh at each while-loop iteration's model step (carried over that step's
       ``R_l`` epochs; ``noisy_real``: one update from a fresh state, so momentum has
       nothing to accumulate). The radius calibration
-      (:func:`fedlap_jax.radius.calibrate_radius`) keeps plain SGD.
+      (:func:`fedlap_jax.methods.fedlap.radius.calibrate_radius`) keeps plain SGD.
 
   Returns:
     ``(synthetic, r_k, metrics)``: the optimised synthetic set (labels and mask
@@ -808,7 +808,7 @@ class ClientUpdate(NamedTuple):
   """What one FedLAP client sends the server after a round (:func:`client_step`).
 
   Stacked over clients (every leaf with a leading ``(K,)`` axis) it is what
-  :func:`fedlap_jax.server.server_step_with_state` takes.
+  :func:`fedlap_jax.methods.fedlap.server.server_step_with_state` takes.
 
   Attributes:
     synthetic: the client's :class:`SyntheticSet` after local approximation,

@@ -1,12 +1,12 @@
 """FedLAP and FedLAP-DP as a :class:`~fedlap_jax.method.Method` (Algorithms 1-3).
 
-The steps are :func:`fedlap_jax.client.client_step` and
-:func:`fedlap_jax.server.server_step_with_state`,
-with the round's keys of :func:`fedlap_jax.federated.round_keys` (``next, k_init, k_clients,
+The steps are :func:`fedlap_jax.methods.fedlap.client.client_step` and
+:func:`fedlap_jax.methods.fedlap.server.server_step_with_state`,
+with the round's keys of :func:`fedlap_jax.methods.fedlap.state.round_keys` (``next, k_init, k_clients,
 k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, under
 ``synthetic_init='real'`` also ``split(k_init, K)[k]``, and the shared DSA family key
 ``shared_family_key(k_clients)``) and the rates of
-:func:`fedlap_jax.federated.round_learning_rates`. Each client carries its synthetic set.
+:func:`fedlap_jax.methods.fedlap.state.round_learning_rates`. Each client carries its synthetic set.
 :data:`METHOD` has the default optimisers; :func:`method` builds FedLAP with others.
 """
 
@@ -19,7 +19,10 @@ import jax
 import numpy as np
 import optax
 
-from fedlap_jax import client, federated, server, update_bounds
+from fedlap_jax import update_bounds
+from fedlap_jax.methods.fedlap import client
+from fedlap_jax.methods.fedlap import state as federated
+from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.config import FedLAPConfig
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire

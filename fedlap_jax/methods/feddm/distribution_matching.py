@@ -15,7 +15,7 @@ matching, and there is no trust region::
       L = sum_c || mean_{x in real batch of c} e_w(x) - mean_{s in S_k of c} e_w(s) ||^2
       S_k <- S_k - momentum-SGD(image_lr) grad_S L
   server: max_epochs epochs of SGD (momentum 0.9, weight decay 5e-4) of w_g on
-          the union of the S_k (fedlap_jax.server.global_update, no radius)
+          the union of the S_k (fedlap_jax.methods.fedlap.server.global_update, no radius)
 
 ``e_w`` is the model's embedding, given as ``embed_fn(params, x)`` returning a
 pytree of per-example arrays (:func:`fedlap_jax.matching.mean_embedding_distance`
@@ -47,7 +47,7 @@ since it considers class-wise optimization, introducing additional privacy
 risks and a distinct privacy notion"); :class:`FedDMConfig` has no DP field.
 
 A round (the server's noise or real starts, every client's :func:`distribution_match`, the
-server's :func:`fedlap_jax.server.global_update` on the union) is the registry's method
+server's :func:`fedlap_jax.methods.fedlap.server.global_update` on the union) is the registry's method
 :data:`fedlap_jax.methods.feddm.METHOD`, run by :func:`fedlap_jax.rounds.algorithm` as every
 method is; this module holds its config, client update, state and metrics.
 

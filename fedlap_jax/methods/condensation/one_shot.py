@@ -5,7 +5,7 @@ condense a client's data *once* into a small synthetic set by matching, on
 networks freshly initialised again and again, the gradient of the synthetic
 set to the gradient of real batches; the server then trains a fresh model on
 the union of the clients' synthetic sets. :func:`condense` is the client side
-(one pure function, like :func:`fedlap_jax.client.local_approx`)::
+(one pure function, like :func:`fedlap_jax.methods.fedlap.client.local_approx`)::
 
   for i in 1..networks:                      # lax.scan, a fresh network each time
     w <- init_fn(key_i)
@@ -21,7 +21,7 @@ the union of the clients' synthetic sets. :func:`condense` is the client side
         S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.matching.matching_step)
       if o == outer_loop: break
       inner_loop epochs of SGD (net_lr, batch model_batch_size) of w on S
-  server: a fresh model trained on the union (fedlap_jax.server.global_update,
+  server: a fresh model trained on the union (fedlap_jax.methods.fedlap.server.global_update,
           momentum 0.9, weight decay 5e-4, the learning rate x lr_decay for the
           second half of the epochs)
 
@@ -126,7 +126,7 @@ from fedlap_jax.config import (
   poisson_capacity,
 )
 from fedlap_jax.matching import matching_step
-from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.methods.fedlap.server import ServerMetrics, global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
