@@ -60,14 +60,14 @@ from fedlap_jax.client_data import (
   pixel_normalisation,
   stack_clients,
 )
-from fedlap_jax.config import (
+from fedlap_jax.methods.fedlap.config import (
   ClientConfig,
-  DPConfig,
   FedLAPConfig,
   ServerConfig,
   paper_dp_config,
   paper_nondp_config,
 )
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.dsa import augment
 from fedlap_jax.methods.fedlap.state import (
   FedLAPState,

@@ -676,8 +676,8 @@ class DpMechanism:
   def from_config(cls, config, *, adjacency: str = REPLACE_ONE) -> "DpMechanism | None":
     """The mechanism a method's library config declares; ``None`` without DP.
 
-    ``config`` is any library config of a method: :class:`~fedlap_jax.config.FedLAPConfig`
-    or its :class:`~fedlap_jax.config.ClientConfig` (FedLAP-DP),
+    ``config`` is any library config of a method: :class:`~fedlap_jax.methods.fedlap.config.FedLAPConfig`
+    or its :class:`~fedlap_jax.methods.fedlap.config.ClientConfig` (FedLAP-DP),
     :class:`~fedlap_jax.baselines.BaselineConfig` (DP-FedAvg, DP-FedProx),
     :class:`~fedlap_jax.methods.condensation.one_shot.OneShotConfig` or its
     :class:`~fedlap_jax.methods.condensation.one_shot.CondensationConfig` (PSG),

@@ -30,8 +30,11 @@ import jax.numpy as jnp
 from fedlap_jax import sharding
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import CLIENT_BACKENDS, WEIGHTINGS
 from fedlap_jax.types import PyTree
+
+
+CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
+WEIGHTINGS = ("size", "uniform")
 
 # The axis name of the ``vmap`` backend's client axis (for collectives such as
 # "is any client still running?" inside the client function).
@@ -118,7 +121,7 @@ def client_weights(
   ``uniform``: ones (Algorithm 3: a DP client does not release ``N_k``).
 
   Args:
-    weighting: ``"size"`` or ``"uniform"`` (:data:`fedlap_jax.config.WEIGHTINGS`).
+    weighting: ``"size"`` or ``"uniform"`` (:data:`fedlap_jax.dispatch.WEIGHTINGS`).
     num_records: ``(K,)`` the clients' record counts (e.g. :func:`record_counts`,
       or what the clients reported); required by ``size``.
     num_clients: ``K``, for ``uniform`` without ``num_records``.

@@ -20,9 +20,11 @@ import optax
 
 from fedlap_jax import dsa, optim
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import LR_SCHEDULES
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
+
+
+LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.cosine_learning_rate's
 
 
 def cosine_learning_rate(

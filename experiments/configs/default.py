@@ -16,8 +16,8 @@ Sections:
 * ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``, ``subset:NAME``), partition.
 * ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
 * ``client`` / ``server`` / ``dp``: written from the fields and defaults of
-  :class:`fedlap_jax.config.ClientConfig`, :class:`~fedlap_jax.config.ServerConfig`
-  and :class:`~fedlap_jax.config.DPConfig` (:mod:`experiments.configs.schema`; the
+  :class:`fedlap_jax.methods.fedlap.config.ClientConfig`, :class:`~fedlap_jax.methods.fedlap.config.ServerConfig`
+  and :class:`~fedlap_jax.dp_config.DPConfig` (:mod:`experiments.configs.schema`; the
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
   the run's calibration options. :func:`experiments.library_configs.library_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
@@ -54,7 +54,8 @@ from ml_collections import config_dict
 from fedlap_jax import baselines, optim
 from fedlap_jax.methods.condensation import one_shot as condensation
 from fedlap_jax.methods.feddm import distribution_matching as feddm
-from fedlap_jax import config as core
+from fedlap_jax import dp_config
+from fedlap_jax.methods.fedlap import config as core
 
 from experiments import methods
 from experiments.configs import schema
@@ -111,7 +112,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.norm = "instance"
   config.model.conv_bias = True  # as the authors; False drops what instance norm cancels
 
-  # client / server / dp: the fields of fedlap_jax.config.ClientConfig / ServerConfig /
+  # client / server / dp: the fields of fedlap_jax.methods.fedlap.config.ClientConfig / ServerConfig /
   # DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
   # sigma, C and delta, used once dp.enabled is True). The dataclasses document them.
   config.client = schema.section(
@@ -129,7 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
-  config.dp.update(schema.section(core.DPConfig, **dataclasses.asdict(core.PAPER_DP)))
+  config.dp.update(schema.section(dp_config.DPConfig, **dataclasses.asdict(core.PAPER_DP)))
   # In a suite: the name of another DP run of the suite. experiments.run then sets this
   # run's noise_multiplier, when it starts (from the data's client sizes), so that its
   # epsilon after the last round equals that run's. "" uses noise_multiplier as given.

@@ -16,7 +16,9 @@ import pytest
 from experiments import library_configs, methods
 from experiments.configs import quickstart
 from fedlap_jax import baselines, checks
-from fedlap_jax import config as core
+from fedlap_jax import dispatch as dispatch_lib
+from fedlap_jax import dp_config
+from fedlap_jax.methods.fedlap import config as core
 from fedlap_jax.methods import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
@@ -27,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
   [
     (lambda: core.ClientConfig(ipc=0), "ipc", 0),
     (
-      lambda: core.DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
+      lambda: dp_config.DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
       "dp.noise_multiplier",
       0.0,
     ),
@@ -92,7 +94,7 @@ def test_method_lists_and_labels_come_from_the_registry():
     ("fedlap",) + baselines.METHODS + ("feddm", "dsc", "dsc_centralized", "psg", "fedadam")
   )
   assert not hasattr(core, "METHODS") and not hasattr(core, "METHOD_LABELS")
-  assert library_configs.CLIENT_BACKENDS == core.CLIENT_BACKENDS
+  assert library_configs.CLIENT_BACKENDS == dispatch_lib.CLIENT_BACKENDS
   labels = {name: REGISTRY[name].label(False) for name in REGISTRY}
   assert REGISTRY["fedlap"].label(True) == "FedLAP-DP"
   assert labels == {

@@ -23,7 +23,8 @@ from fedlap_jax import dispatch, dsa
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.client import local_approx
 from fedlap_jax.client_data import SyntheticSet
-from fedlap_jax.config import ClientConfig, DPConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.models import ConvNet
 from fedlap_jax.synthetic import noise_images, synthetic_labels
 

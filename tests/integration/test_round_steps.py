@@ -28,7 +28,8 @@ from fedlap_jax.methods.fedlap.client import (
   local_approx,
   shared_family_key,
 )
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.methods.fedlap.server import (

@@ -18,7 +18,8 @@ import numpy as np
 from fedlap_jax import baselines, per_example, privacy, rounds
 from fedlap_jax.methods.fedlap import client
 from fedlap_jax.methods.condensation import one_shot as condensation
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params

@@ -24,7 +24,8 @@ from fedlap_jax.methods.fedlap import client
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ClientConfig, DPConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.synthetic import noise_images, synthetic_labels

@@ -22,7 +22,8 @@ from fedlap_jax.methods.condensation import one_shot as condensation
 from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import SyntheticSet
-from fedlap_jax.config import DPConfig, ServerConfig, fixed_epochs_server
+from fedlap_jax.dp_config import DPConfig
+from fedlap_jax.methods.fedlap.config import ServerConfig, fixed_epochs_server
 from fedlap_jax.models import init_fn
 from fedlap_jax.methods.fedlap.server import global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels

@@ -1,4 +1,4 @@
-"""Tests for fedlap_jax.methods.fedlap.state and fedlap_jax.config: state, stacking and config
+"""Tests for fedlap_jax.methods.fedlap.state and fedlap_jax.methods.fedlap.config: state, stacking and config
 validation. Learning runs of FedLAP and FedLAP-DP on digits:
 ``tests/integration/test_learning.py``."""
 
@@ -16,7 +16,8 @@ from fedlap_jax import dispatch, rounds
 from fedlap_jax.methods.fedlap import state as federated
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, stack_clients
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.methods.fedlap.state import init_state
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY

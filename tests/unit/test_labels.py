@@ -29,7 +29,8 @@ from fedlap_jax.client_data import (
   pad_client,
   stack_clients,
 )
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 
 N, IPC = 40, 2
 LOOPS = ClientConfig(

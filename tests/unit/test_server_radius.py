@@ -17,7 +17,7 @@ from fedlap_jax.methods.fedlap import radius
 from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ServerConfig
+from fedlap_jax.methods.fedlap.config import ServerConfig
 
 
 # ---------------------------------------------------------------- server radius strategies

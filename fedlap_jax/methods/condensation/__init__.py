@@ -18,7 +18,11 @@ import numpy as np
 from fedlap_jax.methods.condensation import one_shot as condensation
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.condensation.one_shot import OneShotConfig, OneShotMetrics
-from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_FACTS, ONE_SHOT_METHODS
+from fedlap_jax.methods.condensation.one_shot import (
+  DP_ONE_SHOT_METHODS,
+  ONE_SHOT_FACTS,
+  ONE_SHOT_METHODS,
+)
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.method import (
   ClientResult,
@@ -109,8 +113,8 @@ LABELS = {"dsc": "DSC federated", "dsc_centralized": "DSC centralized", "psg": "
 
 
 def family(name: str) -> Method:
-  """The one-shot method ``name`` (one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`; its
-  :data:`fedlap_jax.config.ONE_SHOT_FACTS` entry says what it is)."""
+  """The one-shot method ``name`` (one of :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_METHODS`; its
+  :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_FACTS` entry says what it is)."""
   private, centralized = ONE_SHOT_FACTS[name]
   return Method(
     name=name,

@@ -68,15 +68,13 @@ import optax
 from fedlap_jax import dsa, optim, privacy
 from fedlap_jax.checks import nonneg_float, one_of, positive_float, positive_int, require
 from fedlap_jax.client_data import ClientData, SyntheticSet, check_pair
-from fedlap_jax.config import (
+from fedlap_jax.synthetic import (
   SYNTHETIC_INITS,
-  ServerConfig,
-  check_fresh_server,
   check_synthetic_learner,
   image_optimizer as config_image_optimizer,
-  fixed_epochs_server,
-  poisson_capacity,
 )
+from fedlap_jax.methods.fedlap.config import ServerConfig, check_fresh_server, fixed_epochs_server
+from fedlap_jax.dp_config import poisson_capacity
 from fedlap_jax.matching import mean_embedding_distance
 from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic
 from fedlap_jax.types import PyTree
@@ -106,7 +104,7 @@ class FedDMConfig:
       ``noise`` (N(0, 1), every round).
     poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``; at
       least ``B + 3 sqrt(B)``); a draw beyond it is processed in extra chunks.
-    server: :class:`~fedlap_jax.config.ServerConfig` of the server's training
+    server: :class:`~fedlap_jax.methods.fedlap.config.ServerConfig` of the server's training
       (``radius_strategy='fixed'``: ``max_epochs`` epochs).
     learning_rate: the server's learning rate, the same every round.
   """
@@ -203,7 +201,7 @@ def distribution_match(
     image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
       static, hashed by identity); ``None``: the config's, SGD at ``image_lr`` with momentum
       ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`) or ``config.image_optimizer``
-      at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
+      at ``image_lr`` (:func:`fedlap_jax.synthetic.image_optimizer`).
 
   Returns:
     ``(synthetic, metrics)``.

@@ -24,7 +24,7 @@ from fedlap_jax.methods.fedlap import client
 from fedlap_jax.methods.fedlap import state as federated
 from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import FedLAPConfig
+from fedlap_jax.methods.fedlap.config import FedLAPConfig
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.synthetic import synthetic_slot
 

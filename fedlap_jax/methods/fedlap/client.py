@@ -69,8 +69,8 @@ from fedlap_jax.client_data import (
   on_device,
   poison_unless,
 )
-from fedlap_jax.config import ClientConfig, FedLAPConfig
-from fedlap_jax.config import image_optimizer as config_image_optimizer
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig
+from fedlap_jax.synthetic import image_optimizer as config_image_optimizer
 from fedlap_jax.matching import matching_step
 from fedlap_jax.methods.fedlap.radius import calibrate_radius
 from fedlap_jax.synthetic import real_images
@@ -122,7 +122,7 @@ def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformatio
   """The config's optimiser of the synthetic images at ``tau`` (``image_lr``): the paper's
   SGD with momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`), or the
   direction of ``config.image_optimizer`` where one is set
-  (:func:`fedlap_jax.config.image_optimizer`)."""
+  (:func:`fedlap_jax.synthetic.image_optimizer`)."""
   return config_image_optimizer(config)
 
 
@@ -855,7 +855,7 @@ def client_step(
       initial one); under ``synthetic_init='real'`` only its labels and mask
       are used: the images are drawn again from real records with ``init_key``.
     client_data: the client's real records, padded with a mask.
-    config: :class:`~fedlap_jax.config.FedLAPConfig`.
+    config: :class:`~fedlap_jax.methods.fedlap.config.FedLAPConfig`.
     learning_rate: the clients' ``eta_m`` of the round (may be traced).
     family_key: the round's shared DSA family key (:func:`shared_family_key`
       of the round's client key); ``None``: derived from ``key``.

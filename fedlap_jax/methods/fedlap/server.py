@@ -39,7 +39,7 @@ from fedlap_jax.client_data import (
   on_device,
   poison_unless,
 )
-from fedlap_jax.config import FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import FedLAPConfig, ServerConfig
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.methods.fedlap.radius import server_radius
 from fedlap_jax.training import train_epoch, tree_distance
@@ -292,7 +292,7 @@ def server_step_with_state(
     apply_fn, params: the model and the global model ``w_g`` of the round.
     updates: the clients' :class:`fedlap_jax.methods.fedlap.client.ClientUpdate` stacked,
       leaves ``(K', ...)`` (synthetic sets padded to one size and masked).
-    config: :class:`~fedlap_jax.config.FedLAPConfig`.
+    config: :class:`~fedlap_jax.methods.fedlap.config.FedLAPConfig`.
     learning_rate: the server's step size of the round (may be traced;
       :func:`fedlap_jax.methods.fedlap.state.round_learning_rates`).
     num_records: ``(K',)`` the clients' ``N_k``; required with

@@ -30,7 +30,7 @@ from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.client import LocalApproxMetrics
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ClientConfig, FedLAPConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig
 from fedlap_jax.methods.fedlap.server import ServerMetrics, server_state
 from fedlap_jax.synthetic import initial_synthetic
 from fedlap_jax.training import cosine_learning_rate
