@@ -276,10 +276,10 @@ def test_server_learning_rate_has_its_own_schedule():
   for m in (1, 4, 10):
     cos = (1 + np.cos(np.pi * (m - 1) / 9)) / 2
     np.testing.assert_allclose(
-      float(federated.server_learning_rate(m, paper)), max(0.05 * cos, 1e-6), rtol=1e-6
+      float(federated.round_learning_rates(m, paper).server), max(0.05 * cos, 1e-6), rtol=1e-6
     )
     np.testing.assert_allclose(
-      float(federated.server_learning_rate(m, own)), max(0.5 * cos, 1e-6), rtol=1e-6
+      float(federated.round_learning_rates(m, own).server), max(0.5 * cos, 1e-6), rtol=1e-6
     )
   with pytest.raises(ValueError, match="server.learning_rate=0.0 is invalid"):
     ServerConfig(learning_rate=0.0)
@@ -288,7 +288,7 @@ def test_server_learning_rate_has_its_own_schedule():
 def test_lr_schedule_reaches_the_server_and_is_validated():
   open_cfg = dataclasses.replace(SCHEDULE, rounds=3, lr_schedule="cosine_open")
   np.testing.assert_allclose(
-    float(federated.server_learning_rate(3, open_cfg)), 0.05 * 0.25, rtol=1e-5
+    float(federated.round_learning_rates(3, open_cfg).server), 0.05 * 0.25, rtol=1e-5
   )
   with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
     dataclasses.replace(SCHEDULE, lr_schedule="step")

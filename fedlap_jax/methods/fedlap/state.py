@@ -160,11 +160,6 @@ def round_learning_rates(round_index, config: FedLAPConfig) -> RoundRates:
   return RoundRates(client, server)
 
 
-def server_learning_rate(round_index, config: FedLAPConfig):
-  """The server's step size in round ``m``: ``round_learning_rates(m, config).server``."""
-  return round_learning_rates(round_index, config).server
-
-
 def dp_mechanism(client: ClientConfig | FedLAPConfig) -> accounting.DpMechanism | None:
   """FedLAP-DP's mechanism: ``T = R_i * max_outer * batch_loop`` noisy real batches of
   expected size ``B`` per round (Algorithm 3); ``None`` without DP
