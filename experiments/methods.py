@@ -103,7 +103,8 @@ def dp_config(cfg) -> dp_config_lib.DPConfig | None:
 
 
 def server_config(cfg) -> core.ServerConfig:
-  """``config.server`` as a :class:`fedlap_jax.methods.fedlap.config.ServerConfig`; its ``optimizer`` from
+  """``config.server`` as a :class:`fedlap_jax.methods.fedlap.config.ServerConfig`; its
+  ``optimizer`` from
   the section ``server.optimizer`` (plain SGD there, the default: ``None``, the SGD of
   ``server.momentum`` and ``server.weight_decay``)."""
   spec = optimizer_section(cfg, "server.optimizer")
@@ -196,9 +197,9 @@ def section_optimizers(cfg) -> dict[str, optim.Optimizer]:
 
 def reads_section(entry: "Entry", path: str) -> bool:
   """Whether ``entry``'s library config holds the dataclass of config section ``path``'s
-  parent (``client.model_optimizer``: a :class:`~fedlap_jax.methods.fedlap.config.ClientConfig` written as
-  ``client``; ``feddm.image_optimizer``: FedDM's own section), so that the method reads the
-  optimiser there."""
+  parent (``client.model_optimizer``: a :class:`~fedlap_jax.methods.fedlap.config.ClientConfig`
+  written as ``client``; ``feddm.image_optimizer``: FedDM's own section), so that the method reads
+  the optimiser there."""
   cls, parent = SECTION_OPTIMIZERS[path][0], path.partition(".")[0]
   spec = entry.spec
   return (cls, parent) in spec.nested or (spec.cls is cls and spec.section == parent)

@@ -35,7 +35,8 @@ Main entry points:
   add/remove by RDP) and the ledgers.
 * :class:`ConvNet` -- the paper's model.
 * :mod:`fedlap_jax.baselines` -- the gradient-sharing baselines (FedAvg, ...);
-  :mod:`fedlap_jax.methods.feddm.distribution_matching` -- FedDM; :mod:`fedlap_jax.methods.condensation.one_shot` -- DSC and
+  :mod:`fedlap_jax.methods.feddm.distribution_matching` -- FedDM;
+  :mod:`fedlap_jax.methods.condensation.one_shot` -- DSC and
   PSG (one-shot): the paper's comparison systems on the same primitives.
 * :class:`ConfigError` -- every refused setting, with ``field``, ``value``, ``allowed``.
 """

@@ -370,8 +370,8 @@ class ConvNet(nn.Module):
 def embed_fn(model: nn.Module):
   """``embed(params, x) -> (features, logits)`` of a :class:`ConvNet`, both ``(N, ...)``.
 
-  The embedding FedDM matches (:mod:`fedlap_jax.methods.feddm.distribution_matching`): the penultimate
-  features and the logits, from one forward pass. Any model can supply its own
+  The embedding FedDM matches (:mod:`fedlap_jax.methods.feddm.distribution_matching`): the
+  penultimate features and the logits, from one forward pass. Any model can supply its own
   function with per-example outputs of this form.
   """
   return lambda params, x: model.apply({"params": params}, x, return_features=True)

@@ -13,7 +13,8 @@ defaults; nothing else names them:
   ``ClientConfig.model_optimizer`` and ``BaselineConfig.client_optimizer``.
 * The servers that train on synthetic sets (FedLAP, FedDM, DSC, PSG): :func:`server_direction`
   of ``server.momentum`` and ``server.weight_decay`` at the server's rate; another optimiser
-  as a config value is ``ServerConfig.optimizer`` (:meth:`fedlap_jax.methods.fedlap.config.ServerConfig.direction`).
+  as a config value is ``ServerConfig.optimizer``
+  (:meth:`fedlap_jax.methods.fedlap.config.ServerConfig.direction`).
 * The FedAvg family's server: plain SGD at ``server_lr`` on the negated weighted mean delta
   (``x + server_lr * d``).
 
@@ -117,8 +118,8 @@ def image_sgd(image_lr: float, image_momentum: float) -> optax.GradientTransform
 
 def server_direction(momentum: float, weight_decay: float) -> optax.GradientTransformation:
   """The default direction of a server that trains on synthetic sets
-  (:func:`fedlap_jax.methods.fedlap.server.global_update`): :func:`sgd` of ``ServerConfig.momentum`` and
-  ``weight_decay`` (0 and 0 for FedLAP: plain SGD)."""
+  (:func:`fedlap_jax.methods.fedlap.server.global_update`): :func:`sgd` of ``ServerConfig.momentum``
+  and ``weight_decay`` (0 and 0 for FedLAP: plain SGD)."""
   return sgd(momentum, weight_decay)
 
 

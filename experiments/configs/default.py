@@ -16,7 +16,8 @@ Sections:
 * ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``, ``subset:NAME``), partition.
 * ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
 * ``client`` / ``server`` / ``dp``: written from the fields and defaults of
-  :class:`fedlap_jax.methods.fedlap.config.ClientConfig`, :class:`~fedlap_jax.methods.fedlap.config.ServerConfig`
+  :class:`fedlap_jax.methods.fedlap.config.ClientConfig`,
+  :class:`~fedlap_jax.methods.fedlap.config.ServerConfig`
   and :class:`~fedlap_jax.dp_config.DPConfig` (:mod:`experiments.configs.schema`; the
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
   the run's calibration options. :func:`experiments.library_configs.library_config`
@@ -37,7 +38,8 @@ Sections:
   :class:`fedlap_jax.optim.Optimizer` (plain SGD: FedAvg; ``server_optimizer.name=yogi``
   with a ``server_lr`` such as 0.01 is FedYogi), for the gradient-sharing baselines (FedAvg,
   FedProx, ...); the other methods ignore the numbers and refuse a non-default optimiser.
-* ``feddm``: FedDM's client loop (:class:`fedlap_jax.methods.feddm.distribution_matching.FedDMConfig`);
+* ``feddm``: FedDM's client loop
+  (:class:`fedlap_jax.methods.feddm.distribution_matching.FedDMConfig`);
   ``condense``: DSC's / PSG's one-shot condensation
   (:class:`fedlap_jax.methods.condensation.one_shot.CondensationConfig`). Both also read
   ``client.ipc``, ``client.batch_size`` (real records per batch),
@@ -112,8 +114,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.norm = "instance"
   config.model.conv_bias = True  # as the authors; False drops what instance norm cancels
 
-  # client / server / dp: the fields of fedlap_jax.methods.fedlap.config.ClientConfig / ServerConfig /
-  # DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
+  # client / server / dp: the fields of fedlap_jax.methods.fedlap.config.ClientConfig / ServerConfig
+  # / DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
   # sigma, C and delta, used once dp.enabled is True). The dataclasses document them.
   config.client = schema.section(
     core.ClientConfig, exclude=("dp", "model_optimizer", "image_optimizer")
@@ -153,11 +155,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.baseline.server_optimizer = schema.section(optim.Optimizer)
 
   # FedDM (method "feddm") and DSC / PSG (methods "dsc", "dsc_centralized", "psg"): the
-  # fields of fedlap_jax.methods.feddm.distribution_matching.FedDMConfig and fedlap_jax.methods.condensation.one_shot.CondensationConfig
+  # fields of fedlap_jax.methods.feddm.distribution_matching.FedDMConfig and
+  # fedlap_jax.methods.condensation.one_shot.CondensationConfig
   # that are the method's own (ipc, batch sizes, synthetic_init and the server come from
   # client / server / the top level). condense.outer_loop / inner_loop None = the
-  # published loops for client.ipc (fedlap_jax.methods.condensation.one_shot.dc_loops); condense.lr_decay
-  # multiplies the server's learning rate for the second half of server.max_epochs.
+  # published loops for client.ipc (fedlap_jax.methods.condensation.one_shot.dc_loops);
+  # condense.lr_decay multiplies the server's learning rate for the second half of
+  # server.max_epochs.
   config.feddm = schema.section(feddm.FedDMConfig, exclude=methods.FEDDM_SHARED)
   config.condense = schema.section(
     condensation.CondensationConfig,

@@ -126,8 +126,8 @@ HYBRID_SPLITS = {
 
 
 def apply_dp(config):
-  """Writes the paper's FedLAP-DP setting (:func:`fedlap_jax.methods.fedlap.config.paper_dp_config`) into
-  ``config``: the paper's sigma, which it published as an add/remove figure (the runs report
+  """Writes the paper's FedLAP-DP setting (:func:`fedlap_jax.methods.fedlap.config.paper_dp_config`)
+  into ``config``: the paper's sigma, which it published as an add/remove figure (the runs report
   the replace-one guarantee, with the add/remove figure beside it)."""
   schema.write_fedlap(config, paper_dp_config())
   config.checkpoint_every = 1

@@ -156,7 +156,8 @@ def build(
 
 
 def write_fedlap(config: ml_collections.ConfigDict, fedlap) -> ml_collections.ConfigDict:
-  """Writes a :class:`fedlap_jax.methods.fedlap.config.FedLAPConfig` into experiment config ``config``.
+  """Writes a :class:`fedlap_jax.methods.fedlap.config.FedLAPConfig` into experiment config
+  ``config``.
 
   ``rounds``, ``learning_rate``, ``synthetic_init``, ``lr_schedule``, every
   field of ``config.client`` and ``config.server`` (their optimisers as the sections

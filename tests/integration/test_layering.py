@@ -115,9 +115,9 @@ def test_method_lists_and_labels_come_from_the_registry():
   assert [n for n in REGISTRY if REGISTRY[n].label(True) != labels[n]] == ["fedlap"]
 
 
-# What the other synthetic-set methods may take from fedlap_jax.methods.fedlap.server: Algorithm 2's training
-# on the union of synthetic sets (FedDM's server, DSC's and PSG's training of a fresh model,
-# with r_g = inf). FedLAP's server step (radius, weights, FedAvg-delta start) is not shared.
+# What the other synthetic-set methods may take from fedlap_jax.methods.fedlap.server: Algorithm 2's
+# training on the union of synthetic sets (FedDM's server, DSC's and PSG's training of a fresh
+# model, with r_g = inf). FedLAP's server step (radius, weights, FedAvg-delta start) is not shared.
 SHARED_SERVER_NAMES = {"global_update", "example_weights", "ServerMetrics"}
 
 

@@ -1,4 +1,5 @@
-"""DSC and PSG (fedlap_jax.methods.condensation.one_shot) and FedDM (fedlap_jax.methods.feddm.distribution_matching): the core functions.
+"""DSC and PSG (fedlap_jax.methods.condensation.one_shot) and FedDM
+(fedlap_jax.methods.feddm.distribution_matching): the core functions.
 
 Loop-structure checks use the tiny ConvNet (width 8, depth 1), PSG's private path the
 linear classifier, on the digits clients of ``conftest.py`` with a handful of steps. Learning on the

@@ -1,5 +1,5 @@
-"""Tests for fedlap_jax.methods.fedlap.state and fedlap_jax.methods.fedlap.config: state, stacking and config
-validation. Learning runs of FedLAP and FedLAP-DP on digits:
+"""Tests for fedlap_jax.methods.fedlap.state and fedlap_jax.methods.fedlap.config: state, stacking
+and config validation. Learning runs of FedLAP and FedLAP-DP on digits:
 ``tests/integration/test_learning.py``."""
 
 from __future__ import annotations

@@ -289,8 +289,8 @@ _global_update = jax.jit(server.global_update, static_argnames=("apply_fn", "con
 
 
 def _server_args(apply_fn, params, clients) -> tuple:
-  """The positional arguments of :func:`fedlap_jax.methods.fedlap.server.global_update` on PAPER's initial
-  synthetic sets, every client weighted alike, no radius."""
+  """The positional arguments of :func:`fedlap_jax.methods.fedlap.server.global_update` on PAPER's
+  initial synthetic sets, every client weighted alike, no radius."""
   state = federated.init_state(jax.random.PRNGKey(1), params, clients, PAPER)
   return (jax.random.PRNGKey(3), apply_fn, params, state.synthetic, np.ones(K, np.float32), np.inf)
 

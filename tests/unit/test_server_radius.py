@@ -1,4 +1,5 @@
-"""Tests for fedlap_jax.methods.fedlap.radius (r_k calibration, r_g strategies) and fedlap_jax.methods.fedlap.server
+"""Tests for fedlap_jax.methods.fedlap.radius (r_k calibration, r_g strategies) and
+fedlap_jax.methods.fedlap.server
 (Algorithm 2: trust-region global update)."""
 
 from __future__ import annotations

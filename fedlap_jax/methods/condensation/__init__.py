@@ -5,8 +5,8 @@ Keys: ``next, k_init, k_clients, k_server = split(state.key, 4)``; client ``k`` 
 condenses with ``split(k_clients, K)[k]``; under ``synthetic_init='real'`` a client's start set is drawn from its own
 records with ``split(k_init, K)[k]`` in its step. Every client condenses once
 (:func:`fedlap_jax.methods.condensation.one_shot.condense`); the server trains on the union
-(:func:`fedlap_jax.methods.condensation.one_shot.train_on_union`). DSC centralized pools every client's
-records into one (:func:`fedlap_jax.methods.condensation.one_shot.pool_clients`).
+(:func:`fedlap_jax.methods.condensation.one_shot.train_on_union`). DSC centralized pools every
+client's records into one (:func:`fedlap_jax.methods.condensation.one_shot.pool_clients`).
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ LABELS = {"dsc": "DSC federated", "dsc_centralized": "DSC centralized", "psg": "
 
 
 def family(name: str) -> Method:
-  """The one-shot method ``name`` (one of :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_METHODS`; its
+  """The one-shot method ``name`` (one of
+  :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_METHODS`; its
   :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_FACTS` entry says what it is)."""
   private, centralized = ONE_SHOT_FACTS[name]
   return Method(

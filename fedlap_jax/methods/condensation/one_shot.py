@@ -139,8 +139,8 @@ class OneShotFacts(NamedTuple):
   centralized: bool = False
 
 
-# Synthetic-data comparison systems: FedDM (fedlap_jax.methods.feddm.distribution_matching) and the one-shot
-# condensation methods DSC and PSG (fedlap_jax.methods.condensation.one_shot).
+# Synthetic-data comparison systems: FedDM (fedlap_jax.methods.feddm.distribution_matching) and the
+# one-shot condensation methods DSC and PSG (fedlap_jax.methods.condensation.one_shot).
 ONE_SHOT_FACTS = {
   "dsc": OneShotFacts(),
   "dsc_centralized": OneShotFacts(centralized=True),
@@ -292,8 +292,9 @@ class OneShotConfig:
   """A one-shot method: condensation on the clients, then the server's training.
 
   Attributes:
-    method: one of :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_METHODS`; what it implies (DP, pooled
-      clients) is its :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_FACTS` entry.
+    method: one of :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_METHODS`; what it
+      implies (DP, pooled clients) is its
+      :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_FACTS` entry.
     condensation: :class:`CondensationConfig` (``classwise`` for ``dsc*``,
       class-agnostic with ``dp`` for ``psg``).
     server: :class:`~fedlap_jax.methods.fedlap.config.ServerConfig` of the training of the

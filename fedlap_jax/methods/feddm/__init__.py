@@ -4,7 +4,8 @@ Keys: ``next, k_init, k_clients, k_server = split(state.key, 4)``; client ``k`` 
 matches with ``split(k_clients, K)[k]``. Every round each client's synthetic set starts afresh: under
 ``synthetic_init='real'`` from its own real images (``split(k_init, K)[k]``, drawn in its
 step), under ``'noise'`` from ``N(0, 1)`` images the server draws with ``k_init`` (sent to
-each client as its own input); then :func:`fedlap_jax.methods.feddm.distribution_matching.distribution_match`. The server
+each client as its own input); then
+:func:`fedlap_jax.methods.feddm.distribution_matching.distribution_match`. The server
 trains on the union (:func:`fedlap_jax.methods.fedlap.server.global_update`, ``r_g = inf``).
 """
 

@@ -47,8 +47,8 @@ since it considers class-wise optimization, introducing additional privacy
 risks and a distinct privacy notion"); :class:`FedDMConfig` has no DP field.
 
 A round (the server's noise or real starts, every client's :func:`distribution_match`, the
-server's :func:`fedlap_jax.methods.fedlap.server.global_update` on the union) is the registry's method
-:data:`fedlap_jax.methods.feddm.METHOD`, run by :func:`fedlap_jax.rounds.algorithm` as every
+server's :func:`fedlap_jax.methods.fedlap.server.global_update` on the union) is the registry's
+method :data:`fedlap_jax.methods.feddm.METHOD`, run by :func:`fedlap_jax.rounds.algorithm` as every
 method is; this module holds its config, client update, state and metrics.
 
 Deviation: real batches are Poisson draws of expected size ``B`` per class

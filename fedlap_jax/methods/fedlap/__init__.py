@@ -2,8 +2,8 @@
 
 The steps are :func:`fedlap_jax.methods.fedlap.client.client_step` and
 :func:`fedlap_jax.methods.fedlap.server.server_step_with_state`,
-with the round's keys of :func:`fedlap_jax.methods.fedlap.state.round_keys` (``next, k_init, k_clients,
-k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, under
+with the round's keys of :func:`fedlap_jax.methods.fedlap.state.round_keys` (``next, k_init,
+k_clients, k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, under
 ``synthetic_init='real'`` also ``split(k_init, K)[k]``, and the shared DSA family key
 ``shared_family_key(k_clients)``) and the rates of
 :func:`fedlap_jax.methods.fedlap.state.round_learning_rates`. Each client carries its synthetic set.

@@ -2,9 +2,9 @@
 
 A round is two pure steps, the same for every front end (the jitted round,
 ``experiments.run``, the Flower app): :func:`fedlap_jax.methods.fedlap.client.client_step`
-on every client, then :func:`fedlap_jax.methods.fedlap.server.server_step_with_state` on their stacked
-:class:`~fedlap_jax.methods.fedlap.client.ClientUpdate` s. This module holds what the round around them
-needs: the state (:class:`FedLAPState`, :func:`init_state`), the round's keys
+on every client, then :func:`fedlap_jax.methods.fedlap.server.server_step_with_state` on their
+stacked :class:`~fedlap_jax.methods.fedlap.client.ClientUpdate` s. This module holds what the
+round around them needs: the state (:class:`FedLAPState`, :func:`init_state`), the round's keys
 (:func:`round_keys`) and rates (:func:`round_learning_rates`), its metrics and the DP
 mechanism. The round itself is the one generic round over a method
 (:func:`fedlap_jax.rounds.algorithm` / :func:`fedlap_jax.rounds.make_round_fn` of
@@ -81,7 +81,8 @@ def init_state(
   """The state before round 1.
 
   ``opt_state``: ``()`` (nothing carried), or with ``config.server.carry_state`` the fresh
-  state of ``server_optimizer`` (``None``: the config's; :func:`fedlap_jax.methods.fedlap.server.server_state`).
+  state of ``server_optimizer`` (``None``: the config's;
+  :func:`fedlap_jax.methods.fedlap.server.server_state`).
 
   Synthetic labels are balanced over each client's classes (``config.client.ipc``
   per class). Under ``synthetic_init="noise"`` the images are N(0, 1) once;
