@@ -48,24 +48,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax import client as client_lib
+from fedlap_jax.methods.fedlap import client as client_lib
 from fedlap_jax import client_data
-from fedlap_jax import config as config_lib
+from fedlap_jax import dispatch as dispatch_lib
+from fedlap_jax.methods.fedlap import config as config_lib
 from fedlap_jax import (
   baselines,
   dispatch,
-  federated,
   matching,
   models,
   per_example,
   privacy,
-  radius,
   rounds,
-  server,
   synthetic,
   training,
 )
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap import state as federated
+from fedlap_jax.methods.fedlap import radius
+from fedlap_jax.methods.fedlap import server
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 
@@ -1040,7 +1042,7 @@ def main(argv=None) -> int:
     "epochs, 1 calibration epoch, DP round with map only, no ratios), "
     "not a measurement",
   )
-  parser.add_argument("--client-backend", default="auto", choices=config_lib.CLIENT_BACKENDS)
+  parser.add_argument("--client-backend", default="auto", choices=dispatch_lib.CLIENT_BACKENDS)
   parser.add_argument(
     "--profile",
     default=None,

@@ -24,9 +24,10 @@ import contextlib
 import sys
 import tempfile
 
-from fedlap_jax import condensation, feddm
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax import baselines
-from fedlap_jax import config as core
+from fedlap_jax.methods.fedlap import config as core
 
 from experiments import data as data_lib
 

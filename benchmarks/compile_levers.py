@@ -110,7 +110,7 @@ def _apply_patch(lever: str) -> None:
 
     privacy.add_gaussian_noise = add_gaussian_noise
   elif lever == "paired_keys":
-    from fedlap_jax import client  # pylint: disable=g-import-not-at-top
+    from fedlap_jax.methods.fedlap import client  # pylint: disable=g-import-not-at-top
 
     def _fold(keys, data):
       k, f = keys
@@ -225,8 +225,8 @@ def _split_child(setup, config) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  from fedlap_jax import client as client_lib  # pylint: disable=g-import-not-at-top
-  from fedlap_jax import server as server_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods.fedlap import client as client_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods.fedlap import server as server_lib  # pylint: disable=g-import-not-at-top
   from fedlap_jax.dispatch import record_counts  # pylint: disable=g-import-not-at-top
 
   state, clients, apply_fn = setup.state, setup.clients, setup.apply_fn

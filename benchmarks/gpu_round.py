@@ -55,7 +55,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import bench  # noqa: E402
-from fedlap_jax import config as config_lib  # noqa: E402
+from fedlap_jax import dispatch
+from fedlap_jax.methods.fedlap import config as config_lib  # noqa: E402
 
 
 # Goals on one H100: seconds per round and compile seconds.
@@ -69,12 +70,10 @@ def parse_variant(item: str) -> tuple[str, str | None]:
   if item in VARIANTS:
     return VARIANTS[item]
   backend, _, draw = item.partition(":")
-  if backend not in config_lib.CLIENT_BACKENDS or (
-    draw and draw not in config_lib.DSA_FAMILY_DRAWS
-  ):
+  if backend not in dispatch.CLIENT_BACKENDS or (draw and draw not in config_lib.DSA_FAMILY_DRAWS):
     raise SystemExit(
       f"--variants item {item!r} is invalid; allowed: new, old, BACKEND or "
-      f"BACKEND:DRAW with BACKEND in {config_lib.CLIENT_BACKENDS} and DRAW in "
+      f"BACKEND:DRAW with BACKEND in {dispatch.CLIENT_BACKENDS} and DRAW in "
       f"{config_lib.DSA_FAMILY_DRAWS}"
     )
   return backend, draw or None

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import numpy as np  # noqa: E402
 
 from benchmarks import bench  # noqa: E402
-from fedlap_jax import config as config_lib  # noqa: E402
+from fedlap_jax.methods.fedlap import config as config_lib  # noqa: E402
 
 # name -> (config, server steps of the measured round)
 ROUNDS = {

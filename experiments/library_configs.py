@@ -32,10 +32,11 @@ from typing import Sequence
 import numpy as np
 
 from fedlap_jax import accounting, baselines
-from fedlap_jax import config as core
+from fedlap_jax.methods.fedlap import config as core
+from fedlap_jax import training as training_lib
 from fedlap_jax import optim, participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
-from fedlap_jax.config import CLIENT_BACKENDS
+from fedlap_jax.dispatch import CLIENT_BACKENDS
 from fedlap_jax.models import NORMS, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
@@ -82,7 +83,7 @@ def dp_coupled_fields(cfg) -> list[tuple[str, object, object, str]]:
   why)`` for each, empty when the config is ready for DP (or DP is off).
 
   The method (a non-DP baseline or DSC has a DP twin), FedLAP's initialisation and radius
-  (:class:`fedlap_jax.config.FedLAPConfig`'s DP rules), size-weighted averaging and a
+  (:class:`fedlap_jax.methods.fedlap.config.FedLAPConfig`'s DP rules), size-weighted averaging and a
   normalisation from the training split. :func:`validate_config` names them all in one error.
   """
   if cfg.dp.enabled is not True:
@@ -158,8 +159,8 @@ def validate_config(cfg):
     _fail("learning_rate", cfg.learning_rate, "a finite number > 0")
   if cfg.client_backend not in CLIENT_BACKENDS:
     _fail("client_backend", cfg.client_backend, f"one of {CLIENT_BACKENDS}")
-  if cfg.get("lr_schedule", "cosine") not in core.LR_SCHEDULES:
-    _fail("lr_schedule", cfg.lr_schedule, f"one of {core.LR_SCHEDULES}")
+  if cfg.get("lr_schedule", "cosine") not in training_lib.LR_SCHEDULES:
+    _fail("lr_schedule", cfg.lr_schedule, f"one of {training_lib.LR_SCHEDULES}")
 
   d = cfg.data
   if d.name not in data_lib.DATASETS:

@@ -32,10 +32,14 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from fedlap_jax import baselines, condensation, feddm, optim, rounds
-from fedlap_jax import config as core
+from fedlap_jax import baselines, optim, rounds
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
+from fedlap_jax import dispatch
+from fedlap_jax import dp_config as dp_config_lib
+from fedlap_jax.methods.fedlap import config as core
 from fedlap_jax.checks import ConfigError, is_int
-from fedlap_jax.federated import RoundMetrics
+from fedlap_jax.methods.fedlap.state import RoundMetrics
 from fedlap_jax.method import Method, ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY, fedlap
 from fedlap_jax.models import embed_fn, init_fn
@@ -89,15 +93,16 @@ class Entry:
 # -- the library configs -------------------------------------------------------------------
 
 
-def dp_config(cfg) -> core.DPConfig | None:
-  """``config.dp`` as a :class:`fedlap_jax.config.DPConfig`, or ``None`` when disabled."""
+def dp_config(cfg) -> dp_config_lib.DPConfig | None:
+  """``config.dp`` as a :class:`fedlap_jax.dp_config.DPConfig`, or ``None`` when disabled."""
   if not cfg.dp.enabled:
     return None
-  return sections.build_section(core.DPConfig, cfg, "dp", ignore=DP_EXPERIMENT_FIELDS)
+  return sections.build_section(dp_config_lib.DPConfig, cfg, "dp", ignore=DP_EXPERIMENT_FIELDS)
 
 
 def server_config(cfg) -> core.ServerConfig:
-  """``config.server`` as a :class:`fedlap_jax.config.ServerConfig`; its ``optimizer`` from
+  """``config.server`` as a :class:`fedlap_jax.methods.fedlap.config.ServerConfig`; its
+  ``optimizer`` from
   the section ``server.optimizer`` (plain SGD there, the default: ``None``, the SGD of
   ``server.momentum`` and ``server.weight_decay``)."""
   spec = optimizer_section(cfg, "server.optimizer")
@@ -190,9 +195,9 @@ def section_optimizers(cfg) -> dict[str, optim.Optimizer]:
 
 def reads_section(entry: "Entry", path: str) -> bool:
   """Whether ``entry``'s library config holds the dataclass of config section ``path``'s
-  parent (``client.model_optimizer``: a :class:`~fedlap_jax.config.ClientConfig` written as
-  ``client``; ``feddm.image_optimizer``: FedDM's own section), so that the method reads the
-  optimiser there."""
+  parent (``client.model_optimizer``: a :class:`~fedlap_jax.methods.fedlap.config.ClientConfig`
+  written as ``client``; ``feddm.image_optimizer``: FedDM's own section), so that the method reads
+  the optimiser there."""
   cls, parent = SECTION_OPTIMIZERS[path][0], path.partition(".")[0]
   spec = entry.spec
   return (cls, parent) in spec.nested or (spec.cls is cls and spec.section == parent)
@@ -422,12 +427,12 @@ def _check_baseline(cfg) -> None:
   dp_config(cfg)
   if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
     raise ConfigError("client.batch_size", cfg.client.batch_size, "an integer >= 1")
-  core.check_poisson_capacity(
+  dp_config_lib.check_poisson_capacity(
     cfg.client.poisson_capacity, cfg.client.batch_size, "client.poisson_capacity"
   )
   weighting = cfg.server.weighting
-  if weighting is not None and weighting not in core.WEIGHTINGS:
-    raise ConfigError("server.weighting", weighting, f"None or one of {core.WEIGHTINGS}")
+  if weighting is not None and weighting not in dispatch.WEIGHTINGS:
+    raise ConfigError("server.weighting", weighting, f"None or one of {dispatch.WEIGHTINGS}")
   if REGISTRY.method(cfg.method).privacy == "required" and weighting == "size":
     raise ConfigError(
       "server.weighting",

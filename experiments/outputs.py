@@ -81,7 +81,7 @@ def summarize_metrics(
   """JSON-ready summary of a round's metrics pytree, split by what may be released.
 
   A metrics type with a view of its own (:func:`experiments.methods.metrics_view`; FedLAP's
-  :class:`~fedlap_jax.federated.RoundMetrics`: per-client radius, matching losses, real
+  :class:`~fedlap_jax.methods.fedlap.state.RoundMetrics`: per-client radius, matching losses, real
   accesses, ...) is summarised by it; any other: every leaf, per client where it has a
   leading ``(K,)`` axis.
 

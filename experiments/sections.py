@@ -1,6 +1,6 @@
 """One builder from an experiment config to a method's frozen library config.
 
-A method's library config (:class:`fedlap_jax.config.FedLAPConfig`, a baseline's
+A method's library config (:class:`fedlap_jax.methods.fedlap.config.FedLAPConfig`, a baseline's
 ``BaselineConfig``, ``FedDMConfig``, ``OneShotConfig``) is built from the experiment config as
 its :class:`Spec` declares: the fields it reads from sections shared by every method (``B`` is
 ``client.batch_size`` for every method, the server's weighting is ``server.weighting``, ...),

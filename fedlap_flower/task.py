@@ -13,8 +13,8 @@ computes:
   ``k_model`` (:func:`experiments.build.init`); the server's key chain starts at the state key
   the method's ``init`` derives from ``k_alg`` (FedLAP: the state key of ``init_state``; a
   baseline: ``k_alg`` itself). Every round the method's plan splits it (FedLAP: ``(next,
-  k_init, k_clients, k_server)``, :func:`fedlap_jax.federated.round_keys`), and client ``k``
-  takes slot ``k`` of the plan's own inputs (its key ``split(k_clients, K)[k]``);
+  k_init, k_clients, k_server)``, :func:`fedlap_jax.methods.fedlap.state.round_keys`), and client
+  ``k`` takes slot ``k`` of the plan's own inputs (its key ``split(k_clients, K)[k]``);
 * the round's participants: with ``data.clients_per_round = m < K`` the
   ``m`` clients :func:`fedlap_jax.participation.sample_clients` draws from the
   public ``(data.participation_seed, round)`` (:func:`participants`); the

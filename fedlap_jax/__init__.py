@@ -35,15 +35,23 @@ Main entry points:
   add/remove by RDP) and the ledgers.
 * :class:`ConvNet` -- the paper's model.
 * :mod:`fedlap_jax.baselines` -- the gradient-sharing baselines (FedAvg, ...);
-  :mod:`fedlap_jax.feddm` -- FedDM; :mod:`fedlap_jax.condensation` -- DSC and
+  :mod:`fedlap_jax.methods.feddm.distribution_matching` -- FedDM;
+  :mod:`fedlap_jax.methods.condensation.one_shot` -- DSC and
   PSG (one-shot): the paper's comparison systems on the same primitives.
 * :class:`ConfigError` -- every refused setting, with ``field``, ``value``, ``allowed``.
 """
 
-from fedlap_jax import accounting, algorithm, condensation, dsa, feddm, methods, rounds, synthetic
+from fedlap_jax import accounting, algorithm, dsa, methods, rounds, synthetic
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import ClientUpdate, LocalApproxMetrics, client_step, local_approx
+from fedlap_jax.methods.fedlap.client import (
+  ClientUpdate,
+  LocalApproxMetrics,
+  client_step,
+  local_approx,
+)
 from fedlap_jax.client_data import (
   ClientData,
   SyntheticSet,
@@ -53,16 +61,21 @@ from fedlap_jax.client_data import (
   pixel_normalisation,
   stack_clients,
 )
-from fedlap_jax.config import (
+from fedlap_jax.methods.fedlap.config import (
   ClientConfig,
-  DPConfig,
   FedLAPConfig,
   ServerConfig,
   paper_dp_config,
   paper_nondp_config,
 )
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.dsa import augment
-from fedlap_jax.federated import FedLAPState, RoundMetrics, init_state, round_learning_rates
+from fedlap_jax.methods.fedlap.state import (
+  FedLAPState,
+  RoundMetrics,
+  init_state,
+  round_learning_rates,
+)
 from fedlap_jax.matching import matching_distance, matching_step
 from fedlap_jax.method import Method, ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
@@ -76,8 +89,8 @@ from fedlap_jax.privacy import (
   poisson_sample,
   real_gradient,
 )
-from fedlap_jax.radius import calibrate_radius, server_radius
-from fedlap_jax.server import ServerMetrics, global_update, server_step_with_state
+from fedlap_jax.methods.fedlap.radius import calibrate_radius, server_radius
+from fedlap_jax.methods.fedlap.server import ServerMetrics, global_update, server_step_with_state
 from fedlap_jax.synthetic import (
   class_batch,
   class_blocks,

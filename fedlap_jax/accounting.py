@@ -676,13 +676,14 @@ class DpMechanism:
   def from_config(cls, config, *, adjacency: str = REPLACE_ONE) -> "DpMechanism | None":
     """The mechanism a method's library config declares; ``None`` without DP.
 
-    ``config`` is any library config of a method: :class:`~fedlap_jax.config.FedLAPConfig`
-    or its :class:`~fedlap_jax.config.ClientConfig` (FedLAP-DP),
+    ``config`` is any library config of a method:
+    :class:`~fedlap_jax.methods.fedlap.config.FedLAPConfig`
+    or its :class:`~fedlap_jax.methods.fedlap.config.ClientConfig` (FedLAP-DP),
     :class:`~fedlap_jax.baselines.BaselineConfig` (DP-FedAvg, DP-FedProx),
-    :class:`~fedlap_jax.condensation.OneShotConfig` or its
-    :class:`~fedlap_jax.condensation.CondensationConfig` (PSG),
-    :class:`~fedlap_jax.feddm.FedDMConfig` (no DP). Each says through its
-    ``dp_accesses()`` which ``DPConfig`` noises how many accesses (``T``) to
+    :class:`~fedlap_jax.methods.condensation.one_shot.OneShotConfig` or its
+    :class:`~fedlap_jax.methods.condensation.one_shot.CondensationConfig` (PSG),
+    :class:`~fedlap_jax.methods.feddm.distribution_matching.FedDMConfig` (no DP). Each says through
+    its ``dp_accesses()`` which ``DPConfig`` noises how many accesses (``T``) to
     batches of which expected size (``B``) per round, or ``None``; this
     classmethod is the only place those become a mechanism.
 

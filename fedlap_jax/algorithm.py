@@ -13,7 +13,7 @@ own).
   of arrays (per-client leaves have a leading ``(K,)`` axis).
 * ``params_of(state) -> params``: the global model to evaluate.
 * ``upload_floats_per_client``: floats one client sends per round.
-* ``dp``: the :class:`~fedlap_jax.config.DPConfig` (clip, noise, delta) or ``None``.
+* ``dp``: the :class:`~fedlap_jax.dp_config.DPConfig` (clip, noise, delta) or ``None``.
 * ``mechanism``: the :class:`~fedlap_jax.accounting.DpMechanism` the method
   declares (``q_k = B / N_k``, ``sigma``, ``T`` noisy accesses to a client's
   records per round, ``delta``, the neighbouring relation of its epsilon): the
@@ -34,7 +34,7 @@ import jax
 
 from fedlap_jax.accounting import DpMechanism
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import DPConfig
+from fedlap_jax.dp_config import DPConfig
 
 
 class FederatedAlgorithm(NamedTuple):

@@ -118,20 +118,43 @@ from fedlap_jax.client_data import (
   on_device,
   poison_unless,
 )
-from fedlap_jax.config import (
-  BASELINE_FACTS,
-  BASELINE_METHODS,
-  DP_BASELINE_METHODS,
-  WEIGHTINGS,
-  DpAccesses,
-  PER_EXAMPLE_METHODS,
-  DPConfig,
-  LR_SCHEDULES,
-  check_poisson_capacity,
-)
+from fedlap_jax.dispatch import WEIGHTINGS
+from fedlap_jax.dp_config import DpAccesses, PER_EXAMPLE_METHODS, DPConfig, check_poisson_capacity
+from fedlap_jax.training import LR_SCHEDULES
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.training import cosine_learning_rate, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
+
+
+class BaselineFacts(NamedTuple):
+  """What a gradient-sharing baseline's name implies; its config checks these facts, not
+  the name (:class:`fedlap_jax.baselines.BaselineConfig`, and the registry's methods).
+
+  Attributes:
+    private: a DP method: local DP-SGD, a ``dp`` config, ``uniform`` server weights (the
+      default weighting; ``size`` otherwise).
+    prox: the FedProx term ``mu ||w - w_g||^2`` is allowed (``prox_mu > 0``).
+    control_variates: SCAFFOLD's correction ``c - c_k``; it sends the control delta too.
+    fixed_steps: every client takes exactly this many local steps (FedSGD: 1); ``None``:
+      ``local_epochs`` epochs.
+  """
+
+  private: bool = False
+  prox: bool = False
+  control_variates: bool = False
+  fixed_steps: int | None = None
+
+
+BASELINE_FACTS = {
+  "fedavg": BaselineFacts(),
+  "fedprox": BaselineFacts(prox=True),
+  "fedsgd": BaselineFacts(fixed_steps=1),
+  "scaffold": BaselineFacts(control_variates=True),
+  "dp_fedavg": BaselineFacts(private=True),
+  "dp_fedprox": BaselineFacts(private=True, prox=True),
+}
+BASELINE_METHODS = tuple(BASELINE_FACTS)
+DP_BASELINE_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
 
 
 METHODS = BASELINE_METHODS
@@ -198,7 +221,7 @@ class LocalTraining:
     noise_multiplier: ``sigma`` (noise std / ``C``) of the private path, >= 0.
       0 is allowed *here* (clipped SGD without noise, for ablations and tests);
       :func:`baseline_config` builds the private path from a
-      :class:`~fedlap_jax.config.DPConfig` only, which requires ``sigma > 0``.
+      :class:`~fedlap_jax.dp_config.DPConfig` only, which requires ``sigma > 0``.
     microbatch_size: optional bound on per-example-gradient memory (DP).
     per_example_method: how the private path computes per-example gradients
       (:func:`~fedlap_jax.privacy.clipped_gradient_sum`; ``dp.per_example_method``).
@@ -329,7 +352,7 @@ class BaselineConfig:
 
   Attributes:
     method: one of :data:`METHODS`; what it implies (DP, the FedProx term, control variates,
-      a fixed step count) is its :data:`fedlap_jax.config.BASELINE_FACTS` entry, which the
+      a fixed step count) is its :data:`fedlap_jax.baselines.BASELINE_FACTS` entry, which the
       checks read (not the name).
     rounds: ``M``, also the length of the cosine schedule.
     learning_rate: ``eta_0`` of the client's cosine schedule.
@@ -340,7 +363,7 @@ class BaselineConfig:
     local: :class:`LocalTraining`. What the method's name implies is taken from it when
       ``local`` leaves it at its default (``control_variates=True`` for ``scaffold``,
       ``fixed_steps=1`` for ``fedsgd``); a value set otherwise is refused.
-    dp: the :class:`~fedlap_jax.config.DPConfig` whose clip, noise, microbatch
+    dp: the :class:`~fedlap_jax.dp_config.DPConfig` whose clip, noise, microbatch
       and per-example method ``local`` uses, for DP methods (the guarantee the accountant
       reports); ``None`` for the others, and for a private path outside ``DPConfig``'s
       range (e.g. ``sigma = 0`` in tests), which then runs only through :func:`client_step`
@@ -872,7 +895,7 @@ def baseline_config(
     rounds: ``M``.
     learning_rate: ``eta_0`` of the client's cosine schedule (0.1).
     batch_size: expected Poisson batch size ``B`` (256).
-    dp: a :class:`~fedlap_jax.config.DPConfig` for ``dp_*`` methods (``C =
+    dp: a :class:`~fedlap_jax.dp_config.DPConfig` for ``dp_*`` methods (``C =
       0.1``, ``sigma = 1`` in the reference), ``None`` for the others.
     local_epochs: ``E``, the paper's 5 by default; ignored by ``fedsgd`` (one
       step per round).

@@ -11,7 +11,7 @@ The data types every federated algorithm shares, below all of them:
   affine map from stored pixels to model inputs.
 * :func:`check_records`, :func:`check_pair`, :func:`check_batch_size`,
   :func:`check_label_dtype`: the static shape and dtype checks every method's
-  client update (and the server's :func:`~fedlap_jax.server.check_union`) runs when
+  client update (and the server's :func:`~fedlap_jax.methods.fedlap.server.check_union`) runs when
   it is traced.
 """
 

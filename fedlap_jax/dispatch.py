@@ -7,14 +7,14 @@ the results stacked on a leading ``(K,)`` axis whatever the backend:
 
 * ``vmap``: all clients at once, side by side (``jax.vmap`` with the axis
   name :data:`VMAP_AXIS`, so a client function can run its loops side by side,
-  e.g. :func:`fedlap_jax.client.local_approx` with ``client_axis``);
+  e.g. :func:`fedlap_jax.methods.fedlap.client.local_approx` with ``client_axis``);
 * ``map``: one after another (``lax.map``), same numbers, a K-th of the memory;
 * ``shard``: blocks of clients on the devices of a mesh, one after another
   within a block (:mod:`fedlap_jax.sharding`);
 * ``auto``: ``shard`` on several devices, else ``map``, or for FedLAP on an
   accelerator ``vmap`` (:func:`resolve_client_backend`).
 
-FedLAP (:mod:`fedlap_jax.federated`) and the gradient-sharing baselines
+FedLAP (:mod:`fedlap_jax.methods.fedlap.state`) and the gradient-sharing baselines
 (:mod:`fedlap_jax.baselines`) both dispatch their clients through here, and
 weight them with :func:`client_weights` (the one weighting rule, from record counts
 or from nothing).
@@ -30,8 +30,11 @@ import jax.numpy as jnp
 from fedlap_jax import sharding
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import CLIENT_BACKENDS, WEIGHTINGS
 from fedlap_jax.types import PyTree
+
+
+CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
+WEIGHTINGS = ("size", "uniform")
 
 # The axis name of the ``vmap`` backend's client axis (for collectives such as
 # "is any client still running?" inside the client function).
@@ -45,7 +48,7 @@ def resolve_client_backend(name: str, *, side_by_side: bool = False) -> str:
   its block of clients one after another); on one device it is ``"map"``
   (clients one after another), except that with ``side_by_side=True`` (FedLAP,
   whose client function runs side by side without the ``vmap`` penalties:
-  :func:`fedlap_jax.client.local_approx` with ``client_axis``) on an
+  :func:`fedlap_jax.methods.fedlap.client.local_approx` with ``client_axis``) on an
   accelerator it is ``"vmap"``, which gives each kernel the work of all the
   clients. On the CPU ``map`` stays faster (docs/benchmarks.md has the rounds
   measured both ways); the baselines keep ``map`` everywhere (their ``vmap``
@@ -118,7 +121,7 @@ def client_weights(
   ``uniform``: ones (Algorithm 3: a DP client does not release ``N_k``).
 
   Args:
-    weighting: ``"size"`` or ``"uniform"`` (:data:`fedlap_jax.config.WEIGHTINGS`).
+    weighting: ``"size"`` or ``"uniform"`` (:data:`fedlap_jax.dispatch.WEIGHTINGS`).
     num_records: ``(K,)`` the clients' record counts (e.g. :func:`record_counts`,
       or what the clients reported); required by ``size``.
     num_clients: ``K``, for ``uniform`` without ``num_records``.

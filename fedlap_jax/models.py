@@ -370,8 +370,8 @@ class ConvNet(nn.Module):
 def embed_fn(model: nn.Module):
   """``embed(params, x) -> (features, logits)`` of a :class:`ConvNet`, both ``(N, ...)``.
 
-  The embedding FedDM matches (:mod:`fedlap_jax.feddm`): the penultimate
-  features and the logits, from one forward pass. Any model can supply its own
+  The embedding FedDM matches (:mod:`fedlap_jax.methods.feddm.distribution_matching`): the
+  penultimate features and the logits, from one forward pass. Any model can supply its own
   function with per-example outputs of this form.
   """
   return lambda params, x: model.apply({"params": params}, x, return_features=True)
@@ -381,7 +381,7 @@ def init_fn(model: nn.Module, image_shape: tuple[int, ...]):
   """``init(key) -> params`` of a fresh ``model`` for images ``image_shape`` (jit-compatible).
 
   The freshly initialised networks DSC and PSG condense against
-  (:mod:`fedlap_jax.condensation`).
+  (:mod:`fedlap_jax.methods.condensation.one_shot`).
   """
   dummy = jnp.zeros((1, *image_shape), jnp.float32)
   return lambda key: model.init(key, dummy)["params"]

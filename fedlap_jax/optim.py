@@ -7,13 +7,14 @@ defaults; nothing else names them:
 * FedLAP's synthetic images, and FedDM's, DSC's and PSG's: :func:`image_sgd` of
   ``image_lr`` and ``image_momentum`` (``optax.sgd(tau, momentum)``); another as a config
   value is the ``image_optimizer`` spec of ``ClientConfig``, ``FedDMConfig`` or
-  ``CondensationConfig``, stepped at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
+  ``CondensationConfig``, stepped at ``image_lr`` (:func:`fedlap_jax.synthetic.image_optimizer`).
 * FedLAP's client model (the synthetic epochs, the ``noisy_real`` steps) and the FedAvg
   family's client: plain SGD at ``eta_m`` (:func:`sgd`); as config values
   ``ClientConfig.model_optimizer`` and ``BaselineConfig.client_optimizer``.
 * The servers that train on synthetic sets (FedLAP, FedDM, DSC, PSG): :func:`server_direction`
   of ``server.momentum`` and ``server.weight_decay`` at the server's rate; another optimiser
-  as a config value is ``ServerConfig.optimizer`` (:meth:`fedlap_jax.config.ServerConfig.direction`).
+  as a config value is ``ServerConfig.optimizer``
+  (:meth:`fedlap_jax.methods.fedlap.config.ServerConfig.direction`).
 * The FedAvg family's server: plain SGD at ``server_lr`` on the negated weighted mean delta
   (``x + server_lr * d``).
 
@@ -52,6 +53,37 @@ import optax
 from fedlap_jax.checks import is_real, one_of, require
 
 
+def check_other_than_sgd(spec, field: str, sgd_fields, why: str) -> None:
+  """Refuses an optimiser ``spec`` for ``field`` beside the numeric SGD fields it replaces.
+
+  ``None`` (the SGD of ``sgd_fields``) passes. A spec must be a
+  :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD (that SGD is ``sgd_fields``:
+  one source of each number), and every one of ``sgd_fields`` (``(name, value)``) must be 0
+  beside it (the spec is the whole direction).
+
+  Raises:
+    ConfigError: naming ``field`` or the SGD field, the value and what is allowed.
+  """
+  if spec is None:
+    return
+  require(isinstance(spec, Optimizer), field, spec, "None or a fedlap_jax.optim.Optimizer")
+  require(
+    spec.name != "sgd" or spec.nesterov,
+    field,
+    spec,
+    f"None for heavy-ball SGD ({why}), or another optimiser (name='adam', 'yogi', 'adagrad', "
+    "or 'sgd' with nesterov=True)",
+  )
+  for name, value in sgd_fields:
+    require(
+      value == 0,
+      name,
+      value,
+      f"0.0 when {field} is set (name={spec.name!r}: the spec is the whole direction; its own "
+      "weight_decay, or momentum for Nesterov SGD)",
+    )
+
+
 def sgd(momentum: float = 0.0, weight_decay: float = 0.0) -> optax.GradientTransformation:
   """PyTorch's ``SGD(momentum, weight_decay)`` before the rate: ``g + weight_decay * w``, then
   heavy-ball ``t <- g + momentum * t`` (no dampening); ``optax.identity()`` with both 0.
@@ -86,8 +118,8 @@ def image_sgd(image_lr: float, image_momentum: float) -> optax.GradientTransform
 
 def server_direction(momentum: float, weight_decay: float) -> optax.GradientTransformation:
   """The default direction of a server that trains on synthetic sets
-  (:func:`fedlap_jax.server.global_update`): :func:`sgd` of ``ServerConfig.momentum`` and
-  ``weight_decay`` (0 and 0 for FedLAP: plain SGD)."""
+  (:func:`fedlap_jax.methods.fedlap.server.global_update`): :func:`sgd` of ``ServerConfig.momentum``
+  and ``weight_decay`` (0 and 0 for FedLAP: plain SGD)."""
   return sgd(momentum, weight_decay)
 
 

@@ -57,12 +57,12 @@ import jax.numpy as jnp
 from fedlap_jax import per_example as _per_example
 from fedlap_jax import accounting, checks, dsa
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import PER_EXAMPLE_METHODS
+from fedlap_jax.dp_config import PER_EXAMPLE_METHODS
 
 # The buffer of poisson_sample, and the smallest one a config may ask for.
-from fedlap_jax.config import check_poisson_capacity  # noqa: F401
-from fedlap_jax.config import min_poisson_capacity  # noqa: F401
-from fedlap_jax.config import poisson_capacity  # noqa: F401
+from fedlap_jax.dp_config import check_poisson_capacity  # noqa: F401
+from fedlap_jax.dp_config import min_poisson_capacity  # noqa: F401
+from fedlap_jax.dp_config import poisson_capacity  # noqa: F401
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.losses import cross_entropy, masked_mean_loss  # noqa: F401
 from fedlap_jax.types import ApplyFn, PyTree
@@ -485,7 +485,7 @@ class PoissonGradient:
 
   @classmethod
   def of(cls, dp, *, batch_size: int, capacity: int, **rest) -> "PoissonGradient":
-    """The query of a method under ``dp`` (a :class:`~fedlap_jax.config.DPConfig`, or ``None``
+    """The query of a method under ``dp`` (a :class:`~fedlap_jax.dp_config.DPConfig`, or ``None``
     for the non-private gradient): its clip, noise, microbatch and per-example method."""
     if dp is None:
       return cls(batch_size=batch_size, capacity=capacity, **rest)

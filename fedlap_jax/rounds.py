@@ -18,7 +18,7 @@ import numpy as np
 from fedlap_jax.algorithm import FederatedAlgorithm
 from fedlap_jax.checks import ConfigError, one_of
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import CLIENT_BACKENDS
+from fedlap_jax.dispatch import CLIENT_BACKENDS
 from fedlap_jax.dispatch import (
   VMAP_AXIS,
   place_inputs,

@@ -25,11 +25,56 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from fedlap_jax import privacy
-from fedlap_jax.checks import ConfigError
+from fedlap_jax import dsa, optim, privacy
+from fedlap_jax.checks import ConfigError, is_real, positive_float, require
+from fedlap_jax.dp_config import DPConfig, check_poisson_capacity
+from fedlap_jax.optim import check_other_than_sgd
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.setup_jit import setup_jit
+
+
+SYNTHETIC_INITS = ("real", "noise")
+
+
+def check_synthetic_learner(cfg) -> None:
+  """The checks every synthetic-set learner shares
+  (:class:`~fedlap_jax.methods.fedlap.config.ClientConfig`, ``CondensationConfig``,
+  ``FedDMConfig``): ``image_lr`` > 0, ``image_momentum`` in [0, 1), ``image_optimizer`` None
+  or a spec other than heavy-ball SGD with ``image_momentum`` 0
+  (:func:`fedlap_jax.optim.check_other_than_sgd`), ``poisson_capacity`` for ``batch_size``,
+  ``dsa_strategy``, and ``dp`` (where the config has one) a
+  :class:`~fedlap_jax.dp_config.DPConfig` or None.
+  """
+  positive_float("image_lr", cfg.image_lr)
+  require(
+    is_real(cfg.image_momentum) and 0 <= cfg.image_momentum < 1,
+    "image_momentum",
+    cfg.image_momentum,
+    "a number in [0, 1)",
+  )
+  check_other_than_sgd(
+    cfg.image_optimizer,
+    "image_optimizer",
+    (("image_momentum", cfg.image_momentum),),
+    "image_momentum is its spec",
+  )
+  check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
+  dsa.check_strategy("dsa_strategy", cfg.dsa_strategy)
+  dp = getattr(cfg, "dp", None)
+  require(dp is None or isinstance(dp, DPConfig), "dp", dp, "a DPConfig or None")
+
+
+def image_optimizer(cfg) -> optax.GradientTransformation:
+  """The synthetic images' optimiser of a synthetic-set learner's config
+  (:class:`~fedlap_jax.methods.fedlap.config.ClientConfig`, ``FedDMConfig``,
+  ``CondensationConfig``), rate included: the paper's SGD of ``image_lr`` and
+  ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`), or the direction of
+  ``cfg.image_optimizer`` at ``image_lr`` where one is set."""
+  if cfg.image_optimizer is None:
+    return optim.image_sgd(cfg.image_lr, cfg.image_momentum)
+  return cfg.image_optimizer.with_rate(cfg.image_lr)
 
 
 def synthetic_labels(

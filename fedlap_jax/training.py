@@ -20,10 +20,11 @@ import optax
 
 from fedlap_jax import dsa, optim
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import LR_SCHEDULES
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.types import ApplyFn, PyTree
 
+
+LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.cosine_learning_rate's
 
 LR_FLOOR = 0.01
 """The smallest rate of a round, as a fraction of ``eta_0`` (round 1's): every round steps."""

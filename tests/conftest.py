@@ -31,7 +31,7 @@ import pytest
 from jax._src import compiler as jax_compiler  # private: the one place JAX builds compile options
 
 from fedlap_jax.client_data import ClientData, pixel_normalisation, stack_clients
-from fedlap_jax.config import DPConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.models import ConvNet
 
 

@@ -16,7 +16,7 @@ DP-FedAvg / DP-FedProx: per-example clip C = 0.1, sigma = 1, delta = 1e-5, 30
 rounds, accounted with the same theorem as FedLAP-DP (T = local steps per round).
 """
 
-from fedlap_jax.config import BASELINE_FACTS, BASELINE_METHODS
+from fedlap_jax.baselines import BASELINE_FACTS, BASELINE_METHODS
 
 from experiments.configs import default, fedlap
 

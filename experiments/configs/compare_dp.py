@@ -53,7 +53,7 @@ import copy
 
 import ml_collections
 
-from fedlap_jax.config import DP_BASELINE_METHODS
+from fedlap_jax.baselines import DP_BASELINE_METHODS
 
 from experiments import configs
 from experiments.configs import baselines, quickstart, quickstart_compare

@@ -16,8 +16,9 @@ Sections:
 * ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``, ``subset:NAME``), partition.
 * ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
 * ``client`` / ``server`` / ``dp``: written from the fields and defaults of
-  :class:`fedlap_jax.config.ClientConfig`, :class:`~fedlap_jax.config.ServerConfig`
-  and :class:`~fedlap_jax.config.DPConfig` (:mod:`experiments.configs.schema`; the
+  :class:`fedlap_jax.methods.fedlap.config.ClientConfig`,
+  :class:`~fedlap_jax.methods.fedlap.config.ServerConfig`
+  and :class:`~fedlap_jax.dp_config.DPConfig` (:mod:`experiments.configs.schema`; the
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
   the run's calibration options. :func:`experiments.library_configs.library_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
@@ -37,9 +38,10 @@ Sections:
   :class:`fedlap_jax.optim.Optimizer` (plain SGD: FedAvg; ``server_optimizer.name=yogi``
   with a ``server_lr`` such as 0.01 is FedYogi), for the gradient-sharing baselines (FedAvg,
   FedProx, ...); the other methods ignore the numbers and refuse a non-default optimiser.
-* ``feddm``: FedDM's client loop (:class:`fedlap_jax.feddm.FedDMConfig`);
+* ``feddm``: FedDM's client loop
+  (:class:`fedlap_jax.methods.feddm.distribution_matching.FedDMConfig`);
   ``condense``: DSC's / PSG's one-shot condensation
-  (:class:`fedlap_jax.condensation.CondensationConfig`). Both also read
+  (:class:`fedlap_jax.methods.condensation.one_shot.CondensationConfig`). Both also read
   ``client.ipc``, ``client.batch_size`` (real records per batch),
   ``synthetic_init``, the ``server`` section (their server's training) and
   ``learning_rate`` (the server's); PSG reads ``dp``. Builders of their named
@@ -51,8 +53,11 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from fedlap_jax import baselines, condensation, feddm, optim
-from fedlap_jax import config as core
+from fedlap_jax import baselines, optim
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
+from fedlap_jax import dp_config
+from fedlap_jax.methods.fedlap import config as core
 
 from experiments import methods
 from experiments.configs import schema
@@ -109,8 +114,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.norm = "instance"
   config.model.conv_bias = True  # as the authors; False drops what instance norm cancels
 
-  # client / server / dp: the fields of fedlap_jax.config.ClientConfig / ServerConfig /
-  # DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
+  # client / server / dp: the fields of fedlap_jax.methods.fedlap.config.ClientConfig / ServerConfig
+  # / DPConfig with their defaults (the paper's non-DP CIFAR-10 setting; dp: the paper's
   # sigma, C and delta, used once dp.enabled is True). The dataclasses document them.
   config.client = schema.section(
     core.ClientConfig, exclude=("dp", "model_optimizer", "image_optimizer")
@@ -127,7 +132,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.dp = ml_collections.ConfigDict()
   config.dp.enabled = False
-  config.dp.update(schema.section(core.DPConfig, **dataclasses.asdict(core.PAPER_DP)))
+  config.dp.update(schema.section(dp_config.DPConfig, **dataclasses.asdict(core.PAPER_DP)))
   # In a suite: the name of another DP run of the suite. experiments.run then sets this
   # run's noise_multiplier, when it starts (from the data's client sizes), so that its
   # epsilon after the last round equals that run's. "" uses noise_multiplier as given.
@@ -150,11 +155,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.baseline.server_optimizer = schema.section(optim.Optimizer)
 
   # FedDM (method "feddm") and DSC / PSG (methods "dsc", "dsc_centralized", "psg"): the
-  # fields of fedlap_jax.feddm.FedDMConfig and fedlap_jax.condensation.CondensationConfig
+  # fields of fedlap_jax.methods.feddm.distribution_matching.FedDMConfig and
+  # fedlap_jax.methods.condensation.one_shot.CondensationConfig
   # that are the method's own (ipc, batch sizes, synthetic_init and the server come from
   # client / server / the top level). condense.outer_loop / inner_loop None = the
-  # published loops for client.ipc (fedlap_jax.condensation.dc_loops); condense.lr_decay
-  # multiplies the server's learning rate for the second half of server.max_epochs.
+  # published loops for client.ipc (fedlap_jax.methods.condensation.one_shot.dc_loops);
+  # condense.lr_decay multiplies the server's learning rate for the second half of
+  # server.max_epochs.
   config.feddm = schema.section(feddm.FedDMConfig, exclude=methods.FEDDM_SHARED)
   config.condense = schema.section(
     condensation.CondensationConfig,

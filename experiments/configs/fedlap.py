@@ -14,7 +14,7 @@ table :data:`experiments.configs.ALIASES`):
   0.1; synthetic images re-drawn from real data every round; 5 clients with 2
   classes each).
 * ``DATASET_dp``: the paper's DP setting (Figure "dp"),
-  :func:`fedlap_jax.config.paper_dp_config`: 30 rounds, ipc 10, R_i 4,
+  :func:`fedlap_jax.methods.fedlap.config.paper_dp_config`: 30 rounds, ipc 10, R_i 4,
   max_outer 5, batch_loop 10, R_b 5, R_l 2 (T = 200 noisy real-data accesses per
   round); constant radius 1.5, uniform client weights; eta_0 = 0.002; no MSE
   term; N(0, 1) synthetic images carried across rounds; sigma 1, C 1, delta
@@ -48,7 +48,7 @@ table :data:`experiments.configs.ALIASES`):
   paper: 5, 10, 50, 100): the non-DP setting with one field changed.
 """
 
-from fedlap_jax.config import paper_dp_config
+from fedlap_jax.methods.fedlap.config import paper_dp_config
 
 from experiments.configs import default, schema
 
@@ -126,8 +126,8 @@ HYBRID_SPLITS = {
 
 
 def apply_dp(config):
-  """Writes the paper's FedLAP-DP setting (:func:`fedlap_jax.config.paper_dp_config`) into
-  ``config``: the paper's sigma, which it published as an add/remove figure (the runs report
+  """Writes the paper's FedLAP-DP setting (:func:`fedlap_jax.methods.fedlap.config.paper_dp_config`)
+  into ``config``: the paper's sigma, which it published as an add/remove figure (the runs report
   the replace-one guarantee, with the add/remove figure beside it)."""
   schema.write_fedlap(config, paper_dp_config())
   config.checkpoint_every = 1

@@ -31,8 +31,8 @@ public test split, as FedLAP-DP needs), model (ConvNet 32 x 2) and evaluation:
 
 import ml_collections
 
-from fedlap_jax.condensation import DC_LOOPS
-from fedlap_jax.config import BASELINE_METHODS, DP_BASELINE_METHODS
+from fedlap_jax.methods.condensation.one_shot import DC_LOOPS
+from fedlap_jax.baselines import BASELINE_METHODS, DP_BASELINE_METHODS
 from fedlap_jax.methods import REGISTRY
 
 from experiments.configs import quickstart, synthetic

@@ -4,7 +4,7 @@
 ``ml_collections.ConfigDict`` (an optional field ``T | None`` whose default is
 ``None`` becomes ``config_dict.placeholder(T)``, so a command-line override
 gets the type ``T``); :func:`build` turns such a section back into the
-dataclass. So a field of :class:`fedlap_jax.config.ClientConfig` is written
+dataclass. So a field of :class:`fedlap_jax.methods.fedlap.config.ClientConfig` is written
 once, in the dataclass, and ``config.client`` follows it.
 """
 
@@ -156,12 +156,13 @@ def build(
 
 
 def write_fedlap(config: ml_collections.ConfigDict, fedlap) -> ml_collections.ConfigDict:
-  """Writes a :class:`fedlap_jax.config.FedLAPConfig` into experiment config ``config``.
+  """Writes a :class:`fedlap_jax.methods.fedlap.config.FedLAPConfig` into experiment config
+  ``config``.
 
   ``rounds``, ``learning_rate``, ``synthetic_init``, ``lr_schedule``, every
   field of ``config.client`` and ``config.server`` (their optimisers as the sections
   ``client.model_optimizer`` and ``server.optimizer``), and ``config.dp``
-  (``enabled`` and, with DP, the :class:`~fedlap_jax.config.DPConfig`'s
+  (``enabled`` and, with DP, the :class:`~fedlap_jax.dp_config.DPConfig`'s
   fields) take ``fedlap``'s values; the rest of ``config`` is kept. Returns
   ``config`` (changed in place).
   """

@@ -12,7 +12,8 @@ own::
   python -m experiments.run --config=cifar_psg              # PSG, one-shot DP (Table 2)
 
 (``mnist_`` and ``fmnist_`` likewise.) Every setting and its source is in the
-core modules' docstrings (:mod:`fedlap_jax.feddm`, :mod:`fedlap_jax.condensation`);
+core modules' docstrings (:mod:`fedlap_jax.methods.feddm.distribution_matching`,
+:mod:`fedlap_jax.methods.condensation.one_shot`);
 in short:
 
 * FedDM (``get_feddm_config``): FedLAP's non-DP partition, ``ipc = 50`` and 200
@@ -42,7 +43,7 @@ in short:
 
 import re
 
-from fedlap_jax.condensation import DC_LOOPS
+from fedlap_jax.methods.condensation.one_shot import DC_LOOPS
 
 from experiments.configs import default, fedlap
 

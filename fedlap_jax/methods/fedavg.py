@@ -38,7 +38,7 @@ import optax
 from fedlap_jax import baselines, optim, update_bounds
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
 from fedlap_jax.checks import is_real, require
-from fedlap_jax.config import BASELINE_FACTS
+from fedlap_jax.baselines import BASELINE_FACTS
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance

@@ -16,7 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_library_module_has_a_page():
-  modules = {p.stem for p in (ROOT / "fedlap_jax").glob("*.py") if not p.stem.startswith("_")}
+  package = ROOT / "fedlap_jax"
+  modules = {
+    ".".join(p.relative_to(package).with_suffix("").parts).removesuffix(".__init__")
+    for p in package.rglob("*.py")
+    if p.parent != package or not p.stem.startswith("_")
+  }
   pages = {p.stem for p in (ROOT / "docs" / "api" / "modules").glob("*.rst")}
   assert pages == modules
   index = (ROOT / "docs" / "api" / "index.rst").read_text()

@@ -15,9 +15,9 @@ import pytest
 from experiments import library_configs, methods, resume, train
 from fedlap_jax import rounds
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import ServerConfig, fixed_epochs_server
-from fedlap_jax.condensation import CondensationConfig, OneShotConfig
-from fedlap_jax.feddm import FedDMConfig
+from fedlap_jax.methods.fedlap.config import ServerConfig, fixed_epochs_server
+from fedlap_jax.methods.condensation.one_shot import CondensationConfig, OneShotConfig
+from fedlap_jax.methods.feddm.distribution_matching import FedDMConfig
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 
@@ -146,7 +146,7 @@ def test_the_default_is_the_paper_round_and_carrying_plain_sgd_changes_no_number
 ):
   """``carry_state=False`` (the default) keeps ``opt_state = ()``; carrying plain SGD (a state
   without numbers) gives the same parameters as restarting it."""
-  from fedlap_jax.config import ClientConfig, FedLAPConfig  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig
 
   config = FedLAPConfig(
     client=ClientConfig(

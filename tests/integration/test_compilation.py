@@ -23,8 +23,10 @@ import jax
 import pytest
 
 from experiments.train import CompileCounter
-from fedlap_jax import federated, rounds
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax import rounds
+from fedlap_jax.methods.fedlap import state as federated
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 

@@ -6,7 +6,8 @@ import ml_collections
 import pytest
 
 from fedlap_jax import baselines, optim
-from fedlap_jax import config as core
+from fedlap_jax import dp_config
+from fedlap_jax.methods.fedlap import config as core
 from fedlap_jax.checks import ConfigError
 
 from experiments import library_configs, methods
@@ -35,7 +36,7 @@ def test_optional_fields_are_typed_placeholders():
 
 def test_section_needs_a_value_for_fields_without_default():
   with pytest.raises(TypeError, match="noise_multiplier has no default"):
-    schema.section(core.DPConfig)
+    schema.section(dp_config.DPConfig)
   with pytest.raises(TypeError, match="no fields"):
     schema.section(core.ServerConfig, nosuch=1)
 

@@ -14,7 +14,7 @@ from experiments import run
 from fedlap_jax import accounting, baselines, rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import stack_clients
-from fedlap_jax.config import DPConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.methods.dp_scaffold import DPScaffoldConfig

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from fedlap_jax import accounting
-from fedlap_jax import config as core
+from fedlap_jax import dp_config
+from fedlap_jax.methods.fedlap import config as core
 
 from experiments import data as data_lib
 from experiments import flags, library_configs, run
@@ -96,7 +97,7 @@ def test_config_sections_map_one_to_one_onto_the_core_dataclasses():
   for section, cls, skip in (
     ("client", core.ClientConfig, {"dp"}),
     ("server", core.ServerConfig, set()),
-    ("dp", core.DPConfig, set()),
+    ("dp", dp_config.DPConfig, set()),
   ):
     names = {f.name for f in dataclasses.fields(cls)} - skip
     assert names <= set(cfg[section].keys()), (section, names - set(cfg[section].keys()))
@@ -111,7 +112,7 @@ def test_quickstart_matches_the_recipe():
   assert suite.fedlap == load("quickstart_nondp")
   assert quickstart.get_config("dp_loops") == quickstart.dp_config()
   fc = library_configs.library_config(quickstart.get_config("dp_loops"))
-  assert fc.dp == core.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+  assert fc.dp == dp_config.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
   assert (
     fc.client.ipc,
     fc.client.max_outer,
@@ -123,7 +124,7 @@ def test_quickstart_matches_the_recipe():
   ) == (10, 2, 5, 1, 64, 10, 0.05)
   # digits_dp_tuned is the quickstart's FedLAP-DP with the tuned recipe.
   tc = library_configs.library_config(load("digits_dp_tuned"))
-  assert tc.dp == core.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
+  assert tc.dp == dp_config.DPConfig(noise_multiplier=2.38, l2_clip_norm=1.0, delta=1e-5)
   assert (
     tc.client.ipc,
     tc.client.max_outer,

@@ -1093,7 +1093,10 @@ def test_released_matching_losses_are_those_of_the_rows_written(
   client wrote: every target of each while-loop iteration that ran under the paper's loops,
   one averaged target per iteration under average_targets. The library's round record and the
   front end's metrics.jsonl summary are the same numbers."""
-  from fedlap_jax import client, config, federated, server  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods.fedlap import config  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods.fedlap import client
+  from fedlap_jax.methods.fedlap import state as federated
+  from fedlap_jax.methods.fedlap import server
   from fedlap_jax.client_data import ClientData, SyntheticSet  # pylint: disable=g-import-not-at-top
   from fedlap_jax.methods import fedlap  # pylint: disable=g-import-not-at-top
   from fedlap_jax.synthetic import noise_images, synthetic_labels  # pylint: disable=g-import-not-at-top

@@ -318,7 +318,7 @@ def test_cli_refuses_bad_settings_in_one_line_with_exit_2(config, arg, message, 
 def test_psg_metrics_leave_raw_statistics_out_of_a_dp_record():
   """PSG's clip fraction, realised batch sizes and extra chunks are raw statistics of the
   records: a DP run releases the rest and keeps these for debug_nonprivate_stats."""
-  from fedlap_jax import condensation  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods.condensation import one_shot as condensation  # pylint: disable=g-import-not-at-top
 
   k = 3
   client = condensation.CondensationMetrics(

@@ -36,7 +36,8 @@ from flower_harness import (
 )
 from fedlap_flower import binding, method_work, replies, settings, strategy, task
 from fedlap_flower import ledger as ledger_lib
-from fedlap_jax import federated, update_bounds
+from fedlap_jax import update_bounds
+from fedlap_jax.methods.fedlap import state as federated
 from fedlap_jax.method import Wire
 
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
@@ -744,9 +745,10 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
   the delta bound at eta_m; each refusal names the field. Method.round_record: the server's
   numbers of a round, the clients' r_k in their updates' order, r_g None when not finite."""
   from experiments import library_configs
-  from fedlap_jax import federated, server
+  from fedlap_jax.methods.fedlap import state as federated
+  from fedlap_jax.methods.fedlap import server
   from fedlap_jax.checks import ConfigError
-  from fedlap_jax.client import ClientUpdate
+  from fedlap_jax.methods.fedlap.client import ClientUpdate
   from fedlap_jax.method import RunFacts
   from fedlap_jax.methods import fedlap
 

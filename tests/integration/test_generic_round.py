@@ -28,15 +28,17 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import accounting, baselines, condensation, feddm, optim, rounds
+from fedlap_jax import accounting, baselines, optim, rounds
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import (
+from fedlap_jax.methods.fedlap.config import (
   ClientConfig,
-  DPConfig,
   FedLAPConfig,
   ServerConfig,
   fixed_epochs_server,
 )
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts, Wire
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.methods import fedavg as fedavg_methods

@@ -16,7 +16,9 @@ import pytest
 from experiments import library_configs, methods
 from experiments.configs import quickstart
 from fedlap_jax import baselines, checks
-from fedlap_jax import config as core
+from fedlap_jax import dispatch as dispatch_lib
+from fedlap_jax import dp_config
+from fedlap_jax.methods.fedlap import config as core
 from fedlap_jax.methods import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
@@ -27,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
   [
     (lambda: core.ClientConfig(ipc=0), "ipc", 0),
     (
-      lambda: core.DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
+      lambda: dp_config.DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
       "dp.noise_multiplier",
       0.0,
     ),
@@ -94,7 +96,7 @@ def test_method_lists_and_labels_come_from_the_registry():
     + ("feddm", "dsc", "dsc_centralized", "psg", "dp_scaffold", "fedadam")
   )
   assert not hasattr(core, "METHODS") and not hasattr(core, "METHOD_LABELS")
-  assert library_configs.CLIENT_BACKENDS == core.CLIENT_BACKENDS
+  assert library_configs.CLIENT_BACKENDS == dispatch_lib.CLIENT_BACKENDS
   labels = {name: REGISTRY[name].label(False) for name in REGISTRY}
   assert REGISTRY["fedlap"].label(True) == "FedLAP-DP"
   assert labels == {
@@ -116,15 +118,20 @@ def test_method_lists_and_labels_come_from_the_registry():
   assert [n for n in REGISTRY if REGISTRY[n].label(True) != labels[n]] == ["fedlap"]
 
 
-# What the other synthetic-set methods may take from fedlap_jax.server: Algorithm 2's training
-# on the union of synthetic sets (FedDM's server, DSC's and PSG's training of a fresh model,
-# with r_g = inf). FedLAP's server step (radius, weights, FedAvg-delta start) is not shared.
+# What the other synthetic-set methods may take from fedlap_jax.methods.fedlap.server: Algorithm 2's
+# training on the union of synthetic sets (FedDM's server, DSC's and PSG's training of a fresh
+# model, with r_g = inf). FedLAP's server step (radius, weights, FedAvg-delta start) is not shared.
 SHARED_SERVER_NAMES = {"global_update", "example_weights", "ServerMetrics"}
 
 
 def library_modules() -> dict[str, pathlib.Path]:
   """``{module: path}`` of ``fedlap_jax``'s modules."""
-  return {p.stem: p for p in sorted((ROOT / "fedlap_jax").glob("*.py")) if p.stem != "__init__"}
+  package = ROOT / "fedlap_jax"
+  return {
+    ".".join(p.relative_to(package).with_suffix("").parts).removesuffix(".__init__"): p
+    for p in sorted(package.rglob("*.py"))
+    if p != package / "__init__.py"
+  }
 
 
 def _names_imported_from(module: str, source: str) -> set[str]:
@@ -135,9 +142,11 @@ def _names_imported_from(module: str, source: str) -> set[str]:
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.ImportFrom) and node.module == f"fedlap_jax.{source}":
       names.update(a.name for a in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module == "fedlap_jax":
+    elif isinstance(node, ast.ImportFrom) and f"{node.module}.".startswith("fedlap_jax."):
       # The whole module imported: every name of it is within reach.
-      names.update(f"{source}.*" for a in node.names if a.name == source)
+      names.update(
+        f"{source}.*" for a in node.names if f"{node.module}.{a.name}" == f"fedlap_jax.{source}"
+      )
   return names
 
 
@@ -151,7 +160,9 @@ def _library_imports(path: str) -> set[str]:
     if isinstance(node, ast.ImportFrom) and node.module == "fedlap_jax":
       out.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedlap_jax."):
-      out.add(node.module.split(".")[1])
+      module = node.module.removeprefix("fedlap_jax.")
+      out.add(module)
+      out.update(f"{module}.{a.name}" for a in node.names)  # a module among them
   return out
 
 
@@ -160,12 +171,17 @@ def test_synthetic_systems_are_built_from_the_shared_primitives():
   training and the privacy primitives (their modules), and the client dispatch and the method
   interface (their registry methods, whose round is the generic one). That they stand beside
   FedLAP, not on it, is an import-linter contract (pyproject.toml)."""
-  for module in ("feddm", "condensation"):
-    own, registry = _library_imports(f"{module}.py"), _library_imports(f"methods/{module}.py")
+  server = "methods.fedlap.server"
+  for family, module in (
+    ("feddm", "methods.feddm.distribution_matching"),
+    ("condensation", "methods.condensation.one_shot"),
+  ):
+    own = _library_imports(module.replace(".", "/") + ".py")
+    registry = _library_imports(f"methods/{family}/__init__.py")
     assert {"synthetic", "matching", "privacy"} <= own, (module, own)
     assert {"dispatch", "method", "synthetic", module} <= registry, (module, registry)
-    assert "server" in own | registry, module
-    assert _names_imported_from(module, "server") <= SHARED_SERVER_NAMES, module
+    assert server in own | registry, module
+    assert _names_imported_from(module, server) <= SHARED_SERVER_NAMES, module
 
 
 def test_every_method_builds_its_sets_with_the_shared_functions():
@@ -175,9 +191,17 @@ def test_every_method_builds_its_sets_with_the_shared_functions():
 
   # Each method builds its sets with synthetic's own functions (the objects, not names alike).
   uses = {
-    "fedlap_jax.client": ("real_images",),
-    "fedlap_jax.feddm": ("class_batch", "class_blocks", "initial_synthetic"),
-    "fedlap_jax.condensation": ("class_batch", "class_blocks", "initial_synthetic"),
+    "fedlap_jax.methods.fedlap.client": ("real_images",),
+    "fedlap_jax.methods.feddm.distribution_matching": (
+      "class_batch",
+      "class_blocks",
+      "initial_synthetic",
+    ),
+    "fedlap_jax.methods.condensation.one_shot": (
+      "class_batch",
+      "class_blocks",
+      "initial_synthetic",
+    ),
     "fedlap_jax.methods.fedlap": ("synthetic_slot",),
     "fedlap_jax.methods.feddm": ("noise_images", "real_images", "synthetic_slot"),
     "fedlap_jax.methods.condensation": ("real_images", "synthetic_slot"),

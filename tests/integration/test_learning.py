@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from fedlap_jax import baselines, rounds
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
+from fedlap_jax.methods.fedlap.state import init_state
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import ConvNet

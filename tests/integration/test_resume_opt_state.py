@@ -14,7 +14,7 @@ import pytest
 
 from experiments import checkpointing, configs, resume
 from fedlap_jax import baselines, optim, rounds
-from fedlap_jax.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.methods import fedavg as fedavg_methods

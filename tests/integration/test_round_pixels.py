@@ -15,12 +15,13 @@ import pytest
 
 from fedlap_jax import baselines, rounds
 from fedlap_jax.client_data import SyntheticSet
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
+from fedlap_jax.methods.fedlap.state import init_state
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
-from fedlap_jax.radius import calibrate_radius
+from fedlap_jax.methods.fedlap.radius import calibrate_radius
 
 
 def test_calibration_reads_pixels_through_the_preprocess(

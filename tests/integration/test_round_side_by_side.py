@@ -1,6 +1,6 @@
 """Clients side by side (the ``vmap`` backend) and the shared DSA family draw.
 
-Side by side, :func:`fedlap_jax.client.local_approx` runs its radius-bounded
+Side by side, :func:`fedlap_jax.methods.fedlap.client.local_approx` runs its radius-bounded
 while loop with a counter shared by the clients and each client's termination
 as a mask (``client_axis``), and the clients share one DSA family per step
 (``ClientConfig.dsa_family_draw="shared"``), so that under ``vmap`` neither
@@ -21,9 +21,10 @@ import pytest
 
 from fedlap_jax import dispatch, dsa
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import local_approx
+from fedlap_jax.methods.fedlap.client import local_approx
 from fedlap_jax.client_data import SyntheticSet
-from fedlap_jax.config import ClientConfig, DPConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.models import ConvNet
 from fedlap_jax.synthetic import noise_images, synthetic_labels
 

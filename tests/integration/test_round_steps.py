@@ -20,12 +20,23 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import baselines, dispatch, federated, rounds
-from fedlap_jax.client import ClientUpdate, client_step, local_approx, shared_family_key
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax import baselines, dispatch, rounds
+from fedlap_jax.methods.fedlap import state as federated
+from fedlap_jax.methods.fedlap.client import (
+  ClientUpdate,
+  client_step,
+  local_approx,
+  shared_family_key,
+)
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
-from fedlap_jax.server import fedavg_delta_start, global_update, server_step_with_state
+from fedlap_jax.methods.fedlap.server import (
+  fedavg_delta_start,
+  global_update,
+  server_step_with_state,
+)
 from fedlap_jax.synthetic import real_images
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -425,8 +436,8 @@ def _library_imports(path: pathlib.Path) -> set[str]:
     if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedlap_jax"):
       if node.module == "fedlap_jax":  # from fedlap_jax import client
         found |= {f"fedlap_jax.{a.name}" for a in node.names}
-      else:
-        found.add(node.module)
+      else:  # from fedlap_jax.methods.fedlap import client: a name or a module
+        found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
     elif isinstance(node, ast.Import):
       found |= {a.name for a in node.names if a.name.startswith("fedlap_jax")}
   return found
@@ -435,7 +446,15 @@ def _library_imports(path: pathlib.Path) -> set[str]:
 # Modules that hold one method's (or one family's) own steps.
 METHOD_MODULES = {
   f"fedlap_jax.{m}"
-  for m in ("client", "server", "radius", "federated", "baselines", "feddm", "condensation")
+  for m in (
+    "methods.fedlap.client",
+    "methods.fedlap.server",
+    "methods.fedlap.radius",
+    "methods.fedlap.state",
+    "baselines",
+    "methods.feddm.distribution_matching",
+    "methods.condensation.one_shot",
+  )
 }
 
 
@@ -446,8 +465,11 @@ def test_the_round_reaches_a_method_only_through_its_value():
   assert "fedlap_jax.method" in imported and "fedlap_jax.dispatch" in imported, imported
   assert not METHOD_MODULES & imported, METHOD_MODULES & imported
   assert not any(m.startswith("fedlap_jax.methods") for m in imported), imported
-  fedlap = ROOT / "fedlap_jax" / "methods" / "fedlap.py"
-  assert {"fedlap_jax.client", "fedlap_jax.server"} <= _library_imports(fedlap)
+  fedlap = ROOT / "fedlap_jax" / "methods" / "fedlap" / "__init__.py"
+  assert {
+    "fedlap_jax.methods.fedlap.client",
+    "fedlap_jax.methods.fedlap.server",
+  } <= _library_imports(fedlap)
   names = _names(fedlap)
   assert {"client_step", "server_step_with_state"} <= names
   assert not STEP_INTERNALS & names, STEP_INTERNALS & names

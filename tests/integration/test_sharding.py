@@ -49,10 +49,12 @@ def _worker(
   from jax.experimental import multihost_utils
 
   from experiments.train import CompileCounter
-  from fedlap_jax import baselines, client_data, dispatch, federated, models, rounds
+  from fedlap_jax import baselines, client_data, dispatch, models, rounds
+  from fedlap_jax.methods.fedlap import state as federated
   from fedlap_jax.method import ModelFns, RunFacts
   from fedlap_jax.methods import REGISTRY
-  from fedlap_jax import config as C
+  from fedlap_jax import dp_config
+  from fedlap_jax.methods.fedlap import config as C
 
   multi = jax.process_count() > 1
 
@@ -89,7 +91,7 @@ def _worker(
       image_lr=1.0,
       calibrate_radius=False,
       dsa_strategy="color_flip",
-      dp=C.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, microbatch_size=8),
+      dp=dp_config.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, microbatch_size=8),
     ),
     server=C.ServerConfig(
       radius_strategy="constant", weighting="uniform", max_epochs=3, dsa_strategy=""

@@ -15,8 +15,11 @@ import pathlib
 import jax
 import numpy as np
 
-from fedlap_jax import baselines, client, condensation, per_example, privacy, rounds
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax import baselines, per_example, privacy, rounds
+from fedlap_jax.methods.fedlap import client
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params
@@ -91,8 +94,8 @@ def _calls_by_function(package: pathlib.Path) -> dict[str, set[str]]:
   import ast
 
   calls: dict[str, set[str]] = {}
-  for path in sorted(package.glob("*.py")):
-    module = path.stem
+  for path in sorted(package.rglob("*.py")):
+    module = ".".join(path.relative_to(package).with_suffix("").parts).removesuffix(".__init__")
     tree = ast.parse(path.read_text())
     names: dict[str, str] = {}  # local name -> "module.function"
     modules: dict[str, str] = {}  # local name -> module
@@ -100,10 +103,11 @@ def _calls_by_function(package: pathlib.Path) -> dict[str, set[str]]:
       if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fedlap_jax"):
         parts = node.module.split(".")
         for a in node.names:
-          if len(parts) == 1:
-            modules[a.asname or a.name] = a.name
+          full = ".".join([*parts[1:], a.name])
+          if len(parts) == 1 or package.joinpath(*full.split(".")).with_suffix(".py").exists():
+            modules[a.asname or a.name] = full
           else:
-            names[a.asname or a.name] = f"{parts[1]}.{a.name}"
+            names[a.asname or a.name] = full
     for node in tree.body:
       if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
         names.setdefault(node.name, f"{module}.{node.name}")
@@ -147,8 +151,8 @@ def test_one_dp_gradient():
     "synthetic.class_batch",
   }
   # Every method's real gradient goes through it.
-  users = {fn.split(".")[0] for fn in callers(calls, "privacy.poisson_gradient")}
-  assert {"client", "baselines", "condensation"} <= users
+  users = {fn.rsplit(".", 1)[0] for fn in callers(calls, "privacy.poisson_gradient")}
+  assert {"methods.fedlap.client", "baselines", "methods.condensation.one_shot"} <= users
 
 
 def test_the_call_reader_sees_aliases_and_nested_functions(tmp_path):

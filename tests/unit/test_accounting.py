@@ -871,9 +871,13 @@ def test_both_ledger_types_record_a_round_with_the_same_call():
 
 def test_every_method_config_declares_its_mechanism():
   """T and B come from the method's config through one classmethod, never copied by hand."""
-  from fedlap_jax import baselines, condensation, config, feddm
+  from fedlap_jax import baselines
+  from fedlap_jax import dp_config
+  from fedlap_jax.methods.fedlap import config
+  from fedlap_jax.methods.condensation import one_shot as condensation
+  from fedlap_jax.methods.feddm import distribution_matching as feddm
 
-  dp = config.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+  dp = dp_config.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
   fedlap = config.paper_dp_config()
   assert accounting.DpMechanism.from_config(fedlap) == accounting.DpMechanism(
     noise_multiplier=1.0, batch_size=256, steps_per_round=4 * 5 * 10, delta=1e-5

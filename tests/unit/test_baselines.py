@@ -20,7 +20,7 @@ import pytest
 
 from fedlap_jax import accounting, baselines, per_example, privacy, rounds
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import DPConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.models import count_params

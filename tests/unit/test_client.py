@@ -1,4 +1,4 @@
-"""Tests for fedlap_jax.client: local_approx (Algorithms 1 and 3) and its pieces.
+"""Tests for fedlap_jax.methods.fedlap.client: local_approx (Algorithms 1 and 3) and its pieces.
 
 A linear classifier (``conftest.linear_apply``: local_approx takes any
 ``apply_fn``) on one digits client (290 records of classes 5 and 6), no DSA, so
@@ -19,11 +19,13 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import client, matching, privacy, training
+from fedlap_jax import matching, privacy, training
+from fedlap_jax.methods.fedlap import client
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import local_approx
+from fedlap_jax.methods.fedlap.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ClientConfig, DPConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.synthetic import noise_images, synthetic_labels

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import baselines, condensation, feddm
+from fedlap_jax import baselines
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import (
   ClientData,

@@ -1,4 +1,5 @@
-"""DSC and PSG (fedlap_jax.condensation) and FedDM (fedlap_jax.feddm): the core functions.
+"""DSC and PSG (fedlap_jax.methods.condensation.one_shot) and FedDM
+(fedlap_jax.methods.feddm.distribution_matching): the core functions.
 
 Loop-structure checks use the tiny ConvNet (width 8, depth 1), PSG's private path the
 linear classifier, on the digits clients of ``conftest.py`` with a handful of steps. Learning on the
@@ -17,12 +18,15 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import condensation, feddm, optim, privacy
+from fedlap_jax import optim, privacy
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import SyntheticSet
-from fedlap_jax.config import DPConfig, ServerConfig, fixed_epochs_server
+from fedlap_jax.dp_config import DPConfig
+from fedlap_jax.methods.fedlap.config import ServerConfig, fixed_epochs_server
 from fedlap_jax.models import init_fn
-from fedlap_jax.server import global_update
+from fedlap_jax.methods.fedlap.server import global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
 

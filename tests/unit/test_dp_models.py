@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fedlap_jax import baselines, client, condensation, per_example, privacy
+from fedlap_jax import baselines, per_example, privacy
+from fedlap_jax.methods.fedlap import client
+from fedlap_jax.methods.condensation import one_shot as condensation
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ClientConfig, DPConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig
+from fedlap_jax.dp_config import DPConfig
 
 METHODS = ("auto", "vmap", "layerwise", "jax_privacy")
 # NumPy inputs: built without compiling anything (JAX compiles every operation it runs outside

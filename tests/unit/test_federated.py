@@ -1,5 +1,5 @@
-"""Tests for fedlap_jax.federated and fedlap_jax.config: state, stacking and config
-validation. Learning runs of FedLAP and FedLAP-DP on digits:
+"""Tests for fedlap_jax.methods.fedlap.state and fedlap_jax.methods.fedlap.config: state, stacking
+and config validation. Learning runs of FedLAP and FedLAP-DP on digits:
 ``tests/integration/test_learning.py``."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import dispatch, federated, rounds
+from fedlap_jax import dispatch, rounds
+from fedlap_jax.methods.fedlap import state as federated
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, stack_clients
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
-from fedlap_jax.federated import init_state
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
+from fedlap_jax.methods.fedlap.state import init_state
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.synthetic import real_images, synthetic_labels
@@ -274,10 +276,10 @@ def test_server_learning_rate_has_its_own_schedule():
   for m in (1, 4, 10):
     cos = (1 + np.cos(np.pi * (m - 1) / 9)) / 2
     np.testing.assert_allclose(
-      float(federated.server_learning_rate(m, paper)), max(0.05 * cos, 5e-4), rtol=1e-6
+      float(federated.round_learning_rates(m, paper).server), max(0.05 * cos, 5e-4), rtol=1e-6
     )
     np.testing.assert_allclose(
-      float(federated.server_learning_rate(m, own)), max(0.5 * cos, 5e-3), rtol=1e-6
+      float(federated.round_learning_rates(m, own).server), max(0.5 * cos, 5e-3), rtol=1e-6
     )
   with pytest.raises(ValueError, match="server.learning_rate=0.0 is invalid"):
     ServerConfig(learning_rate=0.0)
@@ -286,7 +288,7 @@ def test_server_learning_rate_has_its_own_schedule():
 def test_lr_schedule_reaches_the_server_and_is_validated():
   open_cfg = dataclasses.replace(SCHEDULE, rounds=3, lr_schedule="cosine_open")
   np.testing.assert_allclose(
-    float(federated.server_learning_rate(3, open_cfg)), 0.05 * 0.25, rtol=1e-5
+    float(federated.round_learning_rates(3, open_cfg).server), 0.05 * 0.25, rtol=1e-5
   )
   with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
     dataclasses.replace(SCHEDULE, lr_schedule="step")

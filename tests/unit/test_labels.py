@@ -17,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import baselines, client, condensation, server
+from fedlap_jax import baselines
+from fedlap_jax.methods.fedlap import client
+from fedlap_jax.methods.condensation import one_shot as condensation
+from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import (
   ClientData,
@@ -26,7 +29,8 @@ from fedlap_jax.client_data import (
   pad_client,
   stack_clients,
 )
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 
 N, IPC = 40, 2
 LOOPS = ClientConfig(

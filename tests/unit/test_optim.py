@@ -20,10 +20,13 @@ import numpy as np
 import optax
 import pytest
 
-from fedlap_jax import baselines, federated, optim, rounds, server
+from fedlap_jax import baselines, optim, rounds
+from fedlap_jax.methods.fedlap import state as federated
+from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import client_step, local_approx
-from fedlap_jax.config import ClientConfig, DPConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.client import client_step, local_approx
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.methods import fedavg as fedavg_methods
@@ -286,8 +289,8 @@ _global_update = jax.jit(server.global_update, static_argnames=("apply_fn", "con
 
 
 def _server_args(apply_fn, params, clients) -> tuple:
-  """The positional arguments of :func:`fedlap_jax.server.global_update` on PAPER's initial
-  synthetic sets, every client weighted alike, no radius."""
+  """The positional arguments of :func:`fedlap_jax.methods.fedlap.server.global_update` on PAPER's
+  initial synthetic sets, every client weighted alike, no radius."""
   state = federated.init_state(jax.random.PRNGKey(1), params, clients, PAPER)
   return (jax.random.PRNGKey(3), apply_fn, params, state.synthetic, np.ones(K, np.float32), np.inf)
 

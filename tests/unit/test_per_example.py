@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import config, models, per_example, privacy
+from fedlap_jax import models, per_example, privacy
+from fedlap_jax import dp_config
 
 RTOL = 1e-5
 
@@ -200,7 +201,9 @@ def test_bad_method_names():
       apply_fn, params, x, y, is_padding, l2_clip_norm=1.0, method="ghost"
     )
   with pytest.raises(ValueError, match=r"per_example_method.*'fast'.*vmap"):
-    config.DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, per_example_method="fast")
+    dp_config.DPConfig(
+      noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5, per_example_method="fast"
+    )
 
 
 # ----------------------------------------------------------------- ConvNet implementations

@@ -14,7 +14,7 @@ import pytest
 
 from fedlap_jax import privacy
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import DPConfig
+from fedlap_jax.dp_config import DPConfig
 
 
 CLIP = 6.4  # between the smallest and the largest per-example norm of the batch below

@@ -1,4 +1,5 @@
-"""Tests for fedlap_jax.radius (r_k calibration, r_g strategies) and fedlap_jax.server
+"""Tests for fedlap_jax.methods.fedlap.radius (r_k calibration, r_g strategies) and
+fedlap_jax.methods.fedlap.server
 (Algorithm 2: trust-region global update)."""
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlap_jax import radius, server, training
+from fedlap_jax import training
+from fedlap_jax.methods.fedlap import radius
+from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ServerConfig
+from fedlap_jax.methods.fedlap.config import ServerConfig
 
 
 # ---------------------------------------------------------------- server radius strategies
@@ -323,8 +326,9 @@ def test_every_round_of_the_default_schedules_steps(rounds):
   below 1 % of round 1's rate: the reference cosine's last rounds would otherwise be ~0 (a
   round that changes nothing but, under DP, still spends epsilon). Where the cosine is above
   the floor it is unchanged."""
-  from fedlap_jax import baselines, federated  # pylint: disable=g-import-not-at-top
-  from fedlap_jax.config import FedLAPConfig, ServerConfig  # pylint: disable=g-import-not-at-top
+  from fedlap_jax import baselines  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.methods.fedlap import state as federated
+  from fedlap_jax.methods.fedlap.config import FedLAPConfig, ServerConfig
 
   fedlap = FedLAPConfig(rounds=rounds, learning_rate=0.3, server=ServerConfig(learning_rate=0.7))
   baseline = baselines.BaselineConfig(method="fedavg", rounds=rounds, learning_rate=0.3)

@@ -9,7 +9,7 @@ import pytest
 
 from fedlap_jax import baselines, optim, update_bounds
 from fedlap_jax.client_data import ClientData
-from fedlap_jax.config import DPConfig
+from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import RunFacts
 from fedlap_jax.methods import REGISTRY, fedavg
 

@@ -4,8 +4,9 @@ Keys: ``next, k_init, k_clients, k_server = split(state.key, 4)``; client ``k`` 
 matches with ``split(k_clients, K)[k]``. Every round each client's synthetic set starts afresh: under
 ``synthetic_init='real'`` from its own real images (``split(k_init, K)[k]``, drawn in its
 step), under ``'noise'`` from ``N(0, 1)`` images the server draws with ``k_init`` (sent to
-each client as its own input); then :func:`fedlap_jax.feddm.distribution_match`. The server
-trains on the union (:func:`fedlap_jax.server.global_update`, ``r_g = inf``).
+each client as its own input); then
+:func:`fedlap_jax.methods.feddm.distribution_matching.distribution_match`. The server
+trains on the union (:func:`fedlap_jax.methods.fedlap.server.global_update`, ``r_g = inf``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedlap_jax import feddm
+from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.dispatch import client_weights
-from fedlap_jax.feddm import FedDMConfig, FedDMRoundMetrics
+from fedlap_jax.methods.feddm.distribution_matching import FedDMConfig, FedDMRoundMetrics
 from fedlap_jax.method import (
   ClientResult,
   Method,
@@ -29,7 +30,7 @@ from fedlap_jax.method import (
   synthetic_upload,
   synthetic_wire,
 )
-from fedlap_jax.server import global_update
+from fedlap_jax.methods.fedlap.server import global_update
 from fedlap_jax.synthetic import noise_images, real_images, synthetic_slot
 
 

@@ -4,9 +4,9 @@ DSC centralized and PSG.
 Keys: ``next, k_init, k_clients, k_server = split(state.key, 4)``; client ``k`` of ``K``
 condenses with ``split(k_clients, K)[k]``; under ``synthetic_init='real'`` a client's start set is drawn from its own
 records with ``split(k_init, K)[k]`` in its step. Every client condenses once
-(:func:`fedlap_jax.condensation.condense`); the server trains on the union
-(:func:`fedlap_jax.condensation.train_on_union`). DSC centralized pools every client's
-records into one (:func:`fedlap_jax.condensation.pool_clients`).
+(:func:`fedlap_jax.methods.condensation.one_shot.condense`); the server trains on the union
+(:func:`fedlap_jax.methods.condensation.one_shot.train_on_union`). DSC centralized pools every
+client's records into one (:func:`fedlap_jax.methods.condensation.one_shot.pool_clients`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax import condensation
+from fedlap_jax.methods.condensation import one_shot as condensation
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.condensation import OneShotConfig, OneShotMetrics
-from fedlap_jax.config import DP_ONE_SHOT_METHODS, ONE_SHOT_FACTS, ONE_SHOT_METHODS
+from fedlap_jax.methods.condensation.one_shot import OneShotConfig, OneShotMetrics
+from fedlap_jax.methods.condensation.one_shot import (
+  DP_ONE_SHOT_METHODS,
+  ONE_SHOT_FACTS,
+  ONE_SHOT_METHODS,
+)
 from fedlap_jax.dispatch import client_weights
 from fedlap_jax.method import (
   ClientResult,
@@ -109,8 +113,9 @@ LABELS = {"dsc": "DSC federated", "dsc_centralized": "DSC centralized", "psg": "
 
 
 def family(name: str) -> Method:
-  """The one-shot method ``name`` (one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`; its
-  :data:`fedlap_jax.config.ONE_SHOT_FACTS` entry says what it is)."""
+  """The one-shot method ``name`` (one of
+  :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_METHODS`; its
+  :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_FACTS` entry says what it is)."""
   private, centralized = ONE_SHOT_FACTS[name]
   return Method(
     name=name,

@@ -1,12 +1,12 @@
 """FedLAP and FedLAP-DP as a :class:`~fedlap_jax.method.Method` (Algorithms 1-3).
 
-The steps are :func:`fedlap_jax.client.client_step` and
-:func:`fedlap_jax.server.server_step_with_state`,
-with the round's keys of :func:`fedlap_jax.federated.round_keys` (``next, k_init, k_clients,
-k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, under
+The steps are :func:`fedlap_jax.methods.fedlap.client.client_step` and
+:func:`fedlap_jax.methods.fedlap.server.server_step_with_state`,
+with the round's keys of :func:`fedlap_jax.methods.fedlap.state.round_keys` (``next, k_init,
+k_clients, k_server = split(key, 4)``; client ``k`` of ``K``: ``split(k_clients, K)[k]``, under
 ``synthetic_init='real'`` also ``split(k_init, K)[k]``, and the shared DSA family key
 ``shared_family_key(k_clients)``) and the rates of
-:func:`fedlap_jax.federated.round_learning_rates`. Each client carries its synthetic set.
+:func:`fedlap_jax.methods.fedlap.state.round_learning_rates`. Each client carries its synthetic set.
 :data:`METHOD` has the default optimisers; :func:`method` builds FedLAP with others.
 """
 
@@ -19,9 +19,12 @@ import jax
 import numpy as np
 import optax
 
-from fedlap_jax import client, federated, server, update_bounds
+from fedlap_jax import update_bounds
+from fedlap_jax.methods.fedlap import client
+from fedlap_jax.methods.fedlap import state as federated
+from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.config import FedLAPConfig
+from fedlap_jax.methods.fedlap.config import FedLAPConfig
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.synthetic import synthetic_slot
 
@@ -147,13 +150,13 @@ def matching_losses(metrics: client.LocalApproxMetrics) -> tuple[np.ndarray, np.
 
 def round_record(metrics: federated.RoundMetrics) -> dict:
   """The round's public numbers (``None`` for a value that is not finite). With the clients'
-  diagnostics (``metrics.client`` a stacked :class:`~fedlap_jax.client.LocalApproxMetrics`;
+  diagnostics (``metrics.client`` a stacked :class:`~fedlap_jax.methods.fedlap.client.LocalApproxMetrics`;
   a front end that only sees the updates has ``()``): each client's mean and last matching
   loss over the rows written (:func:`matching_losses`); then the clients' ``r_k`` (in the
   order of their updates), ``r_g`` (``None`` for ``fixed``), the server's epochs, steps and
   distance moved, the clients' rate ``eta_m``; and with the diagnostics their while-loop
   iterations (mean over trajectories), real accesses, clip fraction, mean batch size and
-  extra Poisson chunks (the last three :attr:`~fedlap_jax.client.LocalApproxMetrics.NONPRIVATE`
+  extra Poisson chunks (the last three :attr:`~fedlap_jax.methods.fedlap.client.LocalApproxMetrics.NONPRIVATE`
   under DP)."""
   cm = metrics.client
   has_client = isinstance(cm, client.LocalApproxMetrics)

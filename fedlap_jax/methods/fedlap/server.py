@@ -39,9 +39,9 @@ from fedlap_jax.client_data import (
   on_device,
   poison_unless,
 )
-from fedlap_jax.config import FedLAPConfig, ServerConfig
+from fedlap_jax.methods.fedlap.config import FedLAPConfig, ServerConfig
 from fedlap_jax.dispatch import client_weights
-from fedlap_jax.radius import server_radius
+from fedlap_jax.methods.fedlap.radius import server_radius
 from fedlap_jax.training import train_epoch, tree_distance
 from fedlap_jax.types import PyTree
 
@@ -278,7 +278,7 @@ def server_step_with_state(
 ) -> tuple[PyTree, optax.OptState, ServerMetrics]:
   """FedLAP's server in one round: what it does with the clients' updates.
 
-  ``r_g`` from the clients' ``r_k`` (:func:`fedlap_jax.radius.server_radius`
+  ``r_g`` from the clients' ``r_k`` (:func:`fedlap_jax.methods.fedlap.radius.server_radius`
   with ``server.radius_strategy``), the client weights
   (:func:`fedlap_jax.dispatch.client_weights` with ``server.weighting``),
   the start (``w_g``, or with ``server.start='fedavg_delta'``
@@ -290,11 +290,11 @@ def server_step_with_state(
   Args:
     key: ``k_server`` of the round.
     apply_fn, params: the model and the global model ``w_g`` of the round.
-    updates: the clients' :class:`fedlap_jax.client.ClientUpdate` stacked,
+    updates: the clients' :class:`fedlap_jax.methods.fedlap.client.ClientUpdate` stacked,
       leaves ``(K', ...)`` (synthetic sets padded to one size and masked).
-    config: :class:`~fedlap_jax.config.FedLAPConfig`.
+    config: :class:`~fedlap_jax.methods.fedlap.config.FedLAPConfig`.
     learning_rate: the server's step size of the round (may be traced;
-      :func:`fedlap_jax.federated.round_learning_rates`).
+      :func:`fedlap_jax.methods.fedlap.state.round_learning_rates`).
     num_records: ``(K',)`` the clients' ``N_k``; required with
       ``server.weighting='size'``.
     valid: optional ``(K',)`` bool: clients whose update counts (the others get

@@ -15,7 +15,7 @@ matching, and there is no trust region::
       L = sum_c || mean_{x in real batch of c} e_w(x) - mean_{s in S_k of c} e_w(s) ||^2
       S_k <- S_k - momentum-SGD(image_lr) grad_S L
   server: max_epochs epochs of SGD (momentum 0.9, weight decay 5e-4) of w_g on
-          the union of the S_k (fedlap_jax.server.global_update, no radius)
+          the union of the S_k (fedlap_jax.methods.fedlap.server.global_update, no radius)
 
 ``e_w`` is the model's embedding, given as ``embed_fn(params, x)`` returning a
 pytree of per-example arrays (:func:`fedlap_jax.matching.mean_embedding_distance`
@@ -47,8 +47,8 @@ since it considers class-wise optimization, introducing additional privacy
 risks and a distinct privacy notion"); :class:`FedDMConfig` has no DP field.
 
 A round (the server's noise or real starts, every client's :func:`distribution_match`, the
-server's :func:`fedlap_jax.server.global_update` on the union) is the registry's method
-:data:`fedlap_jax.methods.feddm.METHOD`, run by :func:`fedlap_jax.rounds.algorithm` as every
+server's :func:`fedlap_jax.methods.fedlap.server.global_update` on the union) is the registry's
+method :data:`fedlap_jax.methods.feddm.METHOD`, run by :func:`fedlap_jax.rounds.algorithm` as every
 method is; this module holds its config, client update, state and metrics.
 
 Deviation: real batches are Poisson draws of expected size ``B`` per class
@@ -68,15 +68,13 @@ import optax
 from fedlap_jax import dsa, optim, privacy
 from fedlap_jax.checks import nonneg_float, one_of, positive_float, positive_int, require
 from fedlap_jax.client_data import ClientData, SyntheticSet, check_pair
-from fedlap_jax.config import (
+from fedlap_jax.synthetic import (
   SYNTHETIC_INITS,
-  ServerConfig,
-  check_fresh_server,
   check_synthetic_learner,
   image_optimizer as config_image_optimizer,
-  fixed_epochs_server,
-  poisson_capacity,
 )
+from fedlap_jax.methods.fedlap.config import ServerConfig, check_fresh_server, fixed_epochs_server
+from fedlap_jax.dp_config import poisson_capacity
 from fedlap_jax.matching import mean_embedding_distance
 from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic
 from fedlap_jax.types import PyTree
@@ -106,7 +104,7 @@ class FedDMConfig:
       ``noise`` (N(0, 1), every round).
     poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``; at
       least ``B + 3 sqrt(B)``); a draw beyond it is processed in extra chunks.
-    server: :class:`~fedlap_jax.config.ServerConfig` of the server's training
+    server: :class:`~fedlap_jax.methods.fedlap.config.ServerConfig` of the server's training
       (``radius_strategy='fixed'``: ``max_epochs`` epochs).
     learning_rate: the server's learning rate, the same every round.
   """
@@ -203,7 +201,7 @@ def distribution_match(
     image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
       static, hashed by identity); ``None``: the config's, SGD at ``image_lr`` with momentum
       ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`) or ``config.image_optimizer``
-      at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
+      at ``image_lr`` (:func:`fedlap_jax.synthetic.image_optimizer`).
 
   Returns:
     ``(synthetic, metrics)``.

@@ -25,15 +25,11 @@ the value and what is allowed. Nothing is clamped silently.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import NamedTuple
 
 import optax
 
-from fedlap_jax import accounting, dsa, optim
+from fedlap_jax import dsa, optim
 from fedlap_jax.checks import (
-  ConfigError,
-  is_int,
   is_real,
   nonneg_float,
   nonneg_int,
@@ -42,251 +38,17 @@ from fedlap_jax.checks import (
   positive_int,
   require,
 )
+from fedlap_jax.dispatch import WEIGHTINGS
+from fedlap_jax.dp_config import DpAccesses, DPConfig, poisson_capacity
+from fedlap_jax.optim import check_other_than_sgd
+from fedlap_jax.synthetic import SYNTHETIC_INITS, check_synthetic_learner
+from fedlap_jax.training import LR_SCHEDULES
 
 
-class BaselineFacts(NamedTuple):
-  """What a gradient-sharing baseline's name implies; its config checks these facts, not
-  the name (:class:`fedlap_jax.baselines.BaselineConfig`, and the registry's methods).
-
-  Attributes:
-    private: a DP method: local DP-SGD, a ``dp`` config, ``uniform`` server weights (the
-      default weighting; ``size`` otherwise).
-    prox: the FedProx term ``mu ||w - w_g||^2`` is allowed (``prox_mu > 0``).
-    control_variates: SCAFFOLD's correction ``c - c_k``; it sends the control delta too.
-    fixed_steps: every client takes exactly this many local steps (FedSGD: 1); ``None``:
-      ``local_epochs`` epochs.
-  """
-
-  private: bool = False
-  prox: bool = False
-  control_variates: bool = False
-  fixed_steps: int | None = None
-
-
-BASELINE_FACTS = {
-  "fedavg": BaselineFacts(),
-  "fedprox": BaselineFacts(prox=True),
-  "fedsgd": BaselineFacts(fixed_steps=1),
-  "scaffold": BaselineFacts(control_variates=True),
-  "dp_fedavg": BaselineFacts(private=True),
-  "dp_fedprox": BaselineFacts(private=True, prox=True),
-}
-BASELINE_METHODS = tuple(BASELINE_FACTS)
-DP_BASELINE_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
-
-
-class OneShotFacts(NamedTuple):
-  """What a one-shot condensation method's name implies
-  (:class:`fedlap_jax.condensation.OneShotConfig`, and the registry's methods).
-
-  Attributes:
-    private: DP condensation (PSG: class-agnostic, a ``dp`` config, ``uniform`` weights).
-    centralized: one client pools every client's records (DSC centralized).
-  """
-
-  private: bool = False
-  centralized: bool = False
-
-
-# Synthetic-data comparison systems: FedDM (fedlap_jax.feddm) and the one-shot
-# condensation methods DSC and PSG (fedlap_jax.condensation).
-ONE_SHOT_FACTS = {
-  "dsc": OneShotFacts(),
-  "dsc_centralized": OneShotFacts(centralized=True),
-  "psg": OneShotFacts(private=True),
-}
-ONE_SHOT_METHODS = tuple(ONE_SHOT_FACTS)
-DP_ONE_SHOT_METHODS = tuple(n for n, f in ONE_SHOT_FACTS.items() if f.private)
-CLIENT_BACKENDS = ("vmap", "map", "shard", "auto")
 DSA_FAMILY_DRAWS = ("shared", "per_client")
-PER_EXAMPLE_METHODS = ("auto", "layerwise", "vmap", "jax_privacy")
 RADIUS_STRATEGIES = ("min", "max", "median", "mean", "constant", "fixed")
-SYNTHETIC_INITS = ("real", "noise")
-WEIGHTINGS = ("size", "uniform")
-LR_SCHEDULES = ("cosine", "cosine_open")  # fedlap_jax.training.cosine_learning_rate's
 MODEL_STEPS = ("synthetic", "noisy_real")
 SERVER_STARTS = ("global", "fedavg_delta")
-
-
-def poisson_capacity(batch_size: int, num_std: float = 6.0) -> int:
-  """A static buffer size for Poisson batches of expected size ``batch_size``.
-
-  A Poisson batch has mean ``B`` and variance ``B (1 - q) <= B``; ``B + 6 sqrt(B)``
-  (plus a small constant) is exceeded with probability below ``1e-8``.
-  """
-  if batch_size < 1:
-    raise ConfigError("batch_size", batch_size, "an integer >= 1")
-  return int(math.ceil(batch_size + num_std * math.sqrt(batch_size) + 4))
-
-
-def min_poisson_capacity(batch_size: int) -> int:
-  """The smallest buffer a config may ask for: ``ceil(B + 3 sqrt(B))``.
-
-  Below it, a draw overflows the buffer often (at ``capacity = B`` in about
-  half of the steps), and every overflow costs another pass over a chunk of
-  ``capacity`` slots (:func:`fedlap_jax.privacy.sum_over_chunks`). Sampling
-  stays exact either way; this bound is about speed.
-  """
-  return int(math.ceil(batch_size + 3.0 * math.sqrt(batch_size)))
-
-
-def check_poisson_capacity(capacity, batch_size: int, field: str = "poisson_capacity") -> None:
-  """Refuses a buffer below :func:`min_poisson_capacity` (``None``, the default, passes)."""
-  if capacity is None:
-    return
-  low = min_poisson_capacity(batch_size)
-  require(
-    is_int(capacity) and capacity >= low,
-    field,
-    capacity,
-    f"None (the default, {poisson_capacity(batch_size)} slots for batch_size="
-    f"{batch_size}) or an integer >= {low} = batch_size + 3 sqrt(batch_size): a smaller "
-    f"buffer overflows often (about half of the steps at {field} = batch_size) and every "
-    "overflow costs an extra pass over a chunk of that size (no record is dropped, but "
-    "the run gets slow)",
-  )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DPConfig:
-  """Record-level DP of the real-data gradients (Algorithm 3).
-
-  All fields are required: a default could silently weaken the guarantee.
-
-  Attributes:
-    noise_multiplier: ``sigma``; the noise std on the clipped sum is
-      ``sigma * l2_clip_norm``. Must be > 0 (sigma = 0 voids the guarantee).
-    l2_clip_norm: ``C``, per-example clipping bound on the full gradient.
-    delta: target ``delta`` in (0, 1) for reporting epsilon.
-    microbatch_size: optional, bounds the memory of per-example gradients.
-    per_example_method: how per-example gradients are computed, all exact:
-      ``"auto"`` (default), ``"layerwise"``, ``"vmap"`` or ``"jax_privacy"``
-      (see :func:`fedlap_jax.privacy.clipped_gradient_sum`). ``"layerwise"``
-      serves flax.linen models built from Flax layers only; Flax NNX,
-      Equinox and plain-JAX models get ``"vmap"`` (which ``"auto"`` picks for
-      them; ``"layerwise"`` refuses them). Under every method a model with
-      BatchNorm or other state outside its parameters is refused
-      (:func:`fedlap_jax.per_example.check_dp_model`).
-
-  Refused when built, as accounting (:mod:`fedlap_jax.accounting`) would refuse them after
-  training: a ``noise_multiplier`` below
-  :data:`~fedlap_jax.accounting.MIN_NOISE_MULTIPLIER` (0.3), and a ``delta`` of at least
-  ``1 / 2`` (every client holds ``N_k >= 2`` records and needs ``delta < 1 / N_k``;
-  :func:`fedlap_jax.client.local_approx` checks that bound on the ``N_k`` it sees).
-  """
-
-  noise_multiplier: float
-  l2_clip_norm: float
-  delta: float
-  microbatch_size: int | None = None
-  per_example_method: str = "auto"
-
-  def __post_init__(self):
-    require(
-      is_real(self.noise_multiplier) and self.noise_multiplier > 0,
-      "dp.noise_multiplier",
-      self.noise_multiplier,
-      "a number > 0 (sigma = 0 with DP on gives no privacy guarantee; turn DP off instead)",
-    )
-    accounting.check_accountable_sigma(self.noise_multiplier, "dp.noise_multiplier")
-    positive_float("dp.l2_clip_norm", self.l2_clip_norm)
-    require(
-      is_real(self.delta) and 0 < self.delta < 0.5,
-      "dp.delta",
-      self.delta,
-      "a number in the open interval (0, 1/2): delta < 1 / N_k, N_k >= 2 the records of a "
-      "client (a delta of 1 / N_k allows releasing a whole record)",
-    )
-    if self.microbatch_size is not None:
-      positive_int("dp.microbatch_size", self.microbatch_size)
-    one_of("dp.per_example_method", self.per_example_method, PER_EXAMPLE_METHODS)
-
-
-class DpAccesses(NamedTuple):
-  """What a DP method's library config tells the accountant about one round of a client.
-
-  Every library config of a method has ``dp_accesses() -> DpAccesses | None``;
-  :meth:`fedlap_jax.accounting.DpMechanism.from_config` turns it into the
-  method's mechanism (the one place ``B`` and ``T`` become one).
-
-  Attributes:
-    dp: the noise (``sigma``) and ``delta``.
-    batch_size: ``B``, the expected Poisson batch size (``q_k = B / N_k``).
-    steps_per_round: ``T``, the worst-case noisy accesses to a client's
-      records per round.
-  """
-
-  dp: DPConfig
-  batch_size: int
-  steps_per_round: int
-
-
-def check_synthetic_learner(cfg) -> None:
-  """The checks every synthetic-set learner shares (:class:`ClientConfig`,
-  ``CondensationConfig``, ``FedDMConfig``): ``image_lr`` > 0, ``image_momentum``
-  in [0, 1), ``image_optimizer`` None or a spec other than heavy-ball SGD with
-  ``image_momentum`` 0 (:func:`check_other_than_sgd`), ``poisson_capacity`` for
-  ``batch_size``, ``dsa_strategy``, and ``dp`` (where the config has one) a
-  :class:`DPConfig` or None.
-  """
-  positive_float("image_lr", cfg.image_lr)
-  require(
-    is_real(cfg.image_momentum) and 0 <= cfg.image_momentum < 1,
-    "image_momentum",
-    cfg.image_momentum,
-    "a number in [0, 1)",
-  )
-  check_other_than_sgd(
-    cfg.image_optimizer,
-    "image_optimizer",
-    (("image_momentum", cfg.image_momentum),),
-    "image_momentum is its spec",
-  )
-  check_poisson_capacity(cfg.poisson_capacity, cfg.batch_size)
-  dsa.check_strategy("dsa_strategy", cfg.dsa_strategy)
-  dp = getattr(cfg, "dp", None)
-  require(dp is None or isinstance(dp, DPConfig), "dp", dp, "a DPConfig or None")
-
-
-def check_other_than_sgd(spec, field: str, sgd_fields, why: str) -> None:
-  """Refuses an optimiser ``spec`` for ``field`` beside the numeric SGD fields it replaces.
-
-  ``None`` (the SGD of ``sgd_fields``) passes. A spec must be a
-  :class:`fedlap_jax.optim.Optimizer` other than heavy-ball SGD (that SGD is ``sgd_fields``:
-  one source of each number), and every one of ``sgd_fields`` (``(name, value)``) must be 0
-  beside it (the spec is the whole direction).
-
-  Raises:
-    ConfigError: naming ``field`` or the SGD field, the value and what is allowed.
-  """
-  if spec is None:
-    return
-  require(isinstance(spec, optim.Optimizer), field, spec, "None or a fedlap_jax.optim.Optimizer")
-  require(
-    spec.name != "sgd" or spec.nesterov,
-    field,
-    spec,
-    f"None for heavy-ball SGD ({why}), or another optimiser (name='adam', 'yogi', 'adagrad', "
-    "or 'sgd' with nesterov=True)",
-  )
-  for name, value in sgd_fields:
-    require(
-      value == 0,
-      name,
-      value,
-      f"0.0 when {field} is set (name={spec.name!r}: the spec is the whole direction; its own "
-      "weight_decay, or momentum for Nesterov SGD)",
-    )
-
-
-def image_optimizer(cfg) -> optax.GradientTransformation:
-  """The synthetic images' optimiser of a synthetic-set learner's config (:class:`ClientConfig`,
-  ``FedDMConfig``, ``CondensationConfig``), rate included: the paper's SGD of ``image_lr``
-  and ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`), or the direction of
-  ``cfg.image_optimizer`` at ``image_lr`` where one is set."""
-  if cfg.image_optimizer is None:
-    return optim.image_sgd(cfg.image_lr, cfg.image_momentum)
-  return cfg.image_optimizer.with_rate(cfg.image_lr)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -380,7 +142,7 @@ class ClientConfig:
       ``None`` (default): the paper's SGD of ``image_momentum`` (that field is the SGD spec:
       with a spec it must be 0). Its state lives across the round's ``R_i`` trajectories and
       starts afresh each round.
-    dp: a :class:`DPConfig` for FedLAP-DP, ``None`` for FedLAP
+    dp: a :class:`~fedlap_jax.dp_config.DPConfig` for FedLAP-DP, ``None`` for FedLAP
       (:meth:`with_dp` turns it on with the settings DP requires).
   """
 
@@ -633,8 +395,8 @@ def fixed_epochs_server(max_epochs: int) -> ServerConfig:
   The setting the FedDM and DSC/PSG code evaluates synthetic sets with: no
   radius (``fixed``), batch 256, uniform weights, no DSA, SGD with momentum 0.9
   and weight decay 5e-4. The default ``server`` of
-  :class:`~fedlap_jax.feddm.FedDMConfig` (500 epochs) and
-  :class:`~fedlap_jax.condensation.OneShotConfig` (300 epochs).
+  :class:`~fedlap_jax.methods.feddm.distribution_matching.FedDMConfig` (500 epochs) and
+  :class:`~fedlap_jax.methods.condensation.one_shot.OneShotConfig` (300 epochs).
   """
   return ServerConfig(
     radius_strategy="fixed",

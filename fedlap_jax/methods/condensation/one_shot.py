@@ -5,7 +5,7 @@ condense a client's data *once* into a small synthetic set by matching, on
 networks freshly initialised again and again, the gradient of the synthetic
 set to the gradient of real batches; the server then trains a fresh model on
 the union of the clients' synthetic sets. :func:`condense` is the client side
-(one pure function, like :func:`fedlap_jax.client.local_approx`)::
+(one pure function, like :func:`fedlap_jax.methods.fedlap.client.local_approx`)::
 
   for i in 1..networks:                      # lax.scan, a fresh network each time
     w <- init_fn(key_i)
@@ -21,7 +21,7 @@ the union of the clients' synthetic sets. :func:`condense` is the client side
         S <- S - momentum-SGD(image_lr) grad_S L      (fedlap_jax.matching.matching_step)
       if o == outer_loop: break
       inner_loop epochs of SGD (net_lr, batch model_batch_size) of w on S
-  server: a fresh model trained on the union (fedlap_jax.server.global_update,
+  server: a fresh model trained on the union (fedlap_jax.methods.fedlap.server.global_update,
           momentum 0.9, weight decay 5e-4, the learning rate x lr_decay for the
           second half of the epochs)
 
@@ -112,24 +112,42 @@ from fedlap_jax.client_data import (
   num_classes_of,
   poison_unless,
 )
-from fedlap_jax.config import (
-  ONE_SHOT_FACTS,
-  ONE_SHOT_METHODS,
+from fedlap_jax.synthetic import (
   SYNTHETIC_INITS,
-  DpAccesses,
-  DPConfig,
-  ServerConfig,
-  check_fresh_server,
   check_synthetic_learner,
   image_optimizer as config_image_optimizer,
-  fixed_epochs_server,
-  poisson_capacity,
 )
+from fedlap_jax.dp_config import DpAccesses, DPConfig, poisson_capacity
+from fedlap_jax.methods.fedlap.config import ServerConfig, check_fresh_server, fixed_epochs_server
 from fedlap_jax.matching import matching_step
-from fedlap_jax.server import ServerMetrics, global_update
+from fedlap_jax.methods.fedlap.server import ServerMetrics, global_update
 from fedlap_jax.synthetic import class_batch, class_blocks, initial_synthetic
 from fedlap_jax.training import sgd_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
+
+
+class OneShotFacts(NamedTuple):
+  """What a one-shot condensation method's name implies
+  (:class:`fedlap_jax.methods.condensation.one_shot.OneShotConfig`, and the registry's methods).
+
+  Attributes:
+    private: DP condensation (PSG: class-agnostic, a ``dp`` config, ``uniform`` weights).
+    centralized: one client pools every client's records (DSC centralized).
+  """
+
+  private: bool = False
+  centralized: bool = False
+
+
+# Synthetic-data comparison systems: FedDM (fedlap_jax.methods.feddm.distribution_matching) and the
+# one-shot condensation methods DSC and PSG (fedlap_jax.methods.condensation.one_shot).
+ONE_SHOT_FACTS = {
+  "dsc": OneShotFacts(),
+  "dsc_centralized": OneShotFacts(centralized=True),
+  "psg": OneShotFacts(private=True),
+}
+ONE_SHOT_METHODS = tuple(ONE_SHOT_FACTS)
+DP_ONE_SHOT_METHODS = tuple(n for n, f in ONE_SHOT_FACTS.items() if f.private)
 
 InitFn = Callable[[jax.Array], PyTree]
 
@@ -197,7 +215,7 @@ class CondensationConfig:
     poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``; at
       least ``B + 3 sqrt(B)``); a draw beyond it is processed in extra chunks
       (:func:`fedlap_jax.privacy.sum_over_chunks`), never truncated.
-    dp: a :class:`~fedlap_jax.config.DPConfig` for PSG, ``None`` for DSC.
+    dp: a :class:`~fedlap_jax.dp_config.DPConfig` for PSG, ``None`` for DSC.
   """
 
   ipc: int = 10
@@ -274,11 +292,12 @@ class OneShotConfig:
   """A one-shot method: condensation on the clients, then the server's training.
 
   Attributes:
-    method: one of :data:`fedlap_jax.config.ONE_SHOT_METHODS`; what it implies (DP, pooled
-      clients) is its :data:`fedlap_jax.config.ONE_SHOT_FACTS` entry.
+    method: one of :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_METHODS`; what it
+      implies (DP, pooled clients) is its
+      :data:`fedlap_jax.methods.condensation.one_shot.ONE_SHOT_FACTS` entry.
     condensation: :class:`CondensationConfig` (``classwise`` for ``dsc*``,
       class-agnostic with ``dp`` for ``psg``).
-    server: :class:`~fedlap_jax.config.ServerConfig` of the training of the
+    server: :class:`~fedlap_jax.methods.fedlap.config.ServerConfig` of the training of the
       fresh model on the union: ``radius_strategy='fixed'`` (``max_epochs``
       epochs); defaults as the condensation code's evaluation.
     learning_rate: the server's learning rate (0.01).
@@ -414,7 +433,7 @@ def condense(
     image_optimizer: the images' ``optax.GradientTransformation`` (rate included; a jit
       static, hashed by identity); ``None``: the config's, SGD at ``image_lr`` with momentum
       ``image_momentum`` (:func:`fedlap_jax.optim.image_sgd`) or ``config.image_optimizer``
-      at ``image_lr`` (:func:`fedlap_jax.config.image_optimizer`).
+      at ``image_lr`` (:func:`fedlap_jax.synthetic.image_optimizer`).
 
   Returns:
     ``(synthetic, metrics)``: the condensed set (labels and mask unchanged)

@@ -1,10 +1,10 @@
 """FedLAP / FedLAP-DP's round state, keys and rates.
 
 A round is two pure steps, the same for every front end (the jitted round,
-``experiments.run``, the Flower app): :func:`fedlap_jax.client.client_step`
-on every client, then :func:`fedlap_jax.server.server_step_with_state` on their stacked
-:class:`~fedlap_jax.client.ClientUpdate` s. This module holds what the round around them
-needs: the state (:class:`FedLAPState`, :func:`init_state`), the round's keys
+``experiments.run``, the Flower app): :func:`fedlap_jax.methods.fedlap.client.client_step`
+on every client, then :func:`fedlap_jax.methods.fedlap.server.server_step_with_state` on their
+stacked :class:`~fedlap_jax.methods.fedlap.client.ClientUpdate` s. This module holds what the
+round around them needs: the state (:class:`FedLAPState`, :func:`init_state`), the round's keys
 (:func:`round_keys`) and rates (:func:`round_learning_rates`), its metrics and the DP
 mechanism. The round itself is the one generic round over a method
 (:func:`fedlap_jax.rounds.algorithm` / :func:`fedlap_jax.rounds.make_round_fn` of
@@ -28,10 +28,10 @@ import optax
 
 from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError
-from fedlap_jax.client import LocalApproxMetrics
+from fedlap_jax.methods.fedlap.client import LocalApproxMetrics
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import ClientConfig, FedLAPConfig
-from fedlap_jax.server import ServerMetrics, server_state
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig
+from fedlap_jax.methods.fedlap.server import ServerMetrics, server_state
 from fedlap_jax.synthetic import initial_synthetic
 from fedlap_jax.training import cosine_learning_rate
 from fedlap_jax.types import PyTree
@@ -81,7 +81,8 @@ def init_state(
   """The state before round 1.
 
   ``opt_state``: ``()`` (nothing carried), or with ``config.server.carry_state`` the fresh
-  state of ``server_optimizer`` (``None``: the config's; :func:`fedlap_jax.server.server_state`).
+  state of ``server_optimizer`` (``None``: the config's;
+  :func:`fedlap_jax.methods.fedlap.server.server_state`).
 
   Synthetic labels are balanced over each client's classes (``config.client.ipc``
   per class). Under ``synthetic_init="noise"`` the images are N(0, 1) once;
@@ -158,11 +159,6 @@ def round_learning_rates(round_index, config: FedLAPConfig) -> RoundRates:
     else cosine_learning_rate(round_index, config.rounds, base, schedule=config.lr_schedule)
   )
   return RoundRates(client, server)
-
-
-def server_learning_rate(round_index, config: FedLAPConfig):
-  """The server's step size in round ``m``: ``round_learning_rates(m, config).server``."""
-  return round_learning_rates(round_index, config).server
 
 
 def dp_mechanism(client: ClientConfig | FedLAPConfig) -> accounting.DpMechanism | None:

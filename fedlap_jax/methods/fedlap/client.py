@@ -69,10 +69,10 @@ from fedlap_jax.client_data import (
   on_device,
   poison_unless,
 )
-from fedlap_jax.config import ClientConfig, FedLAPConfig
-from fedlap_jax.config import image_optimizer as config_image_optimizer
+from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig
+from fedlap_jax.synthetic import image_optimizer as config_image_optimizer
 from fedlap_jax.matching import matching_step
-from fedlap_jax.radius import calibrate_radius
+from fedlap_jax.methods.fedlap.radius import calibrate_radius
 from fedlap_jax.synthetic import real_images
 from fedlap_jax.training import sgd_epoch, train_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
@@ -124,7 +124,7 @@ def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformatio
   """The config's optimiser of the synthetic images at ``tau`` (``image_lr``): the paper's
   SGD with momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`), or the
   direction of ``config.image_optimizer`` where one is set
-  (:func:`fedlap_jax.config.image_optimizer`)."""
+  (:func:`fedlap_jax.synthetic.image_optimizer`)."""
   return config_image_optimizer(config)
 
 
@@ -659,7 +659,7 @@ def local_approx(
 
   Composed of the module's pieces: :func:`recipe` names the targets and the
   model step ``config`` chooses; ``R_i`` :func:`trajectory` s (``lax.scan``)
-  run them; then the radius (:func:`fedlap_jax.radius.calibrate_radius` or ``r``).
+  run them; then the radius (:func:`fedlap_jax.methods.fedlap.radius.calibrate_radius` or ``r``).
 
   Args:
     key: PRNG key of this client and round.
@@ -696,7 +696,7 @@ def local_approx(
       starts afresh at each while-loop iteration's model step (carried over that step's
       ``R_l`` epochs; ``noisy_real``: one update from a fresh state, so momentum has
       nothing to accumulate). The radius calibration
-      (:func:`fedlap_jax.radius.calibrate_radius`) keeps plain SGD.
+      (:func:`fedlap_jax.methods.fedlap.radius.calibrate_radius`) keeps plain SGD.
 
   Returns:
     ``(synthetic, r_k, metrics)``: the optimised synthetic set (labels and mask
@@ -809,7 +809,7 @@ class ClientUpdate(NamedTuple):
   """What one FedLAP client sends the server after a round (:func:`client_step`).
 
   Stacked over clients (every leaf with a leading ``(K,)`` axis) it is what
-  :func:`fedlap_jax.server.server_step_with_state` takes.
+  :func:`fedlap_jax.methods.fedlap.server.server_step_with_state` takes.
 
   Attributes:
     synthetic: the client's :class:`SyntheticSet` after local approximation,
@@ -856,7 +856,7 @@ def client_step(
       initial one); under ``synthetic_init='real'`` only its labels and mask
       are used: the images are drawn again from real records with ``init_key``.
     client_data: the client's real records, padded with a mask.
-    config: :class:`~fedlap_jax.config.FedLAPConfig`.
+    config: :class:`~fedlap_jax.methods.fedlap.config.FedLAPConfig`.
     learning_rate: the clients' ``eta_m`` of the round (may be traced).
     family_key: the round's shared DSA family key (:func:`shared_family_key`
       of the round's client key); ``None``: derived from ``key``.

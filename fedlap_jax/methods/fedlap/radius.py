@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.config import RADIUS_STRATEGIES
+from fedlap_jax.methods.fedlap.config import RADIUS_STRATEGIES
 from fedlap_jax.training import evaluate, sgd_epoch, tree_distance
 from fedlap_jax.types import PyTree
 
