@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import dp_below_floor
+
 from fedlap_jax import baselines, optim, update_bounds
 from fedlap_jax.client_data import ClientData
 from fedlap_jax.dp_config import DPConfig
@@ -99,7 +101,7 @@ def test_honest_dp_clients_stay_below_the_bound_and_it_is_not_loose(case):
     rounds=2,
     learning_rate=0.5,
     batch_size=b,
-    dp=DPConfig(noise_multiplier=sigma, l2_clip_norm=clip, delta=1e-5),
+    dp=dp_below_floor(sigma, l2_clip_norm=clip, delta=1e-5),
     local_epochs=2,
     max_client_size=n,
   )
