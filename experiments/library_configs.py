@@ -39,6 +39,7 @@ from fedlap_jax.config import CLIENT_BACKENDS
 from fedlap_jax.models import NORMS, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
+from experiments import catalog
 from experiments import data as data_lib
 from experiments import datasets as datasets_lib
 from experiments import methods, sections
@@ -102,7 +103,7 @@ def dp_coupled_fields(cfg) -> list[tuple[str, object, object, str]]:
   except ValueError:
     resolved = None  # validate_config names a bad value itself
   if resolved is not None and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
-    fix = "published" if d.name in data_lib.NORMALIZATION else "test_split"
+    fix = "published" if d.name in catalog.PUBLISHED else "test_split"
     out.append(
       (
         "data.normalisation",
@@ -170,11 +171,11 @@ def validate_config(cfg):
     raise ConfigError(
       "data.source", d.source, f"one of {data_lib.SOURCES}", message=str(e)
     ) from None
-  if kind == "tfds" and d.name not in data_lib.TFDS_DATASETS:
+  if kind == "tfds" and d.name not in catalog.TFDS_NAMES:
     _fail(
       "data.source",
       d.source,
-      f"'sklearn' or 'npz:PATH' for data.name={d.name!r} (tfds serves {data_lib.TFDS_DATASETS})",
+      f"'sklearn' or 'npz:PATH' for data.name={d.name!r} (tfds serves {catalog.TFDS_NAMES})",
     )
   if kind == "sklearn" and d.name != "digits":
     _fail(
@@ -367,12 +368,12 @@ def _validate_normalisation(cfg) -> None:
       f"None with data.normalisation={choice!r} (set data.normalisation='given' to use "
       "your own mean and std)",
     )
-  if choice == "published" and d.name not in data_lib.NORMALIZATION:
+  if choice == "published" and d.name not in catalog.PUBLISHED:
     _fail(
       "data.normalisation",
       choice,
       f"'given', 'test_split' or 'train_split' for "
-      f"data.name={d.name!r} (published constants exist for {tuple(data_lib.NORMALIZATION)})",
+      f"data.name={d.name!r} (published constants exist for {catalog.PUBLISHED})",
     )
   resolved = data_lib.resolve_normalisation(d.name, choice)
   if cfg.dp.enabled and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
