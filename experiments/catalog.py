@@ -1,4 +1,5 @@
-"""The data sets the experiments know: one row each (:data:`ROWS`).
+"""The data sets the experiments know, one row each (:data:`ROWS`), and the models
+``config.model.name`` names (:func:`model_factory`).
 
 A data set is named by ``data.name``, which is the TensorFlow Datasets name where tfds
 serves it (``mnist``, ``fashion_mnist``, ``cifar10``, ``svhn_cropped``). Adding a data set
@@ -9,6 +10,9 @@ checks, the named configs, the epsilon tables and the reports read it from this 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+
+from fedlap_jax.checks import ConfigError
 
 # The paper's partition hands the classes to its clients two at a time in this order
 # (:func:`experiments.data.partition`).
@@ -116,3 +120,39 @@ TFDS_NAMES = tuple(n for n, r in ROWS.items() if r.tfds)
 PUBLISHED = tuple(n for n, r in ROWS.items() if r.mean is not None)
 # The data sets of the paper's named configs: short prefix -> row.
 PAPER = {r.short: r for r in ROWS.values() if r.short}
+
+
+# Models by name; config.model.name is one of these or MODULE:ATTR. ``convnet`` is built from
+# config.model's other fields (width, depth, norm, conv_bias), which only it reads.
+MODELS = ("convnet",)
+MODEL_ALLOWED = (
+  f"one of {MODELS} or MODULE:ATTR, an importable callable taking num_classes and "
+  "returning a flax.linen.Module"
+)
+
+
+def model_factory(name):
+  """``config.model.name`` -> ``None`` for ``convnet``, else the callable ``MODULE:ATTR`` names.
+
+  Raises:
+    ConfigError: naming ``model.name`` when it is neither, or does not import.
+  """
+  if name in MODELS:
+    return None
+  module, sep, attr = name.partition(":") if isinstance(name, str) else ("", "", "")
+  if not (sep and module and attr):
+    raise ConfigError("model.name", name, MODEL_ALLOWED)
+  try:
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+      obj = getattr(obj, part)
+  except (ImportError, AttributeError) as e:
+    raise ConfigError(
+      "model.name",
+      name,
+      MODEL_ALLOWED,
+      message=f"model.name={name!r} is invalid: {e}; allowed: {MODEL_ALLOWED}",
+    ) from None
+  if not callable(obj):
+    raise ConfigError("model.name", name, MODEL_ALLOWED)
+  return obj

@@ -223,16 +223,19 @@ def validate_config(cfg):
   _validate_normalisation(cfg)
 
   m = cfg.model
-  if not is_int(m.width) or m.width < 1:
-    _fail("model.width", m.width, "an integer >= 1")
-  if not is_int(m.depth) or m.depth < 1:
-    _fail("model.depth", m.depth, "an integer >= 1")
-  if m.norm not in NORMS:
-    _fail(
-      "model.norm", m.norm, f"one of {NORMS} (BatchNorm is not offered: it breaks record-level DP)"
-    )
-  if not isinstance(m.conv_bias, bool):
-    _fail("model.conv_bias", m.conv_bias, "True or False")
+  if catalog.model_factory(m.get("name", "convnet")) is None:  # the ConvNet's own fields
+    if not is_int(m.width) or m.width < 1:
+      _fail("model.width", m.width, "an integer >= 1")
+    if not is_int(m.depth) or m.depth < 1:
+      _fail("model.depth", m.depth, "an integer >= 1")
+    if m.norm not in NORMS:
+      _fail(
+        "model.norm",
+        m.norm,
+        f"one of {NORMS} (BatchNorm is not offered: it breaks record-level DP)",
+      )
+    if not isinstance(m.conv_bias, bool):
+      _fail("model.conv_bias", m.conv_bias, "True or False")
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
@@ -421,7 +424,7 @@ def validate_data(
       )
   h, w = dataset.image_shape[:2]
   deepest = max_depth(dataset.image_shape)
-  if cfg.model.depth > deepest:
+  if cfg.model.get("name", "convnet") in catalog.MODELS and cfg.model.depth > deepest:
     _fail(
       "model.depth",
       cfg.model.depth,

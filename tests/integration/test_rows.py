@@ -49,3 +49,84 @@ def test_svhn_is_one_row_and_runs_end_to_end(tmp_path):
   assert ds.normalisation == "published"
   np.testing.assert_allclose(ds.mean, (0.4377, 0.4438, 0.4728), rtol=1e-6)
   np.testing.assert_allclose(ds.std, (0.1980, 0.2010, 0.1970), rtol=1e-6)
+
+
+# --------------------------------------------------------------------- a user's model
+
+TINY = {  # quickstart:dp_loops at its smallest: 1 round, one noisy gradient per client
+  "rounds": 1,
+  "client.ipc": 1,
+  "client.max_outer": 1,
+  "client.batch_loop": 1,
+  "client.boost_loop": 1,
+  "client.inner_loop": 0,
+  "client.dsa_strategy": "",
+  "server.dsa_strategy": "",
+  "server.max_epochs": 1,
+  "progress_bar": False,
+  "plots": False,
+  "seed": 0,
+}
+
+
+def argv_of(config: str, workdir, **overrides):
+  flags = [f"--config.{k}={v}" for k, v in {**TINY, **overrides}.items()]
+  return ["prog", f"--config={config}", *flags, f"--workdir={workdir}"]
+
+
+@pytest.mark.parametrize("name", ["user_models:MLP", "user_models:mlp"])
+def test_a_users_model_runs_in_experiments_run(name, tmp_path):
+  """``model.name=MODULE:ATTR``: a class or a function of ``num_classes``; the ConvNet's
+  fields are not read (a depth the 8x8 digits cannot take is no error)."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from experiments import run  # pylint: disable=g-import-not-at-top
+
+  argv = argv_of("quickstart:nondp", tmp_path, **{"model.name": name, "model.depth": 9})
+  assert run.main(argv) == 0
+  (rec,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert rec["round"] == 1 and 0.0 <= rec["test_accuracy"] <= 1.0
+  info = json.loads((tmp_path / "run_info.json").read_text())
+  assert info["num_params"] == 64 * 16 + 16 + 16 * 10 + 10  # the MLP's, not a ConvNet's
+
+
+@pytest.mark.parametrize(
+  "name", ["resnet", "user_models", "user_models:Missing", "no_such_module:MLP"]
+)
+def test_a_model_name_that_names_nothing_is_refused_by_its_field(name):
+  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top
+
+  cfg = quickstart.nondp_config()
+  cfg.model.name = name
+  with pytest.raises(ConfigError) as err:
+    library_configs.validate_config(cfg)
+  assert err.value.field == "model.name"
+
+
+@pytest.mark.parametrize("name", ["user_models:BatchNormMLP", "user_models:batch_stats_mlp"])
+def test_a_users_model_with_batchnorm_is_refused_under_dp(name, tmp_path):
+  """The library's DP refusal applies to a user's model as to any other."""
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.per_example import NotDpSafe  # pylint: disable=g-import-not-at-top
+
+  cfg = quickstart.dp_config()
+  cfg.update_from_flattened_dict({**TINY, "model.name": name})
+  library_configs.validate_config(cfg)
+  with pytest.raises(NotDpSafe) as err:
+    train.train_and_evaluate(cfg, tmp_path / "run")
+  assert err.value.field == "apply_fn"
+
+
+def test_a_model_callable_that_returns_no_module_is_refused_by_its_field():
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top
+
+  model_cfg = ml_collections.ConfigDict({"name": "user_models:not_a_module"})
+  with pytest.raises(ConfigError) as err:
+    build.init_model(model_cfg, (8, 8, 1), 10, jax.random.key(0))
+  assert err.value.field == "model.name"
