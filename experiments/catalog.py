@@ -110,7 +110,7 @@ ROWS = {
       download=("ufldl.stanford.edu", 80),
     ),
     # scikit-learn's bundled 8x8 digits (data.source='sklearn').
-    DataSet("digits", image_shape=(8, 8, 1)),
+    DataSet("digits", image_shape=(8, 8, 1), num_classes=10),
     # Any data brought as npz:PATH.
     DataSet("custom"),
   )
