@@ -12,7 +12,7 @@ and the Flower app's server and clients build a run here, so each computes what 
    that meets ``dp.target_epsilon`` (:mod:`experiments.calibration`);
 2. :func:`init`: the model and the run's keys from the seed: ``k_model, k_alg =
    split(run_key(seed))`` (:func:`experiments.seeds.run_key`), a ConvNet initialised with
-   ``k_model``; the method's ``init`` is given ``k_alg``;
+   ``k_model`` (or the model ``config.model.name`` names); the method's ``init`` is given ``k_alg``;
 3. :func:`clients`, :func:`algorithm` and the algorithm's ``init``: the stacked clients, the
    :class:`~fedlap_jax.algorithm.FederatedAlgorithm` and the state before round 1
    (:func:`build_run` does all three for a whole run).
@@ -27,7 +27,9 @@ import copy
 import functools
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedlap_jax import algorithm as algorithm_lib
@@ -37,7 +39,7 @@ from fedlap_jax.client_data import stack_clients
 from fedlap_jax.dispatch import resolve_client_backend
 from fedlap_jax.models import count_params, init_convnet
 
-from experiments import calibration
+from experiments import calibration, catalog
 from experiments import data as data_lib
 from experiments import library_configs, methods, seeds
 
@@ -214,17 +216,43 @@ class Init(NamedTuple):
 
 
 def init_model(model_cfg, image_shape, num_classes: int, key: jax.Array) -> Model:
-  """The ConvNet of ``model_cfg`` (``config.model``), initialised with ``key``."""
-  module, params = init_convnet(
-    key,
-    tuple(image_shape),
-    int(num_classes),
-    width=model_cfg.width,
-    depth=model_cfg.depth,
-    norm=model_cfg.norm,
-    conv_bias=model_cfg.conv_bias,
+  """The model ``model_cfg.name`` names (:func:`experiments.catalog.model_factory`; the
+  ConvNet of ``model_cfg`` for ``convnet``), initialised with ``key``.
+
+  A model's variables other than its parameters (BatchNorm statistics) keep their initial
+  values: ``apply_fn`` drops what a call writes to them. Under DP the library refuses such a model
+  (:class:`fedlap_jax.per_example.NotDpSafe`).
+  """
+  factory = catalog.model_factory(model_cfg.get("name", "convnet"))
+  if factory is None:
+    module, params = init_convnet(
+      key,
+      tuple(image_shape),
+      int(num_classes),
+      width=model_cfg.width,
+      depth=model_cfg.depth,
+      norm=model_cfg.norm,
+      conv_bias=model_cfg.conv_bias,
+    )
+    return Model(module, apply_fn_of(module), params, count_params(params))
+  module = factory(int(num_classes))
+  if not isinstance(module, nn.Module):
+    raise ConfigError(
+      "model.name",
+      model_cfg.name,
+      catalog.MODEL_ALLOWED,
+      message=f"model.name={model_cfg.name!r} returned {type(module).__name__}, not a "
+      f"flax.linen.Module; allowed: {catalog.MODEL_ALLOWED}",
+    )
+  variables = jax.jit(module.init)(key, jnp.zeros((1, *image_shape), jnp.float32))
+  params = variables["params"]
+  state = {c: v for c, v in variables.items() if c != "params"}
+  apply_fn = (
+    (lambda p, x: module.apply({"params": p, **state}, x, mutable=list(state))[0])
+    if state
+    else apply_fn_of(module)
   )
-  return Model(module, apply_fn_of(module), params, count_params(params))
+  return Model(module, apply_fn, params, count_params(params))
 
 
 def init(p: Plan, seed: int) -> Init:
@@ -289,7 +317,7 @@ class Run(NamedTuple):
     client_indices: training-record indices of each client.
     clients: stacked :class:`~fedlap_jax.client_data.ClientData` ``(K, N_max, ...)``;
       host NumPy arrays when clients are sampled (:func:`samples_clients`), else on the device.
-    model: the Flax ConvNet; apply_fn: ``apply_fn(params, x) -> logits``.
+    model: the Flax module (the ConvNet by default); apply_fn: ``apply_fn(params, x) -> logits``.
     num_params: parameter count of the model.
     algorithm: the :class:`~fedlap_jax.algorithm.FederatedAlgorithm`.
     state: the state before round 1 (also the restore template of checkpoints).

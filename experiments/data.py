@@ -2,8 +2,9 @@
 
 Sources (``config.data.source``):
 
-* ``tfds``: ``mnist``, ``fashion_mnist``, ``cifar10`` through TensorFlow
-  Datasets (installed by the extra ``paper-data``, imported by nothing else), read once into NumPy and cached as ``.npz`` (under
+* ``tfds``: ``mnist``, ``fashion_mnist``, ``cifar10``, ``svhn_cropped`` (the rows of
+  :mod:`experiments.catalog` that tfds serves) through TensorFlow Datasets (installed by the
+  extra ``paper-data``, imported by nothing else), read once into NumPy and cached as ``.npz`` (under
   ``~/.cache/fedlap_jax`` unless ``data.cache_dir`` says otherwise), so later
   runs do not import TensorFlow at all. If the data is not prepared locally and
   the download host cannot be reached within a few seconds, loading fails at
@@ -20,8 +21,9 @@ Sources (``config.data.source``):
 
 Normalisation (``config.data.normalisation``), per channel, of pixels in [0, 1]:
 
-* ``published``: the paper's constants for MNIST (0.1307 / 0.3081),
-  Fashion-MNIST (0.2861 / 0.3530) and CIFAR-10 (per channel);
+* ``published``: the authors' constants of the data set's row in
+  :mod:`experiments.catalog` (MNIST 0.1307 / 0.3081, Fashion-MNIST 0.2861 / 0.3530,
+  CIFAR-10 and SVHN per channel);
 * ``given``: ``data.mean`` and ``data.std`` as the user supplies them;
 * ``test_split``: the mean and std of the (public) test split;
 * ``train_split``: the mean and std of the training split, i.e. of the
@@ -58,26 +60,12 @@ import numpy as np
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import normalise_pixels, pixel_normalisation
 
-DATASETS = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
-TFDS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
+from experiments import catalog
+from experiments.catalog import PAPER_CLASS_ORDER
+
+DATASETS = catalog.NAMES
 SOURCES = ("tfds", "sklearn", "npz:PATH", "subset:NAME")
 PARTITIONS = ("paper", "iid", "dirichlet")
-PAPER_CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
-# Classes of each named dataset, whatever the source; ``custom`` counts its labels.
-NUM_CLASSES = {"mnist": 10, "fashion_mnist": 10, "cifar10": 10, "digits": 10}
-
-# Per-channel (mean, std) of pixel values in [0, 1], from the authors' code.
-NORMALIZATION = {
-  "mnist": ((0.1307,), (0.3081,)),
-  "fashion_mnist": ((0.2861,), (0.3530,)),
-  "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
-}
-# Where tfds downloads each dataset from (host, port): probed before a download.
-DOWNLOAD_HOSTS = {
-  "mnist": ("storage.googleapis.com", 443),
-  "fashion_mnist": ("fashion-mnist.s3-website.eu-central-1.amazonaws.com", 80),
-  "cifar10": ("www.cs.toronto.edu", 443),
-}
 NORMALISATIONS = ("auto", "published", "given", "test_split", "train_split")
 # Sources of mean/std that do not read the clients' records (allowed under DP).
 DP_SAFE_NORMALISATIONS = ("published", "given", "test_split")
@@ -260,9 +248,9 @@ def load_tfds(
     DataUnavailableError: if the data is not prepared under ``data_dir`` and
       the download host does not answer within ``network_timeout`` seconds.
   """
-  if name not in TFDS_DATASETS:
+  if name not in catalog.TFDS_NAMES:
     raise ValueError(
-      f"data.name={name!r} is invalid for data.source='tfds'; allowed: one of {TFDS_DATASETS}"
+      f"data.name={name!r} is invalid for data.source='tfds'; allowed: one of {catalog.TFDS_NAMES}"
     )
   cache = _cache_path(cache_dir, name)
   if cache is not None and cache.exists():
@@ -274,7 +262,7 @@ def load_tfds(
   try:
     train, test = tfds.load(name, download=False, **kwargs)
   except (AssertionError, FileNotFoundError, tfds.core.registered.DatasetNotFoundError):
-    host, port = DOWNLOAD_HOSTS[name]
+    host, port = catalog.ROWS[name].download
     if not _reachable(host, port, network_timeout):
       raise DataUnavailableError(
         f"data.name={name!r}: tfds has no prepared copy under data_dir="
@@ -374,11 +362,11 @@ def _stored(x: np.ndarray) -> np.ndarray:
 
 def resolve_normalisation(name: str, choice: str) -> str:
   """``data.normalisation`` with ``auto`` resolved: ``published`` where ``name`` has
-  constants (:data:`NORMALIZATION`), else ``train_split``."""
+  constants (:data:`experiments.catalog.PUBLISHED`), else ``train_split``."""
   if choice not in NORMALISATIONS:
     raise ValueError(f"data.normalisation={choice!r} is invalid; allowed: one of {NORMALISATIONS}")
   if choice == "auto":
-    return "published" if name in NORMALIZATION else "train_split"
+    return "published" if name in catalog.PUBLISHED else "train_split"
   return choice
 
 
@@ -427,13 +415,14 @@ def normalisation_stats(data_cfg, x_train: np.ndarray, x_test: np.ndarray):
   name, channels = data_cfg.name, x_train.shape[-1]
   source = resolve_normalisation(name, data_cfg.get("normalisation", "auto"))
   if source == "published":
-    if name not in NORMALIZATION:
+    if name not in catalog.PUBLISHED:
       raise ValueError(
         f"data.normalisation='published' is invalid for data.name={name!r}; "
         f"allowed: 'given', 'test_split' or 'train_split' (published constants "
-        f"exist for {tuple(NORMALIZATION)})"
+        f"exist for {catalog.PUBLISHED})"
       )
-    mean, std = (np.asarray(v, np.float32) for v in NORMALIZATION[name])
+    row = catalog.ROWS[name]
+    mean, std = np.asarray(row.mean, np.float32), np.asarray(row.std, np.float32)
     if mean.shape[0] != channels:
       raise ValueError(
         f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
@@ -497,7 +486,7 @@ def load_dataset(data_cfg) -> Dataset:
   y_test = np.asarray(y_test).astype(np.int32)
 
   source, mean, std = normalisation_stats(data_cfg, x_train, x_test)
-  num_classes = NUM_CLASSES.get(name, int(max(y_train.max(), y_test.max())) + 1)
+  num_classes = catalog.ROWS[name].num_classes or int(max(y_train.max(), y_test.max())) + 1
   for split, y in (("train", y_train), ("test", y_test)):
     outside = np.unique(y[(y < 0) | (y >= num_classes)])
     if outside.size:

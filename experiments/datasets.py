@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import catalog
 from experiments import data as data_lib
 
 
@@ -256,7 +257,7 @@ def main(argv=None) -> int:
     return 2
   except data_lib.DataUnavailableError:
     subset = SUBSETS[args.name]
-    host, port = data_lib.DOWNLOAD_HOSTS[subset.tfds_name]
+    host, port = catalog.ROWS[subset.tfds_name].download
     where = args.data_dir or "tfds's default data_dir"
     print(
       f"error: cannot build {args.name}: tfds has no prepared copy of "

@@ -17,7 +17,7 @@ paper's notion, beside it.
 
 Client sizes: scikit-learn's digits are loaded (offline); MNIST, Fashion-MNIST and CIFAR-10
 are not downloaded: their training splits' published class counts
-(:data:`TRAIN_CLASS_COUNTS`) go through the config's own partition
+(``train_class_counts`` of :mod:`experiments.catalog`) go through the config's own partition
 (:func:`experiments.data.client_split`), which gives the sizes a run on the tfds data sees.
 
 Documents quote a figure in one form, which ``--write`` rewrites and ``--check`` (and the
@@ -71,13 +71,6 @@ NAMES = (
   "fmnist_psg",
   "cifar_psg",
 )
-# Records per class of the training splits (tfds mnist 3.0.1, fashion_mnist 3.0.1,
-# cifar10 3.0.2): public facts of the data sets, so a table needs no download.
-TRAIN_CLASS_COUNTS = {
-  "mnist": (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
-  "fashion_mnist": (6000,) * 10,
-  "cifar10": (5000,) * 10,
-}
 # The files whose quoted figures --write rewrites and --check compares.
 DOCUMENTS = ("README.md", "docs/*.md", "experiments/*.py", "experiments/configs/*.py")
 # A generated table sits between a line "<!-- epsilons: NAME (...) -->" (NAME a key of
@@ -129,15 +122,16 @@ class Spend(NamedTuple):
 def client_sizes(cfg) -> list[int]:
   """Records per client of ``cfg``'s data and partition, without downloading anything.
 
-  tfds data sets of :data:`TRAIN_CLASS_COUNTS`: labels with those counts through
+  tfds data sets with ``train_class_counts`` (:mod:`experiments.catalog`): labels with those counts through
   :func:`experiments.data.client_split` (the run's partition and ``train_fraction``, from the
   public ``data.partition_seed``); any other source: :func:`experiments.calibration.client_sizes`
   (loads the data).
   """
-  from experiments import calibration  # pylint: disable=g-import-not-at-top
+  from experiments import calibration, catalog  # pylint: disable=g-import-not-at-top
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
 
-  counts = TRAIN_CLASS_COUNTS.get(cfg.data.name)
+  row = catalog.ROWS.get(cfg.data.name)
+  counts = None if row is None else row.train_class_counts
   if counts is None or data_lib.parse_source(cfg.data.source)[0] != "tfds":
     return calibration.client_sizes(cfg)
   labels = np.repeat(np.arange(len(counts)), counts)

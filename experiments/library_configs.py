@@ -40,6 +40,7 @@ from fedlap_jax.dispatch import CLIENT_BACKENDS
 from fedlap_jax.models import NORMS, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
+from experiments import catalog
 from experiments import data as data_lib
 from experiments import datasets as datasets_lib
 from experiments import methods, sections
@@ -103,7 +104,7 @@ def dp_coupled_fields(cfg) -> list[tuple[str, object, object, str]]:
   except ValueError:
     resolved = None  # validate_config names a bad value itself
   if resolved is not None and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
-    fix = "published" if d.name in data_lib.NORMALIZATION else "test_split"
+    fix = "published" if d.name in catalog.PUBLISHED else "test_split"
     out.append(
       (
         "data.normalisation",
@@ -171,11 +172,11 @@ def validate_config(cfg):
     raise ConfigError(
       "data.source", d.source, f"one of {data_lib.SOURCES}", message=str(e)
     ) from None
-  if kind == "tfds" and d.name not in data_lib.TFDS_DATASETS:
+  if kind == "tfds" and d.name not in catalog.TFDS_NAMES:
     _fail(
       "data.source",
       d.source,
-      f"'sklearn' or 'npz:PATH' for data.name={d.name!r} (tfds serves {data_lib.TFDS_DATASETS})",
+      f"'sklearn' or 'npz:PATH' for data.name={d.name!r} (tfds serves {catalog.TFDS_NAMES})",
     )
   if kind == "sklearn" and d.name != "digits":
     _fail(
@@ -223,16 +224,19 @@ def validate_config(cfg):
   _validate_normalisation(cfg)
 
   m = cfg.model
-  if not is_int(m.width) or m.width < 1:
-    _fail("model.width", m.width, "an integer >= 1")
-  if not is_int(m.depth) or m.depth < 1:
-    _fail("model.depth", m.depth, "an integer >= 1")
-  if m.norm not in NORMS:
-    _fail(
-      "model.norm", m.norm, f"one of {NORMS} (BatchNorm is not offered: it breaks record-level DP)"
-    )
-  if not isinstance(m.conv_bias, bool):
-    _fail("model.conv_bias", m.conv_bias, "True or False")
+  if catalog.model_factory(m.get("name", "convnet")) is None:  # the ConvNet's own fields
+    if not is_int(m.width) or m.width < 1:
+      _fail("model.width", m.width, "an integer >= 1")
+    if not is_int(m.depth) or m.depth < 1:
+      _fail("model.depth", m.depth, "an integer >= 1")
+    if m.norm not in NORMS:
+      _fail(
+        "model.norm",
+        m.norm,
+        f"one of {NORMS} (BatchNorm is not offered: it breaks record-level DP)",
+      )
+    if not isinstance(m.conv_bias, bool):
+      _fail("model.conv_bias", m.conv_bias, "True or False")
 
   if not isinstance(cfg.dp.enabled, bool):
     _fail("dp.enabled", cfg.dp.enabled, "True or False")
@@ -368,12 +372,12 @@ def _validate_normalisation(cfg) -> None:
       f"None with data.normalisation={choice!r} (set data.normalisation='given' to use "
       "your own mean and std)",
     )
-  if choice == "published" and d.name not in data_lib.NORMALIZATION:
+  if choice == "published" and d.name not in catalog.PUBLISHED:
     _fail(
       "data.normalisation",
       choice,
       f"'given', 'test_split' or 'train_split' for "
-      f"data.name={d.name!r} (published constants exist for {tuple(data_lib.NORMALIZATION)})",
+      f"data.name={d.name!r} (published constants exist for {catalog.PUBLISHED})",
     )
   resolved = data_lib.resolve_normalisation(d.name, choice)
   if cfg.dp.enabled and resolved not in data_lib.DP_SAFE_NORMALISATIONS:
@@ -421,7 +425,7 @@ def validate_data(
       )
   h, w = dataset.image_shape[:2]
   deepest = max_depth(dataset.image_shape)
-  if cfg.model.depth > deepest:
+  if cfg.model.get("name", "convnet") in catalog.MODELS and cfg.model.depth > deepest:
     _fail(
       "model.depth",
       cfg.model.depth,

@@ -53,10 +53,10 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import checkpointing, methods, resume
+from experiments import catalog, checkpointing, methods, resume
 
 METHOD_ORDER = methods.labels()
-DATASET_ORDER = ("mnist", "fashion_mnist", "cifar10", "digits", "custom")
+DATASET_ORDER = catalog.NAMES
 # Fields that do not tell runs apart: what may change when a run resumes (it changes no
 # number), and what a report names otherwise (the seed: runs of one setting; the method and
 # dp.enabled: the label; where the data was read from).

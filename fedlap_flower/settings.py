@@ -314,7 +314,7 @@ def load_config(name: str, overrides: str = ""):
       app does not offer.
     experiments.library_configs.ConfigError: the config itself is invalid.
   """
-  from experiments import flags  # pylint: disable=g-import-not-at-top
+  from experiments import catalog, flags  # pylint: disable=g-import-not-at-top
   from experiments import library_configs  # pylint: disable=g-import-not-at-top
 
   if not isinstance(name, str) or not name:
@@ -355,6 +355,13 @@ def load_config(name: str, overrides: str = ""):
       "'quickstart:nondp'",
     )
   _check_source(cfg.data.source)  # before validate_config, which looks for an npz file
+  if cfg.model.get("name", "convnet") not in catalog.MODELS:  # before it is imported
+    _fail(
+      "model.name",
+      cfg.model.name,
+      f"one of {catalog.MODELS}: a Flower run names no code (MODULE:ATTR would import "
+      "what the run's submitter names on every node)",
+    )
   library_configs.validate_config(cfg)
   if cfg.method not in METHODS:
     _fail(

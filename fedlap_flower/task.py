@@ -293,7 +293,7 @@ def load_own_data(cfg, path: Path):
 
   The normalisation is ``data.normalisation`` resolved as ``experiments.data``
   resolves it, and must be a fixed one (:data:`OWN_DATA_NORMALISATIONS`: the
-  published constants of mnist / fashion_mnist / cifar10, or ``data.mean`` /
+  published constants of a row of :mod:`experiments.catalog`, or ``data.mean`` /
   ``data.std`` given in the config), the same on every client and on the
   server: ``test_split`` (the client does not hold the server's test split)
   and ``train_split`` (each client would standardise with its own statistics)
@@ -305,15 +305,17 @@ def load_own_data(cfg, path: Path):
       neither uint8 nor float, labels not integers or outside ``0..9``, NaN /
       Inf pixels (checked as float32).
   """
+  from experiments import catalog  # pylint: disable=g-import-not-at-top
   from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
 
   name = cfg.data.name
-  if name not in data_lib.NORMALIZATION:
+  if name not in catalog.PUBLISHED:
     raise ValueError(
-      f"data-path needs a dataset of 10 classes with a fixed normalisation; "
+      f"data-path needs a dataset of known classes with a fixed normalisation; "
       f"data.name={name!r} is invalid; allowed: one of "
-      f"{sorted(data_lib.NORMALIZATION)}"
+      f"{sorted(catalog.PUBLISHED)}"
     )
+  classes = catalog.ROWS[name].num_classes
   choice = cfg.data.get("normalisation", "auto")
   source = data_lib.resolve_normalisation(name, choice)
   if source not in OWN_DATA_NORMALISATIONS:
@@ -354,8 +356,10 @@ def load_own_data(cfg, path: Path):
     raise ValueError(f"data-path {path}: x_train has dtype {x.dtype}; allowed: uint8 or float")
   if not np.issubdtype(y.dtype, np.integer):
     raise ValueError(f"data-path {path}: y_train has dtype {y.dtype}; allowed: integer labels")
-  if y.min() < 0 or y.max() >= 10:
-    raise ValueError(f"data-path {path}: labels in [{y.min()}, {y.max()}]; allowed: 0..9")
+  if y.min() < 0 or y.max() >= classes:
+    raise ValueError(
+      f"data-path {path}: labels in [{y.min()}, {y.max()}]; allowed: 0..{classes - 1}"
+    )
   y = y.astype(np.int32)
   if x.dtype != np.uint8:
     # Checked as float32, the dtype the client computes in (1e300 as float64 becomes Inf).
@@ -369,7 +373,7 @@ def load_own_data(cfg, path: Path):
       )
   _, mean, std = data_lib.normalisation_stats(cfg.data, x, x)  # fixed numbers: reads no pixel
   scale, offset = fl.pixel_normalisation(mean, std, 255.0 if x.dtype == np.uint8 else 1.0)
-  return x, y, scale, offset, 10
+  return x, y, scale, offset, classes
 
 
 class TestSplit(NamedTuple):

@@ -17,11 +17,13 @@ PSG), :mod:`~experiments.configs.quickstart` (digits), and the suites
 import importlib
 from pathlib import Path
 
+from experiments import catalog
+
 CONFIG_DIR = Path(__file__).resolve().parent
 # Modules of this folder that are not configs.
 HELPERS = ("schema",)
 
-_DATASETS = ("mnist", "fmnist", "cifar")
+_DATASETS = tuple(catalog.PAPER)  # the short prefixes of experiments.catalog
 ALIASES = {
   **{f"{d}_{v}": f"fedlap:{d}_{v}" for d in _DATASETS for v in ("nondp", "dp", "dp_tuned")},
   **{f"{d}_dp_hybrid": f"fedlap:{d}_dp_hybrid" for d in ("mnist", "fmnist")},

@@ -55,7 +55,7 @@ import ml_collections
 
 from fedlap_jax.baselines import DP_BASELINE_METHODS
 
-from experiments import configs
+from experiments import catalog, configs
 from experiments.configs import baselines, quickstart, quickstart_compare
 
 EPSILONS = (2.79, 10.18)
@@ -77,34 +77,18 @@ def digits_paper():
 # The FedLAP-DP recipes the suite runs: name -> (report label, {dataset: config}), a config
 # being "NAME[:ARG]" of experiments/configs or a function returning one. Adding a recipe is
 # one entry; a recipe whose config files are not (yet) there is left out of the default.
+# The data sets with named configs (data.name -> their short prefix); custom data runs
+# MNIST's recipes.
+BASELINE_DATASETS = {**{row.name: short for short, row in catalog.PAPER.items()}, "custom": "mnist"}
 FEDLAP_VARIANTS = {
   "paper": (
     "FedLAP-DP (paper)",
-    {
-      "digits": digits_paper,
-      "mnist": "mnist_dp",
-      "fashion_mnist": "fmnist_dp",
-      "cifar10": "cifar_dp",
-      "custom": "mnist_dp",
-    },
+    {"digits": digits_paper, **{d: f"{s}_dp" for d, s in BASELINE_DATASETS.items()}},
   ),
   "tuned": (
     "FedLAP-DP (tuned)",
-    {
-      "digits": "digits_dp_tuned",
-      "mnist": "mnist_dp_tuned",
-      "fashion_mnist": "fmnist_dp_tuned",
-      "cifar10": "cifar_dp_tuned",
-      "custom": "mnist_dp_tuned",
-    },
+    {"digits": "digits_dp_tuned", **{d: f"{s}_dp_tuned" for d, s in BASELINE_DATASETS.items()}},
   ),
-}
-ALIASES = {"fmnist": "fashion_mnist", "cifar": "cifar10"}
-BASELINE_DATASETS = {
-  "mnist": "mnist",
-  "fashion_mnist": "fmnist",
-  "cifar10": "cifar",
-  "custom": "mnist",
 }
 OPTIONS = ("eps", "lrs", "variants", "seeds", "rounds", "epsilon_for")
 # The notions epsilon_for= takes (fedlap_jax.accounting.ADJACENCIES).
@@ -145,12 +129,12 @@ def parse_arg(arg: str) -> dict:
     name, source = dataset.split("=", 1)
   else:
     name, source = dataset, None
-  name = ALIASES.get(name, name)
+  name = catalog.PAPER[name].name if name in catalog.PAPER else name
   if name not in BASELINE_DATASETS and name != "digits":
     _fail(
       arg,
-      f"dataset {name!r} unknown; allowed: digits, mnist, fashion_mnist, cifar10, "
-      "NAME=npz:PATH or npz:PATH",
+      f"dataset {name!r} unknown; allowed: digits, "
+      f"{', '.join(r.name for r in catalog.PAPER.values())}, NAME=npz:PATH or npz:PATH",
     )
   if source is not None and not source.startswith("npz:"):
     _fail(arg, f"source {source!r}; allowed: npz:PATH")

@@ -14,7 +14,8 @@ Sections:
   server's constant rate for FedDM / DSC / PSG), ``synthetic_init`` and run-time
   options (checkpoints, plots, evaluation).
 * ``data``: dataset, source (``tfds``, ``sklearn``, ``npz:PATH``, ``subset:NAME``), partition.
-* ``model``: the ConvNet (``width`` filters, ``depth`` blocks, ``norm``).
+* ``model``: ``name``, ``convnet`` (``width`` filters, ``depth`` blocks, ``norm``) or
+  ``MODULE:ATTR``, a callable taking ``num_classes`` and returning a ``flax.linen.Module``.
 * ``client`` / ``server`` / ``dp``: written from the fields and defaults of
   :class:`fedlap_jax.methods.fedlap.config.ClientConfig`,
   :class:`~fedlap_jax.methods.fedlap.config.ServerConfig`
@@ -109,6 +110,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.std = config_dict.placeholder(tuple)
 
   config.model = ml_collections.ConfigDict()
+  config.model.name = "convnet"  # or MODULE:ATTR (experiments.catalog.model_factory)
   config.model.width = 128
   config.model.depth = 3
   config.model.norm = "instance"

@@ -50,13 +50,17 @@ table :data:`experiments.configs.ALIASES`):
 
 from fedlap_jax.methods.fedlap.config import paper_dp_config
 
+from experiments import catalog
 from experiments.configs import default, schema
 
-DATASETS = {"mnist": "mnist", "fmnist": "fashion_mnist", "cifar": "cifar10"}
-# Records of the smallest client of the paper partition (classes in pairs): MNIST 5 + 6,
-# Fashion-MNIST and CIFAR-10 2 x 6,000 / 5,000. The DP recipes' batches are 0.169 x these.
-MIN_CLIENT_SIZE = {"mnist": 11339, "fmnist": 12000, "cifar": 10000}
-TUNED_BATCH_SIZE = {"mnist": 1916, "fmnist": 2028, "cifar": 1690}
+# The data sets of the named configs: short prefix -> data.name (experiments.catalog).
+DATASETS = {short: row.name for short, row in catalog.PAPER.items()}
+# Records of the smallest client of the paper partition (classes in pairs): MNIST 5 + 6 =
+# 11,339, Fashion-MNIST and CIFAR-10 2 x 6,000 / 5,000. The tuned DP recipe's Poisson batch
+# is TUNED_Q x these (1,916, 2,028, 1,690).
+MIN_CLIENT_SIZE = {short: row.paper_min_client_size for short, row in catalog.PAPER.items()}
+TUNED_Q = 0.169
+TUNED_BATCH_SIZE = {short: round(TUNED_Q * n) for short, n in MIN_CLIENT_SIZE.items()}
 PAPER_IPC = (10, 20, 50, 100, 150, 200)
 PAPER_PERCENT = (5, 10, 50, 100)
 RADIUS_STRATEGIES = ("min", "max", "median", "fixed")

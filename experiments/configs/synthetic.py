@@ -45,6 +45,7 @@ import re
 
 from fedlap_jax.methods.condensation.one_shot import DC_LOOPS
 
+from experiments import catalog
 from experiments.configs import default, fedlap
 
 DATASETS = fedlap.DATASETS
@@ -52,7 +53,7 @@ MIN_CLIENT_SIZE = fedlap.MIN_CLIENT_SIZE
 PSG_TARGET_EPSILON = 32.0
 # sigma with the add/remove epsilon(q = 256 / MIN_CLIENT_SIZE, T = 100,000, delta = 1e-5) = 32
 # (the paper's notion), rounded up.
-PSG_SIGMA = {"mnist": 1.674, "fmnist": 1.597, "cifar": 1.864}
+PSG_SIGMA = {short: row.psg_sigma for short, row in catalog.PAPER.items() if row.psg_sigma}
 PSG_IPC = 10
 DSC_VARIANT = re.compile(r"^(centralized|federated)?(\d+)?$")
 
