@@ -149,10 +149,10 @@ PROBLEMS = {"mnist": Problem((28, 28, 1), 12_000), "cifar": Problem((32, 32, 3),
 # The workload the authors' reference figures were timed on: MNIST-shaped data,
 # 8,000 training records in all, the paper's two-classes-per-client partition.
 # These are the five client sizes that the project's own partition
-#   experiments.data.partition(y_train, num_clients=5, scheme="paper", num_classes=10)
+#   fedlap_runs.data.partition(y_train, num_clients=5, scheme="paper", num_classes=10)
 # (classes {5,6}, {1,2}, {0,8}, {9,3}, {4,7}; sum 8,000, N_max 1,700) gave on the 8,000
 # training records of the mnist10k subset the first result tables used
-# (experiments.datasets.ORIGINAL_PAPER_CLIENT_SIZES); the timing data are random, only
+# (fedlap_runs.datasets.ORIGINAL_PAPER_CLIENT_SIZES); the timing data are random, only
 # the sizes matter.
 AUTHORS_CLIENT_SIZES = (1513, 1700, 1571, 1570, 1646)
 

@@ -9,7 +9,7 @@ config, counting
 * library-config builds: constructions of the frozen configs of :mod:`fedlap_jax`
   (``FedLAPConfig``, ``BaselineConfig``, ``FedDMConfig``, ``OneShotConfig``), by whoever makes
   them (the experiment's checks, the calibration, the algorithm);
-* data loads: calls of :func:`experiments.data.load_dataset`.
+* data loads: calls of :func:`fedlap_runs.data.load_dataset`.
 
 The Flower figures are of the whole app in process (``tests/flower_harness.py``): the server
 and each of its clients build and load for themselves.
@@ -29,7 +29,7 @@ from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax import baselines
 from fedlap_jax.methods.fedlap import config as core
 
-from experiments import data as data_lib
+from fedlap_runs import data as data_lib
 
 LIBRARY_CONFIGS = (core.FedLAPConfig, baselines.BaselineConfig, feddm.FedDMConfig)
 DEFAULT_ARGS = ("--config=quickstart:dp_loops", "--config.dp.target_epsilon=5")

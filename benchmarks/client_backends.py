@@ -31,7 +31,7 @@ VARIANTS = {
 
 
 def measure(config: str, variant: str, rounds: int) -> dict:
-  from experiments import build, configs
+  from fedlap_runs import build, configs
 
   backend, draw = VARIANTS[variant]
   cfg = configs.load(config)

@@ -191,8 +191,8 @@ def _child(spec: dict) -> dict:
   jax.config.update("jax_enable_compilation_cache", False)
   lever = spec["lever"]
   _apply_patch(lever)
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
-  from experiments import build, calibration, flags  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build, calibration, flags  # pylint: disable=g-import-not-at-top
 
   cfg, _ = flags.load_config(spec["config"], spec["overrides"])
   calibration.calibrate_noise(cfg)

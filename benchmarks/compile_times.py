@@ -16,7 +16,7 @@ the round-1 overhead: round 1 minus the median of the later rounds, each round t
 twice, each time in a fresh process: **cold** (an empty persistent compilation cache, which
 the process fills) and **warm** (the same cache again: what a second run of the config on the
 machine pays). Both processes use the same cache settings, the ones ``experiments.run`` uses
-(:data:`experiments.compilation_cache.MIN_COMPILE_SECS`), set on JAX directly so that
+(:data:`fedlap_runs.compilation_cache.MIN_COMPILE_SECS`), set on JAX directly so that
 another tree's code is measured under the same settings.
 
 ``--ref REF`` measures the git commit ``REF`` too, in the same run and on identical work: a
@@ -353,7 +353,7 @@ class _Events:
     self.rows: dict[str, dict[str, float]] = {}
 
   def _row(self) -> dict[str, float]:
-    # A program built on another thread (experiments.export_cache.prefetch) is the
+    # A program built on another thread (fedlap_runs.export_cache.prefetch) is the
     # background's, whatever the main thread does meanwhile.
     main = threading.current_thread() is threading.main_thread()
     return self.rows.setdefault(
@@ -398,7 +398,7 @@ def _jitted_call(fn, *args):
 
 
 # The project's top-level packages: a child imports each from its tree alone.
-PACKAGES = ("fedlap_jax", "experiments", "fedlap_flower", "benchmarks")
+PACKAGES = ("fedlap_jax", "experiments", "fedlap_runs", "fedlap_flower", "benchmarks")
 
 
 def _only_from(tree: Path) -> None:
@@ -406,7 +406,7 @@ def _only_from(tree: Path) -> None:
 
   An editable install of the project (``pip install -e``) adds an import finder that maps
   the packages to the installed tree; it comes after ``PYTHONPATH`` for a package, but it
-  answers for a module ``tree`` lacks (``experiments.export_cache`` in a tree from before
+  answers for a module ``tree`` lacks (``fedlap_runs.export_cache`` in a tree from before
   it), so a ref's run would import that module from the installed tree. Removed here.
   """
   sys.meta_path[:] = [
@@ -453,15 +453,15 @@ def _child(spec: dict) -> dict:
   from experiments import train  # pylint: disable=g-import-not-at-top
 
   try:  # the command line's config and its DP calibration, in their own modules
-    from experiments.calibration import calibrate_noise  # pylint: disable=g-import-not-at-top
-    from experiments.flags import load_config  # pylint: disable=g-import-not-at-top
+    from fedlap_runs.calibration import calibrate_noise  # pylint: disable=g-import-not-at-top
+    from fedlap_runs.flags import load_config  # pylint: disable=g-import-not-at-top
   except ImportError:  # a --ref from before they left experiments.run
     from experiments.run import calibrate_noise, load_config  # pylint: disable=g-import-not-at-top
 
-  # A --ref from before experiments.build builds its run in experiments.train.
+  # A --ref from before fedlap_runs.build builds its run in experiments.train.
   build_run = getattr(train, "build_run", None)
   if build_run is None:
-    from experiments.build import build_run  # pylint: disable=g-import-not-at-top
+    from fedlap_runs.build import build_run  # pylint: disable=g-import-not-at-top
   from fedlap_jax.client_data import normalise_pixels  # pylint: disable=g-import-not-at-top
   from fedlap_jax.training import evaluate  # pylint: disable=g-import-not-at-top
 
@@ -479,7 +479,7 @@ def _child(spec: dict) -> dict:
     cfg, _ = load_config(spec["config"], spec["overrides"])
     calibrate_noise(cfg)
     try:  # the round as experiments.train runs it: from the export cache (trees that have it)
-      from experiments import export_cache  # pylint: disable=g-import-not-at-top
+      from fedlap_runs import export_cache  # pylint: disable=g-import-not-at-top
     except ImportError:
       export_cache = None
     hint = None
@@ -579,7 +579,7 @@ def _child(spec: dict) -> dict:
 
 def _overrides(name: str, data_dir: Path, given: list[str]) -> tuple[list[str], str | None]:
   """``(overrides, stand-in dataset name or None)`` of config ``name`` with ``given`` ones."""
-  from experiments import flags  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import flags  # pylint: disable=g-import-not-at-top
 
   cfg, _ = flags.load_config(name, given)
   dataset = cfg.data.name
@@ -627,7 +627,7 @@ def _dir_size(path: Path) -> tuple[int, int]:
 
 def measure(tree: Path, name: str, args, work: Path) -> dict:
   """Cold then warm measurement of config ``name`` on the code of ``tree``."""
-  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import compilation_cache  # pylint: disable=g-import-not-at-top
 
   overrides, stand_in = _overrides(name, work, args.set)
   large = name in LARGE
@@ -718,7 +718,7 @@ def rows(r: dict) -> list[str]:
   ``compile s`` is XLA's compile when cold and the cache's read when warm; ``cache MB`` is
   what the cold process wrote (every program of the config that took at least the threshold);
   ``load`` the machine's 1-minute load average when the process started and ended (above the
-  core count, the figures are provisional). A tree with :mod:`experiments.export_cache` runs
+  core count, the figures are provisional). A tree with :mod:`fedlap_runs.export_cache` runs
   the round from it, as ``experiments.train`` does (its JSON's ``export_cache``): its warm
   ``trace`` is the call's alone; a tree that prefetches it loads it on a background thread
   during the set-up (``compile s`` then reads ``bg``). ``to round 1 s`` is the time from the

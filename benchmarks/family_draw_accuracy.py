@@ -35,7 +35,7 @@ DRAWS = ("per_client", "shared")
 def run_once(variant: str, draw: str, seed: int, workdir: str) -> dict:
   """One quickstart run; returns its final test accuracy and wall time."""
   from experiments import train
-  from experiments.configs import quickstart
+  from fedlap_runs.configs import quickstart
 
   cfg = quickstart.dp_config() if variant == "dp" else quickstart.nondp_config()
   cfg.seed = seed
@@ -107,7 +107,7 @@ def main(argv=None):
   parser.add_argument("--variants", default="dp,nondp")
   args = parser.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
-  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import compilation_cache  # pylint: disable=g-import-not-at-top
 
   compilation_cache.enable()  # as experiments.run: each setting compiles once per machine
   results = []

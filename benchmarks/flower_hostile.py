@@ -100,7 +100,7 @@ def _flipped_delta(stats):
   """Client 0's delta, sign-flipped, scaled to 0.99 x the server's bound (records the ratio)."""
 
   def tamper(content, msg):
-    from experiments import library_configs
+    from fedlap_runs import library_configs
     from fedlap_flower import replies, settings
     from fedlap_jax import update_bounds
 

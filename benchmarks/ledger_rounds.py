@@ -3,7 +3,7 @@
   python -m benchmarks.ledger_rounds [--clients 500] [--rounds 6] [--per-round 5 500]
 
 K clients hold the records of a Dirichlet partition (alpha 0.5, seed 0) of 8,000 records in
-10 balanced classes (:func:`experiments.data.partition`; no data set is read), each at least
+10 balanced classes (:func:`fedlap_runs.data.partition`; no data set is read), each at least
 ``B = 3``; the mechanism is the many-clients benchmark's FedLAP-DP (sigma 1, ``B = 3``,
 ``T = 4`` per round, delta 1e-5; ``q_k = 3 / N_k`` up to 1, so the epsilons mean nothing).
 Each round charges the clients :func:`fedlap_jax.participation.sample_clients` draws from
@@ -39,7 +39,7 @@ def client_sizes(num_clients: int) -> list[int]:
   """``N_k`` of the Dirichlet partition (alpha 0.5, seed 0) of 8,000 records, each >= B."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   y = np.repeat(np.arange(10), 800)
   parts = data_lib.partition(

@@ -1,7 +1,7 @@
 """Many clients: time per round and peak memory for 5 to 500 clients on the same total data.
 
 The 8,000 MNIST training records of the ``mnist10k`` subset (built by
-``python -m experiments.datasets mnist10k``; ``--data PATH`` for another copy)
+``python -m fedlap_runs.datasets mnist10k``; ``--data PATH`` for another copy)
 are split by the project's Dirichlet partition
 (``data.partition=dirichlet``, ``alpha`` 0.5) among K = 5, 20, 100 and 500
 clients; each setting runs FedLAP-DP and DP-FedAvg through the experiment
@@ -27,7 +27,7 @@ at every K, and a DP-FedAvg client's ``T = round(N_max / B)`` steps shrink as
 the clients get smaller. The privacy figures of these runs are not meaningful
 (q = 1 for the smallest client); the accounting cost is part of the round.
 
-  python -m experiments.datasets mnist10k            # once: the data (needs tfds online)
+  python -m fedlap_runs.datasets mnist10k            # once: the data (needs tfds online)
   python -m benchmarks.many_clients                  # the table, JSON lines and the PNG
   python -m benchmarks.many_clients --data PATH      # mnist10k from elsewhere
   python -m benchmarks.many_clients --small          # a quick check: digits, K 5 and 20, 2 rounds
@@ -57,8 +57,8 @@ PNG = Path(__file__).parent / "results" / "many_clients.png"
 
 
 def default_data() -> Path:
-  """Where ``python -m experiments.datasets mnist10k`` writes the subset by default."""
-  from experiments import datasets  # pylint: disable=g-import-not-at-top
+  """Where ``python -m fedlap_runs.datasets mnist10k`` writes the subset by default."""
+  from fedlap_runs import datasets  # pylint: disable=g-import-not-at-top
 
   return datasets.output_path(SUBSET)
 
@@ -77,7 +77,7 @@ def bench_config(
   ``data``: the mnist10k npz (default :func:`default_data`); unused with ``small``
   (scikit-learn's digits).
   """
-  from experiments.configs import baselines, quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import baselines, quickstart  # pylint: disable=g-import-not-at-top
 
   if method == "fedlap_dp":
     cfg = quickstart.dp_config()
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--data",
     default=None,
-    help="the mnist10k npz (default: where `python -m experiments.datasets mnist10k` writes it)",
+    help="the mnist10k npz (default: where `python -m fedlap_runs.datasets mnist10k` writes it)",
   )
   parser.add_argument(
     "--rounds",
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
   if not args.small and not Path(args.data or default_data()).is_file():
     raise SystemExit(
       f"--data={str(args.data or default_data())!r} is invalid: no such file; "
-      f"allowed: the {SUBSET} npz, built by `python -m experiments.datasets "
+      f"allowed: the {SUBSET} npz, built by `python -m fedlap_runs.datasets "
       f"{SUBSET}`, or --small (scikit-learn's digits, offline)"
     )
   ks = (

@@ -79,8 +79,8 @@ def precision() -> None:
 
 
 def sensitivity() -> None:
-  from experiments import build  # pylint: disable=g-import-not-at-top
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
 
   setup = build.build_run(quickstart.dp_config())
   alg, state, clients = setup.algorithm, setup.state, setup.clients

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = '''\
-from experiments.configs import quickstart, quickstart_compare
+from fedlap_runs.configs import quickstart, quickstart_compare
 
 
 def get_config():

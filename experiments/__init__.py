@@ -3,6 +3,6 @@
 ``python -m experiments.run --config=NAME [--config.FIELD=VALUE ...] [--workdir=DIR]``
 runs one experiment (see :mod:`experiments.run`); ``python -m experiments.report
 RUN_DIR ... --out DIR`` tabulates finished runs. All TensorFlow / tfds code of
-the project lives in :mod:`experiments.data`; ``import fedlap_jax`` never imports
+the project lives in :mod:`fedlap_runs.data`; ``import fedlap_jax`` never imports
 it.
 """

@@ -367,10 +367,10 @@ class RebuiltRun(NamedTuple):
 def rebuild_run(cfg) -> RebuiltRun:
   """Data, partition, model, algorithm and initial state of ``cfg``, as the trainer builds them.
 
-  :func:`experiments.build.build_run` itself (same seed use), so the initial
+  :func:`fedlap_runs.build.build_run` itself (same seed use), so the initial
   state is a valid restore template for the run's checkpoints.
   """
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
 
   setup = build.build_run(cfg)
   return RebuiltRun(
@@ -398,7 +398,7 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
     FileNotFoundError: no ``config.json`` or no checkpoint.
   """
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from experiments import checkpointing, methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import checkpointing, methods  # pylint: disable=g-import-not-at-top
   from fedlap_jax.accounting import PrivacyLedger  # pylint: disable=g-import-not-at-top
 
   run_dir = Path(run_dir)

@@ -5,10 +5,10 @@ r"""The epsilon every named DP config spends, computed the way its run computes 
   python -m experiments.epsilons --check    # exit 1 if a document quotes another figure
 
 For each config of :data:`NAMES` (and each DP run of a suite) it builds the config as
-``experiments.run`` does (:func:`experiments.flags.load_config`; a suite's
+``experiments.run`` does (:func:`fedlap_runs.flags.load_config`; a suite's
 ``dp.target_epsilon`` / ``dp.match_epsilon_of`` calibrated by
-:func:`experiments.calibration.calibrate_noise`), takes the mechanism its method declares
-(:func:`experiments.library_configs.dp_mechanism`: ``B``, ``T`` per round, ``sigma``,
+:func:`fedlap_runs.calibration.calibrate_noise`), takes the mechanism its method declares
+(:func:`fedlap_runs.library_configs.dp_mechanism`: ``B``, ``T`` per round, ``sigma``,
 ``delta``) and composes its rounds into the ledger the run keeps
 (:func:`experiments.train.new_ledger`, :func:`experiments.train.charge_round`). So each figure
 is what the run's ``metrics.jsonl`` prints after that round: ``epsilon``, the guarantee
@@ -17,8 +17,8 @@ paper's notion, beside it.
 
 Client sizes: scikit-learn's digits are loaded (offline); MNIST, Fashion-MNIST and CIFAR-10
 are not downloaded: their training splits' published class counts
-(``train_class_counts`` of :mod:`experiments.catalog`) go through the config's own partition
-(:func:`experiments.data.client_split`), which gives the sizes a run on the tfds data sees.
+(``train_class_counts`` of :mod:`fedlap_runs.catalog`) go through the config's own partition
+(:func:`fedlap_runs.data.client_split`), which gives the sizes a run on the tfds data sees.
 
 Documents quote a figure in one form, which ``--write`` rewrites and ``--check`` (and the
 test suite) compares with what this module computes::
@@ -72,7 +72,13 @@ NAMES = (
   "cifar_psg",
 )
 # The files whose quoted figures --write rewrites and --check compares.
-DOCUMENTS = ("README.md", "docs/*.md", "experiments/*.py", "experiments/configs/*.py")
+DOCUMENTS = (
+  "README.md",
+  "docs/*.md",
+  "experiments/*.py",
+  "fedlap_runs/*.py",
+  "fedlap_runs/configs/*.py",
+)
 # A generated table sits between a line "<!-- epsilons: NAME (...) -->" (NAME a key of
 # TABLES) and the line TABLE_END.
 TABLE_BEGIN = re.compile(
@@ -122,13 +128,13 @@ class Spend(NamedTuple):
 def client_sizes(cfg) -> list[int]:
   """Records per client of ``cfg``'s data and partition, without downloading anything.
 
-  tfds data sets with ``train_class_counts`` (:mod:`experiments.catalog`): labels with those counts through
-  :func:`experiments.data.client_split` (the run's partition and ``train_fraction``, from the
-  public ``data.partition_seed``); any other source: :func:`experiments.calibration.client_sizes`
+  tfds data sets with ``train_class_counts`` (:mod:`fedlap_runs.catalog`): labels with those counts through
+  :func:`fedlap_runs.data.client_split` (the run's partition and ``train_fraction``, from the
+  public ``data.partition_seed``); any other source: :func:`fedlap_runs.calibration.client_sizes`
   (loads the data).
   """
-  from experiments import calibration, catalog  # pylint: disable=g-import-not-at-top
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import calibration, catalog  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   row = catalog.ROWS.get(cfg.data.name)
   counts = None if row is None else row.train_class_counts
@@ -144,7 +150,8 @@ def client_sizes(cfg) -> list[int]:
 def spend(cfg, name: str, sizes=None) -> Spend:
   """The :class:`Spend` of the DP config ``cfg`` (``sizes``: records per client, else
   :func:`client_sizes`): its method's mechanism composed round by round into the run's ledger."""
-  from experiments import library_configs, methods, train  # pylint: disable=g-import-not-at-top
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs, methods  # pylint: disable=g-import-not-at-top
   from fedlap_jax import participation  # pylint: disable=g-import-not-at-top
 
   sizes = client_sizes(cfg) if sizes is None else list(sizes)
@@ -183,7 +190,7 @@ def spends_of(name: str) -> tuple[Spend, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _spends_of(name: str) -> tuple[Spend, ...]:
-  from experiments import calibration, flags  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import calibration, flags  # pylint: disable=g-import-not-at-top
 
   head, *overrides = name.split(" ")
   base, _, only = head.partition("/")

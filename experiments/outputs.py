@@ -23,7 +23,9 @@ import numpy as np
 import fedlap_jax
 from fedlap_jax import accounting
 
-from experiments import build, methods, resume, seeds
+from experiments import resume
+
+from fedlap_runs import build, methods, seeds
 from experiments.json_values import finite_list
 from experiments.resume import DAMAGED_DIR
 
@@ -80,7 +82,7 @@ def summarize_metrics(
 ) -> tuple[dict, dict]:
   """JSON-ready summary of a round's metrics pytree, split by what may be released.
 
-  A metrics type with a view of its own (:func:`experiments.methods.metrics_view`; FedLAP's
+  A metrics type with a view of its own (:func:`fedlap_runs.methods.metrics_view`; FedLAP's
   :class:`~fedlap_jax.methods.fedlap.state.RoundMetrics`: per-client radius, matching losses, real
   accesses, ...) is summarised by it; any other: every leaf, per client where it has a
   leading ``(K,)`` axis.
@@ -346,7 +348,7 @@ def run_info(
       if private
       else {}
     ),
-    # How the run came by its seed (experiments.seeds: given, drawn or default), not the seed.
+    # How the run came by its seed (fedlap_runs.seeds: given, drawn or default), not the seed.
     seed_origin=seed.origin,
   )
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import checkpointing
+from fedlap_runs import checkpointing
 
 
 def _plt():

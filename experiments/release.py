@@ -32,7 +32,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from experiments import outputs, seeds
+from experiments import outputs
+
+from fedlap_runs import seeds
 
 
 class ReleaseError(ValueError):

@@ -53,7 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import catalog, checkpointing, methods, resume
+from experiments import resume
+
+from fedlap_runs import catalog, checkpointing, methods
 
 METHOD_ORDER = methods.labels()
 DATASET_ORDER = catalog.NAMES

@@ -25,8 +25,8 @@ import jaxlib
 
 from fedlap_jax import optim
 
-from experiments import checkpointing
-from experiments.configs import schema
+from fedlap_runs import checkpointing
+from fedlap_runs.configs import schema
 
 # Fields that may change between an interrupted run and its resumption.
 RUNTIME_FIELDS = (
@@ -124,7 +124,7 @@ def computation_fingerprint(cfg) -> dict:
   JAX and jaxlib versions, the XLA flags (``XLA_FLAGS`` and ``--xla`` arguments: they may
   change the last bits) and, on the CPU platform, the CPU's instruction set. A DP run's
   checkpoint holds it (:func:`privacy_fingerprint`)."""
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
 
   devices = jax.devices()
   xla_flags = [os.environ.get("XLA_FLAGS", ""), *(a for a in sys.argv if a.startswith("--xla"))]
@@ -276,7 +276,7 @@ def check_seed_binding(workdir: Path, seed: int, privacy: dict, fields: dict) ->
     SeedBindingError: this run differs from the recorded one (``fields`` names what differs),
       or the work dir's ledger holds charges but no fingerprint says of which run.
   """
-  from experiments import seeds  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import seeds  # pylint: disable=g-import-not-at-top
 
   stored, _ = seeds.stored_seed(workdir)
   if seeds.holds_checkpoints(workdir) or not (
@@ -353,7 +353,7 @@ def restore_newest_valid(
   is refused.
 
   Args:
-    ckpt: the run's :class:`~experiments.checkpointing.Checkpointer`.
+    ckpt: the run's :class:`~fedlap_runs.checkpointing.Checkpointer`.
     template: the state before round 1 (structure, dtypes, key types).
     privacy, fields: this run's :func:`privacy_fingerprint` and :func:`run_defining_fields`.
     fresh_ledger: the run's empty :class:`~fedlap_jax.accounting.PrivacyLedger`

@@ -2,25 +2,25 @@ r"""Runs one experiment from a named config.
 
   python -m experiments.run --config=NAME [--config.FIELD=VALUE ...] [--workdir=DIR]
 
-``NAME`` is a file of ``experiments/configs/`` without ``.py`` (``quickstart``,
+``NAME`` is a file of ``fedlap_runs/configs/`` without ``.py`` (``quickstart``,
 ``cifar_dp``, ...), optionally with an argument (``cifar_ablation_ipc:20``), or
 a path to any config file (this command runs what its user names, on the
 user's own machine: a config file is Python and is executed; the Flower app
-takes only the names, :func:`experiments.flags.load_config` with ``named_only=True``).
+takes only the names, :func:`fedlap_runs.flags.load_config` with ``named_only=True``).
 A *suite* config (one with a ``suite`` section, e.g. ``quickstart``) runs each of its
 configs in ``WORKDIR/<run>`` and compares them in ``WORKDIR/report``
 (:mod:`experiments.suite`). Fields are overridden with ``--config.FIELD=VALUE``
 (e.g. ``--config.seed=1``, ``--config.data.source=npz:/data/cifar10.npz``;
-:mod:`experiments.flags`). The work dir defaults to ``runs/<NAME>`` (``:`` replaced by
+:mod:`fedlap_runs.flags`). The work dir defaults to ``runs/<NAME>`` (``:`` replaced by
 ``_``); re-running the same command resumes from its last checkpoint.
 ``--config.dp.target_epsilon=E`` sets a DP run's noise multiplier, when it starts, so that
-its epsilon after its last round is ``E`` (:mod:`experiments.calibration`;
+its epsilon after its last round is ``E`` (:mod:`fedlap_runs.calibration`;
 ``compare_dp:DATASET`` runs every DP method so). Without ``--config.seed`` a DP run draws
 its seed from the operating system's entropy and keeps it in its work dir
-(:mod:`experiments.seeds`); a run without DP uses 0. The run itself is
+(:mod:`fedlap_runs.seeds`); a run without DP uses 0. The run itself is
 :func:`experiments.train.train_and_evaluate`.
 
-Compiled programs are kept between runs (:mod:`experiments.compilation_cache`): a second run
+Compiled programs are kept between runs (:mod:`fedlap_runs.compilation_cache`): a second run
 of a config on the same machine reads them back instead of compiling. They go to
 ``--config.compilation_cache_dir``, else ``$FEDLAP_COMPILATION_CACHE``, else
 ``~/.cache/fedlap_jax/jax_compilation_cache`` (``none``: off).
@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments import flags
+from fedlap_runs import flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     print(flags.usage(__doc__))
     return 0
   from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top  (JAX)
-  from experiments import export_cache, suite  # pylint: disable=g-import-not-at-top
+  from experiments import suite  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import export_cache  # pylint: disable=g-import-not-at-top
 
   try:
     flag_values, name = flags.parse_argv(argv)
@@ -70,6 +71,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  from experiments import termination  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import termination  # pylint: disable=g-import-not-at-top
 
   termination.exit_process(main())

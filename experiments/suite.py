@@ -1,7 +1,7 @@
 """One config or a suite of them: validate, calibrate, train each, compare; exit codes.
 
 :func:`run_config` is what ``python -m experiments.run`` runs once the command line is parsed
-(:mod:`experiments.flags`): a config, or each run of a suite config (``config.suite.<run>``) in
+(:mod:`fedlap_runs.flags`): a config, or each run of a suite config (``config.suite.<run>``) in
 its own work dir and a comparison of them (:mod:`experiments.report`). It returns the command's
 exit status (:mod:`experiments.run` lists them) and prints one line per error.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments import build, calibration
+from fedlap_runs import build, calibration
 
 
 def run_config(config, workdir: str, name: str) -> int:
@@ -21,9 +21,10 @@ def run_config(config, workdir: str, name: str) -> int:
   :mod:`experiments.report`) to ``workdir/report``. Every config of a suite is
   validated before the first one starts.
   """
-  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import library_configs, resume, train  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import compilation_cache  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
+  from experiments import resume, train  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
 
   if "suite" in config:
     targets = [

@@ -1,6 +1,6 @@
 """The experiment loop: ``train_and_evaluate(config, workdir)``.
 
-Method-agnostic: builds its run with :mod:`experiments.build` (the data, the method's
+Method-agnostic: builds its run with :mod:`fedlap_runs.build` (the data, the method's
 library config and mechanism, the model, the keys and the
 :class:`fedlap_jax.algorithm.FederatedAlgorithm`) and runs
 its jitted ``round`` once per communication round (one compilation per run:
@@ -46,7 +46,7 @@ touched.
 
 SIGTERM (schedulers kill about 30 s later): each round is computed in a worker
 thread while the main thread waits on it with the signal handled
-(:mod:`experiments.termination`). A round that finishes within
+(:mod:`fedlap_runs.termination`). A round that finishes within
 ``termination_grace_seconds`` (default 20) of SIGTERM is written and
 checkpointed as usual; one that does not is *abandoned*: nothing of it is
 written but its ledger charge (``privacy_ledger.json``, atomically), the last
@@ -82,7 +82,7 @@ ledger. Raw statistics of the clients' records (:attr:`LocalApproxMetrics.NONPRI
 :attr:`ClientMetrics.NONPRIVATE`) are written only with
 ``debug_nonprivate_stats=True``, under ``"nonprivate"`` in ``metrics.jsonl``.
 
-The seed (:mod:`experiments.seeds`): a DP run without ``config.seed`` draws one from the
+The seed (:mod:`fedlap_runs.seeds`): a DP run without ``config.seed`` draws one from the
 operating system's entropy (128 bits) and keeps it in ``config.json``; a re-run on the same
 work dir reads it back. A given seed is guessable, and ``summary.md`` then says the outputs
 are not private. Timing (``round_seconds``, ``wall_seconds``) goes to its own file,
@@ -113,8 +113,10 @@ from fedlap_jax import accounting, participation
 from fedlap_jax.client_data import normalise_pixels
 from fedlap_jax.training import evaluate
 
-from experiments import build, checkpointing, faults, library_configs, outputs, resume, seeds
-from experiments import export_cache, termination
+from experiments import outputs, resume
+
+from fedlap_runs import build, checkpointing, faults, library_configs, seeds
+from fedlap_runs import export_cache, termination
 
 # How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
 DEFAULT_GRACE_SECONDS = 20.0
@@ -173,11 +175,11 @@ def train_and_evaluate(
 
   Args:
     config: the resolved ``ml_collections.ConfigDict`` (see
-      ``experiments/configs/default.py``).
+      ``fedlap_runs/configs/default.py``).
     workdir: output directory (created); an existing checkpoint is resumed.
     config_name: label for logs and ``summary.md``.
-    built: ``config``'s :class:`experiments.build.Plan` if made already (its data, library
-      config and mechanism, for ``config`` as it is now); else :func:`experiments.build.plan`.
+    built: ``config``'s :class:`fedlap_runs.build.Plan` if made already (its data, library
+      config and mechanism, for ``config`` as it is now); else :func:`fedlap_runs.build.plan`.
 
   Returns:
     ``{'records': [...], 'state': final state, 'ledger': dict | None,
@@ -209,7 +211,7 @@ def train_and_evaluate(
   cfg, seed = _seeded(config, workdir)
   setup = build.build_run(cfg, seed=seed.value, built=planned._replace(cfg=cfg))
   # With JAX's persistent cache on, the round's traced program is kept too: a warm run reads
-  # it back instead of tracing it (experiments.export_cache).
+  # it back instead of tracing it (fedlap_runs.export_cache).
   alg = export_cache.wrap(setup.algorithm, hint=hint)
   sizes = [len(i) for i in setup.client_indices]
   privacy = resume.privacy_fingerprint(cfg, alg, sizes)
@@ -325,7 +327,7 @@ def _writable(workdir: Path) -> Path:
 
 
 def _seeded(config, workdir: Path):
-  """``(cfg, seed)``: a copy of ``config`` with its resolved seed (:func:`experiments.seeds.resolve`:
+  """``(cfg, seed)``: a copy of ``config`` with its resolved seed (:func:`fedlap_runs.seeds.resolve`:
   a DP run without one draws it, a re-run reads it back); the caller's config keeps its
   ``None`` seed (it may be run in another work dir)."""
   try:

@@ -8,7 +8,7 @@ bridge. Modules without ``flwr`` (importable without the ``flower`` extra):
   (``config = "quickstart:dp"``, ``overrides``, ``partition-id``, ...) mapped
   onto the experiments' named ml_collections configs.
 * :mod:`fedlap_flower.task` -- a party's run (library config, calibrated DP
-  mechanism, model and keys, built by :mod:`experiments.build` as for
+  mechanism, model and keys, built by :mod:`fedlap_runs.build` as for
   ``experiments.run``), the round's participants, one client's data partition, the
   server's test split.
 * :mod:`fedlap_flower.method_work` -- a registry method's round cut at the wire, generic over

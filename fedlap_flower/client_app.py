@@ -114,10 +114,10 @@ def train(msg: Message, context: Context) -> Message:
 
   Computed in a worker thread while the process's main thread waits in short steps, so the
   handler Flower's ClientApp process installs for SIGTERM ends the process at once rather
-  than after the round (:func:`experiments.termination.call_interruptibly`). The ledger is
+  than after the round (:func:`fedlap_runs.termination.call_interruptibly`). The ledger is
   charged, atomically, before the round draws any noise: a round cut short stays charged.
   """
-  from experiments import termination  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import termination  # pylint: disable=g-import-not-at-top
 
   return termination.call_interruptibly(_train, msg, context)
 
@@ -179,7 +179,7 @@ def _method_templates(method, config, params, facts):
 
 
 def _model_fns(model, image_shape) -> ModelFns:
-  from experiments import methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import methods  # pylint: disable=g-import-not-at-top
 
   return methods.model_fns(model, image_shape)
 

@@ -58,7 +58,7 @@ or that its group or the world may write, is refused (:func:`check_private`);
 a new one, and each parent it needs, is created ``0700``. Every file in it is created ``0600``, and
 without following a link planted in its place: the ledger and the carried
 set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``
-(:func:`experiments.checkpointing.write_atomic`), the journal and the lock
+(:func:`fedlap_runs.checkpointing.write_atomic`), the journal and the lock
 ``O_NOFOLLOW``; a carried state is read ``O_NOFOLLOW`` too.
 """
 
@@ -80,7 +80,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from experiments.checkpointing import write_atomic, write_json_atomic
+from fedlap_runs.checkpointing import write_atomic, write_json_atomic
 from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import Wire

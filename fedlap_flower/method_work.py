@@ -65,8 +65,8 @@ MAX_CLASSES_KEY = "max-classes-per-client"
 
 
 def run_facts(cfg, facts, num_params: int, max_classes: int = 0) -> RunFacts:
-  """The :class:`~fedlap_jax.method.RunFacts` of a run (as :func:`experiments.methods.algorithm`
-  builds them) from its :class:`experiments.build.Facts`.
+  """The :class:`~fedlap_jax.method.RunFacts` of a run (as :func:`fedlap_runs.methods.algorithm`
+  builds them) from its :class:`fedlap_runs.build.Facts`.
 
   ``max_classes``: the run config's ``max-classes-per-client`` (0: not stated), the most
   classes a client holds (a synthetic set's ``ipc`` slots per class), for a party that reads

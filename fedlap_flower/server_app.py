@@ -1,6 +1,6 @@
 """The ``ServerApp``: FedLAP / FedLAP-DP (or another federated registry method) for ``cfg.rounds`` rounds.
 
-It builds the run exactly as ``experiments.run`` does (:mod:`experiments.build`: the
+It builds the run exactly as ``experiments.run`` does (:mod:`fedlap_runs.build`: the
 library config, the DP mechanism with ``dp.target_epsilon`` calibrated at the smallest
 client of the named partition, the model and its initial parameters from ``key(seed)``,
 the key chain), loads the config's test split (or the npz the server's
@@ -57,7 +57,7 @@ def main(grid: Grid, context: Context) -> None:
   ends the ServerApp process at once, not after the round's server training. The run log is
   on disk round by round (``metrics.jsonl`` lines, ``client_reports.json`` atomically).
   Replies are collected as they arrive, not on Flower's 3 s pulls."""
-  from experiments import termination  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import termination  # pylint: disable=g-import-not-at-top
 
   termination.call_interruptibly(serve, PromptGrid(grid), settings.run_settings(context.run_config))
 
@@ -155,7 +155,7 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     federated_run=info[federated_runs.RUN_INFO_KEY],
   )
   max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))
-  from experiments import methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import methods  # pylint: disable=g-import-not-at-top
 
   shared.update(
     method=method,

@@ -1,7 +1,7 @@
 """The server's state after a completed round: what a resumed run continues from.
 
 ``RUN_DIR/server_state.npz`` is rewritten atomically
-(:func:`experiments.checkpointing.write_atomic`) after every round whose
+(:func:`fedlap_runs.checkpointing.write_atomic`) after every round whose
 update the strategy made: the round ``m``, the global parameters after it
 (packed as :func:`fedlap_flower.records.params_to_record` packs them), the
 strategy's key chain after the round's split, and what the strategy pinned
@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from experiments.checkpointing import write_atomic
+from fedlap_runs.checkpointing import write_atomic
 from fedlap_flower import records, task
 
 STATE_FILE = "server_state.npz"

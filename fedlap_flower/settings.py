@@ -2,7 +2,7 @@
 
 One named config describes both ways of running: ``experiments.run
 --config=quickstart:dp`` and the Flower app with ``config = "quickstart:dp"``
-build the same ml_collections config (``experiments/configs/``), so the same
+build the same ml_collections config (``fedlap_runs/configs/``), so the same
 data, partition, model, loop sizes, privacy parameters and seed.
 
 Run config (``[tool.flwr.app.config]`` of ``fedlap_flower/app/pyproject.toml``,
@@ -12,7 +12,7 @@ every ClientApp see the same values):
 ==============================  =============================================
 key                             meaning
 ==============================  =============================================
-``config``                      ``NAME[:ARG]`` of ``experiments/configs/`` (one
+``config``                      ``NAME[:ARG]`` of ``fedlap_runs/configs/`` (one
                                 run, not a suite); never a path (a config file
                                 is Python: it would run on every node)
 ``overrides``                   ``"FIELD=VALUE ..."``, as ``--config.FIELD=VALUE``
@@ -101,7 +101,7 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
 What a run may name on a node (the run config comes from whoever submits the
 run; every node, the server included, takes only this):
 
-* code: the configs of ``experiments/configs/`` by name (:func:`load_config`
+* code: the configs of ``fedlap_runs/configs/`` by name (:func:`load_config`
   refuses a path before it looks at the disk, so its message says nothing
   about what exists there);
 * data: a client reads only its own ``data-path`` (or, without one, the named
@@ -265,7 +265,7 @@ def overridable(field: str) -> bool:
 
 
 def _check_source(source) -> None:
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   try:
     kind, _ = data_lib.parse_source(source)
@@ -298,11 +298,11 @@ def server_data(cfg):
 def load_config(name: str, overrides: str = ""):
   """The resolved, validated ml_collections config of ``NAME[:ARG]`` plus ``overrides``.
 
-  ``NAME`` must be a config of ``experiments/configs/`` (a path is refused, whether or not
+  ``NAME`` must be a config of ``fedlap_runs/configs/`` (a path is refused, whether or not
   the file exists). ``overrides`` is ``"FIELD=VALUE ..."``, split with shell rules (quote a
   value that holds spaces), each ``FIELD`` one :func:`overridable` allows; each item is
   parsed as ``experiments.run``'s ``--config.FIELD=VALUE``
-  (:func:`experiments.flags.load_config`: by the field's type, ``None`` for a None-able field).
+  (:func:`fedlap_runs.flags.load_config`: by the field's type, ``None`` for a None-able field).
 
   Returns:
     ``(cfg, label)``; ``label`` names the run as ``experiments.run`` does
@@ -312,13 +312,13 @@ def load_config(name: str, overrides: str = ""):
     SettingsError: unknown config name, a suite config, a bad override (``field``: the
       config field whose value does not parse, else ``overrides``), or a method the Flower
       app does not offer.
-    experiments.library_configs.ConfigError: the config itself is invalid.
+    fedlap_runs.library_configs.ConfigError: the config itself is invalid.
   """
-  from experiments import catalog, flags  # pylint: disable=g-import-not-at-top
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import catalog, flags  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
 
   if not isinstance(name, str) or not name:
-    _fail("config", name, "NAME[:ARG] of experiments/configs/ (e.g. 'quickstart:dp_loops')")
+    _fail("config", name, "NAME[:ARG] of fedlap_runs/configs/ (e.g. 'quickstart:dp_loops')")
   if not isinstance(overrides, str):
     _fail("overrides", overrides, "a string of FIELD=VALUE pairs separated by spaces")
   try:
@@ -375,9 +375,9 @@ def load_config(name: str, overrides: str = ""):
 
 
 def _settings_error(e: ConfigError, name: str) -> SettingsError:
-  """:func:`experiments.flags.load_config`'s error as the run config's ``config`` or
+  """:func:`fedlap_runs.flags.load_config`'s error as the run config's ``config`` or
   ``overrides``."""
-  from experiments import flags  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import flags  # pylint: disable=g-import-not-at-top
 
   if e.field == "config":
     text = str(e)

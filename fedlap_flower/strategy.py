@@ -73,7 +73,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from experiments.checkpointing import write_json_atomic
+from fedlap_runs.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
 from fedlap_flower import (
   federated_runs,
@@ -210,7 +210,7 @@ class RunLog:
 
     Call :meth:`check_resumable` first.
     """
-    from experiments import checkpointing  # pylint: disable=g-import-not-at-top
+    from fedlap_runs import checkpointing  # pylint: disable=g-import-not-at-top
 
     run_dir = Path(run_dir)
     kept = checkpointing.truncate_metrics(run_dir / "metrics.jsonl", completed)

@@ -1,16 +1,16 @@
 """What the Flower app builds from a config: a party's run, keys, one client's data, the test split.
 
-The server and every client build their run with :mod:`experiments.build`, the builder of
+The server and every client build their run with :mod:`fedlap_runs.build`, the builder of
 ``experiments.run``, so a Flower client computes what client ``k`` of ``experiments.run``
 computes:
 
-* the library config and the DP mechanism (:func:`experiments.build.plan`), with
+* the library config and the DP mechanism (:func:`fedlap_runs.build.plan`), with
   ``dp.target_epsilon`` calibrated as ``experiments.run`` calibrates it: at the smallest
   client of the config's named data and partition, a public fact every party computes alike
   (:func:`client_run`, :func:`server_run`). A party that does not hold those client sizes (a
   client with its own ``data-path``, a server reading its own npz) refuses the target;
 * the model and the keys: ``k_model, k_alg = split(key(seed))``, a ConvNet initialised with
-  ``k_model`` (:func:`experiments.build.init`); the server's key chain starts at the state key
+  ``k_model`` (:func:`fedlap_runs.build.init`); the server's key chain starts at the state key
   the method's ``init`` derives from ``k_alg`` (FedLAP: the state key of ``init_state``; a
   baseline: ``k_alg`` itself). Every round the method's plan splits it (FedLAP: ``(next,
   k_init, k_clients, k_server)``, :func:`fedlap_jax.methods.fedlap.state.round_keys`), and client
@@ -49,7 +49,7 @@ KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
 
 def enable_compilation_cache() -> None:
   """Keeps compiled XLA programs on disk, where ``experiments.run`` keeps them
-  (:func:`experiments.compilation_cache.enable`: ``$FEDLAP_COMPILATION_CACHE``, else JAX's
+  (:func:`fedlap_runs.compilation_cache.enable`: ``$FEDLAP_COMPILATION_CACHE``, else JAX's
   own setting, else ``~/.cache/fedlap_jax/jax_compilation_cache``; ``none``: off).
 
   A SuperNode starts a new ClientApp process for every message, so without the
@@ -60,7 +60,7 @@ def enable_compilation_cache() -> None:
   """
   if os.environ.get("FEDLAP_FLOWER_JAX_CACHE") == "off":
     return
-  from experiments import compilation_cache  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import compilation_cache  # pylint: disable=g-import-not-at-top
 
   compilation_cache.enable()
 
@@ -68,10 +68,10 @@ def enable_compilation_cache() -> None:
 def kept_exported(fn):
   """``fn`` (jitted, positional arguments) read back from where :func:`enable_compilation_cache`
   keeps programs, as ``experiments.run`` reads its round back
-  (:func:`experiments.export_cache.wrap_program`): a node's fresh process then neither traces
+  (:func:`fedlap_runs.export_cache.wrap_program`): a node's fresh process then neither traces
   nor lowers it, and compiles it from JAX's cache. On exactly when JAX's persistent cache is;
   ``fn`` itself otherwise."""
-  from experiments import export_cache  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import export_cache  # pylint: disable=g-import-not-at-top
 
   return export_cache.wrap_program(fn)
 
@@ -150,12 +150,12 @@ class ClientRun(NamedTuple):
   """What one client builds from the run config (once per run and partition).
 
   Attributes:
-    plan: its :class:`experiments.build.Plan`: the (calibrated) config, the method's library
+    plan: its :class:`fedlap_runs.build.Plan`: the (calibrated) config, the method's library
       config and DP mechanism (its ``data``: the run's facts only, no records).
-    model: its :class:`experiments.build.Model` (``params``: the initial global model, the
+    model: its :class:`fedlap_runs.build.Model` (``params``: the initial global model, the
       layout the parameters of a message unpack into).
     partition: its :class:`Partition`.
-    k_alg: the algorithm's key of the seed (:class:`experiments.build.Init`): what a client
+    k_alg: the algorithm's key of the seed (:class:`fedlap_runs.build.Init`): what a client
       that keeps its own carried state starts it from
       (:attr:`fedlap_jax.method.Method.client_init`).
   """
@@ -180,19 +180,19 @@ def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
 
 
 def own_records(image_shape, num_classes: int):
-  """The :class:`experiments.build.Data` of a party that holds no partition of the config's
-  data (a client's own records, a server's own test data): its :class:`~experiments.build.Facts`
+  """The :class:`fedlap_runs.build.Data` of a party that holds no partition of the config's
+  data (a client's own records, a server's own test data): its :class:`~fedlap_runs.build.Facts`
   without client sizes."""
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
 
   return build.Data(None, None, build.Facts(tuple(image_shape), int(num_classes)))
 
 
 def named_plan(cfg):
-  """The :class:`experiments.build.Plan` of the config's named data and partition, calibrated
+  """The :class:`fedlap_runs.build.Plan` of the config's named data and partition, calibrated
   (``dp.target_epsilon``) at its smallest client as ``experiments.run`` calibrates: what the
   server and every client of a named-partition run compute alike."""
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
 
   return build.plan(cfg, calibrate=True)
 
@@ -206,13 +206,13 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
       a run); only without ``data_path``.
 
   Raises:
-    experiments.library_configs.ConfigError: the data does not fit the config; with
+    fedlap_runs.library_configs.ConfigError: the data does not fit the config; with
       ``data_path``, a ``dp.target_epsilon`` (calibrating it needs the federation's client
       sizes, which a client holding only its own records does not have).
     ValueError: a bad own-data file.
   """
-  from experiments import build  # pylint: disable=g-import-not-at-top
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
 
   if data_path is None:
     p = named_plan(cfg) if plan is None else plan
@@ -291,9 +291,9 @@ OWN_DATA_NORMALISATIONS = ("published", "given")
 def load_own_data(cfg, path: Path):
   """``(x, y, pixel_scale, pixel_offset, num_classes)`` of a client's own npz (``x_train``, ``y_train``).
 
-  The normalisation is ``data.normalisation`` resolved as ``experiments.data``
+  The normalisation is ``data.normalisation`` resolved as ``fedlap_runs.data``
   resolves it, and must be a fixed one (:data:`OWN_DATA_NORMALISATIONS`: the
-  published constants of a row of :mod:`experiments.catalog`, or ``data.mean`` /
+  published constants of a row of :mod:`fedlap_runs.catalog`, or ``data.mean`` /
   ``data.std`` given in the config), the same on every client and on the
   server: ``test_split`` (the client does not hold the server's test split)
   and ``train_split`` (each client would standardise with its own statistics)
@@ -305,8 +305,8 @@ def load_own_data(cfg, path: Path):
       neither uint8 nor float, labels not integers or outside ``0..9``, NaN /
       Inf pixels (checked as float32).
   """
-  from experiments import catalog  # pylint: disable=g-import-not-at-top
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import catalog  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   name = cfg.data.name
   if name not in catalog.PUBLISHED:
@@ -388,7 +388,7 @@ class TestSplit(NamedTuple):
 
 
 def test_split(dataset) -> TestSplit:
-  """The test split of a loaded :class:`experiments.data.Dataset`."""
+  """The test split of a loaded :class:`fedlap_runs.data.Dataset`."""
   return TestSplit(
     jnp.asarray(dataset.x_test),
     jnp.asarray(dataset.y_test),
@@ -401,8 +401,8 @@ def test_split(dataset) -> TestSplit:
 
 def load_test_split(cfg) -> TestSplit:
   """The test split of ``cfg.data`` (what ``experiments.run`` evaluates on)."""
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
 
   try:
     dataset = data_lib.load_dataset(cfg.data)
@@ -414,8 +414,8 @@ def load_test_split(cfg) -> TestSplit:
 
 
 def server_run(cfg, data_cfg=None):
-  """The server's ``(plan, init, test split)``: its :class:`experiments.build.Plan`, the
-  :class:`experiments.build.Init` of the seed (the initial model, ``k_alg``) and the
+  """The server's ``(plan, init, test split)``: its :class:`fedlap_runs.build.Plan`, the
+  :class:`fedlap_runs.build.Init` of the seed (the initial model, ``k_alg``) and the
   :class:`TestSplit`.
 
   ``data_cfg``: ``cfg`` with the server's own test data (:func:`fedlap_flower.settings.server_data`;
@@ -425,10 +425,10 @@ def server_run(cfg, data_cfg=None):
   knows no client sizes, and refuses ``dp.target_epsilon``.
 
   Raises:
-    experiments.library_configs.ConfigError: the config or the data; ``dp.target_epsilon``
+    fedlap_runs.library_configs.ConfigError: the config or the data; ``dp.target_epsilon``
       with the server's own data.
   """
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
 
   if data_cfg is None or data_cfg is cfg:
     p = named_plan(cfg)

@@ -83,7 +83,7 @@ from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-from experiments import termination
+from fedlap_runs import termination
 from fedlap_flower import signed_runs
 from fedlap_flower.runtime import run_signature, support
 
@@ -303,7 +303,7 @@ def run_task(
 ) -> str:
   """Runs one acquired task as ``flwr-clientapp`` would; returns its sub-status.
 
-  The ClientApp computes in a worker thread (:func:`experiments.termination.wait_for`) while
+  The ClientApp computes in a worker thread (:func:`fedlap_runs.termination.wait_for`) while
   this thread watches the heartbeat: a stopped task is abandoned at once (its thread computes
   on; :func:`serve` then ends this process).
   """

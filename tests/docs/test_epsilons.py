@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments import calibration, configs, epsilons, flags
-from experiments.configs import fedlap
+from experiments import epsilons
+
+from fedlap_runs import calibration, configs, flags
+from fedlap_runs.configs import fedlap
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +102,7 @@ def test_digits_sizes_come_from_the_data():
 def test_config_docstrings_state_no_unlabelled_epsilon():
   """A figure in a config file is a generated quote or labelled as the paper's add/remove."""
   loose = []
-  for path in sorted((ROOT / "experiments" / "configs").glob("*.py")):
+  for path in sorted((ROOT / "fedlap_runs" / "configs").glob("*.py")):
     text = epsilons.QUOTE.sub("", path.read_text())
     for m in re.finditer(r"(?i)\bepsilon\s+(\d+(?:\.\d+)?)", text):
       before = " ".join(text[max(0, m.start() - 40) : m.start()].split())

@@ -14,8 +14,8 @@ DELTA = 1e-5
 def test_cli_audits_a_run_dir(tmp_path, capsys):
   """A run dir (config.json + checkpoint + ledger) -> audit/ files; the checkpointed model is audited."""
   audit = pytest.importorskip("experiments.audit")
-  from experiments import checkpointing
-  from experiments.configs import quickstart
+  from fedlap_runs import checkpointing
+  from fedlap_runs.configs import quickstart
   from fedlap_jax.accounting import PrivacyLedger
 
   cfg = quickstart.dp_config()

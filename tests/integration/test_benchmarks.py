@@ -89,11 +89,11 @@ def test_gpu_script_variants_and_goals(tmp_path):
 
 
 def test_many_clients_defaults_to_the_built_subset_and_tabulates_a_log(tmp_path):
-  """Without --data the benchmark reads where ``experiments.datasets`` writes mnist10k (the
+  """Without --data the benchmark reads where ``fedlap_runs.datasets`` writes mnist10k (the
   data cache under the home directory), and says how to build it when it is missing."""
   missing = run_script("benchmarks.many_clients", "--data", str(tmp_path / "missing.npz"))
   assert missing.returncode == 1
-  assert "built by `python -m experiments.datasets mnist10k`" in missing.stderr
+  assert "built by `python -m fedlap_runs.datasets mnist10k`" in missing.stderr
   assert f"--data={str(tmp_path / 'missing.npz')!r} is invalid" in missing.stderr
   default = run_script("benchmarks.many_clients", HOME=str(tmp_path))
   built = tmp_path / ".cache" / "fedlap_jax" / "mnist10k.npz"
@@ -212,8 +212,8 @@ spec.loader.exec_module(compile_times)
 compile_times._only_from(Path(sys.argv[2]))
 import experiments
 try:
-  import experiments.export_cache
-  print("imported", experiments.export_cache.__file__)
+  import fedlap_runs.export_cache
+  print("imported", fedlap_runs.export_cache.__file__)
 except ImportError:
   print("missing")
 print("foreign", compile_times._foreign_modules(Path(sys.argv[2])))
@@ -221,7 +221,7 @@ print("foreign", compile_times._foreign_modules(Path(sys.argv[2])))
 
 
 def test_compile_times_children_import_the_project_from_their_tree_alone(tmp_path):
-  """A ref tree that lacks a module (``experiments.export_cache`` before it was written) does
+  """A ref tree that lacks a module (``fedlap_runs.export_cache`` before it was written) does
   not get it from the tree the project is installed from (an editable install's finder)."""
   (tmp_path / "experiments").mkdir()
   (tmp_path / "experiments" / "__init__.py").write_text("")
@@ -276,7 +276,7 @@ def test_compile_times_measures_cold_warm_and_a_git_ref_on_identical_work(tmp_pa
     cold, warm = r["cold"], r["warm"]
     assert (cold["events"]["round"]["compile_n"], cold["events"]["round"]["cache_hits"]) == (1, 0)
     # Warm, the round's program is read back in round 1, or before it on the background
-    # thread of a tree that prefetches it (experiments.export_cache.prefetch).
+    # thread of a tree that prefetches it (fedlap_runs.export_cache.prefetch).
     built = [warm["events"].get(phase, {}) for phase in ("round", "background")]
     assert sum(b.get("compile_n", 0) for b in built) == 1
     assert sum(b.get("cache_hits", 0) for b in built) == 1

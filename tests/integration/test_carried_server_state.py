@@ -12,7 +12,9 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import library_configs, methods, resume, train
+from experiments import resume, train
+
+from fedlap_runs import library_configs, methods
 from fedlap_jax import rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.config import ServerConfig, fixed_epochs_server
@@ -49,7 +51,7 @@ def _records(out):
 def runs(tmp_path_factory):
   """Straight runs with and without ``server.carry_state``, and the carried run stopped in
   round 3 (after round 2's checkpoint) and resumed."""
-  from experiments import faults  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import faults  # pylint: disable=g-import-not-at-top
 
   carried = dict(ADAM_SERVER, **{"server.carry_state": True})
   fresh = train.train_and_evaluate(tiny_config(**ADAM_SERVER), tmp_path_factory.mktemp("fresh"))

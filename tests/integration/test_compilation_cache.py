@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from experiments import compilation_cache, export_cache, run
-from experiments import flags as run_flags
+from experiments import run
+
+from fedlap_runs import compilation_cache, export_cache
+from fedlap_runs import flags as run_flags
 from fedlap_jax.checks import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +152,7 @@ def test_a_second_run_compiles_nothing_and_the_cached_programs_hold_no_data_or_k
   for k in keys:
     assert held(np.asarray(jax.random.key_data(k)).astype("<u4").tobytes()) == 0
   cfg, _ = run_flags.load_config("quickstart:dp")
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   dataset = data_lib.load_dataset(cfg.data)
   scale, offset = float(dataset.pixel_scale.ravel()[0]), float(dataset.pixel_offset.ravel()[0])
@@ -264,8 +266,8 @@ def test_enable_switches_this_process_to_the_cache_with_the_run_settings(monkeyp
 
 def small_run(name: str = "quickstart:dp"):
   """``(algorithm, state, clients)`` of the small FedLAP(-DP) run of :data:`SMALL`."""
-  from experiments import calibration  # pylint: disable=g-import-not-at-top
-  from experiments.build import build_run  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import calibration  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.build import build_run  # pylint: disable=g-import-not-at-top
 
   cfg, _ = run_flags.load_config(name, [f[len("--config.") :] for f in SMALL])
   cfg.seed = SEED
@@ -453,7 +455,7 @@ COUNTING_FLOWER_RUN = """
 import hashlib, json, sys
 sys.path.insert(0, "tests")
 import jax
-from experiments import compilation_cache
+from fedlap_runs import compilation_cache
 compilation_cache.enable()
 built, hit, exported = [], [False], []
 def on_event(event, **kwargs):

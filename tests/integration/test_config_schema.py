@@ -10,8 +10,8 @@ from fedlap_jax import dp_config
 from fedlap_jax.methods.fedlap import config as core
 from fedlap_jax.checks import ConfigError
 
-from experiments import library_configs, methods
-from experiments.configs import default, fedlap, schema
+from fedlap_runs import library_configs, methods
+from fedlap_runs.configs import default, fedlap, schema
 
 
 def test_sections_are_the_dataclasses_fields_and_defaults():

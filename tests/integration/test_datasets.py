@@ -1,4 +1,4 @@
-"""``python -m experiments.datasets``: the subset rule, the npz bytes, the checksum file, offline.
+"""``python -m fedlap_runs.datasets``: the subset rule, the npz bytes, the checksum file, offline.
 
 tfds runs under ``tfds.testing.mock_data`` (random records, the same on every load) with
 the subsets shrunk to a few records; nothing reaches the network.
@@ -7,8 +7,8 @@ the subsets shrunk to a few records; nothing reaches the network.
 import numpy as np
 import pytest
 
-from experiments import data as data_lib
-from experiments import datasets
+from fedlap_runs import data as data_lib
+from fedlap_runs import datasets
 
 tfds = pytest.importorskip("tensorflow_datasets")
 
@@ -145,17 +145,17 @@ def test_default_output_is_the_data_cache():
 
 
 def test_a_run_reads_a_built_subset_by_name(tmp_path, monkeypatch, small_subsets):
-  """``--config.data.source=subset:NAME`` reads what ``python -m experiments.datasets NAME``
+  """``--config.data.source=subset:NAME`` reads what ``python -m fedlap_runs.datasets NAME``
   wrote into the data cache; before the build it is refused naming the command."""
-  from experiments import library_configs
-  from experiments.configs import default
+  from fedlap_runs import library_configs
+  from fedlap_runs.configs import default
 
   from fedlap_jax.checks import ConfigError
 
   monkeypatch.setenv("HOME", str(tmp_path))
   cfg = default.get_config()
   cfg.data.name, cfg.data.source = "mnist", "subset:mnist10k"
-  with pytest.raises(ConfigError, match="python -m experiments.datasets mnist10k") as err:
+  with pytest.raises(ConfigError, match="python -m fedlap_runs.datasets mnist10k") as err:
     library_configs.validate_config(cfg)
   assert err.value.field == "data.source"
   with tfds.testing.mock_data(num_examples=50):

@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from experiments import build, calibration, flags, library_configs, report, run, train
-from experiments.configs import compare_dp, quickstart, quickstart_compare
+from experiments import report, run, train
+
+from fedlap_runs import build, calibration, flags, library_configs
+from fedlap_runs.configs import compare_dp, quickstart, quickstart_compare
 from fedlap_jax import accounting
 
 # The quickstart's digits partition (records per client); passing it keeps these tests off the

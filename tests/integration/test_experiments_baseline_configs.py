@@ -2,8 +2,8 @@
 
 import pytest
 
-from experiments import calibration, configs, flags, library_configs
-from experiments.configs import baselines, quickstart_compare
+from fedlap_runs import calibration, configs, flags, library_configs
+from fedlap_runs.configs import baselines, quickstart_compare
 from fedlap_jax import accounting
 from fedlap_jax.baselines import steps_per_epoch
 
@@ -98,7 +98,7 @@ def test_quickstart_compare_matches_epsilon_of_fedlap_dp():
 
 def test_quickstart_compare_config_reads_no_data(monkeypatch):
   """The config file only describes the suite; the data is read when the suite runs."""
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   def no_io(*args, **kwargs):
     raise AssertionError("get_config() loaded a dataset")

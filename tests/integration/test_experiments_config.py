@@ -10,10 +10,11 @@ from fedlap_jax import accounting
 from fedlap_jax import dp_config
 from fedlap_jax.methods.fedlap import config as core
 
-from experiments import data as data_lib
-from experiments import flags, library_configs, run
-from experiments import configs
-from experiments.configs import default, quickstart
+from fedlap_runs import data as data_lib
+from experiments import run
+from fedlap_runs import flags, library_configs
+from fedlap_runs import configs
+from fedlap_runs.configs import default, quickstart
 
 NAMED = [
   ("mnist_nondp", None),
@@ -346,7 +347,7 @@ def test_cli_unknown_config_name_lists_the_available_ones(capsys):
   assert run.main(["prog", "--config=cifar_pd"]) == 2  # was 1 (a SystemExit with a message)
   err = capsys.readouterr().err
   assert re.fullmatch(
-    r"error: --config='cifar_pd' is invalid: no experiments/configs/cifar_pd.py;"
+    r"error: --config='cifar_pd' is invalid: no fedlap_runs/configs/cifar_pd.py;"
     r" allowed: one of \[.*'cifar_dp'.*\] \(optionally NAME:ARG\), or a path to a config \.py "
     r"file\n",
     err,
@@ -406,7 +407,7 @@ def test_cli_help_lists_every_config_name_and_exits_0(capsys):
     assert run.main(argv) == 0, argv
     out = capsys.readouterr().out
     assert out.startswith("Runs one experiment from a named config.")
-    listed = out.split("NAME is one of (experiments/configs/ and its aliases):", 1)[1]
+    listed = out.split("NAME is one of (fedlap_runs/configs/ and its aliases):", 1)[1]
     assert re.split(r"[,\s]+", listed.strip()) == list(configs.names())
   # Without --config: the same text on stderr, a one-line error, exit status 2.
   assert run.main(["prog"]) == 2
@@ -631,7 +632,7 @@ def test_paper_dp_configs_are_unchanged_by_the_recipe():
 def test_dp_on_a_non_dp_config_names_every_coupled_field_at_once(name, fields, capsys):
   """--config.dp.enabled=True on a non-DP config: one error with every field DP needs changed
   and the flags that change them; with those flags the config is a valid DP run."""
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
 
   config, _ = flags.load_config(name, ["dp.enabled=True"])
   with pytest.raises(library_configs.ConfigError) as err:

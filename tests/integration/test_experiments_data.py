@@ -10,8 +10,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments import data as data_lib
-from experiments import library_configs
+from fedlap_runs import data as data_lib
+from fedlap_runs import library_configs
 
 
 def data_cfg(**kw):
@@ -130,8 +130,8 @@ def test_released_client_sizes_come_from_the_public_partition_seed_not_the_secre
   """Dirichlet client sizes are released (run_info.json, and a DP client's epsilon depends on
   its size). Drawn from the secret seed they would let anyone test seed guesses offline, and
   the seed determines every noise draw."""
-  from experiments import calibration  # pylint: disable=g-import-not-at-top
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import calibration  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.dp_config()
   cfg.data.partition = "dirichlet"
@@ -269,7 +269,7 @@ def test_tfds_mock_one_tiny_round(tmp_path):
   """The tfds path end to end: load, partition, one non-DP round with a tiny model."""
   tfds = pytest.importorskip("tensorflow_datasets")
   from experiments import train  # pylint: disable=g-import-not-at-top
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.nondp_config()
   cfg.data.name, cfg.data.source, cfg.data.cache_dir = "mnist", "tfds", str(tmp_path / "cache")

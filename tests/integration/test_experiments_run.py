@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import build, checkpointing, outputs, report, resume, run, train
+from experiments import outputs, report, resume, run, train
+
+from fedlap_runs import build, checkpointing
 from fedlap_jax import accounting, baselines
-from experiments.configs import quickstart
+from fedlap_runs.configs import quickstart
 
 
 TINY = {
@@ -259,7 +261,7 @@ def test_dp_workdir_holds_only_dp_outputs_and_public_values(straight):
   assert set(info) <= PUBLIC_INFO_KEYS, set(info) - PUBLIC_INFO_KEYS
   assert "seed" not in info and info["partition_seed"] == 0  # the partition's: public
   # Normalisation: the public test split's statistics, nothing of the training records.
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   _, _, x_test, _ = data_lib.load_digits()
   assert info["normalisation"]["source"] == "test_split"
@@ -501,7 +503,7 @@ def test_ctrl_c_charges_the_abandoned_round_and_the_resume_equals_the_uninterrup
   """Ctrl-C while round 3 is computing: its noisy accesses happened, so the live ledger is
   charged for it (3 rounds) though nothing of it is written; the resume redoes round 3 from
   checkpoint 2 with the same keys, and the ledger and records end as an uninterrupted run's."""
-  from experiments import termination  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import termination  # pylint: disable=g-import-not-at-top
 
   wait_for = termination.wait_for
   rounds = []
@@ -618,7 +620,7 @@ def test_nondp_resume_may_change_the_client_backend(tmp_path, capsys):
 
 def test_non_finite_round_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   """Round 2 returns NaN parameters and a NaN matching loss on client 3 (npz source)."""
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   x_train, y_train, x_test, y_test = data_lib.load_digits()
   npz = tmp_path / "digits.npz"
@@ -707,7 +709,7 @@ def test_baseline_runs_through_the_same_driver(tmp_path):
 
 def test_uint8_data_stays_uint8_on_the_device_and_is_evaluated_normalised(tmp_path):
   """An npz of uint8 pixels: clients and test set stay uint8; metrics use normalised inputs."""
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
   from fedlap_jax.training import evaluate  # pylint: disable=g-import-not-at-top
 
   x_train, y_train, x_test, y_test = data_lib.load_digits()
@@ -948,7 +950,7 @@ def test_workdir_that_is_a_file_or_unwritable_exits_2(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory):
   """Two rounds through the command line without --config.seed, then the same command again."""
-  from experiments import seeds  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import seeds  # pylint: disable=g-import-not-at-top
 
   workdir = tmp_path_factory.mktemp("drawn")
   flags = {k: v for k, v in TINY.items() if k != "seed"}
@@ -1001,7 +1003,7 @@ def test_a_dp_work_dir_without_its_seed_is_not_given_a_new_one(drawn, tmp_path):
 
 
 def test_a_seed_key_is_the_old_one_below_2_64_and_holds_128_bits_above():
-  from experiments import seeds  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import seeds  # pylint: disable=g-import-not-at-top
 
   assert (jax.random.key_data(seeds.run_key(7)) == jax.random.key_data(jax.random.key(7))).all()
   a, b = seeds.run_key(2**100), seeds.run_key(2**100 + 2**70)
@@ -1012,7 +1014,7 @@ def test_a_seed_key_is_the_old_one_below_2_64_and_holds_128_bits_above():
 
 
 def test_runs_without_dp_keep_seed_0(tmp_path):
-  from experiments import seeds  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import seeds  # pylint: disable=g-import-not-at-top
 
   assert seeds.resolve(None, private=False, workdir=tmp_path) == seeds.Seed(0, seeds.DEFAULT)
   assert seeds.resolve(3, private=True, workdir=tmp_path).origin == seeds.GIVEN
@@ -1142,7 +1144,7 @@ def test_the_quickstarts_upload_is_what_their_clients_send(config, floats):
   """Per client and round: 10 images per class x 2 classes x 8x8x1 and r_k; the hybrid
   (quickstart:dp) also sends its model delta, one float per parameter (10,986): 1.12x the
   model, not the images' 0.117x."""
-  from experiments import flags  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import flags  # pylint: disable=g-import-not-at-top
 
   cfg, _ = flags.load_config(config)
   p = build.plan(cfg)

@@ -10,8 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from experiments import build, configs, flags, library_configs, outputs, report, run, train
-from experiments.configs import quickstart_compare, synthetic
+from experiments import outputs, report, run, train
+
+from fedlap_runs import build, configs, flags, library_configs
+from fedlap_runs.configs import quickstart_compare, synthetic
 from fedlap_jax import accounting
 
 # Long runs of few programs: compiled for speed of execution (conftest).

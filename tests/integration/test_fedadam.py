@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import checkpointing, configs, run, train
+from experiments import run, train
+
+from fedlap_runs import checkpointing, configs
 from fedlap_jax import baselines, rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import ModelFns, RunFacts

@@ -75,7 +75,7 @@ def test_settings_map_onto_the_named_configs(tmp_path):
   "run_config, match",
   [
     ({"config": "quickstart"}, "config='quickstart' is invalid; allowed: one run"),
-    ({"config": "nosuch"}, "no experiments/configs/nosuch.py"),
+    ({"config": "nosuch"}, "no fedlap_runs/configs/nosuch.py"),
     ({"config": "quickstart:dp_loops", "overrides": "client.nosuch=1"}, "'client.nosuch' is not a"),
     ({"config": "quickstart:dp_loops", "overrides": "seed"}, "allowed: FIELD=VALUE"),
     ({"config": "quickstart:dp_loops", "overrides": "rounds=abc"}, "rounds='abc' is invalid"),
@@ -106,7 +106,7 @@ def test_the_hybrid_dp_recipe_is_a_flower_run_config():
 
 
 def test_bad_config_values_fail_the_experiments_validation():
-  from experiments import library_configs
+  from fedlap_runs import library_configs
 
   with pytest.raises(library_configs.ConfigError, match="client.ipc=0 is invalid"):
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": "client.ipc=0"})
@@ -498,7 +498,7 @@ def test_a_target_epsilon_calibrates_the_flower_run_as_experiments_run(tmp_path)
 def _own_data_sites(tmp_path, num: int = 5) -> tuple[dict, str]:
   """Digits as 8x8 uint8 'mnist' in one npz per client (and the server's own npz): the node
   configs of clients holding their own records, and the server npz's path."""
-  from experiments import data as data_lib
+  from fedlap_runs import data as data_lib
 
   digits = data_lib.load_digits()
   x_train, y_train, x_test, y_test = (
@@ -658,7 +658,7 @@ def test_dp_clients_use_secret_keys_keep_ledgers_and_send_nothing_else(tmp_path,
     assert mine == [h["epsilon"] for h in hist]
   # Each client accounts with its own N_k; the largest epsilon (the smallest client's)
   # is experiments.run's, which accounts every client with q = B / min_k N_k.
-  from experiments import data as data_lib
+  from fedlap_runs import data as data_lib
 
   cfg, _ = settings.load_config("quickstart:dp_loops", TINY)
   sizes = [len(i) for i in data_lib.client_split(data_lib.load_dataset(cfg.data), cfg.data)]
@@ -873,7 +873,7 @@ def test_overrides_choose_feddms_and_dscs_image_optimiser_and_a_bad_one_is_refus
   """``feddm.image_optimizer`` / ``condense.image_optimizer`` are config fields the overrides
   may set; the run's library config (what the server and every client build) holds the spec,
   and a second source of the SGD's momentum is refused by name."""
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
 
   for method, section in (("feddm", "feddm"), ("dsc", "condense")):
     overrides = (
@@ -1835,7 +1835,7 @@ def test_a_stopped_run_without_a_federated_identity_resumes_only_without_carried
 def test_the_server_state_round_trips(tmp_path):
   import jax
 
-  from experiments import build
+  from fedlap_runs import build
   from fedlap_flower import server_state, task
 
   run = settings.run_settings({"config": "quickstart:dp_loops"})
@@ -1952,7 +1952,7 @@ def test_a_client_with_its_own_max_epsilon_refuses_a_run_without_dp(tmp_path):
 @pytest.mark.slow
 def test_clients_with_their_own_data_files(tmp_path, monkeypatch):
   """data-path: each client holds only its own records (here digits as 8x8 uint8 'mnist')."""
-  from experiments import data as data_lib
+  from fedlap_runs import data as data_lib
 
   digits = data_lib.load_digits()
   x_train, y_train, x_test, y_test = (
@@ -2009,7 +2009,7 @@ def test_clients_with_their_own_data_files(tmp_path, monkeypatch):
 
 
 # Run-config overrides and experiments.run's --config.FIELD=VALUE: ints, floats, bools, strings,
-# tuples, and None for None-able fields (placeholders of experiments/configs/default.py).
+# tuples, and None for None-able fields (placeholders of fedlap_runs/configs/default.py).
 SAME_OVERRIDES = (
   "seed=3 rounds=4 dp.noise_multiplier=2 dp.delta=1e-4 plots=false "
   "progress_bar=False data.source=sklearn client.dsa_strategy='' "
@@ -2032,7 +2032,7 @@ def _cli_config(monkeypatch, name, items):
 def test_override_strings_give_the_cli_config(monkeypatch):
   import shlex
 
-  from experiments import flags
+  from fedlap_runs import flags
 
   items = shlex.split(SAME_OVERRIDES)
   rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", items)
@@ -2071,7 +2071,7 @@ def test_override_strings_give_the_cli_config(monkeypatch):
   ],
 )
 def test_a_bad_override_is_refused_by_both_naming_the_field(monkeypatch, capsys, item, field):
-  from experiments import flags, library_configs
+  from fedlap_runs import flags, library_configs
 
   rc, cli = _cli_config(monkeypatch, "quickstart:dp_loops", [item])
   assert rc == 2 and cli is None and field.split(".")[-1] in capsys.readouterr().err
@@ -2174,7 +2174,7 @@ def test_a_flower_run_overrides_only_allowed_fields(tmp_path, item, field):
   assert err.value.field == field and str(err.value).startswith("overrides: "), str(err.value)
   assert "No such file" not in str(err.value) and "existing" not in str(err.value)
   # experiments.run (its user's own command line) takes every field.
-  from experiments import flags
+  from fedlap_runs import flags
 
   if not item.startswith(("data.source", "nosection")):
     flags.load_config("quickstart:dp_loops", [item])
@@ -2203,12 +2203,12 @@ def test_settings_errors_are_config_errors_naming_the_key():
   with pytest.raises(fedlap_jax.ConfigError) as err:
     settings.run_settings({"config": "nosuch"})
   assert (err.value.field, err.value.value) == ("config", "nosuch")
-  assert "config='nosuch' is invalid: no experiments/configs/nosuch.py" in str(err.value)
+  assert "config='nosuch' is invalid: no fedlap_runs/configs/nosuch.py" in str(err.value)
 
 
 def test_dp_runs_never_weight_by_the_clients_record_counts():
   """A DP client does not release N_k: the settings refuse size weighting under DP."""
-  from experiments import library_configs
+  from fedlap_runs import library_configs
 
   run = settings.run_settings(
     {"config": "quickstart:dp_loops", "overrides": "server.weighting=None"}

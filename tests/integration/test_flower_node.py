@@ -25,7 +25,7 @@ from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=
 from flwr.supercore.constant import TaskType
 from flwr.supercore.primitives.asymmetric_ed25519 import create_message_to_sign, load_private_key
 
-from experiments import termination
+from fedlap_runs import termination
 from fedlap_flower import signed_runs
 from fedlap_flower.prompt_grid import PromptGrid
 from fedlap_flower.runtime import run_signature, warm_clientapp

@@ -445,7 +445,7 @@ def test_max_update_norm_values_and_what_auto_needs():
   assert settings.run_settings(rc).max_update_norm == ""
   assert settings.run_settings({**rc, "max-update-norm": "none"}).max_update_norm is None
   assert settings.run_settings({**rc, "max-update-norm": 5}).max_update_norm == 5.0
-  from experiments import library_configs
+  from fedlap_runs import library_configs
 
   cfg = settings.run_settings(rc).cfg
   fedavg, config = method_work.method_of(cfg), library_configs.library_config(cfg)
@@ -608,7 +608,7 @@ def test_a_non_finite_update_is_refused_and_the_previous_model_kept(
 @pytest.mark.slow
 def test_honest_model_deltas_stay_far_inside_the_bound(genuine):
   """The hybrid's deltas, as the real clients send them, against max_delta_norm."""
-  from experiments import library_configs
+  from fedlap_runs import library_configs
 
   run = settings.run_settings({"config": "quickstart:dp", "overrides": HYBRID_ONE})
   fc = library_configs.library_config(run.cfg)
@@ -714,7 +714,7 @@ def test_metric_checks_name_the_field(metrics, check, match):
 
 def test_the_delta_bound_follows_the_config():
   """DP hybrid: min(r + eta G, max_outer eta G); without DP (no clip) no bound."""
-  from experiments import library_configs
+  from fedlap_runs import library_configs
 
   run = settings.run_settings({"config": "quickstart:dp"})
   c = library_configs.library_config(run.cfg).client
@@ -744,7 +744,7 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
   [radius_floor(eta_m), r] and, under DP with noisy_real model steps, ||model_delta|| at most
   the delta bound at eta_m; each refusal names the field. Method.round_record: the server's
   numbers of a round, the clients' r_k in their updates' order, r_g None when not finite."""
-  from experiments import library_configs
+  from fedlap_runs import library_configs
   from fedlap_jax.methods.fedlap import state as federated
   from fedlap_jax.methods.fedlap import server
   from fedlap_jax.checks import ConfigError

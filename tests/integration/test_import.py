@@ -169,13 +169,13 @@ def test_the_main_job_loads_and_builds_its_runs_without_tensorflow():
           package = importlib.import_module(top)
           for m in pkgutil.walk_packages(package.__path__, top + "."):
             importlib.import_module(m.name)
-      from experiments import build, flags
+      from fedlap_runs import build, flags
       config, _ = flags.load_config("quickstart")
       for run in config.suite.values():
         build.plan(run)
       loaded = sorted(m for m, v in sys.modules.items() if v and m.startswith("tensorflow"))
       assert not loaded, loaded
-      from experiments import data
+      from fedlap_runs import data
       try:
         data.load_tfds("mnist", cache_dir="none")
       except ValueError as e:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments import checkpointing, export_cache, run
+from experiments import run
+
+from fedlap_runs import checkpointing, export_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {

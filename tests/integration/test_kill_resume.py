@@ -3,7 +3,7 @@
 A tiny FedLAP-DP run (digits, ConvNet-8x1, 6 rounds, a checkpoint every 2
 rounds) is run once straight, and once as a chain of processes that are
 interrupted at deterministic points by the fault-injection hook
-(:mod:`experiments.faults`, ``FEDLAP_JAX_FAULT=POINT:ROUND[:SIGNAL]``):
+(:mod:`fedlap_runs.faults`, ``FEDLAP_JAX_FAULT=POINT:ROUND[:SIGNAL]``):
 
 1. SIGKILL during round 3 (computed, nothing of it written);
 2. SIGKILL inside the checkpoint save of round 4 (orbax's temporary directory
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import checkpointing
+from fedlap_runs import checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {
@@ -238,7 +238,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 # PSG on the digits, shrunk: one round of T = 2 * 1 * 2 noisy accesses per client.
 ONESHOT_CONFIG = """\
-from experiments.configs import quickstart, quickstart_compare
+from fedlap_runs.configs import quickstart, quickstart_compare
 
 
 def get_config():

@@ -12,7 +12,7 @@ from pathlib import Path
 import ml_collections
 import pytest
 
-from experiments import configs
+from fedlap_runs import configs
 
 FROZEN = json.loads((Path(__file__).parent / "data" / "named_configs.json").read_text())
 
@@ -65,7 +65,7 @@ def test_the_cli_loads_the_same_config(name):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-  from experiments import flags as run_flags  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import flags as run_flags  # pylint: disable=g-import-not-at-top
 
   argv, label = run_flags.rewrite_argv(["prog", f"--config={name}"])
   assert label.startswith(name.partition(":")[0])
@@ -89,10 +89,10 @@ def _imports(path: Path) -> set[str]:
 
   out = set()
   for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module == "experiments.configs":
+    if isinstance(node, ast.ImportFrom) and node.module == "fedlap_runs.configs":
       out |= {a.name for a in node.names}
     elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-      "experiments.configs."
+      "fedlap_runs.configs."
     ):
       out.add(node.module.split(".")[2])
   return out

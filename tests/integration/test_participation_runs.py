@@ -29,8 +29,8 @@ pytest.importorskip("dp_accounting")
 
 
 def test_config_validation_refuses_more_clients_than_k():
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.dp_config()
   cfg.data.clients_per_round = 6
@@ -39,8 +39,8 @@ def test_config_validation_refuses_more_clients_than_k():
 
 
 def test_config_validation_refuses_a_negative_participation_seed():
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.dp_config()
   cfg.data.participation_seed = -1  # (ml_collections refuses other types itself)
@@ -55,7 +55,8 @@ def test_config_validation_refuses_a_negative_participation_seed():
 def sampled_runs(tmp_path_factory):
   """Tiny FedLAP-DP, 2 of 5 clients per round, 4 rounds: straight, and stopped after round 2."""
   from test_experiments_run import tiny_config  # pylint: disable=g-import-not-at-top
-  from experiments import faults, train  # pylint: disable=g-import-not-at-top
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import faults  # pylint: disable=g-import-not-at-top
 
   overrides = dict(
     progress_bar=False,
@@ -106,7 +107,7 @@ def test_sampled_run_charges_only_participants_and_keeps_unsampled_sets(sampled_
   ]
   assert per_client  # per-client metrics are of the 2 sampled clients
   # FedLAP-DP carries synthetic sets: those of clients never sampled are the initial noise.
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
 
   setup = build.build_run(tiny_config(**overrides))
   before, after = np.asarray(setup.state.synthetic.x), np.asarray(out["state"].synthetic.x)

@@ -12,7 +12,9 @@ import jax
 import optax
 import pytest
 
-from experiments import checkpointing, configs, resume
+from experiments import resume
+
+from fedlap_runs import checkpointing, configs
 from fedlap_jax import baselines, optim, rounds
 from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.method import ModelFns

@@ -1,16 +1,16 @@
-"""Data sets and models are rows: a data set is one row of :mod:`experiments.catalog`
+"""Data sets and models are rows: a data set is one row of :mod:`fedlap_runs.catalog`
 (SVHN, run end to end on ``tfds.testing.mock_data``)."""
 
 import numpy as np
 import pytest
 
-from experiments import catalog, library_configs
-from experiments.configs import fedlap
+from fedlap_runs import catalog, library_configs
+from fedlap_runs.configs import fedlap
 
 
 def tiny_run_config(name: str, source: str, cache_dir: str):
   """A one-round non-DP FedLAP run on ``name`` with a tiny ConvNet."""
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.nondp_config()
   cfg.data.name, cfg.data.source, cfg.data.cache_dir = name, source, cache_dir
@@ -34,7 +34,7 @@ def test_svhn_is_one_row_and_runs_end_to_end(tmp_path):
   """``data.name='svhn_cropped'``: loaded through tfds (mocked), normalised with its
   published constants, partitioned, one round trained and evaluated."""
   tfds = pytest.importorskip("tensorflow_datasets")
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
   from experiments import train  # pylint: disable=g-import-not-at-top
 
   cfg = tiny_run_config("svhn_cropped", "tfds", str(tmp_path / "cache"))
@@ -94,7 +94,7 @@ def test_a_users_model_runs_in_experiments_run(name, tmp_path):
   "name", ["resnet", "user_models", "user_models:Missing", "no_such_module:MLP"]
 )
 def test_a_model_name_that_names_nothing_is_refused_by_its_field(name):
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
   from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.nondp_config()
@@ -108,7 +108,7 @@ def test_a_model_name_that_names_nothing_is_refused_by_its_field(name):
 def test_a_users_model_with_batchnorm_is_refused_under_dp(name, tmp_path):
   """The library's DP refusal applies to a user's model as to any other."""
   from experiments import train  # pylint: disable=g-import-not-at-top
-  from experiments.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
   from fedlap_jax.per_example import NotDpSafe  # pylint: disable=g-import-not-at-top
 
   cfg = quickstart.dp_config()
@@ -123,7 +123,7 @@ def test_a_model_callable_that_returns_no_module_is_refused_by_its_field():
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
 
-  from experiments import build  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import build  # pylint: disable=g-import-not-at-top
   from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top
 
   model_cfg = ml_collections.ConfigDict({"name": "user_models:not_a_module"})

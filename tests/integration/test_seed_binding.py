@@ -14,7 +14,9 @@ import os
 
 import pytest
 
-from experiments import faults, resume, run, seeds, train
+from experiments import resume, run, train
+
+from fedlap_runs import faults, seeds
 
 FLAGS = {
   "model.width": 8,

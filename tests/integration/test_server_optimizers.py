@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from experiments import checkpointing, configs, library_configs, run
+from experiments import run
+
+from fedlap_runs import checkpointing, configs, library_configs
 from fedlap_jax.baselines import BaselineConfig
 from fedlap_jax.methods import REGISTRY
 

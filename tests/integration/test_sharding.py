@@ -189,7 +189,9 @@ def _experiments_worker(workdir: str) -> dict:
 
   import jax
 
-  from experiments import build, train
+  from experiments import train
+
+  from fedlap_runs import build
   from test_experiments_run import tiny_config  # this file runs as a script from tests/
 
   cfg = tiny_config(rounds=3, checkpoint_every=1, progress_bar=False, plots=False)

@@ -1,7 +1,7 @@
 """A suite says which of its runs is under way, as each run's bar says which round."""
 
 from experiments import report, suite, train
-from experiments.configs import quickstart
+from fedlap_runs.configs import quickstart
 
 
 def test_a_suite_numbers_its_runs(tmp_path, monkeypatch, capsys):

@@ -546,7 +546,7 @@ def paper_dp_config(**overrides) -> FedLAPConfig:
   """The published DP CIFAR-10 configuration (30 rounds, ipc 10, sigma 1, C 1).
 
   The one statement of the paper's FedLAP-DP setting: the experiment configs
-  (``experiments/configs``) are written from it.
+  (``fedlap_runs/configs``) are written from it.
   """
   cfg = FedLAPConfig(
     client=ClientConfig(

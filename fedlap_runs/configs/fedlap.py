@@ -5,10 +5,10 @@ ablations and two DP recipes that depart from the paper.
 
 ``DATASET`` is ``mnist``, ``fmnist`` or ``cifar``; each name below is also a
 ``--config`` of its own (``--config=cifar_dp`` is ``--config=fedlap:cifar_dp``,
-table :data:`experiments.configs.ALIASES`):
+table :data:`fedlap_runs.configs.ALIASES`):
 
 * ``DATASET_nondp``: the paper's non-DP setting (Table "perf_comparison"): the
-  defaults of :mod:`experiments.configs.default` (200 rounds, ipc 50, R_i 1,
+  defaults of :mod:`fedlap_runs.configs.default` (200 rounds, ipc 50, R_i 1,
   max_outer 5, batch_loop 40, R_b 5, R_l 0; r = 10 calibrated per client, server
   strategy ``min``; eta_0 = 0.1 cosine, tau = 100 with momentum 0.5, lambda =
   0.1; synthetic images re-drawn from real data every round; 5 clients with 2
@@ -50,10 +50,10 @@ table :data:`experiments.configs.ALIASES`):
 
 from fedlap_jax.methods.fedlap.config import paper_dp_config
 
-from experiments import catalog
-from experiments.configs import default, schema
+from fedlap_runs import catalog
+from fedlap_runs.configs import default, schema
 
-# The data sets of the named configs: short prefix -> data.name (experiments.catalog).
+# The data sets of the named configs: short prefix -> data.name (fedlap_runs.catalog).
 DATASETS = {short: row.name for short, row in catalog.PAPER.items()}
 # Records of the smallest client of the paper partition (classes in pairs): MNIST 5 + 6 =
 # 11,339, Fashion-MNIST and CIFAR-10 2 x 6,000 / 5,000. The tuned DP recipe's Poisson batch

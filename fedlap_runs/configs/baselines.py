@@ -18,7 +18,7 @@ rounds, accounted with the same theorem as FedLAP-DP (T = local steps per round)
 
 from fedlap_jax.baselines import BASELINE_FACTS, BASELINE_METHODS
 
-from experiments.configs import default, fedlap
+from fedlap_runs.configs import default, fedlap
 
 DATASETS = fedlap.DATASETS
 

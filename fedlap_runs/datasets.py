@@ -1,9 +1,9 @@
 """Builds the fixed data subsets that the result tables use, with their checksums.
 
-  python -m experiments.datasets mnist10k            # -> ~/.cache/fedlap_jax/mnist10k.npz (+ .sha256),
+  python -m fedlap_runs.datasets mnist10k            # -> ~/.cache/fedlap_jax/mnist10k.npz (+ .sha256),
                                                      #    read by --config.data.source=subset:mnist10k
-  python -m experiments.datasets fmnist10k --out DIR
-  python -m experiments.datasets --list
+  python -m fedlap_runs.datasets fmnist10k --out DIR
+  python -m fedlap_runs.datasets --list
 
 Subsets (:data:`SUBSETS`) and the rule that makes each: from the TensorFlow
 Datasets copy of ``tfds_name`` (downloaded once by tfds, or read from a prepared
@@ -21,7 +21,7 @@ format. :data:`PINNED_SHA256` holds the checksum the rule gives on the
 published data sets; a build that differs is written, reported and exits 1.
 
 The command prints the client sizes of the paper partition (5 clients x 2
-classes, :func:`experiments.data.partition`) as a check against
+classes, :func:`fedlap_runs.data.partition`) as a check against
 :data:`ORIGINAL_PAPER_CLIENT_SIZES`, the sizes of the subset the project's
 first result tables were measured on, whose construction was not recorded:
 this rule does not reproduce them (docs/results.md, "Data").
@@ -43,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import catalog
-from experiments import data as data_lib
+from fedlap_runs import catalog
+from fedlap_runs import data as data_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +80,9 @@ _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 
 def output_path(name: str, out_dir: str | os.PathLike | None = None) -> Path:
-  """Where ``python -m experiments.datasets NAME [--out DIR]`` writes NAME's npz.
+  """Where ``python -m fedlap_runs.datasets NAME [--out DIR]`` writes NAME's npz.
 
-  Without ``out_dir``: :func:`experiments.data.subset_path`, where
+  Without ``out_dir``: :func:`fedlap_runs.data.subset_path`, where
   ``--config.data.source=subset:NAME`` reads it.
   """
   check_name(name)
@@ -179,9 +179,9 @@ def build(
 
   Args:
     name: one of :data:`SUBSETS`.
-    out_dir: where to write (default: the data cache, :func:`experiments.data.cache_root`).
+    out_dir: where to write (default: the data cache, :func:`fedlap_runs.data.cache_root`).
     data_dir: a tfds data_dir holding a prepared copy (default: tfds's own).
-    cache_dir: :func:`experiments.data.load_tfds`'s cache of the full data set
+    cache_dir: :func:`fedlap_runs.data.load_tfds`'s cache of the full data set
       (``""``: the default cache, ``"none"``: no cache).
 
   Returns:
@@ -189,7 +189,7 @@ def build(
     checksum, ``""`` where none is pinned).
 
   Raises:
-    experiments.data.DataUnavailableError: offline and no prepared copy.
+    fedlap_runs.data.DataUnavailableError: offline and no prepared copy.
   """
   subset = check_name(name)
   raw = data_lib.load_tfds(subset.tfds_name, data_dir=data_dir, cache_dir=cache_dir)
@@ -226,7 +226,7 @@ def _list(out_dir) -> None:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-    prog="python -m experiments.datasets", description=__doc__.splitlines()[0]
+    prog="python -m fedlap_runs.datasets", description=__doc__.splitlines()[0]
   )
   parser.add_argument("name", nargs="?", help=f"one of {', '.join(SUBSETS)}")
   parser.add_argument(
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--cache-dir",
     default="",
-    help="experiments.data's cache of the full data set (default: the data "
+    help="fedlap_runs.data's cache of the full data set (default: the data "
     "cache; 'none': no cache), as --config.data.cache_dir",
   )
   parser.add_argument("--list", action="store_true", help="list the subsets and what is built")

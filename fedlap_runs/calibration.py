@@ -5,7 +5,7 @@ steps per round, ``delta``, at the smallest client's rate ``q = B / min_k N_k``,
 rounds). :meth:`DpBudget.calibrate` finds the smallest noise multiplier whose epsilon after the
 last round is at most a target; :func:`calibrate_noise` does it for a config or a suite (in
 place, one log line per run), :func:`match_epsilons` for the suite runs that match another
-run's epsilon. :mod:`experiments.build` calibrates a run it builds with :meth:`DpBudget.calibrate`
+run's epsilon. :mod:`fedlap_runs.build` calibrates a run it builds with :meth:`DpBudget.calibrate`
 (``experiments.run`` and the Flower app alike).
 """
 
@@ -21,12 +21,12 @@ if TYPE_CHECKING:  # the annotation only; the module imports JAX lazily
 
 def client_sizes(cfg) -> list[int]:
   """Records per client of ``cfg``'s data and partition (loads the data:
-  :func:`experiments.data.load_split`).
+  :func:`fedlap_runs.data.load_split`).
 
   Raises:
     ConfigError: the data does not load or does not split as configured.
   """
-  from experiments import data  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data  # pylint: disable=g-import-not-at-top
 
   return [int(len(i)) for i in data.load_split(cfg.data)[1]]
 
@@ -43,7 +43,7 @@ class DpBudget(NamedTuple):
   client's rate, and the epsilon its calibration targets.
 
   ``mechanism`` is the :class:`~fedlap_jax.accounting.DpMechanism` the method declares
-  (:func:`experiments.library_configs.dp_mechanism`: ``B``, ``T`` per round, ``delta``; the same
+  (:func:`fedlap_runs.library_configs.dp_mechanism`: ``B``, ``T`` per round, ``delta``; the same
   value the run's :class:`~fedlap_jax.algorithm.FederatedAlgorithm` carries and its ledgers
   compose); ``epsilon_for`` is ``dp.epsilon_for``, the figure (``"replace_one"`` or
   ``"add_remove"``) that :meth:`epsilon` returns and :meth:`calibrate` targets.
@@ -125,7 +125,7 @@ def budget(cfg, mechanism: "accounting.DpMechanism", sizes) -> DpBudget:
 
 def dp_budget(cfg, sizes: list[int] | None = None) -> DpBudget:
   """The :class:`DpBudget` of a DP config (``sizes``: records per client; loaded if None)."""
-  from experiments import library_configs  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs  # pylint: disable=g-import-not-at-top
 
   sizes = client_sizes(cfg) if sizes is None else sizes
   return budget(cfg, library_configs.dp_mechanism(cfg, sizes), sizes)

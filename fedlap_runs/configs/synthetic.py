@@ -45,8 +45,8 @@ import re
 
 from fedlap_jax.methods.condensation.one_shot import DC_LOOPS
 
-from experiments import catalog
-from experiments.configs import default, fedlap
+from fedlap_runs import catalog
+from fedlap_runs.configs import default, fedlap
 
 DATASETS = fedlap.DATASETS
 MIN_CLIENT_SIZE = fedlap.MIN_CLIENT_SIZE

@@ -1,6 +1,6 @@
 """A warm first round: the round program kept as a serialised ``jax.export`` beside JAX's cache.
 
-JAX's persistent compilation cache (:mod:`experiments.compilation_cache`) keeps the compiled
+JAX's persistent compilation cache (:mod:`fedlap_runs.compilation_cache`) keeps the compiled
 round, but a process still traces and lowers the round (1-2 s on two cores) to find the cache
 entry. This module keeps the traced and lowered program as well: on its first call,
 :class:`ExportedRound` looks for the round's ``jax.export`` serialisation (StableHLO, a few
@@ -102,7 +102,7 @@ class Unkeyable(TypeError):
 
 # The packages whose code a cached program may run: ``fedlap_flower`` (the Flower app's client
 # and server steps) is found, not imported (it is optional, and its import would be Flower's).
-PACKAGES = ("fedlap_jax", "experiments", "fedlap_flower")
+PACKAGES = ("fedlap_jax", "experiments", "fedlap_runs", "fedlap_flower")
 
 
 def source_digest() -> str:

@@ -1,29 +1,29 @@
 """Named experiment configs: ``--config=NAME[:ARG]``.
 
 ``NAME`` is a module of this folder that defines ``get_config()`` (some take
-one string argument, ``ARG``), starting from :mod:`experiments.configs.default`,
+one string argument, ``ARG``), starting from :mod:`fedlap_runs.configs.default`,
 or a name of :data:`ALIASES`, which stands for ``MODULE:ARG0`` (an ``ARG`` given
 with an alias is appended: ``cifar_dsc:federated10`` is
 ``synthetic:cifar_dsc:federated10``).
 
-Modules: :mod:`~experiments.configs.fedlap` (FedLAP / FedLAP-DP: the paper's
-settings, ablations, DP recipes), :mod:`~experiments.configs.baselines`
-(gradient-sharing baselines), :mod:`~experiments.configs.synthetic` (FedDM, DSC,
-PSG), :mod:`~experiments.configs.quickstart` (digits), and the suites
-:mod:`~experiments.configs.quickstart_compare` and
-:mod:`~experiments.configs.compare_dp`.
+Modules: :mod:`~fedlap_runs.configs.fedlap` (FedLAP / FedLAP-DP: the paper's
+settings, ablations, DP recipes), :mod:`~fedlap_runs.configs.baselines`
+(gradient-sharing baselines), :mod:`~fedlap_runs.configs.synthetic` (FedDM, DSC,
+PSG), :mod:`~fedlap_runs.configs.quickstart` (digits), and the suites
+:mod:`~fedlap_runs.configs.quickstart_compare` and
+:mod:`~fedlap_runs.configs.compare_dp`.
 """
 
 import importlib
 from pathlib import Path
 
-from experiments import catalog
+from fedlap_runs import catalog
 
 CONFIG_DIR = Path(__file__).resolve().parent
 # Modules of this folder that are not configs.
 HELPERS = ("schema",)
 
-_DATASETS = tuple(catalog.PAPER)  # the short prefixes of experiments.catalog
+_DATASETS = tuple(catalog.PAPER)  # the short prefixes of fedlap_runs.catalog
 ALIASES = {
   **{f"{d}_{v}": f"fedlap:{d}_{v}" for d in _DATASETS for v in ("nondp", "dp", "dp_tuned")},
   **{f"{d}_dp_hybrid": f"fedlap:{d}_dp_hybrid" for d in ("mnist", "fmnist")},

@@ -3,7 +3,7 @@
 Sources (``config.data.source``):
 
 * ``tfds``: ``mnist``, ``fashion_mnist``, ``cifar10``, ``svhn_cropped`` (the rows of
-  :mod:`experiments.catalog` that tfds serves) through TensorFlow Datasets (installed by the
+  :mod:`fedlap_runs.catalog` that tfds serves) through TensorFlow Datasets (installed by the
   extra ``paper-data``, imported by nothing else), read once into NumPy and cached as ``.npz`` (under
   ``~/.cache/fedlap_jax`` unless ``data.cache_dir`` says otherwise), so later
   runs do not import TensorFlow at all. If the data is not prepared locally and
@@ -14,7 +14,7 @@ Sources (``config.data.source``):
   x_test, y_test``; images NHWC, ``uint8`` (0..255) or float (0..1 for the
   known datasets, any scale for ``custom``), labels integers ``0..classes-1``.
 * ``subset:NAME``: the fixed subset ``NAME`` (``mnist10k``, ``fmnist10k``) that
-  ``python -m experiments.datasets NAME`` builds, with its checksum, in the
+  ``python -m fedlap_runs.datasets NAME`` builds, with its checksum, in the
   data cache (``~/.cache/fedlap_jax/NAME.npz``; read as ``npz:`` reads).
 * ``sklearn``: scikit-learn's bundled ``digits`` (8x8x1, real, offline), split
   into 1,400 train / 397 test records (stratified, fixed seed 0).
@@ -22,7 +22,7 @@ Sources (``config.data.source``):
 Normalisation (``config.data.normalisation``), per channel, of pixels in [0, 1]:
 
 * ``published``: the authors' constants of the data set's row in
-  :mod:`experiments.catalog` (MNIST 0.1307 / 0.3081, Fashion-MNIST 0.2861 / 0.3530,
+  :mod:`fedlap_runs.catalog` (MNIST 0.1307 / 0.3081, Fashion-MNIST 0.2861 / 0.3530,
   CIFAR-10 and SVHN per channel);
 * ``given``: ``data.mean`` and ``data.std`` as the user supplies them;
 * ``test_split``: the mean and std of the (public) test split;
@@ -60,8 +60,8 @@ import numpy as np
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import normalise_pixels, pixel_normalisation
 
-from experiments import catalog
-from experiments.catalog import PAPER_CLASS_ORDER
+from fedlap_runs import catalog
+from fedlap_runs.catalog import PAPER_CLASS_ORDER
 
 DATASETS = catalog.NAMES
 SOURCES = ("tfds", "sklearn", "npz:PATH", "subset:NAME")
@@ -145,7 +145,7 @@ def cache_root(cache_dir: str = "") -> Path:
 
 
 def subset_path(name: str) -> Path:
-  """Where ``python -m experiments.datasets NAME`` writes subset ``name`` by default."""
+  """Where ``python -m fedlap_runs.datasets NAME`` writes subset ``name`` by default."""
   return cache_root() / f"{name}.npz"
 
 
@@ -362,7 +362,7 @@ def _stored(x: np.ndarray) -> np.ndarray:
 
 def resolve_normalisation(name: str, choice: str) -> str:
   """``data.normalisation`` with ``auto`` resolved: ``published`` where ``name`` has
-  constants (:data:`experiments.catalog.PUBLISHED`), else ``train_split``."""
+  constants (:data:`fedlap_runs.catalog.PUBLISHED`), else ``train_split``."""
   if choice not in NORMALISATIONS:
     raise ValueError(f"data.normalisation={choice!r} is invalid; allowed: one of {NORMALISATIONS}")
   if choice == "auto":

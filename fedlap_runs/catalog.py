@@ -3,7 +3,7 @@
 
 A data set is named by ``data.name``, which is the TensorFlow Datasets name where tfds
 serves it (``mnist``, ``fashion_mnist``, ``cifar10``, ``svhn_cropped``). Adding a data set
-is adding one :class:`DataSet` row here; the loader (:mod:`experiments.data`), the config
+is adding one :class:`DataSet` row here; the loader (:mod:`fedlap_runs.data`), the config
 checks, the named configs, the epsilon tables and the reports read it from this table.
 """
 
@@ -15,7 +15,7 @@ import importlib
 from fedlap_jax.checks import ConfigError
 
 # The paper's partition hands the classes to its clients two at a time in this order
-# (:func:`experiments.data.partition`).
+# (:func:`fedlap_runs.data.partition`).
 PAPER_CLASS_ORDER = (5, 6, 1, 2, 0, 8, 9, 3, 4, 7)
 PAPER_CLIENTS = 5
 
@@ -35,7 +35,7 @@ class DataSet:
     train_class_counts: records per class of its training split (tfds's copy): public
       facts, so client sizes and epsilons need no download; ``None``: not recorded.
     short: the prefix of its named configs (``fmnist`` in ``fmnist_dp``); ``""``: none.
-    psg_sigma: PSG's sigma of its named config (:mod:`experiments.configs.synthetic`).
+    psg_sigma: PSG's sigma of its named config (:mod:`fedlap_runs.configs.synthetic`).
   """
 
   name: str

@@ -10,7 +10,7 @@ method's own ``feddm`` or ``condense``). :func:`build` reads the declared fields
 method's constructor and renames a core error to the field as written on the command line,
 through the same declaration: ``ipc`` -> ``client.ipc`` where the method reads it there, a field
 of the method's own section -> ``SECTION.field``. The specs themselves are in
-:mod:`experiments.methods`.
+:mod:`fedlap_runs.methods`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from fedlap_jax.checks import ConfigError
 
-from experiments.configs import schema
+from fedlap_runs.configs import schema
 
 # Fields named by the core with their section already (``server.batch_size``): kept as they are.
 SECTION_PREFIXES = ("dp.", "server.", "client.")
@@ -54,7 +54,7 @@ class Spec(NamedTuple):
 
   def shared(self) -> tuple[str, ...]:
     """The fields of the method's own dataclass that the config writes elsewhere (what its
-    section leaves out: :func:`experiments.configs.schema.section`'s ``exclude``)."""
+    section leaves out: :func:`fedlap_runs.configs.schema.section`'s ``exclude``)."""
     return tuple(self.reads) + tuple(self.derived)
 
   def prefixes(self) -> tuple[str, ...]:
@@ -116,7 +116,7 @@ def build(spec: Spec, cfg, *, max_client_size: int | None = None):
 
 def build_section(cls, cfg, section: str, *, spec: Spec | None = None, ignore=(), **given):
   """Dataclass ``cls`` from the config's section ``section`` and the fields ``given``
-  (:func:`experiments.configs.schema.build`); a core error names ``section.field`` (or, with
+  (:func:`fedlap_runs.configs.schema.build`); a core error names ``section.field`` (or, with
   ``spec``, the path the method reads the field from)."""
   try:
     return schema.build(cls, cfg[section], section, ignore=ignore, **given)

@@ -9,7 +9,7 @@ that one's row, its config built on the other's with its own section (:func:`ext
 Every other module of ``experiments/`` is generic: it looks a method up here and calls what its
 :class:`Entry` holds. An entry says
 
-* how the method's library config is built (``spec``, an :class:`experiments.sections.Spec`:
+* how the method's library config is built (``spec``, an :class:`fedlap_runs.sections.Spec`:
   where it reads the fields every method shares, such as ``client.batch_size`` and
   ``server.weighting``, and which sections are its own);
 * how its :class:`~fedlap_jax.algorithm.FederatedAlgorithm` is built (``algorithm``);
@@ -44,9 +44,9 @@ from fedlap_jax.method import Method, ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY, fedlap
 from fedlap_jax.models import embed_fn, init_fn
 
-from experiments import sections
-from experiments.configs import schema
-from experiments.sections import Spec
+from fedlap_runs import sections
+from fedlap_runs.configs import schema
+from fedlap_runs.sections import Spec
 
 # Entries of config.dp that the experiment reads (DPConfig does not have them).
 DP_EXPERIMENT_FIELDS = ("enabled", "match_epsilon_of", "target_epsilon", "epsilon_for")
@@ -58,10 +58,10 @@ class Entry:
 
   Attributes:
     name: ``cfg.method``.
-    spec: how its library config is built (:func:`experiments.sections.build`).
+    spec: how its library config is built (:func:`fedlap_runs.sections.build`).
     algorithm: ``algorithm(config, model, facts, *, client_backend, cfg)`` -> its
       :class:`~fedlap_jax.algorithm.FederatedAlgorithm` (``model``, ``facts``: of
-      :mod:`experiments.build`).
+      :mod:`fedlap_runs.build`).
     privacy: ``privacy(dp_enabled)`` -> ``None`` if the method runs so, else what ``dp.enabled``
       must be instead (the ``allowed`` of the error).
     check: the static checks of the config that building the library config does not do
@@ -355,7 +355,7 @@ ONESHOT_SPEC = Spec(
 )
 
 # The fields of the one-shot methods' two dataclasses that the config writes elsewhere
-# (experiments/configs/default.py leaves them out of config.condense).
+# (fedlap_runs/configs/default.py leaves them out of config.condense).
 FEDDM_SHARED = FEDDM_SPEC.shared()
 CONDENSE_SHARED = tuple(
   f
@@ -382,7 +382,7 @@ def _init_fn(module, image_shape):
 
 
 def model_fns(model, image_shape) -> ModelFns:
-  """The run's :class:`~fedlap_jax.method.ModelFns` of its :class:`experiments.build.Model`:
+  """The run's :class:`~fedlap_jax.method.ModelFns` of its :class:`fedlap_runs.build.Model`:
   ``apply_fn``, FedDM's ``embed_fn``, DSC / PSG's ``init_fn`` (one function each per module)."""
   return ModelFns(
     model.apply_fn, _embed_fn(model.module), _init_fn(model.module, tuple(image_shape))

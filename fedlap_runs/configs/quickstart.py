@@ -41,7 +41,7 @@ import ml_collections
 
 from fedlap_jax.methods import fedavg
 
-from experiments.configs import default, fedlap
+from fedlap_runs.configs import default, fedlap
 
 VARIANTS = ("both", "dp", "dp_loops", "dp_tuned", "nondp", "fedadam")
 FEDADAM_SERVER_LR = 0.03  # of 0.01, 0.03, 0.1: the best test accuracy after 5 rounds on digits
@@ -104,13 +104,13 @@ def nondp_config():
 
 def hybrid_config():
   """FedLAP-DP on digits with the hybrid recipe (``quickstart:dp``, ``digits_dp_hybrid``:
-  :data:`experiments.configs.fedlap.HYBRID_RECIPE`)."""
+  :data:`fedlap_runs.configs.fedlap.HYBRID_RECIPE`)."""
   return fedlap.apply_hybrid_dp(dp_config(), batch_size=BATCH_SIZE_Q017)
 
 
 def tuned_config():
   """FedLAP-DP on digits with the tuned recipe (``quickstart:dp_tuned``, ``digits_dp_tuned``:
-  :data:`experiments.configs.fedlap.TUNED_RECIPE`; sigma 2.38:
+  :data:`fedlap_runs.configs.fedlap.TUNED_RECIPE`; sigma 2.38:
   ``quickstart:dp_tuned``: epsilon 4.82 after 3 rounds (add/remove 2.77))."""
   return fedlap.apply_tuned_dp(dp_config(), batch_size=BATCH_SIZE_Q017)
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import faults
+from fedlap_runs import faults
 from fedlap_jax.types import PyTree
 
 
@@ -52,7 +52,7 @@ def write_atomic(
   followed, truncated or reused, and ``os.replace`` replaces a link at ``path`` itself, never
   its target. ``mode``: the new file's permission bits (the umask applies; ``0o600`` for a
   file only its owner may read). ``fault_round``: the round this write belongs to, for the
-  ``ledger`` point of :mod:`experiments.faults` (fired between the temporary file and the
+  ``ledger`` point of :mod:`fedlap_runs.faults` (fired between the temporary file and the
   replace).
   """
   path = Path(path)
@@ -258,7 +258,7 @@ class Checkpointer:
     """Saves ``state`` and the JSON ``meta`` as checkpoint ``round_index`` (atomic).
 
     The ``meta`` item is written after the ``state`` item; the ``checkpoint``
-    point of :mod:`experiments.faults` fires in between.
+    point of :mod:`fedlap_runs.faults` fires in between.
     """
     ocp = self._ocp
     meta = json.loads(json.dumps(meta, default=_json_default))

@@ -9,7 +9,7 @@ Sections:
 * top level: ``method`` (``fedlap``, a baseline: ``fedavg``, ``fedprox``,
   ``fedsgd``, ``scaffold``, ``dp_fedavg``, ``dp_fedprox``, or a synthetic-data
   system: ``feddm``, ``dsc``, ``dsc_centralized``, ``psg``), ``seed`` (None: drawn
-  under DP, :mod:`experiments.seeds`),
+  under DP, :mod:`fedlap_runs.seeds`),
   ``rounds`` (``M``), ``learning_rate`` (``eta_0`` of the cosine schedule; the
   server's constant rate for FedDM / DSC / PSG), ``synthetic_init`` and run-time
   options (checkpoints, plots, evaluation).
@@ -19,9 +19,9 @@ Sections:
 * ``client`` / ``server`` / ``dp``: written from the fields and defaults of
   :class:`fedlap_jax.methods.fedlap.config.ClientConfig`,
   :class:`~fedlap_jax.methods.fedlap.config.ServerConfig`
-  and :class:`~fedlap_jax.dp_config.DPConfig` (:mod:`experiments.configs.schema`; the
+  and :class:`~fedlap_jax.dp_config.DPConfig` (:mod:`fedlap_runs.configs.schema`; the
   dataclasses document each field); ``dp`` adds ``enabled`` (switches DP on) and
-  the run's calibration options. :func:`experiments.library_configs.library_config`
+  the run's calibration options. :func:`fedlap_runs.library_configs.library_config`
   builds the dataclasses back, so the core's validation runs on the resolved config.
   Three optimisers are sections of the fields of :class:`fedlap_jax.optim.Optimizer` there:
   ``client.model_optimizer`` (FedLAP's client model), ``client.image_optimizer`` (FedLAP's
@@ -46,7 +46,7 @@ Sections:
   ``client.ipc``, ``client.batch_size`` (real records per batch),
   ``synthetic_init``, the ``server`` section (their server's training) and
   ``learning_rate`` (the server's); PSG reads ``dp``. Builders of their named
-  configs: ``experiments/configs/synthetic.py``.
+  configs: ``fedlap_runs/configs/synthetic.py``.
 """
 
 import dataclasses
@@ -60,14 +60,14 @@ from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax import dp_config
 from fedlap_jax.methods.fedlap import config as core
 
-from experiments import methods
-from experiments.configs import schema
+from fedlap_runs import methods
+from fedlap_runs.configs import schema
 
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.method = "fedlap"  # or a baseline, or feddm / dsc / dsc_centralized / psg
-  # The secret seed of every pseudo-random draw (experiments.seeds). None: a DP run draws one
+  # The secret seed of every pseudo-random draw (fedlap_runs.seeds). None: a DP run draws one
   # from the operating system's entropy (128 bits) and keeps it in the work dir's config.json
   # (secret; a re-run resumes with it); a run without DP uses 0. A given seed (--config.seed=S)
   # reproduces a run; under DP it is guessable, and the run says its outputs are not private.
@@ -110,7 +110,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.std = config_dict.placeholder(tuple)
 
   config.model = ml_collections.ConfigDict()
-  config.model.name = "convnet"  # or MODULE:ATTR (experiments.catalog.model_factory)
+  config.model.name = "convnet"  # or MODULE:ATTR (fedlap_runs.catalog.model_factory)
   config.model.width = 128
   config.model.depth = 3
   config.model.norm = "instance"
@@ -179,7 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.condense.image_optimizer = schema.section(optim.Optimizer)
 
   # Run-time options (may change when a run is resumed).
-  # Where compiled XLA programs are kept between runs (experiments.compilation_cache): ""
+  # Where compiled XLA programs are kept between runs (fedlap_runs.compilation_cache): ""
   # = $FEDLAP_COMPILATION_CACHE, else ~/.cache/fedlap_jax/jax_compilation_cache; "none" = off.
   config.compilation_cache_dir = ""
   config.checkpoint_every = 5  # rounds; the last round is always saved

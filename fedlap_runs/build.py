@@ -4,21 +4,21 @@ model -> initial state and keys.
 ``experiments.run`` (through :func:`experiments.train.train_and_evaluate`), :mod:`experiments.audit`
 and the Flower app's server and clients build a run here, so each computes what the others do:
 
-1. :func:`plan`: the config's static checks (:func:`experiments.library_configs.validate_config`,
+1. :func:`plan`: the config's static checks (:func:`fedlap_runs.library_configs.validate_config`,
    which builds the method's library config where it needs no data), the data
    (:func:`load_data`: loaded once, or given: a Flower client's own records) and what it tells
    (:class:`Facts`), the data's checks, the library config (built once; again only with a
    calibrated sigma), the method's DP mechanism and, with ``calibrate``, the noise multiplier
-   that meets ``dp.target_epsilon`` (:mod:`experiments.calibration`);
+   that meets ``dp.target_epsilon`` (:mod:`fedlap_runs.calibration`);
 2. :func:`init`: the model and the run's keys from the seed: ``k_model, k_alg =
-   split(run_key(seed))`` (:func:`experiments.seeds.run_key`), a ConvNet initialised with
+   split(run_key(seed))`` (:func:`fedlap_runs.seeds.run_key`), a ConvNet initialised with
    ``k_model`` (or the model ``config.model.name`` names); the method's ``init`` is given ``k_alg``;
 3. :func:`clients`, :func:`algorithm` and the algorithm's ``init``: the stacked clients, the
    :class:`~fedlap_jax.algorithm.FederatedAlgorithm` and the state before round 1
    (:func:`build_run` does all three for a whole run).
 
 No method's name is read here: what differs between methods is their entry in
-:mod:`experiments.methods`.
+:mod:`fedlap_runs.methods`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from fedlap_jax.client_data import stack_clients
 from fedlap_jax.dispatch import resolve_client_backend
 from fedlap_jax.models import count_params, init_convnet
 
-from experiments import calibration, catalog
-from experiments import data as data_lib
-from experiments import library_configs, methods, seeds
+from fedlap_runs import calibration, catalog
+from fedlap_runs import data as data_lib
+from fedlap_runs import library_configs, methods, seeds
 
 
 class Facts(NamedTuple):
@@ -77,7 +77,7 @@ class Plan(NamedTuple):
 
   Attributes:
     cfg: the config (under ``calibrate``, a copy with the calibrated ``dp.noise_multiplier``).
-    entry: the method's :class:`experiments.methods.Entry`.
+    entry: the method's :class:`fedlap_runs.methods.Entry`.
     data: the run's :class:`Data`.
     config: the method's frozen library config (static in every jit).
     mechanism: its :class:`~fedlap_jax.accounting.DpMechanism`; ``None`` without DP.
@@ -125,12 +125,12 @@ class Plan(NamedTuple):
 
 
 def load_data(cfg) -> Data:
-  """The config's dataset and partition (:func:`experiments.data.load_split`) and their
+  """The config's dataset and partition (:func:`fedlap_runs.data.load_split`) and their
   :class:`Facts`.
 
   Raises:
     ConfigError: the data does not load or does not split as configured.
-    experiments.data.DataUnavailableError: tfds data missing and no network.
+    fedlap_runs.data.DataUnavailableError: tfds data missing and no network.
   """
   dataset, indices = data_lib.load_split(cfg.data)
   sizes = tuple(int(len(i)) for i in indices)
@@ -152,9 +152,9 @@ def plan(cfg, *, data: Data | None = None, calibrate: bool = False) -> Plan:
     data: the run's records (default: :func:`load_data`); a :class:`Data` without
       ``dataset`` (a Flower client's own records) skips the checks that need the partition.
     calibrate: set ``dp.noise_multiplier`` from ``dp.target_epsilon`` (on a copy of ``cfg``)
-      at the smallest client of ``data`` (:meth:`experiments.calibration.DpBudget.calibrate`).
+      at the smallest client of ``data`` (:meth:`fedlap_runs.calibration.DpBudget.calibrate`).
       Without it a target is left to the caller (``experiments.run`` calibrates a suite's runs
-      together, :func:`experiments.calibration.calibrate_noise`; :func:`with_config` then
+      together, :func:`fedlap_runs.calibration.calibrate_noise`; :func:`with_config` then
       rebuilds).
 
   Raises:
@@ -216,7 +216,7 @@ class Init(NamedTuple):
 
 
 def init_model(model_cfg, image_shape, num_classes: int, key: jax.Array) -> Model:
-  """The model ``model_cfg.name`` names (:func:`experiments.catalog.model_factory`; the
+  """The model ``model_cfg.name`` names (:func:`fedlap_runs.catalog.model_factory`; the
   ConvNet of ``model_cfg`` for ``convnet``), initialised with ``key``.
 
   A model's variables other than its parameters (BatchNorm statistics) keep their initial
@@ -313,7 +313,7 @@ class Run(NamedTuple):
 
   Attributes:
     plan: the :class:`Plan` (config, data, library config, mechanism).
-    dataset: the :class:`experiments.data.Dataset` (images as stored, with their normalisation).
+    dataset: the :class:`fedlap_runs.data.Dataset` (images as stored, with their normalisation).
     client_indices: training-record indices of each client.
     clients: stacked :class:`~fedlap_jax.client_data.ClientData` ``(K, N_max, ...)``;
       host NumPy arrays when clients are sampled (:func:`samples_clients`), else on the device.
@@ -338,7 +338,7 @@ def build_run(cfg, *, seed: int | None = None, built: Plan | None = None) -> Run
   """Data, partition, model, algorithm and initial state of a config.
 
   Deterministic in the seed (``seed``, else ``cfg.seed``, resolved without a work dir:
-  :func:`experiments.seeds.resolve`, 0 without DP, a fresh draw under DP) and the public
+  :func:`fedlap_runs.seeds.resolve`, 0 without DP, a fresh draw under DP) and the public
   ``cfg.data.partition_seed`` (the partition), so the initial state is a valid template for
   restoring the run's checkpoints, e.g. in :mod:`experiments.audit`. ``built``: the run's
   :class:`Plan` if made already (else :func:`plan`).

@@ -20,7 +20,7 @@ public test split, as FedLAP-DP needs), model (ConvNet 32 x 2) and evaluation:
   :mod:`experiments.run` does this when the suite starts, and the match holds for any
   seed.
 * the synthetic-data systems, shrunk to seconds each (the published loops are
-  in ``experiments/configs/synthetic.py``): FedDM (10 rounds, ipc 10, 50
+  in ``fedlap_runs/configs/synthetic.py``): FedDM (10 rounds, ipc 10, 50
   image iterations per round at ``rho = 2``, about FedDM's ``rho = 5`` relative
   to the smaller model's parameter norm, 12 vs 28; server 100 epochs); DSC
   one-shot federated and centralized (ipc 10, 10 fresh networks of the
@@ -35,7 +35,7 @@ from fedlap_jax.methods.condensation.one_shot import DC_LOOPS
 from fedlap_jax.baselines import BASELINE_METHODS, DP_BASELINE_METHODS
 from fedlap_jax.methods import REGISTRY
 
-from experiments.configs import quickstart, synthetic
+from fedlap_runs.configs import quickstart, synthetic
 
 NONDP_BASELINES = tuple(m for m in BASELINE_METHODS if REGISTRY[m].privacy == "never")
 DP_BASELINES = DP_BASELINE_METHODS
@@ -59,7 +59,7 @@ def matched_dp_baseline(
   """A DP baseline whose epsilon after the last round equals that of the suite's run ``name``.
 
   ``fedlap_dp`` is that run's config. The noise multiplier is left to
-  :func:`experiments.calibration.match_epsilons` (``dp.match_epsilon_of``), which needs
+  :func:`fedlap_runs.calibration.match_epsilons` (``dp.match_epsilon_of``), which needs
   the client sizes of the data.
   """
   b = fedlap_dp.client.batch_size

@@ -21,7 +21,7 @@ custom``, the MNIST recipes). Options, ``+`` between values:
 * ``seeds=S+S+...``: given seeds, each run once per seed (the report pools them; a given
   seed is guessable, so those runs say their outputs are not private); default: each run
   once, with a seed drawn from the operating system's entropy for its work dir
-  (:mod:`experiments.seeds`);
+  (:mod:`fedlap_runs.seeds`);
 * ``rounds=N``: every run's number of rounds (default: each recipe's own).
 
 For every checkpoint ``E`` the suite holds one run per FedLAP-DP variant and
@@ -36,7 +36,7 @@ rate of each baseline (best mean over seeds) and the whole grid.
 Recipes: FedLAP-DP as :data:`FEDLAP_VARIANTS` says (``paper``: the published
 loops, ``{mnist,fmnist,cifar}_dp``, on digits :func:`digits_paper`; ``tuned``:
 the recipe of ``{digits,mnist,fmnist,cifar}_dp_tuned``). Baselines: the paper's DP-FedAvg / DP-FedProx (C = 0.1, B = 256, 5
-local epochs, 30 rounds, ``experiments/configs/baselines.py``; on digits those
+local epochs, 30 rounds, ``fedlap_runs/configs/baselines.py``; on digits those
 of ``quickstart_compare``: B = 64, 2 local epochs, 10 rounds); the data and
 model sections are FedLAP-DP's, so every run sees the same clients.
 
@@ -55,8 +55,8 @@ import ml_collections
 
 from fedlap_jax.baselines import DP_BASELINE_METHODS
 
-from experiments import catalog, configs
-from experiments.configs import baselines, quickstart, quickstart_compare
+from fedlap_runs import catalog, configs
+from fedlap_runs.configs import baselines, quickstart, quickstart_compare
 
 EPSILONS = (2.79, 10.18)
 LR_GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
@@ -75,7 +75,7 @@ def digits_paper():
 
 
 # The FedLAP-DP recipes the suite runs: name -> (report label, {dataset: config}), a config
-# being "NAME[:ARG]" of experiments/configs or a function returning one. Adding a recipe is
+# being "NAME[:ARG]" of fedlap_runs/configs or a function returning one. Adding a recipe is
 # one entry; a recipe whose config files are not (yet) there is left out of the default.
 # The data sets with named configs (data.name -> their short prefix); custom data runs
 # MNIST's recipes.

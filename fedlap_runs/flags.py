@@ -1,7 +1,7 @@
 """The command line of ``experiments.run``: ``--config=NAME[:ARG]`` and its overrides.
 
 :func:`parse_argv` reads a command line (``ml_collections.config_flags``: a named config of
-``experiments/configs/``, or a path to a config file, each ``--config.FIELD=VALUE`` parsed by
+``fedlap_runs/configs/``, or a path to a config file, each ``--config.FIELD=VALUE`` parsed by
 the field's type); :func:`load_config` does the same for a name and a list of overrides (the
 Flower app, with ``named_only``: never a path, which would be executed). Every bad input is a
 :class:`~fedlap_jax.checks.ConfigError` whose text is the command line's one-line message.
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from experiments import configs
+from fedlap_runs import configs
 
 CONFIG_DIR = configs.CONFIG_DIR
 
@@ -26,8 +26,8 @@ class ConfigArgError(ValueError):
 def resolve_config_arg(value: str, *, named_only: bool = False) -> tuple[str, str]:
   """``'NAME[:ARG]'`` -> ``(path[:ARG], run name)``; paths are kept as they are.
 
-  ``NAME`` is a module of ``experiments/configs/`` or an alias of
-  :data:`experiments.configs.ALIASES` (its module and argument are substituted).
+  ``NAME`` is a module of ``fedlap_runs/configs/`` or an alias of
+  :data:`fedlap_runs.configs.ALIASES` (its module and argument are substituted).
   With ``named_only`` a path (``NAME`` ending in ``.py`` or holding a path
   separator) is refused before anything on the disk is looked at, so the
   message is the same whether such a file exists or not.
@@ -37,7 +37,7 @@ def resolve_config_arg(value: str, *, named_only: bool = False) -> tuple[str, st
   if named_only and is_path:
     raise ConfigArgError(
       f"--config={value!r} is invalid: a path; allowed: NAME[:ARG] with NAME one of "
-      f"{list(configs.names())} (the configs of experiments/configs/)"
+      f"{list(configs.names())} (the configs of fedlap_runs/configs/)"
     )
   if is_path:
     path = name
@@ -48,7 +48,7 @@ def resolve_config_arg(value: str, *, named_only: bool = False) -> tuple[str, st
       module, module_arg = configs.resolve(value)
     except KeyError:
       raise ConfigArgError(
-        f"--config={value!r} is invalid: no experiments/configs/{name}.py; "
+        f"--config={value!r} is invalid: no fedlap_runs/configs/{name}.py; "
         f"allowed: one of {list(configs.names())} (optionally NAME:ARG), or "
         "a path to a config .py file"
       ) from None
@@ -81,7 +81,7 @@ def rewrite_argv(argv: list[str], *, named_only: bool = False) -> tuple[list[str
 
 
 # What a --config.FIELD override may name (the ``allowed`` of an unknown field's ConfigError).
-CONFIG_FIELDS = "the fields of experiments/configs/default.py"
+CONFIG_FIELDS = "the fields of fedlap_runs/configs/default.py"
 # An override value that sets a None-able field (a ``config_dict.placeholder``) to None.
 NONE_TEXTS = ("None", "none")
 
@@ -175,7 +175,7 @@ def _suite_error(error, name_arg: str, suite):
 def parse_argv(argv: list[str], *, named_only: bool = False):
   """Parses ``experiments.run``'s command line (``argv[0]`` is the program).
 
-  ``named_only``: ``--config`` must name a config of ``experiments/configs/``
+  ``named_only``: ``--config`` must name a config of ``fedlap_runs/configs/``
   (:func:`resolve_config_arg`; a path is refused).
 
   ``--config=NAME[:ARG]`` is resolved (:func:`rewrite_argv`) and loaded by
@@ -206,7 +206,7 @@ def parse_argv(argv: list[str], *, named_only: bool = False):
     raise ConfigError(
       "config",
       name_arg,
-      "NAME[:ARG] of experiments/configs/"
+      "NAME[:ARG] of fedlap_runs/configs/"
       + ("" if named_only else ", or a path to a config .py file"),
       message=str(e),
     ) from None
@@ -264,13 +264,13 @@ def load_config(name_arg: str, overrides: Sequence[str] = (), *, named_only: boo
 
   ``overrides`` are ``"FIELD=VALUE"`` items, each parsed as the command line's
   ``--config.FIELD=VALUE`` (:func:`parse_argv`). The config is locked, not validated.
-  ``named_only``: ``NAME_ARG`` must name a config of ``experiments/configs/`` (a path,
+  ``named_only``: ``NAME_ARG`` must name a config of ``fedlap_runs/configs/`` (a path,
   which would be executed, is refused).
 
   A ``seed`` the config and the overrides leave None becomes 0 here: this serves a caller with
   no work dir to keep a drawn seed in (the Flower app, whose DP clients draw their round keys
   from the operating system's entropy, and tests). :func:`main` leaves it None, so that a DP
-  run's seed is drawn for its work dir (:mod:`experiments.seeds`).
+  run's seed is drawn for its work dir (:mod:`fedlap_runs.seeds`).
 
   Returns:
     ``(config, name)``: the ml_collections config and the run's name (``cifar_ablation_ipc:20``
@@ -308,4 +308,4 @@ def usage(guide: str) -> str:
   names = textwrap.fill(
     ", ".join(configs.names()), width=88, initial_indent="  ", subsequent_indent="  "
   )
-  return f"{guide.strip()}\n\nNAME is one of (experiments/configs/ and its aliases):\n{names}\n"
+  return f"{guide.strip()}\n\nNAME is one of (fedlap_runs/configs/ and its aliases):\n{names}\n"

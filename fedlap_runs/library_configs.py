@@ -1,8 +1,8 @@
 """The library's configs built from an experiment config, and the checks done on the way.
 
 :func:`library_config` builds the frozen library config of ``cfg.method`` as the method's
-entry declares it (:mod:`experiments.methods`: where it reads the fields every method shares,
-which sections are its own; :func:`experiments.sections.build`, the one builder).
+entry declares it (:mod:`fedlap_runs.methods`: where it reads the fields every method shares,
+which sections are its own; :func:`fedlap_runs.sections.build`, the one builder).
 Two stages of checks, before anything runs:
 
 * :func:`validate_config` (static): names (method, dataset, source,
@@ -40,10 +40,10 @@ from fedlap_jax.dispatch import CLIENT_BACKENDS
 from fedlap_jax.models import NORMS, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
-from experiments import catalog
-from experiments import data as data_lib
-from experiments import datasets as datasets_lib
-from experiments import methods, sections
+from fedlap_runs import catalog
+from fedlap_runs import data as data_lib
+from fedlap_runs import datasets as datasets_lib
+from fedlap_runs import methods, sections
 
 
 def _fail(field: str, value, allowed: str):
@@ -52,7 +52,7 @@ def _fail(field: str, value, allowed: str):
 
 def library_config(cfg, *, max_client_size: int | None = None):
   """The frozen library config of ``cfg.method``, as its entry declares it
-  (:func:`experiments.methods.entry`; ``max_client_size``, records of the largest client,
+  (:func:`fedlap_runs.methods.entry`; ``max_client_size``, records of the largest client,
   fixes a baseline's static step count and is required under DP).
 
   Raises:
@@ -196,7 +196,7 @@ def validate_config(cfg):
       _fail(
         "data.source",
         d.source,
-        f"a subset that exists: build it with `python -m experiments.datasets {subset.name}` "
+        f"a subset that exists: build it with `python -m fedlap_runs.datasets {subset.name}` "
         f"(it writes {path})",
       )
   if kind == "npz" and not os.path.isfile(path):
@@ -403,7 +403,7 @@ def validate_data(
 
   Args:
     cfg: the resolved config (already through :func:`validate_config`).
-    dataset: the loaded :class:`experiments.data.Dataset`.
+    dataset: the loaded :class:`fedlap_runs.data.Dataset`.
     client_indices: training-record indices of each client.
     mechanism: the run's DP mechanism, if built already (else :func:`dp_mechanism`).
 
@@ -493,7 +493,7 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
 
   ``planned_epsilon`` is the epsilon of ``dp.epsilon_for`` the run's mechanism reaches after
   its last round (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_after`).
-  :func:`experiments.calibration.calibrate_noise` sets the sigma; this catches a config that skipped
+  :func:`fedlap_runs.calibration.calibrate_noise` sets the sigma; this catches a config that skipped
   it (or a mechanism other than the one calibrated): the planned epsilon must be at most the
   target and within 1 % of it (unless sigma sits at the accounting floor,
   :data:`fedlap_jax.accounting.MIN_NOISE_MULTIPLIER`, where calibration stops).
@@ -511,5 +511,5 @@ def check_target_epsilon(cfg, planned_epsilon: float) -> None:
     message=f"dp.target_epsilon={target!r} does not match dp.noise_multiplier="
     f"{sigma!r} (epsilon {planned_epsilon:.4f} after {cfg.rounds} rounds); "
     "allowed: a config whose noise_multiplier experiments.run calibrated "
-    "(python -m experiments.run, or experiments.calibration.calibrate_noise(config))",
+    "(python -m experiments.run, or fedlap_runs.calibration.calibrate_noise(config))",
   )

@@ -13,7 +13,7 @@ Where it lives (:func:`resolve`, the first that applies):
 3. JAX's own setting, when something set it already (``JAX_COMPILATION_CACHE_DIR``,
    ``jax.config``);
 4. ``~/.cache/fedlap_jax/jax_compilation_cache``, beside the data cache
-   (:func:`experiments.data.cache_root`).
+   (:func:`fedlap_runs.data.cache_root`).
 
 What is kept: every program that took at least :data:`MIN_COMPILE_SECS` to compile
 (the round programs, the model's initialisation, the evaluation); the cache holds at
@@ -63,7 +63,7 @@ MAX_BYTES_ENV = "JAX_COMPILATION_CACHE_MAX_SIZE"
 
 def default_dir() -> Path:
   """``~/.cache/fedlap_jax/jax_compilation_cache``: beside the data cache."""
-  from experiments import data as data_lib  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import data as data_lib  # pylint: disable=g-import-not-at-top
 
   return data_lib.cache_root() / DIRNAME
 
