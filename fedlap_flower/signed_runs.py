@@ -80,7 +80,7 @@ def admit(
       )
     check_new()
     runs[nonce] = {"run_id": int(run_id), "admitted_at": time.time(), **(details or {})}
-    ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs})
+    ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs}, mode=ledger_lib.FILE_MODE)
   return True
 
 
