@@ -29,7 +29,9 @@ key                             meaning
                                 (:mod:`fedlap_flower.federated_runs`)
 ``min-clients``                 fewest clients a round may aggregate (0: all
                                 of the round's clients, ``data.clients_per_round``
-                                or else ``data.num_clients``); fewer stops the run
+                                or else ``data.num_clients``); fewer stops the run.
+                                At least 3 where FedLAP's server radius is the
+                                median (``server.radius_strategy``)
 ``round-timeout``               seconds the server waits for a round's replies
 ``join-timeout``                seconds a round waits for all ``K`` clients to be
                                 connected before it starts with those there
@@ -240,6 +242,11 @@ METHODS = _method_work.METHODS
 
 class SettingsError(ConfigError):
   """A bad run-config or node-config value (``field`` is the key)."""
+
+
+# Fewest replies a FedLAP round with the ``median`` server radius aggregates: from three on,
+# one client cannot take the median outside the range of the others' radii.
+MEDIAN_RADIUS_MIN_CLIENTS = 3
 
 
 def _fail(key: str, value, allowed: str):
@@ -464,6 +471,17 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
       min_clients,
       f"an integer in [0, {per_round}] (0: all {per_round} "
       "clients of a round, data.clients_per_round or data.num_clients)",
+    )
+  if (
+    cfg.method == "fedlap"
+    and cfg.server.radius_strategy == "median"
+    and (min_clients or per_round) < MEDIAN_RADIUS_MIN_CLIENTS
+  ):
+    _fail(
+      "min-clients",
+      min_clients,
+      f"at least {MEDIAN_RADIUS_MIN_CLIENTS} with server.radius_strategy='median' (the median "
+      "of two radii is their mean: one client at the radius floor halves the server's radius)",
     )
   timeout = rc["round-timeout"]
   if not is_real(timeout) or not 0 < timeout:

@@ -8,11 +8,14 @@ import os
 import stat
 import types
 
+import jax.numpy as jnp
+import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
 
-from fedlap_flower import signed_runs
+from fedlap_flower import settings, signed_runs
 from fedlap_flower.runtime import warm_clientapp
+from fedlap_jax import radius
 from flower_federation import APP_DIR
 
 
@@ -56,3 +59,18 @@ def test_a_runs_signer_cannot_forge_the_nodes_log_lines(monkeypatch, caplog):
   assert len(refused) == 1, refused
   assert "\n" not in refused[0] and "\x1b" not in refused[0], refused
   assert "x\\nINFO" in refused[0] and "\\x1b[0m" in refused[0], refused
+
+
+def test_the_median_server_radius_needs_three_replies():
+  """The median of two radii is their mean: one client at the floor would halve ``r_g``. A
+  run that may aggregate two replies under the median is refused by ``min-clients``."""
+  median = {"config": "quickstart:nondp", "overrides": "server.radius_strategy=median"}
+  for min_clients in (1, 2):
+    with pytest.raises(settings.SettingsError) as e:
+      settings.run_settings({**median, "min-clients": min_clients})
+    assert e.value.field == "min-clients" and e.value.value == min_clients
+  assert settings.run_settings({**median, "min-clients": 3}).min_clients == 3
+  assert settings.run_settings(median).min_clients == 5  # all five clients of a round
+  assert settings.run_settings({"config": "quickstart:nondp", "min-clients": 2}).min_clients == 2
+  # The library's median of two is their mean (the simulation, whose clients are its own).
+  assert float(radius.server_radius(jnp.array([1e-3, 1.0]), "median", 0.0)) == pytest.approx(0.5005)
