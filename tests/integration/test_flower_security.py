@@ -15,7 +15,7 @@ from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=
 
 from fedlap_flower import settings, signed_runs
 from fedlap_flower.runtime import warm_clientapp
-from fedlap_jax import radius
+from fedlap_jax import accounting, radius
 from flower_federation import APP_DIR
 
 
@@ -74,3 +74,13 @@ def test_the_median_server_radius_needs_three_replies():
   assert settings.run_settings({"config": "quickstart:nondp", "min-clients": 2}).min_clients == 2
   # The library's median of two is their mean (the simulation, whose clients are its own).
   assert float(radius.server_radius(jnp.array([1e-3, 1.0]), "median", 0.0)) == pytest.approx(0.5005)
+
+
+def test_the_epsilon_bound_holds_for_every_client_whatever_its_size():
+  """What the server bounds a self-reported epsilon by: above both figures of every N_k."""
+  m = accounting.DpMechanism(noise_multiplier=1.0, batch_size=16, steps_per_round=5, delta=1e-5)
+  assert m.epsilon_bound(0) == 0.0
+  for n in (16, 64, 1000):
+    for adjacency in ("replace_one", "add_remove"):
+      assert m.epsilon_after(3, n, adjacency=adjacency) <= m.epsilon_bound(3)
+  assert m.epsilon_bound(3) < m.epsilon_bound(4) < 1e6
