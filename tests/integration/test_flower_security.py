@@ -84,3 +84,42 @@ def test_the_epsilon_bound_holds_for_every_client_whatever_its_size():
     for adjacency in ("replace_one", "add_remove"):
       assert m.epsilon_after(3, n, adjacency=adjacency) <= m.epsilon_bound(3)
   assert m.epsilon_bound(3) < m.epsilon_bound(4) < 1e6
+
+
+@pytest.mark.parametrize(
+  "field, value, cap",
+  [("client.ipc", 1_000_000, "max-ipc"), ("client.iterations", 10**8, "max-iterations")]
+  + [("model.width", 100_000, "max-width")],
+)
+def test_a_node_refuses_a_run_above_its_compute_caps_before_any_work(
+  field, value, cap, tmp_path, monkeypatch
+):
+  from flwr.app import Message, RecordDict
+
+  from fedlap_flower import client_app
+  from flower_harness import TINY, InProcessGrid, node_configs, task_identity
+
+  def no_work(*args):
+    raise AssertionError("the client loaded its data or built its model")
+
+  monkeypatch.setattr(client_app, "_setup", no_work)
+  rc = {"config": "quickstart:nondp", "overrides": f"{TINY} {field}={value}"}
+  grid = InProcessGrid(client_app.app, rc, node_configs(state_root=tmp_path / "state"))
+  with task_identity():
+    reply = grid.answer(
+      Message(content=RecordDict(), dst_node_id=101, message_type="train", group_id="1")
+    )
+  assert reply.has_error() and f"{field}={value}" in reply.error.reason, reply.error.reason
+  assert cap in reply.error.reason
+  # The node may allow more; its default admits the paper's largest configs.
+  run = settings.run_settings(rc)
+  nc = {"partition-id": 0, "num-partitions": 5, "state-dir": str(tmp_path / "s")}
+  with pytest.raises(settings.SettingsError) as e:
+    settings.node_settings(nc, run)
+  assert e.value.field == field and e.value.value == value
+  assert settings.node_settings({**nc, cap: value}, run).partition_id == 0
+  with pytest.raises(settings.SettingsError) as e:
+    settings.node_settings({**nc, cap: 0}, run)
+  assert e.value.field == cap
+  for name in ("cifar_ablation_ipc:200", "cifar_dp", "cifar_dp_tuned", "fmnist_dp_hybrid"):
+    settings.node_settings(nc, settings.run_settings({"config": name}))
