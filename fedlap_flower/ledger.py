@@ -54,7 +54,10 @@ result nobody saw: never under-counted. One process works in a state directory
 at a time (``fcntl`` lock).
 
 The directory is the client's alone: an existing one that another user owns,
-or that its group or the world may write, is refused (:func:`check_private`);
+or that its group or the world may write, is refused, and so is one with a parent
+that another user than root owns, or that its group or the world may write without
+the sticky bit: whoever could rename the directory away would reset its ledger
+(:func:`check_private`);
 a new one, and each parent it needs, is created ``0700``. Every file in it is created ``0600``, and
 without following a link planted in its place: the ledger and the carried
 set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``
@@ -166,11 +169,13 @@ def make_private_dirs(directory: Path) -> None:
 
 
 def check_private(directory: Path) -> None:
-  """Refuses a state directory another user could change.
+  """Refuses a state directory another user could change, or move away.
 
   Raises:
     LedgerError: ``directory`` is not a directory, is owned by another user than this
-      process's, or its group or every user may write it.
+      process's, or its group or every user may write it; or one of its parents is owned by
+      another user than root or this process's, or its group or every user may write it
+      without the sticky bit (which keeps others from renaming what they do not own).
   """
   st = os.stat(directory)
   why = None
@@ -184,6 +189,20 @@ def check_private(directory: Path) -> None:
     raise LedgerError(
       f"state-dir {directory} {why}: another user could replace its privacy ledger. "
       f"Allowed: a directory of this user that only it may write (chmod go-w), or a new one"
+    )
+  for parent in directory.resolve().parents:
+    st = os.stat(parent)
+    if st.st_uid not in (0, os.geteuid()):
+      why = f"is owned by user {st.st_uid}, neither root nor this client's user {os.geteuid()}"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+      why = f"may be written by its group or by every user (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+      continue
+    raise LedgerError(
+      f"state-dir {directory}: its parent {parent} {why}; another user could rename the "
+      "state directory away and the client would start a new ledger. Allowed: a state-dir "
+      "whose every parent is root's or this user's and written by them alone (or sticky, as "
+      "/tmp)"
     )
 
 

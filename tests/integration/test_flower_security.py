@@ -13,10 +13,16 @@ import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
 
+from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import settings, signed_runs
 from fedlap_flower.runtime import warm_clientapp
 from fedlap_jax import accounting, radius
 from flower_federation import APP_DIR
+
+FINGERPRINT = {"records": "site0"}
+PRIVACY = dict(
+  noise_multiplier=1.0, batch_size=16, min_client_size=64, steps_per_round=2, delta=1e-5
+)
 
 
 def test_the_record_of_signed_runs_is_the_owners_alone(tmp_path):
@@ -123,3 +129,26 @@ def test_a_node_refuses_a_run_above_its_compute_caps_before_any_work(
   assert e.value.field == cap
   for name in ("cifar_ablation_ipc:200", "cifar_dp", "cifar_dp_tuned", "fmnist_dp_hybrid"):
     settings.node_settings(nc, settings.run_settings({"config": name}))
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-writable", "foreign-owned"])
+def test_a_state_dir_whose_parent_another_user_could_change_is_refused(tmp_path, how):
+  """Whoever may rename a parent's entries moves the ledger away and the node starts a new
+  one: every parent must be root's or ours and written by them alone, or sticky."""
+  shared = tmp_path / "shared"
+  shared.mkdir(mode=0o700)
+  state = ledger_lib.ClientState(shared / "site0")  # a private parent: accepted
+  state.spend(state.ledger(FINGERPRINT, **PRIVACY), FINGERPRINT, 1, 100.0, {})
+  if how == "foreign-owned":
+    if os.geteuid() != 0:
+      pytest.skip("chown to another user needs root")
+    os.chown(shared, 65534, -1)
+  else:
+    shared.chmod(0o777 if how == "world-writable" else 0o770)
+  with pytest.raises(ledger_lib.LedgerError, match=str(shared)):
+    ledger_lib.ClientState(shared / "site0")
+  with pytest.raises(ledger_lib.LedgerError):  # the record of signed runs lives there too
+    signed_runs.admit(shared / "site0", "n" * 32, 1, check_new=lambda: None)
+  if how != "foreign-owned":
+    shared.chmod(0o1777)  # sticky, as /tmp: no one else may rename what is ours
+    assert ledger_lib.ClientState(shared / "site0").history()
