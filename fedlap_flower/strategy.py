@@ -844,6 +844,11 @@ class MethodStrategy(FedAvg):
 
   def configure_train(self, server_round, arrays, config, grid):
     server_round += self.rounds_done
+    if hasattr(grid, "limit_replies"):  # a reply is bounded by what the update takes
+      grid.limit_replies(
+        sum(int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in self.wire.fields),
+        len(self.wire.fields),
+      )
     self._round = self._plan_round(server_round, arrays, grid)
     asked, chosen, plan = self._round["asked"], self._round["chosen"], self._round["plan"]
     message_arrays = method_work.tree_to_arrays(method_work.without_model(plan.message))

@@ -6,16 +6,20 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 import types
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
 
 from fedlap_flower import ledger as ledger_lib
+from fedlap_flower import records as records_lib
 from fedlap_flower import settings, signed_runs
-from fedlap_flower.runtime import warm_clientapp
+from fedlap_flower.prompt_grid import PromptGrid
+from fedlap_flower.runtime import object_pulls, warm_clientapp
 from fedlap_jax import accounting, radius
 from flower_federation import APP_DIR
 
@@ -152,3 +156,156 @@ def test_a_state_dir_whose_parent_another_user_could_change_is_refused(tmp_path,
   if how != "foreign-owned":
     shared.chmod(0o1777)  # sticky, as /tmp: no one else may rename what is ours
     assert ledger_lib.ClientState(shared / "site0").history()
+
+
+# ----------------------------------------------------------------------------
+# The ServerApp Grid's pulls of a reply: Flower's HTTP Grid against a fake SuperLink.
+# ----------------------------------------------------------------------------
+
+
+def _reply(reply_to: str, arrays: dict, node: int):
+  """A reply as the SuperLink lists it (its proto without content, its object tree) and its
+  objects by id."""
+  from flwr.app import Array, ArrayRecord, Metadata, MetricRecord, RecordDict
+  from flwr.app.message import make_message, remove_content_from_message
+  from flwr.common.serde import message_to_proto
+  from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+
+  content = RecordDict(
+    {
+      "update": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+      "metrics": MetricRecord({"partition-id": node}),
+    }
+  )
+  meta = Metadata(
+    run_id=1,
+    message_id="",
+    src_node_id=100 + node,
+    dst_node_id=1,
+    reply_to_message_id=reply_to,
+    group_id="1",
+    created_at=time.time(),
+    ttl=600,
+    message_type="train",
+  )
+  msg = make_message(meta, content)
+  objects = {i: o.deflate() for i, o in get_all_nested_objects(msg).items()}
+  msg.metadata.__dict__["_message_id"] = msg.object_id
+  proto = message_to_proto(remove_content_from_message(msg))
+  return proto, get_object_tree(msg), objects
+
+
+class _SuperLink:
+  """A Runtime API client of a SuperLink holding ``replies``; ``available(id, t)`` says whether
+  object ``id`` is there ``t`` seconds after the first pull; ``pulled`` counts bytes by id."""
+
+  def __init__(self, replies, available=lambda object_id, t: True):
+    self.replies, self.available = replies, available
+    self.objects = {i: b for _, _, objs in replies for i, b in objs.items()}
+    self.pulled: dict[str, int] = {}
+    self.t0 = None
+
+  def PullMessages(self, request):  # pylint: disable=invalid-name
+    from flwr.proto.runtime_pb2 import PullAppMessagesResponse  # pylint: disable=no-name-in-module
+
+    self.t0 = self.t0 or time.monotonic()
+    listed, self.replies = self.replies, []
+    return PullAppMessagesResponse(
+      messages_list=[p for p, _, _ in listed], message_object_trees=[t for _, t, _ in listed]
+    )
+
+  def PullObject(self, request):  # pylint: disable=invalid-name
+    from flwr.proto.message_pb2 import PullObjectResponse  # pylint: disable=no-name-in-module
+
+    i = request.object_id
+    if not self.available(i, time.monotonic() - self.t0):
+      return PullObjectResponse(object_found=True, object_available=False)
+    self.pulled[i] = self.pulled.get(i, 0) + len(self.objects[i])
+    return PullObjectResponse(
+      object_found=True, object_available=True, object_content=self.objects[i]
+    )
+
+  def ConfirmMessageReceived(self, request):  # pylint: disable=invalid-name
+    pass
+
+
+def _prompt_grid(superlink):
+  from flwr.proto.node_pb2 import Node  # pylint: disable=no-name-in-module
+  from flwr.superlink.grid.http_grid import HttpGrid
+
+  grid = HttpGrid.__new__(HttpGrid)  # its pulls, with this client
+  grid._run = types.SimpleNamespace(run_id=1)
+  grid._client = superlink
+  grid.node = Node(node_id=1)
+  grid.push_messages = lambda messages: [f"m{i}" for i, _ in enumerate(messages)]
+  return PromptGrid(grid, poll=0.05)
+
+
+@pytest.fixture
+def grid_limits():
+  limits = getattr(object_pulls, "GRID_LIMITS", None)
+  yield limits
+  if limits is not None:
+    limits.__init__()
+
+
+def test_a_trickled_reply_is_dropped_at_the_deadline_and_the_others_are_taken(grid_limits):
+  """The hostile reply (listed first) makes one of its 40 objects available every 0.2 s; the
+  honest one is complete. The round's deadline (1 s) bounds the pulls: the trickled reply is
+  an error reply, the honest one is taken, the round ends within a second of its deadline."""
+  rng = np.random.default_rng(0)
+  trickled = _reply("m0", {f"a{i}": rng.normal(size=8) for i in range(20)}, node=0)
+  honest = _reply("m1", {"a": np.ones(100, np.float32)}, node=1)
+  order = {i: n for n, i in enumerate(trickled[2])}
+  superlink = _SuperLink(
+    [trickled, honest], available=lambda i, t: i not in order or t >= 0.2 * order[i]
+  )
+  grid = _prompt_grid(superlink)
+  t0 = time.monotonic()
+  got = grid.send_and_receive(["a", "b"], timeout=1.0)
+  took = time.monotonic() - t0
+  by_id = {m.metadata.reply_to_message_id: m for m in got}
+  assert sorted(by_id) == ["m0", "m1"]
+  assert by_id["m0"].has_error() and not by_id["m1"].has_error()
+  np.testing.assert_array_equal(by_id["m1"].content["update"]["a"].numpy(), np.ones(100))
+  assert took < 2.5, took  # Flower's own limit: every object, up to 2 hours
+  assert grid_limits.deadline is None  # the deadline is the round's only
+
+
+def test_a_reply_larger_than_the_update_is_refused_without_being_pulled_whole(grid_limits):
+  """The round's update is 400 bytes in 1 array: a reply of 200 arrays is refused before any
+  of it is pulled (its tree's object count), one of 3 MB once its bytes pass the bound; the
+  honest reply is taken either way."""
+  honest = _reply("m1", {"a": np.ones(100, np.float32)}, node=1)
+  many = _reply("m0", {f"a{i}": np.full(2, i, np.float32) for i in range(200)}, node=0)
+  big = _reply("m0", {"a": np.arange(750_000, dtype=np.float32)}, node=0)
+  for hostile, pulled_at_most in ((many, 0), (big, object_pulls.GRID_LIMITS.max_bytes)):
+    superlink = _SuperLink([hostile, honest])
+    grid = _prompt_grid(superlink)
+    grid.limit_replies(400, 1)
+    got = {m.metadata.reply_to_message_id: m for m in grid.send_and_receive(["a", "b"], timeout=5)}
+    assert got["m0"].has_error() and not got["m1"].has_error()
+    assert "allowed: at most" in got["m0"].error.reason, got["m0"].error.reason
+    hostile_bytes = sum(n for i, n in superlink.pulled.items() if i in hostile[2])
+    limit = pulled_at_most if pulled_at_most is not None else grid_limits.max_bytes
+    assert hostile_bytes <= limit + grid_limits.max_object_bytes, hostile_bytes
+  assert grid_limits.max_bytes < 3_000_000
+
+
+@pytest.mark.slow
+def test_the_round_bounds_each_reply_by_its_update(tmp_path, grid_limits):
+  """The strategy tells the grid what a reply may hold: its update's bytes and arrays (FedLAP's
+  wire on the digits: a synthetic set and a radius), and every honest reply fits."""
+  from flower_harness import TINY, run_inprocess
+
+  limited = []
+  rc = {"config": "quickstart:nondp", "overrides": TINY.replace("rounds=2", "rounds=1")}
+  rc["run-dir"] = str(tmp_path / "run")
+
+  def hook(grid):
+    grid.limit_replies = lambda update_bytes, arrays: limited.append((update_bytes, arrays))
+
+  records, grid = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
+  ((update_bytes, arrays),) = limited
+  sizes = [records_lib.wire_bytes(r.content["update"]) for r in grid.replies]
+  assert arrays == 4 and max(sizes) <= update_bytes + 4 * 256 < 2 * min(sizes), (sizes, limited)
