@@ -73,8 +73,9 @@ class PromptGrid(Grid):
     """Pushes ``messages``; returns the replies that arrived within ``timeout`` seconds
     (all of them, however long they take, when ``timeout`` is None). A message whose push
     failed (no id) is not waited for. The deadline bounds the pulls of the replies' objects
-    too (Flower's HTTP Grid): a reply still incomplete then is Flower's error reply for it,
-    and the replies listed after it are still taken."""
+    too (Flower's HTTP Grid): a reply still incomplete then is Flower's error reply for it;
+    a pull that ends past the deadline is followed by one more, which takes every reply
+    complete by then (one listed behind a slow one included)."""
     pending = {i for i in self.push_messages(messages) if i}
     end = None if timeout is None else time.time() + timeout
     limits = object_pulls.GRID_LIMITS
@@ -82,10 +83,11 @@ class PromptGrid(Grid):
     replies: list[Message] = []
     try:
       while pending:
+        last = end is not None and time.time() >= end  # then: whatever is complete
         got = list(self.pull_messages(pending))
         replies.extend(got)
         pending.difference_update(m.metadata.reply_to_message_id for m in got)
-        if not pending or (end is not None and time.time() >= end):
+        if not pending or last:
           break
         time.sleep(self.poll if end is None else max(0.0, min(self.poll, end - time.time())))
     finally:

@@ -199,8 +199,8 @@ class _SuperLink:
   """A Runtime API client of a SuperLink holding ``replies``; ``available(id, t)`` says whether
   object ``id`` is there ``t`` seconds after the first pull; ``pulled`` counts bytes by id."""
 
-  def __init__(self, replies, available=lambda object_id, t: True):
-    self.replies, self.available = replies, available
+  def __init__(self, replies, available=lambda object_id, t: True, listed=()):
+    self.replies, self.available, self.listed = replies, available, listed
     self.objects = {i: b for _, _, objs in replies for i, b in objs.items()}
     self.pulled: dict[str, int] = {}
     self.t0 = None
@@ -209,7 +209,9 @@ class _SuperLink:
     from flwr.proto.runtime_pb2 import PullAppMessagesResponse  # pylint: disable=no-name-in-module
 
     self.t0 = self.t0 or time.monotonic()
-    listed, self.replies = self.replies, []
+    t = time.monotonic() - self.t0
+    listed = [r for i, r in enumerate(self.replies) if i >= len(self.listed) or t >= self.listed[i]]
+    self.replies = [r for r in self.replies if all(r is not x for x in listed)]
     return PullAppMessagesResponse(
       messages_list=[p for p, _, _ in listed], message_object_trees=[t for _, t, _ in listed]
     )
@@ -270,6 +272,15 @@ def test_a_trickled_reply_is_dropped_at_the_deadline_and_the_others_are_taken(gr
   np.testing.assert_array_equal(by_id["m1"].content["update"]["a"].numpy(), np.ones(100))
   assert took < 2.5, took  # Flower's own limit: every object, up to 2 hours
   assert grid_limits.deadline is None  # the deadline is the round's only
+  # The honest reply listed only while the trickled one is pulled (pushed at 0.3 s): taken.
+  superlink = _SuperLink(
+    [trickled, honest],
+    available=lambda i, t: i not in order or t >= 0.2 * order[i],
+    listed=(0, 0.3),
+  )
+  got = _prompt_grid(superlink).send_and_receive(["a", "b"], timeout=1.0)
+  by_id = {m.metadata.reply_to_message_id: m for m in got}
+  assert sorted(by_id) == ["m0", "m1"] and not by_id["m1"].has_error()
 
 
 def test_a_reply_larger_than_the_update_is_refused_without_being_pulled_whole(grid_limits):
