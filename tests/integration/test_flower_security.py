@@ -320,3 +320,22 @@ def test_the_round_bounds_each_reply_by_its_update(tmp_path, grid_limits):
   ((update_bytes, arrays),) = limited
   sizes = [records_lib.wire_bytes(r.content["update"]) for r in grid.replies]
   assert arrays == 4 and max(sizes) <= update_bytes + 4 * 256 < 2 * min(sizes), (sizes, limited)
+
+
+def test_a_state_dir_moved_or_replaced_after_its_check_is_refused(tmp_path):
+  """Files are opened relative to the directory's descriptor, opened without following a link
+  and checked to be the directory checked first: a state directory renamed away and replaced
+  by a fresh one (or by a link to one) is refused, never read as a new ledger."""
+  d = tmp_path / "site0"
+  state = ledger_lib.ClientState(d)
+  state.spend(state.ledger(FINGERPRINT, **PRIVACY), FINGERPRINT, 1, 100.0, {})
+  d.rename(tmp_path / "moved")
+  d.mkdir(mode=0o700)
+  with pytest.raises(ledger_lib.LedgerError, match="no longer the directory"):
+    state.ledger(FINGERPRINT, **PRIVACY)
+  with pytest.raises(ledger_lib.LedgerError):
+    state.locked().__enter__()
+  d.rmdir()
+  d.symlink_to(tmp_path / "moved")
+  with pytest.raises(OSError):  # O_NOFOLLOW: a link in the directory's place
+    state.ledger(FINGERPRINT, **PRIVACY)
