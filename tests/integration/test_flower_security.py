@@ -15,10 +15,10 @@ import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
 
+from benchmarks.flower_hostile import FakeSuperLink, prompt_grid_over, reply_objects
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import records as records_lib
 from fedlap_flower import settings, signed_runs
-from fedlap_flower.prompt_grid import PromptGrid
 from fedlap_flower.runtime import object_pulls, warm_clientapp
 from fedlap_jax import accounting, radius
 from flower_federation import APP_DIR
@@ -163,86 +163,6 @@ def test_a_state_dir_whose_parent_another_user_could_change_is_refused(tmp_path,
 # ----------------------------------------------------------------------------
 
 
-def _reply(reply_to: str, arrays: dict, node: int):
-  """A reply as the SuperLink lists it (its proto without content, its object tree) and its
-  objects by id."""
-  from flwr.app import Array, ArrayRecord, Metadata, MetricRecord, RecordDict
-  from flwr.app.message import make_message, remove_content_from_message
-  from flwr.common.serde import message_to_proto
-  from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
-
-  content = RecordDict(
-    {
-      "update": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-      "metrics": MetricRecord({"partition-id": node}),
-    }
-  )
-  meta = Metadata(
-    run_id=1,
-    message_id="",
-    src_node_id=100 + node,
-    dst_node_id=1,
-    reply_to_message_id=reply_to,
-    group_id="1",
-    created_at=time.time(),
-    ttl=600,
-    message_type="train",
-  )
-  msg = make_message(meta, content)
-  objects = {i: o.deflate() for i, o in get_all_nested_objects(msg).items()}
-  msg.metadata.__dict__["_message_id"] = msg.object_id
-  proto = message_to_proto(remove_content_from_message(msg))
-  return proto, get_object_tree(msg), objects
-
-
-class _SuperLink:
-  """A Runtime API client of a SuperLink holding ``replies``; ``available(id, t)`` says whether
-  object ``id`` is there ``t`` seconds after the first pull; ``pulled`` counts bytes by id."""
-
-  def __init__(self, replies, available=lambda object_id, t: True, listed=()):
-    self.replies, self.available, self.listed = replies, available, listed
-    self.objects = {i: b for _, _, objs in replies for i, b in objs.items()}
-    self.pulled: dict[str, int] = {}
-    self.t0 = None
-
-  def PullMessages(self, request):  # pylint: disable=invalid-name
-    from flwr.proto.runtime_pb2 import PullAppMessagesResponse  # pylint: disable=no-name-in-module
-
-    self.t0 = self.t0 or time.monotonic()
-    t = time.monotonic() - self.t0
-    listed = [r for i, r in enumerate(self.replies) if i >= len(self.listed) or t >= self.listed[i]]
-    self.replies = [r for r in self.replies if all(r is not x for x in listed)]
-    return PullAppMessagesResponse(
-      messages_list=[p for p, _, _ in listed], message_object_trees=[t for _, t, _ in listed]
-    )
-
-  def PullObject(self, request):  # pylint: disable=invalid-name
-    from flwr.proto.message_pb2 import PullObjectResponse  # pylint: disable=no-name-in-module
-
-    i = request.object_id
-    if not self.available(i, time.monotonic() - self.t0):
-      return PullObjectResponse(object_found=True, object_available=False)
-    self.pulled[i] = self.pulled.get(i, 0) + len(self.objects[i])
-    return PullObjectResponse(
-      object_found=True, object_available=True, object_content=self.objects[i]
-    )
-
-  def ConfirmMessageReceived(self, request):  # pylint: disable=invalid-name
-    pass
-
-
-def _prompt_grid(superlink):
-  from flwr.proto.node_pb2 import Node  # pylint: disable=no-name-in-module
-  from flwr.superlink.grid.http_grid import HttpGrid
-
-  grid = HttpGrid.__new__(HttpGrid)  # its pulls, with this client
-  grid._run = types.SimpleNamespace(run_id=1)
-  grid._client = superlink
-  grid.node = Node(node_id=1)
-  grid.push_messages = lambda messages: [f"m{i}" for i, _ in enumerate(messages)]
-  return PromptGrid(grid, poll=0.05)
-
-
 @pytest.fixture
 def grid_limits():
   limits = getattr(object_pulls, "GRID_LIMITS", None)
@@ -256,13 +176,13 @@ def test_a_trickled_reply_is_dropped_at_the_deadline_and_the_others_are_taken(gr
   honest one is complete. The round's deadline (1 s) bounds the pulls: the trickled reply is
   an error reply, the honest one is taken, the round ends within a second of its deadline."""
   rng = np.random.default_rng(0)
-  trickled = _reply("m0", {f"a{i}": rng.normal(size=8) for i in range(20)}, node=0)
-  honest = _reply("m1", {"a": np.ones(100, np.float32)}, node=1)
+  trickled = reply_objects("m0", {f"a{i}": rng.normal(size=8) for i in range(20)}, node=0)
+  honest = reply_objects("m1", {"a": np.ones(100, np.float32)}, node=1)
   order = {i: n for n, i in enumerate(trickled[2])}
-  superlink = _SuperLink(
+  superlink = FakeSuperLink(
     [trickled, honest], available=lambda i, t: i not in order or t >= 0.2 * order[i]
   )
-  grid = _prompt_grid(superlink)
+  grid = prompt_grid_over(superlink)
   t0 = time.monotonic()
   got = grid.send_and_receive(["a", "b"], timeout=1.0)
   took = time.monotonic() - t0
@@ -273,12 +193,12 @@ def test_a_trickled_reply_is_dropped_at_the_deadline_and_the_others_are_taken(gr
   assert took < 2.5, took  # Flower's own limit: every object, up to 2 hours
   assert grid_limits.deadline is None  # the deadline is the round's only
   # The honest reply listed only while the trickled one is pulled (pushed at 0.3 s): taken.
-  superlink = _SuperLink(
+  superlink = FakeSuperLink(
     [trickled, honest],
     available=lambda i, t: i not in order or t >= 0.2 * order[i],
     listed=(0, 0.3),
   )
-  got = _prompt_grid(superlink).send_and_receive(["a", "b"], timeout=1.0)
+  got = prompt_grid_over(superlink).send_and_receive(["a", "b"], timeout=1.0)
   by_id = {m.metadata.reply_to_message_id: m for m in got}
   assert sorted(by_id) == ["m0", "m1"] and not by_id["m1"].has_error()
 
@@ -287,12 +207,12 @@ def test_a_reply_larger_than_the_update_is_refused_without_being_pulled_whole(gr
   """The round's update is 400 bytes in 1 array: a reply of 200 arrays is refused before any
   of it is pulled (its tree's object count), one of 3 MB once its bytes pass the bound; the
   honest reply is taken either way."""
-  honest = _reply("m1", {"a": np.ones(100, np.float32)}, node=1)
-  many = _reply("m0", {f"a{i}": np.full(2, i, np.float32) for i in range(200)}, node=0)
-  big = _reply("m0", {"a": np.arange(750_000, dtype=np.float32)}, node=0)
+  honest = reply_objects("m1", {"a": np.ones(100, np.float32)}, node=1)
+  many = reply_objects("m0", {f"a{i}": np.full(2, i, np.float32) for i in range(200)}, node=0)
+  big = reply_objects("m0", {"a": np.arange(750_000, dtype=np.float32)}, node=0)
   for hostile, pulled_at_most in ((many, 0), (big, object_pulls.GRID_LIMITS.max_bytes)):
-    superlink = _SuperLink([hostile, honest])
-    grid = _prompt_grid(superlink)
+    superlink = FakeSuperLink([hostile, honest])
+    grid = prompt_grid_over(superlink)
     grid.limit_replies(400, 1)
     got = {m.metadata.reply_to_message_id: m for m in grid.send_and_receive(["a", "b"], timeout=5)}
     assert got["m0"].has_error() and not got["m1"].has_error()
