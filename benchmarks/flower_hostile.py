@@ -272,7 +272,7 @@ def pull_cases(
   """``trickle``: a reply whose ``trickle_objects`` objects arrive one every ``every`` s, listed
   before a complete honest one, which is listed 0.3 s into a round of ``timeout`` s: the
   round's seconds and which replies it takes. ``oversized``: a reply of ``big_mb`` MB where
-  the round's update (FedLAP's digits wire, 10 images per class) takes 26 KB: the bytes of it
+  the round's update takes 26 KB (100 images of 8 x 8 x 1, their labels and mask, a radius): the bytes of it
   pulled before it is refused, and the round's seconds."""
   from fedlap_flower.runtime import object_pulls
 
