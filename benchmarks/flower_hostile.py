@@ -27,6 +27,11 @@ Cases (``quickstart:nondp``, 10 rounds, unless named otherwise):
   (``quickstart:dp``, 5 rounds): client 0's model delta sign-flipped and scaled
   to 0.99 x the server's delta bound (:func:`fedlap_jax.update_bounds.matching_delta_bound`).
 
+And the ServerApp Grid's pulls of a reply (Flower's HTTP Grid against a fake
+SuperLink, :func:`pull_cases`; ``--pulls-only``): ``trickle``, a reply whose
+objects arrive one at a time, listed before an honest one; ``oversized``, a
+200 MB reply where the round's update takes 26 KB.
+
 Printed: the test accuracy after round 1 and after the last round per case,
 and the ratio of the tampered delta's norm to the honest one. The results
 live in docs/flower.md with this command.
@@ -42,6 +47,7 @@ import os
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -171,11 +177,166 @@ def run_case(config, overrides, tamper, silent, workdir: Path) -> list[dict]:
   return records
 
 
+# ----------------------------------------------------------------------------
+# The ServerApp Grid's pulls of a reply (Flower's HTTP Grid against a fake SuperLink).
+# ----------------------------------------------------------------------------
+
+
+def reply_objects(reply_to: str, arrays: dict, node: int):
+  """A reply as the SuperLink lists it (its proto without content, its object tree) and its
+  objects by id."""
+  from flwr.app import Array, ArrayRecord, Metadata, MetricRecord, RecordDict
+  from flwr.app.message import make_message, remove_content_from_message
+  from flwr.common.serde import message_to_proto
+  from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+
+  content = RecordDict(
+    {
+      "update": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+      "metrics": MetricRecord({"partition-id": node}),
+    }
+  )
+  meta = Metadata(
+    run_id=1,
+    message_id="",
+    src_node_id=100 + node,
+    dst_node_id=1,
+    reply_to_message_id=reply_to,
+    group_id="1",
+    created_at=time.time(),
+    ttl=600,
+    message_type="train",
+  )
+  msg = make_message(meta, content)
+  objects = {i: o.deflate() for i, o in get_all_nested_objects(msg).items()}
+  msg.metadata.__dict__["_message_id"] = msg.object_id
+  proto = message_to_proto(remove_content_from_message(msg))
+  return proto, get_object_tree(msg), objects
+
+
+class FakeSuperLink:
+  """A Runtime API client of a SuperLink holding ``replies``; ``available(id, t)`` says whether
+  object ``id`` is there ``t`` seconds after the first pull; ``pulled`` counts bytes by id."""
+
+  def __init__(self, replies, available=lambda object_id, t: True, listed=()):
+    self.replies, self.available, self.listed = replies, available, listed
+    self.objects = {i: b for _, _, objs in replies for i, b in objs.items()}
+    self.pulled: dict[str, int] = {}
+    self.t0 = None
+
+  def PullMessages(self, request):  # pylint: disable=invalid-name
+    from flwr.proto.runtime_pb2 import PullAppMessagesResponse  # pylint: disable=no-name-in-module
+
+    self.t0 = self.t0 or time.monotonic()
+    t = time.monotonic() - self.t0
+    listed = [r for i, r in enumerate(self.replies) if i >= len(self.listed) or t >= self.listed[i]]
+    self.replies = [r for r in self.replies if all(r is not x for x in listed)]
+    return PullAppMessagesResponse(
+      messages_list=[p for p, _, _ in listed], message_object_trees=[t for _, t, _ in listed]
+    )
+
+  def PullObject(self, request):  # pylint: disable=invalid-name
+    from flwr.proto.message_pb2 import PullObjectResponse  # pylint: disable=no-name-in-module
+
+    i = request.object_id
+    if not self.available(i, time.monotonic() - self.t0):
+      return PullObjectResponse(object_found=True, object_available=False)
+    self.pulled[i] = self.pulled.get(i, 0) + len(self.objects[i])
+    return PullObjectResponse(
+      object_found=True, object_available=True, object_content=self.objects[i]
+    )
+
+  def ConfirmMessageReceived(self, request):  # pylint: disable=invalid-name
+    pass
+
+
+def prompt_grid_over(superlink):
+  """A :class:`fedlap_flower.prompt_grid.PromptGrid` over Flower's HTTP Grid whose Runtime API
+  client is ``superlink`` (Flower's own pulls of the replies' objects)."""
+  from flwr.proto.node_pb2 import Node  # pylint: disable=no-name-in-module
+  from flwr.superlink.grid.http_grid import HttpGrid
+
+  grid = HttpGrid.__new__(HttpGrid)  # its pulls, with this client
+  grid._run = types.SimpleNamespace(run_id=1)
+  grid._client = superlink
+  grid.node = Node(node_id=1)
+  grid.push_messages = lambda messages: [f"m{i}" for i, _ in enumerate(messages)]
+  from fedlap_flower.prompt_grid import PromptGrid
+
+  return PromptGrid(grid, poll=0.05)
+
+
+def pull_cases(
+  trickle_objects: int = 40, every: float = 0.25, timeout: float = 2.0, big_mb: int = 200
+) -> dict:
+  """``trickle``: a reply whose ``trickle_objects`` objects arrive one every ``every`` s, listed
+  before a complete honest one, which is listed 0.3 s into a round of ``timeout`` s: the
+  round's seconds and which replies it takes. ``oversized``: a reply of ``big_mb`` MB where
+  the round's update takes 26 KB (100 images of 8 x 8 x 1, their labels and mask, a radius): the bytes of it
+  pulled before it is refused, and the round's seconds."""
+  from fedlap_flower.runtime import object_pulls
+
+  rng = np.random.default_rng(0)
+  trickled = reply_objects(
+    "m0", {f"a{i}": rng.normal(size=8) for i in range(trickle_objects // 2)}, 0
+  )
+  honest = reply_objects("m1", {"a": np.ones(100, np.float32)}, 1)
+  order = {i: n for n, i in enumerate(trickled[2])}
+  out = {}
+  superlink = FakeSuperLink(
+    [trickled, honest],
+    available=lambda i, t: i not in order or t >= every * order[i],
+    listed=(0, 0.3),
+  )
+  grid = prompt_grid_over(superlink)
+  t0 = time.monotonic()
+  got = {
+    m.metadata.reply_to_message_id: m for m in grid.send_and_receive(["a", "b"], timeout=timeout)
+  }
+  out["trickle"] = {
+    "seconds": time.monotonic() - t0,
+    "round_timeout": timeout,
+    "trickled_taken": "m0" in got and not got["m0"].has_error(),
+    "honest_taken": "m1" in got and not got["m1"].has_error(),
+  }
+  big = reply_objects("m0", {"x": np.arange(big_mb * 2**20 // 4, dtype=np.float32)}, 0)
+  superlink = FakeSuperLink([big, honest])
+  grid = prompt_grid_over(superlink)
+  update_bytes = 100 * 8 * 8 * 4 + 100 * 4 + 100 + 4  # x, y, mask, radius
+  if hasattr(grid, "limit_replies"):
+    grid.limit_replies(update_bytes, 4)
+  t0 = time.monotonic()
+  got = {
+    m.metadata.reply_to_message_id: m for m in grid.send_and_receive(["a", "b"], timeout=timeout)
+  }
+  out["oversized"] = {
+    "seconds": time.monotonic() - t0,
+    "reply_bytes": sum(len(b) for b in big[2].values()),
+    "pulled_bytes": sum(n for i, n in superlink.pulled.items() if i in big[2]),
+    "taken": "m0" in got and not got["m0"].has_error(),
+    "honest_taken": "m1" in got and not got["m1"].has_error(),
+  }
+  limits = getattr(object_pulls, "GRID_LIMITS", None)
+  if limits is not None:
+    limits.__init__()
+  return out
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="runs/flower_hostile.json")
   parser.add_argument("--cases", nargs="*", default=None, help="names of cases (default: all)")
+  parser.add_argument(
+    "--pulls-only", action="store_true", help="only the trickled and the oversized reply"
+  )
   args = parser.parse_args(argv)
+  pulls = pull_cases()
+  for name, figures in pulls.items():
+    print(f"{name:28s} {json.dumps(figures, default=float)}", flush=True)
+  if args.pulls_only:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(pulls, indent=2, default=float) + "\n")
+    return 0
   sys.path.insert(0, str(ROOT / "tests"))  # flower_harness: the in-process grid
   os.environ.setdefault("FEDLAP_FLOWER_JAX_CACHE", "off")
   from flwr.common.logger import FLOWER_LOGGER  # pylint: disable=g-import-not-at-top
@@ -184,7 +345,7 @@ def main(argv=None) -> int:
   stats: list[dict] = []
   table = cases(stats)
   names = args.cases or list(table)
-  results = {}
+  results: dict = dict(pulls)
   with tempfile.TemporaryDirectory() as tmp:
     for name in names:
       t0 = time.time()

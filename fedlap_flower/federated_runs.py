@@ -85,9 +85,10 @@ def _entry_ok(identity: str, entry: dict) -> bool:
   )
 
 
-def _read(path) -> dict[str, dict]:
+def _read(state: ledger_lib.ClientState) -> dict[str, dict]:
+  path = state.directory / RECORD_FILE
   try:
-    return ledger_lib.read_runs_record(path, FORMAT, _entry_ok)
+    return ledger_lib.read_runs_record(state, RECORD_FILE, FORMAT, _entry_ok)
   except ValueError as e:
     raise RefusedRun(
       f"{path} cannot be read as this client's record of federated runs ({e}); refusing to "
@@ -112,8 +113,7 @@ def admit(state: ledger_lib.ClientState, identity, flower_run: int, digest: str)
       f"{MESSAGE_KEY}={shown} is invalid; allowed: the federated run's identity the server "
       "drew, 32 hex digits"
     )
-  path = state.directory / RECORD_FILE
-  runs = _read(path)
+  runs = _read(state)
   run = int(flower_run)
   for other, entry in runs.items():
     if other != identity and run in entry["flower_runs"]:
@@ -133,7 +133,7 @@ def admit(state: ledger_lib.ClientState, identity, flower_run: int, digest: str)
     entry = entry or {"config": digest, "flower_runs": [], "started_at": time.time()}
     entry["flower_runs"] = [*entry["flower_runs"], run]
     runs[identity] = entry
-    ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs}, mode=ledger_lib.FILE_MODE)
+    state.write_json(RECORD_FILE, {"format": FORMAT, "runs": runs})
   return identity
 
 
@@ -141,7 +141,7 @@ def recorded(state: ledger_lib.ClientState) -> dict[str, dict]:
   """The record: ``{identity: {"config": digest, "flower_runs": [...], "started_at": ...,
   "delivered": round}}`` (``delivered`` once the server said a round took the client's
   reply)."""
-  return _read(state.directory / RECORD_FILE)
+  return _read(state)
 
 
 def delivered(state: ledger_lib.ClientState, identity: str) -> int:
@@ -151,7 +151,7 @@ def delivered(state: ledger_lib.ClientState, identity: str) -> int:
   Raises:
     RefusedRun: the record is unreadable.
   """
-  return int(_read(state.directory / RECORD_FILE).get(identity, {}).get("delivered") or 0)
+  return int(_read(state).get(identity, {}).get("delivered") or 0)
 
 
 def record_delivered(state: ledger_lib.ClientState, identity: str, server_round: int) -> None:
@@ -163,9 +163,9 @@ def record_delivered(state: ledger_lib.ClientState, identity: str, server_round:
     RefusedRun: the record is unreadable, or holds no entry of ``identity``.
   """
   path = state.directory / RECORD_FILE
-  runs = _read(path)
+  runs = _read(state)
   if identity not in runs:
     raise RefusedRun(f"{path} holds no federated run {identity}; it was admitted before")
   if runs[identity].get("delivered") != int(server_round):
     runs[identity]["delivered"] = int(server_round)
-    ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs}, mode=ledger_lib.FILE_MODE)
+    state.write_json(RECORD_FILE, {"format": FORMAT, "runs": runs})

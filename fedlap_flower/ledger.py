@@ -54,7 +54,12 @@ result nobody saw: never under-counted. One process works in a state directory
 at a time (``fcntl`` lock).
 
 The directory is the client's alone: an existing one that another user owns,
-or that its group or the world may write, is refused (:func:`check_private`);
+or that its group or the world may write, is refused, and so is one with a parent
+that another user than root owns, or that its group or the world may write without
+the sticky bit: whoever could rename the directory away would reset its ledger
+(:func:`check_private`). Its files are opened relative to the directory's
+descriptor, itself opened without following a link and checked to be the
+directory checked first (a directory moved away or replaced since is refused);
 a new one, and each parent it needs, is created ``0700``. Every file in it is created ``0600``, and
 without following a link planted in its place: the ledger and the carried
 set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``
@@ -80,7 +85,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from fedlap_runs.checkpointing import write_atomic, write_json_atomic
+from fedlap_runs.checkpointing import write_atomic
 from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import Wire
@@ -143,14 +148,6 @@ def fresh_round_key() -> jax.Array:
   return jax.random.wrap_key_data(words, impl="rbg")
 
 
-def _fsync_directory(directory: Path) -> None:
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def make_private_dirs(directory: Path) -> None:
   """Creates ``directory`` and each missing parent ``0700`` (``mkdir -p`` would give the
   parents the umask's mode); existing ones are left as they are."""
@@ -166,11 +163,13 @@ def make_private_dirs(directory: Path) -> None:
 
 
 def check_private(directory: Path) -> None:
-  """Refuses a state directory another user could change.
+  """Refuses a state directory another user could change, or move away.
 
   Raises:
     LedgerError: ``directory`` is not a directory, is owned by another user than this
-      process's, or its group or every user may write it.
+      process's, or its group or every user may write it; or one of its parents is owned by
+      another user than root or this process's, or its group or every user may write it
+      without the sticky bit (which keeps others from renaming what they do not own).
   """
   st = os.stat(directory)
   why = None
@@ -185,19 +184,37 @@ def check_private(directory: Path) -> None:
       f"state-dir {directory} {why}: another user could replace its privacy ledger. "
       f"Allowed: a directory of this user that only it may write (chmod go-w), or a new one"
     )
+  for parent in directory.resolve().parents:
+    st = os.stat(parent)
+    if st.st_uid not in (0, os.geteuid()):
+      why = f"is owned by user {st.st_uid}, neither root nor this client's user {os.geteuid()}"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+      why = f"may be written by its group or by every user (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+      continue
+    raise LedgerError(
+      f"state-dir {directory}: its parent {parent} {why}; another user could rename the "
+      "state directory away and the client would start a new ledger. Allowed: a state-dir "
+      "whose every parent is root's or this user's and written by them alone (or sticky, as "
+      "/tmp)"
+    )
 
 
-def read_runs_record(path: Path, fmt: int, entry_ok: Callable[[str, Any], bool]) -> dict:
-  """The ``runs`` of a client's JSON record of runs (``{"format": fmt, "runs": {key: entry}}``;
-  ``{}``: no file), each ``(key, entry)`` passing ``entry_ok``.
+def read_runs_record(
+  state: "ClientState", name: str, fmt: int, entry_ok: Callable[[str, Any], bool]
+) -> dict:
+  """The ``runs`` of a client's JSON record of runs in its state directory, file ``name``
+  (``{"format": fmt, "runs": {key: entry}}``; ``{}``: no file), each ``(key, entry)`` passing
+  ``entry_ok``.
 
   Raises:
     ValueError: the file cannot be read as such a record (the reason).
   """
-  if not path.exists():
-    return {}
   try:
-    data = json.loads(path.read_text())
+    text = state.read_text(name)
+    if text is None:
+      return {}
+    data = json.loads(text)
     runs = data["runs"]
     if data.get("format") != fmt or not isinstance(runs, dict):
       raise ValueError(f"format {data.get('format')!r}")
@@ -221,11 +238,63 @@ class ClientState:
     make_private_dirs(directory)
     self.directory = directory.resolve()  # one key per directory in the process's caches
     check_private(self.directory)
+    st = os.stat(self.directory)
+    self._identity = (st.st_dev, st.st_ino)
+
+  @contextlib.contextmanager
+  def _opened(self):
+    """The state directory's descriptor, opened without following a link and checked to be
+    the directory checked at construction; its files are opened relative to it."""
+    fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW)
+    try:
+      st = os.fstat(fd)
+      if (st.st_dev, st.st_ino) != self._identity:
+        raise LedgerError(
+          f"state-dir {self.directory} is no longer the directory this client checked (it "
+          "was moved or replaced); refusing to read or write its state there. Allowed: the "
+          "state directory as this client left it"
+        )
+      yield fd
+    finally:
+      os.close(fd)
+
+  def read_text(self, name: str) -> str | None:
+    """The text of file ``name`` of the state directory (``None``: no file), read without
+    following a link."""
+    with self._opened() as d:
+      try:
+        fd = os.open(name, os.O_RDONLY | NOFOLLOW, dir_fd=d)
+      except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "r") as f:
+      return f.read()
+
+  def write_json(self, name: str, obj) -> None:
+    """Writes ``obj`` as JSON (indented, keys sorted) to file ``name`` of the state directory,
+    atomically and ``0600``: a temporary of a random name created ``O_EXCL | O_NOFOLLOW``
+    relative to the directory's descriptor, ``fsync``, ``os.replace``, ``fsync`` of the
+    directory."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    with self._opened() as d:
+      tmp = f".{name}.tmp{secrets.token_hex(8)}"
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=d)
+      try:
+        with os.fdopen(fd, "wb") as f:
+          f.write(data)
+          f.flush()
+          os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+      except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(tmp, dir_fd=d)
+        raise
+      os.fsync(d)
 
   @contextlib.contextmanager
   def locked(self):
     """Holds an exclusive lock on the directory for a round."""
-    fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, FILE_MODE)
+    with self._opened() as d:
+      fd = os.open(".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, FILE_MODE, dir_fd=d)
     with os.fdopen(fd, "r+b") as f:
       fcntl.flock(f, fcntl.LOCK_EX)
       try:
@@ -242,9 +311,10 @@ class ClientState:
     unreadable line is refused.
     """
     path = self.directory / JOURNAL_FILE
-    if not path.exists():
+    text = self.read_text(JOURNAL_FILE)
+    if text is None:
       return None
-    lines = path.read_text().split("\n")
+    lines = text.split("\n")
     mark = (0, 0)
     for i, line in enumerate(lines):
       if not line.strip():
@@ -263,21 +333,26 @@ class ClientState:
     return mark
 
   def _append_journal(self, ledger: accounting.PrivacyLedger) -> None:
-    path = self.directory / JOURNAL_FILE
-    new = not path.exists()
     rounds, steps = _spent(ledger)
     line = json.dumps(
       {"rounds": rounds, "steps": steps, "epsilon": ledger.epsilon, "time": time.time()},
       sort_keys=True,
     )
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, FILE_MODE)
-    try:
-      os.write(fd, (line + "\n").encode())
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-    if new:
-      _fsync_directory(self.directory)
+    with self._opened() as d:
+      try:
+        os.stat(JOURNAL_FILE, dir_fd=d, follow_symlinks=False)
+        new = False
+      except FileNotFoundError:
+        new = True
+      flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW
+      fd = os.open(JOURNAL_FILE, flags, FILE_MODE, dir_fd=d)
+      try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      if new:
+        os.fsync(d)
 
   def _check_not_rolled_back(
     self, ledger: accounting.PrivacyLedger | None, stored: dict | None
@@ -303,8 +378,7 @@ class ClientState:
   # -- the ledger ------------------------------------------------------------------
 
   def _text(self) -> str | None:
-    path = self.directory / LEDGER_FILE
-    return path.read_text() if path.exists() else None
+    return self.read_text(LEDGER_FILE)
 
   def _read(self, text: str | None = None) -> dict | None:
     text = self._text() if text is None else text
@@ -409,18 +483,17 @@ class ClientState:
     path = self.directory / LEDGER_FILE
     # Ledger first, then the journal: a crash between them leaves the ledger ahead of the
     # journal (accepted), never behind it.
-    write_json_atomic(
-      path,
+    self.write_json(
+      LEDGER_FILE,
       {
         "fingerprint": fingerprint,
         "ledger": ledger.to_dict(),
         "history": history,
         "journaled": True,
       },
-      mode=FILE_MODE,
     )
     self._append_journal(ledger)
-    _WRITTEN[path] = (path.read_text(), copy.deepcopy(ledger))
+    _WRITTEN[path] = (self._text() or "", copy.deepcopy(ledger))
     _HIGH_WATER[path] = max(_HIGH_WATER.get(path, (0, 0)), _spent(ledger))
     return eps
 

@@ -25,6 +25,7 @@ from typing import Iterable
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fedlap_flower.runtime import object_pulls
 from fedlap_flower.runtime.object_pulls import quick_grid_pulls
 
 
@@ -60,20 +61,35 @@ class PromptGrid(Grid):
   def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
     return self.grid.pull_messages(message_ids)
 
+  def limit_replies(self, update_bytes: int, arrays: int) -> None:
+    """Bounds the bytes and objects of each reply pulled from now on by what an update of
+    ``arrays`` arrays of ``update_bytes`` bytes takes
+    (:func:`fedlap_flower.runtime.object_pulls.limit_replies`; Flower's HTTP Grid only)."""
+    object_pulls.limit_replies(object_pulls.GRID_LIMITS, update_bytes, arrays)
+
   def send_and_receive(
     self, messages: Iterable[Message], *, timeout: float | None = None
   ) -> Iterable[Message]:
     """Pushes ``messages``; returns the replies that arrived within ``timeout`` seconds
     (all of them, however long they take, when ``timeout`` is None). A message whose push
-    failed (no id) is not waited for."""
+    failed (no id) is not waited for. The deadline bounds the pulls of the replies' objects
+    too (Flower's HTTP Grid): a reply still incomplete then is Flower's error reply for it;
+    a pull that ends past the deadline is followed by one more, which takes every reply
+    complete by then (one listed behind a slow one included)."""
     pending = {i for i in self.push_messages(messages) if i}
     end = None if timeout is None else time.time() + timeout
+    limits = object_pulls.GRID_LIMITS
+    limits.deadline = None if timeout is None else time.monotonic() + timeout
     replies: list[Message] = []
-    while pending:
-      got = list(self.pull_messages(pending))
-      replies.extend(got)
-      pending.difference_update(m.metadata.reply_to_message_id for m in got)
-      if not pending or (end is not None and time.time() >= end):
-        break
-      time.sleep(self.poll if end is None else max(0.0, min(self.poll, end - time.time())))
+    try:
+      while pending:
+        last = end is not None and time.time() >= end  # then: whatever is complete
+        got = list(self.pull_messages(pending))
+        replies.extend(got)
+        pending.difference_update(m.metadata.reply_to_message_id for m in got)
+        if not pending or last:
+          break
+        time.sleep(self.poll if end is None else max(0.0, min(self.poll, end - time.time())))
+    finally:
+      limits.deadline = None
     return replies

@@ -74,8 +74,10 @@ The bounds, and why an honest client stays inside them:
     (:meth:`fedlap_flower.binding.PartitionBinding.pin`): a reply that
     changes it is refused.
   - ``epsilon`` in ``[0, max-epsilon]`` (the run config's cap, which every
-    client keeps; no upper bound but finiteness with ``max-epsilon = inf``).
-    It is the client's own report: the server publishes it labelled so.
+    client keeps); with ``max-epsilon = inf``, at most what the run's mechanism
+    can give any client after the rounds so far, whatever its ``N_k``
+    (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_bound`). It is the
+    client's own report: the server publishes it labelled so.
 """
 
 from __future__ import annotations
@@ -154,17 +156,21 @@ def check_num_examples(metrics: Mapping[str, Any], required: bool) -> int | None
 
 
 def check_epsilon(
-  metrics: Mapping[str, Any], required: bool, max_epsilon: float = math.inf
+  metrics: Mapping[str, Any],
+  required: bool,
+  max_epsilon: float = math.inf,
+  bound: str = "the run's max-epsilon",
 ) -> float | None:
   """``epsilon``: a finite number in ``[0, max_epsilon]`` (``None`` if absent and not
-  ``required``); ``max_epsilon`` is the run config's cap, which every client keeps."""
+  ``required``); ``max_epsilon`` is what ``bound`` says: the run config's cap, which every
+  client keeps, or the most the run's mechanism can give a client so far."""
   eps = scalar(metrics, "epsilon", required=required)
   if eps is not None and not 0 <= eps <= max_epsilon:
     _fail(
       "epsilon",
       eps,
       "a finite number >= 0"
-      + (f" and <= the run's max-epsilon={max_epsilon:g}" if math.isfinite(max_epsilon) else ""),
+      + (f" and <= {bound}={max_epsilon:g}" if math.isfinite(max_epsilon) else ""),
     )
   return eps
 

@@ -29,7 +29,9 @@ key                             meaning
                                 (:mod:`fedlap_flower.federated_runs`)
 ``min-clients``                 fewest clients a round may aggregate (0: all
                                 of the round's clients, ``data.clients_per_round``
-                                or else ``data.num_clients``); fewer stops the run
+                                or else ``data.num_clients``); fewer stops the run.
+                                At least 3 where FedLAP's server radius is the
+                                median (``server.radius_strategy``)
 ``round-timeout``               seconds the server waits for a round's replies
 ``join-timeout``                seconds a round waits for all ``K`` clients to be
                                 connected before it starts with those there
@@ -96,7 +98,11 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
   turns DP off;
 * ``max-delta``: the largest ``dp.delta`` it accepts, in ``(0, 1)`` (default
   ``min(1e-5, 1 / N_k)``, with ``N_k`` its record count); a run whose
-  ``dp.delta`` exceeds it, or reaches ``1 / N_k``, is refused.
+  ``dp.delta`` exceeds it, or reaches ``1 / N_k``, is refused;
+* ``max-ipc``, ``max-width``, ... (:data:`COMPUTE_CAPS`): the most a run may
+  make it compute, one config field each (``client.ipc``, ``model.width``, ...;
+  default: the largest value among the paper's named configs); a run above one
+  is refused before the client loads its data or builds its model.
 
 What a run may name on a node (the run config comes from whoever submits the
 run; every node, the server included, takes only this):
@@ -157,6 +163,25 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
   "signed-at": 0,
   "run-nonce": "",
 }
+# What a run may make a client compute: node-config key -> (the config field it caps, its
+# default: the largest value among the paper's named configs).
+COMPUTE_CAPS: dict[str, tuple[str, int]] = {
+  "max-ipc": ("client.ipc", 200),  # cifar_ablation_ipc:200
+  "max-iterations": ("client.iterations", 4),
+  "max-outer": ("client.max_outer", 35),
+  "max-batch-loop": ("client.batch_loop", 40),
+  "max-boost-loop": ("client.boost_loop", 50),
+  "max-inner-loop": ("client.inner_loop", 5),
+  "max-calibration-epochs": ("client.calibration_epochs", 100),
+  "max-batch-size": ("client.batch_size", 2028),
+  "max-model-batch-size": ("client.model_batch_size", 512),
+  "max-width": ("model.width", 128),
+  "max-depth": ("model.depth", 3),
+  "max-local-epochs": ("baseline.local_epochs", 5),
+  "max-networks": ("condense.networks", 1000),
+  "max-condense-batch-loop": ("condense.batch_loop", 10),
+  "max-image-updates": ("feddm.image_updates", 1000),
+}
 NODE_CONFIG_KEYS = (
   "partition-id",
   "num-partitions",
@@ -164,6 +189,7 @@ NODE_CONFIG_KEYS = (
   "state-dir",
   "max-epsilon",
   "max-delta",
+  *COMPUTE_CAPS,
 )
 # A DP client uses round keys sent by the server only if its own environment says so.
 UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
@@ -240,6 +266,11 @@ METHODS = _method_work.METHODS
 
 class SettingsError(ConfigError):
   """A bad run-config or node-config value (``field`` is the key)."""
+
+
+# Fewest replies a FedLAP round with the ``median`` server radius aggregates: from three on,
+# one client cannot take the median outside the range of the others' radii.
+MEDIAN_RADIUS_MIN_CLIENTS = 3
 
 
 def _fail(key: str, value, allowed: str):
@@ -472,6 +503,17 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
       f"an integer in [0, {per_round}] (0: all {per_round} "
       "clients of a round, data.clients_per_round or data.num_clients)",
     )
+  if (
+    cfg.method == "fedlap"
+    and cfg.server.radius_strategy == "median"
+    and (min_clients or per_round) < MEDIAN_RADIUS_MIN_CLIENTS
+  ):
+    _fail(
+      "min-clients",
+      min_clients,
+      f"at least {MEDIAN_RADIUS_MIN_CLIENTS} with server.radius_strategy='median' (the median "
+      "of two radii is their mean: one client at the radius floor halves the server's radius)",
+    )
   timeout = rc["round-timeout"]
   if not is_real(timeout) or not 0 < timeout:
     _fail("round-timeout", timeout, "a finite number of seconds > 0")
@@ -620,6 +662,7 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
   max_delta = nc.get("max-delta")
   if max_delta is not None and (not is_real(max_delta) or not 0 < max_delta < 1):
     _fail("max-delta", max_delta, "a probability in the open interval (0, 1)")
+  check_compute(nc, run.cfg)
   return NodeSettings(
     pid,
     num,
@@ -629,6 +672,31 @@ def node_settings(node_config: Mapping[str, Any], run: RunSettings) -> NodeSetti
     requires_dp="max-epsilon" in nc,
     max_delta=None if max_delta is None else float(max_delta),
   )
+
+
+def check_compute(node_config: Mapping[str, Any], cfg) -> None:
+  """Refuses a run that would make this client compute more than its node config allows
+  (:data:`COMPUTE_CAPS`: each ``max-`` key caps one config field; default: the paper's largest).
+
+  Raises:
+    SettingsError: a cap that is not an integer >= 1 (naming the node-config key), or a config
+      field above its cap (naming the field, its value and the key that allows more).
+  """
+  for key, (field, default) in COMPUTE_CAPS.items():
+    cap = node_config.get(key, default)
+    if not is_int(cap) or cap < 1:
+      _fail(key, cap, "an integer >= 1")
+    value = cfg
+    for part in field.split("."):
+      value = value.get(part) if hasattr(value, "get") else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
+      raise SettingsError(
+        field,
+        value,
+        f"at most {cap}",
+        message=f"{field}={value!r} is more than this client computes; allowed: at most {cap} "
+        f"(its node config's {key}{'' if key in node_config else ', the default'})",
+      )
 
 
 def default_state_dir(label: str, partition_id: int) -> Path:

@@ -37,10 +37,11 @@ class ReplayedRun(ValueError):
   cannot read."""
 
 
-def _read(path: Path) -> dict[str, dict]:
+def _read(state: ledger_lib.ClientState) -> dict[str, dict]:
+  path = state.directory / RECORD_FILE
   try:
     return ledger_lib.read_runs_record(
-      path, FORMAT, lambda nonce, entry: isinstance(entry.get("run_id"), int)
+      state, RECORD_FILE, FORMAT, lambda nonce, entry: isinstance(entry.get("run_id"), int)
     )
   except ValueError as e:
     raise ReplayedRun(
@@ -66,9 +67,8 @@ def admit(
     ReplayedRun: ``nonce`` is recorded under another run id, or the record is unreadable.
   """
   state = ledger_lib.ClientState(state_dir)
-  path = state.directory / RECORD_FILE
   with state.locked():
-    runs = _read(path)
+    runs = _read(state)
     seen = runs.get(nonce)
     if seen is not None:
       if seen["run_id"] == int(run_id):
@@ -80,10 +80,10 @@ def admit(
       )
     check_new()
     runs[nonce] = {"run_id": int(run_id), "admitted_at": time.time(), **(details or {})}
-    ledger_lib.write_json_atomic(path, {"format": FORMAT, "runs": runs})
+    state.write_json(RECORD_FILE, {"format": FORMAT, "runs": runs})
   return True
 
 
 def recorded(state_dir: str | Path) -> dict[str, dict]:
   """The record: ``{run-nonce: {"run_id": ..., "admitted_at": ..., ...}}``."""
-  return _read(Path(state_dir).expanduser() / RECORD_FILE)
+  return _read(ledger_lib.ClientState(state_dir))

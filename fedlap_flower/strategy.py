@@ -646,7 +646,8 @@ class MethodStrategy(FedAvg):
     self.model_bytes = model_bytes
     self.max_epsilon = float(max_epsilon)
     # DP at the edge: each client charges its own ledger and draws its own keys.
-    self.dp = method.mechanism(method_config) is not None
+    self.mechanism = method.mechanism(method_config)
+    self.dp = self.mechanism is not None
     self.server_keys = (not self.dp) or unsafe_dp_keys_from_server
     self.method = method
     self.mc = method_config
@@ -744,7 +745,20 @@ class MethodStrategy(FedAvg):
       "params": params,
       "state": state,
       "plan": plan,
+      "epsilon_bound": self._epsilon_bound(server_round),
     }
+
+  def _epsilon_bound(self, server_round: int) -> tuple[float, str]:
+    """The largest epsilon a reply of ``server_round`` may report, and what it is: the run's
+    ``max-epsilon``, or without one the most ``server_round`` rounds of the mechanism give any
+    client (an honest ledger holding earlier runs may exceed it: such a federation sets
+    ``max-epsilon``)."""
+    if self.mechanism is None or math.isfinite(self.max_epsilon):
+      return self.max_epsilon, "the run's max-epsilon"
+    return (
+      self.mechanism.epsilon_bound(server_round),
+      f"the most {server_round} rounds of the run's mechanism give a client",
+    )
 
   def _delivered_round(self, node: int) -> int:
     """The last round whose server update took the reply of ``node``'s partition (0: none), from
@@ -830,6 +844,11 @@ class MethodStrategy(FedAvg):
 
   def configure_train(self, server_round, arrays, config, grid):
     server_round += self.rounds_done
+    if hasattr(grid, "limit_replies"):  # a reply is bounded by what the update takes
+      grid.limit_replies(
+        sum(int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in self.wire.fields),
+        len(self.wire.fields),
+      )
     self._round = self._plan_round(server_round, arrays, grid)
     asked, chosen, plan = self._round["asked"], self._round["chosen"], self._round["plan"]
     message_arrays = method_work.tree_to_arrays(method_work.without_model(plan.message))
@@ -906,7 +925,7 @@ class MethodStrategy(FedAvg):
     # Under DP a client sends no record count (the weighting is uniform: its config's rule).
     num_examples = None if self.dp else replies.check_num_examples(metrics, required=True)
     _check_pinned(self.participation.binding, report["partition_id"], num_examples)
-    eps = replies.check_epsilon(metrics, required=self.dp, max_epsilon=self.max_epsilon)
+    eps = replies.check_epsilon(metrics, self.dp, *self._round["epsilon_bound"])
     record = content.array_records[update_key]
     if self.packed:  # the model, packed
       # the packing, then the method's own wire format (names, shapes, dtypes, finite values)

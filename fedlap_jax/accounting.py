@@ -780,6 +780,16 @@ class DpMechanism:
       adjacency=self.adjacency if adjacency is None else adjacency,
     )
 
+  def epsilon_bound(self, rounds: int) -> float:
+    """An upper bound of the epsilon (nats) of any client after ``rounds`` rounds of ``T`` steps,
+    whatever its ``N_k`` and of either neighbouring relation: every record in every step
+    (``q = 1``), one record replaced moving the clipped sum by ``2 C``, i.e. the add/remove RDP
+    figure at ``sigma / 2`` (RDP bounds the PLD figure from above). What a party that does not
+    know ``N_k`` can still bound a client's report by.
+    """
+    steps = checks.integer("rounds", rounds, minimum=0) * self.steps_per_round
+    return _add_remove(1.0, steps, self.noise_multiplier / 2, self.delta) if steps else 0.0
+
   def calibrated(
     self,
     target_epsilon: float,

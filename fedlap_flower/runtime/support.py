@@ -38,7 +38,7 @@ TESTED_FLOWER_VERSIONS = ("1.42.0",)
 PULL_TASK_INPUT_SHA256 = "5607a23e1673ee876930c1b35685b8dfdfd8b3776a436560b0467042e15fc695"
 # The Runtime API method SuperExec signs (flwr.supercore.superexec.run_superexec, 1.42.0).
 SUPEREXEC_AUTH_METHODS = frozenset({"/flwr.proto.Runtime/AcquireTask"})
-PULL_BACKOFF_PARAMS = ("max_tries_per_object", "initial_backoff", "backoff_cap")
+PULL_BACKOFF_PARAMS = ("max_time", "max_tries_per_object", "initial_backoff", "backoff_cap")
 
 
 def flower_version() -> str:
@@ -233,6 +233,7 @@ def _grid(c: _Checks) -> None:
     pulls, c.attr(utils, "pull_objects"), "http_grid.pull_objects", "inflatable_utils.pull_objects"
   )
   c.params(pulls, "http_grid.pull_objects", PULL_BACKOFF_PARAMS)
+  c.attr(utils, "ObjectPullError")
   cls = c.attr(grid, "HttpGrid")
   c.calls(getattr(cls, "pull_messages", None), "HttpGrid.pull_messages", "pull_objects")
 

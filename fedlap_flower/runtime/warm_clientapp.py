@@ -49,6 +49,7 @@ import select
 import sys
 import threading
 import time
+import traceback
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple
@@ -93,6 +94,21 @@ STOPPED_DETAILS = "stopped: the task is no longer alive (the run was stopped)"
 # Seconds between two heartbeats of a task (Flower's flwr-clientapp: about 20 s). A stopped
 # run's task is abandoned at the first heartbeat after the SuperNode finished it.
 HEARTBEAT_SECONDS = 2.0
+
+
+def printable(text: Any) -> str:
+  """``str(text)`` with every character that is not printable (newlines, carriage returns,
+  ANSI escapes) escaped as Python writes it (``\\n``, ``\\x1b``): what a run or a message
+  makes this worker log stays on its own line and cannot forge another."""
+  return "".join(
+    c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text)
+  )
+
+
+def _printable_exception(e: BaseException) -> str:
+  """``e``'s traceback, its exception's text through :func:`printable`."""
+  frames = "".join(traceback.format_tb(e.__traceback__))
+  return f"Traceback (most recent call last):\n{frames}{printable(f'{type(e).__name__}: {e}')}"
 
 
 class Policy(NamedTuple):
@@ -331,13 +347,13 @@ def run_task(
       log(WARNING, "[fedlap node] run %s: %s", context.run_id, STOPPED_DETAILS)
       status, details, reply = SubStatus.STOPPED, STOPPED_DETAILS, None
     except run_signature.UntrustedRun as e:
-      log(ERROR, "[fedlap node] refused run %s: %s", context.run_id, e)
+      log(ERROR, "[fedlap node] refused run %s: %s", context.run_id, printable(e))
       details = f"refused: {e}"
       reply = Message(
         Error(code=ErrorCode.LOAD_CLIENT_APP_EXCEPTION, reason=details), reply_to=message
       )
     except Exception as e:  # pylint: disable=broad-except  (as flwr-clientapp reports it)
-      log(ERROR, "ClientApp raised an exception", exc_info=e)
+      log(ERROR, "ClientApp raised an exception\n%s", _printable_exception(e))
       details = f"{type(e)}:<'{e}'>"
       reply = Message(
         Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message
@@ -416,7 +432,7 @@ def serve(
           address, res.token, client_app, policy, insecure=insecure, certificates=certificates
         )
       except Exception as e:  # pylint: disable=broad-except  (the task is lost, not the node)
-        log(WARNING, "[fedlap node] task %s failed: %s", res.task.task_id, e)
+        log(WARNING, "[fedlap node] task %s failed: %s", res.task.task_id, printable(e))
       if termination.computing():  # a stopped task's computation goes on in its thread
         log(WARNING, "[fedlap node] ending this process to stop the abandoned computation")
         return EXIT_ABANDONED

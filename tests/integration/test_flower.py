@@ -404,7 +404,9 @@ def test_ledger_file_and_directory_are_fsynced(tmp_path, monkeypatch):
     return real(fd)
 
   monkeypatch.setattr(os, "fsync", fsync)
-  ledger_lib.write_json_atomic(tmp_path / "x.json", {"a": 1})
+  state = ledger_lib.ClientState(tmp_path / "state")
+  synced.clear()
+  state.write_json("x.json", {"a": 1})
   assert synced == [False, True]  # the file, then its directory after os.replace
 
 

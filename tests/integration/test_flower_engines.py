@@ -255,7 +255,13 @@ def test_flwr_stop_stops_a_round_on_the_nodes(tmp_path, jax_cache):
     for k in range(2):
       fed.start_supernode(
         k,
-        {"partition-id": k, "num-partitions": 2, "state-dir": str(states[k]), "max-epsilon": 50.0},
+        {
+          "partition-id": k,
+          "num-partitions": 2,
+          "state-dir": str(states[k]),
+          "max-epsilon": 50.0,
+          "max-outer": 400,  # the long round
+        },
       )
     run_id = fed.run(
       {"config": "quickstart:dp", "overrides": long_round, "run-dir": str(tmp_path / "long")}

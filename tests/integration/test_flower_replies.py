@@ -36,7 +36,7 @@ from flower_harness import (
 )
 from fedlap_flower import binding, method_work, replies, settings, strategy, task
 from fedlap_flower import ledger as ledger_lib
-from fedlap_jax import update_bounds
+from fedlap_jax import accounting, update_bounds
 from fedlap_jax.methods.fedlap import state as federated
 from fedlap_jax.method import Wire
 
@@ -53,6 +53,8 @@ KINDS = {
     HYBRID_ONE,
     {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
   ),
+  # The hybrid without the server's cap (replayed with the hybrid's replies).
+  "hybrid_uncapped": ("quickstart:dp", HYBRID_ONE, {"unsafe-dp-keys-from-server": True}),
   "fedavg": (
     "quickstart:nondp",
     "method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
@@ -538,6 +540,23 @@ def test_the_published_epsilon_is_the_accepted_clients_self_reports(genuine, rep
   assert rec["epsilon_kind"] == strategy.EPSILON_KIND and "self-reported" in rec["epsilon_kind"]
   refused = [r for r in reports if r["status"] == "refused"]
   assert [r["metrics"]["epsilon"] for r in refused] == [1e9]  # kept in the reports
+
+
+@pytest.mark.slow
+def test_without_a_cap_an_epsilon_no_client_can_reach_is_refused(genuine, replay):
+  """With the run's max-epsilon = inf, a report above the most one round of the run's
+  mechanism gives any client, whatever its N_k (1e6 here), is refused by field; the honest
+  reports are published."""
+  good = genuine("hybrid")
+  records, reports, _ = replay("hybrid_uncapped", {**good, 101: _metrics(good[101], epsilon=1e6)})
+  plan = task.server_run(settings.run_settings(_rc(replay.last_run_dir, "hybrid")).cfg)[0]
+  rec = records[0]
+  assert rec["clients_ok"] == [1, 2, 3, 4]
+  bad = [r for r in reports if r["status"] != "ok"]
+  assert [(r["node_id"], r["field"]) for r in bad] == [(101, "epsilon")], bad
+  bound = accounting.DpMechanism.from_config(plan.config).epsilon_bound(1)
+  assert 0 < max(rec["epsilon_per_client"].values()) < bound < 1e6
+  assert f"{bound:g}" in bad[0]["reason"], bad[0]["reason"]
 
 
 @pytest.mark.slow

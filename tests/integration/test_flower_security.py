@@ -1,0 +1,262 @@
+"""The Flower app against a hostile client, a local account and an oversized or trickled
+reply: each check in process, on the function that holds it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flwr.cli.build import build_fab_from_disk
+from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
+
+from benchmarks.flower_hostile import FakeSuperLink, prompt_grid_over, reply_objects
+from fedlap_flower import ledger as ledger_lib
+from fedlap_flower import records as records_lib
+from fedlap_flower import settings, signed_runs
+from fedlap_flower.runtime import object_pulls, warm_clientapp
+from fedlap_jax import accounting
+from fedlap_jax.methods.fedlap import radius
+from flower_federation import APP_DIR
+
+FINGERPRINT = {"records": "site0"}
+PRIVACY = dict(
+  noise_multiplier=1.0, batch_size=16, min_client_size=64, steps_per_round=2, delta=1e-5
+)
+
+
+def test_the_record_of_signed_runs_is_the_owners_alone(tmp_path):
+  old = os.umask(0o022)
+  try:
+    signed_runs.admit(tmp_path / "state", "nonce-1", 7, check_new=lambda: None)
+  finally:
+    os.umask(old)
+  path = tmp_path / "state" / signed_runs.RECORD_FILE
+  assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+class _Alive:
+  """A Runtime API client whose task heartbeats say the task is alive."""
+
+  def SendTaskHeartbeat(self, request):  # pylint: disable=invalid-name
+    return SendTaskHeartbeatResponse(success=True)
+
+  def close(self):
+    pass
+
+
+def test_a_runs_signer_cannot_forge_the_nodes_log_lines(monkeypatch, caplog):
+  """The signer is the run's to choose: the node logs its refusal on one line, the newline
+  and the ANSI escape written out."""
+  fab = types.SimpleNamespace(content=build_fab_from_disk(APP_DIR))
+  forged = "x\nINFO :      [fedlap node] task completed: 1.00 s\x1b[0m"
+  run_config = {"signer": forged, "signature": "AAAA"}
+  context = types.SimpleNamespace(run_config=run_config, node_config={}, run_id=5)
+  monkeypatch.setattr(warm_clientapp, "_client", lambda *a, **k: _Alive())
+  monkeypatch.setattr(warm_clientapp, "pull_task_input", lambda c: (None, context, None, fab))
+  monkeypatch.setattr(warm_clientapp, "push_message", lambda *a: None)
+  monkeypatch.setattr(warm_clientapp, "push_task_output", lambda **k: None)
+  monkeypatch.setattr(warm_clientapp, "Message", lambda *a, **k: "reply")
+  with caplog.at_level(logging.INFO, logger="flwr"):
+    warm_clientapp.run_task(
+      "x:1", "token", None, warm_clientapp.Policy({}), insecure=True, certificates=None
+    )
+  refused = [r.getMessage() for r in caplog.records if "refused run" in r.getMessage()]
+  assert len(refused) == 1, refused
+  assert "\n" not in refused[0] and "\x1b" not in refused[0], refused
+  assert "x\\nINFO" in refused[0] and "\\x1b[0m" in refused[0], refused
+
+
+def test_the_median_server_radius_needs_three_replies():
+  """The median of two radii is their mean: one client at the floor would halve ``r_g``. A
+  run that may aggregate two replies under the median is refused by ``min-clients``."""
+  median = {"config": "quickstart:nondp", "overrides": "server.radius_strategy=median"}
+  for min_clients in (1, 2):
+    with pytest.raises(settings.SettingsError) as e:
+      settings.run_settings({**median, "min-clients": min_clients})
+    assert e.value.field == "min-clients" and e.value.value == min_clients
+  assert settings.run_settings({**median, "min-clients": 3}).min_clients == 3
+  assert settings.run_settings(median).min_clients == 5  # all five clients of a round
+  assert settings.run_settings({"config": "quickstart:nondp", "min-clients": 2}).min_clients == 2
+  # The library's median of two is their mean (the simulation, whose clients are its own).
+  assert float(radius.server_radius(jnp.array([1e-3, 1.0]), "median", 0.0)) == pytest.approx(0.5005)
+
+
+def test_the_epsilon_bound_holds_for_every_client_whatever_its_size():
+  """What the server bounds a self-reported epsilon by: above both figures of every N_k."""
+  m = accounting.DpMechanism(noise_multiplier=1.0, batch_size=16, steps_per_round=5, delta=1e-5)
+  assert m.epsilon_bound(0) == 0.0
+  for n in (16, 64, 1000):
+    for adjacency in ("replace_one", "add_remove"):
+      assert m.epsilon_after(3, n, adjacency=adjacency) <= m.epsilon_bound(3)
+  assert m.epsilon_bound(3) < m.epsilon_bound(4) < 1e6
+
+
+@pytest.mark.parametrize(
+  "field, value, cap",
+  [("client.ipc", 1_000_000, "max-ipc"), ("client.iterations", 10**8, "max-iterations")]
+  + [("model.width", 100_000, "max-width")],
+)
+def test_a_node_refuses_a_run_above_its_compute_caps_before_any_work(
+  field, value, cap, tmp_path, monkeypatch
+):
+  from flwr.app import Message, RecordDict
+
+  from fedlap_flower import client_app
+  from flower_harness import TINY, InProcessGrid, node_configs, task_identity
+
+  def no_work(*args):
+    raise AssertionError("the client loaded its data or built its model")
+
+  monkeypatch.setattr(client_app, "_setup", no_work)
+  rc = {"config": "quickstart:nondp", "overrides": f"{TINY} {field}={value}"}
+  grid = InProcessGrid(client_app.app, rc, node_configs(state_root=tmp_path / "state"))
+  with task_identity():
+    reply = grid.answer(
+      Message(content=RecordDict(), dst_node_id=101, message_type="train", group_id="1")
+    )
+  assert reply.has_error() and f"{field}={value}" in reply.error.reason, reply.error.reason
+  assert cap in reply.error.reason
+  # The node may allow more; its default admits the paper's largest configs.
+  run = settings.run_settings(rc)
+  nc = {"partition-id": 0, "num-partitions": 5, "state-dir": str(tmp_path / "s")}
+  with pytest.raises(settings.SettingsError) as e:
+    settings.node_settings(nc, run)
+  assert e.value.field == field and e.value.value == value
+  assert settings.node_settings({**nc, cap: value}, run).partition_id == 0
+  with pytest.raises(settings.SettingsError) as e:
+    settings.node_settings({**nc, cap: 0}, run)
+  assert e.value.field == cap
+  for name in ("cifar_ablation_ipc:200", "cifar_dp", "cifar_dp_tuned", "fmnist_dp_hybrid"):
+    settings.node_settings(nc, settings.run_settings({"config": name}))
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-writable", "foreign-owned"])
+def test_a_state_dir_whose_parent_another_user_could_change_is_refused(tmp_path, how):
+  """Whoever may rename a parent's entries moves the ledger away and the node starts a new
+  one: every parent must be root's or ours and written by them alone, or sticky."""
+  shared = tmp_path / "shared"
+  shared.mkdir(mode=0o700)
+  state = ledger_lib.ClientState(shared / "site0")  # a private parent: accepted
+  state.spend(state.ledger(FINGERPRINT, **PRIVACY), FINGERPRINT, 1, 100.0, {})
+  if how == "foreign-owned":
+    if os.geteuid() != 0:
+      pytest.skip("chown to another user needs root")
+    os.chown(shared, 65534, -1)
+  else:
+    shared.chmod(0o777 if how == "world-writable" else 0o770)
+  with pytest.raises(ledger_lib.LedgerError, match=str(shared)):
+    ledger_lib.ClientState(shared / "site0")
+  with pytest.raises(ledger_lib.LedgerError):  # the record of signed runs lives there too
+    signed_runs.admit(shared / "site0", "n" * 32, 1, check_new=lambda: None)
+  if how != "foreign-owned":
+    shared.chmod(0o1777)  # sticky, as /tmp: no one else may rename what is ours
+    assert ledger_lib.ClientState(shared / "site0").history()
+
+
+# ----------------------------------------------------------------------------
+# The ServerApp Grid's pulls of a reply: Flower's HTTP Grid against a fake SuperLink.
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def grid_limits():
+  limits = getattr(object_pulls, "GRID_LIMITS", None)
+  yield limits
+  if limits is not None:
+    limits.__init__()
+
+
+def test_a_trickled_reply_is_dropped_at_the_deadline_and_the_others_are_taken(grid_limits):
+  """The hostile reply (listed first) makes one of its 40 objects available every 0.2 s; the
+  honest one is complete. The round's deadline (1 s) bounds the pulls: the trickled reply is
+  an error reply, the honest one is taken, the round ends within a second of its deadline."""
+  rng = np.random.default_rng(0)
+  trickled = reply_objects("m0", {f"a{i}": rng.normal(size=8) for i in range(20)}, node=0)
+  honest = reply_objects("m1", {"a": np.ones(100, np.float32)}, node=1)
+  order = {i: n for n, i in enumerate(trickled[2])}
+  superlink = FakeSuperLink(
+    [trickled, honest], available=lambda i, t: i not in order or t >= 0.2 * order[i]
+  )
+  grid = prompt_grid_over(superlink)
+  t0 = time.monotonic()
+  got = grid.send_and_receive(["a", "b"], timeout=1.0)
+  took = time.monotonic() - t0
+  by_id = {m.metadata.reply_to_message_id: m for m in got}
+  assert sorted(by_id) == ["m0", "m1"]
+  assert by_id["m0"].has_error() and not by_id["m1"].has_error()
+  np.testing.assert_array_equal(by_id["m1"].content["update"]["a"].numpy(), np.ones(100))
+  assert took < 2.5, took  # Flower's own limit: every object, up to 2 hours
+  assert grid_limits.deadline is None  # the deadline is the round's only
+  # The honest reply listed only while the trickled one is pulled (pushed at 0.3 s): taken.
+  superlink = FakeSuperLink(
+    [trickled, honest],
+    available=lambda i, t: i not in order or t >= 0.2 * order[i],
+    listed=(0, 0.3),
+  )
+  got = prompt_grid_over(superlink).send_and_receive(["a", "b"], timeout=1.0)
+  by_id = {m.metadata.reply_to_message_id: m for m in got}
+  assert sorted(by_id) == ["m0", "m1"] and not by_id["m1"].has_error()
+
+
+def test_a_reply_larger_than_the_update_is_refused_without_being_pulled_whole(grid_limits):
+  """The round's update is 400 bytes in 1 array: a reply of 200 arrays is refused before any
+  of it is pulled (its tree's object count), one of 3 MB once its bytes pass the bound; the
+  honest reply is taken either way."""
+  honest = reply_objects("m1", {"a": np.ones(100, np.float32)}, node=1)
+  many = reply_objects("m0", {f"a{i}": np.full(2, i, np.float32) for i in range(200)}, node=0)
+  big = reply_objects("m0", {"a": np.arange(750_000, dtype=np.float32)}, node=0)
+  for hostile, pulled_at_most in ((many, 0), (big, object_pulls.GRID_LIMITS.max_bytes)):
+    superlink = FakeSuperLink([hostile, honest])
+    grid = prompt_grid_over(superlink)
+    grid.limit_replies(400, 1)
+    got = {m.metadata.reply_to_message_id: m for m in grid.send_and_receive(["a", "b"], timeout=5)}
+    assert got["m0"].has_error() and not got["m1"].has_error()
+    assert "allowed: at most" in got["m0"].error.reason, got["m0"].error.reason
+    hostile_bytes = sum(n for i, n in superlink.pulled.items() if i in hostile[2])
+    limit = pulled_at_most if pulled_at_most is not None else grid_limits.max_bytes
+    assert hostile_bytes <= limit + grid_limits.max_object_bytes, hostile_bytes
+  assert grid_limits.max_bytes < 3_000_000
+
+
+@pytest.mark.slow
+def test_the_round_bounds_each_reply_by_its_update(tmp_path, grid_limits):
+  """The strategy tells the grid what a reply may hold: its update's bytes and arrays (FedLAP's
+  wire on the digits: a synthetic set and a radius), and every honest reply fits."""
+  from flower_harness import TINY, run_inprocess
+
+  limited = []
+  rc = {"config": "quickstart:nondp", "overrides": TINY.replace("rounds=2", "rounds=1")}
+  rc["run-dir"] = str(tmp_path / "run")
+
+  def hook(grid):
+    grid.limit_replies = lambda update_bytes, arrays: limited.append((update_bytes, arrays))
+
+  records, grid = run_inprocess(rc, grid_hook=hook, state_root=tmp_path / "state")
+  ((update_bytes, arrays),) = limited
+  sizes = [records_lib.wire_bytes(r.content["update"]) for r in grid.replies]
+  assert arrays == 4 and max(sizes) <= update_bytes + 4 * 256 < 2 * min(sizes), (sizes, limited)
+
+
+def test_a_state_dir_moved_or_replaced_after_its_check_is_refused(tmp_path):
+  """Files are opened relative to the directory's descriptor, opened without following a link
+  and checked to be the directory checked first: a state directory renamed away and replaced
+  by a fresh one (or by a link to one) is refused, never read as a new ledger."""
+  d = tmp_path / "site0"
+  state = ledger_lib.ClientState(d)
+  state.spend(state.ledger(FINGERPRINT, **PRIVACY), FINGERPRINT, 1, 100.0, {})
+  d.rename(tmp_path / "moved")
+  d.mkdir(mode=0o700)
+  with pytest.raises(ledger_lib.LedgerError, match="no longer the directory"):
+    state.ledger(FINGERPRINT, **PRIVACY)
+  with pytest.raises(ledger_lib.LedgerError):
+    state.locked().__enter__()
+  d.rmdir()
+  d.symlink_to(tmp_path / "moved")
+  with pytest.raises(OSError):  # O_NOFOLLOW: a link in the directory's place
+    state.ledger(FINGERPRINT, **PRIVACY)
