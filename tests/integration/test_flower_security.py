@@ -165,7 +165,12 @@ def test_a_state_dir_whose_parent_another_user_could_change_is_refused(tmp_path,
 
 
 @pytest.fixture
-def grid_limits():
+def grid_limits(monkeypatch):
+  """The round's pull limits, reset after the test; Flower's HTTP Grid module gets its own
+  ``pull_objects`` back (the PromptGrid replaces it for its process, as a ServerApp's does)."""
+  from flwr.superlink.grid import http_grid  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)
   limits = getattr(object_pulls, "GRID_LIMITS", None)
   yield limits
   if limits is not None:
