@@ -444,13 +444,7 @@ def _check_baseline(cfg) -> None:
   weighting = cfg.server.weighting
   if weighting is not None and weighting not in dispatch.WEIGHTINGS:
     raise ConfigError("server.weighting", weighting, f"None or one of {dispatch.WEIGHTINGS}")
-  if REGISTRY.method(cfg.method).privacy == "required" and weighting == "size":
-    raise ConfigError(
-      "server.weighting",
-      weighting,
-      f"'uniform' or None for method={cfg.method!r} (Algorithm 3 averages the client "
-      "updates with 1/K, the setting the privacy analysis covers)",
-    )
+  dispatch.resolve_weighting(weighting, REGISTRY.method(cfg.method).privacy == "required")
 
 
 # What FedLAP-DP needs of the other fields: (field, test of the value, the value to set, why).
