@@ -25,17 +25,14 @@ from fedlap_jax import accounting
 
 from experiments import resume
 
-from fedlap_runs import build, methods, seeds
+from fedlap_runs import build, checkpointing, methods, seeds
 from experiments.json_values import finite_list
 from experiments.resume import DAMAGED_DIR
 
 BYTES_PER_FLOAT = 4
 # The section of a metrics record that holds raw statistics of the clients' records.
 NONPRIVATE_SECTION = "nonprivate"
-# A round's timing (it depends on the round's Poisson draws, so it is not covered by the
-# guarantee): its own file, beside the releasable metrics.jsonl.
-TIMING_FILE = "timing.jsonl"
-TIMING_FIELDS = ("round_seconds", "wall_seconds", "first_in_process")
+TIMING_FILE = checkpointing.TIMING_FILE
 # What a DP run's work dir holds, by what may be released (docs/privacy.md, "A DP run's work
 # dir"; summary.md lists the same): DP outputs, their post-processing and public facts;
 # what determines every noise draw; what the guarantee does not cover.
@@ -353,7 +350,7 @@ def run_info(
   )
 
 
-class RunLog:
+class TrainLog:
   """``train.log`` and stdout, line by line (flushed at once: a run killed by a scheduler or
   SIGKILL, with its stdout piped to a file, keeps every line it printed)."""
 
@@ -380,7 +377,7 @@ class RunLog:
 
 
 def log_start(
-  log: RunLog, cfg, info: dict, *, start: int, ledger, moved, ckpt_dir: Path, seed, private: bool
+  log: TrainLog, cfg, info: dict, *, start: int, ledger, moved, ckpt_dir: Path, seed, private: bool
 ) -> None:
   """The first lines of a run: damaged checkpoints set aside (``moved``: ``(round, why,
   where)``), where it resumes (round ``start`` of ``ckpt_dir``, with its ``ledger``) or the

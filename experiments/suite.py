@@ -33,9 +33,10 @@ def run_config(config, workdir: str, name: str) -> int:
   else:
     targets = [(config, workdir, name)]
   try:
+    validated = {}  # each run's library config, built once (None: it needs the data)
     for cfg, _, label in targets:
       try:
-        library_configs.validate_config(cfg)
+        validated[id(cfg)] = library_configs.validate_config(cfg)
         compilation_cache.prepare(cfg.get(compilation_cache.FIELD, ""))
       except library_configs.ConfigError as e:
         raise library_configs.ConfigError(
@@ -44,13 +45,19 @@ def run_config(config, workdir: str, name: str) -> int:
     loaded, planned = {}, {}  # the runs of a suite mostly share data: loaded once
 
     def plan_of(cfg) -> build.Plan:
-      """``cfg``'s plan as configured now (with its calibrated ``dp.noise_multiplier``)."""
+      """``cfg``'s plan as configured now (with its calibrated ``dp.noise_multiplier``): built
+      again only when the calibration changed it."""
+      sigma = cfg.dp.get("noise_multiplier")
       if id(cfg) not in planned:
         key = repr(sorted(cfg.data.to_dict().items()))
         if key not in loaded:
           loaded[key] = build.load_data(cfg)
-        planned[id(cfg)] = build.plan(cfg, data=loaded[key])
-      return build.with_config(planned[id(cfg)], cfg)
+        planned[id(cfg)] = (build.plan(cfg, data=loaded[key], config=validated[id(cfg)]), sigma)
+      p, built_at = planned[id(cfg)]
+      if built_at != sigma:
+        p = build.with_config(p, cfg)
+        planned[id(cfg)] = (p, sigma)
+      return p
 
     def budget_of(cfg) -> calibration.DpBudget:
       return plan_of(cfg).budget()

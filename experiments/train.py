@@ -255,7 +255,7 @@ def train_and_evaluate(
   if restored.ledger is not None:
     checkpointing.write_json_atomic(workdir / "privacy_ledger.json", restored.ledger.to_dict())
 
-  log = outputs.RunLog(workdir / "train.log", config_name)
+  log = outputs.TrainLog(workdir / "train.log", config_name)
   outputs.log_start(
     log,
     cfg,

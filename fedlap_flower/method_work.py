@@ -65,8 +65,8 @@ MAX_CLASSES_KEY = "max-classes-per-client"
 
 
 def run_facts(cfg, facts, num_params: int, max_classes: int = 0) -> RunFacts:
-  """The :class:`~fedlap_jax.method.RunFacts` of a run (as :func:`fedlap_runs.methods.algorithm`
-  builds them) from its :class:`fedlap_runs.build.Facts`.
+  """The :class:`~fedlap_jax.method.RunFacts` of a run (:func:`fedlap_runs.methods.run_facts`)
+  from its :class:`fedlap_runs.build.Facts`, the stated ``max_classes`` checked first.
 
   ``max_classes``: the run config's ``max-classes-per-client`` (0: not stated), the most
   classes a client holds (a synthetic set's ``ipc`` slots per class), for a party that reads
@@ -86,14 +86,9 @@ def run_facts(cfg, facts, num_params: int, max_classes: int = 0) -> RunFacts:
       message=f"{MAX_CLASSES_KEY}={max_classes!r} is invalid: the config's named partition "
       f"gives its clients at most {known} classes. Allowed: 0 (not stated) or {known}",
     )
-  return RunFacts(
-    tuple(facts.image_shape),
-    int(cfg.data.num_clients),
-    int(num_params),
-    int(max_classes if known is None else known),
-    facts.max_client_size,
-    cfg.data.get("clients_per_round"),
-  )
+  from fedlap_runs import methods  # pylint: disable=g-import-not-at-top
+
+  return methods.run_facts(cfg, facts, num_params, int(max_classes))
 
 
 def classes_beyond(data: ClientData, facts: RunFacts) -> str | None:

@@ -116,8 +116,8 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
   model_bytes = int(
     sum(np.asarray(v).nbytes for v in records.params_to_record(params).to_numpy_ndarrays())
   )
-  # Under DP, FedLAPConfig allows only server.weighting='uniform' (Algorithm 3), so the
-  # server never needs a DP client's record count N_k.
+  # Under DP, every method's config allows only server.weighting='uniform' (Algorithm 3), so
+  # the server never needs a DP client's record count N_k.
   info = {
     "config": run.config_name,
     "overrides": run.overrides,

@@ -73,6 +73,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fedlap_runs import checkpointing
 from fedlap_runs.checkpointing import write_json_atomic
 from fedlap_flower import binding as binding_lib
 from fedlap_flower import (
@@ -100,8 +101,7 @@ EPSILON_KIND = "self-reported by the clients whose replies were accepted"
 # A round's timing depends on the clients' records (their sizes, a DP round's Poisson
 # draws), so it is not covered by the guarantee: its own file, beside the releasable
 # metrics.jsonl (docs/privacy.md), as experiments.run keeps it.
-TIMING_FILE = "timing.jsonl"
-TIMING_FIELDS = ("round_seconds", "wall_seconds")
+TIMING_FILE, TIMING_FIELDS = checkpointing.TIMING_FILE, checkpointing.TIMING_FIELDS
 OUTPUTS = (
   "metrics.jsonl",
   TIMING_FILE,
@@ -210,8 +210,6 @@ class RunLog:
 
     Call :meth:`check_resumable` first.
     """
-    from fedlap_runs import checkpointing  # pylint: disable=g-import-not-at-top
-
     run_dir = Path(run_dir)
     kept = checkpointing.truncate_metrics(run_dir / "metrics.jsonl", completed)
     checkpointing.truncate_metrics(run_dir / TIMING_FILE, completed)
@@ -236,10 +234,9 @@ class RunLog:
     timing.update((k, record[k]) for k in TIMING_FIELDS if k in record)
     record = {k: v for k, v in record.items() if k not in TIMING_FIELDS}
     self.records.append(record)
-    with open(self.run_dir / "metrics.jsonl", "a") as f:
-      f.write(json.dumps(record, sort_keys=True) + "\n")
-    with open(self.run_dir / TIMING_FILE, "a") as f:
-      f.write(json.dumps(timing, sort_keys=True) + "\n")
+    # timing.jsonl first: metrics.jsonl decides resumes
+    checkpointing.append_metrics(self.run_dir / TIMING_FILE, timing)
+    checkpointing.append_metrics(self.run_dir / "metrics.jsonl", record)
     eps = record.get("epsilon")
     log(
       INFO,

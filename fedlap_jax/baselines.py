@@ -118,7 +118,7 @@ from fedlap_jax.client_data import (
   on_device,
   poison_unless,
 )
-from fedlap_jax.dispatch import WEIGHTINGS
+from fedlap_jax.dispatch import WEIGHTINGS, resolve_weighting
 from fedlap_jax.dp_config import DpAccesses, PER_EXAMPLE_METHODS, DPConfig, check_poisson_capacity
 from fedlap_jax.training import LR_SCHEDULES
 from fedlap_jax.dispatch import client_weights
@@ -403,9 +403,9 @@ class BaselineConfig:
     for f in ("learning_rate", "server_lr"):
       v = getattr(self, f)
       require(is_real(v) and v > 0, f, v, "a finite number > 0")
-    if self.weighting is None:
-      object.__setattr__(self, "weighting", "uniform" if private else "size")
-    one_of("weighting", self.weighting, WEIGHTINGS)
+    if self.weighting is not None:
+      one_of("weighting", self.weighting, WEIGHTINGS)
+    object.__setattr__(self, "weighting", resolve_weighting(self.weighting, private))
     require(isinstance(self.local, LocalTraining), "local", self.local, "a LocalTraining")
     one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
     # dp is the source of the private path's clip, noise, microbatch and per-example method,
@@ -421,13 +421,6 @@ class BaselineConfig:
     if implied:
       object.__setattr__(self, "local", dataclasses.replace(self.local, **implied))
     loc = self.local
-    require(
-      not private or self.weighting == "uniform",
-      "server.weighting",
-      self.weighting,
-      f"'uniform' for method={self.method!r} (Algorithm 3 averages the client "
-      "updates with 1/K, the setting the privacy analysis covers)",
-    )
     require(
       loc.private == private,
       "local.l2_clip_norm",
@@ -933,8 +926,6 @@ def baseline_config(
       dp is None, "dp", dp, f"None for method={method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)"
     )
   require(isinstance(uniform_steps, bool), "uniform_steps", uniform_steps, "a bool")
-  if weighting is None:
-    weighting = "uniform" if private else "size"
   local = LocalTraining(
     epochs=local_epochs,
     batch_size=batch_size,

@@ -112,6 +112,29 @@ def record_counts(clients: ClientData) -> jax.Array:
   return jnp.sum(clients.mask, axis=1)
 
 
+def resolve_weighting(weighting: str | None, private: bool) -> str:
+  """The server's weighting of a run, ``private`` (under DP) or not: the one rule of the
+  weighting under DP, which every method's config applies.
+
+  ``None`` is ``uniform`` under DP and ``size`` without; under DP only ``uniform`` is allowed
+  (Algorithm 3 averages the client updates with ``1/K``, the setting the privacy analysis
+  covers: a DP client does not release its ``N_k``).
+
+  Raises:
+    ConfigError: naming ``server.weighting``: anything but ``uniform`` or ``None`` under DP.
+  """
+  if weighting is None:
+    return "uniform" if private else "size"
+  if private and weighting != "uniform":
+    raise ConfigError(
+      "server.weighting",
+      weighting,
+      "'uniform' or None when DP is on (Algorithm 3 averages the client updates with 1/K, "
+      "the setting the privacy analysis covers)",
+    )
+  return weighting
+
+
 def client_weights(
   weighting: str | None, num_records: jax.Array | None = None, *, num_clients: int | None = None
 ) -> jax.Array:

@@ -144,7 +144,7 @@ def load_data(cfg) -> Data:
   return Data(dataset, indices, facts)
 
 
-def plan(cfg, *, data: Data | None = None, calibrate: bool = False) -> Plan:
+def plan(cfg, *, data: Data | None = None, calibrate: bool = False, config: Any = None) -> Plan:
   """Checks ``cfg``, loads its data (unless given) and builds its library config and mechanism.
 
   Args:
@@ -156,12 +156,15 @@ def plan(cfg, *, data: Data | None = None, calibrate: bool = False) -> Plan:
       Without it a target is left to the caller (``experiments.run`` calibrates a suite's runs
       together, :func:`fedlap_runs.calibration.calibrate_noise`; :func:`with_config` then
       rebuilds).
+    config: ``cfg``'s library config as :func:`fedlap_runs.library_configs.validate_config`
+      returned it, when the caller checked ``cfg`` (default: checked and built here).
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
   """
   entry = methods.entry(cfg.method)
-  config = library_configs.validate_config(cfg)
+  if config is None:
+    config = library_configs.validate_config(cfg)
   if calibrate:
     calibration.outside_a_suite(cfg)
   data = load_data(cfg) if data is None else data

@@ -36,6 +36,11 @@ import numpy as np
 from fedlap_runs import faults
 from fedlap_jax.types import PyTree
 
+# A round's timing (it depends on the round's Poisson draws, so it is not covered by the
+# guarantee): its own file, beside the releasable metrics.jsonl (both front ends).
+TIMING_FILE = "timing.jsonl"
+TIMING_FIELDS = ("round_seconds", "wall_seconds", "first_in_process")
+
 
 def write_atomic(
   path: str | os.PathLike,

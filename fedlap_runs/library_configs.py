@@ -36,7 +36,7 @@ from fedlap_jax.methods.fedlap import config as core
 from fedlap_jax import training as training_lib
 from fedlap_jax import optim, participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
-from fedlap_jax.dispatch import CLIENT_BACKENDS
+from fedlap_jax.dispatch import CLIENT_BACKENDS, resolve_weighting
 from fedlap_jax.models import NORMS, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
@@ -96,8 +96,10 @@ def dp_coupled_fields(cfg) -> list[tuple[str, object, object, str]]:
   for field, ok, fix, why in () if entry is None else entry.dp_fields:
     if not ok(_get(cfg, field)):
       out.append((field, _get(cfg, field), fix, why))
-  if cfg.server.get("weighting") == "size":
-    out.append(("server.weighting", "size", "uniform", "the analysis covers 1/K averaging"))
+  try:  # the library's rule of the weighting under DP
+    resolve_weighting(cfg.server.get("weighting"), private=True)
+  except ConfigError as e:
+    out.append((e.field, e.value, "uniform", "the analysis covers 1/K averaging"))
   d = cfg.data
   try:
     resolved = data_lib.resolve_normalisation(d.name, d.get("normalisation", "auto"))

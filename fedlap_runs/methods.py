@@ -395,17 +395,28 @@ def algorithm(method: Method):
 
   def build(config, model, facts, *, client_backend, cfg):
     fns = model_fns(model, facts.image_shape)
-    run = RunFacts(
-      tuple(facts.image_shape),
-      cfg.data.num_clients,
-      model.num_params,
-      facts.max_classes_per_client,
-      facts.max_client_size,
-      cfg.data.get("clients_per_round"),
-    )
+    run = run_facts(cfg, facts, model.num_params)
     return rounds.algorithm(method, config, fns, run, client_backend=client_backend)
 
   return build
+
+
+def run_facts(cfg, facts, num_params: int, max_classes_per_client: int | None = None) -> RunFacts:
+  """The :class:`~fedlap_jax.method.RunFacts` of a run from its config and its
+  :class:`fedlap_runs.build.Facts` (both front ends build them here).
+
+  ``max_classes_per_client``: the most classes a client holds as a party states it that reads
+  only its own data; taken only where ``facts`` does not know it (a named partition does).
+  """
+  known = facts.max_classes_per_client
+  return RunFacts(
+    tuple(facts.image_shape),
+    int(cfg.data.num_clients),
+    int(num_params),
+    max_classes_per_client if known is None else known,
+    facts.max_client_size,
+    cfg.data.get("clients_per_round"),
+  )
 
 
 # -- the privacy policies and checks -------------------------------------------------------
@@ -433,13 +444,7 @@ def _check_baseline(cfg) -> None:
   weighting = cfg.server.weighting
   if weighting is not None and weighting not in dispatch.WEIGHTINGS:
     raise ConfigError("server.weighting", weighting, f"None or one of {dispatch.WEIGHTINGS}")
-  if REGISTRY.method(cfg.method).privacy == "required" and weighting == "size":
-    raise ConfigError(
-      "server.weighting",
-      weighting,
-      f"'uniform' or None for method={cfg.method!r} (Algorithm 3 averages the client "
-      "updates with 1/K, the setting the privacy analysis covers)",
-    )
+  dispatch.resolve_weighting(weighting, REGISTRY.method(cfg.method).privacy == "required")
 
 
 # What FedLAP-DP needs of the other fields: (field, test of the value, the value to set, why).

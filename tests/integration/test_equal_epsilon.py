@@ -424,3 +424,20 @@ def test_calibration_and_the_algorithm_read_one_mechanism(name):
   assert setup.algorithm.dp_steps_per_round == mech.steps_per_round
   steps = {"fedlap_dp": 1 * 2 * 5, "psg": 500}.get(name, 2 * round(max(sizes) / 64))
   assert mech.steps_per_round == steps
+
+
+@pytest.mark.parametrize(
+  "overrides, builds",
+  [([], 1), (["--config.dp.target_epsilon=5.0"], 2)],  # the calibrated sigma: built again
+)
+def test_a_runs_library_config_is_built_once_per_noise(overrides, builds, tmp_path, monkeypatch):
+  """``experiments.run`` builds a run's library config once, checks and plan alike, and again
+  only for the noise multiplier its calibration sets."""
+  built, real = [], library_configs.library_config
+  monkeypatch.setattr(
+    library_configs, "library_config", lambda cfg, **kw: built.append(1) or real(cfg, **kw)
+  )
+  monkeypatch.setattr(train, "train_and_evaluate", lambda *a, **kw: {"records": [], "seconds": 0})
+  argv = ["prog", "--config=quickstart:dp_loops", *overrides, f"--workdir={tmp_path}"]
+  assert run.main(argv) == 0
+  assert len(built) == builds

@@ -29,7 +29,7 @@ def test_a_first_round_says_it_compiles_before_it_does():
 
 
 def test_a_notice_goes_to_stdout_only(tmp_path, capsys):
-  log = outputs.RunLog(tmp_path / "train.log", "run")
+  log = outputs.TrainLog(tmp_path / "train.log", "run")
   log("compiling round 1", kept=False)
   log("round   1/2  acc 0.5")
   log.close()

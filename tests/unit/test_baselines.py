@@ -23,6 +23,8 @@ from fedlap_jax.client_data import ClientData
 from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY
+from fedlap_jax.methods.condensation import one_shot
+from fedlap_jax.methods.fedlap import config as fedlap
 from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance
 
@@ -362,16 +364,33 @@ def test_dp_client_update_with_a_small_buffer_uses_every_sampled_record(
   chex.assert_trees_all_close(w_small, w_ref, rtol=1e-4, atol=1e-6)
 
 
-def test_dp_refuses_size_weighting():
+def _dp_configs(weighting):
+  """One DP config of each kind (baseline, FedLAP, one-shot) at server weighting ``weighting``."""
   local = baselines.LocalTraining(
     epochs=1, batch_size=B, l2_clip_norm=0.1, noise_multiplier=1.0, max_client_size=300
   )
-  with pytest.raises(
-    ValueError,
-    match=r"server.weighting='size' is invalid; allowed: 'uniform' "
-    r"for method='dp_fedavg' \(Algorithm 3",
-  ):
-    baselines.BaselineConfig(method="dp_fedavg", rounds=2, weighting="size", local=local)
+  server = fedlap.ServerConfig(radius_strategy="fixed", weighting=weighting)
+  yield lambda: baselines.BaselineConfig(
+    method="dp_fedavg", rounds=2, weighting=weighting, local=local
+  )
+  yield lambda: dataclasses.replace(fedlap.FedLAPConfig().with_dp(DP), server=server)
+  condense = one_shot.CondensationConfig(classwise=False, dp=DP)
+  yield lambda: one_shot.OneShotConfig(method="psg", condensation=condense, server=server)
+
+
+def test_dp_refuses_size_weighting_naming_one_field_for_every_method():
+  """The one rule of the weighting under DP: every DP config refuses ``size`` by the field
+  ``server.weighting``, and resolves ``None`` to ``uniform``."""
+  for build in _dp_configs("size"):
+    with pytest.raises(ValueError) as err:
+      build()
+    assert (err.value.field, err.value.value) == ("server.weighting", "size")
+  for build in _dp_configs(None):
+    config = build()
+    assert getattr(config, "server", config).weighting == "uniform"
+  local = baselines.LocalTraining(
+    epochs=1, batch_size=B, l2_clip_norm=0.1, noise_multiplier=1.0, max_client_size=300
+  )
   assert (
     baselines.BaselineConfig(
       method="dp_fedavg", rounds=2, weighting="uniform", local=local

@@ -352,13 +352,6 @@ class OneShotConfig:
       "there is no trust region)",
     )
     check_fresh_server(self.server, self.method, "one-shot: its server trains once")
-    if private:
-      require(
-        self.server.weighting == "uniform",
-        "weighting",
-        self.server.weighting,
-        "'uniform' with DP (client sizes N_k are not released)",
-      )
 
   @property
   def centralized(self) -> bool:

@@ -38,7 +38,7 @@ from fedlap_jax.checks import (
   positive_int,
   require,
 )
-from fedlap_jax.dispatch import WEIGHTINGS
+from fedlap_jax.dispatch import WEIGHTINGS, resolve_weighting
 from fedlap_jax.dp_config import DpAccesses, DPConfig, poisson_capacity
 from fedlap_jax.optim import check_other_than_sgd
 from fedlap_jax.synthetic import SYNTHETIC_INITS, check_synthetic_learner
@@ -366,12 +366,11 @@ class ServerConfig:
     return self.optimizer.direction()
 
   def resolved(self, private: bool) -> ServerConfig:
-    """This config with ``weighting=None`` resolved: ``uniform`` when ``private`` (DP: the
-    ``1/K`` average, Algorithm 3), ``size`` otherwise; a given weighting is kept. Every
-    method's config that holds a :class:`ServerConfig` resolves it here (one rule)."""
-    if self.weighting is not None:
-      return self
-    return dataclasses.replace(self, weighting="uniform" if private else "size")
+    """This config with its weighting resolved (:func:`fedlap_jax.dispatch.resolve_weighting`,
+    the one rule: ``None`` is ``uniform`` when ``private``, ``size`` otherwise; ``size`` is
+    refused when ``private``). Every method's config that holds a :class:`ServerConfig`
+    resolves it here."""
+    return dataclasses.replace(self, weighting=resolve_weighting(self.weighting, private))
 
 
 def check_fresh_server(server: ServerConfig, method: str, why: str) -> None:
@@ -460,13 +459,6 @@ class FedLAPConfig:
         self.server.radius_strategy,
         "'constant' or 'fixed' when DP is on (other strategies use r_k measured on real data)",
       )
-      require(
-        self.server.weighting != "size",
-        "server.weighting",
-        self.server.weighting,
-        "'uniform' or None when DP is on (Algorithm 3 averages the client updates with "
-        "1/K, the setting the privacy analysis covers)",
-      )
     elif self.server.radius_strategy not in ("constant", "fixed"):
       require(
         self.client.calibrate_radius,
@@ -476,7 +468,7 @@ class FedLAPConfig:
         "per-client r_k); or use radius_strategy='constant'",
       )
 
-    # The default weighting: 1/K under DP (Algorithm 3), N_k / N without.
+    # The weighting under DP and without (refused here: size under DP).
     object.__setattr__(self, "server", self.server.resolved(self.client.dp is not None))
 
   @property
