@@ -44,6 +44,10 @@ class ClientData(NamedTuple):
       and a per-channel ``mean`` / ``std`` of pixels in [0, 1]:
       ``scale = 1 / (255 std)``, ``offset = -mean / std``
       (:func:`pixel_normalisation`).
+    max_classes: the most classes a client of this client's federation owns, or None; a
+      static fact (no leaf, part of the pytree's structure), set by :func:`pad_client` so
+      that :func:`~fedlap_jax.synthetic.client_synthetic` gives every client of the
+      federation a synthetic set of one size.
   """
 
   x: jax.Array
@@ -51,6 +55,7 @@ class ClientData(NamedTuple):
   mask: jax.Array
   pixel_scale: jax.Array | None = None
   pixel_offset: jax.Array | None = None
+  max_classes: int | None = None
 
   def normalise(self, x: jax.Array) -> jax.Array:
     """Stored pixels ``(..., C)`` of this client -> float32 model inputs."""
@@ -65,6 +70,17 @@ class ClientData(NamedTuple):
     only the batch is ever materialised as float32.
     """
     return self.normalise(self.x[indices])
+
+
+_LEAVES = ("x", "y", "mask", "pixel_scale", "pixel_offset")
+# ``max_classes`` is static: jit sees a Python int (not a tracer), and clients of one
+# federation share one pytree structure (so they stack), clients of two do not.
+jax.tree_util.register_pytree_with_keys(
+  ClientData,
+  lambda d: (tuple((jax.tree_util.GetAttrKey(f), getattr(d, f)) for f in _LEAVES), d.max_classes),
+  lambda max_classes, leaves: ClientData._make((*leaves, max_classes)),
+  flatten_func=lambda d: (tuple(getattr(d, f) for f in _LEAVES), d.max_classes),
+)
 
 
 def on_device(*trees: Any) -> Any:
@@ -467,6 +483,7 @@ def pad_client(
   pixel_scale=None,
   pixel_offset=None,
   num_classes: int | None = None,
+  max_classes: int | None = None,
 ) -> ClientData:
   """One client's records padded to ``capacity`` slots (no client axis).
 
@@ -475,21 +492,25 @@ def pad_client(
   once per distinct shape: clients of 300, 320 and 375 records compile three
   programs. Padded to one ``capacity`` (e.g. the largest client's ``N_k``)
   they share one; the mask keeps the padding out of every batch and ``N_k``. Their
-  synthetic sets need one size too: clients of 2 and 3 classes get ``2 ipc`` and ``3 ipc``
-  slots unless :func:`~fedlap_jax.synthetic.client_synthetic` is given the federation's
-  ``max_classes``.
+  synthetic sets need one size too: given ``max_classes`` (the most classes a client of the
+  federation owns), :func:`~fedlap_jax.synthetic.client_synthetic` gives every client
+  ``ipc * max_classes`` slots, so the padding call is the only one that needs the
+  federation's facts; without it, clients of 2 and 3 classes get ``2 ipc`` and ``3 ipc``.
   The padding runs on the host (NumPy) and compiles nothing.
 
   Args:
     x: ``(N_k, H, W, C)`` images; y: ``(N_k,)`` labels.
     capacity: record slots, ``>= N_k``.
     pixel_scale, pixel_offset, num_classes: as :func:`stack_clients`.
+    max_classes: synthetic capacity in classes, ``>=`` this client's classes (and
+      ``<= num_classes`` when given); kept as :attr:`ClientData.max_classes`.
 
   Returns:
     :class:`ClientData` with leaves ``(capacity, ...)`` (``(C,)`` scale and offset).
 
   Raises:
     ValueError: as :func:`stack_clients`.
+    ConfigError: ``max_classes`` below this client's classes or above ``num_classes``.
   """
   stacked = stack_clients(
     [x],
@@ -500,5 +521,16 @@ def pad_client(
     capacity=capacity,
     on_host=True,
   )
+  if max_classes is not None:
+    owned = len(np.unique(np.asarray(y)))
+    top = f" and <= num_classes={num_classes}" if num_classes is not None else ""
+    require(
+      is_int(max_classes) and owned <= max_classes <= (num_classes or max_classes),
+      "max_classes",
+      max_classes,
+      f"an integer >= {owned}, the classes this client owns{top}",
+    )
+    max_classes = int(max_classes)
   # Padded and sliced on the host, then copied to the device: no program is compiled.
-  return jax.tree.map(lambda a: jax.device_put(a[0]), stacked)
+  one = jax.tree.map(lambda a: jax.device_put(a[0]), stacked)
+  return one._replace(max_classes=max_classes)

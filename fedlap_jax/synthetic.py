@@ -198,7 +198,8 @@ def client_synthetic(
     synthetic_init: ``"noise"`` or ``"real"`` (as :func:`initial_synthetic`).
     max_classes: pad the set to ``ipc * max_classes`` slots (masked), e.g.
       the most classes any client owns, so that every client's set has one
-      shape and a jitted step compiles once; ``None``: ``ipc`` times this
+      shape and a jitted step compiles once; ``None``: ``data.max_classes``
+      (set by :func:`~fedlap_jax.client_data.pad_client`), else ``ipc`` times this
       client's classes.
 
   Returns:
@@ -211,6 +212,8 @@ def client_synthetic(
   labels, mask = _checked_labels([np.asarray(data.y)[np.asarray(data.mask)]], ipc, synthetic_init)
   labels, mask = labels[0], mask[0]
   pad = 0
+  if max_classes is None:
+    max_classes = data.max_classes
   if max_classes is not None:
     classes = int(np.sum(mask)) // ipc
     if not (isinstance(max_classes, int) and max_classes >= classes):

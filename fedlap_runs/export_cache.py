@@ -59,6 +59,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from fedlap_jax.client_data import ClientData
+
 FORMAT = 1
 SUBDIR = "exported"
 SUFFIX = ".jaxexport"
@@ -327,7 +329,15 @@ def _register(typ: type) -> str:
     raise Unkeyable(f"the type {typ!r} is not one an exported round may name")
   with _registering:
     try:
-      jax.export.register_namedtuple_serialization(typ, serialized_name=name)
+      if typ is ClientData:  # a NamedTuple whose static max_classes is its pytree aux data
+        jax.export.register_pytree_node_serialization(
+          typ,
+          serialized_name=name,
+          serialize_auxdata=lambda aux: json.dumps(aux).encode(),
+          deserialize_auxdata=json.loads,
+        )
+      else:
+        jax.export.register_namedtuple_serialization(typ, serialized_name=name)
     except ValueError:  # registered already: by this module, under ``name``
       pass
   return name

@@ -157,12 +157,15 @@ def test_a_loop_over_padded_clients_compiles_once(linear_apply_fn, linear_params
   assert unpadded >= len(sizes) * padded  # one set of programs per distinct N_k
 
 
+@pytest.mark.parametrize("given_to", ["client_synthetic", "pad_client"])
 def test_clients_of_2_and_3_classes_share_one_program_and_stack(
-  linear_apply_fn, linear_params, digits
+  linear_apply_fn, linear_params, digits, given_to
 ):
   """Padded records alone left a 2-class client 4 synthetic slots and a 3-class one 6: a
   second compilation, and sets that do not stack. With one synthetic capacity (ipc x the
-  most classes a client owns) the loop compiles once and the sets stack."""
+  most classes a client owns) the loop compiles once and the sets stack; given to
+  pad_client, padding is the only call that needs it (client_synthetic reads it from the
+  data)."""
   parts = [
     (digits.x_train[np.isin(digits.y_train, c)][:n], digits.y_train[np.isin(digits.y_train, c)][:n])
     for c, n in (((0, 1), 60), ((2, 3, 4), 80))
@@ -186,13 +189,32 @@ def test_clients_of_2_and_3_classes_share_one_program_and_stack(
   step = jax.jit(approx, static_argnames=("apply_fn", "config"))
   sets = []
   for k, (x, y) in enumerate(parts):
-    data = fl.pad_client(x, y, capacity=80, num_classes=10)
-    syn = fl.client_synthetic(jax.random.key(k), data, 2, max_classes=3)
+    if given_to == "pad_client":
+      data = fl.pad_client(x, y, capacity=80, num_classes=10, max_classes=3)
+      syn = fl.client_synthetic(jax.random.key(k), data, 2)
+    else:
+      data = fl.pad_client(x, y, capacity=80, num_classes=10)
+      syn = fl.client_synthetic(jax.random.key(k), data, 2, max_classes=3)
     sets.append(step(jax.random.key(k), linear_apply_fn, linear_params, syn, data, config)[0])
   assert step._cache_size() == 1
   stacked = jax.tree.map(lambda *a: np.stack(a), *sets)
   assert stacked.x.shape == (2, 6, 8, 8, 1)
   np.testing.assert_array_equal(np.asarray(stacked.mask).sum(axis=1), [4, 6])
+
+
+def test_pad_client_refuses_a_max_classes_that_contradicts_the_data(digits):
+  """max_classes below the client's own classes, above num_classes, or not an integer is
+  refused by name; the fact is static: it survives jit as a Python int, no leaf."""
+  x, y = digits.x_train[:40], digits.y_train[:40]
+  owned = len(np.unique(y))
+  for bad in (owned - 1, 11, 3.0):
+    with pytest.raises(ConfigError) as raised:
+      fl.pad_client(x, y, capacity=40, num_classes=10, max_classes=bad)
+    assert raised.value.field == "max_classes"
+  data = fl.pad_client(x, y, capacity=40, num_classes=10, max_classes=10)
+  assert len(jax.tree.leaves(data)) == 3
+  assert jax.jit(lambda d: d)(data).max_classes == 10
+  assert fl.client_synthetic(jax.random.key(0), data, 2).x.shape[0] == 20
 
 
 def test_the_entry_points_take_numpy_arrays(linear_apply_fn, linear_params, client_parts):
