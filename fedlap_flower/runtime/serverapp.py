@@ -78,7 +78,13 @@ class ServerAppExecutor(SubprocessExecutor):
   def launch(self, spec: ExecutionSpec) -> LaunchResult:
     if spec.task_type != TaskType.SERVER_APP:
       return LaunchResult.failed(f"this executor runs ServerApp tasks only, not {spec.task_type}")
-    args = [sys.executable, "-m", __name__, "--task", "--runtime-api-address"]
+    args = [
+      sys.executable,
+      "-m",
+      "fedlap_flower.runtime.serverapp",
+      "--task",
+      "--runtime-api-address",
+    ]
     args += [spec.runtime_api_address, "--token", spec.token]
     if spec.insecure:
       args.append("--insecure")

@@ -87,6 +87,13 @@ def test_server_executor_starts_only_this_modules_task_process(monkeypatch):
   assert not started
   assert executor.launch(_spec(TaskType.SERVER_APP)).status == LaunchResultStatus.ACCEPTED
   assert started == [
-    [sys.executable, "-m", serverapp.__name__, "--task", "--runtime-api-address", "127.0.0.1:8000"]
+    [
+      sys.executable,
+      "-m",
+      "fedlap_flower.runtime.serverapp",
+      "--task",
+      "--runtime-api-address",
+      "127.0.0.1:8000",
+    ]
     + ["--token", "tok", "--root-certificates", "ca.crt"]
   ]
