@@ -29,6 +29,8 @@ from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
 
+from fedlap_flower.runtime import support
+
 # Modules, not the functions of the same names their packages export.
 flwr_run_serverapp = importlib.import_module("flwr.server.run_serverapp")
 flwr_run_superexec = importlib.import_module("flwr.supercore.superexec.run_superexec")
@@ -98,7 +100,11 @@ class ServerAppExecutor(SubprocessExecutor):
 
 def main(argv: list[str]) -> None:
   """``--task ARGS``: a ServerApp task process (``flwr-serverapp ARGS``); otherwise the
-  executor (``flower-superexec ARGS``). Runtime dependency installation is refused."""
+  executor (``flower-superexec ARGS``). Refuses to start on a Flower where the installed
+  ServerApp cannot be put in place of the bundle's (:func:`support.problems`), and refuses
+  runtime dependency installation."""
+  if found := support.problems("serverapp"):
+    raise SystemExit(f"this Flower cannot be made to run only the installed ServerApp: {found}")
   if DEPENDENCY_FLAG in argv:
     raise SystemExit(f"{DEPENDENCY_FLAG}: refused (a bundle's dependencies are not installed)")
   if argv[:1] == ["--task"]:

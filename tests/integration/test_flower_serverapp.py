@@ -54,6 +54,7 @@ def test_server_runs_the_installed_serverapp_not_the_bundles(tmp_path, monkeypat
     serverapp.flwr_serverapp_runtime, "run_", serverapp.flwr_serverapp_runtime.run_
   )
   called = []
+  monkeypatch.setattr(serverapp.support, "problems", lambda part: ())
   cli = importlib.import_module("flwr.superlink.cli.flwr_serverapp")
   monkeypatch.setattr(cli, "flwr_serverapp", lambda: called.append(list(sys.argv)))
   serverapp.main(["--task", "--runtime-api-address", "127.0.0.1:1", "--token", "t", "--insecure"])
@@ -97,3 +98,14 @@ def test_server_executor_starts_only_this_modules_task_process(monkeypatch):
     ]
     + ["--token", "tok", "--root-certificates", "ca.crt"]
   ]
+
+
+def test_server_executor_refuses_to_start_on_an_untested_flower(monkeypatch):
+  assert serverapp.support.problems("serverapp", cached=False) == ()
+  assert serverapp.support.problems("serverapp", version="0.0.0")
+  monkeypatch.setattr(
+    serverapp.support, "problems", lambda part: ("run_serverapp.run_ is missing",)
+  )
+  for argv in (["--task"], ["--runtime-api-address", "127.0.0.1:1"]):
+    with pytest.raises(SystemExit, match="run_serverapp.run_"):
+      serverapp.main(argv)
