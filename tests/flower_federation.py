@@ -201,6 +201,7 @@ class Federation:
     # even when the virtual environment was not activated.
     self.env["PATH"] = os.pathsep.join([str(self.bin), self.env.get("PATH", "")])
     self.superlink: subprocess.Popen | None = None
+    self.executor: subprocess.Popen | None = None
     self.supernodes: dict[int, subprocess.Popen] = {}
     self.node_configs: dict[int, dict] = {}
     self.runtime_ports: dict[int, int] = {}
@@ -251,7 +252,19 @@ class Federation:
       args.append("--insecure")
     if self.simulation:
       args.append("--simulation")
+    if self.hardened:  # the ServerApp runs from fedlap_flower's executor, never a bundle's code
+      secret = self.workdir / "superexec.secret"
+      secret.write_bytes(os.urandom(32))
+      secret.chmod(0o600)
+      args += ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
     self.superlink = self._spawn(args, "superlink.log")
+    if self.hardened:
+      self.executor = self._spawn(
+        [sys.executable, "-m", "fedlap_flower.runtime.serverapp", "--runtime-api-address"]
+        + [f"127.0.0.1:{self.port}", "--root-certificates", str(self.certs["ca"])]
+        + ["--superexec-auth-secret-file", str(secret)],
+        "serverapp.log",
+      )
     context = None
     if self.hardened:
       context = ssl.create_default_context(cafile=str(self.certs["ca"]))
@@ -423,7 +436,9 @@ class Federation:
 
   def close(self) -> None:
     """Stops every process this federation started (SIGTERM, then SIGKILL after 5 s)."""
-    procs = list(self.supernodes.values()) + [p for p in (self.front, self.superlink) if p]
+    procs = list(self.supernodes.values()) + [
+      p for p in (self.front, self.executor, self.superlink) if p
+    ]
     for p in procs:
       _signal_group(p, signal.SIGTERM)
     deadline = time.time() + 5
@@ -438,7 +453,7 @@ class Federation:
       except subprocess.TimeoutExpired:
         pass
     self.supernodes.clear()
-    self.superlink = self.front = None
+    self.superlink = self.front = self.executor = None
     for f in self._logs:
       f.close()
     self._logs.clear()

@@ -17,6 +17,8 @@ module of ``fedlap_flower`` outside this package imports ``flwr.supercore``,
   ``flwr stop``, the run's signature and replay check);
 * :mod:`~fedlap_flower.runtime.object_pulls` -- quicker retries of arrays not
   yet on the SuperLink (the SuperNode's and the ServerApp Grid's);
+* :mod:`~fedlap_flower.runtime.serverapp` -- the server's ServerApp executor: only the
+  installed ServerApp runs, never a bundle's code;
 * :mod:`~fedlap_flower.runtime.run_signature` -- the operator's signature over
   the bundle ``flwr run`` builds and the run config the SuperNodes fuse.
 """

@@ -238,10 +238,30 @@ def _grid(c: _Checks) -> None:
   c.calls(getattr(cls, "pull_messages", None), "HttpGrid.pull_messages", "pull_objects")
 
 
+def _serverapp(c: _Checks) -> None:
+  rt = c.module("flwr.superlink.runtime.run_serverapp")
+  c.same(
+    c.attr(rt, "run_"),
+    c.attr(c.module("flwr.server.run_serverapp"), "run"),
+    "run_serverapp.run_",
+    "flwr.server.run_serverapp.run",
+  )
+  task = c.attr(rt, "run_serverapp")
+  c.calls(task, "run_serverapp.run_serverapp", "run_")
+  if task is not None and "load_app(" in _source(task):
+    c.found.append("run_serverapp.run_serverapp loads an app itself (its source changed)")
+  c.calls(
+    c.attr(c.module("flwr.supercore.superexec.run_superexec"), "run_superexec"),
+    "run_superexec.run_superexec",
+    "get_executor",
+  )
+
+
 PARTS: dict[str, Callable[[_Checks], None]] = {
   "supernode": _supernode,
   "worker": _worker,
   "grid": _grid,
+  "serverapp": _serverapp,
 }
 
 

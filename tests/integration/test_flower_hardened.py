@@ -123,3 +123,28 @@ def test_hardened_deployment_computes_a_signed_run_once(tmp_path, tmp_path_facto
   assert [ledger_lib.ClientState(s).history() for s in states] == spent  # nothing charged
   for s in states:
     assert [e["run_id"] for e in signed_runs.recorded(s).values()] == [run_id]
+
+
+def test_the_server_runs_no_serverapp_of_a_bundle(tmp_path):
+  """A bundle naming other ServerApp code (submitted from the server machine, as any local
+  account can): the run fails on the server, naming ``serverapp``, and that code never runs."""
+  from flower_federation import APP_DIR  # pylint: disable=g-import-not-at-top
+
+  evil, marker = tmp_path / "evil_app", tmp_path / "evil_code_ran"
+  evil.mkdir()
+  (evil / "pyproject.toml").write_text(
+    (APP_DIR / "pyproject.toml")
+    .read_text()
+    .replace('serverapp = "fedlap_flower.server_app:app"', 'serverapp = "evilsrv:app"')
+  )
+  (evil / "evilsrv.py").write_text(
+    f"open({str(marker)!r}, 'w').write('ran')\n"
+    "from flwr.serverapp import ServerApp\napp = ServerApp()\n"
+    "@app.main()\ndef main(grid, context):\n"
+    f"  open({str(marker)!r}, 'w').write('ran')\n"
+  )
+  with Federation(tmp_path / "fed", hardened=True, front=False) as fed:
+    run_id = fed.run({"config": "quickstart:dp", "run-dir": str(tmp_path / "run")}, app_dir=evil)
+    assert fed.wait(run_id, timeout=120, poll=1.0) == "finished:failed"
+    assert "serverapp is 'evilsrv:app'" in fed.log_tail("serverapp.log")
+  assert not marker.exists()
