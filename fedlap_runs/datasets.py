@@ -4,6 +4,7 @@
                                                      #    read by --config.data.source=subset:mnist10k
   python -m fedlap_runs.datasets fmnist10k --out DIR
   python -m fedlap_runs.datasets --list
+  python -m fedlap_runs.datasets mnist_small --idx DIR --out OUT   # research sets from IDX files
 
 Subsets (:data:`SUBSETS`) and the rule that makes each: from the TensorFlow
 Datasets copy of ``tfds_name`` (downloaded once by tfds, or read from a prepared
@@ -26,6 +27,17 @@ classes, :func:`fedlap_runs.data.partition`) as a check against
 first result tables were measured on, whose construction was not recorded:
 this rule does not reproduce them (docs/results.md, "Data").
 
+Research sets (:data:`RESEARCH_SETS`: ``{mnist,fmnist}_{small,paper}``) are built
+from the original IDX files (``--idx DIR``: ``train-images``, ``train-labels``,
+``t10k-images``, ``t10k-labels``, each ``*idx3-ubyte`` / ``*idx1-ubyte``, plain
+or ``.gz``), not from tfds. The rule (:func:`carve`): a fixed permutation
+(``numpy.random.default_rng(0)``) of the 60,000 training records; its first
+:data:`VALIDATION_RECORDS` are the validation split, the next ``train`` records the
+training records (small: 8,000, ~1,600 per paper-partition client; paper: the other
+55,000). Two files share those training records: ``NAME_val.npz`` holds the
+validation split under ``x_test, y_test`` (choose recipes on it) and ``NAME.npz``
+the data set's own test split (read once per final table).
+
 Offline, with no prepared tfds copy, the command refuses with exit status 2
 and says what to do (it never writes a partial subset).
 """
@@ -34,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import hashlib
 import io
 import os
@@ -75,6 +88,29 @@ PINNED_SHA256 = {
 # Paper-partition client sizes (classes {5,6}, {1,2}, {0,8}, {9,3}, {4,7}) of the subsets
 # the first result tables were measured on (None: not recorded).
 ORIGINAL_PAPER_CLIENT_SIZES = {"mnist10k": (1513, 1700, 1571, 1570, 1646), "fmnist10k": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResearchSet:
+  """A research set: ``train`` training records of ``data`` carved by :func:`carve`."""
+
+  name: str
+  data: str  # "mnist" | "fashion_mnist"
+  train: int
+  description: str
+
+
+VALIDATION_RECORDS = 5_000
+RESEARCH_SETS = {
+  s.name: s
+  for d, data in (("mnist", "mnist"), ("fmnist", "fashion_mnist"))
+  for s in (
+    ResearchSet(f"{d}_small", data, 8_000, "small clients: 8,000 training records"),
+    ResearchSet(f"{d}_paper", data, 55_000, "the paper's regime: 55,000 training records"),
+  )
+}
+IDX_FILES = ("train-images", "train-labels", "t10k-images", "t10k-labels")
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 # A fixed zip timestamp (the earliest zip can store) keeps the npz bytes build-independent.
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
@@ -162,6 +198,100 @@ def sha256_file(path: str | os.PathLike) -> str:
   return digest.hexdigest()
 
 
+def read_idx(raw: bytes, what: str = "IDX data") -> np.ndarray:
+  """The array of an IDX file's bytes (gzip-compressed or not).
+
+  Raises:
+    ValueError: naming ``what``: a bad magic number, type code or length.
+  """
+  if raw[:2] == b"\x1f\x8b":
+    raw = gzip.decompress(raw)
+  if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES or raw[3] == 0:
+    raise ValueError(
+      f"{what} is invalid: header {raw[:4].hex()}; allowed: an IDX file (two zero "
+      f"bytes, a type code in {sorted(_IDX_DTYPES)}, the number of dimensions)"
+    )
+  ndim, dtype = raw[3], np.dtype(_IDX_DTYPES[raw[2]])
+  shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", ndim, offset=4))
+  body = 4 + 4 * ndim
+  if len(raw) - body != int(np.prod(shape)) * dtype.itemsize:
+    raise ValueError(
+      f"{what} is invalid: {len(raw) - body} data bytes for shape {shape}; allowed: "
+      f"exactly {int(np.prod(shape)) * dtype.itemsize}"
+    )
+  return np.frombuffer(raw, dtype, offset=body).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def find_idx(idx_dir: str | os.PathLike) -> dict[str, Path]:
+  """``{stem: path}`` of :data:`IDX_FILES` in ``idx_dir`` (``stem*idx?-ubyte[.gz]``)."""
+  found = {}
+  for stem in IDX_FILES:
+    paths = sorted(Path(idx_dir).glob(f"{stem}*idx[13]-ubyte*"))
+    if len(paths) != 1:
+      raise ValueError(
+        f"--idx {idx_dir} is invalid: {len(paths)} files match {stem}*idx?-ubyte[.gz]; "
+        f"allowed: a directory with exactly one of each of {IDX_FILES}"
+      )
+    found[stem] = paths[0]
+  return found
+
+
+def carve(research: ResearchSet, x_train, y_train, x_test, y_test) -> dict[str, dict]:
+  """The research rule (module docstring): ``{"val": arrays, "test": arrays}``.
+
+  ``x_*``: ``(N, 28, 28)`` or NHWC uint8 images of the full splits; ``y_*``: labels.
+  Both results hold the same training records (uint8 NHWC, int64 labels).
+  """
+  x_train, x_test = (np.asarray(x) for x in (x_train, x_test))
+  x_train, x_test = (x[..., None] if x.ndim == 3 else x for x in (x_train, x_test))
+  n, need = len(x_train), VALIDATION_RECORDS + research.train
+  if n < need or len(y_train) != n:
+    raise ValueError(
+      f"the train split has {n} images and {len(y_train)} labels; allowed: at least "
+      f"{need} of each ({VALIDATION_RECORDS} validation + {research.train} training, "
+      f"the {research.name} rule)"
+    )
+  order = np.random.default_rng(0).permutation(n)
+  val, train = order[:VALIDATION_RECORDS], order[VALIDATION_RECORDS:need]
+  common = {"x_train": x_train[train], "y_train": np.asarray(y_train)[train]}
+  out = {}
+  for split, (x, y) in (
+    ("val", (x_train[val], np.asarray(y_train)[val])),
+    ("test", (x_test, y_test)),
+  ):
+    arrays = {**common, "x_test": x, "y_test": np.asarray(y)}
+    out[split] = {
+      k: np.ascontiguousarray(v.astype(np.int64) if k[0] == "y" else v) for k, v in arrays.items()
+    }
+  return out
+
+
+def build_research(name: str, idx_dir, out_dir=None) -> dict:
+  """Writes ``NAME_val.npz`` and ``NAME.npz`` (+ ``.sha256``) from the IDX files in ``idx_dir``.
+
+  Returns:
+    ``{"paths", "sha256", "client_sizes"}`` (paths and checksums: validation, test).
+  """
+  research = RESEARCH_SETS[name]
+  files = find_idx(idx_dir)
+  raw = [read_idx(files[stem].read_bytes(), str(files[stem])) for stem in IDX_FILES]
+  carved = carve(research, *raw)
+  out = Path(out_dir) if out_dir else data_lib.cache_root()
+  paths, digests = [], []
+  for split, stem in (("val", f"{name}_val"), ("test", name)):
+    path = out / f"{stem}.npz"
+    write_npz(path, carved[split])
+    digest = sha256_file(path)
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+    paths.append(path)
+    digests.append(digest)
+  return {
+    "paths": paths,
+    "sha256": digests,
+    "client_sizes": paper_client_sizes(carved["val"]["y_train"]),
+  }
+
+
 def paper_client_sizes(y_train: np.ndarray) -> tuple[int, ...]:
   """Record counts of the paper partition's 5 clients (2 classes each) of ``y_train``."""
   parts = data_lib.partition(np.asarray(y_train), num_clients=5, scheme="paper", num_classes=10)
@@ -228,7 +358,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
     prog="python -m fedlap_runs.datasets", description=__doc__.splitlines()[0]
   )
-  parser.add_argument("name", nargs="?", help=f"one of {', '.join(SUBSETS)}")
+  parser.add_argument("name", nargs="?", help=f"one of {', '.join([*SUBSETS, *RESEARCH_SETS])}")
   parser.add_argument(
     "--out",
     default=None,
@@ -243,13 +373,30 @@ def main(argv=None) -> int:
     help="fedlap_runs.data's cache of the full data set (default: the data "
     "cache; 'none': no cache), as --config.data.cache_dir",
   )
+  parser.add_argument(
+    "--idx",
+    default=None,
+    help=f"a directory of the original IDX files (needed by {', '.join(RESEARCH_SETS)})",
+  )
   parser.add_argument("--list", action="store_true", help="list the subsets and what is built")
   args = parser.parse_args(argv)
   if args.list:
     _list(args.out)
     return 0
   if args.name is None:
-    parser.error(f"NAME is required; allowed: one of {tuple(SUBSETS)} (or --list)")
+    parser.error(f"NAME is required; allowed: one of {(*SUBSETS, *RESEARCH_SETS)} (or --list)")
+  if args.name in RESEARCH_SETS:
+    if args.idx is None:
+      parser.error(f"--idx DIR is required for {args.name} (a research set built from IDX files)")
+    try:
+      result = build_research(args.name, args.idx, args.out)
+    except (ValueError, OSError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    for path, digest in zip(result["paths"], result["sha256"]):
+      print(f"wrote {path}\nsha256 {digest}")
+    print(f"paper-partition client sizes: {', '.join(map(str, result['client_sizes']))}")
+    return 0
   try:
     result = build(args.name, args.out, data_dir=args.data_dir, cache_dir=args.cache_dir)
   except ValueError as e:
