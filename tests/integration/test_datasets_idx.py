@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from experiments import data as data_lib
+from fedlap_runs import data as data_lib
 from fedlap_runs import datasets
 
 

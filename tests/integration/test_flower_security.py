@@ -15,7 +15,7 @@ import pytest
 from flwr.cli.build import build_fab_from_disk
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
 
-from benchmarks.flower_hostile import FakeSuperLink, prompt_grid_over, reply_objects
+from fake_superlink import FakeSuperLink, prompt_grid_over, reply_objects
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import records as records_lib
 from fedlap_flower import settings, signed_runs
