@@ -503,9 +503,9 @@ def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
       f"an integer in [0, {per_round}] (0: all {per_round} "
       "clients of a round, data.clients_per_round or data.num_clients)",
     )
+  # Whatever the method: only FedLAP reads the strategy, and no other's default is "median".
   if (
-    cfg.method == "fedlap"
-    and cfg.server.radius_strategy == "median"
+    cfg.get("server", {}).get("radius_strategy") == "median"
     and (min_clients or per_round) < MEDIAN_RADIUS_MIN_CLIENTS
   ):
     _fail(

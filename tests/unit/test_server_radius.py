@@ -129,7 +129,7 @@ def test_calibrate_radius(tiny_apply_fn, tiny_params, calibration_data, max_radi
   trace = host(trace)
   chex.assert_trees_all_close(r_k, np.minimum(trace.distances[best], max_radius))
   # Reproduce the trace with explicit full-batch gradient steps.
-  (sx, sy, _), (rx, ry, rm, _, _) = calibration_data
+  (sx, sy, _), (rx, ry, rm, *_) = calibration_data
   step = _full_batch_step(tiny_apply_fn)
   evaluate = jax.jit(training.evaluate, static_argnums=0)
   w = tiny_params
