@@ -218,6 +218,9 @@ def _env(devices: int, cache=None) -> dict:
   flags = (os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}")
   env["XLA_FLAGS"] = " ".join(f for f in flags if f)
   env["JAX_PLATFORMS"] = "cpu"
+  # The worker runs as a script (its folder first on the path): the checkout's command line,
+  # ``experiments``, which no install provides, comes from the repository root.
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
   if cache is not None:
     env.update(
       JAX_COMPILATION_CACHE_DIR=str(cache),
