@@ -488,3 +488,23 @@ def pytest_collection_modifyitems(config, items):
       order.get(_setting_of(item), len(order)),
     )
   )
+
+
+TINY_FEDLAP_FLAGS = {
+  # FedLAP at its smallest for tests that run experiments.run (kill, resume, release, seed):
+  # a 1-layer, 8-wide ConvNet, one matching step per round, no DSA, no progress bar.
+  "model.width": 8,
+  "model.depth": 1,
+  "client.ipc": 2,
+  "client.iterations": 1,
+  "client.max_outer": 1,
+  "client.batch_loop": 2,
+  "client.boost_loop": 1,
+  "client.inner_loop": 0,
+  "client.batch_size": 16,
+  "client.dsa_strategy": "",
+  "server.dsa_strategy": "",
+  "server.max_epochs": 2,
+  "eval_chunk_size": 400,
+  "progress_bar": False,
+}

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from conftest import TINY_FEDLAP_FLAGS
 from pathlib import Path
 
 import pytest
@@ -23,25 +24,7 @@ from experiments import run
 from fedlap_runs import checkpointing, export_cache
 
 ROOT = Path(__file__).resolve().parents[2]
-FLAGS = {
-  "model.width": 8,
-  "model.depth": 1,
-  "client.ipc": 2,
-  "client.iterations": 1,
-  "client.max_outer": 1,
-  "client.batch_loop": 2,
-  "client.boost_loop": 1,
-  "client.inner_loop": 0,
-  "client.batch_size": 16,
-  "client.dsa_strategy": "",
-  "server.dsa_strategy": "",
-  "server.max_epochs": 2,
-  "rounds": 4,
-  "eval_chunk_size": 400,
-  "checkpoint_every": 100,
-  "plots": False,
-  "progress_bar": False,
-}
+FLAGS = {**TINY_FEDLAP_FLAGS, "rounds": 4, "checkpoint_every": 100, "plots": False}
 
 
 def launch(workdir: Path, cache: Path, fault: str | None = None) -> subprocess.CompletedProcess:

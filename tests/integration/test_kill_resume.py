@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from conftest import TINY_FEDLAP_FLAGS
 from pathlib import Path
 
 import numpy as np
@@ -43,23 +44,10 @@ from fedlap_runs import checkpointing
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {
-  "model.width": 8,
-  "model.depth": 1,
-  "client.ipc": 2,
-  "client.iterations": 1,
-  "client.max_outer": 1,
-  "client.batch_loop": 2,
-  "client.boost_loop": 1,
-  "client.inner_loop": 0,
-  "client.batch_size": 16,
-  "client.dsa_strategy": "",
-  "server.dsa_strategy": "",
-  "server.max_epochs": 2,
+  **TINY_FEDLAP_FLAGS,
   "rounds": 6,
-  "eval_chunk_size": 400,
   "checkpoint_every": 2,
   "plots": False,
-  "progress_bar": False,
   "seed": 0,  # given: the interrupted run is compared with one in another work dir
 }
 TIMING = ("round_seconds", "wall_seconds", "first_in_process")

@@ -17,26 +17,10 @@ import zipfile
 
 import pytest
 
+from conftest import TINY_FEDLAP_FLAGS
 from experiments import outputs, release, run
 
-FLAGS = {
-  "model.width": 8,
-  "model.depth": 1,
-  "client.ipc": 2,
-  "client.iterations": 1,
-  "client.max_outer": 1,
-  "client.batch_loop": 2,
-  "client.boost_loop": 1,
-  "client.inner_loop": 0,
-  "client.batch_size": 16,
-  "client.dsa_strategy": "",
-  "server.dsa_strategy": "",
-  "server.max_epochs": 2,
-  "rounds": 1,
-  "eval_chunk_size": 400,
-  "snapshot_rounds": "(1,)",
-  "progress_bar": False,
-}
+FLAGS = {**TINY_FEDLAP_FLAGS, "rounds": 1, "snapshot_rounds": "(1,)"}
 
 
 @pytest.fixture(scope="module")

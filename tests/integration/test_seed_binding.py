@@ -14,29 +14,17 @@ import os
 
 import pytest
 
+from conftest import TINY_FEDLAP_FLAGS
 from experiments import resume, run, train
 
 from fedlap_runs import faults, seeds
 
 FLAGS = {
-  "model.width": 8,
-  "model.depth": 1,
-  "client.ipc": 2,
-  "client.iterations": 1,
-  "client.max_outer": 1,
-  "client.batch_loop": 2,
-  "client.boost_loop": 1,
-  "client.inner_loop": 0,
-  "client.batch_size": 16,
-  "client.dsa_strategy": "",
-  "server.dsa_strategy": "",
-  "server.max_epochs": 2,
+  **TINY_FEDLAP_FLAGS,
   "rounds": 3,
-  "eval_chunk_size": 400,
   "snapshot_rounds": "(1,)",
   "checkpoint_every": 100,  # no checkpoint before the stop
   "plots": False,
-  "progress_bar": False,
 }
 RELEASABLE = ("train.log", "metrics.jsonl", "privacy_ledger.json", "synthetic/round_0001.npz")
 
