@@ -196,6 +196,30 @@ def test_conv_bias_before_instance_norm_does_nothing(impl):
   assert not bool(np.allclose(apply({"params": gp}, x), apply({"params": moved}, x), atol=1e-3))
 
 
+@pytest.mark.parametrize("impl", ["flax", "hybrid"])
+def test_a_tanh_convnet_has_the_same_parameters_and_bounded_features(impl):
+  """``activation=jnp.tanh`` changes the function, not the parameters: every feature of the
+  last block is an average of tanh values, so within [-1, 1], and ReLU's are not."""
+  x = 4.0 * normal(2, (3, 8, 8, 1))
+  relu, tanh = (
+    ConvNet(width=8, depth=1, impl=impl),
+    ConvNet(width=8, depth=1, impl=impl, activation=jnp.tanh),
+  )
+  params = host(jax.jit(relu.init)(jax.random.PRNGKey(0), x)["params"])
+  chex.assert_trees_all_equal_shapes(
+    params, host(jax.jit(tanh.init)(jax.random.PRNGKey(0), x)["params"])
+  )
+  features, logits = jax.jit(lambda p, x: tanh.apply({"params": p}, x, return_features=True))(
+    params, x
+  )
+  chex.assert_shape(logits, (3, 10))
+  assert float(jnp.min(features)) < 0.0 and float(jnp.max(jnp.abs(features))) <= 1.0
+  relu_features, _ = jax.jit(lambda p, x: relu.apply({"params": p}, x, return_features=True))(
+    params, x
+  )
+  assert float(jnp.min(relu_features)) >= 0.0
+
+
 def image_gradient(apply_fn, params, g_real, x_syn, y_syn, dtype):
   """``d L_dis / d x_syn`` with every input cast to ``dtype``, as float64 numpy.
 
