@@ -447,6 +447,10 @@ class ClientState:
     stored = self._read()
     return [] if stored is None else list(stored.get("history", []))
 
+  def rounds_of_run(self, run_id: int) -> int:
+    """Rounds the history records as charged in Flower run ``run_id``."""
+    return sum(1 for h in self.history() if h.get("run_id") == run_id)
+
   def epsilon_after(self, ledger: accounting.PrivacyLedger, steps: int) -> float:
     """The epsilon ``ledger`` would show after one more round of ``steps`` (nothing is stored)."""
     return copy.deepcopy(ledger).record_round(steps)  # the copy keeps the composed RDP

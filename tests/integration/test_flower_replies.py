@@ -543,20 +543,24 @@ def test_the_published_epsilon_is_the_accepted_clients_self_reports(genuine, rep
 
 
 @pytest.mark.slow
-def test_without_a_cap_an_epsilon_no_client_can_reach_is_refused(genuine, replay):
-  """With the run's max-epsilon = inf, a report above the most one round of the run's
-  mechanism gives any client, whatever its N_k (1e6 here), is refused by field; the honest
-  reports are published."""
+def test_without_a_cap_a_run_epsilon_no_client_can_reach_is_refused(genuine, replay):
+  """With the run's max-epsilon = inf, a reply whose run-epsilon (what this run charged it) is
+  above the most one round of the run's mechanism gives any client, whatever its N_k (1e6
+  here), is refused by field; its total is the client's own (its earlier runs are not the
+  server's to see): a total above that bound is published, labelled self-reported."""
   good = genuine("hybrid")
-  records, reports, _ = replay("hybrid_uncapped", {**good, 101: _metrics(good[101], epsilon=1e6)})
+  hostile = _metrics(good[101], **{"run-epsilon": 1e6})
+  past = _metrics(good[102], epsilon=40.0)  # a ledger holding earlier runs
+  records, reports, _ = replay("hybrid_uncapped", {**good, 101: hostile, 102: past})
   plan = task.server_run(settings.run_settings(_rc(replay.last_run_dir, "hybrid")).cfg)[0]
   rec = records[0]
   assert rec["clients_ok"] == [1, 2, 3, 4]
   bad = [r for r in reports if r["status"] != "ok"]
-  assert [(r["node_id"], r["field"]) for r in bad] == [(101, "epsilon")], bad
+  assert [(r["node_id"], r["field"]) for r in bad] == [(101, "run-epsilon")], bad
   bound = accounting.DpMechanism.from_config(plan.config).epsilon_bound(1)
-  assert 0 < max(rec["epsilon_per_client"].values()) < bound < 1e6
   assert f"{bound:g}" in bad[0]["reason"], bad[0]["reason"]
+  honest = [good[n]["metrics"]["run-epsilon"] for n in (103, 104, 105)]
+  assert 0 < max(honest) < bound < rec["epsilon_per_client"]["1"] == rec["epsilon"] == 40.0
 
 
 @pytest.mark.slow
@@ -718,6 +722,11 @@ def test_synthetic_set_checks_name_the_field(change, field, match):
       "epsilon=3.5 is invalid; allowed: a finite number >= 0 and <= the run's max-epsilon=3",
     ),
     ({"epsilon": 10**400}, lambda m: replies.check_epsilon(m, True), "allowed: a finite number"),
+    (
+      {"run-epsilon": 4.0},
+      lambda m: replies.check_epsilon(m, True, 3.08, "the most 1 rounds", key="run-epsilon"),
+      r"run-epsilon=4.0 is invalid; allowed: a finite number >= 0 and <= the most 1 rounds=3.08",
+    ),
     ({"partition-id": 7}, lambda m: replies.check_partition(m, 5), r"an int in \[0, 4\]"),
     (
       {"partition-id": 1},

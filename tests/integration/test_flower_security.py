@@ -265,3 +265,46 @@ def test_a_state_dir_moved_or_replaced_after_its_check_is_refused(tmp_path):
   d.symlink_to(tmp_path / "moved")
   with pytest.raises(OSError):  # O_NOFOLLOW: a link in the directory's place
     state.ledger(FINGERPRINT, **PRIVACY)
+
+
+@pytest.mark.slow
+def test_without_max_epsilon_a_ledger_holding_an_earlier_run_is_accepted(tmp_path):
+  """Without the run's max-epsilon the server bounds what this run charged a client (its
+  ``run-epsilon``) by what the run's rounds can give any client, not the ledger's total: a
+  second run's clients, whose ledgers hold a first run's charges above that bound, are
+  accepted and their totals published."""
+  import json
+
+  from flower_harness import TINY, node_configs, run_inprocess
+
+  from fedlap_flower import task
+
+  nodes = node_configs(state_root=tmp_path / "state", **{"max-epsilon": 50.0})
+  one = TINY.replace("rounds=2", "rounds=1")
+
+  def run(name, run_id):
+    rc = {"config": "quickstart:dp", "overrides": one, "run-dir": str(tmp_path / name)}
+    return run_inprocess(rc, nodes, run_id=run_id), rc
+
+  run("first", 7)
+  for node in nodes.values():  # the first run also charged a long round (60 of these rounds)
+    state = ledger_lib.ClientState(node["state-dir"])
+    stored = json.loads((state.directory / ledger_lib.LEDGER_FILE).read_text())
+    privacy = accounting.PrivacyLedger.from_dict(stored["ledger"]).privacy_fields()
+    with state.locked():
+      ledger = state.ledger(stored["fingerprint"], **privacy)
+      steps = 60 * ledger.steps[0]
+      state.spend(ledger, stored["fingerprint"], steps, 50.0, {"run_id": 7, "server_round": 2})
+  (records, grid), rc = run("second", 8)
+  plan = task.server_run(settings.run_settings(rc).cfg)[0]
+  mechanism = accounting.DpMechanism.from_config(plan.config)
+  bound = mechanism.epsilon_bound(1)
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4], records[0]
+  totals = records[0]["epsilon_per_client"]
+  assert bound < min(totals.values()) and max(totals.values()) < 50.0, (bound, totals)
+  for reply in grid.replies:  # this run's part: one round of a fresh ledger
+    got = reply.content["metrics"]
+    size = ledger_lib.ClientState(nodes[reply.metadata.src_node_id]["state-dir"])
+    n = json.loads((size.directory / ledger_lib.LEDGER_FILE).read_text())["ledger"]
+    fresh = mechanism.epsilon_after(1, n["min_client_size"])
+    assert got["run-epsilon"] == fresh < bound < got["epsilon"] == totals[str(got["partition-id"])]
