@@ -308,3 +308,43 @@ def test_without_max_epsilon_a_ledger_holding_an_earlier_run_is_accepted(tmp_pat
     n = json.loads((size.directory / ledger_lib.LEDGER_FILE).read_text())["ledger"]
     fresh = mechanism.epsilon_after(1, n["min_client_size"])
     assert got["run-epsilon"] == fresh < bound < got["epsilon"] == totals[str(got["partition-id"])]
+
+
+@pytest.mark.parametrize("where", ["runs", "run"])
+def test_a_link_planted_at_a_carried_states_directory_is_refused_not_followed(tmp_path, where):
+  """The carried states' ``runs/<run>`` directories are opened relative to the state
+  directory's descriptor without following a link: a link planted at ``runs`` or at
+  ``runs/<run>`` is refused naming state-dir, and nothing is written or read through it."""
+  from fedlap_jax.checks import ConfigError
+  from fedlap_jax.method import Wire
+
+  run = "0123456789abcdef0123456789abcdef"
+  state = ledger_lib.ClientState(tmp_path / "c0")
+  elsewhere = tmp_path / "elsewhere"
+  (elsewhere / run).mkdir(parents=True)
+  x = np.ones((2, 3), np.float32)
+  np.savez(elsewhere / run / "carried-1.npz", x=x, __round__=np.asarray(1, np.int64))
+  link = state.directory / "runs" if where == "runs" else state.directory / "runs" / run
+  if where == "run":
+    link.parent.mkdir(mode=0o700)
+  link.symlink_to(elsewhere if where == "runs" else elsewhere / run)
+  before = sorted(p.name for p in (elsewhere / run).iterdir())
+  wire = Wire.of({"x": x})
+  for touch in (
+    lambda: state.save_carried(run, 2, {"x": x}),
+    lambda: state.load_carried(run, 1, wire),
+    lambda: state.carried_rounds(run),
+    lambda: state.drop_carried(run, [1]),
+  ):
+    with pytest.raises(ConfigError) as e:
+      touch()
+    assert e.value.field == "state-dir", e.value
+  assert sorted(p.name for p in (elsewhere / run).iterdir()) == before == ["carried-1.npz"]
+  # Without the link the same calls work, the directories made 0700.
+  link.unlink()
+  state.save_carried(run, 2, {"x": x})
+  assert state.carried_rounds(run) == [2]
+  np.testing.assert_array_equal(state.load_carried(run, 2, wire)["x"], x)
+  state.drop_carried(run, [2])
+  assert state.carried_rounds(run) == []
+  assert stat.S_IMODE((state.directory / "runs" / run).stat().st_mode) == 0o700
