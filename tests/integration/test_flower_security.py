@@ -348,3 +348,28 @@ def test_a_link_planted_at_a_carried_states_directory_is_refused_not_followed(tm
   state.drop_carried(run, [2])
   assert state.carried_rounds(run) == []
   assert stat.S_IMODE((state.directory / "runs" / run).stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("declare_length", [False, True])
+def test_one_oversized_object_is_refused_before_it_is_read_whole(grid_limits, declare_length):
+  """One object of a reply is 20 MB where the round allows one 5 MiB chunk and its header:
+  Flower's HTTP Grid (its Runtime API client over HTTP) stops reading its response at the
+  bound, or reads none of it when the response declares its length; the reply is Flower's
+  error reply for it and the honest one is taken."""
+  from fake_superlink import over_http
+
+  honest = reply_objects("m1", {"a": np.ones(100, np.float32)}, node=1)
+  hostile = reply_objects("m0", {"a": np.full(100, 2.0, np.float32)}, node=0)
+  first = max(hostile[2], key=lambda i: len(hostile[2][i]))  # its array's one chunk
+  hostile[2][first] = b"\0" * 20_000_000
+  superlink = FakeSuperLink([hostile, honest])
+  grid = prompt_grid_over(superlink)
+  grid.grid._client = http = over_http(superlink, declare_length=declare_length)
+  grid.limit_replies(400, 1)
+  got = {m.metadata.reply_to_message_id: m for m in grid.send_and_receive(["a", "b"], timeout=5)}
+  assert got["m0"].has_error() and not got["m1"].has_error()
+  assert "allowed: at most" in got["m0"].error.reason, got["m0"].error.reason
+  cap = grid_limits.max_object_bytes + object_pulls.RESPONSE_OVERHEAD
+  sent = http.sent.get(first, 0)  # what the transport had sent of its 20 MB when refused
+  assert sent == 0 if declare_length else cap < sent <= cap + 2**16, (sent, cap)
+  np.testing.assert_array_equal(got["m1"].content["update"]["a"].numpy(), np.ones(100))
