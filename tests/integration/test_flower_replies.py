@@ -72,6 +72,11 @@ KINDS = {
     "method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
     {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
   ),
+  "dp_scaffold": (
+    "quickstart:dp_loops",
+    "method=dp_scaffold rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+    {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  ),
 }
 
 
@@ -358,6 +363,27 @@ def test_a_dp_registry_method_drops_a_bad_reply_naming_the_field(case, genuine, 
   bad = [r for r in reports if r["status"] != "ok"]
   assert len(bad) == 1 and bad[0]["node_id"] == node and bad[0]["status"] == "invalid", bad
   assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["control_delta", "params"])
+def test_a_dp_scaffold_reply_beyond_its_bounds_is_refused_by_field(part, genuine, replay):
+  """A hostile DP-SCAFFOLD client adds 1e3 / sqrt(d) to every entry of its control delta (or
+  its model): refused naming that part, the round equals the run without that client."""
+  good = genuine("dp_scaffold")
+  old = {k: a.numpy() for k, a in good[101]["update"].items() if k.startswith(part + ".")}
+  size = sum(a.size for a in old.values())
+  pushed = {k: a + np.float32(1e3 / math.sqrt(size)) for k, a in old.items()}
+  records, reports, final = replay(
+    "dp_scaffold", {**good, 101: _update(good[101], **pushed)}, first=101
+  )
+  want_records, _, want_final = replay("dp_scaffold", good, silent=[101])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"] == [1, 2, 3, 4]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  (bad,) = [r for r in reports if r["status"] != "ok"]
+  assert bad["node_id"] == 101 and bad["status"] == "invalid" and bad["field"] == part, bad
+  assert part in bad["reason"] and "allowed: at most" in bad["reason"], bad["reason"]
 
 
 def _pushed(content, scale: float = 1e3):
