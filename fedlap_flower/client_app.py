@@ -39,11 +39,11 @@ FedAdam, DP-FedAvg, DP-FedProx, FedDM, DSC, PSG), generic over it:
    a model packed in ``"arrays"``; any other update as its named arrays in ``"update"``:
    FedLAP's synthetic set ``synthetic.x / .y / .mask``, ``r_k`` as ``radius`` and, with
    ``client.model_steps='noisy_real'``, the model delta ``model_delta.*``), and
-   ``num-examples``, or under DP its epsilon, this run's part of it and DP steps only. Under DP FedLAP's model delta
-   is post-processing: the client's model steps only along the round's released noisy
-   gradients, starting from the public ``w_g``, so it is a function of released values and
-   public state, and the ledger charges the same ``T`` noisy accesses per round as without
-   it. Under DP nothing else leaves the client: no clip fractions, batch sizes, matching
+   ``num-examples``, or under DP its epsilon, this run's part of it and DP steps only. Under
+   DP FedLAP's model delta is post-processing: the client's model steps only along the
+   round's released noisy gradients, starting from the public ``w_g``, so it is a function of
+   released values and public state, and the ledger charges the same ``T`` noisy accesses per
+   round as without it. Under DP nothing else leaves the client: no clip fractions, batch sizes, matching
    losses, record counts (``debug_nonprivate_stats``, experiments.run's switch for writing
    raw statistics locally, changes nothing here).
 
