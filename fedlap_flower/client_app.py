@@ -39,11 +39,11 @@ FedAdam, DP-FedAvg, DP-FedProx, FedDM, DSC, PSG), generic over it:
    a model packed in ``"arrays"``; any other update as its named arrays in ``"update"``:
    FedLAP's synthetic set ``synthetic.x / .y / .mask``, ``r_k`` as ``radius`` and, with
    ``client.model_steps='noisy_real'``, the model delta ``model_delta.*``), and
-   ``num-examples``, or under DP its epsilon and DP steps only. Under DP FedLAP's model delta
-   is post-processing: the client's model steps only along the round's released noisy
-   gradients, starting from the public ``w_g``, so it is a function of released values and
-   public state, and the ledger charges the same ``T`` noisy accesses per round as without
-   it. Under DP nothing else leaves the client: no clip fractions, batch sizes, matching
+   ``num-examples``, or under DP its epsilon, this run's part of it and DP steps only. Under
+   DP FedLAP's model delta is post-processing: the client's model steps only along the
+   round's released noisy gradients, starting from the public ``w_g``, so it is a function of
+   released values and public state, and the ledger charges the same ``T`` noisy accesses per
+   round as without it. Under DP nothing else leaves the client: no clip fractions, batch sizes, matching
    losses, record counts (``debug_nonprivate_stats``, experiments.run's switch for writing
    raw statistics locally, changes nothing here).
 
@@ -386,14 +386,16 @@ def _train_method(msg, context, conf, run, node, setup) -> Message:
     if dp:
       steps = mechanism.steps_per_round
       try:
-        eps = _charge(state, mechanism, part, node, steps, context, server_round, keys)
+        eps, run_eps = _charge(state, mechanism, part, node, steps, context, server_round, keys)
       except BudgetExceeded as e:
         return refuse(
           str(e),
           epsilon=e.epsilon,
           **{"epsilon-after": e.epsilon_after, "max-epsilon": e.max_epsilon},
         )
-      metrics.update({"epsilon": eps, "max-epsilon": node.max_epsilon, "dp-steps": steps})
+      metrics.update(
+        {"epsilon": eps, "run-epsilon": run_eps, "max-epsilon": node.max_epsilon, "dp-steps": steps}
+      )
     else:
       metrics["num-examples"] = part.num_records
     if keys == "server":
@@ -455,8 +457,11 @@ def _dp_denied(mechanism, node, part) -> str | None:
   return None
 
 
-def _charge(state, mechanism, part, node, steps, context, server_round, keys) -> float:
-  """Records the round in this client's ledger (before any noise is drawn); its epsilon.
+def _charge(state, mechanism, part, node, steps, context, server_round, keys) -> tuple:
+  """Records the round in this client's ledger (before any noise is drawn); ``(epsilon,
+  run epsilon)``: the ledger's, every run it ever answered composed, and that of this Flower
+  run's charged rounds alone (what a fresh ledger would show after them, which the server can
+  bound without seeing the earlier runs).
 
   Raises:
     BudgetExceeded: the round would take it past ``max-epsilon``.
@@ -466,10 +471,12 @@ def _charge(state, mechanism, part, node, steps, context, server_round, keys) ->
     "adjacency": mechanism.adjacency,
   }
   ledger = state.ledger(part.fingerprint, **privacy)
-  return state.spend(
+  run_id = int(context.run_id)
+  eps = state.spend(
     ledger,
     part.fingerprint,
     steps,
     node.max_epsilon,
-    {"run_id": int(context.run_id), "server_round": server_round, "keys": keys},
+    {"run_id": run_id, "server_round": server_round, "keys": keys},
   )
+  return eps, mechanism.epsilon_after(state.rounds_of_run(run_id), part.num_records)

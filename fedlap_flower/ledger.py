@@ -62,9 +62,10 @@ descriptor, itself opened without following a link and checked to be the
 directory checked first (a directory moved away or replaced since is refused);
 a new one, and each parent it needs, is created ``0700``. Every file in it is created ``0600``, and
 without following a link planted in its place: the ledger and the carried
-set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``
-(:func:`fedlap_runs.checkpointing.write_atomic`), the journal and the lock
-``O_NOFOLLOW``; a carried state is read ``O_NOFOLLOW`` too.
+set through a temporary of a random name opened ``O_EXCL | O_NOFOLLOW``, the journal and
+the lock ``O_NOFOLLOW``; a carried state is read ``O_NOFOLLOW`` too. The carried states'
+``runs/<run>`` directories are opened the same way, each relative to its parent's
+descriptor: a link or a file in the place of either is refused, never followed.
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from fedlap_runs.checkpointing import write_atomic
 from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import Wire
@@ -108,6 +108,7 @@ FILE_MODE = 0o600
 DIRECTORY_MODE = 0o700
 # Open flags that refuse to follow a symbolic link planted at the path.
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 # The ledger this process last wrote per file, with the file's text: a process that serves
@@ -245,7 +246,7 @@ class ClientState:
   def _opened(self):
     """The state directory's descriptor, opened without following a link and checked to be
     the directory checked at construction; its files are opened relative to it."""
-    fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW)
+    fd = os.open(self.directory, os.O_RDONLY | DIRECTORY | NOFOLLOW)
     try:
       st = os.fstat(fd)
       if (st.st_dev, st.st_ino) != self._identity:
@@ -276,19 +277,7 @@ class ClientState:
     directory."""
     data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
     with self._opened() as d:
-      tmp = f".{name}.tmp{secrets.token_hex(8)}"
-      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=d)
-      try:
-        with os.fdopen(fd, "wb") as f:
-          f.write(data)
-          f.flush()
-          os.fsync(f.fileno())
-        os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
-      except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-          os.unlink(tmp, dir_fd=d)
-        raise
-      os.fsync(d)
+      _write_at(d, name, lambda f: f.write(data))
 
   @contextlib.contextmanager
   def locked(self):
@@ -447,6 +436,10 @@ class ClientState:
     stored = self._read()
     return [] if stored is None else list(stored.get("history", []))
 
+  def rounds_of_run(self, run_id: int) -> int:
+    """Rounds the history records as charged in Flower run ``run_id``."""
+    return sum(1 for h in self.history() if h.get("run_id") == run_id)
+
   def epsilon_after(self, ledger: accounting.PrivacyLedger, steps: int) -> float:
     """The epsilon ``ledger`` would show after one more round of ``steps`` (nothing is stored)."""
     return copy.deepcopy(ledger).record_round(steps)  # the copy keeps the composed RDP
@@ -506,30 +499,37 @@ class ClientState:
       raise ValueError(f"{run!r} is not a federated run's identity (32 hex digits)")
     return self.directory / "runs" / run
 
-  def _save_arrays(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
-    for d in (path.parent.parent, path.parent):
-      d.mkdir(exist_ok=True, mode=DIRECTORY_MODE)
-    write_atomic(path, lambda f: np.savez(f, **arrays), mode=FILE_MODE)
-
-  def _load_arrays(self, path: Path) -> dict[str, np.ndarray] | None:
-    """The arrays of ``path`` (``None``: no file), read without following a link there.
+  @contextlib.contextmanager
+  def _run_opened(self, run, create: bool = False):
+    """The descriptor of ``runs/<run>`` (``None``: absent and not ``create``), each directory
+    opened relative to its parent's descriptor without following a link (with ``create``,
+    made ``0700`` first where missing); the carried files are opened relative to it.
 
     Raises:
-      ConfigError: naming ``state-dir``: a link, or a file that is not an npz of plain arrays.
+      ConfigError: naming ``state-dir``: a link or a file in the place of either directory.
     """
+    where = self._run_dir(run)
+    opened: list[int] = []
     try:
-      fd = os.open(path, os.O_RDONLY | NOFOLLOW)
-    except FileNotFoundError:
-      return None
-    except OSError as e:  # ELOOP: a link planted at the path
-      raise _carried_error(path, f"cannot be opened without following a link ({e})") from None
-    try:
-      with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as z:
-        return {k: np.asarray(z[k]) for k in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-      raise _carried_error(
-        path, f"is not an npz of plain arrays ({type(e).__name__}: {e})"
-      ) from None
+      with self._opened() as parent:
+        for part in ("runs", run):
+          if create:
+            with contextlib.suppress(FileExistsError):
+              os.mkdir(part, DIRECTORY_MODE, dir_fd=parent)
+          try:
+            parent = os.open(part, os.O_RDONLY | DIRECTORY | NOFOLLOW, dir_fd=parent)
+          except FileNotFoundError:
+            parent = -1
+            break
+          except OSError as e:  # ELOOP, ENOTDIR: a link or a file planted there
+            raise _carried_error(
+              where, f"cannot be opened as a directory without following a link ({e})"
+            ) from None
+          opened.append(parent)
+      yield None if parent < 0 else parent
+    finally:
+      for fd in opened:
+        os.close(fd)
 
   def carried_path(self, run, server_round: int) -> Path:
     """``runs/<run>/carried-<round>.npz``: the state kept after ``server_round`` of ``run``."""
@@ -538,27 +538,51 @@ class ClientState:
   def save_carried(self, run, server_round: int, arrays: dict[str, np.ndarray]) -> None:
     """Keeps a client's carried state after ``server_round`` of federated run ``run``: its named
     arrays (:func:`fedlap_flower.method_work.tree_to_arrays` of the carried fields; FedLAP's
-    images as ``x``) and the round, written atomically ``0600`` (:meth:`carried_path`)."""
+    images as ``x``) and the round, written atomically ``0600`` (:meth:`carried_path`) relative
+    to the run directory's descriptor (:meth:`_run_opened`)."""
     if CARRIED_ROUND in arrays:
       raise ValueError(f"{CARRIED_ROUND!r} is reserved for the round in a carried state")
-    self._save_arrays(
-      self.carried_path(run, server_round),
-      {**arrays, CARRIED_ROUND: np.asarray(int(server_round), np.int64)},
-    )
+    arrays = {**arrays, CARRIED_ROUND: np.asarray(int(server_round), np.int64)}
+    with self._run_opened(run, create=True) as d:
+      _write_at(d, CARRIED_FILE.format(round=int(server_round)), lambda f: np.savez(f, **arrays))
 
   def carried_rounds(self, run) -> list[int]:
     """The rounds of ``run`` this client keeps a carried state of, ascending."""
-    directory = self._run_dir(run)
-    if not directory.is_dir():
-      return []
-    found = (_CARRIED_NAME.fullmatch(p.name) for p in directory.iterdir())
-    return sorted(int(m.group(1)) for m in found if m)
+    with self._run_opened(run) as d:
+      found = () if d is None else (_CARRIED_NAME.fullmatch(n) for n in os.listdir(d))
+      return sorted(int(m.group(1)) for m in found if m)
 
   def drop_carried(self, run, rounds) -> None:
     """Removes the carried states of ``rounds`` of ``run`` (those no later round can need)."""
-    for r in rounds:
-      with contextlib.suppress(FileNotFoundError):
-        os.unlink(self.carried_path(run, r))
+    with self._run_opened(run) as d:
+      for r in rounds if d is not None else ():
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(CARRIED_FILE.format(round=int(r)), dir_fd=d)
+
+  def _load_carried_arrays(self, run, server_round: int) -> dict[str, np.ndarray] | None:
+    """The arrays of :meth:`carried_path` (``None``: no file), read relative to the run
+    directory's descriptor without following a link.
+
+    Raises:
+      ConfigError: naming ``state-dir``: a link, or a file that is not an npz of plain arrays.
+    """
+    path = self.carried_path(run, server_round)
+    with self._run_opened(run) as d:
+      if d is None:
+        return None
+      try:
+        fd = os.open(path.name, os.O_RDONLY | NOFOLLOW, dir_fd=d)
+      except FileNotFoundError:
+        return None
+      except OSError as e:  # ELOOP: a link planted at the path
+        raise _carried_error(path, f"cannot be opened without following a link ({e})") from None
+    try:
+      with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as z:
+        return {k: np.asarray(z[k]) for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+      raise _carried_error(
+        path, f"is not an npz of plain arrays ({type(e).__name__}: {e})"
+      ) from None
 
   def load_carried(self, run, server_round: int, expected: Wire) -> dict[str, np.ndarray] | None:
     """The arrays this client kept after ``server_round`` of federated run ``run`` (``None``:
@@ -570,7 +594,7 @@ class ClientState:
         dtype than ``expected``, or not finite (:meth:`fedlap_jax.method.Wire.check`).
     """
     path = self.carried_path(run, server_round)
-    arrays = self._load_arrays(path)
+    arrays = self._load_carried_arrays(run, server_round)
     if arrays is None:
       return None
     held = arrays.pop(CARRIED_ROUND, None)
@@ -585,6 +609,25 @@ class ClientState:
     except ConfigError as e:
       raise _carried_error(path, f"holds {e.field!r} = {e.value!r}; allowed: {e.allowed}") from None
     return arrays
+
+
+def _write_at(d: int, name: str, write: Callable) -> None:
+  """Writes file ``name`` of the directory of descriptor ``d`` through ``write(f)`` (``f`` a
+  binary file), atomically and ``0600``: a temporary of a random name created ``O_EXCL |
+  O_NOFOLLOW`` relative to ``d``, ``fsync``, ``os.replace``, ``fsync`` of the directory."""
+  tmp = f".{name}.tmp{secrets.token_hex(8)}"
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=d)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(tmp, dir_fd=d)
+    raise
+  os.fsync(d)
 
 
 def _carried_error(path: Path, why: str) -> ConfigError:

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Iterable
 
+import httpx
 from flwr.app import Message
 from flwr.serverapp import Grid
 
@@ -37,7 +38,7 @@ class PromptGrid(Grid):
       raise ValueError(f"poll={poll!r}: the seconds between two pulls must be > 0")
     self.grid = grid
     self.poll = poll
-    quick_grid_pulls(sys.modules[type(grid).__module__])
+    self._bounded = quick_grid_pulls(sys.modules[type(grid).__module__])
 
   def set_run(self, run) -> None:
     self.grid.set_run(run)
@@ -59,6 +60,11 @@ class PromptGrid(Grid):
     return self.grid.push_messages(messages)
 
   def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+    # Flower's HTTP Grid, as tested: its Runtime API client (connected by the push) bounds
+    # each object's response before reading it whole.
+    client = getattr(getattr(self.grid, "_client", None), "_client", None)
+    if self._bounded and isinstance(client, httpx.Client):
+      object_pulls.cap_object_responses(client, object_pulls.GRID_LIMITS)
     return self.grid.pull_messages(message_ids)
 
   def limit_replies(self, update_bytes: int, arrays: int) -> None:

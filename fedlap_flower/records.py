@@ -21,8 +21,9 @@ Train reply (client -> server):
   as ``"update"``: its arrays by the names of the method's :class:`~fedlap_jax.method.Wire`
   (checked by :func:`record_to_wire`).
 * ``"metrics"``: ``partition-id`` and ``num-examples``, or under DP ``epsilon``,
-  ``max-epsilon`` and ``dp-steps``; ``"status"`` (``status`` = ``ok`` | ``refused``,
-  ``reason``, ``keys``). A refused round carries no arrays.
+  ``run-epsilon`` (this Flower run's part of it), ``max-epsilon`` and ``dp-steps``;
+  ``"status"`` (``status`` = ``ok`` | ``refused``, ``reason``, ``keys``). A refused round
+  carries no arrays.
 
 Query message (server -> client): ``"config"`` (``server-round``, ``ask =
 "partition-id"``); the reply holds ``"metrics"`` with the client's

@@ -73,11 +73,13 @@ The bounds, and why an honest client stays inside them:
     partition's ``N_k`` at its first accepted reply
     (:meth:`fedlap_flower.binding.PartitionBinding.pin`): a reply that
     changes it is refused.
-  - ``epsilon`` in ``[0, max-epsilon]`` (the run config's cap, which every
-    client keeps); with ``max-epsilon = inf``, at most what the run's mechanism
-    can give any client after the rounds so far, whatever its ``N_k``
-    (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_bound`). It is the
-    client's own report: the server publishes it labelled so.
+  - ``epsilon`` (the client's ledger: every run it ever answered, composed) in
+    ``[0, max-epsilon]`` (the run config's cap, which every client keeps; without one
+    unbounded above: the server never saw the earlier runs). It is the client's own report:
+    the server publishes it labelled so.
+  - ``run-epsilon`` (the epsilon of the rounds charged in this Flower run alone) at most what
+    this run's rounds so far of its mechanism can give any client, whatever its ``N_k``
+    (:meth:`fedlap_jax.accounting.DpMechanism.epsilon_bound`), with or without a cap.
 """
 
 from __future__ import annotations
@@ -160,14 +162,16 @@ def check_epsilon(
   required: bool,
   max_epsilon: float = math.inf,
   bound: str = "the run's max-epsilon",
+  key: str = "epsilon",
 ) -> float | None:
-  """``epsilon``: a finite number in ``[0, max_epsilon]`` (``None`` if absent and not
+  """``metrics[key]``: a finite number in ``[0, max_epsilon]`` (``None`` if absent and not
   ``required``); ``max_epsilon`` is what ``bound`` says: the run config's cap, which every
-  client keeps, or the most the run's mechanism can give a client so far."""
-  eps = scalar(metrics, "epsilon", required=required)
+  client keeps (of ``epsilon``), or the most the run's rounds so far of its mechanism can give
+  a client (of ``run-epsilon``)."""
+  eps = scalar(metrics, key, required=required)
   if eps is not None and not 0 <= eps <= max_epsilon:
     _fail(
-      "epsilon",
+      key,
       eps,
       "a finite number >= 0"
       + (f" and <= {bound}={max_epsilon:g}" if math.isfinite(max_epsilon) else ""),

@@ -742,19 +742,19 @@ class MethodStrategy(FedAvg):
       "params": params,
       "state": state,
       "plan": plan,
-      "epsilon_bound": self._epsilon_bound(server_round),
+      "epsilon_bound": (self.max_epsilon, "the run's max-epsilon"),
+      "run_epsilon_bound": self._run_epsilon_bound(server_round - self.rounds_done),
     }
 
-  def _epsilon_bound(self, server_round: int) -> tuple[float, str]:
-    """The largest epsilon a reply of ``server_round`` may report, and what it is: the run's
-    ``max-epsilon``, or without one the most ``server_round`` rounds of the mechanism give any
-    client (an honest ledger holding earlier runs may exceed it: such a federation sets
-    ``max-epsilon``)."""
-    if self.mechanism is None or math.isfinite(self.max_epsilon):
-      return self.max_epsilon, "the run's max-epsilon"
+  def _run_epsilon_bound(self, rounds: int) -> tuple[float, str]:
+    """The largest ``run-epsilon`` (the epsilon of this Flower run's charges alone) a reply may
+    report after ``rounds`` rounds of this Flower run, and what it is: the most those rounds
+    of the run's mechanism give any client, whatever its ``N_k`` and its earlier runs."""
+    if self.mechanism is None:
+      return math.inf, ""
     return (
-      self.mechanism.epsilon_bound(server_round),
-      f"the most {server_round} rounds of the run's mechanism give a client",
+      self.mechanism.epsilon_bound(rounds),
+      f"the most {rounds} rounds of the run's mechanism give a client",
     )
 
   def _delivered_round(self, node: int) -> int:
@@ -907,7 +907,7 @@ class MethodStrategy(FedAvg):
         f"allowed: {update_key!r}, 'metrics' and 'status'",
       )
     known = (
-      {"partition-id", "epsilon", "max-epsilon", "dp-steps"}
+      {"partition-id", "epsilon", "run-epsilon", "max-epsilon", "dp-steps"}
       if self.dp
       else {self.weighted_by_key, "partition-id"}
     )
@@ -923,6 +923,7 @@ class MethodStrategy(FedAvg):
     num_examples = None if self.dp else replies.check_num_examples(metrics, required=True)
     _check_pinned(self.participation.binding, report["partition_id"], num_examples)
     eps = replies.check_epsilon(metrics, self.dp, *self._round["epsilon_bound"])
+    replies.check_epsilon(metrics, self.dp, *self._round["run_epsilon_bound"], key="run-epsilon")
     record = content.array_records[update_key]
     if self.packed:  # the model, packed
       # the packing, then the method's own wire format (names, shapes, dtypes, finite values)

@@ -307,8 +307,9 @@ class Method:
       (one client's, no client axis) that no honest client sends in the round of ``message``,
       beyond what its :class:`Wire` checks (names, shapes, dtypes, finite values): FedLAP's
       radius range and, under DP, its model delta's norm. Raises
-      :class:`~fedlap_jax.checks.ConfigError` naming the update's field. ``None``: the wire's
-      checks (and :attr:`update_bound`) are all.
+      :class:`~fedlap_jax.checks.ConfigError` naming the update's field. ``None`` (or a
+      ``None`` result: no bound follows from the config): the wire's checks (and
+      :attr:`update_bound`) are all.
     round_record: ``metrics -> {name: JSON value}``: the public numbers of a round's metrics
       that the server step computes (the server's radius and steps, the round's rate; not the
       clients' own diagnostics): what a front end logs of the round. ``None``: none.
@@ -339,7 +340,7 @@ class Method:
   extend: Callable[[Any, Mapping[str, Any]], Any] | None = None
   own_section: type | None = None
   update_bound: Callable[[Any, RunFacts], Callable[[Any], float] | None] | None = None
-  check_update: Callable[[Any, RunFacts], Callable[[Any, Any], None]] | None = None
+  check_update: Callable[[Any, RunFacts], Callable[[Any, Any], None] | None] | None = None
   round_record: Callable[[Any], dict] | None = None
 
   def __post_init__(self):

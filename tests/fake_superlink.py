@@ -90,3 +90,39 @@ def prompt_grid_over(superlink):
   from fedlap_flower.prompt_grid import PromptGrid
 
   return PromptGrid(grid, poll=0.05)
+
+
+def over_http(superlink, chunk: int = 2**16, declare_length: bool = False):
+  """Flower's Runtime API client (protobuf over ``httpx``) whose server is ``superlink``, each
+  response body sent in ``chunk``-byte pieces (with its ``Content-Length`` if
+  ``declare_length``); ``.sent`` counts the body bytes sent by object id."""
+  import httpx
+  from flwr.proto.message_pb2 import PullObjectRequest  # pylint: disable=no-name-in-module
+  from flwr.proto.runtime_pb2 import PullAppMessagesRequest  # pylint: disable=no-name-in-module
+  from flwr.supercore.runtime.runtime_http_client import RuntimeHttpClient
+
+  sent: dict[str, int] = {}
+  serve = {
+    "/v1/runtime/pull-messages": (PullAppMessagesRequest, superlink.PullMessages),
+    "/v1/runtime/pull-object": (PullObjectRequest, superlink.PullObject),
+  }
+
+  def handler(request):
+    if request.url.path not in serve:  # ConfirmMessageReceived: an empty response
+      return httpx.Response(200, content=b"")
+    kind, call = serve[request.url.path]
+    body = call(kind.FromString(request.content)).SerializeToString()
+    key = getattr(kind.FromString(request.content), "object_id", "")
+
+    def pieces():
+      for start in range(0, len(body), chunk):
+        sent[key] = sent.get(key, 0) + len(body[start : start + chunk])
+        yield body[start : start + chunk]
+
+    headers = {"content-length": str(len(body))} if declare_length else {}
+    return httpx.Response(200, headers=headers, content=pieces())
+
+  client = RuntimeHttpClient("http://superlink.invalid")
+  client._client = httpx.Client(transport=httpx.MockTransport(handler))
+  client.sent = sent
+  return client

@@ -17,7 +17,11 @@ reply whose object tree holds more objects than the round's update can take is
 refused before any of it is pulled (Flower's tree gives object ids, not sizes);
 and each object, and the reply in all, may be at most so many bytes, counted as
 they arrive. A reply refused so becomes Flower's error reply for it (its reason
-says why), which the strategy reports and leaves out.
+says why), which the strategy reports and leaves out. One object's bytes are bounded
+before it is read whole too (:func:`cap_object_responses`): the Grid's Runtime API
+client (``httpx``) refuses a pull-object response whose ``Content-Length`` is above
+the bound before reading its body, or stops reading it once that many bytes arrived,
+and asks for it uncompressed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from logging import WARNING
 from types import ModuleType
 from typing import Callable
 
+import httpx
 from flwr.common.logger import log
 from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
 
@@ -64,6 +69,64 @@ OBJECT_OVERHEAD = 2**16
 # and objects (the message, its record dict and records).
 REPLY_OVERHEAD_BYTES = 2**20
 REPLY_OVERHEAD_OBJECTS = 8
+# The Runtime API's path of one object's pull (Flower's HTTP Grid) and what its response
+# holds beyond the object's bytes (the protobuf's flags and length prefix).
+PULL_OBJECT_PATH = "/v1/runtime/pull-object"
+RESPONSE_OVERHEAD = 2**10
+
+
+class ObjectTooLarge(Exception):
+  """A pulled object's response holds more bytes than the round allows (its body past the
+  bound was not read)."""
+
+
+class _Capped(httpx.SyncByteStream):
+  """``stream`` raising :class:`ObjectTooLarge` once more than ``cap`` bytes arrived."""
+
+  def __init__(self, stream, cap: int):
+    self.stream, self.cap = stream, cap
+
+  def __iter__(self):
+    seen = 0
+    for chunk in self.stream:
+      seen += len(chunk)
+      if seen > self.cap:
+        raise ObjectTooLarge(f"its response passed {self.cap} bytes; the rest was not read")
+      yield chunk
+
+  def close(self) -> None:
+    self.stream.close()
+
+
+def cap_object_responses(client: httpx.Client, limits: PullLimits) -> None:
+  """Makes ``client`` (the Grid's Runtime API client's ``httpx.Client``) ask for each object
+  uncompressed and refuse a pull-object response above ``limits.max_object_bytes`` plus
+  :data:`RESPONSE_OVERHEAD` (read at each response; ``None``: no bound) before reading it
+  whole: by its ``Content-Length`` before any of its body, else once that many bytes arrived
+  (:class:`ObjectTooLarge`, which :func:`bounded` makes Flower's error for the reply)."""
+  hooks = client.event_hooks
+  if any(getattr(h, "fedlap_cap", False) for h in hooks["response"]):
+    return
+
+  def request(req: httpx.Request) -> None:
+    if req.url.path == PULL_OBJECT_PATH:
+      req.headers["accept-encoding"] = "identity"  # the bound is of the bytes as they arrive
+
+  def response(res: httpx.Response) -> None:
+    if limits.max_object_bytes is None or res.request.url.path != PULL_OBJECT_PATH:
+      return
+    cap = limits.max_object_bytes + RESPONSE_OVERHEAD
+    declared = res.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+      res.close()
+      raise ObjectTooLarge(f"its response declares {declared} bytes; none of it was read")
+    res.stream = _Capped(res.stream, cap)
+
+  response.fedlap_cap = True  # type: ignore[attr-defined]
+  client.event_hooks = {
+    "request": [*hooks["request"], request],
+    "response": [*hooks["response"], response],
+  }
 
 
 def limit_replies(limits: PullLimits, update_bytes: int, arrays: int) -> None:
@@ -95,7 +158,12 @@ def bounded(
   total = [0]
 
   def pull(object_id: str) -> bytes:
-    content = pull_object_fn(object_id)
+    try:
+      content = pull_object_fn(object_id)
+    except ObjectTooLarge as e:
+      raise ObjectPullError(
+        object_id, f"{e}; allowed: at most {limits.max_object_bytes} bytes an object"
+      ) from None
     size = len(content)
     if limits.max_object_bytes is not None and size > limits.max_object_bytes:
       raise ObjectPullError(

@@ -21,7 +21,7 @@ Parts:
   (:mod:`fedlap_flower.runtime.warm_clientapp`), which speaks the Runtime API
   protocol of ``flwr-clientapp`` and authenticates as SuperExec does;
 * ``grid``: the ServerApp Grid's object pulls (``pull_objects`` inside the Grid's
-  module).
+  module, and the ``httpx.Client`` its Runtime API client sends through).
 """
 
 from __future__ import annotations
@@ -236,6 +236,11 @@ def _grid(c: _Checks) -> None:
   c.attr(utils, "ObjectPullError")
   cls = c.attr(grid, "HttpGrid")
   c.calls(getattr(cls, "pull_messages", None), "HttpGrid.pull_messages", "pull_objects")
+  # Its Runtime API client (``_client``) sends through an httpx.Client (``_client``), whose
+  # hooks bound one object's response (object_pulls.cap_object_responses).
+  c.calls(getattr(cls, "_connect", None), "HttpGrid._connect", "from_server_address")
+  proto = c.attr(c.module("flwr.supercore.protobuf.client"), "ProtobufClient")
+  c.calls(getattr(proto, "__init__", None), "ProtobufClient.__init__", "httpx.Client")
 
 
 def _serverapp(c: _Checks) -> None:

@@ -15,6 +15,19 @@ of the noisy gradients and of earlier releases, so it costs nothing beyond ``y_k
 mechanism is DP-FedAvg's of the same ``B``, ``sigma``, ``T`` and rounds
 (:meth:`DPScaffoldConfig.dp_accesses`).
 
+What an honest reply keeps (:func:`check_update`, which a server refuses a reply outside of):
+with plain SGD (no momentum, weight decay or FedProx term) and ``T_k >= 1`` steps, ``delta c_k
+= c_k+ - c_k`` with ``c_k+ = c_k - c + (x - y_k) / (T_k eta) = (1 / T_k) sum_s g_s``, the mean of
+the round's noisy gradients (the correction cancels), and ``c_k`` the mean of an earlier round's
+(or zero). The mean of ``t`` noisy clipped gradients is bounded as a ``t``-step update at rate
+``1 / t`` (:func:`fedlap_jax.update_bounds.local_sgd_update_bound`; its tail terms per step
+shrink with ``t``, so ``t = 1`` bounds every ``T_k``): ``||delta c_k|| <= 2 G``, ``G`` that
+bound at ``t = 1``, whatever the client's ``N_k``; and ``||y_k - x|| = eta ||sum_s (g_s + c -
+c_k)|| <= eta (U_T + T (||c|| + G))``, ``U_T`` the ``T``-step bound at rate 1. Each tail bound
+fails for an honest client with probability at most
+:data:`~fedlap_jax.update_bounds.FALSE_REFUSAL`. The float32 rounding of ``y_k`` (at most
+``2^-24 ||w||`` a step) and of ``delta c_k``'s division by ``T_k eta`` is added.
+
 In an experiment config the method is ``method=dp_scaffold`` with DP-FedAvg's sections
 (``baseline``, ``client.batch_size``, ``dp``); its own section ``dp_scaffold`` holds nothing.
 """
@@ -22,14 +35,17 @@ In an experiment config the method is ``method=dp_scaffold`` with DP-FedAvg's se
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from fedlap_jax import baselines
+from fedlap_jax import baselines, update_bounds
 from fedlap_jax.baselines import BaselineConfig, LocalTraining
-from fedlap_jax.checks import require
+from fedlap_jax.checks import ConfigError, require
+from fedlap_jax.method import RunFacts
 from fedlap_jax.methods import fedavg
 
 
@@ -87,6 +103,87 @@ def init(key, params, clients, config: DPScaffoldConfig, facts):
   return state._replace(control=zeros, client_controls=c_k)
 
 
+def _norm(tree) -> float:
+  return math.sqrt(
+    math.fsum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in jax.tree.leaves(tree))
+  )
+
+
+def update_bounds_of(config: DPScaffoldConfig, facts: RunFacts):
+  """``message -> (max ||y_k - x||, max ||delta c_k||)`` of an honest client in the round of
+  ``message`` (the module docstring), or ``None`` where the config's client steps are not
+  plain SGD (momentum, weight decay, Nesterov or a FedProx term: the correction no longer
+  cancels from ``c_k+``, and nothing bounds it)."""
+  loc, spec = config.local, config.client_optimizer
+  if spec.name != "sgd" or spec.nesterov or spec.momentum or spec.weight_decay or loc.prox_mu:
+    return None
+  clip = loc.l2_clip_norm
+  if clip is None:  # not the private path (a DP-SCAFFOLD config always clips)
+    return None
+  steps = loc.scheduled_steps()
+
+  def noisy_sum(t: int) -> float:  # ||sum of t noisy clipped gradients||
+    return update_bounds.local_sgd_update_bound(
+      learning_rate=1.0,
+      steps=t,
+      batch_size=loc.batch_size,
+      l2_clip_norm=float(clip),
+      noise_multiplier=float(loc.noise_multiplier),
+      num_params=facts.num_params,
+      max_batch=loc.max_client_size,
+    )
+
+  mean_g, sum_g = noisy_sum(1), noisy_sum(steps)
+  eps = update_bounds.FLOAT32_ROUNDOFF
+
+  def bounds(message: fedavg.Message) -> tuple[float, float]:
+    eta = float(message.learning_rate)
+    x, c = _norm(message.params), _norm(message.control)
+    model = eta * (sum_g + steps * (c + mean_g)) * (1.0 + update_bounds.FLOAT_SLACK)
+    model += steps * eps * (x + model)  # each step's rounding of w - eta d
+    control = 2.0 * mean_g * (1.0 + update_bounds.FLOAT_SLACK)
+    # The rounding of y_k, then of -c - (y_k - x) / (T_k eta).
+    control += (2.0 * eps * (x + model) / eta if eta > 0 else 0.0) + 2.0 * eps * (c + control)
+    return model, control
+
+  return bounds
+
+
+def check_update(config: DPScaffoldConfig, facts: RunFacts) -> Callable[[Any, Any], None] | None:
+  """``(message, update) -> None`` refusing a reply beyond :func:`update_bounds_of` (``None``:
+  no bound follows from the config).
+
+  Raises (the check):
+    ConfigError: naming ``params`` (``||y_k - x||``) or ``control_delta``, the norm and the
+      bound.
+  """
+  of = update_bounds_of(config, facts)
+  if of is None:
+    return None
+
+  def check(message: fedavg.Message, update: fedavg.ScaffoldUpdate) -> None:
+    model, control = of(message)
+    moved = jax.tree.map(
+      lambda y, x: np.asarray(y, np.float64) - np.asarray(x, np.float64),
+      update.params,
+      message.params,
+    )
+    for field, what, norm, bound in (
+      ("params", "||y_k - x||", _norm(moved), model),
+      ("control_delta", "||delta c_k||", _norm(update.control_delta), control),
+    ):
+      if not norm <= bound:
+        raise ConfigError(
+          field,
+          norm,
+          f"at most {bound:.4g}",
+          message=f"{field} has norm {norm:.4g} ({what}); allowed: at most {bound:.4g}, what "
+          "an honest client's eta_m, steps, clip and noise allow",
+        )
+
+  return check
+
+
 _SCAFFOLD = fedavg.METHODS[baselines.METHODS.index("scaffold")]
 _DP_FEDAVG = fedavg.METHODS[baselines.METHODS.index("dp_fedavg")]
 
@@ -102,6 +199,7 @@ DP_SCAFFOLD = dataclasses.replace(
   extends="dp_fedavg",
   extend=extend,
   own_section=Section,
+  check_update=check_update,
 )
 
 METHODS = (DP_SCAFFOLD,)

@@ -3,6 +3,7 @@ epsilon for the same settings, and ``experiments.run`` runs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -11,12 +12,12 @@ import numpy as np
 import pytest
 
 from experiments import run
-from fedlap_jax import accounting, baselines, rounds
+from fedlap_jax import accounting, baselines, optim, rounds, update_bounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import stack_clients
 from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.method import ModelFns, RunFacts
-from fedlap_jax.methods import REGISTRY
+from fedlap_jax.methods import REGISTRY, dp_scaffold
 from fedlap_jax.methods.dp_scaffold import DPScaffoldConfig
 from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance
@@ -120,3 +121,54 @@ def test_one_round_runs_through_the_command_line(tmp_path):
     delta=info["delta"],
   )
   assert record["round"] == 1 and record["epsilon"] == pytest.approx(want, rel=1e-9)
+
+
+def test_a_reply_beyond_what_the_config_allows_is_refused_by_field(
+  tiny_apply_fn, tiny_params, digits
+):
+  """The server's bounds of a DP-SCAFFOLD reply (``||y_k - x||`` and ``||delta c_k||``), from
+  eta_m, T, the clip, sigma and B: the honest replies of a round whose client controls are not
+  zero stay within them; a control delta or model past them is refused naming its field."""
+  low = digits.y_train < 5
+  x, y = digits.x_train, digits.y_train
+  clients = stack_clients([x[low], x[~low]], [y[low], y[~low]])
+  n_max = int(np.asarray(clients.mask).sum(1).max())
+  config = DPScaffoldConfig(_dp_fedavg(n_max))
+  method, fns = REGISTRY.method("dp_scaffold"), ModelFns(tiny_apply_fn)
+  facts = RunFacts((8, 8, 1), 2, count_params(tiny_params), 5, n_max)
+  alg = rounds.algorithm(method, config, fns, facts)
+  state, _ = alg.round(alg.init(jax.random.PRNGKey(0), tiny_params, clients), clients)
+  plan = method.plan(state, 2, config)
+  check = method.check_update(config, facts)
+  model_bound, control_bound = dp_scaffold.update_bounds_of(config, facts)(plan.message)
+  for k in range(2):
+    own, c_k, data = (
+      jax.tree.map(lambda a: a[k], t) for t in (plan.own, state.client_controls, clients)
+    )
+    update = method.client_step(own, fns, plan.message, (c_k,), data, config).update
+    check(plan.message, update)  # honest: accepted
+    control = float(tree_distance(update.control_delta, jax.tree.map(jnp.zeros_like, c_k)))
+    assert 0 < control < control_bound, (control, control_bound)
+    assert 0 < float(tree_distance(update.params, plan.message.params)) < model_bound
+  hostile = {
+    "control_delta": update._replace(
+      control_delta=jax.tree.map(lambda a: a + control_bound, update.control_delta)
+    ),
+    "params": update._replace(params=jax.tree.map(lambda a: a + model_bound, update.params)),
+  }
+  for field, reply in hostile.items():
+    with pytest.raises(ConfigError) as e:
+      check(plan.message, reply)
+    assert e.value.field == field, e.value
+  # The mean of t steps' noisy gradients is bounded by the one-step figure (any T_k).
+  args = dict(learning_rate=1.0, batch_size=128, l2_clip_norm=1.0, noise_multiplier=0.3)
+  mean = [
+    update_bounds.local_sgd_update_bound(steps=t, num_params=facts.num_params, **args) / t
+    for t in (1, 2, 5, 50, 500)
+  ]
+  assert mean == sorted(mean, reverse=True), mean
+  # Momentum: the correction does not cancel from c_k+, and no bound follows.
+  loose = dataclasses.replace(
+    config.base, client_optimizer=optim.Optimizer(name="sgd", momentum=0.9)
+  )
+  assert method.check_update(DPScaffoldConfig(loose), facts) is None

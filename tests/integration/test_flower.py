@@ -24,7 +24,7 @@ from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import settings, strategy
 from fedlap_jax import accounting
 
-DP_ALLOWED_METRICS = {"partition-id", "epsilon", "max-epsilon", "dp-steps"}
+DP_ALLOWED_METRICS = {"partition-id", "epsilon", "run-epsilon", "max-epsilon", "dp-steps"}
 
 
 # A federated run's identity (fedlap_flower.federated_runs).

@@ -72,6 +72,11 @@ KINDS = {
     "method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
     {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
   ),
+  "dp_scaffold": (
+    "quickstart:dp_loops",
+    "method=dp_scaffold rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+    {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  ),
 }
 
 
@@ -360,6 +365,27 @@ def test_a_dp_registry_method_drops_a_bad_reply_naming_the_field(case, genuine, 
   assert bad[0]["field"].startswith(field) and field.rstrip("/") in bad[0]["reason"], bad[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["control_delta", "params"])
+def test_a_dp_scaffold_reply_beyond_its_bounds_is_refused_by_field(part, genuine, replay):
+  """A hostile DP-SCAFFOLD client adds 1e3 / sqrt(d) to every entry of its control delta (or
+  its model): refused naming that part, the round equals the run without that client."""
+  good = genuine("dp_scaffold")
+  old = {k: a.numpy() for k, a in good[101]["update"].items() if k.startswith(part + ".")}
+  size = sum(a.size for a in old.values())
+  pushed = {k: a + np.float32(1e3 / math.sqrt(size)) for k, a in old.items()}
+  records, reports, final = replay(
+    "dp_scaffold", {**good, 101: _update(good[101], **pushed)}, first=101
+  )
+  want_records, _, want_final = replay("dp_scaffold", good, silent=[101])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"] == [1, 2, 3, 4]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  (bad,) = [r for r in reports if r["status"] != "ok"]
+  assert bad["node_id"] == 101 and bad["status"] == "invalid" and bad["field"] == part, bad
+  assert part in bad["reason"] and "allowed: at most" in bad["reason"], bad["reason"]
+
+
 def _pushed(content, scale: float = 1e3):
   """The reply's model ``w_k + scale * u`` (``u`` a unit direction): ``||w_k - w_g||`` about
   ``scale``, whatever the honest update was."""
@@ -543,20 +569,24 @@ def test_the_published_epsilon_is_the_accepted_clients_self_reports(genuine, rep
 
 
 @pytest.mark.slow
-def test_without_a_cap_an_epsilon_no_client_can_reach_is_refused(genuine, replay):
-  """With the run's max-epsilon = inf, a report above the most one round of the run's
-  mechanism gives any client, whatever its N_k (1e6 here), is refused by field; the honest
-  reports are published."""
+def test_without_a_cap_a_run_epsilon_no_client_can_reach_is_refused(genuine, replay):
+  """With the run's max-epsilon = inf, a reply whose run-epsilon (what this run charged it) is
+  above the most one round of the run's mechanism gives any client, whatever its N_k (1e6
+  here), is refused by field; its total is the client's own (its earlier runs are not the
+  server's to see): a total above that bound is published, labelled self-reported."""
   good = genuine("hybrid")
-  records, reports, _ = replay("hybrid_uncapped", {**good, 101: _metrics(good[101], epsilon=1e6)})
+  hostile = _metrics(good[101], **{"run-epsilon": 1e6})
+  past = _metrics(good[102], epsilon=40.0)  # a ledger holding earlier runs
+  records, reports, _ = replay("hybrid_uncapped", {**good, 101: hostile, 102: past})
   plan = task.server_run(settings.run_settings(_rc(replay.last_run_dir, "hybrid")).cfg)[0]
   rec = records[0]
   assert rec["clients_ok"] == [1, 2, 3, 4]
   bad = [r for r in reports if r["status"] != "ok"]
-  assert [(r["node_id"], r["field"]) for r in bad] == [(101, "epsilon")], bad
+  assert [(r["node_id"], r["field"]) for r in bad] == [(101, "run-epsilon")], bad
   bound = accounting.DpMechanism.from_config(plan.config).epsilon_bound(1)
-  assert 0 < max(rec["epsilon_per_client"].values()) < bound < 1e6
   assert f"{bound:g}" in bad[0]["reason"], bad[0]["reason"]
+  honest = [good[n]["metrics"]["run-epsilon"] for n in (103, 104, 105)]
+  assert 0 < max(honest) < bound < rec["epsilon_per_client"]["1"] == rec["epsilon"] == 40.0
 
 
 @pytest.mark.slow
@@ -718,6 +748,11 @@ def test_synthetic_set_checks_name_the_field(change, field, match):
       "epsilon=3.5 is invalid; allowed: a finite number >= 0 and <= the run's max-epsilon=3",
     ),
     ({"epsilon": 10**400}, lambda m: replies.check_epsilon(m, True), "allowed: a finite number"),
+    (
+      {"run-epsilon": 4.0},
+      lambda m: replies.check_epsilon(m, True, 3.08, "the most 1 rounds", key="run-epsilon"),
+      r"run-epsilon=4.0 is invalid; allowed: a finite number >= 0 and <= the most 1 rounds=3.08",
+    ),
     ({"partition-id": 7}, lambda m: replies.check_partition(m, 5), r"an int in \[0, 4\]"),
     (
       {"partition-id": 1},

@@ -265,3 +265,111 @@ def test_a_state_dir_moved_or_replaced_after_its_check_is_refused(tmp_path):
   d.symlink_to(tmp_path / "moved")
   with pytest.raises(OSError):  # O_NOFOLLOW: a link in the directory's place
     state.ledger(FINGERPRINT, **PRIVACY)
+
+
+@pytest.mark.slow
+def test_without_max_epsilon_a_ledger_holding_an_earlier_run_is_accepted(tmp_path):
+  """Without the run's max-epsilon the server bounds what this run charged a client (its
+  ``run-epsilon``) by what the run's rounds can give any client, not the ledger's total: a
+  second run's clients, whose ledgers hold a first run's charges above that bound, are
+  accepted and their totals published."""
+  import json
+
+  from flower_harness import TINY, node_configs, run_inprocess
+
+  from fedlap_flower import task
+
+  nodes = node_configs(state_root=tmp_path / "state", **{"max-epsilon": 50.0})
+  one = TINY.replace("rounds=2", "rounds=1")
+
+  def run(name, run_id):
+    rc = {"config": "quickstart:dp", "overrides": one, "run-dir": str(tmp_path / name)}
+    return run_inprocess(rc, nodes, run_id=run_id), rc
+
+  run("first", 7)
+  for node in nodes.values():  # the first run also charged a long round (60 of these rounds)
+    state = ledger_lib.ClientState(node["state-dir"])
+    stored = json.loads((state.directory / ledger_lib.LEDGER_FILE).read_text())
+    privacy = accounting.PrivacyLedger.from_dict(stored["ledger"]).privacy_fields()
+    with state.locked():
+      ledger = state.ledger(stored["fingerprint"], **privacy)
+      steps = 60 * ledger.steps[0]
+      state.spend(ledger, stored["fingerprint"], steps, 50.0, {"run_id": 7, "server_round": 2})
+  (records, grid), rc = run("second", 8)
+  plan = task.server_run(settings.run_settings(rc).cfg)[0]
+  mechanism = accounting.DpMechanism.from_config(plan.config)
+  bound = mechanism.epsilon_bound(1)
+  assert records[0]["clients_ok"] == [0, 1, 2, 3, 4], records[0]
+  totals = records[0]["epsilon_per_client"]
+  assert bound < min(totals.values()) and max(totals.values()) < 50.0, (bound, totals)
+  for reply in grid.replies:  # this run's part: one round of a fresh ledger
+    got = reply.content["metrics"]
+    size = ledger_lib.ClientState(nodes[reply.metadata.src_node_id]["state-dir"])
+    n = json.loads((size.directory / ledger_lib.LEDGER_FILE).read_text())["ledger"]
+    fresh = mechanism.epsilon_after(1, n["min_client_size"])
+    assert got["run-epsilon"] == fresh < bound < got["epsilon"] == totals[str(got["partition-id"])]
+
+
+@pytest.mark.parametrize("where", ["runs", "run"])
+def test_a_link_planted_at_a_carried_states_directory_is_refused_not_followed(tmp_path, where):
+  """The carried states' ``runs/<run>`` directories are opened relative to the state
+  directory's descriptor without following a link: a link planted at ``runs`` or at
+  ``runs/<run>`` is refused naming state-dir, and nothing is written or read through it."""
+  from fedlap_jax.checks import ConfigError
+  from fedlap_jax.method import Wire
+
+  run = "0123456789abcdef0123456789abcdef"
+  state = ledger_lib.ClientState(tmp_path / "c0")
+  elsewhere = tmp_path / "elsewhere"
+  (elsewhere / run).mkdir(parents=True)
+  x = np.ones((2, 3), np.float32)
+  np.savez(elsewhere / run / "carried-1.npz", x=x, __round__=np.asarray(1, np.int64))
+  link = state.directory / "runs" if where == "runs" else state.directory / "runs" / run
+  if where == "run":
+    link.parent.mkdir(mode=0o700)
+  link.symlink_to(elsewhere if where == "runs" else elsewhere / run)
+  before = sorted(p.name for p in (elsewhere / run).iterdir())
+  wire = Wire.of({"x": x})
+  for touch in (
+    lambda: state.save_carried(run, 2, {"x": x}),
+    lambda: state.load_carried(run, 1, wire),
+    lambda: state.carried_rounds(run),
+    lambda: state.drop_carried(run, [1]),
+  ):
+    with pytest.raises(ConfigError) as e:
+      touch()
+    assert e.value.field == "state-dir", e.value
+  assert sorted(p.name for p in (elsewhere / run).iterdir()) == before == ["carried-1.npz"]
+  # Without the link the same calls work, the directories made 0700.
+  link.unlink()
+  state.save_carried(run, 2, {"x": x})
+  assert state.carried_rounds(run) == [2]
+  np.testing.assert_array_equal(state.load_carried(run, 2, wire)["x"], x)
+  state.drop_carried(run, [2])
+  assert state.carried_rounds(run) == []
+  assert stat.S_IMODE((state.directory / "runs" / run).stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("declare_length", [False, True])
+def test_one_oversized_object_is_refused_before_it_is_read_whole(grid_limits, declare_length):
+  """One object of a reply is 20 MB where the round allows one 5 MiB chunk and its header:
+  Flower's HTTP Grid (its Runtime API client over HTTP) stops reading its response at the
+  bound, or reads none of it when the response declares its length; the reply is Flower's
+  error reply for it and the honest one is taken."""
+  from fake_superlink import over_http
+
+  honest = reply_objects("m1", {"a": np.ones(100, np.float32)}, node=1)
+  hostile = reply_objects("m0", {"a": np.full(100, 2.0, np.float32)}, node=0)
+  first = max(hostile[2], key=lambda i: len(hostile[2][i]))  # its array's one chunk
+  hostile[2][first] = b"\0" * 20_000_000
+  superlink = FakeSuperLink([hostile, honest])
+  grid = prompt_grid_over(superlink)
+  grid.grid._client = http = over_http(superlink, declare_length=declare_length)
+  grid.limit_replies(400, 1)
+  got = {m.metadata.reply_to_message_id: m for m in grid.send_and_receive(["a", "b"], timeout=5)}
+  assert got["m0"].has_error() and not got["m1"].has_error()
+  assert "allowed: at most" in got["m0"].error.reason, got["m0"].error.reason
+  cap = grid_limits.max_object_bytes + object_pulls.RESPONSE_OVERHEAD
+  sent = http.sent.get(first, 0)  # what the transport had sent of its 20 MB when refused
+  assert sent == 0 if declare_length else cap < sent <= cap + 2**16, (sent, cap)
+  np.testing.assert_array_equal(got["m1"].content["update"]["a"].numpy(), np.ones(100))
