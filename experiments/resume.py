@@ -70,7 +70,12 @@ DAMAGED_DIR = "damaged_checkpoints"
 
 
 class ResumeError(ValueError):
-  """The workdir holds a checkpoint of a different run, or no usable one."""
+  """The workdir holds a checkpoint of a different run, or no usable one (``fields``: the
+  names of the fields that differ from it, where that is why)."""
+
+  def __init__(self, message: str, fields: tuple[str, ...] | list[str] = ()):
+    super().__init__(message)
+    self.fields = list(fields)
 
 
 def run_defining_fields(cfg) -> dict:
@@ -214,14 +219,16 @@ def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) ->
         f"JAX_PLATFORMS={was['platform']} and CUDA_VISIBLE_DEVICES / --xla_force_host_"
         f"platform_device_count to pick the devices; jax {was['jax_version']}, jaxlib "
         f"{was['jaxlib_version']}, XLA_FLAGS={was['xla_flags']!r}, the same CPU), or a new "
-        "--workdir"
+        "--workdir",
+        [d.split(":")[0] for d in diff],
       )
   diff = _diff(stored, privacy)
   if diff:
     raise ResumeError(
       f"refusing to resume {workdir}: its privacy-relevant fields differ from this config "
       f"({'; '.join(diff)}); the stored privacy ledger would no longer describe the run. "
-      f"Allowed: the same values as the checkpointed run, or a new --workdir"
+      f"Allowed: the same values as the checkpointed run, or a new --workdir",
+      [d.split(":")[0] for d in diff],
     )
   stored_config = meta.get("config", {})
   # A checkpoint written before a field existed ran with the field's ADDED_FIELDS value.
@@ -232,7 +239,8 @@ def check_resume_compatible(meta: dict, privacy: dict, fields: dict, workdir) ->
     raise ResumeError(
       f"refusing to resume {workdir}: the config differs from the checkpointed run "
       f"({'; '.join(diff)}); a resumed run must equal an uninterrupted one. Allowed: the "
-      f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir"
+      f"same values (only {', '.join(RUNTIME_FIELDS)} may change), or a new --workdir",
+      [d.split(":")[0] for d in diff],
     )
 
 
@@ -244,10 +252,6 @@ FINGERPRINT_FILE = "run_fingerprint.json"
 class SeedBindingError(ResumeError):
   """A run would reuse the secret seed of the work dir's run while differing from it in
   ``fields`` (the names of the fields that differ)."""
-
-  def __init__(self, message: str, fields: list[str]):
-    super().__init__(message)
-    self.fields = fields
 
 
 def _charged(workdir: Path) -> bool:

@@ -53,6 +53,8 @@ import hashlib
 import re
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+from fedlap_jax.checks import ConfigError
+
 FINGERPRINT = re.compile(r"^SHA256:[A-Za-z0-9+/]{43}$")
 
 
@@ -150,12 +152,15 @@ class PartitionBinding:
     self._partition_of[node] = partition
 
   def check_pinned(self, partition: int, name: str, value) -> None:
-    """Raises ``ValueError`` if ``name`` of ``partition`` is pinned to another value."""
+    """Raises :class:`~fedlap_jax.checks.ConfigError` (``field``: ``name``) if ``name`` of
+    ``partition`` is pinned to another value."""
     key = (int(partition), name)
     if key in self._pins and self._pins[key] != value:
-      raise ValueError(
-        f"{name}={value!r} is invalid; allowed: {self._pins[key]!r}, what partition "
-        f"{partition}'s first accepted reply said (fixed for the run)"
+      raise ConfigError(
+        name,
+        value,
+        f"{self._pins[key]!r}, what partition {partition}'s first accepted reply said (fixed "
+        "for the run)",
       )
 
   def pin(self, partition: int, name: str, value) -> None:

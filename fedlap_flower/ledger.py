@@ -131,6 +131,7 @@ class BudgetExceeded(RuntimeError):
     self, epsilon: float, epsilon_after: float, max_epsilon: float, *, at_least: bool = False
   ):
     self.epsilon, self.epsilon_after, self.max_epsilon = epsilon, epsilon_after, max_epsilon
+    self.at_least = at_least  # epsilon_after is a lower bound (the cheap bound refused it)
     to = "to at least" if at_least else "to"
     super().__init__(
       f"refused: this round would raise epsilon from {epsilon:.4f} {to} {epsilon_after:.4f}, "

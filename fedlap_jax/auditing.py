@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.losses import cross_entropy
 from fedlap_jax.privacy import per_example_gradients
 from fedlap_jax.types import ApplyFn, PyTree
@@ -77,13 +78,23 @@ __all__ = [
 
 def _check_batch(x, y, chunk_size) -> None:
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-    raise ValueError(f"chunk_size={chunk_size!r} is invalid; allowed: an integer >= 1")
+    raise ConfigError("chunk_size", chunk_size, "an integer >= 1")
   if y.ndim != 1:
-    raise ValueError(f"y has shape {y.shape}; allowed: (N,) integer labels")
+    raise ConfigError(
+      "y",
+      y.shape,
+      "(N,) integer labels",
+      message=f"y has shape {y.shape}; allowed: (N,) integer labels",
+    )
   if x.shape[0] != y.shape[0]:
-    raise ValueError(f"x has {x.shape[0]} examples but y has {y.shape[0]}; allowed: equal")
+    raise ConfigError(
+      "y",
+      y.shape[0],
+      f"{x.shape[0]}, the examples of x",
+      message=f"x has {x.shape[0]} examples but y has {y.shape[0]}; allowed: equal",
+    )
   if x.shape[0] < 1:
-    raise ValueError("x has 0 examples; allowed: N >= 1")
+    raise ConfigError("x", 0, "N >= 1", message="x has 0 examples; allowed: N >= 1")
 
 
 def _map_chunks(
@@ -187,10 +198,7 @@ def split_for_audit(seed: int, num_members: int, num_nonmembers: int) -> AuditSp
   """
   for name, value in (("num_members", num_members), ("num_nonmembers", num_nonmembers)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 2:
-      raise ValueError(
-        f"{name}={value!r} is invalid; allowed: an integer >= 2 "
-        "(each half of the audit needs one record)"
-      )
+      raise ConfigError(name, value, "an integer >= 2 (each half of the audit needs one record)")
   n = int(min(num_members, num_nonmembers))
   rng = np.random.default_rng(seed)
   members = rng.permutation(num_members)[:n]
@@ -228,26 +236,31 @@ class ThresholdAttack(NamedTuple):
 def _check_scores(name: str, values) -> np.ndarray:
   values = np.asarray(values, np.float64)
   if values.ndim != 1 or values.size == 0:
-    raise ValueError(f"{name} has shape {values.shape}; allowed: (n,) with n >= 1")
+    raise ConfigError(
+      name,
+      values.shape,
+      "(n,) with n >= 1",
+      message=f"{name} has shape {values.shape}; allowed: (n,) with n >= 1",
+    )
   if not np.all(np.isfinite(values)):
-    raise ValueError(
-      f"{name} contains {int(np.sum(~np.isfinite(values)))} non-finite "
-      "values; allowed: finite scores (is the model NaN?)"
+    bad = int(np.sum(~np.isfinite(values)))
+    raise ConfigError(
+      name,
+      f"{bad} non-finite values",
+      "finite scores",
+      message=f"{name} contains {bad} non-finite values; allowed: finite scores (is the model NaN?)",
     )
   return values
 
 
 def _check_significance(significance: float) -> None:
   if not 0 < significance < 0.5:
-    raise ValueError(
-      f"significance={significance!r} is invalid; allowed: (0, 0.5) "
-      "(one minus the confidence level)"
-    )
+    raise ConfigError("significance", significance, "(0, 0.5) (one minus the confidence level)")
 
 
 def _check_delta(delta: float) -> None:
   if not 0 <= delta < 1:
-    raise ValueError(f"delta={delta!r} is invalid; allowed: [0, 1)")
+    raise ConfigError("delta", delta, "[0, 1)")
 
 
 def _candidate_thresholds(scores: np.ndarray, max_candidates: int) -> np.ndarray:
@@ -325,11 +338,11 @@ def fit_threshold_attack(
   f_in = _check_scores("features_in", features_in)
   f_out = _check_scores("features_out", features_out)
   if sign is not None and sign not in (-1.0, 1.0):
-    raise ValueError(f"sign={sign!r} is invalid; allowed: -1.0, 1.0 or None (learn it)")
+    raise ConfigError("sign", sign, "-1.0, 1.0 or None (learn it)")
   _check_significance(significance)
   _check_delta(delta)
   if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 2:
-    raise ValueError(f"max_candidates={max_candidates!r} is invalid; allowed: an integer >= 2")
+    raise ConfigError("max_candidates", max_candidates, "an integer >= 2")
 
   if sign is None:
     sign = 1.0 if _auc(f_in, f_out) > 0.5 else -1.0

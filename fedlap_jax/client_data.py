@@ -127,13 +127,16 @@ def pixel_normalisation(mean, std, pixel_max: float = 255.0) -> tuple[np.ndarray
   mean = np.asarray(mean, np.float64)
   std = np.asarray(std, np.float64)
   if mean.shape != std.shape or mean.ndim != 1:
-    raise ValueError(
-      f"mean and std must both be (C,) vectors; got shapes {mean.shape} and {std.shape}"
+    raise ConfigError(
+      "std",
+      std.shape,
+      "a (C,) vector like mean",
+      message=f"mean and std must both be (C,) vectors; got shapes {mean.shape} and {std.shape}",
     )
   if np.any(std <= 0) or not np.all(np.isfinite(std)):
-    raise ValueError(f"std={std.tolist()} is invalid; allowed: finite values > 0")
+    raise ConfigError("std", std.tolist(), "finite values > 0")
   if not (np.isfinite(pixel_max) and pixel_max > 0):
-    raise ValueError(f"pixel_max={pixel_max!r} is invalid; allowed: a finite value > 0")
+    raise ConfigError("pixel_max", pixel_max, "a finite value > 0")
   scale = 1.0 / (pixel_max * std)
   offset = -mean / std
   return scale.astype(np.float32), offset.astype(np.float32)
@@ -395,26 +398,38 @@ def stack_clients(
     if given, ``(K, C)`` pixel scale and offset.
 
   Raises:
-    ValueError: on mismatched counts, empty clients, mixed dtypes or shapes,
-      labels that are not class indices (fractional or negative values, not ``(N,)``),
-      integer images without a normalisation, or a normalisation whose length
-      is not the channel count.
-    ConfigError: (a ``ValueError``) labels ``>= num_classes``, float images holding NaN or
-      infinite values (``xs[k]``, :func:`check_finite`), or a ``capacity`` below the largest
-      client.
+    ConfigError: (a ``ValueError``) naming the field (``xs[k]``, ``ys[k]``, ...): mismatched
+      counts, empty clients, mixed dtypes or shapes, labels that are not class indices
+      (fractional or negative values, not ``(N,)``, ``>= num_classes``), float images holding
+      NaN or infinite values (:func:`check_finite`), integer images without a normalisation,
+      a normalisation whose length is not the channel count, or a ``capacity`` below the
+      largest client.
   """
   if num_classes is not None:
     require(is_int(num_classes) and num_classes >= 1, "num_classes", num_classes, "an integer >= 1")
   if len(xs) != len(ys) or not xs:
-    raise ValueError(
-      f"stack_clients needs the same number (>= 1) of image and label arrays,"
-      f" got {len(xs)} and {len(ys)}"
+    raise ConfigError(
+      "ys",
+      len(ys),
+      f"{len(xs)} >= 1, one label array per image array",
+      message=f"stack_clients needs the same number (>= 1) of image and label arrays,"
+      f" got {len(xs)} and {len(ys)}",
     )
   for k, (x, y) in enumerate(zip(xs, ys)):
     if len(x) == 0:
-      raise ValueError(f"client {k} has no data; allowed: every client holds >= 1 record")
+      raise ConfigError(
+        f"xs[{k}]",
+        0,
+        ">= 1 record",
+        message=f"client {k} has no data; allowed: every client holds >= 1 record",
+      )
     if len(x) != len(y):
-      raise ValueError(f"client {k}: {len(x)} images but {len(y)} labels")
+      raise ConfigError(
+        f"ys[{k}]",
+        len(y),
+        f"{len(x)} labels, one per image",
+        message=f"client {k}: {len(x)} images but {len(y)} labels",
+      )
     labels = np.asarray(y)
     whole = np.issubdtype(labels.dtype, np.integer) or (
       np.issubdtype(labels.dtype, np.floating) and bool(np.all(labels == np.round(labels)))
@@ -422,26 +437,41 @@ def stack_clients(
     if labels.ndim != 1 or not whole or labels.min() < 0:
       values = np.unique(labels)
       shown = f"{values[:5].tolist()}{'...' if len(values) > 5 else ''}"
-      raise ValueError(
-        f"client {k}: labels of dtype {labels.dtype}, shape {labels.shape}, values {shown}; "
-        "allowed: (N,) class indices >= 0 (integers, or floats with whole values)"
+      allowed = "(N,) class indices >= 0 (integers, or floats with whole values)"
+      raise ConfigError(
+        f"ys[{k}]",
+        shown,
+        allowed,
+        message=f"client {k}: labels of dtype {labels.dtype}, shape {labels.shape}, values "
+        f"{shown}; allowed: {allowed}",
       )
     if num_classes is not None:
       check_labels(num_classes, (f"ys[{k}]", labels, np.ones(labels.shape, bool)))
     check_finite((f"xs[{k}]", x))
   xs = [np.asarray(x) for x in xs]
   if len({(x.dtype, x.shape[1:]) for x in xs}) > 1:
-    raise ValueError(
-      "clients' images differ in dtype or shape: "
-      f"{sorted({(str(x.dtype), x.shape[1:]) for x in xs})}; allowed: one"
+    kinds = sorted({(str(x.dtype), x.shape[1:]) for x in xs})
+    raise ConfigError(
+      "xs",
+      kinds,
+      "one dtype and shape",
+      message=f"clients' images differ in dtype or shape: {kinds}; allowed: one",
     )
   if (pixel_scale is None) != (pixel_offset is None):
-    raise ValueError("pixel_scale and pixel_offset must be given together (or neither)")
+    raise ConfigError(
+      "pixel_offset",
+      pixel_offset,
+      "given with pixel_scale (or neither)",
+      message="pixel_scale and pixel_offset must be given together (or neither)",
+    )
   if pixel_scale is None and not np.issubdtype(xs[0].dtype, np.floating):
-    raise ValueError(
-      f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
+    raise ConfigError(
+      "pixel_scale",
+      None,
+      "float model inputs without it",
+      message=f"images of dtype {xs[0].dtype} need pixel_scale and pixel_offset "
       "(fedlap_jax.client_data.pixel_normalisation); allowed without them: float "
-      "model inputs"
+      "model inputs",
     )
   norm = {}
   if pixel_scale is not None:
@@ -449,8 +479,12 @@ def stack_clients(
     for name, v in (("pixel_scale", pixel_scale), ("pixel_offset", pixel_offset)):
       v = np.asarray(v, np.float32)
       if v.shape != (channels,):
-        raise ValueError(
-          f"{name} has shape {v.shape}; allowed: ({channels},), one value per image channel"
+        raise ConfigError(
+          name,
+          v.shape,
+          f"({channels},), one value per image channel",
+          message=f"{name} has shape {v.shape}; allowed: ({channels},), one value per image "
+          "channel",
         )
       norm[name] = np.broadcast_to(v, (len(xs), channels))
   n_max = max(len(x) for x in xs)

@@ -107,7 +107,7 @@ def parse_strategy(strategy: str) -> tuple[str, ...]:
     for no augmentation.
 
   Raises:
-    ValueError: if a token is not one of :data:`FAMILIES` (the message names
+    ConfigError: if a token is not one of :data:`FAMILIES` (the message names
       the bad token and the allowed ones), or a family is repeated.
   """
   stripped = strategy.strip()
@@ -116,15 +116,21 @@ def parse_strategy(strategy: str) -> tuple[str, ...]:
   tokens = tuple(stripped.split("_"))
   for token in tokens:
     if token not in FAMILIES:
-      raise ValueError(
-        f"Unknown DSA augmentation family {token!r} in strategy "
+      raise ConfigError(
+        "strategy",
+        strategy,
+        f"families of {FAMILIES}",
+        message=f"Unknown DSA augmentation family {token!r} in strategy "
         f"{strategy!r}; allowed families are {', '.join(FAMILIES)} "
-        "(joined by '_'), or '' / 'none' for no augmentation."
+        "(joined by '_'), or '' / 'none' for no augmentation.",
       )
   if len(set(tokens)) != len(tokens):
-    raise ValueError(
-      f"DSA strategy {strategy!r} repeats a family; each of "
-      f"{', '.join(FAMILIES)} may appear at most once."
+    raise ConfigError(
+      "strategy",
+      strategy,
+      "each family at most once",
+      message=f"DSA strategy {strategy!r} repeats a family; each of "
+      f"{', '.join(FAMILIES)} may appear at most once.",
     )
   return tokens
 
@@ -150,7 +156,12 @@ def check_strategy(field: str, value) -> None:
 
 def _check_images(x: jax.Array) -> None:
   if x.ndim != 4:
-    raise ValueError(f"DSA expects NHWC images of rank 4, got shape {x.shape}.")
+    raise ConfigError(
+      "x",
+      x.shape,
+      "NHWC images",
+      message=f"DSA expects NHWC images of rank 4, got shape {x.shape}.",
+    )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"DSA expects floating-point images, got dtype {x.dtype}.")
 
@@ -404,13 +415,23 @@ def draw_params(
     :class:`Params`.
 
   Raises:
-    ValueError: if ``strategy`` is invalid or enables no family.
+    ConfigError: if ``strategy`` is invalid or enables no family.
   """
   families = parse_strategy(strategy)
   if not families:
-    raise ValueError(f"DSA strategy {strategy!r} enables no family: there is nothing to draw.")
+    raise ConfigError(
+      "strategy",
+      strategy,
+      "at least one family",
+      message=f"DSA strategy {strategy!r} enables no family: there is nothing to draw.",
+    )
   if len(image_shape) != 4:
-    raise ValueError(f"DSA expects NHWC images of rank 4, got shape {tuple(image_shape)}.")
+    raise ConfigError(
+      "image_shape",
+      tuple(image_shape),
+      "NHWC, rank 4",
+      message=f"DSA expects NHWC images of rank 4, got shape {tuple(image_shape)}.",
+    )
   _, h, w, _ = image_shape
   if len(families) == 1:
     return Params(jnp.zeros((), jnp.int32), *_family_params(key, h, w))
@@ -481,11 +502,15 @@ def apply_family(key: jax.Array, x: jax.Array, family: str) -> jax.Array:
     ``(N, H, W, C)`` augmented images of ``x.dtype``.
 
   Raises:
-    ValueError: if ``family`` is unknown or ``x`` is not rank 4.
+    ConfigError: if ``family`` is unknown or ``x`` is not rank 4.
   """
   if family not in _APPLY_FNS:
-    raise ValueError(
-      f"Unknown DSA augmentation family {family!r}; allowed families are {', '.join(FAMILIES)}."
+    raise ConfigError(
+      "family",
+      family,
+      str(FAMILIES),
+      message=f"Unknown DSA augmentation family {family!r}; allowed families are "
+      f"{', '.join(FAMILIES)}.",
     )
   _check_images(x)
   return _APPLY_FNS[family](draw_params(key, x.shape, family), x).astype(x.dtype)

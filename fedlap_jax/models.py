@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.setup_jit import setup_jit
 
 NORMS = ("instance", "group", "none")
@@ -271,7 +272,9 @@ class InstanceNorm(nn.Module):
 def resolve_impl(impl: str) -> str:
   """``"auto"`` -> ``"hybrid"`` on the CPU backend, ``"flax"`` elsewhere."""
   if impl not in IMPLS:
-    raise ValueError(f"ConvNet.impl={impl!r}; allowed: {IMPLS}")
+    raise ConfigError(
+      "ConvNet.impl", impl, str(IMPLS), message=f"ConvNet.impl={impl!r}; allowed: {IMPLS}"
+    )
   if impl == "auto":
     return "hybrid" if jax.default_backend() == "cpu" else "flax"
   return impl
@@ -337,20 +340,35 @@ class ConvNet(nn.Module):
     distribution matching; :func:`embed_fn`).
     """
     if self.norm not in NORMS:
-      raise ValueError(f"ConvNet.norm={self.norm!r}; allowed: {NORMS}")
+      raise ConfigError(
+        "ConvNet.norm",
+        self.norm,
+        str(NORMS),
+        message=f"ConvNet.norm={self.norm!r}; allowed: {NORMS}",
+      )
     for field, least in (("num_classes", 1), ("width", 1), ("depth", 0)):
       value = getattr(self, field)
       if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
-        raise ValueError(f"ConvNet.{field}={value!r}; allowed: an integer >= {least}")
+        raise ConfigError(
+          f"ConvNet.{field}",
+          value,
+          f"an integer >= {least}",
+          message=f"ConvNet.{field}={value!r}; allowed: an integer >= {least}",
+        )
     if x.ndim != 4:
-      raise ValueError(f"ConvNet expects NHWC images, got shape {x.shape}")
+      raise ConfigError(
+        "x", x.shape, "NHWC images", message=f"ConvNet expects NHWC images, got shape {x.shape}"
+      )
     given, allowed = f"{x.shape[1]}x{x.shape[2]}", max_depth(x.shape[1:])
     if x.shape[1:] == _PADDED_SHAPE:
       x = jnp.pad(x, ((0, 0), (_PAD, _PAD), (_PAD, _PAD), (0, 0)))
     if self.depth > allowed:
-      raise ValueError(
-        f"ConvNet.depth={self.depth} is too deep for {given} images (each block halves the "
-        f"side of {x.shape[1]}x{x.shape[2]}); allowed: at most {allowed}"
+      raise ConfigError(
+        "ConvNet.depth",
+        self.depth,
+        f"at most {allowed}",
+        message=f"ConvNet.depth={self.depth} is too deep for {given} images (each block halves "
+        f"the side of {x.shape[1]}x{x.shape[2]}); allowed: at most {allowed}",
       )
     impl = resolve_impl(self.impl)
     fast = impl != "flax"

@@ -217,9 +217,16 @@ def evaluate(
   if chunk_size is None:
     chunk_size = default_eval_chunk_size()
   if chunk_size < 1:
-    raise ValueError(f"evaluate: chunk_size={chunk_size!r} is invalid; allowed: an integer >= 1")
+    raise ConfigError(
+      "chunk_size",
+      chunk_size,
+      "an integer >= 1",
+      message=f"evaluate: chunk_size={chunk_size!r} is invalid; allowed: an integer >= 1",
+    )
   if n == 0:
-    raise ValueError("evaluate: x has 0 records; allowed: at least 1")
+    raise ConfigError(
+      "x", 0, "at least 1 record", message="evaluate: x has 0 records; allowed: at least 1"
+    )
   chunks = math.ceil(n / chunk_size)
   cs = math.ceil(n / chunks)
   pad = chunks * cs - n

@@ -120,7 +120,7 @@ def local_sgd_update_bound(
     client then sends ``x`` itself).
   """
   if not 0.0 < false_refusal < 1.0:
-    raise ValueError(f"false_refusal={false_refusal!r} is invalid; allowed: a number in (0, 1)")
+    raise ConfigError("false_refusal", false_refusal, "a number in (0, 1)")
   c = [
     abs(v)
     for v in step_coefficients(

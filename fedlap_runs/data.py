@@ -312,22 +312,42 @@ def load_npz(path: str):
   x_train, y_train, x_test, y_test = arrays
   for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
     if x.ndim != 4:
-      raise ValueError(
-        f"npz x_{split} has shape {x.shape}; allowed: NHWC images (4-D, "
-        "add a trailing channel axis for grey images)"
+      raise ConfigError(
+        f"x_{split}",
+        x.shape,
+        "NHWC images",
+        message=f"npz x_{split} has shape {x.shape}; allowed: NHWC images (4-D, "
+        "add a trailing channel axis for grey images)",
       )
     if not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
-      raise ValueError(f"npz x_{split} has dtype {x.dtype}; allowed: uint8 or float")
+      raise ConfigError(
+        f"x_{split}",
+        str(x.dtype),
+        "uint8 or float",
+        message=f"npz x_{split} has dtype {x.dtype}; allowed: uint8 or float",
+      )
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-      raise ValueError(
-        f"npz y_{split} has shape {y.shape} and dtype {y.dtype}; allowed: 1-D integer class labels"
+      raise ConfigError(
+        f"y_{split}",
+        (y.shape, str(y.dtype)),
+        "1-D integer class labels",
+        message=f"npz y_{split} has shape {y.shape} and dtype {y.dtype}; allowed: 1-D integer "
+        "class labels",
       )
     if len(x) != len(y):
-      raise ValueError(f"npz x_{split} has {len(x)} images but y_{split} {len(y)} labels")
+      raise ConfigError(
+        f"y_{split}",
+        len(y),
+        f"{len(x)} labels, one per image",
+        message=f"npz x_{split} has {len(x)} images but y_{split} {len(y)} labels",
+      )
   if x_train.shape[1:] != x_test.shape[1:]:
-    raise ValueError(
-      f"npz image shapes differ: x_train {x_train.shape[1:]} vs x_test "
-      f"{x_test.shape[1:]}; allowed: the same HWC shape"
+    raise ConfigError(
+      "x_test",
+      x_test.shape[1:],
+      "the same HWC shape as x_train",
+      message=f"npz image shapes differ: x_train {x_train.shape[1:]} vs x_test "
+      f"{x_test.shape[1:]}; allowed: the same HWC shape",
     )
   return x_train, y_train, x_test, y_test
 
@@ -383,18 +403,24 @@ def check_finite_and_nonempty(x_train, y_train, x_test, y_test) -> None:
     ("y_test", y_test),
   ):
     if a.shape[0] == 0:
-      raise ValueError(
-        f"{name} has 0 records (shape {a.shape}); allowed: at least 1 record "
-        "in each of x_train, y_train, x_test, y_test"
+      raise ConfigError(
+        name,
+        a.shape,
+        "at least 1 record",
+        message=f"{name} has 0 records (shape {a.shape}); allowed: at least 1 record "
+        "in each of x_train, y_train, x_test, y_test",
       )
   for name, x in (("x_train", x_train), ("x_test", x_test)):
     if np.issubdtype(x.dtype, np.floating):
       bad = ~np.isfinite(x)
       if bad.any():
         records = int(bad.reshape(len(x), -1).any(axis=1).sum())
-        raise ValueError(
-          f"{name} holds {int(bad.sum())} non-finite values (NaN or Inf) in "
-          f"{records} of its {len(x)} records; allowed: finite pixel values"
+        raise ConfigError(
+          name,
+          (int(bad.sum()), records),
+          "finite pixel values",
+          message=f"{name} holds {int(bad.sum())} non-finite values (NaN or Inf) in "
+          f"{records} of its {len(x)} records; allowed: finite pixel values",
         )
 
 
@@ -424,18 +450,22 @@ def normalisation_stats(data_cfg, x_train: np.ndarray, x_test: np.ndarray):
     row = catalog.ROWS[name]
     mean, std = np.asarray(row.mean, np.float32), np.asarray(row.std, np.float32)
     if mean.shape[0] != channels:
-      raise ValueError(
-        f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
+      raise ConfigError(
+        "data.name",
+        name,
+        f"images of {name}, or data.name='custom' for other data",
+        message=f"data.name={name!r} expects {mean.shape[0]} channel(s) but the images "
         f"have shape {x_train.shape[1:]}; allowed: images of {name}, or "
-        "data.name='custom' for other data"
+        "data.name='custom' for other data",
       )
   elif source == "given":
     mean, std = (np.asarray(data_cfg.get(f), np.float32) for f in ("mean", "std"))
     for field, v in (("data.mean", mean), ("data.std", std)):
       if v.shape != (channels,):
-        raise ValueError(
-          f"{field}={data_cfg.get(field[5:])!r} is invalid; allowed: {channels} "
-          f"number(s), one per channel of the {x_train.shape[1:]} images"
+        raise ConfigError(
+          field,
+          data_cfg.get(field[5:]),
+          f"{channels} number(s), one per channel of the {x_train.shape[1:]} images",
         )
   elif source == "test_split":
     mean, std = _channel_stats(x_test)
@@ -477,9 +507,12 @@ def load_dataset(data_cfg) -> Dataset:
   check_finite_and_nonempty(*raw)
   x_train, y_train, x_test, y_test = raw
   if (x_train.dtype == np.uint8) != (x_test.dtype == np.uint8):
-    raise ValueError(
-      f"x_train has dtype {x_train.dtype} but x_test {x_test.dtype}; allowed: "
-      "both uint8 or both float"
+    raise ConfigError(
+      "x_test",
+      str(x_test.dtype),
+      f"{x_train.dtype} like x_train (both uint8 or both float)",
+      message=f"x_train has dtype {x_train.dtype} but x_test {x_test.dtype}; allowed: "
+      "both uint8 or both float",
     )
   x_train, x_test = _stored(x_train), _stored(x_test)
   y_train = np.asarray(y_train).astype(np.int32)

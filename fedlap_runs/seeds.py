@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedlap_jax.checks import ConfigError
+
 SEED_BITS = 128
 # Drawn seeds are at least this; smaller seeds key threefry as jax.random.key(seed) always did.
 DRAWN_MIN = 2**64
@@ -123,7 +125,7 @@ def run_key(seed: int):
   import jax  # pylint: disable=g-import-not-at-top
 
   if not 0 <= seed < SEED_LIMIT:
-    raise ValueError(f"seed={seed!r} is invalid; allowed: an integer in [0, 2**{SEED_BITS})")
+    raise ConfigError("seed", seed, f"an integer in [0, 2**{SEED_BITS})")
   if seed < DRAWN_MIN:
     return jax.random.key(seed)
   words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)], dtype=np.uint32)

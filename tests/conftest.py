@@ -17,6 +17,7 @@ dropped after a module once the process holds many of them, see
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pathlib
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 from jax._src import compiler as jax_compiler  # private: the one place JAX builds compile options
 
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, pixel_normalisation, stack_clients
 from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.models import ConvNet
@@ -50,6 +52,16 @@ class Digits(NamedTuple):
   y_train: np.ndarray
   x_test: np.ndarray
   y_test: np.ndarray
+
+
+@contextlib.contextmanager
+def raises_field(field: str, exc: type[BaseException] = ConfigError):
+  """``pytest.raises(exc)`` that also checks the refusal names ``field`` (its ``field``
+  attribute): a refusal is checked by what it refuses, not by its wording. Yields the
+  ``ExceptionInfo``."""
+  with pytest.raises(exc) as excinfo:
+    yield excinfo
+  assert getattr(excinfo.value, "field", None) == field, (field, excinfo.value)
 
 
 def dp_below_floor(noise_multiplier: float, **fields) -> DPConfig:

@@ -37,7 +37,7 @@ import optax
 
 from fedlap_jax import baselines, optim, update_bounds
 from fedlap_jax.baselines import BaselineConfig, BaselineRoundMetrics
-from fedlap_jax.checks import is_real, require
+from fedlap_jax.checks import ConfigError, is_real, require
 from fedlap_jax.baselines import BASELINE_FACTS
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
 from fedlap_jax.models import count_params
@@ -83,37 +83,52 @@ def init(
   ``server_optimizer``'s fresh state), once the data agree with the run's facts.
 
   Raises:
-    ValueError: the model's parameter count, ``K`` or the image shape are not those of
+    ConfigError: the model's parameter count, ``K`` or the image shape are not those of
       ``facts``; a client holds more records than ``local.max_client_size``; under DP, a
       client holds fewer than ``B`` (``q = B / N_k`` must be at most 1).
   """
   if count_params(params) != facts.num_params:
-    raise ValueError(
-      f"num_params={facts.num_params} does not match the model's "
-      f"{count_params(params)} parameters; allowed: count_params(params)"
+    raise ConfigError(
+      "num_params",
+      facts.num_params,
+      "count_params(params)",
+      message=f"num_params={facts.num_params} does not match the model's "
+      f"{count_params(params)} parameters; allowed: count_params(params)",
     )
   if clients.mask.shape[0] != facts.num_clients:
-    raise ValueError(
-      f"num_clients={facts.num_clients} does not match the data's "
-      f"{clients.mask.shape[0]} stacked clients"
+    raise ConfigError(
+      "num_clients",
+      facts.num_clients,
+      f"{clients.mask.shape[0]}, the data's stacked clients",
+      message=f"num_clients={facts.num_clients} does not match the data's "
+      f"{clients.mask.shape[0]} stacked clients",
     )
   if tuple(clients.x.shape[2:]) != tuple(facts.image_shape):
-    raise ValueError(
-      f"image_shape={tuple(facts.image_shape)} does not match the data's "
-      f"{tuple(clients.x.shape[2:])}"
+    raise ConfigError(
+      "image_shape",
+      tuple(facts.image_shape),
+      f"{tuple(clients.x.shape[2:])}, the data's",
+      message=f"image_shape={tuple(facts.image_shape)} does not match the data's "
+      f"{tuple(clients.x.shape[2:])}",
     )
   local = config.local
   sizes = np.sum(np.asarray(clients.mask), axis=1)
   if local.max_client_size is not None and sizes.max() > local.max_client_size:
-    raise ValueError(
-      f"max_client_size={local.max_client_size} is smaller than the largest "
-      f"client ({int(sizes.max())} records); allowed: >= every N_k"
+    raise ConfigError(
+      "max_client_size",
+      local.max_client_size,
+      ">= every N_k",
+      message=f"max_client_size={local.max_client_size} is smaller than the largest "
+      f"client ({int(sizes.max())} records); allowed: >= every N_k",
     )
   if BASELINE_FACTS[config.method].private and sizes.min() < local.batch_size:
-    raise ValueError(
-      f"batch_size={local.batch_size} exceeds the smallest client "
+    raise ConfigError(
+      "batch_size",
+      local.batch_size,
+      "under DP, B <= min_k N_k",
+      message=f"batch_size={local.batch_size} exceeds the smallest client "
       f"({int(sizes.min())} records); allowed under DP: B <= min_k N_k "
-      "(the sampling rate q = B / N_k must be <= 1)"
+      "(the sampling rate q = B / N_k must be <= 1)",
     )
   return baselines.init_baseline_state(
     key, params, clients, config, server_optimizer=server_optimizer

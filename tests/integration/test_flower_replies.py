@@ -39,6 +39,7 @@ from fedlap_flower import ledger as ledger_lib
 from fedlap_jax import accounting, update_bounds
 from fedlap_jax.methods.fedlap import state as federated
 from fedlap_jax.method import Wire
+from conftest import raises_field
 
 ONE_ROUND = TINY.replace("rounds=2", "rounds=1")
 # quickstart:dp (the hybrid: clients also send model deltas) at toy size, one round.
@@ -445,20 +446,10 @@ def test_the_update_bound_follows_the_run_config(genuine, replay, tmp_path):
   assert all(r["max_update_norm"] == 1e-9 for r in reports)
 
 
-@pytest.mark.parametrize(
-  "value, match",
-  [
-    (0.0, "max-update-norm"),
-    (-1.0, "max-update-norm"),
-    (math.nan, "max-update-norm"),
-    ("tight", "max-update-norm"),
-    (True, "max-update-norm"),
-  ],
-)
-def test_a_bad_max_update_norm_is_refused_by_name(value, match):
-  with pytest.raises(settings.SettingsError, match=match) as e:
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, "tight", True])
+def test_a_bad_max_update_norm_is_refused_by_name(value):
+  with raises_field("max-update-norm", settings.SettingsError):
     settings.run_settings({"config": "quickstart:nondp", "max-update-norm": value})
-  assert e.value.field == "max-update-norm"
 
 
 def test_max_update_norm_values_and_what_auto_needs():
@@ -467,7 +458,6 @@ def test_max_update_norm_values_and_what_auto_needs():
   included, is refused when the server starts:
   test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_model)."""
   from fedlap_flower import method_work
-  from fedlap_jax.checks import ConfigError
 
   rc = {"config": "quickstart:nondp", "overrides": "method=fedavg"}
   assert settings.run_settings(rc).max_update_norm == ""
@@ -477,9 +467,8 @@ def test_max_update_norm_values_and_what_auto_needs():
 
   cfg = settings.run_settings(rc).cfg
   fedavg, config = method_work.method_of(cfg), library_configs.library_config(cfg)
-  with pytest.raises(ConfigError, match="max-update-norm='auto' is invalid") as e:
+  with raises_field("max-update-norm"):
     replies.update_norm_rule("auto", fedavg, config, None)
-  assert e.value.field == "max-update-norm"
   assert replies.update_norm_rule("", fedavg, config, None)(None) is None
   assert replies.update_norm_rule(2.5, fedavg, config, None)(None) == 2.5
 
@@ -684,9 +673,9 @@ def _set(classes=(3, 5), pad=2):
 
 
 @pytest.mark.parametrize(
-  "change, field, match",
+  "change, field",
   [
-    (lambda x, y, m: (x[:, :7], y, m), "x", r"shape \(6, 7, 8, 1\)"),
+    (lambda x, y, m: (x[:, :7], y, m), "x"),
     (
       lambda x, y, m: (
         np.zeros((21, 8, 8, 1), np.float32),
@@ -694,75 +683,49 @@ def _set(classes=(3, 5), pad=2):
         np.ones(21, bool),
       ),
       "x",
-      r"21 slots; allowed: 1..20",
     ),
-    (lambda x, y, m: (x.astype(np.float64), y, m), "x", "dtype float64"),
-    (lambda x, y, m: (x, y.astype(np.int64), m), "y", "dtype int64"),
-    (lambda x, y, m: (np.full_like(x, np.inf), y, m), "x", "NaN or Inf"),
-    (lambda x, y, m: (np.full_like(x, 101.0), y, m), "x", "max-image-abs=100"),
-    (lambda x, y, m: (x, np.where(np.arange(6) == 0, -1, y).astype(np.int32), m), "y", "label -1"),
-    (lambda x, y, m: (x, y[[0, 2, 1, 3, 4, 5]], m), "y", "in increasing order"),
-    (lambda x, y, m: (x, np.asarray([5, 5, 3, 3, 0, 0], np.int32), m), "y", "in increasing order"),
-    (lambda x, y, m: (x, y, m[[4, 0, 1, 2, 3, 5]]), "mask", "padding before valid"),
-    (lambda x, y, m: (x, y, np.arange(6) < 3), "mask", "3 valid slots"),
-    (lambda x, y, m: (x, np.asarray([3, 3, 5, 5, 1, 0], np.int32), m), "y", "padding slot"),
+    (lambda x, y, m: (x.astype(np.float64), y, m), "x"),
+    (lambda x, y, m: (x, y.astype(np.int64), m), "y"),
+    (lambda x, y, m: (np.full_like(x, np.inf), y, m), "x"),
+    (lambda x, y, m: (np.full_like(x, 101.0), y, m), "x"),
+    (lambda x, y, m: (x, np.where(np.arange(6) == 0, -1, y).astype(np.int32), m), "y"),
+    (lambda x, y, m: (x, y[[0, 2, 1, 3, 4, 5]], m), "y"),
+    (lambda x, y, m: (x, np.asarray([5, 5, 3, 3, 0, 0], np.int32), m), "y"),
+    (lambda x, y, m: (x, y, m[[4, 0, 1, 2, 3, 5]]), "mask"),
+    (lambda x, y, m: (x, y, np.arange(6) < 3), "mask"),
+    (lambda x, y, m: (x, np.asarray([3, 3, 5, 5, 1, 0], np.int32), m), "y"),
   ],
 )
-def test_synthetic_set_checks_name_the_field(change, field, match):
+def test_synthetic_set_checks_name_the_field(change, field):
   x, y, mask = _set()
   replies.check_synthetic(x, y, mask, LIMITS)  # the well-formed set passes
-  with pytest.raises(replies.InvalidReply, match=match) as err:
+  with raises_field(field, replies.InvalidReply):
     replies.check_synthetic(*change(x, y, mask), LIMITS)
-  assert err.value.field == field
 
 
 @pytest.mark.parametrize(
-  "metrics, check, match",
+  "metrics, check, field",
   [
-    (
-      {"num-examples": math.nan},
-      lambda m: replies.check_num_examples(m, True),
-      "num-examples=nan is invalid",
-    ),
-    (
-      {"num-examples": 2.0},
-      lambda m: replies.check_num_examples(m, True),
-      "num-examples=2.0 is invalid; allowed: one int",
-    ),
-    ({"num-examples": 0}, lambda m: replies.check_num_examples(m, True), r"an int in \[1, "),
+    ({"num-examples": math.nan}, lambda m: replies.check_num_examples(m, True), "num-examples"),
+    ({"num-examples": 2.0}, lambda m: replies.check_num_examples(m, True), "num-examples"),
+    ({"num-examples": 0}, lambda m: replies.check_num_examples(m, True), "num-examples"),
     # Beyond the bound: the int32 counts of the aggregation would overflow.
-    (
-      {"num-examples": 2**40},
-      lambda m: replies.check_num_examples(m, True),
-      r"num-examples=1099511627776 is invalid; allowed: an int in \[1, 16777216\]",
-    ),
-    (
-      {"num-examples": 2**24 + 1},
-      lambda m: replies.check_num_examples(m, True),
-      "num-examples=16777217 is invalid",
-    ),
-    ({"epsilon": -1.0}, lambda m: replies.check_epsilon(m, True), "epsilon=-1.0 is invalid"),
-    (
-      {"epsilon": 3.5},
-      lambda m: replies.check_epsilon(m, True, max_epsilon=3.0),
-      "epsilon=3.5 is invalid; allowed: a finite number >= 0 and <= the run's max-epsilon=3",
-    ),
-    ({"epsilon": 10**400}, lambda m: replies.check_epsilon(m, True), "allowed: a finite number"),
+    ({"num-examples": 2**40}, lambda m: replies.check_num_examples(m, True), "num-examples"),
+    ({"num-examples": 2**24 + 1}, lambda m: replies.check_num_examples(m, True), "num-examples"),
+    ({"epsilon": -1.0}, lambda m: replies.check_epsilon(m, True), "epsilon"),
+    ({"epsilon": 3.5}, lambda m: replies.check_epsilon(m, True, max_epsilon=3.0), "epsilon"),
+    ({"epsilon": 10**400}, lambda m: replies.check_epsilon(m, True), "epsilon"),
     (
       {"run-epsilon": 4.0},
       lambda m: replies.check_epsilon(m, True, 3.08, "the most 1 rounds", key="run-epsilon"),
-      r"run-epsilon=4.0 is invalid; allowed: a finite number >= 0 and <= the most 1 rounds=3.08",
+      "run-epsilon",
     ),
-    ({"partition-id": 7}, lambda m: replies.check_partition(m, 5), r"an int in \[0, 4\]"),
-    (
-      {"partition-id": 1},
-      lambda m: replies.check_partition(m, 5, bound=2),
-      "allowed: 2, the partition this node is bound to",
-    ),
+    ({"partition-id": 7}, lambda m: replies.check_partition(m, 5), "partition-id"),
+    ({"partition-id": 1}, lambda m: replies.check_partition(m, 5, bound=2), "partition-id"),
   ],
 )
-def test_metric_checks_name_the_field(metrics, check, match):
-  with pytest.raises(replies.InvalidReply, match=match):
+def test_metric_checks_name_the_field(metrics, check, field):
+  with raises_field(field, replies.InvalidReply):
     check(metrics)
 
 
@@ -789,7 +752,7 @@ def test_the_delta_bound_follows_the_config():
   ).client
   assert update_bounds.matching_delta_bound(nondp, 0.1, d) is None
   leaves = {"a": np.full(4, 3e38, np.float32)}
-  with pytest.raises(replies.InvalidReply, match="delta has norm 6e\\+38"):
+  with raises_field("delta", replies.InvalidReply):
     replies.check_delta_norm(leaves, bound)
 
 
@@ -801,7 +764,6 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
   from fedlap_runs import library_configs
   from fedlap_jax.methods.fedlap import state as federated
   from fedlap_jax.methods.fedlap import server
-  from fedlap_jax.checks import ConfigError
   from fedlap_jax.methods.fedlap.client import ClientUpdate
   from fedlap_jax.method import RunFacts
   from fedlap_jax.methods import fedlap
@@ -819,17 +781,16 @@ def test_fedlaps_method_value_holds_its_update_bounds_and_round_numbers():
     delta = None if delta_norm is None else {"w": np.full(d, delta_norm / 100, np.float32)}
     return ClientUpdate(None, np.float32(radius), delta)
 
-  def refused(config, u, field, match):
-    with pytest.raises(ConfigError, match=match) as e:
+  def refused(config, u, field):
+    with raises_field(field):
       fedlap.METHOD.check_update(config, facts)(message, u)
-    assert e.value.field == field
 
   check = fedlap.METHOD.check_update(dp, facts)
   check(message, update(r, 0.99 * bound))  # honest: passes
   check(message, update(update_bounds.radius_floor(float(eta))))
-  refused(dp, update(r, 1.01 * bound), "delta", "delta has norm")
-  refused(dp, update(1.01 * r), "radius", r"radius=.* is invalid; allowed: a number in \[0.0001, ")
-  refused(dp, update(1e-30), "radius", "r_k >= 0.001 x the round's learning rate")
+  refused(dp, update(r, 1.01 * bound), "delta")
+  refused(dp, update(1.01 * r), "radius")  # above the radius the config allows
+  refused(dp, update(1e-30), "radius")  # below the round's radius floor
   fedlap.METHOD.check_update(nondp, facts)(message, update(1.0, 1e30))  # no clip: no bound
 
   metrics = federated.RoundMetrics(
@@ -905,11 +866,12 @@ def test_a_pin_keeps_a_partitions_first_value_past_its_nodes_binding():
   b.claim([(binding.NodeFacts(7, "", "t1"), 0)])
   b.pin(0, "num-examples", 283)
   b.pin(0, "num-examples", 283)  # the same value again is fine
-  with pytest.raises(ValueError, match=r"num-examples=284 is invalid; allowed: 283"):
+  with raises_field("num-examples") as err:
     b.check_pinned(0, "num-examples", 284)
+  assert err.value.value == 284 and err.value.allowed.startswith("283,")
   b.release_absent([])  # the node leaves; the partition's records do not change
   b.claim([(binding.NodeFacts(8, "", "t2"), 0)])
-  with pytest.raises(ValueError, match="first accepted reply said"):
+  with raises_field("num-examples"):
     b.pin(0, "num-examples", 2**24)
   assert b.pins == {"num-examples": {"0": 283}}
   fresh = binding.PartitionBinding(3)
@@ -990,18 +952,17 @@ def test_partition_keys_bind_by_key_only():
 
 
 @pytest.mark.parametrize(
-  "text, match",
+  "text",
   [
-    ("0=SHA256:abc", "is invalid; allowed: PARTITION=SHA256"),
-    ("5=SHA256:" + "A" * 43, "partition 5 is invalid"),
-    ("0=SHA256:" + "A" * 43 + " 0=SHA256:" + "B" * 43, "a second time"),
-    ("0=SHA256:" + "A" * 43 + " 1=SHA256:" + "A" * 43, "a second time"),
+    "0=SHA256:abc",
+    "5=SHA256:" + "A" * 43,
+    "0=SHA256:" + "A" * 43 + " 0=SHA256:" + "B" * 43,
+    "0=SHA256:" + "A" * 43 + " 1=SHA256:" + "A" * 43,
   ],
 )
-def test_bad_partition_keys_are_refused(text, match):
-  with pytest.raises(settings.SettingsError, match=match) as err:
+def test_bad_partition_keys_are_refused(text):
+  with raises_field("partition-keys", settings.SettingsError):
     settings.run_settings({"config": "quickstart:dp_loops", "partition-keys": text})
-  assert err.value.field == "partition-keys"
 
 
 def _select(rc, nodes, infos=None, rounds=1):
@@ -1088,11 +1049,7 @@ def test_the_flower_participants_are_experiments_runs():
 def test_min_clients_is_checked_against_the_clients_of_a_round():
   run = settings.run_settings({"config": "quickstart:dp_loops", "overrides": SAMPLED})
   assert run.min_clients == 5
-  with pytest.raises(
-    settings.SettingsError,
-    match=r"min-clients=6 is invalid; allowed: an "
-    r"integer in \[0, 5\]",
-  ):
+  with raises_field("min-clients", settings.SettingsError):
     settings.run_settings({"config": "quickstart:dp_loops", "overrides": SAMPLED, "min-clients": 6})
 
 
@@ -1262,7 +1219,6 @@ def test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_mod
   """SCAFFOLD sends its model and its control delta, FedLAP its synthetic set and r_k: a norm
   bound on ``w_k - w_g`` would check nothing of that update, so a number for it is refused
   when the server starts, by name, before the run-dir is written."""
-  from fedlap_jax.checks import ConfigError
 
   rc = {
     "config": "quickstart:nondp",
@@ -1270,7 +1226,6 @@ def test_a_number_for_max_update_norm_is_refused_for_an_update_that_is_not_a_mod
     "run-dir": str(tmp_path / "run"),
     "max-update-norm": 5.0,
   }
-  with pytest.raises(ConfigError, match="max-update-norm=5.0 bounds") as e:
+  with raises_field("max-update-norm"):
     run_inprocess(rc, state_root=tmp_path / "state")
-  assert e.value.field == "max-update-norm"
   assert not (tmp_path / "run").exists()

@@ -178,12 +178,15 @@ def test_a_config_from_before_the_optimiser_fields_resumes_and_another_optimiser
     assert "baseline.server_optimizer.name: checkpoint 'sgd' vs now 'yogi'" in text
     assert "baseline.server_lr: checkpoint 1.0 vs now 0.01" in text
   adam = _fields(server_optimizer__name="adam", server_lr=0.01)
-  with pytest.raises(resume.ResumeError, match="checkpoint 'yogi' vs now 'adam'"):
+  with pytest.raises(resume.ResumeError) as err:
     _check(yogi, adam)
-  with pytest.raises(resume.ResumeError, match=r"b2: checkpoint None vs now 0\.99"):
+  assert err.value.fields == ["baseline.server_optimizer.name"]
+  with pytest.raises(resume.ResumeError) as err:
     _check(yogi, _fields(server_optimizer__name="yogi", server_optimizer__b2=0.99, server_lr=0.01))
-  with pytest.raises(resume.ResumeError, match="client_optimizer.momentum"):
+  assert err.value.fields == ["baseline.server_optimizer.b2"]
+  with pytest.raises(resume.ResumeError) as err:
     _check(before, _fields(client_optimizer__momentum=0.9))
+  assert err.value.fields == ["baseline.client_optimizer.momentum"]
 
 
 def _fedlap_fields(**settings):
@@ -214,9 +217,9 @@ def test_a_fedlap_checkpoint_from_before_its_optimiser_fields_resumes_and_anothe
   _check(now, now)
   adam = _fedlap_fields(server__optimizer__name="adam")
   for stored in (before, now):
-    with pytest.raises(
-      resume.ResumeError, match="server.optimizer.name: checkpoint 'sgd' vs now 'adam'"
-    ):
+    with pytest.raises(resume.ResumeError) as err:
       _check(stored, adam)
-  with pytest.raises(resume.ResumeError, match="client.model_optimizer.name: checkpoint 'sgd'"):
+    assert err.value.fields == ["server.optimizer.name"]
+  with pytest.raises(resume.ResumeError) as err:
     _check(before, _fedlap_fields(client__model_optimizer__name="yogi"))
+  assert err.value.fields == ["client.model_optimizer.name"]

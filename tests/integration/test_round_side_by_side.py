@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 from fedlap_jax import dispatch, dsa
-from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.client import local_approx
 from fedlap_jax.client_data import SyntheticSet
 from fedlap_jax.methods.fedlap.config import ClientConfig
 from fedlap_jax.dp_config import DPConfig
 from fedlap_jax.models import ConvNet
 from fedlap_jax.synthetic import noise_images, synthetic_labels
+from conftest import raises_field
 
 
 K = 3
@@ -211,7 +211,7 @@ def test_shared_family_draw_frequencies():
 
 
 def test_dsa_family_draw_is_validated():
-  with pytest.raises(ConfigError, match=r"dsa_family_draw='each'.*'shared', 'per_client'"):
+  with raises_field("dsa_family_draw"):
     ClientConfig(dsa_family_draw="each")
   assert ClientConfig().dsa_family_draw == "shared"
 

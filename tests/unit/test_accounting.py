@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from conftest import raises_field
 
 pytest.importorskip("dp_accounting")
 
@@ -211,11 +212,11 @@ def test_ledger_from_dict_rejects_bad_keys_and_lengths():
   ledger = make_ledger()
   ledger.record_round()
   d = ledger.to_dict()
-  with pytest.raises(ValueError, match="missing"):
+  with raises_field("ledger"):
     accounting.PrivacyLedger.from_dict({k: v for k, v in d.items() if k != "delta"})
-  with pytest.raises(ValueError, match="unknown"):
+  with raises_field("ledger"):
     accounting.PrivacyLedger.from_dict(dict(d, extra=1))
-  with pytest.raises(ValueError, match="rounds"):
+  with raises_field("rounds"):
     accounting.PrivacyLedger.from_dict(dict(d, rounds=2))
 
 
@@ -276,7 +277,7 @@ def test_calibrate_unreachable():
   # 10 rounds of 200 steps at q = 1: even sigma = 1e6 gives epsilon 0.004 >> 1e-9, so the
   # search doubles sigma up to the bound and refuses. (1,000 rounds refuse the same way, with
   # 0.05, but each of the ~20 accountant calls composes 200,000 steps: 26 s instead of 2 s.)
-  with pytest.raises(ValueError, match="target_epsilon"):
+  with raises_field("target_epsilon"):
     accounting.calibrate_noise_multiplier(
       1e-9, delta=1e-5, rounds=10, batch_size=256, min_client_size=256, steps_per_round=200
     )
@@ -310,44 +311,44 @@ VALID = dict(
 def test_validation_names_field(field, value):
   kw = dict(VALID, rounds=1)
   kw[field] = value
-  with pytest.raises(ValueError) as e:
+  with raises_field(field) as e:
     accounting.epsilon_after_rounds(**kw)
-  assert field in str(e.value) and repr(value) in str(e.value)
+  assert repr(value) in str(e.value)
   ledger_kw = {k: v for k, v in kw.items()}
   ledger_kw["rounds"] = kw["rounds"] if field == "rounds" else 0
-  with pytest.raises(ValueError, match=field):
+  with raises_field(field):
     accounting.PrivacyLedger(**ledger_kw)
 
 
 def test_sigma_zero_says_guarantee_void():
-  with pytest.raises(ValueError, match="void"):
+  with raises_field("noise_multiplier"):
     accounting.round_event(
       noise_multiplier=0.0, batch_size=256, min_client_size=10_000, steps_per_round=200
     )
 
 
 def test_other_validation_messages():
-  with pytest.raises(ValueError, match="batch_size"):
+  with raises_field("batch_size"):
     accounting.round_event(
       noise_multiplier=1.0, batch_size=0, min_client_size=10, steps_per_round=1
     )
-  with pytest.raises(ValueError, match="min_client_size"):
+  with raises_field("min_client_size"):
     accounting.round_event(
       noise_multiplier=1.0, batch_size=64, min_client_size=32, steps_per_round=1
     )
-  with pytest.raises(ValueError, match="delta"):
+  with raises_field("delta"):
     accounting.epsilon([], delta=2.0)
-  with pytest.raises(ValueError, match="steps"):
+  with raises_field("steps"):
     make_ledger().record_round(steps=0)
-  with pytest.raises(ValueError, match="target_epsilon"):
+  with raises_field("target_epsilon"):
     accounting.calibrate_noise_multiplier(
       0.0, delta=1e-5, rounds=1, batch_size=256, min_client_size=10_000, steps_per_round=200
     )
-  with pytest.raises(ValueError, match="rounds"):
+  with raises_field("rounds"):
     accounting.calibrate_noise_multiplier(
       1.0, delta=1e-5, rounds=0, batch_size=256, min_client_size=10_000, steps_per_round=200
     )
-  with pytest.raises(ValueError, match="tol"):
+  with raises_field("tol"):
     accounting.calibrate_noise_multiplier(
       1.0,
       delta=1e-5,
@@ -587,7 +588,7 @@ def test_participation_amplification_is_documented_unsound_and_nothing_takes_it(
     accounting.PrivacyLedger,
   ):
     assert "participation" not in inspect.signature(fn).parameters, fn
-  with pytest.raises(accounting.ConfigError, match="participation"):
+  with raises_field("PrivacyLedger"):
     accounting.PrivacyLedger(**VALID, participation=0.5)
 
 
@@ -669,7 +670,7 @@ def test_a_noise_multiplier_below_the_floor_is_refused_before_any_accounting(mon
       call()
     assert "noise_multiplier" in err.value.field and err.value.value == 0.001
     assert f"MIN_NOISE_MULTIPLIER = {accounting.MIN_NOISE_MULTIPLIER:g}" in str(err.value)
-  with pytest.raises(accounting.ConfigError, match="max_noise_multiplier"):
+  with raises_field("max_noise_multiplier"):
     accounting.calibrate_noise_multiplier(
       1.0,
       delta=1e-5,
@@ -847,10 +848,10 @@ def test_a_ledger_holds_its_mechanism_and_client_size_only():
     ledger.noise_multiplier = 1.0
   ledger.steps.append(5)  # a copy: the record cannot be edited from outside
   assert ledger.steps == [] and ledger.rounds == 0
-  with pytest.raises(accounting.ConfigError, match="mechanism"):
+  with raises_field("mechanism"):
     accounting.PrivacyLedger(mech, 274, delta=1e-6)
   other = dataclasses.replace(mech, noise_multiplier=3.0)
-  with pytest.raises(accounting.ConfigError, match="one DpMechanism"):
+  with raises_field("ledgers"):
     accounting.ClientLedgers([mech.ledger(274), other.ledger(274)])
 
 
@@ -861,9 +862,9 @@ def test_both_ledger_types_record_a_round_with_the_same_call():
     ledger.record_round()
     ledger.record_round(4, participants=[0, 1])
     ledger.record_round(steps=2, participants=[1])
-    with pytest.raises(accounting.ConfigError, match="participants"):
+    with raises_field("participants"):
       ledger.record_round(participants=[1, 1])
-    with pytest.raises(accounting.ConfigError, match="steps"):
+    with raises_field("steps"):
       ledger.record_round(0)
   assert single.steps == many.ledgers[1].steps == [8, 4, 2] and many.ledgers[0].steps == [8, 4]
   assert single.epsilon == mech.ledger(300).with_adjacency("replace_one").epsilon_after(14)

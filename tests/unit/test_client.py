@@ -21,7 +21,6 @@ import pytest
 
 from fedlap_jax import matching, privacy, training
 from fedlap_jax.methods.fedlap import client
-from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.client import local_approx
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.methods.fedlap.config import ClientConfig
@@ -30,6 +29,7 @@ from fedlap_jax.losses import cross_entropy
 from fedlap_jax.matching import matching_distance
 from fedlap_jax.synthetic import noise_images, synthetic_labels
 from fedlap_jax.training import tree_distance
+from conftest import raises_field
 
 
 IPC = 2
@@ -381,7 +381,7 @@ def test_average_targets_under_dp_counts_every_access(run, synthetic):
 
 
 def test_average_targets_must_be_a_bool():
-  with pytest.raises(ValueError, match="average_targets=1 is invalid"):
+  with raises_field("average_targets"):
     ClientConfig(average_targets=1)
 
 
@@ -437,14 +437,14 @@ def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(
 
 
 def test_real_dsa_strategy_is_validated():
-  with pytest.raises(ValueError, match="real_dsa_strategy='spin' is invalid"):
+  with raises_field("real_dsa_strategy"):
     ClientConfig(real_dsa_strategy="spin")
 
 
 def test_noisy_real_needs_average_targets():
-  with pytest.raises(ValueError, match="model_steps='noisy_real' is invalid.*average_targets"):
+  with raises_field("model_steps"):
     ClientConfig(model_steps="noisy_real")
-  with pytest.raises(ValueError, match="model_steps='real' is invalid"):
+  with raises_field("model_steps"):
     ClientConfig(model_steps="real", average_targets=True)
 
 
@@ -453,40 +453,25 @@ def _with(data, **leaves):
 
 
 @pytest.mark.parametrize(
-  "change, message",
+  "change, field",
   [
     (
       lambda s, d: (_with(s, x=np.zeros((s.x.shape[0], 8, 8, 3), np.float32)), d),
-      r"synthetic.x.shape=\(4, 8, 8, 3\) is invalid; allowed: \(S, 8, 8, 1\): the image shape",
+      "synthetic.x.shape",
     ),
-    (
-      lambda s, d: (s, _with(d, y=np.asarray(d.y).astype(np.float32))),
-      r"client_data.y.dtype='float32' is invalid; allowed: an integer dtype",
-    ),
-    (
-      lambda s, d: (_with(s, mask=np.asarray(s.mask)[:-1]), d),
-      r"synthetic.mask.shape=\(3,\) is invalid; allowed: \(4,\): one entry per record",
-    ),
-    (
-      lambda s, d: (_with(s, x=np.asarray(s.x).astype(np.int32)), d),
-      r"synthetic.x.dtype='int32' is invalid; allowed: a floating dtype",
-    ),
-    (
-      lambda s, d: (s, _with(d, x=(10 * np.asarray(d.x)).astype(np.uint8))),
-      r"client_data.x.dtype='uint8' is invalid; allowed: float model inputs, or stored pixels",
-    ),
-    (
-      lambda s, d: (s, ClientData(*(np.asarray(a)[:40] for a in (d.x, d.y, d.mask)))),
-      r"batch_size=64 is invalid; allowed: at most 40, the client's record slots",
-    ),
+    (lambda s, d: (s, _with(d, y=np.asarray(d.y).astype(np.float32))), "client_data.y.dtype"),
+    (lambda s, d: (_with(s, mask=np.asarray(s.mask)[:-1]), d), "synthetic.mask.shape"),
+    (lambda s, d: (_with(s, x=np.asarray(s.x).astype(np.int32)), d), "synthetic.x.dtype"),
+    (lambda s, d: (s, _with(d, x=(10 * np.asarray(d.x)).astype(np.uint8))), "client_data.x.dtype"),
+    (lambda s, d: (s, ClientData(*(np.asarray(a)[:40] for a in (d.x, d.y, d.mask)))), "batch_size"),
   ],
 )
 def test_local_approx_refuses_inputs_it_cannot_use(
-  linear_apply_fn, linear_params, synthetic, client_data, change, message
+  linear_apply_fn, linear_params, synthetic, client_data, change, field
 ):
   """Static shapes and dtypes are checked when local_approx is traced, before any compile."""
   bad_synthetic, bad_data = change(synthetic, client_data)
-  with pytest.raises(ConfigError, match=message):
+  with raises_field(field):
     local_approx_jit(
       jax.random.PRNGKey(1),
       linear_apply_fn,

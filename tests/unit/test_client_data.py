@@ -21,6 +21,7 @@ from fedlap_jax.client_data import (
   check_pair,
   check_records,
 )
+from conftest import raises_field
 
 N, S = 12, 4
 
@@ -84,7 +85,7 @@ def test_check_pair_and_batch_size_refuse_what_no_client_update_can_use():
     check_pair(_synthetic(x=np.zeros((S, 8, 8, 3), np.float32)), _data())
   assert err.value.field == "synthetic.x.shape" and err.value.value == (S, 8, 8, 3)
   assert err.value.allowed == "(S, 8, 8, 1): the image shape of client_data.x"
-  with pytest.raises(ConfigError, match=r"client_data.y.dtype='float32' is invalid"):
+  with raises_field("client_data.y.dtype"):
     check_pair(_synthetic(), _data(y=np.zeros(N, np.float32)))
   with pytest.raises(ConfigError) as err:
     check_batch_size("local.batch_size", N + 1, _data())
@@ -103,13 +104,12 @@ def test_every_method_checks_its_client_data_when_traced():
     np.zeros((64, 10), np.float32),
     _data(y=np.zeros(N, np.float32)),
   )
-  message = r"(client_data|data).y.dtype='float32' is invalid; allowed: an integer dtype"
   local = baselines.LocalTraining(epochs=1, batch_size=4, fixed_steps=1)
-  with pytest.raises(ConfigError, match=message):
+  with raises_field("data.y.dtype"):
     jax.jit(baselines.client_update, static_argnames=("apply_fn", "local", "num_steps"))(
       key, _linear, params, bad, learning_rate=0.1, local=local, num_steps=1
     )
-  with pytest.raises(ConfigError, match=message):
+  with raises_field("client_data.y.dtype"):
     feddm.distribution_match(
       key,
       lambda p, x: x.reshape(x.shape[0], -1),
@@ -121,15 +121,15 @@ def test_every_method_checks_its_client_data_when_traced():
   config = condensation.CondensationConfig(
     ipc=2, networks=1, outer_loop=1, inner_loop=1, batch_loop=1, classwise=False, batch_size=4
   )
-  with pytest.raises(ConfigError, match=message):
+  with raises_field("client_data.y.dtype"):
     condensation.condense(key, _linear, lambda k: params, _synthetic(), bad, config)
   # PSG's whole-set batch draws q = B / N_k from the client: B may not exceed its slots.
   big = condensation.CondensationConfig(
     ipc=2, networks=1, outer_loop=1, inner_loop=1, batch_loop=1, classwise=False, batch_size=N + 1
   )
-  with pytest.raises(ConfigError, match=rf"batch_size={N + 1} is invalid; allowed: at most {N}"):
+  with raises_field("batch_size"):
     condensation.condense(key, _linear, lambda k: params, _synthetic(), _data(), big)
-  with pytest.raises(ConfigError, match=rf"local.batch_size={N + 1} is invalid"):
+  with raises_field("local.batch_size"):
     baselines.client_update(
       key,
       _linear,

@@ -14,7 +14,6 @@ import pytest
 
 from fedlap_jax import dispatch, rounds
 from fedlap_jax.methods.fedlap import state as federated
-from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, stack_clients
 from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig, ServerConfig
 from fedlap_jax.dp_config import DPConfig
@@ -22,6 +21,7 @@ from fedlap_jax.methods.fedlap.state import init_state
 from fedlap_jax.method import ModelFns
 from fedlap_jax.methods import REGISTRY
 from fedlap_jax.synthetic import real_images, synthetic_labels
+from conftest import raises_field
 
 
 DP = DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
@@ -34,60 +34,53 @@ def dp_client(**kw):
 
 
 @pytest.mark.parametrize(
-  "build, pattern",
+  "build, field",
   [
-    (lambda: ClientConfig(ipc=0), r"ipc=0"),
-    (lambda: ClientConfig(radius=-1.0), r"radius=-1\.0"),
-    (lambda: ClientConfig(image_lr=0.0), r"image_lr=0\.0"),
-    (lambda: ClientConfig(batch_size=0), r"batch_size=0"),
-    (lambda: ClientConfig(max_outer=0), r"max_outer=0"),
-    (lambda: ClientConfig(inner_loop=-1), r"inner_loop=-1"),
-    (lambda: ClientConfig(mse_weight=-0.1), r"mse_weight=-0\.1"),
-    (lambda: ClientConfig(poisson_capacity=10, batch_size=64), r"poisson_capacity=10"),
-    (
-      lambda: ClientConfig(poisson_capacity=64, batch_size=64),
-      r"poisson_capacity=64 is invalid.*>= 88.*overflows often",
-    ),
+    (lambda: ClientConfig(ipc=0), "ipc"),
+    (lambda: ClientConfig(radius=-1.0), "radius"),
+    (lambda: ClientConfig(image_lr=0.0), "image_lr"),
+    (lambda: ClientConfig(batch_size=0), "batch_size"),
+    (lambda: ClientConfig(max_outer=0), "max_outer"),
+    (lambda: ClientConfig(inner_loop=-1), "inner_loop"),
+    (lambda: ClientConfig(mse_weight=-0.1), "mse_weight"),
+    (lambda: ClientConfig(poisson_capacity=10, batch_size=64), "poisson_capacity"),
+    (lambda: ClientConfig(poisson_capacity=64, batch_size=64), "poisson_capacity"),
     (
       lambda: FedLAPConfig(
         client=dp_client(),
         synthetic_init="noise",
         server=ServerConfig(radius_strategy="constant", weighting="size"),
       ),
-      r"server.weighting='size' is invalid; allowed: 'uniform' or None when DP is on",
+      "server.weighting",
     ),
-    (
-      lambda: DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5),
-      r"noise_multiplier=0\.0",
-    ),
-    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=0.0), r"delta=0\.0"),
-    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1.0), r"delta=1\.0"),
-    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=-1.0, delta=1e-5), r"l2_clip_norm=-1\.0"),
+    (lambda: DPConfig(noise_multiplier=0.0, l2_clip_norm=1.0, delta=1e-5), "dp.noise_multiplier"),
+    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=0.0), "dp.delta"),
+    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=1.0, delta=1.0), "dp.delta"),
+    (lambda: DPConfig(noise_multiplier=1.0, l2_clip_norm=-1.0, delta=1e-5), "dp.l2_clip_norm"),
     (
       lambda: FedLAPConfig(
         client=dp_client(), server=ServerConfig(radius_strategy="constant"), synthetic_init="real"
       ),
-      r"synthetic_init='real'",
+      "synthetic_init",
     ),
     (
       lambda: FedLAPConfig(
         client=dp_client(), server=ServerConfig(radius_strategy="min"), synthetic_init="noise"
       ),
-      r"radius_strategy='min'",
+      "radius_strategy",
     ),
-    (lambda: ClientConfig(dp=DP, calibrate_radius=True), r"calibrate_radius=True"),
-    (lambda: ServerConfig(radius_strategy="smallest"), r"radius_strategy='smallest'.*median"),
-    (lambda: ClientConfig(dsa_strategy="color_blur"), r"dsa_strategy='color_blur'.*'blur'"),
-    (lambda: ServerConfig(dsa_strategy="warp"), r"dsa_strategy='warp'"),
-    (lambda: FedLAPConfig(client=ClientConfig(calibrate_radius=False)), r"calibrate_radius=False"),
-    (lambda: FedLAPConfig(synthetic_init="zeros"), r"synthetic_init='zeros'"),
-    (lambda: FedLAPConfig(rounds=0), r"rounds=0"),
+    (lambda: ClientConfig(dp=DP, calibrate_radius=True), "calibrate_radius"),
+    (lambda: ServerConfig(radius_strategy="smallest"), "radius_strategy"),
+    (lambda: ClientConfig(dsa_strategy="color_blur"), "dsa_strategy"),
+    (lambda: ServerConfig(dsa_strategy="warp"), "server.dsa_strategy"),
+    (lambda: FedLAPConfig(client=ClientConfig(calibrate_radius=False)), "calibrate_radius"),
+    (lambda: FedLAPConfig(synthetic_init="zeros"), "synthetic_init"),
+    (lambda: FedLAPConfig(rounds=0), "rounds"),
   ],
 )
-def test_config_validation(build, pattern):
-  with pytest.raises(ValueError, match=pattern) as info:
+def test_config_validation(build, field):
+  with raises_field(field):
     build()
-  assert "allowed" in str(info.value) or "invalid" in str(info.value)
 
 
 def test_valid_configs():
@@ -125,15 +118,15 @@ def test_stack_clients_pads_and_masks():
 
 def test_stack_clients_refuses_bad_input():
   x, y = np.ones((3, 2, 2, 1)), np.zeros(3)
-  with pytest.raises(ValueError, match="client 1 has no data"):
+  with raises_field("xs[1]"):
     stack_clients([x, x[:0]], [y, y[:0]])
-  with pytest.raises(ValueError, match="client 0: 3 images but 2 labels"):
+  with raises_field("ys[0]"):
     stack_clients([x], [y[:2]])
-  with pytest.raises(ValueError, match="got 0 and 0"):
+  with raises_field("ys"):
     stack_clients([], [])
   # Labels are class indices: a fractional or negative label is refused, not truncated.
   for bad in (np.array([0.0, 0.7, 1.0]), np.array([0, -1, 1]), np.zeros((3, 1), np.int32)):
-    with pytest.raises(ValueError, match=r"client 0: labels of dtype .*; allowed: \(N,\) class"):
+    with raises_field("ys[0]"):
       stack_clients([x], [bad])
   whole = stack_clients([x], [np.array([0.0, 3.0, 1.0])])  # whole floats are indices
   np.testing.assert_array_equal(whole.y[0], [0, 3, 1])
@@ -147,7 +140,7 @@ def test_synthetic_labels_balanced_and_padded():
   np.testing.assert_array_equal(mask[0], [True] * 6 + [False] * 3)
   np.testing.assert_array_equal(labels[1], [1, 1, 1, 4, 4, 4, 9, 9, 9])
   assert mask[1].all()
-  with pytest.raises(ValueError, match="ipc=0"):
+  with raises_field("ipc"):
     synthetic_labels([np.array([1])], 0)
 
 
@@ -186,11 +179,11 @@ def test_init_state_uneven_clients(params):
   chex.assert_trees_all_equal(np.asarray(syn.x)[0, 4:], np.zeros((2, 8, 8, 1), np.float32))
   # Too few records of a class for ipc real images: refused, not filled with other classes.
   cfg3 = dataclasses.replace(cfg, client=ClientConfig(ipc=4, batch_size=4, calibrate_radius=False))
-  with pytest.raises(ValueError, match=r"ipc=4.*client 0 has only 3 records"):
+  with raises_field("ipc"):
     init_state(jax.random.PRNGKey(0), params, clients, cfg3)
   # A Poisson rate q = B / N_k above 1 is refused, not silently clamped.
   cfg7 = dataclasses.replace(cfg, client=ClientConfig(ipc=2, batch_size=7, calibrate_radius=False))
-  with pytest.raises(ValueError, match=r"batch_size=7.*client 0 has only 6 records"):
+  with raises_field("batch_size"):
     init_state(jax.random.PRNGKey(0), params, clients, cfg7)
 
 
@@ -233,18 +226,16 @@ def test_client_weights(clients):
   ones = np.ones(5, np.float32)
   chex.assert_trees_all_equal(dispatch.client_weights("uniform", counts), ones)
   chex.assert_trees_all_equal(dispatch.client_weights("uniform", num_clients=5), ones)
-  with pytest.raises(ValueError, match="weighting='size' needs every client's record count"):
+  with raises_field("weighting"):
     dispatch.client_weights("size", num_clients=5)
-  with pytest.raises(ValueError, match="weighting='n_k' is invalid"):
+  with raises_field("weighting"):
     dispatch.client_weights("n_k", counts)
   sizes = dispatch.client_weights("size", counts)
   chex.assert_type(sizes, jnp.float32)
   np.testing.assert_array_equal(np.asarray(sizes), np.asarray(clients.mask).sum(axis=1))
   assert len(set(np.asarray(sizes).tolist())) > 1  # the digits clients differ in size
   for unresolved in (None, "n_k"):  # not silently size weighting
-    with pytest.raises(
-      ConfigError, match=r"weighting=.* is invalid; allowed: one of \('size', 'uniform'\)"
-    ):
+    with raises_field("weighting"):
       dispatch.client_weights(unresolved, counts)
 
 
@@ -253,7 +244,7 @@ def test_bad_client_backend(params, clients):
     client=ClientConfig(calibrate_radius=False), server=ServerConfig(radius_strategy="constant")
   )
   state = init_state(jax.random.PRNGKey(3), params, clients, cfg)
-  with pytest.raises(ValueError, match="client_backend='pmap'.*vmap"):
+  with raises_field("client_backend"):
     rounds.method_round(
       state,
       clients,
@@ -281,7 +272,7 @@ def test_server_learning_rate_has_its_own_schedule():
     np.testing.assert_allclose(
       float(federated.round_learning_rates(m, own).server), max(0.5 * cos, 5e-3), rtol=1e-6
     )
-  with pytest.raises(ValueError, match="server.learning_rate=0.0 is invalid"):
+  with raises_field("server.learning_rate"):
     ServerConfig(learning_rate=0.0)
 
 
@@ -290,16 +281,16 @@ def test_lr_schedule_reaches_the_server_and_is_validated():
   np.testing.assert_allclose(
     float(federated.round_learning_rates(3, open_cfg).server), 0.05 * 0.25, rtol=1e-5
   )
-  with pytest.raises(ValueError, match="lr_schedule='step' is invalid"):
+  with raises_field("lr_schedule"):
     dataclasses.replace(SCHEDULE, lr_schedule="step")
 
 
 def test_fedavg_delta_needs_noisy_real_model_steps():
-  with pytest.raises(ValueError, match="server.start='fedavg_delta' is invalid.*noisy_real"):
+  with raises_field("server.start"):
     FedLAPConfig(
       client=dp_client(),
       synthetic_init="noise",
       server=ServerConfig(radius_strategy="constant", start="fedavg_delta"),
     )
-  with pytest.raises(ValueError, match="server.start='median' is invalid"):
+  with raises_field("server.start"):
     ServerConfig(start="median")

@@ -14,7 +14,7 @@ import pytest
 
 from fedlap_jax.client_data import ClientData, pixel_normalisation, stack_clients
 
-from conftest import PIXEL_MAX
+from conftest import PIXEL_MAX, raises_field
 
 
 def test_pixel_normalisation_matches_the_formula(pixel_parts):
@@ -57,28 +57,22 @@ def test_stacked_pixels_stay_uint8_at_a_quarter_of_the_memory(pixel_and_float_cl
 
 
 @pytest.mark.parametrize(
-  "kwargs,pattern",
+  "kwargs, field",
   [
-    (dict(), r"dtype uint8 need pixel_scale and pixel_offset"),
-    (dict(pixel_scale=[1.0]), r"pixel_scale and pixel_offset must be given together"),
-    (
-      dict(pixel_scale=[1.0, 2.0], pixel_offset=[0.0, 0.0]),
-      r"pixel_scale has shape \(2,\); allowed: \(1,\)",
-    ),
+    (dict(), "pixel_scale"),
+    (dict(pixel_scale=[1.0]), "pixel_offset"),
+    (dict(pixel_scale=[1.0, 2.0], pixel_offset=[0.0, 0.0]), "pixel_scale"),
   ],
 )
-def test_stack_clients_refuses_pixels_without_a_valid_normalisation(kwargs, pattern):
+def test_stack_clients_refuses_pixels_without_a_valid_normalisation(kwargs, field):
   x = np.zeros((3, 8, 8, 1), np.uint8)
-  with pytest.raises(ValueError, match=pattern):
+  with raises_field(field):
     stack_clients([x], [np.zeros(3, np.int32)], **kwargs)
-  with pytest.raises(ValueError, match=r"differ in dtype or shape"):
+  with raises_field("xs"):
     stack_clients([x, x.astype(np.float32)], [np.zeros(3), np.zeros(3)])
 
 
-@pytest.mark.parametrize(
-  "mean,std,pattern",
-  [([0.5], [0.0], r"std=\[0\.0\] is invalid"), ([0.5, 0.5], [0.2], r"both be \(C,\) vectors")],
-)
-def test_pixel_normalisation_refuses_bad_statistics(mean, std, pattern):
-  with pytest.raises(ValueError, match=pattern):
+@pytest.mark.parametrize("mean, std, field", [([0.5], [0.0], "std"), ([0.5, 0.5], [0.2], "std")])
+def test_pixel_normalisation_refuses_bad_statistics(mean, std, field):
+  with raises_field(field):
     pixel_normalisation(mean, std)

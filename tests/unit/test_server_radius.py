@@ -16,9 +16,9 @@ import pytest
 from fedlap_jax import training
 from fedlap_jax.methods.fedlap import radius
 from fedlap_jax.methods.fedlap import server
-from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import ClientData, SyntheticSet
 from fedlap_jax.methods.fedlap.config import ServerConfig
+from conftest import raises_field
 
 
 # ---------------------------------------------------------------- server radius strategies
@@ -58,7 +58,7 @@ def test_server_radius_median_even_count():
 
 
 def test_server_radius_bad_strategy():
-  with pytest.raises(ValueError, match=r"radius_strategy='smallest'.*min"):
+  with raises_field("radius_strategy"):
     radius.server_radius(RADII, "smallest", 1.0)
 
 
@@ -251,27 +251,18 @@ def test_global_update_eager_equals_jit(linear_apply_fn, linear_params, union):
 
 
 @pytest.mark.parametrize(
-  "change, message",
+  "change, field",
   [
-    (
-      lambda s, w: (jax.tree.map(lambda a: np.asarray(a)[0], s), w[:1]),
-      r"synthetic.y.shape=\(8,\) is invalid; allowed: \(8, 8\): one entry per image",
-    ),
-    (
-      lambda s, w: (s, np.ones(3, np.float32)),
-      r"client_weights.shape=\(3,\) is invalid; allowed: \(2,\): one weight per client",
-    ),
-    (
-      lambda s, w: (s._replace(y=np.asarray(s.y).astype(np.float32)), w),
-      r"synthetic.y.dtype='float32' is invalid; allowed: an integer dtype",
-    ),
+    (lambda s, w: (jax.tree.map(lambda a: np.asarray(a)[0], s), w[:1]), "synthetic.y.shape"),
+    (lambda s, w: (s, np.ones(3, np.float32)), "client_weights.shape"),
+    (lambda s, w: (s._replace(y=np.asarray(s.y).astype(np.float32)), w), "synthetic.y.dtype"),
   ],
 )
 def test_global_update_refuses_a_union_it_cannot_use(
-  linear_apply_fn, linear_params, union, change, message
+  linear_apply_fn, linear_params, union, change, field
 ):
   bad, weights = change(union, np.ones(2, np.float32))
-  with pytest.raises(ConfigError, match=message):
+  with raises_field(field):
     global_update_jit(
       jax.random.PRNGKey(0),
       linear_apply_fn,
@@ -283,7 +274,7 @@ def test_global_update_refuses_a_union_it_cannot_use(
       config=SERVER,
     )
   server.check_union(union, jnp.ones(2))  # the union the other tests train on passes
-  with pytest.raises(ConfigError, match=r"synthetic.x.shape=\(16,\) is invalid"):
+  with raises_field("synthetic.x.shape"):
     server.check_union(
       SyntheticSet(jnp.zeros(16), jnp.zeros(16, jnp.int32), jnp.ones(16, bool)), jnp.ones(1)
     )
@@ -396,9 +387,9 @@ def test_evaluate_makes_chunks_equal(n, chunk_size, traced):
   out = evaluate_jit(apply_fn, p, x, y, chunk_size=chunk_size)  # one program
   assert seen == [traced]
   chex.assert_trees_all_close(out.loss, np.log(3.0), rtol=1e-6)
-  with pytest.raises(ValueError, match="chunk_size=0"):
+  with raises_field("chunk_size"):
     training.evaluate(apply_fn, p, x, y, chunk_size=0)
-  with pytest.raises(ValueError, match="0 records"):
+  with raises_field("x"):
     training.evaluate(apply_fn, p, x[:0], y[:0])
 
 
@@ -474,7 +465,7 @@ def test_cosine_open_schedule_has_no_zero_rate_round():
   # The reference schedule spends its last round at the floor, 1 % of eta_0.
   assert float(fn(3, 3, 0.2)) == pytest.approx(0.002)
   chex.assert_trees_all_close(fn(1, 1, 0.3, schedule="cosine_open"), 0.3)
-  with pytest.raises(ValueError, match="lr_schedule='linear' is invalid"):
+  with raises_field("lr_schedule"):
     fn(1, 3, 0.1, schedule="linear")
 
 
@@ -511,9 +502,9 @@ def test_server_momentum_and_weight_decay_are_pytorch_sgd(linear_apply_fn, linea
   assert int(metrics.epochs) == 2 and int(metrics.steps) == 2
   # Plain SGD (the FedLAP server) is the default: momentum and decay 0.
   assert (ServerConfig().momentum, ServerConfig().weight_decay) == (0.0, 0.0)
-  with pytest.raises(ValueError, match="server.momentum=1.0 is invalid"):
+  with raises_field("server.momentum"):
     ServerConfig(momentum=1.0)
-  with pytest.raises(ValueError, match="server.weight_decay=-1.0 is invalid"):
+  with raises_field("server.weight_decay"):
     ServerConfig(weight_decay=-1.0)
 
 
