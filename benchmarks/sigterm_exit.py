@@ -57,7 +57,6 @@ def measure(code_root: Path, method: str, iterations: int, after: float, timeout
     config = Path(tmp) / f"oneshot_{method}.py"
     config.write_text(CONFIG.format(method=method))
     env = dict(os.environ, PYTHONPATH=str(code_root), JAX_PLATFORMS="cpu")
-    env.pop("FEDLAP_JAX_FAULT", None)
     argv = [
       sys.executable,
       "-m",

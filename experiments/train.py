@@ -115,7 +115,7 @@ from fedlap_jax.training import evaluate
 
 from experiments import outputs, resume
 
-from fedlap_runs import build, checkpointing, faults, library_configs, seeds
+from fedlap_runs import build, checkpointing, library_configs, seeds
 from fedlap_runs import export_cache, termination
 
 # How long a round may go on after SIGTERM before it is abandoned (schedulers kill ~30 s after).
@@ -453,7 +453,6 @@ class _RoundLoop:
           self._abandon(m, idx, "interrupted (Ctrl-C)")
           raise
         self.state = state
-        faults.point("round", m)
         epsilon = self._charge(m, idx)
         problems = outputs.find_non_finite(params, metrics, test_loss, len(idx), idx)
         if problems:
@@ -519,7 +518,6 @@ class _RoundLoop:
     ev = self.eval_fn(params, self.x_test, self.y_test)
     test_loss, test_acc = float(ev.loss), float(ev.accuracy)
     jax.block_until_ready((state, metrics))
-    faults.slow(m)
     return state, metrics, params, test_loss, test_acc
 
   def _charge(self, m, idx):
@@ -528,9 +526,7 @@ class _RoundLoop:
     if self.ledger is None:
       return None
     epsilon = charge_round(self.ledger, self.alg.mechanism, idx)
-    checkpointing.write_json_atomic(
-      self.workdir / "privacy_ledger.json", self.ledger.to_dict(), fault_round=m
-    )
+    checkpointing.write_json_atomic(self.workdir / "privacy_ledger.json", self.ledger.to_dict())
     return epsilon
 
   def _checkpoint(self, m):

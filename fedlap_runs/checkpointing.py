@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_runs import faults
 from fedlap_jax.types import PyTree
 
 # A round's timing (it depends on the round's Poisson draws, so it is not covered by the
@@ -43,11 +42,7 @@ TIMING_FIELDS = ("round_seconds", "wall_seconds", "first_in_process")
 
 
 def write_atomic(
-  path: str | os.PathLike,
-  write: Callable[[BinaryIO], Any],
-  *,
-  mode: int = 0o666,
-  fault_round: int | None = None,
+  path: str | os.PathLike, write: Callable[[BinaryIO], Any], *, mode: int = 0o666
 ) -> None:
   """Writes ``path`` through ``write(f)`` (``f`` a binary file) so a kill leaves the old file or
   the new one, never a mix: a temporary file, fsync, ``os.replace``, fsync of the directory.
@@ -56,9 +51,7 @@ def write_atomic(
   O_EXCL | O_NOFOLLOW``: nothing planted there beforehand (a file, a symbolic link) is
   followed, truncated or reused, and ``os.replace`` replaces a link at ``path`` itself, never
   its target. ``mode``: the new file's permission bits (the umask applies; ``0o600`` for a
-  file only its owner may read). ``fault_round``: the round this write belongs to, for the
-  ``ledger`` point of :mod:`fedlap_runs.faults` (fired between the temporary file and the
-  replace).
+  file only its owner may read).
   """
   path = Path(path)
   tmp = path.with_name(f".{path.name}.tmp{secrets.token_hex(8)}")
@@ -68,8 +61,6 @@ def write_atomic(
       write(f)
       f.flush()
       os.fsync(f.fileno())
-    if fault_round is not None:
-      faults.point("ledger", fault_round)
     os.replace(tmp, path)
   except Exception:
     tmp.unlink(missing_ok=True)
@@ -77,12 +68,10 @@ def write_atomic(
   _fsync_directory(path.parent)
 
 
-def write_json_atomic(
-  path: str | os.PathLike, obj, *, mode: int = 0o666, fault_round: int | None = None
-) -> None:
+def write_json_atomic(path: str | os.PathLike, obj, *, mode: int = 0o666) -> None:
   """Writes ``obj`` as JSON (indented, keys sorted) to ``path`` with :func:`write_atomic`."""
   text = json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
-  write_atomic(path, lambda f: f.write(text.encode()), mode=mode, fault_round=fault_round)
+  write_atomic(path, lambda f: f.write(text.encode()), mode=mode)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -262,20 +251,18 @@ class Checkpointer:
   def save(self, round_index: int, state: PyTree, meta: dict) -> None:
     """Saves ``state`` and the JSON ``meta`` as checkpoint ``round_index`` (atomic).
 
-    The ``meta`` item is written after the ``state`` item; the ``checkpoint``
-    point of :mod:`fedlap_runs.faults` fires in between.
+    The ``meta`` item is written after the ``state`` item.
     """
     ocp = self._ocp
     meta = json.loads(json.dumps(meta, default=_json_default))
-    with faults.inside("checkpoint", round_index, ocp.handlers.JsonCheckpointHandler, "async_save"):
-      self._manager.save(
-        int(round_index),
-        args=ocp.args.Composite(
-          state=ocp.args.StandardSave(flatten_state(state)), meta=ocp.args.JsonSave(meta)
-        ),
-        force=True,
-      )
-      self._manager.wait_until_finished()
+    self._manager.save(
+      int(round_index),
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(flatten_state(state)), meta=ocp.args.JsonSave(meta)
+      ),
+      force=True,
+    )
+    self._manager.wait_until_finished()
 
   def set_aside(self, round_index: int, destination: str | os.PathLike) -> Path:
     """Moves checkpoint ``round_index`` (e.g. a damaged one) to ``destination/<round>``

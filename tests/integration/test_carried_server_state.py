@@ -52,21 +52,18 @@ def _records(out):
 def runs(tmp_path_factory):
   """Straight runs with and without ``server.carry_state``, and the carried run stopped in
   round 3 (after round 2's checkpoint) and resumed."""
-  from fedlap_runs import faults  # pylint: disable=g-import-not-at-top
+  from fault_run import install  # pylint: disable=g-import-not-at-top
 
   carried = dict(ADAM_SERVER, **{"server.carry_state": True})
   fresh = train.train_and_evaluate(tiny_config(**ADAM_SERVER), tmp_path_factory.mktemp("fresh"))
   straight = train.train_and_evaluate(tiny_config(**carried), tmp_path_factory.mktemp("carried"))
   workdir = tmp_path_factory.mktemp("resumed")
   mp = pytest.MonkeyPatch()
-  original = faults.point
 
-  def stop_in_round_3(name, m):
-    if name == "round" and m == 3:
-      raise RuntimeError("stopped in round 3")
-    return original(name, m)
+  def stop():
+    raise RuntimeError("stopped in round 3")
 
-  mp.setattr(faults, "point", stop_in_round_3)
+  install("round", 3, stop, mp.setattr)
   with pytest.raises(RuntimeError, match="stopped in round 3"):
     train.train_and_evaluate(tiny_config(**carried), workdir)
   mp.undo()

@@ -1,7 +1,7 @@
 """Ctrl-C keeps the finished rounds, and no early exit leaves a load on a background thread.
 
 A tiny FedLAP-DP run (digits, ConvNet-8x1, 4 rounds, no checkpoint due before its last round)
-gets SIGINT, as Ctrl-C sends it, in round 3 (``FEDLAP_JAX_FAULT=slow:3:INT``): round 2 is
+gets SIGINT, as Ctrl-C sends it, in round 3 (``tests/fault_run.py slow:3:INT``): round 2 is
 checkpointed before round 3 is abandoned, so the same command again resumes after round 2
 (not from round 0) and ends with every round's record and a ledger of 4 rounds.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from conftest import TINY_FEDLAP_FLAGS
+from fault_run import command
 from pathlib import Path
 
 import pytest
@@ -35,13 +35,8 @@ def launch(workdir: Path, cache: Path, fault: str | None = None) -> subprocess.C
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
   )
-  env.pop("FEDLAP_JAX_FAULT", None)
-  if fault:
-    env["FEDLAP_JAX_FAULT"] = fault
   argv = [
-    sys.executable,
-    "-m",
-    "experiments.run",
+    *command(fault),
     "--config=quickstart:dp_loops",
     *(f"--config.{k}={v}" for k, v in FLAGS.items()),
     f"--workdir={workdir}",

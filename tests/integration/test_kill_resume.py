@@ -2,8 +2,8 @@
 
 A tiny FedLAP-DP run (digits, ConvNet-8x1, 6 rounds, a checkpoint every 2
 rounds) is run once straight, and once as a chain of processes that are
-interrupted at deterministic points by the fault-injection hook
-(:mod:`fedlap_runs.faults`, ``FEDLAP_JAX_FAULT=POINT:ROUND[:SIGNAL]``):
+interrupted at deterministic points by the fault-injection launcher
+(``tests/fault_run.py POINT:ROUND[:SIGNAL]``):
 
 1. SIGKILL during round 3 (computed, nothing of it written);
 2. SIGKILL inside the checkpoint save of round 4 (orbax's temporary directory
@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from conftest import TINY_FEDLAP_FLAGS
+from fault_run import command
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,7 @@ FLAGS = {
 TIMING = ("round_seconds", "wall_seconds", "first_in_process")
 
 
-def _env(cache: Path, fault: str | None = None) -> dict:
+def _env(cache: Path) -> dict:
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
@@ -62,9 +63,6 @@ def _env(cache: Path, fault: str | None = None) -> dict:
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     FLWR_TELEMETRY_ENABLED="0",
   )
-  env.pop("FEDLAP_JAX_FAULT", None)
-  if fault:
-    env["FEDLAP_JAX_FAULT"] = fault
   return env
 
 
@@ -78,15 +76,13 @@ def launch(
   timeout: float = 300.0,
 ) -> subprocess.CompletedProcess:
   argv = [
-    sys.executable,
-    "-m",
-    "experiments.run",
+    *command(fault),
     f"--config={config}",
     *(f"--config.{k}={v}" for k, v in (FLAGS if flags is None else flags).items()),
     f"--workdir={workdir}",
   ]
   return subprocess.run(
-    argv, cwd=ROOT, env=_env(cache, fault), capture_output=True, text=True, timeout=timeout
+    argv, cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=timeout
   )
 
 
@@ -267,16 +263,12 @@ def test_sigterm_abandons_a_long_oneshot_round_and_the_resume_redoes_it(tmp_path
   # SIGTERM while round 1 (the whole run) is still computing, past the grace period.
   flags = {**ONESHOT_FLAGS, "termination_grace_seconds": GRACE_SECONDS}
   argv = [
-    sys.executable,
-    "-m",
-    "experiments.run",
+    *command("slow:1"),
     f"--config={config}",
     *(f"--config.{k}={v}" for k, v in flags.items()),
     f"--workdir={chain}",
   ]
-  rc, out, err, seconds = terminate_when(
-    argv, _env(cache, "slow:1"), "fault: round 1 is slow", timeout=900
-  )
+  rc, out, err, seconds = terminate_when(argv, _env(cache), "fault: round 1 is slow", timeout=900)
   assert rc == 143, err[-2000:]
   assert GRACE_SECONDS <= seconds < EXIT_BUDGET_SECONDS, seconds
   assert (

@@ -56,7 +56,7 @@ def sampled_runs(tmp_path_factory):
   """Tiny FedLAP-DP, 2 of 5 clients per round, 4 rounds: straight, and stopped after round 2."""
   from test_experiments_run import tiny_config  # pylint: disable=g-import-not-at-top
   from experiments import train  # pylint: disable=g-import-not-at-top
-  from fedlap_runs import faults  # pylint: disable=g-import-not-at-top
+  from fault_run import install  # pylint: disable=g-import-not-at-top
 
   overrides = dict(
     progress_bar=False,
@@ -69,14 +69,11 @@ def sampled_runs(tmp_path_factory):
   straight = train.train_and_evaluate(tiny_config(**overrides), straight_dir)
   resumed_dir = tmp_path_factory.mktemp("sampled_resumed")
   mp = pytest.MonkeyPatch()
-  original = faults.point
 
-  def stop_in_round_3(name, m):
-    if name == "round" and m == 3:
-      raise RuntimeError("stopped in round 3")
-    return original(name, m)
+  def stop():
+    raise RuntimeError("stopped in round 3")
 
-  mp.setattr(faults, "point", stop_in_round_3)
+  install("round", 3, stop, mp.setattr)
   with pytest.raises(RuntimeError, match="stopped in round 3"):
     train.train_and_evaluate(tiny_config(**overrides), resumed_dir)
   mp.undo()

@@ -16,8 +16,9 @@ import pytest
 
 from conftest import TINY_FEDLAP_FLAGS
 from experiments import resume, run, train
+from fault_run import install
 
-from fedlap_runs import faults, seeds
+from fedlap_runs import seeds
 
 FLAGS = {
   **TINY_FEDLAP_FLAGS,
@@ -53,11 +54,10 @@ def stopped(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("stopped")
   mp = pytest.MonkeyPatch()
 
-  def kill_in_round_2(name, m):
-    if (name, m) == ("round", 2):
-      raise Killed()
+  def kill():
+    raise Killed()
 
-  mp.setattr(faults, "point", kill_in_round_2)
+  install("round", 2, kill, mp.setattr)
   with pytest.raises(Killed):
     run.main(argv(workdir))
   mp.undo()
