@@ -945,25 +945,18 @@ def _fedlap_rounds_equal_experiments_run(tmp_path, overrides: str):
 
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_fedlaps_optimisers_chosen_in_the_overrides_run_as_experiments_run(tmp_path):
+def test_fedlaps_optimisers_and_carried_state_in_the_overrides_run_as_experiments_run(tmp_path):
   """FedLAP with Adam as its server's descent and as its clients' model and image optimisers,
-  chosen in the overrides, without Flower code: the library config carries the specs to the
-  server and to every client; every number is experiments.run's."""
-  cfg, _ = settings.load_config("quickstart:nondp", FEDLAP_ADAM_OVERRIDES)
+  chosen in the overrides, and ``server.carry_state=True``, without Flower code: the library
+  config carries the specs to the server and to every client, and the server's descent starts
+  each round from the last round's Adam state, as experiments.run's; every number is
+  experiments.run's, and the state it saved after the last round holds that optimiser's state."""
+  overrides = FEDLAP_ADAM_OVERRIDES + " server.carry_state=True"
+  cfg, _ = settings.load_config("quickstart:nondp", overrides)
   assert (cfg.server.optimizer.name, cfg.client.model_optimizer.name) == ("adam", "adam")
-  records, ref = _fedlap_rounds_equal_experiments_run(tmp_path, FEDLAP_ADAM_OVERRIDES)
+  records, ref = _fedlap_rounds_equal_experiments_run(tmp_path, overrides)
   for got, want in zip(records, ref):
     assert got["client_radius"] == want["client_radius"]
-
-
-@pytest.mark.slow
-@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_fedlaps_carried_server_state_runs_as_experiments_run(tmp_path):
-  """``server.carry_state=True``: the Flower server's FedLAP descent starts each round from
-  the last round's Adam state, as experiments.run's; every number is experiments.run's, and
-  the state it saved after the last round holds that optimiser's state."""
-  overrides = FEDLAP_ADAM_OVERRIDES + " server.carry_state=True"
-  _, ref = _fedlap_rounds_equal_experiments_run(tmp_path, overrides)
   fresh = reference_run("quickstart:nondp", FEDLAP_ADAM_OVERRIDES, tmp_path / "fresh")
   assert ref[1]["test_loss"] != fresh[1]["test_loss"]  # round 2 starts from round 1's state
   with np.load(tmp_path / "run" / "server_state.npz") as f:
