@@ -909,20 +909,6 @@ def test_server_carry_state_is_a_field_the_overrides_reach_for_fedlap_only():
   assert err.value.field == "server.carry_state"
 
 
-@pytest.mark.slow
-@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_a_server_optimiser_chosen_in_the_overrides_runs_as_experiments_run(tmp_path):
-  """FedYogi in the Flower app without Flower code: the library config carries the optimiser,
-  the server carries its state; every number is experiments.run's."""
-  rc = _run_config(tmp_path, "quickstart:fedadam", overrides=FEDYOGI_OVERRIDES)
-  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:fedadam", FEDYOGI_OVERRIDES, tmp_path / "ref")
-  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
-  for got, want in zip(records, ref):
-    assert got["test_accuracy"] == want["test_accuracy"]
-    assert got["test_loss"] == want["test_loss"]
-
-
 FEDLAP_ADAM_OVERRIDES = TINY.replace("client.max_outer=1", "client.max_outer=2") + (
   " client.inner_loop=1 server.optimizer.name=adam client.model_optimizer.name=adam"
   " client.image_optimizer.name=adam client.image_momentum=0.0 client.image_lr=0.1"
