@@ -447,23 +447,6 @@ def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
   assert reply.content["metrics"]["num-examples"] > 0  # non-DP clients report N_k
 
 
-@pytest.mark.slow
-@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
-  """Test-only mode: DP clients draw from the server's keys -> bit-equal to experiments.run."""
-  monkeypatch.setenv(settings.UNSAFE_ENV, "1")
-  rc = _run_config(
-    tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0}
-  )
-  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:dp_loops", TINY, tmp_path / "ref")
-  for got, want in zip(records, ref):
-    assert got["test_accuracy"] == want["test_accuracy"]
-    assert got["test_loss"] == want["test_loss"]
-    # experiments.run accounts with min_k N_k: the largest client epsilon.
-    assert got["epsilon"] == want["epsilon"]
-
-
 def _experiments_run(config: str, overrides: str, workdir) -> tuple[list[dict], dict]:
   """``experiments.run``'s way with a config (its one-run path, calibration included):
   ``(records, config.json)``."""
