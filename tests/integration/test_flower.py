@@ -19,7 +19,7 @@ import pytest
 from flax import traverse_util
 from flwr.app import Array
 
-from flower_harness import TINY, node_configs, read_jsonl, reference_run, run_inprocess
+from flower_harness import SMALL_MODEL, TINY, node_configs, read_jsonl, reference_run, run_inprocess
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import settings, strategy
 from fedlap_jax import accounting
@@ -442,7 +442,8 @@ def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
     assert got["epsilon"] is None and got["clients_ok"] == [0, 1, 2, 3, 4]
   # Bytes: 5 synthetic sets of 20 8x8x1 float32 images + labels + masks, and r_k, per round.
   assert records[0]["upload_bytes"] == 5 * (20 * 64 * 4 + 20 * 4 + 20 + 4)
-  assert records[0]["model_bytes"] > 5 * records[0]["upload_bytes"] / 5
+  with np.load(tmp_path / "run" / "final_params.npz") as f:  # the model sent to each client
+    assert records[0]["model_bytes"] == sum(a.nbytes for a in f.values())
   reply = grid.replies[0]
   assert reply.content["metrics"]["num-examples"] > 0  # non-DP clients report N_k
 
@@ -754,7 +755,7 @@ def test_missing_and_failing_clients_are_logged_and_the_rest_aggregate(tmp_path)
 def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   """method=fedavg: the clients run the library's FedAvg client step, the server its server
   step, with experiments.run's keys and learning rates: every number is the same."""
-  overrides = "method=fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128"
+  overrides = f"method=fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}"
   rc = _run_config(tmp_path, "quickstart:nondp", overrides=overrides)
   records, grid = run_inprocess(rc, state_root=tmp_path / "state")
   ref = reference_run("quickstart:nondp", overrides, tmp_path / "ref")
@@ -792,12 +793,15 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
 # Every registry method of FedAvg's wire (the client's model) runs in the Flower app, generic
 # over the registry.
 FEDAVG_WIRE = {
-  "fedsgd": ("quickstart:nondp", "method=fedsgd rounds=2 eval_chunk_size=128"),
+  "fedsgd": ("quickstart:nondp", f"method=fedsgd rounds=2 eval_chunk_size=128 {SMALL_MODEL}"),
   "fedprox": (
     "quickstart:nondp",
-    "method=fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   ),
-  "fedadam": ("quickstart:fedadam", "rounds=2 baseline.local_epochs=1 eval_chunk_size=128"),
+  "fedadam": (
+    "quickstart:fedadam",
+    f"rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
+  ),
 }
 
 
@@ -934,8 +938,12 @@ def test_fedlaps_optimisers_and_carried_state_in_the_overrides_run_as_experiment
 
 
 DP_FEDAVG_WIRE = {
-  "dp_fedavg": "method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
-  "dp_fedprox": "method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  "dp_fedavg": (
+    f"method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}"
+  ),
+  "dp_fedprox": (
+    f"method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}"
+  ),
 }
 
 
@@ -1059,7 +1067,7 @@ def test_a_dp_fedavg_client_refuses_what_its_ledger_refuses(tmp_path):
 # update by the method's wire. Tiny loops (the protocol, not the learning).
 SYNTHETIC_TINY = (
   "server.radius_strategy=fixed server.weighting=size server.max_epochs=1 "
-  "server.dsa_strategy='' client.ipc=1 eval_chunk_size=128"
+  f"server.dsa_strategy='' client.ipc=1 eval_chunk_size=128 {SMALL_MODEL}"
 )
 CONDENSE_TINY = (
   "condense.networks=2 condense.outer_loop=2 condense.inner_loop=1 condense.dsa_strategy=''"
@@ -1067,7 +1075,7 @@ CONDENSE_TINY = (
 CARRIED = {
   "scaffold": (
     "quickstart:nondp",
-    "method=scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   ),
   "feddm": (
     "quickstart:nondp",
@@ -1084,7 +1092,7 @@ CARRIED = {
   ),
   "dp_scaffold": (  # DP (the test-only server keys: experiments.run's noise)
     "quickstart:dp_loops",
-    "method=dp_scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=dp_scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   ),
 }
 
@@ -1162,7 +1170,8 @@ def test_sampled_scaffold_clients_keep_their_variates_across_the_rounds_they_ski
 
   config = "quickstart:nondp"
   overrides = (
-    "method=scaffold rounds=3 baseline.local_epochs=1 eval_chunk_size=128 data.num_clients=20 "
+    f"method=scaffold rounds=3 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL} "
+    "data.num_clients=20 "
     "data.clients_per_round=5 data.partition=iid client.batch_size=16"
   )
   cfg = settings.load_config(config, overrides)[0]
@@ -1704,8 +1713,8 @@ def test_a_client_records_which_federated_run_and_experiment_its_state_belongs_t
 RESUMABLE = {
   "nondp": TINY.replace("rounds=2", "rounds=3"),
   "nondp_noise": TINY.replace("rounds=2", "rounds=3") + " synthetic_init=noise",  # carried images
-  "fedavg": "method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
-  "fedadam": "method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
+  "fedavg": f"method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
+  "fedadam": f"method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   "scaffold": CARRIED["scaffold"][1].replace("rounds=2", "rounds=3"),  # carried c_k
   "feddm": CARRIED["feddm"][1].replace("rounds=2", "rounds=3"),  # a carried synthetic set
   # FedLAP whose server carries its Adam state across rounds (saved in server_state.npz).
