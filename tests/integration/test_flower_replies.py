@@ -26,6 +26,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from flower_harness import (
   SAMPLED,
+  SMALL_MODEL,
   TINY,
   InProcessGrid,
   ReplayGrid,
@@ -57,10 +58,14 @@ KINDS = {
   "hybrid_uncapped": ("quickstart:dp", HYBRID_ONE, {"unsafe-dp-keys-from-server": True}),
   "fedavg": (
     "quickstart:nondp",
-    "method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
     {},
   ),
-  "fedadam": ("quickstart:fedadam", "rounds=1 baseline.local_epochs=1 eval_chunk_size=128", {}),
+  "fedadam": (
+    "quickstart:fedadam",
+    f"rounds=1 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
+    {},
+  ),
   # FedLAP whose server carries its Adam state across rounds (kept in server_state.npz).
   "carry": (
     "quickstart:nondp",
@@ -69,7 +74,7 @@ KINDS = {
   ),
   "dp_fedavg": (
     "quickstart:dp_loops",
-    "method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
     {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
   ),
 }
