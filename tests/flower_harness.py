@@ -17,9 +17,10 @@ from pathlib import Path
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 
-# Tiny loops: the tests check the protocol, not the learning.
+# A 1-block ConvNet of width 8 and tiny loops: the tests check the protocol, not the learning.
+SMALL_MODEL = "model.width=8 model.depth=1"
 TINY = (
-  "rounds=2 client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
+  f"rounds=2 {SMALL_MODEL} client.batch_loop=1 client.boost_loop=1 client.max_outer=1 "
   "client.calibration_epochs=2 client.dsa_strategy='' server.dsa_strategy='' "
   "server.max_epochs=2 eval_chunk_size=128"
 )

@@ -19,7 +19,7 @@ import pytest
 from flax import traverse_util
 from flwr.app import Array
 
-from flower_harness import TINY, node_configs, read_jsonl, reference_run, run_inprocess
+from flower_harness import SMALL_MODEL, TINY, node_configs, read_jsonl, reference_run, run_inprocess
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import settings, strategy
 from fedlap_jax import accounting
@@ -432,26 +432,10 @@ def test_nondp_rounds_equal_experiments_run_bit_for_bit(tmp_path):
     assert got["epsilon"] is None and got["clients_ok"] == [0, 1, 2, 3, 4]
   # Bytes: 5 synthetic sets of 20 8x8x1 float32 images + labels + masks, and r_k, per round.
   assert records[0]["upload_bytes"] == 5 * (20 * 64 * 4 + 20 * 4 + 20 + 4)
-  assert records[0]["model_bytes"] > 5 * records[0]["upload_bytes"] / 5
+  with np.load(tmp_path / "run" / "final_params.npz") as f:  # the model sent to each client
+    assert records[0]["model_bytes"] == sum(a.nbytes for a in f.values())
   reply = grid.replies[0]
   assert reply.content["metrics"]["num-examples"] > 0  # non-DP clients report N_k
-
-
-@pytest.mark.slow
-@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_dp_rounds_equal_experiments_run_with_unsafe_server_keys(tmp_path, monkeypatch):
-  """Test-only mode: DP clients draw from the server's keys -> bit-equal to experiments.run."""
-  monkeypatch.setenv(settings.UNSAFE_ENV, "1")
-  rc = _run_config(
-    tmp_path, "quickstart:dp_loops", **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0}
-  )
-  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:dp_loops", TINY, tmp_path / "ref")
-  for got, want in zip(records, ref):
-    assert got["test_accuracy"] == want["test_accuracy"]
-    assert got["test_loss"] == want["test_loss"]
-    # experiments.run accounts with min_k N_k: the largest client epsilon.
-    assert got["epsilon"] == want["epsilon"]
 
 
 def _experiments_run(config: str, overrides: str, workdir) -> tuple[list[dict], dict]:
@@ -759,7 +743,7 @@ def test_missing_and_failing_clients_are_logged_and_the_rest_aggregate(tmp_path)
 def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
   """method=fedavg: the clients run the library's FedAvg client step, the server its server
   step, with experiments.run's keys and learning rates: every number is the same."""
-  overrides = "method=fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128"
+  overrides = f"method=fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}"
   rc = _run_config(tmp_path, "quickstart:nondp", overrides=overrides)
   records, grid = run_inprocess(rc, state_root=tmp_path / "state")
   ref = reference_run("quickstart:nondp", overrides, tmp_path / "ref")
@@ -797,12 +781,15 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
 # Every registry method of FedAvg's wire (the client's model) runs in the Flower app, generic
 # over the registry.
 FEDAVG_WIRE = {
-  "fedsgd": ("quickstart:nondp", "method=fedsgd rounds=2 eval_chunk_size=128"),
+  "fedsgd": ("quickstart:nondp", f"method=fedsgd rounds=2 eval_chunk_size=128 {SMALL_MODEL}"),
   "fedprox": (
     "quickstart:nondp",
-    "method=fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   ),
-  "fedadam": ("quickstart:fedadam", "rounds=2 baseline.local_epochs=1 eval_chunk_size=128"),
+  "fedadam": (
+    "quickstart:fedadam",
+    f"rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
+  ),
 }
 
 
@@ -897,20 +884,6 @@ def test_server_carry_state_is_a_field_the_overrides_reach_for_fedlap_only():
   assert err.value.field == "server.carry_state"
 
 
-@pytest.mark.slow
-@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_a_server_optimiser_chosen_in_the_overrides_runs_as_experiments_run(tmp_path):
-  """FedYogi in the Flower app without Flower code: the library config carries the optimiser,
-  the server carries its state; every number is experiments.run's."""
-  rc = _run_config(tmp_path, "quickstart:fedadam", overrides=FEDYOGI_OVERRIDES)
-  records, _ = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:fedadam", FEDYOGI_OVERRIDES, tmp_path / "ref")
-  assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
-  for got, want in zip(records, ref):
-    assert got["test_accuracy"] == want["test_accuracy"]
-    assert got["test_loss"] == want["test_loss"]
-
-
 FEDLAP_ADAM_OVERRIDES = TINY.replace("client.max_outer=1", "client.max_outer=2") + (
   " client.inner_loop=1 server.optimizer.name=adam client.model_optimizer.name=adam"
   " client.image_optimizer.name=adam client.image_momentum=0.0 client.image_lr=0.1"
@@ -933,25 +906,18 @@ def _fedlap_rounds_equal_experiments_run(tmp_path, overrides: str):
 
 @pytest.mark.slow
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_fedlaps_optimisers_chosen_in_the_overrides_run_as_experiments_run(tmp_path):
+def test_fedlaps_optimisers_and_carried_state_in_the_overrides_run_as_experiments_run(tmp_path):
   """FedLAP with Adam as its server's descent and as its clients' model and image optimisers,
-  chosen in the overrides, without Flower code: the library config carries the specs to the
-  server and to every client; every number is experiments.run's."""
-  cfg, _ = settings.load_config("quickstart:nondp", FEDLAP_ADAM_OVERRIDES)
+  chosen in the overrides, and ``server.carry_state=True``, without Flower code: the library
+  config carries the specs to the server and to every client, and the server's descent starts
+  each round from the last round's Adam state, as experiments.run's; every number is
+  experiments.run's, and the state it saved after the last round holds that optimiser's state."""
+  overrides = FEDLAP_ADAM_OVERRIDES + " server.carry_state=True"
+  cfg, _ = settings.load_config("quickstart:nondp", overrides)
   assert (cfg.server.optimizer.name, cfg.client.model_optimizer.name) == ("adam", "adam")
-  records, ref = _fedlap_rounds_equal_experiments_run(tmp_path, FEDLAP_ADAM_OVERRIDES)
+  records, ref = _fedlap_rounds_equal_experiments_run(tmp_path, overrides)
   for got, want in zip(records, ref):
     assert got["client_radius"] == want["client_radius"]
-
-
-@pytest.mark.slow
-@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
-def test_fedlaps_carried_server_state_runs_as_experiments_run(tmp_path):
-  """``server.carry_state=True``: the Flower server's FedLAP descent starts each round from
-  the last round's Adam state, as experiments.run's; every number is experiments.run's, and
-  the state it saved after the last round holds that optimiser's state."""
-  overrides = FEDLAP_ADAM_OVERRIDES + " server.carry_state=True"
-  _, ref = _fedlap_rounds_equal_experiments_run(tmp_path, overrides)
   fresh = reference_run("quickstart:nondp", FEDLAP_ADAM_OVERRIDES, tmp_path / "fresh")
   assert ref[1]["test_loss"] != fresh[1]["test_loss"]  # round 2 starts from round 1's state
   with np.load(tmp_path / "run" / "server_state.npz") as f:
@@ -960,8 +926,12 @@ def test_fedlaps_carried_server_state_runs_as_experiments_run(tmp_path):
 
 
 DP_FEDAVG_WIRE = {
-  "dp_fedavg": "method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
-  "dp_fedprox": "method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+  "dp_fedavg": (
+    f"method=dp_fedavg rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}"
+  ),
+  "dp_fedprox": (
+    f"method=dp_fedprox rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}"
+  ),
 }
 
 
@@ -1085,7 +1055,7 @@ def test_a_dp_fedavg_client_refuses_what_its_ledger_refuses(tmp_path):
 # update by the method's wire. Tiny loops (the protocol, not the learning).
 SYNTHETIC_TINY = (
   "server.radius_strategy=fixed server.weighting=size server.max_epochs=1 "
-  "server.dsa_strategy='' client.ipc=1 eval_chunk_size=128"
+  f"server.dsa_strategy='' client.ipc=1 eval_chunk_size=128 {SMALL_MODEL}"
 )
 CONDENSE_TINY = (
   "condense.networks=2 condense.outer_loop=2 condense.inner_loop=1 condense.dsa_strategy=''"
@@ -1093,7 +1063,7 @@ CONDENSE_TINY = (
 CARRIED = {
   "scaffold": (
     "quickstart:nondp",
-    "method=scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   ),
   "feddm": (
     "quickstart:nondp",
@@ -1110,7 +1080,7 @@ CARRIED = {
   ),
   "dp_scaffold": (  # DP (the test-only server keys: experiments.run's noise)
     "quickstart:dp_loops",
-    "method=dp_scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128",
+    f"method=dp_scaffold rounds=2 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   ),
 }
 
@@ -1188,7 +1158,8 @@ def test_sampled_scaffold_clients_keep_their_variates_across_the_rounds_they_ski
 
   config = "quickstart:nondp"
   overrides = (
-    "method=scaffold rounds=3 baseline.local_epochs=1 eval_chunk_size=128 data.num_clients=20 "
+    f"method=scaffold rounds=3 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL} "
+    "data.num_clients=20 "
     "data.clients_per_round=5 data.partition=iid client.batch_size=16"
   )
   cfg = settings.load_config(config, overrides)[0]
@@ -1723,8 +1694,8 @@ def test_a_client_records_which_federated_run_and_experiment_its_state_belongs_t
 RESUMABLE = {
   "nondp": TINY.replace("rounds=2", "rounds=3"),
   "nondp_noise": TINY.replace("rounds=2", "rounds=3") + " synthetic_init=noise",  # carried images
-  "fedavg": "method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
-  "fedadam": "method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128",
+  "fedavg": f"method=fedavg rounds=3 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
+  "fedadam": f"method=fedadam rounds=3 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
   "scaffold": CARRIED["scaffold"][1].replace("rounds=2", "rounds=3"),  # carried c_k
   "feddm": CARRIED["feddm"][1].replace("rounds=2", "rounds=3"),  # a carried synthetic set
   # FedLAP whose server carries its Adam state across rounds (saved in server_state.npz).
