@@ -116,7 +116,10 @@ def run_flower(
   max_epsilon: float,
   jax_cache: Path,
   timeout: float,
+  stock: bool = False,
 ) -> dict:
+  """``stock``: Flower's own ``flower-supernode`` (a ClientApp process per message) in place
+  of :mod:`fedlap_flower.node`."""
   from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
 
   Federation = _federation().Federation
@@ -146,7 +149,7 @@ def run_flower(
         }
         if dp:  # a client with its own max-epsilon refuses non-DP runs
           node["max-epsilon"] = max_epsilon
-        fed.start_supernode(k, node)
+        fed.start_supernode(k, node, stock=stock)
     else:
       run_config["max-epsilon"] = max_epsilon
     t_submit = time.time()
