@@ -40,10 +40,23 @@ TINY = (
 # label: (config, overrides). "long": the quickstart's FedLAP-DP with a wider model and more
 # client steps, a round of at least 60 s in process on the 2-core VM.
 CONFIGS = {
-  "quickstart": ("quickstart:dp", "rounds=3"),
+  "quickstart": ("quickstart:dp", "rounds=2"),
   "long": ("quickstart:dp", "rounds=2 model.width=64 client.max_outer=40 client.boost_loop=40"),
 }
 SMALL = {"tiny": ("quickstart:dp", f"rounds=2 {TINY}")}
+
+
+def caps(cfg) -> dict:
+  """The node config that lets a client compute what ``cfg`` asks beyond the default caps."""
+  from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  for key, (field, default) in settings.COMPUTE_CAPS.items():
+    section, name = field.split(".")
+    value = cfg[section].get(name) if section in cfg else None
+    if isinstance(value, int) and value > default:
+      out[key] = value
+  return out
 
 
 def run_arm(arm: str, config: str, overrides: str, workdir: Path, jax_cache: Path) -> list[float]:
@@ -65,6 +78,7 @@ def run_arm(arm: str, config: str, overrides: str, workdir: Path, jax_cache: Pat
       jax_cache=jax_cache,
       timeout=1800.0,
       stock=arm == "stock",
+      node_extra=caps(cfg),
     )["records"]
   return flower_runs.round_seconds("experiments" if arm == "experiments" else "deployment", records)
 

@@ -117,9 +117,10 @@ def run_flower(
   jax_cache: Path,
   timeout: float,
   stock: bool = False,
+  node_extra: dict | None = None,
 ) -> dict:
   """``stock``: Flower's own ``flower-supernode`` (a ClientApp process per message) in place
-  of :mod:`fedlap_flower.node`."""
+  of :mod:`fedlap_flower.node`; ``node_extra``: more node config (e.g. compute caps)."""
   from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
 
   Federation = _federation().Federation
@@ -149,6 +150,7 @@ def run_flower(
         }
         if dp:  # a client with its own max-epsilon refuses non-DP runs
           node["max-epsilon"] = max_epsilon
+        node.update(node_extra or {})
         fed.start_supernode(k, node, stock=stock)
     else:
       run_config["max-epsilon"] = max_epsilon
