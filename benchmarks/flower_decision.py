@@ -134,9 +134,9 @@ def main(argv=None) -> int:
           flush=True,
         )
         (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(summary({label: results[label]}), flush=True)
-  text = summary(results)
-  print(text)
+    if len(configs) > 1:
+      print(summary({label: results[label]}), flush=True)
+  print(summary(results))
   long_ = results.get("long", {})
   if long_.get("stock") and long_.get("warm"):
     ratio = statistics.median(long_["stock"]) / statistics.median(long_["warm"])
