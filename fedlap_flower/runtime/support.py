@@ -21,7 +21,10 @@ Parts:
   (:mod:`fedlap_flower.runtime.warm_clientapp`), which speaks the Runtime API
   protocol of ``flwr-clientapp`` and authenticates as SuperExec does;
 * ``grid``: the ServerApp Grid's object pulls (``pull_objects`` inside the Grid's
-  module).
+  module);
+* ``serverapp``: the server's ServerApp runner (:mod:`fedlap_flower.runtime.serverapp`),
+  which has no Flower path to fall back to: :func:`require` refuses it, saying what to do
+  instead.
 """
 
 from __future__ import annotations
