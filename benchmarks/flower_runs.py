@@ -116,7 +116,11 @@ def run_flower(
   max_epsilon: float,
   jax_cache: Path,
   timeout: float,
+  stock: bool = False,
+  node_extra: dict | None = None,
 ) -> dict:
+  """``stock``: Flower's own ``flower-supernode`` (a ClientApp process per message) in place
+  of :mod:`fedlap_flower.node`; ``node_extra``: more node config (e.g. compute caps)."""
   from fedlap_flower import settings  # pylint: disable=g-import-not-at-top
 
   Federation = _federation().Federation
@@ -146,7 +150,8 @@ def run_flower(
         }
         if dp:  # a client with its own max-epsilon refuses non-DP runs
           node["max-epsilon"] = max_epsilon
-        fed.start_supernode(k, node)
+        node.update(node_extra or {})
+        fed.start_supernode(k, node, stock=stock)
     else:
       run_config["max-epsilon"] = max_epsilon
     t_submit = time.time()

@@ -35,7 +35,6 @@ from typing import Callable
 
 import httpx
 from flwr.common.logger import log
-from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
 
 from fedlap_flower.runtime import support
 
@@ -148,6 +147,9 @@ def bounded(
     ObjectPullError: the tree holds more than ``limits.max_objects`` objects (nothing pulled);
       from the returned function, an object or all of them so far above their bytes.
   """
+  # Flower's internals: imported only once the check passed (quick_grid_pulls, the node).
+  from flwr.supercore.inflatable.inflatable_utils import ObjectPullError  # pylint: disable=g-import-not-at-top
+
   if limits.max_objects is not None and len(object_ids) > limits.max_objects:
     raise ObjectPullError(
       object_ids[0],

@@ -15,6 +15,10 @@ This module takes the place of ``flower-superexec`` and ``flwr-serverapp`` on th
 * a task process is ``flwr-serverapp``, except that it refuses a bundle whose ``serverapp``
   is not ``fedlap_flower.server_app:app`` (the run fails, saying why) and otherwise runs the
   ServerApp imported from this installed package, never from the bundle's directory.
+
+It replaces names inside Flower, checked on import (:mod:`fedlap_flower.runtime.support`): on
+another Flower it refuses to start (:class:`~fedlap_flower.runtime.support.UncheckedFlower`),
+saying what to do instead (:data:`INSTEAD`, or install a checked Flower).
 """
 
 from __future__ import annotations
@@ -24,12 +28,22 @@ import subprocess
 import sys
 from typing import Any
 
-from flwr.serverapp.server_app import LoadServerAppError
-from flwr.supercore.constant import TaskType
-from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
-from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
-
 from fedlap_flower.runtime import support
+
+# What a server on a Flower whose internals this module was not checked on does instead.
+INSTEAD = (
+  "start the SuperLink without --isolation process and without this command: Flower's own "
+  "SuperExec then runs the ServerApp of every bundle submitted, so do that only where everyone "
+  "who can reach the Control API (on loopback: every local account) is trusted"
+)
+# Before any of Flower's internals is imported: a Flower that moved them is refused, saying why.
+support.require("serverapp", INSTEAD)
+
+# pylint: disable=wrong-import-position
+from flwr.serverapp.server_app import LoadServerAppError  # noqa: E402
+from flwr.supercore.constant import TaskType  # noqa: E402
+from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor  # noqa: E402
+from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult  # noqa: E402
 
 # Modules, not the functions of the same names their packages export.
 flwr_run_serverapp = importlib.import_module("flwr.server.run_serverapp")
@@ -102,9 +116,12 @@ def main(argv: list[str]) -> None:
   """``--task ARGS``: a ServerApp task process (``flwr-serverapp ARGS``); otherwise the
   executor (``flower-superexec ARGS``). Refuses to start on a Flower where the installed
   ServerApp cannot be put in place of the bundle's (:func:`support.problems`), and refuses
-  runtime dependency installation."""
-  if found := support.problems("serverapp"):
-    raise SystemExit(f"this Flower cannot be made to run only the installed ServerApp: {found}")
+  runtime dependency installation.
+
+  Raises:
+    support.UncheckedFlower: naming ``flwr``, the installed version and what to do instead.
+  """
+  support.require("serverapp", INSTEAD)
   if DEPENDENCY_FLAG in argv:
     raise SystemExit(f"{DEPENDENCY_FLAG}: refused (a bundle's dependencies are not installed)")
   if argv[:1] == ["--task"]:

@@ -21,7 +21,10 @@ Parts:
   (:mod:`fedlap_flower.runtime.warm_clientapp`), which speaks the Runtime API
   protocol of ``flwr-clientapp`` and authenticates as SuperExec does;
 * ``grid``: the ServerApp Grid's object pulls (``pull_objects`` inside the Grid's
-  module, and the ``httpx.Client`` its Runtime API client sends through).
+  module, and the ``httpx.Client`` its Runtime API client sends through);
+* ``serverapp``: the server's ServerApp runner (:mod:`fedlap_flower.runtime.serverapp`),
+  which has no Flower path to fall back to: :func:`require` refuses it, saying what to do
+  instead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from importlib import metadata
 from typing import Callable
 
 TESTED_FLOWER_VERSIONS = ("1.42.0",)
+# What a user of another Flower installs to run what needs the checked internals.
+TESTED_INSTALL = "pip install 'flwr[simulation]==1.42.0'"
 # flwr-clientapp's pull_task_input (1.42.0), which warm_clientapp re-creates: its source's sha256.
 PULL_TASK_INPUT_SHA256 = "5607a23e1673ee876930c1b35685b8dfdfd8b3776a436560b0467042e15fc695"
 # The Runtime API method SuperExec signs (flwr.supercore.superexec.run_superexec, 1.42.0).
@@ -285,6 +290,29 @@ def _problems(part: str, version: str) -> tuple[str, ...]:
   else:
     PARTS[part](checks)
   return tuple(checks.found)
+
+
+class UncheckedFlower(SystemExit):
+  """A part that cannot run on the installed Flower, and what to do instead.
+
+  Attributes:
+    field: ``"flwr"``; value: the installed Flower version; problems: what the check found.
+  """
+
+  def __init__(self, part: str, found: tuple[str, ...], instead: str):
+    self.field, self.value, self.problems = "flwr", flower_version(), found
+    super().__init__(
+      f"{part}: this code uses Flower internals checked on Flower "
+      f"{list(TESTED_FLOWER_VERSIONS)} only, and refuses to run on flwr {self.value!r}: "
+      f"{'; '.join(found)}. Instead: {TESTED_INSTALL}, or {instead}"
+    )
+
+
+def require(part: str, instead: str) -> None:
+  """Raises :class:`UncheckedFlower` (saying ``instead``) unless :func:`problems` finds
+  nothing amiss for ``part``."""
+  if found := problems(part):
+    raise UncheckedFlower(part, found, instead)
 
 
 def problems(part: str, version: str | None = None, *, cached: bool = True) -> tuple[str, ...]:

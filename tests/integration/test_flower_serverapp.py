@@ -109,3 +109,33 @@ def test_server_executor_refuses_to_start_on_an_untested_flower(monkeypatch):
   for argv in (["--task"], ["--runtime-api-address", "127.0.0.1:1"]):
     with pytest.raises(SystemExit, match="run_serverapp.run_"):
       serverapp.main(argv)
+
+
+def test_an_unchecked_flower_version_takes_flowers_own_paths_or_is_refused(monkeypatch):
+  """A Flower release the internals were not checked on (the version the gate reads): the node
+  becomes Flower's own flower-supernode, the ServerApp Grid keeps Flower's own retries, and
+  the server runner refuses, naming ``flwr`` and the version."""
+  from fedlap_flower import node  # pylint: disable=g-import-not-at-top
+  from fedlap_flower.runtime import object_pulls, supernode  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(serverapp.support, "flower_version", lambda: "9.9.9")
+
+  class Execd(Exception):
+    pass
+
+  def execv(path, argv):
+    raise Execd(argv)
+
+  monkeypatch.setattr(supernode.os, "execv", execv)
+  monkeypatch.setattr(supernode, "run_warm", lambda *a, **k: pytest.fail("the worker started"))
+  with pytest.raises(Execd) as stock:
+    node.main(["--allow-unsigned-runs", "--insecure", "--superlink", "x:1"])
+  assert stock.value.args[0][1:] == ["--insecure", "--superlink", "x:1", "--host", "127.0.0.1"]
+  grid = types.ModuleType(object_pulls.GRID_MODULE)
+  grid.pull_objects = flowers = lambda *a, **k: {}
+  assert object_pulls.quick_grid_pulls(grid) is False and grid.pull_objects is flowers
+  for argv in (["--task", "--insecure"], ["--runtime-api-address", "127.0.0.1:1"]):
+    with pytest.raises(serverapp.support.UncheckedFlower) as refused:
+      serverapp.main(argv)
+    assert (refused.value.field, refused.value.value) == ("flwr", "9.9.9")
+    assert serverapp.support.TESTED_INSTALL in str(refused.value)
