@@ -398,7 +398,7 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
     FileNotFoundError: no ``config.json`` or no checkpoint.
   """
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from fedlap_runs import checkpointing, methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import checkpointing, method_entries  # pylint: disable=g-import-not-at-top
   from fedlap_jax.accounting import PrivacyLedger  # pylint: disable=g-import-not-at-top
 
   run_dir = Path(run_dir)
@@ -446,7 +446,7 @@ def load_run(run_dir: str | os.PathLike, round_index: int | None = None) -> Load
     delta=delta,
     round_index=int(meta.get("round", round_index)),
     rounds=int(cfg.rounds),
-    label=methods.label(cfg.method, alg.dp is not None),
+    label=method_entries.label(cfg.method, alg.dp is not None),
   )
 
 

@@ -151,7 +151,7 @@ def spend(cfg, name: str, sizes=None) -> Spend:
   """The :class:`Spend` of the DP config ``cfg`` (``sizes``: records per client, else
   :func:`client_sizes`): its method's mechanism composed round by round into the run's ledger."""
   from experiments import train  # pylint: disable=g-import-not-at-top
-  from fedlap_runs import library_configs, methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import library_configs, method_entries  # pylint: disable=g-import-not-at-top
   from fedlap_jax import participation  # pylint: disable=g-import-not-at-top
 
   sizes = client_sizes(cfg) if sizes is None else list(sizes)
@@ -169,7 +169,7 @@ def spend(cfg, name: str, sizes=None) -> Spend:
     add_remove.append(float(ledger.epsilon_add_remove))
   return Spend(
     name=name,
-    label=cfg.get("label") or methods.label(cfg.method, True),
+    label=cfg.get("label") or method_entries.label(cfg.method, True),
     dataset=cfg.data.name,
     batch_size=mechanism.batch_size,
     min_client_size=int(min(sizes)),

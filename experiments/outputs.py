@@ -25,7 +25,7 @@ from fedlap_jax import accounting
 
 from experiments import resume
 
-from fedlap_runs import build, checkpointing, methods, seeds
+from fedlap_runs import build, checkpointing, method_entries, seeds
 from experiments.json_values import finite_list
 from experiments.resume import DAMAGED_DIR
 
@@ -79,7 +79,7 @@ def summarize_metrics(
 ) -> tuple[dict, dict]:
   """JSON-ready summary of a round's metrics pytree, split by what may be released.
 
-  A metrics type with a view of its own (:func:`fedlap_runs.methods.metrics_view`; FedLAP's
+  A metrics type with a view of its own (:func:`fedlap_runs.method_entries.metrics_view`; FedLAP's
   :class:`~fedlap_jax.methods.fedlap.state.RoundMetrics`: per-client radius, matching losses, real
   accesses, ...) is summarised by it; any other: every leaf, per client where it has a
   leading ``(K,)`` axis.
@@ -91,7 +91,7 @@ def summarize_metrics(
   Returns:
     ``(released, nonprivate)``; ``nonprivate`` is empty unless ``private``.
   """
-  view = methods.metrics_view(metrics)
+  view = method_entries.metrics_view(metrics)
   out = _summarize(metrics, num_clients) if view is None else view.summary(metrics, num_clients)
   if not private:
     return out, {}
@@ -126,7 +126,7 @@ def find_non_finite(
   default ``0..num_clients - 1``.
   """
   ids = list(range(num_clients)) if client_ids is None else [int(i) for i in client_ids]
-  view = methods.metrics_view(metrics)
+  view = method_entries.metrics_view(metrics)
   problems = [] if view is None else view.non_finite(metrics, num_clients, ids)
   if view is None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
@@ -315,7 +315,7 @@ def run_info(
   return dict(
     config_name=config_name,
     method=cfg.method,
-    method_label=methods.label(cfg.method, private),
+    method_label=method_entries.label(cfg.method, private),
     dataset=cfg.data.name,
     rounds=cfg.rounds,
     num_params=run.num_params,

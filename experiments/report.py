@@ -55,9 +55,9 @@ import numpy as np
 
 from experiments import resume
 
-from fedlap_runs import catalog, checkpointing, methods
+from fedlap_runs import catalog, checkpointing, method_entries
 
-METHOD_ORDER = methods.labels()
+METHOD_ORDER = method_entries.labels()
 DATASET_ORDER = catalog.NAMES
 # Fields that do not tell runs apart: what may change when a run resumes (it changes no
 # number), and what a report names otherwise (the seed: runs of one setting; the method and

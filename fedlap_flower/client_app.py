@@ -179,9 +179,9 @@ def _method_templates(method, config, params, facts):
 
 
 def _model_fns(model, image_shape) -> ModelFns:
-  from fedlap_runs import methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import method_entries  # pylint: disable=g-import-not-at-top
 
-  return methods.model_fns(model, image_shape)
+  return method_entries.model_fns(model, image_shape)
 
 
 def _last_round(run, node, server_round: int) -> int | None:

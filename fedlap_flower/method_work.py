@@ -65,7 +65,7 @@ MAX_CLASSES_KEY = "max-classes-per-client"
 
 
 def run_facts(cfg, facts, num_params: int, max_classes: int = 0) -> RunFacts:
-  """The :class:`~fedlap_jax.method.RunFacts` of a run (:func:`fedlap_runs.methods.run_facts`)
+  """The :class:`~fedlap_jax.method.RunFacts` of a run (:func:`fedlap_runs.method_entries.run_facts`)
   from its :class:`fedlap_runs.build.Facts`, the stated ``max_classes`` checked first.
 
   ``max_classes``: the run config's ``max-classes-per-client`` (0: not stated), the most
@@ -86,9 +86,9 @@ def run_facts(cfg, facts, num_params: int, max_classes: int = 0) -> RunFacts:
       message=f"{MAX_CLASSES_KEY}={max_classes!r} is invalid: the config's named partition "
       f"gives its clients at most {known} classes. Allowed: 0 (not stated) or {known}",
     )
-  from fedlap_runs import methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import method_entries  # pylint: disable=g-import-not-at-top
 
-  return methods.run_facts(cfg, facts, num_params, int(max_classes))
+  return method_entries.run_facts(cfg, facts, num_params, int(max_classes))
 
 
 def classes_beyond(data: ClientData, facts: RunFacts) -> str | None:

@@ -155,13 +155,13 @@ def serve(grid: Grid, run: settings.RunSettings) -> list[dict]:
     federated_run=info[federated_runs.RUN_INFO_KEY],
   )
   max_image_abs = run.max_image_abs or replies.image_bound(largest_pixel(test))
-  from fedlap_runs import methods  # pylint: disable=g-import-not-at-top
+  from fedlap_runs import method_entries  # pylint: disable=g-import-not-at-top
 
   shared.update(
     method=method,
     method_config=plan.config,
     facts=facts,
-    model=methods.model_fns(start.model, test.image_shape),
+    model=method_entries.model_fns(start.model, test.image_shape),
     k_alg=start.k_alg,
     unsafe_dp_keys_from_server=run.unsafe_dp_keys_from_server,
     max_epsilon=run.max_epsilon,

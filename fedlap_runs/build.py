@@ -18,7 +18,7 @@ and the Flower app's server and clients build a run here, so each computes what 
    (:func:`build_run` does all three for a whole run).
 
 No method's name is read here: what differs between methods is their entry in
-:mod:`fedlap_runs.methods`.
+:mod:`fedlap_runs.method_entries`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from fedlap_jax.models import count_params, init_convnet
 
 from fedlap_runs import calibration, catalog
 from fedlap_runs import data as data_lib
-from fedlap_runs import library_configs, methods, seeds
+from fedlap_runs import library_configs, method_entries, seeds
 
 
 class Facts(NamedTuple):
@@ -77,7 +77,7 @@ class Plan(NamedTuple):
 
   Attributes:
     cfg: the config (under ``calibrate``, a copy with the calibrated ``dp.noise_multiplier``).
-    entry: the method's :class:`fedlap_runs.methods.Entry`.
+    entry: the method's :class:`fedlap_runs.method_entries.Entry`.
     data: the run's :class:`Data`.
     config: the method's frozen library config (static in every jit).
     mechanism: its :class:`~fedlap_jax.accounting.DpMechanism`; ``None`` without DP.
@@ -86,7 +86,7 @@ class Plan(NamedTuple):
   """
 
   cfg: Any
-  entry: methods.Entry
+  entry: method_entries.Entry
   data: Data
   config: Any
   mechanism: Any
@@ -162,7 +162,7 @@ def plan(cfg, *, data: Data | None = None, calibrate: bool = False, config: Any 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
   """
-  entry = methods.entry(cfg.method)
+  entry = method_entries.entry(cfg.method)
   if config is None:
     config = library_configs.validate_config(cfg)
   if calibrate:
@@ -281,7 +281,7 @@ def samples_clients(cfg) -> bool:
 def client_backend(cfg) -> str:
   """The resolved ``client_backend`` of ``cfg``'s method
   (:func:`fedlap_jax.dispatch.resolve_client_backend`)."""
-  entry = methods.entry(cfg.method)
+  entry = method_entries.entry(cfg.method)
   return resolve_client_backend(cfg.client_backend, side_by_side=entry.side_by_side)
 
 

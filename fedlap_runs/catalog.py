@@ -37,7 +37,7 @@ class DataSet:
     train_class_counts: records per class of its training split (tfds's copy): public
       facts, so client sizes and epsilons need no download; ``None``: not recorded.
     short: the prefix of its named configs (``fmnist`` in ``fmnist_dp``); ``""``: none.
-    psg_sigma: PSG's sigma of its named config (:mod:`fedlap_runs.configs.synthetic`).
+    psg_sigma: PSG's sigma of its named config (:mod:`fedlap_runs.configs.synthetic_baselines`).
   """
 
   name: str

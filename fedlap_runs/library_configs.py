@@ -1,7 +1,7 @@
 """The library's configs built from an experiment config, and the checks done on the way.
 
 :func:`library_config` builds the frozen library config of ``cfg.method`` as the method's
-entry declares it (:mod:`fedlap_runs.methods`: where it reads the fields every method shares,
+entry declares it (:mod:`fedlap_runs.method_entries`: where it reads the fields every method shares,
 which sections are its own; :func:`fedlap_runs.sections.build`, the one builder).
 Two stages of checks, before anything runs:
 
@@ -43,7 +43,7 @@ from fedlap_jax.synthetic import synthetic_labels
 from fedlap_runs import catalog
 from fedlap_runs import data as data_lib
 from fedlap_runs import datasets as datasets_lib
-from fedlap_runs import methods, sections
+from fedlap_runs import method_entries, sections
 
 
 def _fail(field: str, value, allowed: str):
@@ -52,13 +52,13 @@ def _fail(field: str, value, allowed: str):
 
 def library_config(cfg, *, max_client_size: int | None = None):
   """The frozen library config of ``cfg.method``, as its entry declares it
-  (:func:`fedlap_runs.methods.entry`; ``max_client_size``, records of the largest client,
+  (:func:`fedlap_runs.method_entries.entry`; ``max_client_size``, records of the largest client,
   fixes a baseline's static step count and is required under DP).
 
   Raises:
     ConfigError: naming the experiment config's field, the value and what is allowed.
   """
-  spec = methods.entry(cfg.method).spec
+  spec = method_entries.entry(cfg.method).spec
   return sections.build(spec, cfg, max_client_size=max_client_size)
 
 
@@ -69,7 +69,7 @@ def dp_mechanism(cfg, client_sizes: Sequence[int]) -> accounting.DpMechanism | N
   if not cfg.dp.enabled:
     return None
   config = library_config(cfg, max_client_size=max(client_sizes))
-  return methods.entry(cfg.method).mechanism(config)
+  return method_entries.entry(cfg.method).mechanism(config)
 
 
 def _get(cfg, field: str):
@@ -90,7 +90,7 @@ def dp_coupled_fields(cfg) -> list[tuple[str, object, object, str]]:
   if cfg.dp.enabled is not True:
     return []
   out = []
-  entry = methods.ENTRIES.get(cfg.method)
+  entry = method_entries.ENTRIES.get(cfg.method)
   if entry is not None and entry.dp_twin is not None:
     out.append(("method", cfg.method, *entry.dp_twin))
   for field, ok, fix, why in () if entry is None else entry.dp_fields:
@@ -147,7 +147,7 @@ def validate_config(cfg):
   Raises:
     ConfigError: naming the field, the value and what is allowed.
   """
-  entry = methods.entry(cfg.method)
+  entry = method_entries.entry(cfg.method)
   seed = cfg.get("seed")
   if seed is not None and (not is_int(seed) or not 0 <= seed < 2**128):
     _fail(
@@ -288,24 +288,24 @@ def validate_config(cfg):
   try:  # the library's own checks of the baseline section, whatever the method
     baselines.LocalTraining(epochs=cfg.baseline.local_epochs, prox_mu=cfg.baseline.prox_mu)
   except ConfigError as e:
-    raise sections.renamed(e, methods.BASELINE_SPEC.path(e.field)) from None
+    raise sections.renamed(e, method_entries.BASELINE_SPEC.path(e.field)) from None
   # The optimiser sections are checked whatever the method; a method that does not read the
   # baseline section refuses a choice there (it would be ignored).
-  for field, spec in methods.baseline_optimizers(cfg).items():
-    if spec != optim.SGD and not methods.reads_baseline(entry):
+  for field, spec in method_entries.baseline_optimizers(cfg).items():
+    if spec != optim.SGD and not method_entries.reads_baseline(entry):
       _fail(
         f"baseline.{field}",
         spec,
         f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (the baseline section's "
         "optimisers are the FedAvg family's; this method does not read them)",
       )
-  for path, spec in methods.section_optimizers(cfg).items():
-    if spec != optim.SGD and not methods.reads_section(entry, path):
+  for path, spec in method_entries.section_optimizers(cfg).items():
+    if spec != optim.SGD and not method_entries.reads_section(entry, path):
       _fail(
         path,
         spec,
         f"plain SGD (name='sgd' and its defaults) for method={cfg.method!r} (this method does "
-        f"not read {path}: {methods.SECTION_OPTIMIZERS[path][1]})",
+        f"not read {path}: {method_entries.SECTION_OPTIMIZERS[path][1]})",
       )
   carry = cfg.server.get("carry_state", False)
   if carry is not False and (core.ServerConfig, "server") not in entry.spec.nested:
@@ -466,7 +466,7 @@ def validate_data(
       f"data.train_fraction={d.train_fraction}); allowed: every class held by >= 1 client",
     )
 
-  entry = methods.entry(cfg.method)
+  entry = method_entries.entry(cfg.method)
   if not entry.synthetic:
     return
   ipc = cfg.client.ipc

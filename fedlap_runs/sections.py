@@ -10,7 +10,7 @@ method's own ``feddm`` or ``condense``). :func:`build` reads the declared fields
 method's constructor and renames a core error to the field as written on the command line,
 through the same declaration: ``ipc`` -> ``client.ipc`` where the method reads it there, a field
 of the method's own section -> ``SECTION.field``. The specs themselves are in
-:mod:`fedlap_runs.methods`.
+:mod:`fedlap_runs.method_entries`.
 """
 
 from __future__ import annotations

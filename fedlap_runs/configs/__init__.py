@@ -4,11 +4,11 @@
 one string argument, ``ARG``), starting from :mod:`fedlap_runs.configs.default`,
 or a name of :data:`ALIASES`, which stands for ``MODULE:ARG0`` (an ``ARG`` given
 with an alias is appended: ``cifar_dsc:federated10`` is
-``synthetic:cifar_dsc:federated10``).
+``synthetic_baselines:cifar_dsc:federated10``).
 
 Modules: :mod:`~fedlap_runs.configs.fedlap` (FedLAP / FedLAP-DP: the paper's
 settings, ablations, DP recipes), :mod:`~fedlap_runs.configs.baselines`
-(gradient-sharing baselines), :mod:`~fedlap_runs.configs.synthetic` (FedDM, DSC,
+(gradient-sharing baselines), :mod:`~fedlap_runs.configs.synthetic_baselines` (FedDM, DSC,
 PSG), :mod:`~fedlap_runs.configs.quickstart` (digits), and the suites
 :mod:`~fedlap_runs.configs.quickstart_compare` and
 :mod:`~fedlap_runs.configs.compare_dp`.
@@ -34,7 +34,9 @@ ALIASES = {
     for d in _DATASETS
     for m in ("fedsgd", "fedavg", "fedprox", "scaffold", "fedavg_dp", "fedprox_dp")
   },
-  **{f"{d}_{s}": f"synthetic:{d}_{s}" for d in _DATASETS for s in ("feddm", "dsc", "psg")},
+  **{
+    f"{d}_{s}": f"synthetic_baselines:{d}_{s}" for d in _DATASETS for s in ("feddm", "dsc", "psg")
+  },
   "digits_dp_hybrid": "quickstart:dp",
   "digits_dp_tuned": "quickstart:dp_tuned",
   "quickstart_nondp": "quickstart:nondp",

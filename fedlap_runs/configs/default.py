@@ -46,7 +46,7 @@ Sections:
   ``client.ipc``, ``client.batch_size`` (real records per batch),
   ``synthetic_init``, the ``server`` section (their server's training) and
   ``learning_rate`` (the server's); PSG reads ``dp``. Builders of their named
-  configs: ``fedlap_runs/configs/synthetic.py``.
+  configs: ``fedlap_runs/configs/synthetic_baselines.py``.
 """
 
 import dataclasses
@@ -60,7 +60,7 @@ from fedlap_jax.methods.feddm import distribution_matching as feddm
 from fedlap_jax import dp_config
 from fedlap_jax.methods.fedlap import config as core
 
-from fedlap_runs import methods
+from fedlap_runs import method_entries
 from fedlap_runs.configs import schema
 
 
@@ -164,14 +164,16 @@ def get_config() -> ml_collections.ConfigDict:
   # published loops for client.ipc (fedlap_jax.methods.condensation.one_shot.dc_loops);
   # condense.lr_decay multiplies the server's learning rate for the second half of
   # server.max_epochs.
-  config.feddm = schema.section(feddm.FedDMConfig, exclude=methods.FEDDM_SHARED)
+  config.feddm = schema.section(feddm.FedDMConfig, exclude=method_entries.FEDDM_SHARED)
   config.condense = schema.section(
     condensation.CondensationConfig,
-    exclude=methods.CONDENSE_SHARED,
+    exclude=method_entries.CONDENSE_SHARED,
     outer_loop=None,
     inner_loop=None,
   )
-  config.condense.update(schema.section(condensation.OneShotConfig, exclude=methods.ONESHOT_SHARED))
+  config.condense.update(
+    schema.section(condensation.OneShotConfig, exclude=method_entries.ONESHOT_SHARED)
+  )
   # Their synthetic images' optimiser: sections of the fields of fedlap_jax.optim.Optimizer,
   # plain SGD by default (the SGD of feddm.image_momentum / condense.image_momentum; e.g.
   # feddm.image_optimizer.name=adam with feddm.image_momentum=0 steps Adam at feddm.image_lr).

@@ -20,7 +20,7 @@ public test split, as FedLAP-DP needs), model (ConvNet 32 x 2) and evaluation:
   :mod:`experiments.run` does this when the suite starts, and the match holds for any
   seed.
 * the synthetic-data systems, shrunk to seconds each (the published loops are
-  in ``fedlap_runs/configs/synthetic.py``): FedDM (10 rounds, ipc 10, 50
+  in ``fedlap_runs/configs/synthetic_baselines.py``): FedDM (10 rounds, ipc 10, 50
   image iterations per round at ``rho = 2``, about FedDM's ``rho = 5`` relative
   to the smaller model's parameter norm, 12 vs 28; server 100 epochs); DSC
   one-shot federated and centralized (ipc 10, 10 fresh networks of the
@@ -35,7 +35,7 @@ from fedlap_jax.methods.condensation.one_shot import DC_LOOPS
 from fedlap_jax.baselines import BASELINE_METHODS, DP_BASELINE_METHODS
 from fedlap_jax.methods import REGISTRY
 
-from fedlap_runs.configs import quickstart, synthetic
+from fedlap_runs.configs import quickstart, synthetic_baselines
 
 NONDP_BASELINES = tuple(m for m in BASELINE_METHODS if REGISTRY[m].privacy == "never")
 DP_BASELINES = DP_BASELINE_METHODS
@@ -92,7 +92,7 @@ def feddm_config() -> ml_collections.ConfigDict:
   f.rho = 2.0
   f.image_lr = 1.0
   f.dsa_strategy = ""
-  synthetic.server(config, epochs=100)
+  synthetic_baselines.server(config, epochs=100)
   return config
 
 
@@ -112,7 +112,7 @@ def oneshot_config(method: str, *, networks: int, batch_loop: int) -> ml_collect
   c.image_lr = 0.1
   c.net_lr = 0.01
   c.dsa_strategy = ""
-  synthetic.server(config, epochs=300)
+  synthetic_baselines.server(config, epochs=300)
   return config
 
 

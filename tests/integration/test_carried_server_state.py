@@ -14,7 +14,7 @@ import pytest
 
 from experiments import resume, train
 
-from fedlap_runs import library_configs, methods
+from fedlap_runs import library_configs, method_entries
 from fedlap_jax import rounds
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.config import ServerConfig, fixed_epochs_server
@@ -113,7 +113,7 @@ def test_carry_state_is_refused_by_name_where_no_server_carries_it():
   for method in ("dsc", "psg"):
     private = method == "psg"
     cond = CondensationConfig(
-      classwise=not private, dp=methods.dp_config(tiny_config()) if private else None
+      classwise=not private, dp=method_entries.dp_config(tiny_config()) if private else None
     )
     with raises_field("server.carry_state"):
       OneShotConfig(method=method, condensation=cond, server=carrying)

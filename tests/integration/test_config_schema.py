@@ -10,7 +10,7 @@ from fedlap_jax import dp_config
 from fedlap_jax.methods.fedlap import config as core
 from fedlap_jax.checks import ConfigError
 
-from fedlap_runs import library_configs, methods
+from fedlap_runs import library_configs, method_entries
 from fedlap_runs.configs import default, fedlap, schema
 from conftest import raises_field
 
@@ -23,7 +23,7 @@ def test_sections_are_the_dataclasses_fields_and_defaults():
   assert fedlap.client == core.ClientConfig()
   assert fedlap.server == core.ServerConfig(weighting="size")  # None resolved without DP
   cfg.dp.enabled = True
-  assert methods.dp_config(cfg) == core.PAPER_DP
+  assert method_entries.dp_config(cfg) == core.PAPER_DP
 
 
 def test_optional_fields_are_typed_placeholders():

@@ -13,7 +13,7 @@ import pytest
 from experiments import outputs, report, run, train
 
 from fedlap_runs import build, configs, flags, library_configs
-from fedlap_runs.configs import quickstart_compare, synthetic
+from fedlap_runs.configs import quickstart_compare, synthetic_baselines
 from fedlap_jax import accounting
 
 # Long runs of few programs: compiled for speed of execution (conftest).
@@ -204,7 +204,7 @@ def test_named_configs_validate_with_the_published_settings(name):
   ],
 )
 def test_dsc_variants(variant, method, ipc):
-  cfg = synthetic.get_dsc_config("cifar", variant)
+  cfg = synthetic_baselines.get_dsc_config("cifar", variant)
   library_configs.validate_config(cfg)
   assert (cfg.method, cfg.client.ipc) == (method, ipc)
   assert library_configs.library_config(cfg).condensation.outer_loop == (10 if ipc == 10 else 50)
@@ -212,12 +212,12 @@ def test_dsc_variants(variant, method, ipc):
 
 def test_bad_dsc_variant_is_refused():
   with pytest.raises(ValueError, match="allowed"):
-    synthetic.get_dsc_config("cifar", "federated20")
+    synthetic_baselines.get_dsc_config("cifar", "federated20")
 
 
 @pytest.mark.parametrize("dataset", ["mnist", "fmnist", "cifar"])
 def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
-  cfg = synthetic.get_psg_config(dataset)
+  cfg = synthetic_baselines.get_psg_config(dataset)
   core = library_configs.library_config(cfg)
   t = core.condensation.real_accesses_per_round
   assert t == 1000 * 10 * 10 and core.condensation.batch_size == 256
@@ -225,12 +225,12 @@ def test_psg_sigma_gives_epsilon_32_in_the_federated_setting(dataset):
     rounds=1,
     noise_multiplier=cfg.dp.noise_multiplier,
     batch_size=256,
-    min_client_size=synthetic.MIN_CLIENT_SIZE[dataset],
+    min_client_size=synthetic_baselines.MIN_CLIENT_SIZE[dataset],
     steps_per_round=t,
     delta=1e-5,
     adjacency="add_remove",  # the paper's figure
   )
-  assert 31.9 < eps <= synthetic.PSG_TARGET_EPSILON
+  assert 31.9 < eps <= synthetic_baselines.PSG_TARGET_EPSILON
   assert (cfg.dp.l2_clip_norm, core.condensation.classwise) == (0.1, False)
 
 

@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 
-from fedlap_runs import library_configs, methods
+from fedlap_runs import library_configs, method_entries
 from fedlap_runs.configs import quickstart
 from fedlap_jax import baselines, checks
 from fedlap_jax import dispatch as dispatch_lib
@@ -89,7 +89,7 @@ def test_baseline_errors_name_the_config_path():
 def test_method_lists_and_labels_come_from_the_registry():
   # The experiments' table of methods has one entry per registry method, in its order; the
   # names and display names are the methods' own (no table of names beside the registry).
-  assert tuple(methods.ENTRIES) == tuple(REGISTRY)
+  assert tuple(method_entries.ENTRIES) == tuple(REGISTRY)
   assert tuple(REGISTRY) == (
     ("fedlap",)
     + baselines.METHODS

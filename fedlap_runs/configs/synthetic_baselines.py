@@ -1,6 +1,6 @@
 """The synthetic-data comparison systems of Tables 1 and 2: FedDM, DSC, PSG (same data and model).
 
-``--config=synthetic:DATASET_SYSTEM[:VARIANT]`` (``DATASET`` one of ``mnist``, ``fmnist``,
+``--config=synthetic_baselines:DATASET_SYSTEM[:VARIANT]`` (``DATASET`` one of ``mnist``, ``fmnist``,
 ``cifar``; ``SYSTEM`` one of ``feddm``, ``dsc``, ``psg``), each also a ``--config`` name of its
 own::
 
@@ -169,6 +169,6 @@ def get_config(arg: str):
   if builder is not None and (takes_variant or not variant):
     return builder(dataset, variant) if takes_variant else builder(dataset)
   raise ValueError(
-    f"synthetic:{arg} is invalid; allowed: DATASET_feddm, DATASET_dsc[:VARIANT] "
+    f"synthetic_baselines:{arg} is invalid; allowed: DATASET_feddm, DATASET_dsc[:VARIANT] "
     f"or DATASET_psg, DATASET one of {tuple(DATASETS)}"
   )
