@@ -1,4 +1,5 @@
-"""The ConvNet of the dataset-condensation literature, as used by FedLAP-DP.
+"""The ConvNet of the dataset-condensation literature, as used by FedLAP-DP, and a ScatterNet
+(a fixed wavelet scattering front end and a small trained head, :class:`ScatterNet`).
 
 ``depth x [Conv 3x3 (width filters, padding 1) -> norm -> ReLU -> AvgPool 2x2]``,
 flatten, Dense to the classes. For 1-channel 28x28 inputs (MNIST, Fashion-MNIST)
@@ -425,3 +426,166 @@ def _init_params(model: nn.Module, key: jax.Array, image_shape: tuple[int, ...])
   about 2 s, bit for bit the same parameters.
   """
   return model.init(key, jnp.zeros((1, *image_shape), jnp.float32))["params"]
+
+
+# -- ScatterNet: a fixed wavelet scattering front end and a small trained head --------------------
+#
+# Tramer & Boneh, "Differentially private learning needs better features (or much more data)",
+# ICLR 2021: DP-SGD on the 2-D scattering transform of the images (Bruna & Mallat, "Invariant
+# scattering convolution networks", TPAMI 2013; J = 2 scales, L = 8 angles, order 2) beats
+# end-to-end CNNs at the same epsilon. The transform has no parameters and reads no data: it is
+# part of the model's function, so the DP accounting and the per-example paths are unchanged.
+
+SCATTER_J = 2  # scales: the features are at 1 / 2**J of the image's side
+SCATTER_L = 8  # angles
+SCATTER_HEADS = ("linear", "cnn")
+# Channels per input channel: order 0, 1 and 2 (j1 < j2).
+SCATTER_CHANNELS = 1 + SCATTER_J * SCATTER_L + SCATTER_L**2 * SCATTER_J * (SCATTER_J - 1) // 2
+
+
+def _gabor(size: int, sigma: float, theta: float, xi: float, slant: float) -> np.ndarray:
+  """A Gabor filter on a ``size x size`` periodic grid (origin at index 0), in space.
+
+  Gaussian envelope of width ``sigma`` along the direction ``theta`` and ``sigma / slant``
+  across it, carrier ``exp(i xi u)`` with ``u`` the coordinate along ``theta``; summed over
+  the neighbouring periods so that the filter is periodic.
+  """
+  c, s = np.cos(theta), np.sin(theta)
+  shifts = size * np.arange(-2, 3)
+  grid = (np.arange(size)[:, None] + shifts[None, :]).ravel()
+  x, y = grid[:, None], grid[None, :]
+  u, v = c * x + s * y, -s * x + c * y
+  g = np.exp(-(u**2 + (slant * v) ** 2) / (2 * sigma**2) + 1j * xi * u)
+  g = g.reshape(size, len(shifts), size, len(shifts)).sum(axis=(1, 3))
+  return g / (2 * np.pi * sigma**2 / slant)
+
+
+@functools.lru_cache(maxsize=8)
+def scattering_filters(size: int, J: int = SCATTER_J, L: int = SCATTER_L):
+  """The fixed filter bank of :func:`scattering`, in the Fourier domain (built once, numpy).
+
+  Returns ``(phi, psi)``: ``phi[r]`` the Gaussian low-pass of scale ``2**J`` and
+  ``psi[j][r]`` the ``L`` Morlet band-passes of scale ``2**j`` (``(L, n, n)``), each at the
+  resolution ``n = size / 2**r`` of a signal subsampled ``r`` times by 2. A Morlet filter is a
+  Gabor filter less its mean's worth of envelope (zero mean); its spectrum is real (the
+  filter is Hermitian), and at a coarser resolution it is the fold of the full spectrum
+  (the filter sampled on the coarse grid, scaled to keep its gain).
+  """
+
+  def folded(f_hat, r):
+    k = 2**r
+    n = size // k
+    *lead, _, _ = f_hat.shape
+    return f_hat.reshape(*lead, k, n, k, n).sum(axis=(-4, -2)).astype(np.float32)
+
+  def spectrum(f):
+    return np.real(np.fft.fft2(f))
+
+  phi_hat = spectrum(_gabor(size, 0.8 * 2 ** (J - 1), 0.0, 0.0, 1.0))
+  psi = []
+  for j in range(J):
+    sigma, xi, slant = 0.8 * 2**j, 3 * np.pi / 4 / 2**j, 4 / L
+    bank = []
+    for t in range(L):
+      theta = t * np.pi / L
+      gabor = _gabor(size, sigma, theta, xi, slant)
+      envelope = _gabor(size, sigma, theta, 0.0, slant)
+      bank.append(spectrum(gabor - envelope * gabor.sum() / envelope.sum()))
+    psi.append(tuple(folded(np.stack(bank), r) for r in range(j + 1)))
+  phi = tuple(folded(phi_hat, r) for r in range(J + 1))
+  return phi, tuple(psi)
+
+
+def _modulus(z: jax.Array) -> jax.Array:
+  """``|z|`` with gradient 0 (not NaN) where ``z == 0``."""
+  sq = jnp.real(z) ** 2 + jnp.imag(z) ** 2
+  nonzero = sq > 0
+  return jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, sq, 1.0)), 0.0)
+
+
+def _subsample(z_hat: jax.Array, k: int) -> jax.Array:
+  """The spectrum of a signal subsampled by ``k`` along both of its last two axes."""
+  *lead, m, n = z_hat.shape
+  return z_hat.reshape(*lead, k, m // k, k, n // k).mean(axis=(-4, -2))
+
+
+def scattering(x: jax.Array, J: int = SCATTER_J, L: int = SCATTER_L) -> jax.Array:
+  """The 2-D scattering transform (order 2) of images ``(N, H, W, C)``: ``(N, H / 2**J, W /
+  2**J, C * K)``, ``K = 1 + J L + L**2 J (J - 1) / 2`` channels per input channel (81 for
+  ``J = 2, L = 8``), ordered ``[S0, S1[j1, t1], S2[j1, t1, j2 > j1, t2]]`` per input channel.
+
+  ``S0 = x * phi``, ``S1 = |x * psi_j1| * phi``, ``S2 = ||x * psi_j1| * psi_j2| * phi``,
+  every output at ``1 / 2**J`` of the side; each intermediate is subsampled as far as its
+  band allows. The image is mirror-padded by ``2**J`` on every side (convolutions are
+  periodic, by FFT) and the padding cropped from the output. A fixed function: no
+  parameters, no statistics; each example is transformed alone.
+
+  Raises:
+    ValueError: when ``H`` or ``W`` is not a multiple of ``2**J`` or they differ.
+  """
+  n, h, w, c = x.shape
+  k = 2**J
+  if h != w or h % k:
+    raise ValueError(f"scattering needs square images with a side a multiple of {k}, got {h}x{w}")
+  size = h + 2 * k
+  phi, psi = scattering_filters(size, J, L)
+  imgs = jnp.transpose(x, (0, 3, 1, 2)).reshape(n * c, h, w).astype(jnp.float32)
+  imgs = jnp.pad(imgs, ((0, 0), (k, k), (k, k)), mode="reflect")
+
+  def low_pass(u_hat, r):  # a signal at resolution r -> its S at resolution J
+    return jnp.real(jnp.fft.ifft2(_subsample(u_hat * phi[r], 2 ** (J - r))))
+
+  x_hat = jnp.fft.fft2(imgs)
+  out = [low_pass(x_hat, 0)[:, None]]
+  second = []
+  for j1 in range(J):
+    u1 = _modulus(jnp.fft.ifft2(_subsample(x_hat[:, None] * psi[j1][0], 2**j1)))
+    u1_hat = jnp.fft.fft2(u1)  # (N C, L, n1, n1)
+    out.append(low_pass(u1_hat, j1))
+    for j2 in range(j1 + 1, J):
+      band = u1_hat[:, :, None] * psi[j2][j1]  # (N C, L, L, n1, n1)
+      u2 = _modulus(jnp.fft.ifft2(_subsample(band, 2 ** (j2 - j1))))
+      s2 = low_pass(jnp.fft.fft2(u2), j2)
+      second.append(s2.reshape(n * c, L * L, *s2.shape[-2:]))
+  s = jnp.concatenate(out + second, axis=1)[:, :, 1:-1, 1:-1]  # crop the padding
+  s = s.reshape(n, c * s.shape[1], h // k, w // k)
+  return jnp.transpose(s, (0, 2, 3, 1))
+
+
+class ScatterNet(nn.Module):
+  """:func:`scattering` (fixed) -> GroupNorm -> a small head, Tramer & Boneh's "ScatterNet +
+  linear" and "ScatterNet + CNN".
+
+  The features are normalised per example (GroupNorm, ``num_groups`` groups of channels;
+  BatchNorm would mix examples), then ``head="linear"``: one Dense layer; ``head="cnn"``:
+  ``[Conv 3x3 -> tanh -> MaxPool 2] x 2`` (``width``, ``2 * width`` filters; the pool only
+  where the side is at least 2), Dense ``width`` -> tanh -> Dense to the classes.
+
+  Attributes:
+    num_classes: number of output logits.
+    head: ``"linear"`` or ``"cnn"``.
+    width: the CNN head's filters.
+    num_groups: GroupNorm's groups over the ``81 C`` feature channels (a divisor of 81).
+  """
+
+  num_classes: int = 10
+  head: str = "linear"
+  width: int = 32
+  num_groups: int = 27
+
+  @nn.compact
+  def __call__(self, x: jax.Array, return_features: bool = False):
+    """Images ``(N, H, W, C)`` (``H = W`` a multiple of 4) -> logits ``(N, classes)``; with
+    ``return_features=True``, ``(features, logits)`` (the head's last hidden layer)."""
+    if self.head not in SCATTER_HEADS:
+      raise ValueError(f"ScatterNet.head={self.head!r}; allowed: {SCATTER_HEADS}")
+    x = nn.GroupNorm(num_groups=self.num_groups, epsilon=1e-5)(scattering(x))
+    if self.head == "cnn":
+      for features in (self.width, 2 * self.width):
+        x = jnp.tanh(nn.Conv(features, (3, 3), padding=1)(x))
+        if min(x.shape[1:3]) >= 2:
+          x = nn.max_pool(x, (2, 2), strides=(2, 2))
+      x = jnp.tanh(nn.Dense(self.width)(x.reshape((x.shape[0], -1))))
+    x = x.reshape((x.shape[0], -1))
+    logits = nn.Dense(self.num_classes)(x)
+    return (x, logits) if return_features else logits

@@ -10,9 +10,11 @@ checks, the named configs, the epsilon tables and the reports read it from this 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 from fedlap_jax.checks import ConfigError
+from fedlap_jax.models import SCATTER_HEADS, ScatterNet
 
 # The paper's partition hands the classes to its clients two at a time in this order
 # (:func:`fedlap_runs.data.partition`).
@@ -123,8 +125,10 @@ PAPER = {r.short: r for r in ROWS.values() if r.short}
 
 
 # Models by name; config.model.name is one of these or MODULE:ATTR. ``convnet`` is built from
-# config.model's other fields (width, depth, norm, conv_bias), which only it reads.
-MODELS = ("convnet",)
+# config.model's other fields (width, depth, norm, conv_bias), which only it reads; the
+# ScatterNets (a fixed scattering front end, :class:`fedlap_jax.models.ScatterNet`) read none.
+SCATTERNETS = {f"scatternet_{head}": head for head in SCATTER_HEADS}
+MODELS = ("convnet", *SCATTERNETS)
 MODEL_ALLOWED = (
   f"one of {MODELS} or MODULE:ATTR, an importable callable taking num_classes and "
   "returning a flax.linen.Module"
@@ -132,11 +136,14 @@ MODEL_ALLOWED = (
 
 
 def model_factory(name):
-  """``config.model.name`` -> ``None`` for ``convnet``, else the callable ``MODULE:ATTR`` names.
+  """``config.model.name`` -> ``None`` for ``convnet``, else a callable taking ``num_classes``
+  (a ScatterNet's, or the one ``MODULE:ATTR`` names).
 
   Raises:
     ConfigError: naming ``model.name`` when it is neither, or does not import.
   """
+  if isinstance(name, str) and name in SCATTERNETS:
+    return functools.partial(ScatterNet, head=SCATTERNETS[name])
   if name in MODELS:
     return None
   module, sep, attr = name.partition(":") if isinstance(name, str) else ("", "", "")

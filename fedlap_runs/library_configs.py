@@ -37,7 +37,7 @@ from fedlap_jax import training as training_lib
 from fedlap_jax import optim, participation
 from fedlap_jax.checks import ConfigError, is_int, is_real
 from fedlap_jax.dispatch import CLIENT_BACKENDS, resolve_weighting
-from fedlap_jax.models import NORMS, max_depth
+from fedlap_jax.models import NORMS, SCATTER_J, max_depth
 from fedlap_jax.synthetic import synthetic_labels
 
 from fedlap_runs import catalog
@@ -427,7 +427,16 @@ def validate_data(
       )
   h, w = dataset.image_shape[:2]
   deepest = max_depth(dataset.image_shape)
-  if cfg.model.get("name", "convnet") in catalog.MODELS and cfg.model.depth > deepest:
+  name = cfg.model.get("name", "convnet")
+  side = 2**SCATTER_J
+  if name in catalog.SCATTERNETS and (h != w or h % side):
+    _fail(
+      "model.name",
+      name,
+      f"'convnet' or MODULE:ATTR for {h}x{w} images (a ScatterNet needs square images with a "
+      f"side a multiple of {side})",
+    )
+  if catalog.model_factory(name) is None and cfg.model.depth > deepest:
     _fail(
       "model.depth",
       cfg.model.depth,

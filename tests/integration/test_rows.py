@@ -142,3 +142,42 @@ def test_a_flower_run_config_names_no_model_code():
   with pytest.raises(settings.SettingsError) as err:
     settings.load_config("quickstart:nondp", "model.name=no_such_module:MLP")
   assert err.value.field == "model.name"
+
+
+@pytest.mark.parametrize(
+  "config, name, overrides",
+  [
+    ("quickstart:dp_loops", "scatternet_cnn", {}),
+    ("quickstart:dp", "scatternet_linear", {"method": "dp_fedavg", "baseline.local_epochs": 1}),
+  ],
+)
+def test_the_scatternets_run_in_experiments_run_under_dp(config, name, overrides, tmp_path):
+  """A ScatterNet is a named model like the ConvNet, for FedLAP-DP and DP-FedAvg alike: the
+  DP checks accept it (no statistics, no state) and a round trains and reports."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from experiments import run  # pylint: disable=g-import-not-at-top
+
+  argv = argv_of(config, tmp_path, **{"model.name": name, "model.depth": 9, **overrides})
+  assert run.main(argv) == 0
+  (rec,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert rec["round"] == 1 and 0.0 <= rec["test_accuracy"] <= 1.0 and rec["epsilon"] > 0
+  info = json.loads((tmp_path / "run_info.json").read_text())
+  head = {"scatternet_linear": 81 * 2 * 2 * 10 + 10}.get(name, info["num_params"] - 2 * 81)
+  assert info["num_params"] == 2 * 81 + head  # GroupNorm on 81 channels of 2x2 and the head
+
+
+def test_a_scatternet_refuses_images_of_a_side_not_a_multiple_of_4_by_its_field():
+  import types  # pylint: disable=g-import-not-at-top
+
+  from fedlap_runs.configs import quickstart  # pylint: disable=g-import-not-at-top
+  from fedlap_jax.checks import ConfigError  # pylint: disable=g-import-not-at-top
+
+  cfg = quickstart.nondp_config()
+  cfg.model.name = "scatternet_linear"
+  library_configs.validate_config(cfg)
+  clients = [np.arange(10)] * cfg.data.num_clients
+  for shape in [(10, 10, 1), (8, 12, 1)]:
+    with pytest.raises(ConfigError) as err:
+      library_configs.validate_data(cfg, types.SimpleNamespace(image_shape=shape), clients)
+    assert err.value.field == "model.name" and f"{shape[0]}x{shape[1]}" in str(err.value)
