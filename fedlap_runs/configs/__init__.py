@@ -9,7 +9,8 @@ with an alias is appended: ``cifar_dsc:federated10`` is
 Modules: :mod:`~fedlap_runs.configs.fedlap` (FedLAP / FedLAP-DP: the paper's
 settings, ablations, DP recipes), :mod:`~fedlap_runs.configs.baselines`
 (gradient-sharing baselines), :mod:`~fedlap_runs.configs.synthetic_baselines` (FedDM, DSC,
-PSG), :mod:`~fedlap_runs.configs.quickstart` (digits), and the suites
+PSG), :mod:`~fedlap_runs.configs.quickstart` (digits), :mod:`~fedlap_runs.configs.dp_best`
+(each arm's best DP recipe on the research sets), and the suites
 :mod:`~fedlap_runs.configs.quickstart_compare` and
 :mod:`~fedlap_runs.configs.compare_dp`.
 """
@@ -37,6 +38,8 @@ ALIASES = {
   **{
     f"{d}_{s}": f"synthetic_baselines:{d}_{s}" for d in _DATASETS for s in ("feddm", "dsc", "psg")
   },
+  **{f"{d}_dp_best": f"dp_best:{d}_fedlap" for d in ("mnist", "fmnist")},
+  **{f"{d}_fedavg_dp_best": f"dp_best:{d}_fedavg" for d in ("mnist", "fmnist")},
   "digits_dp_hybrid": "quickstart:dp",
   "digits_dp_tuned": "quickstart:dp_tuned",
   "quickstart_nondp": "quickstart:nondp",

@@ -81,7 +81,7 @@ def test_every_alias_names_a_module_and_every_name_loads():
   frozen = {n.partition(":")[0] for n in FROZEN["named"]} | {"default"}
   assert frozen <= set(configs.names())
   # new modules whose get_config needs an argument (every alias of them is frozen)
-  assert set(configs.names()) - frozen == {"fedlap", "baselines", "synthetic_baselines"}
+  assert set(configs.names()) - frozen == {"fedlap", "baselines", "synthetic_baselines", "dp_best"}
 
 
 def _imports(path: Path) -> set[str]:
