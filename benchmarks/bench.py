@@ -94,21 +94,6 @@ class Problem:
   classes_per_client: int = 2
   client_sizes: tuple[int, ...] | None = None
 
-  def __post_init__(self):
-    if self.client_sizes is None:
-      return
-    sizes = self.client_sizes
-    if len(sizes) != self.num_clients or any(not isinstance(n, int) or n < 1 for n in sizes):
-      raise ValueError(
-        f"client_sizes={sizes!r} is invalid; allowed: {self.num_clients} "
-        "integers >= 1 (one per client)"
-      )
-    if self.records != max(sizes):
-      raise ValueError(
-        f"records={self.records} is invalid with client_sizes={sizes!r}; "
-        f"allowed: their maximum {max(sizes)} (the padded size N_max)"
-      )
-
   @property
   def sizes(self) -> tuple[int, ...]:
     """``(K,)`` records of each client (``records`` each unless ``client_sizes``)."""
@@ -117,9 +102,7 @@ class Problem:
 
 def with_client_sizes(problem: Problem, sizes) -> Problem:
   """``problem`` with ``len(sizes)`` clients of ``sizes[k]`` records, padded to the largest."""
-  sizes = tuple(sizes)
-  if not sizes:
-    raise ValueError("client_sizes=() is invalid; allowed: at least one size")
+  sizes = tuple(sizes)  # checked where the user gives them (parse_client_sizes)
   return dataclasses.replace(
     problem, num_clients=len(sizes), records=max(sizes), client_sizes=sizes
   )
