@@ -312,7 +312,7 @@ class ConvNet(nn.Module):
       noise: under DP that noise, divided by the tiny norm of the synthetic
       bias gradient in the cosine distance, makes a 14% error in the float32
       synthetic-image gradient (against float64; 6e-7 without the bias;
-      ``benchmarks/matching_precision.py`` at abda0b3).
+      docs/benchmarks.md).
   """
 
   num_classes: int = 10
