@@ -12,11 +12,8 @@ Usage, from the repository root::
   python -m benchmarks.bench --reference --small       # a quick check of that mode (~2 min)
   python -m benchmarks.bench --config=mnist_nondp_ref --ops=fedavg_round:map \
       --client-sizes 1513,1700,1571,1570,1646          # any op on clients of these sizes
-  python -m benchmarks.bench --config=mnist_dp_ref --ops=dp_gradient,round \\
-      --set client.batch_loop=4 --set server.max_epochs=10
   python -m benchmarks.bench --per-example             # vmap / jax_privacy / layerwise clipping
-  python -m benchmarks.bench --padding                 # Conv padding=3 vs jnp.pad + padding=1
-  python -m benchmarks.bench --reference --json out.json --markdown out.md
+  python -m benchmarks.bench --reference --json out.json
 
 Data are random (standard normal images of the named shape, two classes per
 client), which is all a timing needs: every loop bound is static except the
@@ -28,7 +25,6 @@ authors' workload: five clients of 1,513-1,700 records (8,000 in all,
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import datetime
 import functools
@@ -43,7 +39,6 @@ import sys
 import time
 from typing import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,21 +94,6 @@ class Problem:
   classes_per_client: int = 2
   client_sizes: tuple[int, ...] | None = None
 
-  def __post_init__(self):
-    if self.client_sizes is None:
-      return
-    sizes = self.client_sizes
-    if len(sizes) != self.num_clients or any(not isinstance(n, int) or n < 1 for n in sizes):
-      raise ValueError(
-        f"client_sizes={sizes!r} is invalid; allowed: {self.num_clients} "
-        "integers >= 1 (one per client)"
-      )
-    if self.records != max(sizes):
-      raise ValueError(
-        f"records={self.records} is invalid with client_sizes={sizes!r}; "
-        f"allowed: their maximum {max(sizes)} (the padded size N_max)"
-      )
-
   @property
   def sizes(self) -> tuple[int, ...]:
     """``(K,)`` records of each client (``records`` each unless ``client_sizes``)."""
@@ -122,9 +102,7 @@ class Problem:
 
 def with_client_sizes(problem: Problem, sizes) -> Problem:
   """``problem`` with ``len(sizes)`` clients of ``sizes[k]`` records, padded to the largest."""
-  sizes = tuple(sizes)
-  if not sizes:
-    raise ValueError("client_sizes=() is invalid; allowed: at least one size")
+  sizes = tuple(sizes)  # checked where the user gives them (parse_client_sizes)
   return dataclasses.replace(
     problem, num_clients=len(sizes), records=max(sizes), client_sizes=sizes
   )
@@ -212,40 +190,7 @@ CONFIGS: dict[str, tuple[Callable[[], FedLAPConfig], str]] = {
   "cifar_nondp": (paper_nondp_bounded, "cifar"),
 }
 
-OPS = (
-  "dp_gradient",
-  "nondp_gradient",
-  "synthetic_update",
-  "client_round",
-  "server_update",
-  "round",
-)
-
-
-def apply_overrides(cfg: FedLAPConfig, overrides: list[str]) -> FedLAPConfig:
-  """``["client.batch_loop=4", "server.max_epochs=5", "client.dp.noise_multiplier=0.8"]``."""
-  for item in overrides:
-    if "=" not in item:
-      raise ValueError(f"--set {item!r} is invalid; allowed: FIELD.PATH=VALUE")
-    path, raw = item.split("=", 1)
-    try:
-      value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-      value = raw
-    cfg = _replace_path(cfg, path.split("."), value)
-  return cfg
-
-
-def _replace_path(obj, path, value):
-  if not dataclasses.is_dataclass(obj) or not any(
-    f.name == path[0] for f in dataclasses.fields(obj)
-  ):
-    raise ValueError(f"--set: no field {path[0]!r} in {type(obj).__name__}")
-  if len(path) == 1:
-    return dataclasses.replace(obj, **{path[0]: value})
-  return dataclasses.replace(
-    obj, **{path[0]: _replace_path(getattr(obj, path[0]), path[1:], value)}
-  )
+OPS = ("dp_gradient", "nondp_gradient", "synthetic_update", "server_update", "round")
 
 
 # ---------------------------------------------------------------------------
@@ -458,23 +403,6 @@ def op_synthetic_update(apply_fn, params, clients, cfg, problem):
     return syn.x + updates, opt_state
 
   return fn, (params, syn, g_real, jax.random.PRNGKey(4), opt.init(syn.x))
-
-
-def op_client_round(apply_fn, params, clients, cfg, problem):
-  """``local_approx`` on one client (synthetic set as at round 1)."""
-  syn = _synthetic(clients, cfg, problem)
-  one = jax.tree.map(lambda a: a[0], clients)
-  syn = jax.tree.map(lambda a: a[0], syn)
-  if cfg.synthetic_init == "real":
-    syn = syn._replace(
-      x=synthetic.real_images(jax.random.PRNGKey(5), one, syn.y, syn.mask, cfg.client.ipc)
-    )
-  lr = float(training.cosine_learning_rate(1, cfg.rounds, cfg.learning_rate))
-
-  def fn(key, p, syn, data):
-    return client_lib.local_approx(key, apply_fn, p, syn, data, cfg.client, learning_rate=lr)
-
-  return fn, (jax.random.PRNGKey(6), params, syn, one)
 
 
 def op_server_update(apply_fn, params, clients, cfg, problem):
@@ -735,18 +663,6 @@ def run_config(
           f"{cc.ipc * problem.classes_per_client} images, DSA '{cc.dsa_strategy}'",
         )
       )
-    elif op == "client_round":
-      fn, args = op_client_round(apply_fn, params, clients, cfg, problem)
-      res = timed(op, fn, args, repeats=repeats)
-      m = res["output"][2]
-      rows.append(
-        row(
-          res,
-          None,
-          f"1 client: {int(m.real_accesses)} real batches "
-          "(GFLOP: XLA static count, loop bodies once)",
-        )
-      )
     elif op == "server_update":
       fn, args = op_server_update(apply_fn, params, clients, cfg, problem)
       res = timed(op, fn, args, repeats=repeats)
@@ -839,8 +755,6 @@ def small_reference(cfg: FedLAPConfig) -> FedLAPConfig:
 def reference_mode(
   repeats: int,
   impl: str,
-  round_repeats: int = 2,
-  long_repeats: int = 1,
   *,
   client_sizes=AUTHORS_CLIENT_SIZES,
   small: bool = False,
@@ -853,8 +767,7 @@ def reference_mode(
   MNIST-shaped data padded to the largest client and masked, as in a real run;
   ``None``: 5 clients x 12,000 (the earlier reference figures). The DP round runs
   with each of ``dp_round_backends`` (``map``: clients one after another,
-  ``vmap``: all at once), ``round_repeats`` times each; the non-DP and FedAvg
-  rounds ``long_repeats`` times, with ``map``. ``small``: a quick check of the
+  ``vmap``: all at once), twice each; the non-DP and FedAvg rounds once, with ``map``. ``small``: a quick check of the
   whole mode (client sizes / 4, :func:`small_reference` configs, no reference
   ratios), not a measurement.
   """
@@ -881,7 +794,7 @@ def reference_mode(
     dp_cfg,
     problem,
     tuple(f"round:{b}" for b in dp_round_backends),
-    repeats=round_repeats,
+    repeats=2,
     impl=impl,
     references=refs,
   )
@@ -892,7 +805,7 @@ def reference_mode(
     nondp_cfg,
     problem,
     ("round:map", "fedavg_round:map"),
-    repeats=long_repeats,
+    repeats=1,
     impl=impl,
     references=refs,
   )
@@ -945,64 +858,9 @@ def per_example_mode(repeats: int, problem_name: str = "mnist") -> list[dict]:
   return rows
 
 
-class _PaddingProbe(nn.Module):
-  """ConvNet-128 (flax impl) whose first conv pads by 3 itself or after ``jnp.pad(2)``."""
-
-  explicit_pad: bool
-
-  @nn.compact
-  def __call__(self, x):
-    for i in range(3):
-      if i == 0 and self.explicit_pad:
-        x = jnp.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
-      x = nn.Conv(128, (3, 3), padding=3 if i == 0 and not self.explicit_pad else 1)(x)
-      x = nn.GroupNorm(num_groups=128, epsilon=1e-5)(x)
-      x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
-    return nn.Dense(10)(x.reshape((x.shape[0], -1)))
-
-
-def padding_mode(repeats: int) -> list[dict]:
-  """Finding (1) of the issue: Conv(padding=3) vs jnp.pad + Conv(padding=1), same function."""
-  x = jax.random.normal(jax.random.PRNGKey(0), (256, 28, 28, 1))
-  y = jnp.arange(256) % 10
-  rows = _Rows("padding")
-  outs = []
-  for explicit in (False, True):
-    model = _PaddingProbe(explicit)
-    params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
-
-    def fn(p, x, y, model=model):
-      return jax.grad(lambda p: jnp.mean(privacy.cross_entropy(model.apply({"params": p}, x), y)))(
-        p
-      )
-
-    res = measure(
-      "mean gradient, 256 images, first conv "
-      + ("jnp.pad(2) + padding=1" if explicit else "padding=3"),
-      fn,
-      (params, x, y),
-      repeats=repeats,
-    )
-    outs.append(res["output"])
-    rows.append(row(res, None, "impl=flax (XLA conv)"))
-  diff = max(
-    float(jnp.max(jnp.abs(a - b)))
-    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]))
-  )
-  rows[-1]["note"] += f"; max |difference| of the gradients {diff:.1e}"
-  return rows
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default="mnist_dp_ref", choices=sorted(CONFIGS))
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="FIELD=VALUE",
-    help="override a config field, e.g. client.batch_loop=4",
-  )
   parser.add_argument(
     "--ops",
     default=",".join(OPS),
@@ -1015,17 +873,8 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--per-example", action="store_true", help="DP gradient by every per-example method"
   )
-  parser.add_argument("--padding", action="store_true", help="Conv padding=3 vs pad + 1")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument(
-    "--round-repeats", type=int, default=2, help="--reference: runs of each DP round"
-  )
-  parser.add_argument(
-    "--long-repeats", type=int, default=1, help="--reference: runs of the non-DP and FedAvg rounds"
-  )
   parser.add_argument("--impl", default="auto", choices=models.IMPLS, help="ConvNet.impl")
-  parser.add_argument("--clients", type=int, default=None)
-  parser.add_argument("--records", type=int, default=None, help="records per client")
   parser.add_argument(
     "--client-sizes",
     default=None,
@@ -1058,7 +907,6 @@ def main(argv=None) -> int:
     "normalised as they are read",
   )
   parser.add_argument("--json", default=None, help="write the results here")
-  parser.add_argument("--markdown", default=None, help="write the Markdown table here")
   args = parser.parse_args(argv)
   global PARTIAL_PATH
   if args.json:
@@ -1071,12 +919,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     parser.error(str(e))  # exit status 2
   if args.client_sizes == "uniform" and not args.reference:
-    parser.error(
-      "--client-sizes 'uniform' is for --reference only; allowed elsewhere: "
-      "N1,N2,... (or --clients / --records)"
-    )
-  if sizes and (args.clients or args.records):
-    parser.error("--client-sizes and --clients/--records are exclusive; allowed: one of them")
+    parser.error("--client-sizes 'uniform' is for --reference only; allowed elsewhere: N1,N2,...")
   if args.small and not args.reference:
     parser.error("--small is for --reference only")
 
@@ -1088,8 +931,6 @@ def main(argv=None) -> int:
     rows = reference_mode(
       args.repeats,
       args.impl,
-      args.round_repeats,
-      args.long_repeats,
       client_sizes=sizes,
       small=args.small,
       dp_round_backends=("map",) if args.small else ("map", "vmap"),
@@ -1101,20 +942,12 @@ def main(argv=None) -> int:
     )
   elif args.per_example:
     rows, title = per_example_mode(args.repeats), "Per-example DP gradient, ConvNet-128, MNIST"
-  elif args.padding:
-    rows, title = padding_mode(args.repeats), "First-conv padding (finding 1)"
   else:
     make, problem_name = CONFIGS[args.config]
-    cfg = apply_overrides(make(), args.set)
+    cfg = make()
     problem = PROBLEMS[problem_name]
     if sizes:
       problem = with_client_sizes(problem, sizes)
-    elif args.clients or args.records:
-      problem = dataclasses.replace(
-        problem,
-        num_clients=args.clients or problem.num_clients,
-        records=args.records or problem.records,
-      )
     ops = [o for o in args.ops.split(",") if o]
     rows = run_config(
       args.config,
@@ -1128,7 +961,7 @@ def main(argv=None) -> int:
       profile_dir=args.profile,
       references=REFERENCE_SECONDS if args.config.endswith("_ref") else None,
     )
-    title = f"{args.config} {' '.join(args.set)} data={args.data}".strip()
+    title = f"{args.config} data={args.data}"
   env["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   env["load_average_end"] = os.getloadavg()
   table = markdown(rows, title)
@@ -1144,9 +977,6 @@ def main(argv=None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"environment": env, "title": title, "rows": rows}, f, indent=1, default=str)
-  if args.markdown:
-    with open(args.markdown, "w") as f:
-      f.write(table + "\n")
   return 0
 
 

@@ -40,13 +40,9 @@ from typing import Any
 import jax
 import pytest
 
-# jax.monitoring event -> the stage it times.
-STAGES = {
-  "/jax/core/compile/jaxpr_trace_duration": "trace",
-  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-  "/jax/core/compile/backend_compile_duration": "compile",
-}
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+from benchmarks.compile_times import CACHE_HIT_EVENT
+from benchmarks.compile_times import STAGE_EVENTS as STAGES  # event -> the stage it times
+
 OUTSIDE = "(outside tests)"  # collection, session start and end
 _WORKER_KEY = "compile_census"
 

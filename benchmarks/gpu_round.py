@@ -27,8 +27,8 @@ then each round against the goals (``cifar_dp`` <= 3 s,
 ``cifar_nondp`` <= 8 s, compile <= 30 s; :data:`GOALS`) and new against old,
 and writes JSON to ``$OUT/gpu_round.json`` (or ``--json``). On a GPU, XLA's
 counts leave out what it hands to cuDNN (the convolutions of ``impl="flax"``),
-so those FLOP/s are far too low there; ``benchmarks/paper_flops.py`` counts
-the same rounds on the CPU.
+so those FLOP/s are far too low there; docs/benchmarks.md gives the same
+rounds' FLOPs counted on the CPU.
 
 Needs only JAX (with CUDA), flax, optax, chex and numpy: no network, no
 tensorflow(-datasets), no dp_accounting; jax_privacy is optional. From the

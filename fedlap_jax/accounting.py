@@ -47,7 +47,7 @@ What is refused before any accounting runs
   exhausts the memory of a machine). At the floor one evaluation of 20,000
   steps at ``q = 1``, the costliest rate, took about 4 s and 1.5 GB of peak
   memory on a 2-core machine; at ``sigma = 0.1`` 33 s and 3.8 GB
-  (``python -m benchmarks.accounting_floor`` prints the figures).
+  (benchmarks/results/timings.md, retired scripts).
 * ``delta >= 1 / N_k`` for a client of ``N_k`` records: such a ``delta``
   allows a mechanism that publishes one whole record.
 
@@ -149,7 +149,7 @@ PLD_DISCRETIZATION = 1e-3
 # Width (nats) of the optimistic PLD whose epsilon bounds the headline from below
 # (PrivacyLedger.epsilon_lower_bound_after): at q = 46/274, sigma = 2.92, T = 100 it gives
 # 4.62 against the headline's 5.12; at the floor, q = 1 and 20,000 steps it took 0.35 s and
-# 0.36 GB peak against the headline's 4.3 s and 1.5 GB (benchmarks/accounting_floor.py).
+# 0.36 GB peak against the headline's 4.3 s and 1.5 GB (benchmarks/results/timings.md).
 LOWER_BOUND_DISCRETIZATION = 1e-2
 
 

@@ -316,7 +316,7 @@ class ConvNet(nn.Module):
       noise: under DP that noise, divided by the tiny norm of the synthetic
       bias gradient in the cosine distance, makes a 14% error in the float32
       synthetic-image gradient (against float64; 6e-7 without the bias;
-      ``python -m benchmarks.matching_precision``).
+      docs/benchmarks.md).
     activation: the elementwise function after each norm (``nn.relu``, the paper's);
       ``jnp.tanh`` is the bounded activation Papernot et al. (2021) found better under
       DP-SGD.

@@ -64,7 +64,7 @@ def _worker(
   # norm="none": the checks compare numbers over several rounds, and FedLAP-DP
   # rounds of the paper's kind amplify float differences (a 1e-7 relative change
   # of the parameters changes the quickstart's synthetic images completely
-  # within one round, in float64 too; `python -m benchmarks.matching_precision`).
+  # within one round, in float64 too; `benchmarks/matching_precision.py` at abda0b3).
   # This tiny model without instance norm is tame: runs agree to 1e-5.
   model = models.ConvNet(num_classes=10, width=8, depth=1, norm="none")
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]

@@ -106,8 +106,8 @@ class ClientConfig:
       (clients run side by side then compute one family, not all six);
       ``"per_client"``: every client draws its own family (the random stream
       of earlier versions). Each client sees every family with the same
-      probability either way; ``benchmarks/family_draw_accuracy.py`` compares
-      the accuracy of the two.
+      probability either way; docs/benchmarks.md compares the accuracy of the
+      two.
     poisson_capacity: static buffer for Poisson batches; ``None`` picks
       ``B + 6 sqrt(B) + 4``; at least ``B + 3 sqrt(B)`` (a draw beyond the
       buffer is processed in extra chunks, never dropped; a smaller buffer
