@@ -34,7 +34,7 @@ holds); Fashion-MNIST runs MNIST's recipe, not tuned on its own.
 from fedlap_runs.configs import baselines, fedlap
 
 DATASETS = ("mnist", "fmnist")
-ARMS = ("fedlap", "fedavg")
+ROUNDS = 10
 # What both arms share (flattened field names).
 SHARED = {
   "model.name": "scatternet_linear",
@@ -44,23 +44,25 @@ SHARED = {
   "dp.target_epsilon": 4.0,
   "learning_rate": 4.0,
   "lr_schedule": "cosine_open",
-  "rounds": 10,
+  "rounds": ROUNDS,
+}
+# Each arm: the named config it starts from (a builder and its argument) and what it sets
+# beyond SHARED.
+ARMS = {
+  "fedlap": (fedlap.get_config, "{}_dp_hybrid", {"snapshot_rounds": (1, ROUNDS)}),
+  "fedavg": (baselines.get_config, "{}_fedavg_dp", {}),
 }
 
 
 def get_config(arg: str):
-  """``DATASET_ARM``: ``DATASET`` one of :data:`DATASETS`, ``ARM`` one of :data:`ARMS`."""
+  """``DATASET_ARM``: ``DATASET`` one of :data:`DATASETS`, ``ARM`` a key of :data:`ARMS`."""
   dataset, _, arm = arg.partition("_")
   if dataset not in DATASETS or arm not in ARMS:
     raise ValueError(
       f"dp_best:{arg} is invalid; allowed: DATASET_ARM with DATASET one of {DATASETS} and "
-      f"ARM one of {ARMS}"
+      f"ARM one of {tuple(ARMS)}"
     )
-  if arm == "fedlap":
-    config = fedlap.get_config(f"{dataset}_dp_hybrid")
-    overrides = {**SHARED, "snapshot_rounds": (1, SHARED["rounds"])}
-  else:
-    config = baselines.get_config(f"{dataset}_fedavg_dp")
-    overrides = dict(SHARED)
-  config.update_from_flattened_dict(overrides)
+  build, base, own = ARMS[arm]
+  config = build(base.format(dataset))
+  config.update_from_flattened_dict({**SHARED, **own})
   return config
