@@ -192,7 +192,11 @@ def _experiments_worker(workdir: str) -> dict:
   from experiments import train
 
   from fedlap_runs import build
-  from test_experiments_run import tiny_config  # this file runs as a script from tests/
+
+  # This file runs as a script from tests/integration/; the module it reads imports from
+  # tests/conftest.py, as pytest lets it.
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  from test_experiments_run import tiny_config
 
   cfg = tiny_config(rounds=3, checkpoint_every=1, progress_bar=False, plots=False)
   first = train.train_and_evaluate(cfg, workdir)
