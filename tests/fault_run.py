@@ -160,6 +160,10 @@ def main(argv: list[str]) -> None:
     if signum is not None:
       os.kill(os.getpid(), signum)
 
+  # Ctrl-C at a terminal meets Python's own SIGINT handler; a process started in the
+  # background by a shell without job control inherits SIGINT ignored, and Python then
+  # installs none.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   install(point, at, send)
   sys.argv = [argv[0], *argv[2:]]
   runpy.run_module("experiments.run", run_name="__main__", alter_sys=True)
