@@ -20,24 +20,13 @@ from experiments import outputs, report, resume, run, train
 from fedlap_runs import build, checkpointing
 from fedlap_jax import accounting, baselines
 from fedlap_runs.configs import quickstart
-from conftest import raises_field
+from conftest import TINY_FEDLAP_FLAGS, raises_field
 
 
 TINY = {
-  "model.width": 8,
-  "model.depth": 1,
-  "client.ipc": 2,
-  "client.iterations": 1,
-  "client.max_outer": 1,
-  "client.batch_loop": 2,
-  "client.boost_loop": 1,
-  "client.inner_loop": 0,
-  "client.batch_size": 16,
-  "client.dsa_strategy": "",
-  "server.dsa_strategy": "",
-  "server.max_epochs": 2,
+  # conftest's tiny FedLAP with this file's progress bar (its default) and its own run.
+  **{k: v for k, v in TINY_FEDLAP_FLAGS.items() if k != "progress_bar"},
   "rounds": 4,
-  "eval_chunk_size": 400,
   "snapshot_rounds": (2,),
   # Fixed here (the quickstart's recipe may change): the ledger numbers below assume it.
   "dp.noise_multiplier": 1.0,
