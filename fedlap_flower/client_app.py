@@ -81,26 +81,34 @@ app = ClientApp()
 
 
 @functools.lru_cache(maxsize=4)
-def _run(items: tuple) -> settings.RunSettings:
-  return settings.run_settings(dict(items))
+def _run(items: tuple, models: tuple) -> settings.RunSettings:
+  """The run config ``items`` checked, with the user ``models`` this node allows."""
+  return settings.run_settings(dict(items), models)
+
+
+def _run_of(context: Context) -> tuple[tuple, tuple]:
+  """``(run items, allowed models)`` of a task: the run config and this node's own
+  ``models`` (:func:`fedlap_flower.settings.allowed_models`)."""
+  items = tuple(sorted(settings.with_defaults(context.run_config).items()))
+  return items, settings.allowed_models(context.node_config)
 
 
 @functools.lru_cache(maxsize=1)
-def _named_plan(run_items: tuple):
+def _named_plan(run_items: tuple, models: tuple):
   """The run's plan over the config's named data and partition (:func:`task.named_plan`:
   loaded and calibrated once per process and run, for every partition it serves; the
   dataset of one run at a time is kept)."""
-  return task.named_plan(_run(run_items).cfg)
+  return task.named_plan(_run(run_items, models).cfg)
 
 
 # A simulation worker serves many clients: keep every partition it met (all K of a run
 # together hold the training set once, as experiments.run does).
 @functools.lru_cache(maxsize=128)
-def _setup(run_items: tuple, pid: int, num: int, data_path) -> task.ClientRun:
+def _setup(run_items: tuple, models: tuple, pid: int, num: int, data_path) -> task.ClientRun:
   """What a client process builds once per (run config, partition): the run's library config
   and (calibrated) DP mechanism, the model, the partition (:func:`task.client_run`)."""
-  plan = None if data_path is not None else _named_plan(run_items)
-  return task.client_run(_run(run_items).cfg, pid, num, data_path, plan=plan)
+  plan = None if data_path is not None else _named_plan(run_items, models)
+  return task.client_run(_run(run_items, models).cfg, pid, num, data_path, plan=plan)
 
 
 def _reply(msg: Message, metrics: dict, status: dict) -> Message:
@@ -124,10 +132,10 @@ def train(msg: Message, context: Context) -> Message:
 
 def _train(msg: Message, context: Context) -> Message:
   task.enable_compilation_cache()
-  run_items = tuple(sorted(settings.with_defaults(context.run_config).items()))
-  run = _run(run_items)
+  run_items, models = _run_of(context)
+  run = _run(run_items, models)
   node = settings.node_settings(context.node_config, run)
-  setup = _setup(run_items, node.partition_id, node.num_partitions, node.data_path)
+  setup = _setup(run_items, models, node.partition_id, node.num_partitions, node.data_path)
   conf = msg.content["config"]
   why = _round_refused(conf.get("server-round"), run)
   if why is not None:
@@ -139,7 +147,7 @@ def _train(msg: Message, context: Context) -> Message:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
   """This node's ``partition-id`` (its node config, checked against the run config)."""
-  run = _run(tuple(sorted(settings.with_defaults(context.run_config).items())))
+  run = _run(*_run_of(context))
   node = settings.node_settings(context.node_config, run)
   return Message(
     content=RecordDict({"metrics": MetricRecord({"partition-id": node.partition_id})}), reply_to=msg

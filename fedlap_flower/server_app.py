@@ -59,7 +59,9 @@ def main(grid: Grid, context: Context) -> None:
   Replies are collected as they arrive, not on Flower's 3 s pulls."""
   from fedlap_runs import termination  # pylint: disable=g-import-not-at-top
 
-  termination.call_interruptibly(serve, PromptGrid(grid), settings.run_settings(context.run_config))
+  # the user models the server operator allows (its environment), never the run config's own
+  run = settings.run_settings(context.run_config, settings.allowed_models())
+  termination.call_interruptibly(serve, PromptGrid(grid), run)
 
 
 def largest_pixel(test: task.TestSplit) -> float:

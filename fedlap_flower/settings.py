@@ -102,14 +102,20 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
 * ``max-ipc``, ``max-width``, ... (:data:`COMPUTE_CAPS`): the most a run may
   make it compute, one config field each (``client.ipc``, ``model.width``, ...;
   default: the largest value among the paper's named configs); a run above one
-  is refused before the client loads its data or builds its model.
+  is refused before the client loads its data or builds its model;
+* ``models``: the user models (``"MODULE:ATTR,..."``, as ``model.name`` of
+  ``experiments.run``) a run may name on this node (:func:`allowed_models`);
+  without it, its environment's :data:`MODELS_ENV`, which is also the server's.
 
 What a run may name on a node (the run config comes from whoever submits the
 run; every node, the server included, takes only this):
 
 * code: the configs of ``fedlap_runs/configs/`` by name (:func:`load_config`
   refuses a path before it looks at the disk, so its message says nothing
-  about what exists there);
+  about what exists there); the catalog's models by name, and a
+  ``model.name=MODULE:ATTR`` only where that side allows that exact string
+  (a node's ``models``, the server's :data:`MODELS_ENV`), refused before any
+  import;
 * data: a client reads only its own ``data-path`` (or, without one, the named
   config's dataset from its usual place: tfds, scikit-learn's digits or a
   subset of the data cache); ``data.source`` may not be ``npz:PATH``, and
@@ -189,6 +195,7 @@ NODE_CONFIG_KEYS = (
   "state-dir",
   "max-epsilon",
   "max-delta",
+  "models",
   *COMPUTE_CAPS,
 )
 # A DP client uses round keys sent by the server only if its own environment says so.
@@ -212,6 +219,9 @@ _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")
 # The server's own test data: an npz (x_train, y_train, x_test, y_test) its environment names,
 # read in place of the named config's data.source (the run config never names a file).
 SERVER_DATA_ENV = "FEDLAP_FLOWER_SERVER_DATA"
+# The user models (MODULE:ATTR, comma-separated) the server's environment allows, and a
+# client's where its node config has no ``models``.
+MODELS_ENV = "FEDLAP_FLOWER_MODELS"
 # The default max-delta is min(DEFAULT_MAX_DELTA, 1 / N_k).
 DEFAULT_MAX_DELTA = 1e-5
 # What a Flower run's overrides may set: an allow-list of config fields (a name ending in "."
@@ -326,8 +336,37 @@ def server_data(cfg):
   return out
 
 
-def load_config(name: str, overrides: str = ""):
-  """The resolved, validated ml_collections config of ``NAME[:ARG]`` plus ``overrides``.
+def allowed_models(node_config: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+  """The ``MODULE:ATTR`` models this side lets a run's ``model.name`` import: the node
+  config's ``models``, else the environment's :data:`MODELS_ENV` (the server's, and a
+  client's without ``models``); comma-separated, ``""`` for none. Set by the node's or the
+  server's operator, never by the run config (whose submitter would choose code to run).
+
+  Raises:
+    SettingsError: naming ``models`` (or :data:`MODELS_ENV`): an entry not ``MODULE:ATTR``.
+  """
+  from fedlap_runs import catalog  # pylint: disable=g-import-not-at-top
+
+  nc = node_config or {}
+  key = "models" if "models" in nc else MODELS_ENV
+  text = nc["models"] if "models" in nc else os.environ.get(MODELS_ENV, "")
+  allowed = (
+    "comma-separated MODULE:ATTR, each a callable taking num_classes and returning a "
+    f"flax.linen.Module ('' for none; the catalog's {catalog.MODELS} need no allowing)"
+  )
+  if not isinstance(text, str):
+    _fail(key, text, allowed)
+  names = tuple(n.strip() for n in text.split(",") if n.strip())
+  for n in names:
+    module, sep, attr = n.partition(":")
+    if not (module and sep and attr) or n in catalog.MODELS:
+      _fail(key, n, allowed)
+  return names
+
+
+def load_config(name: str, overrides: str = "", models: tuple[str, ...] = ()):
+  """The resolved, validated ml_collections config of ``NAME[:ARG]`` plus ``overrides``;
+  ``model.name`` one of the catalog's models or of ``models`` (:func:`allowed_models`).
 
   ``NAME`` must be a config of ``fedlap_runs/configs/`` (a path is refused, whether or not
   the file exists). ``overrides`` is ``"FIELD=VALUE ..."``, split with shell rules (quote a
@@ -386,12 +425,14 @@ def load_config(name: str, overrides: str = ""):
       "'quickstart:nondp'",
     )
   _check_source(cfg.data.source)  # before validate_config, which looks for an npz file
-  if cfg.model.get("name", "convnet") not in catalog.MODELS:  # before it is imported
+  model = cfg.model.get("name", "convnet")
+  if model not in catalog.MODELS and model not in models:  # before it is imported
     _fail(
       "model.name",
-      cfg.model.name,
-      f"one of {catalog.MODELS}: a Flower run names no code (MODULE:ATTR would import "
-      "what the run's submitter names on every node)",
+      model,
+      f"one of {catalog.MODELS + tuple(models)}: a MODULE:ATTR only where this side allows it "
+      f"(a node's node config 'models', the server's {MODELS_ENV}); the run's submitter "
+      "names no code",
     )
   library_configs.validate_config(cfg)
   if cfg.method not in METHODS:
@@ -489,10 +530,11 @@ def with_defaults(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
   return {**RUN_CONFIG_DEFAULTS, **run_config}
 
 
-def run_settings(run_config: Mapping[str, Any] | None) -> RunSettings:
-  """Checks the run config and resolves its experiments config."""
+def run_settings(run_config: Mapping[str, Any] | None, models: tuple[str, ...] = ()) -> RunSettings:
+  """Checks the run config and resolves its experiments config; ``models``: the user models
+  this side allows (:func:`allowed_models`)."""
   rc = with_defaults(run_config)
-  cfg, label = load_config(rc["config"], rc["overrides"])
+  cfg, label = load_config(rc["config"], rc["overrides"], models)
   k = int(cfg.data.num_clients)
   per_round = int(cfg.data.get("clients_per_round") or k)
   min_clients = rc["min-clients"]

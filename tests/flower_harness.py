@@ -181,7 +181,8 @@ def serve_with(grid, run_config: dict) -> list[dict]:
   """Runs the ServerApp on ``grid`` in process; returns the per-round records.
 
   JAX's persistent compilation cache stays off (the ClientApp would turn it on
-  for the whole test process).
+  for the whole test process). The server allows the user models its environment allows, as
+  :func:`fedlap_flower.server_app.main` does.
   """
   from fedlap_flower import server_app, settings
 
@@ -189,7 +190,7 @@ def serve_with(grid, run_config: dict) -> list[dict]:
   os.environ["FEDLAP_FLOWER_JAX_CACHE"] = "off"
   try:
     with task_identity():
-      return server_app.serve(grid, settings.run_settings(run_config))
+      return server_app.serve(grid, settings.run_settings(run_config, settings.allowed_models()))
   finally:
     if old is None:
       del os.environ["FEDLAP_FLOWER_JAX_CACHE"]
@@ -220,22 +221,23 @@ def run_inprocess(
   return serve_with(grid, run_config), grid
 
 
-def reference_result(config: str, overrides: str, workdir: Path) -> dict:
+def reference_result(config: str, overrides: str, workdir: Path, models=()) -> dict:
   """``experiments.run``'s result for the same config (no plots, no progress bar): its
-  ``records`` and final ``state`` (:func:`experiments.train.train_and_evaluate`)."""
+  ``records`` and final ``state`` (:func:`experiments.train.train_and_evaluate`); ``models``:
+  the user models it may name (:func:`fedlap_flower.settings.load_config`)."""
   from experiments import train
   from fedlap_flower import settings
 
-  cfg, label = settings.load_config(config, overrides)
+  cfg, label = settings.load_config(config, overrides, models)
   cfg.unlock()
   cfg.plots = False
   cfg.progress_bar = False
   return train.train_and_evaluate(cfg, workdir, config_name=label)
 
 
-def reference_run(config: str, overrides: str, workdir: Path) -> list[dict]:
+def reference_run(config: str, overrides: str, workdir: Path, models=()) -> list[dict]:
   """``experiments.run``'s records for the same config (no plots, no progress bar)."""
-  return reference_result(config, overrides, workdir)["records"]
+  return reference_result(config, overrides, workdir, models)["records"]
 
 
 def read_jsonl(path: Path) -> list[dict]:

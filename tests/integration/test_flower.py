@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-from flwr.app import Array
+from flwr.app import Array, Context, RecordDict
 
 from flower_harness import SMALL_MODEL, TINY, node_configs, read_jsonl, reference_run, run_inprocess
 from fedlap_flower import ledger as ledger_lib
@@ -122,6 +122,47 @@ def test_bad_node_config_is_refused_by_name(node_config, field, tmp_path):
   run = settings.run_settings({"config": "quickstart:dp_loops"})
   with raises_field(field, settings.SettingsError):
     settings.node_settings({"state-dir": str(tmp_path), **node_config}, run)
+
+
+# A user's model (tests/user_models.py), named as experiments.run names it.
+USER_MODEL = "user_models:mlp"
+
+
+def test_a_user_model_a_side_does_not_allow_is_refused_by_its_field_before_import(
+  tmp_path, monkeypatch
+):
+  """model.name=MODULE:ATTR would import code the run's submitter chose: the server takes it
+  only where its environment allows that exact string, a client only where its node config
+  does (which takes the place of its environment's); else refused by model.name before the
+  module is imported, though it imports."""
+  import sys
+
+  from fedlap_flower import client_app
+
+  (tmp_path / "planted_model.py").write_text(
+    (Path(__file__).parents[1] / "user_models.py").read_text()
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  planted = "planted_model:mlp"
+  rc = {"config": "quickstart:nondp", "overrides": f"model.name={planted}"}
+  monkeypatch.setenv(settings.MODELS_ENV, f"{USER_MODEL}, {planted}:other")
+  with raises_field("model.name", settings.SettingsError):  # the server's environment
+    settings.run_settings(rc, settings.allowed_models())
+  monkeypatch.setenv(settings.MODELS_ENV, planted)  # a node's own node config decides
+  node = {"partition-id": 0, "num-partitions": 5, "models": USER_MODEL}
+  context = Context(run_id=7, node_id=101, node_config=node, state=RecordDict(), run_config=rc)
+  for handler in (client_app.query, client_app.train):
+    with raises_field("model.name", settings.SettingsError):
+      handler(None, context)
+  assert "planted_model" not in sys.modules
+  assert settings.allowed_models({"models": ""}) == () and settings.allowed_models() == (planted,)
+  assert settings.run_settings({"config": "quickstart:nondp"}, ()).cfg.model.name == "convnet"
+  for bad in ("user_models", "convnet", ":mlp", 3):
+    with raises_field("models", settings.SettingsError):
+      settings.allowed_models({"models": bad})
+  monkeypatch.setenv(settings.MODELS_ENV, "user_models.mlp")
+  with raises_field(settings.MODELS_ENV, settings.SettingsError):
+    settings.allowed_models()
 
 
 def test_a_client_takes_its_state_dir_from_itself_only(tmp_path, monkeypatch):
@@ -776,6 +817,27 @@ def test_fedavg_baseline_equals_experiments_run_bit_for_bit(tmp_path):
     assert not np.array_equal(arrays[0], arrays[1])  # the clients trained on their own data
   assert records[0]["upload_bytes"] == 5 * records[0]["model_bytes"]
   assert records[-1]["test_accuracy"] > 0.2  # 10 classes: chance is 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
+def test_a_user_model_both_sides_allow_runs_as_in_experiments_run(tmp_path, monkeypatch):
+  """model.name=MODULE:ATTR where the server's environment and every node's node config allow
+  it: the app builds the user's model on both sides, and a round's numbers are
+  experiments.run's with the same model."""
+  monkeypatch.setenv(settings.MODELS_ENV, USER_MODEL)  # the server's
+  overrides = (
+    f"method=fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128 model.name={USER_MODEL}"
+  )
+  rc = _run_config(tmp_path, "quickstart:nondp", overrides=overrides)
+  nodes = node_configs(state_root=tmp_path / "state", models=USER_MODEL)
+  records, _ = run_inprocess(rc, nodes)
+  (ref,) = reference_run("quickstart:nondp", overrides, tmp_path / "ref", models=(USER_MODEL,))
+  (got,) = records
+  assert got["clients_ok"] == [0, 1, 2, 3, 4]
+  assert (got["test_accuracy"], got["test_loss"]) == (ref["test_accuracy"], ref["test_loss"])
+  with np.load(tmp_path / "run" / "final_params.npz") as f:  # the MLP's: 8x8x1 -> 16 -> 10
+    assert sorted(a.shape for a in f.values()) == [(10,), (16,), (16, 10), (64, 16)]
 
 
 # Every registry method of FedAvg's wire (the client's model) runs in the Flower app, generic

@@ -132,18 +132,6 @@ def test_a_model_callable_that_returns_no_module_is_refused_by_its_field():
   assert err.value.field == "model.name"
 
 
-def test_a_flower_run_config_names_no_model_code():
-  """A Flower run's overrides reach the model section, but ``MODULE:ATTR`` would import what
-  the run's submitter names on every node: refused, by its field, before any import."""
-  settings = pytest.importorskip("fedlap_flower.settings")
-
-  cfg, _ = settings.load_config("quickstart:nondp", "model.name=convnet model.width=8")
-  assert cfg.model.name == "convnet" and cfg.model.width == 8
-  with pytest.raises(settings.SettingsError) as err:
-    settings.load_config("quickstart:nondp", "model.name=no_such_module:MLP")
-  assert err.value.field == "model.name"
-
-
 @pytest.mark.parametrize(
   "config, name, overrides",
   [
