@@ -102,7 +102,12 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
 * ``max-ipc``, ``max-width``, ... (:data:`COMPUTE_CAPS`): the most a run may
   make it compute, one config field each (``client.ipc``, ``model.width``, ...;
   default: the largest value among the paper's named configs); a run above one
-  is refused before the client loads its data or builds its model.
+  is refused before the client loads its data or builds its model;
+* ``allowed-models``: the ``model.name`` values a run may ask of it, comma-separated
+  catalog names (``convnet,scatternet_linear``; default: every model of
+  ``fedlap_runs.catalog.MODELS``; a ScatterNet's scattering front end costs more per
+  example than the ConvNet); another is refused before the client loads its data or builds
+  its model.
 
 What a run may name on a node (the run config comes from whoever submits the
 run; every node, the server included, takes only this):
@@ -190,6 +195,7 @@ NODE_CONFIG_KEYS = (
   "max-epsilon",
   "max-delta",
   *COMPUTE_CAPS,
+  "allowed-models",
 )
 # A DP client uses round keys sent by the server only if its own environment says so.
 UNSAFE_ENV = "FEDLAP_FLOWER_UNSAFE_DP_KEYS_FROM_SERVER"
@@ -680,8 +686,25 @@ def check_compute(node_config: Mapping[str, Any], cfg) -> None:
 
   Raises:
     SettingsError: a cap that is not an integer >= 1 (naming the node-config key), or a config
-      field above its cap (naming the field, its value and the key that allows more).
+      field above its cap (naming the field, its value and the key that allows more); an
+      ``allowed-models`` that is not catalog names, or a ``model.name`` outside it.
   """
+  from fedlap_runs import catalog  # pylint: disable=g-import-not-at-top
+
+  listed = node_config.get("allowed-models", ",".join(catalog.MODELS))
+  models = [m.strip() for m in listed.split(",")] if isinstance(listed, str) else [None]
+  if not models or not all(m in catalog.MODELS for m in models):
+    _fail("allowed-models", listed, f"a comma-separated list of {catalog.MODELS}")
+  model = cfg.model.get("name", "convnet")
+  if model not in models:
+    raise SettingsError(
+      "model.name",
+      model,
+      f"one of {models}",
+      message=f"model.name={model!r} is not a model this client computes; allowed: one of "
+      f"{models} (its node config's allowed-models"
+      f"{'' if 'allowed-models' in node_config else ', the default'})",
+    )
   for key, (field, default) in COMPUTE_CAPS.items():
     cap = node_config.get(key, default)
     if not is_int(cap) or cap < 1:

@@ -136,6 +136,51 @@ def test_a_node_refuses_a_run_above_its_compute_caps_before_any_work(
     settings.node_settings(nc, settings.run_settings({"config": name}))
 
 
+def test_a_node_refuses_a_model_it_does_not_allow_before_any_work(tmp_path, monkeypatch):
+  """A node's ``allowed-models``: a run asking another ``model.name`` (a ScatterNet costs more
+  per example than the ConvNet) is refused by that field, before the client loads its data or
+  builds its model; an allowed one proceeds, and the default allows every catalog model."""
+  from flwr.app import Message, RecordDict
+
+  from fedlap_flower import client_app
+  from fedlap_runs import catalog
+  from flower_harness import TINY, InProcessGrid, node_configs, task_identity
+
+  setups = []
+
+  def no_work(*args):
+    setups.append(args)
+    raise AssertionError("the client loaded its data or built its model")
+
+  monkeypatch.setattr(client_app, "_setup", no_work)
+  rc = {"config": "quickstart:nondp", "overrides": f"{TINY} model.name=scatternet_cnn"}
+  for allowed in ("convnet", "convnet,scatternet_cnn"):
+    nodes = node_configs(state_root=tmp_path / "state", **{"allowed-models": allowed})
+    with task_identity():
+      reply = InProcessGrid(client_app.app, rc, nodes).answer(
+        Message(content=RecordDict(), dst_node_id=101, message_type="train", group_id="1")
+      )
+    assert reply.has_error()
+    if allowed == "convnet":  # refused by field, before any work
+      assert "model.name='scatternet_cnn'" in reply.error.reason, reply.error.reason
+      assert "allowed-models" in reply.error.reason and not setups, reply.error.reason
+  assert len(setups) == 1  # allowed: on to its data
+  run = settings.run_settings(rc)
+  nc = {"partition-id": 0, "num-partitions": 5, "state-dir": str(tmp_path / "s")}
+  with pytest.raises(settings.SettingsError) as e:
+    settings.node_settings({**nc, "allowed-models": "convnet, scatternet_linear"}, run)
+  assert e.value.field == "model.name" and e.value.value == "scatternet_cnn"
+  for allowed in ("convnet,scatternet_cnn", " scatternet_cnn "):
+    assert settings.node_settings({**nc, "allowed-models": allowed}, run).partition_id == 0
+  for name in catalog.MODELS:  # the default: every catalog model, as before the setting
+    rc = {"config": "quickstart:nondp", "overrides": f"{TINY} model.name={name}"}
+    settings.node_settings(nc, settings.run_settings(rc))
+  for bad in ("", "convnet,resnet", "pkg.mod:Net", 3):
+    with pytest.raises(settings.SettingsError) as e:
+      settings.node_settings({**nc, "allowed-models": bad}, run)
+    assert e.value.field == "allowed-models"
+
+
 @pytest.mark.parametrize("how", ["world-writable", "group-writable", "foreign-owned"])
 def test_a_state_dir_whose_parent_another_user_could_change_is_refused(tmp_path, how):
   """Whoever may rename a parent's entries moves the ledger away and the node starts a new
