@@ -103,9 +103,13 @@ simulation engine sets ``partition-id`` and ``num-partitions`` itself):
   make it compute, one config field each (``client.ipc``, ``model.width``, ...;
   default: the largest value among the paper's named configs); a run above one
   is refused before the client loads its data or builds its model;
-* ``models``: the user models (``"MODULE:ATTR,..."``, as ``model.name`` of
-  ``experiments.run``) a run may name on this node (:func:`allowed_models`);
-  without it, its environment's :data:`MODELS_ENV`, which is also the server's.
+* ``models``: the ``model.name`` values a run may ask of it, comma-separated: catalog
+  names (``convnet,scatternet_linear``) and user models ``MODULE:ATTR`` (as
+  ``experiments.run`` takes them); without it, its environment's :data:`MODELS_ENV`,
+  which is also the server's; without either, every catalog model and no user model
+  (:func:`allowed_models`). A ScatterNet's scattering front end costs more per example
+  than the ConvNet. Another name is refused before anything is imported, the data loaded
+  or the model built.
 
 What a run may name on a node (the run config comes from whoever submits the
 run; every node, the server included, takes only this):
@@ -337,36 +341,42 @@ def server_data(cfg):
 
 
 def allowed_models(node_config: Mapping[str, Any] | None = None) -> tuple[str, ...]:
-  """The ``MODULE:ATTR`` models this side lets a run's ``model.name`` import: the node
-  config's ``models``, else the environment's :data:`MODELS_ENV` (the server's, and a
-  client's without ``models``); comma-separated, ``""`` for none. Set by the node's or the
-  server's operator, never by the run config (whose submitter would choose code to run).
+  """The ``model.name`` values this side computes: the node config's ``models``, else the
+  environment's :data:`MODELS_ENV` (the server's, and a client's without ``models``),
+  comma-separated catalog names and ``MODULE:ATTR``; without either, the catalog's models.
+  Set by the node's or the server's operator, never by the run config (whose submitter
+  would choose code to run).
 
   Raises:
-    SettingsError: naming ``models`` (or :data:`MODELS_ENV`): an entry not ``MODULE:ATTR``.
+    SettingsError: naming ``models`` (or :data:`MODELS_ENV`): no entry, or one neither a
+      catalog name nor ``MODULE:ATTR``.
   """
   from fedlap_runs import catalog  # pylint: disable=g-import-not-at-top
 
   nc = node_config or {}
   key = "models" if "models" in nc else MODELS_ENV
-  text = nc["models"] if "models" in nc else os.environ.get(MODELS_ENV, "")
+  text = nc["models"] if "models" in nc else os.environ.get(MODELS_ENV)
+  if text is None:
+    return catalog.MODELS
   allowed = (
-    "comma-separated MODULE:ATTR, each a callable taking num_classes and returning a "
-    f"flax.linen.Module ('' for none; the catalog's {catalog.MODELS} need no allowing)"
+    f"comma-separated names of {catalog.MODELS} and MODULE:ATTR, each a callable taking "
+    "num_classes and returning a flax.linen.Module; at least one"
   )
   if not isinstance(text, str):
     _fail(key, text, allowed)
   names = tuple(n.strip() for n in text.split(",") if n.strip())
+  if not names:
+    _fail(key, text, allowed)
   for n in names:
     module, sep, attr = n.partition(":")
-    if not (module and sep and attr) or n in catalog.MODELS:
+    if n not in catalog.MODELS and not (module and sep and attr):
       _fail(key, n, allowed)
   return names
 
 
-def load_config(name: str, overrides: str = "", models: tuple[str, ...] = ()):
+def load_config(name: str, overrides: str = "", models: tuple[str, ...] | None = None):
   """The resolved, validated ml_collections config of ``NAME[:ARG]`` plus ``overrides``;
-  ``model.name`` one of the catalog's models or of ``models`` (:func:`allowed_models`).
+  ``model.name`` one of ``models`` (:func:`allowed_models`; ``None``: the catalog's).
 
   ``NAME`` must be a config of ``fedlap_runs/configs/`` (a path is refused, whether or not
   the file exists). ``overrides`` is ``"FIELD=VALUE ..."``, split with shell rules (quote a
@@ -426,13 +436,13 @@ def load_config(name: str, overrides: str = "", models: tuple[str, ...] = ()):
     )
   _check_source(cfg.data.source)  # before validate_config, which looks for an npz file
   model = cfg.model.get("name", "convnet")
-  if model not in catalog.MODELS and model not in models:  # before it is imported
+  models = catalog.MODELS if models is None else models
+  if model not in models:  # before it is imported
     _fail(
       "model.name",
       model,
-      f"one of {catalog.MODELS + tuple(models)}: a MODULE:ATTR only where this side allows it "
-      f"(a node's node config 'models', the server's {MODELS_ENV}); the run's submitter "
-      "names no code",
+      f"one of {tuple(models)}: what this side computes (a node's node config 'models', "
+      f"the server's {MODELS_ENV}); the run's submitter names no code",
     )
   library_configs.validate_config(cfg)
   if cfg.method not in METHODS:
@@ -530,9 +540,11 @@ def with_defaults(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
   return {**RUN_CONFIG_DEFAULTS, **run_config}
 
 
-def run_settings(run_config: Mapping[str, Any] | None, models: tuple[str, ...] = ()) -> RunSettings:
-  """Checks the run config and resolves its experiments config; ``models``: the user models
-  this side allows (:func:`allowed_models`)."""
+def run_settings(
+  run_config: Mapping[str, Any] | None, models: tuple[str, ...] | None = None
+) -> RunSettings:
+  """Checks the run config and resolves its experiments config; ``models``: the models this
+  side computes (:func:`allowed_models`; ``None``: the catalog's)."""
   rc = with_defaults(run_config)
   cfg, label = load_config(rc["config"], rc["overrides"], models)
   k = int(cfg.data.num_clients)

@@ -434,7 +434,8 @@ def _privacy(method: Method):
 
 def _check_baseline(cfg) -> None:
   """A baseline's config needs the data's largest client to be built (its step count):
-  before the data, its sections are checked one by one."""
+  before the data, its sections are checked one by one, then the config is built on a
+  stand-in largest client."""
   dp_config(cfg)
   if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
     raise ConfigError("client.batch_size", cfg.client.batch_size, "an integer >= 1")
@@ -445,6 +446,9 @@ def _check_baseline(cfg) -> None:
   if weighting is not None and weighting not in dispatch.WEIGHTINGS:
     raise ConfigError("server.weighting", weighting, f"None or one of {dispatch.WEIGHTINGS}")
   dispatch.resolve_weighting(weighting, REGISTRY.method(cfg.method).privacy == "required")
+  # Then the library's own checks of the whole config, on a stand-in largest client of one
+  # batch (only the step count needs the data): e.g. DP-SCAFFOLD's client optimiser.
+  sections.build(entry(cfg.method).spec, cfg, max_client_size=cfg.client.batch_size)
 
 
 # What FedLAP-DP needs of the other fields: (field, test of the value, the value to set, why).

@@ -221,10 +221,10 @@ def run_inprocess(
   return serve_with(grid, run_config), grid
 
 
-def reference_result(config: str, overrides: str, workdir: Path, models=()) -> dict:
+def reference_result(config: str, overrides: str, workdir: Path, models=None) -> dict:
   """``experiments.run``'s result for the same config (no plots, no progress bar): its
   ``records`` and final ``state`` (:func:`experiments.train.train_and_evaluate`); ``models``:
-  the user models it may name (:func:`fedlap_flower.settings.load_config`)."""
+  the models it may name (:func:`fedlap_flower.settings.load_config`; None: the catalog's)."""
   from experiments import train
   from fedlap_flower import settings
 
@@ -235,7 +235,7 @@ def reference_result(config: str, overrides: str, workdir: Path, models=()) -> d
   return train.train_and_evaluate(cfg, workdir, config_name=label)
 
 
-def reference_run(config: str, overrides: str, workdir: Path, models=()) -> list[dict]:
+def reference_run(config: str, overrides: str, workdir: Path, models=None) -> list[dict]:
   """``experiments.run``'s records for the same config (no plots, no progress bar)."""
   return reference_result(config, overrides, workdir, models)["records"]
 

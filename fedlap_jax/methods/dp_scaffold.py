@@ -16,7 +16,8 @@ mechanism is DP-FedAvg's of the same ``B``, ``sigma``, ``T`` and rounds
 (:meth:`DPScaffoldConfig.dp_accesses`).
 
 What an honest reply keeps (:func:`check_update`, which a server refuses a reply outside of):
-with plain SGD (no momentum, weight decay or FedProx term) and ``T_k >= 1`` steps, ``delta c_k
+the clients step by plain SGD (:class:`DPScaffoldConfig` refuses any other ``client_optimizer``;
+DP-FedAvg's config has no FedProx term), and with ``T_k >= 1`` steps ``delta c_k
 = c_k+ - c_k`` with ``c_k+ = c_k - c + (x - y_k) / (T_k eta) = (1 / T_k) sum_s g_s``, the mean of
 the round's noisy gradients (the correction cancels), and ``c_k`` the mean of an earlier round's
 (or zero). The mean of ``t`` noisy clipped gradients is bounded as a ``t``-step update at rate
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlap_jax import baselines, update_bounds
+from fedlap_jax import baselines, optim, update_bounds
 from fedlap_jax.baselines import BaselineConfig, LocalTraining
 from fedlap_jax.checks import ConfigError, require
 from fedlap_jax.method import RunFacts
@@ -71,6 +72,17 @@ class DPScaffoldConfig:
       "a BaselineConfig of method 'dp_fedavg' (DP-SCAFFOLD's clients and server)",
     )
     require(self.base.dp is not None, "dp", None, "a DPConfig (DP-SCAFFOLD is DP)")
+    # Momentum or weight decay respond to a step's gradient with a total weight A != 1 over
+    # the round, so c_k+ = (1 - A)(c_k - c) + ...: the client's own c_k carries into every
+    # later reply (with momentum |1 - A| > 1: it grows round on round), and the server, which
+    # never sees c_k, has no bound on an honest reply. Adam's step is not linear at all.
+    require(
+      self.base.client_optimizer == optim.SGD,
+      "client_optimizer",
+      self.base.client_optimizer,
+      "plain SGD (name='sgd', momentum=0, weight_decay=0, nesterov=False) for DP-SCAFFOLD: "
+      "the server bounds an honest reply's control delta and model only for plain SGD steps",
+    )
     object.__setattr__(self, "local", dataclasses.replace(self.base.local, control_variates=True))
 
   def __getattr__(self, name: str):
@@ -111,15 +123,10 @@ def _norm(tree) -> float:
 
 def update_bounds_of(config: DPScaffoldConfig, facts: RunFacts):
   """``message -> (max ||y_k - x||, max ||delta c_k||)`` of an honest client in the round of
-  ``message`` (the module docstring), or ``None`` where the config's client steps are not
-  plain SGD (momentum, weight decay, Nesterov or a FedProx term: the correction no longer
-  cancels from ``c_k+``, and nothing bounds it)."""
-  loc, spec = config.local, config.client_optimizer
-  if spec.name != "sgd" or spec.nesterov or spec.momentum or spec.weight_decay or loc.prox_mu:
-    return None
+  ``message`` (the module docstring: plain SGD steps, clipped and noised)."""
+  loc = config.local
   clip = loc.l2_clip_norm
-  if clip is None:  # not the private path (a DP-SCAFFOLD config always clips)
-    return None
+  assert clip is not None  # DP-FedAvg's local steps, always clipped
   steps = loc.scheduled_steps()
 
   def noisy_sum(t: int) -> float:  # ||sum of t noisy clipped gradients||
@@ -149,17 +156,14 @@ def update_bounds_of(config: DPScaffoldConfig, facts: RunFacts):
   return bounds
 
 
-def check_update(config: DPScaffoldConfig, facts: RunFacts) -> Callable[[Any, Any], None] | None:
-  """``(message, update) -> None`` refusing a reply beyond :func:`update_bounds_of` (``None``:
-  no bound follows from the config).
+def check_update(config: DPScaffoldConfig, facts: RunFacts) -> Callable[[Any, Any], None]:
+  """``(message, update) -> None`` refusing a reply beyond :func:`update_bounds_of`.
 
   Raises (the check):
     ConfigError: naming ``params`` (``||y_k - x||``) or ``control_delta``, the norm and the
       bound.
   """
   of = update_bounds_of(config, facts)
-  if of is None:
-    return None
 
   def check(message: fedavg.Message, update: fedavg.ScaffoldUpdate) -> None:
     model, control = of(message)

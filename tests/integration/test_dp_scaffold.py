@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import raises_field
 from experiments import run
 from fedlap_jax import accounting, baselines, optim, rounds, update_bounds
 from fedlap_jax.checks import ConfigError
@@ -21,6 +22,7 @@ from fedlap_jax.methods import REGISTRY, dp_scaffold
 from fedlap_jax.methods.dp_scaffold import DPScaffoldConfig
 from fedlap_jax.models import count_params
 from fedlap_jax.training import tree_distance
+from fedlap_runs import configs, library_configs
 
 DP = DPConfig(noise_multiplier=0.3, l2_clip_norm=1.0, delta=1e-5)
 
@@ -170,8 +172,28 @@ def test_a_reply_beyond_what_the_config_allows_is_refused_by_field(
     for t in (1, 2, 5, 50, 500)
   ]
   assert mean == sorted(mean, reverse=True), mean
-  # Momentum: the correction does not cancel from c_k+, and no bound follows.
-  loose = dataclasses.replace(
-    config.base, client_optimizer=optim.Optimizer(name="sgd", momentum=0.9)
-  )
-  assert method.check_update(DPScaffoldConfig(loose), facts) is None
+
+
+@pytest.mark.parametrize(
+  "spec",
+  [
+    optim.Optimizer(momentum=0.9),
+    optim.Optimizer(weight_decay=5e-4),
+    optim.Optimizer(momentum=0.9, nesterov=True),
+    optim.Optimizer(name="adam"),
+  ],
+  ids=["momentum", "weight_decay", "nesterov", "adam"],
+)
+def test_a_client_optimizer_the_server_cannot_bound_is_refused_before_the_data(spec):
+  """The server bounds a DP-SCAFFOLD reply only for plain SGD steps: any other client
+  optimiser is refused by field, by the library config and by the experiment config's static
+  checks (which both front ends run before any data is loaded); plain SGD passes both."""
+  with raises_field("client_optimizer"):
+    DPScaffoldConfig(dataclasses.replace(_dp_fedavg(100), client_optimizer=spec))
+  cfg = configs.load("quickstart:dp_loops")
+  cfg.method = "dp_scaffold"
+  assert library_configs.validate_config(cfg) is None  # plain SGD: the bounded client
+  for field, value in dataclasses.asdict(spec).items():
+    cfg.baseline.client_optimizer[field] = value
+  with raises_field("baseline.client_optimizer"):
+    library_configs.validate_config(cfg)

@@ -12,6 +12,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import raises_field
 from flwr.cli.build import build_fab_from_disk
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
 
@@ -134,6 +135,49 @@ def test_a_node_refuses_a_run_above_its_compute_caps_before_any_work(
   assert e.value.field == cap
   for name in ("cifar_ablation_ipc:200", "cifar_dp", "cifar_dp_tuned", "fmnist_dp_hybrid"):
     settings.node_settings(nc, settings.run_settings({"config": name}))
+
+
+def test_a_node_refuses_a_model_it_does_not_allow_before_any_work(tmp_path, monkeypatch):
+  """A node's ``models``: a run asking another ``model.name`` (a ScatterNet costs more per
+  example than the ConvNet) is refused by that field, before the client loads its data or
+  builds its model; an allowed one proceeds, and the default allows every catalog model."""
+  from flwr.app import Message, RecordDict
+
+  from fedlap_flower import client_app
+  from fedlap_runs import catalog
+  from flower_harness import TINY, InProcessGrid, node_configs, task_identity
+
+  setups = []
+
+  def no_work(*args):
+    setups.append(args)
+    raise AssertionError("the client loaded its data or built its model")
+
+  monkeypatch.setattr(client_app, "_setup", no_work)
+  monkeypatch.delenv(settings.MODELS_ENV, raising=False)
+  rc = {"config": "quickstart:nondp", "overrides": f"{TINY} model.name=scatternet_cnn"}
+  for allowed in ("convnet", "convnet,scatternet_cnn"):
+    nodes = node_configs(state_root=tmp_path / "state", models=allowed)
+    with task_identity():
+      reply = InProcessGrid(client_app.app, rc, nodes).answer(
+        Message(content=RecordDict(), dst_node_id=101, message_type="train", group_id="1")
+      )
+    assert reply.has_error()
+    if allowed == "convnet":  # refused by field, before any work
+      assert "model.name='scatternet_cnn'" in reply.error.reason, reply.error.reason
+      assert "'models'" in reply.error.reason and not setups, reply.error.reason
+  assert len(setups) == 1  # allowed: on to its data
+  with raises_field("model.name", settings.SettingsError):
+    settings.run_settings(rc, settings.allowed_models({"models": "convnet, scatternet_linear"}))
+  for allowed in ("convnet,scatternet_cnn", " scatternet_cnn "):
+    settings.run_settings(rc, settings.allowed_models({"models": allowed}))
+  assert settings.allowed_models({}) == catalog.MODELS  # the default: every catalog model
+  for name in catalog.MODELS:
+    rc = {"config": "quickstart:nondp", "overrides": f"{TINY} model.name={name}"}
+    settings.run_settings(rc, settings.allowed_models({}))
+  for bad in ("", " , ", "convnet,resnet", "pkg.mod", 3):
+    with raises_field("models", settings.SettingsError):
+      settings.allowed_models({"models": bad})
 
 
 @pytest.mark.parametrize("how", ["world-writable", "group-writable", "foreign-owned"])
