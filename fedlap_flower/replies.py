@@ -44,13 +44,18 @@ The bounds, and why an honest client stays inside them:
 * **Model of a FedAvg-wire method** (:func:`update_norm_rule`, the run config's
   ``max-update-norm``): ``||w_k - w_g||`` at most the round's bound. By default (and with
   ``'auto'``) it is the method's own (:attr:`fedlap_jax.method.Method.update_bound`): for
-  DP-FedAvg / DP-FedProx, whose clients take ``T`` plain-SGD steps on noisy clipped Poisson
-  batches, :func:`fedlap_jax.update_bounds.local_sgd_update_bound` at the round's ``eta_m``,
-  which an honest reply exceeds with probability below
-  :data:`fedlap_jax.update_bounds.FALSE_REFUSAL` (Bernstein's inequality for the batches,
-  Laurent and Massart's chi-square tail for the noise). A reply above it is refused (never
+  DP-FedAvg / DP-FedProx, whose clients take ``T`` SGD steps (momentum, Nesterov, weight
+  decay) on noisy clipped Poisson batches,
+  :func:`fedlap_jax.update_bounds.local_sgd_update_bound` at the round's ``eta_m``, which an
+  honest reply exceeds with probability below :data:`fedlap_jax.update_bounds.FALSE_REFUSAL`
+  (Bernstein's inequality for the batches, Laurent and Massart's chi-square tail for the
+  noise); with Adam, Yogi or Adagrad clients,
+  :func:`fedlap_jax.update_bounds.normalised_update_bound` (each coordinate moves by at most
+  ``eta_m A_t`` in step ``t``, whatever the gradients). A reply above it is refused (never
   clipped) with its norm and the bound in its report. Without DP nothing bounds an honest
-  client's step, so there is no bound unless the run config gives a number.
+  client's step, so there is no bound unless the run config gives a number; a DP config whose
+  client optimiser bounds no step (``b2 = 0``) is refused unless the run config gives a
+  number or ``'none'``.
 * **FedLAP's r_k** (its update's ``radius``, one float32 value; the method's
   :attr:`~fedlap_jax.method.Method.check_update`) in ``[RADIUS_FLOOR_PER_LR * eta_m, r]`` (:data:`fedlap_jax.update_bounds.RADIUS_FLOOR_PER_LR`)
   (:func:`fedlap_jax.update_bounds.radius_floor`).
@@ -331,8 +336,10 @@ def update_norm_rule(setting, method, config, facts) -> Callable[[Any], float | 
     config, facts: its library config and :class:`~fedlap_jax.method.RunFacts`.
 
   Raises:
-    ConfigError: ``'auto'`` where the method derives no bound from ``config`` (no DP, or a
-      client optimiser it cannot bound), naming ``max-update-norm``.
+    ConfigError: naming ``max-update-norm``: ``'auto'`` where the method derives no bound from
+      ``config`` (no DP, or a client optimiser whose steps have none), and ``''`` for a DP
+      config of a bounded method that derives none (a hostile client's reply would go
+      unchecked under a mechanism whose honest replies are bounded).
   """
   if setting is None:
     return lambda message: None
@@ -341,15 +348,24 @@ def update_norm_rule(setting, method, config, facts) -> Callable[[Any], float | 
   derived = None if method.update_bound is None else method.update_bound(config, facts)
   if derived is not None:
     return derived
-  if setting == "auto":
+  private = method.update_bound is not None and method.mechanism(config) is not None
+  if setting == "auto" or private:
+    none = "'none' (no bound: one client moves the mean anywhere)"
+    if private:
+      why = (
+        "its client optimiser bounds no step: Adam or Yogi with b2=0; SGD, Nesterov, Adagrad, "
+        "and Adam or Yogi with b2 > 0 do"
+      )
+      allowed = f"a number > 0 (the largest ||w_k - w_g|| accepted) or {none}"
+    else:
+      why = "it needs DP's clipped, noised local steps: dp_fedavg, dp_fedprox"
+      allowed = f"a number > 0, {none} or '' (the default)"
     raise ConfigError(
       "max-update-norm",
-      "auto",
-      "a number > 0, 'none' or '' (the default)",
-      message=f"max-update-norm='auto' is invalid for method={method.name!r}: no bound on an "
-      "honest client's update follows from its config (it needs DP's clipped, noised local "
-      "SGD: dp_fedavg, dp_fedprox); allowed: a number > 0, 'none' (no bound) or '' (the "
-      "default)",
+      setting,
+      allowed,
+      message=f"max-update-norm={setting!r} is invalid for method={method.name!r}: no bound on "
+      f"an honest client's update follows from its config ({why}); allowed: {allowed}",
     )
   return lambda message: None
 

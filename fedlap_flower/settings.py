@@ -53,7 +53,8 @@ key                             meaning
                                 refused where none is derivable), ``'none'`` (no
                                 bound: one client moves the mean anywhere), or
                                 ``''`` (default: ``'auto'`` where derivable, i.e.
-                                DP-FedAvg / DP-FedProx, else ``'none'``);
+                                DP-FedAvg / DP-FedProx, else ``'none'``; refused
+                                under DP where none is derivable);
                                 FedLAP's replies have their own bounds, so only
                                 ``''`` is allowed for them
 ``max-classes-per-client``      the most classes a client holds, stated for a

@@ -10,11 +10,12 @@ path) starts from the global model ``x`` and takes ``T_k <= T`` steps at the rou
 the batch drawn with rate ``B / N_k`` (every record drawn counts: the overflow of the buffer is
 processed in extra chunks, so the realised batch ``n_s`` is bounded by ``N_k``, not by the
 buffer's capacity). The local optimiser is linear in what it is fed: SGD with heavy-ball
-momentum ``beta`` (:func:`fedlap_jax.optim.sgd`'s ``t <- d + beta t``), weight decay ``lambda``
-(``d = g + lambda w``) and the FedProx term ``2 mu (w - x)``::
+momentum ``beta`` (:func:`fedlap_jax.optim.sgd`'s ``t <- d + beta t``; Nesterov's steps along
+``u_s = d_s + beta t_s``, else ``u_s = t_s``), weight decay ``lambda`` (``d = g + lambda w``)
+and the FedProx term ``2 mu (w - x)``::
 
     d_s = g_s + (2 mu + lambda) delta_s + lambda x,   t_s = d_s + beta t_{s-1},
-    delta_{s+1} = delta_s - eta t_s,                  delta = w - x.
+    delta_{s+1} = delta_s - eta u_s,                  delta = w - x.
 
 So ``delta_T = sum_j c_j (g_j + lambda x)`` with scalar coefficients ``c_j`` (the impulse
 response of that recurrence, computed here in float64; ``c_j = -eta`` for plain SGD), and::
@@ -64,6 +65,7 @@ def step_coefficients(
   prox_mu: float = 0.0,
   momentum: float = 0.0,
   weight_decay: float = 0.0,
+  nesterov: bool = False,
 ) -> list[float]:
   """``c_j``, ``j = 0..T-1``: the factor of step ``j``'s gradient in ``delta_T`` (float64).
 
@@ -76,7 +78,7 @@ def step_coefficients(
   for s in range(int(steps)):
     d = (1.0 if s == 0 else 0.0) + pull * delta
     trace = d + beta * trace
-    delta = delta - eta * trace
+    delta = delta - eta * (d + beta * trace if nesterov else trace)
     response.append(delta)
   return response[::-1]
 
@@ -92,6 +94,7 @@ def local_sgd_update_bound(
   prox_mu: float = 0.0,
   momentum: float = 0.0,
   weight_decay: float = 0.0,
+  nesterov: bool = False,
   params_norm: float = 0.0,
   max_batch: int | None = None,
   false_refusal: float = FALSE_REFUSAL,
@@ -110,6 +113,7 @@ def local_sgd_update_bound(
     prox_mu: FedProx's ``mu`` (0: none).
     momentum: the client optimiser's heavy-ball ``beta`` (0: plain SGD).
     weight_decay: the client optimiser's ``lambda`` (0: none).
+    nesterov: the client optimiser steps along Nesterov's ``d + beta t``.
     params_norm: ``||x||``, the global model's norm (weight decay's drift, float rounding).
     max_batch: ``N_max``, the largest client's records: a batch never holds more (``None``: the
       tail bound alone).
@@ -124,7 +128,12 @@ def local_sgd_update_bound(
   c = [
     abs(v)
     for v in step_coefficients(
-      learning_rate, steps, prox_mu=prox_mu, momentum=momentum, weight_decay=weight_decay
+      learning_rate,
+      steps,
+      prox_mu=prox_mu,
+      momentum=momentum,
+      weight_decay=weight_decay,
+      nesterov=nesterov,
     )
   ]
   if not c:
@@ -147,6 +156,80 @@ def local_sgd_update_bound(
   drift = weight_decay * params_norm * s1
   exact = clipped + noise + drift
   rounding = len(c) * FLOAT32_ROUNDOFF * (params_norm + exact)
+  return (1.0 + FLOAT_SLACK) * exact + rounding
+
+
+# -- Normalised local steps ----------------------------------------------------------------------
+#
+# Adam, Yogi and Adagrad (:class:`fedlap_jax.optim.Optimizer`, optax's ``scale_by_adam``,
+# ``scale_by_yogi``, ``scale_by_rss``; their state fresh each round) step each coordinate by
+# ``eta |u_t|`` with ``|u_t| <= A_t`` whatever the gradients (weight decay and FedProx's pull are
+# part of the gradient they normalise), so ``||delta_T|| <= eta sqrt(d) sum_t A_t`` holds for
+# every reply of an honest client, not only with high probability. Per coordinate, ``eps`` only
+# shrinks ``|u_t| = |m_hat| / (sqrt(v_hat) + eps)`` below ``|m_hat| / sqrt(v_hat)``:
+#
+# * Adam (``m_0 = v_0 = 0``, bias-corrected): by Cauchy-Schwarz ``|m_t| <= (1 - b1)
+#   sqrt(sum_{k<t} (b1^2 / b2)^k) sqrt(v_t / (1 - b2))``, so ``A_t = (1 - b1) / (1 - b1^t)
+#   sqrt((1 - b2^t) / (1 - b2)) sqrt(sum_{k<t} (b1^2 / b2)^k)`` (``A_1 = 1``).
+# * Yogi (``m_0 = v_0 = a``, bias-corrected): ``v_t >= b2 v_{t-1}`` and ``v_t >= c g_t^2``
+#   (``c = min(b2, 1 - b2)``), so ``|g_{t-k}| <= sqrt(v_t / (c b2^k))`` and ``A_t =
+#   sqrt(1 - b2^t) / (1 - b1^t) (sqrt(a) q^t + (1 - b1) / sqrt(c) sum_{k<t} q^k)``,
+#   ``q = b1 / sqrt(b2)``.
+# * Adagrad: ``|g_t| / sqrt(a + sum_{i<=t} g_i^2 + eps) <= 1``: ``A_t = 1``.
+#
+# ``b2 = 0`` gives no bound (Adam with ``b1 > 0``, Yogi: ``v`` forgets what ``m`` remembers).
+# Float32: a relative :data:`FLOAT_SLACK` and the rounding of each step's ``w - eta u`` (the
+# argument assumes no ``g^2`` underflows float32's normal range, ``|g| > 1e-19``, in all of
+# ``v``'s memory: an honest DP client's noise makes that failure far rarer than
+# :data:`FALSE_REFUSAL`, and it refuses an honest reply, never admits a hostile one).
+
+
+def normalised_step_bounds(
+  name: str, steps: int, *, b1: float = 0.0, b2: float = 0.0, initial_accumulator: float = 0.0
+) -> list[float] | None:
+  """``A_1 .. A_T``: the largest ``|u_t|`` per coordinate of the optimiser ``name`` (``adam``,
+  ``yogi`` or ``adagrad``, as :class:`fedlap_jax.optim.Optimizer` spells its hyper-parameters)
+  in step ``t`` from a fresh state; ``None`` where none holds (``b2 = 0`` with memory, another
+  name)."""
+  t_all = range(1, int(steps) + 1)
+  if name == "adagrad":
+    return [1.0 for _ in t_all]
+  b1, b2 = float(b1), float(b2)
+  if name == "adam":
+    if b2 == 0.0:
+      return [1.0 for _ in t_all] if b1 == 0.0 else None
+    gamma, out = b1 * b1 / b2, []
+    for t in t_all:
+      memory = math.fsum(gamma**k for k in range(t))
+      out.append((1 - b1) / (1 - b1**t) * math.sqrt((1 - b2**t) / (1 - b2) * memory))
+    return out
+  if name == "yogi":
+    c = min(b2, 1.0 - b2)
+    if c <= 0.0:
+      return None
+    q, a, out = b1 / math.sqrt(b2), float(initial_accumulator), []
+    for t in t_all:
+      memory = math.fsum(q**k for k in range(t))
+      moment = math.sqrt(a) * q**t + (1 - b1) / math.sqrt(c) * memory
+      out.append(math.sqrt(1 - b2**t) / (1 - b1**t) * moment)
+    return out
+  return None
+
+
+def normalised_update_bound(
+  step_bounds: list[float], *, learning_rate: float, num_params: int, params_norm: float = 0.0
+) -> float:
+  """The largest ``||w_k - x||`` of a client whose step ``t`` moves each of its ``d``
+  coordinates by at most ``eta A_t``: ``eta sqrt(d) sum_t A_t``, float32 slack included.
+
+  Args:
+    step_bounds: ``A_1 .. A_T`` (:func:`normalised_step_bounds`).
+    learning_rate: the round's ``eta``.
+    num_params: ``d``.
+    params_norm: ``||x||`` (the rounding of ``w - eta u``).
+  """
+  exact = abs(float(learning_rate)) * math.sqrt(float(num_params)) * math.fsum(step_bounds)
+  rounding = len(step_bounds) * FLOAT32_ROUNDOFF * (params_norm + exact)
   return (1.0 + FLOAT_SLACK) * exact + rounding
 
 

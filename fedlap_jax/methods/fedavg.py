@@ -278,24 +278,46 @@ def _scaffold_wire(config, params, facts: RunFacts) -> Wire:
 
 def update_bound(config: BaselineConfig, facts: RunFacts):
   """``message -> bound``: the largest ``||y_k - x||`` an honest client of the private path
-  sends in the round of ``message`` (:func:`fedlap_jax.update_bounds.local_sgd_update_bound`,
-  false-refusal probability :data:`~fedlap_jax.update_bounds.FALSE_REFUSAL` per reply), for the
-  family's own client: plain SGD at the message's ``eta_m``, with FedProx's ``mu``, ``T =
-  local.scheduled_steps()``, the clip ``C``, ``sigma`` and ``B`` of ``config.local``, the
-  largest batch ``local.max_client_size``, and the momentum and weight decay of
-  ``config.client_optimizer`` (an SGD spec). ``None`` without clipping (the non-DP methods: an
-  honest client's step has no bound) or with a client optimiser other than heavy-ball SGD
-  (Adam's step is not linear in the gradients)."""
+  sends in the round of ``message``, for the family's own client at the message's ``eta_m``
+  over ``T = local.scheduled_steps()`` steps with ``config.client_optimizer``:
+
+  * SGD (heavy-ball or Nesterov momentum, weight decay):
+    :func:`fedlap_jax.update_bounds.local_sgd_update_bound` with FedProx's ``mu``, the clip
+    ``C``, ``sigma`` and ``B`` of ``config.local`` and the largest batch
+    ``local.max_client_size`` (false-refusal probability
+    :data:`~fedlap_jax.update_bounds.FALSE_REFUSAL` per reply);
+  * Adam, Yogi, Adagrad: :func:`fedlap_jax.update_bounds.normalised_update_bound` (their steps
+    are bounded per coordinate whatever the gradients).
+
+  ``None`` without clipping (the non-DP methods: an honest SGD client's step has no bound) or
+  where the optimiser's hyper-parameters bound no step (``b2 = 0`` with memory)."""
   loc = config.local
   if loc.l2_clip_norm is None:  # not the private path
     return None
-  spec = config.client_optimizer  # the config's choice: only SGD's linear response is bounded
-  if spec.name != "sgd" or spec.nesterov:
-    return None
+  spec = config.client_optimizer
+  if spec.name != "sgd":
+    steps = update_bounds.normalised_step_bounds(
+      spec.name,
+      loc.scheduled_steps(),
+      b1=spec.b1 or 0.0,
+      b2=spec.b2 or 0.0,
+      initial_accumulator=spec.initial_accumulator or 0.0,
+    )
+    if steps is None:
+      return None
+
+    def normalised(message: Message) -> float:
+      return update_bounds.normalised_update_bound(
+        steps,
+        learning_rate=float(message.learning_rate),
+        num_params=facts.num_params,
+        params_norm=_norm(message.params),
+      )
+
+    return normalised
   clip = float(loc.l2_clip_norm)
 
   def bound(message: Message) -> float:
-    x = [np.asarray(p, np.float64) for p in jax.tree.leaves(message.params)]
     return update_bounds.local_sgd_update_bound(
       learning_rate=float(message.learning_rate),
       steps=loc.scheduled_steps(),
@@ -306,11 +328,18 @@ def update_bound(config: BaselineConfig, facts: RunFacts):
       prox_mu=loc.prox_mu,
       momentum=float(spec.momentum),
       weight_decay=float(spec.weight_decay),
-      params_norm=math.sqrt(math.fsum(float(np.sum(p * p)) for p in x)),
+      nesterov=bool(spec.nesterov),
+      params_norm=_norm(message.params),
       max_batch=loc.max_client_size,
     )
 
   return bound
+
+
+def _norm(params) -> float:
+  """``||x||`` over every leaf, in float64."""
+  x = [np.asarray(p, np.float64) for p in jax.tree.leaves(params)]
+  return math.sqrt(math.fsum(float(np.sum(p * p)) for p in x))
 
 
 def family(

@@ -78,6 +78,13 @@ KINDS = {
     f"method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL}",
     {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
   ),
+  # DP-FedAvg whose clients step with Adam (a bound per coordinate, not SGD's).
+  "dp_fedavg_adam": (
+    "quickstart:dp_loops",
+    f"method=dp_fedavg rounds=1 baseline.local_epochs=1 eval_chunk_size=128 {SMALL_MODEL} "
+    "baseline.client_optimizer.name=adam",
+    {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
+  ),
   "dp_scaffold": (
     "quickstart:dp_loops",
     "method=dp_scaffold rounds=1 baseline.local_epochs=1 eval_chunk_size=128",
@@ -420,6 +427,51 @@ def test_a_dp_fedavg_reply_beyond_the_update_bound_is_refused_with_its_norm(genu
   ok = [r for r in reports if r["status"] == "ok"]
   ratios = [r["update_norm"] / r["max_update_norm"] for r in ok]
   assert len(ok) == 4 and all(0.2 < q < 1 for q in ratios), ratios
+
+
+@pytest.mark.slow
+def test_an_adam_dp_fedavg_reply_beyond_its_derived_bound_is_refused(genuine, replay):
+  """DP-FedAvg with Adam clients: the server derives eta_m sqrt(d) sum_t A_t (Adam moves each
+  coordinate by at most about eta_m a step) and refuses w_g + 1e3 u by name; the round equals
+  the run without that client, and every honest reply is inside the bound."""
+  good = genuine("dp_fedavg_adam")
+  records, reports, final = replay("dp_fedavg_adam", {**good, 101: _pushed(good[101])}, first=101)
+  want_records, _, want_final = replay("dp_fedavg_adam", good, silent=[101])
+  assert records[0]["clients_ok"] == want_records[0]["clients_ok"] == [1, 2, 3, 4]
+  for name in final:
+    np.testing.assert_array_equal(final[name], want_final[name], err_msg=name)
+  (bad,) = [r for r in reports if r["status"] != "ok"]
+  assert bad["node_id"] == 101 and bad["field"] == "update-norm", bad
+  assert bad["update_norm"] > 900 and bad["update_norm"] > bad["max_update_norm"] > 0
+  ok = [r for r in reports if r["status"] == "ok"]
+  assert len(ok) == 4 and all(0 < r["update_norm"] < r["max_update_norm"] for r in ok), ok
+
+
+# b2 = 0: Adam's second moment forgets what its first remembers; no step bound follows.
+FORGETS = "baseline.client_optimizer.name=adam baseline.client_optimizer.b2=0.0"
+
+
+@pytest.mark.parametrize("value", ["", "auto"])
+def test_a_dp_run_whose_client_optimiser_has_no_bound_needs_a_stated_max_update_norm(
+  tmp_path, monkeypatch, value
+):
+  """A DP-FedAvg run whose clients' steps have no bound: the default would accept any reply,
+  so the server refuses the run config by max-update-norm before the run-dir is written; a
+  number (or an explicit 'none') is what it runs with. (Plain SGD derives its bound as before:
+  test_a_dp_fedavg_reply_beyond_the_update_bound_is_refused_with_its_norm.)"""
+  rc = {**_rc(tmp_path, "dp_fedavg"), "max-update-norm": value}
+  rc["overrides"] += f" {FORGETS}"
+  monkeypatch.setenv(settings.UNSAFE_ENV, "1")
+  with raises_field("max-update-norm"):
+    run_inprocess(rc, state_root=tmp_path / "state")
+  assert not (tmp_path / "run").exists()
+  from fedlap_runs import library_configs
+
+  cfg = settings.run_settings(rc).cfg
+  method = method_work.method_of(cfg)
+  config = library_configs.library_config(cfg, max_client_size=100)
+  assert replies.update_norm_rule(2.5, method, config, None)(None) == 2.5
+  assert replies.update_norm_rule(None, method, config, None)(None) is None
 
 
 @pytest.mark.slow
