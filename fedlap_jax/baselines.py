@@ -27,15 +27,11 @@ FedJAX's ``FederatedAlgorithm`` and Flower's baselines. The methods of
 (:func:`fedlap_jax.rounds.algorithm` of ``fedlap_jax.methods.REGISTRY["fedavg"]``, ...),
 which ``experiments.run`` and the Flower app's FedAvg run too.
 
-Optimisers. The client's local steps and the server's step are SGD written out by
-default; any optax direction (:mod:`fedlap_jax.optim`: the transformation before the rate)
-may replace either: as config values, :class:`BaselineConfig`'s ``client_optimizer`` and
-``server_optimizer`` (:class:`fedlap_jax.optim.Optimizer` specs, plain SGD by default), or as
-any optax transformation, the ``client_optimizer`` / ``server_optimizer`` of
-:func:`fedlap_jax.methods.fedavg.family` (used in place of the specs). The client's state starts afresh every round on every client; the
-server's (FedOpt: Reddi et al., ICLR 2021) acts on the negated weighted mean delta ``-sum_k
-w_k (y_k - x)`` at rate ``server_lr`` and is carried across rounds in
-:attr:`BaselineState.opt_state` (``optax.scale_by_adam()`` there is FedAdam's server).
+Optimisers. The client's local steps and the server's step are SGD written out by default;
+:class:`BaselineConfig`'s ``client_optimizer`` and ``server_optimizer`` (or the optax
+transformations given to :func:`fedlap_jax.methods.fedavg.family`) replace either. The server's
+(FedOpt: Reddi et al., ICLR 2021) steps on ``-sum_k w_k (y_k - x)`` and its state is carried
+across rounds in :attr:`BaselineState.opt_state`.
 
 Methods (hyperparameters as in the reference implementation):
 
@@ -74,12 +70,9 @@ bound of every ``T_k`` (and exact for the largest client). Because ``T_k``
 depends on ``N_k``, ``uniform_steps=True`` makes every client run exactly ``T``
 steps (a data-independent count) for a strict record-level reading.
 
-Gradient normalisation. Non-DP steps use the mean loss over the *realised*
-Poisson batch (``gradient_mean="realized"``, the reference); DP steps divide the
-(noisy) clipped sum by the *expected* batch size ``B`` (the realised size would
-leak). ``gradient_mean="expected"`` gives non-DP runs the DP normalisation, so
-that DP-SGD with ``sigma = 0`` and an infinite clip is exactly that run (the
-test of the private path does this).
+Gradient normalisation (:attr:`LocalTraining.gradient_mean`): non-DP steps use the mean loss
+over the realised Poisson batch (the reference), DP steps divide the noisy clipped sum by the
+expected ``B`` (the realised size would leak).
 
 No DSA by default (``dsa_strategy=""``): the reference trains the baselines on
 plain batches.
@@ -153,14 +146,8 @@ BASELINE_FACTS = {
   "dp_fedavg": BaselineFacts(private=True),
   "dp_fedprox": BaselineFacts(private=True, prox=True),
 }
-BASELINE_METHODS = tuple(BASELINE_FACTS)
-DP_BASELINE_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
-
-
-METHODS = BASELINE_METHODS
-DP_METHODS = DP_BASELINE_METHODS
-PROX_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.prox)
-GRADIENT_MEANS = privacy.GRADIENT_MEANS
+METHODS = tuple(BASELINE_FACTS)
+DP_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
 
 __all__ = [
   "METHODS",
@@ -281,10 +268,10 @@ class LocalTraining:
       "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)",
     )
     require(
-      self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
+      self.gradient_mean is None or self.gradient_mean in privacy.GRADIENT_MEANS,
       "gradient_mean",
       self.gradient_mean,
-      f"None or one of {GRADIENT_MEANS}",
+      f"None or one of {privacy.GRADIENT_MEANS}",
     )
     require(
       self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
@@ -462,7 +449,7 @@ class BaselineConfig:
         self.dp,
         f"None for method={self.method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)",
       )
-      for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size", "per_example_method"):
+      for f in _DP_FIELDS:
         require(
           getattr(loc, f) == getattr(self.dp, f),
           f"local.{f}",
