@@ -99,7 +99,6 @@ import numpy as np
 import optax
 
 from fedlap_jax import dsa, optim, privacy
-from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError, is_int, is_real, nonneg_float, one_of, require
 from fedlap_jax.client_data import (
   ClientData,
@@ -944,10 +943,3 @@ def baseline_config(
     client_optimizer=client_optimizer,
     server_optimizer=server_optimizer,
   )
-
-
-def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
-  """DP-FedAvg / DP-FedProx's mechanism: ``T = local.scheduled_steps()`` noisy local steps
-  (the largest client's count, every client charged with it) on Poisson batches of
-  expected size ``B`` per round; ``None`` for the non-DP methods."""
-  return accounting.DpMechanism.from_config(config)
