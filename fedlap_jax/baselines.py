@@ -866,38 +866,13 @@ def baseline_config(
   """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
   Fills in what the method implies: FedSGD one step per round, FedProx's
-  ``mu`` only for the prox methods, SCAFFOLD's control variates; the private
-  path's clip and noise come from ``dp`` (:class:`BaselineConfig`).
-
-  Args:
-    method: one of :data:`METHODS`.
-    rounds: ``M``.
-    learning_rate: ``eta_0`` of the client's cosine schedule (0.1).
-    batch_size: expected Poisson batch size ``B`` (256).
-    dp: a :class:`~fedlap_jax.dp_config.DPConfig` for ``dp_*`` methods (``C =
-      0.1``, ``sigma = 1`` in the reference), ``None`` for the others.
-    local_epochs: ``E``, the paper's 5 by default; ignored by ``fedsgd`` (one
-      step per round).
-    prox_mu: ``mu`` of ``mu ||w - w_g||^2``, the paper's 0.1 by default; used
-      by ``fedprox`` and ``dp_fedprox`` only, ignored by the other methods.
-    max_client_size: ``N_max``, records of the largest client; fixes the static
-      step count ``T = E * round(N_max / B)``. Required by DP methods (the
-      accountant needs ``T`` up front); without it non-DP rounds use the padded
-      client size.
-    server_lr: ``eta_s`` (1).
-    weighting: server weights: ``size`` (``N_k / N``) or ``uniform``; ``None``
-      picks ``size`` without DP and ``uniform`` with DP (as FedLAP-DP: client
-      sizes are not released).
-    dsa_strategy: DSA on real batches (``""``, none, as the reference).
-    poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
-    uniform_steps: every client runs exactly ``T`` steps (data-independent
-      count) instead of ``E * round(N_k / B)``.
-    gradient_mean: ``realized`` / ``expected`` (see the module docstring);
-      ``None``: ``realized`` without DP, ``expected`` with DP.
-    track_loss: record per-client mean local losses.
-    lr_schedule: ``cosine`` or ``cosine_open`` (see :class:`BaselineConfig`).
-    client_optimizer, server_optimizer: :class:`~fedlap_jax.optim.Optimizer` specs of the
-      clients' and the server's directions (plain SGD; see :class:`BaselineConfig`).
+  ``mu`` only for the prox methods (ignored by the others), SCAFFOLD's control variates; the
+  private path's clip and noise come from ``dp`` (a :class:`~fedlap_jax.dp_config.DPConfig`
+  for the ``dp_*`` methods, ``None`` for the others). The other arguments are the fields of
+  :class:`BaselineConfig` and :class:`LocalTraining` of those names (``local_epochs``:
+  ``LocalTraining.epochs``), with the reference's defaults; ``uniform_steps``: every client
+  runs exactly ``T`` steps (a data-independent count, which needs ``max_client_size``)
+  instead of ``E * round(N_k / B)``.
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
