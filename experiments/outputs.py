@@ -22,11 +22,11 @@ import numpy as np
 
 import fedlap_jax
 from fedlap_jax import accounting
+from fedlap_jax.method import json_floats
 
 from experiments import resume
 
 from fedlap_runs import build, checkpointing, method_entries, seeds
-from experiments.json_values import finite_list
 from experiments.resume import DAMAGED_DIR
 
 BYTES_PER_FLOAT = 4
@@ -108,11 +108,11 @@ def _summarize(metrics: Any, num_clients: int) -> dict:
     a = np.asarray(leaf)
     name = _keystr(path) or "value"
     if a.ndim == 0:
-      out[name] = finite_list(a)[0]
+      out[name] = json_floats(a)[0]
     elif a.shape[0] == num_clients:
-      out[name] = finite_list(a.reshape(num_clients, -1).mean(axis=1))
+      out[name] = json_floats(a.reshape(num_clients, -1).mean(axis=1))
     elif a.size <= 64:
-      out[name] = finite_list(a)
+      out[name] = json_floats(a)
   return out
 
 

@@ -26,49 +26,26 @@ The bounds, and why an honest client stays inside them:
   above that; a reply beyond it is refused with a reason naming the bound,
   never clamped, and the run config's ``max-image-abs`` sets another bound.
 * **Model delta** (FedLAP's ``model_delta.*`` with ``client.model_steps='noisy_real'``,
-  ``server.start='fedavg_delta'``, :func:`fedlap_jax.update_bounds.matching_delta_bound`):
-  under DP the client's model moves once per while-loop iteration by
-  ``eta_m g``, ``g`` the mean of ``batch_loop`` noisy clipped gradients
-  ``(sum of at most n clipped gradients + N(0, sigma^2 C^2 I_d)) / B``, and
-  the loop stops once ``||w - w_g|| >= r``. So ``||delta|| <= min(r + eta_m G,
-  max_outer eta_m G)`` with ``G = C (B + t) / B + sigma C (sqrt(d) + s) /
-  (B sqrt(batch_loop))``, where ``n <= B + t`` and ``||z|| <= sqrt(d) + s``
-  for the standard normal ``z`` in ``d`` dimensions each fail with
-  probability at most ``exp(-TAIL_LOG)`` (:data:`fedlap_jax.update_bounds.TAIL_LOG`) (Bernstein's inequality for the
-  Poisson batch, Gaussian concentration of the norm); over the ``T``
-  batches of a round an honest reply exceeds the bound with probability
-  below ``2 T exp(-80)``, i.e. never. Without DP the client's gradients are
-  not clipped and no bound follows from the config: the delta is checked
-  for shape and finiteness only (and the server refuses a non-finite
-  update).
+  ``server.start='fedavg_delta'``): at most
+  :func:`fedlap_jax.update_bounds.matching_delta_bound` under DP (why an honest client stays
+  inside it: :mod:`fedlap_jax.update_bounds`); without DP no bound follows from the config,
+  and the delta is checked for shape and finiteness only.
 * **Model of a FedAvg-wire method** (:func:`update_norm_rule`, the run config's
-  ``max-update-norm``): ``||w_k - w_g||`` at most the round's bound. By default (and with
-  ``'auto'``) it is the method's own (:attr:`fedlap_jax.method.Method.update_bound`): for
-  DP-FedAvg / DP-FedProx, whose clients take ``T`` SGD steps (momentum, Nesterov, weight
-  decay) on noisy clipped Poisson batches,
-  :func:`fedlap_jax.update_bounds.local_sgd_update_bound` at the round's ``eta_m``, which an
-  honest reply exceeds with probability below :data:`fedlap_jax.update_bounds.FALSE_REFUSAL`
-  (Bernstein's inequality for the batches, Laurent and Massart's chi-square tail for the
-  noise); with Adam, Yogi or Adagrad clients,
-  :func:`fedlap_jax.update_bounds.normalised_update_bound` (each coordinate moves by at most
-  ``eta_m A_t`` in step ``t``, whatever the gradients). A reply above it is refused (never
-  clipped) with its norm and the bound in its report. Without DP nothing bounds an honest
-  client's step, so there is no bound unless the run config gives a number; a DP config whose
-  client optimiser bounds no step (``b2 = 0``) is refused unless the run config gives a
-  number or ``'none'``.
-* **FedLAP's r_k** (its update's ``radius``, one float32 value; the method's
-  :attr:`~fedlap_jax.method.Method.check_update`) in ``[RADIUS_FLOOR_PER_LR * eta_m, r]`` (:data:`fedlap_jax.update_bounds.RADIUS_FLOOR_PER_LR`)
-  (:func:`fedlap_jax.update_bounds.radius_floor`).
-  ``r_k`` is ``r`` under DP and without calibration; a calibrated ``r_k`` is
-  the distance the global model moved after at least one epoch of SGD at the
-  round's ``eta_m`` on the client's synthetic set, capped at ``r``: ``eta_m``
-  times the length of the summed gradient steps. ``quickstart:nondp`` (10
-  rounds on the digits) measures ``r_k / eta_m`` from 13.8 to 112, every
-  round (measured when the schedule's last round ran at ``eta_m = 1e-6``); the floor,
-  ``1e-3 eta_m``, leaves a factor above 10^4 for honest clients and refuses
-  what no SGD step gives (``1e-30``, zero, denormals). The floor stops
-  degenerate values only: with ``server.radius_strategy='min'`` one client
-  still sets ``r_g`` anywhere in ``[floor, r]`` (docs/flower.md).
+  ``max-update-norm``): ``||w_k - w_g||`` at most the round's bound, by default (and with
+  ``'auto'``) the method's own (:attr:`fedlap_jax.method.Method.update_bound`; DP-FedAvg /
+  DP-FedProx with SGD clients (momentum, Nesterov, weight decay):
+  :func:`fedlap_jax.update_bounds.local_sgd_update_bound` at the round's ``eta_m``, exceeded
+  by an honest reply with probability below :data:`fedlap_jax.update_bounds.FALSE_REFUSAL`;
+  with Adam, Yogi or Adagrad clients, :func:`fedlap_jax.update_bounds.normalised_update_bound`,
+  which no reply of theirs exceeds). A reply above it is refused (never clipped) with its
+  norm and the bound in its report. Without DP there is no bound unless the run config gives
+  a number; a DP config whose client optimiser bounds no step (``b2 = 0``) is refused unless
+  the run config gives a number or ``'none'``.
+* **FedLAP's r_k** (its update's ``radius``; :attr:`~fedlap_jax.method.Method.check_update`)
+  in ``[radius_floor(eta_m), r]`` (:func:`fedlap_jax.update_bounds.radius_floor`; why honest
+  clients stay inside: :mod:`fedlap_jax.update_bounds`). The floor stops degenerate values
+  only: with ``server.radius_strategy='min'`` one client still sets ``r_g`` anywhere in
+  ``[floor, r]`` (docs/flower.md).
 * **Metrics** (:func:`scalar`): one int or float each (no lists, strings,
   bools), finite, every one bounded above and below:
 

@@ -30,30 +30,17 @@ without the clients' carried fields (each client keeps its own; the plan and the
 see public stand-ins of their shapes, :func:`fedlap_flower.method_work.carried_standins`); each
 round it runs the method's plan (the key chain and the learning rate of ``experiments.run``),
 sends every asked node the global parameters, the plan's message and that client's own inputs
-(its keys; under DP none: each client draws its own), and aggregates the updates of the replies that fit with the method's server step
-(FedAvg: ``x + sum_k w_k (y_k - x)``, ``w_k`` by ``num-examples``; FedAdam: Adam on the mean
-delta; FedDM / DSC / PSG: training on the union of the synthetic sets; FedLAP: Algorithm 2's
-trust-region descent on the union of the clients' synthetic sets, radius ``r_g`` from their
-``r_k``), so a round equals
-``experiments.run``'s; the test evaluation is logged the same way. A reply fits when it holds
-the method's update in its wire format (a model packed in ``arrays``: its paths, shapes and
-dtypes; any other update in ``update``, by the wire's names, each array refused by its declared
-shape and dtype before its values are read; finite values), a synthetic set passing FedLAP's
-checks (:func:`fedlap_flower.replies.check_synthetic`, labels pinned per partition), the
-method's own bounds on an update (:attr:`~fedlap_jax.method.Method.check_update`, if any),
-``num-examples`` an int >= 1 and the node's ``partition-id``; a round's record holds the
-method's :attr:`~fedlap_jax.method.Method.round_record`, if any. A model reply's ``||w_k - w_g||``
-must also be at most the round's bound (the run config's ``max-update-norm``,
-:func:`fedlap_flower.replies.update_norm_rule`): by default, under DP, the method's own bound on
-an honest client's noisy clipped SGD, which an honest reply exceeds with probability below
-1e-9; a reply above it is refused (its norm and the bound in its report), never clipped.
-FedLAP's update is bounded by its own checks instead: ``r_k`` in the round's range, the images
-by ``max-image-abs`` and, under DP with ``client.model_steps='noisy_real'``, the model delta's
-norm (:func:`fedlap_jax.update_bounds.matching_delta_bound`). With fewer than ``min-clients``
-usable replies the round is logged (``stopped``) and the run stops (:class:`TooFewClients`).
-Without DP, local SGD is not clipped, so no config-derived bound limits a client's model unless
-the run config gives one: a client then moves the mean by its weight share times whatever it
-sends. The bound applies to model replies only (a number for another wire is refused).
+(its keys; under DP none: each client draws its own), and aggregates the updates of the replies
+that fit with the method's server step, so a round equals ``experiments.run``'s; the test
+evaluation is logged the same way. A reply fits when it holds the method's update in its wire
+format (by the wire's names, each array refused by its declared shape and dtype before its
+values are read; finite values), passes the bounds of :mod:`fedlap_flower.replies` (which says
+why an honest client stays inside each: FedLAP's synthetic set with its labels pinned per
+partition, ``r_k`` and model delta; a model reply's ``||w_k - w_g||`` against
+``max-update-norm``, never clipped; ``num-examples``; the node's ``partition-id``) and the
+method's :attr:`~fedlap_jax.method.Method.check_update`; a round's record holds the method's
+:attr:`~fedlap_jax.method.Method.round_record`, if any. With fewer than ``min-clients`` usable
+replies the round is logged (``stopped``) and the run stops (:class:`TooFewClients`).
 """
 
 from __future__ import annotations

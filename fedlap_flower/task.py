@@ -166,19 +166,6 @@ class ClientRun(NamedTuple):
   k_alg: Any = None
 
 
-def _client_data(x: np.ndarray, y: np.ndarray, pad_to: int, scale, offset):
-  n = len(x)
-  xp = np.concatenate([x, np.zeros((pad_to - n, *x.shape[1:]), x.dtype)])
-  yp = np.concatenate([np.asarray(y, np.int32), np.zeros(pad_to - n, np.int32)])
-  return fl.ClientData(
-    jnp.asarray(xp),
-    jnp.asarray(yp),
-    jnp.asarray(np.arange(pad_to) < n),
-    pixel_scale=jnp.asarray(scale, jnp.float32),
-    pixel_offset=jnp.asarray(offset, jnp.float32),
-  )
-
-
 def own_records(image_shape, num_classes: int):
   """The :class:`fedlap_runs.build.Data` of a party that holds no partition of the config's
   data (a client's own records, a server's own test data): its :class:`~fedlap_runs.build.Facts`
@@ -219,12 +206,12 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
     start = build.init(p, p.cfg.seed)
     dataset, indices = p.data.dataset, p.data.client_indices
     own = indices[index]
-    data = _client_data(
+    data = fl.pad_client(
       dataset.x_train[own],
       dataset.y_train[own],
-      max(len(i) for i in indices),
-      dataset.pixel_scale,
-      dataset.pixel_offset,
+      capacity=max(len(i) for i in indices),
+      pixel_scale=dataset.pixel_scale,
+      pixel_offset=dataset.pixel_offset,
     )
     fingerprint = {
       "data": "partition",
@@ -274,7 +261,7 @@ def client_run(cfg, index: int, num_clients: int, data_path: Path | None = None,
   part = Partition(
     index,
     num_clients,
-    _client_data(x, y, len(y), scale, offset),
+    fl.pad_client(x, y, capacity=len(y), pixel_scale=scale, pixel_offset=offset),
     int(len(y)),
     tuple(x.shape[1:]),
     num_classes,

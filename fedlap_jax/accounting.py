@@ -51,12 +51,8 @@ What is refused before any accounting runs
 * ``delta >= 1 / N_k`` for a client of ``N_k`` records: such a ``delta``
   allows a mechanism that publishes one whole record.
 
-A budget that a ledger already exceeds is detected without the full PLD:
-:meth:`PrivacyLedger.epsilon_lower_bound_after` is an optimistic PLD on a
-coarse grid (``pessimistic_estimate=False`` at
-:data:`LOWER_BOUND_DISCRETIZATION` nats: every privacy loss rounded down and
-truncated tails dropped, so its epsilon is below the true one, and below the
-pessimistic headline), a fraction of the headline's cost.
+A budget that a ledger already exceeds is detected without the full PLD, by the cheap lower
+bound :meth:`PrivacyLedger.epsilon_lower_bound_after`.
 
 Participation
 -------------
@@ -67,24 +63,13 @@ drawn from the public participation seed and released per round), and the
 project never uses it: nothing in this module has a participation term, and
 a stored ledger that declares one other than 1 is refused.
 
-Units used throughout:
+Units: ``rounds`` ``M`` communication rounds; ``min_client_size`` / ``client_size`` the
+``N_k`` accounted for (the smallest client gives the largest rate); ``delta`` a probability in
+``(0, 1 / N_k)``; ``epsilon`` in nats (natural log).
 
-* ``batch_size`` ``B``: records per local step (expected batch size under
-  Poisson sampling);
-* ``min_client_size`` / ``client_size`` ``N_k``: records of the client
-  accounted for (the smallest client gives the largest rate);
-* ``steps_per_round`` ``T``: noisy local steps per client per round;
-* ``rounds`` ``M``: communication rounds;
-* ``noise_multiplier`` ``sigma``: dimensionless (noise std / clip norm);
-* ``delta``: probability, in ``(0, 1 / N_k)``; ``epsilon``: nats (natural log).
-
-Cost: the RDP vector of one Poisson-sampled Gaussian step and the PLD of one
-step are cached per ``(q, sigma)``, and a replace-one epsilon per
-``(q, sigma, steps, delta)`` (``functools.lru_cache``; pure functions of their
-arguments), so a ledger round costs one PLD self-composition and ledgers that
-share a rate share it. The add/remove figure of :func:`epsilon_after_rounds` (and
-so of a calibration) is that cached vector times the run's steps: a setting
-calibrated or reported again computes no RDP again.
+Cost: the RDP vector and the PLD of one step are cached per ``(q, sigma)`` and a replace-one
+epsilon per ``(q, sigma, steps, delta)`` (``functools.lru_cache``), so ledgers that share a
+rate share their compositions, and a setting calibrated or reported again computes no RDP again.
 
 This module needs neither JAX nor NumPy to import; ``dp_accounting`` (and the
 NumPy it brings) is imported only inside the functions that use it, so
@@ -856,10 +841,8 @@ class PrivacyLedger:
   :meth:`from_dict`, which recomputes every epsilon and refuses a ledger whose
   stored values do not match.
 
-  Add/remove rounds add one cached RDP vector per rate in the order
-  ``RdpAccountant`` adds them, so they equal its numbers bit for bit;
-  replace-one rounds cost one PLD composition of all steps so far, shared by
-  every ledger with the same rate and step count.
+  Add/remove rounds add the cached RDP vector in the order ``RdpAccountant`` adds it, so
+  they equal its numbers bit for bit.
 
   Construction: ``PrivacyLedger(mechanism, client_size)`` (what
   :meth:`DpMechanism.ledger` does), or with the stored dict's names as
@@ -1211,10 +1194,8 @@ class ClientLedgers:
   amplified: which clients take part is public, a deterministic function of
   the seed and the round. Built by :meth:`DpMechanism.client_ledgers`.
 
-  A round composes once per distinct ledger among its participants (same
-  ``N_k`` and the same rounds' step counts), not per participant, and the
-  per-step RDP and PLD it needs are cached per rate, so the participants of a
-  round that share ``(q_k, steps)`` share one composition.
+  A round composes once per distinct ledger among its participants (same ``N_k`` and step
+  counts), not once per participant.
 
   Attributes:
     ledgers: ``K`` ledgers, one per client, all of one mechanism.

@@ -27,15 +27,11 @@ FedJAX's ``FederatedAlgorithm`` and Flower's baselines. The methods of
 (:func:`fedlap_jax.rounds.algorithm` of ``fedlap_jax.methods.REGISTRY["fedavg"]``, ...),
 which ``experiments.run`` and the Flower app's FedAvg run too.
 
-Optimisers. The client's local steps and the server's step are SGD written out by
-default; any optax direction (:mod:`fedlap_jax.optim`: the transformation before the rate)
-may replace either: as config values, :class:`BaselineConfig`'s ``client_optimizer`` and
-``server_optimizer`` (:class:`fedlap_jax.optim.Optimizer` specs, plain SGD by default), or as
-any optax transformation, the ``client_optimizer`` / ``server_optimizer`` of
-:func:`fedlap_jax.methods.fedavg.family` (used in place of the specs). The client's state starts afresh every round on every client; the
-server's (FedOpt: Reddi et al., ICLR 2021) acts on the negated weighted mean delta ``-sum_k
-w_k (y_k - x)`` at rate ``server_lr`` and is carried across rounds in
-:attr:`BaselineState.opt_state` (``optax.scale_by_adam()`` there is FedAdam's server).
+Optimisers. The client's local steps and the server's step are SGD written out by default;
+:class:`BaselineConfig`'s ``client_optimizer`` and ``server_optimizer`` (or the optax
+transformations given to :func:`fedlap_jax.methods.fedavg.family`) replace either. The server's
+(FedOpt: Reddi et al., ICLR 2021) steps on ``-sum_k w_k (y_k - x)`` and its state is carried
+across rounds in :attr:`BaselineState.opt_state`.
 
 Methods (hyperparameters as in the reference implementation):
 
@@ -74,12 +70,9 @@ bound of every ``T_k`` (and exact for the largest client). Because ``T_k``
 depends on ``N_k``, ``uniform_steps=True`` makes every client run exactly ``T``
 steps (a data-independent count) for a strict record-level reading.
 
-Gradient normalisation. Non-DP steps use the mean loss over the *realised*
-Poisson batch (``gradient_mean="realized"``, the reference); DP steps divide the
-(noisy) clipped sum by the *expected* batch size ``B`` (the realised size would
-leak). ``gradient_mean="expected"`` gives non-DP runs the DP normalisation, so
-that DP-SGD with ``sigma = 0`` and an infinite clip is exactly that run (the
-test of the private path does this).
+Gradient normalisation (:attr:`LocalTraining.gradient_mean`): non-DP steps use the mean loss
+over the realised Poisson batch (the reference), DP steps divide the noisy clipped sum by the
+expected ``B`` (the realised size would leak).
 
 No DSA by default (``dsa_strategy=""``): the reference trains the baselines on
 plain batches.
@@ -106,7 +99,6 @@ import numpy as np
 import optax
 
 from fedlap_jax import dsa, optim, privacy
-from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError, is_int, is_real, nonneg_float, one_of, require
 from fedlap_jax.client_data import (
   ClientData,
@@ -153,14 +145,8 @@ BASELINE_FACTS = {
   "dp_fedavg": BaselineFacts(private=True),
   "dp_fedprox": BaselineFacts(private=True, prox=True),
 }
-BASELINE_METHODS = tuple(BASELINE_FACTS)
-DP_BASELINE_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
-
-
-METHODS = BASELINE_METHODS
-DP_METHODS = DP_BASELINE_METHODS
-PROX_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.prox)
-GRADIENT_MEANS = privacy.GRADIENT_MEANS
+METHODS = tuple(BASELINE_FACTS)
+DP_METHODS = tuple(n for n, f in BASELINE_FACTS.items() if f.private)
 
 __all__ = [
   "METHODS",
@@ -281,10 +267,10 @@ class LocalTraining:
       "0 when l2_clip_norm is None (noise without clipping has no sensitivity bound)",
     )
     require(
-      self.gradient_mean is None or self.gradient_mean in GRADIENT_MEANS,
+      self.gradient_mean is None or self.gradient_mean in privacy.GRADIENT_MEANS,
       "gradient_mean",
       self.gradient_mean,
-      f"None or one of {GRADIENT_MEANS}",
+      f"None or one of {privacy.GRADIENT_MEANS}",
     )
     require(
       self.l2_clip_norm is None or self.gradient_mean in (None, "expected"),
@@ -462,7 +448,7 @@ class BaselineConfig:
         self.dp,
         f"None for method={self.method!r} (use 'dp_fedavg' or 'dp_fedprox' for DP)",
       )
-      for f in ("l2_clip_norm", "noise_multiplier", "microbatch_size", "per_example_method"):
+      for f in _DP_FIELDS:
         require(
           getattr(loc, f) == getattr(self.dp, f),
           f"local.{f}",
@@ -880,38 +866,13 @@ def baseline_config(
   """The :class:`BaselineConfig` of ``method`` from the settings of the paper's tables.
 
   Fills in what the method implies: FedSGD one step per round, FedProx's
-  ``mu`` only for the prox methods, SCAFFOLD's control variates; the private
-  path's clip and noise come from ``dp`` (:class:`BaselineConfig`).
-
-  Args:
-    method: one of :data:`METHODS`.
-    rounds: ``M``.
-    learning_rate: ``eta_0`` of the client's cosine schedule (0.1).
-    batch_size: expected Poisson batch size ``B`` (256).
-    dp: a :class:`~fedlap_jax.dp_config.DPConfig` for ``dp_*`` methods (``C =
-      0.1``, ``sigma = 1`` in the reference), ``None`` for the others.
-    local_epochs: ``E``, the paper's 5 by default; ignored by ``fedsgd`` (one
-      step per round).
-    prox_mu: ``mu`` of ``mu ||w - w_g||^2``, the paper's 0.1 by default; used
-      by ``fedprox`` and ``dp_fedprox`` only, ignored by the other methods.
-    max_client_size: ``N_max``, records of the largest client; fixes the static
-      step count ``T = E * round(N_max / B)``. Required by DP methods (the
-      accountant needs ``T`` up front); without it non-DP rounds use the padded
-      client size.
-    server_lr: ``eta_s`` (1).
-    weighting: server weights: ``size`` (``N_k / N``) or ``uniform``; ``None``
-      picks ``size`` without DP and ``uniform`` with DP (as FedLAP-DP: client
-      sizes are not released).
-    dsa_strategy: DSA on real batches (``""``, none, as the reference).
-    poisson_capacity: static Poisson buffer (default ``B + 6 sqrt(B) + 4``).
-    uniform_steps: every client runs exactly ``T`` steps (data-independent
-      count) instead of ``E * round(N_k / B)``.
-    gradient_mean: ``realized`` / ``expected`` (see the module docstring);
-      ``None``: ``realized`` without DP, ``expected`` with DP.
-    track_loss: record per-client mean local losses.
-    lr_schedule: ``cosine`` or ``cosine_open`` (see :class:`BaselineConfig`).
-    client_optimizer, server_optimizer: :class:`~fedlap_jax.optim.Optimizer` specs of the
-      clients' and the server's directions (plain SGD; see :class:`BaselineConfig`).
+  ``mu`` only for the prox methods (ignored by the others), SCAFFOLD's control variates; the
+  private path's clip and noise come from ``dp`` (a :class:`~fedlap_jax.dp_config.DPConfig`
+  for the ``dp_*`` methods, ``None`` for the others). The other arguments are the fields of
+  :class:`BaselineConfig` and :class:`LocalTraining` of those names (``local_epochs``:
+  ``LocalTraining.epochs``), with the reference's defaults; ``uniform_steps``: every client
+  runs exactly ``T`` steps (a data-independent count, which needs ``max_client_size``)
+  instead of ``E * round(N_k / B)``.
 
   Raises:
     ConfigError: naming the field, the value and what is allowed.
@@ -957,10 +918,3 @@ def baseline_config(
     client_optimizer=client_optimizer,
     server_optimizer=server_optimizer,
   )
-
-
-def dp_mechanism(config: BaselineConfig) -> accounting.DpMechanism | None:
-  """DP-FedAvg / DP-FedProx's mechanism: ``T = local.scheduled_steps()`` noisy local steps
-  (the largest client's count, every client charged with it) on Poisson batches of
-  expected size ``B`` per round; ``None`` for the non-DP methods."""
-  return accounting.DpMechanism.from_config(config)

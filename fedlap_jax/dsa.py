@@ -590,24 +590,15 @@ def augment(
   strategy: str = DEFAULT_STRATEGY,
   family_key: jax.Array | None = None,
 ) -> jax.Array:
-  """Applies one randomly chosen DSA family to a batch of images.
+  """Applies one randomly chosen DSA family to a batch of images: :func:`apply` of
+  :func:`draw_params` (module docstring: one family and one draw of its parameters per batch,
+  so two batches augmented with one key get the identical transform). Jit- and vmap-able.
 
-  The family is drawn uniformly among those enabled by ``strategy`` and its
-  parameters are drawn once for the whole batch, so that two batches
-  augmented with the same key receive the identical transform (Siamese
-  augmentation). The draw (:func:`draw_params`) comes before the family's
-  ``lax.switch`` (:func:`apply`), so the switch's cases hold no random draws, and the
-  function can be jitted and vmapped (over keys and images). With a
-  single enabled family no choice is drawn: ``augment(key, x, "flip")``
-  equals ``apply_family(key, x, "flip")``.
-
-  ``family_key`` (optional) draws the family instead of ``key``; the
-  family's parameters still come from ``key``. Clients run side by side
-  under ``vmap`` pass one ``family_key`` shared by all of them (not mapped)
-  and their own ``key``: the family index is then not batched and
-  ``lax.switch`` computes one family, not all of them. Each client still
-  gets every family with probability ``1 / len(families)`` and its own
-  parameters; only the choice of family is common to the clients.
+  ``family_key`` (optional) draws the family instead of ``key`` (its parameters still come
+  from ``key``): clients run side by side under ``vmap`` pass one shared ``family_key`` and
+  their own ``key``, so ``lax.switch`` computes one family, not all of them; each client still
+  gets every family with probability ``1 / len(families)``. With a single enabled family no
+  choice is drawn: ``augment(key, x, "flip")`` equals ``apply_family(key, x, "flip")``.
 
   Args:
     key: PRNG key (raw ``uint32[2]`` or typed key).

@@ -27,6 +27,7 @@ rounds done) and ``key`` (the chain key) besides its own.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import jax
@@ -243,6 +244,12 @@ def synthetic_wire(ipc: int, facts: RunFacts) -> Wire:
     },
     pinned=("y", "mask"),
   )
+
+
+def json_floats(a) -> list:
+  """``a``'s values as a flat list of floats, ``None`` for NaN / Inf (JSON has neither): the
+  numbers of a :attr:`Method.round_record` and of a front end's records."""
+  return [v if math.isfinite(v) else None for v in np.asarray(a, np.float64).ravel().tolist()]
 
 
 # -- the method ----------------------------------------------------------------------------------

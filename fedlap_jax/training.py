@@ -2,8 +2,7 @@
 
 * :func:`cosine_learning_rate`: the round schedule ``eta_m``.
 * :func:`train_epoch`: one epoch over a small (synthetic) set in shuffled
-  batches, with DSA, as a ``lax.fori_loop``, with any optax optimiser
-  (:func:`model_optimizer`: SGD, optionally with momentum and weight decay);
+  batches, with DSA, as a ``lax.fori_loop``, with any optax optimiser;
   :func:`sgd_epoch` is the same with plain SGD.
 * :func:`evaluate`: mean loss and accuracy over a large masked set in chunks.
 * :func:`tree_distance`: ``||a - b||_2`` over the flattened pytrees.
@@ -57,19 +56,6 @@ def tree_distance(a: PyTree, b: PyTree) -> jax.Array:
   return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
-def model_optimizer(
-  learning_rate, *, momentum: float = 0.0, weight_decay: float = 0.0
-) -> optax.GradientTransformation:
-  """SGD on model parameters, as PyTorch's ``SGD(lr, momentum, weight_decay)``.
-
-  ``g <- g + weight_decay * w``; ``t <- g + momentum * t``; ``w <- w - lr * t``
-  (no dampening). With both 0 this is plain SGD, ``w <- w - lr * g``.
-  ``learning_rate`` may be traced. :func:`fedlap_jax.optim.with_rate` of
-  :func:`fedlap_jax.optim.sgd` (``optax.sgd``'s operations, in its order).
-  """
-  return optim.with_rate(optim.sgd(momentum, weight_decay), learning_rate)
-
-
 def train_epoch(
   key: jax.Array,
   apply_fn: ApplyFn,
@@ -93,7 +79,7 @@ def train_epoch(
     x: ``(S, H, W, C)`` images; y: ``(S,)`` int labels.
     weights: ``(S,)`` per-example weights; 0 marks padding. A batch's loss is
       ``sum(w * loss) / (number of examples with w > 0 in the batch)``.
-    optimizer: an optax transformation (e.g. :func:`model_optimizer`).
+    optimizer: an optax transformation (e.g. :func:`fedlap_jax.optim.with_rate`).
     batch_size: static batch size; the epoch has ``ceil(S / batch_size)``
       batches (the last one padded).
     dsa_strategy: DSA families applied to each batch.
@@ -157,7 +143,7 @@ def sgd_epoch(
   Returns:
     ``(params, steps)``: updated parameters and the number of non-empty batches.
   """
-  optimizer = model_optimizer(learning_rate)
+  optimizer = optim.with_rate(optim.sgd(), learning_rate)
   params, _, steps = train_epoch(
     key,
     apply_fn,

@@ -15,21 +15,11 @@ Where it lives (:func:`resolve`, the first that applies):
 4. ``~/.cache/fedlap_jax/jax_compilation_cache``, beside the data cache
    (:func:`fedlap_runs.data.cache_root`).
 
-What is kept: every program that took at least :data:`MIN_COMPILE_SECS` to compile
-(the round programs, the model's initialisation, the evaluation); the cache holds at
-most :data:`MAX_BYTES`, the least recently used entries are removed beyond it, and
-entries are locked while they are written and read, so concurrent processes (a
-Flower SuperNode's ClientApps) share one directory safely. ``JAX_PERSISTENT_CACHE_
-MIN_COMPILE_TIME_SECS`` and ``JAX_COMPILATION_CACHE_MAX_SIZE`` in the environment
-take precedence over both numbers.
-
-What an entry is keyed by is JAX's cache key (``jax/_src/cache_key.py``): the program
-itself (its StableHLO, constants included), the jaxlib version, the backend's platform
-and version, ``XLA_FLAGS`` and the ``--xla`` arguments of the command line, the compile
-options (XLA's debug options, device assignment), the devices (for the CPU the host's
-target machine: triple and CPU features) and the compression. Another JAX version,
-device or set of flags therefore finds no entry and compiles afresh; no entry is read
-for a program it was not compiled for.
+What is kept, and up to what size: :func:`enable`. Entries are keyed by JAX
+(``jax/_src/cache_key.py``: the program, the jaxlib version, the backend, ``XLA_FLAGS``, the
+compile options and the devices), so another JAX version, device or set of flags compiles
+afresh; an entry is locked while it is written and read, so concurrent processes (a Flower
+SuperNode's ClientApps) share one directory.
 
 Whoever can write to the cache directory can make a process that reads it run their
 code (JAX's own warning), so the directory must belong to this user and be writable

@@ -1,27 +1,14 @@
-"""The gradient-sharing baselines as :class:`~fedlap_jax.method.Method` s: FedSGD, FedAvg,
-FedProx, SCAFFOLD, DP-FedAvg and DP-FedProx.
-
-Every client runs :func:`fedlap_jax.baselines.client_step` (local training from the global
-model ``x``) with its key ``split(k_clients, K)[k]`` of ``next, k_clients = split(key)``
-(:func:`fedlap_jax.baselines.round_keys`) and sends its model ``y_k``; the server takes the
-weighted FedAvg step of :func:`fedlap_jax.baselines.server_step_with_state` (its optimiser's
-state ``state.opt_state`` carried across rounds). SCAFFOLD's client also
-updates its control variate in its step (option II of Karimireddy et al., 2020:
-``c_k+ = c_k - c + (x - y_k) / (T_k eta)``), carries ``c_k`` and sends ``delta c_k`` besides
-``y_k``; its server adds ``(m / K) sum_k w_k delta c_k`` to ``c``.
-
-:func:`family` builds the method of one name, with the default optimisers or others.
+"""The gradient-sharing baselines of :mod:`fedlap_jax.baselines` as
+:class:`~fedlap_jax.method.Method` s; :func:`family` builds the method of one name, with the
+default optimisers or others.
 
 FedAdam (FedOpt; Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2) is
-FedAvg with a server optimiser preset, one algorithm: :data:`FEDADAM` is FedAvg's method (its
-steps, the same objects) under the name ``fedadam``, whose config is FedAvg's
-:class:`~fedlap_jax.baselines.BaselineConfig` with the server optimiser
-``Optimizer(name='adam', b1, b2, eps)`` at the rate ``eta`` of :class:`AdamServer`
-(:func:`adam_preset`): one step of ``optax.adam(eta, b1, b2, eps)`` on minus the weighted mean
-client delta, its state carried across rounds. Defaults: ``b1 = 0.9``, ``b2 = 0.99``, ``eps =
-tau = 1e-3`` (the paper's FedAdam settings), ``eta = 0.01``. As FedJAX's and Flower's FedAdam,
-optax's Adam corrects the moments' bias, which Reddi et al.'s Algorithm 2 omits. FedYogi is the
-same with ``name='yogi'`` (a config of ``fedavg``: ``baseline.server_optimizer``).
+FedAvg with a server optimiser preset (:func:`adam_preset`): :data:`FEDADAM` is FedAvg's method
+under the name ``fedadam``, its server one step of ``optax.adam(eta, b1, b2, eps)`` on minus the
+weighted mean client delta (:class:`AdamServer`; the paper's ``b1 = 0.9``, ``b2 = 0.99``, ``eps =
+tau = 1e-3``). As FedJAX's and Flower's FedAdam, optax's Adam corrects the moments' bias, which
+Reddi et al.'s Algorithm 2 omits. FedYogi is ``fedavg`` with ``baseline.server_optimizer.name=
+'yogi'``.
 """
 
 from __future__ import annotations
@@ -267,13 +254,12 @@ def scaffold_server_step(
 
 def model_wire(config, params, facts: RunFacts) -> Wire:
   del config, facts
-  return Wire.of(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params))
+  return Wire.of(params)
 
 
 def _scaffold_wire(config, params, facts: RunFacts) -> Wire:
   del config, facts
-  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-  return Wire.of(ScaffoldUpdate(shapes, shapes))
+  return Wire.of(ScaffoldUpdate(params, params))
 
 
 def update_bound(config: BaselineConfig, facts: RunFacts):

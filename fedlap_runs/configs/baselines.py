@@ -16,7 +16,7 @@ DP-FedAvg / DP-FedProx: per-example clip C = 0.1, sigma = 1, delta = 1e-5, 30
 rounds, accounted with the same theorem as FedLAP-DP (T = local steps per round).
 """
 
-from fedlap_jax.baselines import BASELINE_FACTS, BASELINE_METHODS
+from fedlap_jax.baselines import BASELINE_FACTS, METHODS
 
 from fedlap_runs.configs import default, fedlap
 
@@ -27,8 +27,8 @@ def get_baseline_config(dataset: str, method: str):
   """The config of ``method`` on ``dataset`` (a key of :data:`DATASETS`)."""
   if dataset not in DATASETS:
     raise ValueError(f"dataset={dataset!r} is invalid; allowed: one of {tuple(DATASETS)}")
-  if method not in BASELINE_METHODS:
-    raise ValueError(f"method={method!r} is invalid; allowed: one of {BASELINE_METHODS}")
+  if method not in METHODS:
+    raise ValueError(f"method={method!r} is invalid; allowed: one of {METHODS}")
   config = default.get_config()
   config.method = method
   config.data.name = DATASETS[dataset]

@@ -53,14 +53,14 @@ import copy
 
 import ml_collections
 
-from fedlap_jax.baselines import DP_BASELINE_METHODS
+from fedlap_jax.baselines import DP_METHODS
 
 from fedlap_runs import catalog, configs
 from fedlap_runs.configs import baselines, quickstart, quickstart_compare
 
 EPSILONS = (2.79, 10.18)
 LR_GRID = (0.1, 0.3, 1.0, 3.0, 10.0)
-BASELINES = DP_BASELINE_METHODS
+BASELINES = DP_METHODS
 
 
 def digits_paper():

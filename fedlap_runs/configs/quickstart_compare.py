@@ -32,13 +32,13 @@ public test split, as FedLAP-DP needs), model (ConvNet 32 x 2) and evaluation:
 import ml_collections
 
 from fedlap_jax.methods.condensation.one_shot import DC_LOOPS
-from fedlap_jax.baselines import BASELINE_METHODS, DP_BASELINE_METHODS
+from fedlap_jax.baselines import DP_METHODS, METHODS
 from fedlap_jax.methods import REGISTRY
 
 from fedlap_runs.configs import quickstart, synthetic_baselines
 
-NONDP_BASELINES = tuple(m for m in BASELINE_METHODS if REGISTRY[m].privacy == "never")
-DP_BASELINES = DP_BASELINE_METHODS
+NONDP_BASELINES = tuple(m for m in METHODS if REGISTRY[m].privacy == "never")
+DP_BASELINES = DP_METHODS
 DP_LOCAL_EPOCHS = 2
 DP_BASELINE_LR = 1.0
 # The argument of get_config: the notion every DP run's epsilon is matched on (dp.epsilon_for).

@@ -92,7 +92,6 @@ import numpy as np
 import optax
 
 from fedlap_jax import dsa, optim, privacy
-from fedlap_jax import accounting
 from fedlap_jax.checks import (
   ConfigError,
   is_real,
@@ -680,9 +679,3 @@ def train_on_union(
     )
     epochs, steps = epochs + second.epochs, steps + second.steps
   return w, ServerMetrics(epochs, steps, tree_distance(w, params), jnp.float32(jnp.inf))
-
-
-def dp_mechanism(config: CondensationConfig) -> accounting.DpMechanism | None:
-  """PSG's mechanism: ``T = networks * outer_loop * batch_loop`` noisy class-agnostic
-  Poisson batches of expected size ``B`` in its one round; ``None`` without DP (DSC)."""
-  return accounting.DpMechanism.from_config(config)

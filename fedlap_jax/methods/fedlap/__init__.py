@@ -26,6 +26,7 @@ from fedlap_jax.methods.fedlap import server
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.config import FedLAPConfig
 from fedlap_jax.method import ClientResult, Method, ModelFns, RoundFacts, RoundPlan, RunFacts, Wire
+from fedlap_jax.method import json_floats
 from fedlap_jax.synthetic import synthetic_slot
 
 
@@ -125,11 +126,6 @@ def _check_update(config: FedLAPConfig, facts: RunFacts):
   return check
 
 
-def _floats(a) -> list:
-  """``a``'s values as a flat list of floats, ``None`` for NaN / Inf (JSON has neither)."""
-  return [v if math.isfinite(v) else None for v in np.asarray(a, np.float64).ravel().tolist()]
-
-
 def matching_losses(metrics: client.LocalApproxMetrics) -> tuple[np.ndarray, np.ndarray]:
   """Per client (leading ``(K,)`` axis): the mean matching loss over the rows written (the
   first ``outer_iterations`` while-loop iterations of each trajectory, every target and image
@@ -163,11 +159,11 @@ def round_record(metrics: federated.RoundMetrics) -> dict:
   out: dict[str, Any] = {}
   if has_client:
     mean, last = matching_losses(cm)
-    out["matching_loss"] = _floats(mean)
-    out["matching_loss_last"] = _floats(last)
+    out["matching_loss"] = json_floats(mean)
+    out["matching_loss_last"] = json_floats(last)
   r_g = float(metrics.server.radius)
   out |= {
-    "client_radius": _floats(metrics.client_radius),
+    "client_radius": json_floats(metrics.client_radius),
     "server_radius": r_g if math.isfinite(r_g) else None,
     "server_epochs": int(metrics.server.epochs),
     "server_steps": int(metrics.server.steps),
@@ -177,8 +173,8 @@ def round_record(metrics: federated.RoundMetrics) -> dict:
   if has_client:
     out["outer_iterations"] = np.asarray(cm.outer_iterations).mean(axis=1).tolist()
     out["real_accesses"] = np.asarray(cm.real_accesses).tolist()
-    out["clip_fraction"] = _floats(cm.clip_fraction)
-    out["mean_batch_size"] = _floats(cm.mean_batch_size)
+    out["clip_fraction"] = json_floats(cm.clip_fraction)
+    out["mean_batch_size"] = json_floats(cm.mean_batch_size)
     out["poisson_extra_chunks"] = np.asarray(cm.poisson_extra_chunks).tolist()
   return out
 

@@ -70,10 +70,10 @@ from fedlap_jax.client_data import (
   poison_unless,
 )
 from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig
-from fedlap_jax.synthetic import image_optimizer as config_image_optimizer
+
 from fedlap_jax.matching import matching_step
 from fedlap_jax.methods.fedlap.radius import calibrate_radius
-from fedlap_jax.synthetic import real_images
+from fedlap_jax.synthetic import image_optimizer as default_image_optimizer, real_images
 from fedlap_jax.training import sgd_epoch, train_epoch, tree_distance
 from fedlap_jax.types import ApplyFn, PyTree
 
@@ -118,14 +118,6 @@ class LocalApproxMetrics(NamedTuple):
   trajectory_distance: jax.Array
   clip_fraction: jax.Array
   model_delta: PyTree | None = None
-
-
-def default_image_optimizer(config: ClientConfig) -> optax.GradientTransformation:
-  """The config's optimiser of the synthetic images at ``tau`` (``image_lr``): the paper's
-  SGD with momentum ``image_momentum`` (0.5) (:func:`fedlap_jax.optim.image_sgd`), or the
-  direction of ``config.image_optimizer`` where one is set
-  (:func:`fedlap_jax.synthetic.image_optimizer`)."""
-  return config_image_optimizer(config)
 
 
 # A client's keys travel as a pair ``(client key, family key or None)``: the same
@@ -675,16 +667,10 @@ def local_approx(
       common to the clients and each family has probability
       ``1 / len(families)``); default: derived from ``key`` (one client alone).
       Ignored with ``"per_client"``.
-    client_axis: ``None``: the radius-bounded while loop stops when this
-      client leaves the radius and the last iteration's model update is
-      skipped by a ``lax.cond`` (one client at a time). A ``vmap`` axis name:
-      the clients mapped over that axis run side by side; the loop counter is
-      shared, the loop runs while any of them is inside its radius (``psum``
-      over the axis), and a client's termination is a mask (its synthetic
-      set, optimiser state, model and statistics are kept by ``jnp.where``
-      once it has stopped). The counter being shared, the condition of the
-      model update stays a real conditional under ``vmap``, not a select of both.
-      Same numbers as ``None`` for every client, up to float rounding.
+    client_axis: ``None``: one client at a time (the while loop stops when it leaves its
+      radius). A ``vmap`` axis name: the clients mapped over it run side by side (module
+      docstring: a shared loop counter, a client's stop a mask); the same numbers for every
+      client, up to float rounding.
     image_optimizer: the ``optax.GradientTransformation`` of the synthetic
       images (its state lives across the ``R_i`` trajectories); ``None``: the
       paper's :func:`default_image_optimizer`. A jit static where the caller jits (it
@@ -704,14 +690,10 @@ def local_approx(
     ``config.calibrate_radius``, else ``config.radius``) and
     :class:`LocalApproxMetrics`.
 
-  Labels: every valid record's label, of the client's data and of the
-  synthetic set, must lie in ``[0, K)``, ``K`` the model's output logits
-  (:func:`~fedlap_jax.client_data.check_labels`). Called on concrete arrays,
-  an out-of-range label is refused before anything runs; inside ``jit`` or
-  ``vmap`` the values are unknown when it is traced, and every float output
-  (images, radius, metrics) of that client is NaN instead
-  (:func:`~fedlap_jax.client_data.poison_unless`). Images holding NaN or infinite values
-  (:func:`~fedlap_jax.client_data.check_finite`) are treated alike.
+  Labels of both sets must lie in ``[0, K)``, ``K`` the model's logits: refused on concrete
+  arrays, every float output of the client NaN inside ``jit`` or ``vmap``
+  (:func:`~fedlap_jax.client_data.check_labels`); so are images holding NaN or infinite values
+  (:func:`~fedlap_jax.client_data.check_finite`).
 
   Raises:
     ConfigError: inputs :func:`check_inputs` refuses (shapes, dtypes, a batch larger than

@@ -151,7 +151,7 @@ def global_update_with_state(
       rate (:mod:`fedlap_jax.optim`), stepped at ``learning_rate``; ``None``:
       ``config.direction()`` (the config's ``optimizer`` spec, or without one
       :func:`fedlap_jax.optim.server_direction` of ``config.momentum`` and
-      ``config.weight_decay``: SGD, as :func:`fedlap_jax.training.model_optimizer`). A
+      ``config.weight_decay``: SGD). A
       jit static where the caller jits (hashes by identity).
 
   Returns:

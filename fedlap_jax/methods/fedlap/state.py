@@ -26,11 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.client import LocalApproxMetrics
 from fedlap_jax.client_data import ClientData, SyntheticSet
-from fedlap_jax.methods.fedlap.config import ClientConfig, FedLAPConfig
+from fedlap_jax.methods.fedlap.config import FedLAPConfig
 from fedlap_jax.methods.fedlap.server import ServerMetrics, server_state
 from fedlap_jax.synthetic import initial_synthetic
 from fedlap_jax.training import cosine_learning_rate
@@ -159,10 +158,3 @@ def round_learning_rates(round_index, config: FedLAPConfig) -> RoundRates:
     else cosine_learning_rate(round_index, config.rounds, base, schedule=config.lr_schedule)
   )
   return RoundRates(client, server)
-
-
-def dp_mechanism(client: ClientConfig | FedLAPConfig) -> accounting.DpMechanism | None:
-  """FedLAP-DP's mechanism: ``T = R_i * max_outer * batch_loop`` noisy real batches of
-  expected size ``B`` per round (Algorithm 3); ``None`` without DP
-  (:meth:`~fedlap_jax.accounting.DpMechanism.from_config`)."""
-  return accounting.DpMechanism.from_config(client)
