@@ -184,6 +184,8 @@ def make_all(workdir) -> list[Path]:
   for f in sorted((workdir / "synthetic").glob("round_*.npz")):
     with np.load(f) as z:
       snaps.append({k: z[k] for k in z.files})
+  # Synthetic sets learnt in a feature space (data.features) are not images: no figure.
+  snaps = [s for s in snaps if s["x"].shape[-1] in (1, 3)]
   for snap in snaps:
     p = workdir / f"synthetic_round_{int(snap['round']):04d}.png"
     synthetic_grid(p, snap, f"{label}: synthetic images after round {int(snap['round'])}")

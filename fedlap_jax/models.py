@@ -584,20 +584,26 @@ class ScatterNet(nn.Module):
     head: ``"linear"`` or ``"cnn"``.
     width: the CNN head's filters.
     num_groups: GroupNorm's groups over the ``81 C`` feature channels (a divisor of 81).
+    front_end: apply :func:`scattering` to the input; ``False``: the input already is its
+      output ``(N, H / 4, W / 4, 81 C)`` (features computed once, before training: the
+      same model, without the transform's cost at every step).
   """
 
   num_classes: int = 10
   head: str = "linear"
   width: int = 32
   num_groups: int = 27
+  front_end: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array, return_features: bool = False):
-    """Images ``(N, H, W, C)`` (``H = W`` a multiple of 4) -> logits ``(N, classes)``; with
-    ``return_features=True``, ``(features, logits)`` (the head's last hidden layer)."""
+    """Images ``(N, H, W, C)`` (``H = W`` a multiple of 4; with ``front_end=False`` their
+    scattering) -> logits ``(N, classes)``; with ``return_features=True``, ``(features,
+    logits)`` (the head's last hidden layer)."""
     if self.head not in SCATTER_HEADS:
       raise ValueError(f"ScatterNet.head={self.head!r}; allowed: {SCATTER_HEADS}")
-    x = nn.GroupNorm(num_groups=self.num_groups, epsilon=1e-5)(scattering(x))
+    x = scattering(x) if self.front_end else x
+    x = nn.GroupNorm(num_groups=self.num_groups, epsilon=1e-5)(x)
     if self.head == "cnn":
       for features in (self.width, 2 * self.width):
         x = jnp.tanh(nn.Conv(features, (3, 3), padding=1)(x))

@@ -127,8 +127,11 @@ PAPER = {r.short: r for r in ROWS.values() if r.short}
 # Models by name; config.model.name is one of these or MODULE:ATTR. ``convnet`` is built from
 # config.model's other fields (width, depth, norm, conv_bias), which only it reads; the
 # ScatterNets (a fixed scattering front end, :class:`fedlap_jax.models.ScatterNet`) read none.
+# A ``scattered_`` model is a ScatterNet's head alone, for data whose images are replaced by
+# their scattering once, when loaded (``data.features='scattering'``).
 SCATTERNETS = {f"scatternet_{head}": head for head in SCATTER_HEADS}
-MODELS = ("convnet", *SCATTERNETS)
+SCATTERED = {f"scattered_{head}": head for head in SCATTER_HEADS}
+MODELS = ("convnet", *SCATTERNETS, *SCATTERED)
 MODEL_ALLOWED = (
   f"one of {MODELS} or MODULE:ATTR, an importable callable taking num_classes and "
   "returning a flax.linen.Module"
@@ -144,6 +147,8 @@ def model_factory(name):
   """
   if isinstance(name, str) and name in SCATTERNETS:
     return functools.partial(ScatterNet, head=SCATTERNETS[name])
+  if isinstance(name, str) and name in SCATTERED:
+    return functools.partial(ScatterNet, head=SCATTERED[name], front_end=False)
   if name in MODELS:
     return None
   module, sep, attr = name.partition(":") if isinstance(name, str) else ("", "", "")

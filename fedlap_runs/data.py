@@ -32,6 +32,14 @@ Normalisation (``config.data.normalisation``), per channel, of pixels in [0, 1]:
 * ``auto`` (default): ``published`` where the dataset has constants, else
   ``train_split`` (so DP runs on ``digits`` / ``custom`` must choose).
 
+Features (``config.data.features``): ``pixels`` (default), the images themselves, or
+``scattering``: each normalised image replaced, once when loaded, by its 2-D scattering
+transform (:func:`fedlap_jax.models.scattering`, ``J = 2``, ``L = 8``: ``(H / 4, W / 4, 81 C)``
+float32), a fixed, data-independent function of each record alone (no privacy cost), for the
+``scattered_`` models (a ScatterNet's head); the same model as ``scatternet_``, without the
+transform's cost at every step. A method that learns synthetic sets then learns them in this
+feature space.
+
 Every loader rejects non-finite pixels and empty arrays. Images are kept as
 stored (uint8 pixels stay uint8, also on the device) and normalised batch by
 batch as they are read (:class:`Dataset`).
@@ -55,10 +63,12 @@ import threading
 import zipfile
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.client_data import normalise_pixels, pixel_normalisation
+from fedlap_jax.models import SCATTER_J, scattering
 
 from fedlap_runs import catalog
 from fedlap_runs.catalog import PAPER_CLASS_ORDER
@@ -67,6 +77,7 @@ DATASETS = catalog.NAMES
 SOURCES = ("tfds", "sklearn", "npz:PATH", "subset:NAME")
 PARTITIONS = ("paper", "iid", "dirichlet")
 NORMALISATIONS = ("auto", "published", "given", "test_split", "train_split")
+FEATURES = ("pixels", "scattering")
 # Sources of mean/std that do not read the clients' records (allowed under DP).
 DP_SAFE_NORMALISATIONS = ("published", "given", "test_split")
 DIGITS_TEST_SIZE = 397
@@ -527,7 +538,47 @@ def load_dataset(data_cfg) -> Dataset:
         f"y_{split} holds label(s) {outside.tolist()[:10]} outside the {num_classes} classes "
         f"of data.name={name!r}; allowed: integers in [0, {num_classes - 1}]"
       )
+  features = data_cfg.get("features", "pixels")
+  if features == "scattering":
+    return _scattered(
+      Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
+    )
+  if features not in FEATURES:
+    raise ConfigError("data.features", features, f"one of {FEATURES}")
   return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
+
+
+def scattering_features(x: np.ndarray, normalise, *, chunk: int = 500) -> np.ndarray:
+  """Stored images ``(N, H, W, C)`` -> the scattering of ``normalise(x)``, ``(N, H / 4, W / 4,
+  81 C)`` float32, computed ``chunk`` images at a time."""
+  transform = jax.jit(scattering)
+  out = [np.asarray(transform(normalise(x[i : i + chunk]))) for i in range(0, len(x), chunk)]
+  return np.concatenate(out) if out else np.zeros((0,), np.float32)
+
+
+def _scattered(dataset: Dataset) -> Dataset:
+  """``dataset`` with its images replaced by their scattering (model inputs as they are:
+  mean 0, std 1 per feature channel)."""
+  h, w, _ = dataset.image_shape
+  side = 2**SCATTER_J
+  if h != w or h % side:
+    raise ConfigError(
+      "data.features",
+      "scattering",
+      f"'pixels' for {h}x{w} images (the scattering needs square images with a side a "
+      f"multiple of {side})",
+    )
+  x_train, x_test = (
+    scattering_features(x, dataset.normalise) for x in (dataset.x_train, dataset.x_test)
+  )
+  channels = x_train.shape[-1]
+  return dataclasses.replace(
+    dataset,
+    x_train=x_train,
+    x_test=x_test,
+    mean=np.zeros(channels, np.float32),
+    std=np.ones(channels, np.float32),
+  )
 
 
 # ----------------------------------------------------------------------------

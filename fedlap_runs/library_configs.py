@@ -226,6 +226,17 @@ def validate_config(cfg):
   _validate_normalisation(cfg)
 
   m = cfg.model
+  features, name = d.get("features", "pixels"), m.get("name", "convnet")
+  if features not in data_lib.FEATURES:
+    _fail("data.features", features, f"one of {data_lib.FEATURES}")
+  if name in catalog.SCATTERED and features != "scattering":
+    _fail(
+      "data.features",
+      features,
+      f"'scattering' with model.name={name!r} (a ScatterNet's head alone)",
+    )
+  if name in catalog.SCATTERNETS and features == "scattering":
+    _fail("model.name", name, f"one of {tuple(catalog.SCATTERED)} with data.features='scattering'")
   if catalog.model_factory(m.get("name", "convnet")) is None:  # the ConvNet's own fields
     if not is_int(m.width) or m.width < 1:
       _fail("model.width", m.width, "an integer >= 1")

@@ -108,6 +108,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.normalisation = "auto"
   config.data.mean = config_dict.placeholder(tuple)
   config.data.std = config_dict.placeholder(tuple)
+  # "pixels" | "scattering": each image replaced by its scattering once, when loaded (a fixed
+  # transform, no privacy cost), for the `scattered_` models.
+  config.data.features = "pixels"
 
   config.model = ml_collections.ConfigDict()
   config.model.name = "convnet"  # or MODULE:ATTR (fedlap_runs.catalog.model_factory)
