@@ -266,6 +266,7 @@ OVERRIDABLE = (
   "data.normalisation",
   "data.mean",
   "data.std",
+  "data.features",
 )
 # data.source values of a Flower run: no path (subset:NAME is a fixed file of the data cache).
 PATHLESS_SOURCES = ("tfds", "sklearn", "subset:NAME")

@@ -43,6 +43,7 @@ import numpy as np
 
 import fedlap_jax as fl
 from fedlap_jax import participation
+from fedlap_jax.client_data import normalise_pixels
 
 KEY_IMPL_WORDS = 2  # threefry2x32 key data: two uint32 words
 
@@ -287,6 +288,8 @@ def load_own_data(cfg, path: Path):
   are refused.
 
   Raises:
+    fedlap_runs.library_configs.ConfigError: naming ``data.features`` for images the
+      scattering cannot take.
     ValueError: naming ``data-path``: a file that is not an npz of plain
       arrays, missing arrays, no records or shapes that disagree, images
       neither uint8 nor float, labels not integers or outside ``0..9``, NaN /
@@ -360,6 +363,9 @@ def load_own_data(cfg, path: Path):
       )
   _, mean, std = data_lib.normalisation_stats(cfg.data, x, x)  # fixed numbers: reads no pixel
   scale, offset = fl.pixel_normalisation(mean, std, 255.0 if x.dtype == np.uint8 else 1.0)
+  if cfg.data.get("features", "pixels") == "scattering":  # as fedlap_runs.data loads them
+    x = data_lib.scattering_features(x, lambda b: normalise_pixels(b, scale, offset))
+    scale, offset = np.ones(x.shape[-1], np.float32), np.zeros(x.shape[-1], np.float32)
   return x, y, scale, offset, classes
 
 

@@ -550,16 +550,13 @@ def load_dataset(data_cfg) -> Dataset:
 
 def scattering_features(x: np.ndarray, normalise, *, chunk: int = 500) -> np.ndarray:
   """Stored images ``(N, H, W, C)`` -> the scattering of ``normalise(x)``, ``(N, H / 4, W / 4,
-  81 C)`` float32, computed ``chunk`` images at a time."""
-  transform = jax.jit(scattering)
-  out = [np.asarray(transform(normalise(x[i : i + chunk]))) for i in range(0, len(x), chunk)]
-  return np.concatenate(out) if out else np.zeros((0,), np.float32)
+  81 C)`` float32, computed ``chunk`` images at a time (``data.features='scattering'``).
 
-
-def _scattered(dataset: Dataset) -> Dataset:
-  """``dataset`` with its images replaced by their scattering (model inputs as they are:
-  mean 0, std 1 per feature channel)."""
-  h, w, _ = dataset.image_shape
+  Raises:
+    ConfigError: naming ``data.features`` for images that are not square with a side a
+      multiple of 4.
+  """
+  _, h, w, _ = x.shape
   side = 2**SCATTER_J
   if h != w or h % side:
     raise ConfigError(
@@ -568,6 +565,14 @@ def _scattered(dataset: Dataset) -> Dataset:
       f"'pixels' for {h}x{w} images (the scattering needs square images with a side a "
       f"multiple of {side})",
     )
+  transform = jax.jit(scattering)
+  out = [np.asarray(transform(normalise(x[i : i + chunk]))) for i in range(0, len(x), chunk)]
+  return np.concatenate(out) if out else np.zeros((0,), np.float32)
+
+
+def _scattered(dataset: Dataset) -> Dataset:
+  """``dataset`` with its images replaced by their scattering (model inputs as they are:
+  mean 0, std 1 per feature channel)."""
   x_train, x_test = (
     scattering_features(x, dataset.normalise) for x in (dataset.x_train, dataset.x_test)
   )

@@ -82,3 +82,28 @@ def test_scattering_images_whose_side_is_not_a_multiple_of_4_is_refused_by_field
   )
   with raises_field("data.features"):
     data_lib.load_dataset(cfg)
+
+
+def test_a_flower_clients_own_data_file_gets_the_features_the_loader_gives(tmp_path):
+  from fedlap_flower import task
+
+  x = np.random.default_rng(0).integers(0, 256, (6, 28, 28, 1), dtype=np.uint8)
+  y = np.arange(6, dtype=np.int64) % 10
+  path = tmp_path / "site.npz"
+  np.savez(path, x_train=x, y_train=y, x_test=x, y_test=y)
+  cfg = default.get_config()
+  cfg.data.update(
+    dict(
+      name="mnist",
+      source=f"npz:{path}",
+      normalisation="published",
+      features="scattering",
+      cache_dir="none",
+    )
+  )
+  own_x, own_y, scale, offset, _ = task.load_own_data(cfg, path)
+  loaded = data_lib.load_dataset(cfg.data)
+  np.testing.assert_allclose(own_x, loaded.x_train, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(own_y, loaded.y_train)
+  np.testing.assert_array_equal(scale, loaded.pixel_scale)
+  np.testing.assert_array_equal(offset, loaded.pixel_offset)
