@@ -173,7 +173,8 @@ def test_a_node_refuses_a_model_it_does_not_allow_before_any_work(tmp_path, monk
     settings.run_settings(rc, settings.allowed_models({"models": allowed}))
   assert settings.allowed_models({}) == catalog.MODELS  # the default: every catalog model
   for name in catalog.MODELS:
-    rc = {"config": "quickstart:nondp", "overrides": f"{TINY} model.name={name}"}
+    features = " data.features=scattering" * (name in catalog.SCATTERED)
+    rc = {"config": "quickstart:nondp", "overrides": f"{TINY} model.name={name}{features}"}
     settings.run_settings(rc, settings.allowed_models({}))
   for bad in ("", " , ", "convnet,resnet", "pkg.mod", 3):
     with raises_field("models", settings.SettingsError):
