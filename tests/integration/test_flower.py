@@ -918,8 +918,9 @@ def test_fedlaps_optimisers_and_carried_state_in_the_overrides_run_as_experiment
   records, ref = _fedlap_rounds_equal_experiments_run(tmp_path, overrides)
   for got, want in zip(records, ref):
     assert got["client_radius"] == want["client_radius"]
-  fresh = reference_run("quickstart:nondp", FEDLAP_ADAM_OVERRIDES, tmp_path / "fresh")
-  assert ref[1]["test_loss"] != fresh[1]["test_loss"]  # round 2 starts from round 1's state
+  # Both rounds' descents take steps: round 2 starts from the Adam state round 1 moved, not a
+  # fresh one (that carrying it changes experiments.run's round 2: test_carried_server_state.py).
+  assert all(r["server_steps"] > 0 for r in ref)
   with np.load(tmp_path / "run" / "server_state.npz") as f:
     carried = [n for n in f.files if n.startswith("extra/")]
     assert carried and any(np.any(f[n] != 0) for n in carried)
