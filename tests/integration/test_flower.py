@@ -41,6 +41,23 @@ def _run_config(tmp_path, config, overrides=TINY, **extra):
   return {"config": config, "overrides": overrides, "run-dir": str(tmp_path / "run"), **extra}
 
 
+@pytest.fixture(scope="module")
+def shared_reference(tmp_path_factory):
+  """``experiments.run``'s result (:func:`flower_harness.reference_result`) of ``(config,
+  overrides)``, computed once for this file: the tests comparing a Flower run of the same
+  config with it (its numbers, its epsilon) share one reference run."""
+  from flower_harness import reference_result
+
+  done = {}
+
+  def result(config: str, overrides: str) -> dict:
+    if (config, overrides) not in done:
+      done[config, overrides] = reference_result(config, overrides, tmp_path_factory.mktemp("ref"))
+    return done[config, overrides]
+
+  return result
+
+
 # ----------------------------------------------------------------------------
 # Settings.
 # ----------------------------------------------------------------------------
@@ -949,7 +966,7 @@ def _ledger_rounds(state_root, reports) -> None:
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 @pytest.mark.parametrize("method", list(DP_FEDAVG_WIRE))
 def test_a_dp_registry_method_equals_experiments_run_with_unsafe_server_keys(
-  tmp_path, monkeypatch, method
+  tmp_path, monkeypatch, method, shared_reference
 ):
   """DP at the edge for DP-FedAvg / DP-FedProx: with the test-only server keys every number,
   the epsilon included, is experiments.run's; each client charged its own ledger."""
@@ -962,7 +979,7 @@ def test_a_dp_registry_method_equals_experiments_run_with_unsafe_server_keys(
     **{"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0},
   )
   records, _ = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  ref = shared_reference("quickstart:dp_loops", overrides)["records"]
   assert [r["round"] for r in records] == [1, 2] and len(ref) == 2
   for got, want in zip(records, ref):
     assert got["test_accuracy"] == want["test_accuracy"]
@@ -994,14 +1011,16 @@ def test_a_target_epsilon_calibrates_a_dp_fedavg_flower_run_as_experiments_run(t
 
 
 @pytest.mark.slow
-def test_dp_fedavg_clients_draw_their_own_keys_and_send_nothing_else(tmp_path, monkeypatch):
+def test_dp_fedavg_clients_draw_their_own_keys_and_send_nothing_else(
+  tmp_path, monkeypatch, shared_reference
+):
   """Without the unsafe mode no key reaches a DP-FedAvg client; its reply holds its model
   and the allowed metrics only (no record count); the epsilon is experiments.run's."""
   monkeypatch.delenv(settings.UNSAFE_ENV, raising=False)
   overrides = DP_FEDAVG_WIRE["dp_fedavg"]
   rc = _run_config(tmp_path, "quickstart:dp_loops", overrides=overrides, **{"max-epsilon": 50.0})
   records, grid = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run("quickstart:dp_loops", overrides, tmp_path / "ref")
+  ref = shared_reference("quickstart:dp_loops", overrides)["records"]
   assert [r["epsilon"] for r in records] == [r["epsilon"] for r in ref]
   assert all(r["clients_ok"] == [0, 1, 2, 3, 4] for r in records)
   assert all("own" not in m.content for m in grid.sent if m.metadata.message_type == "train")
@@ -1095,15 +1114,13 @@ def _final_params(run_dir) -> dict:
 @pytest.mark.bitwise  # differently built programs, bit for bit (conftest's compiler note)
 @pytest.mark.parametrize("method", list(CARRIED))
 def test_a_method_with_carried_client_state_equals_experiments_run_bit_for_bit(
-  tmp_path, monkeypatch, method
+  tmp_path, monkeypatch, method, shared_reference
 ):
   """SCAFFOLD, DP-SCAFFOLD, FedDM, DSC and PSG over Flower: each client starts its carried state from its
   own records and keeps it between rounds, the server checks the method's update; the logged
   metrics (the epsilon under DP), the final model and the clients' kept state are
   experiments.run's, bit for bit."""
   from flax import traverse_util as tu
-
-  from flower_harness import reference_result
 
   config, overrides = CARRIED[method]
   extra = {}
@@ -1112,7 +1129,7 @@ def test_a_method_with_carried_client_state_equals_experiments_run_bit_for_bit(
     extra = {"unsafe-dp-keys-from-server": True, "max-epsilon": 50.0}
   rc = _run_config(tmp_path, config, overrides=overrides, **extra)
   records, grid = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_result(config, overrides, tmp_path / "ref")
+  ref = shared_reference(config, overrides)
   assert [r["round"] for r in records] == [r["round"] for r in ref["records"]]
   for got, want in zip(records, ref["records"]):
     assert got["test_accuracy"] == want["test_accuracy"]
@@ -1184,7 +1201,9 @@ def test_sampled_scaffold_clients_keep_their_variates_across_the_rounds_they_ski
 
 
 @pytest.mark.slow
-def test_psg_clients_draw_their_own_keys_and_send_their_set_and_epsilon_only(tmp_path, monkeypatch):
+def test_psg_clients_draw_their_own_keys_and_send_their_set_and_epsilon_only(
+  tmp_path, monkeypatch, shared_reference
+):
   """PSG without the unsafe mode: no key reaches a client, each charges its own ledger, its
   reply holds its synthetic set and the allowed metrics only; the epsilon is experiments.run's
   (equal epsilon across the methods at the same config)."""
@@ -1192,7 +1211,7 @@ def test_psg_clients_draw_their_own_keys_and_send_their_set_and_epsilon_only(tmp
   config, overrides = CARRIED["psg"]
   rc = _run_config(tmp_path, config, overrides=overrides, **{"max-epsilon": 50.0})
   records, grid = run_inprocess(rc, state_root=tmp_path / "state")
-  ref = reference_run(config, overrides, tmp_path / "ref")
+  ref = shared_reference(config, overrides)["records"]
   assert [r["epsilon"] for r in records] == [r["epsilon"] for r in ref]
   assert records[0]["clients_ok"] == [0, 1, 2, 3, 4]
   assert all("own" not in m.content for m in grid.sent if m.metadata.message_type == "train")
