@@ -522,14 +522,35 @@ class Federation:
       ) from None
 
   def status(self, run_id: int) -> str:
-    """The run's status as ``flwr list`` reports it (e.g. ``finished:completed``)."""
-    res = self._flwr("list", "--run-id", str(run_id), "--format", "json", timeout=60)
+    """The run's status as ``flwr list --run-id`` reports it (e.g. ``finished:completed``),
+    asked of the SuperLink's Control API from this process with the client ``flwr list`` uses:
+    a ``flwr`` process a poll costs about a CPU-second, which the federation's own processes
+    need."""
+    from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
+    from flwr.common.serde import run_from_proto
+    from flwr.proto.control_pb2 import ListRunsRequest  # pylint: disable=no-name-in-module
+    from flwr.supercore.control import ControlHttpClient
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+    client = ControlHttpClient.from_server_address(
+      server_address=f"127.0.0.1:{self.port}",
+      insecure=not self.hardened,
+      root_certificates=self.certs["ca"].read_bytes() if self.hardened else None,
+      interceptors=[
+        CliClientHttpInterceptor(),
+        RuntimeVersionHttpInterceptor(component_name="flwr CLI"),
+      ],
+    )
     try:
-      payload = json.loads(res.stdout[res.stdout.index("{") :])
-      runs = payload.get("runs", [])
-      return str(runs[0].get("status", "unknown")) if runs else "unknown"
-    except (ValueError, KeyError, TypeError, IndexError):
+      runs = client.ListRuns(ListRunsRequest(run_id=run_id)).run_dict.values()
+    except Exception:  # pylint: disable=broad-except  # not listed (yet): as flwr list fails
       return "unknown"
+    finally:
+      client.close()
+    for run in map(run_from_proto, runs):
+      status = run.status
+      return f"{status.status}:{status.sub_status}" if status.sub_status else status.status
+    return "unknown"
 
   def wait(self, run_id: int, timeout: float, poll: float = 3.0) -> str:
     """Waits until the run finished; returns its final status (``finished:...``)."""

@@ -363,26 +363,36 @@ def test_server_weighting_none_is_the_documented_default_for_feddm_dsc_and_psg(m
   assert built.server.weighting == resolved
 
 
-@pytest.mark.slow
-def test_feddm_with_server_weighting_none_runs_as_size_through_experiments_run(tmp_path):
-  """FedDM on ``quickstart:nondp`` with ``server.weighting=None`` (the default of the FedLAP
-  config it starts from) runs through the command line, record for record as ``size``."""
-  tiny = [
+def tiny_run(method: str) -> list[str]:
+  """``method`` on ``quickstart:nondp`` at its smallest through the command line (ConvNet 8 x 1,
+  one round, one image a class): the tests below that run FedDM share its programs."""
+  return [
     "--config=quickstart:nondp",
-    "--config.method=feddm",
+    f"--config.method={method}",
     "--config.server.radius_strategy=fixed",
     "--config.rounds=1",
     "--config.model.width=8",
     "--config.model.depth=1",
-    "--config.feddm.image_updates=2",
+    "--config.client.ipc=1",
+    "--config.feddm.image_updates=3",
+    "--config.condense.networks=1",
+    "--config.condense.outer_loop=2",
+    "--config.condense.inner_loop=1",
     "--config.server.max_epochs=2",
     "--config.progress_bar=False",
     "--config.plots=False",
   ]
+
+
+@pytest.mark.slow
+def test_feddm_with_server_weighting_none_runs_as_size_through_experiments_run(tmp_path):
+  """FedDM on ``quickstart:nondp`` with ``server.weighting=None`` (the default of the FedLAP
+  config it starts from) runs through the command line, record for record as ``size``."""
   records = {}
   for weighting in ("None", "size"):
     workdir = tmp_path / weighting
-    argv = ["prog", *tiny, f"--config.server.weighting={weighting}", f"--workdir={workdir}"]
+    argv = ["prog", *tiny_run("feddm"), f"--config.server.weighting={weighting}"]
+    argv.append(f"--workdir={workdir}")
     assert run.main(argv) == 0
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     records[weighting] = [
@@ -405,22 +415,7 @@ def test_the_images_optimiser_of_feddm_and_dsc_is_a_config_of_experiments_run(
   checkpoint's config from before the field ran with plain SGD (the default)."""
   from experiments import resume  # pylint: disable=g-import-not-at-top
 
-  tiny = [
-    "--config=quickstart:nondp",
-    f"--config.method={method}",
-    "--config.server.radius_strategy=fixed",
-    "--config.rounds=1",
-    "--config.model.width=8",
-    "--config.model.depth=1",
-    "--config.client.ipc=1",
-    "--config.feddm.image_updates=3",
-    "--config.condense.networks=1",
-    "--config.condense.outer_loop=2",
-    "--config.condense.inner_loop=1",
-    "--config.server.max_epochs=2",
-    "--config.progress_bar=False",
-    "--config.plots=False",
-  ]
+  tiny = tiny_run(method)
   adam = [
     f"--config.{section}.image_optimizer.name=adam",
     f"--config.{section}.image_momentum=0.0",

@@ -66,6 +66,13 @@ def _env(cache: Path) -> dict:
   return env
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+  """The compilation cache of every process this file starts: a program that several build (the
+  Flower app's client step in both parts, the evaluation) is compiled once."""
+  return tmp_path_factory.mktemp("xla_cache")
+
+
 def launch(
   workdir: Path,
   cache: Path,
@@ -158,8 +165,7 @@ def state_arrays(workdir: Path, round_index: int) -> dict:
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
-  cache = tmp_path / "xla_cache"
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, cache):
   straight, chain = tmp_path / "straight", tmp_path / "chain"
   done = launch(straight, cache)
   assert done.returncode == 0, done.stderr[-2000:]
@@ -251,8 +257,7 @@ EXIT_BUDGET_SECONDS = GRACE_SECONDS + 15.0
 
 
 @pytest.mark.slow
-def test_sigterm_abandons_a_long_oneshot_round_and_the_resume_redoes_it(tmp_path):
-  cache = tmp_path / "xla_cache"
+def test_sigterm_abandons_a_long_oneshot_round_and_the_resume_redoes_it(tmp_path, cache):
   config = tmp_path / "oneshot_psg.py"
   config.write_text(ONESHOT_CONFIG)
   straight, chain = tmp_path / "straight", tmp_path / "chain"
@@ -357,7 +362,7 @@ FLOWER_EXIT_BUDGET_SECONDS = 25.0
 
 @pytest.mark.slow
 @pytest.mark.parametrize("part", ["client", "server"])
-def test_sigterm_ends_a_flower_app_process_in_a_long_round(tmp_path, part):
+def test_sigterm_ends_a_flower_app_process_in_a_long_round(tmp_path, cache, part):
   from fedlap_flower.ledger import ClientState  # pylint: disable=g-import-not-at-top
   from flower_harness import TINY  # pylint: disable=g-import-not-at-top
 
@@ -372,7 +377,7 @@ def test_sigterm_ends_a_flower_app_process_in_a_long_round(tmp_path, part):
   script.write_text(
     FLOWER_APP.format(tests=str(ROOT / "tests"), part=part, round_to_slow=round_to_slow)
   )
-  env = _env(tmp_path / "xla_cache")
+  env = _env(cache)
   rc, _, err, seconds = terminate_when(
     [sys.executable, str(script), json.dumps(run_config), str(tmp_path / "state")],
     env,
