@@ -35,10 +35,9 @@ import numpy as np
 from fedlap_jax import baselines, optim, rounds
 from fedlap_jax.methods.condensation import one_shot as condensation
 from fedlap_jax.methods.feddm import distribution_matching as feddm
-from fedlap_jax import dispatch
 from fedlap_jax import dp_config as dp_config_lib
 from fedlap_jax.methods.fedlap import config as core
-from fedlap_jax.checks import ConfigError, is_int
+from fedlap_jax.checks import ConfigError
 from fedlap_jax.methods.fedlap.state import RoundMetrics
 from fedlap_jax.method import Method, ModelFns, RunFacts
 from fedlap_jax.methods import REGISTRY, fedlap
@@ -433,21 +432,9 @@ def _privacy(method: Method):
 
 
 def _check_baseline(cfg) -> None:
-  """A baseline's config needs the data's largest client to be built (its step count):
-  before the data, its sections are checked one by one, then the config is built on a
-  stand-in largest client."""
-  dp_config(cfg)
-  if not is_int(cfg.client.batch_size) or cfg.client.batch_size < 1:
-    raise ConfigError("client.batch_size", cfg.client.batch_size, "an integer >= 1")
-  dp_config_lib.check_poisson_capacity(
-    cfg.client.poisson_capacity, cfg.client.batch_size, "client.poisson_capacity"
-  )
-  weighting = cfg.server.weighting
-  if weighting is not None and weighting not in dispatch.WEIGHTINGS:
-    raise ConfigError("server.weighting", weighting, f"None or one of {dispatch.WEIGHTINGS}")
-  dispatch.resolve_weighting(weighting, REGISTRY.method(cfg.method).privacy == "required")
-  # Then the library's own checks of the whole config, on a stand-in largest client of one
-  # batch (only the step count needs the data): e.g. DP-SCAFFOLD's client optimiser.
+  """A baseline's config needs the data's largest client to be built (its step count): before
+  the data, the library checks the whole config built on a stand-in largest client of one
+  batch."""
   sections.build(entry(cfg.method).spec, cfg, max_client_size=cfg.client.batch_size)
 
 
