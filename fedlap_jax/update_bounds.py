@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+import jax
 import numpy as np
 
 from fedlap_jax.checks import ConfigError
@@ -314,13 +315,21 @@ def matching_delta_bound(client_config, learning_rate: float, num_params: int) -
   return (1 + FLOAT_SLACK) * min(float(c.radius) + step, c.max_outer * step)
 
 
+def tree_norm(tree) -> float:
+  """``||tree||`` over every leaf, in float64 (a bound is compared with it on the host)."""
+  return math.sqrt(
+    math.fsum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in jax.tree.leaves(tree))
+  )
+
+
 def check_delta_norm(leaves: Iterable[Any], max_norm: float | None) -> float:
-  """``||delta||`` over every leaf (float64); refuses it above ``max_norm`` (``None``: none).
+  """``||delta||`` over every leaf (:func:`tree_norm`); refuses it above ``max_norm``
+  (``None``: none).
 
   Raises:
     ConfigError: naming ``delta``, its norm and the bound.
   """
-  norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in leaves))
+  norm = tree_norm(list(leaves))
   if max_norm is not None and not norm <= max_norm:
     raise ConfigError(
       "delta",

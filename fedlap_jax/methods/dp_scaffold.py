@@ -36,7 +36,6 @@ In an experiment config the method is ``method=dp_scaffold`` with DP-FedAvg's se
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax
@@ -115,12 +114,6 @@ def init(key, params, clients, config: DPScaffoldConfig, facts):
   return state._replace(control=zeros, client_controls=c_k)
 
 
-def _norm(tree) -> float:
-  return math.sqrt(
-    math.fsum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in jax.tree.leaves(tree))
-  )
-
-
 def update_bounds_of(config: DPScaffoldConfig, facts: RunFacts):
   """``message -> (max ||y_k - x||, max ||delta c_k||)`` of an honest client in the round of
   ``message`` (the module docstring: plain SGD steps, clipped and noised)."""
@@ -145,7 +138,7 @@ def update_bounds_of(config: DPScaffoldConfig, facts: RunFacts):
 
   def bounds(message: fedavg.Message) -> tuple[float, float]:
     eta = float(message.learning_rate)
-    x, c = _norm(message.params), _norm(message.control)
+    x, c = update_bounds.tree_norm(message.params), update_bounds.tree_norm(message.control)
     model = eta * (sum_g + steps * (c + mean_g)) * (1.0 + update_bounds.FLOAT_SLACK)
     model += steps * eps * (x + model)  # each step's rounding of w - eta d
     control = 2.0 * mean_g * (1.0 + update_bounds.FLOAT_SLACK)
@@ -173,8 +166,8 @@ def check_update(config: DPScaffoldConfig, facts: RunFacts) -> Callable[[Any, An
       message.params,
     )
     for field, what, norm, bound in (
-      ("params", "||y_k - x||", _norm(moved), model),
-      ("control_delta", "||delta c_k||", _norm(update.control_delta), control),
+      ("params", "||y_k - x||", update_bounds.tree_norm(moved), model),
+      ("control_delta", "||delta c_k||", update_bounds.tree_norm(update.control_delta), control),
     ):
       if not norm <= bound:
         raise ConfigError(

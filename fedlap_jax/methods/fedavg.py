@@ -14,7 +14,6 @@ Reddi et al.'s Algorithm 2 omits. FedYogi is ``fedavg`` with ``baseline.server_o
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -297,7 +296,7 @@ def update_bound(config: BaselineConfig, facts: RunFacts):
         steps,
         learning_rate=float(message.learning_rate),
         num_params=facts.num_params,
-        params_norm=_norm(message.params),
+        params_norm=update_bounds.tree_norm(message.params),
       )
 
     return normalised
@@ -315,17 +314,11 @@ def update_bound(config: BaselineConfig, facts: RunFacts):
       momentum=float(spec.momentum),
       weight_decay=float(spec.weight_decay),
       nesterov=bool(spec.nesterov),
-      params_norm=_norm(message.params),
+      params_norm=update_bounds.tree_norm(message.params),
       max_batch=loc.max_client_size,
     )
 
   return bound
-
-
-def _norm(params) -> float:
-  """``||x||`` over every leaf, in float64."""
-  x = [np.asarray(p, np.float64) for p in jax.tree.leaves(params)]
-  return math.sqrt(math.fsum(float(np.sum(p * p)) for p in x))
 
 
 def family(
