@@ -539,13 +539,10 @@ def load_dataset(data_cfg) -> Dataset:
         f"of data.name={name!r}; allowed: integers in [0, {num_classes - 1}]"
       )
   features = data_cfg.get("features", "pixels")
-  if features == "scattering":
-    return _scattered(
-      Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
-    )
   if features not in FEATURES:
     raise ConfigError("data.features", features, f"one of {FEATURES}")
-  return Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
+  dataset = Dataset(name, x_train, y_train, x_test, y_test, num_classes, mean, std, source)
+  return _scattered(dataset) if features == "scattering" else dataset
 
 
 def scattering_features(x: np.ndarray, normalise, *, chunk: int = 500) -> np.ndarray:
@@ -566,8 +563,9 @@ def scattering_features(x: np.ndarray, normalise, *, chunk: int = 500) -> np.nda
       f"multiple of {side})",
     )
   transform = jax.jit(scattering)
-  out = [np.asarray(transform(normalise(x[i : i + chunk]))) for i in range(0, len(x), chunk)]
-  return np.concatenate(out) if out else np.zeros((0,), np.float32)
+  return np.concatenate(
+    [np.asarray(transform(normalise(x[i : i + chunk]))) for i in range(0, len(x), chunk)]
+  )
 
 
 def _scattered(dataset: Dataset) -> Dataset:
