@@ -82,7 +82,7 @@ app = ClientApp()
 
 @functools.lru_cache(maxsize=4)
 def _run(items: tuple, models: tuple) -> settings.RunSettings:
-  """The run config ``items`` checked, with the user ``models`` this node allows."""
+  """The run config ``items`` checked, with the ``models`` this node computes."""
   return settings.run_settings(dict(items), models)
 
 

@@ -59,7 +59,7 @@ def main(grid: Grid, context: Context) -> None:
   Replies are collected as they arrive, not on Flower's 3 s pulls."""
   from fedlap_runs import termination  # pylint: disable=g-import-not-at-top
 
-  # the user models the server operator allows (its environment), never the run config's own
+  # the models the server's operator allows (its environment), never the run config's own
   run = settings.run_settings(context.run_config, settings.allowed_models())
   termination.call_interruptibly(serve, PromptGrid(grid), run)
 

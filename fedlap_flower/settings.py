@@ -224,8 +224,8 @@ _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,199}")
 # The server's own test data: an npz (x_train, y_train, x_test, y_test) its environment names,
 # read in place of the named config's data.source (the run config never names a file).
 SERVER_DATA_ENV = "FEDLAP_FLOWER_SERVER_DATA"
-# The user models (MODULE:ATTR, comma-separated) the server's environment allows, and a
-# client's where its node config has no ``models``.
+# The models (catalog names and MODULE:ATTR, comma-separated) the server's environment allows,
+# and a client's where its node config has no ``models`` (:func:`allowed_models`).
 MODELS_ENV = "FEDLAP_FLOWER_MODELS"
 # The default max-delta is min(DEFAULT_MAX_DELTA, 1 / N_k).
 DEFAULT_MAX_DELTA = 1e-5

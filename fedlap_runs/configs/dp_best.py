@@ -24,11 +24,10 @@ delta 1e-5. Both arms share:
 
 FedLAP-DP (``DATASET_fedlap``) departs from the paper: the hybrid recipe
 (:data:`fedlap_runs.configs.fedlap.HYBRID_RECIPE`: the client's model steps along each
-released noisy gradient, the synthetic images are matched to each; the server starts from
-the global model plus the mean client delta and refines it on the synthetic sets), 10
-rounds of T = 35 noisy gradients, without the image augmentations (DSA) that feature maps do
-not have. DP-FedAvg (``DATASET_fedavg``): 5 local epochs a round,
-20 rounds.
+released noisy gradient, the synthetic sets are matched to each; the server starts from the
+global model plus the mean client delta and refines it on the synthetic sets), 20 rounds of
+T = 35 noisy gradients, without the image augmentations (DSA) that feature maps do not have.
+DP-FedAvg (``DATASET_fedavg``): 5 local epochs a round, 20 rounds.
 
 The recipes were chosen on MNIST's validation split (5,000 training images no client
 holds); Fashion-MNIST runs MNIST's recipe, not tuned on its own.
