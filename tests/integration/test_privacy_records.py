@@ -21,26 +21,16 @@ from fedlap_jax import accounting
 from fedlap_jax.methods import REGISTRY
 from fedlap_runs import checkpointing, configs
 
+from conftest import TINY_FEDLAP_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS, PER_ROUND = 3, 3
 TINY = {
-  "model.width": 8,
-  "model.depth": 1,
-  "client.ipc": 2,
-  "client.iterations": 1,
-  "client.max_outer": 1,
-  "client.batch_loop": 2,
-  "client.boost_loop": 1,
-  "client.inner_loop": 0,
-  "client.batch_size": 16,
-  "client.dsa_strategy": "",
-  "server.dsa_strategy": "",
+  **TINY_FEDLAP_FLAGS,
   "server.max_epochs": 1,
   "rounds": ROUNDS,
-  "eval_chunk_size": 400,
   "snapshot_rounds": (),
   "plots": False,
-  "progress_bar": False,
   "data.clients_per_round": PER_ROUND,
   "dp.noise_multiplier": 1.3,
 }
@@ -49,12 +39,7 @@ TINY = {
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   cfg = configs.load("quickstart:dp_loops")
-  for field, value in TINY.items():
-    node = cfg
-    *parents, leaf = field.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  cfg.update_from_flattened_dict(TINY)
   path = tmp_path_factory.mktemp("dp_run")
   train.train_and_evaluate(cfg, path)
   return path
