@@ -17,7 +17,7 @@ delta 1e-5. Both arms share:
   paper's ConvNet-128. It learns faster under DP noise than the ConvNet at every setting
   compared (benchmarks/results/dp_recipe.md). The front end is computed once, when the data
   are loaded (``data.features='scattering'``, model ``scattered_linear``: the same model,
-  ~30x faster on CPU), so FedLAP-DP's synthetic sets are scattering features, not images;
+  13x faster a round on CPU), so FedLAP-DP's synthetic sets are scattering features, not images;
 * Poisson batches of 261 (q = 0.169 of the smallest client), clip C = 0.1, learning rate 1
   with the ``cosine_open`` schedule, 20 rounds: the best of each arm, chosen apart
   (FedLAP-DP's client model steps along the same clipped, noised gradients as DP-FedAvg's).
