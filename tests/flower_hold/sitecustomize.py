@@ -4,8 +4,9 @@ A process started with this directory on ``PYTHONPATH`` and ``FEDLAP_TEST_HOLD_R
 ``fedlap_flower.client_app._keep_state`` once that module is imported: after the client has
 charged its ledger for round ``N``, computed it and kept its carried state, it writes
 ``FEDLAP_TEST_HOLD_MARKER`` and sleeps instead of replying. The test waits for the marker and
-kills the node: a crash between spending a round and delivering it, every time, whatever the
-machine's speed (polling the ledger raced the reply on a fast round).
+kills the node (a crash between spending a round and delivering it) or stops the run, every
+time, whatever the machine's speed (polling the ledger raced the reply on a fast round). It
+holds once: a worker started again, or a later run, finds the marker and replies.
 """
 
 import importlib.abc
@@ -24,7 +25,7 @@ def _patch(module) -> None:
 
   def keep_then_hold(state, run_key, server_round, start, arrays):
     keep(state, run_key, server_round, start, arrays)
-    if int(server_round) == hold_round:
+    if int(server_round) == hold_round and not os.path.exists(marker):  # once per marker
       with open(marker, "w") as f:
         f.write(str(server_round))
       time.sleep(3600)  # the test kills this process

@@ -246,11 +246,13 @@ def test_the_app_runs_on_stock_flower_supernodes(tmp_path, jax_cache):
 
 
 def test_flwr_stop_stops_a_round_on_the_nodes(tmp_path, jax_cache):
-  """``flwr stop`` during a long round: each node finishes its task there ``stopped``, its
-  worker abandons the computation within seconds (and is started again), and the node then
-  computes the next run."""
+  """``flwr stop`` during a round: each node finishes its task there ``stopped``, its worker
+  abandons the task within seconds (and is started again), and the node then computes the
+  next run. Each node holds its round-1 reply (``tests/flower_hold``) until the stop, so the
+  stop always meets a running task, whatever the machine's speed (a long round raced the
+  ``flwr`` command's start on a fast machine)."""
   states = [tmp_path / f"client-{k}" for k in range(2)]
-  long_round = f"{TINY} data.num_clients=2 client.max_outer=400"
+  held = [tmp_path / f"client-{k}-held" for k in range(2)]
   with Federation(tmp_path / "fed", env={"JAX_COMPILATION_CACHE_DIR": jax_cache}) as fed:
     for k in range(2):
       fed.start_supernode(
@@ -260,13 +262,21 @@ def test_flwr_stop_stops_a_round_on_the_nodes(tmp_path, jax_cache):
           "num-partitions": 2,
           "state-dir": str(states[k]),
           "max-epsilon": 50.0,
-          "max-outer": 400,  # the long round
+        },
+        env={
+          "PYTHONPATH": os.pathsep.join([str(HOLD), os.environ.get("PYTHONPATH", "")]),
+          "FEDLAP_TEST_HOLD_ROUND": "1",
+          "FEDLAP_TEST_HOLD_MARKER": str(held[k]),
         },
       )
     run_id = fed.run(
-      {"config": "quickstart:dp", "overrides": long_round, "run-dir": str(tmp_path / "long")}
+      {
+        "config": "quickstart:dp",
+        "overrides": f"{TINY} data.num_clients=2",
+        "run-dir": str(tmp_path / "long"),
+      }
     )
-    _wait_for(lambda: all(ledger_lib.ClientState(s).history() for s in states), 600, "round 1", fed)
+    _wait_for(lambda: all(h.exists() for h in held), 600, "both nodes holding round 1", fed)
     t_stop = time.time()
     res = fed._flwr("stop", str(run_id), "test")
     assert res.returncode == 0, res.stdout + res.stderr
