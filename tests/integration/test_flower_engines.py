@@ -257,12 +257,7 @@ def test_flwr_stop_stops_a_round_on_the_nodes(tmp_path, jax_cache):
     for k in range(2):
       fed.start_supernode(
         k,
-        {
-          "partition-id": k,
-          "num-partitions": 2,
-          "state-dir": str(states[k]),
-          "max-epsilon": 50.0,
-        },
+        {"partition-id": k, "num-partitions": 2, "state-dir": str(states[k]), "max-epsilon": 50.0},
         env={
           "PYTHONPATH": os.pathsep.join([str(HOLD), os.environ.get("PYTHONPATH", "")]),
           "FEDLAP_TEST_HOLD_ROUND": "1",
