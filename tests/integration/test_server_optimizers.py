@@ -79,7 +79,8 @@ def test_fedadam_is_fedavg_with_an_adam_server_preset():
 
 
 # FedLAP on digits, small: one round, one model epoch between the two while-loop iterations,
-# so the client model's optimiser runs, and a short server descent.
+# so the client model's optimiser runs, and a short server descent; no DSA augmentation (a
+# smaller program to compile for each of the four optimiser choices).
 FEDLAP_TINY = [
   "--config=quickstart:nondp",
   *TINY,
@@ -89,6 +90,8 @@ FEDLAP_TINY = [
   "--config.client.boost_loop=1",
   "--config.client.calibration_epochs=2",
   "--config.server.max_epochs=2",
+  "--config.client.dsa_strategy=",
+  "--config.server.dsa_strategy=",
 ]
 
 
