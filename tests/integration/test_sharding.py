@@ -184,7 +184,7 @@ def _worker(
 
 
 def _experiments_worker(workdir: str) -> dict:
-  """``experiments.train`` on 4 devices: 2 rounds, then round 2 again from checkpoint 1."""
+  """``experiments.train`` on 4 devices: 3 rounds, then round 3 again from checkpoint 2."""
   import shutil
 
   import jax
@@ -198,9 +198,9 @@ def _experiments_worker(workdir: str) -> dict:
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   from test_experiments_run import tiny_config
 
-  cfg = tiny_config(rounds=2, checkpoint_every=1, progress_bar=False, plots=False)
+  cfg = tiny_config(rounds=3, checkpoint_every=1, progress_bar=False, plots=False)
   first = train.train_and_evaluate(cfg, workdir)
-  shutil.rmtree(f"{workdir}/checkpoints/2")  # as if the run had stopped after round 1
+  shutil.rmtree(f"{workdir}/checkpoints/3")  # as if the run had stopped after round 2
   resumed = train.train_and_evaluate(cfg, workdir)
   assert [r["test_accuracy"] for r in resumed["records"]] == [
     r["test_accuracy"] for r in first["records"]
@@ -486,7 +486,7 @@ def test_experiments_run_on_four_devices_compiles_once(tmp_path):
   assert out["client_devices"] == 4  # 5 clients on 4 devices: replicated, the round pads
   # One program; the resumed run reuses it (same process, memoised algorithm).
   assert out["compilations"] == [1, 0]
-  assert len(out["accuracy"]) == 2 and all(a > 0.1 for a in out["accuracy"])
+  assert len(out["accuracy"]) == 3 and all(a > 0.1 for a in out["accuracy"])
 
 
 def test_placement_is_a_no_op_for_placed_arrays():
