@@ -286,15 +286,23 @@ def host(tree) -> list[np.ndarray]:
   ]
 
 
+@pytest.fixture(scope="module")
+def small_round():
+  """``(algorithm, state, clients, the round's leaves)`` of :func:`small_run`, run plainly."""
+  alg, state, clients = small_run()
+  return alg, state, clients, host(alg.round(state, clients))
+
+
 def fresh(alg, cache: Path, notes: list):
   """``alg``'s round served from ``cache``, as a new process finds it (nothing loaded)."""
   export_cache._loaded.clear()  # pylint: disable=protected-access
   return export_cache.ExportedRound(alg.round, cache, notice=notes.append)
 
 
-def test_the_exported_round_is_the_round_bit_for_bit_and_a_bad_entry_is_traced_again(tmp_path):
-  alg, state, clients = small_run()
-  plain = host(alg.round(state, clients))
+def test_the_exported_round_is_the_round_bit_for_bit_and_a_bad_entry_is_traced_again(
+  tmp_path, small_round
+):
+  alg, state, clients, plain = small_round
   cache, notes = tmp_path / "exported", []
 
   cold = fresh(alg, cache, notes)
@@ -336,9 +344,10 @@ def test_the_exported_round_is_the_round_bit_for_bit_and_a_bad_entry_is_traced_a
     served(why)
 
 
-def test_a_prefetched_round_is_the_round_bit_for_bit_and_a_wrong_hint_changes_nothing(tmp_path):
-  alg, state, clients = small_run()
-  plain = host(alg.round(state, clients))
+def test_a_prefetched_round_is_the_round_bit_for_bit_and_a_wrong_hint_changes_nothing(
+  tmp_path, small_round
+):
+  alg, state, clients, plain = small_round
   cache, notes = tmp_path / "exported", []
   hint = export_cache.hint_of("a run", {"rounds": 1})
 
