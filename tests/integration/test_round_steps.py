@@ -195,11 +195,10 @@ def test_client_step_sends_the_delta_only_to_a_fedavg_delta_server(
     _pick(state.synthetic, 0),
     _pick(clients, 0),
   )
-  with_delta, _ = _client_step(*args, HYBRID, learning_rate=0.5)
-  without, _ = _client_step(*args, glob, learning_rate=0.5)
-  _, _, m = jax.jit(local_approx, static_argnames=("apply_fn", "config"))(
-    *args, HYBRID.client, learning_rate=0.5
-  )
+  rate = jnp.float32(0.5)  # typed as the round's rates: _local_approx's program is shared
+  with_delta, _ = _client_step(*args, HYBRID, learning_rate=rate)
+  without, _ = _client_step(*args, glob, learning_rate=rate)
+  _, _, m = _local_approx(*args, HYBRID.client, learning_rate=rate)
   chex.assert_trees_all_equal(with_delta.model_delta, m.model_delta)
   assert without.model_delta is None
   chex.assert_trees_all_equal(with_delta.synthetic, without.synthetic)

@@ -234,9 +234,10 @@ def _env(devices: int, cache=None) -> dict:
   return env
 
 
-def _run(devices: int, backend: str) -> dict:
+def _run(devices: int, *backends: str) -> list[dict]:
+  """The worker's results for each of ``backends``, run one after another in one process."""
   proc = subprocess.run(
-    [sys.executable, __file__, backend],
+    [sys.executable, __file__, ",".join(backends)],
     env=_env(devices),
     capture_output=True,
     text=True,
@@ -368,10 +369,16 @@ def multi_process_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_device():
-  out = _run(1, "auto")
-  assert out["devices"] == 1 and out["processes"] == 1 and out["backend"] == "map"
-  return out
+def one_device():
+  """One device, one process: clients one after another (what "auto" picks) and side by side."""
+  single, side = _run(1, "auto", "vmap")
+  assert single["devices"] == 1 and single["processes"] == 1 and single["backend"] == "map"
+  return single, side
+
+
+@pytest.fixture(scope="module")
+def single_device(one_device):
+  return one_device[0]
 
 
 def _assert_same_round(single: dict, sharded: dict):
@@ -392,18 +399,18 @@ def _assert_same_round(single: dict, sharded: dict):
 
 @pytest.mark.slow
 def test_one_vs_four_devices_same_round(single_device):
-  sharded = _run(4, "auto")
+  (sharded,) = _run(4, "auto")
   assert sharded["devices"] == 4 and sharded["backend"] == "shard"  # what "auto" picks
   _assert_same_round(single_device, sharded)
 
 
 @pytest.mark.slow
-def test_side_by_side_clients_same_round(single_device):
+def test_side_by_side_clients_same_round(one_device):
   """The vmap backend (clients side by side, masked loops, shared DSA families; the worker's
   DSA draws a family among two) gives the numbers of one client after another, one program."""
-  side = _run(1, "vmap")
+  single, side = one_device
   assert side["devices"] == 1 and side["backend"] == "vmap"
-  _assert_same_round(single_device, side)
+  _assert_same_round(single, side)
 
 
 @pytest.mark.slow
@@ -541,5 +548,5 @@ if __name__ == "__main__":
     print(json.dumps(_experiments_worker(sys.argv[2])))
   elif len(sys.argv) > 2:  # backend, process id, number of processes, coordinator address
     print(json.dumps(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
-  else:
-    print(json.dumps(_worker(sys.argv[1])))
+  else:  # backends, comma-separated
+    print(json.dumps([_worker(backend) for backend in sys.argv[1].split(",")]))
