@@ -104,6 +104,7 @@ HYBRID_RECIPE = {
   "client.boost_loop": 20,
   "client.average_targets": True,
   "client.model_steps": "noisy_real",
+  "client.inner_loop": 0,  # its model steps along the noisy gradients instead
   "client.real_dsa_strategy": "",
   "client.radius": 1e4,
   "server.start": "fedavg_delta",

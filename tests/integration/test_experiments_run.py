@@ -290,6 +290,7 @@ def hybrid_run(tmp_path_factory):
       **{
         "client.average_targets": True,
         "client.model_steps": "noisy_real",
+        "client.inner_loop": 0,
         "server.start": "fedavg_delta",
       },
     )
@@ -1074,7 +1075,7 @@ _RECIPE_BASE = dict(
 _RECIPES = {
   "paper": {},
   "tuned": {"average_targets": True},
-  "hybrid": {"average_targets": True, "model_steps": "noisy_real"},
+  "hybrid": {"average_targets": True, "model_steps": "noisy_real", "inner_loop": 0},
 }
 
 
@@ -1094,7 +1095,7 @@ def test_released_matching_losses_are_those_of_the_rows_written(
   from fedlap_jax.methods import fedlap  # pylint: disable=g-import-not-at-top
   from fedlap_jax.synthetic import noise_images, synthetic_labels  # pylint: disable=g-import-not-at-top
 
-  cfg = config.ClientConfig(**_RECIPE_BASE, **_RECIPES[family])
+  cfg = config.ClientConfig(**{**_RECIPE_BASE, **_RECIPES[family]})
   x, y = client_parts[0]
   data = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), bool))
   labels, mask = synthetic_labels([y], cfg.ipc)

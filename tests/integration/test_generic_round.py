@@ -71,7 +71,13 @@ FEDLAP = {
   ),
   "hybrid": FedLAPConfig(
     client=dataclasses.replace(
-      CLIENT, max_outer=2, batch_loop=2, average_targets=True, model_steps="noisy_real", dp=DP
+      CLIENT,
+      max_outer=2,
+      batch_loop=2,
+      average_targets=True,
+      model_steps="noisy_real",
+      inner_loop=0,
+      dp=DP,
     ),
     server=dataclasses.replace(SERVER, start="fedavg_delta", learning_rate=0.05),
     rounds=3,

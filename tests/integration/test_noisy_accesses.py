@@ -91,7 +91,10 @@ def _psg():
 # name -> (registry method, config builder of N_max)
 CASES = {
   "fedlap_dp": ("fedlap", lambda n: _fedlap()),
-  "fedlap_dp_hybrid": ("fedlap", lambda n: _fedlap(average_targets=True, model_steps="noisy_real")),
+  "fedlap_dp_hybrid": (
+    "fedlap",
+    lambda n: _fedlap(average_targets=True, model_steps="noisy_real", inner_loop=0),
+  ),
   "dp_fedavg": ("dp_fedavg", lambda n: _baseline("dp_fedavg", n)),
   "dp_fedprox": ("dp_fedprox", lambda n: _baseline("dp_fedprox", n)),
   "dp_scaffold": ("dp_scaffold", lambda n: DPScaffoldConfig(_baseline("dp_fedavg", n))),

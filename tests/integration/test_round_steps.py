@@ -59,6 +59,7 @@ HYBRID = FedLAPConfig(
     dsa_strategy="",
     average_targets=True,
     model_steps="noisy_real",
+    inner_loop=0,
     dp=DP,
   ),
   server=ServerConfig(

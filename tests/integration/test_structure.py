@@ -189,7 +189,9 @@ TOY_FEDLAP = FedLAPConfig(
 ).with_dp(DP)
 TOY_HYBRID = dataclasses.replace(
   TOY_FEDLAP,
-  client=dataclasses.replace(TOY_FEDLAP.client, average_targets=True, model_steps="noisy_real"),
+  client=dataclasses.replace(
+    TOY_FEDLAP.client, average_targets=True, model_steps="noisy_real", inner_loop=0
+  ),
   server=dataclasses.replace(TOY_FEDLAP.server, start="fedavg_delta"),
 )
 

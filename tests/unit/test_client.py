@@ -404,7 +404,9 @@ def test_noisy_real_model_steps_are_gradient_descent(
   # full-batch gradient, and model_steps='noisy_real' steps w <- w - LR g along it, also after
   # the last iteration: model_delta = 3 steps of full-batch gradient descent (both trajectories
   # are equal, so their mean is that). The paper's steps (synthetic, R_l = 0) leave w alone.
-  cfg = dataclasses.replace(FIXED, batch_loop=1, average_targets=True, model_steps="noisy_real")
+  cfg = dataclasses.replace(
+    FIXED, batch_loop=1, average_targets=True, model_steps="noisy_real", inner_loop=0
+  )
   _, _, m = run(cfg)
   w = _gradient_descent(linear_apply_fn, linear_params, client_data, cfg.max_outer)
   expected = jax.tree.map(np.subtract, host(w), host(linear_params))
@@ -428,6 +430,7 @@ def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(
     boost_loop=1,
     average_targets=True,
     model_steps="noisy_real",
+    inner_loop=0,
     dsa_strategy="flip",
     real_dsa_strategy="",
   )
@@ -439,6 +442,15 @@ def test_real_dsa_strategy_none_steps_along_the_gradient_of_the_records(
 def test_real_dsa_strategy_is_validated():
   with raises_field("real_dsa_strategy"):
     ClientConfig(real_dsa_strategy="spin")
+
+
+def test_noisy_real_refuses_local_epochs_it_would_not_run():
+  # noisy_real steps the model along the noisy gradients: R_l epochs on the synthetic set
+  # never run, so a positive inner_loop would be silently ignored.
+  with raises_field("inner_loop"):
+    ClientConfig(model_steps="noisy_real", average_targets=True, inner_loop=2)
+  ClientConfig(model_steps="noisy_real", average_targets=True, inner_loop=0)
+  ClientConfig(model_steps="synthetic", inner_loop=2)
 
 
 def test_noisy_real_needs_average_targets():
@@ -671,7 +683,9 @@ def test_recipe_names_the_pieces_of_each_config():
   paper = client.recipe(FIXED)
   assert paper == (client.per_batch_targets, None, False)
   assert client.recipe(TINY_RADIUS).model_step is client.synthetic_model_step
-  hybrid = client.recipe(dataclasses.replace(DP_Q1, average_targets=True, model_steps="noisy_real"))
+  hybrid = client.recipe(
+    dataclasses.replace(DP_Q1, average_targets=True, model_steps="noisy_real", inner_loop=0)
+  )
   assert hybrid == (client.averaged_target, client.noisy_real_step, True)
 
 

@@ -65,7 +65,9 @@ PAPER = FedLAPConfig(
   synthetic_init="noise",
 )
 HYBRID = FedLAPConfig(
-  client=ClientConfig(**_CLIENT, average_targets=True, model_steps="noisy_real", dp=DP),
+  client=ClientConfig(
+    **_CLIENT, average_targets=True, model_steps="noisy_real", inner_loop=0, dp=DP
+  ),
   server=ServerConfig(
     radius_strategy="constant", max_epochs=1, dsa_strategy="", start="fedavg_delta"
   ),

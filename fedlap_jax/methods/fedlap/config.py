@@ -122,7 +122,7 @@ class ClientConfig:
       ``synthetic`` (the paper: ``R_l`` epochs of SGD on the synthetic set)
       or ``noisy_real`` (a departure from the paper: one step
       ``w <- w - eta_m g`` along the iteration's mean noisy real gradient
-      ``g``, also after the last iteration; ``inner_loop`` is not used).
+      ``g``, also after the last iteration; ``inner_loop`` must be 0).
       Needs ``average_targets``. Under DP the trajectory is a function of
       released noisy gradients (post-processing; the next batch is an
       adaptive query, as in DP-SGD): ``(q, sigma, T)`` still bound it. The
@@ -205,6 +205,13 @@ class ClientConfig:
       self.model_steps,
       "'synthetic' unless average_targets=True ('noisy_real' steps "
       "along the mean noisy gradient of each while-loop iteration)",
+    )
+    require(
+      self.model_steps == "synthetic" or self.inner_loop == 0,
+      "inner_loop",
+      self.inner_loop,
+      "0 with model_steps='noisy_real' (the model steps along the noisy gradients; no "
+      "local epochs on the synthetic set run)",
     )
     require(
       isinstance(self.model_optimizer, optim.Optimizer),
