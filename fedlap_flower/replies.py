@@ -348,13 +348,10 @@ def update_norm_rule(setting, method, config, facts) -> Callable[[Any], float | 
 
 
 def update_norm(update, params) -> float:
-  """``||update - params||`` over every leaf, in float64 (the arrays are the model's)."""
+  """``||update - params||`` over every leaf (:func:`fedlap_jax.update_bounds.tree_norm`)."""
   pairs = zip(jax.tree.leaves(update), jax.tree.leaves(params))
-  return math.sqrt(
-    math.fsum(
-      float(np.sum(np.square(np.asarray(u, np.float64) - np.asarray(p, np.float64))))
-      for u, p in pairs
-    )
+  return update_bounds.tree_norm(
+    [np.asarray(u, np.float64) - np.asarray(p, np.float64) for u, p in pairs]
   )
 
 
