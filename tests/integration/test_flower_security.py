@@ -137,6 +137,28 @@ def test_a_node_refuses_a_run_above_its_compute_caps_before_any_work(
     settings.node_settings(nc, settings.run_settings({"config": name}))
 
 
+def test_a_node_refuses_local_epochs_the_hybrid_would_not_run_before_its_ledger_moves(tmp_path):
+  """``client.inner_loop=5`` over the hybrid recipe (``quickstart:dp``, whose model steps along
+  the noisy gradients) is refused by that field: by the server's run settings, and by a node
+  before it creates its state directory, so no ledger is charged."""
+  from flwr.app import Message, RecordDict
+
+  from fedlap_flower import client_app
+  from flower_harness import TINY, InProcessGrid, node_configs, task_identity
+
+  rc = {"config": "quickstart:dp", "overrides": f"{TINY} client.inner_loop=5"}
+  with raises_field("client.inner_loop"):
+    settings.run_settings(rc)
+  settings.run_settings({**rc, "overrides": f"{TINY} client.inner_loop=0"})
+  grid = InProcessGrid(client_app.app, rc, node_configs(state_root=tmp_path / "state"))
+  with task_identity():
+    reply = grid.answer(
+      Message(content=RecordDict(), dst_node_id=101, message_type="train", group_id="1")
+    )
+  assert reply.has_error() and "client.inner_loop=5" in reply.error.reason, reply.error.reason
+  assert not (tmp_path / "state").exists()
+
+
 def test_a_node_refuses_a_model_it_does_not_allow_before_any_work(tmp_path, monkeypatch):
   """A node's ``models``: a run asking another ``model.name`` (a ScatterNet costs more per
   example than the ConvNet) is refused by that field, before the client loads its data or
