@@ -33,8 +33,12 @@ FORMAT = 1
 
 
 class ReplayedRun(ValueError):
-  """A signed run this client already computed under another Flower run, or a record it
-  cannot read."""
+  """A signed run this client already computed under another Flower run (``field``
+  ``run-nonce``), or a record it cannot read (``field`` ``state-dir``)."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
 
 
 def _read(state: ledger_lib.ClientState) -> dict[str, dict]:
@@ -45,8 +49,9 @@ def _read(state: ledger_lib.ClientState) -> dict[str, dict]:
     )
   except ValueError as e:
     raise ReplayedRun(
+      "state-dir",
       f"{path} cannot be read as this client's record of signed runs ({e}); refusing every "
-      "signed run until it is restored (a new record would admit the runs computed before)"
+      "signed run until it is restored (a new record would admit the runs computed before)",
     ) from None
 
 
@@ -74,9 +79,10 @@ def admit(
       if seen["run_id"] == int(run_id):
         return False
       raise ReplayedRun(
+        "run-nonce",
         f"this signed run (run-nonce {nonce}) was computed by this client as Flower run "
         f"{seen['run_id']}; run {int(run_id)} submits it again and is refused (to run it "
-        "again or to resume it, the operator signs it again)"
+        "again or to resume it, the operator signs it again)",
       )
     check_new()
     runs[nonce] = {"run_id": int(run_id), "admitted_at": time.time(), **(details or {})}

@@ -73,7 +73,16 @@ DEFAULT_CLOCK_SKEW = 300.0
 
 class UntrustedRun(ValueError):
   """A run without a valid signature by a trusted key (or signed too long ago, or already
-  computed under another run)."""
+  computed under another run).
+
+  Attributes:
+    field: what is refused: the run config's ``signer``, ``signature``, ``signed-at`` or
+      ``run-nonce``, the bundle's ``clientapp``, or the node config's ``state-dir``.
+  """
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
 
 
 def _message(digest_bytes: bytes, signed_at: int) -> bytes:
@@ -172,31 +181,35 @@ def verify(
   signer = run_config.get("signer", "")
   if not signer or not run_config.get("signature"):
     raise UntrustedRun(
+      "signer",
       "the run is not signed (run config 'signer'/'signature' empty); this "
-      "client computes only runs signed by a key in its trusted entities"
+      "client computes only runs signed by a key in its trusted entities",
     )
   key = trusted.get(signer)
   if key is None:
     raise UntrustedRun(
+      "signer",
       f"the run is signed by {signer}, which is not among this client's "
-      f"trusted entities {sorted(trusted)}"
+      f"trusted entities {sorted(trusted)}",
     )
   try:
     sig = _b64url_decode(str(run_config["signature"]))
     message = _message(digest(fab_sha256_hex, run_config), int(run_config.get("signed-at", 0)))
   except (ValueError, TypeError, OverflowError) as e:
-    raise UntrustedRun(f"the run's signature cannot be read: {e}") from e
+    raise UntrustedRun("signature", f"the run's signature cannot be read: {e}") from e
   try:
     key.verify(sig, message)
   except InvalidSignature:
     raise UntrustedRun(
+      "signature",
       f"the signature by {signer} does not match this bundle "
-      f"({fab_sha256_hex[:12]}...) and run config"
+      f"({fab_sha256_hex[:12]}...) and run config",
     ) from None
   if not NONCE_PATTERN.fullmatch(str(run_config.get(NONCE_KEY, ""))):
     raise UntrustedRun(
+      NONCE_KEY,
       f"the signed run config's {NONCE_KEY} is {run_config.get(NONCE_KEY)!r}; allowed: 32 "
-      "hex digits, drawn by python -m fedlap_flower.runtime.run_signature for each run"
+      "hex digits, drawn by python -m fedlap_flower.runtime.run_signature for each run",
     )
   return signer
 
@@ -212,14 +225,16 @@ def check_age(
   age = float(now) - float(signed_at)
   if age < -clock_skew:
     raise UntrustedRun(
+      "signed-at",
       f"the run was signed {-age:.0f} s in the future (signed-at={signed_at}); allowed: "
-      f"at most the node's --clock-skew={clock_skew:g} s ahead of its clock"
+      f"at most the node's --clock-skew={clock_skew:g} s ahead of its clock",
     )
   if age > max_age + clock_skew:
     raise UntrustedRun(
+      "signed-at",
       f"the run was signed {age:.0f} s ago (signed-at={signed_at}); allowed: at most the "
       f"node's --max-run-age={max_age:g} s (+ --clock-skew={clock_skew:g} s) before its first "
-      "round reaches this client: sign the run again"
+      "round reaches this client: sign the run again",
     )
 
 

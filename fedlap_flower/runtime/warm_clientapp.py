@@ -142,11 +142,12 @@ def check_task(
   try:
     components = get_fab_config(fab_content)["tool"]["flwr"]["app"].get("components", {})
   except (ValueError, KeyError, OSError) as e:
-    raise run_signature.UntrustedRun(f"the bundle cannot be read: {e}") from e
+    raise run_signature.UntrustedRun("clientapp", f"the bundle cannot be read: {e}") from e
   if components.get("clientapp") != CLIENTAPP_REF:
     raise run_signature.UntrustedRun(
+      "clientapp",
       f"the bundle's clientapp is {components.get('clientapp')!r}; this client runs only "
-      f"{CLIENTAPP_REF!r} (installed with fedlap_flower)"
+      f"{CLIENTAPP_REF!r} (installed with fedlap_flower)",
     )
   if policy.allow_unsigned:
     return
@@ -156,8 +157,9 @@ def check_task(
   state_dir = node_config.get("state-dir")
   if not isinstance(state_dir, str) or not state_dir:
     raise run_signature.UntrustedRun(
+      "state-dir",
       "this node records the signed runs it computes in its state directory, and its node "
-      "config has no state-dir; allowed: --node-config \"... state-dir='/var/lib/fedlap/site_k'\""
+      "config has no state-dir; allowed: --node-config \"... state-dir='/var/lib/fedlap/site_k'\"",
     )
   signed_at = int(run_config.get("signed-at", 0))
   now = time.time() if now is None else now
@@ -172,7 +174,7 @@ def check_task(
       details={"signed_at": signed_at, "signer": signer},
     )
   except signed_runs.ReplayedRun as e:
-    raise run_signature.UntrustedRun(str(e)) from None
+    raise run_signature.UntrustedRun(e.field, str(e)) from None
 
 
 def pull_task_input(client: RuntimeHttpClient, backoff: float = 0.05):

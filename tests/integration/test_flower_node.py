@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import raises_field
 from flwr.cli.build import build_fab_from_disk
 from flwr.common.config import flatten_dict, fuse_dicts, get_fab_config
 from flwr.proto.runtime_pb2 import SendTaskHeartbeatResponse  # pylint: disable=no-name-in-module
@@ -60,29 +61,29 @@ def test_signed_run_verifies_and_any_change_is_refused(keys, tmp_path):
   seen = _fused(fab, overrides)
   assert run_signature.verify(keys["trusted"], fab_hash, seen) == overrides["signer"]
 
-  def refused(run_config, fab_sha=fab_hash, match=""):
-    with pytest.raises(run_signature.UntrustedRun, match=match):
+  def refused(run_config, field, fab_sha=fab_hash):
+    with raises_field(field, run_signature.UntrustedRun):
       run_signature.verify(keys["trusted"], fab_sha, run_config)
 
-  refused({**seen, "min-clients": 3}, match="does not match")  # the server changed a value
-  refused({**seen, "unsafe-dp-keys-from-server": True}, match="does not match")
-  refused({**seen, "signed-at": seen["signed-at"] + 1}, match="does not match")
-  refused(seen, fab_sha=hashlib.sha256(fab + b"x").hexdigest(), match="does not match")
-  refused({**seen, "signer": "", "signature": ""}, match="not signed")
+  refused({**seen, "min-clients": 3}, "signature")  # the server changed a value
+  refused({**seen, "unsafe-dp-keys-from-server": True}, "signature")
+  refused({**seen, "signed-at": seen["signed-at"] + 1}, "signature")
+  refused(seen, "signature", fab_sha=hashlib.sha256(fab + b"x").hexdigest())
+  refused({**seen, "signer": "", "signature": ""}, "signer")  # not signed
   other = run_signature.sign(load_private_key(keys["other"]), fab_hash, seen)
-  refused({**seen, **other}, match="not among this client's trusted entities")
+  refused({**seen, **other}, "signer")  # signed by a key the client does not trust
   with pytest.raises(ValueError, match="set by the signature"):
     run_signature.signed_overrides(keys["operator"], APP_DIR, ["signer='x'"])
   # Each signing draws its own nonce, which the signature covers.
   assert run_signature.NONCE_PATTERN.fullmatch(seen["run-nonce"])
   again = run_signature.signed_overrides(keys["operator"], APP_DIR, [str(toml)])
   assert again["run-nonce"] != seen["run-nonce"]
-  refused({**seen, "run-nonce": again["run-nonce"]}, match="does not match")
+  refused({**seen, "run-nonce": again["run-nonce"]}, "signature")
   with pytest.raises(ValueError, match="set by the signature"):
     run_signature.signed_overrides(keys["operator"], APP_DIR, ["run-nonce='00'"])
   no_nonce = _fused(fab, {})
   no_nonce.update(run_signature.sign(load_private_key(keys["operator"]), fab_hash, no_nonce))
-  refused(no_nonce, match="run-nonce is ''; allowed: 32 hex digits")
+  refused(no_nonce, "run-nonce")  # signed, but without a nonce
   # The message layout is Flower's own (create_message_to_sign).
   digest = run_signature.digest(fab_hash, seen)
   assert run_signature._message(digest, 1234) == create_message_to_sign(digest, 1234)
@@ -128,11 +129,11 @@ def test_node_runs_only_the_installed_clientapp_of_signed_runs(keys, tmp_path):
   unsigned_too = warm_clientapp.Policy(None, allow_unsigned=True)
   warm_clientapp.check_task(fab, _signed(keys, fab), node, 1, signed_only)
   warm_clientapp.check_task(fab, seen, {}, 2, unsigned_too)
-  with pytest.raises(run_signature.UntrustedRun, match="not signed"):
+  with raises_field("signer", run_signature.UntrustedRun):  # not signed
     warm_clientapp.check_task(fab, seen, node, 3, signed_only)
   evil = _with_clientapp(fab, "evil:app")
   for run_config, policy in ((_signed(keys, evil), signed_only), (seen, unsigned_too)):
-    with pytest.raises(run_signature.UntrustedRun, match="this client runs only"):
+    with raises_field("clientapp", run_signature.UntrustedRun):
       warm_clientapp.check_task(evil, run_config, node, 4, policy)
   with pytest.raises(ValueError, match="no trusted entities"):
     warm_clientapp.serve("127.0.0.1:1", warm_clientapp.Policy(None))
@@ -225,29 +226,29 @@ def test_a_signed_run_is_computed_once_and_only_soon_after_its_signing(keys, tmp
   def check(run_config, run_id, now, node_config=node):
     warm_clientapp.check_task(fab, run_config, node_config, run_id, policy, now=now)
 
-  def refused(run_config, run_id, now, match, node_config=node):
-    with pytest.raises(run_signature.UntrustedRun, match=match):
+  def refused(run_config, run_id, now, field, node_config=node):
+    with raises_field(field, run_signature.UntrustedRun):
       check(run_config, run_id, now, node_config)
 
   check(run, 7, now=t + 60)  # the run's first task: admitted and recorded
   check(run, 7, now=t + 10 * 3600)  # its later rounds, past max-run-age: the same run
-  refused(run, 8, now=t + 120, match="was computed by this client as Flower run 7")
+  refused(run, 8, now=t + 120, field="run-nonce")  # computed by this client as run 7
   record = signed_runs.recorded(tmp_path / "state")
   assert list(record) == [run["run-nonce"]] and record[run["run-nonce"]]["run_id"] == 7
   # A signature too old, or from the future beyond the skew, when the run first arrives.
-  refused(_signed(keys, fab, signed_at=t), 9, now=t + 3600 + 301, match="signed 3901 s ago")
-  refused(_signed(keys, fab, signed_at=t + 301), 9, now=t, match="301 s in the future")
+  refused(_signed(keys, fab, signed_at=t), 9, now=t + 3600 + 301, field="signed-at")  # old
+  refused(_signed(keys, fab, signed_at=t + 301), 9, now=t, field="signed-at")  # future
   check(_signed(keys, fab, signed_at=t + 299), 10, now=t)  # within the clock skew
   check(_signed(keys, fab, signed_at=t - 3899), 11, now=t)
   # A refused run is not recorded: the same run id is refused again, not admitted.
   old = _signed(keys, fab, signed_at=t - 4000)
-  refused(old, 12, now=t, match="ago")
-  refused(old, 12, now=t, match="ago")
+  refused(old, 12, now=t, field="signed-at")
+  refused(old, 12, now=t, field="signed-at")
   assert old["run-nonce"] not in signed_runs.recorded(tmp_path / "state")
-  refused(_signed(keys, fab), 13, now=None, match="no state-dir", node_config={})
+  refused(_signed(keys, fab), 13, now=None, field="state-dir", node_config={})
   # A record that cannot be read is refused, never reset.
   (tmp_path / "state" / signed_runs.RECORD_FILE).write_text("{not json")
-  refused(run, 7, now=t, match="cannot be read")
+  refused(run, 7, now=t, field="state-dir")
 
 
 def test_node_accepts_only_a_loopback_runtime_api_host():
