@@ -121,7 +121,17 @@ _HIGH_WATER: dict[Path, tuple[int, int]] = {}
 
 class LedgerError(ValueError):
   """The state directory holds a ledger of other records, another privacy setting, or a
-  ledger whose spent budget went down."""
+  ledger whose spent budget went down.
+
+  Attributes:
+    field: what is refused: ``state-dir`` (who may change it, or it was moved), a file of it
+      (:data:`LEDGER_FILE`, :data:`JOURNAL_FILE`), the ledger's ``fingerprint`` (other
+      records) or the privacy setting that differs (``noise_multiplier``, ...).
+  """
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
 
 
 class BudgetExceeded(RuntimeError):
@@ -183,8 +193,9 @@ def check_private(directory: Path) -> None:
     why = f"may be written by its group or by every user (mode {stat.S_IMODE(st.st_mode):04o})"
   if why is not None:
     raise LedgerError(
+      "state-dir",
       f"state-dir {directory} {why}: another user could replace its privacy ledger. "
-      f"Allowed: a directory of this user that only it may write (chmod go-w), or a new one"
+      f"Allowed: a directory of this user that only it may write (chmod go-w), or a new one",
     )
   for parent in directory.resolve().parents:
     st = os.stat(parent)
@@ -195,10 +206,11 @@ def check_private(directory: Path) -> None:
     else:
       continue
     raise LedgerError(
+      "state-dir",
       f"state-dir {directory}: its parent {parent} {why}; another user could rename the "
       "state directory away and the client would start a new ledger. Allowed: a state-dir "
       "whose every parent is root's or this user's and written by them alone (or sticky, as "
-      "/tmp)"
+      "/tmp)",
     )
 
 
@@ -252,9 +264,10 @@ class ClientState:
       st = os.fstat(fd)
       if (st.st_dev, st.st_ino) != self._identity:
         raise LedgerError(
+          "state-dir",
           f"state-dir {self.directory} is no longer the directory this client checked (it "
           "was moved or replaced); refusing to read or write its state there. Allowed: the "
-          "state directory as this client left it"
+          "state directory as this client left it",
         )
       yield fd
     finally:
@@ -316,9 +329,10 @@ class ClientState:
         if i == len(lines) - 1:  # no newline after it: an append cut short
           break
         raise LedgerError(
+          JOURNAL_FILE,
           f"{path} line {i + 1} is not a journal entry ({line[:80]!r}); "
           "refusing to guess the privacy spent. Allowed: the journal this "
-          "client appended to"
+          "client appended to",
         ) from None
     return mark
 
@@ -352,17 +366,19 @@ class ClientState:
     spent = (0, 0) if ledger is None else _spent(ledger)
     if stored is not None and stored.get("journaled") and mark is None:
       raise LedgerError(
+        JOURNAL_FILE,
         f"{self.directory / JOURNAL_FILE} is missing, yet {where} was written with it; the "
         "high-water mark of the budget spent is gone, refusing to spend. Allowed: the "
-        "state directory as this client left it"
+        "state directory as this client left it",
       )
     for name, high in (("journal", mark), ("this process", _HIGH_WATER.get(where))):
       if high is not None and (spent[0] < high[0] or spent[1] < high[1]):
         raise LedgerError(
+          LEDGER_FILE,
           f"{where} records {spent[0]} rounds and {spent[1]} noisy steps, but the {name} "
           f"recorded {high[0]} rounds and {high[1]} steps: the spent budget went down (the "
           "ledger was replaced by an older or a missing one). Refusing to spend; allowed: "
-          "the ledger this client last wrote"
+          "the ledger this client last wrote",
         )
 
   # -- the ledger ------------------------------------------------------------------
@@ -378,9 +394,10 @@ class ClientState:
       return json.loads(text)
     except json.JSONDecodeError as e:
       raise LedgerError(
+        LEDGER_FILE,
         f"{self.directory / LEDGER_FILE} is not valid JSON ({e}); refusing "
         "to guess the privacy spent. Allowed: the file this client "
-        "wrote"
+        "wrote",
       ) from None
 
   def ledger(self, fingerprint: dict, **privacy) -> accounting.PrivacyLedger:
@@ -406,8 +423,9 @@ class ClientState:
       return new
     if stored.get("fingerprint") != fingerprint:
       raise LedgerError(
+        "fingerprint",
         f"{where} accounts for other records ({stored.get('fingerprint')}) than this "
-        f"client's ({fingerprint}); allowed: the state-dir of these records"
+        f"client's ({fingerprint}); allowed: the state-dir of these records",
       )
     cached = _WRITTEN.get(where)
     if cached is not None and cached[0] == text:
@@ -416,18 +434,16 @@ class ClientState:
       try:
         ledger = accounting.PrivacyLedger.from_dict(stored["ledger"])
       except (KeyError, ValueError, TypeError) as e:
-        raise LedgerError(f"{where}: {e}") from None
+        raise LedgerError(LEDGER_FILE, f"{where}: {e}") from None
     self._check_not_rolled_back(ledger, stored)
-    diff = [
-      f"{k}: stored {getattr(ledger, k)!r} vs now {getattr(new, k)!r}"
-      for k in FIXED_PRIVACY_FIELDS
-      if getattr(ledger, k) != getattr(new, k)
-    ]
+    differ = [k for k in FIXED_PRIVACY_FIELDS if getattr(ledger, k) != getattr(new, k)]
+    diff = [f"{k}: stored {getattr(ledger, k)!r} vs now {getattr(new, k)!r}" for k in differ]
     if diff:
       raise LedgerError(
+        differ[0],
         f"{where} composes rounds of another privacy setting ({'; '.join(diff)}); its "
         "rounds cannot be composed with this run's. Allowed: the same noise_multiplier, "
-        "batch_size, records and delta"
+        "batch_size, records and delta",
       )
     if ledger.adjacency != new.adjacency:
       ledger = ledger.with_adjacency(new.adjacency)

@@ -312,9 +312,9 @@ def test_ledger_refuses_other_records_other_settings_and_tampering(tmp_path):
   state = ledger_lib.ClientState(tmp_path)
   led = state.ledger(FINGERPRINT, **PRIVACY)
   state.spend(led, FINGERPRINT, 1, 100.0, {})
-  with pytest.raises(ledger_lib.LedgerError, match="accounts for other records"):
+  with raises_field("fingerprint", ledger_lib.LedgerError):  # other records
     state.ledger({**FINGERPRINT, "index": 1}, **PRIVACY)
-  with pytest.raises(ledger_lib.LedgerError, match="noise_multiplier: stored 1.0 vs now 2.0"):
+  with raises_field("noise_multiplier", ledger_lib.LedgerError):
     state.ledger(FINGERPRINT, **{**PRIVACY, "noise_multiplier": 2.0})
   # Another T per round composes (the ledger stores T per round).
   assert state.ledger(FINGERPRINT, **{**PRIVACY, "steps_per_round": 2}).rounds == 1
@@ -322,10 +322,10 @@ def test_ledger_refuses_other_records_other_settings_and_tampering(tmp_path):
   stored = json.loads(path.read_text())
   stored["ledger"]["epsilons"][0] /= 2
   path.write_text(json.dumps(stored))
-  with pytest.raises(ledger_lib.LedgerError, match="tampered"):
+  with raises_field(ledger_lib.LEDGER_FILE, ledger_lib.LedgerError):  # tampered
     state.ledger(FINGERPRINT, **PRIVACY)
   path.write_text("{not json")
-  with pytest.raises(ledger_lib.LedgerError, match="not valid JSON"):
+  with raises_field(ledger_lib.LEDGER_FILE, ledger_lib.LedgerError):  # not JSON
     state.ledger(FINGERPRINT, **PRIVACY)
 
 
@@ -339,7 +339,7 @@ def test_a_state_dir_another_user_could_change_is_refused(tmp_path, how):
     os.chown(d, 12345, -1)
   else:
     d.chmod(0o770 if how == "group-writable" else 0o707)
-  with pytest.raises(ledger_lib.LedgerError, match="another user could replace its privacy"):
+  with raises_field("state-dir", ledger_lib.LedgerError):
     ledger_lib.ClientState(d)
   # The node config's state-dir goes through the same check on the client.
   rc = {"config": "quickstart:dp_loops"}
@@ -419,13 +419,13 @@ def test_a_ledger_rolled_back_alone_is_refused(tmp_path):
   after_one = path.read_text()
   state.spend(led, FINGERPRINT, 1, 100.0, {"server_round": 2})
   path.write_text(after_one)  # a backup of round 1 put back
-  with pytest.raises(ledger_lib.LedgerError, match="spent budget went down"):
+  with raises_field(ledger_lib.LEDGER_FILE, ledger_lib.LedgerError):  # spent went down
     state.ledger(FINGERPRINT, **PRIVACY)
   ledger_lib._HIGH_WATER.clear()  # a restarted process: the journal alone still refuses
-  with pytest.raises(ledger_lib.LedgerError, match="the journal recorded 2 rounds"):
+  with raises_field(ledger_lib.LEDGER_FILE, ledger_lib.LedgerError):  # below the journal
     ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY)
   path.unlink()  # no ledger at all: not a fresh start while the journal holds rounds
-  with pytest.raises(ledger_lib.LedgerError, match="spent budget went down"):
+  with raises_field(ledger_lib.LEDGER_FILE, ledger_lib.LedgerError):  # spent went down
     ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY)
 
 
@@ -439,7 +439,7 @@ def test_a_ledger_without_its_journal_is_refused_and_a_torn_append_is_not(tmp_pa
   ledger_lib._HIGH_WATER.clear()
   assert ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY).rounds == 2
   journal.unlink()
-  with pytest.raises(ledger_lib.LedgerError, match="is missing"):
+  with raises_field(ledger_lib.JOURNAL_FILE, ledger_lib.LedgerError):  # missing
     ledger_lib.ClientState(tmp_path / "c").ledger(FINGERPRINT, **PRIVACY)
 
 

@@ -217,7 +217,7 @@ def test_a_state_dir_whose_parent_another_user_could_change_is_refused(tmp_path,
     os.chown(shared, 65534, -1)
   else:
     shared.chmod(0o777 if how == "world-writable" else 0o770)
-  with pytest.raises(ledger_lib.LedgerError, match=str(shared)):
+  with raises_field("state-dir", ledger_lib.LedgerError):  # its parent shared
     ledger_lib.ClientState(shared / "site0")
   with pytest.raises(ledger_lib.LedgerError):  # the record of signed runs lives there too
     signed_runs.admit(shared / "site0", "n" * 32, 1, check_new=lambda: None)
@@ -324,7 +324,7 @@ def test_a_state_dir_moved_or_replaced_after_its_check_is_refused(tmp_path):
   state.spend(state.ledger(FINGERPRINT, **PRIVACY), FINGERPRINT, 1, 100.0, {})
   d.rename(tmp_path / "moved")
   d.mkdir(mode=0o700)
-  with pytest.raises(ledger_lib.LedgerError, match="no longer the directory"):
+  with raises_field("state-dir", ledger_lib.LedgerError):  # moved away
     state.ledger(FINGERPRINT, **PRIVACY)
   with pytest.raises(ledger_lib.LedgerError):
     state.locked().__enter__()
