@@ -41,9 +41,8 @@ def ema_accuracies(run_dir: Path, decays: list[float]) -> dict:
       raise ConfigError(
         field,
         cfg[field],
-        f"1 and keep_checkpoints={cfg.rounds}, so that every round 1..{cfg.rounds} is kept",
-        message=f"{run_dir} keeps the checkpoints of rounds {rounds} ({field}={cfg[field]}); "
-        f"allowed: a run of --config.checkpoint_every=1 --config.keep_checkpoints={cfg.rounds}",
+        f"1 and keep_checkpoints={cfg.rounds}, so that every round 1..{cfg.rounds} is kept "
+        f"({run_dir} keeps rounds {rounds})",
       )
     params = [built.algorithm.params_of(ckpt.restore(built.template, m)[0]) for m in rounds]
   finally:
@@ -72,7 +71,12 @@ def main(argv=None) -> int:
     if not 0 <= beta < 1:
       parser.error(f"--decay {beta} is invalid; allowed: numbers in [0, 1)")
   for run_dir in args.run_dirs:
-    print(json.dumps({"run_dir": run_dir.name, **ema_accuracies(run_dir, args.decay)}))
+    try:
+      out = ema_accuracies(run_dir, args.decay)
+    except ConfigError as e:
+      print(f"ema_rounds: {e}", file=sys.stderr)
+      return 2
+    print(json.dumps({"run_dir": run_dir.name, **out}))
   return 0
 
 

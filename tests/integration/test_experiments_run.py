@@ -836,24 +836,33 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
 
 
 def test_the_ema_of_the_rounds_at_decay_0_is_the_last_rounds_model(tmp_path):
-  """benchmarks.ema_rounds on a run that kept every round: decay 0 is the last round's model
-  (the run's own last accuracy), another decay is a model of its own; a run missing a round's
-  checkpoint is refused by the field that kept too few."""
+  """python -m benchmarks.ema_rounds on a run that kept every round: decay 0 is the last
+  round's model (the run's own last accuracy), another decay is a model of its own; a run
+  missing a round's checkpoint is refused by the field that kept too few, with status 2."""
+  import pathlib
   import shutil
-
-  from benchmarks import ema_rounds
+  import subprocess
+  import sys
 
   workdir = tmp_path / "run"
   cfg = tiny_config(checkpoint_every=1, keep_checkpoints=4, progress_bar=False, plots=False)
   result = train.train_and_evaluate(cfg, workdir)
-  out = ema_rounds.ema_accuracies(workdir, [0.0, 0.9])
+
+  def ema(*decays):
+    argv = ["benchmarks.ema_rounds", str(workdir), "--decay", *map(str, decays)]
+    root = pathlib.Path(__file__).resolve().parents[2]  # the repository: benchmarks/ is here
+    return subprocess.run([sys.executable, "-m", *argv], cwd=root, capture_output=True, text=True)
+
+  done = ema(0.0, 0.9)
+  assert done.returncode == 0, done.stderr[-2000:]
+  out = json.loads(done.stdout.splitlines()[-1])
   assert out["rounds"] == 4
   last = result["records"][-1]["test_accuracy"]
-  assert out["last"] == out["ema"][0.0] == pytest.approx(last, abs=1e-6)
-  assert 0.0 <= out["ema"][0.9] <= 1.0
+  assert out["last"] == out["ema"]["0.0"] == pytest.approx(last, abs=1e-6)
+  assert 0.0 <= out["ema"]["0.9"] <= 1.0
   shutil.rmtree(workdir / "checkpoints" / "1")
-  with raises_field("keep_checkpoints"):
-    ema_rounds.ema_accuracies(workdir, [0.5])
+  refused = ema(0.5)
+  assert refused.returncode == 2 and "keep_checkpoints=4 is invalid" in refused.stderr
 
 
 def test_stray_checkpoint_directory_is_set_aside(crashed_and_resumed, tmp_path):
