@@ -133,6 +133,9 @@ class LedgerError(ValueError):
     super().__init__(message)
     self.field = field
 
+  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
+    return type(self), (self.field, str(self))
+
 
 class BudgetExceeded(RuntimeError):
   """A round would take the client's epsilon past its maximum."""

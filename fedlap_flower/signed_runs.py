@@ -40,6 +40,9 @@ class ReplayedRun(ValueError):
     super().__init__(message)
     self.field = field
 
+  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
+    return type(self), (self.field, str(self))
+
 
 def _read(state: ledger_lib.ClientState) -> dict[str, dict]:
   path = state.directory / RECORD_FILE

@@ -84,6 +84,9 @@ class UntrustedRun(ValueError):
     super().__init__(message)
     self.field = field
 
+  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
+    return type(self), (self.field, str(self))
+
 
 def _message(digest_bytes: bytes, signed_at: int) -> bytes:
   """What is signed: ``signed_at`` as 8 bytes big-endian, then the digest (Flower's layout)."""

@@ -89,6 +89,18 @@ def test_signed_run_verifies_and_any_change_is_refused(keys, tmp_path):
   assert run_signature._message(digest, 1234) == create_message_to_sign(digest, 1234)
 
 
+def test_a_refusal_crosses_a_process_boundary_with_its_field():
+  """The node's refusals are pickled whole (a ClientApp in another process, Ray's workers):
+  the type, the field and the message survive."""
+  import pickle
+
+  from fedlap_flower import ledger as ledger_lib
+
+  for cls in (run_signature.UntrustedRun, signed_runs.ReplayedRun, ledger_lib.LedgerError):
+    e = pickle.loads(pickle.dumps(cls("run-nonce", "refused: run-nonce")))
+    assert type(e) is cls and e.field == "run-nonce" and str(e) == "refused: run-nonce"
+
+
 def test_trusted_entities_must_be_ed25519(tmp_path):
   ecdsa = ssh_key_pair(tmp_path / "node", "ecdsa")
   bad = tmp_path / "bad.yaml"
