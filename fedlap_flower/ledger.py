@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import fcntl
 import json
 import os
@@ -150,6 +151,10 @@ class BudgetExceeded(RuntimeError):
       f"refused: this round would raise epsilon from {epsilon:.4f} {to} {epsilon_after:.4f}, "
       f"above the client's max-epsilon={max_epsilon:g}"
     )
+
+  def __reduce__(self):  # pickled whole (a process boundary keeps the figures)
+    args = (self.epsilon, self.epsilon_after, self.max_epsilon)
+    return functools.partial(type(self), at_least=self.at_least), args
 
 
 def fresh_round_key() -> jax.Array:

@@ -89,6 +89,9 @@ class InvalidReply(ValueError):
     super().__init__(message)
     self.field = field
 
+  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
+    return type(self), (self.field, str(self))
+
 
 def short(value: Any, limit: int = 80) -> str:
   """``repr(value)``, cut to ``limit`` characters (a reply's values can be huge)."""

@@ -96,9 +96,26 @@ def test_a_refusal_crosses_a_process_boundary_with_its_field():
 
   from fedlap_flower import ledger as ledger_lib
 
-  for cls in (run_signature.UntrustedRun, signed_runs.ReplayedRun, ledger_lib.LedgerError):
+  from fedlap_flower import replies
+
+  refusals = (
+    run_signature.UntrustedRun,
+    signed_runs.ReplayedRun,
+    ledger_lib.LedgerError,
+    replies.InvalidReply,
+  )
+  for cls in refusals:
     e = pickle.loads(pickle.dumps(cls("run-nonce", "refused: run-nonce")))
     assert type(e) is cls and e.field == "run-nonce" and str(e) == "refused: run-nonce"
+  over = ledger_lib.BudgetExceeded(3.5, 4.25, 4.0, at_least=True)
+  back = pickle.loads(pickle.dumps(over))
+  assert (back.epsilon, back.epsilon_after, back.max_epsilon, back.at_least) == (
+    3.5,
+    4.25,
+    4.0,
+    True,
+  )
+  assert str(back) == str(over)
 
 
 def test_trusted_entities_must_be_ed25519(tmp_path):
