@@ -91,6 +91,8 @@ from fedlap_jax import accounting
 from fedlap_jax.checks import ConfigError
 from fedlap_jax.method import Wire
 
+from fedlap_flower.refusal import Refusal
+
 LEDGER_FILE = "privacy_ledger.json"
 JOURNAL_FILE = "privacy_journal.jsonl"
 # A carried client state per federated run and round (its named arrays and that round).
@@ -120,7 +122,7 @@ _WRITTEN: dict[Path, tuple[str, accounting.PrivacyLedger]] = {}
 _HIGH_WATER: dict[Path, tuple[int, int]] = {}
 
 
-class LedgerError(ValueError):
+class LedgerError(Refusal):
   """The state directory holds a ledger of other records, another privacy setting, or a
   ledger whose spent budget went down.
 
@@ -129,13 +131,6 @@ class LedgerError(ValueError):
       (:data:`LEDGER_FILE`, :data:`JOURNAL_FILE`), the ledger's ``fingerprint`` (other
       records) or the privacy setting that differs (``noise_multiplier``, ...).
   """
-
-  def __init__(self, field: str, message: str):
-    super().__init__(message)
-    self.field = field
-
-  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
-    return type(self), (self.field, str(self))
 
 
 class BudgetExceeded(RuntimeError):

@@ -75,6 +75,8 @@ import numpy as np
 from fedlap_jax import update_bounds
 from fedlap_jax.checks import ConfigError
 
+from fedlap_flower.refusal import Refusal
+
 # |x| of an accepted synthetic image is at most this times the largest |pixel| of the
 # normalised test split (at least 1).
 IMAGE_RANGE_FACTOR = 1000.0
@@ -82,15 +84,8 @@ IMAGE_RANGE_FACTOR = 1000.0
 MAX_NUM_EXAMPLES = 2**24
 
 
-class InvalidReply(ValueError):
+class InvalidReply(Refusal):
   """A reply that does not fit the round; ``field`` names what is wrong."""
-
-  def __init__(self, field: str, message: str):
-    super().__init__(message)
-    self.field = field
-
-  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
-    return type(self), (self.field, str(self))
 
 
 def short(value: Any, limit: int = 80) -> str:

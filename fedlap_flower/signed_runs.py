@@ -27,21 +27,15 @@ from pathlib import Path
 from typing import Callable
 
 from fedlap_flower import ledger as ledger_lib
+from fedlap_flower.refusal import Refusal
 
 RECORD_FILE = "signed_runs.json"
 FORMAT = 1
 
 
-class ReplayedRun(ValueError):
+class ReplayedRun(Refusal):
   """A signed run this client already computed under another Flower run (``field``
   ``run-nonce``), or a record it cannot read (``field`` ``state-dir``)."""
-
-  def __init__(self, field: str, message: str):
-    super().__init__(message)
-    self.field = field
-
-  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
-    return type(self), (self.field, str(self))
 
 
 def _read(state: ledger_lib.ClientState) -> dict[str, dict]:

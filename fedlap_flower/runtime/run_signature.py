@@ -61,6 +61,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from fedlap_flower.refusal import Refusal
+
 SIGNATURE_KEYS = ("signer", "signature", "signed-at")
 NONCE_KEY = "run-nonce"
 # Set by signed_overrides, never by hand.
@@ -71,7 +73,7 @@ DEFAULT_MAX_RUN_AGE = 3600.0
 DEFAULT_CLOCK_SKEW = 300.0
 
 
-class UntrustedRun(ValueError):
+class UntrustedRun(Refusal):
   """A run without a valid signature by a trusted key (or signed too long ago, or already
   computed under another run).
 
@@ -79,13 +81,6 @@ class UntrustedRun(ValueError):
     field: what is refused: the run config's ``signer``, ``signature``, ``signed-at`` or
       ``run-nonce``, the bundle's ``clientapp``, or the node config's ``state-dir``.
   """
-
-  def __init__(self, field: str, message: str):
-    super().__init__(message)
-    self.field = field
-
-  def __reduce__(self):  # pickled whole (a process boundary keeps the field)
-    return type(self), (self.field, str(self))
 
 
 def _message(digest_bytes: bytes, signed_at: int) -> bytes:
