@@ -52,7 +52,9 @@ def ema_accuracies(run_dir: Path, decays: list[float]) -> dict:
   pre = lambda a: normalise_pixels(
     a, pixel_scale=jnp.asarray(ds.pixel_scale), pixel_offset=jnp.asarray(ds.pixel_offset)
   )
-  accuracy = jax.jit(lambda p: evaluate(built.apply_fn, p, x, y, preprocess=pre).accuracy)
+  # The test split is an argument, not a constant of the program (XLA would fold it).
+  evaluated = jax.jit(lambda p, x, y: evaluate(built.apply_fn, p, x, y, preprocess=pre).accuracy)
+  accuracy = lambda p: evaluated(p, x, y)
   out = {"rounds": len(rounds), "last": float(accuracy(params[-1])), "ema": {}}
   for beta in decays:
     avg = params[0]
