@@ -385,44 +385,36 @@ def tiny_run(method: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_feddm_with_server_weighting_none_runs_as_size_through_experiments_run(tmp_path):
-  """FedDM on ``quickstart:nondp`` with ``server.weighting=None`` (the default of the FedLAP
-  config it starts from) runs through the command line, record for record as ``size``."""
-  records = {}
-  for weighting in ("None", "size"):
-    workdir = tmp_path / weighting
-    argv = ["prog", *tiny_run("feddm"), f"--config.server.weighting={weighting}"]
-    argv.append(f"--workdir={workdir}")
-    assert run.main(argv) == 0
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    records[weighting] = [
-      {k: v for k, v in json.loads(line).items() if k not in ("round_seconds", "wall_seconds")}
-      for line in lines
-    ]
-  assert records["None"] == records["size"] and len(records["None"]) == 1
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "method, section", [("feddm", "feddm"), ("dsc", "condense")], ids=["feddm", "dsc"]
-)
-def test_the_images_optimiser_of_feddm_and_dsc_is_a_config_of_experiments_run(
-  tmp_path, method, section
-):
+def test_the_images_optimiser_is_a_config_of_experiments_run(tmp_path):
   """``feddm.image_optimizer`` / ``condense.image_optimizer`` chosen on the command line (Adam
-  at the section's ``image_lr``, its ``image_momentum`` at 0) reaches the clients' matching:
-  the run's synthetic images and result change, the run's config holds the choice, and a
-  checkpoint's config from before the field ran with plain SGD (the default)."""
+  at the section's ``image_lr``, its ``image_momentum`` at 0) is the images' optimiser of the
+  method's library config; FedDM's run with it changes its synthetic images and result, the
+  run's config holds the choice, and a checkpoint's config from before the field ran with plain
+  SGD (the default). That the library config's optimiser is the one the clients' matching steps
+  (FedDM's and DSC's alike): ``tests/unit/test_condensation.py``."""
   from experiments import resume  # pylint: disable=g-import-not-at-top
 
-  tiny = tiny_run(method)
-  adam = [
-    f"--config.{section}.image_optimizer.name=adam",
-    f"--config.{section}.image_momentum=0.0",
-    f"--config.{section}.image_lr=0.05",
-  ]
+  def adam(section):
+    return [
+      f"--config.{section}.image_optimizer.name=adam",
+      f"--config.{section}.image_momentum=0.0",
+      f"--config.{section}.image_lr=0.05",
+    ]
+
+  for method, section in (("feddm", "feddm"), ("dsc", "condense")):
+    cfg = flags.parse_argv(["prog", *tiny_run(method), *adam(section)])[0].config
+    built = library_configs.library_config(cfg, max_client_size=400)
+    images = built if method == "feddm" else built.condensation
+    assert (images.image_optimizer.name, images.image_momentum, images.image_lr) == (
+      "adam",
+      0.0,
+      0.05,
+    )
+    assert resume.ADDED_FIELDS[f"{section}.image_optimizer.name"] == "sgd"
+
+  tiny = tiny_run("feddm")
   images, records = {}, {}
-  for name, extra in (("sgd", []), ("adam", adam)):
+  for name, extra in (("sgd", []), ("adam", adam("feddm"))):
     workdir = tmp_path / name
     assert run.main(["prog", *tiny, *extra, f"--workdir={workdir}"]) == 0
     records[name] = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
@@ -432,5 +424,4 @@ def test_the_images_optimiser_of_feddm_and_dsc_is_a_config_of_experiments_run(
   x = [k for k in images["sgd"] if k.endswith("x")]
   assert x and not all(np.array_equal(images["sgd"][k], images["adam"][k]) for k in x)
   config = json.loads((tmp_path / "adam" / "config.json").read_text())
-  assert config[section]["image_optimizer"]["name"] == "adam"
-  assert resume.ADDED_FIELDS[f"{section}.image_optimizer.name"] == "sgd"
+  assert config["feddm"]["image_optimizer"]["name"] == "adam"

@@ -4,8 +4,10 @@ The SuperLink (TLS, SuperNode authentication) listens on ``127.0.0.1``; its
 nginx front listens on ``127.0.0.2``, the stand-in for the server's public
 address: what reaches ``127.0.0.2`` is what a stranger on the network reaches.
 Two client nodes (:mod:`fedlap_flower.node`) connect through the front with
-keys the operator registered, and trust only the operator's signing key.
-Needs nginx (Debian: ``nginx-light``) and loopback networking.
+keys the operator registered, and trust only the operator's signing key. A signed
+run is computed once: submitted again, every node refuses it before its ledger moves.
+Needs loopback networking; without nginx (Debian: ``nginx-light``) the front's
+checks are left out and the nodes connect to the SuperLink on ``127.0.0.1``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from fedlap_flower import ledger as ledger_lib
+from fedlap_flower import signed_runs
 from flower_harness import TINY, read_jsonl
 from flower_federation import APP_DIR, PUBLIC_HOST, Federation, ssh_key_pair
 from local_network import loopback_up
@@ -44,11 +48,15 @@ def _reachable(host: str, port: int) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _need_loopback_and_nginx():
-  if not loopback_up(PUBLIC_HOST):
-    pytest.skip(f"{PUBLIC_HOST} is not available: loopback networking is down")
-  if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
-    pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")
+def _need_loopback():
+  if not loopback_up():
+    pytest.skip("loopback networking is down: SuperLink and SuperNodes cannot talk")
+
+
+def _nginx() -> bool:
+  return loopback_up(PUBLIC_HOST) and (
+    shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
+  )
 
 
 def _post_status(url: str, ca: Path, body: bytes = b"", headers: dict | None = None) -> int:
@@ -93,56 +101,67 @@ def _refusals(run_dir: Path) -> list[str]:
   return [f"{r['status']}: {r.get('reason', '')}" for r in reports]
 
 
+def _strangers_are_kept_out(fed: Federation, tmp_path: Path) -> None:
+  """At the front: a stranger's key cannot be registered, Control and runtime are not
+  served, and the SuperLink's own port is not on the public address."""
+  ca = fed.certs["ca"]
+  front = f"https://{PUBLIC_HOST}:{fed.public_port}"
+
+  # (a) A stranger's key cannot be registered from the network; the SuperLink's own
+  # port is not served on the public address at all.
+  stranger = ssh_key_pair(tmp_path / "stranger" / "node", "ecdsa")
+  res = _json(fed.register(Path(f"{stranger}.pub"), "front"))
+  assert res["success"] is False and "403" in res["error-message"], res
+  assert not _reachable(PUBLIC_HOST, fed.port)
+  # (c) Control, runtime (ServerApp <-> SuperLink) and every other path: refused,
+  # also when the path only looks like the Fleet API before normalisation.
+  for path in (
+    "/v1/control/start-run",
+    "/v1/control/register-node",
+    "/v1/runtime/pull-messages",
+    "/v1/runtime/acquire-task",
+    "/v1/fleet/../control/register-node",
+    "/v1/fleet/%2e%2e/control/list-runs",
+    "/health",
+    "/docs",
+  ):
+    assert _post_status(front + path, ca) == 403, path
+  # The Fleet API passes the front, but a key the operator did not register can neither
+  # register itself there (412: registration disabled under SuperNode authentication)
+  # nor join (activation of an unknown key fails).
+  from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+  from flwr.proto.fleet_pb2 import ActivateNodeRequest, RegisterNodeFleetRequest
+  from cryptography.hazmat.primitives import serialization
+
+  pub = public_key_to_bytes(
+    serialization.load_ssh_private_key(stranger.read_bytes(), password=None).public_key()
+  )
+  assert (
+    _signed_fleet_status(
+      front + "/v1/fleet/register-node", ca, RegisterNodeFleetRequest(public_key=pub), stranger
+    )
+    == 412
+  )
+  activate = _signed_fleet_status(
+    front + "/v1/fleet/activate-node",
+    ca,
+    ActivateNodeRequest(public_key=pub, heartbeat_interval=30),
+    stranger,
+  )
+  assert 400 <= activate < 500, activate
+
+
 def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
-  """A stranger cannot register a key or reach Control / runtime; nodes compute only
-  runs of the installed ClientApp signed by the operator's key."""
+  """A stranger cannot register a key or reach Control / runtime (with the front); nodes
+  compute only runs of the installed ClientApp signed by the operator's key, each once: the
+  same signed TOML submitted again (its run-dir removed, as a local process on the server
+  could) is refused by every node before its ledger moves."""
   cache = str(tmp_path_factory.mktemp("jax_cache"))
-  with Federation(tmp_path / "fed", hardened=True, env={"JAX_COMPILATION_CACHE_DIR": cache}) as fed:
-    ca = fed.certs["ca"]
-    front = f"https://{PUBLIC_HOST}:{fed.public_port}"
-
-    # (a) A stranger's key cannot be registered from the network; the SuperLink's own
-    # port is not served on the public address at all.
-    stranger = ssh_key_pair(tmp_path / "stranger" / "node", "ecdsa")
-    res = _json(fed.register(Path(f"{stranger}.pub"), "front"))
-    assert res["success"] is False and "403" in res["error-message"], res
-    assert not _reachable(PUBLIC_HOST, fed.port)
-    # (c) Control, runtime (ServerApp <-> SuperLink) and every other path: refused,
-    # also when the path only looks like the Fleet API before normalisation.
-    for path in (
-      "/v1/control/start-run",
-      "/v1/control/register-node",
-      "/v1/runtime/pull-messages",
-      "/v1/runtime/acquire-task",
-      "/v1/fleet/../control/register-node",
-      "/v1/fleet/%2e%2e/control/list-runs",
-      "/health",
-      "/docs",
-    ):
-      assert _post_status(front + path, ca) == 403, path
-    # The Fleet API passes the front, but a key the operator did not register can neither
-    # register itself there (412: registration disabled under SuperNode authentication)
-    # nor join (activation of an unknown key fails).
-    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
-    from flwr.proto.fleet_pb2 import ActivateNodeRequest, RegisterNodeFleetRequest
-    from cryptography.hazmat.primitives import serialization
-
-    pub = public_key_to_bytes(
-      serialization.load_ssh_private_key(stranger.read_bytes(), password=None).public_key()
-    )
-    assert (
-      _signed_fleet_status(
-        front + "/v1/fleet/register-node", ca, RegisterNodeFleetRequest(public_key=pub), stranger
-      )
-      == 412
-    )
-    activate = _signed_fleet_status(
-      front + "/v1/fleet/activate-node",
-      ca,
-      ActivateNodeRequest(public_key=pub, heartbeat_interval=30),
-      stranger,
-    )
-    assert 400 <= activate < 500, activate
+  with Federation(
+    tmp_path / "fed", hardened=True, front=_nginx(), env={"JAX_COMPILATION_CACHE_DIR": cache}
+  ) as fed:
+    if fed.use_front:
+      _strangers_are_kept_out(fed, tmp_path)
 
     for k in range(K):
       fed.start_supernode(
@@ -192,9 +211,25 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
     assert len(refusals) == K and all("this client runs only" in r for r in refusals), refusals
     assert not marker.exists()
 
-    # The operator's signed run goes through the front and completes.
+    # The operator's signed run (through the front, where there is one) completes, charged
+    # once on each node: the refused runs above charged nothing.
     run_dir = tmp_path / "run_signed"
     run_id = fed.run({**RUN, "run-dir": str(run_dir)})
     status = fed.wait(run_id, timeout=900, poll=1.0)
     assert status == "finished:completed", fed.logs(run_id)[-4000:]
-  assert [r["clients_ok"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [[0, 1]]
+    assert [r["clients_ok"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [[0, 1]]
+    states = [tmp_path / f"client-{k}" for k in range(K)]
+    spent = [ledger_lib.ClientState(s).history() for s in states]
+    assert [len(h) for h in spent] == [1] * K
+
+    # The same signed TOML submitted again, its run-dir removed: refused by every node.
+    shutil.rmtree(run_dir)
+    again = fed.submit(fed.last_run_config)
+    assert fed.wait(again, timeout=600, poll=1.0) != "finished:completed"
+  reasons = _refusals(run_dir)
+  assert len(reasons) == K and all(
+    f"was computed by this client as Flower run {run_id}" in r for r in reasons
+  ), reasons
+  assert [ledger_lib.ClientState(s).history() for s in states] == spent  # nothing charged
+  for s in states:
+    assert [e["run_id"] for e in signed_runs.recorded(s).values()] == [run_id]

@@ -1,49 +1,31 @@
-"""Real Flower processes in the default suite: the node's guard and one hardened deployment.
+"""Real Flower processes in the default suite: the node's guard and the server's.
 
 * A node hands its tasks only to its own worker: its Runtime API refuses
   ``AcquireTask`` from any other local process (SuperExec authentication).
-* The hardened deployment of README.md on one machine, one round: TLS,
-  SuperNode authentication, two nodes computing only runs signed by the
-  operator's key (through the nginx front on ``127.0.0.2`` where nginx is
-  installed, else straight to the SuperLink on ``127.0.0.1``). The same signed
-  run config submitted again is refused by both nodes and charges no ledger.
+* The server runs only the installed ServerApp, never a bundle's.
 
-The whole deployment with the front and the strangers' attempts:
-``test_flower_deployment.py`` (``-m flower``).
+The hardened deployment itself (TLS, node authentication, signed runs computed once,
+the nginx front and the strangers' attempts): ``test_flower_deployment.py`` (``-m flower``).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from fedlap_flower import ledger as ledger_lib
-from fedlap_flower import signed_runs
-from flower_federation import PUBLIC_HOST, Federation
+from flower_federation import Federation
 from local_network import loopback_up
-from flower_harness import TINY, read_jsonl
 
 pytestmark = [pytest.mark.slow]
-
-K = 2
 
 
 @pytest.fixture(autouse=True)
 def _need_loopback():
   if not loopback_up():
     pytest.skip("loopback networking is down: SuperLink and SuperNodes cannot talk")
-
-
-def _nginx() -> bool:
-  return loopback_up(PUBLIC_HOST) and (
-    shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
-  )
 
 
 def _answers(port: int) -> bool:
@@ -82,47 +64,6 @@ def test_a_node_hands_its_tasks_only_to_its_own_worker(tmp_path):
     finally:
       stranger.close()
     assert refused.value.response.status_code in (401, 403), refused.value.response.text
-
-
-def test_hardened_deployment_computes_a_signed_run_once(tmp_path, tmp_path_factory):
-  """TLS, node authentication, two nodes, a signed DP run of one round; the same signed TOML
-  submitted again (its run-dir removed, as a local process on the server could) is refused by
-  every node before its ledger is touched."""
-  cache = str(tmp_path_factory.mktemp("jax_cache"))
-  run_dir = tmp_path / "run"
-  run = {
-    "config": "quickstart:dp",
-    "overrides": f"{TINY.replace('rounds=2', 'rounds=1')} data.num_clients={K}",
-    "round-timeout": 300.0,
-    "run-dir": str(run_dir),
-  }
-  states = [tmp_path / f"client-{k}" for k in range(K)]
-  with Federation(
-    tmp_path / "fed", hardened=True, front=_nginx(), env={"JAX_COMPILATION_CACHE_DIR": cache}
-  ) as fed:
-    for k in range(K):
-      fed.start_supernode(
-        k,
-        {"partition-id": k, "num-partitions": K, "state-dir": str(states[k]), "max-epsilon": 50.0},
-      )
-    run_id = fed.run(run)
-    status = fed.wait(run_id, timeout=900, poll=1.0)
-    assert status == "finished:completed", fed.logs(run_id)[-4000:]
-    assert [r["clients_ok"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [[0, 1]]
-    spent = [ledger_lib.ClientState(s).history() for s in states]
-    assert [len(h) for h in spent] == [1] * K
-
-    shutil.rmtree(run_dir)
-    again = fed.submit(fed.last_run_config)
-    assert fed.wait(again, timeout=600, poll=1.0) != "finished:completed"
-  reports = json.loads((run_dir / "client_reports.json").read_text())
-  reasons = [r.get("reason", "") for r in reports]
-  assert len(reasons) == K and all(
-    f"was computed by this client as Flower run {run_id}" in r for r in reasons
-  ), reasons
-  assert [ledger_lib.ClientState(s).history() for s in states] == spent  # nothing charged
-  for s in states:
-    assert [e["run_id"] for e in signed_runs.recorded(s).values()] == [run_id]
 
 
 def test_the_server_runs_no_serverapp_of_a_bundle(tmp_path):
