@@ -11,7 +11,7 @@ import pytest
 
 from experiments import run
 
-from fedlap_runs import checkpointing, configs, library_configs
+from fedlap_runs import checkpointing, configs, flags, library_configs
 from fedlap_jax.baselines import BaselineConfig
 from fedlap_jax.methods import REGISTRY
 
@@ -80,7 +80,7 @@ def test_fedadam_is_fedavg_with_an_adam_server_preset():
 
 # FedLAP on digits, small: one round, one model epoch between the two while-loop iterations,
 # so the client model's optimiser runs, and a short server descent; no DSA augmentation (a
-# smaller program to compile for each of the four optimiser choices).
+# smaller program to compile for each run).
 FEDLAP_TINY = [
   "--config=quickstart:nondp",
   *TINY,
@@ -103,20 +103,28 @@ def _fedlap(workdir, *flags):
 def test_fedlaps_server_and_client_model_optimisers_are_configs_of_experiments_run(tmp_path):
   """``server.optimizer`` (the trust-region descent), ``client.model_optimizer`` (the client
   model's epochs on its synthetic set) and ``client.image_optimizer`` (the synthetic images, at
-  ``client.image_lr``) chosen on the command line: each run changes the result, and the run's
-  config holds the choice."""
-  default = _fedlap(tmp_path / "sgd")
-  adam_server = _fedlap(tmp_path / "adam_server", "--config.server.optimizer.name=adam")
-  adam_model = _fedlap(tmp_path / "adam_model", "--config.client.model_optimizer.name=adam")
-  adam_images = _fedlap(
-    tmp_path / "adam_images",
-    "--config.client.image_optimizer.name=adam",
+  ``client.image_lr``) chosen on the command line are the library config's; a run with one
+  changes the result, and the run's config holds the choice. That each library field is the
+  optimiser its step takes: ``tests/unit/test_optim.py``."""
+  chosen = [
+    "--config.server.optimizer.name=adam",
+    "--config.client.model_optimizer.name=adam",
+    "--config.client.image_optimizer.name=yogi",
     "--config.client.image_momentum=0.0",
     "--config.client.image_lr=0.1",
+  ]
+  built = library_configs.library_config(
+    flags.parse_argv(["prog", *FEDLAP_TINY, *chosen])[0].config
   )
-  assert [r["round"] for r in default] == [1]
-  for other in (adam_server, adam_model, adam_images):
-    assert [r["round"] for r in other] == [1]
-    assert other[-1]["test_loss"] != default[-1]["test_loss"]
+  assert (
+    built.server.optimizer.name,
+    built.client.model_optimizer.name,
+    built.client.image_optimizer.name,
+    built.client.image_lr,
+  ) == ("adam", "adam", "yogi", 0.1)
+  default = _fedlap(tmp_path / "sgd")
+  adam_server = _fedlap(tmp_path / "adam_server", chosen[0])
+  assert [r["round"] for r in default] == [r["round"] for r in adam_server] == [1]
+  assert adam_server[-1]["test_loss"] != default[-1]["test_loss"]
   config = json.loads((tmp_path / "adam_server" / "config.json").read_text())
   assert config["server"]["optimizer"]["name"] == "adam"
