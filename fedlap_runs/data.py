@@ -629,18 +629,26 @@ def partition(
   Returns:
     ``K`` sorted int64 index arrays (disjoint; possibly empty, which the
     caller's validation reports).
+
+  Raises:
+    ConfigError: naming ``data.partition``, ``data.num_clients`` or ``data.dirichlet_alpha``.
   """
   if scheme not in PARTITIONS:
-    raise ValueError(f"data.partition={scheme!r} is invalid; allowed: one of {PARTITIONS}")
+    raise ConfigError("data.partition", scheme, f"one of {PARTITIONS}")
   if not isinstance(num_clients, int) or num_clients < 1:
-    raise ValueError(f"data.num_clients={num_clients!r} is invalid; allowed: an integer >= 1")
+    raise ConfigError("data.num_clients", num_clients, "an integer >= 1")
   rng = np.random.default_rng([seed, 29])
   if scheme == "paper":
     if num_classes % num_clients:
-      raise ValueError(
-        f"data.num_clients={num_clients} is invalid with data.partition='paper' and "
-        f"{num_classes} classes; allowed: a divisor of {num_classes} (each client owns "
-        f"num_classes / num_clients whole classes)"
+      allowed = (
+        f"a divisor of {num_classes} (each client owns num_classes / num_clients whole classes)"
+      )
+      raise ConfigError(
+        "data.num_clients",
+        num_clients,
+        allowed,
+        message=f"data.num_clients={num_clients} is invalid with data.partition='paper' and "
+        f"{num_classes} classes; allowed: {allowed}",
       )
     order = PAPER_CLASS_ORDER if num_classes == 10 else tuple(range(num_classes))
     per = num_classes // num_clients
@@ -648,7 +656,7 @@ def partition(
   if scheme == "iid":
     return [np.sort(part) for part in np.array_split(rng.permutation(len(y)), num_clients)]
   if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
-    raise ValueError(f"data.dirichlet_alpha={alpha!r} is invalid; allowed: a finite number > 0")
+    raise ConfigError("data.dirichlet_alpha", alpha, "a finite number > 0")
   parts = [[] for _ in range(num_clients)]
   for c in range(num_classes):
     idx = rng.permutation(np.flatnonzero(y == c))
@@ -664,14 +672,16 @@ def load_split(data_cfg) -> tuple[Dataset, list[np.ndarray]]:
   (:func:`client_split`).
 
   Raises:
-    ConfigError: the data does not load or does not split as configured (named
-      ``data.source``).
+    ConfigError: the data does not load (named ``data.source``) or does not split as
+      configured (named by the partition's field).
     DataUnavailableError: tfds data missing and no network.
   """
   try:
     dataset = load_dataset(data_cfg)
     return dataset, list(client_split(dataset, data_cfg))
-  except ValueError as e:  # bad data or a partition the data does not allow
+  except ConfigError:  # names its own field (a partition the data does not allow)
+    raise
+  except ValueError as e:  # bad data
     raise ConfigError(
       "data.source", data_cfg.source, "data the config can use", message=str(e)
     ) from None

@@ -10,6 +10,7 @@ from fedlap_jax import accounting
 from fedlap_jax import dp_config
 from fedlap_jax.methods.fedlap import config as core
 
+from conftest import raises_field
 from fedlap_runs import data as data_lib
 from experiments import run
 from fedlap_runs import flags, library_configs
@@ -319,8 +320,9 @@ def test_model_too_deep_for_the_images(digits):
 
 def test_paper_partition_needs_a_divisor_of_the_classes(digits):
   ds, _ = digits
-  with pytest.raises(ValueError, match="data.num_clients=3 .*divisor of 10"):
+  with raises_field("data.num_clients") as err:
     data_lib.partition(ds.y_train, num_clients=3, scheme="paper", num_classes=10)
+  assert err.value.value == 3 and "a divisor of 10" in err.value.allowed
 
 
 # ------------------------------------------------------------------- CLI

@@ -156,6 +156,20 @@ def _write_npz(path, n=60, shape=(6, 6, 3), dtype=np.uint8, classes=4, **overrid
   return arrays
 
 
+def test_a_partition_the_loaded_classes_do_not_allow_names_its_own_field(tmp_path):
+  """A custom data set's classes are known once it is loaded: 3 clients of the paper's
+  partition over its 4 classes are refused naming ``data.num_clients`` (not ``data.source``:
+  the data loaded well)."""
+  path = tmp_path / "mine.npz"
+  _write_npz(path, classes=4)
+  cfg = data_cfg(name="custom", source=f"npz:{path}", partition="paper", num_clients=3)
+  with raises_field("data.num_clients") as err:
+    data_lib.load_split(cfg)
+  assert err.value.value == 3 and "a divisor of 4" in err.value.allowed
+  cfg.num_clients = 2
+  assert [len(i) for i in data_lib.load_split(cfg)[1]] == [30, 30]
+
+
 def test_npz_custom_is_standardised_per_channel(tmp_path):
   path = tmp_path / "mine.npz"
   raw = _write_npz(path)
