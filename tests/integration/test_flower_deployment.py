@@ -107,13 +107,13 @@ def _strangers_are_kept_out(fed: Federation, tmp_path: Path) -> None:
   ca = fed.certs["ca"]
   front = f"https://{PUBLIC_HOST}:{fed.public_port}"
 
-  # (a) A stranger's key cannot be registered from the network; the SuperLink's own
+  # A stranger's key cannot be registered from the network; the SuperLink's own
   # port is not served on the public address at all.
   stranger = ssh_key_pair(tmp_path / "stranger" / "node", "ecdsa")
   res = _json(fed.register(Path(f"{stranger}.pub"), "front"))
   assert res["success"] is False and "403" in res["error-message"], res
   assert not _reachable(PUBLIC_HOST, fed.port)
-  # (c) Control, runtime (ServerApp <-> SuperLink) and every other path: refused,
+  # Control, runtime (ServerApp <-> SuperLink) and every other path: refused,
   # also when the path only looks like the Fleet API before normalisation.
   for path in (
     "/v1/control/start-run",
@@ -175,7 +175,7 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
       )
     assert len(_nodes(fed)) == K, _nodes(fed)  # the operator's two, not the stranger's
 
-    # (b) A run signed by a key the nodes do not trust: every node refuses it.
+    # A run signed by a key the nodes do not trust: every node refuses it.
     outsider = ssh_key_pair(tmp_path / "stranger" / "signer", "ed25519")
     run_dir = tmp_path / "run_untrusted"
     run_id = fed.run({**RUN, "run-dir": str(run_dir)}, signing_key=outsider)
