@@ -163,6 +163,12 @@ def node_config_arg(values: Mapping[str, Any]) -> str:
   return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
 
 
+def nginx_path() -> str | None:
+  """The installed nginx (``PATH``, else Debian's ``/usr/sbin/nginx``), ``None`` without one."""
+  nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+  return nginx if os.path.exists(nginx) else None
+
+
 class Federation:
   """Processes of a local federation (see the module docstring)."""
 
@@ -310,8 +316,8 @@ class Federation:
 
   def _start_front(self, timeout: float) -> None:
     """nginx from ``deploy/superlink_front.nginx.conf`` on ``PUBLIC_HOST``."""
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not os.path.exists(nginx):
+    nginx = nginx_path()
+    if nginx is None:
       raise FileNotFoundError(
         "nginx is not installed (Debian: apt-get install nginx-light); "
         "the hardened federation's front needs it"

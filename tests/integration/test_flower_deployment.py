@@ -26,7 +26,7 @@ import pytest
 from fedlap_flower import ledger as ledger_lib
 from fedlap_flower import signed_runs
 from flower_harness import TINY, read_jsonl
-from flower_federation import APP_DIR, PUBLIC_HOST, Federation, ssh_key_pair
+from flower_federation import APP_DIR, PUBLIC_HOST, Federation, nginx_path, ssh_key_pair
 from local_network import loopback_up
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
@@ -54,9 +54,7 @@ def _need_loopback():
 
 
 def _nginx() -> bool:
-  return loopback_up(PUBLIC_HOST) and (
-    shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
-  )
+  return loopback_up(PUBLIC_HOST) and nginx_path() is not None
 
 
 def _post_status(url: str, ca: Path, body: bytes = b"", headers: dict | None = None) -> int:
@@ -157,6 +155,7 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
   same signed TOML submitted again (its run-dir removed, as a local process on the server
   could) is refused by every node before its ledger moves."""
   cache = str(tmp_path_factory.mktemp("jax_cache"))
+  states = [tmp_path / f"client-{k}" for k in range(K)]
   with Federation(
     tmp_path / "fed", hardened=True, front=_nginx(), env={"JAX_COMPILATION_CACHE_DIR": cache}
   ) as fed:
@@ -166,12 +165,7 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
     for k in range(K):
       fed.start_supernode(
         k,
-        {
-          "partition-id": k,
-          "num-partitions": K,
-          "state-dir": str(tmp_path / f"client-{k}"),
-          "max-epsilon": 50.0,
-        },
+        {"partition-id": k, "num-partitions": K, "state-dir": str(states[k]), "max-epsilon": 50.0},
       )
     assert len(_nodes(fed)) == K, _nodes(fed)  # the operator's two, not the stranger's
 
@@ -218,7 +212,6 @@ def test_hardened_deployment_lets_no_stranger_in(tmp_path, tmp_path_factory):
     status = fed.wait(run_id, timeout=900, poll=1.0)
     assert status == "finished:completed", fed.logs(run_id)[-4000:]
     assert [r["clients_ok"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [[0, 1]]
-    states = [tmp_path / f"client-{k}" for k in range(K)]
     spent = [ledger_lib.ClientState(s).history() for s in states]
     assert [len(h) for h in spent] == [1] * K
 
